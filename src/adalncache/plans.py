@@ -1,0 +1,204 @@
+"""Plan keys, plan validation and the MiniMax-H3 schedules.
+
+A plan is one forward's ``timestep`` tensor: the distinct timesteps of that step, in the order
+``timestep_indices`` points at. Its key is the tuple of exact fp32 bit patterns, in order, because
+two plans that differ in one bit (or only in order) give different AdaLN outputs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from .errors import PlanError
+
+PlanKey = tuple[int, ...]
+
+
+def _describe(plan: object) -> str:
+    if isinstance(plan, torch.Tensor):
+        return f"tensor of shape {tuple(plan.shape)} and dtype {plan.dtype}"
+    return type(plan).__name__
+
+
+def plan_key(plan: torch.Tensor) -> PlanKey:
+    """The exact identity of a plan: its fp32 bit patterns, in order.
+
+    Raises PlanError for anything that is not a 1-D float32 tensor, since such a thing has no
+    fp32 bit pattern to key on (a float64 or float16 timestep would be rounded by the model).
+    """
+    if not isinstance(plan, torch.Tensor) or plan.dtype != torch.float32 or plan.dim() != 1:
+        raise PlanError(
+            f"a plan must be a 1-D float32 tensor of timesteps (the model's `timestep` argument), got "
+            f"{_describe(plan)}; pass timestep.to(torch.float32).flatten()"
+        )
+    host = plan.detach()
+    if host.device.type != "cpu":
+        host = host.cpu()
+    return tuple(host.contiguous().view(torch.int32).tolist())
+
+
+def key_to_plan(key: PlanKey) -> torch.Tensor:
+    """The float32 tensor whose bit patterns are ``key`` (inverse of :func:`plan_key`)."""
+    return torch.tensor(list(key), dtype=torch.int32).view(torch.float32)
+
+
+def validate_plan(plan: torch.Tensor, *, max_plan_width: int | None = None) -> None:
+    """Reject plans that cannot be served: not 1-D float32, empty, non-finite, or too wide."""
+    plan_key(plan)  # dtype and rank
+    if plan.numel() == 0:
+        raise PlanError("a plan must hold at least one timestep, got an empty tensor")
+    if not bool(torch.isfinite(plan).all()):
+        raise PlanError(f"a plan's timesteps must be finite, got {plan.tolist()}")
+    if max_plan_width is not None and plan.numel() > max_plan_width:
+        raise PlanError(
+            f"a plan has {plan.numel()} distinct timesteps but the slab holds at most {max_plan_width} per "
+            f"plan: raise max_plan_width (CLI --plan-width) to at least {plan.numel()}"
+        )
+
+
+def distinct_plans(plans: Sequence[torch.Tensor]) -> tuple[list[PlanKey], dict[PlanKey, torch.Tensor]]:
+    """Keys of ``plans`` in first-seen order, deduplicated, with one tensor per key."""
+    if isinstance(plans, torch.Tensor):
+        raise PlanError(
+            "build() takes a sequence of plans (one 1-D timestep tensor per step), got a single tensor: "
+            "wrap it in a list"
+        )
+    order: list[PlanKey] = []
+    tensors: dict[PlanKey, torch.Tensor] = {}
+    for plan in plans:
+        key = plan_key(plan)
+        if key not in tensors:
+            tensors[key] = plan
+            order.append(key)
+    return order, tensors
+
+
+def format_plan(key: PlanKey, limit: int = 4) -> str:
+    """Short human-readable form of a plan key for messages and logs."""
+    values = key_to_plan(key).tolist()
+    shown = ", ".join(f"{v:.6g}" if math.isfinite(v) else str(v) for v in values[:limit])
+    return f"[{shown}{', ...' if len(values) > limit else ''}]"
+
+
+__all__ = [
+    "PlanKey",
+    "distinct_plans",
+    "format_plan",
+    "key_to_plan",
+    "minimax_h3_plans",
+    "plan_key",
+    "validate_plan",
+]
+
+
+def minimax_h3_plans(
+    task: str,
+    steps: int,
+    *,
+    video_shift: float = 12.0,
+    audio_shift: float = 3.0,
+    audio_refs: bool = True,
+) -> list[torch.Tensor]:
+    """The per-step plans (``timestep`` tensors) the MiniMax-H3 modular pipeline will feed the transformer.
+
+    Built with diffusers' own code, so they are bit-identical to what a request produces: the two
+    ``MiniMaxH3Scheduler`` schedules (``video_shift``, ``audio_shift``), the packed layout of
+    ``MiniMaxH3PrepareLayoutStep.build_packed_sequence`` (``t2va``; ``fl2va`` with a keyframe anchor)
+    or ``MiniMaxH3Ref2VAPrepareLayoutStep.build_ref2va_packed_sequence`` (``ref2va``: an image
+    reference, plus an audio reference when ``audio_refs``), and
+    ``MiniMaxH3SetTimestepsStep.build_row_timesteps`` per step. Plans depend only on the task kind,
+    ``steps`` and the shifts, never on prompt, resolution or seed, which is why a tiny layout gives
+    the same tensors as the real one.
+
+    ``steps`` is the pipeline's ``num_inference_steps``: scheduler grid points with the terminal 0,
+    so ``steps`` points give ``steps - 1`` forwards (fewer if the shift collapses grid points).
+    Returns one float32 CPU tensor per forward, in step order (repeats are kept: step ``i`` is
+    ``result[i]``), ready for ``AdalnCache.build`` or ``handle.prepare``.
+    """
+    from typing import Any  # local: this function is appended to a module that needs no typing import
+
+    tasks = ("t2va", "fl2va", "ref2va")
+    if task not in tasks:
+        raise PlanError(f"unknown task {task!r}: set task= (CLI --task) to one of {', '.join(tasks)}")
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 2:
+        raise PlanError(
+            f"steps must be an integer >= 2 (the pipeline's num_inference_steps: grid points with the "
+            f"terminal 0, so n points give n - 1 forwards), got {steps!r}: set steps= (CLI --steps)"
+        )
+    for name, shift in (("video_shift", video_shift), ("audio_shift", audio_shift)):
+        is_number = isinstance(shift, (int, float)) and not isinstance(shift, bool)
+        if not is_number or not math.isfinite(shift) or shift <= 0:
+            raise PlanError(f"{name} must be a positive finite number, got {shift!r}")
+
+    try:
+        from diffusers import MiniMaxH3Scheduler
+        from diffusers.modular_pipelines.minimax_h3.before_denoise import (
+            MiniMaxH3PrepareLayoutStep,
+            MiniMaxH3Ref2VAPrepareLayoutStep,
+            MiniMaxH3SetTimestepsStep,
+        )
+        from diffusers.modular_pipelines.minimax_h3.modular_pipeline import (
+            MINIMAX_H3_AUDIO_CHANNELS,
+            MINIMAX_H3_AUDIO_TAG,
+            MINIMAX_H3_TEXT_TAG,
+            MINIMAX_H3_VIDEO_TAG,
+            MiniMaxH3ModularPipeline,
+        )
+        from diffusers.modular_pipelines.minimax_h3.references import (
+            MiniMaxH3AudioReference,
+            MiniMaxH3ImageReference,
+        )
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise PlanError(
+            "minimax_h3_plans needs diffusers with MiniMax-H3 support (pip install 'adalncache[diffusers]')"
+        ) from exc
+
+    # The smallest layout that has every kind of row the task has: the plan only sees which row
+    # kinds exist (generated video/audio, keyframe or reference video, reference audio).
+    patch_size = (1, 1, 1)
+    text_token_tags = torch.full((1,), MINIMAX_H3_TEXT_TAG, dtype=torch.long)
+    if task == "ref2va":
+        references: list[Any] = [MiniMaxH3ImageReference(image=torch.zeros(3, 1, 1))]
+        condition_latents = [torch.zeros(1, 1, 1, 1, 1)]
+        audio_condition_latents: list[torch.Tensor] = []
+        if audio_refs:
+            references.append(MiniMaxH3AudioReference(audio=torch.zeros(1, 1)))
+            audio_condition_latents.append(torch.zeros(MINIMAX_H3_AUDIO_CHANNELS, 1))
+        layout = MiniMaxH3Ref2VAPrepareLayoutStep.build_ref2va_packed_sequence(
+            text_token_tags, references, condition_latents, audio_condition_latents,
+            1, 1, 1, 1, patch_size, MINIMAX_H3_AUDIO_CHANNELS, MINIMAX_H3_AUDIO_TAG, MINIMAX_H3_VIDEO_TAG,
+        )  # fmt: skip
+    else:
+        anchors = ("first",) if task == "fl2va" else ()
+        layout = MiniMaxH3PrepareLayoutStep.build_packed_sequence(
+            text_token_tags, 1, 1, 1, 1, patch_size, MINIMAX_H3_AUDIO_CHANNELS, MINIMAX_H3_AUDIO_TAG,
+            MINIMAX_H3_VIDEO_TAG, anchors,
+        )  # fmt: skip
+    _, _, video_indices, audio_indices, text_indices, n_cond_video, n_cond_audio = layout
+
+    # As MiniMaxH3SetTimestepsStep.__call__ does: two schedulers, conditioning video rows held at
+    # max(t, keyframe_noise_aug), reference audio rows at 1.0. keyframe_noise_aug is a property
+    # that reads no state, so it is taken from the pipeline class rather than copied here.
+    keyframe_noise_aug = float(MiniMaxH3ModularPipeline.keyframe_noise_aug.fget(None))  # type: ignore[attr-defined]
+    scheduler: Any = MiniMaxH3Scheduler(shift=float(video_shift))
+    audio_scheduler: Any = MiniMaxH3Scheduler(shift=float(audio_shift))
+    scheduler.set_timesteps(steps)
+    audio_scheduler.set_timesteps(steps)
+    plans: list[torch.Tensor] = []
+    for timestep, audio_timestep in zip(scheduler.timesteps, audio_scheduler.timesteps):
+        unique, _ = MiniMaxH3SetTimestepsStep.build_row_timesteps(
+            video_indices,
+            audio_indices,
+            n_cond_video,
+            n_cond_audio,
+            text_indices.numel(),
+            float(timestep),
+            float(audio_timestep),
+            max(float(timestep), keyframe_noise_aug),
+            1.0,
+        )
+        plans.append(unique)
+    return plans

@@ -1,0 +1,698 @@
+"""Deterministic tiny MiniMax-H3 models, checkpoints and denoising requests, built offline.
+
+Tests, the demo and the benchmark all need the same three things: a real
+``MiniMaxH3Transformer3DModel`` small enough for a 2-core CPU, its weights on disk (diffusers layout
+through ``save_pretrained`` and the native MiniMax layout through :func:`write_native_checkpoint`),
+and the exact inputs the MiniMax-H3 pipeline feeds the transformer. The inputs are built with the
+pipeline's own static layout and plan builders and stepped with ``MiniMaxH3Scheduler``, so a loop
+run here is the pipeline's denoising loop minus the encoders and decoders. Nothing is downloaded.
+
+Everything here imports diffusers lazily: ``import adalncache.tiny`` works without it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import struct
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .errors import ConfigError, PlanError
+
+if TYPE_CHECKING:
+    from torch import nn
+
+log = logging.getLogger(__name__)
+
+#: Model sizes. "tiny" is the REFERENCE.md section 8 geometry (forward in a few ms); "small" is wide
+#: enough that the projections weigh tens of MB (so the saving reads in MB) and still runs a
+#: forward in tens of ms on two cores.
+SIZES: dict[str, dict[str, Any]] = {
+    "tiny": {
+        "num_attention_heads": 2,
+        "attention_head_dim": 32,
+        "hidden_size": 64,
+        "num_layers": 2,
+        "num_refiner_layers": 1,
+        "ffn_dim": 128,
+        "in_channels": 4,
+        "audio_in_channels": 8,
+        "patch_size": (1, 2, 2),
+        "text_dim": 48,
+        "freq_dim": 32,
+        "time_embed_hidden_dim": 64,
+        "time_embed_dim": 32,
+        "rope_freq_dim": 4,
+    },
+    "small": {
+        "num_attention_heads": 4,
+        "attention_head_dim": 64,
+        "hidden_size": 320,
+        "num_layers": 6,
+        "num_refiner_layers": 1,
+        "ffn_dim": 640,
+        "in_channels": 4,
+        "audio_in_channels": 8,
+        "patch_size": (1, 2, 2),
+        "text_dim": 64,
+        "freq_dim": 64,
+        "time_embed_hidden_dim": 320,
+        "time_embed_dim": 320,
+        "rope_freq_dim": 8,
+    },
+}
+
+TASKS = ("t2va", "fl2va", "ref2va")
+
+#: Native-checkpoint padding tensors carry this prefix; readers look tensors up by name, so the
+#: padding is invisible to them (safetensors requires tensors to tile the data buffer with no gap).
+PAD_PREFIX = "__adalncache_padding__"
+
+_SAFETENSORS_DTYPES = {
+    torch.float32: "F32",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.float64: "F64",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+
+def _check_size(size: str) -> dict[str, Any]:
+    if size not in SIZES:
+        raise ConfigError(f"unknown model size {size!r}: set size= (CLI --size) to one of {sorted(SIZES)}")
+    return dict(SIZES[size])
+
+
+def tiny_config(size: str = "tiny") -> dict[str, Any]:
+    """The ``MiniMaxH3Transformer3DModel`` constructor arguments of a named size."""
+    return _check_size(size)
+
+
+def tiny_transformer(size: str = "tiny", seed: int = 0) -> nn.Module:
+    """A deterministic fp32 ``MiniMaxH3Transformer3DModel`` of the given size, in eval mode.
+
+    The weights depend only on ``seed``: the global RNG is forked, so building a model never
+    changes the random stream a caller's test or demo draws from.
+    """
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    config = _check_size(size)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model: Any = MiniMaxH3Transformer3DModel(**config)
+        # The default init leaves the AdaLN projections near zero-mean noise of tiny magnitude;
+        # widen them so the modulation moves the outputs and a wrong table cannot go unnoticed.
+        with torch.no_grad():
+            for module in _projection_linears(model):
+                module.weight.mul_(4.0)
+                module.bias.normal_(0.0, 0.5)
+    return model.eval()
+
+
+def _projection_linears(model: nn.Module) -> list[Any]:
+    linears = [block.adaln_proj.linear for block in model.transformer_blocks]  # type: ignore[union-attr]
+    linears.append(model.norm_out.linear)  # type: ignore[union-attr]
+    return [getattr(linear, "base_layer", linear) for linear in linears]
+
+
+def save_tiny(
+    model: nn.Module, directory: str | os.PathLike[str], *, dtype: torch.dtype = torch.bfloat16
+) -> nn.Module:
+    """``save_pretrained`` the model to ``directory`` and load it back with ``torch_dtype=dtype``.
+
+    With bf16 this is the released mixed precision: ``_keep_in_fp32_modules`` keeps the time
+    embedder, patch projections and heads in fp32 and the AdaLN projections and blocks in bf16.
+    With fp32 the loaded weights stay views into the mapped file, at the file's (odd) offsets,
+    which is the alignment case exactness tests must cover (REFERENCE.md section 3).
+    """
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    if dtype not in (torch.bfloat16, torch.float32, torch.float16):
+        raise ConfigError(f"save_tiny dtype must be bfloat16, float16 or float32, got {dtype}")
+    directory = Path(directory)
+    model.save_pretrained(directory)  # type: ignore[operator]
+    loaded: Any = MiniMaxH3Transformer3DModel.from_pretrained(directory, torch_dtype=dtype)
+    return loaded.eval()
+
+
+def projection_tensors(model: nn.Module, layout: str = "native") -> dict[str, torch.Tensor]:
+    """The AdaLN projection weights and biases of ``model`` under ``layout``'s tensor names."""
+    from .spec import FINAL, get_layout
+
+    key_layout = get_layout(layout)
+    linears = _projection_linears(model)
+    layers: list[Any] = [*range(len(linears) - 1), FINAL]
+    tensors: dict[str, torch.Tensor] = {}
+    for layer, linear in zip(layers, linears):
+        tensors[key_layout.weight(layer)] = linear.weight.detach()  # type: ignore[operator]
+        tensors[key_layout.bias(layer)] = linear.bias.detach()  # type: ignore[operator]
+    return tensors
+
+
+def write_safetensors(
+    tensors: Mapping[str, torch.Tensor],
+    path: str | os.PathLike[str],
+    *,
+    residues: Mapping[str, int] | None = None,
+    align: int = 64,
+    metadata: Mapping[str, str] | None = None,
+) -> Path:
+    """Write a real safetensors file whose tensor data sit at chosen offsets modulo ``align``.
+
+    Why not ``safetensors.torch.save_file``: on this CPU build an fp32 GEMV's bits depend on the
+    weight's address modulo 16, and a mapped file puts a tensor at (page-aligned base + offset).
+    Controlling the offsets lets a checkpoint reproduce the model's own alignment, so projecting
+    from the mapped checkpoint is bit-identical to the resident model. ``residues`` gives the wanted
+    ``offset % align`` per tensor (default 0). Gaps are filled with ``uint8`` padding tensors named
+    ``PAD_PREFIX.<n>`` because the format requires tensors to tile the data buffer.
+    """
+    residues = dict(residues or {})
+    path = Path(path)
+    entries: list[tuple[str, torch.Tensor]] = []
+    header: dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = dict(metadata)
+    offset = 0
+    pad_count = 0
+    for name, tensor in tensors.items():
+        if tensor.dtype not in _SAFETENSORS_DTYPES:
+            raise ConfigError(f"write_safetensors cannot store dtype {tensor.dtype} (tensor {name!r})")
+        want = residues.get(name, 0) % align
+        gap = (want - offset) % align
+        if gap:
+            pad = torch.zeros(gap, dtype=torch.uint8)
+            pad_name = f"{PAD_PREFIX}.{pad_count}"
+            pad_count += 1
+            header[pad_name] = {"dtype": "U8", "shape": [gap], "data_offsets": [offset, offset + gap]}
+            entries.append((pad_name, pad))
+            offset += gap
+        data = tensor.detach().to("cpu").contiguous()
+        nbytes = data.numel() * data.element_size()
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPES[data.dtype],
+            "shape": list(data.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        entries.append((name, data))
+        offset += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    # The data buffer starts at 8 + len(header); pad the header with spaces (allowed by the format)
+    # so that start is a multiple of ``align`` and file offsets equal buffer offsets modulo ``align``.
+    blob += b" " * ((-(8 + len(blob))) % align)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as handle:
+        handle.write(struct.pack("<Q", len(blob)))
+        handle.write(blob)
+        for _, data in entries:
+            if data.numel():
+                handle.write(data.view(torch.uint8).reshape(-1).numpy().tobytes())
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def write_native_checkpoint(
+    model: nn.Module,
+    path: str | os.PathLike[str],
+    *,
+    shards: int = 2,
+    layout: str = "native",
+    match_alignment: bool = True,
+) -> Path:
+    """Write the model's AdaLN projections as a sharded safetensors checkpoint in ``layout``.
+
+    ``path`` is a directory; it receives ``shards`` files ``model-0000i-of-0000N.safetensors`` and a
+    ``model.safetensors.index.json`` weight map, exactly the shape of the MiniMax release. Only
+    the projections are written: they are all a rebuild source reads. With ``match_alignment``
+    every tensor lands at the model tensor's own address modulo 64, so an fp32 model (built in
+    memory, 64-byte aligned, or loaded from disk at odd offsets) projects bit-identically from it.
+    Returns the directory.
+    """
+    if not isinstance(shards, int) or shards < 1:
+        raise ConfigError(f"write_native_checkpoint shards must be a positive integer, got {shards!r}")
+    directory = Path(path)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = projection_tensors(model, layout)
+    names = list(tensors)
+    # Pairs (weight, bias) stay together so a layer never straddles two shards.
+    pairs = [names[i : i + 2] for i in range(0, len(names), 2)]
+    shards = min(shards, len(pairs))
+    per_shard = -(-len(pairs) // shards)
+    weight_map: dict[str, str] = {}
+    total = 0
+    for index in range(shards):
+        chunk = [name for pair in pairs[index * per_shard : (index + 1) * per_shard] for name in pair]
+        if not chunk:
+            continue
+        file_name = f"model-{index + 1:05d}-of-{shards:05d}.safetensors"
+        part = {name: tensors[name] for name in chunk}
+        residues = {name: t.data_ptr() % 64 for name, t in part.items()} if match_alignment else None
+        write_safetensors(part, directory / file_name, residues=residues, metadata={"format": "pt"})
+        for name in chunk:
+            weight_map[name] = file_name
+            total += tensors[name].numel() * tensors[name].element_size()
+    index_path = directory / "model.safetensors.index.json"
+    index_path.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    return directory
+
+
+def parameter_bytes(model: nn.Module, device: str | torch.device | None = None) -> int:
+    """Bytes of the model's parameters that hold real storage (meta placeholders count 0).
+
+    ``device`` restricts the count to one device type (e.g. ``"cpu"``, ``"cuda"``).
+    """
+    wanted = None if device is None else torch.device(device).type
+    total = 0
+    for param in model.parameters():
+        if param.device.type == "meta":
+            continue
+        if wanted is not None and param.device.type != wanted:
+            continue
+        total += param.numel() * param.element_size()
+    return total
+
+
+def adaln_parameter_bytes(model: nn.Module) -> int:
+    """Bytes of the AdaLN projection parameters (and the time embedder's) held on a real device."""
+    total = 0
+    modules: list[nn.Module] = [*_projection_linears(model), model.time_embedder]  # type: ignore[list-item]
+    for module in modules:
+        for param in module.parameters():
+            if param.device.type != "meta":
+                total += param.numel() * param.element_size()
+    return total
+
+
+# --------------------------------------------------------------------------------------------------
+# Requests: the pipeline's packed layout and row-timestep plan, without encoders or decoders.
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Geometry:
+    """Latent geometry of a tiny request (defaults keep a forward at a few ms)."""
+
+    num_text_tokens: int = 6
+    num_latent_frames: int = 2
+    latent_height: int = 4
+    latent_width: int = 4
+    num_audio_latents: int = 3
+    num_keyframes: int = 1
+
+
+@dataclass
+class TinyRequest:
+    """One denoising request in the layout the MiniMax-H3 pipeline builds for ``task``.
+
+    ``plan`` is the pipeline's ``row_timestep_plan``: one ``(timestep, timestep_indices)`` pair per
+    step, built by ``MiniMaxH3SetTimestepsStep.build_row_timesteps`` from the same two schedulers.
+    """
+
+    task: str
+    steps: int
+    layout: dict[str, torch.Tensor]
+    plan: list[tuple[torch.Tensor, torch.Tensor]]
+    timesteps: torch.Tensor
+    audio_timesteps: torch.Tensor
+    latents: torch.Tensor
+    audio_latents: torch.Tensor
+    prompt_embeds: torch.Tensor
+    num_condition_video_rows: int
+    num_condition_audio_rows: int
+    video_shift: float
+    audio_shift: float
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def plans(self) -> list[torch.Tensor]:
+        """The per-step ``timestep`` tensors (what the AdaLN cache is built for)."""
+        return [timestep for timestep, _ in self.plan]
+
+    def forward_kwargs(self, step: int, latents: torch.Tensor, audio_latents: torch.Tensor) -> dict[str, Any]:
+        """The transformer's keyword arguments at ``step``, as ``MiniMaxH3LoopDenoiser`` passes them."""
+        timestep, timestep_indices = self.plan[step]
+        return {
+            "hidden_states": latents[None],
+            "audio_hidden_states": audio_latents[None],
+            "encoder_hidden_states": self.prompt_embeds,
+            "timestep": timestep,
+            "timestep_indices": timestep_indices,
+            "return_dict": False,
+            **self.layout,
+        }
+
+
+def _check_task(task: object) -> str:
+    if task not in TASKS:
+        raise PlanError(f"unknown task {task!r}: set task= (CLI --task) to one of {', '.join(TASKS)}")
+    return str(task)
+
+
+def _check_steps(steps: object) -> int:
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 2:
+        raise PlanError(
+            f"steps must be an integer >= 2 (the scheduler's grid points, terminal 0 included; n points give "
+            f"n - 1 forwards), got {steps!r}: set steps= (CLI --steps)"
+        )
+    return steps
+
+
+def build_layout(
+    task: str,
+    *,
+    patch_size: tuple[int, int, int],
+    video_channels: int,
+    audio_channels: int,
+    geometry: Geometry | None = None,
+    audio_refs: bool = True,
+) -> tuple[dict[str, torch.Tensor], int, int, list[torch.Tensor], list[torch.Tensor]]:
+    """The packed layout of a ``task`` request, from the pipeline's own static builders.
+
+    Returns the layout tensors (``position_ids``, ``token_tags`` and the three index tensors), the
+    numbers of conditioning video and audio rows, and the ``ref2va`` reference latents that
+    define them (empty otherwise). ``t2va`` has no anchors, ``fl2va`` anchors ``num_keyframes``
+    keyframes (first, then last), ``ref2va`` packs an image reference and, with ``audio_refs``, an
+    audio reference (which pins reference audio rows at ``t = 1``).
+    """
+    from diffusers.modular_pipelines.minimax_h3.before_denoise import (
+        MiniMaxH3PrepareLayoutStep,
+        MiniMaxH3Ref2VAPrepareLayoutStep,
+    )
+    from diffusers.modular_pipelines.minimax_h3.modular_pipeline import (
+        MINIMAX_H3_AUDIO_CHANNELS,
+        MINIMAX_H3_AUDIO_TAG,
+        MINIMAX_H3_TEXT_TAG,
+        MINIMAX_H3_VIDEO_TAG,
+    )
+    from diffusers.modular_pipelines.minimax_h3.references import (
+        MiniMaxH3AudioReference,
+        MiniMaxH3ImageReference,
+    )
+
+    task = _check_task(task)
+    geo = geometry or Geometry()
+    text_token_tags = torch.full((geo.num_text_tokens,), MINIMAX_H3_TEXT_TAG, dtype=torch.long)
+    condition_latents: list[torch.Tensor] = []
+    audio_condition_latents: list[torch.Tensor] = []
+    if task in ("t2va", "fl2va"):
+        anchors: tuple[str, ...] = ()
+        if task == "fl2va":
+            anchors = tuple("first" if i % 2 == 0 else "last" for i in range(max(1, geo.num_keyframes)))
+        out = MiniMaxH3PrepareLayoutStep.build_packed_sequence(
+            text_token_tags,
+            geo.num_latent_frames,
+            geo.latent_height,
+            geo.latent_width,
+            geo.num_audio_latents,
+            patch_size,
+            MINIMAX_H3_AUDIO_CHANNELS,
+            MINIMAX_H3_AUDIO_TAG,
+            MINIMAX_H3_VIDEO_TAG,
+            anchors,
+        )
+    else:
+        references: list[Any] = [MiniMaxH3ImageReference(image=torch.zeros(3, 8, 8))]
+        condition_latents.append(torch.zeros(1, video_channels, 1, geo.latent_height, geo.latent_width))
+        if audio_refs:
+            references.append(MiniMaxH3AudioReference(audio=torch.zeros(1, 800)))
+            audio_condition_latents.append(torch.zeros(2 * MINIMAX_H3_AUDIO_CHANNELS, audio_channels))
+        out = MiniMaxH3Ref2VAPrepareLayoutStep.build_ref2va_packed_sequence(
+            text_token_tags,
+            references,
+            condition_latents,
+            audio_condition_latents,
+            geo.num_latent_frames,
+            geo.latent_height,
+            geo.latent_width,
+            geo.num_audio_latents,
+            patch_size,
+            MINIMAX_H3_AUDIO_CHANNELS,
+            MINIMAX_H3_AUDIO_TAG,
+            MINIMAX_H3_VIDEO_TAG,
+        )
+    position_ids, token_tags, video_indices, audio_indices, text_indices, n_cond_video, n_cond_audio = out
+    layout = {
+        "position_ids": position_ids,
+        "token_tags": token_tags,
+        "video_indices": video_indices,
+        "audio_indices": audio_indices,
+        "text_indices": text_indices,
+    }
+    return layout, int(n_cond_video), int(n_cond_audio), condition_latents, audio_condition_latents
+
+
+def build_row_timestep_plan(
+    layout: Mapping[str, torch.Tensor],
+    num_condition_video_rows: int,
+    num_condition_audio_rows: int,
+    steps: int,
+    *,
+    video_shift: float = 12.0,
+    audio_shift: float = 3.0,
+    device: str | torch.device = "cpu",
+) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor, torch.Tensor]:
+    """The pipeline's ``row_timestep_plan`` for a layout, with ``MiniMaxH3SetTimestepsStep``'s own code.
+
+    Mirrors ``MiniMaxH3SetTimestepsStep.__call__``: two ``MiniMaxH3Scheduler`` instances (video and
+    audio shift), conditioning video rows held at ``max(t, keyframe_noise_aug)``, reference audio
+    rows at ``1.0``. Returns the plan and the two schedules' timesteps.
+    """
+    from diffusers import MiniMaxH3Scheduler
+    from diffusers.modular_pipelines.minimax_h3.before_denoise import MiniMaxH3SetTimestepsStep
+    from diffusers.modular_pipelines.minimax_h3.modular_pipeline import MiniMaxH3ModularPipeline
+
+    steps = _check_steps(steps)
+    keyframe_noise_aug = float(MiniMaxH3ModularPipeline.keyframe_noise_aug.fget(None))  # type: ignore[attr-defined]
+    scheduler: Any = MiniMaxH3Scheduler(shift=video_shift)
+    audio_scheduler: Any = MiniMaxH3Scheduler(shift=audio_shift)
+    scheduler.set_timesteps(steps, device=device)
+    audio_scheduler.set_timesteps(steps, device=device)
+    timesteps = scheduler.timesteps
+    audio_timesteps = audio_scheduler.timesteps
+    plan = [
+        tuple(
+            tensor.to(device)
+            for tensor in MiniMaxH3SetTimestepsStep.build_row_timesteps(
+                layout["video_indices"],
+                layout["audio_indices"],
+                num_condition_video_rows,
+                num_condition_audio_rows,
+                layout["text_indices"].numel(),
+                float(timestep),
+                float(audio_timestep),
+                max(float(timestep), keyframe_noise_aug),
+                1.0,
+            )
+        )
+        for timestep, audio_timestep in zip(timesteps, audio_timesteps)
+    ]
+    return plan, timesteps, audio_timesteps  # type: ignore[return-value]
+
+
+def _patchify(latents: torch.Tensor, patch_size: tuple[int, int, int]) -> torch.Tensor:
+    from diffusers.modular_pipelines.minimax_h3.before_denoise import patchify_video_latents
+
+    return patchify_video_latents(latents, patch_size)  # type: ignore[no-any-return]
+
+
+def make_request(
+    model: nn.Module,
+    task: str = "t2va",
+    steps: int = 4,
+    *,
+    seed: int = 0,
+    geometry: Geometry | None = None,
+    video_shift: float = 12.0,
+    audio_shift: float = 3.0,
+    audio_refs: bool = True,
+    device: str | torch.device | None = None,
+) -> TinyRequest:
+    """A deterministic request for ``model``: layout, plan, noise, conditioning and text embeddings.
+
+    The noise is drawn as ``MiniMaxH3PrepareLatentsStep`` draws it (video latents, patchified, then
+    audio rows) from a generator seeded with ``seed``; conditioning rows are noised with the
+    scheduler's ``scale_noise`` at ``keyframe_noise_aug`` like ``MiniMaxH3PrepareConditionLatentsStep``.
+    """
+    from diffusers import MiniMaxH3Scheduler
+    from diffusers.modular_pipelines.minimax_h3.modular_pipeline import MiniMaxH3ModularPipeline
+
+    task = _check_task(task)
+    steps = _check_steps(steps)
+    geo = geometry or Geometry()
+    config: Any = model.config
+    patch_size = tuple(config.patch_size)
+    if device is None:
+        device = next(p.device for p in model.parameters() if p.device.type != "meta")
+    layout, n_cond_video, n_cond_audio, condition_latents, audio_condition_latents = build_layout(
+        task,
+        patch_size=patch_size,  # type: ignore[arg-type]
+        video_channels=config.in_channels,
+        audio_channels=config.audio_in_channels,
+        geometry=geo,
+        audio_refs=audio_refs,
+    )
+    plan, timesteps, audio_timesteps = build_row_timestep_plan(
+        layout, n_cond_video, n_cond_audio, steps, video_shift=video_shift, audio_shift=audio_shift
+    )
+    generator = torch.Generator().manual_seed(seed)
+    keyframe_noise_aug = float(MiniMaxH3ModularPipeline.keyframe_noise_aug.fget(None))  # type: ignore[attr-defined]
+    noiser: Any = MiniMaxH3Scheduler(shift=video_shift)
+    condition_rows: list[torch.Tensor] = []
+    if task == "fl2va":
+        for _ in range(max(1, geo.num_keyframes)):
+            clean = torch.randn(
+                1, config.in_channels, 1, geo.latent_height, geo.latent_width, generator=generator
+            )
+            condition_latents.append(clean)
+    for index, clean in enumerate(condition_latents):
+        if task == "ref2va":
+            clean = torch.randn(clean.shape, generator=generator)
+            condition_latents[index] = clean
+        noise = torch.randn(clean.shape, generator=generator)
+        noised = noiser.scale_noise(clean, keyframe_noise_aug, noise)
+        condition_rows.append(_patchify(noised, patch_size))  # type: ignore[arg-type]
+    video_noise = torch.randn(
+        1, config.in_channels, geo.num_latent_frames, geo.latent_height, geo.latent_width, generator=generator
+    )
+    latents = _patchify(video_noise, patch_size)  # type: ignore[arg-type]
+    audio_rows = torch.randn(
+        geo.num_audio_latents * 2, config.audio_in_channels, generator=generator, dtype=torch.float32
+    )
+    if condition_rows:
+        latents = torch.cat([*condition_rows, latents])
+    for index, rows in enumerate(audio_condition_latents):
+        audio_condition_latents[index] = torch.randn(rows.shape, generator=generator)
+    if audio_condition_latents:
+        audio_rows = torch.cat([*audio_condition_latents, audio_rows])
+    if (
+        latents.shape[0] != layout["video_indices"].numel()
+        or audio_rows.shape[0] != layout["audio_indices"].numel()
+    ):
+        raise ConfigError(
+            f"internal: request rows ({latents.shape[0]} video, {audio_rows.shape[0]} audio) do not "
+            f"match the layout ({layout['video_indices'].numel()}, {layout['audio_indices'].numel()})"
+        )
+    prompt_embeds = torch.randn(1, geo.num_text_tokens, config.text_dim, generator=generator)
+    to = torch.device(device)
+    return TinyRequest(
+        task=task,
+        steps=steps,
+        layout={name: tensor.to(to) for name, tensor in layout.items()},
+        plan=[(t.to(to), i.to(to)) for t, i in plan],
+        timesteps=timesteps,
+        audio_timesteps=audio_timesteps,
+        latents=latents.to(to),
+        audio_latents=audio_rows.to(to),
+        prompt_embeds=prompt_embeds.to(to),
+        num_condition_video_rows=n_cond_video,
+        num_condition_audio_rows=n_cond_audio,
+        video_shift=video_shift,
+        audio_shift=audio_shift,
+    )
+
+
+@dataclass
+class LoopResult:
+    """Everything a denoising loop produced: per-step outputs, final rows and per-step seconds."""
+
+    outputs: list[tuple[torch.Tensor, torch.Tensor]]
+    latents: torch.Tensor
+    audio_latents: torch.Tensor
+    step_seconds: list[float]
+
+    def equal(self, other: LoopResult) -> bool:
+        """True when every forward output and both final row sets are bit-identical (``torch.equal``)."""
+        if len(self.outputs) != len(other.outputs):
+            return False
+        for (video_a, audio_a), (video_b, audio_b) in zip(self.outputs, other.outputs):
+            if not (torch.equal(video_a, video_b) and torch.equal(audio_a, audio_b)):
+                return False
+        return torch.equal(self.latents, other.latents) and torch.equal(
+            self.audio_latents, other.audio_latents
+        )
+
+
+@torch.no_grad()
+def run_loop(
+    model: nn.Module,
+    request: TinyRequest,
+    *,
+    attention_kwargs: dict[str, Any] | None = None,
+    on_step: Callable[[int], None] | None = None,
+) -> LoopResult:
+    """Run the request's denoising loop exactly as the pipeline's denoise blocks do.
+
+    One forward per step with the step's ``(timestep, timestep_indices)``, then
+    ``MiniMaxH3Scheduler.step`` on the generated video and audio rows only (the conditioning rows
+    ride through unchanged), as ``MiniMaxH3LoopDenoiser`` and ``MiniMaxH3LoopSchedulerStep`` do.
+    """
+    from diffusers import MiniMaxH3Scheduler
+
+    scheduler: Any = MiniMaxH3Scheduler(shift=request.video_shift)
+    audio_scheduler: Any = MiniMaxH3Scheduler(shift=request.audio_shift)
+    device = request.latents.device
+    scheduler.set_timesteps(request.steps, device=device)
+    audio_scheduler.set_timesteps(request.steps, device=device)
+    latents = request.latents.clone()
+    audio_latents = request.audio_latents.clone()
+    n_video = request.num_condition_video_rows
+    n_audio = request.num_condition_audio_rows
+    outputs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    seconds: list[float] = []
+    for step, t in enumerate(scheduler.timesteps):
+        kwargs = request.forward_kwargs(step, latents, audio_latents)
+        if attention_kwargs is not None:
+            kwargs["attention_kwargs"] = dict(attention_kwargs)
+        start = time.perf_counter()
+        noise_pred, audio_noise_pred = model(**kwargs)
+        seconds.append(time.perf_counter() - start)
+        outputs.append((noise_pred.clone(), audio_noise_pred.clone()))
+        latents[n_video:] = scheduler.step(
+            noise_pred[0, n_video:].float(), t, latents[n_video:], return_dict=False
+        )[0]
+        latents_audio_t = audio_scheduler.timesteps[step]
+        audio_latents[n_audio:] = audio_scheduler.step(
+            audio_noise_pred[0, n_audio:].float(), latents_audio_t, audio_latents[n_audio:], return_dict=False
+        )[0]
+        if on_step is not None:
+            on_step(step)
+    return LoopResult(outputs=outputs, latents=latents, audio_latents=audio_latents, step_seconds=seconds)
+
+
+def outputs_equal(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> bool:
+    """``torch.equal`` over two sequences of tensors of the same length."""
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+__all__ = [
+    "PAD_PREFIX",
+    "SIZES",
+    "TASKS",
+    "Geometry",
+    "LoopResult",
+    "TinyRequest",
+    "adaln_parameter_bytes",
+    "build_layout",
+    "build_row_timestep_plan",
+    "make_request",
+    "outputs_equal",
+    "parameter_bytes",
+    "projection_tensors",
+    "run_loop",
+    "save_tiny",
+    "tiny_config",
+    "tiny_transformer",
+    "write_native_checkpoint",
+    "write_safetensors",
+]
