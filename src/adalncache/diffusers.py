@@ -1,0 +1,25 @@
+"""``from adalncache.diffusers import enable_adaln_cache``: the diffusers integration's public names.
+
+A thin re-export so users import from one short path; the implementation lives in
+:mod:`adalncache.integrations.diffusers` (which needs diffusers installed).
+"""
+
+from __future__ import annotations
+
+from .integrations.diffusers import (
+    AdalnCacheConfig,
+    AdalnCacheHandle,
+    AdalnCachePrepareStep,
+    PipelineAdalnCacheHandle,
+    adaln_cache_handle,
+    enable_adaln_cache,
+)
+
+__all__ = [
+    "AdalnCacheConfig",
+    "AdalnCacheHandle",
+    "AdalnCachePrepareStep",
+    "PipelineAdalnCacheHandle",
+    "adaln_cache_handle",
+    "enable_adaln_cache",
+]

@@ -1,0 +1,1 @@
+"""Integrations of adalncache with model libraries (each imports its library lazily)."""
