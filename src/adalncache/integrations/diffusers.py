@@ -570,10 +570,11 @@ class AdalnCacheHandle:
             )
 
     def _merged_state(self) -> tuple[Any, ...]:
+        """Which served modules have which adapters fused into their (base) weights."""
         return tuple(
             (name, tuple(module.merged_adapters))
             for name, module in self._lora_modules()
-            if _is_tuner_layer(module)
+            if _is_tuner_layer(module) and module.merged_adapters
         )
 
     def _lora_modules(self) -> list[tuple[str, Any]]:
