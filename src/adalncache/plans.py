@@ -134,7 +134,6 @@ def minimax_h3_plans(
             raise PlanError(f"{name} must be a positive finite number, got {shift!r}")
 
     try:
-        from diffusers import MiniMaxH3Scheduler
         from diffusers.modular_pipelines.minimax_h3.before_denoise import (
             MiniMaxH3PrepareLayoutStep,
             MiniMaxH3Ref2VAPrepareLayoutStep,
@@ -151,6 +150,7 @@ def minimax_h3_plans(
             MiniMaxH3AudioReference,
             MiniMaxH3ImageReference,
         )
+        from diffusers.schedulers.scheduling_minimax_h3 import MiniMaxH3Scheduler
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise PlanError(
             "minimax_h3_plans needs diffusers with MiniMax-H3 support (pip install 'adalncache[diffusers]')"

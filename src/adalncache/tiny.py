@@ -104,7 +104,7 @@ def tiny_transformer(size: str = "tiny", seed: int = 0) -> nn.Module:
     The weights depend only on ``seed``: the global RNG is forked, so building a model never
     changes the random stream a caller's test or demo draws from.
     """
-    from diffusers import MiniMaxH3Transformer3DModel
+    from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3Transformer3DModel
 
     config = _check_size(size)
     with torch.random.fork_rng(devices=[]):
@@ -135,7 +135,7 @@ def save_tiny(
     With fp32 the loaded weights stay views into the mapped file, at the file's (odd) offsets,
     which is the alignment case exactness tests must cover (REFERENCE.md section 3).
     """
-    from diffusers import MiniMaxH3Transformer3DModel
+    from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3Transformer3DModel
 
     if dtype not in (torch.bfloat16, torch.float32, torch.float16):
         raise ConfigError(f"save_tiny dtype must be bfloat16, float16 or float32, got {dtype}")
@@ -468,9 +468,9 @@ def build_row_timestep_plan(
     audio shift), conditioning video rows held at ``max(t, keyframe_noise_aug)``, reference audio
     rows at ``1.0``. Returns the plan and the two schedules' timesteps.
     """
-    from diffusers import MiniMaxH3Scheduler
     from diffusers.modular_pipelines.minimax_h3.before_denoise import MiniMaxH3SetTimestepsStep
     from diffusers.modular_pipelines.minimax_h3.modular_pipeline import MiniMaxH3ModularPipeline
+    from diffusers.schedulers.scheduling_minimax_h3 import MiniMaxH3Scheduler
 
     steps = _check_steps(steps)
     keyframe_noise_aug = float(MiniMaxH3ModularPipeline.keyframe_noise_aug.fget(None))  # type: ignore[attr-defined]
@@ -524,8 +524,8 @@ def make_request(
     audio rows) from a generator seeded with ``seed``; conditioning rows are noised with the
     scheduler's ``scale_noise`` at ``keyframe_noise_aug`` like ``MiniMaxH3PrepareConditionLatentsStep``.
     """
-    from diffusers import MiniMaxH3Scheduler
     from diffusers.modular_pipelines.minimax_h3.modular_pipeline import MiniMaxH3ModularPipeline
+    from diffusers.schedulers.scheduling_minimax_h3 import MiniMaxH3Scheduler
 
     task = _check_task(task)
     steps = _check_steps(steps)
@@ -637,7 +637,7 @@ def run_loop(
     ``MiniMaxH3Scheduler.step`` on the generated video and audio rows only (the conditioning rows
     ride through unchanged), as ``MiniMaxH3LoopDenoiser`` and ``MiniMaxH3LoopSchedulerStep`` do.
     """
-    from diffusers import MiniMaxH3Scheduler
+    from diffusers.schedulers.scheduling_minimax_h3 import MiniMaxH3Scheduler
 
     scheduler: Any = MiniMaxH3Scheduler(shift=request.video_shift)
     audio_scheduler: Any = MiniMaxH3Scheduler(shift=request.audio_shift)
@@ -675,6 +675,202 @@ def outputs_equal(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
+# --------------------------------------------------------------------------------------------------
+# The whole modular pipeline: tiny text encoder, locally trained tokenizer, tiny VAEs.
+# --------------------------------------------------------------------------------------------------
+
+_CORPUS = (
+    "a cat playing a piano in the rain",
+    "a drone shot over snowy mountains at sunrise, with wind and birds",
+    "the quick brown fox jumps over the lazy dog while a violin plays",
+    "waves crash on a rocky shore under a purple evening sky",
+)
+_SPECIAL_TOKENS = ("<|endoftext|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+
+
+def tiny_tokenizer() -> Any:
+    """A byte-level BPE tokenizer trained here on a few sentences, as a ``Qwen2TokenizerFast``.
+
+    It carries the Qwen3-VL vision special tokens the processor and the encoder blocks look up.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer as Qwen2TokenizerFast
+
+    tokenizer = Tokenizer(models.BPE(unk_token=None))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=320,
+        special_tokens=list(_SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(list(_CORPUS) * 8, trainer)
+    return Qwen2TokenizerFast(
+        tokenizer_object=tokenizer, eos_token="<|endoftext|>", pad_token="<|endoftext|>"
+    )
+
+
+def tiny_processor(tokenizer: Any) -> Any:
+    """A real ``Qwen3VLProcessor`` around ``tokenizer``, built without torchvision.
+
+    ``Qwen3VLProcessor.__init__`` insists on a video processor, and every transformers video
+    processor needs torchvision, which has no wheel for this torch build. ``t2va`` only calls
+    ``create_mm_token_type_ids`` (and ``fl2va`` the image processor), so the processor is built
+    by its own ``__init__`` with the PIL image processor and no video processor: only the class
+    check of that one argument is relaxed, for the duration of the constructor.
+    """
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+
+    processor: Any = Qwen3VLProcessor.__new__(Qwen3VLProcessor)
+    processor.check_argument_for_proper_class = lambda name, argument: type(argument)
+    try:
+        Qwen3VLProcessor.__init__(
+            processor, image_processor=Qwen2VLImageProcessorPil(), tokenizer=tokenizer, video_processor=None
+        )
+    finally:
+        del processor.check_argument_for_proper_class
+    return processor
+
+
+def tiny_text_encoder(tokenizer: Any, text_dim: int, seed: int = 0) -> Any:
+    """A deterministic ``Qwen3VLForConditionalGeneration`` with 51 decoder layers of width ``text_dim``.
+
+    The pipeline reads ``hidden_states[50]``, so the stack needs more than 50 layers; each is tiny.
+    """
+    from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLConfig
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLForConditionalGeneration
+
+    heads = 2
+    head_dim = text_dim // heads
+    section = head_dim // 2 // 3
+    config = Qwen3VLConfig(
+        text_config={
+            "vocab_size": len(tokenizer),
+            "hidden_size": text_dim,
+            "intermediate_size": 2 * text_dim,
+            "num_hidden_layers": 51,
+            "num_attention_heads": heads,
+            "num_key_value_heads": 1,
+            "head_dim": head_dim,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "mrope_section": [head_dim // 2 - 2 * section, section, section],
+                "mrope_interleaved": True,
+            },
+        },
+        vision_config={
+            "depth": 1,
+            "hidden_size": 32,
+            "intermediate_size": 32,
+            "num_heads": 2,
+            "out_hidden_size": text_dim,
+            "patch_size": 8,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "num_position_embeddings": 16,
+            "deepstack_visual_indexes": [],
+        },
+        image_token_id=tokenizer.convert_tokens_to_ids("<|image_pad|>"),
+        video_token_id=tokenizer.convert_tokens_to_ids("<|video_pad|>"),
+        vision_start_token_id=tokenizer.convert_tokens_to_ids("<|vision_start|>"),
+        vision_end_token_id=tokenizer.convert_tokens_to_ids("<|vision_end|>"),
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        encoder = Qwen3VLForConditionalGeneration(config)
+    return encoder.eval()
+
+
+def tiny_vaes(video_channels: int, audio_channels: int, seed: int = 0) -> tuple[Any, Any]:
+    """Deterministic tiny video and audio VAEs with the released strides.
+
+    The video VAE keeps the 16x spatial and 17-frame chunking (so ``num_frames`` is ``17n + 5``
+    and the canvas a multiple of 32); the audio VAE keeps the 800-sample hop and has
+    ``latents_mean``/``latents_std`` set, which the decode step needs.
+    """
+    from diffusers.models.autoencoders.autoencoder_kl_minimax_h3 import AutoencoderKLMiniMaxH3
+    from diffusers.models.autoencoders.autoencoder_kl_minimax_h3_audio import AutoencoderKLMiniMaxH3Audio
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        vae: Any = AutoencoderKLMiniMaxH3(
+            latent_channels=video_channels,
+            block_out_channels=(8, 8, 8, 8, 8, 8),
+            layers_per_block=1,
+            norm_num_groups=4,
+            decoder_num_layers=1,
+            decoder_num_attention_heads=2,
+            decoder_attention_head_dim=8,
+            decoder_num_register_tokens=1,
+            decoder_ffn_mult=1,
+            latents_mean=(0.0,) * video_channels,
+            latents_std=(1.0,) * video_channels,
+        )
+        audio_vae: Any = AutoencoderKLMiniMaxH3Audio(
+            encoder_dim=4,
+            encoder_rates=(2, 4, 4, 5, 5),
+            latent_dim=2 * audio_channels,
+            latent_channels=audio_channels,
+            num_attention_heads=2,
+            decoder_dim=128,
+            decoder_rates=(5, 5, 2, 2, 2, 2, 2),
+            decoder_kernel_sizes=(9, 9, 4, 4, 4, 4, 4),
+            resblock_kernel_sizes=(3,),
+            resblock_dilation_sizes=((1,),),
+            latents_mean=[0.0] * audio_channels,
+            latents_std=[1.0] * audio_channels,
+        )
+    return vae.eval(), audio_vae.eval()
+
+
+def tiny_pipeline(transformer: nn.Module | None = None, *, size: str = "tiny", seed: int = 0) -> Any:
+    """A complete MiniMax-H3 modular pipeline (``MiniMaxH3Blocks``) of tiny, deterministic components.
+
+    ``transformer`` defaults to :func:`tiny_transformer`; the text encoder's width follows its
+    ``text_dim``. A 64x64, 124-frame, 4-step ``t2va`` call runs in well under a second on CPU.
+    Nothing is downloaded.
+    """
+    import warnings
+
+    from diffusers.modular_pipelines.minimax_h3 import MiniMaxH3Blocks
+    from diffusers.schedulers.scheduling_minimax_h3 import MiniMaxH3Scheduler
+
+    model: Any = transformer if transformer is not None else tiny_transformer(size, seed=seed)
+    config = model.config
+    tokenizer = tiny_tokenizer()
+    processor = tiny_processor(tokenizer)
+    text_encoder = tiny_text_encoder(tokenizer, int(config.text_dim), seed=seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch's weight_norm deprecation, inside diffusers
+        vae, audio_vae = tiny_vaes(int(config.in_channels), int(config.audio_in_channels), seed=seed)
+    blocks: Any = MiniMaxH3Blocks()
+    pipeline: Any = blocks.init_pipeline()
+    pipeline.update_components(
+        transformer=model,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        processor=processor,
+        vae=vae,
+        audio_vae=audio_vae,
+        scheduler=MiniMaxH3Scheduler(shift=12.0),
+        audio_scheduler=MiniMaxH3Scheduler(shift=3.0),
+    )
+    _quiet_progress_bars(getattr(pipeline, "_blocks", blocks))
+    return pipeline
+
+
+def _quiet_progress_bars(blocks: Any) -> None:
+    """Silence the denoise loops' progress bars (nested below the top level, which the pipeline's
+    own ``set_progress_bar_config`` does not reach)."""
+    if hasattr(blocks, "set_progress_bar_config"):
+        blocks.set_progress_bar_config(disable=True)
+    for block in getattr(blocks, "sub_blocks", {}).values():
+        _quiet_progress_bars(block)
+
+
 __all__ = [
     "PAD_PREFIX",
     "SIZES",
@@ -692,7 +888,12 @@ __all__ = [
     "run_loop",
     "save_tiny",
     "tiny_config",
+    "tiny_pipeline",
+    "tiny_processor",
+    "tiny_text_encoder",
+    "tiny_tokenizer",
     "tiny_transformer",
+    "tiny_vaes",
     "write_native_checkpoint",
     "write_safetensors",
 ]
