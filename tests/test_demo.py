@@ -1,0 +1,60 @@
+"""``adalncache demo``: the main job's verdict, through the real command line."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("diffusers")
+
+from adalncache.cli import main
+from adalncache.demo import DemoResult, _print_result
+
+
+@pytest.mark.parametrize("task", ["t2va", "fl2va", "ref2va"])
+def test_demo_verdict_is_yes(task: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["demo", "--task", task, "--steps", "5", "--size", "tiny", "--seed", "1"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert out.count("\nbit-identical: yes") == 1
+    assert "bit-identical: no" not in out
+    assert f"task                   {task}" in out
+    assert "1 rebuild pass for the whole request" in out
+    assert "ahead-of-time plans match the loop: yes" in out
+    assert "0 B weights" in out  # the projections left the device
+
+
+def test_demo_all_tasks_small(capsys: pytest.CaptureFixture[str]) -> None:
+    """The default job (every task, the 'small' size whose saving reads in MB)."""
+    code = main(["demo", "--steps", "4"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert out.count("\nbit-identical: yes") == 3  # one verdict line per task
+    assert "all tasks bit-identical: yes" in out
+    assert "MiB resident" in out
+
+
+def test_demo_prints_no_for_a_mismatch(capsys: pytest.CaptureFixture[str]) -> None:
+    result = DemoResult(
+        task="t2va", steps=4, forwards=3, plans=3, passes=1, bytes_before=1 << 21, bytes_after=0,
+        table_bytes=4096, resident_ms=1.0, cached_ms=1.0, stats={"passes": 1}, identical=False,
+        aot_plans_match=True,
+    )  # fmt: skip
+    _print_result(result)
+    assert "bit-identical: no" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["demo", "--task", "i2v"], "--task"),
+        (["demo", "--size", "huge"], "--size"),
+        (["demo", "--steps", "1"], "--steps"),
+        (["demo", "--device", "nonsense"], "--device"),
+    ],
+)
+def test_demo_bad_arguments_exit_2(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        code = main(argv)
+        raise SystemExit(code)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err

@@ -1,0 +1,235 @@
+"""enable_adaln_cache on a MiniMaxH3Transformer3DModel: bit-identical outputs, freed weights, removal."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+
+from adalncache.diffusers import enable_adaln_cache
+from adalncache.errors import ConfigError, PlanError, PlanNotCachedError
+from adalncache.plans import minimax_h3_plans
+from adalncache.tiny import (
+    adaln_parameter_bytes,
+    make_request,
+    parameter_bytes,
+    run_loop,
+    write_native_checkpoint,
+)
+
+TASKS = ("t2va", "fl2va", "ref2va")
+PRECISIONS = ("fp32-memory", "fp32-disk", "bf16-disk")  # as the load_tiny fixture takes them
+STEPS = 6  # grid points: 5 forwards, the first at M=1 for t2va (the GEMV path)
+
+
+def _snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+
+
+def _assert_state_equal(model: torch.nn.Module, snapshot: dict[str, torch.Tensor]) -> None:
+    state = model.state_dict()
+    assert state.keys() == snapshot.keys()
+    for name, tensor in state.items():
+        assert tensor.device.type != "meta", name
+        assert tensor.dtype == snapshot[name].dtype, name
+        assert torch.equal(tensor, snapshot[name]), name
+
+
+@pytest.mark.parametrize("checkpoint", ["none", "native"])
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("task", TASKS)
+def test_cached_loop_is_bit_identical(
+    load_tiny: Callable[[str], Any], tmp_path: Path, task: str, precision: str, checkpoint: str
+) -> None:
+    model = load_tiny(precision)
+    path = write_native_checkpoint(model, tmp_path / "native", shards=2) if checkpoint == "native" else None
+    snapshot = _snapshot(model)
+    request = make_request(model, task, STEPS, seed=3)
+    resident = run_loop(model, request)
+    bytes_before = parameter_bytes(model)
+    adaln_before = adaln_parameter_bytes(model)
+
+    handle = enable_adaln_cache(model, path)
+    assert adaln_parameter_bytes(model) == 0
+    assert parameter_bytes(model) == bytes_before - adaln_before
+    report = handle.prepare(minimax_h3_plans(task, STEPS))
+    assert report.passes == 1
+    cached = run_loop(model, request)
+    for step, ((video_r, audio_r), (video_c, audio_c)) in enumerate(zip(resident.outputs, cached.outputs)):
+        assert torch.equal(video_r, video_c), f"video output differs at step {step}"
+        assert torch.equal(audio_r, audio_c), f"audio output differs at step {step}"
+    assert torch.equal(resident.latents, cached.latents)
+    assert torch.equal(resident.audio_latents, cached.audio_latents)
+    assert handle.stats.passes == 1  # the loop itself never rebuilt
+
+    handle.disable()
+    assert parameter_bytes(model) == bytes_before
+    _assert_state_equal(model, snapshot)
+    assert run_loop(model, request).equal(resident)
+
+
+def test_cache_really_serves_the_source(load_tiny: Callable[[str], Any], tmp_path: Path) -> None:
+    """A checkpoint with other projections, unverified, changes the outputs: the tables are what runs."""
+    model = load_tiny("bf16-disk")
+    other = load_tiny("bf16-disk")
+    with torch.no_grad():
+        other.transformer_blocks[1].adaln_proj.linear.bias.add_(0.25)
+    path = write_native_checkpoint(other, tmp_path / "other")
+    request = make_request(model, "t2va", 4)
+    resident = run_loop(model, request)
+    handle = enable_adaln_cache(model, path, verify_checkpoint=False)
+    handle.prepare(request.plans)
+    assert not run_loop(model, request).equal(resident)
+    handle.disable()
+
+
+def test_mismatched_checkpoint_is_refused(load_tiny: Callable[[str], Any], tmp_path: Path) -> None:
+    model = load_tiny("bf16-disk")
+    other = load_tiny("bf16-disk")
+    with torch.no_grad():
+        other.norm_out.linear.weight[0, 0] += 1.0
+    path = write_native_checkpoint(other, tmp_path / "finetune")
+    snapshot = _snapshot(model)
+    with pytest.raises(ConfigError, match=r"norm_out\.linear\.weight differs"):
+        enable_adaln_cache(model, path)
+    # Refusing left the model untouched and enabling still works afterwards.
+    _assert_state_equal(model, snapshot)
+    enable_adaln_cache(model).disable()
+
+
+def test_placeholders_keep_names_shapes_and_repr(load_tiny: Callable[[str], Any]) -> None:
+    model = load_tiny("bf16-disk")
+    names = [name for name, _ in model.named_parameters()]
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    handle = enable_adaln_cache(model)
+    weight = model.transformer_blocks[0].adaln_proj.linear.weight
+    assert weight.device.type == "meta" and weight.dtype == torch.bfloat16
+    assert model.norm_out.linear.bias.device.type == "meta"
+    assert model.time_embedder.linear_1.weight.device.type == "meta"
+    assert [name for name, _ in model.named_parameters()] == names
+    assert {name: tuple(p.shape) for name, p in model.named_parameters()} == shapes
+    assert "adaln_proj" in repr(model)
+    assert "enabled" in repr(handle)
+    handle.disable()
+    assert "disabled" in repr(handle)
+    assert model.transformer_blocks[0].adaln_proj.linear.weight.device.type == "cpu"
+
+
+def test_time_embedder_can_stay(load_tiny: Callable[[str], Any]) -> None:
+    model = load_tiny("bf16-disk")
+    request = make_request(model, "fl2va", 4)
+    resident = run_loop(model, request)
+    handle = enable_adaln_cache(model, free_time_embedder=False)
+    assert model.time_embedder.linear_1.weight.device.type == "cpu"
+    assert model.transformer_blocks[0].adaln_proj.linear.weight.device.type == "meta"
+    handle.prepare(request.plans)
+    assert run_loop(model, request).equal(resident)
+    handle.disable()
+
+
+def test_unprepared_plan_builds_with_one_warning(
+    load_tiny: Callable[[str], Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    model = load_tiny("bf16-disk")
+    request = make_request(model, "t2va", 5)
+    resident = run_loop(model, request)
+    handle = enable_adaln_cache(model)
+    with caplog.at_level(logging.WARNING, logger="adalncache"):
+        cached = run_loop(model, request)
+    assert cached.equal(resident)
+    warnings = [
+        r for r in caplog.records if r.levelno == logging.WARNING and "not prepared" in r.getMessage()
+    ]
+    assert len(warnings) == 1
+    assert handle.stats.passes == len(request.plan)  # one pass per unprepared step
+    handle.disable()
+
+
+def test_on_miss_raise(load_tiny: Callable[[str], Any]) -> None:
+    model = load_tiny("bf16-disk")
+    request = make_request(model, "ref2va", 4)
+    resident = run_loop(model, request)
+    handle = enable_adaln_cache(model, on_miss="raise")
+    with pytest.raises(PlanNotCachedError, match="does not cover"):
+        run_loop(model, request)
+    handle.prepare(request.plan)  # the row_timestep_plan pairs are accepted as they are
+    assert run_loop(model, request).equal(resident)
+    handle.disable()
+
+
+def test_repeated_prepare_does_no_pass(load_tiny: Callable[[str], Any]) -> None:
+    model = load_tiny("bf16-disk")
+    handle = enable_adaln_cache(model)
+    plans = minimax_h3_plans("fl2va", 8)
+    assert handle.prepare(plans).passes == 1
+    assert handle.prepare(plans).passes == 0
+    assert handle.prepare(plans[:3]).passes == 0
+    assert handle.stats.passes == 1
+    handle.disable()
+
+
+def test_state_dict_and_save_pretrained_keep_the_projections(
+    load_tiny: Callable[[str], Any], tmp_path: Path
+) -> None:
+    from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3Transformer3DModel
+
+    model = load_tiny("bf16-disk")
+    snapshot = _snapshot(model)
+    handle = enable_adaln_cache(model)
+    _assert_state_equal(model, snapshot)  # state_dict while enabled carries the real weights
+    model.save_pretrained(tmp_path / "saved")
+    handle.disable()
+    reloaded = MiniMaxH3Transformer3DModel.from_pretrained(tmp_path / "saved", torch_dtype=torch.bfloat16)
+    _assert_state_equal(reloaded, snapshot)
+
+
+def test_state_dict_with_checkpoint_source(load_tiny: Callable[[str], Any], tmp_path: Path) -> None:
+    model = load_tiny("fp32-disk")
+    path = write_native_checkpoint(model, tmp_path / "native")
+    snapshot = _snapshot(model)
+    handle = enable_adaln_cache(model, path)
+    _assert_state_equal(model, snapshot)
+    handle.disable()
+    _assert_state_equal(model, snapshot)
+
+
+def test_load_state_dict_into_served_weights_is_refused(load_tiny: Callable[[str], Any]) -> None:
+    model = load_tiny("bf16-disk")
+    state = _snapshot(model)
+    handle = enable_adaln_cache(model)
+    with pytest.raises(ConfigError, match="disable"):
+        model.load_state_dict(state)
+    handle.disable()
+    model.load_state_dict(state)
+
+
+def test_enable_twice_and_bad_arguments(load_tiny: Callable[[str], Any]) -> None:
+    model = load_tiny("bf16-disk")
+    with pytest.raises(ConfigError, match="on_miss"):
+        enable_adaln_cache(model, on_miss="ignore")  # type: ignore[arg-type]
+    handle = enable_adaln_cache(model)
+    with pytest.raises(ConfigError, match="already enabled"):
+        enable_adaln_cache(model)
+    handle.disable()
+    handle.disable()  # idempotent
+    with pytest.raises(ConfigError, match="disabled"):
+        handle.prepare(minimax_h3_plans("t2va", 3))
+    with pytest.raises(ConfigError, match="MiniMaxH3Transformer3DModel"):
+        enable_adaln_cache(torch.nn.Linear(2, 2))
+
+
+def test_non_float32_timestep_is_a_plan_error(load_tiny: Callable[[str], Any]) -> None:
+    model = load_tiny("bf16-disk")
+    request = make_request(model, "t2va", 3)
+    handle = enable_adaln_cache(model)
+    kwargs = request.forward_kwargs(0, request.latents, request.audio_latents)
+    kwargs["timestep"] = "0.5"
+    with pytest.raises(PlanError):
+        model(**kwargs)
+    handle.disable()

@@ -1,0 +1,173 @@
+"""LoRA on the served modules: every change rebuilds the tables through the module's own LoRA forward.
+
+A real peft LoRA is loaded through diffusers' MiniMax-H3 LoRA loader (``MiniMaxH3LoraLoaderMixin``,
+the pipeline's ``load_lora_weights``) into two identical models: one resident, one cached. Each
+change (load, set_adapters, attention_kwargs scale, unload) must leave the cached model's outputs
+``torch.equal`` to the resident one's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("peft")
+pytest.importorskip("diffusers")
+
+from adalncache.diffusers import enable_adaln_cache
+from adalncache.errors import ConfigError
+from adalncache.tiny import LoopResult, TinyRequest, make_request, run_loop
+
+
+def _lora_file(model: Any, path: Path, seed: int, rank: int = 4) -> Path:
+    """A LoRA in the diffusers format on every served module (plus one attention projection)."""
+    from safetensors.torch import save_file
+
+    generator = torch.Generator().manual_seed(seed)
+    names = [f"transformer_blocks.{i}.adaln_proj.linear" for i in range(len(model.transformer_blocks))]
+    names += [
+        "norm_out.linear",
+        "time_embedder.linear_1",
+        "time_embedder.linear_2",
+        "transformer_blocks.0.attn.to_q",
+    ]
+    modules = dict(model.named_modules())
+    tensors = {}
+    for name in names:
+        linear = modules[name]
+        linear = getattr(linear, "base_layer", linear)
+        tensors[f"transformer.{name}.lora_A.weight"] = 0.3 * torch.randn(
+            rank, linear.in_features, generator=generator
+        )
+        tensors[f"transformer.{name}.lora_B.weight"] = 0.3 * torch.randn(
+            linear.out_features, rank, generator=generator
+        )
+    save_file(tensors, path)
+    return path
+
+
+def _pipeline(model: Any) -> Any:
+    from diffusers.modular_pipelines.minimax_h3 import MiniMaxH3Blocks
+
+    pipe = MiniMaxH3Blocks().init_pipeline()
+    pipe.update_components(transformer=model)
+    return pipe
+
+
+def _assert_equal(a: LoopResult, b: LoopResult) -> None:
+    for step, ((video_a, audio_a), (video_b, audio_b)) in enumerate(zip(a.outputs, b.outputs)):
+        assert torch.equal(video_a, video_b), f"video differs at step {step}"
+        assert torch.equal(audio_a, audio_b), f"audio differs at step {step}"
+    assert torch.equal(a.latents, b.latents) and torch.equal(a.audio_latents, b.audio_latents)
+
+
+@pytest.fixture
+def pair(load_tiny: Callable[[str], Any]) -> tuple[Any, Any, Any, Any, TinyRequest]:
+    resident, cached = load_tiny("bf16-disk"), load_tiny("bf16-disk")
+    request = make_request(resident, "fl2va", 5, seed=1)
+    return resident, cached, _pipeline(resident), _pipeline(cached), request
+
+
+def test_load_switch_scale_unload(pair: tuple[Any, Any, Any, Any, TinyRequest], tmp_path: Path) -> None:
+    resident, cached, pipe_r, pipe_c, request = pair
+    base = run_loop(resident, request)
+    handle = enable_adaln_cache(pipe_c)
+    plans = request.plans
+
+    def check(label: str, **kwargs: Any) -> LoopResult:
+        handle.prepare(plans, attention_kwargs=kwargs.get("attention_kwargs"))
+        expected = run_loop(resident, request, **kwargs)
+        got = run_loop(cached, request, **kwargs)
+        _assert_equal(expected, got)
+        return expected
+
+    one = _lora_file(resident, tmp_path / "one.safetensors", seed=1)
+    two = _lora_file(resident, tmp_path / "two.safetensors", seed=2)
+    for pipe in (pipe_r, pipe_c):
+        pipe.load_lora_weights(str(one), adapter_name="one")
+    # peft put the adapter where the model runs, not on the meta placeholder's device.
+    assert cached.transformer_blocks[0].adaln_proj.linear.lora_A["one"].weight.device.type == "cpu"
+    passes = handle.stats.passes
+    with_one = check("load")
+    assert handle.stats.passes == passes + 1  # the new LoRA signature rebuilt, once
+    assert not with_one.equal(base)  # the LoRA does change the modulation
+
+    for pipe in (pipe_r, pipe_c):
+        pipe.load_lora_weights(str(two), adapter_name="two")
+        pipe.set_adapters(["one", "two"], [0.7, 0.3])
+    switched = check("set_adapters")
+    assert not switched.equal(with_one)
+
+    scaled = check("scale", attention_kwargs={"scale": 0.5})
+    assert not scaled.equal(switched)
+    check("scale back")
+
+    for pipe in (pipe_r, pipe_c):
+        pipe.set_adapters("two")
+    check("switch to two")
+
+    for pipe in (pipe_r, pipe_c):
+        pipe.unload_lora_weights()
+    _assert_equal(check("unload"), base)
+
+    handle.disable()
+    _assert_equal(run_loop(cached, request), base)
+
+
+def test_forward_without_prepare_rebuilds_after_a_lora_change(
+    pair: tuple[Any, Any, Any, Any, TinyRequest], tmp_path: Path
+) -> None:
+    resident, cached, pipe_r, pipe_c, request = pair
+    handle = enable_adaln_cache(pipe_c)
+    handle.prepare(request.plans)
+    path = _lora_file(resident, tmp_path / "lora.safetensors", seed=5)
+    for pipe in (pipe_r, pipe_c):
+        pipe.load_lora_weights(str(path))
+    _assert_equal(run_loop(resident, request), run_loop(cached, request))
+    handle.disable()
+
+
+def test_fuse_while_enabled_raises(pair: tuple[Any, Any, Any, Any, TinyRequest], tmp_path: Path) -> None:
+    resident, cached, pipe_r, pipe_c, request = pair
+    handle = enable_adaln_cache(pipe_c)
+    path = _lora_file(resident, tmp_path / "lora.safetensors", seed=7)
+    pipe_c.load_lora_weights(str(path), adapter_name="turbo")
+    with pytest.raises(ConfigError, match=r"disable\(\)"):
+        pipe_c.fuse_lora()
+    with pytest.raises(ConfigError, match=r"disable\(\)"):
+        cached.fuse_lora()
+    with pytest.raises(ConfigError, match=r"disable\(\)"):
+        cached.unfuse_lora()
+    # Nothing was fused: the cached model still matches a resident model with the LoRA unfused.
+    pipe_r.load_lora_weights(str(path), adapter_name="turbo")
+    handle.prepare(request.plans)
+    _assert_equal(run_loop(resident, request), run_loop(cached, request))
+    # The advised sequence works: disable, fuse, enable again (the fused weights are the source).
+    handle.disable()
+    for pipe in (pipe_r, pipe_c):
+        pipe.fuse_lora()
+    handle = enable_adaln_cache(pipe_c)
+    handle.prepare(request.plans)
+    _assert_equal(run_loop(resident, request), run_loop(cached, request))
+    handle.disable()
+
+
+def test_lora_loaded_before_enabling(pair: tuple[Any, Any, Any, Any, TinyRequest], tmp_path: Path) -> None:
+    resident, cached, pipe_r, pipe_c, request = pair
+    path = _lora_file(resident, tmp_path / "lora.safetensors", seed=9)
+    for pipe in (pipe_r, pipe_c):
+        pipe.load_lora_weights(str(path), adapter_name="style")
+    expected = run_loop(resident, request)
+    handle = enable_adaln_cache(pipe_c)
+    assert cached.norm_out.linear.base_layer.weight.device.type == "meta"
+    handle.prepare(request.plans)
+    _assert_equal(expected, run_loop(cached, request))
+    for pipe in (pipe_r, pipe_c):
+        pipe.unload_lora_weights()
+    handle.prepare(request.plans)
+    _assert_equal(run_loop(resident, request), run_loop(cached, request))
+    handle.disable()

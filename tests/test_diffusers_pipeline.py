@@ -1,0 +1,112 @@
+"""The whole tiny MiniMax-H3 modular pipeline (t2va), resident versus cached.
+
+Tiny Qwen3-VL text encoder (51 layers), locally trained BPE tokenizer, Qwen3VLProcessor without
+torchvision, tiny video and audio VAEs: nothing is downloaded. The cached call must give
+bit-identical latents, video and audio, building its whole row_timestep_plan in exactly one pass
+before the first step; a repeated identical call does no pass.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("diffusers")
+
+from adalncache.diffusers import enable_adaln_cache
+from adalncache.plans import minimax_h3_plans, plan_key
+
+OUTPUTS = ["latents", "audio_latents", "videos", "audio"]
+STEPS = 4
+
+
+def _call(pipe: Any) -> dict[str, torch.Tensor]:
+    return pipe(
+        prompt="a cat playing a piano in the rain",
+        height=64,
+        width=64,
+        num_frames=124,
+        num_inference_steps=STEPS,
+        generator=torch.Generator().manual_seed(0),
+        output=OUTPUTS,
+        output_type="pt",
+    )
+
+
+@pytest.fixture(scope="module")
+def pipe() -> Any:
+    from adalncache.tiny import tiny_pipeline
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return tiny_pipeline(size="tiny", seed=0)
+
+
+def _assert_outputs_equal(expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> None:
+    for name in OUTPUTS:
+        assert torch.equal(expected[name], got[name]), f"{name} differs"
+
+
+def test_full_pipeline_t2va_is_bit_identical(pipe: Any) -> None:
+    seen: list[torch.Tensor] = []
+    hook = pipe.transformer.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(kwargs["timestep"].clone()), with_kwargs=True
+    )
+    try:
+        resident = _call(pipe)
+    finally:
+        hook.remove()
+    # The plans known ahead of time are the ones the pipeline fed the transformer.
+    assert [plan_key(p) for p in seen] == [plan_key(p) for p in minimax_h3_plans("t2va", STEPS)]
+
+    handle = enable_adaln_cache(pipe)
+    try:
+        transformer = pipe.transformer
+        assert transformer.transformer_blocks[0].adaln_proj.linear.weight.device.type == "meta"
+        first = _call(pipe)
+        _assert_outputs_equal(resident, first)
+        assert handle.stats.passes == 1  # the whole plan, in one pass, before step 0
+        assert handle.stats.built_plans == len(seen)
+        second = _call(pipe)
+        _assert_outputs_equal(resident, second)
+        assert handle.stats.passes == 1  # a repeated identical call does no pass
+    finally:
+        handle.disable()
+    assert transformer.transformer_blocks[0].adaln_proj.linear.weight.device.type == "cpu"
+    _assert_outputs_equal(resident, _call(pipe))
+    # disable() took the prepare block back out of the denoise loop.
+    from adalncache.integrations.diffusers import _ADALN_CACHE_PREPARE_BLOCK, _denoise_loops
+
+    assert all(_ADALN_CACHE_PREPARE_BLOCK not in loop.sub_blocks for loop in _denoise_loops(pipe._blocks))
+
+
+def test_pipeline_on_miss_raise_is_satisfied_by_the_prepare_block(pipe: Any) -> None:
+    """With on_miss='raise' no forward may build: the loop's prepare block must have built everything."""
+    resident = _call(pipe)
+    handle = enable_adaln_cache(pipe, on_miss="raise")
+    try:
+        _assert_outputs_equal(resident, _call(pipe))
+        assert handle.stats.passes == 1
+    finally:
+        handle.disable()
+
+
+def test_pipeline_handle_surface(pipe: Any) -> None:
+    from adalncache.errors import ConfigError
+
+    handle = enable_adaln_cache(pipe)
+    try:
+        assert set(handle.handles) == {"transformer"}
+        assert handle["transformer"].cache is handle.cache
+        report = handle.prepare(minimax_h3_plans("t2va", STEPS))
+        assert report.passes == 1
+        with pytest.raises(ConfigError, match="transformer_ref"):
+            handle.prepare(minimax_h3_plans("t2va", STEPS), component="transformer_ref")
+    finally:
+        handle.disable()
+    with pytest.raises(ConfigError, match="pipeline"):
+        enable_adaln_cache(object())
