@@ -233,3 +233,16 @@ def test_non_float32_timestep_is_a_plan_error(load_tiny: Callable[[str], Any]) -
     with pytest.raises(PlanError):
         model(**kwargs)
     handle.disable()
+
+
+def test_moving_or_casting_while_enabled_is_refused(load_tiny: Callable[[str], Any]) -> None:
+    model = load_tiny("bf16-disk")
+    handle = enable_adaln_cache(model)
+    assert model.to("cpu") is model  # a no-op move is fine (pipelines call pipe.to(device) freely)
+    with pytest.raises(ConfigError, match="disable"):
+        model.to(torch.float32)
+    with pytest.raises(ConfigError, match="disable"):
+        model.half()
+    handle.disable()
+    model.to(torch.float32)
+    assert model.transformer_blocks[0].adaln_proj.linear.weight.dtype == torch.float32

@@ -59,7 +59,7 @@ _ADALN_CACHE_TIME_EMBEDDER_HOOK = "adaln_cache_time_embedder"
 _ADALN_CACHE_PREPARE_BLOCK = "adaln_cache_prepare"
 
 #: Instance attributes the handle overrides on the transformer while enabled (removed by disable()).
-_GUARDED_METHODS = ("fuse_lora", "unfuse_lora", "load_lora_adapter")
+_GUARDED_METHODS = ("fuse_lora", "unfuse_lora", "load_lora_adapter", "_apply", "to")
 
 _PIPELINE_TRANSFORMERS = ("transformer", "transformer_ref")
 
@@ -351,12 +351,13 @@ class AdalnCacheHandle:
         self._merged_at_enable = self._merged_state()
         cache_kwargs = dict(self.config.cache_kwargs)
         device = torch.device(cache_kwargs.pop("device", self.device))
-        if device != self.device:
+        same_device = device.type == self.device.type and device.index in (None, self.device.index)
+        if not same_device:
             raise ConfigError(
-                f"device={device} (CLI --device) differs from the model's device {self.device}: the "
-                "cache serves "
-                "the forward, so it must live where the model runs; move the model first"
+                f"device={device} (CLI --device) differs from the model's device {self.device}: the cache "
+                "serves the forward, so it must live where the model runs; move the model first"
             )
+        device = self.device
         free_time_embedder = self.config.free_time_embedder
         if free_time_embedder is None:
             free_time_embedder = not self._other_hooks_present()
@@ -777,6 +778,29 @@ class AdalnCacheHandle:
                 "cache serves them from tables; call handle.disable() first, fuse, then enable again"
             )
         return type(self.model).fuse_lora(self.model, *args, **kwargs)
+
+    def _guard__apply(self, *args: Any, **kwargs: Any) -> Any:
+        """``.to()``, ``.cuda()``, ``.half()``... while enabled: refuse, the cache lives on one device.
+
+        Without this the meta placeholders would fail deep inside torch ("Cannot copy out of meta
+        tensor"), or a dtype cast would silently leave the tables at the old dtype.
+        """
+        raise ConfigError(
+            "the model cannot be moved or cast while the AdaLN cache is enabled (its tables live on "
+            f"{self.device} in {self.spec.dtype}); call handle.disable(), move or cast the model, then "
+            "enable again"
+        )
+
+    def _guard_to(self, *args: Any, **kwargs: Any) -> Any:
+        """Let a no-op ``.to()`` through (pipelines call ``pipe.to(device)`` freely); refuse a real move."""
+        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        moves = device is not None and not (
+            torch.device(device).type == self.device.type
+            and torch.device(device).index in (None, self.device.index)
+        )
+        if moves or dtype is not None:
+            self._guard__apply()
+        return self.model
 
     def _guard_unfuse_lora(self, *args: Any, **kwargs: Any) -> Any:
         if any(_is_tuner_layer(module) for _, module in self._lora_modules()):
