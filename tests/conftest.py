@@ -21,19 +21,39 @@ PRECISIONS = ("fp32-memory", "fp32-disk", "bf16-disk")
 
 
 @pytest.fixture(scope="session")
-def tiny_saved_dir() -> Iterator[Path]:
-    """A tiny MiniMax-H3 (seed 0) saved once per session with ``save_pretrained``."""
+def tiny_saved_root() -> Iterator[Path]:
+    """A tiny MiniMax-H3 (seed 0) saved once per session, in fp32 and in the released precision.
+
+    ``<root>/fp32``: ``save_pretrained`` of the in-memory fp32 model. ``<root>/bf16``: that file
+    loaded with ``torch_dtype=bfloat16`` (bf16 projections and blocks, fp32 time embedder and
+    heads) and saved again, so its file holds bf16 projections as the released checkpoint does.
+    """
     pytest.importorskip("diffusers")
+    from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3Transformer3DModel
+
     from adalncache.tiny import tiny_transformer
 
     with tempfile.TemporaryDirectory(prefix="adalncache-tiny-") as tmp:
-        path = Path(tmp) / "transformer"
-        tiny_transformer("tiny", seed=0).save_pretrained(path)
-        yield path
+        root = Path(tmp)
+        tiny_transformer("tiny", seed=0).save_pretrained(root / "fp32")
+        mixed = MiniMaxH3Transformer3DModel.from_pretrained(root / "fp32", torch_dtype=torch.bfloat16)
+        mixed.save_pretrained(root / "bf16")
+        yield root
 
 
 @pytest.fixture
-def load_tiny(tiny_saved_dir: Path) -> Callable[[str], Any]:
+def tiny_saved_dir(tiny_saved_root: Path) -> Path:
+    """The fp32 ``save_pretrained`` directory of the tiny model."""
+    return tiny_saved_root / "fp32"
+
+
+def saved_dir_for(root: Path, precision: str) -> Path:
+    """The diffusers-layout directory a model of ``precision`` is (or could be) loaded from."""
+    return root / ("bf16" if precision.startswith("bf16") else "fp32")
+
+
+@pytest.fixture
+def load_tiny(tiny_saved_root: Path) -> Callable[[str], Any]:
     """``load_tiny(precision)``: a fresh tiny transformer in one of :data:`PRECISIONS`."""
     from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3Transformer3DModel
 
@@ -43,6 +63,7 @@ def load_tiny(tiny_saved_dir: Path) -> Callable[[str], Any]:
         if precision == "fp32-memory":
             return tiny_transformer("tiny", seed=0)
         dtype = {"fp32-disk": torch.float32, "bf16-disk": torch.bfloat16}[precision]
-        return MiniMaxH3Transformer3DModel.from_pretrained(tiny_saved_dir, torch_dtype=dtype).eval()
+        directory = saved_dir_for(tiny_saved_root, precision)
+        return MiniMaxH3Transformer3DModel.from_pretrained(directory, torch_dtype=dtype).eval()
 
     return load

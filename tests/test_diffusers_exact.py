@@ -41,14 +41,30 @@ def _assert_state_equal(model: torch.nn.Module, snapshot: dict[str, torch.Tensor
         assert torch.equal(tensor, snapshot[name]), name
 
 
-@pytest.mark.parametrize("checkpoint", ["none", "native"])
+@pytest.mark.parametrize("checkpoint", ["none", "native", "diffusers"])
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("task", TASKS)
 def test_cached_loop_is_bit_identical(
-    load_tiny: Callable[[str], Any], tmp_path: Path, task: str, precision: str, checkpoint: str
+    load_tiny: Callable[[str], Any],
+    tiny_saved_root: Path,
+    tmp_path: Path,
+    task: str,
+    precision: str,
+    checkpoint: str,
 ) -> None:
+    """Every forward output torch.equal to the resident model's, with the projections gone.
+
+    ``native``: a sharded native-layout checkpoint written from the model; ``diffusers``: the
+    ``save_pretrained`` file the models are loaded from (for the in-memory fp32 model its
+    tensors sit at other addresses modulo 64 than the model's, the case the M=1 GEMV is
+    sensitive to).
+    """
     model = load_tiny(precision)
-    path = write_native_checkpoint(model, tmp_path / "native", shards=2) if checkpoint == "native" else None
+    path: Path | None = None
+    if checkpoint == "native":
+        path = write_native_checkpoint(model, tmp_path / "native", shards=2)
+    elif checkpoint == "diffusers":
+        path = tiny_saved_root / ("bf16" if precision.startswith("bf16") else "fp32")
     snapshot = _snapshot(model)
     request = make_request(model, task, STEPS, seed=3)
     resident = run_loop(model, request)
@@ -101,6 +117,15 @@ def test_mismatched_checkpoint_is_refused(load_tiny: Callable[[str], Any], tmp_p
     # Refusing left the model untouched and enabling still works afterwards.
     _assert_state_equal(model, snapshot)
     enable_adaln_cache(model).disable()
+
+
+def test_checkpoint_of_another_dtype_is_refused(
+    load_tiny: Callable[[str], Any], tiny_saved_root: Path
+) -> None:
+    """The fp32 file holds the same values but is not what a bf16 model projects with."""
+    model = load_tiny("bf16-disk")
+    with pytest.raises(ConfigError, match="does not match the model"):
+        enable_adaln_cache(model, tiny_saved_root / "fp32")
 
 
 def test_placeholders_keep_names_shapes_and_repr(load_tiny: Callable[[str], Any]) -> None:

@@ -274,6 +274,7 @@ class AdalnCacheHandle:
         self._materialize_in_state_dict = True
         self._prepared_plans = 0
         self._host_tensors: dict[tuple[Layer, str], torch.Tensor] = {}
+        self._residues: dict[tuple[Layer, str], int] = {}
         self._time_embedder_stack: contextlib.ExitStack | None = None
         self.spec = ModulationSpec.from_transformer(model)
         self.device = _device_of(model)
@@ -495,6 +496,8 @@ class AdalnCacheHandle:
                     original = self._host_tensors[(layer, name)]  # the TensorSource's host copy
                 else:
                     original = param.detach().to("cpu", copy=True)
+                if layer is not None:
+                    self._residues[(layer, name)] = param.data_ptr() % 64
                 placeholder = nn.Parameter(
                     torch.empty_like(param, device="meta"), requires_grad=param.requires_grad
                 )
@@ -733,8 +736,7 @@ class AdalnCacheHandle:
         if len(dtypes) != 1:
             raise ConfigError(
                 f"the AdaLN projections do not share one dtype ({sorted(map(str, dtypes))}); the "
-                "cache serves one "
-                "embedding to all of them, so cast the model consistently before enabling"
+                "cache serves one embedding to all of them, so cast the model consistently before enabling"
             )
         return dtypes.pop()
 
@@ -749,8 +751,28 @@ class AdalnCacheHandle:
             module = self.model.transformer_blocks[int(layer)].adaln_proj.linear
             call = module
         base = _base_linear(module)
+        weight = self._aligned_like_model(layer, "weight", weight)
+        bias = self._aligned_like_model(layer, "bias", bias)
         with _swapped_parameters(base, {"weight": weight, "bias": bias}):
             return call(x)  # type: ignore[no-any-return]
+
+    def _aligned_like_model(self, layer: Layer, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor``, or an aligned copy of it when the model held it elsewhere modulo 64 bytes.
+
+        On CPU an fp32 GEMV (M=1) gives different bits for the same weight at a different address
+        modulo 16 (REFERENCE.md section 3). A checkpoint maps its tensors at the file's offsets,
+        which need not be where the resident model kept them (say a model built in memory served
+        from its ``save_pretrained`` file), so such a weight is copied to the model's residue. bf16
+        showed no such effect at any M and is used as it is (no copy of 24 GiB per pass).
+        """
+        if tensor.device.type != "cpu" or tensor.dtype not in (torch.float32, torch.float16):
+            return tensor
+        residue = self._residues.get((layer, name))
+        if residue is None or tensor.data_ptr() % 64 == residue:
+            return tensor
+        copy = _aligned_like(tensor.shape, tensor.dtype, residue, tensor.device)
+        copy.copy_(tensor)
+        return copy
 
     def _materialize_time_embedder(self) -> None:
         """Put the time embedder's real weights back for the rest of the current build."""
@@ -875,8 +897,7 @@ class AdalnCacheHandle:
             if prefix + name in state_dict and self._freed_entry(module, name) is not None:
                 raise ConfigError(
                     f"load_state_dict() would overwrite {prefix}{name}, which the AdaLN cache serves "
-                    "from tables; "
-                    "call handle.disable() first, load, then enable again"
+                    "from tables; call handle.disable() first, load, then enable again"
                 )
         return None
 
@@ -1007,8 +1028,7 @@ class AdalnCachePrepareStep(ModularPipelineBlocks):
     def description(self) -> str:
         return (
             "Builds the AdaLN tables of every step of the request in one pass before the first "
-            "denoising step "
-            "(adalncache)."
+            "denoising step (adalncache)."
         )
 
     @property
@@ -1174,8 +1194,7 @@ def enable_adaln_cache(
         if isinstance(checkpoint, Mapping):
             raise ConfigError(
                 "checkpoint= is a mapping by component name, which only a pipeline takes; pass one "
-                "path for a "
-                "single transformer"
+                "path for a single transformer"
             )
         config = AdalnCacheConfig(
             checkpoint=checkpoint,
@@ -1197,8 +1216,7 @@ def enable_adaln_cache(
     if not components:
         raise ConfigError(
             "enable_adaln_cache needs a MiniMaxH3Transformer3DModel or a MiniMax-H3 modular pipeline "
-            "holding "
-            f"`transformer` or `transformer_ref`, got {type(model_or_pipeline).__name__}"
+            f"holding `transformer` or `transformer_ref`, got {type(model_or_pipeline).__name__}"
         )
     checkpoints: dict[str, CheckpointArg | None]
     if isinstance(checkpoint, Mapping):
