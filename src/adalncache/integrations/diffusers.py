@@ -345,8 +345,8 @@ class AdalnCacheHandle:
         model = self.model
         if getattr(model, "_adalncache_handle", None) is not None:
             raise ConfigError(
-                "the AdaLN cache is already enabled on this model; call handle.disable() before "
-                "enabling again"
+                "the AdaLN cache is already enabled on this model; call handle.disable() before enabling "
+                "again"
             )
         self._check_materialised()
         self._merged_at_enable = self._merged_state()
@@ -392,8 +392,8 @@ class AdalnCacheHandle:
                 param = getattr(base, name, None)
                 if param is None or param.device.type == "meta":
                     raise ConfigError(
-                        "the model's AdaLN projections are not materialised (meta or missing bias): load the "
-                        "model fully before enabling the AdaLN cache"
+                        "the model's AdaLN projections are not materialised (meta or missing bias): load "
+                        "the model fully before enabling the AdaLN cache"
                     )
 
     def _other_hooks_present(self) -> bool:
@@ -468,11 +468,10 @@ class AdalnCacheHandle:
                 same = same and torch.equal(theirs.to(ours.device), ours)
                 if not same:
                     raise ConfigError(
-                        f"checkpoint= (CLI --checkpoint) does not match the model: {where}.{name} differs. A "
-                        "fine-tuned model or one with a fused LoRA must not be served from the base "
-                        "file; pass "
-                        "checkpoint=None to serve the model's own weights, or the checkpoint it was "
-                        "loaded from"
+                        f"checkpoint= (CLI --checkpoint) does not match the model: {where}.{name} differs. "
+                        "A fine-tuned model or one with a fused LoRA must not be served from the base "
+                        "file; pass checkpoint=None to serve the model's own weights, or the checkpoint "
+                        "it was loaded from"
                     )
 
     def _free_weights(self, free_time_embedder: bool, *, keep_originals: bool) -> None:
@@ -568,9 +567,9 @@ class AdalnCacheHandle:
         merged = self._merged_state()
         if merged != self._merged_at_enable:
             raise ConfigError(
-                "a LoRA was fused into (or unfused from) the AdaLN projections or the time embedder "
-                "while the "
-                "AdaLN cache is enabled; call handle.disable() first, fuse or unfuse, then enable again"
+                "a LoRA was fused into (or unfused from) the AdaLN projections or the time embedder while "
+                "the AdaLN cache is enabled; call handle.disable() first, fuse or unfuse, then enable "
+                "again"
             )
 
     def _merged_state(self) -> tuple[Any, ...]:
@@ -651,9 +650,8 @@ class AdalnCacheHandle:
         if self.config.on_miss == "raise":
             if variant != self._variant:
                 raise PlanNotCachedError(
-                    "the AdaLN cache does not cover this forward: the LoRA state of the AdaLN "
-                    "projections changed "
-                    "since the tables were built; call handle.prepare(plans) (on_miss='raise')"
+                    "the AdaLN cache does not cover this forward: the LoRA state of the AdaLN projections "
+                    "changed since the tables were built; call handle.prepare(plans) (on_miss='raise')"
                 )
             try:
                 self.cache.lookup(plan)
@@ -666,8 +664,9 @@ class AdalnCacheHandle:
             report = self._run_build([plan], scale, variant, refs)
             if report.passes:
                 message = (
-                    "AdaLN cache: a forward's plan was not prepared and was built on the spot (one rebuild "
-                    "pass); call handle.prepare(plans) before the loop to build all steps in one pass"
+                    "AdaLN cache: a forward's plan was not prepared and was built on the spot (one "
+                    "rebuild pass); call handle.prepare(plans) before the loop to build all steps in one "
+                    "pass"
                 )
                 if not self._warned_miss:
                     logger.warning(message)
@@ -735,8 +734,8 @@ class AdalnCacheHandle:
         dtypes = {get_parameter_dtype(module) for _, module in self._projection_modules()}
         if len(dtypes) != 1:
             raise ConfigError(
-                f"the AdaLN projections do not share one dtype ({sorted(map(str, dtypes))}); the "
-                "cache serves one embedding to all of them, so cast the model consistently before enabling"
+                f"the AdaLN projections do not share one dtype ({sorted(map(str, dtypes))}); the cache "
+                "serves one embedding to all of them, so cast the model consistently before enabling"
             )
         return dtypes.pop()
 
@@ -795,9 +794,9 @@ class AdalnCacheHandle:
     def _guard_fuse_lora(self, *args: Any, **kwargs: Any) -> Any:
         if any(_is_tuner_layer(module) for _, module in self._lora_modules()):
             raise ConfigError(
-                "fuse_lora() would fuse a LoRA into the AdaLN projections or the time embedder while "
-                "the AdaLN "
-                "cache serves them from tables; call handle.disable() first, fuse, then enable again"
+                "fuse_lora() would fuse a LoRA into the AdaLN projections or the time embedder while the "
+                "AdaLN cache serves them from tables; call handle.disable() first, fuse, then enable "
+                "again"
             )
         return type(self.model).fuse_lora(self.model, *args, **kwargs)
 
@@ -827,8 +826,8 @@ class AdalnCacheHandle:
     def _guard_unfuse_lora(self, *args: Any, **kwargs: Any) -> Any:
         if any(_is_tuner_layer(module) for _, module in self._lora_modules()):
             raise ConfigError(
-                "unfuse_lora() would change the AdaLN projections or the time embedder while the AdaLN cache "
-                "serves them from tables; call handle.disable() first, unfuse, then enable again"
+                "unfuse_lora() would change the AdaLN projections or the time embedder while the AdaLN "
+                "cache serves them from tables; call handle.disable() first, unfuse, then enable again"
             )
         return type(self.model).unfuse_lora(self.model, *args, **kwargs)
 
@@ -896,8 +895,8 @@ class AdalnCacheHandle:
         for name in ("weight", "bias"):
             if prefix + name in state_dict and self._freed_entry(module, name) is not None:
                 raise ConfigError(
-                    f"load_state_dict() would overwrite {prefix}{name}, which the AdaLN cache serves "
-                    "from tables; call handle.disable() first, load, then enable again"
+                    f"load_state_dict() would overwrite {prefix}{name}, which the AdaLN cache serves from "
+                    "tables; call handle.disable() first, load, then enable again"
                 )
         return None
 
@@ -1027,8 +1026,8 @@ class AdalnCachePrepareStep(ModularPipelineBlocks):
     @property
     def description(self) -> str:
         return (
-            "Builds the AdaLN tables of every step of the request in one pass before the first "
-            "denoising step (adalncache)."
+            "Builds the AdaLN tables of every step of the request in one pass before the first denoising "
+            "step (adalncache)."
         )
 
     @property
@@ -1193,8 +1192,8 @@ def enable_adaln_cache(
     if _is_minimax_h3_transformer(model_or_pipeline):
         if isinstance(checkpoint, Mapping):
             raise ConfigError(
-                "checkpoint= is a mapping by component name, which only a pipeline takes; pass one "
-                "path for a single transformer"
+                "checkpoint= is a mapping by component name, which only a pipeline takes; pass one path "
+                "for a single transformer"
             )
         config = AdalnCacheConfig(
             checkpoint=checkpoint,
@@ -1228,8 +1227,8 @@ def enable_adaln_cache(
         checkpoints = {name: checkpoint.get(name) for name in components}
     elif checkpoint is not None and len(components) > 1:
         raise ConfigError(
-            "checkpoint= is one path but the pipeline holds both transformer and transformer_ref, which are "
-            "different checkpoints; pass {'transformer': ..., 'transformer_ref': ...}"
+            "checkpoint= is one path but the pipeline holds both transformer and transformer_ref, which "
+            "are different checkpoints; pass {'transformer': ..., 'transformer_ref': ...}"
         )
     else:
         checkpoints = {name: checkpoint for name in components}
