@@ -110,3 +110,34 @@ def test_pipeline_handle_surface(pipe: Any) -> None:
         handle.disable()
     with pytest.raises(ConfigError, match="pipeline"):
         enable_adaln_cache(object())
+
+
+def test_transformer_and_transformer_ref_get_their_own_caches(pipe: Any, tmp_path: Any) -> None:
+    from adalncache.errors import ConfigError
+    from adalncache.integrations.diffusers import AdalnCachePrepareStep, _denoise_loops
+    from adalncache.tiny import tiny_transformer
+
+    resident = _call(pipe)
+    pipe.update_components(transformer_ref=tiny_transformer("tiny", seed=1))
+    try:
+        with pytest.raises(ConfigError, match="transformer_ref"):
+            enable_adaln_cache(pipe, tmp_path)  # one path cannot serve two different checkpoints
+        handle = enable_adaln_cache(pipe)
+        try:
+            assert set(handle.handles) == {"transformer", "transformer_ref"}
+            assert handle["transformer"].cache is not handle["transformer_ref"].cache
+            # Each denoise loop got a prepare block for the transformer its denoiser drives.
+            targets = {
+                block.transformer_name
+                for loop in _denoise_loops(pipe._blocks)
+                for block in loop.sub_blocks.values()
+                if isinstance(block, AdalnCachePrepareStep)
+            }
+            assert targets == {"transformer", "transformer_ref"}
+            _assert_outputs_equal(resident, _call(pipe))  # t2va runs on `transformer` only
+            assert handle.stats["transformer"].passes == 1
+            assert handle.stats["transformer_ref"].passes == 0
+        finally:
+            handle.disable()
+    finally:
+        pipe.update_components(transformer_ref=None)

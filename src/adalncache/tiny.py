@@ -727,7 +727,11 @@ def tiny_processor(tokenizer: Any) -> Any:
     processor.check_argument_for_proper_class = lambda name, argument: type(argument)
     try:
         Qwen3VLProcessor.__init__(
-            processor, image_processor=Qwen2VLImageProcessorPil(), tokenizer=tokenizer, video_processor=None
+            processor,
+            # Patch geometry of tiny_text_encoder's vision tower (patch 8, merge 2, temporal 2).
+            image_processor=Qwen2VLImageProcessorPil(patch_size=8, temporal_patch_size=2, merge_size=2),
+            tokenizer=tokenizer,
+            video_processor=None,
         )
     finally:
         del processor.check_argument_for_proper_class
