@@ -105,6 +105,10 @@ def test_load_switch_scale_unload(pair: tuple[Any, Any, Any, Any, TinyRequest], 
     scaled = check("scale", attention_kwargs={"scale": 0.5})
     assert not scaled.equal(switched)
     check("scale back")
+    # 0.3 is not a power of two: the decorator's scale-then-divide can leave the scaling an ulp
+    # off afterwards, in both models alike; the signature reads the live value, so this stays exact.
+    check("scale 0.3", attention_kwargs={"scale": 0.3})
+    check("after 0.3")
 
     for pipe in (pipe_r, pipe_c):
         pipe.set_adapters("two")
