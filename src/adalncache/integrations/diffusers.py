@@ -245,8 +245,13 @@ def _device_of(model: nn.Module) -> torch.device:
 
 
 def _read_layer(source: Any, layer: Layer) -> tuple[torch.Tensor, torch.Tensor]:
-    """Read one projection's weight and bias through the weight-source protocol."""
-    return source.read(layer)  # type: ignore[no-any-return]
+    """Read one projection's weight and bias through the weight-source protocol (host tensors)."""
+    for name in ("read", "read_layer"):
+        reader = getattr(source, name, None)
+        if callable(reader):
+            weight, bias = reader(layer)
+            return weight, bias
+    raise ConfigError(f"{type(source).__name__} does not implement the weight-source protocol (read(layer))")
 
 
 class AdalnCacheHandle:
@@ -677,8 +682,11 @@ class AdalnCacheHandle:
         slot = slots[0]
         self._state.slot = slot
         self._state.num_timesteps = int(plan.numel())
+        # One gather for every layer when the cache offers it (one kernel instead of L on a GPU).
         block_all = getattr(self.cache, "block_all", None)
-        self._state.blocks = block_all(slot, int(plan.numel())) if block_all is not None else None
+        blocks = block_all(slot, int(plan.numel())) if callable(block_all) else None
+        usable = isinstance(blocks, (list, tuple)) and len(blocks) == self.spec.num_layers
+        self._state.blocks = blocks if usable else None
 
     # ------------------------------------------------------------------ building
 
