@@ -43,7 +43,7 @@ from diffusers.modular_pipelines.modular_pipeline import (
 from diffusers.modular_pipelines.modular_pipeline_utils import InputParam, OutputParam
 from torch import nn
 
-from ..errors import AdalnCacheError, ConfigError, PlanError, PlanNotCachedError
+from ..errors import CheckpointError, ConfigError, PlanError, PlanNotCachedError
 from ..plans import plan_key
 from ..spec import FINAL, Layer, ModulationSpec
 
@@ -100,6 +100,11 @@ class AdalnCacheConfig:
             raise ConfigError(
                 f"free_time_embedder must be None, True or False, got {self.free_time_embedder!r}"
             )
+
+
+class CheckpointMismatchError(ConfigError, CheckpointError):
+    """The checkpoint given to enable_adaln_cache cannot serve this model (a ConfigError and a
+    CheckpointError: the setting is wrong because the file does not fit)."""
 
 
 class _ServeState:
@@ -244,14 +249,17 @@ def _device_of(model: nn.Module) -> torch.device:
     raise ConfigError("the model holds no materialised parameter; load it before enabling the AdaLN cache")
 
 
+def _read_layers(source: Any, layers: Sequence[Layer]) -> Iterator[tuple[Layer, torch.Tensor, torch.Tensor]]:
+    """Stream ``layers`` from a weight source into host memory, one at a time (with read-ahead)."""
+    for weights in source.stream(list(layers), device=torch.device("cpu")):
+        yield weights.layer, weights.weight, weights.bias
+
+
 def _read_layer(source: Any, layer: Layer) -> tuple[torch.Tensor, torch.Tensor]:
-    """Read one projection's weight and bias through the weight-source protocol (host tensors)."""
-    for name in ("read", "read_layer"):
-        reader = getattr(source, name, None)
-        if callable(reader):
-            weight, bias = reader(layer)
-            return weight, bias
-    raise ConfigError(f"{type(source).__name__} does not implement the weight-source protocol (read(layer))")
+    """Read one projection's weight and bias from a weight source (host tensors)."""
+    for _, weight, bias in _read_layers(source, [layer]):
+        return weight, bias
+    raise ConfigError(f"{type(source).__name__} yielded nothing for layer {layer!r}")
 
 
 class AdalnCacheHandle:
@@ -456,16 +464,23 @@ class AdalnCacheHandle:
             paths = [os.fspath(path) for path in checkpoint]
         elif checkpoint is not None:
             paths = os.fspath(checkpoint)
-        source = CheckpointSource(paths, self.spec, layout=self.config.layout)
+        try:
+            source = CheckpointSource(paths, self.spec, layout=self.config.layout)
+        except CheckpointError as exc:
+            # Missing, misshapen or other-dtype projections: this checkpoint cannot serve this model.
+            raise CheckpointMismatchError(
+                f"checkpoint= (CLI --checkpoint) does not match the model ({self.spec.dtype} projections of "
+                f"{self.spec.num_layers} blocks): {exc}"
+            ) from exc
         if self.config.verify_checkpoint:
             self._verify_checkpoint(source)
         return source
 
     def _verify_checkpoint(self, source: Any) -> None:
         """Stream the checkpoint one layer at a time and refuse it unless it equals the model."""
-        for layer, module in self._projection_modules():
-            base = _base_linear(module)
-            weight, bias = _read_layer(source, layer)
+        modules = dict(self._projection_modules())
+        for layer, weight, bias in _read_layers(source, self.spec.layers()):
+            base = _base_linear(modules[layer])
             where = "norm_out.linear" if layer == FINAL else f"transformer_blocks.{layer}.adaln_proj.linear"
             for name, theirs in (("weight", weight), ("bias", bias)):
                 ours = getattr(base, name).detach()
@@ -473,10 +488,11 @@ class AdalnCacheHandle:
                 same = same and torch.equal(theirs.to(ours.device), ours)
                 if not same:
                     raise ConfigError(
-                        f"checkpoint= (CLI --checkpoint) does not match the model: {where}.{name} differs. "
-                        "A fine-tuned model or one with a fused LoRA must not be served from the base "
-                        "file; pass checkpoint=None to serve the model's own weights, or the checkpoint "
-                        "it was loaded from"
+                        f"checkpoint= (CLI --checkpoint) does not match the model: {where}.{name} differs "
+                        f"(checkpoint {theirs.dtype} {tuple(theirs.shape)}, model {ours.dtype} "
+                        f"{tuple(ours.shape)}). A fine-tuned model or one with a fused LoRA must not be "
+                        "served from the base file; pass checkpoint=None to serve the model's own weights, "
+                        "or the checkpoint it was loaded from"
                     )
 
     def _free_weights(self, free_time_embedder: bool, *, keep_originals: bool) -> None:
@@ -909,11 +925,23 @@ class AdalnCacheHandle:
         return None
 
     def _restore_weights(self) -> None:
+        # Checkpoint-backed weights are read back in one streaming pass (verified equal at enable).
+        reread: dict[tuple[Layer, str], torch.Tensor] = {}
+        layers = sorted(
+            {f.layer for f in self._freed if f.original is None and f.layer is not None},
+            key=lambda layer: self.spec.layers().index(layer),
+        )
+        if layers:
+            for layer, weight, bias in _read_layers(self.source, layers):
+                reread[(layer, "weight")], reread[(layer, "bias")] = weight, bias
         for freed in reversed(self._freed):
             if freed.original is not None and freed.original.device == freed.device:
                 tensor = freed.original
             else:
-                source_tensor = self._real_tensor(freed)
+                source_tensor = freed.original
+                if source_tensor is None:
+                    assert freed.layer is not None  # only projections are checkpoint-backed
+                    source_tensor = reread[(freed.layer, freed.name)]
                 tensor = _aligned_like(source_tensor.shape, source_tensor.dtype, freed.residue, freed.device)
                 tensor.copy_(source_tensor)
             param = tensor if isinstance(tensor, nn.Parameter) else nn.Parameter(tensor, freed.requires_grad)
@@ -1271,13 +1299,13 @@ def adaln_cache_handle(model: nn.Module) -> AdalnCacheHandle | None:
 
 __all__ = [
     "AdalnCacheConfig",
-    "AdalnCacheError",
     "AdalnCacheHandle",
     "AdalnCacheModulationHook",
     "AdalnCacheOutputHook",
     "AdalnCachePrepareStep",
     "AdalnCacheTimeEmbedderHook",
     "AdalnCacheTransformerHook",
+    "CheckpointMismatchError",
     "PipelineAdalnCacheHandle",
     "adaln_cache_handle",
     "enable_adaln_cache",
