@@ -1,0 +1,40 @@
+"""adalncache: serve AdaLN modulation from bit-exact precomputed tables.
+
+The public names are listed in DESIGN.md section 2; see the README for a walk-through.
+"""
+
+from __future__ import annotations
+
+from .cache import AdalnCache, BuildReport, CacheStats
+from .errors import (
+    AdalnCacheError,
+    BuildError,
+    CheckpointError,
+    ConfigError,
+    PlanError,
+    PlanNotCachedError,
+)
+from .plans import plan_key
+from .source import CheckpointSource, TensorSource
+from .spec import ModulationSpec
+from .tiers.store import Store
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AdalnCache",
+    "AdalnCacheError",
+    "BuildError",
+    "BuildReport",
+    "CacheStats",
+    "CheckpointError",
+    "CheckpointSource",
+    "ConfigError",
+    "ModulationSpec",
+    "PlanError",
+    "PlanNotCachedError",
+    "Store",
+    "TensorSource",
+    "__version__",
+    "plan_key",
+]

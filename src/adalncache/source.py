@@ -1,0 +1,722 @@
+"""Weight sources: where the projection bytes of a rebuild pass come from.
+
+Two kinds share one small protocol (:class:`WeightSource`) so the cache never cares where bytes
+come from:
+
+* :class:`CheckpointSource` reads safetensors files (native or diffusers layout, one file, a
+  directory, a sharded checkpoint with its index, or a list of files). It parses the headers
+  itself, validates every projection tensor at construction, and streams one layer at a time
+  with ``pread`` on a background thread, so layer k+1 is read while layer k is projected and at
+  most ``read_ahead + 1`` layers are in memory. Files are opened per pass, so a file replaced by
+  ``rename`` is seen by the next pass and nothing relies on a mapping staying valid.
+* :class:`TensorSource` serves tensors already in memory (a model's own weights), as they are.
+
+Alignment matters for exactness (DESIGN.md): an fp32 GEMV on CPU gives different bits for the
+same weight at different addresses modulo 16 bytes. A model loaded from a safetensors file holds
+memory-mapped views whose address is congruent to the tensor's file offset modulo the page size,
+so every buffer this module reads into is offset to keep that congruence modulo 64.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import json
+import logging
+import os
+import struct
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple, Protocol, runtime_checkable
+
+import torch
+
+from .errors import CheckpointError, ConfigError
+from .spec import FINAL, LAYOUTS, KeyLayout, Layer, ModulationSpec, get_layout
+
+log = logging.getLogger(__name__)
+
+#: safetensors dtype names -> torch dtypes (only what a header may legitimately carry).
+_ST_DTYPES: dict[str, torch.dtype] = {
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "I16": torch.int16,
+    "I32": torch.int32,
+    "I64": torch.int64,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+
+#: Buffers keep the file offset of their data modulo this many bytes (see the module docstring).
+ALIGNMENT = 64
+#: pread chunk: large enough to stream at disk speed, small enough to notice a truncation early.
+_CHUNK = 64 << 20
+#: A header larger than this is not a safetensors header (the format caps it at 100 MB).
+_MAX_HEADER = 100_000_000
+
+
+class Columns(NamedTuple):
+    """A slice ``[start, stop)`` of output features, as a fraction of each layer's width.
+
+    Column-parallel ranks read ``part`` of ``parts`` equal slices of every projection.
+    """
+
+    part: int
+    parts: int
+
+    def bounds(self, width: int) -> tuple[int, int]:
+        size = width // self.parts
+        return self.part * size, (self.part + 1) * size
+
+
+class LayerWeights(NamedTuple):
+    """One projection as a pass sees it: the layer, its weight ``(out, in)`` and bias ``(out,)``."""
+
+    layer: Layer
+    weight: torch.Tensor
+    bias: torch.Tensor
+
+
+@runtime_checkable
+class WeightSource(Protocol):
+    """What the cache needs from a source of projection weights."""
+
+    spec: ModulationSpec
+    layout: KeyLayout
+    bytes_read: int
+
+    @property
+    def fingerprint(self) -> str:
+        """Identity of the bytes served; stores bind entries to it."""
+        ...
+
+    def refresh(self) -> bool:
+        """Re-check the identity cheaply (``stat``, never re-hashing data); True when it changed.
+
+        Raises CheckpointError when the changed source no longer validates.
+        """
+        ...
+
+    def stream(
+        self,
+        layers: Sequence[Layer],
+        *,
+        device: torch.device,
+        columns: Columns | None = None,
+        read_ahead: int = 1,
+    ) -> Iterator[LayerWeights]:
+        """Yield ``layers`` in order, reading ahead; the consumer must finish one before asking the next."""
+        ...
+
+    def describe(self) -> dict[str, Any]:
+        """A JSON-friendly summary for ``inspect`` and logs."""
+        ...
+
+
+# ---------------------------------------------------------------------------------------------
+# safetensors files
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """Where one tensor lives inside a safetensors file."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int  # absolute file offset of the first data byte
+    end: int  # absolute file offset one past the last data byte
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+    @property
+    def torch_dtype(self) -> torch.dtype | None:
+        return _ST_DTYPES.get(self.dtype)
+
+
+@dataclass(frozen=True)
+class FileIdentity:
+    """``stat`` identity of a file: any rewrite, rename-replace or touch changes it."""
+
+    device: int
+    inode: int
+    size: int
+    mtime_ns: int
+
+    @classmethod
+    def of(cls, path: Path) -> FileIdentity:
+        st = os.stat(path)
+        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+@dataclass(frozen=True)
+class SafetensorsHeader:
+    """A parsed safetensors header: tensor entries plus the identity the fingerprint is built from."""
+
+    path: Path
+    identity: FileIdentity
+    digest: str
+    entries: dict[str, TensorEntry]
+
+    @classmethod
+    def read(cls, path: Path) -> SafetensorsHeader:
+        """Parse ``path``'s header, rejecting anything that is not a complete safetensors file."""
+        try:
+            identity = FileIdentity.of(path)
+            with open(path, "rb") as f:
+                prefix = f.read(8)
+                if len(prefix) < 8:
+                    raise CheckpointError(
+                        f"{path} is not a safetensors file ({identity.size} bytes, shorter than the 8-byte "
+                        f"header length): pass a .safetensors checkpoint"
+                    )
+                (length,) = struct.unpack("<Q", prefix)
+                if length <= 0 or length > _MAX_HEADER or 8 + length > identity.size:
+                    raise CheckpointError(
+                        f"{path} is not a safetensors file (header length {length} does not fit the "
+                        f"{identity.size}-byte file): pass a .safetensors checkpoint, or re-save it if it "
+                        f"was truncated"
+                    )
+                raw = f.read(length)
+        except OSError as exc:
+            raise CheckpointError(f"cannot read checkpoint file {path}: {exc}") from exc
+        try:
+            header = json.loads(raw)
+            if not isinstance(header, dict):
+                raise ValueError("header is not a JSON object")
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise CheckpointError(
+                f"{path} is not a safetensors file (its header is not valid JSON: {exc}): pass a "
+                f".safetensors checkpoint"
+            ) from None
+        data_start = 8 + length
+        entries: dict[str, TensorEntry] = {}
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            try:
+                begin, end = (int(v) for v in info["data_offsets"])
+                entry = TensorEntry(
+                    name,
+                    str(info["dtype"]),
+                    tuple(int(s) for s in info["shape"]),
+                    data_start + begin,
+                    data_start + end,
+                )
+            except (KeyError, TypeError, ValueError):
+                raise CheckpointError(f"{path}: malformed header entry for tensor {name!r}") from None
+            if entry.end > identity.size or entry.begin > entry.end:
+                raise CheckpointError(
+                    f"{path} is truncated: tensor {name!r} ends at byte {entry.end} but the file has "
+                    f"{identity.size} bytes; re-save or re-download the checkpoint"
+                )
+            entries[name] = entry
+        digest = hashlib.sha256(prefix + raw).hexdigest()
+        return cls(path, identity, digest, entries)
+
+
+def _files_of(
+    path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+) -> tuple[list[Path], Path | None]:
+    """Resolve ``path`` into checkpoint files, plus the index json that named them (if any)."""
+    if isinstance(path, (list, tuple)):
+        files = [Path(p) for p in path]
+        if not files:
+            raise CheckpointError(
+                "the list of checkpoint files is empty: pass at least one .safetensors file"
+            )
+        for file in files:
+            if not file.is_file():
+                raise CheckpointError(f"checkpoint file {file} does not exist")
+        return files, None
+    root = Path(path)  # type: ignore[arg-type]
+    if root.is_file():
+        return [root], None
+    if not root.is_dir():
+        raise CheckpointError(
+            f"checkpoint path {root} does not exist: pass a .safetensors file, a directory of them, or a "
+            f"list of files"
+        )
+    indexes = sorted(root.glob("*.safetensors.index.json"))
+    if len(indexes) > 1:
+        raise CheckpointError(
+            f"{root} holds several index files ({', '.join(p.name for p in indexes)}): pass the files of one "
+            f"checkpoint as a list, or the directory of one checkpoint"
+        )
+    if indexes:
+        index = indexes[0]
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise CheckpointError(
+                f"{index} is not a valid safetensors index (needs a weight_map): {exc}"
+            ) from None
+        base = root.resolve()
+        files = []
+        for name in names:
+            file = (root / name).resolve()
+            if base not in file.parents:
+                raise CheckpointError(
+                    f"{index} points at {name!r}, outside the checkpoint directory {root}: an index may only "
+                    f"name files inside its own directory"
+                )
+            if not file.is_file():
+                raise CheckpointError(f"{index} names {name!r}, which does not exist in {root}")
+            files.append(file)
+        return files, index
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors files in {root}: pass a directory that holds the checkpoint")
+    return files, None
+
+
+def _tensor_problem(
+    spec: ModulationSpec,
+    name: str,
+    shape: tuple[int, ...] | None,
+    dtype: torch.dtype | str | None,
+    want: tuple[int, ...],
+) -> str | None:
+    """Why a projection tensor cannot be used, or None."""
+    if shape is None:
+        return f"{name}: missing"
+    if tuple(shape) != want:
+        return f"{name}: shape {list(shape)}, expected {list(want)}"
+    if dtype != spec.dtype:
+        shown = str(dtype).removeprefix("torch.")
+        return (
+            f"{name}: dtype {shown}, expected {str(spec.dtype).removeprefix('torch.')} (ModulationSpec.dtype)"
+        )
+    return None
+
+
+def _expected(spec: ModulationSpec, layout: KeyLayout) -> list[tuple[Layer, str, tuple[int, ...]]]:
+    out: list[tuple[Layer, str, tuple[int, ...]]] = []
+    for layer in spec.layers():
+        width = spec.out_features(layer)
+        out.append((layer, layout.weight(layer), (width, spec.time_embed_dim)))
+        out.append((layer, layout.bias(layer), (width,)))
+    return out
+
+
+def _detect_layout(
+    names: set[str] | Mapping[str, Any], spec: ModulationSpec, layout: str, where: str
+) -> KeyLayout:
+    if layout != "auto":
+        return get_layout(layout)
+    scores = {name: sum(key in names for _, key, _ in _expected(spec, lay)) for name, lay in LAYOUTS.items()}
+    best = max(scores, key=lambda n: scores[n])
+    if scores[best] == 0:
+        raise CheckpointError(
+            f"{where} holds no AdaLN projection in a known layout (looked for "
+            f"{LAYOUTS['native'].weight(0)!r} and {LAYOUTS['diffusers'].weight(0)!r}): pass a MiniMax-H3 "
+            f"transformer checkpoint, or set layout= (CLI --layout)"
+        )
+    return LAYOUTS[best]
+
+
+def _raise_problems(problems: list[str], where: str, layout: KeyLayout) -> None:
+    if not problems:
+        return
+    shown = problems[:20]
+    more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
+    raise CheckpointError(
+        f"{len(problems)} AdaLN projection tensor(s) unusable in {layout.name} layout ({where}):\n  "
+        + "\n  ".join(shown)
+        + more
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# reading
+
+
+def _aligned_empty(nbytes: int, file_offset: int, *, pin: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """A uint8 buffer whose data address is congruent to ``file_offset`` modulo ALIGNMENT.
+
+    Returns (storage, view): keep ``storage`` alive for as long as ``view`` is used.
+    """
+    storage = torch.empty(nbytes + ALIGNMENT, dtype=torch.uint8, pin_memory=pin)
+    pad = (file_offset - storage.data_ptr()) % ALIGNMENT
+    return storage, storage[pad : pad + nbytes]
+
+
+def _pread_into(fd: int, view: torch.Tensor, offset: int, path: Path, what: str) -> int:
+    """Fill ``view`` (contiguous uint8, CPU) from ``fd`` at ``offset``; every byte is really read."""
+    total = view.numel()
+    base = view.data_ptr()
+    done = 0
+    while done < total:
+        n = min(_CHUNK, total - done)
+        chunk = (ctypes.c_char * n).from_address(base + done)
+        got = os.preadv(fd, [memoryview(chunk).cast("B")], offset + done)  # releases the GIL
+        if got <= 0:
+            raise CheckpointError(
+                f"{path} ended at byte {offset + done} while reading {what}: the file was truncated or "
+                f"rewritten during the pass; restore it and retry"
+            )
+        done += got
+    return total
+
+
+class CheckpointSource:
+    """Projection weights streamed from safetensors files (see the module docstring)."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+        spec: ModulationSpec,
+        *,
+        layout: str = "auto",
+    ) -> None:
+        if not isinstance(spec, ModulationSpec):
+            raise ConfigError(f"CheckpointSource needs a ModulationSpec as spec, got {type(spec).__name__}")
+        self.spec = spec
+        self.path = path
+        self._layout_arg = layout
+        if layout != "auto":
+            get_layout(layout)
+        self.bytes_read = 0
+        self._lock = threading.Lock()
+        self._load()
+
+    # -- identity ---------------------------------------------------------------------------
+
+    def _load(self) -> None:
+        """(Re)resolve files, parse headers and validate; only commits state when all is well."""
+        files, index = _files_of(self.path)
+        headers = [SafetensorsHeader.read(f) for f in files]
+        where: dict[str, SafetensorsHeader] = {}
+        for header in headers:
+            for name in header.entries:
+                where.setdefault(name, header)
+        searched = ", ".join(str(f) for f in files)
+        layout = _detect_layout(where, self.spec, self._layout_arg, f"checkpoint ({searched})")
+        problems = []
+        for _, key, shape in _expected(self.spec, layout):
+            header = where.get(key)
+            entry = header.entries[key] if header else None
+            problem = _tensor_problem(
+                self.spec,
+                key,
+                entry.shape if entry else None,
+                (entry.torch_dtype or entry.dtype) if entry else None,
+                shape,
+            )
+            if problem:
+                problems.append(problem)
+        _raise_problems(problems, f"files searched: {searched}", layout)
+        self.files = files
+        self.index = index
+        self.layout = layout
+        self._headers = headers
+        self._where = where
+        self._index_identity = FileIdentity.of(index) if index else None
+        digest = hashlib.sha256()
+        for header in headers:
+            ident = header.identity
+            digest.update(
+                f"{header.path.resolve()}|{ident.device}|{ident.inode}|{ident.size}|{ident.mtime_ns}|"
+                f"{header.digest}\n".encode()
+            )
+        self._fingerprint = digest.hexdigest()
+
+    @property
+    def fingerprint(self) -> str:
+        return self._fingerprint
+
+    def _identities_changed(self) -> bool:
+        try:
+            if any(FileIdentity.of(h.path) != h.identity for h in self._headers):
+                return True
+            if self.index is not None and FileIdentity.of(self.index) != self._index_identity:
+                return True
+        except OSError:
+            return True
+        return False
+
+    def refresh(self) -> bool:
+        """``stat`` every file; on any change re-parse headers and re-validate (CheckpointError if bad)."""
+        if not self._identities_changed():
+            return False
+        old = self._fingerprint
+        self._load()
+        log.info(
+            "checkpoint %s changed on disk (fingerprint %s -> %s)",
+            self.path,
+            old[:12],
+            self._fingerprint[:12],
+        )
+        return self._fingerprint != old
+
+    # -- streaming --------------------------------------------------------------------------
+
+    def entry(self, name: str) -> tuple[SafetensorsHeader, TensorEntry]:
+        header = self._where[name]
+        return header, header.entries[name]
+
+    def _read_tensor(
+        self,
+        fds: dict[Path, int],
+        name: str,
+        rows: tuple[int, int] | None,
+        pin: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        header, entry = self.entry(name)
+        dtype = entry.torch_dtype
+        assert dtype is not None  # validated
+        shape = list(entry.shape)
+        row_elems = 1
+        for s in shape[1:]:
+            row_elems *= s
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        offset, nbytes = entry.begin, entry.nbytes
+        if rows is not None:
+            start, stop = rows
+            offset = entry.begin + start * row_elems * itemsize
+            nbytes = (stop - start) * row_elems * itemsize
+            shape[0] = stop - start
+        storage, view = _aligned_empty(nbytes, offset, pin=pin)
+        self._count(_pread_into(fds[header.path], view, offset, header.path, name))
+        return storage, view.view(dtype).view(shape)
+
+    def _count(self, n: int) -> None:
+        with self._lock:
+            self.bytes_read += n
+
+    def read_layer(
+        self, fds: dict[Path, int], layer: Layer, *, columns: Columns | None = None, pin: bool = False
+    ) -> tuple[LayerWeights, list[torch.Tensor]]:
+        """Read one layer's weight and bias (really reading every byte); returns keep-alive storages."""
+        rows = columns.bounds(self.spec.out_features(layer)) if columns else None
+        w_store, weight = self._read_tensor(fds, self.layout.weight(layer), rows, pin)
+        b_store, bias = self._read_tensor(fds, self.layout.bias(layer), rows, pin)
+        return LayerWeights(layer, weight, bias), [w_store, b_store]
+
+    @contextlib.contextmanager
+    def open_files(self) -> Iterator[dict[Path, int]]:
+        """Open every file for one pass (files are never kept open between passes)."""
+        fds: dict[Path, int] = {}
+        try:
+            for header in self._headers:
+                try:
+                    fds[header.path] = os.open(header.path, os.O_RDONLY)
+                except OSError as exc:
+                    raise CheckpointError(f"cannot open checkpoint file {header.path}: {exc}") from exc
+            yield fds
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+
+    def stream(
+        self,
+        layers: Sequence[Layer],
+        *,
+        device: torch.device | str = "cpu",
+        columns: Columns | None = None,
+        read_ahead: int = 1,
+    ) -> Iterator[LayerWeights]:
+        """Yield each layer, reading up to ``read_ahead`` layers ahead on a background thread.
+
+        At most ``read_ahead + 1`` layers are held in host memory at once: the one the consumer
+        projects and those being read. On CUDA the host buffers are pinned and copied to the device
+        on a side stream, so the copy of layer k+1 overlaps the projection of layer k.
+        """
+        device = torch.device(device)
+        if read_ahead < 0:
+            raise ConfigError(f"read_ahead must be >= 0, got {read_ahead}")
+        cuda = device.type == "cuda"
+        copy_stream = torch.cuda.Stream(device) if cuda else None
+        todo = list(layers)
+
+        def load(fds: dict[Path, int], layer: Layer) -> LayerWeights:
+            lw, keep = self.read_layer(fds, layer, columns=columns, pin=cuda)
+            if copy_stream is None:
+                return lw  # the views keep their buffers alive; nothing else holds them
+            # Runs on the reader thread: the pinned buffer is copied on a side stream, and the
+            # thread waits for the copy so the buffer can be freed (pinned memory is not reused
+            # while a DMA may still read it).
+            with torch.cuda.stream(copy_stream):
+                weight = lw.weight.to(device, non_blocking=True)
+                bias = lw.bias.to(device, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(copy_stream)
+            done.synchronize()
+            del keep
+            return LayerWeights(layer, weight, bias)
+
+        with self.open_files() as fds, ThreadPoolExecutor(1, thread_name_prefix="adalncache-read") as pool:
+            pending: list[Future[LayerWeights]] = []
+            submitted = 0
+
+            def submit() -> None:
+                nonlocal submitted
+                if submitted < len(todo):
+                    pending.append(pool.submit(load, fds, todo[submitted]))
+                    submitted += 1
+
+            try:
+                submit()
+                for _ in range(len(todo)):
+                    lw = pending.pop(0).result()
+                    # Read ahead while the consumer projects this layer: at most read_ahead + 1
+                    # layers are alive at once (this one and those being read).
+                    while len(pending) < read_ahead and submitted < len(todo):
+                        submit()
+                    if cuda:
+                        # The block was allocated on the copy stream; tell the allocator the
+                        # compute stream uses it, so it is not handed back to the next copy early.
+                        current = torch.cuda.current_stream(device)
+                        lw.weight.record_stream(current)
+                        lw.bias.record_stream(current)
+                    yield lw
+                    del lw
+                    if not pending:
+                        submit()
+            finally:
+                for fut in pending:
+                    fut.cancel()
+                for fut in pending:
+                    with contextlib.suppress(BaseException):
+                        fut.result()
+
+    def describe(self) -> dict[str, Any]:
+        tensors = []
+        total = 0
+        for layer, key, _ in _expected(self.spec, self.layout):
+            header, entry = self.entry(key)
+            total += entry.nbytes
+            tensors.append(
+                {"name": key, "file": header.path.name, "shape": list(entry.shape), "dtype": entry.dtype}
+            )
+        return {
+            "kind": "checkpoint",
+            "path": str(self.path),
+            "files": [str(f) for f in self.files],
+            "index": str(self.index) if self.index else None,
+            "layout": self.layout.name,
+            "projection_tensors": len(tensors),
+            "projection_bytes": total,
+            "fingerprint": self.fingerprint,
+            "spec": self.spec.describe(),
+            "tensors": tensors,
+        }
+
+    def __repr__(self) -> str:
+        return f"CheckpointSource({str(self.path)!r}, layout={self.layout.name!r}, files={len(self.files)})"
+
+
+class TensorSource:
+    """Projection weights already in memory, used exactly as they are (never copied).
+
+    ``tensors`` maps native or diffusers names to tensors. The fingerprint covers each tensor's
+    address, shape, dtype, device and in-place version counter, so replacing or editing a weight
+    in place (a fused LoRA, say) is noticed by the next build.
+    """
+
+    def __init__(
+        self, tensors: Mapping[str, torch.Tensor], spec: ModulationSpec, *, layout: str = "auto"
+    ) -> None:
+        if not isinstance(spec, ModulationSpec):
+            raise ConfigError(f"TensorSource needs a ModulationSpec as spec, got {type(spec).__name__}")
+        if not isinstance(tensors, Mapping):
+            raise ConfigError(
+                f"TensorSource needs a mapping of tensor names to tensors, got {type(tensors).__name__}"
+            )
+        self.spec = spec
+        self.layout = _detect_layout(tensors, spec, layout, "the tensors given to TensorSource")
+        problems = []
+        for _, key, shape in _expected(spec, self.layout):
+            t = tensors.get(key)
+            if t is not None and not isinstance(t, torch.Tensor):
+                problems.append(f"{key}: not a tensor ({type(t).__name__})")
+                continue
+            if t is not None and t.device.type == "meta":
+                problems.append(f"{key}: a meta tensor holds no data")
+                continue
+            problem = _tensor_problem(
+                spec,
+                key,
+                tuple(t.shape) if t is not None else None,
+                t.dtype if t is not None else None,
+                shape,
+            )
+            if problem:
+                problems.append(problem)
+        _raise_problems(problems, "tensors given to TensorSource", self.layout)
+        self.tensors = {key: tensors[key] for _, key, _ in _expected(spec, self.layout)}
+        self.bytes_read = 0
+        self._fingerprint = self._compute_fingerprint()
+
+    def _compute_fingerprint(self) -> str:
+        digest = hashlib.sha256()
+        for key, t in self.tensors.items():
+            digest.update(
+                f"{key}|{t.data_ptr()}|{tuple(t.shape)}|{t.dtype}|{t.device}|{t._version}\n".encode()
+            )
+        return digest.hexdigest()
+
+    @property
+    def fingerprint(self) -> str:
+        return self._fingerprint
+
+    def refresh(self) -> bool:
+        new = self._compute_fingerprint()
+        changed = new != self._fingerprint
+        self._fingerprint = new
+        return changed
+
+    def stream(
+        self,
+        layers: Sequence[Layer],
+        *,
+        device: torch.device | str = "cpu",
+        columns: Columns | None = None,
+        read_ahead: int = 1,
+    ) -> Iterator[LayerWeights]:
+        device = torch.device(device)
+        for layer in layers:
+            weight = self.tensors[self.layout.weight(layer)]
+            bias = self.tensors[self.layout.bias(layer)]
+            if columns is not None:
+                start, stop = columns.bounds(self.spec.out_features(layer))
+                weight, bias = weight[start:stop], bias[start:stop]
+            self.bytes_read += weight.numel() * weight.element_size() + bias.numel() * bias.element_size()
+            if weight.device != device:
+                weight, bias = weight.to(device), bias.to(device)
+            yield LayerWeights(layer, weight, bias)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "kind": "tensors",
+            "layout": self.layout.name,
+            "projection_tensors": len(self.tensors),
+            "projection_bytes": sum(t.numel() * t.element_size() for t in self.tensors.values()),
+            "fingerprint": self.fingerprint,
+            "spec": self.spec.describe(),
+        }
+
+    def __repr__(self) -> str:
+        return f"TensorSource({len(self.tensors)} tensors, layout={self.layout.name!r})"
+
+
+__all__ = [
+    "FINAL",
+    "CheckpointSource",
+    "Columns",
+    "LayerWeights",
+    "TensorSource",
+    "WeightSource",
+]

@@ -1,0 +1,154 @@
+"""Test seams: make chosen reads or build phases fail, without monkeypatching private names.
+
+* :class:`FaultInjectingSource` wraps any weight source and raises when a chosen layer is read
+  (a block index or ``"final"``), for the first ``times`` passes that reach it.
+* :func:`inject_faults` makes a named phase of a cache's build raise (``"embed"``, ``"project"``,
+  ``"publish"``, ``"host_write"``, ``"host_read"``, ``"store_write"``, ``"store_read"``).
+
+Both are part of the public API so users can test their own error handling the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .errors import ConfigError
+from .faults import NO_FAULTS, POINTS, FaultPoints
+from .source import Columns, LayerWeights, WeightSource
+from .spec import FINAL, Layer
+
+if TYPE_CHECKING:
+    from .cache import AdalnCache
+
+
+def _make_exc(exc: BaseException | type[BaseException], where: str) -> BaseException:
+    if isinstance(exc, BaseException):
+        return exc
+    return exc(f"injected fault at {where}")
+
+
+class FaultInjectingSource:
+    """A weight source that fails when ``fail_at`` is read.
+
+    ``fail_at``: a layer (int or ``"final"``), several layers, or ``None`` (no fault, until
+    :meth:`arm`). ``exc``: an exception instance or class (default ``OSError``). ``times``: how
+    many reads of a chosen layer fail before reads succeed again (``None``: always). Everything
+    else (``spec``, ``fingerprint``, ``bytes_read``...) is the wrapped source's.
+    """
+
+    def __init__(
+        self,
+        source: WeightSource,
+        fail_at: Layer | Iterable[Layer] | None = None,
+        exc: BaseException | type[BaseException] = OSError,
+        *,
+        times: int | None = 1,
+    ) -> None:
+        self.source = source
+        self.faults = 0
+        self.arm(fail_at, exc, times=times)
+
+    def arm(
+        self,
+        fail_at: Layer | Iterable[Layer] | None,
+        exc: BaseException | type[BaseException] = OSError,
+        *,
+        times: int | None = 1,
+    ) -> None:
+        """Choose where the next reads fail (``None`` disarms)."""
+        if fail_at is None:
+            layers: set[Layer] = set()
+        elif isinstance(fail_at, (int, str)):
+            layers = {fail_at}
+        else:
+            layers = set(fail_at)
+        valid = set(self.source.spec.layers())
+        bad = layers - valid
+        if bad:
+            raise ConfigError(f"fail_at must name layers 0..{self.source.spec.num_layers - 1} or 'final', got {bad}")
+        self.fail_at = layers
+        self.exc = exc
+        self.remaining = times
+
+    def disarm(self) -> None:
+        self.arm(None)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.source, name)
+
+    @property
+    def fingerprint(self) -> str:
+        return self.source.fingerprint
+
+    @property
+    def bytes_read(self) -> int:  # type: ignore[override]
+        return self.source.bytes_read
+
+    def refresh(self) -> bool:
+        return self.source.refresh()
+
+    def stream(
+        self,
+        layers: Sequence[Layer],
+        *,
+        device: torch.device | str = "cpu",
+        columns: Columns | None = None,
+        read_ahead: int = 1,
+    ) -> Iterator[LayerWeights]:
+        inner = self.source.stream(layers, device=device, columns=columns, read_ahead=read_ahead)
+        with contextlib.closing(inner):  # type: ignore[type-var]
+            for layer in layers:
+                if layer in self.fail_at and (self.remaining is None or self.remaining > 0):
+                    if self.remaining is not None:
+                        self.remaining -= 1
+                    self.faults += 1
+                    raise _make_exc(self.exc, f"read of layer {layer}")
+                item = next(inner)
+                yield item
+
+    def describe(self) -> dict[str, Any]:
+        return self.source.describe()
+
+
+class _Injected(FaultPoints):
+    def __init__(self, points: set[str], exc: BaseException | type[BaseException], times: int | None) -> None:
+        self.points = points
+        self.exc = exc
+        self.remaining = times
+        self.fired = 0
+
+    def check(self, point: str) -> None:
+        if point in self.points and (self.remaining is None or self.remaining > 0):
+            if self.remaining is not None:
+                self.remaining -= 1
+            self.fired += 1
+            raise _make_exc(self.exc, point)
+
+
+@contextlib.contextmanager
+def inject_faults(
+    cache: AdalnCache,
+    at: str | Iterable[str],
+    exc: BaseException | type[BaseException] = RuntimeError,
+    *,
+    times: int | None = 1,
+) -> Iterator[_Injected]:
+    """Within the block, make ``cache``'s build raise ``exc`` at the named phase(s)."""
+    points = {at} if isinstance(at, str) else set(at)
+    unknown = points - set(POINTS)
+    if unknown:
+        raise ConfigError(f"unknown fault point(s) {sorted(unknown)}: choose from {list(POINTS)}")
+    injected = _Injected(points, exc, times)
+    previous = cache.fault_points
+    cache.fault_points = injected
+    try:
+        yield injected
+    finally:
+        cache.fault_points = previous if previous is not injected else NO_FAULTS
+
+
+__all__ = ["FINAL", "FaultInjectingSource", "inject_faults"]
