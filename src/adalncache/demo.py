@@ -150,7 +150,7 @@ def _print_result(result: DemoResult) -> None:
         ("passes", f"{result.passes} rebuild pass{'es' if result.passes != 1 else ''} for the whole request"),
         ("AdaLN bytes on device", f"{before} resident -> {after} cached"),
         ("per-step time", f"{result.resident_ms:.2f} ms resident, {result.cached_ms:.2f} ms cached (median)"),
-        ("cache stats", ", ".join(f"{k}={v}" for k, v in result.stats.items())),
+        ("cache stats", ", ".join(f"{k}={v}" for k, v in result.stats.items() if v or k == "passes")),
     ]
     width = max(len(name) for name, _ in rows)
     print()
