@@ -213,12 +213,18 @@ def _base_linear(module: nn.Module) -> nn.Module:
     return base if isinstance(base, nn.Module) else module
 
 
+_TUNER_LAYER: list[type] = []
+
+
 def _is_tuner_layer(module: nn.Module) -> bool:
-    try:
-        from peft.tuners.tuners_utils import BaseTunerLayer
-    except ImportError:  # pragma: no cover - peft is optional
-        return False
-    return isinstance(module, BaseTunerLayer)
+    """Whether ``module`` is a peft tuner layer (a LoRA wrapper); peft is imported once, lazily."""
+    if not _TUNER_LAYER:
+        try:
+            from peft.tuners.tuners_utils import BaseTunerLayer
+        except ImportError:  # pragma: no cover - peft is optional
+            return False
+        _TUNER_LAYER.append(BaseTunerLayer)
+    return isinstance(module, _TUNER_LAYER[0])
 
 
 def _aligned_like(
@@ -292,7 +298,7 @@ class AdalnCacheHandle:
         self.spec = ModulationSpec.from_transformer(model)
         self.device = _device_of(model)
         self.source: Any = None
-        self.cache: AdalnCache = None
+        self.cache: AdalnCache  # set by _enable(), which every constructor of a handle calls
 
     # ------------------------------------------------------------------ public
 
@@ -583,9 +589,10 @@ class AdalnCacheHandle:
         self._hooked_output = current
         HookRegistry.check_if_exists_or_initialize(self.model).invalidate_child_registries_cache()
 
-    def _sync(self) -> None:
+    def _sync(self, tuners: Sequence[tuple[str, Any]]) -> None:
+        """Before any build or serve: output hook on the live module, no fuse/unfuse since enabling."""
         self._sync_output_hook()
-        merged = self._merged_state()
+        merged = self._merged_state(tuners)
         if merged != self._merged_at_enable:
             raise ConfigError(
                 "a LoRA was fused into (or unfused from) the AdaLN projections or the time embedder while "
@@ -593,13 +600,17 @@ class AdalnCacheHandle:
                 "again"
             )
 
-    def _merged_state(self) -> tuple[Any, ...]:
+    def _merged_state(self, tuners: Sequence[tuple[str, Any]] | None = None) -> tuple[Any, ...]:
         """Which served modules have which adapters fused into their (base) weights."""
+        if tuners is None:
+            tuners = self._tuner_modules()
         return tuple(
-            (name, tuple(module.merged_adapters))
-            for name, module in self._lora_modules()
-            if _is_tuner_layer(module) and module.merged_adapters
+            (name, tuple(module.merged_adapters)) for name, module in tuners if module.merged_adapters
         )
+
+    def _tuner_modules(self) -> list[tuple[str, Any]]:
+        """The served modules that are peft LoRA wrappers right now (usually none)."""
+        return [(name, module) for name, module in self._lora_modules() if _is_tuner_layer(module)]
 
     def _lora_modules(self) -> list[tuple[str, Any]]:
         """Every module whose LoRA shapes the served outputs (current objects)."""
@@ -611,7 +622,9 @@ class AdalnCacheHandle:
             named.append((f"time_embedder.linear_{index + 1}", linear))
         return named
 
-    def _signature(self) -> tuple[tuple[Any, ...] | None, list[torch.Tensor]]:
+    def _signature(
+        self, tuners: Sequence[tuple[str, Any]]
+    ) -> tuple[tuple[Any, ...] | None, list[torch.Tensor]]:
         """The LoRA signature of the served modules, and the adapter tensors it names.
 
         Everything that shapes the effective projection: the active adapters, whether adapters are
@@ -623,9 +636,7 @@ class AdalnCacheHandle:
         """
         entries: list[tuple[Any, ...]] = []
         refs: list[torch.Tensor] = []
-        for name, module in self._lora_modules():
-            if not _is_tuner_layer(module):
-                continue
+        for name, module in tuners:
             tensors = []
             for param_name, param in module.named_parameters():
                 if param_name.startswith("base_layer."):
@@ -665,9 +676,7 @@ class AdalnCacheHandle:
         if plan.dtype != torch.float32 or plan.dim() != 1:
             plan = plan.to(torch.float32).flatten()
         key = plan_key(plan)  # the one host read of the plan this forward makes
-        self._sync()
-        with _applied_lora_scale(self._lora_modules(), scale):
-            variant, refs = self._signature()
+        tuners, variant, refs = self._current_signature(scale)
         if self.config.on_miss == "raise":
             if variant != self._variant:
                 raise PlanNotCachedError(
@@ -680,9 +689,9 @@ class AdalnCacheHandle:
                 raise PlanNotCachedError(
                     f"{exc}; call handle.prepare(plans) before the loop, or enable with on_miss='build'"
                 ) from None
-            report = self._run_build([plan], scale, variant, refs)
+            report = self._run_build([plan], scale, variant, refs, tuners)
         else:
-            report = self._run_build([plan], scale, variant, refs)
+            report = self._run_build([plan], scale, variant, refs, tuners)
             if report.passes:
                 message = (
                     "AdaLN cache: a forward's plan was not prepared and was built on the spot (one "
@@ -706,22 +715,31 @@ class AdalnCacheHandle:
 
     # ------------------------------------------------------------------ building
 
+    def _current_signature(
+        self, scale: float
+    ) -> tuple[list[tuple[str, Any]], tuple[Any, ...] | None, list[torch.Tensor]]:
+        """Sync the hooks, check for fuses, and read the LoRA signature the forward will run under."""
+        tuners = self._tuner_modules()
+        self._sync(tuners)
+        with _applied_lora_scale(tuners, scale):
+            variant, refs = self._signature(tuners)
+        return tuners, variant, refs
+
     def _build(self, plans: Sequence[torch.Tensor], scale: float) -> BuildReport:
-        self._sync()
-        with _applied_lora_scale(self._lora_modules(), scale):
-            variant, refs = self._signature()
-        return self._run_build(plans, scale, variant, refs)
+        tuners, variant, refs = self._current_signature(scale)
+        return self._run_build(plans, scale, variant, refs, tuners)
 
     def _run_build(
-        self, plans: Sequence[torch.Tensor], scale: float, variant: Any, refs: list[torch.Tensor]
+        self,
+        plans: Sequence[torch.Tensor],
+        scale: float,
+        variant: Any,
+        refs: list[torch.Tensor],
+        tuners: Sequence[tuple[str, Any]],
     ) -> BuildReport:
         # The time embedder (when freed) is put back lazily by the first embed of a pass and taken
         # off again when the build returns, so a build that hits costs no copy.
-        with (
-            contextlib.ExitStack() as stack,
-            torch.no_grad(),
-            _applied_lora_scale(self._lora_modules(), scale),
-        ):
+        with contextlib.ExitStack() as stack, torch.no_grad(), _applied_lora_scale(tuners, scale):
             self._time_embedder_stack = stack
             try:
                 report = self.cache.build(plans, embed=self._embed, project=self._project, variant=variant)
@@ -1005,7 +1023,7 @@ def _applied_lora_scale(modules: Sequence[tuple[str, Any]], scale: float) -> Ite
     if scale == 1.0 or not USE_PEFT_BACKEND:
         yield
         return
-    layers = [module for _, module in modules if _is_tuner_layer(module)]
+    layers = [module for _, module in modules if _is_tuner_layer(module)]  # callers pass tuners
     saved = [dict(module.scaling) for module in layers]
     try:
         for module in layers:
