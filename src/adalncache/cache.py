@@ -442,10 +442,12 @@ class AdalnCache:
         except BaseException as exc:
             if getattr(exc, "adalncache_failed_at", None) is None:
                 with contextlib.suppress(AttributeError, TypeError):
-                    exc.adalncache_failed_at = where  # type: ignore[union-attr]
+                    setattr(exc, "adalncache_failed_at", where)  # noqa: B010
             raise
 
-    def _embed_all(self, keys: list[PlanKey], tensors: dict[PlanKey, torch.Tensor], embed: EmbedFn) -> dict[PlanKey, torch.Tensor]:
+    def _embed_all(
+        self, keys: list[PlanKey], tensors: dict[PlanKey, torch.Tensor], embed: EmbedFn
+    ) -> dict[PlanKey, torch.Tensor]:
         out: dict[PlanKey, torch.Tensor] = {}
         want_dtype = torch.float32 if self.precision == "fp32" else self.spec.dtype
         for key in keys:
@@ -490,18 +492,17 @@ class AdalnCache:
                 stream = self.source.stream(
                     plan_of.layers, device=self.device, columns=plan_of.columns, read_ahead=self.read_ahead
                 )
-                with contextlib.closing(stream):  # type: ignore[type-var]
-                    with self._failing_at("read"):
-                        for lw in self._labelled(stream, plan_of.layers):
-                            current = f"layer {lw.layer}"
-                            weight, bias = (lw.weight.float(), lw.bias.float()) if fp32 else (lw.weight, lw.bias)
-                            for key in keys:
-                                with self._failing_at(f"projection of {current}"):
-                                    self.fault_points.check("project")
-                                    y = project(lw.layer, xs[key], weight, bias)
-                                    self._write_projection(slots[key], lw.layer, y, plan_of.columns, current)
-                            report.layers_read.append(str(lw.layer))
-                            bar.update(1)
+                with contextlib.closing(stream), self._failing_at("read"):  # type: ignore[type-var]
+                    for lw in self._labelled(stream, plan_of.layers):
+                        current = f"layer {lw.layer}"
+                        weight, bias = (lw.weight.float(), lw.bias.float()) if fp32 else (lw.weight, lw.bias)
+                        for key in keys:
+                            with self._failing_at(f"projection of {current}"):
+                                self.fault_points.check("project")
+                                y = project(lw.layer, xs[key], weight, bias)
+                                self._write_projection(slots[key], lw.layer, y, plan_of.columns, current)
+                        report.layers_read.append(str(lw.layer))
+                        bar.update(1)
             except BaseException as exc:
                 failure = exc
             finally:
@@ -524,7 +525,7 @@ class AdalnCache:
             except BaseException as exc:
                 if getattr(exc, "adalncache_failed_at", None) is None:
                     with contextlib.suppress(AttributeError, TypeError):
-                        exc.adalncache_failed_at = f"read of layer {layer}"  # type: ignore[union-attr]
+                        setattr(exc, "adalncache_failed_at", f"read of layer {layer}")  # noqa: B010
                 raise
             yield item
 

@@ -110,7 +110,7 @@ class WeightSource(Protocol):
         self,
         layers: Sequence[Layer],
         *,
-        device: torch.device,
+        device: torch.device | str,
         columns: Columns | None = None,
         read_ahead: int = 1,
     ) -> Iterator[LayerWeights]:
@@ -406,8 +406,8 @@ class CheckpointSource:
         layout = _detect_layout(where, self.spec, self._layout_arg, f"checkpoint ({searched})")
         problems = []
         for _, key, shape in _expected(self.spec, layout):
-            header = where.get(key)
-            entry = header.entries[key] if header else None
+            holder = where.get(key)
+            entry = holder.entries[key] if holder else None
             problem = _tensor_problem(
                 self.spec,
                 key,
@@ -595,7 +595,7 @@ class CheckpointSource:
     def describe(self) -> dict[str, Any]:
         tensors = []
         total = 0
-        for layer, key, _ in _expected(self.spec, self.layout):
+        for _, key, _ in _expected(self.spec, self.layout):
             header, entry = self.entry(key)
             total += entry.nbytes
             tensors.append(
