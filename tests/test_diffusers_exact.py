@@ -119,9 +119,7 @@ def test_mismatched_checkpoint_is_refused(load_tiny: Callable[[str], Any], tmp_p
     enable_adaln_cache(model).disable()
 
 
-def test_checkpoint_of_another_dtype_is_refused(
-    load_tiny: Callable[[str], Any], tiny_saved_root: Path
-) -> None:
+def test_checkpoint_of_another_dtype_is_refused(load_tiny: Callable[[str], Any], tiny_saved_root: Path) -> None:
     """The fp32 file holds the same values but is not what a bf16 model projects with."""
     model = load_tiny("bf16-disk")
     with pytest.raises(ConfigError, match="does not match the model"):
@@ -168,9 +166,7 @@ def test_unprepared_plan_builds_with_one_warning(
     with caplog.at_level(logging.WARNING, logger="adalncache"):
         cached = run_loop(model, request)
     assert cached.equal(resident)
-    warnings = [
-        r for r in caplog.records if r.levelno == logging.WARNING and "not prepared" in r.getMessage()
-    ]
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "not prepared" in r.getMessage()]
     assert len(warnings) == 1
     assert handle.stats.passes == len(request.plan)  # one pass per unprepared step
     handle.disable()
@@ -199,9 +195,7 @@ def test_repeated_prepare_does_no_pass(load_tiny: Callable[[str], Any]) -> None:
     handle.disable()
 
 
-def test_state_dict_and_save_pretrained_keep_the_projections(
-    load_tiny: Callable[[str], Any], tmp_path: Path
-) -> None:
+def test_state_dict_and_save_pretrained_keep_the_projections(load_tiny: Callable[[str], Any], tmp_path: Path) -> None:
     from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3Transformer3DModel
 
     model = load_tiny("bf16-disk")

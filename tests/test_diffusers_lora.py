@@ -40,12 +40,8 @@ def _lora_file(model: Any, path: Path, seed: int, rank: int = 4) -> Path:
     for name in names:
         linear = modules[name]
         linear = getattr(linear, "base_layer", linear)
-        tensors[f"transformer.{name}.lora_A.weight"] = 0.3 * torch.randn(
-            rank, linear.in_features, generator=generator
-        )
-        tensors[f"transformer.{name}.lora_B.weight"] = 0.3 * torch.randn(
-            linear.out_features, rank, generator=generator
-        )
+        tensors[f"transformer.{name}.lora_A.weight"] = 0.3 * torch.randn(rank, linear.in_features, generator=generator)
+        tensors[f"transformer.{name}.lora_B.weight"] = 0.3 * torch.randn(linear.out_features, rank, generator=generator)
     save_file(tensors, path)
     return path
 

@@ -27,9 +27,7 @@ def _pipeline_row_plan(layout: dict[str, Any], n_video: int, n_audio: int, steps
     from diffusers.schedulers.scheduling_minimax_h3 import MiniMaxH3Scheduler
 
     pipe = MiniMaxH3SetTimestepsStep().init_pipeline()
-    pipe.update_components(
-        scheduler=MiniMaxH3Scheduler(shift=12.0), audio_scheduler=MiniMaxH3Scheduler(shift=3.0)
-    )
+    pipe.update_components(scheduler=MiniMaxH3Scheduler(shift=12.0), audio_scheduler=MiniMaxH3Scheduler(shift=3.0))
     plan = pipe(
         num_inference_steps=steps,
         video_indices=layout["video_indices"],
@@ -58,9 +56,7 @@ def test_plans_equal_the_set_timesteps_block(task: str, steps: int) -> None:
     expected = _pipeline_row_plan(layout, n_video, n_audio, steps)
     plans = minimax_h3_plans(task, steps)
     assert _keys(plans) == _keys(expected)
-    assert all(
-        plan.dtype == torch.float32 and plan.dim() == 1 and plan.device.type == "cpu" for plan in plans
-    )
+    assert all(plan.dtype == torch.float32 and plan.dim() == 1 and plan.device.type == "cpu" for plan in plans)
 
 
 @pytest.mark.parametrize(

@@ -128,9 +128,7 @@ def run_task(
 def _print_header(size: str, model: Any, device: torch.device, seed: int, checkpoint: Path) -> None:
     config = model.config
     dtype = model.transformer_blocks[0].adaln_proj.linear.weight.dtype
-    geometry = (
-        f"{config.num_layers} blocks, hidden {config.hidden_size}, time embedding {config.time_embed_dim}"
-    )
+    geometry = f"{config.num_layers} blocks, hidden {config.hidden_size}, time embedding {config.time_embed_dim}"
     precision = f"{str(dtype).removeprefix('torch.')} AdaLN projections, fp32 time embedder"
     print(
         f"adalncache demo: tiny MiniMax-H3 '{size}' ({geometry}), released mixed precision ({precision}), "
@@ -166,9 +164,7 @@ def run(args: argparse.Namespace) -> int:
     if args.size not in SIZES:
         raise ConfigError(f"unknown size {args.size!r}: set --size to one of {', '.join(SIZES)}")
     if not isinstance(args.steps, int) or args.steps < 2:
-        raise ConfigError(
-            f"--steps must be an integer >= 2 (grid points, terminal 0 included), got {args.steps}"
-        )
+        raise ConfigError(f"--steps must be an integer >= 2 (grid points, terminal 0 included), got {args.steps}")
     try:
         device = torch.device(args.device)
     except RuntimeError as exc:
@@ -185,9 +181,7 @@ def run(args: argparse.Namespace) -> int:
         checkpoint = write_native_checkpoint(model, root / "native", shards=2)
         model = model.to(device)
         _print_header(args.size, model, device, args.seed, checkpoint)
-        results = [
-            run_task(model, checkpoint, task, args.steps, seed=args.seed, device=device) for task in tasks
-        ]
+        results = [run_task(model, checkpoint, task, args.steps, seed=args.seed, device=device) for task in tasks]
         for result in results:
             _print_result(result)
     ok = all(result.identical for result in results)
@@ -207,9 +201,7 @@ def register(subparsers: Any) -> None:
             "Exit status 1 when any output differs."
         ),
     )
-    parser.add_argument(
-        "--task", default="all", choices=[*_TASKS, "all"], help="request kind (default: all three)"
-    )
+    parser.add_argument("--task", default="all", choices=[*_TASKS, "all"], help="request kind (default: all three)")
     parser.add_argument(
         "--steps",
         type=int,

@@ -125,9 +125,7 @@ def _projection_linears(model: nn.Module) -> list[Any]:
     return [getattr(linear, "base_layer", linear) for linear in linears]
 
 
-def save_tiny(
-    model: nn.Module, directory: str | os.PathLike[str], *, dtype: torch.dtype = torch.bfloat16
-) -> nn.Module:
+def save_tiny(model: nn.Module, directory: str | os.PathLike[str], *, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
     """``save_pretrained`` the model to ``directory`` and load it back with ``torch_dtype=dtype``.
 
     With bf16 this is the released mixed precision: ``_keep_in_fp32_modules`` keeps the time
@@ -551,9 +549,7 @@ def make_request(
     condition_rows: list[torch.Tensor] = []
     if task == "fl2va":
         for _ in range(max(1, geo.num_keyframes)):
-            clean = torch.randn(
-                1, config.in_channels, 1, geo.latent_height, geo.latent_width, generator=generator
-            )
+            clean = torch.randn(1, config.in_channels, 1, geo.latent_height, geo.latent_width, generator=generator)
             condition_latents.append(clean)
     for index, clean in enumerate(condition_latents):
         if task == "ref2va":
@@ -575,10 +571,7 @@ def make_request(
         audio_condition_latents[index] = torch.randn(rows.shape, generator=generator)
     if audio_condition_latents:
         audio_rows = torch.cat([*audio_condition_latents, audio_rows])
-    if (
-        latents.shape[0] != layout["video_indices"].numel()
-        or audio_rows.shape[0] != layout["audio_indices"].numel()
-    ):
+    if latents.shape[0] != layout["video_indices"].numel() or audio_rows.shape[0] != layout["audio_indices"].numel():
         raise ConfigError(
             f"internal: request rows ({latents.shape[0]} video, {audio_rows.shape[0]} audio) do not "
             f"match the layout ({layout['video_indices'].numel()}, {layout['audio_indices'].numel()})"
@@ -618,9 +611,7 @@ class LoopResult:
         for (video_a, audio_a), (video_b, audio_b) in zip(self.outputs, other.outputs):
             if not (torch.equal(video_a, video_b) and torch.equal(audio_a, audio_b)):
                 return False
-        return torch.equal(self.latents, other.latents) and torch.equal(
-            self.audio_latents, other.audio_latents
-        )
+        return torch.equal(self.latents, other.latents) and torch.equal(self.audio_latents, other.audio_latents)
 
 
 @torch.no_grad()
@@ -658,9 +649,7 @@ def run_loop(
         noise_pred, audio_noise_pred = model(**kwargs)
         seconds.append(time.perf_counter() - start)
         outputs.append((noise_pred.clone(), audio_noise_pred.clone()))
-        latents[n_video:] = scheduler.step(
-            noise_pred[0, n_video:].float(), t, latents[n_video:], return_dict=False
-        )[0]
+        latents[n_video:] = scheduler.step(noise_pred[0, n_video:].float(), t, latents[n_video:], return_dict=False)[0]
         latents_audio_t = audio_scheduler.timesteps[step]
         audio_latents[n_audio:] = audio_scheduler.step(
             audio_noise_pred[0, n_audio:].float(), latents_audio_t, audio_latents[n_audio:], return_dict=False
@@ -706,9 +695,7 @@ def tiny_tokenizer() -> Any:
         show_progress=False,
     )
     tokenizer.train_from_iterator(list(_CORPUS) * 8, trainer)
-    return Qwen2TokenizerFast(
-        tokenizer_object=tokenizer, eos_token="<|endoftext|>", pad_token="<|endoftext|>"
-    )
+    return Qwen2TokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
 
 
 def tiny_processor(tokenizer: Any) -> Any:

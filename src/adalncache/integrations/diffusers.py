@@ -97,9 +97,7 @@ class AdalnCacheConfig:
         if self.on_miss not in ("build", "raise"):
             raise ConfigError(f"on_miss must be 'build' or 'raise', got {self.on_miss!r}")
         if self.free_time_embedder not in (None, True, False):
-            raise ConfigError(
-                f"free_time_embedder must be None, True or False, got {self.free_time_embedder!r}"
-            )
+            raise ConfigError(f"free_time_embedder must be None, True or False, got {self.free_time_embedder!r}")
 
 
 class CheckpointMismatchError(ConfigError, CheckpointError):
@@ -198,9 +196,7 @@ class _FreedParam:
     module: nn.Module
     name: str
     placeholder: nn.Parameter
-    original: (
-        torch.Tensor | None
-    )  # the model's own tensor (CPU) or a host copy; None: re-read from checkpoint
+    original: torch.Tensor | None  # the model's own tensor (CPU) or a host copy; None: re-read from checkpoint
     device: torch.device
     residue: int  # data_ptr % 64 of the original: fp32 GEMV bits depend on it on CPU
     requires_grad: bool
@@ -227,9 +223,7 @@ def _is_tuner_layer(module: nn.Module) -> bool:
     return isinstance(module, _TUNER_LAYER[0])
 
 
-def _aligned_like(
-    shape: Sequence[int], dtype: torch.dtype, residue: int, device: torch.device
-) -> torch.Tensor:
+def _aligned_like(shape: Sequence[int], dtype: torch.dtype, residue: int, device: torch.device) -> torch.Tensor:
     """An uninitialised tensor whose address is ``residue`` modulo 64 (CPU), or a plain one elsewhere.
 
     Restoring an fp32 weight at a different address modulo 16 changes the bits of an M=1 GEMV on
@@ -307,9 +301,7 @@ class AdalnCacheHandle:
         """The cache's counters (:class:`~adalncache.CacheStats`)."""
         return self.cache.stats
 
-    def prepare(
-        self, plans: Sequence[Any], *, attention_kwargs: Mapping[str, Any] | None = None
-    ) -> BuildReport:
+    def prepare(self, plans: Sequence[Any], *, attention_kwargs: Mapping[str, Any] | None = None) -> BuildReport:
         """Make every plan resident for the model's current LoRA state, in at most one pass.
 
         ``plans``: the per-step ``timestep`` tensors (``minimax_h3_plans`` gives them ahead of
@@ -352,9 +344,7 @@ class AdalnCacheHandle:
     def __repr__(self) -> str:
         state = "enabled" if self.enabled else "disabled"
         source = type(self.source).__name__ if self.source is not None else None
-        return (
-            f"AdalnCacheHandle({state}, layers={self.spec.num_layers}, source={source}, device={self.device})"
-        )
+        return f"AdalnCacheHandle({state}, layers={self.spec.num_layers}, source={source}, device={self.device})"
 
     # ------------------------------------------------------------------ enabling
 
@@ -364,8 +354,7 @@ class AdalnCacheHandle:
         model = self.model
         if getattr(model, "_adalncache_handle", None) is not None:
             raise ConfigError(
-                "the AdaLN cache is already enabled on this model; call handle.disable() before enabling "
-                "again"
+                "the AdaLN cache is already enabled on this model; call handle.disable() before enabling again"
             )
         self._check_materialised()
         self._merged_at_enable = self._merged_state()
@@ -524,9 +513,7 @@ class AdalnCacheHandle:
                     original = param.detach().to("cpu", copy=True)
                 if layer is not None:
                     self._residues[(layer, name)] = param.data_ptr() % 64
-                placeholder = nn.Parameter(
-                    torch.empty_like(param, device="meta"), requires_grad=param.requires_grad
-                )
+                placeholder = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
                 self._freed.append(
                     _FreedParam(
                         module=base,
@@ -542,9 +529,7 @@ class AdalnCacheHandle:
                 base._parameters[name] = placeholder
             # torch tags hook callables with attributes, which bound methods do not take: wrap them.
             self._hook_handles.append(base.register_state_dict_post_hook(_as_function(self._state_dict_hook)))
-            self._hook_handles.append(
-                base.register_load_state_dict_pre_hook(_as_function(self._load_state_dict_hook))
-            )
+            self._hook_handles.append(base.register_load_state_dict_pre_hook(_as_function(self._load_state_dict_hook)))
         self._time_embedder_freed = free_time_embedder
 
     def _register_hooks(self) -> None:
@@ -604,9 +589,7 @@ class AdalnCacheHandle:
         """Which served modules have which adapters fused into their (base) weights."""
         if tuners is None:
             tuners = self._tuner_modules()
-        return tuple(
-            (name, tuple(module.merged_adapters)) for name, module in tuners if module.merged_adapters
-        )
+        return tuple((name, tuple(module.merged_adapters)) for name, module in tuners if module.merged_adapters)
 
     def _tuner_modules(self) -> list[tuple[str, Any]]:
         """The served modules that are peft LoRA wrappers right now (usually none)."""
@@ -622,9 +605,7 @@ class AdalnCacheHandle:
             named.append((f"time_embedder.linear_{index + 1}", linear))
         return named
 
-    def _signature(
-        self, tuners: Sequence[tuple[str, Any]]
-    ) -> tuple[tuple[Any, ...] | None, list[torch.Tensor]]:
+    def _signature(self, tuners: Sequence[tuple[str, Any]]) -> tuple[tuple[Any, ...] | None, list[torch.Tensor]]:
         """The LoRA signature of the served modules, and the adapter tensors it names.
 
         Everything that shapes the effective projection: the active adapters, whether adapters are
@@ -667,9 +648,7 @@ class AdalnCacheHandle:
     def _begin_forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         timestep = _argument(self.model, "timestep", args, kwargs)
         if not isinstance(timestep, torch.Tensor):
-            raise PlanError(
-                f"the AdaLN cache needs the forward's timestep tensor, got {type(timestep).__name__}"
-            )
+            raise PlanError(f"the AdaLN cache needs the forward's timestep tensor, got {type(timestep).__name__}")
         attention_kwargs = _argument(self.model, "attention_kwargs", args, kwargs)
         scale = _lora_scale_of(attention_kwargs)
         plan = timestep
@@ -781,9 +760,7 @@ class AdalnCacheHandle:
             )
         return dtypes.pop()
 
-    def _project(
-        self, layer: Layer, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
-    ) -> torch.Tensor:
+    def _project(self, layer: Layer, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         """``layer``'s output for ``x``, through the module's own (possibly LoRA-wrapped) forward."""
         if layer == FINAL:
             module = self.model.norm_out.linear
@@ -858,8 +835,7 @@ class AdalnCacheHandle:
         """Let a no-op ``.to()`` through (pipelines call ``pipe.to(device)`` freely); refuse a real move."""
         device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
         moves = device is not None and not (
-            torch.device(device).type == self.device.type
-            and torch.device(device).index in (None, self.device.index)
+            torch.device(device).type == self.device.type and torch.device(device).index in (None, self.device.index)
         )
         if moves or dtype is not None:
             self._guard__apply()
@@ -910,9 +886,7 @@ class AdalnCacheHandle:
         weight, bias = _read_layer(self.source, freed.layer)
         return weight if freed.name == "weight" else bias
 
-    def _state_dict_hook(
-        self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
-    ) -> None:
+    def _state_dict_hook(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
         """Put the real weights into ``state_dict`` so save_pretrained never writes a model without them."""
         for name in ("weight", "bias"):
             key = prefix + name
@@ -1163,13 +1137,11 @@ class PipelineAdalnCacheHandle:
         if component is not None:
             if component not in self.handles:
                 raise ConfigError(
-                    f"component={component!r} has no AdaLN cache on this pipeline; choose one of "
-                    f"{sorted(self.handles)}"
+                    f"component={component!r} has no AdaLN cache on this pipeline; choose one of {sorted(self.handles)}"
                 )
             return self.handles[component].prepare(plans, attention_kwargs=attention_kwargs)
         reports = {
-            name: handle.prepare(plans, attention_kwargs=attention_kwargs)
-            for name, handle in self.handles.items()
+            name: handle.prepare(plans, attention_kwargs=attention_kwargs) for name, handle in self.handles.items()
         }
         return next(iter(reports.values())) if len(reports) == 1 else reports
 
