@@ -1,12 +1,65 @@
-"""Persistent store of published tables (placeholder until the tiers work lands)."""
+"""Persistent store: published tables that survive restarts, shared safely by several processes.
+
+Layout of a store directory::
+
+    <root>/STORE                         marker with the format version
+    <root>/bindings/<bhash>.json         what a binding hash stands for (for ``inspect``)
+    <root>/entries/<bhash>/<phash>.entry one plan's table under one binding
+    <root>/corrupt/                      entries that failed verification, moved aside
+
+An entry is ``MAGIC | u32 header length | JSON header | block bytes | final bytes | sha256`` where
+the trailing digest covers everything before it. Why this shape: one file per (binding, plan)
+makes every write independent (no shared index to lock), the header lets ``inspect`` and
+``verify`` read an entry without the cache, and a whole-file digest catches truncation and flipped
+bits alike.
+
+* Binding: ``bhash`` is the sha256 of the canonical JSON of :meth:`AdalnCache.binding` (source
+  fingerprint, spec with dtype, precision, variant, shard mode, numeric environment). Any change
+  gives another directory, so a mismatch is a miss, never a wrong answer.
+* Atomic writes: a uniquely named temp file in the target directory, fsync, ``os.replace``,
+  fsync of the directory. Readers only open ``*.entry`` names, so a writer killed at any moment
+  leaves at worst a temp file, which is swept when its writer is gone.
+* Every read verifies the digest and the header against the request; a bad entry is moved to
+  ``corrupt/`` (counted in ``corrupt_moved``) and the cache rebuilds it.
+* Recency is recorded explicitly with ``os.utime`` on every hit and write (not atime, which
+  ``noatime``/``relatime`` mounts do not maintain); :meth:`Store.prune` deletes least recently
+  used entries first.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
+import logging
+import os
 import platform
+import socket
+import struct
+import time
+import uuid
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from ..errors import ConfigError
+from ..plans import PlanKey, key_to_plan
+from ..rows import PlanRows
+from ..spec import ModulationSpec
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"ADLNSTO1"
+FORMAT_VERSION = 1
+_DIGEST = 32
+_SUFFIX = ".entry"
+_TMP_PREFIX = ".tmp-"
+#: A temp file this old is swept even when its writer's liveness cannot be checked (another host).
+_STALE_TMP_SECONDS = 3600.0
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def numeric_environment(device: torch.device) -> dict[str, Any]:
@@ -30,10 +83,379 @@ def numeric_environment(device: torch.device) -> dict[str, Any]:
     return env
 
 
-class Store:
-    """Placeholder: the real store lands with the tiers issue."""
+def binding_hash(binding: Mapping[str, Any]) -> str:
+    """The directory name of a binding: sha256 of its canonical JSON."""
+    return hashlib.sha256(_canonical(binding)).hexdigest()[:32]
 
-    def __init__(self, path: str | Path, *, max_bytes: int | None = None) -> None:
+
+def plan_hash(key: PlanKey) -> str:
+    """The file stem of a plan: sha256 of its fp32 bit patterns (little-endian int32)."""
+    return hashlib.sha256(struct.pack(f"<{len(key)}i", *key)).hexdigest()[:32]
+
+
+def _canonical(value: Any) -> bytes:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str).encode()
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a rename durable: the directory entry itself must reach the disk."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        with contextlib.suppress(OSError):  # some filesystems refuse fsync on directories
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class CorruptEntry(Exception):
+    """Internal: an entry failed verification (the message says how)."""
+
+
+@dataclass(frozen=True)
+class EntryInfo:
+    """One entry as ``inspect`` lists it."""
+
+    path: Path
+    binding: str
+    plan: str
+    size: int
+    last_used: float
+
+
+@dataclass(frozen=True)
+class StoredEntry:
+    """A verified entry: its header and rows (``verify`` compares these with a recomputation)."""
+
+    info: EntryInfo
+    header: dict[str, Any]
+    rows: PlanRows
+
+    @property
+    def key(self) -> PlanKey:
+        return tuple(int(v) for v in self.header["key"])
+
+
+class Store:
+    """A directory of tables bound to what produced them (see the module docstring).
+
+    ``max_bytes``: when set, every write prunes least-recently-used entries down to it.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, max_bytes: int | None = None) -> None:
+        if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0):
+            raise ConfigError(f"max_bytes must be None or an integer >= 0, got {max_bytes!r} (CLI --max-gb)")
         self.path = Path(path)
         self.max_bytes = max_bytes
         self.corrupt_moved = 0
+        self.swept_temp = 0
+        self._host = socket.gethostname().replace("-", "_")
+        try:
+            for sub in ("bindings", "entries", "corrupt"):
+                (self.path / sub).mkdir(parents=True, exist_ok=True)
+            marker = self.path / "STORE"
+            if not marker.exists():
+                self._atomic_write(marker, f"adalncache store format {FORMAT_VERSION}\n".encode())
+        except OSError as exc:
+            raise ConfigError(f"cannot use {self.path} as a store directory: {exc} (set store= / CLI --store)") from exc
+        self.sweep_temp()
+
+    def __repr__(self) -> str:
+        return f"Store({str(self.path)!r}, max_bytes={self.max_bytes})"
+
+    # -- files ------------------------------------------------------------------------------
+
+    def _entry_path(self, bhash: str, key: PlanKey) -> Path:
+        return self.path / "entries" / bhash / (plan_hash(key) + _SUFFIX)
+
+    def _temp_name(self, final: Path) -> Path:
+        # host and pid in the name let sweep_temp tell a live writer's file from an orphan.
+        return final.with_name(f"{_TMP_PREFIX}{self._host}-{os.getpid()}-{uuid.uuid4().hex}-{final.name}")
+
+    def _atomic_write(self, final: Path, *chunks: bytes | memoryview) -> None:
+        """Write ``chunks`` to ``final`` so that readers see either nothing or all of it."""
+        tmp = self._temp_name(final)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                for chunk in chunks:
+                    view = memoryview(chunk)
+                    while view:
+                        written = os.write(fd, view)
+                        view = view[written:]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, final)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        _fsync_dir(final.parent)
+
+    def sweep_temp(self) -> int:
+        """Delete temp files whose writer is gone (dead pid here, or older than an hour elsewhere)."""
+        removed = 0
+        now = time.time()
+        roots = [self.path, self.path / "bindings", *(p for p in (self.path / "entries").glob("*") if p.is_dir())]
+        for root in roots:
+            for tmp in root.glob(_TMP_PREFIX + "*"):
+                parts = tmp.name[len(_TMP_PREFIX) :].split("-")
+                orphan = False
+                try:
+                    age = now - tmp.stat().st_mtime
+                except OSError:
+                    continue
+                if len(parts) >= 2 and parts[0] == self._host and parts[1].isdigit():
+                    orphan = not _pid_alive(int(parts[1])) or age > _STALE_TMP_SECONDS
+                else:
+                    orphan = age > _STALE_TMP_SECONDS
+                if orphan:
+                    with contextlib.suppress(OSError):
+                        tmp.unlink()
+                        removed += 1
+        if removed:
+            log.info("store %s: swept %d orphaned temp file(s)", self.path, removed)
+        self.swept_temp += removed
+        return removed
+
+    # -- writing ----------------------------------------------------------------------------
+
+    def _ensure_binding(self, binding: Mapping[str, Any], bhash: str) -> None:
+        target = self.path / "bindings" / f"{bhash}.json"
+        if not target.exists():
+            self._atomic_write(target, json.dumps(binding, sort_keys=True, indent=1, default=str).encode())
+        (self.path / "entries" / bhash).mkdir(parents=True, exist_ok=True)
+
+    def put(self, binding: Mapping[str, Any], key: PlanKey, rows: PlanRows) -> Path:
+        """Write one plan's rows under ``binding`` atomically; returns the entry's path."""
+        bhash = binding_hash(binding)
+        self._ensure_binding(binding, bhash)
+        block = rows.block.detach().to("cpu").contiguous()
+        final = rows.final.detach().to("cpu").contiguous()
+        n = len(key)
+        if block.dim() != 3 or block.shape[0] != n or final.dim() != 2 or final.shape[0] != n:
+            raise ConfigError(
+                f"store.put: rows of shape {tuple(block.shape)}/{tuple(final.shape)} do not fit a plan of {n} timesteps"
+            )
+        block_bytes = block.view(torch.uint8).numpy().reshape(-1)
+        final_bytes = final.view(torch.uint8).numpy().reshape(-1)
+        header = {
+            "format": FORMAT_VERSION,
+            "binding": bhash,
+            "key": list(key),
+            "timesteps": key_to_plan(key).tolist(),
+            "dtype": str(block.dtype).removeprefix("torch."),
+            "block_shape": list(block.shape),
+            "final_shape": list(final.shape),
+            "created": time.time(),
+        }
+        head = _canonical(header)
+        # Pad the header (JSON allows trailing spaces) so the payload starts 64-byte aligned: the
+        # rows are then read as typed views of one buffer, with no copy.
+        head += b" " * ((-(len(MAGIC) + 4 + len(head))) % 64)
+        prefix = MAGIC + struct.pack("<I", len(head)) + head
+        digest = hashlib.sha256()
+        for part in (prefix, block_bytes, final_bytes):
+            digest.update(part)
+        path = self._entry_path(bhash, key)
+        self._atomic_write(path, prefix, block_bytes.data, final_bytes.data, digest.digest())
+        if self.max_bytes is not None:
+            self.prune(self.max_bytes, keep={path})
+        return path
+
+    # -- reading ----------------------------------------------------------------------------
+
+    @staticmethod
+    def _parse(path: Path) -> tuple[dict[str, Any], torch.Tensor, int]:
+        """Read and verify an entry file; returns (header, raw bytes, payload offset)."""
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size < len(MAGIC) + 4 + _DIGEST:
+                raise CorruptEntry(f"{size} bytes is too short for an entry")
+            raw = torch.empty(size, dtype=torch.uint8)
+            buf = raw.numpy()
+            got = f.readinto(memoryview(buf))  # type: ignore[arg-type]
+            if got != size:
+                raise CorruptEntry(f"read {got} of {size} bytes")
+        data = memoryview(buf)
+        if bytes(data[: len(MAGIC)]) != MAGIC:
+            raise CorruptEntry("bad magic")
+        if hashlib.sha256(data[: size - _DIGEST]).digest() != bytes(data[size - _DIGEST :]):
+            raise CorruptEntry("digest mismatch")
+        (head_len,) = struct.unpack("<I", bytes(data[len(MAGIC) : len(MAGIC) + 4]))
+        start = len(MAGIC) + 4
+        if start + head_len > size - _DIGEST:
+            raise CorruptEntry("header length out of range")
+        try:
+            header = json.loads(bytes(data[start : start + head_len]))
+        except ValueError as exc:
+            raise CorruptEntry(f"header is not JSON: {exc}") from None
+        if not isinstance(header, dict):
+            raise CorruptEntry("header is not an object")
+        return header, raw, start + head_len
+
+    @staticmethod
+    def _rows(
+        header: dict[str, Any], raw: torch.Tensor, offset: int, spec: ModulationSpec | None
+    ) -> PlanRows:
+        try:
+            dtype = _DTYPES[header["dtype"]]
+            block_shape = [int(v) for v in header["block_shape"]]
+            final_shape = [int(v) for v in header["final_shape"]]
+            key = tuple(int(v) for v in header["key"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CorruptEntry(f"header lacks a field: {exc}") from None
+        n = len(key)
+        if spec is not None:
+            want_block = [n, spec.num_layers, spec.block_width]
+            want_final = [n, spec.final_width]
+            if dtype != spec.dtype or block_shape != want_block or final_shape != want_final:
+                raise CorruptEntry(f"geometry {block_shape}/{final_shape} {dtype} does not match the spec")
+        item = torch.empty((), dtype=dtype).element_size()
+        nb = item * block_shape[0] * block_shape[1] * block_shape[2]
+        nf = item * final_shape[0] * final_shape[1]
+        if offset + nb + nf != raw.numel() - _DIGEST:
+            raise CorruptEntry("payload size disagrees with the header")
+        block = raw[offset : offset + nb].view(dtype).view(block_shape)
+        final = raw[offset + nb : offset + nb + nf].view(dtype).view(final_shape)
+        return PlanRows(key_to_plan(key), block, final)
+
+    def _move_aside(self, path: Path, why: str) -> None:
+        target = self.path / "corrupt" / f"{path.parent.name}-{path.stem}-{uuid.uuid4().hex[:8]}{_SUFFIX}"
+        try:
+            os.replace(path, target)
+        except FileNotFoundError:
+            return  # another process moved it first
+        except OSError as exc:
+            log.warning("store: cannot move corrupt entry %s aside (%s); deleting it", path, exc)
+            with contextlib.suppress(OSError):
+                path.unlink()
+        self.corrupt_moved += 1
+        log.warning("store: entry %s is corrupt (%s): moved to %s, it will be rebuilt", path, why, target)
+
+    def get_many(
+        self, binding: Mapping[str, Any], keys: Iterable[PlanKey], spec: ModulationSpec
+    ) -> dict[PlanKey, PlanRows]:
+        """Verified rows of the ``keys`` stored under ``binding``; anything else is a miss."""
+        bhash = binding_hash(binding)
+        found: dict[PlanKey, PlanRows] = {}
+        for key in keys:
+            path = self._entry_path(bhash, key)
+            try:
+                header, raw, offset = self._parse(path)
+                if header.get("binding") != bhash or tuple(header.get("key", ())) != tuple(key):
+                    raise CorruptEntry("header names another binding or plan")
+                rows = self._rows(header, raw, offset, spec)
+            except FileNotFoundError:
+                continue
+            except CorruptEntry as exc:
+                self._move_aside(path, str(exc))
+                continue
+            with contextlib.suppress(OSError):
+                os.utime(path)  # explicit recency for prune
+            found[key] = rows
+        return found
+
+    # -- listing, health, pruning -----------------------------------------------------------
+
+    def entries(self) -> list[EntryInfo]:
+        """Every entry file, least recently used first."""
+        out: list[EntryInfo] = []
+        for directory in sorted((self.path / "entries").glob("*")):
+            if not directory.is_dir():
+                continue
+            for path in directory.glob("*" + _SUFFIX):
+                try:
+                    st = path.stat()
+                except OSError:
+                    continue
+                out.append(EntryInfo(path, directory.name, path.stem, st.st_size, st.st_mtime))
+        out.sort(key=lambda e: (e.last_used, str(e.path)))
+        return out
+
+    def bindings(self) -> dict[str, dict[str, Any]]:
+        """Binding hash -> the binding it stands for."""
+        out: dict[str, dict[str, Any]] = {}
+        for path in sorted((self.path / "bindings").glob("*.json")):
+            try:
+                out[path.stem] = json.loads(path.read_text())
+            except (OSError, ValueError):
+                out[path.stem] = {"error": "unreadable binding description"}
+        return out
+
+    def read_entry(self, info: EntryInfo) -> StoredEntry:
+        """Read and verify one listed entry (raises CorruptEntry; does not move it)."""
+        header, raw, offset = self._parse(info.path)
+        return StoredEntry(info, header, self._rows(header, raw, offset, None))
+
+    def iter_entries(self, infos: Iterable[EntryInfo] | None = None) -> Iterator[StoredEntry | tuple[EntryInfo, str]]:
+        """Verified entries, or ``(info, problem)`` for those that fail verification."""
+        for info in self.entries() if infos is None else infos:
+            try:
+                yield self.read_entry(info)
+            except (CorruptEntry, OSError) as exc:
+                yield info, str(exc)
+
+    def health(self) -> dict[str, Any]:
+        """Verify every entry's digest; count temp files and moved-aside entries (for ``inspect``)."""
+        ok = 0
+        bad: list[str] = []
+        for item in self.iter_entries():
+            if isinstance(item, StoredEntry):
+                ok += 1
+            else:
+                bad.append(f"{item[0].path}: {item[1]}")
+        temps = sum(1 for _ in self.path.rglob(_TMP_PREFIX + "*"))
+        corrupt = sum(1 for _ in (self.path / "corrupt").glob("*"))
+        return {"ok": ok, "corrupt": bad, "temp_files": temps, "moved_aside": corrupt}
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(e.size for e in self.entries())
+
+    def prune(self, max_bytes: int, *, keep: Iterable[Path] = ()) -> int:
+        """Delete least-recently-used entries until they total at most ``max_bytes``; returns how many."""
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
+            raise ConfigError(f"max_bytes must be an integer >= 0, got {max_bytes!r} (CLI --max-gb)")
+        protected = set(keep)
+        listed = self.entries()
+        total = sum(e.size for e in listed)
+        removed = 0
+        for entry in listed:
+            if total <= max_bytes:
+                break
+            if entry.path in protected:
+                continue
+            try:
+                entry.path.unlink()
+            except FileNotFoundError:
+                pass  # another process pruned it: it no longer counts either way
+            except OSError as exc:
+                log.warning("store: cannot delete %s: %s", entry.path, exc)
+                continue
+            total -= entry.size
+            removed += 1
+        # Moved-aside entries are kept for diagnosis until the next prune, which clears them.
+        for path in (self.path / "corrupt").glob("*"):
+            with contextlib.suppress(OSError):
+                path.unlink()
+        self.sweep_temp()
+        if removed:
+            log.info("store %s: pruned %d entr%s, %d bytes remain", self.path, removed, "y" if removed == 1 else "ies", total)
+        return removed
+
+
+__all__ = ["EntryInfo", "Store", "StoredEntry", "binding_hash", "numeric_environment", "plan_hash"]

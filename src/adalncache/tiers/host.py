@@ -1,0 +1,273 @@
+"""Host tier: copies of published plans in one preallocated, byte-bounded host arena.
+
+Why one arena: pinned (page-locked) allocations round up to large granules and are slow to make,
+so pinning per entry would waste memory and time; one arena allocated at construction is pinned
+once (when the cache device is CUDA, so restores are asynchronous DMA) and carved up here.
+
+The arena is divided into *units* of one timestep row (``spec.row_bytes`` rounded up to 64 bytes,
+so every dtype view is aligned). A plan of ``n`` timesteps owns ``n`` contiguous units laid out as
+``block (n, layers, block_width)`` then ``final (n, final_width)``, so a host hit hands the cache
+contiguous views it copies into the slab with one copy per buffer.
+
+Admission and eviction work on *groups*: the distinct plans of one request. Groups are kept in
+least-recently-used order; a plan shared by several groups is reference-counted (its refcount is
+the number of groups holding it) and only freed when its last group goes. Invariants, asserted by
+:meth:`HostTier.check_invariants`:
+
+* every unit is either free or owned by exactly one plan, and ``free + used == capacity``;
+* a plan's refcount equals the number of groups that list it, and every listed plan exists.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+
+from ..plans import PlanKey, key_to_plan
+from ..rows import PlanRows
+from ..spec import ModulationSpec
+
+log = logging.getLogger(__name__)
+
+#: Unit alignment in bytes: keeps every view aligned for any dtype and for fast DMA.
+_ALIGN = 64
+
+GroupId = frozenset[PlanKey]
+
+
+@dataclass
+class _Entry:
+    """One plan held in the arena: ``units`` contiguous units from ``start``; ``groups`` hold it."""
+
+    start: int
+    units: int
+    groups: set[GroupId]
+
+
+class HostTier:
+    """Byte-bounded host copies of published plans, admitted and evicted by request group.
+
+    ``capacity_bytes`` bounds the arena; ``pin`` page-locks it (set when the cache device is CUDA).
+    Over capacity is never an error: :meth:`admit` returns False and the caller counts the skip.
+    Not thread-safe: the cache calls it from its own build, one at a time.
+    """
+
+    def __init__(self, spec: ModulationSpec, capacity_bytes: int, *, pin: bool = False) -> None:
+        self.spec = spec
+        self.capacity_bytes = int(capacity_bytes)
+        self.unit_bytes = -(-spec.row_bytes // _ALIGN) * _ALIGN
+        self.total_units = self.capacity_bytes // self.unit_bytes
+        self.pinned = bool(pin and self.total_units > 0)
+        # Only whole units are usable; the remainder (< one unit) is never allocated.
+        self.arena = torch.empty(self.total_units * self.unit_bytes, dtype=torch.uint8, pin_memory=self.pinned)
+        self._owner: list[PlanKey | None] = [None] * self.total_units
+        self._free_units = self.total_units
+        self._plans: dict[PlanKey, _Entry] = {}
+        self._groups: OrderedDict[GroupId, None] = OrderedDict()  # least recently used first
+        self.evicted_plans = 0
+        self.skipped_groups = 0
+        if self.total_units == 0 and self.capacity_bytes > 0:
+            log.warning(
+                "host tier of %d bytes cannot hold one timestep row (%d bytes): it will skip every group; "
+                "raise host_cache_bytes (CLI --host-cache-gb)",
+                self.capacity_bytes,
+                spec.row_bytes,
+            )
+
+    # -- sizes ------------------------------------------------------------------------------
+
+    @property
+    def used_bytes(self) -> int:
+        return (self.total_units - self._free_units) * self.unit_bytes
+
+    @property
+    def free_bytes(self) -> int:
+        """Bytes not owned by any plan (including the sub-unit remainder that can never be used)."""
+        return self.capacity_bytes - self.used_bytes
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._plans
+
+    @property
+    def groups(self) -> int:
+        return len(self._groups)
+
+    def refcount(self, key: PlanKey) -> int:
+        entry = self._plans.get(key)
+        return len(entry.groups) if entry else 0
+
+    def __repr__(self) -> str:
+        return (
+            f"HostTier({len(self._plans)} plans in {len(self._groups)} groups, "
+            f"{self.used_bytes}/{self.capacity_bytes} bytes{', pinned' if self.pinned else ''})"
+        )
+
+    # -- views ------------------------------------------------------------------------------
+
+    def _views(self, key: PlanKey, entry: _Entry) -> PlanRows:
+        n = len(key)
+        spec = self.spec
+        item = spec.itemsize
+        base = entry.start * self.unit_bytes
+        block_bytes = n * spec.num_layers * spec.block_width * item
+        final_bytes = n * spec.final_width * item
+        block = self.arena[base : base + block_bytes].view(spec.dtype).view(n, spec.num_layers, spec.block_width)
+        final = self.arena[base + block_bytes : base + block_bytes + final_bytes].view(spec.dtype)
+        return PlanRows(key_to_plan(key), block, final.view(n, spec.final_width))
+
+    # -- lookup -----------------------------------------------------------------------------
+
+    def lookup(self, keys: Iterable[PlanKey]) -> dict[PlanKey, PlanRows]:
+        """Views of the held plans among ``keys`` (the arena's own memory: copy before the next admit).
+
+        A hit marks the groups holding the plan as recently used.
+        """
+        found: dict[PlanKey, PlanRows] = {}
+        for key in keys:
+            entry = self._plans.get(key)
+            if entry is None:
+                continue
+            found[key] = self._views(key, entry)
+            for group in entry.groups:
+                self._groups.move_to_end(group)
+        return found
+
+    # -- admission --------------------------------------------------------------------------
+
+    def _find_run(self, units: int) -> int | None:
+        """First start of ``units`` contiguous free units, or None."""
+        run = 0
+        for index, owner in enumerate(self._owner):
+            run = run + 1 if owner is None else 0
+            if run == units:
+                return index - units + 1
+        return None
+
+    def _take(self, key: PlanKey, start: int, units: int) -> None:
+        for index in range(start, start + units):
+            self._owner[index] = key
+        self._free_units -= units
+
+    def _give_back(self, entry: _Entry) -> None:
+        for index in range(entry.start, entry.start + entry.units):
+            self._owner[index] = None
+        self._free_units += entry.units
+
+    def _evict_group(self, group: GroupId) -> None:
+        """Drop a group; plans it was the last holder of are freed and counted as evicted."""
+        del self._groups[group]
+        for key in group:
+            entry = self._plans.get(key)
+            if entry is None:
+                continue
+            entry.groups.discard(group)
+            if not entry.groups:
+                del self._plans[key]
+                self._give_back(entry)
+                self.evicted_plans += 1
+
+    def admit(self, group_keys: Iterable[PlanKey], rows_of: Callable[[PlanKey], PlanRows]) -> bool:
+        """Hold every plan of one request (``group_keys``), copying new ones with ``rows_of(key)``.
+
+        Returns False (and changes nothing) when the group cannot fit even in an empty tier.
+        Least-recently-used groups are evicted to make room. If a copy fails, every unit this
+        call took is returned and the group is not recorded, then the error propagates (groups
+        evicted to make room stay evicted: they were only a cache).
+        """
+        group: GroupId = frozenset(group_keys)
+        if not group:
+            return True
+        if group in self._groups:
+            self._groups.move_to_end(group)
+            return True
+        need = sum(len(key) for key in group)
+        if need > self.total_units:
+            self.skipped_groups += 1
+            log.info("host tier: a group of %d timestep rows exceeds the tier (%d rows): skipped", need, self.total_units)
+            return False
+
+        # Claim the plans already held first, so evicting other groups cannot free them.
+        held = [key for key in group if key in self._plans]
+        for key in held:
+            self._plans[key].groups.add(group)
+        new = [key for key in group if key not in self._plans]
+        placed: dict[PlanKey, _Entry] = {}
+        try:
+            for key in sorted(new, key=len, reverse=True):  # widest first: less fragmentation
+                start = self._find_run(len(key))
+                while start is None:
+                    victim = next(iter(self._groups), None)
+                    if victim is None:
+                        raise _NoRoom
+                    self._evict_group(victim)
+                    start = self._find_run(len(key))
+                self._take(key, start, len(key))
+                placed[key] = _Entry(start, len(key), {group})
+            for key, entry in placed.items():
+                rows = rows_of(key)
+                views = self._views(key, entry)
+                # A blocking copy: on CUDA it waits for the stream, so the arena bytes are complete
+                # before anyone can look them up, and no earlier async restore still reads them.
+                views.block.copy_(rows.block)
+                views.final.copy_(rows.final)
+        except BaseException as exc:
+            for key, entry in placed.items():
+                self._give_back(entry)
+            for key in held:
+                if key in self._plans:
+                    self._plans[key].groups.discard(group)
+            if isinstance(exc, _NoRoom):
+                # Only the group's own shared plans fragment the arena: skip rather than fail.
+                self.skipped_groups += 1
+                log.info("host tier: no contiguous room for a group of %d rows: skipped", need)
+                return False
+            raise
+        # Publish last: entries become visible only once their bytes are complete.
+        self._plans.update(placed)
+        self._groups[group] = None
+        return True
+
+    # -- maintenance ------------------------------------------------------------------------
+
+    def clear(self) -> None:
+        """Forget everything (an identity change or ``invalidate``); not counted as evictions."""
+        self._plans.clear()
+        self._groups.clear()
+        self._owner = [None] * self.total_units
+        self._free_units = self.total_units
+
+    def check_invariants(self) -> None:
+        """Assert the arena accounting and the reference counts (tests call this after each step)."""
+        owned = 0
+        for key, entry in self._plans.items():
+            assert entry.units == len(key), f"plan {key}: {entry.units} units for {len(key)} timesteps"
+            assert entry.groups, f"plan {key} is held by no group"
+            for index in range(entry.start, entry.start + entry.units):
+                assert self._owner[index] == key, f"unit {index} not owned by the plan that claims it"
+            owned += entry.units
+        assert owned == sum(o is not None for o in self._owner), "a unit is owned by no live plan"
+        assert self._free_units == self.total_units - owned, "free unit count disagrees with ownership"
+        assert self.free_bytes + self.used_bytes == self.capacity_bytes, "arena bytes unaccounted"
+        assert self.used_bytes == owned * self.unit_bytes, "used bytes disagree with owned units"
+        for group in self._groups:
+            for key in group:
+                entry = self._plans.get(key)
+                assert entry is not None, f"group lists plan {key} the tier does not hold"
+                assert group in entry.groups, f"plan {key} does not count group holding it"
+        for key, entry in self._plans.items():
+            for group in entry.groups:
+                assert group in self._groups, f"plan {key} counts a group that no longer exists"
+
+
+class _NoRoom(Exception):
+    """Internal: no contiguous run even after evicting every other group."""
+
+
+__all__ = ["HostTier"]
