@@ -190,7 +190,7 @@ class HostTier:
         need = sum(len(key) for key in group)
         if need > self.total_units:
             self.skipped_groups += 1
-            log.info("host tier: a group of %d timestep rows exceeds the tier (%d rows): skipped", need, self.total_units)
+            log.info("host tier: a group of %d timestep rows exceeds the tier (%d): skipped", need, self.total_units)
             return False
 
         # Claim the plans already held first, so evicting other groups cannot free them.
@@ -218,7 +218,7 @@ class HostTier:
                 views.block.copy_(rows.block)
                 views.final.copy_(rows.final)
         except BaseException as exc:
-            for key, entry in placed.items():
+            for entry in placed.values():
                 self._give_back(entry)
             for key in held:
                 if key in self._plans:

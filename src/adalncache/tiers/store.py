@@ -454,7 +454,7 @@ class Store:
                 path.unlink()
         self.sweep_temp()
         if removed:
-            log.info("store %s: pruned %d entr%s, %d bytes remain", self.path, removed, "y" if removed == 1 else "ies", total)
+            log.info("store %s: pruned %d entries, %d bytes remain", self.path, removed, total)
         return removed
 
 
