@@ -258,9 +258,9 @@ class HostTier:
         assert self.used_bytes == owned * self.unit_bytes, "used bytes disagree with owned units"
         for group in self._groups:
             for key in group:
-                entry = self._plans.get(key)
-                assert entry is not None, f"group lists plan {key} the tier does not hold"
-                assert group in entry.groups, f"plan {key} does not count group holding it"
+                holder = self._plans.get(key)
+                assert holder is not None, f"group lists plan {key} the tier does not hold"
+                assert group in holder.groups, f"plan {key} does not count group holding it"
         for key, entry in self._plans.items():
             for group in entry.groups:
                 assert group in self._groups, f"plan {key} counts a group that no longer exists"

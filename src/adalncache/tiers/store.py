@@ -268,7 +268,7 @@ class Store:
         head += b" " * ((-(len(MAGIC) + 4 + len(head))) % 64)
         prefix = MAGIC + struct.pack("<I", len(head)) + head
         digest = hashlib.sha256()
-        for part in (prefix, block_bytes, final_bytes):
+        for part in (prefix, block_bytes.data, final_bytes.data):
             digest.update(part)
         path = self._entry_path(bhash, key)
         self._atomic_write(path, prefix, block_bytes.data, final_bytes.data, digest.digest())
@@ -287,10 +287,10 @@ class Store:
                 raise CorruptEntry(f"{size} bytes is too short for an entry")
             raw = torch.empty(size, dtype=torch.uint8)
             buf = raw.numpy()
-            got = f.readinto(memoryview(buf))  # type: ignore[arg-type]
+            got = f.readinto(buf.data)
             if got != size:
                 raise CorruptEntry(f"read {got} of {size} bytes")
-        data = memoryview(buf)
+        data = buf.data
         if bytes(data[: len(MAGIC)]) != MAGIC:
             raise CorruptEntry("bad magic")
         if hashlib.sha256(data[: size - _DIGEST]).digest() != bytes(data[size - _DIGEST :]):
