@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("diffusers")
 
 from adalncache.diffusers import enable_adaln_cache
-from adalncache.errors import ConfigError, PlanError, PlanNotCachedError
+from adalncache.errors import CheckpointError, ConfigError, PlanError, PlanNotCachedError
 from adalncache.plans import minimax_h3_plans
 from adalncache.tiny import (
     adaln_parameter_bytes,
@@ -265,3 +265,28 @@ def test_moving_or_casting_while_enabled_is_refused(load_tiny: Callable[[str], A
     handle.disable()
     model.to(torch.float32)
     assert model.transformer_blocks[0].adaln_proj.linear.weight.dtype == torch.float32
+
+
+def test_disable_refuses_a_checkpoint_changed_since_enable(load_tiny: Callable[[str], Any], tmp_path: Path) -> None:
+    """Weights served from a checkpoint come back from it; a rewritten file cannot give them back."""
+    import shutil
+
+    model = load_tiny("bf16-disk")
+    snapshot = _snapshot(model)
+    path = write_native_checkpoint(model, tmp_path / "native", shards=1)
+    keep = tmp_path / "kept"
+    shutil.copytree(path, keep)
+    handle = enable_adaln_cache(model, path)
+    other = load_tiny("bf16-disk")
+    with torch.no_grad():
+        other.norm_out.linear.bias.add_(1.0)
+    write_native_checkpoint(other, path, shards=1)  # rewritten in place (new inode, new header)
+    with pytest.raises(CheckpointError, match="changed on disk"):
+        handle.disable()
+    assert handle.enabled
+    for item in keep.iterdir():  # the original bytes back (a new file identity all the same)
+        shutil.copy2(item, path / item.name)
+    with pytest.raises(CheckpointError, match="allow_changed_checkpoint"):
+        handle.disable()
+    handle.disable(allow_changed_checkpoint=True)
+    _assert_state_equal(model, snapshot)

@@ -289,6 +289,7 @@ class AdalnCacheHandle:
         self._host_tensors: dict[tuple[Layer, str], torch.Tensor] = {}
         self._residues: dict[tuple[Layer, str], int] = {}
         self._time_embedder_stack: contextlib.ExitStack | None = None
+        self._enabled_fingerprint: str | None = None
         self.spec = ModulationSpec.from_transformer(model)
         self.device = _device_of(model)
         self.source: Any = None
@@ -316,10 +317,23 @@ class AdalnCacheHandle:
         self._prepared_plans += len(tensors)
         return report
 
-    def disable(self) -> None:
-        """Remove every hook and override and put the original weights back, bit-exactly."""
+    def disable(self, *, allow_changed_checkpoint: bool = False) -> None:
+        """Remove every hook and override and put the original weights back, bit-exactly.
+
+        Weights served from a checkpoint are read back from it. If the file changed since enabling
+        verified it (its stat identity: a rewrite, a rename over it), what it holds now need not be
+        the original weights, so this raises CheckpointError before touching anything and the cache
+        stays enabled; ``allow_changed_checkpoint=True`` restores from the file as it is now.
+        """
         if not self.enabled:
             return
+        from_checkpoint = any(freed.original is None for freed in self._freed)
+        if from_checkpoint and not allow_changed_checkpoint and self._checkpoint_changed():
+            raise CheckpointError(
+                f"checkpoint {self.config.checkpoint} changed on disk since enable_adaln_cache() verified it, "
+                "so restoring the projection weights from it may not give back the original model; reload "
+                "the model, or call disable(allow_changed_checkpoint=True) to restore from the file as it is"
+            )
         model = self.model
         registry = HookRegistry.check_if_exists_or_initialize(model)
         registry.remove_hook(_ADALN_CACHE_TRANSFORMER_HOOK, recurse=False)
@@ -340,6 +354,14 @@ class AdalnCacheHandle:
         self.enabled = False
         model._adalncache_handle = None
         logger.info("AdaLN cache disabled; projection weights restored")
+
+    def _checkpoint_changed(self) -> bool:
+        fingerprint = getattr(self.source, "fingerprint", None)
+        try:
+            self.source.refresh()
+        except CheckpointError:
+            return True
+        return getattr(self.source, "fingerprint", None) != fingerprint or fingerprint != self._enabled_fingerprint
 
     def __repr__(self) -> str:
         state = "enabled" if self.enabled else "disabled"
@@ -374,6 +396,7 @@ class AdalnCacheHandle:
             self.source = self._checkpoint_source()
         else:
             self.source = self._tensor_source()
+        self._enabled_fingerprint = getattr(self.source, "fingerprint", None)
         self.cache = AdalnCache(self.spec, self.source, device=device, **cache_kwargs)
         # From here on the model is modified; undo everything if a step fails.
         try:
@@ -1145,14 +1168,14 @@ class PipelineAdalnCacheHandle:
         }
         return next(iter(reports.values())) if len(reports) == 1 else reports
 
-    def disable(self) -> None:
+    def disable(self, *, allow_changed_checkpoint: bool = False) -> None:
         """Remove the inserted loop blocks and disable every transformer's cache."""
         for loop, key in self._inserted:
             if key in loop.sub_blocks:
                 del loop.sub_blocks[key]
         self._inserted.clear()
         for handle in self.handles.values():
-            handle.disable()
+            handle.disable(allow_changed_checkpoint=allow_changed_checkpoint)
 
     def _insert_prepare_blocks(self) -> None:
         blocks = getattr(self.pipeline, "_blocks", None)
