@@ -290,3 +290,16 @@ def test_disable_refuses_a_checkpoint_changed_since_enable(load_tiny: Callable[[
         handle.disable()
     handle.disable(allow_changed_checkpoint=True)
     _assert_state_equal(model, snapshot)
+
+
+def test_host_tier_brings_evicted_plans_back_without_a_pass(load_tiny: Callable[[str], Any]) -> None:
+    model = load_tiny("bf16-disk")
+    request = make_request(model, "fl2va", 6)
+    resident = run_loop(model, request)
+    handle = enable_adaln_cache(model, max_plans=5, host_cache_bytes=1 << 22)
+    assert handle.prepare(request.plans).passes == 1
+    assert handle.prepare(minimax_h3_plans("fl2va", 5)).evicted > 0  # another schedule pushes some out
+    report = handle.prepare(request.plans)
+    assert report.passes == 0 and report.host_hits > 0
+    assert run_loop(model, request).equal(resident)
+    handle.disable()
