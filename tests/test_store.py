@@ -1,0 +1,300 @@
+"""Persistent store: cross-process hits, binding misses, corruption, SIGKILLed writers, concurrent fillers."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from adalncache import AdalnCache, CheckpointSource, Store, plan_key
+from adalncache.rows import PlanRows
+from adalncache.testing import inject_faults
+from adalncache.tiers.store import binding_hash
+from adalncache.tiny import write_safetensors
+from tiers_support import plan, projection_dict, simple_embed, small_spec
+
+TESTS = Path(__file__).resolve().parent
+PLANS = [plan(0.9, 0.8), plan(0.5), plan(0.3, 0.2, 0.1)]
+
+
+def _checkpoint(tmp_path: Path, seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> Path:
+    spec = small_spec(dtype)
+    return write_safetensors(projection_dict(spec, seed), tmp_path / f"ckpt-{seed}-{dtype}.safetensors")
+
+
+def _cache(ckpt: Path, store: Path | Store, *, dtype: torch.dtype = torch.bfloat16, **kw) -> AdalnCache:
+    spec = small_spec(dtype)
+    return AdalnCache(spec, CheckpointSource(ckpt, spec), max_plans=4, max_plan_width=4, store=store, **kw)
+
+
+def _equal(a: PlanRows, b: PlanRows) -> bool:
+    return torch.equal(a.block.cpu(), b.block.cpu()) and torch.equal(a.final.cpu(), b.final.cpu())
+
+
+_CHILD = textwrap.dedent(
+    """
+    import json, sys
+    sys.path.insert(0, {tests!r})
+    import torch
+    from safetensors.torch import save_file
+    from tiers_support import plan, simple_embed, small_spec
+    from adalncache import AdalnCache, CheckpointSource, plan_key
+    spec = small_spec()
+    cache = AdalnCache(spec, CheckpointSource({ckpt!r}, spec), max_plans=8, max_plan_width=4, store={store!r})
+    plans = [plan(*p) for p in {plans!r}]
+    report = cache.build(plans, embed=simple_embed(spec))
+    out = {{}}
+    for i, p in enumerate(plans):
+        rows = cache.rows_of(plan_key(p))
+        out[f"block{{i}}"] = rows.block.contiguous()
+        out[f"final{{i}}"] = rows.final.contiguous()
+    save_file(out, {rows_out!r})
+    print(json.dumps(report.as_dict()))
+    """
+)
+
+
+def _child(tmp_path: Path, ckpt: Path, store: Path, plans: list[list[float]], name: str) -> subprocess.Popen:
+    rows_out = str(tmp_path / f"{name}.safetensors")
+    code = _CHILD.format(tests=str(TESTS), ckpt=str(ckpt), store=str(store), plans=plans, rows_out=rows_out)
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(proc: subprocess.Popen) -> dict:
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_second_process_gets_store_hits_and_no_pass(tmp_path: Path) -> None:
+    ckpt, store = _checkpoint(tmp_path), tmp_path / "store"
+    first = _cache(ckpt, store)
+    report = first.build(PLANS, embed=simple_embed(first.spec))
+    assert report.built == 3 and report.passes == 1
+    assert len(first.store.entries()) == 3
+    proc = _child(tmp_path, ckpt, store, [p.tolist() for p in PLANS], "second")
+    child = _finish(proc)
+    assert child["store_hits"] == 3 and child["passes"] == 0 and child["built"] == 0 and child["bytes_read"] == 0
+    rows = load_file(str(tmp_path / "second.safetensors"))
+    for i, p in enumerate(PLANS):
+        mine = first.rows_of(plan_key(p))
+        assert torch.equal(rows[f"block{i}"], mine.block) and torch.equal(rows[f"final{i}"], mine.final)
+
+
+def test_changed_binding_is_a_miss(tmp_path: Path) -> None:
+    ckpt, store = _checkpoint(tmp_path), tmp_path / "store"
+    base = _cache(ckpt, store)
+    embed = simple_embed(base.spec)
+    base.build(PLANS, embed=embed)
+    assert _cache(ckpt, store).build(PLANS, embed=embed).store_hits == 3  # control: same binding hits
+
+    # precision
+    report = _cache(ckpt, store, precision="fp32").build(PLANS, embed=embed)
+    assert report.store_hits == 0 and report.passes == 1
+
+    # numeric environment: a TF32 / matmul-precision switch changes the binding even on CPU
+    previous = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("high")
+        report = _cache(ckpt, store).build(PLANS, embed=embed)
+        assert report.store_hits == 0 and report.passes == 1
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+    # dtype: same everything else, spec dtype changed in the binding -> nothing found
+    binding = dict(base.binding())
+    assert Store(store).get_many(binding, [plan_key(p) for p in PLANS], base.spec).keys() == {
+        plan_key(p) for p in PLANS
+    }
+    other = small_spec(torch.float16)
+    binding_fp16 = {**binding, "spec": other.describe()}
+    assert Store(store).get_many(binding_fp16, [plan_key(p) for p in PLANS], other) == {}
+    ckpt16 = _checkpoint(tmp_path, dtype=torch.float16)
+    report = _cache(ckpt16, store, dtype=torch.float16).build(PLANS, embed=simple_embed(small_spec(torch.float16)))
+    assert report.store_hits == 0 and report.passes == 1
+
+    # fingerprint: the checkpoint is rewritten with other weights (same path)
+    write_safetensors(projection_dict(small_spec(), seed=7), ckpt)
+    changed = _cache(ckpt, store)
+    report = changed.build(PLANS, embed=embed)
+    assert report.store_hits == 0 and report.passes == 1
+    assert not _equal(changed.rows_of(plan_key(PLANS[0])), base.rows_of(plan_key(PLANS[0])))
+    # ... and a cache that was running when the file changed misses too (re-stat before lookup)
+    base.invalidate()
+    report = base.build(PLANS, embed=embed)
+    assert report.store_hits == 3  # entries written under the new fingerprint by `changed`
+    assert _equal(base.rows_of(plan_key(PLANS[0])), changed.rows_of(plan_key(PLANS[0])))
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "header"])
+def test_corrupt_entry_is_detected_moved_aside_and_rebuilt(tmp_path: Path, damage: str) -> None:
+    ckpt, store = _checkpoint(tmp_path), tmp_path / "store"
+    writer = _cache(ckpt, store)
+    embed = simple_embed(writer.spec)
+    writer.build(PLANS, embed=embed)
+    victim = next(e for e in writer.store.entries() if e.size > 0)
+    data = bytearray(victim.path.read_bytes())
+    if damage == "flip":
+        data[len(data) // 2] ^= 0x01
+    elif damage == "truncate":
+        data = data[: len(data) - 7]
+    else:
+        data[20] ^= 0x20  # inside the JSON header
+    victim.path.write_bytes(bytes(data))
+
+    reader = _cache(ckpt, store)
+    report = reader.build(PLANS, embed=embed)
+    assert report.store_hits == 2 and report.built == 1 and report.passes == 1
+    assert reader.stats.store_corrupt == 1 and reader.store.corrupt_moved == 1
+    assert len(list((store / "corrupt").iterdir())) == 1
+    for p in PLANS:
+        assert _equal(reader.rows_of(plan_key(p)), writer.rows_of(plan_key(p)))
+    # rebuilt and rewritten: a third process-like cache hits all three
+    assert _cache(ckpt, store).build(PLANS, embed=embed).store_hits == 3
+    assert Store(store).health()["corrupt"] == []
+
+
+def test_store_write_failure_is_counted_and_leaves_nothing(tmp_path: Path) -> None:
+    ckpt, store = _checkpoint(tmp_path), tmp_path / "store"
+    cache = _cache(ckpt, store)
+    with inject_faults(cache, "store_write"):
+        report = cache.build(PLANS, embed=simple_embed(cache.spec))
+    assert report.tier_write_failures == 1 and report.built == 3
+    assert cache.store.entries() == [] and cache.store.health()["temp_files"] == 0
+    cache.check_invariants()
+
+
+def test_prune_is_lru_by_explicit_recency(tmp_path: Path) -> None:
+    ckpt, store_dir = _checkpoint(tmp_path), tmp_path / "store"
+    cache = _cache(ckpt, store_dir)
+    cache.build(PLANS, embed=simple_embed(cache.spec))
+    store = Store(store_dir)
+    binding = cache.binding()
+    bhash = binding_hash(binding)
+    paths = {plan_key(p): store._entry_path(bhash, plan_key(p)) for p in PLANS}
+    for age, p in enumerate(PLANS):  # oldest first: PLANS[0]
+        os.utime(paths[plan_key(p)], (1_000_000 + age, 1_000_000 + age))
+    assert store.get_many(binding, [plan_key(PLANS[0])], cache.spec)  # a hit makes PLANS[0] the newest
+    sizes = {k: p.stat().st_size for k, p in paths.items()}
+    keep = sizes[plan_key(PLANS[0])] + sizes[plan_key(PLANS[2])]
+    assert store.prune(keep) == 1
+    assert not paths[plan_key(PLANS[1])].exists()
+    assert paths[plan_key(PLANS[0])].exists() and paths[plan_key(PLANS[2])].exists()
+    assert store.total_bytes <= keep
+    assert store.prune(0) == 2 and store.entries() == []
+
+
+def test_max_bytes_bounds_the_store_on_write(tmp_path: Path) -> None:
+    ckpt = _checkpoint(tmp_path)
+    probe = _cache(ckpt, tmp_path / "probe")
+    probe.build([plan(0.45)], embed=simple_embed(probe.spec))
+    one = probe.store.entries()[0].size
+    bounded = Store(tmp_path / "store", max_bytes=2 * one + 10)
+    cache = _cache(ckpt, bounded)
+    cache.build([plan(0.5), plan(0.6), plan(0.7)], embed=simple_embed(cache.spec))
+    assert bounded.total_bytes <= 2 * one + 10 and len(bounded.entries()) == 2
+
+
+def test_orphaned_temp_files_are_swept_live_ones_kept(tmp_path: Path) -> None:
+    store = Store(tmp_path / "store")
+    host = store._host
+    entries = tmp_path / "store" / "entries" / "abc"
+    entries.mkdir(parents=True)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    orphan = entries / f".tmp-{host}-{dead.pid}-x-y.entry"
+    live = entries / f".tmp-{host}-{os.getpid()}-x-y.entry"
+    foreign_old = entries / ".tmp-otherhost-1-x-y.entry"
+    for path in (orphan, live, foreign_old):
+        path.write_bytes(b"partial")
+    os.utime(foreign_old, (0, 0))
+    Store(tmp_path / "store")
+    assert not orphan.exists() and not foreign_old.exists() and live.exists()
+
+
+# -- SIGKILL at random moments --------------------------------------------------------------------
+
+
+def _expected_rows(spec, key) -> PlanRows:
+    """Deterministic rows for a key, big enough (~1 MiB) that a kill often lands mid-write."""
+    g = torch.Generator().manual_seed(sum(key) & 0x7FFFFFFF)
+    n = len(key)
+    block = torch.randn(n, spec.num_layers, spec.block_width, generator=g).to(spec.dtype)
+    final = torch.randn(n, spec.final_width, generator=g).to(spec.dtype)
+    return PlanRows(torch.zeros(n), block, final)
+
+
+def _kill_writer(root: str, binding: dict, keys: list, rows: list) -> None:  # runs in a forked child
+    store = Store(root)
+    i = 0
+    while True:  # killed by the parent
+        store.put(binding, keys[i % len(keys)], rows[i % len(keys)])
+        i += 1
+
+
+def test_writer_killed_at_random_moments_never_leaves_a_served_bad_entry(tmp_path: Path) -> None:
+    spec = small_spec(layers=16, hidden=512, k=16)  # ~0.3 MiB per timestep row
+    root = tmp_path / "store"
+    binding = {"fingerprint": "kill-test", "spec": spec.describe()}
+    keys = [plan_key(plan(0.1 * i + 0.01, 0.5)) for i in range(8)]
+    rows = [_expected_rows(spec, k) for k in keys]
+    ctx = multiprocessing.get_context("fork")  # fork: the child needs no import time, only Store.put
+    rng = random.Random(1234)
+    kills = 0
+    deadline = time.monotonic() + 60
+    while kills < 24 and time.monotonic() < deadline:
+        proc = ctx.Process(target=_kill_writer, args=(str(root), binding, keys, rows), daemon=True)
+        proc.start()
+        time.sleep(rng.uniform(0.0, 0.06))
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(10)
+        assert proc.exitcode == -signal.SIGKILL
+        kills += 1
+        store = Store(root)  # sweeps the dead writer's temp file
+        found = store.get_many(binding, keys, spec)
+        assert store.corrupt_moved == 0
+        for key, got in found.items():
+            want = rows[keys.index(key)]
+            assert torch.equal(got.block, want.block) and torch.equal(got.final, want.final)
+    assert kills >= 20
+    store = Store(root)
+    assert store.health()["temp_files"] == 0
+    assert store.health()["corrupt"] == []
+    assert len(store.entries()) >= 1  # some writes completed, so the test exercised real entries
+
+
+# -- two processes filling one store at once ------------------------------------------------------
+
+
+def test_two_processes_fill_one_store_concurrently(tmp_path: Path) -> None:
+    ckpt, store = _checkpoint(tmp_path), tmp_path / "store"
+    a = [[0.9, 0.8], [0.5], [0.4, 0.3], [0.25], [0.2, 0.1]]
+    b = [[0.5], [0.25], [0.95, 0.85, 0.75], [0.6], [0.2, 0.1]]
+    procs = [_child(tmp_path, ckpt, store, a, "a"), _child(tmp_path, ckpt, store, b, "b")]
+    reports = [_finish(p) for p in procs]
+    assert all(r["built"] + r["store_hits"] == 5 for r in reports)
+    reference = AdalnCache(small_spec(), CheckpointSource(ckpt, small_spec()), max_plans=8, max_plan_width=4)
+    everything = [plan(*p) for p in {tuple(x): None for x in a + b}]
+    reference.build(everything, embed=simple_embed(reference.spec))
+    shared = Store(store)
+    found = shared.get_many(reference.binding(), [plan_key(p) for p in everything], reference.spec)
+    assert len(found) == len(everything) and shared.corrupt_moved == 0
+    for p in everything:
+        assert _equal(found[plan_key(p)], reference.rows_of(plan_key(p)))
+    for name, plans in (("a", a), ("b", b)):
+        rows = load_file(str(tmp_path / f"{name}.safetensors"))
+        for i, p in enumerate(plans):
+            ref = reference.rows_of(plan_key(plan(*p)))
+            assert torch.equal(rows[f"block{i}"], ref.block) and torch.equal(rows[f"final{i}"], ref.final)
+    assert shared.health() == {"ok": len(everything), "corrupt": [], "temp_files": 0, "moved_aside": 0}
