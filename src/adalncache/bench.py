@@ -1,0 +1,844 @@
+"""``adalncache bench``: side-by-side measurements of the rebuild pass, serving and memory.
+
+Every comparison is measured in one run on one machine and printed as a ratio of medians, because
+absolute times on a shared CPU say little while ratios of neighbouring runs stay meaningful. What
+it measures (issue 6):
+
+* the pass against the raw sequential read of the same bytes from the same files and against the
+  projections alone (weights already in memory), page cache warm and cold, at 1 plan and at a full
+  50-step request: a pass that overlaps reading with projecting costs about the larger of the two;
+* the pass against a naive loop that reads each layer whole into a fresh buffer, then projects,
+  at the request size where reading and projecting cost about the same (where overlap matters most);
+* a forward step of a tiny MiniMax-H3 with its projections resident, served from the cache, and
+  offloaded to disk with diffusers' group offloading;
+* ``build()`` latency when every plan of a 50-step request is already resident (the per-request
+  hot path), and a store hit against a pass when the store is available;
+* memory: projection bytes against slab bytes, and the peak anonymous memory of a pass, measured in
+  a child process so the parent's buffers do not count (page cache is file-backed, reported apart).
+
+The checkpoint is generated at the real projection widths (in 2688, out 96768 per block) with
+``--layers`` blocks (``--full``: all 50, 24.2 GiB), in the native layout, sharded with an index.
+Results go to ``bench/results/`` as JSON, Markdown and a PNG chart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import logging
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .spec import FINAL, Layer, ModulationSpec, get_layout
+
+log = logging.getLogger(__name__)
+
+#: The released geometry: time embedding (projection input) and hidden size (output = 18 x hidden).
+REAL_IN = 2688
+REAL_HIDDEN = 5376
+#: Request of the big comparisons: a 50-step t2va request has 49 distinct plans.
+STEPS = 50
+
+
+# ---------------------------------------------------------------------------------------------
+# checkpoint generation
+
+
+def _write_shard(path: Path, tensors: list[tuple[str, tuple[int, ...], Callable[[], torch.Tensor]]]) -> None:
+    """Write one safetensors shard, generating each tensor only when it is written (bounded memory).
+
+    Data offsets are multiples of 64 so every tensor starts 64-byte aligned in the file, as
+    ``save_file`` of bf16 weights of these shapes would also give.
+    """
+    header: dict[str, Any] = {"__metadata__": {"format": "pt", "generator": "adalncache bench"}}
+    offset = 0
+    for name, shape, _ in tensors:
+        nbytes = 2
+        for s in shape:
+            nbytes *= s
+        header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+        pad = (-offset) % 64
+        if pad:
+            # safetensors wants the data to tile the buffer: absorb padding into a u8 tensor.
+            header[f"__adalncache_padding__.{name}"] = {
+                "dtype": "U8", "shape": [pad], "data_offsets": [offset, offset + pad],
+            }  # fmt: skip
+            offset += pad
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * ((-(8 + len(blob))) % 64)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(len(blob).to_bytes(8, "little"))
+        f.write(blob)
+        for _name, _shape, make in tensors:
+            data = make().contiguous()
+            f.write(data.view(torch.uint8).reshape(-1).numpy().data)
+            written = data.numel() * 2
+            pad = (-written) % 64
+            if pad:
+                f.write(b"\0" * pad)
+            del data
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _random_bf16(shape: tuple[int, ...], seed: int, scale: float) -> Callable[[], torch.Tensor]:
+    def make() -> torch.Tensor:
+        gen = torch.Generator().manual_seed(seed)
+        out = torch.empty(shape, dtype=torch.bfloat16)
+        rows = shape[0]
+        step = max(1, (64 << 20) // (4 * max(1, out[0].numel()))) if len(shape) > 1 else rows
+        flat = out if len(shape) > 1 else out.view(1, -1)
+        for lo in range(0, flat.shape[0], step):
+            chunk = flat[lo : lo + step]
+            chunk.copy_(torch.randn(chunk.shape, generator=gen) * scale)
+        return out
+
+    return make
+
+
+def generate_checkpoint(spec: ModulationSpec, directory: Path, *, layers_per_shard: int = 10) -> Path:
+    """A native-layout sharded checkpoint of ``spec``'s projections; reused when already complete."""
+    directory.mkdir(parents=True, exist_ok=True)
+    marker = directory / "COMPLETE.json"
+    want = {"spec": spec.describe(), "layers_per_shard": layers_per_shard, "version": 1}
+    if marker.exists():
+        try:
+            if json.loads(marker.read_text()) == want:
+                return directory
+        except (OSError, ValueError):
+            pass
+    for old in directory.glob("*.safetensors*"):
+        old.unlink()
+    layout = get_layout("native")
+    layers = spec.layers()
+    groups = [layers[i : i + layers_per_shard] for i in range(0, len(layers), layers_per_shard)]
+    weight_map: dict[str, str] = {}
+    scale = 1.0 / spec.time_embed_dim**0.5
+    for n, group in enumerate(groups):
+        name = f"model-{n + 1:05d}-of-{len(groups):05d}.safetensors"
+        tensors: list[tuple[str, tuple[int, ...], Callable[[], torch.Tensor]]] = []
+        for layer in group:
+            seed = 1000 + (spec.num_layers if layer == FINAL else int(layer))
+            shape = spec.weight_shape(layer)
+            tensors.append((layout.weight(layer), shape, _random_bf16(shape, seed, scale)))
+            out = (spec.out_features(layer),)
+            tensors.append((layout.bias(layer), out, _random_bf16(out, seed + 7919, 0.1)))
+        _write_shard(directory / name, tensors)
+        weight_map.update({t[0]: name for t in tensors})
+        log.info("wrote %s", name)
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    marker.write_text(json.dumps(want))
+    return directory
+
+
+# ---------------------------------------------------------------------------------------------
+# primitives measured side by side
+
+
+def drop_page_cache(files: Sequence[Path]) -> None:
+    """Evict ``files`` from the page cache (clean pages only, which generated files are after fsync)."""
+    for path in files:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _preadv_all(fd: int, buf: torch.Tensor, offset: int, chunk: int = 64 << 20) -> int:
+    base, total, done = buf.data_ptr(), buf.numel(), 0
+    while done < total:
+        n = min(chunk, total - done)
+        view = (ctypes.c_char * n).from_address(base + done)
+        got = os.preadv(fd, [memoryview(view).cast("B")], offset + done)
+        if got <= 0:
+            raise OSError(f"short read at {offset + done}")
+        done += got
+    return done
+
+
+def _tensor_ranges(source: Any) -> list[tuple[Path, int, int]]:
+    """(file, offset, nbytes) of every projection tensor, in pass order."""
+    out = []
+    for layer in source.spec.layers():
+        for name in (source.layout.weight(layer), source.layout.bias(layer)):
+            header, entry = source.entry(name)
+            out.append((header.path, entry.begin, entry.nbytes))
+    return out
+
+
+def read_only(source: Any) -> float:
+    """The raw sequential read of the pass's bytes, from the same files, into one reused buffer."""
+    ranges = _tensor_ranges(source)
+    buf = torch.empty(max(n for _, _, n in ranges), dtype=torch.uint8)
+    buf.fill_(0)  # fault the pages in before timing: this is the cost floor of reading
+    start = time.perf_counter()
+    fds = {p: os.open(p, os.O_RDONLY) for p in {p for p, _, _ in ranges}}
+    try:
+        for path, offset, nbytes in ranges:
+            _preadv_all(fds[path], buf[:nbytes], offset)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return time.perf_counter() - start
+
+
+class ResidentLayer:
+    """One block's and the output layer's weights held in memory, for the project-only baseline.
+
+    Every block has the same shape, so projecting block 0's weight once per block costs what
+    projecting each block's own weight costs (496 MiB never fits a cache), without holding 24 GiB.
+    """
+
+    def __init__(self, source: Any) -> None:
+        self.spec = source.spec
+        self.tensors: dict[Layer, tuple[torch.Tensor, torch.Tensor]] = {}
+        for lw in source.stream([0, FINAL]):
+            self.tensors[lw.layer] = (lw.weight.clone(), lw.bias.clone())
+
+    def project_only(self, xs: Sequence[torch.Tensor]) -> float:
+        start = time.perf_counter()
+        with torch.no_grad():
+            for layer in self.spec.layers():
+                weight, bias = self.tensors[FINAL if layer == FINAL else 0]
+                for x in xs:
+                    F.linear(x, weight, bias)
+        return time.perf_counter() - start
+
+
+def naive(source: Any, xs: Sequence[torch.Tensor]) -> float:
+    """Read each layer whole into a fresh buffer, then project every plan: no overlap, no reuse."""
+    spec, layout = source.spec, source.layout
+    start = time.perf_counter()
+    fds: dict[Path, int] = {}
+    try:
+        with torch.no_grad():
+            for layer in spec.layers():
+                parts = []
+                for name in (layout.weight(layer), layout.bias(layer)):
+                    header, entry = source.entry(name)
+                    fd = fds.get(header.path)
+                    if fd is None:
+                        fd = fds[header.path] = os.open(header.path, os.O_RDONLY)
+                    # Same address modulo 64 as the file offset, as the real pass keeps it.
+                    raw = torch.empty(entry.nbytes + 64, dtype=torch.uint8)
+                    pad = (entry.begin - raw.data_ptr()) % 64
+                    view = raw[pad : pad + entry.nbytes]
+                    _preadv_all(fd, view, entry.begin)
+                    parts.append(view.view(torch.bfloat16).view(entry.shape))
+                weight, bias = parts
+                for x in xs:
+                    F.linear(x, weight, bias)
+                del parts, weight, bias
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return time.perf_counter() - start
+
+
+def make_inputs(spec: ModulationSpec, plans: Sequence[torch.Tensor]) -> dict[tuple[int, ...], torch.Tensor]:
+    """A deterministic projection input per plan: ``silu(temb).to(bf16)`` stand-ins."""
+    from .plans import plan_key
+
+    out = {}
+    for n, plan in enumerate(plans):
+        key = plan_key(plan)
+        if key not in out:
+            gen = torch.Generator().manual_seed(n)
+            out[key] = F.silu(torch.randn(plan.numel(), spec.time_embed_dim, generator=gen)).to(spec.dtype)
+    return out
+
+
+def request_plans(steps: int = STEPS) -> list[torch.Tensor]:
+    """The distinct plans of a ``steps``-step t2va request (diffusers' own schedule when available)."""
+    from .plans import distinct_plans
+
+    try:
+        from .plans import minimax_h3_plans
+
+        plans = minimax_h3_plans("t2va", steps)
+    except Exception as exc:  # diffusers absent: the same shape of request, synthetic values
+        log.warning("minimax_h3_plans unavailable (%s); using synthetic width-2 plans", exc)
+        plans = [torch.tensor([1.0 - i / steps, 1.0 - i / (2 * steps)]) for i in range(steps - 1)]
+    order, tensors = distinct_plans(plans)
+    return [tensors[k] for k in order]
+
+
+def one_pass(source: Any, plans: Sequence[torch.Tensor], inputs: dict[tuple[int, ...], torch.Tensor]) -> float:
+    """The real thing: a fresh cache's ``build`` of ``plans`` (one rebuild pass)."""
+    from .cache import AdalnCache
+    from .plans import plan_key
+
+    cache = AdalnCache(source.spec, source, max_plans=len(plans), max_plan_width=4, progress=False)
+    start = time.perf_counter()
+    report = cache.build(list(plans), embed=lambda p: inputs[plan_key(p)])
+    seconds = time.perf_counter() - start
+    assert report.passes == 1 and report.built == len(plans)
+    return seconds
+
+
+# ---------------------------------------------------------------------------------------------
+# results
+
+
+@dataclass
+class Comparison:
+    """``name``: ``subject`` against ``baseline`` (medians of ``runs`` samples each), with a target."""
+
+    name: str
+    subject: str
+    baseline: str
+    subject_s: list[float]
+    baseline_s: list[float]
+    target: float | None = None
+    note: str = ""
+    unit: str = "s"
+
+    @property
+    def ratio(self) -> float:
+        return statistics.median(self.subject_s) / statistics.median(self.baseline_s)
+
+    @property
+    def met(self) -> bool | None:
+        return None if self.target is None else self.ratio <= self.target
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "subject": self.subject,
+            "baseline": self.baseline,
+            "subject_median_s": statistics.median(self.subject_s),
+            "baseline_median_s": statistics.median(self.baseline_s),
+            "subject_s": self.subject_s,
+            "baseline_s": self.baseline_s,
+            "ratio": self.ratio,
+            "target": self.target,
+            "met": self.met,
+            "note": self.note,
+            "unit": self.unit,
+        }
+
+    def fmt(self, samples: list[float]) -> str:
+        value = statistics.median(samples)
+        return f"{value / 2**20:.0f} MiB" if self.unit == "bytes" else _fmt_s(value)
+
+    def line(self) -> str:
+        target = "" if self.target is None else f"  (target <= {self.target:g}: {'met' if self.met else 'MISSED'})"
+        return (
+            f"{self.name}: {self.subject} {self.fmt(self.subject_s)} / {self.baseline} "
+            f"{self.fmt(self.baseline_s)} = {self.ratio:.3f}x{target}"
+            + (f"  [{self.note}]" if self.note else "")
+        )
+
+
+def _fmt_s(seconds: float) -> str:
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.1f} us"
+    if seconds < 1:
+        return f"{seconds * 1e3:.1f} ms"
+    return f"{seconds:.2f} s"
+
+
+@dataclass
+class Results:
+    config: dict[str, Any]
+    comparisons: list[Comparison] = field(default_factory=list)
+    values: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def add(self, comparison: Comparison) -> Comparison:
+        self.comparisons.append(comparison)
+        print(comparison.line(), flush=True)
+        return comparison
+
+    def note(self, text: str) -> None:
+        self.notes.append(text)
+        print(f"note: {text}", flush=True)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "config": self.config,
+            "comparisons": [c.as_dict() for c in self.comparisons],
+            "values": self.values,
+            "notes": self.notes,
+        }
+
+
+def _median_runs(fn: Callable[[], float], runs: int, before: Callable[[], None] | None = None) -> list[float]:
+    out = []
+    for _ in range(runs):
+        if before is not None:
+            before()
+        out.append(fn())
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# sections
+
+
+def bench_pass(res: Results, source: Any, plans: list[torch.Tensor], runs: int, cold: bool) -> None:
+    """Pass vs read-only vs project-only (warm, cold) at 1 and all plans; pass vs naive at the crossover.
+
+    The variants run interleaved, round by round, so a neighbour's load on a shared machine hits
+    them alike instead of skewing whichever block happened to run during it.
+    """
+    inputs = make_inputs(source.spec, plans)
+    resident = ResidentLayer(source)
+    files = list(source.files)
+    states: list[tuple[str, Callable[[], None] | None]] = [("warm", None)]
+    if cold:
+        states.append(("cold", lambda: drop_page_cache(files)))
+    sizes = sorted({1, len(plans)})
+    xs_of = {k: [inputs[key] for key in _keys(plans[:k])] for k in sizes}
+
+    def rounds(variants: dict[str, Callable[[], float]], before: Callable[[], None] | None) -> dict[str, list[float]]:
+        out: dict[str, list[float]] = {name: [] for name in variants}
+        for _ in range(runs):
+            for name, fn in variants.items():
+                if before is not None:
+                    before()
+                out[name].append(fn())
+        return out
+
+    for state, before in states:
+        if before is None:
+            read_only(source)  # warm: the page cache holds every byte from here on (if memory allows)
+        variants: dict[str, Callable[[], float]] = {"read": lambda: read_only(source)}
+        for k in sizes:
+            variants[f"project{k}"] = lambda k=k: resident.project_only(xs_of[k])  # type: ignore[misc]
+            variants[f"pass{k}"] = lambda k=k: one_pass(source, plans[:k], inputs)  # type: ignore[misc]
+        got = rounds(variants, before)
+        reads = got["read"]
+        res.values[f"read_only_{state}_s"] = reads
+        res.values[f"project_only_{state}_s"] = {str(k): got[f"project{k}"] for k in sizes}
+        for k in sizes:
+            project = got[f"project{k}"]
+            read_bound = statistics.median(reads) >= statistics.median(project)
+            base = reads if read_bound else project
+            res.add(
+                Comparison(
+                    f"pass vs max(read, project), {k} plan(s), {state}",
+                    "pass", "read-only" if read_bound else "project-only", got[f"pass{k}"], base, 1.15,
+                    note=f"read {_fmt_s(statistics.median(reads))}, project {_fmt_s(statistics.median(project))}",
+                )
+            )
+        # Crossover: project-only grows linearly in the plans (one GEMM per plan and layer), so the
+        # request size where it meets read-only is interpolated from the two measured sizes, then
+        # measured for real.
+        first = statistics.median(got[f"project{sizes[0]}"])
+        per_plan = (statistics.median(got[f"project{sizes[-1]}"]) - first) / max(1, sizes[-1] - 1)
+        read_s = statistics.median(reads)
+        best = min(range(1, len(plans) + 1), key=lambda k: abs((first + (k - 1) * per_plan) - read_s))
+        xs = [inputs[key] for key in _keys(plans[:best])]
+        cross = rounds(
+            {
+                "read": lambda: read_only(source),
+                "project": lambda xs=xs: resident.project_only(xs),  # type: ignore[misc]
+                "naive": lambda xs=xs: naive(source, xs),  # type: ignore[misc]
+                "pass": lambda best=best: one_pass(source, plans[:best], inputs),  # type: ignore[misc]
+            },
+            before,
+        )
+        res.values[f"crossover_{state}"] = {
+            "plans": best, "read_only_s": statistics.median(cross["read"]),
+            "project_only_s": statistics.median(cross["project"]),
+        }  # fmt: skip
+        res.add(
+            Comparison(
+                f"pass vs naive, {best} plan(s) (read ~ project here), {state}",
+                "pass", "naive", cross["pass"], cross["naive"], 0.75,
+                note=f"read {_fmt_s(statistics.median(cross['read']))}, "
+                f"project {_fmt_s(statistics.median(cross['project']))}",
+            )
+        )
+
+
+def _keys(plans: Sequence[torch.Tensor]) -> list[tuple[int, ...]]:
+    from .plans import plan_key
+
+    return [plan_key(p) for p in plans]
+
+
+def bench_forward(res: Results, size: str, steps: int, runs: int) -> None:
+    """Per-step forward of a tiny MiniMax-H3: resident vs cached vs group offloading to disk."""
+    try:
+        from diffusers.hooks import apply_group_offloading
+
+        from .diffusers import enable_adaln_cache
+        from .plans import plan_key
+        from .tiny import make_request, run_loop, tiny_transformer
+    except ImportError as exc:
+        res.note(f"forward comparison skipped: diffusers unavailable ({exc})")
+        return
+
+    # Three instances of the same seeded model, run round-robin (noise hits all three alike).
+    model: Any = tiny_transformer(size)
+    request = make_request(model, "t2va", steps)
+    cached_model: Any = tiny_transformer(size)
+    distinct = len({plan_key(p) for p in request.plans})
+    handle: Any = enable_adaln_cache(cached_model, max_plans=distinct, max_plan_width=4)
+    off_model: Any = tiny_transformer(size)
+    samples: dict[str, list[float]] = {"resident": [], "cached": [], "offload": []}
+    outs: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="adalncache-offload-") as tmp:
+        for n, block in enumerate(off_model.transformer_blocks):
+            apply_group_offloading(
+                block.adaln_proj, onload_device=torch.device("cpu"), offload_type="leaf_level",
+                offload_to_disk_path=os.path.join(tmp, f"block{n}"),
+            )  # fmt: skip
+        apply_group_offloading(
+            off_model.norm_out, onload_device=torch.device("cpu"), offload_type="leaf_level",
+            offload_to_disk_path=os.path.join(tmp, "norm_out"),
+        )  # fmt: skip
+        try:
+            handle.prepare(request.plans)
+            for _ in range(runs + 1):  # the first round warms allocators and hooks: not counted
+                for name, which in (("resident", model), ("cached", cached_model), ("offload", off_model)):
+                    out = run_loop(which, request)
+                    if name in outs:
+                        samples[name].extend(out.step_seconds)
+                    outs[name] = out
+        finally:
+            handle.disable()
+    resident_s, cached_s, offload_s = samples["resident"], samples["cached"], samples["offload"]
+    resident_out, cached_out, offload_out = outs["resident"], outs["cached"], outs["offload"]
+    exact = bool(resident_out.equal(cached_out))
+    res.values["forward"] = {
+        "size": size, "steps": steps, "cached_bit_identical": exact,
+        "offload_bit_identical": bool(resident_out.equal(offload_out)),
+    }  # fmt: skip
+    res.add(Comparison(f"forward step, tiny '{size}'", "cached", "resident", cached_s, resident_s, 1.0,
+                       note=f"torch.equal outputs: {exact}"))
+    res.add(Comparison(f"forward step, tiny '{size}'", "cached", "group offload (disk)", cached_s, offload_s))
+
+
+def bench_build_latency(res: Results, runs: int, directory: Path) -> None:
+    """``build()`` when every plan of a 50-step request is resident: the per-request hot path.
+
+    Uses a 50-layer, 8-shard checkpoint at tiny widths: the hot path's cost is keying the plans and
+    re-statting the files (fingerprint check), which do not depend on the projection widths.
+    """
+    from .cache import AdalnCache
+    from .source import CheckpointSource
+
+    spec = ModulationSpec(num_layers=50, hidden_size=8, time_embed_dim=16)
+    ckpt = generate_checkpoint(spec, directory, layers_per_shard=7)
+    source = CheckpointSource(ckpt, spec)
+    plans = request_plans(STEPS)
+    inputs = make_inputs(spec, plans)
+    from .plans import plan_key
+
+    cache = AdalnCache(spec, source, max_plans=64, max_plan_width=4, progress=False)
+    cache.build(plans, embed=lambda p: inputs[plan_key(p)])
+    all_steps = list(plans)  # one plan tensor per step, as a pipeline passes them
+    samples = []
+    for _ in range(max(runs, 1) * 100):
+        start = time.perf_counter()
+        report = cache.build(all_steps, embed=lambda p: inputs[plan_key(p)])
+        samples.append(time.perf_counter() - start)
+        assert report.passes == 0
+    res.values["build_resident_files"] = len(source.files)
+    res.add(
+        Comparison(
+            f"build() of a fully resident {len(plans)}-plan request", "build()", "1 ms", samples, [1e-3], 1.0,
+            note=f"{len(source.files)} checkpoint files re-statted per call",
+        )
+    )
+
+
+def bench_store(res: Results, source: Any, plans: list[torch.Tensor], runs: int) -> None:
+    """A store hit against a pass, when the real store is there."""
+    from .tiers import store as store_mod
+
+    if not hasattr(store_mod.Store, "get_many") or not hasattr(store_mod.Store, "put"):
+        res.note("store hit vs pass skipped: adalncache.tiers.store.Store is still a placeholder")
+        return
+    from .cache import AdalnCache
+    from .plans import plan_key
+
+    inputs = make_inputs(source.spec, plans)
+    with tempfile.TemporaryDirectory(prefix="adalncache-bench-store-") as tmp:
+        try:
+            first = AdalnCache(source.spec, source, max_plans=len(plans), max_plan_width=4, store=tmp, progress=False)
+            first.build(plans, embed=lambda p: inputs[plan_key(p)])
+            hits = []
+            for _ in range(runs):
+                cache = AdalnCache(source.spec, source, max_plans=len(plans), max_plan_width=4, store=tmp,
+                                   progress=False)
+                start = time.perf_counter()
+                report = cache.build(plans, embed=lambda p: inputs[plan_key(p)])
+                hits.append(time.perf_counter() - start)
+                if report.store_hits != len(plans):
+                    res.note(f"store run hit {report.store_hits} of {len(plans)} plans")
+        except Exception as exc:  # the store is another issue's work: report, do not fail the bench
+            res.note(f"store hit vs pass skipped: {type(exc).__name__}: {exc}")
+            return
+    passes = _median_runs(lambda: one_pass(source, plans, inputs), runs)
+    res.add(Comparison(f"store hit vs pass, {len(plans)} plans", "store hit", "pass", hits, passes))
+
+
+_PROBE = r"""
+import json, sys, threading, time
+args = json.loads(sys.argv[1])
+from adalncache.bench import _probe_pass
+print(json.dumps(_probe_pass(args)))
+"""
+
+
+def _status() -> dict[str, int]:
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("RssAnon", "RssFile", "VmHWM", "VmRSS"):
+                out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+def _probe_pass(args: dict[str, Any]) -> dict[str, Any]:
+    """Child process: one pass, sampling RssAnon every millisecond (the kernel keeps no anon peak)."""
+    from .cache import AdalnCache
+    from .plans import plan_key
+    from .source import CheckpointSource
+
+    spec = ModulationSpec(**args["spec"])
+    source = CheckpointSource(args["checkpoint"], spec)
+    plans = request_plans(STEPS)[: args["plans"]]
+    inputs = make_inputs(spec, plans)
+    baseline = _status()
+    cache = AdalnCache(spec, source, max_plans=len(plans), max_plan_width=4, progress=False)
+    cache.block_params.fill_(0)  # touch the slab so it is counted before the pass
+    with_slab = _status()
+    peak = [with_slab["RssAnon"]]
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], _status()["RssAnon"])
+            time.sleep(0.001)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        cache.build(plans, embed=lambda p: inputs[plan_key(p)])
+    finally:
+        stop.set()
+        sampler.join()
+    after = _status()
+    peak[0] = max(peak[0], after["RssAnon"])
+    return {
+        "baseline": baseline, "with_slab": with_slab, "after": after, "peak_rss_anon": peak[0],
+        "slab_bytes": cache.slab_bytes,
+    }  # fmt: skip
+
+
+def bench_memory(res: Results, source: Any, plans: list[torch.Tensor], checkpoint: Path) -> None:
+    """Projection bytes vs slab bytes, and the peak anonymous memory of a pass (child process)."""
+    spec = source.spec
+    full = ModulationSpec.minimax_h3()
+    n = len(plans)
+    res.values["memory"] = {
+        "projection_bytes": spec.projection_bytes,
+        "slab_bytes_request": spec.slab_bytes(n, 4),
+        "full_model_projection_bytes": full.projection_bytes,
+        "full_model_slab_bytes_request": full.slab_bytes(n, 4),
+        "full_model_slab_bytes_default_64x4": full.slab_bytes(64, 4),
+    }
+    probe_args = {"spec": {k: getattr(spec, k) for k in ("num_layers", "hidden_size", "time_embed_dim")},
+                  "checkpoint": str(checkpoint), "plans": n}
+    meminfo_before = _meminfo()
+    proc = subprocess.run(
+        [sys.executable, "-c", _PROBE, json.dumps(probe_args)], capture_output=True, text=True, check=False
+    )
+    if proc.returncode != 0:
+        res.note(f"memory probe failed: {proc.stderr.strip().splitlines()[-1:]}")
+        return
+    probe = json.loads(proc.stdout.strip().splitlines()[-1])
+    layer = spec.layer_bytes(0)
+    pass_anon = probe["peak_rss_anon"] - probe["baseline"]["RssAnon"]
+    budget = probe["slab_bytes"] + 3 * layer
+    res.values["memory"].update({
+        "probe": probe, "pass_peak_anon_over_baseline": pass_anon, "budget_slab_plus_3_layers": budget,
+        "layer_bytes": layer, "page_cache_delta_bytes": _meminfo()["Cached"] - meminfo_before["Cached"],
+    })  # fmt: skip
+    res.add(
+        Comparison(
+            f"peak anonymous memory of a {n}-plan pass", "peak RssAnon - baseline", "slab + 3 layers",
+            [float(pass_anon)], [float(budget)], 1.0,
+            note=f"slab {probe['slab_bytes'] / 2**20:.0f} MiB, layer {layer / 2**20:.0f} MiB, peak over baseline "
+            f"{pass_anon / 2**20:.0f} MiB = slab + {(pass_anon - probe['slab_bytes']) / layer:.2f} layers; "
+            f"VmHWM {probe['after']['VmHWM'] / 2**20:.0f} MiB, RssFile {probe['after']['RssFile'] / 2**20:.0f} MiB",
+            unit="bytes",
+        )
+    )
+
+
+def _meminfo() -> dict[str, int]:
+    out = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# output
+
+
+def write_outputs(res: Results, out_dir: Path) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path = out_dir / "bench.json"
+    json_path.write_text(json.dumps(res.as_dict(), indent=2, default=str))
+    md = ["# adalncache bench", "", f"Command: `{res.config['command']}`", "",
+          f"Machine: {res.config['machine']}", "",
+          "| comparison | subject | baseline | subject median | baseline median | ratio | target | met |",
+          "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for c in res.comparisons:
+        md.append(
+            f"| {c.name} | {c.subject} | {c.baseline} | {c.fmt(c.subject_s)} | "
+            f"{c.fmt(c.baseline_s)} | {c.ratio:.3f} | "
+            f"{'' if c.target is None else f'<= {c.target:g}'} | "
+            f"{'' if c.met is None else ('yes' if c.met else 'NO')} |"
+        )
+    md.append("")
+    for c in res.comparisons:
+        if c.note:
+            md.append(f"- {c.name}: {c.note}")
+    for text in res.notes:
+        md.append(f"- note: {text}")
+    mem = res.values.get("memory")
+    if mem:
+        md += ["", "Memory:", "",
+               f"- projection bytes (this geometry): {mem['projection_bytes'] / 2**30:.2f} GiB; slab for the request: "
+               f"{mem['slab_bytes_request'] / 2**20:.1f} MiB",
+               f"- full MiniMax-H3: projections {mem['full_model_projection_bytes'] / 2**30:.2f} GiB; slab for a "
+               f"50-step request {mem['full_model_slab_bytes_request'] / 2**30:.2f} GiB; default 64x4 slab "
+               f"{mem['full_model_slab_bytes_default_64x4'] / 2**30:.2f} GiB"]  # fmt: skip
+        if "page_cache_delta_bytes" in mem:
+            md.append(f"- page cache (file-backed, not anonymous) grew by {mem['page_cache_delta_bytes'] / 2**20:.0f} "
+                      "MiB during the memory probe")
+    md_path = out_dir / "bench.md"
+    md_path.write_text("\n".join(md) + "\n")
+    paths = [json_path, md_path]
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(9, 0.45 * len(res.comparisons) + 1.5))
+        names = [f"{c.name}: {c.subject} / {c.baseline}" for c in res.comparisons]
+        ratios = [c.ratio for c in res.comparisons]
+        colors = ["tab:gray" if c.met is None else ("tab:green" if c.met else "tab:red") for c in res.comparisons]
+        ax.barh(range(len(names)), ratios, color=colors)
+        for i, c in enumerate(res.comparisons):
+            if c.target is not None:
+                ax.plot([c.target, c.target], [i - 0.4, i + 0.4], color="black", linewidth=1)
+        ax.set_yticks(range(len(names)), names, fontsize=7)
+        ax.invert_yaxis()
+        ax.set_xscale("log")
+        ax.set_xlabel("ratio of medians (lower is better; black tick = target)")
+        fig.tight_layout()
+        png = out_dir / "bench.png"
+        fig.savefig(png, dpi=110)
+        plt.close(fig)
+        paths.append(png)
+    except ImportError:
+        res.note("matplotlib unavailable: no chart")
+    return paths
+
+
+# ---------------------------------------------------------------------------------------------
+# command line
+
+
+def run(args: argparse.Namespace) -> int:
+    from .source import CheckpointSource
+
+    torch.manual_seed(0)
+    hidden = args.hidden if args.hidden else REAL_HIDDEN
+    in_features = args.in_features if args.in_features else REAL_IN
+    layers = 50 if args.full else args.layers
+    runs = args.runs if args.runs else (1 if args.quick else 3)
+    spec = ModulationSpec(num_layers=layers, hidden_size=hidden, time_embed_dim=in_features)
+    work = Path(args.dir) if args.dir else Path(tempfile.gettempdir()) / "adalncache-bench"
+    ckpt_dir = work / f"ckpt-{layers}x{hidden}x{in_features}"
+    print(f"checkpoint: {ckpt_dir} ({spec.projection_bytes / 2**30:.2f} GiB of projections, {layers} blocks + final)",
+          flush=True)
+    generate_checkpoint(spec, ckpt_dir)
+    source = CheckpointSource(ckpt_dir, spec)
+    plans = request_plans(STEPS)
+    if args.plans:
+        plans = plans[: args.plans]
+    res = Results(config={
+        "command": "adalncache bench " + " ".join(args.argv),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
+                   f"{torch.get_num_threads()} threads",
+        "spec": spec.describe(), "runs": runs, "plans": len(plans), "checkpoint": str(ckpt_dir),
+        "files": len(source.files), "read_ahead": 1,
+    })  # fmt: skip
+    if "pass" in args.only:
+        bench_pass(res, source, plans, runs, cold=not args.no_cold)
+    if "forward" in args.only:
+        bench_forward(res, args.size, 3 if args.quick else 8, runs)
+    if "build" in args.only:
+        bench_build_latency(res, runs, work / "ckpt-latency-50x8x16")
+    if "store" in args.only:
+        bench_store(res, source, plans, runs)
+    if "memory" in args.only:
+        bench_memory(res, source, plans, ckpt_dir)
+    paths = write_outputs(res, Path(args.out))
+    for path in paths:
+        print(f"wrote {path}")
+    return 0
+
+
+SECTIONS = ("pass", "forward", "build", "store", "memory")
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "bench",
+        help="measure the pass, serving and memory side by side (ratios of medians)",
+        description=__doc__.split("\n\n")[0] if __doc__ else None,
+    )
+    p.add_argument("--layers", type=int, default=4, help="blocks in the generated checkpoint (default 4)")
+    p.add_argument("--full", action="store_true", help="all 50 blocks (24.2 GiB checkpoint on disk)")
+    p.add_argument("--hidden", type=int, default=0, help=f"hidden size (default {REAL_HIDDEN}: out = 18 x hidden)")
+    p.add_argument("--in-features", type=int, default=0, help=f"projection input width (default {REAL_IN})")
+    p.add_argument("--plans", type=int, default=0, help="cap the 50-step request at this many plans")
+    p.add_argument("--runs", type=int, default=0, help="samples per measurement (default 3; 1 with --quick)")
+    p.add_argument("--quick", action="store_true", help="one sample each, shorter forward loop (smoke test)")
+    p.add_argument("--no-cold", action="store_true", help="skip the cold page cache runs")
+    p.add_argument("--size", default="small", help="tiny model size for the forward comparison (default small)")
+    p.add_argument("--only", nargs="+", default=list(SECTIONS), choices=SECTIONS, help="sections to run")
+    p.add_argument("--dir", default="", help="where checkpoints are generated (default: a temp dir, reused)")
+    p.add_argument("--out", default="bench/results", help="output directory (default bench/results)")
+
+    def func(args: argparse.Namespace) -> int:
+        args.argv = [a for a in sys.argv[2:]] if len(sys.argv) > 1 and sys.argv[1] == "bench" else []
+        return run(args)
+
+    p.set_defaults(func=func)
+
+
+__all__ = ["generate_checkpoint", "register", "run"]

@@ -1,0 +1,51 @@
+"""``adalncache bench`` runs end to end on a tiny geometry and writes its JSON, Markdown and chart.
+
+No timing assertions: speed is only measured by the benchmark itself, side by side, as ratios.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from adalncache.cli import main
+
+
+@pytest.mark.slow
+def test_bench_quick_tiny_geometry_writes_results(tmp_path: Path) -> None:
+    pytest.importorskip("diffusers")
+    out = tmp_path / "results"
+    argv = [
+        "bench", "--quick", "--layers", "1", "--hidden", "8", "--in-features", "16", "--plans", "3",
+        "--size", "tiny", "--dir", str(tmp_path / "work"), "--out", str(out),
+    ]  # fmt: skip
+    assert main(argv) == 0
+    data = json.loads((out / "bench.json").read_text())
+    names = [c["name"] for c in data["comparisons"]]
+    assert any(name.startswith("pass vs max(read, project)") for name in names)
+    assert any(name.startswith("pass vs naive") for name in names)
+    assert any(name.startswith("forward step") for name in names)
+    assert any(name.startswith("build() of a fully resident") for name in names)
+    assert any(name.startswith("peak anonymous memory") for name in names)
+    for comparison in data["comparisons"]:
+        assert comparison["ratio"] > 0
+    assert data["values"]["forward"]["cached_bit_identical"] is True
+    markdown = (out / "bench.md").read_text()
+    assert "| comparison |" in markdown and "pass vs naive" in markdown
+    assert (out / "bench.png").stat().st_size > 0
+
+
+def test_bench_pass_section_only(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "results"
+    argv = [
+        "bench", "--quick", "--layers", "1", "--hidden", "8", "--in-features", "16", "--plans", "2",
+        "--only", "pass", "--no-cold", "--dir", str(tmp_path / "work"), "--out", str(out),
+    ]  # fmt: skip
+    assert main(argv) == 0
+    data = json.loads((out / "bench.json").read_text())
+    names = [c["name"] for c in data["comparisons"]]
+    assert names and all(n.startswith(("pass vs max(read, project)", "pass vs naive")) for n in names)
+    printed = capsys.readouterr().out
+    assert "pass vs naive" in printed and "x" in printed

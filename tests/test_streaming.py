@@ -1,0 +1,85 @@
+"""CheckpointSource.stream reuses its staging buffers without ever overwriting a live tensor.
+
+The pass reads layer k+1 into the buffer of layer k-1 while layer k is projected. These tests pin
+the two properties that make that safe and exact: a consumer that keeps layers (a list, a dict)
+still sees every layer's own bytes, and every buffer keeps the file offset's address modulo 64.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from adalncache import CheckpointSource, ModulationSpec
+from adalncache.spec import FINAL, get_layout
+from adalncache.tiny import write_safetensors
+
+
+@pytest.fixture
+def checkpoint(tmp_path: Path) -> tuple[CheckpointSource, dict[str, torch.Tensor]]:
+    spec = ModulationSpec(num_layers=5, hidden_size=8, time_embed_dim=16)
+    layout = get_layout("native")
+    gen = torch.Generator().manual_seed(0)
+    tensors: dict[str, torch.Tensor] = {}
+    for layer in spec.layers():
+        out = spec.out_features(layer)
+        tensors[layout.weight(layer)] = torch.randn(out, 16, generator=gen).to(torch.bfloat16)
+        tensors[layout.bias(layer)] = torch.randn(out, generator=gen).to(torch.bfloat16)
+    # Odd residues modulo 64, so a buffer that lost its alignment would show.
+    residues = {name: 2 * n + 2 for n, name in enumerate(tensors)}
+    path = write_safetensors(tensors, tmp_path / "m.safetensors", residues=residues)
+    return CheckpointSource(path, spec), tensors
+
+
+def _expect(source: CheckpointSource, tensors: dict[str, torch.Tensor], lw: object) -> None:
+    layer, weight, bias = lw  # type: ignore[misc]
+    assert torch.equal(weight, tensors[source.layout.weight(layer)])
+    assert torch.equal(bias, tensors[source.layout.bias(layer)])
+    for name, t in ((source.layout.weight(layer), weight), (source.layout.bias(layer), bias)):
+        _, entry = source.entry(name)
+        assert t.data_ptr() % 64 == entry.begin % 64
+
+
+@pytest.mark.parametrize("read_ahead", [0, 1, 2, 3])
+def test_streamed_layers_are_exact_and_aligned(checkpoint, read_ahead: int) -> None:  # type: ignore[no-untyped-def]
+    source, tensors = checkpoint
+    seen = []
+    for lw in source.stream(source.spec.layers(), read_ahead=read_ahead):
+        _expect(source, tensors, lw)
+        seen.append(lw.layer)
+    assert seen == source.spec.layers()
+    assert source.bytes_read == sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+@pytest.mark.parametrize("read_ahead", [0, 1, 2])
+def test_kept_layers_are_never_overwritten(checkpoint, read_ahead: int) -> None:  # type: ignore[no-untyped-def]
+    source, tensors = checkpoint
+    kept = list(source.stream(source.spec.layers(), read_ahead=read_ahead))
+    for lw in kept:
+        _expect(source, tensors, lw)
+    # A derived view keeps the storage alive too (no weakref to the yielded tensor would see it).
+    views = {lw.layer: lw.weight.t() for lw in source.stream(source.spec.layers(), read_ahead=read_ahead)}
+    for layer, view in views.items():
+        assert torch.equal(view.t(), tensors[source.layout.weight(layer)])
+    assert FINAL in views
+
+
+def test_buffers_are_reused_by_a_well_behaved_consumer(checkpoint, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import adalncache.source as source_mod
+
+    source, tensors = checkpoint
+    fresh: list[int] = []
+    clear = source_mod._Staging.clear
+
+    def record(self: source_mod._Staging) -> None:
+        fresh.append(self.fresh)
+        clear(self)
+
+    monkeypatch.setattr(source_mod._Staging, "clear", record)
+    for read_ahead in (1, 2):
+        for lw in source.stream(source.spec.layers(), read_ahead=read_ahead):
+            _expect(source, tensors, lw)
+    # (read_ahead + 1) slots x (weight, bias), allocated once each, for six layers.
+    assert fresh == [4, 6]
