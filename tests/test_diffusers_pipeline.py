@@ -1,4 +1,4 @@
-"""The whole tiny MiniMax-H3 modular pipeline (t2va), resident versus cached.
+"""The whole tiny MiniMax-H3 modular pipeline (t2va, and fl2va), resident versus cached.
 
 Tiny Qwen3-VL text encoder (51 layers), locally trained BPE tokenizer, Qwen3VLProcessor without
 torchvision, tiny video and audio VAEs: nothing is downloaded. The cached call must give
@@ -24,8 +24,9 @@ OUTPUTS = ["latents", "audio_latents", "videos", "audio"]
 STEPS = 4
 
 
-def _call(pipe: Any) -> dict[str, torch.Tensor]:
+def _call(pipe: Any, **extra: Any) -> dict[str, torch.Tensor]:
     return pipe(
+        **extra,
         prompt="a cat playing a piano in the rain",
         height=64,
         width=64,
@@ -141,3 +142,26 @@ def test_transformer_and_transformer_ref_get_their_own_caches(pipe: Any, tmp_pat
             handle.disable()
     finally:
         pipe.update_components(transformer_ref=None)
+
+
+def test_full_pipeline_fl2va_with_a_keyframe(pipe: Any) -> None:
+    """The keyframe path too: the PIL image processor, the tiny vision tower and the video VAE encoder."""
+    import numpy as np
+    from PIL import Image
+
+    keyframe = Image.fromarray((np.random.RandomState(0).rand(64, 64, 3) * 255).astype("uint8"))
+    seen: list[torch.Tensor] = []
+    hook = pipe.transformer.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(kwargs["timestep"].clone()), with_kwargs=True
+    )
+    try:
+        resident = _call(pipe, image=keyframe)
+    finally:
+        hook.remove()
+    assert [plan_key(p) for p in seen] == [plan_key(p) for p in minimax_h3_plans("fl2va", STEPS)]
+    handle = enable_adaln_cache(pipe, on_miss="raise")
+    try:
+        _assert_outputs_equal(resident, _call(pipe, image=keyframe))
+        assert handle.stats.passes == 1
+    finally:
+        handle.disable()
