@@ -337,7 +337,18 @@ class AdalnCache:
         report.device_hits = len(order) - len(missing)
         wanted = set(order)
         bytes_before = self.source.bytes_read
-        from_host, from_store = self._tier_lookup(missing)
+        try:
+            from_host, from_store = self._tier_lookup(missing)
+        except BaseException as exc:
+            # Tier errors fall through to a rebuild inside _tier_lookup; only an interrupt (or
+            # another BaseException) gets here. Nothing is reserved yet, so there is nothing to undo,
+            # but the contract still owes the caller a BuildError rather than a raw interrupt.
+            self.stats.failed_builds += 1
+            raise BuildError(
+                f"build of {len(missing)} plan(s) failed at tier lookup: {type(exc).__name__}: {exc}; nothing "
+                f"of this request was published and a retry rebuilds it",
+                failed_at="tier lookup",
+            ) from exc
         to_build = [k for k in missing if k not in from_host and k not in from_store]
 
         slots = self._reserve(missing, wanted, report)

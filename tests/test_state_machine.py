@@ -1,0 +1,470 @@
+"""Model-based test of AdalnCache: a plain-Python model of what is resident vs the real cache.
+
+Why a model: the slab's bookkeeping bugs (the seed note) were ordering bugs that only show after
+a particular sequence of requests, evictions and failures. Hypothesis generates such sequences
+and shrinks a failure to the shortest one; the model below encodes the contract of DESIGN.md
+section 2 exactly:
+
+* slots for missing plans come from free slots first, then from the least recently used plans
+  that are not in the request; a plan of the request is never evicted by its own build;
+* a failed build publishes nothing of the request, returns its reserved slots, and the plans it
+  evicted stay gone; a success marks the request's plans most recently used, in first-seen order;
+* the host tier is filled with each successful request's group, the store with the plans a pass
+  built; the cheapest tier that holds a plan serves it, and only the rest cost a pass.
+
+After every step the real cache must agree with the model (resident plans in LRU order, stats),
+satisfy its own and our invariants, and every resident row must equal an independent projection
+(safetensors' loader + ``F.linear`` at the plan's own M).
+
+Profiles: ``make test`` runs 300 derandomized sequences (the CI profile); ``ADALNCACHE_SOAK=1``
+with ``-m soak`` runs 5000 random ones. Neither uses hypothesis' example database, so a run never
+depends on what an earlier run saved.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
+
+from adalncache import (
+    AdalnCache,
+    BuildError,
+    CheckpointSource,
+    PlanError,
+    PlanNotCachedError,
+    plan_key,
+)
+from adalncache.plans import PlanKey
+from adalncache.spec import FINAL, LAYOUTS, Layer
+from adalncache.testing import FaultInjectingSource, inject_faults
+from core_helpers import SPEC, embed_for, load_reference, make_weights, write_checkpoint
+
+EMBED = embed_for(SPEC)
+LAYOUT = LAYOUTS["native"]
+
+settings.register_profile(
+    "adalncache-state-ci",
+    max_examples=300,
+    stateful_step_count=10,
+    derandomize=True,
+    database=None,
+    deadline=None,
+    print_blob=False,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
+)
+settings.register_profile(
+    "adalncache-state-soak",
+    max_examples=5000,
+    stateful_step_count=25,
+    derandomize=False,
+    database=None,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
+)
+
+
+def _t(*values: float) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32)
+
+
+#: Valid plans. They overlap on purpose: the same values in another order, a prefix, a shared
+#: timestep, two values one ulp apart. Widths 1..4 so some are too wide for a narrow slab.
+POOL: list[torch.Tensor] = [
+    _t(0.5),
+    _t(0.25, 0.75),
+    _t(0.75, 0.25),
+    _t(0.25, 0.75, 0.999),
+    _t(0.125),
+    _t(0.9, 0.3, 0.999, 1.0),
+    _t(1.0),
+    _t(0.5, float(torch.nextafter(torch.tensor(0.5), torch.tensor(1.0)))),
+]
+#: Plans no build may accept, whatever the slab's size (plan_key or validate_plan rejects them).
+BAD: list[torch.Tensor] = [
+    _t(float("nan")),
+    _t(0.5, float("inf")),
+    torch.empty(0, dtype=torch.float32),
+    torch.tensor([[0.5]], dtype=torch.float32),
+    torch.tensor([0.5], dtype=torch.float16),
+    torch.tensor([0.5], dtype=torch.float64),
+    torch.tensor([1], dtype=torch.int64),
+]
+#: Where a build can be made to fail: a layer read (FaultInjectingSource) or a named phase.
+LAYER_SITES: list[Layer] = [*range(SPEC.num_layers), FINAL]
+PHASE_SITES = ["embed", "project", "publish", "host_write", "store_write", "host_read", "store_read"]
+EXCEPTIONS: list[type[BaseException]] = [OSError, RuntimeError, KeyboardInterrupt, MemoryError]
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    weights: dict[str, torch.Tensor]
+    reference: dict[PlanKey, list[torch.Tensor]] = field(default_factory=dict)
+
+    def rows(self, plan: torch.Tensor) -> list[torch.Tensor]:
+        """Independent projection of every layer for ``plan`` (same M), memoised per plan."""
+        key = plan_key(plan)
+        if key not in self.reference:
+            x = EMBED(plan)
+            self.reference[key] = [
+                F.linear(x, self.weights[LAYOUT.weight(layer)], self.weights[LAYOUT.bias(layer)])
+                for layer in SPEC.layers()
+            ]
+        return self.reference[key]
+
+
+_CHECKPOINT: Checkpoint | None = None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def checkpoint() -> Iterator[Checkpoint]:
+    """One tiny real safetensors checkpoint for the whole module (each step then costs ~ms)."""
+    global _CHECKPOINT
+    with tempfile.TemporaryDirectory(prefix="adalncache-sm-") as tmp:
+        path = write_checkpoint(Path(tmp) / "ckpt", make_weights(SPEC, seed=3))
+        _CHECKPOINT = Checkpoint(path, load_reference(path))
+        yield _CHECKPOINT
+        _CHECKPOINT = None
+
+
+@dataclass
+class Fault:
+    """One injected fault: ``site`` a layer or a phase name, ``exc`` the exception class."""
+
+    site: Layer | str
+    exc: type[BaseException]
+
+    @property
+    def is_layer(self) -> bool:
+        return self.site in LAYER_SITES
+
+
+class CacheMachine(RuleBasedStateMachine):
+    """The real cache driven alongside a model of its resident plans, host tier and store."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        assert _CHECKPOINT is not None, "the module fixture writes the checkpoint first"
+        self.ckpt = _CHECKPOINT
+        self.store_dir: str | None = None
+
+    # -- set-up ---------------------------------------------------------------------------
+
+    @initialize(
+        max_plans=st.integers(1, 4),
+        width=st.integers(2, 3),
+        host=st.sampled_from(["none", "ample", "tight"]),
+        store=st.booleans(),
+    )
+    def setup(self, max_plans: int, width: int, host: str, store: bool) -> None:
+        self.max_plans = max_plans
+        self.width = width
+        self.host_mode = host
+        # ample: every pool plan fits at once (no host eviction, so the model predicts it exactly);
+        # tight: room for about three timestep rows, so groups are evicted and skipped, and the
+        # model takes what the tier holds from the tier itself (it still checks every restore).
+        self.host_bytes = {"none": 0, "ample": 1 << 20, "tight": 3 * 1024}[host]
+        if store:
+            self.store_dir = tempfile.mkdtemp(prefix="adalncache-sm-store-")
+        # Model state.
+        self.lru: list[PlanKey] = []  # resident plans, least recently used first
+        self.host: set[PlanKey] = set()  # exact in "ample" mode
+        self.stored: set[PlanKey] = set()  # survives reopen and invalidate
+        self.open_cache()
+
+    def open_cache(self) -> None:
+        self.source = FaultInjectingSource(CheckpointSource(self.ckpt.path, SPEC), None)
+        self.cache = AdalnCache(
+            SPEC,
+            self.source,  # type: ignore[arg-type]
+            max_plans=self.max_plans,
+            max_plan_width=self.width,
+            host_cache_bytes=self.host_bytes,
+            store=self.store_dir,
+            progress=False,
+        )
+        self.lru = []
+        self.host = set()
+        self.expected = dict.fromkeys(
+            ("device_hits", "host_hits", "store_hits", "built_plans", "passes", "evicted_plans", "failed_builds",
+             "tier_write_failures"),
+            0,
+        )  # fmt: skip
+
+    def teardown(self) -> None:
+        if self.store_dir is not None:
+            shutil.rmtree(self.store_dir, ignore_errors=True)
+
+    # -- the model ------------------------------------------------------------------------
+
+    def valid(self, plan: torch.Tensor) -> bool:
+        return any(plan is p for p in POOL) and plan.numel() <= self.width
+
+    def expect_build(self, plans: list[torch.Tensor], fault: Fault | None) -> dict[str, object]:
+        """What the contract says this build does (before it runs)."""
+        if any(not any(p is q for q in POOL) for p in plans):
+            return {"error": PlanError}
+        order: list[PlanKey] = []
+        for p in plans:
+            if plan_key(p) not in order:
+                order.append(plan_key(p))
+        missing = [k for k in order if k not in self.lru]
+        if not missing:
+            return {"order": order, "missing": [], "fires": False, "evicted": [], "from_host": [], "from_store": []}
+        if any(not self.valid(p) for p in plans if plan_key(p) in missing) or len(order) > self.max_plans:
+            return {"error": PlanError}
+        tiers = self.cache.host_tier is not None, self.cache.store is not None
+        site = None if fault is None else fault.site
+        if self.host_mode == "ample":
+            host_has = self.host
+        else:  # tight: the tier itself says what it holds (its LRU of groups is its own business)
+            host_has = {k for k in missing if self.cache.host_tier is not None and k in self.cache.host_tier}
+        from_host = [k for k in missing if tiers[0] and site != "host_read" and k in host_has]
+        rest = [k for k in missing if k not in from_host]
+        from_store = [k for k in rest if tiers[1] and site != "store_read" and k in self.stored]
+        to_build = [k for k in rest if k not in from_store]
+        free = self.max_plans - len(self.lru)
+        victims = [k for k in self.lru if k not in order]
+        evicted = victims[: max(0, len(missing) - free)]
+        if site is None:
+            fires = False
+        elif (fault is not None and fault.is_layer) or site in ("embed", "project"):
+            fires = bool(to_build)
+        elif site == "publish":
+            fires = True
+        elif site == "host_read":
+            fires = tiers[0]
+        elif site == "store_read":
+            fires = tiers[1] and bool(rest)
+        elif site == "host_write":
+            fires = tiers[0]
+        else:  # store_write
+            fires = tiers[1] and bool(to_build)
+        interrupted_lookup = fires and site in ("host_read", "store_read") and fault.exc is KeyboardInterrupt  # type: ignore[union-attr]
+        if interrupted_lookup:
+            evicted = []  # the lookup runs before any slot is reserved
+        fails = fires and (site not in ("host_write", "store_write", "host_read", "store_read") or interrupted_lookup)
+        return {
+            "order": order,
+            "missing": missing,
+            "evicted": evicted,
+            "from_host": from_host,
+            "from_store": from_store,
+            "to_build": to_build,
+            "fires": fires,
+            "fails": fails,
+        }
+
+    def apply_success(self, want: dict[str, object], site: object, *, interrupted: bool = False) -> None:
+        order: list[PlanKey] = want["order"]  # type: ignore[assignment]
+        missing: list[PlanKey] = want["missing"]  # type: ignore[assignment]
+        e = self.expected
+        if not missing:
+            e["device_hits"] += len(order)
+            self.lru = [k for k in self.lru if k not in order] + order
+            return
+        to_build: list[PlanKey] = want["to_build"]  # type: ignore[assignment]
+        self.lru = [k for k in self.lru if k not in want["evicted"]]  # type: ignore[operator]
+        self.lru = [k for k in self.lru if k not in order] + order
+        e["device_hits"] += len(order) - len(missing)
+        e["host_hits"] += len(want["from_host"])  # type: ignore[arg-type]
+        e["store_hits"] += len(want["from_store"])  # type: ignore[arg-type]
+        e["built_plans"] += len(to_build)
+        e["passes"] += 1 if to_build else 0
+        e["evicted_plans"] += len(want["evicted"])  # type: ignore[arg-type]
+        if site in ("host_write", "store_write") and want["fires"] and not interrupted:
+            e["tier_write_failures"] += 1
+        if self.cache.host_tier is not None and not (site == "host_write" and want["fires"]):
+            self.host |= set(order)
+        store_skipped = (site == "store_write" or (interrupted and site == "host_write")) and want["fires"]
+        if self.cache.store is not None and not store_skipped:
+            self.stored |= set(to_build)
+
+    # -- rules ----------------------------------------------------------------------------
+
+    def run_build(self, plans: list[torch.Tensor], fault: Fault | None) -> None:
+        want = self.expect_build(plans, fault)
+        before = self.cache.stats.as_dict()
+        site = None if fault is None else fault.site
+        if fault is not None and fault.is_layer:
+            self.source.arm(fault.site, fault.exc)  # type: ignore[arg-type]
+        try:
+            with inject_faults(self.cache, str(site) if fault is not None and not fault.is_layer else [], fault.exc
+                               if fault is not None else RuntimeError) as injected:  # fmt: skip
+                try:
+                    report = self.cache.build(plans, embed=EMBED)
+                    outcome: BaseException | None = None
+                except (BuildError, PlanError) as exc:
+                    outcome = exc
+                except KeyboardInterrupt as exc:
+                    # After publish the build has succeeded; an interrupt during the tier copies is
+                    # the user's, so it propagates as it is (the slab is already correct).
+                    if not (want.get("fires") and site in ("host_write", "store_write")):
+                        raise AssertionError("build let KeyboardInterrupt escape instead of BuildError") from exc
+                    outcome = exc
+                except BaseException as exc:  # a MemoryError must not escape raw either
+                    raise AssertionError(f"build let {type(exc).__name__} escape instead of BuildError") from exc
+        finally:
+            self.source.disarm()
+        fired = injected.fired + self.source.faults
+        self.source.faults = 0
+
+        if want.get("error") is PlanError:
+            assert isinstance(outcome, PlanError) and not isinstance(outcome, BuildError), outcome
+            assert self.cache.stats.as_dict() == before, "a rejected request changed the stats"
+            assert fired == 0, "a rejected request reached a fault point"
+            return
+        assert fired == int(bool(want["fires"])), f"fault at {site} fired {fired} time(s), model said {want['fires']}"
+        if want.get("fails"):
+            assert isinstance(outcome, BuildError), f"expected BuildError from a fault at {site}, got {outcome!r}"
+            assert isinstance(outcome.__cause__, fault.exc), outcome.__cause__  # type: ignore[union-attr]
+            if fault is not None and fault.is_layer:
+                assert f"layer {fault.site}" in str(outcome), str(outcome)
+            # Evicted plans are gone even though the build failed; nothing of the request is visible.
+            self.lru = [k for k in self.lru if k not in want["evicted"]]  # type: ignore[operator]
+            self.expected["evicted_plans"] += len(want["evicted"])  # type: ignore[arg-type]
+            self.expected["failed_builds"] += 1
+            return
+        if isinstance(outcome, KeyboardInterrupt):
+            # Published and counted; the interrupted tier write (and any after it) holds nothing new.
+            self.apply_success(want, site, interrupted=True)
+            return
+        assert outcome is None, f"build failed unexpectedly: {outcome!r}"
+        missing = want["missing"]
+        assert report.plans == len(want["order"])  # type: ignore[arg-type]
+        if missing:
+            assert report.built == len(want["to_build"])  # type: ignore[arg-type]
+            assert report.host_hits == len(want["from_host"])  # type: ignore[arg-type]
+            assert report.store_hits == len(want["from_store"])  # type: ignore[arg-type]
+            assert report.evicted == len(want["evicted"])  # type: ignore[arg-type]
+            assert report.passes == (1 if want["to_build"] else 0)
+        assert report.plans == report.device_hits + report.host_hits + report.store_hits + report.built
+        self.apply_success(want, site)
+
+    @rule(idx=st.lists(st.integers(0, len(POOL) - 1), min_size=0, max_size=6))
+    def build(self, idx: list[int]) -> None:
+        """Valid, repeated, overlapping, too wide or too many plans (the model knows which)."""
+        self.run_build([POOL[i] for i in idx], None)
+
+    @rule(idx=st.lists(st.integers(0, len(POOL) - 1), max_size=3), bad=st.sampled_from(BAD), at=st.integers(0, 3))
+    def build_with_a_bad_plan(self, idx: list[int], bad: torch.Tensor, at: int) -> None:
+        plans = [POOL[i] for i in idx]
+        plans.insert(min(at, len(plans)), bad)
+        self.run_build(plans, None)
+
+    @rule(
+        idx=st.lists(st.integers(0, len(POOL) - 1), min_size=1, max_size=5),
+        site=st.sampled_from([*LAYER_SITES, *PHASE_SITES]),
+        exc=st.sampled_from(EXCEPTIONS),
+    )
+    def build_with_fault(self, idx: list[int], site: Layer | str, exc: type[BaseException]) -> None:
+        self.run_build([POOL[i] for i in idx], Fault(site, exc))
+
+    @rule()
+    def invalidate(self) -> None:
+        self.cache.invalidate()
+        self.lru = []
+        self.host = set()
+
+    @rule()
+    def reopen(self) -> None:
+        """A new cache object (a restart): slab and host tier start empty, the store persists."""
+        self.open_cache()
+
+    @rule(idx=st.lists(st.integers(0, len(POOL) - 1), max_size=4))
+    def resolve(self, idx: list[int]) -> None:
+        plans = [POOL[i] for i in idx]
+        keys = [plan_key(p) for p in plans]
+        if all(k in self.lru for k in keys):
+            got = self.cache.resolve_slots(plans).tolist()
+            assert got == [self.cache.slot_of(k) for k in keys]
+            assert self.cache.resolve_slots(plans, keys=keys).tolist() == got
+            for plan, slot in zip(plans, got):
+                assert int(self.cache.lookup(plan)) == slot
+        else:
+            with pytest.raises(PlanNotCachedError, match="does not cover"):
+                self.cache.resolve_slots(plans)
+        # Lookups never change the LRU: the model's order must still hold (checked below).
+
+    # -- invariants -----------------------------------------------------------------------
+
+    @invariant()
+    def cache_invariants(self) -> None:
+        self.cache.check_invariants()
+
+    @invariant()
+    def resident_plans_match_model_lru(self) -> None:
+        assert self.cache.resident_plans == self.lru, (self.cache.resident_plans, self.lru)
+
+    @invariant()
+    def slots_partition_the_slab(self) -> None:
+        resident = [self.cache.slot_of(k) for k in self.cache.resident_plans]
+        free = self.cache.free_slots
+        assert None not in resident
+        assert sorted([*resident, *free]) == list(range(self.max_plans)), (resident, free)
+        lengths = self.cache.plan_lengths.tolist()
+        timesteps = self.cache.plan_timesteps
+        for slot in free:
+            assert lengths[slot] == 0 and not bool(timesteps[slot].any()), f"free slot {slot} not cleared"
+        for key in self.cache.resident_plans:
+            slot = self.cache.slot_of(key)
+            assert slot is not None and lengths[slot] == len(key)
+            assert plan_key(timesteps[slot, : len(key)].contiguous()) == key
+            assert not bool(timesteps[slot, len(key) :].any()), f"slot {slot}: stale timesteps past the plan"
+
+    @invariant()
+    def resident_rows_are_exact(self) -> None:
+        for key in self.lru:
+            plan = next(p for p in POOL if plan_key(p) == key)
+            slot = self.cache.lookup(plan)
+            n = plan.numel()
+            want = self.ckpt.rows(plan)
+            for layer, ref in zip(SPEC.layers(), want):
+                got = self.cache.final_rows(slot, n) if layer == FINAL else self.cache.block_rows(int(layer), slot, n)
+                assert torch.equal(got, ref), f"plan {plan.tolist()} layer {layer} differs from F.linear"
+            shift, scale = self.cache.final(slot, n)
+            assert torch.equal(torch.cat([shift, scale], -1), want[-1])
+            chunks = self.cache.block(0, slot, n)
+            assert all(torch.equal(a, b) for a, b in zip(chunks, want[0].view(-1, 6 * SPEC.hidden_size).chunk(6, -1)))
+
+    @invariant()
+    def absent_plans_do_not_resolve(self) -> None:
+        for plan in POOL:
+            if plan_key(plan) not in self.lru:
+                with pytest.raises(PlanNotCachedError, match="does not cover"):
+                    self.cache.lookup(plan)
+
+    @invariant()
+    def stats_add_up(self) -> None:
+        got = self.cache.stats.as_dict()
+        assert {k: got[k] for k in self.expected} == self.expected, (got, self.expected)
+        if self.host_mode == "ample":
+            assert got["host_evicted"] == 0 and got["host_pressure_skips"] == 0
+            tier = self.cache.host_tier
+            assert tier is not None and {k for k in map(plan_key, POOL) if k in tier} == self.host
+
+
+def _run(profile: str) -> None:
+    run_state_machine_as_test(CacheMachine, settings=settings.get_profile(profile))
+
+
+def test_state_machine() -> None:
+    """300 derandomized sequences (``make test``)."""
+    _run("adalncache-state-soak" if os.environ.get("ADALNCACHE_SOAK") else "adalncache-state-ci")
+
+
+@pytest.mark.soak
+def test_state_machine_soak() -> None:
+    """5000 random sequences (``make soak``: ADALNCACHE_SOAK=1 pytest -m soak)."""
+    _run("adalncache-state-soak" if os.environ.get("ADALNCACHE_SOAK") else "adalncache-state-ci")
