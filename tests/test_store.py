@@ -251,7 +251,7 @@ def test_writer_killed_at_random_moments_never_leaves_a_served_bad_entry(tmp_pat
     rows = [_expected_rows(spec, k) for k in keys]
     ctx = multiprocessing.get_context("fork")  # fork: the child needs no import time, only Store.put
     rng = random.Random(1234)
-    kills = 0
+    kills = swept = 0
     deadline = time.monotonic() + 60
     while kills < 24 and time.monotonic() < deadline:
         proc = ctx.Process(target=_kill_writer, args=(str(root), binding, keys, rows), daemon=True)
@@ -262,12 +262,14 @@ def test_writer_killed_at_random_moments_never_leaves_a_served_bad_entry(tmp_pat
         assert proc.exitcode == -signal.SIGKILL
         kills += 1
         store = Store(root)  # sweeps the dead writer's temp file
+        swept += store.swept_temp
         found = store.get_many(binding, keys, spec)
         assert store.corrupt_moved == 0
         for key, got in found.items():
             want = rows[keys.index(key)]
             assert torch.equal(got.block, want.block) and torch.equal(got.final, want.final)
     assert kills >= 20
+    assert swept >= 1, "no kill landed inside a write: the test did not exercise a torn write"
     store = Store(root)
     assert store.health()["temp_files"] == 0
     assert store.health()["corrupt"] == []
