@@ -36,6 +36,7 @@ from .source import Columns, WeightSource
 from .spec import FINAL, Layer, ModulationSpec
 
 if TYPE_CHECKING:
+    from .distributed import LocalWork
     from .tiers.host import HostTier
     from .tiers.store import Store
 
@@ -157,7 +158,9 @@ class AdalnCache:
 
         from .distributed import make_collective  # local: distributed imports torch.distributed lazily
 
-        self._dist = make_collective(process_group, shard, spec)
+        # Settings that fix the number or size of later collectives are compared across ranks.
+        agreed = {"precision": precision, "store": store is not None, "device_type": self.device.type}
+        self._dist = make_collective(process_group, shard, spec, device=self.device, config=agreed)
         self.spec = spec
         self.source = source
         self.precision = precision
@@ -259,24 +262,35 @@ class AdalnCache:
         if self._host is not None:
             self._host.clear()
 
-    def _check_identity(self, variant: Hashable) -> None:
-        """Re-stat the source and compare the variant; drop tables built under an old identity."""
+    def _check_identity(self, variant: Hashable, request: Sequence[PlanKey] = ()) -> None:
+        """Re-stat the source and compare the variant; drop tables built under an old identity.
+
+        In a process group the three flags (and a digest of ``request``) are reduced in one
+        collective, so every rank drops, or keeps, the same tables and the slot maps stay equal.
+        """
+        invalid: CheckpointError | None = None
         try:
             self.source.refresh()
-        except CheckpointError:
-            # The file changed and no longer validates: whatever the slab holds came from the old
-            # file, so it can no longer be trusted either.
+        except CheckpointError as exc:
+            invalid = exc
+        fingerprint = self.source.fingerprint
+        failed, changed, variant_changed = self._dist.agree_identity(
+            [invalid is not None, fingerprint != self._fingerprint, variant != self._variant], request
+        )
+        if failed:
+            # The file changed (on some rank) and no longer validates: whatever the slab holds came
+            # from the old file, so it can no longer be trusted either.
             self.stats.fingerprint_changes += 1
             self._fingerprint = None  # type: ignore[assignment]
             self._drop_all("the checkpoint changed on disk and no longer validates")
-            raise
-        fingerprint = self.source.fingerprint
-        changed = self._dist.any_true(fingerprint != self._fingerprint)
+            self._dist.raise_if_any_failed(invalid, "checkpoint")
+            assert invalid is not None  # alone, only this rank can have failed
+            raise invalid
         if changed:
             self.stats.fingerprint_changes += 1
             self._drop_all("the weight source's fingerprint changed")
             self._fingerprint = fingerprint
-        if self._dist.any_true(variant != self._variant):
+        if variant_changed:
             if self._slots or (self._host is not None and len(self._host)):
                 self.stats.variant_changes += 1
                 self._drop_all(f"variant changed ({self._variant!r} -> {variant!r})")
@@ -310,9 +324,11 @@ class AdalnCache:
         order, tensors = distinct_plans(plans)
         report = BuildReport(plans=len(order))
         try:
-            self._check_identity(variant)
-        except CheckpointError as exc:
+            self._check_identity(variant, order)
+        except (CheckpointError, BuildError) as exc:
             self.stats.failed_builds += 1
+            if isinstance(exc, BuildError):
+                raise  # a peer's (or this rank's) agreed checkpoint failure
             raise BuildError(f"the weight source cannot be used: {exc}", failed_at="checkpoint") from exc
         missing = [key for key in order if key not in self._slots]
         if not missing:
@@ -353,14 +369,36 @@ class AdalnCache:
 
         slots = self._reserve(missing, wanted, report)
         try:
-            for key, rows in from_host.items():
-                self._write_rows(slots[key], rows)
-            for key, rows in from_store.items():
-                self._write_rows(slots[key], rows)
+            # Local work only up to the agreement: no collective runs in here, so a failure on one
+            # rank can never leave a peer blocked waiting for it.
+            failure: BaseException | None = None
+            try:
+                for key, rows in from_host.items():
+                    self._write_rows(slots[key], rows)
+                for key, rows in from_store.items():
+                    self._write_rows(slots[key], rows)
+                if to_build:
+                    work = self._run_pass(to_build, slots, tensors, embed, project or _default_project, report)
+                with self._failing_at("publish"):
+                    self.fault_points.check("publish")
+            except BaseException as exc:
+                failure = exc
+            # Every rank learns whether any rank failed before anyone exchanges results.
+            self._dist.raise_if_any_failed(failure, "build")
+            if failure is not None:
+                raise failure
             if to_build:
-                self._run_pass(to_build, slots, tensors, embed, project or _default_project, report)
-            self._dist.raise_if_any_failed(None, "publish")
-            self.fault_points.check("publish")
+                shared: BaseException | None = None
+                try:
+                    self._dist.share_results(
+                        self, [slots[k] for k in to_build], [tensors[k].numel() for k in to_build], work
+                    )
+                except BaseException as exc:
+                    shared = exc
+                # Publish only once every rank holds every row.
+                self._dist.raise_if_any_failed(shared, "exchange of results")
+                if shared is not None:
+                    raise shared
             self._publish(missing, slots, tensors)
         except BaseException as exc:
             self._release(slots)
@@ -488,8 +526,11 @@ class AdalnCache:
         embed: EmbedFn,
         project: ProjectFn,
         report: BuildReport,
-    ) -> None:
-        """Stream every layer once and project each plan with its own M; write into reserved slots."""
+    ) -> LocalWork:
+        """Stream this rank's layers once, project each plan with its own M into its reserved slot.
+
+        Purely local (no collectives): the caller agrees on failures, then shares the results.
+        """
         with torch.no_grad():
             xs = self._embed_all(keys, tensors, embed)
             plan_of = self._dist.local_work(self.spec.layers())
@@ -498,7 +539,6 @@ class AdalnCache:
                 total=len(plan_of.layers), desc="adalncache pass", unit="layer", leave=False,
                 disable=(not self.progress) if self.progress is not None else None,
             )
-            failure: BaseException | None = None
             try:
                 stream = self.source.stream(
                     plan_of.layers, device=self.device, columns=plan_of.columns, read_ahead=self.read_ahead
@@ -514,16 +554,9 @@ class AdalnCache:
                                 self._write_projection(slots[key], lw.layer, y, plan_of.columns, current)
                         report.layers_read.append(str(lw.layer))
                         bar.update(1)
-            except BaseException as exc:
-                failure = exc
             finally:
                 bar.close()
-            # Every rank learns whether any rank failed before anyone exchanges results, so a
-            # failure can never leave a peer blocked in a collective.
-            self._dist.raise_if_any_failed(failure, "pass")
-            if failure is not None:
-                raise failure
-            self._dist.share_results(self, [slots[k] for k in keys], [tensors[k].numel() for k in keys], plan_of)
+            return plan_of
 
     @staticmethod
     def _labelled(stream: Iterator[Any], layers: Sequence[Layer]) -> Iterator[Any]:

@@ -1,25 +1,55 @@
-"""Rank agreement for distributed builds (``process_group=``).
+"""Rank agreement and work sharing for distributed builds (``process_group=``).
 
 The cache talks to its peers only through a :class:`Collective`. In a single process every
-method is trivial (:class:`LocalCollective`); with a ``torch.distributed`` process group the
-decisions that must be identical on every rank (capacities, tier hits, failures) are reduced
-across ranks before anyone acts on them.
+method is trivial (:class:`LocalCollective`). With a ``torch.distributed`` process group
+(:class:`ProcessGroupCollective`: gloo on CPU, NCCL on GPU) the ranks run SPMD: every rank calls
+``build`` with the same plans, and every decision that must be identical everywhere is reduced
+across ranks before anyone acts on it:
+
+* capacities (``max_plans``, ``max_plan_width``, ``host_cache_bytes``) are min-reduced at
+  construction, and the configuration that shapes collectives (geometry, ``shard``, whether a
+  store exists) is compared, so two ranks can never disagree on a slot or on a collective's size;
+* each build starts with one small all-reduce: did the source or the variant change on any rank
+  (then every rank drops its tables), did the source fail to re-validate on any rank, and did
+  every rank ask for the same plans (a digest, min- and max-reduced);
+* tier hits are AND-reduced (:meth:`agree_on`) before any tier is used;
+* the rebuild pass is purely local (no collective inside it), and ends in one agreement
+  all-gather carrying every rank's failure, if any. Only when no rank failed do the ranks
+  exchange their rows (:meth:`share_results`); a second agreement follows the exchange, and
+  only then does any rank publish. So an exception on one rank, anywhere before publish, makes
+  every rank raise :class:`~adalncache.errors.BuildError` naming that rank, within the time of
+  two small collectives, and no rank publishes.
+
+A rank that dies outright (killed, segfault, lost node) cannot take part in an agreement: its
+peers block in the next collective until the process group's timeout (``timeout=`` of
+``init_process_group``/``new_group``) expires, then raise. docs/distributed.md has the details.
+
+Store writes: every rank writes the plans it published (see :meth:`Collective.writes_store`).
 """
 
 from __future__ import annotations
 
+import hashlib
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .errors import ConfigError
+from .errors import AdalnCacheError, BuildError, ConfigError, PlanError
 from .source import Columns
-from .spec import Layer, ModulationSpec
+from .spec import FINAL, Layer, ModulationSpec
 
 if TYPE_CHECKING:
     from .cache import AdalnCache
+
+log = logging.getLogger(__name__)
+
+#: Bytes of the phase label and of the error text each rank sends in an agreement.
+_AT_BYTES = 192
+_TEXT_BYTES = 832
+_HEADER = 5  # failed flag, then two 16-bit lengths
 
 
 @dataclass(frozen=True)
@@ -28,6 +58,18 @@ class LocalWork:
 
     layers: list[Layer]
     columns: Columns | None = None
+
+
+class PeerBuildFailure(AdalnCacheError, RuntimeError):
+    """The ``__cause__`` of a BuildError on a rank that did not fail itself: another rank's error.
+
+    The original exception lives in another process; this carries its rank, phase and text.
+    """
+
+    def __init__(self, message: str, *, rank: int, failed_at: str) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.failed_at = failed_at
 
 
 class Collective:
@@ -41,6 +83,18 @@ class Collective:
 
     def any_true(self, flag: bool) -> bool:
         return bool(flag)
+
+    def any_of(self, flags: Sequence[bool]) -> list[bool]:
+        """Element-wise OR over ranks, in one collective."""
+        return [bool(f) for f in flags]
+
+    def agree_identity(self, flags: Sequence[bool], request: Sequence[Any]) -> list[bool]:
+        """:meth:`any_of` ``flags``, and check every rank asked for the same ``request`` (plan keys).
+
+        Raises PlanError on every rank when the requests differ: SPMD builds need the same plans
+        in the same order everywhere, or the ranks' slot maps (and so their collectives) diverge.
+        """
+        return self.any_of(flags)
 
     def agree_on(self, mask: Sequence[bool]) -> list[bool]:
         """Element-wise AND over ranks: which plans every rank can serve from a tier."""
@@ -59,7 +113,15 @@ class Collective:
         raise NotImplementedError("column staging needs a process group")
 
     def writes_store(self) -> bool:
-        """Whether this rank writes store entries (one writer per group avoids duplicate work)."""
+        """Whether this rank writes store entries after publishing.
+
+        Every rank does. A rank's entries are bound to its own source fingerprint and numeric
+        environment, which need not equal its peers' (local checkpoint copies on several nodes,
+        in-memory sources): a single writer would leave the other ranks' lookups missing forever,
+        and since tier hits are AND-reduced, every rank would rebuild every time. Ranks that share
+        one store directory and one fingerprint write the same bytes to the same entry; the
+        store's atomic rename makes that safe, at the cost of duplicate writes.
+        """
         return True
 
     def describe_shard(self) -> str:
@@ -70,11 +132,311 @@ class LocalCollective(Collective):
     """A single process: every decision is already agreed."""
 
 
-def make_collective(process_group: Any, shard: str, spec: ModulationSpec) -> Collective:
-    """The collective for ``process_group`` (``None``: a single process)."""
+def _digest(values: Any) -> int:
+    """A 60-bit digest of ``repr(values)``, stable across processes (``hash()`` is salted per process)."""
+    return int(hashlib.sha256(repr(values).encode()).hexdigest()[:15], 16)
+
+
+def _text_bytes(text: str, limit: int) -> bytes:
+    return text.encode("utf-8", errors="replace")[:limit]
+
+
+def _split(units: Sequence[Layer], world: int) -> list[list[Layer]]:
+    """Contiguous shares of ``units`` per rank; the first ``len % world`` ranks get one more.
+
+    The output layer comes last in a pass and is the smallest projection, so the rank that holds
+    it is one of those with fewer units: the shares stay close in bytes read.
+    """
+    base, extra = divmod(len(units), world)
+    shares, start = [], 0
+    for r in range(world):
+        size = base + (1 if r < extra else 0)
+        shares.append(list(units[start : start + size]))
+        start += size
+    return shares
+
+
+class ProcessGroupCollective(Collective):
+    """Agreement and sharing over a ``torch.distributed`` process group.
+
+    ``shard="layers"``: rank r reads and projects a contiguous share of the layers (:func:`_split`)
+    into its own slab, then each owner broadcasts its rows in place, one contiguous
+    ``block_params[slot, t, first:last]`` view per timestep row (no staging copy). The tables are
+    torch.equal to a single-process build because every row is computed by the same
+    ``F.linear`` at the same M as alone, on one rank, and copied bit for bit.
+
+    ``shard="columns"``: every rank reads its slice of every layer's output features and projects
+    ``F.linear(x, W[slice], b[slice])`` straight into that slice of its slab; per slot the slices
+    are all-gathered and put side by side, which is what a column-parallel resident projection
+    produces.
+
+    Tensors travel as raw bytes (``view(torch.uint8)``), so every dtype crosses every backend
+    unchanged.
+    """
+
+    def __init__(
+        self,
+        process_group: Any,
+        shard: str,
+        spec: ModulationSpec,
+        *,
+        device: torch.device | None = None,
+        config: dict[str, Any] | None = None,
+    ) -> None:
+        import torch.distributed as dist
+
+        self._d = dist
+        self.group = process_group
+        self.shard = shard
+        self.spec = spec
+        self.rank = dist.get_rank(process_group)
+        self.world = dist.get_world_size(process_group)
+        backend = str(dist.get_backend(process_group)).lower()
+        self.backend = backend
+        if "nccl" in backend:
+            # NCCL only moves CUDA tensors: agreement tensors live on this rank's current device.
+            index = device.index if device is not None and device.type == "cuda" else None
+            self.comm_device = torch.device("cuda", index if index is not None else torch.cuda.current_device())
+        else:
+            self.comm_device = torch.device("cpu")
+        self._global = [dist.get_global_rank(process_group, r) for r in range(self.world)]
+        self._shares = _split(spec.layers(), self.world)
+        self._gather: dict[str, torch.Tensor] | None = None
+        if shard == "columns":
+            bad = [
+                f"{name} width {width}"
+                for name, width in (("block", spec.block_width), ("final", spec.final_width))
+                if width % self.world
+            ]
+            if bad:
+                raise ConfigError(
+                    f"shard='columns' splits every projection's output features evenly over the {self.world} "
+                    f"ranks, but the {' and '.join(bad)} is not divisible by {self.world}: use shard='layers' "
+                    f"(CLI --shard layers) or a world size dividing {spec.final_width} and {spec.block_width}"
+                )
+        # Everything that fixes the size or number of later collectives must match on every rank.
+        identity = {"spec": spec.describe(), "shard": shard, "world": self.world, **(config or {})}
+        if not self._same_everywhere(_digest(sorted(identity.items()))):
+            raise ConfigError(
+                f"the ranks of the process group created AdalnCache with different settings (this rank: "
+                f"{identity}); every rank must pass the same spec, shard (CLI --shard), precision "
+                f"(CLI --precision) and store= (all or none)"
+            )
+        log.debug("distributed cache: rank %d of %d, %s, backend %s", self.rank, self.world, shard, backend)
+
+    # -- small collectives ------------------------------------------------------------------
+
+    def _reduce(self, values: Sequence[int], op: Any) -> list[int]:
+        t = torch.tensor(list(values), dtype=torch.int64, device=self.comm_device)
+        self._d.all_reduce(t, op=op, group=self.group)
+        return [int(v) for v in t.tolist()]
+
+    def _same_everywhere(self, value: int) -> bool:
+        top, neg_bottom = self._reduce([value, -value], self._d.ReduceOp.MAX)
+        return top == -neg_bottom
+
+    def min_ints(self, values: Sequence[int]) -> list[int]:
+        return self._reduce(values, self._d.ReduceOp.MIN) if values else []
+
+    def any_true(self, flag: bool) -> bool:
+        return self.any_of([flag])[0]
+
+    def any_of(self, flags: Sequence[bool]) -> list[bool]:
+        if not flags:
+            return []
+        return [v > 0 for v in self._reduce([int(bool(f)) for f in flags], self._d.ReduceOp.MAX)]
+
+    def agree_identity(self, flags: Sequence[bool], request: Sequence[Any]) -> list[bool]:
+        d = _digest(list(request))
+        out = self._reduce([*(int(bool(f)) for f in flags), d, -d], self._d.ReduceOp.MAX)
+        if out[-2] != -out[-1]:
+            raise PlanError(
+                f"rank {self.rank} of {self.world}: the ranks called build() with different plans; a "
+                f"distributed cache is SPMD, so every rank must request the same plans in the same order"
+            )
+        return [v > 0 for v in out[:-2]]
+
+    def agree_on(self, mask: Sequence[bool]) -> list[bool]:
+        if not mask:
+            return []
+        return [v > 0 for v in self._reduce([int(bool(m)) for m in mask], self._d.ReduceOp.MIN)]
+
+    def raise_if_any_failed(self, failure: BaseException | None, phase: str) -> None:
+        """One all-gather of every rank's failure (flag, phase, text); raise BuildError everywhere if any."""
+        at = str(getattr(failure, "adalncache_failed_at", None) or phase) if failure is not None else ""
+        text = f"{type(failure).__name__}: {failure}" if failure is not None else ""
+        at_b, text_b = _text_bytes(at, _AT_BYTES), _text_bytes(text, _TEXT_BYTES)
+        payload = bytes([1 if failure is not None else 0])
+        payload += len(at_b).to_bytes(2, "little") + len(text_b).to_bytes(2, "little") + at_b + text_b
+        size = _HEADER + _AT_BYTES + _TEXT_BYTES
+        mine = torch.zeros(size, dtype=torch.uint8)
+        mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        mine = mine.to(self.comm_device)
+        everyone = [torch.empty_like(mine) for _ in range(self.world)]
+        self._d.all_gather(everyone, mine, group=self.group)
+        failed: list[tuple[int, str, str]] = []
+        for r, t in enumerate(everyone):
+            raw = bytes(t.cpu().tolist())
+            if raw[0]:
+                n_at, n_text = int.from_bytes(raw[1:3], "little"), int.from_bytes(raw[3:5], "little")
+                body = raw[_HEADER:]
+                failed.append(
+                    (
+                        r,
+                        body[:n_at].decode("utf-8", errors="replace"),
+                        body[n_at : n_at + n_text].decode("utf-8", errors="replace"),
+                    )
+                )
+        if not failed:
+            return
+        first, first_at, first_text = failed[0]
+        others = "".join(f"; rank {r} also failed at {a}: {t}" for r, a, t in failed[1:])
+        message = (
+            f"distributed build failed on rank {first} of {self.world} at {first_at}: {first_text}{others}; "
+            f"nothing of this request was published on any rank and a retry rebuilds it"
+        )
+        log.warning("rank %d: %s", self.rank, message)
+        if failure is not None:
+            raise BuildError(message, rank=first, failed_at=first_at) from failure
+        cause = PeerBuildFailure(f"rank {first} failed at {first_at}: {first_text}", rank=first, failed_at=first_at)
+        raise BuildError(message, rank=first, failed_at=first_at) from cause
+
+    # -- the work of a pass -----------------------------------------------------------------
+
+    def local_work(self, layers: Sequence[Layer]) -> LocalWork:
+        self._gather = None  # column buffers are (re)allocated inside each pass, where failures are agreed
+        if self.shard == "columns":
+            return LocalWork(list(layers), Columns(self.rank, self.world))
+        mine = set(self._shares[self.rank])
+        return LocalWork([layer for layer in layers if layer in mine])
+
+    def column_staging(self, cache: AdalnCache, slot: int, layer: Layer, n: int) -> torch.Tensor:
+        """Where this rank's column slice of ``layer`` goes: that slice of its own slab.
+
+        The first call of a pass also allocates the exchange buffers (one slot's worth), so the
+        exchange after the agreement allocates nothing and cannot fail on one rank alone.
+        """
+        if self._gather is None:
+            self._gather = self._column_buffers(cache)
+        width = cache.spec.out_features(layer)
+        lo, hi = Columns(self.rank, self.world).bounds(width)
+        if layer == FINAL:
+            return cache.final_params[slot, :n, lo:hi]
+        return cache.block_params[slot, :n, layer, lo:hi]
+
+    def _column_buffers(self, cache: AdalnCache) -> dict[str, torch.Tensor]:
+        spec, W, dev = cache.spec, cache.max_plan_width, self.comm_device
+        L = spec.num_layers
+        bw, fw = spec.block_width // self.world, spec.final_width // self.world
+        return {
+            "block_send": torch.empty(W, L, bw, dtype=spec.dtype, device=dev),
+            "block_recv": torch.empty(self.world, W, L, bw, dtype=spec.dtype, device=dev),
+            "final_send": torch.empty(W, fw, dtype=spec.dtype, device=dev),
+            "final_recv": torch.empty(self.world, W, fw, dtype=spec.dtype, device=dev),
+        }
+
+    def share_results(self, cache: AdalnCache, slots: list[int], lengths: list[int], work: LocalWork) -> None:
+        if self.shard == "columns":
+            self._share_columns(cache, slots, lengths)
+        else:
+            self._share_layers(cache, slots, lengths)
+
+    def _broadcast(self, t: torch.Tensor, owner: int, works: list[Any]) -> None:
+        """Broadcast ``t`` (contiguous) in place from ``owner``; async when it already lives on the comm device."""
+        if t.numel() == 0:
+            return
+        if t.device == self.comm_device:
+            works.append(
+                self._d.broadcast(t.view(torch.uint8), src=self._global[owner], group=self.group, async_op=True)
+            )
+            return
+        staged = t.to(self.comm_device)
+        self._d.broadcast(staged.view(torch.uint8), src=self._global[owner], group=self.group)
+        t.copy_(staged)
+
+    def _share_layers(self, cache: AdalnCache, slots: list[int], lengths: list[int]) -> None:
+        works: list[Any] = []
+        for owner, share in enumerate(self._shares):
+            blocks = [layer for layer in share if layer != FINAL]
+            for slot, n in zip(slots, lengths):
+                if blocks:
+                    first, last = int(blocks[0]), int(blocks[-1]) + 1
+                    for t in range(n):
+                        # One timestep row of a slot is [L, block_width]: the owner's layers are
+                        # a contiguous run of it, so it travels in place with no packing.
+                        self._broadcast(cache.block_params[slot, t, first:last], owner, works)
+                if FINAL in share:
+                    self._broadcast(cache.final_params[slot, :n], owner, works)
+        for work in works:
+            work.wait()
+
+    def _share_columns(self, cache: AdalnCache, slots: list[int], lengths: list[int]) -> None:
+        buffers = self._gather if self._gather is not None else self._column_buffers(cache)
+        world, L = self.world, cache.spec.num_layers
+        for slot, n in zip(slots, lengths):
+            for name, table in (("block", cache.block_params[slot, :n]), ("final", cache.final_params[slot, :n])):
+                width = table.shape[-1]
+                lo, hi = Columns(self.rank, world).bounds(width)
+                send = buffers[f"{name}_send"][:n]
+                recv = buffers[f"{name}_recv"][:, :n]
+                send.copy_(table[..., lo:hi])
+                parts = [recv[r] for r in range(world)]  # each recv[r] is contiguous
+                self._d.all_gather(
+                    [p.view(torch.uint8) for p in parts], send.contiguous().view(torch.uint8), group=self.group
+                )
+                # recv is [world, n, (L,) width/world]; the slab row wants the slices side by side.
+                if name == "block":
+                    table.view(n, L, world, width // world).copy_(recv.permute(1, 2, 0, 3))
+                else:
+                    table.view(n, world, width // world).copy_(recv.permute(1, 0, 2))
+
+    def describe_shard(self) -> str:
+        # Layer sharding reproduces the single-process bits; column sharding reproduces a
+        # column-parallel runtime of this world size, which is a different table.
+        return "single" if self.shard == "layers" else f"columns/{self.world}"
+
+
+def make_collective(
+    process_group: Any,
+    shard: str,
+    spec: ModulationSpec,
+    *,
+    device: torch.device | None = None,
+    config: dict[str, Any] | None = None,
+) -> Collective:
+    """The collective for ``process_group`` (``None``: a single process).
+
+    ``config``: further settings every rank must share (compared across ranks at construction).
+    """
     if process_group is None:
         return LocalCollective()
-    raise ConfigError("process_group= is not supported yet in this build: pass process_group=None")
+    try:
+        import torch.distributed as dist
+    except ImportError as exc:  # pragma: no cover - torch builds without distributed
+        raise ConfigError("process_group= needs torch.distributed, which this torch build lacks") from exc
+    if not dist.is_available() or not dist.is_initialized():
+        raise ConfigError(
+            "process_group= was given but torch.distributed is not initialised: call "
+            "torch.distributed.init_process_group(...) (torchrun does the rendezvous) first, or pass "
+            "process_group=None"
+        )
+    try:
+        dist.get_world_size(process_group)
+        rank = dist.get_rank(process_group)
+    except (RuntimeError, ValueError, TypeError, AttributeError) as exc:
+        raise ConfigError(f"process_group= is not a usable torch.distributed process group: {exc}") from exc
+    if rank < 0:
+        raise ConfigError("process_group= does not contain this rank: create the cache only on its members")
+    if device is not None and device.type == "cuda" and "nccl" not in str(dist.get_backend(process_group)):
+        log.info("cache on CUDA with a %s process group: rows are staged through host memory", dist.get_backend())
+    return ProcessGroupCollective(process_group, shard, spec, device=device, config=config)
 
 
-__all__ = ["Collective", "LocalCollective", "LocalWork", "make_collective"]
+__all__ = [
+    "Collective",
+    "LocalCollective",
+    "LocalWork",
+    "PeerBuildFailure",
+    "ProcessGroupCollective",
+    "make_collective",
+]

@@ -1,0 +1,271 @@
+"""What each rank of the distributed tests runs (tests/test_distributed.py spawns the groups).
+
+Every rank joins a real gloo process group through a FileStore, runs every scenario of its group
+in order (one spawn per group keeps the suite fast) and saves what the parent checks with
+``torch.save``: tables, reports, errors. A scenario that raises is recorded, not fatal, so one
+broken scenario does not hide the others; the parent asserts on each scenario separately.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from adalncache import AdalnCache, BuildError, CheckpointSource, ConfigError, ModulationSpec, PlanError
+from adalncache.testing import FaultInjectingSource, inject_faults
+
+#: Geometries: widths divide by 2 and 3 (columns), and layer counts whose L + 1 projections do
+#: and do not divide by the world size.
+SPEC_A = ModulationSpec(num_layers=3, hidden_size=6, time_embed_dim=32)
+SPEC_B = ModulationSpec(num_layers=4, hidden_size=6, time_embed_dim=32)
+SPEC_ODD = ModulationSpec(num_layers=2, hidden_size=8, time_embed_dim=32)  # final width 16: not /3
+#: The process group's timeout: a rank that hangs or dies makes its peers raise after this.
+PG_TIMEOUT_S = 60
+
+Scenario = Callable[[int, int, Any, Path], dict[str, Any]]
+
+
+def plans() -> list[torch.Tensor]:
+    """A request with a repeated plan and widths 1..3 (M=1 takes the GEMV path)."""
+    return [
+        torch.tensor([0.9], dtype=torch.float32),
+        torch.tensor([0.7, 0.65], dtype=torch.float32),
+        torch.tensor([0.5, 0.45, 0.2], dtype=torch.float32),
+        torch.tensor([0.7, 0.65], dtype=torch.float32),
+    ]
+
+
+def more_plans(i: int) -> list[torch.Tensor]:
+    """Fresh plans for the i-th request of a sequence."""
+    return [torch.tensor([0.31 + i / 97, 0.11 + i / 89], dtype=torch.float32), torch.tensor([0.05 + i / 83])]
+
+
+def embed_fn(spec: ModulationSpec) -> Callable[[torch.Tensor], torch.Tensor]:
+    from core_helpers import embed_for
+
+    return embed_for(spec)  # type: ignore[no-any-return]
+
+
+def tables(cache: AdalnCache) -> dict[str, Any]:
+    return {
+        "block": cache.block_params.clone(),
+        "final": cache.final_params.clone(),
+        "lengths": cache.plan_lengths.clone(),
+        "timesteps": cache.plan_timesteps.clone(),
+        "slots": {k: cache.slot_of(k) for k in cache.resident_plans},
+    }
+
+
+def _checkpoint(data: Path, spec: ModulationSpec) -> Path:
+    return data / f"ckpt-L{spec.num_layers}-H{spec.hidden_size}" / "model.safetensors"
+
+
+# -- world-size-agnostic scenarios -----------------------------------------------------------
+
+
+def scenario_layers(rank: int, world: int, pg: Any, data: Path) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for spec in (SPEC_A, SPEC_B, SPEC_ODD):
+        source = CheckpointSource(_checkpoint(data, spec), spec)
+        cache = AdalnCache(spec, source, max_plans=4, max_plan_width=4, process_group=pg, shard="layers")
+        report = cache.build(plans(), embed=embed_fn(spec))
+        cache.check_invariants()
+        out[spec.num_layers] = {"tables": tables(cache), "report": report.as_dict(), "read": source.bytes_read}
+    return out
+
+
+def scenario_columns(rank: int, world: int, pg: Any, data: Path) -> dict[str, Any]:
+    spec = SPEC_A
+    source = CheckpointSource(_checkpoint(data, spec), spec)
+    cache = AdalnCache(spec, source, max_plans=4, max_plan_width=4, process_group=pg, shard="columns")
+    report = cache.build(plans(), embed=embed_fn(spec))
+    cache.check_invariants()
+    return {"tables": tables(cache), "report": report.as_dict(), "read": source.bytes_read}
+
+
+def scenario_faults(rank: int, world: int, pg: Any, data: Path) -> dict[str, Any]:
+    """Faults on one rank at a random layer of its own share (and other phases), then a retry."""
+    from adalncache.distributed import _split
+
+    spec = SPEC_B
+    rng = random.Random(1234)  # the same draws on every rank
+    cases: list[tuple[str, int, Any]] = []
+    shares = _split(spec.layers(), world)
+    for failing in range(world):
+        for _ in range(2):
+            cases.append(("layers", failing, rng.choice(shares[failing])))
+    cases.append(("columns", world - 1, rng.choice(spec.layers())))
+    cases.append(("layers", 0, "embed"))
+    cases.append(("layers", world - 1, "publish"))  # 2 * world + 3 cases of 2 plans: no eviction
+    source = FaultInjectingSource(CheckpointSource(_checkpoint(data, spec), spec), None)
+    caches = {
+        mode: AdalnCache(spec, source, max_plans=24, max_plan_width=4, process_group=pg, shard=mode)
+        for mode in ("layers", "columns")
+    }
+    for cache in caches.values():
+        cache.build(plans()[:1], embed=embed_fn(spec))  # a resident plan the faults must not disturb
+    records = []
+    for i, (mode, failing, where) in enumerate(cases):
+        cache = caches[mode]
+        request = more_plans(i)
+        lengths = cache.plan_lengths.clone()
+        resident = cache.resident_plans
+        record: dict[str, Any] = {"mode": mode, "failing": failing, "where": where}
+        start = time.monotonic()
+        try:
+            if rank == failing and where in ("embed", "publish"):
+                with inject_faults(cache, where, RuntimeError):
+                    cache.build(request, embed=embed_fn(spec))
+            else:
+                if rank == failing:
+                    source.arm(where, OSError)
+                cache.build(request, embed=embed_fn(spec))
+            record["error"] = None
+        except BuildError as exc:
+            record.update(error=str(exc), rank=exc.rank, cause=type(exc.__cause__).__name__)
+        finally:
+            source.disarm()
+        record["seconds"] = time.monotonic() - start
+        record["lengths_unchanged"] = torch.equal(lengths, cache.plan_lengths)
+        record["resident_unchanged"] = resident == cache.resident_plans
+        cache.check_invariants()
+        retry = cache.build(request, embed=embed_fn(spec))
+        record["retry_built"] = retry.built
+        record["retry_tables"] = {k: cache.rows_of(k) for k in cache.resident_plans}
+        records.append(record)
+    return {"records": records}
+
+
+def scenario_tiers(rank: int, world: int, pg: Any, data: Path) -> dict[str, Any]:
+    """A mixed request sequence through the host tier and per-rank stores, where the ranks' tiers differ.
+
+    Rank 1 alone loses its host copies, then its store entries: every hit must be agreed, so each
+    rank's report must still be the same as its peers' at every step.
+    """
+    spec = SPEC_A
+    source = CheckpointSource(_checkpoint(data, spec), spec)
+    cache = AdalnCache(
+        spec,
+        source,
+        max_plans=2,
+        max_plan_width=4,
+        host_cache_bytes=64 * spec.row_bytes,
+        store=data / f"store-{rank}",
+        process_group=pg,
+    )
+    embed = embed_fn(spec)
+    a, b, c = more_plans(0)[:1], more_plans(1)[:1], more_plans(2)[:1]
+    log: list[tuple[str, dict[str, Any]]] = []
+
+    def step(name: str, request: list[torch.Tensor]) -> None:
+        report = cache.build(request, embed=embed).as_dict()
+        cache.check_invariants()
+        log.append((name, {k: report[k] for k in ("device_hits", "host_hits", "store_hits", "built", "passes")}))
+
+    step("a", a)
+    step("b", b)
+    step("a again", a)
+    step("c evicts b", c)
+    step("b from host", b)  # evicts a
+    if rank == 1 and cache.host_tier is not None:
+        cache.host_tier.clear()  # only this rank lost its host copies
+    step("a: host disagrees, store agrees", a)
+    cache.invalidate()
+    if rank == 1 and cache.store is not None:
+        cache.store.prune(0)  # only this rank lost its store entries
+    step("c: store disagrees", c)
+    step("c again", c)
+    return {"log": log, "tables": {k: cache.rows_of(k) for k in cache.resident_plans}}
+
+
+def scenario_config(rank: int, world: int, pg: Any, data: Path) -> dict[str, Any]:
+    """Construction-time agreement: capacities min-reduced, settings compared, SPMD requests checked."""
+    spec = SPEC_A
+    source = CheckpointSource(_checkpoint(data, spec), spec)
+    out: dict[str, Any] = {}
+    cache = AdalnCache(spec, source, max_plans=3 + rank, max_plan_width=2 + rank, process_group=pg)
+    out["capacities"] = (cache.max_plans, cache.max_plan_width, tuple(cache.block_params.shape))
+    try:
+        AdalnCache(spec, source, precision="fp32" if rank == 0 else "match", process_group=pg)
+        out["mismatch"] = None
+    except ConfigError as exc:
+        out["mismatch"] = str(exc)
+    try:
+        cache.build([torch.tensor([0.5 + rank / 10])], embed=embed_fn(spec))
+        out["spmd"] = None
+    except PlanError as exc:
+        out["spmd"] = str(exc)
+    out["after_spmd"] = cache.build([torch.tensor([0.5])], embed=embed_fn(spec)).built
+    if world == 3:
+        odd = CheckpointSource(_checkpoint(data, SPEC_ODD), SPEC_ODD)
+        try:
+            AdalnCache(SPEC_ODD, odd, process_group=pg, shard="columns")
+            out["odd"] = None
+        except ConfigError as exc:
+            out["odd"] = str(exc)
+    return out
+
+
+def scenario_diffusers(rank: int, world: int, pg: Any, data: Path) -> dict[str, Any]:
+    """Each rank's tiny transformer gets its cache from the same process group."""
+    from adalncache.diffusers import enable_adaln_cache
+    from adalncache.plans import minimax_h3_plans
+    from adalncache.tiny import make_request, run_loop, tiny_transformer
+
+    model = tiny_transformer("tiny", seed=0)
+    request = make_request(model, "fl2va", 4, seed=3)
+    resident = run_loop(model, request)
+    handle = enable_adaln_cache(model, process_group=pg, shard="layers", max_plans=8)
+    report = handle.prepare(minimax_h3_plans("fl2va", 4))
+    cached = run_loop(model, request)
+    equal = all(torch.equal(x, y) for r, c in zip(resident.outputs, cached.outputs) for x, y in zip(r, c))
+    return {
+        "equal": equal,
+        "steps": len(cached.outputs),
+        "built": report.built,
+        "read": handle.cache.source.bytes_read,
+        "tables": tables(handle.cache),
+    }
+
+
+SCENARIOS: dict[str, Scenario] = {
+    "layers": scenario_layers,
+    "columns": scenario_columns,
+    "faults": scenario_faults,
+    "tiers": scenario_tiers,
+    "config": scenario_config,
+    "diffusers": scenario_diffusers,
+}
+
+
+def entry(rank: int, world: int, init_file: str, names: list[str], data: str, out: str) -> None:
+    """The spawned process: join the group, run the scenarios, save each result or traceback."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=PG_TIMEOUT_S),
+    )
+    try:
+        pg = dist.group.WORLD
+        for name in names:
+            try:
+                result: dict[str, Any] = {"ok": True, **SCENARIOS[name](rank, world, pg, Path(data))}
+            except Exception:
+                result = {"ok": False, "traceback": traceback.format_exc()}
+            torch.save(result, Path(out) / f"{name}-{rank}.pt")
+            dist.barrier()  # scenarios start together, so one's collectives never meet another's
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,254 @@
+"""Distributed builds over real gloo process groups of 2 and 3 spawned ranks.
+
+Each world size is spawned once (module-scoped fixture) and runs every scenario of
+tests/dist_workers.py in one group, which keeps process start-up (importing torch per rank) to
+one per world size. The parent then checks each scenario separately against an independent
+single-process reference. The group runs under a hard deadline: a rank that hangs is killed and
+the test fails instead of blocking CI; inside the group the process group's own timeout
+(``dist_workers.PG_TIMEOUT_S``) turns a lost peer into an exception.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+import dist_workers as W
+from adalncache import AdalnCache, CheckpointSource
+from adalncache.distributed import _split
+from adalncache.source import Columns
+from adalncache.spec import FINAL, LAYOUTS
+from core_helpers import load_reference, make_weights, write_checkpoint
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
+
+#: Hard wall-clock limit of one spawned group (all its scenarios); far above a normal run.
+GROUP_DEADLINE_S = 240
+SCENARIOS = {
+    2: ["layers", "columns", "faults", "tiers", "config", "diffusers"],
+    3: ["layers", "columns", "faults", "config"],
+}
+
+
+def _write_data(data: Path) -> None:
+    for spec in (W.SPEC_A, W.SPEC_B, W.SPEC_ODD):
+        path = W._checkpoint(data, spec)
+        write_checkpoint(path.parent, make_weights(spec, seed=spec.num_layers))
+
+
+def run_group(world: int, names: list[str], root: Path) -> dict[str, list[dict[str, Any]]]:
+    """Spawn ``world`` ranks running ``names``; return each scenario's per-rank results."""
+    data, out = root / "data", root / "out"
+    out.mkdir(parents=True)
+    _write_data(data)
+    ctx = mp.start_processes(
+        W.entry,
+        args=(world, str(root / "rendezvous"), names, str(data), str(out)),
+        nprocs=world,
+        join=False,
+        start_method="spawn",
+    )
+    deadline = time.monotonic() + GROUP_DEADLINE_S
+    try:
+        while not ctx.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the {world}-rank group did not finish within {GROUP_DEADLINE_S} s")
+    finally:
+        for process in ctx.processes:
+            if process.is_alive():
+                process.kill()
+                process.join(5)
+    results: dict[str, list[dict[str, Any]]] = {}
+    for name in names:
+        results[name] = [torch.load(out / f"{name}-{r}.pt", weights_only=False) for r in range(world)]
+    return results
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
+def group(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[int, Any, Path]:
+    world = request.param
+    root = tmp_path_factory.mktemp(f"dist{world}")
+    return world, run_group(world, SCENARIOS[world], root), root / "data"
+
+
+def scenario(group: tuple[int, Any, Path], name: str) -> tuple[int, list[dict[str, Any]], Path]:
+    world, results, data = group
+    if name not in results:
+        pytest.skip(f"{name} runs in the other world size's group")
+    ranks = results[name]
+    for r, res in enumerate(ranks):
+        assert res["ok"], f"rank {r} of {world} failed in {name}:\n{res['traceback']}"
+    return world, ranks, data
+
+
+def single_process_tables(spec: Any, data: Path, request: list[torch.Tensor], **kwargs: Any) -> dict[str, Any]:
+    cache = AdalnCache(spec, CheckpointSource(W._checkpoint(data, spec), spec), **kwargs)
+    cache.build(request, embed=W.embed_fn(spec))
+    return W.tables(cache)
+
+
+def assert_tables_equal(got: dict[str, Any], want: dict[str, Any], what: str) -> None:
+    assert got["slots"] == want["slots"], f"{what}: slot maps differ"
+    for name in ("block", "final", "lengths", "timesteps"):
+        assert torch.equal(got[name], want[name]), f"{what}: {name} differs"
+
+
+def share_bytes(spec: Any, layers: list[Any]) -> int:
+    return sum(spec.layer_bytes(layer) for layer in layers)
+
+
+def test_layers_tables_equal_single_process_build(group: tuple[int, Any, Path]) -> None:
+    """shard='layers': every rank's slab torch.equal to one process, with L+1 divisible or not by world."""
+    world, ranks, data = scenario(group, "layers")
+    divisible = []
+    for spec in (W.SPEC_A, W.SPEC_B, W.SPEC_ODD):
+        divisible.append((spec.num_layers + 1) % world == 0)
+        want = single_process_tables(spec, data, W.plans(), max_plans=4, max_plan_width=4)
+        for r, res in enumerate(ranks):
+            assert_tables_equal(res[spec.num_layers]["tables"], want, f"rank {r}/{world}, {spec.num_layers} layers")
+    assert True in divisible and False in divisible  # both cases were covered
+
+
+def test_layers_each_rank_reads_only_its_layers(group: tuple[int, Any, Path]) -> None:
+    world, ranks, _ = scenario(group, "layers")
+    for spec in (W.SPEC_A, W.SPEC_B, W.SPEC_ODD):
+        shares = _split(spec.layers(), world)
+        # The shares partition the projections.
+        assert sorted(str(layer) for share in shares for layer in share) == sorted(map(str, spec.layers()))
+        reads = [res[spec.num_layers]["read"] for res in ranks]
+        assert reads == [share_bytes(spec, share) for share in shares]
+        assert sum(reads) == spec.projection_bytes
+        assert all(res[spec.num_layers]["report"]["bytes_read"] == read for res, read in zip(ranks, reads))
+
+
+def column_parallel_reference(spec: Any, data: Path, plan: torch.Tensor, world: int) -> list[torch.Tensor]:
+    """Per layer: F.linear of each rank's weight slice at the plan's own M, concatenated (safetensors load)."""
+    weights = load_reference(W._checkpoint(data, spec))
+    lay = LAYOUTS["native"]
+    x = W.embed_fn(spec)(plan)
+    out = []
+    for layer in spec.layers():
+        w, b = weights[lay.weight(layer)], weights[lay.bias(layer)]
+        parts = []
+        for part in range(world):
+            lo, hi = Columns(part, world).bounds(spec.out_features(layer))
+            parts.append(F.linear(x, w[lo:hi], b[lo:hi]))
+        out.append(torch.cat(parts, dim=-1))
+    return out
+
+
+def test_columns_tables_equal_column_parallel_projection(group: tuple[int, Any, Path]) -> None:
+    world, ranks, data = scenario(group, "columns")
+    spec = W.SPEC_A
+    first = ranks[0]["tables"]
+    for r, res in enumerate(ranks):
+        assert_tables_equal(res["tables"], first, f"rank {r} vs rank 0")
+    distinct = {tuple(p.view(torch.int32).tolist()): p for p in W.plans()}
+    assert set(first["slots"]) == set(distinct)
+    for key, plan in distinct.items():
+        slot, n = first["slots"][key], plan.numel()
+        want = column_parallel_reference(spec, data, plan, world)
+        for layer, ref in zip(spec.layers(), want):
+            got = first["final"][slot, :n] if layer == FINAL else first["block"][slot, :n, int(layer)]
+            assert torch.equal(got, ref), f"layer {layer} of plan {plan.tolist()} differs"
+
+
+def test_columns_each_rank_reads_its_slice(group: tuple[int, Any, Path]) -> None:
+    world, ranks, _ = scenario(group, "columns")
+    spec = W.SPEC_A
+    for res in ranks:
+        assert res["read"] == spec.projection_bytes // world
+        assert res["report"]["bytes_read"] == res["read"]
+
+
+def test_fault_on_one_rank_fails_every_rank_then_retry_succeeds(group: tuple[int, Any, Path]) -> None:
+    """A fault on one rank at a random layer (or in embed/publish): BuildError naming it everywhere."""
+    world, ranks, data = scenario(group, "faults")
+    n_cases = len(ranks[0]["records"])
+    assert n_cases == 2 * world + 3
+    for i in range(n_cases):
+        records = [res["records"][i] for res in ranks]
+        failing = records[0]["failing"]
+        for r, rec in enumerate(records):
+            what = f"case {i} ({rec['mode']}, rank {failing} at {rec['where']!r}) seen by rank {r}"
+            assert rec["error"] is not None, f"{what}: no BuildError"
+            assert rec["rank"] == failing, what
+            assert f"rank {failing}" in rec["error"], what
+            assert "injected fault" in rec["error"], f"{what}: the cause is not named: {rec['error']}"
+            assert rec["cause"] == (
+                "PeerBuildFailure"
+                if r != failing
+                else ("OSError" if isinstance(rec["where"], int) or rec["where"] == FINAL else "RuntimeError")
+            ), what
+            assert rec["seconds"] < W.PG_TIMEOUT_S / 2, f"{what}: took {rec['seconds']:.1f} s"
+            assert rec["lengths_unchanged"] and rec["resident_unchanged"], f"{what}: something was published"
+            assert rec["retry_built"] == 2, what
+        for r, rec in enumerate(records[1:], start=1):
+            assert rec["retry_tables"].keys() == records[0]["retry_tables"].keys()
+            for key, rows in rec["retry_tables"].items():
+                for got, want in zip(rows, records[0]["retry_tables"][key]):
+                    assert torch.equal(got, want), f"case {i}: rank {r} retry table differs from rank 0"
+        if records[0]["mode"] == "layers":
+            request = W.more_plans(i)
+            want = single_process_tables(W.SPEC_B, data, request, max_plans=24, max_plan_width=4)
+            cache_rows = records[0]["retry_tables"]
+            for key in want["slots"]:
+                slot, n = want["slots"][key], len(key)
+                assert torch.equal(cache_rows[key].block, want["block"][slot, :n]), f"case {i}: retry not exact"
+                assert torch.equal(cache_rows[key].final, want["final"][slot, :n]), f"case {i}: retry not exact"
+
+
+def test_tier_hits_agreed_across_ranks(group: tuple[int, Any, Path]) -> None:
+    _, ranks, _ = scenario(group, "tiers")
+    logs = [res["log"] for res in ranks]
+    for r, other in enumerate(logs[1:], start=1):
+        assert other == logs[0], f"rank {r} decided differently from rank 0"
+    steps = dict(logs[0])
+    assert steps["a"]["built"] == 1 and steps["a again"]["device_hits"] == 1
+    assert steps["b from host"]["host_hits"] == 1 and steps["b from host"]["passes"] == 0
+    # Rank 1 lost its host copy of a: agreed miss in the host tier, agreed hit in the stores.
+    assert steps["a: host disagrees, store agrees"] == {
+        "device_hits": 0,
+        "host_hits": 0,
+        "store_hits": 1,
+        "built": 0,
+        "passes": 0,
+    }
+    # Rank 1 lost its store entries: every rank rebuilds instead of splitting.
+    assert steps["c: store disagrees"]["built"] == 1 and steps["c: store disagrees"]["store_hits"] == 0
+    assert steps["c again"]["device_hits"] == 1
+    for r, res in enumerate(ranks[1:], start=1):
+        for key, rows in res["tables"].items():
+            assert all(torch.equal(g, w) for g, w in zip(rows, ranks[0]["tables"][key])), f"rank {r}: {key}"
+
+
+def test_construction_agreement(group: tuple[int, Any, Path]) -> None:
+    """Capacities min-reduced; mismatched settings and non-SPMD requests refused on every rank."""
+    world, ranks, _ = scenario(group, "config")
+    L, bw = W.SPEC_A.num_layers, W.SPEC_A.block_width
+    for r, res in enumerate(ranks):
+        assert res["capacities"] == (3, 2, (3, 2, L, bw)), f"rank {r}"
+        assert res["mismatch"] is not None and "different settings" in res["mismatch"], f"rank {r}"
+        assert res["spmd"] is not None and "different plans" in res["spmd"], f"rank {r}"
+        assert res["after_spmd"] == 1, f"rank {r}: a refused request must leave the cache usable"
+        if world == 3:
+            assert res["odd"] is not None and "--shard" in res["odd"], f"rank {r}"
+
+
+def test_diffusers_integration_per_rank(group: tuple[int, Any, Path]) -> None:
+    """enable_adaln_cache(model, process_group=pg): each rank serves bit-identical forwards."""
+    _, ranks, _ = scenario(group, "diffusers")
+    pytest.importorskip("diffusers")
+    for r, res in enumerate(ranks):
+        assert res["equal"], f"rank {r}: cached forwards differ from the resident model"
+        assert res["steps"] > 0 and res["built"] > 0
+        assert_tables_equal(res["tables"], ranks[0]["tables"], f"rank {r} vs rank 0")
+    reads = [res["read"] for res in ranks]
+    assert all(0 < read < sum(reads) for read in reads), f"each rank reads only its layers: {reads}"
