@@ -303,3 +303,14 @@ def test_host_tier_brings_evicted_plans_back_without_a_pass(load_tiny: Callable[
     assert report.passes == 0 and report.host_hits > 0
     assert run_loop(model, request).equal(resident)
     handle.disable()
+
+
+def test_non_float32_timestep_tensor_is_refused_not_converted(load_tiny: Callable[[str], Any]) -> None:
+    model = load_tiny("bf16-disk")
+    request = make_request(model, "t2va", 3)
+    handle = enable_adaln_cache(model)
+    kwargs = request.forward_kwargs(1, request.latents, request.audio_latents)
+    kwargs["timestep"] = kwargs["timestep"].to(torch.float64)
+    with pytest.raises(PlanError, match="float32"):
+        model(**kwargs)
+    handle.disable()

@@ -674,10 +674,16 @@ class AdalnCacheHandle:
             raise PlanError(f"the AdaLN cache needs the forward's timestep tensor, got {type(timestep).__name__}")
         attention_kwargs = _argument(self.model, "attention_kwargs", args, kwargs)
         scale = _lora_scale_of(attention_kwargs)
-        plan = timestep
-        if plan.dtype != torch.float32 or plan.dim() != 1:
-            plan = plan.to(torch.float32).flatten()
-        key = plan_key(plan)  # the one host read of the plan this forward makes
+        if timestep.dtype != torch.float32 or timestep.dim() != 1:
+            # Converting here would build tables for other timestep values than time_proj will see.
+            raise PlanError(
+                f"the AdaLN cache serves 1-D float32 timesteps (MiniMax-H3's distinct timesteps of the step), got "
+                f"shape {tuple(timestep.shape)} and dtype {timestep.dtype}; pass timestep as a 1-D float32 tensor"
+            )
+        # The one device-to-host read of the plan this forward makes: keys, lookups and the build all
+        # use this host copy (embed moves it back to the device; the values are the same bits).
+        plan = timestep.detach().to("cpu")
+        key = plan_key(plan)
         tuners, variant, refs = self._current_signature(scale)
         if self.config.on_miss == "raise":
             if variant != self._variant:
@@ -686,7 +692,7 @@ class AdalnCacheHandle:
                     "changed since the tables were built; call handle.prepare(plans) (on_miss='raise')"
                 )
             try:
-                self.cache.lookup(plan)
+                self.cache.lookup(plan, key=key)
             except PlanNotCachedError as exc:
                 raise PlanNotCachedError(
                     f"{exc}; call handle.prepare(plans) before the loop, or enable with on_miss='build'"
