@@ -314,3 +314,19 @@ def test_non_float32_timestep_tensor_is_refused_not_converted(load_tiny: Callabl
     with pytest.raises(PlanError, match="float32"):
         model(**kwargs)
     handle.disable()
+
+
+def test_store_serves_a_new_handle_without_a_pass(load_tiny: Callable[[str], Any], tmp_path: Path) -> None:
+    """Entries written under a checkpoint fingerprint come back bit-exactly in a later enable."""
+    model = load_tiny("fp32-disk")
+    path = write_native_checkpoint(model, tmp_path / "native")
+    request = make_request(model, "ref2va", 5)
+    resident = run_loop(model, request)
+    first = enable_adaln_cache(model, path, store=tmp_path / "store")
+    assert first.prepare(request.plans).passes == 1
+    first.disable()
+    second = enable_adaln_cache(model, path, store=tmp_path / "store")
+    report = second.prepare(request.plans)
+    assert report.passes == 0 and report.store_hits == len(request.plans)
+    assert run_loop(model, request).equal(resident)
+    second.disable()
