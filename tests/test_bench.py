@@ -46,6 +46,7 @@ def test_bench_pass_section_only(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert main(argv) == 0
     data = json.loads((out / "bench.json").read_text())
     names = [c["name"] for c in data["comparisons"]]
-    assert names and all(n.startswith(("pass vs max(read, project)", "pass vs naive")) for n in names)
+    prefixes = ("pass vs max(read, project)", "pass (keep_buffers)", "pass vs naive")
+    assert names and all(n.startswith(prefixes) for n in names)
     printed = capsys.readouterr().out
     assert "pass vs naive" in printed and "x" in printed

@@ -83,3 +83,18 @@ def test_buffers_are_reused_by_a_well_behaved_consumer(checkpoint, monkeypatch) 
             _expect(source, tensors, lw)
     # (read_ahead + 1) slots x (weight, bias), allocated once each, for six layers.
     assert fresh == [4, 6]
+
+
+def test_keep_buffers_reuses_the_pool_across_passes(checkpoint) -> None:  # type: ignore[no-untyped-def]
+    source, tensors = checkpoint
+    source.keep_buffers = True
+    for lw in source.stream(source.spec.layers(), read_ahead=1):
+        _expect(source, tensors, lw)
+    pool = source._kept
+    assert pool is not None and pool.fresh == 4
+    for lw in source.stream(source.spec.layers(), read_ahead=1):
+        _expect(source, tensors, lw)
+    assert source._kept is pool and pool.fresh == 4  # no new buffer in the second pass
+    kept = list(source.stream(source.spec.layers(), read_ahead=1))  # a consumer keeping layers
+    for lw in kept:
+        _expect(source, tensors, lw)

@@ -450,6 +450,12 @@ class CheckpointSource:
             get_layout(layout)
         self.bytes_read = 0
         self._lock = threading.Lock()
+        #: Keep the read buffers between passes (``read_ahead + 1`` layers of host memory, or one
+        #: pinned layer on CUDA). Off by default: between passes the memory goes back to the OS.
+        #: On for back-to-back passes, it saves each pass the page faults of fresh buffers (about
+        #: 0.3-0.6 s per 496 MiB layer on the 2-core dev box) or, on CUDA, the slow pinning.
+        self.keep_buffers = False
+        self._kept: _Staging | None = None
         self._load()
 
     # -- identity ---------------------------------------------------------------------------
@@ -622,7 +628,16 @@ class CheckpointSource:
         # buffer itself: the one it holds plus the read_ahead being read. With read_ahead=0 the read
         # runs inside next(), while the consumer still holds the previous layer, so a single
         # buffer could never be reused: that mode keeps a fresh buffer per layer.
-        staging = _Staging(1 if cuda else read_ahead + 1, pin=cuda) if cuda or read_ahead else None
+        staging: _Staging | None = None
+        if cuda or read_ahead:
+            slots = 1 if cuda else read_ahead + 1
+            # A kept pool is taken out while in use, so two concurrent passes never share buffers.
+            with self._lock:
+                kept, self._kept = self._kept, None
+            if kept is not None and kept.slots == slots and kept.pin == cuda:
+                staging = kept
+            else:
+                staging = _Staging(slots, pin=cuda)
 
         def load(fds: dict[Path, int], index: int) -> LayerWeights:
             layer = todo[index]
@@ -677,7 +692,11 @@ class CheckpointSource:
                     with contextlib.suppress(BaseException):
                         fut.result()
                 if staging is not None:
-                    staging.clear()
+                    if self.keep_buffers:
+                        with self._lock:
+                            self._kept = staging
+                    else:
+                        staging.clear()
 
     def describe(self) -> dict[str, Any]:
         tensors = []
