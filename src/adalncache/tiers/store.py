@@ -74,9 +74,14 @@ def numeric_environment(device: torch.device) -> dict[str, Any]:
         "bf16_reduced": torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction,
         "float32_matmul_precision": torch.get_float32_matmul_precision(),
     }
+    env["deterministic"] = torch.are_deterministic_algorithms_enabled()
     if device.type == "cuda":
         env["device_name"] = torch.cuda.get_device_name(device)
         env["capability"] = list(torch.cuda.get_device_capability(device))
+        # cuBLAS vs cuBLASLt and the workspace configuration pick different GEMM kernels.
+        blas = getattr(torch.backends.cuda, "preferred_blas_library", None)
+        env["blas"] = str(blas()) if callable(blas) else None
+        env["cublas_workspace"] = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
     else:
         env["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
         env["machine"] = platform.machine()
@@ -278,6 +283,11 @@ class Store:
 
     # -- reading ----------------------------------------------------------------------------
 
+    def contains(self, binding: Mapping[str, Any], keys: Iterable[PlanKey]) -> set[PlanKey]:
+        """The ``keys`` that have an entry under ``binding`` (by name only: nothing is read or verified)."""
+        bhash = binding_hash(binding)
+        return {key for key in keys if self._entry_path(bhash, key).is_file()}
+
     @staticmethod
     def _parse(path: Path) -> tuple[dict[str, Any], torch.Tensor, int]:
         """Read and verify an entry file; returns (header, raw bytes, payload offset)."""
@@ -409,15 +419,16 @@ class Store:
             except (CorruptEntry, OSError) as exc:
                 yield info, str(exc)
 
-    def health(self) -> dict[str, Any]:
-        """Verify every entry's digest; count temp files and moved-aside entries (for ``inspect``)."""
+    def health(self, *, verify: bool = True) -> dict[str, Any]:
+        """Verify every entry's digest (unless ``verify=False``); count temp and moved-aside files."""
         ok = 0
         bad: list[str] = []
-        for item in self.iter_entries():
-            if isinstance(item, StoredEntry):
-                ok += 1
-            else:
-                bad.append(f"{item[0].path}: {item[1]}")
+        if verify:
+            for item in self.iter_entries():
+                if isinstance(item, StoredEntry):
+                    ok += 1
+                else:
+                    bad.append(f"{item[0].path}: {item[1]}")
         temps = sum(1 for _ in self.path.rglob(_TMP_PREFIX + "*"))
         corrupt = sum(1 for _ in (self.path / "corrupt").glob("*"))
         return {"ok": ok, "corrupt": bad, "temp_files": temps, "moved_aside": corrupt}
