@@ -8,6 +8,7 @@ broken scenario does not hide the others; the parent asserts on each scenario se
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import time
@@ -237,7 +238,35 @@ def scenario_diffusers(rank: int, world: int, pg: Any, data: Path) -> dict[str, 
     }
 
 
+def scenario_death(rank: int, world: int, pg: Any, data: Path) -> dict[str, Any]:
+    """The last rank dies outright in the middle of its pass; the others must raise, bounded in time."""
+    spec = SPEC_B
+    source = CheckpointSource(_checkpoint(data, spec), spec)
+    cache = AdalnCache(spec, source, max_plans=4, max_plan_width=4, process_group=pg)
+    cache.build(plans()[:1], embed=embed_fn(spec))
+    lengths = cache.plan_lengths.clone()
+
+    def project(layer: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        if rank == world - 1:
+            os._exit(0)  # no exception, no cleanup: the process is simply gone
+        return torch.nn.functional.linear(x, weight, bias)
+
+    start = time.monotonic()
+    try:
+        cache.build(more_plans(0), embed=embed_fn(spec), project=project)
+        error = None
+    except BuildError as exc:
+        error = str(exc)
+    return {
+        "error": error,
+        "seconds": time.monotonic() - start,
+        "lengths_unchanged": torch.equal(lengths, cache.plan_lengths),
+        "resident": len(cache.resident_plans),
+    }
+
+
 SCENARIOS: dict[str, Scenario] = {
+    "death": scenario_death,
     "layers": scenario_layers,
     "columns": scenario_columns,
     "faults": scenario_faults,
@@ -247,7 +276,9 @@ SCENARIOS: dict[str, Scenario] = {
 }
 
 
-def entry(rank: int, world: int, init_file: str, names: list[str], data: str, out: str) -> None:
+def entry(
+    rank: int, world: int, init_file: str, names: list[str], data: str, out: str, timeout_s: float = PG_TIMEOUT_S
+) -> None:
     """The spawned process: join the group, run the scenarios, save each result or traceback."""
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
@@ -256,7 +287,7 @@ def entry(rank: int, world: int, init_file: str, names: list[str], data: str, ou
         init_method=f"file://{init_file}",
         rank=rank,
         world_size=world,
-        timeout=timedelta(seconds=PG_TIMEOUT_S),
+        timeout=timedelta(seconds=timeout_s),
     )
     try:
         pg = dist.group.WORLD
@@ -266,6 +297,9 @@ def entry(rank: int, world: int, init_file: str, names: list[str], data: str, ou
             except Exception:
                 result = {"ok": False, "traceback": traceback.format_exc()}
             torch.save(result, Path(out) / f"{name}-{rank}.pt")
+            if name == "death":
+                return  # the group lost a member: no barrier, no orderly teardown is possible
             dist.barrier()  # scenarios start together, so one's collectives never meet another's
     finally:
-        dist.destroy_process_group()
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()

@@ -43,14 +43,16 @@ def _write_data(data: Path) -> None:
         write_checkpoint(path.parent, make_weights(spec, seed=spec.num_layers))
 
 
-def run_group(world: int, names: list[str], root: Path) -> dict[str, list[dict[str, Any]]]:
-    """Spawn ``world`` ranks running ``names``; return each scenario's per-rank results."""
+def run_group(
+    world: int, names: list[str], root: Path, timeout_s: float = W.PG_TIMEOUT_S
+) -> dict[str, list[dict[str, Any] | None]]:
+    """Spawn ``world`` ranks running ``names``; each scenario's per-rank results (None: no result file)."""
     data, out = root / "data", root / "out"
     out.mkdir(parents=True)
     _write_data(data)
     ctx = mp.start_processes(
         W.entry,
-        args=(world, str(root / "rendezvous"), names, str(data), str(out)),
+        args=(world, str(root / "rendezvous"), names, str(data), str(out), timeout_s),
         nprocs=world,
         join=False,
         start_method="spawn",
@@ -65,9 +67,10 @@ def run_group(world: int, names: list[str], root: Path) -> dict[str, list[dict[s
             if process.is_alive():
                 process.kill()
                 process.join(5)
-    results: dict[str, list[dict[str, Any]]] = {}
+    results: dict[str, list[dict[str, Any] | None]] = {}
     for name in names:
-        results[name] = [torch.load(out / f"{name}-{r}.pt", weights_only=False) for r in range(world)]
+        files = [out / f"{name}-{r}.pt" for r in range(world)]
+        results[name] = [torch.load(f, weights_only=False) if f.exists() else None for f in files]
     return results
 
 
@@ -84,6 +87,7 @@ def scenario(group: tuple[int, Any, Path], name: str) -> tuple[int, list[dict[st
         pytest.skip(f"{name} runs in the other world size's group")
     ranks = results[name]
     for r, res in enumerate(ranks):
+        assert res is not None, f"rank {r} of {world} left no result for {name}"
         assert res["ok"], f"rank {r} of {world} failed in {name}:\n{res['traceback']}"
     return world, ranks, data
 
@@ -252,3 +256,15 @@ def test_diffusers_integration_per_rank(group: tuple[int, Any, Path]) -> None:
         assert_tables_equal(res["tables"], ranks[0]["tables"], f"rank {r} vs rank 0")
     reads = [res["read"] for res in ranks]
     assert all(0 < read < sum(reads) for read in reads), f"each rank reads only its layers: {reads}"
+
+
+def test_rank_that_dies_outright_is_bounded_by_the_group_timeout(tmp_path: Path) -> None:
+    """A rank exits mid-pass (no exception): its peer raises BuildError, publishes nothing, in bounded time."""
+    timeout_s = 20.0
+    ranks = run_group(2, ["death"], tmp_path, timeout_s=timeout_s)["death"]
+    assert ranks[1] is None  # it died before writing anything
+    survivor = ranks[0]
+    assert survivor is not None and survivor["ok"], survivor and survivor.get("traceback")
+    assert survivor["error"] is not None and "rank 0 of 2" in survivor["error"], survivor["error"]
+    assert survivor["seconds"] < timeout_s + 10, f"took {survivor['seconds']:.1f} s"
+    assert survivor["lengths_unchanged"] and survivor["resident"] == 1

@@ -273,7 +273,17 @@ class ProcessGroupCollective(Collective):
         mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
         mine = mine.to(self.comm_device)
         everyone = [torch.empty_like(mine) for _ in range(self.world)]
-        self._d.all_gather(everyone, mine, group=self.group)
+        try:
+            self._d.all_gather(everyone, mine, group=self.group)
+        except Exception as exc:
+            # A peer that died (or hung past the group's timeout) cannot report: say so, rather
+            # than blaming this rank. The group is unusable after this; nothing was published.
+            raise BuildError(
+                f"rank {self.rank} of {self.world}: the agreement after the {phase} with the other ranks failed "
+                f"(a rank died, hung past the process group's timeout, or the group was torn down): "
+                f"{type(exc).__name__}: {exc}; nothing of this request was published on this rank",
+                failed_at=f"agreement after {phase}",
+            ) from (failure if failure is not None else exc)
         failed: list[tuple[int, str, str]] = []
         for r, t in enumerate(everyone):
             raw = bytes(t.cpu().tolist())
