@@ -171,6 +171,13 @@ def test_inspect_checkpoint_and_store(
     assert info["health"]["ok"] == info["entries"] and info["health"]["corrupt"] == []
     assert main(["inspect", str(store)]) == 0
     assert "healthy" in capsys.readouterr().out
+    victim = Store(store).entries()[0].path
+    victim.write_bytes(victim.read_bytes()[:-1])  # truncated: health must say so
+    assert main(["inspect", str(store), "--json"]) == 0
+    health = json.loads(capsys.readouterr().out)["health"]
+    assert len(health["corrupt"]) == 1 and victim.name in health["corrupt"][0]
+    assert main(["inspect", str(store), "--quick"]) == 0
+    assert "not checked" in capsys.readouterr().out
     # A diffusers-layout directory (save_pretrained) holds the time embedder under its diffusers names.
     assert main(["inspect", str(tiny_saved_root / "bf16"), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
