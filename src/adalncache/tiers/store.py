@@ -126,7 +126,11 @@ def _pid_alive(pid: int) -> bool:
 
 
 class CorruptEntry(Exception):
-    """Internal: an entry failed verification (the message says how)."""
+    """Internal: an entry failed verification (the message says how); ``inode`` names the file read."""
+
+    def __init__(self, message: str, inode: int | None = None) -> None:
+        super().__init__(message)
+        self.inode = inode
 
 
 @dataclass(frozen=True)
@@ -289,33 +293,38 @@ class Store:
         return {key for key in keys if self._entry_path(bhash, key).is_file()}
 
     @staticmethod
-    def _parse(path: Path) -> tuple[dict[str, Any], torch.Tensor, int]:
-        """Read and verify an entry file; returns (header, raw bytes, payload offset)."""
+    def _parse(path: Path) -> tuple[dict[str, Any], torch.Tensor, int, int]:
+        """Read and verify an entry file; returns (header, raw bytes, payload offset, inode).
+
+        The inode lets a caller move aside exactly the file it read, never a fresh rewrite that
+        another process renamed into place meanwhile.
+        """
         with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
+            st = os.fstat(f.fileno())
+            size, inode = st.st_size, st.st_ino
             if size < len(MAGIC) + 4 + _DIGEST:
-                raise CorruptEntry(f"{size} bytes is too short for an entry")
+                raise CorruptEntry(f"{size} bytes is too short for an entry", inode)
             raw = torch.empty(size, dtype=torch.uint8)
             buf = raw.numpy()
             got = f.readinto(buf.data)
             if got != size:
-                raise CorruptEntry(f"read {got} of {size} bytes")
+                raise CorruptEntry(f"read {got} of {size} bytes", inode)
         data = buf.data
         if bytes(data[: len(MAGIC)]) != MAGIC:
-            raise CorruptEntry("bad magic")
+            raise CorruptEntry("bad magic", inode)
         if hashlib.sha256(data[: size - _DIGEST]).digest() != bytes(data[size - _DIGEST :]):
-            raise CorruptEntry("digest mismatch")
+            raise CorruptEntry("digest mismatch", inode)
         (head_len,) = struct.unpack("<I", bytes(data[len(MAGIC) : len(MAGIC) + 4]))
         start = len(MAGIC) + 4
         if start + head_len > size - _DIGEST:
-            raise CorruptEntry("header length out of range")
+            raise CorruptEntry("header length out of range", inode)
         try:
             header = json.loads(bytes(data[start : start + head_len]))
         except ValueError as exc:
-            raise CorruptEntry(f"header is not JSON: {exc}") from None
+            raise CorruptEntry(f"header is not JSON: {exc}", inode) from None
         if not isinstance(header, dict):
-            raise CorruptEntry("header is not an object")
-        return header, raw, start + head_len
+            raise CorruptEntry("header is not an object", inode)
+        return header, raw, start + head_len, inode
 
     @staticmethod
     def _rows(
@@ -343,9 +352,11 @@ class Store:
         final = raw[offset + nb : offset + nb + nf].view(dtype).view(final_shape)
         return PlanRows(key_to_plan(key), block, final)
 
-    def _move_aside(self, path: Path, why: str) -> None:
+    def _move_aside(self, path: Path, why: str, inode: int | None) -> None:
         target = self.path / "corrupt" / f"{path.parent.name}-{path.stem}-{uuid.uuid4().hex[:8]}{_SUFFIX}"
         try:
+            if inode is not None and os.stat(path).st_ino != inode:
+                return  # another process already replaced it with a fresh entry
             os.replace(path, target)
         except FileNotFoundError:
             return  # another process moved it first
@@ -364,15 +375,16 @@ class Store:
         found: dict[PlanKey, PlanRows] = {}
         for key in keys:
             path = self._entry_path(bhash, key)
+            inode: int | None = None
             try:
-                header, raw, offset = self._parse(path)
+                header, raw, offset, inode = self._parse(path)
                 if header.get("binding") != bhash or tuple(header.get("key", ())) != tuple(key):
-                    raise CorruptEntry("header names another binding or plan")
+                    raise CorruptEntry("header names another binding or plan", inode)
                 rows = self._rows(header, raw, offset, spec)
             except FileNotFoundError:
                 continue
             except CorruptEntry as exc:
-                self._move_aside(path, str(exc))
+                self._move_aside(path, str(exc), exc.inode if exc.inode is not None else inode)
                 continue
             with contextlib.suppress(OSError):
                 os.utime(path)  # explicit recency for prune
@@ -408,16 +420,19 @@ class Store:
 
     def read_entry(self, info: EntryInfo) -> StoredEntry:
         """Read and verify one listed entry (raises CorruptEntry; does not move it)."""
-        header, raw, offset = self._parse(info.path)
+        header, raw, offset, _ = self._parse(info.path)
         return StoredEntry(info, header, self._rows(header, raw, offset, None))
 
     def iter_entries(self, infos: Iterable[EntryInfo] | None = None) -> Iterator[StoredEntry | tuple[EntryInfo, str]]:
         """Verified entries, or ``(info, problem)`` for those that fail verification."""
         for info in self.entries() if infos is None else infos:
             try:
-                yield self.read_entry(info)
+                item: StoredEntry | tuple[EntryInfo, str] = self.read_entry(info)
+            except FileNotFoundError:
+                continue  # pruned or moved aside by another process since it was listed
             except (CorruptEntry, OSError) as exc:
-                yield info, str(exc)
+                item = (info, str(exc))
+            yield item
 
     def health(self, *, verify: bool = True) -> dict[str, Any]:
         """Verify every entry's digest (unless ``verify=False``); count temp and moved-aside files."""
