@@ -183,3 +183,65 @@ def test_one_arena_allocated_once() -> None:
     too_small = HostTier(spec, 10)
     assert not too_small.admit([plan_key(plan(0.5))], cache.rows_of)
     too_small.check_invariants()
+
+
+# -- model-based: random admissions against a reference of what must be held -----------------------
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from adalncache.rows import PlanRows  # noqa: E402
+
+_SPEC = small_spec()
+
+
+def _rows_for(key) -> PlanRows:
+    """Distinct, deterministic rows per key (the tier must hand back exactly these)."""
+    n = len(key)
+    g = torch.Generator().manual_seed(hash(key) & 0x7FFFFFFF)
+    block = torch.randn(n, _SPEC.num_layers, _SPEC.block_width, generator=g).to(_SPEC.dtype)
+    final = torch.randn(n, _SPEC.final_width, generator=g).to(_SPEC.dtype)
+    return PlanRows(torch.zeros(n), block, final)
+
+
+_KEYS = [plan_key(torch.linspace(0.1 * i, 0.1 * i + 0.05, w)) for i in range(8) for w in (1, 2, 3)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    units=st.integers(0, 9),
+    ops=st.lists(
+        st.tuples(st.sets(st.sampled_from(range(len(_KEYS))), min_size=1, max_size=4), st.booleans()),
+        max_size=25,
+    ),
+)
+def test_random_admissions_keep_invariants_and_contents(units: int, ops) -> None:
+    tier = HostTier(_SPEC, units * unit_bytes(_SPEC))
+    for indices, fail in ops:
+        group = [_KEYS[i] for i in indices]
+        before = {k: tier.refcount(k) for k in _KEYS}
+        calls = 0
+
+        def rows_of(key, fail=fail):
+            nonlocal calls
+            calls += 1
+            if fail and calls == 2:
+                raise OSError("injected")
+            return _rows_for(key)
+
+        try:
+            admitted = tier.admit(group, rows_of)
+        except OSError:
+            admitted = None
+        tier.check_invariants()
+        need = sum(len(k) for k in set(group))
+        if need > units:
+            assert admitted is False
+        if admitted:
+            assert all(k in tier for k in group)
+        if admitted is None:  # a failed admit never adds references
+            assert all(tier.refcount(k) <= before[k] for k in _KEYS)
+        for key, rows in tier.lookup(_KEYS).items():
+            want = _rows_for(key)
+            assert torch.equal(rows.block, want.block) and torch.equal(rows.final, want.final)
+    assert tier.used_bytes <= tier.capacity_bytes

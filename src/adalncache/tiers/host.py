@@ -221,8 +221,13 @@ class HostTier:
             for entry in placed.values():
                 self._give_back(entry)
             for key in held:
-                if key in self._plans:
-                    self._plans[key].groups.discard(group)
+                entry = self._plans[key]  # held plans were claimed, so no eviction freed them
+                entry.groups.discard(group)
+                if not entry.groups:
+                    # Its other groups were evicted to make room for this one: it goes with them.
+                    del self._plans[key]
+                    self._give_back(entry)
+                    self.evicted_plans += 1
             if isinstance(exc, _NoRoom):
                 # Only the group's own shared plans fragment the arena: skip rather than fail.
                 self.skipped_groups += 1
