@@ -210,3 +210,21 @@ def test_store_prune_and_bad_flags(
         assert main(argv) == 2, argv
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and flag in err, (argv, err)
+
+
+def test_build_from_a_diffusers_layout_directory(
+    load_tiny: Callable[[str], Any], tiny_saved_root: Path, tmp_path: Path
+) -> None:
+    """``save_pretrained`` output (diffusers names, time_embedder.linear_1/2) is a build source too."""
+    model = load_tiny("bf16-disk")
+    source_dir = tiny_saved_root / "bf16"
+    store = tmp_path / "store"
+    assert main(["build", str(source_dir), "--store", str(store), "--task", "ref2va", "--steps", "3",
+                 "--no-audio-refs", "-q"]) == 0  # fmt: skip
+    plans = {plan_key(p): p for p in minimax_h3_plans("ref2va", 3, audio_refs=False)}
+    entries = _stored(store)
+    assert set(entries) == set(plans)
+    for key, p in plans.items():
+        block, final = _resident_rows(model, p)
+        assert torch.equal(entries[key].rows.block, block) and torch.equal(entries[key].rows.final, final)
+    assert main(["verify", "--store", str(store), "--checkpoint", str(source_dir), "-q"]) == 0
