@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from adalncache import AdalnCache, CheckpointSource, Store, plan_key
+from adalncache import AdalnCache, CheckpointSource, ConfigError, Store, plan_key
 from adalncache.rows import PlanRows
 from adalncache.testing import inject_faults
 from adalncache.tiers.store import binding_hash
@@ -300,3 +300,16 @@ def test_two_processes_fill_one_store_concurrently(tmp_path: Path) -> None:
             ref = reference.rows_of(plan_key(plan(*p)))
             assert torch.equal(rows[f"block{i}"], ref.block) and torch.equal(rows[f"final{i}"], ref.final)
     assert shared.health() == {"ok": len(everything), "corrupt": [], "temp_files": 0, "moved_aside": 0}
+
+
+def test_store_refuses_a_non_empty_foreign_directory(tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match="--store"):
+        Store(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+    Store(tmp_path / "fresh")  # a new directory is created
+    Store(tmp_path / "fresh")  # and reopened
+    file = tmp_path / "a-file"
+    file.write_text("x")
+    with pytest.raises(ConfigError, match="--store"):
+        Store(file)

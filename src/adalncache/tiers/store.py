@@ -171,10 +171,16 @@ class Store:
         self.corrupt_moved = 0
         self.swept_temp = 0
         self._host = socket.gethostname().replace("-", "_")
+        marker = self.path / "STORE"
+        if self.path.is_dir() and not marker.exists() and any(self.path.iterdir()):
+            # Never scatter entries into a directory that holds something else (a typo'd --store ~).
+            raise ConfigError(
+                f"{self.path} is not empty and is not an adalncache store (no STORE marker): pass a new or empty "
+                f"directory (store= / CLI --store)"
+            )
         try:
             for sub in ("bindings", "entries", "corrupt"):
                 (self.path / sub).mkdir(parents=True, exist_ok=True)
-            marker = self.path / "STORE"
             if not marker.exists():
                 self._atomic_write(marker, f"adalncache store format {FORMAT_VERSION}\n".encode())
         except OSError as exc:
