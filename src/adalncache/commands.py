@@ -111,9 +111,9 @@ def _read_aligned(source: CheckpointSource, fds: dict[Path, int], name: str) -> 
     return view.view(dtype).view(list(entry.shape))
 
 
-def time_embed_fn(source: CheckpointSource, spec: ModulationSpec, device: torch.device | str = "cpu") -> Callable[
-    [torch.Tensor], torch.Tensor
-]:
+def time_embed_fn(
+    source: CheckpointSource, spec: ModulationSpec, device: torch.device | str = "cpu"
+) -> Callable[[torch.Tensor], torch.Tensor]:
     """``embed(plan)`` of MiniMax-H3 from the checkpoint's time-embedder weights (see the module docstring)."""
     try:
         from diffusers.models.embeddings import TimestepEmbedding, Timesteps
@@ -522,4 +522,3 @@ def register(subparsers: Any) -> None:
 
 
 __all__ = ["TASKS", "TIME_EMBEDDER_NAMES", "infer_spec", "register", "schedule_plans", "time_embed_fn"]
-

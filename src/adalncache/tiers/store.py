@@ -333,9 +333,7 @@ class Store:
         return header, raw, start + head_len, inode
 
     @staticmethod
-    def _rows(
-        header: dict[str, Any], raw: torch.Tensor, offset: int, spec: ModulationSpec | None
-    ) -> PlanRows:
+    def _rows(header: dict[str, Any], raw: torch.Tensor, offset: int, spec: ModulationSpec | None) -> PlanRows:
         try:
             dtype = _DTYPES[header["dtype"]]
             block_shape = [int(v) for v in header["block_shape"]]
