@@ -357,32 +357,34 @@ def run_verify(args: argparse.Namespace) -> int:
         matched_any = True
         if args.sample is not None and args.sample < len(infos):
             infos = random.Random(args.seed).sample(infos, args.sample)
-        stored: list[StoredEntry] = []
-        for item in store.iter_entries(infos):
-            if isinstance(item, StoredEntry):
-                stored.append(item)
-            else:
-                corrupt += 1
-                print(f"CORRUPT {item[0].path}: {item[1]}")
-        width = max((len(e.key) for e in stored), default=1)
-        slab = max(1, min(args.max_plans, len(stored)))
-        cache = AdalnCache(
-            spec, source, max_plans=slab, max_plan_width=width, device=args.device, precision=precision,
-            progress=not args.quiet,
-        )  # fmt: skip
-        chunks = [stored[i : i + slab] for i in range(0, len(stored), slab)]
+        # Entries are read chunk by chunk, one pass each, so memory stays at one slab's worth.
+        per_pass = max(1, min(args.max_plans, len(infos)))
+        chunks = [infos[i : i + per_pass] for i in range(0, len(infos), per_pass)]
         for chunk in tqdm(chunks, desc=f"adalncache verify ({precision})", unit="pass", disable=args.quiet):
-            cache.build([key_to_plan(e.key) for e in chunk], embed=embed)
-            for entry in chunk:
-                fresh = cache.rows_of(entry.key)
-                same = torch.equal(fresh.block.cpu(), entry.rows.block) and torch.equal(
-                    fresh.final.cpu(), entry.rows.final
+            stored: list[StoredEntry] = []
+            for item in store.iter_entries(chunk):
+                if isinstance(item, StoredEntry):
+                    stored.append(item)
+                else:
+                    corrupt += 1
+                    print(f"CORRUPT {item[0].path}: {item[1]}")
+            if not stored:
+                continue
+            cache = AdalnCache(
+                spec, source, max_plans=len(stored), max_plan_width=max(len(e.key) for e in stored),
+                device=args.device, precision=precision, progress=not args.quiet,
+            )  # fmt: skip
+            cache.build([key_to_plan(e.key) for e in stored], embed=embed)
+            for item in stored:
+                fresh = cache.rows_of(item.key)
+                same = torch.equal(fresh.block.cpu(), item.rows.block) and torch.equal(
+                    fresh.final.cpu(), item.rows.final
                 )
                 checked += 1
                 if not same:
                     mismatched += 1
-                    print(f"MISMATCH {entry.info.path}: plan {format_plan(entry.key)} differs from a recomputation")
-            cache.invalidate()
+                    print(f"MISMATCH {item.info.path}: plan {format_plan(item.key)} differs from a recomputation")
+            del cache, stored
     others = len(entries) - sum(len(by_binding.get(h, [])) for h in hashes.values())
     if not matched_any:
         raise ConfigError(
