@@ -29,6 +29,7 @@ from adalncache.testing import FaultInjectingSource, inject_faults
 SPEC_A = ModulationSpec(num_layers=3, hidden_size=6, time_embed_dim=32)
 SPEC_B = ModulationSpec(num_layers=4, hidden_size=6, time_embed_dim=32)
 SPEC_ODD = ModulationSpec(num_layers=2, hidden_size=8, time_embed_dim=32)  # final width 16: not /3
+SPEC_ONE = ModulationSpec(num_layers=1, hidden_size=6, time_embed_dim=32)  # 2 projections: a 3rd rank reads none
 #: The process group's timeout: a rank that hangs or dies makes its peers raise after this.
 PG_TIMEOUT_S = 60
 
@@ -75,7 +76,7 @@ def _checkpoint(data: Path, spec: ModulationSpec) -> Path:
 
 def scenario_layers(rank: int, world: int, pg: Any, data: Path) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for spec in (SPEC_A, SPEC_B, SPEC_ODD):
+    for spec in (SPEC_A, SPEC_B, SPEC_ODD, SPEC_ONE):
         source = CheckpointSource(_checkpoint(data, spec), spec)
         cache = AdalnCache(spec, source, max_plans=4, max_plan_width=4, process_group=pg, shard="layers")
         report = cache.build(plans(), embed=embed_fn(spec))
@@ -206,6 +207,10 @@ def scenario_config(rank: int, world: int, pg: Any, data: Path) -> dict[str, Any
     except PlanError as exc:
         out["spmd"] = str(exc)
     out["after_spmd"] = cache.build([torch.tensor([0.5])], embed=embed_fn(spec)).built
+    if rank == 0:
+        cache.invalidate()  # one rank alone: the next build must bring the ranks back into step
+    report = cache.build([torch.tensor([0.5]), torch.tensor([0.25])], embed=embed_fn(spec))
+    out["after_divergence"] = (report.device_hits, report.built, cache.resident_plans)
     if world == 3:
         odd = CheckpointSource(_checkpoint(data, SPEC_ODD), SPEC_ODD)
         try:

@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import dist_workers as W
-from adalncache import AdalnCache, CheckpointSource
+from adalncache import AdalnCache, CheckpointSource, ConfigError
 from adalncache.distributed import _split
 from adalncache.source import Columns
 from adalncache.spec import FINAL, LAYOUTS
@@ -38,7 +38,7 @@ SCENARIOS = {
 
 
 def _write_data(data: Path) -> None:
-    for spec in (W.SPEC_A, W.SPEC_B, W.SPEC_ODD):
+    for spec in (W.SPEC_A, W.SPEC_B, W.SPEC_ODD, W.SPEC_ONE):
         path = W._checkpoint(data, spec)
         write_checkpoint(path.parent, make_weights(spec, seed=spec.num_layers))
 
@@ -112,7 +112,7 @@ def test_layers_tables_equal_single_process_build(group: tuple[int, Any, Path]) 
     """shard='layers': every rank's slab torch.equal to one process, with L+1 divisible or not by world."""
     world, ranks, data = scenario(group, "layers")
     divisible = []
-    for spec in (W.SPEC_A, W.SPEC_B, W.SPEC_ODD):
+    for spec in (W.SPEC_A, W.SPEC_B, W.SPEC_ODD, W.SPEC_ONE):
         divisible.append((spec.num_layers + 1) % world == 0)
         want = single_process_tables(spec, data, W.plans(), max_plans=4, max_plan_width=4)
         for r, res in enumerate(ranks):
@@ -122,7 +122,7 @@ def test_layers_tables_equal_single_process_build(group: tuple[int, Any, Path]) 
 
 def test_layers_each_rank_reads_only_its_layers(group: tuple[int, Any, Path]) -> None:
     world, ranks, _ = scenario(group, "layers")
-    for spec in (W.SPEC_A, W.SPEC_B, W.SPEC_ODD):
+    for spec in (W.SPEC_A, W.SPEC_B, W.SPEC_ODD, W.SPEC_ONE):
         shares = _split(spec.layers(), world)
         # The shares partition the projections.
         assert sorted(str(layer) for share in shares for layer in share) == sorted(map(str, spec.layers()))
@@ -242,6 +242,9 @@ def test_construction_agreement(group: tuple[int, Any, Path]) -> None:
         assert res["mismatch"] is not None and "different settings" in res["mismatch"], f"rank {r}"
         assert res["spmd"] is not None and "different plans" in res["spmd"], f"rank {r}"
         assert res["after_spmd"] == 1, f"rank {r}: a refused request must leave the cache usable"
+        # Rank 0 alone invalidated: every rank dropped its tables and rebuilt both plans.
+        assert res["after_divergence"][:2] == (0, 2), f"rank {r}: {res['after_divergence']}"
+        assert res["after_divergence"] == ranks[0]["after_divergence"], f"rank {r}"
         if world == 3:
             assert res["odd"] is not None and "--shard" in res["odd"], f"rank {r}"
 
@@ -268,3 +271,14 @@ def test_rank_that_dies_outright_is_bounded_by_the_group_timeout(tmp_path: Path)
     assert survivor["error"] is not None and "rank 0 of 2" in survivor["error"], survivor["error"]
     assert survivor["seconds"] < timeout_s + 10, f"took {survivor['seconds']:.1f} s"
     assert survivor["lengths_unchanged"] and survivor["resident"] == 1
+
+
+def test_process_group_without_init_is_a_config_error(tmp_path: Path) -> None:
+    """A process group given before torch.distributed is initialised: ConfigError saying what to do."""
+    if dist.is_initialized():
+        pytest.skip("this process already has a default process group")
+    _write_data(tmp_path)
+    spec = W.SPEC_A
+    source = CheckpointSource(W._checkpoint(tmp_path, spec), spec)
+    with pytest.raises(ConfigError, match="init_process_group"):
+        AdalnCache(spec, source, process_group=object())

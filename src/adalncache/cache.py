@@ -274,9 +274,16 @@ class AdalnCache:
         except CheckpointError as exc:
             invalid = exc
         fingerprint = self.source.fingerprint
-        failed, changed, variant_changed = self._dist.agree_identity(
-            [invalid is not None, fingerprint != self._fingerprint, variant != self._variant], request
+        (failed, changed, variant_changed), diverged = self._dist.agree_identity(
+            [invalid is not None, fingerprint != self._fingerprint, variant != self._variant],
+            request,
+            list(self._slots.items()),
         )
+        if diverged:
+            # The ranks' slot maps differ (invalidate() on some ranks only, say): their next
+            # decisions would differ too, so every rank starts again from an empty slab.
+            log.warning("rank %d: the ranks' slabs diverged; dropping every table on every rank", self._dist.rank)
+            self._drop_all("the ranks' slabs diverged")
         if failed:
             # The file changed (on some rank) and no longer validates: whatever the slab holds came
             # from the old file, so it can no longer be trusted either.

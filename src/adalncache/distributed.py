@@ -10,8 +10,9 @@ across ranks before anyone acts on it:
   construction, and the configuration that shapes collectives (geometry, ``shard``, whether a
   store exists) is compared, so two ranks can never disagree on a slot or on a collective's size;
 * each build starts with one small all-reduce: did the source or the variant change on any rank
-  (then every rank drops its tables), did the source fail to re-validate on any rank, and did
-  every rank ask for the same plans (a digest, min- and max-reduced);
+  (then every rank drops its tables), did the source fail to re-validate on any rank, did
+  every rank ask for the same plans, and are the ranks' slot maps still equal (digests, min- and
+  max-reduced; diverged slabs are dropped everywhere, which brings the ranks back into step);
 * tier hits are AND-reduced (:meth:`agree_on`) before any tier is used;
 * the rebuild pass is purely local (no collective inside it), and ends in one agreement
   all-gather carrying every rank's failure, if any. Only when no rank failed do the ranks
@@ -88,13 +89,18 @@ class Collective:
         """Element-wise OR over ranks, in one collective."""
         return [bool(f) for f in flags]
 
-    def agree_identity(self, flags: Sequence[bool], request: Sequence[Any]) -> list[bool]:
-        """:meth:`any_of` ``flags``, and check every rank asked for the same ``request`` (plan keys).
+    def agree_identity(
+        self, flags: Sequence[bool], request: Sequence[Any], state: Sequence[Any] = ()
+    ) -> tuple[list[bool], bool]:
+        """:meth:`any_of` ``flags``; check every rank asked for the same ``request`` (plan keys).
 
         Raises PlanError on every rank when the requests differ: SPMD builds need the same plans
         in the same order everywhere, or the ranks' slot maps (and so their collectives) diverge.
+        The second result says whether the ranks' ``state`` (their slot maps, in LRU order)
+        differs: a rank called ``invalidate()`` alone, say. The caller then drops every table on
+        every rank, which brings the ranks back into step.
         """
-        return self.any_of(flags)
+        return self.any_of(flags), False
 
     def agree_on(self, mask: Sequence[bool]) -> list[bool]:
         """Element-wise AND over ranks: which plans every rank can serve from a tier."""
@@ -246,15 +252,17 @@ class ProcessGroupCollective(Collective):
             return []
         return [v > 0 for v in self._reduce([int(bool(f)) for f in flags], self._d.ReduceOp.MAX)]
 
-    def agree_identity(self, flags: Sequence[bool], request: Sequence[Any]) -> list[bool]:
-        d = _digest(list(request))
-        out = self._reduce([*(int(bool(f)) for f in flags), d, -d], self._d.ReduceOp.MAX)
-        if out[-2] != -out[-1]:
+    def agree_identity(
+        self, flags: Sequence[bool], request: Sequence[Any], state: Sequence[Any] = ()
+    ) -> tuple[list[bool], bool]:
+        d, e = _digest(list(request)), _digest(list(state))
+        out = self._reduce([*(int(bool(f)) for f in flags), d, -d, e, -e], self._d.ReduceOp.MAX)
+        if out[-4] != -out[-3]:
             raise PlanError(
                 f"rank {self.rank} of {self.world}: the ranks called build() with different plans; a "
                 f"distributed cache is SPMD, so every rank must request the same plans in the same order"
             )
-        return [v > 0 for v in out[:-2]]
+        return [v > 0 for v in out[:-4]], out[-2] != -out[-1]
 
     def agree_on(self, mask: Sequence[bool]) -> list[bool]:
         if not mask:
