@@ -399,16 +399,20 @@ class _Staging:
         self.pin = pin
         self._buffers: dict[tuple[int, str], tuple[torch.Tensor, int]] = {}
         self.fresh = 0  # buffers allocated (first use of a slot, or a slot still held by a consumer)
+        # A consumer that kept one layer past its turn keeps them all (a list, a dict of layers):
+        # after the first timeout the pool stops waiting and allocates straight away.
+        self._wait = self.WAIT_S
 
     def _free(self, key: tuple[int, str]) -> tuple[torch.Tensor, int] | None:
         held = self._buffers.get(key)
         if held is None:
             return None
         storage, idle = held
-        deadline = time.monotonic() + self.WAIT_S
+        deadline = time.monotonic() + self._wait
         while _use_count(storage) > idle:
-            if time.monotonic() > deadline:
+            if time.monotonic() >= deadline:
                 log.debug("staging buffer %s still referenced by the consumer; allocating a new one", key)
+                self._wait = 0.0
                 del self._buffers[key]
                 return None
             time.sleep(0.0002)
@@ -636,6 +640,7 @@ class CheckpointSource:
                 kept, self._kept = self._kept, None
             if kept is not None and kept.slots == slots and kept.pin == cuda:
                 staging = kept
+                staging._wait = staging.WAIT_S  # a new pass, perhaps a different consumer
             else:
                 staging = _Staging(slots, pin=cuda)
 
