@@ -1,0 +1,440 @@
+"""Bad inputs at every layer of the stack: the right error type, a message that says what to change,
+and a cache that is exactly as it was.
+
+Why: a user who passes a wrong value should learn which argument or flag to fix from one line,
+and a long-lived serving cache must not lose (or half-change) its resident tables because one
+request or one construction was wrong. Each case below runs against a live cache with resident
+plans; the cache's observable state (resident plans and their order, slot map, free slots,
+``plan_lengths``, ``plan_timesteps``, every slab row, stats) is compared before and after.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from adalncache import (
+    AdalnCache,
+    CheckpointError,
+    CheckpointSource,
+    ConfigError,
+    ModulationSpec,
+    PlanError,
+    PlanNotCachedError,
+    Store,
+)
+from adalncache.cli import main
+from core_helpers import (
+    SPEC,
+    assert_plan_exact,
+    assert_same_state,
+    embed_for,
+    load_reference,
+    make_weights,
+    snapshot,
+    write_checkpoint,
+)
+
+EMBED = embed_for(SPEC)
+A = torch.tensor([0.5])
+B = torch.tensor([0.25, 0.75])
+
+
+@dataclass(frozen=True)
+class Bad:
+    """One bad input: ``act(env)`` must raise ``error`` whose message matches ``says``."""
+
+    name: str
+    act: Callable[[Env], Any]
+    error: type[BaseException]
+    says: str
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+@dataclass
+class Env:
+    """A checkpoint on disk and a live cache holding plans A and B."""
+
+    root: Path
+    ckpt: Path
+    cache: AdalnCache
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> Env:
+    ckpt = write_checkpoint(tmp_path / "ckpt", make_weights(SPEC))
+    cache = AdalnCache(SPEC, CheckpointSource(ckpt, SPEC), max_plans=3, max_plan_width=2, store=tmp_path / "store")
+    cache.build([A, B], embed=EMBED)
+    return Env(tmp_path, ckpt, cache)
+
+
+def _check(env: Env, case: Bad) -> None:
+    before = snapshot(env.cache)
+    with pytest.raises(case.error, match=case.says):
+        case.act(env)
+    assert_same_state(before, env.cache)
+    env.cache.check_invariants()
+    weights = load_reference(env.ckpt)
+    for plan in (A, B):  # still served, still exact
+        assert_plan_exact(env.cache, weights, "native", EMBED, plan)
+
+
+def _write(env: Env, name: str, weights: dict[str, torch.Tensor]) -> Path:
+    return write_checkpoint(env.root / name, weights)
+
+
+def _without(key: str) -> dict[str, torch.Tensor]:
+    weights = make_weights(SPEC)
+    del weights[key]
+    return weights
+
+
+def _replaced(key: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
+    weights = make_weights(SPEC)
+    weights[key] = value
+    return weights
+
+
+# -- spec ----------------------------------------------------------------------------------------
+
+SPEC_CASES = [
+    Bad("zero layers", lambda e: ModulationSpec(0, 8, 32), ConfigError, r"num_layers must be a positive"),
+    Bad("negative hidden", lambda e: ModulationSpec(3, -8, 32), ConfigError, r"hidden_size must be a positive"),
+    Bad("float embed dim", lambda e: ModulationSpec(3, 8, 32.0), ConfigError, r"time_embed_dim"),  # type: ignore[arg-type]
+    Bad("bool modalities", lambda e: ModulationSpec(3, 8, 32, modalities=True), ConfigError, r"modalities"),
+    Bad("float64 dtype", lambda e: ModulationSpec(3, 8, 32, dtype=torch.float64), ConfigError, r"dtype must be one"),
+    Bad("int8 dtype", lambda e: ModulationSpec(3, 8, 32, dtype=torch.int8), ConfigError, r"dtype must be one"),
+]
+
+
+@pytest.mark.parametrize("case", SPEC_CASES, ids=repr)
+def test_spec_rejects(env: Env, case: Bad) -> None:
+    _check(env, case)
+
+
+# -- source --------------------------------------------------------------------------------------
+
+
+def _truncated(env: Env) -> CheckpointSource:
+    path = _write(env, "trunc", make_weights(SPEC))
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 100])
+    return CheckpointSource(path, SPEC)
+
+
+def _not_safetensors(env: Env) -> CheckpointSource:
+    path = env.root / "junk.safetensors"
+    path.write_bytes(b"PK\x03\x04 this is a zip file, not safetensors" * 10)
+    return CheckpointSource(path, SPEC)
+
+
+def _outside_index(env: Env) -> CheckpointSource:
+    directory = env.root / "sharded"
+    write_checkpoint(directory, make_weights(SPEC), shards=2)
+    index = next(directory.glob("*.index.json"))
+    data = json.loads(index.read_text())
+    first = next(iter(data["weight_map"]))
+    data["weight_map"][first] = "../ckpt/model.safetensors"
+    index.write_text(json.dumps(data))
+    return CheckpointSource(directory, SPEC)
+
+
+def _wrong_layout(env: Env) -> CheckpointSource:
+    path = write_checkpoint(env.root / "diff", make_weights(SPEC, layout="diffusers"))
+    return CheckpointSource(path, SPEC, layout="native")
+
+
+def _no_projection(env: Env) -> CheckpointSource:
+    path = env.root / "other.safetensors"
+    save_file({"something.else": torch.zeros(2)}, str(path))
+    return CheckpointSource(path, SPEC)
+
+
+SOURCE_CASES = [
+    Bad(
+        "missing weight",
+        lambda e: CheckpointSource(_write(e, "m", _without("blocks.1.adaln_proj.linear.weight")), SPEC),
+        CheckpointError,
+        r"blocks\.1\.adaln_proj\.linear\.weight: missing",
+    ),
+    Bad(
+        "misshapen bias",
+        lambda e: CheckpointSource(
+            _write(e, "s", _replaced("final_layer.adaln_proj.linear.bias", torch.zeros(7, dtype=SPEC.dtype))), SPEC
+        ),
+        CheckpointError,
+        r"final_layer\.adaln_proj\.linear\.bias: shape \[7\], expected \[16\]",
+    ),
+    Bad(
+        "integer weight",
+        lambda e: CheckpointSource(
+            _write(e, "i", _replaced("blocks.0.adaln_proj.linear.weight", torch.zeros(144, 32, dtype=torch.int32))),
+            SPEC,
+        ),
+        CheckpointError,
+        r"blocks\.0\.adaln_proj\.linear\.weight: dtype int32, expected bfloat16",
+    ),
+    Bad(
+        "fp32 weight for a bf16 spec",
+        lambda e: CheckpointSource(
+            _write(e, "f", _replaced("blocks.2.adaln_proj.linear.weight", torch.zeros(144, 32))), SPEC
+        ),
+        CheckpointError,
+        r"dtype float32, expected bfloat16 \(ModulationSpec\.dtype\)",
+    ),
+    Bad("truncated file", _truncated, CheckpointError, r"truncated.*re-save"),
+    Bad("not safetensors", _not_safetensors, CheckpointError, r"not a safetensors file.*pass a \.safetensors"),
+    Bad("index outside directory", _outside_index, CheckpointError, r"outside the checkpoint directory"),
+    Bad("wrong layout", _wrong_layout, CheckpointError, r"missing"),
+    Bad("no projections", _no_projection, CheckpointError, r"set layout= \(CLI --layout\)"),
+    Bad("unknown layout", lambda e: CheckpointSource(e.ckpt, SPEC, layout="sgl"), ConfigError, r"--layout"),
+    Bad("missing path", lambda e: CheckpointSource(e.root / "nope", SPEC), CheckpointError, r"does not exist"),
+    Bad("empty file list", lambda e: CheckpointSource([], SPEC), CheckpointError, r"at least one"),
+]
+
+
+@pytest.mark.parametrize("case", SOURCE_CASES, ids=repr)
+def test_source_rejects(env: Env, case: Bad) -> None:
+    _check(env, case)
+
+
+# -- cache ---------------------------------------------------------------------------------------
+
+
+def _new_cache(**kwargs: Any) -> Callable[[Env], AdalnCache]:
+    def make(env: Env) -> AdalnCache:
+        return AdalnCache(SPEC, CheckpointSource(env.ckpt, SPEC), **kwargs)
+
+    return make
+
+
+def _build(*plans: Any) -> Callable[[Env], Any]:
+    return lambda env: env.cache.build(list(plans), embed=EMBED)
+
+
+CACHE_CASES = [
+    Bad("zero max_plans", _new_cache(max_plans=0), ConfigError, r"max_plans.*--max-plans"),
+    Bad("negative max_plans", _new_cache(max_plans=-4), ConfigError, r"max_plans.*--max-plans"),
+    Bad("zero plan width", _new_cache(max_plan_width=0), ConfigError, r"max_plan_width.*--plan-width"),
+    Bad("negative host tier", _new_cache(host_cache_bytes=-1), ConfigError, r"host_cache_bytes.*--host-cache-gb"),
+    Bad("unknown precision", _new_cache(precision="fp16"), ConfigError, r"--precision"),
+    Bad("unknown shard", _new_cache(shard="rows"), ConfigError, r"--shard"),
+    Bad("bad device", _new_cache(device="warp-drive"), ConfigError, r"--device"),
+    Bad(
+        "source of another spec",
+        lambda e: AdalnCache(ModulationSpec(3, 8, 32, dtype=torch.float16), CheckpointSource(e.ckpt, SPEC)),
+        ConfigError,
+        r"same ModulationSpec",
+    ),
+    Bad("NaN plan", _build(A, torch.tensor([float("nan")])), PlanError, r"finite"),
+    Bad("inf plan", _build(torch.tensor([0.1, float("inf")])), PlanError, r"finite"),
+    Bad("empty plan", _build(torch.empty(0)), PlanError, r"at least one timestep"),
+    Bad("2-D plan", _build(torch.tensor([[0.5]])), PlanError, r"1-D float32.*timestep\.to\(torch\.float32\)"),
+    Bad("float16 plan", _build(torch.tensor([0.5], dtype=torch.float16)), PlanError, r"float32"),
+    Bad("float64 plan", _build(torch.tensor([0.5], dtype=torch.float64)), PlanError, r"float32"),
+    Bad("integer plan", _build(torch.tensor([1])), PlanError, r"float32"),
+    Bad("too wide", _build(A, torch.tensor([0.1, 0.2, 0.3])), PlanError, r"max_plan_width \(CLI --plan-width\)"),
+    Bad(
+        "too many",
+        _build(A, B, torch.tensor([0.1]), torch.tensor([0.2])),
+        PlanError,
+        r"max_plans \(CLI --max-plans\) to at least 4",
+    ),
+    Bad("a single tensor", lambda e: e.cache.build(torch.tensor([0.3]), embed=EMBED), PlanError, r"wrap it in a list"),
+    Bad("embed not callable", lambda e: e.cache.build([torch.tensor([0.3])], embed=None), PlanError, r"embed="),
+    Bad("absent plan lookup", lambda e: e.cache.lookup(torch.tensor([0.3])), PlanNotCachedError, r"does not cover"),
+    Bad(
+        "absent plan resolve",
+        lambda e: e.cache.resolve_slots([A, torch.tensor([0.3])]),
+        PlanNotCachedError,
+        r"does not cover.*build\(\)",
+    ),
+]
+
+
+@pytest.mark.parametrize("case", CACHE_CASES, ids=repr)
+def test_cache_rejects(env: Env, case: Bad) -> None:
+    _check(env, case)
+
+
+# -- tiers ---------------------------------------------------------------------------------------
+
+
+def _store_on_file(env: Env) -> Store:
+    path = env.root / "a-file"
+    path.write_text("not a directory")
+    return Store(path)
+
+
+def _store_on_foreign_dir(env: Env) -> Store:
+    path = env.root / "photos"
+    path.mkdir()
+    (path / "holiday.jpg").write_bytes(b"\xff\xd8")
+    return Store(path)
+
+
+TIER_CASES = [
+    Bad("negative store size", lambda e: Store(e.root / "s1", max_bytes=-1), ConfigError, r"max_bytes.*--max-gb"),
+    Bad("store on a file", _store_on_file, ConfigError, r"store="),
+    Bad("store in a foreign directory", _store_on_foreign_dir, ConfigError, r"not .*store"),
+    Bad("negative host bytes", _new_cache(host_cache_bytes=-(1 << 20)), ConfigError, r"--host-cache-gb"),
+    Bad("bool host bytes", _new_cache(host_cache_bytes=True), ConfigError, r"host_cache_bytes"),
+]
+
+
+@pytest.mark.parametrize("case", TIER_CASES, ids=repr)
+def test_tiers_reject(env: Env, case: Bad) -> None:
+    _check(env, case)
+
+
+@pytest.mark.parametrize("damage", ["other-spec", "corrupt"])
+def test_store_entry_that_does_not_fit_is_a_miss_never_a_wrong_answer(env: Env, damage: str) -> None:
+    """A store entry built for another spec, or a corrupted one, is never served: rebuilt exactly."""
+    store_dir = env.root / "store"
+    if damage == "other-spec":
+        other = ModulationSpec(3, 8, 32, dtype=torch.float32)
+        ck = write_checkpoint(env.root / "f32", make_weights(other))
+        AdalnCache(other, CheckpointSource(ck, other), max_plans=2, store=store_dir).build([A], embed=embed_for(other))
+    else:
+        for entry in store_dir.rglob("*"):
+            if entry.is_file() and entry.stat().st_size > 1000:  # a table entry, not a marker
+                entry.write_bytes(entry.read_bytes()[:-7] + b"garbage")
+    fresh = AdalnCache(SPEC, CheckpointSource(env.ckpt, SPEC), max_plans=3, max_plan_width=2, store=store_dir)
+    report = fresh.build([A, B], embed=EMBED)
+    if damage == "other-spec":  # the bf16 entries are this spec's; the fp32 one is not looked at
+        assert report.store_hits == 2 and report.built == 0
+    else:
+        assert report.store_hits == 0 and report.built == 2 and fresh.stats.store_corrupt >= 1
+    fresh.check_invariants()
+    weights = load_reference(env.ckpt)
+    for plan in (A, B):
+        assert_plan_exact(fresh, weights, "native", EMBED, plan)
+
+
+# -- command line --------------------------------------------------------------------------------
+
+CLI_CASES = [
+    (["build", "{ckpt}", "--store", "{root}/s", "--task", "t2v", "--steps", "4"], r"--task.*invalid choice"),
+    (["build", "{ckpt}", "--store", "{root}/s", "--task", "t2va", "--steps", "-3"], r"--steps must be >= 1"),
+    (["build", "{ckpt}", "--store", "{root}/s", "--task", "t2va", "--steps", "0"], r"--steps must be >= 1"),
+    (["build", "{ckpt}", "--store", "{root}/s", "--task", "t2va", "--steps", "four"], r"--steps takes an integer"),
+    (["build", "{ckpt}", "--store", "{root}/s", "--task", "t2va", "--steps", "4", "--max-plans", "0"], r"--max-plans"),
+    (
+        ["build", "{ckpt}", "--store", "{root}/s", "--task", "t2va", "--steps", "4", "--plan-width", "0"],
+        r"--plan-width",
+    ),
+    (
+        ["build", "{tiny}", "--store", "{root}/s", "--task", "ref2va", "--steps", "4", "--plan-width", "2"],
+        r"--plan-width",
+    ),
+    (["build", "{ckpt}", "--store", "{root}/s", "--task", "t2va", "--steps", "4"], r"pass the whole transformer"),
+    (["build", "{ckpt}", "--store", "{root}/s", "--task", "t2va", "--steps", "4", "--precision", "x"], r"--precision"),
+    (["build", "{root}/missing", "--store", "{root}/s", "--task", "t2va", "--steps", "4"], r"does not exist"),
+    (["inspect", "{root}/missing"], r"does not exist"),
+    (["store", "prune", "--store", "{root}/s"], r"--max-gb"),
+    (["frobnicate"], r"invalid choice"),
+]
+
+
+@pytest.mark.parametrize("argv,says", CLI_CASES, ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+def test_cli_rejects(
+    env: Env, tiny_saved_root: Path, argv: list[str], says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    before = snapshot(env.cache)
+    args = [a.format(ckpt=env.ckpt, root=env.root, tiny=tiny_saved_root / "bf16") for a in argv]
+    try:
+        code = main(args)
+    except SystemExit as exc:  # argparse's own errors exit; library errors return 2
+        code = exc.code
+    err = capsys.readouterr().err.strip()
+    assert code == 2, (code, err)
+    assert err.startswith("adalncache"), err
+    assert len(err.splitlines()) == 1 or err.splitlines()[0].startswith("usage:"), err
+    assert re.search(says, err.splitlines()[-1]), err
+    assert_same_state(before, env.cache)
+    assert not (env.root / "s").exists() or not any((env.root / "s").rglob("*.tbl")), "a rejected build wrote"
+
+
+# -- diffusers integration -----------------------------------------------------------------------
+
+
+def _tiny_cases() -> list[tuple[str, Callable[[Any, Path], Any], type[BaseException], str]]:
+    from adalncache.diffusers import enable_adaln_cache
+
+    def mismatched_checkpoint(model: Any, root: Path) -> Any:
+        from adalncache.tiny import tiny_transformer
+
+        other = tiny_transformer("tiny", seed=5)
+        other.save_pretrained(root / "other")
+        return enable_adaln_cache(model, root / "other")
+
+    return [
+        ("on_miss", lambda m, r: enable_adaln_cache(m, on_miss="ignore"), ConfigError, r"on_miss"),
+        ("zero max_plans", lambda m, r: enable_adaln_cache(m, max_plans=0), ConfigError, r"--max-plans"),
+        ("not a model", lambda m, r: enable_adaln_cache(torch.nn.Linear(2, 2)), ConfigError, r"MiniMax"),
+        (
+            "mismatched checkpoint",
+            mismatched_checkpoint,
+            ConfigError,
+            r"checkpoint= \(CLI --checkpoint\) does not match",
+        ),
+    ]
+
+
+def _hook_names(model: Any) -> list[tuple[str, str]]:
+    """Every diffusers hook registered on the model's modules (a failed enable must leave none)."""
+    out = []
+    for name, module in model.named_modules():
+        registry = getattr(module, "_diffusers_hook", None)
+        out += [(name, hook) for hook in sorted(getattr(registry, "hooks", None) or {})]
+    return out
+
+
+@pytest.mark.parametrize("index", range(4), ids=["on_miss", "zero max_plans", "not a model", "mismatched checkpoint"])
+def test_diffusers_rejects(load_tiny: Callable[[str], Any], tmp_path: Path, index: int) -> None:
+    pytest.importorskip("diffusers")
+    name, act, error, says = _tiny_cases()[index]
+    model = load_tiny("bf16-disk")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    hooks_before = _hook_names(model)
+    with pytest.raises(error, match=says):
+        act(model, tmp_path)
+    after = model.state_dict()
+    assert before.keys() == after.keys(), f"{name}: the model's parameters changed"
+    assert all(torch.equal(before[k], after[k]) for k in before), f"{name}: a weight changed"
+    assert all(p.device.type != "meta" for p in model.parameters()), f"{name}: a weight was left freed"
+    assert _hook_names(model) == hooks_before, f"{name}: a hook was left behind"
+
+
+def test_diffusers_fused_lora_while_enabled_is_refused(load_tiny: Callable[[str], Any], tmp_path: Path) -> None:
+    """Fusing a LoRA into served modules while enabled: ConfigError naming disable(); the cache is unchanged."""
+    pytest.importorskip("peft")
+    from diffusers.modular_pipelines.minimax_h3 import MiniMaxH3Blocks
+
+    from adalncache.diffusers import enable_adaln_cache
+    from adalncache.tiny import make_request
+    from test_diffusers_lora import _lora_file
+
+    model = load_tiny("bf16-disk")
+    pipe = MiniMaxH3Blocks().init_pipeline()
+    pipe.update_components(transformer=model)
+    lora = _lora_file(model, tmp_path / "lora.safetensors", seed=4)
+    handle = enable_adaln_cache(pipe)
+    pipe.load_lora_weights(str(lora), adapter_name="turbo")
+    handle.prepare(make_request(model, "t2va", 4, seed=0).plans)
+    cache = handle.transformer.cache if hasattr(handle, "transformer") else handle.cache
+    before = snapshot(cache)
+    with pytest.raises(ConfigError, match=r"disable\(\)"):
+        pipe.fuse_lora()
+    assert_same_state(before, cache)
+    handle.disable()
