@@ -416,3 +416,8 @@ def test_spec_geometry() -> None:
     assert 24.2 <= spec.projection_bytes / 2**30 < 24.3  # 13.0B parameters in bf16
     with pytest.raises(ConfigError, match="num_layers"):
         ModulationSpec(num_layers=0, hidden_size=8, time_embed_dim=8)
+
+
+def test_store_with_an_in_memory_source_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="--store"):
+        AdalnCache(SPEC, TensorSource(make_weights(SPEC), SPEC), store=tmp_path / "store")

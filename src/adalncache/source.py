@@ -769,6 +769,8 @@ class TensorSource:
         _raise_problems(problems, "tensors given to TensorSource", self.layout)
         self.tensors = {key: tensors[key] for _, key, _ in _expected(spec, self.layout)}
         self.bytes_read = 0
+        #: The fingerprint names addresses in this process, so store entries could never hit again.
+        self.persistent = False
         self._fingerprint = self._compute_fingerprint()
 
     def _compute_fingerprint(self) -> str:
