@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from adalncache import AdalnCache, BuildError, CheckpointSource, ConfigError, ModulationSpec, PlanError
+from adalncache import AdalnCache, BuildError, CheckpointSource, ConfigError, ModulationSpec, PlanError, Store
 from adalncache.testing import FaultInjectingSource, inject_faults
 
 #: Geometries: widths divide by 2 and 3 (columns), and layer counts whose L + 1 projections do
@@ -186,7 +186,23 @@ def scenario_tiers(rank: int, world: int, pg: Any, data: Path) -> dict[str, Any]
         cache.store.prune(0)  # only this rank lost its store entries
     step("c: store disagrees", c)
     step("c again", c)
-    return {"log": log, "tables": {k: cache.rows_of(k) for k in cache.resident_plans}}
+    # One directory shared by every rank: every rank writes (the same bytes), then a fresh cache
+    # on every rank restores from it without a pass.
+    if rank == 0:
+        Store(data / "shared")  # created once: concurrent first creation of one directory races in Store
+    dist.barrier()
+    shared = [
+        AdalnCache(spec, source, max_plans=2, max_plan_width=4, store=data / "shared", process_group=pg)
+        for _ in range(2)
+    ]
+    first = shared[0].build(a, embed=embed).as_dict()
+    second = shared[1].build(a, embed=embed).as_dict()
+    return {
+        "log": log,
+        "tables": {k: cache.rows_of(k) for k in cache.resident_plans},
+        "shared": (first["built"], second["store_hits"], second["passes"]),
+        "shared_rows": shared[1].rows_of(shared[1].resident_plans[0]),
+    }
 
 
 def scenario_config(rank: int, world: int, pg: Any, data: Path) -> dict[str, Any]:
@@ -211,6 +227,18 @@ def scenario_config(rank: int, world: int, pg: Any, data: Path) -> dict[str, Any
         cache.invalidate()  # one rank alone: the next build must bring the ranks back into step
     report = cache.build([torch.tensor([0.5]), torch.tensor([0.25])], embed=embed_fn(spec))
     out["after_divergence"] = (report.device_hits, report.built, cache.resident_plans)
+    # A store rank 1 alone cannot use (a regular file): every rank's construction fails, none hangs.
+    bad = data / "not-a-dir"
+    if rank == 0:
+        bad.write_text("x")
+    dist.barrier()
+    start = time.monotonic()
+    try:
+        AdalnCache(spec, source, store=bad if rank == 1 else data / f"fine-{rank}", process_group=pg)
+        out["bad_store"] = None
+    except ConfigError as exc:
+        out["bad_store"] = (str(exc), time.monotonic() - start)
+    out["after_bad_store"] = AdalnCache(spec, source, process_group=pg).build(plans()[:1], embed=embed_fn(spec)).built
     if world == 3:
         odd = CheckpointSource(_checkpoint(data, SPEC_ODD), SPEC_ODD)
         try:

@@ -228,6 +228,9 @@ def test_tier_hits_agreed_across_ranks(group: tuple[int, Any, Path]) -> None:
     # Rank 1 lost its store entries: every rank rebuilds instead of splitting.
     assert steps["c: store disagrees"]["built"] == 1 and steps["c: store disagrees"]["store_hits"] == 0
     assert steps["c again"]["device_hits"] == 1
+    for r, res in enumerate(ranks):
+        assert res["shared"] == (1, 1, 0), f"rank {r}: a store shared by the ranks must serve a fresh cache"
+        assert all(torch.equal(g, w) for g, w in zip(res["shared_rows"], ranks[0]["shared_rows"]))
     for r, res in enumerate(ranks[1:], start=1):
         for key, rows in res["tables"].items():
             assert all(torch.equal(g, w) for g, w in zip(rows, ranks[0]["tables"][key])), f"rank {r}: {key}"
@@ -245,6 +248,10 @@ def test_construction_agreement(group: tuple[int, Any, Path]) -> None:
         # Rank 0 alone invalidated: every rank dropped its tables and rebuilt both plans.
         assert res["after_divergence"][:2] == (0, 2), f"rank {r}: {res['after_divergence']}"
         assert res["after_divergence"] == ranks[0]["after_divergence"], f"rank {r}"
+        assert res["bad_store"] is not None, f"rank {r}: a store failing on rank 1 must fail every rank"
+        assert res["bad_store"][1] < W.PG_TIMEOUT_S / 2, f"rank {r} waited {res['bad_store'][1]:.1f} s"
+        assert (r == 1) or "rank 1 of" in res["bad_store"][0], f"rank {r}: {res['bad_store'][0]}"
+        assert res["after_bad_store"] == 1, f"rank {r}: the group must stay usable"
         if world == 3:
             assert res["odd"] is not None and "--shard" in res["odd"], f"rank {r}"
 

@@ -193,15 +193,32 @@ class AdalnCache:
         self._warned_rank = False
 
         self._host: HostTier | None = None
-        if host_cache_bytes > 0:
-            from .tiers.host import HostTier
-
-            self._host = HostTier(spec, host_cache_bytes, pin=dev.type == "cuda")
         self._store: Store | None = None
-        if store is not None:
-            from .tiers.store import Store as _Store
+        tier_failure: BaseException | None = None
+        try:
+            if host_cache_bytes > 0:
+                from .tiers.host import HostTier
 
-            self._store = store if isinstance(store, _Store) else _Store(store)
+                self._host = HostTier(spec, host_cache_bytes, pin=dev.type == "cuda")
+            if store is not None:
+                if not getattr(source, "persistent", True):
+                    # An in-memory source's fingerprint names addresses in this process: its entries
+                    # could never be found again, so they would only fill the disk.
+                    raise ConfigError(
+                        f"store= needs a source whose identity survives the process (a CheckpointSource), "
+                        f"got {type(source).__name__}: pass the checkpoint path (checkpoint= in "
+                        f"enable_adaln_cache, CLI CHECKPOINT), or drop store= (--store)"
+                    )
+                from .tiers.store import Store as _Store
+
+                self._store = store if isinstance(store, _Store) else _Store(store)
+        except BaseException as exc:
+            tier_failure = exc
+        # A tier that fails on one rank only (a store directory it cannot use) must fail every
+        # rank's construction, or the others would wait for it in their first collective.
+        self._dist.agree_construction(tier_failure)
+        if tier_failure is not None:
+            raise tier_failure
         log.debug(
             "AdalnCache: %d plans x %d timesteps, %.1f MiB slab on %s", P, W, self.slab_bytes / 2**20, dev
         )

@@ -109,6 +109,9 @@ class Collective:
     def raise_if_any_failed(self, failure: BaseException | None, phase: str) -> None:
         """Raise BuildError on every rank if any rank failed (no-op alone: the caller re-raises)."""
 
+    def agree_construction(self, failure: BaseException | None) -> None:
+        """Make every rank's construction fail if one rank's did (no-op alone: the caller re-raises)."""
+
     def local_work(self, layers: Sequence[Layer]) -> LocalWork:
         return LocalWork(list(layers))
 
@@ -269,8 +272,37 @@ class ProcessGroupCollective(Collective):
             return []
         return [v > 0 for v in self._reduce([int(bool(m)) for m in mask], self._d.ReduceOp.MIN)]
 
+    def agree_construction(self, failure: BaseException | None) -> None:
+        """One all-gather of construction failures: the failing rank re-raises its own, the others a ConfigError."""
+        failed = self._gather_failures(failure, "construction")
+        if not failed or failure is not None:
+            return  # nothing failed, or this rank did and its caller re-raises the original
+        r, at, text = failed[0]
+        cause = PeerBuildFailure(f"rank {r} failed at {at}: {text}", rank=r, failed_at=at)
+        raise ConfigError(
+            f"rank {r} of {self.world} could not create its AdalnCache ({text}); every rank of the process "
+            f"group refuses, so none is left waiting for it"
+        ) from cause
+
     def raise_if_any_failed(self, failure: BaseException | None, phase: str) -> None:
         """One all-gather of every rank's failure (flag, phase, text); raise BuildError everywhere if any."""
+        failed = self._gather_failures(failure, phase)
+        if not failed:
+            return
+        first, first_at, first_text = failed[0]
+        others = "".join(f"; rank {r} also failed at {a}: {t}" for r, a, t in failed[1:])
+        message = (
+            f"distributed build failed on rank {first} of {self.world} at {first_at}: {first_text}{others}; "
+            f"nothing of this request was published on any rank and a retry rebuilds it"
+        )
+        log.warning("rank %d: %s", self.rank, message)
+        if failure is not None:
+            raise BuildError(message, rank=first, failed_at=first_at) from failure
+        cause = PeerBuildFailure(f"rank {first} failed at {first_at}: {first_text}", rank=first, failed_at=first_at)
+        raise BuildError(message, rank=first, failed_at=first_at) from cause
+
+    def _gather_failures(self, failure: BaseException | None, phase: str) -> list[tuple[int, str, str]]:
+        """(rank, phase, text) of every rank that failed, from one all-gather of fixed-size records."""
         at = str(getattr(failure, "adalncache_failed_at", None) or phase) if failure is not None else ""
         text = f"{type(failure).__name__}: {failure}" if failure is not None else ""
         at_b, text_b = _text_bytes(at, _AT_BYTES), _text_bytes(text, _TEXT_BYTES)
@@ -305,19 +337,7 @@ class ProcessGroupCollective(Collective):
                         body[n_at : n_at + n_text].decode("utf-8", errors="replace"),
                     )
                 )
-        if not failed:
-            return
-        first, first_at, first_text = failed[0]
-        others = "".join(f"; rank {r} also failed at {a}: {t}" for r, a, t in failed[1:])
-        message = (
-            f"distributed build failed on rank {first} of {self.world} at {first_at}: {first_text}{others}; "
-            f"nothing of this request was published on any rank and a retry rebuilds it"
-        )
-        log.warning("rank %d: %s", self.rank, message)
-        if failure is not None:
-            raise BuildError(message, rank=first, failed_at=first_at) from failure
-        cause = PeerBuildFailure(f"rank {first} failed at {first_at}: {first_text}", rank=first, failed_at=first_at)
-        raise BuildError(message, rank=first, failed_at=first_at) from cause
+        return failed
 
     # -- the work of a pass -----------------------------------------------------------------
 
