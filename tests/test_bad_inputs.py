@@ -251,6 +251,8 @@ CACHE_CASES = [
         r"max_plans \(CLI --max-plans\) to at least 4",
     ),
     Bad("a single tensor", lambda e: e.cache.build(torch.tensor([0.3]), embed=EMBED), PlanError, r"wrap it in a list"),
+    Bad("meta plan", _build(torch.tensor([0.5], device="meta")), PlanError, r"meta tensor"),
+    Bad("no plans at all", lambda e: e.cache.build(None, embed=EMBED), PlanError, r"sequence of plans"),  # type: ignore[arg-type]
     Bad("embed not callable", lambda e: e.cache.build([torch.tensor([0.3])], embed=None), PlanError, r"embed="),
     Bad("absent plan lookup", lambda e: e.cache.lookup(torch.tensor([0.3])), PlanNotCachedError, r"does not cover"),
     Bad(

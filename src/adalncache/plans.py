@@ -34,6 +34,9 @@ def plan_key(plan: torch.Tensor) -> PlanKey:
             f"a plan must be a 1-D float32 tensor of timesteps (the model's `timestep` argument), got "
             f"{_describe(plan)}; pass timestep.to(torch.float32).flatten()"
         )
+    if plan.device.type == "meta":
+        # A meta tensor has no bits to key on (it would fail later with a bare NotImplementedError).
+        raise PlanError("a plan must hold data, got a meta tensor: pass the timestep tensor the forward receives")
     host = plan.detach()
     if host.device.type != "cpu":
         host = host.cpu()
@@ -61,6 +64,11 @@ def validate_plan(plan: torch.Tensor, *, max_plan_width: int | None = None) -> N
 
 def distinct_plans(plans: Sequence[torch.Tensor]) -> tuple[list[PlanKey], dict[PlanKey, torch.Tensor]]:
     """Keys of ``plans`` in first-seen order, deduplicated, with one tensor per key."""
+    if plans is None or isinstance(plans, (str, bytes)) or not hasattr(plans, "__iter__"):
+        raise PlanError(
+            f"build() takes a sequence of plans (one 1-D timestep tensor per step), got {type(plans).__name__}: "
+            f"pass a list such as minimax_h3_plans(task, steps)"
+        )
     if isinstance(plans, torch.Tensor):
         raise PlanError(
             "build() takes a sequence of plans (one 1-D timestep tensor per step), got a single tensor: "
