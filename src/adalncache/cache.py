@@ -175,12 +175,16 @@ class AdalnCache:
 
         P, W, L = self.max_plans, self.max_plan_width, spec.num_layers
         dev = self.device
-        self.plan_timesteps = torch.zeros(P, W, dtype=torch.float32, device=dev)
-        self.plan_lengths = torch.zeros(P, dtype=torch.int64, device=dev)
-        self.block_params = torch.zeros(P, W, L, spec.block_width, dtype=spec.dtype, device=dev)
-        self.final_params = torch.zeros(P, W, spec.final_width, dtype=spec.dtype, device=dev)
-        # 0-d slot indices already on the device, so lookups never copy host -> device.
-        self._slot_index = torch.arange(P, dtype=torch.int64, device=dev)
+        tier_failure: BaseException | None = None
+        try:  # out of device memory on one rank alone must fail every rank (agreed below)
+            self.plan_timesteps = torch.zeros(P, W, dtype=torch.float32, device=dev)
+            self.plan_lengths = torch.zeros(P, dtype=torch.int64, device=dev)
+            self.block_params = torch.zeros(P, W, L, spec.block_width, dtype=spec.dtype, device=dev)
+            self.final_params = torch.zeros(P, W, spec.final_width, dtype=spec.dtype, device=dev)
+            # 0-d slot indices already on the device, so lookups never copy host -> device.
+            self._slot_index = torch.arange(P, dtype=torch.int64, device=dev)
+        except BaseException as exc:
+            tier_failure = exc
 
         # Host-side state. _slots is the published slot map and, through its order, the LRU
         # (least recently used first). _free holds every slot not in _slots.
@@ -194,8 +198,9 @@ class AdalnCache:
 
         self._host: HostTier | None = None
         self._store: Store | None = None
-        tier_failure: BaseException | None = None
         try:
+            if tier_failure is not None:
+                raise tier_failure
             if host_cache_bytes > 0:
                 from .tiers.host import HostTier
 
@@ -214,8 +219,8 @@ class AdalnCache:
                 self._store = store if isinstance(store, _Store) else _Store(store)
         except BaseException as exc:
             tier_failure = exc
-        # A tier that fails on one rank only (a store directory it cannot use) must fail every
-        # rank's construction, or the others would wait for it in their first collective.
+        # A slab or tier that fails on one rank only (a store directory it cannot use) must fail
+        # every rank's construction, or the others would wait for it in their first collective.
         self._dist.agree_construction(tier_failure)
         if tier_failure is not None:
             raise tier_failure
