@@ -289,3 +289,31 @@ def test_process_group_without_init_is_a_config_error(tmp_path: Path) -> None:
     source = CheckpointSource(W._checkpoint(tmp_path, spec), spec)
     with pytest.raises(ConfigError, match="init_process_group"):
         AdalnCache(spec, source, process_group=object())
+
+
+def test_torchrun_example_fills_a_store_that_serves_one_process(tiny_saved_dir: Path, tmp_path: Path) -> None:
+    """examples/torchrun_build.py under torchrun (2 ranks, gloo); its entries then serve a plain cache."""
+    import os
+    import subprocess
+    import sys
+
+    from adalncache.commands import infer_spec, schedule_plans, time_embed_fn
+
+    script = Path(__file__).resolve().parents[1] / "examples" / "torchrun_build.py"
+    store = tmp_path / "store"
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script),
+        str(tiny_saved_dir), "--store", str(store), "--task", "fl2va", "--steps", "4", "--timeout", "60",
+    ]  # fmt: skip
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=180, env=env, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = next(line for line in done.stdout.splitlines() if "rank(s)" in line)
+    plans = schedule_plans(["fl2va"], [4], video_shift=12.0, audio_shift=3.0, audio_refs=True)
+    assert f"{len(plans)} plan(s), 0 already stored, {len(plans)} built in 1 pass(es)" in line, line
+    # Layer sharding reproduces the one-process bits, so its entries serve a one-process cache.
+    spec = infer_spec(tiny_saved_dir)
+    source = CheckpointSource(tiny_saved_dir, spec)
+    cache = AdalnCache(spec, source, max_plans=len(plans), store=store)
+    report = cache.build(plans, embed=time_embed_fn(source, spec))
+    assert (report.store_hits, report.passes, report.bytes_read) == (len(plans), 0, 0)
