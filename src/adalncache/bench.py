@@ -829,7 +829,7 @@ def run(args: argparse.Namespace) -> int:
     if args.plans:
         plans = plans[: args.plans]
     res = Results(config={
-        "command": "adalncache bench " + " ".join(args.argv),
+        "command": " ".join(["adalncache bench", *args.argv]),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
                    f"{torch.get_num_threads()} threads",
         "spec": spec.describe(), "runs": runs, "plans": len(plans), "checkpoint": str(ckpt_dir),
