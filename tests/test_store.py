@@ -313,3 +313,22 @@ def test_store_refuses_a_non_empty_foreign_directory(tmp_path: Path) -> None:
     file.write_text("x")
     with pytest.raises(ConfigError, match="--store"):
         Store(file)
+
+
+def _open_store_after_barrier(path: str, barrier: object) -> None:
+    barrier.wait()  # type: ignore[attr-defined]
+    Store(path)
+
+
+def test_processes_creating_one_new_store_at_once_all_succeed(tmp_path: Path) -> None:
+    """Subdirectories and a temp marker appear before STORE: that is a store being born, not a foreign dir."""
+    ctx = multiprocessing.get_context("fork")
+    for attempt in range(10):
+        path = str(tmp_path / f"s{attempt}")
+        barrier = ctx.Barrier(3)
+        procs = [ctx.Process(target=_open_store_after_barrier, args=(path, barrier)) for _ in range(3)]
+        for proc in procs:
+            proc.start()
+        for proc in procs:
+            proc.join(timeout=60)
+        assert [proc.exitcode for proc in procs] == [0, 0, 0]

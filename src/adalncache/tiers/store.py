@@ -172,7 +172,14 @@ class Store:
         self.swept_temp = 0
         self._host = socket.gethostname().replace("-", "_")
         marker = self.path / "STORE"
-        if self.path.is_dir() and not marker.exists() and any(self.path.iterdir()):
+        # Another process may be creating this store right now (subdirectories and a temp marker
+        # before the marker itself): only names a store makes count as "a store being born".
+        own = {"bindings", "entries", "corrupt", "STORE"}
+        if (
+            self.path.is_dir()
+            and not marker.exists()
+            and any(p.name not in own and not p.name.startswith(_TMP_PREFIX) for p in self.path.iterdir())
+        ):
             # Never scatter entries into a directory that holds something else (a typo'd --store ~).
             raise ConfigError(
                 f"{self.path} is not empty and is not an adalncache store (no STORE marker): pass a new or empty "
