@@ -421,3 +421,15 @@ def test_spec_geometry() -> None:
 def test_store_with_an_in_memory_source_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="--store"):
         AdalnCache(SPEC, TensorSource(make_weights(SPEC), SPEC), store=tmp_path / "store")
+
+
+def test_row_accessors_reject_out_of_range_widths_and_layers(ckpt: Path) -> None:
+    cache = make_cache(ckpt, max_plan_width=2)
+    cache.build([B], embed=EMBED)
+    slot = cache.lookup(B)
+    with pytest.raises(PlanError, match="--plan-width"):
+        cache.block(0, slot, 3)
+    with pytest.raises(PlanError, match="--plan-width"):
+        cache.final(slot, 0)
+    with pytest.raises(PlanError, match=r"layer must be in 0\.\.2"):
+        cache.block(SPEC.num_layers, slot, 2)

@@ -719,8 +719,19 @@ class AdalnCache:
             return table.index_select(0, slot.reshape(1).to(table.device))[0]
         return table[slot]
 
+    def _check_rows(self, num_timesteps: int, layer: int | None = None) -> None:
+        # Slicing would silently cut an over-long request to the slab width; say so instead.
+        if not 1 <= num_timesteps <= self.max_plan_width:
+            raise PlanError(
+                f"num_timesteps must be in 1..{self.max_plan_width} (the slab's plan width, CLI --plan-width), "
+                f"got {num_timesteps}: pass len(plan) of a resident plan"
+            )
+        if layer is not None and not 0 <= layer < self.spec.num_layers:
+            raise PlanError(f"layer must be in 0..{self.spec.num_layers - 1}, got {layer}")
+
     def block_rows(self, layer: int, slot: int | torch.Tensor, num_timesteps: int) -> torch.Tensor:
         """``Y`` of block ``layer``: the ``(num_timesteps, block_width)`` output of its projection."""
+        self._check_rows(num_timesteps, layer)
         return self._slot_rows(self.block_params.select(2, layer), slot)[:num_timesteps]
 
     def block(self, layer: int, slot: int | torch.Tensor, num_timesteps: int) -> tuple[torch.Tensor, ...]:
@@ -730,12 +741,14 @@ class AdalnCache:
 
     def block_all(self, slot: int | torch.Tensor, num_timesteps: int) -> list[tuple[torch.Tensor, ...]]:
         """:meth:`block` for every layer from one gather of the slot."""
+        self._check_rows(num_timesteps)
         rows = self._slot_rows(self.block_params, slot)[:num_timesteps]
         width = 6 * self.spec.hidden_size
         return [rows[:, layer].reshape(-1, width).chunk(6, dim=-1) for layer in range(self.spec.num_layers)]
 
     def final_rows(self, slot: int | torch.Tensor, num_timesteps: int) -> torch.Tensor:
         """``Z``: the ``(num_timesteps, final_width)`` output of the output-layer projection."""
+        self._check_rows(num_timesteps)
         return self._slot_rows(self.final_params, slot)[:num_timesteps]
 
     def final(self, slot: int | torch.Tensor, num_timesteps: int) -> tuple[torch.Tensor, torch.Tensor]:
