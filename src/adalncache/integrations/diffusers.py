@@ -1244,21 +1244,25 @@ def enable_adaln_cache(
     Returns:
         A handle with ``.cache``, ``.prepare(plans)``, ``.stats`` and ``.disable()``.
     """
-    if _is_minimax_h3_transformer(model_or_pipeline):
-        if isinstance(checkpoint, Mapping):
-            raise ConfigError(
-                "checkpoint= is a mapping by component name, which only a pipeline takes; pass one path "
-                "for a single transformer"
-            )
-        config = AdalnCacheConfig(
-            checkpoint=checkpoint,
+
+    def config_for(path: CheckpointArg | None) -> AdalnCacheConfig:
+        # One config per served transformer; only the checkpoint differs between them.
+        return AdalnCacheConfig(
+            checkpoint=path,
             on_miss=on_miss,
             free_time_embedder=free_time_embedder,
             layout=layout,
             verify_checkpoint=verify_checkpoint,
             cache_kwargs=dict(cache_kwargs),
         )
-        handle = AdalnCacheHandle(model_or_pipeline, config)
+
+    if _is_minimax_h3_transformer(model_or_pipeline):
+        if isinstance(checkpoint, Mapping):
+            raise ConfigError(
+                "checkpoint= is a mapping by component name, which only a pipeline takes; pass one path "
+                "for a single transformer"
+            )
+        handle = AdalnCacheHandle(model_or_pipeline, config_for(checkpoint))
         handle._enable()
         return handle
 
@@ -1290,15 +1294,7 @@ def enable_adaln_cache(
     handles: dict[str, AdalnCacheHandle] = {}
     try:
         for name, model in components.items():
-            config = AdalnCacheConfig(
-                checkpoint=checkpoints[name],
-                on_miss=on_miss,
-                free_time_embedder=free_time_embedder,
-                layout=layout,
-                verify_checkpoint=verify_checkpoint,
-                cache_kwargs=dict(cache_kwargs),
-            )
-            handle = AdalnCacheHandle(model, config)
+            handle = AdalnCacheHandle(model, config_for(checkpoints[name]))
             handle._enable()
             handles[name] = handle
     except BaseException:
