@@ -78,6 +78,7 @@ def test_buffers_are_reused_by_a_well_behaved_consumer(checkpoint, monkeypatch) 
         clear(self)
 
     monkeypatch.setattr(source_mod._Staging, "clear", record)
+    source.keep_buffers = False  # each pass frees its pool at the end, which records its count
     for read_ahead in (1, 2):
         for lw in source.stream(source.spec.layers(), read_ahead=read_ahead):
             _expect(source, tensors, lw)
@@ -87,7 +88,7 @@ def test_buffers_are_reused_by_a_well_behaved_consumer(checkpoint, monkeypatch) 
 
 def test_keep_buffers_reuses_the_pool_across_passes(checkpoint) -> None:  # type: ignore[no-untyped-def]
     source, tensors = checkpoint
-    source.keep_buffers = True
+    assert source.keep_buffers  # the default: a serving process runs pass after pass
     for lw in source.stream(source.spec.layers(), read_ahead=1):
         _expect(source, tensors, lw)
     pool = source._kept
@@ -98,3 +99,28 @@ def test_keep_buffers_reuses_the_pool_across_passes(checkpoint) -> None:  # type
     kept = list(source.stream(source.spec.layers(), read_ahead=1))  # a consumer keeping layers
     for lw in kept:
         _expect(source, tensors, lw)
+
+
+def test_release_buffers_frees_the_kept_pool(checkpoint) -> None:  # type: ignore[no-untyped-def]
+    source, tensors = checkpoint
+    assert source.release_buffers() == 0  # nothing kept before the first pass
+    for lw in source.stream(source.spec.layers(), read_ahead=1):
+        _expect(source, tensors, lw)
+    pool = source._kept
+    assert pool is not None
+    held = pool.nbytes
+    widest = max(t.numel() * t.element_size() for t in tensors.values())
+    assert widest < held <= 4 * (widest + 64)  # (read_ahead + 1) slots x (weight, bias)
+    assert source.release_buffers() == held and source._kept is None
+    assert source.release_buffers() == 0
+    for lw in source.stream(source.spec.layers(), read_ahead=1):  # the next pass allocates afresh
+        _expect(source, tensors, lw)
+    assert source._kept is not None and source._kept is not pool
+
+
+def test_keep_buffers_off_frees_the_pool_after_each_pass(tmp_path: Path, checkpoint) -> None:  # type: ignore[no-untyped-def]
+    source, tensors = checkpoint
+    off = CheckpointSource(source.path, source.spec, keep_buffers=False)
+    for lw in off.stream(off.spec.layers(), read_ahead=1):
+        _expect(off, tensors, lw)
+    assert off._kept is None and off.release_buffers() == 0

@@ -286,28 +286,65 @@ def one_pass(
     plans: Sequence[torch.Tensor],
     inputs: dict[tuple[int, ...], torch.Tensor],
     *,
-    keep: bool = False,
-    prime: bool = True,
+    fresh: bool = False,
+    batched: bool = False,
+    settle: Callable[[], None] | None = None,
 ) -> float:
-    """The real thing: a fresh cache's ``build`` of ``plans`` (one rebuild pass).
+    """The real thing: a fresh cache's ``build`` of ``plans`` (one rebuild pass), timed.
 
-    ``keep``: the source keeps its read buffers from the previous pass (``keep_buffers``), so the
-    pass pays no page faults for fresh staging buffers.
+    By default the source keeps its read buffers between passes (``keep_buffers``, the library's
+    default), so this is a serving process's steady state: if the source holds no pool yet, an
+    untimed pass fills it first, then ``settle`` runs (the cold runs drop the page cache again
+    there, so the priming pass cannot warm it). ``fresh``: the source allocates new buffers for
+    this pass and frees them after (``keep_buffers=False``), which is what the first pass of a
+    process costs.
     """
     from .cache import AdalnCache
     from .plans import plan_key
 
-    source.keep_buffers = keep
-    if not keep:
-        source._kept = None
-    elif source._kept is None and prime:
-        one_pass(source, plans, inputs, keep=True, prime=False)  # untimed: fills the pool to reuse
-    cache = AdalnCache(source.spec, source, max_plans=len(plans), max_plan_width=4, progress=False)
-    start = time.perf_counter()
-    report = cache.build(list(plans), embed=lambda p: inputs[plan_key(p)])
-    seconds = time.perf_counter() - start
-    assert report.passes == 1 and report.built == len(plans)
-    return seconds
+    def build(todo: Sequence[torch.Tensor]) -> float:
+        cache = AdalnCache(source.spec, source, max_plans=len(todo), max_plan_width=4, progress=False, batched=batched)
+        start = time.perf_counter()
+        report = cache.build(list(todo), embed=lambda p: inputs[plan_key(p)])
+        seconds = time.perf_counter() - start
+        assert report.passes == 1 and report.built == len(todo)
+        return seconds
+
+    source.keep_buffers = not fresh
+    if fresh:
+        source.release_buffers()
+    elif source._kept is None:
+        build(plans[:1])
+        if settle is not None:
+            settle()
+    return build(plans)
+
+
+def batched_exactness(
+    source: Any, plans: Sequence[torch.Tensor], inputs: dict[tuple[int, ...], torch.Tensor]
+) -> dict[str, Any]:
+    """Build ``plans`` per plan and batched, from scratch (probe included), and compare the slabs bitwise."""
+    from .batching import clear_verdicts
+    from .cache import AdalnCache
+    from .plans import plan_key
+
+    clear_verdicts()  # a new process's view: the batched build probes every shape class again
+    built = {}
+    reports = {}
+    for batched in (False, True):
+        cache = AdalnCache(source.spec, source, max_plans=len(plans), max_plan_width=4, progress=False, batched=batched)
+        reports[batched] = cache.build(list(plans), embed=lambda p: inputs[plan_key(p)])
+        built[batched] = {plan_key(p): cache.rows_of(plan_key(p)) for p in plans}
+    per_plan, stacked = built[False], built[True]
+    same = all(
+        torch.equal(per_plan[k].block, stacked[k].block) and torch.equal(per_plan[k].final, stacked[k].final)
+        for k in per_plan
+    )
+    report = reports[True]
+    return {
+        "bit_identical": same, "stacked_layers": report.stacked_layers, "per_plan_layers": report.per_plan_layers,
+        "first_batched_pass_s": report.seconds, "per_plan_pass_s": reports[False].seconds,
+    }  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -359,8 +396,7 @@ class Comparison:
         target = "" if self.target is None else f"  (target <= {self.target:g}: {'met' if self.met else 'MISSED'})"
         return (
             f"{self.name}: {self.subject} {self.fmt(self.subject_s)} / {self.baseline} "
-            f"{self.fmt(self.baseline_s)} = {self.ratio:.3f}x{target}"
-            + (f"  [{self.note}]" if self.note else "")
+            f"{self.fmt(self.baseline_s)} = {self.ratio:.3f}x{target}" + (f"  [{self.note}]" if self.note else "")
         )
 
 
@@ -440,13 +476,21 @@ def bench_pass(res: Results, source: Any, plans: list[torch.Tensor], runs: int, 
         variants: dict[str, Callable[[], float]] = {"read": lambda: read_only(source)}
         for k in sizes:
             variants[f"project{k}"] = lambda k=k: resident.project_only(xs_of[k])  # type: ignore[misc]
-            variants[f"pass{k}"] = lambda k=k: one_pass(source, plans[:k], inputs)  # type: ignore[misc]
-        # The staging buffers' first touch is a fixed cost per pass (two layers' page faults); with
-        # few layers it dominates, so the pass is also measured with buffers kept between passes.
-        variants["pass1keep"] = lambda: one_pass(source, plans[:1], inputs, keep=True)
+            variants[f"pass{k}"] = lambda k=k, b=before: one_pass(source, plans[:k], inputs, settle=b)  # type: ignore[misc]
+        # The first pass of a process (or every pass with keep_buffers=False) also pays the first
+        # touch of its staging buffers: with few layers that fixed cost dominates, so it is
+        # measured on its own.
+        variants["pass1fresh"] = lambda: one_pass(source, plans[:1], inputs, fresh=True)
+        top = sizes[-1]
+        variants[f"batched{top}"] = lambda b=before: one_pass(source, plans, inputs, batched=True, settle=b)  # type: ignore[misc]
+        if before is None:
+            exact = batched_exactness(source, plans, inputs)
+            res.values["batched"] = exact
+            log.info("batched vs per-plan build: %s", exact)
         got = rounds(variants, before)
-        one_pass(source, plans[:1], inputs)  # drop the kept buffers again
         res.values[f"pass_{state}_s"] = {str(k): got[f"pass{k}"] for k in sizes}
+        res.values[f"pass_fresh_buffers_{state}_s"] = {"1": got["pass1fresh"]}
+        res.values[f"pass_batched_{state}_s"] = {str(top): got[f"batched{top}"]}
         reads = got["read"]
         res.values[f"read_only_{state}_s"] = reads
         res.values[f"project_only_{state}_s"] = {str(k): got[f"project{k}"] for k in sizes}
@@ -457,18 +501,40 @@ def bench_pass(res: Results, source: Any, plans: list[torch.Tensor], runs: int, 
             res.add(
                 Comparison(
                     f"pass vs max(read, project), {k} plan(s), {state}",
-                    "pass", "read-only" if read_bound else "project-only", got[f"pass{k}"], base, 1.15,
+                    "pass",
+                    "read-only" if read_bound else "project-only",
+                    got[f"pass{k}"],
+                    base,
+                    1.15,
                     note=f"read {_fmt_s(statistics.median(reads))}, project {_fmt_s(statistics.median(project))}",
                 )
             )
             if k == 1:
                 res.add(
                     Comparison(
-                        f"pass (keep_buffers) vs max(read, project), 1 plan(s), {state}",
-                        "pass, buffers kept", "read-only" if read_bound else "project-only", got["pass1keep"],
-                        base, 1.15, note="source.keep_buffers=True: no fresh staging buffers to fault in",
+                        f"first pass (fresh buffers) vs max(read, project), 1 plan(s), {state}",
+                        "pass, fresh buffers",
+                        "read-only" if read_bound else "project-only",
+                        got["pass1fresh"],
+                        base,
+                        1.15,
+                        note="keep_buffers=False, or a process's first pass: staging buffers faulted in",
                     )
                 )
+        res.add(
+            Comparison(
+                f"batched pass vs per-plan pass, {top} plan(s), {state}",
+                "pass, batched=True",
+                "pass",
+                got[f"batched{top}"],
+                got[f"pass{top}"],
+                None,
+                note="plans of one width stacked into one GEMM where the probe proved the bits equal; slabs "
+                f"torch.equal to per-plan: {res.values['batched']['bit_identical']} "
+                f"({res.values['batched']['stacked_layers']} stacked, {res.values['batched']['per_plan_layers']} "
+                f"per-plan layer groups in a new process's first pass)",
+            )
+        )
         # Crossover: project-only grows linearly in the plans (one GEMM per plan and layer), so the
         # request size where it meets read-only is interpolated from the two measured sizes, then
         # measured for real.
@@ -482,7 +548,9 @@ def bench_pass(res: Results, source: Any, plans: list[torch.Tensor], runs: int, 
                 "read": lambda: read_only(source),
                 "project": lambda xs=xs: resident.project_only(xs),  # type: ignore[misc]
                 "naive": lambda xs=xs: naive(source, xs),  # type: ignore[misc]
-                "pass": lambda best=best: one_pass(source, plans[:best], inputs),  # type: ignore[misc]
+                "pass": lambda best=best, b=before: one_pass(  # type: ignore[misc]
+                    source, plans[:best], inputs, settle=b
+                ),
             },
             before,
         )
@@ -493,7 +561,11 @@ def bench_pass(res: Results, source: Any, plans: list[torch.Tensor], runs: int, 
         res.add(
             Comparison(
                 f"pass vs naive, {best} plan(s) (read ~ project here), {state}",
-                "pass", "naive", cross["pass"], cross["naive"], 0.75,
+                "pass",
+                "naive",
+                cross["pass"],
+                cross["naive"],
+                0.75,
                 note=f"read {_fmt_s(statistics.median(cross['read']))}, "
                 f"project {_fmt_s(statistics.median(cross['project']))}",
             )
@@ -562,8 +634,17 @@ def bench_forward(res: Results, size: str, steps: int, runs: int) -> None:
         "size": size, "steps": steps, "cached_bit_identical": exact,
         "offload_bit_identical": bool(resident_out.equal(offload_out)),
     }  # fmt: skip
-    res.add(Comparison(f"forward step, tiny '{size}'", "cached", "resident", cached_s, resident_s, 1.0,
-                       note=f"torch.equal outputs: {exact}"))
+    res.add(
+        Comparison(
+            f"forward step, tiny '{size}'",
+            "cached",
+            "resident",
+            cached_s,
+            resident_s,
+            1.0,
+            note=f"torch.equal outputs: {exact}",
+        )
+    )
     res.add(Comparison(f"forward step, tiny '{size}'", "cached", "group offload (disk)", cached_s, offload_s))
 
 
@@ -595,7 +676,12 @@ def bench_build_latency(res: Results, runs: int, directory: Path) -> None:
     res.values["build_resident_files"] = len(source.files)
     res.add(
         Comparison(
-            f"build() of a fully resident {len(plans)}-plan request", "build()", "1 ms", samples, [1e-3], 1.0,
+            f"build() of a fully resident {len(plans)}-plan request",
+            "build()",
+            "1 ms",
+            samples,
+            [1e-3],
+            1.0,
             note=f"{len(source.files)} checkpoint files re-statted per call",
         )
     )
@@ -618,8 +704,9 @@ def bench_store(res: Results, source: Any, plans: list[torch.Tensor], runs: int)
             first.build(plans, embed=lambda p: inputs[plan_key(p)])
             hits = []
             for _ in range(runs):
-                cache = AdalnCache(source.spec, source, max_plans=len(plans), max_plan_width=4, store=tmp,
-                                   progress=False)
+                cache = AdalnCache(
+                    source.spec, source, max_plans=len(plans), max_plan_width=4, store=tmp, progress=False
+                )
                 start = time.perf_counter()
                 report = cache.build(plans, embed=lambda p: inputs[plan_key(p)])
                 hits.append(time.perf_counter() - start)
@@ -701,8 +788,11 @@ def bench_memory(res: Results, source: Any, plans: list[torch.Tensor], checkpoin
         "full_model_slab_bytes_request": full.slab_bytes(n, 4),
         "full_model_slab_bytes_default_64x4": full.slab_bytes(64, 4),
     }
-    probe_args = {"spec": {k: getattr(spec, k) for k in ("num_layers", "hidden_size", "time_embed_dim")},
-                  "checkpoint": str(checkpoint), "plans": n}
+    probe_args = {
+        "spec": {k: getattr(spec, k) for k in ("num_layers", "hidden_size", "time_embed_dim")},
+        "checkpoint": str(checkpoint),
+        "plans": n,
+    }
     meminfo_before = _meminfo()
     proc = subprocess.run(
         [sys.executable, "-c", _PROBE, json.dumps(probe_args)], capture_output=True, text=True, check=False
@@ -720,8 +810,12 @@ def bench_memory(res: Results, source: Any, plans: list[torch.Tensor], checkpoin
     })  # fmt: skip
     res.add(
         Comparison(
-            f"peak anonymous memory of a {n}-plan pass", "peak RssAnon - baseline", "slab + 3 layers",
-            [float(pass_anon)], [float(budget)], 1.0,
+            f"peak anonymous memory of a {n}-plan pass",
+            "peak RssAnon - baseline",
+            "slab + 3 layers",
+            [float(pass_anon)],
+            [float(budget)],
+            1.0,
             note=f"slab {probe['slab_bytes'] / 2**20:.0f} MiB, layer {layer / 2**20:.0f} MiB, peak over baseline "
             f"{pass_anon / 2**20:.0f} MiB = slab + {(pass_anon - probe['slab_bytes']) / layer:.2f} layers; "
             f"VmHWM {probe['after']['VmHWM'] / 2**20:.0f} MiB, RssFile {probe['after']['RssFile'] / 2**20:.0f} MiB",
@@ -773,8 +867,10 @@ def write_outputs(res: Results, out_dir: Path) -> list[Path]:
                f"50-step request {mem['full_model_slab_bytes_request'] / 2**30:.2f} GiB; default 64x4 slab "
                f"{mem['full_model_slab_bytes_default_64x4'] / 2**30:.2f} GiB"]  # fmt: skip
         if "page_cache_delta_bytes" in mem:
-            md.append(f"- page cache (file-backed, not anonymous) grew by {mem['page_cache_delta_bytes'] / 2**20:.0f} "
-                      "MiB during the memory probe")
+            md.append(
+                f"- page cache (file-backed, not anonymous) grew by {mem['page_cache_delta_bytes'] / 2**20:.0f} "
+                "MiB during the memory probe"
+            )
     md_path = out_dir / "bench.md"
     md_path.write_text("\n".join(md) + "\n")
     paths = [json_path, md_path]
@@ -821,8 +917,10 @@ def run(args: argparse.Namespace) -> int:
     spec = ModulationSpec(num_layers=layers, hidden_size=hidden, time_embed_dim=in_features)
     work = Path(args.dir) if args.dir else Path(tempfile.gettempdir()) / "adalncache-bench"
     ckpt_dir = work / f"ckpt-{layers}x{hidden}x{in_features}"
-    print(f"checkpoint: {ckpt_dir} ({spec.projection_bytes / 2**30:.2f} GiB of projections, {layers} blocks + final)",
-          flush=True)
+    print(
+        f"checkpoint: {ckpt_dir} ({spec.projection_bytes / 2**30:.2f} GiB of projections, {layers} blocks + final)",
+        flush=True,
+    )
     generate_checkpoint(spec, ckpt_dir)
     source = CheckpointSource(ckpt_dir, spec)
     plans = request_plans(STEPS)

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from .batching import StackedProjector
 from .errors import AdalnCacheError, BuildError, CheckpointError, ConfigError, PlanError, PlanNotCachedError
 from .faults import NO_FAULTS, FaultPoints
 from .plans import PlanKey, distinct_plans, format_plan, plan_key, validate_plan
@@ -91,6 +92,10 @@ class BuildReport:
     bytes_read: int = 0
     seconds: float = 0.0
     tier_write_failures: int = 0
+    #: batched mode only: (layer, width group) projections served by one stacked GEMM, and those
+    #: that ran per plan (the probe of a new shape class, or a class found not bit-identical).
+    stacked_layers: int = 0
+    per_plan_layers: int = 0
     layers_read: list[str] = field(default_factory=list, repr=False)
 
     def as_dict(self) -> dict[str, Any]:
@@ -128,6 +133,7 @@ class AdalnCache:
         shard: str = "layers",
         read_ahead: int = 1,
         progress: bool | None = None,
+        batched: bool = False,
     ) -> None:
         if not isinstance(spec, ModulationSpec):
             raise ConfigError(f"spec must be a ModulationSpec, got {type(spec).__name__}")
@@ -135,6 +141,8 @@ class AdalnCache:
         _check_int("max_plan_width", max_plan_width, "--plan-width", 1)
         _check_int("host_cache_bytes", host_cache_bytes, "--host-cache-gb", 0)
         _check_int("read_ahead", read_ahead, "--read-ahead", 0)
+        if not isinstance(batched, bool):
+            raise ConfigError(f"batched must be True or False, got {batched!r}: set or drop --batched")
         if precision not in PRECISIONS:
             raise ConfigError(f"precision must be one of {list(PRECISIONS)}, got {precision!r}: set --precision")
         if shard not in SHARD_MODES:
@@ -167,6 +175,9 @@ class AdalnCache:
         self.shard = shard
         self.read_ahead = read_ahead
         self.progress = progress
+        #: Stack the plans of one width into one GEMM where a probe proved it bit-identical to the
+        #: per-plan GEMM on this device (adalncache.batching); off by default.
+        self.batched = batched
         # Ranks must agree on every capacity, or their slot decisions would diverge.
         self.max_plans, self.max_plan_width, host_cache_bytes = self._dist.min_ints(
             [max_plans, max_plan_width, host_cache_bytes]
@@ -224,9 +235,7 @@ class AdalnCache:
         self._dist.agree_construction(tier_failure)
         if tier_failure is not None:
             raise tier_failure
-        log.debug(
-            "AdalnCache: %d plans x %d timesteps, %.1f MiB slab on %s", P, W, self.slab_bytes / 2**20, dev
-        )
+        log.debug("AdalnCache: %d plans x %d timesteps, %.1f MiB slab on %s", P, W, self.slab_bytes / 2**20, dev)
 
     # -- introspection ----------------------------------------------------------------------
 
@@ -458,8 +467,14 @@ class AdalnCache:
         report.seconds = time.perf_counter() - start
         log.info(
             "build: %d plan(s): %d device, %d host, %d store hits, %d built in %d pass(es), %d evicted, %.3f s",
-            report.plans, report.device_hits, report.host_hits, report.store_hits, report.built,
-            report.passes, report.evicted, report.seconds,
+            report.plans,
+            report.device_hits,
+            report.host_hits,
+            report.store_hits,
+            report.built,
+            report.passes,
+            report.evicted,
+            report.seconds,
         )
         return report
 
@@ -565,24 +580,37 @@ class AdalnCache:
             plan_of = self._dist.local_work(self.spec.layers())
             fp32 = self.precision == "fp32"
             bar = tqdm(
-                total=len(plan_of.layers), desc="adalncache pass", unit="layer", leave=False,
+                total=len(plan_of.layers),
+                desc="adalncache pass",
+                unit="layer",
+                leave=False,
                 disable=(not self.progress) if self.progress is not None else None,
             )
             try:
                 stream = self.source.stream(
                     plan_of.layers, device=self.device, columns=plan_of.columns, read_ahead=self.read_ahead
                 )
+                stacker = StackedProjector(keys, xs, project) if self.batched else None
+                alone = [k for k in keys if stacker is None or k not in stacker.grouped]
                 with contextlib.closing(stream), self._failing_at("read"):  # type: ignore[type-var]
                     for lw in self._labelled(stream, plan_of.layers):
                         current = f"layer {lw.layer}"
                         weight, bias = (lw.weight.float(), lw.bias.float()) if fp32 else (lw.weight, lw.bias)
-                        for key in keys:
+                        if stacker is not None:
+                            with self._failing_at(f"projection of {current}"):
+                                self.fault_points.check("project")
+                                for key, y in stacker.project_layer(lw.layer, weight, bias):
+                                    self._write_projection(slots[key], lw.layer, y, plan_of.columns, current)
+                        for key in alone:
                             with self._failing_at(f"projection of {current}"):
                                 self.fault_points.check("project")
                                 y = project(lw.layer, xs[key], weight, bias)
                                 self._write_projection(slots[key], lw.layer, y, plan_of.columns, current)
                         report.layers_read.append(str(lw.layer))
                         bar.update(1)
+                if stacker is not None:
+                    report.stacked_layers = stacker.stats.stacked_layers
+                    report.per_plan_layers = stacker.stats.per_plan_layers
             finally:
                 bar.close()
             return plan_of
@@ -602,9 +630,7 @@ class AdalnCache:
                 raise
             yield item
 
-    def _write_projection(
-        self, slot: int, layer: Layer, y: torch.Tensor, columns: Columns | None, where: str
-    ) -> None:
+    def _write_projection(self, slot: int, layer: Layer, y: torch.Tensor, columns: Columns | None, where: str) -> None:
         n = y.shape[0] if y.dim() == 2 else -1
         width = self.spec.out_features(layer)
         lo, hi = columns.bounds(width) if columns is not None else (0, width)

@@ -203,7 +203,7 @@ def run_build(args: argparse.Namespace) -> int:
     slab_plans = max(1, min(args.max_plans, len(plans)))
     cache = AdalnCache(
         spec, source, max_plans=slab_plans, max_plan_width=width, device=args.device,
-        precision=args.precision, store=store, progress=not args.quiet,
+        precision=args.precision, store=store, progress=not args.quiet, batched=args.batched,
     )  # fmt: skip
     # Existence by name only: reading every entry to verify it would cost as much as a pass on a
     # large store. A corrupt entry is caught (and rebuilt) by the serving cache's read, or by verify.
@@ -373,6 +373,7 @@ def run_verify(args: argparse.Namespace) -> int:
             cache = AdalnCache(
                 spec, source, max_plans=len(stored), max_plan_width=max(len(e.key) for e in stored),
                 device=args.device, precision=precision, progress=not args.quiet,
+                batched=False,  # always per plan: this is what confirms entries built with --batched
             )  # fmt: skip
             cache.build([key_to_plan(e.key) for e in stored], embed=embed)
             for item in stored:
@@ -480,6 +481,10 @@ def register(subparsers: Any) -> None:
         help="most timesteps per plan (default: 4)",
     )  # fmt: skip
     p.add_argument("--precision", default="match", choices=["match", "fp32"], help="projection precision")
+    p.add_argument(
+        "--batched", action="store_true",
+        help="stack plans of one width into one GEMM where a probe shows the bits unchanged (verify re-checks)",
+    )  # fmt: skip
     _common(p)
     p.set_defaults(func=run_build)
 

@@ -57,8 +57,7 @@ def get_layout(name: str) -> KeyLayout:
         return LAYOUTS[name]
     except KeyError:
         raise ConfigError(
-            f"unknown checkpoint layout {name!r}: set layout= (CLI --layout) to one of "
-            f"{sorted(LAYOUTS)} or 'auto'"
+            f"unknown checkpoint layout {name!r}: set layout= (CLI --layout) to one of {sorted(LAYOUTS)} or 'auto'"
         ) from None
 
 

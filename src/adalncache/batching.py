@@ -1,0 +1,169 @@
+"""Optional stacked projections: one GEMM for every plan of one shape class, only where proven exact.
+
+Why this exists: on a CPU the per-plan GEMMs of a pass cost far more than reading the weights
+(49 plans of M=2 re-stream a 496 MiB weight 49 times per layer). Stacking the plans of one width
+into a single GEMM streams it once. But stacking changes the GEMM's M, and whether the bits stay
+those of the per-plan GEMM depends on the device, the kernel library and the shapes (REFERENCE.md
+section 3: CPU bf16 stacked equals per-plan except at M=1; fp32 differs almost everywhere; cuBLAS
+differs at M=32). So nothing is assumed:
+
+* **Probe.** The first time a shape class is seen in this process (device, dtypes, plan width,
+  number of stacked plans, K, N, the weight's address modulo 64, the projection function), the
+  layer is projected both ways: per plan (those rows are the ones written) and stacked. The class
+  is marked stackable only if every plan's rows are ``torch.equal``.
+* **Spot check.** Every later stacked layer also projects one plan on its own (a different plan
+  each layer) and compares. A mismatch marks the class unstackable for the rest of the process
+  (logged as a warning) and the layer is recomputed per plan, so a wrong row is never written.
+
+The default stays per plan (``AdalnCache(batched=False)``); ``adalncache verify`` recomputes per
+plan and so confirms entries built in batched mode.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .plans import PlanKey
+from .spec import Layer
+
+log = logging.getLogger(__name__)
+
+#: ``project(layer, x, weight, bias) -> y``, as in :mod:`adalncache.cache`.
+Project = Callable[[Layer, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+#: Shape classes and their verdicts, shared by every cache of this process (the property belongs
+#: to the device's kernels, not to one cache). True: stacked bits proven equal so far.
+_VERDICTS: dict[Hashable, bool] = {}
+_LOCK = threading.Lock()
+
+
+def clear_verdicts() -> None:
+    """Forget every probe result (tests; or after changing torch's backend settings)."""
+    with _LOCK:
+        _VERDICTS.clear()
+
+
+def verdicts() -> dict[Hashable, bool]:
+    """A copy of the probe results so far, keyed by shape class."""
+    with _LOCK:
+        return dict(_VERDICTS)
+
+
+@dataclass
+class StackStats:
+    """What the stacked mode did in one pass (exposed on the BuildReport)."""
+
+    stacked_layers: int = 0  #: (layer, group) projections served by one stacked GEMM
+    per_plan_layers: int = 0  #: (layer, group) projections that ran per plan (probe, no verdict yet, refused)
+    probes: int = 0
+    mismatches: int = 0  #: spot checks that found a difference (the class was then refused)
+    refused: list[str] = field(default_factory=list)  #: shape classes found not exact, described
+
+
+def _group_by_width(keys: Sequence[PlanKey]) -> list[list[PlanKey]]:
+    groups: dict[int, list[PlanKey]] = {}
+    for key in keys:
+        groups.setdefault(len(key), []).append(key)
+    return [g for g in groups.values() if len(g) >= 2]
+
+
+class StackedProjector:
+    """Projects the plans of one pass, stacking each width group where its shape class is proven exact."""
+
+    def __init__(self, keys: Sequence[PlanKey], xs: dict[PlanKey, torch.Tensor], project: Project) -> None:
+        self.groups = _group_by_width(keys)
+        self.grouped = {key for group in self.groups for key in group}
+        self.xs = xs
+        self.project = project
+        self.stats = StackStats()
+        # The stacked input of each group, built once per pass (its rows in the group's order).
+        self._stacked_x = [torch.cat([xs[k] for k in group]) for group in self.groups]
+        self._layer_count = 0
+
+    def _class(self, group: Sequence[PlanKey], x: torch.Tensor, weight: torch.Tensor) -> Hashable:
+        return (
+            str(weight.device), weight.dtype, x.dtype, len(group[0]), len(group), tuple(weight.shape),
+            weight.data_ptr() % 64, getattr(self.project, "__qualname__", repr(self.project)),
+        )  # fmt: skip
+
+    def project_layer(
+        self, layer: Layer, weight: torch.Tensor, bias: torch.Tensor
+    ) -> list[tuple[PlanKey, torch.Tensor]]:
+        """The grouped plans' outputs for this layer, as (key, y) pairs; ungrouped plans are the caller's."""
+        out: list[tuple[PlanKey, torch.Tensor]] = []
+        turn = self._layer_count
+        self._layer_count += 1
+        for group, stacked_x in zip(self.groups, self._stacked_x, strict=True):
+            out.extend(self._project_group(layer, group, stacked_x, weight, bias, turn))
+        return out
+
+    def _per_plan(
+        self, layer: Layer, group: Sequence[PlanKey], weight: torch.Tensor, bias: torch.Tensor
+    ) -> list[tuple[PlanKey, torch.Tensor]]:
+        self.stats.per_plan_layers += 1
+        return [(key, self.project(layer, self.xs[key], weight, bias)) for key in group]
+
+    def _split(self, group: Sequence[PlanKey], y: torch.Tensor) -> list[torch.Tensor]:
+        m = len(group[0])
+        return [y[i * m : (i + 1) * m] for i in range(len(group))]
+
+    def _project_group(
+        self,
+        layer: Layer,
+        group: Sequence[PlanKey],
+        stacked_x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor,
+        turn: int,
+    ) -> list[tuple[PlanKey, torch.Tensor]]:
+        cls = self._class(group, stacked_x, weight)
+        with _LOCK:
+            verdict = _VERDICTS.get(cls)
+        if verdict is False:
+            return self._per_plan(layer, group, weight, bias)
+        if verdict is None:
+            self.stats.probes += 1
+            exact = self._per_plan(layer, group, weight, bias)
+            parts = self._split(group, self.project(layer, stacked_x, weight, bias))
+            same = all(torch.equal(y, part) for (_, y), part in zip(exact, parts, strict=True))
+            with _LOCK:
+                _VERDICTS[cls] = same
+            self._log_verdict(cls, same, layer)
+            return exact  # the probed layer always keeps the per-plan rows
+        parts = self._split(group, self.project(layer, stacked_x, weight, bias))
+        check = turn % len(group)
+        alone = self.project(layer, self.xs[group[check]], weight, bias)
+        if not torch.equal(alone, parts[check]):
+            self.stats.mismatches += 1
+            with _LOCK:
+                _VERDICTS[cls] = False
+            log.warning(
+                "stacked projection of %d plans of width %d differed from the per-plan one at layer %s; "
+                "projecting this shape class per plan from now on", len(group), len(group[0]), layer,
+            )  # fmt: skip
+            self.stats.refused.append(_describe(cls))
+            return self._per_plan(layer, group, weight, bias)
+        self.stats.stacked_layers += 1
+        return list(zip(group, parts, strict=True))
+
+    def _log_verdict(self, cls: Hashable, same: bool, layer: Layer) -> None:
+        if same:
+            log.info("stacked projection is bit-identical for %s (probed at layer %s)", _describe(cls), layer)
+        else:
+            self.stats.refused.append(_describe(cls))
+            log.info("stacked projection is NOT bit-identical for %s: projecting per plan", _describe(cls))
+
+
+def _describe(cls: Hashable) -> str:
+    if not isinstance(cls, tuple):
+        return repr(cls)
+    device, wdtype, xdtype, width, count, shape = cls[:6]
+    return f"{count} plans of width {width}, weight {tuple(shape)} {wdtype} on {device}, input {xdtype}"
+
+
+__all__ = ["StackStats", "StackedProjector", "clear_verdicts", "verdicts"]
