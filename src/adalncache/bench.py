@@ -770,9 +770,10 @@ def _probe_pass(args: dict[str, Any]) -> dict[str, Any]:
         sampler.join()
     after = _status()
     peak[0] = max(peak[0], after["RssAnon"])
+    kept = source.release_buffers()  # what keep_buffers (the default) holds between passes
     return {
         "baseline": baseline, "with_slab": with_slab, "after": after, "peak_rss_anon": peak[0],
-        "slab_bytes": cache.slab_bytes,
+        "slab_bytes": cache.slab_bytes, "kept_between_passes_bytes": kept, "after_release": _status(),
     }  # fmt: skip
 
 
@@ -807,6 +808,7 @@ def bench_memory(res: Results, source: Any, plans: list[torch.Tensor], checkpoin
     res.values["memory"].update({
         "probe": probe, "pass_peak_anon_over_baseline": pass_anon, "budget_slab_plus_3_layers": budget,
         "layer_bytes": layer, "page_cache_delta_bytes": _meminfo()["Cached"] - meminfo_before["Cached"],
+        "kept_between_passes_bytes": probe["kept_between_passes_bytes"],
     })  # fmt: skip
     res.add(
         Comparison(
@@ -818,7 +820,8 @@ def bench_memory(res: Results, source: Any, plans: list[torch.Tensor], checkpoin
             1.0,
             note=f"slab {probe['slab_bytes'] / 2**20:.0f} MiB, layer {layer / 2**20:.0f} MiB, peak over baseline "
             f"{pass_anon / 2**20:.0f} MiB = slab + {(pass_anon - probe['slab_bytes']) / layer:.2f} layers; "
-            f"VmHWM {probe['after']['VmHWM'] / 2**20:.0f} MiB, RssFile {probe['after']['RssFile'] / 2**20:.0f} MiB",
+            f"VmHWM {probe['after']['VmHWM'] / 2**20:.0f} MiB, RssFile {probe['after']['RssFile'] / 2**20:.0f} MiB; "
+            f"kept between passes (keep_buffers): {probe['kept_between_passes_bytes'] / 2**20:.0f} MiB",
             unit="bytes",
         )
     )
@@ -969,7 +972,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--runs", type=int, default=0, help="samples per measurement (default 3; 1 with --quick)")
     p.add_argument("--quick", action="store_true", help="one sample each, shorter forward loop (smoke test)")
     p.add_argument("--no-cold", action="store_true", help="skip the cold page cache runs")
-    p.add_argument("--size", default="small", help="tiny model size for the forward comparison (default small)")
+    p.add_argument(
+        "--size", default="medium", help="tiny model size for the forward comparison (default medium: real proportions)"
+    )
     p.add_argument("--only", nargs="+", default=list(SECTIONS), choices=SECTIONS, help="sections to run")
     p.add_argument("--dir", default="", help="where checkpoints are generated (default: a temp dir, reused)")
     p.add_argument("--out", default="bench/results", help="output directory (default bench/results)")

@@ -33,7 +33,9 @@ log = logging.getLogger(__name__)
 
 #: Model sizes. "tiny" is the REFERENCE.md section 8 geometry (forward in a few ms); "small" is wide
 #: enough that the projections weigh tens of MB (so the saving reads in MB) and still runs a
-#: forward in tens of ms on two cores.
+#: forward in tens of ms on two cores. "medium" has the released model's proportions (projection
+#: input = hidden / 2, output 18 x hidden, FFN about 2.7 x hidden), so the projections are about 40%
+#: of each block's weights as in MiniMax-H3; it is the size the bench's forward comparison uses.
 SIZES: dict[str, dict[str, Any]] = {
     "tiny": {
         "num_attention_heads": 2,
@@ -65,6 +67,22 @@ SIZES: dict[str, dict[str, Any]] = {
         "freq_dim": 64,
         "time_embed_hidden_dim": 320,
         "time_embed_dim": 320,
+        "rope_freq_dim": 8,
+    },
+    "medium": {
+        "num_attention_heads": 12,
+        "attention_head_dim": 64,
+        "hidden_size": 768,
+        "num_layers": 8,
+        "num_refiner_layers": 1,
+        "ffn_dim": 2048,
+        "in_channels": 4,
+        "audio_in_channels": 8,
+        "patch_size": (1, 2, 2),
+        "text_dim": 64,
+        "freq_dim": 64,
+        "time_embed_hidden_dim": 384,
+        "time_embed_dim": 384,
         "rope_freq_dim": 8,
     },
 }
