@@ -262,13 +262,26 @@ def scenario_diffusers(rank: int, world: int, pg: Any, data: Path) -> dict[str, 
     report = handle.prepare(minimax_h3_plans("fl2va", 4))
     cached = run_loop(model, request)
     equal = all(torch.equal(x, y) for r, c in zip(resident.outputs, cached.outputs) for x, y in zip(r, c))
-    return {
+    out = {
         "equal": equal,
         "steps": len(cached.outputs),
         "built": report.built,
         "read": handle.cache.source.bytes_read,
         "tables": tables(handle.cache),
     }
+    handle.disable()
+    # shard="columns" with a LoRA on the projections: refused up front, on every rank alike.
+    from peft import LoraConfig
+
+    model = tiny_transformer("tiny", seed=0)
+    handle = enable_adaln_cache(model, process_group=pg, shard="columns", max_plans=8)
+    model.add_adapter(LoraConfig(r=2, target_modules=["adaln_proj.linear"], init_lora_weights=False))
+    try:
+        handle.prepare(minimax_h3_plans("fl2va", 4))
+        out["columns_lora"] = None
+    except ConfigError as exc:
+        out["columns_lora"] = str(exc)
+    return out
 
 
 def scenario_death(rank: int, world: int, pg: Any, data: Path) -> dict[str, Any]:

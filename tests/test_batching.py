@@ -144,3 +144,23 @@ def test_cli_build_batched_then_verify(load_tiny: Callable[[str], Any], tmp_path
     argv = ["build", str(ckpt), "--store", str(store), "--task", "t2va", "--steps", "6", "--batched", "-q"]
     assert main(argv) == 0
     assert main(["verify", "--store", str(store), "--checkpoint", str(ckpt), "-q"]) == 0
+
+
+@pytest.mark.parametrize("precision", ["bf16-disk", "fp32-disk"])
+def test_diffusers_integration_batched_loop_is_bit_identical(load_tiny: Callable[[str], Any], precision: str) -> None:
+    """``enable_adaln_cache(..., batched=True)`` through a real denoising loop equals the resident model."""
+    pytest.importorskip("diffusers")
+    from adalncache.diffusers import enable_adaln_cache
+    from adalncache.plans import minimax_h3_plans
+    from adalncache.tiny import make_request, run_loop
+
+    model = load_tiny(precision)
+    request = make_request(model, "t2va", 6, seed=2)
+    resident = run_loop(model, request)
+    handle = enable_adaln_cache(model, batched=True, max_plans=8)
+    report = handle.prepare(minimax_h3_plans("t2va", 6))
+    assert report.stacked_layers + report.per_plan_layers > 0  # the plans were grouped
+    cached = run_loop(model, request)
+    handle.disable()
+    for step, (r, c) in enumerate(zip(resident.outputs, cached.outputs, strict=True)):
+        assert all(torch.equal(x, y) for x, y in zip(r, c, strict=True)), f"step {step} differs"

@@ -266,6 +266,9 @@ def test_diffusers_integration_per_rank(group: tuple[int, Any, Path]) -> None:
         assert_tables_equal(res["tables"], ranks[0]["tables"], f"rank {r} vs rank 0")
     reads = [res["read"] for res in ranks]
     assert all(0 < read < sum(reads) for read in reads), f"each rank reads only its layers: {reads}"
+    for r, res in enumerate(ranks):
+        message = res["columns_lora"]
+        assert message is not None and "shard='layers'" in message and "--shard" in message, f"rank {r}: {message}"
 
 
 def test_rank_that_dies_outright_is_bounded_by_the_group_timeout(tmp_path: Path) -> None:

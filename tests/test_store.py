@@ -175,6 +175,25 @@ def test_store_write_failure_is_counted_and_leaves_nothing(tmp_path: Path) -> No
     cache.check_invariants()
 
 
+def test_one_failing_store_entry_does_not_keep_the_others_out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ckpt, store = _checkpoint(tmp_path), tmp_path / "store"
+    cache = _cache(ckpt, store)
+    victim = plan_key(PLANS[1])
+    put = Store.put
+
+    def flaky_put(self: Store, binding: object, key: tuple[int, ...], rows: PlanRows) -> object:
+        if key == victim:
+            raise OSError(28, "No space left on device")
+        return put(self, binding, key, rows)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Store, "put", flaky_put)
+    report = cache.build(PLANS, embed=simple_embed(cache.spec))
+    assert report.tier_write_failures == 1 and cache.stats.tier_write_failures == 1 and report.built == 3
+    stored = {item.key for item in Store(store).iter_entries() if not isinstance(item, tuple)}
+    assert stored == {plan_key(p) for p in PLANS} - {victim}
+    cache.check_invariants()
+
+
 def test_prune_is_lru_by_explicit_recency(tmp_path: Path) -> None:
     ckpt, store_dir = _checkpoint(tmp_path), tmp_path / "store"
     cache = _cache(ckpt, store_dir)

@@ -710,12 +710,26 @@ class AdalnCache:
             try:
                 self.fault_points.check("store_write")
                 binding = self.binding()
-                for key in built:
-                    self._store.put(binding, key, self.rows_of(key))
             except Exception as exc:
                 self.stats.tier_write_failures += 1
                 report.tier_write_failures += 1
                 log.warning("store write failed after publish (slab unaffected): %s", exc)
+                return
+            # One entry per file: a failing entry (a full disk, a permission) must not keep the
+            # others out, and each failure is counted so `adalncache build` can report them.
+            failed: list[BaseException] = []
+            for key in built:
+                try:
+                    self._store.put(binding, key, self.rows_of(key))
+                except Exception as exc:
+                    failed.append(exc)
+            if failed:
+                self.stats.tier_write_failures += len(failed)
+                report.tier_write_failures += len(failed)
+                log.warning(
+                    "store write failed for %d of %d plan(s) after publish (slab unaffected); first: %s",
+                    len(failed), len(built), failed[0],
+                )  # fmt: skip
 
     # -- lookups ----------------------------------------------------------------------------
 

@@ -745,6 +745,14 @@ class AdalnCacheHandle:
         refs: list[torch.Tensor],
         tuners: Sequence[tuple[str, Any]],
     ) -> BuildReport:
+        if variant is not None and self.cache.shard == "columns" and self.cache._dist.world > 1:
+            # The adapter's forward runs on the whole projection; a rank's column slice of the base
+            # weight cannot go through it (it would fail later with an unhelpful shape error).
+            raise ConfigError(
+                "LoRA adapters on the AdaLN projections need shard='layers' (CLI --shard layers): with "
+                "shard='columns' each rank holds a column slice of the base weight, which the adapter's "
+                "full-width forward cannot run on; unload the adapter or build with shard='layers'"
+            )
         # The time embedder (when freed) is put back lazily by the first embed of a pass and taken
         # off again when the build returns, so a build that hits costs no copy.
         with contextlib.ExitStack() as stack, torch.no_grad(), _applied_lora_scale(tuners, scale):
