@@ -335,25 +335,186 @@ def _raise_problems(problems: list[str], where: str, layout: KeyLayout) -> None:
 # reading
 
 
+#: O_DIRECT needs the buffer address, the file offset and the length aligned to the device's
+#: logical block size; 4096 covers every common device. Buffers are placed so that their data
+#: address is congruent to the file offset modulo this (which implies ALIGNMENT), with a block of
+#: slack before and two after, so a direct read can round its range out to whole blocks.
+_DIRECT_BLOCK = 4096
+_SLACK = 3 * _DIRECT_BLOCK
+
+
+def _place(storage: torch.Tensor, nbytes: int, file_offset: int) -> torch.Tensor:
+    """The ``nbytes`` view of ``storage`` whose address is congruent to ``file_offset`` mod 4096."""
+    pad = _DIRECT_BLOCK + (file_offset - storage.data_ptr()) % _DIRECT_BLOCK
+    return storage[pad : pad + nbytes]
+
+
 def _aligned_empty(nbytes: int, file_offset: int, *, pin: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """A uint8 buffer whose data address is congruent to ``file_offset`` modulo ALIGNMENT.
+    """A uint8 buffer whose data address is congruent to ``file_offset`` modulo 4096 (so modulo ALIGNMENT).
 
     Returns (storage, view): keep ``storage`` alive for as long as ``view`` is used.
     """
-    storage = torch.empty(nbytes + ALIGNMENT, dtype=torch.uint8, pin_memory=pin)
-    pad = (file_offset - storage.data_ptr()) % ALIGNMENT
-    return storage, storage[pad : pad + nbytes]
+    storage = torch.empty(nbytes + _SLACK, dtype=torch.uint8, pin_memory=pin)
+    return storage, _place(storage, nbytes, file_offset)
 
 
-def _pread_into(fd: int, view: torch.Tensor, offset: int, path: Path, what: str) -> int:
-    """Fill ``view`` (contiguous uint8, CPU) from ``fd`` at ``offset``; every byte is really read."""
+def _memory(address: int, nbytes: int) -> memoryview:
+    return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
+
+
+def _load_libc() -> Any:
+    """glibc's mmap, mincore and munmap through ctypes, or None where they are not available."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+_LIBC = _load_libc()
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def _resident_fraction(fd: int, offset: int, nbytes: int) -> float | None:
+    """The fraction of ``[offset, offset + nbytes)`` of ``fd`` held in the page cache (mincore).
+
+    Maps the range without touching it (no page is read or faulted in), asks ``mincore``, unmaps.
+    None where that is not possible.
+    """
+    if _LIBC is None or nbytes <= 0:
+        return None
+    import mmap
+
+    lead = offset % _PAGE
+    length = lead + nbytes
+    address = _LIBC.mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, offset - lead)
+    if address is None or address == _MAP_FAILED:
+        return None
+    try:
+        pages = -(-length // _PAGE)
+        vec = (ctypes.c_ubyte * pages)()
+        if _LIBC.mincore(address, length, vec) != 0:
+            return None
+        return 1.0 - bytes(vec).count(0) / pages
+    finally:
+        _LIBC.munmap(address, length)
+
+
+class _DirectReads:
+    """O_DIRECT reads for the bytes the page cache does not hold, for one pass.
+
+    Why: a buffered read of cold data costs the CPU a copy out of the page cache plus the cache's
+    own bookkeeping (measured on the 2-core dev box: 0.3-1.9 s of CPU for 2 GiB, against 0.09 s
+    with O_DIRECT at the same wall time), and that CPU is what the GEMMs of a compute-bound pass
+    need. Bytes already cached are still read from the cache: every chunk first tries a
+    ``preadv2(RWF_NOWAIT)``, which returns only what is cached, and only the rest goes direct.
+    Direct reads do not fill the page cache, so a cold checkpoint stays cold between passes (and
+    does not evict anything else); ``CheckpointSource(direct_io=False)`` restores plain reads.
+    Anything unsupported (a filesystem without O_DIRECT such as tmpfs, a kernel without
+    RWF_NOWAIT, a device with larger blocks) falls back to plain reads, per file.
+    """
+
+    def __init__(self) -> None:
+        self._fds: dict[Path, int | None] = {}
+        self._trusted: dict[Path, bool] = {}
+        self.nowait = hasattr(os, "RWF_NOWAIT") and hasattr(os, "O_DIRECT")
+        self.bytes = 0
+
+    def _fd(self, path: Path) -> int | None:
+        if path not in self._fds:
+            try:
+                self._fds[path] = os.open(path, os.O_RDONLY | os.O_DIRECT)
+            except OSError as exc:
+                log.debug("O_DIRECT unavailable for %s (%s); reading it through the page cache", path, exc)
+                self._fds[path] = None
+        return self._fds[path]
+
+    def chunk(self, fd: int, path: Path, address: int, nbytes: int, offset: int) -> int | None:
+        """Read up to ``nbytes`` at ``offset``, directly if the page cache holds less than half of them.
+
+        None: the caller reads this chunk with a plain ``pread`` (mostly cached, or no O_DIRECT
+        for this file, or no way to tell cached bytes from cold ones).
+        """
+        if not self.nowait:
+            return None
+        if self._mincore_trusted(path):
+            resident = _resident_fraction(fd, offset, nbytes)
+            if resident is not None:
+                return None if resident >= 0.5 else self.read(path, address, nbytes, offset)
+        # mincore cannot see the cache of a file we neither own nor may write (Linux >= 5.2 hides
+        # it): ask the cache itself. A miss starts the kernel's readahead of a window of this
+        # chunk, so some bytes are read twice; that costs throughput, never correctness.
+        try:
+            return os.preadv(fd, [_memory(address, nbytes)], offset, os.RWF_NOWAIT)
+        except BlockingIOError:
+            return self.read(path, address, nbytes, offset)
+        except OSError as exc:  # EOPNOTSUPP, EINVAL: this kernel or filesystem has no RWF_NOWAIT
+            log.debug("RWF_NOWAIT unsupported (%s); plain reads from here on", exc)
+            self.nowait = False
+            return None
+
+    def _mincore_trusted(self, path: Path) -> bool:
+        trusted = self._trusted.get(path)
+        if trusted is None:
+            try:
+                trusted = os.stat(path).st_uid == os.geteuid() or os.access(path, os.W_OK)
+            except OSError:
+                trusted = False
+            self._trusted[path] = trusted
+        return trusted
+
+    def read(self, path: Path, address: int, nbytes: int, offset: int) -> int | None:
+        """Up to ``nbytes`` read directly into ``address``; None where O_DIRECT cannot be used.
+
+        The range is rounded out to whole blocks: the bytes before ``address`` and after the
+        chunk that this also writes are the same file bytes (or buffer slack, see ``_place``).
+        """
+        fd = self._fd(path)
+        if fd is None:
+            return None
+        lead = offset % _DIRECT_BLOCK
+        length = -(-(lead + nbytes) // _DIRECT_BLOCK) * _DIRECT_BLOCK
+        try:
+            got = os.preadv(fd, [_memory(address - lead, length)], offset - lead)
+        except OSError as exc:  # EINVAL: blocks larger than 4096, or a filesystem that refuses
+            log.debug("O_DIRECT read of %s failed (%s); reading it through the page cache", path, exc)
+            os.close(fd)
+            self._fds[path] = None
+            return None
+        useful = max(0, min(got - lead, nbytes))
+        self.bytes += useful
+        return useful
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            if fd is not None:
+                os.close(fd)
+        self._fds.clear()
+
+
+def _pread_into(
+    fd: int, view: torch.Tensor, offset: int, path: Path, what: str, direct: _DirectReads | None = None
+) -> int:
+    """Fill ``view`` (contiguous uint8, CPU, placed by ``_place``) from ``fd`` at ``offset``.
+
+    Every byte is really read. With ``direct``, cached bytes come from the page cache and the
+    rest with O_DIRECT (see :class:`_DirectReads`).
+    """
     total = view.numel()
     base = view.data_ptr()
     done = 0
     while done < total:
         n = min(_CHUNK, total - done)
-        chunk = (ctypes.c_char * n).from_address(base + done)
-        got = os.preadv(fd, [memoryview(chunk).cast("B")], offset + done)  # releases the GIL
+        got = None
+        if direct is not None:
+            got = direct.chunk(fd, path, base + done, n, offset + done)
+        if got is None:
+            got = os.preadv(fd, [_memory(base + done, n)], offset + done)  # releases the GIL
         if got <= 0:
             raise CheckpointError(
                 f"{path} ended at byte {offset + done} while reading {what}: the file was truncated or "
@@ -413,14 +574,13 @@ class _Staging:
         """A ``(storage, view)`` like :func:`_aligned_empty`, from the pool when its slot is free."""
         key = (index % self.slots, part)
         held = self._free(key)
-        if held is None or held[0].numel() < nbytes + ALIGNMENT:
-            storage = torch.empty(nbytes + ALIGNMENT, dtype=torch.uint8, pin_memory=self.pin)
+        if held is None or held[0].numel() < nbytes + _SLACK:
+            storage = torch.empty(nbytes + _SLACK, dtype=torch.uint8, pin_memory=self.pin)
             held = (storage, _use_count(storage))
             self._buffers[key] = held
             self.fresh += 1
         storage = held[0]
-        pad = (file_offset - storage.data_ptr()) % ALIGNMENT
-        return storage, storage[pad : pad + nbytes]
+        return storage, _place(storage, nbytes, file_offset)
 
     @property
     def nbytes(self) -> int:
@@ -441,6 +601,7 @@ class CheckpointSource:
         *,
         layout: str = "auto",
         keep_buffers: bool = True,
+        direct_io: bool = True,
     ) -> None:
         if not isinstance(spec, ModulationSpec):
             raise ConfigError(f"CheckpointSource needs a ModulationSpec as spec, got {type(spec).__name__}")
@@ -459,6 +620,11 @@ class CheckpointSource:
         #: allocation. Set it False (or call :meth:`release_buffers`) to give the memory back to the
         #: OS after every pass instead.
         self.keep_buffers = bool(keep_buffers)
+        #: Read the bytes the page cache does not hold with O_DIRECT (see :class:`_DirectReads`):
+        #: no CPU copy, no page cache filled or evicted. Cached bytes are read from the cache.
+        self.direct_io = bool(direct_io)
+        #: Of ``bytes_read``, those read with O_DIRECT.
+        self.bytes_direct = 0
         self._kept: _Staging | None = None
         self._load()
 
@@ -544,6 +710,7 @@ class CheckpointSource:
         rows: tuple[int, int] | None,
         pin: bool,
         staging: tuple[_Staging, int, str] | None = None,
+        direct: _DirectReads | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         header, entry = self.entry(name)
         dtype = entry.torch_dtype
@@ -564,7 +731,7 @@ class CheckpointSource:
         else:
             pool, index, part = staging
             storage, view = pool.take(index, part, nbytes, offset)
-        self._count(_pread_into(fds[header.path], view, offset, header.path, name))
+        self._count(_pread_into(fds[header.path], view, offset, header.path, name, direct))
         return storage, view.view(dtype).view(shape)
 
     def _count(self, n: int) -> None:
@@ -579,6 +746,7 @@ class CheckpointSource:
         columns: Columns | None = None,
         pin: bool = False,
         staging: tuple[_Staging, int] | None = None,
+        direct: _DirectReads | None = None,
     ) -> tuple[LayerWeights, list[torch.Tensor]]:
         """Read one layer's weight and bias (really reading every byte); returns keep-alive storages.
 
@@ -587,8 +755,8 @@ class CheckpointSource:
         rows = columns.bounds(self.spec.out_features(layer)) if columns else None
         w_stage = (staging[0], staging[1], "weight") if staging else None
         b_stage = (staging[0], staging[1], "bias") if staging else None
-        w_store, weight = self._read_tensor(fds, self.layout.weight(layer), rows, pin, w_stage)
-        b_store, bias = self._read_tensor(fds, self.layout.bias(layer), rows, pin, b_stage)
+        w_store, weight = self._read_tensor(fds, self.layout.weight(layer), rows, pin, w_stage, direct)
+        b_store, bias = self._read_tensor(fds, self.layout.bias(layer), rows, pin, b_stage, direct)
         return LayerWeights(layer, weight, bias), [w_store, b_store]
 
     @contextlib.contextmanager
@@ -647,7 +815,7 @@ class CheckpointSource:
         def load(fds: dict[Path, int], index: int) -> LayerWeights:
             layer = todo[index]
             stage = (staging, index) if staging is not None else None
-            lw, keep = self.read_layer(fds, layer, columns=columns, pin=cuda, staging=stage)
+            lw, keep = self.read_layer(fds, layer, columns=columns, pin=cuda, staging=stage, direct=direct)
             if copy_stream is None:
                 return lw  # the views keep their buffers alive; nothing else holds them
             # Runs on the reader thread: the pinned buffer is copied on a side stream, and the
@@ -662,7 +830,12 @@ class CheckpointSource:
             del keep, lw  # the staging buffer is free for the next layer
             return LayerWeights(layer, weight, bias)
 
-        with self.open_files() as fds, ThreadPoolExecutor(1, thread_name_prefix="adalncache-read") as pool:
+        direct = _DirectReads() if self.direct_io else None
+        with (
+            self.open_files() as fds,
+            contextlib.closing(direct) if direct is not None else contextlib.nullcontext(),
+            ThreadPoolExecutor(1, thread_name_prefix="adalncache-read") as pool,
+        ):
             pending: list[Future[LayerWeights]] = []
             submitted = 0
 
@@ -696,6 +869,9 @@ class CheckpointSource:
                 for fut in pending:
                     with contextlib.suppress(BaseException):
                         fut.result()
+                if direct is not None:
+                    with self._lock:
+                        self.bytes_direct += direct.bytes
                 if staging is not None:
                     if self.keep_buffers:
                         with self._lock:
