@@ -46,7 +46,10 @@ def test_bench_pass_section_only(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert main(argv) == 0
     data = json.loads((out / "bench.json").read_text())
     names = [c["name"] for c in data["comparisons"]]
-    prefixes = ("pass vs max(read, project)", "first pass (fresh buffers)", "batched pass vs", "pass vs naive")
+    prefixes = (
+        "pass vs max(read, project)", "first pass (fresh buffers)", "pass vs read and project run", "batched pass vs",
+        "pass vs naive",
+    )  # fmt: skip
     assert names and all(n.startswith(prefixes) for n in names)
     assert data["values"]["batched"]["bit_identical"] is True
     printed = capsys.readouterr().out

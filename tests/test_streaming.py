@@ -125,3 +125,16 @@ def test_keep_buffers_off_frees_the_pool_after_each_pass(tmp_path: Path, checkpo
     for lw in off.stream(off.spec.layers(), read_ahead=1):
         _expect(off, tensors, lw)
     assert off._kept is None and off.release_buffers() == 0
+
+
+def test_a_different_read_ahead_keeps_the_buffers_it_can_use(checkpoint) -> None:  # type: ignore[no-untyped-def]
+    source, tensors = checkpoint
+    for lw in source.stream(source.spec.layers(), read_ahead=2):
+        _expect(source, tensors, lw)
+    assert source._kept is not None and source._kept.fresh == 6
+    for lw in source.stream(source.spec.layers(), read_ahead=1):  # two of the three slots reused
+        _expect(source, tensors, lw)
+    assert source._kept.fresh == 6 and source._kept.slots == 2
+    for lw in source.stream(source.spec.layers(), read_ahead=2):  # the third slot allocated again
+        _expect(source, tensors, lw)
+    assert source._kept.fresh == 8

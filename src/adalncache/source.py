@@ -582,6 +582,16 @@ class _Staging:
         storage = held[0]
         return storage, _place(storage, nbytes, file_offset)
 
+    def resized(self, slots: int) -> _Staging:
+        """This pool for a new pass with ``slots`` slots: the buffers of the slots it keeps, reused."""
+        if max(1, slots) == self.slots:
+            self._wait = self.WAIT_S  # a new pass, perhaps a different consumer
+            return self
+        pool = _Staging(slots, self.pin)
+        pool._buffers = {key: held for key, held in self._buffers.items() if key[0] < pool.slots}
+        pool.fresh = self.fresh
+        return pool
+
     @property
     def nbytes(self) -> int:
         """Bytes held by the pool's buffers."""
@@ -806,11 +816,9 @@ class CheckpointSource:
             # A kept pool is taken out while in use, so two concurrent passes never share buffers.
             with self._lock:
                 kept, self._kept = self._kept, None
-            if kept is not None and kept.slots == slots and kept.pin == cuda:
-                staging = kept
-                staging._wait = staging.WAIT_S  # a new pass, perhaps a different consumer
-            else:
-                staging = _Staging(slots, pin=cuda)
+            # Another read_ahead keeps the buffers it can use; a pool of the other kind is dropped.
+            reuse = kept is not None and kept.pin == cuda
+            staging = kept.resized(slots) if reuse and kept is not None else _Staging(slots, pin=cuda)
 
         def load(fds: dict[Path, int], index: int) -> LayerWeights:
             layer = todo[index]
