@@ -153,10 +153,11 @@ def generate_checkpoint(spec: ModulationSpec, directory: Path, *, layers_per_sha
 
 
 def drop_page_cache(files: Sequence[Path]) -> None:
-    """Evict ``files`` from the page cache (clean pages only, which generated files are after fsync)."""
+    """Evict ``files`` from the page cache (written back first: only clean pages can be dropped)."""
     for path in files:
         fd = os.open(path, os.O_RDONLY)
         try:
+            os.fsync(fd)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
