@@ -6,6 +6,7 @@ the other, each read twice. On the 2-core dev VM the first buffer of a process r
 generated checkpoint): ``.venv/bin/python bench/probe_direct_pages.py``.
 """
 
+import os
 import time
 from pathlib import Path
 
@@ -25,6 +26,7 @@ N = max(n for _, _, n in ranges)
 
 def via(buf: torch.Tensor, chunk: int = S._CHUNK) -> float:
     d = S._DirectReads()
+    fds = {p: os.open(p, os.O_RDONLY) for p in {p for p, _, _ in ranges}}
     s = time.perf_counter()
     for p, off, n in ranges:
         view = S._place(buf, n, off)
@@ -32,10 +34,13 @@ def via(buf: torch.Tensor, chunk: int = S._CHUNK) -> float:
         done = 0
         while done < n:
             k = min(chunk, n - done)
-            got = d.read(p, base + done, k, off + done)
+            got = d.read(fds[p], p, base + done, k, off + done)
+            assert got, "O_DIRECT unavailable or the file ended"
             done += got
     t = time.perf_counter() - s
     d.close()
+    for fd in fds.values():
+        os.close(fd)
     return t
 
 

@@ -191,7 +191,7 @@ def test_without_mincore_the_page_cache_is_asked_directly(cold, monkeypatch) -> 
     import adalncache.source as source_mod
 
     path, tensors = cold
-    monkeypatch.setattr(source_mod._DirectReads, "_mincore_trusted", lambda self, path: False)
+    monkeypatch.setattr(source_mod._DirectReads, "_mincore_trusted", lambda self, path, fd: False)
     source = CheckpointSource(path, SPEC)
     _drop(path)
     _check_stream(source, tensors)
@@ -200,3 +200,29 @@ def test_without_mincore_the_page_cache_is_asked_directly(cold, monkeypatch) -> 
     _warm(path)
     _check_stream(warm, tensors)
     assert warm.bytes_direct == 0
+
+
+def test_a_file_replaced_during_a_cold_pass_is_read_from_the_file_the_pass_opened(cold) -> None:  # type: ignore[no-untyped-def]
+    """A checkpoint renamed over mid-pass: the rest of the pass still reads the file it opened.
+
+    Layer 0 is cached (read without O_DIRECT); the later layers are cold, so their O_DIRECT
+    descriptor is opened only after the replacement (``read_ahead=0`` reads inside ``next()``).
+    """
+    path, tensors = cold
+    source = CheckpointSource(path, SPEC)
+    layer0 = [source.entry(source.layout.weight(0))[1], source.entry(source.layout.bias(0))[1]]
+    _drop(path)
+    _warm(path, max(e.end for e in layer0))
+    other = {name: -t for name, t in tensors.items()}  # same layout, other bytes
+    new_path = path.parent / "new.safetensors"
+    write_safetensors(other, new_path, residues={name: 2 * n + 2 for n, name in enumerate(other)})
+    _drop(new_path)
+    seen = 0
+    for layer, weight, bias in source.stream(source.spec.layers(), read_ahead=0):
+        if seen == 0:
+            os.replace(new_path, path)  # atomically, as downloaders and save_pretrained do
+        assert torch.equal(weight, tensors[source.layout.weight(layer)]), f"layer {layer} came from the new file"
+        assert torch.equal(bias, tensors[source.layout.bias(layer)])
+        seen += 1
+    assert seen == len(source.spec.layers())
+    assert source.bytes_direct > 0  # the later layers did go direct

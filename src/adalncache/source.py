@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import hashlib
 import json
 import logging
@@ -425,63 +426,85 @@ class _DirectReads:
         self.nowait = hasattr(os, "RWF_NOWAIT") and hasattr(os, "O_DIRECT")
         self.bytes = 0
 
-    def _fd(self, path: Path) -> int | None:
+    def _fd(self, path: Path, pass_fd: int) -> int | None:
+        """An O_DIRECT descriptor of the very file ``pass_fd`` holds open (never a replacement).
+
+        Why: the pass opened its files at its start; a checkpoint replaced by ``rename`` since then
+        must not be read at the old offsets. ``/proc/self/fd/N`` reopens the open file itself,
+        and the (device, inode) check refuses anything else.
+        """
         if path not in self._fds:
+            fd: int | None = None
             try:
-                self._fds[path] = os.open(path, os.O_RDONLY | os.O_DIRECT)
+                fd = os.open(f"/proc/self/fd/{pass_fd}", os.O_RDONLY | os.O_DIRECT)
+                held, opened = os.fstat(pass_fd), os.fstat(fd)
+                if (held.st_dev, held.st_ino) != (opened.st_dev, opened.st_ino):
+                    os.close(fd)
+                    fd = None
+                    log.debug("O_DIRECT reopen of %s reached another file; plain reads for it", path)
             except OSError as exc:
+                if fd is not None:
+                    os.close(fd)
+                    fd = None
                 log.debug("O_DIRECT unavailable for %s (%s); reading it through the page cache", path, exc)
-                self._fds[path] = None
+            self._fds[path] = fd
         return self._fds[path]
 
     def chunk(self, fd: int, path: Path, address: int, nbytes: int, offset: int) -> int | None:
         """Read up to ``nbytes`` at ``offset``, directly if the page cache holds less than half of them.
 
         None: the caller reads this chunk with a plain ``pread`` (mostly cached, or no O_DIRECT
-        for this file, or no way to tell cached bytes from cold ones).
+        for this file, or no way to tell cached bytes from cold ones, or the end of the file).
         """
         if not self.nowait:
             return None
-        if self._mincore_trusted(path):
+        if self._mincore_trusted(path, fd):
             resident = _resident_fraction(fd, offset, nbytes)
             if resident is not None:
-                return None if resident >= 0.5 else self.read(path, address, nbytes, offset)
+                return None if resident >= 0.5 else self.read(fd, path, address, nbytes, offset)
         # mincore cannot see the cache of a file we neither own nor may write (Linux >= 5.2 hides
         # it): ask the cache itself. A miss starts the kernel's readahead of a window of this
         # chunk, so some bytes are read twice; that costs throughput, never correctness.
         try:
-            return os.preadv(fd, [_memory(address, nbytes)], offset, os.RWF_NOWAIT)
+            got = os.preadv(fd, [_memory(address, nbytes)], offset, os.RWF_NOWAIT)
         except BlockingIOError:
-            return self.read(path, address, nbytes, offset)
-        except OSError as exc:  # EOPNOTSUPP, EINVAL: this kernel or filesystem has no RWF_NOWAIT
+            return self.read(fd, path, address, nbytes, offset)
+        except OSError as exc:
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                raise  # a real I/O error: the pass fails with it
             log.debug("RWF_NOWAIT unsupported (%s); plain reads from here on", exc)
             self.nowait = False
             return None
+        return got if got > 0 else None  # 0: let the plain read decide (end of file or not)
 
-    def _mincore_trusted(self, path: Path) -> bool:
+    def _mincore_trusted(self, path: Path, fd: int) -> bool:
         trusted = self._trusted.get(path)
         if trusted is None:
             try:
-                trusted = os.stat(path).st_uid == os.geteuid() or os.access(path, os.W_OK)
+                euid = os.geteuid()
+                trusted = euid == 0 or os.fstat(fd).st_uid == euid
             except OSError:
                 trusted = False
             self._trusted[path] = trusted
         return trusted
 
-    def read(self, path: Path, address: int, nbytes: int, offset: int) -> int | None:
+    def read(self, pass_fd: int, path: Path, address: int, nbytes: int, offset: int) -> int | None:
         """Up to ``nbytes`` read directly into ``address``; None where O_DIRECT cannot be used.
 
         The range is rounded out to whole blocks: the bytes before ``address`` and after the
         chunk that this also writes are the same file bytes (or buffer slack, see ``_place``).
         """
-        fd = self._fd(path)
+        fd = self._fd(path, pass_fd)
         if fd is None:
             return None
         lead = offset % _DIRECT_BLOCK
         length = -(-(lead + nbytes) // _DIRECT_BLOCK) * _DIRECT_BLOCK
         try:
             got = os.preadv(fd, [_memory(address - lead, length)], offset - lead)
-        except OSError as exc:  # EINVAL: blocks larger than 4096, or a filesystem that refuses
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise  # a real I/O error: the pass fails with it
+            # EINVAL: blocks larger than 4096, or a filesystem that refuses direct reads
             log.debug("O_DIRECT read of %s failed (%s); reading it through the page cache", path, exc)
             os.close(fd)
             self._fds[path] = None
