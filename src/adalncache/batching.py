@@ -12,8 +12,12 @@ differs at M=32). So nothing is assumed:
   layer is projected both ways: per plan (those rows are the ones written) and stacked. The class
   is marked stackable only if every plan's rows are ``torch.equal``.
 * **Spot check.** Every later stacked layer also projects one plan on its own (a different plan
-  each layer) and compares. A mismatch marks the class unstackable for the rest of the process
-  (logged as a warning) and the layer is recomputed per plan, so a wrong row is never written.
+  each layer) and compares. A mismatch marks the class unstackable (logged as a warning) and the
+  layer is recomputed per plan. The other plans of a stacked layer are not checked one by one:
+  the guarantee is that of the probe plus the spot checks, for a class that pins what selects
+  the kernel (device, dtypes, shapes, addresses modulo 64, thread count, matmul precision flags).
+
+Comparisons are bitwise (``same_bits``: -0.0 and +0.0 differ), stricter than ``torch.equal``.
 
 The default stays per plan (``AdalnCache(batched=False)``); ``adalncache verify`` recomputes per
 plan and so confirms entries built in batched mode.
@@ -36,8 +40,9 @@ log = logging.getLogger(__name__)
 #: ``project(layer, x, weight, bias) -> y``, as in :mod:`adalncache.cache`.
 Project = Callable[[Layer, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
-#: Shape classes and their verdicts, shared by every cache of this process (the property belongs
-#: to the device's kernels, not to one cache). True: stacked bits proven equal so far.
+#: Shape classes and their verdicts for the default projection, shared by every cache of this
+#: process (the property belongs to the device's kernels, not to one cache). True: stacked bits
+#: proven equal so far.
 _VERDICTS: dict[Hashable, bool] = {}
 _LOCK = threading.Lock()
 
@@ -72,15 +77,46 @@ def _group_by_width(keys: Sequence[PlanKey]) -> list[list[PlanKey]]:
     return [g for g in groups.values() if len(g) >= 2]
 
 
-class StackedProjector:
-    """Projects the plans of one pass, stacking each width group where its shape class is proven exact."""
+def _backend_flags() -> tuple[object, ...]:
+    """Settings that change which kernel (and so which bits) a GEMM gets, besides its shapes."""
+    matmul = getattr(torch.backends.cuda, "matmul", None)
+    return (
+        torch.get_num_threads(),
+        getattr(matmul, "allow_tf32", None),
+        getattr(matmul, "allow_bf16_reduced_precision_reduction", None),
+        getattr(matmul, "allow_fp16_reduced_precision_reduction", None),
+        torch.get_float32_matmul_precision(),
+    )
 
-    def __init__(self, keys: Sequence[PlanKey], xs: dict[PlanKey, torch.Tensor], project: Project) -> None:
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality: unlike ``torch.equal`` it tells -0.0 from +0.0 (and any NaN payload apart)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(a.element_size())
+    if ints is None or not a.dtype.is_floating_point:
+        return torch.equal(a, b)
+    return torch.equal(a.contiguous().view(ints), b.contiguous().view(ints))
+
+
+class StackedProjector:
+    """Projects the plans of one pass, stacking each width group where its shape class is proven exact.
+
+    Verdicts for the default projection (a plain ``F.linear``) are shared by the whole process;
+    a custom ``project`` (the diffusers integration's LoRA-aware forward, for one) may behave
+    differently from one call to the next (another adapter, scale or weight copy), so its
+    verdicts live for one pass only and every pass probes again.
+    """
+
+    def __init__(
+        self, keys: Sequence[PlanKey], xs: dict[PlanKey, torch.Tensor], project: Project, *, shared: bool
+    ) -> None:
         self.groups = _group_by_width(keys)
         self.grouped = {key for group in self.groups for key in group}
         self.xs = xs
         self.project = project
         self.stats = StackStats()
+        self._verdicts: dict[Hashable, bool] = _VERDICTS if shared else {}
         # The stacked input of each group, built once per pass (its rows in the group's order).
         self._stacked_x = [torch.cat([xs[k] for k in group]) for group in self.groups]
         self._layer_count = 0
@@ -88,7 +124,8 @@ class StackedProjector:
     def _class(self, group: Sequence[PlanKey], x: torch.Tensor, weight: torch.Tensor) -> Hashable:
         return (
             str(weight.device), weight.dtype, x.dtype, len(group[0]), len(group), tuple(weight.shape),
-            weight.data_ptr() % 64, getattr(self.project, "__qualname__", repr(self.project)),
+            weight.data_ptr() % 64, x.data_ptr() % 64, tuple(self.xs[k].data_ptr() % 64 for k in group),
+            _backend_flags(),
         )  # fmt: skip
 
     def project_layer(
@@ -123,25 +160,25 @@ class StackedProjector:
     ) -> list[tuple[PlanKey, torch.Tensor]]:
         cls = self._class(group, stacked_x, weight)
         with _LOCK:
-            verdict = _VERDICTS.get(cls)
+            verdict = self._verdicts.get(cls)
         if verdict is False:
             return self._per_plan(layer, group, weight, bias)
         if verdict is None:
             self.stats.probes += 1
             exact = self._per_plan(layer, group, weight, bias)
             parts = self._split(group, self.project(layer, stacked_x, weight, bias))
-            same = all(torch.equal(y, part) for (_, y), part in zip(exact, parts, strict=True))
+            same = all(same_bits(y, part) for (_, y), part in zip(exact, parts, strict=True))
             with _LOCK:
-                _VERDICTS[cls] = same
+                self._verdicts[cls] = same
             self._log_verdict(cls, same, layer)
             return exact  # the probed layer always keeps the per-plan rows
         parts = self._split(group, self.project(layer, stacked_x, weight, bias))
         check = turn % len(group)
         alone = self.project(layer, self.xs[group[check]], weight, bias)
-        if not torch.equal(alone, parts[check]):
+        if not same_bits(alone, parts[check]):
             self.stats.mismatches += 1
             with _LOCK:
-                _VERDICTS[cls] = False
+                self._verdicts[cls] = False
             log.warning(
                 "stacked projection of %d plans of width %d differed from the per-plan one at layer %s; "
                 "projecting this shape class per plan from now on", len(group), len(group[0]), layer,
@@ -166,4 +203,4 @@ def _describe(cls: Hashable) -> str:
     return f"{count} plans of width {width}, weight {tuple(shape)} {wdtype} on {device}, input {xdtype}"
 
 
-__all__ = ["StackStats", "StackedProjector", "clear_verdicts", "verdicts"]
+__all__ = ["StackStats", "StackedProjector", "clear_verdicts", "same_bits", "verdicts"]

@@ -590,7 +590,11 @@ class AdalnCache:
                 stream = self.source.stream(
                     plan_of.layers, device=self.device, columns=plan_of.columns, read_ahead=self.read_ahead
                 )
-                stacker = StackedProjector(keys, xs, project) if self.batched else None
+                stacker = None
+                if self.batched:
+                    with self._failing_at("projection setup (batched)"):
+                        shared = project is _default_project
+                        stacker = StackedProjector(keys, xs, project, shared=shared)
                 alone = [k for k in keys if stacker is None or k not in stacker.grouped]
                 with contextlib.closing(stream), self._failing_at("read"):  # type: ignore[type-var]
                     for lw in self._labelled(stream, plan_of.layers):
