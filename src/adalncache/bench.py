@@ -33,6 +33,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import textwrap
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -966,12 +967,14 @@ def write_outputs(res: Results, out_dir: Path) -> list[Path]:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        fig, ax = plt.subplots(figsize=(9, 0.45 * len(res.comparisons) + 1.5))
-        names = [f"{c.name}: {c.subject} / {c.baseline}" for c in res.comparisons]
+        fig, ax = plt.subplots(figsize=(12, 0.55 * len(res.comparisons) + 1.5))
+        names = [textwrap.fill(f"{c.name}: {c.subject} / {c.baseline}", 56) for c in res.comparisons]
         ratios = [c.ratio for c in res.comparisons]
         colors = ["tab:gray" if c.met is None else ("tab:green" if c.met else "tab:red") for c in res.comparisons]
         ax.barh(range(len(names)), ratios, color=colors)
         for i, c in enumerate(res.comparisons):
+            ax.annotate(f"{c.ratio:.2f}", (c.ratio, i), xytext=(3, 0), textcoords="offset points", va="center",
+                        fontsize=7)  # fmt: skip
             if c.target is not None:
                 ax.plot([c.target, c.target], [i - 0.4, i + 0.4], color="black", linewidth=1)
         ax.set_yticks(range(len(names)), names, fontsize=7)
