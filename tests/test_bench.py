@@ -54,3 +54,16 @@ def test_bench_pass_section_only(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert data["values"]["batched"]["bit_identical"] is True
     printed = capsys.readouterr().out
     assert "pass vs naive" in printed and "x" in printed
+
+
+def test_bench_rejects_a_device_it_cannot_use(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    argv = ["bench", "--quick", "--layers", "1", "--hidden", "8", "--in-features", "16", "--device", "cuda",
+            "--dir", str(tmp_path / "work"), "--out", str(tmp_path / "out")]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--device cuda" in err and "--device cpu" in err
+    assert not (tmp_path / "out").exists()  # rejected before any work

@@ -44,6 +44,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .errors import ConfigError
 from .spec import FINAL, Layer, ModulationSpec, get_layout
 
 log = logging.getLogger(__name__)
@@ -263,6 +264,17 @@ def read_only_direct(source: Any) -> float | None:
     return seconds
 
 
+def _sync(device: torch.device) -> None:
+    """Wait for the device's queued work, so a timer around it measures the work itself."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _device_of(inputs: dict[tuple[int, ...], torch.Tensor] | Sequence[torch.Tensor]) -> torch.device:
+    values = list(inputs.values()) if isinstance(inputs, dict) else list(inputs)
+    return values[0].device if values else torch.device("cpu")
+
+
 class ResidentLayer:
     """One block's and the output layer's weights held in memory, for the project-only baseline.
 
@@ -270,25 +282,32 @@ class ResidentLayer:
     projecting each block's own weight costs (496 MiB never fits a cache), without holding 24 GiB.
     """
 
-    def __init__(self, source: Any) -> None:
+    def __init__(self, source: Any, device: torch.device | str = "cpu") -> None:
         self.spec = source.spec
+        self.device = torch.device(device)
         self.tensors: dict[Layer, tuple[torch.Tensor, torch.Tensor]] = {}
         for lw in source.stream([0, FINAL]):
-            self.tensors[lw.layer] = (lw.weight.clone(), lw.bias.clone())
+            self.tensors[lw.layer] = (lw.weight.clone().to(self.device), lw.bias.clone().to(self.device))
 
     def project_only(self, xs: Sequence[torch.Tensor]) -> float:
+        _sync(self.device)
         start = time.perf_counter()
         with torch.no_grad():
             for layer in self.spec.layers():
                 weight, bias = self.tensors[FINAL if layer == FINAL else 0]
                 for x in xs:
                     F.linear(x, weight, bias)
+        _sync(self.device)
         return time.perf_counter() - start
 
 
 def naive(source: Any, xs: Sequence[torch.Tensor]) -> float:
-    """Read each layer whole into a fresh buffer, then project every plan: no overlap, no reuse."""
+    """Read each layer whole into a fresh buffer, then project every plan: no overlap, no reuse.
+
+    On a GPU each layer is copied to the device (pageable, blocking) before it is projected.
+    """
     spec, layout = source.spec, source.layout
+    device = _device_of(xs)
     start = time.perf_counter()
     fds: dict[Path, int] = {}
     try:
@@ -305,19 +324,22 @@ def naive(source: Any, xs: Sequence[torch.Tensor]) -> float:
                     pad = (entry.begin - raw.data_ptr()) % 64
                     view = raw[pad : pad + entry.nbytes]
                     _preadv_all(fd, view, entry.begin)
-                    parts.append(view.view(torch.bfloat16).view(entry.shape))
+                    parts.append(view.view(torch.bfloat16).view(entry.shape).to(device))
                 weight, bias = parts
                 for x in xs:
                     F.linear(x, weight, bias)
                 del parts, weight, bias
+        _sync(device)
     finally:
         for fd in fds.values():
             os.close(fd)
     return time.perf_counter() - start
 
 
-def make_inputs(spec: ModulationSpec, plans: Sequence[torch.Tensor]) -> dict[tuple[int, ...], torch.Tensor]:
-    """A deterministic projection input per plan: ``silu(temb).to(bf16)`` stand-ins."""
+def make_inputs(
+    spec: ModulationSpec, plans: Sequence[torch.Tensor], device: torch.device | str = "cpu"
+) -> dict[tuple[int, ...], torch.Tensor]:
+    """A deterministic projection input per plan, on ``device``: ``silu(temb).to(bf16)`` stand-ins."""
     from .plans import plan_key
 
     out = {}
@@ -325,7 +347,8 @@ def make_inputs(spec: ModulationSpec, plans: Sequence[torch.Tensor]) -> dict[tup
         key = plan_key(plan)
         if key not in out:
             gen = torch.Generator().manual_seed(n)
-            out[key] = F.silu(torch.randn(plan.numel(), spec.time_embed_dim, generator=gen)).to(spec.dtype)
+            x = F.silu(torch.randn(plan.numel(), spec.time_embed_dim, generator=gen)).to(spec.dtype)
+            out[key] = x.to(device)
     return out
 
 
@@ -365,10 +388,17 @@ def one_pass(
     from .cache import AdalnCache
     from .plans import plan_key
 
+    device = _device_of(inputs)  # the cache lives where the inputs do
+
     def build(todo: Sequence[torch.Tensor]) -> float:
-        cache = AdalnCache(source.spec, source, max_plans=len(todo), max_plan_width=4, progress=False, batched=batched)
+        cache = AdalnCache(
+            source.spec, source, max_plans=len(todo), max_plan_width=4, progress=False, batched=batched,
+            device=device,
+        )  # fmt: skip
+        _sync(device)
         start = time.perf_counter()
         report = cache.build(list(todo), embed=lambda p: inputs[plan_key(p)])
+        _sync(device)
         seconds = time.perf_counter() - start
         assert report.passes == 1 and report.built == len(todo)
         return seconds
@@ -395,7 +425,10 @@ def batched_exactness(
     built = {}
     reports = {}
     for batched in (False, True):
-        cache = AdalnCache(source.spec, source, max_plans=len(plans), max_plan_width=4, progress=False, batched=batched)
+        cache = AdalnCache(
+            source.spec, source, max_plans=len(plans), max_plan_width=4, progress=False, batched=batched,
+            device=_device_of(inputs),
+        )  # fmt: skip
         reports[batched] = cache.build(list(plans), embed=lambda p: inputs[plan_key(p)])
         built[batched] = {plan_key(p): cache.rows_of(plan_key(p)) for p in plans}
     per_plan, stacked = built[False], built[True]
@@ -509,14 +542,16 @@ def _median_runs(fn: Callable[[], float], runs: int, before: Callable[[], None] 
 # sections
 
 
-def bench_pass(res: Results, source: Any, plans: list[torch.Tensor], runs: int, cold: bool) -> None:
+def bench_pass(
+    res: Results, source: Any, plans: list[torch.Tensor], runs: int, cold: bool, device: torch.device
+) -> None:
     """Pass vs read-only vs project-only (warm, cold) at 1 and all plans; pass vs naive at the crossover.
 
     The variants run interleaved, round by round, so a neighbour's load on a shared machine hits
     them alike instead of skewing whichever block happened to run during it.
     """
-    inputs = make_inputs(source.spec, plans)
-    resident = ResidentLayer(source)
+    inputs = make_inputs(source.spec, plans, device)
+    resident = ResidentLayer(source, device)
     files = list(source.files)
     states: list[tuple[str, Callable[[], None] | None]] = [("warm", None)]
     if cold:
@@ -662,8 +697,12 @@ def _keys(plans: Sequence[torch.Tensor]) -> list[tuple[int, ...]]:
     return [plan_key(p) for p in plans]
 
 
-def bench_forward(res: Results, size: str, steps: int, runs: int) -> None:
-    """Per-step forward of a tiny MiniMax-H3: resident vs cached vs group offloading to disk."""
+def bench_forward(res: Results, size: str, steps: int, runs: int, device: torch.device) -> None:
+    """Per-step forward of a tiny MiniMax-H3: resident vs cached vs group offloading.
+
+    On a CPU, offloading to the CPU would be a no-op, so the projections go to disk
+    (``offload_to_disk_path``); on a GPU they are offloaded to host memory.
+    """
     try:
         from diffusers.hooks import apply_group_offloading
 
@@ -675,24 +714,23 @@ def bench_forward(res: Results, size: str, steps: int, runs: int) -> None:
         return
 
     # Three instances of the same seeded model, run round-robin (noise hits all three alike).
-    model: Any = tiny_transformer(size)
-    request = make_request(model, "t2va", steps)
-    cached_model: Any = tiny_transformer(size)
+    model: Any = tiny_transformer(size).to(device)
+    request = make_request(model, "t2va", steps, device=device)
+    cached_model: Any = tiny_transformer(size).to(device)
     distinct = len({plan_key(p) for p in request.plans})
     handle: Any = enable_adaln_cache(cached_model, max_plans=distinct, max_plan_width=4)
-    off_model: Any = tiny_transformer(size)
+    off_model: Any = tiny_transformer(size).to(device)
+    on_gpu = device.type == "cuda"
+    offload_to = "host" if on_gpu else "disk"
     samples: dict[str, list[float]] = {"resident": [], "cached": [], "offload": []}
     outs: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="adalncache-offload-") as tmp:
-        for n, block in enumerate(off_model.transformer_blocks):
-            apply_group_offloading(
-                block.adaln_proj, onload_device=torch.device("cpu"), offload_type="leaf_level",
-                offload_to_disk_path=os.path.join(tmp, f"block{n}"),
-            )  # fmt: skip
-        apply_group_offloading(
-            off_model.norm_out, onload_device=torch.device("cpu"), offload_type="leaf_level",
-            offload_to_disk_path=os.path.join(tmp, "norm_out"),
-        )  # fmt: skip
+        modules = [(f"block{n}", b.adaln_proj) for n, b in enumerate(off_model.transformer_blocks)]
+        for name, module in [*modules, ("norm_out", off_model.norm_out)]:
+            where: dict[str, Any] = (
+                {"offload_device": torch.device("cpu")} if on_gpu else {"offload_to_disk_path": os.path.join(tmp, name)}
+            )
+            apply_group_offloading(module, onload_device=device, offload_type="leaf_level", **where)
         try:
             handle.prepare(request.plans)
             variants = (("resident", model), ("cached", cached_model), ("offload", off_model))
@@ -706,8 +744,10 @@ def bench_forward(res: Results, size: str, steps: int, runs: int) -> None:
                     for step in range(len(request.plan)):
                         kwargs = request.forward_kwargs(step, request.latents, request.audio_latents)
                         for name, which in variants:
+                            _sync(device)
                             started = time.perf_counter()
                             which(**kwargs)
+                            _sync(device)
                             samples[name].append(time.perf_counter() - started)
         finally:
             handle.disable()
@@ -715,8 +755,8 @@ def bench_forward(res: Results, size: str, steps: int, runs: int) -> None:
     resident_out, cached_out, offload_out = outs["resident"], outs["cached"], outs["offload"]
     exact = bool(resident_out.equal(cached_out))
     res.values["forward"] = {
-        "size": size, "steps": steps, "cached_bit_identical": exact,
-        "offload_bit_identical": bool(resident_out.equal(offload_out)),
+        "size": size, "steps": steps, "cached_bit_identical": exact, "device": str(device),
+        "offload_to": offload_to, "offload_bit_identical": bool(resident_out.equal(offload_out)),
     }  # fmt: skip
     res.add(
         Comparison(
@@ -729,10 +769,10 @@ def bench_forward(res: Results, size: str, steps: int, runs: int) -> None:
             note=f"torch.equal outputs: {exact}",
         )
     )
-    res.add(Comparison(f"forward step, tiny '{size}'", "cached", "group offload (disk)", cached_s, offload_s))
+    res.add(Comparison(f"forward step, tiny '{size}'", "cached", f"group offload ({offload_to})", cached_s, offload_s))
 
 
-def bench_build_latency(res: Results, runs: int, directory: Path) -> None:
+def bench_build_latency(res: Results, runs: int, directory: Path, device: torch.device) -> None:
     """``build()`` when every plan of a 50-step request is resident: the per-request hot path.
 
     Uses a 50-layer, 8-shard checkpoint at tiny widths: the hot path's cost is keying the plans and
@@ -745,10 +785,10 @@ def bench_build_latency(res: Results, runs: int, directory: Path) -> None:
     ckpt = generate_checkpoint(spec, directory, layers_per_shard=7)
     source = CheckpointSource(ckpt, spec)
     plans = request_plans(STEPS)
-    inputs = make_inputs(spec, plans)
+    inputs = make_inputs(spec, plans, device)
     from .plans import plan_key
 
-    cache = AdalnCache(spec, source, max_plans=64, max_plan_width=4, progress=False)
+    cache = AdalnCache(spec, source, max_plans=64, max_plan_width=4, progress=False, device=device)
     cache.build(plans, embed=lambda p: inputs[plan_key(p)])
     all_steps = list(plans)  # one plan tensor per step, as a pipeline passes them
     samples = []
@@ -771,7 +811,7 @@ def bench_build_latency(res: Results, runs: int, directory: Path) -> None:
     )
 
 
-def bench_store(res: Results, source: Any, plans: list[torch.Tensor], runs: int) -> None:
+def bench_store(res: Results, source: Any, plans: list[torch.Tensor], runs: int, device: torch.device) -> None:
     """A store hit against a pass, when the real store is there."""
     from .tiers import store as store_mod
 
@@ -781,18 +821,22 @@ def bench_store(res: Results, source: Any, plans: list[torch.Tensor], runs: int)
     from .cache import AdalnCache
     from .plans import plan_key
 
-    inputs = make_inputs(source.spec, plans)
+    inputs = make_inputs(source.spec, plans, device)
     with tempfile.TemporaryDirectory(prefix="adalncache-bench-store-") as tmp:
         try:
-            first = AdalnCache(source.spec, source, max_plans=len(plans), max_plan_width=4, store=tmp, progress=False)
+            first = AdalnCache(
+                source.spec, source, max_plans=len(plans), max_plan_width=4, store=tmp, progress=False, device=device
+            )
             first.build(plans, embed=lambda p: inputs[plan_key(p)])
             hits = []
             for _ in range(runs):
                 cache = AdalnCache(
-                    source.spec, source, max_plans=len(plans), max_plan_width=4, store=tmp, progress=False
-                )
+                    source.spec, source, max_plans=len(plans), max_plan_width=4, store=tmp, progress=False,
+                    device=device,
+                )  # fmt: skip
                 start = time.perf_counter()
                 report = cache.build(plans, embed=lambda p: inputs[plan_key(p)])
+                _sync(device)
                 hits.append(time.perf_counter() - start)
                 if report.store_hits != len(plans):
                     res.note(f"store run hit {report.store_hits} of {len(plans)} plans")
@@ -832,9 +876,10 @@ def _probe_pass(args: dict[str, Any]) -> dict[str, Any]:
     spec = ModulationSpec(**args["spec"])
     source = CheckpointSource(args["checkpoint"], spec)
     plans = request_plans(STEPS)[: args["plans"]]
-    inputs = make_inputs(spec, plans)
+    device = torch.device(args.get("device", "cpu"))
+    inputs = make_inputs(spec, plans, device)
     baseline = _status()
-    cache = AdalnCache(spec, source, max_plans=len(plans), max_plan_width=4, progress=False)
+    cache = AdalnCache(spec, source, max_plans=len(plans), max_plan_width=4, progress=False, device=device)
     cache.block_params.fill_(0)  # touch the slab so it is counted before the pass
     with_slab = _status()
     peak = [with_slab["RssAnon"]]
@@ -861,7 +906,7 @@ def _probe_pass(args: dict[str, Any]) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def bench_memory(res: Results, source: Any, plans: list[torch.Tensor], checkpoint: Path) -> None:
+def bench_memory(res: Results, source: Any, plans: list[torch.Tensor], checkpoint: Path, device: torch.device) -> None:
     """Projection bytes vs slab bytes, and the peak anonymous memory of a pass (child process)."""
     spec = source.spec
     full = ModulationSpec.minimax_h3()
@@ -877,6 +922,7 @@ def bench_memory(res: Results, source: Any, plans: list[torch.Tensor], checkpoin
         "spec": {k: getattr(spec, k) for k in ("num_layers", "hidden_size", "time_embed_dim")},
         "checkpoint": str(checkpoint),
         "plans": n,
+        "device": str(device),
     }
     meminfo_before = _meminfo()
     proc = subprocess.run(
@@ -999,6 +1045,12 @@ def run(args: argparse.Namespace) -> int:
     from .source import CheckpointSource
 
     torch.manual_seed(0)
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as exc:
+        raise ConfigError(f"--device {args.device!r} is not a torch device: {exc}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device {args.device}: CUDA is not available on this machine; use --device cpu")
     hidden = args.hidden if args.hidden else REAL_HIDDEN
     in_features = args.in_features if args.in_features else REAL_IN
     layers = 50 if args.full else args.layers
@@ -1020,14 +1072,15 @@ def run(args: argparse.Namespace) -> int:
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
                    f"{torch.get_num_threads()} threads",
         "spec": spec.describe(), "runs": runs, "plans": len(plans), "checkpoint": str(ckpt_dir),
-        "files": len(source.files), "read_ahead": 1,
+        "files": len(source.files), "read_ahead": 1, "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
     })  # fmt: skip
     sections: dict[str, Callable[[], None]] = {
-        "pass": lambda: bench_pass(res, source, plans, runs, cold=not args.no_cold),
-        "forward": lambda: bench_forward(res, args.size, 3 if args.quick else 8, runs),
-        "build": lambda: bench_build_latency(res, runs, work / "ckpt-latency-50x8x16"),
-        "store": lambda: bench_store(res, source, plans, runs),
-        "memory": lambda: bench_memory(res, source, plans, ckpt_dir),
+        "pass": lambda: bench_pass(res, source, plans, runs, cold=not args.no_cold, device=device),
+        "forward": lambda: bench_forward(res, args.size, 3 if args.quick else 8, runs, device),
+        "build": lambda: bench_build_latency(res, runs, work / "ckpt-latency-50x8x16", device),
+        "store": lambda: bench_store(res, source, plans, runs, device),
+        "memory": lambda: bench_memory(res, source, plans, ckpt_dir, device),
     }
     for name, section in sections.items():
         if name in args.only:
@@ -1061,6 +1114,7 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--size", default="medium", help="tiny model size for the forward comparison (default medium: real proportions)"
     )
+    p.add_argument("--device", default="cpu", help="where the cache and the projections run (default: cpu)")
     p.add_argument("--only", nargs="+", default=list(SECTIONS), choices=SECTIONS, help="sections to run")
     p.add_argument("--dir", default="", help="where checkpoints are generated (default: a temp dir, reused)")
     p.add_argument("--out", default="bench/results", help="output directory (default bench/results)")
