@@ -412,8 +412,10 @@ class _DirectReads:
     Why: a buffered read of cold data costs the CPU a copy out of the page cache plus the cache's
     own bookkeeping (measured on the 2-core dev box: 0.3-1.9 s of CPU for 2 GiB, against 0.09 s
     with O_DIRECT at the same wall time), and that CPU is what the GEMMs of a compute-bound pass
-    need. Bytes already cached are still read from the cache: every chunk first tries a
-    ``preadv2(RWF_NOWAIT)``, which returns only what is cached, and only the rest goes direct.
+    need. Bytes already cached are still read from the cache: for every 64 MiB chunk ``mincore``
+    says how much of it is cached (a mostly cached chunk is read with a plain ``pread``); where
+    mincore cannot see the cache, a ``preadv2(RWF_NOWAIT)`` returns what is cached and only the
+    rest goes direct.
     Direct reads do not fill the page cache, so a cold checkpoint stays cold between passes (and
     does not evict anything else); ``CheckpointSource(direct_io=False)`` restores plain reads.
     Anything unsupported (a filesystem without O_DIRECT such as tmpfs, a kernel without
