@@ -61,12 +61,34 @@ def _warm(path: Path, upto: int | None = None) -> None:
 
 
 def _supports_direct(path: Path) -> bool:
+    """Whether this filesystem really serves an O_DIRECT read (some accept the open, refuse the read)."""
+    import mmap
+
+    if not hasattr(os, "RWF_NOWAIT"):
+        return False
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
     except (OSError, AttributeError):
         return False
-    os.close(fd)
-    return hasattr(os, "RWF_NOWAIT")
+    buf = mmap.mmap(-1, 4096)  # page-aligned
+    try:
+        return os.preadv(fd, [buf], 0) > 0
+    except OSError:
+        return False
+    finally:
+        buf.close()
+        os.close(fd)
+
+
+def _drop_works(path: Path) -> bool:
+    """Whether POSIX_FADV_DONTNEED really empties this file's cache here (mincore says so)."""
+    _drop(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        resident = _resident_fraction(fd, 0, path.stat().st_size)
+    finally:
+        os.close(fd)
+    return resident is not None and resident < 0.1
 
 
 def _check_stream(source: CheckpointSource, tensors: dict[str, torch.Tensor], read_ahead: int = 1) -> None:
@@ -84,6 +106,8 @@ def cold(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
     path, tensors = _write(tmp_path / "ckpt")
     if not _supports_direct(path):
         pytest.skip("this filesystem or platform has no O_DIRECT / RWF_NOWAIT")
+    if not _drop_works(path):
+        pytest.skip("POSIX_FADV_DONTNEED does not empty the page cache on this filesystem")
     return path, tensors
 
 

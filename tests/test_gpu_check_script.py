@@ -28,5 +28,7 @@ def test_gpu_check_passes_on_cpu(tmp_path: Path) -> None:
     names = {r["check"]: r for r in results}
     assert all(r["ok"] for r in results)
     cold = names["pass cold (O_DIRECT) == F.linear on device"]
-    assert cold["mismatches"] == 0 and (cold["direct_mib"] > 0 or not cold["o_direct_supported"])
+    # Where this filesystem serves O_DIRECT and the drop emptied the cache, the cold pass went direct.
+    expected = cold["o_direct_supported"] and cold["direct_expected"]
+    assert cold["mismatches"] == 0 and (cold["direct_mib"] > 0 or not expected)
     assert names["host tier restore exact, no pass"]["host_hits"] == 2
