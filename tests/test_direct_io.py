@@ -66,10 +66,13 @@ def _supports_direct(path: Path) -> bool:
 
     if not hasattr(os, "RWF_NOWAIT"):
         return False
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    plain = os.open(path, os.O_RDONLY)
+    try:  # the way the source opens it: a reopen of the pass's own descriptor
+        fd = os.open(f"/proc/self/fd/{plain}", os.O_RDONLY | os.O_DIRECT)
     except (OSError, AttributeError):
         return False
+    finally:
+        os.close(plain)
     buf = mmap.mmap(-1, 4096)  # page-aligned
     try:
         return os.preadv(fd, [buf], 0) > 0
