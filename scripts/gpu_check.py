@@ -37,6 +37,7 @@ from safetensors.torch import load_file
 
 from adalncache import AdalnCache, CheckpointSource, ModulationSpec
 from adalncache.batching import clear_verdicts, verdicts
+from adalncache.bench import _sync as sync
 from adalncache.bench import drop_page_cache, generate_checkpoint, read_only, request_plans
 from adalncache.cli import main as cli_main
 from adalncache.plans import plan_key
@@ -49,11 +50,6 @@ def record(name: str, ok: bool, **details: Any) -> None:
     RESULTS.append({"check": name, "ok": bool(ok), **details})
     extra = " ".join(f"{k}={v}" for k, v in details.items())
     print(f"{'PASS' if ok else 'FAIL'} {name} {extra}", flush=True)
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def reference(weights: dict[str, torch.Tensor], spec: ModulationSpec, x: torch.Tensor, layer: Any) -> torch.Tensor:

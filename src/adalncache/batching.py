@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -65,9 +65,6 @@ class StackStats:
 
     stacked_layers: int = 0  #: (layer, group) projections served by one stacked GEMM
     per_plan_layers: int = 0  #: (layer, group) projections that ran per plan (probe, no verdict yet, refused)
-    probes: int = 0
-    mismatches: int = 0  #: spot checks that found a difference (the class was then refused)
-    refused: list[str] = field(default_factory=list)  #: shape classes found not exact, described
 
 
 def _group_by_width(keys: Sequence[PlanKey]) -> list[list[PlanKey]]:
@@ -164,7 +161,6 @@ class StackedProjector:
         if verdict is False:
             return self._per_plan(layer, group, weight, bias)
         if verdict is None:
-            self.stats.probes += 1
             exact = self._per_plan(layer, group, weight, bias)
             parts = self._split(group, self.project(layer, stacked_x, weight, bias))
             same = all(same_bits(y, part) for (_, y), part in zip(exact, parts, strict=True))
@@ -176,14 +172,12 @@ class StackedProjector:
         check = turn % len(group)
         alone = self.project(layer, self.xs[group[check]], weight, bias)
         if not same_bits(alone, parts[check]):
-            self.stats.mismatches += 1
             with _LOCK:
                 self._verdicts[cls] = False
             log.warning(
                 "stacked projection of %d plans of width %d differed from the per-plan one at layer %s; "
                 "projecting this shape class per plan from now on", len(group), len(group[0]), layer,
             )  # fmt: skip
-            self.stats.refused.append(_describe(cls))
             return self._per_plan(layer, group, weight, bias)
         self.stats.stacked_layers += 1
         return list(zip(group, parts, strict=True))
@@ -192,7 +186,6 @@ class StackedProjector:
         if same:
             log.info("stacked projection is bit-identical for %s (probed at layer %s)", _describe(cls), layer)
         else:
-            self.stats.refused.append(_describe(cls))
             log.info("stacked projection is NOT bit-identical for %s: projecting per plan", _describe(cls))
 
 

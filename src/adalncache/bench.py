@@ -44,7 +44,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .errors import ConfigError
+from .devices import resolve_device
 from .spec import FINAL, Layer, ModulationSpec, get_layout
 
 log = logging.getLogger(__name__)
@@ -1045,12 +1045,7 @@ def run(args: argparse.Namespace) -> int:
     from .source import CheckpointSource
 
     torch.manual_seed(0)
-    try:
-        device = torch.device(args.device)
-    except RuntimeError as exc:
-        raise ConfigError(f"--device {args.device!r} is not a torch device: {exc}") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"--device {args.device}: CUDA is not available on this machine; use --device cpu")
+    device = resolve_device(args.device)
     hidden = args.hidden if args.hidden else REAL_HIDDEN
     in_features = args.in_features if args.in_features else REAL_IN
     layers = 50 if args.full else args.layers

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from .devices import resolve_device
 from .errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -165,12 +166,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"unknown size {args.size!r}: set --size to one of {', '.join(SIZES)}")
     if not isinstance(args.steps, int) or args.steps < 2:
         raise ConfigError(f"--steps must be an integer >= 2 (grid points, terminal 0 included), got {args.steps}")
-    try:
-        device = torch.device(args.device)
-    except RuntimeError as exc:
-        raise ConfigError(f"--device {args.device!r} is not a torch device: {exc}") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"--device {args.device}: CUDA is not available on this machine; use --device cpu")
+    device = resolve_device(args.device)
     tasks = list(_TASKS) if args.task == "all" else [args.task]
 
     with tempfile.TemporaryDirectory(prefix="adalncache-demo-") as tmp:

@@ -25,6 +25,7 @@ import errno
 import hashlib
 import json
 import logging
+import mmap
 import os
 import struct
 import threading
@@ -389,8 +390,6 @@ def _resident_fraction(fd: int, offset: int, nbytes: int) -> float | None:
     """
     if _LIBC is None or nbytes <= 0:
         return None
-    import mmap
-
     lead = offset % _PAGE
     length = lead + nbytes
     address = _LIBC.mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, offset - lead)
@@ -601,13 +600,21 @@ class _Staging:
         key = (index % self.slots, part)
         held = self._free(key)
         if held is None or held[0].numel() < nbytes + _SLACK:
-            storage = torch.empty(nbytes + _SLACK, dtype=torch.uint8, pin_memory=self.pin)
-            held = (storage, _use_count(storage))
-            with self._lock:
-                self._buffers[key] = held
-                self.fresh += 1
+            held = self._add(key, torch.empty(nbytes + _SLACK, dtype=torch.uint8, pin_memory=self.pin))
         storage = held[0]
         return storage, _place(storage, nbytes, file_offset)
+
+    def _add(
+        self, key: tuple[int, str], storage: torch.Tensor, *, only_if_absent: bool = False
+    ) -> tuple[torch.Tensor, int]:
+        """Register ``storage`` as the buffer of ``key`` (unless ``only_if_absent`` and one is there)."""
+        with self._lock:
+            if only_if_absent and key in self._buffers:
+                return self._buffers[key]
+            held = (storage, _use_count(storage))
+            self._buffers[key] = held
+            self.fresh += 1
+            return held
 
     def prefault(self, index: int, part: str, nbytes: int) -> bool:
         """Allocate and first-touch the buffer of ``index``'s slot now, if it has none yet.
@@ -624,12 +631,8 @@ class _Staging:
                 return False
         storage = torch.empty(nbytes + _SLACK, dtype=torch.uint8, pin_memory=self.pin)
         storage.fill_(0)
-        with self._lock:
-            if key in self._buffers:  # the reader got there first
-                return False
-            self._buffers[key] = (storage, _use_count(storage))
-            self.fresh += 1
-        return True
+        # The reader may have got there first; then its buffer stays and this one is dropped.
+        return self._add(key, storage, only_if_absent=True)[0] is storage
 
     def resized(self, slots: int) -> _Staging:
         """This pool for a new pass with ``slots`` slots: the buffers of the slots it keeps, reused."""
@@ -774,17 +777,7 @@ class CheckpointSource:
         header, entry = self.entry(name)
         dtype = entry.torch_dtype
         assert dtype is not None  # validated
-        shape = list(entry.shape)
-        row_elems = 1
-        for s in shape[1:]:
-            row_elems *= s
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        offset, nbytes = entry.begin, entry.nbytes
-        if rows is not None:
-            start, stop = rows
-            offset = entry.begin + start * row_elems * itemsize
-            nbytes = (stop - start) * row_elems * itemsize
-            shape[0] = stop - start
+        offset, nbytes, shape = self._span(name, rows)
         if staging is None:
             storage, view = _aligned_empty(nbytes, offset, pin=pin)
         else:
@@ -792,6 +785,17 @@ class CheckpointSource:
             storage, view = pool.take(index, part, nbytes, offset)
         self._count(_pread_into(fds[header.path], view, offset, header.path, name, direct))
         return storage, view.view(dtype).view(shape)
+
+    def _span(self, name: str, rows: tuple[int, int] | None) -> tuple[int, int, list[int]]:
+        """(file offset, bytes, shape) of tensor ``name``, or of its rows ``[start, stop)``."""
+        entry = self.entry(name)[1]
+        shape = list(entry.shape)
+        if rows is None:
+            return entry.begin, entry.nbytes, shape
+        start, stop = rows
+        row_bytes = entry.nbytes // shape[0]
+        shape[0] = stop - start
+        return entry.begin + start * row_bytes, (stop - start) * row_bytes, shape
 
     def _count(self, n: int) -> None:
         with self._lock:
@@ -906,10 +910,8 @@ class CheckpointSource:
                 submit()
                 if staging is not None and not cuda and len(todo) > 1 and staging.slots > 1:
                     # While layer 0 is read, first-touch the buffer layer 1 will be read into.
-                    entry = self.entry(self.layout.weight(todo[1]))[1]
-                    out = self.spec.out_features(todo[1])
-                    lo, hi = columns.bounds(out) if columns else (0, out)
-                    staging.prefault(1, "weight", (hi - lo) * (entry.nbytes // out))
+                    rows = columns.bounds(self.spec.out_features(todo[1])) if columns else None
+                    staging.prefault(1, "weight", self._span(self.layout.weight(todo[1]), rows)[1])
                 for _ in range(len(todo)):
                     lw = pending.pop(0).result()
                     # Read ahead while the consumer projects this layer: at most read_ahead + 1
