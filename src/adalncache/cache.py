@@ -270,6 +270,16 @@ class AdalnCache:
     def store(self) -> Store | None:
         return self._store
 
+    @property
+    def world_size(self) -> int:
+        """Ranks that build this cache together (1 without a process group)."""
+        return self._dist.world
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the cache's process group (0 without one)."""
+        return self._dist.rank
+
     def __contains__(self, plan: torch.Tensor) -> bool:
         return plan_key(plan) in self._slots
 

@@ -745,7 +745,7 @@ class AdalnCacheHandle:
         refs: list[torch.Tensor],
         tuners: Sequence[tuple[str, Any]],
     ) -> BuildReport:
-        if variant is not None and self.cache.shard == "columns" and self.cache._dist.world > 1:
+        if variant is not None and self.cache.shard == "columns" and self.cache.world_size > 1:
             # The adapter's forward runs on the whole projection; a rank's column slice of the base
             # weight cannot go through it (it would fail later with an unhelpful shape error).
             raise ConfigError(
