@@ -3,8 +3,8 @@
 Why this exists: on a CPU the per-plan GEMMs of a pass cost far more than reading the weights
 (49 plans of M=2 re-stream a 496 MiB weight 49 times per layer). Stacking the plans of one width
 into a single GEMM streams it once. But stacking changes the GEMM's M, and whether the bits stay
-those of the per-plan GEMM depends on the device, the kernel library and the shapes (REFERENCE.md
-section 3: CPU bf16 stacked equals per-plan except at M=1; fp32 differs almost everywhere; cuBLAS
+those of the per-plan GEMM depends on the device, the kernel library and the shapes (measured: on
+a CPU, bf16 stacked equals per-plan except at M=1 and fp32 differs almost everywhere; cuBLAS
 differs at M=32). So nothing is assumed:
 
 * **Probe.** The first time a shape class is seen in this process (device, dtypes, plan width,
@@ -15,7 +15,8 @@ differs at M=32). So nothing is assumed:
   each layer) and compares. A mismatch marks the class unstackable (logged as a warning) and the
   layer is recomputed per plan. The other plans of a stacked layer are not checked one by one:
   the guarantee is that of the probe plus the spot checks, for a class that pins what selects
-  the kernel (device, dtypes, shapes, addresses modulo 64, thread count, matmul precision flags).
+  the kernel (device, dtypes, shapes, addresses modulo 64, and every setting of
+  :func:`adalncache.numerics.bit_settings`: thread count, matmul precision switches...).
 
 Comparisons are bitwise (``same_bits``: -0.0 and +0.0 differ), stricter than ``torch.equal``.
 
@@ -32,12 +33,13 @@ from dataclasses import dataclass
 
 import torch
 
+from .numerics import bit_settings_key
 from .plans import PlanKey
 from .spec import Layer
 
 log = logging.getLogger(__name__)
 
-#: ``project(layer, x, weight, bias) -> y``, as in :mod:`adalncache.cache`.
+#: ``project(layer, x, weight, bias) -> y``, as ``AdalnCache.build(project=...)`` takes it.
 Project = Callable[[Layer, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 #: Shape classes and their verdicts for the default projection, shared by every cache of this
@@ -72,18 +74,6 @@ def _group_by_width(keys: Sequence[PlanKey]) -> list[list[PlanKey]]:
     for key in keys:
         groups.setdefault(len(key), []).append(key)
     return [g for g in groups.values() if len(g) >= 2]
-
-
-def _backend_flags() -> tuple[object, ...]:
-    """Settings that change which kernel (and so which bits) a GEMM gets, besides its shapes."""
-    matmul = getattr(torch.backends.cuda, "matmul", None)
-    return (
-        torch.get_num_threads(),
-        getattr(matmul, "allow_tf32", None),
-        getattr(matmul, "allow_bf16_reduced_precision_reduction", None),
-        getattr(matmul, "allow_fp16_reduced_precision_reduction", None),
-        torch.get_float32_matmul_precision(),
-    )
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -122,7 +112,7 @@ class StackedProjector:
         return (
             str(weight.device), weight.dtype, x.dtype, len(group[0]), len(group), tuple(weight.shape),
             weight.data_ptr() % 64, x.data_ptr() % 64, tuple(self.xs[k].data_ptr() % 64 for k in group),
-            _backend_flags(),
+            bit_settings_key(),
         )  # fmt: skip
 
     def project_layer(

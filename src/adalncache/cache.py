@@ -1,9 +1,14 @@
-"""The slab of precomputed AdaLN tables and the state machine that keeps it honest.
+"""AdalnCache: a device slab of bit-exact AdaLN tables, rebuilt transactionally from a weight source.
 
-A slab holds ``max_plans`` slots of ``max_plan_width`` timestep rows each. A slot is either
-*free* (length 0, in the free list) or *resident* (in the host-side slot map, with its length and
-timesteps published). ``build`` moves plans between the two in a fixed order, chosen so that a
-failure at any point leaves nothing half-built visible (the seed design note):
+The cache validates, decides the order of work, and delegates: :class:`~adalncache.slab.Slab`
+holds the four tensors and does every row read and write, :class:`~adalncache.slots.SlotPool`
+alone changes the slot map, the LRU order and the free list, :class:`~adalncache.rebuild.RebuildPass`
+streams the weights and projects, the tiers (:mod:`adalncache.tiers`) keep copies, and the
+collective (:mod:`adalncache.distributed`) makes the ranks of a process group agree.
+
+A slot is either *free* (length 0, in the free list) or *resident* (in the host-side slot map,
+with its length and timesteps published). ``build`` moves plans between the two in a fixed
+order, chosen so that a failure at any point leaves nothing half-built visible:
 
 1. key the request; nothing missing -> touch and return (the hot path: no device work);
 2. validate the *whole* request before any state changes, so a rejected request costs nothing;
@@ -16,92 +21,44 @@ failure at any point leaves nothing half-built visible (the seed design note):
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
-from tqdm.auto import tqdm
 
-from .batching import StackedProjector
-from .errors import AdalnCacheError, BuildError, CheckpointError, ConfigError, PlanError, PlanNotCachedError
+from .devices import resolve_device
+from .distributed import make_collective
+from .errors import (
+    AdalnCacheError,
+    BuildError,
+    CheckpointError,
+    ConfigError,
+    PlanError,
+    PlanNotCachedError,
+    failing_at,
+    failure_phase,
+)
 from .faults import NO_FAULTS, FaultPoints
+from .numerics import numeric_environment
 from .plans import PlanKey, distinct_plans, format_plan, plan_key, validate_plan
+from .rebuild import EmbedFn, ProjectFn, RebuildPass, default_project
+from .reports import BuildReport, CacheStats
 from .rows import PlanRows
-from .source import Columns, WeightSource
-from .spec import FINAL, Layer, ModulationSpec
+from .slab import Slab
+from .slots import Reservation, SlotPool
+from .source import WeightSource
+from .spec import ModulationSpec
 
 if TYPE_CHECKING:
-    from .distributed import LocalWork
     from .tiers.host import HostTier
     from .tiers.store import Store
 
 log = logging.getLogger(__name__)
 
-#: ``embed(plan) -> (len(plan), in_features)``: the exact input of the projections for a plan.
-EmbedFn = Callable[[torch.Tensor], torch.Tensor]
-#: ``project(layer, x, weight, bias) -> (len(plan), out_features)``; default ``F.linear``.
-ProjectFn = Callable[[Layer, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
 PRECISIONS = ("match", "fp32")
 SHARD_MODES = ("layers", "columns")
-
-
-def _default_project(layer: Layer, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    return F.linear(x, weight, bias)
-
-
-@dataclass
-class CacheStats:
-    """Counters over the cache's life. Hits and builds count distinct plans per ``build`` call."""
-
-    device_hits: int = 0
-    host_hits: int = 0
-    store_hits: int = 0
-    built_plans: int = 0
-    passes: int = 0
-    evicted_plans: int = 0
-    host_evicted: int = 0
-    host_pressure_skips: int = 0
-    tier_write_failures: int = 0
-    fingerprint_changes: int = 0
-    variant_changes: int = 0
-    failed_builds: int = 0
-    store_corrupt: int = 0
-
-    def as_dict(self) -> dict[str, int]:
-        return asdict(self)
-
-
-@dataclass
-class BuildReport:
-    """What one ``build`` call did."""
-
-    plans: int = 0
-    device_hits: int = 0
-    host_hits: int = 0
-    store_hits: int = 0
-    built: int = 0
-    evicted: int = 0
-    passes: int = 0
-    bytes_read: int = 0
-    seconds: float = 0.0
-    tier_write_failures: int = 0
-    #: batched mode only: (layer, width group) projections served by one stacked GEMM, and those
-    #: that ran per plan (the probe of a new shape class, or a class found not bit-identical).
-    stacked_layers: int = 0
-    per_plan_layers: int = 0
-    layers_read: list[str] = field(default_factory=list, repr=False)
-
-    def as_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        out.pop("layers_read")
-        return out
 
 
 def _check_int(name: str, value: Any, flag: str, minimum: int) -> int:
@@ -110,12 +67,65 @@ def _check_int(name: str, value: Any, flag: str, minimum: int) -> int:
     return value
 
 
+def _check_arguments(
+    spec: Any, source: Any, *, max_plans: Any, max_plan_width: Any, host_cache_bytes: Any, read_ahead: Any,
+    batched: Any, precision: Any, shard: Any,
+) -> None:  # fmt: skip
+    """Every construction argument the cache can check alone; ConfigError names the one to change."""
+    if not isinstance(spec, ModulationSpec):
+        raise ConfigError(f"spec must be a ModulationSpec, got {type(spec).__name__}")
+    _check_int("max_plans", max_plans, "--max-plans", 1)
+    _check_int("max_plan_width", max_plan_width, "--plan-width", 1)
+    _check_int("host_cache_bytes", host_cache_bytes, "--host-cache-gb", 0)
+    _check_int("read_ahead", read_ahead, "--read-ahead", 0)
+    if not isinstance(batched, bool):
+        raise ConfigError(f"batched must be True or False, got {batched!r}: set or drop --batched")
+    if precision not in PRECISIONS:
+        raise ConfigError(f"precision must be one of {list(PRECISIONS)}, got {precision!r}: set --precision")
+    if shard not in SHARD_MODES:
+        raise ConfigError(f"shard must be one of {list(SHARD_MODES)}, got {shard!r}: set --shard")
+    source_spec = getattr(source, "spec", None)
+    if source_spec is None or not callable(getattr(source, "stream", None)):
+        raise ConfigError(
+            f"source must be a CheckpointSource or TensorSource (a WeightSource), got {type(source).__name__}"
+        )
+    if source_spec != spec:
+        raise ConfigError(
+            f"the source was opened for {source_spec} but the cache was given {spec}: open the source with "
+            f"the same ModulationSpec"
+        )
+
+
+def _open_tiers(
+    spec: ModulationSpec, source: WeightSource, store: Any, host_cache_bytes: int, device: torch.device
+) -> tuple[HostTier | None, Store | None]:
+    """The host tier (``host_cache_bytes > 0``) and the store (``store=``), or ``None`` for each."""
+    host = None
+    if host_cache_bytes > 0:
+        from .tiers.host import HostTier
+
+        host = HostTier(spec, host_cache_bytes, pin=device.type == "cuda")
+    if store is None:
+        return host, None
+    if not getattr(source, "persistent", True):
+        # An in-memory source's fingerprint names addresses in this process: its entries could
+        # never be found again, so they would only fill the disk.
+        raise ConfigError(
+            f"store= needs a source whose identity survives the process (a CheckpointSource), got "
+            f"{type(source).__name__}: pass the checkpoint path (checkpoint= in enable_adaln_cache, CLI "
+            f"CHECKPOINT), or drop store= (--store)"
+        )
+    from .tiers.store import Store as _Store
+
+    return host, store if isinstance(store, _Store) else _Store(store)
+
+
 class AdalnCache:
     """A device slab of bit-exact AdaLN tables, rebuilt transactionally from a weight source.
 
-    See DESIGN.md section 2 for the contract. The slab tensors (``plan_timesteps``,
-    ``plan_lengths``, ``block_params``, ``final_params``) are allocated once on ``device``; their
-    pointers never move, and they are not registered in any module, so no ``state_dict`` holds them.
+    The slab tensors (``plan_timesteps``, ``plan_lengths``, ``block_params``, ``final_params``)
+    are allocated once on ``device``; their pointers never move, and they are not registered in
+    any module, so no ``state_dict`` holds them.
     """
 
     def __init__(
@@ -135,37 +145,11 @@ class AdalnCache:
         progress: bool | None = None,
         batched: bool = False,
     ) -> None:
-        if not isinstance(spec, ModulationSpec):
-            raise ConfigError(f"spec must be a ModulationSpec, got {type(spec).__name__}")
-        _check_int("max_plans", max_plans, "--max-plans", 1)
-        _check_int("max_plan_width", max_plan_width, "--plan-width", 1)
-        _check_int("host_cache_bytes", host_cache_bytes, "--host-cache-gb", 0)
-        _check_int("read_ahead", read_ahead, "--read-ahead", 0)
-        if not isinstance(batched, bool):
-            raise ConfigError(f"batched must be True or False, got {batched!r}: set or drop --batched")
-        if precision not in PRECISIONS:
-            raise ConfigError(f"precision must be one of {list(PRECISIONS)}, got {precision!r}: set --precision")
-        if shard not in SHARD_MODES:
-            raise ConfigError(f"shard must be one of {list(SHARD_MODES)}, got {shard!r}: set --shard")
-        source_spec = getattr(source, "spec", None)
-        if source_spec is None or not callable(getattr(source, "stream", None)):
-            raise ConfigError(
-                f"source must be a CheckpointSource or TensorSource (a WeightSource), got {type(source).__name__}"
-            )
-        if source_spec != spec:
-            raise ConfigError(
-                f"the source was opened for {source_spec} but the cache was given {spec}: open the source with "
-                f"the same ModulationSpec"
-            )
-        try:
-            self.device = torch.device(device)
-        except (RuntimeError, TypeError) as exc:
-            raise ConfigError(f"device {device!r} is not a torch device: set device= (CLI --device)") from exc
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise ConfigError(f"device {device!r} was asked for but CUDA is not available: set --device cpu")
-
-        from .distributed import make_collective  # local: distributed imports torch.distributed lazily
-
+        _check_arguments(
+            spec, source, max_plans=max_plans, max_plan_width=max_plan_width, host_cache_bytes=host_cache_bytes,
+            read_ahead=read_ahead, batched=batched, precision=precision, shard=shard,
+        )  # fmt: skip
+        self.device = resolve_device(device, argument="device")
         # Settings that fix the number or size of later collectives are compared across ranks.
         agreed = {"precision": precision, "store": store is not None, "device_type": self.device.type}
         self._dist = make_collective(process_group, shard, spec, device=self.device, config=agreed)
@@ -179,84 +163,50 @@ class AdalnCache:
         #: per-plan GEMM on this device (adalncache.batching); off by default.
         self.batched = batched
         # Ranks must agree on every capacity, or their slot decisions would diverge.
-        self.max_plans, self.max_plan_width, host_cache_bytes = self._dist.min_ints(
+        self.max_plans, self.max_plan_width, self.host_cache_bytes = self._dist.min_ints(
             [max_plans, max_plan_width, host_cache_bytes]
         )
-        self.host_cache_bytes = host_cache_bytes
-
-        P, W, L = self.max_plans, self.max_plan_width, spec.num_layers
-        dev = self.device
-        tier_failure: BaseException | None = None
-        try:  # out of device memory on one rank alone must fail every rank (agreed below)
-            self.plan_timesteps = torch.zeros(P, W, dtype=torch.float32, device=dev)
-            self.plan_lengths = torch.zeros(P, dtype=torch.int64, device=dev)
-            self.block_params = torch.zeros(P, W, L, spec.block_width, dtype=spec.dtype, device=dev)
-            self.final_params = torch.zeros(P, W, spec.final_width, dtype=spec.dtype, device=dev)
-            # 0-d slot indices already on the device, so lookups never copy host -> device.
-            self._slot_index = torch.arange(P, dtype=torch.int64, device=dev)
+        failure: BaseException | None = None
+        try:  # out of device memory, or a store directory, on one rank alone must fail every rank
+            self._slab = Slab(spec, self.max_plans, self.max_plan_width, self.device)
+            self._host, self._store = _open_tiers(spec, source, store, self.host_cache_bytes, self.device)
         except BaseException as exc:
-            tier_failure = exc
-
-        # Host-side state. _slots is the published slot map and, through its order, the LRU
-        # (least recently used first). _free holds every slot not in _slots.
-        self._slots: OrderedDict[PlanKey, int] = OrderedDict()
-        self._free: list[int] = list(range(P))
-        self._fingerprint = source.fingerprint
+            failure = exc
+        # Agreed before raising, or the other ranks would wait for this one in their first collective.
+        self._dist.agree_construction(failure)
+        if failure is not None:
+            raise failure
+        self.plan_timesteps, self.plan_lengths, self.block_params, self.final_params = self._slab.tensors()
+        self._pool = SlotPool(self._slab)
+        self._fingerprint: str | None = source.fingerprint
         self._variant: Hashable = None
         self.stats = CacheStats()
         self.fault_points: FaultPoints = NO_FAULTS
-        self._warned_rank = False
-
-        self._host: HostTier | None = None
-        self._store: Store | None = None
-        try:
-            if tier_failure is not None:
-                raise tier_failure
-            if host_cache_bytes > 0:
-                from .tiers.host import HostTier
-
-                self._host = HostTier(spec, host_cache_bytes, pin=dev.type == "cuda")
-            if store is not None:
-                if not getattr(source, "persistent", True):
-                    # An in-memory source's fingerprint names addresses in this process: its entries
-                    # could never be found again, so they would only fill the disk.
-                    raise ConfigError(
-                        f"store= needs a source whose identity survives the process (a CheckpointSource), "
-                        f"got {type(source).__name__}: pass the checkpoint path (checkpoint= in "
-                        f"enable_adaln_cache, CLI CHECKPOINT), or drop store= (--store)"
-                    )
-                from .tiers.store import Store as _Store
-
-                self._store = store if isinstance(store, _Store) else _Store(store)
-        except BaseException as exc:
-            tier_failure = exc
-        # A slab or tier that fails on one rank only (a store directory it cannot use) must fail
-        # every rank's construction, or the others would wait for it in their first collective.
-        self._dist.agree_construction(tier_failure)
-        if tier_failure is not None:
-            raise tier_failure
-        log.debug("AdalnCache: %d plans x %d timesteps, %.1f MiB slab on %s", P, W, self.slab_bytes / 2**20, dev)
+        log.debug(
+            "AdalnCache: %d plans x %d timesteps, %.1f MiB slab on %s",
+            self.max_plans, self.max_plan_width, self.slab_bytes / 2**20, self.device,
+        )  # fmt: skip
 
     # -- introspection ----------------------------------------------------------------------
 
     @property
     def slab_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.slab_tensors())
+        return self._slab.nbytes
 
     def slab_tensors(self) -> tuple[torch.Tensor, ...]:
-        return (self.plan_timesteps, self.plan_lengths, self.block_params, self.final_params)
+        return self._slab.tensors()
 
     @property
     def resident_plans(self) -> list[PlanKey]:
         """Published plan keys, least recently used first."""
-        return list(self._slots)
+        return self._pool.keys()
 
     def slot_of(self, key: PlanKey) -> int | None:
-        return self._slots.get(key)
+        return self._pool.slot_of(key)
 
     @property
     def free_slots(self) -> list[int]:
-        return sorted(self._free)
+        return self._pool.free_slots
 
     @property
     def variant(self) -> Hashable:
@@ -281,14 +231,14 @@ class AdalnCache:
         return self._dist.rank
 
     def __contains__(self, plan: torch.Tensor) -> bool:
-        return plan_key(plan) in self._slots
+        return plan_key(plan) in self._pool
 
     def __len__(self) -> int:
-        return len(self._slots)
+        return len(self._pool)
 
     def __repr__(self) -> str:
         return (
-            f"AdalnCache({len(self._slots)}/{self.max_plans} plans resident, width {self.max_plan_width}, "
+            f"AdalnCache({len(self._pool)}/{self.max_plans} plans resident, width {self.max_plan_width}, "
             f"{self.spec.num_layers} layers, {self.precision}, {self.device})"
         )
 
@@ -296,10 +246,9 @@ class AdalnCache:
 
     def _drop_all(self, why: str) -> None:
         """Forget every device and host-tier plan (they were built under another identity)."""
-        if self._slots:
-            log.info("dropping %d resident plan(s): %s", len(self._slots), why)
-        for key in list(self._slots):
-            self._unpublish(key)
+        if len(self._pool):
+            log.info("dropping %d resident plan(s): %s", len(self._pool), why)
+        self._pool.clear()
         if self._host is not None:
             self._host.clear()
 
@@ -318,7 +267,7 @@ class AdalnCache:
         (failed, changed, variant_changed), diverged = self._dist.agree_identity(
             [invalid is not None, fingerprint != self._fingerprint, variant != self._variant],
             request,
-            list(self._slots.items()),
+            self._pool.items(),
         )
         if diverged:
             # The ranks' slot maps differ (invalidate() on some ranks only, say): their next
@@ -329,7 +278,7 @@ class AdalnCache:
             # The file changed (on some rank) and no longer validates: whatever the slab holds came
             # from the old file, so it can no longer be trusted either.
             self.stats.fingerprint_changes += 1
-            self._fingerprint = None  # type: ignore[assignment]
+            self._fingerprint = None
             self._drop_all("the checkpoint changed on disk and no longer validates")
             self._dist.raise_if_any_failed(invalid, "checkpoint")
             assert invalid is not None  # alone, only this rank can have failed
@@ -339,15 +288,13 @@ class AdalnCache:
             self._drop_all("the weight source's fingerprint changed")
             self._fingerprint = fingerprint
         if variant_changed:
-            if self._slots or (self._host is not None and len(self._host)):
+            if len(self._pool) or (self._host is not None and len(self._host)):
                 self.stats.variant_changes += 1
                 self._drop_all(f"variant changed ({self._variant!r} -> {variant!r})")
             self._variant = variant
 
     def binding(self) -> dict[str, Any]:
         """Everything a stored table depends on besides its plan (stores key entries by it)."""
-        from .tiers.store import numeric_environment
-
         return {
             "fingerprint": self._fingerprint,
             "spec": self.spec.describe(),
@@ -378,16 +325,27 @@ class AdalnCache:
             if isinstance(exc, BuildError):
                 raise  # a peer's (or this rank's) agreed checkpoint failure
             raise BuildError(f"the weight source cannot be used: {exc}", failed_at="checkpoint") from exc
-        missing = [key for key in order if key not in self._slots]
-        if not missing:
-            for key in order:
-                self._slots.move_to_end(key)
+        missing = [key for key in order if key not in self._pool]
+        if missing:
+            self._validate_request(order, missing, tensors, embed)
+            self._fill(order, missing, tensors, embed, project or default_project, report)
+        else:
+            self._pool.touch(order)
             self.stats.device_hits += len(order)
             report.device_hits = len(order)
-            report.seconds = time.perf_counter() - start
-            return report
+        report.seconds = time.perf_counter() - start
+        if missing:
+            log.info(
+                "build: %d plan(s): %d device, %d host, %d store hits, %d built in %d pass(es), %d evicted, %.3f s",
+                report.plans, report.device_hits, report.host_hits, report.store_hits, report.built,
+                report.passes, report.evicted, report.seconds,
+            )  # fmt: skip
+        return report
 
-        # Validate everything before touching any state: a rejected request leaves the slab as it was.
+    def _validate_request(
+        self, order: list[PlanKey], missing: list[PlanKey], tensors: dict[PlanKey, torch.Tensor], embed: EmbedFn
+    ) -> None:
+        """Reject a request the slab cannot take before touching any state (PlanError names the knob)."""
         for key in missing:
             validate_plan(tensors[key], max_plan_width=self.max_plan_width)
         if len(order) > self.max_plans:
@@ -398,8 +356,17 @@ class AdalnCache:
         if not callable(embed):
             raise PlanError("build() needs embed=, a function plan -> (len(plan), in_features) input rows")
 
+    def _fill(
+        self,
+        order: list[PlanKey],
+        missing: list[PlanKey],
+        tensors: dict[PlanKey, torch.Tensor],
+        embed: EmbedFn,
+        project: ProjectFn,
+        report: BuildReport,
+    ) -> None:
+        """Steps 3-6 of the module docstring for the ``missing`` plans of a validated request."""
         report.device_hits = len(order) - len(missing)
-        wanted = set(order)
         bytes_before = self.source.bytes_read
         try:
             from_host, from_store = self._tier_lookup(missing)
@@ -414,57 +381,25 @@ class AdalnCache:
                 failed_at="tier lookup",
             ) from exc
         to_build = [k for k in missing if k not in from_host and k not in from_store]
-
-        slots = self._reserve(missing, wanted, report)
+        reservation = self._pool.reserve(missing, set(order))
+        self.stats.evicted_plans += len(reservation.evicted)
+        report.evicted = len(reservation.evicted)
         try:
-            # Local work only up to the agreement: no collective runs in here, so a failure on one
-            # rank can never leave a peer blocked waiting for it.
-            failure: BaseException | None = None
-            try:
-                for key, rows in from_host.items():
-                    self._write_rows(slots[key], rows)
-                for key, rows in from_store.items():
-                    self._write_rows(slots[key], rows)
-                if to_build:
-                    work = self._run_pass(to_build, slots, tensors, embed, project or _default_project, report)
-                with self._failing_at("publish"):
-                    self.fault_points.check("publish")
-            except BaseException as exc:
-                failure = exc
-            # Every rank learns whether any rank failed before anyone exchanges results.
-            self._dist.raise_if_any_failed(failure, "build")
-            if failure is not None:
-                raise failure
-            if to_build:
-                shared: BaseException | None = None
-                try:
-                    self._dist.share_results(
-                        self, [slots[k] for k in to_build], [tensors[k].numel() for k in to_build], work
-                    )
-                except BaseException as exc:
-                    shared = exc
-                # Publish only once every rank holds every row.
-                self._dist.raise_if_any_failed(shared, "exchange of results")
-                if shared is not None:
-                    raise shared
-            self._publish(missing, slots, tensors)
+            self._write_and_publish(reservation, {**from_host, **from_store}, to_build, tensors, embed, project, report)
         except BaseException as exc:
-            self._release(slots)
+            self._pool.release(reservation.slots)
             self.stats.failed_builds += 1
             if isinstance(exc, BuildError):
                 raise
-            failed_at = getattr(exc, "adalncache_failed_at", None) or "build"
+            phase = failure_phase(exc) or "build"
             raise BuildError(
-                f"build of {len(missing)} plan(s) failed at {failed_at}: {type(exc).__name__}: {exc}; nothing "
+                f"build of {len(missing)} plan(s) failed at {phase}: {type(exc).__name__}: {exc}; nothing "
                 f"of this request was published and a retry rebuilds it",
                 rank=self._dist.rank if self._dist.world > 1 else None,
-                failed_at=failed_at,
+                failed_at=phase,
             ) from exc
-
-        for key in order:
-            self._slots.move_to_end(key)
-        report.host_hits = len(from_host)
-        report.store_hits = len(from_store)
+        self._pool.touch(order)
+        report.host_hits, report.store_hits = len(from_host), len(from_store)
         report.built = len(to_build)
         report.passes = 1 if to_build else 0
         report.bytes_read = self.source.bytes_read - bytes_before
@@ -474,206 +409,62 @@ class AdalnCache:
         self.stats.built_plans += report.built
         self.stats.passes += report.passes
         self._tier_write(order, to_build, report)
-        report.seconds = time.perf_counter() - start
-        log.info(
-            "build: %d plan(s): %d device, %d host, %d store hits, %d built in %d pass(es), %d evicted, %.3f s",
-            report.plans,
-            report.device_hits,
-            report.host_hits,
-            report.store_hits,
-            report.built,
-            report.passes,
-            report.evicted,
-            report.seconds,
-        )
-        return report
 
-    # -- slots ------------------------------------------------------------------------------
-
-    def _reserve(self, missing: list[PlanKey], wanted: set[PlanKey], report: BuildReport) -> dict[PlanKey, int]:
-        """Slots for ``missing``: free ones first, then the least recently used plans not in ``wanted``."""
-        slots: dict[PlanKey, int] = {}
-        self._free.sort(reverse=True)  # pop() hands out the lowest free slot first: deterministic
-        victims: Iterator[PlanKey] = (k for k in list(self._slots) if k not in wanted)
-        for key in missing:
-            if not self._free:
-                victim = next(victims)  # exists: len(wanted) <= max_plans was checked
-                self._unpublish(victim)
-                self.stats.evicted_plans += 1
-                report.evicted += 1
-            slots[key] = self._free.pop()
-        return slots
-
-    def _unpublish(self, key: PlanKey) -> None:
-        """Evict ``key``: the map forgets it first so no lookup can reach a slot being cleared."""
-        slot = self._slots.pop(key)
-        self.plan_lengths[slot] = 0
-        self.plan_timesteps[slot].zero_()
-        self._free.append(slot)
-
-    def _release(self, slots: dict[PlanKey, int]) -> None:
-        """Return the slots of a failed build to the free list, hiding anything written into them."""
-        for key, slot in slots.items():
-            if self._slots.get(key) == slot:
-                del self._slots[key]
-            self.plan_lengths[slot] = 0
-            self.plan_timesteps[slot].zero_()
-            if slot not in self._free:
-                self._free.append(slot)
-
-    def _publish(self, keys: list[PlanKey], slots: dict[PlanKey, int], tensors: dict[PlanKey, torch.Tensor]) -> None:
-        # Contents first: timesteps (the block and final rows are already written).
-        for key in keys:
-            plan = tensors[key]
-            row = self.plan_timesteps[slots[key]]
-            row.zero_()
-            row[: plan.numel()].copy_(plan.to(self.device))
-        # Lengths flip after contents, so a device-side reader never sees a half-filled slot.
-        index = torch.tensor([slots[k] for k in keys], dtype=torch.int64)
-        lengths = torch.tensor([tensors[k].numel() for k in keys], dtype=torch.int64)
-        self.plan_lengths.index_copy_(0, index.to(self.device), lengths.to(self.device))
-        # The host-side map is what lookups consult: it changes last, all at once.
-        self._slots.update((k, slots[k]) for k in keys)
-
-    # -- the rebuild pass -------------------------------------------------------------------
-
-    @contextlib.contextmanager
-    def _failing_at(self, where: str) -> Iterator[None]:
-        """Label an exception with the phase it came from, for BuildError messages."""
-        try:
-            yield
-        except BaseException as exc:
-            if getattr(exc, "adalncache_failed_at", None) is None:
-                with contextlib.suppress(AttributeError, TypeError):
-                    setattr(exc, "adalncache_failed_at", where)  # noqa: B010
-            raise
-
-    def _embed_all(
-        self, keys: list[PlanKey], tensors: dict[PlanKey, torch.Tensor], embed: EmbedFn
-    ) -> dict[PlanKey, torch.Tensor]:
-        out: dict[PlanKey, torch.Tensor] = {}
-        want_dtype = torch.float32 if self.precision == "fp32" else self.spec.dtype
-        for key in keys:
-            plan = tensors[key]
-            with self._failing_at(f"embed of plan {format_plan(key)}"):
-                self.fault_points.check("embed")
-                x = embed(plan)
-                if not isinstance(x, torch.Tensor) or tuple(x.shape) != (plan.numel(), self.spec.time_embed_dim):
-                    shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-                    raise PlanError(
-                        f"embed(plan) must return a ({plan.numel()}, {self.spec.time_embed_dim}) tensor for a "
-                        f"plan of {plan.numel()} timesteps, got {shape}"
-                    )
-                if self.precision == "match" and x.dtype != want_dtype:
-                    raise PlanError(
-                        f"embed(plan) returned {x.dtype} but precision='match' projects in the weights' dtype "
-                        f"{self.spec.dtype}: return silu(temb).to({self.spec.dtype}) as the model's forward does"
-                    )
-                out[key] = x.to(self.device, want_dtype)
-        return out
-
-    def _run_pass(
+    def _write_and_publish(
         self,
-        keys: list[PlanKey],
-        slots: dict[PlanKey, int],
+        reservation: Reservation,
+        restored: dict[PlanKey, PlanRows],
+        to_build: list[PlanKey],
         tensors: dict[PlanKey, torch.Tensor],
         embed: EmbedFn,
         project: ProjectFn,
         report: BuildReport,
-    ) -> LocalWork:
-        """Stream this rank's layers once, project each plan with its own M into its reserved slot.
-
-        Purely local (no collectives): the caller agrees on failures, then shares the results.
-        """
-        with torch.no_grad():
-            xs = self._embed_all(keys, tensors, embed)
-            plan_of = self._dist.local_work(self.spec.layers())
-            fp32 = self.precision == "fp32"
-            bar = tqdm(
-                total=len(plan_of.layers),
-                desc="adalncache pass",
-                unit="layer",
-                leave=False,
-                disable=(not self.progress) if self.progress is not None else None,
-            )
+    ) -> None:
+        """Write every reserved slot, agree with the other ranks, publish. Raises on any failure."""
+        slots = reservation.slots
+        # Local work only up to the agreement: no collective runs in here, so a failure on one
+        # rank can never leave a peer blocked waiting for it.
+        failure: BaseException | None = None
+        try:
+            for key, rows in restored.items():
+                self._slab.write_rows(slots[key], rows)
+            if to_build:
+                self._rebuild_pass().run(to_build, slots, tensors, embed, project, report)
+            with failing_at("publish"):
+                self.fault_points.check("publish")
+        except BaseException as exc:
+            failure = exc
+        # Every rank learns whether any rank failed before anyone exchanges results.
+        self._dist.raise_if_any_failed(failure, "build")
+        if failure is not None:
+            raise failure
+        if to_build:
+            shared: BaseException | None = None
             try:
-                stream = self.source.stream(
-                    plan_of.layers, device=self.device, columns=plan_of.columns, read_ahead=self.read_ahead
-                )
-                stacker = None
-                if self.batched:
-                    with self._failing_at("projection setup (batched)"):
-                        shared = project is _default_project
-                        stacker = StackedProjector(keys, xs, project, shared=shared)
-                alone = [k for k in keys if stacker is None or k not in stacker.grouped]
-                with contextlib.closing(stream), self._failing_at("read"):  # type: ignore[type-var]
-                    for lw in self._labelled(stream, plan_of.layers):
-                        current = f"layer {lw.layer}"
-                        weight, bias = (lw.weight.float(), lw.bias.float()) if fp32 else (lw.weight, lw.bias)
-                        if stacker is not None:
-                            with self._failing_at(f"projection of {current}"):
-                                self.fault_points.check("project")
-                                for key, y in stacker.project_layer(lw.layer, weight, bias):
-                                    self._write_projection(slots[key], lw.layer, y, plan_of.columns, current)
-                        for key in alone:
-                            with self._failing_at(f"projection of {current}"):
-                                self.fault_points.check("project")
-                                y = project(lw.layer, xs[key], weight, bias)
-                                self._write_projection(slots[key], lw.layer, y, plan_of.columns, current)
-                        report.layers_read.append(str(lw.layer))
-                        bar.update(1)
-                if stacker is not None:
-                    report.stacked_layers = stacker.stats.stacked_layers
-                    report.per_plan_layers = stacker.stats.per_plan_layers
-            finally:
-                bar.close()
-            return plan_of
-
-    @staticmethod
-    def _labelled(stream: Iterator[Any], layers: Sequence[Layer]) -> Iterator[Any]:
-        """Iterate ``stream`` while labelling a read failure with the layer that was being read."""
-        for layer in layers:
-            try:
-                item = next(stream)
-            except StopIteration:
-                return
+                self._dist.share_results(self._slab, [slots[k] for k in to_build], [len(k) for k in to_build])
             except BaseException as exc:
-                if getattr(exc, "adalncache_failed_at", None) is None:
-                    with contextlib.suppress(AttributeError, TypeError):
-                        setattr(exc, "adalncache_failed_at", f"read of layer {layer}")  # noqa: B010
-                raise
-            yield item
+                shared = exc
+            # Publish only once every rank holds every row.
+            self._dist.raise_if_any_failed(shared, "exchange of results")
+            if shared is not None:
+                raise shared
+        keys = list(slots)
+        self._slab.publish([slots[k] for k in keys], [tensors[k] for k in keys])
+        # The host-side map is what lookups consult: it changes last, all at once.
+        self._pool.commit(slots)
 
-    def _write_projection(self, slot: int, layer: Layer, y: torch.Tensor, columns: Columns | None, where: str) -> None:
-        n = y.shape[0] if y.dim() == 2 else -1
-        width = self.spec.out_features(layer)
-        lo, hi = columns.bounds(width) if columns is not None else (0, width)
-        if y.dim() != 2 or y.shape[1] != hi - lo or n > self.max_plan_width:
-            raise PlanError(f"the projection of {where} returned shape {tuple(y.shape)}, expected (M, {hi - lo})")
-        if columns is not None:
-            dest = self._dist.column_staging(self, slot, layer, n)
-        elif layer == FINAL:
-            dest = self.final_params[slot, :n]
-        else:
-            dest = self.block_params[slot, :n, layer]
-        dest.copy_(y)
-
-    def _write_rows(self, slot: int, rows: PlanRows) -> None:
-        n = rows.timesteps.numel()
-        self.block_params[slot, :n].copy_(rows.block, non_blocking=True)
-        self.final_params[slot, :n].copy_(rows.final, non_blocking=True)
+    def _rebuild_pass(self) -> RebuildPass:
+        return RebuildPass(
+            spec=self.spec, source=self.source, slab=self._slab, collective=self._dist, precision=self.precision,
+            read_ahead=self.read_ahead, progress=self.progress, batched=self.batched, faults=self.fault_points,
+        )  # fmt: skip
 
     def rows_of(self, key: PlanKey) -> PlanRows:
         """A copy of a resident plan's rows, on the cache device (tiers and verify read these)."""
-        slot = self._slots.get(key)
+        slot = self._pool.slot_of(key)
         if slot is None:
             raise PlanNotCachedError(f"the cache does not cover plan {format_plan(key)}")
-        n = len(key)
-        return PlanRows(
-            self.plan_timesteps[slot, :n].clone(),
-            self.block_params[slot, :n].clone(),
-            self.final_params[slot, :n].clone(),
-        )
+        return self._slab.read_rows(slot, len(key))
 
     # -- tiers ------------------------------------------------------------------------------
 
@@ -707,51 +498,52 @@ class AdalnCache:
             self.stats.store_corrupt = self._store.corrupt_moved
         return from_host, from_store
 
+    def _tier_failed(self, report: BuildReport, count: int, what: str, exc: BaseException) -> None:
+        self.stats.tier_write_failures += count
+        report.tier_write_failures += count
+        log.warning("%s failed after publish (slab unaffected): %s", what, exc)
+
     def _tier_write(self, order: list[PlanKey], built: list[PlanKey], report: BuildReport) -> None:
         """Copy published plans to the tiers; never raises (the slab is already correct)."""
         if self._host is not None:
             try:
                 self.fault_points.check("host_write")
-                admitted = self._host.admit(order, self.rows_of)
-                if not admitted:
+                if not self._host.admit(order, self.rows_of):
                     self.stats.host_pressure_skips += 1
             except Exception as exc:
-                self.stats.tier_write_failures += 1
-                report.tier_write_failures += 1
-                log.warning("host tier write failed after publish (slab unaffected): %s", exc)
+                self._tier_failed(report, 1, "host tier write", exc)
             self.stats.host_evicted = self._host.evicted_plans
-        if self._store is not None and built and self._dist.writes_store():
+        # Every rank writes the plans it built. A rank's entries are bound to its own source
+        # fingerprint and numeric environment, which need not equal its peers' (local checkpoint
+        # copies on several nodes): a single writer would leave the other ranks missing forever,
+        # and since tier hits are AND-reduced, every rank would rebuild every time. Ranks sharing
+        # one directory and fingerprint write the same bytes; the store's atomic rename makes that safe.
+        if self._store is None or not built:
+            return
+        try:
+            self.fault_points.check("store_write")
+            binding = self.binding()
+        except Exception as exc:
+            self._tier_failed(report, 1, "store write", exc)
+            return
+        # One entry per file: a failing entry (a full disk, a permission) must not keep the
+        # others out, and each failure is counted so `adalncache build` can report them.
+        failed: list[BaseException] = []
+        for key in built:
             try:
-                self.fault_points.check("store_write")
-                binding = self.binding()
+                self._store.put(binding, key, self.rows_of(key))
             except Exception as exc:
-                self.stats.tier_write_failures += 1
-                report.tier_write_failures += 1
-                log.warning("store write failed after publish (slab unaffected): %s", exc)
-                return
-            # One entry per file: a failing entry (a full disk, a permission) must not keep the
-            # others out, and each failure is counted so `adalncache build` can report them.
-            failed: list[BaseException] = []
-            for key in built:
-                try:
-                    self._store.put(binding, key, self.rows_of(key))
-                except Exception as exc:
-                    failed.append(exc)
-            if failed:
-                self.stats.tier_write_failures += len(failed)
-                report.tier_write_failures += len(failed)
-                log.warning(
-                    "store write failed for %d of %d plan(s) after publish (slab unaffected); first: %s",
-                    len(failed), len(built), failed[0],
-                )  # fmt: skip
+                failed.append(exc)
+        if failed:
+            self._tier_failed(report, len(failed), f"store write of {len(failed)} of {len(built)} plan(s)", failed[0])
 
     # -- lookups ----------------------------------------------------------------------------
 
     def _slot_for(self, key: PlanKey) -> int:
-        slot = self._slots.get(key)
+        slot = self._pool.slot_of(key)
         if slot is None:
             raise PlanNotCachedError(
-                f"the cache does not cover plan {format_plan(key)} ({len(self._slots)} plan(s) resident): call "
+                f"the cache does not cover plan {format_plan(key)} ({len(self._pool)} plan(s) resident): call "
                 f"build() with it first"
             )
         return slot
@@ -765,28 +557,11 @@ class AdalnCache:
 
     def lookup(self, plan: torch.Tensor, *, key: PlanKey | None = None) -> torch.Tensor:
         """The slot of a resident plan as a 0-d LongTensor on the cache device."""
-        return self._slot_index[self._slot_for(plan_key(plan) if key is None else key)]
-
-    def _slot_rows(self, table: torch.Tensor, slot: int | torch.Tensor) -> torch.Tensor:
-        if isinstance(slot, torch.Tensor):
-            # index_select keeps a device slot on the device: no host read, no sync.
-            return table.index_select(0, slot.reshape(1).to(table.device))[0]
-        return table[slot]
-
-    def _check_rows(self, num_timesteps: int, layer: int | None = None) -> None:
-        # Slicing would silently cut an over-long request to the slab width; say so instead.
-        if not 1 <= num_timesteps <= self.max_plan_width:
-            raise PlanError(
-                f"num_timesteps must be in 1..{self.max_plan_width} (the slab's plan width, CLI --plan-width), "
-                f"got {num_timesteps}: pass len(plan) of a resident plan"
-            )
-        if layer is not None and not 0 <= layer < self.spec.num_layers:
-            raise PlanError(f"layer must be in 0..{self.spec.num_layers - 1}, got {layer}")
+        return self._slab.index(self._slot_for(plan_key(plan) if key is None else key))
 
     def block_rows(self, layer: int, slot: int | torch.Tensor, num_timesteps: int) -> torch.Tensor:
         """``Y`` of block ``layer``: the ``(num_timesteps, block_width)`` output of its projection."""
-        self._check_rows(num_timesteps, layer)
-        return self._slot_rows(self.block_params.select(2, layer), slot)[:num_timesteps]
+        return self._slab.block_rows(layer, slot, num_timesteps)
 
     def block(self, layer: int, slot: int | torch.Tensor, num_timesteps: int) -> tuple[torch.Tensor, ...]:
         """The six ``(num_timesteps * modalities, hidden)`` tensors, as ``Y.view(-1, 6H).chunk(6, -1)``."""
@@ -795,15 +570,13 @@ class AdalnCache:
 
     def block_all(self, slot: int | torch.Tensor, num_timesteps: int) -> list[tuple[torch.Tensor, ...]]:
         """:meth:`block` for every layer from one gather of the slot."""
-        self._check_rows(num_timesteps)
-        rows = self._slot_rows(self.block_params, slot)[:num_timesteps]
+        rows = self._slab.block_all_rows(slot, num_timesteps)
         width = 6 * self.spec.hidden_size
         return [rows[:, layer].reshape(-1, width).chunk(6, dim=-1) for layer in range(self.spec.num_layers)]
 
     def final_rows(self, slot: int | torch.Tensor, num_timesteps: int) -> torch.Tensor:
         """``Z``: the ``(num_timesteps, final_width)`` output of the output-layer projection."""
-        self._check_rows(num_timesteps)
-        return self._slot_rows(self.final_params, slot)[:num_timesteps]
+        return self._slab.final_rows(slot, num_timesteps)
 
     def final(self, slot: int | torch.Tensor, num_timesteps: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(shift, scale)`` of the output layer."""
@@ -814,27 +587,13 @@ class AdalnCache:
 
     def invalidate(self) -> None:
         """Empty the slab and the host tier. Store entries stay: they are keyed by fingerprint."""
-        for key in list(self._slots):
-            self._unpublish(key)
+        self._pool.clear()
         if self._host is not None:
             self._host.clear()
 
     def check_invariants(self) -> None:
-        """Assert the bookkeeping invariants (tests call this after every operation)."""
-        resident = set(self._slots.values())
-        free = set(self._free)
-        assert len(resident) == len(self._slots), "two plans share a slot"
-        assert len(free) == len(self._free), "a slot is free twice"
-        assert not resident & free, "a slot is both free and resident"
-        assert resident | free == set(range(self.max_plans)), "a slot leaked"
-        lengths = self.plan_lengths.cpu()
-        timesteps = self.plan_timesteps.cpu()
-        for slot in free:
-            assert int(lengths[slot]) == 0, f"free slot {slot} has length {int(lengths[slot])}"
-        for key, slot in self._slots.items():
-            n = int(lengths[slot])
-            assert n == len(key), f"slot {slot}: length {n} but its plan has {len(key)} timesteps"
-            assert plan_key(timesteps[slot, :n].contiguous()) == key, f"slot {slot}: timesteps disagree with map"
+        """Assert the bookkeeping invariants (:mod:`adalncache.slots`; tests call this after every step)."""
+        self._pool.check_invariants()
         if self._host is not None:
             self._host.check_invariants()
 

@@ -1,7 +1,7 @@
 """Rank agreement and work sharing for distributed builds (``process_group=``).
 
 The cache talks to its peers only through a :class:`Collective`. In a single process every
-method is trivial (:class:`LocalCollective`). With a ``torch.distributed`` process group
+method is trivial (the base class itself). With a ``torch.distributed`` process group
 (:class:`ProcessGroupCollective`: gloo on CPU, NCCL on GPU) the ranks run SPMD: every rank calls
 ``build`` with the same plans, and every decision that must be identical everywhere is reduced
 across ranks before anyone acts on it:
@@ -25,7 +25,8 @@ A rank that dies outright (killed, segfault, lost node) cannot take part in an a
 peers block in the next collective until the process group's timeout (``timeout=`` of
 ``init_process_group``/``new_group``) expires, then raise. docs/distributed.md has the details.
 
-Store writes: every rank writes the plans it published (see :meth:`Collective.writes_store`).
+Rows move only through the :class:`~adalncache.slab.Slab` this module is handed: it never sees
+the cache, whose slot decisions stay the cache's.
 """
 
 from __future__ import annotations
@@ -38,12 +39,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .errors import AdalnCacheError, BuildError, ConfigError, PlanError
+from .errors import AdalnCacheError, BuildError, ConfigError, PlanError, failure_phase
 from .source import Columns
 from .spec import FINAL, Layer, ModulationSpec
 
 if TYPE_CHECKING:
-    from .cache import AdalnCache
+    from .slab import Slab
 
 log = logging.getLogger(__name__)
 
@@ -74,16 +75,19 @@ class PeerBuildFailure(AdalnCacheError, RuntimeError):
 
 
 class Collective:
-    """The agreement protocol the cache relies on; see :class:`LocalCollective` for the trivial one."""
+    """The agreement protocol the cache relies on, as a single process runs it.
+
+    Alone, every decision is already agreed, so every method is trivial; this class is what the
+    cache uses without a process group. :class:`ProcessGroupCollective` implements the same
+    methods with ``torch.distributed`` collectives.
+    """
 
     rank: int = 0
     world: int = 1
 
     def min_ints(self, values: Sequence[int]) -> list[int]:
+        """Element-wise minimum over ranks, in one collective."""
         return list(values)
-
-    def any_true(self, flag: bool) -> bool:
-        return bool(flag)
 
     def any_of(self, flags: Sequence[bool]) -> list[bool]:
         """Element-wise OR over ranks, in one collective."""
@@ -112,33 +116,16 @@ class Collective:
     def agree_construction(self, failure: BaseException | None) -> None:
         """Make every rank's construction fail if one rank's did (no-op alone: the caller re-raises)."""
 
-    def local_work(self, layers: Sequence[Layer]) -> LocalWork:
+    def local_work(self, layers: Sequence[Layer], slab: Slab) -> LocalWork:
+        """What this rank reads and projects in a pass (everything, alone) into ``slab``."""
         return LocalWork(list(layers))
 
-    def share_results(self, cache: AdalnCache, slots: list[int], lengths: list[int], work: LocalWork) -> None:
-        """Give every rank the rows the others projected (nothing to share alone)."""
-
-    def column_staging(self, cache: AdalnCache, slot: int, layer: Layer, n: int) -> torch.Tensor:
-        raise NotImplementedError("column staging needs a process group")
-
-    def writes_store(self) -> bool:
-        """Whether this rank writes store entries after publishing.
-
-        Every rank does. A rank's entries are bound to its own source fingerprint and numeric
-        environment, which need not equal its peers' (local checkpoint copies on several nodes,
-        in-memory sources): a single writer would leave the other ranks' lookups missing forever,
-        and since tier hits are AND-reduced, every rank would rebuild every time. Ranks that share
-        one store directory and one fingerprint write the same bytes to the same entry; the
-        store's atomic rename makes that safe, at the cost of duplicate writes.
-        """
-        return True
+    def share_results(self, slab: Slab, slots: list[int], lengths: list[int]) -> None:
+        """Give every rank the rows the others projected into ``slab`` (nothing to share alone)."""
 
     def describe_shard(self) -> str:
+        """What the tables' bits reproduce (part of the store binding): a single process here."""
         return "single"
-
-
-class LocalCollective(Collective):
-    """A single process: every decision is already agreed."""
 
 
 def _digest(values: Any) -> int:
@@ -247,9 +234,6 @@ class ProcessGroupCollective(Collective):
     def min_ints(self, values: Sequence[int]) -> list[int]:
         return self._reduce(values, self._d.ReduceOp.MIN) if values else []
 
-    def any_true(self, flag: bool) -> bool:
-        return self.any_of([flag])[0]
-
     def any_of(self, flags: Sequence[bool]) -> list[bool]:
         if not flags:
             return []
@@ -303,7 +287,7 @@ class ProcessGroupCollective(Collective):
 
     def _gather_failures(self, failure: BaseException | None, phase: str) -> list[tuple[int, str, str]]:
         """(rank, phase, text) of every rank that failed, from one all-gather of fixed-size records."""
-        at = str(getattr(failure, "adalncache_failed_at", None) or phase) if failure is not None else ""
+        at = (failure_phase(failure) or phase) if failure is not None else ""
         text = f"{type(failure).__name__}: {failure}" if failure is not None else ""
         at_b, text_b = _text_bytes(at, _AT_BYTES), _text_bytes(text, _TEXT_BYTES)
         payload = bytes([1 if failure is not None else 0])
@@ -341,29 +325,22 @@ class ProcessGroupCollective(Collective):
 
     # -- the work of a pass -----------------------------------------------------------------
 
-    def local_work(self, layers: Sequence[Layer]) -> LocalWork:
-        self._gather = None  # column buffers are (re)allocated inside each pass, where failures are agreed
+    def local_work(self, layers: Sequence[Layer], slab: Slab) -> LocalWork:
+        """This rank's layers (``layers`` shard) or its column slice of every layer (``columns``).
+
+        In column mode this also allocates the exchange buffers (one slot's worth) here, inside the
+        pass whose failures are agreed, so the exchange after the agreement allocates nothing and
+        cannot fail on one rank alone.
+        """
+        self._gather = None
         if self.shard == "columns":
+            self._gather = self._column_buffers(slab)
             return LocalWork(list(layers), Columns(self.rank, self.world))
         mine = set(self._shares[self.rank])
         return LocalWork([layer for layer in layers if layer in mine])
 
-    def column_staging(self, cache: AdalnCache, slot: int, layer: Layer, n: int) -> torch.Tensor:
-        """Where this rank's column slice of ``layer`` goes: that slice of its own slab.
-
-        The first call of a pass also allocates the exchange buffers (one slot's worth), so the
-        exchange after the agreement allocates nothing and cannot fail on one rank alone.
-        """
-        if self._gather is None:
-            self._gather = self._column_buffers(cache)
-        width = cache.spec.out_features(layer)
-        lo, hi = Columns(self.rank, self.world).bounds(width)
-        if layer == FINAL:
-            return cache.final_params[slot, :n, lo:hi]
-        return cache.block_params[slot, :n, layer, lo:hi]
-
-    def _column_buffers(self, cache: AdalnCache) -> dict[str, torch.Tensor]:
-        spec, W, dev = cache.spec, cache.max_plan_width, self.comm_device
+    def _column_buffers(self, slab: Slab) -> dict[str, torch.Tensor]:
+        spec, W, dev = slab.spec, slab.max_plan_width, self.comm_device
         L = spec.num_layers
         bw, fw = spec.block_width // self.world, spec.final_width // self.world
         return {
@@ -373,11 +350,11 @@ class ProcessGroupCollective(Collective):
             "final_recv": torch.empty(self.world, W, fw, dtype=spec.dtype, device=dev),
         }
 
-    def share_results(self, cache: AdalnCache, slots: list[int], lengths: list[int], work: LocalWork) -> None:
+    def share_results(self, slab: Slab, slots: list[int], lengths: list[int]) -> None:
         if self.shard == "columns":
-            self._share_columns(cache, slots, lengths)
+            self._share_columns(slab, slots, lengths)
         else:
-            self._share_layers(cache, slots, lengths)
+            self._share_layers(slab, slots, lengths)
 
     def _broadcast(self, t: torch.Tensor, owner: int, works: list[Any]) -> None:
         """Broadcast ``t`` (contiguous) in place from ``owner``; async when it already lives on the comm device."""
@@ -392,7 +369,7 @@ class ProcessGroupCollective(Collective):
         self._d.broadcast(staged.view(torch.uint8), src=self._global[owner], group=self.group)
         t.copy_(staged)
 
-    def _share_layers(self, cache: AdalnCache, slots: list[int], lengths: list[int]) -> None:
+    def _share_layers(self, slab: Slab, slots: list[int], lengths: list[int]) -> None:
         works: list[Any] = []
         for owner, share in enumerate(self._shares):
             blocks = [layer for layer in share if layer != FINAL]
@@ -402,17 +379,17 @@ class ProcessGroupCollective(Collective):
                     for t in range(n):
                         # One timestep row of a slot is [L, block_width]: the owner's layers are
                         # a contiguous run of it, so it travels in place with no packing.
-                        self._broadcast(cache.block_params[slot, t, first:last], owner, works)
+                        self._broadcast(slab.block_view(slot, n)[t, first:last], owner, works)
                 if FINAL in share:
-                    self._broadcast(cache.final_params[slot, :n], owner, works)
+                    self._broadcast(slab.final_view(slot, n), owner, works)
         for work in works:
             work.wait()
 
-    def _share_columns(self, cache: AdalnCache, slots: list[int], lengths: list[int]) -> None:
-        buffers = self._gather if self._gather is not None else self._column_buffers(cache)
-        world, L = self.world, cache.spec.num_layers
+    def _share_columns(self, slab: Slab, slots: list[int], lengths: list[int]) -> None:
+        buffers = self._gather if self._gather is not None else self._column_buffers(slab)
+        world, L = self.world, slab.spec.num_layers
         for slot, n in zip(slots, lengths):
-            for name, table in (("block", cache.block_params[slot, :n]), ("final", cache.final_params[slot, :n])):
+            for name, table in (("block", slab.block_view(slot, n)), ("final", slab.final_view(slot, n))):
                 width = table.shape[-1]
                 lo, hi = Columns(self.rank, world).bounds(width)
                 send = buffers[f"{name}_send"][:n]
@@ -447,7 +424,7 @@ def make_collective(
     ``config``: further settings every rank must share (compared across ranks at construction).
     """
     if process_group is None:
-        return LocalCollective()
+        return Collective()
     try:
         import torch.distributed as dist
     except ImportError as exc:  # pragma: no cover - torch builds without distributed
@@ -472,7 +449,6 @@ def make_collective(
 
 __all__ = [
     "Collective",
-    "LocalCollective",
     "LocalWork",
     "PeerBuildFailure",
     "ProcessGroupCollective",

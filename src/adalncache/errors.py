@@ -8,6 +8,13 @@ existing ``except ValueError`` code keeps working.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
+#: The attribute a failure carries to say where it happened ("read of layer 3", "publish").
+#: Only :func:`mark_failed_at`, :func:`failure_phase` and :func:`failing_at` touch it.
+_FAILED_AT = "adalncache_failed_at"
+
 
 class AdalnCacheError(Exception):
     """Base class of every error raised by adalncache."""
@@ -45,6 +52,33 @@ class BuildError(AdalnCacheError, RuntimeError):
         self.failed_at = failed_at
 
 
+def mark_failed_at(exc: BaseException, where: str) -> None:
+    """Label ``exc`` with the phase it came from, unless an inner phase already did.
+
+    The innermost label wins: a read failure inside a projection says "read of layer 3", not the
+    projection. Exceptions that refuse attributes (some builtins' instances) stay unlabelled.
+    """
+    if failure_phase(exc) is None:
+        with contextlib.suppress(AttributeError, TypeError):
+            setattr(exc, _FAILED_AT, where)
+
+
+def failure_phase(exc: BaseException) -> str | None:
+    """The phase ``exc`` was labelled with by :func:`mark_failed_at`, or ``None``."""
+    where = getattr(exc, _FAILED_AT, None)
+    return None if where is None else str(where)
+
+
+@contextlib.contextmanager
+def failing_at(where: str) -> Iterator[None]:
+    """Within the block, label any exception (``KeyboardInterrupt`` too) with ``where``; re-raise it."""
+    try:
+        yield
+    except BaseException as exc:
+        mark_failed_at(exc, where)
+        raise
+
+
 __all__ = [
     "AdalnCacheError",
     "BuildError",
@@ -52,4 +86,7 @@ __all__ = [
     "ConfigError",
     "PlanError",
     "PlanNotCachedError",
+    "failing_at",
+    "failure_phase",
+    "mark_failed_at",
 ]

@@ -33,7 +33,6 @@ import hashlib
 import json
 import logging
 import os
-import platform
 import socket
 import struct
 import time
@@ -46,6 +45,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError
+from ..numerics import numeric_environment
 from ..plans import PlanKey, key_to_plan
 from ..rows import PlanRows
 from ..spec import ModulationSpec
@@ -60,32 +60,6 @@ _TMP_PREFIX = ".tmp-"
 #: A temp file this old is swept even when its writer's liveness cannot be checked (another host).
 _STALE_TMP_SECONDS = 3600.0
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-def numeric_environment(device: torch.device) -> dict[str, Any]:
-    """Everything besides the weights that decides the bits of a projection on ``device``."""
-    env: dict[str, Any] = {
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "device_type": device.type,
-        "matmul_tf32": torch.backends.cuda.matmul.allow_tf32,
-        "cudnn_tf32": torch.backends.cudnn.allow_tf32,
-        "fp16_reduced": torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction,
-        "bf16_reduced": torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction,
-        "float32_matmul_precision": torch.get_float32_matmul_precision(),
-    }
-    env["deterministic"] = torch.are_deterministic_algorithms_enabled()
-    if device.type == "cuda":
-        env["device_name"] = torch.cuda.get_device_name(device)
-        env["capability"] = list(torch.cuda.get_device_capability(device))
-        # cuBLAS vs cuBLASLt and the workspace configuration pick different GEMM kernels.
-        blas = getattr(torch.backends.cuda, "preferred_blas_library", None)
-        env["blas"] = str(blas()) if callable(blas) else None
-        env["cublas_workspace"] = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
-    else:
-        env["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
-        env["machine"] = platform.machine()
-    return env
 
 
 def binding_hash(binding: Mapping[str, Any]) -> str:

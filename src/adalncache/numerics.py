@@ -1,0 +1,157 @@
+"""The settings that decide the output bits of a projection: one definition, read without raising.
+
+Two parts of the cache must know everything besides the weights and the input that can change
+the bits a GEMM produces:
+
+* the store binding (:func:`numeric_environment`): an entry written under other settings must
+  be a miss, never a wrong answer;
+* the batched mode's probe (:func:`bit_settings`, part of each shape class): a verdict that
+  stacking is bit-identical holds only under the settings it was probed with.
+
+Both read :func:`bit_settings`, so they can never disagree again about what matters.
+
+What is in it, and why:
+
+* **Intra-op thread count** (``torch.get_num_threads()``). Measured on this project's CPU
+  machine (torch 2.13.0+cpu, AVX512 without bf16 instructions): ``F.linear`` with a bf16
+  weight, K = 2688 (MiniMax-H3's ``time_embed_dim``) and M = 2 or 3 (one plan's timesteps)
+  gives different bits with 1 thread and with 2, for N = 96768 (the block width), 10752 (the
+  output layer) and 3072, at every weight alignment tried; with 4 threads M = 4, 6 and 98
+  (a stacked batch) differ too. The thread count decides how MKL splits the reduction, so a
+  table built with one count is not the one a forward with another count would compute.
+* **Precision switches.** From torch 2.9 on, each backend has an ``fp32_precision`` switch
+  (``torch.backends.fp32_precision``, ``cuda.matmul``, ``cudnn`` with ``conv``/``rnn``,
+  ``mkldnn`` with ``matmul``/``conv``/``rnn``). They matter on a CPU as well:
+  ``torch.backends.mkldnn.matmul.fp32_precision = "bf16"`` makes fp32 matmuls on a CPU use
+  bf16 arithmetic. Once any new switch is set, reading the legacy flags
+  (``torch.backends.cuda.matmul.allow_tf32``, ``torch.backends.cudnn.allow_tf32``,
+  ``torch.get_float32_matmul_precision()``) raises ``RuntimeError`` ("mix of the legacy and new
+  APIs"), CPU builds included. Where the new switches exist they already reflect what the legacy
+  setters did (``allow_tf32 = True`` reads back as ``cuda.matmul.fp32_precision == "tf32"``), so
+  only they are read; the legacy flags are read only on a torch that lacks the new ones, where
+  reading them cannot raise.
+* **Reduced-precision reductions** for bf16 and fp16 GEMMs on CUDA, and fp16 accumulation:
+  separate switches the fp32 precision API does not cover.
+* **Deterministic algorithms**: they may select other kernels.
+* **Autocast**: not recorded yet. A projection run under autocast computes in the autocast
+  dtype; :func:`autocast_settings` is where that state will be added, and both users pick it up
+  from here.
+
+Device identity (torch build, CUDA version, device name and capability, CPU capability) is added
+by :func:`numeric_environment`; the probe's shape class already names the device.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from typing import Any
+
+import torch
+
+#: The matmul precision switches of the new API, each with its parents (most specific first).
+#: ``"none"`` means "inherit from the parent"; a chain of ``"none"`` ends in IEEE arithmetic.
+#: Only matmul switches reach ``F.linear``: the conv and rnn ones are left out, so setting them
+#: (for a VAE, say) costs no store miss.
+_MATMUL_PRECISION: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("cuda_matmul_fp32_precision", ("cuda.matmul.fp32_precision", "cudnn.fp32_precision", "fp32_precision")),
+    ("mkldnn_matmul_fp32_precision", ("mkldnn.matmul.fp32_precision", "mkldnn.fp32_precision", "fp32_precision")),
+)
+#: Switches no fp32 precision setting covers (reading them never raises).
+_REDUCED_SWITCHES: tuple[tuple[str, str], ...] = (
+    ("bf16_reduced", "cuda.matmul.allow_bf16_reduced_precision_reduction"),
+    ("fp16_reduced", "cuda.matmul.allow_fp16_reduced_precision_reduction"),
+    ("fp16_accumulation", "cuda.matmul.allow_fp16_accumulation"),
+)
+_MISSING = object()
+
+
+def _backend_attr(path: str) -> Any:
+    """``torch.backends.<path>``, or ``_MISSING`` where this torch has no such attribute."""
+    obj: Any = torch.backends
+    for part in path.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            return _MISSING
+    return obj
+
+
+def _has_new_precision_api() -> bool:
+    return _backend_attr("cuda.matmul.fp32_precision") is not _MISSING
+
+
+def _effective_precision(chain: tuple[str, ...]) -> str:
+    """The first switch of ``chain`` that is set (not ``"none"``); IEEE when none is."""
+    for path in chain:
+        value = _backend_attr(path)
+        if value is not _MISSING and str(value) != "none":
+            return str(value)
+    return "ieee"
+
+
+def _legacy_precision() -> dict[str, Any]:
+    """The switches of a torch without the new API (before 2.9), where reading them cannot raise."""
+    return {
+        "matmul_tf32": _backend_attr("cuda.matmul.allow_tf32"),
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+    }
+
+
+def autocast_settings() -> dict[str, Any]:
+    """The autocast state that would change a projection's bits. Not recorded yet: empty."""
+    return {}
+
+
+def bit_settings() -> dict[str, Any]:
+    """Every process-wide setting, besides shapes, dtypes and addresses, that can change GEMM bits.
+
+    Never raises, whichever mix of the legacy and the new precision APIs the caller used.
+    Values are plain (str, int, bool, None), so the result is JSON-able and hashable as items.
+    """
+    settings: dict[str, Any] = {"num_threads": torch.get_num_threads()}
+    if _has_new_precision_api():
+        for label, chain in _MATMUL_PRECISION:
+            settings[label] = _effective_precision(chain)
+    else:
+        settings.update(_legacy_precision())
+    for label, path in _REDUCED_SWITCHES:
+        value = _backend_attr(path)
+        if value is not _MISSING:
+            settings[label] = value
+    settings["deterministic"] = torch.are_deterministic_algorithms_enabled()
+    settings.update(autocast_settings())
+    return settings
+
+
+def bit_settings_key() -> tuple[tuple[str, Any], ...]:
+    """:func:`bit_settings` as a hashable key (the batched probe's shape classes use it)."""
+    return tuple(sorted(bit_settings().items()))
+
+
+def numeric_environment(device: torch.device) -> dict[str, Any]:
+    """Everything besides the weights that decides the bits of a projection on ``device``.
+
+    :func:`bit_settings` plus the identity of the software and hardware that ran it. The store
+    binds its entries to this, so a change of any of it is a miss.
+    """
+    env: dict[str, Any] = {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "device_type": device.type,
+        **bit_settings(),
+    }
+    if device.type == "cuda":
+        env["device_name"] = torch.cuda.get_device_name(device)
+        env["capability"] = list(torch.cuda.get_device_capability(device))
+        # cuBLAS vs cuBLASLt and the workspace configuration pick different GEMM kernels.
+        blas = getattr(torch.backends.cuda, "preferred_blas_library", None)
+        env["blas"] = str(blas()) if callable(blas) else None
+        env["cublas_workspace"] = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    else:
+        env["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+        env["machine"] = platform.machine()
+    return env
+
+
+__all__ = ["autocast_settings", "bit_settings", "bit_settings_key", "numeric_environment"]

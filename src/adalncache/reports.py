@@ -1,0 +1,57 @@
+"""What the cache tells its caller: counters over its life and a report per ``build`` call."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class CacheStats:
+    """Counters over the cache's life. Hits and builds count distinct plans per ``build`` call."""
+
+    device_hits: int = 0
+    host_hits: int = 0
+    store_hits: int = 0
+    built_plans: int = 0
+    passes: int = 0
+    evicted_plans: int = 0
+    host_evicted: int = 0
+    host_pressure_skips: int = 0
+    tier_write_failures: int = 0
+    fingerprint_changes: int = 0
+    variant_changes: int = 0
+    failed_builds: int = 0
+    store_corrupt: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+@dataclass
+class BuildReport:
+    """What one ``build`` call did."""
+
+    plans: int = 0
+    device_hits: int = 0
+    host_hits: int = 0
+    store_hits: int = 0
+    built: int = 0
+    evicted: int = 0
+    passes: int = 0
+    bytes_read: int = 0
+    seconds: float = 0.0
+    tier_write_failures: int = 0
+    #: batched mode only: (layer, width group) projections served by one stacked GEMM, and those
+    #: that ran per plan (the probe of a new shape class, or a class found not bit-identical).
+    stacked_layers: int = 0
+    per_plan_layers: int = 0
+    layers_read: list[str] = field(default_factory=list, repr=False)
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out.pop("layers_read")
+        return out
+
+
+__all__ = ["BuildReport", "CacheStats"]

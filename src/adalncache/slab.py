@@ -1,0 +1,156 @@
+"""The slab: four preallocated tensors holding every resident plan's tables, and all row traffic.
+
+``max_plans`` slots of ``max_plan_width`` timestep rows each:
+
+* ``plan_timesteps [P, W] f32``: a slot's plan, zero past its length;
+* ``plan_lengths [P] i64``: a slot's number of timesteps, 0 for a slot that holds nothing;
+* ``block_params [P, W, L, block_width]``: each block's projection output, per timestep row;
+* ``final_params [P, W, final_width]``: the output layer's.
+
+Allocated once on the cache's device; their pointers never move (hooks and CUDA graphs may hold
+them), and they are not registered in any module, so no ``state_dict`` holds them.
+
+Every read and write of rows goes through :class:`Slab`. It does not decide *which* slot a plan
+gets or when a slot is visible to lookups: that is :class:`adalncache.slots.SlotPool`'s job. The
+slab only knows how to write a slot (a layer's projection, restored rows, the timesteps and then
+the lengths), clear one, and read one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .errors import PlanError
+from .rows import PlanRows
+from .source import Columns
+from .spec import FINAL, Layer, ModulationSpec
+
+
+class Slab:
+    """The four slab tensors of one cache and every row read and write on them."""
+
+    def __init__(self, spec: ModulationSpec, max_plans: int, max_plan_width: int, device: torch.device) -> None:
+        self.spec = spec
+        self.max_plans = max_plans
+        self.max_plan_width = max_plan_width
+        self.device = device
+        P, W, L = max_plans, max_plan_width, spec.num_layers
+        self.plan_timesteps = torch.zeros(P, W, dtype=torch.float32, device=device)
+        self.plan_lengths = torch.zeros(P, dtype=torch.int64, device=device)
+        self.block_params = torch.zeros(P, W, L, spec.block_width, dtype=spec.dtype, device=device)
+        self.final_params = torch.zeros(P, W, spec.final_width, dtype=spec.dtype, device=device)
+        # 0-d slot indices already on the device, so lookups never copy host -> device.
+        self._slot_index = torch.arange(P, dtype=torch.int64, device=device)
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.plan_timesteps, self.plan_lengths, self.block_params, self.final_params)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def index(self, slot: int) -> torch.Tensor:
+        """Slot ``slot`` as a 0-d LongTensor on the device (no host -> device copy)."""
+        return self._slot_index[slot]
+
+    # -- writes (before publish: nothing here is visible to lookups yet) -------------------
+
+    def projection_view(self, slot: int, layer: Layer, n: int, columns: Columns | None = None) -> torch.Tensor:
+        """Where ``n`` rows of ``layer``'s projection go: a view of the slot (of its column slice)."""
+        table = self.final_params[slot, :n] if layer == FINAL else self.block_params[slot, :n, layer]
+        if columns is None:
+            return table
+        lo, hi = columns.bounds(self.spec.out_features(layer))
+        return table[..., lo:hi]
+
+    def write_projection(self, slot: int, layer: Layer, y: torch.Tensor, columns: Columns | None = None) -> None:
+        """Copy ``y`` (``(M, out_features)``, or the column slice) into ``slot``'s rows of ``layer``."""
+        width = self.spec.out_features(layer)
+        lo, hi = columns.bounds(width) if columns is not None else (0, width)
+        if y.dim() != 2 or y.shape[1] != hi - lo or y.shape[0] > self.max_plan_width:
+            raise PlanError(f"the projection of layer {layer} returned shape {tuple(y.shape)}, expected (M, {hi - lo})")
+        self.projection_view(slot, layer, y.shape[0], columns).copy_(y)
+
+    def write_rows(self, slot: int, rows: PlanRows) -> None:
+        """Restore a plan's rows from a tier into ``slot`` (its timesteps are written at publish)."""
+        n = rows.timesteps.numel()
+        self.block_params[slot, :n].copy_(rows.block, non_blocking=True)
+        self.final_params[slot, :n].copy_(rows.final, non_blocking=True)
+
+    def block_view(self, slot: int, n: int) -> torch.Tensor:
+        """``block_params[slot, :n]``: the rows a distributed exchange fills in place."""
+        return self.block_params[slot, :n]
+
+    def final_view(self, slot: int, n: int) -> torch.Tensor:
+        """``final_params[slot, :n]``: the rows a distributed exchange fills in place."""
+        return self.final_params[slot, :n]
+
+    def publish(self, slots: Sequence[int], plans: Sequence[torch.Tensor]) -> None:
+        """Make ``slots`` hold ``plans`` on the device: timesteps first, then the lengths.
+
+        The rows must already be written. Lengths flip after the timesteps, all in one copy, so a
+        device-side reader that trusts ``plan_lengths`` never sees a half-filled slot.
+        """
+        for slot, plan in zip(slots, plans, strict=True):
+            row = self.plan_timesteps[slot]
+            row.zero_()
+            row[: plan.numel()].copy_(plan.to(self.device))
+        index = torch.tensor(list(slots), dtype=torch.int64)
+        lengths = torch.tensor([plan.numel() for plan in plans], dtype=torch.int64)
+        self.plan_lengths.index_copy_(0, index.to(self.device), lengths.to(self.device))
+
+    def clear(self, slot: int) -> None:
+        """Hide whatever ``slot`` holds: length 0 and zero timesteps (its rows are overwritten on reuse)."""
+        self.plan_lengths[slot] = 0
+        self.plan_timesteps[slot].zero_()
+
+    # -- reads ------------------------------------------------------------------------------
+
+    def read_rows(self, slot: int, n: int) -> PlanRows:
+        """A copy of ``slot``'s first ``n`` rows (tiers and ``verify`` keep these)."""
+        return PlanRows(
+            self.plan_timesteps[slot, :n].clone(),
+            self.block_params[slot, :n].clone(),
+            self.final_params[slot, :n].clone(),
+        )
+
+    def published(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Host copies of ``(plan_lengths, plan_timesteps)`` (for invariant checks)."""
+        return self.plan_lengths.cpu(), self.plan_timesteps.cpu()
+
+    def _check_rows(self, num_timesteps: int, layer: int | None = None) -> None:
+        # Slicing would silently cut an over-long request to the slab width; say so instead.
+        if not 1 <= num_timesteps <= self.max_plan_width:
+            raise PlanError(
+                f"num_timesteps must be in 1..{self.max_plan_width} (the slab's plan width, CLI --plan-width), "
+                f"got {num_timesteps}: pass len(plan) of a resident plan"
+            )
+        if layer is not None and not 0 <= layer < self.spec.num_layers:
+            raise PlanError(f"layer must be in 0..{self.spec.num_layers - 1}, got {layer}")
+
+    @staticmethod
+    def _slot_rows(table: torch.Tensor, slot: int | torch.Tensor) -> torch.Tensor:
+        if isinstance(slot, torch.Tensor):
+            # index_select keeps a device slot on the device: no host read, no sync.
+            return table.index_select(0, slot.reshape(1).to(table.device))[0]
+        return table[slot]
+
+    def block_rows(self, layer: int, slot: int | torch.Tensor, num_timesteps: int) -> torch.Tensor:
+        """``Y`` of block ``layer``: the ``(num_timesteps, block_width)`` output of its projection."""
+        self._check_rows(num_timesteps, layer)
+        return self._slot_rows(self.block_params.select(2, layer), slot)[:num_timesteps]
+
+    def block_all_rows(self, slot: int | torch.Tensor, num_timesteps: int) -> torch.Tensor:
+        """Every block's rows of ``slot`` from one gather: ``(num_timesteps, L, block_width)``."""
+        self._check_rows(num_timesteps)
+        return self._slot_rows(self.block_params, slot)[:num_timesteps]
+
+    def final_rows(self, slot: int | torch.Tensor, num_timesteps: int) -> torch.Tensor:
+        """``Z``: the ``(num_timesteps, final_width)`` output of the output-layer projection."""
+        self._check_rows(num_timesteps)
+        return self._slot_rows(self.final_params, slot)[:num_timesteps]
+
+
+__all__ = ["Slab"]
