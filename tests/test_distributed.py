@@ -314,9 +314,16 @@ def test_torchrun_example_fills_a_store_that_serves_one_process(tiny_saved_dir: 
     line = next(line for line in done.stdout.splitlines() if "rank(s)" in line)
     plans = schedule_plans(["fl2va"], [4], video_shift=12.0, audio_shift=3.0, audio_refs=True)
     assert f"{len(plans)} plan(s), 0 already stored, {len(plans)} built in 1 pass(es)" in line, line
-    # Layer sharding reproduces the one-process bits, so its entries serve a one-process cache.
+    # Layer sharding reproduces the one-process bits, so its entries serve a one-process cache
+    # under the same numeric settings. The ranks ran with one intra-op thread (OMP_NUM_THREADS=1),
+    # and the thread count is part of the binding (it can change a GEMM's bits), so this one does too.
     spec = infer_spec(tiny_saved_dir)
     source = CheckpointSource(tiny_saved_dir, spec)
-    cache = AdalnCache(spec, source, max_plans=len(plans), store=store)
-    report = cache.build(plans, embed=time_embed_fn(source, spec))
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        cache = AdalnCache(spec, source, max_plans=len(plans), store=store)
+        report = cache.build(plans, embed=time_embed_fn(source, spec))
+    finally:
+        torch.set_num_threads(previous)
     assert (report.store_hits, report.passes, report.bytes_read) == (len(plans), 0, 0)
