@@ -1,4 +1,9 @@
-"""The core state machine on real safetensors files: the seed note's scenarios, LRU, errors, exactness."""
+"""The core state machine on real safetensors files: three historical scenarios, LRU, errors, exactness.
+
+The three ``test_seed_*`` scenarios are the bookkeeping bugs an early version had: (a) a plan of
+the request evicted by its own build under capacity pressure, (b) a failed rebuild left a
+half-built plan visible to a retry, (c) a rejected over-wide request disturbed resident plans.
+"""
 
 from __future__ import annotations
 
@@ -53,7 +58,7 @@ def make_cache(path: Path, **kwargs: object) -> AdalnCache:
 EMBED = embed_for(SPEC)
 
 
-# -- the seed design note's three scenarios ---------------------------------------------------
+# -- the three historical scenarios (a, b, c) ---------------------------------------------------
 
 
 def test_seed_a_reuse_survives_capacity_pressure(ckpt: Path) -> None:

@@ -1,9 +1,11 @@
 """Model-based test of AdalnCache: a plain-Python model of what is resident vs the real cache.
 
-Why a model: the slab's bookkeeping bugs (the seed note) were ordering bugs that only show after
-a particular sequence of requests, evictions and failures. Hypothesis generates such sequences
-and shrinks a failure to the shortest one; the model below encodes the contract of DESIGN.md
-section 2 exactly:
+Why a model: the slab's historical bookkeeping bugs (a plan of the request evicted by its own
+build; a slot map published before the layers were written) were ordering bugs that only show
+after a particular sequence of requests, evictions and failures. Hypothesis generates such
+sequences and shrinks a failure to the shortest one; the model below encodes the build contract
+exactly (the slot pool's rules are in ``adalncache.slots``; ``scripts/mutate.py`` puts each bug
+back and checks that this test fails):
 
 * slots for missing plans come from free slots first, then from the least recently used plans
   that are not in the request; a plan of the request is never evicted by its own build;

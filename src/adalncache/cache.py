@@ -36,13 +36,12 @@ from .errors import (
     CheckpointError,
     ConfigError,
     PlanError,
-    PlanNotCachedError,
     failing_at,
     failure_phase,
 )
 from .faults import NO_FAULTS, FaultPoints
-from .numerics import numeric_environment
-from .plans import PlanKey, distinct_plans, format_plan, plan_key, validate_plan
+from .identity import TableIdentity
+from .plans import PlanKey, distinct_plans, plan_key, validate_plan
 from .rebuild import EmbedFn, ProjectFn, RebuildPass, default_project
 from .reports import BuildReport, CacheStats
 from .rows import PlanRows
@@ -50,6 +49,7 @@ from .slab import Slab
 from .slots import Reservation, SlotPool
 from .source import WeightSource
 from .spec import ModulationSpec
+from .tiers.chain import TierChain
 
 if TYPE_CHECKING:
     from .tiers.host import HostTier
@@ -94,30 +94,6 @@ def _check_arguments(
             f"the source was opened for {source_spec} but the cache was given {spec}: open the source with "
             f"the same ModulationSpec"
         )
-
-
-def _open_tiers(
-    spec: ModulationSpec, source: WeightSource, store: Any, host_cache_bytes: int, device: torch.device
-) -> tuple[HostTier | None, Store | None]:
-    """The host tier (``host_cache_bytes > 0``) and the store (``store=``), or ``None`` for each."""
-    host = None
-    if host_cache_bytes > 0:
-        from .tiers.host import HostTier
-
-        host = HostTier(spec, host_cache_bytes, pin=device.type == "cuda")
-    if store is None:
-        return host, None
-    if not getattr(source, "persistent", True):
-        # An in-memory source's fingerprint names addresses in this process: its entries could
-        # never be found again, so they would only fill the disk.
-        raise ConfigError(
-            f"store= needs a source whose identity survives the process (a CheckpointSource), got "
-            f"{type(source).__name__}: pass the checkpoint path (checkpoint= in enable_adaln_cache, CLI "
-            f"CHECKPOINT), or drop store= (--store)"
-        )
-    from .tiers.store import Store as _Store
-
-    return host, store if isinstance(store, _Store) else _Store(store)
 
 
 class AdalnCache:
@@ -166,10 +142,14 @@ class AdalnCache:
         self.max_plans, self.max_plan_width, self.host_cache_bytes = self._dist.min_ints(
             [max_plans, max_plan_width, host_cache_bytes]
         )
+        self.stats = CacheStats()
         failure: BaseException | None = None
         try:  # out of device memory, or a store directory, on one rank alone must fail every rank
             self._slab = Slab(spec, self.max_plans, self.max_plan_width, self.device)
-            self._host, self._store = _open_tiers(spec, source, store, self.host_cache_bytes, self.device)
+            self._tiers = TierChain.open(
+                spec, source, host_cache_bytes=self.host_cache_bytes, store=store, device=self.device,
+                collective=self._dist, stats=self.stats,
+            )  # fmt: skip
         except BaseException as exc:
             failure = exc
         # Agreed before raising, or the other ranks would wait for this one in their first collective.
@@ -178,9 +158,9 @@ class AdalnCache:
             raise failure
         self.plan_timesteps, self.plan_lengths, self.block_params, self.final_params = self._slab.tensors()
         self._pool = SlotPool(self._slab)
-        self._fingerprint: str | None = source.fingerprint
-        self._variant: Hashable = None
-        self.stats = CacheStats()
+        self._identity = TableIdentity(
+            source, self._dist, self.stats, spec=spec, precision=precision, device=self.device
+        )
         self.fault_points: FaultPoints = NO_FAULTS
         log.debug(
             "AdalnCache: %d plans x %d timesteps, %.1f MiB slab on %s",
@@ -210,15 +190,15 @@ class AdalnCache:
 
     @property
     def variant(self) -> Hashable:
-        return self._variant
+        return self._identity.variant
 
     @property
     def host_tier(self) -> HostTier | None:
-        return self._host
+        return self._tiers.host
 
     @property
     def store(self) -> Store | None:
-        return self._store
+        return self._tiers.store
 
     @property
     def world_size(self) -> int:
@@ -249,60 +229,11 @@ class AdalnCache:
         if len(self._pool):
             log.info("dropping %d resident plan(s): %s", len(self._pool), why)
         self._pool.clear()
-        if self._host is not None:
-            self._host.clear()
-
-    def _check_identity(self, variant: Hashable, request: Sequence[PlanKey] = ()) -> None:
-        """Re-stat the source and compare the variant; drop tables built under an old identity.
-
-        In a process group the three flags (and a digest of ``request``) are reduced in one
-        collective, so every rank drops, or keeps, the same tables and the slot maps stay equal.
-        """
-        invalid: CheckpointError | None = None
-        try:
-            self.source.refresh()
-        except CheckpointError as exc:
-            invalid = exc
-        fingerprint = self.source.fingerprint
-        (failed, changed, variant_changed), diverged = self._dist.agree_identity(
-            [invalid is not None, fingerprint != self._fingerprint, variant != self._variant],
-            request,
-            self._pool.items(),
-        )
-        if diverged:
-            # The ranks' slot maps differ (invalidate() on some ranks only, say): their next
-            # decisions would differ too, so every rank starts again from an empty slab.
-            log.warning("rank %d: the ranks' slabs diverged; dropping every table on every rank", self._dist.rank)
-            self._drop_all("the ranks' slabs diverged")
-        if failed:
-            # The file changed (on some rank) and no longer validates: whatever the slab holds came
-            # from the old file, so it can no longer be trusted either.
-            self.stats.fingerprint_changes += 1
-            self._fingerprint = None
-            self._drop_all("the checkpoint changed on disk and no longer validates")
-            self._dist.raise_if_any_failed(invalid, "checkpoint")
-            assert invalid is not None  # alone, only this rank can have failed
-            raise invalid
-        if changed:
-            self.stats.fingerprint_changes += 1
-            self._drop_all("the weight source's fingerprint changed")
-            self._fingerprint = fingerprint
-        if variant_changed:
-            if len(self._pool) or (self._host is not None and len(self._host)):
-                self.stats.variant_changes += 1
-                self._drop_all(f"variant changed ({self._variant!r} -> {variant!r})")
-            self._variant = variant
+        self._tiers.clear_host()
 
     def binding(self) -> dict[str, Any]:
         """Everything a stored table depends on besides its plan (stores key entries by it)."""
-        return {
-            "fingerprint": self._fingerprint,
-            "spec": self.spec.describe(),
-            "precision": self.precision,
-            "variant": repr(self._variant),
-            "shard": self._dist.describe_shard(),
-            "environment": numeric_environment(self.device),
-        }
+        return self._identity.binding()
 
     # -- build ------------------------------------------------------------------------------
 
@@ -319,7 +250,8 @@ class AdalnCache:
         order, tensors = distinct_plans(plans)
         report = BuildReport(plans=len(order))
         try:
-            self._check_identity(variant, order)
+            held = bool(len(self._pool) or self._tiers.host_plans())
+            self._identity.check(variant, order, self._pool.items(), holds_tables=held, drop=self._drop_all)
         except (CheckpointError, BuildError) as exc:
             self.stats.failed_builds += 1
             if isinstance(exc, BuildError):
@@ -369,9 +301,11 @@ class AdalnCache:
         report.device_hits = len(order) - len(missing)
         bytes_before = self.source.bytes_read
         try:
-            from_host, from_store = self._tier_lookup(missing)
+            from_host, from_store = self._tiers.lookup(
+                missing, binding=self._identity.current_binding, faults=self.fault_points
+            )
         except BaseException as exc:
-            # Tier errors fall through to a rebuild inside _tier_lookup; only an interrupt (or
+            # Tier errors fall through to a rebuild inside the lookup; only an interrupt (or
             # another BaseException) gets here. Nothing is reserved yet, so there is nothing to undo,
             # but the contract still owes the caller a BuildError rather than a raw interrupt.
             self.stats.failed_builds += 1
@@ -403,12 +337,12 @@ class AdalnCache:
         report.built = len(to_build)
         report.passes = 1 if to_build else 0
         report.bytes_read = self.source.bytes_read - bytes_before
-        self.stats.device_hits += report.device_hits
-        self.stats.host_hits += report.host_hits
-        self.stats.store_hits += report.store_hits
-        self.stats.built_plans += report.built
-        self.stats.passes += report.passes
-        self._tier_write(order, to_build, report)
+        self.stats.record(report)
+        # After publish: copies only. A tier failure is counted and logged, never raised.
+        self._tiers.write(
+            order, to_build, rows_of=self.rows_of, binding=self._identity.binding, faults=self.fault_points,
+            report=report,
+        )  # fmt: skip
 
     def _write_and_publish(
         self,
@@ -461,103 +395,20 @@ class AdalnCache:
 
     def rows_of(self, key: PlanKey) -> PlanRows:
         """A copy of a resident plan's rows, on the cache device (tiers and verify read these)."""
-        slot = self._pool.slot_of(key)
-        if slot is None:
-            raise PlanNotCachedError(f"the cache does not cover plan {format_plan(key)}")
-        return self._slab.read_rows(slot, len(key))
-
-    # -- tiers ------------------------------------------------------------------------------
-
-    def _tier_lookup(self, missing: list[PlanKey]) -> tuple[dict[PlanKey, PlanRows], dict[PlanKey, PlanRows]]:
-        """Plans every rank can restore from the host tier, then from the store (cheapest first)."""
-        from_host: dict[PlanKey, PlanRows] = {}
-        if self._host is not None:
-            found = {}
-            try:
-                self.fault_points.check("host_read")
-                found = self._host.lookup(missing)
-            except Exception as exc:  # a tier is only a cache: fall through to the next one
-                log.warning("host tier lookup failed (%s); rebuilding instead", exc)
-            agreed = self._dist.agree_on([k in found for k in missing])
-            from_host = {k: found[k] for k, ok in zip(missing, agreed) if ok}
-        from_store: dict[PlanKey, PlanRows] = {}
-        if self._store is not None:
-            rest = [k for k in missing if k not in from_host]
-            found = {}
-            if rest:
-                try:
-                    self.source.refresh()
-                    if self.source.fingerprint == self._fingerprint:
-                        self.fault_points.check("store_read")
-                        found = self._store.get_many(self.binding(), rest, self.spec)
-                except Exception as exc:
-                    log.warning("store lookup failed (%s); rebuilding instead", exc)
-                    found = {}
-                agreed = self._dist.agree_on([k in found for k in rest])
-                from_store = {k: found[k] for k, ok in zip(rest, agreed) if ok}
-            self.stats.store_corrupt = self._store.corrupt_moved
-        return from_host, from_store
-
-    def _tier_failed(self, report: BuildReport, count: int, what: str, exc: BaseException) -> None:
-        self.stats.tier_write_failures += count
-        report.tier_write_failures += count
-        log.warning("%s failed after publish (slab unaffected): %s", what, exc)
-
-    def _tier_write(self, order: list[PlanKey], built: list[PlanKey], report: BuildReport) -> None:
-        """Copy published plans to the tiers; never raises (the slab is already correct)."""
-        if self._host is not None:
-            try:
-                self.fault_points.check("host_write")
-                if not self._host.admit(order, self.rows_of):
-                    self.stats.host_pressure_skips += 1
-            except Exception as exc:
-                self._tier_failed(report, 1, "host tier write", exc)
-            self.stats.host_evicted = self._host.evicted_plans
-        # Every rank writes the plans it built. A rank's entries are bound to its own source
-        # fingerprint and numeric environment, which need not equal its peers' (local checkpoint
-        # copies on several nodes): a single writer would leave the other ranks missing forever,
-        # and since tier hits are AND-reduced, every rank would rebuild every time. Ranks sharing
-        # one directory and fingerprint write the same bytes; the store's atomic rename makes that safe.
-        if self._store is None or not built:
-            return
-        try:
-            self.fault_points.check("store_write")
-            binding = self.binding()
-        except Exception as exc:
-            self._tier_failed(report, 1, "store write", exc)
-            return
-        # One entry per file: a failing entry (a full disk, a permission) must not keep the
-        # others out, and each failure is counted so `adalncache build` can report them.
-        failed: list[BaseException] = []
-        for key in built:
-            try:
-                self._store.put(binding, key, self.rows_of(key))
-            except Exception as exc:
-                failed.append(exc)
-        if failed:
-            self._tier_failed(report, len(failed), f"store write of {len(failed)} of {len(built)} plan(s)", failed[0])
+        return self._slab.read_rows(self._pool.require(key), len(key))
 
     # -- lookups ----------------------------------------------------------------------------
-
-    def _slot_for(self, key: PlanKey) -> int:
-        slot = self._pool.slot_of(key)
-        if slot is None:
-            raise PlanNotCachedError(
-                f"the cache does not cover plan {format_plan(key)} ({len(self._pool)} plan(s) resident): call "
-                f"build() with it first"
-            )
-        return slot
 
     def resolve_slots(self, plans: Sequence[torch.Tensor], *, keys: Sequence[PlanKey] | None = None) -> torch.Tensor:
         """One slot per plan as a LongTensor on the cache device (pass ``keys`` to skip device syncs)."""
         if keys is None:
             keys = [plan_key(p) for p in plans]
-        slots = [self._slot_for(k) for k in keys]
+        slots = [self._pool.require(k) for k in keys]
         return torch.tensor(slots, dtype=torch.int64).to(self.device, non_blocking=True)
 
     def lookup(self, plan: torch.Tensor, *, key: PlanKey | None = None) -> torch.Tensor:
         """The slot of a resident plan as a 0-d LongTensor on the cache device."""
-        return self._slab.index(self._slot_for(plan_key(plan) if key is None else key))
+        return self._slab.index(self._pool.require(plan_key(plan) if key is None else key))
 
     def block_rows(self, layer: int, slot: int | torch.Tensor, num_timesteps: int) -> torch.Tensor:
         """``Y`` of block ``layer``: the ``(num_timesteps, block_width)`` output of its projection."""
@@ -588,14 +439,12 @@ class AdalnCache:
     def invalidate(self) -> None:
         """Empty the slab and the host tier. Store entries stay: they are keyed by fingerprint."""
         self._pool.clear()
-        if self._host is not None:
-            self._host.clear()
+        self._tiers.clear_host()
 
     def check_invariants(self) -> None:
         """Assert the bookkeeping invariants (:mod:`adalncache.slots`; tests call this after every step)."""
         self._pool.check_invariants()
-        if self._host is not None:
-            self._host.check_invariants()
+        self._tiers.check_invariants()
 
 
 __all__ = ["PRECISIONS", "SHARD_MODES", "AdalnCache", "AdalnCacheError", "BuildReport", "CacheStats"]

@@ -27,6 +27,14 @@ class CacheStats:
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
 
+    def record(self, report: BuildReport) -> None:
+        """Count a successful build's hits, builds and pass (evictions and failures count as they happen)."""
+        self.device_hits += report.device_hits
+        self.host_hits += report.host_hits
+        self.store_hits += report.store_hits
+        self.built_plans += report.built
+        self.passes += report.passes
+
 
 @dataclass
 class BuildReport:

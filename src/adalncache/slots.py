@@ -39,7 +39,7 @@ from collections import OrderedDict
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from .errors import PlanError
+from .errors import PlanError, PlanNotCachedError
 from .plans import PlanKey, format_plan, plan_key
 from .slab import Slab
 
@@ -73,6 +73,16 @@ class SlotPool:
 
     def slot_of(self, key: PlanKey) -> int | None:
         return self._map.get(key)
+
+    def require(self, key: PlanKey) -> int:
+        """The slot of resident ``key``; PlanNotCachedError ("does not cover") if it is not resident."""
+        slot = self._map.get(key)
+        if slot is None:
+            raise PlanNotCachedError(
+                f"the cache does not cover plan {format_plan(key)} ({len(self._map)} plan(s) resident): call "
+                f"build() with it first"
+            )
+        return slot
 
     def keys(self) -> list[PlanKey]:
         """Resident plans, least recently used first."""
