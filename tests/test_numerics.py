@@ -32,14 +32,19 @@ def _fresh_verdicts() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def cuda_matmul_precision(value: str) -> Iterator[None]:
-    """Set ``torch.backends.cuda.matmul.fp32_precision`` (the new API) for the block, then restore it."""
-    previous = torch.backends.cuda.matmul.fp32_precision
-    torch.backends.cuda.matmul.fp32_precision = value
+def new_precision_api(cuda: str = "tf32", onednn: str = "tf32") -> Iterator[None]:
+    """Set the matmul switches of the new API (CUDA's and oneDNN's) for the block, then restore them.
+
+    Once either is set, torch refuses to read the legacy flags (``allow_tf32``,
+    ``get_float32_matmul_precision()``): the hazard :mod:`adalncache.numerics` must survive.
+    """
+    matmul, onednn_matmul = torch.backends.cuda.matmul, torch.backends.mkldnn.matmul
+    previous = matmul.fp32_precision, onednn_matmul.fp32_precision
+    matmul.fp32_precision, onednn_matmul.fp32_precision = cuda, onednn
     try:
         yield
     finally:
-        torch.backends.cuda.matmul.fp32_precision = previous
+        matmul.fp32_precision, onednn_matmul.fp32_precision = previous
 
 
 @contextlib.contextmanager
@@ -61,19 +66,22 @@ def _cache(path: Path, store: Path, **kw: object) -> AdalnCache:
 
 
 def test_bit_settings_read_the_new_precision_api_without_raising() -> None:
-    with cuda_matmul_precision("tf32"):
-        settings = bit_settings()
+    with new_precision_api():
+        cpu, cuda = bit_settings("cpu"), bit_settings("cuda")
         environment = numeric_environment(torch.device("cpu"))
-    assert settings["cuda_matmul_fp32_precision"] == "tf32"
+    assert cpu["mkldnn_matmul_fp32_precision"] == "tf32" and cuda["cuda_matmul_fp32_precision"] == "tf32"
+    # Only what reaches the device's kernels: the CPU threads and oneDNN on a CPU, the CUDA switches on a GPU.
+    assert "num_threads" in cpu and "cuda_matmul_fp32_precision" not in cpu
+    assert "num_threads" not in cuda and "mkldnn_matmul_fp32_precision" not in cuda
     # One definition: the store binding's environment carries every bit-deciding setting.
-    assert settings.items() <= environment.items()
-    assert bit_settings()["cuda_matmul_fp32_precision"] == "ieee"  # restored: "none" resolves to IEEE
+    assert cpu.items() <= environment.items()
+    assert bit_settings("cpu")["mkldnn_matmul_fp32_precision"] == "ieee"  # restored: "none" resolves to IEEE
 
 
 def test_store_write_store_hit_and_batched_build_under_the_new_precision_api(tmp_path: Path) -> None:
     path, store = _checkpoint(tmp_path), tmp_path / "store"
     weights = load_reference(path)
-    with cuda_matmul_precision("tf32"):
+    with new_precision_api(onednn="ieee"):  # set explicitly: the same arithmetic as the default
         cache = _cache(path, store, batched=True)
         report = cache.build(PLANS, embed=EMBED)
         assert (report.built, report.passes, report.tier_write_failures) == (len(PLANS), 1, 0)
@@ -84,18 +92,21 @@ def test_store_write_store_hit_and_batched_build_under_the_new_precision_api(tmp
             assert_plan_exact(cache, weights, "native", EMBED, plan)
         hit = _cache(path, store, batched=True).build(PLANS, embed=EMBED)
         assert (hit.store_hits, hit.passes, hit.bytes_read) == (len(PLANS), 0, 0)
-    # Under the default switch the binding differs: the entries above are not this process's.
-    assert _cache(path, store).build(PLANS, embed=EMBED).store_hits == 0
+    # "ieee" set and "none" (inherited) are the same arithmetic: the entries serve the default too.
+    assert _cache(path, store).build(PLANS, embed=EMBED).store_hits == len(PLANS)
+    with new_precision_api(onednn="bf16"):  # bf16 arithmetic for fp32 GEMMs on a CPU: another binding
+        other = _cache(path, store).build(PLANS, embed=EMBED)
+        assert other.store_hits == 0 and other.built == len(PLANS)
 
 
 def test_thread_count_is_part_of_the_binding_and_of_the_probe_class(tmp_path: Path) -> None:
     """1 and 2 intra-op threads can give different GEMM bits (see adalncache.numerics): never mix them."""
     path, store = _checkpoint(tmp_path), tmp_path / "store"
     with num_threads(1):
-        one = bit_settings_key()
+        one = bit_settings_key("cpu")
         assert _cache(path, store, batched=True).build(PLANS, embed=EMBED).built == len(PLANS)
     with num_threads(2):
-        assert bit_settings_key() != one
+        assert bit_settings_key("cpu") != one
         report = _cache(path, store, batched=True).build(PLANS, embed=EMBED)
         assert report.store_hits == 0 and report.built == len(PLANS)
     with num_threads(1):
@@ -105,21 +116,8 @@ def test_thread_count_is_part_of_the_binding_and_of_the_probe_class(tmp_path: Pa
     assert {dict(cls[-1])["num_threads"] for cls in verdicts()} == {1, 2}  # type: ignore[index]
 
 
-def test_the_onednn_matmul_switch_is_recorded() -> None:
-    """``mkldnn.matmul.fp32_precision = "bf16"`` changes fp32 GEMMs on a CPU: the binding must see it."""
-    before = bit_settings()
-    previous = torch.backends.mkldnn.matmul.fp32_precision
-    torch.backends.mkldnn.matmul.fp32_precision = "bf16"
-    try:
-        changed = bit_settings()
-    finally:
-        torch.backends.mkldnn.matmul.fp32_precision = previous
-    assert changed["mkldnn_matmul_fp32_precision"] == "bf16" != before["mkldnn_matmul_fp32_precision"]
-    assert bit_settings() == before
-
-
 def test_a_torch_without_the_new_api_reads_the_legacy_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(numerics, "_has_new_precision_api", lambda: False)
-    settings = bit_settings()
+    settings = bit_settings("cpu")
     assert settings["float32_matmul_precision"] == torch.get_float32_matmul_precision()
-    assert "cuda_matmul_fp32_precision" not in settings and "num_threads" in settings
+    assert "mkldnn_matmul_fp32_precision" not in settings and "num_threads" in settings

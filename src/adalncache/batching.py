@@ -112,7 +112,7 @@ class StackedProjector:
         return (
             str(weight.device), weight.dtype, x.dtype, len(group[0]), len(group), tuple(weight.shape),
             weight.data_ptr() % 64, x.data_ptr() % 64, tuple(self.xs[k].data_ptr() % 64 for k in group),
-            bit_settings_key(),
+            bit_settings_key(weight.device),
         )  # fmt: skip
 
     def project_layer(

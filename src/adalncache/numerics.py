@@ -20,8 +20,9 @@ What is in it, and why:
   3 (a single plan's GEMM, K = 2688 for every N, and K = 32 with N = 96768), and fp32 at
   stacked M >= 16 with K = 2688. 4 threads also changed bf16 at M = 4, 6 and 98. fp16 never
   changed. Every case gave identical bits run after run at a fixed thread count. So a table
-  built with one thread count is not the one a forward with another count computes: the count
-  is part of both the store binding and the batched probe's shape class.
+  built with one thread count is not the one a forward with another count computes: on a CPU
+  the count is part of both the store binding and the batched probe's shape class. (A GPU's
+  GEMM does not use the CPU threads, so there it is left out.)
 * **Matmul precision switches.** From torch 2.9 on, each backend has an ``fp32_precision``
   switch (``torch.backends.fp32_precision``, ``cuda.matmul``, ``cudnn`` with ``conv``/``rnn``,
   ``mkldnn`` with ``matmul``/``conv``/``rnn``), ``"none"`` meaning "as the parent". They matter
@@ -54,16 +55,19 @@ from typing import Any
 
 import torch
 
-#: The matmul precision switches of the new API, each with its parents (most specific first).
-#: ``"none"`` means "inherit from the parent"; a chain of ``"none"`` ends in IEEE arithmetic.
-#: Only matmul switches reach ``F.linear``: the conv and rnn ones are left out, so setting them
-#: (for a VAE, say) costs no store miss.
-_MATMUL_PRECISION: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("cuda_matmul_fp32_precision", ("cuda.matmul.fp32_precision", "cudnn.fp32_precision", "fp32_precision")),
-    ("mkldnn_matmul_fp32_precision", ("mkldnn.matmul.fp32_precision", "mkldnn.fp32_precision", "fp32_precision")),
-)
-#: Switches no fp32 precision setting covers (reading them never raises).
-_REDUCED_SWITCHES: tuple[tuple[str, str], ...] = (
+#: The matmul precision switch of the new API for each device type's GEMM library, with its
+#: parents (most specific first). ``"none"`` means "inherit from the parent"; a chain of
+#: ``"none"`` ends in IEEE arithmetic. Only matmul switches reach ``F.linear``: the conv and rnn
+#: ones are left out, so setting them (for a VAE, say) costs no store miss.
+_MATMUL_PRECISION: dict[str, tuple[str, tuple[str, ...]]] = {
+    "cuda": ("cuda_matmul_fp32_precision", ("cuda.matmul.fp32_precision", "cudnn.fp32_precision", "fp32_precision")),
+    "cpu": (
+        "mkldnn_matmul_fp32_precision",
+        ("mkldnn.matmul.fp32_precision", "mkldnn.fp32_precision", "fp32_precision"),
+    ),
+}
+#: CUDA switches no fp32 precision setting covers (reading them never raises).
+_CUDA_REDUCED: tuple[tuple[str, str], ...] = (
     ("bf16_reduced", "cuda.matmul.allow_bf16_reduced_precision_reduction"),
     ("fp16_reduced", "cuda.matmul.allow_fp16_reduced_precision_reduction"),
     ("fp16_accumulation", "cuda.matmul.allow_fp16_accumulation"),
@@ -108,19 +112,26 @@ def autocast_settings() -> dict[str, Any]:
     return {}
 
 
-def bit_settings() -> dict[str, Any]:
-    """Every process-wide setting, besides shapes, dtypes and addresses, that can change GEMM bits.
+def bit_settings(device: torch.device | str) -> dict[str, Any]:
+    """Every process-wide setting, besides shapes, dtypes and addresses, that can change GEMM bits on ``device``.
 
-    Never raises, whichever mix of the legacy and the new precision APIs the caller used.
-    Values are plain (str, int, bool, None), so the result is JSON-able and hashable as items.
+    Only what reaches ``device``'s kernels: the thread count and the oneDNN switch on a CPU, the
+    CUDA switches on a GPU (a store filled by ``torchrun`` ranks with one CPU thread each still
+    serves a GPU process with many). Other device types get every switch. Never raises, whichever
+    mix of the legacy and the new precision APIs the caller used. Values are plain (str, int,
+    bool, None), so the result is JSON-able and hashable as items.
     """
-    settings: dict[str, Any] = {"num_threads": torch.get_num_threads()}
+    kind = torch.device(device).type
+    cpu, cuda = kind != "cuda", kind != "cpu"  # an unknown device type gets both
+    settings: dict[str, Any] = {}
+    if cpu:
+        settings["num_threads"] = torch.get_num_threads()
     if _has_new_precision_api():
-        for label, chain in _MATMUL_PRECISION:
+        for label, chain in (_MATMUL_PRECISION[k] for k, wanted in (("cuda", cuda), ("cpu", cpu)) if wanted):
             settings[label] = _effective_precision(chain)
     else:
         settings.update(_legacy_precision())
-    for label, path in _REDUCED_SWITCHES:
+    for label, path in _CUDA_REDUCED if cuda else ():
         value = _backend_attr(path)
         if value is not _MISSING:
             settings[label] = value
@@ -129,9 +140,9 @@ def bit_settings() -> dict[str, Any]:
     return settings
 
 
-def bit_settings_key() -> tuple[tuple[str, Any], ...]:
+def bit_settings_key(device: torch.device | str) -> tuple[tuple[str, Any], ...]:
     """:func:`bit_settings` as a hashable key (the batched probe's shape classes use it)."""
-    return tuple(sorted(bit_settings().items()))
+    return tuple(sorted(bit_settings(device).items()))
 
 
 def numeric_environment(device: torch.device) -> dict[str, Any]:
@@ -144,7 +155,7 @@ def numeric_environment(device: torch.device) -> dict[str, Any]:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "device_type": device.type,
-        **bit_settings(),
+        **bit_settings(device),
     }
     if device.type == "cuda":
         env["device_name"] = torch.cuda.get_device_name(device)
