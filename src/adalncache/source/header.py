@@ -151,6 +151,11 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON value")
 
 
+def _integer(text: str) -> int | float:
+    """A JSON integer; ``-0`` stays a float, as safetensors' parser reads it (and refuses it as an offset)."""
+    return -0.0 if text == "-0" else int(text)
+
+
 def _is_count(value: Any) -> bool:
     """A JSON integer >= 0 (Python's json reads ``true`` as a bool, which is an int: refuse it)."""
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
@@ -188,7 +193,9 @@ class SafetensorsHeader:
         except OSError as exc:
             raise CheckpointError(f"cannot read checkpoint file {path}: {exc}") from exc
         try:
-            header = json.loads(raw.decode("utf-8"), object_pairs_hook=_object, parse_constant=_no_constant)
+            header = json.loads(
+                raw.decode("utf-8"), object_pairs_hook=_object, parse_constant=_no_constant, parse_int=_integer
+            )
             if not isinstance(header, dict):
                 raise ValueError("header is not a JSON object")
         except (UnicodeDecodeError, ValueError, RecursionError) as exc:
@@ -223,13 +230,13 @@ def _entries(path: Path, header: dict[str, Any], data_start: int, size: int) -> 
     entries: dict[str, TensorEntry] = {}
     for name, info in header.items():
         if name != "__metadata__":
-            entries[name] = _entry(path, name, info, data_start)
+            entries[name] = _entry(path, name, info, data_start, size)
     _check_tiling(path, entries, data_start, size)
     return entries
 
 
-def _entry(path: Path, name: str, info: Any, data_start: int) -> TensorEntry:
-    """One tensor's entry, checked on its own: field types, known dtype, span length."""
+def _entry(path: Path, name: str, info: Any, data_start: int, size: int) -> TensorEntry:
+    """One tensor's entry, checked on its own: field types, known dtype, span length, inside the file."""
 
     def bad(what: str) -> CheckpointError:
         return _malformed(path, f"tensor {name!r} {what}")
@@ -260,6 +267,11 @@ def _entry(path: Path, name: str, info: Any, data_start: int) -> TensorEntry:
         raise bad(f"holds {elements} elements of {known.name}, which do not fill whole bytes")
     if end - begin != bits // 8:
         raise bad(f"spans {end - begin} bytes of data, but its shape {shape} of {known.name} needs {bits // 8} bytes")
+    if data_start + end > size:
+        raise CheckpointError(
+            f"{path} is truncated (or its header corrupt): tensor {name!r} ends at byte {data_start + end} but "
+            f"the file has {size} bytes; re-save or re-download the checkpoint"
+        )
     return TensorEntry(name, known.name, tuple(shape), data_start + begin, data_start + end)
 
 
@@ -282,13 +294,7 @@ def _check_tiling(path: Path, entries: dict[str, TensorEntry], data_start: int, 
                 f"belong to no tensor (the spans must tile the data section)",
             )
         expected, previous = entry.end, entry
-    if expected > size:
-        assert previous is not None
-        raise CheckpointError(
-            f"{path} is truncated: tensor {previous.name!r} ends at byte {expected} but the file has {size} "
-            f"bytes; re-save or re-download the checkpoint"
-        )
-    if expected < size:
+    if expected < size:  # (every span ends inside the file: checked entry by entry)
         after = f"after tensor {previous.name!r}" if previous is not None else "after the header"
         raise _malformed(path, f"its last {size - expected} bytes ({after}) belong to no tensor")
 
