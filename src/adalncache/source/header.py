@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
+from safetensors import safe_open
 
 from ..errors import CheckpointError
 
@@ -305,8 +306,6 @@ _NAMED = re.compile(r"`([^`]*)`")
 
 def _safetensors_accepts(path: Path) -> None:
     """safetensors' own parser must accept the file too (a backstop for anything the checks above miss)."""
-    from safetensors import safe_open
-
     try:
         with safe_open(str(path), framework="pt"):
             pass
