@@ -12,9 +12,10 @@ from pathlib import Path
 
 import torch
 
-import adalncache.source as S
 from adalncache.bench import _tensor_ranges, drop_page_cache
 from adalncache.source import CheckpointSource
+from adalncache.source.buffers import DIRECT_BLOCK, place
+from adalncache.source.reads import CHUNK, DirectReads
 from adalncache.spec import ModulationSpec
 
 spec = ModulationSpec(num_layers=4, hidden_size=5376, time_embed_dim=2688)
@@ -24,12 +25,12 @@ ranges = _tensor_ranges(src)
 N = max(n for _, _, n in ranges)
 
 
-def via(buf: torch.Tensor, chunk: int = S._CHUNK) -> float:
-    d = S._DirectReads()
+def via(buf: torch.Tensor, chunk: int = CHUNK) -> float:
+    d = DirectReads()
     fds = {p: os.open(p, os.O_RDONLY) for p in {p for p, _, _ in ranges}}
     s = time.perf_counter()
     for p, off, n in ranges:
-        view = S._place(buf, n, off)
+        view = place(buf, n, off, modulus=DIRECT_BLOCK, margin=DIRECT_BLOCK)
         base = view.data_ptr()
         done = 0
         while done < n:
@@ -46,7 +47,7 @@ def via(buf: torch.Tensor, chunk: int = S._CHUNK) -> float:
 
 bufs = []
 for _ in range(4):
-    b = torch.empty(N + S._SLACK, dtype=torch.uint8)
+    b = torch.empty(N + 3 * DIRECT_BLOCK, dtype=torch.uint8)
     b.fill_(0)
     bufs.append(b)
 for _ in range(2):

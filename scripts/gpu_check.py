@@ -67,12 +67,12 @@ def _o_direct_supported(path: Path) -> bool:
 
 
 def _cache_emptied(files: list[Path]) -> bool:
-    from adalncache.source import _resident_fraction
+    from adalncache.source import resident_fraction
 
     for path in files:
         fd = os.open(path, os.O_RDONLY)
         try:
-            resident = _resident_fraction(fd, 0, path.stat().st_size)
+            resident = resident_fraction(fd, 0, path.stat().st_size)
         finally:
             os.close(fd)
         if resident is None or resident >= 0.1:

@@ -138,6 +138,20 @@ def _not_safetensors(env: Env) -> CheckpointSource:
     return CheckpointSource(path, SPEC)
 
 
+def _overlapping_span(env: Env) -> CheckpointSource:
+    """A projection whose header entry overlaps the tensor before it (safetensors refuses such a file)."""
+    path = _write(env, "overlap", make_weights(SPEC))
+    blob = path.read_bytes()
+    length = int.from_bytes(blob[:8], "little")
+    header = json.loads(blob[8 : 8 + length])
+    begin, end = header["blocks.1.adaln_proj.linear.weight"]["data_offsets"]
+    header["blocks.1.adaln_proj.linear.weight"]["data_offsets"] = [begin - 2, end - 2]
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + blob[8 + length :])
+    return CheckpointSource(path, SPEC)
+
+
 def _outside_index(env: Env) -> CheckpointSource:
     directory = env.root / "sharded"
     write_checkpoint(directory, make_weights(SPEC), shards=2)
@@ -194,6 +208,13 @@ SOURCE_CASES = [
     ),
     Bad("truncated file", _truncated, CheckpointError, r"truncated.*re-save"),
     Bad("not safetensors", _not_safetensors, CheckpointError, r"not a safetensors file.*pass a \.safetensors"),
+    Bad(
+        "overlapping span",
+        _overlapping_span,
+        CheckpointError,
+        r"overlap/model\.safetensors is a malformed safetensors file: tensor 'blocks\.1\.adaln_proj\.linear\.weight'"
+        r".*overlaps",
+    ),
     Bad("index outside directory", _outside_index, CheckpointError, r"outside the checkpoint directory"),
     Bad("wrong layout", _wrong_layout, CheckpointError, r"missing"),
     Bad("no projections", _no_projection, CheckpointError, r"set layout= \(CLI --layout\)"),

@@ -14,9 +14,8 @@ import pytest
 import torch
 
 from adalncache import AdalnCache, BuildError, CheckpointSource, ModulationSpec
-from adalncache.source import _resident_fraction
+from adalncache.source import resident_fraction, write_safetensors
 from adalncache.spec import FINAL, get_layout
-from adalncache.tiny import write_safetensors
 from core_helpers import embed_for
 
 SPEC = ModulationSpec(num_layers=4, hidden_size=64, time_embed_dim=256)
@@ -88,7 +87,7 @@ def _drop_works(path: Path) -> bool:
     _drop(path)
     fd = os.open(path, os.O_RDONLY)
     try:
-        resident = _resident_fraction(fd, 0, path.stat().st_size)
+        resident = resident_fraction(fd, 0, path.stat().st_size)
     finally:
         os.close(fd)
     return resident is not None and resident < 0.1
@@ -142,7 +141,7 @@ def test_a_half_cached_file_mixes_both_and_stays_exact(cold) -> None:  # type: i
     _warm(path, size // 2)
     fd = os.open(path, os.O_RDONLY)
     try:
-        resident = _resident_fraction(fd, 0, size)
+        resident = resident_fraction(fd, 0, size)
     finally:
         os.close(fd)
     assert resident is not None and 0.3 < resident < 0.7, resident  # the precondition: half cached
@@ -196,8 +195,6 @@ def test_o_direct_refused_at_open_falls_back_to_plain_reads(cold, monkeypatch) -
     """A filesystem that refuses O_DIRECT (EINVAL at open, as older tmpfs does): plain reads, same bytes."""
     import errno
 
-    import adalncache.source as source_mod
-
     path, tensors = cold
     real_open = os.open
 
@@ -206,7 +203,7 @@ def test_o_direct_refused_at_open_falls_back_to_plain_reads(cold, monkeypatch) -
             raise OSError(errno.EINVAL, "Invalid argument")
         return real_open(file, flags, *args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(source_mod.os, "open", open_without_direct)
+    monkeypatch.setattr(os, "open", open_without_direct)
     source = CheckpointSource(path, SPEC)
     _drop(path)
     _check_stream(source, tensors)
@@ -215,10 +212,10 @@ def test_o_direct_refused_at_open_falls_back_to_plain_reads(cold, monkeypatch) -
 
 def test_without_mincore_the_page_cache_is_asked_directly(cold, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """A file we neither own nor may write hides its cache from mincore: RWF_NOWAIT decides instead."""
-    import adalncache.source as source_mod
+    from adalncache.source.reads import DirectReads
 
     path, tensors = cold
-    monkeypatch.setattr(source_mod._DirectReads, "_mincore_trusted", lambda self, path, fd: False)
+    monkeypatch.setattr(DirectReads, "_mincore_trusted", lambda self, path, fd: False)
     source = CheckpointSource(path, SPEC)
     _drop(path)
     _check_stream(source, tensors)

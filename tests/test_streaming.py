@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from adalncache import CheckpointSource, ModulationSpec
+from adalncache.source import write_safetensors
+from adalncache.source.buffers import StagingPool
 from adalncache.spec import FINAL, get_layout
-from adalncache.tiny import write_safetensors
 
 
 @pytest.fixture
@@ -68,17 +69,15 @@ def test_kept_layers_are_never_overwritten(checkpoint, read_ahead: int) -> None:
 
 
 def test_buffers_are_reused_by_a_well_behaved_consumer(checkpoint, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    import adalncache.source as source_mod
-
     source, tensors = checkpoint
     fresh: list[int] = []
-    clear = source_mod._Staging.clear
+    clear = StagingPool.clear
 
-    def record(self: source_mod._Staging) -> None:
+    def record(self: StagingPool) -> None:
         fresh.append(self.fresh)
         clear(self)
 
-    monkeypatch.setattr(source_mod._Staging, "clear", record)
+    monkeypatch.setattr(StagingPool, "clear", record)
     source.keep_buffers = False  # each pass frees its pool at the end, which records its count
     for read_ahead in (1, 2):
         for lw in source.stream(source.spec.layers(), read_ahead=read_ahead):
@@ -110,9 +109,10 @@ def test_release_buffers_frees_the_kept_pool(checkpoint) -> None:  # type: ignor
     pool = source._kept
     assert pool is not None
     held = pool.nbytes
+    assert source.kept_bytes == held
     widest = max(t.numel() * t.element_size() for t in tensors.values())
     assert widest < held <= 4 * (widest + 3 * 4096)  # (read_ahead + 1) slots x (weight, bias), plus slack
-    assert source.release_buffers() == held and source._kept is None
+    assert source.release_buffers() == held and source._kept is None and source.kept_bytes == 0
     assert source.release_buffers() == 0
     for lw in source.stream(source.spec.layers(), read_ahead=1):  # the next pass allocates afresh
         _expect(source, tensors, lw)
@@ -124,7 +124,7 @@ def test_keep_buffers_off_frees_the_pool_after_each_pass(tmp_path: Path, checkpo
     off = CheckpointSource(source.path, source.spec, keep_buffers=False)
     for lw in off.stream(off.spec.layers(), read_ahead=1):
         _expect(off, tensors, lw)
-    assert off._kept is None and off.release_buffers() == 0
+    assert off._kept is None and off.kept_bytes == 0 and off.release_buffers() == 0
 
 
 def test_a_different_read_ahead_keeps_the_buffers_it_can_use(checkpoint) -> None:  # type: ignore[no-untyped-def]

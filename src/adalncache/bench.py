@@ -2,7 +2,7 @@
 
 Every comparison is measured in one run on one machine and printed as a ratio of medians, because
 absolute times on a shared CPU say little while ratios of neighbouring runs stay meaningful. What
-it measures (issue 6):
+it measures:
 
 * the pass against the raw sequential read of the same bytes from the same files and against the
   projections alone (weights already in memory), page cache warm and cold, at 1 plan and at a full
@@ -24,7 +24,6 @@ Results go to ``bench/results/`` as JSON, Markdown and a PNG chart.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import logging
 import os
@@ -45,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from .devices import resolve_device
+from .source import LazyTensor, aligned_empty, pread_into, write_safetensors
 from .spec import FINAL, Layer, ModulationSpec, get_layout
 
 log = logging.getLogger(__name__)
@@ -58,46 +58,6 @@ STEPS = 50
 
 # ---------------------------------------------------------------------------------------------
 # checkpoint generation
-
-
-def _write_shard(path: Path, tensors: list[tuple[str, tuple[int, ...], Callable[[], torch.Tensor]]]) -> None:
-    """Write one safetensors shard, generating each tensor only when it is written (bounded memory).
-
-    Data offsets are multiples of 64 so every tensor starts 64-byte aligned in the file, as
-    ``save_file`` of bf16 weights of these shapes would also give.
-    """
-    header: dict[str, Any] = {"__metadata__": {"format": "pt", "generator": "adalncache bench"}}
-    offset = 0
-    for name, shape, _ in tensors:
-        nbytes = 2
-        for s in shape:
-            nbytes *= s
-        header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-        pad = (-offset) % 64
-        if pad:
-            # safetensors wants the data to tile the buffer: absorb padding into a u8 tensor.
-            header[f"__adalncache_padding__.{name}"] = {
-                "dtype": "U8", "shape": [pad], "data_offsets": [offset, offset + pad],
-            }  # fmt: skip
-            offset += pad
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * ((-(8 + len(blob))) % 64)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(len(blob).to_bytes(8, "little"))
-        f.write(blob)
-        for _name, _shape, make in tensors:
-            data = make().contiguous()
-            f.write(data.view(torch.uint8).reshape(-1).numpy().data)
-            written = data.numel() * 2
-            pad = (-written) % 64
-            if pad:
-                f.write(b"\0" * pad)
-            del data
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _random_bf16(shape: tuple[int, ...], seed: int, scale: float) -> Callable[[], torch.Tensor]:
@@ -142,7 +102,8 @@ def generate_checkpoint(spec: ModulationSpec, directory: Path, *, layers_per_sha
             tensors.append((layout.weight(layer), shape, _random_bf16(shape, seed, scale)))
             out = (spec.out_features(layer),)
             tensors.append((layout.bias(layer), out, _random_bf16(out, seed + 7919, 0.1)))
-        _write_shard(directory / name, tensors)
+        lazy = {n: LazyTensor(shape, torch.bfloat16, make) for n, shape, make in tensors}
+        write_safetensors(lazy, directory / name, metadata={"format": "pt", "generator": "adalncache bench"})
         weight_map.update({t[0]: name for t in tensors})
         log.info("wrote %s", name)
     (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
@@ -165,18 +126,6 @@ def drop_page_cache(files: Sequence[Path]) -> None:
             os.close(fd)
 
 
-def _preadv_all(fd: int, buf: torch.Tensor, offset: int, chunk: int = 64 << 20) -> int:
-    base, total, done = buf.data_ptr(), buf.numel(), 0
-    while done < total:
-        n = min(chunk, total - done)
-        view = (ctypes.c_char * n).from_address(base + done)
-        got = os.preadv(fd, [memoryview(view).cast("B")], offset + done)
-        if got <= 0:
-            raise OSError(f"short read at {offset + done}")
-        done += got
-    return done
-
-
 def _tensor_ranges(source: Any) -> list[tuple[Path, int, int]]:
     """(file, offset, nbytes) of every projection tensor, in pass order."""
     out = []
@@ -196,7 +145,7 @@ def read_only(source: Any, buf: torch.Tensor | None = None) -> float:
     fds = {p: os.open(p, os.O_RDONLY) for p in {p for p, _, _ in ranges}}
     try:
         for path, offset, nbytes in ranges:
-            _preadv_all(fds[path], buf[:nbytes], offset)
+            pread_into(fds[path], buf[:nbytes], offset, path, "a projection tensor")
     finally:
         for fd in fds.values():
             os.close(fd)
@@ -320,10 +269,8 @@ def naive(source: Any, xs: Sequence[torch.Tensor]) -> float:
                     if fd is None:
                         fd = fds[header.path] = os.open(header.path, os.O_RDONLY)
                     # Same address modulo 64 as the file offset, as the real pass keeps it.
-                    raw = torch.empty(entry.nbytes + 64, dtype=torch.uint8)
-                    pad = (entry.begin - raw.data_ptr()) % 64
-                    view = raw[pad : pad + entry.nbytes]
-                    _preadv_all(fd, view, entry.begin)
+                    view = aligned_empty((entry.nbytes,), torch.uint8, entry.begin)
+                    pread_into(fd, view, entry.begin, header.path, name)
                     parts.append(view.view(torch.bfloat16).view(entry.shape).to(device))
                 weight, bias = parts
                 for x in xs:
@@ -406,7 +353,7 @@ def one_pass(
     source.keep_buffers = not fresh
     if fresh:
         source.release_buffers()
-    elif source._kept is None:
+    elif source.kept_bytes == 0:
         build(plans[:1])
         if settle is not None:
             settle()

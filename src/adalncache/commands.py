@@ -10,8 +10,8 @@ The embed is MiniMax-H3's own: diffusers' ``Timesteps`` (``flip_sin_to_cos=True`
 ``downscale_freq_shift=0``) and ``TimestepEmbedding`` loaded with the checkpoint's time-embedder
 weights (native ``time_embedder.proj_in/proj_out`` or diffusers ``time_embedder.linear_1/linear_2``),
 then SiLU in the embedder's dtype and only then the cast to the projection dtype. The weights are
-read into buffers that keep their file offset modulo 64, like the projections (see source.py),
-because an fp32 GEMV's bits depend on the weight's address.
+read with ``CheckpointSource.read_tensor``, into buffers that keep their file offset modulo 64 like
+the projections, because an fp32 GEMV's bits depend on the weight's address.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 from .cache import AdalnCache
 from .errors import CheckpointError, ConfigError
 from .plans import PlanKey, distinct_plans, format_plan, key_to_plan, minimax_h3_plans
-from .source import CheckpointSource, SafetensorsHeader, _aligned_empty, _files_of, _pread_into
+from .source import CheckpointSource, SafetensorsHeader, checkpoint_files
 from .spec import LAYOUTS, ModulationSpec
 from .tiers.store import Store, StoredEntry, binding_hash
 
@@ -65,7 +65,7 @@ def infer_spec(checkpoint: str | Path, *, layout: str = "auto", modalities: int 
     """
     if layout not in ("auto", *LAYOUTS):
         raise ConfigError(f"layout must be auto, native or diffusers, got {layout!r}: set --layout")
-    files, _ = _files_of(checkpoint)
+    files, _ = checkpoint_files(checkpoint)
     entries: dict[str, Any] = {}
     for file in files:
         entries.update(SafetensorsHeader.read(file).entries)
@@ -100,15 +100,12 @@ def infer_spec(checkpoint: str | Path, *, layout: str = "auto", modalities: int 
     )
 
 
-def _read_aligned(source: CheckpointSource, fds: dict[Path, int], name: str) -> torch.Tensor:
+def _read_float(source: CheckpointSource, name: str) -> torch.Tensor:
     header, entry = source.entry(name)
     dtype = entry.torch_dtype
     if dtype is None or dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise CheckpointError(f"{header.path}: tensor {name} has dtype {entry.dtype}, expected F32, BF16 or F16")
-    storage, view = _aligned_empty(entry.nbytes, entry.begin)
-    _pread_into(fds[header.path], view, entry.begin, header.path, name)
-    del storage  # the view shares its memory and keeps it alive
-    return view.view(dtype).view(list(entry.shape))
+    return source.read_tensor(name)
 
 
 def time_embed_fn(
@@ -133,8 +130,7 @@ def time_embed_fn(
             f"{', '.join(str(f) for f in source.files)}): build and verify compute the projections' input "
             f"from them; pass the whole transformer checkpoint, not only its AdaLN projections"
         )
-    with source.open_files() as fds:
-        w1, b1, w2, b2 = (_read_aligned(source, fds, name) for name in names)
+    w1, b1, w2, b2 = (_read_float(source, name) for name in names)
     if w1.dim() != 2 or w2.dim() != 2 or w2.shape[1] != w1.shape[0] or w2.shape[0] != spec.time_embed_dim:
         raise CheckpointError(
             f"time-embedder shapes {list(w1.shape)} and {list(w2.shape)} do not produce the projections' "

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import struct
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -25,13 +24,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .errors import ConfigError, PlanError
+from .source.writer import PAD_PREFIX, write_safetensors
 
 if TYPE_CHECKING:
     from torch import nn
 
 log = logging.getLogger(__name__)
 
-#: Model sizes. "tiny" is the REFERENCE.md section 8 geometry (forward in a few ms); "small" is wide
+#: Model sizes. "tiny" is the smallest geometry the model accepts (forward in a few ms); "small" is wide
 #: enough that the projections weigh tens of MB (so the saving reads in MB) and still runs a
 #: forward in tens of ms on two cores. "medium" has the released model's proportions (projection
 #: input = hidden / 2, output 18 x hidden, FFN about 2.7 x hidden), so the projections are about 40%
@@ -89,21 +89,6 @@ SIZES: dict[str, dict[str, Any]] = {
 
 TASKS = ("t2va", "fl2va", "ref2va")
 
-#: Native-checkpoint padding tensors carry this prefix; readers look tensors up by name, so the
-#: padding is invisible to them (safetensors requires tensors to tile the data buffer with no gap).
-PAD_PREFIX = "__adalncache_padding__"
-
-_SAFETENSORS_DTYPES = {
-    torch.float32: "F32",
-    torch.bfloat16: "BF16",
-    torch.float16: "F16",
-    torch.float64: "F64",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
-
 
 def _check_size(size: str) -> dict[str, Any]:
     if size not in SIZES:
@@ -149,7 +134,8 @@ def save_tiny(model: nn.Module, directory: str | os.PathLike[str], *, dtype: tor
     With bf16 this is the released mixed precision: ``_keep_in_fp32_modules`` keeps the time
     embedder, patch projections and heads in fp32 and the AdaLN projections and blocks in bf16.
     With fp32 the loaded weights stay views into the mapped file, at the file's (odd) offsets,
-    which is the alignment case exactness tests must cover (REFERENCE.md section 3).
+    which is the alignment case exactness tests must cover (an fp32 GEMV's bits depend on the
+    weight's address modulo 16).
     """
     from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3Transformer3DModel
 
@@ -173,69 +159,6 @@ def projection_tensors(model: nn.Module, layout: str = "native") -> dict[str, to
         tensors[key_layout.weight(layer)] = linear.weight.detach()  # type: ignore[operator]
         tensors[key_layout.bias(layer)] = linear.bias.detach()  # type: ignore[operator]
     return tensors
-
-
-def write_safetensors(
-    tensors: Mapping[str, torch.Tensor],
-    path: str | os.PathLike[str],
-    *,
-    residues: Mapping[str, int] | None = None,
-    align: int = 64,
-    metadata: Mapping[str, str] | None = None,
-) -> Path:
-    """Write a real safetensors file whose tensor data sit at chosen offsets modulo ``align``.
-
-    Why not ``safetensors.torch.save_file``: on this CPU build an fp32 GEMV's bits depend on the
-    weight's address modulo 16, and a mapped file puts a tensor at (page-aligned base + offset).
-    Controlling the offsets lets a checkpoint reproduce the model's own alignment, so projecting
-    from the mapped checkpoint is bit-identical to the resident model. ``residues`` gives the wanted
-    ``offset % align`` per tensor (default 0). Gaps are filled with ``uint8`` padding tensors named
-    ``PAD_PREFIX.<n>`` because the format requires tensors to tile the data buffer.
-    """
-    residues = dict(residues or {})
-    path = Path(path)
-    entries: list[tuple[str, torch.Tensor]] = []
-    header: dict[str, Any] = {}
-    if metadata:
-        header["__metadata__"] = dict(metadata)
-    offset = 0
-    pad_count = 0
-    for name, tensor in tensors.items():
-        if tensor.dtype not in _SAFETENSORS_DTYPES:
-            raise ConfigError(f"write_safetensors cannot store dtype {tensor.dtype} (tensor {name!r})")
-        want = residues.get(name, 0) % align
-        gap = (want - offset) % align
-        if gap:
-            pad = torch.zeros(gap, dtype=torch.uint8)
-            pad_name = f"{PAD_PREFIX}.{pad_count}"
-            pad_count += 1
-            header[pad_name] = {"dtype": "U8", "shape": [gap], "data_offsets": [offset, offset + gap]}
-            entries.append((pad_name, pad))
-            offset += gap
-        data = tensor.detach().to("cpu").contiguous()
-        nbytes = data.numel() * data.element_size()
-        header[name] = {
-            "dtype": _SAFETENSORS_DTYPES[data.dtype],
-            "shape": list(data.shape),
-            "data_offsets": [offset, offset + nbytes],
-        }
-        entries.append((name, data))
-        offset += nbytes
-    blob = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    # The data buffer starts at 8 + len(header); pad the header with spaces (allowed by the format)
-    # so that start is a multiple of ``align`` and file offsets equal buffer offsets modulo ``align``.
-    blob += b" " * ((-(8 + len(blob))) % align)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as handle:
-        handle.write(struct.pack("<Q", len(blob)))
-        handle.write(blob)
-        for _, data in entries:
-            if data.numel():
-                handle.write(data.view(torch.uint8).reshape(-1).numpy().tobytes())
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-    return path
 
 
 def write_native_checkpoint(

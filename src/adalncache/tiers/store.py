@@ -48,7 +48,8 @@ from ..errors import ConfigError
 from ..numerics import numeric_environment
 from ..plans import PlanKey, key_to_plan
 from ..rows import PlanRows
-from ..spec import ModulationSpec
+from ..source.header import dtype_named
+from ..spec import SUPPORTED_WEIGHT_DTYPES, ModulationSpec
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,6 @@ _SUFFIX = ".entry"
 _TMP_PREFIX = ".tmp-"
 #: A temp file this old is swept even when its writer's liveness cannot be checked (another host).
 _STALE_TMP_SECONDS = 3600.0
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def binding_hash(binding: Mapping[str, Any]) -> str:
@@ -316,7 +316,9 @@ class Store:
     @staticmethod
     def _rows(header: dict[str, Any], raw: torch.Tensor, offset: int, spec: ModulationSpec | None) -> PlanRows:
         try:
-            dtype = _DTYPES[header["dtype"]]
+            dtype = dtype_named(header["dtype"])
+            if dtype is None or dtype not in SUPPORTED_WEIGHT_DTYPES:
+                raise CorruptEntry(f"unknown dtype {header['dtype']!r}")
             block_shape = [int(v) for v in header["block_shape"]]
             final_shape = [int(v) for v in header["final_shape"]]
             key = tuple(int(v) for v in header["key"])

@@ -1,0 +1,317 @@
+"""safetensors headers: the dtype table, one file's tensor entries, and the checks they must pass.
+
+A checkpoint is validated when a source is constructed (and again when it changes on disk), the
+way safetensors itself validates a file, so a corrupt header is reported as a malformed file
+naming the tensor, instead of surfacing later as an internal error of the read or the GEMM.
+The rules (those of the safetensors format):
+
+* 8 bytes of little-endian header length, then that many bytes of UTF-8 JSON holding one object,
+  at most 100 MB;
+* ``__metadata__``, if present, maps strings to strings;
+* every other key is a tensor: ``dtype`` a known name, ``shape`` a list of non-negative integers,
+  ``data_offsets`` two integers ``[begin, end]`` with ``0 <= begin <= end`` (JSON integers: not
+  floats, not booleans), and ``end - begin`` equal to the product of the shape times the
+  dtype's size;
+* sorted by offset, the spans tile the data section exactly: the first starts at 0, each starts
+  where the previous one ends (no gap, no overlap), and the last ends at the end of the file.
+
+After these checks pass, safetensors' own parser (``safe_open``, which reads the header and maps
+the file without reading tensor data) must accept the file too, so this reader never accepts a
+file the format's reference implementation refuses.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+from safetensors import safe_open
+
+from ..errors import CheckpointError
+
+
+class DType(NamedTuple):
+    """One safetensors dtype: its name in headers, its width in bits, the torch dtype (if any)."""
+
+    name: str
+    bits: int
+    torch: torch.dtype | None
+
+
+def _optional(name: str) -> torch.dtype | None:
+    """A torch dtype that older torch builds lack."""
+    dtype = getattr(torch, name, None)
+    return dtype if isinstance(dtype, torch.dtype) else None
+
+
+#: Every dtype a safetensors header may carry. A tensor of a dtype without a torch counterpart
+#: (the sub-byte float formats) is validated like any other; it only cannot be read as a tensor.
+DTYPES: tuple[DType, ...] = (
+    DType("BOOL", 8, torch.bool),
+    DType("U8", 8, torch.uint8),
+    DType("I8", 8, torch.int8),
+    DType("U16", 16, _optional("uint16")),
+    DType("I16", 16, torch.int16),
+    DType("U32", 32, _optional("uint32")),
+    DType("I32", 32, torch.int32),
+    DType("U64", 64, _optional("uint64")),
+    DType("I64", 64, torch.int64),
+    DType("F16", 16, torch.float16),
+    DType("BF16", 16, torch.bfloat16),
+    DType("F32", 32, torch.float32),
+    DType("F64", 64, torch.float64),
+    DType("C64", 64, torch.complex64),
+    DType("F8_E4M3", 8, torch.float8_e4m3fn),
+    DType("F8_E5M2", 8, torch.float8_e5m2),
+    DType("F8_E4M3FNUZ", 8, _optional("float8_e4m3fnuz")),
+    DType("F8_E5M2FNUZ", 8, _optional("float8_e5m2fnuz")),
+    DType("F8_E8M0", 8, _optional("float8_e8m0fnu")),
+    DType("F4", 4, None),
+    DType("F6_E2M3", 6, None),
+    DType("F6_E3M2", 6, None),
+)
+_BY_NAME: dict[str, DType] = {d.name: d for d in DTYPES}
+#: safetensors dtype names -> torch dtypes (those torch can hold).
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {d.name: d.torch for d in DTYPES if d.torch is not None}
+_NAME_OF: dict[torch.dtype, str] = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
+_BY_TORCH_NAME: dict[str, torch.dtype] = {str(d).removeprefix("torch."): d for d in SAFETENSORS_DTYPES.values()}
+
+
+def safetensors_name(dtype: torch.dtype) -> str | None:
+    """The name a safetensors header gives ``dtype`` (``torch.bfloat16`` -> ``"BF16"``), or None."""
+    return _NAME_OF.get(dtype)
+
+
+def dtype_named(name: str) -> torch.dtype | None:
+    """The torch dtype spelled ``name`` the way torch prints it without its prefix (``"bfloat16"``)."""
+    return _BY_TORCH_NAME.get(name)
+
+
+#: A header larger than this is not a safetensors header (the format caps it at 100 MB).
+MAX_HEADER = 100_000_000
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """Where one tensor lives inside a safetensors file."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int  # absolute file offset of the first data byte
+    end: int  # absolute file offset one past the last data byte
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+    @property
+    def torch_dtype(self) -> torch.dtype | None:
+        return SAFETENSORS_DTYPES.get(self.dtype)
+
+
+@dataclass(frozen=True)
+class FileIdentity:
+    """``stat`` identity of a file: any rewrite, rename-replace or touch changes it."""
+
+    device: int
+    inode: int
+    size: int
+    mtime_ns: int
+
+    @classmethod
+    def of(cls, path: Path) -> FileIdentity:
+        st = os.stat(path)
+        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+class _Object(dict):  # type: ignore[type-arg]
+    """A JSON object that remembers the keys it was given more than once (JSON allows it; we do not)."""
+
+    repeated: list[str]
+
+
+def _object(pairs: list[tuple[str, Any]]) -> _Object:
+    out = _Object()
+    out.repeated = []
+    for key, value in pairs:
+        if key in out:
+            out.repeated.append(key)
+        out[key] = value
+    return out
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def _integer(text: str) -> int | float:
+    """A JSON integer; ``-0`` stays a float, as safetensors' parser reads it (and refuses it as an offset)."""
+    return -0.0 if text == "-0" else int(text)
+
+
+def _is_count(value: Any) -> bool:
+    """A JSON integer >= 0 (Python's json reads ``true`` as a bool, which is an int: refuse it)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+@dataclass(frozen=True)
+class SafetensorsHeader:
+    """A parsed, validated safetensors header: tensor entries plus the identity the fingerprint is built from."""
+
+    path: Path
+    identity: FileIdentity
+    digest: str
+    entries: dict[str, TensorEntry]
+
+    @classmethod
+    def read(cls, path: Path) -> SafetensorsHeader:
+        """Parse and validate ``path``'s header (see the module docstring); CheckpointError if it is malformed."""
+        try:
+            identity = FileIdentity.of(path)
+            with open(path, "rb") as f:
+                prefix = f.read(8)
+                if len(prefix) < 8:
+                    raise CheckpointError(
+                        f"{path} is not a safetensors file ({identity.size} bytes, shorter than the 8-byte "
+                        f"header length): pass a .safetensors checkpoint"
+                    )
+                (length,) = struct.unpack("<Q", prefix)
+                if length <= 0 or length > MAX_HEADER or 8 + length > identity.size:
+                    raise CheckpointError(
+                        f"{path} is not a safetensors file (header length {length} does not fit the "
+                        f"{identity.size}-byte file): pass a .safetensors checkpoint, or re-save it if it "
+                        f"was truncated"
+                    )
+                raw = f.read(length)
+        except OSError as exc:
+            raise CheckpointError(f"cannot read checkpoint file {path}: {exc}") from exc
+        try:
+            header = json.loads(
+                raw.decode("utf-8"), object_pairs_hook=_object, parse_constant=_no_constant, parse_int=_integer
+            )
+            if not isinstance(header, dict):
+                raise ValueError("header is not a JSON object")
+        except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+            raise CheckpointError(
+                f"{path} is not a safetensors file (its header is not valid JSON: {exc}): pass a "
+                f".safetensors checkpoint"
+            ) from None
+        entries = _entries(path, header, 8 + length, identity.size)
+        _safetensors_accepts(path)
+        digest = hashlib.sha256(prefix + raw).hexdigest()
+        return cls(path, identity, digest, entries)
+
+
+def _malformed(path: Path, what: str) -> CheckpointError:
+    return CheckpointError(f"{path} is a malformed safetensors file: {what}; re-save or re-download the checkpoint")
+
+
+def _repeated(obj: Any) -> list[str]:
+    """The keys a parsed JSON object was given more than once."""
+    return obj.repeated if isinstance(obj, _Object) else []
+
+
+def _entries(path: Path, header: dict[str, Any], data_start: int, size: int) -> dict[str, TensorEntry]:
+    """The tensor entries of ``header``, each checked alone, then their spans checked together."""
+    if _repeated(header):
+        raise _malformed(path, f"its header names {_repeated(header)[0]!r} twice")
+    meta = header.get("__metadata__")
+    if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
+        raise _malformed(path, f"its __metadata__ is {json.dumps(meta)[:80]}, not a map of strings to strings")
+    if _repeated(meta):
+        raise _malformed(path, f"its __metadata__ repeats the key {_repeated(meta)[0]!r}")
+    entries: dict[str, TensorEntry] = {}
+    for name, info in header.items():
+        if name != "__metadata__":
+            entries[name] = _entry(path, name, info, data_start, size)
+    _check_tiling(path, entries, data_start, size)
+    return entries
+
+
+def _entry(path: Path, name: str, info: Any, data_start: int, size: int) -> TensorEntry:
+    """One tensor's entry, checked on its own: field types, known dtype, span length, inside the file."""
+
+    def bad(what: str) -> CheckpointError:
+        return _malformed(path, f"tensor {name!r} {what}")
+
+    if not isinstance(info, dict):
+        raise bad(f"has the entry {json.dumps(info)[:80]}, not a JSON object")
+    if _repeated(info):
+        raise bad(f"repeats the key {_repeated(info)[0]!r} in its entry")
+    missing = [key for key in ("dtype", "shape", "data_offsets") if key not in info]
+    if missing:
+        raise bad(f"has no {missing[0]!r} in its entry")
+    dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    known = _BY_NAME.get(dtype) if isinstance(dtype, str) else None
+    if known is None:
+        raise bad(f"has the unknown dtype {json.dumps(dtype)[:40]} (known: {', '.join(_BY_NAME)})")
+    if not isinstance(shape, list) or not all(_is_count(s) for s in shape):
+        raise bad(f"has the shape {json.dumps(shape)[:80]}, not a list of non-negative integers")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(v) for v in offsets)):
+        raise bad(f"has the data_offsets {json.dumps(offsets)[:80]}, not two non-negative integers [begin, end]")
+    begin, end = offsets
+    if begin > end:
+        raise bad(f"has the data_offsets [{begin}, {end}]: its span ends before it begins")
+    elements = 1
+    for s in shape:
+        elements *= s
+    bits = elements * known.bits
+    if bits % 8:
+        raise bad(f"holds {elements} elements of {known.name}, which do not fill whole bytes")
+    if end - begin != bits // 8:
+        raise bad(f"spans {end - begin} bytes of data, but its shape {shape} of {known.name} needs {bits // 8} bytes")
+    if data_start + end > size:
+        raise CheckpointError(
+            f"{path} is truncated (or its header corrupt): tensor {name!r} ends at byte {data_start + end} but "
+            f"the file has {size} bytes; re-save or re-download the checkpoint"
+        )
+    return TensorEntry(name, known.name, tuple(shape), data_start + begin, data_start + end)
+
+
+def _check_tiling(path: Path, entries: dict[str, TensorEntry], data_start: int, size: int) -> None:
+    """Sorted by offset, the spans must cover the data section exactly: no gap, no overlap, no tail."""
+    expected = data_start
+    previous: TensorEntry | None = None
+    for entry in sorted(entries.values(), key=lambda e: (e.begin, e.end, e.name)):
+        if entry.begin < expected:
+            assert previous is not None  # expected only grows past data_start after a first entry
+            raise _malformed(
+                path,
+                f"tensor {entry.name!r} (data bytes {entry.begin - data_start}..{entry.end - data_start}) "
+                f"overlaps tensor {previous.name!r} (bytes {previous.begin - data_start}..{previous.end - data_start})",
+            )
+        if entry.begin > expected:
+            raise _malformed(
+                path,
+                f"data bytes {expected - data_start}..{entry.begin - data_start} before tensor {entry.name!r} "
+                f"belong to no tensor (the spans must tile the data section)",
+            )
+        expected, previous = entry.end, entry
+    if expected < size:  # (every span ends inside the file: checked entry by entry)
+        after = f"after tensor {previous.name!r}" if previous is not None else "after the header"
+        raise _malformed(path, f"its last {size - expected} bytes ({after}) belong to no tensor")
+
+
+#: safetensors names the tensor of an error between backticks.
+_NAMED = re.compile(r"`([^`]*)`")
+
+
+def _safetensors_accepts(path: Path) -> None:
+    """safetensors' own parser must accept the file too (a backstop for anything the checks above miss)."""
+    try:
+        with safe_open(str(path), framework="pt"):
+            pass
+    except OSError as exc:
+        raise CheckpointError(f"cannot read checkpoint file {path}: {exc}") from exc
+    except Exception as exc:  # safetensors' error type lives in its compiled module
+        named = _NAMED.search(str(exc))
+        which = f" (tensor {named.group(1)!r})" if named else ""
+        raise _malformed(path, f"safetensors refuses its header{which}: {exc}") from None
