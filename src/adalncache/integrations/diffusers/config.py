@@ -58,7 +58,10 @@ class CacheOptions:
         """The cache's device: the model's, which ``device`` may name but not change."""
         if self.device is None:
             return model_device
-        device = torch.device(self.device)
+        try:
+            device = torch.device(self.device)
+        except (RuntimeError, TypeError) as exc:
+            raise ConfigError(f"device {self.device!r} is not a torch device: set device= (CLI --device)") from exc
         if device.type != model_device.type or device.index not in (None, model_device.index):
             raise ConfigError(
                 f"device={device} (CLI --device) differs from the model's device {model_device}: the cache "
