@@ -27,9 +27,8 @@ import torch
 from diffusers.hooks.hooks import HookRegistry, ModelHook
 from torch import nn
 
-from ... import plan_key
 from ...errors import ConfigError, PlanError
-from ...plans import PlanKey
+from ...plans import PlanKey, plan_key
 from ...spec import FINAL, ModulationSpec
 from .modules import TIME_EMBEDDER, base_linear, forward_argument, owner_path, projection_path
 
