@@ -49,7 +49,7 @@ class ParkedParam:
     layer: Layer | None  # projection layer, or None for the time embedder
 
 
-def aligned_like(shape: Sequence[int], dtype: torch.dtype, residue: int, device: torch.device) -> torch.Tensor:
+def _aligned_like(shape: Sequence[int], dtype: torch.dtype, residue: int, device: torch.device) -> torch.Tensor:
     """An uninitialised tensor whose address is ``residue`` modulo 64 (CPU), or a plain one elsewhere.
 
     A weight re-read from a checkpoint, or copied back from the host, goes where the original sat
@@ -173,7 +173,7 @@ class WeightParking:
                 if source_tensor is None:
                     assert parked.layer is not None  # only projections are source-backed
                     source_tensor = reread[(parked.layer, parked.name)]
-                tensor = aligned_like(source_tensor.shape, source_tensor.dtype, parked.residue, parked.device)
+                tensor = _aligned_like(source_tensor.shape, source_tensor.dtype, parked.residue, parked.device)
                 tensor.copy_(source_tensor)
             param = tensor if isinstance(tensor, nn.Parameter) else nn.Parameter(tensor, parked.requires_grad)
             parked.module._parameters[parked.name] = param
@@ -201,7 +201,7 @@ class WeightParking:
         residue = self._residues.get((layer, name))
         if residue is None or tensor.data_ptr() % RESIDUE_BYTES == residue:
             return tensor
-        copy = aligned_like(tensor.shape, tensor.dtype, residue, tensor.device)
+        copy = _aligned_like(tensor.shape, tensor.dtype, residue, tensor.device)
         copy.copy_(tensor)
         return copy
 
