@@ -86,9 +86,9 @@ def test_full_pipeline_t2va_is_bit_identical(pipe: Any, resident: dict[str, torc
     assert transformer.transformer_blocks[0].adaln_proj.linear.weight.device.type == "cpu"
     _assert_outputs_equal(resident, _call(pipe))
     # disable() took the prepare block back out of the denoise loop.
-    from adalncache.integrations.diffusers import _ADALN_CACHE_PREPARE_BLOCK, _denoise_loops
+    from adalncache.integrations.diffusers.pipeline import PREPARE_BLOCK, denoise_loops
 
-    assert all(_ADALN_CACHE_PREPARE_BLOCK not in loop.sub_blocks for loop in _denoise_loops(pipe._blocks))
+    assert all(PREPARE_BLOCK not in loop.sub_blocks for loop in denoise_loops(pipe._blocks))
 
 
 def test_pipeline_on_miss_raise_is_satisfied_by_the_prepare_block(pipe: Any, resident: dict[str, torch.Tensor]) -> None:
@@ -122,7 +122,7 @@ def test_transformer_and_transformer_ref_get_their_own_caches(
     pipe: Any, resident: dict[str, torch.Tensor], tmp_path: Any
 ) -> None:
     from adalncache.errors import ConfigError
-    from adalncache.integrations.diffusers import AdalnCachePrepareStep, _denoise_loops
+    from adalncache.integrations.diffusers.pipeline import AdalnCachePrepareStep, denoise_loops
     from adalncache.tiny import tiny_transformer
 
     pipe.update_components(transformer_ref=tiny_transformer("tiny", seed=1))
@@ -136,7 +136,7 @@ def test_transformer_and_transformer_ref_get_their_own_caches(
             # Each denoise loop got a prepare block for the transformer its denoiser drives.
             targets = {
                 block.transformer_name
-                for loop in _denoise_loops(pipe._blocks)
+                for loop in denoise_loops(pipe._blocks)
                 for block in loop.sub_blocks.values()
                 if isinstance(block, AdalnCachePrepareStep)
             }

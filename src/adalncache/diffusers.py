@@ -1,7 +1,8 @@
 """``from adalncache.diffusers import enable_adaln_cache``: the diffusers integration's public names.
 
 A thin re-export so users import from one short path; the implementation lives in
-:mod:`adalncache.integrations.diffusers` (which needs diffusers installed).
+:mod:`adalncache.integrations.diffusers` (a package with one module per job; it needs diffusers
+installed).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from .integrations.diffusers import (
     AdalnCacheConfig,
     AdalnCacheHandle,
     AdalnCachePrepareStep,
+    CacheOptions,
     PipelineAdalnCacheHandle,
     adaln_cache_handle,
     enable_adaln_cache,
@@ -19,6 +21,7 @@ __all__ = [
     "AdalnCacheConfig",
     "AdalnCacheHandle",
     "AdalnCachePrepareStep",
+    "CacheOptions",
     "PipelineAdalnCacheHandle",
     "adaln_cache_handle",
     "enable_adaln_cache",

@@ -1,0 +1,46 @@
+"""Serve MiniMax-H3's AdaLN modulation from an :class:`~adalncache.AdalnCache` inside diffusers.
+
+Built the way diffusers builds its own caches (``hooks/text_kv_cache.py``,
+``hooks/group_offloading.py``): a config dataclass, one ``enable_*`` entry point, small
+``ModelHook`` classes registered under constant names, and a removal path that leaves the model as
+it was. One module per job, each importing only those listed before it:
+
+- ``modules``: where the served modules sit in the transformer (paths from the diffusers layout);
+- ``sources``: the weight source (the model's own tensors, or a checkpoint verified against them);
+- ``config``: :class:`AdalnCacheConfig` and the cache's typed :class:`CacheOptions`;
+- ``parking``: weights off the device as meta placeholders, restored bit-exactly; state_dict hooks;
+- ``lora``: the LoRA signature the tables are keyed by, and the fuse/unfuse/load guards;
+- ``hooks``: the four diffusers hooks that serve a forward;
+- ``handle``: :class:`AdalnCacheHandle`, which puts the pieces together and takes them apart;
+- ``pipeline``: the modular pipeline's handle and the block that prepares a request's plans;
+- ``enable``: :func:`enable_adaln_cache`.
+"""
+
+from __future__ import annotations
+
+from .config import AdalnCacheConfig, CacheOptions
+from .enable import enable_adaln_cache
+from .handle import AdalnCacheHandle, adaln_cache_handle
+from .hooks import (
+    AdalnCacheModulationHook,
+    AdalnCacheOutputHook,
+    AdalnCacheTimeEmbedderHook,
+    AdalnCacheTransformerHook,
+)
+from .pipeline import AdalnCachePrepareStep, PipelineAdalnCacheHandle
+from .sources import CheckpointMismatchError
+
+__all__ = [
+    "AdalnCacheConfig",
+    "AdalnCacheHandle",
+    "AdalnCacheModulationHook",
+    "AdalnCacheOutputHook",
+    "AdalnCachePrepareStep",
+    "AdalnCacheTimeEmbedderHook",
+    "AdalnCacheTransformerHook",
+    "CacheOptions",
+    "CheckpointMismatchError",
+    "PipelineAdalnCacheHandle",
+    "adaln_cache_handle",
+    "enable_adaln_cache",
+]

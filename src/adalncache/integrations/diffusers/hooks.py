@@ -1,0 +1,246 @@
+"""The diffusers hooks that serve a forward's AdaLN modulation from the cache.
+
+- :class:`AdalnCacheTransformerHook` wraps the transformer's ``forward``. It reads the step's
+  ``timestep`` (the *plan*) once on the host, has the plan made resident for the current LoRA
+  signature (built, or refused with ``on_miss="raise"``), resolves its slot and stashes
+  ``(slot, num_timesteps)`` in a :class:`ServeState` for the per-module hooks; the stash is
+  cleared when the forward ends.
+- :class:`AdalnCacheModulationHook` replaces the whole ``forward`` of every block's
+  ``adaln_proj``, so it serves the block's six modulation tensors whether or not
+  ``adaln_proj.linear`` is a peft wrapper.
+- :class:`AdalnCacheOutputHook` replaces ``norm_out.linear``'s forward. peft *replaces* that module
+  object when a LoRA targets it, so :meth:`ServingHooks.follow_output` moves the hook to whatever
+  module sits there now.
+- :class:`AdalnCacheTimeEmbedderHook` (when the time embedder is parked) returns a zero-stride
+  placeholder of the right shape: every consumer of ``temb`` is served from the cache.
+
+:class:`ServingHooks` registers them on one transformer under the constant names below and removes
+them again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from diffusers.hooks.hooks import HookRegistry, ModelHook
+from torch import nn
+
+from ...errors import ConfigError, PlanError
+from ...plans import PlanKey, plan_key
+from ...spec import FINAL, ModulationSpec
+from .modules import TIME_EMBEDDER, base_linear, forward_argument, owner_path, projection_path
+
+if TYPE_CHECKING:
+    from ... import AdalnCache
+
+TRANSFORMER_HOOK = "adaln_cache_transformer"
+MODULATION_HOOK = "adaln_cache_modulation"
+OUTPUT_HOOK = "adaln_cache_output"
+TIME_EMBEDDER_HOOK = "adaln_cache_time_embedder"
+
+#: Every hook name above starts with it; a hook without it belongs to someone else.
+HOOK_PREFIX = "adaln_cache"
+
+#: ``make_resident(plan, key, attention_kwargs)``: make the forward's plan resident, or raise.
+MakeResident = Callable[[torch.Tensor, PlanKey, Mapping[str, Any] | None], None]
+
+
+class ServeState:
+    """What the transformer hook hands the per-module hooks for the forward in progress."""
+
+    def __init__(self) -> None:
+        self.slot: torch.Tensor | None = None
+        self.num_timesteps = 0
+        self.blocks: list[tuple[torch.Tensor, ...]] | None = None
+
+    def serve(self, cache: AdalnCache, plan: torch.Tensor, key: PlanKey) -> None:
+        """Resolve ``plan``'s slot from its host key (no device sync) and gather every block's rows."""
+        self.slot = cache.resolve_slots([plan], keys=[key])[0]
+        self.num_timesteps = int(plan.numel())
+        # One gather for every layer (one kernel instead of one per layer on a GPU).
+        self.blocks = cache.block_all(self.slot, self.num_timesteps)
+
+    def clear(self) -> None:
+        """Forget the forward's slot, so a stray call outside a forward fails instead of reading stale rows."""
+        self.slot = None
+        self.num_timesteps = 0
+        self.blocks = None
+
+    def require(self, what: str) -> tuple[torch.Tensor, int]:
+        """The forward's ``(slot, num_timesteps)``, or a ConfigError when no forward is in progress."""
+        if self.slot is None:
+            raise ConfigError(
+                f"{what} is served by the AdaLN cache and can only run inside the transformer's forward "
+                "while the cache is enabled; call handle.disable() to use the module on its own"
+            )
+        return self.slot, self.num_timesteps
+
+
+class AdalnCacheTransformerHook(ModelHook):
+    """Resolves the step's plan once per forward and stashes its slot for the per-module hooks."""
+
+    def __init__(self, cache: AdalnCache, state: ServeState, make_resident: MakeResident) -> None:
+        super().__init__()
+        self.cache = cache
+        self.state = state
+        self.make_resident = make_resident
+
+    def new_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        timestep = forward_argument(module, "timestep", args, kwargs)
+        if not isinstance(timestep, torch.Tensor):
+            raise PlanError(f"the AdaLN cache needs the forward's timestep tensor, got {type(timestep).__name__}")
+        if timestep.dtype != torch.float32 or timestep.dim() != 1:
+            # Converting here would build tables for other timestep values than time_proj will see.
+            raise PlanError(
+                f"the AdaLN cache serves 1-D float32 timesteps (MiniMax-H3's distinct timesteps of the step), got "
+                f"shape {tuple(timestep.shape)} and dtype {timestep.dtype}; pass timestep as a 1-D float32 tensor"
+            )
+        # The one device-to-host read of the plan this forward makes: keys, lookups and the build all
+        # use this host copy (embed moves it back to the device; the values are the same bits).
+        plan = timestep.detach().to("cpu")
+        key = plan_key(plan)
+        self.make_resident(plan, key, forward_argument(module, "attention_kwargs", args, kwargs))
+        self.state.serve(self.cache, plan, key)
+        try:
+            forward: Any = self.fn_ref.original_forward
+            return forward(*args, **kwargs)
+        finally:
+            self.state.clear()
+
+
+class AdalnCacheModulationHook(ModelHook):
+    """Serves one block's ``adaln_proj`` output: ``Y.view(-1, 6H).chunk(6, -1)`` from the slab."""
+
+    def __init__(self, cache: AdalnCache, state: ServeState, layer: int) -> None:
+        super().__init__()
+        self.cache = cache
+        self.state = state
+        self.layer = layer
+
+    def new_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, ...]:
+        if self.state.blocks is not None:
+            return tuple(self.state.blocks[self.layer])
+        slot, num_timesteps = self.state.require(owner_path(self.layer))
+        return tuple(self.cache.block(self.layer, slot, num_timesteps))
+
+
+class AdalnCacheOutputHook(ModelHook):
+    """Serves ``norm_out.linear``'s output ``Z`` (shift then scale, as the module returns it)."""
+
+    def __init__(self, cache: AdalnCache, state: ServeState) -> None:
+        super().__init__()
+        self.cache = cache
+        self.state = state
+
+    def new_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:
+        slot, num_timesteps = self.state.require(projection_path(FINAL))
+        shift, scale = self.cache.final(slot, num_timesteps)
+        return torch.cat((shift, scale), dim=-1)
+
+
+class AdalnCacheTimeEmbedderHook(ModelHook):
+    """Stands in for a parked time embedder: a zero-stride tensor of the shape and dtype of ``temb``.
+
+    Only the AdaLN projections read ``temb`` in the stock forward and both are served from the
+    cache, so its value is never used; a zero-stride view costs no memory.
+    """
+
+    def __init__(self, out_features: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.out_features = out_features
+        self.zero = torch.zeros((), dtype=dtype, device=device)
+
+    def new_forward(self, module: nn.Module, sample: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self.zero.expand(sample.shape[0], self.out_features)
+
+
+def remove_hook(module: nn.Module, name: str) -> None:
+    """Remove hook ``name`` from ``module`` if it is there."""
+    registry = getattr(module, "_diffusers_hook", None)
+    if registry is not None and registry.get_hook(name) is not None:
+        registry.remove_hook(name, recurse=False)
+
+
+def unhooked(module: nn.Module, hook_name: str) -> Callable[..., Any]:
+    """``module``'s forward beneath hook ``hook_name`` (its own, possibly LoRA-wrapped, forward)."""
+    registry = getattr(module, "_diffusers_hook", None)
+    hook = registry.get_hook(hook_name) if registry is not None else None
+    if hook is None:
+        return module
+    return hook.fn_ref.original_forward  # type: ignore[no-any-return]
+
+
+def other_hooks_present(model: nn.Module) -> bool:
+    """Whether a diffusers hook that is not ours sits on any module (it might read ``temb``)."""
+    for _, module in model.named_modules():
+        registry = getattr(module, "_diffusers_hook", None)
+        if registry is not None and any(
+            not name.startswith(HOOK_PREFIX) for name in getattr(registry, "_hook_order", [])
+        ):
+            return True
+    return False
+
+
+class ServingHooks:
+    """The hooks of one transformer: registered together, the output hook kept on the live module.
+
+    ``make_resident`` is what the transformer hook calls before each forward (the handle's
+    build-or-refuse policy); the hooks themselves only read the cache.
+    """
+
+    def __init__(self, model: Any, spec: ModulationSpec, cache: AdalnCache, make_resident: MakeResident) -> None:
+        self.model = model
+        self.spec = spec
+        self.cache = cache
+        self.state = ServeState()
+        self.make_resident = make_resident
+        self._hooked_output: nn.Module | None = None
+
+    def register(self, *, time_embedder: bool) -> None:
+        """Register every hook; ``time_embedder``: also stand in for the (parked) time embedder."""
+        from diffusers.models.modeling_utils import get_parameter_dtype
+
+        model = self.model
+        registry = HookRegistry.check_if_exists_or_initialize(model)
+        registry.register_hook(AdalnCacheTransformerHook(self.cache, self.state, self.make_resident), TRANSFORMER_HOOK)
+        for layer in range(self.spec.num_layers):
+            HookRegistry.check_if_exists_or_initialize(model.get_submodule(owner_path(layer))).register_hook(
+                AdalnCacheModulationHook(self.cache, self.state, layer), MODULATION_HOOK
+            )
+        self.follow_output()
+        if time_embedder:
+            module = model.get_submodule(TIME_EMBEDDER)
+            linear_2: Any = base_linear(module.linear_2)
+            HookRegistry.check_if_exists_or_initialize(module).register_hook(
+                AdalnCacheTimeEmbedderHook(int(linear_2.out_features), get_parameter_dtype(module), self.cache.device),
+                TIME_EMBEDDER_HOOK,
+            )
+        registry.invalidate_child_registries_cache()
+
+    def follow_output(self) -> None:
+        """Keep the output hook on whatever module is ``norm_out.linear`` now (peft swaps it)."""
+        current = self.model.get_submodule(projection_path(FINAL))
+        if current is self._hooked_output:
+            return
+        if self._hooked_output is not None:
+            remove_hook(self._hooked_output, OUTPUT_HOOK)
+        HookRegistry.check_if_exists_or_initialize(current).register_hook(
+            AdalnCacheOutputHook(self.cache, self.state), OUTPUT_HOOK
+        )
+        self._hooked_output = current
+        HookRegistry.check_if_exists_or_initialize(self.model).invalidate_child_registries_cache()
+
+    def remove(self) -> None:
+        """Remove every hook registered here (those never registered are skipped)."""
+        model = self.model
+        remove_hook(model, TRANSFORMER_HOOK)
+        for layer in range(self.spec.num_layers):
+            remove_hook(model.get_submodule(owner_path(layer)), MODULATION_HOOK)
+        if self._hooked_output is not None:
+            remove_hook(self._hooked_output, OUTPUT_HOOK)
+            self._hooked_output = None
+        remove_hook(model.get_submodule(TIME_EMBEDDER), TIME_EMBEDDER_HOOK)
+        HookRegistry.check_if_exists_or_initialize(model).invalidate_child_registries_cache()
+        self.state.clear()

@@ -1,0 +1,200 @@
+"""LoRA tracking: which adapter state shapes the served projections, and the guards around it.
+
+A table is only valid for the effective projection it was built from. With peft adapters on the
+served modules that depends on the active adapters, whether adapters are disabled or merged, each
+adapter's scaling (a ``set_adapters`` weight and ``attention_kwargs["scale"]`` included) and the
+adapter tensors themselves. Their *signature* keys the tables (the build's ``variant``): when it
+changes, the tables are rebuilt through the module's own LoRA-wrapped forward.
+
+Fusing an adapter rewrites the base weight, which the cache no longer holds on the device, so
+``fuse_lora``/``unfuse_lora`` are refused while enabled; ``load_lora_adapter`` is let through with
+device-resident stand-ins for the parked weights so the new adapter lands where the model runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...errors import ConfigError
+from ...spec import ModulationSpec
+from .modules import served_modules
+
+#: ``(module path, peft tuner module)`` pairs.
+Tuners = Sequence[tuple[str, Any]]
+
+#: The LoRA signature of the served modules (``None`` without any adapter on them).
+Variant = tuple[Any, ...] | None
+
+_TUNER_LAYER: list[type] = []
+
+
+def is_tuner_layer(module: nn.Module) -> bool:
+    """Whether ``module`` is a peft tuner layer (a LoRA wrapper); peft is imported once, lazily."""
+    if not _TUNER_LAYER:
+        try:
+            from peft.tuners.tuners_utils import BaseTunerLayer
+        except ImportError:  # pragma: no cover - peft is optional
+            return False
+        _TUNER_LAYER.append(BaseTunerLayer)
+    return isinstance(module, _TUNER_LAYER[0])
+
+
+def lora_scale_of(attention_kwargs: Mapping[str, Any] | None) -> float:
+    """The LoRA scale a forward given ``attention_kwargs`` runs under (1.0 when not set)."""
+    if attention_kwargs is None:
+        return 1.0
+    return float(attention_kwargs.get("scale", 1.0))
+
+
+@contextlib.contextmanager
+def applied_lora_scale(tuners: Tuners, scale: float) -> Iterator[None]:
+    """Apply ``attention_kwargs["scale"]`` to the served modules as ``@apply_lora_scale`` would.
+
+    The transformer hook runs outside the decorated forward, so the scaling the forward will use
+    is reproduced here with peft's own ``scale_layer`` (the same float operations), and the exact
+    previous values are restored afterwards (not divided back, which could drift by an ulp).
+    """
+    from diffusers.utils import USE_PEFT_BACKEND
+
+    if scale == 1.0 or not USE_PEFT_BACKEND:
+        yield
+        return
+    layers = [module for _, module in tuners if is_tuner_layer(module)]
+    saved = [dict(module.scaling) for module in layers]
+    try:
+        for module in layers:
+            module.scale_layer(scale)
+        yield
+    finally:
+        for module, values in zip(layers, saved):
+            module.scaling.clear()
+            module.scaling.update(values)
+
+
+def signature(tuners: Tuners) -> tuple[Variant, list[torch.Tensor]]:
+    """The LoRA signature of the served modules, and the adapter tensors it names.
+
+    Everything that shapes the effective projection: the active adapters, whether adapters are
+    disabled or merged, each adapter's scaling (which already includes a set_adapters weight and
+    the attention_kwargs scale when computed under :func:`applied_lora_scale`), and the identity
+    and in-place version of every adapter tensor. The tensors are returned so the caller can keep
+    them alive: an address cannot be reused by a new adapter while the signature that names it is
+    held.
+    """
+    entries: list[tuple[Any, ...]] = []
+    refs: list[torch.Tensor] = []
+    for name, module in tuners:
+        tensors = []
+        for param_name, param in module.named_parameters():
+            if param_name.startswith("base_layer."):
+                continue
+            refs.append(param)
+            tensors.append(
+                (param_name, id(param), param.data_ptr(), param._version, tuple(param.shape), str(param.dtype))
+            )
+        entries.append(
+            (
+                name,
+                tuple(module.active_adapters),
+                bool(module.disable_adapters),
+                tuple(module.merged_adapters),
+                tuple(sorted((k, float(v)) for k, v in getattr(module, "scaling", {}).items())),
+                tuple(tensors),
+            )
+        )
+    return (tuple(entries) if entries else None), refs
+
+
+class LoraTracker:
+    """The LoRA state of one model's served modules, and the signature the tables were built under.
+
+    ``start()`` records which adapters are fused at enable time; ``current(scale)`` checks that no
+    fuse or unfuse happened since, and reads the signature a forward or build runs under;
+    ``built_under`` records the signature of the tables now resident.
+    """
+
+    def __init__(self, model: nn.Module, spec: ModulationSpec) -> None:
+        self.model = model
+        self.spec = spec
+        #: The signature the resident tables were built under.
+        self.variant: Variant = None
+        self._refs: list[torch.Tensor] = []
+        self._merged_at_enable: tuple[Any, ...] = ()
+
+    def tuners(self) -> list[tuple[str, Any]]:
+        """The served modules that are peft LoRA wrappers right now (usually none)."""
+        return [(name, module) for name, module in served_modules(self.model, self.spec) if is_tuner_layer(module)]
+
+    def start(self) -> None:
+        """Remember which adapters are fused into the served modules when the cache is enabled."""
+        self._merged_at_enable = self._merged_state(self.tuners())
+
+    def current(self, scale: float) -> tuple[list[tuple[str, Any]], Variant, list[torch.Tensor]]:
+        """The tuners, the signature under ``scale`` and its tensors; refuses a fuse since enabling."""
+        tuners = self.tuners()
+        if self._merged_state(tuners) != self._merged_at_enable:
+            raise ConfigError(
+                "a LoRA was fused into (or unfused from) the AdaLN projections or the time embedder while "
+                "the AdaLN cache is enabled; call handle.disable() first, fuse or unfuse, then enable "
+                "again"
+            )
+        with applied_lora_scale(tuners, scale):
+            variant, refs = signature(tuners)
+        return tuners, variant, refs
+
+    def built_under(self, variant: Variant, refs: list[torch.Tensor]) -> bool:
+        """Record the signature of the resident tables; True when it differs from the previous one."""
+        changed = variant != self.variant
+        self.variant = variant
+        self._refs = refs
+        return changed
+
+    @staticmethod
+    def _merged_state(tuners: Tuners) -> tuple[Any, ...]:
+        """Which served modules have which adapters fused into their (base) weights."""
+        return tuple((name, tuple(module.merged_adapters)) for name, module in tuners if module.merged_adapters)
+
+    # ------------------------------------------------------------------ guards
+
+    def guards(
+        self, *, standing_in: Callable[[], AbstractContextManager[None]], after_load: Callable[[], None]
+    ) -> dict[str, Callable[..., Any]]:
+        """Instance overrides of the model's LoRA methods for as long as the cache is enabled.
+
+        ``standing_in`` lends device-resident stand-ins for the parked weights during a load;
+        ``after_load`` runs once the adapter is in (the output hook follows a swapped module).
+        """
+        model = self.model
+        cls: Any = type(model)
+
+        def fuse_lora(*args: Any, **kwargs: Any) -> Any:
+            if self.tuners():
+                raise ConfigError(
+                    "fuse_lora() would fuse a LoRA into the AdaLN projections or the time embedder while the "
+                    "AdaLN cache serves them from tables; call handle.disable() first, fuse, then enable "
+                    "again"
+                )
+            return cls.fuse_lora(model, *args, **kwargs)
+
+        def unfuse_lora(*args: Any, **kwargs: Any) -> Any:
+            if self.tuners():
+                raise ConfigError(
+                    "unfuse_lora() would change the AdaLN projections or the time embedder while the AdaLN "
+                    "cache serves them from tables; call handle.disable() first, unfuse, then enable again"
+                )
+            return cls.unfuse_lora(model, *args, **kwargs)
+
+        def load_lora_adapter(*args: Any, **kwargs: Any) -> Any:
+            # The next forward sees the new signature and rebuilds; nothing to invalidate here.
+            with standing_in():
+                result = cls.load_lora_adapter(model, *args, **kwargs)
+            after_load()
+            return result
+
+        return {"fuse_lora": fuse_lora, "unfuse_lora": unfuse_lora, "load_lora_adapter": load_lora_adapter}

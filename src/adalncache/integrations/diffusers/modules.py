@@ -1,0 +1,156 @@
+"""Where the served modules sit in a diffusers ``MiniMaxH3Transformer3DModel``, and how to reach them.
+
+The cache serves every block's ``adaln_proj.linear`` and ``norm_out.linear``: their module paths
+are the prefixes of the diffusers key layout, so the layout is the one place that names them. peft
+wraps a module it targets (the real ``nn.Linear`` becomes ``base_layer``) and, for
+``norm_out.linear``, may replace the object outright, so these helpers look the current module up
+each time instead of holding on to one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...errors import ConfigError
+from ...spec import LAYOUTS, Layer, ModulationSpec
+
+#: The diffusers layout: its prefixes are the projections' module paths inside the transformer.
+DIFFUSERS_LAYOUT = LAYOUTS["diffusers"]
+
+#: The time embedder and its two linears, whose LoRA (if any) also shapes what the projections see.
+TIME_EMBEDDER = "time_embedder"
+TIME_EMBEDDER_LINEARS = ("linear_1", "linear_2")
+
+
+def is_minimax_h3_transformer(obj: Any) -> bool:
+    """Whether ``obj`` is a diffusers ``MiniMaxH3Transformer3DModel`` (imported lazily)."""
+    from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3Transformer3DModel
+
+    return isinstance(obj, MiniMaxH3Transformer3DModel)
+
+
+def projection_path(layer: Layer) -> str:
+    """Module path of ``layer``'s projection (``transformer_blocks.3.adaln_proj.linear``)."""
+    return DIFFUSERS_LAYOUT.prefix(layer)
+
+
+def owner_path(layer: Layer) -> str:
+    """Module path of the module that calls ``layer``'s projection (``transformer_blocks.3.adaln_proj``)."""
+    return projection_path(layer).rpartition(".")[0]
+
+
+def base_linear(module: nn.Module) -> nn.Module:
+    """The ``nn.Linear`` under a peft wrapper (or the module itself)."""
+    base = getattr(module, "base_layer", None)
+    return base if isinstance(base, nn.Module) else module
+
+
+def projection_modules(model: nn.Module, spec: ModulationSpec) -> list[tuple[Layer, Any]]:
+    """``(layer, current module)`` of every projection, in pass order; peft may have wrapped them."""
+    return [(layer, model.get_submodule(projection_path(layer))) for layer in spec.layers()]
+
+
+def time_embedder_linears(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(path, module)`` of the time embedder's linears that exist on this model."""
+    time_embedder = model.get_submodule(TIME_EMBEDDER)
+    named = []
+    for name in TIME_EMBEDDER_LINEARS:
+        child = getattr(time_embedder, name, None)
+        if isinstance(child, nn.Module):
+            named.append((f"{TIME_EMBEDDER}.{name}", child))
+    return named
+
+
+def served_modules(model: nn.Module, spec: ModulationSpec) -> list[tuple[str, Any]]:
+    """``(path, current module)`` of every module whose weights shape the served outputs."""
+    named: list[tuple[str, Any]] = [
+        (projection_path(layer), module) for layer, module in projection_modules(model, spec)
+    ]
+    return named + time_embedder_linears(model)
+
+
+def device_of(model: nn.Module) -> torch.device:
+    """The device of the model's first materialised parameter (where its forward runs)."""
+    for param in model.parameters():
+        if param.device.type != "meta":
+            return param.device
+    raise ConfigError("the model holds no materialised parameter; load it before enabling the AdaLN cache")
+
+
+def check_materialised(model: nn.Module, spec: ModulationSpec) -> None:
+    """Refuse a model whose projections hold no data: there would be nothing to serve or restore."""
+    for _, module in projection_modules(model, spec):
+        base = base_linear(module)
+        for name in ("weight", "bias"):
+            param = getattr(base, name, None)
+            if param is None or param.device.type == "meta":
+                raise ConfigError(
+                    "the model's AdaLN projections are not materialised (meta or missing bias): load "
+                    "the model fully before enabling the AdaLN cache"
+                )
+
+
+def projection_dtype(model: nn.Module, spec: ModulationSpec) -> torch.dtype:
+    """The one dtype every projection computes in (the cache serves them one shared embedding)."""
+    from diffusers.models.modeling_utils import get_parameter_dtype
+
+    dtypes = {get_parameter_dtype(module) for _, module in projection_modules(model, spec)}
+    if len(dtypes) != 1:
+        raise ConfigError(
+            f"the AdaLN projections do not share one dtype ({sorted(map(str, dtypes))}); the cache "
+            "serves one embedding to all of them, so cast the model consistently before enabling"
+        )
+    return dtypes.pop()
+
+
+_FORWARD_PARAMETERS: dict[type, list[str]] = {}
+
+
+def forward_argument(model: nn.Module, name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
+    """Read a forward argument by name whether it was passed by keyword or by position."""
+    if name in kwargs:
+        return kwargs[name]
+    names = _FORWARD_PARAMETERS.get(type(model))
+    if names is None:
+        signature = inspect.signature(type(model).forward)
+        names = [p for p in signature.parameters if p != "self"]
+        _FORWARD_PARAMETERS[type(model)] = names
+    index = names.index(name) if name in names else -1
+    if 0 <= index < len(args):
+        return args[index]
+    return None
+
+
+@contextlib.contextmanager
+def swapped_parameters(module: nn.Module, tensors: Mapping[str, torch.Tensor]) -> Iterator[None]:
+    """Temporarily give ``module`` other tensors as parameters, without copying them.
+
+    Set through ``_parameters`` so the tensors are used as they are (same storage, same address:
+    the alignment the exactness depends on), and put back even if the forward raises.
+    """
+    saved = {name: module._parameters.get(name) for name in tensors}
+    try:
+        for name, tensor in tensors.items():
+            module._parameters[name] = tensor  # type: ignore[assignment]
+        yield
+    finally:
+        for name, param in saved.items():
+            module._parameters[name] = param
+
+
+def install_overrides(model: nn.Module, overrides: Mapping[str, Callable[..., Any]]) -> None:
+    """Shadow methods of ``model`` with instance attributes (the class's methods stay untouched)."""
+    for name, function in overrides.items():
+        model.__dict__[name] = function
+
+
+def remove_overrides(model: nn.Module, names: Iterable[str]) -> None:
+    """Take instance overrides off ``model`` so its class's methods apply again."""
+    for name in names:
+        model.__dict__.pop(name, None)

@@ -1,0 +1,217 @@
+"""The AdaLN cache on a MiniMax-H3 modular pipeline: one handle per transformer, one prepare block per loop.
+
+A pipeline may hold ``transformer`` and ``transformer_ref``, each with its own weights and so its
+own cache. :class:`AdalnCachePrepareStep` sits in front of each denoise loop's denoiser and, at the
+first step, hands the request's whole ``row_timestep_plan`` to that denoiser's transformer's cache,
+so every step's plan is built in one pass before any step runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from diffusers.modular_pipelines.modular_pipeline import (
+    LoopSequentialPipelineBlocks,
+    ModularPipelineBlocks,
+)
+from diffusers.modular_pipelines.modular_pipeline_utils import InputParam, OutputParam
+
+from ...errors import ConfigError
+from .config import AdalnCacheConfig, CheckpointArg
+from .handle import AdalnCacheHandle, adaln_cache_handle, enable_transformer
+from .modules import is_minimax_h3_transformer
+
+#: Name of the block inserted in front of each loop denoiser.
+PREPARE_BLOCK = "adaln_cache_prepare"
+
+#: The pipeline components that are MiniMax-H3 transformers the cache can serve.
+PIPELINE_TRANSFORMERS = ("transformer", "transformer_ref")
+
+
+class AdalnCachePrepareStep(ModularPipelineBlocks):
+    """Denoise-loop block that builds a request's whole ``row_timestep_plan`` before step 0.
+
+    Inserted in front of each MiniMax-H3 loop denoiser by :func:`enable_adaln_cache`. At the first
+    iteration it hands every step's plan to the denoiser's transformer's cache in one ``prepare``
+    call (at most one rebuild pass; none when the plans are resident), so no step waits on a build.
+    A transformer without an enabled cache makes it a no-op.
+    """
+
+    model_name = "minimax-h3"  # type: ignore[assignment]
+
+    def __init__(self, transformer_name: str = "transformer") -> None:
+        self.transformer_name = transformer_name
+        super().__init__()
+
+    @property
+    def description(self) -> str:
+        return (
+            "Builds the AdaLN tables of every step of the request in one pass before the first denoising "
+            "step (adalncache)."
+        )
+
+    @property
+    def inputs(self) -> list[InputParam]:
+        return [
+            InputParam(
+                name="row_timestep_plan",
+                type_hint=list,
+                required=True,
+                description="One `(timestep, timestep_indices)` pair per step.",
+            ),
+            InputParam.template("attention_kwargs"),
+        ]
+
+    @property
+    def intermediate_outputs(self) -> list[OutputParam]:
+        return []
+
+    @torch.no_grad()
+    def __call__(self, components: Any, block_state: Any, i: int, t: torch.Tensor) -> tuple[Any, Any]:
+        if i == 0:
+            handle = adaln_cache_handle(getattr(components, self.transformer_name, None))
+            if handle is not None:
+                handle.prepare(block_state.row_timestep_plan, attention_kwargs=block_state.attention_kwargs)
+        return components, block_state
+
+
+def denoise_loops(blocks: Any) -> Iterator[LoopSequentialPipelineBlocks]:
+    """Every loop block in a block tree whose sub-blocks include a MiniMax-H3 loop denoiser."""
+    if isinstance(blocks, LoopSequentialPipelineBlocks):
+        if any(hasattr(block, "transformer_name") for block in blocks.sub_blocks.values()):
+            yield blocks
+        return
+    for block in getattr(blocks, "sub_blocks", {}).values():
+        yield from denoise_loops(block)
+
+
+class PipelineAdalnCacheHandle:
+    """The AdaLN cache enabled on a MiniMax-H3 modular pipeline: one handle per transformer.
+
+    ``handles`` maps component names (``transformer``, ``transformer_ref``) to their
+    :class:`AdalnCacheHandle`; indexing works too (``handle["transformer"]``). ``cache`` and
+    ``stats`` are those of the only transformer when there is one, else dicts by name.
+    """
+
+    def __init__(self, pipeline: Any, handles: dict[str, AdalnCacheHandle]) -> None:
+        self.pipeline = pipeline
+        self.handles = handles
+        self._inserted: list[tuple[LoopSequentialPipelineBlocks, str]] = []
+
+    def __getitem__(self, name: str) -> AdalnCacheHandle:
+        return self.handles[name]
+
+    @property
+    def enabled(self) -> bool:
+        return any(handle.enabled for handle in self.handles.values())
+
+    @property
+    def cache(self) -> Any:
+        if len(self.handles) == 1:
+            return next(iter(self.handles.values())).cache
+        return {name: handle.cache for name, handle in self.handles.items()}
+
+    @property
+    def stats(self) -> Any:
+        if len(self.handles) == 1:
+            return next(iter(self.handles.values())).stats
+        return {name: handle.stats for name, handle in self.handles.items()}
+
+    def prepare(
+        self,
+        plans: Sequence[Any],
+        *,
+        attention_kwargs: Mapping[str, Any] | None = None,
+        component: str | None = None,
+    ) -> Any:
+        """Prepare ``plans`` on one component's cache (``component``) or on every one."""
+        if component is not None:
+            if component not in self.handles:
+                raise ConfigError(
+                    f"component={component!r} has no AdaLN cache on this pipeline; choose one of {sorted(self.handles)}"
+                )
+            return self.handles[component].prepare(plans, attention_kwargs=attention_kwargs)
+        reports = {
+            name: handle.prepare(plans, attention_kwargs=attention_kwargs) for name, handle in self.handles.items()
+        }
+        return next(iter(reports.values())) if len(reports) == 1 else reports
+
+    def disable(self, *, allow_changed_checkpoint: bool = False) -> None:
+        """Remove the inserted loop blocks and disable every transformer's cache."""
+        for loop, key in self._inserted:
+            if key in loop.sub_blocks:
+                del loop.sub_blocks[key]
+        self._inserted.clear()
+        for handle in self.handles.values():
+            handle.disable(allow_changed_checkpoint=allow_changed_checkpoint)
+
+    def insert_prepare_blocks(self) -> None:
+        """Put a prepare block in front of the denoiser of every denoise loop that has none yet."""
+        blocks = getattr(self.pipeline, "_blocks", None)
+        if blocks is None:
+            return
+        for loop in denoise_loops(blocks):
+            if PREPARE_BLOCK in loop.sub_blocks:
+                continue
+            names = list(loop.sub_blocks)
+            index, denoiser = next(
+                (i, loop.sub_blocks[name])
+                for i, name in enumerate(names)
+                if hasattr(loop.sub_blocks[name], "transformer_name")
+            )
+            step = AdalnCachePrepareStep(transformer_name=denoiser.transformer_name)
+            loop.sub_blocks.insert(PREPARE_BLOCK, step, index)
+            self._inserted.append((loop, PREPARE_BLOCK))
+
+    def __repr__(self) -> str:
+        return f"PipelineAdalnCacheHandle({', '.join(f'{n}={h!r}' for n, h in self.handles.items())})"
+
+
+def enable_pipeline(
+    pipeline: Any,
+    checkpoint: CheckpointArg | Mapping[str, CheckpointArg] | None,
+    config_for: Callable[[CheckpointArg | None], AdalnCacheConfig],
+) -> PipelineAdalnCacheHandle:
+    """Enable the cache on every MiniMax-H3 transformer of ``pipeline``; all or none.
+
+    ``checkpoint``: one path when the pipeline holds one transformer, else a mapping by component
+    name. ``config_for(path)`` gives each transformer's settings (only the checkpoint differs).
+    """
+    components: dict[str, Any] = {
+        name: getattr(pipeline, name, None)
+        for name in PIPELINE_TRANSFORMERS
+        if is_minimax_h3_transformer(getattr(pipeline, name, None))
+    }
+    if not components:
+        raise ConfigError(
+            "enable_adaln_cache needs a MiniMaxH3Transformer3DModel or a MiniMax-H3 modular pipeline "
+            f"holding `transformer` or `transformer_ref`, got {type(pipeline).__name__}"
+        )
+    checkpoints: dict[str, CheckpointArg | None]
+    if isinstance(checkpoint, Mapping):
+        unknown = sorted(set(checkpoint) - set(components))
+        if unknown:
+            raise ConfigError(
+                f"checkpoint= names {unknown}, which this pipeline does not hold; use {sorted(components)}"
+            )
+        checkpoints = {name: checkpoint.get(name) for name in components}
+    elif checkpoint is not None and len(components) > 1:
+        raise ConfigError(
+            "checkpoint= is one path but the pipeline holds both transformer and transformer_ref, which "
+            "are different checkpoints; pass {'transformer': ..., 'transformer_ref': ...}"
+        )
+    else:
+        checkpoints = {name: checkpoint for name in components}
+    handles: dict[str, AdalnCacheHandle] = {}
+    try:
+        for name, model in components.items():
+            handles[name] = enable_transformer(model, config_for(checkpoints[name]))
+    except BaseException:
+        for handle in handles.values():
+            handle.disable()
+        raise
+    pipeline_handle = PipelineAdalnCacheHandle(pipeline, handles)
+    pipeline_handle.insert_prepare_blocks()
+    return pipeline_handle

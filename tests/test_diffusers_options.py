@@ -1,0 +1,129 @@
+"""enable_adaln_cache's typed options: each reaches the cache, unknown or bad ones fail clearly.
+
+The keyword arguments are spelled out (not an untyped ``**kwargs``), so a test also keeps them in
+step with :class:`~adalncache.AdalnCache`: an option added to the cache but not to the integration,
+or given another default, fails here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+
+from adalncache import AdalnCache
+from adalncache.diffusers import AdalnCacheConfig, CacheOptions, enable_adaln_cache
+from adalncache.errors import ConfigError
+from adalncache.plans import minimax_h3_plans
+from adalncache.tiny import make_request, run_loop
+
+#: Options of enable_adaln_cache that belong to the integration, not to the cache.
+INTEGRATION_OPTIONS = {"on_miss", "free_time_embedder", "layout", "verify_checkpoint"}
+
+
+def _keyword_defaults(function: Callable[..., Any]) -> dict[str, Any]:
+    parameters = inspect.signature(function).parameters.values()
+    return {p.name: p.default for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY}
+
+
+def test_cache_options_match_the_cache_constructor() -> None:
+    """Every AdalnCache option is a CacheOptions field with the same default (device aside)."""
+    cache_options = _keyword_defaults(AdalnCache.__init__)
+    fields = {f.name: f.default for f in dataclasses.fields(CacheOptions)}
+    assert set(fields) == set(cache_options)
+    for name, default in fields.items():
+        if name == "device":
+            assert default is None  # the model's device; the cache's own default is "cpu"
+        else:
+            assert default == cache_options[name], name
+
+
+def test_enable_signature_is_the_config_and_the_cache_options() -> None:
+    """enable_adaln_cache takes each option by name, typed, with no catch-all ``**kwargs``."""
+    parameters = inspect.signature(enable_adaln_cache).parameters
+    assert not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    keywords = _keyword_defaults(enable_adaln_cache)
+    config_fields = {f.name for f in dataclasses.fields(AdalnCacheConfig)} - {"checkpoint", "cache_options"}
+    assert config_fields == INTEGRATION_OPTIONS
+    assert set(keywords) == INTEGRATION_OPTIONS | {f.name for f in dataclasses.fields(CacheOptions)}
+    for field in dataclasses.fields(CacheOptions):
+        assert keywords[field.name] == field.default, field.name
+    assert all(parameters[name].annotation is not inspect.Parameter.empty for name in keywords)
+
+
+def test_unknown_keyword_is_a_type_error_and_leaves_the_model(load_tiny: Callable[[str], Any]) -> None:
+    model = load_tiny("bf16-disk")
+    with pytest.raises(TypeError, match="max_plan_widht"):
+        enable_adaln_cache(model, max_plan_widht=2)  # type: ignore[call-arg]
+    assert all(p.device.type != "meta" for p in model.parameters())
+    assert getattr(model, "_diffusers_hook", None) is None
+
+
+def test_typed_options_reach_the_cache(load_tiny: Callable[[str], Any]) -> None:
+    """Each option lands on the cache as given, and the served loop is still bit-identical."""
+    model = load_tiny("bf16-disk")
+    request = make_request(model, "t2va", 4, seed=1)
+    resident = run_loop(model, request)
+    handle = enable_adaln_cache(
+        model,
+        max_plans=7,
+        max_plan_width=3,
+        host_cache_bytes=1 << 20,
+        read_ahead=0,
+        progress=False,
+        batched=True,
+        device="cpu",
+    )
+    try:
+        cache = handle.cache
+        assert (cache.max_plans, cache.max_plan_width, cache.host_cache_bytes) == (7, 3, 1 << 20)
+        assert (cache.read_ahead, cache.progress, cache.batched) == (0, False, True)
+        assert (cache.precision, cache.shard, cache.device) == ("match", "layers", torch.device("cpu"))
+        assert handle.prepare(request.plans).passes == 1
+        assert run_loop(model, request).equal(resident)
+    finally:
+        handle.disable()
+
+
+@pytest.mark.parametrize(
+    ("options", "says"),
+    [
+        ({"device": "meta"}, r"device=meta \(CLI --device\) differs from the model's device cpu"),
+        ({"device": "no-such-device"}, r"device 'no-such-device' is not a torch device.*--device"),
+        ({"max_plan_width": 0}, r"--plan-width"),
+        ({"precision": "fp8"}, r"--precision"),
+        ({"shard": "rows"}, r"--shard"),
+    ],
+    ids=["other device", "bad device", "zero width", "bad precision", "bad shard"],
+)
+def test_bad_cache_options_fail_before_the_model_changes(
+    load_tiny: Callable[[str], Any], options: dict[str, Any], says: str
+) -> None:
+    model = load_tiny("bf16-disk")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ConfigError, match=says):
+        enable_adaln_cache(model, **options)
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert all(p.device.type != "meta" for p in model.parameters())
+    # Nothing half-enabled is left behind: enabling with good options works at once.
+    handle = enable_adaln_cache(model)
+    assert handle.prepare(minimax_h3_plans("t2va", 3)).passes == 1
+    handle.disable()
+
+
+def test_config_is_typed_and_frozen() -> None:
+    config = AdalnCacheConfig(cache_options=CacheOptions(max_plans=3))
+    assert config.cache_options.max_plans == 3
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.on_miss = "raise"  # type: ignore[misc]
+    with pytest.raises(ConfigError, match="cache_options"):
+        AdalnCacheConfig(cache_options={"max_plans": 3})  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="on_miss"):
+        AdalnCacheConfig(on_miss="ignore")  # type: ignore[arg-type]
