@@ -170,7 +170,7 @@ def test_the_readme_links_every_docs_page() -> None:
     ("text", "expected"),
     [
         ("[a](docs/x.md) and [b](https://example.org) and [c](#anchor)", ["docs/x.md"]),
-        ("[a](docs/x.md#part \"title\")", ["docs/x.md#part"]),
+        ('[a](docs/x.md#part "title")', ["docs/x.md#part"]),
         ("```\n[not a link](nowhere.md)\n```\n[yes](here.md)", ["here.md"]),
         ("[ref]: ../elsewhere.md", ["../elsewhere.md"]),
     ],
