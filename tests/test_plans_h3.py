@@ -69,7 +69,7 @@ def test_plans_equal_the_set_timesteps_block(task: str, steps: int) -> None:
     ],
 )
 def test_plan_widths_per_task(task: str, audio_refs: bool, first: int, later: int) -> None:
-    """REFERENCE.md section 4: distinct timesteps at step 0 and at later steps."""
+    """Distinct timesteps at step 0 and at later steps, per task (the table in docs/api.md)."""
     plans = minimax_h3_plans(task, 8, audio_refs=audio_refs)
     assert len(plans) == 7
     assert plans[0].numel() == first
