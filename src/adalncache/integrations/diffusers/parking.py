@@ -27,12 +27,13 @@ import torch
 from torch import nn
 
 from ...errors import ConfigError
+from ...source import ALIGNMENT, aligned_empty
 from ...spec import FINAL, Layer
 from .modules import swapped_parameters
 from .sources import HostTensors, Source, read_layer, read_layers
 
 #: Alignment window the restored weights keep: 64 bytes covers the 16 that change GEMV bits on CPU.
-RESIDUE_BYTES = 64
+RESIDUE_BYTES = ALIGNMENT
 
 
 @dataclass
@@ -47,25 +48,6 @@ class ParkedParam:
     residue: int  # data_ptr % 64 of the original: fp32 GEMV bits depend on it on CPU
     requires_grad: bool
     layer: Layer | None  # projection layer, or None for the time embedder
-
-
-def _aligned_like(shape: Sequence[int], dtype: torch.dtype, residue: int, device: torch.device) -> torch.Tensor:
-    """An uninitialised tensor whose address is ``residue`` modulo 64 (CPU), or a plain one elsewhere.
-
-    A weight re-read from a checkpoint, or copied back from the host, goes where the original sat
-    modulo 64 bytes, because on CPU the bits of an fp32 GEMV with one row depend on the weight's
-    address modulo 16.
-    """
-    if device.type != "cpu":
-        return torch.empty(tuple(shape), dtype=dtype, device=device)
-    numel = 1
-    for size in shape:
-        numel *= int(size)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    nbytes = numel * itemsize
-    buffer = torch.empty(nbytes + 2 * RESIDUE_BYTES, dtype=torch.uint8)
-    start = (residue - buffer.data_ptr()) % RESIDUE_BYTES
-    return buffer[start : start + nbytes].view(dtype).view(tuple(shape))
 
 
 def _pass_order(layer: Layer) -> float:
@@ -173,7 +155,7 @@ class WeightParking:
                 if source_tensor is None:
                     assert parked.layer is not None  # only projections are source-backed
                     source_tensor = reread[(parked.layer, parked.name)]
-                tensor = _aligned_like(source_tensor.shape, source_tensor.dtype, parked.residue, parked.device)
+                tensor = aligned_empty(source_tensor.shape, source_tensor.dtype, parked.residue, device=parked.device)
                 tensor.copy_(source_tensor)
             param = tensor if isinstance(tensor, nn.Parameter) else nn.Parameter(tensor, parked.requires_grad)
             parked.module._parameters[parked.name] = param
@@ -201,7 +183,7 @@ class WeightParking:
         residue = self._residues.get((layer, name))
         if residue is None or tensor.data_ptr() % RESIDUE_BYTES == residue:
             return tensor
-        copy = _aligned_like(tensor.shape, tensor.dtype, residue, tensor.device)
+        copy = aligned_empty(tensor.shape, tensor.dtype, residue, device=tensor.device)
         copy.copy_(tensor)
         return copy
 
