@@ -16,7 +16,7 @@ import torch
 from adalncache import AdalnCache, BuildError, CheckpointSource, ModulationSpec
 from adalncache.source import _resident_fraction
 from adalncache.spec import FINAL, get_layout
-from adalncache.tiny import write_safetensors
+from adalncache.tools.tiny import write_safetensors
 from core_helpers import embed_for
 
 SPEC = ModulationSpec(num_layers=4, hidden_size=64, time_embed_dim=256)

@@ -300,7 +300,9 @@ def test_torchrun_example_fills_a_store_that_serves_one_process(tiny_saved_dir: 
     import subprocess
     import sys
 
-    from adalncache.commands import infer_spec, schedule_plans, time_embed_fn
+    from adalncache import ModulationSpec
+    from adalncache.embedding import time_embed_fn
+    from adalncache.plans import schedule_plans
 
     script = Path(__file__).resolve().parents[1] / "examples" / "torchrun_build.py"
     store = tmp_path / "store"
@@ -315,7 +317,7 @@ def test_torchrun_example_fills_a_store_that_serves_one_process(tiny_saved_dir: 
     plans = schedule_plans(["fl2va"], [4], video_shift=12.0, audio_shift=3.0, audio_refs=True)
     assert f"{len(plans)} plan(s), 0 already stored, {len(plans)} built in 1 pass(es)" in line, line
     # Layer sharding reproduces the one-process bits, so its entries serve a one-process cache.
-    spec = infer_spec(tiny_saved_dir)
+    spec = ModulationSpec.from_checkpoint(tiny_saved_dir)
     source = CheckpointSource(tiny_saved_dir, spec)
     cache = AdalnCache(spec, source, max_plans=len(plans), store=store)
     report = cache.build(plans, embed=time_embed_fn(source, spec))

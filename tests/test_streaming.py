@@ -14,7 +14,7 @@ import torch
 
 from adalncache import CheckpointSource, ModulationSpec
 from adalncache.spec import FINAL, get_layout
-from adalncache.tiny import write_safetensors
+from adalncache.tools.tiny import write_safetensors
 
 
 @pytest.fixture

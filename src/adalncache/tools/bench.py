@@ -2,7 +2,7 @@
 
 Every comparison is measured in one run on one machine and printed as a ratio of medians, because
 absolute times on a shared CPU say little while ratios of neighbouring runs stay meaningful. What
-it measures (issue 6):
+it measures:
 
 * the pass against the raw sequential read of the same bytes from the same files and against the
   projections alone (weights already in memory), page cache warm and cold, at 1 plan and at a full
@@ -44,8 +44,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .devices import resolve_device
-from .spec import FINAL, Layer, ModulationSpec, get_layout
+from ..devices import resolve_device
+from ..spec import FINAL, Layer, ModulationSpec, get_layout
 
 log = logging.getLogger(__name__)
 
@@ -264,10 +264,13 @@ def read_only_direct(source: Any) -> float | None:
     return seconds
 
 
-def _sync(device: torch.device) -> None:
+def sync_device(device: torch.device) -> None:
     """Wait for the device's queued work, so a timer around it measures the work itself."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+_sync = sync_device  # the name this module's timers use
 
 
 def _device_of(inputs: dict[tuple[int, ...], torch.Tensor] | Sequence[torch.Tensor]) -> torch.device:
@@ -340,7 +343,7 @@ def make_inputs(
     spec: ModulationSpec, plans: Sequence[torch.Tensor], device: torch.device | str = "cpu"
 ) -> dict[tuple[int, ...], torch.Tensor]:
     """A deterministic projection input per plan, on ``device``: ``silu(temb).to(bf16)`` stand-ins."""
-    from .plans import plan_key
+    from ..plans import plan_key
 
     out = {}
     for n, plan in enumerate(plans):
@@ -354,10 +357,10 @@ def make_inputs(
 
 def request_plans(steps: int = STEPS) -> list[torch.Tensor]:
     """The distinct plans of a ``steps``-step t2va request (diffusers' own schedule when available)."""
-    from .plans import distinct_plans
+    from ..plans import distinct_plans
 
     try:
-        from .plans import minimax_h3_plans
+        from ..plans import minimax_h3_plans
 
         plans = minimax_h3_plans("t2va", steps)
     except Exception as exc:  # diffusers absent: the same shape of request, synthetic values
@@ -385,8 +388,8 @@ def one_pass(
     this pass and frees them after (``keep_buffers=False``), which is what the first pass of a
     process costs.
     """
-    from .cache import AdalnCache
-    from .plans import plan_key
+    from ..cache import AdalnCache
+    from ..plans import plan_key
 
     device = _device_of(inputs)  # the cache lives where the inputs do
 
@@ -417,9 +420,9 @@ def batched_exactness(
     source: Any, plans: Sequence[torch.Tensor], inputs: dict[tuple[int, ...], torch.Tensor]
 ) -> dict[str, Any]:
     """Build ``plans`` per plan and batched, from scratch (probe included), and compare the slabs bitwise."""
-    from .batching import clear_verdicts
-    from .cache import AdalnCache
-    from .plans import plan_key
+    from ..batching import clear_verdicts
+    from ..cache import AdalnCache
+    from ..plans import plan_key
 
     clear_verdicts()  # a new process's view: the batched build probes every shape class again
     built = {}
@@ -692,7 +695,7 @@ def bench_pass(
 
 
 def _keys(plans: Sequence[torch.Tensor]) -> list[tuple[int, ...]]:
-    from .plans import plan_key
+    from ..plans import plan_key
 
     return [plan_key(p) for p in plans]
 
@@ -706,8 +709,8 @@ def bench_forward(res: Results, size: str, steps: int, runs: int, device: torch.
     try:
         from diffusers.hooks import apply_group_offloading
 
-        from .diffusers import enable_adaln_cache
-        from .plans import plan_key
+        from ..diffusers import enable_adaln_cache
+        from ..plans import plan_key
         from .tiny import make_request, run_loop, tiny_transformer
     except ImportError as exc:
         res.note(f"forward comparison skipped: diffusers unavailable ({exc})")
@@ -778,15 +781,15 @@ def bench_build_latency(res: Results, runs: int, directory: Path, device: torch.
     Uses a 50-layer, 8-shard checkpoint at tiny widths: the hot path's cost is keying the plans and
     re-statting the files (fingerprint check), which do not depend on the projection widths.
     """
-    from .cache import AdalnCache
-    from .source import CheckpointSource
+    from ..cache import AdalnCache
+    from ..source import CheckpointSource
 
     spec = ModulationSpec(num_layers=50, hidden_size=8, time_embed_dim=16)
     ckpt = generate_checkpoint(spec, directory, layers_per_shard=7)
     source = CheckpointSource(ckpt, spec)
     plans = request_plans(STEPS)
     inputs = make_inputs(spec, plans, device)
-    from .plans import plan_key
+    from ..plans import plan_key
 
     cache = AdalnCache(spec, source, max_plans=64, max_plan_width=4, progress=False, device=device)
     cache.build(plans, embed=lambda p: inputs[plan_key(p)])
@@ -813,13 +816,13 @@ def bench_build_latency(res: Results, runs: int, directory: Path, device: torch.
 
 def bench_store(res: Results, source: Any, plans: list[torch.Tensor], runs: int, device: torch.device) -> None:
     """A store hit against a pass, when the real store is there."""
-    from .tiers import store as store_mod
+    from ..tiers import store as store_mod
 
     if not hasattr(store_mod.Store, "get_many") or not hasattr(store_mod.Store, "put"):
         res.note("store hit vs pass skipped: adalncache.tiers.store.Store is still a placeholder")
         return
-    from .cache import AdalnCache
-    from .plans import plan_key
+    from ..cache import AdalnCache
+    from ..plans import plan_key
 
     inputs = make_inputs(source.spec, plans, device)
     with tempfile.TemporaryDirectory(prefix="adalncache-bench-store-") as tmp:
@@ -852,7 +855,7 @@ def bench_store(res: Results, source: Any, plans: list[torch.Tensor], runs: int,
 _PROBE = r"""
 import json, sys, threading, time
 args = json.loads(sys.argv[1])
-from adalncache.bench import _probe_pass
+from adalncache.tools.bench import _probe_pass
 print(json.dumps(_probe_pass(args)))
 """
 
@@ -869,9 +872,9 @@ def _status() -> dict[str, int]:
 
 def _probe_pass(args: dict[str, Any]) -> dict[str, Any]:
     """Child process: one pass, sampling RssAnon every millisecond (the kernel keeps no anon peak)."""
-    from .cache import AdalnCache
-    from .plans import plan_key
-    from .source import CheckpointSource
+    from ..cache import AdalnCache
+    from ..plans import plan_key
+    from ..source import CheckpointSource
 
     spec = ModulationSpec(**args["spec"])
     source = CheckpointSource(args["checkpoint"], spec)
@@ -1042,7 +1045,7 @@ def write_outputs(res: Results, out_dir: Path) -> list[Path]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .source import CheckpointSource
+    from ..source import CheckpointSource
 
     torch.manual_seed(0)
     device = resolve_device(args.device)
@@ -1121,4 +1124,12 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=func)
 
 
-__all__ = ["generate_checkpoint", "register", "run"]
+__all__ = [
+    "drop_page_cache",
+    "generate_checkpoint",
+    "read_only",
+    "register",
+    "request_plans",
+    "run",
+    "sync_device",
+]
