@@ -15,7 +15,7 @@ import torch
 # --------------------------------------------------------------------------------------------------
 
 #: How a test model is obtained: built in memory (fp32, 64-byte aligned weights), loaded from disk
-#: in fp32 (weights at the mapped file's odd offsets, REFERENCE.md section 3), or loaded in the
+#: in fp32 (weights at the mapped file's odd offsets, where an fp32 GEMV's bits can differ), or loaded in the
 #: released mixed precision (bf16 projections and blocks, fp32 time embedder and heads).
 PRECISIONS = ("fp32-memory", "fp32-disk", "bf16-disk")
 

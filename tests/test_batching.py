@@ -72,7 +72,7 @@ def test_batched_build_equals_per_plan_build(tmp_path: Path, dtype: torch.dtype)
 
 
 def test_cpu_bf16_stacks_width_two_plans(tmp_path: Path) -> None:
-    """REFERENCE.md section 3: on CPU, bf16 stacked equals per-plan beyond M=1, so the probe says yes."""
+    """On CPU, bf16 stacked equals per-plan beyond M=1 (measured), so the probe says yes."""
     source, _ = _source(tmp_path, torch.bfloat16)
     plans = _plans([2] * 8)
     _, first = _build(source, plans, batched=True)
