@@ -81,6 +81,7 @@ def test_the_collection_finds_a_flag_no_command_defines(tmp_path: Path) -> None:
         (["--host-cache-gb", "-1"], "--host-cache-gb must be a non-negative number"),
         (["--shard", "rows"], "--shard.*invalid choice"),
         (["--timeout", "0"], "--timeout must be a positive number"),
+        (["--device", "abacus"], "--device 'abacus' is not a torch device"),
     ],
 )
 def test_build_flags_refuse_bad_values(

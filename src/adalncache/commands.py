@@ -1,9 +1,10 @@
 """``adalncache build | inspect | verify | store prune``: the command-line shells over :mod:`adalncache.offline`.
 
-Each ``run_*`` parses nothing itself and decides nothing: it turns arguments into library calls
-(:mod:`adalncache.offline`, :mod:`adalncache.schedules`, :mod:`adalncache.embedding`) and prints
-what they return. ``build`` may run under torchrun: each rank then builds its share of every pass
-(``--shard``) and the ranks exchange rows, as ``AdalnCache(process_group=...)`` does.
+Each ``run_*`` checks its arguments, turns them into library calls (:mod:`adalncache.offline`,
+:mod:`adalncache.plans`, :mod:`adalncache.embedding`) and prints what they return; the work itself
+lives in the library, where the examples and the tests call it too. ``build`` may run under
+torchrun: each rank then builds its share of every pass (``--shard``) and the ranks exchange rows,
+as ``AdalnCache(process_group=...)`` does.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 
 from .cache import PRECISIONS, SHARD_MODES, AdalnCache
+from .devices import resolve_device
 from .embedding import time_embed_fn
 from .errors import ConfigError
 from .offline import describe_checkpoint, describe_store, fill_store, is_store, open_checkpoint, verify_store
@@ -40,14 +42,15 @@ def _gb_to_bytes(value: float, flag: str) -> int:
 
 
 @contextlib.contextmanager
-def _torchrun_group(device: torch.device, timeout: float) -> Iterator[tuple[Any, torch.device]]:
-    """The default process group when torchrun started this command (``WORLD_SIZE`` > 1), else None.
+def _torchrun_group(device: torch.device, timeout: float) -> Iterator[tuple[Any, torch.device, int]]:
+    """(process group, this rank's device, rank) when torchrun started this command (``WORLD_SIZE`` > 1).
 
+    A plain run gets ``(None, device, 0)``.
     gloo on CPU, NCCL on CUDA with one GPU per rank (``LOCAL_RANK``). ``timeout`` is the only bound
     on how long the other ranks wait when one dies outright, so it is the user's to set.
     """
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        yield None, device
+        yield None, device, 0
         return
     import torch.distributed as dist
 
@@ -56,7 +59,7 @@ def _torchrun_group(device: torch.device, timeout: float) -> Iterator[tuple[Any,
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=timeout))
     try:
-        yield dist.group.WORLD, device
+        yield dist.group.WORLD, device, dist.get_rank()
     finally:
         dist.destroy_process_group()
 
@@ -65,6 +68,7 @@ def run_build(args: argparse.Namespace) -> int:
     if not (args.timeout > 0):
         raise ConfigError(f"--timeout must be a positive number of seconds, got {args.timeout}")
     host_cache_bytes = _gb_to_bytes(args.host_cache_gb, "--host-cache-gb")
+    device = resolve_device(args.device)
     spec, source = open_checkpoint(args.checkpoint, layout=args.layout)
     plans = schedule_plans(
         args.task, args.steps, video_shift=args.video_shift, audio_shift=args.audio_shift,
@@ -73,8 +77,8 @@ def run_build(args: argparse.Namespace) -> int:
     width = max(p.numel() for p in plans)
     if width > args.plan_width:
         raise ConfigError(f"these schedules have plans of {width} timesteps: raise --plan-width to at least {width}")
-    with _torchrun_group(torch.device(args.device), args.timeout) as (group, device):
-        rank0 = group is None or torch.distributed.get_rank() == 0
+    with _torchrun_group(device, args.timeout) as (group, device, rank):
+        rank0 = rank == 0
         embed = time_embed_fn(source, spec, device)
         # The working slab: no more plans than one pass needs, so a small build allocates little.
         cache = AdalnCache(
@@ -150,10 +154,11 @@ def run_verify(args: argparse.Namespace) -> int:
         raise ConfigError(f"{path} is not an adalncache store (no STORE marker): set --store")
     if args.sample is not None and args.sample < 1:
         raise ConfigError(f"--sample must be a positive number of entries, got {args.sample}")
+    device = resolve_device(args.device)
     spec, source = open_checkpoint(args.checkpoint, layout=args.layout)
-    embed = time_embed_fn(source, spec, args.device)
+    embed = time_embed_fn(source, spec, device)
     report = verify_store(
-        Store(path), spec, source, embed=embed, device=args.device, max_plans=args.max_plans,
+        Store(path), spec, source, embed=embed, device=device, max_plans=args.max_plans,
         read_ahead=args.read_ahead, sample=args.sample, seed=args.seed, progress=not args.quiet,
     )  # fmt: skip
     for line in report.corrupt:
