@@ -218,7 +218,8 @@ class ModulationSpec:
         is unusable.
         """
         # Deferred: the source module is built on this one (it validates against a spec).
-        # TODO(lead): import from the source package's header/file modules, which need no spec.
+        # TODO(lead): import SafetensorsHeader and the file resolution from the source package's
+        # header and files modules (they import no spec), which removes the spec <-> source cycle.
         from .errors import CheckpointError
         from .source import SafetensorsHeader, _files_of
 
