@@ -12,16 +12,16 @@ from pathlib import Path
 
 import torch
 
-from adalncache.bench import _tensor_ranges, drop_page_cache
 from adalncache.source import CheckpointSource
 from adalncache.source.buffers import DIRECT_BLOCK, place
 from adalncache.source.reads import CHUNK, DirectReads
 from adalncache.spec import ModulationSpec
+from adalncache.tools.bench import drop_page_cache, tensor_ranges
 
 spec = ModulationSpec(num_layers=4, hidden_size=5376, time_embed_dim=2688)
 src = CheckpointSource(Path("/tmp/adalncache-bench/ckpt-4x5376x2688"), spec)
 files = list(src.files)
-ranges = _tensor_ranges(src)
+ranges = tensor_ranges(src)
 N = max(n for _, _, n in ranges)
 
 

@@ -7,7 +7,8 @@ Every rank runs this same script (SPMD). With ``--shard layers`` (the default) e
 projects 1/world of the layers, then the ranks exchange rows, so each rank holds the full tables,
 bit-identical to a one-process build, and writes them to the store. ``--shard columns`` mirrors a
 column-parallel runtime (its tables are keyed apart in the store). CPU runs use gloo, GPU runs
-NCCL, one GPU per rank (``LOCAL_RANK``).
+NCCL, one GPU per rank (``LOCAL_RANK``). This is the library's side of what
+``torchrun --nproc-per-node 8 -m adalncache build CHECKPOINT --store DIR --shard layers ...`` does.
 
 ``--timeout`` is the process group's timeout. It is the only bound on how long the other ranks
 wait when one rank dies outright (killed, out of memory, lost node): any Python exception on a
@@ -26,15 +27,18 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from adalncache import AdalnCache, CheckpointSource, Store
-from adalncache.commands import infer_spec, schedule_plans, time_embed_fn
+from adalncache import AdalnCache, CheckpointSource, ModulationSpec, Store
+from adalncache.embedding import time_embed_fn
+from adalncache.offline import fill_store
+from adalncache.plans import schedule_plans
+from adalncache.schedules import TASKS
 
 
 def parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", help="safetensors file or directory (native or diffusers layout)")
     parser.add_argument("--store", required=True, help="store directory (shared or per node)")
-    parser.add_argument("--task", action="append", choices=["t2va", "fl2va", "ref2va"], help="repeatable")
+    parser.add_argument("--task", action="append", choices=TASKS, help="repeatable")
     parser.add_argument("--steps", action="append", type=int, help="num_inference_steps (repeatable)")
     parser.add_argument("--shard", default="layers", choices=["layers", "columns"])
     parser.add_argument("--device", default="cpu", help="cpu, or cuda (one GPU per rank: LOCAL_RANK)")
@@ -55,7 +59,7 @@ def main() -> None:
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=args.timeout))
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
-        spec = infer_spec(args.checkpoint)
+        spec = ModulationSpec.from_checkpoint(args.checkpoint)
         source = CheckpointSource(args.checkpoint, spec)
         embed = time_embed_fn(source, spec, device)
         plans = schedule_plans(tasks, steps, video_shift=12.0, audio_shift=3.0, audio_refs=True)
@@ -71,12 +75,9 @@ def main() -> None:
             shard=args.shard,
             progress=rank == 0,
         )
-        built = stored = passes = 0
-        for start in range(0, len(plans), slab_plans):
-            # Every rank passes the same chunk: store hits are agreed across ranks inside build().
-            report = cache.build(plans[start : start + slab_plans], embed=embed)
-            built, stored, passes = built + report.built, stored + report.store_hits, passes + report.passes
-            cache.invalidate()  # the slab is scratch here; the store is the product
+        # Every rank passes the same plans: store hits are agreed across ranks inside build().
+        report = fill_store(cache, plans, embed=embed, progress=rank == 0)
+        built, stored, passes = report.built, report.already_stored, report.passes
         if rank == 0:
             print(
                 f"{world} rank(s), shard={args.shard}: {len(plans)} plan(s), {stored} already stored, {built} "

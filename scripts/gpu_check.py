@@ -37,11 +37,11 @@ from safetensors.torch import load_file
 
 from adalncache import AdalnCache, CheckpointSource, ModulationSpec
 from adalncache.batching import clear_verdicts, verdicts
-from adalncache.bench import _sync as sync
-from adalncache.bench import drop_page_cache, generate_checkpoint, read_only, request_plans
 from adalncache.cli import main as cli_main
 from adalncache.plans import plan_key
 from adalncache.spec import FINAL, get_layout
+from adalncache.tools.bench import drop_page_cache, generate_checkpoint, read_only, request_plans
+from adalncache.tools.bench import sync_device as sync
 
 RESULTS: list[dict[str, Any]] = []
 

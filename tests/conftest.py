@@ -32,7 +32,7 @@ def tiny_saved_root() -> Iterator[Path]:
     pytest.importorskip("diffusers")
     from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3Transformer3DModel
 
-    from adalncache.tiny import tiny_transformer
+    from adalncache.tools.tiny import tiny_transformer
 
     with tempfile.TemporaryDirectory(prefix="adalncache-tiny-") as tmp:
         root = Path(tmp)
@@ -58,7 +58,7 @@ def load_tiny(tiny_saved_root: Path) -> Callable[[str], Any]:
     """``load_tiny(precision)``: a fresh tiny transformer in one of :data:`PRECISIONS`."""
     from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3Transformer3DModel
 
-    from adalncache.tiny import tiny_transformer
+    from adalncache.tools.tiny import tiny_transformer
 
     def load(precision: str) -> Any:
         if precision == "fp32-memory":

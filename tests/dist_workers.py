@@ -253,7 +253,7 @@ def scenario_diffusers(rank: int, world: int, pg: Any, data: Path) -> dict[str, 
     """Each rank's tiny transformer gets its cache from the same process group."""
     from adalncache.diffusers import enable_adaln_cache
     from adalncache.plans import minimax_h3_plans
-    from adalncache.tiny import make_request, run_loop, tiny_transformer
+    from adalncache.tools.tiny import make_request, run_loop, tiny_transformer
 
     model = tiny_transformer("tiny", seed=0)
     request = make_request(model, "fl2va", 4, seed=3)

@@ -395,7 +395,7 @@ def _tiny_cases() -> list[tuple[str, Callable[[Any, Path], Any], type[BaseExcept
     from adalncache.diffusers import enable_adaln_cache
 
     def mismatched_checkpoint(model: Any, root: Path) -> Any:
-        from adalncache.tiny import tiny_transformer
+        from adalncache.tools.tiny import tiny_transformer
 
         other = tiny_transformer("tiny", seed=5)
         other.save_pretrained(root / "other")
@@ -445,7 +445,7 @@ def test_diffusers_fused_lora_while_enabled_is_refused(load_tiny: Callable[[str]
     from diffusers.modular_pipelines.minimax_h3 import MiniMaxH3Blocks
 
     from adalncache.diffusers import enable_adaln_cache
-    from adalncache.tiny import make_request
+    from adalncache.tools.tiny import make_request
     from test_diffusers_lora import _lora_file
 
     model = load_tiny("bf16-disk")

@@ -165,7 +165,7 @@ def test_diffusers_integration_batched_loop_is_bit_identical(load_tiny: Callable
     pytest.importorskip("diffusers")
     from adalncache.diffusers import enable_adaln_cache
     from adalncache.plans import minimax_h3_plans
-    from adalncache.tiny import make_request, run_loop
+    from adalncache.tools.tiny import make_request, run_loop
 
     model = load_tiny(precision)
     request = make_request(model, "t2va", 6, seed=2)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from adalncache.cli import main
 from adalncache.plans import minimax_h3_plans, plan_key
 from adalncache.tiers.store import MAGIC, Store
-from adalncache.tiny import make_request, run_loop, write_native_checkpoint
+from adalncache.tools.tiny import make_request, run_loop, write_native_checkpoint
 from tiers_support import write_h3_checkpoint
 
 pytest.importorskip("diffusers")
@@ -55,7 +55,7 @@ def test_build_then_verify_on_sharded_checkpoint(
     store = tmp_path / "store"
     code = main(
         ["build", str(ckpt), "--store", str(store), "--task", "t2va", "--task", "ref2va", "--steps", "4",
-         "--steps", "6", "--max-plans", "8", "-q"]
+         "--steps", "6", "--max-plans", "8", "--read-ahead", "0", "--host-cache-gb", "0.001", "-q"]
     )  # fmt: skip
     assert code == 0
     plans = {plan_key(p): p for t in ("t2va", "ref2va") for s in (4, 6) for p in minimax_h3_plans(t, s)}
@@ -70,7 +70,8 @@ def test_build_then_verify_on_sharded_checkpoint(
         assert torch.equal(entries[key].rows.block, block), f"block rows differ for plan {p.tolist()}"
         assert torch.equal(entries[key].rows.final, final)
 
-    assert main(["verify", "--store", str(store), "--checkpoint", str(ckpt), "--max-plans", "3", "-q"]) == 0
+    assert main(["verify", "--store", str(store), "--checkpoint", str(ckpt), "--max-plans", "3", "--read-ahead", "2",
+                 "-q"]) == 0  # fmt: skip
     out = capsys.readouterr().out
     assert "OK" in out and f"{len(plans)} entries recomputed" in out
     assert main(["verify", "--store", str(store), "--checkpoint", str(ckpt), "--sample", "2", "-q"]) == 0

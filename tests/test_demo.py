@@ -7,7 +7,7 @@ import pytest
 pytest.importorskip("diffusers")
 
 from adalncache.cli import main
-from adalncache.demo import DemoResult, _print_result
+from adalncache.tools.demo import DemoResult, _print_result
 
 
 @pytest.mark.parametrize("task", ["t2va", "fl2va", "ref2va"])

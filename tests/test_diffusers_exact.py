@@ -15,7 +15,7 @@ pytest.importorskip("diffusers")
 from adalncache.diffusers import enable_adaln_cache
 from adalncache.errors import CheckpointError, ConfigError, PlanError, PlanNotCachedError
 from adalncache.plans import minimax_h3_plans
-from adalncache.tiny import (
+from adalncache.tools.tiny import (
     adaln_parameter_bytes,
     make_request,
     parameter_bytes,

@@ -20,7 +20,7 @@ pytest.importorskip("diffusers")
 
 from adalncache.diffusers import enable_adaln_cache
 from adalncache.errors import ConfigError
-from adalncache.tiny import LoopResult, TinyRequest, make_request, run_loop
+from adalncache.tools.tiny import LoopResult, TinyRequest, make_request, run_loop
 
 
 def _lora_file(model: Any, path: Path, seed: int, rank: int = 4) -> Path:

@@ -21,7 +21,7 @@ from adalncache import AdalnCache
 from adalncache.diffusers import AdalnCacheConfig, CacheOptions, enable_adaln_cache
 from adalncache.errors import ConfigError
 from adalncache.plans import minimax_h3_plans
-from adalncache.tiny import make_request, run_loop
+from adalncache.tools.tiny import make_request, run_loop
 
 #: Options of enable_adaln_cache that belong to the integration, not to the cache.
 INTEGRATION_OPTIONS = {"on_miss", "free_time_embedder", "layout", "verify_checkpoint"}

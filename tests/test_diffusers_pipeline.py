@@ -40,7 +40,7 @@ def _call(pipe: Any, **extra: Any) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def pipe() -> Any:
-    from adalncache.tiny import tiny_pipeline
+    from adalncache.tools.tiny import tiny_pipeline
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -123,7 +123,7 @@ def test_transformer_and_transformer_ref_get_their_own_caches(
 ) -> None:
     from adalncache.errors import ConfigError
     from adalncache.integrations.diffusers.pipeline import AdalnCachePrepareStep, denoise_loops
-    from adalncache.tiny import tiny_transformer
+    from adalncache.tools.tiny import tiny_transformer
 
     pipe.update_components(transformer_ref=tiny_transformer("tiny", seed=1))
     try:

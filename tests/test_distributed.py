@@ -300,7 +300,9 @@ def test_torchrun_example_fills_a_store_that_serves_one_process(tiny_saved_dir: 
     import subprocess
     import sys
 
-    from adalncache.commands import infer_spec, schedule_plans, time_embed_fn
+    from adalncache import ModulationSpec
+    from adalncache.embedding import time_embed_fn
+    from adalncache.plans import schedule_plans
 
     script = Path(__file__).resolve().parents[1] / "examples" / "torchrun_build.py"
     store = tmp_path / "store"
@@ -317,7 +319,7 @@ def test_torchrun_example_fills_a_store_that_serves_one_process(tiny_saved_dir: 
     # Layer sharding reproduces the one-process bits, so its entries serve a one-process cache
     # under the same numeric settings. The ranks ran with one intra-op thread (OMP_NUM_THREADS=1),
     # and the thread count is part of the binding (it can change a GEMM's bits), so this one does too.
-    spec = infer_spec(tiny_saved_dir)
+    spec = ModulationSpec.from_checkpoint(tiny_saved_dir)
     source = CheckpointSource(tiny_saved_dir, spec)
     previous = torch.get_num_threads()
     torch.set_num_threads(1)

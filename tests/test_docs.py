@@ -128,9 +128,6 @@ def test_the_documentation_cites_nothing_outside_the_repository() -> None:
     assert not problems, _ADVICE + ":\n  " + "\n  ".join(problems)
 
 
-# TODO(merge): remove this mark once every branch of the structure change has landed; until then the
-# modules, scripts and tests being restructured on other branches still hold their old citations.
-@pytest.mark.xfail(strict=False, reason="other branches of the restructuring remove the remaining citations")
 def test_no_file_cites_anything_outside_the_repository() -> None:
     files = scanned_files()
     assert any(f.name == "README.md" for f in files) and any(f.suffix == ".py" for f in files), files[:5]

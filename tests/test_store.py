@@ -21,7 +21,7 @@ from adalncache import AdalnCache, CheckpointSource, ConfigError, Store, plan_ke
 from adalncache.rows import PlanRows
 from adalncache.testing import inject_faults
 from adalncache.tiers.store import binding_hash
-from adalncache.tiny import write_safetensors
+from adalncache.tools.tiny import write_safetensors
 from tiers_support import plan, projection_dict, simple_embed, small_spec
 
 TESTS = Path(__file__).resolve().parent

@@ -56,7 +56,7 @@ def write_h3_checkpoint(model: Any, directory: Path, *, shards: int = 2) -> Path
     Tensors keep the model's own address modulo 64 (as ``tiny.write_native_checkpoint`` does), so
     projecting and embedding from the file is bit-identical to the resident model.
     """
-    from adalncache.tiny import projection_tensors, write_safetensors
+    from adalncache.tools.tiny import projection_tensors, write_safetensors
 
     directory.mkdir(parents=True, exist_ok=True)
     tensors = dict(projection_tensors(model, "native"))

@@ -1,6 +1,6 @@
 """adalncache: serve AdaLN modulation from bit-exact precomputed tables.
 
-The public names are listed in DESIGN.md section 2; see the README for a walk-through.
+The public names and what callers may rely on are in docs/api.md; the README has a walk-through.
 """
 
 from __future__ import annotations

@@ -17,9 +17,9 @@ from .errors import AdalnCacheError
 
 # Modules that register sub-commands, in the order ``--help`` lists them.
 _COMMAND_MODULES = (
-    "adalncache.demo",
+    "adalncache.tools.demo",
     "adalncache.commands",
-    "adalncache.bench",
+    "adalncache.tools.bench",
 )
 
 log = logging.getLogger("adalncache")

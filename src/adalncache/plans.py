@@ -1,8 +1,13 @@
-"""Plan keys, plan validation and the MiniMax-H3 schedules.
+"""Plan keys and plan validation, and the distinct plans of a set of schedules.
 
 A plan is one forward's ``timestep`` tensor: the distinct timesteps of that step, in the order
 ``timestep_indices`` points at. Its key is the tuple of exact fp32 bit patterns, in order, because
 two plans that differ in one bit (or only in order) give different AdaLN outputs.
+
+The schedules themselves (tasks, the pipeline's recipe, :func:`minimax_h3_plans`) live in
+:mod:`adalncache.schedules`; ``minimax_h3_plans`` is importable from here too, where users have
+always found it. :func:`schedule_plans` sits here rather than there because it keys plans, and the
+schedules module must not import this one (this one re-exports from it).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from collections.abc import Sequence
 import torch
 
 from .errors import PlanError
+from .schedules import minimax_h3_plans
 
 PlanKey = tuple[int, ...]
 
@@ -91,6 +97,30 @@ def format_plan(key: PlanKey, limit: int = 4) -> str:
     return f"[{shown}{', ...' if len(values) > limit else ''}]"
 
 
+def schedule_plans(
+    tasks: Sequence[str],
+    steps: Sequence[int],
+    *,
+    video_shift: float = 12.0,
+    audio_shift: float = 3.0,
+    audio_refs: bool = True,
+) -> list[torch.Tensor]:
+    """Every distinct plan of every (task, step count) pair, in first-seen order.
+
+    What a store is filled for: one ``build`` of these covers every request of those kinds and
+    step counts (``minimax_h3_plans`` gives each schedule's plans; repeats across steps, tasks and
+    step counts are kept once).
+    """
+    plans: list[torch.Tensor] = []
+    for task in tasks:
+        for count in steps:
+            plans.extend(
+                minimax_h3_plans(task, count, video_shift=video_shift, audio_shift=audio_shift, audio_refs=audio_refs)
+            )
+    order, tensors = distinct_plans(plans)
+    return [tensors[k] for k in order]
+
+
 __all__ = [
     "PlanKey",
     "distinct_plans",
@@ -98,115 +128,6 @@ __all__ = [
     "key_to_plan",
     "minimax_h3_plans",
     "plan_key",
+    "schedule_plans",
     "validate_plan",
 ]
-
-
-def minimax_h3_plans(
-    task: str,
-    steps: int,
-    *,
-    video_shift: float = 12.0,
-    audio_shift: float = 3.0,
-    audio_refs: bool = True,
-) -> list[torch.Tensor]:
-    """The per-step plans (``timestep`` tensors) the MiniMax-H3 modular pipeline will feed the transformer.
-
-    Built with diffusers' own code, so they are bit-identical to what a request produces: the two
-    ``MiniMaxH3Scheduler`` schedules (``video_shift``, ``audio_shift``), the packed layout of
-    ``MiniMaxH3PrepareLayoutStep.build_packed_sequence`` (``t2va``; ``fl2va`` with a keyframe anchor)
-    or ``MiniMaxH3Ref2VAPrepareLayoutStep.build_ref2va_packed_sequence`` (``ref2va``: an image
-    reference, plus an audio reference when ``audio_refs``), and
-    ``MiniMaxH3SetTimestepsStep.build_row_timesteps`` per step. Plans depend only on the task kind,
-    ``steps`` and the shifts, never on prompt, resolution or seed, which is why a tiny layout gives
-    the same tensors as the real one.
-
-    ``steps`` is the pipeline's ``num_inference_steps``: scheduler grid points with the terminal 0,
-    so ``steps`` points give ``steps - 1`` forwards (fewer if the shift collapses grid points).
-    Returns one float32 CPU tensor per forward, in step order (repeats are kept: step ``i`` is
-    ``result[i]``), ready for ``AdalnCache.build`` or ``handle.prepare``.
-    """
-    from typing import Any  # local: this function is appended to a module that needs no typing import
-
-    tasks = ("t2va", "fl2va", "ref2va")
-    if task not in tasks:
-        raise PlanError(f"unknown task {task!r}: set task= (CLI --task) to one of {', '.join(tasks)}")
-    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 2:
-        raise PlanError(
-            f"steps must be an integer >= 2 (the pipeline's num_inference_steps: grid points with the "
-            f"terminal 0, so n points give n - 1 forwards), got {steps!r}: set steps= (CLI --steps)"
-        )
-    for name, shift in (("video_shift", video_shift), ("audio_shift", audio_shift)):
-        is_number = isinstance(shift, (int, float)) and not isinstance(shift, bool)
-        if not is_number or not math.isfinite(shift) or shift <= 0:
-            raise PlanError(f"{name} must be a positive finite number, got {shift!r}")
-
-    try:
-        from diffusers.modular_pipelines.minimax_h3.before_denoise import (
-            MiniMaxH3PrepareLayoutStep,
-            MiniMaxH3Ref2VAPrepareLayoutStep,
-            MiniMaxH3SetTimestepsStep,
-        )
-        from diffusers.modular_pipelines.minimax_h3.modular_pipeline import (
-            MINIMAX_H3_AUDIO_CHANNELS,
-            MINIMAX_H3_AUDIO_TAG,
-            MINIMAX_H3_TEXT_TAG,
-            MINIMAX_H3_VIDEO_TAG,
-            MiniMaxH3ModularPipeline,
-        )
-        from diffusers.modular_pipelines.minimax_h3.references import (
-            MiniMaxH3AudioReference,
-            MiniMaxH3ImageReference,
-        )
-        from diffusers.schedulers.scheduling_minimax_h3 import MiniMaxH3Scheduler
-    except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise PlanError(
-            "minimax_h3_plans needs diffusers with MiniMax-H3 support (pip install 'adalncache[diffusers]')"
-        ) from exc
-
-    # The smallest layout that has every kind of row the task has: the plan only sees which row
-    # kinds exist (generated video/audio, keyframe or reference video, reference audio).
-    patch_size = (1, 1, 1)
-    text_token_tags = torch.full((1,), MINIMAX_H3_TEXT_TAG, dtype=torch.long)
-    if task == "ref2va":
-        references: list[Any] = [MiniMaxH3ImageReference(image=torch.zeros(3, 1, 1))]
-        condition_latents = [torch.zeros(1, 1, 1, 1, 1)]
-        audio_condition_latents: list[torch.Tensor] = []
-        if audio_refs:
-            references.append(MiniMaxH3AudioReference(audio=torch.zeros(1, 1)))
-            audio_condition_latents.append(torch.zeros(MINIMAX_H3_AUDIO_CHANNELS, 1))
-        layout = MiniMaxH3Ref2VAPrepareLayoutStep.build_ref2va_packed_sequence(
-            text_token_tags, references, condition_latents, audio_condition_latents,
-            1, 1, 1, 1, patch_size, MINIMAX_H3_AUDIO_CHANNELS, MINIMAX_H3_AUDIO_TAG, MINIMAX_H3_VIDEO_TAG,
-        )  # fmt: skip
-    else:
-        anchors = ("first",) if task == "fl2va" else ()
-        layout = MiniMaxH3PrepareLayoutStep.build_packed_sequence(
-            text_token_tags, 1, 1, 1, 1, patch_size, MINIMAX_H3_AUDIO_CHANNELS, MINIMAX_H3_AUDIO_TAG,
-            MINIMAX_H3_VIDEO_TAG, anchors,
-        )  # fmt: skip
-    _, _, video_indices, audio_indices, text_indices, n_cond_video, n_cond_audio = layout
-
-    # As MiniMaxH3SetTimestepsStep.__call__ does: two schedulers, conditioning video rows held at
-    # max(t, keyframe_noise_aug), reference audio rows at 1.0. keyframe_noise_aug is a property
-    # that reads no state, so it is taken from the pipeline class rather than copied here.
-    keyframe_noise_aug = float(MiniMaxH3ModularPipeline.keyframe_noise_aug.fget(None))  # type: ignore[attr-defined]
-    scheduler: Any = MiniMaxH3Scheduler(shift=float(video_shift))
-    audio_scheduler: Any = MiniMaxH3Scheduler(shift=float(audio_shift))
-    scheduler.set_timesteps(steps)
-    audio_scheduler.set_timesteps(steps)
-    plans: list[torch.Tensor] = []
-    for timestep, audio_timestep in zip(scheduler.timesteps, audio_scheduler.timesteps):
-        unique, _ = MiniMaxH3SetTimestepsStep.build_row_timesteps(
-            video_indices,
-            audio_indices,
-            n_cond_video,
-            n_cond_audio,
-            text_indices.numel(),
-            float(timestep),
-            float(audio_timestep),
-            max(float(timestep), keyframe_noise_aug),
-            1.0,
-        )
-        plans.append(unique)
-    return plans

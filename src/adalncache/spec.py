@@ -2,12 +2,15 @@
 
 A :class:`ModulationSpec` is everything the cache needs to know about a model: how many AdaLN
 projections there are and how wide they are. Key layouts map a layer index to the tensor names
-of the native MiniMax release and of diffusers (REFERENCE.md section 5: no row permutation
-between them, only the names differ).
+of the native MiniMax release and of diffusers (the two hold the same rows in the same order:
+only the names differ), and name the time embedder whose output the projections take.
 """
 
 from __future__ import annotations
 
+import os
+import re
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -28,11 +31,17 @@ SUPPORTED_WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 @dataclass(frozen=True)
 class KeyLayout:
-    """Tensor names of one checkpoint layout (format strings taking the block index ``i``)."""
+    """Tensor names of one checkpoint layout.
+
+    ``block_prefix`` is a format string taking the block index ``i``; ``time_embedder`` holds the
+    module paths of the time embedder's two linears (first, second), whose weights build the
+    projections' input when only a checkpoint is at hand.
+    """
 
     name: str
     block_prefix: str
     final_prefix: str
+    time_embedder: tuple[str, str]
 
     def prefix(self, layer: Layer) -> str:
         """The module path holding ``weight`` and ``bias`` for ``layer``."""
@@ -44,11 +53,31 @@ class KeyLayout:
     def bias(self, layer: Layer) -> str:
         return self.prefix(layer) + ".bias"
 
+    def block_index(self, name: str) -> int | None:
+        """The block index ``i`` if ``name`` is block ``i``'s projection weight in this layout, else None."""
+        match = self._block_weight_pattern().fullmatch(name)
+        return int(match.group(1)) if match else None
+
+    def _block_weight_pattern(self) -> re.Pattern[str]:
+        # Derived from block_prefix so the names are written once; re caches compiled patterns.
+        before, after = self.block_prefix.split("{i}")
+        return re.compile(re.escape(before) + r"(\d+)" + re.escape(after) + r"\.weight")
+
+    def time_embedder_tensors(self) -> list[str]:
+        """Weight and bias names of the time embedder's two linears: first weight, first bias, second..."""
+        return [f"{prefix}.{part}" for prefix in self.time_embedder for part in ("weight", "bias")]
+
 
 LAYOUTS: dict[str, KeyLayout] = {
-    "native": KeyLayout("native", "blocks.{i}.adaln_proj.linear", "final_layer.adaln_proj.linear"),
-    "diffusers": KeyLayout("diffusers", "transformer_blocks.{i}.adaln_proj.linear", "norm_out.linear"),
-}
+    "native": KeyLayout(
+        "native", "blocks.{i}.adaln_proj.linear", "final_layer.adaln_proj.linear",
+        ("time_embedder.proj_in", "time_embedder.proj_out"),
+    ),
+    "diffusers": KeyLayout(
+        "diffusers", "transformer_blocks.{i}.adaln_proj.linear", "norm_out.linear",
+        ("time_embedder.linear_1", "time_embedder.linear_2"),
+    ),
+}  # fmt: skip
 
 
 def get_layout(name: str) -> KeyLayout:
@@ -170,6 +199,64 @@ class ModulationSpec:
             base = getattr(linear, "base_layer", linear)  # a peft LoRA wrapper keeps the Linear inside
             dtype = base.weight.dtype
         return cls(num_layers=num_layers, hidden_size=hidden_size, time_embed_dim=time_embed_dim, dtype=dtype)
+
+    @classmethod
+    def from_checkpoint(
+        cls,
+        path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+        *,
+        layout: str = "auto",
+        modalities: int = 3,
+    ) -> ModulationSpec:
+        """Read the projection geometry from a checkpoint's safetensors headers alone (no tensor data).
+
+        ``path`` is what ``CheckpointSource`` takes (a file, a directory, a list of files). Blocks
+        are counted from ``0`` up to the first missing index; block 0's projection gives the
+        hidden size (``6 * modalities * hidden`` outputs), its input width the time-embedding
+        size, its dtype the spec's dtype. ``CheckpointSource`` then validates every tensor against
+        the result. Raises CheckpointError when no layout's projections are there or block 0's
+        is unusable.
+        """
+        # Deferred, and from the two source modules that import no spec: the rest of the source
+        # package is built on this module (it validates checkpoints against a spec).
+        from .errors import CheckpointError
+        from .source.files import checkpoint_files
+        from .source.header import SafetensorsHeader
+
+        if layout not in ("auto", *LAYOUTS):
+            get_layout(layout)  # raises the ConfigError that lists the layouts
+        files, _ = checkpoint_files(path)
+        entries: dict[str, Any] = {}
+        for file in files:
+            entries.update(SafetensorsHeader.read(file).entries)
+        candidates = [LAYOUTS[layout]] if layout != "auto" else list(LAYOUTS.values())
+        for key_layout in candidates:
+            indices = {index for name in entries if (index := key_layout.block_index(name)) is not None}
+            if not indices:
+                continue
+            count = 0
+            while count in indices:
+                count += 1
+            first = entries.get(key_layout.weight(0))
+            if first is None or len(first.shape) != 2 or first.torch_dtype is None:
+                raise CheckpointError(f"{path}: block 0's AdaLN projection weight is missing or malformed")
+            out, k = first.shape
+            if out % (6 * modalities):
+                raise CheckpointError(
+                    f"{path}: block 0's AdaLN projection has {out} outputs, not a multiple of 6 x {modalities} "
+                    f"modalities; this is not a MiniMax-H3 checkpoint"
+                )
+            try:
+                return cls(
+                    num_layers=count, hidden_size=out // (6 * modalities), time_embed_dim=k,
+                    modalities=modalities, dtype=first.torch_dtype,
+                )  # fmt: skip
+            except ConfigError as exc:
+                raise CheckpointError(f"{path}: unusable projection geometry: {exc}") from None
+        raise CheckpointError(
+            f"{path} holds no AdaLN projection in a known layout (looked for {LAYOUTS['native'].weight(0)!r} "
+            f"and {LAYOUTS['diffusers'].weight(0)!r}): pass a MiniMax-H3 transformer checkpoint, or set --layout"
+        )
 
 
 __all__ = ["FINAL", "LAYOUTS", "KeyLayout", "Layer", "ModulationSpec", "get_layout"]

@@ -7,7 +7,7 @@ and the exact inputs the MiniMax-H3 pipeline feeds the transformer. The inputs a
 pipeline's own static layout and plan builders and stepped with ``MiniMaxH3Scheduler``, so a loop
 run here is the pipeline's denoising loop minus the encoders and decoders. Nothing is downloaded.
 
-Everything here imports diffusers lazily: ``import adalncache.tiny`` works without it.
+Everything here imports diffusers lazily: ``import adalncache.tools.tiny`` works without it.
 """
 
 from __future__ import annotations
@@ -16,26 +16,28 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .errors import ConfigError, PlanError
-from .source.writer import PAD_PREFIX, write_safetensors
+from ..errors import ConfigError
+from ..schedules import TASKS, Geometry, build_layout, build_row_timestep_plan, check_steps, check_task
+from ..source.writer import PAD_PREFIX, write_safetensors
 
 if TYPE_CHECKING:
     from torch import nn
 
 log = logging.getLogger(__name__)
 
-#: Model sizes. "tiny" is the smallest geometry the model accepts (forward in a few ms); "small" is wide
-#: enough that the projections weigh tens of MB (so the saving reads in MB) and still runs a
-#: forward in tens of ms on two cores. "medium" has the released model's proportions (projection
-#: input = hidden / 2, output 18 x hidden, FFN about 2.7 x hidden), so the projections are about 40%
-#: of each block's weights as in MiniMax-H3; it is the size the bench's forward comparison uses.
+#: Model sizes. "tiny" is the smallest geometry with every part of the model (2 blocks, hidden 64:
+#: a forward in a few ms); "small" is wide enough that the projections weigh tens of MB (so the
+#: saving reads in MB) and still runs a forward in tens of ms on two cores. "medium" has the
+#: released model's proportions (projection input = hidden / 2, output 18 x hidden, FFN about
+#: 2.7 x hidden), so the projections are about 40% of each block's weights as in MiniMax-H3; it is
+#: the size the bench's forward comparison uses.
 SIZES: dict[str, dict[str, Any]] = {
     "tiny": {
         "num_attention_heads": 2,
@@ -87,7 +89,6 @@ SIZES: dict[str, dict[str, Any]] = {
     },
 }
 
-TASKS = ("t2va", "fl2va", "ref2va")
 
 
 def _check_size(size: str) -> dict[str, Any]:
@@ -149,7 +150,7 @@ def save_tiny(model: nn.Module, directory: str | os.PathLike[str], *, dtype: tor
 
 def projection_tensors(model: nn.Module, layout: str = "native") -> dict[str, torch.Tensor]:
     """The AdaLN projection weights and biases of ``model`` under ``layout``'s tensor names."""
-    from .spec import FINAL, get_layout
+    from ..spec import FINAL, get_layout
 
     key_layout = get_layout(layout)
     linears = _projection_linears(model)
@@ -239,18 +240,6 @@ def adaln_parameter_bytes(model: nn.Module) -> int:
 
 
 @dataclass
-class Geometry:
-    """Latent geometry of a tiny request (defaults keep a forward at a few ms)."""
-
-    num_text_tokens: int = 6
-    num_latent_frames: int = 2
-    latent_height: int = 4
-    latent_width: int = 4
-    num_audio_latents: int = 3
-    num_keyframes: int = 1
-
-
-@dataclass
 class TinyRequest:
     """One denoising request in the layout the MiniMax-H3 pipeline builds for ``task``.
 
@@ -292,153 +281,6 @@ class TinyRequest:
         }
 
 
-def _check_task(task: object) -> str:
-    if task not in TASKS:
-        raise PlanError(f"unknown task {task!r}: set task= (CLI --task) to one of {', '.join(TASKS)}")
-    return str(task)
-
-
-def _check_steps(steps: object) -> int:
-    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 2:
-        raise PlanError(
-            f"steps must be an integer >= 2 (the scheduler's grid points, terminal 0 included; n points give "
-            f"n - 1 forwards), got {steps!r}: set steps= (CLI --steps)"
-        )
-    return steps
-
-
-def build_layout(
-    task: str,
-    *,
-    patch_size: tuple[int, int, int],
-    video_channels: int,
-    audio_channels: int,
-    geometry: Geometry | None = None,
-    audio_refs: bool = True,
-) -> tuple[dict[str, torch.Tensor], int, int, list[torch.Tensor], list[torch.Tensor]]:
-    """The packed layout of a ``task`` request, from the pipeline's own static builders.
-
-    Returns the layout tensors (``position_ids``, ``token_tags`` and the three index tensors), the
-    numbers of conditioning video and audio rows, and the ``ref2va`` reference latents that
-    define them (empty otherwise). ``t2va`` has no anchors, ``fl2va`` anchors ``num_keyframes``
-    keyframes (first, then last), ``ref2va`` packs an image reference and, with ``audio_refs``, an
-    audio reference (which pins reference audio rows at ``t = 1``).
-    """
-    from diffusers.modular_pipelines.minimax_h3.before_denoise import (
-        MiniMaxH3PrepareLayoutStep,
-        MiniMaxH3Ref2VAPrepareLayoutStep,
-    )
-    from diffusers.modular_pipelines.minimax_h3.modular_pipeline import (
-        MINIMAX_H3_AUDIO_CHANNELS,
-        MINIMAX_H3_AUDIO_TAG,
-        MINIMAX_H3_TEXT_TAG,
-        MINIMAX_H3_VIDEO_TAG,
-    )
-    from diffusers.modular_pipelines.minimax_h3.references import (
-        MiniMaxH3AudioReference,
-        MiniMaxH3ImageReference,
-    )
-
-    task = _check_task(task)
-    geo = geometry or Geometry()
-    text_token_tags = torch.full((geo.num_text_tokens,), MINIMAX_H3_TEXT_TAG, dtype=torch.long)
-    condition_latents: list[torch.Tensor] = []
-    audio_condition_latents: list[torch.Tensor] = []
-    if task in ("t2va", "fl2va"):
-        anchors: tuple[str, ...] = ()
-        if task == "fl2va":
-            anchors = tuple("first" if i % 2 == 0 else "last" for i in range(max(1, geo.num_keyframes)))
-        out = MiniMaxH3PrepareLayoutStep.build_packed_sequence(
-            text_token_tags,
-            geo.num_latent_frames,
-            geo.latent_height,
-            geo.latent_width,
-            geo.num_audio_latents,
-            patch_size,
-            MINIMAX_H3_AUDIO_CHANNELS,
-            MINIMAX_H3_AUDIO_TAG,
-            MINIMAX_H3_VIDEO_TAG,
-            anchors,
-        )
-    else:
-        references: list[Any] = [MiniMaxH3ImageReference(image=torch.zeros(3, 8, 8))]
-        condition_latents.append(torch.zeros(1, video_channels, 1, geo.latent_height, geo.latent_width))
-        if audio_refs:
-            references.append(MiniMaxH3AudioReference(audio=torch.zeros(1, 800)))
-            audio_condition_latents.append(torch.zeros(2 * MINIMAX_H3_AUDIO_CHANNELS, audio_channels))
-        out = MiniMaxH3Ref2VAPrepareLayoutStep.build_ref2va_packed_sequence(
-            text_token_tags,
-            references,
-            condition_latents,
-            audio_condition_latents,
-            geo.num_latent_frames,
-            geo.latent_height,
-            geo.latent_width,
-            geo.num_audio_latents,
-            patch_size,
-            MINIMAX_H3_AUDIO_CHANNELS,
-            MINIMAX_H3_AUDIO_TAG,
-            MINIMAX_H3_VIDEO_TAG,
-        )
-    position_ids, token_tags, video_indices, audio_indices, text_indices, n_cond_video, n_cond_audio = out
-    layout = {
-        "position_ids": position_ids,
-        "token_tags": token_tags,
-        "video_indices": video_indices,
-        "audio_indices": audio_indices,
-        "text_indices": text_indices,
-    }
-    return layout, int(n_cond_video), int(n_cond_audio), condition_latents, audio_condition_latents
-
-
-def build_row_timestep_plan(
-    layout: Mapping[str, torch.Tensor],
-    num_condition_video_rows: int,
-    num_condition_audio_rows: int,
-    steps: int,
-    *,
-    video_shift: float = 12.0,
-    audio_shift: float = 3.0,
-    device: str | torch.device = "cpu",
-) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor, torch.Tensor]:
-    """The pipeline's ``row_timestep_plan`` for a layout, with ``MiniMaxH3SetTimestepsStep``'s own code.
-
-    Mirrors ``MiniMaxH3SetTimestepsStep.__call__``: two ``MiniMaxH3Scheduler`` instances (video and
-    audio shift), conditioning video rows held at ``max(t, keyframe_noise_aug)``, reference audio
-    rows at ``1.0``. Returns the plan and the two schedules' timesteps.
-    """
-    from diffusers.modular_pipelines.minimax_h3.before_denoise import MiniMaxH3SetTimestepsStep
-    from diffusers.modular_pipelines.minimax_h3.modular_pipeline import MiniMaxH3ModularPipeline
-    from diffusers.schedulers.scheduling_minimax_h3 import MiniMaxH3Scheduler
-
-    steps = _check_steps(steps)
-    keyframe_noise_aug = float(MiniMaxH3ModularPipeline.keyframe_noise_aug.fget(None))  # type: ignore[attr-defined]
-    scheduler: Any = MiniMaxH3Scheduler(shift=video_shift)
-    audio_scheduler: Any = MiniMaxH3Scheduler(shift=audio_shift)
-    scheduler.set_timesteps(steps, device=device)
-    audio_scheduler.set_timesteps(steps, device=device)
-    timesteps = scheduler.timesteps
-    audio_timesteps = audio_scheduler.timesteps
-    plan = [
-        tuple(
-            tensor.to(device)
-            for tensor in MiniMaxH3SetTimestepsStep.build_row_timesteps(
-                layout["video_indices"],
-                layout["audio_indices"],
-                num_condition_video_rows,
-                num_condition_audio_rows,
-                layout["text_indices"].numel(),
-                float(timestep),
-                float(audio_timestep),
-                max(float(timestep), keyframe_noise_aug),
-                1.0,
-            )
-        )
-        for timestep, audio_timestep in zip(timesteps, audio_timesteps)
-    ]
-    return plan, timesteps, audio_timesteps  # type: ignore[return-value]
-
-
 def _patchify(latents: torch.Tensor, patch_size: tuple[int, int, int]) -> torch.Tensor:
     from diffusers.modular_pipelines.minimax_h3.before_denoise import patchify_video_latents
 
@@ -466,8 +308,8 @@ def make_request(
     from diffusers.modular_pipelines.minimax_h3.modular_pipeline import MiniMaxH3ModularPipeline
     from diffusers.schedulers.scheduling_minimax_h3 import MiniMaxH3Scheduler
 
-    task = _check_task(task)
-    steps = _check_steps(steps)
+    task = check_task(task)
+    steps = check_steps(steps)
     geo = geometry or Geometry()
     config: Any = model.config
     patch_size = tuple(config.patch_size)

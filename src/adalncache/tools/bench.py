@@ -43,9 +43,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .devices import resolve_device
-from .source import LazyTensor, aligned_empty, pread_into, write_safetensors
-from .spec import FINAL, Layer, ModulationSpec, get_layout
+from ..devices import resolve_device
+from ..source import LazyTensor, aligned_empty, pread_into, write_safetensors
+from ..spec import FINAL, Layer, ModulationSpec, get_layout
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ def drop_page_cache(files: Sequence[Path]) -> None:
             os.close(fd)
 
 
-def _tensor_ranges(source: Any) -> list[tuple[Path, int, int]]:
+def tensor_ranges(source: Any) -> list[tuple[Path, int, int]]:
     """(file, offset, nbytes) of every projection tensor, in pass order."""
     out = []
     for layer in source.spec.layers():
@@ -138,7 +138,7 @@ def _tensor_ranges(source: Any) -> list[tuple[Path, int, int]]:
 
 def read_only(source: Any, buf: torch.Tensor | None = None) -> float:
     """The raw sequential read of the pass's bytes, from the same files, into one reused buffer."""
-    ranges = _tensor_ranges(source)
+    ranges = tensor_ranges(source)
     if buf is None:
         buf = read_buffer(source)
     start = time.perf_counter()
@@ -154,7 +154,7 @@ def read_only(source: Any, buf: torch.Tensor | None = None) -> float:
 
 def read_buffer(source: Any) -> torch.Tensor:
     """A buffer for :func:`read_only`, its pages faulted in: the cost floor of reading is the copy."""
-    buf = torch.empty(max(n for _, _, n in _tensor_ranges(source)), dtype=torch.uint8)
+    buf = torch.empty(max(n for _, _, n in tensor_ranges(source)), dtype=torch.uint8)
     buf.fill_(0)
     return buf
 
@@ -184,7 +184,7 @@ def read_only_direct(source: Any) -> float | None:
     import mmap
 
     block = 4096
-    ranges = _tensor_ranges(source)
+    ranges = tensor_ranges(source)
     spans = [(p, o - o % block, -(-(o % block + n) // block) * block) for p, o, n in ranges]
     buf = mmap.mmap(-1, max(length for _, _, length in spans))
     buf.write(b"\0" * len(buf))  # fault the pages in before timing, as read_only does
@@ -213,10 +213,12 @@ def read_only_direct(source: Any) -> float | None:
     return seconds
 
 
-def _sync(device: torch.device) -> None:
+def sync_device(device: torch.device) -> None:
     """Wait for the device's queued work, so a timer around it measures the work itself."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
 
 
 def _device_of(inputs: dict[tuple[int, ...], torch.Tensor] | Sequence[torch.Tensor]) -> torch.device:
@@ -239,14 +241,14 @@ class ResidentLayer:
             self.tensors[lw.layer] = (lw.weight.clone().to(self.device), lw.bias.clone().to(self.device))
 
     def project_only(self, xs: Sequence[torch.Tensor]) -> float:
-        _sync(self.device)
+        sync_device(self.device)
         start = time.perf_counter()
         with torch.no_grad():
             for layer in self.spec.layers():
                 weight, bias = self.tensors[FINAL if layer == FINAL else 0]
                 for x in xs:
                     F.linear(x, weight, bias)
-        _sync(self.device)
+        sync_device(self.device)
         return time.perf_counter() - start
 
 
@@ -276,7 +278,7 @@ def naive(source: Any, xs: Sequence[torch.Tensor]) -> float:
                 for x in xs:
                     F.linear(x, weight, bias)
                 del parts, weight, bias
-        _sync(device)
+        sync_device(device)
     finally:
         for fd in fds.values():
             os.close(fd)
@@ -287,7 +289,7 @@ def make_inputs(
     spec: ModulationSpec, plans: Sequence[torch.Tensor], device: torch.device | str = "cpu"
 ) -> dict[tuple[int, ...], torch.Tensor]:
     """A deterministic projection input per plan, on ``device``: ``silu(temb).to(bf16)`` stand-ins."""
-    from .plans import plan_key
+    from ..plans import plan_key
 
     out = {}
     for n, plan in enumerate(plans):
@@ -301,10 +303,10 @@ def make_inputs(
 
 def request_plans(steps: int = STEPS) -> list[torch.Tensor]:
     """The distinct plans of a ``steps``-step t2va request (diffusers' own schedule when available)."""
-    from .plans import distinct_plans
+    from ..plans import distinct_plans
 
     try:
-        from .plans import minimax_h3_plans
+        from ..plans import minimax_h3_plans
 
         plans = minimax_h3_plans("t2va", steps)
     except Exception as exc:  # diffusers absent: the same shape of request, synthetic values
@@ -332,8 +334,8 @@ def one_pass(
     this pass and frees them after (``keep_buffers=False``), which is what the first pass of a
     process costs.
     """
-    from .cache import AdalnCache
-    from .plans import plan_key
+    from ..cache import AdalnCache
+    from ..plans import plan_key
 
     device = _device_of(inputs)  # the cache lives where the inputs do
 
@@ -342,10 +344,10 @@ def one_pass(
             source.spec, source, max_plans=len(todo), max_plan_width=4, progress=False, batched=batched,
             device=device,
         )  # fmt: skip
-        _sync(device)
+        sync_device(device)
         start = time.perf_counter()
         report = cache.build(list(todo), embed=lambda p: inputs[plan_key(p)])
-        _sync(device)
+        sync_device(device)
         seconds = time.perf_counter() - start
         assert report.passes == 1 and report.built == len(todo)
         return seconds
@@ -364,9 +366,9 @@ def batched_exactness(
     source: Any, plans: Sequence[torch.Tensor], inputs: dict[tuple[int, ...], torch.Tensor]
 ) -> dict[str, Any]:
     """Build ``plans`` per plan and batched, from scratch (probe included), and compare the slabs bitwise."""
-    from .batching import clear_verdicts
-    from .cache import AdalnCache
-    from .plans import plan_key
+    from ..batching import clear_verdicts
+    from ..cache import AdalnCache
+    from ..plans import plan_key
 
     clear_verdicts()  # a new process's view: the batched build probes every shape class again
     built = {}
@@ -639,7 +641,7 @@ def bench_pass(
 
 
 def _keys(plans: Sequence[torch.Tensor]) -> list[tuple[int, ...]]:
-    from .plans import plan_key
+    from ..plans import plan_key
 
     return [plan_key(p) for p in plans]
 
@@ -653,8 +655,8 @@ def bench_forward(res: Results, size: str, steps: int, runs: int, device: torch.
     try:
         from diffusers.hooks import apply_group_offloading
 
-        from .diffusers import enable_adaln_cache
-        from .plans import plan_key
+        from ..diffusers import enable_adaln_cache
+        from ..plans import plan_key
         from .tiny import make_request, run_loop, tiny_transformer
     except ImportError as exc:
         res.note(f"forward comparison skipped: diffusers unavailable ({exc})")
@@ -691,10 +693,10 @@ def bench_forward(res: Results, size: str, steps: int, runs: int, device: torch.
                     for step in range(len(request.plan)):
                         kwargs = request.forward_kwargs(step, request.latents, request.audio_latents)
                         for name, which in variants:
-                            _sync(device)
+                            sync_device(device)
                             started = time.perf_counter()
                             which(**kwargs)
-                            _sync(device)
+                            sync_device(device)
                             samples[name].append(time.perf_counter() - started)
         finally:
             handle.disable()
@@ -725,15 +727,15 @@ def bench_build_latency(res: Results, runs: int, directory: Path, device: torch.
     Uses a 50-layer, 8-shard checkpoint at tiny widths: the hot path's cost is keying the plans and
     re-statting the files (fingerprint check), which do not depend on the projection widths.
     """
-    from .cache import AdalnCache
-    from .source import CheckpointSource
+    from ..cache import AdalnCache
+    from ..source import CheckpointSource
 
     spec = ModulationSpec(num_layers=50, hidden_size=8, time_embed_dim=16)
     ckpt = generate_checkpoint(spec, directory, layers_per_shard=7)
     source = CheckpointSource(ckpt, spec)
     plans = request_plans(STEPS)
     inputs = make_inputs(spec, plans, device)
-    from .plans import plan_key
+    from ..plans import plan_key
 
     cache = AdalnCache(spec, source, max_plans=64, max_plan_width=4, progress=False, device=device)
     cache.build(plans, embed=lambda p: inputs[plan_key(p)])
@@ -760,13 +762,13 @@ def bench_build_latency(res: Results, runs: int, directory: Path, device: torch.
 
 def bench_store(res: Results, source: Any, plans: list[torch.Tensor], runs: int, device: torch.device) -> None:
     """A store hit against a pass, when the real store is there."""
-    from .tiers import store as store_mod
+    from ..tiers import store as store_mod
 
     if not hasattr(store_mod.Store, "get_many") or not hasattr(store_mod.Store, "put"):
         res.note("store hit vs pass skipped: adalncache.tiers.store.Store is still a placeholder")
         return
-    from .cache import AdalnCache
-    from .plans import plan_key
+    from ..cache import AdalnCache
+    from ..plans import plan_key
 
     inputs = make_inputs(source.spec, plans, device)
     with tempfile.TemporaryDirectory(prefix="adalncache-bench-store-") as tmp:
@@ -783,7 +785,7 @@ def bench_store(res: Results, source: Any, plans: list[torch.Tensor], runs: int,
                 )  # fmt: skip
                 start = time.perf_counter()
                 report = cache.build(plans, embed=lambda p: inputs[plan_key(p)])
-                _sync(device)
+                sync_device(device)
                 hits.append(time.perf_counter() - start)
                 if report.store_hits != len(plans):
                     res.note(f"store run hit {report.store_hits} of {len(plans)} plans")
@@ -799,7 +801,7 @@ def bench_store(res: Results, source: Any, plans: list[torch.Tensor], runs: int,
 _PROBE = r"""
 import json, sys, threading, time
 args = json.loads(sys.argv[1])
-from adalncache.bench import _probe_pass
+from adalncache.tools.bench import _probe_pass
 print(json.dumps(_probe_pass(args)))
 """
 
@@ -816,9 +818,9 @@ def _status() -> dict[str, int]:
 
 def _probe_pass(args: dict[str, Any]) -> dict[str, Any]:
     """Child process: one pass, sampling RssAnon every millisecond (the kernel keeps no anon peak)."""
-    from .cache import AdalnCache
-    from .plans import plan_key
-    from .source import CheckpointSource
+    from ..cache import AdalnCache
+    from ..plans import plan_key
+    from ..source import CheckpointSource
 
     spec = ModulationSpec(**args["spec"])
     source = CheckpointSource(args["checkpoint"], spec)
@@ -989,7 +991,7 @@ def write_outputs(res: Results, out_dir: Path) -> list[Path]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .source import CheckpointSource
+    from ..source import CheckpointSource
 
     torch.manual_seed(0)
     device = resolve_device(args.device)
@@ -1068,4 +1070,12 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=func)
 
 
-__all__ = ["generate_checkpoint", "register", "run"]
+__all__ = [
+    "drop_page_cache",
+    "generate_checkpoint",
+    "read_only",
+    "register",
+    "request_plans",
+    "run",
+    "sync_device",
+]

@@ -23,12 +23,11 @@ from typing import Any
 
 import torch
 
-from .devices import resolve_device
-from .errors import ConfigError
+from ..devices import resolve_device
+from ..errors import ConfigError
+from ..schedules import TASKS
 
 log = logging.getLogger(__name__)
-
-_TASKS = ("t2va", "fl2va", "ref2va")
 
 
 @dataclass
@@ -87,8 +86,8 @@ def run_task(
     device: torch.device,
 ) -> DemoResult:
     """Run one task resident, then cached from ``checkpoint``, and compare bit for bit."""
-    from .diffusers import enable_adaln_cache
-    from .plans import minimax_h3_plans, plan_key
+    from ..diffusers import enable_adaln_cache
+    from ..plans import minimax_h3_plans, plan_key
     from .tiny import adaln_parameter_bytes, make_request, run_loop
 
     request = make_request(model, task, steps, seed=seed, device=device)
@@ -167,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
     if not isinstance(args.steps, int) or args.steps < 2:
         raise ConfigError(f"--steps must be an integer >= 2 (grid points, terminal 0 included), got {args.steps}")
     device = resolve_device(args.device)
-    tasks = list(_TASKS) if args.task == "all" else [args.task]
+    tasks = list(TASKS) if args.task == "all" else [args.task]
 
     with tempfile.TemporaryDirectory(prefix="adalncache-demo-") as tmp:
         root = Path(tmp)
@@ -197,7 +196,7 @@ def register(subparsers: Any) -> None:
             "Exit status 1 when any output differs."
         ),
     )
-    parser.add_argument("--task", default="all", choices=[*_TASKS, "all"], help="request kind (default: all three)")
+    parser.add_argument("--task", default="all", choices=[*TASKS, "all"], help="request kind (default: all three)")
     parser.add_argument(
         "--steps",
         type=int,

@@ -1,0 +1,264 @@
+"""Offline work on checkpoints and stores, without the model: fill a store, check it, describe either.
+
+Why these exist: a serving process should start with its tables already on disk. :func:`fill_store`
+runs the same transactional build the cache runs at serving time (same source, same embed, same
+binding), so the entries it writes are exactly those a serving cache on this machine looks up.
+:func:`verify_store` recomputes entries from the checkpoint and compares them bit for bit, so a store
+can be trusted after a copy or a disk scare; :func:`describe_checkpoint` and :func:`describe_store`
+say what a checkpoint or a store holds. The ``adalncache build | verify | inspect`` commands are thin
+shells over these.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from .cache import AdalnCache
+from .embedding import has_time_embedder
+from .errors import ConfigError
+from .plans import PlanKey, format_plan, key_to_plan, plan_key
+from .source import CheckpointSource
+from .spec import ModulationSpec
+from .tiers.store import Store, StoredEntry, binding_hash
+
+Embed = Callable[[torch.Tensor], torch.Tensor]
+
+
+def open_checkpoint(
+    path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], *, layout: str = "auto"
+) -> tuple[ModulationSpec, CheckpointSource]:
+    """The spec read from ``path``'s headers and a validated source over it."""
+    spec = ModulationSpec.from_checkpoint(path, layout=layout)
+    return spec, CheckpointSource(path, spec, layout=layout)  # type: ignore[arg-type]
+
+
+def is_store(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is an adalncache store directory (it has the store's marker file)."""
+    root = Path(path)
+    return root.is_dir() and (root / "STORE").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# fill
+
+
+@dataclass
+class FillReport:
+    """What :func:`fill_store` did: plans asked for, found stored, built, and the passes it took."""
+
+    plans: int
+    already_stored: int
+    built: int
+    passes: int
+    binding: str
+
+
+def fill_store(
+    cache: AdalnCache,
+    plans: Sequence[torch.Tensor],
+    *,
+    embed: Embed,
+    progress: bool = True,
+) -> FillReport:
+    """Build every plan ``cache``'s store lacks, in passes of at most ``cache.max_plans`` plans.
+
+    The cache's slab is scratch here and is emptied after each pass: the store is the product. A
+    store write that fails raises ConfigError naming the directory (``--store``), since the build
+    then did not do its job. Under a process group every rank calls this with the same plans.
+    """
+    store = cache.store
+    if store is None:
+        raise ConfigError("fill_store needs a cache with a store: pass AdalnCache(..., store=DIR) (CLI --store)")
+    if cache.world_size > 1:
+        # Every rank must pass the same chunks: build() agrees on store hits across ranks itself.
+        stored: set[PlanKey] = set()
+    else:
+        # Existence by name only: reading every entry to verify it would cost as much as a pass on a
+        # large store. A corrupt entry is caught (and rebuilt) by the serving cache's read, or by verify.
+        stored = store.contains(cache.binding(), [plan_key(p) for p in plans])
+    todo = [p for p in plans if plan_key(p) not in stored]
+    per_pass = cache.max_plans
+    chunks = [todo[i : i + per_pass] for i in range(0, len(todo), per_pass)]
+    built = passes = failures = hits = 0
+    for chunk in tqdm(chunks, desc="adalncache build", unit="pass", disable=not progress or len(chunks) < 2):
+        report = cache.build(chunk, embed=embed)
+        built += report.built
+        passes += report.passes
+        hits += report.store_hits
+        failures += report.tier_write_failures
+        cache.invalidate()
+    if failures:
+        raise ConfigError(
+            f"{failures} store write(s) failed under {store.path} (see the log, -v): check the directory's "
+            f"free space and permissions (--store)"
+        )
+    return FillReport(
+        plans=len(plans), already_stored=len(stored) + hits, built=built, passes=passes,
+        binding=binding_hash(cache.binding()),
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# verify
+
+
+@dataclass
+class VerifyReport:
+    """What :func:`verify_store` found: entries recomputed, those that differ, those unreadable."""
+
+    checked: int = 0
+    mismatched: list[str] = field(default_factory=list)
+    corrupt: list[str] = field(default_factory=list)
+    other_bindings: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not (self.mismatched or self.corrupt)
+
+
+def _local_hashes(spec: ModulationSpec, source: CheckpointSource, device: str | torch.device) -> dict[str, str]:
+    """The binding hash a cache on this machine would use, per precision (what verify can check)."""
+    out = {}
+    for precision in ("match", "fp32"):
+        probe = AdalnCache(spec, source, max_plans=1, max_plan_width=1, device=device, precision=precision)
+        out[precision] = binding_hash(probe.binding())
+    return out
+
+
+def verify_store(
+    store: Store,
+    spec: ModulationSpec,
+    source: CheckpointSource,
+    *,
+    embed: Embed,
+    device: str | torch.device = "cpu",
+    max_plans: int = 64,
+    read_ahead: int = 1,
+    sample: int | None = None,
+    seed: int = 0,
+    progress: bool = True,
+) -> VerifyReport:
+    """Recompute ``store``'s entries for this checkpoint on this machine and compare with ``torch.equal``.
+
+    Only entries under a binding this machine would use (per precision) can be checked; the others
+    are counted. ``sample`` checks that many entries per binding, chosen with ``seed``. Entries are
+    read and recomputed ``max_plans`` at a time, so memory stays at one slab's worth. Raises
+    ConfigError when the store holds nothing for this checkpoint here.
+    """
+    if sample is not None and sample < 1:
+        raise ConfigError(f"sample must be a positive number of entries, got {sample}: set --sample")
+    entries = store.entries()
+    by_binding: dict[str, list[Any]] = {}
+    for entry in entries:
+        by_binding.setdefault(entry.binding, []).append(entry)
+    report = VerifyReport()
+    hashes = _local_hashes(spec, source, device)
+    matched_any = False
+    for precision, bhash in hashes.items():
+        infos = by_binding.get(bhash, [])
+        if not infos:
+            continue
+        matched_any = True
+        if sample is not None and sample < len(infos):
+            infos = random.Random(seed).sample(infos, sample)
+        per_pass = max(1, min(max_plans, len(infos)))
+        chunks = [infos[i : i + per_pass] for i in range(0, len(infos), per_pass)]
+        for chunk in tqdm(chunks, desc=f"adalncache verify ({precision})", unit="pass", disable=not progress):
+            stored: list[StoredEntry] = []
+            for item in store.iter_entries(chunk):
+                if isinstance(item, StoredEntry):
+                    stored.append(item)
+                else:
+                    report.corrupt.append(f"{item[0].path}: {item[1]}")
+            if not stored:
+                continue
+            cache = AdalnCache(
+                spec, source, max_plans=len(stored), max_plan_width=max(len(e.key) for e in stored),
+                device=device, precision=precision, progress=progress, read_ahead=read_ahead,
+                batched=False,  # always per plan: this is what confirms entries built with --batched
+            )  # fmt: skip
+            cache.build([key_to_plan(e.key) for e in stored], embed=embed)
+            for item in stored:
+                fresh = cache.rows_of(item.key)
+                same = torch.equal(fresh.block.cpu(), item.rows.block) and torch.equal(
+                    fresh.final.cpu(), item.rows.final
+                )
+                report.checked += 1
+                if not same:
+                    report.mismatched.append(
+                        f"{item.info.path}: plan {format_plan(item.key)} differs from a recomputation"
+                    )
+            del cache, stored
+    report.other_bindings = len(entries) - sum(len(by_binding.get(h, [])) for h in hashes.values())
+    if not matched_any:
+        raise ConfigError(
+            f"{store.path} holds no entries for this checkpoint on this machine ({len(entries)} entries under other "
+            f"bindings): check --checkpoint and --device, or run adalncache build first"
+        )
+    return report
+
+
+# ---------------------------------------------------------------------------------------------
+# describe
+
+
+def describe_store(path: str | os.PathLike[str], *, verify: bool = True) -> dict[str, Any]:
+    """Entries, bytes and health of a store, grouped by binding (checkpoint, spec, precision, machine)."""
+    store = Store(path)
+    entries = store.entries()
+    bindings = store.bindings()
+    per: dict[str, dict[str, Any]] = {}
+    for entry in entries:
+        info = per.setdefault(entry.binding, {"entries": 0, "bytes": 0})
+        info["entries"] += 1
+        info["bytes"] += entry.size
+    for bhash, info in per.items():
+        binding = bindings.get(bhash, {})
+        env = binding.get("environment", {}) if isinstance(binding, dict) else {}
+        info.update(
+            fingerprint=str(binding.get("fingerprint", "?"))[:16],
+            spec=binding.get("spec"),
+            precision=binding.get("precision"),
+            variant=binding.get("variant"),
+            torch=env.get("torch"),
+            device=env.get("device_name") or env.get("cpu_capability") or env.get("device_type"),
+        )
+    return {
+        "kind": "store",
+        "path": str(path),
+        "entries": len(entries),
+        "bytes": sum(e.size for e in entries),
+        "bindings": per,
+        "health": store.health(verify=verify),
+    }
+
+
+def describe_checkpoint(
+    path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], *, layout: str = "auto"
+) -> dict[str, Any]:
+    """Layout, files, projection tensors and bytes, fingerprint, and whether the time embedder is there."""
+    spec, source = open_checkpoint(path, layout=layout)
+    info = source.describe()
+    info["time_embedder"] = has_time_embedder(source)
+    info["row_bytes"] = spec.row_bytes
+    return info
+
+
+__all__ = [
+    "FillReport",
+    "VerifyReport",
+    "describe_checkpoint",
+    "describe_store",
+    "fill_store",
+    "is_store",
+    "open_checkpoint",
+    "verify_store",
+]

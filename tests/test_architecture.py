@@ -1,0 +1,238 @@
+"""The package's layering, read from the source with ``ast``: which module may import which.
+
+Layers, lowest first:
+
+* the runtime core: every module not named below (spec, plans, schedules, source, cache, tiers, ...);
+* the integrations: ``adalncache.integrations`` and its public alias ``adalncache.diffusers``;
+* the command-line shells (``adalncache.cli``, ``adalncache.commands``, ``adalncache.__main__``) and
+  the tools (``adalncache.tools``: tiny models, demo, benchmark).
+
+A module may import its own layer and the layers below it, never one above: a serving process
+then never loads the benchmark, the tiny-model builders or argparse code, and the core never
+depends on diffusers' integration. No import cycle anywhere in the package either, so every
+module can be read, tested and changed with only what is below it in mind. Every import counts,
+also one inside a function (it runs when called) or under ``if TYPE_CHECKING:`` (it still ties the
+two modules' designs together).
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+PACKAGE = "adalncache"
+SRC = Path(__file__).resolve().parents[1] / "src" / PACKAGE
+
+CLI = {"adalncache.cli", "adalncache.commands", "adalncache.__main__"}
+
+
+@dataclass(frozen=True)
+class Edge:
+    """``source`` imports ``target`` at ``path:line``."""
+
+    source: str
+    target: str
+    path: str
+    line: int
+
+    def __str__(self) -> str:
+        return f"{self.source} -> {self.target} ({self.path}:{self.line})"
+
+
+def _module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def modules(root: Path = SRC) -> dict[str, Path]:
+    """Every module and package of the tree at ``root``, by dotted name."""
+    return {_module_name(path, root): path for path in sorted(root.rglob("*.py"))}
+
+
+def _resolve(name: str, imported: str | None, known: set[str]) -> str | None:
+    """The module an import binds: ``pkg.name`` when ``name`` is a submodule, else ``pkg`` (if ours)."""
+    if imported is not None and f"{name}.{imported}" in known:
+        return f"{name}.{imported}"
+    while name and name not in known:  # ``import adalncache.x.y`` of an attribute: its module
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def import_edges(root: Path = SRC) -> list[Edge]:
+    """Every import from one module of the package to another, wherever it stands in the file."""
+    found = modules(root)
+    known = set(found)
+    edges: list[Edge] = []
+    for source, path in found.items():
+        is_package = path.name == "__init__.py"
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            targets: list[str | None] = []
+            if isinstance(node, ast.Import):
+                targets = [_resolve(alias.name, None, known) for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = source.split(".") if is_package else source.split(".")[:-1]
+                    base = base[: len(base) - (node.level - 1)]
+                    name = ".".join([*base, node.module] if node.module else base)
+                else:
+                    name = node.module or ""
+                targets = [_resolve(name, alias.name, known) for alias in node.names]
+            for target in targets:
+                if target is not None and target != source and target.split(".")[0] == PACKAGE:
+                    edges.append(Edge(source, target, str(path.relative_to(root.parent.parent)), node.lineno))
+    return list(dict.fromkeys(edges))  # one edge per import statement and target
+
+
+def layer(module: str) -> int:
+    """0: runtime core, 1: integrations, 2: command line and tools."""
+    if module in CLI or module == "adalncache.tools" or module.startswith("adalncache.tools."):
+        return 2
+    if module == "adalncache.diffusers" or module.startswith("adalncache.integrations"):
+        return 1
+    return 0
+
+
+LAYER_NAMES = {0: "the runtime core", 1: "the integrations", 2: "the command line and tools"}
+
+
+def upward_imports(edges: Iterable[Edge]) -> list[str]:
+    return [
+        f"{edge}: {LAYER_NAMES[layer(edge.source)]} must not import {LAYER_NAMES[layer(edge.target)]}"
+        for edge in edges
+        if layer(edge.target) > layer(edge.source)
+    ]
+
+
+def cycles(edges: Iterable[Edge]) -> list[list[Edge]]:
+    """The import cycles: for each strongly connected group of modules, the imports inside it."""
+    edges = list(edges)
+    graph: dict[str, set[str]] = {}
+    for edge in edges:
+        graph.setdefault(edge.source, set()).add(edge.target)
+        graph.setdefault(edge.target, set())
+    # Tarjan's algorithm, iterative (no recursion limit on a deep graph).
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    groups: list[set[str]] = []
+    counter = 0
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = counter
+        counter += 1
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = counter
+                    counter += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                parent = work[-1][0]
+                low[parent] = min(low[parent], low[node])
+            if low[node] == index[node]:
+                group = set()
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    group.add(member)
+                    if member == node:
+                        break
+                if len(group) > 1:
+                    groups.append(group)
+    return [[e for e in edges if e.source in group and e.target in group] for group in groups]
+
+
+# ---------------------------------------------------------------------------------------------
+# the package's own graph
+
+
+def test_the_graph_is_read() -> None:
+    """The scan sees imports of every kind (module level, relative, deferred), or the rules below prove nothing."""
+    pairs = {(edge.source, edge.target) for edge in import_edges()}
+    assert ("adalncache.cache", "adalncache.plans") in pairs  # from .plans import ...
+    assert ("adalncache.tiers.store", "adalncache.spec") in pairs  # from ..spec import ...
+    assert ("adalncache.tools.demo", "adalncache.tools.tiny") in pairs  # inside a function
+    assert ("adalncache.commands", "adalncache.offline") in pairs
+    assert ("adalncache.plans", "adalncache.schedules") in pairs
+
+
+def test_no_layer_imports_a_layer_above_it() -> None:
+    problems = upward_imports(import_edges())
+    assert not problems, "imports against the layering:\n" + "\n".join(problems)
+
+
+def test_no_import_cycles() -> None:
+    found = cycles(import_edges())
+    lines = []
+    for group in found:
+        members = sorted({e.source for e in group})
+        lines.append(f"cycle among {', '.join(members)}:")
+        lines.extend(f"  {edge}" for edge in group)
+    assert not found, "import cycles (break each by moving what both sides need below them):\n" + "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# the checker itself, on made-up trees
+
+
+def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
+    root = tmp_path / PACKAGE
+    for name, text in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return root
+
+
+def test_checker_finds_a_deferred_cycle_and_an_upward_import(tmp_path: Path) -> None:
+    root = _tree(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "a.py": "from .b import x\n",
+            "b.py": "def f():\n    from . import a\n",
+            "c.py": "import adalncache.tools.bench\n",
+            "tools/__init__.py": "",
+            "tools/bench.py": "from ..a import y\n",
+        },
+    )
+    edges = import_edges(root)
+    [group] = cycles(edges)
+    assert {(e.source, e.target) for e in group} == {("adalncache.a", "adalncache.b"), ("adalncache.b", "adalncache.a")}
+    assert any("b.py:2" in str(e) for e in group)
+    problems = upward_imports(edges)
+    assert len(problems) == 1 and problems[0].startswith("adalncache.c -> adalncache.tools.bench")
+
+
+@pytest.mark.parametrize(
+    ("text", "target"),
+    [
+        ("from .sub import mod\n", "adalncache.sub.mod"),
+        ("from .sub.mod import thing\n", "adalncache.sub.mod"),
+        ("from adalncache.sub import thing\n", "adalncache.sub"),
+        ("import adalncache.sub.mod as m\n", "adalncache.sub.mod"),
+    ],
+)
+def test_checker_resolves_imports_to_modules(tmp_path: Path, text: str, target: str) -> None:
+    root = _tree(tmp_path, {"__init__.py": "", "x.py": text, "sub/__init__.py": "", "sub/mod.py": ""})
+    assert [(e.source, e.target) for e in import_edges(root)] == [("adalncache.x", target)]

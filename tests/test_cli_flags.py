@@ -1,0 +1,99 @@
+"""Every command-line flag the library's messages name exists on the ``adalncache`` command line.
+
+A message such as "set --host-cache-gb" is advice; a user who follows it must find the flag. The
+flags are collected from the string literals of ``src/adalncache`` with ``ast`` (f-strings
+included), and the defined flags by walking ``build_parser()`` and all its sub-commands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+from adalncache.cli import build_parser
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "adalncache"
+FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9]*(?:-[a-z0-9]+)*")
+
+
+def named_flags(root: Path = SRC) -> dict[str, list[str]]:
+    """Each ``--flag`` written in a string literal under ``root``, with where it is written."""
+    found: dict[str, list[str]] = {}
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                for flag in FLAG.findall(node.value):
+                    found.setdefault(flag, []).append(f"{path.relative_to(root.parent.parent)}:{node.lineno}")
+    return found
+
+
+def defined_flags(parser: argparse.ArgumentParser) -> dict[str, set[str]]:
+    """Each option string of ``parser`` and its sub-commands, with the commands that define it."""
+    out: dict[str, set[str]] = {}
+    for action in parser._actions:
+        for option in action.option_strings:
+            out.setdefault(option, set()).add(parser.prog)
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                for option, progs in defined_flags(sub).items():
+                    out.setdefault(option, set()).update(progs)
+    return out
+
+
+def test_every_flag_a_message_names_is_defined() -> None:
+    defined = defined_flags(build_parser())
+    missing = {flag: where for flag, where in named_flags().items() if flag not in defined}
+    assert not missing, "flags named in the library but defined by no command:\n" + "\n".join(
+        f"  {flag}: {', '.join(where)}" for flag, where in sorted(missing.items())
+    )
+
+
+def test_the_collection_sees_messages_and_parsers() -> None:
+    """The two sides are read for real: known library messages and known commands are found."""
+    named = named_flags()
+    assert any("cache.py" in where for where in named["--host-cache-gb"])  # a ConfigError message
+    assert any("schedules.py" in where for where in named["--steps"])  # an f-string
+    defined = defined_flags(build_parser())
+    assert "adalncache store prune" in defined["--max-gb"]  # a nested sub-command
+    assert {"adalncache build", "adalncache verify"} <= defined["--read-ahead"]
+    assert "adalncache build" in defined["--shard"] and "adalncache build" in defined["--host-cache-gb"]
+    assert {"adalncache demo", "adalncache bench", "adalncache build"} <= defined["--device"]
+
+
+def test_the_collection_finds_a_flag_no_command_defines(tmp_path: Path) -> None:
+    package = tmp_path / "src" / "pkg"
+    package.mkdir(parents=True)
+    (package / "m.py").write_text('x = 3\nmsg = f"value {x}: set --no-such-flag or --max-plans"\n')
+    named = named_flags(package)
+    assert named == {"--no-such-flag": ["src/pkg/m.py:2"], "--max-plans": ["src/pkg/m.py:2"]}
+    assert "--no-such-flag" not in defined_flags(build_parser())
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--read-ahead", "-1"], "--read-ahead must be >= 0"),
+        (["--read-ahead", "two"], "--read-ahead takes an integer"),
+        (["--host-cache-gb", "-1"], "--host-cache-gb must be a non-negative number"),
+        (["--shard", "rows"], "--shard.*invalid choice"),
+        (["--timeout", "0"], "--timeout must be a positive number"),
+        (["--device", "abacus"], "--device abacus is not a torch device"),
+    ],
+)
+def test_build_flags_refuse_bad_values(
+    argv: list[str], says: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from adalncache.cli import main
+
+    base = ["build", str(tmp_path / "missing"), "--store", str(tmp_path / "s"), "--task", "t2va", "--steps", "4"]
+    try:
+        code = main([*base, *argv])
+    except SystemExit as exc:  # argparse's own errors exit; library errors return 2
+        code = exc.code
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and re.search(says, err.splitlines()[-1]), err
+    assert not (tmp_path / "s").exists()

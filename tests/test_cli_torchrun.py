@@ -1,0 +1,70 @@
+"""``adalncache build`` started by a launcher as several ranks: ``--shard`` reaches the cache.
+
+The two ranks are started the way torchrun starts its workers (``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), without torchrun's own agent process, which
+only costs start-up time here. Column sharding gives a column-parallel runtime's tables, which a
+store keys apart from the one-process ones: that is how the test sees the flag took effect.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from adalncache import AdalnCache, CheckpointSource, ModulationSpec
+from adalncache.embedding import time_embed_fn
+from adalncache.plans import plan_key, schedule_plans
+from adalncache.tiers.store import Store
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.mark.slow
+def test_build_under_a_launcher_shards_by_columns(tiny_saved_dir: Path, tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    argv = [
+        sys.executable, "-m", "adalncache", "build", str(tiny_saved_dir), "--store", str(store), "--task", "fl2va",
+        "--steps", "3", "--shard", "columns", "--timeout", "60", "-q",
+    ]  # fmt: skip
+    port = _free_port()
+    ranks = []
+    for rank in range(2):
+        env = {
+            **os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+            "OMP_NUM_THREADS": "1",
+        }  # fmt: skip
+        ranks.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outputs = []
+    try:
+        for proc in ranks:
+            out, err = proc.communicate(timeout=180)
+            outputs.append(out)
+            assert proc.returncode == 0, err[-3000:]
+    finally:
+        for proc in ranks:
+            if proc.poll() is None:
+                proc.kill()
+    plans = schedule_plans(["fl2va"], [3])
+    assert f"{len(plans)} built in 1 pass(es)" in outputs[0] and "2 ranks (--shard columns)" in outputs[0]
+    assert outputs[1] == ""  # only rank 0 reports
+    entries = list(Store(store).iter_entries())
+    assert {getattr(entry, "key", None) for entry in entries} == {plan_key(p) for p in plans}
+    # A one-process cache binds its tables apart from the column-sharded ones: it must not hit them.
+    spec = ModulationSpec.from_checkpoint(tiny_saved_dir)
+    source = CheckpointSource(tiny_saved_dir, spec)
+    cache = AdalnCache(spec, source, max_plans=len(plans), store=store)
+    report = cache.build(plans, embed=time_embed_fn(source, spec))
+    assert (report.store_hits, report.built) == (0, len(plans))
