@@ -219,8 +219,6 @@ def sync_device(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-
-
 def _device_of(inputs: dict[tuple[int, ...], torch.Tensor] | Sequence[torch.Tensor]) -> torch.device:
     values = list(inputs.values()) if isinstance(inputs, dict) else list(inputs)
     return values[0].device if values else torch.device("cpu")

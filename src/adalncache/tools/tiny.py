@@ -90,7 +90,6 @@ SIZES: dict[str, dict[str, Any]] = {
 }
 
 
-
 def _check_size(size: str) -> dict[str, Any]:
     if size not in SIZES:
         raise ConfigError(f"unknown model size {size!r}: set size= (CLI --size) to one of {sorted(SIZES)}")
