@@ -1,74 +1,277 @@
-"""One short, prepared check of the GPU-only claims, for a session that is lent a CUDA device.
+#!/usr/bin/env python3
+"""The prepared device check: the claims only a CUDA device can test, in one short run that always reports.
 
-Run from the repository root (about two minutes on an H200, most of it writing a 1 GiB checkpoint):
+Run from the repository root (no install and no virtualenv needed: the script puts this tree's
+``src`` first on the path; torch is the only hard requirement, diffusers only for the demo):
 
-    .venv/bin/python scripts/gpu_check.py --device cuda --out "$OUT"
+    PYTHONPATH=src python3 scripts/gpu_check.py --out "$OUT"
 
-It also runs on CPU (``--device cpu``), which is how the script itself is tested. Every
-exactness check is ``torch.equal``; the script prints one line per check and exits 1 if any
-fails. Checks:
+The README's "GPU check" section has the exact command of a device session, with the diffusers
+wheel it carries. ``--device cpu`` runs every check a CPU can run, at the widths given (the test
+suite runs it at small widths, so the script keeps working between device sessions).
 
-1. ``adalncache demo --device DEV``: the diffusers integration, resident vs cached, all tasks.
-2. A pass at the released projection widths (2 blocks + output layer) on DEV through
-   ``CheckpointSource`` (pinned staging buffer, copy stream, ``record_stream``), against
-   ``F.linear`` on DEV with the weights loaded by safetensors (cuBLAS on CUDA): page cache warm,
-   cold (O_DIRECT into the pinned buffer) and with ``direct_io=False``.
-3. Host tier (pinned arena on CUDA): a plan evicted from the slab comes back from RAM, no pass.
-4. Batched mode: what the probe decides on DEV, and the slab equals the per-plan one.
-5. Timing, side by side: pass vs read-only vs project-only (weights resident on DEV), 1 and 16 plans.
+Why it is built this way: a device session is short and a run that dies half way must still say
+what it found. Every check runs in its own ``try``; its result is appended to
+``DIR/gpu_check.json`` (rewritten atomically, so a kill leaves the previous version) the moment
+it ends; a watchdog ends a check that hangs and records which one; the demo, the only check that
+needs diffusers, runs last. A check that needs a feature this tree lacks reports
+``"skipped": "<feature> not available"`` instead of failing. Exactness is ``torch.equal``, and
+every timed region is bracketed by ``torch.cuda.synchronize``. The exit status is 0 when no
+check failed (skipped ones do not fail), 1 when one did, 2 when the watchdog stopped the run.
+
+The checks, in order (``--only`` takes their names):
+
+* ``environment``: versions, what is importable, which optional features this tree has, the work
+  directory's filesystem and whether it takes O_DIRECT (informational);
+* ``checkpoint``: a checkpoint at the released widths (``--layers`` blocks of 2688 -> 96768, and
+  the output layer) written on this machine, and its tensors loaded onto the device by an
+  independent reader, as the reference;
+* ``exact-match``, ``exact-fp32``: plans of 1 to 4 timesteps, both precisions, every layer
+  ``torch.equal`` to ``F.linear`` on the device;
+* ``batched``: the batched mode's slab equals ``F.linear``; the probe's verdicts on this device;
+* ``o-direct``: a cold pass (page cache dropped; where it cannot be dropped, every chunk routed to
+  O_DIRECT) into the pinned staging buffer, and one with ``direct_io=False``, both exact;
+* ``lagging-consumer``: a projection that sleeps while the reader runs ahead, with the device
+  filled so that only a few layers fit: exact, and the peak memory of the pass within budget;
+* ``memory``: reserved device memory and host memory (RSS, torch's pinned cache, the package's
+  page-locked bytes where it counts them) over six passes, after ``release_buffers()`` and after
+  closing the cache: no growth from pass to pass, memory given back;
+* ``stream-publish``: a build on one stream whose last write lands late, read at once on another
+  stream with no manual synchronisation: the rows read are the built ones;
+* ``stream-evict``: a read queued late on one stream, then a build on another stream that evicts
+  the slot read: the read sees the evicted plan's rows;
+* ``acquire``: a held plan is neither evicted nor rewritten by a build on another stream, and
+  after release an eviction waits for the holder's stream;
+* ``threads``: four threads with a CUDA stream each serving random requests through ``acquire``;
+  every row exact, invariants hold, no raw exception;
+* ``tf32``: the new precision API (``torch.backends.cuda.matmul.fp32_precision = "tf32"``) with a
+  store (write, then hit, exact) and the batched mode; after restoring, the store misses;
+* ``nccl``: a one-rank process group (NCCL on CUDA, gloo on CPU), ``shard="layers"`` and
+  ``"columns"``, exact;
+* ``host-tier``: a plan evicted from the slab comes back from the (pinned) host tier, no pass;
+* ``timing``: pass vs read-only vs project-only, 1 and 16 plans (informational);
+* ``demo``: ``adalncache demo`` on the device (diffusers' tiny MiniMax-H3, resident vs cached).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
+import faulthandler
+import gc
+import importlib
+import importlib.util
+import inspect
+import io
 import json
+import logging
+import mmap
 import os
-import shutil
+import platform
+import random
 import statistics
+import struct
 import sys
 import tempfile
+import threading
 import time
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.nn.functional as F
-from safetensors.torch import load_file
+ROOT = Path(__file__).resolve().parents[1]
+if (ROOT / "src" / "adalncache").is_dir():
+    sys.path.insert(0, str(ROOT / "src"))  # this tree's package, whatever else is installed
 
-from adalncache import AdalnCache, CheckpointSource, ModulationSpec
-from adalncache.batching import clear_verdicts, verdicts
-from adalncache.cli import main as cli_main
-from adalncache.plans import plan_key
-from adalncache.spec import FINAL, get_layout
-from adalncache.tools.bench import drop_page_cache, generate_checkpoint, read_only, request_plans
-from adalncache.tools.bench import sync_device as sync
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
-RESULTS: list[dict[str, Any]] = []
+from adalncache import AdalnCache, CheckpointSource, ModulationSpec, PlanError, plan_key  # noqa: E402
+from adalncache.source import aligned_empty, resident_fraction  # noqa: E402
+from adalncache.spec import FINAL, Layer  # noqa: E402
+from adalncache.tools.bench import drop_page_cache, generate_checkpoint, read_only  # noqa: E402
 
-
-def record(name: str, ok: bool, **details: Any) -> None:
-    RESULTS.append({"check": name, "ok": bool(ok), **details})
-    extra = " ".join(f"{k}={v}" for k, v in details.items())
-    print(f"{'PASS' if ok else 'FAIL'} {name} {extra}", flush=True)
+MiB = 1 << 20
+GiB = 1 << 30
+log = logging.getLogger("gpu_check")
 
 
-def reference(weights: dict[str, torch.Tensor], spec: ModulationSpec, x: torch.Tensor, layer: Any) -> torch.Tensor:
-    layout = get_layout("native")
-    return F.linear(x, weights[layout.weight(layer)], weights[layout.bias(layer)])
+class Skipped(Exception):
+    """A check that cannot run in this tree or on this machine; the reason goes into the JSON."""
 
 
-def _o_direct_supported(path: Path) -> bool:
+# ---------------------------------------------------------------------------------------------
+# the report: one JSON file, rewritten after every check
+
+
+class Report:
+    """Results in check order, written to ``DIR/gpu_check.json`` after each one (atomically)."""
+
+    def __init__(self, out: Path | None, header: dict[str, Any]) -> None:
+        self.out = out
+        self.header = header
+        self.results: list[dict[str, Any]] = []
+        self.started = time.perf_counter()
+        self._lock = threading.Lock()
+        if out is not None:
+            out.mkdir(parents=True, exist_ok=True)
+        self.write(finished=False)
+
+    def add(self, result: dict[str, Any]) -> None:
+        with self._lock:
+            self.results.append(result)
+            self._write(finished=False)
+        if result.get("skipped"):
+            verdict = "SKIP"
+        elif result.get("informational") and result.get("ok"):
+            verdict = "INFO"
+        else:
+            verdict = "PASS" if result.get("ok") else "FAIL"
+        shown = {k: v for k, v in result.items() if k not in ("check", "ok", "traceback", "output")}
+        print(f"{verdict} {result['check']} {json.dumps(shown, default=str)[:1500]}", flush=True)
+
+    def write(self, *, finished: bool, aborted: str | None = None) -> None:
+        with self._lock:
+            self._write(finished=finished, aborted=aborted)
+
+    def _write(self, *, finished: bool, aborted: str | None = None) -> None:
+        if self.out is None:
+            return
+        body = {
+            **self.header,
+            "elapsed_s": round(time.perf_counter() - self.started, 2),
+            "finished": finished,
+            "aborted": aborted,
+            "results": self.results,
+        }
+        tmp = self.out / ".gpu_check.json.tmp"
+        tmp.write_text(json.dumps(body, indent=2, default=str))
+        os.replace(tmp, self.out / "gpu_check.json")
+
+    def failed(self) -> list[str]:
+        return [r["check"] for r in self.results if not r.get("skipped") and not r.get("ok")]
+
+
+# ---------------------------------------------------------------------------------------------
+# devices, timing, memory probes
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(device: torch.device, fn: Callable[[], Any]) -> float:
+    """Seconds of ``fn`` including the device work it queued."""
+    sync(device)
+    start = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - start
+
+
+def proc_status() -> dict[str, int]:
+    """This process's memory counters from /proc (bytes); empty where there is no /proc."""
+    out: dict[str, int] = {}
+    with contextlib.suppress(OSError), open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "RssAnon", "RssFile", "RssShmem", "VmLck", "VmPin", "VmHWM"):
+                out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+def pinned_counter() -> Callable[[], int] | None:
+    """The package's count of page-locked host bytes, where this tree has one.
+
+    Contract looked for: ``adalncache.hostmem.pinned_bytes()``, the bytes currently registered
+    with the CUDA runtime by the package. None where the module or the function is missing.
+    """
+    try:
+        module = importlib.import_module("adalncache.hostmem")
+    except ImportError:
+        return None
+    fn = getattr(module, "pinned_bytes", None)
+    return fn if callable(fn) else None
+
+
+def memory_snapshot(device: torch.device) -> dict[str, Any]:
+    snap: dict[str, Any] = dict(proc_status())
+    if device.type == "cuda":
+        sync(device)
+        snap["reserved"] = torch.cuda.memory_reserved(device)
+        snap["allocated"] = torch.cuda.memory_allocated(device)
+        stats = getattr(torch.cuda.memory, "host_memory_stats", None)
+        if callable(stats):
+            with contextlib.suppress(Exception):
+                host = stats()
+                snap["torch_pinned_reserved"] = host.get("reserved_bytes.current")
+                snap["torch_pinned_allocated"] = host.get("allocated_bytes.current")
+    counter = pinned_counter()
+    if counter is not None:
+        snap["package_pinned"] = int(counter())
+    return snap
+
+
+def features() -> dict[str, bool]:
+    """Which optional parts of the serving contract this tree has (checks that need one skip without it)."""
+    build = inspect.signature(AdalnCache.build).parameters
+    return {
+        "acquire": callable(getattr(AdalnCache, "acquire", None)),
+        "build_keys": "keys" in build,
+        "close": callable(getattr(AdalnCache, "close", None)),
+        "pinned_bytes": pinned_counter() is not None,
+    }
+
+
+def importable(name: str) -> bool:
+    """Whether ``import name`` would find the module (without importing it)."""
+    if name in sys.modules:
+        return sys.modules[name] is not None
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def need(feature: str, what: str) -> None:
+    if not features()[feature]:
+        raise Skipped(f"{what} not available")
+
+
+def filesystem_of(path: Path) -> str:
+    """The filesystem type holding ``path`` (longest mount prefix in /proc/mounts), or 'unknown'."""
+    best, kind = "", "unknown"
+    with contextlib.suppress(OSError), open("/proc/mounts") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) >= 3 and str(path).startswith(parts[1]) and len(parts[1]) > len(best):
+                best, kind = parts[1], parts[2]
+    return kind
+
+
+def o_direct_works(path: Path) -> bool:
+    """Whether an aligned O_DIRECT read of ``path`` succeeds on this filesystem."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
     except (OSError, AttributeError):
         return False
-    os.close(fd)
-    return True
+    buf = mmap.mmap(-1, 4096)
+    try:
+        return os.preadv(fd, [buf], 0) >= 0
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+        buf.close()
 
 
-def _cache_emptied(files: list[Path]) -> bool:
-    from adalncache.source import resident_fraction
-
+def cold(files: list[Path]) -> bool:
+    """Whether the page cache holds under 10% of every file (mincore), so a pass must read the disk."""
     for path in files:
         fd = os.open(path, os.O_RDONLY)
         try:
@@ -80,169 +283,953 @@ def _cache_emptied(files: list[Path]) -> bool:
     return True
 
 
-def check_pass(
-    name: str,
-    source: CheckpointSource,
-    weights: dict[str, torch.Tensor],
-    xs: dict,
-    plans: list,
-    device: torch.device,
-    expect_direct: bool = False,
-    **cache_kw: Any,
-) -> AdalnCache:
-    cache = AdalnCache(
-        source.spec, source, max_plans=len(plans), max_plan_width=4, device=device, progress=False, **cache_kw
-    )
-    before = source.bytes_direct
-    cache.build(plans, embed=lambda p: xs[plan_key(p)])
-    bad = []
-    for p in plans:
-        slot, n = cache.lookup(p), p.numel()
-        for layer in source.spec.layers():
-            want = reference(weights, source.spec, xs[plan_key(p)], layer)
-            got = cache.final_rows(slot, n) if layer == FINAL else cache.block_rows(int(layer), slot, n)
-            if not torch.equal(got, want):
-                bad.append(f"{p.tolist()}@{layer}")
-    direct = source.bytes_direct - before
-    supported = _o_direct_supported(source.files[0])
-    ok = not bad and (direct > 0 if expect_direct and supported else True)
-    record(
-        name, ok, mismatches=len(bad), direct_mib=round(direct / 2**20, 1), o_direct_supported=supported,
-        direct_expected=expect_direct,
-    )  # fmt: skip
-    return cache
+@contextlib.contextmanager
+def forced_cold(files: list[Path]) -> Iterator[str]:
+    """Make the next pass read ``files`` with O_DIRECT; yields how.
+
+    Drops the files from the page cache (fadvise, then as root ``drop_caches``). Where the
+    sandbox keeps them cached anyway, routes every chunk of the pass to O_DIRECT for the duration,
+    since what is checked is the direct read into the pinned staging buffer, not the cache policy.
+    """
+    drop_page_cache(files)
+    if cold(files):
+        yield "page cache dropped (fadvise)"
+        return
+    with contextlib.suppress(OSError):
+        Path("/proc/sys/vm/drop_caches").write_text("1\n")
+    if cold(files):
+        yield "page cache dropped (drop_caches)"
+        return
+    from adalncache.source import reads
+
+    original = reads.DirectReads.chunk
+
+    def direct_chunk(self: Any, fd: int, path: Path, address: int, nbytes: int, offset: int) -> int | None:
+        return self.read(fd, path, address, nbytes, offset)
+
+    reads.DirectReads.chunk = direct_chunk  # type: ignore[method-assign]
+    try:
+        yield "page cache could not be dropped: every chunk routed to O_DIRECT"
+    finally:
+        reads.DirectReads.chunk = original  # type: ignore[method-assign]
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--out", default="", help="directory for gpu_check.json")
-    parser.add_argument("--dir", default="", help="where the checkpoint is written (default: a temp dir)")
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--hidden", type=int, default=5376, help="hidden size (default: the released 5376)")
-    parser.add_argument("--in-features", type=int, default=2688, help="projection input (default: 2688)")
-    args = parser.parse_args()
-    device = torch.device(args.device)
-    print(
-        f"device {device}: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, "
-        f"torch {torch.__version__}",
-        flush=True,
-    )
+class GpuSleep:
+    """Queue a kernel that keeps the current stream busy for a while (CUDA); nothing on CPU.
 
-    # 1. the diffusers integration end to end
-    code = cli_main(["demo", "--device", str(device)])
-    record("demo bit-identical (all tasks)", code == 0, exit_code=code)
+    Calibrated once with CUDA events, so a check can say "this read runs 0.3 s from now".
+    """
 
-    work = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="adalncache-gpu-check-"))
-    spec = ModulationSpec(num_layers=args.layers, hidden_size=args.hidden, time_embed_dim=args.in_features)
-    ckpt = generate_checkpoint(spec, work / f"ckpt-{args.layers}x{args.hidden}x{args.in_features}")
-    weights = {}
-    for f in sorted(ckpt.glob("*.safetensors")):
-        # Copies (clone), so no mapping of the file stays alive: mapped pages cannot be dropped.
-        weights.update({k: v.clone().to(device) for k, v in load_file(str(f)).items()})
-    plans = request_plans(50)[:16]
-    gen = torch.Generator().manual_seed(0)
-    xs = {
-        plan_key(p): F.silu(torch.randn(p.numel(), spec.time_embed_dim, generator=gen)).to(spec.dtype).to(device)
-        for p in plans
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cycles_per_ms = 0.0
+        if device.type == "cuda":
+            if not hasattr(torch.cuda, "_sleep"):
+                raise Skipped("torch.cuda._sleep not available in this torch")
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            sync(device)
+            start.record()
+            torch.cuda._sleep(20_000_000)
+            end.record()
+            end.synchronize()
+            self.cycles_per_ms = 20_000_000 / max(start.elapsed_time(end), 1e-3)
+
+    def __call__(self, ms: float) -> None:
+        if self.device.type == "cuda":
+            torch.cuda._sleep(int(self.cycles_per_ms * ms))
+
+
+def streams(device: torch.device, count: int) -> list[Any]:
+    """``count`` new CUDA streams, or Nones on CPU (``on(None)`` is a no-op there)."""
+    return [torch.cuda.Stream(device) if device.type == "cuda" else None for _ in range(count)]
+
+
+def on(stream: Any) -> contextlib.AbstractContextManager[Any]:
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
+# ---------------------------------------------------------------------------------------------
+# checkpoints, plans, the reference
+
+
+_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+
+
+def load_reference(files: list[Path], device: torch.device) -> dict[str, torch.Tensor]:
+    """Every tensor of ``files`` on ``device``, read by this script's own safetensors reader.
+
+    Independent of the package's reader on purpose (the reference must not share its code). On
+    CPU each tensor sits at its file offset modulo 4096, where a model mapping the file holds it.
+    """
+    out: dict[str, torch.Tensor] = {}
+    for path in files:
+        with open(path, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(size))
+            base = 8 + size
+            for name, meta in header.items():
+                if name == "__metadata__":
+                    continue
+                lo, hi = meta["data_offsets"]
+                dtype = _DTYPES[meta["dtype"]]
+                host = aligned_empty((hi - lo,), torch.uint8, base + lo, modulus=4096)
+                f.seek(base + lo)
+                if f.readinto((ctypes.c_char * (hi - lo)).from_address(host.data_ptr())) != hi - lo:
+                    raise OSError(f"{path} ended inside tensor {name}")
+                tensor = host.view(dtype).view(meta["shape"])
+                out[name] = tensor if device.type == "cpu" else tensor.to(device)
+    return out
+
+
+@dataclass
+class Checkpoint:
+    """A generated checkpoint, its reference tensors on the device, and the reference projection."""
+
+    spec: ModulationSpec
+    path: Path
+    files: list[Path]
+    weights: dict[str, torch.Tensor]
+    device: torch.device
+
+    def source(self, **kwargs: Any) -> CheckpointSource:
+        return CheckpointSource(self.path, self.spec, **kwargs)
+
+    def wb(self, layer: Layer) -> tuple[torch.Tensor, torch.Tensor]:
+        prefix = "final_layer" if layer == FINAL else f"blocks.{int(layer)}"
+        return self.weights[f"{prefix}.adaln_proj.linear.weight"], self.weights[f"{prefix}.adaln_proj.linear.bias"]
+
+    def reference(self, layer: Layer, x: torch.Tensor, precision: str = "match") -> torch.Tensor:
+        """What the resident projection computes for input ``x``, in the slab's dtype."""
+        weight, bias = self.wb(layer)
+        with torch.no_grad():
+            if precision == "fp32":
+                return F.linear(x.float(), weight.float(), bias.float()).to(self.spec.dtype)
+            return F.linear(x, weight, bias)
+
+    def mismatches(
+        self, cache: Any, plans: list[torch.Tensor], xs: dict[Any, torch.Tensor], precision: str = "match"
+    ) -> list[str]:
+        """``plan@layer`` of every row set that is not ``torch.equal`` to the reference."""
+        bad = []
+        for plan in plans:
+            key, n = plan_key(plan), plan.numel()
+            slot = cache.lookup(plan)
+            for layer in self.spec.layers():
+                got = cache.final_rows(slot, n) if layer == FINAL else cache.block_rows(int(layer), slot, n)
+                if not torch.equal(got, self.reference(layer, xs[key], precision)):
+                    bad.append(f"{[round(v, 4) for v in plan.tolist()]}@{layer}")
+        return bad
+
+
+def make_plans(widths: tuple[int, ...], per_width: int, seed: int) -> list[torch.Tensor]:
+    """Distinct plans of the given widths: sorted fp32 timesteps in (0, 1), as a request's are."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.rand(w, generator=gen).sort().values for w in widths for _ in range(per_width)]
+
+
+def make_inputs(
+    spec: ModulationSpec, plans: list[torch.Tensor], device: torch.device, *, fp32: bool = False, seed: int = 0
+) -> dict[Any, torch.Tensor]:
+    """One projection input per plan (``silu`` of random rows; bf16 unless ``fp32``), on the device."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for plan in plans:
+        x = F.silu(torch.randn(plan.numel(), spec.time_embed_dim, generator=gen))
+        out[plan_key(plan)] = (x if fp32 else x.to(spec.dtype)).to(device)
+    return out
+
+
+def embed_of(xs: dict[Any, torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda plan: xs[plan_key(plan)]
+
+
+# ---------------------------------------------------------------------------------------------
+# the checks
+
+
+class Context:
+    """What the checks share: the device, the arguments, the work directory and the checkpoints."""
+
+    def __init__(self, args: argparse.Namespace, device: torch.device, work: Path) -> None:
+        self.args = args
+        self.device = device
+        self.work = work
+        self._ckpts: dict[str, Checkpoint | BaseException] = {}
+        self._sleep: GpuSleep | None = None
+
+    def cache(self, ckpt: Checkpoint, source: Any = None, **kwargs: Any) -> AdalnCache:
+        kwargs.setdefault("max_plan_width", 4)
+        kwargs.setdefault("progress", False)
+        return AdalnCache(ckpt.spec, source if source is not None else ckpt.source(), device=self.device, **kwargs)
+
+    def _checkpoint(self, name: str, spec: ModulationSpec, per_shard: int) -> Checkpoint:
+        got = self._ckpts.get(name)
+        if isinstance(got, Checkpoint):
+            return got
+        if got is not None:
+            raise Skipped(f"needs the {name} checkpoint, which failed: {type(got).__name__}: {got}")
+        try:
+            path = generate_checkpoint(spec, self.work / f"ckpt-{name}", layers_per_shard=per_shard)
+            files = sorted(path.glob("*.safetensors"))
+            ckpt = Checkpoint(spec, path, files, load_reference(files, self.device), self.device)
+        except BaseException as exc:
+            self._ckpts[name] = exc
+            raise
+        self._ckpts[name] = ckpt
+        return ckpt
+
+    def real(self) -> Checkpoint:
+        """``--layers`` blocks at the released widths (by default), sharded two layers per file."""
+        args = self.args
+        spec = ModulationSpec(num_layers=args.layers, hidden_size=args.hidden, time_embed_dim=args.in_features)
+        return self._checkpoint("real", spec, 2)
+
+    def small(self) -> Checkpoint:
+        """A small checkpoint for the checks about ordering (streams, threads, switches), where passes must be quick."""
+        return self._checkpoint("small", ModulationSpec(num_layers=3, hidden_size=128, time_embed_dim=256), 2)
+
+    def sleep(self) -> GpuSleep:
+        if self._sleep is None:
+            self._sleep = GpuSleep(self.device)
+        return self._sleep
+
+
+def check_environment(ctx: Context) -> dict[str, Any]:
+    device = ctx.device
+    probe = ctx.work / "o_direct_probe.bin"
+    probe.write_bytes(os.urandom(8192))
+    info: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
+        "capability": list(torch.cuda.get_device_capability(device)) if device.type == "cuda" else None,
+        "cpus": os.cpu_count(),
+        "importable": {name: importable(name) for name in ("diffusers", "safetensors", "tqdm", "transformers", "peft")},
+        "features": features(),
+        "work_dir": str(ctx.work),
+        "work_filesystem": filesystem_of(ctx.work),
+        "o_direct_on_work_dir": o_direct_works(probe),
+        "fp32_precision_api": hasattr(torch.backends.cuda.matmul, "fp32_precision"),
+        "nccl_available": bool(torch.distributed.is_available() and torch.distributed.is_nccl_available()),
     }
-    files = [Path(f) for f in sorted(ckpt.glob("*.safetensors"))]
+    probe.unlink()
+    return {"ok": True, "informational": True, **info}
 
-    # 2. passes on the device, warm / cold (O_DIRECT) / plain reads
-    source = CheckpointSource(ckpt, spec)
-    read_only(source)
-    check_pass("pass warm == F.linear on device", source, weights, xs, plans, device)
-    drop_page_cache(files)
-    # Only where the drop really emptied the cache (mincore) must the cold pass have read directly.
-    dropped = _cache_emptied(files)
-    check_pass("pass cold (O_DIRECT) == F.linear on device", source, weights, xs, plans, device, expect_direct=dropped)
-    plain = CheckpointSource(ckpt, spec, direct_io=False)
-    drop_page_cache(files)
-    check_pass("pass cold, direct_io=False == F.linear on device", plain, weights, xs, plans, device)
 
-    # 3. host tier: evict from the slab, restore from RAM
-    cache = AdalnCache(
-        spec, source, max_plans=2, max_plan_width=4, device=device, progress=False, host_cache_bytes=1 << 30
-    )
-    embed = lambda p: xs[plan_key(p)]  # noqa: E731
-    first = cache.build(plans[:2], embed=embed)
-    cache.build(plans[2:4], embed=embed)  # evicts the first two from the slab
-    back = cache.build(plans[:2], embed=embed)
-    same = all(
-        torch.equal(cache.block_rows(0, cache.lookup(p), p.numel()), reference(weights, spec, xs[plan_key(p)], 0))
-        for p in plans[:2]
-    )
-    record(
-        "host tier restore exact, no pass",
-        same and back.host_hits == 2 and back.passes == 0,
-        first_passes=first.passes,
-        host_hits=back.host_hits,
-        passes=back.passes,
-    )
+def check_checkpoint(ctx: Context) -> dict[str, Any]:
+    start = time.perf_counter()
+    ckpt = ctx.real()
+    return {
+        "ok": True,
+        "spec": ckpt.spec.describe(),
+        "files": len(ckpt.files),
+        "projection_gib": round(ckpt.spec.projection_bytes / GiB, 3),
+        "seconds": round(time.perf_counter() - start, 2),
+    }
 
-    # 4. batched mode on this device
+
+def _exactness(ctx: Context, precision: str) -> dict[str, Any]:
+    ckpt = ctx.real()
+    plans = make_plans((1, 2, 3, 4), 2, seed=1)
+    xs = make_inputs(ckpt.spec, plans, ctx.device, fp32=precision == "fp32", seed=1)
+    cache = ctx.cache(ckpt, max_plans=len(plans), precision=precision)
+    report = cache.build(plans, embed=embed_of(xs))
+    by_width = {w: ckpt.mismatches(cache, [p for p in plans if p.numel() == w], xs, precision) for w in (1, 2, 3, 4)}
+    bad = [b for w in by_width.values() for b in w]
+    return {
+        "ok": not bad and report.passes == 1,
+        "plans": len(plans),
+        "passes": report.passes,
+        "mismatches": len(bad),
+        "mismatches_by_width": {w: len(b) for w, b in by_width.items()},
+        "first_mismatches": bad[:5],
+        "pass_s": round(report.seconds, 3),
+    }
+
+
+def check_exact_match(ctx: Context) -> dict[str, Any]:
+    return _exactness(ctx, "match")
+
+
+def check_exact_fp32(ctx: Context) -> dict[str, Any]:
+    return _exactness(ctx, "fp32")
+
+
+def check_batched(ctx: Context) -> dict[str, Any]:
+    from adalncache.batching import clear_verdicts, verdicts
+
+    ckpt = ctx.real()
+    plans = make_plans((2,), 16, seed=2)  # a 16-step t2va request's shape: plans of two timesteps
+    xs = make_inputs(ckpt.spec, plans, ctx.device, seed=2)
     clear_verdicts()
-    batched = check_pass("batched pass == F.linear on device", source, weights, xs, plans, device, batched=True)
-    del batched
-    record(
-        "batched probe verdicts (informational)", True, verdicts={str(k[3:5]): v for k, v in verdicts().items()}
-    )  # (width, count): stackable
-
-    # 5. timing side by side
-    resident = {
-        layer: (weights[get_layout("native").weight(layer)], weights[get_layout("native").bias(layer)])
-        for layer in spec.layers()
+    cache = ctx.cache(ckpt, max_plans=len(plans), batched=True)
+    report = cache.build(plans, embed=embed_of(xs))
+    bad = ckpt.mismatches(cache, plans, xs)
+    return {
+        "ok": not bad,
+        "mismatches": len(bad),
+        "stacked_layers": report.stacked_layers,
+        "per_plan_layers": report.per_plan_layers,
+        "verdicts": {str(k[3:5]): v for k, v in verdicts().items()},  # (width, count): stackable
     }
+
+
+def check_o_direct(ctx: Context) -> dict[str, Any]:
+    ckpt = ctx.real()
+    plans = make_plans((1, 2), 2, seed=3)
+    xs = make_inputs(ckpt.spec, plans, ctx.device, seed=3)
+    supported = o_direct_works(ckpt.files[0])
+    source = ckpt.source()
+    with forced_cold(ckpt.files) as how:
+        before = source.bytes_direct
+        cache = ctx.cache(ckpt, source, max_plans=len(plans))
+        cache.build(plans, embed=embed_of(xs))
+        direct = source.bytes_direct - before
+    bad = ckpt.mismatches(cache, plans, xs)
+    del cache
+    plain = ckpt.source(direct_io=False)
+    drop_page_cache(ckpt.files)
+    cache = ctx.cache(ckpt, plain, max_plans=len(plans))
+    cache.build(plans, embed=embed_of(xs))
+    bad_plain = ckpt.mismatches(cache, plans, xs)
+    return {
+        "ok": not bad and not bad_plain and (direct > 0 or not supported),
+        "how": how,
+        "o_direct_supported": supported,
+        "direct_mib": round(direct / MiB, 1),
+        "read_mib": round(source.bytes_read / MiB, 1),
+        "mismatches": len(bad),
+        "mismatches_direct_io_false": len(bad_plain),
+        "staging": "pinned host memory" if ctx.device.type == "cuda" else "pageable host memory",
+    }
+
+
+def check_lagging_consumer(ctx: Context) -> dict[str, Any]:
+    """A projection that sleeps, so the reader runs ``read_ahead`` layers ahead of it, under memory pressure."""
+    ckpt = ctx.real()
+    spec, device = ckpt.spec, ctx.device
+    layer = spec.layer_bytes(0)
+    read_ahead = 2
+    plans = make_plans((2, 3), 1, seed=4)
+    xs = make_inputs(spec, plans, device, seed=4)
+    delay = 0.15 if device.type == "cuda" else 0.01
+    calls: list[Layer] = []
+
+    def lagging(which: Layer, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        time.sleep(delay)
+        calls.append(which)
+        return F.linear(x, weight, bias)
+
+    source = ckpt.source(keep_buffers=False)
+    cache = ctx.cache(ckpt, source, max_plans=len(plans), read_ahead=read_ahead)
+    # The pass may hold the layer being projected, read_ahead layers read ahead, and one in flight.
+    budget = (read_ahead + 2) * layer
+    details: dict[str, Any] = {"read_ahead": read_ahead, "sleep_per_projection_s": delay}
+    filler = None
+    stop = threading.Event()
+    peak = [0]
+    sampler = None
+    try:
+        if device.type == "cuda":
+            gc.collect()
+            torch.cuda.empty_cache()
+            free, _ = torch.cuda.mem_get_info(device)
+            headroom = budget + GiB  # the pass's layers, plus cuBLAS workspace and small outputs
+            if free > headroom:
+                filler = torch.empty(free - headroom, dtype=torch.uint8, device=device)
+            details["device_free_during_pass_gib"] = round(torch.cuda.mem_get_info(device)[0] / GiB, 2)
+            torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device)
+        else:
+            base = proc_status().get("RssAnon", 0)
+            peak[0] = base
+
+            def sample() -> None:
+                while not stop.is_set():
+                    peak[0] = max(peak[0], proc_status().get("RssAnon", 0))
+                    time.sleep(0.002)
+
+            sampler = threading.Thread(target=sample, daemon=True)
+            sampler.start()
+        start = time.perf_counter()
+        report = cache.build(plans, embed=embed_of(xs), project=lagging)
+        sync(device)
+        seconds = time.perf_counter() - start
+        if device.type == "cuda":
+            used = torch.cuda.max_memory_allocated(device) - base
+        else:
+            stop.set()
+            assert sampler is not None
+            sampler.join()
+            used = peak[0] - base
+            budget += 64 * MiB  # the sampler sees the allocator's own slack too
+    finally:
+        stop.set()
+        del filler
+    bad = ckpt.mismatches(cache, plans, xs)
+    return {
+        "ok": not bad and report.passes == 1 and used <= budget,
+        **details,
+        "mismatches": len(bad),
+        "projections": len(calls),
+        "pass_s": round(seconds, 2),
+        "peak_over_baseline_mib": round(used / MiB, 1),
+        "budget_mib": round(budget / MiB, 1),
+        "layers_at_peak": round(used / layer, 2),
+    }
+
+
+def check_memory(ctx: Context) -> dict[str, Any]:
+    """Reserved device memory and host memory over six passes, after ``release_buffers()`` and after closing."""
+    ckpt = ctx.real()
+    spec, device = ckpt.spec, ctx.device
+    layer = spec.layer_bytes(0)
+    sets = [make_plans((2,), 2, seed=5), make_plans((2,), 2, seed=6)]
+    xs = {**make_inputs(spec, sets[0], device, seed=5), **make_inputs(spec, sets[1], device, seed=6)}
+    source = ckpt.source()
+    cache = ctx.cache(ckpt, source, max_plans=2)
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    base = memory_snapshot(device)
+    passes = []
+    for n in range(6):
+        report = cache.build(sets[n % 2], embed=embed_of(xs))  # alternating sets: a pass every time
+        sync(device)
+        passes.append({**memory_snapshot(device), "passes": report.passes, "kept_bytes": source.kept_bytes})
+    bad = ckpt.mismatches(cache, sets[1], xs)
+    released = source.release_buffers()
+    gc.collect()
+    after_release = memory_snapshot(device)
+    after_close: dict[str, Any] | str
+    if features()["close"]:
+        cache.close()  # type: ignore[attr-defined]
+        gc.collect()
+        after_close = memory_snapshot(device)
+    else:
+        after_close = "skipped: AdalnCache.close not available"
+    del cache
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    after_empty = memory_snapshot(device)
+
+    def growth(key: str) -> int:
+        return int(passes[5].get(key, 0) - passes[1].get(key, 0))
+
+    host_kept = after_release.get("VmRSS", 0) - base.get("VmRSS", 0)
+    verdicts = {
+        "one_pass_each": all(p["passes"] == 1 for p in passes),
+        "device_reserved_steady": growth("reserved") <= layer // 2,
+        "host_rss_steady": growth("VmRSS") <= layer // 2,
+        "host_given_back_after_release": host_kept <= max(64 * MiB, layer // 4),
+    }
+    if "package_pinned" in after_release:
+        verdicts["package_pinned_zero_after_release"] = after_release["package_pinned"] == 0
+    return {
+        "ok": not bad and all(verdicts.values()),
+        "verdicts": verdicts,
+        "mismatches": len(bad),
+        "layer_mib": round(layer / MiB, 1),
+        "device_reserved_growth_mib_pass2_to_6": round(growth("reserved") / MiB, 1),
+        "host_rss_growth_mib_pass2_to_6": round(growth("VmRSS") / MiB, 1),
+        "host_rss_over_baseline_after_release_mib": round(host_kept / MiB, 1),
+        "released_bytes": released,
+        "package_pinned_counter": "available" if pinned_counter() else "skipped: adalncache.hostmem.pinned_bytes not available",
+        "baseline": base,
+        "per_pass": passes,
+        "after_release_buffers": after_release,
+        "after_close": after_close,
+        "after_empty_cache": after_empty,
+    }
+
+
+def check_stream_publish(ctx: Context) -> dict[str, Any]:
+    """Build on one stream with its last write landing late; read at once on another, no manual sync."""
+    ckpt = ctx.small()
+    device = ctx.device
+    sleep = ctx.sleep()
+    plans = make_plans((1, 2, 3, 4), 1, seed=7)
+    xs = make_inputs(ckpt.spec, plans, device, seed=7)
+    cache = ctx.cache(ckpt, max_plans=len(plans))
+    build_stream, read_stream = streams(device, 2)
+    late_ms = 300.0
+
+    def late(which: Layer, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        if which == FINAL:
+            sleep(late_ms)  # the output layer's rows are written this long after the build's host side ends
+        return F.linear(x, weight, bias)
+
+    sync(device)
+    start = time.perf_counter()
+    with on(build_stream):
+        cache.build(plans, embed=embed_of(xs), project=late)
+    returned = time.perf_counter() - start
+    got: dict[Any, list[torch.Tensor]] = {}
+    with on(read_stream):
+        for plan in plans:
+            slot, n = cache.lookup(plan), plan.numel()  # a device tensor: the reads below are gathers
+            got[plan_key(plan)] = [
+                cache.final_rows(slot, n) if layer == FINAL else cache.block_rows(int(layer), slot, n)
+                for layer in ckpt.spec.layers()
+            ]
+    sync(device)
+    bad = [
+        f"{plan_key(p)}@{layer}"
+        for p in plans
+        for layer, rows in zip(ckpt.spec.layers(), got[plan_key(p)])
+        if not torch.equal(rows, ckpt.reference(layer, xs[plan_key(p)]))
+    ]
+    return {
+        "ok": not bad,
+        "streams": device.type == "cuda",
+        "mismatches": len(bad),
+        "first_mismatches": bad[:5],
+        "late_write_ms": late_ms if device.type == "cuda" else 0,
+        "build_returned_after_s": round(returned, 3),
+    }
+
+
+def check_stream_evict(ctx: Context) -> dict[str, Any]:
+    """A read queued late on one stream, then a build on another that evicts the slot it reads."""
+    ckpt = ctx.small()
+    device = ctx.device
+    sleep = ctx.sleep()
+    first, second = make_plans((2,), 2, seed=8)
+    xs = make_inputs(ckpt.spec, [first, second], device, seed=8)
+    cache = ctx.cache(ckpt, max_plans=1)
+    cache.build([first], embed=embed_of(xs))
+    sync(device)
+    read_stream, build_stream = streams(device, 2)
+    n = first.numel()
+    with on(read_stream):
+        sleep(500.0)
+        slot = cache.lookup(first)
+        rows = [cache.final_rows(slot, n) if layer == FINAL else cache.block_rows(int(layer), slot, n)
+                for layer in ckpt.spec.layers()]  # fmt: skip
+    with on(build_stream):
+        report = cache.build([second], embed=embed_of(xs))  # evicts `first`: the only slot
+    sync(device)
+    bad = [
+        str(layer)
+        for layer, got in zip(ckpt.spec.layers(), rows)
+        if not torch.equal(got, ckpt.reference(layer, xs[plan_key(first)]))
+    ]
+    bad_second = ckpt.mismatches(cache, [second], xs)
+    return {
+        "ok": not bad and not bad_second and report.evicted == 1,
+        "streams": device.type == "cuda",
+        "evicted": report.evicted,
+        "stale_reads": len(bad),
+        "mismatches_after": len(bad_second),
+    }
+
+
+def check_acquire(ctx: Context) -> dict[str, Any]:
+    need("acquire", "AdalnCache.acquire")
+    ckpt = ctx.small()
+    device = ctx.device
+    sleep = ctx.sleep()
+    first, second = make_plans((2,), 2, seed=9)
+    xs = make_inputs(ckpt.spec, [first, second], device, seed=9)
+    cache: Any = ctx.cache(ckpt, max_plans=1)
+    read_stream, build_stream = streams(device, 2)
+    n = first.numel()
+    refused = ""
+    with on(read_stream), cache.acquire([first], embed=embed_of(xs)) as slots:
+        sleep(300.0)
+        rows = [cache.final_rows(slots[0], n) if layer == FINAL else cache.block_rows(int(layer), slots[0], n)
+                for layer in ckpt.spec.layers()]  # fmt: skip
+        with on(build_stream):
+            try:
+                cache.build([second], embed=embed_of(xs))
+            except PlanError as exc:
+                refused = str(exc)
+        still_resident = cache.slot_of(plan_key(first)) is not None
+    # Released on the reading stream: an eviction from now on must wait for what it queued.
+    with on(read_stream):
+        sleep(300.0)
+        late_rows = cache.final_rows(cache.lookup(first), n)
+    with on(build_stream):
+        cache.build([second], embed=embed_of(xs))
+    sync(device)
+    want = [ckpt.reference(layer, xs[plan_key(first)]) for layer in ckpt.spec.layers()]
+    held_ok = all(torch.equal(a, b) for a, b in zip(rows, want))
+    cache.check_invariants()
+    return {
+        "ok": bool(refused) and "max_plans" in refused and still_resident and held_ok
+        and torch.equal(late_rows, want[-1]) and not ckpt.mismatches(cache, [second], xs),
+        "refused": refused[:300],
+        "held_plan_still_resident": still_resident,
+        "held_rows_exact": held_ok,
+        "read_before_eviction_exact": bool(torch.equal(late_rows, want[-1])),
+    }  # fmt: skip
+
+
+def check_threads(ctx: Context) -> dict[str, Any]:
+    need("acquire", "AdalnCache.acquire")
+    ckpt = ctx.small()
+    device = ctx.device
+    plans = make_plans((1, 2, 3), 3, seed=10)
+    xs = make_inputs(ckpt.spec, plans, device, seed=10)
+    want = {plan_key(p): [ckpt.reference(layer, xs[plan_key(p)]) for layer in ckpt.spec.layers()] for p in plans}
+    cache: Any = ctx.cache(ckpt, max_plans=6)
+    errors: list[str] = []
+    refused = [0]
+    mismatches = [0]
+    served = [0]
+    lock = threading.Lock()
+
+    def worker(seed: int) -> None:
+        rng = random.Random(seed)
+        (stream,) = streams(device, 1)
+        try:
+            with on(stream):
+                for _ in range(25):
+                    request = rng.sample(plans, rng.randint(1, 4))
+                    try:
+                        with cache.acquire(request, embed=embed_of(xs)) as slots:
+                            got = [
+                                [cache.final_rows(slots[i], p.numel()) if layer == FINAL
+                                 else cache.block_rows(int(layer), slots[i], p.numel()) for layer in ckpt.spec.layers()]
+                                for i, p in enumerate(request)
+                            ]  # fmt: skip
+                        if stream is not None:
+                            stream.synchronize()
+                        bad = sum(
+                            not torch.equal(g, w)
+                            for i, p in enumerate(request)
+                            for g, w in zip(got[i], want[plan_key(p)])
+                        )
+                        with lock:
+                            mismatches[0] += bad
+                            served[0] += 1
+                    except PlanError:
+                        with lock:  # every slot held by other threads: a clear refusal, allowed
+                            refused[0] += 1
+        except BaseException as exc:
+            with lock:
+                errors.append(f"{type(exc).__name__}: {exc}")
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    sync(device)
+    invariants = "ok"
+    try:
+        cache.check_invariants()
+    except BaseException as exc:
+        invariants = f"{type(exc).__name__}: {exc}"
+    resident_bad = ckpt.mismatches(cache, [p for p in plans if cache.slot_of(plan_key(p)) is not None], xs)
+    return {
+        "ok": not errors and not mismatches[0] and invariants == "ok" and not resident_bad and served[0] > 0,
+        "requests_served": served[0],
+        "refused": refused[0],
+        "mismatches": mismatches[0],
+        "errors": errors[:5],
+        "invariants": invariants,
+        "resident_mismatches": len(resident_bad),
+    }
+
+
+def check_tf32(ctx: Context) -> dict[str, Any]:
+    matmul = torch.backends.cuda.matmul
+    if not hasattr(matmul, "fp32_precision"):
+        raise Skipped("torch.backends.cuda.matmul.fp32_precision not available in this torch")
+    from adalncache.batching import clear_verdicts
+
+    ckpt = ctx.small()
+    device = ctx.device
+    plans = make_plans((1, 2, 3), 2, seed=11)
+    xs = make_inputs(ckpt.spec, plans, device, fp32=True, seed=11)
+    store = ctx.work / "store-tf32"
+    ieee_ref = {plan_key(p): ckpt.reference(0, xs[plan_key(p)], "fp32") for p in plans}
+    old = matmul.fp32_precision
+    details: dict[str, Any] = {"previous_fp32_precision": old}
+    matmul.fp32_precision = "tf32"
+    try:
+        tf32_ref = {plan_key(p): ckpt.reference(0, xs[plan_key(p)], "fp32") for p in plans}
+        details["tf32_changed_bits"] = sum(int((tf32_ref[k] != ieee_ref[k]).sum()) for k in tf32_ref)
+        writer = ctx.cache(ckpt, max_plans=len(plans), precision="fp32", store=str(store))
+        writer.build(plans, embed=embed_of(xs))
+        details["store_write_failures"] = writer.stats.tier_write_failures
+        details["mismatches_built"] = len(ckpt.mismatches(writer, plans, xs, "fp32"))
+        reader = ctx.cache(ckpt, max_plans=len(plans), precision="fp32", store=str(store))
+        hit = reader.build(plans, embed=embed_of(xs))
+        details["store_hits"] = hit.store_hits
+        details["mismatches_from_store"] = len(ckpt.mismatches(reader, plans, xs, "fp32"))
+        clear_verdicts()
+        batched = ctx.cache(ckpt, max_plans=len(plans), precision="fp32", batched=True)
+        report = batched.build(plans, embed=embed_of(xs))
+        details["batched_stacked_layers"] = report.stacked_layers
+        details["mismatches_batched"] = len(ckpt.mismatches(batched, plans, xs, "fp32"))
+    finally:
+        matmul.fp32_precision = old
+    after = ctx.cache(ckpt, max_plans=len(plans), precision="fp32", store=str(store)).build(plans, embed=embed_of(xs))
+    details["store_hits_after_restoring"] = after.store_hits
+    # On CUDA the switch is part of the binding: a table built under TF32 must not serve IEEE. On a
+    # CPU the CUDA switch changes no bits, so it is not in the binding and the store may hit.
+    binding_ok = after.store_hits == 0 if device.type == "cuda" else True
+    details["ok"] = (
+        details["store_write_failures"] == 0
+        and details["store_hits"] == len(plans)
+        and details["mismatches_built"] == 0
+        and details["mismatches_from_store"] == 0
+        and details["mismatches_batched"] == 0
+        and binding_ok
+    )
+    return details
+
+
+def check_nccl(ctx: Context) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    device = ctx.device
+    if not dist.is_available():
+        raise Skipped("torch.distributed not available in this torch")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl" and not dist.is_nccl_available():
+        raise Skipped("NCCL not available in this torch")
+    if dist.is_initialized():
+        raise Skipped("a process group is already initialised in this process")
+    ckpt = ctx.real()
+    plans = make_plans((1, 2), 1, seed=12)
+    xs = make_inputs(ckpt.spec, plans, device, seed=12)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    rendezvous = ctx.work / f"pg-{os.getpid()}-{time.monotonic_ns()}"
+    dist.init_process_group(
+        backend, init_method=f"file://{rendezvous}", rank=0, world_size=1, timeout=timedelta(seconds=120)
+    )
+    out: dict[str, Any] = {"backend": backend}
+    try:
+        for shard in ("layers", "columns"):
+            cache = ctx.cache(ckpt, max_plans=len(plans), process_group=dist.group.WORLD, shard=shard)
+            report = cache.build(plans, embed=embed_of(xs))
+            out[shard] = {"passes": report.passes, "mismatches": len(ckpt.mismatches(cache, plans, xs))}
+            del cache
+    finally:
+        dist.destroy_process_group()
+    out["ok"] = all(out[s]["passes"] == 1 and out[s]["mismatches"] == 0 for s in ("layers", "columns"))
+    return out
+
+
+def check_host_tier(ctx: Context) -> dict[str, Any]:
+    ckpt = ctx.real()
+    plans = make_plans((2,), 4, seed=13)
+    xs = make_inputs(ckpt.spec, plans, ctx.device, seed=13)
+    cache = ctx.cache(ckpt, max_plans=2, host_cache_bytes=ckpt.spec.slab_bytes(4, 4) + MiB)
+    first = cache.build(plans[:2], embed=embed_of(xs))
+    cache.build(plans[2:4], embed=embed_of(xs))  # evicts the first two from the slab
+    back = cache.build(plans[:2], embed=embed_of(xs))
+    bad = ckpt.mismatches(cache, plans[:2], xs)
+    tier = cache.host_tier
+    return {
+        "ok": not bad and back.host_hits == 2 and back.passes == 0,
+        "first_passes": first.passes,
+        "host_hits": back.host_hits,
+        "passes": back.passes,
+        "mismatches": len(bad),
+        "host_tier": repr(tier),
+    }
+
+
+def check_timing(ctx: Context) -> dict[str, Any]:
+    ckpt = ctx.real()
+    device = ctx.device
+    spec = ckpt.spec
+    plans = make_plans((2,), 16, seed=14)
+    xs = make_inputs(spec, plans, device, seed=14)
+    source = ckpt.source()
+    resident = {layer: ckpt.wb(layer) for layer in spec.layers()}
 
     def project_only(k: int) -> float:
-        sync(device)
-        start = time.perf_counter()
-        with torch.no_grad():
-            for layer in spec.layers():
-                w, b = resident[layer]
-                for p in plans[:k]:
-                    F.linear(xs[plan_key(p)], w, b)
-        sync(device)
-        return time.perf_counter() - start
+        def work() -> None:
+            with torch.no_grad():
+                for layer in spec.layers():
+                    weight, bias = resident[layer]
+                    for plan in plans[:k]:
+                        F.linear(xs[plan_key(plan)], weight, bias)
+
+        return timed(device, work)
 
     def one_pass(k: int) -> float:
-        c = AdalnCache(spec, source, max_plans=k, max_plan_width=4, device=device, progress=False)
-        sync(device)
-        start = time.perf_counter()
-        c.build(plans[:k], embed=embed)
-        sync(device)
-        return time.perf_counter() - start
+        cache = ctx.cache(ckpt, source, max_plans=k)
+        return timed(device, lambda: cache.build(plans[:k], embed=embed_of(xs)))
 
-    timings: dict[str, list[float]] = {"read": [], "project1": [], "pass1": [], "project16": [], "pass16": []}
-    one_pass(1)  # the kept pinned buffer
+    samples: dict[str, list[float]] = {"read": [], "project1": [], "pass1": [], "project16": [], "pass16": []}
+    one_pass(1)  # the kept staging buffer, the copy stream, cuBLAS handles
     for _ in range(3):
-        timings["read"].append(read_only(source))
+        samples["read"].append(read_only(source))  # host only: no device work to wait for
         for k in (1, 16):
-            timings[f"project{k}"].append(project_only(k))
-            timings[f"pass{k}"].append(one_pass(k))
-    med = {k: statistics.median(v) for k, v in timings.items()}
+            samples[f"project{k}"].append(project_only(k))
+            samples[f"pass{k}"].append(one_pass(k))
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    out: dict[str, Any] = {"ok": True, "informational": True, "median_s": {k: round(v, 4) for k, v in med.items()}}
     for k in (1, 16):
-        bound = max(med["read"], med[f"project{k}"])
-        record(
-            f"pass / max(read, project), {k} plan(s), warm (informational)",
-            True,
-            ratio=round(med[f"pass{k}"] / bound, 3),
-            pass_s=round(med[f"pass{k}"], 4),
-            read_s=round(med["read"], 4),
-            project_s=round(med[f"project{k}"], 4),
-        )
+        out[f"pass_over_max_read_project_{k}"] = round(med[f"pass{k}"] / max(med["read"], med[f"project{k}"]), 3)
+    return out
 
-    ok = all(r["ok"] for r in RESULTS)
-    if not args.dir:
-        shutil.rmtree(work, ignore_errors=True)
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "gpu_check.json").write_text(
-            json.dumps({"device": str(device), "results": RESULTS}, indent=2, default=str)
-        )
-    print(f"gpu_check: {'ALL PASSED' if ok else 'FAILURES'}", flush=True)
-    return 0 if ok else 1
+
+def check_demo(ctx: Context) -> dict[str, Any]:
+    try:
+        import diffusers  # noqa: F401
+    except ImportError as exc:
+        raise Skipped(f"diffusers not importable ({exc}); carry its wheel: see the README's GPU check section") from exc
+    from adalncache.cli import main as cli_main
+
+    argv = ["demo", "--device", str(ctx.device), "--size", ctx.args.demo_size, "--steps", str(ctx.args.demo_steps)]
+    captured = io.StringIO()
+    with contextlib.redirect_stdout(captured):
+        code = cli_main(argv)
+    text = captured.getvalue()
+    print(text, flush=True)
+    return {"ok": code == 0, "exit_code": code, "argv": argv, "output": text[-4000:]}
+
+
+#: name, function; the order is the run order (the demo last: it is the only one needing diffusers).
+CHECKS: list[tuple[str, Callable[[Context], dict[str, Any]]]] = [
+    ("environment", check_environment),
+    ("checkpoint", check_checkpoint),
+    ("exact-match", check_exact_match),
+    ("exact-fp32", check_exact_fp32),
+    ("batched", check_batched),
+    ("o-direct", check_o_direct),
+    ("lagging-consumer", check_lagging_consumer),
+    ("memory", check_memory),
+    ("stream-publish", check_stream_publish),
+    ("stream-evict", check_stream_evict),
+    ("acquire", check_acquire),
+    ("threads", check_threads),
+    ("tf32", check_tf32),
+    ("nccl", check_nccl),
+    ("host-tier", check_host_tier),
+    ("timing", check_timing),
+    ("demo", check_demo),
+]
+NAMES = [name for name, _ in CHECKS]
+
+
+# ---------------------------------------------------------------------------------------------
+# running
+
+
+def run_check(
+    name: str, fn: Callable[[Context], dict[str, Any]], ctx: Context, report: Report, limit_s: float
+) -> None:
+    """One check in its own try, under a watchdog; its result goes into the report either way."""
+    simulate = ctx.args.simulate
+    start = time.perf_counter()
+
+    def hung() -> None:
+        report.add({"check": name, "ok": False, "error": f"timed out after {limit_s:.0f} s (watchdog)"})
+        report.write(finished=False, aborted=f"check {name} timed out")
+        print(f"gpu_check: {name} exceeded {limit_s:.0f} s; stacks follow, then exit", file=sys.stderr, flush=True)
+        faulthandler.dump_traceback(all_threads=True)
+        os._exit(2)
+
+    watchdog = threading.Timer(limit_s, hung)
+    watchdog.daemon = True
+    watchdog.start()
+    result: dict[str, Any]
+    try:
+        if simulate == f"fail:{name}":
+            raise RuntimeError(f"simulated failure of {name} (--simulate)")
+        if simulate == f"hang:{name}":
+            time.sleep(3600)
+        result = {"check": name, **fn(ctx)}
+    except Skipped as exc:
+        result = {"check": name, "ok": None, "skipped": str(exc)}
+    except BaseException as exc:  # a check must never take the others down with it
+        if isinstance(exc, KeyboardInterrupt):
+            watchdog.cancel()
+            raise
+        result = {
+            "check": name,
+            "ok": False,
+            "error": f"{type(exc).__name__}: {exc}"[:2000],
+            "traceback": traceback.format_exc()[-4000:],
+        }
+    finally:
+        watchdog.cancel()
+    result["seconds"] = round(time.perf_counter() - start, 2)
+    report.add(result)
+    gc.collect()
+    if ctx.device.type == "cuda":
+        with contextlib.suppress(Exception):
+            torch.cuda.synchronize(ctx.device)
+            torch.cuda.empty_cache()
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", default="", help="directory for gpu_check.json (written after every check)")
+    parser.add_argument("--dir", default="", help="work directory for the checkpoints (default: a temporary one)")
+    parser.add_argument("--layers", type=int, default=4, help="blocks of the real-width checkpoint (default 4)")
+    parser.add_argument("--hidden", type=int, default=5376, help="hidden size (default: the released 5376)")
+    parser.add_argument("--in-features", type=int, default=2688, help="projection input (default: 2688)")
+    parser.add_argument("--only", default="", help=f"comma-separated checks to run, in their order: {','.join(NAMES)}")
+    parser.add_argument("--check-timeout", type=float, default=240.0, help="watchdog per check, seconds")
+    parser.add_argument("--deadline", type=float, default=540.0, help="skip the remaining checks after this many s")
+    parser.add_argument("--demo-size", default="small", choices=["tiny", "small"])
+    parser.add_argument("--demo-steps", type=int, default=8)
+    parser.add_argument("--simulate", default="", help=argparse.SUPPRESS)  # fail:NAME or hang:NAME (tests)
+    args = parser.parse_args(argv)
+    unknown = [n for n in args.only.split(",") if n and n not in NAMES]
+    if unknown:
+        parser.error(f"--only: unknown check(s) {unknown}; choose from {NAMES}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    out = Path(args.out) if args.out else None
+    header = {
+        "device": str(device),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "argv": sys.argv[1:] if argv is None else argv,
+        "checks": NAMES,
+    }
+    report = Report(out, header)
+    print(f"gpu_check: device {device}, torch {torch.__version__}, python {platform.python_version()}", flush=True)
+    chosen = [n for n in args.only.split(",") if n] or NAMES
+    work = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="adalncache-gpu-check-"))
+    work.mkdir(parents=True, exist_ok=True)
+    ctx = Context(args, device, work)
+    started = time.perf_counter()
+    try:
+        for name, fn in CHECKS:
+            if name not in chosen:
+                continue
+            left = args.deadline - (time.perf_counter() - started)
+            if left < 5:
+                report.add({"check": name, "ok": None, "skipped": f"out of time (--deadline {args.deadline:.0f} s)"})
+                continue
+            run_check(name, fn, ctx, report, min(args.check_timeout, left))
+    finally:
+        if not args.dir:
+            import shutil
+
+            shutil.rmtree(work, ignore_errors=True)
+    report.write(finished=True)
+    failed = report.failed()
+    skipped = [r["check"] for r in report.results if r.get("skipped")]
+    print(
+        f"gpu_check: {'FAILED: ' + ', '.join(failed) if failed else 'no failures'}"
+        + (f"; skipped: {', '.join(skipped)}" if skipped else ""),
+        flush=True,
+    )
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

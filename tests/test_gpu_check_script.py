@@ -1,6 +1,9 @@
-"""``scripts/gpu_check.py`` (the prepared device check) runs and passes on CPU at small widths.
+"""``scripts/gpu_check.py`` (the prepared device check) runs every check a CPU can run, and always reports.
 
-A device session runs it on CUDA; this keeps the script itself from rotting between such sessions.
+A device session runs the script on CUDA, rarely and briefly; these tests keep it from rotting in
+between: the full run at small widths on CPU (every check's code path that needs no GPU), a
+simulated failing check (the JSON still holds the others, and the demo still runs last), and a
+simulated hang (the watchdog stops the run and the results before it are on disk).
 """
 
 from __future__ import annotations
@@ -9,26 +12,118 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from adalncache import AdalnCache
+
 ROOT = Path(__file__).resolve().parents[1]
+SMALL = [
+    "--device", "cpu", "--layers", "2", "--hidden", "64", "--in-features", "512", "--demo-size", "tiny",
+    "--demo-steps", "3",
+]  # fmt: skip
+#: Checks that need a feature this tree may lack, and the feature.
+NEEDS_ACQUIRE = ("acquire", "threads")
+
+
+def run_script(tmp_path: Path, *extra: str, env_dir: Path | None = None, timeout: int = 300) -> tuple[Any, dict]:
+    """Run the script in a fresh process; returns the process and the JSON it left."""
+    cmd = [
+        sys.executable, str(ROOT / "scripts" / "gpu_check.py"), *SMALL, "--dir", str(tmp_path / "work"),
+        "--out", str(tmp_path / "out"), *extra,
+    ]  # fmt: skip
+    env = None
+    if env_dir is not None:
+        import os
+
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(env_dir), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False, env=env)
+    out = tmp_path / "out" / "gpu_check.json"
+    assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc, json.loads(out.read_text())
+
+
+def by_name(body: dict) -> dict[str, dict]:
+    return {r["check"]: r for r in body["results"]}
+
+
+def without_diffusers(tmp_path: Path) -> Path:
+    """A directory whose ``sitecustomize`` hides diffusers, as on the lent GPU machine."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import sys\nsys.modules['diffusers'] = None\n")
+    return site
 
 
 @pytest.mark.slow
-def test_gpu_check_passes_on_cpu(tmp_path: Path) -> None:
-    pytest.importorskip("diffusers")
-    cmd = [
-        sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--device", "cpu", "--layers", "2",
-        "--hidden", "64", "--in-features", "512", "--dir", str(tmp_path / "work"), "--out", str(tmp_path / "out"),
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    results = json.loads((tmp_path / "out" / "gpu_check.json").read_text())["results"]
-    names = {r["check"]: r for r in results}
-    assert all(r["ok"] for r in results)
-    cold = names["pass cold (O_DIRECT) == F.linear on device"]
-    # Where this filesystem serves O_DIRECT and the drop emptied the cache, the cold pass went direct.
-    expected = cold["o_direct_supported"] and cold["direct_expected"]
-    assert cold["mismatches"] == 0 and (cold["direct_mib"] > 0 or not expected)
-    assert names["host tier restore exact, no pass"]["host_hits"] == 2
+def test_every_check_runs_on_cpu(tmp_path: Path) -> None:
+    proc, body = run_script(tmp_path)
+    tail = proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, tail
+    assert body["finished"] and body["aborted"] is None
+    assert [r["check"] for r in body["results"]] == body["checks"], "every check ran, in order, the demo last"
+    assert body["checks"][-1] == "demo"
+    results = by_name(body)
+    assert not [r for r in results.values() if not r.get("skipped") and not r["ok"]], tail
+    has_acquire = callable(getattr(AdalnCache, "acquire", None))
+    for name, result in results.items():
+        if name in NEEDS_ACQUIRE and not has_acquire:
+            assert result["skipped"] == "AdalnCache.acquire not available"
+        elif name != "demo":
+            assert not result.get("skipped"), (name, result)
+    for precision in ("match", "fp32"):
+        exact = results[f"exact-{precision}"]
+        assert exact["mismatches"] == 0 and exact["passes"] == 1
+        assert set(exact["mismatches_by_width"]) == {"1", "2", "3", "4"}
+    direct = results["o-direct"]
+    assert direct["mismatches"] == 0 and direct["mismatches_direct_io_false"] == 0
+    # Where this filesystem takes O_DIRECT, the cold pass read directly (forced if need be).
+    assert direct["direct_mib"] > 0 or not direct["o_direct_supported"]
+    lag = results["lagging-consumer"]
+    assert lag["mismatches"] == 0 and lag["projections"] == 2 * 3 and lag["peak_over_baseline_mib"] <= lag["budget_mib"]
+    memory = results["memory"]
+    assert len(memory["per_pass"]) == 6 and all(memory["verdicts"].values())
+    assert results["stream-publish"]["mismatches"] == 0 and results["stream-evict"]["stale_reads"] == 0
+    tf32 = results["tf32"]
+    assert tf32["store_hits"] == 6 and tf32["store_write_failures"] == 0 and tf32["mismatches_batched"] == 0
+    nccl = results["nccl"]
+    assert nccl["backend"] == "gloo" and nccl["layers"]["mismatches"] == nccl["columns"]["mismatches"] == 0
+    assert results["host-tier"]["host_hits"] == 2 and results["host-tier"]["passes"] == 0
+    assert set(results["timing"]["median_s"]) == {"read", "project1", "pass1", "project16", "pass16"}
+    demo = results["demo"]
+    if results["environment"]["importable"]["diffusers"]:
+        assert demo["ok"] and "all tasks bit-identical: yes" in demo["output"]
+    else:
+        assert demo["skipped"].startswith("diffusers not importable")
+
+
+def test_a_failing_check_leaves_the_others_and_the_demo_runs_last(tmp_path: Path) -> None:
+    proc, body = run_script(
+        tmp_path, "--only", "environment,exact-match,host-tier,demo", "--simulate", "fail:exact-match",
+        env_dir=without_diffusers(tmp_path),
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert [r["check"] for r in body["results"]] == ["environment", "exact-match", "host-tier", "demo"]
+    results = by_name(body)
+    failed = results["exact-match"]
+    assert failed["ok"] is False and "simulated failure of exact-match" in failed["error"]
+    assert "Traceback" in failed["traceback"]
+    assert results["environment"]["ok"] and results["host-tier"]["ok"] and results["host-tier"]["host_hits"] == 2
+    assert results["environment"]["importable"]["diffusers"] is False
+    assert results["demo"]["ok"] is None and results["demo"]["skipped"].startswith("diffusers not importable")
+    assert body["finished"] and "FAILED: exact-match" in proc.stdout
+
+
+def test_a_hung_check_is_stopped_and_what_ran_before_it_is_kept(tmp_path: Path) -> None:
+    proc, body = run_script(
+        tmp_path, "--only", "environment,host-tier,demo", "--simulate", "hang:host-tier", "--check-timeout", "4",
+        timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert [r["check"] for r in body["results"]] == ["environment", "host-tier"]
+    results = by_name(body)
+    assert results["environment"]["ok"]
+    assert results["host-tier"]["ok"] is False and "timed out after 4 s" in results["host-tier"]["error"]
+    assert body["finished"] is False and "host-tier" in body["aborted"]
+    assert "run_check" in proc.stderr  # the stacks of the hung run, for the session that reads them
