@@ -67,3 +67,43 @@ def test_bench_rejects_a_device_it_cannot_use(tmp_path: Path, capsys: pytest.Cap
     err = capsys.readouterr().err
     assert "--device cuda" in err and "--device cpu" in err
     assert not (tmp_path / "out").exists()  # rejected before any work
+
+
+def test_bench_hit_path_section(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The hit path: ``build()`` and ``resolve_slots()`` of a fully resident request, 49 and 10 plans, per plan."""
+    from adalncache.tools.hitpath import load_sglang_cache
+
+    out = tmp_path / "results"
+    argv = ["bench", "--quick", "--only", "build", "--dir", str(tmp_path / "work"), "--out", str(out)]
+    assert main(argv) == 0
+    data = json.loads((out / "bench.json").read_text())
+    rows = data["values"]["hit_path"]["rows"]
+    calls = {(row["call"], row["plans"]) for row in rows}
+    assert {("build()", 49), ("build()", 10), ("resolve_slots()", 49), ("resolve_slots()", 10)} <= calls
+    for row in rows:
+        assert row["adalncache_per_plan_s"] * row["plans"] == pytest.approx(row["adalncache_s"])
+    printed = capsys.readouterr().out
+    assert "hit path of a fully resident request" in printed and "per plan" in printed
+    baseline = load_sglang_cache()
+    if isinstance(baseline, str):  # no SGLang here: said so, and only this package's numbers
+        assert "SGLang baseline not available" in printed and all("sglang_s" not in row for row in rows)
+    else:  # an installed SGLang: timed side by side on the same tables
+        assert "tables bit-identical: True" in printed and all(row["ratio"] > 0 for row in rows)
+    assert "Hit path of a fully resident request" in (out / "bench.md").read_text()
+
+
+def test_sglang_stubs_leave_no_trace() -> None:
+    """The stubs of SGLang's runtime exist only while its cache module loads."""
+    import sys
+
+    from adalncache.tools.hitpath import _runtime_stubs, _stubbed, load_sglang_cache
+
+    before = {name for name in sys.modules if name == "sglang" or name.startswith("sglang.")}
+    with _stubbed(_runtime_stubs()):
+        from sglang.multimodal_gen.runtime.distributed import get_tp_world_size  # type: ignore[import-not-found]
+
+        assert get_tp_world_size() == 1
+    assert {name for name in sys.modules if name == "sglang" or name.startswith("sglang.")} == before
+    loaded = load_sglang_cache()
+    assert isinstance(loaded, str) or hasattr(loaded[0], "MiniMaxH3AdalnCache")
+    assert {name for name in sys.modules if name == "sglang" or name.startswith("sglang.")} == before

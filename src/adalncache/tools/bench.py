@@ -720,42 +720,67 @@ def bench_forward(res: Results, size: str, steps: int, runs: int, device: torch.
 
 
 def bench_build_latency(res: Results, runs: int, directory: Path, device: torch.device) -> None:
-    """``build()`` when every plan of a 50-step request is resident: the per-request hot path.
+    """The hit path: ``build()`` and ``resolve_slots()`` of a fully resident request, 49 and 10 plans.
 
-    Uses a 50-layer, 8-shard checkpoint at tiny widths: the hot path's cost is keying the plans and
-    re-statting the files (fingerprint check), which do not depend on the projection widths.
+    Uses a 50-layer, 8-shard checkpoint at tiny widths: the hit path's cost is keying the plans,
+    checking the source's identity and touching the LRU, none of which depends on the projection
+    widths. Where an installed SGLang provides its ``MiniMaxH3AdalnCache``, that cache is built over
+    the same files with the same plans and inputs and timed in the same loop
+    (:mod:`adalncache.tools.hitpath`).
     """
     from ..cache import AdalnCache
+    from ..plans import plan_key
     from ..source import CheckpointSource
+    from . import hitpath
 
     spec = ModulationSpec(num_layers=50, hidden_size=8, time_embed_dim=16)
     ckpt = generate_checkpoint(spec, directory, layers_per_shard=7)
     source = CheckpointSource(ckpt, spec)
-    plans = request_plans(STEPS)
+    plans = request_plans(STEPS)  # one plan tensor per step, as a pipeline passes them
     inputs = make_inputs(spec, plans, device)
-    from ..plans import plan_key
+
+    def embed(plan: torch.Tensor) -> torch.Tensor:
+        return inputs[plan_key(plan)]
 
     cache = AdalnCache(spec, source, max_plans=64, max_plan_width=4, progress=False, device=device)
-    cache.build(plans, embed=lambda p: inputs[plan_key(p)])
-    all_steps = list(plans)  # one plan tensor per step, as a pipeline passes them
-    samples = []
-    for _ in range(max(runs, 1) * 100):
-        start = time.perf_counter()
-        report = cache.build(all_steps, embed=lambda p: inputs[plan_key(p)])
-        samples.append(time.perf_counter() - start)
-        assert report.passes == 0
-    res.values["build_resident_files"] = len(source.files)
-    res.add(
-        Comparison(
-            f"build() of a fully resident {len(plans)}-plan request",
-            "build()",
-            "1 ms",
-            samples,
-            [1e-3],
-            1.0,
-            note=f"{len(source.files)} checkpoint files re-statted per call",
-        )
+    cache.build(plans, embed=embed)
+    files = sorted(ckpt.glob("*.safetensors"))
+    baseline = hitpath.SglangBaseline.open(
+        files, num_layers=spec.num_layers, hidden_size=spec.hidden_size, max_plans=64, device=device
     )
+    theirs: hitpath.SglangBaseline | None = None
+    if isinstance(baseline, str):
+        res.note(f"SGLang baseline not available: {baseline}")
+    else:
+        baseline.cache.build(plans, embed=embed)  # its own rebuild pass, from the same files
+        same = hitpath.tables_identical(cache, baseline, plans)
+        res.note(f"SGLang {baseline.version} baseline: same checkpoint, plans and inputs; tables bit-identical: {same}")
+        theirs = baseline
+    requests = {len(plans): plans, 10: plans[:10]}
+    timings = hitpath.measure(cache, theirs, requests, embed, max(runs, 1) * 100, device)
+    label = f"SGLang {theirs.version}" if theirs is not None else "SGLang"
+    table = hitpath.format_table(timings, label)
+    print(f"hit path of a fully resident request (median of {len(timings[0].ours)} calls each):\n{table}", flush=True)
+    res.values["hit_path"] = {
+        "baseline": theirs.version if theirs is not None else baseline, "rows": [t.row() for t in timings],
+        "table": table, "files": len(source.files),
+    }  # fmt: skip
+    for t in timings:
+        per_plan = f"{statistics.median(t.ours) / t.plans * 1e6:.2f} us per plan"
+        if t.theirs is not None:
+            res.add(
+                Comparison(
+                    f"hit path, {t.plans} plans: {t.call}", "adalncache", label, t.ours, t.theirs, 1.0,
+                    note=f"{per_plan} vs {statistics.median(t.theirs) / t.plans * 1e6:.2f} us per plan",
+                )
+            )  # fmt: skip
+        if t.call == "build()" and t.plans == len(plans):
+            res.add(
+                Comparison(
+                    f"build() of a fully resident {t.plans}-plan request", "build()", "1 ms", t.ours, [1e-3], 1.0,
+                    note=f"{per_plan}; {len(source.files)} checkpoint files re-statted per call",
+                )
+            )  # fmt: skip
 
 
 def bench_store(res: Results, source: Any, plans: list[torch.Tensor], runs: int, device: torch.device) -> None:
@@ -938,6 +963,9 @@ def write_outputs(res: Results, out_dir: Path) -> list[Path]:
             md.append(f"- {c.name}: {c.note}")
     for text in res.notes:
         md.append(f"- note: {text}")
+    hit = res.values.get("hit_path")
+    if hit:
+        md += ["", "Hit path of a fully resident request (median per call):", "", "```", hit["table"], "```"]
     mem = res.values.get("memory")
     if mem:
         md += ["", "Memory:", "",
@@ -1000,12 +1028,14 @@ def run(args: argparse.Namespace) -> int:
     spec = ModulationSpec(num_layers=layers, hidden_size=hidden, time_embed_dim=in_features)
     work = Path(args.dir) if args.dir else Path(tempfile.gettempdir()) / "adalncache-bench"
     ckpt_dir = work / f"ckpt-{layers}x{hidden}x{in_features}"
-    print(
-        f"checkpoint: {ckpt_dir} ({spec.projection_bytes / 2**30:.2f} GiB of projections, {layers} blocks + final)",
-        flush=True,
-    )
-    generate_checkpoint(spec, ckpt_dir)
-    source = CheckpointSource(ckpt_dir, spec)
+    source: Any = None
+    if set(args.only) & {"pass", "store", "memory"}:  # the others bring their own small checkpoints
+        print(
+            f"checkpoint: {ckpt_dir} ({spec.projection_bytes / 2**30:.2f} GiB of projections, {layers} blocks + final)",
+            flush=True,
+        )
+        generate_checkpoint(spec, ckpt_dir)
+        source = CheckpointSource(ckpt_dir, spec)
     plans = request_plans(STEPS)
     if args.plans:
         plans = plans[: args.plans]
@@ -1014,7 +1044,7 @@ def run(args: argparse.Namespace) -> int:
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
                    f"{torch.get_num_threads()} threads",
         "spec": spec.describe(), "runs": runs, "plans": len(plans), "checkpoint": str(ckpt_dir),
-        "files": len(source.files), "read_ahead": 1, "device": str(device),
+        "files": len(source.files) if source is not None else None, "read_ahead": 1, "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
     })  # fmt: skip
     sections: dict[str, Callable[[], None]] = {

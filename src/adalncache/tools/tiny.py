@@ -396,6 +396,11 @@ class LoopResult:
         return torch.equal(self.latents, other.latents) and torch.equal(self.audio_latents, other.audio_latents)
 
 
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 @torch.no_grad()
 def run_loop(
     model: nn.Module,
@@ -427,8 +432,11 @@ def run_loop(
         kwargs = request.forward_kwargs(step, latents, audio_latents)
         if attention_kwargs is not None:
             kwargs["attention_kwargs"] = dict(attention_kwargs)
+        # The step time includes the device work the forward queued, not only its launch.
+        _synchronize(device)
         start = time.perf_counter()
         noise_pred, audio_noise_pred = model(**kwargs)
+        _synchronize(device)
         seconds.append(time.perf_counter() - start)
         outputs.append((noise_pred.clone(), audio_noise_pred.clone()))
         latents[n_video:] = scheduler.step(noise_pred[0, n_video:].float(), t, latents[n_video:], return_dict=False)[0]
