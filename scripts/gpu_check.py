@@ -46,8 +46,8 @@ The checks, in order (``--only`` takes their names):
   every row exact, invariants hold, no raw exception;
 * ``tf32``: the new precision API (``torch.backends.cuda.matmul.fp32_precision = "tf32"``) with a
   store (write, then hit, exact) and the batched mode; after restoring, the store misses;
-* ``nccl``: a one-rank process group (NCCL on CUDA, gloo on CPU), ``shard="layers"`` and
-  ``"columns"``, exact;
+* ``nccl``, in a fresh process: a one-rank process group (NCCL on CUDA, gloo on CPU),
+  ``shard="layers"`` and ``"columns"``, exact;
 * ``host-tier``: a plan evicted from the slab comes back from the (pinned) host tier, no pass;
 * ``timing``: pass vs read-only vs project-only, 1 and 16 plans (informational);
 * ``demo``: ``adalncache demo`` on the device (diffusers' tiny MiniMax-H3, resident vs cached).
@@ -210,8 +210,8 @@ def memory_snapshot(device: torch.device) -> dict[str, Any]:
         if callable(stats):
             with contextlib.suppress(Exception):
                 host = stats()
-                snap["torch_pinned_reserved"] = host.get("reserved_bytes.current")
-                snap["torch_pinned_allocated"] = host.get("allocated_bytes.current")
+                snap["torch_pinned_owned"] = host.get("allocated_bytes.current")  # in use + cached
+                snap["torch_pinned_active"] = host.get("active_bytes.current")
     counter = pinned_counter()
     if counter is not None:
         snap["package_pinned"] = int(counter())
@@ -457,6 +457,8 @@ class Context:
         self.work = work
         self._ckpts: dict[str, Checkpoint | BaseException] = {}
         self._sleep: GpuSleep | None = None
+        #: The running check's time limit (its watchdog), for the checks that start a child process.
+        self.limit_s = args.check_timeout
 
     def cache(self, ckpt: Checkpoint, source: Any = None, **kwargs: Any) -> AdalnCache:
         kwargs.setdefault("max_plan_width", 4)
@@ -692,12 +694,20 @@ def in_fresh_process(ctx: Context, name: str) -> dict[str, Any]:
     """
     args = ctx.args
     out = ctx.work / f"child-{name}"
+    limit = max(15.0, ctx.limit_s - 10)  # the child ends (or is killed) before this check's watchdog fires
     cmd = [
         sys.executable, str(Path(__file__).resolve()), "--child", "--only", name, "--device", str(ctx.device),
         "--dir", str(ctx.work), "--out", str(out), "--layers", str(args.layers), "--hidden", str(args.hidden),
-        "--in-features", str(args.in_features), "--check-timeout", str(max(10.0, args.check_timeout - 20)),
+        "--in-features", str(args.in_features), "--check-timeout", str(max(10.0, limit - 10)),
+        "--simulate", args.simulate,
     ]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max(15.0, args.check_timeout - 10), check=False)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=limit, check=False)
+    except subprocess.TimeoutExpired as exc:
+        output = (exc.stdout or b"") + (exc.stderr or b"")
+        text = output.decode(errors="replace") if isinstance(output, bytes) else str(output)
+        why = f"the child process ran past {limit:.0f} s and was killed"
+        return {"ok": False, "error": why, "output": text[-4000:]}
     report = out / "gpu_check.json"
     found = [r for r in json.loads(report.read_text())["results"] if r["check"] == name] if report.exists() else []
     if not found:
@@ -706,7 +716,7 @@ def in_fresh_process(ctx: Context, name: str) -> dict[str, Any]:
     result = {k: v for k, v in found[0].items() if k not in ("check", "seconds")}
     if result.get("skipped"):
         raise Skipped(result["skipped"])
-    return {**result, "process": "fresh (nothing pinned, cached or streamed before it)"}
+    return {**result, "process": "a fresh process"}
 
 
 def check_memory(ctx: Context) -> dict[str, Any]:
@@ -756,10 +766,10 @@ def check_memory(ctx: Context) -> dict[str, Any]:
         "host_rss_steady": growth("VmRSS") <= layer // 2,
         "host_given_back_after_release": host_kept <= max(64 * MiB, layer // 4),
     }
-    if after_release.get("torch_pinned_reserved") is not None:
+    if after_release.get("torch_pinned_owned") is not None:
         # What torch's pinned allocator keeps cached is not given back to the system either.
         verdicts["torch_pinned_cache_not_holding_buffers"] = (
-            after_release["torch_pinned_reserved"] - (base.get("torch_pinned_reserved") or 0) <= layer // 4
+            after_release["torch_pinned_owned"] - (base.get("torch_pinned_owned") or 0) <= layer // 4
         )
     if "package_pinned" in after_release:
         verdicts["package_pinned_zero_after_release"] = after_release["package_pinned"] == 0
@@ -1021,8 +1031,11 @@ def check_tf32(ctx: Context) -> dict[str, Any]:
 
 
 def check_nccl(ctx: Context) -> dict[str, Any]:
+    """A one-rank process group; in a fresh process, so a hang or a broken NCCL cannot stop the other checks."""
     import torch.distributed as dist
 
+    if not ctx.args.child:
+        return in_fresh_process(ctx, "nccl")
     device = ctx.device
     if not dist.is_available():
         raise Skipped("torch.distributed not available in this torch")
@@ -1031,14 +1044,14 @@ def check_nccl(ctx: Context) -> dict[str, Any]:
         raise Skipped("NCCL not available in this torch")
     if dist.is_initialized():
         raise Skipped("a process group is already initialised in this process")
-    ckpt = ctx.real()
-    plans = make_plans((1, 2), 1, seed=12)
+    ckpt = ctx.small()
+    plans = make_plans((1, 2, 3, 4), 1, seed=12)
     xs = make_inputs(ckpt.spec, plans, device, seed=12)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     rendezvous = ctx.work / f"pg-{os.getpid()}-{time.monotonic_ns()}"
     dist.init_process_group(
-        backend, init_method=f"file://{rendezvous}", rank=0, world_size=1, timeout=timedelta(seconds=120)
+        backend, init_method=f"file://{rendezvous}", rank=0, world_size=1, timeout=timedelta(seconds=60)
     )
     out: dict[str, Any] = {"backend": backend}
     try:
@@ -1151,6 +1164,10 @@ CHECKS: list[tuple[str, Callable[[Context], dict[str, Any]]]] = [
     ("demo", check_demo),
 ]
 NAMES = [name for name, _ in CHECKS]
+#: Tighter watchdogs where a hang is likelier than slowness (a collective that never completes).
+LIMITS = {"nccl": 120.0}
+#: Checks that run in a fresh process of this script (see :func:`in_fresh_process`).
+IN_CHILD = {"memory", "nccl"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1159,8 +1176,9 @@ NAMES = [name for name, _ in CHECKS]
 
 def run_check(name: str, fn: Callable[[Context], dict[str, Any]], ctx: Context, report: Report, limit_s: float) -> None:
     """One check in its own try, under a watchdog; its result goes into the report either way."""
-    simulate = ctx.args.simulate
+    simulate = ctx.args.simulate.split(",")
     start = time.perf_counter()
+    ctx.limit_s = limit_s
 
     def hung() -> None:
         report.add({"check": name, "ok": False, "error": f"timed out after {limit_s:.0f} s (watchdog)"})
@@ -1174,10 +1192,11 @@ def run_check(name: str, fn: Callable[[Context], dict[str, Any]], ctx: Context, 
     watchdog.start()
     result: dict[str, Any]
     try:
-        if simulate == f"fail:{name}":
-            raise RuntimeError(f"simulated failure of {name} (--simulate)")
-        if simulate == f"hang:{name}":
-            time.sleep(3600)
+        if ctx.args.child or name not in IN_CHILD:  # a check run in a child is simulated there
+            if f"fail:{name}" in simulate:
+                raise RuntimeError(f"simulated failure of {name} (--simulate)")
+            if f"hang:{name}" in simulate:
+                time.sleep(3600)
         result = {"check": name, **fn(ctx)}
     except Skipped as exc:
         result = {"check": name, "ok": None, "skipped": str(exc)}
@@ -1215,7 +1234,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--deadline", type=float, default=540.0, help="skip the remaining checks after this many s")
     parser.add_argument("--demo-size", default="small", choices=["tiny", "small"])
     parser.add_argument("--demo-steps", type=int, default=8)
-    parser.add_argument("--simulate", default="", help=argparse.SUPPRESS)  # fail:NAME or hang:NAME (tests)
+    parser.add_argument("--simulate", default="", help=argparse.SUPPRESS)  # fail:NAME,hang:NAME,... (tests)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # run by in_fresh_process
     args = parser.parse_args(argv)
     unknown = [n for n in args.only.split(",") if n and n not in NAMES]
@@ -1253,7 +1272,7 @@ def main(argv: list[str] | None = None) -> int:
             if left < 5:
                 report.add({"check": name, "ok": None, "skipped": f"out of time (--deadline {args.deadline:.0f} s)"})
                 continue
-            run_check(name, fn, ctx, report, min(args.check_timeout, left))
+            run_check(name, fn, ctx, report, min(LIMITS.get(name, args.check_timeout), args.check_timeout, left))
     finally:
         if not args.dir:
             import shutil

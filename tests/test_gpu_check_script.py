@@ -99,20 +99,23 @@ def test_every_check_runs_on_cpu(tmp_path: Path) -> None:
 
 
 def test_a_failing_check_leaves_the_others_and_the_demo_runs_last(tmp_path: Path) -> None:
+    """One check raises, another hangs in its child process: both are recorded, the rest still run."""
     proc, body = run_script(
-        tmp_path, "--only", "environment,exact-match,host-tier,demo", "--simulate", "fail:exact-match",
-        env_dir=without_diffusers(tmp_path),
+        tmp_path, "--only", "environment,exact-match,nccl,host-tier,demo", "--simulate", "fail:exact-match,hang:nccl",
+        "--check-timeout", "30", env_dir=without_diffusers(tmp_path),
     )  # fmt: skip
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert [r["check"] for r in body["results"]] == ["environment", "exact-match", "host-tier", "demo"]
+    assert [r["check"] for r in body["results"]] == ["environment", "exact-match", "nccl", "host-tier", "demo"]
     results = by_name(body)
     failed = results["exact-match"]
     assert failed["ok"] is False and "simulated failure of exact-match" in failed["error"]
     assert "Traceback" in failed["traceback"]
+    hung = results["nccl"]  # the child's watchdog stopped it; this process went on
+    assert hung["ok"] is False and "timed out" in hung["error"] and hung["process"] == "a fresh process"
     assert results["environment"]["ok"] and results["host-tier"]["ok"] and results["host-tier"]["host_hits"] == 2
     assert results["environment"]["importable"]["diffusers"] is False
     assert results["demo"]["ok"] is None and results["demo"]["skipped"].startswith("diffusers not importable")
-    assert body["finished"] and "FAILED: exact-match" in proc.stdout
+    assert body["finished"] and "FAILED: exact-match, nccl" in proc.stdout
 
 
 def test_a_hung_check_is_stopped_and_what_ran_before_it_is_kept(tmp_path: Path) -> None:
