@@ -285,20 +285,24 @@ def cold(files: list[Path]) -> bool:
 
 
 @contextlib.contextmanager
-def forced_cold(files: list[Path]) -> Iterator[str]:
+def forced_cold(files: list[Path], *, whole_machine: bool, drop: bool = True) -> Iterator[str]:
     """Make the next pass read ``files`` with O_DIRECT; yields how.
 
-    Drops the files from the page cache (fadvise, then as root ``drop_caches``). Where the
-    sandbox keeps them cached anyway, routes every chunk of the pass to O_DIRECT for the duration,
-    since what is checked is the direct read into the pinned staging buffer, not the cache policy.
+    Drops the files from the page cache (fadvise; with ``whole_machine``, as root, then the whole
+    page cache with ``drop_caches``: only on a machine lent to this run). Where the sandbox keeps
+    them cached anyway, routes every chunk of the pass to O_DIRECT for the duration, since what is
+    checked is the direct read into the pinned staging buffer, not the cache policy. ``drop``
+    False goes straight to that (how the tests take this path on a machine where dropping works).
     """
-    drop_page_cache(files)
-    if cold(files):
-        yield "page cache dropped (fadvise)"
-        return
-    with contextlib.suppress(OSError):
-        Path("/proc/sys/vm/drop_caches").write_text("1\n")
-    if cold(files):
+    if drop:
+        drop_page_cache(files)
+        if cold(files):
+            yield "page cache dropped (fadvise)"
+            return
+    if whole_machine and drop:
+        with contextlib.suppress(OSError):
+            Path("/proc/sys/vm/drop_caches").write_text("1\n")
+    if drop and cold(files):
         yield "page cache dropped (drop_caches)"
         return
     from adalncache.source import reads
@@ -585,7 +589,8 @@ def check_o_direct(ctx: Context) -> dict[str, Any]:
     xs = make_inputs(ckpt.spec, plans, ctx.device, seed=3)
     supported = o_direct_works(ckpt.files[0])
     source = ckpt.source()
-    with forced_cold(ckpt.files) as how:
+    keep = "keep-cache:o-direct" in ctx.args.simulate.split(",")
+    with forced_cold(ckpt.files, whole_machine=ctx.device.type == "cuda", drop=not keep) as how:
         before = source.bytes_direct
         cache = ctx.cache(ckpt, source, max_plans=len(plans))
         cache.build(plans, embed=embed_of(xs))

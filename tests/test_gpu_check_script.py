@@ -101,12 +101,17 @@ def test_every_check_runs_on_cpu(tmp_path: Path) -> None:
 def test_a_failing_check_leaves_the_others_and_the_demo_runs_last(tmp_path: Path) -> None:
     """One check raises, another hangs in its child process: both are recorded, the rest still run."""
     proc, body = run_script(
-        tmp_path, "--only", "environment,exact-match,nccl,host-tier,demo", "--simulate", "fail:exact-match,hang:nccl",
-        "--check-timeout", "30", env_dir=without_diffusers(tmp_path),
+        tmp_path, "--only", "environment,exact-match,o-direct,nccl,host-tier,demo",
+        "--simulate", "fail:exact-match,hang:nccl,keep-cache:o-direct", "--check-timeout", "30",
+        env_dir=without_diffusers(tmp_path),
     )  # fmt: skip
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert [r["check"] for r in body["results"]] == ["environment", "exact-match", "nccl", "host-tier", "demo"]
+    checks = ["environment", "exact-match", "o-direct", "nccl", "host-tier", "demo"]
+    assert [r["check"] for r in body["results"]] == checks
     results = by_name(body)
+    direct = results["o-direct"]  # the path of a sandbox that keeps the page cache: every chunk O_DIRECT
+    assert direct["ok"] and direct["how"].startswith("page cache could not be dropped")
+    assert direct["direct_mib"] > 0 or not direct["o_direct_supported"]
     failed = results["exact-match"]
     assert failed["ok"] is False and "simulated failure of exact-match" in failed["error"]
     assert "Traceback" in failed["traceback"]
