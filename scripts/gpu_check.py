@@ -1236,7 +1236,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--in-features", type=int, default=2688, help="projection input (default: 2688)")
     parser.add_argument("--only", default="", help=f"comma-separated checks to run, in their order: {','.join(NAMES)}")
     parser.add_argument("--check-timeout", type=float, default=240.0, help="watchdog per check, seconds")
-    parser.add_argument("--deadline", type=float, default=540.0, help="skip the remaining checks after this many s")
+    parser.add_argument("--deadline", type=float, default=420.0, help="skip the remaining checks after this many s")
     parser.add_argument("--demo-size", default="small", choices=["tiny", "small"])
     parser.add_argument("--demo-steps", type=int, default=8)
     parser.add_argument("--simulate", default="", help=argparse.SUPPRESS)  # fail:NAME,hang:NAME,... (tests)
