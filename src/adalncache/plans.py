@@ -7,7 +7,9 @@ two plans that differ in one bit (or only in order) give different AdaLN outputs
 
 from __future__ import annotations
 
+import functools
 import math
+import struct
 from collections.abc import Sequence
 
 import torch
@@ -23,24 +25,41 @@ def _describe(plan: object) -> str:
     return type(plan).__name__
 
 
+@functools.lru_cache(maxsize=64)
+def _codec(n: int) -> tuple[struct.Struct, struct.Struct]:
+    """Pack ``n`` floats as fp32 and read the same bytes back as int32: the bit patterns."""
+    return struct.Struct(f"={n}f"), struct.Struct(f"={n}i")
+
+
 def plan_key(plan: torch.Tensor) -> PlanKey:
     """The exact identity of a plan: its fp32 bit patterns, in order.
 
     Raises PlanError for anything that is not a 1-D float32 tensor, since such a thing has no
     fp32 bit pattern to key on (a float64 or float16 timestep would be rounded by the model).
+
+    Why it is written this way: every request keys all of its plans, so this is on the hit path
+    (one call per step of a request). ``tolist()`` gives Python floats that hold the fp32 values
+    exactly, and packing them back as fp32 and unpacking as int32 gives their bit patterns for
+    about half the cost of viewing the tensor as int32 (measured ~1.5 us against ~3 us per plan).
+    The round trip through a double keeps every finite value, infinities and -0.0; only a NaN's
+    payload could change, so a plan holding a NaN (never a valid plan) is keyed the slow, exact way.
     """
     if not isinstance(plan, torch.Tensor) or plan.dtype != torch.float32 or plan.dim() != 1:
         raise PlanError(
             f"a plan must be a 1-D float32 tensor of timesteps (the model's `timestep` argument), got "
             f"{_describe(plan)}; pass timestep.to(torch.float32).flatten()"
         )
-    if plan.device.type == "meta":
-        # A meta tensor has no bits to key on (it would fail later with a bare NotImplementedError).
-        raise PlanError("a plan must hold data, got a meta tensor: pass the timestep tensor the forward receives")
-    host = plan.detach()
-    if host.device.type != "cpu":
-        host = host.cpu()
-    return tuple(host.contiguous().view(torch.int32).tolist())
+    if not plan.is_cpu:
+        if plan.is_meta:
+            # A meta tensor has no bits to key on (it would fail later with a bare NotImplementedError).
+            raise PlanError("a plan must hold data, got a meta tensor: pass the timestep tensor the forward receives")
+        plan = plan.detach().cpu()
+    values = plan.tolist()
+    total = sum(values)
+    if total != total:  # a NaN (or inf - inf): the float round trip might not keep the bits
+        return tuple(plan.detach().contiguous().view(torch.int32).tolist())
+    as_fp32, as_int32 = _codec(len(values))
+    return as_int32.unpack(as_fp32.pack(*values))  # type: ignore[no-any-return]
 
 
 def key_to_plan(key: PlanKey) -> torch.Tensor:
@@ -62,8 +81,15 @@ def validate_plan(plan: torch.Tensor, *, max_plan_width: int | None = None) -> N
         )
 
 
-def distinct_plans(plans: Sequence[torch.Tensor]) -> tuple[list[PlanKey], dict[PlanKey, torch.Tensor]]:
-    """Keys of ``plans`` in first-seen order, deduplicated, with one tensor per key."""
+def keyed_plans(
+    plans: Sequence[torch.Tensor], keys: Sequence[PlanKey] | None = None
+) -> tuple[list[torch.Tensor], list[PlanKey]]:
+    """``plans`` as a list, with one key per plan (computed here, or the caller's ``keys``).
+
+    ``keys``: the plans' keys computed once by the caller (``plan_key`` of each plan, in order),
+    so a request that is looked up at every step is keyed only once. They are trusted here; the
+    cache re-checks the key of every plan it is about to build.
+    """
     if plans is None or isinstance(plans, (str, bytes)) or not hasattr(plans, "__iter__"):
         raise PlanError(
             f"build() takes a sequence of plans (one 1-D timestep tensor per step), got {type(plans).__name__}: "
@@ -74,14 +100,28 @@ def distinct_plans(plans: Sequence[torch.Tensor]) -> tuple[list[PlanKey], dict[P
             "build() takes a sequence of plans (one 1-D timestep tensor per step), got a single tensor: "
             "wrap it in a list"
         )
-    order: list[PlanKey] = []
+    plans = list(plans)  # any iterable; callers walk it more than once
+    if keys is None:
+        return plans, [plan_key(plan) for plan in plans]
+    keys = list(keys)
+    if len(keys) != len(plans):
+        raise PlanError(
+            f"keys= must hold one key per plan (plan_key of each, in order), got {len(keys)} keys for "
+            f"{len(plans)} plans"
+        )
+    return plans, keys
+
+
+def distinct_plans(
+    plans: Sequence[torch.Tensor], keys: Sequence[PlanKey] | None = None
+) -> tuple[list[PlanKey], dict[PlanKey, torch.Tensor]]:
+    """Keys of ``plans`` in first-seen order, deduplicated, with one tensor per key (see :func:`keyed_plans`)."""
+    plans, keys = keyed_plans(plans, keys)
     tensors: dict[PlanKey, torch.Tensor] = {}
-    for plan in plans:
-        key = plan_key(plan)
+    for key, plan in zip(keys, plans):
         if key not in tensors:
             tensors[key] = plan
-            order.append(key)
-    return order, tensors
+    return list(tensors), tensors
 
 
 def format_plan(key: PlanKey, limit: int = 4) -> str:
@@ -96,6 +136,7 @@ __all__ = [
     "distinct_plans",
     "format_plan",
     "key_to_plan",
+    "keyed_plans",
     "minimax_h3_plans",
     "plan_key",
     "validate_plan",

@@ -178,6 +178,10 @@ class TierChain:
         if self.host is not None:
             self.host.clear()
 
+    def release(self) -> int:
+        """Give the host tier's arena back (the store keeps its files); returns the bytes released."""
+        return self.host.release() if self.host is not None else 0
+
     def check_invariants(self) -> None:
         if self.host is not None:
             self.host.check_invariants()
