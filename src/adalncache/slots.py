@@ -146,7 +146,7 @@ class SlotPool:
         The one place that decides what may be evicted: never a plan of the request itself, and
         never a plan a request in flight holds.
         """
-        return [k for k in self._map if k not in wanted and self._map[k] not in self._holds]
+        return [k for k in self._map if self._map[k] not in self._holds if k not in wanted]
 
     def reserve(self, missing: Sequence[PlanKey], wanted: Collection[PlanKey]) -> Reservation:
         """Slots for ``missing``: free ones first (lowest first), then LRU plans outside ``wanted``.
