@@ -1,6 +1,6 @@
 """adalncache: serve AdaLN modulation from bit-exact precomputed tables.
 
-The public names are listed in DESIGN.md section 2; see the README for a walk-through.
+The public names are listed in docs/api.md; see the README for a walk-through.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from .errors import (
     PlanError,
     PlanNotCachedError,
 )
+from .holds import PlanHold
 from .plans import plan_key
 from .source import CheckpointSource, TensorSource
 from .spec import ModulationSpec
@@ -32,6 +33,7 @@ __all__ = [
     "ConfigError",
     "ModulationSpec",
     "PlanError",
+    "PlanHold",
     "PlanNotCachedError",
     "Store",
     "TensorSource",

@@ -199,8 +199,11 @@ class SlotPool:
         self._free_slot(slot)
 
     def _free_slot(self, slot: int) -> None:
+        # The clearing may run outside a build, on the releasing thread's stream: the next writer
+        # of the slot waits for it, as for any write.
         self.sync.before_write([slot])
         self._slab.clear(slot)
+        self.sync.after_write([slot])
         self._free.append(slot)
 
     def hold(self, slots: Iterable[int]) -> None:

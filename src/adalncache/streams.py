@@ -13,9 +13,11 @@ stream, so three orderings must be made explicit:
 * **read -> rewrite.** Eviction, a rebuild into a freed slot, and the clearing of a slot's length
   all write into memory that a reader on another stream may still have queued reads of. So a
   request that held slots records an event when it releases them, a gather records one after
-  reading (:meth:`StreamSync.after_read`), and a build's stream waits on every such event of a
-  slot before its first write to it (:meth:`StreamSync.before_write`). Per slot, only the newest
-  event of each stream is kept: events on one stream complete in order.
+  reading (:meth:`StreamSync.after_read`), and a writer's stream waits on every such event of a
+  slot, and on the slot's last write, before its first write to it
+  (:meth:`StreamSync.before_write`). Per slot, only the newest event of each stream is kept:
+  events on one stream complete in order. A clearing outside a build (the last release of a slot
+  retired by ``invalidate()``, ``invalidate()`` itself) records its own write event.
 * **build -> build.** Builds are serialised on the host by the cache's lock, but two threads
   build on two streams. Each build's stream waits on the previous build's last event
   (:meth:`StreamSync.begin_build`), so host-tier copies and slot writes of consecutive builds
@@ -171,14 +173,17 @@ class StreamSync:
             self.last_build = event
 
     def before_write(self, slots: Iterable[int]) -> None:
-        """Before the first write to ``slots``: wait until every pending read of them is done."""
+        """Before the first write to ``slots``: wait until every pending read of them is done, and
+        the last write of each (a clearing on another stream, say)."""
         if not self.backend.active:
             return
         pending: list[Any] = []
         with self._lock:
             for slot in slots:
                 pending.extend(self.read[slot].values())
-                self.read[slot].clear()
+                self.read[slot].clear()  # waited for by this stream, which writes everything after
+                pending.append(self.written[slot])
+            # Reads of unknown slots stay: a writer on another stream must wait for them too.
             pending.extend(self.read_any.values())
         for event in _distinct(pending):
             self.backend.wait(event)
