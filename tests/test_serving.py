@@ -431,3 +431,51 @@ def test_a_failed_build_on_one_thread_leaves_the_others_served(ckpt: Path) -> No
         got = rows_of_slot(cache, slots, 1)
         assert all(torch.equal(a, b) for a, b in zip(got, reference(weights, PLANS[0])))
     cache.check_invariants()
+
+
+# -- autocast -------------------------------------------------------------------------------------------
+
+
+def test_tables_built_under_autocast_are_the_autocast_projection(tmp_path: Path) -> None:
+    """Under CPU autocast to bf16 an fp32 projection computes and returns bf16: the tables hold those
+    values (exactly: the fp32 slab holds every bf16 value) and are served back in bf16; tables built
+    outside autocast are never served inside it, nor the other way round."""
+    spec = SPEC.with_dtype(torch.float32)
+    path = write_checkpoint(tmp_path / "fp32", make_weights(spec, seed=2))
+    weights = load_reference(path)
+    embed = embed_for(spec)
+    cache = AdalnCache(spec, CheckpointSource(path, spec), max_plans=4, store=tmp_path / "store", progress=False)
+    plan = PLANS[1]
+    layer0 = (weights[LAYOUT.weight(0)], weights[LAYOUT.bias(0)])
+    cache.build([plan], embed=embed)
+    plain = cache.block_rows(0, cache.lookup(plan), 2)
+    assert plain.dtype == torch.float32 and torch.equal(plain, F.linear(embed(plan), *layer0))
+    plain_binding = cache.binding()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = F.linear(embed(plan), *layer0)
+        assert want.dtype == torch.bfloat16 and not torch.equal(want.float(), plain)
+        report = cache.build([plan], embed=embed)
+        assert report.built == 1 and cache.stats.variant_changes == 1  # not served the fp32 tables
+        got = cache.block_rows(0, cache.lookup(plan), 2)
+        assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+        assert cache.binding()["environment"]["autocast"] == "bfloat16"
+        assert cache.binding() != plain_binding  # store entries of one never hit for the other
+        with cache.acquire([plan], embed=embed) as slots:
+            shift, scale = cache.final(slots, 2)
+            assert shift.dtype == torch.bfloat16
+    assert "autocast" not in plain_binding["environment"]
+    assert cache.build([plan], embed=embed).store_hits == 1  # outside again: the fp32 entry, not the bf16 one
+    assert torch.equal(cache.block_rows(0, cache.lookup(plan), 2), plain)
+
+
+def test_autocast_the_slab_cannot_hold_exactly_is_refused(ckpt: Path, tmp_path: Path) -> None:
+    cache = AdalnCache(SPEC, CheckpointSource(ckpt, SPEC), max_plans=2, progress=False)  # a bf16 slab
+    before = snapshot(cache)
+    with torch.autocast("cpu", dtype=torch.float16), pytest.raises(ConfigError, match="cannot hold exactly"):
+        cache.build([PLANS[0]], embed=EMBED)
+    assert_same_state(before, cache)
+    spec = SPEC.with_dtype(torch.float32)
+    path = write_checkpoint(tmp_path / "fp32", make_weights(spec))
+    fp32 = AdalnCache(spec, CheckpointSource(path, spec), precision="fp32", progress=False)
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(ConfigError, match="--precision"):
+        fp32.build([PLANS[0]], embed=embed_for(spec))
