@@ -7,10 +7,9 @@ two plans that differ in one bit (or only in order) give different AdaLN outputs
 
 from __future__ import annotations
 
-import functools
 import math
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -25,10 +24,31 @@ def _describe(plan: object) -> str:
     return type(plan).__name__
 
 
-@functools.lru_cache(maxsize=64)
-def _codec(n: int) -> tuple[struct.Struct, struct.Struct]:
-    """Pack ``n`` floats as fp32 and read the same bytes back as int32: the bit patterns."""
-    return struct.Struct(f"={n}f"), struct.Struct(f"={n}i")
+_TENSOR = torch.Tensor
+_FLOAT32 = torch.float32
+#: ``(pack n floats as fp32, unpack n int32)`` by n: the bit patterns of n fp32 values.
+_CODECS: dict[int, tuple[Callable[..., bytes], Callable[[bytes], tuple[int, ...]]]] = {}
+
+
+def _codec(n: int) -> tuple[Callable[..., bytes], Callable[[bytes], tuple[int, ...]]]:
+    codec = _CODECS.get(n)
+    if codec is None:
+        codec = _CODECS[n] = (struct.Struct(f"={n}f").pack, struct.Struct(f"={n}i").unpack)
+    return codec
+
+
+def _bits(values: list[float]) -> tuple[int, ...] | None:
+    """The fp32 bit patterns of ``values`` (fp32 values held as Python floats), or None for a NaN.
+
+    Packing the floats back as fp32 and unpacking the bytes as int32 gives the bit patterns; the
+    round trip through a double keeps every finite value, the infinities and -0.0, but could
+    change a NaN's payload, so a NaN (or inf - inf) in the sum sends the caller the exact way.
+    """
+    total = sum(values)
+    if total != total:
+        return None
+    pack, unpack = _codec(len(values))
+    return unpack(pack(*values))
 
 
 def plan_key(plan: torch.Tensor) -> PlanKey:
@@ -36,15 +56,10 @@ def plan_key(plan: torch.Tensor) -> PlanKey:
 
     Raises PlanError for anything that is not a 1-D float32 tensor, since such a thing has no
     fp32 bit pattern to key on (a float64 or float16 timestep would be rounded by the model).
-
-    Why it is written this way: every request keys all of its plans, so this is on the hit path
-    (one call per step of a request). ``tolist()`` gives Python floats that hold the fp32 values
-    exactly, and packing them back as fp32 and unpacking as int32 gives their bit patterns for
-    about half the cost of viewing the tensor as int32 (measured ~1.5 us against ~3 us per plan).
-    The round trip through a double keeps every finite value, infinities and -0.0; only a NaN's
-    payload could change, so a plan holding a NaN (never a valid plan) is keyed the slow, exact way.
+    Every request keys all of its plans, so this is on the hit path: ``tolist`` and a
+    ``struct`` round trip cost about half of viewing the tensor as int32.
     """
-    if not isinstance(plan, torch.Tensor) or plan.dtype != torch.float32 or plan.dim() != 1:
+    if not isinstance(plan, _TENSOR) or plan.dtype is not _FLOAT32 or plan.dim() != 1:
         raise PlanError(
             f"a plan must be a 1-D float32 tensor of timesteps (the model's `timestep` argument), got "
             f"{_describe(plan)}; pass timestep.to(torch.float32).flatten()"
@@ -54,12 +69,42 @@ def plan_key(plan: torch.Tensor) -> PlanKey:
             # A meta tensor has no bits to key on (it would fail later with a bare NotImplementedError).
             raise PlanError("a plan must hold data, got a meta tensor: pass the timestep tensor the forward receives")
         plan = plan.detach().cpu()
-    values = plan.tolist()
-    total = sum(values)
-    if total != total:  # a NaN (or inf - inf): the float round trip might not keep the bits
+    key = _bits(plan.tolist())
+    if key is None:
         return tuple(plan.detach().contiguous().view(torch.int32).tolist())
-    as_fp32, as_int32 = _codec(len(values))
-    return as_int32.unpack(as_fp32.pack(*values))  # type: ignore[no-any-return]
+    return key
+
+
+def plan_keys(plans: Sequence[torch.Tensor]) -> list[PlanKey]:
+    """``[plan_key(p) for p in plans]``, computed for the whole request at once.
+
+    One ``cat`` and one ``tolist`` for every plan instead of one each (measured: about half the
+    cost for a 49-plan request). Anything unusual (a plan on a device, another dtype or rank, a
+    NaN) goes the per-plan way, which raises the precise PlanError.
+    """
+    try:
+        for plan in plans:
+            if plan.dtype is not _FLOAT32 or plan.dim() != 1:
+                raise _PerPlan
+        flat = torch.cat(list(plans))
+        if flat.dim() != 1 or not flat.is_cpu:
+            raise _PerPlan
+        bits = _bits(flat.tolist())
+        if bits is None:
+            raise _PerPlan
+    except Exception:  # not tensors, mixed devices, nothing to concatenate...: the exact, slower way
+        return [plan_key(plan) for plan in plans]
+    keys: list[PlanKey] = []
+    start = 0
+    for plan in plans:
+        stop = start + plan.numel()
+        keys.append(bits[start:stop])
+        start = stop
+    return keys
+
+
+class _PerPlan(Exception):
+    """Internal: key this request plan by plan."""
 
 
 def key_to_plan(key: PlanKey) -> torch.Tensor:
@@ -102,7 +147,7 @@ def keyed_plans(
         )
     plans = list(plans)  # any iterable; callers walk it more than once
     if keys is None:
-        return plans, [plan_key(plan) for plan in plans]
+        return plans, plan_keys(plans)
     keys = list(keys)
     if len(keys) != len(plans):
         raise PlanError(
@@ -139,6 +184,7 @@ __all__ = [
     "keyed_plans",
     "minimax_h3_plans",
     "plan_key",
+    "plan_keys",
     "validate_plan",
 ]
 

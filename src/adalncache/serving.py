@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from .identity import TableIdentity
-from .plans import PlanKey, plan_key
+from .plans import PlanKey, plan_key, plan_keys
 from .slab import Slab
 from .slots import SlotPool
 from .spec import ModulationSpec
@@ -41,7 +41,7 @@ class SlabReads:
         Made without a host-to-device copy (a view, or a tensor kept per slot list); read-only.
         """
         if keys is None:
-            keys = [plan_key(p) for p in plans]
+            keys = plan_keys(plans)
         with self._lock:
             slots = [self._pool.require(k) for k in keys]
             tensor = self._slab.indices(slots)
