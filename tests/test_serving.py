@@ -260,7 +260,7 @@ def test_stream_sync_bookkeeping_per_slot() -> None:
     events.current = "build"
     sync.begin_build()  # nothing to wait for yet
     sync.before_write([0, 1])
-    sync.after_write([0, 1])  # event 1, after the last write of slots 0 and 1
+    sync.after_write([0, 1], publish=True)  # event 1, after the last write of slots 0 and 1
     sync.end_build()  # event 2
     assert events.waits() == []
     events.current = "reader"
@@ -268,6 +268,8 @@ def test_stream_sync_bookkeeping_per_slot() -> None:
     assert events.waits() == [("reader", 1)]
     sync.before_read([2, 3])  # never written: nothing to wait for
     assert events.waits() == [("reader", 1)]
+    sync.before_read(None)  # slots the host does not know: after every publish
+    assert events.waits() == [("reader", 1)] * 2
     sync.after_read([1])  # event 3: the reader's release of slot 1
     events.current = "other reader"
     sync.after_read(None)  # event 4: a gather whose slot the host does not know
@@ -462,7 +464,8 @@ def test_tables_built_under_autocast_are_the_autocast_projection(tmp_path: Path)
         assert cache.binding() != plain_binding  # store entries of one never hit for the other
         with cache.acquire([plan], embed=embed) as slots:
             shift, scale = cache.final(slots, 2)
-            assert shift.dtype == torch.bfloat16
+            final = F.linear(embed(plan), weights[LAYOUT.weight(FINAL)], weights[LAYOUT.bias(FINAL)])
+            assert shift.dtype == torch.bfloat16 and torch.equal(torch.cat([shift, scale], -1), final)
     assert "autocast" not in plain_binding["environment"]
     assert cache.build([plan], embed=embed).store_hits == 1  # outside again: the fp32 entry, not the bf16 one
     assert torch.equal(cache.block_rows(0, cache.lookup(plan), 2), plain)

@@ -237,7 +237,7 @@ class SlotPool:
 
         The event readers wait on is recorded first, after every device write of the build.
         """
-        self.sync.after_write(list(slots.values()))
+        self.sync.after_write(list(slots.values()), publish=True)
         self._map.update(slots)
 
     def clear(self) -> None:

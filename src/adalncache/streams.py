@@ -150,6 +150,10 @@ class StreamSync:
         self.read_any: dict[Hashable, Any] = {}
         #: The event after the last build's last write (the next build's stream waits on it).
         self.last_build: Any = None
+        #: The event of the newest publish. Builds are chained (each waits for the previous one),
+        #: so it follows every earlier publish too: a reader of slots the host does not know
+        #: waits on it alone.
+        self.last_publish: Any = None
 
     @property
     def active(self) -> bool:
@@ -188,21 +192,23 @@ class StreamSync:
         for event in _distinct(pending):
             self.backend.wait(event)
 
-    def after_write(self, slots: Sequence[int]) -> None:
-        """After the last write of ``slots`` (their publish): one event every later reader waits on."""
+    def after_write(self, slots: Sequence[int], *, publish: bool = False) -> None:
+        """After the last write of ``slots``: one event every later reader (``publish``) or writer waits on."""
         if not self.backend.active or not slots:
             return
         event = self.backend.record()
         with self._lock:
             for slot in slots:
                 self.written[slot] = event
+            if publish:
+                self.last_publish = event
 
     def before_read(self, slots: Iterable[int] | None) -> None:
-        """Before reading ``slots`` (``None``: slots the host does not know, so every written slot)."""
+        """Before reading ``slots`` (``None``: slots the host does not know: after every publish)."""
         if not self.backend.active:
             return
         with self._lock:
-            events = list(self.written) if slots is None else [self.written[slot] for slot in slots]
+            events = [self.last_publish] if slots is None else [self.written[slot] for slot in slots]
         for event in _distinct(events):
             self.backend.wait(event)
 
