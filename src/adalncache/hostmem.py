@@ -21,11 +21,12 @@ tested on a CPU with :class:`RecordingRegistrar`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import threading
 import weakref
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -91,10 +92,19 @@ class RecordingRegistrar:
 CUDA = CudaRegistrar()
 
 
-def _unregister(registrar: Registrar, address: int, keep_alive: object) -> None:
+def _on_device(device: torch.device | None) -> contextlib.AbstractContextManager[Any]:
+    """``device`` current for a CUDA runtime call: a call on a thread whose current device is
+    another GPU would create a context there (about 0.5 GiB of that GPU's memory)."""
+    if device is None or device.type != "cuda":
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
+
+
+def _unregister(registrar: Registrar, address: int, device: torch.device | None, keep_alive: object) -> None:
     """Finalizer: unlock the pages; ``keep_alive`` (the mapping) is dropped only after, so the range
     is still mapped when it is unregistered."""
-    registrar.unregister(address)
+    with _on_device(device):
+        registrar.unregister(address)
     del keep_alive
 
 
@@ -104,10 +114,18 @@ class HostBuffer:
     The memory is an anonymous mapping of exactly ``nbytes`` (rounded to whole pages by the
     kernel, never to a power of two). It goes back to the system when both this object is
     released (or collected) and no tensor viewing it is alive. :meth:`release` unlocks the pages
-    at once; views that outlive it stay valid, as ordinary pageable memory.
+    at once; views that outlive it stay valid, as ordinary pageable memory. ``device``: the GPU
+    the buffer serves, made current for the CUDA calls (whatever thread makes them).
     """
 
-    def __init__(self, nbytes: int, *, pin: bool = False, registrar: Registrar | None = None) -> None:
+    def __init__(
+        self,
+        nbytes: int,
+        *,
+        pin: bool = False,
+        registrar: Registrar | None = None,
+        device: torch.device | None = None,
+    ) -> None:
         if nbytes < 0:
             raise ValueError(f"a host buffer needs nbytes >= 0, got {nbytes}")
         self.nbytes = int(nbytes)
@@ -122,9 +140,10 @@ class HostBuffer:
         if pin:
             registrar = registrar if registrar is not None else CUDA
             address = self.tensor.data_ptr()
-            registrar.register(address, self.nbytes)  # raises: nothing registered, the mapping just goes
+            with _on_device(device):
+                registrar.register(address, self.nbytes)  # raises: nothing registered, the mapping just goes
             self.pinned = True
-            self._finalizer = weakref.finalize(self, _unregister, registrar, address, mapping)
+            self._finalizer = weakref.finalize(self, _unregister, registrar, address, device, mapping)
 
     def release(self) -> int:
         """Unlock the pages now (idempotent); returns the bytes that were page-locked."""
@@ -147,7 +166,7 @@ def host_tensor_like(
     Returns the copy and the buffer that owns its memory (keep it to release the pages early).
     """
     nbytes = tensor.numel() * tensor.element_size()
-    buffer = HostBuffer(nbytes, pin=pin, registrar=registrar)
+    buffer = HostBuffer(nbytes, pin=pin, registrar=registrar, device=tensor.device)
     copy = buffer.tensor.view(tensor.dtype).view(tensor.shape) if nbytes else torch.empty_like(tensor, device="cpu")
     copy.copy_(tensor)
     return copy, buffer

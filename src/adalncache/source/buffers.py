@@ -116,10 +116,14 @@ class StagingPool:
     #: How long to wait for a consumer to drop a buffer before giving up and allocating a new one.
     WAIT_S = 0.05
 
-    def __init__(self, slots: int, pin: bool, registrar: Registrar | None = None) -> None:
+    def __init__(
+        self, slots: int, pin: bool, registrar: Registrar | None = None, device: torch.device | None = None
+    ) -> None:
         self.slots = max(1, slots)
         self.pin = pin
         self.registrar = registrar
+        #: The GPU the page-locked buffers serve (current for the CUDA calls, on any thread).
+        self.device = device
         self._lock = threading.Lock()  # the reader thread and a prefaulting consumer share the pool
         self._buffers: dict[tuple[int, str], tuple[torch.Tensor, int]] = {}
         #: The page-locked host buffers behind the pool's storages (pinned pools only), by slot.
@@ -136,7 +140,7 @@ class StagingPool:
         self.requested.append(size)
         if not self.pin:
             return torch.empty(size, dtype=torch.uint8), None
-        owner = HostBuffer(size, pin=True, registrar=self.registrar)
+        owner = HostBuffer(size, pin=True, registrar=self.registrar, device=self.device)
         return owner.tensor, owner
 
     def _free(self, key: tuple[int, str]) -> tuple[torch.Tensor, int] | None:
@@ -219,7 +223,7 @@ class StagingPool:
         if max(1, slots) == self.slots:
             self._wait = self.WAIT_S  # a new pass, perhaps a different consumer
             return self
-        pool = StagingPool(slots, self.pin, self.registrar)
+        pool = StagingPool(slots, self.pin, self.registrar, self.device)
         with self._lock:
             for key, held in self._buffers.items():
                 if key[0] < pool.slots:

@@ -283,7 +283,8 @@ class CheckpointSource:
                 kept, self._kept = self._kept, None
             # Another read_ahead keeps the buffers it can use; a pool of the other kind is dropped.
             reuse = kept is not None and kept.pin == cuda
-            staging = kept.resized(slots) if reuse and kept is not None else StagingPool(slots, pin=cuda)
+            staging = kept.resized(slots) if reuse and kept is not None else StagingPool(slots, pin=cuda, device=device)
+            staging.device = device if cuda else None
 
         def load(fds: dict[Path, int], index: int) -> LayerWeights:
             layer = todo[index]

@@ -68,7 +68,8 @@ class TierChain:
         stats: CacheStats,
     ) -> TierChain:
         """The host tier (``host_cache_bytes > 0``) and the store (``store=``, a directory or a Store)."""
-        host = HostTier(spec, host_cache_bytes, pin=device.type == "cuda") if host_cache_bytes > 0 else None
+        cuda = device.type == "cuda"
+        host = HostTier(spec, host_cache_bytes, pin=cuda, device=device) if host_cache_bytes > 0 else None
         if store is not None and not getattr(source, "persistent", True):
             # An in-memory source's fingerprint names addresses in this process: its entries could
             # never be found again, so they would only fill the disk.

@@ -26,6 +26,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+import torch
+
 from ..hostmem import HostBuffer, Registrar
 from ..plans import PlanKey, key_to_plan
 from ..rows import PlanRows
@@ -57,14 +59,20 @@ class HostTier:
     """
 
     def __init__(
-        self, spec: ModulationSpec, capacity_bytes: int, *, pin: bool = False, registrar: Registrar | None = None
+        self,
+        spec: ModulationSpec,
+        capacity_bytes: int,
+        *,
+        pin: bool = False,
+        registrar: Registrar | None = None,
+        device: torch.device | None = None,
     ) -> None:
         self.spec = spec
         self.capacity_bytes = int(capacity_bytes)
         self.unit_bytes = -(-spec.row_bytes // _ALIGN) * _ALIGN
         self.total_units = self.capacity_bytes // self.unit_bytes
         # Only whole units are usable; the remainder (< one unit) is never allocated.
-        self._buffer = HostBuffer(self.total_units * self.unit_bytes, pin=pin, registrar=registrar)
+        self._buffer = HostBuffer(self.total_units * self.unit_bytes, pin=pin, registrar=registrar, device=device)
         self.pinned = self._buffer.pinned
         self.arena = self._buffer.tensor
         self._owner: list[PlanKey | None] = [None] * self.total_units
