@@ -119,9 +119,7 @@ class TableIdentity:
         if variant_changed:
             if holds_tables:
                 self.stats.variant_changes += 1
-                drop(
-                    f"variant changed ({self.variant!r} -> {variant!r}, autocast {self.autocast} -> {autocast})"
-                )
+                drop(f"variant changed ({self.variant!r} -> {variant!r}, autocast {self.autocast} -> {autocast})")
             self.variant = variant
             self.autocast = autocast
 

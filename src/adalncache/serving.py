@@ -108,5 +108,4 @@ class SlabReads:
         return shift, scale
 
 
-
 __all__ = ["SlabReads"]

@@ -226,9 +226,7 @@ class BuildTransaction:
         bytes_before = self.source.bytes_read
         faults = self._faults()
         try:
-            from_host, from_store = self._tiers.lookup(
-                missing, binding=self._identity.current_binding, faults=faults
-            )
+            from_host, from_store = self._tiers.lookup(missing, binding=self._identity.current_binding, faults=faults)
         except BaseException:
             # Tier errors fall through to a rebuild inside the lookup; only an interrupt (or
             # another BaseException) gets here. Nothing is reserved yet, so there is nothing to undo.

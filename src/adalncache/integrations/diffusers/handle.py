@@ -124,9 +124,7 @@ class AdalnCacheHandle:
             held.release()
 
     @contextlib.contextmanager
-    def request(
-        self, plans: Sequence[Any], *, attention_kwargs: Mapping[str, Any] | None = None
-    ) -> Iterator[PlanHold]:
+    def request(self, plans: Sequence[Any], *, attention_kwargs: Mapping[str, Any] | None = None) -> Iterator[PlanHold]:
         """``with handle.request(plans):`` prepares ``plans`` and holds them until the block ends.
 
         For a bare transformer loop: no build for another request evicts or rewrites these plans
@@ -278,9 +276,7 @@ class AdalnCacheHandle:
 
     # ------------------------------------------------------------------ per forward
 
-    def _make_resident(
-        self, plan: torch.Tensor, key: PlanKey, attention_kwargs: Mapping[str, Any] | None
-    ) -> PlanHold:
+    def _make_resident(self, plan: torch.Tensor, key: PlanKey, attention_kwargs: Mapping[str, Any] | None) -> PlanHold:
         """Before a forward: hold ``plan`` resident under the forward's LoRA signature (or refuse).
 
         Called by the transformer hook with the host copy of the forward's timestep and its key;
