@@ -107,7 +107,9 @@ def scenario_faults(rank: int, world: int, pg: Any, data: Path) -> dict[str, Any
             cases.append(("layers", failing, rng.choice(shares[failing])))
     cases.append(("columns", world - 1, rng.choice(spec.layers())))
     cases.append(("layers", 0, "embed"))
-    cases.append(("layers", world - 1, "publish"))  # 2 * world + 3 cases of 2 plans: no eviction
+    cases.append(("layers", world - 1, "publish"))
+    # Ctrl-C on one rank: that rank raises the interrupt itself, its peers a BuildError naming it.
+    cases.append(("interrupt", world - 1, rng.choice(shares[world - 1])))  # 2 * world + 4 cases: no eviction
     source = FaultInjectingSource(CheckpointSource(_checkpoint(data, spec), spec), None)
     caches = {
         mode: AdalnCache(spec, source, max_plans=24, max_plan_width=4, process_group=pg, shard=mode)
@@ -116,12 +118,13 @@ def scenario_faults(rank: int, world: int, pg: Any, data: Path) -> dict[str, Any
     for cache in caches.values():
         cache.build(plans()[:1], embed=embed_fn(spec))  # a resident plan the faults must not disturb
     records = []
-    for i, (mode, failing, where) in enumerate(cases):
+    for i, (kind, failing, where) in enumerate(cases):
+        mode = "layers" if kind == "interrupt" else kind
         cache = caches[mode]
         request = more_plans(i)
         lengths = cache.plan_lengths.clone()
         resident = cache.resident_plans
-        record: dict[str, Any] = {"mode": mode, "failing": failing, "where": where}
+        record: dict[str, Any] = {"mode": mode, "failing": failing, "where": where, "interrupted": False}
         start = time.monotonic()
         try:
             if rank == failing and where in ("embed", "publish"):
@@ -129,11 +132,13 @@ def scenario_faults(rank: int, world: int, pg: Any, data: Path) -> dict[str, Any
                     cache.build(request, embed=embed_fn(spec))
             else:
                 if rank == failing:
-                    source.arm(where, OSError)
+                    source.arm(where, KeyboardInterrupt if kind == "interrupt" else OSError)
                 cache.build(request, embed=embed_fn(spec))
             record["error"] = None
         except BuildError as exc:
             record.update(error=str(exc), rank=exc.rank, cause=type(exc.__cause__).__name__)
+        except KeyboardInterrupt:
+            record.update(error=None, interrupted=True)
         finally:
             source.disarm()
         record["seconds"] = time.monotonic() - start

@@ -7,8 +7,10 @@ half-built plan visible to a retry, (c) a rejected over-wide request disturbed r
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -305,9 +307,13 @@ def test_tensor_source_uses_tensors_as_they_are(tmp_path: Path) -> None:
     cache.build([B], embed=EMBED)
     assert_plan_exact(cache, weights, "diffusers", EMBED, B)
     weights["transformer_blocks.0.adaln_proj.linear.weight"].mul_(2)  # an in-place edit is noticed
-    report = cache.build([B], embed=EMBED)
-    assert report.built == 1 and cache.stats.fingerprint_changes == 1
+    # ... by the next build that reads the source: a request whose plans are all resident does not
+    # re-check the source (the hit path), one with something to build does, first.
+    assert cache.build([B], embed=EMBED).device_hits == 1 and cache.stats.fingerprint_changes == 0
+    report = cache.build([B, C], embed=EMBED)
+    assert report.built == 2 and cache.stats.fingerprint_changes == 1
     assert_plan_exact(cache, weights, "diffusers", EMBED, B)
+    assert_plan_exact(cache, weights, "diffusers", EMBED, C)
 
 
 # -- faults ---------------------------------------------------------------------------------------
@@ -338,15 +344,41 @@ def test_fault_during_pass(ckpt: Path, fail_at: object) -> None:
         assert_plan_exact(cache, ref, "native", EMBED, plan)
 
 
-@pytest.mark.parametrize("exc", [KeyboardInterrupt, MemoryError])
-def test_interrupt_from_embed_is_a_clean_build_error(ckpt: Path, exc: type[BaseException]) -> None:
+def test_memory_error_from_embed_is_a_clean_build_error(ckpt: Path) -> None:
     cache = make_cache(ckpt, max_plans=3)
     cache.build([A], embed=EMBED)
-    with inject_faults(cache, "embed", exc), pytest.raises(BuildError) as info:
+    with inject_faults(cache, "embed", MemoryError), pytest.raises(BuildError) as info:
         cache.build([B, C], embed=EMBED)
-    assert isinstance(info.value.__cause__, exc)
+    assert isinstance(info.value.__cause__, MemoryError)
     cache.check_invariants()
     assert cache.resident_plans == [plan_key(A)] and len(cache.free_slots) == 2
+
+
+@pytest.mark.parametrize("site", ["embed", "project", "publish", "host_read", 1])
+def test_interrupt_during_a_build_is_rolled_back_and_propagates_as_itself(ckpt: Path, site: object) -> None:
+    """Ctrl-C is the user's: the same rollback as any failure, then the KeyboardInterrupt itself."""
+    source = FaultInjectingSource(CheckpointSource(ckpt, SPEC), None)
+    cache = AdalnCache(SPEC, source, max_plans=3, host_cache_bytes=1 << 20, progress=False)  # type: ignore[arg-type]
+    cache.build([A], embed=EMBED)
+    failed = cache.stats.failed_builds
+    if isinstance(site, int):
+        source.arm(site, KeyboardInterrupt)
+        context: Any = contextlib.nullcontext()
+    else:
+        context = inject_faults(cache, site, KeyboardInterrupt)
+    with context, pytest.raises(KeyboardInterrupt) as info:
+        cache.build([B, C], embed=EMBED)
+    assert type(info.value) is KeyboardInterrupt  # not wrapped
+    cache.check_invariants()
+    assert cache.resident_plans == [plan_key(A)] and len(cache.free_slots) == 2
+    assert cache.stats.failed_builds == failed + 1
+    for plan in (B, C):
+        assert plan not in cache
+    source.disarm()
+    cache.build([B, C], embed=EMBED)  # a retry rebuilds
+    ref = load_reference(ckpt)
+    for plan in (A, B, C):
+        assert_plan_exact(cache, ref, "native", EMBED, plan)
 
 
 @pytest.mark.parametrize("point", ["project", "publish"])

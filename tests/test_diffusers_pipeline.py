@@ -171,3 +171,39 @@ def test_full_pipeline_fl2va_with_a_keyframe(pipe: Any) -> None:
         assert handle.stats.passes == 1
     finally:
         handle.disable()
+
+
+def test_pipeline_holds_a_request_from_its_first_step_to_its_last(pipe: Any, resident: dict[str, torch.Tensor]) -> None:
+    """The prepare block holds the request's plans for the whole loop; the loop's last step, or an
+    exception inside a step, releases them; disable() unwraps the loop again."""
+    from adalncache.integrations.diffusers.pipeline import denoise_loops
+
+    handle = enable_adaln_cache(pipe)
+    cache = handle.cache
+    distinct = len({plan_key(p) for p in minimax_h3_plans("t2va", STEPS)})
+    during: list[int] = []
+    calls = [0]
+
+    def observe(*args: Any) -> None:
+        calls[0] += 1
+        during.append(sum(cache.held_slots.values()))
+        if fail_at[0] == calls[0]:
+            raise RuntimeError("injected failure in the middle of the loop")
+
+    fail_at = [0]
+    hook = pipe.transformer.register_forward_pre_hook(observe)
+    try:
+        _assert_outputs_equal(resident, _call(pipe))
+        assert during and all(held == distinct for held in during)  # held at every step
+        assert cache.held_slots == {}  # and released after the last one
+        calls[0], fail_at[0] = 0, 2
+        with pytest.raises(RuntimeError, match="injected"):
+            _call(pipe)
+        assert cache.held_slots == {}  # released by the exception
+        fail_at[0] = 0
+        _assert_outputs_equal(resident, _call(pipe))
+        assert handle.stats.passes == 1
+    finally:
+        hook.remove()
+        handle.disable()
+    assert all("loop_step" not in vars(loop) for loop in denoise_loops(pipe._blocks))

@@ -176,16 +176,25 @@ def test_fault_on_one_rank_fails_every_rank_then_retry_succeeds(group: tuple[int
     """A fault on one rank at a random layer (or in embed/publish): BuildError naming it everywhere."""
     world, ranks, data = scenario(group, "faults")
     n_cases = len(ranks[0]["records"])
-    assert n_cases == 2 * world + 3
+    assert n_cases == 2 * world + 4
     for i in range(n_cases):
         records = [res["records"][i] for res in ranks]
         failing = records[0]["failing"]
+        interrupt = i == n_cases - 1  # the last case: a KeyboardInterrupt on one rank
         for r, rec in enumerate(records):
             what = f"case {i} ({rec['mode']}, rank {failing} at {rec['where']!r}) seen by rank {r}"
+            if interrupt and r == failing:
+                # Ctrl-C is the user's: rolled back like any failure, then raised as itself.
+                assert rec["interrupted"] and rec["error"] is None, f"{what}: the interrupt was wrapped"
+                assert rec["lengths_unchanged"] and rec["resident_unchanged"] and rec["retry_built"] == 2, what
+                continue
+            assert not rec["interrupted"], f"{what}: a peer saw the interrupt itself"
             assert rec["error"] is not None, f"{what}: no BuildError"
             assert rec["rank"] == failing, what
             assert f"rank {failing}" in rec["error"], what
             assert "injected fault" in rec["error"], f"{what}: the cause is not named: {rec['error']}"
+            if interrupt:
+                assert "KeyboardInterrupt" in rec["error"], what
             assert rec["cause"] == (
                 "PeerBuildFailure"
                 if r != failing

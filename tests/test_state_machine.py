@@ -12,11 +12,20 @@ back and checks that this test fails):
 * a failed build publishes nothing of the request, returns its reserved slots, and the plans it
   evicted stay gone; a success marks the request's plans most recently used, in first-seen order;
 * the host tier is filled with each successful request's group, the store with the plans a pass
-  built; the cheapest tier that holds a plan serves it, and only the rest cost a pass.
+  built; the cheapest tier that holds a plan serves it, and only the rest cost a pass;
+* a request that holds its plans (``acquire``/``hold``) keeps their slots: no build evicts or
+  rewrites a held plan, a build that cannot find room beside held plans is refused (``PlanError``,
+  nothing changes), and a held plan that leaves the map (``invalidate``, a checkpoint change)
+  keeps its slot, untouched, until the hold is released;
+* a request whose plans are all resident is the hit path: it does not re-stat the checkpoint, so a
+  touched checkpoint is noticed by the next request with something to build;
+* an interrupt (``KeyboardInterrupt``) before publish gets the rollback of any failure and then
+  propagates as itself.
 
-After every step the real cache must agree with the model (resident plans in LRU order, stats),
-satisfy its own and our invariants, and every resident row must equal an independent projection
-(safetensors' loader + ``F.linear`` at the plan's own M).
+After every step the real cache must agree with the model (resident plans in LRU order, held
+slots, stats), satisfy its own and our invariants, every resident row must equal an independent
+projection (safetensors' loader + ``F.linear`` at the plan's own M), and every held slot must
+hold exactly what it held when it was acquired.
 
 Profiles: ``make test`` runs 300 derandomized sequences (the CI profile); ``ADALNCACHE_SOAK=1``
 with ``-m soak`` runs 5000 random ones. Neither uses hypothesis' example database, so a run never
@@ -47,6 +56,7 @@ from adalncache import (
     PlanNotCachedError,
     plan_key,
 )
+from adalncache.holds import PlanHold
 from adalncache.plans import PlanKey
 from adalncache.spec import FINAL, LAYOUTS, Layer
 from adalncache.testing import FaultInjectingSource, inject_faults
@@ -142,6 +152,15 @@ def checkpoint() -> Iterator[Checkpoint]:
 
 
 @dataclass
+class HoldRecord:
+    """A live hold: which resident instances it holds, in which slots, and what those slots held."""
+
+    hold: PlanHold
+    instances: dict[int, int]  # instance -> slot
+    snapshot: dict[int, tuple[torch.Tensor, ...]]  # slot -> (length, timesteps, block rows, final rows)
+
+
+@dataclass
 class Fault:
     """One injected fault: ``site`` a layer or a phase name, ``exc`` the exception class."""
 
@@ -182,6 +201,9 @@ class CacheMachine(RuleBasedStateMachine):
             self.store_dir = tempfile.mkdtemp(prefix="adalncache-sm-store-")
         # Model state.
         self.lru: list[PlanKey] = []  # resident plans, least recently used first
+        self.instance: dict[PlanKey, int] = {}  # resident plan -> the instance (a publish) it is
+        self.instances = 0
+        self.holds: list[HoldRecord] = []
         self.host: set[PlanKey] = set()  # exact in "ample" mode
         self.stored: set[PlanKey] = set()  # survives reopen and invalidate
         self.touched = False  # the checkpoint's stat identity changed since the last identity check
@@ -199,6 +221,8 @@ class CacheMachine(RuleBasedStateMachine):
             progress=False,
         )
         self.lru = []
+        self.instance = {}
+        self.holds = []
         self.host = set()
         self.expected = dict.fromkeys(
             ("device_hits", "host_hits", "store_hits", "built_plans", "passes", "evicted_plans", "failed_builds",
@@ -215,37 +239,70 @@ class CacheMachine(RuleBasedStateMachine):
     def valid(self, plan: torch.Tensor) -> bool:
         return any(plan is p for p in POOL) and plan.numel() <= self.width
 
+    def held_instances(self) -> dict[int, int]:
+        """Instance -> how many live holds hold it."""
+        counts: dict[int, int] = {}
+        for record in self.holds:
+            for instance in record.instances:
+                counts[instance] = counts.get(instance, 0) + 1
+        return counts
+
+    def retired_slots(self) -> dict[int, int]:
+        """Slot -> instance of every held instance that is no longer resident (its slot stays taken)."""
+        resident = set(self.instance.values())
+        return {
+            slot: instance
+            for record in self.holds
+            for instance, slot in record.instances.items()
+            if instance not in resident
+        }
+
+    def drop_all(self) -> None:
+        """Every resident plan leaves the map; held ones keep their slots (retired) until released."""
+        self.lru, self.instance = [], {}
+
     def expect_build(self, plans: list[torch.Tensor], fault: Fault | None) -> dict[str, object]:
         """What the contract says this build does (before it runs)."""
-        if self.touched and all(p.dtype == torch.float32 and p.dim() == 1 for p in plans):
-            # Every build that gets past keying re-stats the checkpoint first: the new fingerprint
-            # drops the slab and the host tier, and the store's old entries no longer match.
-            self.touched = False
-            self.lru, self.host, self.stored = [], set(), set()
-            self.expected["fingerprint_changes"] += 1
-        if any(not any(p is q for q in POOL) for p in plans):
-            return {"error": PlanError}
+        if not all(p.dtype == torch.float32 and p.dim() == 1 for p in plans):
+            return {"error": PlanError}  # keying refuses it before anything else
         order: list[PlanKey] = []
         for p in plans:
             if plan_key(p) not in order:
                 order.append(plan_key(p))
-        missing = [k for k in order if k not in self.lru]
-        if not missing:
+        if all(k in self.lru for k in order):
+            # The hit path: no re-stat of the checkpoint, no device work.
             return {"order": order, "missing": [], "fires": False, "evicted": [], "from_host": [], "from_store": []}
+        dropped = False
+        if self.touched:
+            # A build with something to build re-stats the checkpoint first: the new fingerprint
+            # drops the slab and the host tier, and the store's old entries no longer match.
+            self.touched = False
+            dropped = True
+            self.drop_all()
+            self.host, self.stored = set(), set()
+            self.expected["fingerprint_changes"] += 1
+        missing = [k for k in order if k not in self.lru]
+        if any(not any(p is q for q in POOL) for p in plans):
+            return {"error": PlanError}
         if any(not self.valid(p) for p in plans if plan_key(p) in missing) or len(order) > self.max_plans:
             return {"error": PlanError}
+        held = self.held_instances()
+        free = self.max_plans - len(self.lru) - len(self.retired_slots())
+        victims = [k for k in self.lru if k not in order and self.instance[k] not in held]
+        if len(missing) > free + len(victims):
+            return {"error": PlanError}  # no room beside the held plans: refused, nothing changes
         tiers = self.cache.host_tier is not None, self.cache.store is not None
         site = None if fault is None else fault.site
         if self.host_mode == "ample":
             host_has = self.host
+        elif dropped:
+            host_has = set()  # the re-stat at the start of this build empties the tier first
         else:  # tight: the tier itself says what it holds (its LRU of groups is its own business)
             host_has = {k for k in missing if self.cache.host_tier is not None and k in self.cache.host_tier}
         from_host = [k for k in missing if tiers[0] and site != "host_read" and k in host_has]
         rest = [k for k in missing if k not in from_host]
         from_store = [k for k in rest if tiers[1] and site != "store_read" and k in self.stored]
         to_build = [k for k in rest if k not in from_store]
-        free = self.max_plans - len(self.lru)
-        victims = [k for k in self.lru if k not in order]
         evicted = victims[: max(0, len(missing) - free)]
         if site is None:
             fires = False
@@ -285,8 +342,11 @@ class CacheMachine(RuleBasedStateMachine):
             self.lru = [k for k in self.lru if k not in order] + order
             return
         to_build: list[PlanKey] = want["to_build"]  # type: ignore[assignment]
-        self.lru = [k for k in self.lru if k not in want["evicted"]]  # type: ignore[operator]
+        self.evict(want["evicted"])  # type: ignore[arg-type]
         self.lru = [k for k in self.lru if k not in order] + order
+        for key in missing:  # each publish is a new instance of the plan
+            self.instances += 1
+            self.instance[key] = self.instances
         e["device_hits"] += len(order) - len(missing)
         e["host_hits"] += len(want["from_host"])  # type: ignore[arg-type]
         e["store_hits"] += len(want["from_store"])  # type: ignore[arg-type]
@@ -301,9 +361,16 @@ class CacheMachine(RuleBasedStateMachine):
         if self.cache.store is not None and not store_skipped:
             self.stored |= set(to_build)
 
+    def evict(self, keys: list[PlanKey]) -> None:
+        self.lru = [k for k in self.lru if k not in keys]
+        for key in keys:
+            del self.instance[key]
+
     # -- rules ----------------------------------------------------------------------------
 
-    def run_build(self, plans: list[torch.Tensor], fault: Fault | None) -> None:
+    def run_build(
+        self, plans: list[torch.Tensor], fault: Fault | None, *, hold: bool = False, keys: bool = False
+    ) -> None:
         want = self.expect_build(plans, fault)
         before = self.cache.stats.as_dict()
         site = None if fault is None else fault.site
@@ -313,17 +380,20 @@ class CacheMachine(RuleBasedStateMachine):
             with inject_faults(self.cache, str(site) if fault is not None and not fault.is_layer else [], fault.exc
                                if fault is not None else RuntimeError) as injected:  # fmt: skip
                 try:
-                    report = self.cache.build(plans, embed=EMBED)
+                    given = [plan_key(p) for p in plans] if keys else None
+                    held: PlanHold | None = None
+                    if hold:
+                        held = self.cache.hold(plans, embed=EMBED, keys=given)
+                        report = held.report
+                    else:
+                        report = self.cache.build(plans, embed=EMBED, keys=given)
                     outcome: BaseException | None = None
-                except (BuildError, PlanError) as exc:
+                except (BuildError, PlanError, KeyboardInterrupt) as exc:
+                    # An interrupt is the user's: rolled back like any failure before publish, and
+                    # after publish (the tier copies) the build has succeeded; either way it
+                    # propagates as itself.
                     outcome = exc
-                except KeyboardInterrupt as exc:
-                    # After publish the build has succeeded; an interrupt during the tier copies is
-                    # the user's, so it propagates as it is (the slab is already correct).
-                    if not (want.get("fires") and site in ("host_write", "store_write")):
-                        raise AssertionError("build let KeyboardInterrupt escape instead of BuildError") from exc
-                    outcome = exc
-                except BaseException as exc:  # a MemoryError must not escape raw either
+                except BaseException as exc:  # a MemoryError must not escape raw
                     raise AssertionError(f"build let {type(exc).__name__} escape instead of BuildError") from exc
         finally:
             self.source.disarm()
@@ -339,16 +409,21 @@ class CacheMachine(RuleBasedStateMachine):
             return
         assert fired == int(bool(want["fires"])), f"fault at {site} fired {fired} time(s), model said {want['fires']}"
         if want.get("fails"):
-            assert isinstance(outcome, BuildError), f"expected BuildError from a fault at {site}, got {outcome!r}"
-            assert isinstance(outcome.__cause__, fault.exc), outcome.__cause__  # type: ignore[union-attr]
-            if fault is not None and fault.is_layer:
-                assert f"layer {fault.site}" in str(outcome), str(outcome)
+            assert fault is not None
+            if fault.exc is KeyboardInterrupt:
+                assert type(outcome) is KeyboardInterrupt, f"expected the interrupt itself from {site}, got {outcome!r}"
+            else:
+                assert isinstance(outcome, BuildError), f"expected BuildError from a fault at {site}, got {outcome!r}"
+                assert isinstance(outcome.__cause__, fault.exc), outcome.__cause__
+                if fault.is_layer:
+                    assert f"layer {fault.site}" in str(outcome), str(outcome)
             # Evicted plans are gone even though the build failed; nothing of the request is visible.
-            self.lru = [k for k in self.lru if k not in want["evicted"]]  # type: ignore[operator]
+            self.evict(want["evicted"])  # type: ignore[arg-type]
             self.expected["evicted_plans"] += len(want["evicted"])  # type: ignore[arg-type]
             self.expected["failed_builds"] += 1
             return
         if isinstance(outcome, KeyboardInterrupt):
+            assert want.get("fires") and site in ("host_write", "store_write"), f"unexpected interrupt: {outcome!r}"
             # Published and counted; the interrupted tier write (and any after it) holds nothing new.
             self.apply_success(want, site, interrupted=True)
             return
@@ -363,6 +438,25 @@ class CacheMachine(RuleBasedStateMachine):
             assert report.passes == (1 if want["to_build"] else 0)
         assert report.plans == report.device_hits + report.host_hits + report.store_hits + report.built
         self.apply_success(want, site)
+        if held is not None:
+            self.record_hold(held, plans)
+
+    def record_hold(self, held: PlanHold, plans: list[torch.Tensor]) -> None:
+        """A successful acquire: its slot tensor names the resident slots, and their rows are exact."""
+        keys = [plan_key(p) for p in plans]
+        assert held.keys == keys and held.slots.tolist() == [self.cache.slot_of(k) for k in keys]
+        instances = {self.instance[k]: self.cache.slot_of(k) for k in keys}
+        snapshot = {}
+        for key in dict.fromkeys(keys):
+            slot = self.cache.slot_of(key)
+            assert slot is not None
+            snapshot[slot] = (
+                self.cache.plan_lengths[slot].clone(),
+                self.cache.plan_timesteps[slot].clone(),
+                self.cache.block_params[slot].clone(),
+                self.cache.final_params[slot].clone(),
+            )
+        self.holds.append(HoldRecord(held, instances, snapshot))  # type: ignore[arg-type]
 
     @rule(idx=st.lists(st.integers(0, len(POOL) - 1), min_size=0, max_size=6))
     def build(self, idx: list[int]) -> None:
@@ -383,10 +477,27 @@ class CacheMachine(RuleBasedStateMachine):
     def build_with_fault(self, idx: list[int], site: Layer | str, exc: type[BaseException]) -> None:
         self.run_build([POOL[i] for i in idx], Fault(site, exc))
 
+    @rule(
+        idx=st.lists(st.integers(0, len(POOL) - 1), min_size=0, max_size=4),
+        keys=st.booleans(),
+    )
+    def acquire(self, idx: list[int], keys: bool) -> None:
+        """Build and hold a request's plans (as a serving request does from its first step to its last)."""
+        self.run_build([POOL[i] for i in idx], None, hold=True, keys=keys)
+
+    @rule(data=st.data())
+    def release(self, data: st.DataObject) -> None:
+        """A request ends: its plans may be evicted again; a retired slot is freed at its last release."""
+        if not self.holds:
+            return
+        record = self.holds.pop(data.draw(st.integers(0, len(self.holds) - 1)))
+        record.hold.release()
+        record.hold.release()  # idempotent
+
     @rule()
     def invalidate(self) -> None:
         self.cache.invalidate()
-        self.lru = []
+        self.drop_all()
         self.host = set()
 
     @rule()
@@ -394,6 +505,8 @@ class CacheMachine(RuleBasedStateMachine):
         """A new cache object (a restart): slab and host tier start empty, the store persists."""
         if self.touched:  # the new source opens the rewritten file: old store entries do not match
             self.touched, self.stored = False, set()
+        for record in self.holds:  # the old process's requests end with it
+            record.hold.release()
         self.open_cache()
 
     @rule()
@@ -429,11 +542,29 @@ class CacheMachine(RuleBasedStateMachine):
         assert self.cache.resident_plans == self.lru, (self.cache.resident_plans, self.lru)
 
     @invariant()
+    def held_plans_are_never_evicted_or_rewritten(self) -> None:
+        """Every held slot holds exactly what it held when acquired, and the hold counts agree."""
+        expected: dict[int, int] = {}
+        for record in self.holds:
+            for slot, (length, timesteps, block, final) in record.snapshot.items():
+                expected[slot] = expected.get(slot, 0) + 1
+                assert torch.equal(self.cache.plan_lengths[slot], length), f"held slot {slot}: length rewritten"
+                assert torch.equal(self.cache.plan_timesteps[slot], timesteps), f"held slot {slot}: timesteps rewritten"
+                assert torch.equal(self.cache.block_params[slot], block), f"held slot {slot}: rows rewritten"
+                assert torch.equal(self.cache.final_params[slot], final), f"held slot {slot}: rows rewritten"
+            for instance in record.instances:
+                if instance in self.instance.values():  # still resident: in the map, in its slot
+                    key = next(k for k, i in self.instance.items() if i == instance)
+                    assert self.cache.slot_of(key) == record.instances[instance]
+        assert self.cache.held_slots == expected, (self.cache.held_slots, expected)
+
+    @invariant()
     def slots_partition_the_slab(self) -> None:
         resident = [self.cache.slot_of(k) for k in self.cache.resident_plans]
         free = self.cache.free_slots
+        retired = list(self.retired_slots())
         assert None not in resident
-        assert sorted([*resident, *free]) == list(range(self.max_plans)), (resident, free)
+        assert sorted([*resident, *free, *retired]) == list(range(self.max_plans)), (resident, free, retired)
         lengths = self.cache.plan_lengths.tolist()
         timesteps = self.cache.plan_timesteps
         for slot in free:

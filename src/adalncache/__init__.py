@@ -14,6 +14,7 @@ from .errors import (
     PlanError,
     PlanNotCachedError,
 )
+from .holds import PlanHold
 from .plans import plan_key
 from .source import CheckpointSource, TensorSource
 from .spec import ModulationSpec
@@ -32,6 +33,7 @@ __all__ = [
     "ConfigError",
     "ModulationSpec",
     "PlanError",
+    "PlanHold",
     "PlanNotCachedError",
     "Store",
     "TensorSource",

@@ -1,55 +1,56 @@
 """AdalnCache: a device slab of bit-exact AdaLN tables, rebuilt transactionally from a weight source.
 
-The cache validates, decides the order of work, and delegates: :class:`~adalncache.slab.Slab`
-holds the four tensors and does every row read and write, :class:`~adalncache.slots.SlotPool`
-alone changes the slot map, the LRU order and the free list, :class:`~adalncache.rebuild.RebuildPass`
-streams the weights and projects, the tiers (:mod:`adalncache.tiers`) keep copies, and the
-collective (:mod:`adalncache.distributed`) makes the ranks of a process group agree.
+The cache validates its construction, decides *when* work runs, and delegates:
+:class:`~adalncache.slab.Slab` holds the four tensors and does every row read and write,
+:class:`~adalncache.slots.SlotPool` alone changes the slot map, the LRU order, the free list and
+the holds, :class:`~adalncache.transaction.BuildTransaction` runs a build that has something to
+build (validate, tiers, reserve, pass, publish, in that order), the tiers
+(:mod:`adalncache.tiers`) keep copies, :class:`~adalncache.streams.StreamSync` orders device work
+across streams, and the collective (:mod:`adalncache.distributed`) makes ranks agree.
 
-A slot is either *free* (length 0, in the free list) or *resident* (in the host-side slot map,
-with its length and timesteps published). ``build`` moves plans between the two in a fixed
-order, chosen so that a failure at any point leaves nothing half-built visible:
+Threads. Every public method may be called from several threads. Two locks:
 
-1. key the request; nothing missing -> touch and return (the hot path: no device work);
-2. validate the *whole* request before any state changes, so a rejected request costs nothing;
-3. take what the host tier and the store hold; one rebuild pass for the rest;
-4. reserve slots from the free list, then from least-recently-used plans *outside* the request;
-5. write contents, then flip ``plan_lengths``, then update the host-side slot map: the map is
-   what lookups consult, so it changes last and a failure before it hides the whole request;
-6. after publish, copy to the tiers; a tier failure is counted and logged, never raised.
+* the **build lock** serialises builds (and ``invalidate``/``close``): at most one pass runs;
+* the **state lock** guards the slot map, the holds, the statistics and the identity; it is held
+  for microseconds, never during a pass, so lookups and the hit path of other requests do not
+  wait while a pass streams the weights.
+
+The hit path (every plan resident under the current variant and autocast state, one process):
+key the request (once, or pass ``keys=``), check, touch, count, under the state lock alone; no
+stat, no device work. A request that holds its plans (:meth:`AdalnCache.hold`,
+:meth:`AdalnCache.acquire`) also gets its slot tensor, made without a host-to-device copy.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .devices import resolve_device
 from .distributed import make_collective
-from .errors import (
-    AdalnCacheError,
-    BuildError,
-    CheckpointError,
-    ConfigError,
-    PlanError,
-    failing_at,
-    failure_phase,
-)
+from .errors import AdalnCacheError, ConfigError
 from .faults import NO_FAULTS, FaultPoints
+from .holds import PlanHold
 from .identity import TableIdentity
-from .plans import PlanKey, distinct_plans, plan_key, validate_plan
-from .rebuild import EmbedFn, ProjectFn, RebuildPass, default_project
+from .numerics import autocast_dtype
+from .plans import PlanKey, distinct_plans, keyed_plans, plan_key
+from .rebuild import EmbedFn, ProjectFn, default_project
 from .reports import BuildReport, CacheStats
 from .rows import PlanRows
+from .serving import SlabReads
 from .slab import Slab
-from .slots import Reservation, SlotPool
+from .slots import SlotPool
 from .source import WeightSource
 from .spec import ModulationSpec
+from .streams import StreamSync, events_for
 from .tiers.chain import TierChain
+from .transaction import BuildSettings, BuildTransaction
 
 if TYPE_CHECKING:
     from .tiers.host import HostTier
@@ -96,7 +97,7 @@ def _check_arguments(
         )
 
 
-class AdalnCache:
+class AdalnCache(SlabReads):
     """A device slab of bit-exact AdaLN tables, rebuilt transactionally from a weight source.
 
     The slab tensors (``plan_timesteps``, ``plan_lengths``, ``block_params``, ``final_params``)
@@ -126,6 +127,10 @@ class AdalnCache:
             read_ahead=read_ahead, batched=batched, precision=precision, shard=shard,
         )  # fmt: skip
         self.device = resolve_device(device, argument="device")
+        if self.device.type == "cuda" and self.device.index is None:
+            # Pin the index now: a build or a reader thread must not land on whatever device is
+            # current in its own thread.
+            self.device = torch.device("cuda", torch.cuda.current_device())
         # Settings that fix the number or size of later collectives are compared across ranks.
         agreed = {"precision": precision, "store": store is not None, "device_type": self.device.type}
         self._dist = make_collective(process_group, shard, spec, device=self.device, config=agreed)
@@ -157,11 +162,25 @@ class AdalnCache:
         if failure is not None:
             raise failure
         self.plan_timesteps, self.plan_lengths, self.block_params, self.final_params = self._slab.tensors()
-        self._pool = SlotPool(self._slab)
+        #: The per-slot events that order builds and reads across CUDA streams (no-ops on a CPU).
+        self.stream_sync = StreamSync(self.max_plans, events_for(self.device))
+        self._pool = SlotPool(self._slab, self.stream_sync)
         self._identity = TableIdentity(
             source, self._dist, self.stats, spec=spec, precision=precision, device=self.device
         )
         self.fault_points: FaultPoints = NO_FAULTS
+        self._lock = threading.RLock()  # state: slot map, holds, stats, identity (never held in a pass)
+        self._build_lock = threading.RLock()  # one build at a time
+        self._closed = False
+        settings = BuildSettings(
+            spec=spec, device=self.device, precision=precision, max_plans=self.max_plans,
+            max_plan_width=self.max_plan_width, read_ahead=read_ahead, progress=progress, batched=batched,
+        )  # fmt: skip
+        self._builder = BuildTransaction(
+            settings, source=source, slab=self._slab, pool=self._pool, tiers=self._tiers, identity=self._identity,
+            collective=self._dist, stats=self.stats, sync=self.stream_sync, lock=self._lock,
+            faults=lambda: self.fault_points,
+        )  # fmt: skip
         log.debug(
             "AdalnCache: %d plans x %d timesteps, %.1f MiB slab on %s",
             self.max_plans, self.max_plan_width, self.slab_bytes / 2**20, self.device,
@@ -179,18 +198,32 @@ class AdalnCache:
     @property
     def resident_plans(self) -> list[PlanKey]:
         """Published plan keys, least recently used first."""
-        return self._pool.keys()
+        with self._lock:
+            return self._pool.keys()
 
     def slot_of(self, key: PlanKey) -> int | None:
-        return self._pool.slot_of(key)
+        with self._lock:
+            return self._pool.slot_of(key)
 
     @property
     def free_slots(self) -> list[int]:
-        return self._pool.free_slots
+        with self._lock:
+            return self._pool.free_slots
+
+    @property
+    def held_slots(self) -> dict[int, int]:
+        """How many requests hold each held slot (resident, or retired by an identity change)."""
+        with self._lock:
+            return self._pool.held_slots
 
     @property
     def variant(self) -> Hashable:
         return self._identity.variant
+
+    @property
+    def serve_dtype(self) -> torch.dtype:
+        """The dtype rows are served in: the autocast dtype the tables were built under, else ``spec.dtype``."""
+        return self._identity.serve_dtype
 
     @property
     def host_tier(self) -> HostTier | None:
@@ -210,32 +243,31 @@ class AdalnCache:
         """This process's rank in the cache's process group (0 without one)."""
         return self._dist.rank
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` gave the cache's host memory back (it can no longer build)."""
+        return self._closed
+
     def __contains__(self, plan: torch.Tensor) -> bool:
-        return plan_key(plan) in self._pool
+        key = plan_key(plan)
+        with self._lock:
+            return key in self._pool
 
     def __len__(self) -> int:
-        return len(self._pool)
+        with self._lock:
+            return len(self._pool)
 
     def __repr__(self) -> str:
         return (
-            f"AdalnCache({len(self._pool)}/{self.max_plans} plans resident, width {self.max_plan_width}, "
+            f"AdalnCache({len(self)}/{self.max_plans} plans resident, width {self.max_plan_width}, "
             f"{self.spec.num_layers} layers, {self.precision}, {self.device})"
         )
-
-    # -- identity ---------------------------------------------------------------------------
-
-    def _drop_all(self, why: str) -> None:
-        """Forget every device and host-tier plan (they were built under another identity)."""
-        if len(self._pool):
-            log.info("dropping %d resident plan(s): %s", len(self._pool), why)
-        self._pool.clear()
-        self._tiers.clear_host()
 
     def binding(self) -> dict[str, Any]:
         """Everything a stored table depends on besides its plan (stores key entries by it)."""
         return self._identity.binding()
 
-    # -- build ------------------------------------------------------------------------------
+    # -- build and hold ---------------------------------------------------------------------
 
     def build(
         self,
@@ -244,207 +276,168 @@ class AdalnCache:
         embed: EmbedFn,
         project: ProjectFn | None = None,
         variant: Hashable = None,
+        keys: Sequence[PlanKey] | None = None,
     ) -> BuildReport:
-        """Make every plan of ``plans`` resident; see the module docstring for the order of work."""
+        """Make every plan of ``plans`` resident (see :mod:`adalncache.transaction` for the order).
+
+        ``keys``: ``plan_key`` of each plan, computed once per request by the caller, so the hit
+        path does not key the plans again (the keys of plans that must be built are re-checked).
+        """
         start = time.perf_counter()
-        order, tensors = distinct_plans(plans)
-        report = BuildReport(plans=len(order))
-        try:
-            held = bool(len(self._pool) or self._tiers.host_plans())
-            self._identity.check(variant, order, self._pool.items(), holds_tables=held, drop=self._drop_all)
-        except (CheckpointError, BuildError) as exc:
-            self.stats.failed_builds += 1
-            if isinstance(exc, BuildError):
-                raise  # a peer's (or this rank's) agreed checkpoint failure
-            raise BuildError(f"the weight source cannot be used: {exc}", failed_at="checkpoint") from exc
-        missing = [key for key in order if key not in self._pool]
-        if missing:
-            self._validate_request(order, missing, tensors, embed)
-            self._fill(order, missing, tensors, embed, project or default_project, report)
-        else:
-            self._pool.touch(order)
-            self.stats.device_hits += len(order)
-            report.device_hits = len(order)
+        order, tensors = distinct_plans(plans, keys)
+        hit = self._hit(order, variant)
+        report = hit if isinstance(hit, BuildReport) else self._build(order, tensors, embed, project, variant)
         report.seconds = time.perf_counter() - start
-        if missing:
-            log.info(
-                "build: %d plan(s): %d device, %d host, %d store hits, %d built in %d pass(es), %d evicted, %.3f s",
-                report.plans, report.device_hits, report.host_hits, report.store_hits, report.built,
-                report.passes, report.evicted, report.seconds,
-            )  # fmt: skip
         return report
 
-    def _validate_request(
-        self, order: list[PlanKey], missing: list[PlanKey], tensors: dict[PlanKey, torch.Tensor], embed: EmbedFn
-    ) -> None:
-        """Reject a request the slab cannot take before touching any state (PlanError names the knob)."""
-        for key in missing:
-            validate_plan(tensors[key], max_plan_width=self.max_plan_width)
-        if len(order) > self.max_plans:
-            raise PlanError(
-                f"the request needs {len(order)} distinct plans but the slab holds {self.max_plans}: raise "
-                f"max_plans (CLI --max-plans) to at least {len(order)}, or split the request"
-            )
-        if not callable(embed):
-            raise PlanError("build() needs embed=, a function plan -> (len(plan), in_features) input rows")
+    def hold(
+        self,
+        plans: Sequence[torch.Tensor],
+        *,
+        embed: EmbedFn,
+        project: ProjectFn | None = None,
+        variant: Hashable = None,
+        keys: Sequence[PlanKey] | None = None,
+    ) -> PlanHold:
+        """:meth:`build` the plans, then hold them until the returned hold is released.
 
-    def _fill(
+        Until then no build evicts or rewrites them; a build that cannot find room beside held
+        plans raises PlanError. Prefer :meth:`acquire`, which releases on exit.
+        """
+        start = time.perf_counter()
+        plans, keys = keyed_plans(plans, keys)
+        held = self._hit(list(dict.fromkeys(keys)), variant, hold=keys)
+        if held is None:
+            with self._build_lock:  # no build between this one and the hold
+                order, tensors = distinct_plans(plans, keys)
+                report = self._build(order, tensors, embed, project, variant)
+                with self._lock:
+                    held = self._hold(keys, report)
+        assert isinstance(held, PlanHold)
+        held.report.seconds = time.perf_counter() - start
+        return held
+
+    def hold_resident(
+        self, plans: Sequence[torch.Tensor], *, keys: Sequence[PlanKey] | None = None, variant: Hashable = None
+    ) -> PlanHold | None:
+        """Hold ``plans`` if every one is resident under ``variant`` and the current autocast state,
+        else ``None``: the hit path of :meth:`hold`, which never waits for another thread's pass."""
+        plans, keys = keyed_plans(plans, keys)
+        held = self._hit(list(dict.fromkeys(keys)), variant, hold=keys)
+        return held if isinstance(held, PlanHold) else None
+
+    @contextlib.contextmanager
+    def acquire(
+        self,
+        plans: Sequence[torch.Tensor],
+        *,
+        embed: EmbedFn,
+        project: ProjectFn | None = None,
+        variant: Hashable = None,
+        keys: Sequence[PlanKey] | None = None,
+    ) -> Iterator[torch.Tensor]:
+        """``with cache.acquire(plans, embed=...) as slots:`` builds what is missing, yields one slot per
+        plan (in order, on the cache device), and holds the plans until the block ends."""
+        held = self.hold(plans, embed=embed, project=project, variant=variant, keys=keys)
+        try:
+            yield held.slots
+        finally:
+            held.release()
+
+    def _hit(
+        self, order: list[PlanKey], variant: Hashable, hold: list[PlanKey] | None = None
+    ) -> BuildReport | PlanHold | None:
+        """The hit path: touch and count when every plan is resident under the current identity.
+
+        One process only (in a group every build agrees with the other ranks first). Returns
+        None when anything is missing or the variant or autocast state changed: the caller builds.
+        """
+        if self._dist.world > 1 or self._closed:
+            return None
+        autocast = autocast_dtype(self.device)
+        pool = self._pool
+        with self._lock:
+            if not self._identity.matches(variant, autocast):
+                return None
+            for key in order:
+                if key not in pool:
+                    return None
+            pool.touch(order)
+            self.stats.device_hits += len(order)
+            report = BuildReport(plans=len(order), device_hits=len(order))
+            return report if hold is None else self._hold(hold, report)
+
+    def _build(
         self,
         order: list[PlanKey],
-        missing: list[PlanKey],
         tensors: dict[PlanKey, torch.Tensor],
         embed: EmbedFn,
-        project: ProjectFn,
-        report: BuildReport,
-    ) -> None:
-        """Steps 3-6 of the module docstring for the ``missing`` plans of a validated request."""
-        report.device_hits = len(order) - len(missing)
-        bytes_before = self.source.bytes_read
-        try:
-            from_host, from_store = self._tiers.lookup(
-                missing, binding=self._identity.current_binding, faults=self.fault_points
-            )
-        except BaseException as exc:
-            # Tier errors fall through to a rebuild inside the lookup; only an interrupt (or
-            # another BaseException) gets here. Nothing is reserved yet, so there is nothing to undo,
-            # but the contract still owes the caller a BuildError rather than a raw interrupt.
-            self.stats.failed_builds += 1
-            raise BuildError(
-                f"build of {len(missing)} plan(s) failed at tier lookup: {type(exc).__name__}: {exc}; nothing "
-                f"of this request was published and a retry rebuilds it",
-                failed_at="tier lookup",
-            ) from exc
-        to_build = [k for k in missing if k not in from_host and k not in from_store]
-        reservation = self._pool.reserve(missing, set(order))
-        self.stats.evicted_plans += len(reservation.evicted)
-        report.evicted = len(reservation.evicted)
-        try:
-            self._write_and_publish(reservation, {**from_host, **from_store}, to_build, tensors, embed, project, report)
-        except BaseException as exc:
-            self._pool.release(reservation.slots)
-            self.stats.failed_builds += 1
-            if isinstance(exc, BuildError):
-                raise
-            phase = failure_phase(exc) or "build"
-            raise BuildError(
-                f"build of {len(missing)} plan(s) failed at {phase}: {type(exc).__name__}: {exc}; nothing "
-                f"of this request was published and a retry rebuilds it",
-                rank=self._dist.rank if self._dist.world > 1 else None,
-                failed_at=phase,
-            ) from exc
-        self._pool.touch(order)
-        report.host_hits, report.store_hits = len(from_host), len(from_store)
-        report.built = len(to_build)
-        report.passes = 1 if to_build else 0
-        report.bytes_read = self.source.bytes_read - bytes_before
-        self.stats.record(report)
-        # After publish: copies only. A tier failure is counted and logged, never raised.
-        self._tiers.write(
-            order, to_build, rows_of=self.rows_of, binding=self._identity.binding, faults=self.fault_points,
-            report=report,
-        )  # fmt: skip
+        project: ProjectFn | None,
+        variant: Hashable,
+    ) -> BuildReport:
+        report = BuildReport(plans=len(order))
+        with self._build_lock:
+            if self._closed:
+                raise ConfigError(
+                    "this AdalnCache was closed (close(), or the diffusers handle's disable()) and cannot build; "
+                    "create a new one"
+                )
+            self._builder.run(order, tensors, embed, project or default_project, variant, report)
+        return report
 
-    def _write_and_publish(
-        self,
-        reservation: Reservation,
-        restored: dict[PlanKey, PlanRows],
-        to_build: list[PlanKey],
-        tensors: dict[PlanKey, torch.Tensor],
-        embed: EmbedFn,
-        project: ProjectFn,
-        report: BuildReport,
-    ) -> None:
-        """Write every reserved slot, agree with the other ranks, publish. Raises on any failure."""
-        slots = reservation.slots
-        # Local work only up to the agreement: no collective runs in here, so a failure on one
-        # rank can never leave a peer blocked waiting for it.
-        failure: BaseException | None = None
-        try:
-            for key, rows in restored.items():
-                self._slab.write_rows(slots[key], rows)
-            if to_build:
-                self._rebuild_pass().run(to_build, slots, tensors, embed, project, report)
-            with failing_at("publish"):
-                self.fault_points.check("publish")
-        except BaseException as exc:
-            failure = exc
-        # Every rank learns whether any rank failed before anyone exchanges results.
-        self._dist.raise_if_any_failed(failure, "build")
-        if failure is not None:
-            raise failure
-        if to_build:
-            shared: BaseException | None = None
-            try:
-                self._dist.share_results(self._slab, [slots[k] for k in to_build], [len(k) for k in to_build])
-            except BaseException as exc:
-                shared = exc
-            # Publish only once every rank holds every row.
-            self._dist.raise_if_any_failed(shared, "exchange of results")
-            if shared is not None:
-                raise shared
-        keys = list(slots)
-        self._slab.publish([slots[k] for k in keys], [tensors[k] for k in keys])
-        # The host-side map is what lookups consult: it changes last, all at once.
-        self._pool.commit(slots)
-
-    def _rebuild_pass(self) -> RebuildPass:
-        return RebuildPass(
-            spec=self.spec, source=self.source, slab=self._slab, collective=self._dist, precision=self.precision,
-            read_ahead=self.read_ahead, progress=self.progress, batched=self.batched, faults=self.fault_points,
+    def _hold(self, keys: list[PlanKey], report: BuildReport) -> PlanHold:
+        """Hold the slots of ``keys`` (resident; the state lock is held)."""
+        slot_list = [self._pool.require(key) for key in keys]
+        held = PlanHold(
+            self._release, keys=keys, slot_list=slot_list, slots=self._slab.indices(slot_list), report=report,
+            dtype=self._identity.serve_dtype,
         )  # fmt: skip
+        self._pool.hold(held.held)
+        # This thread's stream reads these slots from now on: after the writes that filled them.
+        self.stream_sync.before_read(held.held)
+        return held
+
+    def _release(self, held: PlanHold) -> None:
+        with self._lock:
+            if held.released:
+                return
+            held.released = True
+            self.stream_sync.after_read(held.held)  # a later rewrite waits for this thread's reads
+            self._pool.unhold(held.held)
 
     def rows_of(self, key: PlanKey) -> PlanRows:
         """A copy of a resident plan's rows, on the cache device (tiers and verify read these)."""
-        return self._slab.read_rows(self._pool.require(key), len(key))
-
-    # -- lookups ----------------------------------------------------------------------------
-
-    def resolve_slots(self, plans: Sequence[torch.Tensor], *, keys: Sequence[PlanKey] | None = None) -> torch.Tensor:
-        """One slot per plan as a LongTensor on the cache device (pass ``keys`` to skip device syncs)."""
-        if keys is None:
-            keys = [plan_key(p) for p in plans]
-        slots = [self._pool.require(k) for k in keys]
-        return torch.tensor(slots, dtype=torch.int64).to(self.device, non_blocking=True)
-
-    def lookup(self, plan: torch.Tensor, *, key: PlanKey | None = None) -> torch.Tensor:
-        """The slot of a resident plan as a 0-d LongTensor on the cache device."""
-        return self._slab.index(self._pool.require(plan_key(plan) if key is None else key))
-
-    def block_rows(self, layer: int, slot: int | torch.Tensor, num_timesteps: int) -> torch.Tensor:
-        """``Y`` of block ``layer``: the ``(num_timesteps, block_width)`` output of its projection."""
-        return self._slab.block_rows(layer, slot, num_timesteps)
-
-    def block(self, layer: int, slot: int | torch.Tensor, num_timesteps: int) -> tuple[torch.Tensor, ...]:
-        """The six ``(num_timesteps * modalities, hidden)`` tensors, as ``Y.view(-1, 6H).chunk(6, -1)``."""
-        rows = self.block_rows(layer, slot, num_timesteps)
-        return rows.reshape(-1, 6 * self.spec.hidden_size).chunk(6, dim=-1)
-
-    def block_all(self, slot: int | torch.Tensor, num_timesteps: int) -> list[tuple[torch.Tensor, ...]]:
-        """:meth:`block` for every layer from one gather of the slot."""
-        rows = self._slab.block_all_rows(slot, num_timesteps)
-        width = 6 * self.spec.hidden_size
-        return [rows[:, layer].reshape(-1, width).chunk(6, dim=-1) for layer in range(self.spec.num_layers)]
-
-    def final_rows(self, slot: int | torch.Tensor, num_timesteps: int) -> torch.Tensor:
-        """``Z``: the ``(num_timesteps, final_width)`` output of the output-layer projection."""
-        return self._slab.final_rows(slot, num_timesteps)
-
-    def final(self, slot: int | torch.Tensor, num_timesteps: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(shift, scale)`` of the output layer."""
-        shift, scale = self.final_rows(slot, num_timesteps).chunk(2, dim=-1)
-        return shift, scale
+        return self._builder.rows_of(key)
 
     # -- maintenance ------------------------------------------------------------------------
 
     def invalidate(self) -> None:
-        """Empty the slab and the host tier. Store entries stay: they are keyed by fingerprint."""
-        self._pool.clear()
-        self._tiers.clear_host()
+        """Empty the slab and the host tier (held plans retire). Store entries stay: they are keyed by fingerprint."""
+        with self._build_lock:
+            self._builder.drop_all("invalidate()")
+
+    def close(self) -> int:
+        """Give back the host memory the cache holds: the host tier's arena (unlocked and freed) and the
+        source's kept read buffers; returns the bytes released. Resident plans stay readable; building
+        afterwards raises ConfigError. Idempotent."""
+        with self._build_lock, self._lock:
+            if self._closed:
+                return 0
+            self._closed = True
+            released = self._tiers.release()
+            release_buffers = getattr(self.source, "release_buffers", None)
+            if callable(release_buffers):
+                released += int(release_buffers())
+            return released
 
     def check_invariants(self) -> None:
-        """Assert the bookkeeping invariants (:mod:`adalncache.slots`; tests call this after every step)."""
-        self._pool.check_invariants()
-        self._tiers.check_invariants()
+        """Assert the bookkeeping invariants (:mod:`adalncache.slots`; tests call this after every step).
+
+        Waits for a build in progress (its reserved slots are by design in no set).
+        """
+        with self._build_lock, self._lock:
+            self._pool.check_invariants()
+            self._tiers.check_invariants()
 
 
-__all__ = ["PRECISIONS", "SHARD_MODES", "AdalnCache", "AdalnCacheError", "BuildReport", "CacheStats"]
+__all__ = ["PRECISIONS", "SHARD_MODES", "AdalnCache", "AdalnCacheError", "BuildReport", "CacheStats", "PlanHold"]

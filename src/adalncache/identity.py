@@ -1,11 +1,18 @@
 """What the resident tables were built from, and when they stop being valid.
 
-A table is exact only for the weights and settings it was projected under. Two of those can
+A table is exact only for the weights and settings it was projected under. Three of those can
 change while a cache lives: the weight source (a checkpoint rewritten on disk, seen through its
-fingerprint) and the caller's *variant* (whatever else shapes the projection, such as the active
-LoRA adapters). :class:`TableIdentity` remembers both, re-checks them at the start of every build,
-and tells the cache to drop tables built under an old identity. It also forms the store binding:
-everything a stored table depends on besides its plan.
+fingerprint), the caller's *variant* (whatever else shapes the projection, such as the active
+LoRA adapters) and the *autocast* state of the cache device's type (under ``torch.autocast`` the
+projection and its input compute in the autocast dtype). :class:`TableIdentity` remembers them,
+re-checks them at the start of every build that has something to build, and tells the cache to
+drop tables built under an old identity. It also forms the store binding: everything a stored
+table depends on besides its plan.
+
+A build whose plans are all resident does not re-stat the source: that is the hit path every
+request takes, and a checkpoint changed on disk matters only to what is read from it next (a
+pass, or a store entry bound to its fingerprint). The variant and the autocast state are
+compared on every build, hits included (:meth:`TableIdentity.matches`).
 """
 
 from __future__ import annotations
@@ -50,17 +57,30 @@ class TableIdentity:
         self.device = device
         self.fingerprint: str | None = source.fingerprint
         self.variant: Hashable = None
+        #: The autocast dtype of the device's type the tables were built under (None: no autocast).
+        self.autocast: torch.dtype | None = None
+
+    @property
+    def serve_dtype(self) -> torch.dtype:
+        """The dtype the resident projection returns under the tables' identity (the autocast dtype
+        when they were built under autocast, else the weights' dtype)."""
+        return self.autocast if self.autocast is not None else self.spec.dtype
+
+    def matches(self, variant: Hashable, autocast: torch.dtype | None) -> bool:
+        """Whether tables built now would have the resident tables' variant and autocast state."""
+        return self.fingerprint is not None and autocast == self.autocast and variant == self.variant
 
     def check(
         self,
         variant: Hashable,
+        autocast: torch.dtype | None,
         request: Sequence[PlanKey],
         resident: Sequence[tuple[PlanKey, int]],
         *,
         holds_tables: bool,
         drop: Callable[[str], None],
     ) -> None:
-        """Re-stat the source and compare the variant; ``drop(why)`` tables built under an old identity.
+        """Re-stat the source, compare the variant and the autocast state; ``drop(why)`` old tables.
 
         ``resident``: the slot map in LRU order; ``holds_tables``: whether the slab or the host
         tier holds anything. In a process group the three flags, a digest of ``request`` and one
@@ -74,8 +94,9 @@ class TableIdentity:
         except CheckpointError as exc:
             invalid = exc
         fingerprint = self.source.fingerprint
+        different = variant != self.variant or autocast != self.autocast
         (failed, changed, variant_changed), diverged = self._dist.agree_identity(
-            [invalid is not None, fingerprint != self.fingerprint, variant != self.variant], request, resident
+            [invalid is not None, fingerprint != self.fingerprint, different], request, resident
         )
         if diverged:
             # The ranks' slot maps differ (invalidate() on some ranks only, say): their next
@@ -98,8 +119,9 @@ class TableIdentity:
         if variant_changed:
             if holds_tables:
                 self.stats.variant_changes += 1
-                drop(f"variant changed ({self.variant!r} -> {variant!r})")
+                drop(f"variant changed ({self.variant!r} -> {variant!r}, autocast {self.autocast} -> {autocast})")
             self.variant = variant
+            self.autocast = autocast
 
     def binding(self) -> dict[str, Any]:
         """Everything a stored table depends on besides its plan (stores key entries by it)."""

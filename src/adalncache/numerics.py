@@ -39,9 +39,12 @@ What is in it, and why:
 * **Reduced-precision reductions** for bf16 and fp16 GEMMs on CUDA, and fp16 accumulation:
   separate switches the fp32 precision API does not cover.
 * **Deterministic algorithms**: they may select other kernels.
-* **Autocast**: not recorded yet. A projection run under autocast computes in the autocast
-  dtype; :func:`autocast_settings` is where that state will be added, and both users pick it up
-  from here.
+* **Autocast** (:func:`autocast_settings`): under ``torch.autocast`` for the device's type a
+  projection computes in the autocast dtype (an fp32 ``F.linear`` under CPU autocast to bf16
+  runs and returns bf16), and so does the fp32 time embedder that computes its input. The
+  autocast dtype of the device's type is recorded when autocast is on, and nothing when it is
+  off (so entries written without autocast keep their binding). The cache also makes it part of
+  the tables' identity, so tables built outside autocast are never served inside it.
 
 Device identity (torch build, CUDA version, device name and capability, CPU capability) is added
 by :func:`numeric_environment`; the probe's shape class already names the device.
@@ -107,9 +110,22 @@ def _legacy_precision() -> dict[str, Any]:
     }
 
 
-def autocast_settings() -> dict[str, Any]:
-    """The autocast state that would change a projection's bits. Not recorded yet: empty."""
-    return {}
+def autocast_settings(device: torch.device | str) -> dict[str, Any]:
+    """The autocast state that changes a projection's bits on ``device``: its dtype, when autocast is on.
+
+    Autocast is per device type and per thread; only the state of ``device``'s type reaches its
+    kernels. Empty when autocast is off for that type.
+    """
+    kind = torch.device(device).type
+    if not torch.is_autocast_enabled(kind):
+        return {}
+    return {"autocast": str(torch.get_autocast_dtype(kind)).removeprefix("torch.")}
+
+
+def autocast_dtype(device: torch.device | str) -> torch.dtype | None:
+    """The dtype a projection on ``device`` computes and returns in under the current autocast, or None."""
+    kind = device.type if isinstance(device, torch.device) else torch.device(device).type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
 
 
 def bit_settings(device: torch.device | str) -> dict[str, Any]:
@@ -136,7 +152,7 @@ def bit_settings(device: torch.device | str) -> dict[str, Any]:
         if value is not _MISSING:
             settings[label] = value
     settings["deterministic"] = torch.are_deterministic_algorithms_enabled()
-    settings.update(autocast_settings())
+    settings.update(autocast_settings(device))
     return settings
 
 
@@ -170,4 +186,4 @@ def numeric_environment(device: torch.device) -> dict[str, Any]:
     return env
 
 
-__all__ = ["autocast_settings", "bit_settings", "bit_settings_key", "numeric_environment"]
+__all__ = ["autocast_dtype", "autocast_settings", "bit_settings", "bit_settings_key", "numeric_environment"]

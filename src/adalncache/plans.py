@@ -13,7 +13,8 @@ schedules module must not import this one (this one re-exports from it).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import struct
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -29,24 +30,87 @@ def _describe(plan: object) -> str:
     return type(plan).__name__
 
 
+_TENSOR = torch.Tensor
+_FLOAT32 = torch.float32
+#: ``(pack n floats as fp32, unpack n int32)`` by n: the bit patterns of n fp32 values.
+_CODECS: dict[int, tuple[Callable[..., bytes], Callable[[bytes], tuple[int, ...]]]] = {}
+
+
+def _codec(n: int) -> tuple[Callable[..., bytes], Callable[[bytes], tuple[int, ...]]]:
+    codec = _CODECS.get(n)
+    if codec is None:
+        codec = _CODECS[n] = (struct.Struct(f"={n}f").pack, struct.Struct(f"={n}i").unpack)
+    return codec
+
+
+def _bits(values: list[float]) -> tuple[int, ...] | None:
+    """The fp32 bit patterns of ``values`` (fp32 values held as Python floats), or None for a NaN.
+
+    Packing the floats back as fp32 and unpacking the bytes as int32 gives the bit patterns; the
+    round trip through a double keeps every finite value, the infinities and -0.0, but could
+    change a NaN's payload, so a NaN (or inf - inf) in the sum sends the caller the exact way.
+    """
+    total = sum(values)
+    if total != total:
+        return None
+    pack, unpack = _codec(len(values))
+    return unpack(pack(*values))
+
+
 def plan_key(plan: torch.Tensor) -> PlanKey:
     """The exact identity of a plan: its fp32 bit patterns, in order.
 
     Raises PlanError for anything that is not a 1-D float32 tensor, since such a thing has no
     fp32 bit pattern to key on (a float64 or float16 timestep would be rounded by the model).
+    Every request keys all of its plans, so this is on the hit path: ``tolist`` and a
+    ``struct`` round trip cost about half of viewing the tensor as int32.
     """
-    if not isinstance(plan, torch.Tensor) or plan.dtype != torch.float32 or plan.dim() != 1:
+    if not isinstance(plan, _TENSOR) or plan.dtype is not _FLOAT32 or plan.dim() != 1:
         raise PlanError(
             f"a plan must be a 1-D float32 tensor of timesteps (the model's `timestep` argument), got "
             f"{_describe(plan)}; pass timestep.to(torch.float32).flatten()"
         )
-    if plan.device.type == "meta":
-        # A meta tensor has no bits to key on (it would fail later with a bare NotImplementedError).
-        raise PlanError("a plan must hold data, got a meta tensor: pass the timestep tensor the forward receives")
-    host = plan.detach()
-    if host.device.type != "cpu":
-        host = host.cpu()
-    return tuple(host.contiguous().view(torch.int32).tolist())
+    if not plan.is_cpu:
+        if plan.is_meta:
+            # A meta tensor has no bits to key on (it would fail later with a bare NotImplementedError).
+            raise PlanError("a plan must hold data, got a meta tensor: pass the timestep tensor the forward receives")
+        plan = plan.detach().cpu()
+    key = _bits(plan.tolist())
+    if key is None:
+        return tuple(plan.detach().contiguous().view(torch.int32).tolist())
+    return key
+
+
+def plan_keys(plans: Sequence[torch.Tensor]) -> list[PlanKey]:
+    """``[plan_key(p) for p in plans]``, computed for the whole request at once.
+
+    One ``cat`` and one ``tolist`` for every plan instead of one each (measured: about half the
+    cost for a 49-plan request). Anything unusual (a plan on a device, another dtype or rank, a
+    NaN) goes the per-plan way, which raises the precise PlanError.
+    """
+    try:
+        for plan in plans:
+            if plan.dtype is not _FLOAT32 or plan.dim() != 1:
+                raise _PerPlan
+        flat = torch.cat(list(plans))
+        if flat.dim() != 1 or not flat.is_cpu:
+            raise _PerPlan
+        bits = _bits(flat.tolist())
+        if bits is None:
+            raise _PerPlan
+    except Exception:  # not tensors, mixed devices, nothing to concatenate...: the exact, slower way
+        return [plan_key(plan) for plan in plans]
+    keys: list[PlanKey] = []
+    start = 0
+    for plan in plans:
+        stop = start + plan.numel()
+        keys.append(bits[start:stop])
+        start = stop
+    return keys
+
+
+class _PerPlan(Exception):
+    """Internal: key this request plan by plan."""
 
 
 def key_to_plan(key: PlanKey) -> torch.Tensor:
@@ -68,8 +132,15 @@ def validate_plan(plan: torch.Tensor, *, max_plan_width: int | None = None) -> N
         )
 
 
-def distinct_plans(plans: Sequence[torch.Tensor]) -> tuple[list[PlanKey], dict[PlanKey, torch.Tensor]]:
-    """Keys of ``plans`` in first-seen order, deduplicated, with one tensor per key."""
+def keyed_plans(
+    plans: Sequence[torch.Tensor], keys: Sequence[PlanKey] | None = None
+) -> tuple[list[torch.Tensor], list[PlanKey]]:
+    """``plans`` as a list, with one key per plan (computed here, or the caller's ``keys``).
+
+    ``keys``: the plans' keys computed once by the caller (``plan_key`` of each plan, in order),
+    so a request that is looked up at every step is keyed only once. They are trusted here; the
+    cache re-checks the key of every plan it is about to build.
+    """
     if plans is None or isinstance(plans, (str, bytes)) or not hasattr(plans, "__iter__"):
         raise PlanError(
             f"build() takes a sequence of plans (one 1-D timestep tensor per step), got {type(plans).__name__}: "
@@ -80,14 +151,28 @@ def distinct_plans(plans: Sequence[torch.Tensor]) -> tuple[list[PlanKey], dict[P
             "build() takes a sequence of plans (one 1-D timestep tensor per step), got a single tensor: "
             "wrap it in a list"
         )
-    order: list[PlanKey] = []
+    plans = list(plans)  # any iterable; callers walk it more than once
+    if keys is None:
+        return plans, plan_keys(plans)
+    keys = list(keys)
+    if len(keys) != len(plans):
+        raise PlanError(
+            f"keys= must hold one key per plan (plan_key of each, in order), got {len(keys)} keys for "
+            f"{len(plans)} plans"
+        )
+    return plans, keys
+
+
+def distinct_plans(
+    plans: Sequence[torch.Tensor], keys: Sequence[PlanKey] | None = None
+) -> tuple[list[PlanKey], dict[PlanKey, torch.Tensor]]:
+    """Keys of ``plans`` in first-seen order, deduplicated, with one tensor per key (see :func:`keyed_plans`)."""
+    plans, keys = keyed_plans(plans, keys)
     tensors: dict[PlanKey, torch.Tensor] = {}
-    for plan in plans:
-        key = plan_key(plan)
+    for key, plan in zip(keys, plans):
         if key not in tensors:
             tensors[key] = plan
-            order.append(key)
-    return order, tensors
+    return list(tensors), tensors
 
 
 def format_plan(key: PlanKey, limit: int = 4) -> str:
@@ -126,8 +211,10 @@ __all__ = [
     "distinct_plans",
     "format_plan",
     "key_to_plan",
+    "keyed_plans",
     "minimax_h3_plans",
     "plan_key",
     "schedule_plans",
+    "plan_keys",
     "validate_plan",
 ]

@@ -70,6 +70,7 @@ class RebuildPass:
         progress: bool | None,
         batched: bool,
         faults: FaultPoints,
+        out_dtype: torch.dtype | None = None,
     ) -> None:
         self.spec = spec
         self.source = source
@@ -80,6 +81,18 @@ class RebuildPass:
         self.progress = progress
         self.batched = batched
         self.faults = faults
+        #: Under autocast, the dtype the resident projection returns; every projection must return it
+        #: (the slab holds its values exactly, and the cache serves them back in it).
+        self.out_dtype = out_dtype
+
+    def _write(self, slot: int, layer: Layer, y: torch.Tensor, columns: Any) -> None:
+        if self.out_dtype is not None and y.dtype != self.out_dtype:
+            raise PlanError(
+                f"under torch.autocast the projection of layer {layer} returned {y.dtype}, but the resident "
+                f"projection returns {self.out_dtype}: a project= function must run its GEMM under the "
+                f"caller's autocast, as F.linear does"
+            )
+        self.slab.write_projection(slot, layer, y, columns)
 
     def embed_all(
         self, keys: Sequence[PlanKey], tensors: dict[PlanKey, torch.Tensor], embed: EmbedFn
@@ -143,11 +156,11 @@ class RebuildPass:
                             if stacker is not None:
                                 self.faults.check("project")
                                 for key, y in stacker.project_layer(lw.layer, weight, bias):
-                                    self.slab.write_projection(slots[key], lw.layer, y, work.columns)
+                                    self._write(slots[key], lw.layer, y, work.columns)
                             for key in alone:
                                 self.faults.check("project")
                                 y = project(lw.layer, xs[key], weight, bias)
-                                self.slab.write_projection(slots[key], lw.layer, y, work.columns)
+                                self._write(slots[key], lw.layer, y, work.columns)
                         report.layers_read.append(str(lw.layer))
                         bar.update(1)
                 if stacker is not None:

@@ -18,6 +18,7 @@ the lengths), clear one, and read one.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
@@ -43,6 +44,8 @@ class Slab:
         self.final_params = torch.zeros(P, W, spec.final_width, dtype=spec.dtype, device=device)
         # 0-d slot indices already on the device, so lookups never copy host -> device.
         self._slot_index = torch.arange(P, dtype=torch.int64, device=device)
+        # Slot tensors of slot lists that are not a contiguous run, by slot tuple (see indices()).
+        self._index_cache: OrderedDict[tuple[int, ...], torch.Tensor] = OrderedDict()
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.plan_timesteps, self.plan_lengths, self.block_params, self.final_params)
@@ -54,6 +57,34 @@ class Slab:
     def index(self, slot: int) -> torch.Tensor:
         """Slot ``slot`` as a 0-d LongTensor on the device (no host -> device copy)."""
         return self._slot_index[slot]
+
+    #: Slot tensors kept for lists of slots that are not a contiguous run (a request per entry).
+    INDEX_CACHE = 256
+
+    def indices(self, slots: Sequence[int]) -> torch.Tensor:
+        """``slots`` as a 1-D LongTensor on the device, without a host -> device copy. Read-only.
+
+        A single slot or a run of consecutive slots is a view of the preallocated index; any other
+        list is gathered from it on the device once and kept (keyed by the slot numbers, which
+        never change meaning), so a request that resolves its slots at every step pays for it once.
+        Callers hold the cache's lock (the kept tensors are shared).
+        """
+        n = len(slots)
+        if n == 0:
+            return self._slot_index[:0]
+        first = slots[0]
+        if all(slot == first + i for i, slot in enumerate(slots)):
+            return self._slot_index[first : first + n]
+        key = tuple(slots)
+        found = self._index_cache.get(key)
+        if found is not None:
+            self._index_cache.move_to_end(key)
+            return found
+        found = torch.stack([self._slot_index[slot] for slot in slots])
+        self._index_cache[key] = found
+        if len(self._index_cache) > self.INDEX_CACHE:
+            self._index_cache.popitem(last=False)
+        return found
 
     # -- writes (before publish: nothing here is visible to lookups yet) -------------------
 

@@ -7,6 +7,10 @@ so a copy that must project like the model keeps that address modulo 64 (:data:`
 Reads go further and keep it modulo 4096 (:data:`DIRECT_BLOCK`), which is what O_DIRECT needs
 from the buffer, the file offset and the length; the buffers they use carry a block of slack on
 each side, so a direct read can round its range out to whole blocks.
+
+Page-locked buffers (for CUDA) come from :class:`~adalncache.hostmem.HostBuffer`: exactly the
+size asked for, unlike torch's pinned allocator (which rounds each request up to a power of two,
+pinning a 496 MiB layer as 512 MiB, and keeps freed blocks), and given back when released.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ import time
 from collections.abc import Sequence
 
 import torch
+
+from ..hostmem import HostBuffer, Registrar
 
 log = logging.getLogger(__name__)
 
@@ -72,9 +78,15 @@ def aligned_empty(
     nbytes = itemsize
     for size in shape:
         nbytes *= size
-    storage = torch.empty(_storage_bytes(nbytes, modulus, margin), dtype=torch.uint8, pin_memory=pin)
-    view = place(storage, nbytes, residue, modulus=modulus, margin=margin)
-    return view.view(dtype).view(shape)
+    size = _storage_bytes(nbytes, modulus, margin)
+    # Page-locked: the view keeps the mapping alive, and the buffer object (kept on the tensor)
+    # keeps the pages locked for as long as the tensor lives.
+    owner = HostBuffer(size, pin=True) if pin else None
+    storage = owner.tensor if owner is not None else torch.empty(size, dtype=torch.uint8)
+    view = place(storage, nbytes, residue, modulus=modulus, margin=margin).view(dtype).view(shape)
+    if owner is not None:
+        view.adalncache_host_buffer = owner  # type: ignore[attr-defined]
+    return view
 
 
 def read_buffer(nbytes: int, file_offset: int, *, pin: bool = False) -> torch.Tensor:
@@ -104,19 +116,32 @@ class StagingPool:
     #: How long to wait for a consumer to drop a buffer before giving up and allocating a new one.
     WAIT_S = 0.05
 
-    def __init__(self, slots: int, pin: bool) -> None:
+    def __init__(
+        self, slots: int, pin: bool, registrar: Registrar | None = None, device: torch.device | None = None
+    ) -> None:
         self.slots = max(1, slots)
         self.pin = pin
+        self.registrar = registrar
+        #: The GPU the page-locked buffers serve (current for the CUDA calls, on any thread).
+        self.device = device
         self._lock = threading.Lock()  # the reader thread and a prefaulting consumer share the pool
         self._buffers: dict[tuple[int, str], tuple[torch.Tensor, int]] = {}
+        #: The page-locked host buffers behind the pool's storages (pinned pools only), by slot.
+        self._owners: dict[tuple[int, str], HostBuffer] = {}
+        #: Bytes asked of the allocator for each fresh storage, in order (tests check the sizes).
+        self.requested: list[int] = []
         self.fresh = 0  # buffers allocated (first use of a slot, or a slot still held by a consumer)
         # A consumer that kept one layer past its turn keeps them all (a list, a dict of layers):
         # after the first timeout the pool stops waiting and allocates straight away.
         self._wait = self.WAIT_S
 
-    def _storage(self, nbytes: int) -> torch.Tensor:
+    def _storage(self, nbytes: int) -> tuple[torch.Tensor, HostBuffer | None]:
         size = _storage_bytes(nbytes, DIRECT_BLOCK, DIRECT_BLOCK)
-        return torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
+        self.requested.append(size)
+        if not self.pin:
+            return torch.empty(size, dtype=torch.uint8), None
+        owner = HostBuffer(size, pin=True, registrar=self.registrar, device=self.device)
+        return owner.tensor, owner
 
     def _free(self, key: tuple[int, str]) -> tuple[torch.Tensor, int] | None:
         held = self._buffers.get(key)
@@ -129,6 +154,8 @@ class StagingPool:
                 log.debug("staging buffer %s still referenced by the consumer; allocating a new one", key)
                 self._wait = 0.0
                 del self._buffers[key]
+                # The consumer's view keeps the memory alive (as pageable memory once unlocked).
+                self._release_owner(key)
                 return None
             time.sleep(0.0002)
         return held
@@ -138,20 +165,40 @@ class StagingPool:
         key = (index % self.slots, part)
         held = self._free(key)
         if held is None or held[0].numel() < _storage_bytes(nbytes, DIRECT_BLOCK, DIRECT_BLOCK):
-            held = self._add(key, self._storage(nbytes))
+            held = self._add(key, *self._storage(nbytes))
         return place(held[0], nbytes, file_offset, modulus=DIRECT_BLOCK, margin=DIRECT_BLOCK)
 
     def _add(
-        self, key: tuple[int, str], storage: torch.Tensor, *, only_if_absent: bool = False
+        self,
+        key: tuple[int, str],
+        storage: torch.Tensor,
+        owner: HostBuffer | None,
+        *,
+        only_if_absent: bool = False,
     ) -> tuple[torch.Tensor, int]:
         """Register ``storage`` as the buffer of ``key`` (unless ``only_if_absent`` and one is there)."""
         with self._lock:
             if only_if_absent and key in self._buffers:
+                if owner is not None:
+                    owner.release()
                 return self._buffers[key]
+            self._release_owner(key, locked=True)
             held = (storage, _use_count(storage))
             self._buffers[key] = held
+            if owner is not None:
+                self._owners[key] = owner
             self.fresh += 1
             return held
+
+    def _release_owner(self, key: tuple[int, str], *, locked: bool = False) -> None:
+        """Unlock the pages of ``key``'s old buffer (pinned pools); its memory goes with its last view."""
+        if not locked:
+            with self._lock:
+                owner = self._owners.pop(key, None)
+        else:
+            owner = self._owners.pop(key, None)
+        if owner is not None:
+            owner.release()
 
     def prefault(self, index: int, part: str, nbytes: int) -> bool:
         """Allocate and first-touch the buffer of ``index``'s slot now, if it has none yet.
@@ -166,19 +213,29 @@ class StagingPool:
             held = self._buffers.get(key)
             if held is not None and held[0].numel() >= _storage_bytes(nbytes, DIRECT_BLOCK, DIRECT_BLOCK):
                 return False
-        storage = self._storage(nbytes)
+        storage, owner = self._storage(nbytes)
         storage.fill_(0)
         # The reader may have got there first; then its buffer stays and this one is dropped.
-        return self._add(key, storage, only_if_absent=True)[0] is storage
+        return self._add(key, storage, owner, only_if_absent=True)[0] is storage
 
     def resized(self, slots: int) -> StagingPool:
         """This pool for a new pass with ``slots`` slots: the buffers of the slots it keeps, reused."""
         if max(1, slots) == self.slots:
             self._wait = self.WAIT_S  # a new pass, perhaps a different consumer
             return self
-        pool = StagingPool(slots, self.pin)
-        pool._buffers = {key: held for key, held in self._buffers.items() if key[0] < pool.slots}
+        pool = StagingPool(slots, self.pin, self.registrar, self.device)
+        with self._lock:
+            for key, held in self._buffers.items():
+                if key[0] < pool.slots:
+                    pool._buffers[key] = held
+                    if key in self._owners:
+                        pool._owners[key] = self._owners.pop(key)
+            dropped = list(self._owners.values())
+            self._owners.clear()
+        for owner in dropped:
+            owner.release()
         pool.fresh = self.fresh
+        pool.requested = list(self.requested)
         return pool
 
     @property
@@ -187,4 +244,11 @@ class StagingPool:
         return sum(storage.numel() for storage, _ in self._buffers.values())
 
     def clear(self) -> None:
-        self._buffers.clear()
+        """Drop every buffer: page-locked ones are unlocked now, and all go back to the system
+        once no tensor views them (the pool is only cleared between passes, when none does)."""
+        with self._lock:
+            self._buffers.clear()
+            owners = list(self._owners.values())
+            self._owners.clear()
+        for owner in owners:
+            owner.release()

@@ -27,6 +27,7 @@ import torch
 
 from ..errors import CheckpointError, ConfigError
 from ..spec import Layer, ModulationSpec, get_layout
+from ..streams import CopyStreams, copy_to_device
 from .buffers import StagingPool, read_buffer
 from .files import CheckpointFiles, CheckpointPath
 from .header import SafetensorsHeader, TensorEntry
@@ -91,6 +92,8 @@ class CheckpointSource:
         #: Of ``bytes_read``, those read with O_DIRECT.
         self.bytes_direct = 0
         self._kept: StagingPool | None = None
+        #: The side stream of each device this source copies layers to, reused by every pass.
+        self.copy_streams = CopyStreams()
         self._load()
 
     # -- identity ---------------------------------------------------------------------------
@@ -262,7 +265,9 @@ class CheckpointSource:
         if read_ahead < 0:
             raise ConfigError(f"read_ahead must be >= 0, got {read_ahead}")
         cuda = device.type == "cuda"
-        copy_stream = torch.cuda.Stream(device) if cuda else None
+        if cuda and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())  # the reader thread must not guess
+        copy_stream = self.copy_streams.get(device) if cuda else None
         todo = list(layers)
         # On CUDA each pinned buffer is free again once its copy finished (load waits for it), and
         # loads run one at a time, so one buffer serves the whole pass; pinning is slow and rounds
@@ -278,7 +283,8 @@ class CheckpointSource:
                 kept, self._kept = self._kept, None
             # Another read_ahead keeps the buffers it can use; a pool of the other kind is dropped.
             reuse = kept is not None and kept.pin == cuda
-            staging = kept.resized(slots) if reuse and kept is not None else StagingPool(slots, pin=cuda)
+            staging = kept.resized(slots) if reuse and kept is not None else StagingPool(slots, pin=cuda, device=device)
+            staging.device = device if cuda else None
 
         def load(fds: dict[Path, int], index: int) -> LayerWeights:
             layer = todo[index]
@@ -286,15 +292,10 @@ class CheckpointSource:
             lw, keep = self.read_layer(fds, layer, columns=columns, pin=cuda, staging=stage, direct=direct)
             if copy_stream is None:
                 return lw  # the views keep their buffers alive; nothing else holds them
-            # Runs on the reader thread: the pinned buffer is copied on a side stream, and the
-            # thread waits for the copy so the buffer can be freed (pinned memory is not reused
-            # while a DMA may still read it).
-            with torch.cuda.stream(copy_stream):
-                weight = lw.weight.to(device, non_blocking=True)
-                bias = lw.bias.to(device, non_blocking=True)
-                done = torch.cuda.Event()
-                done.record(copy_stream)
-            done.synchronize()
+            # Runs on the reader thread, with the cache's device current (never device 0 by
+            # default): the pinned buffer is copied on the source's side stream, and the thread
+            # waits for the copy, even when it fails halfway, before the buffer can be reused.
+            weight, bias = copy_to_device([lw.weight, lw.bias], device, copy_stream)
             del keep, lw  # the staging buffer is free for the next layer
             return LayerWeights(layer, weight, bias)
 

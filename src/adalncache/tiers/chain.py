@@ -68,7 +68,8 @@ class TierChain:
         stats: CacheStats,
     ) -> TierChain:
         """The host tier (``host_cache_bytes > 0``) and the store (``store=``, a directory or a Store)."""
-        host = HostTier(spec, host_cache_bytes, pin=device.type == "cuda") if host_cache_bytes > 0 else None
+        cuda = device.type == "cuda"
+        host = HostTier(spec, host_cache_bytes, pin=cuda, device=device) if host_cache_bytes > 0 else None
         if store is not None and not getattr(source, "persistent", True):
             # An in-memory source's fingerprint names addresses in this process: its entries could
             # never be found again, so they would only fill the disk.
@@ -177,6 +178,10 @@ class TierChain:
         """Forget the host tier's copies (the store's entries stay: they are keyed by fingerprint)."""
         if self.host is not None:
             self.host.clear()
+
+    def release(self) -> int:
+        """Give the host tier's arena back (the store keeps its files); returns the bytes released."""
+        return self.host.release() if self.host is not None else 0
 
     def check_invariants(self) -> None:
         if self.host is not None:

@@ -1,8 +1,9 @@
 """Host tier: copies of published plans in one preallocated, byte-bounded host arena.
 
-Why one arena: pinned (page-locked) allocations round up to large granules and are slow to make,
-so pinning per entry would waste memory and time; one arena allocated at construction is pinned
-once (when the cache device is CUDA, so restores are asynchronous DMA) and carved up here.
+Why one arena: page-locking memory is slow, so it happens once, at construction, for one arena of
+exactly the capacity (a :class:`~adalncache.hostmem.HostBuffer`: torch's pinned allocator would
+round 20 GB up to 32 GiB and never give it back), when the cache device is CUDA, so restores are
+asynchronous DMA; the arena is carved up here. :meth:`HostTier.release` gives it back.
 
 The arena is divided into *units* of one timestep row (``spec.row_bytes`` rounded up to 64 bytes,
 so every dtype view is aligned). A plan of ``n`` timesteps owns ``n`` contiguous units laid out as
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..hostmem import HostBuffer, Registrar
 from ..plans import PlanKey, key_to_plan
 from ..rows import PlanRows
 from ..spec import ModulationSpec
@@ -56,14 +58,23 @@ class HostTier:
     Not thread-safe: the cache calls it from its own build, one at a time.
     """
 
-    def __init__(self, spec: ModulationSpec, capacity_bytes: int, *, pin: bool = False) -> None:
+    def __init__(
+        self,
+        spec: ModulationSpec,
+        capacity_bytes: int,
+        *,
+        pin: bool = False,
+        registrar: Registrar | None = None,
+        device: torch.device | None = None,
+    ) -> None:
         self.spec = spec
         self.capacity_bytes = int(capacity_bytes)
         self.unit_bytes = -(-spec.row_bytes // _ALIGN) * _ALIGN
         self.total_units = self.capacity_bytes // self.unit_bytes
-        self.pinned = bool(pin and self.total_units > 0)
         # Only whole units are usable; the remainder (< one unit) is never allocated.
-        self.arena = torch.empty(self.total_units * self.unit_bytes, dtype=torch.uint8, pin_memory=self.pinned)
+        self._buffer = HostBuffer(self.total_units * self.unit_bytes, pin=pin, registrar=registrar, device=device)
+        self.pinned = self._buffer.pinned
+        self.arena = self._buffer.tensor
         self._owner: list[PlanKey | None] = [None] * self.total_units
         self._free_units = self.total_units
         self._plans: dict[PlanKey, _Entry] = {}
@@ -240,6 +251,24 @@ class HostTier:
         return True
 
     # -- maintenance ------------------------------------------------------------------------
+
+    def release(self) -> int:
+        """Forget everything and give the arena back (unlocked and freed); returns its bytes.
+
+        The tier holds nothing afterwards and skips every group (its capacity is 0). Called when
+        the cache is closed (``AdalnCache.close()``, the diffusers handle's ``disable()``).
+        """
+        released = self.total_units * self.unit_bytes
+        self.clear()
+        self._buffer.release()
+        self._buffer = HostBuffer(0)
+        self.arena = self._buffer.tensor
+        self.pinned = False
+        self.capacity_bytes = 0
+        self.total_units = 0
+        self._owner = []
+        self._free_units = 0
+        return released
 
     def clear(self) -> None:
         """Forget everything (an identity change or ``invalidate``); not counted as evictions."""

@@ -5,19 +5,33 @@ source, the :class:`~adalncache.AdalnCache`, the parked weights, the hooks, the 
 the method overrides. It also gives the cache the two callbacks of a build, ``embed`` (the
 projections' exact input for a plan) and ``project`` (one layer's output through the module's own,
 possibly LoRA-wrapped, forward).
+
+Requests hold their plans (:class:`~adalncache.holds.PlanHold`): ``prepare`` holds a request's
+plans for the calling thread until that thread's next ``prepare`` or ``release()``; ``request``
+holds them for a ``with`` block; and every forward holds its own plan until it returns. So a
+build for another request (another thread, or a forward whose plan was not prepared) never
+evicts or rewrites what a running request reads.
+
+Threads: a build (with its LoRA scale and its loan of the time embedder's weights) runs under the
+handle's lock; a forward whose plan is resident takes no lock but the cache's short one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable, Mapping, Sequence
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ... import TensorSource
 from ...errors import CheckpointError, ConfigError, PlanNotCachedError
+from ...holds import PlanHold
+from ...hostmem import HostBuffer
 from ...plans import PlanKey
 from ...spec import FINAL, Layer, ModulationSpec
 from .config import AdalnCacheConfig
@@ -41,6 +55,7 @@ from .sources import Source, changed_since, checkpoint_source, model_source
 
 if TYPE_CHECKING:
     from ... import AdalnCache, BuildReport, CacheStats
+    from ...rebuild import EmbedFn
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +87,12 @@ class AdalnCacheHandle:
         self._loan: TimeEmbedderLoan | None = None
         self._warned_miss = False
         self._enabled_fingerprint: str | None = None
+        #: Builds, LoRA scaling and hook moves (they change module state other threads read).
+        self._lock = threading.RLock()
+        #: Per thread: the hold of its last prepare() (``.hold``).
+        self._prepared = threading.local()
+        #: Host copies of the model's own projections (CUDA), released on disable().
+        self._host_buffers: list[HostBuffer] = []
 
     # ------------------------------------------------------------------ public
 
@@ -81,19 +102,48 @@ class AdalnCacheHandle:
         return self.cache.stats
 
     def prepare(self, plans: Sequence[Any], *, attention_kwargs: Mapping[str, Any] | None = None) -> BuildReport:
-        """Make every plan resident for the model's current LoRA state, in at most one pass.
+        """Make every plan resident for the model's current LoRA and autocast state, in at most one
+        pass, and hold them for the calling thread until its next ``prepare`` or :meth:`release`.
 
         ``plans``: the per-step ``timestep`` tensors (``minimax_h3_plans`` gives them ahead of
         time) or the pipeline's ``row_timestep_plan`` (``(timestep, timestep_indices)`` pairs).
         ``attention_kwargs``: what the loop will pass the transformer; its ``"scale"`` changes the
-        effective LoRA projection, so the tables are built under it.
+        effective LoRA projection, so the tables are built under it. Call it under the autocast
+        state the loop runs under (tables built outside autocast are rebuilt inside it).
         """
+        self.release()  # the thread's previous request is over: its plans may make room for this one
+        held = self._request_hold(plans, attention_kwargs)
+        self._prepared.hold = held
+        return held.report
+
+    def release(self) -> None:
+        """Release the plans the calling thread's last :meth:`prepare` holds (no-op when none)."""
+        held: PlanHold | None = getattr(self._prepared, "hold", None)
+        self._prepared.hold = None
+        if held is not None:
+            held.release()
+
+    @contextlib.contextmanager
+    def request(self, plans: Sequence[Any], *, attention_kwargs: Mapping[str, Any] | None = None) -> Iterator[PlanHold]:
+        """``with handle.request(plans):`` prepares ``plans`` and holds them until the block ends.
+
+        For a bare transformer loop: no build for another request evicts or rewrites these plans
+        while the loop runs, and they are released on an exception too. Yields the
+        :class:`~adalncache.holds.PlanHold` (``.report`` says what the build did).
+        """
+        held = self._request_hold(plans, attention_kwargs)
+        try:
+            yield held
+        finally:
+            held.release()
+
+    def _request_hold(self, plans: Sequence[Any], attention_kwargs: Mapping[str, Any] | None) -> PlanHold:
         if not self.enabled:
             raise ConfigError("prepare() needs the AdaLN cache enabled; this handle was disabled")
         tensors = [plan[0] if isinstance(plan, (tuple, list)) else plan for plan in plans]
         scale = lora_scale_of(attention_kwargs)
         tuners, variant, refs = self._signature(scale)
-        return self._build(tensors, scale, tuners, variant, refs)
+        return self._hold(tensors, None, scale, tuners, variant, refs)
 
     def disable(self, *, allow_changed_checkpoint: bool = False) -> None:
         """Remove every hook and override and put the original weights back, bit-exactly.
@@ -105,6 +155,7 @@ class AdalnCacheHandle:
         """
         if not self.enabled:
             return
+        self.release()
         if self._parking.restores_from_source and not allow_changed_checkpoint:
             assert self.source is not None
             if changed_since(self.source, self._enabled_fingerprint):
@@ -122,7 +173,23 @@ class AdalnCacheHandle:
         self._parking.restore()
         self.enabled = False
         setattr(self.model, HANDLE_ATTRIBUTE, None)
+        self._give_back_memory()
         logger.info("AdaLN cache disabled; projection weights restored")
+
+    def _give_back_memory(self) -> None:
+        """After restoring: the cache's host tier and read buffers, and the model's host copies.
+
+        The copies of the model's own projections (CUDA) are unlocked now, and freed with the
+        in-memory source, which a closed cache never reads again.
+        """
+        cache = getattr(self, "cache", None)
+        released = cache.close() if cache is not None else 0
+        for buffer in self._host_buffers:
+            released += buffer.release()
+        self._host_buffers = []
+        if isinstance(self.source, TensorSource):
+            self.source.tensors.clear()
+        logger.debug("AdaLN cache: %.1f MiB of host memory given back", released / 2**20)
 
     def __repr__(self) -> str:
         state = "enabled" if self.enabled else "disabled"
@@ -151,7 +218,7 @@ class AdalnCacheHandle:
                 config.checkpoint, self.spec, modules, layout=config.layout, verify=config.verify_checkpoint
             )
         else:
-            self.source, host_tensors = model_source(self.spec, modules, self.device)
+            self.source, host_tensors, self._host_buffers = model_source(self.spec, modules, self.device)
         self._enabled_fingerprint = self.source.fingerprint
         self.cache = config.cache_options.build(self.spec, self.source, device)
         # From here on the model is modified; undo everything if a step fails.
@@ -209,27 +276,30 @@ class AdalnCacheHandle:
 
     # ------------------------------------------------------------------ per forward
 
-    def _make_resident(self, plan: torch.Tensor, key: PlanKey, attention_kwargs: Mapping[str, Any] | None) -> None:
-        """Before a forward: make ``plan`` resident under the forward's LoRA signature (or refuse).
+    def _make_resident(self, plan: torch.Tensor, key: PlanKey, attention_kwargs: Mapping[str, Any] | None) -> PlanHold:
+        """Before a forward: hold ``plan`` resident under the forward's LoRA signature (or refuse).
 
-        Called by the transformer hook with the host copy of the forward's timestep and its key.
+        Called by the transformer hook with the host copy of the forward's timestep and its key;
+        the hook releases the hold when the forward returns.
         """
         scale = lora_scale_of(attention_kwargs)
         tuners, variant, refs = self._signature(scale)
         if self.config.on_miss == "raise":
+            held = self.cache.hold_resident([plan], keys=[key], variant=variant)
+            if held is not None:
+                return held
             if variant != self._lora.variant:
                 raise PlanNotCachedError(
                     "the AdaLN cache does not cover this forward: the LoRA state of the AdaLN projections "
                     "changed since the tables were built; call handle.prepare(plans) (on_miss='raise')"
                 )
-            try:
-                self.cache.lookup(plan, key=key)
-            except PlanNotCachedError as exc:
-                raise PlanNotCachedError(
-                    f"{exc}; call handle.prepare(plans) before the loop, or enable with on_miss='build'"
-                ) from None
-        report = self._build([plan], scale, tuners, variant, refs)
-        if report.passes and self.config.on_miss == "build":
+            raise PlanNotCachedError(
+                f"the AdaLN cache does not cover this forward's plan {plan.tolist()} under the current LoRA and "
+                "autocast state; call handle.prepare(plans) before the loop (under the loop's autocast), or "
+                "enable with on_miss='build'"
+            )
+        held = self._hold([plan], [key], scale, tuners, variant, refs)
+        if held.report.passes and self.config.on_miss == "build":
             message = (
                 "AdaLN cache: a forward's plan was not prepared and was built on the spot (one "
                 "rebuild pass); call handle.prepare(plans) before the loop to build all steps in one "
@@ -240,18 +310,36 @@ class AdalnCacheHandle:
                 self._warned_miss = True
             else:
                 logger.info(message)
+        return held
 
     # ------------------------------------------------------------------ building
 
     def _signature(self, scale: float) -> tuple[list[tuple[str, Any]], Variant, list[torch.Tensor]]:
-        """Follow a swapped output module, refuse a fuse, and read the LoRA signature under ``scale``."""
-        assert self._hooks is not None
-        self._hooks.follow_output()
-        return self._lora.current(scale)
+        """Follow a swapped output module, refuse a fuse, and read the LoRA signature under ``scale``.
 
-    def _build(
-        self, plans: Sequence[torch.Tensor], scale: float, tuners: Tuners, variant: Variant, refs: list[torch.Tensor]
-    ) -> BuildReport:
+        Reading it under a scale other than 1 scales the adapters for a moment, which a build on
+        another thread must not see: that case (and a hook move) takes the handle's lock.
+        """
+        assert self._hooks is not None
+        if scale == 1.0 and not self._hooks.output_moved():
+            return self._lora.current(scale)
+        with self._lock:
+            self._hooks.follow_output()
+            return self._lora.current(scale)
+
+    def _hold(
+        self,
+        plans: Sequence[torch.Tensor],
+        keys: Sequence[PlanKey] | None,
+        scale: float,
+        tuners: Tuners,
+        variant: Variant,
+        refs: list[torch.Tensor],
+    ) -> PlanHold:
+        """Hold ``plans`` resident under ``variant``: the cache's hit path, else a build under the lock."""
+        held = self.cache.hold_resident(plans, keys=keys, variant=variant)
+        if held is not None:
+            return held
         if variant is not None and self.cache.shard == "columns" and self.cache.world_size > 1:
             # The adapter's forward runs on the whole projection; a rank's column slice of the base
             # weight cannot go through it (it would fail later with an unhelpful shape error).
@@ -260,17 +348,23 @@ class AdalnCacheHandle:
                 "shard='columns' each rank holds a column slice of the base weight, which the adapter's "
                 "full-width forward cannot run on; unload the adapter or build with shard='layers'"
             )
-        # The parked time embedder is lent back by the first embed of a pass and parked again when
-        # the build returns, so a build that hits costs no copy.
-        with self._parking.time_embedder_loan(self.device) as loan, torch.no_grad(), applied_lora_scale(tuners, scale):
-            self._loan = loan
-            try:
-                report = self.cache.build(plans, embed=self._embed, project=self._project, variant=variant)
-            finally:
-                self._loan = None
-        if self._lora.built_under(variant, refs):
-            logger.info("AdaLN cache: tables rebuilt for a new LoRA signature")
-        return report
+        with self._lock:
+            # The parked time embedder is lent back by the first embed of a pass and parked again
+            # when the build returns, so a build that hits costs no copy.
+            with (
+                self._parking.time_embedder_loan(self.device) as loan,
+                torch.no_grad(),
+                applied_lora_scale(tuners, scale),
+            ):
+                self._loan = loan
+                try:
+                    embed: EmbedFn = self._embed
+                    held = self.cache.hold(plans, embed=embed, project=self._project, variant=variant, keys=keys)
+                finally:
+                    self._loan = None
+            if self._lora.built_under(variant, refs):
+                logger.info("AdaLN cache: tables rebuilt for a new LoRA signature")
+        return held
 
     def _embed(self, plan: torch.Tensor) -> torch.Tensor:
         """The projections' exact input for ``plan``, computed as the stock forward computes it.

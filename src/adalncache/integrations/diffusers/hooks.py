@@ -1,10 +1,11 @@
 """The diffusers hooks that serve a forward's AdaLN modulation from the cache.
 
 - :class:`AdalnCacheTransformerHook` wraps the transformer's ``forward``. It reads the step's
-  ``timestep`` (the *plan*) once on the host, has the plan made resident for the current LoRA
-  signature (built, or refused with ``on_miss="raise"``), resolves its slot and stashes
-  ``(slot, num_timesteps)`` in a :class:`ServeState` for the per-module hooks; the stash is
-  cleared when the forward ends.
+  ``timestep`` (the *plan*) once on the host, has the plan made resident and *held* for the
+  current LoRA signature and autocast state (built, or refused with ``on_miss="raise"``), and
+  stashes the hold's slot in a :class:`ServeState` for the per-module hooks; the hold is released
+  and the stash cleared when the forward ends (on an exception too), so no build on another
+  thread can rewrite the rows a forward is reading. The stash is per thread.
 - :class:`AdalnCacheModulationHook` replaces the whole ``forward`` of every block's
   ``adaln_proj``, so it serves the block's six modulation tensors whether or not
   ``adaln_proj.linear`` is a peft wrapper.
@@ -20,6 +21,7 @@ them again.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +30,7 @@ from diffusers.hooks.hooks import HookRegistry, ModelHook
 from torch import nn
 
 from ...errors import ConfigError, PlanError
+from ...holds import PlanHold
 from ...plans import PlanKey, plan_key
 from ...spec import FINAL, ModulationSpec
 from .modules import TIME_EMBEDDER, base_linear, forward_argument, owner_path, projection_path
@@ -43,39 +46,46 @@ TIME_EMBEDDER_HOOK = "adaln_cache_time_embedder"
 #: Every hook name above starts with it; a hook without it belongs to someone else.
 HOOK_PREFIX = "adaln_cache"
 
-#: ``make_resident(plan, key, attention_kwargs)``: make the forward's plan resident, or raise.
-MakeResident = Callable[[torch.Tensor, PlanKey, Mapping[str, Any] | None], None]
+#: ``make_resident(plan, key, attention_kwargs)``: hold the forward's plan resident, or raise.
+MakeResident = Callable[[torch.Tensor, PlanKey, Mapping[str, Any] | None], PlanHold]
 
 
-class ServeState:
-    """What the transformer hook hands the per-module hooks for the forward in progress."""
+class ServeState(threading.local):
+    """What the transformer hook hands the per-module hooks for the forward in progress.
+
+    Per thread (a ``threading.local``): two threads running forwards of one model each see their
+    own slot.
+    """
 
     def __init__(self) -> None:
         self.slot: torch.Tensor | None = None
         self.num_timesteps = 0
+        self.dtype: torch.dtype | None = None
         self.blocks: list[tuple[torch.Tensor, ...]] | None = None
 
-    def serve(self, cache: AdalnCache, plan: torch.Tensor, key: PlanKey) -> None:
-        """Resolve ``plan``'s slot from its host key (no device sync) and gather every block's rows."""
-        self.slot = cache.resolve_slots([plan], keys=[key])[0]
-        self.num_timesteps = int(plan.numel())
+    def serve(self, cache: AdalnCache, held: PlanHold, num_timesteps: int) -> None:
+        """Stash the held plan's slot (a device tensor, no host copy) and gather every block's rows."""
+        self.slot = held.slots
+        self.num_timesteps = num_timesteps
+        self.dtype = held.dtype
         # One gather for every layer (one kernel instead of one per layer on a GPU).
-        self.blocks = cache.block_all(self.slot, self.num_timesteps)
+        self.blocks = cache.block_all(self.slot, num_timesteps, dtype=held.dtype)
 
     def clear(self) -> None:
         """Forget the forward's slot, so a stray call outside a forward fails instead of reading stale rows."""
         self.slot = None
         self.num_timesteps = 0
+        self.dtype = None
         self.blocks = None
 
-    def require(self, what: str) -> tuple[torch.Tensor, int]:
-        """The forward's ``(slot, num_timesteps)``, or a ConfigError when no forward is in progress."""
+    def require(self, what: str) -> tuple[torch.Tensor, int, torch.dtype | None]:
+        """The forward's ``(slot, num_timesteps, dtype)``, or a ConfigError when no forward is in progress."""
         if self.slot is None:
             raise ConfigError(
                 f"{what} is served by the AdaLN cache and can only run inside the transformer's forward "
                 "while the cache is enabled; call handle.disable() to use the module on its own"
             )
-        return self.slot, self.num_timesteps
+        return self.slot, self.num_timesteps, self.dtype
 
 
 class AdalnCacheTransformerHook(ModelHook):
@@ -101,13 +111,14 @@ class AdalnCacheTransformerHook(ModelHook):
         # use this host copy (embed moves it back to the device; the values are the same bits).
         plan = timestep.detach().to("cpu")
         key = plan_key(plan)
-        self.make_resident(plan, key, forward_argument(module, "attention_kwargs", args, kwargs))
-        self.state.serve(self.cache, plan, key)
+        held = self.make_resident(plan, key, forward_argument(module, "attention_kwargs", args, kwargs))
         try:
+            self.state.serve(self.cache, held, int(plan.numel()))
             forward: Any = self.fn_ref.original_forward
             return forward(*args, **kwargs)
         finally:
             self.state.clear()
+            held.release()
 
 
 class AdalnCacheModulationHook(ModelHook):
@@ -120,10 +131,11 @@ class AdalnCacheModulationHook(ModelHook):
         self.layer = layer
 
     def new_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, ...]:
-        if self.state.blocks is not None:
-            return tuple(self.state.blocks[self.layer])
-        slot, num_timesteps = self.state.require(owner_path(self.layer))
-        return tuple(self.cache.block(self.layer, slot, num_timesteps))
+        blocks = self.state.blocks
+        if blocks is not None:
+            return tuple(blocks[self.layer])
+        slot, num_timesteps, dtype = self.state.require(owner_path(self.layer))
+        return tuple(self.cache.block(self.layer, slot, num_timesteps, dtype=dtype))
 
 
 class AdalnCacheOutputHook(ModelHook):
@@ -135,9 +147,8 @@ class AdalnCacheOutputHook(ModelHook):
         self.state = state
 
     def new_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:
-        slot, num_timesteps = self.state.require(projection_path(FINAL))
-        shift, scale = self.cache.final(slot, num_timesteps)
-        return torch.cat((shift, scale), dim=-1)
+        slot, num_timesteps, dtype = self.state.require(projection_path(FINAL))
+        return self.cache.final_rows(slot, num_timesteps, dtype=dtype)
 
 
 class AdalnCacheTimeEmbedderHook(ModelHook):
@@ -218,6 +229,10 @@ class ServingHooks:
                 TIME_EMBEDDER_HOOK,
             )
         registry.invalidate_child_registries_cache()
+
+    def output_moved(self) -> bool:
+        """Whether ``norm_out.linear`` is another module than the one the output hook sits on."""
+        return self.model.get_submodule(projection_path(FINAL)) is not self._hooked_output
 
     def follow_output(self) -> None:
         """Keep the output hook on whatever module is ``norm_out.linear`` now (peft swaps it)."""

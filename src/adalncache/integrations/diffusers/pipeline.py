@@ -3,7 +3,13 @@
 A pipeline may hold ``transformer`` and ``transformer_ref``, each with its own weights and so its
 own cache. :class:`AdalnCachePrepareStep` sits in front of each denoise loop's denoiser and, at the
 first step, hands the request's whole ``row_timestep_plan`` to that denoiser's transformer's cache,
-so every step's plan is built in one pass before any step runs.
+so every step's plan is built in one pass before any step runs; ``prepare`` also *holds* those
+plans for the running thread, so no other request's build evicts them mid-loop.
+
+The hold is released when the loop ends: each loop's ``loop_step`` is wrapped (an instance
+attribute, removed again by ``disable``) so that the step after which no step follows, or any
+exception raised inside a step, releases it. An interrupt that lands between two steps (in the
+progress bar) leaves the hold to the thread's next request, whose ``prepare`` releases it first.
 """
 
 from __future__ import annotations
@@ -35,8 +41,9 @@ class AdalnCachePrepareStep(ModularPipelineBlocks):
 
     Inserted in front of each MiniMax-H3 loop denoiser by :func:`enable_adaln_cache`. At the first
     iteration it hands every step's plan to the denoiser's transformer's cache in one ``prepare``
-    call (at most one rebuild pass; none when the plans are resident), so no step waits on a build.
-    A transformer without an enabled cache makes it a no-op.
+    call (at most one rebuild pass; none when the plans are resident), so no step waits on a build,
+    and the plans stay held until the loop's last step (see the module docstring). A transformer
+    without an enabled cache makes it a no-op.
     """
 
     model_name = "minimax-h3"  # type: ignore[assignment]
@@ -75,6 +82,35 @@ class AdalnCachePrepareStep(ModularPipelineBlocks):
             if handle is not None:
                 handle.prepare(block_state.row_timestep_plan, attention_kwargs=block_state.attention_kwargs)
         return components, block_state
+
+
+def _release_hold(components: Any, transformer_name: str) -> None:
+    handle = adaln_cache_handle(getattr(components, transformer_name, None))
+    if handle is not None:
+        handle.release()
+
+
+def wrap_loop_step(loop: LoopSequentialPipelineBlocks, transformer_name: str) -> None:
+    """Make ``loop`` release the prepared hold after its last step and on any exception in a step."""
+    original = loop.loop_step
+
+    def loop_step(components: Any, block_state: Any, **kwargs: Any) -> Any:
+        try:
+            result = original(components, block_state, **kwargs)
+        except BaseException:
+            _release_hold(components, transformer_name)
+            raise
+        step, timesteps = kwargs.get("i"), getattr(block_state, "timesteps", None)
+        if step is not None and timesteps is not None and step >= len(timesteps) - 1:
+            _release_hold(components, transformer_name)
+        return result
+
+    loop.loop_step = loop_step  # type: ignore[method-assign, assignment]
+
+
+def unwrap_loop_step(loop: LoopSequentialPipelineBlocks) -> None:
+    """Undo :func:`wrap_loop_step` (the class's own ``loop_step`` shows through again)."""
+    loop.__dict__.pop("loop_step", None)
 
 
 def denoise_loops(blocks: Any) -> Iterator[LoopSequentialPipelineBlocks]:
@@ -138,11 +174,17 @@ class PipelineAdalnCacheHandle:
         }
         return next(iter(reports.values())) if len(reports) == 1 else reports
 
+    def release(self) -> None:
+        """Release the plans the calling thread's last ``prepare`` holds, on every transformer."""
+        for handle in self.handles.values():
+            handle.release()
+
     def disable(self, *, allow_changed_checkpoint: bool = False) -> None:
         """Remove the inserted loop blocks and disable every transformer's cache."""
         for loop, key in self._inserted:
             if key in loop.sub_blocks:
                 del loop.sub_blocks[key]
+            unwrap_loop_step(loop)
         self._inserted.clear()
         for handle in self.handles.values():
             handle.disable(allow_changed_checkpoint=allow_changed_checkpoint)
@@ -163,6 +205,7 @@ class PipelineAdalnCacheHandle:
             )
             step = AdalnCachePrepareStep(transformer_name=denoiser.transformer_name)
             loop.sub_blocks.insert(PREPARE_BLOCK, step, index)
+            wrap_loop_step(loop, denoiser.transformer_name)
             self._inserted.append((loop, PREPARE_BLOCK))
 
     def __repr__(self) -> str:

@@ -16,6 +16,7 @@ import torch
 
 from ... import CheckpointSource, TensorSource
 from ...errors import CheckpointError, ConfigError
+from ...hostmem import HostBuffer, host_tensor_like
 from ...spec import Layer, ModulationSpec
 from .modules import DIFFUSERS_LAYOUT, base_linear, projection_path
 
@@ -46,26 +47,29 @@ def read_layer(source: Source, layer: Layer) -> tuple[torch.Tensor, torch.Tensor
 
 def model_source(
     spec: ModulationSpec, modules: Sequence[tuple[Layer, Any]], device: torch.device
-) -> tuple[TensorSource, HostTensors]:
-    """The model's own projection tensors as a source, and the host tensors it holds by layer.
+) -> tuple[TensorSource, HostTensors, list[HostBuffer]]:
+    """The model's own projection tensors as a source, the host tensors it holds by layer, and
+    the host buffers those live in.
 
-    On CPU these are the very tensor objects (same storage, same alignment); elsewhere they are
-    host copies, pinned on CUDA so rebuild passes copy them to the device at full speed.
+    On CPU these are the very tensor objects (same storage, same alignment; no buffer). Elsewhere
+    they are host copies, each in a buffer of exactly its size, page-locked on CUDA so rebuild
+    passes copy them to the device at full speed (torch's pinned allocator would round each 496
+    MiB layer up to 512 MiB and never give it back); release the buffers to unlock them.
     """
     tensors: dict[str, torch.Tensor] = {}
     host: HostTensors = {}
+    buffers: list[HostBuffer] = []
     pin = device.type == "cuda"
     for layer, module in modules:
         base = base_linear(module)
         for name in ("weight", "bias"):
             tensor = getattr(base, name).detach()
             if tensor.device.type != "cpu":
-                tensor = tensor.to("cpu", copy=True)
-                if pin:
-                    tensor = tensor.pin_memory()
+                tensor, buffer = host_tensor_like(tensor, pin=pin)
+                buffers.append(buffer)
             tensors[f"{DIFFUSERS_LAYOUT.prefix(layer)}.{name}"] = tensor
             host[(layer, name)] = tensor
-    return TensorSource(tensors, spec, layout=DIFFUSERS_LAYOUT.name), host
+    return TensorSource(tensors, spec, layout=DIFFUSERS_LAYOUT.name), host, buffers
 
 
 def checkpoint_source(

@@ -1,0 +1,340 @@
+"""One build that reaches past the hit path, run as a transaction: all of it becomes visible, or none.
+
+The cache decides *when* a build runs (its locks, the hit path); :class:`BuildTransaction` is what
+a build does once it runs, in this order, chosen so that a failure at any point leaves nothing
+half-built visible:
+
+1. **identity**: re-stat the source, compare the variant and the autocast state; drop tables of
+   an old identity (held slots retire: their requests keep reading them);
+2. nothing missing -> touch and return;
+3. **validate** the whole request, then check that its missing plans fit beside the plans held by
+   requests in flight, before any state changes: a rejected request costs nothing;
+4. **tiers**: which missing plans the host tier, then the store, hold (nothing reserved yet);
+5. **reserve** slots: free ones, then least-recently-used plans outside the request and not held;
+6. **write** the reserved slots (tier rows; one rebuild pass for the rest), agree with the other
+   ranks, **publish** (contents, then ``plan_lengths``, then the host-side slot map);
+7. **copy** the new tables to the host tier and the store: a failure there is counted, never raised.
+
+A failure before publish releases the reserved slots and raises :class:`~adalncache.BuildError`
+(``__cause__`` the original error). An interrupt (``KeyboardInterrupt``, or any other
+``BaseException`` that is not an ``Exception``) gets the same rollback and then propagates as
+itself, so Ctrl-C stops the program.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from .errors import BuildError, CheckpointError, ConfigError, PlanError, failing_at, failure_phase
+from .faults import FaultPoints
+from .identity import TableIdentity
+from .numerics import autocast_dtype
+from .plans import PlanKey, format_plan, plan_key, validate_plan
+from .rebuild import EmbedFn, ProjectFn, RebuildPass
+from .reports import BuildReport, CacheStats
+from .rows import PlanRows
+from .slab import Slab
+from .slots import Reservation, SlotPool
+from .source import WeightSource
+from .spec import ModulationSpec
+from .streams import StreamSync
+from .tiers.chain import TierChain
+
+if TYPE_CHECKING:
+    from .distributed import Collective
+
+log = logging.getLogger(__name__)
+
+
+def _interrupt(exc: BaseException) -> BaseException | None:
+    """The interrupt behind ``exc`` (itself, or the cause of this rank's BuildError), if it is one."""
+    root = exc.__cause__ if isinstance(exc, BuildError) else exc
+    if root is not None and not isinstance(root, Exception):
+        return root
+    return None
+
+
+@dataclass
+class BuildSettings:
+    """The construction options a build reads (validated and agreed by the cache)."""
+
+    spec: ModulationSpec
+    device: torch.device
+    precision: str
+    max_plans: int
+    max_plan_width: int
+    read_ahead: int
+    progress: bool | None
+    batched: bool
+
+
+class BuildTransaction:
+    """Runs the builds of one cache (one at a time: the cache serialises them)."""
+
+    def __init__(
+        self,
+        settings: BuildSettings,
+        *,
+        source: WeightSource,
+        slab: Slab,
+        pool: SlotPool,
+        tiers: TierChain,
+        identity: TableIdentity,
+        collective: Collective,
+        stats: CacheStats,
+        sync: StreamSync,
+        lock: threading.RLock,
+        faults: Callable[[], FaultPoints],
+    ) -> None:
+        self.settings = settings
+        self.source = source
+        self._slab = slab
+        self._pool = pool
+        self._tiers = tiers
+        self._identity = identity
+        self._dist = collective
+        self.stats = stats
+        self._sync = sync
+        #: The cache's state lock: held while the slot map, the stats or the identity change, so
+        #: readers on other threads always see them consistent (never during a pass).
+        self._lock = lock
+        self._faults = faults
+
+    # -- the whole build ----------------------------------------------------------------------
+
+    def run(
+        self,
+        order: list[PlanKey],
+        tensors: dict[PlanKey, torch.Tensor],
+        embed: EmbedFn,
+        project: ProjectFn,
+        variant: Hashable,
+        report: BuildReport,
+    ) -> None:
+        """Make every plan of ``order`` resident (see the module docstring); fills ``report``."""
+        autocast = self._autocast_dtype()
+        self._sync.begin_build()
+        try:
+            self._check_identity(variant, autocast, order)
+            with self._lock:
+                missing = [key for key in order if key not in self._pool]
+                if not missing:
+                    self._pool.touch(order)
+                    self.stats.device_hits += len(order)
+                    report.device_hits = len(order)
+                    return
+            self._validate_request(order, missing, tensors, embed)
+            self._fill(order, missing, tensors, embed, project, report)
+        finally:
+            self._sync.end_build()
+
+    def _autocast_dtype(self) -> torch.dtype | None:
+        """The autocast dtype this build runs under, refused when the slab cannot hold it exactly."""
+        dtype = autocast_dtype(self.settings.device)
+        if dtype is None:
+            return None
+        spec = self.settings.spec
+        if self.settings.precision == "fp32":
+            raise ConfigError(
+                f"precision='fp32' projects in fp32, but torch.autocast({self.settings.device.type!r}) makes the "
+                f"projection run in {dtype}: build outside autocast, or use precision='match' (CLI --precision)"
+            )
+        if spec.dtype != dtype and spec.dtype != torch.float32:
+            raise ConfigError(
+                f"under torch.autocast to {dtype} the projections return {dtype}, which the slab's {spec.dtype} "
+                f"cannot hold exactly: run without autocast, or with autocast to {spec.dtype}"
+            )
+        return dtype
+
+    def _check_identity(self, variant: Hashable, autocast: torch.dtype | None, order: list[PlanKey]) -> None:
+        """Step 1; a source that no longer validates is a BuildError (``failed_at="checkpoint"``)."""
+        with self._lock:
+            held = bool(len(self._pool) or self._tiers.host_plans())
+            resident = self._pool.items()
+        try:
+            self._identity.check(variant, autocast, order, resident, holds_tables=held, drop=self.drop_all)
+        except (CheckpointError, BuildError) as exc:
+            self._count_failure()
+            if isinstance(exc, BuildError):
+                raise  # a peer's (or this rank's) agreed checkpoint failure
+            raise BuildError(f"the weight source cannot be used: {exc}", failed_at="checkpoint") from exc
+        except BaseException as exc:
+            if _interrupt(exc) is not None:
+                self._count_failure()
+            raise
+
+    def drop_all(self, why: str) -> None:
+        """Forget every device and host-tier plan (they were built under another identity)."""
+        with self._lock:
+            if len(self._pool):
+                log.info("dropping %d resident plan(s): %s", len(self._pool), why)
+            self._pool.clear()
+            self._tiers.clear_host()
+
+    def _count_failure(self) -> None:
+        with self._lock:
+            self.stats.failed_builds += 1
+
+    # -- step 3 -------------------------------------------------------------------------------
+
+    def _validate_request(
+        self, order: list[PlanKey], missing: list[PlanKey], tensors: dict[PlanKey, torch.Tensor], embed: EmbedFn
+    ) -> None:
+        """Reject a request the slab cannot take before touching any state (PlanError names the knob)."""
+        settings = self.settings
+        for key in missing:
+            validate_plan(tensors[key], max_plan_width=settings.max_plan_width)
+            if plan_key(tensors[key]) != key:
+                # Keys the caller computed (keys=) that are not these plans' would file a table
+                # under the wrong plan: refused before anything is built.
+                raise PlanError(
+                    f"keys= does not match plans: the key given for plan {format_plan(plan_key(tensors[key]))} is "
+                    f"{format_plan(key)}; pass keys=[plan_key(p) for p in plans]"
+                )
+        if len(order) > settings.max_plans:
+            raise PlanError(
+                f"the request needs {len(order)} distinct plans but the slab holds {settings.max_plans}: raise "
+                f"max_plans (CLI --max-plans) to at least {len(order)}, or split the request"
+            )
+        if not callable(embed):
+            raise PlanError("build() needs embed=, a function plan -> (len(plan), in_features) input rows")
+        with self._lock:
+            free, evictable = self._pool.room(order)
+            message = self._pool.no_room_message(len(missing), order) if len(missing) > free + evictable else None
+        # Holds are local state: every rank must refuse together, or the others would wait in the pass.
+        if self._dist.any_of([message is not None])[0]:
+            raise PlanError(message or "another rank cannot find room for this request beside its held plans")
+
+    # -- steps 4 to 7 -------------------------------------------------------------------------
+
+    def _fill(
+        self,
+        order: list[PlanKey],
+        missing: list[PlanKey],
+        tensors: dict[PlanKey, torch.Tensor],
+        embed: EmbedFn,
+        project: ProjectFn,
+        report: BuildReport,
+    ) -> None:
+        report.device_hits = len(order) - len(missing)
+        bytes_before = self.source.bytes_read
+        faults = self._faults()
+        try:
+            from_host, from_store = self._tiers.lookup(missing, binding=self._identity.current_binding, faults=faults)
+        except BaseException:
+            # Tier errors fall through to a rebuild inside the lookup; only an interrupt (or
+            # another BaseException) gets here. Nothing is reserved yet, so there is nothing to undo.
+            self._count_failure()
+            raise
+        to_build = [k for k in missing if k not in from_host and k not in from_store]
+        with self._lock:
+            reservation = self._pool.reserve(missing, set(order))
+            self.stats.evicted_plans += len(reservation.evicted)
+        report.evicted = len(reservation.evicted)
+        try:
+            self._write_and_publish(
+                reservation, {**from_host, **from_store}, to_build, tensors, embed, project, report, faults
+            )
+        except BaseException as exc:
+            with self._lock:
+                self._pool.release(reservation.slots)
+                self.stats.failed_builds += 1
+            interrupt = _interrupt(exc)
+            if interrupt is not None:
+                raise interrupt from None  # Ctrl-C is the user's: rolled back, then propagated as itself
+            if isinstance(exc, BuildError):
+                raise
+            phase = failure_phase(exc) or "build"
+            raise BuildError(
+                f"build of {len(missing)} plan(s) failed at {phase}: {type(exc).__name__}: {exc}; nothing "
+                f"of this request was published and a retry rebuilds it",
+                rank=self._dist.rank if self._dist.world > 1 else None,
+                failed_at=phase,
+            ) from exc
+        report.host_hits, report.store_hits = len(from_host), len(from_store)
+        report.built = len(to_build)
+        report.passes = 1 if to_build else 0
+        report.bytes_read = self.source.bytes_read - bytes_before
+        with self._lock:
+            self._pool.touch(order)
+            self.stats.record(report)
+        log.info(
+            "build: %d plan(s): %d device, %d host, %d store hits, %d built in %d pass(es), %d evicted",
+            report.plans, report.device_hits, report.host_hits, report.store_hits, report.built, report.passes,
+            report.evicted,
+        )  # fmt: skip
+        # After publish: copies only. A tier failure is counted and logged, never raised.
+        self._tiers.write(
+            order, to_build, rows_of=self.rows_of, binding=self._identity.binding, faults=faults, report=report
+        )
+
+    def _write_and_publish(
+        self,
+        reservation: Reservation,
+        restored: dict[PlanKey, PlanRows],
+        to_build: list[PlanKey],
+        tensors: dict[PlanKey, torch.Tensor],
+        embed: EmbedFn,
+        project: ProjectFn,
+        report: BuildReport,
+        faults: FaultPoints,
+    ) -> None:
+        """Write every reserved slot, agree with the other ranks, publish. Raises on any failure."""
+        slots = reservation.slots
+        # Local work only up to the agreement: no collective runs in here, so a failure on one
+        # rank can never leave a peer blocked waiting for it.
+        failure: BaseException | None = None
+        try:
+            for key, rows in restored.items():
+                self._slab.write_rows(slots[key], rows)
+            if to_build:
+                self._rebuild_pass(faults).run(to_build, slots, tensors, embed, project, report)
+            with failing_at("publish"):
+                faults.check("publish")
+        except BaseException as exc:
+            failure = exc
+        # Every rank learns whether any rank failed before anyone exchanges results.
+        self._dist.raise_if_any_failed(failure, "build")
+        if failure is not None:
+            raise failure
+        if to_build:
+            shared: BaseException | None = None
+            try:
+                self._dist.share_results(self._slab, [slots[k] for k in to_build], [len(k) for k in to_build])
+            except BaseException as exc:
+                shared = exc
+            # Publish only once every rank holds every row.
+            self._dist.raise_if_any_failed(shared, "exchange of results")
+            if shared is not None:
+                raise shared
+        keys = list(slots)
+        with self._lock:
+            self._slab.publish([slots[k] for k in keys], [tensors[k] for k in keys])
+            # The host-side map is what lookups consult: it changes last, all at once.
+            self._pool.commit(slots)
+
+    def _rebuild_pass(self, faults: FaultPoints) -> RebuildPass:
+        s = self.settings
+        return RebuildPass(
+            spec=s.spec, source=self.source, slab=self._slab, collective=self._dist, precision=s.precision,
+            read_ahead=s.read_ahead, progress=s.progress, batched=s.batched, faults=faults,
+            out_dtype=self._identity.autocast,
+        )  # fmt: skip
+
+    def rows_of(self, key: PlanKey) -> PlanRows:
+        """A copy of a resident plan's rows, on the cache device (tiers and verify read these)."""
+        with self._lock:
+            slot = self._pool.require(key)
+        self._sync.before_read([slot])
+        rows = self._slab.read_rows(slot, len(key))
+        self._sync.after_read([slot])
+        return rows
+
+
+__all__ = ["BuildSettings", "BuildTransaction"]
