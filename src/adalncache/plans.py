@@ -214,7 +214,7 @@ __all__ = [
     "keyed_plans",
     "minimax_h3_plans",
     "plan_key",
-    "schedule_plans",
     "plan_keys",
+    "schedule_plans",
     "validate_plan",
 ]
