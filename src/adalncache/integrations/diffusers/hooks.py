@@ -153,6 +153,8 @@ class AdalnCacheTimeEmbedderHook(ModelHook):
         self.zero = torch.zeros((), dtype=dtype, device=device)
 
     def new_forward(self, module: nn.Module, sample: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.zero.device != sample.device:  # the model moved (or runs on an offloading hook's device)
+            self.zero = torch.zeros((), dtype=self.zero.dtype, device=sample.device)
         return self.zero.expand(sample.shape[0], self.out_features)
 
 
