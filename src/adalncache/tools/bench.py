@@ -984,7 +984,8 @@ def bench_deploy(res: Results, size: str, steps: int) -> None:
             )
             request = make_request(model, "t2va", steps)
             if name == "with":
-                adaln_cache_handle(model).prepare(request.plans)
+                handle: Any = adaln_cache_handle(model)
+                handle.prepare(request.plans)
             meter = OnloadMeter(model)
             run_loop(model, request)
             onloads[name] = meter.bytes / len(request.plan)
