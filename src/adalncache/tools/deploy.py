@@ -20,6 +20,7 @@ Linux only (``/proc``); where a measurement is not available the functions retur
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import re
@@ -64,7 +65,12 @@ def served_bytes(files: Sequence[Path]) -> tuple[int, int]:
 
 
 def drop_cached(files: Sequence[Path]) -> bool:
-    """Evict ``files`` from the page cache; True when ``mincore`` then finds none of them cached."""
+    """Evict ``files`` from the page cache; True when ``mincore`` then finds none of them cached.
+
+    Pages a live mapping holds cannot be dropped, so unreachable objects (a model loaded earlier
+    whose tensors map the files) are collected first.
+    """
+    gc.collect()
     for path in files:
         fd = os.open(path, os.O_RDONLY)
         try:
