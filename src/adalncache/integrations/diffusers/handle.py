@@ -38,7 +38,7 @@ from .modules import (
     swapped_parameters,
     time_embedder_linears,
 )
-from .moving import guarded_apply
+from .moving import LiftedGroupOffloading, guarded_apply, refresh_group_offloading
 from .parking import ParkTarget, TimeEmbedderLoan, WeightParking
 from .sources import NeverLoaded, Source, changed_since, checkpoint_source, model_source
 
@@ -125,6 +125,7 @@ class AdalnCacheHandle:
         remove_overrides(self.model, self._overrides)
         self._overrides = ()
         self._parking.restore()
+        refresh_group_offloading(self.model)
         self.enabled = False
         setattr(self.model, HANDLE_ATTRIBUTE, None)
         logger.info("AdaLN cache disabled; projection weights restored")
@@ -166,7 +167,10 @@ class AdalnCacheHandle:
             self.cache = never_loaded.cache
         else:
             self.cache = config.cache_options.build(self.spec, self.source, device)
-        # From here on the model is modified; undo everything if a step fails.
+        # From here on the model is modified; undo everything if a step fails. Group offloading (if
+        # applied first) captured the weights parked here: it is lifted, and comes back rebuilt,
+        # outside our hooks (see moving.LiftedGroupOffloading).
+        lifted = LiftedGroupOffloading(model)
         try:
             targets = [ParkTarget(base_linear(module), layer, projection_path(layer)) for layer, module in modules]
             if free_time_embedder:
@@ -181,11 +185,13 @@ class AdalnCacheHandle:
             )
             self._hooks = ServingHooks(model, self.spec, self.cache, self._make_resident)
             self._hooks.register(time_embedder=free_time_embedder)
+            lifted.restore()
             overrides = self._lora.guards(standing_in=self._parking.standing_in, after_load=self._hooks.follow_output)
             overrides.update(self._device_guards())
             install_overrides(model, overrides)
             self._overrides = tuple(overrides)
         except BaseException:
+            lifted.restore()
             self.enabled = True
             self.disable(allow_changed_checkpoint=True)
             raise

@@ -129,7 +129,10 @@ def check_materialised(model: nn.Module, spec: ModulationSpec) -> None:
             if param is None or param.device.type == "meta":
                 raise ConfigError(
                     "the model's AdaLN projections are not materialised (meta or missing bias): load "
-                    "the model fully before enabling the AdaLN cache"
+                    "the model fully before enabling the AdaLN cache, or load it with "
+                    "adalncache.diffusers.load_transformer; accelerate's cpu_offload (and "
+                    "enable_sequential_cpu_offload) moves every weight to meta, so enable the cache first, "
+                    "then offload"
                 )
 
 

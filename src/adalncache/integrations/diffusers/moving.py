@@ -70,4 +70,57 @@ def guarded_apply(
     return _apply
 
 
-__all__ = ["guarded_apply"]
+def refresh_group_offloading(model: nn.Module) -> None:
+    """Re-apply diffusers' group offloading after weights were parked or restored, if it is applied.
+
+    Group offloading captures, when applied, the parameters of the modules outside its blocks
+    (``norm_out.linear`` and the time embedder among them) and, with streams, pinned host copies
+    of every parameter. Applied before the cache, it would keep onloading the parked weights'
+    originals (and keep their pinned copies); after ``disable()`` it would not know the restored
+    ones. diffusers' own remedy after a change of weights (its LoRA code uses it) rebuilds the
+    groups from the model as it is now.
+    """
+    from diffusers.hooks.group_offloading import _is_group_offload_enabled, _maybe_remove_and_reapply_group_offloading
+
+    if _is_group_offload_enabled(model):
+        _maybe_remove_and_reapply_group_offloading(model)
+
+
+class LiftedGroupOffloading:
+    """diffusers' group offloading taken off a model now, and applied again by :meth:`restore`.
+
+    Enabling parks weights that group offloading captured when it was applied (see
+    :func:`refresh_group_offloading`), so it must be applied again; and our hooks must be
+    registered while it is off, so that it comes back *outside* them. Hooks are a chain in which
+    removing one beneath a hook that replaces the forward (ours do) would unhook that one, and
+    diffusers re-applies group offloading by removing and adding it (after a LoRA load or unload,
+    say): with it outside ours, that is always safe. A model without group offloading is left alone.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        from diffusers.hooks.group_offloading import (
+            _GROUP_OFFLOADING,
+            _LAYER_EXECUTION_TRACKER,
+            _LAZY_PREFETCH_GROUP_OFFLOADING,
+            _get_top_level_group_offload_hook,
+        )
+        from diffusers.hooks.hooks import HookRegistry
+
+        self.model = model
+        top = _get_top_level_group_offload_hook(model)
+        self.config: Any = None if top is None else top.config
+        if top is not None:
+            registry = HookRegistry.check_if_exists_or_initialize(model)
+            for name in (_GROUP_OFFLOADING, _LAYER_EXECUTION_TRACKER, _LAZY_PREFETCH_GROUP_OFFLOADING):
+                registry.remove_hook(name, recurse=True)
+
+    def restore(self) -> None:
+        """Apply the group offloading taken off again, to the model as it is now (once)."""
+        from diffusers.hooks.group_offloading import _apply_group_offloading
+
+        if self.config is not None:
+            config, self.config = self.config, None
+            _apply_group_offloading(self.model, config)
+
+
+__all__ = ["LiftedGroupOffloading", "guarded_apply", "refresh_group_offloading"]
