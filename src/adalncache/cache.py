@@ -467,7 +467,7 @@ class AdalnCache:
         device: code that kept the old ones (a CUDA graph) must take them again.
         """
         target = resolve_device(device, argument="device")
-        if target == self.device:
+        if _indexed(target) == _indexed(self.device):
             return
         if self._dist.world > 1:
             raise ConfigError(
@@ -519,6 +519,13 @@ class AdalnCache:
         self._pool.touch(keys)
         self._identity.variant = parked.variant
         return len(keys)
+
+
+def _indexed(device: torch.device) -> torch.device:
+    """``cuda`` means the current CUDA device: compare devices by the one they name."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 class _ParkedTables(NamedTuple):

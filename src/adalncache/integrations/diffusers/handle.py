@@ -218,18 +218,23 @@ class AdalnCacheHandle:
         """Serve forwards that run on ``device``: the cache moves its tables there (or rebuilds them)."""
         if device is None or device == self.device:
             return
-        self.cache.move_to(device)
-        logger.info("AdaLN cache: the model runs on %s now (was %s); the tables followed", device, self.device)
+        before = self.cache.device
+        self.cache.move_to(device)  # a no-op when both name one device ("cuda" and "cuda:0")
+        if self.cache.device != before:
+            logger.info("AdaLN cache: the model runs on %s now (was %s); the tables followed", device, before)
         self.device = device
 
     # ------------------------------------------------------------------ per forward
 
-    def _make_resident(self, plan: torch.Tensor, key: PlanKey, attention_kwargs: Mapping[str, Any] | None) -> None:
+    def _make_resident(
+        self, plan: torch.Tensor, key: PlanKey, attention_kwargs: Mapping[str, Any] | None, device: torch.device
+    ) -> None:
         """Before a forward: make ``plan`` resident under the forward's LoRA signature (or refuse).
 
-        Called by the transformer hook with the host copy of the forward's timestep and its key.
+        Called by the transformer hook with the host copy of the forward's timestep, its key, and
+        the device the forward runs on (its timestep's), which the cache follows.
         """
-        self._follow(execution_device(self.model))
+        self._follow(device)
         scale = lora_scale_of(attention_kwargs)
         tuners, variant, refs = self._signature(scale)
         if self.config.on_miss == "raise":

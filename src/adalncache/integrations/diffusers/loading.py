@@ -284,6 +284,8 @@ def _single_device(device_map: Any) -> tuple[torch.device | None, dict[str, Any]
         raise ConfigError(f"device_map={device_map!r}: the model must be loaded on a real device ('cuda' or 'cpu')")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device_map={device_map!r}: CUDA is not available on this machine; pass device_map='cpu'")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())  # the device tensors will report
     return device, hf_map
 
 

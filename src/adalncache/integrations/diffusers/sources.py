@@ -119,13 +119,6 @@ def read_layers(source: Source, layers: Sequence[Layer]) -> Iterator[tuple[Layer
         yield weights.layer, weights.weight, weights.bias
 
 
-def read_layer(source: Source, layer: Layer) -> tuple[torch.Tensor, torch.Tensor]:
-    """Read one projection's weight and bias from a weight source (host tensors)."""
-    for _, weight, bias in read_layers(source, [layer]):
-        return weight, bias
-    raise ConfigError(f"{type(source).__name__} yielded nothing for layer {layer!r}")
-
-
 def model_source(
     spec: ModulationSpec, modules: Sequence[tuple[Layer, Any]], device: torch.device
 ) -> tuple[TensorSource, HostTensors]:
