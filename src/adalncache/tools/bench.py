@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from ..devices import resolve_device
 from ..source import LazyTensor, aligned_empty, pread_into, write_safetensors
 from ..spec import FINAL, Layer, ModulationSpec, get_layout
+from .deploy import proc_status
 
 log = logging.getLogger(__name__)
 
@@ -804,14 +805,7 @@ print(json.dumps(_probe_pass(args)))
 """
 
 
-def _status() -> dict[str, int]:
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            if key in ("RssAnon", "RssFile", "VmHWM", "VmRSS"):
-                out[key] = int(value.split()[0]) * 1024
-    return out
+_status = proc_status  # the resident-memory reading the deploy section's probes share
 
 
 def _probe_pass(args: dict[str, Any]) -> dict[str, Any]:

@@ -116,7 +116,8 @@ def io_read_bytes() -> int | None:
     return None
 
 
-def _status() -> dict[str, int]:
+def proc_status() -> dict[str, int]:
+    """This process's resident memory in bytes: ``VmHWM`` (peak), ``VmRSS``, ``RssAnon``, ``RssFile``."""
     out = {}
     with open("/proc/self/status") as f:
         for line in f:
@@ -165,7 +166,7 @@ def memory_probe(args: dict[str, Any]) -> dict[str, Any]:
         resettable = True
     except OSError:
         resettable = False
-    base = _status()
+    base = proc_status()
     read0 = io_read_bytes()
     started = time.perf_counter()
     if mode == "load_transformer":
@@ -183,7 +184,7 @@ def memory_probe(args: dict[str, Any]) -> dict[str, Any]:
     request = make_request(model, task, steps, seed=0)
     report = handle.prepare(plans)
     run_loop(model, request)
-    end = _status()
+    end = proc_status()
     return {
         "mode": mode,
         "dropped": dropped,
@@ -354,6 +355,7 @@ __all__ = [
     "io_read_bytes",
     "memory_probe",
     "onloaded_per_step",
+    "proc_status",
     "released_sizes",
     "request_slab_bytes",
     "resident_served_bytes",
