@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Hashable, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -44,6 +44,7 @@ from .identity import TableIdentity
 from .numerics import device_identity
 from .plans import PlanKey, distinct_plans, plan_key, validate_plan
 from .rebuild import EmbedFn, ProjectFn, RebuildPass, default_project
+from .relocation import TableParking, same_device
 from .reports import BuildReport, CacheStats
 from .rows import PlanRows
 from .slab import Slab
@@ -165,7 +166,7 @@ class AdalnCache:
         )
         self.fault_points: FaultPoints = NO_FAULTS
         #: Host copies of the tables built on devices of another identity, kept across moves.
-        self._parked: dict[tuple[Any, ...], _ParkedTables] = {}
+        self._parking = TableParking()
         log.debug(
             "AdalnCache: %d plans x %d timesteps, %.1f MiB slab on %s",
             self.max_plans, self.max_plan_width, self.slab_bytes / 2**20, self.device,
@@ -453,21 +454,13 @@ class AdalnCache:
     # -- devices ----------------------------------------------------------------------------
 
     def move_to(self, device: torch.device | str) -> None:
-        """Serve from ``device`` from now on; the resident tables follow wherever they stay exact.
+        """Serve from ``device`` from now on (see :mod:`adalncache.relocation` for what follows).
 
-        Tables are the bits one kind of device computes, and another kind computes other bits
-        (a CPU and a GPU, two GPU models): rows are never served on a device of another identity
-        (:func:`~adalncache.numerics.device_identity`). A move within one identity (``cuda:0`` to
-        ``cuda:1`` of one model) copies the slab as it is. A move across identities *parks* the
-        resident tables (host copies, with the source fingerprint and variant they were built
-        under), empties the slab and the host tier (whose copies are of the old device), and
-        restores whatever was parked earlier for the new device's identity, bit-exactly and with
-        no pass; everything else is built there by the next ``build`` (store hits included: the
-        store is keyed by the numeric environment). The slab tensors are new tensors on the new
-        device: code that kept the old ones (a CUDA graph) must take them again.
+        The slab tensors are new tensors on the new device: code that kept the old ones (a CUDA
+        graph) must take them again. A cache of a process group cannot move (``ConfigError``).
         """
         target = resolve_device(device, argument="device")
-        if _indexed(target) == _indexed(self.device):
+        if same_device(target, self.device):
             return
         if self._dist.world > 1:
             raise ConfigError(
@@ -475,65 +468,24 @@ class AdalnCache:
                 "would have to move at once; create the cache (and enable it) on the device it serves"
             )
         here, there = device_identity(self.device), device_identity(target)
-        if here == there:
-            self._slab.relocate(target, keep_rows=True)
-        else:
-            self._park(here)
+        if here != there:
+            self._parking.park(
+                here, self._pool, self._slab, fingerprint=self._identity.fingerprint, variant=self._identity.variant
+            )
             self._pool.clear()
-            self._slab.relocate(target, keep_rows=False)
             # The host tier held rows of the old device; a new one (pinned for CUDA) holds the new one's.
             self._tiers = TierChain.open(
                 self.spec, self.source, host_cache_bytes=self.host_cache_bytes, store=self._tiers.store,
                 device=target, collective=self._dist, stats=self.stats,
             )  # fmt: skip
-        previous, self.device = self.device, target
-        self._identity.device = target
+        self._slab.relocate(target, keep_rows=here == there)
+        previous, self.device, self._identity.device = self.device, target, target
         self.plan_timesteps, self.plan_lengths, self.block_params, self.final_params = self._slab.tensors()
-        restored = self._unpark(there) if here != there else len(self._pool)
-        log.info("AdaLN cache moved from %s to %s (%d plan(s) resident there)", previous, target, restored)
-
-    def _park(self, identity: tuple[Any, ...]) -> None:
-        """Keep host copies of every resident table, least recently used first, for ``identity``."""
-        rows = [(key, PlanRows(*(t.to("cpu") for t in self.rows_of(key)))) for key in self.resident_plans]
-        if rows:
-            self._parked[identity] = _ParkedTables(rows, self._identity.fingerprint, self._identity.variant)
-        else:
-            self._parked.pop(identity, None)
-
-    def _unpark(self, identity: tuple[Any, ...]) -> int:
-        """Restore the tables parked for ``identity`` into the (empty) slab; returns how many.
-
-        Only tables built under the source fingerprint the cache still holds come back: a source
-        that changed since makes them stale.
-        """
-        parked = self._parked.pop(identity, None)
-        if parked is None or parked.fingerprint != self._identity.fingerprint:
-            return 0
-        rows = dict(parked.rows[-self.max_plans :])
-        keys = list(rows)
-        reservation = self._pool.reserve(keys, set(keys))
-        for key, slot in reservation.slots.items():
-            self._slab.write_rows(slot, rows[key])
-        self._slab.publish([reservation.slots[k] for k in keys], [rows[k].timesteps for k in keys])
-        self._pool.commit(reservation.slots)
-        self._pool.touch(keys)
-        self._identity.variant = parked.variant
-        return len(keys)
-
-
-def _indexed(device: torch.device) -> torch.device:
-    """``cuda`` means the current CUDA device: compare devices by the one they name."""
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
-class _ParkedTables(NamedTuple):
-    """A device's resident tables kept on the host while the cache serves another device."""
-
-    rows: list[tuple[PlanKey, PlanRows]]
-    fingerprint: str | None
-    variant: Hashable
+        if here != there:
+            restored = self._parking.restore(there, self._pool, self._slab, fingerprint=self._identity.fingerprint)
+            if restored is not None:
+                self._identity.variant = restored.variant
+        log.info("AdaLN cache moved from %s to %s (%d plan(s) resident there)", previous, target, len(self._pool))
 
 
 __all__ = ["PRECISIONS", "SHARD_MODES", "AdalnCache", "AdalnCacheError", "BuildReport", "CacheStats"]
