@@ -20,6 +20,8 @@ def test_bench_quick_tiny_geometry_writes_results(tmp_path: Path) -> None:
     argv = [
         "bench", "--quick", "--layers", "1", "--hidden", "8", "--in-features", "16", "--plans", "3",
         "--size", "tiny", "--dir", str(tmp_path / "work"), "--out", str(out),
+        # The deploy section has its own test (its fresh processes would double this one's time).
+        "--only", "pass", "forward", "build", "store", "memory",
     ]  # fmt: skip
     assert main(argv) == 0
     data = json.loads((out / "bench.json").read_text())
@@ -107,3 +109,34 @@ def test_sglang_stubs_leave_no_trace() -> None:
     loaded = load_sglang_cache()
     assert isinstance(loaded, str) or hasattr(loaded[0], "MiniMaxH3AdalnCache")
     assert {name for name in sys.modules if name == "sglang" or name.startswith("sglang.")} == before
+
+
+@pytest.mark.slow
+def test_bench_deploy_section_measures_what_the_load_never_reads(tmp_path: Path) -> None:
+    """Fresh processes, page cache dropped: load_transformer reads no served byte, holds less at its
+    peak than a stock load + enable, and group offloading onloads exactly the served bytes less."""
+    pytest.importorskip("diffusers")
+    out = tmp_path / "results"
+    assert main(["bench", "--only", "deploy", "--quick", "--size", "small", "--out", str(out)]) == 0
+    data = json.loads((out / "bench.json").read_text())
+    deploy = data["values"]["deploy"]
+    served, total = deploy["served_bytes"], deploy["checkpoint_bytes"]
+    new, stock = deploy["probes"]["load_transformer"], deploy["probes"]["stock"]
+    assert new["passes"] == stock["passes"] == 1
+    if new["dropped"] and stock["dropped"]:
+        assert new["served_resident_after_load"] == 0
+        assert stock["served_resident_after_load"] > served // 2  # the measurement sees what it looks for
+        if new["load_read_bytes"] is not None:
+            assert new["load_read_bytes"] <= total - served + (1 << 20)
+            assert stock["load_read_bytes"] >= total - (1 << 20)
+    if new["peak_resettable"] and stock["peak_resettable"]:
+        assert new["peak"] < stock["peak"] - 0.4 * served, (new["peak"], stock["peak"], served)
+    onloads = deploy["onloaded_per_forward"]
+    assert onloads["without"] - onloads["with"] == served
+    names = [c["name"] for c in data["comparisons"]]
+    assert any(n.startswith("peak resident memory of load + enable") for n in names)
+    assert any(n.startswith("checkpoint bytes read by the load") for n in names)
+    assert any(n.startswith("bytes onloaded per forward by group offloading") for n in names)
+    rows = {row["mode"]: row for row in deploy["card_table"]}
+    assert rows["resident"]["with_cache_bytes"] < rows["resident"]["without_cache_bytes"]
+    assert any("arithmetic, not measurement" in note for note in data["notes"])

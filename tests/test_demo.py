@@ -21,6 +21,9 @@ def test_demo_verdict_is_yes(task: str, capsys: pytest.CaptureFixture[str]) -> N
     assert "1 rebuild pass for the whole request" in out
     assert "ahead-of-time plans match the loop: yes" in out
     assert "0 B weights" in out  # the projections left the device
+    # The cached model was loaded with load_transformer, which never read the projections.
+    assert out.count("of AdaLN projections and time embedder never read") == 1
+    assert "load_transformer read " in out
 
 
 def test_demo_all_tasks_small(capsys: pytest.CaptureFixture[str]) -> None:
@@ -37,10 +40,12 @@ def test_demo_prints_no_for_a_mismatch(capsys: pytest.CaptureFixture[str]) -> No
     result = DemoResult(
         task="t2va", steps=4, forwards=3, plans=3, passes=1, bytes_before=1 << 21, bytes_after=0,
         table_bytes=4096, resident_ms=1.0, cached_ms=1.0, stats={"passes": 1}, identical=False,
-        aot_plans_match=True,
+        aot_plans_match=True, load_read_bytes=3 << 20, checkpoint_bytes=5 << 20, never_read_bytes=2 << 20,
     )  # fmt: skip
     _print_result(result)
-    assert "bit-identical: no" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "bit-identical: no" in out
+    assert "read 3.00 MiB of the 5.00 MiB checkpoint; 2.00 MiB of AdaLN projections" in out
 
 
 @pytest.mark.parametrize(

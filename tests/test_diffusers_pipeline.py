@@ -207,3 +207,34 @@ def test_pipeline_holds_a_request_from_its_first_step_to_its_last(pipe: Any, res
         hook.remove()
         handle.disable()
     assert all("loop_step" not in vars(loop) for loop in denoise_loops(pipe._blocks))
+
+
+def test_pipeline_with_transformers_loaded_without_projections(pipe: Any, tmp_path: Any) -> None:
+    """The documented way: put load_transformer's model in the pipeline, then enable_adaln_cache(pipe)
+    adopts its cache (and only adds the prepare block). Outputs equal the same pipeline holding the
+    stock from_pretrained model; pipe.to() moves it freely."""
+    from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3Transformer3DModel
+
+    from adalncache.diffusers import adaln_cache_handle, load_transformer
+
+    original = pipe.transformer
+    original.save_pretrained(tmp_path / "transformer")
+    stock = MiniMaxH3Transformer3DModel.from_pretrained(tmp_path / "transformer")
+    try:
+        pipe.update_components(transformer=stock)
+        expected = _call(pipe)
+        loaded = load_transformer(tmp_path / "transformer")
+        pipe.update_components(transformer=loaded)
+        handle = enable_adaln_cache(pipe)
+        assert handle["transformer"] is adaln_cache_handle(loaded)
+        with pytest.raises(Exception, match="drop checkpoint="):
+            enable_adaln_cache(pipe, tmp_path / "transformer")
+        _assert_outputs_equal(expected, _call(pipe))
+        assert handle.stats.passes == 1
+        pipe.to("cpu")
+        _assert_outputs_equal(expected, _call(pipe))
+        assert handle.stats.passes == 1
+        handle.disable()
+        assert loaded.norm_out.linear.weight.device.type == "cpu"
+    finally:
+        pipe.update_components(transformer=original)

@@ -38,9 +38,10 @@ from .errors import AdalnCacheError, ConfigError
 from .faults import NO_FAULTS, FaultPoints
 from .holds import PlanHold
 from .identity import TableIdentity
-from .numerics import autocast_dtype
+from .numerics import autocast_dtype, device_identity
 from .plans import PlanKey, distinct_plans, keyed_plans, plan_key
 from .rebuild import EmbedFn, ProjectFn, default_project
+from .relocation import TableParking, same_device
 from .reports import BuildReport, CacheStats
 from .rows import PlanRows
 from .serving import SlabReads
@@ -101,8 +102,9 @@ class AdalnCache(SlabReads):
     """A device slab of bit-exact AdaLN tables, rebuilt transactionally from a weight source.
 
     The slab tensors (``plan_timesteps``, ``plan_lengths``, ``block_params``, ``final_params``)
-    are allocated once on ``device``; their pointers never move, and they are not registered in
-    any module, so no ``state_dict`` holds them.
+    are allocated once on ``device``; their pointers never move unless :meth:`move_to` moves the
+    cache to another device, and they are not registered in any module, so no ``state_dict``
+    holds them.
     """
 
     def __init__(
@@ -181,6 +183,8 @@ class AdalnCache(SlabReads):
             collective=self._dist, stats=self.stats, sync=self.stream_sync, lock=self._lock,
             faults=lambda: self.fault_points,
         )  # fmt: skip
+        #: Host copies of the tables built on devices of another identity, kept across moves.
+        self._parking = TableParking()
         log.debug(
             "AdalnCache: %d plans x %d timesteps, %.1f MiB slab on %s",
             self.max_plans, self.max_plan_width, self.slab_bytes / 2**20, self.device,
@@ -438,6 +442,58 @@ class AdalnCache(SlabReads):
         with self._build_lock, self._lock:
             self._pool.check_invariants()
             self._tiers.check_invariants()
+
+    # -- devices ----------------------------------------------------------------------------
+
+    def move_to(self, device: torch.device | str) -> None:
+        """Serve from ``device`` from now on (see :mod:`adalncache.relocation` for what follows).
+
+        The slab tensors are new tensors on the new device: code that kept the old ones (a CUDA
+        graph) must take them again. Refused (``ConfigError``, nothing changed) for a cache of a
+        process group, and while requests hold plans (their slot tensors are on the old device).
+        """
+        target = resolve_device(device, argument="device")
+        if same_device(target, self.device):
+            return
+        if self._dist.world > 1:
+            raise ConfigError(
+                f"a cache built by a process group cannot move from {self.device} to {target}: every rank "
+                "would have to move at once; create the cache (and enable it) on the device it serves"
+            )
+        with self._build_lock, self._lock:
+            held = self._pool.held_slots
+            if held:
+                raise ConfigError(
+                    f"cannot move the cache from {self.device} to {target}: {len(held)} slot(s) are held by "
+                    "requests in flight, whose slot tensors are on the old device; move it (model.to(...)) "
+                    "after their acquire() blocks end (handle.release() for a pipeline request)"
+                )
+            self._relocate(target)
+
+    def _relocate(self, target: torch.device) -> None:
+        identity = self._identity
+        here, there = device_identity(self.device), device_identity(target)
+        if here != there:
+            self._parking.park(
+                here, self._pool, self._slab, fingerprint=identity.fingerprint, variant=identity.variant,
+                autocast=identity.autocast,
+            )  # fmt: skip
+            self._pool.clear()
+            # The host tier held rows of the old device; a new one (pinned for CUDA) holds the new one's.
+            self._tiers = TierChain.open(
+                self.spec, self.source, host_cache_bytes=self.host_cache_bytes, store=self._tiers.store,
+                device=target, collective=self._dist, stats=self.stats,
+            )  # fmt: skip
+        self._slab.relocate(target, keep_rows=here == there)
+        self.stream_sync.reset(events_for(target))
+        self._builder.relocate(target, self._tiers)
+        previous, self.device, identity.device = self.device, target, target
+        self.plan_timesteps, self.plan_lengths, self.block_params, self.final_params = self._slab.tensors()
+        if here != there:
+            restored = self._parking.restore(there, self._pool, self._slab, fingerprint=identity.fingerprint)
+            if restored is not None:
+                identity.variant, identity.autocast = restored.variant, restored.autocast
+        log.info("AdaLN cache moved from %s to %s (%d plan(s) resident there)", previous, target, len(self._pool))
 
 
 __all__ = ["PRECISIONS", "SHARD_MODES", "AdalnCache", "AdalnCacheError", "BuildReport", "CacheStats", "PlanHold"]

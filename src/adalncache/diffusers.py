@@ -15,6 +15,7 @@ from .integrations.diffusers import (
     PipelineAdalnCacheHandle,
     adaln_cache_handle,
     enable_adaln_cache,
+    load_transformer,
 )
 
 __all__ = [
@@ -25,4 +26,5 @@ __all__ = [
     "PipelineAdalnCacheHandle",
     "adaln_cache_handle",
     "enable_adaln_cache",
+    "load_transformer",
 ]

@@ -186,4 +186,23 @@ def numeric_environment(device: torch.device) -> dict[str, Any]:
     return env
 
 
-__all__ = ["autocast_dtype", "autocast_settings", "bit_settings", "bit_settings_key", "numeric_environment"]
+def device_identity(device: torch.device) -> tuple[Any, ...]:
+    """The part of :func:`numeric_environment` that belongs to the device rather than to the process.
+
+    Two devices of one identity (two GPUs of one model, say) compute the same bits for the same
+    kernels, so tables move between them as they are; across identities (a CPU and a GPU, two GPU
+    models) they must be computed again.
+    """
+    if device.type == "cuda":
+        return ("cuda", torch.cuda.get_device_name(device), tuple(torch.cuda.get_device_capability(device)))
+    return (device.type,)
+
+
+__all__ = [
+    "autocast_dtype",
+    "autocast_settings",
+    "bit_settings",
+    "bit_settings_key",
+    "device_identity",
+    "numeric_environment",
+]

@@ -8,7 +8,8 @@
 * ``final_params [P, W, final_width]``: the output layer's.
 
 Allocated once on the cache's device; their pointers never move (hooks and CUDA graphs may hold
-them), and they are not registered in any module, so no ``state_dict`` holds them.
+them) unless the cache itself moves to another device (:meth:`Slab.relocate`), and they are not
+registered in any module, so no ``state_dict`` holds them.
 
 Every read and write of rows goes through :class:`Slab`. It does not decide *which* slot a plan
 gets or when a slot is visible to lookups: that is :class:`adalncache.slots.SlotPool`'s job. The
@@ -36,8 +37,10 @@ class Slab:
         self.spec = spec
         self.max_plans = max_plans
         self.max_plan_width = max_plan_width
-        self.device = device
-        P, W, L = max_plans, max_plan_width, spec.num_layers
+        self._allocate(device)
+
+    def _allocate(self, device: torch.device) -> None:
+        P, W, L, spec = self.max_plans, self.max_plan_width, self.spec.num_layers, self.spec
         self.plan_timesteps = torch.zeros(P, W, dtype=torch.float32, device=device)
         self.plan_lengths = torch.zeros(P, dtype=torch.int64, device=device)
         self.block_params = torch.zeros(P, W, L, spec.block_width, dtype=spec.dtype, device=device)
@@ -46,6 +49,20 @@ class Slab:
         self._slot_index = torch.arange(P, dtype=torch.int64, device=device)
         # Slot tensors of slot lists that are not a contiguous run, by slot tuple (see indices()).
         self._index_cache: OrderedDict[tuple[int, ...], torch.Tensor] = OrderedDict()
+        self.device = device
+
+    def relocate(self, device: torch.device, *, keep_rows: bool) -> None:
+        """Put the four tensors on ``device``: new tensors, so the pointers change (the only time).
+
+        ``keep_rows`` copies every slot as it is (rows valid on the new device too); otherwise the
+        new slab is empty, and the caller must have unpublished every slot first. The old tensors
+        are freed once the copy is done, so a move never holds two slabs on one device.
+        """
+        old = self.tensors()
+        self._allocate(device)
+        if keep_rows:
+            for new, tensor in zip(self.tensors(), old):
+                new.copy_(tensor)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.plan_timesteps, self.plan_lengths, self.block_params, self.final_params)

@@ -159,6 +159,18 @@ class StreamSync:
     def active(self) -> bool:
         return bool(self.backend.active)
 
+    def reset(self, backend: EventBackend) -> None:
+        """Start over with ``backend`` (the slab moved to another device: the old events order
+        nothing there). The caller has no reader or build in flight (the cache moves under both
+        locks, with no plan held)."""
+        with self._lock:
+            self.backend = backend
+            self.written = [None] * len(self.written)
+            self.read = [{} for _ in self.read]
+            self.read_any = {}
+            self.last_build = None
+            self.last_publish = None
+
     def begin_build(self) -> None:
         """Before a build writes anything: order its stream after the previous build."""
         if not self.backend.active:

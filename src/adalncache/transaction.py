@@ -106,6 +106,11 @@ class BuildTransaction:
         self._lock = lock
         self._faults = faults
 
+    def relocate(self, device: torch.device, tiers: TierChain) -> None:
+        """Build on ``device`` from now on, with ``tiers`` (the cache moved; it holds both locks)."""
+        self.settings.device = device
+        self._tiers = tiers
+
     # -- the whole build ----------------------------------------------------------------------
 
     def run(

@@ -9,6 +9,7 @@ serves tensors already in memory. The modules, one job each:
 * :mod:`.files`: which files make a checkpoint, and their fingerprint;
 * :mod:`.buffers`: buffers placed at a chosen address modulo N, and the staging pool;
 * :mod:`.reads`: the one ``pread`` loop, O_DIRECT for uncached bytes, page-cache residency;
+* :mod:`.mapped`: zero-copy views of a mapped file that read only the bytes touched;
 * :mod:`.projections`: which projection tensors a spec needs and why one is unusable;
 * :mod:`.checkpoint`, :mod:`.memory`: the two sources;
 * :mod:`.writer`: the safetensors writer the tools and tests use.
@@ -19,6 +20,7 @@ from .buffers import ALIGNMENT, aligned_empty
 from .checkpoint import CheckpointSource
 from .files import CheckpointFiles, checkpoint_files
 from .header import SAFETENSORS_DTYPES, FileIdentity, SafetensorsHeader, TensorEntry
+from .mapped import MappedFile
 from .memory import TensorSource
 from .protocol import Columns, LayerWeights, WeightSource
 from .reads import pread_into, resident_fraction
@@ -34,6 +36,7 @@ __all__ = [
     "FileIdentity",
     "LayerWeights",
     "LazyTensor",
+    "MappedFile",
     "SafetensorsHeader",
     "TensorEntry",
     "TensorSource",

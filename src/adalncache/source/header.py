@@ -176,8 +176,13 @@ class SafetensorsHeader:
         """Parse and validate ``path``'s header (see the module docstring); CheckpointError if it is malformed."""
         try:
             identity = FileIdentity.of(path)
-            with open(path, "rb") as f:
-                prefix = f.read(8)
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                # No read-ahead: a buffered read of the header would pull the first tensors' pages into
+                # the page cache too, and a load that must not read the projections would read some.
+                if hasattr(os, "posix_fadvise"):
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+                prefix = os.pread(fd, 8, 0)
                 if len(prefix) < 8:
                     raise CheckpointError(
                         f"{path} is not a safetensors file ({identity.size} bytes, shorter than the 8-byte "
@@ -190,7 +195,9 @@ class SafetensorsHeader:
                         f"{identity.size}-byte file): pass a .safetensors checkpoint, or re-save it if it "
                         f"was truncated"
                     )
-                raw = f.read(length)
+                raw = _pread_exact(fd, length, 8)
+            finally:
+                os.close(fd)
         except OSError as exc:
             raise CheckpointError(f"cannot read checkpoint file {path}: {exc}") from exc
         try:
@@ -208,6 +215,19 @@ class SafetensorsHeader:
         _safetensors_accepts(path)
         digest = hashlib.sha256(prefix + raw).hexdigest()
         return cls(path, identity, digest, entries)
+
+
+def _pread_exact(fd: int, length: int, offset: int) -> bytes:
+    """``length`` bytes at ``offset`` (fewer only at the end of the file), however the reads split."""
+    parts = []
+    while length > 0:
+        part = os.pread(fd, length, offset)
+        if not part:
+            break
+        parts.append(part)
+        length -= len(part)
+        offset += len(part)
+    return b"".join(parts)
 
 
 def _malformed(path: Path, what: str) -> CheckpointError:

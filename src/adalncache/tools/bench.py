@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from ..devices import resolve_device
 from ..source import LazyTensor, aligned_empty, pread_into, write_safetensors
 from ..spec import FINAL, Layer, ModulationSpec, get_layout
+from .deploy import proc_status
 
 log = logging.getLogger(__name__)
 
@@ -829,14 +830,7 @@ print(json.dumps(_probe_pass(args)))
 """
 
 
-def _status() -> dict[str, int]:
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            if key in ("RssAnon", "RssFile", "VmHWM", "VmRSS"):
-                out[key] = int(value.split()[0]) * 1024
-    return out
+_status = proc_status  # the resident-memory reading the deploy section's probes share
 
 
 def _probe_pass(args: dict[str, Any]) -> dict[str, Any]:
@@ -927,6 +921,132 @@ def bench_memory(res: Results, source: Any, plans: list[torch.Tensor], checkpoin
             unit="bytes",
         )
     )
+
+
+def bench_deploy(res: Results, size: str, steps: int, *, quick: bool = False) -> None:
+    """Deploying without the projections, on a tiny MiniMax-H3 of ``size`` in the released precision.
+
+    Side by side: the peak resident memory of load + enable + one request, ``from_pretrained``
+    then ``enable_adaln_cache`` against ``load_transformer``, each in a fresh process; the bytes the
+    load reads from the checkpoint (page cache dropped first); the bytes block-level group
+    offloading onloads per forward with and without the cache. Then the released geometry as
+    arithmetic: what a 24, 48 and 80 GB card must hold either way. ``quick`` leaves out the stock
+    load served from its checkpoint (one fresh process less).
+    """
+    try:
+        from diffusers.hooks import apply_group_offloading
+        from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3Transformer3DModel
+
+        from ..diffusers import adaln_cache_handle, load_transformer
+        from .deploy import (
+            MODES,
+            OnloadMeter,
+            card_table,
+            onloaded_per_step,
+            released_sizes,
+            request_slab_bytes,
+            run_memory_probe,
+            served_bytes,
+            weight_files,
+        )
+        from .tiny import make_request, run_loop, tiny_transformer
+    except ImportError as exc:
+        res.note(f"deploy section skipped: diffusers unavailable ({exc})")
+        return
+    values: dict[str, Any] = {"size": size}
+    with tempfile.TemporaryDirectory(prefix="adalncache-deploy-") as tmp:
+        checkpoint = Path(tmp) / "transformer"
+        built: Any = tiny_transformer(size)
+        built.save_pretrained(Path(tmp) / "fp32")
+        # The released mixed precision in the file: bf16 blocks and projections, fp32 time embedder and heads.
+        mixed: Any = MiniMaxH3Transformer3DModel.from_pretrained(Path(tmp) / "fp32", torch_dtype=torch.bfloat16)
+        mixed.save_pretrained(checkpoint)
+        del built, mixed
+        served, total = served_bytes(weight_files(checkpoint))
+        modes = [mode for mode in MODES if not (quick and mode == "stock-checkpoint")]
+        probes = {mode: run_memory_probe(mode, checkpoint, steps=steps) for mode in modes}
+        values.update({"served_bytes": served, "checkpoint_bytes": total, "probes": probes})
+        new = probes["load_transformer"]
+        for stock_mode, label in (("stock", "its own weights"), ("stock-checkpoint", "checkpoint=")):
+            if stock_mode not in probes:
+                continue
+            stock = probes[stock_mode]
+            res.add(
+                Comparison(
+                    f"peak resident memory of load + enable + one t2va request, '{size}' (fresh processes)",
+                    "load_transformer", f"from_pretrained + enable_adaln_cache({label})",
+                    [float(new["peak"])], [float(stock["peak"])], None,
+                    note=f"anonymous {new['anon'] / 2**20:.0f} vs {stock['anon'] / 2**20:.0f} MiB, file-backed "
+                    f"{new['file'] / 2**20:.0f} vs {stock['file'] / 2**20:.0f} MiB; served tensors "
+                    f"{served / 2**20:.0f} MiB of {total / 2**20:.0f} MiB",
+                    unit="bytes",
+                )
+            )  # fmt: skip
+        stock = probes["stock"]
+        if new["load_read_bytes"] is not None and stock["load_read_bytes"]:
+            res.add(
+                Comparison(
+                    f"checkpoint bytes read by the load, '{size}' (page cache dropped)",
+                    "load_transformer", "from_pretrained", [float(new["load_read_bytes"])],
+                    [float(stock["load_read_bytes"])], None,
+                    note=f"served tensors' pages cached by the load: {new['served_resident_after_load']} B vs "
+                    f"{stock['served_resident_after_load'] / 2**20:.1f} MiB",
+                    unit="bytes",
+                )
+            )  # fmt: skip
+        # Bytes onloaded per forward by block-level group offloading (CPU to CPU: the bytes, not the time).
+        cpu = torch.device("cpu")
+        onloads: dict[str, float] = {}
+        for name in ("without", "with"):
+            if name == "without":
+                model: Any = MiniMaxH3Transformer3DModel.from_pretrained(checkpoint, torch_dtype=torch.bfloat16)
+            else:
+                model = load_transformer(checkpoint, torch_dtype=torch.bfloat16)
+            apply_group_offloading(
+                model, onload_device=cpu, offload_device=cpu, offload_type="block_level", num_blocks_per_group=1
+            )
+            request = make_request(model, "t2va", steps)
+            if name == "with":
+                handle: Any = adaln_cache_handle(model)
+                handle.prepare(request.plans)
+            meter = OnloadMeter(model)
+            run_loop(model, request)
+            onloads[name] = meter.bytes / len(request.plan)
+            del model
+        values["onloaded_per_forward"] = onloads
+        res.add(
+            Comparison(
+                f"bytes onloaded per forward by group offloading (block level, 1 block per group), '{size}'",
+                "with the cache", "without", [onloads["with"]], [onloads["without"]], None,
+                note="the projections and the time embedder are never onloaded",
+                unit="bytes",
+            )
+        )  # fmt: skip
+    sizes = released_sizes()
+    slab = request_slab_bytes()
+    table = card_table(sizes, slab)
+    stock_step, cached_step = onloaded_per_step(sizes)
+    values.update(
+        {"released_sizes": sizes, "card_table": table, "released_onloaded_per_step": [stock_step, cached_step]}
+    )
+    res.values["deploy"] = values
+    weights = sum(sizes[k] for k in ("projections", "time_embedder", "blocks_rest", "other"))
+    res.note(
+        f"released MiniMax-H3 (arithmetic, not measurement): weights {weights / 2**30:.1f} GiB, projections "
+        f"{sizes['projections'] / 2**30:.1f} GiB; per block {sizes['block_rest'] / 2**20:.0f} MiB + "
+        f"{sizes['block_projection'] / 2**20:.0f} MiB of projection; block-level group offloading moves "
+        f"{stock_step / 2**30:.1f} GiB per step without the cache, {cached_step / 2**30:.1f} GiB with it; the "
+        f"slab for a 50-step t2va request holds {slab / 2**30:.2f} GiB"
+    )
+    for row in table:
+        fits = ", ".join(
+            f"{card}: {'yes' if row[card][0] else 'no'}/{'yes' if row[card][1] else 'no'}"
+            for card in ("24 GB", "48 GB", "80 GB")
+        )
+        res.note(
+            f"released, {row['mode']} (arithmetic): {row['without_cache_bytes'] / 2**30:.1f} GiB without the cache, "
+            f"{row['with_cache_bytes'] / 2**30:.1f} GiB with it; fits without/with: {fits}"
+        )
 
 
 def _meminfo() -> dict[str, int]:
@@ -1053,6 +1173,7 @@ def run(args: argparse.Namespace) -> int:
         "build": lambda: bench_build_latency(res, runs, work / "ckpt-latency-50x8x16", device),
         "store": lambda: bench_store(res, source, plans, runs, device),
         "memory": lambda: bench_memory(res, source, plans, ckpt_dir, device),
+        "deploy": lambda: bench_deploy(res, args.size, 3 if args.quick else 4, quick=args.quick),
     }
     for name, section in sections.items():
         if name in args.only:
@@ -1066,7 +1187,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-SECTIONS = ("pass", "forward", "build", "store", "memory")
+SECTIONS = ("pass", "forward", "build", "store", "memory", "deploy")
 
 
 def register(subparsers: Any) -> None:

@@ -1,13 +1,15 @@
 """``adalncache demo``: a deterministic tiny MiniMax-H3, resident versus cached, with a verdict.
 
 What it shows, end to end and offline: a transformer built from a seed and round-tripped through
-``save_pretrained``/``from_pretrained(torch_dtype=bfloat16)`` (the released mixed precision), its
-AdaLN projections written as a sharded native-layout checkpoint, and one request's denoising loop
-(the pipeline's own layout and plan builders, ``MiniMaxH3Scheduler``) run twice: with the
-projections resident, then with them served by :func:`~adalncache.diffusers.enable_adaln_cache`
-from that checkpoint. The verdict compares every forward output and the final latents with
-``torch.equal``; the table reports the plans, rebuild passes, AdaLN bytes on the device before and
-after, and per-step time both ways.
+``save_pretrained``/``from_pretrained(torch_dtype=bfloat16)`` (the released mixed precision), the
+whole model written as a sharded native-layout checkpoint (the MiniMax release's names), and one
+request's denoising loop (the pipeline's own layout and plan builders, ``MiniMaxH3Scheduler``) run
+twice: with the stock model, projections resident, then with a model that
+:func:`~adalncache.diffusers.load_transformer` loaded from that checkpoint without ever reading its
+AdaLN projections (or its time embedder), served by the cache. The verdict compares every forward
+output and the final latents with ``torch.equal``; the table reports the plans, rebuild passes,
+the checkpoint bytes the load read and never read, AdaLN bytes on the device before and after, and
+per-step time both ways.
 """
 
 from __future__ import annotations
@@ -47,6 +49,13 @@ class DemoResult:
     stats: dict[str, Any]
     identical: bool
     aot_plans_match: bool
+    #: Checkpoint bytes the load read (None where /proc cannot tell), of ``checkpoint_bytes``.
+    load_read_bytes: int | None = None
+    checkpoint_bytes: int = 0
+    #: Bytes of the AdaLN projections and the time embedder, none of which the load read.
+    never_read_bytes: int = 0
+    #: Their bytes in the page cache right after the load (0: not one page was read).
+    served_cached_after_load: int = 0
 
 
 def _format_bytes(count: int) -> str:
@@ -84,10 +93,17 @@ def run_task(
     *,
     seed: int,
     device: torch.device,
+    config: Path | None = None,
 ) -> DemoResult:
-    """Run one task resident, then cached from ``checkpoint``, and compare bit for bit."""
-    from ..diffusers import enable_adaln_cache
+    """Run one task on the stock ``model``, then on ``load_transformer(checkpoint)``, and compare bit for bit.
+
+    ``config``: the diffusers config directory for a native ``checkpoint`` without one. The load
+    is measured with the checkpoint's page cache dropped first: the bytes it read, and the served
+    tensors' bytes it left in the page cache (none).
+    """
+    from ..diffusers import adaln_cache_handle, load_transformer
     from ..plans import minimax_h3_plans, plan_key
+    from .deploy import drop_cached, io_read_bytes, resident_served_bytes, served_bytes, weight_files
     from .tiny import adaln_parameter_bytes, make_request, run_loop
 
     request = make_request(model, task, steps, seed=seed, device=device)
@@ -97,14 +113,24 @@ def run_task(
     # The plans known ahead of time, from the schedule alone, must be the loop's own plans.
     ahead = minimax_h3_plans(task, steps)
     distinct = len({plan_key(plan) for plan in ahead})
+    files = weight_files(checkpoint)
+    never_read, total = served_bytes(files)
+    dropped = drop_cached(files)
+    before = io_read_bytes()
     # A slab sized to the request, so the table bytes reported are what this request needs.
-    handle = enable_adaln_cache(model, checkpoint, max_plans=distinct, max_plan_width=4)
+    cached_model: Any = load_transformer(
+        checkpoint, config=config, torch_dtype=torch.bfloat16, device_map=device, max_plans=distinct, max_plan_width=4
+    )
+    after = io_read_bytes()
+    read = None if before is None or after is None or not dropped else after - before
+    served_cached = resident_served_bytes(files)
+    handle: Any = adaln_cache_handle(cached_model)
     try:
-        bytes_after = adaln_parameter_bytes(model)
+        bytes_after = adaln_parameter_bytes(cached_model)
         table_bytes = _table_bytes(handle.cache)
         aot_match = [plan_key(p) for p in ahead] == [plan_key(p) for p in request.plans]
         report = handle.prepare(ahead)
-        cached = run_loop(model, request)
+        cached = run_loop(cached_model, request)
         stats = _stats_dict(handle.stats)
     finally:
         handle.disable()
@@ -122,6 +148,10 @@ def run_task(
         stats=stats,
         identical=cached.equal(resident),
         aot_plans_match=aot_match,
+        load_read_bytes=read,
+        checkpoint_bytes=total,
+        never_read_bytes=never_read,
+        served_cached_after_load=served_cached,
     )
 
 
@@ -137,6 +167,17 @@ def _print_header(size: str, model: Any, device: torch.device, seed: int, checkp
     print(f"native checkpoint: {checkpoint} ({len(list(checkpoint.glob('*.safetensors')))} shards + index)")
 
 
+def _load_line(result: DemoResult) -> str:
+    """What ``load_transformer`` read of the checkpoint, and the AdaLN bytes it never read."""
+    read = "?" if result.load_read_bytes is None else _format_bytes(result.load_read_bytes)
+    cached = "none of them" if result.served_cached_after_load == 0 else _format_bytes(result.served_cached_after_load)
+    return (
+        f"load_transformer read {read} of the {_format_bytes(result.checkpoint_bytes)} checkpoint; "
+        f"{_format_bytes(result.never_read_bytes)} of AdaLN projections and time embedder never read "
+        f"({cached} in the page cache)"
+    )
+
+
 def _print_result(result: DemoResult) -> None:
     aot = "yes" if result.aot_plans_match else "NO"
     before = _format_bytes(result.bytes_before)
@@ -146,6 +187,7 @@ def _print_result(result: DemoResult) -> None:
         ("steps", f"{result.steps} (grid points; {result.forwards} forwards)"),
         ("plans", f"{result.plans} distinct (ahead-of-time plans match the loop: {aot})"),
         ("passes", f"{result.passes} rebuild pass{'es' if result.passes != 1 else ''} for the whole request"),
+        ("load", _load_line(result)),
         ("AdaLN bytes on device", f"{before} resident -> {after} cached"),
         ("per-step time", f"{result.resident_ms:.2f} ms resident, {result.cached_ms:.2f} ms cached (median)"),
         ("cache stats", ", ".join(f"{k}={v}" for k, v in result.stats.items() if v or k == "passes")),
@@ -159,7 +201,7 @@ def _print_result(result: DemoResult) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """The ``demo`` sub-command: returns 0 when every task is bit-identical, else 1."""
-    from .tiny import SIZES, save_tiny, tiny_transformer, write_native_checkpoint
+    from .tiny import SIZES, save_tiny, tiny_transformer, write_native_model
 
     if args.size not in SIZES:
         raise ConfigError(f"unknown size {args.size!r}: set --size to one of {', '.join(SIZES)}")
@@ -173,10 +215,14 @@ def run(args: argparse.Namespace) -> int:
         built = tiny_transformer(args.size, seed=args.seed)
         model = save_tiny(built, root / "diffusers", dtype=torch.bfloat16)
         del built
-        checkpoint = write_native_checkpoint(model, root / "native", shards=2)
+        # The whole model under the MiniMax release's names, sharded like the release.
+        checkpoint = write_native_model(model, root / "native", shards=2, qkv_layout="interleaved")
         model = model.to(device)
         _print_header(args.size, model, device, args.seed, checkpoint)
-        results = [run_task(model, checkpoint, task, args.steps, seed=args.seed, device=device) for task in tasks]
+        results = [
+            run_task(model, checkpoint, task, args.steps, seed=args.seed, device=device, config=root / "diffusers")
+            for task in tasks
+        ]
         for result in results:
             _print_result(result)
     ok = all(result.identical for result in results)

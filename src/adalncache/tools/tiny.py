@@ -206,6 +206,92 @@ def write_native_checkpoint(
     return directory
 
 
+#: diffusers names -> native (MiniMax release) names, applied in order, as the inverse of diffusers'
+#: ``convert_minimax_h3_transformer_checkpoint_to_diffusers`` renames.
+_TO_NATIVE = (
+    ("token_refiner.refiner_blocks.", "token_refiner.blocks."),
+    ("time_embedder.linear_1.", "time_embedder.proj_in."),
+    ("time_embedder.linear_2.", "time_embedder.proj_out."),
+    ("audio_proj_in.", "audio_patch_proj."),
+    ("context_embedder.", "condition_proj."),
+    ("norm_out.norm.", "final_layer.norm."),
+    ("norm_out.linear.", "final_layer.adaln_proj.linear."),
+    ("audio_proj_out.", "final_layer.audio_out."),
+    (".attn.norm_q.", ".attn.q_norm."),
+    (".attn.norm_k.", ".attn.k_norm."),
+    (".attn.to_out.0.", ".attn.out_proj."),
+    (".ff.net.0.proj.", ".mlp.fc1."),
+    (".ff.net.2.", ".mlp.fc2."),
+)
+
+
+def native_state_dict(model: nn.Module, *, qkv_layout: str = "stacked") -> dict[str, torch.Tensor]:
+    """The whole model's tensors under the native MiniMax names: the exact inverse of diffusers' conversion.
+
+    ``qkv_layout``: the fused ``qkv_proj`` row order, ``"stacked"`` (``[q; k; v]``, the published
+    single files) or ``"interleaved"`` (per head ``[q k v]``, the MiniMax release shards).
+    """
+    if qkv_layout not in ("stacked", "interleaved"):
+        raise ConfigError(f"qkv_layout must be 'stacked' or 'interleaved', got {qkv_layout!r}")
+    config: Any = model.config  # type: ignore[union-attr]
+    heads, head_dim = int(config.num_attention_heads), int(config.attention_head_dim)
+    state = {name: tensor.detach() for name, tensor in model.state_dict().items()}
+    out: dict[str, torch.Tensor] = {}
+    for key, tensor in state.items():
+        if key.endswith((".attn.to_k.weight", ".attn.to_v.weight")):
+            continue
+        name = key
+        for prefix, native in (("transformer_blocks.", "blocks."), ("proj_in.", "video_patch_proj."),
+                               ("proj_out.", "final_layer.video_out.")):  # fmt: skip
+            if name.startswith(prefix):
+                name = native + name[len(prefix) :]
+        for ours, theirs in _TO_NATIVE:
+            name = name.replace(ours, theirs)
+        if key.endswith(".attn.to_q.weight"):
+            base = key[: -len("to_q.weight")]
+            q, k, v = (state[base + part] for part in ("to_q.weight", "to_k.weight", "to_v.weight"))
+            if qkv_layout == "stacked":
+                tensor = torch.cat([q, k, v])
+            else:
+                tensor = torch.stack([t.unflatten(0, (heads, head_dim)) for t in (q, k, v)], dim=1).flatten(0, 2)
+            name = name.replace(".attn.to_q.weight", ".attn.qkv_proj.weight")
+        if key.endswith(".ff.net.0.proj.weight"):
+            value, gate = torch.chunk(tensor, 2, dim=0)
+            tensor = torch.cat([gate, value])
+        out[name] = tensor.contiguous()
+    return out
+
+
+def write_native_model(
+    model: nn.Module, path: str | os.PathLike[str], *, shards: int = 1, qkv_layout: str = "stacked"
+) -> Path:
+    """Write the whole model as a native-layout checkpoint (``model.safetensors``, or shards with an index).
+
+    The files the MiniMax release ships: every tensor under its native name (see
+    :func:`native_state_dict`), written with safetensors' own writer. Returns the directory.
+    """
+    from safetensors.torch import save_file
+
+    if not isinstance(shards, int) or shards < 1:
+        raise ConfigError(f"write_native_model shards must be a positive integer, got {shards!r}")
+    directory = Path(path)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = native_state_dict(model, qkv_layout=qkv_layout)
+    if shards == 1:
+        save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+        return directory
+    names = list(tensors)
+    per_shard = -(-len(names) // shards)
+    weight_map: dict[str, str] = {}
+    for index in range(shards):
+        chunk = names[index * per_shard : (index + 1) * per_shard]
+        file_name = f"model-{index + 1:05d}-of-{shards:05d}.safetensors"
+        save_file({name: tensors[name] for name in chunk}, str(directory / file_name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(chunk, file_name))
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return directory
+
+
 def parameter_bytes(model: nn.Module, device: str | torch.device | None = None) -> int:
     """Bytes of the model's parameters that hold real storage (meta placeholders count 0).
 
@@ -663,6 +749,7 @@ __all__ = [
     "build_layout",
     "build_row_timestep_plan",
     "make_request",
+    "native_state_dict",
     "outputs_equal",
     "parameter_bytes",
     "projection_tensors",
@@ -676,5 +763,6 @@ __all__ = [
     "tiny_transformer",
     "tiny_vaes",
     "write_native_checkpoint",
+    "write_native_model",
     "write_safetensors",
 ]

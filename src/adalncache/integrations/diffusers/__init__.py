@@ -12,8 +12,10 @@ it was. One module per job, each importing only those listed before it:
 - ``lora``: the LoRA signature the tables are keyed by, and the fuse/unfuse/load guards;
 - ``hooks``: the four diffusers hooks that serve a forward;
 - ``handle``: :class:`AdalnCacheHandle`, which puts the pieces together and takes them apart;
+- ``moving``: ``.to()``/``.cuda()``/``pipe.to()`` while enabled: moves take the cache along, casts are refused;
 - ``pipeline``: the modular pipeline's handle and the block that prepares a request's plans;
-- ``enable``: :func:`enable_adaln_cache`.
+- ``enable``: :func:`enable_adaln_cache`;
+- ``loading``: :func:`load_transformer`, a transformer loaded without its projections, cache enabled.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from .hooks import (
     AdalnCacheTimeEmbedderHook,
     AdalnCacheTransformerHook,
 )
+from .loading import load_transformer
 from .pipeline import AdalnCachePrepareStep, PipelineAdalnCacheHandle
 from .sources import CheckpointMismatchError
 
@@ -43,4 +46,5 @@ __all__ = [
     "PipelineAdalnCacheHandle",
     "adaln_cache_handle",
     "enable_adaln_cache",
+    "load_transformer",
 ]

@@ -72,12 +72,17 @@ def enable_adaln_cache(
         read_ahead: layers read ahead of the one being projected during a pass.
         progress: show a progress bar for passes (``None``: when stderr is a terminal).
         batched: project several plans at once where a probe proves the result bit-identical.
-        device: where the cache lives; it must be the model's device (``None``: the model's).
-            The cache serves the forward, so a different device is a ``ConfigError``.
+        device: where the cache lives; it must be the model's device (``None``: the model's, or
+            the device an offloading hook runs it on). The cache serves the forward, so a different
+            device is a ``ConfigError``; when the model moves (``.to()``), the cache follows.
 
     An unknown keyword is a ``TypeError`` naming it. Each option is checked where it is used: the
     cache's options by :class:`~adalncache.AdalnCache` (a ``ConfigError`` naming the argument and
     its CLI flag), before the model is modified.
+
+    On a pipeline, a transformer whose cache is already enabled (one ``load_transformer`` loaded)
+    keeps it; only the prepare blocks are added for it. To avoid loading the projections at all,
+    load the transformer with :func:`~adalncache.diffusers.load_transformer` instead.
 
     Returns:
         A handle with ``.cache``, ``.prepare(plans)``, ``.stats`` and ``.disable()``; for a

@@ -33,15 +33,17 @@ from ...errors import CheckpointError, ConfigError, PlanNotCachedError
 from ...holds import PlanHold
 from ...hostmem import HostBuffer
 from ...plans import PlanKey
-from ...spec import FINAL, Layer, ModulationSpec
+from ...spec import Layer, ModulationSpec
 from .config import AdalnCacheConfig
-from .hooks import OUTPUT_HOOK, TIME_EMBEDDER_HOOK, ServingHooks, other_hooks_present, unhooked
+from .hooks import ServingHooks, other_hooks_present
 from .lora import LoraTracker, Tuners, Variant, applied_lora_scale, lora_scale_of
 from .modules import (
     TIME_EMBEDDER,
     base_linear,
+    bypassing_hooks,
     check_materialised,
     device_of,
+    execution_device,
     install_overrides,
     projection_dtype,
     projection_modules,
@@ -50,8 +52,9 @@ from .modules import (
     swapped_parameters,
     time_embedder_linears,
 )
-from .parking import TimeEmbedderLoan, WeightParking
-from .sources import Source, changed_since, checkpoint_source, model_source
+from .moving import LiftedGroupOffloading, guarded_apply, refresh_group_offloading
+from .parking import ParkTarget, TimeEmbedderLoan, WeightParking
+from .sources import NeverLoaded, Source, changed_since, checkpoint_source, model_source
 
 if TYPE_CHECKING:
     from ... import AdalnCache, BuildReport, CacheStats
@@ -77,7 +80,8 @@ class AdalnCacheHandle:
         self.config = config
         self.enabled = False
         self.spec = ModulationSpec.from_transformer(model)
-        self.device = device_of(model)
+        #: Where the forward runs and the cache lives (offloading keeps the weights elsewhere).
+        self.device = execution_device(model) or device_of(model)
         self.source: Source | None = None
         self.cache: AdalnCache  # set by _enable(), which enable_transformer() calls right away
         self._parking = WeightParking()
@@ -140,6 +144,7 @@ class AdalnCacheHandle:
     def _request_hold(self, plans: Sequence[Any], attention_kwargs: Mapping[str, Any] | None) -> PlanHold:
         if not self.enabled:
             raise ConfigError("prepare() needs the AdaLN cache enabled; this handle was disabled")
+        self._follow(execution_device(self.model))
         tensors = [plan[0] if isinstance(plan, (tuple, list)) else plan for plan in plans]
         scale = lora_scale_of(attention_kwargs)
         tuners, variant, refs = self._signature(scale)
@@ -171,6 +176,7 @@ class AdalnCacheHandle:
         remove_overrides(self.model, self._overrides)
         self._overrides = ()
         self._parking.restore()
+        refresh_group_offloading(self.model)
         self.enabled = False
         setattr(self.model, HANDLE_ATTRIBUTE, None)
         self._give_back_memory()
@@ -198,13 +204,15 @@ class AdalnCacheHandle:
 
     # ------------------------------------------------------------------ enabling
 
-    def _enable(self) -> None:
+    def _enable(self, *, never_loaded: NeverLoaded | None = None) -> None:
+        """Enable on the model; ``never_loaded``: its served weights were never loaded (``load_transformer``)."""
         model = self.model
         if getattr(model, HANDLE_ATTRIBUTE, None) is not None:
             raise ConfigError(
                 "the AdaLN cache is already enabled on this model; call handle.disable() before enabling again"
             )
-        check_materialised(model, self.spec)
+        if never_loaded is None:
+            check_materialised(model, self.spec)
         self._lora.start()
         config = self.config
         device = config.cache_options.device_for(self.device)
@@ -213,27 +221,44 @@ class AdalnCacheHandle:
             free_time_embedder = not other_hooks_present(model)
         modules = projection_modules(model, self.spec)
         host_tensors = None
-        if config.checkpoint is not None:
+        if never_loaded is not None:
+            self.source = never_loaded.source  # the loader checked it serves this model's projections
+        elif config.checkpoint is not None:
             self.source = checkpoint_source(
                 config.checkpoint, self.spec, modules, layout=config.layout, verify=config.verify_checkpoint
             )
         else:
             self.source, host_tensors, self._host_buffers = model_source(self.spec, modules, self.device)
         self._enabled_fingerprint = self.source.fingerprint
-        self.cache = config.cache_options.build(self.spec, self.source, device)
-        # From here on the model is modified; undo everything if a step fails.
+        if never_loaded is not None:
+            self.cache = never_loaded.cache
+        else:
+            self.cache = config.cache_options.build(self.spec, self.source, device)
+        # From here on the model is modified; undo everything if a step fails. Group offloading (if
+        # applied first) captured the weights parked here: it is lifted, and comes back rebuilt,
+        # outside our hooks (see moving.LiftedGroupOffloading).
+        lifted = LiftedGroupOffloading(model)
         try:
-            targets: list[tuple[nn.Module, Layer | None]] = [(base_linear(module), layer) for layer, module in modules]
+            targets = [ParkTarget(base_linear(module), layer, projection_path(layer)) for layer, module in modules]
             if free_time_embedder:
-                targets += [(base_linear(linear), None) for _, linear in time_embedder_linears(model)]
-            self._parking.park(targets, source=self.source, host_tensors=host_tensors)
+                linears = time_embedder_linears(model)
+                targets += [ParkTarget(base_linear(linear), None, path) for path, linear in linears]
+            self._parking.park(
+                targets,
+                source=self.source,
+                host_tensors=host_tensors,
+                never_loaded=never_loaded.residues if never_loaded is not None else None,
+                device=never_loaded.device if never_loaded is not None else None,
+            )
             self._hooks = ServingHooks(model, self.spec, self.cache, self._make_resident)
             self._hooks.register(time_embedder=free_time_embedder)
+            lifted.restore()
             overrides = self._lora.guards(standing_in=self._parking.standing_in, after_load=self._hooks.follow_output)
             overrides.update(self._device_guards())
             install_overrides(model, overrides)
             self._overrides = tuple(overrides)
         except BaseException:
+            lifted.restore()
             self.enabled = True
             self.disable(allow_changed_checkpoint=True)
             raise
@@ -248,40 +273,39 @@ class AdalnCacheHandle:
         )
 
     def _device_guards(self) -> dict[str, Callable[..., Any]]:
-        """Overrides that refuse to move or cast the model while its tables live on one device.
+        """The ``_apply`` override: moves take the cache along, casts are refused (see ``moving``)."""
+        return {"_apply": guarded_apply(self.model, moved=self._moved_to, back=self._moved_to)}
 
-        Without them the meta placeholders would fail deep inside torch ("Cannot copy out of meta
-        tensor"), or a dtype cast would silently leave the tables at the old dtype. A no-op
-        ``.to()`` is let through: pipelines call ``pipe.to(device)`` freely.
-        """
+    def _moved_to(self, device: torch.device) -> None:
+        """The model's weights go to ``device``: the parked weights' home and the cache follow."""
+        self._parking.moved_to(device)
+        self._follow(device)
 
-        def refuse(*args: Any, **kwargs: Any) -> Any:
-            raise ConfigError(
-                "the model cannot be moved or cast while the AdaLN cache is enabled (its tables live on "
-                f"{self.device} in {self.spec.dtype}); call handle.disable(), move or cast the model, then "
-                "enable again"
-            )
-
-        def to(*args: Any, **kwargs: Any) -> Any:
-            device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
-            moves = device is not None and not (
-                torch.device(device).type == self.device.type
-                and torch.device(device).index in (None, self.device.index)
-            )
-            if moves or dtype is not None:
-                refuse()
-            return self.model
-
-        return {"_apply": refuse, "to": to}
+    def _follow(self, device: torch.device | None) -> None:
+        """Serve forwards that run on ``device``: the cache moves its tables there (or rebuilds them)."""
+        if device is None or device == self.device:
+            return
+        before = self.cache.device
+        # The calling thread's prepared request holds slots of the old device: it is over. Holds of
+        # other threads' requests in flight make the move fail (ConfigError, nothing moved).
+        self.release()
+        self.cache.move_to(device)  # a no-op when both name one device ("cuda" and "cuda:0")
+        if self.cache.device != before:
+            logger.info("AdaLN cache: the model runs on %s now (was %s); the tables followed", device, before)
+        self.device = device
 
     # ------------------------------------------------------------------ per forward
 
-    def _make_resident(self, plan: torch.Tensor, key: PlanKey, attention_kwargs: Mapping[str, Any] | None) -> PlanHold:
+    def _make_resident(
+        self, plan: torch.Tensor, key: PlanKey, attention_kwargs: Mapping[str, Any] | None, device: torch.device
+    ) -> PlanHold:
         """Before a forward: hold ``plan`` resident under the forward's LoRA signature (or refuse).
 
-        Called by the transformer hook with the host copy of the forward's timestep and its key;
-        the hook releases the hold when the forward returns.
+        Called by the transformer hook with the host copy of the forward's timestep, its key, and
+        the device the forward runs on (its timestep's), which the cache follows; the hook
+        releases the hold when the forward returns.
         """
+        self._follow(device)
         scale = lora_scale_of(attention_kwargs)
         tuners, variant, refs = self._signature(scale)
         if self.config.on_miss == "raise":
@@ -351,11 +375,9 @@ class AdalnCacheHandle:
         with self._lock:
             # The parked time embedder is lent back by the first embed of a pass and parked again
             # when the build returns, so a build that hits costs no copy.
-            with (
-                self._parking.time_embedder_loan(self.device) as loan,
-                torch.no_grad(),
-                applied_lora_scale(tuners, scale),
-            ):
+            linears = [base_linear(linear) for _, linear in time_embedder_linears(self.model)]
+            loan = self._parking.time_embedder_loan(self.device, linears)
+            with loan, torch.no_grad(), applied_lora_scale(tuners, scale):
                 self._loan = loan
                 try:
                     embed: EmbedFn = self._embed
@@ -371,7 +393,8 @@ class AdalnCacheHandle:
 
         ``time_proj``, then the (fp32) time embedder at its own dtype, then SiLU at ``temb``'s
         precision and only then the cast to the projection dtype (the other order changes about
-        half the outputs). Runs the time embedder's own (possibly LoRA-wrapped) forward.
+        half the outputs). Runs the time embedder's own (possibly LoRA-wrapped) forward, beneath
+        every hook on it (ours stands in for it; an offloading hook must not move the lent weights).
         """
         from diffusers.models.modeling_utils import get_parameter_dtype
 
@@ -380,23 +403,34 @@ class AdalnCacheHandle:
         model = self.model
         temb = model.time_proj(plan.to(self.device))
         time_embedder = model.get_submodule(TIME_EMBEDDER)
-        temb = unhooked(time_embedder, TIME_EMBEDDER_HOOK)(temb.to(get_parameter_dtype(time_embedder)))
+        with bypassing_hooks(time_embedder.modules()):
+            temb = time_embedder(temb.to(get_parameter_dtype(time_embedder)))
         return F.silu(temb).to(projection_dtype(model, self.spec))
 
     def _project(self, layer: Layer, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        """``layer``'s output for ``x``, through the module's own (possibly LoRA-wrapped) forward."""
+        """``layer``'s output for ``x``, through the module's own (possibly LoRA-wrapped) forward.
+
+        The served module and its base linear run their class's forward beneath every hook: ours
+        would serve the table, and an offloading hook would move the source's weights.
+        """
         module = self.model.get_submodule(projection_path(layer))
-        call = unhooked(module, OUTPUT_HOOK) if layer == FINAL else module
+        base = base_linear(module)
         weight = self._parking.at_model_residue(layer, "weight", weight)
         bias = self._parking.at_model_residue(layer, "bias", bias)
-        with swapped_parameters(base_linear(module), {"weight": weight, "bias": bias}):
-            return call(x)  # type: ignore[no-any-return]
+        with bypassing_hooks({module, base}), swapped_parameters(base, {"weight": weight, "bias": bias}):
+            return module(x)  # type: ignore[no-any-return]
 
 
-def enable_transformer(model: nn.Module, config: AdalnCacheConfig) -> AdalnCacheHandle:
-    """Enable the cache on one transformer; on failure the model is left as it was."""
+def enable_transformer(
+    model: nn.Module, config: AdalnCacheConfig, *, never_loaded: NeverLoaded | None = None
+) -> AdalnCacheHandle:
+    """Enable the cache on one transformer; on failure the model is left as it was.
+
+    ``never_loaded``: the model's served weights were never loaded (``load_transformer`` built it
+    with meta placeholders in their place); they are parked straight from that source.
+    """
     handle = AdalnCacheHandle(model, config)
-    handle._enable()
+    handle._enable(never_loaded=never_loaded)
     return handle
 
 

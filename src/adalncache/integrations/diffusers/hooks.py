@@ -46,8 +46,9 @@ TIME_EMBEDDER_HOOK = "adaln_cache_time_embedder"
 #: Every hook name above starts with it; a hook without it belongs to someone else.
 HOOK_PREFIX = "adaln_cache"
 
-#: ``make_resident(plan, key, attention_kwargs)``: hold the forward's plan resident, or raise.
-MakeResident = Callable[[torch.Tensor, PlanKey, Mapping[str, Any] | None], PlanHold]
+#: ``make_resident(plan, key, attention_kwargs, device)``: hold the forward's plan resident on the
+#: device the forward runs on (its timestep's), or raise.
+MakeResident = Callable[[torch.Tensor, PlanKey, Mapping[str, Any] | None, torch.device], PlanHold]
 
 
 class ServeState(threading.local):
@@ -111,7 +112,9 @@ class AdalnCacheTransformerHook(ModelHook):
         # use this host copy (embed moves it back to the device; the values are the same bits).
         plan = timestep.detach().to("cpu")
         key = plan_key(plan)
-        held = self.make_resident(plan, key, forward_argument(module, "attention_kwargs", args, kwargs))
+        held = self.make_resident(
+            plan, key, forward_argument(module, "attention_kwargs", args, kwargs), timestep.device
+        )
         try:
             self.state.serve(self.cache, held, int(plan.numel()))
             forward: Any = self.fn_ref.original_forward
@@ -164,6 +167,8 @@ class AdalnCacheTimeEmbedderHook(ModelHook):
         self.zero = torch.zeros((), dtype=dtype, device=device)
 
     def new_forward(self, module: nn.Module, sample: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.zero.device != sample.device:  # the model moved (or runs on an offloading hook's device)
+            self.zero = torch.zeros((), dtype=self.zero.dtype, device=sample.device)
         return self.zero.expand(sample.shape[0], self.out_features)
 
 
@@ -172,15 +177,6 @@ def remove_hook(module: nn.Module, name: str) -> None:
     registry = getattr(module, "_diffusers_hook", None)
     if registry is not None and registry.get_hook(name) is not None:
         registry.remove_hook(name, recurse=False)
-
-
-def unhooked(module: nn.Module, hook_name: str) -> Callable[..., Any]:
-    """``module``'s forward beneath hook ``hook_name`` (its own, possibly LoRA-wrapped, forward)."""
-    registry = getattr(module, "_diffusers_hook", None)
-    hook = registry.get_hook(hook_name) if registry is not None else None
-    if hook is None:
-        return module
-    return hook.fn_ref.original_forward  # type: ignore[no-any-return]
 
 
 def other_hooks_present(model: nn.Module) -> bool:

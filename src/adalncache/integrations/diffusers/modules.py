@@ -76,11 +76,48 @@ def served_modules(model: nn.Module, spec: ModulationSpec) -> list[tuple[str, An
 
 
 def device_of(model: nn.Module) -> torch.device:
-    """The device of the model's first materialised parameter (where its forward runs)."""
+    """The device of the model's first materialised parameter (where its weights are kept)."""
     for param in model.parameters():
         if param.device.type != "meta":
             return param.device
-    raise ConfigError("the model holds no materialised parameter; load it before enabling the AdaLN cache")
+    raise ConfigError(
+        "the model holds no materialised parameter; load it before enabling the AdaLN cache (or load it with "
+        "adalncache.diffusers.load_transformer, which enables the cache itself); an accelerate offload applied "
+        "before enabling moves every weight to meta: enable first, then offload"
+    )
+
+
+def execution_device(model: nn.Module) -> torch.device | None:
+    """Where the model's forward runs, which offloading makes differ from where its weights are kept.
+
+    diffusers' group offloading keeps the weights on its offload device and runs on its onload
+    device; an accelerate hook (``cpu_offload``, ``cpu_offload_with_hook``) names its execution
+    device. Without either, the forward runs where the weights are. ``None`` when nothing tells
+    (every weight on meta and no hook naming a device).
+    """
+    from diffusers.hooks.group_offloading import _get_group_onload_device, _is_group_offload_enabled
+
+    if _is_group_offload_enabled(model):
+        return torch.device(_get_group_onload_device(model))
+    device = _hook_device(model)
+    if device is not None:
+        return device
+    for param in model.parameters():
+        if param.device.type != "meta":
+            return param.device
+    for module in model.modules():  # accelerate's sequential offload: a hook on each module with weights
+        device = _hook_device(module)
+        if device is not None:
+            return device
+    return None
+
+
+def _hook_device(module: nn.Module) -> torch.device | None:
+    """The execution device an accelerate hook on ``module`` names, if any."""
+    device = getattr(getattr(module, "_hf_hook", None), "execution_device", None)
+    if device is None:
+        return None
+    return torch.device(f"cuda:{device}" if isinstance(device, int) else device)
 
 
 def check_materialised(model: nn.Module, spec: ModulationSpec) -> None:
@@ -92,15 +129,32 @@ def check_materialised(model: nn.Module, spec: ModulationSpec) -> None:
             if param is None or param.device.type == "meta":
                 raise ConfigError(
                     "the model's AdaLN projections are not materialised (meta or missing bias): load "
-                    "the model fully before enabling the AdaLN cache"
+                    "the model fully before enabling the AdaLN cache, or load it with "
+                    "adalncache.diffusers.load_transformer; accelerate's cpu_offload (and "
+                    "enable_sequential_cpu_offload) moves every weight to meta, so enable the cache first, "
+                    "then offload"
                 )
+
+
+def stock_dtype(module: nn.Module) -> torch.dtype:
+    """The dtype diffusers' ``get_parameter_dtype`` gives ``module`` in the stock (unparked) model.
+
+    The stock forward casts the projection's input to it. Its first parameter is the base
+    linear's weight (peft registers ``base_layer`` before the adapters), which a parked module
+    keeps as a placeholder attribute, so its dtype is read there; the adapters' own dtype (peft
+    may keep them in fp32) must not decide it.
+    """
+    from diffusers.models.modeling_utils import get_parameter_dtype
+
+    weight = getattr(base_linear(module), "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.is_floating_point():
+        return weight.dtype
+    return get_parameter_dtype(module)
 
 
 def projection_dtype(model: nn.Module, spec: ModulationSpec) -> torch.dtype:
     """The one dtype every projection computes in (the cache serves them one shared embedding)."""
-    from diffusers.models.modeling_utils import get_parameter_dtype
-
-    dtypes = {get_parameter_dtype(module) for _, module in projection_modules(model, spec)}
+    dtypes = {stock_dtype(module) for _, module in projection_modules(model, spec)}
     if len(dtypes) != 1:
         raise ConfigError(
             f"the AdaLN projections do not share one dtype ({sorted(map(str, dtypes))}); the cache "
@@ -127,21 +181,56 @@ def forward_argument(model: nn.Module, name: str, args: tuple[Any, ...], kwargs:
     return None
 
 
+_ABSENT: Any = object()
+
+
 @contextlib.contextmanager
 def swapped_parameters(module: nn.Module, tensors: Mapping[str, torch.Tensor]) -> Iterator[None]:
     """Temporarily give ``module`` other tensors as parameters, without copying them.
 
     Set through ``_parameters`` so the tensors are used as they are (same storage, same address:
-    the alignment the exactness depends on), and put back even if the forward raises.
+    the alignment the exactness depends on), and put back even if the forward raises. A parked
+    placeholder (an instance attribute of the same name) would shadow them, so it steps aside for
+    the duration.
     """
-    saved = {name: module._parameters.get(name) for name in tensors}
+    saved = {name: module._parameters.get(name, _ABSENT) for name in tensors}
+    shadows = {name: module.__dict__.pop(name) for name in tensors if name in module.__dict__}
     try:
         for name, tensor in tensors.items():
             module._parameters[name] = tensor  # type: ignore[assignment]
         yield
     finally:
         for name, param in saved.items():
-            module._parameters[name] = param
+            if param is _ABSENT:
+                module._parameters.pop(name, None)
+            else:
+                module._parameters[name] = param
+        module.__dict__.update(shadows)
+
+
+@contextlib.contextmanager
+def bypassing_hooks(modules: Iterable[nn.Module]) -> Iterator[None]:
+    """Run ``modules`` with their class's own ``forward``, beneath every hook wrapped around them.
+
+    diffusers hooks (ours, group offloading) and accelerate hooks all replace ``module.forward``
+    with a wrapper. A rebuild pass calls a served module's forward with weights taken from the
+    source, and no hook may see that call: an offloading hook would onload the module and then
+    move those weights to its offload device, and ours would serve the table instead of
+    projecting. The class's forward is bound on the instance for the duration, then the wrappers
+    come back.
+    """
+    saved: list[tuple[nn.Module, Any]] = []
+    try:
+        for module in modules:
+            saved.append((module, module.__dict__.get("forward", _ABSENT)))
+            module.__dict__["forward"] = type(module).forward.__get__(module)
+        yield
+    finally:
+        for module, forward in reversed(saved):
+            if forward is _ABSENT:
+                module.__dict__.pop("forward", None)
+            else:
+                module.__dict__["forward"] = forward
 
 
 def install_overrides(model: nn.Module, overrides: Mapping[str, Callable[..., Any]]) -> None:

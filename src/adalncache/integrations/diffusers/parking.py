@@ -1,17 +1,26 @@
 """Weight parking: the served projections' (and the time embedder's) weights leave the device.
 
 While the cache serves them, each parked parameter is replaced by a meta placeholder of the same
-shape, dtype and ``requires_grad``, so module names, ``repr``, parameter counts and the LoRA
-loaders keep working while the bytes are gone. The real tensor is kept on the host (on CPU the
-model's own tensor object; elsewhere a host copy) or, when a verified checkpoint holds it, not kept
-at all and read back on restore.
+shape, dtype and ``requires_grad``, kept as a plain attribute of its module rather than a
+registered parameter: ``module.weight``, ``repr`` and the LoRA loaders keep working, while
+``parameters()``, ``.to()``, diffusers' group offloading and accelerate's hooks never see it (there
+is nothing to move or onload; a registered meta parameter would make each of them fail or load the
+real weight back). A 0-element buffer of the placeholder's dtype stays registered on the module, so
+diffusers' ``get_parameter_dtype`` (which the stock forward calls on ``norm_out.linear`` and the time
+embedder) still finds a dtype there. The real tensor is kept on the host (on CPU the model's own
+tensor object; elsewhere a host copy) or, when a checkpoint holds it, not kept at all: read back
+on restore. A model loaded by ``load_transformer`` never held these tensors; they are parked
+straight from the checkpoint.
 
 Restoring is bit-exact, alignment included: on CPU an fp32 GEMV with a single row (M=1) gives
 different bits for the same weight at a different address modulo 16 bytes, so a weight that comes
 back from a copy or a file is placed at the address the original had, modulo 64.
 
 ``state_dict()`` on a parked module carries the real weights (``save_pretrained`` must never write
-a model without its projections); ``load_state_dict()`` into a parked weight is refused.
+a model without its projections): tensors read back from a checkpoint are lazy views of the file
+(:class:`~adalncache.source.mapped.MappedFile`), so a caller that only collects the state dict
+(accelerate's ``cpu_offload`` does) reads none of their bytes. ``load_state_dict()`` into a parked
+weight is refused.
 """
 
 from __future__ import annotations
@@ -28,12 +37,27 @@ from torch import nn
 
 from ...errors import ConfigError
 from ...source import ALIGNMENT, aligned_empty
+from ...source.mapped import MappedFile
 from ...spec import FINAL, Layer
 from .modules import swapped_parameters
-from .sources import HostTensors, Source, read_layer, read_layers
+from .sources import HostTensors, Source, read_layers, source_key
 
 #: Alignment window the restored weights keep: 64 bytes covers the 16 that change GEMV bits on CPU.
 RESIDUE_BYTES = ALIGNMENT
+
+#: The 0-element buffer that gives a parked module a dtype (diffusers' get_parameter_dtype raises on
+#: a module without any parameter or buffer).
+DTYPE_MARKER = "_adalncache_dtype"
+
+
+@dataclass(frozen=True)
+class ParkTarget:
+    """A linear whose weight and bias are to be parked: the base ``nn.Linear``, its projection layer
+    (``None`` for the time embedder's linears) and its module path in the diffusers layout."""
+
+    module: nn.Module
+    layer: Layer | None
+    path: str
 
 
 @dataclass
@@ -44,10 +68,11 @@ class ParkedParam:
     name: str
     placeholder: nn.Parameter
     original: torch.Tensor | None  # the model's own tensor (CPU) or a host copy; None: re-read from the source
-    device: torch.device
+    device: torch.device  # where the model keeps its weights: where restore puts this one back
     residue: int  # data_ptr % 64 of the original: fp32 GEMV bits depend on it on CPU
     requires_grad: bool
     layer: Layer | None  # projection layer, or None for the time embedder
+    key: str | None  # the source's name of the tensor, when it is read back from the source
 
 
 def _pass_order(layer: Layer) -> float:
@@ -70,8 +95,8 @@ class WeightParking:
     ``park`` replaces them with meta placeholders and installs the state_dict hooks; ``restore``
     puts the originals back bit-exactly and removes the hooks. In between, ``time_embedder_loan``
     lends the time embedder's real weights to a build, ``standing_in`` lends zero-stride stand-ins
-    on the model's device to a LoRA load, and ``at_model_residue`` aligns a weight from the source
-    like the model's own.
+    on the model's device to a LoRA load, ``at_model_residue`` aligns a weight from the source
+    like the model's own, and ``moved_to`` records that the model now keeps its weights elsewhere.
     """
 
     def __init__(self) -> None:
@@ -81,57 +106,76 @@ class WeightParking:
         self._residues: dict[tuple[Layer, str], int] = {}
         self._hook_handles: list[Any] = []
         self._keys_only = False
+        #: Each parked module's parameter order, so restoring gives state_dict() its original key order.
+        self._orders: list[tuple[nn.Module, list[str]]] = []
+        self._maps: dict[tuple[Any, ...], MappedFile] = {}
 
     # ------------------------------------------------------------------ park and restore
 
     def park(
         self,
-        targets: Sequence[tuple[nn.Module, Layer | None]],
+        targets: Sequence[ParkTarget],
         *,
         source: Source,
         host_tensors: HostTensors | None,
+        never_loaded: Mapping[str, int] | None = None,
+        device: torch.device | None = None,
     ) -> None:
-        """Replace the weight and bias of every ``(linear, layer)`` target by meta placeholders.
+        """Replace the weight and bias of every target by meta placeholders.
 
-        ``layer`` is None for the time embedder's linears. ``host_tensors`` (the source's host copies
-        of the model's own projections) are kept to restore from; without them the projections are
-        read back from ``source``, whose contents enabling verified equal to the model's.
+        ``host_tensors`` (the source's host copies of the model's own projections) are kept to
+        restore from; without them the projections are read back from ``source``, whose contents
+        enabling verified equal to the model's. ``never_loaded`` (for a model whose served tensors
+        were never loaded: they are meta already) maps each such parameter's path to the address
+        residue a stock load would have given it, and ``device`` is where the model keeps its
+        weights; those parameters are read from ``source`` whenever they are needed.
         """
         self._source = source
-        for base, layer in targets:
+        for target in targets:
+            base, layer = target.module, target.layer
+            self._orders.append((base, list(base._parameters)))
             for name in ("weight", "bias"):
                 param = base._parameters.get(name)
                 if param is None:
                     continue
                 original: torch.Tensor | None
-                if layer is not None and host_tensors is None:
-                    original = None
+                key: str | None = None
+                where = param.device
+                if param.device.type == "meta":
+                    if never_loaded is None or device is None:
+                        raise ConfigError(
+                            f"{target.path}.{name} holds no data (meta): load the model fully before enabling the "
+                            "AdaLN cache, or load it with adalncache.diffusers.load_transformer"
+                        )
+                    original, where = None, device
+                    residue = never_loaded.get(f"{target.path}.{name}", 0)
+                elif layer is not None and host_tensors is None:
+                    original, residue = None, param.data_ptr() % RESIDUE_BYTES
                 elif param.device.type == "cpu":
-                    original = param  # the very object: same storage, same alignment
+                    original, residue = param, param.data_ptr() % RESIDUE_BYTES  # the very object
                 elif layer is not None:
                     assert host_tensors is not None
-                    original = host_tensors[(layer, name)]
+                    original, residue = host_tensors[(layer, name)], 0
                 else:
-                    original = param.detach().to("cpu", copy=True)
-                residue = param.data_ptr() % RESIDUE_BYTES
+                    original, residue = param.detach().to("cpu", copy=True), 0
+                if original is None:
+                    key = source_key(source, target.path, layer, name)
                 if layer is not None:
                     self._residues[(layer, name)] = residue
                 placeholder = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
                 self.parked.append(
                     ParkedParam(
-                        module=base,
-                        name=name,
-                        placeholder=placeholder,
-                        original=original,
-                        device=param.device,
-                        residue=residue,
-                        requires_grad=param.requires_grad,
-                        layer=layer,
+                        module=base, name=name, placeholder=placeholder, original=original, device=where,
+                        residue=residue, requires_grad=param.requires_grad, layer=layer, key=key,
                     )
-                )
+                )  # fmt: skip
                 if layer is None:
                     self.time_embedder_parked = True
-                base._parameters[name] = placeholder
+                del base._parameters[name]
+                base.__dict__[name] = placeholder  # an attribute, not a parameter: see the module docstring
+                if DTYPE_MARKER not in base._buffers:
+                    marker = torch.empty(0, dtype=placeholder.dtype, device=where)
+                    base.register_buffer(DTYPE_MARKER, marker, persistent=False)
             self._hook_handles.append(base.register_state_dict_post_hook(_as_function(self._state_dict_hook)))
             self._hook_handles.append(base.register_load_state_dict_pre_hook(_as_function(self._load_state_dict_hook)))
 
@@ -140,33 +184,54 @@ class WeightParking:
         for handle in self._hook_handles:
             handle.remove()
         self._hook_handles.clear()
-        # Source-backed weights are read back in one streaming pass (verified equal at enable).
+        # Source-backed projections are read back in one streaming pass (verified equal at enable).
         reread: dict[tuple[Layer, str], torch.Tensor] = {}
         layers = sorted({p.layer for p in self.parked if p.original is None and p.layer is not None}, key=_pass_order)
         if layers:
             assert self._source is not None
             for layer, weight, bias in read_layers(self._source, layers):
                 reread[(layer, "weight")], reread[(layer, "bias")] = weight, bias
-        for parked in reversed(self.parked):
+        restored: list[tuple[ParkedParam, nn.Parameter]] = []
+        for parked in self.parked:
             if parked.original is not None and parked.original.device == parked.device:
                 tensor = parked.original
             else:
-                source_tensor = parked.original
-                if source_tensor is None:
-                    assert parked.layer is not None  # only projections are source-backed
+                if parked.original is not None:
+                    source_tensor = parked.original
+                elif parked.layer is not None:
                     source_tensor = reread[(parked.layer, parked.name)]
-                tensor = aligned_empty(source_tensor.shape, source_tensor.dtype, parked.residue, device=parked.device)
+                else:
+                    source_tensor = self._read_by_key(parked)
+                dtype = parked.placeholder.dtype
+                tensor = aligned_empty(source_tensor.shape, dtype, parked.residue, device=parked.device)
                 tensor.copy_(source_tensor)
             param = tensor if isinstance(tensor, nn.Parameter) else nn.Parameter(tensor, parked.requires_grad)
+            restored.append((parked, param))
+        # Nothing is changed on the model until every tensor is back in hand.
+        for parked, param in restored:
+            parked.module.__dict__.pop(parked.name, None)
             parked.module._parameters[parked.name] = param
+        for module, order in self._orders:
+            module._buffers.pop(DTYPE_MARKER, None)
+            params = dict(module._parameters)
+            module._parameters.clear()
+            module._parameters.update({k: params[k] for k in order if k in params})
+            module._parameters.update({k: v for k, v in params.items() if k not in order})
         self.parked.clear()
+        self._orders.clear()
         self._residues.clear()
+        self._maps.clear()
         self.time_embedder_parked = False
 
     @property
     def restores_from_source(self) -> bool:
         """Whether ``restore`` reads weights back from the source (and so needs it unchanged)."""
         return any(parked.original is None for parked in self.parked)
+
+    def moved_to(self, device: torch.device) -> None:
+        """The model now keeps its weights on ``device``: restore puts the parked ones there too."""
+        for parked in self.parked:
+            parked.device = device
 
     # ------------------------------------------------------------------ lending
 
@@ -187,9 +252,13 @@ class WeightParking:
         copy.copy_(tensor)
         return copy
 
-    def time_embedder_loan(self, device: torch.device) -> TimeEmbedderLoan:
-        """A context in which ``take()`` puts the time embedder's real weights back until exit."""
-        return TimeEmbedderLoan(self, device)
+    def time_embedder_loan(self, device: torch.device, linears: Sequence[nn.Module] = ()) -> TimeEmbedderLoan:
+        """A context in which ``take()`` gives the time embedder real weights on ``device`` until exit.
+
+        ``linears``: the time embedder's base linears, whose registered weights are lent as copies
+        when they are kept on another device (group offloading keeps them on its offload device).
+        """
+        return TimeEmbedderLoan(self, device, linears)
 
     @contextlib.contextmanager
     def standing_in(self) -> Iterator[None]:
@@ -214,6 +283,30 @@ class WeightParking:
         finally:
             self._keys_only = False
 
+    # ------------------------------------------------------------------ reading back
+
+    def _read_by_key(self, parked: ParkedParam) -> torch.Tensor:
+        """A never-loaded time-embedder tensor, read from the source now at the model's dtype and residue."""
+        assert parked.key is not None and self._source is not None
+        tensor = self._source.read_tensor(parked.key)  # type: ignore[union-attr]
+        if tensor.dtype != parked.placeholder.dtype:
+            tensor = tensor.to(parked.placeholder.dtype)  # a fresh copy, as a stock load's cast is
+        if tensor.device.type == "cpu" and tensor.data_ptr() % RESIDUE_BYTES != parked.residue:
+            copy = aligned_empty(tensor.shape, tensor.dtype, parked.residue)
+            copy.copy_(tensor)
+            tensor = copy
+        return tensor
+
+    def _lazy_view(self, parked: ParkedParam) -> torch.Tensor:
+        """The checkpoint's tensor as a mapped view: nothing is read until someone touches it."""
+        assert parked.key is not None and self._source is not None
+        header, _ = self._source.entry(parked.key)  # type: ignore[union-attr]
+        mapped = self._maps.get((header.path, header.identity))
+        if mapped is None:
+            mapped = self._maps[(header.path, header.identity)] = MappedFile(header)
+        view = mapped.tensor(parked.key, prefetch=False)
+        return view if view.dtype == parked.placeholder.dtype else view.to(parked.placeholder.dtype)
+
     # ------------------------------------------------------------------ state_dict hooks
 
     def _entry(self, module: nn.Module, name: str) -> ParkedParam | None:
@@ -225,19 +318,20 @@ class WeightParking:
     def _real_tensor(self, parked: ParkedParam) -> torch.Tensor:
         if parked.original is not None:
             return parked.original.detach()
-        assert parked.layer is not None and self._source is not None  # only projections are source-backed
-        weight, bias = read_layer(self._source, parked.layer)
-        return weight if parked.name == "weight" else bias
+        return self._lazy_view(parked)
 
     def _state_dict_hook(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
-        """Put the real weights into ``state_dict`` so save_pretrained never writes a model without them."""
+        """Put the real weights into ``state_dict`` so save_pretrained never writes a model without them.
+
+        A parked tensor is not registered, so its key is added here, weight before bias as
+        ``nn.Linear`` registers them (the order of a stock state dict).
+        """
         if self._keys_only:
             return  # a LoRA loader only reads the keys
         for name in ("weight", "bias"):
-            key = prefix + name
             parked = self._entry(module, name)
-            if parked is not None and key in state_dict:
-                state_dict[key] = self._real_tensor(parked)
+            if parked is not None:
+                state_dict[prefix + name] = self._real_tensor(parked)
 
     def _load_state_dict_hook(
         self,
@@ -259,29 +353,36 @@ class WeightParking:
 
 
 class TimeEmbedderLoan:
-    """The parked time embedder's real weights, lent to one build on first use and parked again after.
+    """The time embedder's real weights, lent to one build on first use and taken back after.
 
     The build's ``embed`` runs the time embedder's own forward; taking the weights lazily means a
-    build that hits every plan costs no copy.
+    build that hits every plan costs no copy. Parked weights come from their host copy or the
+    source; weights the model keeps on another device than the build's are lent as copies.
     """
 
-    def __init__(self, parking: WeightParking, device: torch.device) -> None:
+    def __init__(self, parking: WeightParking, device: torch.device, linears: Sequence[nn.Module] = ()) -> None:
         self._parking = parking
         self._device = device
+        self._linears = list(linears)
         self._stack = contextlib.ExitStack()
         self._taken = False
 
     def take(self) -> None:
-        """Put the real weights back (once per loan); a no-op when the time embedder is not parked."""
-        if self._taken or not self._parking.time_embedder_parked:
+        """Put real weights on the build's device (once per loan); a no-op when they are there already."""
+        if self._taken:
             return
         swaps: dict[nn.Module, dict[str, torch.Tensor]] = {}
         for parked in self._parking.parked:
-            if parked.layer is None and parked.original is not None:
-                tensor = parked.original
+            if parked.layer is None:
+                tensor = parked.original if parked.original is not None else self._parking._read_by_key(parked)
                 if tensor.device != self._device:
                     tensor = tensor.to(self._device, non_blocking=True)
                 swaps.setdefault(parked.module, {})[parked.name] = tensor
+        if not self._parking.time_embedder_parked:
+            for module in self._linears:
+                for name, param in module.named_parameters(recurse=False):
+                    if param.device != self._device:
+                        swaps.setdefault(module, {})[name] = param.detach().to(self._device)
         for module, tensors in swaps.items():
             self._stack.enter_context(swapped_parameters(module, tensors))
         self._taken = True

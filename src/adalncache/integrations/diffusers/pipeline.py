@@ -220,7 +220,9 @@ def enable_pipeline(
     """Enable the cache on every MiniMax-H3 transformer of ``pipeline``; all or none.
 
     ``checkpoint``: one path when the pipeline holds one transformer, else a mapping by component
-    name. ``config_for(path)`` gives each transformer's settings (only the checkpoint differs).
+    name. ``config_for(path)`` gives each transformer's settings (only the checkpoint differs). A
+    transformer whose cache is already enabled (``load_transformer``) keeps it: only the prepare
+    blocks are added for it.
     """
     components: dict[str, Any] = {
         name: getattr(pipeline, name, None)
@@ -248,12 +250,22 @@ def enable_pipeline(
     else:
         checkpoints = {name: checkpoint for name in components}
     handles: dict[str, AdalnCacheHandle] = {}
+    # A transformer that already serves from its own cache (loaded by load_transformer) is adopted
+    # as it is: its projections were never loaded, so there is nothing to enable again.
+    adopted = {name: handle for name, model in components.items() if (handle := adaln_cache_handle(model))}
+    for name in adopted:
+        if checkpoints[name] is not None:
+            raise ConfigError(
+                f"{name} already serves its AdaLN projections from its own cache (load_transformer enabled it): "
+                f"drop checkpoint= for {name}"
+            )
     try:
         for name, model in components.items():
-            handles[name] = enable_transformer(model, config_for(checkpoints[name]))
+            handles[name] = adopted.get(name) or enable_transformer(model, config_for(checkpoints[name]))
     except BaseException:
-        for handle in handles.values():
-            handle.disable()
+        for name, handle in handles.items():
+            if name not in adopted:
+                handle.disable()
         raise
     pipeline_handle = PipelineAdalnCacheHandle(pipeline, handles)
     pipeline_handle.insert_prepare_blocks()

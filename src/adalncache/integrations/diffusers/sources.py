@@ -9,19 +9,101 @@ outputs silently, so enabling streams it once, layer by layer, and compares bit 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ... import CheckpointSource, TensorSource
+from ... import AdalnCache, CheckpointSource, TensorSource
 from ...errors import CheckpointError, ConfigError
 from ...hostmem import HostBuffer, host_tensor_like
-from ...spec import Layer, ModulationSpec
+from ...source import Columns, LayerWeights, SafetensorsHeader, TensorEntry
+from ...spec import KeyLayout, Layer, ModulationSpec
 from .modules import DIFFUSERS_LAYOUT, base_linear, projection_path
 
-#: Either kind of weight source the integration builds.
-Source = CheckpointSource | TensorSource
+
+class CastCheckpointSource:
+    """A :class:`~adalncache.CheckpointSource` whose projections are served cast to the model's dtype.
+
+    ``from_pretrained(torch_dtype=...)`` casts a checkpoint's tensors to the dtype the model asks
+    for (an fp32 file loaded in bf16, or a bf16 file loaded without ``torch_dtype``, which gives
+    fp32). A model loaded that way without its projections is served from the same file, with the
+    same cast applied on read: ``tensor.to(dtype)`` is the operation the load itself performs, and
+    its result is a fresh allocation, 64-byte aligned, as the stock load's is. Everything else
+    (fingerprint, headers, time-embedder reads) is the wrapped source's.
+    """
+
+    def __init__(self, source: CheckpointSource, dtype: torch.dtype) -> None:
+        self.source = source
+        self.spec = source.spec.with_dtype(dtype)
+        self.layout: KeyLayout = source.layout
+        self.persistent = True
+
+    @property
+    def bytes_read(self) -> int:
+        """The wrapped source's counter: every projection byte read from the checkpoint."""
+        return self.source.bytes_read
+
+    @bytes_read.setter
+    def bytes_read(self, value: int) -> None:
+        self.source.bytes_read = value
+
+    @property
+    def fingerprint(self) -> str:
+        return self.source.fingerprint
+
+    @property
+    def files(self) -> list[Any]:
+        return list(self.source.files)
+
+    def refresh(self) -> bool:
+        return self.source.refresh()
+
+    def entry(self, name: str) -> tuple[SafetensorsHeader, TensorEntry]:
+        return self.source.entry(name)
+
+    def read_tensor(self, name: str) -> torch.Tensor:
+        return self.source.read_tensor(name)
+
+    def stream(
+        self,
+        layers: Sequence[Layer],
+        *,
+        device: torch.device | str = "cpu",
+        columns: Columns | None = None,
+        read_ahead: int = 1,
+    ) -> Iterator[LayerWeights]:
+        dtype = self.spec.dtype
+        for weights in self.source.stream(layers, device=device, columns=columns, read_ahead=read_ahead):
+            yield LayerWeights(weights.layer, weights.weight.to(dtype), weights.bias.to(dtype))
+
+    def describe(self) -> dict[str, Any]:
+        return {**self.source.describe(), "served_as": str(self.spec.dtype), "spec": self.spec.describe()}
+
+    def __repr__(self) -> str:
+        return f"CastCheckpointSource({self.source!r}, dtype={self.spec.dtype})"
+
+
+#: Every kind of weight source the integration builds.
+Source = CheckpointSource | TensorSource | CastCheckpointSource
+
+
+@dataclass(frozen=True)
+class NeverLoaded:
+    """What ``load_transformer`` hands the handle of a model whose served weights were never loaded.
+
+    ``source`` serves the projections (and the time embedder); ``cache`` was built before the
+    weights were loaded, so its options were checked first; ``residues`` maps each never-loaded
+    parameter's path to the address residue modulo 64 a stock load would have given it (the fp32
+    GEMV bits on a CPU depend on it); ``device`` is where the model keeps its weights.
+    """
+
+    source: Source
+    cache: AdalnCache
+    residues: Mapping[str, int]
+    device: torch.device
+
 
 #: A host copy of one parked projection tensor, by ``(layer, "weight" | "bias")``.
 HostTensors = dict[tuple[Layer, str], torch.Tensor]
@@ -36,13 +118,6 @@ def read_layers(source: Source, layers: Sequence[Layer]) -> Iterator[tuple[Layer
     """Stream ``layers`` from a weight source into host memory, one at a time (with read-ahead)."""
     for weights in source.stream(list(layers), device=torch.device("cpu")):
         yield weights.layer, weights.weight, weights.bias
-
-
-def read_layer(source: Source, layer: Layer) -> tuple[torch.Tensor, torch.Tensor]:
-    """Read one projection's weight and bias from a weight source (host tensors)."""
-    for _, weight, bias in read_layers(source, [layer]):
-        return weight, bias
-    raise ConfigError(f"{type(source).__name__} yielded nothing for layer {layer!r}")
 
 
 def model_source(
@@ -126,3 +201,17 @@ def changed_since(source: Source, fingerprint: str | None) -> bool:
     except CheckpointError:
         return True
     return source.fingerprint != before or before != fingerprint
+
+
+def source_key(source: Source, path: str, layer: Layer | None, name: str) -> str:
+    """The source's name of parameter ``name`` of the served module at ``path`` (diffusers layout).
+
+    Projections are named by their layer; the time embedder's linears by their position in the
+    layout (``linear_1``/``linear_2`` in diffusers, ``proj_in``/``proj_out`` in the native layout).
+    """
+    layout = source.layout
+    if layer is not None:
+        return layout.weight(layer) if name == "weight" else layout.bias(layer)
+    if path not in DIFFUSERS_LAYOUT.time_embedder:
+        raise ConfigError(f"internal: {path} is neither an AdaLN projection nor a time-embedder linear")
+    return f"{layout.time_embedder[DIFFUSERS_LAYOUT.time_embedder.index(path)]}.{name}"

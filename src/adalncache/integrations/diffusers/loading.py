@@ -1,0 +1,520 @@
+"""``load_transformer``: a MiniMax-H3 transformer built like ``from_pretrained``, minus the projections.
+
+``enable_adaln_cache`` frees the AdaLN projections (24.2 GiB of MiniMax-H3's bf16 weights) of a
+model that was loaded whole, so the machine must hold the whole model once. This loads every
+tensor *except* the served ones, with diffusers' own steps: the config through ``load_config``,
+the model built on meta under ``no_init_weights`` and ``init_empty_weights`` with the default
+dtype set to ``torch_dtype``, and each tensor placed by ``load_model_dict_into_meta``, which
+applies the stock dtype rule (``torch_dtype``, except the ``_keep_in_fp32_modules``, which stay
+fp32; ``torch_dtype=None`` gives the model's default fp32) and the device placement. The
+projections (and, where the cache stands in for it, the time embedder) go through the same rule
+as *meta* tensors, so their placeholders get exactly the stock dtype while no byte of them is
+read or allocated; the cache reads them from the checkpoint in rebuild passes only.
+
+Bytes come from :class:`~adalncache.source.mapped.MappedFile`: the files are mapped like torch
+maps them (so each loaded tensor sits where a stock load puts it, modulo the page size) but with
+read-around off, so the load reads the loaded tensors' pages and nothing else.
+
+Native-layout checkpoints (the MiniMax release's key names) load through diffusers' own key
+conversion (``convert_minimax_h3_transformer_checkpoint_to_diffusers``), one file at a time; the
+projections and the time embedder are only renamed by it, so they pass through as meta tensors.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ... import CheckpointSource, Store
+from ...errors import CheckpointError, ConfigError
+from ...source import CheckpointFiles, SafetensorsHeader, checkpoint_files
+from ...source.mapped import MappedFile
+from ...spec import FINAL, LAYOUTS, KeyLayout, ModulationSpec, get_layout
+from .config import AdalnCacheConfig, CacheOptions, CheckpointArg, OnMiss
+from .handle import enable_transformer
+from .modules import DIFFUSERS_LAYOUT
+from .parking import RESIDUE_BYTES
+from .sources import CastCheckpointSource, CheckpointMismatchError, NeverLoaded, Source
+
+logger = logging.getLogger(__name__)
+
+#: diffusers' weight file names (its ``SAFETENSORS_WEIGHTS_NAME`` and the index beside it).
+DIFFUSERS_WEIGHTS = "diffusion_pytorch_model.safetensors"
+DIFFUSERS_INDEX = DIFFUSERS_WEIGHTS + ".index.json"
+
+#: ``device_map`` strategies that may split a model across devices.
+SPLITTING_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
+
+#: The dtypes a MiniMax-H3 transformer may be loaded in.
+TORCH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+#: The row order of a native checkpoint's fused ``qkv_proj`` (diffusers' converter cannot tell).
+QKV_LAYOUTS = ("stacked", "interleaved")
+
+
+@dataclass(frozen=True)
+class _Files:
+    """The model's weight files, their parsed headers, and the key layout their names follow."""
+
+    files: list[Path]
+    checkpoint: CheckpointFiles
+    layout: KeyLayout
+
+    def entry(self, key: str) -> tuple[SafetensorsHeader, Any] | None:
+        header = self.checkpoint.where.get(key)
+        return (header, header.entries[key]) if header is not None else None
+
+
+def load_transformer(
+    path: str | os.PathLike[str],
+    *,
+    subfolder: str | None = None,
+    config: str | os.PathLike[str] | Mapping[str, Any] | None = None,
+    torch_dtype: torch.dtype | None = None,
+    device_map: Any = None,
+    checkpoint: CheckpointArg | None = None,
+    layout: str = "auto",
+    qkv_layout: str | None = None,
+    on_miss: OnMiss = "build",
+    free_time_embedder: bool | None = None,
+    max_plans: int = 64,
+    max_plan_width: int = 4,
+    precision: str = "match",
+    host_cache_bytes: int = 0,
+    store: Store | str | os.PathLike[str] | None = None,
+    process_group: Any = None,
+    shard: str = "layers",
+    read_ahead: int = 1,
+    progress: bool | None = None,
+    batched: bool = False,
+) -> Any:
+    """Load a ``MiniMaxH3Transformer3DModel`` whose AdaLN projections are never loaded, cache enabled.
+
+    The result is what ``MiniMaxH3Transformer3DModel.from_pretrained(path, subfolder=...,
+    torch_dtype=..., device_map=...)`` followed by ``enable_adaln_cache`` gives (same config,
+    dtypes, device and outputs, bit for bit), except that no projection weight (every block's
+    ``adaln_proj.linear``, ``norm_out.linear``, and the time embedder where the cache stands in for
+    it) is read from disk or allocated on any device: they are meta placeholders, read from the
+    checkpoint only by the cache's rebuild passes. ``adaln_cache_handle(model)`` gives the handle.
+
+    Args:
+        path: a local directory holding the transformer's ``config.json`` and its safetensors
+            weights: diffusers layout (``diffusion_pytorch_model*.safetensors``, sharded with its
+            index or not) or the native layout (``*.safetensors``, with its index when sharded).
+        subfolder: the transformer's folder inside ``path`` (``"transformer"`` for a pipeline
+            repository).
+        config: where the diffusers config is when ``path`` has none (a native checkpoint): a
+            directory or ``config.json`` file, or the config as a mapping.
+        torch_dtype: the dtype to load in, as for ``from_pretrained``: ``torch.bfloat16`` is the
+            released mixed precision (the time embedder, patch projections and heads stay fp32);
+            ``None`` loads everything in fp32.
+        device_map: where the model is placed: ``None`` (the CPU, like ``from_pretrained``), a
+            device (``"cuda"``, ``"cuda:1"``, ``0``, ``torch.device``) or a mapping whose values
+            name one device. A map that splits the model (``"auto"`` and the other strategies, or
+            several devices) is refused: the cache serves the forward from one device; use
+            group offloading (see the docs) for a model larger than the device.
+        checkpoint: where the projections are served from. ``None``: the model's own files. Another
+            copy of this very model's projections (the native release next to a diffusers config,
+            say) may be given; it is checked against the config and the model files' headers
+            (names, shapes, dtypes), never compared value by value, since that would read both.
+        layout: the key layout of the files, ``"auto"``, ``"native"`` or ``"diffusers"``.
+        qkv_layout: the row order of a native checkpoint's fused ``qkv_proj``, ``"stacked"`` or
+            ``"interleaved"``; ``None``: interleaved for a sharded native checkpoint (the order of
+            the MiniMax release shards), stacked for a single native file (that of the published
+            single files). Not used for the diffusers layout.
+        on_miss: as for :func:`~adalncache.diffusers.enable_adaln_cache`.
+        free_time_embedder: ``None`` (the default) or ``True``: the time embedder is not loaded
+            either (the cache reads it from the checkpoint in its passes); ``True`` requires the
+            serving checkpoint to hold it. ``False`` loads it like any other weight.
+        max_plans, max_plan_width, precision, host_cache_bytes, store, process_group, shard,
+            read_ahead, progress, batched: the cache's options, as for ``enable_adaln_cache``;
+            the cache lives where ``device_map`` puts the model.
+
+    Raises:
+        ConfigError: a bad argument, named with the fix (a path without a transformer config, an
+            unknown dtype, a splitting device map, a cache option out of range).
+        CheckpointMismatchError: the checkpoint's projections do not fit the config (missing,
+            misshapen, another dtype than the model files').
+        CheckpointError: a model file is malformed, lacks tensors the model needs, or changed on
+            disk during the load.
+    """
+    cls = _transformer_class()
+    directory = _model_directory(path, subfolder)
+    if torch_dtype is not None and torch_dtype not in TORCH_DTYPES:
+        raise ConfigError(
+            f"torch_dtype={torch_dtype!r} cannot load a MiniMax-H3 transformer: pass torch.bfloat16 (the released "
+            "mixed precision), torch.float16, torch.float32 or None"
+        )
+    if qkv_layout is not None and qkv_layout not in QKV_LAYOUTS:
+        raise ConfigError(f"qkv_layout must be one of {list(QKV_LAYOUTS)} or None, got {qkv_layout!r}")
+    if layout != "auto":
+        get_layout(layout)
+    device, hf_device_map = _single_device(device_map)
+    options = CacheOptions(
+        max_plans=max_plans, max_plan_width=max_plan_width, precision=precision, host_cache_bytes=host_cache_bytes,
+        store=store, process_group=process_group, shard=shard, read_ahead=read_ahead, progress=progress,
+        batched=batched,
+    )  # fmt: skip
+    config_dict, unused = _load_config(cls, path, subfolder, directory, config)
+    files = _model_files(directory, layout)
+    if files.layout.name == "native":
+        sharded = files.checkpoint.index is not None or len(files.files) > 1
+        qkv_layout = qkv_layout or ("interleaved" if sharded else "stacked")
+
+    model = _build_on_meta(cls, config_dict, unused, torch_dtype)
+    expected = set(model.state_dict())
+    keep = list(cls._keep_in_fp32_modules or [])
+    served = _served_keys(files.layout, int(config_dict["num_layers"]), time_embedder=free_time_embedder is not False)
+    # 1. Placeholders: the stock dtype rule run on meta tensors (nothing read, nothing allocated).
+    placeholders = _meta_tensors(files, served, config_dict, qkv_layout)
+    _load_into(model, placeholders, torch_dtype, keep, {"": torch.device("meta")})
+    spec = ModulationSpec.from_transformer(model)
+
+    # 2. The source the cache serves from, checked against the config before any weight is read.
+    source_arg = "checkpoint= (CLI --checkpoint)" if checkpoint is not None else "path="
+    source = _serving_source(checkpoint if checkpoint is not None else files.files, spec, layout, source_arg)
+    free = _decide_time_embedder(free_time_embedder, source, source_arg)
+    if checkpoint is not None:
+        _check_against_model_files(files, source, spec, source_arg)
+    cache = options.build(spec, source, device or torch.device("cpu"))
+    handle_config = AdalnCacheConfig(
+        checkpoint=checkpoint if checkpoint is not None else list(files.files), on_miss=on_miss,
+        free_time_embedder=free, layout=layout, verify_checkpoint=False, cache_options=options,
+    )  # fmt: skip
+    fingerprint = source.fingerprint
+
+    # 3. Every other tensor, file by file, through the stock placement.
+    skip = served if free else {k: v for k, v in served.items() if v[1] != "time_embedder"}
+    seen = set(placeholders)
+    for header in files.checkpoint.headers:
+        state = _real_tensors(header, files.layout, skip, config_dict, qkv_layout)
+        seen.update(state)
+        _load_into(model, state, torch_dtype, keep, hf_device_map)
+    missing = sorted(expected - seen)
+    if missing:
+        raise CheckpointError(
+            f"the model files in {directory} lack {len(missing)} tensor(s) the model needs ({', '.join(missing[:5])}"
+            f"{', ...' if len(missing) > 5 else ''}): pass path= the transformer's own directory (or config= its "
+            "matching config)"
+        )
+    unexpected = sorted(seen - expected)
+    if unexpected:
+        logger.warning("load_transformer: %d tensor(s) of %s are not used by the model", len(unexpected), directory)
+    if not free:  # the time embedder was loaded after all: its placeholders were replaced by real tensors
+        served = {k: v for k, v in served.items() if v[1] != "time_embedder"}
+    if files.checkpoint.changed() or source.refresh() or source.fingerprint != fingerprint:
+        raise CheckpointError(f"the checkpoint in {directory} changed on disk while it was being loaded; load it again")
+
+    target = device or torch.device("cpu")
+    if device is not None:
+        _move_buffers(model, device)  # rope.inv_freq is computed, not loaded (dispatch_model's .to() moves it)
+        model.hf_device_map = dict(hf_device_map or {})
+    model.register_to_config(_name_or_path=path)  # as given, like from_pretrained
+    model.eval()
+    residues = _stock_residues(files, served, placeholders, target)
+    enable_transformer(model, handle_config, never_loaded=NeverLoaded(source, cache, residues, target))
+    logger.info(
+        "load_transformer: %s loaded without its AdaLN projections (%.1f MB never read), cache enabled on %s",
+        directory, spec.projection_bytes / 1e6, target,
+    )  # fmt: skip
+    return model
+
+
+# ---------------------------------------------------------------------------------------------------- arguments
+
+
+def _transformer_class() -> Any:
+    try:
+        from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3Transformer3DModel
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ConfigError("load_transformer needs diffusers (pip install 'adalncache[diffusers]')") from exc
+    return MiniMaxH3Transformer3DModel
+
+
+def _model_directory(path: Any, subfolder: str | None) -> Path:
+    if not isinstance(path, (str, os.PathLike)):
+        raise ConfigError(f"path= must be a local directory, got {type(path).__name__}")
+    root = Path(path)
+    if not root.is_dir():
+        raise ConfigError(
+            f"path={os.fspath(path)!r} is not a local directory: load_transformer reads a transformer saved on disk "
+            "(download a hub repository first, e.g. with huggingface_hub.snapshot_download)"
+        )
+    directory = root / subfolder if subfolder else root
+    if not directory.is_dir():
+        raise ConfigError(f"subfolder={subfolder!r} is not a folder of {root}: pass the transformer's folder name")
+    return directory
+
+
+def _single_device(device_map: Any) -> tuple[torch.device | None, dict[str, Any] | None]:
+    """``device_map`` as one device plus the map ``hf_device_map`` records (as ``from_pretrained`` does)."""
+    if device_map is None:
+        return None, None
+    if isinstance(device_map, str) and device_map in SPLITTING_MAPS:
+        raise ConfigError(
+            f"device_map={device_map!r} may split the model across devices, but the AdaLN cache serves the forward "
+            "from one device: pass one device (device_map='cuda'), or load on the CPU and use group offloading"
+        )
+    if isinstance(device_map, Mapping):
+        values = {str(torch.device(f"cuda:{v}" if isinstance(v, int) else v)) for v in device_map.values()}
+        if len(values) != 1:
+            raise ConfigError(
+                f"device_map= places the model on several devices ({sorted(values)}), but the AdaLN cache serves the "
+                "forward from one device: map every module to one device, or use group offloading"
+            )
+        one = next(iter(device_map.values()))
+        hf_map = dict(device_map)
+    else:
+        one = device_map
+        hf_map = {"": device_map if isinstance(device_map, int) else torch.device(device_map)}
+    try:
+        device = torch.device(f"cuda:{one}" if isinstance(one, int) else one)
+    except (RuntimeError, TypeError) as exc:
+        raise ConfigError(f"device_map={device_map!r} does not name a device: pass one like 'cuda' or 'cpu'") from exc
+    if device.type in ("meta", "disk"):
+        raise ConfigError(f"device_map={device_map!r}: the model must be loaded on a real device ('cuda' or 'cpu')")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device_map={device_map!r}: CUDA is not available on this machine; pass device_map='cpu'")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())  # the device tensors will report
+    return device, hf_map
+
+
+def _load_config(
+    cls: Any, path: Any, subfolder: str | None, directory: Path, config: Any
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The model config as ``from_pretrained`` reads it (``config=`` overrides where it comes from)."""
+    if isinstance(config, Mapping):
+        return copy.deepcopy(dict(config)), {}
+    where: Any = path
+    sub = subfolder
+    argument = "path="
+    if config is not None:
+        where, sub, argument = Path(config), None, "config="
+        if where.is_file():
+            where = where.parent
+    try:
+        loaded, unused, _ = cls.load_config(
+            where, subfolder=sub, return_unused_kwargs=True, return_commit_hash=True, local_files_only=True
+        )
+    except (OSError, ValueError) as exc:
+        raise ConfigError(
+            f"{argument} has no transformer config (config.json) in {directory if config is None else where}: pass "
+            "the transformer's directory (subfolder='transformer' inside a pipeline repository), or config= the "
+            f"directory of a matching diffusers config for a native checkpoint ({type(exc).__name__})"
+        ) from None
+    if loaded.get("_class_name") not in (None, cls.__name__):
+        raise ConfigError(
+            f"{argument} holds the config of a {loaded.get('_class_name')}, not a {cls.__name__}: pass the "
+            "MiniMax-H3 transformer's directory"
+        )
+    return copy.deepcopy(loaded), unused
+
+
+def _model_files(directory: Path, layout: str) -> _Files:
+    """The weight files ``from_pretrained`` would read (diffusers names), else the native ones."""
+    try:
+        if (directory / DIFFUSERS_INDEX).is_file():
+            weight_map = json.loads((directory / DIFFUSERS_INDEX).read_text())["weight_map"]
+            files = [directory / name for name in sorted(set(weight_map.values()))]  # diffusers' shard order
+        elif (directory / DIFFUSERS_WEIGHTS).is_file():
+            files = [directory / DIFFUSERS_WEIGHTS]
+        else:
+            files, _ = checkpoint_files(directory)
+        checkpoint = CheckpointFiles.read(files)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"cannot read the weight files of {directory}: {exc}") from exc
+    except CheckpointError as exc:
+        raise CheckpointError(
+            f"path=: {exc} (load_transformer reads safetensors weights, diffusers or native layout)"
+        ) from None
+    keys = set(checkpoint.where)
+    names = [layout] if layout != "auto" else list(LAYOUTS)
+    found = [n for n in names if {LAYOUTS[n].weight(0), LAYOUTS[n].time_embedder_tensors()[0]} & keys]
+    if not found:
+        raise CheckpointError(
+            f"the weight files of {directory} hold no MiniMax-H3 transformer in the {' or '.join(names)} layout "
+            f"(no {LAYOUTS[names[0]].weight(0)!r}): pass path= the transformer's directory"
+        )
+    return _Files(list(checkpoint.files), checkpoint, LAYOUTS[found[0]])
+
+
+def _serving_source(paths: Any, spec: ModulationSpec, layout: str, argument: str) -> Source:
+    """The checkpoint the cache reads the projections from, cast on read to the model's dtype if needed."""
+    try:
+        probe = CheckpointFiles.read(paths)
+        dtypes = {
+            entry.torch_dtype
+            for name in (lay.weight(0) for lay in LAYOUTS.values())
+            if (entry := probe.where[name].entries[name] if name in probe.where else None) is not None
+        }
+        file_dtype = dtypes.pop() if len(dtypes) == 1 else spec.dtype
+        source = CheckpointSource(paths, spec.with_dtype(file_dtype or spec.dtype), layout=layout)
+    except CheckpointError as exc:
+        raise CheckpointMismatchError(
+            f"{argument} cannot serve this model's AdaLN projections ({spec.num_layers} blocks, hidden "
+            f"{spec.hidden_size}, time embedding {spec.time_embed_dim}, from its config): {exc}"
+        ) from exc
+    if source.spec.dtype != spec.dtype:
+        return CastCheckpointSource(source, spec.dtype)
+    return source
+
+
+def _decide_time_embedder(free: bool | None, source: Source, argument: str) -> bool:
+    """Whether the time embedder is left unloaded: it must then be in the serving checkpoint."""
+    if free is False:
+        return False
+    names = source.layout.time_embedder_tensors()
+    present = True
+    for name in names:
+        try:
+            source.entry(name)  # type: ignore[union-attr]
+        except KeyError:
+            present = False
+    if not present and free:
+        raise ConfigError(
+            f"free_time_embedder=True needs the time embedder in the checkpoint the cache reads ({argument}), which "
+            f"lacks {names[0]!r}: pass free_time_embedder=None or False, or the whole transformer checkpoint"
+        )
+    return present
+
+
+def _check_against_model_files(files: _Files, source: Source, spec: ModulationSpec, argument: str) -> None:
+    """Headers only: a separate checkpoint must hold the model files' projections (names, shapes, dtypes)."""
+    problems = []
+    for layer in spec.layers():
+        for name in ("weight", "bias"):
+            ours = files.entry(files.layout.weight(layer) if name == "weight" else files.layout.bias(layer))
+            key = source.layout.weight(layer) if name == "weight" else source.layout.bias(layer)
+            theirs = source.entry(key)[1]  # type: ignore[union-attr]
+            if ours is not None and (ours[1].shape != theirs.shape or ours[1].dtype != theirs.dtype):
+                problems.append(
+                    f"{key}: {theirs.dtype} {list(theirs.shape)} in the checkpoint, {ours[1].dtype} "
+                    f"{list(ours[1].shape)} in the model files"
+                )
+    if problems:
+        raise CheckpointMismatchError(
+            f"{argument} does not hold this model's projections: {'; '.join(problems[:3])}"
+            f"{' ...' if len(problems) > 3 else ''}; pass a checkpoint of this very model, or none (the model files)"
+        )
+
+
+# ---------------------------------------------------------------------------------------------------- loading
+
+
+def _build_on_meta(cls: Any, config: dict[str, Any], unused: dict[str, Any], torch_dtype: torch.dtype | None) -> Any:
+    """The model on meta, as ``from_pretrained`` builds it (default dtype, no init, empty weights)."""
+    import accelerate
+    from diffusers.models.modeling_utils import no_init_weights
+
+    dtype_orig = cls._set_default_torch_dtype(torch_dtype) if torch_dtype is not None else None
+    try:
+        with no_init_weights(), accelerate.init_empty_weights():
+            return cls.from_config(config, **unused)
+    finally:
+        if dtype_orig is not None:
+            torch.set_default_dtype(dtype_orig)
+
+
+def _served_keys(layout: KeyLayout, num_layers: int, *, time_embedder: bool) -> dict[str, tuple[str, str]]:
+    """The tensors the cache serves: ``{name in the files: (name in the model, "projection" | "time_embedder")}``."""
+    keys: dict[str, tuple[str, str]] = {}
+    for layer in [*range(num_layers), FINAL]:
+        keys[layout.weight(layer)] = (DIFFUSERS_LAYOUT.weight(layer), "projection")
+        keys[layout.bias(layer)] = (DIFFUSERS_LAYOUT.bias(layer), "projection")
+    if time_embedder:
+        for theirs, ours in zip(layout.time_embedder_tensors(), DIFFUSERS_LAYOUT.time_embedder_tensors()):
+            keys[theirs] = (ours, "time_embedder")
+    return keys
+
+
+def _converted(
+    state: dict[str, torch.Tensor], layout: KeyLayout, config: dict[str, Any], qkv_layout: str | None
+) -> dict[str, torch.Tensor]:
+    """``state`` under the diffusers names (native checkpoints go through diffusers' own converter)."""
+    if layout.name != "native":
+        return state
+    from diffusers.loaders.single_file_utils import convert_minimax_h3_transformer_checkpoint_to_diffusers
+
+    try:
+        return dict(convert_minimax_h3_transformer_checkpoint_to_diffusers(state, config, qkv_layout=qkv_layout))
+    except (ValueError, KeyError) as exc:
+        raise CheckpointError(f"the native checkpoint cannot be converted to the diffusers layout: {exc}") from exc
+
+
+def _meta_tensors(
+    files: _Files, served: Mapping[str, tuple[str, str]], config: dict[str, Any], qkv_layout: str | None
+) -> dict[str, torch.Tensor]:
+    """Meta tensors of the served tensors' file shapes and dtypes, under the diffusers names."""
+    state: dict[str, torch.Tensor] = {}
+    for key in served:
+        found = files.entry(key)
+        if found is not None and found[1].torch_dtype is not None:
+            state[key] = torch.empty(found[1].shape, dtype=found[1].torch_dtype, device="meta")
+    return _converted(state, files.layout, config, qkv_layout)
+
+
+def _real_tensors(
+    header: SafetensorsHeader,
+    layout: KeyLayout,
+    skip: Mapping[str, Any],
+    config: dict[str, Any],
+    qkv_layout: str | None,
+) -> dict[str, torch.Tensor]:
+    """One file's tensors besides the served ones, as prefetched views of the mapped file."""
+    mapped = MappedFile(header)
+    state = {key: mapped.tensor(key, prefetch=True) for key in header.entries if key not in skip}
+    return _converted(state, layout, config, qkv_layout)
+
+
+def _load_into(
+    model: Any, state: dict[str, torch.Tensor], dtype: torch.dtype | None, keep: list[str], device_map: Any
+) -> None:
+    """diffusers' own placement: the stock dtype rule, then each tensor set on its device."""
+    from diffusers.models.model_loading_utils import load_model_dict_into_meta
+
+    if state:
+        load_model_dict_into_meta(
+            model, OrderedDict(state), dtype=dtype, keep_in_fp32_modules=keep, device_map=device_map
+        )
+
+
+def _move_buffers(model: Any, device: torch.device) -> None:
+    """Buffers the files do not hold (computed at construction) follow the model to ``device``."""
+    for module in model.modules():
+        for name, buffer in list(module._buffers.items()):
+            if buffer is not None and buffer.device != device and buffer.device.type != "meta":
+                module._buffers[name] = buffer.to(device)
+
+
+def _stock_residues(
+    files: _Files, served: Mapping[str, tuple[str, str]], placeholders: Mapping[str, torch.Tensor], device: torch.device
+) -> dict[str, int]:
+    """Where a stock load would put each never-loaded tensor, modulo 64 bytes.
+
+    On a CPU, a tensor loaded in its file's dtype stays a view of the mapped file, at its file
+    offset; anything cast, or copied to an accelerator, is a fresh, aligned allocation.
+    """
+    residues: dict[str, int] = {}
+    for key, (model_key, _) in served.items():
+        meta = placeholders.get(model_key)
+        if meta is None:
+            continue
+        found = files.entry(key)
+        if device.type == "cpu" and found is not None and found[1].torch_dtype == meta.dtype:
+            residues[model_key] = found[1].begin % RESIDUE_BYTES
+        else:
+            residues[model_key] = 0
+    return residues
+
+
+__all__ = ["load_transformer"]

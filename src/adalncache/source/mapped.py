@@ -1,0 +1,94 @@
+"""Zero-copy tensors of one safetensors file that read from disk only the bytes a caller touches.
+
+Why not ``safetensors.safe_open(...).get_tensor``: it maps the file with sequential read-ahead
+and touches each tensor's first page, and one page fault then reads megabytes around it (the
+block device's read-ahead window, doubled for sequential access). Loading every tensor of a
+checkpoint except the AdaLN projections that way still reads nearly all of the projections'
+pages. :class:`MappedFile` maps the file the way torch does (``MAP_PRIVATE``, so every tensor
+sits at its file offset's address modulo the page size, the alignment a stock load gives), turns
+read-around off for the whole mapping (``MADV_RANDOM``: a fault reads its own page only), and,
+for tensors that will be used at once, asks the kernel to prefetch exactly their pages
+(``MADV_WILLNEED``). A tensor that is never touched is never read.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import warnings
+from pathlib import Path
+
+import torch
+
+from ..errors import CheckpointError
+from .header import SafetensorsHeader, TensorEntry
+
+#: The page size of mappings: prefetch ranges start on a page boundary.
+PAGE = mmap.PAGESIZE
+
+
+class MappedFile:
+    """One safetensors file mapped copy-on-write, with read-around off (see the module docstring).
+
+    ``header`` is the file's validated header (its entries give each tensor's span). Tensors
+    returned by :meth:`tensor` are views of the mapping; they keep it alive, so the mapping lives
+    as long as any of them does, and writing to one never reaches the file.
+    """
+
+    def __init__(self, header: SafetensorsHeader) -> None:
+        self.header = header
+        self.path: Path = header.path
+        try:
+            with open(self.path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"cannot map checkpoint file {self.path}: {exc}") from exc
+        if self._map is not None and hasattr(self._map, "madvise") and hasattr(mmap, "MADV_RANDOM"):
+            self._map.madvise(mmap.MADV_RANDOM)
+
+    def entry(self, name: str) -> TensorEntry:
+        """The header entry of tensor ``name`` (CheckpointError naming the file if absent)."""
+        try:
+            return self.header.entries[name]
+        except KeyError:
+            raise CheckpointError(f"{self.path} has no tensor {name!r}") from None
+
+    def meta(self, name: str) -> torch.Tensor:
+        """A meta tensor of ``name``'s shape and dtype: what a tensor that is never read stands in as."""
+        entry = self.entry(name)
+        return torch.empty(entry.shape, dtype=_dtype(entry, self.path), device="meta")
+
+    def tensor(self, name: str, *, prefetch: bool) -> torch.Tensor:
+        """A view of tensor ``name`` in the mapping; ``prefetch`` asks the kernel to read its pages now.
+
+        Without ``prefetch`` nothing is read until the tensor's bytes are touched, and then only
+        the touched pages.
+        """
+        entry = self.entry(name)
+        dtype = _dtype(entry, self.path)
+        if entry.nbytes == 0 or self._map is None:
+            return torch.empty(entry.shape, dtype=dtype)
+        if entry.begin % dtype.itemsize:
+            raise CheckpointError(
+                f"{self.path}: tensor {name!r} starts at file offset {entry.begin}, not a multiple of its "
+                f"{dtype.itemsize}-byte elements; re-save the checkpoint with safetensors"
+            )
+        if prefetch and hasattr(self._map, "madvise") and hasattr(mmap, "MADV_WILLNEED"):
+            start = entry.begin - entry.begin % PAGE
+            self._map.madvise(mmap.MADV_WILLNEED, start, entry.end - start)
+        with warnings.catch_warnings():
+            # torch warns that the buffer is shared; a copy-on-write mapping is exactly that.
+            warnings.simplefilter("ignore", UserWarning)
+            raw = torch.frombuffer(self._map, dtype=torch.uint8, count=entry.nbytes, offset=entry.begin)
+        return raw.view(dtype).view(entry.shape)
+
+
+def _dtype(entry: TensorEntry, path: Path) -> torch.dtype:
+    dtype = entry.torch_dtype
+    if dtype is None:
+        raise CheckpointError(f"{path}: tensor {entry.name!r} has dtype {entry.dtype}, which torch cannot hold")
+    return dtype
+
+
+__all__ = ["PAGE", "MappedFile"]

@@ -1,0 +1,278 @@
+"""load_transformer: built like from_pretrained, exact like it, and never reading the served tensors.
+
+Real files on disk (diffusers layout single and sharded, native layout single and sharded), real
+diffusers loading code on both sides; the stock reference is always
+``MiniMaxH3Transformer3DModel.from_pretrained`` of the same weights.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+pytest.importorskip("accelerate")
+
+from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3Transformer3DModel
+
+from adalncache.diffusers import CacheOptions, adaln_cache_handle, load_transformer
+from adalncache.errors import CheckpointError, ConfigError
+from adalncache.integrations.diffusers import CheckpointMismatchError
+from adalncache.plans import minimax_h3_plans
+from adalncache.tools.deploy import drop_cached, io_read_bytes, resident_served_bytes, served_bytes, weight_files
+from adalncache.tools.tiny import (
+    make_request,
+    run_loop,
+    tiny_transformer,
+    write_native_checkpoint,
+    write_native_model,
+)
+
+TASKS = ("t2va", "fl2va", "ref2va")
+STEPS = 4
+SERVED_PREFIXES = ("time_embedder.", "norm_out.linear.")
+
+
+def _served(name: str) -> bool:
+    return name.startswith(SERVED_PREFIXES) or ".adaln_proj.linear." in name
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The tiny model (seed 0) on disk in every layout a test loads."""
+    root = tmp_path_factory.mktemp("load-transformer")
+    built: Any = tiny_transformer("tiny", seed=0)
+    built.save_pretrained(root / "fp32")
+    mixed: Any = MiniMaxH3Transformer3DModel.from_pretrained(root / "fp32", torch_dtype=torch.bfloat16)
+    mixed.save_pretrained(root / "bf16")
+    mixed.save_pretrained(root / "bf16-sharded", max_shard_size="150KB")
+    assert len(list((root / "bf16-sharded").glob("*.safetensors"))) > 1
+    write_native_model(built, root / "native-fp32", shards=1, qkv_layout="stacked")
+    write_native_model(mixed, root / "native-bf16-sharded", shards=3, qkv_layout="interleaved")
+    write_native_checkpoint(mixed, root / "projections-bf16", shards=2)  # the projections alone
+    return {p.name: p for p in root.iterdir()}
+
+
+def _stock(files: dict[str, Path], name: str, dtype: torch.dtype | None) -> Any:
+    """``from_pretrained`` of the diffusers-layout files holding the same weights as ``name``."""
+    source = {"native-fp32": "fp32", "native-bf16-sharded": "bf16"}.get(name, name)
+    return MiniMaxH3Transformer3DModel.from_pretrained(files[source], torch_dtype=dtype)
+
+
+def _load(files: dict[str, Path], name: str, dtype: torch.dtype | None, **kwargs: Any) -> Any:
+    config = {"native-fp32": files["fp32"], "native-bf16-sharded": files["bf16"]}.get(name)
+    return load_transformer(files[name], config=config, torch_dtype=dtype, **kwargs)
+
+
+def _tensors(model: Any) -> dict[str, torch.Tensor]:
+    out = dict(model.named_parameters())
+    out.update((name, t) for name, t in model.named_buffers() if not name.endswith("_adalncache_dtype"))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("name", "dtype", "device_map"),
+    [
+        ("fp32", None, None),
+        ("fp32", torch.bfloat16, "cpu"),
+        ("bf16", torch.bfloat16, None),
+        ("bf16", None, torch.device("cpu")),
+        ("bf16", torch.float32, None),
+        ("bf16-sharded", torch.bfloat16, {"": "cpu"}),
+    ],
+)
+def test_built_like_from_pretrained(
+    files: dict[str, Path], name: str, dtype: torch.dtype | None, device_map: Any
+) -> None:
+    """Same config, same parameters and buffers (values, dtypes, devices, addresses modulo 64),
+    and the served tensors meta placeholders of the stock dtype and shape."""
+    stock = MiniMaxH3Transformer3DModel.from_pretrained(files[name], torch_dtype=dtype, device_map=device_map)
+    model = load_transformer(files[name], torch_dtype=dtype, device_map=device_map)
+    assert dict(model.config) == dict(stock.config)
+    assert model.training is False
+    assert getattr(model, "hf_device_map", None) == getattr(stock, "hf_device_map", None)
+    ours, theirs = _tensors(model), _tensors(stock)
+    assert set(ours) == {n for n in theirs if not _served(n)}
+    for n, tensor in ours.items():
+        ref = theirs[n]
+        assert tensor.dtype == ref.dtype and tensor.device == ref.device, n
+        assert torch.equal(tensor, ref), n
+        assert tensor.data_ptr() % 64 == ref.data_ptr() % 64, n  # an fp32 GEMV's bits depend on it
+    for n, ref in theirs.items():
+        if _served(n):
+            module_path, _, attr = n.rpartition(".")
+            placeholder = getattr(model.get_submodule(module_path), attr)
+            assert placeholder.device.type == "meta", n
+            assert placeholder.dtype == ref.dtype and placeholder.shape == ref.shape, n
+    handle = adaln_cache_handle(model)
+    assert handle is not None and handle.enabled
+    handle.disable()
+    restored, stock_state = model.state_dict(), stock.state_dict()
+    assert list(restored) == list(stock_state)
+    for n, ref in stock_state.items():
+        assert restored[n].dtype == ref.dtype and torch.equal(restored[n], ref), n
+
+
+@pytest.mark.parametrize(
+    ("name", "dtype", "tasks"),
+    [
+        ("fp32", None, TASKS),
+        ("bf16", torch.bfloat16, TASKS),  # the released mixed precision
+        ("fp32", torch.bfloat16, ("fl2va",)),  # cast on read: an fp32 file served as the bf16 model holds it
+        ("bf16", None, ("ref2va",)),  # cast on read the other way: bf16 file, fp32 model
+        ("bf16-sharded", torch.bfloat16, ("t2va",)),
+        ("native-fp32", None, ("fl2va",)),
+        ("native-bf16-sharded", torch.bfloat16, ("ref2va",)),
+    ],
+)
+def test_outputs_equal_the_stock_model(
+    files: dict[str, Path], name: str, dtype: torch.dtype | None, tasks: tuple[str, ...]
+) -> None:
+    """t2va, fl2va and ref2va in fp32 and the released precision; one task for each other layout or cast."""
+    stock = _stock(files, name, dtype)
+    model = _load(files, name, dtype)
+    handle: Any = adaln_cache_handle(model)
+    assert handle.source.layout.name == ("native" if name.startswith("native") else "diffusers")
+    for task in tasks:
+        request = make_request(stock, task, STEPS, seed=3)
+        before = handle.stats.passes
+        assert handle.prepare(minimax_h3_plans(task, STEPS)).passes == 1
+        assert run_loop(model, request).equal(run_loop(stock, request)), task
+        assert handle.stats.passes == before + 1  # the loop itself never rebuilt
+    handle.disable()
+    assert run_loop(model, request).equal(run_loop(stock, request))
+
+
+def test_projections_served_from_another_checkpoint(files: dict[str, Path]) -> None:
+    """checkpoint=: the projections alone in the native layout; the time embedder then loads normally."""
+    stock = _stock(files, "bf16", torch.bfloat16)
+    model = load_transformer(files["bf16"], torch_dtype=torch.bfloat16, checkpoint=files["projections-bf16"])
+    handle: Any = adaln_cache_handle(model)
+    assert handle.source.layout.name == "native"
+    assert model.time_embedder.linear_1.weight.device.type == "cpu"  # not in that checkpoint: loaded
+    request = make_request(stock, "fl2va", STEPS, seed=3)
+    handle.prepare(request.plans)
+    assert run_loop(model, request).equal(run_loop(stock, request))
+    with pytest.raises(ConfigError, match="free_time_embedder"):
+        load_transformer(
+            files["bf16"], torch_dtype=torch.bfloat16, checkpoint=files["projections-bf16"], free_time_embedder=True
+        )
+
+
+def test_time_embedder_can_be_loaded(files: dict[str, Path]) -> None:
+    stock = _stock(files, "bf16", torch.bfloat16)
+    model = load_transformer(files["bf16"], torch_dtype=torch.bfloat16, free_time_embedder=False)
+    assert model.time_embedder.linear_2.weight.device.type == "cpu"
+    assert model.norm_out.linear.weight.device.type == "meta"
+    request = make_request(stock, "ref2va", STEPS, seed=3)
+    adaln_cache_handle(model).prepare(request.plans)  # type: ignore[union-attr]
+    assert run_loop(model, request).equal(run_loop(stock, request))
+
+
+def test_cache_options_are_typed_keywords_like_enable_adaln_cache() -> None:
+    """Every cache option is a keyword of load_transformer with enable_adaln_cache's default; the
+    cache's device is where device_map puts the model, so ``device`` is not one."""
+    params = inspect.signature(load_transformer).parameters
+    for field in fields(CacheOptions):
+        if field.name == "device":
+            assert "device" not in params
+            continue
+        assert params[field.name].kind is inspect.Parameter.KEYWORD_ONLY, field.name
+        assert params[field.name].default == field.default, field.name
+    with pytest.raises(TypeError, match="max_plan"):
+        load_transformer("nowhere", max_plan=3)  # type: ignore[call-arg]
+
+
+def test_the_load_reads_no_served_byte(tmp_path: Path) -> None:
+    """Page cache dropped, then load: not one whole page of a projection or of the time embedder is
+    read (or cached), and the bytes read are the other tensors' (plus headers and edge pages).
+    A stock load of the same files reads them all, so the measurement can see what it looks for."""
+    built: Any = tiny_transformer("small", seed=0)
+    built.save_pretrained(tmp_path / "fp32")
+    mixed: Any = MiniMaxH3Transformer3DModel.from_pretrained(tmp_path / "fp32", torch_dtype=torch.bfloat16)
+    directory = tmp_path / "sharded"
+    mixed.save_pretrained(directory, max_shard_size="8MB")
+    del built, mixed
+    checkpoint = weight_files(directory)
+    assert len(checkpoint) > 1
+    served, total = served_bytes(checkpoint)
+    if not drop_cached(checkpoint) or io_read_bytes() is None:
+        pytest.skip("this filesystem keeps the files cached (or /proc/self/io is missing): nothing to measure")
+    before = io_read_bytes()
+    model = load_transformer(directory, torch_dtype=torch.bfloat16)
+    read = (io_read_bytes() or 0) - (before or 0)
+    assert resident_served_bytes(checkpoint) == 0
+    assert read <= total - served + (1 << 20), (read, total, served)
+    for param in model.parameters():  # what a first forward touches
+        param.float().sum()
+    assert resident_served_bytes(checkpoint) == 0
+    del model, param  # a live view keeps its mapping, whose pages cannot be dropped
+
+    assert drop_cached(checkpoint)
+    MiniMaxH3Transformer3DModel.from_pretrained(directory, torch_dtype=torch.bfloat16)
+    assert resident_served_bytes(checkpoint) > served // 2  # the stock load reads them
+
+
+def _fresh_dir(tmp_path: Path, name: str) -> Path:
+    directory = tmp_path / name
+    directory.mkdir()
+    return directory
+
+
+@pytest.mark.parametrize(
+    ("case", "error", "message"),
+    [
+        ("no config", ConfigError, r"path=.*config\.json"),
+        ("no directory", ConfigError, r"path=.*not a local directory"),
+        ("bad subfolder", ConfigError, r"subfolder="),
+        ("bad dtype", ConfigError, r"torch_dtype="),
+        ("splitting device map", ConfigError, r"device_map='auto'"),
+        ("two devices", ConfigError, r"device_map= places the model on several devices"),
+        ("meta device", ConfigError, r"device_map="),
+        ("bad cache option", ConfigError, r"max_plans.*--max-plans"),
+        ("bad qkv layout", ConfigError, r"qkv_layout"),
+        ("other geometry", CheckpointMismatchError, r"checkpoint=.*cannot serve"),
+        ("other dtype", CheckpointMismatchError, r"checkpoint=.*does not hold this model's projections"),
+        ("missing tensors", CheckpointError, r"lack .* tensor"),
+    ],
+)
+def test_bad_inputs_name_the_argument(
+    files: dict[str, Path], tmp_path: Path, case: str, error: type[Exception], message: str
+) -> None:
+    kwargs: dict[str, Any] = {"torch_dtype": torch.bfloat16}
+    path: Any = files["bf16"]
+    if case == "no config":
+        path = _fresh_dir(tmp_path, "empty")
+        (path / "model.safetensors").write_bytes((files["native-fp32"] / "model.safetensors").read_bytes())
+    elif case == "no directory":
+        path = tmp_path / "missing"
+    elif case == "bad subfolder":
+        kwargs["subfolder"] = "transformer"
+    elif case == "bad dtype":
+        kwargs["torch_dtype"] = torch.int8
+    elif case == "splitting device map":
+        kwargs["device_map"] = "auto"
+    elif case == "two devices":
+        kwargs["device_map"] = {"transformer_blocks": "cpu", "proj_in": "meta"}
+    elif case == "meta device":
+        kwargs["device_map"] = "meta"
+    elif case == "bad cache option":
+        kwargs["max_plans"] = 0
+    elif case == "bad qkv layout":
+        kwargs["qkv_layout"] = "rows"
+    elif case == "other geometry":
+        other: Any = tiny_transformer("small", seed=0)
+        kwargs["checkpoint"] = write_native_checkpoint(other, tmp_path / "small-projections", shards=1)
+    elif case == "other dtype":
+        kwargs["checkpoint"] = files["fp32"]
+    elif case == "missing tensors":
+        # The projections of this model but nothing else: a model file that lacks its blocks.
+        kwargs["config"] = files["bf16"]
+        path = files["projections-bf16"]
+    with pytest.raises(error, match=message):
+        load_transformer(path, **kwargs)
