@@ -12,7 +12,8 @@ order, chosen so that a failure at any point leaves nothing half-built visible:
 
 1. key the request; nothing missing -> touch and return (the hot path: no device work);
 2. validate the *whole* request before any state changes, so a rejected request costs nothing;
-3. take what the host tier and the store hold; one rebuild pass for the rest;
+3. take what the host tier, the store and the table files hold; one rebuild pass for the rest
+   (without weights, ``source=None``, a plan no tier holds is a ``PlanNotCachedError`` here);
 4. reserve slots from the free list, then from least-recently-used plans *outside* the request;
 5. write contents, then flip ``plan_lengths``, then update the host-side slot map: the map is
    what lookups consult, so it changes last and a failure before it hides the whole request;
@@ -36,20 +37,23 @@ from .errors import (
     CheckpointError,
     ConfigError,
     PlanError,
+    PlanNotCachedError,
     failing_at,
     failure_phase,
 )
 from .faults import NO_FAULTS, FaultPoints
 from .identity import TableIdentity
-from .plans import PlanKey, distinct_plans, plan_key, validate_plan
+from .plans import PlanKey, distinct_plans, format_plan, plan_key, validate_plan
 from .rebuild import EmbedFn, ProjectFn, RebuildPass, default_project
 from .reports import BuildReport, CacheStats
 from .rows import PlanRows
 from .slab import Slab
 from .slots import Reservation, SlotPool
 from .source import WeightSource
+from .source.absent import NoWeights
 from .spec import ModulationSpec
 from .tiers.chain import TierChain
+from .tiers.tables import TablesArg, TablesTier
 
 if TYPE_CHECKING:
     from .tiers.host import HostTier
@@ -69,7 +73,7 @@ def _check_int(name: str, value: Any, flag: str, minimum: int) -> int:
 
 def _check_arguments(
     spec: Any, source: Any, *, max_plans: Any, max_plan_width: Any, host_cache_bytes: Any, read_ahead: Any,
-    batched: Any, precision: Any, shard: Any,
+    batched: Any, precision: Any, shard: Any, tables: Any,
 ) -> None:  # fmt: skip
     """Every construction argument the cache can check alone; ConfigError names the one to change."""
     if not isinstance(spec, ModulationSpec):
@@ -84,6 +88,12 @@ def _check_arguments(
         raise ConfigError(f"precision must be one of {list(PRECISIONS)}, got {precision!r}: set --precision")
     if shard not in SHARD_MODES:
         raise ConfigError(f"shard must be one of {list(SHARD_MODES)}, got {shard!r}: set --shard")
+    if source is None:
+        if tables is None:
+            raise ConfigError(
+                "source=None needs tables= (table files to serve from): pass a CheckpointSource or tables="
+            )
+        return
     source_spec = getattr(source, "spec", None)
     if source_spec is None or not callable(getattr(source, "stream", None)):
         raise ConfigError(
@@ -107,7 +117,7 @@ class AdalnCache:
     def __init__(
         self,
         spec: ModulationSpec,
-        source: WeightSource,
+        source: WeightSource | None,
         *,
         max_plans: int = 64,
         max_plan_width: int = 4,
@@ -120,17 +130,23 @@ class AdalnCache:
         read_ahead: int = 1,
         progress: bool | None = None,
         batched: bool = False,
+        tables: TablesArg | None = None,
     ) -> None:
         _check_arguments(
             spec, source, max_plans=max_plans, max_plan_width=max_plan_width, host_cache_bytes=host_cache_bytes,
-            read_ahead=read_ahead, batched=batched, precision=precision, shard=shard,
+            read_ahead=read_ahead, batched=batched, precision=precision, shard=shard, tables=tables,
         )  # fmt: skip
         self.device = resolve_device(device, argument="device")
         # Settings that fix the number or size of later collectives are compared across ranks.
-        agreed = {"precision": precision, "store": store is not None, "device_type": self.device.type}
+        agreed = {
+            "precision": precision, "store": store is not None, "device_type": self.device.type,
+            "tables": tables is not None,
+        }  # fmt: skip
         self._dist = make_collective(process_group, shard, spec, device=self.device, config=agreed)
         self.spec = spec
-        self.source = source
+        #: The weight source; without one (``source=None``) a :class:`~adalncache.source.absent.NoWeights`
+        #: that serves table files only.
+        self.source: WeightSource = source if source is not None else NoWeights(spec)
         self.precision = precision
         self.shard = shard
         self.read_ahead = read_ahead
@@ -147,8 +163,8 @@ class AdalnCache:
         try:  # out of device memory, or a store directory, on one rank alone must fail every rank
             self._slab = Slab(spec, self.max_plans, self.max_plan_width, self.device)
             self._tiers = TierChain.open(
-                spec, source, host_cache_bytes=self.host_cache_bytes, store=store, device=self.device,
-                collective=self._dist, stats=self.stats,
+                spec, self.source, host_cache_bytes=self.host_cache_bytes, store=store, device=self.device,
+                collective=self._dist, stats=self.stats, tables=tables,
             )  # fmt: skip
         except BaseException as exc:
             failure = exc
@@ -158,9 +174,19 @@ class AdalnCache:
             raise failure
         self.plan_timesteps, self.plan_lengths, self.block_params, self.final_params = self._slab.tensors()
         self._pool = SlotPool(self._slab)
+        memo = self._tiers.store.memo if self._tiers.store is not None else None
         self._identity = TableIdentity(
-            source, self._dist, self.stats, spec=spec, precision=precision, device=self.device
+            self.source, self._dist, self.stats, spec=spec, precision=precision, device=self.device, memo=memo
         )
+        if self._tiers.tables is not None:
+            # A table file that cannot serve this cache bit-exactly is refused now, on every rank.
+            try:
+                self._tiers.tables.check_bindings(self._identity.template(), self._identity.content.identify)
+            except BaseException as exc:
+                failure = exc
+            self._dist.agree_construction(failure)
+            if failure is not None:
+                raise failure
         self.fault_points: FaultPoints = NO_FAULTS
         log.debug(
             "AdalnCache: %d plans x %d timesteps, %.1f MiB slab on %s",
@@ -201,6 +227,24 @@ class AdalnCache:
         return self._tiers.store
 
     @property
+    def tables(self) -> TablesTier | None:
+        """The read-only table files (``tables=``), or None."""
+        return self._tiers.tables
+
+    @property
+    def content_digest(self) -> str | None:
+        """The content digest of the source's projection tensors, if known yet (no I/O; see :meth:`identify`)."""
+        return self._identity.content.digest
+
+    def identify(self, *, read: bool = True) -> str | None:
+        """The content digest: from the digest memo, else (``read=True``) by one hashing-only read.
+
+        ``None`` when it cannot be known (no weights; a column split that cuts the hashed row
+        blocks; tensors on a device). In a process group every rank must call this together.
+        """
+        return self._identity.content.identify(read=read)
+
+    @property
     def world_size(self) -> int:
         """Ranks that build this cache together (1 without a process group)."""
         return self._dist.world
@@ -231,8 +275,11 @@ class AdalnCache:
         self._pool.clear()
         self._tiers.clear_host()
 
-    def binding(self) -> dict[str, Any]:
-        """Everything a stored table depends on besides its plan (stores key entries by it)."""
+    def binding(self) -> dict[str, Any] | None:
+        """Everything a stored table depends on besides its plan (stores key entries by it).
+
+        ``None`` while the source's content digest is not known (the store is then not used).
+        """
         return self._identity.binding()
 
     # -- build ------------------------------------------------------------------------------
@@ -268,9 +315,9 @@ class AdalnCache:
         report.seconds = time.perf_counter() - start
         if missing:
             log.info(
-                "build: %d plan(s): %d device, %d host, %d store hits, %d built in %d pass(es), %d evicted, %.3f s",
-                report.plans, report.device_hits, report.host_hits, report.store_hits, report.built,
-                report.passes, report.evicted, report.seconds,
+                "build: %d plan(s): %d device, %d host, %d store, %d table hits, %d built in %d pass(es), %d evicted, "
+                "%.3f s", report.plans, report.device_hits, report.host_hits, report.store_hits, report.table_hits,
+                report.built, report.passes, report.evicted, report.seconds,
             )  # fmt: skip
         return report
 
@@ -301,8 +348,8 @@ class AdalnCache:
         report.device_hits = len(order) - len(missing)
         bytes_before = self.source.bytes_read
         try:
-            from_host, from_store = self._tiers.lookup(
-                missing, binding=self._identity.current_binding, faults=self.fault_points
+            from_host, from_store, from_tables = self._tiers.lookup(
+                missing, identity=self._identity, faults=self.fault_points
             )
         except BaseException as exc:
             # Tier errors fall through to a rebuild inside the lookup; only an interrupt (or
@@ -314,12 +361,21 @@ class AdalnCache:
                 f"of this request was published and a retry rebuilds it",
                 failed_at="tier lookup",
             ) from exc
-        to_build = [k for k in missing if k not in from_host and k not in from_store]
+        restored = {**from_host, **from_store, **from_tables}
+        to_build = [k for k in missing if k not in restored]
+        if to_build and not getattr(self.source, "serves_weights", True):
+            where = f"the table files ({self._tiers.tables.searched()})" if self._tiers.tables else "no tier"
+            raise PlanNotCachedError(
+                f"plan {format_plan(to_build[0])} ({len(to_build)} plan(s) of this request) is not in {where} and "
+                f"this cache has no weight source to build it: pass checkpoint= (enable_adaln_cache, or a "
+                f"CheckpointSource), or export these tables (adalncache export CHECKPOINT --task T --steps N -o FILE)"
+            )
+        hashed_before = self.stats.hashed_bytes
         reservation = self._pool.reserve(missing, set(order))
         self.stats.evicted_plans += len(reservation.evicted)
         report.evicted = len(reservation.evicted)
         try:
-            self._write_and_publish(reservation, {**from_host, **from_store}, to_build, tensors, embed, project, report)
+            self._write_and_publish(reservation, restored, to_build, tensors, embed, project, report)
         except BaseException as exc:
             self._pool.release(reservation.slots)
             self.stats.failed_builds += 1
@@ -333,9 +389,15 @@ class AdalnCache:
                 failed_at=phase,
             ) from exc
         self._pool.touch(order)
-        report.host_hits, report.store_hits = len(from_host), len(from_store)
+        report.host_hits, report.store_hits, report.table_hits = len(from_host), len(from_store), len(from_tables)
         report.built = len(to_build)
         report.passes = 1 if to_build else 0
+        if to_build:
+            try:  # every rank got here: the pass succeeded everywhere (the digest agreement is a collective)
+                self._identity.content.after_pass()
+            except Exception as exc:
+                log.warning("content digest not learnt from the pass (%s); store writes are skipped", exc)
+        report.hashed_bytes = self.stats.hashed_bytes - hashed_before
         report.bytes_read = self.source.bytes_read - bytes_before
         self.stats.record(report)
         # After publish: copies only. A tier failure is counted and logged, never raised.
@@ -391,6 +453,7 @@ class AdalnCache:
         return RebuildPass(
             spec=self.spec, source=self.source, slab=self._slab, collective=self._dist, precision=self.precision,
             read_ahead=self.read_ahead, progress=self.progress, batched=self.batched, faults=self.fault_points,
+            digests=self._identity.content.pass_sink(),
         )  # fmt: skip
 
     def rows_of(self, key: PlanKey) -> PlanRows:
@@ -437,7 +500,7 @@ class AdalnCache:
     # -- maintenance ------------------------------------------------------------------------
 
     def invalidate(self) -> None:
-        """Empty the slab and the host tier. Store entries stay: they are keyed by fingerprint."""
+        """Empty the slab and the host tier. Store entries stay: they are keyed by content, never stale."""
         self._pool.clear()
         self._tiers.clear_host()
 

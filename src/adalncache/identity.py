@@ -6,6 +6,12 @@ fingerprint) and the caller's *variant* (whatever else shapes the projection, su
 LoRA adapters). :class:`TableIdentity` remembers both, re-checks them at the start of every build,
 and tells the cache to drop tables built under an old identity. It also forms the store binding:
 everything a stored table depends on besides its plan.
+
+The binding names the *content* of the projection tensors (:mod:`adalncache.content`), not the
+files' stat identity: a copied checkpoint, or a store copied to another host, binds to the same
+entries. The stat fingerprint still decides when the slab's tables must be dropped (any rewrite,
+even one that turns out to hold the same bytes, since that is cheap to see and safe to assume).
+While the content digest is unknown there is no binding, and the store is not used.
 """
 
 from __future__ import annotations
@@ -16,17 +22,23 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .content import ContentIdentity
 from .errors import CheckpointError
 from .numerics import numeric_environment
 from .plans import PlanKey
 from .reports import CacheStats
 from .source import WeightSource
 from .spec import ModulationSpec
+from .tiers.digests import DigestMemo
 
 if TYPE_CHECKING:
     from .distributed import Collective
 
 log = logging.getLogger(__name__)
+
+#: Format of the store binding: 2 names the content digest (format 1, without this key, named the
+#: source's stat fingerprint; its entries are never looked up again).
+BINDING_FORMAT = 2
 
 
 class TableIdentity:
@@ -41,6 +53,7 @@ class TableIdentity:
         spec: ModulationSpec,
         precision: str,
         device: torch.device,
+        memo: DigestMemo | None = None,
     ) -> None:
         self.source = source
         self._dist = collective
@@ -50,6 +63,8 @@ class TableIdentity:
         self.device = device
         self.fingerprint: str | None = source.fingerprint
         self.variant: Hashable = None
+        #: The content digest of the source, and how it is learnt.
+        self.content = ContentIdentity(source, spec, collective, stats, memo or DigestMemo(None))
 
     def check(
         self,
@@ -82,6 +97,8 @@ class TableIdentity:
             # decisions would differ too, so every rank starts again from an empty slab.
             log.warning("rank %d: the ranks' slabs diverged; dropping every table on every rank", self._dist.rank)
             drop("the ranks' slabs diverged")
+        if failed or changed:
+            self.content.reset()
         if failed:
             # The file changed (on some rank) and no longer validates: whatever the slab holds came
             # from the old file, so it can no longer be trusted either.
@@ -101,16 +118,29 @@ class TableIdentity:
                 drop(f"variant changed ({self.variant!r} -> {variant!r})")
             self.variant = variant
 
-    def binding(self) -> dict[str, Any]:
-        """Everything a stored table depends on besides its plan (stores key entries by it)."""
+    def template(self) -> dict[str, Any]:
+        """The binding with its content left open: everything besides the weights' bytes."""
         return {
-            "fingerprint": self.fingerprint,
+            "binding": BINDING_FORMAT,
+            "content": None,
             "spec": self.spec.describe(),
             "precision": self.precision,
             "variant": repr(self.variant),
             "shard": self._dist.describe_shard(),
             "environment": numeric_environment(self.device),
         }
+
+    def binding(self) -> dict[str, Any] | None:
+        """Everything a stored table depends on besides its plan, or ``None`` while the content digest is unknown."""
+        content = self.content.resolve()
+        return None if content is None else {**self.template(), "content": content}
+
+    def hash_now(self) -> None:
+        """Learn the content digest by a hashing-only read, if the memo does not have it."""
+        self.content.identify(read=True)
+
+    def note_unbound(self, what: str) -> None:
+        self.content.note_unknown(what)
 
     def current_binding(self) -> dict[str, Any] | None:
         """:meth:`binding`, or ``None`` if the source changed since the resident tables were built."""

@@ -83,7 +83,8 @@ def fill_store(
     else:
         # Existence by name only: reading every entry to verify it would cost as much as a pass on a
         # large store. A corrupt entry is caught (and rebuilt) by the serving cache's read, or by verify.
-        stored = store.contains(cache.binding(), [plan_key(p) for p in plans])
+        binding = cache.binding()  # None while the content digest is unknown: the build learns it
+        stored = store.contains(binding, [plan_key(p) for p in plans]) if binding is not None else set()
     todo = [p for p in plans if plan_key(p) not in stored]
     per_pass = cache.max_plans
     chunks = [todo[i : i + per_pass] for i in range(0, len(todo), per_pass)]
@@ -102,8 +103,13 @@ def fill_store(
         )
     return FillReport(
         plans=len(plans), already_stored=len(stored) + hits, built=built, passes=passes,
-        binding=binding_hash(cache.binding()),
+        binding=_binding_hash(cache),
     )  # fmt: skip
+
+
+def _binding_hash(cache: AdalnCache) -> str:
+    binding = cache.binding()
+    return binding_hash(binding) if binding is not None else "unbound"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -124,12 +130,18 @@ class VerifyReport:
         return not (self.mismatched or self.corrupt)
 
 
-def _local_hashes(spec: ModulationSpec, source: CheckpointSource, device: str | torch.device) -> dict[str, str]:
-    """The binding hash a cache on this machine would use, per precision (what verify can check)."""
+def _local_hashes(
+    spec: ModulationSpec, source: CheckpointSource, device: str | torch.device, store: Store
+) -> dict[str, str]:
+    """The binding hash a cache on this machine would use, per precision (what verify can check).
+
+    Needs the checkpoint's content digest: from the store's memo, or one hashing read.
+    """
     out = {}
     for precision in ("match", "fp32"):
-        probe = AdalnCache(spec, source, max_plans=1, max_plan_width=1, device=device, precision=precision)
-        out[precision] = binding_hash(probe.binding())
+        probe = AdalnCache(spec, source, max_plans=1, max_plan_width=1, device=device, precision=precision, store=store)
+        probe.identify()
+        out[precision] = _binding_hash(probe)
     return out
 
 
@@ -160,7 +172,7 @@ def verify_store(
     for entry in entries:
         by_binding.setdefault(entry.binding, []).append(entry)
     report = VerifyReport()
-    hashes = _local_hashes(spec, source, device)
+    hashes = _local_hashes(spec, source, device, store)
     matched_any = False
     for precision, bhash in hashes.items():
         infos = by_binding.get(bhash, [])

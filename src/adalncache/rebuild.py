@@ -26,6 +26,7 @@ from .plans import PlanKey, format_plan
 from .reports import BuildReport
 from .slab import Slab
 from .source import WeightSource
+from .source.digest import DigestSink
 from .spec import Layer, ModulationSpec
 
 if TYPE_CHECKING:
@@ -70,6 +71,7 @@ class RebuildPass:
         progress: bool | None,
         batched: bool,
         faults: FaultPoints,
+        digests: DigestSink | None = None,
     ) -> None:
         self.spec = spec
         self.source = source
@@ -80,6 +82,8 @@ class RebuildPass:
         self.progress = progress
         self.batched = batched
         self.faults = faults
+        #: Hashes the bytes the pass reads (the content identity), when the digest is not known yet.
+        self.digests = digests
 
     def embed_all(
         self, keys: Sequence[PlanKey], tensors: dict[PlanKey, torch.Tensor], embed: EmbedFn
@@ -129,8 +133,9 @@ class RebuildPass:
             )
             try:
                 stream = self.source.stream(
-                    work.layers, device=self.slab.device, columns=work.columns, read_ahead=self.read_ahead
-                )
+                    work.layers, device=self.slab.device, columns=work.columns, read_ahead=self.read_ahead,
+                    digests=self.digests,
+                )  # fmt: skip
                 stacker = None
                 if self.batched:
                     with failing_at("projection setup (batched)"):

@@ -1,4 +1,4 @@
-"""The tiers below the slab, cheapest first: the host tier, then the store.
+"""The tiers below the slab, cheapest first: the host tier, then the store, then read-only table files.
 
 Why one object for both: the cache's build asks one question before a pass ("which missing plans
 can be restored, and from where?") and gives one instruction after publish ("keep copies"), and
@@ -9,15 +9,22 @@ the rules around both are the same for every tier:
   already correct;
 * in a process group the ranks agree (AND-reduce) on which plans *every* rank can serve from a
   tier before any rank uses it, so the ranks' slot decisions and passes stay identical;
-* the host tier is asked first (a memory copy), the store second (a disk read), only for what
-  the host tier did not have.
+* the host tier is asked first (a memory copy), the store second (a disk read), table files
+  third (``tables=``, read-only: their hits are not copied to the store), only for what the
+  tiers before did not have.
+
+The store is bound to the content digest of the source (:mod:`adalncache.content`). While it is
+unknown the store is skipped, except in one case where learning it pays at once: the store holds
+entries, for plans this build wants, under a binding equal to this one in all but the content (a
+copied checkpoint beside its store). Then one hashing read of the projections runs first, which
+costs a read without the GEMMs, and the entries hit.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import torch
 
@@ -29,11 +36,34 @@ from ..rows import PlanRows
 from ..spec import ModulationSpec
 from .host import HostTier
 from .store import Store
+from .tables import TablesArg, TablesTier
 
 if TYPE_CHECKING:
     from ..distributed import Collective
 
 log = logging.getLogger(__name__)
+
+
+class Binder(Protocol):
+    """What the chain needs from the cache's identity to use the store (see :mod:`adalncache.identity`)."""
+
+    variant: Any
+
+    def current_binding(self) -> dict[str, Any] | None: ...
+
+    def template(self) -> dict[str, Any]: ...
+
+    def hash_now(self) -> None: ...
+
+    def note_unbound(self, what: str) -> None: ...
+
+
+class Restored(NamedTuple):
+    """The missing plans each tier can restore (agreed by every rank)."""
+
+    host: dict[PlanKey, PlanRows]
+    store: dict[PlanKey, PlanRows]
+    tables: dict[PlanKey, PlanRows]
 
 
 class TierChain:
@@ -46,10 +76,12 @@ class TierChain:
         store: Store | None,
         collective: Collective,
         stats: CacheStats,
+        tables: TablesTier | None = None,
     ) -> None:
         self.spec = spec
         self.host = host
         self.store = store
+        self.tables = tables
         self._dist = collective
         #: The cache's counters (the same object): tier hits are counted by the cache, the tiers'
         #: own events (pressure skips, evictions, write failures, corrupt entries) here.
@@ -66,8 +98,9 @@ class TierChain:
         device: torch.device,
         collective: Collective,
         stats: CacheStats,
+        tables: TablesArg | None = None,
     ) -> TierChain:
-        """The host tier (``host_cache_bytes > 0``) and the store (``store=``, a directory or a Store)."""
+        """The host tier (``host_cache_bytes > 0``), the store (``store=``) and table files (``tables=``)."""
         host = HostTier(spec, host_cache_bytes, pin=device.type == "cuda") if host_cache_bytes > 0 else None
         if store is not None and not getattr(source, "persistent", True):
             # An in-memory source's fingerprint names addresses in this process: its entries could
@@ -78,15 +111,15 @@ class TierChain:
                 f"CHECKPOINT), or drop store= (--store)"
             )
         opened = None if store is None else store if isinstance(store, Store) else Store(store)
-        return cls(spec, host, opened, collective, stats)
+        files = None if tables is None else TablesTier(tables, spec)
+        return cls(spec, host, opened, collective, stats, files)
 
-    def lookup(
-        self, missing: Sequence[PlanKey], *, binding: Callable[[], dict[str, Any] | None], faults: FaultPoints
-    ) -> tuple[dict[PlanKey, PlanRows], dict[PlanKey, PlanRows]]:
-        """Plans every rank can restore from the host tier, then from the store (cheapest first).
+    def lookup(self, missing: Sequence[PlanKey], *, identity: Binder, faults: FaultPoints) -> Restored:
+        """Plans every rank can restore from the host tier, then the store, then table files (cheapest first).
 
-        ``binding()`` gives the store binding of the current source, or ``None`` when the source
-        changed since the slab's tables were built (then the store is not asked). Only an
+        ``identity.current_binding()`` gives the store binding of the current source, or ``None``
+        when the source changed since the slab's tables were built or its content digest is not
+        known (then the store is not asked, unless a hashing read pays: module docstring). Only an
         interrupt (a ``BaseException`` that is not an ``Exception``) escapes.
         """
         from_host: dict[PlanKey, PlanRows] = {}
@@ -105,7 +138,7 @@ class TierChain:
             found = {}
             if rest:
                 try:
-                    bound = binding()
+                    bound = self._binding(identity, rest)
                     if bound is not None:
                         faults.check("store_read")
                         found = self.store.get_many(bound, rest, self.spec)
@@ -115,7 +148,35 @@ class TierChain:
                 agreed = self._dist.agree_on([k in found for k in rest])
                 from_store = {k: found[k] for k, ok in zip(rest, agreed) if ok}
             self.stats.store_corrupt = self.store.corrupt_moved
-        return from_host, from_store
+        from_tables: dict[PlanKey, PlanRows] = {}
+        rest = [k for k in missing if k not in from_host and k not in from_store]
+        if self.tables is not None and rest and identity.variant is None:
+            found = {}
+            try:
+                found = self.tables.lookup(rest)
+            except Exception as exc:
+                log.warning("table file lookup failed (%s); rebuilding instead", exc)
+            agreed = self._dist.agree_on([k in found for k in rest])
+            from_tables = {k: found[k] for k, ok in zip(rest, agreed) if ok}
+            self.stats.tables_corrupt = self.tables.corrupt
+        return Restored(from_host, from_store, from_tables)
+
+    def _binding(self, identity: Binder, rest: Sequence[PlanKey]) -> dict[str, Any] | None:
+        """The store binding; a hashing read first when the store probably holds these plans under it."""
+        assert self.store is not None
+        bound = identity.current_binding()
+        if bound is not None:
+            return bound
+        # Every rank asks the same question at the same point (the digest is unknown on all or none).
+        worth = self.store.holds_other_content(identity.template(), rest)
+        if self._dist.any_of([worth])[0]:
+            log.info("store %s holds these plans for another copy of these weights: hashing the checkpoint once",
+                     self.store.path)  # fmt: skip
+            identity.hash_now()
+            bound = identity.current_binding()
+        if bound is None:
+            identity.note_unbound("store lookup")
+        return bound
 
     def write(
         self,
@@ -123,7 +184,7 @@ class TierChain:
         built: Sequence[PlanKey],
         *,
         rows_of: Callable[[PlanKey], PlanRows],
-        binding: Callable[[], dict[str, Any]],
+        binding: Callable[[], dict[str, Any] | None],
         faults: FaultPoints,
         report: BuildReport,
     ) -> None:
@@ -152,6 +213,11 @@ class TierChain:
             bound = binding()
         except Exception as exc:
             self._failed(report, 1, "store write", exc)
+            return
+        if bound is None:
+            # The content digest is still unknown (a column split that cuts leaves, weights that
+            # cannot be hashed): an entry could never be found again, so none is written.
+            log.info("store write of %d plan(s) skipped: the content digest of the weights is not known", len(built))
             return
         # One entry per file: a failing entry (a full disk, a permission) must not keep the
         # others out, and each failure is counted so `adalncache build` can report them.
