@@ -138,9 +138,9 @@ class TierChain:
             found = {}
             if rest:
                 try:
+                    faults.check("store_read")
                     bound = self._binding(identity, rest)
                     if bound is not None:
-                        faults.check("store_read")
                         found = self.store.get_many(bound, rest, self.spec)
                 except Exception as exc:
                     log.warning("store lookup failed (%s); rebuilding instead", exc)
