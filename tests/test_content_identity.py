@@ -7,6 +7,7 @@ nothing; edited bytes (even with the mtime put back) never hit old entries.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -108,7 +109,7 @@ def test_leaf_bounds_tile_the_rows_at_the_released_widths() -> None:
     for rows in (96768, 10752, 144, 16):
         bounds = leaf_bounds(rows)
         assert len(bounds) == LEAVES and bounds[0][0] == 0 and bounds[-1][1] == rows
-        assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(bounds))
     # Released widths: every leaf boundary is a column-rank boundary for 1, 2, 4 and 8 ranks.
     for rows in (96768, 10752):
         starts = {lo for lo, _ in leaf_bounds(rows)}
@@ -165,9 +166,11 @@ def test_memo_hit_in_a_new_process_reads_nothing(tmp_path: Path) -> None:
         from tiers_support import plan, simple_embed, small_spec
         from adalncache import AdalnCache, CheckpointSource
         spec = small_spec(hidden=8, layers=2, k=16)
-        cache = AdalnCache(spec, CheckpointSource({str(ckpt)!r}, spec), max_plans=4, max_plan_width=4, store={str(store)!r})
+        source = CheckpointSource({str(ckpt)!r}, spec)
+        cache = AdalnCache(spec, source, max_plans=4, max_plan_width=4, store={str(store)!r})
         report = cache.build([plan(0.9, 0.8), plan(0.5), plan(0.3, 0.2, 0.1)], embed=simple_embed(spec))
-        print(json.dumps({{"report": report.as_dict(), "digest": cache.content_digest, "stats": cache.stats.as_dict()}}))
+        out = {{"report": report.as_dict(), "digest": cache.content_digest, "stats": cache.stats.as_dict()}}
+        print(json.dumps(out))
         """
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)

@@ -352,15 +352,7 @@ class AdalnCache:
                 missing, identity=self._identity, faults=self.fault_points
             )
         except BaseException as exc:
-            # Tier errors fall through to a rebuild inside the lookup; only an interrupt (or
-            # another BaseException) gets here. Nothing is reserved yet, so there is nothing to undo,
-            # but the contract still owes the caller a BuildError rather than a raw interrupt.
-            self.stats.failed_builds += 1
-            raise BuildError(
-                f"build of {len(missing)} plan(s) failed at tier lookup: {type(exc).__name__}: {exc}; nothing "
-                f"of this request was published and a retry rebuilds it",
-                failed_at="tier lookup",
-            ) from exc
+            raise self._lookup_failed(exc, len(missing)) from exc
         restored = {**from_host, **from_store, **from_tables}
         to_build = [k for k in missing if k not in restored]
         if to_build and not getattr(self.source, "serves_weights", True):
@@ -370,6 +362,14 @@ class AdalnCache:
                 f"this cache has no weight source to build it: pass checkpoint= (enable_adaln_cache, or a "
                 f"CheckpointSource), or export these tables (adalncache export CHECKPOINT --task T --steps N -o FILE)"
             )
+        try:  # one build per fleet: another process may be building these very entries
+            served = self._tiers.claim(to_build, identity=self._identity, report=report)
+        except BaseException as exc:
+            self._tiers.release_claim()
+            raise self._lookup_failed(exc, len(missing)) from exc
+        from_store.update(served)
+        restored.update(served)
+        to_build = [k for k in to_build if k not in served]
         hashed_before = self.stats.hashed_bytes
         reservation = self._pool.reserve(missing, set(order))
         self.stats.evicted_plans += len(reservation.evicted)
@@ -378,6 +378,7 @@ class AdalnCache:
             self._write_and_publish(reservation, restored, to_build, tensors, embed, project, report)
         except BaseException as exc:
             self._pool.release(reservation.slots)
+            self._tiers.release_claim()
             self.stats.failed_builds += 1
             if isinstance(exc, BuildError):
                 raise
@@ -405,6 +406,19 @@ class AdalnCache:
             order, to_build, rows_of=self.rows_of, binding=self._identity.binding, faults=self.fault_points,
             report=report,
         )  # fmt: skip
+
+    def _lookup_failed(self, exc: BaseException, plans: int) -> BuildError:
+        """The BuildError of a failure before any slot is reserved (nothing to undo).
+
+        Tier errors fall through to a rebuild inside the lookup; only an interrupt (or another
+        BaseException) gets here, and the contract still owes the caller a BuildError.
+        """
+        self.stats.failed_builds += 1
+        return BuildError(
+            f"build of {plans} plan(s) failed at tier lookup: {type(exc).__name__}: {exc}; nothing "
+            f"of this request was published and a retry rebuilds it",
+            failed_at="tier lookup",
+        )
 
     def _write_and_publish(
         self,

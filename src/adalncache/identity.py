@@ -16,6 +16,8 @@ While the content digest is unknown there is no binding, and the store is not us
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -141,6 +143,19 @@ class TableIdentity:
 
     def note_unbound(self, what: str) -> None:
         self.content.note_unknown(what)
+
+    def lock_namespace(self) -> str:
+        """A name shared by every process that would build the same store entries, known before any hashing.
+
+        The binding without its content, plus each checkpoint file's size and header hash: equal
+        for copies of one checkpoint, so their processes build once. (Two different checkpoints with
+        identical headers would share it too; that only makes one wait, never serves wrong rows.)
+        """
+        stamps = self.content.stamps() or {}
+        files = sorted({(stamp.size, stamp.header) for stamp in stamps.values()})
+        fallback = self.fingerprint if not stamps else None
+        text = json.dumps([self.template(), files, fallback], sort_keys=True, default=str)
+        return hashlib.sha256(text.encode()).hexdigest()[:32]
 
     def current_binding(self) -> dict[str, Any] | None:
         """:meth:`binding`, or ``None`` if the source changed since the resident tables were built."""

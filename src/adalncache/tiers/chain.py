@@ -23,6 +23,7 @@ costs a read without the GEMMs, and the entries hit.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
@@ -35,7 +36,8 @@ from ..reports import BuildReport, CacheStats
 from ..rows import PlanRows
 from ..spec import ModulationSpec
 from .host import HostTier
-from .store import Store
+from .locks import NO_CLAIM, POLL_S, BuildLocks, Claim, Staleness
+from .store import Store, plan_hash
 from .tables import TablesArg, TablesTier
 
 if TYPE_CHECKING:
@@ -56,6 +58,8 @@ class Binder(Protocol):
     def hash_now(self) -> None: ...
 
     def note_unbound(self, what: str) -> None: ...
+
+    def lock_namespace(self) -> str: ...
 
 
 class Restored(NamedTuple):
@@ -82,6 +86,8 @@ class TierChain:
         self.host = host
         self.store = store
         self.tables = tables
+        #: The entry locks held by the build in progress (one build per fleet), released after its store write.
+        self._claim: Claim = NO_CLAIM
         self._dist = collective
         #: The cache's counters (the same object): tier hits are counted by the cache, the tiers'
         #: own events (pressure skips, evictions, write failures, corrupt entries) here.
@@ -161,7 +167,7 @@ class TierChain:
             self.stats.tables_corrupt = self.tables.corrupt
         return Restored(from_host, from_store, from_tables)
 
-    def _binding(self, identity: Binder, rest: Sequence[PlanKey]) -> dict[str, Any] | None:
+    def _binding(self, identity: Binder, rest: Sequence[PlanKey], *, count: bool = True) -> dict[str, Any] | None:
         """The store binding; a hashing read first when the store probably holds these plans under it."""
         assert self.store is not None
         bound = identity.current_binding()
@@ -174,9 +180,63 @@ class TierChain:
                      self.store.path)  # fmt: skip
             identity.hash_now()
             bound = identity.current_binding()
-        if bound is None:
+        if bound is None and count:
             identity.note_unbound("store lookup")
         return bound
+
+    def claim(self, to_build: Sequence[PlanKey], *, identity: Binder, report: BuildReport) -> dict[PlanKey, PlanRows]:
+        """Claim the store entries this build is about to compute, or wait for another process building them.
+
+        Returns the plans that appeared in the store meanwhile (restored, verified); the caller
+        builds the rest, holding the locks it got until :meth:`write` (or :meth:`release_claim`).
+        One process only: the ranks of a group already build once together, and a wait inside a
+        collective build would stall every rank (so a process group never locks).
+        """
+        self.release_claim()
+        store = self.store
+        if store is None or not to_build or self._dist.world > 1 or store.lock_wait_s <= 0:
+            return {}
+        # Named without the content digest, which a cold process does not know yet: every process
+        # about to build the same entries (same settings, same checkpoint files, copies included)
+        # meets at the same lock files.
+        namespace = identity.lock_namespace()
+        locks = BuildLocks(store.path / "locks")
+        todo = {key: plan_hash(key) for key in to_build}
+        served: dict[PlanKey, PlanRows] = {}
+        start = time.monotonic()
+        watch = Staleness(store.lock_stale_s)
+        pause, waited = POLL_S[0], False
+        while todo:
+            claim, busy = locks.try_claim(namespace, todo)
+            # A holder writes its entries before it lets go: what exists now is restored, not rebuilt.
+            # (The holder records the content digest before its entries, so a waiter learns it here.)
+            bound = self._binding(identity, list(todo), count=False)
+            present = store.contains(bound, list(todo)) if bound is not None else set()
+            found = store.get_many(bound, sorted(present), self.spec) if bound is not None and present else {}
+            served.update(found)
+            claim.drop(list(found))
+            todo = {k: h for k, h in todo.items() if k not in found}
+            if claim or not todo:
+                self._claim = claim  # all, or some, are ours: build what is left now (busy ones duplicated)
+                break
+            waited = True
+            elapsed = time.monotonic() - start
+            if watch.stale(locks.beat(namespace, todo[busy[0]])) or elapsed > store.lock_wait_s:
+                why = "its heartbeat stopped" if elapsed <= store.lock_wait_s else f"waited {elapsed:.0f} s"
+                log.warning("store %s: another process holds %d entries but %s; building them here", store.path,
+                            len(todo), why)  # fmt: skip
+                break
+            time.sleep(pause)
+            pause = min(2 * pause, POLL_S[1])
+        if waited:
+            report.waited_s = time.monotonic() - start
+            self.stats.lock_waits += 1
+        return served
+
+    def release_claim(self) -> None:
+        """Release the entry locks of the build in progress (failure paths; :meth:`write` does it too)."""
+        claim, self._claim = self._claim, NO_CLAIM
+        claim.release()
 
     def write(
         self,
@@ -191,8 +251,23 @@ class TierChain:
         """Copy published plans to the tiers: the request's group to the host tier, ``built`` to the store.
 
         Never raises an ``Exception``: the slab is already correct, so a failure is counted (in
-        the stats and the report) and logged.
+        the stats and the report) and logged. The entry locks of the build are released at the end.
         """
+        try:
+            self._write(order, built, rows_of=rows_of, binding=binding, faults=faults, report=report)
+        finally:
+            self.release_claim()
+
+    def _write(
+        self,
+        order: Sequence[PlanKey],
+        built: Sequence[PlanKey],
+        *,
+        rows_of: Callable[[PlanKey], PlanRows],
+        binding: Callable[[], dict[str, Any] | None],
+        faults: FaultPoints,
+        report: BuildReport,
+    ) -> None:
         if self.host is not None:
             try:
                 faults.check("host_write")
