@@ -26,6 +26,7 @@ signature) is active.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -92,10 +93,11 @@ class TablesTier:
                     )
                 log.info("%s: an sglang table file carries no binding: only its geometry was checked", table.path)
                 continue
-            differs = [key for key in _CHECKED if _plain(table.binding.get(key)) != _plain(template.get(key))]
+            differs = [key for key in _CHECKED if plain_json(table.binding.get(key)) != plain_json(template.get(key))]
             if differs:
                 detail = "; ".join(
-                    f"{key}: file {_plain(table.binding.get(key))}, here {_plain(template.get(key))}" for key in differs
+                    f"{key}: file {plain_json(table.binding.get(key))}, here {plain_json(template.get(key))}"
+                    for key in differs
                 )
                 raise ConfigError(
                     f"{table.path} (tables=) was exported for another {', '.join(differs)} ({detail}); its tables are "
@@ -143,11 +145,9 @@ class TablesTier:
         return ", ".join(f"{t.path} [{t.plans} plans]" for t in self.files)
 
 
-def _plain(value: Any) -> Any:
+def plain_json(value: Any) -> Any:
     """A JSON round trip, so a tuple in one binding equals a list in the other."""
-    import json
-
     return json.loads(json.dumps(value, sort_keys=True, default=str))
 
 
-__all__ = ["TablesArg", "TablesTier", "table_paths"]
+__all__ = ["TablesArg", "TablesTier", "plain_json", "table_paths"]
