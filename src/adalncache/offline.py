@@ -236,7 +236,8 @@ def describe_store(path: str | os.PathLike[str], *, verify: bool = True) -> dict
         binding = bindings.get(bhash, {})
         env = binding.get("environment", {}) if isinstance(binding, dict) else {}
         info.update(
-            fingerprint=str(binding.get("fingerprint", "?"))[:16],
+            format=int(binding.get("binding", 1)),
+            content=binding.get("content"),
             spec=binding.get("spec"),
             precision=binding.get("precision"),
             variant=binding.get("variant"),
@@ -249,18 +250,36 @@ def describe_store(path: str | os.PathLike[str], *, verify: bool = True) -> dict
         "entries": len(entries),
         "bytes": sum(e.size for e in entries),
         "bindings": per,
+        "digest_memo": len(store.memo.records()),
         "health": store.health(verify=verify),
     }
 
 
 def describe_checkpoint(
-    path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], *, layout: str = "auto"
+    path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+    *,
+    layout: str = "auto",
+    store: Store | None = None,
+    hash: bool = False,
 ) -> dict[str, Any]:
-    """Layout, files, projection tensors and bytes, fingerprint, and whether the time embedder is there."""
+    """Layout, files, projection tensors and bytes, both identities, and whether the time embedder is there.
+
+    The *file identity* (``fingerprint``: stat and header of every file) changes on any rewrite,
+    copy or touch; the *content digest* names the projections' bytes, which is what stores and
+    table files bind to. It comes from this process's memo or ``store``'s, or with ``hash=True``
+    from one hashing read (recorded in ``store``'s memo when given); else it is reported unknown.
+    """
     spec, source = open_checkpoint(path, layout=layout)
     info = source.describe()
     info["time_embedder"] = has_time_embedder(source)
     info["row_bytes"] = spec.row_bytes
+    probe = AdalnCache(spec, source, max_plans=1, max_plan_width=1, store=store)
+    content = probe.identify(read=False)
+    info["content_from"] = f"from the digest memo{f' in {store.path}' if store is not None else ''}"
+    if content is None and hash:
+        content = probe.identify(read=True)
+        info["content_from"] = f"hashed now{f', recorded in {store.path}' if store is not None else ''}"
+    info["content"] = content
     return info
 
 

@@ -262,6 +262,22 @@ class TableWriter:
 # reading
 
 
+def is_table_file(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a safetensors file holding the four table tensors (what ``inspect`` tells apart)."""
+    path = Path(path)
+    if not path.is_file():
+        return False
+    try:
+        with open(path, "rb") as handle:
+            (length,) = struct.unpack("<Q", handle.read(8))
+            if length > 100_000_000:
+                return False
+            header = json.loads(handle.read(length))
+    except (OSError, ValueError, struct.error):
+        return False
+    return isinstance(header, dict) and all(name in header for name in TENSORS)
+
+
 class TableFile:
     """One table file, validated and indexed; :meth:`read` returns a plan's rows.
 
@@ -481,6 +497,7 @@ __all__ = [
     "TableFile",
     "TableWriter",
     "bound_metadata",
+    "is_table_file",
     "sglang_metadata",
     "slot_digest",
     "tool_version",

@@ -83,6 +83,9 @@ class TablesTier:
         digest (None when it has no weights to hash), asked only if a bound file needs it.
         """
         precision = template.get("precision")
+        bound = [t for t in self.files if t.binding is not None]
+        # Asked first, whatever the files say: in a process group it is a collective every rank joins.
+        digest = content() if bound else None
         for table in self.files:
             if table.binding is None:
                 if precision != "match":
@@ -104,14 +107,12 @@ class TablesTier:
                     f"not what this cache computes bit for bit: export on this machine class with these settings "
                     f"(adalncache export --device, --precision, --shard)"
                 )
-        bound = [t for t in self.files if t.binding is not None]
-        if not bound:
-            return
-        digest = content()
-        for table in bound:
             if digest is None:
-                log.info("%s: the content digest of the projections cannot be computed here (no weights): checked "
-                         "spec, precision and environment only", table.path)  # fmt: skip
+                log.info(
+                    "%s: the content digest of the projections cannot be computed here (no weights): checked "
+                    "spec, precision and environment only",
+                    table.path,
+                )
             elif table.content != digest:
                 raise ConfigError(
                     f"{table.path} (tables=) was built from other projection weights (content {table.content}, this "
