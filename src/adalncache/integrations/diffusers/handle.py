@@ -19,6 +19,7 @@ from torch import nn
 
 from ...errors import CheckpointError, ConfigError, PlanNotCachedError
 from ...plans import PlanKey
+from ...source.absent import NoWeights
 from ...spec import FINAL, Layer, ModulationSpec
 from .config import AdalnCacheConfig
 from .hooks import OUTPUT_HOOK, TIME_EMBEDDER_HOOK, ServingHooks, other_hooks_present, unhooked
@@ -37,7 +38,7 @@ from .modules import (
     time_embedder_linears,
 )
 from .parking import TimeEmbedderLoan, WeightParking
-from .sources import Source, changed_since, checkpoint_source, model_source
+from .sources import Source, changed_since, check_tables_against_model, checkpoint_source, model_source
 
 if TYPE_CHECKING:
     from ... import AdalnCache, BuildReport, CacheStats
@@ -119,10 +120,18 @@ class AdalnCacheHandle:
             self._hooks = None
         remove_overrides(self.model, self._overrides)
         self._overrides = ()
+        freed = self._parking.freed
         self._parking.restore()
         self.enabled = False
         setattr(self.model, HANDLE_ATTRIBUTE, None)
-        logger.info("AdaLN cache disabled; projection weights restored")
+        if freed:
+            logger.warning(
+                "AdaLN cache disabled; the projection weights were freed when it was enabled with tables= and no "
+                "checkpoint=, so they stay empty (meta) placeholders and the model cannot run without the cache: "
+                "reload it, or enable with checkpoint= to be able to restore them"
+            )
+        else:
+            logger.info("AdaLN cache disabled; projection weights restored")
 
     def __repr__(self) -> str:
         state = "enabled" if self.enabled else "disabled"
@@ -146,20 +155,31 @@ class AdalnCacheHandle:
             free_time_embedder = not other_hooks_present(model)
         modules = projection_modules(model, self.spec)
         host_tensors = None
+        options = config.cache_options
+        source: Source | None
         if config.checkpoint is not None:
-            self.source = checkpoint_source(
+            source = checkpoint_source(
                 config.checkpoint, self.spec, modules, layout=config.layout, verify=config.verify_checkpoint
             )
+        elif options.tables is not None:
+            # Table files and no checkpoint: the projections are needed by no plan the files hold,
+            # so after a check against bound files they are freed, not parked (source None).
+            check_tables_against_model(self.spec, modules, options.tables, device=device, precision=options.precision)
+            source = None
         else:
-            self.source, host_tensors = model_source(self.spec, modules, self.device)
-        self._enabled_fingerprint = self.source.fingerprint
-        self.cache = config.cache_options.build(self.spec, self.source, device)
+            source, host_tensors = model_source(self.spec, modules, self.device)
+        self.cache = options.build(self.spec, source, device)
+        if source is None:
+            assert isinstance(self.cache.source, NoWeights)
+            source = self.cache.source
+        self.source = source
+        self._enabled_fingerprint = source.fingerprint
         # From here on the model is modified; undo everything if a step fails.
         try:
             targets: list[tuple[nn.Module, Layer | None]] = [(base_linear(module), layer) for layer, module in modules]
             if free_time_embedder:
                 targets += [(base_linear(linear), None) for _, linear in time_embedder_linears(model)]
-            self._parking.park(targets, source=self.source, host_tensors=host_tensors)
+            self._parking.park(targets, source=source, host_tensors=host_tensors)
             self._hooks = ServingHooks(model, self.spec, self.cache, self._make_resident)
             self._hooks.register(time_embedder=free_time_embedder)
             overrides = self._lora.guards(standing_in=self._parking.standing_in, after_load=self._hooks.follow_output)

@@ -172,12 +172,12 @@ class PipelineAdalnCacheHandle:
 def enable_pipeline(
     pipeline: Any,
     checkpoint: CheckpointArg | Mapping[str, CheckpointArg] | None,
-    config_for: Callable[[CheckpointArg | None], AdalnCacheConfig],
+    config_for: Callable[[CheckpointArg | None, str], AdalnCacheConfig],
 ) -> PipelineAdalnCacheHandle:
     """Enable the cache on every MiniMax-H3 transformer of ``pipeline``; all or none.
 
     ``checkpoint``: one path when the pipeline holds one transformer, else a mapping by component
-    name. ``config_for(path)`` gives each transformer's settings (only the checkpoint differs).
+    name. ``config_for(path, name)`` gives each transformer's settings.
     """
     components: dict[str, Any] = {
         name: getattr(pipeline, name, None)
@@ -207,7 +207,7 @@ def enable_pipeline(
     handles: dict[str, AdalnCacheHandle] = {}
     try:
         for name, model in components.items():
-            handles[name] = enable_transformer(model, config_for(checkpoints[name]))
+            handles[name] = enable_transformer(model, config_for(checkpoints[name], name))
     except BaseException:
         for handle in handles.values():
             handle.disable()

@@ -14,13 +14,15 @@ from typing import Any
 
 import torch
 
-from ... import CheckpointSource, TensorSource
+from ... import AdalnCache, CheckpointSource, TensorSource
 from ...errors import CheckpointError, ConfigError
+from ...source.absent import NoWeights
 from ...spec import Layer, ModulationSpec
+from ...tiers.tables import TablesArg, TablesTier
 from .modules import DIFFUSERS_LAYOUT, base_linear, projection_path
 
-#: Either kind of weight source the integration builds.
-Source = CheckpointSource | TensorSource
+#: Every kind of weight source the integration uses (``NoWeights``: table files only).
+Source = CheckpointSource | TensorSource | NoWeights
 
 #: A host copy of one parked projection tensor, by ``(layer, "weight" | "bias")``.
 HostTensors = dict[tuple[Layer, str], torch.Tensor]
@@ -66,6 +68,26 @@ def model_source(
             tensors[f"{DIFFUSERS_LAYOUT.prefix(layer)}.{name}"] = tensor
             host[(layer, name)] = tensor
     return TensorSource(tensors, spec, layout=DIFFUSERS_LAYOUT.name), host
+
+
+def check_tables_against_model(
+    spec: ModulationSpec,
+    modules: Sequence[tuple[Layer, Any]],
+    tables: TablesArg,
+    *,
+    device: torch.device,
+    precision: str,
+) -> None:
+    """Refuse table files that do not hold this model's projections, before the model's own weights are freed.
+
+    A bound file names the content digest of the projections it was built from: the model's own
+    tensors are hashed (as they are; on a GPU through a host copy) and compared. An sglang file
+    carries nothing to compare; its geometry is checked when the cache opens it.
+    """
+    if not any(table.binding is not None for table in TablesTier(tables, spec).files):
+        return
+    own, _ = model_source(spec, modules, device)
+    AdalnCache(spec, own, max_plans=1, max_plan_width=1, device=device, precision=precision, tables=tables)
 
 
 def checkpoint_source(
