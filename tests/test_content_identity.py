@@ -233,3 +233,21 @@ def test_identify_and_a_sharded_checkpoint_record_per_file(tmp_path: Path) -> No
     forget_process_memo()
     again = _cache(directory, store)
     assert again.identify(read=False) == digest and again.stats.hash_reads == 0
+
+
+def test_fp32_content_at_other_offsets_is_another_binding(tmp_path: Path) -> None:
+    """fp32 weights re-saved at other offsets: the same content digest, but a one-row GEMV on a CPU can
+    give other bits at another address modulo 16, so the store keeps their entries apart."""
+    spec = small_spec(torch.float32, hidden=8, layers=2, k=16)
+    weights = projection_dict(spec, 0)
+    a = write_safetensors(weights, tmp_path / "a.safetensors")
+    b = write_safetensors(weights, tmp_path / "b.safetensors", residues=dict.fromkeys(weights, 4))
+    store = tmp_path / "store"
+    embed = simple_embed(spec)
+    first = AdalnCache(spec, CheckpointSource(a, spec), max_plans=4, max_plan_width=4, store=store)
+    first.build(PLANS, embed=embed)
+    second = AdalnCache(spec, CheckpointSource(b, spec), max_plans=4, max_plan_width=4, store=store)
+    report = second.build(PLANS, embed=embed)
+    assert second.content_digest == first.content_digest
+    assert report.store_hits == 0 and report.passes == 1
+    assert first.binding()["alignment"] != second.binding()["alignment"]  # type: ignore[index]

@@ -101,6 +101,25 @@ class ContentIdentity:
         pseudo = FileStamp(socket.gethostname(), f"<tensors in process {fingerprint}>", 0, 0, 0, 0, 0, fingerprint)
         return dict.fromkeys((role for role, _, _ in roles), pseudo)
 
+    def alignment(self) -> list[int] | None:
+        """Each projection tensor's address modulo 64 bytes as this source serves it, in pass order.
+
+        On a CPU an fp32 (or fp16) GEMV with one row gives different bits for the same weight at
+        another address modulo 16 bytes, so for those dtypes the same content at other offsets (a
+        re-saved file) is another table. A checkpoint's buffers keep the file offset's residue; a
+        tensor in memory has its own address. None when there are no weights.
+        """
+        if not self.hashable:
+            return None
+        roles = projection_roles(self.spec)
+        layout = self.source.layout
+        names = [layout.weight(layer) if part == "weight" else layout.bias(layer) for _, layer, part in roles]
+        entry = getattr(self.source, "entry", None)
+        if callable(entry):
+            return [int(entry(name)[1].begin) % 64 for name in names]
+        tensors = getattr(self.source, "tensors", {})
+        return [int(tensors[name].data_ptr()) % 64 for name in names]
+
     def _remembered(self, stamps: Mapping[str, FileStamp] | None) -> Knowledge:
         """What the memo holds for the current files, by role."""
         if not stamps:

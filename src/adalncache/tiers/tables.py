@@ -96,7 +96,8 @@ class TablesTier:
                     )
                 log.info("%s: an sglang table file carries no binding: only its geometry was checked", table.path)
                 continue
-            differs = [key for key in _CHECKED if plain_json(table.binding.get(key)) != plain_json(template.get(key))]
+            checked = [*_CHECKED, *(["alignment"] if template.get("alignment") is not None else [])]
+            differs = [key for key in checked if plain_json(table.binding.get(key)) != plain_json(template.get(key))]
             if differs:
                 detail = "; ".join(
                     f"{key}: file {plain_json(table.binding.get(key))}, here {plain_json(template.get(key))}"
