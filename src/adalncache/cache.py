@@ -362,7 +362,10 @@ class AdalnCache:
                 f"this cache has no weight source to build it: pass checkpoint= (enable_adaln_cache, or a "
                 f"CheckpointSource), or export these tables (adalncache export CHECKPOINT --task T --steps N -o FILE)"
             )
-        try:  # one build per fleet: another process may be building these very entries
+        try:
+            if to_build:  # a pass follows: it hashes only if no memo knows the digest (every rank asks here)
+                self._identity.content.resolve()
+            # One build per fleet: another process may be building these very entries.
             served = self._tiers.claim(to_build, identity=self._identity, report=report)
         except BaseException as exc:
             self._tiers.release_claim()

@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from ..devices import resolve_device
 from ..source import LazyTensor, aligned_empty, pread_into, write_safetensors
 from ..spec import FINAL, Layer, ModulationSpec, get_layout
+from .bench_tables import bench_tables
 
 log = logging.getLogger(__name__)
 
@@ -1023,6 +1024,7 @@ def run(args: argparse.Namespace) -> int:
         "build": lambda: bench_build_latency(res, runs, work / "ckpt-latency-50x8x16", device),
         "store": lambda: bench_store(res, source, plans, runs, device),
         "memory": lambda: bench_memory(res, source, plans, ckpt_dir, device),
+        "tables": lambda: _bench_tables(res, source, plans, runs, device),
     }
     for name, section in sections.items():
         if name in args.only:
@@ -1036,7 +1038,13 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-SECTIONS = ("pass", "forward", "build", "store", "memory")
+SECTIONS = ("pass", "forward", "build", "store", "memory", "tables")
+
+
+def _bench_tables(res: Results, source: Any, plans: list[torch.Tensor], runs: int, device: torch.device) -> None:
+    """Content hashing, store and table-file hits (their own module, :mod:`adalncache.tools.bench_tables`)."""
+    inputs = make_inputs(source.spec, plans, device)
+    bench_tables(res, source, plans, runs, device, inputs=inputs, compare=Comparison, sync=sync_device)
 
 
 def register(subparsers: Any) -> None:
