@@ -360,6 +360,15 @@ def _common(parser: argparse.ArgumentParser, *, slab: bool = True) -> None:
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
 
 
+def _schedules(parser: argparse.ArgumentParser, steps_help: str) -> None:
+    """The flags that name schedules: --task and --steps (repeatable), the shifts, --no-audio-refs."""
+    parser.add_argument("--task", action="append", required=True, choices=TASKS, help="request kind (repeatable)")
+    parser.add_argument("--steps", action="append", required=True, type=_positive_int("--steps"), help=steps_help)
+    parser.add_argument("--video-shift", type=float, default=12.0, help="video schedule shift (default: 12)")
+    parser.add_argument("--audio-shift", type=float, default=3.0, help="audio schedule shift (default: 3)")
+    parser.add_argument("--no-audio-refs", action="store_true", help="ref2va without a reference audio")
+
+
 def _lock_wait(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--lock-wait", type=float, default=600.0,
@@ -380,14 +389,7 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("checkpoint", metavar="CHECKPOINT", help=".safetensors file, or a (sharded) checkpoint directory")
     p.add_argument("--store", required=True, help="store directory (created if absent)")
-    p.add_argument("--task", action="append", required=True, choices=TASKS, help="request kind (repeatable)")
-    p.add_argument(
-        "--steps", action="append", required=True, type=_positive_int("--steps"),
-        help="num_inference_steps of a schedule (repeatable)",
-    )  # fmt: skip
-    p.add_argument("--video-shift", type=float, default=12.0, help="video schedule shift (default: 12)")
-    p.add_argument("--audio-shift", type=float, default=3.0, help="audio schedule shift (default: 3)")
-    p.add_argument("--no-audio-refs", action="store_true", help="ref2va without a reference audio")
+    _schedules(p, "num_inference_steps of a schedule (repeatable)")
     p.add_argument(
         "--plan-width", type=_positive_int("--plan-width"), default=4,
         help="most timesteps per plan (default: 4)",
@@ -442,14 +444,7 @@ def register(subparsers: Any) -> None:
         help="the released transformer the tables belong to (t2va and fl2va run on fl2va, ref2va on ref2va); "
         "SGLang compares it with its own --model-variant",
     )  # fmt: skip
-    p.add_argument("--task", action="append", required=True, choices=TASKS, help="request kind (repeatable)")
-    p.add_argument(
-        "--steps", action="append", required=True, type=_positive_int("--steps"),
-        help="num_inference_steps (grid points; N - 1 forwards, SGLang's --num-inference-steps N-1) (repeatable)",
-    )  # fmt: skip
-    p.add_argument("--video-shift", type=float, default=12.0, help="video schedule shift (default: 12)")
-    p.add_argument("--audio-shift", type=float, default=3.0, help="audio schedule shift (default: 3)")
-    p.add_argument("--no-audio-refs", action="store_true", help="ref2va without a reference audio")
+    _schedules(p, "num_inference_steps (grid points; N - 1 forwards, SGLang's --num-inference-steps N-1) (repeatable)")
     p.add_argument("--store", default=None, help="a store to take entries from (and fill), optional")
     p.add_argument("--precision", default="match", choices=list(PRECISIONS), help="projection precision")
     p.add_argument("--batched", action="store_true", help="stacked projections where proven bit-identical")

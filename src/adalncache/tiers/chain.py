@@ -254,56 +254,45 @@ class TierChain:
         the stats and the report) and logged. The entry locks of the build are released at the end.
         """
         try:
-            self._write(order, built, rows_of=rows_of, binding=binding, faults=faults, report=report)
+            if self.host is not None:
+                try:
+                    faults.check("host_write")
+                    if not self.host.admit(order, rows_of):
+                        self.stats.host_pressure_skips += 1
+                except Exception as exc:
+                    self._failed(report, 1, "host tier write", exc)
+                self.stats.host_evicted = self.host.evicted_plans
+            # Every rank writes the plans it built. A rank's entries are bound to the content and its
+            # own numeric environment, which need not equal its peers': a single writer would leave
+            # the other ranks missing forever, and since tier hits are AND-reduced, every rank would
+            # rebuild every time. Ranks sharing one directory and binding write the same bytes; the
+            # store's atomic rename makes that safe.
+            if self.store is None or not built:
+                return
+            try:
+                faults.check("store_write")
+                bound = binding()
+            except Exception as exc:
+                self._failed(report, 1, "store write", exc)
+                return
+            if bound is None:
+                # The content digest is still unknown (a column split that cuts leaves, weights that
+                # cannot be hashed): an entry could never be found again, so none is written.
+                log.info("store write of %d plan(s) skipped: the weights' content digest is not known", len(built))
+                return
+            # One entry per file: a failing entry (a full disk, a permission) must not keep the
+            # others out, and each failure is counted so `adalncache build` can report them.
+            failed: list[BaseException] = []
+            for key in built:
+                try:
+                    self.store.put(bound, key, rows_of(key))
+                except Exception as exc:
+                    failed.append(exc)
+            if failed:
+                what = f"store write of {len(failed)} of {len(built)} plan(s)"
+                self._failed(report, len(failed), what, failed[0])
         finally:
             self.release_claim()
-
-    def _write(
-        self,
-        order: Sequence[PlanKey],
-        built: Sequence[PlanKey],
-        *,
-        rows_of: Callable[[PlanKey], PlanRows],
-        binding: Callable[[], dict[str, Any] | None],
-        faults: FaultPoints,
-        report: BuildReport,
-    ) -> None:
-        if self.host is not None:
-            try:
-                faults.check("host_write")
-                if not self.host.admit(order, rows_of):
-                    self.stats.host_pressure_skips += 1
-            except Exception as exc:
-                self._failed(report, 1, "host tier write", exc)
-            self.stats.host_evicted = self.host.evicted_plans
-        # Every rank writes the plans it built. A rank's entries are bound to its own source
-        # fingerprint and numeric environment, which need not equal its peers' (local checkpoint
-        # copies on several nodes): a single writer would leave the other ranks missing forever,
-        # and since tier hits are AND-reduced, every rank would rebuild every time. Ranks sharing
-        # one directory and fingerprint write the same bytes; the store's atomic rename makes that safe.
-        if self.store is None or not built:
-            return
-        try:
-            faults.check("store_write")
-            bound = binding()
-        except Exception as exc:
-            self._failed(report, 1, "store write", exc)
-            return
-        if bound is None:
-            # The content digest is still unknown (a column split that cuts leaves, weights that
-            # cannot be hashed): an entry could never be found again, so none is written.
-            log.info("store write of %d plan(s) skipped: the content digest of the weights is not known", len(built))
-            return
-        # One entry per file: a failing entry (a full disk, a permission) must not keep the
-        # others out, and each failure is counted so `adalncache build` can report them.
-        failed: list[BaseException] = []
-        for key in built:
-            try:
-                self.store.put(bound, key, rows_of(key))
-            except Exception as exc:
-                failed.append(exc)
-        if failed:
-            self._failed(report, len(failed), f"store write of {len(failed)} of {len(built)} plan(s)", failed[0])
 
     def _failed(self, report: BuildReport, count: int, what: str, exc: BaseException) -> None:
         self.stats.tier_write_failures += count
