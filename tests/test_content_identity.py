@@ -251,3 +251,21 @@ def test_fp32_content_at_other_offsets_is_another_binding(tmp_path: Path) -> Non
     assert second.content_digest == first.content_digest
     assert report.store_hits == 0 and report.passes == 1
     assert first.binding()["alignment"] != second.binding()["alignment"]  # type: ignore[index]
+
+
+def test_inspect_shows_both_identities(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from adalncache.cli import main
+
+    ckpt, store = _ckpt(tmp_path / "i"), tmp_path / "store"
+    Store(store)
+    assert main(["inspect", str(ckpt), "--store", str(store)]) == 0
+    shown = capsys.readouterr().out
+    assert "file identity" in shown and "content digest  not known yet" in shown
+    assert main(["inspect", str(ckpt), "--store", str(store), "--hash", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    digest = _cache(ckpt).identify()
+    assert info["content"] == digest and "hashed now" in info["content_from"] and info["fingerprint"]
+    forget_process_memo()
+    assert main(["inspect", str(ckpt), "--store", str(store)]) == 0
+    shown = capsys.readouterr().out
+    assert f"content digest  {digest}" in shown and "from the digest memo" in shown
