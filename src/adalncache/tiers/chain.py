@@ -210,7 +210,9 @@ class TierChain:
             claim, busy = locks.try_claim(namespace, todo)
             # A holder writes its entries before it lets go: what exists now is restored, not rebuilt.
             # (The holder records the content digest before its entries, so a waiter learns it here.)
-            bound = self._binding(identity, list(todo), count=False)
+            # Only a process that waited may need a hashing read to find them (a copy of the checkpoint
+            # on another host, whose digest its memo lacks); the lookup before the claim just tried.
+            bound = self._binding(identity, list(todo), count=False) if waited else identity.current_binding()
             present = store.contains(bound, list(todo)) if bound is not None else set()
             found = store.get_many(bound, sorted(present), self.spec) if bound is not None and present else {}
             served.update(found)
