@@ -208,16 +208,17 @@ class TierChain:
         pause, waited = POLL_S[0], False
         while todo:
             claim, busy = locks.try_claim(namespace, todo)
-            # A holder writes its entries before it lets go: what exists now is restored, not rebuilt.
-            # (The holder records the content digest before its entries, so a waiter learns it here.)
-            # Only a process that waited may need a hashing read to find them (a copy of the checkpoint
-            # on another host, whose digest its memo lacks); the lookup before the claim just tried.
-            bound = self._binding(identity, list(todo), count=False) if waited else identity.current_binding()
-            present = store.contains(bound, list(todo)) if bound is not None else set()
-            found = store.get_many(bound, sorted(present), self.spec) if bound is not None and present else {}
-            served.update(found)
-            claim.drop(list(found))
-            todo = {k: h for k, h in todo.items() if k not in found}
+            if waited:
+                # A holder writes its entries before it lets go: what exists now is restored, not
+                # rebuilt. (It records the content digest first, so a waiter on the same host learns
+                # it from the memo; one on another host, by a hashing read once the entries exist.)
+                bound = self._binding(identity, list(todo), count=False)
+                present = store.contains(bound, list(todo)) if bound is not None else set()
+                found = store.get_many(bound, sorted(present), self.spec) if bound is not None and present else {}
+                served.update(found)
+                claim.drop(list(found))
+                todo = {k: h for k, h in todo.items() if k not in found}
+                busy = [k for k in busy if k in todo]
             if claim or not todo:
                 self._claim = claim  # all, or some, are ours: build what is left now (busy ones duplicated)
                 break
