@@ -8,6 +8,7 @@ store keys apart from the one-process ones: that is how the test sees the flag t
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -15,9 +16,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
+from safetensors import safe_open
 
 from adalncache import AdalnCache, CheckpointSource, ModulationSpec
+from adalncache.cli import main
 from adalncache.embedding import time_embed_fn
 from adalncache.plans import plan_key, schedule_plans
 from adalncache.tiers.store import Store
@@ -31,20 +35,15 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-@pytest.mark.slow
-def test_build_under_a_launcher_shards_by_columns(tiny_saved_dir: Path, tmp_path: Path) -> None:
-    store = tmp_path / "store"
-    argv = [
-        sys.executable, "-m", "adalncache", "build", str(tiny_saved_dir), "--store", str(store), "--task", "fl2va",
-        "--steps", "3", "--shard", "columns", "--timeout", "60", "-q",
-    ]  # fmt: skip
+def _launch(argv: list[str], world: int = 2) -> list[str]:
+    """Run ``argv`` as ``world`` ranks the way torchrun starts its workers; each rank's stdout (all must succeed)."""
     port = _free_port()
     ranks = []
-    for rank in range(2):
+    for rank in range(world):
         env = {
-            **os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
-            "OMP_NUM_THREADS": "1",
+            **os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+            "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"), "OMP_NUM_THREADS": "1",
         }  # fmt: skip
         ranks.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     outputs = []
@@ -57,6 +56,17 @@ def test_build_under_a_launcher_shards_by_columns(tiny_saved_dir: Path, tmp_path
         for proc in ranks:
             if proc.poll() is None:
                 proc.kill()
+    return outputs
+
+
+@pytest.mark.slow
+def test_build_under_a_launcher_shards_by_columns(tiny_saved_dir: Path, tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    argv = [
+        sys.executable, "-m", "adalncache", "build", str(tiny_saved_dir), "--store", str(store), "--task", "fl2va",
+        "--steps", "3", "--shard", "columns", "--timeout", "60", "-q",
+    ]  # fmt: skip
+    outputs = _launch(argv)
     plans = schedule_plans(["fl2va"], [3])
     assert f"{len(plans)} built in 1 pass(es)" in outputs[0] and "2 ranks (--shard columns)" in outputs[0]
     assert outputs[1] == ""  # only rank 0 reports
@@ -68,3 +78,28 @@ def test_build_under_a_launcher_shards_by_columns(tiny_saved_dir: Path, tmp_path
     cache = AdalnCache(spec, source, max_plans=len(plans), store=store)
     report = cache.build(plans, embed=time_embed_fn(source, spec))
     assert (report.store_hits, report.built) == (0, len(plans))
+
+
+@pytest.mark.slow
+def test_export_under_a_launcher_equals_the_one_process_file(tiny_saved_root: Path, tmp_path: Path) -> None:
+    """Two ranks share the passes of ``export`` (layer shards) and rank 0 writes: the same tables, the same binding."""
+
+    checkpoint = tiny_saved_root / "bf16"
+    shared = tmp_path / "ranks.safetensors"
+    argv = [
+        sys.executable, "-m", "adalncache", "export", str(checkpoint), "-o", str(shared), "--task", "t2va",
+        "--steps", "4", "--timeout", "60", "-q",
+    ]  # fmt: skip
+    _launch(argv)
+    alone = tmp_path / "alone.safetensors"
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)  # the ranks ran with one thread, which is part of the binding
+    try:
+        assert main(["export", str(checkpoint), "-o", str(alone), "--task", "t2va", "--steps", "4", "-q"]) == 0
+    finally:
+        torch.set_num_threads(previous)
+    with safe_open(str(shared), framework="pt") as a, safe_open(str(alone), framework="pt") as b:
+        for name in ("plan_timesteps", "plan_lengths", "block_params", "final_params"):
+            assert torch.equal(a.get_tensor(name), b.get_tensor(name)), name
+        mine, theirs = json.loads(a.metadata()["adalncache.binding"]), json.loads(b.metadata()["adalncache.binding"])
+        assert mine == theirs and mine["content"].startswith("blake3:")

@@ -48,9 +48,11 @@ from .serving import SlabReads
 from .slab import Slab
 from .slots import SlotPool
 from .source import WeightSource
+from .source.absent import NoWeights
 from .spec import ModulationSpec
 from .streams import StreamSync, events_for
 from .tiers.chain import TierChain
+from .tiers.tables import TablesArg, TablesTier
 from .transaction import BuildSettings, BuildTransaction
 
 if TYPE_CHECKING:
@@ -71,7 +73,7 @@ def _check_int(name: str, value: Any, flag: str, minimum: int) -> int:
 
 def _check_arguments(
     spec: Any, source: Any, *, max_plans: Any, max_plan_width: Any, host_cache_bytes: Any, read_ahead: Any,
-    batched: Any, precision: Any, shard: Any,
+    batched: Any, precision: Any, shard: Any, tables: Any,
 ) -> None:  # fmt: skip
     """Every construction argument the cache can check alone; ConfigError names the one to change."""
     if not isinstance(spec, ModulationSpec):
@@ -86,6 +88,12 @@ def _check_arguments(
         raise ConfigError(f"precision must be one of {list(PRECISIONS)}, got {precision!r}: set --precision")
     if shard not in SHARD_MODES:
         raise ConfigError(f"shard must be one of {list(SHARD_MODES)}, got {shard!r}: set --shard")
+    if source is None:
+        if tables is None:
+            raise ConfigError(
+                "source=None needs tables= (table files to serve from): pass a CheckpointSource or tables="
+            )
+        return
     source_spec = getattr(source, "spec", None)
     if source_spec is None or not callable(getattr(source, "stream", None)):
         raise ConfigError(
@@ -110,7 +118,7 @@ class AdalnCache(SlabReads):
     def __init__(
         self,
         spec: ModulationSpec,
-        source: WeightSource,
+        source: WeightSource | None,
         *,
         max_plans: int = 64,
         max_plan_width: int = 4,
@@ -123,10 +131,11 @@ class AdalnCache(SlabReads):
         read_ahead: int = 1,
         progress: bool | None = None,
         batched: bool = False,
+        tables: TablesArg | None = None,
     ) -> None:
         _check_arguments(
             spec, source, max_plans=max_plans, max_plan_width=max_plan_width, host_cache_bytes=host_cache_bytes,
-            read_ahead=read_ahead, batched=batched, precision=precision, shard=shard,
+            read_ahead=read_ahead, batched=batched, precision=precision, shard=shard, tables=tables,
         )  # fmt: skip
         self.device = resolve_device(device, argument="device")
         if self.device.type == "cuda" and self.device.index is None:
@@ -134,10 +143,15 @@ class AdalnCache(SlabReads):
             # current in its own thread.
             self.device = torch.device("cuda", torch.cuda.current_device())
         # Settings that fix the number or size of later collectives are compared across ranks.
-        agreed = {"precision": precision, "store": store is not None, "device_type": self.device.type}
+        agreed = {
+            "precision": precision, "store": store is not None, "device_type": self.device.type,
+            "tables": tables is not None,
+        }  # fmt: skip
         self._dist = make_collective(process_group, shard, spec, device=self.device, config=agreed)
         self.spec = spec
-        self.source = source
+        #: The weight source; without one (``source=None``) a :class:`~adalncache.source.absent.NoWeights`
+        #: that serves table files only.
+        self.source: WeightSource = source if source is not None else NoWeights(spec)
         self.precision = precision
         self.shard = shard
         self.read_ahead = read_ahead
@@ -154,8 +168,8 @@ class AdalnCache(SlabReads):
         try:  # out of device memory, or a store directory, on one rank alone must fail every rank
             self._slab = Slab(spec, self.max_plans, self.max_plan_width, self.device)
             self._tiers = TierChain.open(
-                spec, source, host_cache_bytes=self.host_cache_bytes, store=store, device=self.device,
-                collective=self._dist, stats=self.stats,
+                spec, self.source, host_cache_bytes=self.host_cache_bytes, store=store, device=self.device,
+                collective=self._dist, stats=self.stats, tables=tables,
             )  # fmt: skip
         except BaseException as exc:
             failure = exc
@@ -167,9 +181,21 @@ class AdalnCache(SlabReads):
         #: The per-slot events that order builds and reads across CUDA streams (no-ops on a CPU).
         self.stream_sync = StreamSync(self.max_plans, events_for(self.device))
         self._pool = SlotPool(self._slab, self.stream_sync)
+        memo = self._tiers.store.memo if self._tiers.store is not None else None
         self._identity = TableIdentity(
-            source, self._dist, self.stats, spec=spec, precision=precision, device=self.device
+            self.source, self._dist, self.stats, spec=spec, precision=precision, device=self.device, memo=memo
         )
+        if self._tiers.tables is not None:
+            # A table file that cannot serve this cache bit-exactly is refused now, on every rank.
+            try:
+                self._tiers.tables.check_bindings(self._identity.template(), self._identity.content.identify)
+            except BaseException as exc:
+                failure = exc
+            self._dist.agree_construction(failure)
+            if failure is not None:
+                raise failure
+        #: The table files given (``tables=``); served while the device matches their binding.
+        self._table_files = self._tiers.tables
         self.fault_points: FaultPoints = NO_FAULTS
         self._lock = threading.RLock()  # state: slot map, holds, stats, identity (never held in a pass)
         self._build_lock = threading.RLock()  # one build at a time
@@ -179,7 +205,7 @@ class AdalnCache(SlabReads):
             max_plan_width=self.max_plan_width, read_ahead=read_ahead, progress=progress, batched=batched,
         )  # fmt: skip
         self._builder = BuildTransaction(
-            settings, source=source, slab=self._slab, pool=self._pool, tiers=self._tiers, identity=self._identity,
+            settings, source=self.source, slab=self._slab, pool=self._pool, tiers=self._tiers, identity=self._identity,
             collective=self._dist, stats=self.stats, sync=self.stream_sync, lock=self._lock,
             faults=lambda: self.fault_points,
         )  # fmt: skip
@@ -238,6 +264,25 @@ class AdalnCache(SlabReads):
         return self._tiers.store
 
     @property
+    def tables(self) -> TablesTier | None:
+        """The read-only table files (``tables=``), or None."""
+        return self._tiers.tables
+
+    @property
+    def content_digest(self) -> str | None:
+        """The content digest of the source's projection tensors, if known yet (no I/O; see :meth:`identify`)."""
+        return self._identity.content.digest
+
+    def identify(self, *, read: bool = True) -> str | None:
+        """The content digest: from the digest memo, else (``read=True``) by one hashing-only read.
+
+        ``None`` when it cannot be known (no weights; a column split that cuts the hashed row
+        blocks; tensors on a device). In a process group every rank must call this together.
+        """
+        with self._build_lock:
+            return self._identity.content.identify(read=read)
+
+    @property
     def world_size(self) -> int:
         """Ranks that build this cache together (1 without a process group)."""
         return self._dist.world
@@ -267,8 +312,11 @@ class AdalnCache(SlabReads):
             f"{self.spec.num_layers} layers, {self.precision}, {self.device})"
         )
 
-    def binding(self) -> dict[str, Any]:
-        """Everything a stored table depends on besides its plan (stores key entries by it)."""
+    def binding(self) -> dict[str, Any] | None:
+        """Everything a stored table depends on besides its plan (stores key entries by it).
+
+        ``None`` while the source's content digest is not known (the store is then not used).
+        """
         return self._identity.binding()
 
     # -- build and hold ---------------------------------------------------------------------
@@ -416,7 +464,10 @@ class AdalnCache(SlabReads):
     # -- maintenance ------------------------------------------------------------------------
 
     def invalidate(self) -> None:
-        """Empty the slab and the host tier (held plans retire). Store entries stay: they are keyed by fingerprint."""
+        """Empty the slab and the host tier (held plans retire).
+
+        Store entries stay: they are keyed by content, so they never go stale.
+        """
         with self._build_lock:
             self._builder.drop_all("invalidate()")
 
@@ -486,8 +537,16 @@ class AdalnCache(SlabReads):
             )  # fmt: skip
         self._slab.relocate(target, keep_rows=here == there)
         self.stream_sync.reset(events_for(target))
-        self._builder.relocate(target, self._tiers)
         previous, self.device, identity.device = self.device, target, target
+        if here != there and self._table_files is not None:
+            # Table files are bound to a numeric environment, device included: served where they match.
+            try:
+                self._table_files.check_bindings(identity.template(), identity.content.identify)
+                self._tiers.tables = self._table_files
+            except AdalnCacheError as exc:
+                log.warning("table files not served on %s (%s); plans are built there instead", target, exc)
+                self._tiers.tables = None
+        self._builder.relocate(target, self._tiers)
         self.plan_timesteps, self.plan_lengths, self.block_params, self.final_params = self._slab.tensors()
         if here != there:
             restored = self._parking.restore(there, self._pool, self._slab, fingerprint=identity.fingerprint)

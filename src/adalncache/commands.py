@@ -1,10 +1,10 @@
-"""``adalncache build | inspect | verify | store prune``: the command-line shells over :mod:`adalncache.offline`.
+"""``adalncache build | export | inspect | verify | store prune``: the command-line shells.
 
 Each ``run_*`` checks its arguments, turns them into library calls (:mod:`adalncache.offline`,
-:mod:`adalncache.plans`, :mod:`adalncache.embedding`) and prints what they return; the work itself
-lives in the library, where the examples and the tests call it too. ``build`` may run under
-torchrun: each rank then builds its share of every pass (``--shard``) and the ranks exchange rows,
-as ``AdalnCache(process_group=...)`` does.
+:mod:`adalncache.export`, :mod:`adalncache.plans`, :mod:`adalncache.embedding`) and prints what they
+return; the work itself lives in the library, where the examples and the tests call it too.
+``build`` and ``export`` may run under torchrun: each rank then builds its share of every pass
+(``--shard``) and the ranks exchange rows, as ``AdalnCache(process_group=...)`` does.
 """
 
 from __future__ import annotations
@@ -24,10 +24,12 @@ from .cache import PRECISIONS, SHARD_MODES, AdalnCache
 from .devices import resolve_device
 from .embedding import time_embed_fn
 from .errors import ConfigError
+from .export import check_export, export_tables, verify_tables
 from .offline import describe_checkpoint, describe_store, fill_store, is_store, open_checkpoint, verify_store
 from .plans import schedule_plans
 from .schedules import TASKS
 from .spec import LAYOUTS
+from .tablefile import FORMATS, MODEL_VARIANTS, TableFile, is_table_file
 from .tiers.store import Store
 
 
@@ -83,7 +85,8 @@ def run_build(args: argparse.Namespace) -> int:
         # The working slab: no more plans than one pass needs, so a small build allocates little.
         cache = AdalnCache(
             spec, source, max_plans=max(1, min(args.max_plans, len(plans))), max_plan_width=width, device=device,
-            precision=args.precision, store=Store(args.store), progress=rank0 and not args.quiet,
+            precision=args.precision, store=Store(args.store, lock_wait_s=args.lock_wait),
+            progress=rank0 and not args.quiet,
             batched=args.batched, read_ahead=args.read_ahead, host_cache_bytes=host_cache_bytes,
             process_group=group, shard=args.shard,
         )  # fmt: skip
@@ -99,25 +102,114 @@ def run_build(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
+# export
+
+
+def _check_output(path: Path) -> None:
+    """-o must name a file in an existing, writable directory (checked before anything is created)."""
+    if path.is_dir():
+        raise ConfigError(f"-o/--output {path} is a directory: name the table file to write")
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"-o/--output {path}: its directory {parent} does not exist or is not writable")
+
+
+def run_export(args: argparse.Namespace) -> int:
+    if not (args.timeout > 0):
+        raise ConfigError(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    output = Path(args.output)
+    _check_output(output)
+    device = resolve_device(args.device)
+    spec, source = open_checkpoint(args.checkpoint, layout=args.layout)
+    check_export(spec, format=args.format, precision=args.precision, model_variant=args.model_variant, tasks=args.task)
+    shifts = {"video_shift": args.video_shift, "audio_shift": args.audio_shift, "audio_refs": not args.no_audio_refs}
+    plans = schedule_plans(args.task, args.steps, **shifts)
+    width = max(p.numel() for p in plans)
+    store = Store(args.store, lock_wait_s=args.lock_wait) if args.store else None
+    schedules = [{"task": t, "steps": n, **shifts} for t in args.task for n in args.steps]
+    with _torchrun_group(device, args.timeout) as (group, device, rank):
+        rank0 = rank == 0
+        embed = time_embed_fn(source, spec, device)
+        cache = AdalnCache(
+            spec, source, max_plans=max(1, min(args.max_plans, len(plans))), max_plan_width=width, device=device,
+            precision=args.precision, store=store, progress=rank0 and not args.quiet, batched=args.batched,
+            read_ahead=args.read_ahead, process_group=group, shard=args.shard,
+        )  # fmt: skip
+        report = export_tables(
+            cache, plans, output, embed=embed, format=args.format, model_variant=args.model_variant,
+            tasks=args.task, schedules=schedules, progress=rank0 and not args.quiet,
+        )  # fmt: skip
+    if rank0:
+        sglang = ", ".join(f"--steps {n} -> --num-inference-steps {n - 1}" for n in args.steps)
+        print(
+            f"adalncache export: wrote {report.path} ({report.format}, {report.plans} plans of up to {report.width} "
+            f"timesteps, {report.bytes / 2**20:.2f} MiB): {report.store_hits} from the store, {report.built} built "
+            f"in {report.passes} pass(es); content {report.content or 'not bound (sglang format)'}"
+        )
+        print(f"  serves SGLang ({sglang}){f', --model-variant {args.model_variant}' if args.model_variant else ''}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
 # inspect
+
+
+def _print_tables(info: dict[str, Any]) -> None:
+    print(
+        f"table file {info['path']}: {info['format']} format, {info['plans']} plans of up to {info['width']} "
+        f"timesteps (per width: {info['plans_per_width']}), {info['bytes'] / 2**20:.2f} MiB"
+    )
+    spec = info["spec"]
+    print(f"  {spec['num_layers']} blocks, hidden {spec['hidden_size']}, {spec['dtype']}; model_variant "
+          f"{info['model_variant'] or '(none)'}")  # fmt: skip
+    binding = info["binding"]
+    if binding is None:
+        print("  binding: none (an sglang file: only its geometry can be checked)")
+    else:
+        env = binding.get("environment", {})
+        print(f"  content {binding.get('content')}")
+        print(
+            f"  precision {binding.get('precision')}, shard {binding.get('shard')}, torch {env.get('torch')} on "
+            f"{env.get('device_name') or env.get('cpu_capability') or env.get('device_type')}; {info['tool']}, "
+            f"{info['created']}"
+        )
+        print(f"  schedules: {info['schedules']}")
+    if "slots" in info:
+        print(f"  slots: {info['slots']}")
 
 
 def run_inspect(args: argparse.Namespace) -> int:
     path = Path(args.path)
     if is_store(path):
         info = describe_store(path, verify=not args.quick)
+    elif is_table_file(path):
+        table = TableFile(path, argument="PATH")
+        info = table.describe()
+        if table.binding is not None and not args.quick:
+            bad = table.verify_slots()
+            info["slots"] = f"{len(bad)} of {table.plans} fail their digest" if bad else "every digest verified"
     else:
-        info = describe_checkpoint(args.path, layout=args.layout)
+        store = Store(args.store) if args.store else None
+        info = describe_checkpoint(args.path, layout=args.layout, store=store, hash=args.hash)
     if args.json:
         print(json.dumps(info, indent=1, default=str))
+        return 0
+    if info["kind"] == "tables":
+        _print_tables(info)
         return 0
     if info["kind"] == "store":
         health = info["health"]
         print(f"store {info['path']}: {info['entries']} entries, {info['bytes'] / 2**20:.2f} MiB")
         for bhash, b in info["bindings"].items():
+            if b["format"] == 1:
+                print(
+                    f"  binding {bhash[:12]}: {b['entries']} entries, {b['bytes'] / 2**20:.2f} MiB: format 1 (bound to "
+                    f"a file's stat identity), never looked up by this version; store prune --max-gb removes entries"
+                )
+                continue
             print(
-                f"  binding {bhash[:12]}: {b['entries']} entries, {b['bytes'] / 2**20:.2f} MiB, checkpoint "
-                f"{b['fingerprint'][:12]}, precision {b['precision']}, spec {b['spec']}, torch {b['torch']} on "
+                f"  binding {bhash[:12]}: {b['entries']} entries, {b['bytes'] / 2**20:.2f} MiB, content "
+                f"{str(b['content'])[:23]}, precision {b['precision']}, spec {b['spec']}, torch {b['torch']} on "
                 f"{b['device']}"
             )
         if args.quick:
@@ -137,7 +229,16 @@ def run_inspect(args: argparse.Namespace) -> int:
         f"{info['projection_bytes'] / 2**20:.2f} MiB; one table row {info['row_bytes'] / 2**20:.3f} MiB"
     )
     print(f"  time embedder: {'present' if info['time_embedder'] else 'MISSING (build/verify need it)'}")
-    print(f"  fingerprint {info['fingerprint']}")
+    print(f"  file identity   {info['fingerprint'][:16]}  (stat and header of every file: any rewrite, copy or touch)")
+    content = info["content"]
+    if content is not None:
+        print(f"  content digest  {content}  ({info['content_from']})")
+    else:
+        memo = "" if args.store else "; give --store to consult its memo"
+        print(
+            f"  content digest  not known yet: the next rebuild pass learns it, or --hash now (reads "
+            f"{info['projection_bytes'] / 2**30:.2f} GiB{memo})"
+        )
     if args.tensors:
         for t in info["tensors"]:
             print(f"    {t['name']} {t['dtype']} {t['shape']} ({t['file']})")
@@ -148,12 +249,42 @@ def run_inspect(args: argparse.Namespace) -> int:
 # verify
 
 
+def run_verify_tables(args: argparse.Namespace) -> int:
+    device = resolve_device(args.device)
+    spec, source = open_checkpoint(args.checkpoint, layout=args.layout)
+    table = TableFile(args.tables, spec, argument="--tables")
+    embed = time_embed_fn(source, spec, device)
+    report = verify_tables(
+        table, source, embed=embed, device=device, max_plans=args.max_plans, read_ahead=args.read_ahead,
+        sample=args.sample, seed=args.seed, progress=not args.quiet,
+    )  # fmt: skip
+    for line in report.corrupt:
+        print(f"CORRUPT {line}")
+    for line in report.mismatched:
+        print(f"MISMATCH {line}")
+    if report.content_matches is False:
+        print(f"CONTENT the file names {table.content}, --checkpoint is {report.content}")
+    if report.foreign:
+        print(
+            f"NOTE built under another {', '.join(report.foreign)} than this machine's: a bit-for-bit match here is "
+            f"not expected (verify on the machine class it was exported for)"
+        )
+    print(
+        f"adalncache verify: {'OK' if report.ok else 'FAILED'}: {report.checked} plan(s) of {table.path} recomputed, "
+        f"{len(report.mismatched)} mismatched, {len(report.corrupt)} corrupt"
+        + ("" if report.content_matches is None else f", content {'matches' if report.content_matches else 'DIFFERS'}")
+    )
+    return 0 if report.ok else 1
+
+
 def run_verify(args: argparse.Namespace) -> int:
+    if args.sample is not None and args.sample < 1:
+        raise ConfigError(f"--sample must be a positive number of entries, got {args.sample}")
+    if args.tables is not None:
+        return run_verify_tables(args)
     path = Path(args.store)
     if not is_store(path):
         raise ConfigError(f"{path} is not an adalncache store (no STORE marker): set --store")
-    if args.sample is not None and args.sample < 1:
-        raise ConfigError(f"--sample must be a positive number of entries, got {args.sample}")
     device = resolve_device(args.device)
     spec, source = open_checkpoint(args.checkpoint, layout=args.layout)
     embed = time_embed_fn(source, spec, device)
@@ -229,8 +360,25 @@ def _common(parser: argparse.ArgumentParser, *, slab: bool = True) -> None:
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
 
 
+def _schedules(parser: argparse.ArgumentParser, steps_help: str) -> None:
+    """The flags that name schedules: --task and --steps (repeatable), the shifts, --no-audio-refs."""
+    parser.add_argument("--task", action="append", required=True, choices=TASKS, help="request kind (repeatable)")
+    parser.add_argument("--steps", action="append", required=True, type=_positive_int("--steps"), help=steps_help)
+    parser.add_argument("--video-shift", type=float, default=12.0, help="video schedule shift (default: 12)")
+    parser.add_argument("--audio-shift", type=float, default=3.0, help="audio schedule shift (default: 3)")
+    parser.add_argument("--no-audio-refs", action="store_true", help="ref2va without a reference audio")
+
+
+def _lock_wait(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--lock-wait", type=float, default=600.0,
+        help="seconds to wait for another process building the same store entries before building them here "
+        "(0: never wait) (default: 600)",
+    )  # fmt: skip
+
+
 def register(subparsers: Any) -> None:
-    """Add ``build``, ``inspect``, ``verify`` and ``store prune`` to the ``adalncache`` command line."""
+    """Add ``build``, ``export``, ``inspect``, ``verify`` and ``store prune`` to the ``adalncache`` command line."""
     p = subparsers.add_parser(
         "build",
         help="fill a store with the tables of one or more schedules",
@@ -241,14 +389,7 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("checkpoint", metavar="CHECKPOINT", help=".safetensors file, or a (sharded) checkpoint directory")
     p.add_argument("--store", required=True, help="store directory (created if absent)")
-    p.add_argument("--task", action="append", required=True, choices=TASKS, help="request kind (repeatable)")
-    p.add_argument(
-        "--steps", action="append", required=True, type=_positive_int("--steps"),
-        help="num_inference_steps of a schedule (repeatable)",
-    )  # fmt: skip
-    p.add_argument("--video-shift", type=float, default=12.0, help="video schedule shift (default: 12)")
-    p.add_argument("--audio-shift", type=float, default=3.0, help="audio schedule shift (default: 3)")
-    p.add_argument("--no-audio-refs", action="store_true", help="ref2va without a reference audio")
+    _schedules(p, "num_inference_steps of a schedule (repeatable)")
     p.add_argument(
         "--plan-width", type=_positive_int("--plan-width"), default=4,
         help="most timesteps per plan (default: 4)",
@@ -273,30 +414,81 @@ def register(subparsers: Any) -> None:
         help="under torchrun, the process group's timeout in seconds: how long ranks wait for a dead peer "
         "(default: 600)",
     )  # fmt: skip
+    _lock_wait(p)
     _common(p)
     p.set_defaults(func=run_build)
 
     p = subparsers.add_parser(
+        "export",
+        help="write the tables of one or more schedules to one file (sglang or adalncache format)",
+        description=(
+            "Compute the AdaLN tables of every plan the given tasks and step counts use, from CHECKPOINT (which must "
+            "include the time embedder), and write them to one safetensors file: --format sglang is exactly SGLang's "
+            "sidecar (serve it with --minimax-h3-adaln-cache-path and the same --model-variant); --format adalncache "
+            "adds the binding (content digest, spec, precision, numeric environment) that lets enable_adaln_cache("
+            "tables=) and adalncache verify --tables check it. Step counts: --steps N is the pipeline's "
+            "num_inference_steps (N grid points, N - 1 forwards); SGLang's --num-inference-steps counts forwards, so "
+            "a file exported with --steps N serves SGLang's --num-inference-steps N-1. Entries already in --store "
+            "are reused; under torchrun the ranks share the passes (--shard) and rank 0 writes the file."
+        ),
+    )
+    p.add_argument("checkpoint", metavar="CHECKPOINT", help=".safetensors file, or a (sharded) checkpoint directory")
+    p.add_argument("-o", "--output", required=True, help="the table file to write (replaced atomically when done)")
+    p.add_argument(
+        "--format", default="adalncache", choices=list(FORMATS),
+        help="adalncache: bound, verifiable, any dtype (default); sglang: exactly SGLang's sidecar (bfloat16, "
+        "--precision match, needs --model-variant)",
+    )  # fmt: skip
+    p.add_argument(
+        "--model-variant", choices=list(MODEL_VARIANTS), default=None,
+        help="the released transformer the tables belong to (t2va and fl2va run on fl2va, ref2va on ref2va); "
+        "SGLang compares it with its own --model-variant",
+    )  # fmt: skip
+    _schedules(p, "num_inference_steps (grid points; N - 1 forwards, SGLang's --num-inference-steps N-1) (repeatable)")
+    p.add_argument("--store", default=None, help="a store to take entries from (and fill), optional")
+    p.add_argument("--precision", default="match", choices=list(PRECISIONS), help="projection precision")
+    p.add_argument("--batched", action="store_true", help="stacked projections where proven bit-identical")
+    p.add_argument(
+        "--shard", default="layers", choices=list(SHARD_MODES),
+        help="under torchrun: layers (the one-process tables) or columns (a tensor-parallel runtime's tables)",
+    )  # fmt: skip
+    p.add_argument("--timeout", type=float, default=600.0, help="under torchrun, the process group's timeout (s)")
+    _lock_wait(p)
+    _common(p)
+    p.set_defaults(func=run_export)
+
+    p = subparsers.add_parser(
         "inspect",
         help="what a checkpoint or a store holds",
-        description="Checkpoint: layout, tensors, bytes, fingerprint. Store: entries, sizes, bindings, health.",
+        description=(
+            "Checkpoint: layout, tensors, bytes, file identity and content digest. Store: entries, sizes, bindings, "
+            "health. Table file: format, plans, binding, slot digests."
+        ),
     )
-    p.add_argument("path", metavar="PATH", help="a checkpoint (file or directory) or a store directory")
+    p.add_argument("path", metavar="PATH", help="a checkpoint (file or directory), a store directory or a table file")
     p.add_argument("--layout", default="auto", choices=["auto", *LAYOUTS], help="checkpoint layout (default: auto)")
     p.add_argument("--tensors", action="store_true", help="list every projection tensor")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--quick", action="store_true", help="store: list entries without checking their digests")
+    p.add_argument("--quick", action="store_true", help="store or table file: skip checking their digests")
+    p.add_argument("--store", default=None, help="checkpoint: consult (and with --hash, fill) this store's digest memo")
+    p.add_argument(
+        "--hash", action="store_true",
+        help="checkpoint: compute its content digest now if no memo has it (reads every projection byte once)",
+    )  # fmt: skip
     p.set_defaults(func=run_inspect)
 
     p = subparsers.add_parser(
         "verify",
-        help="recompute store entries and compare bit for bit (exit 1 on any difference)",
+        help="recompute store entries or a table file and compare bit for bit (exit 1 on any difference)",
         description=(
-            "Recompute the store's entries for --checkpoint on this machine and compare them with torch.equal. "
-            "Exit status 1 when any entry differs or is corrupt."
+            "Recompute the store's entries (--store) or a table file's plans (--tables) for --checkpoint on this "
+            "machine and compare them with torch.equal. Exit status 1 when anything differs or is corrupt (or a "
+            "bound table file names another content digest)."
         ),
     )
-    p.add_argument("--store", required=True, help="store directory")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--store", default=None, help="store directory")
+    what.add_argument("--tables", default=None, help="a table file written by adalncache export (either format)")
     p.add_argument("--checkpoint", required=True, help="the checkpoint the entries were built from")
     p.add_argument("--sample", type=int, default=None, help="check only N entries, chosen at random")
     p.add_argument("--seed", type=int, default=0, help="seed of --sample (default: 0)")
@@ -316,4 +508,4 @@ def register(subparsers: Any) -> None:
     q.set_defaults(func=run_prune)
 
 
-__all__ = ["register", "run_build", "run_inspect", "run_prune", "run_verify"]
+__all__ = ["register", "run_build", "run_export", "run_inspect", "run_prune", "run_verify"]

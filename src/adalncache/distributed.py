@@ -123,6 +123,14 @@ class Collective:
     def share_results(self, slab: Slab, slots: list[int], lengths: list[int]) -> None:
         """Give every rank the rows the others projected into ``slab`` (nothing to share alone)."""
 
+    def hash_work(self, layers: Sequence[Layer]) -> LocalWork:
+        """What this rank reads in a hashing-only read: the share a pass would read (everything, alone)."""
+        return LocalWork(list(layers))
+
+    def gather_objects(self, value: Any) -> list[Any]:
+        """Every rank's ``value`` (picklable), in rank order, in one collective."""
+        return [value]
+
     def describe_shard(self) -> str:
         """What the tables' bits reproduce (part of the store binding): a single process here."""
         return "single"
@@ -338,6 +346,19 @@ class ProcessGroupCollective(Collective):
             return LocalWork(list(layers), Columns(self.rank, self.world))
         mine = set(self._shares[self.rank])
         return LocalWork([layer for layer in layers if layer in mine])
+
+    def hash_work(self, layers: Sequence[Layer]) -> LocalWork:
+        if self.shard == "columns":
+            return LocalWork(list(layers), Columns(self.rank, self.world))
+        mine = set(self._shares[self.rank])
+        return LocalWork([layer for layer in layers if layer in mine])
+
+    def gather_objects(self, value: Any) -> list[Any]:
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, value, group=self.group)
+        return out
 
     def _column_buffers(self, slab: Slab) -> dict[str, torch.Tensor]:
         spec, W, dev = slab.spec, slab.max_plan_width, self.comm_device

@@ -11,29 +11,43 @@ table depends on besides its plan.
 
 A build whose plans are all resident does not re-stat the source: that is the hit path every
 request takes, and a checkpoint changed on disk matters only to what is read from it next (a
-pass, or a store entry bound to its fingerprint). The variant and the autocast state are
-compared on every build, hits included (:meth:`TableIdentity.matches`).
+pass, or a store entry bound to its content). The variant and the autocast state are compared
+on every build, hits included (:meth:`TableIdentity.matches`).
+
+The binding names the *content* of the projection tensors (:mod:`adalncache.content`), not the
+files' stat identity: a copied checkpoint, or a store copied to another host, binds to the same
+entries. The stat fingerprint still decides when the slab's tables must be dropped (any rewrite,
+even one that turns out to hold the same bytes, since that is cheap to see and safe to assume).
+While the content digest is unknown there is no binding, and the store is not used.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .content import ContentIdentity
 from .errors import CheckpointError
 from .numerics import numeric_environment
 from .plans import PlanKey
 from .reports import CacheStats
 from .source import WeightSource
 from .spec import ModulationSpec
+from .tiers.digests import DigestMemo
 
 if TYPE_CHECKING:
     from .distributed import Collective
 
 log = logging.getLogger(__name__)
+
+#: Format of the store binding: 2 names the content digest (format 1, without this key, named the
+#: source's stat fingerprint; its entries are never looked up again).
+BINDING_FORMAT = 2
 
 
 class TableIdentity:
@@ -48,6 +62,7 @@ class TableIdentity:
         spec: ModulationSpec,
         precision: str,
         device: torch.device,
+        memo: DigestMemo | None = None,
     ) -> None:
         self.source = source
         self._dist = collective
@@ -59,6 +74,8 @@ class TableIdentity:
         self.variant: Hashable = None
         #: The autocast dtype of the device's type the tables were built under (None: no autocast).
         self.autocast: torch.dtype | None = None
+        #: The content digest of the source, and how it is learnt.
+        self.content = ContentIdentity(source, spec, collective, stats, memo or DigestMemo(None))
 
     @property
     def serve_dtype(self) -> torch.dtype:
@@ -103,6 +120,8 @@ class TableIdentity:
             # decisions would differ too, so every rank starts again from an empty slab.
             log.warning("rank %d: the ranks' slabs diverged; dropping every table on every rank", self._dist.rank)
             drop("the ranks' slabs diverged")
+        if failed or changed:
+            self.content.reset()
         if failed:
             # The file changed (on some rank) and no longer validates: whatever the slab holds came
             # from the old file, so it can no longer be trusted either.
@@ -123,16 +142,49 @@ class TableIdentity:
             self.variant = variant
             self.autocast = autocast
 
-    def binding(self) -> dict[str, Any]:
-        """Everything a stored table depends on besides its plan (stores key entries by it)."""
-        return {
-            "fingerprint": self.fingerprint,
+    def template(self) -> dict[str, Any]:
+        """The binding with its content left open: everything besides the weights' bytes.
+
+        For fp32 and fp16 weights it also names where each tensor sits modulo 64 bytes, which
+        decides the bits of a one-row GEMV on a CPU (bf16 showed no such effect).
+        """
+        template: dict[str, Any] = {
+            "binding": BINDING_FORMAT,
+            "content": None,
             "spec": self.spec.describe(),
             "precision": self.precision,
             "variant": repr(self.variant),
             "shard": self._dist.describe_shard(),
             "environment": numeric_environment(self.device),
         }
+        if self.spec.dtype in (torch.float32, torch.float16):
+            template["alignment"] = self.content.alignment()
+        return template
+
+    def binding(self) -> dict[str, Any] | None:
+        """Everything a stored table depends on besides its plan, or ``None`` while the content digest is unknown."""
+        content = self.content.resolve()
+        return None if content is None else {**self.template(), "content": content}
+
+    def hash_now(self) -> None:
+        """Learn the content digest by a hashing-only read, if the memo does not have it."""
+        self.content.identify(read=True)
+
+    def note_unbound(self, what: str) -> None:
+        self.content.note_unknown(what)
+
+    def lock_namespace(self) -> str:
+        """A name shared by every process that would build the same store entries, known before any hashing.
+
+        The binding without its content, plus each checkpoint file's size and header hash: equal
+        for copies of one checkpoint, so their processes build once. (Two different checkpoints with
+        identical headers would share it too; that only makes one wait, never serves wrong rows.)
+        """
+        stamps = self.content.stamps() or {}
+        files = sorted({(stamp.size, stamp.header) for stamp in stamps.values()})
+        fallback = self.fingerprint if not stamps else None
+        text = json.dumps([self.template(), files, fallback], sort_keys=True, default=str)
+        return hashlib.sha256(text.encode()).hexdigest()[:32]
 
     def current_binding(self) -> dict[str, Any] | None:
         """:meth:`binding`, or ``None`` if the source changed since the resident tables were built."""

@@ -83,7 +83,8 @@ def fill_store(
     else:
         # Existence by name only: reading every entry to verify it would cost as much as a pass on a
         # large store. A corrupt entry is caught (and rebuilt) by the serving cache's read, or by verify.
-        stored = store.contains(cache.binding(), [plan_key(p) for p in plans])
+        binding = cache.binding()  # None while the content digest is unknown: the build learns it
+        stored = store.contains(binding, [plan_key(p) for p in plans]) if binding is not None else set()
     todo = [p for p in plans if plan_key(p) not in stored]
     per_pass = cache.max_plans
     chunks = [todo[i : i + per_pass] for i in range(0, len(todo), per_pass)]
@@ -102,8 +103,13 @@ def fill_store(
         )
     return FillReport(
         plans=len(plans), already_stored=len(stored) + hits, built=built, passes=passes,
-        binding=binding_hash(cache.binding()),
+        binding=_binding_hash(cache),
     )  # fmt: skip
+
+
+def _binding_hash(cache: AdalnCache) -> str:
+    binding = cache.binding()
+    return binding_hash(binding) if binding is not None else "unbound"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -124,12 +130,18 @@ class VerifyReport:
         return not (self.mismatched or self.corrupt)
 
 
-def _local_hashes(spec: ModulationSpec, source: CheckpointSource, device: str | torch.device) -> dict[str, str]:
-    """The binding hash a cache on this machine would use, per precision (what verify can check)."""
+def _local_hashes(
+    spec: ModulationSpec, source: CheckpointSource, device: str | torch.device, store: Store
+) -> dict[str, str]:
+    """The binding hash a cache on this machine would use, per precision (what verify can check).
+
+    Needs the checkpoint's content digest: from the store's memo, or one hashing read.
+    """
     out = {}
     for precision in ("match", "fp32"):
-        probe = AdalnCache(spec, source, max_plans=1, max_plan_width=1, device=device, precision=precision)
-        out[precision] = binding_hash(probe.binding())
+        probe = AdalnCache(spec, source, max_plans=1, max_plan_width=1, device=device, precision=precision, store=store)
+        probe.identify()
+        out[precision] = _binding_hash(probe)
     return out
 
 
@@ -160,7 +172,7 @@ def verify_store(
     for entry in entries:
         by_binding.setdefault(entry.binding, []).append(entry)
     report = VerifyReport()
-    hashes = _local_hashes(spec, source, device)
+    hashes = _local_hashes(spec, source, device, store)
     matched_any = False
     for precision, bhash in hashes.items():
         infos = by_binding.get(bhash, [])
@@ -224,7 +236,8 @@ def describe_store(path: str | os.PathLike[str], *, verify: bool = True) -> dict
         binding = bindings.get(bhash, {})
         env = binding.get("environment", {}) if isinstance(binding, dict) else {}
         info.update(
-            fingerprint=str(binding.get("fingerprint", "?"))[:16],
+            format=int(binding.get("binding", 1)),
+            content=binding.get("content"),
             spec=binding.get("spec"),
             precision=binding.get("precision"),
             variant=binding.get("variant"),
@@ -237,18 +250,36 @@ def describe_store(path: str | os.PathLike[str], *, verify: bool = True) -> dict
         "entries": len(entries),
         "bytes": sum(e.size for e in entries),
         "bindings": per,
+        "digest_memo": len(store.memo.records()),
         "health": store.health(verify=verify),
     }
 
 
 def describe_checkpoint(
-    path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], *, layout: str = "auto"
+    path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+    *,
+    layout: str = "auto",
+    store: Store | None = None,
+    hash: bool = False,
 ) -> dict[str, Any]:
-    """Layout, files, projection tensors and bytes, fingerprint, and whether the time embedder is there."""
+    """Layout, files, projection tensors and bytes, both identities, and whether the time embedder is there.
+
+    The *file identity* (``fingerprint``: stat and header of every file) changes on any rewrite,
+    copy or touch; the *content digest* names the projections' bytes, which is what stores and
+    table files bind to. It comes from this process's memo or ``store``'s, or with ``hash=True``
+    from one hashing read (recorded in ``store``'s memo when given); else it is reported unknown.
+    """
     spec, source = open_checkpoint(path, layout=layout)
     info = source.describe()
     info["time_embedder"] = has_time_embedder(source)
     info["row_bytes"] = spec.row_bytes
+    probe = AdalnCache(spec, source, max_plans=1, max_plan_width=1, store=store)
+    content = probe.identify(read=False)
+    info["content_from"] = f"from the digest memo{f' in {store.path}' if store is not None else ''}"
+    if content is None and hash:
+        content = probe.identify(read=True)
+        info["content_from"] = f"hashed now{f', recorded in {store.path}' if store is not None else ''}"
+    info["content"] = content
     return info
 
 

@@ -26,6 +26,7 @@ from .plans import PlanKey, format_plan
 from .reports import BuildReport
 from .slab import Slab
 from .source import WeightSource
+from .source.digest import DigestSink
 from .spec import Layer, ModulationSpec
 
 if TYPE_CHECKING:
@@ -71,6 +72,7 @@ class RebuildPass:
         batched: bool,
         faults: FaultPoints,
         out_dtype: torch.dtype | None = None,
+        digests: DigestSink | None = None,
     ) -> None:
         self.spec = spec
         self.source = source
@@ -84,6 +86,8 @@ class RebuildPass:
         #: Under autocast, the dtype the resident projection returns; every projection must return it
         #: (the slab holds its values exactly, and the cache serves them back in it).
         self.out_dtype = out_dtype
+        #: Hashes the bytes the pass reads (the content identity), when the digest is not known yet.
+        self.digests = digests
 
     def _write(self, slot: int, layer: Layer, y: torch.Tensor, columns: Any) -> None:
         if self.out_dtype is not None and y.dtype != self.out_dtype:
@@ -142,8 +146,9 @@ class RebuildPass:
             )
             try:
                 stream = self.source.stream(
-                    work.layers, device=self.slab.device, columns=work.columns, read_ahead=self.read_ahead
-                )
+                    work.layers, device=self.slab.device, columns=work.columns, read_ahead=self.read_ahead,
+                    digests=self.digests,
+                )  # fmt: skip
                 stacker = None
                 if self.batched:
                     with failing_at("projection setup (batched)"):

@@ -23,6 +23,16 @@ class CacheStats:
     variant_changes: int = 0
     failed_builds: int = 0
     store_corrupt: int = 0
+    #: plans restored from read-only table files (``tables=``), and slots of them that failed their digest
+    table_hits: int = 0
+    tables_corrupt: int = 0
+    #: content identity: hashing-only reads, projection bytes hashed, store uses skipped while the
+    #: content digest was unknown (a miss, never a wrong answer)
+    hash_reads: int = 0
+    hashed_bytes: int = 0
+    store_unbound: int = 0
+    #: builds that waited for another process building the same store entries
+    lock_waits: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -32,6 +42,7 @@ class CacheStats:
         self.device_hits += report.device_hits
         self.host_hits += report.host_hits
         self.store_hits += report.store_hits
+        self.table_hits += report.table_hits
         self.built_plans += report.built
         self.passes += report.passes
 
@@ -44,11 +55,16 @@ class BuildReport:
     device_hits: int = 0
     host_hits: int = 0
     store_hits: int = 0
+    table_hits: int = 0
     built: int = 0
     evicted: int = 0
     passes: int = 0
     bytes_read: int = 0
     seconds: float = 0.0
+    #: projection bytes hashed for the content identity during this build
+    hashed_bytes: int = 0
+    #: seconds spent waiting for another process that was building the same store entries
+    waited_s: float = 0.0
     tier_write_failures: int = 0
     #: batched mode only: (layer, width group) projections served by one stacked GEMM, and those
     #: that ran per plan (the probe of a new shape class, or a class found not bit-identical).

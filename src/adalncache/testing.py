@@ -19,6 +19,7 @@ import torch
 from .errors import ConfigError
 from .faults import NO_FAULTS, POINTS, FaultPoints
 from .source import Columns, LayerWeights, WeightSource
+from .source.digest import DigestSink
 from .spec import FINAL, Layer
 
 if TYPE_CHECKING:
@@ -98,8 +99,9 @@ class FaultInjectingSource:
         device: torch.device | str = "cpu",
         columns: Columns | None = None,
         read_ahead: int = 1,
+        digests: DigestSink | None = None,
     ) -> Iterator[LayerWeights]:
-        inner = self.source.stream(layers, device=device, columns=columns, read_ahead=read_ahead)
+        inner = self.source.stream(layers, device=device, columns=columns, read_ahead=read_ahead, digests=digests)
         with contextlib.closing(inner):  # type: ignore[type-var]
             for layer in layers:
                 if layer in self.fail_at and (self.remaining is None or self.remaining > 0):

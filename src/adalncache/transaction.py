@@ -9,7 +9,10 @@ half-built visible:
 2. nothing missing -> touch and return;
 3. **validate** the whole request, then check that its missing plans fit beside the plans held by
    requests in flight, before any state changes: a rejected request costs nothing;
-4. **tiers**: which missing plans the host tier, then the store, hold (nothing reserved yet);
+4. **tiers**: which missing plans the host tier, then the store, then the table files hold
+   (nothing reserved yet); without weights (``source=None``) a plan no tier holds is a
+   :class:`~adalncache.PlanNotCachedError` here; before a pass, claim the store entries it will
+   write (one build per fleet) or wait for the process that builds them;
 5. **reserve** slots: free ones, then least-recently-used plans outside the request and not held;
 6. **write** the reserved slots (tier rows; one rebuild pass for the rest), agree with the other
    ranks, **publish** (contents, then ``plan_lengths``, then the host-side slot map);
@@ -31,7 +34,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .errors import BuildError, CheckpointError, ConfigError, PlanError, failing_at, failure_phase
+from .errors import (
+    BuildError,
+    CheckpointError,
+    ConfigError,
+    PlanError,
+    PlanNotCachedError,
+    failing_at,
+    failure_phase,
+)
 from .faults import FaultPoints
 from .identity import TableIdentity
 from .numerics import autocast_dtype
@@ -231,22 +242,49 @@ class BuildTransaction:
         bytes_before = self.source.bytes_read
         faults = self._faults()
         try:
-            from_host, from_store = self._tiers.lookup(missing, binding=self._identity.current_binding, faults=faults)
+            from_host, from_store, from_tables = self._tiers.lookup(missing, identity=self._identity, faults=faults)
         except BaseException:
             # Tier errors fall through to a rebuild inside the lookup; only an interrupt (or
             # another BaseException) gets here. Nothing is reserved yet, so there is nothing to undo.
             self._count_failure()
             raise
-        to_build = [k for k in missing if k not in from_host and k not in from_store]
+        restored = {**from_host, **from_store, **from_tables}
+        to_build = [k for k in missing if k not in restored]
+        if to_build and not getattr(self.source, "serves_weights", True):
+            self._count_failure()
+            where = f"the table files ({self._tiers.tables.searched()})" if self._tiers.tables else "no tier"
+            raise PlanNotCachedError(
+                f"plan {format_plan(to_build[0])} ({len(to_build)} plan(s) of this request) is not in {where} and "
+                f"this cache has no weight source to build it: pass checkpoint= (enable_adaln_cache, or a "
+                f"CheckpointSource), or export these tables (adalncache export CHECKPOINT --task T --steps N -o FILE)"
+            )
+        try:
+            if to_build:  # a pass follows: it hashes only if no memo knows the digest (every rank asks here)
+                self._identity.content.resolve()
+            # One build per fleet: another process may be building these very entries.
+            served = self._tiers.claim(to_build, identity=self._identity, report=report)
+        except BaseException as exc:
+            self._tiers.release_claim()
+            self._count_failure()
+            if _interrupt(exc) is not None or isinstance(exc, BuildError):
+                raise
+            raise BuildError(
+                f"build of {len(missing)} plan(s) failed at tier lookup: {type(exc).__name__}: {exc}; nothing "
+                f"of this request was published and a retry rebuilds it",
+                failed_at="tier lookup",
+            ) from exc
+        from_store.update(served)
+        restored.update(served)
+        to_build = [k for k in to_build if k not in served]
+        hashed_before = self.stats.hashed_bytes
         with self._lock:
             reservation = self._pool.reserve(missing, set(order))
             self.stats.evicted_plans += len(reservation.evicted)
         report.evicted = len(reservation.evicted)
         try:
-            self._write_and_publish(
-                reservation, {**from_host, **from_store}, to_build, tensors, embed, project, report, faults
-            )
+            self._write_and_publish(reservation, restored, to_build, tensors, embed, project, report, faults)
         except BaseException as exc:
+            self._tiers.release_claim()
             with self._lock:
                 self._pool.release(reservation.slots)
                 self.stats.failed_builds += 1
@@ -262,17 +300,23 @@ class BuildTransaction:
                 rank=self._dist.rank if self._dist.world > 1 else None,
                 failed_at=phase,
             ) from exc
-        report.host_hits, report.store_hits = len(from_host), len(from_store)
+        report.host_hits, report.store_hits, report.table_hits = len(from_host), len(from_store), len(from_tables)
         report.built = len(to_build)
         report.passes = 1 if to_build else 0
+        if to_build:
+            try:  # every rank got here: the pass succeeded everywhere (the digest agreement is a collective)
+                self._identity.content.after_pass()
+            except Exception as exc:
+                log.warning("content digest not learnt from the pass (%s); store writes are skipped", exc)
+        report.hashed_bytes = self.stats.hashed_bytes - hashed_before
         report.bytes_read = self.source.bytes_read - bytes_before
         with self._lock:
             self._pool.touch(order)
             self.stats.record(report)
         log.info(
-            "build: %d plan(s): %d device, %d host, %d store hits, %d built in %d pass(es), %d evicted",
-            report.plans, report.device_hits, report.host_hits, report.store_hits, report.built, report.passes,
-            report.evicted,
+            "build: %d plan(s): %d device, %d host, %d store, %d table hits, %d built in %d pass(es), %d evicted",
+            report.plans, report.device_hits, report.host_hits, report.store_hits, report.table_hits, report.built,
+            report.passes, report.evicted,
         )  # fmt: skip
         # After publish: copies only. A tier failure is counted and logged, never raised.
         self._tiers.write(
@@ -329,7 +373,7 @@ class BuildTransaction:
         return RebuildPass(
             spec=s.spec, source=self.source, slab=self._slab, collective=self._dist, precision=s.precision,
             read_ahead=s.read_ahead, progress=s.progress, batched=s.batched, faults=faults,
-            out_dtype=self._identity.autocast,
+            out_dtype=self._identity.autocast, digests=self._identity.content.pass_sink(),
         )  # fmt: skip
 
     def rows_of(self, key: PlanKey) -> PlanRows:

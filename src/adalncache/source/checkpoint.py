@@ -29,6 +29,7 @@ from ..errors import CheckpointError, ConfigError
 from ..spec import Layer, ModulationSpec, get_layout
 from ..streams import CopyStreams, copy_to_device
 from .buffers import StagingPool, read_buffer
+from .digest import DigestSink, role_of
 from .files import CheckpointFiles, CheckpointPath
 from .header import SafetensorsHeader, TensorEntry
 from .projections import detect_layout, expected, raise_problems, tensor_problem
@@ -195,8 +196,13 @@ class CheckpointSource:
         pin: bool,
         staging: tuple[StagingPool, int, str] | None = None,
         direct: DirectReads | None = None,
+        digests: tuple[DigestSink, str] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(raw buffer, tensor view of it) of a projection tensor or its ``rows``."""
+        """(raw buffer, tensor view of it) of a projection tensor or its ``rows``.
+
+        ``digests`` (sink, role): hash the bytes just read, on this (the reader) thread, while
+        they are still hot in the CPU's caches.
+        """
         header, entry = self.entry(name)
         dtype = entry.torch_dtype
         assert dtype is not None  # validated
@@ -209,6 +215,8 @@ class CheckpointSource:
         got = pread_into(fds[header.path], raw, offset, header.path, name, direct)
         with self._lock:
             self.bytes_read += got
+        if digests is not None:
+            digests[0].feed(digests[1], entry.dtype, entry.shape, rows, raw)
         return raw, raw.view(dtype).view(shape)
 
     def read_layer(
@@ -220,6 +228,7 @@ class CheckpointSource:
         pin: bool = False,
         staging: tuple[StagingPool, int] | None = None,
         direct: DirectReads | None = None,
+        digests: DigestSink | None = None,
     ) -> tuple[LayerWeights, list[torch.Tensor]]:
         """Read one layer's weight and bias (really reading every byte); returns keep-alive buffers.
 
@@ -228,8 +237,10 @@ class CheckpointSource:
         rows = columns.bounds(self.spec.out_features(layer)) if columns else None
         w_stage = (staging[0], staging[1], "weight") if staging else None
         b_stage = (staging[0], staging[1], "bias") if staging else None
-        w_raw, weight = self._read_part(fds, self.layout.weight(layer), rows, pin, w_stage, direct)
-        b_raw, bias = self._read_part(fds, self.layout.bias(layer), rows, pin, b_stage, direct)
+        w_sink = (digests, role_of(layer, "weight")) if digests is not None else None
+        b_sink = (digests, role_of(layer, "bias")) if digests is not None else None
+        w_raw, weight = self._read_part(fds, self.layout.weight(layer), rows, pin, w_stage, direct, w_sink)
+        b_raw, bias = self._read_part(fds, self.layout.bias(layer), rows, pin, b_stage, direct, b_sink)
         return LayerWeights(layer, weight, bias), [w_raw, b_raw]
 
     @contextlib.contextmanager
@@ -254,12 +265,14 @@ class CheckpointSource:
         device: torch.device | str = "cpu",
         columns: Columns | None = None,
         read_ahead: int = 1,
+        digests: DigestSink | None = None,
     ) -> Iterator[LayerWeights]:
         """Yield each layer, reading up to ``read_ahead`` layers ahead on a background thread.
 
         At most ``read_ahead + 1`` layers are held in host memory at once: the one the consumer
         projects and those being read. On CUDA the host buffers are pinned and copied to the device
-        on a side stream, so the copy of layer k+1 overlaps the projection of layer k.
+        on a side stream, so the copy of layer k+1 overlaps the projection of layer k. ``digests``
+        hashes every byte read, on the reader thread, before the buffer goes to the consumer.
         """
         device = torch.device(device)
         if read_ahead < 0:
@@ -289,7 +302,9 @@ class CheckpointSource:
         def load(fds: dict[Path, int], index: int) -> LayerWeights:
             layer = todo[index]
             stage = (staging, index) if staging is not None else None
-            lw, keep = self.read_layer(fds, layer, columns=columns, pin=cuda, staging=stage, direct=direct)
+            lw, keep = self.read_layer(
+                fds, layer, columns=columns, pin=cuda, staging=stage, direct=direct, digests=digests
+            )
             if copy_stream is None:
                 return lw  # the views keep their buffers alive; nothing else holds them
             # Runs on the reader thread, with the cache's device current (never device 0 by

@@ -10,8 +10,15 @@ import torch
 
 from ..errors import ConfigError
 from ..spec import Layer, ModulationSpec
+from .digest import DigestSink, role_of
+from .header import safetensors_name
 from .projections import detect_layout, expected, raise_problems, tensor_problem
 from .protocol import Columns, LayerWeights
+
+
+def _safetensors_name(dtype: torch.dtype) -> str:
+    """The dtype as a checkpoint names it, so a tensor hashes alike from memory and from a file."""
+    return safetensors_name(dtype) or str(dtype)
 
 
 class TensorSource:
@@ -77,14 +84,24 @@ class TensorSource:
         device: torch.device | str = "cpu",
         columns: Columns | None = None,
         read_ahead: int = 1,
+        digests: DigestSink | None = None,
     ) -> Iterator[LayerWeights]:
+        """Yield the tensors (or their ``columns``); ``digests`` hashes host tensors, never device ones."""
         device = torch.device(device)
         for layer in layers:
             weight = self.tensors[self.layout.weight(layer)]
             bias = self.tensors[self.layout.bias(layer)]
+            rows = None
             if columns is not None:
-                start, stop = columns.bounds(self.spec.out_features(layer))
+                rows = start, stop = columns.bounds(self.spec.out_features(layer))
                 weight, bias = weight[start:stop], bias[start:stop]
+            if digests is not None:
+                for part, tensor in (("weight", weight), ("bias", bias)):
+                    if tensor.device.type == "cpu" and tensor.is_contiguous():
+                        name = self.layout.weight(layer) if part == "weight" else self.layout.bias(layer)
+                        full = self.tensors[name]
+                        dtype = _safetensors_name(full.dtype)
+                        digests.feed(role_of(layer, part), dtype, tuple(full.shape), rows, tensor)
             self.bytes_read += weight.numel() * weight.element_size() + bias.numel() * bias.element_size()
             if weight.device != device:
                 weight, bias = weight.to(device), bias.to(device)

@@ -13,6 +13,7 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 import torch
 
 from ..spec import KeyLayout, Layer, ModulationSpec
+from .digest import DigestSink
 
 
 class Columns(NamedTuple):
@@ -64,8 +65,13 @@ class WeightSource(Protocol):
         device: torch.device | str,
         columns: Columns | None = None,
         read_ahead: int = 1,
+        digests: DigestSink | None = None,
     ) -> Iterator[LayerWeights]:
-        """Yield ``layers`` in order, reading ahead; the consumer must finish one before asking the next."""
+        """Yield ``layers`` in order, reading ahead; the consumer must finish one before asking the next.
+
+        ``digests``: a sink that hashes the bytes as they are read (the content identity); a
+        source that cannot hash what it serves (a device tensor) feeds it nothing.
+        """
         ...
 
     def describe(self) -> dict[str, Any]:

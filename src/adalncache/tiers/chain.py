@@ -1,4 +1,4 @@
-"""The tiers below the slab, cheapest first: the host tier, then the store.
+"""The tiers below the slab, cheapest first: the host tier, then the store, then read-only table files.
 
 Why one object for both: the cache's build asks one question before a pass ("which missing plans
 can be restored, and from where?") and gives one instruction after publish ("keep copies"), and
@@ -9,15 +9,23 @@ the rules around both are the same for every tier:
   already correct;
 * in a process group the ranks agree (AND-reduce) on which plans *every* rank can serve from a
   tier before any rank uses it, so the ranks' slot decisions and passes stay identical;
-* the host tier is asked first (a memory copy), the store second (a disk read), only for what
-  the host tier did not have.
+* the host tier is asked first (a memory copy), the store second (a disk read), table files
+  third (``tables=``, read-only: their hits are not copied to the store), only for what the
+  tiers before did not have.
+
+The store is bound to the content digest of the source (:mod:`adalncache.content`). While it is
+unknown the store is skipped, except in one case where learning it pays at once: the store holds
+entries, for plans this build wants, under a binding equal to this one in all but the content (a
+copied checkpoint beside its store). Then one hashing read of the projections runs first, which
+costs a read without the GEMMs, and the entries hit.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import torch
 
@@ -28,12 +36,38 @@ from ..reports import BuildReport, CacheStats
 from ..rows import PlanRows
 from ..spec import ModulationSpec
 from .host import HostTier
-from .store import Store
+from .locks import NO_CLAIM, POLL_S, BuildLocks, Claim, Staleness
+from .store import Store, plan_hash
+from .tables import TablesArg, TablesTier
 
 if TYPE_CHECKING:
     from ..distributed import Collective
 
 log = logging.getLogger(__name__)
+
+
+class Binder(Protocol):
+    """What the chain needs from the cache's identity to use the store (see :mod:`adalncache.identity`)."""
+
+    variant: Any
+
+    def current_binding(self) -> dict[str, Any] | None: ...
+
+    def template(self) -> dict[str, Any]: ...
+
+    def hash_now(self) -> None: ...
+
+    def note_unbound(self, what: str) -> None: ...
+
+    def lock_namespace(self) -> str: ...
+
+
+class Restored(NamedTuple):
+    """The missing plans each tier can restore (agreed by every rank)."""
+
+    host: dict[PlanKey, PlanRows]
+    store: dict[PlanKey, PlanRows]
+    tables: dict[PlanKey, PlanRows]
 
 
 class TierChain:
@@ -46,10 +80,14 @@ class TierChain:
         store: Store | None,
         collective: Collective,
         stats: CacheStats,
+        tables: TablesTier | None = None,
     ) -> None:
         self.spec = spec
         self.host = host
         self.store = store
+        self.tables = tables
+        #: The entry locks held by the build in progress (one build per fleet), released after its store write.
+        self._claim: Claim = NO_CLAIM
         self._dist = collective
         #: The cache's counters (the same object): tier hits are counted by the cache, the tiers'
         #: own events (pressure skips, evictions, write failures, corrupt entries) here.
@@ -66,8 +104,10 @@ class TierChain:
         device: torch.device,
         collective: Collective,
         stats: CacheStats,
+        tables: TablesArg | TablesTier | None = None,
     ) -> TierChain:
-        """The host tier (``host_cache_bytes > 0``) and the store (``store=``, a directory or a Store)."""
+        """The host tier (``host_cache_bytes > 0``), the store (``store=``) and table files (``tables=``,
+        paths, or the tier of a cache that moved)."""
         cuda = device.type == "cuda"
         host = HostTier(spec, host_cache_bytes, pin=cuda, device=device) if host_cache_bytes > 0 else None
         if store is not None and not getattr(source, "persistent", True):
@@ -79,15 +119,15 @@ class TierChain:
                 f"CHECKPOINT), or drop store= (--store)"
             )
         opened = None if store is None else store if isinstance(store, Store) else Store(store)
-        return cls(spec, host, opened, collective, stats)
+        files = tables if tables is None or isinstance(tables, TablesTier) else TablesTier(tables, spec)
+        return cls(spec, host, opened, collective, stats, files)
 
-    def lookup(
-        self, missing: Sequence[PlanKey], *, binding: Callable[[], dict[str, Any] | None], faults: FaultPoints
-    ) -> tuple[dict[PlanKey, PlanRows], dict[PlanKey, PlanRows]]:
-        """Plans every rank can restore from the host tier, then from the store (cheapest first).
+    def lookup(self, missing: Sequence[PlanKey], *, identity: Binder, faults: FaultPoints) -> Restored:
+        """Plans every rank can restore from the host tier, then the store, then table files (cheapest first).
 
-        ``binding()`` gives the store binding of the current source, or ``None`` when the source
-        changed since the slab's tables were built (then the store is not asked). Only an
+        ``identity.current_binding()`` gives the store binding of the current source, or ``None``
+        when the source changed since the slab's tables were built or its content digest is not
+        known (then the store is not asked, unless a hashing read pays: module docstring). Only an
         interrupt (a ``BaseException`` that is not an ``Exception``) escapes.
         """
         from_host: dict[PlanKey, PlanRows] = {}
@@ -106,9 +146,9 @@ class TierChain:
             found = {}
             if rest:
                 try:
-                    bound = binding()
+                    faults.check("store_read")
+                    bound = self._binding(identity, rest)
                     if bound is not None:
-                        faults.check("store_read")
                         found = self.store.get_many(bound, rest, self.spec)
                 except Exception as exc:
                     log.warning("store lookup failed (%s); rebuilding instead", exc)
@@ -116,7 +156,92 @@ class TierChain:
                 agreed = self._dist.agree_on([k in found for k in rest])
                 from_store = {k: found[k] for k, ok in zip(rest, agreed) if ok}
             self.stats.store_corrupt = self.store.corrupt_moved
-        return from_host, from_store
+        from_tables: dict[PlanKey, PlanRows] = {}
+        rest = [k for k in missing if k not in from_host and k not in from_store]
+        if self.tables is not None and rest and identity.variant is None:
+            found = {}
+            try:
+                found = self.tables.lookup(rest)
+            except Exception as exc:
+                log.warning("table file lookup failed (%s); rebuilding instead", exc)
+            agreed = self._dist.agree_on([k in found for k in rest])
+            from_tables = {k: found[k] for k, ok in zip(rest, agreed) if ok}
+            self.stats.tables_corrupt = self.tables.corrupt
+        return Restored(from_host, from_store, from_tables)
+
+    def _binding(self, identity: Binder, rest: Sequence[PlanKey], *, count: bool = True) -> dict[str, Any] | None:
+        """The store binding; a hashing read first when the store probably holds these plans under it."""
+        assert self.store is not None
+        bound = identity.current_binding()
+        if bound is not None:
+            return bound
+        # Every rank asks the same question at the same point (the digest is unknown on all or none).
+        worth = self.store.holds_other_content(identity.template(), rest)
+        if self._dist.any_of([worth])[0]:
+            log.info("store %s holds these plans for another copy of these weights: hashing the checkpoint once",
+                     self.store.path)  # fmt: skip
+            identity.hash_now()
+            bound = identity.current_binding()
+        if bound is None and count:
+            identity.note_unbound("store lookup")
+        return bound
+
+    def claim(self, to_build: Sequence[PlanKey], *, identity: Binder, report: BuildReport) -> dict[PlanKey, PlanRows]:
+        """Claim the store entries this build is about to compute, or wait for another process building them.
+
+        Returns the plans that appeared in the store meanwhile (restored, verified); the caller
+        builds the rest, holding the locks it got until :meth:`write` (or :meth:`release_claim`).
+        One process only: the ranks of a group already build once together, and a wait inside a
+        collective build would stall every rank (so a process group never locks).
+        """
+        self.release_claim()
+        store = self.store
+        if store is None or not to_build or self._dist.world > 1 or store.lock_wait_s <= 0:
+            return {}
+        # Named without the content digest, which a cold process does not know yet: every process
+        # about to build the same entries (same settings, same checkpoint files, copies included)
+        # meets at the same lock files.
+        namespace = identity.lock_namespace()
+        locks = BuildLocks(store.path / "locks")
+        todo = {key: plan_hash(key) for key in to_build}
+        served: dict[PlanKey, PlanRows] = {}
+        start = time.monotonic()
+        watch = Staleness(store.lock_stale_s)
+        pause, waited = POLL_S[0], False
+        while todo:
+            claim, busy = locks.try_claim(namespace, todo)
+            if waited:
+                # A holder writes its entries before it lets go: what exists now is restored, not
+                # rebuilt. (It records the content digest first, so a waiter on the same host learns
+                # it from the memo; one on another host, by a hashing read once the entries exist.)
+                bound = self._binding(identity, list(todo), count=False)
+                present = store.contains(bound, list(todo)) if bound is not None else set()
+                found = store.get_many(bound, sorted(present), self.spec) if bound is not None and present else {}
+                served.update(found)
+                claim.drop(list(found))
+                todo = {k: h for k, h in todo.items() if k not in found}
+                busy = [k for k in busy if k in todo]
+            if claim or not todo:
+                self._claim = claim  # all, or some, are ours: build what is left now (busy ones duplicated)
+                break
+            waited = True
+            elapsed = time.monotonic() - start
+            if watch.stale(locks.beat(namespace, todo[busy[0]])) or elapsed > store.lock_wait_s:
+                why = "its heartbeat stopped" if elapsed <= store.lock_wait_s else f"waited {elapsed:.0f} s"
+                log.warning("store %s: another process holds %d entries but %s; building them here", store.path,
+                            len(todo), why)  # fmt: skip
+                break
+            time.sleep(pause)
+            pause = min(2 * pause, POLL_S[1])
+        if waited:
+            report.waited_s = time.monotonic() - start
+            self.stats.lock_waits += 1
+        return served
+
+    def release_claim(self) -> None:
+        """Release the entry locks of the build in progress (failure paths; :meth:`write` does it too)."""
+        claim, self._claim = self._claim, NO_CLAIM
+        claim.release()
 
     def write(
         self,
@@ -124,46 +249,55 @@ class TierChain:
         built: Sequence[PlanKey],
         *,
         rows_of: Callable[[PlanKey], PlanRows],
-        binding: Callable[[], dict[str, Any]],
+        binding: Callable[[], dict[str, Any] | None],
         faults: FaultPoints,
         report: BuildReport,
     ) -> None:
         """Copy published plans to the tiers: the request's group to the host tier, ``built`` to the store.
 
         Never raises an ``Exception``: the slab is already correct, so a failure is counted (in
-        the stats and the report) and logged.
+        the stats and the report) and logged. The entry locks of the build are released at the end.
         """
-        if self.host is not None:
-            try:
-                faults.check("host_write")
-                if not self.host.admit(order, rows_of):
-                    self.stats.host_pressure_skips += 1
-            except Exception as exc:
-                self._failed(report, 1, "host tier write", exc)
-            self.stats.host_evicted = self.host.evicted_plans
-        # Every rank writes the plans it built. A rank's entries are bound to its own source
-        # fingerprint and numeric environment, which need not equal its peers' (local checkpoint
-        # copies on several nodes): a single writer would leave the other ranks missing forever,
-        # and since tier hits are AND-reduced, every rank would rebuild every time. Ranks sharing
-        # one directory and fingerprint write the same bytes; the store's atomic rename makes that safe.
-        if self.store is None or not built:
-            return
         try:
-            faults.check("store_write")
-            bound = binding()
-        except Exception as exc:
-            self._failed(report, 1, "store write", exc)
-            return
-        # One entry per file: a failing entry (a full disk, a permission) must not keep the
-        # others out, and each failure is counted so `adalncache build` can report them.
-        failed: list[BaseException] = []
-        for key in built:
+            if self.host is not None:
+                try:
+                    faults.check("host_write")
+                    if not self.host.admit(order, rows_of):
+                        self.stats.host_pressure_skips += 1
+                except Exception as exc:
+                    self._failed(report, 1, "host tier write", exc)
+                self.stats.host_evicted = self.host.evicted_plans
+            # Every rank writes the plans it built. A rank's entries are bound to the content and its
+            # own numeric environment, which need not equal its peers': a single writer would leave
+            # the other ranks missing forever, and since tier hits are AND-reduced, every rank would
+            # rebuild every time. Ranks sharing one directory and binding write the same bytes; the
+            # store's atomic rename makes that safe.
+            if self.store is None or not built:
+                return
             try:
-                self.store.put(bound, key, rows_of(key))
+                faults.check("store_write")
+                bound = binding()
             except Exception as exc:
-                failed.append(exc)
-        if failed:
-            self._failed(report, len(failed), f"store write of {len(failed)} of {len(built)} plan(s)", failed[0])
+                self._failed(report, 1, "store write", exc)
+                return
+            if bound is None:
+                # The content digest is still unknown (a column split that cuts leaves, weights that
+                # cannot be hashed): an entry could never be found again, so none is written.
+                log.info("store write of %d plan(s) skipped: the weights' content digest is not known", len(built))
+                return
+            # One entry per file: a failing entry (a full disk, a permission) must not keep the
+            # others out, and each failure is counted so `adalncache build` can report them.
+            failed: list[BaseException] = []
+            for key in built:
+                try:
+                    self.store.put(bound, key, rows_of(key))
+                except Exception as exc:
+                    failed.append(exc)
+            if failed:
+                what = f"store write of {len(failed)} of {len(built)} plan(s)"
+                self._failed(report, len(failed), what, failed[0])
+        finally:
+            self.release_claim()
 
     def _failed(self, report: BuildReport, count: int, what: str, exc: BaseException) -> None:
         self.stats.tier_write_failures += count

@@ -6,6 +6,8 @@ Layout of a store directory::
     <root>/bindings/<bhash>.json         what a binding hash stands for (for ``inspect``)
     <root>/entries/<bhash>/<phash>.entry one plan's table under one binding
     <root>/corrupt/                      entries that failed verification, moved aside
+    <root>/digests/<key>.json            the digest memo: tensor digests by file identity
+    <root>/locks/<bhash>/<phash>.lock    per-entry build locks (one build per fleet)
 
 An entry is ``MAGIC | u32 header length | JSON header | block bytes | final bytes | sha256`` where
 the trailing digest covers everything before it. Why this shape: one file per (binding, plan)
@@ -13,9 +15,11 @@ makes every write independent (no shared index to lock), the header lets ``inspe
 ``verify`` read an entry without the cache, and a whole-file digest catches truncation and flipped
 bits alike.
 
-* Binding: ``bhash`` is the sha256 of the canonical JSON of :meth:`AdalnCache.binding` (source
-  fingerprint, spec with dtype, precision, variant, shard mode, numeric environment). Any change
-  gives another directory, so a mismatch is a miss, never a wrong answer.
+* Binding: ``bhash`` is the sha256 of the canonical JSON of :meth:`AdalnCache.binding` (content
+  digest of the projection tensors, spec with dtype, precision, variant, shard mode, numeric
+  environment). Any change gives another directory, so a mismatch is a miss, never a wrong answer.
+  Bindings of the first format named the checkpoint files' stat fingerprint instead of their
+  content; no binding of today can equal one, so their entries are never looked up again.
 * Atomic writes: a uniquely named temp file in the target directory, fsync, ``os.replace``,
   fsync of the directory. Readers only open ``*.entry`` names, so a writer killed at any moment
   leaves at worst a temp file, which is swept when its writer is gone.
@@ -50,6 +54,7 @@ from ..plans import PlanKey, key_to_plan
 from ..rows import PlanRows
 from ..source.header import dtype_named
 from ..spec import SUPPORTED_WEIGHT_DTYPES, ModulationSpec
+from .digests import DigestMemo
 
 log = logging.getLogger(__name__)
 
@@ -137,18 +142,33 @@ class Store:
     ``max_bytes``: when set, every write prunes least-recently-used entries down to it.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, max_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        max_bytes: int | None = None,
+        lock_wait_s: float = 600.0,
+        lock_stale_s: float = 30.0,
+    ) -> None:
         if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0):
             raise ConfigError(f"max_bytes must be None or an integer >= 0, got {max_bytes!r} (CLI --max-gb)")
+        for name, value in (("lock_wait_s", lock_wait_s), ("lock_stale_s", lock_stale_s)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise ConfigError(f"{name} must be a number of seconds >= 0, got {value!r} (CLI --lock-wait)")
         self.path = Path(path)
         self.max_bytes = max_bytes
+        #: How long a build waits for another process that is building the same entries before it
+        #: builds them itself (0: never wait); a holder whose heartbeat stopped for ``lock_stale_s``
+        #: is not waited for.
+        self.lock_wait_s = float(lock_wait_s)
+        self.lock_stale_s = float(lock_stale_s)
         self.corrupt_moved = 0
         self.swept_temp = 0
         self._host = socket.gethostname().replace("-", "_")
         marker = self.path / "STORE"
         # Another process may be creating this store right now (subdirectories and a temp marker
         # before the marker itself): only names a store makes count as "a store being born".
-        own = {"bindings", "entries", "corrupt", "STORE"}
+        own = {"bindings", "entries", "corrupt", "digests", "locks", "STORE"}
         if (
             self.path.is_dir()
             and not marker.exists()
@@ -171,6 +191,28 @@ class Store:
     def __repr__(self) -> str:
         return f"Store({str(self.path)!r}, max_bytes={self.max_bytes})"
 
+    @property
+    def memo(self) -> DigestMemo:
+        """The digest memo kept in this store (tensor digests by file identity, shared by its users)."""
+        return DigestMemo(self.path / "digests", write=self.write_atomic)
+
+    def holds_other_content(self, template: Mapping[str, Any], keys: Iterable[PlanKey]) -> bool:
+        """Whether some binding equal to ``template`` in all but its ``content`` has an entry for any of ``keys``.
+
+        That is a copied checkpoint (or a copied store) whose digest is not known here yet: one
+        hashing read will probably turn these entries into hits.
+        """
+        want = _canonical({k: v for k, v in template.items() if k != "content"})
+        keys = list(keys)
+        for bhash, binding in self.bindings().items():
+            if not isinstance(binding, dict) or not binding.get("content"):
+                continue
+            if _canonical({k: v for k, v in binding.items() if k != "content"}) != want:
+                continue
+            if any(self._entry_path(bhash, key).is_file() for key in keys):
+                return True
+        return False
+
     # -- files ------------------------------------------------------------------------------
 
     def _entry_path(self, bhash: str, key: PlanKey) -> Path:
@@ -179,6 +221,13 @@ class Store:
     def _temp_name(self, final: Path) -> Path:
         # host and pid in the name let sweep_temp tell a live writer's file from an orphan.
         return final.with_name(f"{_TMP_PREFIX}{self._host}-{os.getpid()}-{uuid.uuid4().hex}-{final.name}")
+
+    def write_atomic(self, final: Path, *chunks: bytes | memoryview) -> None:
+        """Write ``chunks`` to ``final`` (inside the store) so that readers see either nothing or all of it.
+
+        The one atomic writer of the store's files (entries, bindings, the digest memo).
+        """
+        self._atomic_write(final, *chunks)
 
     def _atomic_write(self, final: Path, *chunks: bytes | memoryview) -> None:
         """Write ``chunks`` to ``final`` so that readers see either nothing or all of it."""
@@ -205,7 +254,10 @@ class Store:
         """Delete temp files whose writer is gone (dead pid here, or older than an hour elsewhere)."""
         removed = 0
         now = time.time()
-        roots = [self.path, self.path / "bindings", *(p for p in (self.path / "entries").glob("*") if p.is_dir())]
+        roots = [
+            self.path, self.path / "bindings", self.path / "digests",
+            *(p for p in (self.path / "entries").glob("*") if p.is_dir()),
+        ]  # fmt: skip
         for root in roots:
             for tmp in root.glob(_TMP_PREFIX + "*"):
                 parts = tmp.name[len(_TMP_PREFIX) :].split("-")

@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from ..devices import resolve_device
 from ..source import LazyTensor, aligned_empty, pread_into, write_safetensors
 from ..spec import FINAL, Layer, ModulationSpec, get_layout
+from .bench_tables import bench_tables
 from .deploy import proc_status
 
 log = logging.getLogger(__name__)
@@ -1149,7 +1150,7 @@ def run(args: argparse.Namespace) -> int:
     work = Path(args.dir) if args.dir else Path(tempfile.gettempdir()) / "adalncache-bench"
     ckpt_dir = work / f"ckpt-{layers}x{hidden}x{in_features}"
     source: Any = None
-    if set(args.only) & {"pass", "store", "memory"}:  # the others bring their own small checkpoints
+    if set(args.only) & {"pass", "store", "memory", "tables"}:  # the others bring their own small checkpoints
         print(
             f"checkpoint: {ckpt_dir} ({spec.projection_bytes / 2**30:.2f} GiB of projections, {layers} blocks + final)",
             flush=True,
@@ -1174,6 +1175,7 @@ def run(args: argparse.Namespace) -> int:
         "store": lambda: bench_store(res, source, plans, runs, device),
         "memory": lambda: bench_memory(res, source, plans, ckpt_dir, device),
         "deploy": lambda: bench_deploy(res, args.size, 3 if args.quick else 4, quick=args.quick),
+        "tables": lambda: _bench_tables(res, source, plans, runs, device),
     }
     for name, section in sections.items():
         if name in args.only:
@@ -1187,7 +1189,13 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-SECTIONS = ("pass", "forward", "build", "store", "memory", "deploy")
+SECTIONS = ("pass", "forward", "build", "store", "memory", "deploy", "tables")
+
+
+def _bench_tables(res: Results, source: Any, plans: list[torch.Tensor], runs: int, device: torch.device) -> None:
+    """Content hashing, store and table-file hits (their own module, :mod:`adalncache.tools.bench_tables`)."""
+    inputs = make_inputs(source.spec, plans, device)
+    bench_tables(res, source, plans, runs, device, inputs=inputs, compare=Comparison, sync=sync_device)
 
 
 def register(subparsers: Any) -> None:

@@ -18,6 +18,7 @@ import torch
 from ... import AdalnCache, Store
 from ...errors import ConfigError
 from ...spec import ModulationSpec
+from ...tiers.tables import TablesArg
 from .sources import Source
 
 OnMiss = Literal["build", "raise"]
@@ -40,6 +41,7 @@ class CacheOptions:
         progress: show a progress bar for passes (``None``: when stderr is a terminal).
         batched: project several plans of a pass at once where a probe proves it bit-identical.
         device: where the cache lives; it must be the model's device (``None``: the model's).
+        tables: table files (``adalncache export``) served as a read-only tier below the store.
     """
 
     max_plans: int = 64
@@ -53,6 +55,7 @@ class CacheOptions:
     progress: bool | None = None
     batched: bool = False
     device: torch.device | str | None = None
+    tables: TablesArg | None = None
 
     def device_for(self, model_device: torch.device) -> torch.device:
         """The cache's device: the model's, which ``device`` may name but not change."""
@@ -69,7 +72,7 @@ class CacheOptions:
             )
         return model_device
 
-    def build(self, spec: ModulationSpec, source: Source, device: torch.device) -> AdalnCache:
+    def build(self, spec: ModulationSpec, source: Source | None, device: torch.device) -> AdalnCache:
         """The cache for ``spec`` over ``source`` on ``device`` (which validates every option)."""
         return AdalnCache(
             spec,
@@ -85,6 +88,7 @@ class CacheOptions:
             read_ahead=self.read_ahead,
             progress=self.progress,
             batched=self.batched,
+            tables=self.tables,
         )
 
 

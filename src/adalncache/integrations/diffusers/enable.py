@@ -10,6 +10,7 @@ import torch
 
 from ... import Store
 from ...errors import ConfigError
+from ...tiers.tables import TablesArg
 from .config import AdalnCacheConfig, CacheOptions, CheckpointArg, OnMiss
 from .handle import AdalnCacheHandle, enable_transformer
 from .modules import is_minimax_h3_transformer
@@ -35,6 +36,7 @@ def enable_adaln_cache(
     progress: bool | None = None,
     batched: bool = False,
     device: torch.device | str | None = None,
+    tables: TablesArg | Mapping[str, TablesArg] | None = None,
 ) -> AdalnCacheHandle | PipelineAdalnCacheHandle:
     """Serve the AdaLN modulation of a MiniMax-H3 transformer (or pipeline) from bit-exact tables.
 
@@ -75,6 +77,14 @@ def enable_adaln_cache(
         device: where the cache lives; it must be the model's device (``None``: the model's, or
             the device an offloading hook runs it on). The cache serves the forward, so a different
             device is a ``ConfigError``; when the model moves (``.to()``), the cache follows.
+        tables: table files written by ``adalncache export`` (either format), searched in order as a
+            read-only tier below the store; for a pipeline with both transformers, a mapping by
+            component name. A file that does not fit the model (geometry, dtype, precision,
+            numeric environment, or a bound file's content digest) is refused with ``ConfigError``.
+            With ``checkpoint=None`` the model's own projections are checked against bound files,
+            then freed (neither on the device nor in host memory): plans the files hold are
+            served, any other plan raises ``PlanNotCachedError``, and ``disable()`` cannot bring
+            the projections back. Pass ``checkpoint=`` to build missing plans and to restore.
 
     An unknown keyword is a ``TypeError`` naming it. Each option is checked where it is used: the
     cache's options by :class:`~adalncache.AdalnCache` (a ``ConfigError`` naming the argument and
@@ -88,29 +98,43 @@ def enable_adaln_cache(
         A handle with ``.cache``, ``.prepare(plans)``, ``.stats`` and ``.disable()``; for a
         pipeline, one per transformer behind a :class:`PipelineAdalnCacheHandle`.
     """
-    options = CacheOptions(
-        max_plans=max_plans,
-        max_plan_width=max_plan_width,
-        precision=precision,
-        host_cache_bytes=host_cache_bytes,
-        store=store,
-        process_group=process_group,
-        shard=shard,
-        read_ahead=read_ahead,
-        progress=progress,
-        batched=batched,
-        device=device,
-    )
 
-    def config_for(path: CheckpointArg | None) -> AdalnCacheConfig:
-        # One config per served transformer; only the checkpoint differs between them.
+    def options_for(files: TablesArg | None) -> CacheOptions:
+        return CacheOptions(
+            max_plans=max_plans,
+            max_plan_width=max_plan_width,
+            precision=precision,
+            host_cache_bytes=host_cache_bytes,
+            store=store,
+            process_group=process_group,
+            shard=shard,
+            read_ahead=read_ahead,
+            progress=progress,
+            batched=batched,
+            device=device,
+            tables=files,
+        )
+
+    # One set of options for every transformer, unless the table files differ per component.
+    options = options_for(None if isinstance(tables, Mapping) else tables)
+
+    def config_for(path: CheckpointArg | None, component: str | None = None) -> AdalnCacheConfig:
+        # One config per served transformer; only the checkpoint and the table files differ between them.
+        files: Any = tables
+        if isinstance(tables, Mapping):
+            if component is None:
+                raise ConfigError(
+                    "tables= is a mapping by component name, which only a pipeline takes; pass one path (or a "
+                    "list of paths) for a single transformer"
+                )
+            files = tables.get(component)
         return AdalnCacheConfig(
             checkpoint=path,
             on_miss=on_miss,
             free_time_embedder=free_time_embedder,
             layout=layout,
             verify_checkpoint=verify_checkpoint,
-            cache_options=options,
+            cache_options=options if not isinstance(tables, Mapping) else options_for(files),
         )
 
     if is_minimax_h3_transformer(model_or_pipeline):

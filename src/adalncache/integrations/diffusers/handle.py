@@ -33,6 +33,7 @@ from ...errors import CheckpointError, ConfigError, PlanNotCachedError
 from ...holds import PlanHold
 from ...hostmem import HostBuffer
 from ...plans import PlanKey
+from ...source.absent import NoWeights
 from ...spec import Layer, ModulationSpec
 from .config import AdalnCacheConfig
 from .hooks import ServingHooks, other_hooks_present
@@ -54,7 +55,14 @@ from .modules import (
 )
 from .moving import LiftedGroupOffloading, guarded_apply, refresh_group_offloading
 from .parking import ParkTarget, TimeEmbedderLoan, WeightParking
-from .sources import NeverLoaded, Source, changed_since, checkpoint_source, model_source
+from .sources import (
+    NeverLoaded,
+    Source,
+    changed_since,
+    check_tables_against_model,
+    checkpoint_source,
+    model_source,
+)
 
 if TYPE_CHECKING:
     from ... import AdalnCache, BuildReport, CacheStats
@@ -175,12 +183,20 @@ class AdalnCacheHandle:
             self._hooks = None
         remove_overrides(self.model, self._overrides)
         self._overrides = ()
+        freed = self._parking.freed
         self._parking.restore()
         refresh_group_offloading(self.model)
         self.enabled = False
         setattr(self.model, HANDLE_ATTRIBUTE, None)
         self._give_back_memory()
-        logger.info("AdaLN cache disabled; projection weights restored")
+        if freed:
+            logger.warning(
+                "AdaLN cache disabled; the projection weights were freed when it was enabled with tables= and no "
+                "checkpoint=, so they stay empty (meta) placeholders and the model cannot run without the cache: "
+                "reload it, or enable with checkpoint= to be able to restore them"
+            )
+        else:
+            logger.info("AdaLN cache disabled; projection weights restored")
 
     def _give_back_memory(self) -> None:
         """After restoring: the cache's host tier and read buffers, and the model's host copies.
@@ -221,19 +237,27 @@ class AdalnCacheHandle:
             free_time_embedder = not other_hooks_present(model)
         modules = projection_modules(model, self.spec)
         host_tensors = None
+        options = config.cache_options
+        source: Source | None
         if never_loaded is not None:
-            self.source = never_loaded.source  # the loader checked it serves this model's projections
+            source = never_loaded.source  # the loader checked it serves this model's projections
         elif config.checkpoint is not None:
-            self.source = checkpoint_source(
+            source = checkpoint_source(
                 config.checkpoint, self.spec, modules, layout=config.layout, verify=config.verify_checkpoint
             )
+        elif options.tables is not None:
+            # Table files and no checkpoint: the projections are needed by no plan the files hold,
+            # so after a check against bound files they are freed, not parked (source None).
+            check_tables_against_model(self.spec, modules, options.tables, device=device, precision=options.precision)
+            source = None
         else:
-            self.source, host_tensors, self._host_buffers = model_source(self.spec, modules, self.device)
-        self._enabled_fingerprint = self.source.fingerprint
-        if never_loaded is not None:
-            self.cache = never_loaded.cache
-        else:
-            self.cache = config.cache_options.build(self.spec, self.source, device)
+            source, host_tensors, self._host_buffers = model_source(self.spec, modules, self.device)
+        self.cache = never_loaded.cache if never_loaded is not None else options.build(self.spec, source, device)
+        if source is None:
+            assert isinstance(self.cache.source, NoWeights)
+            source = self.cache.source
+        self.source = source
+        self._enabled_fingerprint = source.fingerprint
         # From here on the model is modified; undo everything if a step fails. Group offloading (if
         # applied first) captured the weights parked here: it is lifted, and comes back rebuilt,
         # outside our hooks (see moving.LiftedGroupOffloading).

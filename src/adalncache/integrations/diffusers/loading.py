@@ -39,6 +39,7 @@ from ...errors import CheckpointError, ConfigError
 from ...source import CheckpointFiles, SafetensorsHeader, checkpoint_files
 from ...source.mapped import MappedFile
 from ...spec import FINAL, LAYOUTS, KeyLayout, ModulationSpec, get_layout
+from ...tiers.tables import TablesArg
 from .config import AdalnCacheConfig, CacheOptions, CheckpointArg, OnMiss
 from .handle import enable_transformer
 from .modules import DIFFUSERS_LAYOUT
@@ -96,6 +97,7 @@ def load_transformer(
     read_ahead: int = 1,
     progress: bool | None = None,
     batched: bool = False,
+    tables: TablesArg | None = None,
 ) -> Any:
     """Load a ``MiniMaxH3Transformer3DModel`` whose AdaLN projections are never loaded, cache enabled.
 
@@ -138,6 +140,9 @@ def load_transformer(
         max_plans, max_plan_width, precision, host_cache_bytes, store, process_group, shard,
             read_ahead, progress, batched: the cache's options, as for ``enable_adaln_cache``;
             the cache lives where ``device_map`` puts the model.
+        tables: table files written by ``adalncache export``, a read-only tier below the store (as
+            for ``enable_adaln_cache``): plans they hold are served with no pass; the model's files
+            still serve every other plan (the projections are never loaded either way).
 
     Raises:
         ConfigError: a bad argument, named with the fix (a path without a transformer config, an
@@ -162,7 +167,7 @@ def load_transformer(
     options = CacheOptions(
         max_plans=max_plans, max_plan_width=max_plan_width, precision=precision, host_cache_bytes=host_cache_bytes,
         store=store, process_group=process_group, shard=shard, read_ahead=read_ahead, progress=progress,
-        batched=batched,
+        batched=batched, tables=tables,
     )  # fmt: skip
     config_dict, unused = _load_config(cls, path, subfolder, directory, config)
     files = _model_files(directory, layout)

@@ -185,14 +185,19 @@ class WeightParking:
             handle.remove()
         self._hook_handles.clear()
         # Source-backed projections are read back in one streaming pass (verified equal at enable).
+        # Freed ones (a source without weights: table files only) keep their meta placeholders.
+        freed = self.freed
         reread: dict[tuple[Layer, str], torch.Tensor] = {}
         layers = sorted({p.layer for p in self.parked if p.original is None and p.layer is not None}, key=_pass_order)
+        layers = [] if freed else layers
         if layers:
             assert self._source is not None
             for layer, weight, bias in read_layers(self._source, layers):
                 reread[(layer, "weight")], reread[(layer, "bias")] = weight, bias
         restored: list[tuple[ParkedParam, nn.Parameter]] = []
         for parked in self.parked:
+            if parked.original is None and freed:
+                continue
             if parked.original is not None and parked.original.device == parked.device:
                 tensor = parked.original
             else:
@@ -222,6 +227,12 @@ class WeightParking:
         self._residues.clear()
         self._maps.clear()
         self.time_embedder_parked = False
+
+    @property
+    def freed(self) -> bool:
+        """Whether projections were parked with no way back: no host copy and a source without weights."""
+        serves = getattr(self._source, "serves_weights", True)
+        return not serves and any(parked.original is None for parked in self.parked)
 
     @property
     def restores_from_source(self) -> bool:
@@ -318,6 +329,11 @@ class WeightParking:
     def _real_tensor(self, parked: ParkedParam) -> torch.Tensor:
         if parked.original is not None:
             return parked.original.detach()
+        if self.freed:
+            raise ConfigError(
+                f"state_dict() needs {parked.name} of a projection the AdaLN cache freed (enabled with tables= and no "
+                "checkpoint=): save from the original checkpoint, or enable with checkpoint= to keep a way back"
+            )
         return self._lazy_view(parked)
 
     def _state_dict_hook(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:

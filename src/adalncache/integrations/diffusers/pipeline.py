@@ -215,14 +215,13 @@ class PipelineAdalnCacheHandle:
 def enable_pipeline(
     pipeline: Any,
     checkpoint: CheckpointArg | Mapping[str, CheckpointArg] | None,
-    config_for: Callable[[CheckpointArg | None], AdalnCacheConfig],
+    config_for: Callable[[CheckpointArg | None, str], AdalnCacheConfig],
 ) -> PipelineAdalnCacheHandle:
     """Enable the cache on every MiniMax-H3 transformer of ``pipeline``; all or none.
 
     ``checkpoint``: one path when the pipeline holds one transformer, else a mapping by component
-    name. ``config_for(path)`` gives each transformer's settings (only the checkpoint differs). A
-    transformer whose cache is already enabled (``load_transformer``) keeps it: only the prepare
-    blocks are added for it.
+    name. ``config_for(path, name)`` gives each transformer's settings. A transformer whose cache
+    is already enabled (``load_transformer``) keeps it: only the prepare blocks are added for it.
     """
     components: dict[str, Any] = {
         name: getattr(pipeline, name, None)
@@ -261,7 +260,7 @@ def enable_pipeline(
             )
     try:
         for name, model in components.items():
-            handles[name] = adopted.get(name) or enable_transformer(model, config_for(checkpoints[name]))
+            handles[name] = adopted.get(name) or enable_transformer(model, config_for(checkpoints[name], name))
     except BaseException:
         for name, handle in handles.items():
             if name not in adopted:

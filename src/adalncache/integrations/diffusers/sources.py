@@ -19,7 +19,10 @@ from ... import AdalnCache, CheckpointSource, TensorSource
 from ...errors import CheckpointError, ConfigError
 from ...hostmem import HostBuffer, host_tensor_like
 from ...source import Columns, LayerWeights, SafetensorsHeader, TensorEntry
+from ...source.absent import NoWeights
+from ...source.digest import DigestSink
 from ...spec import KeyLayout, Layer, ModulationSpec
+from ...tiers.tables import TablesArg, TablesTier
 from .modules import DIFFUSERS_LAYOUT, base_linear, projection_path
 
 
@@ -73,9 +76,13 @@ class CastCheckpointSource:
         device: torch.device | str = "cpu",
         columns: Columns | None = None,
         read_ahead: int = 1,
+        digests: DigestSink | None = None,
     ) -> Iterator[LayerWeights]:
+        # The digest is of the file's bytes, as read: the cast is a function of them, and the
+        # binding names the served dtype besides.
         dtype = self.spec.dtype
-        for weights in self.source.stream(layers, device=device, columns=columns, read_ahead=read_ahead):
+        stream = self.source.stream(layers, device=device, columns=columns, read_ahead=read_ahead, digests=digests)
+        for weights in stream:
             yield LayerWeights(weights.layer, weights.weight.to(dtype), weights.bias.to(dtype))
 
     def describe(self) -> dict[str, Any]:
@@ -85,8 +92,8 @@ class CastCheckpointSource:
         return f"CastCheckpointSource({self.source!r}, dtype={self.spec.dtype})"
 
 
-#: Every kind of weight source the integration builds.
-Source = CheckpointSource | TensorSource | CastCheckpointSource
+#: Every kind of weight source the integration uses (``NoWeights``: table files only).
+Source = CheckpointSource | TensorSource | CastCheckpointSource | NoWeights
 
 
 @dataclass(frozen=True)
@@ -145,6 +152,31 @@ def model_source(
             tensors[f"{DIFFUSERS_LAYOUT.prefix(layer)}.{name}"] = tensor
             host[(layer, name)] = tensor
     return TensorSource(tensors, spec, layout=DIFFUSERS_LAYOUT.name), host, buffers
+
+
+def check_tables_against_model(
+    spec: ModulationSpec,
+    modules: Sequence[tuple[Layer, Any]],
+    tables: TablesArg,
+    *,
+    device: torch.device,
+    precision: str,
+) -> None:
+    """Refuse table files that do not hold this model's projections, before the model's own weights are freed.
+
+    A bound file names the content digest of the projections it was built from: the model's own
+    tensors are hashed (as they are; on a GPU through a host copy) and compared. An sglang file
+    carries nothing to compare; its geometry is checked when the cache opens it.
+    """
+    if not any(table.binding is not None for table in TablesTier(tables, spec).files):
+        return
+    own, _, buffers = model_source(spec, modules, device)
+    try:
+        cache = AdalnCache(spec, own, max_plans=1, max_plan_width=1, device=device, precision=precision, tables=tables)
+        cache.close()
+    finally:
+        for buffer in buffers:
+            buffer.release()
 
 
 def checkpoint_source(

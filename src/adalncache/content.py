@@ -1,0 +1,240 @@
+"""The content digest of a weight source: known from the memo, learnt during a pass, or read on purpose.
+
+The store binds entries to the *content* of the projection tensors (see
+:mod:`adalncache.source.digest`), so a copied checkpoint or a copied store still hits. Knowing
+that digest costs a read of every projection byte, so :class:`ContentIdentity` gets it the
+cheapest way available, in this order:
+
+1. **the memo** (:mod:`adalncache.tiers.digests`): every file still carries the identity it had
+   when it was hashed: a ``stat`` per file and a small JSON read;
+2. **the pass that builds anyway**: the reader thread hashes the bytes it streams, so the digest
+   is known before the pass's entries are written, at no extra read;
+3. **a hashing-only read** (:meth:`ContentIdentity.identify`), when it pays: the store holds
+   entries for a binding equal to this one in everything but the content (a copied checkpoint
+   next to its store), or a bound table file must be checked.
+
+Until one of them has happened the digest is *unknown* and the store is not consulted: a miss,
+never a wrong answer. In a process group every rank contributes what it knows (its memo, the
+share it read) and the ranks compose the same digest in one collective; a rank records in its
+memo only the bytes it read itself, never a digest composed with its peers' (their copies of the
+checkpoint need not be this host's).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .reports import CacheStats
+from .source.digest import (
+    DigestSink,
+    FileStamp,
+    Knowledge,
+    TensorDigest,
+    content_digest,
+    merge_knowledge,
+    projection_roles,
+)
+from .spec import ModulationSpec
+from .tiers.digests import DigestMemo
+
+if TYPE_CHECKING:
+    from .distributed import Collective
+    from .source import WeightSource
+
+log = logging.getLogger(__name__)
+
+
+def _as_json(knowledge: Mapping[str, TensorDigest]) -> dict[str, Any]:
+    return {role: record.as_json() for role, record in knowledge.items()}
+
+
+class ContentIdentity:
+    """What this cache knows of its source's content digest, and how it learns it."""
+
+    def __init__(
+        self, source: WeightSource, spec: ModulationSpec, collective: Collective, stats: CacheStats, memo: DigestMemo
+    ) -> None:
+        self.source = source
+        self.spec = spec
+        self._dist = collective
+        self.stats = stats
+        #: A source whose identity dies with the process (tensors in memory) never writes to disk.
+        self.memo = memo if getattr(source, "persistent", True) else DigestMemo(None)
+        #: The content digest, once known (reset when the source's identity changes).
+        self.digest: str | None = None
+        self._pending: tuple[DigestSink, dict[str, FileStamp] | None] | None = None
+        self._warned_unknown = False
+
+    # -- what the source is -----------------------------------------------------------------
+
+    @property
+    def hashable(self) -> bool:
+        """Whether this source serves bytes at all (a cache over table files alone has none)."""
+        return bool(getattr(self.source, "serves_weights", True))
+
+    def stamps(self) -> dict[str, FileStamp] | None:
+        """The file identity holding each projection tensor, by role; None when it cannot be taken."""
+        if not self.hashable:
+            return None
+        roles = projection_roles(self.spec)
+        entry = getattr(self.source, "entry", None)
+        if callable(entry):  # a checkpoint: one stamp per file
+            layout = self.source.layout
+            by_path: dict[Any, FileStamp] = {}
+            out: dict[str, FileStamp] = {}
+            try:
+                for role, layer, part in roles:
+                    header, _ = entry(layout.weight(layer) if part == "weight" else layout.bias(layer))
+                    if header.path not in by_path:
+                        by_path[header.path] = FileStamp.of(header.path, header.digest)
+                    out[role] = by_path[header.path]
+            except (OSError, KeyError):
+                return None
+            return out
+        # Tensors in memory: their fingerprint (addresses, versions) names them in this process only.
+        fingerprint = self.source.fingerprint
+        pseudo = FileStamp(socket.gethostname(), f"<tensors in process {fingerprint}>", 0, 0, 0, 0, 0, fingerprint)
+        return dict.fromkeys((role for role, _, _ in roles), pseudo)
+
+    def alignment(self) -> list[int] | None:
+        """Each projection tensor's address modulo 64 bytes as this source serves it, in pass order.
+
+        On a CPU an fp32 (or fp16) GEMV with one row gives different bits for the same weight at
+        another address modulo 16 bytes, so for those dtypes the same content at other offsets (a
+        re-saved file) is another table. A checkpoint's buffers keep the file offset's residue; a
+        tensor in memory has its own address. None when there are no weights.
+        """
+        if not self.hashable:
+            return None
+        roles = projection_roles(self.spec)
+        layout = self.source.layout
+        names = [layout.weight(layer) if part == "weight" else layout.bias(layer) for _, layer, part in roles]
+        entry = getattr(self.source, "entry", None)
+        if callable(entry):
+            return [int(entry(name)[1].begin) % 64 for name in names]
+        tensors = getattr(self.source, "tensors", {})
+        return [int(tensors[name].data_ptr()) % 64 for name in names]
+
+    def _remembered(self, stamps: Mapping[str, FileStamp] | None) -> Knowledge:
+        """What the memo holds for the current files, by role."""
+        if not stamps:
+            return {}
+        per_file: dict[FileStamp, dict[str, TensorDigest]] = {}
+        out: Knowledge = {}
+        for role, stamp in stamps.items():
+            if stamp not in per_file:
+                per_file[stamp] = self.memo.lookup(stamp)
+            record = per_file[stamp].get(role)
+            if record is not None:
+                out[role] = record
+        return out
+
+    # -- agreeing on the digest -------------------------------------------------------------
+
+    def _agree(self, knowledge: Knowledge) -> str | None:
+        """Compose the digest from this rank's knowledge and (in a group) every peer's, in one collective."""
+        if self._dist.world > 1:
+            gathered = self._dist.gather_objects(_as_json(knowledge))
+            parts = [{role: TensorDigest.from_json(rec) for role, rec in part.items()} for part in gathered]
+            merged = merge_knowledge(parts)
+            if merged is None:
+                log.warning(
+                    "rank %d: the ranks read different bytes for the same projection tensor (different copies of "
+                    "the checkpoint?): the content digest stays unknown and the store is not used",
+                    self._dist.rank,
+                )
+                return None
+            knowledge = merged
+        return content_digest(self.spec, knowledge)
+
+    def resolve(self) -> str | None:
+        """The digest if known, else whatever the memo (and, in a group, the peers) can tell; no data read."""
+        if self.digest is None:
+            self.digest = self._agree(self._remembered(self.stamps()))
+        return self.digest
+
+    def reset(self) -> None:
+        """The source's identity changed: the digest is unknown until re-learnt."""
+        self.digest = None
+        self._pending = None
+
+    def note_unknown(self, what: str) -> None:
+        """Count (and log once) a store use skipped because the digest is not known yet."""
+        self.stats.store_unbound += 1
+        if not self._warned_unknown:
+            self._warned_unknown = True
+            log.info(
+                "content digest of %s not known yet: %s skipped (a miss, never a wrong answer); the next pass, or "
+                "identify(), hashes it",
+                type(self.source).__name__,
+                what,
+            )
+
+    # -- learning it ------------------------------------------------------------------------
+
+    def pass_sink(self) -> DigestSink | None:
+        """A sink for the next pass to feed, or None when the digest is already known (nothing to hash)."""
+        if self.digest is not None or not self.hashable:
+            self._pending = None
+            return None
+        sink = DigestSink()
+        self._pending = (sink, self.stamps())
+        return sink
+
+    def after_pass(self) -> str | None:
+        """Remember what the pass hashed and compose the digest (every rank calls this after a pass)."""
+        if self._pending is None:
+            return self.digest
+        sink, before = self._pending
+        self._pending = None
+        own = sink.knowledge()
+        self.stats.hashed_bytes += sink.hashed_bytes
+        now = self.stamps()
+        if before is None or now != before:
+            # A file changed while it was read: its bytes may be a mix, so nothing is recorded and
+            # nothing is bound (the next build sees the change and starts again).
+            log.warning("the checkpoint changed during the pass: its content digest is not recorded")
+            own = {}
+        else:
+            per_file: dict[FileStamp, dict[str, TensorDigest]] = {}
+            for role, record in own.items():
+                per_file.setdefault(before[role], {})[role] = record
+            for stamp, records in per_file.items():
+                self.memo.record(stamp, records)
+        knowledge = merge_knowledge([self._remembered(now), own]) if own else self._remembered(now)
+        self.digest = self._agree(knowledge or {})
+        return self.digest
+
+    def identify(self, *, read: bool = True) -> str | None:
+        """The digest: from the memo, else (``read=True``) by a hashing-only read of this rank's share.
+
+        In a process group every rank must call this together. A read that fails on one rank
+        still takes part in the agreement (with what it hashed), then raises.
+        """
+        if self.resolve() is not None or not read or not self.hashable:
+            return self.digest
+        sink = self.pass_sink()
+        assert sink is not None
+        failure: Exception | None = None
+        try:
+            work = self._dist.hash_work(self.spec.layers())
+            stream = self.source.stream(
+                work.layers, device=torch.device("cpu"), columns=work.columns, read_ahead=1, digests=sink
+            )
+            for _ in stream:
+                pass
+            self.stats.hash_reads += 1
+        except Exception as exc:
+            failure = exc
+        digest = self.after_pass()
+        if failure is not None:
+            raise failure
+        return digest
+
+
+__all__ = ["ContentIdentity"]

@@ -1,0 +1,245 @@
+"""Build once, serve everywhere: export the tables of some schedules as one file, and verify such a file.
+
+:func:`export_tables` computes the tables of a set of plans with an :class:`~adalncache.AdalnCache`
+(so store entries are reused, and a ``torchrun`` group shares the passes exactly as ``build``
+does) and streams them into a table file (:mod:`adalncache.tablefile`) in one of two formats:
+``sglang`` (exactly SGLang's sidecar: it loads it with ``--minimax-h3-adaln-cache-path``) or
+``adalncache`` (the same tensors plus the binding that lets a reader verify it).
+:func:`verify_tables` recomputes a file's plans from a checkpoint on this machine and compares
+them bit for bit. ``adalncache export`` and ``adalncache verify --tables`` are shells over these.
+
+Step counts: ``--steps N`` is the pipeline's ``num_inference_steps`` (grid points including the
+terminal 0), so it gives ``N - 1`` forwards; SGLang's ``--num-inference-steps M`` counts forwards.
+A file exported with ``--steps N`` therefore serves SGLang at ``--num-inference-steps N - 1``.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from .cache import AdalnCache
+from .errors import ConfigError
+from .plans import format_plan, key_to_plan, plan_key
+from .source import CheckpointSource
+from .spec import ModulationSpec
+from .tablefile import (
+    FORMATS,
+    MODEL_VARIANTS,
+    TASK_VARIANTS,
+    TableFile,
+    TableWriter,
+    bound_metadata,
+    sglang_metadata,
+)
+from .tiers.tables import plain_json
+
+Embed = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class ExportReport:
+    """What :func:`export_tables` wrote."""
+
+    path: Path
+    format: str
+    plans: int
+    width: int
+    bytes: int
+    passes: int
+    store_hits: int
+    built: int
+    content: str | None
+
+
+def check_export(
+    spec: ModulationSpec, *, format: str, precision: str, model_variant: str | None, tasks: Sequence[str]
+) -> None:
+    """Refuse, before any work, what the target format cannot express (ConfigError naming the flag)."""
+    if format not in FORMATS:
+        raise ConfigError(f"--format must be one of {', '.join(FORMATS)}, got {format!r}")
+    if model_variant is not None and model_variant not in MODEL_VARIANTS:
+        raise ConfigError(f"--model-variant must be one of {', '.join(MODEL_VARIANTS)}, got {model_variant!r}")
+    if format == "sglang":
+        if spec.dtype != torch.bfloat16:
+            raise ConfigError(
+                f"--format sglang holds bfloat16 tables only (SGLang checks the dtype), but this checkpoint's "
+                f"projections are {str(spec.dtype).removeprefix('torch.')}: use --format adalncache"
+            )
+        if precision != "match":
+            raise ConfigError(
+                f"--format sglang cannot hold --precision {precision} tables: SGLang serves the file as the "
+                f"resident projection's output (precision match); use --precision match or --format adalncache"
+            )
+        if model_variant is None:
+            raise ConfigError(
+                "--format sglang needs --model-variant fl2va or ref2va: SGLang compares it with its own "
+                "--model-variant (t2va and fl2va run on fl2va, ref2va on ref2va)"
+            )
+    if model_variant is not None:
+        wrong = sorted({t for t in tasks if TASK_VARIANTS.get(t) != model_variant})
+        if wrong:
+            raise ConfigError(
+                f"--model-variant {model_variant} does not serve --task {', '.join(wrong)} (t2va and fl2va run on "
+                f"the fl2va transformer, ref2va on ref2va): export one file per transformer"
+            )
+
+
+def export_tables(
+    cache: AdalnCache,
+    plans: Sequence[torch.Tensor],
+    out: str | os.PathLike[str],
+    *,
+    embed: Embed,
+    format: str = "adalncache",
+    model_variant: str | None = None,
+    tasks: Sequence[str] = (),
+    schedules: Sequence[Mapping[str, Any]] = (),
+    progress: bool = True,
+) -> ExportReport:
+    """Compute the tables of ``plans`` with ``cache`` and write them to ``out`` (rank 0 writes in a group).
+
+    ``plans``: distinct plans in slot order (``schedule_plans`` gives them). Passes of at most
+    ``cache.max_plans`` plans each; the cache's slab is scratch, the file is the product. The file
+    appears at ``out`` only once complete (a temporary file is renamed into place): an interrupted
+    or failed export leaves ``out`` as it was. In a process group every rank calls this.
+    """
+    spec = cache.spec
+    check_export(spec, format=format, precision=cache.precision, model_variant=model_variant, tasks=tasks)
+    path = Path(out)
+    if path.is_dir():
+        raise ConfigError(f"-o/--output {path} is a directory: name the table file to write")
+    writer = TableWriter(path, spec, plans, bound=format == "adalncache") if cache.rank == 0 else None
+    if writer is not None:
+        # Created now, so an unwritable -o fails before the passes rather than after them. The
+        # header is sized for the final metadata: a binding is well under the 2 KiB placeholder.
+        if format == "sglang":
+            assert model_variant is not None
+            writer.open(sglang_metadata(model_variant))
+        else:
+            writer.open(bound_metadata(binding={"~": "~" * 2048}, schedules=schedules, model_variant=model_variant))
+    keys = [plan_key(p) for p in plans]
+    passes = store_hits = built = 0
+    try:
+        chunks = [list(range(i, min(i + cache.max_plans, len(plans)))) for i in range(0, len(plans), cache.max_plans)]
+        for chunk in tqdm(chunks, desc="adalncache export", unit="pass", disable=not progress or len(chunks) < 2):
+            report = cache.build([plans[i] for i in chunk], embed=embed)
+            passes, store_hits, built = passes + report.passes, store_hits + report.store_hits, built + report.built
+            if writer is not None:
+                for index in chunk:
+                    writer.write_slot(index, cache.rows_of(keys[index]))
+            cache.invalidate()
+        binding = cache.binding() if format == "adalncache" else None  # (a collective in a group)
+        if format == "adalncache" and binding is None:
+            raise ConfigError(
+                "the content digest of the checkpoint could not be composed (a column split whose world size does "
+                "not divide 64 cuts the hashed row blocks): export the bound format with --shard layers or 2, 4, 8 "
+                "ranks, or use --format sglang"
+            )
+        if writer is None:
+            return ExportReport(path, format, len(plans), max(len(k) for k in keys), 0, passes, store_hits, built,
+                                None if binding is None else binding["content"])  # fmt: skip
+        if format == "sglang":
+            assert model_variant is not None
+            metadata = sglang_metadata(model_variant)
+        else:
+            assert binding is not None
+            metadata = bound_metadata(binding=binding, schedules=schedules, model_variant=model_variant)
+        writer.finish(metadata)
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+        raise
+    return ExportReport(
+        path, format, len(plans), writer.width, path.stat().st_size, passes, store_hits, built,
+        None if binding is None else binding["content"],
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# verify
+
+
+@dataclass
+class TablesVerifyReport:
+    """What :func:`verify_tables` found."""
+
+    checked: int = 0
+    mismatched: list[str] = field(default_factory=list)
+    corrupt: list[str] = field(default_factory=list)
+    #: Bound files: the content digest of the checkpoint here, and whether the file names it.
+    content: str | None = None
+    content_matches: bool | None = None
+    #: Binding fields (environment, shard) that differ from this machine: bits are then not expected to match.
+    foreign: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not (self.mismatched or self.corrupt) and self.content_matches is not False
+
+
+def verify_tables(
+    table: TableFile,
+    source: CheckpointSource,
+    *,
+    embed: Embed,
+    device: str | torch.device = "cpu",
+    max_plans: int = 64,
+    read_ahead: int = 1,
+    sample: int | None = None,
+    seed: int = 0,
+    progress: bool = True,
+) -> TablesVerifyReport:
+    """Recompute ``table``'s plans from ``source`` on this machine and compare every row with ``torch.equal``.
+
+    Always per plan (never batched), at the file's precision (a bound file's; an sglang file is
+    ``match``). For a bound file the pass hashes the checkpoint as it reads it and the result is
+    compared with the file's content digest; binding fields that differ from this machine are
+    listed in ``foreign`` (a mismatch is then expected, not a fault of the file).
+    """
+    if sample is not None and sample < 1:
+        raise ConfigError(f"sample must be a positive number of plans, got {sample}: set --sample")
+    spec = source.spec
+    if table.spec != spec:
+        raise ConfigError(f"{table.path} holds tables of another geometry than --checkpoint")
+    binding = table.binding or {}
+    precision = str(binding.get("precision", "match"))
+    report = TablesVerifyReport()
+    keys = list(dict.fromkeys(table.keys))
+    if sample is not None and sample < len(keys):
+        keys = random.Random(seed).sample(keys, sample)
+    chunks = [keys[i : i + max_plans] for i in range(0, len(keys), max_plans)]
+    cache = AdalnCache(
+        spec, source, max_plans=max(1, min(max_plans, len(keys))), max_plan_width=table.width, device=device,
+        precision=precision, read_ahead=read_ahead, progress=progress, batched=False,
+    )  # fmt: skip
+    for chunk in tqdm(chunks, desc="adalncache verify --tables", unit="pass", disable=not progress):
+        cache.build([key_to_plan(k) for k in chunk], embed=embed)
+        for key in chunk:
+            stored = table.read(key)
+            if stored is None:
+                report.corrupt.append(f"slot {table.slot_of(key)} (plan {format_plan(key)}) fails its digest")
+                continue
+            fresh = cache.rows_of(key)
+            report.checked += 1
+            if not (torch.equal(fresh.block.cpu(), stored.block) and torch.equal(fresh.final.cpu(), stored.final)):
+                report.mismatched.append(f"plan {format_plan(key)} (slot {table.slot_of(key)}) differs")
+        cache.invalidate()
+    if table.binding is not None:
+        report.content = cache.identify()
+        report.content_matches = report.content == table.content
+        here = cache.binding() or {}
+        report.foreign = [
+            key for key in ("environment", "shard") if plain_json(binding.get(key)) != plain_json(here.get(key))
+        ]
+    return report
+
+
+__all__ = ["ExportReport", "TablesVerifyReport", "check_export", "export_tables", "verify_tables"]

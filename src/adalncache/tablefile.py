@@ -1,0 +1,504 @@
+"""Table files: the tables of a set of plans in one safetensors file that other engines load too.
+
+The layout is SGLang's MiniMax-H3 AdaLN sidecar (format version 2), so one file serves this
+package and SGLang (``--minimax-h3-adaln-cache-path``) alike:
+
+* ``plan_timesteps [P, W] float32``: slot ``s`` holds a plan's timesteps in its first
+  ``plan_lengths[s]`` columns, zeros after;
+* ``plan_lengths [P] int64``, each in ``1..W``;
+* ``block_params [P, W, num_layers, 18 * hidden]`` and ``final_params [P, W, 2 * hidden]``: the
+  projections' outputs, rows past a plan's length zero (SGLang never reads them; zeros keep the
+  bytes deterministic);
+* metadata ``format_version = "2"`` and ``model_variant`` (``"fl2va"`` or ``"ref2va"``: the
+  released transformer the tables belong to, which SGLang compares with ``--model-variant``).
+
+Two formats share that layout. ``sglang``: exactly the above, bfloat16, nothing else, so SGLang
+loads it unmodified; it carries no binding, so a reader can check the geometry and nothing more.
+``adalncache``: the same tensors (in the projections' dtype) plus metadata that binds the file to
+what produced it: the content digest of the projection tensors, the spec, the precision, the
+numeric environment, the tool's version, the schedules, and a BLAKE3 digest per slot, checked on
+every read. A bound file of bfloat16 tables with a ``model_variant`` is also an SGLang file: SGLang
+ignores the extra keys.
+
+:class:`TableWriter` streams a file slot by slot (never a whole P x W slab in memory), into a
+temporary file renamed into place at the end; :class:`TableFile` opens one, validates it, and
+reads a plan's rows with two ``pread`` calls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import struct
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from .errors import CheckpointError, ConfigError
+from .plans import PlanKey, format_plan, plan_key
+from .rows import PlanRows
+from .source.digest import hash_hex
+from .source.header import FileIdentity, SafetensorsHeader, TensorEntry, safetensors_name
+from .source.reads import pread_into
+from .spec import ModulationSpec
+
+log = logging.getLogger(__name__)
+
+#: The layout's version, as SGLang checks it.
+FORMAT_VERSION = "2"
+#: The values SGLang's loader accepts for ``model_variant`` (the released transformers).
+MODEL_VARIANTS = ("fl2va", "ref2va")
+#: Which released transformer serves each task (t2va runs on the fl2va transformer).
+TASK_VARIANTS = {"t2va": "fl2va", "fl2va": "fl2va", "ref2va": "ref2va"}
+FORMATS = ("adalncache", "sglang")
+TENSORS = ("plan_timesteps", "plan_lengths", "block_params", "final_params")
+
+#: Metadata keys of the bound (``adalncache``) format.
+BOUND = "adalncache.format"
+BOUND_VERSION = "1"
+TOOL = "adalncache.tool"
+BINDING = "adalncache.binding"
+CONTENT = "adalncache.content"
+SCHEDULES = "adalncache.schedules"
+SLOT_DIGESTS = "adalncache.slot_digests"
+CREATED = "adalncache.created"
+
+_HEX = 64
+_SLACK = 4096  # header bytes reserved beyond the placeholder header, so the final one always fits
+
+
+def tool_version() -> str:
+    """``adalncache <version>`` of this installation."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f"adalncache {version('adalncache')}"
+    except PackageNotFoundError:  # a source tree on PYTHONPATH
+        return "adalncache (not installed)"
+
+
+def _canonical(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
+
+
+def slot_digest(timesteps: torch.Tensor, block: torch.Tensor, final: torch.Tensor) -> str:
+    """BLAKE3 of one slot's useful bytes: its timesteps, block rows and final rows (first ``n`` rows each)."""
+    parts = [t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy() for t in (timesteps, block, final)]
+    return hash_hex(*(p.data for p in parts))
+
+
+def _bad(path: Path, what: str, argument: str) -> ConfigError:
+    return ConfigError(f"{path} cannot be used as a table file ({argument}): {what}")
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Shapes of the four tensors of a file of ``plans`` slots ``width`` timesteps wide."""
+
+    plans: int
+    width: int
+    spec: ModulationSpec
+
+    def shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        P, W, s = self.plans, self.width, self.spec
+        return {
+            "plan_timesteps": ((P, W), torch.float32),
+            "plan_lengths": ((P,), torch.int64),
+            "block_params": ((P, W, s.num_layers, s.block_width), s.dtype),
+            "final_params": ((P, W, s.final_width), s.dtype),
+        }
+
+
+# ---------------------------------------------------------------------------------------------
+# writing
+
+
+class TableWriter:
+    """Writes one table file slot by slot; the file appears at ``path`` only when :meth:`finish` succeeds.
+
+    The header is written first with placeholders of the final lengths (digests are fixed-length
+    hex) plus slack, the data section is sized up front (a sparse file: padding rows read back as
+    zeros without being written), each slot is written when its rows are known, and the real
+    header is written last. A writer that dies leaves only its temporary file.
+    """
+
+    def __init__(
+        self, path: str | os.PathLike[str], spec: ModulationSpec, plans: Sequence[torch.Tensor], *, bound: bool
+    ) -> None:
+        self.path = Path(path)
+        self.spec = spec
+        self.keys: list[PlanKey] = [plan_key(p) for p in plans]
+        if not self.keys:
+            raise ConfigError("a table file needs at least one plan (check --task and --steps)")
+        if len(set(self.keys)) != len(self.keys):
+            raise ConfigError("a table file holds each plan once: pass distinct plans (SGLang would serve one of them)")
+        self.width = max(len(k) for k in self.keys)
+        self.bound = bound
+        geometry = Geometry(len(self.keys), self.width, spec)
+        header: dict[str, Any] = {}
+        offset = 0
+        self.begin: dict[str, int] = {}
+        for name, (shape, dtype) in geometry.shapes().items():
+            nbytes = dtype.itemsize
+            for s in shape:
+                nbytes *= s
+            header[name] = {
+                "dtype": safetensors_name(dtype),
+                "shape": list(shape),
+                "data_offsets": [offset, offset + nbytes],
+            }
+            self.begin[name] = offset
+            offset += nbytes
+        self._tensors = header
+        self._data_bytes = offset
+        self._digests = ["0" * _HEX] * len(self.keys)
+        self._written = [False] * len(self.keys)
+        self.tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        self._fd: int | None = None
+        self._reserved = 0
+
+    def open(self, metadata: Mapping[str, str]) -> None:
+        """Create the temporary file and write the fixed parts (raises ConfigError naming ``-o``)."""
+        placeholder = self._header(metadata)
+        self._reserved = len(placeholder) + _SLACK
+        self._reserved += (-(8 + self._reserved)) % 64  # the data section starts 64-byte aligned
+        try:
+            self._fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+            os.ftruncate(self._fd, 8 + self._reserved + self._data_bytes)
+        except OSError as exc:
+            self.abort()
+            raise ConfigError(f"cannot write the table file {self.path}: {exc} (set -o to a writable path)") from exc
+        timesteps = torch.zeros(len(self.keys), self.width, dtype=torch.float32)
+        lengths = torch.tensor([len(k) for k in self.keys], dtype=torch.int64)
+        for s, key in enumerate(self.keys):
+            timesteps[s, : len(key)] = torch.tensor(list(key), dtype=torch.int32).view(torch.float32)
+        self._pwrite(self.begin["plan_timesteps"], timesteps)
+        self._pwrite(self.begin["plan_lengths"], lengths)
+
+    def _header(self, metadata: Mapping[str, str]) -> bytes:
+        meta = dict(metadata)
+        if self.bound:
+            meta[SLOT_DIGESTS] = json.dumps(self._digests, separators=(",", ":"))
+        return json.dumps({"__metadata__": meta, **self._tensors}, separators=(",", ":")).encode()
+
+    def _pwrite(self, begin: int, tensor: torch.Tensor) -> None:
+        assert self._fd is not None
+        data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().data
+        offset = 8 + self._reserved + begin
+        while data:
+            written = os.pwrite(self._fd, data, offset)
+            data, offset = data[written:], offset + written
+
+    def write_slot(self, index: int, rows: PlanRows) -> None:
+        """Write slot ``index``'s rows (its plan is ``keys[index]``); the padding rows stay zero."""
+        key = self.keys[index]
+        n = len(key)
+        block, final = rows.block.detach().to("cpu"), rows.final.detach().to("cpu")
+        s = self.spec
+        if tuple(block.shape) != (n, s.num_layers, s.block_width) or tuple(final.shape) != (n, s.final_width):
+            raise ConfigError(
+                f"rows of shape {tuple(block.shape)}/{tuple(final.shape)} do not fit plan {format_plan(key)}"
+            )
+        if block.dtype != s.dtype or final.dtype != s.dtype:
+            raise ConfigError(f"rows of dtype {block.dtype} do not fit a table file of {s.dtype}")
+        item = s.itemsize
+        self._pwrite(self.begin["block_params"] + index * self.width * s.num_layers * s.block_width * item, block)
+        self._pwrite(self.begin["final_params"] + index * self.width * s.final_width * item, final)
+        if self.bound:
+            timesteps = torch.tensor(list(key), dtype=torch.int32).view(torch.float32)
+            self._digests[index] = slot_digest(timesteps, block, final)
+        self._written[index] = True
+
+    def finish(self, metadata: Mapping[str, str]) -> Path:
+        """Write the real header, sync, and rename the file into place; returns its path."""
+        assert self._fd is not None
+        missing = [format_plan(k) for k, done in zip(self.keys, self._written) if not done]
+        if missing:
+            self.abort()
+            raise ConfigError(
+                f"the table file was not finished: {len(missing)} slot(s) never written ({missing[0]}, ...)"
+            )
+        head = self._header(metadata)
+        if len(head) > self._reserved:  # cannot happen: every late value has its placeholder's length
+            self.abort()
+            raise ConfigError(f"table file header grew past its reserved {self._reserved} bytes")
+        head += b" " * (self._reserved - len(head))
+        try:
+            os.pwrite(self._fd, struct.pack("<Q", len(head)) + head, 0)
+            os.fsync(self._fd)
+            os.close(self._fd)
+            self._fd = None
+            os.replace(self.tmp, self.path)
+        except OSError as exc:
+            self.abort()
+            raise ConfigError(f"cannot write the table file {self.path}: {exc} (set -o to a writable path)") from exc
+        with contextlib.suppress(OSError):
+            fd = os.open(self.path.parent, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        return self.path
+
+    def abort(self) -> None:
+        """Remove the temporary file (nothing at ``path`` changes)."""
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+            self._fd = None
+        with contextlib.suppress(OSError):
+            self.tmp.unlink()
+
+
+# ---------------------------------------------------------------------------------------------
+# reading
+
+
+def is_table_file(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a safetensors file holding the four table tensors (what ``inspect`` tells apart)."""
+    path = Path(path)
+    if not path.is_file():
+        return False
+    try:
+        with open(path, "rb") as handle:
+            (length,) = struct.unpack("<Q", handle.read(8))
+            if length > 100_000_000:
+                return False
+            header = json.loads(handle.read(length))
+    except (OSError, ValueError, struct.error):
+        return False
+    return isinstance(header, dict) and all(name in header for name in TENSORS)
+
+
+class TableFile:
+    """One table file, validated and indexed; :meth:`read` returns a plan's rows.
+
+    ``spec``: the geometry and dtype the file must have (None: taken from the file, for
+    ``inspect``). ``argument``: how messages name the file's setting (``tables=``, ``--tables``).
+    Raises ConfigError when the file is missing, is not safetensors, lacks or misshapes one of the
+    four tensors, has another ``format_version``, or its plans are malformed.
+    """
+
+    def __init__(
+        self, path: str | os.PathLike[str], spec: ModulationSpec | None = None, *, argument: str = "tables="
+    ) -> None:
+        self.path = Path(path)
+        self.argument = argument
+        if not self.path.is_file():
+            raise ConfigError(f"table file {self.path} does not exist ({argument})")
+        try:
+            header = SafetensorsHeader.read(self.path)
+            with safe_open(str(self.path), framework="pt") as handle:
+                self.metadata: dict[str, str] = dict(handle.metadata() or {})
+        except (CheckpointError, OSError) as exc:
+            raise _bad(self.path, f"not a readable safetensors file: {exc}", argument) from None
+        self.identity: FileIdentity = header.identity
+        entries = header.entries
+        absent = [name for name in TENSORS if name not in entries]
+        if absent:
+            raise _bad(
+                self.path, f"it has no {', '.join(absent)} tensor (a table file holds {', '.join(TENSORS)})", argument
+            )
+        if self.metadata.get("format_version") != FORMAT_VERSION:
+            raise _bad(
+                self.path, f"its format_version is {self.metadata.get('format_version')!r}, this reader needs "
+                f"{FORMAT_VERSION!r}", argument,
+            )  # fmt: skip
+        ts, lengths = entries["plan_timesteps"], entries["plan_lengths"]
+        if ts.dtype != "F32" or len(ts.shape) != 2 or lengths.dtype != "I64" or lengths.shape != ts.shape[:1]:
+            raise _bad(self.path, "plan_timesteps must be [P, W] float32 and plan_lengths [P] int64", argument)
+        self.plans, self.width = ts.shape
+        block = entries["block_params"]
+        dtype = block.torch_dtype
+        if spec is None:
+            if dtype is None or len(block.shape) != 4:
+                raise _bad(
+                    self.path,
+                    f"block_params is {list(block.shape)} {block.dtype}, not [P, W, L, 18 * hidden]",
+                    argument,
+                )
+            spec = ModulationSpec(
+                num_layers=block.shape[2], hidden_size=block.shape[3] // 18, time_embed_dim=1, dtype=dtype
+            )
+        self.spec = spec
+        for name, (shape, want) in Geometry(self.plans, self.width, spec).shapes().items():
+            entry = entries[name]
+            if tuple(entry.shape) != shape or entry.torch_dtype != want:
+                raise ConfigError(
+                    f"{self.path} ({argument}): {name} is {list(entry.shape)} {entry.torch_dtype or entry.dtype}, this "
+                    f"model needs {list(shape)} {want}: it holds another checkpoint geometry or dtype; export "
+                    f"tables from this model's checkpoint (adalncache export)"
+                )
+        self._entries: dict[str, TensorEntry] = entries
+        timesteps = self._read_tensor(ts).view(torch.float32).view(self.plans, self.width)
+        counts = self._read_tensor(lengths).view(torch.int64)
+        if bool(((counts < 1) | (counts > self.width)).any()):
+            raise _bad(self.path, f"a plan length is outside 1..{self.width}", argument)
+        self.keys: list[PlanKey] = []
+        self._slots: dict[PlanKey, int] = {}
+        for s in range(self.plans):
+            key = plan_key(timesteps[s, : int(counts[s])].contiguous())
+            self.keys.append(key)
+            if key in self._slots:
+                log.warning("%s: plan %s appears twice (slots %d and %d); the first is served", self.path,
+                            format_plan(key), self._slots[key], s)  # fmt: skip
+                continue
+            self._slots[key] = s
+        self.format = "adalncache" if self.metadata.get(BOUND) is not None else "sglang"
+        self.binding: dict[str, Any] | None = None
+        self.slot_digests: list[str] | None = None
+        if self.format == "adalncache":
+            self._read_binding()
+
+    def _read_binding(self) -> None:
+        if self.metadata.get(BOUND) != BOUND_VERSION:
+            raise _bad(self.path, f"its {BOUND} is {self.metadata.get(BOUND)!r}; this reader knows {BOUND_VERSION!r}",
+                       self.argument)  # fmt: skip
+        try:
+            binding = json.loads(self.metadata[BINDING])
+            digests = json.loads(self.metadata[SLOT_DIGESTS])
+        except (KeyError, ValueError) as exc:
+            raise _bad(self.path, f"its binding metadata is missing or not JSON ({exc})", self.argument) from None
+        if not isinstance(binding, dict) or not isinstance(digests, list) or len(digests) != self.plans:
+            raise _bad(self.path, f"its binding metadata is malformed (needs {self.plans} slot digests)", self.argument)
+        self.binding = binding
+        self.slot_digests = [str(d) for d in digests]
+
+    def _read_tensor(self, entry: TensorEntry) -> torch.Tensor:
+        return self._read(entry.begin, entry.nbytes, entry.name)
+
+    def _read(self, offset: int, nbytes: int, what: str) -> torch.Tensor:
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            if nbytes:
+                pread_into(fd, buf, offset, self.path, what)
+        finally:
+            os.close(fd)
+        return buf
+
+    # -- queries ----------------------------------------------------------------------------
+
+    @property
+    def model_variant(self) -> str | None:
+        return self.metadata.get("model_variant")
+
+    @property
+    def content(self) -> str | None:
+        """The bound content digest (None for an sglang file)."""
+        return None if self.binding is None else self.binding.get("content")
+
+    def slot_of(self, key: PlanKey) -> int | None:
+        return self._slots.get(key)
+
+    def __contains__(self, key: PlanKey) -> bool:
+        return key in self._slots
+
+    def changed(self) -> bool:
+        """Whether the file on disk is no longer the one opened (rewritten, replaced, removed)."""
+        try:
+            return FileIdentity.of(self.path) != self.identity
+        except OSError:
+            return True
+
+    def read(self, key: PlanKey) -> PlanRows | None:
+        """The rows of plan ``key`` (None if absent; None, logged, if a bound slot fails its digest)."""
+        slot = self._slots.get(key)
+        if slot is None:
+            return None
+        n, s = len(key), self.spec
+        item, L, BW, FW, W = s.itemsize, s.num_layers, s.block_width, s.final_width, self.width
+        block_entry, final_entry = self._entries["block_params"], self._entries["final_params"]
+        block = self._read(block_entry.begin + slot * W * L * BW * item, n * L * BW * item, "block_params")
+        final = self._read(final_entry.begin + slot * W * FW * item, n * FW * item, "final_params")
+        timesteps = torch.tensor(list(key), dtype=torch.int32).view(torch.float32)
+        rows = PlanRows(timesteps, block.view(s.dtype).view(n, L, BW), final.view(s.dtype).view(n, FW))
+        if self.slot_digests is not None and slot_digest(*rows) != self.slot_digests[slot]:
+            log.warning("%s: slot %d (plan %s) fails its digest: not served", self.path, slot, format_plan(key))
+            return None
+        return rows
+
+    def describe(self) -> dict[str, Any]:
+        """What ``inspect`` shows: format, geometry, plans per width, variant, binding."""
+        widths: dict[int, int] = {}
+        for key in self.keys:
+            widths[len(key)] = widths.get(len(key), 0) + 1
+        schedules: Any = None
+        with contextlib.suppress(KeyError, ValueError):
+            schedules = json.loads(self.metadata[SCHEDULES])
+        return {
+            "kind": "tables",
+            "path": str(self.path),
+            "format": self.format,
+            "plans": self.plans,
+            "width": self.width,
+            "plans_per_width": dict(sorted(widths.items())),
+            "model_variant": self.model_variant,
+            "spec": self.spec.describe(),
+            "bytes": self.identity.size,
+            "binding": self.binding,
+            "tool": self.metadata.get(TOOL),
+            "created": self.metadata.get(CREATED),
+            "schedules": schedules,
+        }
+
+    def verify_slots(self) -> list[str]:
+        """Problems found re-reading every slot of a bound file (empty: every digest matches)."""
+        if self.slot_digests is None:
+            return []
+        bad = []
+        for key in self._slots:
+            if self.read(key) is None:
+                bad.append(f"slot {self._slots[key]} (plan {format_plan(key)}) fails its digest")
+        return bad
+
+
+def bound_metadata(
+    *,
+    binding: Mapping[str, Any],
+    schedules: Sequence[Mapping[str, Any]],
+    model_variant: str | None,
+) -> dict[str, str]:
+    """The metadata of a bound file (slot digests are added by the writer)."""
+    meta = {
+        "format_version": FORMAT_VERSION,
+        BOUND: BOUND_VERSION,
+        TOOL: tool_version(),
+        BINDING: _canonical(binding),
+        CONTENT: str(binding.get("content")),
+        SCHEDULES: _canonical(list(schedules)),
+        CREATED: time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    if model_variant is not None:
+        meta["model_variant"] = model_variant
+    return meta
+
+
+def sglang_metadata(model_variant: str) -> dict[str, str]:
+    """Exactly the two keys SGLang reads."""
+    return {"format_version": FORMAT_VERSION, "model_variant": model_variant}
+
+
+__all__ = [
+    "FORMATS",
+    "FORMAT_VERSION",
+    "MODEL_VARIANTS",
+    "TASK_VARIANTS",
+    "TENSORS",
+    "Geometry",
+    "TableFile",
+    "TableWriter",
+    "bound_metadata",
+    "is_table_file",
+    "sglang_metadata",
+    "slot_digest",
+    "tool_version",
+]

@@ -1,0 +1,271 @@
+"""Content identity: the store binds entries to the bytes of the projections, not to one file's stat identity.
+
+Real checkpoints on disk, real stores, real copies (new inode, new mtime): a copied checkpoint or a
+copied store hits after at most one hashing read; the digest memo makes later processes hash
+nothing; edited bytes (even with the mtime put back) never hit old entries.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from adalncache import AdalnCache, CheckpointSource, Store, TensorSource, plan_key
+from adalncache.source import Columns
+from adalncache.source.digest import LEAVES, DigestSink, content_digest, leaf_bounds
+from adalncache.tiers.digests import forget_process_memo
+from adalncache.tiers.store import binding_hash
+from adalncache.tools.tiny import write_safetensors
+from core_helpers import make_weights, write_checkpoint
+from tiers_support import plan, projection_dict, simple_embed, small_spec
+
+TESTS = Path(__file__).resolve().parent
+PLANS = [plan(0.9, 0.8), plan(0.5), plan(0.3, 0.2, 0.1)]
+#: Rows divisible by 8 (columns of 1, 2, 4, 8 ranks) and 144 rows for blocks (hidden 8): leaves of 2-3 rows.
+SPEC = small_spec(hidden=8, layers=2, k=16)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_process_memo() -> None:
+    """Each test starts as a fresh process would: nothing hashed yet."""
+    forget_process_memo()
+
+
+def _ckpt(directory: Path, seed: int = 0, layout: str = "native", name: str = "model.safetensors") -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    return write_safetensors(projection_dict(SPEC, seed, layout), directory / name)
+
+
+def _cache(ckpt: Path | list[Path], store: Path | Store | None = None, **kw: object) -> AdalnCache:
+    return AdalnCache(SPEC, CheckpointSource(ckpt, SPEC), max_plans=4, max_plan_width=4, store=store, **kw)  # type: ignore[arg-type]
+
+
+def _digest_by_reading(source: CheckpointSource, world: int, mode: str) -> str | None:
+    """The content digest as ``world`` ranks would compose it from the shares they read."""
+    sinks = []
+    for rank in range(world):
+        sink = DigestSink()
+        if mode == "columns":
+            list(source.stream(SPEC.layers(), columns=Columns(rank, world), digests=sink))
+        else:
+            mine = SPEC.layers()[rank::world]
+            list(source.stream(mine, digests=sink))
+        sinks.append(sink)
+    from adalncache.source.digest import merge_knowledge
+
+    merged = merge_knowledge([s.knowledge() for s in sinks])
+    assert merged is not None
+    return content_digest(SPEC, merged)
+
+
+def test_digest_composes_over_layer_and_column_splits_and_layouts(tmp_path: Path) -> None:
+    source = CheckpointSource(_ckpt(tmp_path / "a"), SPEC)
+    whole = _digest_by_reading(source, 1, "layers")
+    assert whole is not None and whole.startswith("blake3:")
+    for world in (2, 3):
+        assert _digest_by_reading(source, world, "layers") == whole
+    for world in (2, 4, 8):
+        assert _digest_by_reading(source, world, "columns") == whole
+    # 3 column ranks cut leaves (3 does not divide 64): unknown, never a guess.
+    assert _digest_by_reading(source, 3, "columns") is None
+    # The same weights in the diffusers layout, sharded with an index: the same digest.
+    other = write_checkpoint(tmp_path / "d", projection_dict(SPEC, 0, "diffusers"), shards=2)
+    assert _digest_by_reading(CheckpointSource(other, SPEC), 1, "layers") == whole
+    # The same weights in memory (a model's own tensors): the same digest.
+    sink = DigestSink()
+    list(TensorSource(projection_dict(SPEC, 0), SPEC).stream(SPEC.layers(), digests=sink))
+    assert content_digest(SPEC, sink.knowledge()) == whole
+
+
+def test_one_flipped_bit_or_another_dtype_or_shape_changes_the_digest(tmp_path: Path) -> None:
+    base = projection_dict(SPEC, 0)
+    whole = _digest_by_reading(CheckpointSource(_ckpt(tmp_path / "a"), SPEC), 1, "layers")
+    flipped = dict(base)
+    w = flipped["blocks.1.adaln_proj.linear.weight"].clone()
+    w.view(torch.int16)[7, 3] ^= 1
+    flipped["blocks.1.adaln_proj.linear.weight"] = w
+    path = write_safetensors(flipped, tmp_path / "b.safetensors")
+    assert _digest_by_reading(CheckpointSource(path, SPEC), 1, "layers") not in (None, whole)
+    fp16 = SPEC.with_dtype(torch.float16)
+    sink = DigestSink()
+    list(TensorSource(projection_dict(fp16, 0), fp16).stream(fp16.layers(), digests=sink))
+    assert content_digest(fp16, sink.knowledge()) not in (None, whole)
+    wider = small_spec(hidden=8, layers=2, k=32)
+    sink = DigestSink()
+    list(TensorSource(projection_dict(wider, 0), wider).stream(wider.layers(), digests=sink))
+    assert content_digest(wider, sink.knowledge()) not in (None, whole)
+
+
+def test_leaf_bounds_tile_the_rows_at_the_released_widths() -> None:
+    for rows in (96768, 10752, 144, 16):
+        bounds = leaf_bounds(rows)
+        assert len(bounds) == LEAVES and bounds[0][0] == 0 and bounds[-1][1] == rows
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(bounds))
+    # Released widths: every leaf boundary is a column-rank boundary for 1, 2, 4 and 8 ranks.
+    for rows in (96768, 10752):
+        starts = {lo for lo, _ in leaf_bounds(rows)}
+        assert all({r * rows // w for r in range(w)} <= starts for w in (1, 2, 4, 8))
+
+
+def test_copied_checkpoint_hits_after_one_hashing_read(tmp_path: Path) -> None:
+    ckpt, store = _ckpt(tmp_path / "orig"), tmp_path / "store"
+    first = _cache(ckpt, store)
+    embed = simple_embed(SPEC)
+    report = first.build(PLANS, embed=embed)
+    assert report.passes == 1 and report.built == 3
+    assert report.hashed_bytes == SPEC.projection_bytes  # hashed while streaming, no second read
+    assert first.stats.hash_reads == 0 and first.content_digest is not None
+    # Another disk: a copy has a new inode and mtime (and lives in another directory).
+    copy = tmp_path / "copy" / "model.safetensors"
+    copy.parent.mkdir()
+    shutil.copyfile(ckpt, copy)
+    forget_process_memo()
+    second = _cache(copy, store)
+    report = second.build(PLANS, embed=embed)
+    assert (report.store_hits, report.passes, report.built) == (3, 0, 0)
+    assert second.stats.hash_reads == 1 and report.bytes_read == SPEC.projection_bytes
+    assert second.content_digest == first.content_digest
+    for p in PLANS:
+        assert torch.equal(second.rows_of(plan_key(p)).block, first.rows_of(plan_key(p)).block)
+    # The copy's digest is now in the memo: a third cache on it reads nothing at all.
+    forget_process_memo()
+    third = _cache(copy, store)
+    report = third.build(PLANS, embed=embed)
+    assert report.store_hits == 3 and report.bytes_read == 0 and third.stats.hash_reads == 0
+
+
+def test_copied_store_next_to_a_copied_checkpoint_hits(tmp_path: Path) -> None:
+    ckpt, store = _ckpt(tmp_path / "host-a"), tmp_path / "host-a" / "store"
+    embed = simple_embed(SPEC)
+    _cache(ckpt, store).build(PLANS, embed=embed)
+    other = tmp_path / "host-b"
+    shutil.copytree(tmp_path / "host-a", other)  # checkpoint and store, as rsync to another host would
+    forget_process_memo()
+    cache = _cache(other / "model.safetensors", other / "store")
+    report = cache.build(PLANS, embed=embed)
+    assert (report.store_hits, report.passes) == (3, 0) and cache.stats.hash_reads == 1
+
+
+def test_memo_hit_in_a_new_process_reads_nothing(tmp_path: Path) -> None:
+    ckpt, store = _ckpt(tmp_path / "m"), tmp_path / "store"
+    first = _cache(ckpt, store)
+    first.build(PLANS, embed=simple_embed(SPEC))
+    code = textwrap.dedent(
+        f"""
+        import json, sys
+        sys.path.insert(0, {str(TESTS)!r})
+        from tiers_support import plan, simple_embed, small_spec
+        from adalncache import AdalnCache, CheckpointSource
+        spec = small_spec(hidden=8, layers=2, k=16)
+        source = CheckpointSource({str(ckpt)!r}, spec)
+        cache = AdalnCache(spec, source, max_plans=4, max_plan_width=4, store={str(store)!r})
+        report = cache.build([plan(0.9, 0.8), plan(0.5), plan(0.3, 0.2, 0.1)], embed=simple_embed(spec))
+        out = {{"report": report.as_dict(), "digest": cache.content_digest, "stats": cache.stats.as_dict()}}
+        print(json.dumps(out))
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    child = json.loads(done.stdout.strip().splitlines()[-1])
+    assert child["report"]["store_hits"] == 3 and child["report"]["bytes_read"] == 0
+    assert child["stats"]["hash_reads"] == 0 and child["digest"] == first.content_digest
+
+
+def test_edited_bytes_with_the_mtime_put_back_never_hit_old_entries(tmp_path: Path) -> None:
+    ckpt, store = _ckpt(tmp_path / "e"), tmp_path / "store"
+    embed = simple_embed(SPEC)
+    first = _cache(ckpt, store)
+    first.build(PLANS, embed=embed)
+    before = os.stat(ckpt)
+    edited = projection_dict(SPEC, 0)
+    edited["final_layer.adaln_proj.linear.bias"] = edited["final_layer.adaln_proj.linear.bias"] + 1
+    write_safetensors(edited, tmp_path / "e" / "tmp.safetensors")
+    with open(tmp_path / "e" / "tmp.safetensors", "rb") as src, open(ckpt, "r+b") as dst:
+        dst.write(src.read())  # same inode, same size: only the bytes differ
+    os.utime(ckpt, ns=(before.st_atime_ns, before.st_mtime_ns))  # mtime put back; ctime cannot be
+    assert os.stat(ckpt).st_mtime_ns == before.st_mtime_ns and os.stat(ckpt).st_ino == before.st_ino
+    cache = _cache(ckpt, store)
+    report = cache.build(PLANS, embed=embed)
+    assert report.store_hits == 0 and report.passes == 1  # the old entries were not served
+    assert cache.content_digest not in (None, first.content_digest)
+    # ... and the rebuilt rows are the edited model's (final layer shifted), the old ones untouched.
+    key = plan_key(PLANS[0])
+    assert not torch.equal(cache.rows_of(key).final, first.rows_of(key).final)
+    bindings = {b["content"] for b in Store(store).bindings().values()}
+    assert bindings == {first.content_digest, cache.content_digest}
+
+
+def test_unknown_digest_is_a_miss_and_old_format_bindings_never_hit(tmp_path: Path) -> None:
+    ckpt, store_dir = _ckpt(tmp_path / "u"), tmp_path / "store"
+    embed = simple_embed(SPEC)
+    # A format-1 store: entries bound to the file's stat fingerprint, as the previous version wrote them.
+    store = Store(store_dir)
+    old = {"fingerprint": CheckpointSource(ckpt, SPEC).fingerprint, "spec": SPEC.describe(), "precision": "match"}
+    rows = AdalnCache(SPEC, TensorSource(projection_dict(SPEC, 0), SPEC), max_plans=4, max_plan_width=4)
+    rows.build(PLANS, embed=embed)
+    for p in PLANS:
+        store.put(old, plan_key(p), rows.rows_of(plan_key(p)))
+    cache = _cache(ckpt, store_dir)
+    assert cache.binding() is None and cache.content_digest is None  # nothing hashed yet: no binding
+    report = cache.build(PLANS, embed=embed)
+    assert report.store_hits == 0 and report.passes == 1 and cache.stats.store_unbound == 1
+    assert cache.binding() is not None and cache.binding()["content"] == cache.content_digest  # type: ignore[index]
+    assert binding_hash(old) not in {binding_hash(cache.binding())}  # type: ignore[arg-type]
+
+
+def test_identify_and_a_sharded_checkpoint_record_per_file(tmp_path: Path) -> None:
+    directory = write_checkpoint(tmp_path / "s", make_weights(SPEC, seed=3), shards=3)
+    store = tmp_path / "store"
+    cache = _cache(directory, store)
+    digest = cache.identify()
+    assert digest is not None and cache.stats.hash_reads == 1
+    records = Store(store).memo.records()
+    assert len(records) == 3  # one record per file: a re-saved shard re-hashes only itself
+    forget_process_memo()
+    again = _cache(directory, store)
+    assert again.identify(read=False) == digest and again.stats.hash_reads == 0
+
+
+def test_fp32_content_at_other_offsets_is_another_binding(tmp_path: Path) -> None:
+    """fp32 weights re-saved at other offsets: the same content digest, but a one-row GEMV on a CPU can
+    give other bits at another address modulo 16, so the store keeps their entries apart."""
+    spec = small_spec(torch.float32, hidden=8, layers=2, k=16)
+    weights = projection_dict(spec, 0)
+    a = write_safetensors(weights, tmp_path / "a.safetensors")
+    b = write_safetensors(weights, tmp_path / "b.safetensors", residues=dict.fromkeys(weights, 4))
+    store = tmp_path / "store"
+    embed = simple_embed(spec)
+    first = AdalnCache(spec, CheckpointSource(a, spec), max_plans=4, max_plan_width=4, store=store)
+    first.build(PLANS, embed=embed)
+    second = AdalnCache(spec, CheckpointSource(b, spec), max_plans=4, max_plan_width=4, store=store)
+    report = second.build(PLANS, embed=embed)
+    assert second.content_digest == first.content_digest
+    assert report.store_hits == 0 and report.passes == 1
+    assert first.binding()["alignment"] != second.binding()["alignment"]  # type: ignore[index]
+
+
+def test_inspect_shows_both_identities(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from adalncache.cli import main
+
+    ckpt, store = _ckpt(tmp_path / "i"), tmp_path / "store"
+    Store(store)
+    assert main(["inspect", str(ckpt), "--store", str(store)]) == 0
+    shown = capsys.readouterr().out
+    assert "file identity" in shown and "content digest  not known yet" in shown
+    assert main(["inspect", str(ckpt), "--store", str(store), "--hash", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    digest = _cache(ckpt).identify()
+    assert info["content"] == digest and "hashed now" in info["content_from"] and info["fingerprint"]
+    forget_process_memo()
+    assert main(["inspect", str(ckpt), "--store", str(store)]) == 0
+    shown = capsys.readouterr().out
+    assert f"content digest  {digest}" in shown and "from the digest memo" in shown
