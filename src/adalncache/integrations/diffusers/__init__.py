@@ -22,7 +22,6 @@ from .config import AdalnCacheConfig, CacheOptions
 from .enable import enable_adaln_cache
 from .handle import AdalnCacheHandle, adaln_cache_handle
 from .hooks import (
-    AdalnCacheModulationHook,
     AdalnCacheOutputHook,
     AdalnCacheTimeEmbedderHook,
     AdalnCacheTransformerHook,
@@ -33,7 +32,6 @@ from .sources import CheckpointMismatchError
 __all__ = [
     "AdalnCacheConfig",
     "AdalnCacheHandle",
-    "AdalnCacheModulationHook",
     "AdalnCacheOutputHook",
     "AdalnCachePrepareStep",
     "AdalnCacheTimeEmbedderHook",

@@ -4,7 +4,7 @@ The handle owns the pieces and the order they are put together and taken apart i
 source, the :class:`~adalncache.AdalnCache`, the parked weights, the hooks, the LoRA tracking and
 the method overrides. It also gives the cache the two callbacks of a build, ``embed`` (the
 projections' exact input for a plan) and ``project`` (one layer's output through the module's own,
-possibly LoRA-wrapped, forward).
+possibly LoRA-wrapped, quantized or layerwise-cast forward).
 """
 
 from __future__ import annotations
@@ -17,26 +17,39 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...errors import CheckpointError, ConfigError, PlanNotCachedError
+from ...errors import AdalnCacheError, CheckpointError, ConfigError, PlanNotCachedError
 from ...plans import PlanKey
-from ...spec import FINAL, Layer, ModulationSpec
+from ...spec import FINAL, Layer
+from .casting import casting_paths, new_casting, settle_casting
 from .config import AdalnCacheConfig
 from .hooks import OUTPUT_HOOK, TIME_EMBEDDER_HOOK, ServingHooks, other_hooks_present, unhooked
 from .lora import LoraTracker, Tuners, Variant, applied_lora_scale, lora_scale_of
 from .modules import (
     TIME_EMBEDDER,
     base_linear,
+    capture_blocks,
     check_materialised,
     device_of,
     install_overrides,
     projection_dtype,
+    projection_module,
     projection_modules,
-    projection_path,
+    release_blocks,
     remove_overrides,
+    served_modules,
     swapped_parameters,
     time_embedder_linears,
 )
 from .parking import TimeEmbedderLoan, WeightParking
+from .quantized import (
+    ProjectionStorage,
+    check_storage_options,
+    fresh_alias,
+    opaque_model_source,
+    own_tensors,
+    storage_of,
+    transformer_spec,
+)
 from .sources import Source, changed_since, checkpoint_source, model_source
 
 if TYPE_CHECKING:
@@ -61,17 +74,26 @@ class AdalnCacheHandle:
         self.model: Any = model
         self.config = config
         self.enabled = False
-        self.spec = ModulationSpec.from_transformer(model)
         self.device = device_of(model)
         self.source: Source | None = None
         self.cache: AdalnCache  # set by _enable(), which enable_transformer() calls right away
-        self._parking = WeightParking()
-        self._lora = LoraTracker(model, self.spec)
-        self._hooks: ServingHooks | None = None
         self._overrides: tuple[str, ...] = ()
         self._loan: TimeEmbedderLoan | None = None
-        self._warned_miss = False
         self._enabled_fingerprint: str | None = None
+        self._fresh_state()
+
+    def _fresh_state(self) -> None:
+        """What one enabling builds up: read (again) from the model as it is now."""
+        self.spec = transformer_spec(self.model)
+        self._parking = WeightParking()
+        self._lora = LoraTracker(self.model, self.spec)
+        self._hooks: ServingHooks | None = None
+        self._warned_miss = False
+        self._storage = ProjectionStorage()
+        #: Full-precision tables of quantized projections from the checkpoint (quantized_projections="checkpoint").
+        self._plain_tables = False
+        #: Served modules that had a layerwise-casting hook when the cache was enabled.
+        self._casting_at_enable: frozenset[str] = frozenset()
 
     # ------------------------------------------------------------------ public
 
@@ -105,6 +127,13 @@ class AdalnCacheHandle:
         """
         if not self.enabled:
             return
+        if self._hooks is not None and self._hooks.forward_wrapped_by_others():
+            raise ConfigError(
+                "another library wrapped the transformer's forward after enable_adaln_cache() (cache-dit does); "
+                "removing the AdaLN cache now would silently drop that wrapper. Remove the other library's wrapper "
+                "first; to disable the AdaLN cache alone later, enable the other library after the AdaLN cache's "
+                "disable() or before enable_adaln_cache()"
+            )
         if self._parking.restores_from_source and not allow_changed_checkpoint:
             assert self.source is not None
             if changed_since(self.source, self._enabled_fingerprint):
@@ -120,6 +149,8 @@ class AdalnCacheHandle:
         remove_overrides(self.model, self._overrides)
         self._overrides = ()
         self._parking.restore()
+        settle_casting(served_modules(self.model, self.spec), self._casting_at_enable)
+        release_blocks(self.model)
         self.enabled = False
         setattr(self.model, HANDLE_ATTRIBUTE, None)
         logger.info("AdaLN cache disabled; projection weights restored")
@@ -137,33 +168,26 @@ class AdalnCacheHandle:
             raise ConfigError(
                 "the AdaLN cache is already enabled on this model; call handle.disable() before enabling again"
             )
-        check_materialised(model, self.spec)
-        self._lora.start()
-        config = self.config
-        device = config.cache_options.device_for(self.device)
-        free_time_embedder = config.free_time_embedder
-        if free_time_embedder is None:
-            free_time_embedder = not other_hooks_present(model)
-        modules = projection_modules(model, self.spec)
-        host_tensors = None
-        if config.checkpoint is not None:
-            self.source = checkpoint_source(
-                config.checkpoint, self.spec, modules, layout=config.layout, verify=config.verify_checkpoint
-            )
-        else:
-            self.source, host_tensors = model_source(self.spec, modules, self.device)
-        self._enabled_fingerprint = self.source.fingerprint
-        self.cache = config.cache_options.build(self.spec, self.source, device)
+        # The real block list, for builds inside a forward that swaps model.transformer_blocks (cache-dit).
+        capture_blocks(model)
+        try:
+            free_time_embedder, device, modules, host_tensors = self._choose_source()
+            assert self.source is not None
+            self.cache = self.config.cache_options.build(self.spec, self.source, device)
+        except BaseException:
+            release_blocks(model)
+            raise
         # From here on the model is modified; undo everything if a step fails.
         try:
             targets: list[tuple[nn.Module, Layer | None]] = [(base_linear(module), layer) for layer, module in modules]
             if free_time_embedder:
                 targets += [(base_linear(linear), None) for _, linear in time_embedder_linears(model)]
-            self._parking.park(targets, source=self.source, host_tensors=host_tensors)
+            self._parking.park(targets, source=self.cache.source, host_tensors=host_tensors)
             self._hooks = ServingHooks(model, self.spec, self.cache, self._make_resident)
             self._hooks.register(time_embedder=free_time_embedder)
             overrides = self._lora.guards(standing_in=self._parking.standing_in, after_load=self._hooks.follow_output)
             overrides.update(self._device_guards())
+            overrides.update(self._composition_guards())
             install_overrides(model, overrides)
             self._overrides = tuple(overrides)
         except BaseException:
@@ -173,12 +197,96 @@ class AdalnCacheHandle:
         setattr(model, HANDLE_ATTRIBUTE, self)
         self.enabled = True
         logger.info(
-            "AdaLN cache enabled on %s: %d projections (%.1f MB) served from the cache, source %s",
+            "AdaLN cache enabled on %s: %d projections (%.1f MB, %s) served from the cache, source %s",
             type(model).__name__,
             self.spec.num_layers + 1,
             self.spec.projection_bytes / 1e6,
+            self._storage.describe(),
             type(self.source).__name__,
         )
+
+    def _choose_source(self) -> tuple[bool, torch.device, list[tuple[Layer, Any]], Any]:
+        """Check the model and the options, and set up the weight source; nothing on the model changes yet.
+
+        Returns whether to park the time embedder, the cache's device, the projection modules and
+        the host tensors parking restores from (``None``: re-read them from the checkpoint).
+        """
+        model = self.model
+        config = self.config
+        check_materialised(model, self.spec)
+        self._lora.start()
+        options = config.cache_options
+        device = options.device_for(self.device)
+        free_time_embedder = config.free_time_embedder
+        if free_time_embedder is None:
+            free_time_embedder = not other_hooks_present(model)
+        modules = projection_modules(model, self.spec)
+        self._storage = storage = storage_of(modules)
+        check_storage_options(
+            storage,
+            checkpoint=config.checkpoint,
+            quantized_projections=config.quantized_projections,
+            precision=options.precision,
+            shard=options.shard,
+            process_group=options.process_group,
+            device=device,
+        )
+        self._casting_at_enable = casting_paths(served_modules(model, self.spec))
+        host_tensors = None
+        if config.checkpoint is not None:
+            # Quantized projections are never compared with a checkpoint (there is nothing equal to
+            # compare): reaching here means full-precision tables from it were asked for on purpose.
+            self.source = checkpoint_source(
+                config.checkpoint,
+                self.spec,
+                modules,
+                layout=config.layout,
+                verify=config.verify_checkpoint and not storage.opaque,
+            )
+            if storage.opaque:
+                self._plain_tables = True
+                host_tensors = own_tensors(modules, self.device)  # disable() gives back the quantized weights
+        elif storage.opaque:
+            self.source, host_tensors = opaque_model_source(self.spec, modules, self.device, storage)
+        else:
+            self.source, host_tensors = model_source(self.spec, modules, self.device)
+        self._enabled_fingerprint = self.source.fingerprint
+        return free_time_embedder, device, modules, host_tensors
+
+    def _composition_guards(self) -> dict[str, Callable[..., Any]]:
+        """Overrides for what other diffusers features do to a served model: compile, cast, load adapters."""
+        assert self._hooks is not None
+        model = self.model
+        cls: Any = type(model)
+        guards = self._hooks.compiled.guard()
+
+        def enable_layerwise_casting(*args: Any, **kwargs: Any) -> Any:
+            # Cast the real weights, not the placeholders: disable, cast, enable again over the cast model.
+            self.disable()
+            result = cls.enable_layerwise_casting(model, *args, **kwargs)
+            try:
+                self._fresh_state()
+                self._enable()
+            except AdalnCacheError as exc:
+                raise ConfigError(
+                    f"layerwise casting was applied, but the AdaLN cache could not be enabled again: {exc}; the "
+                    "cache is now disabled"
+                ) from exc
+            return result
+
+        guards["enable_layerwise_casting"] = enable_layerwise_casting
+        if self._storage.opaque:
+
+            def refuse_adapter(*args: Any, **kwargs: Any) -> Any:
+                raise ConfigError(
+                    f"loading a LoRA into AdaLN projections that are {self._storage.describe()} is not supported "
+                    "while the AdaLN cache is enabled; call handle.disable(), load the LoRA, then enable again "
+                    "(the cache then serves it exactly)"
+                )
+
+            guards["load_lora_adapter"] = refuse_adapter
+            guards["add_adapter"] = refuse_adapter
+        return guards
 
     def _device_guards(self) -> dict[str, Callable[..., Any]]:
         """Overrides that refuse to move or cast the model while its tables live on one device.
@@ -244,9 +352,10 @@ class AdalnCacheHandle:
     # ------------------------------------------------------------------ building
 
     def _signature(self, scale: float) -> tuple[list[tuple[str, Any]], Variant, list[torch.Tensor]]:
-        """Follow a swapped output module, refuse a fuse, and read the LoRA signature under ``scale``."""
+        """Follow a swapped output module, refuse a fuse or a new cast, and read the LoRA signature under ``scale``."""
         assert self._hooks is not None
         self._hooks.follow_output()
+        new_casting(served_modules(self.model, self.spec), self._casting_at_enable)
         return self._lora.current(scale)
 
     def _build(
@@ -259,6 +368,13 @@ class AdalnCacheHandle:
                 "LoRA adapters on the AdaLN projections need shard='layers' (CLI --shard layers): with "
                 "shard='columns' each rank holds a column slice of the base weight, which the adapter's "
                 "full-width forward cannot run on; unload the adapter or build with shard='layers'"
+            )
+        if variant is not None and self._plain_tables:
+            # The adapter wraps the quantized module; its base would requantize the checkpoint's weight.
+            raise ConfigError(
+                "LoRA adapters on the AdaLN projections cannot be combined with quantized_projections='checkpoint'; "
+                "unload the adapter, or serve the model's own projections (quantized_projections='model' without "
+                "checkpoint=)"
             )
         # The parked time embedder is lent back by the first embed of a pass and parked again when
         # the build returns, so a build that hits costs no copy.
@@ -290,11 +406,19 @@ class AdalnCacheHandle:
         return F.silu(temb).to(projection_dtype(model, self.spec))
 
     def _project(self, layer: Layer, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        """``layer``'s output for ``x``, through the module's own (possibly LoRA-wrapped) forward."""
-        module = self.model.get_submodule(projection_path(layer))
+        """``layer``'s output for ``x``, through the module's own (LoRA-wrapped, quantized, cast) forward.
+
+        Full-precision tables of quantized projections (``quantized_projections="checkpoint"``) are a
+        plain linear of the checkpoint's weights: decided by that setting, never by the weight's
+        type, since a module like optimum-quanto's unfrozen ``QLinear`` quantizes a plain weight in
+        its forward.
+        """
+        if self._plain_tables:
+            return F.linear(x, weight, bias)
+        module = projection_module(self.model, layer)
         call = unhooked(module, OUTPUT_HOOK) if layer == FINAL else module
-        weight = self._parking.at_model_residue(layer, "weight", weight)
-        bias = self._parking.at_model_residue(layer, "bias", bias)
+        weight = fresh_alias(self._parking.at_model_residue(layer, "weight", weight))
+        bias = fresh_alias(self._parking.at_model_residue(layer, "bias", bias))
         with swapped_parameters(base_linear(module), {"weight": weight, "bias": bias}):
             return call(x)  # type: ignore[no-any-return]
 

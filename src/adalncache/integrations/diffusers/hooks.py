@@ -2,12 +2,13 @@
 
 - :class:`AdalnCacheTransformerHook` wraps the transformer's ``forward``. It reads the step's
   ``timestep`` (the *plan*) once on the host, has the plan made resident for the current LoRA
-  signature (built, or refused with ``on_miss="raise"``), resolves its slot and stashes
-  ``(slot, num_timesteps)`` in a :class:`ServeState` for the per-module hooks; the stash is
-  cleared when the forward ends.
-- :class:`AdalnCacheModulationHook` replaces the whole ``forward`` of every block's
-  ``adaln_proj``, so it serves the block's six modulation tensors whether or not
-  ``adaln_proj.linear`` is a peft wrapper.
+  signature (built, or refused with ``on_miss="raise"``), resolves its slot and stashes it in a
+  :class:`ServeState` for the served modules; the stash is cleared when the forward ends. That host
+  work runs outside any compiled region (see :mod:`.compile`).
+- Every block's ``adaln_proj`` is served by a class swapped in place rather than a hook
+  (:class:`~.compile.ServedBlocks`): a hook per block would make a regional compile recompile
+  every block. It serves the block's six modulation tensors whether or not ``adaln_proj.linear``
+  is a peft wrapper.
 - :class:`AdalnCacheOutputHook` replaces ``norm_out.linear``'s forward. peft *replaces* that module
   object when a LoRA targets it, so :meth:`ServingHooks.follow_output` moves the hook to whatever
   module sits there now.
@@ -30,13 +31,13 @@ from torch import nn
 from ...errors import ConfigError, PlanError
 from ...plans import PlanKey, plan_key
 from ...spec import FINAL, ModulationSpec
-from .modules import TIME_EMBEDDER, base_linear, forward_argument, owner_path, projection_path
+from .compile import CompiledCall, ServedBlocks
+from .modules import TIME_EMBEDDER, base_linear, forward_argument, modulation_modules, projection_path
 
 if TYPE_CHECKING:
     from ... import AdalnCache
 
 TRANSFORMER_HOOK = "adaln_cache_transformer"
-MODULATION_HOOK = "adaln_cache_modulation"
 OUTPUT_HOOK = "adaln_cache_output"
 TIME_EMBEDDER_HOOK = "adaln_cache_time_embedder"
 
@@ -48,25 +49,30 @@ MakeResident = Callable[[torch.Tensor, PlanKey, Mapping[str, Any] | None], None]
 
 
 class ServeState:
-    """What the transformer hook hands the per-module hooks for the forward in progress."""
+    """What the transformer hook hands the served modules for the forward in progress.
 
-    def __init__(self) -> None:
+    ``slot_buffer`` is the one-element device tensor the served blocks gather with: written in
+    place at every forward, so its address (which compiled graphs and CUDA graphs hold) never
+    changes. ``prepared_outside`` is set while a compiled call's host work was done before entering
+    it (:class:`~.compile.EagerPrepare`).
+    """
+
+    def __init__(self, device: torch.device) -> None:
         self.slot: torch.Tensor | None = None
         self.num_timesteps = 0
-        self.blocks: list[tuple[torch.Tensor, ...]] | None = None
+        self.slot_buffer = torch.zeros(1, dtype=torch.int64, device=device)
+        self.prepared_outside = False
 
     def serve(self, cache: AdalnCache, plan: torch.Tensor, key: PlanKey) -> None:
-        """Resolve ``plan``'s slot from its host key (no device sync) and gather every block's rows."""
+        """Resolve ``plan``'s slot from its host key (no device sync) and point the served blocks at it."""
         self.slot = cache.resolve_slots([plan], keys=[key])[0]
         self.num_timesteps = int(plan.numel())
-        # One gather for every layer (one kernel instead of one per layer on a GPU).
-        self.blocks = cache.block_all(self.slot, self.num_timesteps)
+        self.slot_buffer.copy_(self.slot.reshape(1))
 
     def clear(self) -> None:
         """Forget the forward's slot, so a stray call outside a forward fails instead of reading stale rows."""
         self.slot = None
         self.num_timesteps = 0
-        self.blocks = None
 
     def require(self, what: str) -> tuple[torch.Tensor, int]:
         """The forward's ``(slot, num_timesteps)``, or a ConfigError when no forward is in progress."""
@@ -88,6 +94,22 @@ class AdalnCacheTransformerHook(ModelHook):
         self.make_resident = make_resident
 
     def new_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        forward: Any = self.fn_ref.original_forward
+        if self.state.prepared_outside:
+            return forward(*args, **kwargs)  # a compiled call: EagerPrepare did the host work already
+        self.prepare(module, args, kwargs)
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            self.state.clear()
+
+    @torch.compiler.disable  # type: ignore[untyped-decorator]
+    def prepare(self, module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
+        """The forward's host work: read the plan, make it resident, point the served modules at its slot.
+
+        Never traced: under ``torch.compile(model)`` dynamo would otherwise break the graph at every
+        host read and dictionary lookup in here.
+        """
         timestep = forward_argument(module, "timestep", args, kwargs)
         if not isinstance(timestep, torch.Tensor):
             raise PlanError(f"the AdaLN cache needs the forward's timestep tensor, got {type(timestep).__name__}")
@@ -103,27 +125,6 @@ class AdalnCacheTransformerHook(ModelHook):
         key = plan_key(plan)
         self.make_resident(plan, key, forward_argument(module, "attention_kwargs", args, kwargs))
         self.state.serve(self.cache, plan, key)
-        try:
-            forward: Any = self.fn_ref.original_forward
-            return forward(*args, **kwargs)
-        finally:
-            self.state.clear()
-
-
-class AdalnCacheModulationHook(ModelHook):
-    """Serves one block's ``adaln_proj`` output: ``Y.view(-1, 6H).chunk(6, -1)`` from the slab."""
-
-    def __init__(self, cache: AdalnCache, state: ServeState, layer: int) -> None:
-        super().__init__()
-        self.cache = cache
-        self.state = state
-        self.layer = layer
-
-    def new_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, ...]:
-        if self.state.blocks is not None:
-            return tuple(self.state.blocks[self.layer])
-        slot, num_timesteps = self.state.require(owner_path(self.layer))
-        return tuple(self.cache.block(self.layer, slot, num_timesteps))
 
 
 class AdalnCacheOutputHook(ModelHook):
@@ -194,8 +195,12 @@ class ServingHooks:
         self.model = model
         self.spec = spec
         self.cache = cache
-        self.state = ServeState()
+        self.state = ServeState(cache.device)
         self.make_resident = make_resident
+        self.blocks = ServedBlocks(modulation_modules(model, spec), self.state)
+        self.compiled = CompiledCall(model, self.prepare_forward, self.state)
+        self._transformer_hook: AdalnCacheTransformerHook | None = None
+        self._forward: Any = None
         self._hooked_output: nn.Module | None = None
 
     def register(self, *, time_embedder: bool) -> None:
@@ -204,11 +209,11 @@ class ServingHooks:
 
         model = self.model
         registry = HookRegistry.check_if_exists_or_initialize(model)
-        registry.register_hook(AdalnCacheTransformerHook(self.cache, self.state, self.make_resident), TRANSFORMER_HOOK)
-        for layer in range(self.spec.num_layers):
-            HookRegistry.check_if_exists_or_initialize(model.get_submodule(owner_path(layer))).register_hook(
-                AdalnCacheModulationHook(self.cache, self.state, layer), MODULATION_HOOK
-            )
+        self._transformer_hook = AdalnCacheTransformerHook(self.cache, self.state, self.make_resident)
+        registry.register_hook(self._transformer_hook, TRANSFORMER_HOOK)
+        # The forward the registry installed for our hook: anything else there later wraps it.
+        self._forward = model.__dict__.get("forward")
+        self.blocks.install(self.cache.block_params)
         self.follow_output()
         if time_embedder:
             module = model.get_submodule(TIME_EMBEDDER)
@@ -218,6 +223,25 @@ class ServingHooks:
                 TIME_EMBEDDER_HOOK,
             )
         registry.invalidate_child_registries_cache()
+        self.compiled.wrap()
+
+    def prepare_forward(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
+        """The transformer hook's host work for a forward called with ``args`` and ``kwargs``."""
+        assert self._transformer_hook is not None
+        self._transformer_hook.prepare(self.model, args, kwargs)
+
+    def forward_wrapped_by_others(self) -> bool:
+        """Whether something outside diffusers' hook registry wrapped the transformer's forward after us.
+
+        Removing our hook then would put back the forward from before enabling and silently drop
+        that wrapper (cache-dit replaces ``forward`` this way). Hooks registered after ours through
+        the registry are fine: it relinks them.
+        """
+        registry = getattr(self.model, "_diffusers_hook", None)
+        order = list(getattr(registry, "_hook_order", []))
+        if not order or order[-1] != TRANSFORMER_HOOK:
+            return False
+        return self.model.__dict__.get("forward") is not self._forward
 
     def follow_output(self) -> None:
         """Keep the output hook on whatever module is ``norm_out.linear`` now (peft swaps it)."""
@@ -235,9 +259,10 @@ class ServingHooks:
     def remove(self) -> None:
         """Remove every hook registered here (those never registered are skipped)."""
         model = self.model
+        self.compiled.unwrap()
         remove_hook(model, TRANSFORMER_HOOK)
-        for layer in range(self.spec.num_layers):
-            remove_hook(model.get_submodule(owner_path(layer)), MODULATION_HOOK)
+        self._transformer_hook = None
+        self.blocks.uninstall()
         if self._hooked_output is not None:
             remove_hook(self._hooked_output, OUTPUT_HOOK)
             self._hooked_output = None

@@ -18,10 +18,14 @@ import torch
 from torch import nn
 
 from ...errors import ConfigError
-from ...spec import LAYOUTS, Layer, ModulationSpec
+from ...spec import FINAL, LAYOUTS, Layer, ModulationSpec
 
 #: The diffusers layout: its prefixes are the projections' module paths inside the transformer.
 DIFFUSERS_LAYOUT = LAYOUTS["diffusers"]
+
+#: The attribute holding the transformer's blocks, and where enabling keeps the real list.
+BLOCKS = "transformer_blocks"
+_CAPTURED_BLOCKS = "_adalncache_blocks"
 
 #: The time embedder and its two linears, whose LoRA (if any) also shapes what the projections see.
 TIME_EMBEDDER = "time_embedder"
@@ -51,9 +55,47 @@ def base_linear(module: nn.Module) -> nn.Module:
     return base if isinstance(base, nn.Module) else module
 
 
+def capture_blocks(model: nn.Module) -> None:
+    """Remember the model's real block list (kept out of ``_modules``: no new submodule, no state_dict key)."""
+    model.__dict__[_CAPTURED_BLOCKS] = model.get_submodule(BLOCKS)
+
+
+def release_blocks(model: nn.Module) -> None:
+    """Forget the list :func:`capture_blocks` remembered."""
+    model.__dict__.pop(_CAPTURED_BLOCKS, None)
+
+
+def transformer_blocks(model: nn.Module) -> nn.Module:
+    """The model's real block list: the captured one while enabled, else the model's attribute."""
+    captured = model.__dict__.get(_CAPTURED_BLOCKS)
+    return captured if isinstance(captured, nn.Module) else model.get_submodule(BLOCKS)
+
+
+def _in_block(layer: int, path: str) -> str:
+    """``path`` (a path in the model) relative to block ``layer``."""
+    head = f"{BLOCKS}.{layer}."
+    if not path.startswith(head):
+        raise ConfigError(f"internal: {path} is not inside {head.rstrip('.')}")
+    return path[len(head) :]
+
+
+def projection_module(model: nn.Module, layer: Layer) -> Any:
+    """The current module of ``layer``'s projection (peft may have wrapped it), through the real blocks."""
+    if layer == FINAL:
+        return model.get_submodule(projection_path(FINAL))
+    block = transformer_blocks(model)[int(layer)]  # type: ignore[index]
+    return block.get_submodule(_in_block(int(layer), projection_path(layer)))
+
+
 def projection_modules(model: nn.Module, spec: ModulationSpec) -> list[tuple[Layer, Any]]:
     """``(layer, current module)`` of every projection, in pass order; peft may have wrapped them."""
-    return [(layer, model.get_submodule(projection_path(layer))) for layer in spec.layers()]
+    return [(layer, projection_module(model, layer)) for layer in spec.layers()]
+
+
+def modulation_modules(model: nn.Module, spec: ModulationSpec) -> list[nn.Module]:
+    """Every block's ``adaln_proj`` (the module that calls the projection), in layer order."""
+    blocks: Any = transformer_blocks(model)
+    return [blocks[layer].get_submodule(_in_block(layer, owner_path(layer))) for layer in range(spec.num_layers)]
 
 
 def time_embedder_linears(model: nn.Module) -> list[tuple[str, nn.Module]]:

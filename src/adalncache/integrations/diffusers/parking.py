@@ -30,6 +30,7 @@ from ...errors import ConfigError
 from ...source import ALIGNMENT, aligned_empty
 from ...spec import FINAL, Layer
 from .modules import swapped_parameters
+from .quantized import is_plain_tensor
 from .sources import HostTensors, Source, read_layer, read_layers
 
 #: Alignment window the restored weights keep: 64 bytes covers the 16 that change GEMV bits on CPU.
@@ -111,12 +112,16 @@ class WeightParking:
                 elif layer is not None:
                     assert host_tensors is not None
                     original = host_tensors[(layer, name)]
-                else:
+                elif is_plain_tensor(param):
                     original = param.detach().to("cpu", copy=True)
+                else:
+                    original = param.to("cpu")  # a quantized tensor: the object as it is (torchao refuses copy=)
                 residue = param.data_ptr() % RESIDUE_BYTES
                 if layer is not None:
                     self._residues[(layer, name)] = residue
-                placeholder = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
+                # Built from shape and dtype: empty_like of a quantized tensor subclass is not implemented.
+                meta = torch.empty(tuple(param.shape), dtype=param.dtype, device="meta")
+                placeholder = nn.Parameter(meta, requires_grad=param.requires_grad)
                 self.parked.append(
                     ParkedParam(
                         module=base,
@@ -155,8 +160,12 @@ class WeightParking:
                 if source_tensor is None:
                     assert parked.layer is not None  # only projections are source-backed
                     source_tensor = reread[(parked.layer, parked.name)]
-                tensor = aligned_empty(source_tensor.shape, source_tensor.dtype, parked.residue, device=parked.device)
-                tensor.copy_(source_tensor)
+                if is_plain_tensor(source_tensor):
+                    shape, dtype = source_tensor.shape, source_tensor.dtype
+                    tensor = aligned_empty(shape, dtype, parked.residue, device=parked.device)
+                    tensor.copy_(source_tensor)
+                else:
+                    tensor = source_tensor.to(parked.device)  # a quantized tensor has no address to reproduce
             param = tensor if isinstance(tensor, nn.Parameter) else nn.Parameter(tensor, parked.requires_grad)
             parked.module._parameters[parked.name] = param
         self.parked.clear()
@@ -180,6 +189,8 @@ class WeightParking:
         """
         if tensor.device.type != "cpu" or tensor.dtype not in (torch.float32, torch.float16):
             return tensor
+        if not is_plain_tensor(tensor):
+            return tensor  # quantized: projected by the module's own kernels, used as the model holds it
         residue = self._residues.get((layer, name))
         if residue is None or tensor.data_ptr() % RESIDUE_BYTES == residue:
             return tensor

@@ -16,11 +16,13 @@ import torch
 
 from ... import CheckpointSource, TensorSource
 from ...errors import CheckpointError, ConfigError
+from ...source import WeightSource
 from ...spec import Layer, ModulationSpec
 from .modules import DIFFUSERS_LAYOUT, base_linear, projection_path
 
-#: Either kind of weight source the integration builds.
-Source = CheckpointSource | TensorSource
+#: A weight source the integration builds: a checkpoint, the model's own tensors, or another
+#: ``WeightSource`` (the model's own quantized tensors, which only their modules can read).
+Source = CheckpointSource | TensorSource | WeightSource
 
 #: A host copy of one parked projection tensor, by ``(layer, "weight" | "bias")``.
 HostTensors = dict[tuple[Layer, str], torch.Tensor]

@@ -1,0 +1,351 @@
+"""Projections stored in another format than the one they compute in: quantized or layerwise-cast weights.
+
+torchao, optimum-quanto, GGUF and bitsandbytes keep a projection's weight as a tensor subclass or
+a packed byte tensor; diffusers' layerwise casting keeps it in a storage dtype (fp8) and casts it
+to the compute dtype around each forward. In every case the cache cannot read the weight as a
+matrix, and must not: the resident projection's bits are whatever the module's own forward
+computes from those tensors. So for such a model:
+
+- the tables are projected through the module's own forward, from the model's own tensors (the
+  very objects, parked off the accelerator), exactly like the resident forward;
+- the cache's slab dtype is what the projection *returns* (:func:`output_dtype`), not the
+  weight's storage dtype;
+- the weight source (:class:`OpaqueTensorSource`) checks logical shapes only, never copies, slices
+  or compares the tensors, and fingerprints them by identity;
+- a ``checkpoint=`` cannot hold those projections (it holds the unquantized ones), so it is
+  refused unless the user asks on purpose for full-precision tables from it
+  (``quantized_projections="checkpoint"``), which are then a plain ``F.linear`` of the
+  checkpoint's weights: the model with its AdaLN projections unquantized and everything else as
+  loaded.
+
+Detection looks at the classes of the module and of its weight (``model.hf_quantizer`` is unset
+after a manual ``quantize_``) and never imports a quantization library itself.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...errors import ConfigError
+from ...source import Columns, LayerWeights
+from ...spec import FINAL, KeyLayout, Layer, ModulationSpec
+from .modules import DIFFUSERS_LAYOUT, base_linear, projection_module, projection_path, transformer_blocks
+from .sources import HostTensors
+
+#: Module prefixes of the classes each library quantizes with, and the name messages use.
+_LIBRARIES = (
+    ("torchao", "torchao"),
+    ("optimum.quanto", "optimum-quanto"),
+    ("diffusers.quantizers.gguf", "gguf"),
+    ("bitsandbytes", "bitsandbytes"),
+)
+
+#: The name diffusers registers its layerwise-casting hook under.
+CASTING_HOOK = "layerwise_casting"
+
+#: Values of ``quantized_projections``.
+QUANTIZED_PROJECTIONS = ("model", "checkpoint")
+
+
+def is_plain_tensor(tensor: Any) -> bool:
+    """A ``torch.Tensor`` or ``nn.Parameter`` itself, not a subclass holding quantized data."""
+    return type(tensor) in (torch.Tensor, nn.Parameter)
+
+
+def _library(cls: type) -> str | None:
+    module = cls.__module__ or ""
+    for prefix, name in _LIBRARIES:
+        if module == prefix or module.startswith(prefix + "."):
+            return name
+    return None
+
+
+def quantization_of(module: nn.Module) -> str | None:
+    """Which library quantized this projection (``"torchao"``, ``"gguf"``...), or None for a plain one.
+
+    The module's own class decides first (optimum-quanto's ``QLinear`` quantizes a plain weight
+    inside its forward when not frozen), then the weight's. Any other tensor subclass counts as
+    quantized too: the cache cannot tell what its forward computes from it.
+    """
+    base = base_linear(module)
+    name = _library(type(base))
+    if name is not None:
+        return name
+    weight = base._parameters.get("weight")
+    if weight is None or is_plain_tensor(weight):
+        return None
+    cls = type(weight)
+    return _library(cls) or f"tensor subclass {cls.__module__}.{cls.__qualname__}"
+
+
+def casting_hook(module: nn.Module) -> Any:
+    """diffusers' layerwise-casting hook on this projection's linear, or None."""
+    registry = getattr(base_linear(module), "_diffusers_hook", None)
+    return registry.get_hook(CASTING_HOOK) if registry is not None else None
+
+
+@dataclass(frozen=True)
+class ProjectionStorage:
+    """How a model's AdaLN projections store their weights.
+
+    ``quantized``: the libraries that quantized them (empty for plain weights); ``cast``: the
+    paths of the projections diffusers' layerwise casting keeps in a storage dtype.
+    """
+
+    quantized: tuple[str, ...] = ()
+    cast: tuple[str, ...] = ()
+
+    @property
+    def opaque(self) -> bool:
+        """Whether the tables must come from the modules' own forwards (never from raw matrices)."""
+        return bool(self.quantized or self.cast)
+
+    def describe(self) -> str:
+        parts = []
+        if self.quantized:
+            parts.append(f"quantized ({', '.join(self.quantized)})")
+        if self.cast:
+            parts.append("stored in another dtype by layerwise casting")
+        return " and ".join(parts) or "plain"
+
+
+def storage_of(modules: Sequence[tuple[Layer, Any]]) -> ProjectionStorage:
+    """The storage of the projections ``modules`` (``(layer, module)`` pairs)."""
+    libraries = sorted({name for _, module in modules if (name := quantization_of(module)) is not None})
+    cast = tuple(projection_path(layer) for layer, module in modules if casting_hook(module) is not None)
+    return ProjectionStorage(quantized=tuple(libraries), cast=cast)
+
+
+def output_dtype(module: nn.Module) -> torch.dtype:
+    """The dtype this projection returns: what the cache's slab must hold to serve it unchanged.
+
+    Under layerwise casting, the compute dtype; for a floating-point weight (torchao and
+    optimum-quanto report the logical dtype), that dtype; otherwise (GGUF, bitsandbytes: packed
+    bytes) the dtype of one forward of a zero row, which is what the module's own code decides.
+    """
+    from diffusers.models.modeling_utils import get_parameter_dtype
+
+    hook = casting_hook(module)
+    if hook is not None:
+        return hook.compute_dtype  # type: ignore[no-any-return]
+    base: Any = base_linear(module)
+    weight = base._parameters.get("weight")
+    if weight is not None and weight.is_floating_point():
+        return weight.dtype
+    bias = base._parameters.get("bias")
+    device = next((t.device for t in (bias, weight) if t is not None and t.device.type != "meta"), None)
+    if device is None:
+        raise ConfigError("the model's AdaLN projections are not materialised; load the model fully before enabling")
+    with torch.no_grad():
+        probe = torch.zeros(1, int(base.in_features), dtype=get_parameter_dtype(module), device=device)
+        return module(probe).dtype  # type: ignore[no-any-return]
+
+
+def transformer_spec(model: nn.Module) -> ModulationSpec:
+    """The model's :class:`~adalncache.ModulationSpec`, its dtype what the projections return.
+
+    Plain weights give their own dtype (as ``ModulationSpec.from_transformer`` reads it); quantized
+    or layerwise-cast ones the dtype their forward returns, which must be one for all of them
+    (one slab serves every projection).
+    """
+    blocks: Any = transformer_blocks(model)
+    layers: list[Layer] = [*range(len(blocks)), FINAL]
+    modules = [(layer, projection_module(model, layer)) for layer in layers]
+    if not storage_of(modules).opaque:
+        return ModulationSpec.from_transformer(model)
+    dtypes = {str(output_dtype(module)): output_dtype(module) for _, module in modules}
+    if len(dtypes) != 1:
+        raise ConfigError(
+            f"the AdaLN projections return different dtypes ({sorted(dtypes)}); the cache serves them from one "
+            "table dtype, so load or quantize the model with one compute dtype for all of them"
+        )
+    return ModulationSpec.from_transformer(model, dtype=next(iter(dtypes.values())))
+
+
+def fresh_alias(tensor: torch.Tensor) -> torch.Tensor:
+    """A new tensor object over the same storage (plain tensors), or the tensor itself (subclasses).
+
+    Swapped into a module for one projection: diffusers' layerwise casting rebinds ``.data`` of
+    whatever sits in ``_parameters`` around the forward, and must not rebind the source's own
+    tensors (their fingerprint would change at every build). A quantized subclass is passed as it
+    is: bitsandbytes keeps its quantization state as attributes of the very object.
+    """
+    return tensor.detach() if is_plain_tensor(tensor) else tensor
+
+
+def own_tensors(modules: Sequence[tuple[Layer, Any]], device: torch.device) -> HostTensors:
+    """The projections' own tensors by ``(layer, name)``, on the host.
+
+    On CPU the very objects; elsewhere host copies (``.to("cpu")``: torchao refuses ``copy=``).
+    Quantized tensors are never detached: bitsandbytes would lose the state its forward needs.
+    """
+    host: HostTensors = {}
+    for layer, module in modules:
+        base = base_linear(module)
+        for name in ("weight", "bias"):
+            tensor: torch.Tensor | None = base._parameters[name]
+            if tensor is None:
+                raise ConfigError(f"{projection_path(layer)}.{name} is missing; the AdaLN projections need a bias")
+            tensor = fresh_alias(tensor)
+            if tensor.device.type != "cpu":
+                tensor = tensor.to("cpu")
+                if device.type == "cuda" and is_plain_tensor(tensor):
+                    tensor = tensor.pin_memory()
+            host[(layer, name)] = tensor
+    return host
+
+
+def logical_shape(module: nn.Module) -> tuple[int, int]:
+    """``(out_features, in_features)`` of a projection, whatever its weight's storage shape."""
+    base: Any = base_linear(module)
+    return int(base.out_features), int(base.in_features)
+
+
+class OpaqueTensorSource:
+    """The model's own quantized or layerwise-cast projection tensors, used as they are.
+
+    A :class:`~adalncache.source.WeightSource` whose tensors are only ever handed to the modules'
+    own forwards: validated by the modules' logical shapes (the storage shape of a packed weight
+    says nothing), never copied on the host, never column-sliced. The fingerprint is each
+    tensor's identity plus the address and in-place version of the tensors inside it (torchao
+    reports ``data_ptr() == 0`` for the outer tensor), so replacing a weight is noticed. Like any
+    in-memory source it is not persistent: store entries would name this process's objects.
+    """
+
+    def __init__(
+        self, host: HostTensors, shapes: dict[Layer, tuple[int, int]], spec: ModulationSpec, *, describe: str
+    ) -> None:
+        problems = []
+        for layer in spec.layers():
+            want = spec.weight_shape(layer)
+            if shapes.get(layer) != want:
+                problems.append(f"{projection_path(layer)}: logical shape {shapes.get(layer)}, expected {want}")
+            bias = host.get((layer, "bias"))
+            if bias is None or tuple(bias.shape) != (want[0],):
+                shown = None if bias is None else tuple(bias.shape)
+                problems.append(f"{projection_path(layer)}.bias: shape {shown}, expected ({want[0]},)")
+        if problems:
+            raise ConfigError("the model's AdaLN projections do not fit its config:\n  " + "\n  ".join(problems))
+        self.spec = spec
+        self.layout: KeyLayout = DIFFUSERS_LAYOUT
+        self.tensors = host
+        self.bytes_read = 0
+        self.persistent = False
+        self._describe = describe
+        self._fingerprint = self._compute_fingerprint()
+
+    def _compute_fingerprint(self) -> str:
+        digest = hashlib.sha256()
+        for (layer, name), tensor in self.tensors.items():
+            inner: list[tuple[str, int, int]] = []
+            if not is_plain_tensor(tensor) and hasattr(tensor, "__tensor_flatten__"):
+                names, _ = tensor.__tensor_flatten__()
+                inner = [(n, getattr(tensor, n).data_ptr(), getattr(tensor, n)._version) for n in names]
+            digest.update(
+                f"{layer}.{name}|{id(tensor)}|{type(tensor).__name__}|{tensor.data_ptr()}|{tensor._version}|{inner}\n"
+                .encode()
+            )  # fmt: skip
+        return digest.hexdigest()
+
+    @property
+    def fingerprint(self) -> str:
+        return self._fingerprint
+
+    def refresh(self) -> bool:
+        new = self._compute_fingerprint()
+        changed = new != self._fingerprint
+        self._fingerprint = new
+        return changed
+
+    def stream(
+        self,
+        layers: Sequence[Layer],
+        *,
+        device: torch.device | str = "cpu",
+        columns: Columns | None = None,
+        read_ahead: int = 1,
+    ) -> Iterator[LayerWeights]:
+        if columns is not None:
+            raise ConfigError(
+                "shard='columns' (CLI --shard) slices each projection's weight, which a quantized or layerwise-cast "
+                "weight does not allow; use shard='layers'"
+            )
+        device = torch.device(device)
+        for layer in layers:
+            weight, bias = self.tensors[(layer, "weight")], self.tensors[(layer, "bias")]
+            if weight.device != device:
+                weight, bias = weight.to(device), bias.to(device)
+            yield LayerWeights(layer, weight, bias)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "kind": "model tensors (opaque)",
+            "storage": self._describe,
+            "projection_tensors": len(self.tensors),
+            "fingerprint": self.fingerprint,
+            "spec": self.spec.describe(),
+        }
+
+    def __repr__(self) -> str:
+        return f"OpaqueTensorSource({len(self.tensors)} tensors, {self._describe})"
+
+
+def opaque_model_source(
+    spec: ModulationSpec, modules: Sequence[tuple[Layer, Any]], device: torch.device, storage: ProjectionStorage
+) -> tuple[OpaqueTensorSource, HostTensors]:
+    """The model's own quantized or cast projections as a source, and the host tensors it holds."""
+    host = own_tensors(modules, device)
+    shapes = {layer: logical_shape(module) for layer, module in modules}
+    return OpaqueTensorSource(host, shapes, spec, describe=storage.describe()), host
+
+
+def check_storage_options(
+    storage: ProjectionStorage,
+    *,
+    checkpoint: Any,
+    quantized_projections: str,
+    precision: str,
+    shard: str,
+    process_group: Any,
+    device: torch.device,
+) -> None:
+    """Refuse, before the model is touched, the settings that cannot be exact with this storage."""
+    if quantized_projections == "checkpoint" and checkpoint is None:
+        raise ConfigError(
+            "quantized_projections='checkpoint' serves full-precision tables from an unquantized checkpoint, so it "
+            "needs checkpoint= (CLI --checkpoint): pass the file the model was quantized from"
+        )
+    if not storage.opaque:
+        return
+    what = storage.describe()
+    if checkpoint is not None and quantized_projections != "checkpoint":
+        raise ConfigError(
+            f"checkpoint= (CLI --checkpoint) holds full-precision projections but the model's AdaLN projections are "
+            f"{what}; tables from the checkpoint would not equal this model. Pass checkpoint=None to serve the "
+            "model's own projections, or quantized_projections='checkpoint' to serve full-precision tables from "
+            "the checkpoint on purpose (the AdaLN projections then compute unquantized, the rest of the model "
+            "stays as loaded)"
+        )
+    if quantized_projections == "model" and precision != "match":
+        raise ConfigError(
+            f"precision={precision!r} (CLI --precision) recomputes the projections in fp32 from their weights, but the "
+            f"model's AdaLN projections are {what} and only their own forward computes what the model does; "
+            "use precision='match'"
+        )
+    if shard == "columns" and process_group is not None:
+        raise ConfigError(
+            f"shard='columns' (CLI --shard) slices each projection's weight across ranks, but the AdaLN projections "
+            f"are {what}; use shard='layers'"
+        )
+    if "bitsandbytes" in storage.quantized and device.type != "cpu":
+        raise ConfigError(
+            f"bitsandbytes-quantized AdaLN projections on {device} are untested with the AdaLN cache (moving "
+            "bitsandbytes parameters to the host and back re-quantizes them); keep the AdaLN projections out of "
+            "quantization (BitsAndBytesConfig(llm_int8_skip_modules=['adaln_proj', 'norm_out'])) or run on CPU"
+        )
