@@ -15,6 +15,8 @@ from .integrations.diffusers import (
     PipelineAdalnCacheHandle,
     adaln_cache_handle,
     enable_adaln_cache,
+    minimax_h3_raw_vision,
+    register_minimax_h3_block,
 )
 
 __all__ = [
@@ -25,4 +27,6 @@ __all__ = [
     "PipelineAdalnCacheHandle",
     "adaln_cache_handle",
     "enable_adaln_cache",
+    "minimax_h3_raw_vision",
+    "register_minimax_h3_block",
 ]

@@ -7,12 +7,16 @@ it was. One module per job, each importing only those listed before it:
 
 - ``modules``: where the served modules sit in the transformer (paths from the diffusers layout);
 - ``sources``: the weight source (the model's own tensors, or a checkpoint verified against them);
+- ``quantized``: quantized or layerwise-cast projections: detection, their source, what is refused;
+- ``casting``: layerwise casting applied while enabled: refused or settled;
 - ``config``: :class:`AdalnCacheConfig` and the cache's typed :class:`CacheOptions`;
 - ``parking``: weights off the device as meta placeholders, restored bit-exactly; state_dict hooks;
 - ``lora``: the LoRA signature the tables are keyed by, and the fuse/unfuse/load guards;
-- ``hooks``: the four diffusers hooks that serve a forward;
+- ``compile``: serving that torch.compile traces like the resident model (served blocks, eager prepare);
+- ``hooks``: the diffusers hooks that serve a forward;
 - ``handle``: :class:`AdalnCacheHandle`, which puts the pieces together and takes them apart;
 - ``pipeline``: the modular pipeline's handle and the block that prepares a request's plans;
+- ``stepcaches``: what diffusers' block-level step caches need to know about MiniMax-H3;
 - ``enable``: :func:`enable_adaln_cache`.
 """
 
@@ -28,6 +32,7 @@ from .hooks import (
 )
 from .pipeline import AdalnCachePrepareStep, PipelineAdalnCacheHandle
 from .sources import CheckpointMismatchError
+from .stepcaches import minimax_h3_raw_vision, register_minimax_h3_block
 
 __all__ = [
     "AdalnCacheConfig",
@@ -41,4 +46,6 @@ __all__ = [
     "PipelineAdalnCacheHandle",
     "adaln_cache_handle",
     "enable_adaln_cache",
+    "minimax_h3_raw_vision",
+    "register_minimax_h3_block",
 ]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -23,9 +24,12 @@ from ...spec import FINAL, LAYOUTS, Layer, ModulationSpec
 #: The diffusers layout: its prefixes are the projections' module paths inside the transformer.
 DIFFUSERS_LAYOUT = LAYOUTS["diffusers"]
 
-#: The attribute holding the transformer's blocks, and where enabling keeps the real list.
+#: The attribute holding the transformer's blocks.
 BLOCKS = "transformer_blocks"
-_CAPTURED_BLOCKS = "_adalncache_blocks"
+
+#: The real block list of each enabled model. Kept off the model itself: a library that looks for
+#: a model's blocks among its attributes (cache-dit does) must not find a second list there.
+_CAPTURED_BLOCKS: weakref.WeakKeyDictionary[nn.Module, nn.Module] = weakref.WeakKeyDictionary()
 
 #: The time embedder and its two linears, whose LoRA (if any) also shapes what the projections see.
 TIME_EMBEDDER = "time_embedder"
@@ -56,19 +60,19 @@ def base_linear(module: nn.Module) -> nn.Module:
 
 
 def capture_blocks(model: nn.Module) -> None:
-    """Remember the model's real block list (kept out of ``_modules``: no new submodule, no state_dict key)."""
-    model.__dict__[_CAPTURED_BLOCKS] = model.get_submodule(BLOCKS)
+    """Remember the model's real block list while the cache is enabled."""
+    _CAPTURED_BLOCKS[model] = model.get_submodule(BLOCKS)
 
 
 def release_blocks(model: nn.Module) -> None:
     """Forget the list :func:`capture_blocks` remembered."""
-    model.__dict__.pop(_CAPTURED_BLOCKS, None)
+    _CAPTURED_BLOCKS.pop(model, None)
 
 
 def transformer_blocks(model: nn.Module) -> nn.Module:
     """The model's real block list: the captured one while enabled, else the model's attribute."""
-    captured = model.__dict__.get(_CAPTURED_BLOCKS)
-    return captured if isinstance(captured, nn.Module) else model.get_submodule(BLOCKS)
+    captured = _CAPTURED_BLOCKS.get(model)
+    return captured if captured is not None else model.get_submodule(BLOCKS)
 
 
 def _in_block(layer: int, path: str) -> str:
