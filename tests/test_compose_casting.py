@@ -16,11 +16,10 @@ import torch
 
 pytest.importorskip("diffusers")
 
-from compose_helpers import assert_equal, assert_exact, maxdiff, projections, serve
-
 from adalncache.diffusers import adaln_cache_handle, enable_adaln_cache
 from adalncache.errors import ConfigError
 from adalncache.tools.tiny import make_request, run_loop, write_native_checkpoint
+from compose_helpers import assert_equal, assert_exact, maxdiff, projections, serve
 
 FP8, BF16 = torch.float8_e4m3fn, torch.bfloat16
 
@@ -40,7 +39,9 @@ def test_casting_then_cache_is_exact(load_tiny: Callable[[str], Any]) -> None:
     assert model.transformer_blocks[0].adaln_proj.linear.weight.dtype == FP8  # restored as stored
 
 
-def test_casting_then_checkpoint_needs_the_full_precision_option(load_tiny: Callable[[str], Any], tmp_path: Any) -> None:
+def test_casting_then_checkpoint_needs_the_full_precision_option(
+    load_tiny: Callable[[str], Any], tmp_path: Any
+) -> None:
     """A checkpoint holds the uncast weights: refused, or served on purpose as the model with uncast projections."""
     checkpoint = write_native_checkpoint(load_tiny("bf16-disk"), tmp_path / "ck")
     model = _cast(load_tiny("bf16-disk"))

@@ -18,10 +18,9 @@ import torch
 
 pytest.importorskip("diffusers")
 
-from compose_helpers import assert_equal, maxdiff
-
 from adalncache.diffusers import enable_adaln_cache
 from adalncache.tools.tiny import LoopResult, TinyRequest, make_request, run_loop, tiny_transformer
+from compose_helpers import assert_equal, maxdiff
 
 pytestmark = pytest.mark.slow
 

@@ -23,14 +23,13 @@ from torch import nn
 
 pytest.importorskip("diffusers")
 
-from compose_helpers import assert_equal, assert_exact, hook_names, maxdiff, projections, serve
-
 from adalncache.diffusers import enable_adaln_cache
 from adalncache.errors import ConfigError
 from adalncache.integrations.diffusers.quantized import quantization_of, storage_of
 from adalncache.spec import FINAL
 from adalncache.tools.native import write_gguf, write_native_single_file
 from adalncache.tools.tiny import make_request, run_loop, tiny_transformer, write_native_checkpoint
+from compose_helpers import assert_equal, assert_exact, hook_names, maxdiff, projections, serve
 
 EXTRA = "installed by the compose extra (pip install 'adalncache[compose]'; make test installs it)"
 

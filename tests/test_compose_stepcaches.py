@@ -22,11 +22,10 @@ import torch
 
 pytest.importorskip("diffusers")
 
-from compose_helpers import assert_equal
-
 from adalncache.diffusers import enable_adaln_cache, minimax_h3_raw_vision, register_minimax_h3_block
 from adalncache.errors import ConfigError
 from adalncache.tools.tiny import LoopResult, TinyRequest, make_request, tiny_transformer
+from compose_helpers import assert_equal
 
 STEPS = 9  # 8 forwards: enough for the caches to skip after their warm-up steps
 

@@ -61,7 +61,7 @@ def register_minimax_h3_block() -> bool:
             f"(diffusers.hooks._helpers, tested with diffusers {', '.join(TESTED_DIFFUSERS)}): {exc}"
         ) from exc
     fields = {field.name for field in dataclasses.fields(TransformerBlockMetadata)}
-    if not _METADATA_FIELDS <= fields or not callable(getattr(TransformerBlockRegistry, "register", None)):
+    if not fields >= _METADATA_FIELDS or not callable(getattr(TransformerBlockRegistry, "register", None)):
         raise ConfigError(
             f"diffusers {version}'s block registry is not the one register_minimax_h3_block() was written for "
             f"(tested with diffusers {', '.join(TESTED_DIFFUSERS)}); the block-level step caches cannot be taught "
@@ -79,9 +79,9 @@ def register_minimax_h3_block() -> bool:
             version,
             ", ".join(TESTED_DIFFUSERS),
         )
+    metadata: Any = TransformerBlockMetadata  # diffusers annotates the index as int, None included
     TransformerBlockRegistry.register(
-        MiniMaxH3TransformerBlock,
-        TransformerBlockMetadata(return_hidden_states_index=0, return_encoder_hidden_states_index=None),
+        MiniMaxH3TransformerBlock, metadata(return_hidden_states_index=0, return_encoder_hidden_states_index=None)
     )
     return True
 
