@@ -19,7 +19,6 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError
-from ..source.writer import write_safetensors
 
 #: diffusers name fragment -> native fragment, applied in this order (the inverse of diffusers' renames).
 _RENAMES = (
@@ -70,14 +69,13 @@ def native_state_dict(model: Any) -> dict[str, torch.Tensor]:
 def write_native_single_file(model: Any, path: str | os.PathLike[str]) -> Path:
     """Write the whole model as one native-layout ``.safetensors`` file (what ``from_single_file`` reads).
 
-    Each tensor lands at its model tensor's address modulo 64, so an fp32 model projects
-    bit-identically from the file's mapped tensors.
+    Written by ``safetensors`` itself, tensors packed as a published file packs them (no padding
+    entries a loader would report as unused weights).
     """
-    by_name = {_native_name(key): value for key, value in model.state_dict().items()}
-    tensors = native_state_dict(model)
-    residues = {name: by_name[name].data_ptr() % 64 for name in tensors if name in by_name}
+    from safetensors.torch import save_file
+
     path = Path(path)
-    write_safetensors(tensors, path, residues=residues, metadata={"format": "pt"})
+    save_file(native_state_dict(model), os.fspath(path), metadata={"format": "pt"})
     return path
 
 
