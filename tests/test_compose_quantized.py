@@ -25,7 +25,12 @@ pytest.importorskip("diffusers")
 
 from adalncache.diffusers import enable_adaln_cache
 from adalncache.errors import ConfigError
-from adalncache.integrations.diffusers.quantized import quantization_of, storage_of
+from adalncache.integrations.diffusers.quantized import (
+    ProjectionStorage,
+    check_storage_options,
+    quantization_of,
+    storage_of,
+)
 from adalncache.spec import FINAL
 from adalncache.tools.native import write_gguf, write_native_single_file
 from adalncache.tools.tiny import make_request, run_loop, tiny_transformer, write_native_checkpoint
@@ -125,6 +130,51 @@ def test_torchao_checkpoint_is_refused_unless_full_precision_tables_are_asked_fo
     handle.disable()
     assert_equal(run_loop(model, request), quantized)
     assert type(model.norm_out.linear.weight).__module__.startswith("torchao")
+
+
+def test_full_precision_tables_in_a_store_are_bound_to_the_quantized_time_embedder(tmp_path: Path) -> None:
+    """Store entries of full-precision tables hit for the same quantized model, never for another one.
+
+    ``quantize_`` also quantizes the time embedder, whose output is the tables' input: a model with
+    the same checkpoint but a plain time embedder must not be served those entries.
+    """
+    from torchao.quantization import quantize_
+
+    config = _torchao_config("Int8WeightOnlyConfig")
+    checkpoint = write_native_checkpoint(tiny_transformer("tiny"), tmp_path / "ck")
+    store = tmp_path / "store"
+
+    def served(model: Any) -> tuple[Any, dict[str, int]]:
+        handle = enable_adaln_cache(model, checkpoint, quantized_projections="checkpoint", store=store)
+        handle.prepare(request.plans)
+        result, stats = run_loop(model, request), handle.stats.as_dict()
+        handle.disable()
+        return result, stats
+
+    first = tiny_transformer("tiny")
+    quantize_(first, config)
+    request = make_request(first, "t2va", 4)
+    first_result, stats = served(first)
+    assert (stats["built_plans"], stats["store_hits"]) == (3, 0)
+    again = tiny_transformer("tiny")
+    quantize_(again, config)
+    again_result, stats = served(again)
+    assert (stats["built_plans"], stats["store_hits"]) == (0, 3)
+    assert_equal(again_result, first_result)
+
+    plain_embedder = tiny_transformer("tiny")
+    quantize_(plain_embedder, config, filter_fn=lambda m, fqn: isinstance(m, nn.Linear) and "time_embedder" not in fqn)
+    resident = run_loop(plain_embedder, request)
+    result, stats = served(plain_embedder)
+    assert (stats["built_plans"], stats["store_hits"]) == (3, 0)
+    unquantized_projections = tiny_transformer("tiny")
+    quantize_(
+        unquantized_projections,
+        config,
+        filter_fn=lambda m, fqn: isinstance(m, nn.Linear) and "time_embedder" not in fqn and not _is_projection(m, fqn),
+    )
+    assert_equal(result, run_loop(unquantized_projections, request))
+    assert maxdiff(result, resident) > 0
 
 
 def test_quantized_options_that_cannot_be_exact_are_refused(load_tiny: Callable[[str], Any]) -> None:
@@ -297,6 +347,23 @@ def test_bitsandbytes_on_cpu_is_exact(load_tiny: Callable[[str], Any], kind: str
     assert _projection_storage(model) == ("bitsandbytes",)
     request = make_request(model, "t2va", 4)
     assert_exact(serve(model, request), request)
+
+
+def test_refusals_that_need_an_accelerator_or_ranks_to_reach() -> None:
+    """bitsandbytes off the CPU and column sharding: refused by the same check enabling runs first.
+
+    Called directly: this machine has no accelerator and the check runs before any rank work.
+    """
+    bnb = ProjectionStorage(quantized=("bitsandbytes",))
+    options = {"checkpoint": None, "quantized_projections": "model", "precision": "match", "process_group": None}
+    with pytest.raises(ConfigError, match=r"bitsandbytes-quantized AdaLN projections on cuda are untested"):
+        check_storage_options(bnb, shard="layers", device=torch.device("cuda"), **options)
+    check_storage_options(bnb, shard="layers", device=torch.device("cpu"), **options)
+    options["process_group"] = object()  # any group: the refusal comes before the group is used
+    with pytest.raises(ConfigError, match=r"--shard"):
+        check_storage_options(
+            ProjectionStorage(cast=("norm_out.linear",)), shard="columns", device=torch.device("cpu"), **options
+        )
 
 
 # ----------------------------------------------------------------------------------------- detection

@@ -43,10 +43,12 @@ from .modules import (
 from .parking import TimeEmbedderLoan, WeightParking
 from .quantized import (
     ProjectionStorage,
+    casting_hook,
     check_storage_options,
     fresh_alias,
     opaque_model_source,
     own_tensors,
+    quantization_of,
     storage_of,
     transformer_spec,
 )
@@ -90,8 +92,10 @@ class AdalnCacheHandle:
         self._hooks: ServingHooks | None = None
         self._warned_miss = False
         self._storage = ProjectionStorage()
-        #: Full-precision tables of quantized projections from the checkpoint (quantized_projections="checkpoint").
+        #: Full-precision tables of quantized projections from the checkpoint (quantized_projections="checkpoint"),
+        #: and the variant they are built under (see ``_choose_source``).
         self._plain_tables = False
+        self._plain_variant: Variant = None
         #: Served modules that had a layerwise-casting hook when the cache was enabled.
         self._casting_at_enable: frozenset[str] = frozenset()
 
@@ -130,9 +134,9 @@ class AdalnCacheHandle:
         if self._hooks is not None and self._hooks.forward_wrapped_by_others():
             raise ConfigError(
                 "another library wrapped the transformer's forward after enable_adaln_cache() (cache-dit does); "
-                "removing the AdaLN cache now would silently drop that wrapper. Remove the other library's wrapper "
-                "first; to disable the AdaLN cache alone later, enable the other library after the AdaLN cache's "
-                "disable() or before enable_adaln_cache()"
+                "removing the AdaLN cache now would silently drop that wrapper. Remove that wrapper first (cache-dit "
+                "1.5.3 cannot remove its own here: reload the model), and enable such a library before "
+                "enable_adaln_cache() when the cache must be disabled on its own"
             )
         if self._parking.restores_from_source and not allow_changed_checkpoint:
             assert self.source is not None
@@ -246,6 +250,14 @@ class AdalnCacheHandle:
             if storage.opaque:
                 self._plain_tables = True
                 host_tensors = own_tensors(modules, self.device)  # disable() gives back the quantized weights
+                # Their input comes from this model's time embedder, which may be quantized too: store
+                # entries (bound to the checkpoint) must not be shared with a model whose embedder is not.
+                embedder = tuple(
+                    (path, quantization_of(linear), casting_hook(linear) is not None)
+                    for path, linear in time_embedder_linears(model)
+                )
+                self._plain_variant = ("full-precision tables of quantized projections", embedder)
+                self._lora.variant = self._plain_variant
         elif storage.opaque:
             self.source, host_tensors = opaque_model_source(self.spec, modules, self.device, storage)
         else:
@@ -356,25 +368,33 @@ class AdalnCacheHandle:
         assert self._hooks is not None
         self._hooks.follow_output()
         new_casting(served_modules(self.model, self.spec), self._casting_at_enable)
-        return self._lora.current(scale)
+        tuners, variant, refs = self._lora.current(scale)
+        if self._plain_tables:
+            if variant is not None:
+                # The adapter wraps the quantized module, which would requantize the checkpoint's weight.
+                raise ConfigError(
+                    "LoRA adapters on the AdaLN projections cannot be combined with "
+                    "quantized_projections='checkpoint'; unload the adapter, or serve the model's own projections "
+                    "(quantized_projections='model' without checkpoint=)"
+                )
+            variant = self._plain_variant
+        return tuners, variant, refs
 
     def _build(
         self, plans: Sequence[torch.Tensor], scale: float, tuners: Tuners, variant: Variant, refs: list[torch.Tensor]
     ) -> BuildReport:
-        if variant is not None and self.cache.shard == "columns" and self.cache.world_size > 1:
+        if (
+            variant is not None
+            and not self._plain_tables
+            and self.cache.shard == "columns"
+            and self.cache.world_size > 1
+        ):
             # The adapter's forward runs on the whole projection; a rank's column slice of the base
             # weight cannot go through it (it would fail later with an unhelpful shape error).
             raise ConfigError(
                 "LoRA adapters on the AdaLN projections need shard='layers' (CLI --shard layers): with "
                 "shard='columns' each rank holds a column slice of the base weight, which the adapter's "
                 "full-width forward cannot run on; unload the adapter or build with shard='layers'"
-            )
-        if variant is not None and self._plain_tables:
-            # The adapter wraps the quantized module; its base would requantize the checkpoint's weight.
-            raise ConfigError(
-                "LoRA adapters on the AdaLN projections cannot be combined with quantized_projections='checkpoint'; "
-                "unload the adapter, or serve the model's own projections (quantized_projections='model' without "
-                "checkpoint=)"
             )
         # The parked time embedder is lent back by the first embed of a pass and parked again when
         # the build returns, so a build that hits costs no copy.
