@@ -79,13 +79,22 @@ def _attention_calls(model: Any) -> dict[str, int]:
     return calls
 
 
-def _compare(request: TinyRequest, enable_step_cache: Callable[[Any], Any]) -> int:
-    """Step cache alone vs with the AdaLN cache in both orders; returns the attention calls it skipped."""
+def _compare(request: TinyRequest, enable_step_cache: Callable[[Any], Any], *, wraps_forward: bool = False) -> int:
+    """Step cache alone vs with the AdaLN cache in both orders; returns the attention calls it skipped.
+
+    A second request runs after ``disable()``: the step cache must be left working (compared with
+    the second request of the step cache alone, since its state carries over between requests).
+    ``wraps_forward``: the step cache replaces the forward outside diffusers' hook registry, so
+    ``disable()`` under it is refused instead (its own test).
+    """
     reference = tiny_transformer("tiny")
     calls = _attention_calls(reference)
     enable_step_cache(reference)
     current_timestep["t"] = float(request.plans[0].max()) * 1000
     expected = denoise(reference, request)
+    skipped = (STEPS - 1) * len(reference.transformer_blocks) - calls["attention"]
+    current_timestep["t"] = float(request.plans[0].max()) * 1000
+    expected_after = denoise(reference, request)
     distinct = len({tuple(plan.tolist()) for plan in request.plans})
     for order in ("adalncache first", "step cache first"):
         model = tiny_transformer("tiny")
@@ -99,7 +108,12 @@ def _compare(request: TinyRequest, enable_step_cache: Callable[[Any], Any]) -> i
         assert_equal(denoise(model, request), expected)
         stats = handle.stats
         assert (stats.built_plans, stats.passes) == (distinct, 1), (order, stats)
-    return (STEPS - 1) * len(reference.transformer_blocks) - calls["attention"]
+        if wraps_forward and order == "adalncache first":
+            continue
+        handle.disable()
+        current_timestep["t"] = float(request.plans[0].max()) * 1000
+        assert_equal(denoise(model, request), expected_after)
+    return skipped
 
 
 @pytest.fixture(scope="module")
@@ -206,7 +220,7 @@ def _cache_dit(model: Any) -> Any:
 
 def test_cache_dit_dbcache_in_both_orders(request_9: TinyRequest) -> None:
     """cache-dit swaps ``transformer_blocks`` for its own wrapper during its forward; the cache still finds them."""
-    assert _compare(request_9, _cache_dit) > 0
+    assert _compare(request_9, _cache_dit, wraps_forward=True) > 0
 
 
 def test_disable_under_cache_dit_is_refused_not_silent(request_9: TinyRequest) -> None:
