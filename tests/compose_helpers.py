@@ -57,6 +57,22 @@ def assert_exact(served: Served, request: TinyRequest) -> None:
     assert served.stats["fingerprint_changes"] == 0, served.stats
 
 
+def assert_full_precision_tables(model: Any, reference: Any, checkpoint: Any, request: TinyRequest, says: str) -> None:
+    """``checkpoint=`` is refused for ``model`` (a ConfigError matching ``says``) unless full-precision
+    tables are asked for; then ``model`` equals ``reference``, the same model with its AdaLN
+    projections left unquantized."""
+    import pytest
+
+    from adalncache.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=says):
+        enable_adaln_cache(model, checkpoint)
+    handle = enable_adaln_cache(model, checkpoint, quantized_projections="checkpoint")
+    handle.prepare(request.plans)
+    assert_equal(run_loop(model, request), run_loop(reference, request))
+    handle.disable()
+
+
 def assert_equal(a: LoopResult, b: LoopResult) -> None:
     """``torch.equal`` on every step's outputs and on the final latents, naming the first difference."""
     assert len(a.outputs) == len(b.outputs)

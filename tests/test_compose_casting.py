@@ -19,7 +19,7 @@ pytest.importorskip("diffusers")
 from adalncache.diffusers import adaln_cache_handle, enable_adaln_cache
 from adalncache.errors import ConfigError
 from adalncache.tools.tiny import make_request, run_loop, write_native_checkpoint
-from compose_helpers import assert_equal, assert_exact, maxdiff, projections, serve
+from compose_helpers import assert_equal, assert_exact, assert_full_precision_tables, maxdiff, projections, serve
 
 FP8, BF16 = torch.float8_e4m3fn, torch.bfloat16
 
@@ -45,14 +45,10 @@ def test_casting_then_checkpoint_needs_the_full_precision_option(
     """A checkpoint holds the uncast weights: refused, or served on purpose as the model with uncast projections."""
     checkpoint = write_native_checkpoint(load_tiny("bf16-disk"), tmp_path / "ck")
     model = _cast(load_tiny("bf16-disk"))
-    with pytest.raises(ConfigError, match=r"layerwise casting.*quantized_projections='checkpoint'"):
-        enable_adaln_cache(model, checkpoint)
     reference = _cast(load_tiny("bf16-disk"), skip_modules_pattern=("norm", "adaln_proj", "time_embedder", "proj_"))
     request = make_request(model, "t2va", 4)
-    handle = enable_adaln_cache(model, checkpoint, quantized_projections="checkpoint")
-    handle.prepare(request.plans)
-    assert_equal(run_loop(model, request), run_loop(reference, request))
-    handle.disable()
+    says = r"layerwise casting.*quantized_projections='checkpoint'"
+    assert_full_precision_tables(model, reference, checkpoint, request, says)
 
 
 def test_cache_then_enable_layerwise_casting_re_enables_over_the_cast_weights(load_tiny: Callable[[str], Any]) -> None:

@@ -34,7 +34,15 @@ from adalncache.integrations.diffusers.quantized import (
 from adalncache.spec import FINAL
 from adalncache.tools.native import write_gguf, write_native_single_file
 from adalncache.tools.tiny import make_request, run_loop, tiny_transformer, write_native_checkpoint
-from compose_helpers import assert_equal, assert_exact, hook_names, maxdiff, projections, serve
+from compose_helpers import (
+    assert_equal,
+    assert_exact,
+    assert_full_precision_tables,
+    hook_names,
+    maxdiff,
+    projections,
+    serve,
+)
 
 EXTRA = "installed by the compose extra (pip install 'adalncache[compose]'; make test installs it)"
 
@@ -255,12 +263,7 @@ def test_quanto_config_from_pretrained_and_full_precision_tables(tiny_saved_root
     reference = tiny_transformer("tiny")
     quanto.quantize(reference, weights=quanto.qint8, exclude=["*adaln_proj.linear", "norm_out.linear"])
     quanto.freeze(reference)
-    with pytest.raises(ConfigError, match=r"optimum-quanto"):
-        enable_adaln_cache(model, checkpoint)
-    handle = enable_adaln_cache(model, checkpoint, quantized_projections="checkpoint")
-    handle.prepare(request.plans)
-    assert_equal(run_loop(model, request), run_loop(reference, request))
-    handle.disable()
+    assert_full_precision_tables(model, reference, checkpoint, request, r"quantized \(optimum-quanto\)")
 
 
 # ------------------------------------------------------------------------------------------- GGUF
@@ -308,12 +311,7 @@ def test_gguf_full_precision_tables_equal_a_file_with_unquantized_projections(
     model = _load_gguf(quantized_path, config_dir, torch.float32)
     reference = _load_gguf(reference_path, config_dir, torch.float32)
     request = make_request(model, "t2va", 4)
-    with pytest.raises(ConfigError, match=r"quantized \(gguf\)"):
-        enable_adaln_cache(model, checkpoint)
-    handle = enable_adaln_cache(model, checkpoint, quantized_projections="checkpoint")
-    handle.prepare(request.plans)
-    assert_equal(run_loop(model, request), run_loop(reference, request))
-    handle.disable()
+    assert_full_precision_tables(model, reference, checkpoint, request, r"quantized \(gguf\)")
 
 
 # ------------------------------------------------------------------------------------- bitsandbytes

@@ -18,13 +18,12 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-import torch
 
 pytest.importorskip("diffusers")
 
 from adalncache.diffusers import enable_adaln_cache, minimax_h3_raw_vision, register_minimax_h3_block
 from adalncache.errors import ConfigError
-from adalncache.tools.tiny import LoopResult, TinyRequest, make_request, tiny_transformer
+from adalncache.tools.tiny import LoopResult, TinyRequest, make_request, run_loop, tiny_transformer
 from compose_helpers import assert_equal
 
 STEPS = 9  # 8 forwards: enough for the caches to skip after their warm-up steps
@@ -32,34 +31,21 @@ STEPS = 9  # 8 forwards: enough for the caches to skip after their warm-up steps
 pytestmark = pytest.mark.slow
 
 
-@torch.no_grad()
 def denoise(model: Any, request: TinyRequest) -> LoopResult:
     """``tiny.run_loop`` with each forward inside ``cache_context`` (what diffusers' step caches read).
 
     The step's ``sigma`` (the MiniMax-H3 timestep is the noise level in [0, 1]) and index are
     passed as SeaCache needs them; the other caches only need the context's name.
     """
-    from diffusers.schedulers.scheduling_minimax_h3 import MiniMaxH3Scheduler
 
-    scheduler: Any = MiniMaxH3Scheduler(shift=request.video_shift)
-    audio_scheduler: Any = MiniMaxH3Scheduler(shift=request.audio_shift)
-    scheduler.set_timesteps(request.steps)
-    audio_scheduler.set_timesteps(request.steps)
-    latents, audio_latents = request.latents.clone(), request.audio_latents.clone()
-    n_video, n_audio = request.num_condition_video_rows, request.num_condition_audio_rows
-    outputs = []
-    total = len(scheduler.timesteps)
-    for step, t in enumerate(scheduler.timesteps):
-        with model.cache_context("cond", step_index=step, sigma=float(t), num_inference_steps=total):
-            video, audio = model(**request.forward_kwargs(step, latents, audio_latents))
-        outputs.append((video.clone(), audio.clone()))
-        latents[n_video:] = scheduler.step(video[0, n_video:].float(), t, latents[n_video:], return_dict=False)[0]
-        audio_t = audio_scheduler.timesteps[step]
-        audio_latents[n_audio:] = audio_scheduler.step(
-            audio[0, n_audio:].float(), audio_t, audio_latents[n_audio:], return_dict=False
-        )[0]
-        current_timestep["t"] = float(request.plans[min(step + 1, total - 1)].max()) * 1000
-    return LoopResult(outputs=outputs, latents=latents, audio_latents=audio_latents, step_seconds=[])
+    def next_timestep(step: int) -> None:
+        current_timestep["t"] = float(request.plans[min(step + 1, len(request.plans) - 1)].max()) * 1000
+
+    def context(step: int, t: float, steps: int) -> Any:
+        return model.cache_context("cond", step_index=step, sigma=t, num_inference_steps=steps)
+
+    current_timestep["t"] = float(request.plans[0].max()) * 1000
+    return run_loop(model, request, on_step=next_timestep, step_context=context)
 
 
 #: Pyramid Attention Broadcast asks a callback for the current timestep on diffusers' 0..1000 scale.
@@ -90,10 +76,8 @@ def _compare(request: TinyRequest, enable_step_cache: Callable[[Any], Any], *, w
     reference = tiny_transformer("tiny")
     calls = _attention_calls(reference)
     enable_step_cache(reference)
-    current_timestep["t"] = float(request.plans[0].max()) * 1000
     expected = denoise(reference, request)
     skipped = (STEPS - 1) * len(reference.transformer_blocks) - calls["attention"]
-    current_timestep["t"] = float(request.plans[0].max()) * 1000
     expected_after = denoise(reference, request)
     distinct = len({tuple(plan.tolist()) for plan in request.plans})
     for order in ("adalncache first", "step cache first"):
@@ -104,14 +88,12 @@ def _compare(request: TinyRequest, enable_step_cache: Callable[[Any], Any], *, w
         if order == "adalncache first":
             enable_step_cache(model)
         handle.prepare(request.plans)
-        current_timestep["t"] = float(request.plans[0].max()) * 1000
         assert_equal(denoise(model, request), expected)
         stats = handle.stats
         assert (stats.built_plans, stats.passes) == (distinct, 1), (order, stats)
         if wraps_forward and order == "adalncache first":
             continue
         handle.disable()
-        current_timestep["t"] = float(request.plans[0].max()) * 1000
         assert_equal(denoise(model, request), expected_after)
     return skipped
 

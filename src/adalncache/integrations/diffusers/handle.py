@@ -259,7 +259,7 @@ class AdalnCacheHandle:
                 self._plain_variant = ("full-precision tables of quantized projections", embedder)
                 self._lora.variant = self._plain_variant
         elif storage.opaque:
-            self.source, host_tensors = opaque_model_source(self.spec, modules, self.device, storage)
+            self.source, host_tensors = opaque_model_source(self.spec, modules, self.device)
         else:
             self.source, host_tensors = model_source(self.spec, modules, self.device)
         self._enabled_fingerprint = self.source.fingerprint

@@ -10,8 +10,8 @@ computes from those tensors. So for such a model:
   very objects, parked off the accelerator), exactly like the resident forward;
 - the cache's slab dtype is what the projection *returns* (:func:`output_dtype`), not the
   weight's storage dtype;
-- the weight source (:class:`OpaqueTensorSource`) checks logical shapes only, never copies, slices
-  or compares the tensors, and fingerprints them by identity;
+- the weight source (a :class:`~adalncache.TensorSource` given their logical shapes) never
+  copies, slices or compares the tensors, and fingerprints them by identity;
 - a ``checkpoint=`` cannot hold those projections (it holds the unquantized ones), so it is
   refused unless the user asks on purpose for full-precision tables from it
   (``quantized_projections="checkpoint"``), which are then a plain ``F.linear`` of the
@@ -24,17 +24,16 @@ after a manual ``quantize_``) and never imports a quantization library itself.
 
 from __future__ import annotations
 
-import hashlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from ... import TensorSource
 from ...errors import ConfigError
-from ...source import Columns, LayerWeights
-from ...spec import FINAL, KeyLayout, Layer, ModulationSpec
+from ...spec import FINAL, Layer, ModulationSpec
 from .modules import DIFFUSERS_LAYOUT, base_linear, projection_module, projection_path, transformer_blocks
 from .sources import HostTensors
 
@@ -207,102 +206,24 @@ def logical_shape(module: nn.Module) -> tuple[int, int]:
     return int(base.out_features), int(base.in_features)
 
 
-class OpaqueTensorSource:
-    """The model's own quantized or layerwise-cast projection tensors, used as they are.
-
-    A :class:`~adalncache.source.WeightSource` whose tensors are only ever handed to the modules'
-    own forwards: validated by the modules' logical shapes (the storage shape of a packed weight
-    says nothing), never copied on the host, never column-sliced. The fingerprint is each
-    tensor's identity plus the address and in-place version of the tensors inside it (torchao
-    reports ``data_ptr() == 0`` for the outer tensor), so replacing a weight is noticed. Like any
-    in-memory source it is not persistent: store entries would name this process's objects.
-    """
-
-    def __init__(
-        self, host: HostTensors, shapes: dict[Layer, tuple[int, int]], spec: ModulationSpec, *, describe: str
-    ) -> None:
-        problems = []
-        for layer in spec.layers():
-            want = spec.weight_shape(layer)
-            if shapes.get(layer) != want:
-                problems.append(f"{projection_path(layer)}: logical shape {shapes.get(layer)}, expected {want}")
-            bias = host.get((layer, "bias"))
-            if bias is None or tuple(bias.shape) != (want[0],):
-                shown = None if bias is None else tuple(bias.shape)
-                problems.append(f"{projection_path(layer)}.bias: shape {shown}, expected ({want[0]},)")
-        if problems:
-            raise ConfigError("the model's AdaLN projections do not fit its config:\n  " + "\n  ".join(problems))
-        self.spec = spec
-        self.layout: KeyLayout = DIFFUSERS_LAYOUT
-        self.tensors = host
-        self.bytes_read = 0
-        self.persistent = False
-        self._describe = describe
-        self._fingerprint = self._compute_fingerprint()
-
-    def _compute_fingerprint(self) -> str:
-        digest = hashlib.sha256()
-        for (layer, name), tensor in self.tensors.items():
-            inner: list[tuple[str, int, int]] = []
-            if not is_plain_tensor(tensor) and hasattr(tensor, "__tensor_flatten__"):
-                names, _ = tensor.__tensor_flatten__()
-                inner = [(n, getattr(tensor, n).data_ptr(), getattr(tensor, n)._version) for n in names]
-            digest.update(
-                f"{layer}.{name}|{id(tensor)}|{type(tensor).__name__}|{tensor.data_ptr()}|{tensor._version}|{inner}\n"
-                .encode()
-            )  # fmt: skip
-        return digest.hexdigest()
-
-    @property
-    def fingerprint(self) -> str:
-        return self._fingerprint
-
-    def refresh(self) -> bool:
-        new = self._compute_fingerprint()
-        changed = new != self._fingerprint
-        self._fingerprint = new
-        return changed
-
-    def stream(
-        self,
-        layers: Sequence[Layer],
-        *,
-        device: torch.device | str = "cpu",
-        columns: Columns | None = None,
-        read_ahead: int = 1,
-    ) -> Iterator[LayerWeights]:
-        if columns is not None:
-            raise ConfigError(
-                "shard='columns' (CLI --shard) slices each projection's weight, which a quantized or layerwise-cast "
-                "weight does not allow; use shard='layers'"
-            )
-        device = torch.device(device)
-        for layer in layers:
-            weight, bias = self.tensors[(layer, "weight")], self.tensors[(layer, "bias")]
-            if weight.device != device:
-                weight, bias = weight.to(device), bias.to(device)
-            yield LayerWeights(layer, weight, bias)
-
-    def describe(self) -> dict[str, Any]:
-        return {
-            "kind": "model tensors (opaque)",
-            "storage": self._describe,
-            "projection_tensors": len(self.tensors),
-            "fingerprint": self.fingerprint,
-            "spec": self.spec.describe(),
-        }
-
-    def __repr__(self) -> str:
-        return f"OpaqueTensorSource({len(self.tensors)} tensors, {self._describe})"
-
-
 def opaque_model_source(
-    spec: ModulationSpec, modules: Sequence[tuple[Layer, Any]], device: torch.device, storage: ProjectionStorage
-) -> tuple[OpaqueTensorSource, HostTensors]:
-    """The model's own quantized or cast projections as a source, and the host tensors it holds."""
+    spec: ModulationSpec, modules: Sequence[tuple[Layer, Any]], device: torch.device
+) -> tuple[TensorSource, HostTensors]:
+    """The model's own quantized or cast projections as a source, and the host tensors it holds.
+
+    A :class:`~adalncache.TensorSource` told each tensor's logical shape (the module's
+    ``out_features`` and ``in_features``): it never reads them as matrices, never slices them, and
+    fingerprints them by identity; the tables come from the modules' own forwards.
+    """
     host = own_tensors(modules, device)
-    shapes = {layer: logical_shape(module) for layer, module in modules}
-    return OpaqueTensorSource(host, shapes, spec, describe=storage.describe()), host
+    tensors: dict[str, torch.Tensor] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for layer, module in modules:
+        out_features, in_features = logical_shape(module)
+        for name, shape in (("weight", (out_features, in_features)), ("bias", (out_features,))):
+            key = f"{DIFFUSERS_LAYOUT.prefix(layer)}.{name}"
+            tensors[key], shapes[key] = host[(layer, name)], shape
+    return TensorSource(tensors, spec, layout=DIFFUSERS_LAYOUT.name, logical_shapes=shapes), host
 
 
 def check_storage_options(
