@@ -13,10 +13,10 @@ registration (:func:`settle_casting`), so the model is the cast model.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from ...errors import ConfigError
+from ...errors import AdalnCacheError, ConfigError
 from .modules import base_linear
 from .quantized import CASTING_HOOK
 
@@ -57,3 +57,27 @@ def settle_casting(named: Sequence[tuple[str, Any]], at_enable: frozenset[str]) 
         hook = registry.get_hook(CASTING_HOOK) if registry is not None else None
         if hook is not None:
             base.to(dtype=hook.storage_dtype, non_blocking=hook.non_blocking)
+
+
+def casting_guard(
+    model: Any, *, disable: Callable[[], None], enable_again: Callable[[], None]
+) -> dict[str, Callable[..., Any]]:
+    """An instance override of ``enable_layerwise_casting``: disable, cast the real weights, enable again.
+
+    Cast while served, only the placeholders would change; the tables would keep the uncast weights.
+    """
+    cls: Any = type(model)
+
+    def enable_layerwise_casting(*args: Any, **kwargs: Any) -> Any:
+        disable()
+        result = cls.enable_layerwise_casting(model, *args, **kwargs)
+        try:
+            enable_again()
+        except AdalnCacheError as exc:
+            raise ConfigError(
+                f"layerwise casting was applied, but the AdaLN cache could not be enabled again: {exc}; the cache "
+                "is now disabled"
+            ) from exc
+        return result
+
+    return {"enable_layerwise_casting": enable_layerwise_casting}

@@ -17,10 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...errors import AdalnCacheError, CheckpointError, ConfigError, PlanNotCachedError
+from ...errors import CheckpointError, ConfigError, PlanNotCachedError
 from ...plans import PlanKey
 from ...spec import FINAL, Layer
-from .casting import casting_paths, new_casting, settle_casting
+from .casting import casting_guard, casting_paths, new_casting, settle_casting
 from .config import AdalnCacheConfig
 from .hooks import OUTPUT_HOOK, TIME_EMBEDDER_HOOK, ServingHooks, other_hooks_present, unhooked
 from .lora import LoraTracker, Tuners, Variant, applied_lora_scale, lora_scale_of
@@ -43,12 +43,12 @@ from .modules import (
 from .parking import TimeEmbedderLoan, WeightParking
 from .quantized import (
     ProjectionStorage,
-    casting_hook,
+    adapter_guards,
     check_storage_options,
     fresh_alias,
+    full_precision_variant,
     opaque_model_source,
     own_tensors,
-    quantization_of,
     storage_of,
     transformer_spec,
 )
@@ -250,14 +250,7 @@ class AdalnCacheHandle:
             if storage.opaque:
                 self._plain_tables = True
                 host_tensors = own_tensors(modules, self.device)  # disable() gives back the quantized weights
-                # Their input comes from this model's time embedder, which may be quantized too: store
-                # entries (bound to the checkpoint) must not be shared with a model whose embedder is not.
-                embedder = tuple(
-                    (path, quantization_of(linear), casting_hook(linear) is not None)
-                    for path, linear in time_embedder_linears(model)
-                )
-                self._plain_variant = ("full-precision tables of quantized projections", embedder)
-                self._lora.variant = self._plain_variant
+                self._plain_variant = self._lora.variant = full_precision_variant(model)
         elif storage.opaque:
             self.source, host_tensors = opaque_model_source(self.spec, modules, self.device)
         else:
@@ -268,37 +261,15 @@ class AdalnCacheHandle:
     def _composition_guards(self) -> dict[str, Callable[..., Any]]:
         """Overrides for what other diffusers features do to a served model: compile, cast, load adapters."""
         assert self._hooks is not None
-        model = self.model
-        cls: Any = type(model)
         guards = self._hooks.compiled.guard()
-
-        def enable_layerwise_casting(*args: Any, **kwargs: Any) -> Any:
-            # Cast the real weights, not the placeholders: disable, cast, enable again over the cast model.
-            self.disable()
-            result = cls.enable_layerwise_casting(model, *args, **kwargs)
-            try:
-                self._fresh_state()
-                self._enable()
-            except AdalnCacheError as exc:
-                raise ConfigError(
-                    f"layerwise casting was applied, but the AdaLN cache could not be enabled again: {exc}; the "
-                    "cache is now disabled"
-                ) from exc
-            return result
-
-        guards["enable_layerwise_casting"] = enable_layerwise_casting
-        if self._storage.opaque:
-
-            def refuse_adapter(*args: Any, **kwargs: Any) -> Any:
-                raise ConfigError(
-                    f"loading a LoRA into AdaLN projections that are {self._storage.describe()} is not supported "
-                    "while the AdaLN cache is enabled; call handle.disable(), load the LoRA, then enable again "
-                    "(the cache then serves it exactly)"
-                )
-
-            guards["load_lora_adapter"] = refuse_adapter
-            guards["add_adapter"] = refuse_adapter
+        guards.update(casting_guard(self.model, disable=self.disable, enable_again=self._enable_again))
+        guards.update(adapter_guards(self._storage))
         return guards
+
+    def _enable_again(self) -> None:
+        """Enable over the model as it is now (after a cast), with the same settings."""
+        self._fresh_state()
+        self._enable()
 
     def _device_guards(self) -> dict[str, Callable[..., Any]]:
         """Overrides that refuse to move or cast the model while its tables live on one device.

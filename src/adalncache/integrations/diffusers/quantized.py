@@ -24,7 +24,7 @@ after a manual ``quantize_``) and never imports a quantization library itself.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +34,14 @@ from torch import nn
 from ... import TensorSource
 from ...errors import ConfigError
 from ...spec import FINAL, Layer, ModulationSpec
-from .modules import DIFFUSERS_LAYOUT, base_linear, projection_module, projection_path, transformer_blocks
+from .modules import (
+    DIFFUSERS_LAYOUT,
+    base_linear,
+    projection_module,
+    projection_path,
+    time_embedder_linears,
+    transformer_blocks,
+)
 from .sources import HostTensors
 
 #: Module prefixes of the classes each library quantizes with, and the name messages use.
@@ -158,7 +165,7 @@ def transformer_spec(model: nn.Module) -> ModulationSpec:
     modules = [(layer, projection_module(model, layer)) for layer in layers]
     if not storage_of(modules).opaque:
         return ModulationSpec.from_transformer(model)
-    dtypes = {str(output_dtype(module)): output_dtype(module) for _, module in modules}
+    dtypes = {str(dtype): dtype for dtype in (output_dtype(module) for _, module in modules)}
     if len(dtypes) != 1:
         raise ConfigError(
             f"the AdaLN projections return different dtypes ({sorted(dtypes)}); the cache serves them from one "
@@ -224,6 +231,34 @@ def opaque_model_source(
             key = f"{DIFFUSERS_LAYOUT.prefix(layer)}.{name}"
             tensors[key], shapes[key] = host[(layer, name)], shape
     return TensorSource(tensors, spec, layout=DIFFUSERS_LAYOUT.name, logical_shapes=shapes), host
+
+
+def full_precision_variant(model: Any) -> tuple[Any, ...]:
+    """What full-precision tables of quantized projections are built under, besides the checkpoint.
+
+    Their input comes from this model's time embedder, which may be quantized or cast too: store
+    entries (bound to the checkpoint) must not be shared with a model whose embedder is not.
+    """
+    embedder = tuple(
+        (path, quantization_of(linear), casting_hook(linear) is not None)
+        for path, linear in time_embedder_linears(model)
+    )
+    return ("full-precision tables of quantized projections", embedder)
+
+
+def adapter_guards(storage: ProjectionStorage) -> dict[str, Callable[..., Any]]:
+    """Refuse loading a LoRA into quantized or cast projections while served (disable, load, enable)."""
+    if not storage.opaque:
+        return {}
+
+    def refuse_adapter(*args: Any, **kwargs: Any) -> Any:
+        raise ConfigError(
+            f"loading a LoRA into AdaLN projections that are {storage.describe()} is not supported while the AdaLN "
+            "cache is enabled; call handle.disable(), load the LoRA, then enable again (the cache then serves it "
+            "exactly)"
+        )
+
+    return {"load_lora_adapter": refuse_adapter, "add_adapter": refuse_adapter}
 
 
 def check_storage_options(
