@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(PIP_TORCH_ARGS) "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[diffusers,dev]"
+	$(PY) -m pip install -q -e ".[diffusers,dev,compose,bnb]"
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -124,6 +124,11 @@ def test_cache_move_across_identities_parks_and_restores_tables(
     plans = minimax_h3_plans("t2va", STEPS)
     handle.prepare(plans)
     resident, rows = cache.resident_plans, {k: cache.rows_of(k) for k in cache.resident_plans}
+    # prepare() holds the plans for this thread: their slot tensors belong to the slab as it is.
+    with pytest.raises(ConfigError, match="held by requests in flight"):
+        cache.move_to("cpu:0")
+    assert cache.device == torch.device("cpu") and cache.resident_plans == resident  # nothing changed
+    handle.release()
     cache.move_to("cpu:0")
     assert cache.device == torch.device("cpu", 0) and len(cache) == 0
     cache.move_to("cpu")
@@ -148,6 +153,7 @@ def test_cache_move_within_an_identity_copies_the_slab(load_tiny: Callable[[str]
     model = load_tiny("bf16-disk")
     handle: Any = enable_adaln_cache(model)
     handle.prepare(minimax_h3_plans("fl2va", STEPS))
+    handle.release()  # a cache whose plans are held does not move
     cache = handle.cache
     before = {k: cache.rows_of(k) for k in cache.resident_plans}
     old = cache.block_params

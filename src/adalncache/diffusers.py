@@ -16,6 +16,8 @@ from .integrations.diffusers import (
     adaln_cache_handle,
     enable_adaln_cache,
     load_transformer,
+    minimax_h3_raw_vision,
+    register_minimax_h3_block,
 )
 
 __all__ = [
@@ -27,4 +29,6 @@ __all__ = [
     "adaln_cache_handle",
     "enable_adaln_cache",
     "load_transformer",
+    "minimax_h3_raw_vision",
+    "register_minimax_h3_block",
 ]

@@ -180,8 +180,12 @@ class ModulationSpec:
         return cls(**fields)
 
     @classmethod
-    def from_transformer(cls, model: nn.Module) -> ModulationSpec:
-        """Read the geometry of a diffusers ``MiniMaxH3Transformer3DModel`` (config plus weight dtype)."""
+    def from_transformer(cls, model: nn.Module, *, dtype: torch.dtype | None = None) -> ModulationSpec:
+        """Read the geometry of a diffusers ``MiniMaxH3Transformer3DModel`` (config plus weight dtype).
+
+        ``dtype``: the projections' output dtype when their weights are stored in another one
+        (quantized, or kept in fp8 by layerwise casting); by default block 0's weight dtype.
+        """
         config = getattr(model, "config", None)
         try:
             num_layers = int(config.num_layers)  # type: ignore[union-attr]
@@ -192,6 +196,8 @@ class ModulationSpec:
                 f"ModulationSpec.from_transformer needs a MiniMaxH3Transformer3DModel (a config with "
                 f"num_layers, hidden_size and time_embed_dim), got {type(model).__name__}"
             ) from None
+        if dtype is not None:
+            return cls(num_layers=num_layers, hidden_size=hidden_size, time_embed_dim=time_embed_dim, dtype=dtype)
         dtype = torch.bfloat16
         blocks = getattr(model, "transformer_blocks", None)
         if blocks is not None and len(blocks) > 0:

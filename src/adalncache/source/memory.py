@@ -27,15 +27,31 @@ class TensorSource:
     ``tensors`` maps native or diffusers names to tensors. The fingerprint covers each tensor's
     address, shape, dtype, device and in-place version counter, so replacing or editing a weight
     in place (a fused LoRA, say) is noticed by the next build.
+
+    ``logical_shapes`` is for tensors only their module's own forward can read: quantized tensor
+    subclasses, packed bytes, weights kept in fp8 by layerwise casting. It gives, by name, the
+    shape each such tensor stands for; those tensors are validated by that shape alone (their
+    storage dtype and shape say nothing about the matrix), the source refuses to slice columns
+    (``shard="columns"``), and their fingerprint adds the object's identity and the tensors inside
+    it (a subclass may report no address of its own). A ``project`` that runs the module is then
+    the only correct way to build from them.
     """
 
-    def __init__(self, tensors: Mapping[str, torch.Tensor], spec: ModulationSpec, *, layout: str = "auto") -> None:
+    def __init__(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        spec: ModulationSpec,
+        *,
+        layout: str = "auto",
+        logical_shapes: Mapping[str, tuple[int, ...]] | None = None,
+    ) -> None:
         if not isinstance(spec, ModulationSpec):
             raise ConfigError(f"TensorSource needs a ModulationSpec as spec, got {type(spec).__name__}")
         if not isinstance(tensors, Mapping):
             raise ConfigError(f"TensorSource needs a mapping of tensor names to tensors, got {type(tensors).__name__}")
         self.spec = spec
         self.layout = detect_layout(tensors, spec, layout, "the tensors given to TensorSource")
+        self.logical_shapes = {key: tuple(shape) for key, shape in (logical_shapes or {}).items()}
         problems = []
         for _, key, shape in expected(spec, self.layout):
             t = tensors.get(key)
@@ -45,13 +61,16 @@ class TensorSource:
             if t is not None and t.device.type == "meta":
                 problems.append(f"{key}: a meta tensor holds no data")
                 continue
-            problem = tensor_problem(
-                spec,
-                key,
-                tuple(t.shape) if t is not None else None,
-                t.dtype if t is not None else None,
-                shape,
-            )
+            if t is not None and key in self.logical_shapes:
+                problem = tensor_problem(spec, key, self.logical_shapes[key], spec.dtype, shape)
+            else:
+                problem = tensor_problem(
+                    spec,
+                    key,
+                    tuple(t.shape) if t is not None else None,
+                    t.dtype if t is not None else None,
+                    shape,
+                )
             if problem:
                 problems.append(problem)
         raise_problems(problems, "tensors given to TensorSource", self.layout)
@@ -61,10 +80,17 @@ class TensorSource:
         self.persistent = False
         self._fingerprint = self._compute_fingerprint()
 
+    @property
+    def opaque(self) -> bool:
+        """Whether some tensors can only be read by their module's own forward (``logical_shapes``)."""
+        return bool(self.logical_shapes)
+
     def _compute_fingerprint(self) -> str:
         digest = hashlib.sha256()
         for key, t in self.tensors.items():
             digest.update(f"{key}|{t.data_ptr()}|{tuple(t.shape)}|{t.dtype}|{t.device}|{t._version}\n".encode())
+            if key in self.logical_shapes:
+                digest.update(f"{id(t)}|{type(t).__qualname__}|{_inner_tensors(t)}\n".encode())
         return digest.hexdigest()
 
     @property
@@ -88,6 +114,11 @@ class TensorSource:
     ) -> Iterator[LayerWeights]:
         """Yield the tensors (or their ``columns``); ``digests`` hashes host tensors, never device ones."""
         device = torch.device(device)
+        if columns is not None and self.opaque:
+            raise ConfigError(
+                "shard='columns' (CLI --shard) slices each projection's weight, which quantized or "
+                "layerwise-cast weights do not allow; use shard='layers'"
+            )
         for layer in layers:
             weight = self.tensors[self.layout.weight(layer)]
             bias = self.tensors[self.layout.bias(layer)]
@@ -109,7 +140,7 @@ class TensorSource:
 
     def describe(self) -> dict[str, Any]:
         return {
-            "kind": "tensors",
+            "kind": "tensors (opaque: read by their modules only)" if self.opaque else "tensors",
             "layout": self.layout.name,
             "projection_tensors": len(self.tensors),
             "projection_bytes": sum(t.numel() * t.element_size() for t in self.tensors.values()),
@@ -119,3 +150,13 @@ class TensorSource:
 
     def __repr__(self) -> str:
         return f"TensorSource({len(self.tensors)} tensors, layout={self.layout.name!r})"
+
+
+def _inner_tensors(t: torch.Tensor) -> list[tuple[str, int, int]]:
+    """Address and in-place version of each tensor inside a tensor subclass (``__tensor_flatten__``)."""
+    flatten = getattr(t, "__tensor_flatten__", None)
+    if flatten is None or type(t) in (torch.Tensor, torch.nn.Parameter):
+        return []
+    names, _ = flatten()
+    inner = [(name, getattr(t, name, None)) for name in names]
+    return [(name, x.data_ptr(), x._version) for name, x in inner if isinstance(x, torch.Tensor)]

@@ -12,11 +12,13 @@ Everything here imports diffusers lazily: ``import adalncache.tools.tiny`` works
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -494,12 +496,15 @@ def run_loop(
     *,
     attention_kwargs: dict[str, Any] | None = None,
     on_step: Callable[[int], None] | None = None,
+    step_context: Callable[[int, float, int], AbstractContextManager[Any]] | None = None,
 ) -> LoopResult:
     """Run the request's denoising loop exactly as the pipeline's denoise blocks do.
 
     One forward per step with the step's ``(timestep, timestep_indices)``, then
     ``MiniMaxH3Scheduler.step`` on the generated video and audio rows only (the conditioning rows
     ride through unchanged), as ``MiniMaxH3LoopDenoiser`` and ``MiniMaxH3LoopSchedulerStep`` do.
+    ``step_context(step, t, steps)``: a context each forward runs in (a step cache's
+    ``model.cache_context(...)``, for one).
     """
     from diffusers.schedulers.scheduling_minimax_h3 import MiniMaxH3Scheduler
 
@@ -521,7 +526,8 @@ def run_loop(
         # The step time includes the device work the forward queued, not only its launch.
         _synchronize(device)
         start = time.perf_counter()
-        noise_pred, audio_noise_pred = model(**kwargs)
+        with step_context(step, float(t), len(scheduler.timesteps)) if step_context else contextlib.nullcontext():
+            noise_pred, audio_noise_pred = model(**kwargs)
         _synchronize(device)
         seconds.append(time.perf_counter() - start)
         outputs.append((noise_pred.clone(), audio_noise_pred.clone()))

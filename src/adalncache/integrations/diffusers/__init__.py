@@ -7,13 +7,17 @@ it was. One module per job, each importing only those listed before it:
 
 - ``modules``: where the served modules sit in the transformer (paths from the diffusers layout);
 - ``sources``: the weight source (the model's own tensors, or a checkpoint verified against them);
+- ``quantized``: quantized or layerwise-cast projections: detection, their source, what is refused;
+- ``casting``: layerwise casting applied while enabled: refused or settled;
 - ``config``: :class:`AdalnCacheConfig` and the cache's typed :class:`CacheOptions`;
 - ``parking``: weights off the device as meta placeholders, restored bit-exactly; state_dict hooks;
 - ``lora``: the LoRA signature the tables are keyed by, and the fuse/unfuse/load guards;
-- ``hooks``: the four diffusers hooks that serve a forward;
+- ``compile``: serving that torch.compile traces like the resident model (served blocks, eager prepare);
+- ``hooks``: the diffusers hooks that serve a forward;
 - ``handle``: :class:`AdalnCacheHandle`, which puts the pieces together and takes them apart;
 - ``moving``: ``.to()``/``.cuda()``/``pipe.to()`` while enabled: moves take the cache along, casts are refused;
 - ``pipeline``: the modular pipeline's handle and the block that prepares a request's plans;
+- ``stepcaches``: what diffusers' block-level step caches need to know about MiniMax-H3;
 - ``enable``: :func:`enable_adaln_cache`;
 - ``loading``: :func:`load_transformer`, a transformer loaded without its projections, cache enabled.
 """
@@ -24,7 +28,6 @@ from .config import AdalnCacheConfig, CacheOptions
 from .enable import enable_adaln_cache
 from .handle import AdalnCacheHandle, adaln_cache_handle
 from .hooks import (
-    AdalnCacheModulationHook,
     AdalnCacheOutputHook,
     AdalnCacheTimeEmbedderHook,
     AdalnCacheTransformerHook,
@@ -32,11 +35,11 @@ from .hooks import (
 from .loading import load_transformer
 from .pipeline import AdalnCachePrepareStep, PipelineAdalnCacheHandle
 from .sources import CheckpointMismatchError
+from .stepcaches import minimax_h3_raw_vision, register_minimax_h3_block
 
 __all__ = [
     "AdalnCacheConfig",
     "AdalnCacheHandle",
-    "AdalnCacheModulationHook",
     "AdalnCacheOutputHook",
     "AdalnCachePrepareStep",
     "AdalnCacheTimeEmbedderHook",
@@ -47,4 +50,6 @@ __all__ = [
     "adaln_cache_handle",
     "enable_adaln_cache",
     "load_transformer",
+    "minimax_h3_raw_vision",
+    "register_minimax_h3_block",
 ]

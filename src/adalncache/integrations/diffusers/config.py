@@ -22,6 +22,7 @@ from ...tiers.tables import TablesArg
 from .sources import Source
 
 OnMiss = Literal["build", "raise"]
+QuantizedProjections = Literal["model", "checkpoint"]
 CheckpointArg = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
 
 
@@ -108,6 +109,12 @@ class AdalnCacheConfig:
         verify_checkpoint: stream the checkpoint once at enable time and refuse it unless its
             projections equal the model's (keep it on: a fine-tune or a fused LoRA must not be
             served from the base file).
+        quantized_projections: where the tables of quantized or layerwise-cast AdaLN projections
+            come from. ``"model"`` (default): the model's own projections, through their own
+            forward, so outputs equal the quantized model's; a ``checkpoint`` is then refused.
+            ``"checkpoint"``: full-precision tables from the unquantized ``checkpoint`` (a plain
+            linear of its weights): the AdaLN projections compute unquantized while the rest of
+            the model stays quantized. No effect on a model with plain projections.
         cache_options: the options of the :class:`~adalncache.AdalnCache` (:class:`CacheOptions`).
     """
 
@@ -116,6 +123,7 @@ class AdalnCacheConfig:
     free_time_embedder: bool | None = None
     layout: str = "auto"
     verify_checkpoint: bool = True
+    quantized_projections: QuantizedProjections = "model"
     cache_options: CacheOptions = field(default_factory=CacheOptions)
 
     def __post_init__(self) -> None:
@@ -123,5 +131,9 @@ class AdalnCacheConfig:
             raise ConfigError(f"on_miss must be 'build' or 'raise', got {self.on_miss!r}")
         if self.free_time_embedder not in (None, True, False):
             raise ConfigError(f"free_time_embedder must be None, True or False, got {self.free_time_embedder!r}")
+        if self.quantized_projections not in ("model", "checkpoint"):
+            raise ConfigError(
+                f"quantized_projections must be 'model' or 'checkpoint', got {self.quantized_projections!r}"
+            )
         if not isinstance(self.cache_options, CacheOptions):
             raise ConfigError(f"cache_options must be a CacheOptions, got {type(self.cache_options).__name__}")

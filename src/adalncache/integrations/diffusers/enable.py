@@ -11,7 +11,7 @@ import torch
 from ... import Store
 from ...errors import ConfigError
 from ...tiers.tables import TablesArg
-from .config import AdalnCacheConfig, CacheOptions, CheckpointArg, OnMiss
+from .config import AdalnCacheConfig, CacheOptions, CheckpointArg, OnMiss, QuantizedProjections
 from .handle import AdalnCacheHandle, enable_transformer
 from .modules import is_minimax_h3_transformer
 from .pipeline import PipelineAdalnCacheHandle, enable_pipeline
@@ -25,6 +25,7 @@ def enable_adaln_cache(
     free_time_embedder: bool | None = None,
     layout: str = "auto",
     verify_checkpoint: bool = True,
+    quantized_projections: QuantizedProjections = "model",
     max_plans: int = 64,
     max_plan_width: int = 4,
     precision: str = "match",
@@ -59,6 +60,12 @@ def enable_adaln_cache(
         verify_checkpoint: stream the checkpoint once and refuse it (``ConfigError``) unless its
             projections equal the model's, bit for bit: a fine-tune or a fused LoRA must not be
             served from the base file. Turn off only for a checkpoint known to be the model's own.
+        quantized_projections: for a model whose AdaLN projections are quantized (torchao,
+            optimum-quanto, GGUF, bitsandbytes) or kept in fp8 by layerwise casting: ``"model"``
+            serves tables of the model's own projections (outputs equal the quantized model's) and
+            refuses a ``checkpoint``; ``"checkpoint"`` serves full-precision tables from the
+            unquantized ``checkpoint`` on purpose, so the AdaLN projections compute unquantized
+            while the rest of the model stays quantized.
         max_plans: distinct plans (timestep sets) resident at once; a request's distinct plans must
             fit (CLI ``--max-plans``).
         max_plan_width: timesteps of the widest plan (CLI ``--plan-width``).
@@ -134,6 +141,7 @@ def enable_adaln_cache(
             free_time_embedder=free_time_embedder,
             layout=layout,
             verify_checkpoint=verify_checkpoint,
+            quantized_projections=quantized_projections,
             cache_options=options if not isinstance(tables, Mapping) else options_for(files),
         )
 

@@ -4,7 +4,7 @@ The handle owns the pieces and the order they are put together and taken apart i
 source, the :class:`~adalncache.AdalnCache`, the parked weights, the hooks, the LoRA tracking and
 the method overrides. It also gives the cache the two callbacks of a build, ``embed`` (the
 projections' exact input for a plan) and ``project`` (one layer's output through the module's own,
-possibly LoRA-wrapped, forward).
+possibly LoRA-wrapped, quantized or layerwise-cast forward).
 
 Requests hold their plans (:class:`~adalncache.holds.PlanHold`): ``prepare`` holds a request's
 plans for the calling thread until that thread's next ``prepare`` or ``release()``; ``request``
@@ -34,7 +34,8 @@ from ...holds import PlanHold
 from ...hostmem import HostBuffer
 from ...plans import PlanKey
 from ...source.absent import NoWeights
-from ...spec import Layer, ModulationSpec
+from ...spec import Layer
+from .casting import casting_guard, casting_paths, new_casting, settle_casting
 from .config import AdalnCacheConfig
 from .hooks import ServingHooks, other_hooks_present
 from .lora import LoraTracker, Tuners, Variant, applied_lora_scale, lora_scale_of
@@ -42,19 +43,34 @@ from .modules import (
     TIME_EMBEDDER,
     base_linear,
     bypassing_hooks,
+    capture_blocks,
     check_materialised,
     device_of,
     execution_device,
     install_overrides,
     projection_dtype,
+    projection_module,
     projection_modules,
     projection_path,
+    release_blocks,
     remove_overrides,
+    served_modules,
     swapped_parameters,
     time_embedder_linears,
 )
 from .moving import LiftedGroupOffloading, guarded_apply, refresh_group_offloading
 from .parking import ParkTarget, TimeEmbedderLoan, WeightParking
+from .quantized import (
+    ProjectionStorage,
+    adapter_guards,
+    check_storage_options,
+    fresh_alias,
+    full_precision_variant,
+    opaque_model_source,
+    own_tensors,
+    storage_of,
+    transformer_spec,
+)
 from .sources import (
     NeverLoaded,
     Source,
@@ -87,17 +103,12 @@ class AdalnCacheHandle:
         self.model: Any = model
         self.config = config
         self.enabled = False
-        self.spec = ModulationSpec.from_transformer(model)
         #: Where the forward runs and the cache lives (offloading keeps the weights elsewhere).
         self.device = execution_device(model) or device_of(model)
         self.source: Source | None = None
         self.cache: AdalnCache  # set by _enable(), which enable_transformer() calls right away
-        self._parking = WeightParking()
-        self._lora = LoraTracker(model, self.spec)
-        self._hooks: ServingHooks | None = None
         self._overrides: tuple[str, ...] = ()
         self._loan: TimeEmbedderLoan | None = None
-        self._warned_miss = False
         self._enabled_fingerprint: str | None = None
         #: Builds, LoRA scaling and hook moves (they change module state other threads read).
         self._lock = threading.RLock()
@@ -105,6 +116,22 @@ class AdalnCacheHandle:
         self._prepared = threading.local()
         #: Host copies of the model's own projections (CUDA), released on disable().
         self._host_buffers: list[HostBuffer] = []
+        self._fresh_state()
+
+    def _fresh_state(self) -> None:
+        """What one enabling builds up: read (again) from the model as it is now."""
+        self.spec = transformer_spec(self.model)
+        self._parking = WeightParking()
+        self._lora = LoraTracker(self.model, self.spec)
+        self._hooks: ServingHooks | None = None
+        self._warned_miss = False
+        self._storage = ProjectionStorage()
+        #: Full-precision tables of quantized projections from the checkpoint (quantized_projections="checkpoint"),
+        #: and the variant they are built under (see ``_choose_source``).
+        self._plain_tables = False
+        self._plain_variant: Variant = None
+        #: Served modules that had a layerwise-casting hook when the cache was enabled.
+        self._casting_at_enable: frozenset[str] = frozenset()
 
     # ------------------------------------------------------------------ public
 
@@ -168,6 +195,13 @@ class AdalnCacheHandle:
         """
         if not self.enabled:
             return
+        if self._hooks is not None and self._hooks.forward_wrapped_by_others():
+            raise ConfigError(
+                "another library wrapped the transformer's forward after enable_adaln_cache() (cache-dit does); "
+                "removing the AdaLN cache now would silently drop that wrapper. Remove that wrapper first (cache-dit "
+                "1.5.3 cannot remove its own here: reload the model), and enable such a library before "
+                "enable_adaln_cache() when the cache must be disabled on its own"
+            )
         self.release()
         if self._parking.restores_from_source and not allow_changed_checkpoint:
             assert self.source is not None
@@ -185,6 +219,8 @@ class AdalnCacheHandle:
         self._overrides = ()
         freed = self._parking.freed
         self._parking.restore()
+        settle_casting(served_modules(self.model, self.spec), self._casting_at_enable)
+        release_blocks(self.model)
         refresh_group_offloading(self.model)
         self.enabled = False
         setattr(self.model, HANDLE_ATTRIBUTE, None)
@@ -227,37 +263,22 @@ class AdalnCacheHandle:
             raise ConfigError(
                 "the AdaLN cache is already enabled on this model; call handle.disable() before enabling again"
             )
-        if never_loaded is None:
-            check_materialised(model, self.spec)
-        self._lora.start()
-        config = self.config
-        device = config.cache_options.device_for(self.device)
-        free_time_embedder = config.free_time_embedder
-        if free_time_embedder is None:
-            free_time_embedder = not other_hooks_present(model)
-        modules = projection_modules(model, self.spec)
-        host_tensors = None
-        options = config.cache_options
-        source: Source | None
-        if never_loaded is not None:
-            source = never_loaded.source  # the loader checked it serves this model's projections
-        elif config.checkpoint is not None:
-            source = checkpoint_source(
-                config.checkpoint, self.spec, modules, layout=config.layout, verify=config.verify_checkpoint
-            )
-        elif options.tables is not None:
-            # Table files and no checkpoint: the projections are needed by no plan the files hold,
-            # so after a check against bound files they are freed, not parked (source None).
-            check_tables_against_model(self.spec, modules, options.tables, device=device, precision=options.precision)
-            source = None
-        else:
-            source, host_tensors, self._host_buffers = model_source(self.spec, modules, self.device)
-        self.cache = never_loaded.cache if never_loaded is not None else options.build(self.spec, source, device)
+        # The real block list, for builds inside a forward that swaps model.transformer_blocks (cache-dit).
+        capture_blocks(model)
+        try:
+            free_time_embedder, device, modules, host_tensors = self._choose_source(never_loaded)
+            source = self.source
+            if never_loaded is not None:
+                self.cache = never_loaded.cache
+            else:
+                self.cache = self.config.cache_options.build(self.spec, source, device)
+        except BaseException:
+            release_blocks(model)
+            raise
         if source is None:
             assert isinstance(self.cache.source, NoWeights)
-            source = self.cache.source
-        self.source = source
-        self._enabled_fingerprint = source.fingerprint
+            self.source = self.cache.source
+        self._enabled_fingerprint = self.cache.source.fingerprint
         # From here on the model is modified; undo everything if a step fails. Group offloading (if
         # applied first) captured the weights parked here: it is lifted, and comes back rebuilt,
         # outside our hooks (see moving.LiftedGroupOffloading).
@@ -269,7 +290,7 @@ class AdalnCacheHandle:
                 targets += [ParkTarget(base_linear(linear), None, path) for path, linear in linears]
             self._parking.park(
                 targets,
-                source=self.source,
+                source=self.cache.source,
                 host_tensors=host_tensors,
                 never_loaded=never_loaded.residues if never_loaded is not None else None,
                 device=never_loaded.device if never_loaded is not None else None,
@@ -279,6 +300,7 @@ class AdalnCacheHandle:
             lifted.restore()
             overrides = self._lora.guards(standing_in=self._parking.standing_in, after_load=self._hooks.follow_output)
             overrides.update(self._device_guards())
+            overrides.update(self._composition_guards())
             install_overrides(model, overrides)
             self._overrides = tuple(overrides)
         except BaseException:
@@ -289,12 +311,88 @@ class AdalnCacheHandle:
         setattr(model, HANDLE_ATTRIBUTE, self)
         self.enabled = True
         logger.info(
-            "AdaLN cache enabled on %s: %d projections (%.1f MB) served from the cache, source %s",
+            "AdaLN cache enabled on %s: %d projections (%.1f MB, %s) served from the cache, source %s",
             type(model).__name__,
             self.spec.num_layers + 1,
             self.spec.projection_bytes / 1e6,
+            self._storage.describe(),
             type(self.source).__name__,
         )
+
+    def _choose_source(
+        self, never_loaded: NeverLoaded | None
+    ) -> tuple[bool, torch.device, list[tuple[Layer, Any]], Any]:
+        """Check the model and the options, and set ``self.source``; nothing on the model changes yet.
+
+        Returns whether to park the time embedder, the cache's device, the projection modules and
+        the host tensors parking restores from (``None``: re-read them from the source). The source
+        is ``None`` for table files alone (``tables=`` and no checkpoint): the cache serves them
+        with no weights.
+        """
+        model = self.model
+        config = self.config
+        if never_loaded is None:
+            check_materialised(model, self.spec)
+        self._lora.start()
+        options = config.cache_options
+        device = options.device_for(self.device)
+        free_time_embedder = config.free_time_embedder
+        if free_time_embedder is None:
+            free_time_embedder = not other_hooks_present(model)
+        modules = projection_modules(model, self.spec)
+        host_tensors = None
+        if never_loaded is not None:
+            self.source = never_loaded.source  # the loader checked it serves this model's projections
+            return free_time_embedder, device, modules, host_tensors
+        self._storage = storage = storage_of(modules)
+        check_storage_options(
+            storage,
+            checkpoint=config.checkpoint,
+            quantized_projections=config.quantized_projections,
+            precision=options.precision,
+            shard=options.shard,
+            process_group=options.process_group,
+            device=device,
+            tables=options.tables,
+        )
+        self._casting_at_enable = casting_paths(served_modules(model, self.spec))
+        if config.checkpoint is not None:
+            # Quantized projections are never compared with a checkpoint (there is nothing equal to
+            # compare): reaching here means full-precision tables from it were asked for on purpose.
+            self.source = checkpoint_source(
+                config.checkpoint,
+                self.spec,
+                modules,
+                layout=config.layout,
+                verify=config.verify_checkpoint and not storage.opaque,
+            )
+            if storage.opaque:
+                self._plain_tables = True
+                host_tensors = own_tensors(modules, self.device)  # disable() gives back the quantized weights
+                self._plain_variant = self._lora.variant = full_precision_variant(model)
+        elif options.tables is not None:
+            # Table files and no checkpoint: the projections are needed by no plan the files hold,
+            # so after a check against bound files they are freed, not parked (no source).
+            check_tables_against_model(self.spec, modules, options.tables, device=device, precision=options.precision)
+            self.source = None
+        elif storage.opaque:
+            self.source, host_tensors = opaque_model_source(self.spec, modules, self.device)
+        else:
+            self.source, host_tensors, self._host_buffers = model_source(self.spec, modules, self.device)
+        return free_time_embedder, device, modules, host_tensors
+
+    def _composition_guards(self) -> dict[str, Callable[..., Any]]:
+        """Overrides for what other diffusers features do to a served model: compile, cast, load adapters."""
+        assert self._hooks is not None
+        guards = self._hooks.compiled.guard()
+        guards.update(casting_guard(self.model, disable=self.disable, enable_again=self._enable_again))
+        guards.update(adapter_guards(self._storage))
+        return guards
+
+    def _enable_again(self) -> None:
+        """Enable over the model as it is now (after a cast), with the same settings."""
+        self._fresh_state()
+        self._enable()
 
     def _device_guards(self) -> dict[str, Callable[..., Any]]:
         """The ``_apply`` override: moves take the cache along, casts are refused (see ``moving``)."""
@@ -315,6 +413,8 @@ class AdalnCacheHandle:
         self.release()
         self.cache.move_to(device)  # a no-op when both name one device ("cuda" and "cuda:0")
         if self.cache.device != before:
+            if self._hooks is not None:
+                self._hooks.rebind()  # the slab tensors are new ones on the new device
             logger.info("AdaLN cache: the model runs on %s now (was %s); the tables followed", device, before)
         self.device = device
 
@@ -363,17 +463,29 @@ class AdalnCacheHandle:
     # ------------------------------------------------------------------ building
 
     def _signature(self, scale: float) -> tuple[list[tuple[str, Any]], Variant, list[torch.Tensor]]:
-        """Follow a swapped output module, refuse a fuse, and read the LoRA signature under ``scale``.
+        """Follow a swapped output module, refuse a fuse or a new cast, and read the LoRA signature under ``scale``.
 
         Reading it under a scale other than 1 scales the adapters for a moment, which a build on
         another thread must not see: that case (and a hook move) takes the handle's lock.
         """
         assert self._hooks is not None
+        new_casting(served_modules(self.model, self.spec), self._casting_at_enable)
         if scale == 1.0 and not self._hooks.output_moved():
-            return self._lora.current(scale)
-        with self._lock:
-            self._hooks.follow_output()
-            return self._lora.current(scale)
+            tuners, variant, refs = self._lora.current(scale)
+        else:
+            with self._lock:
+                self._hooks.follow_output()
+                tuners, variant, refs = self._lora.current(scale)
+        if self._plain_tables:
+            if variant is not None:
+                # The adapter wraps the quantized module, which would requantize the checkpoint's weight.
+                raise ConfigError(
+                    "LoRA adapters on the AdaLN projections cannot be combined with "
+                    "quantized_projections='checkpoint'; unload the adapter, or serve the model's own projections "
+                    "(quantized_projections='model' without checkpoint=)"
+                )
+            variant = self._plain_variant
+        return tuners, variant, refs
 
     def _hold(
         self,
@@ -388,7 +500,12 @@ class AdalnCacheHandle:
         held = self.cache.hold_resident(plans, keys=keys, variant=variant)
         if held is not None:
             return held
-        if variant is not None and self.cache.shard == "columns" and self.cache.world_size > 1:
+        if (
+            variant is not None
+            and not self._plain_tables
+            and self.cache.shard == "columns"
+            and self.cache.world_size > 1
+        ):
             # The adapter's forward runs on the whole projection; a rank's column slice of the base
             # weight cannot go through it (it would fail later with an unhelpful shape error).
             raise ConfigError(
@@ -432,15 +549,21 @@ class AdalnCacheHandle:
         return F.silu(temb).to(projection_dtype(model, self.spec))
 
     def _project(self, layer: Layer, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        """``layer``'s output for ``x``, through the module's own (possibly LoRA-wrapped) forward.
+        """``layer``'s output for ``x``, through the module's own (LoRA-wrapped, quantized, cast) forward.
 
         The served module and its base linear run their class's forward beneath every hook: ours
         would serve the table, and an offloading hook would move the source's weights.
+        Full-precision tables of quantized projections (``quantized_projections="checkpoint"``) are a
+        plain linear of the checkpoint's weights: decided by that setting, never by the weight's
+        type, since a module like optimum-quanto's unfrozen ``QLinear`` quantizes a plain weight in
+        its forward.
         """
-        module = self.model.get_submodule(projection_path(layer))
+        if self._plain_tables:
+            return F.linear(x, weight, bias)
+        module = projection_module(self.model, layer)
         base = base_linear(module)
-        weight = self._parking.at_model_residue(layer, "weight", weight)
-        bias = self._parking.at_model_residue(layer, "bias", bias)
+        weight = fresh_alias(self._parking.at_model_residue(layer, "weight", weight))
+        bias = fresh_alias(self._parking.at_model_residue(layer, "bias", bias))
         with bypassing_hooks({module, base}), swapped_parameters(base, {"weight": weight, "bias": bias}):
             return module(x)  # type: ignore[no-any-return]
 

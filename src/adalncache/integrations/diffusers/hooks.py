@@ -3,12 +3,14 @@
 - :class:`AdalnCacheTransformerHook` wraps the transformer's ``forward``. It reads the step's
   ``timestep`` (the *plan*) once on the host, has the plan made resident and *held* for the
   current LoRA signature and autocast state (built, or refused with ``on_miss="raise"``), and
-  stashes the hold's slot in a :class:`ServeState` for the per-module hooks; the hold is released
+  stashes the hold's slot in a :class:`ServeState` for the served modules; the hold is released
   and the stash cleared when the forward ends (on an exception too), so no build on another
-  thread can rewrite the rows a forward is reading. The stash is per thread.
-- :class:`AdalnCacheModulationHook` replaces the whole ``forward`` of every block's
-  ``adaln_proj``, so it serves the block's six modulation tensors whether or not
-  ``adaln_proj.linear`` is a peft wrapper.
+  thread can rewrite the rows a forward is reading. The stash is per thread. That host work runs
+  outside any compiled region (see :mod:`.compile`).
+- Every block's ``adaln_proj`` is served by a class swapped in place rather than a hook
+  (:class:`~.compile.ServedBlocks`): a hook per block would make a regional compile recompile
+  every block. It serves the block's six modulation tensors whether or not ``adaln_proj.linear``
+  is a peft wrapper.
 - :class:`AdalnCacheOutputHook` replaces ``norm_out.linear``'s forward. peft *replaces* that module
   object when a LoRA targets it, so :meth:`ServingHooks.follow_output` moves the hook to whatever
   module sits there now.
@@ -33,13 +35,13 @@ from ...errors import ConfigError, PlanError
 from ...holds import PlanHold
 from ...plans import PlanKey, plan_key
 from ...spec import FINAL, ModulationSpec
-from .modules import TIME_EMBEDDER, base_linear, forward_argument, owner_path, projection_path
+from .compile import CompiledCall, ServedBlocks
+from .modules import TIME_EMBEDDER, base_linear, forward_argument, modulation_modules, projection_path
 
 if TYPE_CHECKING:
     from ... import AdalnCache
 
 TRANSFORMER_HOOK = "adaln_cache_transformer"
-MODULATION_HOOK = "adaln_cache_modulation"
 OUTPUT_HOOK = "adaln_cache_output"
 TIME_EMBEDDER_HOOK = "adaln_cache_time_embedder"
 
@@ -52,32 +54,38 @@ MakeResident = Callable[[torch.Tensor, PlanKey, Mapping[str, Any] | None, torch.
 
 
 class ServeState(threading.local):
-    """What the transformer hook hands the per-module hooks for the forward in progress.
+    """What the transformer hook hands the served modules for the forward in progress.
 
     Per thread (a ``threading.local``): two threads running forwards of one model each see their
-    own slot.
+    own slot. ``slot_buffer`` is the one-element device tensor the served blocks gather with:
+    written in place at every forward of its thread, so its address (which compiled graphs and
+    CUDA graphs hold) does not change while the model stays on one device. ``dtype`` is the dtype
+    the rows are served in (the autocast dtype they were built under). ``prepared_outside`` is set
+    while a compiled call's host work was done before entering it (:class:`~.compile.EagerPrepare`).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device) -> None:
         self.slot: torch.Tensor | None = None
         self.num_timesteps = 0
         self.dtype: torch.dtype | None = None
-        self.blocks: list[tuple[torch.Tensor, ...]] | None = None
+        self.slot_buffer = torch.zeros(1, dtype=torch.int64, device=device)
+        self.prepared_outside = False
 
-    def serve(self, cache: AdalnCache, held: PlanHold, num_timesteps: int) -> None:
-        """Stash the held plan's slot (a device tensor, no host copy) and gather every block's rows."""
-        self.slot = held.slots
+    def serve(self, held: PlanHold, num_timesteps: int) -> None:
+        """Stash the held plan's slot (a device tensor, no host copy) and point the served blocks at it."""
+        slot = held.slots
+        if self.slot_buffer.device != slot.device:  # the model (and the cache) moved
+            self.slot_buffer = torch.zeros(1, dtype=torch.int64, device=slot.device)
+        self.slot = slot
         self.num_timesteps = num_timesteps
         self.dtype = held.dtype
-        # One gather for every layer (one kernel instead of one per layer on a GPU).
-        self.blocks = cache.block_all(self.slot, num_timesteps, dtype=held.dtype)
+        self.slot_buffer.copy_(slot.reshape(1))
 
     def clear(self) -> None:
         """Forget the forward's slot, so a stray call outside a forward fails instead of reading stale rows."""
         self.slot = None
         self.num_timesteps = 0
         self.dtype = None
-        self.blocks = None
 
     def require(self, what: str) -> tuple[torch.Tensor, int, torch.dtype | None]:
         """The forward's ``(slot, num_timesteps, dtype)``, or a ConfigError when no forward is in progress."""
@@ -90,7 +98,7 @@ class ServeState(threading.local):
 
 
 class AdalnCacheTransformerHook(ModelHook):
-    """Resolves the step's plan once per forward and stashes its slot for the per-module hooks."""
+    """Holds the step's plan once per forward and stashes its slot for the served modules."""
 
     def __init__(self, cache: AdalnCache, state: ServeState, make_resident: MakeResident) -> None:
         super().__init__()
@@ -99,6 +107,24 @@ class AdalnCacheTransformerHook(ModelHook):
         self.make_resident = make_resident
 
     def new_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        forward: Any = self.fn_ref.original_forward
+        if self.state.prepared_outside:
+            return forward(*args, **kwargs)  # a compiled call: EagerPrepare did the host work already
+        held = self.prepare(module, args, kwargs)
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            self.state.clear()
+            held.release()
+
+    @torch.compiler.disable  # type: ignore[untyped-decorator]
+    def prepare(self, module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> PlanHold:
+        """The forward's host work: read the plan, hold it resident, point the served modules at its slot.
+
+        Returns the hold, which the caller releases when the forward ends. Never traced: under
+        ``torch.compile(model)`` dynamo would otherwise break the graph at every host read and
+        dictionary lookup in here.
+        """
         timestep = forward_argument(module, "timestep", args, kwargs)
         if not isinstance(timestep, torch.Tensor):
             raise PlanError(f"the AdaLN cache needs the forward's timestep tensor, got {type(timestep).__name__}")
@@ -112,33 +138,14 @@ class AdalnCacheTransformerHook(ModelHook):
         # use this host copy (embed moves it back to the device; the values are the same bits).
         plan = timestep.detach().to("cpu")
         key = plan_key(plan)
-        held = self.make_resident(
-            plan, key, forward_argument(module, "attention_kwargs", args, kwargs), timestep.device
-        )
+        attention_kwargs = forward_argument(module, "attention_kwargs", args, kwargs)
+        held = self.make_resident(plan, key, attention_kwargs, timestep.device)
         try:
-            self.state.serve(self.cache, held, int(plan.numel()))
-            forward: Any = self.fn_ref.original_forward
-            return forward(*args, **kwargs)
-        finally:
-            self.state.clear()
+            self.state.serve(held, int(plan.numel()))
+        except BaseException:
             held.release()
-
-
-class AdalnCacheModulationHook(ModelHook):
-    """Serves one block's ``adaln_proj`` output: ``Y.view(-1, 6H).chunk(6, -1)`` from the slab."""
-
-    def __init__(self, cache: AdalnCache, state: ServeState, layer: int) -> None:
-        super().__init__()
-        self.cache = cache
-        self.state = state
-        self.layer = layer
-
-    def new_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, ...]:
-        blocks = self.state.blocks
-        if blocks is not None:
-            return tuple(blocks[self.layer])
-        slot, num_timesteps, dtype = self.state.require(owner_path(self.layer))
-        return tuple(self.cache.block(self.layer, slot, num_timesteps, dtype=dtype))
+            raise
+        return held
 
 
 class AdalnCacheOutputHook(ModelHook):
@@ -151,7 +158,8 @@ class AdalnCacheOutputHook(ModelHook):
 
     def new_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:
         slot, num_timesteps, dtype = self.state.require(projection_path(FINAL))
-        return self.cache.final_rows(slot, num_timesteps, dtype=dtype)
+        shift, scale = self.cache.final(slot, num_timesteps, dtype=dtype)
+        return torch.cat((shift, scale), dim=-1)
 
 
 class AdalnCacheTimeEmbedderHook(ModelHook):
@@ -167,8 +175,6 @@ class AdalnCacheTimeEmbedderHook(ModelHook):
         self.zero = torch.zeros((), dtype=dtype, device=device)
 
     def new_forward(self, module: nn.Module, sample: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if self.zero.device != sample.device:  # the model moved (or runs on an offloading hook's device)
-            self.zero = torch.zeros((), dtype=self.zero.dtype, device=sample.device)
         return self.zero.expand(sample.shape[0], self.out_features)
 
 
@@ -177,6 +183,15 @@ def remove_hook(module: nn.Module, name: str) -> None:
     registry = getattr(module, "_diffusers_hook", None)
     if registry is not None and registry.get_hook(name) is not None:
         registry.remove_hook(name, recurse=False)
+
+
+def unhooked(module: nn.Module, hook_name: str) -> Callable[..., Any]:
+    """``module``'s forward beneath hook ``hook_name`` (its own, possibly LoRA-wrapped, forward)."""
+    registry = getattr(module, "_diffusers_hook", None)
+    hook = registry.get_hook(hook_name) if registry is not None else None
+    if hook is None:
+        return module
+    return hook.fn_ref.original_forward  # type: ignore[no-any-return]
 
 
 def other_hooks_present(model: nn.Module) -> bool:
@@ -201,8 +216,12 @@ class ServingHooks:
         self.model = model
         self.spec = spec
         self.cache = cache
-        self.state = ServeState()
+        self.state = ServeState(cache.device)
         self.make_resident = make_resident
+        self.blocks = ServedBlocks(modulation_modules(model, spec), self.state)
+        self.compiled = CompiledCall(model, self.prepare_forward, self.state)
+        self._transformer_hook: AdalnCacheTransformerHook | None = None
+        self._forward: Any = None
         self._hooked_output: nn.Module | None = None
 
     def register(self, *, time_embedder: bool) -> None:
@@ -211,11 +230,11 @@ class ServingHooks:
 
         model = self.model
         registry = HookRegistry.check_if_exists_or_initialize(model)
-        registry.register_hook(AdalnCacheTransformerHook(self.cache, self.state, self.make_resident), TRANSFORMER_HOOK)
-        for layer in range(self.spec.num_layers):
-            HookRegistry.check_if_exists_or_initialize(model.get_submodule(owner_path(layer))).register_hook(
-                AdalnCacheModulationHook(self.cache, self.state, layer), MODULATION_HOOK
-            )
+        self._transformer_hook = AdalnCacheTransformerHook(self.cache, self.state, self.make_resident)
+        registry.register_hook(self._transformer_hook, TRANSFORMER_HOOK)
+        # The forward the registry installed for our hook: anything else there later wraps it.
+        self._forward = model.__dict__.get("forward")
+        self.blocks.install(self.cache.block_params)
         self.follow_output()
         if time_embedder:
             module = model.get_submodule(TIME_EMBEDDER)
@@ -225,6 +244,29 @@ class ServingHooks:
                 TIME_EMBEDDER_HOOK,
             )
         registry.invalidate_child_registries_cache()
+        self.compiled.wrap()
+
+    def prepare_forward(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> PlanHold:
+        """The transformer hook's host work for a forward called with ``args`` and ``kwargs`` (returns its hold)."""
+        assert self._transformer_hook is not None
+        return self._transformer_hook.prepare(self.model, args, kwargs)
+
+    def rebind(self) -> None:
+        """Point the served blocks at the cache's slab again (after the cache moved: new tensors)."""
+        self.blocks.rebind(self.cache.block_params)
+
+    def forward_wrapped_by_others(self) -> bool:
+        """Whether something outside diffusers' hook registry wrapped the transformer's forward after us.
+
+        Removing our hook then would put back the forward from before enabling and silently drop
+        that wrapper (cache-dit replaces ``forward`` this way). Hooks registered after ours through
+        the registry are fine: it relinks them.
+        """
+        registry = getattr(self.model, "_diffusers_hook", None)
+        order = list(getattr(registry, "_hook_order", []))
+        if not order or order[-1] != TRANSFORMER_HOOK:
+            return False
+        return self.model.__dict__.get("forward") is not self._forward
 
     def output_moved(self) -> bool:
         """Whether ``norm_out.linear`` is another module than the one the output hook sits on."""
@@ -246,9 +288,10 @@ class ServingHooks:
     def remove(self) -> None:
         """Remove every hook registered here (those never registered are skipped)."""
         model = self.model
+        self.compiled.unwrap()
         remove_hook(model, TRANSFORMER_HOOK)
-        for layer in range(self.spec.num_layers):
-            remove_hook(model.get_submodule(owner_path(layer)), MODULATION_HOOK)
+        self._transformer_hook = None
+        self.blocks.uninstall()
         if self._hooked_output is not None:
             remove_hook(self._hooked_output, OUTPUT_HOOK)
             self._hooked_output = None

@@ -7,8 +7,11 @@ adapter tensors themselves. Their *signature* keys the tables (the build's ``var
 changes, the tables are rebuilt through the module's own LoRA-wrapped forward.
 
 Fusing an adapter rewrites the base weight, which the cache no longer holds on the device, so
-``fuse_lora``/``unfuse_lora`` are refused while enabled; ``load_lora_adapter`` is let through with
-device-resident stand-ins for the parked weights so the new adapter lands where the model runs.
+``fuse_lora``/``unfuse_lora`` are refused while enabled; ``load_lora_adapter`` and peft's
+``add_adapter`` are let through with device-resident stand-ins for the parked weights so the new
+adapter lands where the model runs. An adapter injected some other way (peft's
+``inject_adapter_in_model`` on the model) would sit on the meta placeholders with no data: the
+signature refuses it instead of letting it compute garbage.
 """
 
 from __future__ import annotations
@@ -94,6 +97,12 @@ def signature(tuners: Tuners) -> tuple[Variant, list[torch.Tensor]]:
         for param_name, param in module.named_parameters():
             if param_name.startswith("base_layer."):
                 continue
+            if param.device.type == "meta":
+                raise ConfigError(
+                    f"the LoRA adapter tensor {name}.{param_name} holds no data (meta): it was added to a module the "
+                    "AdaLN cache serves without going through load_lora_adapter() or add_adapter() (peft's "
+                    "inject_adapter_in_model?); call handle.disable(), add the adapter, then enable again"
+                )
             refs.append(param)
             tensors.append(
                 (param_name, id(param), param.data_ptr(), param._version, tuple(param.shape), str(param.dtype))
@@ -197,4 +206,36 @@ class LoraTracker:
             after_load()
             return result
 
-        return {"fuse_lora": fuse_lora, "unfuse_lora": unfuse_lora, "load_lora_adapter": load_lora_adapter}
+        def add_adapter(adapter_config: Any, *args: Any, **kwargs: Any) -> Any:
+            refuse_weight_dependent_init(adapter_config)
+            with standing_in():
+                result = cls.add_adapter(model, adapter_config, *args, **kwargs)
+            after_load()
+            return result
+
+        return {
+            "fuse_lora": fuse_lora,
+            "unfuse_lora": unfuse_lora,
+            "load_lora_adapter": load_lora_adapter,
+            "add_adapter": add_adapter,
+        }
+
+
+#: peft initialisations of a new adapter that do not read the base weight.
+_WEIGHT_FREE_INITS = (True, False, "gaussian", "orthogonal")
+
+
+def refuse_weight_dependent_init(adapter_config: Any) -> None:
+    """Refuse an adapter whose initialisation reads the base weight (the stand-ins are zeros while enabled).
+
+    PiSSA, OLoRA, LoftQ, EVA and CorDA derive the adapter from the base weight (some rewrite it), and
+    DoRA takes its magnitude from the weight's norm: computed from a stand-in, all would be wrong.
+    """
+    init = getattr(adapter_config, "init_lora_weights", True)
+    if init not in _WEIGHT_FREE_INITS or getattr(adapter_config, "use_dora", False):
+        raise ConfigError(
+            f"add_adapter() with init_lora_weights={init!r}"
+            f"{' and use_dora=True' if getattr(adapter_config, 'use_dora', False) else ''} derives the adapter from "
+            "the base weights, which the AdaLN cache keeps off the device; call handle.disable(), add the adapter, "
+            "then enable again"
+        )

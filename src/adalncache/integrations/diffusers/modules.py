@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -18,10 +19,17 @@ import torch
 from torch import nn
 
 from ...errors import ConfigError
-from ...spec import LAYOUTS, Layer, ModulationSpec
+from ...spec import FINAL, LAYOUTS, Layer, ModulationSpec
 
 #: The diffusers layout: its prefixes are the projections' module paths inside the transformer.
 DIFFUSERS_LAYOUT = LAYOUTS["diffusers"]
+
+#: The attribute holding the transformer's blocks.
+BLOCKS = "transformer_blocks"
+
+#: The real block list of each enabled model. Kept off the model itself: a library that looks for
+#: a model's blocks among its attributes (cache-dit does) must not find a second list there.
+_CAPTURED_BLOCKS: weakref.WeakKeyDictionary[nn.Module, nn.Module] = weakref.WeakKeyDictionary()
 
 #: The time embedder and its two linears, whose LoRA (if any) also shapes what the projections see.
 TIME_EMBEDDER = "time_embedder"
@@ -51,9 +59,47 @@ def base_linear(module: nn.Module) -> nn.Module:
     return base if isinstance(base, nn.Module) else module
 
 
+def capture_blocks(model: nn.Module) -> None:
+    """Remember the model's real block list while the cache is enabled."""
+    _CAPTURED_BLOCKS[model] = model.get_submodule(BLOCKS)
+
+
+def release_blocks(model: nn.Module) -> None:
+    """Forget the list :func:`capture_blocks` remembered."""
+    _CAPTURED_BLOCKS.pop(model, None)
+
+
+def transformer_blocks(model: nn.Module) -> nn.Module:
+    """The model's real block list: the captured one while enabled, else the model's attribute."""
+    captured = _CAPTURED_BLOCKS.get(model)
+    return captured if captured is not None else model.get_submodule(BLOCKS)
+
+
+def _in_block(layer: int, path: str) -> str:
+    """``path`` (a path in the model) relative to block ``layer``."""
+    head = f"{BLOCKS}.{layer}."
+    if not path.startswith(head):
+        raise ConfigError(f"internal: {path} is not inside {head.rstrip('.')}")
+    return path[len(head) :]
+
+
+def projection_module(model: nn.Module, layer: Layer) -> Any:
+    """The current module of ``layer``'s projection (peft may have wrapped it), through the real blocks."""
+    if layer == FINAL:
+        return model.get_submodule(projection_path(FINAL))
+    block = transformer_blocks(model)[int(layer)]  # type: ignore[index]
+    return block.get_submodule(_in_block(int(layer), projection_path(layer)))
+
+
 def projection_modules(model: nn.Module, spec: ModulationSpec) -> list[tuple[Layer, Any]]:
     """``(layer, current module)`` of every projection, in pass order; peft may have wrapped them."""
-    return [(layer, model.get_submodule(projection_path(layer))) for layer in spec.layers()]
+    return [(layer, projection_module(model, layer)) for layer in spec.layers()]
+
+
+def modulation_modules(model: nn.Module, spec: ModulationSpec) -> list[nn.Module]:
+    """Every block's ``adaln_proj`` (the module that calls the projection), in layer order."""
+    blocks: Any = transformer_blocks(model)
+    return [blocks[layer].get_submodule(_in_block(layer, owner_path(layer))) for layer in range(spec.num_layers)]
 
 
 def time_embedder_linears(model: nn.Module) -> list[tuple[str, nn.Module]]:

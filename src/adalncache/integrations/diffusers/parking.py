@@ -40,6 +40,7 @@ from ...source import ALIGNMENT, aligned_empty
 from ...source.mapped import MappedFile
 from ...spec import FINAL, Layer
 from .modules import swapped_parameters
+from .quantized import is_plain_tensor
 from .sources import HostTensors, Source, read_layers, source_key
 
 #: Alignment window the restored weights keep: 64 bytes covers the 16 that change GEMV bits on CPU.
@@ -156,13 +157,19 @@ class WeightParking:
                 elif layer is not None:
                     assert host_tensors is not None
                     original, residue = host_tensors[(layer, name)], 0
-                else:
+                elif is_plain_tensor(param):
                     original, residue = param.detach().to("cpu", copy=True), 0
+                else:
+                    # A quantized tensor: the object as it is (torchao refuses copy=); it has no
+                    # address to reproduce.
+                    original, residue = param.to("cpu"), 0
                 if original is None:
                     key = source_key(source, target.path, layer, name)
                 if layer is not None:
                     self._residues[(layer, name)] = residue
-                placeholder = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
+                # Built from shape and dtype: empty_like of a quantized tensor subclass is not implemented.
+                meta = torch.empty(tuple(param.shape), dtype=param.dtype, device="meta")
+                placeholder = nn.Parameter(meta, requires_grad=param.requires_grad)
                 self.parked.append(
                     ParkedParam(
                         module=base, name=name, placeholder=placeholder, original=original, device=where,
@@ -207,9 +214,12 @@ class WeightParking:
                     source_tensor = reread[(parked.layer, parked.name)]
                 else:
                     source_tensor = self._read_by_key(parked)
-                dtype = parked.placeholder.dtype
-                tensor = aligned_empty(source_tensor.shape, dtype, parked.residue, device=parked.device)
-                tensor.copy_(source_tensor)
+                if is_plain_tensor(source_tensor):
+                    dtype = parked.placeholder.dtype
+                    tensor = aligned_empty(source_tensor.shape, dtype, parked.residue, device=parked.device)
+                    tensor.copy_(source_tensor)
+                else:
+                    tensor = source_tensor.to(parked.device)  # a quantized tensor has no address to reproduce
             param = tensor if isinstance(tensor, nn.Parameter) else nn.Parameter(tensor, parked.requires_grad)
             restored.append((parked, param))
         # Nothing is changed on the model until every tensor is back in hand.
@@ -256,6 +266,8 @@ class WeightParking:
         """
         if tensor.device.type != "cpu" or tensor.dtype not in (torch.float32, torch.float16):
             return tensor
+        if not is_plain_tensor(tensor):
+            return tensor  # quantized: projected by the module's own kernels, used as the model holds it
         residue = self._residues.get((layer, name))
         if residue is None or tensor.data_ptr() % RESIDUE_BYTES == residue:
             return tensor
@@ -299,7 +311,7 @@ class WeightParking:
     def _read_by_key(self, parked: ParkedParam) -> torch.Tensor:
         """A never-loaded time-embedder tensor, read from the source now at the model's dtype and residue."""
         assert parked.key is not None and self._source is not None
-        tensor = self._source.read_tensor(parked.key)  # type: ignore[union-attr]
+        tensor = self._source.read_tensor(parked.key)  # type: ignore[union-attr,attr-defined]
         if tensor.dtype != parked.placeholder.dtype:
             tensor = tensor.to(parked.placeholder.dtype)  # a fresh copy, as a stock load's cast is
         if tensor.device.type == "cpu" and tensor.data_ptr() % RESIDUE_BYTES != parked.residue:
@@ -311,7 +323,7 @@ class WeightParking:
     def _lazy_view(self, parked: ParkedParam) -> torch.Tensor:
         """The checkpoint's tensor as a mapped view: nothing is read until someone touches it."""
         assert parked.key is not None and self._source is not None
-        header, _ = self._source.entry(parked.key)  # type: ignore[union-attr]
+        header, _ = self._source.entry(parked.key)  # type: ignore[union-attr,attr-defined]
         mapped = self._maps.get((header.path, header.identity))
         if mapped is None:
             mapped = self._maps[(header.path, header.identity)] = MappedFile(header)

@@ -18,7 +18,7 @@ import torch
 from ... import AdalnCache, CheckpointSource, TensorSource
 from ...errors import CheckpointError, ConfigError
 from ...hostmem import HostBuffer, host_tensor_like
-from ...source import Columns, LayerWeights, SafetensorsHeader, TensorEntry
+from ...source import Columns, LayerWeights, SafetensorsHeader, TensorEntry, WeightSource
 from ...source.absent import NoWeights
 from ...source.digest import DigestSink
 from ...spec import KeyLayout, Layer, ModulationSpec
@@ -92,8 +92,10 @@ class CastCheckpointSource:
         return f"CastCheckpointSource({self.source!r}, dtype={self.spec.dtype})"
 
 
-#: Every kind of weight source the integration uses (``NoWeights``: table files only).
-Source = CheckpointSource | TensorSource | CastCheckpointSource | NoWeights
+#: Every kind of weight source the integration uses: a checkpoint (cast on read for a model loaded
+#: in another dtype), the model's own tensors, ``NoWeights`` (table files only), or another
+#: ``WeightSource`` (the model's own quantized tensors, which only their modules can read).
+Source = CheckpointSource | TensorSource | CastCheckpointSource | NoWeights | WeightSource
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,316 @@
+"""Projections stored in another format than the one they compute in: quantized or layerwise-cast weights.
+
+torchao, optimum-quanto, GGUF and bitsandbytes keep a projection's weight as a tensor subclass or
+a packed byte tensor; diffusers' layerwise casting keeps it in a storage dtype (fp8) and casts it
+to the compute dtype around each forward. In every case the cache cannot read the weight as a
+matrix, and must not: the resident projection's bits are whatever the module's own forward
+computes from those tensors. So for such a model:
+
+- the tables are projected through the module's own forward, from the model's own tensors (the
+  very objects, parked off the accelerator), exactly like the resident forward;
+- the cache's slab dtype is what the projection *returns* (:func:`output_dtype`), not the
+  weight's storage dtype;
+- the weight source (a :class:`~adalncache.TensorSource` given their logical shapes) never
+  copies, slices or compares the tensors, and fingerprints them by identity;
+- a ``checkpoint=`` cannot hold those projections (it holds the unquantized ones), so it is
+  refused unless the user asks on purpose for full-precision tables from it
+  (``quantized_projections="checkpoint"``), which are then a plain ``F.linear`` of the
+  checkpoint's weights: the model with its AdaLN projections unquantized and everything else as
+  loaded.
+
+Detection looks at the classes of the module and of its weight (``model.hf_quantizer`` is unset
+after a manual ``quantize_``) and never imports a quantization library itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ... import TensorSource
+from ...errors import ConfigError
+from ...spec import FINAL, Layer, ModulationSpec
+from .modules import (
+    DIFFUSERS_LAYOUT,
+    base_linear,
+    projection_module,
+    projection_path,
+    time_embedder_linears,
+    transformer_blocks,
+)
+from .sources import HostTensors
+
+#: Module prefixes of the classes each library quantizes with, and the name messages use.
+_LIBRARIES = (
+    ("torchao", "torchao"),
+    ("optimum.quanto", "optimum-quanto"),
+    ("diffusers.quantizers.gguf", "gguf"),
+    ("bitsandbytes", "bitsandbytes"),
+)
+
+#: The name diffusers registers its layerwise-casting hook under.
+CASTING_HOOK = "layerwise_casting"
+
+#: Values of ``quantized_projections``.
+QUANTIZED_PROJECTIONS = ("model", "checkpoint")
+
+
+def is_plain_tensor(tensor: Any) -> bool:
+    """A ``torch.Tensor`` or ``nn.Parameter`` itself, not a subclass holding quantized data."""
+    return type(tensor) in (torch.Tensor, nn.Parameter)
+
+
+def _library(cls: type) -> str | None:
+    module = cls.__module__ or ""
+    for prefix, name in _LIBRARIES:
+        if module == prefix or module.startswith(prefix + "."):
+            return name
+    return None
+
+
+def quantization_of(module: nn.Module) -> str | None:
+    """Which library quantized this projection (``"torchao"``, ``"gguf"``...), or None for a plain one.
+
+    The module's own class decides first (optimum-quanto's ``QLinear`` quantizes a plain weight
+    inside its forward when not frozen), then the weight's. Any other tensor subclass counts as
+    quantized too: the cache cannot tell what its forward computes from it.
+    """
+    base = base_linear(module)
+    name = _library(type(base))
+    if name is not None:
+        return name
+    weight = base._parameters.get("weight")
+    if weight is None or is_plain_tensor(weight):
+        return None
+    cls = type(weight)
+    return _library(cls) or f"tensor subclass {cls.__module__}.{cls.__qualname__}"
+
+
+def casting_hook(module: nn.Module) -> Any:
+    """diffusers' layerwise-casting hook on this projection's linear, or None."""
+    registry = getattr(base_linear(module), "_diffusers_hook", None)
+    return registry.get_hook(CASTING_HOOK) if registry is not None else None
+
+
+@dataclass(frozen=True)
+class ProjectionStorage:
+    """How a model's AdaLN projections store their weights.
+
+    ``quantized``: the libraries that quantized them (empty for plain weights); ``cast``: the
+    paths of the projections diffusers' layerwise casting keeps in a storage dtype.
+    """
+
+    quantized: tuple[str, ...] = ()
+    cast: tuple[str, ...] = ()
+
+    @property
+    def opaque(self) -> bool:
+        """Whether the tables must come from the modules' own forwards (never from raw matrices)."""
+        return bool(self.quantized or self.cast)
+
+    def describe(self) -> str:
+        parts = []
+        if self.quantized:
+            parts.append(f"quantized ({', '.join(self.quantized)})")
+        if self.cast:
+            parts.append("stored in another dtype by layerwise casting")
+        return " and ".join(parts) or "plain"
+
+
+def storage_of(modules: Sequence[tuple[Layer, Any]]) -> ProjectionStorage:
+    """The storage of the projections ``modules`` (``(layer, module)`` pairs)."""
+    libraries = sorted({name for _, module in modules if (name := quantization_of(module)) is not None})
+    cast = tuple(projection_path(layer) for layer, module in modules if casting_hook(module) is not None)
+    return ProjectionStorage(quantized=tuple(libraries), cast=cast)
+
+
+def output_dtype(module: nn.Module) -> torch.dtype:
+    """The dtype this projection returns: what the cache's slab must hold to serve it unchanged.
+
+    Under layerwise casting, the compute dtype; for a floating-point weight (torchao and
+    optimum-quanto report the logical dtype), that dtype; otherwise (GGUF, bitsandbytes: packed
+    bytes) the dtype of one forward of a zero row, which is what the module's own code decides.
+    """
+    from diffusers.models.modeling_utils import get_parameter_dtype
+
+    hook = casting_hook(module)
+    if hook is not None:
+        return hook.compute_dtype  # type: ignore[no-any-return]
+    base: Any = base_linear(module)
+    weight = base._parameters.get("weight")
+    if weight is not None and weight.is_floating_point():
+        return weight.dtype
+    bias = base._parameters.get("bias")
+    device = next((t.device for t in (bias, weight) if t is not None and t.device.type != "meta"), None)
+    if device is None:
+        raise ConfigError("the model's AdaLN projections are not materialised; load the model fully before enabling")
+    with torch.no_grad():
+        probe = torch.zeros(1, int(base.in_features), dtype=get_parameter_dtype(module), device=device)
+        return module(probe).dtype  # type: ignore[no-any-return]
+
+
+def transformer_spec(model: nn.Module) -> ModulationSpec:
+    """The model's :class:`~adalncache.ModulationSpec`, its dtype what the projections return.
+
+    Plain weights give their own dtype (as ``ModulationSpec.from_transformer`` reads it); quantized
+    or layerwise-cast ones the dtype their forward returns, which must be one for all of them
+    (one slab serves every projection).
+    """
+    blocks: Any = transformer_blocks(model)
+    layers: list[Layer] = [*range(len(blocks)), FINAL]
+    modules = [(layer, projection_module(model, layer)) for layer in layers]
+    if not storage_of(modules).opaque:
+        return ModulationSpec.from_transformer(model)
+    dtypes = {str(dtype): dtype for dtype in (output_dtype(module) for _, module in modules)}
+    if len(dtypes) != 1:
+        raise ConfigError(
+            f"the AdaLN projections return different dtypes ({sorted(dtypes)}); the cache serves them from one "
+            "table dtype, so load or quantize the model with one compute dtype for all of them"
+        )
+    return ModulationSpec.from_transformer(model, dtype=next(iter(dtypes.values())))
+
+
+def fresh_alias(tensor: torch.Tensor) -> torch.Tensor:
+    """A new tensor object over the same storage (plain tensors), or the tensor itself (subclasses).
+
+    Swapped into a module for one projection: diffusers' layerwise casting rebinds ``.data`` of
+    whatever sits in ``_parameters`` around the forward, and must not rebind the source's own
+    tensors (their fingerprint would change at every build). A quantized subclass is passed as it
+    is: bitsandbytes keeps its quantization state as attributes of the very object.
+    """
+    return tensor.detach() if is_plain_tensor(tensor) else tensor
+
+
+def own_tensors(modules: Sequence[tuple[Layer, Any]], device: torch.device) -> HostTensors:
+    """The projections' own tensors by ``(layer, name)``, on the host.
+
+    On CPU the very objects; elsewhere host copies (``.to("cpu")``: torchao refuses ``copy=``).
+    Quantized tensors are never detached: bitsandbytes would lose the state its forward needs.
+    """
+    host: HostTensors = {}
+    for layer, module in modules:
+        base = base_linear(module)
+        for name in ("weight", "bias"):
+            tensor: torch.Tensor | None = base._parameters[name]
+            if tensor is None:
+                raise ConfigError(f"{projection_path(layer)}.{name} is missing; the AdaLN projections need a bias")
+            tensor = fresh_alias(tensor)
+            if tensor.device.type != "cpu":
+                tensor = tensor.to("cpu")
+                if device.type == "cuda" and is_plain_tensor(tensor):
+                    tensor = tensor.pin_memory()
+            host[(layer, name)] = tensor
+    return host
+
+
+def logical_shape(module: nn.Module) -> tuple[int, int]:
+    """``(out_features, in_features)`` of a projection, whatever its weight's storage shape."""
+    base: Any = base_linear(module)
+    return int(base.out_features), int(base.in_features)
+
+
+def opaque_model_source(
+    spec: ModulationSpec, modules: Sequence[tuple[Layer, Any]], device: torch.device
+) -> tuple[TensorSource, HostTensors]:
+    """The model's own quantized or cast projections as a source, and the host tensors it holds.
+
+    A :class:`~adalncache.TensorSource` told each tensor's logical shape (the module's
+    ``out_features`` and ``in_features``): it never reads them as matrices, never slices them, and
+    fingerprints them by identity; the tables come from the modules' own forwards.
+    """
+    host = own_tensors(modules, device)
+    tensors: dict[str, torch.Tensor] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for layer, module in modules:
+        out_features, in_features = logical_shape(module)
+        for name, shape in (("weight", (out_features, in_features)), ("bias", (out_features,))):
+            key = f"{DIFFUSERS_LAYOUT.prefix(layer)}.{name}"
+            tensors[key], shapes[key] = host[(layer, name)], shape
+    return TensorSource(tensors, spec, layout=DIFFUSERS_LAYOUT.name, logical_shapes=shapes), host
+
+
+def full_precision_variant(model: Any) -> tuple[Any, ...]:
+    """What full-precision tables of quantized projections are built under, besides the checkpoint.
+
+    Their input comes from this model's time embedder, which may be quantized or cast too: store
+    entries (bound to the checkpoint) must not be shared with a model whose embedder is not.
+    """
+    embedder = tuple(
+        (path, quantization_of(linear), casting_hook(linear) is not None)
+        for path, linear in time_embedder_linears(model)
+    )
+    return ("full-precision tables of quantized projections", embedder)
+
+
+def adapter_guards(storage: ProjectionStorage) -> dict[str, Callable[..., Any]]:
+    """Refuse loading a LoRA into quantized or cast projections while served (disable, load, enable)."""
+    if not storage.opaque:
+        return {}
+
+    def refuse_adapter(*args: Any, **kwargs: Any) -> Any:
+        raise ConfigError(
+            f"loading a LoRA into AdaLN projections that are {storage.describe()} is not supported while the AdaLN "
+            "cache is enabled; call handle.disable(), load the LoRA, then enable again (the cache then serves it "
+            "exactly)"
+        )
+
+    return {"load_lora_adapter": refuse_adapter, "add_adapter": refuse_adapter}
+
+
+def check_storage_options(
+    storage: ProjectionStorage,
+    *,
+    checkpoint: Any,
+    quantized_projections: str,
+    precision: str,
+    shard: str,
+    process_group: Any,
+    device: torch.device,
+    tables: Any = None,
+) -> None:
+    """Refuse, before the model is touched, the settings that cannot be exact with this storage."""
+    if quantized_projections == "checkpoint" and checkpoint is None:
+        raise ConfigError(
+            "quantized_projections='checkpoint' serves full-precision tables from an unquantized checkpoint, so it "
+            "needs checkpoint= (CLI --checkpoint): pass the file the model was quantized from"
+        )
+    if not storage.opaque:
+        return
+    what = storage.describe()
+    if tables is not None and quantized_projections != "checkpoint":
+        # Exported tables are full-precision projections: this model's own (quantized) forward
+        # computes other bits, and its content cannot be compared with a file's binding.
+        raise ConfigError(
+            f"tables= holds full-precision tables but the model's AdaLN projections are {what}; they would not "
+            "equal this model. Drop tables=, or serve full-precision tables on purpose with "
+            "quantized_projections='checkpoint' and checkpoint= the file the model was quantized from"
+        )
+    if checkpoint is not None and quantized_projections != "checkpoint":
+        raise ConfigError(
+            f"checkpoint= (CLI --checkpoint) holds full-precision projections but the model's AdaLN projections are "
+            f"{what}; tables from the checkpoint would not equal this model. Pass checkpoint=None to serve the "
+            "model's own projections, or quantized_projections='checkpoint' to serve full-precision tables from "
+            "the checkpoint on purpose (the AdaLN projections then compute unquantized, the rest of the model "
+            "stays as loaded)"
+        )
+    if quantized_projections == "model" and precision != "match":
+        raise ConfigError(
+            f"precision={precision!r} (CLI --precision) recomputes the projections in fp32 from their weights, but the "
+            f"model's AdaLN projections are {what} and only their own forward computes what the model does; "
+            "use precision='match'"
+        )
+    if shard == "columns" and process_group is not None:
+        raise ConfigError(
+            f"shard='columns' (CLI --shard) slices each projection's weight across ranks, but the AdaLN projections "
+            f"are {what}; use shard='layers'"
+        )
+    if "bitsandbytes" in storage.quantized and device.type != "cpu":
+        raise ConfigError(
+            f"bitsandbytes-quantized AdaLN projections on {device} are untested with the AdaLN cache (moving "
+            "bitsandbytes parameters to the host and back re-quantizes them); keep the AdaLN projections out of "
+            "quantization (BitsAndBytesConfig(llm_int8_skip_modules=['adaln_proj', 'norm_out'])) or run on CPU"
+        )
