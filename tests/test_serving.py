@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from adalncache import AdalnCache, BuildError, CheckpointSource, ConfigError, PlanError, PlanNotCachedError, plan_key
-from adalncache.hostmem import HostBuffer, RecordingRegistrar, host_tensor_like
+from adalncache.hostmem import HostBuffer, RecordingRegistrar, host_tensor_like, pinned_bytes
 from adalncache.source.buffers import DIRECT_BLOCK, StagingPool
 from adalncache.spec import FINAL, LAYOUTS
 from adalncache.streams import CopyStreams, RecordedEvents, StreamSync, copy_to_device
@@ -350,15 +350,19 @@ def test_a_copy_that_fails_still_synchronises_before_its_buffer_is_reused() -> N
 def test_pinned_host_buffers_lock_exactly_their_size_and_give_it_back() -> None:
     registrar = RecordingRegistrar()
     size = 3 * (1 << 20) + 12345  # a power-of-two allocator would lock 4 MiB
+    before = pinned_bytes()
     buffer = HostBuffer(size, pin=True, registrar=registrar)
     assert registrar.registered == [size] and list(registrar.live.values()) == [size]
+    assert pinned_bytes() == before + size  # the package's own count, which gpu_check reads
     assert buffer.tensor.numel() == size and buffer.tensor.data_ptr() % 4096 == 0
     view = buffer.tensor[10:20]
     assert buffer.release() == size and registrar.live == {} and buffer.release() == 0
+    assert pinned_bytes() == before
     view.fill_(1)  # a view outliving the release is still valid (pageable) memory
     collected = HostBuffer(4096, pin=True, registrar=registrar)
+    assert pinned_bytes() == before + 4096
     del collected  # collected without release(): unlocked by its finalizer
-    assert registrar.live == {} and registrar.unregistered == 2
+    assert registrar.live == {} and registrar.unregistered == 2 and pinned_bytes() == before
 
 
 def test_a_refused_page_lock_raises_and_locks_nothing() -> None:

@@ -91,6 +91,24 @@ class RecordingRegistrar:
 #: The registrar used when none is given (CUDA). Tests may pass their own to each buffer.
 CUDA = CudaRegistrar()
 
+#: Bytes page-locked by live :class:`HostBuffer` objects now (through any registrar).
+_pinned = 0
+_pinned_lock = threading.Lock()
+
+
+def _count_pinned(delta: int) -> None:
+    global _pinned
+    with _pinned_lock:
+        _pinned += delta
+
+
+def pinned_bytes() -> int:
+    """The bytes this package holds page-locked right now (host tier arenas, staging buffers, host
+    copies of a model's projections): what a deployment check compares before and after
+    ``disable()`` or ``close()``, which must give them all back."""
+    with _pinned_lock:
+        return _pinned
+
 
 def _on_device(device: torch.device | None) -> contextlib.AbstractContextManager[Any]:
     """``device`` current for a CUDA runtime call: a call on a thread whose current device is
@@ -100,11 +118,14 @@ def _on_device(device: torch.device | None) -> contextlib.AbstractContextManager
     return torch.cuda.device(device)
 
 
-def _unregister(registrar: Registrar, address: int, device: torch.device | None, keep_alive: object) -> None:
+def _unregister(
+    registrar: Registrar, address: int, nbytes: int, device: torch.device | None, keep_alive: object
+) -> None:
     """Finalizer: unlock the pages; ``keep_alive`` (the mapping) is dropped only after, so the range
     is still mapped when it is unregistered."""
     with _on_device(device):
         registrar.unregister(address)
+    _count_pinned(-nbytes)
     del keep_alive
 
 
@@ -143,7 +164,8 @@ class HostBuffer:
             with _on_device(device):
                 registrar.register(address, self.nbytes)  # raises: nothing registered, the mapping just goes
             self.pinned = True
-            self._finalizer = weakref.finalize(self, _unregister, registrar, address, device, mapping)
+            _count_pinned(self.nbytes)
+            self._finalizer = weakref.finalize(self, _unregister, registrar, address, self.nbytes, device, mapping)
 
     def release(self) -> int:
         """Unlock the pages now (idempotent); returns the bytes that were page-locked."""
@@ -172,4 +194,12 @@ def host_tensor_like(
     return copy, buffer
 
 
-__all__ = ["CUDA", "CudaRegistrar", "HostBuffer", "RecordingRegistrar", "Registrar", "host_tensor_like"]
+__all__ = [
+    "CUDA",
+    "CudaRegistrar",
+    "HostBuffer",
+    "RecordingRegistrar",
+    "Registrar",
+    "host_tensor_like",
+    "pinned_bytes",
+]

@@ -17,8 +17,22 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ...errors import AdalnCacheError, ConfigError
-from .modules import base_linear
-from .quantized import CASTING_HOOK
+from .modules import CASTING_HOOK, base_linear
+
+
+def casting_compute_dtype(module: Any) -> Any:
+    """The compute dtype of the casting hook on ``module`` or a submodule, or None.
+
+    A rebuild pass runs the projection beneath every hook (:func:`~.modules.bypassing_hooks`), so
+    it applies the cast itself: the hook's pre-forward is ``module.to(dtype=compute_dtype)``, the
+    same ``Tensor.to`` of each parameter.
+    """
+    for submodule in module.modules():
+        registry = getattr(submodule, "_diffusers_hook", None)
+        hook = registry.get_hook(CASTING_HOOK) if registry is not None else None
+        if hook is not None:
+            return hook.compute_dtype
+    return None
 
 
 def casting_paths(named: Sequence[tuple[str, Any]]) -> frozenset[str]:

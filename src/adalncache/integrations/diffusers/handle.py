@@ -35,7 +35,7 @@ from ...hostmem import HostBuffer
 from ...plans import PlanKey
 from ...source.absent import NoWeights
 from ...spec import Layer
-from .casting import casting_guard, casting_paths, new_casting, settle_casting
+from .casting import casting_compute_dtype, casting_guard, casting_paths, new_casting, settle_casting
 from .config import AdalnCacheConfig
 from .hooks import ServingHooks, other_hooks_present
 from .lora import LoraTracker, Tuners, Variant, applied_lora_scale, lora_scale_of
@@ -562,8 +562,12 @@ class AdalnCacheHandle:
             return F.linear(x, weight, bias)
         module = projection_module(self.model, layer)
         base = base_linear(module)
-        weight = fresh_alias(self._parking.at_model_residue(layer, "weight", weight))
-        bias = fresh_alias(self._parking.at_model_residue(layer, "bias", bias))
+        weight = self._parking.at_model_residue(layer, "weight", weight)
+        bias = self._parking.at_model_residue(layer, "bias", bias)
+        compute = casting_compute_dtype(module)
+        if compute is not None:  # the layerwise-casting hook, bypassed below, would cast them so
+            weight, bias = weight.to(compute), bias.to(compute)
+        weight, bias = fresh_alias(weight), fresh_alias(bias)
         with bypassing_hooks({module, base}), swapped_parameters(base, {"weight": weight, "bias": bias}):
             return module(x)  # type: ignore[no-any-return]
 

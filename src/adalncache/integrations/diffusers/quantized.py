@@ -35,6 +35,7 @@ from ... import TensorSource
 from ...errors import ConfigError
 from ...spec import FINAL, Layer, ModulationSpec
 from .modules import (
+    CASTING_HOOK,
     DIFFUSERS_LAYOUT,
     base_linear,
     projection_module,
@@ -51,9 +52,6 @@ _LIBRARIES = (
     ("diffusers.quantizers.gguf", "gguf"),
     ("bitsandbytes", "bitsandbytes"),
 )
-
-#: The name diffusers registers its layerwise-casting hook under.
-CASTING_HOOK = "layerwise_casting"
 
 #: Values of ``quantized_projections``.
 QUANTIZED_PROJECTIONS = ("model", "checkpoint")
