@@ -486,6 +486,16 @@ class CacheMachine(RuleBasedStateMachine):
         """Valid, repeated, overlapping, too wide or too many plans (the model knows which)."""
         self.run_build([POOL[i] for i in idx], None)
 
+    @rule(idx=st.lists(st.integers(0, len(POOL) - 1), min_size=1, max_size=3))
+    def build_reusing_the_oldest(self, idx: list[int]) -> None:
+        """The least recently used resident plan again, with others: consecutive requests share
+        plans, and the reused plan is exactly what an eviction that ignores the request would take."""
+        plans = [POOL[i] for i in idx]
+        if self.lru:
+            oldest = next(p for p in POOL if plan_key(p) == self.lru[0])
+            plans.insert(0, oldest)
+        self.run_build(plans, None)
+
     @rule(idx=st.lists(st.integers(0, len(POOL) - 1), max_size=3), bad=st.sampled_from(BAD), at=st.integers(0, 3))
     def build_with_a_bad_plan(self, idx: list[int], bad: torch.Tensor, at: int) -> None:
         plans = [POOL[i] for i in idx]

@@ -354,3 +354,44 @@ def test_a_failed_export_leaves_nothing(bf16: tuple[Any, Path, ModulationSpec], 
     report = export_tables(cache, plans, out, embed=embed, progress=False)  # a retry writes it whole
     assert report.plans == len(plans) and TableFile(out, spec).keys == [plan_key(p) for p in plans]
     assert json.loads(TableFile(out, spec).metadata["adalncache.schedules"]) == []
+
+
+def test_table_files_follow_a_move_only_where_they_fit(
+    bf16: tuple[Any, Path, ModulationSpec], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Table files are bound to a numeric environment: a cache that moves to a device of another
+    identity serves them there only if the binding fits (here it does not: it builds), and serves
+    them again once it is back."""
+    import adalncache.cache as cache_module
+    import adalncache.identity as identity_module
+
+    # ``cpu`` and ``cpu:0`` as two device identities with two numeric environments (a CPU and a GPU).
+    real_identity, real_environment = cache_module.device_identity, identity_module.numeric_environment
+    monkeypatch.setattr(cache_module, "device_identity", lambda device: (*real_identity(device), device.index))
+    monkeypatch.setattr(
+        identity_module, "numeric_environment", lambda device: {**real_environment(device), "index": device.index}
+    )
+    model, ckpt, spec = bf16
+    out = tmp_path / "h3.safetensors"
+    assert _export(ckpt, out, "--task", "t2va", "--steps", "4") == 0  # bound to ``cpu``
+    plans = minimax_h3_plans("t2va", 4)
+    distinct = len({plan_key(p) for p in plans})
+    source = CheckpointSource(ckpt, spec)
+    embed = time_embed_fn(source, spec)
+    cache = AdalnCache(spec, source, max_plans=8, tables=out)
+    report = cache.build(plans, embed=embed)
+    assert (report.table_hits, report.passes) == (distinct, 0)
+    cache.move_to("cpu:0")
+    assert cache.tables is None and len(cache) == 0
+    report = cache.build(plans, embed=embed)
+    assert (report.table_hits, report.passes) == (0, 1)  # built there: the files do not fit
+    cache.move_to("cpu")
+    assert cache.tables is not None and len(cache) == distinct  # parked tables came back
+    cache.invalidate()
+    report = cache.build(plans, embed=embed)
+    assert (report.table_hits, report.passes) == (distinct, 0)
+    for p in plans:
+        block, final = _resident_rows(model, p)
+        rows = cache.rows_of(plan_key(p))
+        assert torch.equal(rows.block, block) and torch.equal(rows.final, final)
+    cache.check_invariants()

@@ -375,7 +375,7 @@ class AdalnCache(SlabReads):
         """Hold ``plans`` if every one is resident under ``variant`` and the current autocast state,
         else ``None``: the hit path of :meth:`hold`, which never waits for another thread's pass."""
         plans, keys = keyed_plans(plans, keys)
-        held = self._hit(list(dict.fromkeys(keys)), variant, hold=keys)
+        held = self._hit(list(dict.fromkeys(keys)), variant, hold=keys, local=True)
         return held if isinstance(held, PlanHold) else None
 
     @contextlib.contextmanager
@@ -397,14 +397,17 @@ class AdalnCache(SlabReads):
             held.release()
 
     def _hit(
-        self, order: list[PlanKey], variant: Hashable, hold: list[PlanKey] | None = None
+        self, order: list[PlanKey], variant: Hashable, hold: list[PlanKey] | None = None, *, local: bool = False
     ) -> BuildReport | PlanHold | None:
         """The hit path: touch and count when every plan is resident under the current identity.
 
-        One process only (in a group every build agrees with the other ranks first). Returns
-        None when anything is missing or the variant or autocast state changed: the caller builds.
+        One process only (in a group every build agrees with the other ranks first), except for
+        ``local`` (:meth:`hold_resident`), which in a group holds without touching: the LRU order
+        decides the ranks' evictions and must change on every rank at once. Returns None when
+        anything is missing or the variant or autocast state changed: the caller builds.
         """
-        if self._dist.world > 1 or self._closed:
+        grouped = self._dist.world > 1
+        if (grouped and not local) or self._closed:
             return None
         autocast = autocast_dtype(self.device)
         pool = self._pool
@@ -414,7 +417,8 @@ class AdalnCache(SlabReads):
             for key in order:
                 if key not in pool:
                     return None
-            pool.touch(order)
+            if not grouped:
+                pool.touch(order)
             self.stats.device_hits += len(order)
             report = BuildReport(plans=len(order), device_hits=len(order))
             return report if hold is None else self._hold(hold, report)

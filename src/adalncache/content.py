@@ -74,8 +74,10 @@ class ContentIdentity:
 
     @property
     def hashable(self) -> bool:
-        """Whether this source serves bytes at all (a cache over table files alone has none)."""
-        return bool(getattr(self.source, "serves_weights", True))
+        """Whether this source serves bytes that name its content: not a cache over table files
+        alone (no weights), nor the model's own quantized tensors (only their modules read them;
+        their in-memory identity dies with the process anyway)."""
+        return bool(getattr(self.source, "serves_weights", True)) and not getattr(self.source, "opaque", False)
 
     def stamps(self) -> dict[str, FileStamp] | None:
         """The file identity holding each projection tensor, by role; None when it cannot be taken."""

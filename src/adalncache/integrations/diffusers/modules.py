@@ -39,6 +39,7 @@ TIME_EMBEDDER_LINEARS = ("linear_1", "linear_2")
 #: The name diffusers registers its layerwise-casting hook under.
 CASTING_HOOK = "layerwise_casting"
 
+
 def is_minimax_h3_transformer(obj: Any) -> bool:
     """Whether ``obj`` is a diffusers ``MiniMaxH3Transformer3DModel`` (imported lazily)."""
     from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3Transformer3DModel
@@ -189,10 +190,10 @@ def stock_dtype(module: nn.Module) -> torch.dtype:
     """The dtype diffusers' ``get_parameter_dtype`` gives ``module`` in the stock (unparked) model.
 
     The stock forward casts the projection's input to it: a layerwise-casting hook's compute dtype
-    where one sits on it, else its first parameter's dtype. That parameter is the base
-    linear's weight (peft registers ``base_layer`` before the adapters), which a parked module
-    keeps as a placeholder attribute, so its dtype is read there; the adapters' own dtype (peft
-    may keep them in fp32) must not decide it.
+    where one sits on it, else its first floating-point parameter's dtype. That is the base
+    linear's weight, or its bias when the weight is quantized (peft registers ``base_layer``
+    before the adapters), which a parked module keeps as placeholder attributes, so the dtype is
+    read there; the adapters' own dtype (peft may keep them in fp32) must not decide it.
     """
     from diffusers.models.modeling_utils import get_parameter_dtype
 
@@ -201,9 +202,11 @@ def stock_dtype(module: nn.Module) -> torch.dtype:
         hook = registry.get_hook(CASTING_HOOK) if registry is not None else None
         if hook is not None:
             return hook.compute_dtype  # type: ignore[no-any-return]
-    weight = getattr(base_linear(module), "weight", None)
-    if isinstance(weight, torch.Tensor) and weight.is_floating_point():
-        return weight.dtype
+    base = base_linear(module)
+    for name in ("weight", "bias"):  # nn.Linear's parameter order; quantized weights are not floating
+        tensor = getattr(base, name, None)
+        if isinstance(tensor, torch.Tensor) and tensor.is_floating_point():
+            return tensor.dtype
     return get_parameter_dtype(module)
 
 

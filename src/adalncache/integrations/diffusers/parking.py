@@ -180,7 +180,10 @@ class WeightParking:
                     self.time_embedder_parked = True
                 del base._parameters[name]
                 base.__dict__[name] = placeholder  # an attribute, not a parameter: see the module docstring
-                if DTYPE_MARKER not in base._buffers:
+                marker = base._buffers.get(DTYPE_MARKER)
+                if marker is None or (not marker.is_floating_point() and placeholder.is_floating_point()):
+                    # The first floating-point placeholder's dtype, as get_parameter_dtype picks it
+                    # from the stock parameters (the bias when the weight is quantized).
                     marker = torch.empty(0, dtype=placeholder.dtype, device=where)
                     base.register_buffer(DTYPE_MARKER, marker, persistent=False)
             self._hook_handles.append(base.register_state_dict_post_hook(_as_function(self._state_dict_hook)))
