@@ -276,3 +276,43 @@ def test_bad_inputs_name_the_argument(
         path = files["projections-bf16"]
     with pytest.raises(error, match=message):
         load_transformer(path, **kwargs)
+
+
+def test_projections_never_downloaded_served_from_table_files(files: dict[str, Path], tmp_path: Path) -> None:
+    """Model files without a single AdaLN projection, plus exported table files: the model runs, bit for
+    bit the stock model's, for every plan the files hold; a plan they lack raises PlanNotCachedError;
+    disable() leaves the projections empty (there is nothing to restore them from)."""
+    from safetensors.torch import load_file, save_file
+
+    from adalncache.cli import main
+    from adalncache.errors import PlanNotCachedError
+
+    stock = _stock(files, "bf16", torch.bfloat16)
+    table = tmp_path / "tables.safetensors"
+    assert main(["export", str(files["bf16"]), "--task", "t2va", "--steps", str(STEPS), "-o", str(table), "-q"]) == 0
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    (partial / "config.json").write_text((files["bf16"] / "config.json").read_text())
+    state = load_file(files["bf16"] / "diffusion_pytorch_model.safetensors")
+    projections = [k for k in state if ".adaln_proj.linear." in k or k.startswith("norm_out.linear.")]
+    assert projections
+    save_file({k: v for k, v in state.items() if k not in projections}, partial / "diffusion_pytorch_model.safetensors")
+
+    with pytest.raises(CheckpointMismatchError):  # without table files, the missing projections are an error
+        load_transformer(partial, torch_dtype=torch.bfloat16)
+    with pytest.raises(ConfigError, match="free_time_embedder"):
+        load_transformer(partial, torch_dtype=torch.bfloat16, tables=table, free_time_embedder=True)
+    model = load_transformer(partial, torch_dtype=torch.bfloat16, tables=table)
+    handle: Any = adaln_cache_handle(model)
+    assert model.norm_out.linear.weight.device.type == "meta" and handle.cache.source.serves_weights is False
+    request = make_request(stock, "t2va", STEPS, seed=3)
+    report = handle.prepare(request.plans)
+    assert (report.passes, report.bytes_read, report.table_hits) == (0, 0, report.plans)
+    assert run_loop(model, request).equal(run_loop(stock, request))
+    other = minimax_h3_plans("t2va", STEPS + 3)
+    with pytest.raises(PlanNotCachedError, match="not in the table files"):
+        handle.prepare(other)
+    with pytest.raises(ConfigError, match="freed"):
+        model.state_dict()
+    handle.disable()
+    assert model.norm_out.linear.weight.device.type == "meta"

@@ -142,7 +142,10 @@ def load_transformer(
             the cache lives where ``device_map`` puts the model.
         tables: table files written by ``adalncache export``, a read-only tier below the store (as
             for ``enable_adaln_cache``): plans they hold are served with no pass; the model's files
-            still serve every other plan (the projections are never loaded either way).
+            serve every other plan (the projections are never loaded either way). When the model
+            files hold no projection at all (a download that left them out) and ``checkpoint`` is
+            None, the files are all there is: plans they lack raise ``PlanNotCachedError``, and
+            ``disable()`` cannot bring projections back.
 
     Raises:
         ConfigError: a bad argument, named with the fix (a path without a transformer config, an
@@ -185,17 +188,23 @@ def load_transformer(
     spec = ModulationSpec.from_transformer(model)
 
     # 2. The source the cache serves from, checked against the config before any weight is read.
+    #    Model files without the projections (never downloaded) and table files: no source at all.
     source_arg = "checkpoint= (CLI --checkpoint)" if checkpoint is not None else "path="
-    source = _serving_source(checkpoint if checkpoint is not None else files.files, spec, layout, source_arg)
-    free = _decide_time_embedder(free_time_embedder, source, source_arg)
-    if checkpoint is not None:
-        _check_against_model_files(files, source, spec, source_arg)
+    tables_only = checkpoint is None and tables is not None and not _has_projections(files, served)
+    source: Source | None = None
+    if tables_only:
+        free = _tables_only_time_embedder(free_time_embedder)
+    else:
+        source = _serving_source(checkpoint if checkpoint is not None else files.files, spec, layout, source_arg)
+        free = _decide_time_embedder(free_time_embedder, source, source_arg)
+        if checkpoint is not None:
+            _check_against_model_files(files, source, spec, source_arg)
     cache = options.build(spec, source, device or torch.device("cpu"))
     handle_config = AdalnCacheConfig(
-        checkpoint=checkpoint if checkpoint is not None else list(files.files), on_miss=on_miss,
-        free_time_embedder=free, layout=layout, verify_checkpoint=False, cache_options=options,
+        checkpoint=checkpoint if checkpoint is not None else None if tables_only else list(files.files),
+        on_miss=on_miss, free_time_embedder=free, layout=layout, verify_checkpoint=False, cache_options=options,
     )  # fmt: skip
-    fingerprint = source.fingerprint
+    fingerprint = cache.source.fingerprint
 
     # 3. Every other tensor, file by file, through the stock placement.
     skip = served if free else {k: v for k, v in served.items() if v[1] != "time_embedder"}
@@ -204,7 +213,8 @@ def load_transformer(
         state = _real_tensors(header, files.layout, skip, config_dict, qkv_layout)
         seen.update(state)
         _load_into(model, state, torch_dtype, keep, hf_device_map)
-    missing = sorted(expected - seen)
+    never_in_files = {ours for _, (ours, kind) in served.items() if kind == "projection"} if tables_only else set()
+    missing = sorted(expected - seen - never_in_files)
     if missing:
         raise CheckpointError(
             f"the model files in {directory} lack {len(missing)} tensor(s) the model needs ({', '.join(missing[:5])}"
@@ -216,7 +226,7 @@ def load_transformer(
         logger.warning("load_transformer: %d tensor(s) of %s are not used by the model", len(unexpected), directory)
     if not free:  # the time embedder was loaded after all: its placeholders were replaced by real tensors
         served = {k: v for k, v in served.items() if v[1] != "time_embedder"}
-    if files.checkpoint.changed() or source.refresh() or source.fingerprint != fingerprint:
+    if files.checkpoint.changed() or cache.source.refresh() or cache.source.fingerprint != fingerprint:
         raise CheckpointError(f"the checkpoint in {directory} changed on disk while it was being loaded; load it again")
 
     target = device or torch.device("cpu")
@@ -226,7 +236,7 @@ def load_transformer(
     model.register_to_config(_name_or_path=path)  # as given, like from_pretrained
     model.eval()
     residues = _stock_residues(files, served, placeholders, target)
-    enable_transformer(model, handle_config, never_loaded=NeverLoaded(source, cache, residues, target))
+    enable_transformer(model, handle_config, never_loaded=NeverLoaded(cache.source, cache, residues, target))
     logger.info(
         "load_transformer: %s loaded without its AdaLN projections (%.1f MB never read), cache enabled on %s",
         directory, spec.projection_bytes / 1e6, target,
@@ -372,6 +382,22 @@ def _serving_source(paths: Any, spec: ModulationSpec, layout: str, argument: str
     if source.spec.dtype != spec.dtype:
         return CastCheckpointSource(source, spec.dtype)
     return source
+
+
+def _has_projections(files: _Files, served: Mapping[str, tuple[str, str]]) -> bool:
+    """Whether the model files hold any AdaLN projection tensor (a download may have left them out)."""
+    return any(files.entry(key) is not None for key, (_, kind) in served.items() if kind == "projection")
+
+
+def _tables_only_time_embedder(free: bool | None) -> bool:
+    """With table files and no projections anywhere nothing is ever projected: the time embedder loads."""
+    if free:
+        raise ConfigError(
+            "free_time_embedder=True stands the cache in for the time embedder, but the model files hold no AdaLN "
+            "projections, so the cache serves tables= alone and has no checkpoint to read it from: pass "
+            "free_time_embedder=None (or False), or checkpoint= a file with the projections"
+        )
+    return False
 
 
 def _decide_time_embedder(free: bool | None, source: Source, argument: str) -> bool:
