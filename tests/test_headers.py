@@ -12,6 +12,7 @@ tensors, or a ``CheckpointError``; never another exception.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from collections.abc import Callable
@@ -324,12 +325,14 @@ def _apply(header: dict[str, Any], raw: bytes | None, data: bytes, mutation: tup
             entry["data_offsets"], other["data_offsets"] = other["data_offsets"], entry["data_offsets"]
         elif kind == "shape":
             shape = entry["shape"]
+            # Only the chosen change is computed: an earlier mutation may have left a shape that
+            # another change cannot take (``[None]`` has a reverse but no product).
             entry["shape"] = {
-                "reverse": shape[::-1],
-                "flat": [int(torch.tensor(shape).prod())],
-                "grow": [shape[0] + 1, *shape[1:]],
-                "shrink": [shape[0] - 1, *shape[1:]],
-            }[arg[1]]
+                "reverse": lambda: shape[::-1],
+                "flat": lambda: [math.prod(shape)],
+                "grow": lambda: [shape[0] + 1, *shape[1:]],
+                "shrink": lambda: [shape[0] - 1, *shape[1:]],
+            }[arg[1]]()
         elif kind == "dtype":
             entry["dtype"] = arg[1]
         elif kind == "drop":
