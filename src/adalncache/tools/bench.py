@@ -780,7 +780,7 @@ def bench_build_latency(res: Results, runs: int, directory: Path, device: torch.
             res.add(
                 Comparison(
                     f"build() of a fully resident {t.plans}-plan request", "build()", "1 ms", t.ours, [1e-3], 1.0,
-                    note=f"{per_plan}; {len(source.files)} checkpoint files re-statted per call",
+                    note=f"{per_plan}; the hit path stats none of the {len(source.files)} checkpoint files",
                 )
             )  # fmt: skip
 
