@@ -349,7 +349,11 @@ def entry(
                 result = {"ok": False, "traceback": traceback.format_exc()}
             torch.save(result, Path(out) / f"{name}-{rank}.pt")
             if name == "death":
-                return  # the group lost a member: no barrier, no orderly teardown is possible
+                # The group lost a member: no barrier, no orderly teardown is possible. Tearing the
+                # broken gloo group down (or leaving it to interpreter exit) can abort the process
+                # ("terminate called without an active exception") after its result is saved, so
+                # the survivor leaves at once.
+                os._exit(0)
             dist.barrier()  # scenarios start together, so one's collectives never meet another's
     finally:
         with contextlib.suppress(Exception):
