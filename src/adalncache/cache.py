@@ -534,7 +534,9 @@ class AdalnCache(SlabReads):
                 autocast=identity.autocast,
             )  # fmt: skip
             self._pool.clear()
-            # The host tier held rows of the old device; a new one (pinned for CUDA) holds the new one's.
+            # The host tier held rows of the old device; a new one (pinned for CUDA) holds the new
+            # one's, and the old arena (page-locked for a GPU) is given back now.
+            self._tiers.release()
             self._tiers = TierChain.open(
                 self.spec, self.source, host_cache_bytes=self.host_cache_bytes, store=self._tiers.store,
                 device=target, collective=self._dist, stats=self.stats,
