@@ -104,10 +104,9 @@ class TierChain:
         device: torch.device,
         collective: Collective,
         stats: CacheStats,
-        tables: TablesArg | TablesTier | None = None,
+        tables: TablesArg | None = None,
     ) -> TierChain:
-        """The host tier (``host_cache_bytes > 0``), the store (``store=``) and table files (``tables=``,
-        paths, or the tier of a cache that moved)."""
+        """The host tier (``host_cache_bytes > 0``), the store (``store=``) and table files (``tables=``)."""
         cuda = device.type == "cuda"
         host = HostTier(spec, host_cache_bytes, pin=cuda, device=device) if host_cache_bytes > 0 else None
         if store is not None and not getattr(source, "persistent", True):
@@ -119,7 +118,7 @@ class TierChain:
                 f"CHECKPOINT), or drop store= (--store)"
             )
         opened = None if store is None else store if isinstance(store, Store) else Store(store)
-        files = tables if tables is None or isinstance(tables, TablesTier) else TablesTier(tables, spec)
+        files = None if tables is None else TablesTier(tables, spec)
         return cls(spec, host, opened, collective, stats, files)
 
     def lookup(self, missing: Sequence[PlanKey], *, identity: Binder, faults: FaultPoints) -> Restored:

@@ -17,32 +17,23 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ...errors import AdalnCacheError, ConfigError
-from .modules import CASTING_HOOK, base_linear
+from .modules import base_linear, casting_hook
 
 
 def casting_compute_dtype(module: Any) -> Any:
-    """The compute dtype of the casting hook on ``module`` or a submodule, or None.
+    """The compute dtype of the casting hook on ``module``'s linear, or None.
 
     A rebuild pass runs the projection beneath every hook (:func:`~.modules.bypassing_hooks`), so
     it applies the cast itself: the hook's pre-forward is ``module.to(dtype=compute_dtype)``, the
     same ``Tensor.to`` of each parameter.
     """
-    for submodule in module.modules():
-        registry = getattr(submodule, "_diffusers_hook", None)
-        hook = registry.get_hook(CASTING_HOOK) if registry is not None else None
-        if hook is not None:
-            return hook.compute_dtype
-    return None
+    hook = casting_hook(module)
+    return hook.compute_dtype if hook is not None else None
 
 
 def casting_paths(named: Sequence[tuple[str, Any]]) -> frozenset[str]:
     """The paths among ``named`` (``(path, module)`` pairs) whose linear carries a casting hook."""
-    found = []
-    for path, module in named:
-        registry = getattr(base_linear(module), "_diffusers_hook", None)
-        if registry is not None and registry.get_hook(CASTING_HOOK) is not None:
-            found.append(path)
-    return frozenset(found)
+    return frozenset(path for path, module in named if casting_hook(module) is not None)
 
 
 def new_casting(named: Sequence[tuple[str, Any]], at_enable: frozenset[str]) -> None:
@@ -66,11 +57,9 @@ def settle_casting(named: Sequence[tuple[str, Any]], at_enable: frozenset[str]) 
     for path, module in named:
         if path in at_enable:
             continue
-        base = base_linear(module)
-        registry = getattr(base, "_diffusers_hook", None)
-        hook = registry.get_hook(CASTING_HOOK) if registry is not None else None
+        hook = casting_hook(module)
         if hook is not None:
-            base.to(dtype=hook.storage_dtype, non_blocking=hook.non_blocking)
+            base_linear(module).to(dtype=hook.storage_dtype, non_blocking=hook.non_blocking)
 
 
 def casting_guard(

@@ -186,6 +186,12 @@ def check_materialised(model: nn.Module, spec: ModulationSpec) -> None:
                 )
 
 
+def casting_hook(module: nn.Module) -> Any:
+    """diffusers' layerwise-casting hook on this projection's (base) linear, or None."""
+    registry = getattr(base_linear(module), "_diffusers_hook", None)
+    return registry.get_hook(CASTING_HOOK) if registry is not None else None
+
+
 def stock_dtype(module: nn.Module) -> torch.dtype:
     """The dtype diffusers' ``get_parameter_dtype`` gives ``module`` in the stock (unparked) model.
 
@@ -197,11 +203,9 @@ def stock_dtype(module: nn.Module) -> torch.dtype:
     """
     from diffusers.models.modeling_utils import get_parameter_dtype
 
-    for submodule in module.modules():  # as get_parameter_dtype: a casting hook's compute dtype first
-        registry = getattr(submodule, "_diffusers_hook", None)
-        hook = registry.get_hook(CASTING_HOOK) if registry is not None else None
-        if hook is not None:
-            return hook.compute_dtype  # type: ignore[no-any-return]
+    hook = casting_hook(module)  # as get_parameter_dtype: a casting hook's compute dtype first
+    if hook is not None:
+        return hook.compute_dtype  # type: ignore[no-any-return]
     base = base_linear(module)
     for name in ("weight", "bias"):  # nn.Linear's parameter order; quantized weights are not floating
         tensor = getattr(base, name, None)

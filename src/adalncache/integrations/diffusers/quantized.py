@@ -35,9 +35,9 @@ from ... import TensorSource
 from ...errors import ConfigError
 from ...spec import FINAL, Layer, ModulationSpec
 from .modules import (
-    CASTING_HOOK,
     DIFFUSERS_LAYOUT,
     base_linear,
+    casting_hook,
     projection_module,
     projection_path,
     time_embedder_linears,
@@ -86,12 +86,6 @@ def quantization_of(module: nn.Module) -> str | None:
         return None
     cls = type(weight)
     return _library(cls) or f"tensor subclass {cls.__module__}.{cls.__qualname__}"
-
-
-def casting_hook(module: nn.Module) -> Any:
-    """diffusers' layerwise-casting hook on this projection's linear, or None."""
-    registry = getattr(base_linear(module), "_diffusers_hook", None)
-    return registry.get_hook(CASTING_HOOK) if registry is not None else None
 
 
 @dataclass(frozen=True)
