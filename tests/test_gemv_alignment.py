@@ -14,9 +14,6 @@ on any CPU when a path projects from a copy at another alignment), and the outpu
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +32,7 @@ from adalncache.plans import minimax_h3_plans
 from adalncache.source.writer import write_safetensors
 from adalncache.spec import FINAL, LAYOUTS
 from adalncache.tools.tiny import make_request, native_state_dict, run_loop, tiny_transformer
+from compose_helpers import gemv_residues
 
 STEPS = 4  # t2va: the first forward is a plan of one timestep (M=1)
 RESIDENT = 8  # where the resident model's served tensors sit modulo 64: not 16-byte aligned
@@ -80,24 +78,6 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         )
         out[precision], out[f"native-{precision}"] = directory, native
     return out
-
-
-@contextmanager
-def gemv_residues() -> Iterator[Counter[tuple[tuple[int, ...], int]]]:
-    """Count every fp32 ``F.linear`` with one row by (weight shape, weight address modulo 64)."""
-    seen: Counter[tuple[tuple[int, ...], int]] = Counter()
-    linear = torch.nn.functional.linear
-
-    def traced(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if x.dim() == 2 and x.shape[0] == 1 and weight.dtype == torch.float32:
-            seen[(tuple(weight.shape), weight.data_ptr() % 64)] += 1
-        return linear(x, weight, bias)
-
-    torch.nn.functional.linear = traced
-    try:
-        yield seen
-    finally:
-        torch.nn.functional.linear = linear
 
 
 def _stock(files: dict[str, Path], precision: str) -> Any:
