@@ -429,7 +429,7 @@ class AdalnCacheHandle:
         the device the forward runs on (its timestep's), which the cache follows; the hook
         releases the hold when the forward returns.
         """
-        if device.type == "cpu":
+        if device.type == "cpu" and getattr(self.model, "_hf_hook", None) is not None:
             # A CPU tensor reports "cpu" even when the forward runs on "cpu:0" (accelerate's model
             # offload with device="cpu"), whose .to() gave the weights fresh addresses: follow the
             # device the hook names, as prepare() does, so a build here projects like the model.
