@@ -546,8 +546,11 @@ def _resident_files(files: _Files, config: Any) -> _Files:
     try:
         return _model_files(where, "diffusers")
     except CheckpointError as exc:
-        logger.warning("load_transformer: the diffusers weights next to config= cannot be read (%s); "
-                       "the served fp32 weights keep the native files' alignment", exc)  # fmt: skip
+        logger.warning(
+            "load_transformer: the diffusers weights next to config= cannot be read (%s); the served fp32 "
+            "weights keep the native files' alignment",
+            exc,
+        )
         return files
 
 
