@@ -6,6 +6,9 @@ cache as without it, under the same other settings, over a whole request (and af
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,3 +101,25 @@ def hook_names(model: Any) -> list[tuple[str, str]]:
         registry = getattr(module, "_diffusers_hook", None)
         out += [(name, hook) for hook in sorted(getattr(registry, "hooks", None) or {})]
     return out
+
+
+@contextmanager
+def gemv_residues() -> Iterator[Counter[tuple[tuple[int, ...], int]]]:
+    """Count every fp32 ``F.linear`` with one row by (weight shape, weight address modulo 64).
+
+    On some CPUs such a GEMV's bits depend on the weight's address modulo 16: a build whose GEMVs
+    used other residues than the resident forward's would differ there, so comparing the counts
+    catches it on any CPU."""
+    seen: Counter[tuple[tuple[int, ...], int]] = Counter()
+    linear = torch.nn.functional.linear
+
+    def traced(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if x.dim() == 2 and x.shape[0] == 1 and weight.dtype == torch.float32:
+            seen[(tuple(weight.shape), weight.data_ptr() % 64)] += 1
+        return linear(x, weight, bias)
+
+    torch.nn.functional.linear = traced
+    try:
+        yield seen
+    finally:
+        torch.nn.functional.linear = linear

@@ -27,6 +27,7 @@ from adalncache.diffusers import adaln_cache_handle, enable_adaln_cache, load_tr
 from adalncache.errors import ConfigError
 from adalncache.tools.deploy import OnloadMeter, drop_cached, resident_served_bytes, weight_files
 from adalncache.tools.tiny import make_request, run_loop
+from compose_helpers import gemv_residues
 
 STEPS = 4
 CPU = torch.device("cpu")
@@ -131,9 +132,21 @@ def test_accelerate_model_offload_hook_is_exact(tiny_saved_root: Path) -> None:
     assert adaln_cache_handle(model).stats.passes == 1  # type: ignore[union-attr]
 
 
-def test_model_cpu_offload_of_a_diffusion_pipeline_is_exact(tiny_saved_root: Path) -> None:
+@pytest.mark.parametrize("prepared", [True, False], ids=["prepared", "built-in-forward"])
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_model_cpu_offload_of_a_diffusion_pipeline_is_exact(
+    tiny_saved_root: Path, precision: str, prepared: bool
+) -> None:
     """DiffusionPipeline.enable_model_cpu_offload (the MiniMax-H3 modular pipeline has none; a
-    minimal pipeline holding the transformer stands in). device='cpu': no accelerator here."""
+    minimal pipeline holding the transformer stands in). device='cpu': no accelerator here.
+
+    The reference is the stock model under the same offload: accelerate moves the model with
+    ``.to("cpu:0")`` before each forward, which copies every weight to a fresh 64-byte-aligned
+    allocation, and t2va's first step runs the fp32 time embedder (and an fp32 model's
+    projections) as one-row GEMVs, whose bits depend on the weight's address modulo 16 on some
+    CPUs; the model not offloaded keeps its weights at the file's offsets and is not bit-identical
+    to the offloaded one there. The cache's build (prepared, or on the spot in the first forward)
+    must project from weights where the offloaded model holds them."""
     from diffusers import DiffusionPipeline
 
     class TransformerOnly(DiffusionPipeline):  # type: ignore[misc]
@@ -143,13 +156,22 @@ def test_model_cpu_offload_of_a_diffusion_pipeline_is_exact(tiny_saved_root: Pat
             super().__init__()
             self.register_modules(transformer=transformer)
 
-    reference = _stock(tiny_saved_root)
-    request = make_request(reference, "t2va", STEPS, seed=5)
-    expected = run_loop(reference, request)
-    pipe = TransformerOnly(load_transformer(tiny_saved_root / "bf16", torch_dtype=torch.bfloat16))
+    dtype = torch.bfloat16 if precision == "bf16" else None
+    reference = TransformerOnly(
+        MiniMaxH3Transformer3DModel.from_pretrained(tiny_saved_root / precision, torch_dtype=dtype)
+    )
+    reference.enable_model_cpu_offload(device="cpu")
+    request = make_request(reference.transformer, "t2va", STEPS, seed=5)
+    with gemv_residues() as expected_gemvs:
+        expected = run_loop(reference.transformer, request)
+    pipe = TransformerOnly(load_transformer(tiny_saved_root / precision, torch_dtype=dtype))
     pipe.enable_model_cpu_offload(device="cpu")
-    adaln_cache_handle(pipe.transformer).prepare(request.plans)  # type: ignore[union-attr]
-    assert run_loop(pipe.transformer, request).equal(expected)
+    with gemv_residues() as gemvs:
+        if prepared:
+            adaln_cache_handle(pipe.transformer).prepare(request.plans)  # type: ignore[union-attr]
+        cached = run_loop(pipe.transformer, request)
+    assert cached.equal(expected)
+    assert gemvs == expected_gemvs  # the build's one-row GEMVs (the loop's own run none)
 
 
 def test_offloading_with_accelerate_before_enabling_is_refused_with_advice(tiny_saved_root: Path) -> None:

@@ -429,6 +429,12 @@ class AdalnCacheHandle:
         the device the forward runs on (its timestep's), which the cache follows; the hook
         releases the hold when the forward returns.
         """
+        if device.type == "cpu" and getattr(self.model, "_hf_hook", None) is not None:
+            # A CPU tensor reports "cpu" even when the forward runs on "cpu:0" (accelerate's model
+            # offload with device="cpu"), whose .to() gave the weights fresh addresses: follow the
+            # device the hook names, as prepare() does, so a build here projects like the model.
+            named = execution_device(self.model)
+            device = named if named is not None and named.type == "cpu" else device
         self._follow(device)
         scale = lora_scale_of(attention_kwargs)
         tuners, variant, refs = self._signature(scale)
@@ -562,8 +568,8 @@ class AdalnCacheHandle:
             return F.linear(x, weight, bias)
         module = projection_module(self.model, layer)
         base = base_linear(module)
-        weight = self._parking.at_model_residue(layer, "weight", weight)
-        bias = self._parking.at_model_residue(layer, "bias", bias)
+        weight = self._parking.at_model_residue(layer, "weight", weight, self.device)
+        bias = self._parking.at_model_residue(layer, "bias", bias, self.device)
         compute = casting_compute_dtype(module)
         if compute is not None:  # the layerwise-casting hook, bypassed below, would cast them so
             weight, bias = weight.to(compute), bias.to(compute)

@@ -235,7 +235,7 @@ def load_transformer(
         model.hf_device_map = dict(hf_device_map or {})
     model.register_to_config(_name_or_path=path)  # as given, like from_pretrained
     model.eval()
-    residues = _stock_residues(files, served, placeholders, target)
+    residues = _stock_residues(_resident_files(files, config), files, served, placeholders, target)
     enable_transformer(model, handle_config, never_loaded=NeverLoaded(cache.source, cache, residues, target))
     logger.info(
         "load_transformer: %s loaded without its AdaLN projections (%.1f MB never read), cache enabled on %s",
@@ -527,20 +527,54 @@ def _move_buffers(model: Any, device: torch.device) -> None:
                 module._buffers[name] = buffer.to(device)
 
 
+def _resident_files(files: _Files, config: Any) -> _Files:
+    """The weight files the resident model is loaded from, whose offsets its fp32 weights keep.
+
+    For the diffusers layout these are the model files themselves. A native checkpoint is loaded
+    next to a diffusers config; when ``config=`` names a directory that also holds the diffusers
+    weight files, ``from_pretrained(config)`` is the stock model, and its weights sit at *those*
+    files' offsets, which need not equal the native files' modulo 16 (an fp32 GEMV's bits can
+    depend on it). Otherwise the native files themselves.
+    """
+    if files.layout.name != "native" or config is None or isinstance(config, Mapping):
+        return files
+    where = Path(config)
+    if where.is_file():
+        where = where.parent
+    if not ((where / DIFFUSERS_INDEX).is_file() or (where / DIFFUSERS_WEIGHTS).is_file()):
+        return files
+    try:
+        return _model_files(where, "diffusers")
+    except CheckpointError as exc:
+        logger.warning(
+            "load_transformer: the diffusers weights next to config= cannot be read (%s); the served fp32 "
+            "weights keep the native files' alignment",
+            exc,
+        )
+        return files
+
+
 def _stock_residues(
-    files: _Files, served: Mapping[str, tuple[str, str]], placeholders: Mapping[str, torch.Tensor], device: torch.device
+    resident: _Files,
+    files: _Files,
+    served: Mapping[str, tuple[str, str]],
+    placeholders: Mapping[str, torch.Tensor],
+    device: torch.device,
 ) -> dict[str, int]:
-    """Where a stock load would put each never-loaded tensor, modulo 64 bytes.
+    """Where a stock load of ``resident`` would put each never-loaded tensor, modulo 64 bytes.
 
     On a CPU, a tensor loaded in its file's dtype stays a view of the mapped file, at its file
-    offset; anything cast, or copied to an accelerator, is a fresh, aligned allocation.
+    offset; anything cast, or copied to an accelerator, is a fresh, aligned allocation. A tensor
+    ``resident`` lacks (or holds in another shape) takes its offset in the model ``files``.
     """
     residues: dict[str, int] = {}
     for key, (model_key, _) in served.items():
         meta = placeholders.get(model_key)
         if meta is None:
             continue
-        found = files.entry(key)
+        found = resident.entry(model_key if resident.layout.name == "diffusers" else key)
+        if found is None or tuple(found[1].shape) != tuple(meta.shape):
+            found = files.entry(key)
         if device.type == "cpu" and found is not None and found[1].torch_dtype == meta.dtype:
             residues[model_key] = found[1].begin % RESIDUE_BYTES
         else:

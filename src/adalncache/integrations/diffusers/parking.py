@@ -259,19 +259,25 @@ class WeightParking:
 
     # ------------------------------------------------------------------ lending
 
-    def at_model_residue(self, layer: Layer, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor``, or an aligned copy of it when the model held it elsewhere modulo 64 bytes.
+    def at_model_residue(self, layer: Layer, name: str, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """``tensor``, or an aligned copy of it when the model holds it elsewhere modulo 64 bytes on ``device``.
 
         A checkpoint maps its tensors at the file's offsets, which need not be where the resident
         model kept them (say a model built in memory and served from its ``save_pretrained`` file),
         so an fp32 or fp16 weight on CPU is copied to the model's residue. bf16 showed no such effect
         at any M and is used as it is (no copy of the whole projection stack per pass).
+        ``device`` is where the forward runs: a model run on an indexed CPU device (``"cpu:0"``,
+        accelerate's model offload with ``device="cpu"``) is moved there with ``.to()``, which copies
+        every CPU tensor to a fresh, 64-byte-aligned allocation, so that is where it holds them then
+        (the time embedder's loan is such a ``.to()`` too).
         """
         if tensor.device.type != "cpu" or tensor.dtype not in (torch.float32, torch.float16):
             return tensor
         if not is_plain_tensor(tensor):
             return tensor  # quantized: projected by the module's own kernels, used as the model holds it
         residue = self._residues.get((layer, name))
+        if residue is not None and device.type == "cpu" and device != tensor.device:
+            residue = 0
         if residue is None or tensor.data_ptr() % RESIDUE_BYTES == residue:
             return tensor
         copy = aligned_empty(tensor.shape, tensor.dtype, residue, device=tensor.device)
