@@ -35,6 +35,7 @@ from ...errors import ConfigError, PlanError
 from ...holds import PlanHold
 from ...plans import PlanKey, plan_key
 from ...spec import FINAL, ModulationSpec
+from .compat import get_hook, hook_names, hook_registry
 from .compile import CompiledCall, ServedBlocks
 from .modules import TIME_EMBEDDER, base_linear, forward_argument, modulation_modules, projection_path
 
@@ -180,15 +181,13 @@ class AdalnCacheTimeEmbedderHook(ModelHook):
 
 def remove_hook(module: nn.Module, name: str) -> None:
     """Remove hook ``name`` from ``module`` if it is there."""
-    registry = getattr(module, "_diffusers_hook", None)
-    if registry is not None and registry.get_hook(name) is not None:
-        registry.remove_hook(name, recurse=False)
+    if get_hook(module, name) is not None:
+        hook_registry(module).remove_hook(name, recurse=False)
 
 
 def unhooked(module: nn.Module, hook_name: str) -> Callable[..., Any]:
     """``module``'s forward beneath hook ``hook_name`` (its own, possibly LoRA-wrapped, forward)."""
-    registry = getattr(module, "_diffusers_hook", None)
-    hook = registry.get_hook(hook_name) if registry is not None else None
+    hook = get_hook(module, hook_name)
     if hook is None:
         return module
     return hook.fn_ref.original_forward  # type: ignore[no-any-return]
@@ -197,10 +196,7 @@ def unhooked(module: nn.Module, hook_name: str) -> Callable[..., Any]:
 def other_hooks_present(model: nn.Module) -> bool:
     """Whether a diffusers hook that is not ours sits on any module (it might read ``temb``)."""
     for _, module in model.named_modules():
-        registry = getattr(module, "_diffusers_hook", None)
-        if registry is not None and any(
-            not name.startswith(HOOK_PREFIX) for name in getattr(registry, "_hook_order", [])
-        ):
+        if any(not name.startswith(HOOK_PREFIX) for name in hook_names(module)):
             return True
     return False
 
@@ -262,8 +258,7 @@ class ServingHooks:
         that wrapper (cache-dit replaces ``forward`` this way). Hooks registered after ours through
         the registry are fine: it relinks them.
         """
-        registry = getattr(self.model, "_diffusers_hook", None)
-        order = list(getattr(registry, "_hook_order", []))
+        order = hook_names(self.model)
         if not order or order[-1] != TRANSFORMER_HOOK:
             return False
         return self.model.__dict__.get("forward") is not self._forward

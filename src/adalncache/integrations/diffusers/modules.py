@@ -20,6 +20,7 @@ from torch import nn
 
 from ...errors import ConfigError
 from ...spec import FINAL, LAYOUTS, Layer, ModulationSpec
+from .compat import get_hook, group_offload_enabled, group_onload_device
 
 #: The diffusers layout: its prefixes are the projections' module paths inside the transformer.
 DIFFUSERS_LAYOUT = LAYOUTS["diffusers"]
@@ -145,10 +146,8 @@ def execution_device(model: nn.Module) -> torch.device | None:
     device. Without either, the forward runs where the weights are. ``None`` when nothing tells
     (every weight on meta and no hook naming a device).
     """
-    from diffusers.hooks.group_offloading import _get_group_onload_device, _is_group_offload_enabled
-
-    if _is_group_offload_enabled(model):
-        return torch.device(_get_group_onload_device(model))
+    if group_offload_enabled(model):
+        return group_onload_device(model)
     device = _hook_device(model)
     if device is not None:
         return device
@@ -188,8 +187,7 @@ def check_materialised(model: nn.Module, spec: ModulationSpec) -> None:
 
 def casting_hook(module: nn.Module) -> Any:
     """diffusers' layerwise-casting hook on this projection's (base) linear, or None."""
-    registry = getattr(base_linear(module), "_diffusers_hook", None)
-    return registry.get_hook(CASTING_HOOK) if registry is not None else None
+    return get_hook(base_linear(module), CASTING_HOOK)
 
 
 def stock_dtype(module: nn.Module) -> torch.dtype:
