@@ -59,9 +59,7 @@ PRIVATE_NAMES: dict[str, PrivateName] = {
     for entry in (
         PrivateName(_GROUP, "_is_group_offload_enabled", "whether group offloading is applied", ("module",)),
         PrivateName(_GROUP, "_get_group_onload_device", "where a group-offloaded forward runs", ("module",)),
-        PrivateName(
-            _GROUP, "_get_top_level_group_offload_hook", "the config of applied group offloading", ("module",)
-        ),
+        PrivateName(_GROUP, "_get_top_level_group_offload_hook", "the config of applied group offloading", ("module",)),
         PrivateName(_GROUP, "_apply_group_offloading", "apply lifted group offloading again", ("module", "config")),
         PrivateName(
             _GROUP,
@@ -145,7 +143,9 @@ def group_offloading_config(module: nn.Module) -> Any:
 
 def group_offloading_hook_names() -> Sequence[str]:
     """The names of every hook group offloading registers (removing them all takes it off)."""
-    return tuple(private(key) for key in ("_GROUP_OFFLOADING", "_LAYER_EXECUTION_TRACKER", "_LAZY_PREFETCH_GROUP_OFFLOADING"))
+    return tuple(
+        private(key) for key in ("_GROUP_OFFLOADING", "_LAYER_EXECUTION_TRACKER", "_LAZY_PREFETCH_GROUP_OFFLOADING")
+    )
 
 
 def group_offloading_hook(module: nn.Module) -> Any:
@@ -154,7 +154,7 @@ def group_offloading_hook(module: nn.Module) -> Any:
 
 
 def apply_group_offloading_config(module: nn.Module, config: Any) -> None:
-    """Apply group offloading to ``module`` with ``config`` (one read off a model by :func:`group_offloading_config`)."""
+    """Apply group offloading to ``module`` with ``config`` (as :func:`group_offloading_config` read it)."""
     private("_apply_group_offloading")(module, config)
 
 

@@ -1,4 +1,4 @@
-"""The ``tables`` section of ``adalncache bench``: what content identity and table files cost and save.
+"""The ``tables`` section: what content identity and table files cost and save.
 
 For one request (the 49 distinct plans of a 50-step t2va request by default), at the real widths:
 
@@ -14,62 +14,55 @@ from __future__ import annotations
 
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..cache import AdalnCache
-from ..export import export_tables
-from ..plans import plan_key
-from ..tiers.digests import forget_process_memo
+from ...cache import AdalnCache
+from ...export import export_tables
+from ...plans import plan_key
+from ...tiers.digests import forget_process_memo
+from .primitives import sync_device
+from .results import Comparison, Results
+from .workload import make_inputs
 
 
-def bench_tables(
-    res: Any,
-    source: Any,
-    plans: list[torch.Tensor],
-    runs: int,
-    device: torch.device,
-    *,
-    inputs: dict[tuple[int, ...], torch.Tensor],
-    compare: Callable[..., Any],
-    sync: Callable[[torch.device], None],
-) -> None:
-    """Hashing on top of a pass; hashing read, store hit and table hit against a pass (module docstring).
-
-    ``res``, ``compare``, ``inputs`` and ``sync`` are the benchmark's results, its comparison type,
-    the request's projection inputs and its device sync (passed in: the benchmark imports this module).
-    """
+def bench_tables(res: Results, source: Any, plans: list[torch.Tensor], runs: int, device: torch.device) -> None:
+    """Hashing on top of a pass; hashing read, store hit and table hit against a pass (module docstring)."""
     spec = source.spec
-    Comparison = compare
+    inputs = make_inputs(spec, plans, device)
 
-    def _timed_build(
-        cache: AdalnCache, todo: list[torch.Tensor], embed: Any, device: torch.device
-    ) -> tuple[float, Any]:
-        sync(device)
+    def timed_build(cache: AdalnCache, todo: list[torch.Tensor]) -> tuple[float, Any]:
+        sync_device(device)
         start = time.perf_counter()
         report = cache.build(todo, embed=embed)
-        sync(device)
+        sync_device(device)
         return time.perf_counter() - start, report
 
     def embed(plan: torch.Tensor) -> torch.Tensor:
         return inputs[plan_key(plan)]
 
     def cache(**kwargs: Any) -> AdalnCache:
-        return AdalnCache(spec, kwargs.pop("source", source), max_plans=len(plans), max_plan_width=4,
-                          progress=False, device=device, **kwargs)  # fmt: skip
+        return AdalnCache(
+            spec,
+            kwargs.pop("source", source),
+            max_plans=len(plans),
+            max_plan_width=4,
+            progress=False,
+            device=device,
+            **kwargs,
+        )
 
     source.keep_buffers = True
-    _timed_build(cache(), plans[:1], embed, device)  # fills the read buffers and the page cache
+    timed_build(cache(), plans[:1])  # fills the read buffers and the page cache
     hashed: list[float] = []
     plain: list[float] = []
     for run in range(runs):
         for kind in ("hashed", "plain") if run % 2 == 0 else ("plain", "hashed"):
             if kind == "hashed":
                 forget_process_memo()  # a cold process: the digest is learnt by this pass
-            seconds, report = _timed_build(cache(), plans, embed, device)
+            seconds, report = timed_build(cache(), plans)
             assert report.passes == 1
             want = spec.projection_bytes if kind == "hashed" else 0
             if report.hashed_bytes != want:
@@ -79,10 +72,15 @@ def bench_tables(
     res.values["tables_pass_plain_s"] = plain
     res.add(
         Comparison(
-            f"hashing during a pass, {len(plans)} plans", "pass + BLAKE3", "pass", hashed, plain, 1.05,
+            f"hashing during a pass, {len(plans)} plans",
+            "pass + BLAKE3",
+            "pass",
+            hashed,
+            plain,
+            1.05,
             note="alternating runs; the digest is learnt once per file identity, later passes hash nothing",
         )
-    )  # fmt: skip
+    )
     reads = []
     for _ in range(runs):
         forget_process_memo()
@@ -93,10 +91,10 @@ def bench_tables(
     res.add(Comparison("hashing-only read (a copied checkpoint's one read)", "hash read", "pass", reads, plain))
     with tempfile.TemporaryDirectory(prefix="adalncache-bench-tables-") as tmp:
         store, table = Path(tmp) / "store", Path(tmp) / "tables.safetensors"
-        _timed_build(cache(store=store), plans, embed, device)
+        timed_build(cache(store=store), plans)
         hits = []
         for _ in range(runs):
-            seconds, report = _timed_build(cache(store=store), plans, embed, device)
+            seconds, report = timed_build(cache(store=store), plans)
             if report.store_hits != len(plans):
                 res.note(f"tables: a store run hit {report.store_hits} of {len(plans)} plans")
             hits.append(seconds)
@@ -105,16 +103,20 @@ def bench_tables(
         res.values["tables_file_bytes"] = table.stat().st_size
         served = []
         for _ in range(runs):
-            seconds, report = _timed_build(cache(source=None, tables=table), plans, embed, device)
+            seconds, report = timed_build(cache(source=None, tables=table), plans)
             if report.table_hits != len(plans):
                 res.note(f"tables: a table-file run hit {report.table_hits} of {len(plans)} plans")
             served.append(seconds)
         res.add(
             Comparison(
-                f"table-file hit vs pass, {len(plans)} plans", "table hit", "pass", served, plain,
+                f"table-file hit vs pass, {len(plans)} plans",
+                "table hit",
+                "pass",
+                served,
+                plain,
                 note=f"bound file of {table.stat().st_size / 2**20:.0f} MiB, no weight source",
             )
-        )  # fmt: skip
+        )
 
 
 __all__ = ["bench_tables"]
