@@ -31,13 +31,14 @@ import torch
 from diffusers.hooks.hooks import HookRegistry, ModelHook
 from torch import nn
 
-from ...errors import ConfigError, PlanError
+from ...errors import ConfigError
 from ...holds import PlanHold
 from ...plans import PlanKey, plan_key
 from ...spec import FINAL, ModulationSpec
 from .compat import get_hook, hook_names, hook_registry
 from .compile import CompiledCall, ServedBlocks
-from .modules import TIME_EMBEDDER, base_linear, forward_argument, modulation_modules, projection_path
+from .minimax_h3 import TIME_EMBEDDER, forward_plan, modulation_modules, projection_path
+from .modules import base_linear, forward_argument
 
 if TYPE_CHECKING:
     from ... import AdalnCache
@@ -126,15 +127,7 @@ class AdalnCacheTransformerHook(ModelHook):
         ``torch.compile(model)`` dynamo would otherwise break the graph at every host read and
         dictionary lookup in here.
         """
-        timestep = forward_argument(module, "timestep", args, kwargs)
-        if not isinstance(timestep, torch.Tensor):
-            raise PlanError(f"the AdaLN cache needs the forward's timestep tensor, got {type(timestep).__name__}")
-        if timestep.dtype != torch.float32 or timestep.dim() != 1:
-            # Converting here would build tables for other timestep values than time_proj will see.
-            raise PlanError(
-                f"the AdaLN cache serves 1-D float32 timesteps (MiniMax-H3's distinct timesteps of the step), got "
-                f"shape {tuple(timestep.shape)} and dtype {timestep.dtype}; pass timestep as a 1-D float32 tensor"
-            )
+        timestep = forward_plan(module, args, kwargs)
         # The one device-to-host read of the plan this forward makes: keys, lookups and the build all
         # use this host copy (embed moves it back to the device; the values are the same bits).
         plan = timestep.detach().to("cpu")

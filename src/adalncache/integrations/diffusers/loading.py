@@ -42,7 +42,7 @@ from ...spec import FINAL, LAYOUTS, KeyLayout, ModulationSpec, get_layout
 from ...tiers.tables import TablesArg
 from .config import AdalnCacheConfig, CacheOptions, CheckpointArg, OnMiss
 from .handle import enable_transformer
-from .modules import DIFFUSERS_LAYOUT
+from .minimax_h3 import DIFFUSERS_LAYOUT
 from .parking import RESIDUE_BYTES
 from .sources import CastCheckpointSource, CheckpointMismatchError, NeverLoaded, Source
 
