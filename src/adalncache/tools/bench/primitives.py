@@ -182,6 +182,13 @@ def naive(source: Any, xs: Sequence[torch.Tensor]) -> float:
     return time.perf_counter() - start
 
 
+def request_cache(source: Any, plans: int, device: torch.device, *, batched: bool = False) -> AdalnCache:
+    """A fresh cache with room for ``plans`` plans of up to 4 timesteps, no progress bar."""
+    return AdalnCache(
+        source.spec, source, max_plans=plans, max_plan_width=4, progress=False, batched=batched, device=device
+    )
+
+
 def one_pass(
     source: Any,
     plans: Sequence[torch.Tensor],
@@ -203,15 +210,7 @@ def one_pass(
     device = device_of(inputs)  # the cache lives where the inputs do
 
     def build(todo: Sequence[torch.Tensor]) -> float:
-        cache = AdalnCache(
-            source.spec,
-            source,
-            max_plans=len(todo),
-            max_plan_width=4,
-            progress=False,
-            batched=batched,
-            device=device,
-        )
+        cache = request_cache(source, len(todo), device, batched=batched)
         sync_device(device)
         start = time.perf_counter()
         report = cache.build(list(todo), embed=lambda p: inputs[plan_key(p)])
@@ -238,15 +237,7 @@ def batched_exactness(
     built = {}
     reports = {}
     for batched in (False, True):
-        cache = AdalnCache(
-            source.spec,
-            source,
-            max_plans=len(plans),
-            max_plan_width=4,
-            progress=False,
-            batched=batched,
-            device=device_of(inputs),
-        )
+        cache = request_cache(source, len(plans), device_of(inputs), batched=batched)
         reports[batched] = cache.build(list(plans), embed=lambda p: inputs[plan_key(p)])
         built[batched] = {plan_key(p): cache.rows_of(plan_key(p)) for p in plans}
     per_plan, stacked = built[False], built[True]
@@ -274,6 +265,7 @@ __all__ = [
     "read_buffer",
     "read_only",
     "read_only_direct",
+    "request_cache",
     "sync_device",
     "tensor_ranges",
 ]
