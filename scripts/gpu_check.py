@@ -1,28 +1,29 @@
 #!/usr/bin/env python3
-"""The prepared device check: the claims only a CUDA device can test, in one short run that always reports.
+"""The device check: the claims only a CUDA device can test, in one short run that always reports.
 
-Run from the repository root (no install and no virtualenv needed: the script puts this tree's
-``src`` first on the path; torch is the only hard requirement, diffusers only for the demo):
+On any machine with a CUDA GPU and a CUDA build of torch, from the repository root (no install
+needed: the script puts this tree's ``src`` first on the path; torch is the only hard
+requirement, diffusers only for the demo, which runs last):
 
-    PYTHONPATH=src python3 scripts/gpu_check.py --out "$OUT"
+    python3 scripts/gpu_check.py
 
-The README's "GPU check" section has the exact command of a device session, with the diffusers
-wheel it carries. ``--device cpu`` runs every check a CPU can run, at the widths given (the test
-suite runs it at small widths, so the script keeps working between device sessions).
+The results go to ``gpu_check_results/gpu_check.json`` (``--out DIR`` for another directory).
+``--device cpu`` runs every check a CPU can run, at the widths given; the test suite runs it at
+small widths, so the script keeps working on machines without a GPU.
 
-Why it is built this way: a device session is short and a run that dies half way must still say
-what it found. Every check runs in its own ``try``; its result is appended to
-``DIR/gpu_check.json`` (rewritten atomically, so a kill leaves the previous version) the moment
-it ends; a watchdog ends a check that hangs and records which one; the demo, the only check that
-needs diffusers, runs last. A check that needs a feature this tree lacks reports
-``"skipped": "<feature> not available"`` instead of failing. Exactness is ``torch.equal``, and
+Why it is built this way: a run that dies half way must still say what it found. Every check
+runs in its own ``try``; its result is appended to ``gpu_check.json`` (rewritten atomically, so a
+kill leaves the previous version) the moment it ends; a watchdog ends a check that hangs and
+records which one; checks still to run after ``--deadline`` seconds are reported as skipped, so a
+run always finishes with a report. A check that cannot run on this machine (no NCCL, an older
+torch) reports ``"skipped"`` with the reason instead of failing. Exactness is ``torch.equal``, and
 every timed region is bracketed by ``torch.cuda.synchronize``. The exit status is 0 when no
 check failed (skipped ones do not fail), 1 when one did, 2 when the watchdog stopped the run.
 
 The checks, in order (``--only`` takes their names):
 
-* ``environment``: versions, what is importable, which optional features this tree has, the work
-  directory's filesystem and whether it takes O_DIRECT (informational);
+* ``environment``: versions, what is importable, the work directory's filesystem and whether it
+  takes O_DIRECT (informational);
 * ``checkpoint``: a checkpoint at the released widths (``--layers`` blocks of 2688 -> 96768, and
   the output layer) written on this machine, and its tensors loaded onto the device by an
   independent reader, as the reference;
@@ -60,9 +61,7 @@ import contextlib
 import ctypes
 import faulthandler
 import gc
-import importlib
 import importlib.util
-import inspect
 import io
 import json
 import logging
@@ -92,9 +91,12 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from adalncache import AdalnCache, CheckpointSource, ModulationSpec, PlanError, plan_key  # noqa: E402
-from adalncache.source import aligned_empty, resident_fraction  # noqa: E402
+from adalncache.hostmem import pinned_bytes  # noqa: E402
+from adalncache.source import aligned_empty  # noqa: E402
 from adalncache.spec import FINAL, Layer  # noqa: E402
-from adalncache.tools.bench import drop_page_cache, generate_checkpoint, read_only  # noqa: E402
+from adalncache.tools.bench.primitives import read_only  # noqa: E402
+from adalncache.tools.bench.workload import generate_checkpoint  # noqa: E402
+from adalncache.tools.measure import cached_fraction, drop_page_cache, proc_status  # noqa: E402
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -175,33 +177,12 @@ def timed(device: torch.device, fn: Callable[[], Any]) -> float:
     return time.perf_counter() - start
 
 
-def proc_status() -> dict[str, int]:
-    """This process's memory counters from /proc (bytes); empty where there is no /proc."""
-    out: dict[str, int] = {}
-    with contextlib.suppress(OSError), open("/proc/self/status") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            if key in ("VmRSS", "RssAnon", "RssFile", "RssShmem", "VmLck", "VmPin", "VmHWM"):
-                out[key] = int(value.split()[0]) * 1024
-    return out
-
-
-def pinned_counter() -> Callable[[], int] | None:
-    """The package's count of page-locked host bytes, where this tree has one.
-
-    Contract looked for: ``adalncache.hostmem.pinned_bytes()``, the bytes currently registered
-    with the CUDA runtime by the package. None where the module or the function is missing.
-    """
-    try:
-        module = importlib.import_module("adalncache.hostmem")
-    except ImportError:
-        return None
-    fn = getattr(module, "pinned_bytes", None)
-    return fn if callable(fn) else None
+#: The memory counters a snapshot reads from /proc/self/status.
+STATUS_KEYS = ("VmRSS", "RssAnon", "RssFile", "RssShmem", "VmLck", "VmPin", "VmHWM")
 
 
 def memory_snapshot(device: torch.device) -> dict[str, Any]:
-    snap: dict[str, Any] = dict(proc_status())
+    snap: dict[str, Any] = dict(proc_status(STATUS_KEYS))
     if device.type == "cuda":
         sync(device)
         snap["reserved"] = torch.cuda.memory_reserved(device)
@@ -212,21 +193,8 @@ def memory_snapshot(device: torch.device) -> dict[str, Any]:
                 host = stats()
                 snap["torch_pinned_owned"] = host.get("allocated_bytes.current")  # in use + cached
                 snap["torch_pinned_active"] = host.get("active_bytes.current")
-    counter = pinned_counter()
-    if counter is not None:
-        snap["package_pinned"] = int(counter())
+    snap["package_pinned"] = pinned_bytes()
     return snap
-
-
-def features() -> dict[str, bool]:
-    """Which optional parts of the serving contract this tree has (checks that need one skip without it)."""
-    build = inspect.signature(AdalnCache.build).parameters
-    return {
-        "acquire": callable(getattr(AdalnCache, "acquire", None)),
-        "build_keys": "keys" in build,
-        "close": callable(getattr(AdalnCache, "close", None)),
-        "pinned_bytes": pinned_counter() is not None,
-    }
 
 
 def importable(name: str) -> bool:
@@ -237,11 +205,6 @@ def importable(name: str) -> bool:
         return importlib.util.find_spec(name) is not None
     except (ImportError, ValueError):
         return False
-
-
-def need(feature: str, what: str) -> None:
-    if not features()[feature]:
-        raise Skipped(f"{what} not available")
 
 
 def filesystem_of(path: Path) -> str:
@@ -274,11 +237,7 @@ def o_direct_works(path: Path) -> bool:
 def cold(files: list[Path]) -> bool:
     """Whether the page cache holds under 10% of every file (mincore), so a pass must read the disk."""
     for path in files:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            resident = resident_fraction(fd, 0, path.stat().st_size)
-        finally:
-            os.close(fd)
+        resident = cached_fraction(path, 0, path.stat().st_size)
         if resident is None or resident >= 0.1:
             return False
     return True
@@ -289,10 +248,11 @@ def forced_cold(files: list[Path], *, whole_machine: bool, drop: bool = True) ->
     """Make the next pass read ``files`` with O_DIRECT; yields how.
 
     Drops the files from the page cache (fadvise; with ``whole_machine``, as root, then the whole
-    page cache with ``drop_caches``: only on a machine lent to this run). Where the sandbox keeps
-    them cached anyway, routes every chunk of the pass to O_DIRECT for the duration, since what is
-    checked is the direct read into the pinned staging buffer, not the cache policy. ``drop``
-    False goes straight to that (how the tests take this path on a machine where dropping works).
+    page cache with ``drop_caches``, on a machine whose whole page cache this run may drop). Where
+    the files stay cached anyway (a container may keep them), routes every chunk of the pass to
+    O_DIRECT for the duration, since what is checked is the direct read into the pinned staging
+    buffer, not the cache policy. ``drop`` False goes straight to that (how the tests take this
+    path on a machine where dropping works).
     """
     if drop:
         drop_page_cache(files)
@@ -514,7 +474,6 @@ def check_environment(ctx: Context) -> dict[str, Any]:
         "capability": list(torch.cuda.get_device_capability(device)) if device.type == "cuda" else None,
         "cpus": os.cpu_count(),
         "importable": {name: importable(name) for name in ("diffusers", "safetensors", "tqdm", "transformers", "peft")},
-        "features": features(),
         "work_dir": str(ctx.work),
         "work_filesystem": filesystem_of(ctx.work),
         "o_direct_on_work_dir": o_direct_works(probe),
@@ -748,13 +707,9 @@ def check_memory(ctx: Context) -> dict[str, Any]:
     released = source.release_buffers()
     gc.collect()
     after_release = memory_snapshot(device)
-    after_close: dict[str, Any] | str
-    if features()["close"]:
-        cache.close()  # type: ignore[attr-defined]
-        gc.collect()
-        after_close = memory_snapshot(device)
-    else:
-        after_close = "skipped: AdalnCache.close not available"
+    cache.close()
+    gc.collect()
+    after_close = memory_snapshot(device)
     del cache
     gc.collect()
     if device.type == "cuda":
@@ -787,7 +742,6 @@ def check_memory(ctx: Context) -> dict[str, Any]:
         "host_rss_growth_mib_pass2_to_6": round(growth("VmRSS") / MiB, 1),
         "host_rss_over_baseline_after_release_mib": round(host_kept / MiB, 1),
         "released_bytes": released,
-        "package_pinned_counter": "available" if pinned_counter() else "skipped: hostmem.pinned_bytes not available",
         "baseline": base,
         "per_pass": passes,
         "after_release_buffers": after_release,
@@ -878,7 +832,6 @@ def check_stream_evict(ctx: Context) -> dict[str, Any]:
 
 
 def check_acquire(ctx: Context) -> dict[str, Any]:
-    need("acquire", "AdalnCache.acquire")
     ckpt = ctx.small()
     device = ctx.device
     sleep = ctx.sleep()
@@ -919,7 +872,6 @@ def check_acquire(ctx: Context) -> dict[str, Any]:
 
 
 def check_threads(ctx: Context) -> dict[str, Any]:
-    need("acquire", "AdalnCache.acquire")
     ckpt = ctx.small()
     device = ctx.device
     plans = make_plans((1, 2, 3), 3, seed=10)
@@ -1132,7 +1084,7 @@ def check_demo(ctx: Context) -> dict[str, Any]:
     try:
         import diffusers  # noqa: F401
     except ImportError as exc:
-        raise Skipped(f"diffusers not importable ({exc}); carry its wheel: see the README's GPU check section") from exc
+        raise Skipped(f"diffusers not importable ({exc}); pip install diffusers==0.42.1 for the demo") from exc
     # What diffusers' MiniMax-H3 pipeline and its fp32-module loading need besides diffusers itself.
     missing = [name for name in ("transformers", "accelerate") if not importable(name)]
     if missing:
@@ -1229,7 +1181,11 @@ def run_check(name: str, fn: Callable[[Context], dict[str, Any]], ctx: Context, 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--out", default="", help="directory for gpu_check.json (written after every check)")
+    parser.add_argument(
+        "--out",
+        default="gpu_check_results",
+        help="directory for gpu_check.json, written after every check (default: gpu_check_results)",
+    )
     parser.add_argument("--dir", default="", help="work directory for the checkpoints (default: a temporary one)")
     parser.add_argument("--layers", type=int, default=4, help="blocks of the real-width checkpoint (default 4)")
     parser.add_argument("--hidden", type=int, default=5376, help="hidden size (default: the released 5376)")

@@ -5,7 +5,7 @@ Layers, lowest first:
 * the runtime core: every module not named below (spec, plans, schedules, source, cache, tiers, ...);
 * the integrations: ``adalncache.integrations`` and its public alias ``adalncache.diffusers``;
 * the command-line shells (``adalncache.cli``, ``adalncache.commands``, ``adalncache.__main__``) and
-  the tools (``adalncache.tools``: tiny models, demo, benchmark).
+  the tools (``adalncache.tools``: tiny models, demo, measurements, and the ``bench`` package).
 
 A module may import its own layer and the layers below it, never one above: a serving process
 then never loads the benchmark, the tiny-model builders or argparse code, and the core never
@@ -13,6 +13,10 @@ depends on diffusers' integration. No import cycle anywhere in the package eithe
 module can be read, tested and changed with only what is below it in mind. Every import counts,
 also one inside a function (it runs when called) or under ``if TYPE_CHECKING:`` (it still ties the
 two modules' designs together).
+
+Inside two packages the same scan checks one more rule each: a section of the benchmark
+(``tools.bench``) imports only the benchmark's shared modules, never another section; and the
+integration's family-neutral modules never import the module that is MiniMax-H3's.
 """
 
 from __future__ import annotations
@@ -189,6 +193,40 @@ def test_no_import_cycles() -> None:
         lines.append(f"cycle among {', '.join(members)}:")
         lines.extend(f"  {edge}" for edge in group)
     assert not found, "import cycles (break each by moving what both sides need below them):\n" + "\n".join(lines)
+
+
+#: The benchmark's shared modules; every other module of ``tools.bench`` is one section.
+BENCH = "adalncache.tools.bench"
+BENCH_SHARED = {f"{BENCH}.{name}" for name in ("results", "report", "workload", "primitives", "sglang", "released")}
+BENCH_DRIVERS = {BENCH, f"{BENCH}.command"}
+
+
+def test_bench_sections_import_only_the_shared_modules() -> None:
+    """A section of the benchmark is read on its own: it imports the shared modules, never another section."""
+    found = modules()
+    sections = {name for name in found if name.startswith(f"{BENCH}.")} - BENCH_SHARED - BENCH_DRIVERS
+    assert {f"{BENCH}.passes", f"{BENCH}.tables", f"{BENCH}.deploy"} <= sections  # the scan sees the package
+    problems = [
+        str(edge)
+        for edge in import_edges()
+        if (edge.target in sections and edge.source not in BENCH_DRIVERS)
+        or (edge.source in BENCH_SHARED and edge.target.startswith(f"{BENCH}.") and edge.target not in BENCH_SHARED)
+    ]
+    assert not problems, "benchmark sections imported by another section or by a shared module:\n" + "\n".join(problems)
+
+
+#: The integration's modules that know nothing of a model family: they never import what is MiniMax-H3's.
+INTEGRATION = "adalncache.integrations.diffusers"
+FAMILY_NEUTRAL = {f"{INTEGRATION}.{name}" for name in ("compat", "modules", "parking", "moving", "requests")}
+
+
+def test_the_family_neutral_integration_modules_know_no_family() -> None:
+    found = modules()
+    assert set(found) >= FAMILY_NEUTRAL and f"{INTEGRATION}.minimax_h3" in found
+    problems = [
+        str(e) for e in import_edges() if e.source in FAMILY_NEUTRAL and e.target == f"{INTEGRATION}.minimax_h3"
+    ]
+    assert not problems, "family-neutral modules importing the MiniMax-H3 module:\n" + "\n".join(problems)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3Transf
 
 from adalncache.diffusers import adaln_cache_handle, enable_adaln_cache, load_transformer
 from adalncache.errors import ConfigError
-from adalncache.tools.deploy import OnloadMeter, drop_cached, resident_served_bytes, weight_files
+from adalncache.tools.measure import OnloadMeter, drop_page_cache, resident_served_bytes, weight_files
 from adalncache.tools.tiny import make_request, run_loop
 from compose_helpers import gemv_residues
 
@@ -108,7 +108,7 @@ def test_accelerate_cpu_offload_reads_no_projection_and_is_exact(tiny_saved_root
     model: Any = load_transformer(tiny_saved_root / "bf16", torch_dtype=torch.bfloat16)
     handle: Any = adaln_cache_handle(model)
     files = weight_files(tiny_saved_root / "bf16")
-    dropped = drop_cached(files)
+    dropped = drop_page_cache(files)
     read_before = handle.source.bytes_read
     cpu_offload(model, execution_device=CPU)
     assert handle.source.bytes_read == read_before

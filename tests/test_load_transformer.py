@@ -24,7 +24,7 @@ from adalncache.diffusers import CacheOptions, adaln_cache_handle, load_transfor
 from adalncache.errors import CheckpointError, ConfigError
 from adalncache.integrations.diffusers import CheckpointMismatchError
 from adalncache.plans import minimax_h3_plans
-from adalncache.tools.deploy import drop_cached, io_read_bytes, resident_served_bytes, served_bytes, weight_files
+from adalncache.tools.measure import drop_page_cache, io_read_bytes, resident_served_bytes, served_bytes, weight_files
 from adalncache.tools.tiny import (
     make_request,
     run_loop,
@@ -201,7 +201,7 @@ def test_the_load_reads_no_served_byte(tmp_path: Path) -> None:
     checkpoint = weight_files(directory)
     assert len(checkpoint) > 1
     served, total = served_bytes(checkpoint)
-    if not drop_cached(checkpoint) or io_read_bytes() is None:
+    if not drop_page_cache(checkpoint) or io_read_bytes() is None:
         pytest.skip("this filesystem keeps the files cached (or /proc/self/io is missing): nothing to measure")
     before = io_read_bytes()
     model = load_transformer(directory, torch_dtype=torch.bfloat16)
@@ -213,7 +213,7 @@ def test_the_load_reads_no_served_byte(tmp_path: Path) -> None:
     assert resident_served_bytes(checkpoint) == 0
     del model, param  # a live view keeps its mapping, whose pages cannot be dropped
 
-    assert drop_cached(checkpoint)
+    assert drop_page_cache(checkpoint)
     MiniMaxH3Transformer3DModel.from_pretrained(directory, torch_dtype=torch.bfloat16)
     assert resident_served_bytes(checkpoint) > served // 2  # the stock load reads them
 

@@ -21,7 +21,15 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from adalncache import AdalnCache, CheckpointSource, ConfigError, ModulationSpec, PlanNotCachedError, plan_key
+from adalncache import (
+    AdalnCache,
+    CheckpointSource,
+    ConfigError,
+    ModulationSpec,
+    PlanError,
+    PlanNotCachedError,
+    plan_key,
+)
 from adalncache.cli import main
 from adalncache.embedding import time_embed_fn
 from adalncache.export import export_tables
@@ -86,10 +94,6 @@ def _resident_rows(model: Any, plan: torch.Tensor) -> tuple[torch.Tensor, torch.
         blocks = [b.adaln_proj.linear(x.to(b.adaln_proj.linear.weight.dtype)) for b in model.transformer_blocks]
         final = model.norm_out.linear(x.to(model.norm_out.linear.weight.dtype))
     return torch.stack(blocks, dim=1), final
-
-
-def _no_embed(plan: torch.Tensor) -> torch.Tensor:
-    raise AssertionError("a table hit must not compute the projections' input")
 
 
 @pytest.fixture
@@ -160,9 +164,10 @@ def test_bound_export_round_trips_and_serves_with_no_weights(
     assert table.content == AdalnCache(spec, source, max_plans=1).identify()
     # A bound bf16 file with a model_variant is an SGLang file as well.
     sglang_load(out, num_layers=spec.num_layers, hidden_size=spec.hidden_size, model_variant="ref2va")
-    # Served with no weights at all: every plan from the file, bit for bit the resident model's.
+    # Served with no weights at all: every plan from the file, bit for bit the resident model's. No
+    # pass can run there, so build() needs no embed=.
     cache = AdalnCache(spec, None, max_plans=8, max_plan_width=4, tables=out)
-    report = cache.build(plans, embed=_no_embed)
+    report = cache.build(plans)
     distinct = len({plan_key(p) for p in plans})
     assert (report.table_hits, report.passes, report.bytes_read) == (distinct, 0, 0)
     for p in plans:
@@ -175,10 +180,13 @@ def test_bound_export_round_trips_and_serves_with_no_weights(
     other = minimax_h3_plans("t2va", 6)[1]
     resident = cache.resident_plans
     with pytest.raises(PlanNotCachedError, match="not in the table files") as info:
-        cache.build([other], embed=_no_embed)
+        cache.build([other])
     assert str(out) in str(info.value) and "checkpoint=" in str(info.value) and "adalncache export" in str(info.value)
     assert cache.resident_plans == resident
     cache.check_invariants()
+    # With a weight source a pass may run: embed= stays required, refused before anything changes.
+    with pytest.raises(PlanError, match="needs embed="):
+        AdalnCache(spec, source, max_plans=8, max_plan_width=4, tables=out).build([other])
     # inspect shows the format, the plans and the binding, and checks every slot digest.
     assert main(["inspect", str(out)]) == 0
     shown = capsys.readouterr().out

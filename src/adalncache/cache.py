@@ -325,12 +325,15 @@ class AdalnCache(SlabReads):
         self,
         plans: Sequence[torch.Tensor],
         *,
-        embed: EmbedFn,
+        embed: EmbedFn | None = None,
         project: ProjectFn | None = None,
         variant: Hashable = None,
         keys: Sequence[PlanKey] | None = None,
     ) -> BuildReport:
         """Make every plan of ``plans`` resident (see :mod:`adalncache.transaction` for the order).
+
+        ``embed``: the projections' input for a plan; a cache with no weight source (table files
+        only) builds without it, since no pass can run there.
 
         ``keys``: ``plan_key`` of each plan, computed once per request by the caller, so the hit
         path does not key the plans again (the keys of plans that must be built are re-checked).
@@ -346,7 +349,7 @@ class AdalnCache(SlabReads):
         self,
         plans: Sequence[torch.Tensor],
         *,
-        embed: EmbedFn,
+        embed: EmbedFn | None = None,
         project: ProjectFn | None = None,
         variant: Hashable = None,
         keys: Sequence[PlanKey] | None = None,
@@ -383,7 +386,7 @@ class AdalnCache(SlabReads):
         self,
         plans: Sequence[torch.Tensor],
         *,
-        embed: EmbedFn,
+        embed: EmbedFn | None = None,
         project: ProjectFn | None = None,
         variant: Hashable = None,
         keys: Sequence[PlanKey] | None = None,
@@ -427,7 +430,7 @@ class AdalnCache(SlabReads):
         self,
         order: list[PlanKey],
         tensors: dict[PlanKey, torch.Tensor],
-        embed: EmbedFn,
+        embed: EmbedFn | None,
         project: ProjectFn | None,
         variant: Hashable,
     ) -> BuildReport:

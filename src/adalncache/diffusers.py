@@ -2,7 +2,7 @@
 
 A thin re-export so users import from one short path; the implementation lives in
 :mod:`adalncache.integrations.diffusers` (a package with one module per job; it needs diffusers
-installed).
+installed). It exports exactly that package's names (a test holds the two lists equal).
 """
 
 from __future__ import annotations
@@ -10,8 +10,12 @@ from __future__ import annotations
 from .integrations.diffusers import (
     AdalnCacheConfig,
     AdalnCacheHandle,
+    AdalnCacheOutputHook,
     AdalnCachePrepareStep,
+    AdalnCacheTimeEmbedderHook,
+    AdalnCacheTransformerHook,
     CacheOptions,
+    CheckpointMismatchError,
     PipelineAdalnCacheHandle,
     adaln_cache_handle,
     enable_adaln_cache,
@@ -23,8 +27,12 @@ from .integrations.diffusers import (
 __all__ = [
     "AdalnCacheConfig",
     "AdalnCacheHandle",
+    "AdalnCacheOutputHook",
     "AdalnCachePrepareStep",
+    "AdalnCacheTimeEmbedderHook",
+    "AdalnCacheTransformerHook",
     "CacheOptions",
+    "CheckpointMismatchError",
     "PipelineAdalnCacheHandle",
     "adaln_cache_handle",
     "enable_adaln_cache",

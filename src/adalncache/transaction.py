@@ -63,6 +63,14 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+_NEEDS_EMBED = "build() needs embed=, a function plan -> (len(plan), in_features) input rows"
+
+
+def _no_embed(plan: torch.Tensor) -> torch.Tensor:
+    """The embed of a build given none: its source serves no weights, so no pass ever calls it."""
+    raise PlanError(_NEEDS_EMBED)
+
+
 def _interrupt(exc: BaseException) -> BaseException | None:
     """The interrupt behind ``exc`` (itself, or the cause of this rank's BuildError), if it is one."""
     root = exc.__cause__ if isinstance(exc, BuildError) else exc
@@ -128,12 +136,15 @@ class BuildTransaction:
         self,
         order: list[PlanKey],
         tensors: dict[PlanKey, torch.Tensor],
-        embed: EmbedFn,
+        embed: EmbedFn | None,
         project: ProjectFn,
         variant: Hashable,
         report: BuildReport,
     ) -> None:
-        """Make every plan of ``order`` resident (see the module docstring); fills ``report``."""
+        """Make every plan of ``order`` resident (see the module docstring); fills ``report``.
+
+        ``embed`` may be ``None`` only for a source that serves no weights: no pass can run there.
+        """
         autocast = self._autocast_dtype()
         self._sync.begin_build()
         try:
@@ -146,7 +157,7 @@ class BuildTransaction:
                     report.device_hits = len(order)
                     return
             self._validate_request(order, missing, tensors, embed)
-            self._fill(order, missing, tensors, embed, project, report)
+            self._fill(order, missing, tensors, embed if embed is not None else _no_embed, project, report)
         finally:
             self._sync.end_build()
 
@@ -200,7 +211,11 @@ class BuildTransaction:
     # -- step 3 -------------------------------------------------------------------------------
 
     def _validate_request(
-        self, order: list[PlanKey], missing: list[PlanKey], tensors: dict[PlanKey, torch.Tensor], embed: EmbedFn
+        self,
+        order: list[PlanKey],
+        missing: list[PlanKey],
+        tensors: dict[PlanKey, torch.Tensor],
+        embed: EmbedFn | None,
     ) -> None:
         """Reject a request the slab cannot take before touching any state (PlanError names the knob)."""
         settings = self.settings
@@ -218,8 +233,8 @@ class BuildTransaction:
                 f"the request needs {len(order)} distinct plans but the slab holds {settings.max_plans}: raise "
                 f"max_plans (CLI --max-plans) to at least {len(order)}, or split the request"
             )
-        if not callable(embed):
-            raise PlanError("build() needs embed=, a function plan -> (len(plan), in_features) input rows")
+        if not callable(embed) and (embed is not None or getattr(self.source, "serves_weights", True)):
+            raise PlanError(_NEEDS_EMBED)
         with self._lock:
             free, evictable = self._pool.room(order)
             message = self._pool.no_room_message(len(missing), order) if len(missing) > free + evictable else None

@@ -103,7 +103,7 @@ def run_task(
     """
     from ..diffusers import adaln_cache_handle, load_transformer
     from ..plans import minimax_h3_plans, plan_key
-    from .deploy import drop_cached, io_read_bytes, resident_served_bytes, served_bytes, weight_files
+    from .measure import drop_page_cache, io_read_bytes, resident_served_bytes, served_bytes, weight_files
     from .tiny import adaln_parameter_bytes, make_request, run_loop
 
     request = make_request(model, task, steps, seed=seed, device=device)
@@ -115,7 +115,7 @@ def run_task(
     distinct = len({plan_key(plan) for plan in ahead})
     files = weight_files(checkpoint)
     never_read, total = served_bytes(files)
-    dropped = drop_cached(files)
+    dropped = drop_page_cache(files)
     before = io_read_bytes()
     # A slab sized to the request, so the table bytes reported are what this request needs.
     cached_model: Any = load_transformer(

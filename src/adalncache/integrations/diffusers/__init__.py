@@ -5,7 +5,9 @@ Built the way diffusers builds its own caches (``hooks/text_kv_cache.py``,
 ``ModelHook`` classes registered under constant names, and a removal path that leaves the model as
 it was. One module per job, each importing only those listed before it:
 
-- ``modules``: where the served modules sit in the transformer (paths from the diffusers layout);
+- ``compat``: diffusers' private names, each with the release it was checked against;
+- ``modules``: family-neutral helpers to reach, run and patch served modules;
+- ``minimax_h3``: what is MiniMax-H3's: the served modules and their paths, their input, a forward's plan;
 - ``sources``: the weight source (the model's own tensors, or a checkpoint verified against them);
 - ``quantized``: quantized or layerwise-cast projections: detection, their source, what is refused;
 - ``casting``: layerwise casting applied while enabled: refused or settled;
@@ -14,8 +16,12 @@ it was. One module per job, each importing only those listed before it:
 - ``lora``: the LoRA signature the tables are keyed by, and the fuse/unfuse/load guards;
 - ``compile``: serving that torch.compile traces like the resident model (served blocks, eager prepare);
 - ``hooks``: the diffusers hooks that serve a forward;
-- ``handle``: :class:`AdalnCacheHandle`, which puts the pieces together and takes them apart;
 - ``moving``: ``.to()``/``.cuda()``/``pipe.to()`` while enabled: moves take the cache along, casts are refused;
+- ``choice``: which weight source an enabling serves from, decided before the model changes;
+- ``callbacks``: a build's ``embed`` and ``project``, and the time embedder's loan;
+- ``signature``: the LoRA signature of a request or a forward, read as the served modules are now;
+- ``requests``: holds of a request's or a forward's plans: the hit path, else one build;
+- ``handle``: :class:`AdalnCacheHandle`, which puts the pieces together and takes them apart;
 - ``pipeline``: the modular pipeline's handle and the block that prepares a request's plans;
 - ``stepcaches``: what diffusers' block-level step caches need to know about MiniMax-H3;
 - ``enable``: :func:`enable_adaln_cache`;

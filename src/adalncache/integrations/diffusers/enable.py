@@ -13,7 +13,7 @@ from ...errors import ConfigError
 from ...tiers.tables import TablesArg
 from .config import AdalnCacheConfig, CacheOptions, CheckpointArg, OnMiss, QuantizedProjections
 from .handle import AdalnCacheHandle, enable_transformer
-from .modules import is_minimax_h3_transformer
+from .minimax_h3 import is_minimax_h3_transformer
 from .pipeline import PipelineAdalnCacheHandle, enable_pipeline
 
 

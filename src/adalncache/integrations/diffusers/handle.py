@@ -1,16 +1,10 @@
 """The AdaLN cache enabled on one ``MiniMaxH3Transformer3DModel``: :class:`AdalnCacheHandle`.
 
-The handle owns the pieces and the order they are put together and taken apart in: the weight
-source, the :class:`~adalncache.AdalnCache`, the parked weights, the hooks, the LoRA tracking and
-the method overrides. It also gives the cache the two callbacks of a build, ``embed`` (the
-projections' exact input for a plan) and ``project`` (one layer's output through the module's own,
-possibly LoRA-wrapped, quantized or layerwise-cast forward).
-
-Requests hold their plans (:class:`~adalncache.holds.PlanHold`): ``prepare`` holds a request's
-plans for the calling thread until that thread's next ``prepare`` or ``release()``; ``request``
-holds them for a ``with`` block; and every forward holds its own plan until it returns. So a
-build for another request (another thread, or a forward whose plan was not prepared) never
-evicts or rewrites what a running request reads.
+The handle owns the pieces of one enabling and the order they are put together and taken apart
+in: the weight source (:mod:`.choice`), the :class:`~adalncache.AdalnCache`, the parked weights
+(:mod:`.parking`), the hooks (:mod:`.hooks`), the LoRA tracking and the method overrides. What a
+request or a forward does while enabled is :mod:`.requests` (holds: the hit path, else one build)
+with the LoRA signature of :mod:`.signature` and the build callbacks of :mod:`.callbacks`.
 
 Threads: a build (with its LoRA scale and its loan of the time embedder's weights) runs under the
 handle's lock; a forward whose plan is resident takes no lock but the cache's short one.
@@ -25,64 +19,31 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ... import TensorSource
-from ...errors import CheckpointError, ConfigError, PlanNotCachedError
+from ...errors import CheckpointError, ConfigError
 from ...holds import PlanHold
 from ...hostmem import HostBuffer
 from ...plans import PlanKey
 from ...source.absent import NoWeights
-from ...spec import Layer
-from .casting import casting_compute_dtype, casting_guard, casting_paths, new_casting, settle_casting
+from .callbacks import BuildCallbacks
+from .casting import casting_guard, settle_casting
+from .choice import SourceChoice, choose_source
 from .config import AdalnCacheConfig
-from .hooks import ServingHooks, other_hooks_present
-from .lora import LoraTracker, Tuners, Variant, applied_lora_scale, lora_scale_of
-from .modules import (
-    TIME_EMBEDDER,
-    base_linear,
-    bypassing_hooks,
-    capture_blocks,
-    check_materialised,
-    device_of,
-    execution_device,
-    install_overrides,
-    projection_dtype,
-    projection_module,
-    projection_modules,
-    projection_path,
-    release_blocks,
-    remove_overrides,
-    served_modules,
-    swapped_parameters,
-    time_embedder_linears,
-)
+from .hooks import ServingHooks
+from .lora import LoraTracker
+from .minimax_h3 import capture_blocks, projection_path, release_blocks, served_modules, time_embedder_linears
+from .modules import base_linear, device_of, execution_device, install_overrides, remove_overrides
 from .moving import LiftedGroupOffloading, guarded_apply, refresh_group_offloading
-from .parking import ParkTarget, TimeEmbedderLoan, WeightParking
-from .quantized import (
-    ProjectionStorage,
-    adapter_guards,
-    check_storage_options,
-    fresh_alias,
-    full_precision_variant,
-    opaque_model_source,
-    own_tensors,
-    storage_of,
-    transformer_spec,
-)
-from .sources import (
-    NeverLoaded,
-    Source,
-    changed_since,
-    check_tables_against_model,
-    checkpoint_source,
-    model_source,
-)
+from .parking import ParkTarget, WeightParking
+from .quantized import ProjectionStorage, adapter_guards, transformer_spec
+from .requests import RequestHolds
+from .signature import ServedSignature
+from .sources import NeverLoaded, Source, changed_since
 
 if TYPE_CHECKING:
     from ... import AdalnCache, BuildReport, CacheStats
-    from ...rebuild import EmbedFn
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +69,6 @@ class AdalnCacheHandle:
         self.source: Source | None = None
         self.cache: AdalnCache  # set by _enable(), which enable_transformer() calls right away
         self._overrides: tuple[str, ...] = ()
-        self._loan: TimeEmbedderLoan | None = None
         self._enabled_fingerprint: str | None = None
         #: Builds, LoRA scaling and hook moves (they change module state other threads read).
         self._lock = threading.RLock()
@@ -124,12 +84,8 @@ class AdalnCacheHandle:
         self._parking = WeightParking()
         self._lora = LoraTracker(self.model, self.spec)
         self._hooks: ServingHooks | None = None
-        self._warned_miss = False
+        self._holds: RequestHolds | None = None
         self._storage = ProjectionStorage()
-        #: Full-precision tables of quantized projections from the checkpoint (quantized_projections="checkpoint"),
-        #: and the variant they are built under (see ``_choose_source``).
-        self._plain_tables = False
-        self._plain_variant: Variant = None
         #: Served modules that had a layerwise-casting hook when the cache was enabled.
         self._casting_at_enable: frozenset[str] = frozenset()
 
@@ -177,13 +133,10 @@ class AdalnCacheHandle:
             held.release()
 
     def _request_hold(self, plans: Sequence[Any], attention_kwargs: Mapping[str, Any] | None) -> PlanHold:
-        if not self.enabled:
+        if not self.enabled or self._holds is None:
             raise ConfigError("prepare() needs the AdaLN cache enabled; this handle was disabled")
         self._follow(execution_device(self.model))
-        tensors = [plan[0] if isinstance(plan, (tuple, list)) else plan for plan in plans]
-        scale = lora_scale_of(attention_kwargs)
-        tuners, variant, refs = self._signature(scale)
-        return self._hold(tensors, None, scale, tuners, variant, refs)
+        return self._holds.for_request(plans, attention_kwargs)
 
     def disable(self, *, allow_changed_checkpoint: bool = False) -> None:
         """Remove every hook and override and put the original weights back, bit-exactly.
@@ -195,26 +148,11 @@ class AdalnCacheHandle:
         """
         if not self.enabled:
             return
-        if self._hooks is not None and self._hooks.forward_wrapped_by_others():
-            raise ConfigError(
-                "another library wrapped the transformer's forward after enable_adaln_cache() (cache-dit does); "
-                "removing the AdaLN cache now would silently drop that wrapper. Remove that wrapper first (cache-dit "
-                "1.5.3 cannot remove its own here: reload the model), and enable such a library before "
-                "enable_adaln_cache() when the cache must be disabled on its own"
-            )
-        self.release()
-        if self._parking.restores_from_source and not allow_changed_checkpoint:
-            assert self.source is not None
-            if changed_since(self.source, self._enabled_fingerprint):
-                raise CheckpointError(
-                    f"checkpoint {self.config.checkpoint} changed on disk since enable_adaln_cache() verified "
-                    "it, so restoring the projection weights from it may not give back the original model; "
-                    "reload the model, or call disable(allow_changed_checkpoint=True) to restore from the "
-                    "file as it is"
-                )
+        self._check_disable(allow_changed_checkpoint)
         if self._hooks is not None:
             self._hooks.remove()
             self._hooks = None
+        self._holds = None
         remove_overrides(self.model, self._overrides)
         self._overrides = ()
         freed = self._parking.freed
@@ -233,6 +171,26 @@ class AdalnCacheHandle:
             )
         else:
             logger.info("AdaLN cache disabled; projection weights restored")
+
+    def _check_disable(self, allow_changed_checkpoint: bool) -> None:
+        """Refuse a disable that would drop another library's wrapper or restore from a changed file."""
+        if self._hooks is not None and self._hooks.forward_wrapped_by_others():
+            raise ConfigError(
+                "another library wrapped the transformer's forward after enable_adaln_cache() (cache-dit does); "
+                "removing the AdaLN cache now would silently drop that wrapper. Remove that wrapper first (cache-dit "
+                "1.5.3 cannot remove its own here: reload the model), and enable such a library before "
+                "enable_adaln_cache() when the cache must be disabled on its own"
+            )
+        self.release()
+        if self._parking.restores_from_source and not allow_changed_checkpoint:
+            assert self.source is not None
+            if changed_since(self.source, self._enabled_fingerprint):
+                raise CheckpointError(
+                    f"checkpoint {self.config.checkpoint} changed on disk since enable_adaln_cache() verified "
+                    "it, so restoring the projection weights from it may not give back the original model; "
+                    "reload the model, or call disable(allow_changed_checkpoint=True) to restore from the "
+                    "file as it is"
+                )
 
     def _give_back_memory(self) -> None:
         """After restoring: the cache's host tier and read buffers, and the model's host copies.
@@ -266,16 +224,16 @@ class AdalnCacheHandle:
         # The real block list, for builds inside a forward that swaps model.transformer_blocks (cache-dit).
         capture_blocks(model)
         try:
-            free_time_embedder, device, modules, host_tensors = self._choose_source(never_loaded)
-            source = self.source
+            choice = choose_source(model, self.spec, self.config, self._lora, self.device, never_loaded)
+            self._adopt(choice)
             if never_loaded is not None:
                 self.cache = never_loaded.cache
             else:
-                self.cache = self.config.cache_options.build(self.spec, source, device)
+                self.cache = self.config.cache_options.build(self.spec, choice.source, choice.device)
         except BaseException:
             release_blocks(model)
             raise
-        if source is None:
+        if choice.source is None:
             assert isinstance(self.cache.source, NoWeights)
             self.source = self.cache.source
         self._enabled_fingerprint = self.cache.source.fingerprint
@@ -284,21 +242,10 @@ class AdalnCacheHandle:
         # outside our hooks (see moving.LiftedGroupOffloading).
         lifted = LiftedGroupOffloading(model)
         try:
-            targets = [ParkTarget(base_linear(module), layer, projection_path(layer)) for layer, module in modules]
-            if free_time_embedder:
-                linears = time_embedder_linears(model)
-                targets += [ParkTarget(base_linear(linear), None, path) for path, linear in linears]
-            self._parking.park(
-                targets,
-                source=self.cache.source,
-                host_tensors=host_tensors,
-                never_loaded=never_loaded.residues if never_loaded is not None else None,
-                device=never_loaded.device if never_loaded is not None else None,
-            )
-            self._hooks = ServingHooks(model, self.spec, self.cache, self._make_resident)
-            self._hooks.register(time_embedder=free_time_embedder)
+            self._park(choice, never_loaded)
+            self._serve(choice)
             lifted.restore()
-            overrides = self._lora.guards(standing_in=self._parking.standing_in, after_load=self._hooks.follow_output)
+            overrides = self._lora.guards(standing_in=self._parking.standing_in, after_load=self._follow_output)
             overrides.update(self._device_guards())
             overrides.update(self._composition_guards())
             install_overrides(model, overrides)
@@ -319,67 +266,53 @@ class AdalnCacheHandle:
             type(self.source).__name__,
         )
 
-    def _choose_source(
-        self, never_loaded: NeverLoaded | None
-    ) -> tuple[bool, torch.device, list[tuple[Layer, Any]], Any]:
-        """Check the model and the options, and set ``self.source``; nothing on the model changes yet.
+    def _adopt(self, choice: SourceChoice) -> None:
+        """Keep what the rest of the enabling and the disabling need from the chosen source."""
+        self.source = choice.source
+        self._storage = choice.storage
+        self._casting_at_enable = choice.casting_at_enable
+        self._host_buffers = choice.host_buffers
 
-        Returns whether to park the time embedder, the cache's device, the projection modules and
-        the host tensors parking restores from (``None``: re-read them from the source). The source
-        is ``None`` for table files alone (``tables=`` and no checkpoint): the cache serves them
-        with no weights.
-        """
-        model = self.model
-        config = self.config
-        if never_loaded is None:
-            check_materialised(model, self.spec)
-        self._lora.start()
-        options = config.cache_options
-        device = options.device_for(self.device)
-        free_time_embedder = config.free_time_embedder
-        if free_time_embedder is None:
-            free_time_embedder = not other_hooks_present(model)
-        modules = projection_modules(model, self.spec)
-        host_tensors = None
-        if never_loaded is not None:
-            self.source = never_loaded.source  # the loader checked it serves this model's projections
-            return free_time_embedder, device, modules, host_tensors
-        self._storage = storage = storage_of(modules)
-        check_storage_options(
-            storage,
-            checkpoint=config.checkpoint,
-            quantized_projections=config.quantized_projections,
-            precision=options.precision,
-            shard=options.shard,
-            process_group=options.process_group,
-            device=device,
-            tables=options.tables,
+    def _park(self, choice: SourceChoice, never_loaded: NeverLoaded | None) -> None:
+        """Free the served weights from the device (the time embedder's too when nothing else reads it)."""
+        targets = [ParkTarget(base_linear(module), layer, projection_path(layer)) for layer, module in choice.modules]
+        if choice.free_time_embedder:
+            linears = time_embedder_linears(self.model)
+            targets += [ParkTarget(base_linear(linear), None, path) for path, linear in linears]
+        self._parking.park(
+            targets,
+            source=self.cache.source,
+            host_tensors=choice.host_tensors,
+            never_loaded=never_loaded.residues if never_loaded is not None else None,
+            device=never_loaded.device if never_loaded is not None else None,
         )
-        self._casting_at_enable = casting_paths(served_modules(model, self.spec))
-        if config.checkpoint is not None:
-            # Quantized projections are never compared with a checkpoint (there is nothing equal to
-            # compare): reaching here means full-precision tables from it were asked for on purpose.
-            self.source = checkpoint_source(
-                config.checkpoint,
-                self.spec,
-                modules,
-                layout=config.layout,
-                verify=config.verify_checkpoint and not storage.opaque,
-            )
-            if storage.opaque:
-                self._plain_tables = True
-                host_tensors = own_tensors(modules, self.device)  # disable() gives back the quantized weights
-                self._plain_variant = self._lora.variant = full_precision_variant(model)
-        elif options.tables is not None:
-            # Table files and no checkpoint: the projections are needed by no plan the files hold,
-            # so after a check against bound files they are freed, not parked (no source).
-            check_tables_against_model(self.spec, modules, options.tables, device=device, precision=options.precision)
-            self.source = None
-        elif storage.opaque:
-            self.source, host_tensors = opaque_model_source(self.spec, modules, self.device)
-        else:
-            self.source, host_tensors, self._host_buffers = model_source(self.spec, modules, self.device)
-        return free_time_embedder, device, modules, host_tensors
+
+    def _serve(self, choice: SourceChoice) -> None:
+        """Register the hooks, and what a request or a forward holds its plans with."""
+        model = self.model
+        self._hooks = hooks = ServingHooks(model, self.spec, self.cache, self._make_resident)
+        hooks.register(time_embedder=choice.free_time_embedder)
+        signature = ServedSignature(
+            model,
+            self.spec,
+            self._lora,
+            hooks,
+            self._lock,
+            casting_at_enable=choice.casting_at_enable,
+            plain_tables=choice.plain_tables,
+            plain_variant=choice.plain_variant,
+        )
+        callbacks = BuildCallbacks(
+            model, self.spec, self._parking, lambda: self.device, plain_tables=choice.plain_tables
+        )
+        self._holds = RequestHolds(
+            self.cache, signature, callbacks, self._lora, self._lock, on_miss=self.config.on_miss
+        )
+
+    def _follow_output(self) -> None:
+        """Move the output hook onto whatever module sits at ``norm_out.linear`` now (a LoRA load replaced it)."""
+        if self._hooks is not None:
+            self._hooks.follow_output()
 
     def _composition_guards(self) -> dict[str, Callable[..., Any]]:
         """Overrides for what other diffusers features do to a served model: compile, cast, load adapters."""
@@ -418,16 +351,14 @@ class AdalnCacheHandle:
             logger.info("AdaLN cache: the model runs on %s now (was %s); the tables followed", device, before)
         self.device = device
 
-    # ------------------------------------------------------------------ per forward
-
     def _make_resident(
         self, plan: torch.Tensor, key: PlanKey, attention_kwargs: Mapping[str, Any] | None, device: torch.device
     ) -> PlanHold:
-        """Before a forward: hold ``plan`` resident under the forward's LoRA signature (or refuse).
+        """Before a forward (the transformer hook calls it): hold ``plan`` resident on ``device``, or refuse.
 
-        Called by the transformer hook with the host copy of the forward's timestep, its key, and
-        the device the forward runs on (its timestep's), which the cache follows; the hook
-        releases the hold when the forward returns.
+        ``plan`` is the host copy of the forward's timestep, ``key`` its key, ``device`` where the
+        forward runs (its timestep's), which the cache follows; the hook releases the hold when the
+        forward returns.
         """
         if device.type == "cpu" and getattr(self.model, "_hf_hook", None) is not None:
             # A CPU tensor reports "cpu" even when the forward runs on "cpu:0" (accelerate's model
@@ -436,146 +367,8 @@ class AdalnCacheHandle:
             named = execution_device(self.model)
             device = named if named is not None and named.type == "cpu" else device
         self._follow(device)
-        scale = lora_scale_of(attention_kwargs)
-        tuners, variant, refs = self._signature(scale)
-        if self.config.on_miss == "raise":
-            held = self.cache.hold_resident([plan], keys=[key], variant=variant)
-            if held is not None:
-                return held
-            if variant != self._lora.variant:
-                raise PlanNotCachedError(
-                    "the AdaLN cache does not cover this forward: the LoRA state of the AdaLN projections "
-                    "changed since the tables were built; call handle.prepare(plans) (on_miss='raise')"
-                )
-            raise PlanNotCachedError(
-                f"the AdaLN cache does not cover this forward's plan {plan.tolist()} under the current LoRA and "
-                "autocast state; call handle.prepare(plans) before the loop (under the loop's autocast), or "
-                "enable with on_miss='build'"
-            )
-        held = self._hold([plan], [key], scale, tuners, variant, refs)
-        if held.report.passes and self.config.on_miss == "build":
-            message = (
-                "AdaLN cache: a forward's plan was not prepared and was built on the spot (one "
-                "rebuild pass); call handle.prepare(plans) before the loop to build all steps in one "
-                "pass"
-            )
-            if not self._warned_miss:
-                logger.warning(message)
-                self._warned_miss = True
-            else:
-                logger.info(message)
-        return held
-
-    # ------------------------------------------------------------------ building
-
-    def _signature(self, scale: float) -> tuple[list[tuple[str, Any]], Variant, list[torch.Tensor]]:
-        """Follow a swapped output module, refuse a fuse or a new cast, and read the LoRA signature under ``scale``.
-
-        Reading it under a scale other than 1 scales the adapters for a moment, which a build on
-        another thread must not see: that case (and a hook move) takes the handle's lock.
-        """
-        assert self._hooks is not None
-        new_casting(served_modules(self.model, self.spec), self._casting_at_enable)
-        if scale == 1.0 and not self._hooks.output_moved():
-            tuners, variant, refs = self._lora.current(scale)
-        else:
-            with self._lock:
-                self._hooks.follow_output()
-                tuners, variant, refs = self._lora.current(scale)
-        if self._plain_tables:
-            if variant is not None:
-                # The adapter wraps the quantized module, which would requantize the checkpoint's weight.
-                raise ConfigError(
-                    "LoRA adapters on the AdaLN projections cannot be combined with "
-                    "quantized_projections='checkpoint'; unload the adapter, or serve the model's own projections "
-                    "(quantized_projections='model' without checkpoint=)"
-                )
-            variant = self._plain_variant
-        return tuners, variant, refs
-
-    def _hold(
-        self,
-        plans: Sequence[torch.Tensor],
-        keys: Sequence[PlanKey] | None,
-        scale: float,
-        tuners: Tuners,
-        variant: Variant,
-        refs: list[torch.Tensor],
-    ) -> PlanHold:
-        """Hold ``plans`` resident under ``variant``: the cache's hit path, else a build under the lock."""
-        held = self.cache.hold_resident(plans, keys=keys, variant=variant)
-        if held is not None:
-            return held
-        if (
-            variant is not None
-            and not self._plain_tables
-            and self.cache.shard == "columns"
-            and self.cache.world_size > 1
-        ):
-            # The adapter's forward runs on the whole projection; a rank's column slice of the base
-            # weight cannot go through it (it would fail later with an unhelpful shape error).
-            raise ConfigError(
-                "LoRA adapters on the AdaLN projections need shard='layers' (CLI --shard layers): with "
-                "shard='columns' each rank holds a column slice of the base weight, which the adapter's "
-                "full-width forward cannot run on; unload the adapter or build with shard='layers'"
-            )
-        with self._lock:
-            # The parked time embedder is lent back by the first embed of a pass and parked again
-            # when the build returns, so a build that hits costs no copy.
-            linears = [base_linear(linear) for _, linear in time_embedder_linears(self.model)]
-            loan = self._parking.time_embedder_loan(self.device, linears)
-            with loan, torch.no_grad(), applied_lora_scale(tuners, scale):
-                self._loan = loan
-                try:
-                    embed: EmbedFn = self._embed
-                    held = self.cache.hold(plans, embed=embed, project=self._project, variant=variant, keys=keys)
-                finally:
-                    self._loan = None
-            if self._lora.built_under(variant, refs):
-                logger.info("AdaLN cache: tables rebuilt for a new LoRA signature")
-        return held
-
-    def _embed(self, plan: torch.Tensor) -> torch.Tensor:
-        """The projections' exact input for ``plan``, computed as the stock forward computes it.
-
-        ``time_proj``, then the (fp32) time embedder at its own dtype, then SiLU at ``temb``'s
-        precision and only then the cast to the projection dtype (the other order changes about
-        half the outputs). Runs the time embedder's own (possibly LoRA-wrapped) forward, beneath
-        every hook on it (ours stands in for it; an offloading hook must not move the lent weights).
-        """
-        from diffusers.models.modeling_utils import get_parameter_dtype
-
-        if self._loan is not None:
-            self._loan.take()
-        model = self.model
-        temb = model.time_proj(plan.to(self.device))
-        time_embedder = model.get_submodule(TIME_EMBEDDER)
-        with bypassing_hooks(time_embedder.modules()):
-            temb = time_embedder(temb.to(get_parameter_dtype(time_embedder)))
-        return F.silu(temb).to(projection_dtype(model, self.spec))
-
-    def _project(self, layer: Layer, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        """``layer``'s output for ``x``, through the module's own (LoRA-wrapped, quantized, cast) forward.
-
-        The served module and its base linear run their class's forward beneath every hook: ours
-        would serve the table, and an offloading hook would move the source's weights.
-        Full-precision tables of quantized projections (``quantized_projections="checkpoint"``) are a
-        plain linear of the checkpoint's weights: decided by that setting, never by the weight's
-        type, since a module like optimum-quanto's unfrozen ``QLinear`` quantizes a plain weight in
-        its forward.
-        """
-        if self._plain_tables:
-            return F.linear(x, weight, bias)
-        module = projection_module(self.model, layer)
-        base = base_linear(module)
-        weight = self._parking.at_model_residue(layer, "weight", weight, self.device)
-        bias = self._parking.at_model_residue(layer, "bias", bias, self.device)
-        compute = casting_compute_dtype(module)
-        if compute is not None:  # the layerwise-casting hook, bypassed below, would cast them so
-            weight, bias = weight.to(compute), bias.to(compute)
-        weight, bias = fresh_alias(weight), fresh_alias(bias)
-        with bypassing_hooks({module, base}), swapped_parameters(base, {"weight": weight, "bias": bias}):
-            return module(x)  # type: ignore[no-any-return]
+        assert self._holds is not None  # the hooks are registered after the holds exist
+        return self._holds.for_forward(plan, key, attention_kwargs)
 
 
 def enable_transformer(

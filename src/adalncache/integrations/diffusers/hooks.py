@@ -31,12 +31,14 @@ import torch
 from diffusers.hooks.hooks import HookRegistry, ModelHook
 from torch import nn
 
-from ...errors import ConfigError, PlanError
+from ...errors import ConfigError
 from ...holds import PlanHold
 from ...plans import PlanKey, plan_key
 from ...spec import FINAL, ModulationSpec
+from .compat import get_hook, hook_names, hook_registry
 from .compile import CompiledCall, ServedBlocks
-from .modules import TIME_EMBEDDER, base_linear, forward_argument, modulation_modules, projection_path
+from .minimax_h3 import TIME_EMBEDDER, forward_plan, modulation_modules, projection_path
+from .modules import base_linear, forward_argument
 
 if TYPE_CHECKING:
     from ... import AdalnCache
@@ -125,15 +127,7 @@ class AdalnCacheTransformerHook(ModelHook):
         ``torch.compile(model)`` dynamo would otherwise break the graph at every host read and
         dictionary lookup in here.
         """
-        timestep = forward_argument(module, "timestep", args, kwargs)
-        if not isinstance(timestep, torch.Tensor):
-            raise PlanError(f"the AdaLN cache needs the forward's timestep tensor, got {type(timestep).__name__}")
-        if timestep.dtype != torch.float32 or timestep.dim() != 1:
-            # Converting here would build tables for other timestep values than time_proj will see.
-            raise PlanError(
-                f"the AdaLN cache serves 1-D float32 timesteps (MiniMax-H3's distinct timesteps of the step), got "
-                f"shape {tuple(timestep.shape)} and dtype {timestep.dtype}; pass timestep as a 1-D float32 tensor"
-            )
+        timestep = forward_plan(module, args, kwargs)
         # The one device-to-host read of the plan this forward makes: keys, lookups and the build all
         # use this host copy (embed moves it back to the device; the values are the same bits).
         plan = timestep.detach().to("cpu")
@@ -180,15 +174,13 @@ class AdalnCacheTimeEmbedderHook(ModelHook):
 
 def remove_hook(module: nn.Module, name: str) -> None:
     """Remove hook ``name`` from ``module`` if it is there."""
-    registry = getattr(module, "_diffusers_hook", None)
-    if registry is not None and registry.get_hook(name) is not None:
-        registry.remove_hook(name, recurse=False)
+    if get_hook(module, name) is not None:
+        hook_registry(module).remove_hook(name, recurse=False)
 
 
 def unhooked(module: nn.Module, hook_name: str) -> Callable[..., Any]:
     """``module``'s forward beneath hook ``hook_name`` (its own, possibly LoRA-wrapped, forward)."""
-    registry = getattr(module, "_diffusers_hook", None)
-    hook = registry.get_hook(hook_name) if registry is not None else None
+    hook = get_hook(module, hook_name)
     if hook is None:
         return module
     return hook.fn_ref.original_forward  # type: ignore[no-any-return]
@@ -197,10 +189,7 @@ def unhooked(module: nn.Module, hook_name: str) -> Callable[..., Any]:
 def other_hooks_present(model: nn.Module) -> bool:
     """Whether a diffusers hook that is not ours sits on any module (it might read ``temb``)."""
     for _, module in model.named_modules():
-        registry = getattr(module, "_diffusers_hook", None)
-        if registry is not None and any(
-            not name.startswith(HOOK_PREFIX) for name in getattr(registry, "_hook_order", [])
-        ):
+        if any(not name.startswith(HOOK_PREFIX) for name in hook_names(module)):
             return True
     return False
 
@@ -262,8 +251,7 @@ class ServingHooks:
         that wrapper (cache-dit replaces ``forward`` this way). Hooks registered after ours through
         the registry are fine: it relinks them.
         """
-        registry = getattr(self.model, "_diffusers_hook", None)
-        order = list(getattr(registry, "_hook_order", []))
+        order = hook_names(self.model)
         if not order or order[-1] != TRANSFORMER_HOOK:
             return False
         return self.model.__dict__.get("forward") is not self._forward

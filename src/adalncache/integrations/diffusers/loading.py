@@ -42,7 +42,7 @@ from ...spec import FINAL, LAYOUTS, KeyLayout, ModulationSpec, get_layout
 from ...tiers.tables import TablesArg
 from .config import AdalnCacheConfig, CacheOptions, CheckpointArg, OnMiss
 from .handle import enable_transformer
-from .modules import DIFFUSERS_LAYOUT
+from .minimax_h3 import DIFFUSERS_LAYOUT
 from .parking import RESIDUE_BYTES
 from .sources import CastCheckpointSource, CheckpointMismatchError, NeverLoaded, Source
 
@@ -157,15 +157,7 @@ def load_transformer(
     """
     cls = _transformer_class()
     directory = _model_directory(path, subfolder)
-    if torch_dtype is not None and torch_dtype not in TORCH_DTYPES:
-        raise ConfigError(
-            f"torch_dtype={torch_dtype!r} cannot load a MiniMax-H3 transformer: pass torch.bfloat16 (the released "
-            "mixed precision), torch.float16, torch.float32 or None"
-        )
-    if qkv_layout is not None and qkv_layout not in QKV_LAYOUTS:
-        raise ConfigError(f"qkv_layout must be one of {list(QKV_LAYOUTS)} or None, got {qkv_layout!r}")
-    if layout != "auto":
-        get_layout(layout)
+    _check_load_arguments(torch_dtype, qkv_layout, layout)
     device, hf_device_map = _single_device(device_map)
     options = CacheOptions(
         max_plans=max_plans, max_plan_width=max_plan_width, precision=precision, host_cache_bytes=host_cache_bytes,
@@ -179,7 +171,7 @@ def load_transformer(
         qkv_layout = qkv_layout or ("interleaved" if sharded else "stacked")
 
     model = _build_on_meta(cls, config_dict, unused, torch_dtype)
-    expected = set(model.state_dict())
+    expected: set[str] = set(model.state_dict())
     keep = list(cls._keep_in_fp32_modules or [])
     served = _served_keys(files.layout, int(config_dict["num_layers"]), time_embedder=free_time_embedder is not False)
     # 1. Placeholders: the stock dtype rule run on meta tensors (nothing read, nothing allocated).
@@ -188,17 +180,8 @@ def load_transformer(
     spec = ModulationSpec.from_transformer(model)
 
     # 2. The source the cache serves from, checked against the config before any weight is read.
-    #    Model files without the projections (never downloaded) and table files: no source at all.
-    source_arg = "checkpoint= (CLI --checkpoint)" if checkpoint is not None else "path="
     tables_only = checkpoint is None and tables is not None and not _has_projections(files, served)
-    source: Source | None = None
-    if tables_only:
-        free = _tables_only_time_embedder(free_time_embedder)
-    else:
-        source = _serving_source(checkpoint if checkpoint is not None else files.files, spec, layout, source_arg)
-        free = _decide_time_embedder(free_time_embedder, source, source_arg)
-        if checkpoint is not None:
-            _check_against_model_files(files, source, spec, source_arg)
+    source, free = _source_of(files, spec, checkpoint, layout, free_time_embedder, tables_only=tables_only)
     cache = options.build(spec, source, device or torch.device("cpu"))
     handle_config = AdalnCacheConfig(
         checkpoint=checkpoint if checkpoint is not None else None if tables_only else list(files.files),
@@ -214,16 +197,7 @@ def load_transformer(
         seen.update(state)
         _load_into(model, state, torch_dtype, keep, hf_device_map)
     never_in_files = {ours for _, (ours, kind) in served.items() if kind == "projection"} if tables_only else set()
-    missing = sorted(expected - seen - never_in_files)
-    if missing:
-        raise CheckpointError(
-            f"the model files in {directory} lack {len(missing)} tensor(s) the model needs ({', '.join(missing[:5])}"
-            f"{', ...' if len(missing) > 5 else ''}): pass path= the transformer's own directory (or config= its "
-            "matching config)"
-        )
-    unexpected = sorted(seen - expected)
-    if unexpected:
-        logger.warning("load_transformer: %d tensor(s) of %s are not used by the model", len(unexpected), directory)
+    _check_loaded(directory, expected, seen, never_in_files)
     if not free:  # the time embedder was loaded after all: its placeholders were replaced by real tensors
         served = {k: v for k, v in served.items() if v[1] != "time_embedder"}
     if files.checkpoint.changed() or cache.source.refresh() or cache.source.fingerprint != fingerprint:
@@ -245,6 +219,57 @@ def load_transformer(
 
 
 # ---------------------------------------------------------------------------------------------------- arguments
+
+
+def _check_load_arguments(torch_dtype: torch.dtype | None, qkv_layout: str | None, layout: str) -> None:
+    """Refuse a dtype, a fused-qkv row order or a key layout ``load_transformer`` cannot load."""
+    if torch_dtype is not None and torch_dtype not in TORCH_DTYPES:
+        raise ConfigError(
+            f"torch_dtype={torch_dtype!r} cannot load a MiniMax-H3 transformer: pass torch.bfloat16 (the released "
+            "mixed precision), torch.float16, torch.float32 or None"
+        )
+    if qkv_layout is not None and qkv_layout not in QKV_LAYOUTS:
+        raise ConfigError(f"qkv_layout must be one of {list(QKV_LAYOUTS)} or None, got {qkv_layout!r}")
+    if layout != "auto":
+        get_layout(layout)
+
+
+def _source_of(
+    files: _Files,
+    spec: ModulationSpec,
+    checkpoint: CheckpointArg | None,
+    layout: str,
+    free_time_embedder: bool | None,
+    *,
+    tables_only: bool,
+) -> tuple[Source | None, bool]:
+    """The source the cache serves from and whether the time embedder is left unloaded.
+
+    Model files without the projections (never downloaded) and table files: no source at all.
+    A serving checkpoint other than the model files must match them.
+    """
+    if tables_only:
+        return None, _tables_only_time_embedder(free_time_embedder)
+    source_arg = "checkpoint= (CLI --checkpoint)" if checkpoint is not None else "path="
+    source = _serving_source(checkpoint if checkpoint is not None else files.files, spec, layout, source_arg)
+    free = _decide_time_embedder(free_time_embedder, source, source_arg)
+    if checkpoint is not None:
+        _check_against_model_files(files, source, spec, source_arg)
+    return source, free
+
+
+def _check_loaded(directory: Path, expected: set[str], seen: set[str], never_in_files: set[str]) -> None:
+    """Refuse model files that lack a tensor the model needs; log those the model does not use."""
+    missing = sorted(expected - seen - never_in_files)
+    if missing:
+        raise CheckpointError(
+            f"the model files in {directory} lack {len(missing)} tensor(s) the model needs ({', '.join(missing[:5])}"
+            f"{', ...' if len(missing) > 5 else ''}): pass path= the transformer's own directory (or config= its "
+            "matching config)"
+        )
+    unexpected = sorted(seen - expected)
+    if unexpected:
+        logger.warning("load_transformer: %d tensor(s) of %s are not used by the model", len(unexpected), directory)
 
 
 def _transformer_class() -> Any:

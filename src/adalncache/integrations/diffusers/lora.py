@@ -26,7 +26,7 @@ from torch import nn
 
 from ...errors import ConfigError
 from ...spec import ModulationSpec
-from .modules import served_modules
+from .minimax_h3 import served_modules
 
 #: ``(module path, peft tuner module)`` pairs.
 Tuners = Sequence[tuple[str, Any]]

@@ -1,17 +1,19 @@
-"""Where the served modules sit in a diffusers ``MiniMaxH3Transformer3DModel``, and how to reach them.
+"""Family-neutral helpers for the modules the cache serves: reach, run and patch them without caring whose model it is.
 
-The cache serves every block's ``adaln_proj.linear`` and ``norm_out.linear``: their module paths
-are the prefixes of the diffusers key layout, so the layout is the one place that names them. peft
-wraps a module it targets (the real ``nn.Linear`` becomes ``base_layer``) and, for
-``norm_out.linear``, may replace the object outright, so these helpers look the current module up
-each time instead of holding on to one.
+peft wraps a module it targets (the real ``nn.Linear`` becomes ``base_layer``, :func:`base_linear`);
+a rebuild pass runs a served module's own forward beneath every hook on it
+(:func:`bypassing_hooks`) with the source's tensors standing in for its parameters
+(:func:`swapped_parameters`); the handle shadows a few of the model's methods
+(:func:`install_overrides`). Where the model's forward runs (:func:`execution_device`) and what
+dtype a stock forward casts a projection's input to (:func:`stock_dtype`) are read the same way
+for any diffusers model. What is particular to MiniMax-H3 (which modules are served, where they
+sit) is in :mod:`.minimax_h3`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
-import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -19,110 +21,16 @@ import torch
 from torch import nn
 
 from ...errors import ConfigError
-from ...spec import FINAL, LAYOUTS, Layer, ModulationSpec
-
-#: The diffusers layout: its prefixes are the projections' module paths inside the transformer.
-DIFFUSERS_LAYOUT = LAYOUTS["diffusers"]
-
-#: The attribute holding the transformer's blocks.
-BLOCKS = "transformer_blocks"
-
-#: The real block list of each enabled model. Kept off the model itself: a library that looks for
-#: a model's blocks among its attributes (cache-dit does) must not find a second list there.
-_CAPTURED_BLOCKS: weakref.WeakKeyDictionary[nn.Module, nn.Module] = weakref.WeakKeyDictionary()
-
-#: The time embedder and its two linears, whose LoRA (if any) also shapes what the projections see.
-TIME_EMBEDDER = "time_embedder"
-TIME_EMBEDDER_LINEARS = ("linear_1", "linear_2")
-
+from .compat import get_hook, group_offload_enabled, group_onload_device
 
 #: The name diffusers registers its layerwise-casting hook under.
 CASTING_HOOK = "layerwise_casting"
-
-
-def is_minimax_h3_transformer(obj: Any) -> bool:
-    """Whether ``obj`` is a diffusers ``MiniMaxH3Transformer3DModel`` (imported lazily)."""
-    from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3Transformer3DModel
-
-    return isinstance(obj, MiniMaxH3Transformer3DModel)
-
-
-def projection_path(layer: Layer) -> str:
-    """Module path of ``layer``'s projection (``transformer_blocks.3.adaln_proj.linear``)."""
-    return DIFFUSERS_LAYOUT.prefix(layer)
-
-
-def owner_path(layer: Layer) -> str:
-    """Module path of the module that calls ``layer``'s projection (``transformer_blocks.3.adaln_proj``)."""
-    return projection_path(layer).rpartition(".")[0]
 
 
 def base_linear(module: nn.Module) -> nn.Module:
     """The ``nn.Linear`` under a peft wrapper (or the module itself)."""
     base = getattr(module, "base_layer", None)
     return base if isinstance(base, nn.Module) else module
-
-
-def capture_blocks(model: nn.Module) -> None:
-    """Remember the model's real block list while the cache is enabled."""
-    _CAPTURED_BLOCKS[model] = model.get_submodule(BLOCKS)
-
-
-def release_blocks(model: nn.Module) -> None:
-    """Forget the list :func:`capture_blocks` remembered."""
-    _CAPTURED_BLOCKS.pop(model, None)
-
-
-def transformer_blocks(model: nn.Module) -> nn.Module:
-    """The model's real block list: the captured one while enabled, else the model's attribute."""
-    captured = _CAPTURED_BLOCKS.get(model)
-    return captured if captured is not None else model.get_submodule(BLOCKS)
-
-
-def _in_block(layer: int, path: str) -> str:
-    """``path`` (a path in the model) relative to block ``layer``."""
-    head = f"{BLOCKS}.{layer}."
-    if not path.startswith(head):
-        raise ConfigError(f"internal: {path} is not inside {head.rstrip('.')}")
-    return path[len(head) :]
-
-
-def projection_module(model: nn.Module, layer: Layer) -> Any:
-    """The current module of ``layer``'s projection (peft may have wrapped it), through the real blocks."""
-    if layer == FINAL:
-        return model.get_submodule(projection_path(FINAL))
-    block = transformer_blocks(model)[int(layer)]  # type: ignore[index]
-    return block.get_submodule(_in_block(int(layer), projection_path(layer)))
-
-
-def projection_modules(model: nn.Module, spec: ModulationSpec) -> list[tuple[Layer, Any]]:
-    """``(layer, current module)`` of every projection, in pass order; peft may have wrapped them."""
-    return [(layer, projection_module(model, layer)) for layer in spec.layers()]
-
-
-def modulation_modules(model: nn.Module, spec: ModulationSpec) -> list[nn.Module]:
-    """Every block's ``adaln_proj`` (the module that calls the projection), in layer order."""
-    blocks: Any = transformer_blocks(model)
-    return [blocks[layer].get_submodule(_in_block(layer, owner_path(layer))) for layer in range(spec.num_layers)]
-
-
-def time_embedder_linears(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """``(path, module)`` of the time embedder's linears that exist on this model."""
-    time_embedder = model.get_submodule(TIME_EMBEDDER)
-    named = []
-    for name in TIME_EMBEDDER_LINEARS:
-        child = getattr(time_embedder, name, None)
-        if isinstance(child, nn.Module):
-            named.append((f"{TIME_EMBEDDER}.{name}", child))
-    return named
-
-
-def served_modules(model: nn.Module, spec: ModulationSpec) -> list[tuple[str, Any]]:
-    """``(path, current module)`` of every module whose weights shape the served outputs."""
-    named: list[tuple[str, Any]] = [
-        (projection_path(layer), module) for layer, module in projection_modules(model, spec)
-    ]
-    return named + time_embedder_linears(model)
 
 
 def device_of(model: nn.Module) -> torch.device:
@@ -145,10 +53,8 @@ def execution_device(model: nn.Module) -> torch.device | None:
     device. Without either, the forward runs where the weights are. ``None`` when nothing tells
     (every weight on meta and no hook naming a device).
     """
-    from diffusers.hooks.group_offloading import _get_group_onload_device, _is_group_offload_enabled
-
-    if _is_group_offload_enabled(model):
-        return torch.device(_get_group_onload_device(model))
+    if group_offload_enabled(model):
+        return group_onload_device(model)
     device = _hook_device(model)
     if device is not None:
         return device
@@ -170,26 +76,9 @@ def _hook_device(module: nn.Module) -> torch.device | None:
     return torch.device(f"cuda:{device}" if isinstance(device, int) else device)
 
 
-def check_materialised(model: nn.Module, spec: ModulationSpec) -> None:
-    """Refuse a model whose projections hold no data: there would be nothing to serve or restore."""
-    for _, module in projection_modules(model, spec):
-        base = base_linear(module)
-        for name in ("weight", "bias"):
-            param = getattr(base, name, None)
-            if param is None or param.device.type == "meta":
-                raise ConfigError(
-                    "the model's AdaLN projections are not materialised (meta or missing bias): load "
-                    "the model fully before enabling the AdaLN cache, or load it with "
-                    "adalncache.diffusers.load_transformer; accelerate's cpu_offload (and "
-                    "enable_sequential_cpu_offload) moves every weight to meta, so enable the cache first, "
-                    "then offload"
-                )
-
-
 def casting_hook(module: nn.Module) -> Any:
     """diffusers' layerwise-casting hook on this projection's (base) linear, or None."""
-    registry = getattr(base_linear(module), "_diffusers_hook", None)
-    return registry.get_hook(CASTING_HOOK) if registry is not None else None
+    return get_hook(base_linear(module), CASTING_HOOK)
 
 
 def stock_dtype(module: nn.Module) -> torch.dtype:
@@ -212,17 +101,6 @@ def stock_dtype(module: nn.Module) -> torch.dtype:
         if isinstance(tensor, torch.Tensor) and tensor.is_floating_point():
             return tensor.dtype
     return get_parameter_dtype(module)
-
-
-def projection_dtype(model: nn.Module, spec: ModulationSpec) -> torch.dtype:
-    """The one dtype every projection computes in (the cache serves them one shared embedding)."""
-    dtypes = {stock_dtype(module) for _, module in projection_modules(model, spec)}
-    if len(dtypes) != 1:
-        raise ConfigError(
-            f"the AdaLN projections do not share one dtype ({sorted(map(str, dtypes))}); the cache "
-            "serves one embedding to all of them, so cast the model consistently before enabling"
-        )
-    return dtypes.pop()
 
 
 _FORWARD_PARAMETERS: dict[type, list[str]] = {}

@@ -24,6 +24,12 @@ import torch
 from torch import nn
 
 from ...errors import ConfigError
+from .compat import (
+    apply_group_offloading_config,
+    group_offloading_config,
+    group_offloading_hook_names,
+    reapply_group_offloading,
+)
 
 
 def guarded_apply(
@@ -80,10 +86,7 @@ def refresh_group_offloading(model: nn.Module) -> None:
     ones. diffusers' own remedy after a change of weights (its LoRA code uses it) rebuilds the
     groups from the model as it is now.
     """
-    from diffusers.hooks.group_offloading import _is_group_offload_enabled, _maybe_remove_and_reapply_group_offloading
-
-    if _is_group_offload_enabled(model):
-        _maybe_remove_and_reapply_group_offloading(model)
+    reapply_group_offloading(model)
 
 
 class LiftedGroupOffloading:
@@ -98,29 +101,20 @@ class LiftedGroupOffloading:
     """
 
     def __init__(self, model: nn.Module) -> None:
-        from diffusers.hooks.group_offloading import (
-            _GROUP_OFFLOADING,
-            _LAYER_EXECUTION_TRACKER,
-            _LAZY_PREFETCH_GROUP_OFFLOADING,
-            _get_top_level_group_offload_hook,
-        )
         from diffusers.hooks.hooks import HookRegistry
 
         self.model = model
-        top = _get_top_level_group_offload_hook(model)
-        self.config: Any = None if top is None else top.config
-        if top is not None:
+        self.config: Any = group_offloading_config(model)
+        if self.config is not None:
             registry = HookRegistry.check_if_exists_or_initialize(model)
-            for name in (_GROUP_OFFLOADING, _LAYER_EXECUTION_TRACKER, _LAZY_PREFETCH_GROUP_OFFLOADING):
+            for name in group_offloading_hook_names():
                 registry.remove_hook(name, recurse=True)
 
     def restore(self) -> None:
         """Apply the group offloading taken off again, to the model as it is now (once)."""
-        from diffusers.hooks.group_offloading import _apply_group_offloading
-
         if self.config is not None:
             config, self.config = self.config, None
-            _apply_group_offloading(self.model, config)
+            apply_group_offloading_config(self.model, config)
 
 
 __all__ = ["LiftedGroupOffloading", "guarded_apply", "refresh_group_offloading"]

@@ -27,7 +27,7 @@ from diffusers.modular_pipelines.modular_pipeline_utils import InputParam, Outpu
 from ...errors import ConfigError
 from .config import AdalnCacheConfig, CheckpointArg
 from .handle import AdalnCacheHandle, adaln_cache_handle, enable_transformer
-from .modules import is_minimax_h3_transformer
+from .minimax_h3 import is_minimax_h3_transformer
 
 #: Name of the block inserted in front of each loop denoiser.
 PREPARE_BLOCK = "adaln_cache_prepare"

@@ -34,15 +34,8 @@ from torch import nn
 from ... import TensorSource
 from ...errors import ConfigError
 from ...spec import FINAL, Layer, ModulationSpec
-from .modules import (
-    DIFFUSERS_LAYOUT,
-    base_linear,
-    casting_hook,
-    projection_module,
-    projection_path,
-    time_embedder_linears,
-    transformer_blocks,
-)
+from .minimax_h3 import DIFFUSERS_LAYOUT, projection_module, projection_path, time_embedder_linears, transformer_blocks
+from .modules import base_linear, casting_hook
 from .sources import HostTensors
 
 #: Module prefixes of the classes each library quantizes with, and the name messages use.

@@ -23,7 +23,8 @@ from ...source.absent import NoWeights
 from ...source.digest import DigestSink
 from ...spec import KeyLayout, Layer, ModulationSpec
 from ...tiers.tables import TablesArg, TablesTier
-from .modules import DIFFUSERS_LAYOUT, base_linear, projection_path
+from .minimax_h3 import DIFFUSERS_LAYOUT, projection_path
+from .modules import base_linear
 
 
 class CastCheckpointSource:

@@ -3,10 +3,11 @@
 diffusers' first-block cache, MagCache and SeaCache skip whole transformer blocks, and find out
 what a block returns from a registry of block classes. diffusers 0.42 does not register
 ``MiniMaxH3TransformerBlock`` and has no public way to register a block: the registry is
-``diffusers.hooks._helpers.TransformerBlockRegistry``, a private module. :func:`register_minimax_h3_block`
-uses it in the least fragile way it can: it checks that the registry and its metadata fields are
-the ones it was written against, does nothing when the block is already registered (a later
-diffusers may do it itself), and warns on a diffusers version it was not tested with.
+``diffusers.hooks._helpers.TransformerBlockRegistry``, a private module (reached through
+:mod:`.compat`). :func:`register_minimax_h3_block` uses it in the least fragile way it can: it
+checks that the registry and its metadata fields are the ones it was written against, does
+nothing when the block is already registered (a later diffusers may do it itself), and warns on a
+diffusers version it was not tested with.
 
 SeaCache also needs the generated video as ``(C, T, H, W)`` latents for its spectral indicator:
 :func:`minimax_h3_raw_vision` reads them off the transformer's own inputs (the packed video rows and
@@ -29,12 +30,13 @@ from typing import Any
 import torch
 
 from ...errors import ConfigError
+from .compat import CHECKED_DIFFUSERS, block_registry
 from .modules import forward_argument
 
 logger = logging.getLogger(__name__)
 
-#: diffusers versions (major.minor) the block registration was tested with.
-TESTED_DIFFUSERS = ("0.42",)
+#: The diffusers release series (major.minor) the block registration was tested with.
+TESTED_DIFFUSERS = ".".join(CHECKED_DIFFUSERS.split(".")[:2])
 
 #: What the registry's metadata must offer for the registration below to mean what it says.
 _METADATA_FIELDS = {"return_hidden_states_index", "return_encoder_hidden_states_index", "hidden_states_argument_name"}
@@ -50,21 +52,16 @@ def register_minimax_h3_block() -> bool:
     raises ``ConfigError`` instead of registering something wrong.
     """
     import diffusers
+    from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3TransformerBlock
 
     version = diffusers.__version__
-    try:
-        from diffusers.hooks._helpers import TransformerBlockMetadata, TransformerBlockRegistry
-        from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3TransformerBlock
-    except ImportError as exc:
-        raise ConfigError(
-            f"diffusers {version} has no block registry where register_minimax_h3_block() looks for it "
-            f"(diffusers.hooks._helpers, tested with diffusers {', '.join(TESTED_DIFFUSERS)}): {exc}"
-        ) from exc
+
+    TransformerBlockRegistry, TransformerBlockMetadata = block_registry()  # ConfigError where it moved
     fields = {field.name for field in dataclasses.fields(TransformerBlockMetadata)}
     if not fields >= _METADATA_FIELDS or not callable(getattr(TransformerBlockRegistry, "register", None)):
         raise ConfigError(
             f"diffusers {version}'s block registry is not the one register_minimax_h3_block() was written for "
-            f"(tested with diffusers {', '.join(TESTED_DIFFUSERS)}); the block-level step caches cannot be taught "
+            f"(tested with diffusers {TESTED_DIFFUSERS}); the block-level step caches cannot be taught "
             "the MiniMax-H3 block this way"
         )
     try:
@@ -72,12 +69,12 @@ def register_minimax_h3_block() -> bool:
         return False  # already registered (by diffusers itself, or an earlier call)
     except ValueError:
         pass
-    if ".".join(version.split(".")[:2]) not in TESTED_DIFFUSERS:
+    if ".".join(version.split(".")[:2]) != TESTED_DIFFUSERS:
         logger.warning(
             "register_minimax_h3_block(): diffusers %s is not a version this registration was tested with (%s); "
             "its block registry is private to diffusers",
             version,
-            ", ".join(TESTED_DIFFUSERS),
+            TESTED_DIFFUSERS,
         )
     metadata: Any = TransformerBlockMetadata  # diffusers annotates the index as int, None included
     TransformerBlockRegistry.register(

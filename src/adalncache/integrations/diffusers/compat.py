@@ -1,0 +1,193 @@
+"""diffusers' private names, in one place, each with the diffusers release it was checked against.
+
+The integration reaches into diffusers where no public API offers what it needs: group
+offloading's hook names and helpers (to find where a forward runs, to lift offloading around our
+hooks and apply it again, to rebuild its groups after weights were parked), the block registry
+the block-level step caches read, and the attributes a module's hooks sit under. Every such name
+is listed once, in :data:`PRIVATE_NAMES`, with the release it was read in; the rest of the package
+calls the functions below and never imports a private diffusers name itself.
+
+Lookups are lazy (a name is imported when first used), so a diffusers that moved one name still
+serves everything that does not need it; the name that moved raises :class:`ConfigError` naming it,
+the release it was checked against and the install that works. The test suite imports every
+name listed here and checks the parameters the integration passes, so a diffusers upgrade that
+moves one fails that test by name before it fails a user's forward.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...errors import ConfigError
+
+#: The diffusers release every name below was read in (the one pyproject.toml pins).
+CHECKED_DIFFUSERS = "0.42.1"
+
+
+@dataclass(frozen=True)
+class PrivateName:
+    """One private diffusers name the integration relies on.
+
+    ``module``/``name``: where it is defined. ``parameters``: for a function, the leading
+    parameters the integration passes (the test checks them); ``None`` for a constant or a class.
+    ``checked``: the diffusers release it was read in. ``why``: what it is used for.
+    """
+
+    module: str
+    name: str
+    why: str
+    parameters: tuple[str, ...] | None = None
+    checked: str = CHECKED_DIFFUSERS
+
+    @property
+    def where(self) -> str:
+        return f"{self.module}.{self.name}"
+
+
+_GROUP = "diffusers.hooks.group_offloading"
+
+#: Every private diffusers name the package uses, by the key the functions below look it up by.
+PRIVATE_NAMES: dict[str, PrivateName] = {
+    entry.name: entry
+    for entry in (
+        PrivateName(_GROUP, "_is_group_offload_enabled", "whether group offloading is applied", ("module",)),
+        PrivateName(_GROUP, "_get_group_onload_device", "where a group-offloaded forward runs", ("module",)),
+        PrivateName(_GROUP, "_get_top_level_group_offload_hook", "the config of applied group offloading", ("module",)),
+        PrivateName(_GROUP, "_apply_group_offloading", "apply lifted group offloading again", ("module", "config")),
+        PrivateName(
+            _GROUP,
+            "_maybe_remove_and_reapply_group_offloading",
+            "rebuild the groups after weights were parked or restored (diffusers' LoRA code does the same)",
+            ("module",),
+        ),
+        PrivateName(_GROUP, "_GROUP_OFFLOADING", "hook name: a module's group-offloading hook"),
+        PrivateName(_GROUP, "_LAYER_EXECUTION_TRACKER", "hook name: group offloading's execution tracker"),
+        PrivateName(_GROUP, "_LAZY_PREFETCH_GROUP_OFFLOADING", "hook name: group offloading's lazy prefetch"),
+        PrivateName(
+            "diffusers.hooks._helpers", "TransformerBlockRegistry", "teach the block-level step caches a block"
+        ),
+        PrivateName("diffusers.hooks._helpers", "TransformerBlockMetadata", "what a registered block returns"),
+    )
+}
+
+#: Private attributes of diffusers objects (not importable names): where a module's hook registry
+#: sits (``HookRegistry.check_if_exists_or_initialize`` sets it), and the registry's hook names in
+#: registration order. Checked against :data:`CHECKED_DIFFUSERS` by the same test.
+HOOK_REGISTRY_ATTRIBUTE = "_diffusers_hook"
+HOOK_ORDER_ATTRIBUTE = "_hook_order"
+
+
+@functools.cache
+def private(key: str) -> Any:
+    """The diffusers object listed as ``key`` in :data:`PRIVATE_NAMES`, imported on first use.
+
+    A diffusers that moved or removed it raises :class:`ConfigError` naming the name and the
+    release it was checked against.
+    """
+    entry = PRIVATE_NAMES[key]
+    try:
+        return getattr(importlib.import_module(entry.module), entry.name)
+    except (ImportError, AttributeError) as exc:
+        import diffusers
+
+        raise ConfigError(
+            f"diffusers {diffusers.__version__} has no {entry.where}, which the AdaLN cache uses to {entry.why} "
+            f"(checked against diffusers {entry.checked}); install diffusers=={entry.checked}"
+        ) from exc
+
+
+# --------------------------------------------------------------------------------- hook registries
+
+
+def hook_registry(module: nn.Module) -> Any:
+    """The diffusers ``HookRegistry`` on ``module``, or ``None`` when no diffusers hook was ever added."""
+    return getattr(module, HOOK_REGISTRY_ATTRIBUTE, None)
+
+
+def hook_names(module: nn.Module) -> list[str]:
+    """The names of the diffusers hooks on ``module``, in registration order (innermost first)."""
+    return list(getattr(hook_registry(module), HOOK_ORDER_ATTRIBUTE, []))
+
+
+def get_hook(module: nn.Module, name: str) -> Any:
+    """The diffusers hook registered on ``module`` under ``name``, or ``None``."""
+    registry = hook_registry(module)
+    return registry.get_hook(name) if registry is not None else None
+
+
+# --------------------------------------------------------------------------------- group offloading
+
+
+def group_offload_enabled(module: nn.Module) -> bool:
+    """Whether diffusers' group offloading is applied to ``module``."""
+    return bool(private("_is_group_offload_enabled")(module))
+
+
+def group_onload_device(module: nn.Module) -> torch.device:
+    """The device a group-offloaded ``module`` runs its forward on."""
+    return torch.device(private("_get_group_onload_device")(module))
+
+
+def group_offloading_config(module: nn.Module) -> Any:
+    """The config group offloading was applied to ``module`` with, or ``None`` when it is not applied."""
+    top = private("_get_top_level_group_offload_hook")(module)
+    return None if top is None else top.config
+
+
+def group_offloading_hook_names() -> Sequence[str]:
+    """The names of every hook group offloading registers (removing them all takes it off)."""
+    return tuple(
+        private(key) for key in ("_GROUP_OFFLOADING", "_LAYER_EXECUTION_TRACKER", "_LAZY_PREFETCH_GROUP_OFFLOADING")
+    )
+
+
+def group_offloading_hook(module: nn.Module) -> Any:
+    """The group-offloading hook on ``module`` (its ``.group`` is what one onload moves), or ``None``."""
+    return get_hook(module, private("_GROUP_OFFLOADING"))
+
+
+def apply_group_offloading_config(module: nn.Module, config: Any) -> None:
+    """Apply group offloading to ``module`` with ``config`` (as :func:`group_offloading_config` read it)."""
+    private("_apply_group_offloading")(module, config)
+
+
+def reapply_group_offloading(module: nn.Module) -> None:
+    """Rebuild ``module``'s offloading groups from its parameters as they are now (if it is applied)."""
+    if group_offload_enabled(module):
+        private("_maybe_remove_and_reapply_group_offloading")(module)
+
+
+# --------------------------------------------------------------------------------- the block registry
+
+
+def block_registry() -> tuple[Any, Any]:
+    """``(TransformerBlockRegistry, TransformerBlockMetadata)``: the registry the block-level step caches read."""
+    return private("TransformerBlockRegistry"), private("TransformerBlockMetadata")
+
+
+__all__ = [
+    "CHECKED_DIFFUSERS",
+    "HOOK_ORDER_ATTRIBUTE",
+    "HOOK_REGISTRY_ATTRIBUTE",
+    "PRIVATE_NAMES",
+    "PrivateName",
+    "apply_group_offloading_config",
+    "block_registry",
+    "get_hook",
+    "group_offload_enabled",
+    "group_offloading_config",
+    "group_offloading_hook",
+    "group_offloading_hook_names",
+    "group_onload_device",
+    "hook_names",
+    "hook_registry",
+    "private",
+    "reapply_group_offloading",
+]

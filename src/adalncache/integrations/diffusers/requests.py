@@ -1,0 +1,130 @@
+"""How a request or a forward of an enabled model gets its plans held: the hit path, else one build.
+
+Requests hold their plans (:class:`~adalncache.holds.PlanHold`): ``handle.prepare`` holds a
+request's plans for the calling thread until that thread's next ``prepare`` or ``release()``;
+``handle.request`` holds them for a ``with`` block; and every forward holds its own plan until it
+returns. So a build for another request (another thread, or a forward whose plan was not
+prepared) never evicts or rewrites what a running request reads.
+
+A hold is the cache's hit path when every plan is resident under the current LoRA signature and
+autocast state (no lock but the cache's short one); otherwise one build under the handle's lock,
+with the LoRA scale applied and the time embedder's weights lent for its duration. A forward
+whose plan was not prepared builds it (warning once) unless ``on_miss="raise"``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ...errors import ConfigError, PlanNotCachedError
+from ...holds import PlanHold
+from ...plans import PlanKey
+from .callbacks import BuildCallbacks
+from .lora import LoraTracker, Tuners, Variant, applied_lora_scale, lora_scale_of
+from .signature import ServedSignature
+
+if TYPE_CHECKING:
+    from ... import AdalnCache
+
+logger = logging.getLogger(__name__)
+
+
+class RequestHolds:
+    """Holds for one enabled model's requests and forwards (module docstring)."""
+
+    def __init__(
+        self,
+        cache: AdalnCache,
+        signature: ServedSignature,
+        callbacks: BuildCallbacks,
+        lora: LoraTracker,
+        lock: threading.RLock,
+        *,
+        on_miss: str,
+    ) -> None:
+        self.cache = cache
+        self.signature = signature
+        self.callbacks = callbacks
+        self.lora = lora
+        self.lock = lock
+        self.on_miss = on_miss
+        self._warned_miss = False
+
+    def for_request(self, plans: Sequence[Any], attention_kwargs: Mapping[str, Any] | None) -> PlanHold:
+        """Hold a request's plans (timestep tensors, or ``(timestep, indices)`` pairs) under its LoRA scale."""
+        tensors = [plan[0] if isinstance(plan, (tuple, list)) else plan for plan in plans]
+        scale = lora_scale_of(attention_kwargs)
+        tuners, variant, refs = self.signature.read(scale)
+        return self.hold(tensors, None, scale, tuners, variant, refs)
+
+    def for_forward(self, plan: torch.Tensor, key: PlanKey, attention_kwargs: Mapping[str, Any] | None) -> PlanHold:
+        """Before a forward: hold its plan (the host copy of its timestep) under its LoRA signature, or refuse."""
+        scale = lora_scale_of(attention_kwargs)
+        tuners, variant, refs = self.signature.read(scale)
+        if self.on_miss == "raise":
+            held = self.cache.hold_resident([plan], keys=[key], variant=variant)
+            if held is not None:
+                return held
+            if variant != self.lora.variant:
+                raise PlanNotCachedError(
+                    "the AdaLN cache does not cover this forward: the LoRA state of the AdaLN projections "
+                    "changed since the tables were built; call handle.prepare(plans) (on_miss='raise')"
+                )
+            raise PlanNotCachedError(
+                f"the AdaLN cache does not cover this forward's plan {plan.tolist()} under the current LoRA and "
+                "autocast state; call handle.prepare(plans) before the loop (under the loop's autocast), or "
+                "enable with on_miss='build'"
+            )
+        held = self.hold([plan], [key], scale, tuners, variant, refs)
+        if held.report.passes and self.on_miss == "build":
+            message = (
+                "AdaLN cache: a forward's plan was not prepared and was built on the spot (one "
+                "rebuild pass); call handle.prepare(plans) before the loop to build all steps in one "
+                "pass"
+            )
+            if not self._warned_miss:
+                logger.warning(message)
+                self._warned_miss = True
+            else:
+                logger.info(message)
+        return held
+
+    def hold(
+        self,
+        plans: Sequence[torch.Tensor],
+        keys: Sequence[PlanKey] | None,
+        scale: float,
+        tuners: Tuners,
+        variant: Variant,
+        refs: list[torch.Tensor],
+    ) -> PlanHold:
+        """Hold ``plans`` resident under ``variant``: the cache's hit path, else a build under the lock."""
+        held = self.cache.hold_resident(plans, keys=keys, variant=variant)
+        if held is not None:
+            return held
+        sliced = self.cache.shard == "columns" and self.cache.world_size > 1
+        if variant is not None and not self.callbacks.plain_tables and sliced:
+            # The adapter's forward runs on the whole projection; a rank's column slice of the base
+            # weight cannot go through it (it would fail later with an unhelpful shape error).
+            raise ConfigError(
+                "LoRA adapters on the AdaLN projections need shard='layers' (CLI --shard layers): with "
+                "shard='columns' each rank holds a column slice of the base weight, which the adapter's "
+                "full-width forward cannot run on; unload the adapter or build with shard='layers'"
+            )
+        callbacks = self.callbacks
+        with self.lock:
+            with callbacks.lending(), torch.no_grad(), applied_lora_scale(tuners, scale):
+                held = self.cache.hold(
+                    plans, embed=callbacks.embed, project=callbacks.project, variant=variant, keys=keys
+                )
+            if self.lora.built_under(variant, refs):
+                logger.info("AdaLN cache: tables rebuilt for a new LoRA signature")
+        return held
+
+
+__all__ = ["RequestHolds"]

@@ -1,0 +1,203 @@
+"""Measuring a process and its checkpoint files: what a load reads, what a process holds, what offloading moves.
+
+One home for the measurements the benchmark, ``make demo``, the tests and ``scripts/gpu_check.py``
+share, so all of them measure the same way:
+
+* **the page cache**: :func:`drop_page_cache` evicts files (``posix_fadvise(DONTNEED)``) and checks
+  with ``mincore`` that none of their pages is left; :func:`resident_served_bytes` asks ``mincore``
+  which pages of the served tensors (the AdaLN projections and the time embedder) are cached,
+  without touching them;
+* **bytes read** from the files: ``/proc/self/io`` ``read_bytes`` (it counts page faults of mapped
+  files as well as ``read``);
+* **resident memory**: ``/proc/self/status`` (``VmHWM``, ``VmRSS``, ``RssAnon``, ``RssFile``, ...)
+  and ``/proc/meminfo``;
+* **bytes onloaded** by diffusers' group offloading: every group's ``onload_`` is wrapped and the
+  bytes of the tensors it moves are summed (:class:`OnloadMeter`).
+
+Linux only (``/proc``); where a measurement is not available the functions return ``None``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import re
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..source import CheckpointFiles, checkpoint_files, resident_fraction
+
+#: The tensors the cache serves, in either layout: every block's projection, the output layer's,
+#: and the time embedder.
+SERVED = re.compile(
+    r"^(transformer_blocks\.\d+\.adaln_proj\.linear|norm_out\.linear|blocks\.\d+\.adaln_proj\.linear"
+    r"|final_layer\.adaln_proj\.linear|time_embedder)\."
+)
+PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+#: The ``/proc/self/status`` counters :func:`proc_status` reads by default.
+STATUS_KEYS = ("VmHWM", "VmRSS", "RssAnon", "RssFile")
+
+# ---------------------------------------------------------------------------------------------------- files
+
+
+def weight_files(directory: str | os.PathLike[str]) -> list[Path]:
+    """The safetensors files of a checkpoint directory (its index's, or every one)."""
+    return checkpoint_files(directory)[0]
+
+
+def served_bytes(files: Sequence[Path]) -> tuple[int, int]:
+    """``(bytes of the served tensors, bytes of every tensor)`` in ``files``, from their headers."""
+    served = total = 0
+    for header in CheckpointFiles.read(list(files)).headers:
+        for name, entry in header.entries.items():
+            total += entry.nbytes
+            if SERVED.match(name):
+                served += entry.nbytes
+    return served, total
+
+
+def drop_page_cache(files: Sequence[Path]) -> bool:
+    """Evict ``files`` from the page cache; True when ``mincore`` then finds none of them cached.
+
+    Only clean pages can be dropped, so each file is written back first; pages a live mapping
+    holds cannot be dropped either, so unreachable objects (a model loaded earlier whose tensors
+    map the files) are collected first.
+    """
+    gc.collect()
+    for path in files:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return all(cached_fraction(Path(path), 0, Path(path).stat().st_size) == 0.0 for path in files)
+
+
+def cached_fraction(path: Path, offset: int, nbytes: int) -> float | None:
+    """The fraction of ``nbytes`` at ``offset`` in ``path`` that the page cache holds (``None``: unknown)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return resident_fraction(fd, offset, nbytes)
+    finally:
+        os.close(fd)
+
+
+def resident_served_bytes(files: Sequence[Path]) -> int:
+    """Bytes of whole pages inside served tensors that the page cache holds (nothing is touched)."""
+    total = 0
+    for header in CheckpointFiles.read(list(files)).headers:
+        for name, entry in header.entries.items():
+            if not SERVED.match(name):
+                continue
+            first = -(-entry.begin // PAGE) * PAGE
+            last = entry.end // PAGE * PAGE
+            if last > first:
+                fraction = cached_fraction(header.path, first, last - first) or 0.0
+                total += round(fraction * (last - first))
+    return total
+
+
+# ---------------------------------------------------------------------------------------------------- the process
+
+
+def io_read_bytes() -> int | None:
+    """Bytes this process made the block layer read so far (``/proc/self/io``), or None."""
+    try:
+        for line in Path("/proc/self/io").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key == "read_bytes":
+                return int(value)
+    except OSError:
+        return None
+    return None
+
+
+def proc_status(keys: Sequence[str] = STATUS_KEYS) -> dict[str, int]:
+    """This process's memory counters ``keys`` from ``/proc/self/status``, in bytes; empty without ``/proc``."""
+    out = {}
+    with contextlib.suppress(OSError), open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in keys:
+                out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+def meminfo() -> dict[str, int]:
+    """The machine's ``/proc/meminfo`` counters, in bytes (``Cached``: the page cache)."""
+    out = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------- offloading
+
+
+class OnloadMeter:
+    """Counts what diffusers' group offloading onloads: calls and bytes of every group's ``onload_``.
+
+    Wraps ``ModuleGroup.onload_``, the one entry point of an onload (from memory, from disk, or a
+    prefetch); the bytes are those of the group's tensors that hold data (a parked placeholder is
+    no parameter and so is never among them).
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        from ..integrations.diffusers.compat import group_offloading_hook
+
+        self.calls = 0
+        self.bytes = 0
+        groups: list[Any] = []
+        for module in model.modules():
+            hook = group_offloading_hook(module)
+            if hook is not None and all(hook.group is not g for g in groups):
+                groups.append(hook.group)
+                self._wrap(hook.group)
+        if not groups:
+            raise ValueError("no group offloading hook on this model: apply group offloading first")
+
+    def _wrap(self, group: Any) -> None:
+        original: Callable[[], Any] = group.onload_
+
+        def onload_() -> Any:
+            self.calls += 1
+            self.bytes += sum(t.numel() * t.element_size() for t in _group_tensors(group) if t.device.type != "meta")
+            return original()
+
+        group.onload_ = onload_
+
+    def reset(self) -> None:
+        self.calls = self.bytes = 0
+
+
+def _group_tensors(group: Any) -> list[torch.Tensor]:
+    seen: dict[int, torch.Tensor] = {}
+    for module in group.modules:
+        for tensor in (*module.parameters(), *module.buffers()):
+            seen[id(tensor)] = tensor
+    for tensor in (*group.parameters, *group.buffers):
+        seen[id(tensor)] = tensor
+    return list(seen.values())
+
+
+__all__ = [
+    "SERVED",
+    "STATUS_KEYS",
+    "OnloadMeter",
+    "cached_fraction",
+    "drop_page_cache",
+    "io_read_bytes",
+    "meminfo",
+    "proc_status",
+    "resident_served_bytes",
+    "served_bytes",
+    "weight_files",
+]
