@@ -26,6 +26,7 @@ $(STAMP): pyproject.toml
 # The extras' requirements are read from pyproject.toml (their one home); what the venv already has
 # (torch, numpy, ...) satisfies their dependencies and is not installed twice.
 $(TEST_STAMP): $(STAMP)
+	mkdir -p $(TEST_EXTRAS)
 	$(PY) -m pip install -q --prefix $(TEST_EXTRAS) $$($(PY) scripts/extras.py compose bnb)
 	touch $(TEST_STAMP)
 
