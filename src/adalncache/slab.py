@@ -107,7 +107,7 @@ class Slab:
 
     def projection_view(self, slot: int, layer: Layer, n: int, columns: Columns | None = None) -> torch.Tensor:
         """Where ``n`` rows of ``layer``'s projection go: a view of the slot (of its column slice)."""
-        table = self.final_params[slot, :n] if layer == FINAL else self.block_params[slot, :n, layer]
+        table = self.final_params[slot, :n] if layer == FINAL else self.block_params[slot, :n, int(layer)]
         if columns is None:
             return table
         lo, hi = columns.bounds(self.spec.out_features(layer))
