@@ -25,11 +25,12 @@ from .devices import resolve_device
 from .embedding import time_embed_fn
 from .errors import ConfigError
 from .export import check_export, export_tables, verify_tables
+from .families.minimax_h3 import MODEL_VARIANTS
 from .offline import describe_checkpoint, describe_store, fill_store, is_store, open_checkpoint, verify_store
 from .plans import schedule_plans
 from .schedules import TASKS
 from .spec import LAYOUTS
-from .tablefile import FORMATS, MODEL_VARIANTS, TableFile, is_table_file
+from .tablefile import FORMATS, TableFile, is_table_file
 from .tiers.store import Store
 
 

@@ -13,6 +13,11 @@ next, so they get a :class:`~adalncache.errors.ConfigError` naming the reason, n
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
 from ..errors import ConfigError
 from ..geometry import TABLE_ROWS, Family
 from . import minimax_h3
@@ -59,9 +64,23 @@ def for_class(class_name: str) -> Family:
     raise ConfigError(f"{class_name} is not a supported family: the supported families are {supported()}")
 
 
+def table_fields(shapes: Mapping[str, tuple[int, ...]], dtype: torch.dtype | None) -> dict[str, Any]:
+    """The spec fields an unbound table file's tensor shapes imply (``inspect``), or ValueError saying why not.
+
+    Only a family whose table parts determine its geometry can be read this way; bound files
+    describe their layers in their binding instead.
+    """
+    if dtype is not None and all(name in shapes for name in minimax_h3.FAMILY.table_tensors):
+        fields = minimax_h3.fields_from_table(shapes["block_params"], dtype)
+        if fields is not None:
+            return fields
+    block = shapes.get("block_params")
+    raise ValueError(f"block_params is {list(block) if block else None} {dtype}, not [P, W, L, 18 * hidden]")
+
+
 def table_tensor_sets() -> list[tuple[str, ...]]:
     """The tensors besides the plans that make a table file, per family (what ``inspect`` recognises)."""
     return list(dict.fromkeys([*(family.table_tensors for family in FAMILIES.values()), (TABLE_ROWS,)]))
 
 
-__all__ = ["FAMILIES", "REFUSED", "for_class", "get", "minimax_h3", "supported", "table_tensor_sets"]
+__all__ = ["FAMILIES", "REFUSED", "for_class", "get", "minimax_h3", "supported", "table_fields", "table_tensor_sets"]
