@@ -94,7 +94,7 @@ def check_export(
 
 
 def _runs_on(family: Any, article: str = "") -> str:
-    """``t2va and fl2va run on fl2va, ref2va on ref2va``: which model variant serves which tasks."""
+    """Which model variant serves which tasks, in the family's words (``a and b run on x, c on y``)."""
     by_variant: dict[str, list[str]] = {}
     for task, variant in family.task_variants:
         by_variant.setdefault(variant, []).append(task)

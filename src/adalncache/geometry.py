@@ -222,7 +222,7 @@ class ModelGeometry:
                 )
             start = part.stop
         if start != width:
-            raise ConfigError(f"the table parts cover {start} columns, the layers {width}")
+            raise ConfigError(f"the table parts cover {start} columns but must cover the layers' {width}")
         if len({p.name for p in parts}) != len(parts) or len({p.tensor for p in parts}) != len(parts):
             raise ConfigError(f"table part names must be distinct, got {[p.name for p in parts]}")
         if tuple(p.tensor for p in parts) != self.family.table_tensors:

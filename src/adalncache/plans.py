@@ -1,8 +1,8 @@
 """Plan keys and plan validation, and the distinct plans of a set of schedules.
 
 A plan is what keys one forward's modulation: a float32 tensor with one row per row of the
-projections' input. A family keyed by the timestep alone has 1-D plans (MiniMax-H3's: the distinct
-timesteps of a step, in the order ``timestep_indices`` points at); a family keyed by several
+projections' input. A family keyed by the timestep alone has 1-D plans (for the default family: the
+distinct timesteps of a step, in the order ``timestep_indices`` points at); a family keyed by several
 per-step inputs has plans of shape ``(rows, columns)``, one column per input in the family's order
 (``spec.plan_inputs``). A cache's plans all have its spec's ``plan_columns``: the keying functions
 take it as ``columns`` (1 by default). A plan's key is the tuple of exact fp32 bit patterns in

@@ -260,7 +260,10 @@ class ModulationSpec:
 
     @classmethod
     def minimax_h3(cls, **overrides: Any) -> ModulationSpec:
-        """The released MiniMax-H3 geometry: 50 blocks, hidden 5376, time embedding 2688, bf16."""
+        """The released geometry of the family this preset is named for.
+
+        50 blocks, hidden 5376, time embedding 2688, bf16; ``overrides`` replace any field.
+        """
         fields: dict[str, Any] = dict(_default.RELEASED)
         fields.update(overrides)
         return cls(**fields)

@@ -357,6 +357,11 @@ class TableFile:
                     f"model needs {list(shape)} {want}: it holds another checkpoint geometry or dtype; export "
                     f"tables from this model's checkpoint (adalncache export)"
                 )
+        if self.metadata.get(BOUND) is None and "sglang" not in spec.family.table_formats:
+            raise _bad(
+                self.path, f"it carries no binding, and {spec.family.title} tables are only served from bound files "
+                f"(export them with adalncache export --format adalncache)", argument,
+            )  # fmt: skip
         self._entries: dict[str, TensorEntry] = entries
         columns = spec.plan_columns
         timesteps = self._read_tensor(ts).view(torch.float32).view(tuple(ts.shape))
@@ -378,11 +383,6 @@ class TableFile:
         self.slot_digests: list[str] | None = None
         if self.format == "adalncache":
             self._read_binding()
-        elif "sglang" not in spec.family.table_formats:
-            raise _bad(
-                self.path, f"it carries no binding, and {spec.family.title} tables are only served from bound files "
-                f"(export them with adalncache export --format adalncache)", argument,
-            )  # fmt: skip
 
     def _spec_of(self, entries: dict[str, TensorEntry], argument: str) -> ModulationSpec:
         """The spec a file describes itself (``inspect``): a bound file's layers, else its family's tensors."""
