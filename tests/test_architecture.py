@@ -22,6 +22,7 @@ integration's family-neutral modules never import the module that is MiniMax-H3'
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -227,6 +228,85 @@ def test_the_family_neutral_integration_modules_know_no_family() -> None:
         str(e) for e in import_edges() if e.source in FAMILY_NEUTRAL and e.target == f"{INTEGRATION}.minimax_h3"
     ]
     assert not problems, "family-neutral modules importing the MiniMax-H3 module:\n" + "\n".join(problems)
+
+
+# ---------------------------------------------------------------------------------------------
+# no model's name below the family modules
+
+#: Names that belong to MiniMax-H3: its package and class names, its module paths and checkpoint
+#: names, its request kinds.
+MODEL_NAMES = re.compile(r"minimax|adaln_proj|final_layer|proj_in|proj_out|fl2va|ref2va|t2va", re.IGNORECASE)
+
+#: MiniMax-H3's own modules outside ``families/``, kept where their imports put them and where users
+#: import them from: its schedules (the request kinds; diffusers' pipeline code) and the time
+#: embedder read from a checkpoint (above the sources).
+FAMILY_MODULES = {"adalncache.schedules", "adalncache.embedding"}
+
+#: The public MiniMax-H3 names the core keeps (docs/api.md), each where it has always been
+#: importable from: ``ModulationSpec.minimax_h3`` (from its family module) and
+#: ``adalncache.plans.minimax_h3_plans``.
+ALLOWED = {"adalncache.spec": {"minimax_h3"}, "adalncache.plans": {"minimax_h3_plans"}}
+
+
+def _names_in(tree: ast.AST) -> Iterable[tuple[int, str]]:
+    """Every string constant (docstrings and f-string parts included) and identifier, with its line."""
+    for node in ast.walk(tree):
+        line = getattr(node, "lineno", 0)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            yield line, node.value
+        elif isinstance(node, ast.Name):
+            yield line, node.id
+        elif isinstance(node, ast.Attribute):
+            yield line, node.attr
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            yield line, node.name
+        elif isinstance(node, ast.arg):
+            yield line, node.arg
+        elif isinstance(node, ast.alias):
+            yield line, node.name
+            if node.asname:
+                yield line, node.asname
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            yield line, node.module
+
+
+def model_names_below_families(root: Path = SRC) -> list[str]:
+    """Where a runtime-core module outside the family modules names a model (``module:line: text``)."""
+    found = []
+    for module, path in modules(root).items():
+        if layer(module) != 0 or module in FAMILY_MODULES or module.split(".")[:2] == [PACKAGE, "families"]:
+            continue
+        allowed = ALLOWED.get(module, set())
+        for line, text in _names_in(ast.parse(path.read_text(), filename=str(path))):
+            for match in MODEL_NAMES.finditer(text):
+                word = re.match(r"\w*", text[match.start() :])
+                if word is not None and word.group(0) in allowed:
+                    continue
+                found.append(f"{module}:{line}: {text[max(0, match.start() - 30) : match.end() + 30]!r}")
+    return found
+
+
+def test_no_model_name_below_the_family_modules() -> None:
+    """The core knows served layers, plans and key layouts; what is a model's lives in its family module."""
+    found = model_names_below_families()
+    assert not found, "model names in the family-neutral core (move them to adalncache/families/):\n" + "\n".join(found)
+
+
+def test_the_name_scan_finds_names_in_strings_and_identifiers(tmp_path: Path) -> None:
+    root = _tree(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "a.py": '"""Serves MiniMax-H3."""\n',
+            "b.py": "def f(adaln_proj):\n    return adaln_proj\n",
+            "c.py": 'X = f"{1}t2va"\n',
+            "families/__init__.py": "",
+            "families/m.py": 'NAME = "minimax-h3"\n',
+            "integrations/x.py": 'NAME = "minimax-h3"\n',
+        },
+    )
+    found = model_names_below_families(root)
+    assert {entry.split(":")[0] for entry in found} == {"adalncache.a", "adalncache.b", "adalncache.c"}
 
 
 # ---------------------------------------------------------------------------------------------

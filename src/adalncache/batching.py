@@ -7,7 +7,7 @@ those of the per-plan GEMM depends on the device, the kernel library and the sha
 a CPU, bf16 stacked equals per-plan except at M=1 and fp32 differs almost everywhere; cuBLAS
 differs at M=32). So nothing is assumed:
 
-* **Probe.** The first time a shape class is seen in this process (device, dtypes, plan width,
+* **Probe.** The first time a shape class is seen in this process (device, dtypes, input rows M,
   number of stacked plans, K, N, the weight's address modulo 64, the projection function), the
   layer is projected both ways: per plan (those rows are the ones written) and stacked. The class
   is marked stackable only if every plan's rows are ``torch.equal``.
@@ -69,10 +69,11 @@ class StackStats:
     per_plan_layers: int = 0  #: (layer, group) projections that ran per plan (probe, no verdict yet, refused)
 
 
-def _group_by_width(keys: Sequence[PlanKey]) -> list[list[PlanKey]]:
+def _group_by_rows(keys: Sequence[PlanKey], xs: dict[PlanKey, torch.Tensor]) -> list[list[PlanKey]]:
+    """Plans whose inputs have the same number of rows (the GEMM's M), in groups of two or more."""
     groups: dict[int, list[PlanKey]] = {}
     for key in keys:
-        groups.setdefault(len(key), []).append(key)
+        groups.setdefault(xs[key].shape[0], []).append(key)
     return [g for g in groups.values() if len(g) >= 2]
 
 
@@ -98,7 +99,7 @@ class StackedProjector:
     def __init__(
         self, keys: Sequence[PlanKey], xs: dict[PlanKey, torch.Tensor], project: Project, *, shared: bool
     ) -> None:
-        self.groups = _group_by_width(keys)
+        self.groups = _group_by_rows(keys, xs)
         self.grouped = {key for group in self.groups for key in group}
         self.xs = xs
         self.project = project
@@ -110,7 +111,7 @@ class StackedProjector:
 
     def _class(self, group: Sequence[PlanKey], x: torch.Tensor, weight: torch.Tensor) -> Hashable:
         return (
-            str(weight.device), weight.dtype, x.dtype, len(group[0]), len(group), tuple(weight.shape),
+            str(weight.device), weight.dtype, x.dtype, self.xs[group[0]].shape[0], len(group), tuple(weight.shape),
             weight.data_ptr() % 64, x.data_ptr() % 64, tuple(self.xs[k].data_ptr() % 64 for k in group),
             bit_settings_key(weight.device),
         )  # fmt: skip
@@ -133,7 +134,7 @@ class StackedProjector:
         return [(key, self.project(layer, self.xs[key], weight, bias)) for key in group]
 
     def _split(self, group: Sequence[PlanKey], y: torch.Tensor) -> list[torch.Tensor]:
-        m = len(group[0])
+        m = self.xs[group[0]].shape[0]
         return [y[i * m : (i + 1) * m] for i in range(len(group))]
 
     def _project_group(
@@ -166,7 +167,7 @@ class StackedProjector:
                 self._verdicts[cls] = False
             log.warning(
                 "stacked projection of %d plans of width %d differed from the per-plan one at layer %s; "
-                "projecting this shape class per plan from now on", len(group), len(group[0]), layer,
+                "projecting this shape class per plan from now on", len(group), self.xs[group[0]].shape[0], layer,
             )  # fmt: skip
             return self._per_plan(layer, group, weight, bias)
         self.stats.stacked_layers += 1
@@ -182,8 +183,8 @@ class StackedProjector:
 def _describe(cls: Hashable) -> str:
     if not isinstance(cls, tuple):
         return repr(cls)
-    device, wdtype, xdtype, width, count, shape = cls[:6]
-    return f"{count} plans of width {width}, weight {tuple(shape)} {wdtype} on {device}, input {xdtype}"
+    device, wdtype, xdtype, rows, count, shape = cls[:6]
+    return f"{count} plans of {rows} input rows, weight {tuple(shape)} {wdtype} on {device}, input {xdtype}"
 
 
 __all__ = ["StackStats", "StackedProjector", "clear_verdicts", "same_bits", "verdicts"]

@@ -109,8 +109,9 @@ def _check_arguments(
 class AdalnCache(SlabReads):
     """A device slab of bit-exact AdaLN tables, rebuilt transactionally from a weight source.
 
-    The slab tensors (``plan_timesteps``, ``plan_lengths``, ``block_params``, ``final_params``)
-    are allocated once on ``device``; their pointers never move unless :meth:`move_to` moves the
+    The slab tensors (``plan_timesteps``, ``plan_lengths``, ``table``, and the views of ``table``:
+    ``block_params``/``final_params`` for a two-part table, :meth:`layer_params` per layer) are
+    allocated once on ``device``; their pointers never move unless :meth:`move_to` moves the
     cache to another device, and they are not registered in any module, so no ``state_dict``
     holds them.
     """
@@ -177,7 +178,6 @@ class AdalnCache(SlabReads):
         self._dist.agree_construction(failure)
         if failure is not None:
             raise failure
-        self.plan_timesteps, self.plan_lengths, self.block_params, self.final_params = self._slab.tensors()
         #: The per-slot events that order builds and reads across CUDA streams (no-ops on a CPU).
         self.stream_sync = StreamSync(self.max_plans, events_for(self.device))
         self._pool = SlotPool(self._slab, self.stream_sync)
@@ -215,6 +215,33 @@ class AdalnCache(SlabReads):
             "AdalnCache: %d plans x %d timesteps, %.1f MiB slab on %s",
             self.max_plans, self.max_plan_width, self.slab_bytes / 2**20, self.device,
         )  # fmt: skip
+
+    # -- the slab tensors ---------------------------------------------------------------------
+
+    @property
+    def plan_timesteps(self) -> torch.Tensor:
+        """``[P, W]`` f32 (``[P, W, C]`` for plans of ``C`` columns): each slot's plan, zero past its length."""
+        return self._slab.plan_timesteps
+
+    @property
+    def plan_lengths(self) -> torch.Tensor:
+        """``[P]`` i64: each slot's plan rows, 0 for a free slot."""
+        return self._slab.plan_lengths
+
+    @property
+    def table(self) -> torch.Tensor:
+        """``[P, W, spec.table_width]``: every served layer's output per plan row, side by side."""
+        return self._slab.table
+
+    @property
+    def block_params(self) -> torch.Tensor:
+        """``[P, W, L, block_width]``: the table's ``block`` part, a view of :attr:`table` (two-part tables)."""
+        return self._slab.part_params("block")
+
+    @property
+    def final_params(self) -> torch.Tensor:
+        """``[P, W, final_width]``: the table's ``final`` part, a view of :attr:`table` (two-part tables)."""
+        return self._slab.part_params("final")
 
     # -- introspection ----------------------------------------------------------------------
 
@@ -298,7 +325,7 @@ class AdalnCache(SlabReads):
         return self._closed
 
     def __contains__(self, plan: torch.Tensor) -> bool:
-        key = plan_key(plan)
+        key = plan_key(plan, self.spec.plan_columns)
         with self._lock:
             return key in self._pool
 
@@ -339,7 +366,7 @@ class AdalnCache(SlabReads):
         path does not key the plans again (the keys of plans that must be built are re-checked).
         """
         start = time.perf_counter()
-        order, tensors = distinct_plans(plans, keys)
+        order, tensors = distinct_plans(plans, keys, self.spec.plan_columns)
         hit = self._hit(order, variant)
         report = hit if isinstance(hit, BuildReport) else self._build(order, tensors, embed, project, variant)
         report.seconds = time.perf_counter() - start
@@ -360,11 +387,11 @@ class AdalnCache(SlabReads):
         plans raises PlanError. Prefer :meth:`acquire`, which releases on exit.
         """
         start = time.perf_counter()
-        plans, keys = keyed_plans(plans, keys)
+        plans, keys = keyed_plans(plans, keys, self.spec.plan_columns)
         held = self._hit(list(dict.fromkeys(keys)), variant, hold=keys)
         if held is None:
             with self._build_lock:  # no build between this one and the hold
-                order, tensors = distinct_plans(plans, keys)
+                order, tensors = distinct_plans(plans, keys, self.spec.plan_columns)
                 report = self._build(order, tensors, embed, project, variant)
                 with self._lock:
                     held = self._hold(keys, report)
@@ -377,7 +404,7 @@ class AdalnCache(SlabReads):
     ) -> PlanHold | None:
         """Hold ``plans`` if every one is resident under ``variant`` and the current autocast state,
         else ``None``: the hit path of :meth:`hold`, which never waits for another thread's pass."""
-        plans, keys = keyed_plans(plans, keys)
+        plans, keys = keyed_plans(plans, keys, self.spec.plan_columns)
         held = self._hit(list(dict.fromkeys(keys)), variant, hold=keys, local=True)
         return held if isinstance(held, PlanHold) else None
 
@@ -556,7 +583,6 @@ class AdalnCache(SlabReads):
                 log.warning("table files not served on %s (%s); plans are built there instead", target, exc)
                 self._tiers.tables = None
         self._builder.relocate(target, self._tiers)
-        self.plan_timesteps, self.plan_lengths, self.block_params, self.final_params = self._slab.tensors()
         if here != there:
             restored = self._parking.restore(there, self._pool, self._slab, fingerprint=identity.fingerprint)
             if restored is not None:

@@ -25,11 +25,12 @@ from .devices import resolve_device
 from .embedding import time_embed_fn
 from .errors import ConfigError
 from .export import check_export, export_tables, verify_tables
+from .families.minimax_h3 import MODEL_VARIANTS
 from .offline import describe_checkpoint, describe_store, fill_store, is_store, open_checkpoint, verify_store
 from .plans import schedule_plans
 from .schedules import TASKS
 from .spec import LAYOUTS
-from .tablefile import FORMATS, MODEL_VARIANTS, TableFile, is_table_file
+from .tablefile import FORMATS, TableFile, is_table_file
 from .tiers.store import Store
 
 
@@ -154,14 +155,25 @@ def run_export(args: argparse.Namespace) -> int:
 # inspect
 
 
+def _family_geometry(spec: dict[str, Any]) -> str | None:
+    """A described spec of a family that lists its layers, in words (None for the default family's)."""
+    if "family" not in spec:
+        return None
+    widths = sorted({int(width) for _, width, _ in spec["layers"]})
+    return (
+        f"{spec['family']}: {len(spec['layers'])} layers of widths {', '.join(map(str, widths))}, input "
+        f"{spec['in_features']}, plans keyed by {', '.join(spec['plan_inputs'])}, {spec['dtype']}"
+    )
+
+
 def _print_tables(info: dict[str, Any]) -> None:
     print(
         f"table file {info['path']}: {info['format']} format, {info['plans']} plans of up to {info['width']} "
         f"timesteps (per width: {info['plans_per_width']}), {info['bytes'] / 2**20:.2f} MiB"
     )
     spec = info["spec"]
-    print(f"  {spec['num_layers']} blocks, hidden {spec['hidden_size']}, {spec['dtype']}; model_variant "
-          f"{info['model_variant'] or '(none)'}")  # fmt: skip
+    geometry = _family_geometry(spec) or f"{spec['num_layers']} blocks, hidden {spec['hidden_size']}, {spec['dtype']}"
+    print(f"  {geometry}; model_variant {info['model_variant'] or '(none)'}")
     binding = info["binding"]
     if binding is None:
         print("  binding: none (an sglang file: only its geometry can be checked)")
@@ -223,9 +235,12 @@ def run_inspect(args: argparse.Namespace) -> int:
         return 0
     spec = info["spec"]
     print(f"checkpoint {info['path']}: {info['layout']} layout, {len(info['files'])} file(s)")
+    geometry = _family_geometry(spec) or (
+        f"{spec['num_layers']} blocks, hidden {spec['hidden_size']}, time embedding {spec['time_embed_dim']}, "
+        f"{spec['dtype']}"
+    )
     print(
-        f"  {spec['num_layers']} blocks, hidden {spec['hidden_size']}, time embedding {spec['time_embed_dim']}, "
-        f"{spec['dtype']}; {info['projection_tensors']} projection tensors, "
+        f"  {geometry}; {info['projection_tensors']} projection tensors, "
         f"{info['projection_bytes'] / 2**20:.2f} MiB; one table row {info['row_bytes'] / 2**20:.3f} MiB"
     )
     print(f"  time embedder: {'present' if info['time_embedder'] else 'MISSING (build/verify need it)'}")

@@ -41,7 +41,7 @@ import torch
 
 from .errors import AdalnCacheError, BuildError, ConfigError, PlanError, failure_phase
 from .source import Columns
-from .spec import FINAL, Layer, ModulationSpec
+from .spec import Layer, ModulationSpec
 
 if TYPE_CHECKING:
     from .slab import Slab
@@ -145,6 +145,31 @@ def _text_bytes(text: str, limit: int) -> bytes:
     return text.encode("utf-8", errors="replace")[:limit]
 
 
+def _named_widths(spec: ModulationSpec) -> list[tuple[str, int]]:
+    """Each distinct output width with a name for messages: its table part's, if the part has one width.
+
+    A width that several parts share, or one part of several widths, is named by the first layer
+    that has it.
+    """
+    named: dict[int, str] = {}
+    for part in spec.table_parts():
+        widths = {spec.out_features(layer) for layer in spec.layers() if part.start <= spec.offset(layer) < part.stop}
+        if len(widths) == 1:
+            named.setdefault(widths.pop(), part.name)
+    for layer in spec.layers():
+        named.setdefault(spec.out_features(layer), f"layer {layer}")
+    return [(name, width) for width, name in named.items()]
+
+
+def _column_index(spec: ModulationSpec, columns: Columns) -> torch.Tensor:
+    """The table-row columns a rank of a column split holds: its slice of every layer, in layer order."""
+    parts = []
+    for layer in spec.layers():
+        lo, hi = columns.bounds(spec.out_features(layer))
+        parts.append(torch.arange(spec.offset(layer) + lo, spec.offset(layer) + hi, dtype=torch.int64))
+    return torch.cat(parts)
+
+
 def _split(units: Sequence[Layer], world: int) -> list[list[Layer]]:
     """Contiguous shares of ``units`` per rank; the first ``len % world`` ranks get one more.
 
@@ -165,14 +190,14 @@ class ProcessGroupCollective(Collective):
 
     ``shard="layers"``: rank r reads and projects a contiguous share of the layers (:func:`_split`)
     into its own slab, then each owner broadcasts its rows in place, one contiguous
-    ``block_params[slot, t, first:last]`` view per timestep row (no staging copy). The tables are
+    ``table[slot, t, lo:hi]`` view (its layers' columns) per plan row (no staging copy). The tables are
     torch.equal to a single-process build because every row is computed by the same
     ``F.linear`` at the same M as alone, on one rank, and copied bit for bit.
 
     ``shard="columns"``: every rank reads its slice of every layer's output features and projects
     ``F.linear(x, W[slice], b[slice])`` straight into that slice of its slab; per slot the slices
-    are all-gathered and put side by side, which is what a column-parallel resident projection
-    produces.
+    (every layer's, packed) are all-gathered and put side by side per layer, which is what a
+    column-parallel resident projection produces.
 
     Tensors travel as raw bytes (``view(torch.uint8)``), so every dtype crosses every backend
     unchanged.
@@ -207,17 +232,18 @@ class ProcessGroupCollective(Collective):
         self._shares = _split(spec.layers(), self.world)
         self._gather: dict[str, torch.Tensor] | None = None
         if shard == "columns":
-            bad = [
-                f"{name} width {width}"
-                for name, width in (("block", spec.block_width), ("final", spec.final_width))
-                if width % self.world
-            ]
+            bad = [f"{name} width {width}" for name, width in _named_widths(spec) if width % self.world]
             if bad:
+                widths = " and ".join(str(w) for w in sorted({spec.out_features(layer) for layer in spec.layers()}))
                 raise ConfigError(
                     f"shard='columns' splits every projection's output features evenly over the {self.world} "
                     f"ranks, but the {' and '.join(bad)} is not divisible by {self.world}: use shard='layers' "
-                    f"(CLI --shard layers) or a world size dividing {spec.final_width} and {spec.block_width}"
+                    f"(CLI --shard layers) or a world size dividing {widths}"
                 )
+            # Column j of the gathered row (rank-major: each rank's slice of every layer, in layer
+            # order) is column _gathered[j] of the table row.
+            self._own = _column_index(spec, Columns(self.rank, self.world))
+            self._gathered = torch.cat([_column_index(spec, Columns(r, self.world)) for r in range(self.world)])
         # Everything that fixes the size or number of later collectives must match on every rank.
         identity = {"spec": spec.describe(), "shard": shard, "world": self.world, **(config or {})}
         if not self._same_everywhere(_digest(sorted(identity.items()))):
@@ -362,13 +388,12 @@ class ProcessGroupCollective(Collective):
 
     def _column_buffers(self, slab: Slab) -> dict[str, torch.Tensor]:
         spec, W, dev = slab.spec, slab.max_plan_width, self.comm_device
-        L = spec.num_layers
-        bw, fw = spec.block_width // self.world, spec.final_width // self.world
+        share = spec.table_width // self.world
         return {
-            "block_send": torch.empty(W, L, bw, dtype=spec.dtype, device=dev),
-            "block_recv": torch.empty(self.world, W, L, bw, dtype=spec.dtype, device=dev),
-            "final_send": torch.empty(W, fw, dtype=spec.dtype, device=dev),
-            "final_recv": torch.empty(self.world, W, fw, dtype=spec.dtype, device=dev),
+            "send": torch.empty(W, share, dtype=spec.dtype, device=dev),
+            "recv": torch.empty(self.world, W, share, dtype=spec.dtype, device=dev),
+            "own": self._own.to(slab.device),
+            "gathered": self._gathered.to(slab.device),
         }
 
     def share_results(self, slab: Slab, slots: list[int], lengths: list[int]) -> None:
@@ -392,39 +417,35 @@ class ProcessGroupCollective(Collective):
 
     def _share_layers(self, slab: Slab, slots: list[int], lengths: list[int]) -> None:
         works: list[Any] = []
+        spec = slab.spec
         for owner, share in enumerate(self._shares):
-            blocks = [layer for layer in share if layer != FINAL]
+            if not share:
+                continue
+            # The owner's layers are a run of the pass order, so their columns are one contiguous
+            # range of a table row: each row travels in place with no packing.
+            lo, hi = spec.offset(share[0]), spec.offset(share[-1]) + spec.out_features(share[-1])
             for slot, n in zip(slots, lengths):
-                if blocks:
-                    first, last = int(blocks[0]), int(blocks[-1]) + 1
-                    for t in range(n):
-                        # One timestep row of a slot is [L, block_width]: the owner's layers are
-                        # a contiguous run of it, so it travels in place with no packing.
-                        self._broadcast(slab.block_view(slot, n)[t, first:last], owner, works)
-                if FINAL in share:
-                    self._broadcast(slab.final_view(slot, n), owner, works)
+                rows = slab.row_view(slot, n)
+                for t in range(n):
+                    self._broadcast(rows[t, lo:hi], owner, works)
         for work in works:
             work.wait()
 
     def _share_columns(self, slab: Slab, slots: list[int], lengths: list[int]) -> None:
         buffers = self._gather if self._gather is not None else self._column_buffers(slab)
-        world, L = self.world, slab.spec.num_layers
+        world = self.world
         for slot, n in zip(slots, lengths):
-            for name, table in (("block", slab.block_view(slot, n)), ("final", slab.final_view(slot, n))):
-                width = table.shape[-1]
-                lo, hi = Columns(self.rank, world).bounds(width)
-                send = buffers[f"{name}_send"][:n]
-                recv = buffers[f"{name}_recv"][:, :n]
-                send.copy_(table[..., lo:hi])
-                parts = [recv[r] for r in range(world)]  # each recv[r] is contiguous
-                self._d.all_gather(
-                    [p.view(torch.uint8) for p in parts], send.contiguous().view(torch.uint8), group=self.group
-                )
-                # recv is [world, n, (L,) width/world]; the slab row wants the slices side by side.
-                if name == "block":
-                    table.view(n, L, world, width // world).copy_(recv.permute(1, 2, 0, 3))
-                else:
-                    table.view(n, world, width // world).copy_(recv.permute(1, 0, 2))
+            rows = slab.row_view(slot, n)
+            send = buffers["send"][:n]
+            recv = buffers["recv"][:, :n]
+            send.copy_(rows.index_select(1, buffers["own"]))
+            parts = [recv[r] for r in range(world)]  # each recv[r] is contiguous
+            self._d.all_gather(
+                [p.view(torch.uint8) for p in parts], send.contiguous().view(torch.uint8), group=self.group
+            )
+            # recv is [world, n, share]: rank r's slice of every layer; the table row wants each
+            # layer's slices side by side, which the gathered-column index says where.
+            rows.index_copy_(1, buffers["gathered"], recv.permute(1, 0, 2).reshape(n, -1).to(rows.device))
 
     def describe_shard(self) -> str:
         # Layer sharding reproduces the single-process bits; column sharding reproduces a

@@ -3,8 +3,8 @@
 :func:`export_tables` computes the tables of a set of plans with an :class:`~adalncache.AdalnCache`
 (so store entries are reused, and a ``torchrun`` group shares the passes exactly as ``build``
 does) and streams them into a table file (:mod:`adalncache.tablefile`) in one of two formats:
-``sglang`` (exactly SGLang's sidecar: it loads it with ``--minimax-h3-adaln-cache-path``) or
-``adalncache`` (the same tensors plus the binding that lets a reader verify it).
+``sglang`` (exactly SGLang's sidecar, for a family whose ``table_formats`` include it) or
+``adalncache`` (the same tensors plus the binding that lets a reader verify it; every family).
 :func:`verify_tables` recomputes a file's plans from a checkpoint on this machine and compares
 them bit for bit. ``adalncache export`` and ``adalncache verify --tables`` are shells over these.
 
@@ -30,15 +30,7 @@ from .errors import ConfigError
 from .plans import format_plan, key_to_plan, plan_key
 from .source import CheckpointSource
 from .spec import ModulationSpec
-from .tablefile import (
-    FORMATS,
-    MODEL_VARIANTS,
-    TASK_VARIANTS,
-    TableFile,
-    TableWriter,
-    bound_metadata,
-    sglang_metadata,
-)
+from .tablefile import FORMATS, TableFile, TableWriter, bound_metadata, sglang_metadata
 from .tiers.tables import plain_json
 
 Embed = Callable[[torch.Tensor], torch.Tensor]
@@ -63,10 +55,19 @@ def check_export(
     spec: ModulationSpec, *, format: str, precision: str, model_variant: str | None, tasks: Sequence[str]
 ) -> None:
     """Refuse, before any work, what the target format cannot express (ConfigError naming the flag)."""
+    family = spec.family
     if format not in FORMATS:
         raise ConfigError(f"--format must be one of {', '.join(FORMATS)}, got {format!r}")
-    if model_variant is not None and model_variant not in MODEL_VARIANTS:
-        raise ConfigError(f"--model-variant must be one of {', '.join(MODEL_VARIANTS)}, got {model_variant!r}")
+    if format not in family.table_formats:
+        raise ConfigError(
+            f"--format {format} cannot hold {family.title} tables (that format serves only the families whose tables "
+            f"its engine loads); use --format {' or '.join(family.table_formats)}"
+        )
+    variants = family.model_variants
+    if model_variant is not None and not variants:
+        raise ConfigError(f"--model-variant does not apply to {family.title} tables: drop it")
+    if model_variant is not None and model_variant not in variants:
+        raise ConfigError(f"--model-variant must be one of {', '.join(variants)}, got {model_variant!r}")
     if format == "sglang":
         if spec.dtype != torch.bfloat16:
             raise ConfigError(
@@ -78,18 +79,31 @@ def check_export(
                 f"--format sglang cannot hold --precision {precision} tables: SGLang serves the file as the "
                 f"resident projection's output (precision match); use --precision match or --format adalncache"
             )
-        if model_variant is None:
+        if model_variant is None and variants:
             raise ConfigError(
-                "--format sglang needs --model-variant fl2va or ref2va: SGLang compares it with its own "
-                "--model-variant (t2va and fl2va run on fl2va, ref2va on ref2va)"
+                f"--format sglang needs --model-variant {' or '.join(variants)}: SGLang compares it with its own "
+                f"--model-variant ({_runs_on(family)})"
             )
     if model_variant is not None:
-        wrong = sorted({t for t in tasks if TASK_VARIANTS.get(t) != model_variant})
+        wrong = sorted({t for t in tasks if family.variant_of(t) != model_variant})
         if wrong:
             raise ConfigError(
-                f"--model-variant {model_variant} does not serve --task {', '.join(wrong)} (t2va and fl2va run on "
-                f"the fl2va transformer, ref2va on ref2va): export one file per transformer"
+                f"--model-variant {model_variant} does not serve --task {', '.join(wrong)} ({_runs_on(family, 'the ')}"
+                f"): export one file per transformer"
             )
+
+
+def _runs_on(family: Any, article: str = "") -> str:
+    """Which model variant serves which tasks, in the family's words (``a and b run on x, c on y``)."""
+    by_variant: dict[str, list[str]] = {}
+    for task, variant in family.task_variants:
+        by_variant.setdefault(variant, []).append(task)
+    said = []
+    for i, (variant, tasks) in enumerate(by_variant.items()):
+        runs = " and ".join(tasks)
+        target = f"{article}{variant} transformer" if article and i == 0 else variant
+        said.append(f"{runs} run on {target}" if i == 0 else f"{runs} on {variant}")
+    return ", ".join(said)
 
 
 def export_tables(
@@ -124,8 +138,10 @@ def export_tables(
             assert model_variant is not None
             writer.open(sglang_metadata(model_variant))
         else:
-            writer.open(bound_metadata(binding={"~": "~" * 2048}, schedules=schedules, model_variant=model_variant))
-    keys = [plan_key(p) for p in plans]
+            writer.open(
+                bound_metadata(binding={"~": "~" * 2048}, schedules=schedules, model_variant=model_variant, spec=spec)
+            )
+    keys = [plan_key(p, spec.plan_columns) for p in plans]
     passes = store_hits = built = 0
     try:
         chunks = [list(range(i, min(i + cache.max_plans, len(plans)))) for i in range(0, len(plans), cache.max_plans)]
@@ -144,14 +160,14 @@ def export_tables(
                 "ranks, or use --format sglang"
             )
         if writer is None:
-            return ExportReport(path, format, len(plans), max(len(k) for k in keys), 0, passes, store_hits, built,
-                                None if binding is None else binding["content"])  # fmt: skip
+            return ExportReport(path, format, len(plans), max(spec.plan_rows(k) for k in keys), 0, passes, store_hits,
+                                built, None if binding is None else binding["content"])  # fmt: skip
         if format == "sglang":
             assert model_variant is not None
             metadata = sglang_metadata(model_variant)
         else:
             assert binding is not None
-            metadata = bound_metadata(binding=binding, schedules=schedules, model_variant=model_variant)
+            metadata = bound_metadata(binding=binding, schedules=schedules, model_variant=model_variant, spec=spec)
         writer.finish(metadata)
     except BaseException:
         if writer is not None:
@@ -220,17 +236,19 @@ def verify_tables(
         spec, source, max_plans=max(1, min(max_plans, len(keys))), max_plan_width=table.width, device=device,
         precision=precision, read_ahead=read_ahead, progress=progress, batched=False,
     )  # fmt: skip
+    columns = spec.plan_columns
     for chunk in tqdm(chunks, desc="adalncache verify --tables", unit="pass", disable=not progress):
-        cache.build([key_to_plan(k) for k in chunk], embed=embed)
+        cache.build([key_to_plan(k, columns) for k in chunk], embed=embed)
         for key in chunk:
+            shown = format_plan(key, columns=columns)
             stored = table.read(key)
             if stored is None:
-                report.corrupt.append(f"slot {table.slot_of(key)} (plan {format_plan(key)}) fails its digest")
+                report.corrupt.append(f"slot {table.slot_of(key)} (plan {shown}) fails its digest")
                 continue
             fresh = cache.rows_of(key)
             report.checked += 1
-            if not (torch.equal(fresh.block.cpu(), stored.block) and torch.equal(fresh.final.cpu(), stored.final)):
-                report.mismatched.append(f"plan {format_plan(key)} (slot {table.slot_of(key)}) differs")
+            if not all(torch.equal(a.cpu(), b) for a, b in zip(fresh.parts, stored.parts, strict=True)):
+                report.mismatched.append(f"plan {shown} (slot {table.slot_of(key)}) differs")
         cache.invalidate()
     if table.binding is not None:
         report.content = cache.identify()

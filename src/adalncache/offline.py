@@ -84,8 +84,9 @@ def fill_store(
         # Existence by name only: reading every entry to verify it would cost as much as a pass on a
         # large store. A corrupt entry is caught (and rebuilt) by the serving cache's read, or by verify.
         binding = cache.binding()  # None while the content digest is unknown: the build learns it
-        stored = store.contains(binding, [plan_key(p) for p in plans]) if binding is not None else set()
-    todo = [p for p in plans if plan_key(p) not in stored]
+        columns = cache.spec.plan_columns
+        stored = store.contains(binding, [plan_key(p, columns) for p in plans]) if binding is not None else set()
+    todo = [p for p in plans if plan_key(p, cache.spec.plan_columns) not in stored]
     per_pass = cache.max_plans
     chunks = [todo[i : i + per_pass] for i in range(0, len(todo), per_pass)]
     built = passes = failures = hits = 0
@@ -193,20 +194,21 @@ def verify_store(
             if not stored:
                 continue
             cache = AdalnCache(
-                spec, source, max_plans=len(stored), max_plan_width=max(len(e.key) for e in stored),
+                spec, source, max_plans=len(stored), max_plan_width=max(spec.plan_rows(e.key) for e in stored),
                 device=device, precision=precision, progress=progress, read_ahead=read_ahead,
                 batched=False,  # always per plan: this is what confirms entries built with --batched
             )  # fmt: skip
-            cache.build([key_to_plan(e.key) for e in stored], embed=embed)
+            cache.build([key_to_plan(e.key, spec.plan_columns) for e in stored], embed=embed)
             for item in stored:
                 fresh = cache.rows_of(item.key)
-                same = torch.equal(fresh.block.cpu(), item.rows.block) and torch.equal(
-                    fresh.final.cpu(), item.rows.final
+                same = len(fresh.parts) == len(item.rows.parts) and all(
+                    torch.equal(a.cpu(), b) for a, b in zip(fresh.parts, item.rows.parts)
                 )
                 report.checked += 1
                 if not same:
                     report.mismatched.append(
-                        f"{item.info.path}: plan {format_plan(item.key)} differs from a recomputation"
+                        f"{item.info.path}: plan {format_plan(item.key, columns=spec.plan_columns)} differs from a "
+                        f"recomputation"
                     )
             del cache, stored
     report.other_bindings = len(entries) - sum(len(by_binding.get(h, [])) for h in hashes.values())

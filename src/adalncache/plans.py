@@ -1,8 +1,13 @@
 """Plan keys and plan validation, and the distinct plans of a set of schedules.
 
-A plan is one forward's ``timestep`` tensor: the distinct timesteps of that step, in the order
-``timestep_indices`` points at. Its key is the tuple of exact fp32 bit patterns, in order, because
-two plans that differ in one bit (or only in order) give different AdaLN outputs.
+A plan is what keys one forward's modulation: a float32 tensor with one row per row of the
+projections' input. A family keyed by the timestep alone has 1-D plans (for the default family: the
+distinct timesteps of a step, in the order ``timestep_indices`` points at); a family keyed by several
+per-step inputs has plans of shape ``(rows, columns)``, one column per input in the family's order
+(``spec.plan_inputs``). A cache's plans all have its spec's ``plan_columns``: the keying functions
+take it as ``columns`` (1 by default). A plan's key is the tuple of exact fp32 bit patterns in
+row-major order, because two plans that differ in one bit (or only in order) give different AdaLN
+outputs; a key holds ``rows * columns`` patterns.
 
 The schedules themselves (tasks, the pipeline's recipe, :func:`minimax_h3_plans`) live in
 :mod:`adalncache.schedules`; ``minimax_h3_plans`` is importable from here too, where users have
@@ -57,32 +62,53 @@ def _bits(values: list[float]) -> tuple[int, ...] | None:
     return unpack(pack(*values))
 
 
-def plan_key(plan: torch.Tensor) -> PlanKey:
-    """The exact identity of a plan: its fp32 bit patterns, in order.
+def _shaped(plan: object, columns: int) -> bool:
+    """Whether ``plan`` is a float32 tensor of a cache with ``columns`` plan columns."""
+    if not isinstance(plan, _TENSOR) or plan.dtype is not _FLOAT32:
+        return False
+    if columns == 1:
+        return plan.dim() == 1
+    return plan.dim() == 2 and plan.shape[1] == columns
 
-    Raises PlanError for anything that is not a 1-D float32 tensor, since such a thing has no
-    fp32 bit pattern to key on (a float64 or float16 timestep would be rounded by the model).
-    Every request keys all of its plans, so this is on the hit path: ``tolist`` and a
-    ``struct`` round trip cost about half of viewing the tensor as int32.
-    """
-    if not isinstance(plan, _TENSOR) or plan.dtype is not _FLOAT32 or plan.dim() != 1:
-        raise PlanError(
+
+def _wrong_shape(plan: object, columns: int) -> PlanError:
+    if columns == 1:
+        return PlanError(
             f"a plan must be a 1-D float32 tensor of timesteps (the model's `timestep` argument), got "
             f"{_describe(plan)}; pass timestep.to(torch.float32).flatten()"
         )
+    return PlanError(
+        f"a plan of this cache must be a float32 tensor of shape (rows, {columns}): one row per input row, one "
+        f"column per keying input (spec.plan_inputs), got {_describe(plan)}"
+    )
+
+
+def plan_key(plan: torch.Tensor, columns: int = 1) -> PlanKey:
+    """The exact identity of a plan: its fp32 bit patterns, in order (row-major).
+
+    ``columns``: the plans' columns (``spec.plan_columns``): 1 takes a 1-D plan, more an
+    ``(rows, columns)`` one. Raises PlanError for anything else, since such a thing has no fp32
+    bit pattern to key on (a float64 or float16 timestep would be rounded by the model).
+    Every request keys all of its plans, so this is on the hit path: ``tolist`` and a
+    ``struct`` round trip cost about half of viewing the tensor as int32.
+    """
+    if not _shaped(plan, columns):
+        raise _wrong_shape(plan, columns)
     if not plan.is_cpu:
         if plan.is_meta:
             # A meta tensor has no bits to key on (it would fail later with a bare NotImplementedError).
             raise PlanError("a plan must hold data, got a meta tensor: pass the timestep tensor the forward receives")
         plan = plan.detach().cpu()
+    if columns != 1:
+        plan = plan.reshape(-1)
     key = _bits(plan.tolist())
     if key is None:
         return tuple(plan.detach().contiguous().view(torch.int32).tolist())
     return key
 
 
-def plan_keys(plans: Sequence[torch.Tensor]) -> list[PlanKey]:
-    """``[plan_key(p) for p in plans]``, computed for the whole request at once.
+def plan_keys(plans: Sequence[torch.Tensor], columns: int = 1) -> list[PlanKey]:
+    """``[plan_key(p, columns) for p in plans]``, computed for the whole request at once.
 
     One ``cat`` and one ``tolist`` for every plan instead of one each (measured: about half the
     cost for a 49-plan request). Anything unusual (a plan on a device, another dtype or rank, a
@@ -90,16 +116,16 @@ def plan_keys(plans: Sequence[torch.Tensor]) -> list[PlanKey]:
     """
     try:
         for plan in plans:
-            if plan.dtype is not _FLOAT32 or plan.dim() != 1:
+            if not _shaped(plan, columns):
                 raise _PerPlan
-        flat = torch.cat(list(plans))
-        if flat.dim() != 1 or not flat.is_cpu:
+        flat = torch.cat(list(plans)).reshape(-1)
+        if not flat.is_cpu:
             raise _PerPlan
         bits = _bits(flat.tolist())
         if bits is None:
             raise _PerPlan
     except Exception:  # not tensors, mixed devices, nothing to concatenate...: the exact, slower way
-        return [plan_key(plan) for plan in plans]
+        return [plan_key(plan, columns) for plan in plans]
     keys: list[PlanKey] = []
     start = 0
     for plan in plans:
@@ -113,27 +139,38 @@ class _PerPlan(Exception):
     """Internal: key this request plan by plan."""
 
 
-def key_to_plan(key: PlanKey) -> torch.Tensor:
+def key_to_plan(key: PlanKey, columns: int = 1) -> torch.Tensor:
     """The float32 tensor whose bit patterns are ``key`` (inverse of :func:`plan_key`)."""
-    return torch.tensor(list(key), dtype=torch.int32).view(torch.float32)
+    plan = torch.tensor(list(key), dtype=torch.int32).view(torch.float32)
+    return plan if columns == 1 else plan.view(-1, columns)
 
 
-def validate_plan(plan: torch.Tensor, *, max_plan_width: int | None = None) -> None:
-    """Reject plans that cannot be served: not 1-D float32, empty, non-finite, or too wide."""
-    plan_key(plan)  # dtype and rank
+def plan_rows(key: PlanKey, columns: int = 1) -> int:
+    """Rows of the plan whose key is ``key``."""
+    return len(key) // columns
+
+
+def validate_plan(plan: torch.Tensor, *, max_plan_width: int | None = None, columns: int = 1) -> None:
+    """Reject plans that cannot be served: not float32 of the cache's shape, empty, non-finite, or too wide."""
+    plan_key(plan, columns)  # dtype and rank
+    rows = plan.shape[0]
+    what = "distinct timesteps" if columns == 1 else "rows"
     if plan.numel() == 0:
-        raise PlanError("a plan must hold at least one timestep, got an empty tensor")
-    if not bool(torch.isfinite(plan).all()):
-        raise PlanError(f"a plan's timesteps must be finite, got {plan.tolist()}")
-    if max_plan_width is not None and plan.numel() > max_plan_width:
         raise PlanError(
-            f"a plan has {plan.numel()} distinct timesteps but the slab holds at most {max_plan_width} per "
-            f"plan: raise max_plan_width (CLI --plan-width) to at least {plan.numel()}"
+            "a plan must hold at least one timestep, got an empty tensor" if columns == 1 else
+            f"a plan must hold at least one row, got a tensor of shape {tuple(plan.shape)}"
+        )  # fmt: skip
+    if not bool(torch.isfinite(plan).all()):
+        raise PlanError(f"a plan's {'timesteps' if columns == 1 else 'values'} must be finite, got {plan.tolist()}")
+    if max_plan_width is not None and rows > max_plan_width:
+        raise PlanError(
+            f"a plan has {rows} {what} but the slab holds at most {max_plan_width} per "
+            f"plan: raise max_plan_width (CLI --plan-width) to at least {rows}"
         )
 
 
 def keyed_plans(
-    plans: Sequence[torch.Tensor], keys: Sequence[PlanKey] | None = None
+    plans: Sequence[torch.Tensor], keys: Sequence[PlanKey] | None = None, columns: int = 1
 ) -> tuple[list[torch.Tensor], list[PlanKey]]:
     """``plans`` as a list, with one key per plan (computed here, or the caller's ``keys``).
 
@@ -153,7 +190,7 @@ def keyed_plans(
         )
     plans = list(plans)  # any iterable; callers walk it more than once
     if keys is None:
-        return plans, plan_keys(plans)
+        return plans, plan_keys(plans, columns)
     keys = list(keys)
     if len(keys) != len(plans):
         raise PlanError(
@@ -164,10 +201,10 @@ def keyed_plans(
 
 
 def distinct_plans(
-    plans: Sequence[torch.Tensor], keys: Sequence[PlanKey] | None = None
+    plans: Sequence[torch.Tensor], keys: Sequence[PlanKey] | None = None, columns: int = 1
 ) -> tuple[list[PlanKey], dict[PlanKey, torch.Tensor]]:
     """Keys of ``plans`` in first-seen order, deduplicated, with one tensor per key (see :func:`keyed_plans`)."""
-    plans, keys = keyed_plans(plans, keys)
+    plans, keys = keyed_plans(plans, keys, columns)
     tensors: dict[PlanKey, torch.Tensor] = {}
     for key, plan in zip(keys, plans):
         if key not in tensors:
@@ -175,11 +212,19 @@ def distinct_plans(
     return list(tensors), tensors
 
 
-def format_plan(key: PlanKey, limit: int = 4) -> str:
-    """Short human-readable form of a plan key for messages and logs."""
+def _number(v: float) -> str:
+    return f"{v:.6g}" if math.isfinite(v) else str(v)
+
+
+def format_plan(key: PlanKey, limit: int = 4, columns: int = 1) -> str:
+    """Short human-readable form of a plan key for messages and logs (rows in parentheses when ``columns > 1``)."""
     values = key_to_plan(key).tolist()
-    shown = ", ".join(f"{v:.6g}" if math.isfinite(v) else str(v) for v in values[:limit])
-    return f"[{shown}{', ...' if len(values) > limit else ''}]"
+    if columns == 1:
+        shown = ", ".join(_number(v) for v in values[:limit])
+        return f"[{shown}{', ...' if len(values) > limit else ''}]"
+    rows = [values[i : i + columns] for i in range(0, len(values), columns)]
+    shown = ", ".join("(" + ", ".join(_number(v) for v in row) + ")" for row in rows[:limit])
+    return f"[{shown}{', ...' if len(rows) > limit else ''}]"
 
 
 def schedule_plans(
@@ -215,6 +260,7 @@ __all__ = [
     "minimax_h3_plans",
     "plan_key",
     "plan_keys",
+    "plan_rows",
     "schedule_plans",
     "validate_plan",
 ]

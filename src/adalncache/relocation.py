@@ -66,7 +66,7 @@ class TableParking:
         """Keep host copies of every table ``pool`` holds resident, least recently used first."""
         rows = []
         for key, slot in pool.items():
-            copy = slab.read_rows(slot, len(key))
+            copy = slab.read_rows(slot, slab.spec.plan_rows(key))
             rows.append((key, PlanRows(*(tensor.to("cpu") for tensor in copy))))
         if rows:
             self._parked[identity] = ParkedTables(rows, fingerprint, variant, autocast)

@@ -21,7 +21,7 @@ from .identity import TableIdentity
 from .plans import PlanKey, plan_key, plan_keys
 from .slab import Slab
 from .slots import SlotPool
-from .spec import ModulationSpec
+from .spec import Layer, ModulationSpec
 from .streams import StreamSync
 
 
@@ -41,7 +41,7 @@ class SlabReads:
         Made without a host-to-device copy (a view, or a tensor kept per slot list); read-only.
         """
         if keys is None:
-            keys = plan_keys(plans)
+            keys = plan_keys(plans, self.spec.plan_columns)
         with self._lock:
             slots = [self._pool.require(k) for k in keys]
             tensor = self._slab.indices(slots)
@@ -50,7 +50,7 @@ class SlabReads:
 
     def lookup(self, plan: torch.Tensor, *, key: PlanKey | None = None) -> torch.Tensor:
         """The slot of a resident plan as a 0-d LongTensor on the cache device."""
-        key = plan_key(plan) if key is None else key
+        key = plan_key(plan, self.spec.plan_columns) if key is None else key
         with self._lock:
             slot = self._pool.require(key)
         self.stream_sync.before_read([slot])
@@ -72,6 +72,20 @@ class SlabReads:
             self.stream_sync.after_read(None)
         want = dtype if dtype is not None else self._identity.serve_dtype
         return rows if rows.dtype == want else rows.to(want)
+
+    def layer_params(self, layer: Layer) -> torch.Tensor:
+        """``layer``'s columns of every slot: a ``[P, W, out_features]`` view of :attr:`table`.
+
+        A static view (made once per slab allocation) that served modules can gather from with a
+        device slot tensor (``index_select``), so serving never reads the slot on the host.
+        """
+        return self._slab.layer_params(layer)
+
+    def layer_rows(
+        self, layer: Layer, slot: int | torch.Tensor, n: int, *, dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        """The ``(n, out_features)`` output of ``layer``'s projection for the slot's first ``n`` plan rows."""
+        return self._read(slot, lambda: self._slab.layer_rows(layer, slot, n), dtype)
 
     def block_rows(
         self, layer: int, slot: int | torch.Tensor, num_timesteps: int, *, dtype: torch.dtype | None = None

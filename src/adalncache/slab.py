@@ -1,11 +1,16 @@
-"""The slab: four preallocated tensors holding every resident plan's tables, and all row traffic.
+"""The slab: three preallocated tensors holding every resident plan's tables, and all row traffic.
 
-``max_plans`` slots of ``max_plan_width`` timestep rows each:
+``max_plans`` slots of ``max_plan_width`` plan rows each:
 
-* ``plan_timesteps [P, W] f32``: a slot's plan, zero past its length;
-* ``plan_lengths [P] i64``: a slot's number of timesteps, 0 for a slot that holds nothing;
-* ``block_params [P, W, L, block_width]``: each block's projection output, per timestep row;
-* ``final_params [P, W, final_width]``: the output layer's.
+* ``plan_timesteps [P, W] f32`` (``[P, W, C]`` for plans of ``C > 1`` columns): a slot's plan,
+  zero past its length;
+* ``plan_lengths [P] i64``: a slot's number of plan rows, 0 for a slot that holds nothing;
+* ``table [P, W, table_width]``: every served layer's projection output, per plan row, side by
+  side (layer ``l`` owns columns ``[spec.offset(l), spec.offset(l) + spec.out_features(l))``).
+
+The table parts a family declares (``spec.table_parts()``) and each layer's columns are views of
+``table`` made once per allocation (:meth:`Slab.part_params`, :meth:`Slab.layer_params`): strided,
+not contiguous, so whoever needs contiguous bytes (a file, a collective) copies or goes row by row.
 
 Allocated once on the cache's device; their pointers never move (hooks and CUDA graphs may hold
 them) unless the cache itself moves to another device (:meth:`Slab.relocate`), and they are not
@@ -13,8 +18,8 @@ registered in any module, so no ``state_dict`` holds them.
 
 Every read and write of rows goes through :class:`Slab`. It does not decide *which* slot a plan
 gets or when a slot is visible to lookups: that is :class:`adalncache.slots.SlotPool`'s job. The
-slab only knows how to write a slot (a layer's projection, restored rows, the timesteps and then
-the lengths), clear one, and read one.
+slab only knows how to write a slot (a layer's projection, restored rows, the plan and then the
+lengths), clear one, and read one.
 """
 
 from __future__ import annotations
@@ -24,14 +29,14 @@ from collections.abc import Sequence
 
 import torch
 
-from .errors import PlanError
+from .errors import ConfigError, PlanError
 from .rows import PlanRows
 from .source import Columns
-from .spec import FINAL, Layer, ModulationSpec
+from .spec import Layer, ModulationSpec
 
 
 class Slab:
-    """The four slab tensors of one cache and every row read and write on them."""
+    """The slab tensors of one cache and every row read and write on them."""
 
     def __init__(self, spec: ModulationSpec, max_plans: int, max_plan_width: int, device: torch.device) -> None:
         self.spec = spec
@@ -40,11 +45,18 @@ class Slab:
         self._allocate(device)
 
     def _allocate(self, device: torch.device) -> None:
-        P, W, L, spec = self.max_plans, self.max_plan_width, self.spec.num_layers, self.spec
-        self.plan_timesteps = torch.zeros(P, W, dtype=torch.float32, device=device)
+        P, W, spec = self.max_plans, self.max_plan_width, self.spec
+        C = spec.plan_columns
+        self.plan_timesteps = torch.zeros((P, W) if C == 1 else (P, W, C), dtype=torch.float32, device=device)
         self.plan_lengths = torch.zeros(P, dtype=torch.int64, device=device)
-        self.block_params = torch.zeros(P, W, L, spec.block_width, dtype=spec.dtype, device=device)
-        self.final_params = torch.zeros(P, W, spec.final_width, dtype=spec.dtype, device=device)
+        self.table = torch.zeros(P, W, spec.table_width, dtype=spec.dtype, device=device)
+        self._parts = {
+            part.name: self.table[..., part.start : part.stop].view(P, W, *part.shape) for part in spec.table_parts()
+        }
+        self._layers = {
+            layer: self.table[..., spec.offset(layer) : spec.offset(layer) + spec.out_features(layer)]
+            for layer in spec.layers()
+        }
         # 0-d slot indices already on the device, so lookups never copy host -> device.
         self._slot_index = torch.arange(P, dtype=torch.int64, device=device)
         # Slot tensors of slot lists that are not a contiguous run, by slot tuple (see indices()).
@@ -52,7 +64,7 @@ class Slab:
         self.device = device
 
     def relocate(self, device: torch.device, *, keep_rows: bool) -> None:
-        """Put the four tensors on ``device``: new tensors, so the pointers change (the only time).
+        """Put the tensors on ``device``: new tensors, so the pointers change (the only time).
 
         ``keep_rows`` copies every slot as it is (rows valid on the new device too); otherwise the
         new slab is empty, and the caller must have unpublished every slot first. The old tensors
@@ -65,11 +77,37 @@ class Slab:
                 new.copy_(tensor)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        return (self.plan_timesteps, self.plan_lengths, self.block_params, self.final_params)
+        """The tensors that own the slab's memory: ``plan_timesteps``, ``plan_lengths``, ``table``."""
+        return (self.plan_timesteps, self.plan_lengths, self.table)
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def part_params(self, name: str) -> torch.Tensor:
+        """Table part ``name`` of every slot, ``[P, W, *part.shape]`` (a view of ``table``)."""
+        try:
+            return self._parts[name]
+        except KeyError:
+            raise ConfigError(
+                f"this cache's table has no {name!r} part (its parts: {', '.join(self._parts)}; a "
+                f"{self.spec.family.title} table): read cache.table, or cache.layer_params(layer) / "
+                f"cache.layer_rows(layer, slot, n)"
+            ) from None
+
+    def layer_params(self, layer: Layer) -> torch.Tensor:
+        """``layer``'s columns of every slot, ``[P, W, out_features]`` (a view of ``table``)."""
+        try:
+            return self._layers[layer]
+        except (KeyError, TypeError):
+            raise PlanError(self._unknown_layer(layer)) from None
+
+    def _unknown_layer(self, layer: object) -> str:
+        layers = self.spec.layers()
+        return (
+            f"layer {layer!r} is not served by this cache (its {len(layers)} layers run from {layers[0]!r} to "
+            f"{layers[-1]!r})"
+        )
 
     def index(self, slot: int) -> torch.Tensor:
         """Slot ``slot`` as a 0-d LongTensor on the device (no host -> device copy)."""
@@ -107,76 +145,82 @@ class Slab:
 
     def projection_view(self, slot: int, layer: Layer, n: int, columns: Columns | None = None) -> torch.Tensor:
         """Where ``n`` rows of ``layer``'s projection go: a view of the slot (of its column slice)."""
-        table = self.final_params[slot, :n] if layer == FINAL else self.block_params[slot, :n, layer]
+        table = self.layer_params(layer)[slot, :n]
         if columns is None:
             return table
         lo, hi = columns.bounds(self.spec.out_features(layer))
         return table[..., lo:hi]
 
-    def write_projection(self, slot: int, layer: Layer, y: torch.Tensor, columns: Columns | None = None) -> None:
-        """Copy ``y`` (``(M, out_features)``, or the column slice) into ``slot``'s rows of ``layer``."""
+    def write_projection(
+        self, slot: int, layer: Layer, y: torch.Tensor, columns: Columns | None = None, rows: int | None = None
+    ) -> None:
+        """Copy ``y`` (``(M, out_features)``, or the column slice) into ``slot``'s rows of ``layer``.
+
+        ``rows``: the plan's row count when ``layer`` took fewer rows (``M < rows``); rows ``M``
+        to ``rows`` of the layer are zeroed, so a slot's table never depends on what it held before.
+        """
         width = self.spec.out_features(layer)
         lo, hi = columns.bounds(width) if columns is not None else (0, width)
         if y.dim() != 2 or y.shape[1] != hi - lo or y.shape[0] > self.max_plan_width:
             raise PlanError(f"the projection of layer {layer} returned shape {tuple(y.shape)}, expected (M, {hi - lo})")
-        self.projection_view(slot, layer, y.shape[0], columns).copy_(y)
+        m = y.shape[0]
+        if rows is not None and rows > m:
+            view = self.projection_view(slot, layer, rows, columns)
+            view[:m].copy_(y)
+            view[m:].zero_()
+            return
+        self.projection_view(slot, layer, m, columns).copy_(y)
 
     def write_rows(self, slot: int, rows: PlanRows) -> None:
-        """Restore a plan's rows from a tier into ``slot`` (its timesteps are written at publish)."""
-        n = rows.timesteps.numel()
-        self.block_params[slot, :n].copy_(rows.block, non_blocking=True)
-        self.final_params[slot, :n].copy_(rows.final, non_blocking=True)
+        """Restore a plan's rows from a tier into ``slot`` (its plan is written at publish)."""
+        n = rows.timesteps.shape[0]
+        for part, tensor in zip(self._parts.values(), rows.parts, strict=True):
+            part[slot, :n].copy_(tensor, non_blocking=True)
 
-    def block_view(self, slot: int, n: int) -> torch.Tensor:
-        """``block_params[slot, :n]``: the rows a distributed exchange fills in place."""
-        return self.block_params[slot, :n]
-
-    def final_view(self, slot: int, n: int) -> torch.Tensor:
-        """``final_params[slot, :n]``: the rows a distributed exchange fills in place."""
-        return self.final_params[slot, :n]
+    def row_view(self, slot: int, n: int) -> torch.Tensor:
+        """``table[slot, :n]``: the rows a distributed exchange fills in place."""
+        return self.table[slot, :n]
 
     def publish(self, slots: Sequence[int], plans: Sequence[torch.Tensor]) -> None:
-        """Make ``slots`` hold ``plans`` on the device: timesteps first, then the lengths.
+        """Make ``slots`` hold ``plans`` on the device: the plans first, then the lengths.
 
-        The rows must already be written. Lengths flip after the timesteps, all in one copy, so a
+        The rows must already be written. Lengths flip after the plans, all in one copy, so a
         device-side reader that trusts ``plan_lengths`` never sees a half-filled slot.
         """
         for slot, plan in zip(slots, plans, strict=True):
             row = self.plan_timesteps[slot]
             row.zero_()
-            row[: plan.numel()].copy_(plan.to(self.device))
+            row[: plan.shape[0]].copy_(plan.to(self.device))
         index = torch.tensor(list(slots), dtype=torch.int64)
-        lengths = torch.tensor([plan.numel() for plan in plans], dtype=torch.int64)
+        lengths = torch.tensor([plan.shape[0] for plan in plans], dtype=torch.int64)
         self.plan_lengths.index_copy_(0, index.to(self.device), lengths.to(self.device))
 
     def clear(self, slot: int) -> None:
-        """Hide whatever ``slot`` holds: length 0 and zero timesteps (its rows are overwritten on reuse)."""
+        """Hide whatever ``slot`` holds: length 0 and a zero plan (its rows are overwritten on reuse)."""
         self.plan_lengths[slot] = 0
         self.plan_timesteps[slot].zero_()
 
     # -- reads ------------------------------------------------------------------------------
 
     def read_rows(self, slot: int, n: int) -> PlanRows:
-        """A copy of ``slot``'s first ``n`` rows (tiers and ``verify`` keep these)."""
+        """A contiguous copy of ``slot``'s first ``n`` rows, part by part (tiers and ``verify`` keep these)."""
+        contiguous = torch.contiguous_format
         return PlanRows(
-            self.plan_timesteps[slot, :n].clone(),
-            self.block_params[slot, :n].clone(),
-            self.final_params[slot, :n].clone(),
+            self.plan_timesteps[slot, :n].clone(memory_format=contiguous),
+            *(part[slot, :n].clone(memory_format=contiguous) for part in self._parts.values()),
         )
 
     def published(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Host copies of ``(plan_lengths, plan_timesteps)`` (for invariant checks)."""
         return self.plan_lengths.cpu(), self.plan_timesteps.cpu()
 
-    def _check_rows(self, num_timesteps: int, layer: int | None = None) -> None:
+    def _check_count(self, num_timesteps: int) -> None:
         # Slicing would silently cut an over-long request to the slab width; say so instead.
         if not 1 <= num_timesteps <= self.max_plan_width:
             raise PlanError(
                 f"num_timesteps must be in 1..{self.max_plan_width} (the slab's plan width, CLI --plan-width), "
                 f"got {num_timesteps}: pass len(plan) of a resident plan"
             )
-        if layer is not None and not 0 <= layer < self.spec.num_layers:
-            raise PlanError(f"layer must be in 0..{self.spec.num_layers - 1}, got {layer}")
 
     @staticmethod
     def _slot_rows(table: torch.Tensor, slot: int | torch.Tensor) -> torch.Tensor:
@@ -185,20 +229,33 @@ class Slab:
             return table.index_select(0, slot.reshape(1).to(table.device))[0]
         return table[slot]
 
+    def layer_rows(self, layer: Layer, slot: int | torch.Tensor, n: int) -> torch.Tensor:
+        """The ``(n, out_features)`` output of ``layer``'s projection for the slot's first ``n`` rows."""
+        table = self.layer_params(layer)
+        self._check_count(n)
+        return self._slot_rows(table, slot)[:n]
+
+    # The two-part table's readers: its stacked blocks (``block``) and its output layer (``final``).
+
     def block_rows(self, layer: int, slot: int | torch.Tensor, num_timesteps: int) -> torch.Tensor:
         """``Y`` of block ``layer``: the ``(num_timesteps, block_width)`` output of its projection."""
-        self._check_rows(num_timesteps, layer)
-        return self._slot_rows(self.block_params.select(2, layer), slot)[:num_timesteps]
+        blocks = self.part_params("block")
+        self._check_count(num_timesteps)
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < blocks.shape[2]:
+            raise PlanError(f"layer must be in 0..{blocks.shape[2] - 1}, got {layer}")
+        return self._slot_rows(blocks.select(2, layer), slot)[:num_timesteps]
 
     def block_all_rows(self, slot: int | torch.Tensor, num_timesteps: int) -> torch.Tensor:
         """Every block's rows of ``slot`` from one gather: ``(num_timesteps, L, block_width)``."""
-        self._check_rows(num_timesteps)
-        return self._slot_rows(self.block_params, slot)[:num_timesteps]
+        blocks = self.part_params("block")
+        self._check_count(num_timesteps)
+        return self._slot_rows(blocks, slot)[:num_timesteps]
 
     def final_rows(self, slot: int | torch.Tensor, num_timesteps: int) -> torch.Tensor:
         """``Z``: the ``(num_timesteps, final_width)`` output of the output-layer projection."""
-        self._check_rows(num_timesteps)
-        return self._slot_rows(self.final_params, slot)[:num_timesteps]
+        final = self.part_params("final")
+        self._check_count(num_timesteps)
+        return self._slot_rows(final, slot)[:num_timesteps]
 
 
 __all__ = ["Slab"]

@@ -98,7 +98,8 @@ class SlotPool:
         slot = self._map.get(key)
         if slot is None:
             raise PlanNotCachedError(
-                f"the cache does not cover plan {format_plan(key)} ({len(self._map)} plan(s) resident): call "
+                f"the cache does not cover plan {format_plan(key, columns=self._slab.spec.plan_columns)} "
+                f"({len(self._map)} plan(s) resident): call "
                 f"build() with it first"
             )
         return slot
@@ -261,12 +262,14 @@ class SlotPool:
         assert retired <= set(self._holds), "a retired slot is not held"
         assert all(count > 0 for count in self._holds.values()), "a hold count is not positive"
         lengths, timesteps = self._slab.published()
+        spec = self._slab.spec
         for slot in free:
             assert int(lengths[slot]) == 0, f"free slot {slot} has length {int(lengths[slot])}"
         for key, slot in [*self._map.items(), *((k, s) for s, k in self._retired.items())]:
-            n = int(lengths[slot])
-            assert n == len(key), f"slot {slot}: length {n} but its plan {format_plan(key)} has {len(key)}"
-            assert plan_key(timesteps[slot, :n].contiguous()) == key, f"slot {slot}: timesteps disagree with map"
+            n, rows = int(lengths[slot]), spec.plan_rows(key)
+            assert n == rows, f"slot {slot}: length {n} but its plan {format_plan(key)} has {rows}"
+            plan = timesteps[slot, :n].contiguous()
+            assert plan_key(plan, spec.plan_columns) == key, f"slot {slot}: timesteps disagree with map"
 
 
 __all__ = ["Reservation", "SlotPool"]

@@ -1,101 +1,56 @@
-"""Model geometry and checkpoint key layouts.
+"""Model geometry and checkpoint key layouts, as one :class:`ModulationSpec` per cache.
 
-A :class:`ModulationSpec` is everything the cache needs to know about a model: how many AdaLN
-projections there are and how wide they are. Key layouts map a layer index to the tensor names
-of the native MiniMax release and of diffusers (the two hold the same rows in the same order:
-only the names differ), and name the time embedder whose output the projections take.
+A :class:`ModulationSpec` is everything the cache needs to know about a model: which projections
+it serves (a flat list of layers in pass order, each one weight and one bias), how wide each is and
+where its output sits in a table row, which per-step inputs key a plan, how a checkpoint names the
+tensors, and the dtype. The core reads only those family-neutral members
+(:meth:`~ModulationSpec.layers`, :meth:`~ModulationSpec.out_features`,
+:meth:`~ModulationSpec.offset`, :attr:`~ModulationSpec.table_width`, :attr:`~ModulationSpec.plan_columns`,
+:meth:`~ModulationSpec.layouts`, ...).
+
+The fields ``num_layers``, ``hidden_size``, ``time_embed_dim`` and ``modalities`` describe the
+default family's geometry (:func:`ModulationSpec.minimax_h3` gives the released one); a spec of
+another family passes its :class:`~adalncache.geometry.ModelGeometry` as ``geometry`` (the
+families' own modules build it, :mod:`adalncache.families`).
 """
 
 from __future__ import annotations
 
+import json
 import os
-import re
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Literal
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from . import families
 from .errors import ConfigError
+from .families import minimax_h3 as _default
+from .geometry import FINAL, Family, KeyLayout, Layer, ModelGeometry, ServedLayer, TablePart
 
 if TYPE_CHECKING:
     from torch import nn
 
-#: A layer of the projection stack: a block index, or ``"final"`` for the output layer.
-Layer = int | Literal["final"]
-
-FINAL: Literal["final"] = "final"
-
 SUPPORTED_WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
-
-@dataclass(frozen=True)
-class KeyLayout:
-    """Tensor names of one checkpoint layout.
-
-    ``block_prefix`` is a format string taking the block index ``i``; ``time_embedder`` holds the
-    module paths of the time embedder's two linears (first, second), whose weights build the
-    projections' input when only a checkpoint is at hand.
-    """
-
-    name: str
-    block_prefix: str
-    final_prefix: str
-    time_embedder: tuple[str, str]
-
-    def prefix(self, layer: Layer) -> str:
-        """The module path holding ``weight`` and ``bias`` for ``layer``."""
-        return self.final_prefix if layer == FINAL else self.block_prefix.format(i=layer)
-
-    def weight(self, layer: Layer) -> str:
-        return self.prefix(layer) + ".weight"
-
-    def bias(self, layer: Layer) -> str:
-        return self.prefix(layer) + ".bias"
-
-    def block_index(self, name: str) -> int | None:
-        """The block index ``i`` if ``name`` is block ``i``'s projection weight in this layout, else None."""
-        match = self._block_weight_pattern().fullmatch(name)
-        return int(match.group(1)) if match else None
-
-    def _block_weight_pattern(self) -> re.Pattern[str]:
-        # Derived from block_prefix so the names are written once; re caches compiled patterns.
-        before, after = self.block_prefix.split("{i}")
-        return re.compile(re.escape(before) + r"(\d+)" + re.escape(after) + r"\.weight")
-
-    def time_embedder_tensors(self) -> list[str]:
-        """Weight and bias names of the time embedder's two linears: first weight, first bias, second..."""
-        return [f"{prefix}.{part}" for prefix in self.time_embedder for part in ("weight", "bias")]
-
-
-LAYOUTS: dict[str, KeyLayout] = {
-    "native": KeyLayout(
-        "native", "blocks.{i}.adaln_proj.linear", "final_layer.adaln_proj.linear",
-        ("time_embedder.proj_in", "time_embedder.proj_out"),
-    ),
-    "diffusers": KeyLayout(
-        "diffusers", "transformer_blocks.{i}.adaln_proj.linear", "norm_out.linear",
-        ("time_embedder.linear_1", "time_embedder.linear_2"),
-    ),
-}  # fmt: skip
+#: The default family's two checkpoint layouts (native and diffusers names), by name.
+LAYOUTS: dict[str, KeyLayout] = _default.LAYOUTS
 
 
 def get_layout(name: str) -> KeyLayout:
-    """Return the layout called ``name`` or raise a ConfigError listing the valid ones."""
-    try:
-        return LAYOUTS[name]
-    except KeyError:
-        raise ConfigError(
-            f"unknown checkpoint layout {name!r}: set layout= (CLI --layout) to one of {sorted(LAYOUTS)} or 'auto'"
-        ) from None
+    """The default family's layout called ``name``, or a ConfigError listing the valid ones."""
+    return _default.FAMILY.layout(name)
 
 
 @dataclass(frozen=True)
 class ModulationSpec:
-    """Geometry of the AdaLN projections of a MiniMax-H3-like transformer.
+    """Geometry and dtype of the AdaLN projections a cache serves.
 
     ``dtype`` is the projection weights' dtype; the slab stores outputs in it because that is the
-    dtype the resident ``linear`` returns, so serving from the slab needs no cast.
+    dtype the resident ``linear`` returns, so serving from the slab needs no cast. ``geometry``:
+    a non-default family's served layers (``None``: the default family's, derived from the fields).
     """
 
     num_layers: int
@@ -103,6 +58,8 @@ class ModulationSpec:
     time_embed_dim: int
     modalities: int = 3
     dtype: torch.dtype = torch.bfloat16
+    geometry: ModelGeometry | None = None
+    _geometry: ModelGeometry = field(init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "time_embed_dim", "modalities"):
@@ -114,16 +71,152 @@ class ModulationSpec:
                 f"ModulationSpec.dtype must be one of bfloat16, float16, float32 (the projection weights' "
                 f"dtype), got {self.dtype}"
             )
+        geometry = self.geometry
+        if geometry is None:
+            geometry = _default.geometry(self.num_layers, self.hidden_size, self.time_embed_dim, self.modalities)
+        elif not isinstance(geometry, ModelGeometry):
+            raise ConfigError(f"ModulationSpec.geometry must be a ModelGeometry or None, got {type(geometry).__name__}")
+        elif geometry.in_features != self.time_embed_dim:
+            raise ConfigError(
+                f"ModulationSpec.time_embed_dim ({self.time_embed_dim}) must equal the geometry's in_features "
+                f"({geometry.in_features}): both are the projections' input width"
+            )
+        object.__setattr__(self, "_geometry", geometry)
+
+    def __repr__(self) -> str:
+        fields = (
+            f"num_layers={self.num_layers}, hidden_size={self.hidden_size}, time_embed_dim={self.time_embed_dim}, "
+            f"modalities={self.modalities}, dtype={self.dtype}"
+        )
+        if self.geometry is None:
+            return f"ModulationSpec({fields})"
+        g = self.geometry
+        return f"ModulationSpec({fields}, geometry={g.family.name}: {len(g.layers)} layers, {g.table_width} columns)"
+
+    @classmethod
+    def for_geometry(
+        cls,
+        geometry: ModelGeometry,
+        *,
+        dtype: torch.dtype = torch.bfloat16,
+        num_layers: int | None = None,
+        hidden_size: int | None = None,
+    ) -> ModulationSpec:
+        """The spec of ``geometry`` in ``dtype``; ``num_layers`` and ``hidden_size`` only describe it.
+
+        ``num_layers`` (the model's transformer blocks) defaults to the number of served layers,
+        ``hidden_size`` (the model's width) to the projections' input width.
+        """
+        return cls(
+            num_layers=num_layers if num_layers is not None else len(geometry.layers),
+            hidden_size=hidden_size if hidden_size is not None else geometry.in_features,
+            time_embed_dim=geometry.in_features,
+            dtype=dtype,
+            geometry=geometry,
+        )
+
+    # -- the family-neutral members the core reads -------------------------------------------
+
+    @property
+    def family(self) -> Family:
+        """The model family: its name, key layouts and table formats."""
+        return self._geometry.family
+
+    @property
+    def model_geometry(self) -> ModelGeometry:
+        """The served layers, table parts and plan inputs (derived for the default family)."""
+        return self._geometry
+
+    def layers(self) -> list[Layer]:
+        """Every served projection, in the order a pass reads them and a table row holds them."""
+        return [layer.id for layer in self._geometry.layers]
+
+    def served_layer(self, layer: Layer) -> ServedLayer:
+        """``layer``'s width and input (ConfigError for a layer this spec does not serve)."""
+        return self._geometry.layer(layer)
+
+    def has_layer(self, layer: object) -> bool:
+        return layer in self._geometry
+
+    def out_features(self, layer: Layer) -> int:
+        return self._geometry.layer(layer).out_features
+
+    def input_of(self, layer: Layer) -> str:
+        """The name of the projection input ``layer`` takes (a key of a mapping ``embed`` returns)."""
+        return self._geometry.layer(layer).input
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        """The names of the projection inputs, in the order the layers first take them."""
+        return self._geometry.inputs()
+
+    @property
+    def in_features(self) -> int:
+        """The projections' input width."""
+        return self.time_embed_dim
+
+    def offset(self, layer: Layer) -> int:
+        """The first column of ``layer``'s output in a table row."""
+        return self._geometry.offset(layer)
+
+    @property
+    def table_width(self) -> int:
+        """Columns of one table row: every layer's output side by side."""
+        return self._geometry.table_width
+
+    def table_parts(self) -> tuple[TablePart, ...]:
+        """The table row's named parts in order (the whole row as one part unless the family splits it)."""
+        return self._geometry.table_parts()
+
+    @property
+    def plan_inputs(self) -> tuple[str, ...]:
+        """The per-step inputs that key a plan, one plan column each, in order."""
+        return self._geometry.plan_inputs
+
+    @property
+    def plan_columns(self) -> int:
+        """Columns of a plan: 1 (a 1-D plan of timesteps) or the number of keying inputs (an ``(n, C)`` plan)."""
+        return len(self._geometry.plan_inputs)
+
+    def plan_rows(self, key: Sequence[int]) -> int:
+        """Rows of the plan whose key is ``key`` (a key holds ``rows * plan_columns`` bit patterns)."""
+        return len(key) // self.plan_columns
+
+    def layouts(self) -> dict[str, KeyLayout]:
+        """The family's checkpoint layouts by name, in detection order."""
+        return {layout.name: layout for layout in self.family.layouts}
+
+    def layout(self, name: str) -> KeyLayout:
+        """The family's layout called ``name``, or a ConfigError listing the valid ones."""
+        return self.family.layout(name)
+
+    @property
+    def default_layout(self) -> KeyLayout:
+        """The layout a cache without weights reports (the family's first)."""
+        return self.family.layouts[0]
+
+    # -- the default family's members --------------------------------------------------------
+
+    def _default_only(self, name: str) -> None:
+        if self.geometry is not None:
+            raise ConfigError(
+                f"ModulationSpec.{name} describes the {_default.FAMILY.title} geometry; this spec is a "
+                f"{self.family.title} one: use spec.out_features(layer) and spec.layers()"
+            )
 
     @property
     def block_width(self) -> int:
         """Output features of one block projection: 6 parameters x modalities x hidden."""
-        return 6 * self.modalities * self.hidden_size
+        self._default_only("block_width")
+        return _default.block_width(self.hidden_size, self.modalities)
 
     @property
     def final_width(self) -> int:
         """Output features of the output-layer projection: shift and scale."""
-        return 2 * self.hidden_size
+        self._default_only("final_width")
+        return _default.final_width(self.hidden_size)
+
+    # -- sizes ---------------------------------------------------------------------------------
 
     @property
     def itemsize(self) -> int:
@@ -131,23 +224,16 @@ class ModulationSpec:
 
     @property
     def row_bytes(self) -> int:
-        """Bytes of one timestep's table row: every block plus the output layer."""
-        return (self.num_layers * self.block_width + self.final_width) * self.itemsize
-
-    def layers(self) -> list[Layer]:
-        """Every projection, in the order a pass reads them (blocks first, then the output layer)."""
-        return [*range(self.num_layers), FINAL]
-
-    def out_features(self, layer: Layer) -> int:
-        return self.final_width if layer == FINAL else self.block_width
+        """Bytes of one plan row's table: every served layer's output."""
+        return self.table_width * self.itemsize
 
     def weight_shape(self, layer: Layer) -> tuple[int, int]:
-        return (self.out_features(layer), self.time_embed_dim)
+        return (self.out_features(layer), self.in_features)
 
     def layer_bytes(self, layer: Layer) -> int:
         """Bytes of one projection's weight and bias in ``dtype``."""
         out = self.out_features(layer)
-        return (out * self.time_embed_dim + out) * self.itemsize
+        return (out * self.in_features + out) * self.itemsize
 
     @property
     def projection_bytes(self) -> int:
@@ -155,56 +241,45 @@ class ModulationSpec:
         return sum(self.layer_bytes(layer) for layer in self.layers())
 
     def slab_bytes(self, max_plans: int, max_plan_width: int) -> int:
-        """Device bytes of a slab of ``max_plans`` x ``max_plan_width`` timestep rows (all buffers)."""
+        """Device bytes of a slab of ``max_plans`` x ``max_plan_width`` plan rows (all buffers)."""
         rows = max_plans * max_plan_width
-        return rows * self.row_bytes + rows * 4 + max_plans * 8
+        return rows * self.row_bytes + rows * 4 * self.plan_columns + max_plans * 8
 
     def with_dtype(self, dtype: torch.dtype) -> ModulationSpec:
         return replace(self, dtype=dtype)
 
     def describe(self) -> dict[str, Any]:
-        """A JSON-friendly identity of the geometry (stores bind entries to it)."""
-        return {
-            "num_layers": self.num_layers,
-            "hidden_size": self.hidden_size,
-            "time_embed_dim": self.time_embed_dim,
-            "modalities": self.modalities,
-            "dtype": str(self.dtype).removeprefix("torch."),
-        }
+        """A JSON-friendly identity of the geometry (stores and table files bind entries to it)."""
+        dtype = str(self.dtype).removeprefix("torch.")
+        if self.geometry is None:
+            return {**_default.describe(self.num_layers, self.hidden_size, self.time_embed_dim, self.modalities),
+                    "dtype": dtype}  # fmt: skip
+        return {**self.geometry.describe(), "dtype": dtype}
+
+    # -- presets and readers -------------------------------------------------------------------
 
     @classmethod
     def minimax_h3(cls, **overrides: Any) -> ModulationSpec:
-        """The released MiniMax-H3 geometry: 50 blocks, hidden 5376, time embedding 2688, bf16."""
-        fields: dict[str, Any] = {"num_layers": 50, "hidden_size": 5376, "time_embed_dim": 2688}
+        """The released geometry of the family this preset is named for.
+
+        50 blocks, hidden 5376, time embedding 2688, bf16; ``overrides`` replace any field.
+        """
+        fields: dict[str, Any] = dict(_default.RELEASED)
         fields.update(overrides)
         return cls(**fields)
 
     @classmethod
     def from_transformer(cls, model: nn.Module, *, dtype: torch.dtype | None = None) -> ModulationSpec:
-        """Read the geometry of a diffusers ``MiniMaxH3Transformer3DModel`` (config plus weight dtype).
+        """Read the geometry of a diffusers transformer of a supported family (config plus weight dtype).
 
         ``dtype``: the projections' output dtype when their weights are stored in another one
-        (quantized, or kept in fp8 by layerwise casting); by default block 0's weight dtype.
+        (quantized, or kept in fp8 by layerwise casting); by default the first projection's weight
+        dtype. A class whose modulation depends on the prompt is refused (ConfigError).
         """
-        config = getattr(model, "config", None)
-        try:
-            num_layers = int(config.num_layers)  # type: ignore[union-attr]
-            hidden_size = int(config.hidden_size)  # type: ignore[union-attr]
-            time_embed_dim = int(config.time_embed_dim)  # type: ignore[union-attr]
-        except AttributeError:
-            raise ConfigError(
-                f"ModulationSpec.from_transformer needs a MiniMaxH3Transformer3DModel (a config with "
-                f"num_layers, hidden_size and time_embed_dim), got {type(model).__name__}"
-            ) from None
-        if dtype is not None:
-            return cls(num_layers=num_layers, hidden_size=hidden_size, time_embed_dim=time_embed_dim, dtype=dtype)
-        dtype = torch.bfloat16
-        blocks = getattr(model, "transformer_blocks", None)
-        if blocks is not None and len(blocks) > 0:
-            linear = blocks[0].adaln_proj.linear
-            base = getattr(linear, "base_layer", linear)  # a peft LoRA wrapper keeps the Linear inside
-            dtype = base.weight.dtype
-        return cls(num_layers=num_layers, hidden_size=hidden_size, time_embed_dim=time_embed_dim, dtype=dtype)
+        name = type(model).__name__
+        if name in families.REFUSED:
+            families.for_class(name)  # raises the ConfigError naming the reason
+        return cls(**_default.fields_from_transformer(model, dtype))
 
     @classmethod
     def from_checkpoint(
@@ -216,12 +291,11 @@ class ModulationSpec:
     ) -> ModulationSpec:
         """Read the projection geometry from a checkpoint's safetensors headers alone (no tensor data).
 
-        ``path`` is what ``CheckpointSource`` takes (a file, a directory, a list of files). Blocks
-        are counted from ``0`` up to the first missing index; block 0's projection gives the
-        hidden size (``6 * modalities * hidden`` outputs), its input width the time-embedding
-        size, its dtype the spec's dtype. ``CheckpointSource`` then validates every tensor against
-        the result. Raises CheckpointError when no layout's projections are there or block 0's
-        is unusable.
+        ``path`` is what ``CheckpointSource`` takes (a file, a directory, a list of files). The
+        family comes from the ``_class_name`` of a ``config.json`` beside the weights (diffusers
+        layout), else it is the default family. ``CheckpointSource`` then validates every tensor
+        against the result. Raises CheckpointError when no layout's projections are there or the
+        first is unusable, ConfigError for a class that is refused or not supported.
         """
         # Deferred, and from the two source modules that import no spec: the rest of the source
         # package is built on this module (it validates checkpoints against a spec).
@@ -229,40 +303,45 @@ class ModulationSpec:
         from .source.files import checkpoint_files
         from .source.header import SafetensorsHeader
 
+        class_name = _config_class(path)
+        if class_name is not None:
+            families.for_class(class_name)  # refused and unknown classes raise here
         if layout not in ("auto", *LAYOUTS):
             get_layout(layout)  # raises the ConfigError that lists the layouts
         files, _ = checkpoint_files(path)
         entries: dict[str, Any] = {}
         for file in files:
             entries.update(SafetensorsHeader.read(file).entries)
-        candidates = [LAYOUTS[layout]] if layout != "auto" else list(LAYOUTS.values())
-        for key_layout in candidates:
-            indices = {index for name in entries if (index := key_layout.block_index(name)) is not None}
-            if not indices:
-                continue
-            count = 0
-            while count in indices:
-                count += 1
-            first = entries.get(key_layout.weight(0))
-            if first is None or len(first.shape) != 2 or first.torch_dtype is None:
-                raise CheckpointError(f"{path}: block 0's AdaLN projection weight is missing or malformed")
-            out, k = first.shape
-            if out % (6 * modalities):
-                raise CheckpointError(
-                    f"{path}: block 0's AdaLN projection has {out} outputs, not a multiple of 6 x {modalities} "
-                    f"modalities; this is not a MiniMax-H3 checkpoint"
-                )
-            try:
-                return cls(
-                    num_layers=count, hidden_size=out // (6 * modalities), time_embed_dim=k,
-                    modalities=modalities, dtype=first.torch_dtype,
-                )  # fmt: skip
-            except ConfigError as exc:
-                raise CheckpointError(f"{path}: unusable projection geometry: {exc}") from None
-        raise CheckpointError(
-            f"{path} holds no AdaLN projection in a known layout (looked for {LAYOUTS['native'].weight(0)!r} "
-            f"and {LAYOUTS['diffusers'].weight(0)!r}): pass a MiniMax-H3 transformer checkpoint, or set --layout"
-        )
+        fields = _default.fields_from_headers(path, entries, layout, modalities)
+        try:
+            return cls(**fields)
+        except ConfigError as exc:
+            raise CheckpointError(f"{path}: unusable projection geometry: {exc}") from None
 
 
-__all__ = ["FINAL", "LAYOUTS", "KeyLayout", "Layer", "ModulationSpec", "get_layout"]
+def _config_class(path: object) -> str | None:
+    """The ``_class_name`` of the ``config.json`` in ``path`` (a directory) or beside it (a file), if any."""
+    if not isinstance(path, (str, os.PathLike)):
+        return None
+    where = Path(path)
+    config = (where if where.is_dir() else where.parent) / "config.json"
+    try:
+        data = json.loads(config.read_text())
+    except (OSError, ValueError):
+        return None
+    name = data.get("_class_name") if isinstance(data, dict) else None
+    return name if isinstance(name, str) else None
+
+
+__all__ = [
+    "FINAL",
+    "LAYOUTS",
+    "SUPPORTED_WEIGHT_DTYPES",
+    "KeyLayout",
+    "Layer",
+    "ModelGeometry",
+    "ModulationSpec",
+    "ServedLayer",
+    "TablePart",
+    "get_layout",
+]

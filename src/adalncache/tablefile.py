@@ -1,24 +1,27 @@
 """Table files: the tables of a set of plans in one safetensors file that other engines load too.
 
-The layout is SGLang's MiniMax-H3 AdaLN sidecar (format version 2), so one file serves this
-package and SGLang (``--minimax-h3-adaln-cache-path``) alike:
+The layout (format version 2) is one tensor per table part of the family (``spec.table_parts()``)
+beside the plans:
 
-* ``plan_timesteps [P, W] float32``: slot ``s`` holds a plan's timesteps in its first
-  ``plan_lengths[s]`` columns, zeros after;
+* ``plan_timesteps [P, W] float32`` (``[P, W, C]`` for plans of ``C`` columns): slot ``s`` holds a
+  plan in its first ``plan_lengths[s]`` rows, zeros after;
 * ``plan_lengths [P] int64``, each in ``1..W``;
-* ``block_params [P, W, num_layers, 18 * hidden]`` and ``final_params [P, W, 2 * hidden]``: the
-  projections' outputs, rows past a plan's length zero (SGLang never reads them; zeros keep the
-  bytes deterministic);
-* metadata ``format_version = "2"`` and ``model_variant`` (``"fl2va"`` or ``"ref2va"``: the
-  released transformer the tables belong to, which SGLang compares with ``--model-variant``).
+* one ``[P, W, *part.shape]`` tensor per table part: the projections' outputs, rows past a plan's
+  length zero (readers never read them; zeros keep the bytes deterministic). A family whose tables
+  another engine reads declares that engine's parts (SGLang's sidecar: ``block_params`` and
+  ``final_params``); any other family has one, ``table_rows [P, W, table_width]``, whose layers'
+  columns the metadata lists;
+* metadata ``format_version = "2"`` and, for a family whose table files name the transformer they
+  belong to, ``model_variant`` (which that engine compares with its own setting).
 
 Two formats share that layout. ``sglang``: exactly the above, bfloat16, nothing else, so SGLang
-loads it unmodified; it carries no binding, so a reader can check the geometry and nothing more.
-``adalncache``: the same tensors (in the projections' dtype) plus metadata that binds the file to
-what produced it: the content digest of the projection tensors, the spec, the precision, the
-numeric environment, the tool's version, the schedules, and a BLAKE3 digest per slot, checked on
-every read. A bound file of bfloat16 tables with a ``model_variant`` is also an SGLang file: SGLang
-ignores the extra keys.
+loads it unmodified; it carries no binding, so a reader can check the geometry and nothing more,
+and only a family whose ``table_formats`` include it can be written so. ``adalncache``: the same
+tensors (in the projections' dtype) plus metadata that binds the file to what produced it: the
+content digest of the projection tensors, the spec (family and layers included), the precision,
+the numeric environment, the tool's version, the schedules, the family and its layers (id, first
+column, width), and a BLAKE3 digest per slot, checked on every read. A bound file of bfloat16
+tables with a ``model_variant`` is also an SGLang file: SGLang ignores the extra keys.
 
 :class:`TableWriter` streams a file slot by slot (never a whole P x W slab in memory), into a
 temporary file renamed into place at the end; :class:`TableFile` opens one, validates it, and
@@ -42,8 +45,10 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from . import families
 from .errors import CheckpointError, ConfigError
-from .plans import PlanKey, format_plan, plan_key
+from .geometry import Family, KeyLayout, ModelGeometry, ServedLayer
+from .plans import PlanKey, format_plan, key_to_plan, plan_key
 from .rows import PlanRows
 from .source.digest import hash_hex
 from .source.header import FileIdentity, SafetensorsHeader, TensorEntry, safetensors_name
@@ -54,12 +59,9 @@ log = logging.getLogger(__name__)
 
 #: The layout's version, as SGLang checks it.
 FORMAT_VERSION = "2"
-#: The values SGLang's loader accepts for ``model_variant`` (the released transformers).
-MODEL_VARIANTS = ("fl2va", "ref2va")
-#: Which released transformer serves each task (t2va runs on the fl2va transformer).
-TASK_VARIANTS = {"t2va": "fl2va", "fl2va": "fl2va", "ref2va": "ref2va"}
 FORMATS = ("adalncache", "sglang")
-TENSORS = ("plan_timesteps", "plan_lengths", "block_params", "final_params")
+#: The plan tensors every table file has; the table parts' tensors follow (per family).
+PLAN_TENSORS = ("plan_timesteps", "plan_lengths")
 
 #: Metadata keys of the bound (``adalncache``) format.
 BOUND = "adalncache.format"
@@ -70,6 +72,9 @@ CONTENT = "adalncache.content"
 SCHEDULES = "adalncache.schedules"
 SLOT_DIGESTS = "adalncache.slot_digests"
 CREATED = "adalncache.created"
+FAMILY = "adalncache.family"
+#: ``[[layer id, first column, width], ...]`` in table order: where each layer sits in a row.
+LAYERS = "adalncache.layers"
 
 _HEX = 64
 _SLACK = 4096  # header bytes reserved beyond the placeholder header, so the final one always fits
@@ -89,10 +94,15 @@ def _canonical(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
 
 
-def slot_digest(timesteps: torch.Tensor, block: torch.Tensor, final: torch.Tensor) -> str:
-    """BLAKE3 of one slot's useful bytes: its timesteps, block rows and final rows (first ``n`` rows each)."""
-    parts = [t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy() for t in (timesteps, block, final)]
-    return hash_hex(*(p.data for p in parts))
+def slot_digest(timesteps: torch.Tensor, *parts: torch.Tensor) -> str:
+    """BLAKE3 of one slot's useful bytes: its plan, then each table part's rows (first ``n`` rows each)."""
+    raw = [t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy() for t in (timesteps, *parts)]
+    return hash_hex(*(p.data for p in raw))
+
+
+def layer_table(spec: ModulationSpec) -> list[list[Any]]:
+    """``[[layer id, first column, width], ...]``: where each served layer sits in a table row."""
+    return [[layer, spec.offset(layer), spec.out_features(layer)] for layer in spec.layers()]
 
 
 def _bad(path: Path, what: str, argument: str) -> ConfigError:
@@ -109,12 +119,14 @@ class Geometry:
 
     def shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         P, W, s = self.plans, self.width, self.spec
-        return {
-            "plan_timesteps": ((P, W), torch.float32),
+        C = s.plan_columns
+        out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {
+            "plan_timesteps": ((P, W) if C == 1 else (P, W, C), torch.float32),
             "plan_lengths": ((P,), torch.int64),
-            "block_params": ((P, W, s.num_layers, s.block_width), s.dtype),
-            "final_params": ((P, W, s.final_width), s.dtype),
         }
+        for part in s.table_parts():
+            out[part.tensor] = ((P, W, *part.shape), s.dtype)
+        return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -135,12 +147,12 @@ class TableWriter:
     ) -> None:
         self.path = Path(path)
         self.spec = spec
-        self.keys: list[PlanKey] = [plan_key(p) for p in plans]
+        self.keys: list[PlanKey] = [plan_key(p, spec.plan_columns) for p in plans]
         if not self.keys:
             raise ConfigError("a table file needs at least one plan (check --task and --steps)")
         if len(set(self.keys)) != len(self.keys):
             raise ConfigError("a table file holds each plan once: pass distinct plans (SGLang would serve one of them)")
-        self.width = max(len(k) for k in self.keys)
+        self.width = max(spec.plan_rows(k) for k in self.keys)
         self.bound = bound
         geometry = Geometry(len(self.keys), self.width, spec)
         header: dict[str, Any] = {}
@@ -176,10 +188,11 @@ class TableWriter:
         except OSError as exc:
             self.abort()
             raise ConfigError(f"cannot write the table file {self.path}: {exc} (set -o to a writable path)") from exc
-        timesteps = torch.zeros(len(self.keys), self.width, dtype=torch.float32)
-        lengths = torch.tensor([len(k) for k in self.keys], dtype=torch.int64)
+        C = self.spec.plan_columns
+        timesteps = torch.zeros((len(self.keys), self.width) + (() if C == 1 else (C,)), dtype=torch.float32)
+        lengths = torch.tensor([self.spec.plan_rows(k) for k in self.keys], dtype=torch.int64)
         for s, key in enumerate(self.keys):
-            timesteps[s, : len(key)] = torch.tensor(list(key), dtype=torch.int32).view(torch.float32)
+            timesteps[s, : self.spec.plan_rows(key)] = key_to_plan(key, C)
         self._pwrite(self.begin["plan_timesteps"], timesteps)
         self._pwrite(self.begin["plan_lengths"], lengths)
 
@@ -200,27 +213,29 @@ class TableWriter:
     def write_slot(self, index: int, rows: PlanRows) -> None:
         """Write slot ``index``'s rows (its plan is ``keys[index]``); the padding rows stay zero."""
         key = self.keys[index]
-        n = len(key)
-        block, final = rows.block.detach().to("cpu"), rows.final.detach().to("cpu")
         s = self.spec
-        if tuple(block.shape) != (n, s.num_layers, s.block_width) or tuple(final.shape) != (n, s.final_width):
-            raise ConfigError(
-                f"rows of shape {tuple(block.shape)}/{tuple(final.shape)} do not fit plan {format_plan(key)}"
-            )
-        if block.dtype != s.dtype or final.dtype != s.dtype:
-            raise ConfigError(f"rows of dtype {block.dtype} do not fit a table file of {s.dtype}")
+        n = s.plan_rows(key)
+        parts = [part.detach().to("cpu") for part in rows.parts]
+        table_parts = s.table_parts()
+        if len(parts) != len(table_parts) or any(
+            tuple(got.shape) != (n, *part.shape) for got, part in zip(parts, table_parts)
+        ):
+            shapes = "/".join(str(tuple(got.shape)) for got in parts)
+            raise ConfigError(f"rows of shape {shapes} do not fit plan {format_plan(key, columns=s.plan_columns)}")
+        if any(got.dtype != s.dtype for got in parts):
+            raise ConfigError(f"rows of dtype {parts[0].dtype} do not fit a table file of {s.dtype}")
         item = s.itemsize
-        self._pwrite(self.begin["block_params"] + index * self.width * s.num_layers * s.block_width * item, block)
-        self._pwrite(self.begin["final_params"] + index * self.width * s.final_width * item, final)
+        for got, part in zip(parts, table_parts):
+            self._pwrite(self.begin[part.tensor] + index * self.width * (part.stop - part.start) * item, got)
         if self.bound:
-            timesteps = torch.tensor(list(key), dtype=torch.int32).view(torch.float32)
-            self._digests[index] = slot_digest(timesteps, block, final)
+            self._digests[index] = slot_digest(key_to_plan(key, s.plan_columns), *parts)
         self._written[index] = True
 
     def finish(self, metadata: Mapping[str, str]) -> Path:
         """Write the real header, sync, and rename the file into place; returns its path."""
         assert self._fd is not None
-        missing = [format_plan(k) for k, done in zip(self.keys, self._written) if not done]
+        columns = self.spec.plan_columns
+        missing = [format_plan(k, columns=columns) for k, done in zip(self.keys, self._written) if not done]
         if missing:
             self.abort()
             raise ConfigError(
@@ -262,8 +277,16 @@ class TableWriter:
 # reading
 
 
+def _part_tensors(names: Any) -> tuple[str, ...] | None:
+    """The table parts' tensors among ``names`` (a family's whole set), or None when no family's set is there."""
+    for tensors in families.table_tensor_sets():
+        if all(name in names for name in tensors):
+            return tensors
+    return None
+
+
 def is_table_file(path: str | os.PathLike[str]) -> bool:
-    """Whether ``path`` is a safetensors file holding the four table tensors (what ``inspect`` tells apart)."""
+    """Whether ``path`` is a safetensors file holding the plans and a family's table tensors (for ``inspect``)."""
     path = Path(path)
     if not path.is_file():
         return False
@@ -275,7 +298,9 @@ def is_table_file(path: str | os.PathLike[str]) -> bool:
             header = json.loads(handle.read(length))
     except (OSError, ValueError, struct.error):
         return False
-    return isinstance(header, dict) and all(name in header for name in TENSORS)
+    return (
+        isinstance(header, dict) and all(name in header for name in PLAN_TENSORS) and _part_tensors(header) is not None
+    )
 
 
 class TableFile:
@@ -283,8 +308,9 @@ class TableFile:
 
     ``spec``: the geometry and dtype the file must have (None: taken from the file, for
     ``inspect``). ``argument``: how messages name the file's setting (``tables=``, ``--tables``).
-    Raises ConfigError when the file is missing, is not safetensors, lacks or misshapes one of the
-    four tensors, has another ``format_version``, or its plans are malformed.
+    Raises ConfigError when the file is missing, is not safetensors, lacks or misshapes one of its
+    tensors, has another ``format_version``, or its plans are malformed, and for an unbound file of
+    a family whose tables are only served from bound ones.
     """
 
     def __init__(
@@ -302,10 +328,14 @@ class TableFile:
             raise _bad(self.path, f"not a readable safetensors file: {exc}", argument) from None
         self.identity: FileIdentity = header.identity
         entries = header.entries
-        absent = [name for name in TENSORS if name not in entries]
+        wanted = [*PLAN_TENSORS, *(p.tensor for p in spec.table_parts())] if spec is not None else None
+        if wanted is None:
+            found = _part_tensors(entries)
+            wanted = [*PLAN_TENSORS, *(found if found is not None else families.table_tensor_sets()[0])]
+        absent = [name for name in wanted if name not in entries]
         if absent:
             raise _bad(
-                self.path, f"it has no {', '.join(absent)} tensor (a table file holds {', '.join(TENSORS)})", argument
+                self.path, f"it has no {', '.join(absent)} tensor (a table file holds {', '.join(wanted)})", argument
             )
         if self.metadata.get("format_version") != FORMAT_VERSION:
             raise _bad(
@@ -313,21 +343,11 @@ class TableFile:
                 f"{FORMAT_VERSION!r}", argument,
             )  # fmt: skip
         ts, lengths = entries["plan_timesteps"], entries["plan_lengths"]
-        if ts.dtype != "F32" or len(ts.shape) != 2 or lengths.dtype != "I64" or lengths.shape != ts.shape[:1]:
+        if ts.dtype != "F32" or len(ts.shape) not in (2, 3) or lengths.dtype != "I64" or lengths.shape != ts.shape[:1]:
             raise _bad(self.path, "plan_timesteps must be [P, W] float32 and plan_lengths [P] int64", argument)
-        self.plans, self.width = ts.shape
-        block = entries["block_params"]
-        dtype = block.torch_dtype
+        self.plans, self.width = ts.shape[:2]
         if spec is None:
-            if dtype is None or len(block.shape) != 4:
-                raise _bad(
-                    self.path,
-                    f"block_params is {list(block.shape)} {block.dtype}, not [P, W, L, 18 * hidden]",
-                    argument,
-                )
-            spec = ModulationSpec(
-                num_layers=block.shape[2], hidden_size=block.shape[3] // 18, time_embed_dim=1, dtype=dtype
-            )
+            spec = self._spec_of(entries, argument)
         self.spec = spec
         for name, (shape, want) in Geometry(self.plans, self.width, spec).shapes().items():
             entry = entries[name]
@@ -337,19 +357,25 @@ class TableFile:
                     f"model needs {list(shape)} {want}: it holds another checkpoint geometry or dtype; export "
                     f"tables from this model's checkpoint (adalncache export)"
                 )
+        if self.metadata.get(BOUND) is None and "sglang" not in spec.family.table_formats:
+            raise _bad(
+                self.path, f"it carries no binding, and {spec.family.title} tables are only served from bound files "
+                f"(export them with adalncache export --format adalncache)", argument,
+            )  # fmt: skip
         self._entries: dict[str, TensorEntry] = entries
-        timesteps = self._read_tensor(ts).view(torch.float32).view(self.plans, self.width)
+        columns = spec.plan_columns
+        timesteps = self._read_tensor(ts).view(torch.float32).view(tuple(ts.shape))
         counts = self._read_tensor(lengths).view(torch.int64)
         if bool(((counts < 1) | (counts > self.width)).any()):
             raise _bad(self.path, f"a plan length is outside 1..{self.width}", argument)
         self.keys: list[PlanKey] = []
         self._slots: dict[PlanKey, int] = {}
         for s in range(self.plans):
-            key = plan_key(timesteps[s, : int(counts[s])].contiguous())
+            key = plan_key(timesteps[s, : int(counts[s])].contiguous(), columns)
             self.keys.append(key)
             if key in self._slots:
                 log.warning("%s: plan %s appears twice (slots %d and %d); the first is served", self.path,
-                            format_plan(key), self._slots[key], s)  # fmt: skip
+                            format_plan(key, columns=columns), self._slots[key], s)  # fmt: skip
                 continue
             self._slots[key] = s
         self.format = "adalncache" if self.metadata.get(BOUND) is not None else "sglang"
@@ -357,6 +383,31 @@ class TableFile:
         self.slot_digests: list[str] | None = None
         if self.format == "adalncache":
             self._read_binding()
+
+    def _spec_of(self, entries: dict[str, TensorEntry], argument: str) -> ModulationSpec:
+        """The spec a file describes itself (``inspect``): a bound file's layers, else its family's tensors."""
+        found = _part_tensors(entries)
+        first = entries[found[0]] if found else None
+        dtype = first.torch_dtype if first is not None else None
+        described = self._described_geometry()
+        if described is not None and dtype is not None:
+            return ModulationSpec.for_geometry(described, dtype=dtype)
+        try:
+            fields = families.table_fields({name: tuple(e.shape) for name, e in entries.items()}, dtype)
+        except ValueError as exc:
+            raise _bad(self.path, str(exc), argument) from None
+        return ModulationSpec(**fields)
+
+    def _described_geometry(self) -> ModelGeometry | None:
+        """The geometry a bound file's binding describes (a family's layers), if it describes one."""
+        try:
+            described = json.loads(self.metadata[BINDING])["spec"]
+            layers = tuple(ServedLayer(layer, int(width), str(name)) for layer, width, name in described["layers"])
+            family_name = str(described["family"])
+            family = families.FAMILIES.get(family_name) or Family(family_name, family_name, (KeyLayout("diffusers"),))
+            return ModelGeometry(family, layers, int(described["in_features"]), tuple(described["plan_inputs"]))
+        except (KeyError, ValueError, TypeError, ConfigError):
+            return None
 
     def _read_binding(self) -> None:
         if self.metadata.get(BOUND) != BOUND_VERSION:
@@ -414,15 +465,17 @@ class TableFile:
         slot = self._slots.get(key)
         if slot is None:
             return None
-        n, s = len(key), self.spec
-        item, L, BW, FW, W = s.itemsize, s.num_layers, s.block_width, s.final_width, self.width
-        block_entry, final_entry = self._entries["block_params"], self._entries["final_params"]
-        block = self._read(block_entry.begin + slot * W * L * BW * item, n * L * BW * item, "block_params")
-        final = self._read(final_entry.begin + slot * W * FW * item, n * FW * item, "final_params")
-        timesteps = torch.tensor(list(key), dtype=torch.int32).view(torch.float32)
-        rows = PlanRows(timesteps, block.view(s.dtype).view(n, L, BW), final.view(s.dtype).view(n, FW))
+        s = self.spec
+        n, item, W = s.plan_rows(key), s.itemsize, self.width
+        parts = []
+        for part in s.table_parts():
+            width, entry = part.stop - part.start, self._entries[part.tensor]
+            raw = self._read(entry.begin + slot * W * width * item, n * width * item, part.tensor)
+            parts.append(raw.view(s.dtype).view(n, *part.shape))
+        rows = PlanRows(key_to_plan(key, s.plan_columns), *parts)
         if self.slot_digests is not None and slot_digest(*rows) != self.slot_digests[slot]:
-            log.warning("%s: slot %d (plan %s) fails its digest: not served", self.path, slot, format_plan(key))
+            log.warning("%s: slot %d (plan %s) fails its digest: not served", self.path, slot,
+                        format_plan(key, columns=s.plan_columns))  # fmt: skip
             return None
         return rows
 
@@ -430,7 +483,8 @@ class TableFile:
         """What ``inspect`` shows: format, geometry, plans per width, variant, binding."""
         widths: dict[int, int] = {}
         for key in self.keys:
-            widths[len(key)] = widths.get(len(key), 0) + 1
+            rows = self.spec.plan_rows(key)
+            widths[rows] = widths.get(rows, 0) + 1
         schedules: Any = None
         with contextlib.suppress(KeyError, ValueError):
             schedules = json.loads(self.metadata[SCHEDULES])
@@ -442,6 +496,7 @@ class TableFile:
             "width": self.width,
             "plans_per_width": dict(sorted(widths.items())),
             "model_variant": self.model_variant,
+            "family": self.spec.family.name,
             "spec": self.spec.describe(),
             "bytes": self.identity.size,
             "binding": self.binding,
@@ -457,7 +512,8 @@ class TableFile:
         bad = []
         for key in self._slots:
             if self.read(key) is None:
-                bad.append(f"slot {self._slots[key]} (plan {format_plan(key)}) fails its digest")
+                bad.append(f"slot {self._slots[key]} (plan {format_plan(key, columns=self.spec.plan_columns)}) fails "
+                           "its digest")  # fmt: skip
         return bad
 
 
@@ -466,8 +522,9 @@ def bound_metadata(
     binding: Mapping[str, Any],
     schedules: Sequence[Mapping[str, Any]],
     model_variant: str | None,
+    spec: ModulationSpec | None = None,
 ) -> dict[str, str]:
-    """The metadata of a bound file (slot digests are added by the writer)."""
+    """The metadata of a bound file (slot digests are added by the writer); ``spec`` adds its family and layers."""
     meta = {
         "format_version": FORMAT_VERSION,
         BOUND: BOUND_VERSION,
@@ -477,6 +534,9 @@ def bound_metadata(
         SCHEDULES: _canonical(list(schedules)),
         CREATED: time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
+    if spec is not None:
+        meta[FAMILY] = spec.family.name
+        meta[LAYERS] = _canonical(layer_table(spec))
     if model_variant is not None:
         meta["model_variant"] = model_variant
     return meta
@@ -490,14 +550,13 @@ def sglang_metadata(model_variant: str) -> dict[str, str]:
 __all__ = [
     "FORMATS",
     "FORMAT_VERSION",
-    "MODEL_VARIANTS",
-    "TASK_VARIANTS",
-    "TENSORS",
+    "PLAN_TENSORS",
     "Geometry",
     "TableFile",
     "TableWriter",
     "bound_metadata",
     "is_table_file",
+    "layer_table",
     "sglang_metadata",
     "slot_digest",
     "tool_version",

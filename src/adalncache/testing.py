@@ -67,10 +67,15 @@ class FaultInjectingSource:
             layers = {fail_at}
         else:
             layers = set(fail_at)
-        valid = set(self.source.spec.layers())
-        bad = layers - valid
+        spec = self.source.spec
+        bad = {layer for layer in layers if not spec.has_layer(layer)}
         if bad:
-            raise ConfigError(f"fail_at must name layers 0..{self.source.spec.num_layers - 1} or 'final', got {bad}")
+            served = spec.layers()
+            names = (
+                f"layers 0..{spec.num_layers - 1} or 'final'" if spec.geometry is None
+                else f"served layers ({served[0]!r} ... {served[-1]!r})"
+            )  # fmt: skip
+            raise ConfigError(f"fail_at must name {names}, got {bad}")
         self.fail_at = layers
         self.exc = exc
         self.remaining = times

@@ -63,7 +63,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-_NEEDS_EMBED = "build() needs embed=, a function plan -> (len(plan), in_features) input rows"
+_NEEDS_EMBED = (
+    "build() needs embed=, a function plan -> (len(plan), in_features) input rows (or a mapping of them by "
+    "input name)"
+)
 
 
 def _no_embed(plan: torch.Tensor) -> torch.Tensor:
@@ -219,14 +222,16 @@ class BuildTransaction:
     ) -> None:
         """Reject a request the slab cannot take before touching any state (PlanError names the knob)."""
         settings = self.settings
+        columns = settings.spec.plan_columns
         for key in missing:
-            validate_plan(tensors[key], max_plan_width=settings.max_plan_width)
-            if plan_key(tensors[key]) != key:
+            validate_plan(tensors[key], max_plan_width=settings.max_plan_width, columns=columns)
+            actual = plan_key(tensors[key], columns)
+            if actual != key:
                 # Keys the caller computed (keys=) that are not these plans' would file a table
                 # under the wrong plan: refused before anything is built.
                 raise PlanError(
-                    f"keys= does not match plans: the key given for plan {format_plan(plan_key(tensors[key]))} is "
-                    f"{format_plan(key)}; pass keys=[plan_key(p) for p in plans]"
+                    f"keys= does not match plans: the key given for plan {format_plan(actual, columns=columns)} is "
+                    f"{format_plan(key, columns=columns)}; pass keys=[plan_key(p) for p in plans]"
                 )
         if len(order) > settings.max_plans:
             raise PlanError(
@@ -269,7 +274,8 @@ class BuildTransaction:
             self._count_failure()
             where = f"the table files ({self._tiers.tables.searched()})" if self._tiers.tables else "no tier"
             raise PlanNotCachedError(
-                f"plan {format_plan(to_build[0])} ({len(to_build)} plan(s) of this request) is not in {where} and "
+                f"plan {format_plan(to_build[0], columns=self.settings.spec.plan_columns)} ({len(to_build)} plan(s) "
+                f"of this request) is not in {where} and "
                 f"this cache has no weight source to build it: pass checkpoint= (enable_adaln_cache, or a "
                 f"CheckpointSource), or export these tables (adalncache export CHECKPOINT --task T --steps N -o FILE)"
             )
@@ -370,7 +376,8 @@ class BuildTransaction:
         if to_build:
             shared: BaseException | None = None
             try:
-                self._dist.share_results(self._slab, [slots[k] for k in to_build], [len(k) for k in to_build])
+                counts = [self.settings.spec.plan_rows(k) for k in to_build]
+                self._dist.share_results(self._slab, [slots[k] for k in to_build], counts)
             except BaseException as exc:
                 shared = exc
             # Publish only once every rank holds every row.
@@ -396,7 +403,7 @@ class BuildTransaction:
         with self._lock:
             slot = self._pool.require(key)
         self._sync.before_read([slot])
-        rows = self._slab.read_rows(slot, len(key))
+        rows = self._slab.read_rows(slot, self.settings.spec.plan_rows(key))
         self._sync.after_read([slot])
         return rows
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ..errors import PlanNotCachedError
-from ..spec import LAYOUTS, Layer, ModulationSpec
+from ..spec import Layer, ModulationSpec
 from .digest import DigestSink
 from .protocol import Columns, LayerWeights
 
@@ -29,7 +29,7 @@ class NoWeights:
 
     def __init__(self, spec: ModulationSpec) -> None:
         self.spec = spec
-        self.layout = LAYOUTS["native"]
+        self.layout = spec.default_layout
         self.bytes_read = 0
 
     @property

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError, ConfigError
-from ..spec import Layer, ModulationSpec, get_layout
+from ..spec import Layer, ModulationSpec
 from ..streams import CopyStreams, copy_to_device
 from .buffers import StagingPool, read_buffer
 from .digest import DigestSink, role_of
@@ -75,7 +75,7 @@ class CheckpointSource:
         self.path = path
         self._layout_arg = layout
         if layout != "auto":
-            get_layout(layout)
+            spec.layout(layout)
         self.bytes_read = 0
         self._lock = threading.Lock()
         #: Keep the read buffers between passes: ``read_ahead + 1`` layers of host memory (about

@@ -75,8 +75,12 @@ def _canonical(value: Any) -> bytes:
 
 
 def role_of(layer: Layer, part: str) -> str:
-    """The layout-free name of a projection tensor: ``block.{i}.weight`` or ``final.bias``."""
-    return f"final.{part}" if layer == FINAL else f"block.{layer}.{part}"
+    """The layout-free name of a projection tensor: ``block.{i}.weight``, ``final.bias``, ``<module path>.bias``."""
+    if layer == FINAL:
+        return f"final.{part}"
+    if isinstance(layer, int):
+        return f"block.{layer}.{part}"
+    return f"{layer}.{part}"
 
 
 def projection_roles(spec: ModulationSpec) -> list[tuple[str, Layer, str]]:

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError
-from ..spec import LAYOUTS, KeyLayout, Layer, ModulationSpec, get_layout
+from ..spec import KeyLayout, Layer, ModulationSpec
 
 
 def expected(spec: ModulationSpec, layout: KeyLayout) -> list[tuple[Layer, str, tuple[int, ...]]]:
@@ -20,7 +20,7 @@ def expected(spec: ModulationSpec, layout: KeyLayout) -> list[tuple[Layer, str, 
     out: list[tuple[Layer, str, tuple[int, ...]]] = []
     for layer in spec.layers():
         width = spec.out_features(layer)
-        out.append((layer, layout.weight(layer), (width, spec.time_embed_dim)))
+        out.append((layer, layout.weight(layer), (width, spec.in_features)))
         out.append((layer, layout.bias(layer), (width,)))
     return out
 
@@ -46,16 +46,18 @@ def tensor_problem(
 def detect_layout(names: set[str] | Mapping[str, Any], spec: ModulationSpec, layout: str, where: str) -> KeyLayout:
     """``layout`` itself, or for ``"auto"`` the layout whose projection names ``names`` holds most of."""
     if layout != "auto":
-        return get_layout(layout)
-    scores = {name: sum(key in names for _, key, _ in expected(spec, lay)) for name, lay in LAYOUTS.items()}
+        return spec.layout(layout)
+    layouts = spec.layouts()
+    scores = {name: sum(key in names for _, key, _ in expected(spec, lay)) for name, lay in layouts.items()}
     best = max(scores, key=lambda n: scores[n])
     if scores[best] == 0:
+        first = spec.layers()[0]
+        looked = " and ".join(repr(lay.weight(first)) for lay in layouts.values())
         raise CheckpointError(
-            f"{where} holds no AdaLN projection in a known layout (looked for "
-            f"{LAYOUTS['native'].weight(0)!r} and {LAYOUTS['diffusers'].weight(0)!r}): pass a MiniMax-H3 "
-            f"transformer checkpoint, or set layout= (CLI --layout)"
+            f"{where} holds no AdaLN projection in a known layout (looked for {looked}): pass a "
+            f"{spec.family.title} transformer checkpoint, or set layout= (CLI --layout)"
         )
-    return LAYOUTS[best]
+    return layouts[best]
 
 
 def raise_problems(problems: list[str], where: str, layout: KeyLayout) -> None:

@@ -5,10 +5,10 @@ exactly the capacity (a :class:`~adalncache.hostmem.HostBuffer`: torch's pinned 
 round 20 GB up to 32 GiB and never give it back), when the cache device is CUDA, so restores are
 asynchronous DMA; the arena is carved up here. :meth:`HostTier.release` gives it back.
 
-The arena is divided into *units* of one timestep row (``spec.row_bytes`` rounded up to 64 bytes,
-so every dtype view is aligned). A plan of ``n`` timesteps owns ``n`` contiguous units laid out as
-``block (n, layers, block_width)`` then ``final (n, final_width)``, so a host hit hands the cache
-contiguous views it copies into the slab with one copy per buffer.
+The arena is divided into *units* of one plan row (``spec.row_bytes`` rounded up to 64 bytes,
+so every dtype view is aligned). A plan of ``n`` rows owns ``n`` contiguous units laid out part by
+part (``spec.table_parts()``: each ``(n, *part.shape)``), so a host hit hands the cache contiguous
+views it copies into the slab with one copy per part.
 
 Admission and eviction work on *groups*: the distinct plans of one request. Groups are kept in
 least-recently-used order; a plan shared by several groups is reference-counted (its refcount is
@@ -123,15 +123,16 @@ class HostTier:
     # -- views ------------------------------------------------------------------------------
 
     def _views(self, key: PlanKey, entry: _Entry) -> PlanRows:
-        n = len(key)
         spec = self.spec
+        n = spec.plan_rows(key)
         item = spec.itemsize
-        base = entry.start * self.unit_bytes
-        block_bytes = n * spec.num_layers * spec.block_width * item
-        final_bytes = n * spec.final_width * item
-        block = self.arena[base : base + block_bytes].view(spec.dtype).view(n, spec.num_layers, spec.block_width)
-        final = self.arena[base + block_bytes : base + block_bytes + final_bytes].view(spec.dtype)
-        return PlanRows(key_to_plan(key), block, final.view(n, spec.final_width))
+        offset = entry.start * self.unit_bytes
+        parts = []
+        for part in spec.table_parts():
+            nbytes = n * (part.stop - part.start) * item
+            parts.append(self.arena[offset : offset + nbytes].view(spec.dtype).view(n, *part.shape))
+            offset += nbytes
+        return PlanRows(key_to_plan(key, spec.plan_columns), *parts)
 
     # -- lookup -----------------------------------------------------------------------------
 
@@ -198,7 +199,8 @@ class HostTier:
         if group in self._groups:
             self._groups.move_to_end(group)
             return True
-        need = sum(len(key) for key in group)
+        rows = self.spec.plan_rows
+        need = sum(rows(key) for key in group)
         if need > self.total_units:
             self.skipped_groups += 1
             log.info("host tier: a group of %d timestep rows exceeds the tier (%d): skipped", need, self.total_units)
@@ -211,23 +213,23 @@ class HostTier:
         new = [key for key in group if key not in self._plans]
         placed: dict[PlanKey, _Entry] = {}
         try:
-            for key in sorted(new, key=len, reverse=True):  # widest first: less fragmentation
-                start = self._find_run(len(key))
+            for key in sorted(new, key=rows, reverse=True):  # widest first: less fragmentation
+                start = self._find_run(rows(key))
                 while start is None:
                     victim = next(iter(self._groups), None)
                     if victim is None:
                         raise _NoRoom
                     self._evict_group(victim)
-                    start = self._find_run(len(key))
-                self._take(key, start, len(key))
-                placed[key] = _Entry(start, len(key), {group})
+                    start = self._find_run(rows(key))
+                self._take(key, start, rows(key))
+                placed[key] = _Entry(start, rows(key), {group})
             for key, entry in placed.items():
-                rows = rows_of(key)
+                found = rows_of(key)
                 views = self._views(key, entry)
                 # A blocking copy: on CUDA it waits for the stream, so the arena bytes are complete
                 # before anyone can look them up, and no earlier async restore still reads them.
-                views.block.copy_(rows.block)
-                views.final.copy_(rows.final)
+                for view, part in zip(views.parts, found.parts, strict=True):
+                    view.copy_(part)
         except BaseException as exc:
             for entry in placed.values():
                 self._give_back(entry)
@@ -281,7 +283,8 @@ class HostTier:
         """Assert the arena accounting and the reference counts (tests call this after each step)."""
         owned = 0
         for key, entry in self._plans.items():
-            assert entry.units == len(key), f"plan {key}: {entry.units} units for {len(key)} timesteps"
+            rows = self.spec.plan_rows(key)
+            assert entry.units == rows, f"plan {key}: {entry.units} units for {rows} plan rows"
             assert entry.groups, f"plan {key} is held by no group"
             for index in range(entry.start, entry.start + entry.units):
                 assert self._owner[index] == key, f"unit {index} not owned by the plan that claims it"

@@ -9,11 +9,13 @@ Layout of a store directory::
     <root>/digests/<key>.json            the digest memo: tensor digests by file identity
     <root>/locks/<bhash>/<phash>.lock    per-entry build locks (one build per fleet)
 
-An entry is ``MAGIC | u32 header length | JSON header | block bytes | final bytes | sha256`` where
-the trailing digest covers everything before it. Why this shape: one file per (binding, plan)
-makes every write independent (no shared index to lock), the header lets ``inspect`` and
-``verify`` read an entry without the cache, and a whole-file digest catches truncation and flipped
-bits alike.
+An entry is ``MAGIC | u32 header length | JSON header | part bytes ... | sha256`` where the trailing
+digest covers everything before it: the plan's rows of each table part (``spec.table_parts()``) in
+order, each ``(n, *part.shape)`` contiguous, listed in the header's ``parts`` with their shapes as
+``<part>_shape`` (entries written before ``parts`` existed hold ``block`` then ``final``). Why this
+shape: one file per (binding, plan) makes every write independent (no shared index to lock), the
+header lets ``inspect`` and ``verify`` read an entry without the cache, and a whole-file digest
+catches truncation and flipped bits alike.
 
 * Binding: ``bhash`` is the sha256 of the canonical JSON of :meth:`AdalnCache.binding` (content
   digest of the projection tensors, spec with dtype, precision, variant, shard mode, numeric
@@ -36,6 +38,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import os
 import socket
 import struct
@@ -49,6 +52,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError
+from ..geometry import TABLE_PART
 from ..numerics import numeric_environment
 from ..plans import PlanKey, key_to_plan
 from ..rows import PlanRows
@@ -70,6 +74,15 @@ _STALE_TMP_SECONDS = 3600.0
 def binding_hash(binding: Mapping[str, Any]) -> str:
     """The directory name of a binding: sha256 of its canonical JSON."""
     return hashlib.sha256(_canonical(binding)).hexdigest()[:32]
+
+
+def _part_names(count: int) -> list[str]:
+    """The names an entry's header gives its parts (informative: the payload's order is the spec's).
+
+    A two-part table's are ``block`` and ``final`` (the only parts of entries written before the
+    header listed them), a one-part table's ``table``.
+    """
+    return ["block", "final"] if count == 2 else [TABLE_PART] if count == 1 else [f"part{i}" for i in range(count)]
 
 
 def plan_hash(key: PlanKey) -> str:
@@ -291,23 +304,22 @@ class Store:
         """Write one plan's rows under ``binding`` atomically; returns the entry's path."""
         bhash = binding_hash(binding)
         self._ensure_binding(binding, bhash)
-        block = rows.block.detach().to("cpu").contiguous()
-        final = rows.final.detach().to("cpu").contiguous()
-        n = len(key)
-        if block.dim() != 3 or block.shape[0] != n or final.dim() != 2 or final.shape[0] != n:
-            raise ConfigError(
-                f"store.put: rows of shape {tuple(block.shape)}/{tuple(final.shape)} do not fit a plan of {n} timesteps"
-            )
-        block_bytes = block.view(torch.uint8).numpy().reshape(-1)
-        final_bytes = final.view(torch.uint8).numpy().reshape(-1)
-        header = {
+        parts = [part.detach().to("cpu").contiguous() for part in rows.parts]
+        n = rows.timesteps.shape[0]
+        names = _part_names(len(parts))
+        if any(part.dim() < 2 or part.shape[0] != n for part in parts):
+            shapes = "/".join(str(tuple(part.shape)) for part in parts)
+            raise ConfigError(f"store.put: rows of shape {shapes} do not fit a plan of {n} timesteps")
+        payload = [part.view(torch.uint8).numpy().reshape(-1) for part in parts]
+        columns = rows.timesteps.shape[1] if rows.timesteps.dim() == 2 else 1
+        header: dict[str, Any] = {
             "format": FORMAT_VERSION,
             "binding": bhash,
             "key": list(key),
-            "timesteps": key_to_plan(key).tolist(),
-            "dtype": str(block.dtype).removeprefix("torch."),
-            "block_shape": list(block.shape),
-            "final_shape": list(final.shape),
+            "timesteps": key_to_plan(key, columns).tolist(),
+            "dtype": str(parts[0].dtype).removeprefix("torch."),
+            **{f"{name}_shape": list(part.shape) for name, part in zip(names, parts)},
+            "parts": names,
             "created": time.time(),
         }
         head = _canonical(header)
@@ -316,10 +328,11 @@ class Store:
         head += b" " * ((-(len(MAGIC) + 4 + len(head))) % 64)
         prefix = MAGIC + struct.pack("<I", len(head)) + head
         digest = hashlib.sha256()
-        for part in (prefix, block_bytes.data, final_bytes.data):
-            digest.update(part)
+        digest.update(prefix)
+        for chunk in payload:
+            digest.update(chunk.data)
         path = self._entry_path(bhash, key)
-        self._atomic_write(path, prefix, block_bytes.data, final_bytes.data, digest.digest())
+        self._atomic_write(path, prefix, *(p.data for p in payload), digest.digest())
         if self.max_bytes is not None:
             self.prune(self.max_bytes, keep={path})
         return path
@@ -371,25 +384,30 @@ class Store:
             dtype = dtype_named(header["dtype"])
             if dtype is None or dtype not in SUPPORTED_WEIGHT_DTYPES:
                 raise CorruptEntry(f"unknown dtype {header['dtype']!r}")
-            block_shape = [int(v) for v in header["block_shape"]]
-            final_shape = [int(v) for v in header["final_shape"]]
+            names = [str(name) for name in header.get("parts", _part_names(2))]
+            shapes = [[int(v) for v in header[f"{name}_shape"]] for name in names]
             key = tuple(int(v) for v in header["key"])
+            timesteps = torch.tensor(header["timesteps"], dtype=torch.float32)
         except (KeyError, TypeError, ValueError) as exc:
             raise CorruptEntry(f"header lacks a field: {exc}") from None
-        n = len(key)
+        columns = timesteps.shape[1] if timesteps.dim() == 2 else 1
+        n = len(key) // columns
         if spec is not None:
-            want_block = [n, spec.num_layers, spec.block_width]
-            want_final = [n, spec.final_width]
-            if dtype != spec.dtype or block_shape != want_block or final_shape != want_final:
-                raise CorruptEntry(f"geometry {block_shape}/{final_shape} {dtype} does not match the spec")
+            want = [[n, *part.shape] for part in spec.table_parts()]
+            if dtype != spec.dtype or shapes != want or columns != spec.plan_columns:
+                shown = "/".join(str(shape) for shape in shapes)
+                raise CorruptEntry(f"geometry {shown} {dtype} does not match the spec")
+        if not shapes or any(not shape or shape[0] != n for shape in shapes):
+            raise CorruptEntry("part shapes disagree with the plan")
         item = torch.empty((), dtype=dtype).element_size()
-        nb = item * block_shape[0] * block_shape[1] * block_shape[2]
-        nf = item * final_shape[0] * final_shape[1]
-        if offset + nb + nf != raw.numel() - _DIGEST:
+        sizes = [item * math.prod(shape) for shape in shapes]
+        if offset + sum(sizes) != raw.numel() - _DIGEST:
             raise CorruptEntry("payload size disagrees with the header")
-        block = raw[offset : offset + nb].view(dtype).view(block_shape)
-        final = raw[offset + nb : offset + nb + nf].view(dtype).view(final_shape)
-        return PlanRows(key_to_plan(key), block, final)
+        parts = []
+        for size, shape in zip(sizes, shapes):
+            parts.append(raw[offset : offset + size].view(dtype).view(shape))
+            offset += size
+        return PlanRows(key_to_plan(key, columns), *parts)
 
     def _move_aside(self, path: Path, why: str, inode: int | None) -> None:
         target = self.path / "corrupt" / f"{path.parent.name}-{path.stem}-{uuid.uuid4().hex[:8]}{_SUFFIX}"

@@ -83,8 +83,11 @@ class BuildCallbacks:
         if compute is not None:  # the layerwise-casting hook, bypassed below, would cast them so
             weight, bias = weight.to(compute), bias.to(compute)
         weight, bias = fresh_alias(weight), fresh_alias(bias)
-        with bypassing_hooks({module, base}), swapped_parameters(base, {"weight": weight, "bias": bias}):
-            return module(x)  # type: ignore[no-any-return]  # a module's __call__ is typed Any
+        # The module's class forward is called directly, not through a bypass of its instance forward:
+        # the output layer's module carries the output hook, and another thread's forward calling it
+        # while a bypass stood in its place would run the plain linear on its own input.
+        with bypassing_hooks({base} - {module}), swapped_parameters(base, {"weight": weight, "bias": bias}):
+            return type(module).forward(module, x)  # type: ignore[no-any-return]  # forward is typed Any
 
 
 __all__ = ["BuildCallbacks"]
