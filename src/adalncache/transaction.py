@@ -64,8 +64,7 @@ log = logging.getLogger(__name__)
 
 
 _NEEDS_EMBED = (
-    "build() needs embed=, a function plan -> (len(plan), in_features) input rows (or a mapping of them by "
-    "input name)"
+    "build() needs embed=, a function plan -> (len(plan), in_features) input rows (or a mapping of them by input name)"
 )
 
 
