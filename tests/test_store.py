@@ -400,7 +400,7 @@ def test_pruning_while_another_thread_writes_never_fails_a_write(tmp_path: Path)
     try:
         for i in range(150):
             try:
-                store.put(binding, plan_key(plan(0.001 * (i + 1))), rows)
+                store.put(binding, plan_key(plan(0.001 * (i + 1), 0.5)), rows)
             except Exception as exc:
                 failures.append(exc)
     finally:

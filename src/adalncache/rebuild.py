@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 from .batching import StackedProjector
 from .errors import PlanError, failing_at, mark_failed_at
 from .faults import FaultPoints
-from .plans import PlanKey, format_plan
+from .plans import PlanKey, format_plan, plan_key
 from .reports import BuildReport
 from .slab import Slab
 from .source import WeightSource
@@ -108,7 +108,15 @@ class RebuildPass:
             plan = tensors[key]
             with failing_at(f"embed of plan {format_plan(key)}"):
                 self.faults.check("embed")
-                x = embed(plan)
+                # A copy: the caller's tensor is not embed's to change, and a change made to the copy
+                # is seen below instead of filing rows of other timesteps under this plan's key.
+                given = plan.clone()
+                x = embed(given)
+                if plan_key(given) != key:
+                    raise PlanError(
+                        f"embed(plan) changed its plan in place (to {format_plan(plan_key(given))}): the rows it "
+                        f"returns would be filed under {format_plan(key)}; compute from the plan without writing to it"
+                    )
                 if not isinstance(x, torch.Tensor) or tuple(x.shape) != (plan.numel(), self.spec.time_embed_dim):
                     shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
                     raise PlanError(

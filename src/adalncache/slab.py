@@ -168,7 +168,17 @@ class Slab:
         """Host copies of ``(plan_lengths, plan_timesteps)`` (for invariant checks)."""
         return self.plan_lengths.cpu(), self.plan_timesteps.cpu()
 
-    def _check_rows(self, num_timesteps: int, layer: int | None = None) -> None:
+    def _check_rows(self, num_timesteps: int, layer: int | None = None, *, block: bool = False) -> None:
+        if block and (isinstance(layer, bool) or not isinstance(layer, int)):
+            raise PlanError(
+                f"layer must be a block index in 0..{self.spec.num_layers - 1}, got {layer!r}: the output layer's "
+                f"rows are final_rows() and final()"
+            )
+        if isinstance(num_timesteps, bool) or not isinstance(num_timesteps, int):
+            raise PlanError(
+                f"num_timesteps must be an integer in 1..{self.max_plan_width}, got {num_timesteps!r}: pass "
+                f"len(plan) of a resident plan"
+            )
         # Slicing would silently cut an over-long request to the slab width; say so instead.
         if not 1 <= num_timesteps <= self.max_plan_width:
             raise PlanError(
@@ -187,7 +197,7 @@ class Slab:
 
     def block_rows(self, layer: int, slot: int | torch.Tensor, num_timesteps: int) -> torch.Tensor:
         """``Y`` of block ``layer``: the ``(num_timesteps, block_width)`` output of its projection."""
-        self._check_rows(num_timesteps, layer)
+        self._check_rows(num_timesteps, layer, block=True)
         return self._slot_rows(self.block_params.select(2, layer), slot)[:num_timesteps]
 
     def block_all_rows(self, slot: int | torch.Tensor, num_timesteps: int) -> torch.Tensor:
