@@ -468,3 +468,51 @@ def test_a_read_only_or_full_store_degrades_to_no_store(tmp_path: Path, damage: 
     assert out["stats"]["store_unwritable"] == len(misses), out["stats"]
     store_warnings = [w for w in out["warnings"] if "store" in w]
     assert len(store_warnings) == 1, out["warnings"]
+
+
+# -- symbolic links -------------------------------------------------------------------------------
+
+
+def test_symlinked_checkpoints_and_entries_are_followed_safely(tmp_path: Path) -> None:
+    """A checkpoint reached through links (the Hugging Face cache's snapshot of links to blobs) is read
+    and watched through them: a blob rewritten in place is noticed. A store entry that is a link to
+    another plan's entry is never served as this plan: the link is moved aside (its target stays and
+    serves its own plan) and the plan rebuilt; a link to a FIFO never blocks a lookup."""
+    blobs, snapshot = tmp_path / "blobs", tmp_path / "snapshots" / "main"
+    blobs.mkdir()
+    snapshot.mkdir(parents=True)
+    spec = small_spec()
+    blob = write_safetensors(projection_dict(spec, 0), blobs / "3f2a9c")
+    (snapshot / "model.safetensors").symlink_to(blob)
+    store_dir = tmp_path / "store"
+    embed = simple_embed(spec)
+    cache = AdalnCache(spec, CheckpointSource(snapshot, spec), max_plans=4, max_plan_width=4, store=store_dir)
+    cache.build(PLANS, embed=embed)
+    write_safetensors(projection_dict(spec, 1), blobs / "3f2a9c")  # the blob itself changes (renamed over)
+    report = cache.build([plan(0.45)], embed=embed)
+    assert cache.stats.fingerprint_changes == 1 and report.built == 1
+    new = AdalnCache(spec, CheckpointSource(blob, spec), max_plans=4, max_plan_width=4)
+    new.build([plan(0.45)], embed=embed)
+    assert _equal(cache.rows_of(plan_key(plan(0.45))), new.rows_of(plan_key(plan(0.45))))
+    # Entries that are links.
+    store = Store(store_dir)
+    binding = cache.binding()
+    assert binding is not None
+    bhash = binding_hash(binding)
+    a, b = store._entry_path(bhash, plan_key(plan(0.45))), store._entry_path(bhash, plan_key(PLANS[0]))
+    cache.build([PLANS[0]], embed=embed)
+    assert a.is_file() and b.is_file()
+    kept = a.read_bytes()
+    b.unlink()
+    b.symlink_to(a)  # PLANS[0]'s entry now names plan 0.45's file
+    fresh = AdalnCache(spec, CheckpointSource(snapshot, spec), max_plans=4, max_plan_width=4, store=store_dir)
+    report = fresh.build([PLANS[0], plan(0.45)], embed=embed)
+    assert report.store_hits == 1 and report.built == 1 and fresh.stats.store_corrupt == 1
+    assert a.read_bytes() == kept and not b.is_symlink()  # the target survives; the link went aside
+    assert _equal(fresh.rows_of(plan_key(PLANS[0])), cache.rows_of(plan_key(PLANS[0])))
+    b.unlink()
+    os.mkfifo(tmp_path / "pipe")
+    b.symlink_to(tmp_path / "pipe")
+    fresh.invalidate()
+    assert fresh.build([PLANS[0]], embed=embed).built == 1  # never blocked on the FIFO: moved aside
+    assert fresh.stats.store_corrupt == 2 and (tmp_path / "pipe").exists()

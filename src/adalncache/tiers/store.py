@@ -56,7 +56,7 @@ from ..errors import ConfigError
 from ..numerics import numeric_environment
 from ..plans import PlanKey, key_to_plan
 from ..rows import PlanRows
-from ..source.header import dtype_named, open_regular, read_regular
+from ..source.header import NotARegularFile, dtype_named, open_regular, read_regular
 from ..spec import SUPPORTED_WEIGHT_DTYPES, ModulationSpec
 from .digests import DigestMemo
 
@@ -342,7 +342,11 @@ class Store:
         The inode lets a caller move aside exactly the file it read, never a fresh rewrite that
         another process renamed into place meanwhile.
         """
-        with os.fdopen(open_regular(path), "rb") as f:
+        try:
+            fd = open_regular(path)
+        except NotARegularFile as exc:  # a FIFO or a device where an entry belongs: never opened for reading
+            raise CorruptEntry(str(exc)) from None
+        with os.fdopen(fd, "rb") as f:
             st = os.fstat(f.fileno())
             size, inode = st.st_size, st.st_ino
             if size < len(MAGIC) + 4 + _DIGEST:
