@@ -7,7 +7,9 @@ cache cannot also hide in the check.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -116,3 +118,79 @@ def assert_same_state(before: dict[str, object], cache: AdalnCache) -> None:
             assert isinstance(other, torch.Tensor) and torch.equal(value, other), f"{key} changed"
         else:
             assert value == other, f"{key} changed: {value} -> {other}"
+
+
+def rewrite_in_place(path: Path, weights: Mapping[str, torch.Tensor], *, keep_mtime: bool = False) -> None:
+    """Write ``weights`` over ``path``'s bytes: same inode, same size, same header (the tensors' names,
+    shapes and dtypes must be the file's), as a trainer saving over its checkpoint does.
+
+    ``keep_mtime`` puts the modification time back afterwards (``os.utime``), as ``touch -d`` or a
+    careful copy tool would; the change time cannot be put back by anyone.
+    """
+    before = os.stat(path)
+    scratch = path.with_name(path.name + ".rewrite")
+    save_file({k: weights[k].contiguous() for k in sorted(weights)}, str(scratch))
+    data = scratch.read_bytes()
+    scratch.unlink()
+    assert len(data) == before.st_size, "rewrite_in_place needs weights of the file's names, shapes and dtypes"
+    with open(path, "r+b") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+    if keep_mtime:
+        os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = os.stat(path)
+    assert after.st_ino == before.st_ino and after.st_size == before.st_size
+
+
+def replace_atomically(path: Path, weights: Mapping[str, torch.Tensor]) -> None:
+    """Write ``weights`` to a new file and rename it over ``path`` (a new inode), as downloaders and
+    ``save_pretrained`` do."""
+    scratch = path.with_name(path.name + ".new")
+    save_file({k: weights[k].contiguous() for k in sorted(weights)}, str(scratch))
+    os.replace(scratch, path)
+
+
+class RewriteBetweenLayers:
+    """A weight source that runs an action once, right after a pass received a chosen layer.
+
+    Wraps any source (everything else is the wrapped source's). ``arm(layer, action)``: after the
+    consumer got ``layer`` from a stream, ``action()`` runs (say, :func:`rewrite_in_place` of the
+    checkpoint: a trainer saving over the file while the pass is between layers), once.
+    """
+
+    def __init__(self, source: object) -> None:
+        self.source = source
+        self.after: Layer | None = None
+        self.action = None
+        self.fired = 0
+
+    def arm(self, layer: Layer, action) -> None:  # type: ignore[no-untyped-def]
+        self.after, self.action = layer, action
+
+    def disarm(self) -> None:
+        self.after, self.action = None, None
+
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        return getattr(self.source, name)
+
+    @property
+    def fingerprint(self) -> str:
+        return self.source.fingerprint  # type: ignore[attr-defined,no-any-return]
+
+    @property
+    def bytes_read(self) -> int:
+        return self.source.bytes_read  # type: ignore[attr-defined,no-any-return]
+
+    def refresh(self) -> bool:
+        return self.source.refresh()  # type: ignore[attr-defined,no-any-return]
+
+    def stream(self, layers, **kwargs):  # type: ignore[no-untyped-def]
+        inner = self.source.stream(layers, **kwargs)  # type: ignore[attr-defined]
+        with contextlib.closing(inner):
+            for item in inner:
+                yield item
+                if self.action is not None and item.layer == self.after:
+                    action, self.action = self.action, None
+                    self.fired += 1
+                    action()

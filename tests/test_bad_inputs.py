@@ -11,7 +11,10 @@ plans; the cache's observable state (resident plans and their order, slot map, f
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +33,7 @@ from adalncache import (
     PlanError,
     PlanNotCachedError,
     Store,
+    plan_key,
 )
 from adalncache.cli import main
 from core_helpers import (
@@ -168,6 +172,24 @@ def _wrong_layout(env: Env) -> CheckpointSource:
     return CheckpointSource(path, SPEC, layout="native")
 
 
+def _stray_copy(env: Env) -> CheckpointSource:
+    """A diffusers directory that also keeps an old copy of the weights (same tensor names, other values)."""
+    directory = env.root / "transformer"
+    write_checkpoint(directory, make_weights(SPEC, layout="diffusers"), name="diffusion_pytorch_model")
+    write_checkpoint(directory, make_weights(SPEC, layout="diffusers", seed=9), name="diffusion_pytorch_model.old")
+    return CheckpointSource(directory, SPEC)
+
+
+def _index_of_numbers(env: Env) -> CheckpointSource:
+    directory = env.root / "numbered"
+    write_checkpoint(directory, make_weights(SPEC), shards=2)
+    index = next(directory.glob("*.index.json"))
+    data = json.loads(index.read_text())
+    data["weight_map"] = dict.fromkeys(data["weight_map"], 1)
+    index.write_text(json.dumps(data))
+    return CheckpointSource(directory, SPEC)
+
+
 def _no_projection(env: Env) -> CheckpointSource:
     path = env.root / "other.safetensors"
     save_file({"something.else": torch.zeros(2)}, str(path))
@@ -216,6 +238,14 @@ SOURCE_CASES = [
         r".*overlaps",
     ),
     Bad("index outside directory", _outside_index, CheckpointError, r"outside the checkpoint directory"),
+    Bad(
+        "stray copy beside the weights",
+        _stray_copy,
+        CheckpointError,
+        r"(?s)(?=.*diffusion_pytorch_model\.old\.safetensors)(?=.*diffusion_pytorch_model\.safetensors\b)"
+        r"(?=.*--checkpoint)",
+    ),
+    Bad("index naming numbers", _index_of_numbers, CheckpointError, r"weight_map.*file names"),
     Bad("wrong layout", _wrong_layout, CheckpointError, r"missing"),
     Bad("no projections", _no_projection, CheckpointError, r"set layout= \(CLI --layout\)"),
     Bad("unknown layout", lambda e: CheckpointSource(e.ckpt, SPEC, layout="sgl"), ConfigError, r"--layout"),
@@ -276,6 +306,32 @@ CACHE_CASES = [
     Bad("no plans at all", lambda e: e.cache.build(None, embed=EMBED), PlanError, r"sequence of plans"),  # type: ignore[arg-type]
     Bad("embed not callable", lambda e: e.cache.build([torch.tensor([0.3])], embed=None), PlanError, r"embed="),
     Bad("absent plan lookup", lambda e: e.cache.lookup(torch.tensor([0.3])), PlanNotCachedError, r"does not cover"),
+    Bad("a slab too large to allocate", _new_cache(max_plans=10**12), ConfigError, r"bytes.*max_plans.*--max-plans"),
+    Bad(
+        "a host tier too large to allocate",
+        _new_cache(host_cache_bytes=10**15),
+        ConfigError,
+        r"bytes.*host_cache_bytes.*--host-cache-gb",
+    ),
+    Bad("a number as store", _new_cache(store=5), ConfigError, r"store=.*--store"),
+    Bad("the meta device", _new_cache(device="meta"), ConfigError, r"meta.*--device"),
+    Bad("slot past the slab", lambda e: e.cache.block_rows(0, 999, 1), PlanError, r"slot.*0\.\.2"),
+    Bad("negative slot", lambda e: e.cache.block_rows(0, -1, 1), PlanError, r"slot.*0\.\.2"),
+    Bad("a free slot", lambda e: e.cache.final_rows(2, 1), PlanNotCachedError, r"slot 2 holds no plan"),
+    Bad("final as a block layer", lambda e: e.cache.block_rows("final", 0, 1), PlanError, r"final_rows"),  # type: ignore[arg-type]
+    Bad("fractional timesteps", lambda e: e.cache.block_rows(0, 0, 1.5), PlanError, r"num_timesteps"),  # type: ignore[arg-type]
+    Bad(
+        "one key for two plans",
+        lambda e: e.cache.resolve_slots([A, B], keys=[plan_key(A)]),
+        PlanError,
+        r"one key per plan",
+    ),
+    Bad(
+        "a key that is not a key",
+        lambda e: e.cache.build([torch.tensor([0.3])], embed=EMBED, keys=[None]),  # type: ignore[list-item]
+        PlanError,
+        r"keys=",
+    ),
     Bad(
         "absent plan resolve",
         lambda e: e.cache.resolve_slots([A, torch.tensor([0.3])]),
@@ -364,6 +420,11 @@ CLI_CASES = [
     (["build", "{ckpt}", "--store", "{root}/s", "--task", "t2va", "--steps", "4", "--precision", "x"], r"--precision"),
     (["build", "{root}/missing", "--store", "{root}/s", "--task", "t2va", "--steps", "4"], r"does not exist"),
     (["inspect", "{root}/missing"], r"does not exist"),
+    (
+        ["build", "{tiny}", "--store", "{root}/s", "--task", "t2va", "--steps", "4", "--host-cache-gb", "100000"],
+        r"bytes.*--host-cache-gb",
+    ),
+    (["demo", "--seed", "99999999999999999999"], r"--seed"),
     (["store", "prune", "--store", "{root}/s"], r"--max-gb"),
     (["frobnicate"], r"invalid choice"),
 ]
@@ -461,3 +522,52 @@ def test_diffusers_fused_lora_while_enabled_is_refused(load_tiny: Callable[[str]
         pipe.fuse_lora()
     assert_same_state(before, cache)
     handle.disable()
+
+
+# -- files that are not regular files, and ambiguous directories ------------------------------------
+
+_FIFO_CHILD = """
+import json, sys
+sys.path.insert(0, {tests!r})
+from core_helpers import SPEC
+from adalncache import CheckpointError, CheckpointSource
+from adalncache.cli import main
+source = CheckpointSource({directory!r}, SPEC)
+code = main(["inspect", {directory!r}])
+try:
+    CheckpointSource({fifo!r}, SPEC)
+    refused = None
+except CheckpointError as exc:
+    refused = str(exc)
+print(json.dumps({{"files": [str(f) for f in source.files], "inspect": code, "refused": refused}}))
+"""
+
+
+def test_a_fifo_named_like_a_checkpoint_file_never_blocks(tmp_path: Path) -> None:
+    """A named pipe ``*.safetensors`` in a checkpoint directory: skipped (never opened, which would
+    wait for a writer forever); named itself, refused. Run in a child so that a hang fails the test."""
+    directory = tmp_path / "ckpt"
+    model = write_checkpoint(directory, make_weights(SPEC))
+    fifo = directory / "incoming.safetensors"
+    os.mkfifo(fifo)
+    code = _FIFO_CHILD.format(tests=str(Path(__file__).parent), directory=str(directory), fifo=str(fifo))
+    try:
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    except subprocess.TimeoutExpired:
+        pytest.fail("opening a checkpoint directory that holds a FIFO blocked")
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["files"] == [str(model)] and out["inspect"] == 0
+    assert out["refused"] is not None and "not a regular file" in out["refused"]
+
+
+def test_cli_refuses_an_ambiguous_directory_naming_both_files(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(CheckpointError):
+        _stray_copy(env)
+    stray = env.root / "transformer"
+    store = str(env.root / "store")
+    for argv in (["inspect", str(stray)], ["verify", "--store", store, "--checkpoint", str(stray)]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "diffusion_pytorch_model.old.safetensors" in err, err
+        assert "--checkpoint" in err and "CHECKPOINT" in err, err

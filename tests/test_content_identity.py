@@ -18,10 +18,12 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from adalncache import AdalnCache, CheckpointSource, Store, TensorSource, plan_key
 from adalncache.source import Columns
 from adalncache.source.digest import LEAVES, DigestSink, content_digest, leaf_bounds
+from adalncache.spec import FINAL, LAYOUTS
 from adalncache.tiers.digests import forget_process_memo
 from adalncache.tiers.store import binding_hash
 from adalncache.tools.tiny import write_safetensors
@@ -269,3 +271,49 @@ def test_inspect_shows_both_identities(tmp_path: Path, capsys: pytest.CaptureFix
     assert main(["inspect", str(ckpt), "--store", str(store)]) == 0
     shown = capsys.readouterr().out
     assert f"content digest  {digest}" in shown and "from the digest memo" in shown
+
+
+def _rows_of(weights: dict[str, torch.Tensor], p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The independent projection of ``p`` from ``weights`` (native names): every block, then the final layer."""
+    lay, x = LAYOUTS["native"], simple_embed(SPEC)(p)
+    blocks = [F.linear(x, weights[lay.weight(i)], weights[lay.bias(i)]) for i in range(SPEC.num_layers)]
+    return torch.stack(blocks, dim=1), F.linear(x, weights[lay.weight(FINAL)], weights[lay.bias(FINAL)])
+
+
+def test_an_in_place_rewrite_that_keeps_the_mtime_never_poisons_a_shared_store(tmp_path: Path) -> None:
+    """A trainer saves other weights over the checkpoint in place (same inode, size and header) and the
+    mtime is put back (``os.utime``): the serving process notices (the change time moved), hashes the
+    new bytes and writes its entries under their digest, so another process whose checkpoint is an
+    untouched copy of the old weights still gets the old weights' rows from the shared store."""
+    ckpt, store = _ckpt(tmp_path / "w"), tmp_path / "store"
+    old, new = projection_dict(SPEC, 0), projection_dict(SPEC, 5)
+    untouched = tmp_path / "copy" / "model.safetensors"
+    untouched.parent.mkdir()
+    shutil.copy2(ckpt, untouched)
+    embed = simple_embed(SPEC)
+    writer = _cache(ckpt, store)
+    writer.build(PLANS[:1], embed=embed)
+    old_digest = writer.content_digest
+    before = os.stat(ckpt)
+    scratch = write_safetensors(new, tmp_path / "w" / "scratch.safetensors")
+    data = scratch.read_bytes()
+    assert len(data) == before.st_size and data[:64] == ckpt.read_bytes()[:64]  # same size, same header
+    with open(ckpt, "r+b") as handle:
+        handle.write(data)
+    os.utime(ckpt, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert os.stat(ckpt).st_mtime_ns == before.st_mtime_ns and os.stat(ckpt).st_ino == before.st_ino
+    report = writer.build(PLANS, embed=embed)
+    assert writer.stats.fingerprint_changes == 1 and report.built == len(PLANS)
+    assert writer.content_digest not in (None, old_digest)
+    for p in PLANS:
+        block, final = _rows_of(new, p)
+        assert torch.equal(writer.rows_of(plan_key(p)).block, block) and torch.equal(writer.rows_of(plan_key(p)).final,
+                                                                                      final)  # fmt: skip
+    forget_process_memo()  # another process, whose checkpoint is an untouched copy of the old weights
+    reader = _cache(untouched, store)
+    reader.build(PLANS, embed=embed)
+    assert reader.content_digest == old_digest
+    for p in PLANS:
+        block, final = _rows_of(old, p)
+        rows = reader.rows_of(plan_key(p))
+        assert torch.equal(rows.block, block) and torch.equal(rows.final, final), "the shared store was poisoned"

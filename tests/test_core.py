@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -31,11 +32,13 @@ from adalncache import (
 from adalncache.testing import FaultInjectingSource, inject_faults
 from core_helpers import (
     SPEC,
+    RewriteBetweenLayers,
     assert_plan_exact,
     assert_same_state,
     embed_for,
     load_reference,
     make_weights,
+    rewrite_in_place,
     snapshot,
     write_checkpoint,
 )
@@ -393,7 +396,103 @@ def test_fault_in_projection_or_publish(ckpt: Path, point: str) -> None:
     assert_plan_exact(cache, load_reference(ckpt), "native", EMBED, B)
 
 
+# -- rows served are the projection of the bytes on disk ------------------------------------------
+
+
+@pytest.mark.parametrize("keep_mtime", [False, True], ids=["plain", "mtime-put-back"])
+def test_a_checkpoint_rewritten_during_a_pass_publishes_nothing(ckpt: Path, keep_mtime: bool) -> None:
+    """A trainer saves over the checkpoint while a pass is between layers: the early layers came
+    from the old bytes, the later ones from the new. Nothing of that is published: a BuildError
+    names the file, and a retry projects the new bytes."""
+    source = RewriteBetweenLayers(CheckpointSource(ckpt, SPEC))
+    cache = AdalnCache(SPEC, source, max_plans=3, max_plan_width=2, progress=False)  # type: ignore[arg-type]
+    cache.build([A], embed=EMBED)
+    new = make_weights(SPEC, seed=7)
+    source.arm(1, lambda: rewrite_in_place(ckpt, new, keep_mtime=keep_mtime))
+    with pytest.raises(BuildError, match=re.escape(str(ckpt))) as info:
+        cache.build([B, C], embed=EMBED)
+    assert source.fired == 1 and isinstance(info.value.__cause__, CheckpointError)
+    assert info.value.failed_at == "checkpoint"
+    for plan in (B, C):
+        with pytest.raises(PlanNotCachedError):
+            cache.lookup(plan)
+    cache.check_invariants()
+    report = cache.build([B, C], embed=EMBED)  # a retry reads the new bytes (and drops A, read from the old)
+    assert report.built == 2 and cache.stats.fingerprint_changes == 1 and A not in cache
+    cache.build([A, B, C], embed=EMBED)
+    for plan in (A, B, C):
+        assert_plan_exact(cache, load_reference(ckpt), "native", EMBED, plan)
+    cache.check_invariants()
+
+
+def test_a_build_from_inside_embed_is_refused_and_leaks_no_slot(ckpt: Path) -> None:
+    """``build`` of the same plan from inside ``embed`` (the build lock is re-entrant on the calling
+    thread): refused with PlanError, so the outer build fails cleanly and no slot leaks."""
+    cache = make_cache(ckpt, max_plans=3)
+    inner: list[BaseException] = []
+
+    def reentrant(plan: torch.Tensor) -> torch.Tensor:
+        try:
+            cache.build([B], embed=EMBED)
+        except PlanError as exc:
+            inner.append(exc)
+            raise
+        return EMBED(plan)
+
+    with pytest.raises(BuildError) as info:
+        cache.build([B], embed=reentrant)
+    assert isinstance(info.value.__cause__, PlanError) and "inside" in str(info.value.__cause__)
+    assert len(inner) == 1
+    cache.check_invariants()
+    assert cache.free_slots == [0, 1, 2] and B not in cache
+    cache.invalidate()
+    cache.check_invariants()
+    report = cache.build([A, B, C], embed=EMBED)  # every slot is usable: nothing leaked
+    assert report.built == 3
+    for plan in (A, B, C):
+        assert_plan_exact(cache, load_reference(ckpt), "native", EMBED, plan)
+
+
+def test_an_embed_that_changes_its_plan_in_place_is_refused(ckpt: Path) -> None:
+    """``embed`` gets a copy of the plan; one that changes that copy in place would file rows of other
+    timesteps under the plan's key (and, before, desynchronised plan_timesteps from the slot map)."""
+    cache = make_cache(ckpt, max_plans=3)
+    cache.build([A], embed=EMBED)
+    plan = B.clone()
+
+    def mutating(given: torch.Tensor) -> torch.Tensor:
+        given.mul_(0.5)
+        return EMBED(given)
+
+    with pytest.raises(BuildError) as info:
+        cache.build([plan], embed=mutating)
+    assert isinstance(info.value.__cause__, PlanError) and "in place" in str(info.value.__cause__)
+    assert torch.equal(plan, B), "the caller's plan tensor was changed"
+    cache.check_invariants()
+    assert plan not in cache and cache.resident_plans == [plan_key(A)]
+    cache.build([plan], embed=EMBED)
+    cache.check_invariants()
+    assert_plan_exact(cache, load_reference(ckpt), "native", EMBED, B)
+
+
 # -- the checkpoint source ----------------------------------------------------------------------
+
+
+def test_a_directory_reads_what_diffusers_would_load(tmp_path: Path) -> None:
+    """One file set per directory: the index, else diffusers' single weights file, else every
+    ``*.safetensors``; an unrelated file beside diffusers' weights (other tensor names) is not read,
+    and an index may be passed by its own path."""
+    directory = tmp_path / "transformer"
+    weights = make_weights(SPEC, layout="diffusers")
+    write_checkpoint(directory, weights, name="diffusion_pytorch_model")
+    save_file({"lora.down.weight": torch.zeros(4, 4)}, str(directory / "pytorch_lora_weights.safetensors"))
+    source = CheckpointSource(directory, SPEC)
+    assert source.files == [directory / "diffusion_pytorch_model.safetensors"]
+    sharded = write_checkpoint(tmp_path / "sharded", weights, shards=2, name="diffusion_pytorch_model")
+    index = sharded / "diffusion_pytorch_model.safetensors.index.json"
+    by_index = CheckpointSource(index, SPEC)
+    assert by_index.index == index and by_index.files == CheckpointSource(sharded, SPEC).files
+    assert len(by_index.files) == 2
 
 
 def test_source_names_every_missing_and_misshapen_tensor(tmp_path: Path) -> None:

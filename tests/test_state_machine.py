@@ -20,12 +20,18 @@ back and checks that this test fails):
 * a request whose plans are all resident is the hit path: it does not re-stat the checkpoint, so a
   touched checkpoint is noticed by the next request with something to build;
 * an interrupt (``KeyboardInterrupt``) before publish gets the rollback of any failure and then
-  propagates as itself.
+  propagates as itself;
+* the checkpoint on disk changes between builds (a touch, a rewrite in place with the mtime put
+  back, an atomic replacement by other weights) and in the middle of a pass (rewritten between two
+  layers): the next build with something to build drops every table of the old file, a build whose
+  file changed under it publishes nothing (``BuildError``), and the store serves an entry only for
+  the bytes it was built from (entries are per content; a copy of old bytes would still find them).
 
 After every step the real cache must agree with the model (resident plans in LRU order, held
 slots, stats), satisfy its own and our invariants, every resident row must equal an independent
-projection (safetensors' loader + ``F.linear`` at the plan's own M), and every held slot must
-hold exactly what it held when it was acquired.
+projection (safetensors' loader + ``F.linear`` at the plan's own M) of the bytes that were on disk
+when it was published (checked against a fresh read of the file right after each publish), and
+every held slot must hold exactly what it held when it was acquired.
 
 Profiles: ``make test`` runs 300 derandomized sequences (the CI profile); ``ADALNCACHE_SOAK=1``
 with ``-m soak`` runs 5000 random ones. Neither uses hypothesis' example database, so a run never
@@ -61,7 +67,16 @@ from adalncache.plans import PlanKey
 from adalncache.spec import FINAL, LAYOUTS, Layer
 from adalncache.testing import FaultInjectingSource, inject_faults
 from adalncache.tiers.digests import forget_process_memo
-from core_helpers import SPEC, embed_for, load_reference, make_weights, write_checkpoint
+from core_helpers import (
+    SPEC,
+    RewriteBetweenLayers,
+    embed_for,
+    load_reference,
+    make_weights,
+    replace_atomically,
+    rewrite_in_place,
+    write_checkpoint,
+)
 
 EMBED = embed_for(SPEC)
 LAYOUT = LAYOUTS["native"]
@@ -120,22 +135,41 @@ PHASE_SITES = ["embed", "project", "publish", "host_write", "store_write", "host
 EXCEPTIONS: list[type[BaseException]] = [OSError, RuntimeError, KeyboardInterrupt, MemoryError]
 
 
+#: The two weight sets the checkpoint file alternates between (same names, shapes and dtypes, so
+#: the same header and size: a rewrite in place keeps the inode, the size and the header).
+VERSIONS = (3, 4)
+
+
+def project(weights: dict[str, torch.Tensor], plan: torch.Tensor) -> list[torch.Tensor]:
+    """Independent projection of every layer for ``plan`` (same M) from ``weights``."""
+    x = EMBED(plan)
+    return [F.linear(x, weights[LAYOUT.weight(layer)], weights[LAYOUT.bias(layer)]) for layer in SPEC.layers()]
+
+
 @dataclass
 class Checkpoint:
     path: Path
-    weights: dict[str, torch.Tensor]
-    reference: dict[PlanKey, list[torch.Tensor]] = field(default_factory=dict)
+    #: The weights of each version, as safetensors' own loader reads them back from a file.
+    weights: list[dict[str, torch.Tensor]]
+    reference: dict[tuple[int, PlanKey], list[torch.Tensor]] = field(default_factory=dict)
+    #: Which version the file on disk holds now.
+    version: int = 0
 
-    def rows(self, plan: torch.Tensor) -> list[torch.Tensor]:
-        """Independent projection of every layer for ``plan`` (same M), memoised per plan."""
-        key = plan_key(plan)
+    def rows(self, plan: torch.Tensor, version: int) -> list[torch.Tensor]:
+        """Independent projection of every layer for ``plan`` from ``version``'s weights, memoised."""
+        key = (version, plan_key(plan))
         if key not in self.reference:
-            x = EMBED(plan)
-            self.reference[key] = [
-                F.linear(x, self.weights[LAYOUT.weight(layer)], self.weights[LAYOUT.bias(layer)])
-                for layer in SPEC.layers()
-            ]
+            self.reference[key] = project(self.weights[version], plan)
         return self.reference[key]
+
+    def write(self, version: int, how: str) -> None:
+        """Put ``version``'s weights on disk: ``"in place"`` (mtime put back) or ``"replace"`` (a new inode)."""
+        weights = make_weights(SPEC, seed=VERSIONS[version])
+        if how == "in place":
+            rewrite_in_place(self.path, weights, keep_mtime=True)
+        else:
+            replace_atomically(self.path, weights)
+        self.version = version
 
 
 _CHECKPOINT: Checkpoint | None = None
@@ -146,8 +180,11 @@ def checkpoint() -> Iterator[Checkpoint]:
     """One tiny real safetensors checkpoint for the whole module (each step then costs ~ms)."""
     global _CHECKPOINT
     with tempfile.TemporaryDirectory(prefix="adalncache-sm-") as tmp:
-        path = write_checkpoint(Path(tmp) / "ckpt", make_weights(SPEC, seed=3))
-        _CHECKPOINT = Checkpoint(path, load_reference(path))
+        weights = []
+        for seed in VERSIONS:
+            weights.append(load_reference(write_checkpoint(Path(tmp) / f"v{seed}", make_weights(SPEC, seed=seed))))
+        path = write_checkpoint(Path(tmp) / "ckpt", make_weights(SPEC, seed=VERSIONS[0]))
+        _CHECKPOINT = Checkpoint(path, weights)
         yield _CHECKPOINT
         _CHECKPOINT = None
 
@@ -163,14 +200,23 @@ class HoldRecord:
 
 @dataclass
 class Fault:
-    """One injected fault: ``site`` a layer or a phase name, ``exc`` the exception class."""
+    """One injected fault: ``site`` a layer or a phase name, ``exc`` the exception class.
+
+    The site ``"rewrite"`` is no exception: the checkpoint is rewritten (in place, or replaced: ``how``)
+    right after a pass received layer 1, as a trainer saving over the file mid-pass would.
+    """
 
     site: Layer | str
     exc: type[BaseException]
+    how: str = "in place"
 
     @property
     def is_layer(self) -> bool:
         return self.site in LAYER_SITES
+
+    @property
+    def is_rewrite(self) -> bool:
+        return self.site == "rewrite"
 
 
 class CacheMachine(RuleBasedStateMachine):
@@ -206,14 +252,20 @@ class CacheMachine(RuleBasedStateMachine):
         self.instances = 0
         self.holds: list[HoldRecord] = []
         self.host: set[PlanKey] = set()  # exact in "ample" mode
-        self.stored: set[PlanKey] = set()  # survives reopen and invalidate
+        # What the store holds, per version of the weights (entries are bound to the bytes' digest):
+        # survives reopen and invalidate.
+        self.stored: dict[int, set[PlanKey]] = {0: set(), 1: set()}
+        self.published_from: dict[PlanKey, int] = {}  # resident plan -> the version it was projected from
         self.touched = False  # the checkpoint's stat identity changed since the last identity check
         self.hashed = False  # the digest memo knows the checkpoint's content digest under its current identity
+        if self.ckpt.version != 0:
+            self.ckpt.write(0, "replace")  # every example starts from the first weights
         forget_process_memo()  # a new machine: nothing of another example's files is known
         self.open_cache()
 
     def open_cache(self) -> None:
-        self.source = FaultInjectingSource(CheckpointSource(self.ckpt.path, SPEC), None)
+        self.rewriter = RewriteBetweenLayers(CheckpointSource(self.ckpt.path, SPEC))
+        self.source = FaultInjectingSource(self.rewriter, None)  # type: ignore[arg-type]
         self.cache = AdalnCache(
             SPEC,
             self.source,  # type: ignore[arg-type]
@@ -262,7 +314,13 @@ class CacheMachine(RuleBasedStateMachine):
 
     def drop_all(self) -> None:
         """Every resident plan leaves the map; held ones keep their slots (retired) until released."""
-        self.lru, self.instance = [], {}
+        self.lru, self.instance, self.published_from = [], {}, {}
+
+    def changed_on_disk(self) -> None:
+        """The file's identity moved (and maybe its bytes): the next build with something to build
+        drops everything, and the memo knows nothing of the new identity."""
+        self.touched = True
+        self.hashed = False
 
     def expect_build(self, plans: list[torch.Tensor], fault: Fault | None) -> dict[str, object]:
         """What the contract says this build does (before it runs)."""
@@ -310,16 +368,27 @@ class CacheMachine(RuleBasedStateMachine):
         # touched since) and the store holding some of these plans: one hashing read of every layer
         # first, where an armed layer fault fires (then the lookup falls back to a pass, which runs
         # clean: the fault fired once). Unknown and nothing stored for them: the pass hashes.
+        # (Entries of any version count: the store holds these plans for a binding equal in all but
+        # the content, so learning the digest pays; only those of the bytes on disk then hit.)
+        stored_any = self.stored[0] | self.stored[1]
         hash_read = tiers[1] and bool(rest) and site != "store_read" and not self.hashed
-        hash_read = hash_read and any(k in self.stored for k in rest)
-        fault_in_hash_read = hash_read and fault is not None and fault.is_layer
+        hash_read = hash_read and any(k in stored_any for k in rest)
+        fault_in_hash_read = hash_read and fault is not None and (fault.is_layer or fault.is_rewrite)
         if hash_read and not fault_in_hash_read:
             self.hashed = True  # recorded by the hashing read, whatever the build does next
-        from_store = [k for k in rest if tiers[1] and site != "store_read" and k in self.stored]
+        from_store = [k for k in rest if tiers[1] and site != "store_read" and k in self.stored[self.ckpt.version]]
         if fault_in_hash_read:
             from_store = []
         to_build = [k for k in rest if k not in from_store]
         evicted = victims[: max(0, len(missing) - free)]
+        if fault is not None and fault.is_rewrite:
+            # The rewrite runs in the first stream of this build that reaches layer 1: a hashing read
+            # or the pass. Either way the build then finds its file changed and publishes nothing.
+            fires = hash_read or bool(to_build)
+            return {
+                "order": order, "missing": missing, "evicted": evicted, "from_host": from_host,
+                "from_store": from_store, "to_build": to_build, "fires": fires, "fails": fires,
+            }  # fmt: skip
         if site is None:
             fires = False
         elif (fault is not None and fault.is_layer) or site in ("embed", "project"):
@@ -380,14 +449,27 @@ class CacheMachine(RuleBasedStateMachine):
             self.host |= set(order)
         store_skipped = (site == "store_write" or (interrupted and site == "host_write")) and want["fires"]
         if self.cache.store is not None and not store_skipped:
-            self.stored |= set(to_build)
+            self.stored[self.ckpt.version] |= set(to_build)
         if to_build:
             self.hashed = True  # the pass hashed what it read and recorded it
+        # Every row published by this build is a fresh projection of the bytes on disk right now.
+        disk = load_reference(self.ckpt.path)
+        assert all(torch.equal(disk[name], t) for name, t in self.ckpt.weights[self.ckpt.version].items()), (
+            "the model lost track of the file's version"
+        )
+        for key in missing:
+            self.published_from[key] = self.ckpt.version
+            plan = next(p for p in POOL if plan_key(p) == key)
+            rows = self.cache.rows_of(key)
+            for layer, want in zip(SPEC.layers(), project(disk, plan)):
+                got = rows.final if layer == FINAL else rows.block[:, int(layer)]
+                assert torch.equal(got, want), f"plan {plan.tolist()} layer {layer}: not the bytes on disk at publish"
 
     def evict(self, keys: list[PlanKey]) -> None:
         self.lru = [k for k in self.lru if k not in keys]
         for key in keys:
             del self.instance[key]
+            self.published_from.pop(key, None)
 
     # -- rules ----------------------------------------------------------------------------
 
@@ -397,11 +479,15 @@ class CacheMachine(RuleBasedStateMachine):
         want = self.expect_build(plans, fault)
         before = self.cache.stats.as_dict()
         site = None if fault is None else fault.site
+        version = self.ckpt.version
         if fault is not None and fault.is_layer:
             self.source.arm(fault.site, fault.exc)  # type: ignore[arg-type]
+        if fault is not None and fault.is_rewrite:
+            how = fault.how
+            self.rewriter.arm(1, lambda: self.ckpt.write(1 - version, how))
+        phases = str(site) if fault is not None and not fault.is_layer and not fault.is_rewrite else []
         try:
-            with inject_faults(self.cache, str(site) if fault is not None and not fault.is_layer else [], fault.exc
-                               if fault is not None else RuntimeError) as injected:  # fmt: skip
+            with inject_faults(self.cache, phases, fault.exc if fault is not None else RuntimeError) as injected:
                 try:
                     given = [plan_key(p) for p in plans] if keys else None
                     held: PlanHold | None = None
@@ -420,8 +506,12 @@ class CacheMachine(RuleBasedStateMachine):
                     raise AssertionError(f"build let {type(exc).__name__} escape instead of BuildError") from exc
         finally:
             self.source.disarm()
-        fired = injected.fired + self.source.faults
+            self.rewriter.disarm()
+        fired = injected.fired + self.source.faults + self.rewriter.fired
         self.source.faults = 0
+        if self.rewriter.fired:
+            self.rewriter.fired = 0
+            self.changed_on_disk()
 
         if want.get("error") is PlanError:
             assert isinstance(outcome, PlanError) and not isinstance(outcome, BuildError), outcome
@@ -433,7 +523,10 @@ class CacheMachine(RuleBasedStateMachine):
         assert fired == int(bool(want["fires"])), f"fault at {site} fired {fired} time(s), model said {want['fires']}"
         if want.get("fails"):
             assert fault is not None
-            if fault.exc is KeyboardInterrupt:
+            if fault.is_rewrite:
+                assert isinstance(outcome, BuildError) and outcome.failed_at == "checkpoint", repr(outcome)
+                assert str(self.ckpt.path) in str(outcome), str(outcome)
+            elif fault.exc is KeyboardInterrupt:
                 assert type(outcome) is KeyboardInterrupt, f"expected the interrupt itself from {site}, got {outcome!r}"
             else:
                 assert isinstance(outcome, BuildError), f"expected BuildError from a fault at {site}, got {outcome!r}"
@@ -510,6 +603,12 @@ class CacheMachine(RuleBasedStateMachine):
     def build_with_fault(self, idx: list[int], site: Layer | str, exc: type[BaseException]) -> None:
         self.run_build([POOL[i] for i in idx], Fault(site, exc))
 
+    @rule(idx=st.lists(st.integers(0, len(POOL) - 1), min_size=1, max_size=4), replace=st.booleans())
+    def build_while_the_checkpoint_is_rewritten(self, idx: list[int], replace: bool) -> None:
+        """A trainer saves the other weights over the checkpoint while a pass is between layers (in
+        place with the mtime put back, or by an atomic rename): nothing of the build is published."""
+        self.run_build([POOL[i] for i in idx], Fault("rewrite", OSError, "replace" if replace else "in place"))
+
     @rule(
         idx=st.lists(st.integers(0, len(POOL) - 1), min_size=0, max_size=4),
         keys=st.booleans(),
@@ -548,8 +647,20 @@ class CacheMachine(RuleBasedStateMachine):
         """Rewrite the checkpoint's mtime (same bytes): a new fingerprint, so every table is stale."""
         st_ = os.stat(self.ckpt.path)
         os.utime(self.ckpt.path, ns=(st_.st_atime_ns, st_.st_mtime_ns + 1_000_000))
-        self.touched = True
-        self.hashed = False
+        self.changed_on_disk()
+
+    @rule()
+    def rewrite_checkpoint_in_place(self) -> None:
+        """Other weights written over the file in place (same inode, size and header), mtime put back:
+        only the ctime moves, and that must be enough."""
+        self.ckpt.write(1 - self.ckpt.version, "in place")
+        self.changed_on_disk()
+
+    @rule()
+    def replace_checkpoint(self) -> None:
+        """Other weights renamed over the file (a new inode), as a download or ``save_pretrained`` does."""
+        self.ckpt.write(1 - self.ckpt.version, "replace")
+        self.changed_on_disk()
 
     @rule(idx=st.lists(st.integers(0, len(POOL) - 1), max_size=4))
     def resolve(self, idx: list[int]) -> None:
@@ -612,11 +723,12 @@ class CacheMachine(RuleBasedStateMachine):
 
     @invariant()
     def resident_rows_are_exact(self) -> None:
+        """Every resident row is the projection of the bytes that were on disk when it was published."""
         for key in self.lru:
             plan = next(p for p in POOL if plan_key(p) == key)
             slot = self.cache.lookup(plan)
             n = plan.numel()
-            want = self.ckpt.rows(plan)
+            want = self.ckpt.rows(plan, self.published_from[key])
             for layer, ref in zip(SPEC.layers(), want):
                 got = self.cache.final_rows(slot, n) if layer == FINAL else self.cache.block_rows(int(layer), slot, n)
                 assert torch.equal(got, ref), f"plan {plan.tolist()} layer {layer} differs from F.linear"

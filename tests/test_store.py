@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -18,11 +19,13 @@ import torch
 from safetensors.torch import load_file
 
 from adalncache import AdalnCache, CheckpointSource, ConfigError, Store, plan_key
+from adalncache.cli import main
+from adalncache.offline import verify_store
 from adalncache.rows import PlanRows
 from adalncache.testing import inject_faults
 from adalncache.tiers.store import binding_hash
 from adalncache.tools.tiny import write_safetensors
-from tiers_support import plan, projection_dict, simple_embed, small_spec
+from tiers_support import plan, projection_dict, run_on_private_tmpfs, simple_embed, small_spec
 
 TESTS = Path(__file__).resolve().parent
 PLANS = [plan(0.9, 0.8), plan(0.5), plan(0.3, 0.2, 0.1)]
@@ -351,3 +354,165 @@ def test_processes_creating_one_new_store_at_once_all_succeed(tmp_path: Path) ->
         for proc in procs:
             proc.join(timeout=60)
         assert [proc.exitcode for proc in procs] == [0, 0, 0]
+
+
+# -- temporary files are never entries -------------------------------------------------------------
+
+
+def test_a_live_writers_temp_file_is_never_an_entry(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A writer halfway through an entry (its temp file, named for this live process): not an entry for
+    ``entries()``, ``health()``/``inspect``, ``verify`` or ``prune``, which leaves it to its writer."""
+    ckpt, store_dir = _checkpoint(tmp_path), tmp_path / "store"
+    cache = _cache(ckpt, store_dir)
+    embed = simple_embed(cache.spec)
+    cache.build(PLANS, embed=embed)
+    store = Store(store_dir)
+    entry = store.entries()[0].path
+    temp = entry.with_name(f".tmp-{store._host}-{os.getpid()}-{'0' * 32}-{entry.name}")
+    temp.write_bytes(entry.read_bytes()[:100])
+    assert temp not in [e.path for e in store.entries()] and len(store.entries()) == len(PLANS)
+    health = store.health()
+    assert health["corrupt"] == [] and health["ok"] == len(PLANS) and health["temp_files"] == 1
+    assert main(["inspect", str(store_dir)]) == 0
+    assert "healthy" in capsys.readouterr().out
+    report = verify_store(store, cache.spec, CheckpointSource(ckpt, cache.spec), embed=embed, progress=False)
+    assert report.ok and report.checked == len(PLANS)
+    assert main(["store", "prune", "--store", str(store_dir), "--max-gb", "0"]) == 0
+    assert Store(store_dir).entries() == [] and temp.exists()  # the live writer's file is its own
+
+
+def test_pruning_while_another_thread_writes_never_fails_a_write(tmp_path: Path) -> None:
+    ckpt, store_dir = _checkpoint(tmp_path), tmp_path / "store"
+    cache = _cache(ckpt, store_dir)
+    cache.build(PLANS, embed=simple_embed(cache.spec))
+    binding, rows = cache.binding(), cache.rows_of(plan_key(PLANS[0]))
+    assert binding is not None
+    store = Store(store_dir)
+    failures: list[BaseException] = []
+    done = threading.Event()
+
+    def prune() -> None:
+        while not done.is_set():
+            store.prune(0)
+
+    pruner = threading.Thread(target=prune)
+    pruner.start()
+    try:
+        for i in range(150):
+            try:
+                store.put(binding, plan_key(plan(0.001 * (i + 1), 0.5)), rows)
+            except Exception as exc:
+                failures.append(exc)
+    finally:
+        done.set()
+        pruner.join()
+    assert failures == [], failures[:3]
+
+
+# -- a store that cannot be written ---------------------------------------------------------------
+
+_UNWRITABLE = """
+import logging
+import torch
+import torch.nn.functional as F
+from tiers_support import plan, projection_dict, simple_embed, small_spec
+from adalncache import AdalnCache, CheckpointSource, Store, plan_key
+from adalncache.spec import FINAL, LAYOUTS
+from adalncache.tiers.digests import forget_process_memo
+from adalncache.tools.tiny import write_safetensors
+
+warnings = []
+class Count(logging.Handler):
+    def emit(self, record):
+        if record.levelno >= logging.WARNING:
+            warnings.append(record.getMessage())
+logging.getLogger("adalncache").addHandler(Count())
+spec = small_spec()
+weights = projection_dict(spec, 0)
+ckpt = write_safetensors(weights, Path({ckpt!r}))
+embed = simple_embed(spec)
+store = MOUNT / "store"
+AdalnCache(spec, CheckpointSource(ckpt, spec), max_plans=4, max_plan_width=4, store=store).build(
+    [plan(0.5)], embed=embed)
+{damage}()
+forget_process_memo()
+warnings.clear()
+cache = AdalnCache(spec, CheckpointSource(ckpt, spec), max_plans=4, max_plan_width=4, store=store)
+reports = [cache.build(p, embed=embed).as_dict() for p in ([plan(0.5)], [plan(0.3, 0.2)], [plan(0.7)], [plan(0.9)])]
+lay = LAYOUTS["native"]
+exact = True
+for p in (plan(0.5), plan(0.3, 0.2), plan(0.7), plan(0.9)):
+    x = embed(p)
+    rows = cache.rows_of(plan_key(p))
+    exact &= torch.equal(rows.final, F.linear(x, weights[lay.weight(FINAL)], weights[lay.bias(FINAL)]))
+    for i in range(spec.num_layers):
+        exact &= torch.equal(rows.block[:, i], F.linear(x, weights[lay.weight(i)], weights[lay.bias(i)]))
+temps = [str(p) for p in store.rglob(".tmp-*")]
+print(json.dumps({{"reports": reports, "stats": cache.stats.as_dict(), "warnings": warnings, "exact": exact,
+                  "temps": temps}}))
+"""
+
+
+@pytest.mark.parametrize("damage", ["remount_readonly", "fill"], ids=["read-only", "full"])
+def test_a_read_only_or_full_store_degrades_to_no_store(tmp_path: Path, damage: str) -> None:
+    """A store on a read-only share, or on a full disk: hits are served, every miss is built as without a
+    store (never blocked, never failed), the skipped writes and locks are counted and logged once, and
+    no temporary file is left. Real kernel errors: a private tmpfs remounted read-only, or filled."""
+    code = _UNWRITABLE.format(ckpt=str(tmp_path / "ckpt.safetensors"), damage=damage)
+    done = run_on_private_tmpfs(code, tmp_path / "share", size="4m")
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    first, *misses = out["reports"]
+    assert first["store_hits"] == 1 and all(r["built"] == 1 and r["passes"] == 1 for r in misses), out["reports"]
+    assert out["exact"] and out["temps"] == []
+    assert out["stats"]["store_unwritable"] == len(misses), out["stats"]
+    store_warnings = [w for w in out["warnings"] if "store" in w]
+    assert len(store_warnings) == 1, out["warnings"]
+
+
+# -- symbolic links -------------------------------------------------------------------------------
+
+
+def test_symlinked_checkpoints_and_entries_are_followed_safely(tmp_path: Path) -> None:
+    """A checkpoint reached through links (the Hugging Face cache's snapshot of links to blobs) is read
+    and watched through them: a blob rewritten in place is noticed. A store entry that is a link to
+    another plan's entry is never served as this plan: the link is moved aside (its target stays and
+    serves its own plan) and the plan rebuilt; a link to a FIFO never blocks a lookup."""
+    blobs, snapshot = tmp_path / "blobs", tmp_path / "snapshots" / "main"
+    blobs.mkdir()
+    snapshot.mkdir(parents=True)
+    spec = small_spec()
+    blob = write_safetensors(projection_dict(spec, 0), blobs / "3f2a9c")
+    (snapshot / "model.safetensors").symlink_to(blob)
+    store_dir = tmp_path / "store"
+    embed = simple_embed(spec)
+    cache = AdalnCache(spec, CheckpointSource(snapshot, spec), max_plans=4, max_plan_width=4, store=store_dir)
+    cache.build(PLANS, embed=embed)
+    write_safetensors(projection_dict(spec, 1), blobs / "3f2a9c")  # the blob itself changes (renamed over)
+    report = cache.build([plan(0.45)], embed=embed)
+    assert cache.stats.fingerprint_changes == 1 and report.built == 1
+    new = AdalnCache(spec, CheckpointSource(blob, spec), max_plans=4, max_plan_width=4)
+    new.build([plan(0.45)], embed=embed)
+    assert _equal(cache.rows_of(plan_key(plan(0.45))), new.rows_of(plan_key(plan(0.45))))
+    # Entries that are links.
+    store = Store(store_dir)
+    binding = cache.binding()
+    assert binding is not None
+    bhash = binding_hash(binding)
+    a, b = store._entry_path(bhash, plan_key(plan(0.45))), store._entry_path(bhash, plan_key(PLANS[0]))
+    cache.build([PLANS[0]], embed=embed)
+    assert a.is_file() and b.is_file()
+    kept = a.read_bytes()
+    b.unlink()
+    b.symlink_to(a)  # PLANS[0]'s entry now names plan 0.45's file
+    fresh = AdalnCache(spec, CheckpointSource(snapshot, spec), max_plans=4, max_plan_width=4, store=store_dir)
+    report = fresh.build([PLANS[0], plan(0.45)], embed=embed)
+    assert report.store_hits == 1 and report.built == 1 and fresh.stats.store_corrupt == 1
+    assert a.read_bytes() == kept and not b.is_symlink()  # the target survives; the link went aside
+    assert _equal(fresh.rows_of(plan_key(PLANS[0])), cache.rows_of(plan_key(PLANS[0])))
+    b.unlink()
+    os.mkfifo(tmp_path / "pipe")
+    b.symlink_to(tmp_path / "pipe")
+    fresh.invalidate()
+    assert fresh.build([PLANS[0]], embed=embed).built == 1  # never blocked on the FIFO: moved aside
+    assert fresh.stats.store_corrupt == 2 and (tmp_path / "pipe").exists()

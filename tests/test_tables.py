@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import subprocess
 import sys
 from collections.abc import Callable
@@ -34,8 +35,11 @@ from adalncache.cli import main
 from adalncache.embedding import time_embed_fn
 from adalncache.export import export_tables
 from adalncache.plans import minimax_h3_plans, schedule_plans
+from adalncache.spec import FINAL, LAYOUTS
 from adalncache.tablefile import TableFile
-from tiers_support import write_h3_checkpoint
+from core_helpers import SPEC as CORE_SPEC
+from core_helpers import embed_for, load_reference, make_weights, write_checkpoint
+from tiers_support import run_on_private_tmpfs, write_h3_checkpoint
 
 pytest.importorskip("diffusers")
 
@@ -403,3 +407,115 @@ def test_table_files_follow_a_move_only_where_they_fit(
         rows = cache.rows_of(plan_key(p))
         assert torch.equal(rows.block, block) and torch.equal(rows.final, final)
     cache.check_invariants()
+
+
+# ---------------------------------------------------------------------------------------------
+# rows served are the projection of the weights the source reads now
+
+
+def test_a_table_file_is_checked_again_when_the_checkpoint_changes(
+    bf16: tuple[Any, Path, ModulationSpec], load_tiny: Callable[[str], Any], tmp_path: Path
+) -> None:
+    """The checkpoint is replaced (atomic renames, as a downloader does) by other weights: the bound
+    file exported from the old ones is checked again, found to name other content, and never served
+    again; every plan is built from the new bytes."""
+    _, ckpt, spec = bf16
+    out = tmp_path / "t2va.safetensors"
+    assert _export(ckpt, out, "--task", "t2va", "--steps", "4") == 0
+    source = CheckpointSource(ckpt, spec)
+    embed = time_embed_fn(source, spec)
+    plans = minimax_h3_plans("t2va", 4)
+    distinct = len({plan_key(p) for p in plans})
+    cache = AdalnCache(spec, source, max_plans=8, max_plan_width=4, tables=out)
+    assert cache.build(plans[:1], embed=embed).table_hits == 1
+    fine_tuned = load_tiny("bf16-disk")
+    with torch.no_grad():
+        for block in fine_tuned.transformer_blocks:
+            block.adaln_proj.linear.bias.add_(1)
+        fine_tuned.norm_out.linear.bias.add_(1)
+    other = write_h3_checkpoint(fine_tuned, tmp_path / "other")
+    for path in sorted(other.iterdir()):
+        os.replace(path, ckpt / path.name)
+    report = cache.build(plans, embed=embed)
+    assert (report.table_hits, report.built) == (0, distinct) and cache.stats.fingerprint_changes == 1
+    for p in plans:
+        block, final = _resident_rows(fine_tuned, p)
+        rows = cache.rows_of(plan_key(p))
+        assert torch.equal(rows.block, block) and torch.equal(rows.final, final)
+    cache.invalidate()
+    report = cache.build(plans, embed=embed)  # the file names other weights: not consulted again
+    assert report.table_hits == 0 and report.passes == 1
+
+
+def test_the_table_tier_honours_autocast(tmp_path: Path) -> None:
+    """fp32 tables in a bound file are never served under ``torch.autocast`` to bf16 (the resident
+    projection then computes and returns bf16): they are built under autocast instead, and the file
+    serves again once autocast is off."""
+    spec = CORE_SPEC.with_dtype(torch.float32)
+    path = write_checkpoint(tmp_path / "fp32", make_weights(spec, seed=2))
+    weights = load_reference(path)
+    embed = embed_for(spec)
+    plan = torch.tensor([0.25, 0.75])
+    out = tmp_path / "fp32.safetensors"
+    export_tables(AdalnCache(spec, CheckpointSource(path, spec), max_plans=1), [plan], out, embed=embed, progress=False)
+    cache = AdalnCache(spec, CheckpointSource(path, spec), max_plans=2, tables=out, progress=False)
+    lay = LAYOUTS["native"]
+    layer0 = (weights[lay.weight(0)], weights[lay.bias(0)])
+    final = (weights[lay.weight(FINAL)], weights[lay.bias(FINAL)])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want, want_final = F.linear(embed(plan), *layer0), F.linear(embed(plan), *final)
+        report = cache.build([plan], embed=embed)
+        assert (report.table_hits, report.built) == (0, 1)
+        got = cache.block_rows(0, cache.lookup(plan), 2)
+        assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+        assert torch.equal(cache.final_rows(cache.lookup(plan), 2), want_final)
+    report = cache.build([plan], embed=embed)
+    assert report.table_hits == 1  # outside autocast: the file's fp32 tables
+    assert torch.equal(cache.block_rows(0, cache.lookup(plan), 2), F.linear(embed(plan), *layer0))
+
+
+def test_export_never_writes_over_what_it_reads(
+    bf16: tuple[Any, Path, ModulationSpec], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``-o`` naming a checkpoint file (or its index, or a link to one), a directory, or anything but a
+    regular file or a new name: refused before any pass, one line, exit 2; nothing changes."""
+    _, ckpt, _ = bf16
+    shard = sorted(ckpt.glob("*.safetensors"))[0]
+    index = ckpt / "model.safetensors.index.json"
+    before = {p: p.read_bytes() for p in (shard, index)}
+    fifo = tmp_path / "pipe.safetensors"
+    os.mkfifo(fifo)
+    link = tmp_path / "link.safetensors"
+    link.symlink_to(shard)
+    for target in (shard, index, link, fifo, ckpt):
+        code = main(["export", str(ckpt), "--task", "t2va", "--steps", "3", "-q", "-o", str(target)])
+        err = capsys.readouterr().err.strip()
+        assert code == 2 and len(err.splitlines()) == 1 and "-o/--output" in err, (target, err)
+    assert all(p.read_bytes() == data for p, data in before.items())
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode) and link.is_symlink() and os.readlink(link) == str(shard)
+    assert not list(tmp_path.rglob(".*tmp*")) and not list(ckpt.glob(".*"))
+
+
+_FULL_DISK_EXPORT = """
+done = subprocess.run(
+    [sys.executable, "-m", "adalncache", "export", {ckpt!r}, "--task", "t2va", "--steps", "4", "-q",
+     "-o", str(MOUNT / "h3.safetensors")],
+    capture_output=True, text=True, timeout=240,
+)
+print(json.dumps({{"code": done.returncode, "err": done.stderr, "left": sorted(os.listdir(MOUNT))}}))
+"""
+
+
+def test_an_export_onto_a_full_disk_is_one_line_and_leaves_nothing(
+    bf16: tuple[Any, Path, ModulationSpec], tmp_path: Path
+) -> None:
+    """A table file that does not fit on its disk: a typed error naming -o, exit 2, one line, and no
+    partial or temporary file left behind (a real tmpfs that is too small: the kernel's ENOSPC)."""
+    _, ckpt, _ = bf16
+    done = run_on_private_tmpfs(_FULL_DISK_EXPORT.format(ckpt=str(ckpt)), tmp_path / "small", size="16k")
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    # (A fresh interpreter may print import-time warnings of third-party packages first: not ours.)
+    ours = [line for line in out["err"].splitlines() if line.startswith("adalncache")]
+    assert out["code"] == 2 and "Traceback" not in out["err"] and len(ours) == 1, out["err"]
+    assert "-o/--output" in ours[0] and "space" in ours[0] and out["left"] == [], out

@@ -7,9 +7,14 @@ projections' input from it, and ``tiny.write_native_checkpoint`` writes only the
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -75,3 +80,61 @@ def write_h3_checkpoint(model: Any, directory: Path, *, shards: int = 2) -> Path
         weight_map.update(dict.fromkeys(chunk, file_name))
     (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     return directory
+
+
+def mount_namespaces_work() -> bool:
+    """Whether this machine lets a process mount a private tmpfs (a user and mount namespace)."""
+    if shutil.which("unshare") is None or shutil.which("mount") is None:
+        return False
+    try:
+        done = subprocess.run(
+            ["unshare", "--user", "--map-root-user", "--mount", "--", "true"], capture_output=True, timeout=30
+        )
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return done.returncode == 0
+
+
+_MOUNT_PRELUDE = '''
+import json, os, subprocess, sys
+from pathlib import Path
+sys.path.insert(0, {tests!r})
+MOUNT = Path({mount!r})
+MOUNT.mkdir(parents=True, exist_ok=True)
+subprocess.run(["mount", "-t", "tmpfs", "-o", "size={size}", "tmpfs", str(MOUNT)], check=True)
+
+
+def remount_readonly():
+    """Make MOUNT read-only (EROFS for everyone, root included): a read-only share."""
+    subprocess.run(["mount", "-o", "remount,ro", str(MOUNT)], check=True)
+
+
+def fill():
+    """Fill MOUNT until the kernel says ENOSPC: a full disk."""
+    fd = os.open(MOUNT / "filler", os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        while True:
+            os.write(fd, bytes(4096))
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+'''
+
+
+def run_on_private_tmpfs(code: str, mount: Path, *, size: str = "1m", timeout: float = 300) -> Any:
+    """Run ``code`` (Python) in a child process with a tmpfs of ``size`` mounted at ``mount``, seen by it alone.
+
+    Real kernel errors, no mocks: a full tmpfs answers ENOSPC and a read-only one EROFS, to root too
+    (the tests run as root on some machines, where permission bits would not stop a write). The
+    child has ``MOUNT``, ``remount_readonly()`` and ``fill()``; the mount goes away with it. Skips
+    the calling test where namespaces are not available.
+    """
+    if not mount_namespaces_work():
+        pytest.skip("this machine does not allow a private mount namespace (unshare --user --mount)")
+    tests = str(Path(__file__).resolve().parent)
+    script = _MOUNT_PRELUDE.format(tests=tests, mount=str(mount), size=size) + textwrap.dedent(code)
+    return subprocess.run(
+        ["unshare", "--user", "--map-root-user", "--mount", "--", sys.executable, "-c", script],
+        capture_output=True, text=True, timeout=timeout, check=False,
+    )  # fmt: skip

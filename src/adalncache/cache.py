@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Hashable, Iterator, Sequence
@@ -32,9 +33,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .devices import resolve_device
+from .devices import allocation_error, check_available, resolve_device
 from .distributed import make_collective
-from .errors import AdalnCacheError, ConfigError
+from .errors import AdalnCacheError, ConfigError, PlanError
 from .faults import NO_FAULTS, FaultPoints
 from .holds import PlanHold
 from .identity import TableIdentity
@@ -52,6 +53,7 @@ from .source.absent import NoWeights
 from .spec import ModulationSpec
 from .streams import StreamSync, events_for
 from .tiers.chain import TierChain
+from .tiers.host import HOST_TIER_KNOB
 from .tiers.tables import TablesArg, TablesTier
 from .transaction import BuildSettings, BuildTransaction
 
@@ -73,7 +75,7 @@ def _check_int(name: str, value: Any, flag: str, minimum: int) -> int:
 
 def _check_arguments(
     spec: Any, source: Any, *, max_plans: Any, max_plan_width: Any, host_cache_bytes: Any, read_ahead: Any,
-    batched: Any, precision: Any, shard: Any, tables: Any,
+    batched: Any, precision: Any, shard: Any, tables: Any, store: Any,
 ) -> None:  # fmt: skip
     """Every construction argument the cache can check alone; ConfigError names the one to change."""
     if not isinstance(spec, ModulationSpec):
@@ -88,6 +90,11 @@ def _check_arguments(
         raise ConfigError(f"precision must be one of {list(PRECISIONS)}, got {precision!r}: set --precision")
     if shard not in SHARD_MODES:
         raise ConfigError(f"shard must be one of {list(SHARD_MODES)}, got {shard!r}: set --shard")
+    if store is not None and not isinstance(store, (str, os.PathLike)) and not hasattr(store, "get_many"):
+        raise ConfigError(
+            f"store= must be a directory path or a Store, got {type(store).__name__} {store!r}: set store= "
+            f"(CLI --store DIR), or None for no store"
+        )
     if source is None:
         if tables is None:
             raise ConfigError(
@@ -136,7 +143,7 @@ class AdalnCache(SlabReads):
     ) -> None:
         _check_arguments(
             spec, source, max_plans=max_plans, max_plan_width=max_plan_width, host_cache_bytes=host_cache_bytes,
-            read_ahead=read_ahead, batched=batched, precision=precision, shard=shard, tables=tables,
+            read_ahead=read_ahead, batched=batched, precision=precision, shard=shard, tables=tables, store=store,
         )  # fmt: skip
         self.device = resolve_device(device, argument="device")
         if self.device.type == "cuda" and self.device.index is None:
@@ -167,7 +174,8 @@ class AdalnCache(SlabReads):
         self.stats = CacheStats()
         failure: BaseException | None = None
         try:  # out of device memory, or a store directory, on one rank alone must fail every rank
-            self._slab = Slab(spec, self.max_plans, self.max_plan_width, self.device)
+            self._slab = self._allocate_slab()
+            self._check_host_tier()
             self._tiers = TierChain.open(
                 spec, self.source, host_cache_bytes=self.host_cache_bytes, store=store, device=self.device,
                 collective=self._dist, stats=self.stats, tables=tables,
@@ -199,6 +207,8 @@ class AdalnCache(SlabReads):
         self.fault_points: FaultPoints = NO_FAULTS
         self._lock = threading.RLock()  # state: slot map, holds, stats, identity (never held in a pass)
         self._build_lock = threading.RLock()  # one build at a time
+        #: Set on the thread running a build (so while embed= and project= run): see _exclusive.
+        self._in_build = threading.local()
         self._closed = False
         settings = BuildSettings(
             spec=spec, device=self.device, precision=precision, max_plans=self.max_plans,
@@ -242,6 +252,44 @@ class AdalnCache(SlabReads):
     def final_params(self) -> torch.Tensor:
         """``[P, W, final_width]``: the table's ``final`` part, a view of :attr:`table` (two-part tables)."""
         return self._slab.part_params("final")
+
+    # -- construction helpers ---------------------------------------------------------------
+
+    _SLAB_KNOBS = "max_plans (CLI --max-plans) or max_plan_width (CLI --plan-width)"
+
+    def _allocate_slab(self) -> Slab:
+        """The slab, refused (ConfigError naming its bytes and the knobs) when the device cannot hold it."""
+        nbytes = self.spec.slab_bytes(self.max_plans, self.max_plan_width)
+        what = f"the slab of max_plans={self.max_plans} x max_plan_width={self.max_plan_width} plans"
+        check_available(nbytes, self.device, what, self._SLAB_KNOBS)
+        try:
+            return Slab(self.spec, self.max_plans, self.max_plan_width, self.device)
+        except (RuntimeError, MemoryError) as exc:  # the allocator's own failure (torch.OutOfMemoryError too)
+            raise allocation_error(exc, nbytes, self.device, what, self._SLAB_KNOBS) from None
+
+    def _check_host_tier(self) -> None:
+        """Refuse a host tier the host cannot hold beside a CPU slab (before its arena is mapped)."""
+        if not self.host_cache_bytes:
+            return
+        beside = self.spec.slab_bytes(self.max_plans, self.max_plan_width) if self.device.type == "cpu" else 0
+        what = f"the host tier of host_cache_bytes={self.host_cache_bytes}" + (" beside the slab" if beside else "")
+        check_available(self.host_cache_bytes + beside, torch.device("cpu"), what, HOST_TIER_KNOB)
+
+    @contextlib.contextmanager
+    def _exclusive(self, what: str) -> Iterator[None]:
+        """The build lock, refused (PlanError) on a thread that is inside a build of this cache.
+
+        The build lock is re-entrant (``hold`` builds under it), so without this check a call from
+        inside ``embed``/``project`` would run a second build in the middle of the first: it would
+        reserve a slot for a plan the outer build is writing, and one of the two slots would leak.
+        """
+        if getattr(self._in_build, "active", False):
+            raise PlanError(
+                f"{what} was called from inside a build of this cache (from its embed= or project=): a build cannot "
+                f"start another on the same cache; compute the projections' input without calling the cache"
+            )
+        with self._build_lock:
+            yield
 
     # -- introspection ----------------------------------------------------------------------
 
@@ -306,7 +354,7 @@ class AdalnCache(SlabReads):
         ``None`` when it cannot be known (no weights; a column split that cuts the hashed row
         blocks; tensors on a device). In a process group every rank must call this together.
         """
-        with self._build_lock:
+        with self._exclusive("identify()"):
             return self._identity.content.identify(read=read)
 
     @property
@@ -390,7 +438,7 @@ class AdalnCache(SlabReads):
         plans, keys = keyed_plans(plans, keys, self.spec.plan_columns)
         held = self._hit(list(dict.fromkeys(keys)), variant, hold=keys)
         if held is None:
-            with self._build_lock:  # no build between this one and the hold
+            with self._exclusive("hold()"):  # no build between this one and the hold
                 order, tensors = distinct_plans(plans, keys, self.spec.plan_columns)
                 report = self._build(order, tensors, embed, project, variant)
                 with self._lock:
@@ -462,13 +510,17 @@ class AdalnCache(SlabReads):
         variant: Hashable,
     ) -> BuildReport:
         report = BuildReport(plans=len(order))
-        with self._build_lock:
+        with self._exclusive("build()"):
             if self._closed:
                 raise ConfigError(
                     "this AdalnCache was closed (close(), or the diffusers handle's disable()) and cannot build; "
                     "create a new one"
                 )
-            self._builder.run(order, tensors, embed, project or default_project, variant, report)
+            self._in_build.active = True
+            try:
+                self._builder.run(order, tensors, embed, project or default_project, variant, report)
+            finally:
+                self._in_build.active = False
         return report
 
     def _hold(self, keys: list[PlanKey], report: BuildReport) -> PlanHold:
@@ -502,14 +554,14 @@ class AdalnCache(SlabReads):
 
         Store entries stay: they are keyed by content, so they never go stale.
         """
-        with self._build_lock:
+        with self._exclusive("invalidate()"):
             self._builder.drop_all("invalidate()")
 
     def close(self) -> int:
         """Give back the host memory the cache holds: the host tier's arena (unlocked and freed) and the
         source's kept read buffers; returns the bytes released. Resident plans stay readable; building
         afterwards raises ConfigError. Idempotent."""
-        with self._build_lock, self._lock:
+        with self._exclusive("close()"), self._lock:
             if self._closed:
                 return 0
             self._closed = True
@@ -524,7 +576,7 @@ class AdalnCache(SlabReads):
 
         Waits for a build in progress (its reserved slots are by design in no set).
         """
-        with self._build_lock, self._lock:
+        with self._exclusive("check_invariants()"), self._lock:
             self._pool.check_invariants()
             self._tiers.check_invariants()
 
@@ -545,7 +597,7 @@ class AdalnCache(SlabReads):
                 f"a cache built by a process group cannot move from {self.device} to {target}: every rank "
                 "would have to move at once; create the cache (and enable it) on the device it serves"
             )
-        with self._build_lock, self._lock:
+        with self._exclusive("move_to()"), self._lock:
             held = self._pool.held_slots
             if held:
                 raise ConfigError(
@@ -577,7 +629,9 @@ class AdalnCache(SlabReads):
         if here != there and self._table_files is not None:
             # Table files are bound to a numeric environment, device included: served where they match.
             try:
-                self._table_files.check_bindings(identity.template(), identity.content.identify)
+                self._table_files.check_bindings(
+                    identity.template(), identity.content.identify, generation=identity.generation
+                )
                 self._tiers.tables = self._table_files
             except AdalnCacheError as exc:
                 log.warning("table files not served on %s (%s); plans are built there instead", target, exc)

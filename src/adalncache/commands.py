@@ -24,7 +24,7 @@ from .cache import PRECISIONS, SHARD_MODES, AdalnCache
 from .devices import resolve_device
 from .embedding import time_embed_fn
 from .errors import ConfigError
-from .export import check_export, export_tables, verify_tables
+from .export import check_export, check_output, export_tables, source_files, verify_tables
 from .families.minimax_h3 import MODEL_VARIANTS
 from .offline import describe_checkpoint, describe_store, fill_store, is_store, open_checkpoint, verify_store
 from .plans import schedule_plans
@@ -106,22 +106,14 @@ def run_build(args: argparse.Namespace) -> int:
 # export
 
 
-def _check_output(path: Path) -> None:
-    """-o must name a file in an existing, writable directory (checked before anything is created)."""
-    if path.is_dir():
-        raise ConfigError(f"-o/--output {path} is a directory: name the table file to write")
-    parent = path.parent if str(path.parent) else Path(".")
-    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-        raise ConfigError(f"-o/--output {path}: its directory {parent} does not exist or is not writable")
-
-
 def run_export(args: argparse.Namespace) -> int:
     if not (args.timeout > 0):
         raise ConfigError(f"--timeout must be a positive number of seconds, got {args.timeout}")
     output = Path(args.output)
-    _check_output(output)
+    check_output(output)  # before anything is read, then again against the checkpoint's files
     device = resolve_device(args.device)
     spec, source = open_checkpoint(args.checkpoint, layout=args.layout)
+    check_output(output, source_files(source))
     check_export(spec, format=args.format, precision=args.precision, model_variant=args.model_variant, tasks=args.task)
     shifts = {"video_shift": args.video_shift, "audio_shift": args.audio_shift, "audio_refs": not args.no_audio_refs}
     plans = schedule_plans(args.task, args.steps, **shifts)

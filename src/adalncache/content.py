@@ -18,17 +18,28 @@ never a wrong answer. In a process group every rank contributes what it knows (i
 share it read) and the ranks compose the same digest in one collective; a rank records in its
 memo only the bytes it read itself, never a digest composed with its peers' (their copies of the
 checkpoint need not be this host's).
+
+A checkpoint on disk is hashed by *every* pass, digest known or not: the binding a pass writes
+its entries under must name the bytes that pass projected, and only hashing them proves it. A
+pass that finds other bytes than the digest it was bound to (a rewrite no file identity showed:
+another host writing a network share, a clock that cannot be trusted) raises, forgets the memo's
+records of those files, and leaves the digest unknown. Before a pass the files' identity must be
+*settled*: a file changed within the last few clock ticks (:func:`settle_margin_ns`) could change
+again within the same tick without its ctime moving, so the pass waits those milliseconds first;
+after that any write changes the ctime, which the pass's checks and the memo compare.
 """
 
 from __future__ import annotations
 
 import logging
 import socket
+import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .errors import CheckpointError
 from .reports import CacheStats
 from .source.digest import (
     DigestSink,
@@ -47,6 +58,20 @@ if TYPE_CHECKING:
     from .source import WeightSource
 
 log = logging.getLogger(__name__)
+
+#: The longest a pass waits for a checkpoint's files to stop changing before it gives up (a writer is busy).
+SETTLE_LIMIT_S = 10.0
+
+
+def settle_margin_ns(ctime_ns: int) -> int:
+    """How long after its last change a file's ctime is trusted to move on the next write.
+
+    File times come from the kernel's coarse clock, which advances once per tick (1 to 10 ms), so
+    two writes within one tick can leave the same ctime. Two ticks at the slowest common rate
+    (HZ=100) is 20 ms; a file system that keeps whole seconds (its ctime a multiple of 1 s) needs
+    two of those.
+    """
+    return 2_000_000_000 if ctime_ns % 1_000_000_000 == 0 else 20_000_000
 
 
 def _as_json(knowledge: Mapping[str, TensorDigest]) -> dict[str, Any]:
@@ -67,8 +92,11 @@ class ContentIdentity:
         self.memo = memo if getattr(source, "persistent", True) else DigestMemo(None)
         #: The content digest, once known (reset when the source's identity changes).
         self.digest: str | None = None
-        self._pending: tuple[DigestSink, dict[str, FileStamp] | None] | None = None
+        #: The sink of the pass in progress, the file identities it started from, whether they were
+        #: settled (their change times safely in the past), and the digest it was bound to.
+        self._pending: tuple[DigestSink, dict[str, FileStamp] | None, bool, str | None] | None = None
         self._warned_unknown = False
+        self._warned_skew = False
 
     # -- what the source is -----------------------------------------------------------------
 
@@ -179,20 +207,72 @@ class ContentIdentity:
 
     # -- learning it ------------------------------------------------------------------------
 
+    @property
+    def verifies(self) -> bool:
+        """Whether every pass hashes what it reads: a source whose bytes live in files (which can change
+        under a running process), not tensors in this process's memory."""
+        return self.hashable and bool(getattr(self.source, "persistent", True))
+
+    def settled_stamps(self) -> tuple[dict[str, FileStamp] | None, bool]:
+        """The files' identities once no file changed within :func:`settle_margin_ns`; and whether they are settled.
+
+        Waits (a few milliseconds, at most :data:`SETTLE_LIMIT_S`) while a file changed too recently
+        for a later write to be sure to move its ctime. A change time in the future (another host's
+        clock, on a network share) cannot be judged: not waited for, reported as not settled (the
+        memo then records nothing for it). Raises CheckpointError when the files keep changing.
+        """
+        deadline = time.monotonic() + SETTLE_LIMIT_S
+        while True:
+            now = time.time_ns()
+            stamps = self.stamps()
+            if stamps is None:
+                return None, False
+            unique = set(stamps.values())
+            if any(s.ctime_ns > now for s in unique):
+                if not self._warned_skew:
+                    self._warned_skew = True
+                    log.info("checkpoint files change in the future by this host's clock (another host's clock?): "
+                             "their identity is not recorded in the digest memo")  # fmt: skip
+                return stamps, False
+            wait = max((s.ctime_ns + settle_margin_ns(s.ctime_ns) - now for s in unique), default=0)
+            if wait <= 0:
+                return stamps, True
+            if time.monotonic() + wait / 1e9 > deadline:
+                raise CheckpointError(
+                    f"{', '.join(sorted({s.path for s in unique}))} kept changing for {SETTLE_LIMIT_S:.0f} s: the "
+                    f"checkpoint is being written; build again once the write is done"
+                )
+            time.sleep(wait / 1e9)
+
     def pass_sink(self) -> DigestSink | None:
-        """A sink for the next pass to feed, or None when the digest is already known (nothing to hash)."""
-        if self.digest is not None or not self.hashable:
-            self._pending = None
+        """A sink for the next pass to feed (None: nothing to hash), after the files' identity settled.
+
+        A checkpoint is hashed by every pass (see the module docstring); tensors in memory only
+        while their digest is unknown.
+        """
+        self._pending = None
+        if not self.hashable or (self.digest is not None and not self.verifies):
             return None
+        before, settled = self.settled_stamps()
         sink = DigestSink()
-        self._pending = (sink, self.stamps())
+        self._pending = (sink, before, settled, self.digest)
         return sink
 
+    def forget(self, stamps: Mapping[str, FileStamp] | None) -> None:
+        """The memo's records of these files are wrong (other bytes behind the same identity): drop them."""
+        for stamp in set((stamps or {}).values()):
+            self.memo.forget(stamp)
+
     def after_pass(self) -> str | None:
-        """Remember what the pass hashed and compose the digest (every rank calls this after a pass)."""
+        """Remember what the pass hashed and compose the digest (every rank calls this after a pass).
+
+        Raises CheckpointError, on every rank alike (the digest is composed collectively), when the
+        bytes read hash to another digest than the one the pass was bound to: the digest is then
+        unknown again and the memo's records of the files are dropped.
+        """
         if self._pending is None:
             return self.digest
-        sink, before = self._pending
+        sink, before, settled, expected = self._pending
         self._pending = None
         own = sink.knowledge()
         self.stats.hashed_bytes += sink.hashed_bytes
@@ -202,15 +282,33 @@ class ContentIdentity:
             # nothing is bound (the next build sees the change and starts again).
             log.warning("the checkpoint changed during the pass: its content digest is not recorded")
             own = {}
-        else:
+        elif expected is None and settled:
             per_file: dict[FileStamp, dict[str, TensorDigest]] = {}
             for role, record in own.items():
                 per_file.setdefault(before[role], {})[role] = record
             for stamp, records in per_file.items():
                 self.memo.record(stamp, records)
-        knowledge = merge_knowledge([self._remembered(now), own]) if own else self._remembered(now)
-        self.digest = self._agree(knowledge or {})
+        # What was read decides; where the reading was partial (a column split that cuts leaves),
+        # the memo fills in what it knows of the same files.
+        read = self._agree(own)
+        if read is None:
+            knowledge = merge_knowledge([self._remembered(now), own]) if own else self._remembered(now)
+            read = self._agree(knowledge or {})
+        if expected is not None and read is not None and read != expected:
+            self.digest = None
+            self.forget(before)
+            raise CheckpointError(
+                f"the projection bytes just read from {self._files()} hash to {read}, not to {expected}, the "
+                f"content this process knew for them, though no file's stat identity changed (another host "
+                f"rewrote a network share, or a clock jumped?): nothing of this pass is published and the memo's "
+                f"records of these files are dropped; build again to read them anew"
+            )
+        self.digest = read if expected is None else expected
         return self.digest
+
+    def _files(self) -> str:
+        files = getattr(self.source, "files", None)
+        return ", ".join(str(f) for f in files) if files else type(self.source).__name__
 
     def identify(self, *, read: bool = True) -> str | None:
         """The digest: from the memo, else (``read=True``) by a hashing-only read of this rank's share.

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import os
 import random
-from collections.abc import Callable, Mapping, Sequence
+import stat
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -106,6 +107,62 @@ def _runs_on(family: Any, article: str = "") -> str:
     return ", ".join(said)
 
 
+def check_output(path: Path, inputs: Iterable[Path] = (), *, needs: int | None = None) -> None:
+    """Refuse, before any pass, an output path the export must not write (ConfigError naming ``-o``).
+
+    ``-o`` must be a new name, or a regular file that is none of ``inputs`` (the checkpoint's files
+    and index: same device and inode, so a link to one of them counts as that file); never a
+    directory, a FIFO, a device or a socket, whose replacement by a file destroys what was there.
+    Its directory must exist and be writable, and, when ``needs`` (bytes) is given and the system
+    can tell, have room for the file.
+    """
+    try:
+        st = os.stat(path)  # follows links: writing "through" a link to an input is writing the input
+    except FileNotFoundError:
+        st = None
+    except OSError as exc:
+        raise ConfigError(f"-o/--output {path} cannot be used: {exc}") from None
+    if st is not None:
+        if stat.S_ISDIR(st.st_mode):
+            raise ConfigError(f"-o/--output {path} is a directory: name the table file to write")
+        if not stat.S_ISREG(st.st_mode):
+            raise ConfigError(
+                f"-o/--output {path} is not a regular file (a FIFO, a device or a socket), which the table file would "
+                f"replace: name a new file, or a table file to replace"
+            )
+        for source in inputs:
+            try:
+                other = os.stat(source)
+            except OSError:
+                continue
+            if (other.st_dev, other.st_ino) == (st.st_dev, st.st_ino):
+                raise ConfigError(
+                    f"-o/--output {path} is {source}, which this export reads (the checkpoint): writing the tables "
+                    f"there would destroy it; name another file"
+                )
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"-o/--output {path}: its directory {parent} does not exist or is not writable")
+    if needs is not None:
+        try:
+            vfs = os.statvfs(parent)
+            free = vfs.f_bavail * vfs.f_frsize
+        except OSError:
+            return
+        if needs > free:
+            raise ConfigError(
+                f"-o/--output {path}: the table file needs {needs} bytes ({needs / 2**20:.1f} MiB) but its disk has "
+                f"{free} bytes free: free some space, or name a file on another disk"
+            )
+
+
+def source_files(source: Any) -> list[Path]:
+    """The files a weight source reads (a checkpoint's files and index; none for tensors in memory)."""
+    files = [Path(f) for f in getattr(source, "files", None) or []]
+    index = getattr(source, "index", None)
+    return files + ([Path(index)] if index is not None else [])
+
+
 def export_tables(
     cache: AdalnCache,
     plans: Sequence[torch.Tensor],
@@ -128,9 +185,9 @@ def export_tables(
     spec = cache.spec
     check_export(spec, format=format, precision=cache.precision, model_variant=model_variant, tasks=tasks)
     path = Path(out)
-    if path.is_dir():
-        raise ConfigError(f"-o/--output {path} is a directory: name the table file to write")
+    inputs = [*source_files(cache.source), *([t.path for t in cache.tables.files] if cache.tables else [])]
     writer = TableWriter(path, spec, plans, bound=format == "adalncache") if cache.rank == 0 else None
+    check_output(path, inputs, needs=writer.nbytes if writer is not None else None)
     if writer is not None:
         # Created now, so an unwritable -o fails before the passes rather than after them. The
         # header is sized for the final metadata: a binding is well under the 2 KiB placeholder.
@@ -260,4 +317,12 @@ def verify_tables(
     return report
 
 
-__all__ = ["ExportReport", "TablesVerifyReport", "check_export", "export_tables", "verify_tables"]
+__all__ = [
+    "ExportReport",
+    "TablesVerifyReport",
+    "check_export",
+    "check_output",
+    "export_tables",
+    "source_files",
+    "verify_tables",
+]

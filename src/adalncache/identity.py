@@ -76,6 +76,9 @@ class TableIdentity:
         self.autocast: torch.dtype | None = None
         #: The content digest of the source, and how it is learnt.
         self.content = ContentIdentity(source, spec, collective, stats, memo or DigestMemo(None))
+        #: How many times the source's identity changed (agreed by every rank): table files bound to
+        #: its content are checked again whenever it moves.
+        self.generation = 0
 
     @property
     def serve_dtype(self) -> torch.dtype:
@@ -122,6 +125,7 @@ class TableIdentity:
             drop("the ranks' slabs diverged")
         if failed or changed:
             self.content.reset()
+            self.generation += 1
         if failed:
             # The file changed (on some rank) and no longer validates: whatever the slab holds came
             # from the old file, so it can no longer be trusted either.
@@ -141,6 +145,15 @@ class TableIdentity:
                 drop(f"variant changed ({self.variant!r} -> {variant!r}, autocast {self.autocast} -> {autocast})")
             self.variant = variant
             self.autocast = autocast
+
+    def after_pass(self) -> str | None:
+        """The content digest of what the pass read (a collective); on CheckpointError (other bytes than
+        the digest bound) the identity is treated as changed: table files are checked again."""
+        try:
+            return self.content.after_pass()
+        except CheckpointError:
+            self.generation += 1
+            raise
 
     def template(self) -> dict[str, Any]:
         """The binding with its content left open: everything besides the weights' bytes.
@@ -165,6 +178,10 @@ class TableIdentity:
         """Everything a stored table depends on besides its plan, or ``None`` while the content digest is unknown."""
         content = self.content.resolve()
         return None if content is None else {**self.template(), "content": content}
+
+    def content_now(self) -> str | None:
+        """The content digest: from the memo, else by one hashing-only read (a collective in a group)."""
+        return self.content.identify(read=True)
 
     def hash_now(self) -> None:
         """Learn the content digest by a hashing-only read, if the memo does not have it."""

@@ -87,6 +87,7 @@ def fill_store(
         columns = cache.spec.plan_columns
         stored = store.contains(binding, [plan_key(p, columns) for p in plans]) if binding is not None else set()
     todo = [p for p in plans if plan_key(p, cache.spec.plan_columns) not in stored]
+    unwritable = cache.stats.store_unwritable
     per_pass = cache.max_plans
     chunks = [todo[i : i + per_pass] for i in range(0, len(todo), per_pass)]
     built = passes = failures = hits = 0
@@ -97,10 +98,12 @@ def fill_store(
         hits += report.store_hits
         failures += report.tier_write_failures
         cache.invalidate()
-    if failures:
+    skipped = cache.stats.store_unwritable - unwritable
+    if failures or skipped:
         raise ConfigError(
-            f"{failures} store write(s) failed under {store.path} (see the log, -v): check the directory's "
-            f"free space and permissions (--store)"
+            f"{failures} store write(s) failed under {store.path}"
+            f"{f' and {skipped} pass(es) could not write it at all' if skipped else ''} (see the log, -v): check the "
+            f"directory's free space and permissions (--store)"
         )
     return FillReport(
         plans=len(plans), already_stored=len(stored) + hits, built=built, passes=passes,

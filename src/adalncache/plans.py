@@ -197,6 +197,12 @@ def keyed_plans(
             f"keys= must hold one key per plan (plan_key of each, in order), got {len(keys)} keys for "
             f"{len(plans)} plans"
         )
+    for key in keys:
+        if type(key) is not tuple:
+            raise PlanError(
+                f"keys= must hold plan_key(plan) of each plan (a tuple of fp32 bit patterns), got a "
+                f"{type(key).__name__}: pass keys=plan_keys(plans)"
+            )
     return plans, keys
 
 

@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 from .batching import StackedProjector
 from .errors import PlanError, failing_at, mark_failed_at
 from .faults import FaultPoints
-from .plans import PlanKey, format_plan
+from .plans import PlanKey, format_plan, plan_key
 from .reports import BuildReport
 from .slab import Slab
 from .source import WeightSource
@@ -145,7 +145,17 @@ class RebuildPass:
             rows = plan.shape[0]
             with failing_at(f"embed of plan {format_plan(key, columns=columns)}"):
                 self.faults.check("embed")
-                x = embed(plan)
+                # A copy: the caller's tensor is not embed's to change, and a change made to the copy
+                # is seen below instead of filing rows of other timesteps under this plan's key.
+                given = plan.clone()
+                x = embed(given)
+                changed = plan_key(given, columns)
+                if changed != key:
+                    raise PlanError(
+                        f"embed(plan) changed its plan in place (to {format_plan(changed, columns=columns)}): the rows "
+                        f"it returns would be filed under {format_plan(key, columns=columns)}; compute from the plan "
+                        f"without writing to it"
+                    )
                 if isinstance(x, Mapping):
                     if set(x) != set(names):
                         raise PlanError(

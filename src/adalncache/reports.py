@@ -33,6 +33,9 @@ class CacheStats:
     store_unbound: int = 0
     #: builds that waited for another process building the same store entries
     lock_waits: int = 0
+    #: builds that ran without the store's entry locks or writes because the store cannot be written
+    #: (read-only, full, no permission): its hits are still served, misses are built as without a store
+    store_unwritable: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)

@@ -17,8 +17,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from .errors import PlanError, PlanNotCachedError
 from .identity import TableIdentity
-from .plans import PlanKey, plan_key, plan_keys
+from .plans import PlanKey, keyed_plans, plan_key
 from .slab import Slab
 from .slots import SlotPool
 from .spec import Layer, ModulationSpec
@@ -40,8 +41,7 @@ class SlabReads:
 
         Made without a host-to-device copy (a view, or a tensor kept per slot list); read-only.
         """
-        if keys is None:
-            keys = plan_keys(plans, self.spec.plan_columns)
+        plans, keys = keyed_plans(plans, keys, self.spec.plan_columns)
         with self._lock:
             slots = [self._pool.require(k) for k in keys]
             tensor = self._slab.indices(slots)
@@ -65,13 +65,38 @@ class SlabReads:
         a device slot tensor gives a gathered copy, and the gather is recorded as a read that a
         later rewrite of any slot waits for.
         """
-        known = [slot] if isinstance(slot, int) else None
+        known = [self._check_slot(slot)] if not isinstance(slot, torch.Tensor) else None
         self.stream_sync.before_read(known)
         rows = read()
         if known is None:
             self.stream_sync.after_read(None)
         want = dtype if dtype is not None else self._identity.serve_dtype
         return rows if rows.dtype == want else rows.to(want)
+
+    def _check_slot(self, slot: object) -> int:
+        """An integer slot, checked on the host: in range, and holding a plan (resident, or retired but held).
+
+        A device slot tensor is never read on the host (that would sync the device): it is the
+        caller's from ``lookup``, ``resolve_slots`` or ``acquire``.
+        """
+        if isinstance(slot, bool) or not isinstance(slot, int):
+            raise PlanError(
+                f"slot must be an integer or the slot tensor lookup()/resolve_slots() returned, got "
+                f"{type(slot).__name__}"
+            )
+        if not 0 <= slot < self._slab.max_plans:
+            raise PlanError(
+                f"slot must be in 0..{self._slab.max_plans - 1} (the slab's max_plans), got {slot}: pass a slot "
+                f"lookup() or resolve_slots() returned"
+            )
+        with self._lock:
+            in_use = self._pool.in_use(slot)
+        if not in_use:
+            raise PlanNotCachedError(
+                f"the cache does not cover slot {slot}: slot {slot} holds no plan (it is free, or being built); pass "
+                f"the slot lookup() or resolve_slots() returned for a resident plan, and hold it while reading"
+            )
+        return slot
 
     def layer_params(self, layer: Layer) -> torch.Tensor:
         """``layer``'s columns of every slot: a ``[P, W, out_features]`` view of :attr:`table`.

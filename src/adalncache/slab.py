@@ -97,6 +97,8 @@ class Slab:
 
     def layer_params(self, layer: Layer) -> torch.Tensor:
         """``layer``'s columns of every slot, ``[P, W, out_features]`` (a view of ``table``)."""
+        if isinstance(layer, bool):  # True == 1 as a dict key: never a layer id
+            raise PlanError(self._unknown_layer(layer))
         try:
             return self._layers[layer]
         except (KeyError, TypeError):
@@ -215,6 +217,11 @@ class Slab:
         return self.plan_lengths.cpu(), self.plan_timesteps.cpu()
 
     def _check_count(self, num_timesteps: int) -> None:
+        if isinstance(num_timesteps, bool) or not isinstance(num_timesteps, int):
+            raise PlanError(
+                f"num_timesteps must be an integer in 1..{self.max_plan_width}, got {num_timesteps!r}: pass "
+                f"len(plan) of a resident plan"
+            )
         # Slicing would silently cut an over-long request to the slab width; say so instead.
         if not 1 <= num_timesteps <= self.max_plan_width:
             raise PlanError(
@@ -242,7 +249,10 @@ class Slab:
         blocks = self.part_params("block")
         self._check_count(num_timesteps)
         if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < blocks.shape[2]:
-            raise PlanError(f"layer must be in 0..{blocks.shape[2] - 1}, got {layer}")
+            raise PlanError(
+                f"layer must be in 0..{blocks.shape[2] - 1} (a block index), got {layer!r}: the output layer's "
+                f"rows are final_rows() and final()"
+            )
         return self._slot_rows(blocks.select(2, layer), slot)[:num_timesteps]
 
     def block_all_rows(self, slot: int | torch.Tensor, num_timesteps: int) -> torch.Tensor:

@@ -126,6 +126,10 @@ class SlotPool:
         """Held slots whose plan is no longer resident, with that plan."""
         return dict(self._retired)
 
+    def in_use(self, slot: int) -> bool:
+        """Whether ``slot`` holds a plan someone may read: resident, or retired while held."""
+        return slot in self._retired or slot in self._map.values()
+
     def held_plans(self) -> int:
         """How many resident plans are held by requests in flight."""
         return sum(1 for slot in self._map.values() if slot in self._holds)

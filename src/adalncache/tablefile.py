@@ -177,6 +177,19 @@ class TableWriter:
         self._fd: int | None = None
         self._reserved = 0
 
+    @property
+    def nbytes(self) -> int:
+        """The size the file will have (its header slack included, padding rows too): the room it needs."""
+        return 8 + len(self._header({})) + 4 * _SLACK + self._data_bytes
+
+    def _failed(self, exc: OSError) -> ConfigError:
+        """A write that failed (a full disk, say): the temporary file goes, the error names -o."""
+        self.abort()
+        return ConfigError(
+            f"cannot write the table file {self.path}: {exc.strerror or exc} (set -o/--output to a path on a disk with "
+            f"room for its {self.nbytes} bytes); nothing was written there"
+        )
+
     def open(self, metadata: Mapping[str, str]) -> None:
         """Create the temporary file and write the fixed parts (raises ConfigError naming ``-o``)."""
         placeholder = self._header(metadata)
@@ -186,8 +199,7 @@ class TableWriter:
             self._fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
             os.ftruncate(self._fd, 8 + self._reserved + self._data_bytes)
         except OSError as exc:
-            self.abort()
-            raise ConfigError(f"cannot write the table file {self.path}: {exc} (set -o to a writable path)") from exc
+            raise self._failed(exc) from None
         C = self.spec.plan_columns
         timesteps = torch.zeros((len(self.keys), self.width) + (() if C == 1 else (C,)), dtype=torch.float32)
         lengths = torch.tensor([self.spec.plan_rows(k) for k in self.keys], dtype=torch.int64)
@@ -206,9 +218,12 @@ class TableWriter:
         assert self._fd is not None
         data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().data
         offset = 8 + self._reserved + begin
-        while data:
-            written = os.pwrite(self._fd, data, offset)
-            data, offset = data[written:], offset + written
+        try:
+            while data:
+                written = os.pwrite(self._fd, data, offset)
+                data, offset = data[written:], offset + written
+        except OSError as exc:  # ENOSPC, EDQUOT, EIO: a typed error, and no partial file left
+            raise self._failed(exc) from None
 
     def write_slot(self, index: int, rows: PlanRows) -> None:
         """Write slot ``index``'s rows (its plan is ``keys[index]``); the padding rows stay zero."""
@@ -253,8 +268,7 @@ class TableWriter:
             self._fd = None
             os.replace(self.tmp, self.path)
         except OSError as exc:
-            self.abort()
-            raise ConfigError(f"cannot write the table file {self.path}: {exc} (set -o to a writable path)") from exc
+            raise self._failed(exc) from None
         with contextlib.suppress(OSError):
             fd = os.open(self.path.parent, os.O_RDONLY)
             try:

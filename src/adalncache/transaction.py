@@ -46,13 +46,14 @@ from .errors import (
 from .faults import FaultPoints
 from .identity import TableIdentity
 from .numerics import autocast_dtype
-from .plans import PlanKey, format_plan, plan_key, validate_plan
+from .plans import PlanKey, format_plan, key_to_plan, plan_key, validate_plan
 from .rebuild import EmbedFn, ProjectFn, RebuildPass
 from .reports import BuildReport, CacheStats
 from .rows import PlanRows
 from .slab import Slab
 from .slots import Reservation, SlotPool
 from .source import WeightSource
+from .source.digest import DigestSink
 from .spec import ModulationSpec
 from .streams import StreamSync
 from .tiers.chain import TierChain
@@ -323,11 +324,6 @@ class BuildTransaction:
         report.host_hits, report.store_hits, report.table_hits = len(from_host), len(from_store), len(from_tables)
         report.built = len(to_build)
         report.passes = 1 if to_build else 0
-        if to_build:
-            try:  # every rank got here: the pass succeeded everywhere (the digest agreement is a collective)
-                self._identity.content.after_pass()
-            except Exception as exc:
-                log.warning("content digest not learnt from the pass (%s); store writes are skipped", exc)
         report.hashed_bytes = self.stats.hashed_bytes - hashed_before
         report.bytes_read = self.source.bytes_read - bytes_before
         with self._lock:
@@ -363,7 +359,16 @@ class BuildTransaction:
             for key, rows in restored.items():
                 self._slab.write_rows(slots[key], rows)
             if to_build:
-                self._rebuild_pass(faults).run(to_build, slots, tensors, embed, project, report)
+                with failing_at("checkpoint"):
+                    # The files' identity settles first (a file written in the last milliseconds could
+                    # change again without its ctime moving), then must still be what step 1 accepted.
+                    sink = self._identity.content.pass_sink()
+                    self._check_unchanged("before its pass")
+                self._rebuild_pass(faults, sink).run(to_build, slots, tensors, embed, project, report)
+            with failing_at("checkpoint"):
+                # Rewritten or replaced since step 1 (mid-pass, say): what was read may mix old and new
+                # bytes, and restored rows may be of the old ones; none of it is published.
+                self._check_unchanged("while it was built" if to_build else "while its rows were restored")
             with failing_at("publish"):
                 faults.check("publish")
         except BaseException as exc:
@@ -373,6 +378,16 @@ class BuildTransaction:
         if failure is not None:
             raise failure
         if to_build:
+            # Every rank read its share with no file changing: compose the digest of what was read (a
+            # collective). Bytes that hash to another digest than the one bound fail every rank alike.
+            try:
+                with failing_at("checkpoint"):
+                    self._identity.after_pass()
+            except CheckpointError:
+                self.drop_all("the bytes read are not the content the resident tables were built from")
+                raise
+            except Exception as exc:
+                log.warning("content digest not learnt from the pass (%s); store writes are skipped", exc)
             shared: BaseException | None = None
             try:
                 counts = [self.settings.spec.plan_rows(k) for k in to_build]
@@ -384,17 +399,32 @@ class BuildTransaction:
             if shared is not None:
                 raise shared
         keys = list(slots)
+        columns = self.settings.spec.plan_columns
         with self._lock:
-            self._slab.publish([slots[k] for k in keys], [tensors[k] for k in keys])
+            # Timesteps from the keys, not from the callers' tensors: the slab holds exactly what the map says.
+            self._slab.publish([slots[k] for k in keys], [key_to_plan(k, columns) for k in keys])
             # The host-side map is what lookups consult: it changes last, all at once.
             self._pool.commit(slots)
 
-    def _rebuild_pass(self, faults: FaultPoints) -> RebuildPass:
+    def _check_unchanged(self, stage: str) -> None:
+        """CheckpointError naming the files if the source is no longer what this build's identity check accepted."""
+        changed_files = getattr(self.source, "changed_files", None)
+        changed = list(changed_files()) if callable(changed_files) else []
+        if not changed and self.source.fingerprint != self._identity.fingerprint:
+            changed = list(getattr(self.source, "files", None) or [type(self.source).__name__])
+        if changed:
+            raise CheckpointError(
+                f"checkpoint file {', '.join(str(p) for p in changed)} changed on disk (rewritten or replaced) after "
+                f"this build checked it, {stage}: nothing of this request is published; build again to read the "
+                f"new bytes"
+            )
+
+    def _rebuild_pass(self, faults: FaultPoints, digests: DigestSink | None) -> RebuildPass:
         s = self.settings
         return RebuildPass(
             spec=s.spec, source=self.source, slab=self._slab, collective=self._dist, precision=s.precision,
             read_ahead=s.read_ahead, progress=s.progress, batched=s.batched, faults=faults,
-            out_dtype=self._identity.autocast, digests=self._identity.content.pass_sink(),
+            out_dtype=self._identity.autocast, digests=digests,
         )  # fmt: skip
 
     def rows_of(self, key: PlanKey) -> PlanRows:

@@ -31,7 +31,7 @@ from ..streams import CopyStreams, copy_to_device
 from .buffers import StagingPool, read_buffer
 from .digest import DigestSink, role_of
 from .files import CheckpointFiles, CheckpointPath
-from .header import SafetensorsHeader, TensorEntry
+from .header import SafetensorsHeader, TensorEntry, open_regular
 from .projections import detect_layout, expected, raise_problems, tensor_problem
 from .protocol import Columns, LayerWeights
 from .reads import DirectReads, pread_into
@@ -130,6 +130,14 @@ class CheckpointSource:
     def fingerprint(self) -> str:
         return self._checkpoint.fingerprint
 
+    def changed_files(self) -> list[Path]:
+        """The files (and index) whose ``stat`` identity (ctime included) moved since they were validated.
+
+        What a build checks before and after its pass: a file rewritten or replaced meanwhile means
+        the bytes read may be a mix of old and new, so nothing read from it may be published.
+        """
+        return self._checkpoint.changed_files()
+
     def refresh(self) -> bool:
         """``stat`` every file; on any change re-parse headers and re-validate (CheckpointError if bad)."""
         if not self._checkpoint.changed():
@@ -168,7 +176,7 @@ class CheckpointSource:
         assert dtype is not None  # _misaligned said so
         view = read_buffer(entry.nbytes, entry.begin)
         try:
-            fd = os.open(header.path, os.O_RDONLY)
+            fd = open_regular(header.path)
         except OSError as exc:
             raise CheckpointError(f"cannot open checkpoint file {header.path}: {exc}") from exc
         try:
@@ -250,7 +258,7 @@ class CheckpointSource:
         try:
             for header in self._checkpoint.headers:
                 try:
-                    fds[header.path] = os.open(header.path, os.O_RDONLY)
+                    fds[header.path] = open_regular(header.path)
                 except OSError as exc:
                     raise CheckpointError(f"cannot open checkpoint file {header.path}: {exc}") from exc
             yield fds

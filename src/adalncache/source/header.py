@@ -22,10 +22,12 @@ file the format's reference implementation refuses.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import re
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -119,17 +121,72 @@ class TensorEntry:
 
 @dataclass(frozen=True)
 class FileIdentity:
-    """``stat`` identity of a file: any rewrite, rename-replace or touch changes it."""
+    """``stat`` identity of a file: any rewrite, rename-replace or touch changes it.
+
+    The change time is part of it because the modification time is not enough: a rewrite in place
+    that puts the mtime back (``os.utime``, ``touch -d``, a copy tool that preserves times) keeps
+    device, inode, size and mtime, but every write, ``utime`` and ``chmod`` sets the ctime to the
+    current time, and no user can set it back.
+    """
 
     device: int
     inode: int
     size: int
     mtime_ns: int
+    ctime_ns: int
 
     @classmethod
     def of(cls, path: Path) -> FileIdentity:
-        st = os.stat(path)
-        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        return cls.from_stat(os.stat(path))
+
+    @classmethod
+    def from_stat(cls, st: os.stat_result) -> FileIdentity:
+        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+class NotARegularFile(OSError):
+    """A path names a FIFO, a device, a socket or a directory where a regular file must be."""
+
+
+def is_regular(path: Path) -> bool:
+    """Whether ``path`` (following symlinks) is a regular file; False if it cannot be stat'ed."""
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        return False
+
+
+def open_regular(path: Path) -> int:
+    """A read-only descriptor of ``path``, refused (:class:`NotARegularFile`) unless it is a regular file.
+
+    The one way the package opens a file to read it. ``O_NONBLOCK`` because opening a FIFO for
+    reading otherwise waits for a writer, forever if none comes (a named pipe called
+    ``x.safetensors`` in a checkpoint directory must not hang a scan); on a regular file the flag
+    changes nothing. The type is checked on the open descriptor, so a file swapped for a FIFO
+    after a ``stat`` is still refused.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = "a directory" if stat.S_ISDIR(mode) else "a FIFO, device or socket"
+            raise NotARegularFile(errno.EINVAL, f"{path} is not a regular file ({kind})")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_regular(path: Path) -> bytes:
+    """The whole content of the regular file ``path`` (:func:`open_regular`, then read)."""
+    fd = open_regular(path)
+    try:
+        parts = []
+        while chunk := os.read(fd, 1 << 20):
+            parts.append(chunk)
+        return b"".join(parts)
+    finally:
+        os.close(fd)
 
 
 class _Object(dict):  # type: ignore[type-arg]
@@ -175,31 +232,35 @@ class SafetensorsHeader:
     def read(cls, path: Path) -> SafetensorsHeader:
         """Parse and validate ``path``'s header (see the module docstring); CheckpointError if it is malformed."""
         try:
-            identity = FileIdentity.of(path)
-            fd = os.open(path, os.O_RDONLY)
+            fd = open_regular(path)
             try:
-                # No read-ahead: a buffered read of the header would pull the first tensors' pages into
-                # the page cache too, and a load that must not read the projections would read some.
-                if hasattr(os, "posix_fadvise"):
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-                prefix = os.pread(fd, 8, 0)
-                if len(prefix) < 8:
-                    raise CheckpointError(
-                        f"{path} is not a safetensors file ({identity.size} bytes, shorter than the 8-byte "
-                        f"header length): pass a .safetensors checkpoint"
-                    )
-                (length,) = struct.unpack("<Q", prefix)
-                if length <= 0 or length > MAX_HEADER or 8 + length > identity.size:
-                    raise CheckpointError(
-                        f"{path} is not a safetensors file (header length {length} does not fit the "
-                        f"{identity.size}-byte file): pass a .safetensors checkpoint, or re-save it if it "
-                        f"was truncated"
-                    )
-                raw = _pread_exact(fd, length, 8)
+                return cls._read(path, fd)
             finally:
                 os.close(fd)
         except OSError as exc:
             raise CheckpointError(f"cannot read checkpoint file {path}: {exc}") from exc
+
+    @classmethod
+    def _read(cls, path: Path, fd: int) -> SafetensorsHeader:
+        identity = FileIdentity.from_stat(os.fstat(fd))
+        # No read-ahead: a buffered read of the header would pull the first tensors' pages into
+        # the page cache too, and a load that must not read the projections would read some.
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        prefix = os.pread(fd, 8, 0)
+        if len(prefix) < 8:
+            raise CheckpointError(
+                f"{path} is not a safetensors file ({identity.size} bytes, shorter than the 8-byte "
+                f"header length): pass a .safetensors checkpoint"
+            )
+        (length,) = struct.unpack("<Q", prefix)
+        if length <= 0 or length > MAX_HEADER or 8 + length > identity.size:
+            raise CheckpointError(
+                f"{path} is not a safetensors file (header length {length} does not fit the "
+                f"{identity.size}-byte file): pass a .safetensors checkpoint, or re-save it if it "
+                f"was truncated"
+            )
+        raw = _pread_exact(fd, length, 8)
         try:
             header = json.loads(
                 raw.decode("utf-8"), object_pairs_hook=_object, parse_constant=_no_constant, parse_int=_integer
@@ -212,7 +273,8 @@ class SafetensorsHeader:
                 f".safetensors checkpoint"
             ) from None
         entries = _entries(path, header, 8 + length, identity.size)
-        _safetensors_accepts(path)
+        # Through the descriptor just checked: a path swapped for a FIFO meanwhile never blocks.
+        _safetensors_accepts(path, fd)
         digest = hashlib.sha256(prefix + raw).hexdigest()
         return cls(path, identity, digest, entries)
 
@@ -324,10 +386,15 @@ def _check_tiling(path: Path, entries: dict[str, TensorEntry], data_start: int, 
 _NAMED = re.compile(r"`([^`]*)`")
 
 
-def _safetensors_accepts(path: Path) -> None:
-    """safetensors' own parser must accept the file too (a backstop for anything the checks above miss)."""
+def _safetensors_accepts(path: Path, fd: int | None = None) -> None:
+    """safetensors' own parser must accept the file too (a backstop for anything the checks above miss).
+
+    ``fd``: an open descriptor of ``path``; safetensors then opens that very file (through
+    ``/proc/self/fd``, where the system has it), not whatever the path names by now.
+    """
+    opened = f"/proc/self/fd/{fd}" if fd is not None and os.path.isdir("/proc/self/fd") else str(path)
     try:
-        with safe_open(str(path), framework="pt"):
+        with safe_open(opened, framework="pt"):
             pass
     except OSError as exc:
         raise CheckpointError(f"cannot read checkpoint file {path}: {exc}") from exc

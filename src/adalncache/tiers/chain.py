@@ -18,6 +18,12 @@ unknown the store is skipped, except in one case where learning it pays at once:
 entries, for plans this build wants, under a binding equal to this one in all but the content (a
 copied checkpoint beside its store). Then one hashing read of the projections runs first, which
 costs a read without the GEMMs, and the entries hit.
+
+A store that cannot be written (a read-only share, a full disk, no permission) degrades to "no
+store" for its writes and its entry locks: its hits are still served, misses are built as without a
+store, never blocked or failed. Each such build is counted (``CacheStats.store_unwritable``), the
+first is logged (a warning), and writes are tried again after :data:`UNWRITABLE_RETRY_S` (space may
+have been freed).
 """
 
 from __future__ import annotations
@@ -45,11 +51,17 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+#: Seconds a store found unwritable is left alone before its writes and locks are tried again.
+UNWRITABLE_RETRY_S = 60.0
+
 
 class Binder(Protocol):
     """What the chain needs from the cache's identity to use the store (see :mod:`adalncache.identity`)."""
 
     variant: Any
+    generation: int
+
+    def content_now(self) -> str | None: ...
 
     def current_binding(self) -> dict[str, Any] | None: ...
 
@@ -92,6 +104,11 @@ class TierChain:
         #: The cache's counters (the same object): tier hits are counted by the cache, the tiers'
         #: own events (pressure skips, evictions, write failures, corrupt entries) here.
         self.stats = stats
+        #: Until when (monotonic) the store's writes and locks are skipped: it could not be written.
+        self._unwritable_until = 0.0
+        #: Whether the build in progress was already counted in ``store_unwritable``.
+        self._counted_unwritable = False
+        self._warned_unwritable = False
 
     @classmethod
     def open(
@@ -129,6 +146,7 @@ class TierChain:
         known (then the store is not asked, unless a hashing read pays: module docstring). Only an
         interrupt (a ``BaseException`` that is not an ``Exception``) escapes.
         """
+        self._counted_unwritable = False  # a new build (every build with something missing starts here)
         from_host: dict[PlanKey, PlanRows] = {}
         if self.host is not None:
             found = {}
@@ -160,7 +178,10 @@ class TierChain:
         if self.tables is not None and rest and identity.variant is None:
             found = {}
             try:
-                found = self.tables.lookup(rest)
+                found = self.tables.lookup(
+                    rest, template=identity.template(), generation=identity.generation, content=identity.content_now,
+                    agree=self._dist.any_of,
+                )  # fmt: skip
             except Exception as exc:
                 log.warning("table file lookup failed (%s); rebuilding instead", exc)
             agreed = self._dist.agree_on([k in found for k in rest])
@@ -197,6 +218,8 @@ class TierChain:
         store = self.store
         if store is None or not to_build or self._dist.world > 1 or store.lock_wait_s <= 0:
             return {}
+        if self._store_skipped():
+            return {}
         # Named without the content digest, which a cold process does not know yet: every process
         # about to build the same entries (same settings, same checkpoint files, copies included)
         # meets at the same lock files.
@@ -208,7 +231,11 @@ class TierChain:
         watch = Staleness(store.lock_stale_s)
         pause, waited = POLL_S[0], False
         while todo:
-            claim, busy = locks.try_claim(namespace, todo)
+            try:
+                claim, busy = locks.try_claim(namespace, todo)
+            except OSError as exc:  # the locks only save work: without them this process builds alone
+                self._unwritable(exc, "its entry locks", mark=exc.errno in Store.UNWRITABLE)
+                break
             if waited:
                 # A holder writes its entries before it lets go: what exists now is restored, not
                 # rebuilt. (It records the content digest first, so a waiter on the same host learns
@@ -271,7 +298,7 @@ class TierChain:
             # the other ranks missing forever, and since tier hits are AND-reduced, every rank would
             # rebuild every time. Ranks sharing one directory and binding write the same bytes; the
             # store's atomic rename makes that safe.
-            if self.store is None or not built:
+            if self.store is None or not built or self._store_skipped():
                 return
             try:
                 faults.check("store_write")
@@ -287,21 +314,60 @@ class TierChain:
             # One entry per file: a failing entry (a full disk, a permission) must not keep the
             # others out, and each failure is counted so `adalncache build` can report them.
             failed: list[BaseException] = []
+            no_room: list[OSError] = []
             for key in built:
                 try:
                     self.store.put(bound, key, rows_of(key))
+                except OSError as exc:
+                    failed.append(exc)
+                    if exc.errno in Store.READ_ONLY:  # the next entries would fail alike
+                        self._unwritable(exc, "its writes", mark=True)
+                        break
+                    if exc.errno in Store.UNWRITABLE:
+                        no_room.append(exc)
                 except Exception as exc:
                     failed.append(exc)
+            if no_room and len(no_room) == len(built):
+                # Not one entry found room: the disk is full (one entry failing alone is just counted).
+                self._unwritable(no_room[0], "its writes", mark=True)
             if failed:
                 what = f"store write of {len(failed)} of {len(built)} plan(s)"
-                self._failed(report, len(failed), what, failed[0])
+                self._failed(report, len(failed), what, failed[0], quiet=self._warned_unwritable)
         finally:
             self.release_claim()
 
-    def _failed(self, report: BuildReport, count: int, what: str, exc: BaseException) -> None:
+    def _failed(self, report: BuildReport, count: int, what: str, exc: BaseException, *, quiet: bool = False) -> None:
         self.stats.tier_write_failures += count
         report.tier_write_failures += count
-        log.warning("%s failed after publish (slab unaffected): %s", what, exc)
+        (log.debug if quiet else log.warning)("%s failed after publish (slab unaffected): %s", what, exc)
+
+    def _store_skipped(self) -> bool:
+        """Whether the store's writes and locks are skipped for this build (it was found unwritable lately)."""
+        if time.monotonic() >= self._unwritable_until:
+            return False
+        self._count_unwritable()
+        return True
+
+    def _count_unwritable(self) -> None:
+        if not self._counted_unwritable:
+            self._counted_unwritable = True
+            self.stats.store_unwritable += 1
+
+    def _unwritable(self, exc: OSError, what: str, *, mark: bool) -> None:
+        """The store refused ``what``: count the build, log the first time, skip the store for a while (``mark``)."""
+        self._count_unwritable()
+        if mark:
+            self._unwritable_until = time.monotonic() + UNWRITABLE_RETRY_S
+        assert self.store is not None
+        if self._warned_unwritable:
+            log.debug("store %s: %s failed (%s); building without them", self.store.path, what, exc)
+            return
+        self._warned_unwritable = True
+        log.warning(
+            "store %s cannot be written (%s: %s): its hits are still served, but this cache builds without its locks "
+            "and writes, counted in store_unwritable (tried again after %.0f s)",
+            self.store.path, what, exc, UNWRITABLE_RETRY_S,
+        )  # fmt: skip
 
     def host_plans(self) -> int:
         """How many plans the host tier holds (0 without one)."""
@@ -321,4 +387,4 @@ class TierChain:
             self.host.check_invariants()
 
 
-__all__ = ["TierChain"]
+__all__ = ["UNWRITABLE_RETRY_S", "TierChain"]

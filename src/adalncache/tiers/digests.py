@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from ..source.digest import ALGORITHM, LEAVES, FileStamp, TensorDigest
+from ..source.header import read_regular
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +105,18 @@ class DigestMemo:
             log.warning("digest memo %s: cannot record %s (%s); the next process hashes it again", self.directory,
                         stamp.path, exc)  # fmt: skip
 
+    def forget(self, stamp: FileStamp) -> None:
+        """Drop what is recorded for ``stamp``, here and in the store (it named other bytes); never raises."""
+        with _process_lock:
+            _process_memo.pop(stamp.key, None)
+        if self.directory is None or self._write is None:
+            return
+        try:
+            with self._locked(stamp):
+                self._path(stamp).unlink(missing_ok=True)
+        except OSError as exc:
+            log.warning("digest memo %s: cannot forget %s (%s)", self.directory, stamp.path, exc)
+
     def _path(self, stamp: FileStamp) -> Path:
         assert self.directory is not None
         return self.directory / f"{stamp.key}.json"
@@ -120,7 +133,7 @@ class DigestMemo:
     def _read(self, stamp: FileStamp) -> dict[str, TensorDigest]:
         """The on-disk record of ``stamp``, if its stamp matches in full; anything unreadable is no record."""
         try:
-            data: Any = json.loads(self._path(stamp).read_bytes())
+            data: Any = json.loads(read_regular(self._path(stamp)))
             if (
                 data.get("format") != RECORD_FORMAT
                 or data.get("hash") != ALGORITHM
@@ -142,7 +155,7 @@ class DigestMemo:
         out = []
         for path in sorted(self.directory.glob("*.json")):
             try:
-                data = json.loads(path.read_bytes())
+                data = json.loads(read_regular(path))
                 out.append({"stamp": data["stamp"], "recorded": data.get("recorded"), "tensors": len(data["tensors"])})
             except (OSError, ValueError, KeyError, TypeError):
                 continue

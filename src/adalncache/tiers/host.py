@@ -21,6 +21,7 @@ the number of groups holding it) and only freed when its last group goes. Invari
 
 from __future__ import annotations
 
+import errno
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -28,12 +29,16 @@ from dataclasses import dataclass
 
 import torch
 
+from ..devices import allocation_error
 from ..hostmem import HostBuffer, Registrar
 from ..plans import PlanKey, key_to_plan
 from ..rows import PlanRows
 from ..spec import ModulationSpec
 
 log = logging.getLogger(__name__)
+
+#: The argument (and CLI flag) that sizes the host tier, for messages that tell what to lower.
+HOST_TIER_KNOB = "host_cache_bytes (CLI --host-cache-gb)"
 
 #: Unit alignment in bytes: keeps every view aligned for any dtype and for fast DMA.
 _ALIGN = 64
@@ -72,7 +77,14 @@ class HostTier:
         self.unit_bytes = -(-spec.row_bytes // _ALIGN) * _ALIGN
         self.total_units = self.capacity_bytes // self.unit_bytes
         # Only whole units are usable; the remainder (< one unit) is never allocated.
-        self._buffer = HostBuffer(self.total_units * self.unit_bytes, pin=pin, registrar=registrar, device=device)
+        nbytes = self.total_units * self.unit_bytes
+        try:
+            self._buffer = HostBuffer(nbytes, pin=pin, registrar=registrar, device=device)
+        except (MemoryError, OSError) as exc:  # mmap's ENOMEM, or a refused page lock
+            if isinstance(exc, OSError) and exc.errno not in (errno.ENOMEM, errno.EAGAIN):
+                raise
+            what = f"the host tier of host_cache_bytes={self.capacity_bytes}"
+            raise allocation_error(exc, nbytes, torch.device("cpu"), what, HOST_TIER_KNOB) from None
         self.pinned = self._buffer.pinned
         self.arena = self._buffer.tensor
         self._owner: list[PlanKey | None] = [None] * self.total_units
@@ -307,4 +319,4 @@ class _NoRoom(Exception):
     """Internal: no contiguous run even after evicting every other group."""
 
 
-__all__ = ["HostTier"]
+__all__ = ["HOST_TIER_KNOB", "HostTier"]

@@ -23,8 +23,10 @@ catches truncation and flipped bits alike.
   Bindings of the first format named the checkpoint files' stat fingerprint instead of their
   content; no binding of today can equal one, so their entries are never looked up again.
 * Atomic writes: a uniquely named temp file in the target directory, fsync, ``os.replace``,
-  fsync of the directory. Readers only open ``*.entry`` names, so a writer killed at any moment
-  leaves at worst a temp file, which is swept when its writer is gone.
+  fsync of the directory. A temp file (``.tmp-<host>-<pid>-...``) is never an entry: readers,
+  ``entries()`` (so ``inspect``, ``verify``, ``prune`` and the LRU) skip it, so a writer killed at
+  any moment leaves at worst a temp file, which is swept when its writer is gone, and a live
+  writer's file is never pruned, reported corrupt or verified. Only regular files are read.
 * Every read verifies the digest and the header against the request; a bad entry is moved to
   ``corrupt/`` (counted in ``corrupt_moved``) and the cache rebuilds it.
 * Recency is recorded explicitly with ``os.utime`` on every hit and write (not atime, which
@@ -35,12 +37,14 @@ catches truncation and flipped bits alike.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import logging
 import math
 import os
 import socket
+import stat
 import struct
 import time
 import uuid
@@ -56,7 +60,7 @@ from ..geometry import TABLE_PART
 from ..numerics import numeric_environment
 from ..plans import PlanKey, key_to_plan
 from ..rows import PlanRows
-from ..source.header import dtype_named
+from ..source.header import NotARegularFile, dtype_named, open_regular, read_regular
 from ..spec import SUPPORTED_WEIGHT_DTYPES, ModulationSpec
 from .digests import DigestMemo
 
@@ -351,7 +355,11 @@ class Store:
         The inode lets a caller move aside exactly the file it read, never a fresh rewrite that
         another process renamed into place meanwhile.
         """
-        with open(path, "rb") as f:
+        try:
+            fd = open_regular(path)
+        except NotARegularFile as exc:  # a FIFO or a device where an entry belongs: never opened for reading
+            raise CorruptEntry(str(exc)) from None
+        with os.fdopen(fd, "rb") as f:
             st = os.fstat(f.fileno())
             size, inode = st.st_size, st.st_ino
             if size < len(MAGIC) + 4 + _DIGEST:
@@ -457,9 +465,13 @@ class Store:
             if not directory.is_dir():
                 continue
             for path in directory.glob("*" + _SUFFIX):
+                if path.name.startswith(_TMP_PREFIX):
+                    continue  # a writer's file in progress (or an orphan sweep_temp removes): never an entry
                 try:
                     st = path.stat()
                 except OSError:
+                    continue
+                if not stat.S_ISREG(st.st_mode):
                     continue
                 out.append(EntryInfo(path, directory.name, path.stem, st.st_size, st.st_mtime))
         out.sort(key=lambda e: (e.last_used, str(e.path)))
@@ -470,7 +482,7 @@ class Store:
         out: dict[str, dict[str, Any]] = {}
         for path in sorted((self.path / "bindings").glob("*.json")):
             try:
-                out[path.stem] = json.loads(path.read_text())
+                out[path.stem] = json.loads(read_regular(path))
             except (OSError, ValueError):
                 out[path.stem] = {"error": "unreadable binding description"}
         return out
@@ -490,6 +502,13 @@ class Store:
             except (CorruptEntry, OSError) as exc:
                 item = (info, str(exc))
             yield item
+
+    # -- can it be written? -----------------------------------------------------------------
+
+    #: errno values that say the store cannot be written at all (read-only, no permission) ...
+    READ_ONLY = frozenset({errno.EROFS, errno.EACCES, errno.EPERM})
+    #: ... or not for now (those, or no space left).
+    UNWRITABLE = READ_ONLY | {errno.ENOSPC, errno.EDQUOT}
 
     def health(self, *, verify: bool = True) -> dict[str, Any]:
         """Verify every entry's digest (unless ``verify=False``); count temp and moved-aside files."""

@@ -16,6 +16,15 @@ What is checked, and when:
   cache's, and its content digest the source's (when the cache has weights to hash). An SGLang
   file carries no binding: only its geometry can be checked, it is served as ``precision="match"``
   tables, and a cache of another precision refuses it;
+* at every lookup, a bound file's binding against the binding the cache would give its own tables
+  *now* (spec, precision, shard, alignment, and the numeric environment, which holds the autocast
+  state and the matmul switches of this moment): a file that differs serves nothing while it
+  differs (under ``torch.autocast``, say), and an SGLang file serves only outside autocast;
+* whenever the weight source's identity changed since the files were last checked (a checkpoint
+  rewritten or replaced on disk, :attr:`~adalncache.identity.TableIdentity.generation`): a bound
+  file's content digest against the source's new one, learnt from the digest memo or by one
+  hashing read, and only when the file holds a plan the build wants. A file that no longer matches
+  is never consulted again; an SGLang file, which nothing can check, is not consulted again either;
 * on every read: a bound slot whose bytes fail their digest is a miss (counted in
   ``tables_corrupt``), never wrong rows. A file changed on disk since it was opened is not read
   again (a table file is read-only by contract; reopen the cache to use a new one).
@@ -47,6 +56,9 @@ TablesArg = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
 #: Binding fields a bound file must share with the cache, besides the content digest.
 _CHECKED = ("spec", "precision", "environment", "shard")
 
+#: The ranks' any-of over a list of flags (the identity in one process).
+AnyOf = Callable[[list[bool]], list[bool]]
+
 
 def table_paths(tables: Any) -> list[Path]:
     """``tables=`` as a list of paths (ConfigError for anything else)."""
@@ -71,17 +83,26 @@ class TablesTier:
         self.spec = spec
         self.files = [TableFile(path, spec, argument="tables=") for path in table_paths(tables)]
         self.corrupt = 0
+        #: Files never served again: changed on disk, or bound to content the source no longer has.
         self._gone: set[Path] = set()
+        #: The source identity generation the bound files' content was last checked against.
+        self._checked: int | None = None
+        #: (file, reason) pairs already logged, so a file skipped at every lookup is logged once.
+        self._said: set[tuple[Path, str]] = set()
 
     def __repr__(self) -> str:
         return f"TablesTier({[str(f.path) for f in self.files]})"
 
-    def check_bindings(self, template: Mapping[str, Any], content: Callable[[], str | None]) -> None:
+    def check_bindings(
+        self, template: Mapping[str, Any], content: Callable[[], str | None], *, generation: int = 0
+    ) -> None:
         """Refuse (ConfigError) a file this cache cannot serve bit-exactly; see the module docstring.
 
         ``template``: the cache's binding without its content; ``content()``: the source's content
-        digest (None when it has no weights to hash), asked only if a bound file needs it.
+        digest (None when it has no weights to hash), asked only if a bound file needs it;
+        ``generation``: the source identity it was asked under.
         """
+        self._checked = generation
         precision = template.get("precision")
         bound = [t for t in self.files if t.binding is not None]
         # Asked first, whatever the files say: in a process group it is a collective every rank joins.
@@ -121,12 +142,80 @@ class TablesTier:
                     f"checkpoint they came from"
                 )
 
-    def lookup(self, keys: Sequence[PlanKey]) -> dict[PlanKey, PlanRows]:
-        """Rows of every key some file holds (first file first); a failed slot digest is a miss."""
+    def _say(self, table: TableFile, reason: str, message: str, *args: Any) -> None:
+        if (table.path, reason) not in self._said:
+            self._said.add((table.path, reason))
+            log.warning(message, *args)
+
+    def _recheck(
+        self, keys: Sequence[PlanKey], generation: int, content: Callable[[], str | None], agree: AnyOf
+    ) -> None:
+        """The source's identity moved since the last check: check every live file's content again (see above)."""
+        live = [t for t in self.files if t.path not in self._gone]
+        for table in [t for t in live if t.binding is None]:
+            self._gone.add(table.path)
+            log.warning("%s: the weight source changed on disk and an sglang table file carries no binding to check "
+                        "it against: no longer served", table.path)  # fmt: skip
+        bound = [t for t in live if t.binding is not None]
+        wanted = any(k in t for t in bound for k in keys)
+        if not agree([wanted])[0]:  # every rank asks the same question (the digest may need a collective read)
+            if not bound:
+                self._checked = generation
+            return
+        digest = content()
+        if digest is None:
+            return  # cannot be checked now (no weights to hash): nothing is served until it can
+        for table in bound:
+            if table.content != digest:
+                self._gone.add(table.path)
+                log.warning("%s was exported from other projection weights (content %s) than the checkpoint now "
+                            "holds (%s): no longer served", table.path, table.content, digest)  # fmt: skip
+        self._checked = generation
+
+    def _fits(self, table: TableFile, template: Mapping[str, Any]) -> bool:
+        """Whether ``table`` holds what this cache would compute now (its binding against ``template``)."""
+        environment = template.get("environment") or {}
+        if table.binding is None:
+            if environment.get("autocast") is not None:
+                self._say(table, "autocast", "%s: an sglang table file holds tables computed without autocast: not "
+                          "served under torch.autocast", table.path)  # fmt: skip
+                return False
+            return template.get("precision") == "match"
+        checked = [*_CHECKED, *(["alignment"] if template.get("alignment") is not None else [])]
+        differs = [key for key in checked if plain_json(table.binding.get(key)) != plain_json(template.get(key))]
+        if differs:
+            self._say(table, repr(differs), "%s was exported under another %s than this build runs under (autocast, "
+                      "matmul settings or threads, say): not served while it differs", table.path,
+                      ", ".join(differs))  # fmt: skip
+            return False
+        return True
+
+    def lookup(
+        self,
+        keys: Sequence[PlanKey],
+        *,
+        template: Mapping[str, Any] | None = None,
+        generation: int | None = None,
+        content: Callable[[], str | None] | None = None,
+        agree: AnyOf | None = None,
+    ) -> dict[PlanKey, PlanRows]:
+        """Rows of every key some file holds (first file first); a failed slot digest is a miss.
+
+        ``template``: the binding (content left open) the cache would give tables built now; a file
+        bound otherwise is skipped. ``generation``, ``content()``, ``agree``: the source identity
+        generation, its content digest (hashing if it must: a collective in a group) and the ranks'
+        any-of, for the check again after the source changed (module docstring).
+        """
+        if generation is not None and generation != self._checked and content is not None:
+            self._recheck(keys, generation, content, agree or (lambda flags: flags))
+            if generation != self._checked:
+                return {}
         found: dict[PlanKey, PlanRows] = {}
         for table in self.files:
             todo = [k for k in keys if k not in found and k in table]
             if not todo:
+                continue
+            if table.path not in self._gone and template is not None and not self._fits(table, template):
                 continue
             if table.path in self._gone or table.changed():
                 if table.path not in self._gone:

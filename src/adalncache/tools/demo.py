@@ -231,6 +231,17 @@ def run(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _seed(text: str) -> int:
+    """``--seed``: an integer torch's generators take (0 to 2**63 - 1), else argparse's one-line error."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--seed takes an integer, got {text!r}") from None
+    if not 0 <= value < 2**63:
+        raise argparse.ArgumentTypeError(f"--seed must be in 0..{2**63 - 1}, got {value}")
+    return value
+
+
 def register(subparsers: Any) -> None:
     """Add the ``demo`` sub-command to the ``adalncache`` command line."""
     parser = subparsers.add_parser(
@@ -256,7 +267,7 @@ def register(subparsers: Any) -> None:
         help="model size (default: small, savings in MB)",
     )
     parser.add_argument("--device", default="cpu", help="torch device to run on (default: cpu)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the noise (default: 0)")
+    parser.add_argument("--seed", type=_seed, default=0, help="seed of the weights and the noise (default: 0)")
     parser.set_defaults(func=run)
 
 

@@ -64,6 +64,10 @@ class CastCheckpointSource:
     def refresh(self) -> bool:
         return self.source.refresh()
 
+    def changed_files(self) -> list[Any]:
+        """The wrapped checkpoint's files rewritten or replaced since validated (a build checks around its pass)."""
+        return self.source.changed_files()
+
     def entry(self, name: str) -> tuple[SafetensorsHeader, TensorEntry]:
         return self.source.entry(name)
 
