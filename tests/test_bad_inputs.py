@@ -319,6 +319,7 @@ CACHE_CASES = [
     Bad("negative slot", lambda e: e.cache.block_rows(0, -1, 1), PlanError, r"slot.*0\.\.2"),
     Bad("a free slot", lambda e: e.cache.final_rows(2, 1), PlanNotCachedError, r"slot 2 holds no plan"),
     Bad("final as a block layer", lambda e: e.cache.block_rows("final", 0, 1), PlanError, r"final_rows"),  # type: ignore[arg-type]
+    Bad("a bool as a layer", lambda e: e.cache.layer_rows(True, 0, 1), PlanError, r"layer True is not served"),
     Bad("fractional timesteps", lambda e: e.cache.block_rows(0, 0, 1.5), PlanError, r"num_timesteps"),  # type: ignore[arg-type]
     Bad(
         "one key for two plans",

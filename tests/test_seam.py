@@ -10,6 +10,7 @@ built by a gloo group of two ranks (both shard modes).
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,16 @@ import torch.multiprocessing as mp
 
 import seam_helpers as S
 import seam_workers as SW
-from adalncache import AdalnCache, BuildError, CheckpointSource, ConfigError, PlanError, Store, TensorSource
+from adalncache import (
+    AdalnCache,
+    BuildError,
+    CheckpointSource,
+    ConfigError,
+    PlanError,
+    PlanNotCachedError,
+    Store,
+    TensorSource,
+)
 from adalncache.batching import clear_verdicts, verdicts
 from adalncache.export import export_tables, verify_tables
 from adalncache.geometry import TABLE_ROWS, ModelGeometry, ServedLayer, TablePart
@@ -124,6 +134,51 @@ def test_a_reused_slot_zeroes_the_rows_past_a_layers_input(ckpt: Path) -> None:
     S.assert_exact(cache, weights, [second])
 
 
+def test_row_reads_of_named_layers_refuse_bad_slots_counts_and_layers(ckpt: Path) -> None:
+    """The typed checks of the row reads hold for a family whose layers are module paths."""
+    cache = _cache(ckpt, max_plans=3)
+    cache.build(S.PLANS[:1], embed=S.embed)
+    slot = int(cache.lookup(S.PLANS[0]))
+    free = next(s for s in range(3) if s != slot)
+    layer = "blocks.0.mod_a"
+    with pytest.raises(PlanError, match=r"slot must be in 0\.\.2"):
+        cache.layer_rows(layer, 3, 1)
+    with pytest.raises(PlanError, match=r"slot must be in 0\.\.2"):
+        cache.layer_rows(layer, -1, 1)
+    with pytest.raises(PlanNotCachedError, match=f"slot {free} holds no plan"):
+        cache.layer_rows(layer, free, 1)
+    with pytest.raises(PlanError, match="num_timesteps must be an integer"):
+        cache.layer_rows(layer, slot, 1.5)  # type: ignore[arg-type]
+    with pytest.raises(PlanError, match="not served by this cache"):
+        cache.layer_params(0)
+    assert cache.layer_rows(layer, slot, 1).shape == (1, 24)
+
+
+def test_an_embed_that_changes_its_two_column_plan_or_builds_is_refused(ckpt: Path) -> None:
+    cache = _cache(ckpt, max_plans=3)
+    given = S.PLANS[1].clone()
+
+    def mutating(p: torch.Tensor) -> dict[str, torch.Tensor]:
+        p[0, 1] = 9.0  # the guidance column
+        return S.embed(p)
+
+    with pytest.raises(BuildError, match=r"changed its plan in place.*\(0\.7, 9\)") as info:
+        cache.build([given], embed=mutating)
+    assert isinstance(info.value.__cause__, PlanError)
+    assert torch.equal(given, S.PLANS[1]) and len(cache) == 0
+
+    def reentrant(p: torch.Tensor) -> dict[str, torch.Tensor]:
+        cache.build([p], embed=S.embed)
+        return S.embed(p)
+
+    with pytest.raises(BuildError, match="from inside a build of this cache"):
+        cache.build(S.PLANS[:1], embed=reentrant)
+    cache.check_invariants()
+    report = cache.build(S.PLANS[:3], embed=S.embed)  # every slot still usable: none leaked
+    assert report.built == 3
+    S.assert_exact(cache, S.load_reference(ckpt), S.PLANS[:3])
+
+
 @pytest.mark.parametrize(
     ("bad", "says"),
     [
@@ -222,6 +277,18 @@ def test_a_bound_table_file_serves_exactly_without_weights(ckpt: Path, tmp_path:
     built = served.build(S.PLANS, embed=S.embed)
     assert built.table_hits == 3 and built.passes == 0
     S.assert_exact(served, weights, plans)
+
+
+def test_a_bound_table_file_is_not_served_once_the_checkpoint_is_replaced(ckpt: Path, tmp_path: Path) -> None:
+    out = tmp_path / "tables.safetensors"
+    export_tables(_cache(ckpt), S.PLANS[:3], out, embed=S.embed, progress=False)
+    cache = AdalnCache(S.SPEC, CheckpointSource(ckpt, S.SPEC), max_plans=4, tables=str(out))
+    assert cache.build(S.PLANS, embed=S.embed).table_hits == 3
+    os.replace(S.write_checkpoint(tmp_path / "other", seed=1), ckpt)
+    cache.invalidate()
+    report = cache.build(S.PLANS, embed=S.embed)
+    assert report.table_hits == 0 and report.built == 3
+    S.assert_exact(cache, S.load_reference(ckpt), S.PLANS[:3])
 
 
 def test_an_unbound_table_file_of_this_family_is_refused(ckpt: Path, tmp_path: Path) -> None:
