@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from . import vllm_omni
 from .cache import PRECISIONS, SHARD_MODES, AdalnCache
 from .devices import resolve_device
 from .embedding import time_embed_fn
@@ -109,20 +110,32 @@ def run_build(args: argparse.Namespace) -> int:
 def run_export(args: argparse.Namespace) -> int:
     if not (args.timeout > 0):
         raise ConfigError(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    sidecar = _sidecar_schedule(args)
     output = Path(args.output)
     check_output(output)  # before anything is read, then again against the checkpoint's files
     device = resolve_device(args.device)
     spec, source = open_checkpoint(args.checkpoint, layout=args.layout)
     check_output(output, source_files(source))
-    check_export(spec, format=args.format, precision=args.precision, model_variant=args.model_variant, tasks=args.task)
-    shifts = {"video_shift": args.video_shift, "audio_shift": args.audio_shift, "audio_refs": not args.no_audio_refs}
-    plans = schedule_plans(args.task, args.steps, **shifts)
+    check_export(spec, format=args.format, precision=args.precision, model_variant=args.model_variant,
+                 tasks=args.task or ())  # fmt: skip
+    if sidecar is not None:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        vllm_omni.check_export(
+            spec, precision=args.precision, model_variant=args.model_variant, contract=sidecar, shard=args.shard,
+            world_size=max(world, 2 if args.shard == "columns" else 1),
+        )  # fmt: skip
+        plans = vllm_omni.timestep_plans(sidecar)
+        schedules: list[dict[str, Any]] = [sidecar]
+    else:
+        refs = not args.no_audio_refs
+        shifts = {"video_shift": args.video_shift, "audio_shift": args.audio_shift, "audio_refs": refs}
+        plans = schedule_plans(args.task, args.steps, **shifts)
+        schedules = [{"task": t, "steps": n, **shifts} for t in args.task for n in args.steps]
     width = max(p.numel() for p in plans)
     store = Store(args.store, lock_wait_s=args.lock_wait) if args.store else None
-    schedules = [{"task": t, "steps": n, **shifts} for t in args.task for n in args.steps]
     with _torchrun_group(device, args.timeout) as (group, device, rank):
         rank0 = rank == 0
-        embed = time_embed_fn(source, spec, device)
+        embed = time_embed_fn(source, spec, device) if sidecar is None else None
         cache = AdalnCache(
             spec, source, max_plans=max(1, min(args.max_plans, len(plans))), max_plan_width=width, device=device,
             precision=args.precision, store=store, progress=rank0 and not args.quiet, batched=args.batched,
@@ -130,9 +143,20 @@ def run_export(args: argparse.Namespace) -> int:
         )  # fmt: skip
         report = export_tables(
             cache, plans, output, embed=embed, format=args.format, model_variant=args.model_variant,
-            tasks=args.task, schedules=schedules, progress=rank0 and not args.quiet,
+            tasks=args.task or (), schedules=schedules, progress=rank0 and not args.quiet,
         )  # fmt: skip
-    if rank0:
+    if rank0 and sidecar is not None:
+        print(
+            f"adalncache export: wrote {report.path} (vllm-omni format 4, {report.plans} plans of up to "
+            f"{report.width} timesteps, {report.bytes / 2**20:.2f} MiB): {report.store_hits} from the store, "
+            f"{report.built} built in {report.passes} pass(es)"
+        )
+        print(
+            f"  serves vLLM-Omni {vllm_omni.variant_of(sidecar['mode'])} requests of mode {sidecar['mode']}, "
+            f"{sidecar['num_steps']} steps, flow_shift {sidecar['flow_shift']:g}, audio_flow_shift "
+            f"{sidecar['audio_flow_shift']:g}: --enforce-eager, tensor parallel 1, on this machine class"
+        )
+    elif rank0:
         sglang = ", ".join(f"--steps {n} -> --num-inference-steps {n - 1}" for n in args.steps)
         print(
             f"adalncache export: wrote {report.path} ({report.format}, {report.plans} plans of up to {report.width} "
@@ -141,6 +165,61 @@ def run_export(args: argparse.Namespace) -> int:
         )
         print(f"  serves SGLang ({sglang}){f', --model-variant {args.model_variant}' if args.model_variant else ''}")
     return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# export --format vllm-omni: its schedule arguments (kept together, apart from the other formats')
+
+
+def _sidecar_arguments(parser: argparse.ArgumentParser) -> None:
+    """The schedule of a ``--format vllm-omni`` file, named as vLLM-Omni's schedule contract names it."""
+    group = parser.add_argument_group(
+        "vllm-omni schedule (--format vllm-omni: one schedule per file, as vLLM-Omni requests name it)"
+    )
+    group.add_argument("--mode", choices=list(vllm_omni.MODES), default=None, help="vLLM-Omni's task mode")
+    group.add_argument(
+        "--num-steps", type=_positive_int("--num-steps"), default=None,
+        help=f"forwards (vLLM-Omni's num_inference_steps) (default: {vllm_omni.DEFAULT_NUM_STEPS}, or the "
+        f"intervals of --base-schedule)",
+    )  # fmt: skip
+    group.add_argument(
+        "--base-schedule", default=None,
+        help="explicit rectified-flow positions, comma-separated (a distilled release's base_schedule)",
+    )  # fmt: skip
+    group.add_argument(
+        "--flow-shift", type=float, default=vllm_omni.DEFAULT_FLOW_SHIFT,
+        help=f"video flow shift (default: {vllm_omni.DEFAULT_FLOW_SHIFT:g}, vLLM-Omni's)",
+    )  # fmt: skip
+    group.add_argument(
+        "--audio-flow-shift", type=float, default=vllm_omni.DEFAULT_AUDIO_FLOW_SHIFT,
+        help=f"audio flow shift (default: {vllm_omni.DEFAULT_AUDIO_FLOW_SHIFT:g}, vLLM-Omni's)",
+    )  # fmt: skip
+
+
+def _sidecar_schedule(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The schedule contract of ``--format vllm-omni`` (None for the other formats); refuses mixed-up flags."""
+    given = [flag for flag, value in (("--mode", args.mode), ("--num-steps", args.num_steps),
+                                      ("--base-schedule", args.base_schedule)) if value is not None]  # fmt: skip
+    if args.format != vllm_omni.FORMAT:
+        if given:
+            raise ConfigError(f"{', '.join(given)} name a --format vllm-omni schedule: use --task and --steps here")
+        if not args.task or not args.steps:
+            raise ConfigError(f"--format {args.format} needs --task and --steps (the schedules to export)")
+        return None
+    if args.task or args.steps or args.no_audio_refs:
+        raise ConfigError(
+            "--format vllm-omni takes its schedule as vLLM-Omni does: --mode, --num-steps (forwards), "
+            "--base-schedule, --flow-shift, --audio-flow-shift; drop --task, --steps and --no-audio-refs"
+        )
+    if args.mode is None:
+        raise ConfigError(f"--format vllm-omni needs --mode (one of {', '.join(vllm_omni.MODES)})")
+    positions = None
+    if args.base_schedule is not None:
+        try:
+            positions = [float(v) for v in args.base_schedule.split(",")]
+        except ValueError:
+            raise ConfigError(f"--base-schedule takes comma-separated numbers, got {args.base_schedule!r}") from None
+    return vllm_omni.schedule_contract(args.mode, args.num_steps, positions, args.flow_shift, args.audio_flow_shift)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -167,7 +246,22 @@ def _print_tables(info: dict[str, Any]) -> None:
     geometry = _family_geometry(spec) or f"{spec['num_layers']} blocks, hidden {spec['hidden_size']}, {spec['dtype']}"
     print(f"  {geometry}; model_variant {info['model_variant'] or '(none)'}")
     binding = info["binding"]
-    if binding is None:
+    found = info.get("manifest")
+    if found is not None:
+        schedule, arch, math_block = found["schedule"], found["architecture"], found["math"]
+        print(
+            f"  vLLM-Omni sidecar (format 4): mode {schedule['mode']}, {schedule['num_steps']} steps, flow_shift "
+            f"{schedule['flow_shift']:g}, audio_flow_shift {schedule['audio_flow_shift']:g}, base_schedule "
+            f"{schedule['base_schedule']}; adapter {found['adapter_sha256'] or 'none'}"
+        )
+        print(
+            f"  time embedder {arch['timestep_input_dim']} -> {arch['time_embed_hidden_size']} -> "
+            f"{arch['time_embed_dim']}; {len(found['weights'])} weight digests; built under torch "
+            f"{math_block.get('torch')} on {math_block.get('device_type')}"
+            + (f" (capability {math_block.get('capability')}, CUDA {math_block.get('cuda')})"
+               if math_block.get("device_type") == "cuda" else "")
+        )  # fmt: skip
+    elif binding is None:
         print("  binding: none (an sglang file: only its geometry can be checked)")
     else:
         env = binding.get("environment", {})
@@ -192,6 +286,8 @@ def run_inspect(args: argparse.Namespace) -> int:
         if table.binding is not None and not args.quick:
             bad = table.verify_slots()
             info["slots"] = f"{len(bad)} of {table.plans} fail their digest" if bad else "every digest verified"
+        elif table.manifest is not None:
+            info["slots"] = "every payload digest verified (a vLLM-Omni sidecar is checked whole when opened)"
     else:
         store = Store(args.store) if args.store else None
         info = describe_checkpoint(args.path, layout=args.layout, store=store, hash=args.hash)
@@ -271,6 +367,8 @@ def run_verify_tables(args: argparse.Namespace) -> int:
         print(f"MISMATCH {line}")
     if report.content_matches is False:
         print(f"CONTENT the file names {table.content}, --checkpoint is {report.content}")
+    for name in report.weights_mismatched:
+        print(f"WEIGHTS {name}: its digest in the file's manifest is not --checkpoint's")
     if report.foreign:
         print(
             f"NOTE built under another {', '.join(report.foreign)} than this machine's: a bit-for-bit match here is "
@@ -280,6 +378,7 @@ def run_verify_tables(args: argparse.Namespace) -> int:
         f"adalncache verify: {'OK' if report.ok else 'FAILED'}: {report.checked} plan(s) of {table.path} recomputed, "
         f"{len(report.mismatched)} mismatched, {len(report.corrupt)} corrupt"
         + ("" if report.content_matches is None else f", content {'matches' if report.content_matches else 'DIFFERS'}")
+        + ("" if table.manifest is None else f", {len(report.weights_mismatched)} weight digest(s) differ")
     )
     return 0 if report.ok else 1
 
@@ -367,10 +466,10 @@ def _common(parser: argparse.ArgumentParser, *, slab: bool = True) -> None:
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
 
 
-def _schedules(parser: argparse.ArgumentParser, steps_help: str) -> None:
+def _schedules(parser: argparse.ArgumentParser, steps_help: str, *, required: bool = True) -> None:
     """The flags that name schedules: --task and --steps (repeatable), the shifts, --no-audio-refs."""
-    parser.add_argument("--task", action="append", required=True, choices=TASKS, help="request kind (repeatable)")
-    parser.add_argument("--steps", action="append", required=True, type=_positive_int("--steps"), help=steps_help)
+    parser.add_argument("--task", action="append", required=required, choices=TASKS, help="request kind (repeatable)")
+    parser.add_argument("--steps", action="append", required=required, type=_positive_int("--steps"), help=steps_help)
     parser.add_argument("--video-shift", type=float, default=12.0, help="video schedule shift (default: 12)")
     parser.add_argument("--audio-shift", type=float, default=3.0, help="audio schedule shift (default: 3)")
     parser.add_argument("--no-audio-refs", action="store_true", help="ref2va without a reference audio")
@@ -451,7 +550,9 @@ def register(subparsers: Any) -> None:
         help="the released transformer the tables belong to (t2va and fl2va run on fl2va, ref2va on ref2va); "
         "SGLang compares it with its own --model-variant",
     )  # fmt: skip
-    _schedules(p, "num_inference_steps (grid points; N - 1 forwards, SGLang's --num-inference-steps N-1) (repeatable)")
+    _schedules(p, "num_inference_steps (grid points; N - 1 forwards, SGLang's --num-inference-steps N-1) (repeatable)",
+               required=False)  # fmt: skip
+    _sidecar_arguments(p)
     p.add_argument("--store", default=None, help="a store to take entries from (and fill), optional")
     p.add_argument("--precision", default="match", choices=list(PRECISIONS), help="projection precision")
     p.add_argument("--batched", action="store_true", help="stacked projections where proven bit-identical")

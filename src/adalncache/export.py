@@ -15,6 +15,7 @@ A file exported with ``--steps N`` therefore serves SGLang at ``--num-inference-
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import stat
@@ -26,6 +27,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from . import vllm_omni
 from .cache import AdalnCache
 from .errors import ConfigError
 from .plans import format_plan, key_to_plan, plan_key
@@ -33,6 +35,8 @@ from .source import CheckpointSource
 from .spec import ModulationSpec
 from .tablefile import FORMATS, TableFile, TableWriter, bound_metadata, sglang_metadata
 from .tiers.tables import plain_json
+
+log = logging.getLogger(__name__)
 
 Embed = Callable[[torch.Tensor], torch.Tensor]
 
@@ -168,7 +172,7 @@ def export_tables(
     plans: Sequence[torch.Tensor],
     out: str | os.PathLike[str],
     *,
-    embed: Embed,
+    embed: Embed | None = None,
     format: str = "adalncache",
     model_variant: str | None = None,
     tasks: Sequence[str] = (),
@@ -185,6 +189,15 @@ def export_tables(
     spec = cache.spec
     check_export(spec, format=format, precision=cache.precision, model_variant=model_variant, tasks=tasks)
     path = Path(out)
+    if format == vllm_omni.FORMAT:
+        if embed is not None:
+            raise ConfigError(
+                f"--format {format} computes the projections' input itself (vLLM-Omni's fp32 time embedding, from the "
+                f"checkpoint's time embedder): drop embed="
+            )
+        return _export_sidecar(cache, plans, path, model_variant=model_variant, schedules=schedules, progress=progress)
+    if embed is None:
+        raise ConfigError(f"export_tables(format={format!r}) needs embed= (the projections' input for a plan)")
     inputs = [*source_files(cache.source), *([t.path for t in cache.tables.files] if cache.tables else [])]
     writer = TableWriter(path, spec, plans, bound=format == "adalncache") if cache.rank == 0 else None
     check_output(path, inputs, needs=writer.nbytes if writer is not None else None)
@@ -236,6 +249,103 @@ def export_tables(
     )  # fmt: skip
 
 
+def _sidecar_schedule(plans: Sequence[torch.Tensor], schedules: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The one schedule of a vLLM-Omni sidecar, its plans checked against ``plans`` (ConfigError otherwise)."""
+    if len(schedules) != 1:
+        raise ConfigError(
+            f"--format {vllm_omni.FORMAT} holds exactly one schedule (vLLM-Omni binds the file to it), got "
+            f"{len(schedules)}: pass schedules=[schedule_contract(...)] and export one file per schedule"
+        )
+    try:
+        contract = vllm_omni.schedule_contract(**dict(schedules[0]))
+    except TypeError as exc:
+        keys = ", ".join(vllm_omni.SCHEDULE_KEYS)
+        raise ConfigError(f"the schedule of a {vllm_omni.FORMAT} file takes {keys}: {exc}") from None
+    derived = vllm_omni.timestep_plans(contract)
+    if len(plans) != len(derived) or not all(torch.equal(a.float(), b) for a, b in zip(plans, derived)):
+        raise ConfigError(
+            "plans must be exactly the schedule's plans in vLLM-Omni's order (vllm_omni.timestep_plans(contract)): "
+            "its loader refuses a file with any other plans"
+        )
+    return contract
+
+
+def _export_sidecar(
+    cache: AdalnCache,
+    plans: Sequence[torch.Tensor],
+    path: Path,
+    *,
+    model_variant: str | None,
+    schedules: Sequence[Mapping[str, Any]],
+    progress: bool,
+) -> ExportReport:
+    """Write vLLM-Omni's weight-bound sidecar (:mod:`adalncache.vllm_omni`); see :func:`export_tables`.
+
+    The projections' weight digests are taken from the bytes the passes project with (a layer no
+    pass read, a store hit say, is hashed by one read at the end); the payload digests by reading
+    the finished tensors back from the temporary file before it is renamed into place.
+    """
+    spec = cache.spec
+    contract = _sidecar_schedule(plans, schedules)
+    variant = vllm_omni.check_export(
+        spec, precision=cache.precision, model_variant=model_variant, contract=contract, variant=cache.variant,
+        shard=cache.shard, world_size=cache.world_size,
+    )  # fmt: skip
+    embedding = vllm_omni.TimeEmbedding(cache.source, spec, cache.device)
+    inputs = [*source_files(cache.source), *([t.path for t in cache.tables.files] if cache.tables else [])]
+    extras = {vllm_omni.EMBEDDINGS: ((spec.time_embed_dim,), torch.float32)}
+    writer = TableWriter(path, spec, plans, bound=False, extras=extras) if cache.rank == 0 else None
+    check_output(path, inputs, needs=writer.nbytes if writer is not None else None)
+    digests = vllm_omni.WeightDigests(spec)
+    math_block = vllm_omni.math_of_device(cache.device)
+    placeholder = {name: "0" * 64 for name in [*vllm_omni.weight_names(spec), *vllm_omni.PAYLOAD]}
+    if writer is not None:
+        writer.open(vllm_omni.metadata(vllm_omni.manifest(
+            spec=spec, embedding=embedding, contract=contract, model_variant=variant, weights=placeholder,
+            payload=placeholder, math_block=math_block,
+        )))  # fmt: skip
+    keys = [plan_key(p, spec.plan_columns) for p in plans]
+    passes = store_hits = built = 0
+    try:
+        chunks = [list(range(i, min(i + cache.max_plans, len(plans)))) for i in range(0, len(plans), cache.max_plans)]
+        for chunk in tqdm(chunks, desc="adalncache export", unit="pass", disable=not progress or len(chunks) < 2):
+            report = cache.build([plans[i] for i in chunk], embed=embedding.embed, project=digests.project)
+            passes, store_hits, built = passes + report.passes, store_hits + report.store_hits, built + report.built
+            if writer is not None:
+                for index in chunk:
+                    writer.write_slot(index, cache.rows_of(keys[index]))
+                    writer.write_extra(vllm_omni.EMBEDDINGS, index, embedding.temb(plans[index]))
+            cache.invalidate()
+        if writer is None:
+            return ExportReport(path, vllm_omni.FORMAT, len(plans), writer_width(spec, keys), 0, passes, store_hits,
+                                built, None)  # fmt: skip
+        digests.complete(cache.source, read_ahead=cache.read_ahead)
+        payload = {}
+        for name in vllm_omni.PAYLOAD:
+            value = writer.read_back(name)
+            if not bool(torch.isfinite(value).all()):
+                raise ConfigError(f"the {name} of this export hold non-finite values: vLLM-Omni refuses such a file")
+            payload[name] = vllm_omni.tensor_sha256(value)
+        found = vllm_omni.manifest(
+            spec=spec, embedding=embedding, contract=contract, model_variant=variant,
+            weights={**embedding.digests, **digests.digests}, payload=payload, math_block=math_block,
+        )  # fmt: skip
+        writer.finish(vllm_omni.metadata(found))
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+        raise
+    log.info("%s: weight digests of %d layer(s) taken during the passes, %d by a hashing read", path,
+             digests.from_passes, digests.from_read)  # fmt: skip
+    return ExportReport(path, vllm_omni.FORMAT, len(plans), writer.width, path.stat().st_size, passes, store_hits,
+                        built, None)  # fmt: skip
+
+
+def writer_width(spec: ModulationSpec, keys: Sequence[Any]) -> int:
+    """The widest plan of ``keys``: a file's ``W``."""
+    return max(spec.plan_rows(k) for k in keys)
+
+
 # ---------------------------------------------------------------------------------------------
 # verify
 
@@ -250,12 +360,15 @@ class TablesVerifyReport:
     #: Bound files: the content digest of the checkpoint here, and whether the file names it.
     content: str | None = None
     content_matches: bool | None = None
-    #: Binding fields (environment, shard) that differ from this machine: bits are then not expected to match.
+    #: Binding fields (environment, shard; a vLLM-Omni sidecar's math) that differ from this machine: bits are
+    #: then not expected to match.
     foreign: list[str] = field(default_factory=list)
+    #: A vLLM-Omni sidecar: the weights whose digest in its manifest differs from the checkpoint's.
+    weights_mismatched: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return not (self.mismatched or self.corrupt) and self.content_matches is not False
+        return not (self.mismatched or self.corrupt or self.weights_mismatched) and self.content_matches is not False
 
 
 def verify_tables(
@@ -294,9 +407,17 @@ def verify_tables(
         precision=precision, read_ahead=read_ahead, progress=progress, batched=False,
     )  # fmt: skip
     columns = spec.plan_columns
+    # A vLLM-Omni sidecar holds rows of vLLM-Omni's own time embedding, and binds its weights by digest:
+    # both are recomputed here, the projections' digests from the bytes the passes project with.
+    embedding = vllm_omni.TimeEmbedding(source, spec, device) if table.manifest is not None else None
+    digests = vllm_omni.WeightDigests(spec) if embedding is not None else None
     for chunk in tqdm(chunks, desc="adalncache verify --tables", unit="pass", disable=not progress):
-        cache.build([key_to_plan(k, columns) for k in chunk], embed=embed)
-        for key in chunk:
+        plans = [key_to_plan(k, columns) for k in chunk]
+        if embedding is not None and digests is not None:
+            cache.build(plans, embed=embedding.embed, project=digests.project)
+        else:
+            cache.build(plans, embed=embed)
+        for key, plan in zip(chunk, plans):
             shown = format_plan(key, columns=columns)
             stored = table.read(key)
             if stored is None:
@@ -304,9 +425,19 @@ def verify_tables(
                 continue
             fresh = cache.rows_of(key)
             report.checked += 1
-            if not all(torch.equal(a.cpu(), b) for a, b in zip(fresh.parts, stored.parts, strict=True)):
+            same = all(torch.equal(a.cpu(), b) for a, b in zip(fresh.parts, stored.parts, strict=True))
+            if embedding is not None:
+                temb = table.read_rows(vllm_omni.EMBEDDINGS, key)
+                same = same and temb is not None and torch.equal(embedding.temb(plan).cpu(), temb)
+            if not same:
                 report.mismatched.append(f"plan {shown} (slot {table.slot_of(key)}) differs")
         cache.invalidate()
+    if table.manifest is not None and embedding is not None and digests is not None:
+        digests.complete(source, read_ahead=read_ahead)
+        here = {**embedding.digests, **digests.digests}
+        report.weights_mismatched = vllm_omni.weight_mismatches(table.manifest, here)
+        if vllm_omni.math_of_device(device) != table.manifest["math"]:
+            report.foreign.append("math")
     if table.binding is not None:
         report.content = cache.identify()
         report.content_matches = report.content == table.content

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from . import families
+from . import families, vllm_omni
 from .errors import CheckpointError, ConfigError
 from .geometry import Family, KeyLayout, ModelGeometry, ServedLayer
 from .plans import PlanKey, format_plan, key_to_plan, plan_key
@@ -59,7 +59,7 @@ log = logging.getLogger(__name__)
 
 #: The layout's version, as SGLang checks it.
 FORMAT_VERSION = "2"
-FORMATS = ("adalncache", "sglang")
+FORMATS = ("adalncache", "sglang", vllm_omni.FORMAT)
 #: The plan tensors every table file has; the table parts' tensors follow (per family).
 PLAN_TENSORS = ("plan_timesteps", "plan_lengths")
 
@@ -143,8 +143,16 @@ class TableWriter:
     """
 
     def __init__(
-        self, path: str | os.PathLike[str], spec: ModulationSpec, plans: Sequence[torch.Tensor], *, bound: bool
+        self,
+        path: str | os.PathLike[str],
+        spec: ModulationSpec,
+        plans: Sequence[torch.Tensor],
+        *,
+        bound: bool,
+        extras: Mapping[str, tuple[tuple[int, ...], torch.dtype]] | None = None,
     ) -> None:
+        """``extras``: further per-row tensors a format carries beside the table parts, by name: each is
+        ``[P, W, *shape]`` of ``dtype``, written with :meth:`write_extra` (rows past a plan's length zero)."""
         self.path = Path(path)
         self.spec = spec
         self.keys: list[PlanKey] = [plan_key(p, spec.plan_columns) for p in plans]
@@ -155,10 +163,17 @@ class TableWriter:
         self.width = max(spec.plan_rows(k) for k in self.keys)
         self.bound = bound
         geometry = Geometry(len(self.keys), self.width, spec)
+        shapes = geometry.shapes()
+        self._extras = dict(extras or {})
+        for name, (row_shape, dtype) in self._extras.items():
+            if name in shapes:
+                raise ConfigError(f"a table file's extra tensor cannot be named {name!r}: the layout has that tensor")
+            shapes[name] = ((len(self.keys), self.width, *row_shape), dtype)
+        self._shapes = shapes
         header: dict[str, Any] = {}
         offset = 0
         self.begin: dict[str, int] = {}
-        for name, (shape, dtype) in geometry.shapes().items():
+        for name, (shape, dtype) in shapes.items():
             nbytes = dtype.itemsize
             for s in shape:
                 nbytes *= s
@@ -245,6 +260,32 @@ class TableWriter:
         if self.bound:
             self._digests[index] = slot_digest(key_to_plan(key, s.plan_columns), *parts)
         self._written[index] = True
+
+    def write_extra(self, name: str, index: int, rows: torch.Tensor) -> None:
+        """Write slot ``index``'s rows of the extra tensor ``name`` (``[n, *shape]``, its plan's ``n`` rows)."""
+        row_shape, dtype = self._extras[name]
+        n = self.spec.plan_rows(self.keys[index])
+        rows = rows.detach().to("cpu")
+        if tuple(rows.shape) != (n, *row_shape) or rows.dtype != dtype:
+            raise ConfigError(
+                f"{name} rows {tuple(rows.shape)} {rows.dtype} do not fit slot {index}: need {(n, *row_shape)} {dtype}"
+            )
+        row_bytes = dtype.itemsize
+        for size in row_shape:
+            row_bytes *= size
+        self._pwrite(self.begin[name] + index * self.width * row_bytes, rows)
+
+    def read_back(self, name: str) -> torch.Tensor:
+        """The whole tensor ``name`` as written so far (a format whose metadata digests its tensors reads them here)."""
+        assert self._fd is not None
+        shape, dtype = self._shapes[name]
+        nbytes = dtype.itemsize
+        for size in shape:
+            nbytes *= size
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        if nbytes:
+            pread_into(self._fd, buf, 8 + self._reserved + self.begin[name], self.tmp, name)
+        return buf.view(dtype).view(shape)
 
     def finish(self, metadata: Mapping[str, str]) -> Path:
         """Write the real header, sync, and rename the file into place; returns its path."""
@@ -351,18 +392,28 @@ class TableFile:
             raise _bad(
                 self.path, f"it has no {', '.join(absent)} tensor (a table file holds {', '.join(wanted)})", argument
             )
-        if self.metadata.get("format_version") != FORMAT_VERSION:
+        version = self.metadata.get("format_version")
+        if version not in (FORMAT_VERSION, vllm_omni.FORMAT_VERSION):
             raise _bad(
-                self.path, f"its format_version is {self.metadata.get('format_version')!r}, this reader needs "
-                f"{FORMAT_VERSION!r}", argument,
+                self.path, f"its format_version is {version!r}, this reader knows {FORMAT_VERSION!r} (sglang and "
+                f"adalncache files) and {vllm_omni.FORMAT_VERSION!r} (vLLM-Omni sidecars)", argument,
             )  # fmt: skip
+        #: A vLLM-Omni sidecar's manifest (None for the other formats).
+        self.manifest: dict[str, Any] | None = None
+        if version == vllm_omni.FORMAT_VERSION:
+            self.manifest = vllm_omni.read_manifest(self.path, self.metadata, argument)
         ts, lengths = entries["plan_timesteps"], entries["plan_lengths"]
         if ts.dtype != "F32" or len(ts.shape) not in (2, 3) or lengths.dtype != "I64" or lengths.shape != ts.shape[:1]:
             raise _bad(self.path, "plan_timesteps must be [P, W] float32 and plan_lengths [P] int64", argument)
         self.plans, self.width = ts.shape[:2]
+        if spec is None and self.manifest is not None:
+            found = _part_tensors(entries)
+            dtype = entries[found[0]].torch_dtype if found else None
+            spec = ModulationSpec(**vllm_omni.spec_fields(self.manifest, dtype or torch.bfloat16))
         if spec is None:
             spec = self._spec_of(entries, argument)
         self.spec = spec
+        self._entries: dict[str, TensorEntry] = entries
         for name, (shape, want) in Geometry(self.plans, self.width, spec).shapes().items():
             entry = entries[name]
             if tuple(entry.shape) != shape or entry.torch_dtype != want:
@@ -371,12 +422,16 @@ class TableFile:
                     f"model needs {list(shape)} {want}: it holds another checkpoint geometry or dtype; export "
                     f"tables from this model's checkpoint (adalncache export)"
                 )
-        if self.metadata.get(BOUND) is None and "sglang" not in spec.family.table_formats:
+        if self.manifest is not None:
+            if vllm_omni.FORMAT not in spec.family.table_formats:
+                raise _bad(self.path, f"a vLLM-Omni sidecar cannot hold {spec.family.title} tables", argument)
+            shapes = {name: (tuple(e.shape), e.torch_dtype) for name, e in entries.items()}
+            vllm_omni.check_payload(self.path, self.manifest, spec, shapes, self.read_whole, argument)
+        elif self.metadata.get(BOUND) is None and "sglang" not in spec.family.table_formats:
             raise _bad(
                 self.path, f"it carries no binding, and {spec.family.title} tables are only served from bound files "
                 f"(export them with adalncache export --format adalncache)", argument,
             )  # fmt: skip
-        self._entries: dict[str, TensorEntry] = entries
         columns = spec.plan_columns
         timesteps = self._read_tensor(ts).view(torch.float32).view(tuple(ts.shape))
         counts = self._read_tensor(lengths).view(torch.int64)
@@ -392,7 +447,10 @@ class TableFile:
                             format_plan(key, columns=columns), self._slots[key], s)  # fmt: skip
                 continue
             self._slots[key] = s
-        self.format = "adalncache" if self.metadata.get(BOUND) is not None else "sglang"
+        self.format = (
+            vllm_omni.FORMAT if self.manifest is not None
+            else "adalncache" if self.metadata.get(BOUND) is not None else "sglang"
+        )  # fmt: skip
         self.binding: dict[str, Any] | None = None
         self.slot_digests: list[str] | None = None
         if self.format == "adalncache":
@@ -440,6 +498,30 @@ class TableFile:
     def _read_tensor(self, entry: TensorEntry) -> torch.Tensor:
         return self._read(entry.begin, entry.nbytes, entry.name)
 
+    def read_whole(self, name: str) -> torch.Tensor:
+        """The whole tensor ``name`` of the file, in its dtype and shape (read now)."""
+        entry = self._entries[name]
+        dtype = entry.torch_dtype
+        if dtype is None:
+            raise _bad(self.path, f"{name} has dtype {entry.dtype}, which torch cannot hold", self.argument)
+        return self._read_tensor(entry).view(dtype).view(tuple(entry.shape))
+
+    def read_rows(self, name: str, key: PlanKey) -> torch.Tensor | None:
+        """A plan's rows of a per-row tensor ``name`` (``[P, W, ...]``: a table part or a format's extra), or None."""
+        slot = self._slots.get(key)
+        if slot is None:
+            return None
+        entry = self._entries[name]
+        dtype = entry.torch_dtype
+        assert dtype is not None
+        row_shape = tuple(entry.shape[2:])
+        row_bytes = dtype.itemsize
+        for size in row_shape:
+            row_bytes *= size
+        n = self.spec.plan_rows(key)
+        raw = self._read(entry.begin + slot * self.width * row_bytes, n * row_bytes, name)
+        return raw.view(dtype).view(n, *row_shape)
+
     def _read(self, offset: int, nbytes: int, what: str) -> torch.Tensor:
         buf = torch.empty(nbytes, dtype=torch.uint8)
         fd = os.open(self.path, os.O_RDONLY)
@@ -454,7 +536,14 @@ class TableFile:
 
     @property
     def model_variant(self) -> str | None:
+        if self.manifest is not None:
+            return str(self.manifest["model_variant"])
         return self.metadata.get("model_variant")
+
+    @property
+    def checkable(self) -> bool:
+        """Whether the file names the weights it was built from (a bound file or a vLLM-Omni sidecar)."""
+        return self.binding is not None or self.manifest is not None
 
     @property
     def content(self) -> str | None:
@@ -517,6 +606,7 @@ class TableFile:
             "tool": self.metadata.get(TOOL),
             "created": self.metadata.get(CREATED),
             "schedules": schedules,
+            "manifest": self.manifest,
         }
 
     def verify_slots(self) -> list[str]:

@@ -135,7 +135,7 @@ class TierChain:
                 f"CHECKPOINT), or drop store= (--store)"
             )
         opened = None if store is None else store if isinstance(store, Store) else Store(store)
-        files = None if tables is None else TablesTier(tables, spec)
+        files = None if tables is None else TablesTier(tables, spec, source=source)
         return cls(spec, host, opened, collective, stats, files)
 
     def lookup(self, missing: Sequence[PlanKey], *, identity: Binder, faults: FaultPoints) -> Restored:

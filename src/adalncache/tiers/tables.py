@@ -42,6 +42,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from .. import vllm_omni
 from ..errors import ConfigError
 from ..plans import PlanKey
 from ..rows import PlanRows
@@ -79,8 +80,11 @@ def table_paths(tables: Any) -> list[Path]:
 class TablesTier:
     """Several table files searched in order; plans come back as :class:`~adalncache.rows.PlanRows`."""
 
-    def __init__(self, tables: TablesArg, spec: ModulationSpec) -> None:
+    def __init__(self, tables: TablesArg, spec: ModulationSpec, *, source: Any = None) -> None:
+        """``source``: the cache's weight source, whose tensors a vLLM-Omni sidecar's weight digests are checked
+        against (None, or a source without weights: those digests cannot be checked, which is logged)."""
         self.spec = spec
+        self.source = source
         self.files = [TableFile(path, spec, argument="tables=") for path in table_paths(tables)]
         self.corrupt = 0
         #: Files never served again: changed on disk, or bound to content the source no longer has.
@@ -108,6 +112,9 @@ class TablesTier:
         # Asked first, whatever the files say: in a process group it is a collective every rank joins.
         digest = content() if bound else None
         for table in self.files:
+            if table.manifest is not None:
+                self._check_sidecar(table, template)
+                continue
             if table.binding is None:
                 if precision != "match":
                     raise ConfigError(
@@ -142,6 +149,38 @@ class TablesTier:
                     f"checkpoint they came from"
                 )
 
+    def _check_sidecar(self, table: TableFile, template: Mapping[str, Any]) -> None:
+        """Refuse a vLLM-Omni sidecar this cache cannot serve: precision, numeric environment, weight digests."""
+        assert table.manifest is not None
+        precision = template.get("precision")
+        if precision != "match":
+            raise ConfigError(
+                f"{table.path} (tables=) is a vLLM-Omni sidecar, which holds the native projection's output "
+                f"(precision 'match'); this cache has precision={precision!r}: use precision='match' (CLI --precision)"
+            )
+        here = vllm_omni.math_of_environment(template.get("environment") or {})
+        if plain_json(here) != plain_json(table.manifest["math"]):
+            raise ConfigError(
+                f"{table.path} (tables=) was built under another numeric environment (file {table.manifest['math']}, "
+                f"here {here}); its tables are not what this cache computes bit for bit: export it on this machine "
+                f"class (adalncache export --format vllm-omni --device ...)"
+            )
+        wrong = self._sidecar_weights(table)
+        if wrong:
+            raise ConfigError(
+                f"{table.path} (tables=) was built from other weights than this cache's ({', '.join(wrong[:3])}"
+                f"{', ...' if len(wrong) > 3 else ''} differ from its manifest): export it from this checkpoint"
+            )
+
+    def _sidecar_weights(self, table: TableFile) -> list[str]:
+        """Names whose digest in the sidecar's manifest differs from this cache's weights (one hashing read)."""
+        assert table.manifest is not None
+        digests = vllm_omni.input_digests(self.source, self.spec)
+        if digests is None:
+            log.info("%s: no weights to hash here: the sidecar's weight digests were not checked", table.path)
+            return []
+        return vllm_omni.weight_mismatches(table.manifest, digests)
+
     def _say(self, table: TableFile, reason: str, message: str, *args: Any) -> None:
         if (table.path, reason) not in self._said:
             self._said.add((table.path, reason))
@@ -152,7 +191,13 @@ class TablesTier:
     ) -> None:
         """The source's identity moved since the last check: check every live file's content again (see above)."""
         live = [t for t in self.files if t.path not in self._gone]
-        for table in [t for t in live if t.binding is None]:
+        for table in [t for t in live if t.manifest is not None]:
+            if any(k in table for k in keys) and self._sidecar_weights(table):
+                self._gone.add(table.path)
+                log.warning("%s was exported from other weights than the checkpoint now holds: no longer served",
+                            table.path)  # fmt: skip
+        live = [t for t in live if t.path not in self._gone]
+        for table in [t for t in live if t.binding is None and t.manifest is None]:
             self._gone.add(table.path)
             log.warning("%s: the weight source changed on disk and an sglang table file carries no binding to check "
                         "it against: no longer served", table.path)  # fmt: skip
@@ -175,6 +220,13 @@ class TablesTier:
     def _fits(self, table: TableFile, template: Mapping[str, Any]) -> bool:
         """Whether ``table`` holds what this cache would compute now (its binding against ``template``)."""
         environment = template.get("environment") or {}
+        if table.manifest is not None:
+            here = vllm_omni.math_of_environment(environment)
+            if environment.get("autocast") is not None or plain_json(here) != plain_json(table.manifest["math"]):
+                self._say(table, "math", "%s: a vLLM-Omni sidecar of another numeric environment (or autocast) than "
+                          "this build's: not served while it differs", table.path)  # fmt: skip
+                return False
+            return template.get("precision") == "match"
         if table.binding is None:
             if environment.get("autocast") is not None:
                 self._say(table, "autocast", "%s: an sglang table file holds tables computed without autocast: not "

@@ -172,10 +172,11 @@ def check_tables_against_model(
     """Refuse table files that do not hold this model's projections, before the model's own weights are freed.
 
     A bound file names the content digest of the projections it was built from: the model's own
-    tensors are hashed (as they are; on a GPU through a host copy) and compared. An sglang file
+    tensors are hashed (as they are; on a GPU through a host copy) and compared; a vLLM-Omni sidecar
+    names the SHA-256 of each projection tensor, compared the same way. An sglang file
     carries nothing to compare; its geometry is checked when the cache opens it.
     """
-    if not any(table.binding is not None for table in TablesTier(tables, spec).files):
+    if not any(table.checkable for table in TablesTier(tables, spec).files):
         return
     own, _, buffers = model_source(spec, modules, device)
     try:
