@@ -262,7 +262,9 @@ class BuildTransaction:
         bytes_before = self.source.bytes_read
         faults = self._faults()
         try:
-            from_host, from_store, from_tables = self._tiers.lookup(missing, identity=self._identity, faults=faults)
+            from_host, from_store, from_tables = self._tiers.lookup(
+                missing, identity=self._identity, faults=faults, embed=None if embed is _no_embed else embed
+            )
         except BaseException:
             # Tier errors fall through to a rebuild inside the lookup; only an interrupt (or
             # another BaseException) gets here. Nothing is reserved yet, so there is nothing to undo.

@@ -138,8 +138,13 @@ class TierChain:
         files = None if tables is None else TablesTier(tables, spec, source=source)
         return cls(spec, host, opened, collective, stats, files)
 
-    def lookup(self, missing: Sequence[PlanKey], *, identity: Binder, faults: FaultPoints) -> Restored:
+    def lookup(
+        self, missing: Sequence[PlanKey], *, identity: Binder, faults: FaultPoints, embed: Any = None
+    ) -> Restored:
         """Plans every rank can restore from the host tier, then the store, then table files (cheapest first).
+
+        ``embed``: the build's ``embed(plan)`` (None without one), which a table file that records its
+        rows' projection input is checked against before its rows are served.
 
         ``identity.current_binding()`` gives the store binding of the current source, or ``None``
         when the source changed since the slab's tables were built or its content digest is not
@@ -180,7 +185,7 @@ class TierChain:
             try:
                 found = self.tables.lookup(
                     rest, template=identity.template(), generation=identity.generation, content=identity.content_now,
-                    agree=self._dist.any_of,
+                    agree=self._dist.any_of, embed=embed,
                 )  # fmt: skip
             except Exception as exc:
                 log.warning("table file lookup failed (%s); rebuilding instead", exc)

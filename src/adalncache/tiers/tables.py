@@ -42,9 +42,12 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.nn.functional as F
+
 from .. import vllm_omni
 from ..errors import ConfigError
-from ..plans import PlanKey
+from ..plans import PlanKey, format_plan, key_to_plan
 from ..rows import PlanRows
 from ..spec import ModulationSpec
 from ..tablefile import TableFile
@@ -250,13 +253,16 @@ class TablesTier:
         generation: int | None = None,
         content: Callable[[], str | None] | None = None,
         agree: AnyOf | None = None,
+        embed: Callable[[torch.Tensor], Any] | None = None,
     ) -> dict[PlanKey, PlanRows]:
         """Rows of every key some file holds (first file first); a failed slot digest is a miss.
 
         ``template``: the binding (content left open) the cache would give tables built now; a file
         bound otherwise is skipped. ``generation``, ``content()``, ``agree``: the source identity
         generation, its content digest (hashing if it must: a collective in a group) and the ranks'
-        any-of, for the check again after the source changed (module docstring).
+        any-of, for the check again after the source changed (module docstring). ``embed``: the build's
+        ``embed(plan)``; a vLLM-Omni sidecar's plan is served only where it gives the projection input the
+        file's rows were computed from (see :meth:`_same_input`).
         """
         if generation is not None and generation != self._checked and content is not None:
             self._recheck(keys, generation, content, agree or (lambda flags: flags))
@@ -276,12 +282,37 @@ class TablesTier:
                                 table.path)  # fmt: skip
                 continue
             for key in todo:
+                if table.manifest is not None and not self._same_input(table, key, embed):
+                    continue
                 rows = table.read(key)
                 if rows is None:
                     self.corrupt += 1
                     continue
                 found[key] = rows
         return found
+
+    def _same_input(self, table: TableFile, key: PlanKey, embed: Callable[[torch.Tensor], Any] | None) -> bool:
+        """Whether this build's projection input for ``key`` is the one a vLLM-Omni sidecar's rows came from.
+
+        The sidecar records each plan's fp32 time embedding; its rows are the projections of
+        ``silu(temb)`` in the projections' dtype. A model whose time embedding of the plan has other
+        bits (on a CPU, a one-row fp32 GEMV can change with the time embedder weights' address) would
+        get rows that are not its own, so the plan is built instead. Without ``embed`` (a cache of
+        table files only) nothing can be compared and the file is trusted, as vLLM-Omni trusts it.
+        """
+        if embed is None:
+            return True
+        temb = table.read_rows(vllm_omni.EMBEDDINGS, key)
+        x = embed(key_to_plan(key, self.spec.plan_columns))
+        if temb is None or not isinstance(x, torch.Tensor):
+            return True
+        wanted = F.silu(temb.to(x.device)).to(x.dtype)
+        if torch.equal(x, wanted):
+            return True
+        self._say(table, f"input {key}", "%s: plan %s: this model's time embedding differs from the one the file's "
+                  "rows were computed from: built here instead", table.path,
+                  format_plan(key, columns=self.spec.plan_columns))  # fmt: skip
+        return False
 
     def searched(self) -> str:
         """The files searched and how many plans each holds, for messages."""
