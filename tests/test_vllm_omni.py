@@ -135,7 +135,7 @@ def test_export_writes_the_sidecar_and_tables_serves_it_exactly(
     model, ckpt, spec = bf16
     out = tmp_path / "h3.safetensors"
     assert _export(ckpt, out, *T2VA6) == 0
-    assert "--enforce-eager" in capsys.readouterr().out
+    assert "enforce_eager" in capsys.readouterr().out
     contract = vo.schedule_contract("t2va", 6)
     plans = vo.timestep_plans(contract)
     with safe_open(str(out), framework="pt") as handle:

@@ -154,7 +154,7 @@ def run_export(args: argparse.Namespace) -> int:
         print(
             f"  serves vLLM-Omni {vllm_omni.variant_of(sidecar['mode'])} requests of mode {sidecar['mode']}, "
             f"{sidecar['num_steps']} steps, flow_shift {sidecar['flow_shift']:g}, audio_flow_shift "
-            f"{sidecar['audio_flow_shift']:g}: --enforce-eager, tensor parallel 1, on this machine class"
+            f"{sidecar['audio_flow_shift']:g}, in eager mode (enforce_eager), tensor parallel 1, on this machine class"
         )
     elif rank0:
         sglang = ", ".join(f"--steps {n} -> --num-inference-steps {n - 1}" for n in args.steps)
