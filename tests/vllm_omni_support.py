@@ -77,9 +77,9 @@ def _constants(path: Path, names: set[str]) -> types.ModuleType:
     """A module holding the named module-level constants of ``path``, read from its source."""
     module = types.ModuleType(path.stem)
     for node in ast.parse(path.read_text()).body:
-        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
-            if node.targets[0].id in names:
-                setattr(module, node.targets[0].id, ast.literal_eval(node.value))
+        target = node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else None
+        if isinstance(node, ast.Assign) and isinstance(target, ast.Name) and target.id in names:
+            setattr(module, target.id, ast.literal_eval(node.value))
     return module
 
 

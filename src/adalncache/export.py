@@ -2,9 +2,10 @@
 
 :func:`export_tables` computes the tables of a set of plans with an :class:`~adalncache.AdalnCache`
 (so store entries are reused, and a ``torchrun`` group shares the passes exactly as ``build``
-does) and streams them into a table file (:mod:`adalncache.tablefile`) in one of two formats:
-``sglang`` (exactly SGLang's sidecar, for a family whose ``table_formats`` include it) or
-``adalncache`` (the same tensors plus the binding that lets a reader verify it; every family).
+does) and streams them into a table file (:mod:`adalncache.tablefile`) in one of three formats:
+``sglang`` (exactly SGLang's sidecar, for a family whose ``table_formats`` include it),
+``adalncache`` (the same tensors plus the binding that lets a reader verify it; every family) or
+``vllm-omni`` (vLLM-Omni's weight-bound sidecar of one schedule, :mod:`adalncache.vllm_omni`).
 :func:`verify_tables` recomputes a file's plans from a checkpoint on this machine and compares
 them bit for bit. ``adalncache export`` and ``adalncache verify --tables`` are shells over these.
 

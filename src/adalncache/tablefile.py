@@ -23,6 +23,12 @@ the numeric environment, the tool's version, the schedules, the family and its l
 column, width), and a BLAKE3 digest per slot, checked on every read. A bound file of bfloat16
 tables with a ``model_variant`` is also an SGLang file: SGLang ignores the extra keys.
 
+A third format, ``vllm-omni`` (``format_version = "4"``), adds a per-row tensor (the time
+embeddings) and binds the file with a manifest instead; its rules live in :mod:`adalncache.vllm_omni`,
+which this module asks to check such a file when it opens one (the whole payload against its
+digests). The writer takes a format's extra per-row tensors and reads its tensors back for such
+digests; the reader reads any per-row tensor of a plan (:meth:`TableFile.read_rows`).
+
 :class:`TableWriter` streams a file slot by slot (never a whole P x W slab in memory), into a
 temporary file renamed into place at the end; :class:`TableFile` opens one, validates it, and
 reads a plan's rows with two ``pread`` calls.

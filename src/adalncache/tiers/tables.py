@@ -29,6 +29,13 @@ What is checked, and when:
   ``tables_corrupt``), never wrong rows. A file changed on disk since it was opened is not read
   again (a table file is read-only by contract; reopen the cache to use a new one).
 
+A vLLM-Omni sidecar (:mod:`adalncache.vllm_omni`) carries a manifest instead of a binding: at
+construction its ``math`` block must be this device's and, where the cache has weights, its weight
+digests the source's (one hashing read); at every lookup the ``math`` block again (and no
+autocast); after the source changed, the weight digests again. It records each plan's time
+embedding, so a plan is served only where the build's own projection input equals ``silu`` of
+it (a build without ``embed=`` trusts the file, as vLLM-Omni does).
+
 Tables hold the base projection (no LoRA), so the tier serves nothing while a variant (a LoRA
 signature) is active.
 """
