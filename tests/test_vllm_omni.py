@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import os
 import types
 from collections.abc import Callable
 from pathlib import Path
@@ -254,6 +255,7 @@ def test_export_refuses_what_the_sidecar_cannot_hold(
         (ckpt, [*T2VA6, "--model-variant", "ref2va"], "--model-variant ref2va does not serve --mode t2va"),
         (ckpt, ["--format", "vllm-omni", "--mode", "ref2va-image", "--model-variant", "fl2va"], "--model-variant"),
         (ckpt, [*T2VA6, "--shard", "columns"], "--shard layers"),
+        (ckpt, [*T2VA6, "--store", str(tmp_path / "store")], "drop --store"),
         (ckpt, [*T2VA6, "--task", "t2va"], "drop --task"),
         (ckpt, ["--format", "vllm-omni"], "needs --mode"),
         (ckpt, ["--format", "vllm-omni", "--mode", "t2va", "--base-schedule", "1,0.5"], "--base-schedule"),
@@ -269,19 +271,18 @@ def test_export_refuses_what_the_sidecar_cannot_hold(
     contract = vo.schedule_contract("t2va", 4)
     plans = vo.timestep_plans(contract)
 
-    def refused(cache: AdalnCache, says: str, **kwargs: Any) -> None:
-        args: dict[str, Any] = {"format": "vllm-omni", "schedules": [contract], "progress": False, **kwargs}
-        given = kwargs.pop("plans", plans)
-        args.pop("plans", None)
+    def refused(cache: AdalnCache, says: str, given: list[torch.Tensor] = plans, **kwargs: Any) -> None:
         with pytest.raises(ConfigError, match=says):
-            export_tables(cache, given, out, **args)
+            export_tables(cache, given, out, **{"format": "vllm-omni", "schedules": [contract], "progress": False,
+                                                **kwargs})  # fmt: skip
         assert cache.stats.passes == 0 and not out.exists()
 
     cache = AdalnCache(spec, source, max_plans=8, max_plan_width=2)
     refused(cache, "drop embed=", embed=time_embed_fn(source, spec))
     refused(cache, "exactly one schedule", schedules=[contract, contract])
-    refused(cache, "exactly the schedule's plans", plans=plans[::-1])
+    refused(cache, "exactly the schedule's plans", plans[::-1])
     refused(cache, "does not serve", model_variant="ref2va")
+    refused(AdalnCache(spec, source, max_plans=8, max_plan_width=2, store=tmp_path / "s"), "drop --store")
     lora = AdalnCache(spec, source, max_plans=8, max_plan_width=2)
     lora.build(plans[:1], embed=time_embed_fn(source, spec), variant="lora:adapter-1")
     passes = lora.stats.passes
@@ -378,3 +379,34 @@ def test_vllm_omnis_loader_accepts_the_export_and_serves_our_rows(
         third.verify_weight(name, tensor)
     with pytest.raises(ValueError, match="numerical environment"):
         third.finish_loading(torch.device("cpu"))
+
+
+def test_a_sidecar_is_checked_again_when_the_checkpoint_changes(
+    bf16: tuple[Any, Path, ModulationSpec], load_tiny: Callable[[str], Any], tmp_path: Path
+) -> None:
+    """The checkpoint is replaced by other weights (atomic renames): the sidecar's weight digests are checked
+    again, found to differ, and it is never served again; every plan is built from the new bytes."""
+    _, ckpt, spec = bf16
+    out = tmp_path / "h3.safetensors"
+    assert _export(ckpt, out, *T2VA6) == 0
+    plans = vo.timestep_plans(vo.schedule_contract("t2va", 6))
+    source = CheckpointSource(ckpt, spec)
+    embed = vo.TimeEmbedding(source, spec).embed
+    cache = AdalnCache(spec, source, max_plans=8, max_plan_width=2, tables=out)
+    assert cache.build(plans[1:2], embed=embed).table_hits == 1
+    fine_tuned = load_tiny("bf16-disk")
+    with torch.no_grad():
+        fine_tuned.transformer_blocks[0].adaln_proj.linear.bias.add_(1)
+    other = write_h3_checkpoint(fine_tuned, tmp_path / "other")
+    for path in sorted(other.iterdir()):
+        os.replace(path, ckpt / path.name)
+    report = cache.build(plans, embed=embed)
+    assert (report.table_hits, report.built) == (0, len(plans)) and cache.stats.fingerprint_changes == 1
+    fresh = AdalnCache(spec, CheckpointSource(ckpt, spec), max_plans=8, max_plan_width=2)  # the new bytes
+    fresh.build(plans, embed=embed)
+    for plan in plans:
+        a, b = cache.rows_of(plan_key(plan)), fresh.rows_of(plan_key(plan))
+        assert all(torch.equal(x, y) for x, y in zip(a.parts, b.parts))
+    cache.invalidate()
+    report = cache.build(plans, embed=embed)  # the file names other weights: not consulted again
+    assert report.table_hits == 0 and report.passes == 1

@@ -119,6 +119,11 @@ def run_export(args: argparse.Namespace) -> int:
     check_export(spec, format=args.format, precision=args.precision, model_variant=args.model_variant,
                  tasks=args.task or ())  # fmt: skip
     if sidecar is not None:
+        if args.store:
+            raise ConfigError(
+                "--format vllm-omni projects every plan from vLLM-Omni's own time embedding, which store entries do "
+                "not record: drop --store"
+            )
         world = int(os.environ.get("WORLD_SIZE", "1"))
         vllm_omni.check_export(
             spec, precision=args.precision, model_variant=args.model_variant, contract=sidecar, shard=args.shard,

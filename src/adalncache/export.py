@@ -283,8 +283,9 @@ def _export_sidecar(
     """Write vLLM-Omni's weight-bound sidecar (:mod:`adalncache.vllm_omni`); see :func:`export_tables`.
 
     The projections' weight digests are taken from the bytes the passes project with (a layer no
-    pass read, a store hit say, is hashed by one read at the end); the payload digests by reading
-    the finished tensors back from the temporary file before it is renamed into place.
+    pass of this process read, another rank's in a layer split, is hashed by one read at the end);
+    the payload digests by reading the finished tensors back from the temporary file before it is
+    renamed into place. No store or table file is used: their rows record no projection input.
     """
     spec = cache.spec
     contract = _sidecar_schedule(plans, schedules)
@@ -292,8 +293,15 @@ def _export_sidecar(
         spec, precision=cache.precision, model_variant=model_variant, contract=contract, variant=cache.variant,
         shard=cache.shard, world_size=cache.world_size,
     )  # fmt: skip
+    if cache.store is not None or cache.tables is not None:
+        raise ConfigError(
+            f"--format {vllm_omni.FORMAT} projects every plan from vLLM-Omni's own time embedding, which store entries "
+            f"and table files do not record (they may hold rows of another input): drop --store (store=, tables=)"
+        )
     embedding = vllm_omni.TimeEmbedding(cache.source, spec, cache.device)
-    inputs = [*source_files(cache.source), *([t.path for t in cache.tables.files] if cache.tables else [])]
+    # Resident plans were built from whatever embed= their build had: projected again here.
+    cache.invalidate()
+    inputs = source_files(cache.source)
     extras = {vllm_omni.EMBEDDINGS: ((spec.time_embed_dim,), torch.float32)}
     writer = TableWriter(path, spec, plans, bound=False, extras=extras) if cache.rank == 0 else None
     check_output(path, inputs, needs=writer.nbytes if writer is not None else None)

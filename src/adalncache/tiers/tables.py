@@ -202,7 +202,7 @@ class TablesTier:
         """The source's identity moved since the last check: check every live file's content again (see above)."""
         live = [t for t in self.files if t.path not in self._gone]
         for table in [t for t in live if t.manifest is not None]:
-            if any(k in table for k in keys) and self._sidecar_weights(table):
+            if self._sidecar_weights(table):
                 self._gone.add(table.path)
                 log.warning("%s was exported from other weights than the checkpoint now holds: no longer served",
                             table.path)  # fmt: skip
