@@ -205,12 +205,18 @@ def test_export_writes_the_sidecar_and_tables_serves_it_exactly(
 
 
 def test_inspect_and_verify_tables_understand_the_sidecar(
-    bf16: tuple[Any, Path, ModulationSpec], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    bf16: tuple[Any, Path, ModulationSpec], tiny_saved_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     _, ckpt, spec = bf16
     out = tmp_path / "ref.safetensors"
-    assert _export(ckpt, out, "--format", "vllm-omni", "--mode", "ref2va-mixed", "--num-steps", "4",
-                   "--flow-shift", "6", "--audio-flow-shift", "2.5") == 0  # fmt: skip
+    schedule = ["--format", "vllm-omni", "--mode", "ref2va-mixed", "--num-steps", "4", "--flow-shift", "6",
+                "--audio-flow-shift", "2.5"]  # fmt: skip
+    assert _export(ckpt, out, *schedule) == 0
+    # The same weights in diffusers' layout (the whole saved transformer) give the same manifest and payload:
+    # digests name the native tensors and hash the bytes, whatever the file calls them.
+    assert _export(tiny_saved_root / "bf16", tmp_path / "diffusers.safetensors", *schedule) == 0
+    ours, theirs = (json.loads(TableFile(p).metadata["manifest"]) for p in (out, tmp_path / "diffusers.safetensors"))
+    assert ours == theirs
     capsys.readouterr()
     assert main(["inspect", str(out)]) == 0
     shown = capsys.readouterr().out
