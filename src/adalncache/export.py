@@ -326,15 +326,10 @@ def _export_sidecar(
                     writer.write_extra(vllm_omni.EMBEDDINGS, index, embedding.temb(plans[index]))
             cache.invalidate()
         if writer is None:
-            return ExportReport(path, vllm_omni.FORMAT, len(plans), writer_width(spec, keys), 0, passes, store_hits,
+            return ExportReport(path, vllm_omni.FORMAT, len(plans), _width(spec, keys), 0, passes, store_hits,
                                 built, None)  # fmt: skip
         digests.complete(cache.source, read_ahead=cache.read_ahead)
-        payload = {}
-        for name in vllm_omni.PAYLOAD:
-            value = writer.read_back(name)
-            if not bool(torch.isfinite(value).all()):
-                raise ConfigError(f"the {name} of this export hold non-finite values: vLLM-Omni refuses such a file")
-            payload[name] = vllm_omni.tensor_sha256(value)
+        payload = _payload_digests(writer)
         found = vllm_omni.manifest(
             spec=spec, embedding=embedding, contract=contract, model_variant=variant,
             weights={**embedding.digests, **digests.digests}, payload=payload, math_block=math_block,
@@ -350,9 +345,20 @@ def _export_sidecar(
                         built, None)  # fmt: skip
 
 
-def writer_width(spec: ModulationSpec, keys: Sequence[Any]) -> int:
+def _width(spec: ModulationSpec, keys: Sequence[Any]) -> int:
     """The widest plan of ``keys``: a file's ``W``."""
     return max(spec.plan_rows(k) for k in keys)
+
+
+def _payload_digests(writer: TableWriter) -> dict[str, str]:
+    """The sidecar's payload digests, of its tensors as written (read back); non-finite values are refused."""
+    payload = {}
+    for name in vllm_omni.PAYLOAD:
+        value = writer.read_back(name)
+        if not bool(torch.isfinite(value).all()):
+            raise ConfigError(f"the {name} of this export hold non-finite values: vLLM-Omni refuses such a file")
+        payload[name] = vllm_omni.tensor_sha256(value)
+    return payload
 
 
 # ---------------------------------------------------------------------------------------------
