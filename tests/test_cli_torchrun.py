@@ -103,3 +103,19 @@ def test_export_under_a_launcher_equals_the_one_process_file(tiny_saved_root: Pa
             assert torch.equal(a.get_tensor(name), b.get_tensor(name)), name
         mine, theirs = json.loads(a.metadata()["adalncache.binding"]), json.loads(b.metadata()["adalncache.binding"])
         assert mine == theirs and mine["content"].startswith("blake3:")
+
+
+def test_vllm_omni_export_under_a_launcher_equals_the_one_process_file(tiny_saved_root: Path, tmp_path: Path) -> None:
+    """Two ranks share the passes of a ``--format vllm-omni`` export (layer shards): rank 0 hashes the layers
+    the other rank projected with one read, and writes the same file as one process (manifest and tensors)."""
+    checkpoint = tiny_saved_root / "bf16"
+    schedule = ["--format", "vllm-omni", "--mode", "fl2va", "--num-steps", "4", "-q"]
+    shared = tmp_path / "ranks.safetensors"
+    _launch([sys.executable, "-m", "adalncache", "export", str(checkpoint), "-o", str(shared), "--timeout", "60",
+             *schedule])  # fmt: skip
+    alone = tmp_path / "alone.safetensors"
+    assert main(["export", str(checkpoint), "-o", str(alone), *schedule]) == 0
+    with safe_open(str(shared), framework="pt") as a, safe_open(str(alone), framework="pt") as b:
+        assert a.metadata() == b.metadata() and sorted(a.keys()) == sorted(b.keys())
+        for name in a.keys():  # noqa: SIM118 (safe_open has no iteration)
+            assert torch.equal(a.get_tensor(name), b.get_tensor(name)), name

@@ -64,6 +64,9 @@ def _torchrun_group(device: torch.device, timeout: float) -> Iterator[tuple[Any,
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=timeout))
     try:
         yield dist.group.WORLD, device, dist.get_rank()
+        # The ranks leave together: a rank that exits while rank 0 still writes (and hashes) closes its
+        # connections under rank 0's process group, which can abort rank 0. Skipped on a failure.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
