@@ -534,7 +534,7 @@ def register(subparsers: Any) -> None:
 
     p = subparsers.add_parser(
         "export",
-        help="write the tables of one or more schedules to one file (sglang or adalncache format)",
+        help="write the tables of one or more schedules to one file (sglang, vllm-omni or adalncache format)",
         description=(
             "Compute the AdaLN tables of every plan the given tasks and step counts use, from CHECKPOINT (which must "
             "include the time embedder), and write them to one safetensors file: --format sglang is exactly SGLang's "
@@ -543,7 +543,9 @@ def register(subparsers: Any) -> None:
             "tables=) and adalncache verify --tables check it. Step counts: --steps N is the pipeline's "
             "num_inference_steps (N grid points, N - 1 forwards); SGLang's --num-inference-steps counts forwards, so "
             "a file exported with --steps N serves SGLang's --num-inference-steps N-1. Entries already in --store "
-            "are reused; under torchrun the ranks share the passes (--shard) and rank 0 writes the file."
+            "are reused; under torchrun the ranks share the passes (--shard) and rank 0 writes the file. --format "
+            "vllm-omni writes vLLM-Omni's weight-bound sidecar of one schedule, named by --mode, --num-steps "
+            "(forwards), --base-schedule, --flow-shift and --audio-flow-shift instead of --task and --steps."
         ),
     )
     p.add_argument("checkpoint", metavar="CHECKPOINT", help=".safetensors file, or a (sharded) checkpoint directory")
@@ -551,7 +553,8 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--format", default="adalncache", choices=list(FORMATS),
         help="adalncache: bound, verifiable, any dtype (default); sglang: exactly SGLang's sidecar (bfloat16, "
-        "--precision match, needs --model-variant)",
+        "--precision match, needs --model-variant); vllm-omni: vLLM-Omni's weight-bound sidecar of one schedule "
+        "(bfloat16, --precision match, no --store)",
     )  # fmt: skip
     p.add_argument(
         "--model-variant", choices=list(MODEL_VARIANTS), default=None,
