@@ -103,6 +103,8 @@ class TablesTier:
         self._checked: int | None = None
         #: (file, reason) pairs already logged, so a file skipped at every lookup is logged once.
         self._said: set[tuple[Path, str]] = set()
+        #: A vLLM-Omni sidecar's weight check, by (file, source fingerprint): the names that differ.
+        self._weights_checked: dict[tuple[Path, str], list[str]] = {}
 
     def __repr__(self) -> str:
         return f"TablesTier({[str(f.path) for f in self.files]})"
@@ -183,13 +185,20 @@ class TablesTier:
             )
 
     def _sidecar_weights(self, table: TableFile) -> list[str]:
-        """Names whose digest in the sidecar's manifest differs from this cache's weights (one hashing read)."""
+        """Names whose digest in the sidecar's manifest differs from this cache's weights (one hashing read).
+
+        Remembered per file and source fingerprint: a move to another device checks the ``math`` block
+        again, not the weights, and a changed checkpoint (another fingerprint) is hashed again.
+        """
         assert table.manifest is not None
-        digests = vllm_omni.input_digests(self.source, self.spec)
-        if digests is None:
-            log.info("%s: no weights to hash here: the sidecar's weight digests were not checked", table.path)
-            return []
-        return vllm_omni.weight_mismatches(table.manifest, digests)
+        key = (table.path, str(getattr(self.source, "fingerprint", None)))
+        if key not in self._weights_checked:
+            digests = vllm_omni.input_digests(self.source, self.spec)
+            if digests is None:
+                log.info("%s: no weights to hash here: the sidecar's weight digests were not checked", table.path)
+                return []
+            self._weights_checked[key] = vllm_omni.weight_mismatches(table.manifest, digests)
+        return self._weights_checked[key]
 
     def _say(self, table: TableFile, reason: str, message: str, *args: Any) -> None:
         if (table.path, reason) not in self._said:
