@@ -156,8 +156,8 @@ def run_export(args: argparse.Namespace) -> int:
     if rank0 and sidecar is not None:
         print(
             f"adalncache export: wrote {report.path} (vllm-omni format 4, {report.plans} plans of up to "
-            f"{report.width} timesteps, {report.bytes / 2**20:.2f} MiB): {report.store_hits} from the store, "
-            f"{report.built} built in {report.passes} pass(es)"
+            f"{report.width} timesteps, {report.bytes / 2**20:.2f} MiB): {report.built} built in {report.passes} "
+            f"pass(es)"
         )
         print(
             f"  serves vLLM-Omni {vllm_omni.variant_of(sidecar['mode'])} requests of mode {sidecar['mode']}, "
