@@ -416,3 +416,44 @@ def test_a_sidecar_is_checked_again_when_the_checkpoint_changes(
     cache.invalidate()
     report = cache.build(plans, embed=embed)  # the file names other weights: not consulted again
     assert report.table_hits == 0 and report.passes == 1
+
+
+def test_enable_adaln_cache_serves_a_sidecar_without_weights(
+    bf16: tuple[Any, Path, ModulationSpec], load_tiny: Callable[[str], Any], tmp_path: Path
+) -> None:
+    """A model enabled with a sidecar and no checkpoint: its projections are hashed against the manifest, then
+    freed; a plan whose input is the file's is served with the resident model's bits, one whose input differs
+    (the model's own time embedding of it has other bits) raises PlanNotCachedError, never wrong rows."""
+    from adalncache.diffusers import enable_adaln_cache
+    from adalncache.errors import PlanNotCachedError
+
+    model, ckpt, spec = bf16
+    out = tmp_path / "h3.safetensors"
+    assert _export(ckpt, out, *T2VA6) == 0
+    plans = vo.timestep_plans(vo.schedule_contract("t2va", 6))
+    resident = {}
+    with torch.no_grad():
+        for plan in plans:
+            x = torch.nn.functional.silu(model.time_embedder(model.time_proj(plan))).to(torch.bfloat16)
+            blocks = torch.stack([b.adaln_proj.linear(x) for b in model.transformer_blocks], dim=1)
+            resident[plan_key(plan)] = (x, blocks, model.norm_out.linear(x))
+    handle = enable_adaln_cache(model, tables=out)
+    embedding = vo.TimeEmbedding(CheckpointSource(ckpt, spec), spec)
+    same = [p for p in plans if torch.equal(resident[plan_key(p)][0], embedding.embed(p))]
+    assert len(same) >= len(plans) - 1
+    report = handle.prepare(same)
+    assert report.table_hits == len(same) and report.passes == 0
+    for plan in same:
+        rows = handle.cache.rows_of(plan_key(plan))
+        _, blocks, final = resident[plan_key(plan)]
+        assert torch.equal(rows.parts[0], blocks) and torch.equal(rows.parts[1], final)
+    for plan in [p for p in plans if not any(p is q for q in same)]:
+        with pytest.raises(PlanNotCachedError):
+            handle.prepare([plan])
+    # Another model's weights: refused when enabling, before anything is freed.
+    other = load_tiny("bf16-disk")
+    with torch.no_grad():
+        other.transformer_blocks[0].adaln_proj.linear.bias.add_(1)
+    with pytest.raises(ConfigError, match="other weights"):
+        enable_adaln_cache(other, tables=out)
+    assert other.transformer_blocks[0].adaln_proj.linear.weight.numel() > 0
