@@ -116,6 +116,7 @@ def test_schedule_defaults_and_refusals() -> None:
     assert vo.schedule_contract("fl2va", base_schedule=[1.0, 0.5, 0.0])["num_steps"] == 2
     for kwargs, says in (
         ({"mode": "i2v"}, "--mode"),
+        ({"mode": ["t2va"]}, "--mode"),
         ({"mode": "t2va", "num_steps": 1}, "--num-steps"),
         ({"mode": "t2va", "flow_shift": 0.0}, "--flow-shift"),
         ({"mode": "t2va", "audio_flow_shift": float("nan")}, "--audio-flow-shift"),

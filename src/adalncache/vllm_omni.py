@@ -135,7 +135,7 @@ def schedule_contract(
     ``num_steps`` counts forwards (denoiser evaluations), as vLLM-Omni's requests do; it defaults
     to 50, or to the explicit schedule's intervals. Raises PlanError naming the argument and flag.
     """
-    if mode not in MODES:
+    if not isinstance(mode, str) or mode not in MODES:
         raise PlanError(f"mode must be one of {', '.join(MODES)} (CLI --mode), got {mode!r}")
     positions = None if base_schedule is None else _check_positions(base_schedule)
     if num_steps is None:
