@@ -252,14 +252,14 @@ class TimeEmbedding:
         return F.silu(self.temb(plan)).to(self.dtype)
 
 
-def native_names(spec: ModulationSpec, layer: Layer) -> tuple[str, str]:
+def native_names(layer: Layer) -> tuple[str, str]:
     """The manifest's names of a layer's weight and bias."""
     return NATIVE.weight(layer), NATIVE.bias(layer)
 
 
 def weight_names(spec: ModulationSpec) -> list[str]:
     """Every name the manifest's ``weights`` must hold: the time embedder's, then every projection's."""
-    return [*NATIVE.time_embedder_tensors(), *(n for layer in spec.layers() for n in native_names(spec, layer))]
+    return [*NATIVE.time_embedder_tensors(), *(n for layer in spec.layers() for n in native_names(layer))]
 
 
 class WeightDigests:
@@ -280,7 +280,7 @@ class WeightDigests:
         self.from_read = 0
 
     def _take(self, layer: Layer, weight: torch.Tensor, bias: torch.Tensor) -> None:
-        name_w, name_b = native_names(self.spec, layer)
+        name_w, name_b = native_names(layer)
         self.digests[name_w] = tensor_sha256(weight)
         self.digests[name_b] = tensor_sha256(bias)
         self._seen.add(layer)
