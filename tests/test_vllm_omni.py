@@ -458,3 +458,27 @@ def test_enable_adaln_cache_serves_a_sidecar_without_weights(
     with pytest.raises(ConfigError, match="other weights"):
         enable_adaln_cache(other, tables=out)
     assert other.transformer_blocks[0].adaln_proj.linear.weight.numel() > 0
+
+
+def test_export_takes_the_releases_schedule_defaults(bf16: tuple[Any, Path, ModulationSpec], tmp_path: Path) -> None:
+    """Unset flags take what the release's model_index.json gives vLLM-Omni (its flow shifts, a distilled
+    release's positions), then vLLM-Omni's own defaults; a flag given wins."""
+    _, ckpt, _ = bf16
+    partition = tmp_path / "release" / "FL2VA"
+    (partition / "transformer").mkdir(parents=True)
+    for path in ckpt.iterdir():
+        (partition / "transformer" / path.name).write_bytes(path.read_bytes())
+    release = {"partition": "fl2va", "sigma_shift_scales": {"video": 5.0, "audio": 2.0},
+               "base_schedule": [1.0, 0.75, 0.5, 0.0]}  # fmt: skip
+    (partition / "model_index.json").write_text(json.dumps({"_minimax_h3": release}))
+
+    def schedule(*extra: str) -> dict[str, Any]:
+        out = tmp_path / "x.safetensors"
+        assert _export(partition / "transformer", out, "--format", "vllm-omni", "--mode", "fl2va", *extra) == 0
+        return json.loads(TableFile(out).metadata["manifest"])["schedule"]
+
+    assert schedule() == vo.schedule_contract("fl2va", 3, [1.0, 0.75, 0.5, 0.0], 5.0, 2.0)
+    assert schedule("--flow-shift", "7", "--base-schedule", "1,0.5,0") == vo.schedule_contract(
+        "fl2va", 2, [1.0, 0.5, 0.0], 7.0, 2.0
+    )
+    assert vo.release_defaults(ckpt) == {}  # a checkpoint outside a release: vLLM-Omni's defaults

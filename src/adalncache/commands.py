@@ -195,19 +195,21 @@ def _sidecar_arguments(parser: argparse.ArgumentParser) -> None:
         help="explicit rectified-flow positions, comma-separated (a distilled release's base_schedule)",
     )  # fmt: skip
     group.add_argument(
-        "--flow-shift", type=float, default=vllm_omni.DEFAULT_FLOW_SHIFT,
-        help=f"video flow shift (default: {vllm_omni.DEFAULT_FLOW_SHIFT:g}, vLLM-Omni's)",
+        "--flow-shift", type=float, default=None,
+        help=f"video flow shift (default: the release's, as vLLM-Omni reads it from model_index.json next to the "
+        f"transformer, else {vllm_omni.DEFAULT_FLOW_SHIFT:g})",
     )  # fmt: skip
     group.add_argument(
-        "--audio-flow-shift", type=float, default=vllm_omni.DEFAULT_AUDIO_FLOW_SHIFT,
-        help=f"audio flow shift (default: {vllm_omni.DEFAULT_AUDIO_FLOW_SHIFT:g}, vLLM-Omni's)",
+        "--audio-flow-shift", type=float, default=None,
+        help=f"audio flow shift (default: the release's, else {vllm_omni.DEFAULT_AUDIO_FLOW_SHIFT:g})",
     )  # fmt: skip
 
 
 def _sidecar_schedule(args: argparse.Namespace) -> dict[str, Any] | None:
     """The schedule contract of ``--format vllm-omni`` (None for the other formats); refuses mixed-up flags."""
     given = [flag for flag, value in (("--mode", args.mode), ("--num-steps", args.num_steps),
-                                      ("--base-schedule", args.base_schedule)) if value is not None]  # fmt: skip
+                                      ("--base-schedule", args.base_schedule), ("--flow-shift", args.flow_shift),
+                                      ("--audio-flow-shift", args.audio_flow_shift)) if value is not None]  # fmt: skip
     if args.format != vllm_omni.FORMAT:
         if given:
             raise ConfigError(f"{', '.join(given)} name a --format vllm-omni schedule: use --task and --steps here")
@@ -221,13 +223,19 @@ def _sidecar_schedule(args: argparse.Namespace) -> dict[str, Any] | None:
         )
     if args.mode is None:
         raise ConfigError(f"--format vllm-omni needs --mode (one of {', '.join(vllm_omni.MODES)})")
-    positions = None
+    # Unset flags take the release's defaults (its model_index.json), then vLLM-Omni's, as the server does.
+    release = vllm_omni.release_defaults(args.checkpoint)
+    positions = release.get("base_schedule")
     if args.base_schedule is not None:
         try:
             positions = [float(v) for v in args.base_schedule.split(",")]
         except ValueError:
             raise ConfigError(f"--base-schedule takes comma-separated numbers, got {args.base_schedule!r}") from None
-    return vllm_omni.schedule_contract(args.mode, args.num_steps, positions, args.flow_shift, args.audio_flow_shift)
+    flow = args.flow_shift if args.flow_shift is not None else release.get("flow_shift", vllm_omni.DEFAULT_FLOW_SHIFT)
+    audio = args.audio_flow_shift
+    if audio is None:
+        audio = release.get("audio_flow_shift", vllm_omni.DEFAULT_AUDIO_FLOW_SHIFT)
+    return vllm_omni.schedule_contract(args.mode, args.num_steps, positions, flow, audio)
 
 
 # ---------------------------------------------------------------------------------------------

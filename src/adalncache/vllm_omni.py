@@ -35,7 +35,9 @@ import itertools
 import json
 import logging
 import math
+import os
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -157,6 +159,35 @@ def schedule_contract(
             raise PlanError(f"{name} must be a positive finite number (CLI {flag}), got {value!r}")
         shifts[name] = float(value)
     return {"mode": mode, "num_steps": num_steps, "base_schedule": positions, **shifts}
+
+
+def release_defaults(checkpoint: str | os.PathLike[str]) -> dict[str, Any]:
+    """The schedule defaults a MiniMax-H3 release gives vLLM-Omni, read as vLLM-Omni reads them.
+
+    A release partition (``FL2VA/``, ``Ref2VA/``) holds ``transformer/`` and a ``model_index.json``
+    whose ``_minimax_h3`` object may set ``sigma_shift_scales`` (``video``, ``audio``: the server's
+    default flow shifts) and ``base_schedule`` (a distilled release's positions, which every request
+    then uses). ``checkpoint``: the transformer directory or one of its files. Empty when there is no
+    such file (a checkpoint outside a release); a file that cannot be read is logged and ignored.
+    """
+    path = Path(checkpoint)
+    index = (path if path.is_dir() else path.parent).parent / "model_index.json"
+    if not index.is_file():
+        return {}
+    try:
+        release = json.loads(index.read_text()).get("_minimax_h3") or {}
+        shifts = release.get("sigma_shift_scales") or {}
+        out: dict[str, Any] = {}
+        if "video" in shifts:
+            out["flow_shift"] = float(shifts["video"])
+        if "audio" in shifts:
+            out["audio_flow_shift"] = float(shifts["audio"])
+        if release.get("base_schedule") is not None:
+            out["base_schedule"] = [float(v) for v in release["base_schedule"]]
+    except (OSError, ValueError, TypeError, AttributeError) as exc:
+        log.warning("%s: cannot read the release's schedule defaults (%s): vLLM-Omni's own defaults apply", index, exc)
+        return {}
+    return out
 
 
 def _sigmas(num_steps: int, shift: float, positions: list[float] | None) -> list[float]:
@@ -581,6 +612,7 @@ __all__ = [
     "metadata",
     "padded_plans",
     "read_manifest",
+    "release_defaults",
     "schedule_contract",
     "spec_fields",
     "tensor_sha256",
