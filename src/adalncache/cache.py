@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 import time
 from collections.abc import Hashable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
+from typing_extensions import Unpack
 
 from .devices import allocation_error, check_available, resolve_device
 from .distributed import make_collective
@@ -40,6 +40,7 @@ from .faults import NO_FAULTS, FaultPoints
 from .holds import PlanHold
 from .identity import TableIdentity
 from .numerics import autocast_dtype, device_identity
+from .options import PRECISIONS, SHARD_MODES, CacheKwargs, CacheOptions, knob, option_keywords
 from .plans import PlanKey, distinct_plans, keyed_plans, plan_key
 from .rebuild import EmbedFn, ProjectFn, default_project
 from .relocation import TableParking, same_device
@@ -54,7 +55,7 @@ from .spec import ModulationSpec
 from .streams import StreamSync, events_for
 from .tiers.chain import TierChain
 from .tiers.host import HOST_TIER_KNOB
-from .tiers.tables import TablesArg, TablesTier
+from .tiers.tables import TablesTier
 from .transaction import BuildSettings, BuildTransaction
 
 if TYPE_CHECKING:
@@ -63,38 +64,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-PRECISIONS = ("match", "fp32")
-SHARD_MODES = ("layers", "columns")
 
-
-def _check_int(name: str, value: Any, flag: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}: set {name}= (CLI {flag})")
-    return value
-
-
-def _check_arguments(
-    spec: Any, source: Any, *, max_plans: Any, max_plan_width: Any, host_cache_bytes: Any, read_ahead: Any,
-    batched: Any, precision: Any, shard: Any, tables: Any, store: Any,
-) -> None:  # fmt: skip
-    """Every construction argument the cache can check alone; ConfigError names the one to change."""
+def _check_spec_and_source(spec: Any, source: Any, tables: Any) -> None:
+    """The arguments beside the options that the cache can check alone; ConfigError names the one to change."""
     if not isinstance(spec, ModulationSpec):
         raise ConfigError(f"spec must be a ModulationSpec, got {type(spec).__name__}")
-    _check_int("max_plans", max_plans, "--max-plans", 1)
-    _check_int("max_plan_width", max_plan_width, "--plan-width", 1)
-    _check_int("host_cache_bytes", host_cache_bytes, "--host-cache-gb", 0)
-    _check_int("read_ahead", read_ahead, "--read-ahead", 0)
-    if not isinstance(batched, bool):
-        raise ConfigError(f"batched must be True or False, got {batched!r}: set or drop --batched")
-    if precision not in PRECISIONS:
-        raise ConfigError(f"precision must be one of {list(PRECISIONS)}, got {precision!r}: set --precision")
-    if shard not in SHARD_MODES:
-        raise ConfigError(f"shard must be one of {list(SHARD_MODES)}, got {shard!r}: set --shard")
-    if store is not None and not isinstance(store, (str, os.PathLike)) and not hasattr(store, "get_many"):
-        raise ConfigError(
-            f"store= must be a directory path or a Store, got {type(store).__name__} {store!r}: set store= "
-            f"(CLI --store DIR), or None for no store"
-        )
     if source is None:
         if tables is None:
             raise ConfigError(
@@ -123,28 +97,33 @@ class AdalnCache(SlabReads):
     holds them.
     """
 
+    @option_keywords()
     def __init__(
         self,
         spec: ModulationSpec,
         source: WeightSource | None,
         *,
-        max_plans: int = 64,
-        max_plan_width: int = 4,
         device: torch.device | str = "cpu",
-        precision: str = "match",
-        host_cache_bytes: int = 0,
-        store: Store | str | Any = None,
-        process_group: Any = None,
-        shard: str = "layers",
-        read_ahead: int = 1,
-        progress: bool | None = None,
-        batched: bool = False,
-        tables: TablesArg | None = None,
+        **options: Unpack[CacheKwargs],
     ) -> None:
-        _check_arguments(
-            spec, source, max_plans=max_plans, max_plan_width=max_plan_width, host_cache_bytes=host_cache_bytes,
-            read_ahead=read_ahead, batched=batched, precision=precision, shard=shard, tables=tables, store=store,
-        )  # fmt: skip
+        """Allocate the slab on ``device`` and open the tiers; ConfigError names the argument to change.
+
+        Args:
+            spec: the geometry and dtype of the served projections.
+            source: where the projections' weights are read (None: table files only, ``tables=``).
+            device: where the slab lives and every pass projects.
+            {cache options}
+        """
+        _check_spec_and_source(spec, source, options.get("tables"))
+        opts = CacheOptions.of(options, where="AdalnCache()")
+        max_plans, max_plan_width, precision = opts.max_plans, opts.max_plan_width, opts.precision
+        host_cache_bytes, store, process_group, shard = (
+            opts.host_cache_bytes,
+            opts.store,
+            opts.process_group,
+            opts.shard,
+        )
+        read_ahead, progress, batched, tables = opts.read_ahead, opts.progress, opts.batched, opts.tables
         self.device = resolve_device(device, argument="device")
         if self.device.type == "cuda" and self.device.index is None:
             # Pin the index now: a build or a reader thread must not land on whatever device is
@@ -255,7 +234,7 @@ class AdalnCache(SlabReads):
 
     # -- construction helpers ---------------------------------------------------------------
 
-    _SLAB_KNOBS = "max_plans (CLI --max-plans) or max_plan_width (CLI --plan-width)"
+    _SLAB_KNOBS = f"{knob('max_plans')} or {knob('max_plan_width')}"
 
     def _allocate_slab(self) -> Slab:
         """The slab, refused (ConfigError naming its bytes and the knobs) when the device cannot hold it."""
@@ -513,8 +492,8 @@ class AdalnCache(SlabReads):
         with self._exclusive("build()"):
             if self._closed:
                 raise ConfigError(
-                    "this AdalnCache was closed (close(), or the diffusers handle's disable()) and cannot build; "
-                    "create a new one"
+                    "this AdalnCache was closed (close(), or the disable() of the integration that owned it) and "
+                    "cannot build; create a new one"
                 )
             self._in_build.active = True
             try:
@@ -602,7 +581,7 @@ class AdalnCache(SlabReads):
             if held:
                 raise ConfigError(
                     f"cannot move the cache from {self.device} to {target}: {len(held)} slot(s) are held by "
-                    "requests in flight, whose slot tensors are on the old device; move it (model.to(...)) "
+                    "requests in flight, whose slot tensors are on the old device; move it (or the model it serves) "
                     "after their acquire() blocks end (handle.release() for a pipeline request)"
                 )
             self._relocate(target)
