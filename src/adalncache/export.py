@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 
 from .cache import AdalnCache
 from .errors import ConfigError
+from .options import flag
 from .plans import format_plan, key_to_plan, plan_key
 from .source import CheckpointSource
 from .spec import ModulationSpec
@@ -57,40 +58,41 @@ def check_export(
 ) -> None:
     """Refuse, before any work, what the target format cannot express (ConfigError naming the flag)."""
     family = spec.family
+    fmt, variant, prec = flag("format"), flag("model_variant"), flag("precision")
     if format not in FORMATS:
-        raise ConfigError(f"--format must be one of {', '.join(FORMATS)}, got {format!r}")
+        raise ConfigError(f"{fmt} must be one of {', '.join(FORMATS)}, got {format!r}")
     if format not in family.table_formats:
         raise ConfigError(
-            f"--format {format} cannot hold {family.title} tables (that format serves only the families whose tables "
-            f"its engine loads); use --format {' or '.join(family.table_formats)}"
+            f"{fmt} {format} cannot hold {family.title} tables (that format serves only the families whose tables "
+            f"its engine loads); use {fmt} {' or '.join(family.table_formats)}"
         )
     variants = family.model_variants
     if model_variant is not None and not variants:
-        raise ConfigError(f"--model-variant does not apply to {family.title} tables: drop it")
+        raise ConfigError(f"{variant} does not apply to {family.title} tables: drop it")
     if model_variant is not None and model_variant not in variants:
-        raise ConfigError(f"--model-variant must be one of {', '.join(variants)}, got {model_variant!r}")
+        raise ConfigError(f"{variant} must be one of {', '.join(variants)}, got {model_variant!r}")
     if format == "sglang":
         if spec.dtype != torch.bfloat16:
             raise ConfigError(
-                f"--format sglang holds bfloat16 tables only (SGLang checks the dtype), but this checkpoint's "
-                f"projections are {str(spec.dtype).removeprefix('torch.')}: use --format adalncache"
+                f"{fmt} sglang holds bfloat16 tables only (SGLang checks the dtype), but this checkpoint's "
+                f"projections are {str(spec.dtype).removeprefix('torch.')}: use {fmt} adalncache"
             )
         if precision != "match":
             raise ConfigError(
-                f"--format sglang cannot hold --precision {precision} tables: SGLang serves the file as the "
-                f"resident projection's output (precision match); use --precision match or --format adalncache"
+                f"{fmt} sglang cannot hold {prec} {precision} tables: SGLang serves the file as the "
+                f"resident projection's output (precision match); use {prec} match or {fmt} adalncache"
             )
         if model_variant is None and variants:
             raise ConfigError(
-                f"--format sglang needs --model-variant {' or '.join(variants)}: SGLang compares it with its own "
-                f"--model-variant ({_runs_on(family)})"
+                f"{fmt} sglang needs {variant} {' or '.join(variants)}: SGLang compares it with its own "
+                f"{variant} ({_runs_on(family)})"
             )
     if model_variant is not None:
         wrong = sorted({t for t in tasks if family.variant_of(t) != model_variant})
         if wrong:
             raise ConfigError(
-                f"--model-variant {model_variant} does not serve --task {', '.join(wrong)} ({_runs_on(family, 'the ')}"
-                f"): export one file per transformer"
+                f"{variant} {model_variant} does not serve {flag('task')} {', '.join(wrong)} "
+                f"({_runs_on(family, 'the ')}): export one file per transformer"
             )
 
 
@@ -121,14 +123,14 @@ def check_output(path: Path, inputs: Iterable[Path] = (), *, needs: int | None =
     except FileNotFoundError:
         st = None
     except OSError as exc:
-        raise ConfigError(f"-o/--output {path} cannot be used: {exc}") from None
+        raise ConfigError(f"{flag('output')} {path} cannot be used: {exc}") from None
     if st is not None:
         if stat.S_ISDIR(st.st_mode):
-            raise ConfigError(f"-o/--output {path} is a directory: name the table file to write")
+            raise ConfigError(f"{flag('output')} {path} is a directory: name the table file to write")
         if not stat.S_ISREG(st.st_mode):
             raise ConfigError(
-                f"-o/--output {path} is not a regular file (a FIFO, a device or a socket), which the table file would "
-                f"replace: name a new file, or a table file to replace"
+                f"{flag('output')} {path} is not a regular file (a FIFO, a device or a socket), which the table file "
+                f"would replace: name a new file, or a table file to replace"
             )
         for source in inputs:
             try:
@@ -137,12 +139,12 @@ def check_output(path: Path, inputs: Iterable[Path] = (), *, needs: int | None =
                 continue
             if (other.st_dev, other.st_ino) == (st.st_dev, st.st_ino):
                 raise ConfigError(
-                    f"-o/--output {path} is {source}, which this export reads (the checkpoint): writing the tables "
-                    f"there would destroy it; name another file"
+                    f"{flag('output')} {path} is {source}, which this export reads (the checkpoint): writing the "
+                    f"tables there would destroy it; name another file"
                 )
     parent = path.parent if str(path.parent) else Path(".")
     if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-        raise ConfigError(f"-o/--output {path}: its directory {parent} does not exist or is not writable")
+        raise ConfigError(f"{flag('output')} {path}: its directory {parent} does not exist or is not writable")
     if needs is not None:
         try:
             vfs = os.statvfs(parent)
@@ -151,8 +153,8 @@ def check_output(path: Path, inputs: Iterable[Path] = (), *, needs: int | None =
             return
         if needs > free:
             raise ConfigError(
-                f"-o/--output {path}: the table file needs {needs} bytes ({needs / 2**20:.1f} MiB) but its disk has "
-                f"{free} bytes free: free some space, or name a file on another disk"
+                f"{flag('output')} {path}: the table file needs {needs} bytes ({needs / 2**20:.1f} MiB) but its disk "
+                f"has {free} bytes free: free some space, or name a file on another disk"
             )
 
 
@@ -213,8 +215,8 @@ def export_tables(
         if format == "adalncache" and binding is None:
             raise ConfigError(
                 "the content digest of the checkpoint could not be composed (a column split whose world size does "
-                "not divide 64 cuts the hashed row blocks): export the bound format with --shard layers or 2, 4, 8 "
-                "ranks, or use --format sglang"
+                f"not divide 64 cuts the hashed row blocks): export the bound format with {flag('shard')} layers or "
+                f"2, 4, 8 ranks, or use {flag('format')} sglang"
             )
         if writer is None:
             return ExportReport(path, format, len(plans), max(spec.plan_rows(k) for k in keys), 0, passes, store_hits,
@@ -278,10 +280,10 @@ def verify_tables(
     listed in ``foreign`` (a mismatch is then expected, not a fault of the file).
     """
     if sample is not None and sample < 1:
-        raise ConfigError(f"sample must be a positive number of plans, got {sample}: set --sample")
+        raise ConfigError(f"sample must be a positive number of plans, got {sample}: set {flag('sample')}")
     spec = source.spec
     if table.spec != spec:
-        raise ConfigError(f"{table.path} holds tables of another geometry than --checkpoint")
+        raise ConfigError(f"{table.path} holds tables of another geometry than {flag('checkpoint')}")
     binding = table.binding or {}
     precision = str(binding.get("precision", "match"))
     report = TablesVerifyReport()
@@ -294,7 +296,7 @@ def verify_tables(
         precision=precision, read_ahead=read_ahead, progress=progress, batched=False,
     )  # fmt: skip
     columns = spec.plan_columns
-    for chunk in tqdm(chunks, desc="adalncache verify --tables", unit="pass", disable=not progress):
+    for chunk in tqdm(chunks, desc=f"adalncache verify {flag('tables')}", unit="pass", disable=not progress):
         cache.build([key_to_plan(k, columns) for k in chunk], embed=embed)
         for key in chunk:
             shown = format_plan(key, columns=columns)

@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 from .cache import AdalnCache
 from .embedding import has_time_embedder
 from .errors import ConfigError
+from .options import flag
 from .plans import PlanKey, format_plan, key_to_plan, plan_key
 from .source import CheckpointSource
 from .spec import ModulationSpec
@@ -76,7 +77,9 @@ def fill_store(
     """
     store = cache.store
     if store is None:
-        raise ConfigError("fill_store needs a cache with a store: pass AdalnCache(..., store=DIR) (CLI --store)")
+        raise ConfigError(
+            f"fill_store needs a cache with a store: pass AdalnCache(..., store=DIR) (CLI {flag('store')})"
+        )
     if cache.world_size > 1:
         # Every rank must pass the same chunks: build() agrees on store hits across ranks itself.
         stored: set[PlanKey] = set()
@@ -103,7 +106,7 @@ def fill_store(
         raise ConfigError(
             f"{failures} store write(s) failed under {store.path}"
             f"{f' and {skipped} pass(es) could not write it at all' if skipped else ''} (see the log, -v): check the "
-            f"directory's free space and permissions (--store)"
+            f"directory's free space and permissions ({flag('store')})"
         )
     return FillReport(
         plans=len(plans), already_stored=len(stored) + hits, built=built, passes=passes,
@@ -170,7 +173,7 @@ def verify_store(
     ConfigError when the store holds nothing for this checkpoint here.
     """
     if sample is not None and sample < 1:
-        raise ConfigError(f"sample must be a positive number of entries, got {sample}: set --sample")
+        raise ConfigError(f"sample must be a positive number of entries, got {sample}: set {flag('sample')}")
     entries = store.entries()
     by_binding: dict[str, list[Any]] = {}
     for entry in entries:
@@ -218,7 +221,7 @@ def verify_store(
     if not matched_any:
         raise ConfigError(
             f"{store.path} holds no entries for this checkpoint on this machine ({len(entries)} entries under other "
-            f"bindings): check --checkpoint and --device, or run adalncache build first"
+            f"bindings): check {flag('checkpoint')} and {flag('device')}, or run adalncache build first"
         )
     return report
 

@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from .errors import PlanError
+from .options import knob
 from .schedules import minimax_h3_plans
 
 PlanKey = tuple[int, ...]
@@ -165,7 +166,7 @@ def validate_plan(plan: torch.Tensor, *, max_plan_width: int | None = None, colu
     if max_plan_width is not None and rows > max_plan_width:
         raise PlanError(
             f"a plan has {rows} {what} but the slab holds at most {max_plan_width} per "
-            f"plan: raise max_plan_width (CLI --plan-width) to at least {rows}"
+            f"plan: raise {knob('max_plan_width')} to at least {rows}"
         )
 
 

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from .errors import PlanError
+from .options import flag
 
 #: The request kinds of the MiniMax-H3 pipeline: text to video+audio, first/last keyframes to
 #: video+audio, and references (image, optionally audio) to video+audio.
@@ -31,7 +32,7 @@ TASKS = ("t2va", "fl2va", "ref2va")
 def check_task(task: object) -> str:
     """``task`` if it is one of :data:`TASKS`, else a PlanError naming ``task=`` and ``--task``."""
     if task not in TASKS:
-        raise PlanError(f"unknown task {task!r}: set task= (CLI --task) to one of {', '.join(TASKS)}")
+        raise PlanError(f"unknown task {task!r}: set task= (CLI {flag('task')}) to one of {', '.join(TASKS)}")
     return str(task)
 
 
@@ -40,7 +41,7 @@ def check_steps(steps: object) -> int:
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 2:
         raise PlanError(
             f"steps must be an integer >= 2 (the pipeline's num_inference_steps: grid points with the "
-            f"terminal 0, so n points give n - 1 forwards), got {steps!r}: set steps= (CLI --steps)"
+            f"terminal 0, so n points give n - 1 forwards), got {steps!r}: set steps= (CLI {flag('steps')})"
         )
     return steps
 

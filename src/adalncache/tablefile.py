@@ -48,6 +48,7 @@ from safetensors import safe_open
 from . import families
 from .errors import CheckpointError, ConfigError
 from .geometry import Family, KeyLayout, ModelGeometry, ServedLayer
+from .options import flag
 from .plans import PlanKey, format_plan, key_to_plan, plan_key
 from .rows import PlanRows
 from .source.digest import hash_hex
@@ -149,7 +150,7 @@ class TableWriter:
         self.spec = spec
         self.keys: list[PlanKey] = [plan_key(p, spec.plan_columns) for p in plans]
         if not self.keys:
-            raise ConfigError("a table file needs at least one plan (check --task and --steps)")
+            raise ConfigError(f"a table file needs at least one plan (check {flag('task')} and {flag('steps')})")
         if len(set(self.keys)) != len(self.keys):
             raise ConfigError("a table file holds each plan once: pass distinct plans (SGLang would serve one of them)")
         self.width = max(spec.plan_rows(k) for k in self.keys)
@@ -186,8 +187,8 @@ class TableWriter:
         """A write that failed (a full disk, say): the temporary file goes, the error names -o."""
         self.abort()
         return ConfigError(
-            f"cannot write the table file {self.path}: {exc.strerror or exc} (set -o/--output to a path on a disk with "
-            f"room for its {self.nbytes} bytes); nothing was written there"
+            f"cannot write the table file {self.path}: {exc.strerror or exc} (set {flag('output')} to a path on a "
+            f"disk with room for its {self.nbytes} bytes); nothing was written there"
         )
 
     def open(self, metadata: Mapping[str, str]) -> None:
@@ -374,7 +375,7 @@ class TableFile:
         if self.metadata.get(BOUND) is None and "sglang" not in spec.family.table_formats:
             raise _bad(
                 self.path, f"it carries no binding, and {spec.family.title} tables are only served from bound files "
-                f"(export them with adalncache export --format adalncache)", argument,
+                f"(export them with adalncache export {flag('format')} adalncache)", argument,
             )  # fmt: skip
         self._entries: dict[str, TensorEntry] = entries
         columns = spec.plan_columns

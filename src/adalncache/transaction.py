@@ -46,6 +46,7 @@ from .errors import (
 from .faults import FaultPoints
 from .identity import TableIdentity
 from .numerics import autocast_dtype
+from .options import flag, knob
 from .plans import PlanKey, format_plan, key_to_plan, plan_key, validate_plan
 from .rebuild import EmbedFn, ProjectFn, RebuildPass
 from .reports import BuildReport, CacheStats
@@ -173,7 +174,7 @@ class BuildTransaction:
         if self.settings.precision == "fp32":
             raise ConfigError(
                 f"precision='fp32' projects in fp32, but torch.autocast({self.settings.device.type!r}) makes the "
-                f"projection run in {dtype}: build outside autocast, or use precision='match' (CLI --precision)"
+                f"projection run in {dtype}: build outside autocast, or use precision='match' (CLI {flag('precision')})"
             )
         if spec.dtype != dtype and spec.dtype != torch.float32:
             raise ConfigError(
@@ -236,7 +237,7 @@ class BuildTransaction:
         if len(order) > settings.max_plans:
             raise PlanError(
                 f"the request needs {len(order)} distinct plans but the slab holds {settings.max_plans}: raise "
-                f"max_plans (CLI --max-plans) to at least {len(order)}, or split the request"
+                f"{knob('max_plans')} to at least {len(order)}, or split the request"
             )
         if not callable(embed) and (embed is not None or getattr(self.source, "serves_weights", True)):
             raise PlanError(_NEEDS_EMBED)
@@ -276,8 +277,9 @@ class BuildTransaction:
             raise PlanNotCachedError(
                 f"plan {format_plan(to_build[0], columns=self.settings.spec.plan_columns)} ({len(to_build)} plan(s) "
                 f"of this request) is not in {where} and "
-                f"this cache has no weight source to build it: pass checkpoint= (enable_adaln_cache, or a "
-                f"CheckpointSource), or export these tables (adalncache export CHECKPOINT --task T --steps N -o FILE)"
+                f"this cache has no weight source to build it: pass checkpoint= (an integration's, or a "
+                f"CheckpointSource), or export these tables (adalncache export CHECKPOINT {flag('task')} T "
+                f"{flag('steps')} N {flag('output').split('/')[0]} FILE)"
             )
         try:
             if to_build:  # a pass follows: it hashes only if no memo knows the digest (every rank asks here)

@@ -24,6 +24,7 @@ import torch
 
 from ..errors import CheckpointError, ConfigError
 from ..geometry import FINAL, TIMESTEP, Family, KeyLayout, ModelGeometry, ServedLayer, TablePart
+from ..options import flag
 
 #: The two checkpoint layouts: the native release's names and diffusers'.
 LAYOUTS: dict[str, KeyLayout] = {
@@ -152,7 +153,7 @@ def fields_from_headers(path: object, entries: Mapping[str, Any], layout: str, m
         }  # fmt: skip
     raise CheckpointError(
         f"{path} holds no AdaLN projection in a known layout (looked for {LAYOUTS['native'].weight(0)!r} "
-        f"and {LAYOUTS['diffusers'].weight(0)!r}): pass a MiniMax-H3 transformer checkpoint, or set --layout"
+        f"and {LAYOUTS['diffusers'].weight(0)!r}): pass a MiniMax-H3 transformer checkpoint, or set {flag('layout')}"
     )
 
 

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import CheckpointError
+from ..options import flag
 from .header import FileIdentity, SafetensorsHeader, is_regular
 from .writer import PAD_PREFIX
 
@@ -50,8 +51,8 @@ INDEX_SUFFIX = ".safetensors.index.json"
 
 #: How a user picks one file set: the library argument and every command-line way to pass a checkpoint.
 PICK = (
-    "pass the file (or the index) to serve from: CheckpointSource(path), checkpoint= of enable_adaln_cache, "
-    "the CHECKPOINT argument of adalncache build, export and inspect, or --checkpoint of adalncache verify"
+    "pass the file (or the index) to serve from: CheckpointSource(path), the checkpoint= of an integration, "
+    f"the CHECKPOINT argument of adalncache build, export and inspect, or {flag('checkpoint')} of adalncache verify"
 )
 
 

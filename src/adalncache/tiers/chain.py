@@ -37,6 +37,7 @@ import torch
 
 from ..errors import ConfigError
 from ..faults import FaultPoints
+from ..options import flag
 from ..plans import PlanKey
 from ..reports import BuildReport, CacheStats
 from ..rows import PlanRows
@@ -131,8 +132,8 @@ class TierChain:
             # never be found again, so they would only fill the disk.
             raise ConfigError(
                 f"store= needs a source whose identity survives the process (a CheckpointSource), got "
-                f"{type(source).__name__}: pass the checkpoint path (checkpoint= in enable_adaln_cache, CLI "
-                f"CHECKPOINT), or drop store= (--store)"
+                f"{type(source).__name__}: pass the checkpoint path (an integration's checkpoint=, CLI "
+                f"CHECKPOINT), or drop store= ({flag('store')})"
             )
         opened = None if store is None else store if isinstance(store, Store) else Store(store)
         files = None if tables is None else TablesTier(tables, spec)

@@ -58,6 +58,7 @@ import torch
 from ..errors import ConfigError
 from ..geometry import TABLE_PART
 from ..numerics import numeric_environment
+from ..options import flag
 from ..plans import PlanKey, key_to_plan
 from ..rows import PlanRows
 from ..source.header import NotARegularFile, dtype_named, open_regular, read_regular
@@ -168,10 +169,10 @@ class Store:
         lock_stale_s: float = 30.0,
     ) -> None:
         if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0):
-            raise ConfigError(f"max_bytes must be None or an integer >= 0, got {max_bytes!r} (CLI --max-gb)")
+            raise ConfigError(f"max_bytes must be None or an integer >= 0, got {max_bytes!r} (CLI {flag('max_bytes')})")
         for name, value in (("lock_wait_s", lock_wait_s), ("lock_stale_s", lock_stale_s)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-                raise ConfigError(f"{name} must be a number of seconds >= 0, got {value!r} (CLI --lock-wait)")
+                raise ConfigError(f"{name} must be a number of seconds >= 0, got {value!r} (CLI {flag('lock_wait_s')})")
         self.path = Path(path)
         self.max_bytes = max_bytes
         #: How long a build waits for another process that is building the same entries before it
@@ -194,7 +195,7 @@ class Store:
             # Never scatter entries into a directory that holds something else (a typo'd --store ~).
             raise ConfigError(
                 f"{self.path} is not empty and is not an adalncache store (no STORE marker): pass a new or empty "
-                f"directory (store= / CLI --store)"
+                f"directory (store= / CLI {flag('store')})"
             )
         try:
             for sub in ("bindings", "entries", "corrupt"):
@@ -202,7 +203,9 @@ class Store:
             if not marker.exists():
                 self._atomic_write(marker, f"adalncache store format {FORMAT_VERSION}\n".encode())
         except OSError as exc:
-            raise ConfigError(f"cannot use {self.path} as a store directory: {exc} (set store= / CLI --store)") from exc
+            raise ConfigError(
+                f"cannot use {self.path} as a store directory: {exc} (set store= / CLI {flag('store')})"
+            ) from exc
         self.sweep_temp()
 
     def __repr__(self) -> str:
@@ -531,7 +534,7 @@ class Store:
     def prune(self, max_bytes: int, *, keep: Iterable[Path] = ()) -> int:
         """Delete least-recently-used entries until they total at most ``max_bytes``; returns how many."""
         if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
-            raise ConfigError(f"max_bytes must be an integer >= 0, got {max_bytes!r} (CLI --max-gb)")
+            raise ConfigError(f"max_bytes must be an integer >= 0, got {max_bytes!r} (CLI {flag('max_bytes')})")
         protected = set(keep)
         listed = self.entries()
         total = sum(e.size for e in listed)

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
+from ..options import flag
 from ..plans import PlanKey
 from ..rows import PlanRows
 from ..spec import ModulationSpec
@@ -72,7 +73,8 @@ def table_paths(tables: Any) -> list[Path]:
     ):
         return [Path(t) for t in tables]
     raise ConfigError(
-        f"tables= must be a table file path or a non-empty list of them, got {type(tables).__name__} (CLI --tables)"
+        f"tables= must be a table file path or a non-empty list of them, got {type(tables).__name__} "
+        f"(CLI {flag('tables')})"
     )
 
 
@@ -113,7 +115,8 @@ class TablesTier:
                     raise ConfigError(
                         f"{table.path} (tables=) is an sglang table file, which holds tables of the projection "
                         f"as computed (precision 'match'); this cache has precision={precision!r}: use "
-                        f"precision='match' (CLI --precision) or export a bound file with --precision {precision}"
+                        f"precision='match' (CLI {flag('precision')}) or export a bound file with "
+                        f"{flag('precision')} {precision}"
                     )
                 log.info("%s: an sglang table file carries no binding: only its geometry was checked", table.path)
                 continue
@@ -127,7 +130,7 @@ class TablesTier:
                 raise ConfigError(
                     f"{table.path} (tables=) was exported for another {', '.join(differs)} ({detail}); its tables are "
                     f"not what this cache computes bit for bit: export on this machine class with these settings "
-                    f"(adalncache export --device, --precision, --shard)"
+                    f"(adalncache export {flag('device')}, {flag('precision')}, {flag('shard')})"
                 )
             if digest is None:
                 log.info(
