@@ -384,7 +384,7 @@ def test_the_speech_scan_finds_flags_and_words_above(tmp_path: Path) -> None:
         tmp_path,
         {
             "__init__.py": "",
-            "a.py": 'def f(n):\n    """Set --max-plans (a docstring documents)."""\n    return f"set {n} (CLI --max-plans)"\n',
+            "a.py": 'def f(n):\n    """Set --max-plans (documented)."""\n    return f"set {n} (CLI --max-plans)"\n',
             "b.py": 'MSG = "close the diffusers handle first"\n',
             "c.py": 'LAYOUT = "diffusers"\nOUT = "-o FILE"\n',
             "d.py": 'import diffusers\nMSG = "install diffusers"\n',
