@@ -16,7 +16,6 @@ A file exported with ``--steps N`` therefore serves SGLang at ``--num-inference-
 from __future__ import annotations
 
 import os
-import random
 import stat
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -27,13 +26,14 @@ import torch
 from tqdm.auto import tqdm
 
 from .cache import AdalnCache
+from .canonical import plain_json
 from .errors import ConfigError
 from .options import flag
 from .plans import format_plan, key_to_plan, plan_key
 from .source import CheckpointSource
 from .spec import ModulationSpec
 from .tablefile import FORMATS, TableFile, TableWriter, bound_metadata, sglang_metadata
-from .tiers.tables import plain_json
+from .verify import check_sample, chunked, same_rows, sampled, verifying_cache
 
 Embed = Callable[[torch.Tensor], torch.Tensor]
 
@@ -279,24 +279,22 @@ def verify_tables(
     compared with the file's content digest; binding fields that differ from this machine are
     listed in ``foreign`` (a mismatch is then expected, not a fault of the file).
     """
-    if sample is not None and sample < 1:
-        raise ConfigError(f"sample must be a positive number of plans, got {sample}: set {flag('sample')}")
+    check_sample(sample, "plans")
     spec = source.spec
     if table.spec != spec:
         raise ConfigError(f"{table.path} holds tables of another geometry than {flag('checkpoint')}")
     binding = table.binding or {}
     precision = str(binding.get("precision", "match"))
     report = TablesVerifyReport()
-    keys = list(dict.fromkeys(table.keys))
-    if sample is not None and sample < len(keys):
-        keys = random.Random(seed).sample(keys, sample)
-    chunks = [keys[i : i + max_plans] for i in range(0, len(keys), max_plans)]
-    cache = AdalnCache(
-        spec, source, max_plans=max(1, min(max_plans, len(keys))), max_plan_width=table.width, device=device,
-        precision=precision, read_ahead=read_ahead, progress=progress, batched=False,
+    keys = sampled(list(dict.fromkeys(table.keys)), sample, seed)
+    cache = verifying_cache(
+        spec, source, plans=min(max_plans, len(keys)), width=table.width, device=device, precision=precision,
+        read_ahead=read_ahead, progress=progress,
     )  # fmt: skip
     columns = spec.plan_columns
-    for chunk in tqdm(chunks, desc=f"adalncache verify {flag('tables')}", unit="pass", disable=not progress):
+    for chunk in tqdm(
+        chunked(keys, max_plans), desc=f"adalncache verify {flag('tables')}", unit="pass", disable=not progress
+    ):
         cache.build([key_to_plan(k, columns) for k in chunk], embed=embed)
         for key in chunk:
             shown = format_plan(key, columns=columns)
@@ -304,9 +302,8 @@ def verify_tables(
             if stored is None:
                 report.corrupt.append(f"slot {table.slot_of(key)} (plan {shown}) fails its digest")
                 continue
-            fresh = cache.rows_of(key)
             report.checked += 1
-            if not all(torch.equal(a.cpu(), b) for a, b in zip(fresh.parts, stored.parts, strict=True)):
+            if not same_rows(cache, key, stored):
                 report.mismatched.append(f"plan {shown} (slot {table.slot_of(key)}) differs")
         cache.invalidate()
     if table.binding is not None:

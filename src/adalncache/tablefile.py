@@ -46,6 +46,7 @@ import torch
 from safetensors import safe_open
 
 from . import families
+from .canonical import canonical_json
 from .errors import CheckpointError, ConfigError
 from .geometry import Family, KeyLayout, ModelGeometry, ServedLayer
 from .options import flag
@@ -92,7 +93,8 @@ def tool_version() -> str:
 
 
 def _canonical(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
+    """Metadata values are strings: the canonical JSON (:mod:`adalncache.canonical`) as text."""
+    return canonical_json(value).decode()
 
 
 def slot_digest(timesteps: torch.Tensor, *parts: torch.Tensor) -> str:

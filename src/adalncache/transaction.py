@@ -47,6 +47,7 @@ from .faults import FaultPoints
 from .identity import TableIdentity
 from .numerics import autocast_dtype
 from .options import flag, knob
+from .placement import Site
 from .plans import PlanKey, format_plan, key_to_plan, plan_key, validate_plan
 from .rebuild import EmbedFn, ProjectFn, RebuildPass
 from .reports import BuildReport, CacheStats
@@ -88,7 +89,6 @@ class BuildSettings:
     """The construction options a build reads (validated and agreed by the cache)."""
 
     spec: ModulationSpec
-    device: torch.device
     precision: str
     max_plans: int
     max_plan_width: int
@@ -107,7 +107,7 @@ class BuildTransaction:
         source: WeightSource,
         slab: Slab,
         pool: SlotPool,
-        tiers: TierChain,
+        site: Site,
         identity: TableIdentity,
         collective: Collective,
         stats: CacheStats,
@@ -119,7 +119,8 @@ class BuildTransaction:
         self.source = source
         self._slab = slab
         self._pool = pool
-        self._tiers = tiers
+        #: The cache's device and tier chain (their one owner; a move replaces its placement).
+        self._site = site
         self._identity = identity
         self._dist = collective
         self.stats = stats
@@ -129,10 +130,9 @@ class BuildTransaction:
         self._lock = lock
         self._faults = faults
 
-    def relocate(self, device: torch.device, tiers: TierChain) -> None:
-        """Build on ``device`` from now on, with ``tiers`` (the cache moved; it holds both locks)."""
-        self.settings.device = device
-        self._tiers = tiers
+    @property
+    def _tiers(self) -> TierChain:
+        return self._site.tiers
 
     # -- the whole build ----------------------------------------------------------------------
 
@@ -167,13 +167,13 @@ class BuildTransaction:
 
     def _autocast_dtype(self) -> torch.dtype | None:
         """The autocast dtype this build runs under, refused when the slab cannot hold it exactly."""
-        dtype = autocast_dtype(self.settings.device)
+        dtype = autocast_dtype(self._site.device)
         if dtype is None:
             return None
         spec = self.settings.spec
         if self.settings.precision == "fp32":
             raise ConfigError(
-                f"precision='fp32' projects in fp32, but torch.autocast({self.settings.device.type!r}) makes the "
+                f"precision='fp32' projects in fp32, but torch.autocast({self._site.device.type!r}) makes the "
                 f"projection run in {dtype}: build outside autocast, or use precision='match' (CLI {flag('precision')})"
             )
         if spec.dtype != dtype and spec.dtype != torch.float32:

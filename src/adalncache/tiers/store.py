@@ -55,6 +55,7 @@ from typing import Any
 
 import torch
 
+from ..canonical import canonical_json
 from ..errors import ConfigError
 from ..geometry import TABLE_PART
 from ..numerics import numeric_environment
@@ -78,7 +79,7 @@ _STALE_TMP_SECONDS = 3600.0
 
 def binding_hash(binding: Mapping[str, Any]) -> str:
     """The directory name of a binding: sha256 of its canonical JSON."""
-    return hashlib.sha256(_canonical(binding)).hexdigest()[:32]
+    return hashlib.sha256(canonical_json(binding)).hexdigest()[:32]
 
 
 def _part_names(count: int) -> list[str]:
@@ -93,10 +94,6 @@ def _part_names(count: int) -> list[str]:
 def plan_hash(key: PlanKey) -> str:
     """The file stem of a plan: sha256 of its fp32 bit patterns (little-endian int32)."""
     return hashlib.sha256(struct.pack(f"<{len(key)}i", *key)).hexdigest()[:32]
-
-
-def _canonical(value: Any) -> bytes:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str).encode()
 
 
 def _fsync_dir(path: Path) -> None:
@@ -222,12 +219,12 @@ class Store:
         That is a copied checkpoint (or a copied store) whose digest is not known here yet: one
         hashing read will probably turn these entries into hits.
         """
-        want = _canonical({k: v for k, v in template.items() if k != "content"})
+        want = canonical_json({k: v for k, v in template.items() if k != "content"})
         keys = list(keys)
         for bhash, binding in self.bindings().items():
             if not isinstance(binding, dict) or not binding.get("content"):
                 continue
-            if _canonical({k: v for k, v in binding.items() if k != "content"}) != want:
+            if canonical_json({k: v for k, v in binding.items() if k != "content"}) != want:
                 continue
             if any(self._entry_path(bhash, key).is_file() for key in keys):
                 return True
@@ -329,7 +326,7 @@ class Store:
             "parts": names,
             "created": time.time(),
         }
-        head = _canonical(header)
+        head = canonical_json(header)
         # Pad the header (JSON allows trailing spaces) so the payload starts 64-byte aligned: the
         # rows are then read as typed views of one buffer, with no copy.
         head += b" " * ((-(len(MAGIC) + 4 + len(head))) % 64)

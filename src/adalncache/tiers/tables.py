@@ -35,15 +35,15 @@ signature) is active.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from ..canonical import plain_json
 from ..errors import ConfigError
-from ..options import flag
+from ..options import TablesArg, flag
 from ..plans import PlanKey
 from ..rows import PlanRows
 from ..spec import ModulationSpec
@@ -52,7 +52,6 @@ from ..tablefile import TableFile
 log = logging.getLogger(__name__)
 
 #: What ``tables=`` may be: one path, or several searched in order.
-TablesArg = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
 
 #: Binding fields a bound file must share with the cache, besides the content digest.
 _CHECKED = ("spec", "precision", "environment", "shard")
@@ -237,11 +236,6 @@ class TablesTier:
     def searched(self) -> str:
         """The files searched and how many plans each holds, for messages."""
         return ", ".join(f"{t.path} [{t.plans} plans]" for t in self.files)
-
-
-def plain_json(value: Any) -> Any:
-    """A JSON round trip, so a tuple in one binding equals a list in the other."""
-    return json.loads(json.dumps(value, sort_keys=True, default=str))
 
 
 __all__ = ["TablesArg", "TablesTier", "plain_json", "table_paths"]
