@@ -135,8 +135,11 @@ class AdalnCache(CacheIntrospection):
         self._identity, self._builder, self._site = parts.identity, parts.builder, parts.site
         log.debug(
             "AdalnCache: %d plans x %d timesteps, %.1f MiB slab on %s",
-            self.max_plans, self.max_plan_width, self.slab_bytes / 2**20, self.device,
-        )  # fmt: skip
+            self.max_plans,
+            self.max_plan_width,
+            self.slab_bytes / 2**20,
+            self.device,
+        )
 
     @contextlib.contextmanager
     def _exclusive(self, what: str) -> Iterator[None]:
@@ -296,9 +299,13 @@ class AdalnCache(CacheIntrospection):
         """Hold the slots of ``keys`` (resident; the state lock is held)."""
         slot_list = [self._pool.require(key) for key in keys]
         held = PlanHold(
-            self._release, keys=keys, slot_list=slot_list, slots=self._slab.indices(slot_list), report=report,
+            self._release,
+            keys=keys,
+            slot_list=slot_list,
+            slots=self._slab.indices(slot_list),
+            report=report,
             dtype=self._identity.serve_dtype,
-        )  # fmt: skip
+        )
         self._pool.hold(held.held)
         # This thread's stream reads these slots from now on: after the writes that filled them.
         self.stream_sync.before_read(held.held)

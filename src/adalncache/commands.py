@@ -74,9 +74,12 @@ def run_build(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     spec, source = open_checkpoint(args.checkpoint, layout=args.layout)
     plans = schedule_plans(
-        args.task, args.steps, video_shift=args.video_shift, audio_shift=args.audio_shift,
+        args.task,
+        args.steps,
+        video_shift=args.video_shift,
+        audio_shift=args.audio_shift,
         audio_refs=not args.no_audio_refs,
-    )  # fmt: skip
+    )
     width = max(p.numel() for p in plans)
     if width > args.max_plan_width:
         raise ConfigError(
@@ -128,9 +131,16 @@ def run_export(args: argparse.Namespace) -> int:
             spec, source, device=device, process_group=group, progress=rank0 and not args.quiet, **options
         )
         report = export_tables(
-            cache, plans, output, embed=embed, format=args.format, model_variant=args.model_variant,
-            tasks=args.task, schedules=schedules, progress=rank0 and not args.quiet,
-        )  # fmt: skip
+            cache,
+            plans,
+            output,
+            embed=embed,
+            format=args.format,
+            model_variant=args.model_variant,
+            tasks=args.task,
+            schedules=schedules,
+            progress=rank0 and not args.quiet,
+        )
     if rank0:
         sglang = ", ".join(f"--steps {n} -> --num-inference-steps {n - 1}" for n in args.steps)
         print(
@@ -261,9 +271,16 @@ def run_verify_tables(args: argparse.Namespace) -> int:
     table = TableFile(args.tables, spec, argument="--tables")
     embed = time_embed_fn(source, spec, device)
     report = verify_tables(
-        table, source, embed=embed, device=device, max_plans=args.max_plans, read_ahead=args.read_ahead,
-        sample=args.sample, seed=args.seed, progress=not args.quiet,
-    )  # fmt: skip
+        table,
+        source,
+        embed=embed,
+        device=device,
+        max_plans=args.max_plans,
+        read_ahead=args.read_ahead,
+        sample=args.sample,
+        seed=args.seed,
+        progress=not args.quiet,
+    )
     for line in report.corrupt:
         print(f"CORRUPT {line}")
     for line in report.mismatched:
@@ -295,9 +312,17 @@ def run_verify(args: argparse.Namespace) -> int:
     spec, source = open_checkpoint(args.checkpoint, layout=args.layout)
     embed = time_embed_fn(source, spec, device)
     report = verify_store(
-        Store(path), spec, source, embed=embed, device=device, max_plans=args.max_plans,
-        read_ahead=args.read_ahead, sample=args.sample, seed=args.seed, progress=not args.quiet,
-    )  # fmt: skip
+        Store(path),
+        spec,
+        source,
+        embed=embed,
+        device=device,
+        max_plans=args.max_plans,
+        read_ahead=args.read_ahead,
+        sample=args.sample,
+        seed=args.seed,
+        progress=not args.quiet,
+    )
     for line in report.corrupt:
         print(f"CORRUPT {line}")
     for line in report.mismatched:
@@ -388,6 +413,9 @@ def _add_options(parser: argparse.ArgumentParser, names: Sequence[str], *, requi
         kwargs: dict[str, Any] = {"dest": name, "default": o.default, "help": o.doc}
         if cli.kind == "int":
             kwargs["type"] = _int_at_least(o.flag, cli.minimum)
+            kwargs["metavar"] = "N"
+        elif cli.kind == "path":
+            kwargs["metavar"] = "DIR"
         elif cli.kind == "choice":
             kwargs["choices"] = list(cli.choices)
         elif cli.kind == "switch":
@@ -426,10 +454,12 @@ def _schedules(parser: argparse.ArgumentParser, steps_help: str) -> None:
 
 def _lock_wait(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--lock-wait", type=float, default=600.0,
+        "--lock-wait",
+        type=float,
+        default=600.0,
         help="seconds to wait for another process building the same store entries before building them here "
         "(0: never wait) (default: 600)",
-    )  # fmt: skip
+    )
 
 
 def register(subparsers: Any) -> None:
@@ -445,10 +475,12 @@ def register(subparsers: Any) -> None:
     p.add_argument("checkpoint", metavar="CHECKPOINT", help=".safetensors file, or a (sharded) checkpoint directory")
     _schedules(p, "num_inference_steps of a schedule (repeatable)")
     p.add_argument(
-        "--timeout", type=float, default=600.0,
+        "--timeout",
+        type=float,
+        default=600.0,
         help="under torchrun, the process group's timeout in seconds: how long ranks wait for a dead peer "
         "(default: 600)",
-    )  # fmt: skip
+    )
     _lock_wait(p)
     _add_options(p, BUILD_OPTIONS, required=("store",))
     _common(p)
@@ -471,15 +503,19 @@ def register(subparsers: Any) -> None:
     p.add_argument("checkpoint", metavar="CHECKPOINT", help=".safetensors file, or a (sharded) checkpoint directory")
     p.add_argument("-o", "--output", required=True, help="the table file to write (replaced atomically when done)")
     p.add_argument(
-        "--format", default="adalncache", choices=list(FORMATS),
+        "--format",
+        default="adalncache",
+        choices=list(FORMATS),
         help="adalncache: bound, verifiable, any dtype (default); sglang: exactly SGLang's sidecar (bfloat16, "
         "--precision match, needs --model-variant)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--model-variant", choices=list(MODEL_VARIANTS), default=None,
+        "--model-variant",
+        choices=list(MODEL_VARIANTS),
+        default=None,
         help="the released transformer the tables belong to (t2va and fl2va run on fl2va, ref2va on ref2va); "
         "SGLang compares it with its own --model-variant",
-    )  # fmt: skip
+    )
     _schedules(p, "num_inference_steps (grid points; N - 1 forwards, SGLang's --num-inference-steps N-1) (repeatable)")
     p.add_argument("--timeout", type=float, default=600.0, help="under torchrun, the process group's timeout (s)")
     _lock_wait(p)
@@ -502,9 +538,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--quick", action="store_true", help="store or table file: skip checking their digests")
     p.add_argument("--store", default=None, help="checkpoint: consult (and with --hash, fill) this store's digest memo")
     p.add_argument(
-        "--hash", action="store_true",
+        "--hash",
+        action="store_true",
         help="checkpoint: compute its content digest now if no memo has it (reads every projection byte once)",
-    )  # fmt: skip
+    )
     p.set_defaults(func=run_inspect)
 
     p = subparsers.add_parser(

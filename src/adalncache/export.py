@@ -219,8 +219,17 @@ def export_tables(
                 f"2, 4, 8 ranks, or use {flag('format')} sglang"
             )
         if writer is None:
-            return ExportReport(path, format, len(plans), max(spec.plan_rows(k) for k in keys), 0, passes, store_hits,
-                                built, None if binding is None else binding["content"])  # fmt: skip
+            return ExportReport(
+                path,
+                format,
+                len(plans),
+                max(spec.plan_rows(k) for k in keys),
+                0,
+                passes,
+                store_hits,
+                built,
+                None if binding is None else binding["content"],
+            )
         if format == "sglang":
             assert model_variant is not None
             metadata = sglang_metadata(model_variant)
@@ -233,9 +242,16 @@ def export_tables(
             writer.abort()
         raise
     return ExportReport(
-        path, format, len(plans), writer.width, path.stat().st_size, passes, store_hits, built,
+        path,
+        format,
+        len(plans),
+        writer.width,
+        path.stat().st_size,
+        passes,
+        store_hits,
+        built,
         None if binding is None else binding["content"],
-    )  # fmt: skip
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -288,9 +304,15 @@ def verify_tables(
     report = TablesVerifyReport()
     keys = sampled(list(dict.fromkeys(table.keys)), sample, seed)
     cache = verifying_cache(
-        spec, source, plans=min(max_plans, len(keys)), width=table.width, device=device, precision=precision,
-        read_ahead=read_ahead, progress=progress,
-    )  # fmt: skip
+        spec,
+        source,
+        plans=min(max_plans, len(keys)),
+        width=table.width,
+        device=device,
+        precision=precision,
+        read_ahead=read_ahead,
+        progress=progress,
+    )
     columns = spec.plan_columns
     for chunk in tqdm(
         chunked(keys, max_plans), desc=f"adalncache verify {flag('tables')}", unit="pass", disable=not progress

@@ -38,7 +38,7 @@ def open_checkpoint(
 ) -> tuple[ModulationSpec, CheckpointSource]:
     """The spec read from ``path``'s headers and a validated source over it."""
     spec = ModulationSpec.from_checkpoint(path, layout=layout)
-    return spec, CheckpointSource(path, spec, layout=layout)  # type: ignore[arg-type]
+    return spec, CheckpointSource(path, spec, layout=layout)
 
 
 def is_store(path: str | os.PathLike[str]) -> bool:
@@ -109,9 +109,12 @@ def fill_store(
             f"directory's free space and permissions ({flag('store')})"
         )
     return FillReport(
-        plans=len(plans), already_stored=len(stored) + hits, built=built, passes=passes,
+        plans=len(plans),
+        already_stored=len(stored) + hits,
+        built=built,
+        passes=passes,
         binding=_binding_hash(cache),
-    )  # fmt: skip
+    )
 
 
 def _binding_hash(cache: AdalnCache) -> str:
@@ -202,9 +205,15 @@ def verify_store(
                 continue
             width = max(spec.plan_rows(e.key) for e in stored)
             cache = verifying_cache(
-                spec, source, plans=len(stored), width=width, device=device, precision=precision,
-                read_ahead=read_ahead, progress=progress,
-            )  # fmt: skip
+                spec,
+                source,
+                plans=len(stored),
+                width=width,
+                device=device,
+                precision=precision,
+                read_ahead=read_ahead,
+                progress=progress,
+            )
             cache.build([key_to_plan(e.key, spec.plan_columns) for e in stored], embed=embed)
             for item in stored:
                 report.checked += 1

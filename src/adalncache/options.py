@@ -177,9 +177,12 @@ class CacheOptions:
         cli=Cli("choice", choices=SHARD_MODES),
     )
     read_ahead: int = _option(
-        1, "layers read ahead of the one being projected during a pass", flag="--read-ahead", check=_integer(0),
+        1,
+        "layers read ahead of the one being projected during a pass",
+        flag="--read-ahead",
+        check=_integer(0),
         cli=Cli("int", 0),
-    )  # fmt: skip
+    )
     progress: bool | None = _option(
         None, "a progress bar for passes (None: when stderr is a terminal)", check=_optional_boolean
     )

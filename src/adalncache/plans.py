@@ -158,9 +158,10 @@ def validate_plan(plan: torch.Tensor, *, max_plan_width: int | None = None, colu
     what = "distinct timesteps" if columns == 1 else "rows"
     if plan.numel() == 0:
         raise PlanError(
-            "a plan must hold at least one timestep, got an empty tensor" if columns == 1 else
-            f"a plan must hold at least one row, got a tensor of shape {tuple(plan.shape)}"
-        )  # fmt: skip
+            "a plan must hold at least one timestep, got an empty tensor"
+            if columns == 1
+            else f"a plan must hold at least one row, got a tensor of shape {tuple(plan.shape)}"
+        )
     if not bool(torch.isfinite(plan).all()):
         raise PlanError(f"a plan's {'timesteps' if columns == 1 else 'values'} must be finite, got {plan.tolist()}")
     if max_plan_width is not None and rows > max_plan_width:

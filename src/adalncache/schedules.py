@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -176,7 +176,8 @@ def build_row_timestep_plan(
     from diffusers.schedulers.scheduling_minimax_h3 import MiniMaxH3Scheduler
 
     steps = check_steps(steps)
-    keyframe_noise_aug = float(MiniMaxH3ModularPipeline.keyframe_noise_aug.fget(None))  # type: ignore[attr-defined]
+    noise_aug: Any = MiniMaxH3ModularPipeline.keyframe_noise_aug  # a property, read off the class
+    keyframe_noise_aug = float(noise_aug.fget(None))
     scheduler: Any = MiniMaxH3Scheduler(shift=video_shift)
     audio_scheduler: Any = MiniMaxH3Scheduler(shift=audio_shift)
     scheduler.set_timesteps(steps, device=device)
@@ -200,7 +201,7 @@ def build_row_timestep_plan(
         )
         for timestep, audio_timestep in zip(timesteps, audio_timesteps)
     ]
-    return plan, timesteps, audio_timesteps  # type: ignore[return-value]
+    return cast(list[tuple[torch.Tensor, torch.Tensor]], plan), timesteps, audio_timesteps
 
 
 def minimax_h3_plans(
@@ -239,9 +240,13 @@ def minimax_h3_plans(
             "minimax_h3_plans needs diffusers with MiniMax-H3 support (pip install 'adalncache[diffusers]')"
         ) from exc
     layout, n_cond_video, n_cond_audio, _, _ = build_layout(
-        task, patch_size=(1, 1, 1), video_channels=1, audio_channels=1, geometry=_PLAN_GEOMETRY,
+        task,
+        patch_size=(1, 1, 1),
+        video_channels=1,
+        audio_channels=1,
+        geometry=_PLAN_GEOMETRY,
         audio_refs=audio_refs,
-    )  # fmt: skip
+    )
     plan, _, _ = build_row_timestep_plan(
         layout, n_cond_video, n_cond_audio, steps, video_shift=video_shift, audio_shift=audio_shift
     )

@@ -356,9 +356,10 @@ class TableFile:
             )
         if self.metadata.get("format_version") != FORMAT_VERSION:
             raise _bad(
-                self.path, f"its format_version is {self.metadata.get('format_version')!r}, this reader needs "
-                f"{FORMAT_VERSION!r}", argument,
-            )  # fmt: skip
+                self.path,
+                f"its format_version is {self.metadata.get('format_version')!r}, this reader needs {FORMAT_VERSION!r}",
+                argument,
+            )
         ts, lengths = entries["plan_timesteps"], entries["plan_lengths"]
         if ts.dtype != "F32" or len(ts.shape) not in (2, 3) or lengths.dtype != "I64" or lengths.shape != ts.shape[:1]:
             raise _bad(self.path, "plan_timesteps must be [P, W] float32 and plan_lengths [P] int64", argument)
@@ -376,9 +377,11 @@ class TableFile:
                 )
         if self.metadata.get(BOUND) is None and "sglang" not in spec.family.table_formats:
             raise _bad(
-                self.path, f"it carries no binding, and {spec.family.title} tables are only served from bound files "
-                f"(export them with adalncache export {flag('format')} adalncache)", argument,
-            )  # fmt: skip
+                self.path,
+                f"it carries no binding, and {spec.family.title} tables are only served from bound files "
+                f"(export them with adalncache export {flag('format')} adalncache)",
+                argument,
+            )
         self._entries: dict[str, TensorEntry] = entries
         columns = spec.plan_columns
         timesteps = self._read_tensor(ts).view(torch.float32).view(tuple(ts.shape))
@@ -391,8 +394,13 @@ class TableFile:
             key = plan_key(timesteps[s, : int(counts[s])].contiguous(), columns)
             self.keys.append(key)
             if key in self._slots:
-                log.warning("%s: plan %s appears twice (slots %d and %d); the first is served", self.path,
-                            format_plan(key, columns=columns), self._slots[key], s)  # fmt: skip
+                log.warning(
+                    "%s: plan %s appears twice (slots %d and %d); the first is served",
+                    self.path,
+                    format_plan(key, columns=columns),
+                    self._slots[key],
+                    s,
+                )
                 continue
             self._slots[key] = s
         self.format = "adalncache" if self.metadata.get(BOUND) is not None else "sglang"
@@ -428,8 +436,11 @@ class TableFile:
 
     def _read_binding(self) -> None:
         if self.metadata.get(BOUND) != BOUND_VERSION:
-            raise _bad(self.path, f"its {BOUND} is {self.metadata.get(BOUND)!r}; this reader knows {BOUND_VERSION!r}",
-                       self.argument)  # fmt: skip
+            raise _bad(
+                self.path,
+                f"its {BOUND} is {self.metadata.get(BOUND)!r}; this reader knows {BOUND_VERSION!r}",
+                self.argument,
+            )
         try:
             binding = json.loads(self.metadata[BINDING])
             digests = json.loads(self.metadata[SLOT_DIGESTS])
@@ -491,8 +502,12 @@ class TableFile:
             parts.append(raw.view(s.dtype).view(n, *part.shape))
         rows = PlanRows(key_to_plan(key, s.plan_columns), *parts)
         if self.slot_digests is not None and slot_digest(*rows) != self.slot_digests[slot]:
-            log.warning("%s: slot %d (plan %s) fails its digest: not served", self.path, slot,
-                        format_plan(key, columns=s.plan_columns))  # fmt: skip
+            log.warning(
+                "%s: slot %d (plan %s) fails its digest: not served",
+                self.path,
+                slot,
+                format_plan(key, columns=s.plan_columns),
+            )
             return None
         return rows
 
@@ -529,8 +544,10 @@ class TableFile:
         bad = []
         for key in self._slots:
             if self.read(key) is None:
-                bad.append(f"slot {self._slots[key]} (plan {format_plan(key, columns=self.spec.plan_columns)}) fails "
-                           "its digest")  # fmt: skip
+                bad.append(
+                    f"slot {self._slots[key]} (plan {format_plan(key, columns=self.spec.plan_columns)}) fails "
+                    "its digest"
+                )
         return bad
 
 

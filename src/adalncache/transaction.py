@@ -333,9 +333,15 @@ class BuildTransaction:
             self.stats.record(report)
         log.info(
             "build: %d plan(s): %d device, %d host, %d store, %d table hits, %d built in %d pass(es), %d evicted",
-            report.plans, report.device_hits, report.host_hits, report.store_hits, report.table_hits, report.built,
-            report.passes, report.evicted,
-        )  # fmt: skip
+            report.plans,
+            report.device_hits,
+            report.host_hits,
+            report.store_hits,
+            report.table_hits,
+            report.built,
+            report.passes,
+            report.evicted,
+        )
         # After publish: copies only. A tier failure is counted and logged, never raised.
         self._tiers.write(
             order, to_build, rows_of=self.rows_of, binding=self._identity.binding, faults=faults, report=report
@@ -424,10 +430,18 @@ class BuildTransaction:
     def _rebuild_pass(self, faults: FaultPoints, digests: DigestSink | None) -> RebuildPass:
         s = self.settings
         return RebuildPass(
-            spec=s.spec, source=self.source, slab=self._slab, collective=self._dist, precision=s.precision,
-            read_ahead=s.read_ahead, progress=s.progress, batched=s.batched, faults=faults,
-            out_dtype=self._identity.autocast, digests=digests,
-        )  # fmt: skip
+            spec=s.spec,
+            source=self.source,
+            slab=self._slab,
+            collective=self._dist,
+            precision=s.precision,
+            read_ahead=s.read_ahead,
+            progress=s.progress,
+            batched=s.batched,
+            faults=faults,
+            out_dtype=self._identity.autocast,
+            digests=digests,
+        )
 
     def rows_of(self, key: PlanKey) -> PlanRows:
         """A copy of a resident plan's rows, on the cache device (tiers and verify read these)."""

@@ -241,15 +241,27 @@ class FileStamp:
     def of(cls, path: Path, header: str) -> FileStamp:
         st = os.stat(path)
         return cls(
-            socket.gethostname(), str(Path(path).resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns,
-            st.st_ctime_ns, header,
-        )  # fmt: skip
+            socket.gethostname(),
+            str(Path(path).resolve()),
+            st.st_dev,
+            st.st_ino,
+            st.st_size,
+            st.st_mtime_ns,
+            st.st_ctime_ns,
+            header,
+        )
 
     def as_json(self) -> dict[str, Any]:
         return {
-            "host": self.host, "path": self.path, "device": self.device, "inode": self.inode, "size": self.size,
-            "mtime_ns": self.mtime_ns, "ctime_ns": self.ctime_ns, "header": self.header,
-        }  # fmt: skip
+            "host": self.host,
+            "path": self.path,
+            "device": self.device,
+            "inode": self.inode,
+            "size": self.size,
+            "mtime_ns": self.mtime_ns,
+            "ctime_ns": self.ctime_ns,
+            "header": self.header,
+        }
 
     @property
     def key(self) -> str:

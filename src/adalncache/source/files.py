@@ -34,6 +34,7 @@ import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 from ..errors import CheckpointError
 from ..options import flag
@@ -92,7 +93,7 @@ def checkpoint_files(path: CheckpointPath) -> tuple[list[Path], Path | None]:
             if not is_regular(file):
                 raise _not_regular(file)
         return files, None
-    root = Path(path)  # type: ignore[arg-type]
+    root = Path(cast("str | os.PathLike[str]", path))  # a list or tuple returned above
     try:
         mode = os.stat(root).st_mode
     except FileNotFoundError:
@@ -128,7 +129,7 @@ def other_files(path: CheckpointPath, files: Sequence[Path]) -> list[Path]:
     """The regular ``*.safetensors`` of directory ``path`` that are not among ``files`` (none for a file or list)."""
     if isinstance(path, (list, tuple)):
         return []
-    root = Path(path)  # type: ignore[arg-type]
+    root = Path(cast("str | os.PathLike[str]", path))  # a list or tuple returned above
     if not root.is_dir():
         return []
     chosen = {f.resolve() for f in files}
@@ -194,8 +195,8 @@ class CheckpointFiles:
         headers = [SafetensorsHeader.read(f) for f in files]
         where: dict[str, SafetensorsHeader] = {}
         root = index.parent if index is not None else files[0].parent if len(files) > 1 else Path(str(files[0]))
-        if not isinstance(path, (list, tuple)) and Path(path).is_dir():  # type: ignore[arg-type]
-            root = Path(path)  # type: ignore[arg-type]
+        if isinstance(path, (str, os.PathLike)) and Path(path).is_dir():
+            root = Path(path)
         for header in headers:
             for name in header.entries:
                 held = where.setdefault(name, header)
@@ -225,8 +226,8 @@ class CheckpointFiles:
         """The files (and index) whose ``stat`` identity is no longer the one they had when read."""
         out = []
         watched = [(h.path, h.identity) for h in self.headers]
-        if self.index is not None:
-            watched.append((self.index, self.index_identity))  # type: ignore[arg-type]
+        if self.index is not None and self.index_identity is not None:
+            watched.append((self.index, self.index_identity))
         for path, identity in watched:
             try:
                 if FileIdentity.of(path) != identity:

@@ -272,9 +272,11 @@ class Store:
         removed = 0
         now = time.time()
         roots = [
-            self.path, self.path / "bindings", self.path / "digests",
+            self.path,
+            self.path / "bindings",
+            self.path / "digests",
             *(p for p in (self.path / "entries").glob("*") if p.is_dir()),
-        ]  # fmt: skip
+        ]
         for root in roots:
             for tmp in root.glob(_TMP_PREFIX + "*"):
                 parts = tmp.name[len(_TMP_PREFIX) :].split("-")

@@ -156,8 +156,11 @@ class TablesTier:
         live = [t for t in self.files if t.path not in self._gone]
         for table in [t for t in live if t.binding is None]:
             self._gone.add(table.path)
-            log.warning("%s: the weight source changed on disk and an sglang table file carries no binding to check "
-                        "it against: no longer served", table.path)  # fmt: skip
+            log.warning(
+                "%s: the weight source changed on disk and an sglang table file carries no binding to check "
+                "it against: no longer served",
+                table.path,
+            )
         bound = [t for t in live if t.binding is not None]
         wanted = any(k in t for t in bound for k in keys)
         if not agree([wanted])[0]:  # every rank asks the same question (the digest may need a collective read)
@@ -170,8 +173,13 @@ class TablesTier:
         for table in bound:
             if table.content != digest:
                 self._gone.add(table.path)
-                log.warning("%s was exported from other projection weights (content %s) than the checkpoint now "
-                            "holds (%s): no longer served", table.path, table.content, digest)  # fmt: skip
+                log.warning(
+                    "%s was exported from other projection weights (content %s) than the checkpoint now "
+                    "holds (%s): no longer served",
+                    table.path,
+                    table.content,
+                    digest,
+                )
         self._checked = generation
 
     def _fits(self, table: TableFile, template: Mapping[str, Any]) -> bool:
@@ -179,16 +187,25 @@ class TablesTier:
         environment = template.get("environment") or {}
         if table.binding is None:
             if environment.get("autocast") is not None:
-                self._say(table, "autocast", "%s: an sglang table file holds tables computed without autocast: not "
-                          "served under torch.autocast", table.path)  # fmt: skip
+                self._say(
+                    table,
+                    "autocast",
+                    "%s: an sglang table file holds tables computed without autocast: not served under torch.autocast",
+                    table.path,
+                )
                 return False
             return template.get("precision") == "match"
         checked = [*_CHECKED, *(["alignment"] if template.get("alignment") is not None else [])]
         differs = [key for key in checked if plain_json(table.binding.get(key)) != plain_json(template.get(key))]
         if differs:
-            self._say(table, repr(differs), "%s was exported under another %s than this build runs under (autocast, "
-                      "matmul settings or threads, say): not served while it differs", table.path,
-                      ", ".join(differs))  # fmt: skip
+            self._say(
+                table,
+                repr(differs),
+                "%s was exported under another %s than this build runs under (autocast, "
+                "matmul settings or threads, say): not served while it differs",
+                table.path,
+                ", ".join(differs),
+            )
             return False
         return True
 
@@ -222,8 +239,9 @@ class TablesTier:
             if table.path in self._gone or table.changed():
                 if table.path not in self._gone:
                     self._gone.add(table.path)
-                    log.warning("%s changed on disk since it was opened: no longer served (reopen the cache)",
-                                table.path)  # fmt: skip
+                    log.warning(
+                        "%s changed on disk since it was opened: no longer served (reopen the cache)", table.path
+                    )
                 continue
             for key in todo:
                 rows = table.read(key)

@@ -173,8 +173,12 @@ def load_transformer(
     cache = cache_options.build(spec, source, device or torch.device("cpu"))
     handle_config = AdalnCacheConfig(
         checkpoint=checkpoint if checkpoint is not None else None if tables_only else list(files.files),
-        on_miss=on_miss, free_time_embedder=free, layout=layout, verify_checkpoint=False, cache_options=cache_options,
-    )  # fmt: skip
+        on_miss=on_miss,
+        free_time_embedder=free,
+        layout=layout,
+        verify_checkpoint=False,
+        cache_options=cache_options,
+    )
     fingerprint = cache.source.fingerprint
 
     # 3. Every other tensor, file by file, through the stock placement.
@@ -201,8 +205,10 @@ def load_transformer(
     enable_transformer(model, handle_config, never_loaded=NeverLoaded(cache.source, cache, residues, target))
     logger.info(
         "load_transformer: %s loaded without its AdaLN projections (%.1f MB never read), cache enabled on %s",
-        directory, spec.projection_bytes / 1e6, target,
-    )  # fmt: skip
+        directory,
+        spec.projection_bytes / 1e6,
+        target,
+    )
     return model
 
 
@@ -418,10 +424,11 @@ def _decide_time_embedder(free: bool | None, source: Source, argument: str) -> b
     if free is False:
         return False
     names = source.layout.time_embedder_tensors()
+    reader: Any = source  # a checkpoint source here (its headers name the tensors)
     present = True
     for name in names:
         try:
-            source.entry(name)  # type: ignore[union-attr]
+            reader.entry(name)
         except KeyError:
             present = False
     if not present and free:
@@ -435,11 +442,12 @@ def _decide_time_embedder(free: bool | None, source: Source, argument: str) -> b
 def _check_against_model_files(files: _Files, source: Source, spec: ModulationSpec, argument: str) -> None:
     """Headers only: a separate checkpoint must hold the model files' projections (names, shapes, dtypes)."""
     problems = []
+    reader: Any = source  # a checkpoint source here (its headers name the tensors)
     for layer in spec.layers():
         for name in ("weight", "bias"):
             ours = files.entry(files.layout.weight(layer) if name == "weight" else files.layout.bias(layer))
             key = source.layout.weight(layer) if name == "weight" else source.layout.bias(layer)
-            theirs = source.entry(key)[1]  # type: ignore[union-attr]
+            theirs = reader.entry(key)[1]
             if ours is not None and (ours[1].shape != theirs.shape or ours[1].dtype != theirs.dtype):
                 problems.append(
                     f"{key}: {theirs.dtype} {list(theirs.shape)} in the checkpoint, {ours[1].dtype} "
