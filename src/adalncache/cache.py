@@ -1,6 +1,7 @@
 """AdalnCache: a device slab of bit-exact AdaLN tables, rebuilt transactionally from a weight source.
 
-The cache validates its construction, decides *when* work runs, and delegates:
+The cache's parts are built by :func:`adalncache.assembly.assemble` from (spec, source, options,
+device); the cache decides *when* work runs, and delegates:
 :class:`~adalncache.slab.Slab` holds the four tensors and does every row read and write,
 :class:`~adalncache.slots.SlotPool` alone changes the slot map, the LRU order, the free list and
 the holds, :class:`~adalncache.transaction.BuildTransaction` runs a build that has something to

@@ -262,43 +262,8 @@ class BuildTransaction:
         report.device_hits = len(order) - len(missing)
         bytes_before = self.source.bytes_read
         faults = self._faults()
-        try:
-            from_host, from_store, from_tables = self._tiers.lookup(missing, identity=self._identity, faults=faults)
-        except BaseException:
-            # Tier errors fall through to a rebuild inside the lookup; only an interrupt (or
-            # another BaseException) gets here. Nothing is reserved yet, so there is nothing to undo.
-            self._count_failure()
-            raise
+        from_host, from_store, from_tables, to_build = self._restorable(missing, report, faults)
         restored = {**from_host, **from_store, **from_tables}
-        to_build = [k for k in missing if k not in restored]
-        if to_build and not getattr(self.source, "serves_weights", True):
-            self._count_failure()
-            where = f"the table files ({self._tiers.tables.searched()})" if self._tiers.tables else "no tier"
-            raise PlanNotCachedError(
-                f"plan {format_plan(to_build[0], columns=self.settings.spec.plan_columns)} ({len(to_build)} plan(s) "
-                f"of this request) is not in {where} and "
-                f"this cache has no weight source to build it: pass checkpoint= (an integration's, or a "
-                f"CheckpointSource), or export these tables (adalncache export CHECKPOINT {flag('task')} T "
-                f"{flag('steps')} N {flag('output').split('/')[0]} FILE)"
-            )
-        try:
-            if to_build:  # a pass follows: it hashes only if no memo knows the digest (every rank asks here)
-                self._identity.content.resolve()
-            # One build per fleet: another process may be building these very entries.
-            served = self._tiers.claim(to_build, identity=self._identity, report=report)
-        except BaseException as exc:
-            self._tiers.release_claim()
-            self._count_failure()
-            if _interrupt(exc) is not None or isinstance(exc, BuildError):
-                raise
-            raise BuildError(
-                f"build of {len(missing)} plan(s) failed at tier lookup: {type(exc).__name__}: {exc}; nothing "
-                f"of this request was published and a retry rebuilds it",
-                failed_at="tier lookup",
-            ) from exc
-        from_store.update(served)
-        restored.update(served)
-        to_build = [k for k in to_build if k not in served]
         hashed_before = self.stats.hashed_bytes
         with self._lock:
             reservation = self._pool.reserve(missing, set(order))
@@ -346,6 +311,48 @@ class BuildTransaction:
         self._tiers.write(
             order, to_build, rows_of=self.rows_of, binding=self._identity.binding, faults=faults, report=report
         )
+
+    def _restorable(
+        self, missing: list[PlanKey], report: BuildReport, faults: FaultPoints
+    ) -> tuple[dict[PlanKey, PlanRows], dict[PlanKey, PlanRows], dict[PlanKey, PlanRows], list[PlanKey]]:
+        """What the tiers restore of ``missing`` (host, store with the entries claimed, table files), and
+        what a pass must build: refused (PlanNotCachedError) when there is no weight source to build it."""
+        try:
+            from_host, from_store, from_tables = self._tiers.lookup(missing, identity=self._identity, faults=faults)
+        except BaseException:
+            # Tier errors fall through to a rebuild inside the lookup; only an interrupt (or
+            # another BaseException) gets here. Nothing is reserved yet, so there is nothing to undo.
+            self._count_failure()
+            raise
+        restored = {**from_host, **from_store, **from_tables}
+        to_build = [k for k in missing if k not in restored]
+        if to_build and not getattr(self.source, "serves_weights", True):
+            self._count_failure()
+            where = f"the table files ({self._tiers.tables.searched()})" if self._tiers.tables else "no tier"
+            raise PlanNotCachedError(
+                f"plan {format_plan(to_build[0], columns=self.settings.spec.plan_columns)} ({len(to_build)} plan(s) "
+                f"of this request) is not in {where} and "
+                f"this cache has no weight source to build it: pass checkpoint= (an integration's, or a "
+                f"CheckpointSource), or export these tables (adalncache export CHECKPOINT {flag('task')} T "
+                f"{flag('steps')} N {flag('output').split('/')[0]} FILE)"
+            )
+        try:
+            if to_build:  # a pass follows: it hashes only if no memo knows the digest (every rank asks here)
+                self._identity.content.resolve()
+            # One build per fleet: another process may be building these very entries.
+            served = self._tiers.claim(to_build, identity=self._identity, report=report)
+        except BaseException as exc:
+            self._tiers.release_claim()
+            self._count_failure()
+            if _interrupt(exc) is not None or isinstance(exc, BuildError):
+                raise
+            raise BuildError(
+                f"build of {len(missing)} plan(s) failed at tier lookup: {type(exc).__name__}: {exc}; nothing "
+                f"of this request was published and a retry rebuilds it",
+                failed_at="tier lookup",
+            ) from exc
+        from_store.update(served)
+        return from_host, from_store, from_tables, [k for k in to_build if k not in served]
 
     def _write_and_publish(
         self,
