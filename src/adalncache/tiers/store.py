@@ -61,7 +61,7 @@ from ..rows import PlanRows
 from ..source.header import read_regular
 from ..spec import ModulationSpec
 from .digests import DigestMemo
-from .entryfile import FORMAT_VERSION, CorruptEntry, encode_entry, entry_rows, parse_entry
+from .entryfile import FORMAT_VERSION, MAGIC, CorruptEntry, encode_entry, entry_rows, parse_entry
 
 log = logging.getLogger(__name__)
 
@@ -444,4 +444,4 @@ class Store:
         return removed
 
 
-__all__ = ["EntryInfo", "Store", "StoredEntry", "binding_hash", "numeric_environment", "plan_hash"]
+__all__ = ["MAGIC", "EntryInfo", "Store", "StoredEntry", "binding_hash", "numeric_environment", "plan_hash"]
