@@ -311,6 +311,95 @@ def test_the_name_scan_finds_names_in_strings_and_identifiers(tmp_path: Path) ->
 
 
 # ---------------------------------------------------------------------------------------------
+# the core speaks only for itself: no CLI flag, no word of the integration above it
+
+#: The one module of the core that may spell CLI flags: the options definition, where messages take them from.
+OPTIONS_MODULE = "adalncache.options"
+
+#: A command-line flag: ``--max-plans``, ``-o``.
+CLI_FLAG = re.compile(r"(?<![\w-])(?:--[a-z][a-z0-9-]*|-o\b)")
+
+#: Words of the layer above the core: the integration, its entry points, the model object it patches.
+ABOVE = re.compile(r"diffusers|enable_adaln_cache|load_transformer|model\.to\b", re.IGNORECASE)
+
+
+def _message_strings(tree: ast.AST) -> Iterable[tuple[int, str]]:
+    """Every string constant and f-string part that is not a docstring (docstrings document; these are said)."""
+    docstrings = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                docstrings.add(id(first.value))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            yield node.lineno, node.value
+
+
+def _imports_diffusers(tree: ast.AST) -> bool:
+    """Whether the module imports diffusers itself (MiniMax-H3's schedules, its time embedder)."""
+    for node in ast.walk(tree):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names = [node.module]
+        if any(name.split(".")[0] == "diffusers" for name in names):
+            return True
+    return False
+
+
+def core_speaking_above(root: Path = SRC) -> list[str]:
+    """Where a runtime-core module's strings spell a CLI flag or speak of the integration above it.
+
+    A flag belongs to the command line; the core takes it from the options definition
+    (``adalncache.options.flag``), so a renamed flag changes in one place. The integration's words
+    (diffusers, its entry points, ``model.to``) are an upward dependency no import shows. Exempt:
+    a bare identifier (``"diffusers"`` is a checkpoint layout's name, data rather than prose) and a
+    module that imports diffusers itself, whose messages name what it needs installed.
+    """
+    found = []
+    for module, path in modules(root).items():
+        if layer(module) != 0 or module == OPTIONS_MODULE:
+            continue
+        tree = ast.parse(path.read_text(), filename=str(path))
+        own_dependency = _imports_diffusers(tree)
+        for line, text in _message_strings(tree):
+            for match in CLI_FLAG.finditer(text):
+                found.append(f"{module}:{line}: flag {match.group(0)} in {text!r}")
+            if text.isidentifier() or own_dependency:
+                continue
+            for match in ABOVE.finditer(text):
+                found.append(f"{module}:{line}: {match.group(0)!r} in {text!r}")
+    return found
+
+
+def test_the_core_names_no_flag_and_nothing_above_it() -> None:
+    found = core_speaking_above()
+    assert not found, (
+        "the runtime core spells a CLI flag (take it from adalncache.options.flag/knob) or speaks of the "
+        "integration above it (phrase it neutrally):\n" + "\n".join(found)
+    )
+
+
+def test_the_speech_scan_finds_flags_and_words_above(tmp_path: Path) -> None:
+    root = _tree(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "a.py": 'def f(n):\n    """Set --max-plans (documented)."""\n    return f"set {n} (CLI --max-plans)"\n',
+            "b.py": 'MSG = "close the diffusers handle first"\n',
+            "c.py": 'LAYOUT = "diffusers"\nOUT = "-o FILE"\n',
+            "d.py": 'import diffusers\nMSG = "install diffusers"\n',
+            "options.py": 'FLAG = "--max-plans"\n',
+            "cli.py": 'FLAG = "--max-plans"\n',
+            "integrations/x.py": 'MSG = "the diffusers handle, --device"\n',
+        },
+    )
+    found = core_speaking_above(root)
+    assert sorted(entry.split(":")[0] for entry in found) == ["adalncache.a", "adalncache.b", "adalncache.c"]
+    assert any("flag -o" in entry for entry in found)
+
+
+# ---------------------------------------------------------------------------------------------
 # the checker itself, on made-up trees
 
 

@@ -58,13 +58,27 @@ def test_every_flag_a_message_names_is_defined() -> None:
 def test_the_collection_sees_messages_and_parsers() -> None:
     """The two sides are read for real: known library messages and known commands are found."""
     named = named_flags()
-    assert any("cache.py" in where for where in named["--host-cache-gb"])  # a ConfigError message
-    assert any("schedules.py" in where for where in named["--steps"])  # an f-string
+    assert any("options.py" in where for where in named["--host-cache-gb"])  # where messages take flags from
+    assert any("commands.py" in where for where in named["--timeout"])  # an f-string
     defined = defined_flags(build_parser())
     assert "adalncache store prune" in defined["--max-gb"]  # a nested sub-command
     assert {"adalncache build", "adalncache verify"} <= defined["--read-ahead"]
     assert "adalncache build" in defined["--shard"] and "adalncache build" in defined["--host-cache-gb"]
     assert {"adalncache demo", "adalncache bench", "adalncache build"} <= defined["--device"]
+
+
+def test_every_flag_of_the_options_definition_is_defined() -> None:
+    """Messages take their flags from adalncache.options (not from literals): each one it holds exists,
+    and each cache option with a flag parses to the option's own default on ``build``."""
+    from adalncache.options import ARGUMENT_FLAGS, OPTIONS
+
+    defined = defined_flags(build_parser())
+    flags = {o.flag for o in OPTIONS if o.flag} | {f for text in ARGUMENT_FLAGS.values() for f in text.split("/")}
+    assert not {f for f in flags if f not in defined}, sorted(f for f in flags if f not in defined)
+    args = build_parser().parse_args(["build", "ckpt", "--store", "s", "--task", "t2va", "--steps", "4"])
+    for o in OPTIONS:
+        if hasattr(args, o.name) and o.name != "store":
+            assert getattr(args, o.name) == o.default, o.name
 
 
 def test_the_collection_finds_a_flag_no_command_defines(tmp_path: Path) -> None:

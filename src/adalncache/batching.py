@@ -111,10 +111,17 @@ class StackedProjector:
 
     def _class(self, group: Sequence[PlanKey], x: torch.Tensor, weight: torch.Tensor) -> Hashable:
         return (
-            str(weight.device), weight.dtype, x.dtype, self.xs[group[0]].shape[0], len(group), tuple(weight.shape),
-            weight.data_ptr() % 64, x.data_ptr() % 64, tuple(self.xs[k].data_ptr() % 64 for k in group),
+            str(weight.device),
+            weight.dtype,
+            x.dtype,
+            self.xs[group[0]].shape[0],
+            len(group),
+            tuple(weight.shape),
+            weight.data_ptr() % 64,
+            x.data_ptr() % 64,
+            tuple(self.xs[k].data_ptr() % 64 for k in group),
             bit_settings_key(weight.device),
-        )  # fmt: skip
+        )
 
     def project_layer(
         self, layer: Layer, weight: torch.Tensor, bias: torch.Tensor
@@ -167,8 +174,11 @@ class StackedProjector:
                 self._verdicts[cls] = False
             log.warning(
                 "stacked projection of %d plans of width %d differed from the per-plan one at layer %s; "
-                "projecting this shape class per plan from now on", len(group), self.xs[group[0]].shape[0], layer,
-            )  # fmt: skip
+                "projecting this shape class per plan from now on",
+                len(group),
+                self.xs[group[0]].shape[0],
+                layer,
+            )
             return self._per_plan(layer, group, weight, bias)
         self.stats.stacked_layers += 1
         return list(zip(group, parts, strict=True))

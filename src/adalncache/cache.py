@@ -1,6 +1,7 @@
 """AdalnCache: a device slab of bit-exact AdaLN tables, rebuilt transactionally from a weight source.
 
-The cache validates its construction, decides *when* work runs, and delegates:
+The cache's parts are built by :func:`adalncache.assembly.assemble` from (spec, source, options,
+device); the cache decides *when* work runs, and delegates:
 :class:`~adalncache.slab.Slab` holds the four tensors and does every row read and write,
 :class:`~adalncache.slots.SlotPool` alone changes the slot map, the LRU order, the free list and
 the holds, :class:`~adalncache.transaction.BuildTransaction` runs a build that has something to
@@ -25,76 +26,41 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 import time
 from collections.abc import Hashable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
+from typing_extensions import Unpack
 
-from .devices import allocation_error, check_available, resolve_device
-from .distributed import make_collective
+from .assembly import assemble, pinned, relocated
+from .devices import resolve_device
 from .errors import AdalnCacheError, ConfigError, PlanError
 from .faults import NO_FAULTS, FaultPoints
 from .holds import PlanHold
-from .identity import TableIdentity
-from .numerics import autocast_dtype, device_identity
-from .plans import PlanKey, distinct_plans, keyed_plans, plan_key
+from .introspection import CacheIntrospection
+from .numerics import autocast_dtype
+from .options import PRECISIONS, SHARD_MODES, CacheKwargs, CacheOptions, option_keywords
+from .plans import PlanKey, distinct_plans, keyed_plans
 from .rebuild import EmbedFn, ProjectFn, default_project
-from .relocation import TableParking, same_device
+from .relocation import same_device
 from .reports import BuildReport, CacheStats
 from .rows import PlanRows
-from .serving import SlabReads
-from .slab import Slab
-from .slots import SlotPool
 from .source import WeightSource
 from .source.absent import NoWeights
 from .spec import ModulationSpec
-from .streams import StreamSync, events_for
-from .tiers.chain import TierChain
-from .tiers.host import HOST_TIER_KNOB
-from .tiers.tables import TablesArg, TablesTier
-from .transaction import BuildSettings, BuildTransaction
 
 if TYPE_CHECKING:
-    from .tiers.host import HostTier
-    from .tiers.store import Store
+    pass
 
 log = logging.getLogger(__name__)
 
-PRECISIONS = ("match", "fp32")
-SHARD_MODES = ("layers", "columns")
 
-
-def _check_int(name: str, value: Any, flag: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}: set {name}= (CLI {flag})")
-    return value
-
-
-def _check_arguments(
-    spec: Any, source: Any, *, max_plans: Any, max_plan_width: Any, host_cache_bytes: Any, read_ahead: Any,
-    batched: Any, precision: Any, shard: Any, tables: Any, store: Any,
-) -> None:  # fmt: skip
-    """Every construction argument the cache can check alone; ConfigError names the one to change."""
+def _check_spec_and_source(spec: Any, source: Any, tables: Any) -> None:
+    """The arguments beside the options that the cache can check alone; ConfigError names the one to change."""
     if not isinstance(spec, ModulationSpec):
         raise ConfigError(f"spec must be a ModulationSpec, got {type(spec).__name__}")
-    _check_int("max_plans", max_plans, "--max-plans", 1)
-    _check_int("max_plan_width", max_plan_width, "--plan-width", 1)
-    _check_int("host_cache_bytes", host_cache_bytes, "--host-cache-gb", 0)
-    _check_int("read_ahead", read_ahead, "--read-ahead", 0)
-    if not isinstance(batched, bool):
-        raise ConfigError(f"batched must be True or False, got {batched!r}: set or drop --batched")
-    if precision not in PRECISIONS:
-        raise ConfigError(f"precision must be one of {list(PRECISIONS)}, got {precision!r}: set --precision")
-    if shard not in SHARD_MODES:
-        raise ConfigError(f"shard must be one of {list(SHARD_MODES)}, got {shard!r}: set --shard")
-    if store is not None and not isinstance(store, (str, os.PathLike)) and not hasattr(store, "get_many"):
-        raise ConfigError(
-            f"store= must be a directory path or a Store, got {type(store).__name__} {store!r}: set store= "
-            f"(CLI --store DIR), or None for no store"
-        )
     if source is None:
         if tables is None:
             raise ConfigError(
@@ -113,7 +79,7 @@ def _check_arguments(
         )
 
 
-class AdalnCache(SlabReads):
+class AdalnCache(CacheIntrospection):
     """A device slab of bit-exact AdaLN tables, rebuilt transactionally from a weight source.
 
     The slab tensors (``plan_timesteps``, ``plan_lengths``, ``table``, and the views of ``table``:
@@ -123,157 +89,58 @@ class AdalnCache(SlabReads):
     holds them.
     """
 
+    @option_keywords()
     def __init__(
         self,
         spec: ModulationSpec,
         source: WeightSource | None,
         *,
-        max_plans: int = 64,
-        max_plan_width: int = 4,
         device: torch.device | str = "cpu",
-        precision: str = "match",
-        host_cache_bytes: int = 0,
-        store: Store | str | Any = None,
-        process_group: Any = None,
-        shard: str = "layers",
-        read_ahead: int = 1,
-        progress: bool | None = None,
-        batched: bool = False,
-        tables: TablesArg | None = None,
+        **options: Unpack[CacheKwargs],
     ) -> None:
-        _check_arguments(
-            spec, source, max_plans=max_plans, max_plan_width=max_plan_width, host_cache_bytes=host_cache_bytes,
-            read_ahead=read_ahead, batched=batched, precision=precision, shard=shard, tables=tables, store=store,
-        )  # fmt: skip
-        self.device = resolve_device(device, argument="device")
-        if self.device.type == "cuda" and self.device.index is None:
-            # Pin the index now: a build or a reader thread must not land on whatever device is
-            # current in its own thread.
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        # Settings that fix the number or size of later collectives are compared across ranks.
-        agreed = {
-            "precision": precision, "store": store is not None, "device_type": self.device.type,
-            "tables": tables is not None,
-        }  # fmt: skip
-        self._dist = make_collective(process_group, shard, spec, device=self.device, config=agreed)
+        """Allocate the slab on ``device`` and open the tiers; ConfigError names the argument to change.
+
+        Args:
+            spec: the geometry and dtype of the served projections.
+            source: where the projections' weights are read (None: table files only, ``tables=``).
+            device: where the slab lives and every pass projects.
+            {cache options}
+        """
+        _check_spec_and_source(spec, source, options.get("tables"))
+        given = CacheOptions.of(options, where="AdalnCache()")
         self.spec = spec
         #: The weight source; without one (``source=None``) a :class:`~adalncache.source.absent.NoWeights`
         #: that serves table files only.
         self.source: WeightSource = source if source is not None else NoWeights(spec)
-        self.precision = precision
-        self.shard = shard
-        self.read_ahead = read_ahead
-        self.progress = progress
-        #: Stack the plans of one width into one GEMM where a probe proved it bit-identical to the
-        #: per-plan GEMM on this device (adalncache.batching); off by default.
-        self.batched = batched
-        # Ranks must agree on every capacity, or their slot decisions would diverge.
-        self.max_plans, self.max_plan_width, self.host_cache_bytes = self._dist.min_ints(
-            [max_plans, max_plan_width, host_cache_bytes]
-        )
-        self.stats = CacheStats()
-        failure: BaseException | None = None
-        try:  # out of device memory, or a store directory, on one rank alone must fail every rank
-            self._slab = self._allocate_slab()
-            self._check_host_tier()
-            self._tiers = TierChain.open(
-                spec, self.source, host_cache_bytes=self.host_cache_bytes, store=store, device=self.device,
-                collective=self._dist, stats=self.stats, tables=tables,
-            )  # fmt: skip
-        except BaseException as exc:
-            failure = exc
-        # Agreed before raising, or the other ranks would wait for this one in their first collective.
-        self._dist.agree_construction(failure)
-        if failure is not None:
-            raise failure
-        #: The per-slot events that order builds and reads across CUDA streams (no-ops on a CPU).
-        self.stream_sync = StreamSync(self.max_plans, events_for(self.device))
-        self._pool = SlotPool(self._slab, self.stream_sync)
-        memo = self._tiers.store.memo if self._tiers.store is not None else None
-        self._identity = TableIdentity(
-            self.source, self._dist, self.stats, spec=spec, precision=precision, device=self.device, memo=memo
-        )
-        if self._tiers.tables is not None:
-            # A table file that cannot serve this cache bit-exactly is refused now, on every rank.
-            try:
-                self._tiers.tables.check_bindings(self._identity.template(), self._identity.content.identify)
-            except BaseException as exc:
-                failure = exc
-            self._dist.agree_construction(failure)
-            if failure is not None:
-                raise failure
-        #: The table files given (``tables=``); served while the device matches their binding.
-        self._table_files = self._tiers.tables
         self.fault_points: FaultPoints = NO_FAULTS
         self._lock = threading.RLock()  # state: slot map, holds, stats, identity (never held in a pass)
         self._build_lock = threading.RLock()  # one build at a time
         #: Set on the thread running a build (so while embed= and project= run): see _exclusive.
         self._in_build = threading.local()
         self._closed = False
-        settings = BuildSettings(
-            spec=spec, device=self.device, precision=precision, max_plans=self.max_plans,
-            max_plan_width=self.max_plan_width, read_ahead=read_ahead, progress=progress, batched=batched,
-        )  # fmt: skip
-        self._builder = BuildTransaction(
-            settings, source=self.source, slab=self._slab, pool=self._pool, tiers=self._tiers, identity=self._identity,
-            collective=self._dist, stats=self.stats, sync=self.stream_sync, lock=self._lock,
+        parts = assemble(
+            spec,
+            self.source,
+            given,
+            pinned(resolve_device(device, argument="device")),
+            lock=self._lock,
             faults=lambda: self.fault_points,
-        )  # fmt: skip
-        #: Host copies of the tables built on devices of another identity, kept across moves.
-        self._parking = TableParking()
+        )
+        self._parts = parts
+        #: The options in force: as given, with the capacities every rank of a group agreed on.
+        self.options = parts.options
+        self.stats = parts.stats
+        #: The per-slot events that order builds and reads across CUDA streams (no-ops on a CPU).
+        self.stream_sync = parts.sync
+        self._dist, self._slab, self._pool = parts.collective, parts.slab, parts.pool
+        self._identity, self._builder, self._site = parts.identity, parts.builder, parts.site
         log.debug(
             "AdalnCache: %d plans x %d timesteps, %.1f MiB slab on %s",
-            self.max_plans, self.max_plan_width, self.slab_bytes / 2**20, self.device,
-        )  # fmt: skip
-
-    # -- the slab tensors ---------------------------------------------------------------------
-
-    @property
-    def plan_timesteps(self) -> torch.Tensor:
-        """``[P, W]`` f32 (``[P, W, C]`` for plans of ``C`` columns): each slot's plan, zero past its length."""
-        return self._slab.plan_timesteps
-
-    @property
-    def plan_lengths(self) -> torch.Tensor:
-        """``[P]`` i64: each slot's plan rows, 0 for a free slot."""
-        return self._slab.plan_lengths
-
-    @property
-    def table(self) -> torch.Tensor:
-        """``[P, W, spec.table_width]``: every served layer's output per plan row, side by side."""
-        return self._slab.table
-
-    @property
-    def block_params(self) -> torch.Tensor:
-        """``[P, W, L, block_width]``: the table's ``block`` part, a view of :attr:`table` (two-part tables)."""
-        return self._slab.part_params("block")
-
-    @property
-    def final_params(self) -> torch.Tensor:
-        """``[P, W, final_width]``: the table's ``final`` part, a view of :attr:`table` (two-part tables)."""
-        return self._slab.part_params("final")
-
-    # -- construction helpers ---------------------------------------------------------------
-
-    _SLAB_KNOBS = "max_plans (CLI --max-plans) or max_plan_width (CLI --plan-width)"
-
-    def _allocate_slab(self) -> Slab:
-        """The slab, refused (ConfigError naming its bytes and the knobs) when the device cannot hold it."""
-        nbytes = self.spec.slab_bytes(self.max_plans, self.max_plan_width)
-        what = f"the slab of max_plans={self.max_plans} x max_plan_width={self.max_plan_width} plans"
-        check_available(nbytes, self.device, what, self._SLAB_KNOBS)
-        try:
-            return Slab(self.spec, self.max_plans, self.max_plan_width, self.device)
-        except (RuntimeError, MemoryError) as exc:  # the allocator's own failure (torch.OutOfMemoryError too)
-            raise allocation_error(exc, nbytes, self.device, what, self._SLAB_KNOBS) from None
-
-    def _check_host_tier(self) -> None:
-        """Refuse a host tier the host cannot hold beside a CPU slab (before its arena is mapped)."""
-        if not self.host_cache_bytes:
-            return
-        beside = self.spec.slab_bytes(self.max_plans, self.max_plan_width) if self.device.type == "cpu" else 0
-        what = f"the host tier of host_cache_bytes={self.host_cache_bytes}" + (" beside the slab" if beside else "")
-        check_available(self.host_cache_bytes + beside, torch.device("cpu"), what, HOST_TIER_KNOB)
+            self.max_plans,
+            self.max_plan_width,
+            self.slab_bytes / 2**20,
+            self.device,
+        )
 
     @contextlib.contextmanager
     def _exclusive(self, what: str) -> Iterator[None]:
@@ -291,63 +158,6 @@ class AdalnCache(SlabReads):
         with self._build_lock:
             yield
 
-    # -- introspection ----------------------------------------------------------------------
-
-    @property
-    def slab_bytes(self) -> int:
-        return self._slab.nbytes
-
-    def slab_tensors(self) -> tuple[torch.Tensor, ...]:
-        return self._slab.tensors()
-
-    @property
-    def resident_plans(self) -> list[PlanKey]:
-        """Published plan keys, least recently used first."""
-        with self._lock:
-            return self._pool.keys()
-
-    def slot_of(self, key: PlanKey) -> int | None:
-        with self._lock:
-            return self._pool.slot_of(key)
-
-    @property
-    def free_slots(self) -> list[int]:
-        with self._lock:
-            return self._pool.free_slots
-
-    @property
-    def held_slots(self) -> dict[int, int]:
-        """How many requests hold each held slot (resident, or retired by an identity change)."""
-        with self._lock:
-            return self._pool.held_slots
-
-    @property
-    def variant(self) -> Hashable:
-        return self._identity.variant
-
-    @property
-    def serve_dtype(self) -> torch.dtype:
-        """The dtype rows are served in: the autocast dtype the tables were built under, else ``spec.dtype``."""
-        return self._identity.serve_dtype
-
-    @property
-    def host_tier(self) -> HostTier | None:
-        return self._tiers.host
-
-    @property
-    def store(self) -> Store | None:
-        return self._tiers.store
-
-    @property
-    def tables(self) -> TablesTier | None:
-        """The read-only table files (``tables=``), or None."""
-        return self._tiers.tables
-
-    @property
-    def content_digest(self) -> str | None:
-        """The content digest of the source's projection tensors, if known yet (no I/O; see :meth:`identify`)."""
-        return self._identity.content.digest
-
     def identify(self, *, read: bool = True) -> str | None:
         """The content digest: from the digest memo, else (``read=True``) by one hashing-only read.
 
@@ -356,43 +166,6 @@ class AdalnCache(SlabReads):
         """
         with self._exclusive("identify()"):
             return self._identity.content.identify(read=read)
-
-    @property
-    def world_size(self) -> int:
-        """Ranks that build this cache together (1 without a process group)."""
-        return self._dist.world
-
-    @property
-    def rank(self) -> int:
-        """This process's rank in the cache's process group (0 without one)."""
-        return self._dist.rank
-
-    @property
-    def closed(self) -> bool:
-        """Whether :meth:`close` gave the cache's host memory back (it can no longer build)."""
-        return self._closed
-
-    def __contains__(self, plan: torch.Tensor) -> bool:
-        key = plan_key(plan, self.spec.plan_columns)
-        with self._lock:
-            return key in self._pool
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._pool)
-
-    def __repr__(self) -> str:
-        return (
-            f"AdalnCache({len(self)}/{self.max_plans} plans resident, width {self.max_plan_width}, "
-            f"{self.spec.num_layers} layers, {self.precision}, {self.device})"
-        )
-
-    def binding(self) -> dict[str, Any] | None:
-        """Everything a stored table depends on besides its plan (stores key entries by it).
-
-        ``None`` while the source's content digest is not known (the store is then not used).
-        """
-        return self._identity.binding()
 
     # -- build and hold ---------------------------------------------------------------------
 
@@ -415,8 +188,7 @@ class AdalnCache(SlabReads):
         """
         start = time.perf_counter()
         order, tensors = distinct_plans(plans, keys, self.spec.plan_columns)
-        hit = self._hit(order, variant)
-        report = hit if isinstance(hit, BuildReport) else self._build(order, tensors, embed, project, variant)
+        report = self._hit(order, variant) or self._build(order, tensors, embed, project, variant)
         report.seconds = time.perf_counter() - start
         return report
 
@@ -436,14 +208,13 @@ class AdalnCache(SlabReads):
         """
         start = time.perf_counter()
         plans, keys = keyed_plans(plans, keys, self.spec.plan_columns)
-        held = self._hit(list(dict.fromkeys(keys)), variant, hold=keys)
+        held = self._hold_if_resident(keys, variant, local=False)
         if held is None:
             with self._exclusive("hold()"):  # no build between this one and the hold
                 order, tensors = distinct_plans(plans, keys, self.spec.plan_columns)
                 report = self._build(order, tensors, embed, project, variant)
                 with self._lock:
                     held = self._hold(keys, report)
-        assert isinstance(held, PlanHold)
         held.report.seconds = time.perf_counter() - start
         return held
 
@@ -453,8 +224,7 @@ class AdalnCache(SlabReads):
         """Hold ``plans`` if every one is resident under ``variant`` and the current autocast state,
         else ``None``: the hit path of :meth:`hold`, which never waits for another thread's pass."""
         plans, keys = keyed_plans(plans, keys, self.spec.plan_columns)
-        held = self._hit(list(dict.fromkeys(keys)), variant, hold=keys, local=True)
-        return held if isinstance(held, PlanHold) else None
+        return self._hold_if_resident(keys, variant, local=True)
 
     @contextlib.contextmanager
     def acquire(
@@ -474,13 +244,11 @@ class AdalnCache(SlabReads):
         finally:
             held.release()
 
-    def _hit(
-        self, order: list[PlanKey], variant: Hashable, hold: list[PlanKey] | None = None, *, local: bool = False
-    ) -> BuildReport | PlanHold | None:
+    def _hit(self, order: list[PlanKey], variant: Hashable, *, local: bool = False) -> BuildReport | None:
         """The hit path: touch and count when every plan is resident under the current identity.
 
         One process only (in a group every build agrees with the other ranks first), except for
-        ``local`` (:meth:`hold_resident`), which in a group holds without touching: the LRU order
+        ``local`` (:meth:`hold_resident`), which in a group counts without touching: the LRU order
         decides the ranks' evictions and must change on every rank at once. Returns None when
         anything is missing or the variant or autocast state changed: the caller builds.
         """
@@ -498,8 +266,13 @@ class AdalnCache(SlabReads):
             if not grouped:
                 pool.touch(order)
             self.stats.device_hits += len(order)
-            report = BuildReport(plans=len(order), device_hits=len(order))
-            return report if hold is None else self._hold(hold, report)
+            return BuildReport(plans=len(order), device_hits=len(order))
+
+    def _hold_if_resident(self, keys: list[PlanKey], variant: Hashable, *, local: bool) -> PlanHold | None:
+        """The hit path of a hold: hold ``keys`` in the same state-lock section that found them resident."""
+        with self._lock:
+            report = self._hit(list(dict.fromkeys(keys)), variant, local=local)
+            return None if report is None else self._hold(keys, report)
 
     def _build(
         self,
@@ -513,8 +286,8 @@ class AdalnCache(SlabReads):
         with self._exclusive("build()"):
             if self._closed:
                 raise ConfigError(
-                    "this AdalnCache was closed (close(), or the diffusers handle's disable()) and cannot build; "
-                    "create a new one"
+                    "this AdalnCache was closed (close(), or the disable() of the integration that owned it) and "
+                    "cannot build; create a new one"
                 )
             self._in_build.active = True
             try:
@@ -527,9 +300,13 @@ class AdalnCache(SlabReads):
         """Hold the slots of ``keys`` (resident; the state lock is held)."""
         slot_list = [self._pool.require(key) for key in keys]
         held = PlanHold(
-            self._release, keys=keys, slot_list=slot_list, slots=self._slab.indices(slot_list), report=report,
+            self._release,
+            keys=keys,
+            slot_list=slot_list,
+            slots=self._slab.indices(slot_list),
+            report=report,
             dtype=self._identity.serve_dtype,
-        )  # fmt: skip
+        )
         self._pool.hold(held.held)
         # This thread's stream reads these slots from now on: after the writes that filled them.
         self.stream_sync.before_read(held.held)
@@ -602,45 +379,14 @@ class AdalnCache(SlabReads):
             if held:
                 raise ConfigError(
                     f"cannot move the cache from {self.device} to {target}: {len(held)} slot(s) are held by "
-                    "requests in flight, whose slot tensors are on the old device; move it (model.to(...)) "
+                    "requests in flight, whose slot tensors are on the old device; move it (or the model it serves) "
                     "after their acquire() blocks end (handle.release() for a pipeline request)"
                 )
             self._relocate(target)
 
     def _relocate(self, target: torch.device) -> None:
-        identity = self._identity
-        here, there = device_identity(self.device), device_identity(target)
-        if here != there:
-            self._parking.park(
-                here, self._pool, self._slab, fingerprint=identity.fingerprint, variant=identity.variant,
-                autocast=identity.autocast,
-            )  # fmt: skip
-            self._pool.clear()
-            # The host tier held rows of the old device; a new one (pinned for CUDA) holds the new
-            # one's, and the old arena (page-locked for a GPU) is given back now.
-            self._tiers.release()
-            self._tiers = TierChain.open(
-                self.spec, self.source, host_cache_bytes=self.host_cache_bytes, store=self._tiers.store,
-                device=target, collective=self._dist, stats=self.stats,
-            )  # fmt: skip
-        self._slab.relocate(target, keep_rows=here == there)
-        self.stream_sync.reset(events_for(target))
-        previous, self.device, identity.device = self.device, target, target
-        if here != there and self._table_files is not None:
-            # Table files are bound to a numeric environment, device included: served where they match.
-            try:
-                self._table_files.check_bindings(
-                    identity.template(), identity.content.identify, generation=identity.generation
-                )
-                self._tiers.tables = self._table_files
-            except AdalnCacheError as exc:
-                log.warning("table files not served on %s (%s); plans are built there instead", target, exc)
-                self._tiers.tables = None
-        self._builder.relocate(target, self._tiers)
-        if here != there:
-            restored = self._parking.restore(there, self._pool, self._slab, fingerprint=identity.fingerprint)
-            if restored is not None:
-                identity.variant, identity.autocast = restored.variant, restored.autocast
+        previous = self.device
+        relocated(self._parts, self.spec, self.source, target)
         log.info("AdaLN cache moved from %s to %s (%d plan(s) resident there)", previous, target, len(self._pool))
 
 

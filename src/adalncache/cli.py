@@ -12,6 +12,7 @@ import importlib
 import logging
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from .errors import AdalnCacheError
 
@@ -28,7 +29,7 @@ log = logging.getLogger("adalncache")
 class _Parser(argparse.ArgumentParser):
     """argparse exits with 2 on bad arguments already; keep its messages to one line."""
 
-    def error(self, message: str) -> None:  # type: ignore[override]
+    def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 

@@ -13,7 +13,7 @@ import argparse
 import contextlib
 import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -21,13 +21,14 @@ from typing import Any
 import torch
 
 from . import vllm_omni
-from .cache import PRECISIONS, SHARD_MODES, AdalnCache
+from .cache import AdalnCache
 from .devices import resolve_device
 from .embedding import time_embed_fn
 from .errors import ConfigError
 from .export import check_export, check_output, export_tables, source_files, verify_tables
 from .families.minimax_h3 import MODEL_VARIANTS
 from .offline import describe_checkpoint, describe_store, fill_store, is_store, open_checkpoint, verify_store
+from .options import flag, option
 from .plans import schedule_plans
 from .schedules import TASKS
 from .spec import LAYOUTS
@@ -74,27 +75,28 @@ def _torchrun_group(device: torch.device, timeout: float) -> Iterator[tuple[Any,
 def run_build(args: argparse.Namespace) -> int:
     if not (args.timeout > 0):
         raise ConfigError(f"--timeout must be a positive number of seconds, got {args.timeout}")
-    host_cache_bytes = _gb_to_bytes(args.host_cache_gb, "--host-cache-gb")
     device = resolve_device(args.device)
     spec, source = open_checkpoint(args.checkpoint, layout=args.layout)
     plans = schedule_plans(
-        args.task, args.steps, video_shift=args.video_shift, audio_shift=args.audio_shift,
+        args.task,
+        args.steps,
+        video_shift=args.video_shift,
+        audio_shift=args.audio_shift,
         audio_refs=not args.no_audio_refs,
-    )  # fmt: skip
+    )
     width = max(p.numel() for p in plans)
-    if width > args.plan_width:
-        raise ConfigError(f"these schedules have plans of {width} timesteps: raise --plan-width to at least {width}")
+    if width > args.max_plan_width:
+        raise ConfigError(
+            f"these schedules have plans of {width} timesteps: raise {flag('max_plan_width')} to at least {width}"
+        )
     with _torchrun_group(device, args.timeout) as (group, device, rank):
         rank0 = rank == 0
         embed = time_embed_fn(source, spec, device)
         # The working slab: no more plans than one pass needs, so a small build allocates little.
-        cache = AdalnCache(
-            spec, source, max_plans=max(1, min(args.max_plans, len(plans))), max_plan_width=width, device=device,
-            precision=args.precision, store=Store(args.store, lock_wait_s=args.lock_wait),
-            progress=rank0 and not args.quiet,
-            batched=args.batched, read_ahead=args.read_ahead, host_cache_bytes=host_cache_bytes,
-            process_group=group, shard=args.shard,
-        )  # fmt: skip
+        options = _options_of(args, BUILD_OPTIONS)
+        options.update(max_plans=max(1, min(args.max_plans, len(plans))), max_plan_width=width)
+        options.update(store=Store(args.store, lock_wait_s=args.lock_wait), progress=rank0 and not args.quiet)
+        cache = AdalnCache(spec, source, device=device, process_group=group, **options)
         report = fill_store(cache, plans, embed=embed, progress=rank0 and not args.quiet)
         ranks = f", {cache.world_size} ranks (--shard {args.shard})" if group is not None else ""
     if rank0:
@@ -119,8 +121,9 @@ def run_export(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     spec, source = open_checkpoint(args.checkpoint, layout=args.layout)
     check_output(output, source_files(source))
-    check_export(spec, format=args.format, precision=args.precision, model_variant=args.model_variant,
-                 tasks=args.task or ())  # fmt: skip
+    check_export(
+        spec, format=args.format, precision=args.precision, model_variant=args.model_variant, tasks=args.task or ()
+    )
     if sidecar is not None:
         if args.store:
             raise ConfigError(
@@ -129,9 +132,13 @@ def run_export(args: argparse.Namespace) -> int:
             )
         world = int(os.environ.get("WORLD_SIZE", "1"))
         vllm_omni.check_export(
-            spec, precision=args.precision, model_variant=args.model_variant, contract=sidecar, shard=args.shard,
+            spec,
+            precision=args.precision,
+            model_variant=args.model_variant,
+            contract=sidecar,
+            shard=args.shard,
             world_size=max(world, 2 if args.shard == "columns" else 1),
-        )  # fmt: skip
+        )
         plans = vllm_omni.timestep_plans(sidecar)
         schedules: list[dict[str, Any]] = [sidecar]
     else:
@@ -144,15 +151,22 @@ def run_export(args: argparse.Namespace) -> int:
     with _torchrun_group(device, args.timeout) as (group, device, rank):
         rank0 = rank == 0
         embed = time_embed_fn(source, spec, device) if sidecar is None else None
+        options = _options_of(args, EXPORT_OPTIONS)
+        options.update(max_plans=max(1, min(args.max_plans, len(plans))), max_plan_width=width, store=store)
         cache = AdalnCache(
-            spec, source, max_plans=max(1, min(args.max_plans, len(plans))), max_plan_width=width, device=device,
-            precision=args.precision, store=store, progress=rank0 and not args.quiet, batched=args.batched,
-            read_ahead=args.read_ahead, process_group=group, shard=args.shard,
-        )  # fmt: skip
+            spec, source, device=device, process_group=group, progress=rank0 and not args.quiet, **options
+        )
         report = export_tables(
-            cache, plans, output, embed=embed, format=args.format, model_variant=args.model_variant,
-            tasks=args.task or (), schedules=schedules, progress=rank0 and not args.quiet,
-        )  # fmt: skip
+            cache,
+            plans,
+            output,
+            embed=embed,
+            format=args.format,
+            model_variant=args.model_variant,
+            tasks=args.task or (),
+            schedules=schedules,
+            progress=rank0 and not args.quiet,
+        )
     if rank0 and sidecar is not None:
         print(
             f"adalncache export: wrote {report.path} (vllm-omni format 4, {report.plans} plans of up to "
@@ -186,30 +200,45 @@ def _sidecar_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--mode", choices=list(vllm_omni.MODES), default=None, help="vLLM-Omni's task mode")
     group.add_argument(
-        "--num-steps", type=_positive_int("--num-steps"), default=None,
+        "--num-steps",
+        type=_positive_int("--num-steps"),
+        default=None,
         help=f"forwards (vLLM-Omni's num_inference_steps) (default: {vllm_omni.DEFAULT_NUM_STEPS}, or the "
         f"intervals of --base-schedule)",
-    )  # fmt: skip
+    )
     group.add_argument(
-        "--base-schedule", default=None,
+        "--base-schedule",
+        default=None,
         help="explicit rectified-flow positions, comma-separated (a distilled release's base_schedule)",
-    )  # fmt: skip
+    )
     group.add_argument(
-        "--flow-shift", type=float, default=None,
+        "--flow-shift",
+        type=float,
+        default=None,
         help=f"video flow shift (default: the release's, as vLLM-Omni reads it from model_index.json next to the "
         f"transformer, else {vllm_omni.DEFAULT_FLOW_SHIFT:g})",
-    )  # fmt: skip
+    )
     group.add_argument(
-        "--audio-flow-shift", type=float, default=None,
+        "--audio-flow-shift",
+        type=float,
+        default=None,
         help=f"audio flow shift (default: the release's, else {vllm_omni.DEFAULT_AUDIO_FLOW_SHIFT:g})",
-    )  # fmt: skip
+    )
 
 
 def _sidecar_schedule(args: argparse.Namespace) -> dict[str, Any] | None:
     """The schedule contract of ``--format vllm-omni`` (None for the other formats); refuses mixed-up flags."""
-    given = [flag for flag, value in (("--mode", args.mode), ("--num-steps", args.num_steps),
-                                      ("--base-schedule", args.base_schedule), ("--flow-shift", args.flow_shift),
-                                      ("--audio-flow-shift", args.audio_flow_shift)) if value is not None]  # fmt: skip
+    given = [
+        flag
+        for flag, value in (
+            ("--mode", args.mode),
+            ("--num-steps", args.num_steps),
+            ("--base-schedule", args.base_schedule),
+            ("--flow-shift", args.flow_shift),
+            ("--audio-flow-shift", args.audio_flow_shift),
+        )
+        if value is not None
+    ]
     if args.format != vllm_omni.FORMAT:
         if given:
             raise ConfigError(f"{', '.join(given)} name a --format vllm-omni schedule: use --task and --steps here")
@@ -274,9 +303,12 @@ def _print_tables(info: dict[str, Any]) -> None:
             f"  time embedder {arch['timestep_input_dim']} -> {arch['time_embed_hidden_size']} -> "
             f"{arch['time_embed_dim']}; {len(found['weights'])} weight digests; built under torch "
             f"{math_block.get('torch')} on {math_block.get('device_type')}"
-            + (f" (capability {math_block.get('capability')}, CUDA {math_block.get('cuda')})"
-               if math_block.get("device_type") == "cuda" else "")
-        )  # fmt: skip
+            + (
+                f" (capability {math_block.get('capability')}, CUDA {math_block.get('cuda')})"
+                if math_block.get("device_type") == "cuda"
+                else ""
+            )
+        )
     elif binding is None:
         print("  binding: none (an sglang file: only its geometry can be checked)")
     else:
@@ -374,9 +406,16 @@ def run_verify_tables(args: argparse.Namespace) -> int:
     table = TableFile(args.tables, spec, argument="--tables")
     embed = time_embed_fn(source, spec, device)
     report = verify_tables(
-        table, source, embed=embed, device=device, max_plans=args.max_plans, read_ahead=args.read_ahead,
-        sample=args.sample, seed=args.seed, progress=not args.quiet,
-    )  # fmt: skip
+        table,
+        source,
+        embed=embed,
+        device=device,
+        max_plans=args.max_plans,
+        read_ahead=args.read_ahead,
+        sample=args.sample,
+        seed=args.seed,
+        progress=not args.quiet,
+    )
     for line in report.corrupt:
         print(f"CORRUPT {line}")
     for line in report.mismatched:
@@ -411,9 +450,17 @@ def run_verify(args: argparse.Namespace) -> int:
     spec, source = open_checkpoint(args.checkpoint, layout=args.layout)
     embed = time_embed_fn(source, spec, device)
     report = verify_store(
-        Store(path), spec, source, embed=embed, device=device, max_plans=args.max_plans,
-        read_ahead=args.read_ahead, sample=args.sample, seed=args.seed, progress=not args.quiet,
-    )  # fmt: skip
+        Store(path),
+        spec,
+        source,
+        embed=embed,
+        device=device,
+        max_plans=args.max_plans,
+        read_ahead=args.read_ahead,
+        sample=args.sample,
+        seed=args.seed,
+        progress=not args.quiet,
+    )
     for line in report.corrupt:
         print(f"CORRUPT {line}")
     for line in report.mismatched:
@@ -467,18 +514,70 @@ def _positive_int(flag: str) -> Callable[[str], int]:
     return _int_at_least(flag, 1)
 
 
-def _common(parser: argparse.ArgumentParser, *, slab: bool = True) -> None:
+#: The cache options each command takes, as generated flags (in this order on its --help).
+BUILD_OPTIONS = (
+    "store",
+    "max_plan_width",
+    "precision",
+    "batched",
+    "host_cache_bytes",
+    "shard",
+    "max_plans",
+    "read_ahead",
+)
+EXPORT_OPTIONS = ("store", "precision", "batched", "shard", "max_plans", "read_ahead")
+VERIFY_OPTIONS = ("max_plans", "read_ahead")
+
+
+def _gib_bytes(text: str) -> int:
+    try:
+        return _gb_to_bytes(float(text), option("host_cache_bytes").flag or "")
+    except (ValueError, ConfigError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _add_options(parser: argparse.ArgumentParser, names: Sequence[str], *, required: Sequence[str] = ()) -> None:
+    """One flag per cache option of ``names``, generated from :mod:`adalncache.options`.
+
+    The flag, its help, its default and how it parses come from the option's definition; the
+    value lands in ``args.<option name>`` in the option's own unit (bytes for ``--host-cache-gb``).
+    ``required``: options this command cannot run without.
+    """
+    for name in names:
+        o = option(name)
+        cli = o.cli
+        if o.flag is None or cli is None:
+            raise ValueError(f"the option {name} has no command-line flag")
+        kwargs: dict[str, Any] = {"dest": name, "default": o.default, "help": o.doc}
+        if cli.kind == "int":
+            kwargs["type"] = _int_at_least(o.flag, cli.minimum)
+            kwargs["metavar"] = "N"
+        elif cli.kind == "path":
+            kwargs["metavar"] = "DIR"
+        elif cli.kind == "choice":
+            kwargs["choices"] = list(cli.choices)
+        elif cli.kind == "switch":
+            kwargs["action"] = "store_true"
+        elif cli.kind == "gib":
+            kwargs["type"] = _gib_bytes
+            kwargs["metavar"] = "GIB"
+        if name in required:
+            kwargs["required"] = True
+            del kwargs["default"]
+        elif cli.kind != "switch":
+            shown = o.default / 2**30 if cli.kind == "gib" else o.default
+            kwargs["help"] += f" (default: {shown})"
+        parser.add_argument(o.flag, **kwargs)
+
+
+def _options_of(args: argparse.Namespace, names: Sequence[str]) -> dict[str, Any]:
+    """The cache options ``names`` as the command line gave them, as keyword arguments of AdalnCache."""
+    return {name: getattr(args, name) for name in names}
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layout", default="auto", choices=["auto", *LAYOUTS], help="checkpoint layout")
     parser.add_argument("--device", default="cpu", help="device the tables are for (default: cpu)")
-    if slab:
-        parser.add_argument(
-            "--max-plans", type=_positive_int("--max-plans"), default=64,
-            help="plans per pass: the working slab (default: 64)",
-        )  # fmt: skip
-    parser.add_argument(
-        "--read-ahead", type=_int_at_least("--read-ahead", 0), default=1,
-        help="layers read ahead while one is projected, as AdalnCache(read_ahead=) (default: 1)",
-    )  # fmt: skip
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
 
 
@@ -493,10 +592,12 @@ def _schedules(parser: argparse.ArgumentParser, steps_help: str, *, required: bo
 
 def _lock_wait(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--lock-wait", type=float, default=600.0,
+        "--lock-wait",
+        type=float,
+        default=600.0,
         help="seconds to wait for another process building the same store entries before building them here "
         "(0: never wait) (default: 600)",
-    )  # fmt: skip
+    )
 
 
 def register(subparsers: Any) -> None:
@@ -510,33 +611,16 @@ def register(subparsers: Any) -> None:
         ),
     )
     p.add_argument("checkpoint", metavar="CHECKPOINT", help=".safetensors file, or a (sharded) checkpoint directory")
-    p.add_argument("--store", required=True, help="store directory (created if absent)")
     _schedules(p, "num_inference_steps of a schedule (repeatable)")
     p.add_argument(
-        "--plan-width", type=_positive_int("--plan-width"), default=4,
-        help="most timesteps per plan (default: 4)",
-    )  # fmt: skip
-    p.add_argument("--precision", default="match", choices=list(PRECISIONS), help="projection precision")
-    p.add_argument(
-        "--batched", action="store_true",
-        help="stack plans of one width into one GEMM where a probe shows the bits unchanged (verify re-checks)",
-    )  # fmt: skip
-    p.add_argument(
-        "--host-cache-gb", type=float, default=0.0,
-        help="GiB of host memory for the cache's RAM tier, as AdalnCache(host_cache_bytes=) (default: 0; "
-        "a build keeps its tables in the store, so it needs none)",
-    )  # fmt: skip
-    p.add_argument(
-        "--shard", default="layers", choices=list(SHARD_MODES),
-        help="under torchrun, how the ranks split each pass: layers (the one-process tables) or columns (a "
-        "column-parallel runtime's tables, stored apart) (default: layers; one process: no effect)",
-    )  # fmt: skip
-    p.add_argument(
-        "--timeout", type=float, default=600.0,
+        "--timeout",
+        type=float,
+        default=600.0,
         help="under torchrun, the process group's timeout in seconds: how long ranks wait for a dead peer "
         "(default: 600)",
-    )  # fmt: skip
+    )
     _lock_wait(p)
+    _add_options(p, BUILD_OPTIONS, required=("store",))
     _common(p)
     p.set_defaults(func=run_build)
 
@@ -559,28 +643,29 @@ def register(subparsers: Any) -> None:
     p.add_argument("checkpoint", metavar="CHECKPOINT", help=".safetensors file, or a (sharded) checkpoint directory")
     p.add_argument("-o", "--output", required=True, help="the table file to write (replaced atomically when done)")
     p.add_argument(
-        "--format", default="adalncache", choices=list(FORMATS),
+        "--format",
+        default="adalncache",
+        choices=list(FORMATS),
         help="adalncache: bound, verifiable, any dtype (default); sglang: exactly SGLang's sidecar (bfloat16, "
         "--precision match, needs --model-variant); vllm-omni: vLLM-Omni's weight-bound sidecar of one schedule "
         "(bfloat16, --precision match, no --store)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--model-variant", choices=list(MODEL_VARIANTS), default=None,
+        "--model-variant",
+        choices=list(MODEL_VARIANTS),
+        default=None,
         help="the released transformer the tables belong to (t2va and fl2va run on fl2va, ref2va on ref2va); "
         "SGLang compares it with its own --model-variant",
-    )  # fmt: skip
-    _schedules(p, "num_inference_steps (grid points; N - 1 forwards, SGLang's --num-inference-steps N-1) (repeatable)",
-               required=False)  # fmt: skip
+    )
+    _schedules(
+        p,
+        "num_inference_steps (grid points; N - 1 forwards, SGLang's --num-inference-steps N-1) (repeatable)",
+        required=False,
+    )
     _sidecar_arguments(p)
-    p.add_argument("--store", default=None, help="a store to take entries from (and fill), optional")
-    p.add_argument("--precision", default="match", choices=list(PRECISIONS), help="projection precision")
-    p.add_argument("--batched", action="store_true", help="stacked projections where proven bit-identical")
-    p.add_argument(
-        "--shard", default="layers", choices=list(SHARD_MODES),
-        help="under torchrun: layers (the one-process tables) or columns (a tensor-parallel runtime's tables)",
-    )  # fmt: skip
     p.add_argument("--timeout", type=float, default=600.0, help="under torchrun, the process group's timeout (s)")
     _lock_wait(p)
+    _add_options(p, EXPORT_OPTIONS)
     _common(p)
     p.set_defaults(func=run_export)
 
@@ -599,9 +684,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--quick", action="store_true", help="store or table file: skip checking their digests")
     p.add_argument("--store", default=None, help="checkpoint: consult (and with --hash, fill) this store's digest memo")
     p.add_argument(
-        "--hash", action="store_true",
+        "--hash",
+        action="store_true",
         help="checkpoint: compute its content digest now if no memo has it (reads every projection byte once)",
-    )  # fmt: skip
+    )
     p.set_defaults(func=run_inspect)
 
     p = subparsers.add_parser(
@@ -619,6 +705,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--checkpoint", required=True, help="the checkpoint the entries were built from")
     p.add_argument("--sample", type=int, default=None, help="check only N entries, chosen at random")
     p.add_argument("--seed", type=int, default=0, help="seed of --sample (default: 0)")
+    _add_options(p, VERIFY_OPTIONS)
     _common(p)
     p.set_defaults(func=run_verify)
 

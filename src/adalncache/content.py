@@ -231,8 +231,10 @@ class ContentIdentity:
             if any(s.ctime_ns > now for s in unique):
                 if not self._warned_skew:
                     self._warned_skew = True
-                    log.info("checkpoint files change in the future by this host's clock (another host's clock?): "
-                             "their identity is not recorded in the digest memo")  # fmt: skip
+                    log.info(
+                        "checkpoint files change in the future by this host's clock (another host's clock?): "
+                        "their identity is not recorded in the digest memo"
+                    )
                 return stamps, False
             wait = max((s.ctime_ns + settle_margin_ns(s.ctime_ns) - now for s in unique), default=0)
             if wait <= 0:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from .errors import ConfigError
+from .options import flag
 
 
 def resolve_device(value: torch.device | str, *, argument: str | None = None) -> torch.device:
@@ -20,11 +21,13 @@ def resolve_device(value: torch.device | str, *, argument: str | None = None) ->
     command line and the message names ``--device`` only.
     """
     if argument is None:
-        given, fix, cpu = f"--device {value}", "use --device cpu or --device cuda:0", "--device cpu"
+        device_flag = flag("device")
+        given, fix = f"{device_flag} {value}", f"use {device_flag} cpu or {device_flag} cuda:0"
+        cpu = f"{device_flag} cpu"
     else:
         given = f"{argument}={value!r}"
-        fix = f"set {argument}= to a device such as 'cpu' or 'cuda:0' (CLI --device)"
-        cpu = f"{argument}='cpu' (CLI --device cpu)"
+        fix = f"set {argument}= to a device such as 'cpu' or 'cuda:0' (CLI {flag('device')})"
+        cpu = f"{argument}='cpu' (CLI {flag('device')} cpu)"
     try:
         device = torch.device(value)
     except (RuntimeError, TypeError) as exc:

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .errors import AdalnCacheError, BuildError, ConfigError, PlanError, failure_phase
+from .options import flag, knob
 from .source import Columns
 from .spec import Layer, ModulationSpec
 
@@ -238,7 +239,7 @@ class ProcessGroupCollective(Collective):
                 raise ConfigError(
                     f"shard='columns' splits every projection's output features evenly over the {self.world} "
                     f"ranks, but the {' and '.join(bad)} is not divisible by {self.world}: use shard='layers' "
-                    f"(CLI --shard layers) or a world size dividing {widths}"
+                    f"(CLI {flag('shard')} layers) or a world size dividing {widths}"
                 )
             # Column j of the gathered row (rank-major: each rank's slice of every layer, in layer
             # order) is column _gathered[j] of the table row.
@@ -249,8 +250,8 @@ class ProcessGroupCollective(Collective):
         if not self._same_everywhere(_digest(sorted(identity.items()))):
             raise ConfigError(
                 f"the ranks of the process group created AdalnCache with different settings (this rank: "
-                f"{identity}); every rank must pass the same spec, shard (CLI --shard), precision "
-                f"(CLI --precision) and store= (all or none)"
+                f"{identity}); every rank must pass the same spec, {knob('shard')}, {knob('precision')} and store= "
+                f"(all or none)"
             )
         log.debug("distributed cache: rank %d of %d, %s, backend %s", self.rank, self.world, shard, backend)
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import stat
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -30,12 +29,14 @@ from tqdm.auto import tqdm
 
 from . import vllm_omni
 from .cache import AdalnCache
+from .canonical import plain_json
 from .errors import ConfigError
+from .options import flag
 from .plans import format_plan, key_to_plan, plan_key
 from .source import CheckpointSource
 from .spec import ModulationSpec
 from .tablefile import FORMATS, TableFile, TableWriter, bound_metadata, sglang_metadata
-from .tiers.tables import plain_json
+from .verify import check_sample, chunked, same_rows, sampled, verifying_cache
 
 log = logging.getLogger(__name__)
 
@@ -62,40 +63,41 @@ def check_export(
 ) -> None:
     """Refuse, before any work, what the target format cannot express (ConfigError naming the flag)."""
     family = spec.family
+    fmt, variant, prec = flag("format"), flag("model_variant"), flag("precision")
     if format not in FORMATS:
-        raise ConfigError(f"--format must be one of {', '.join(FORMATS)}, got {format!r}")
+        raise ConfigError(f"{fmt} must be one of {', '.join(FORMATS)}, got {format!r}")
     if format not in family.table_formats:
         raise ConfigError(
-            f"--format {format} cannot hold {family.title} tables (that format serves only the families whose tables "
-            f"its engine loads); use --format {' or '.join(family.table_formats)}"
+            f"{fmt} {format} cannot hold {family.title} tables (that format serves only the families whose tables "
+            f"its engine loads); use {fmt} {' or '.join(family.table_formats)}"
         )
     variants = family.model_variants
     if model_variant is not None and not variants:
-        raise ConfigError(f"--model-variant does not apply to {family.title} tables: drop it")
+        raise ConfigError(f"{variant} does not apply to {family.title} tables: drop it")
     if model_variant is not None and model_variant not in variants:
-        raise ConfigError(f"--model-variant must be one of {', '.join(variants)}, got {model_variant!r}")
+        raise ConfigError(f"{variant} must be one of {', '.join(variants)}, got {model_variant!r}")
     if format == "sglang":
         if spec.dtype != torch.bfloat16:
             raise ConfigError(
-                f"--format sglang holds bfloat16 tables only (SGLang checks the dtype), but this checkpoint's "
-                f"projections are {str(spec.dtype).removeprefix('torch.')}: use --format adalncache"
+                f"{fmt} sglang holds bfloat16 tables only (SGLang checks the dtype), but this checkpoint's "
+                f"projections are {str(spec.dtype).removeprefix('torch.')}: use {fmt} adalncache"
             )
         if precision != "match":
             raise ConfigError(
-                f"--format sglang cannot hold --precision {precision} tables: SGLang serves the file as the "
-                f"resident projection's output (precision match); use --precision match or --format adalncache"
+                f"{fmt} sglang cannot hold {prec} {precision} tables: SGLang serves the file as the "
+                f"resident projection's output (precision match); use {prec} match or {fmt} adalncache"
             )
         if model_variant is None and variants:
             raise ConfigError(
-                f"--format sglang needs --model-variant {' or '.join(variants)}: SGLang compares it with its own "
-                f"--model-variant ({_runs_on(family)})"
+                f"{fmt} sglang needs {variant} {' or '.join(variants)}: SGLang compares it with its own "
+                f"{variant} ({_runs_on(family)})"
             )
     if model_variant is not None:
         wrong = sorted({t for t in tasks if family.variant_of(t) != model_variant})
         if wrong:
             raise ConfigError(
-                f"--model-variant {model_variant} does not serve --task {', '.join(wrong)} ({_runs_on(family, 'the ')}"
-                f"): export one file per transformer"
+                f"{variant} {model_variant} does not serve {flag('task')} {', '.join(wrong)} "
+                f"({_runs_on(family, 'the ')}): export one file per transformer"
             )
 
 
@@ -126,14 +128,14 @@ def check_output(path: Path, inputs: Iterable[Path] = (), *, needs: int | None =
     except FileNotFoundError:
         st = None
     except OSError as exc:
-        raise ConfigError(f"-o/--output {path} cannot be used: {exc}") from None
+        raise ConfigError(f"{flag('output')} {path} cannot be used: {exc}") from None
     if st is not None:
         if stat.S_ISDIR(st.st_mode):
-            raise ConfigError(f"-o/--output {path} is a directory: name the table file to write")
+            raise ConfigError(f"{flag('output')} {path} is a directory: name the table file to write")
         if not stat.S_ISREG(st.st_mode):
             raise ConfigError(
-                f"-o/--output {path} is not a regular file (a FIFO, a device or a socket), which the table file would "
-                f"replace: name a new file, or a table file to replace"
+                f"{flag('output')} {path} is not a regular file (a FIFO, a device or a socket), which the table file "
+                f"would replace: name a new file, or a table file to replace"
             )
         for source in inputs:
             try:
@@ -142,12 +144,12 @@ def check_output(path: Path, inputs: Iterable[Path] = (), *, needs: int | None =
                 continue
             if (other.st_dev, other.st_ino) == (st.st_dev, st.st_ino):
                 raise ConfigError(
-                    f"-o/--output {path} is {source}, which this export reads (the checkpoint): writing the tables "
-                    f"there would destroy it; name another file"
+                    f"{flag('output')} {path} is {source}, which this export reads (the checkpoint): writing the "
+                    f"tables there would destroy it; name another file"
                 )
     parent = path.parent if str(path.parent) else Path(".")
     if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-        raise ConfigError(f"-o/--output {path}: its directory {parent} does not exist or is not writable")
+        raise ConfigError(f"{flag('output')} {path}: its directory {parent} does not exist or is not writable")
     if needs is not None:
         try:
             vfs = os.statvfs(parent)
@@ -156,8 +158,8 @@ def check_output(path: Path, inputs: Iterable[Path] = (), *, needs: int | None =
             return
         if needs > free:
             raise ConfigError(
-                f"-o/--output {path}: the table file needs {needs} bytes ({needs / 2**20:.1f} MiB) but its disk has "
-                f"{free} bytes free: free some space, or name a file on another disk"
+                f"{flag('output')} {path}: the table file needs {needs} bytes ({needs / 2**20:.1f} MiB) but its disk "
+                f"has {free} bytes free: free some space, or name a file on another disk"
             )
 
 
@@ -193,7 +195,8 @@ def export_tables(
     if format == vllm_omni.FORMAT:
         if embed is not None:
             raise ConfigError(
-                f"--format {format} computes the projections' input itself (vLLM-Omni's fp32 time embedding, from the "
+                f"{flag('format')} {format} computes the projections' input itself (vLLM-Omni's fp32 time "
+                "embedding, from the "
                 f"checkpoint's time embedder): drop embed="
             )
         return _export_sidecar(cache, plans, path, model_variant=model_variant, schedules=schedules, progress=progress)
@@ -227,12 +230,21 @@ def export_tables(
         if format == "adalncache" and binding is None:
             raise ConfigError(
                 "the content digest of the checkpoint could not be composed (a column split whose world size does "
-                "not divide 64 cuts the hashed row blocks): export the bound format with --shard layers or 2, 4, 8 "
-                "ranks, or use --format sglang"
+                f"not divide 64 cuts the hashed row blocks): export the bound format with {flag('shard')} layers or "
+                f"2, 4, 8 ranks, or use {flag('format')} sglang"
             )
         if writer is None:
-            return ExportReport(path, format, len(plans), max(spec.plan_rows(k) for k in keys), 0, passes, store_hits,
-                                built, None if binding is None else binding["content"])  # fmt: skip
+            return ExportReport(
+                path,
+                format,
+                len(plans),
+                max(spec.plan_rows(k) for k in keys),
+                0,
+                passes,
+                store_hits,
+                built,
+                None if binding is None else binding["content"],
+            )
         if format == "sglang":
             assert model_variant is not None
             metadata = sglang_metadata(model_variant)
@@ -245,16 +257,23 @@ def export_tables(
             writer.abort()
         raise
     return ExportReport(
-        path, format, len(plans), writer.width, path.stat().st_size, passes, store_hits, built,
+        path,
+        format,
+        len(plans),
+        writer.width,
+        path.stat().st_size,
+        passes,
+        store_hits,
+        built,
         None if binding is None else binding["content"],
-    )  # fmt: skip
+    )
 
 
 def _sidecar_schedule(plans: Sequence[torch.Tensor], schedules: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """The one schedule of a vLLM-Omni sidecar, its plans checked against ``plans`` (ConfigError otherwise)."""
     if len(schedules) != 1:
         raise ConfigError(
-            f"--format {vllm_omni.FORMAT} holds exactly one schedule (vLLM-Omni binds the file to it), got "
+            f"{flag('format')} {vllm_omni.FORMAT} holds exactly one schedule (vLLM-Omni binds the file to it), got "
             f"{len(schedules)}: pass schedules=[schedule_contract(...)] and export one file per schedule"
         )
     try:
@@ -290,13 +309,20 @@ def _export_sidecar(
     spec = cache.spec
     contract = _sidecar_schedule(plans, schedules)
     variant = vllm_omni.check_export(
-        spec, precision=cache.precision, model_variant=model_variant, contract=contract, variant=cache.variant,
-        shard=cache.shard, world_size=cache.world_size,
-    )  # fmt: skip
+        spec,
+        precision=cache.precision,
+        model_variant=model_variant,
+        contract=contract,
+        variant=cache.variant,
+        shard=cache.shard,
+        world_size=cache.world_size,
+    )
     if cache.store is not None or cache.tables is not None:
         raise ConfigError(
-            f"--format {vllm_omni.FORMAT} projects every plan from vLLM-Omni's own time embedding, which store entries "
-            f"and table files do not record (they may hold rows of another input): drop --store (store=, tables=)"
+            f"{flag('format')} {vllm_omni.FORMAT} projects every plan from vLLM-Omni's own time embedding, "
+            "which store entries "
+            f"and table files do not record (they may hold rows of another input): drop {flag('store')} "
+            "(store=, tables=)"
         )
     embedding = vllm_omni.TimeEmbedding(cache.source, spec, cache.device)
     # Resident plans were built from whatever embed= their build had: projected again here.
@@ -309,10 +335,19 @@ def _export_sidecar(
     math_block = vllm_omni.math_of_device(cache.device)
     placeholder = {name: "0" * 64 for name in [*vllm_omni.weight_names(spec), *vllm_omni.PAYLOAD]}
     if writer is not None:
-        writer.open(vllm_omni.metadata(vllm_omni.manifest(
-            spec=spec, embedding=embedding, contract=contract, model_variant=variant, weights=placeholder,
-            payload=placeholder, math_block=math_block,
-        )))  # fmt: skip
+        writer.open(
+            vllm_omni.metadata(
+                vllm_omni.manifest(
+                    spec=spec,
+                    embedding=embedding,
+                    contract=contract,
+                    model_variant=variant,
+                    weights=placeholder,
+                    payload=placeholder,
+                    math_block=math_block,
+                )
+            )
+        )
     keys = [plan_key(p, spec.plan_columns) for p in plans]
     passes = store_hits = built = 0
     try:
@@ -326,23 +361,34 @@ def _export_sidecar(
                     writer.write_extra(vllm_omni.EMBEDDINGS, index, embedding.temb(plans[index]))
             cache.invalidate()
         if writer is None:
-            return ExportReport(path, vllm_omni.FORMAT, len(plans), _width(spec, keys), 0, passes, store_hits,
-                                built, None)  # fmt: skip
+            return ExportReport(
+                path, vllm_omni.FORMAT, len(plans), _width(spec, keys), 0, passes, store_hits, built, None
+            )
         digests.complete(cache.source, read_ahead=cache.read_ahead)
         payload = _payload_digests(writer)
         found = vllm_omni.manifest(
-            spec=spec, embedding=embedding, contract=contract, model_variant=variant,
-            weights={**embedding.digests, **digests.digests}, payload=payload, math_block=math_block,
-        )  # fmt: skip
+            spec=spec,
+            embedding=embedding,
+            contract=contract,
+            model_variant=variant,
+            weights={**embedding.digests, **digests.digests},
+            payload=payload,
+            math_block=math_block,
+        )
         writer.finish(vllm_omni.metadata(found))
     except BaseException:
         if writer is not None:
             writer.abort()
         raise
-    log.info("%s: weight digests of %d layer(s) taken during the passes, %d by a hashing read", path,
-             digests.from_passes, digests.from_read)  # fmt: skip
-    return ExportReport(path, vllm_omni.FORMAT, len(plans), writer.width, path.stat().st_size, passes, store_hits,
-                        built, None)  # fmt: skip
+    log.info(
+        "%s: weight digests of %d layer(s) taken during the passes, %d by a hashing read",
+        path,
+        digests.from_passes,
+        digests.from_read,
+    )
+    return ExportReport(
+        path, vllm_omni.FORMAT, len(plans), writer.width, path.stat().st_size, passes, store_hits, built, None
+    )
 
 
 def _width(spec: ModulationSpec, keys: Sequence[Any]) -> int:
@@ -405,28 +451,32 @@ def verify_tables(
     compared with the file's content digest; binding fields that differ from this machine are
     listed in ``foreign`` (a mismatch is then expected, not a fault of the file).
     """
-    if sample is not None and sample < 1:
-        raise ConfigError(f"sample must be a positive number of plans, got {sample}: set --sample")
+    check_sample(sample, "plans")
     spec = source.spec
     if table.spec != spec:
-        raise ConfigError(f"{table.path} holds tables of another geometry than --checkpoint")
+        raise ConfigError(f"{table.path} holds tables of another geometry than {flag('checkpoint')}")
     binding = table.binding or {}
     precision = str(binding.get("precision", "match"))
     report = TablesVerifyReport()
-    keys = list(dict.fromkeys(table.keys))
-    if sample is not None and sample < len(keys):
-        keys = random.Random(seed).sample(keys, sample)
-    chunks = [keys[i : i + max_plans] for i in range(0, len(keys), max_plans)]
-    cache = AdalnCache(
-        spec, source, max_plans=max(1, min(max_plans, len(keys))), max_plan_width=table.width, device=device,
-        precision=precision, read_ahead=read_ahead, progress=progress, batched=False,
-    )  # fmt: skip
+    keys = sampled(list(dict.fromkeys(table.keys)), sample, seed)
+    cache = verifying_cache(
+        spec,
+        source,
+        plans=min(max_plans, len(keys)),
+        width=table.width,
+        device=device,
+        precision=precision,
+        read_ahead=read_ahead,
+        progress=progress,
+    )
     columns = spec.plan_columns
     # A vLLM-Omni sidecar holds rows of vLLM-Omni's own time embedding, and binds its weights by digest:
     # both are recomputed here, the projections' digests from the bytes the passes project with.
     embedding = vllm_omni.TimeEmbedding(source, spec, device) if table.manifest is not None else None
     digests = vllm_omni.WeightDigests(spec) if embedding is not None else None
-    for chunk in tqdm(chunks, desc="adalncache verify --tables", unit="pass", disable=not progress):
+    for chunk in tqdm(
+        chunked(keys, max_plans), desc=f"adalncache verify {flag('tables')}", unit="pass", disable=not progress
+    ):
         plans = [key_to_plan(k, columns) for k in chunk]
         if embedding is not None and digests is not None:
             cache.build(plans, embed=embedding.embed, project=digests.project)
@@ -438,9 +488,8 @@ def verify_tables(
             if stored is None:
                 report.corrupt.append(f"slot {table.slot_of(key)} (plan {shown}) fails its digest")
                 continue
-            fresh = cache.rows_of(key)
             report.checked += 1
-            same = all(torch.equal(a.cpu(), b) for a, b in zip(fresh.parts, stored.parts, strict=True))
+            same = same_rows(cache, key, stored)
             if embedding is not None:
                 temb = table.read_rows(vllm_omni.EMBEDDINGS, key)
                 same = same and temb is not None and torch.equal(embedding.temb(plan).cpu(), temb)

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from .errors import ConfigError
+from .options import flag
 
 #: A served layer: a block index, ``"final"`` (the output layer of a family that numbers its
 #: blocks), or the projection's module path (``"transformer_blocks.3.norm1.linear"``).
@@ -148,7 +149,7 @@ class Family:
             if layout.name == name:
                 return layout
         raise ConfigError(
-            f"unknown checkpoint layout {name!r}: set layout= (CLI --layout) to one of "
+            f"unknown checkpoint layout {name!r}: set layout= (CLI {flag('layout')}) to one of "
             f"{sorted(layout.name for layout in self.layouts)} or 'auto'"
         )
 

@@ -30,6 +30,8 @@ from typing import Any, Protocol
 
 import torch
 
+from .options import knob
+
 log = logging.getLogger(__name__)
 
 
@@ -55,8 +57,8 @@ class CudaRegistrar:
         if code != 0:
             raise MemoryError(
                 f"cudaHostRegister of {nbytes} bytes failed with CUDA error {code}: not enough memory can be "
-                f"page-locked (a locked-memory limit, or host memory); lower host_cache_bytes (CLI "
-                f"--host-cache-gb) or read_ahead (CLI --read-ahead)"
+                f"page-locked (a locked-memory limit, or host memory); lower {knob('host_cache_bytes')} or "
+                f"{knob('read_ahead')}"
             )
 
     def unregister(self, address: int) -> None:

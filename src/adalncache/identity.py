@@ -24,13 +24,13 @@ While the content digest is unknown there is no binding, and the store is not us
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .canonical import canonical_json
 from .content import ContentIdentity
 from .errors import CheckpointError
 from .numerics import numeric_environment
@@ -61,7 +61,7 @@ class TableIdentity:
         *,
         spec: ModulationSpec,
         precision: str,
-        device: torch.device,
+        device: Callable[[], torch.device],
         memo: DigestMemo | None = None,
     ) -> None:
         self.source = source
@@ -69,7 +69,8 @@ class TableIdentity:
         self.stats = stats  # the cache's counters (the same object)
         self.spec = spec
         self.precision = precision
-        self.device = device
+        #: The cache's device, read where the cache's placement keeps it (it changes on a move).
+        self._device = device
         self.fingerprint: str | None = source.fingerprint
         self.variant: Hashable = None
         #: The autocast dtype of the device's type the tables were built under (None: no autocast).
@@ -79,6 +80,10 @@ class TableIdentity:
         #: How many times the source's identity changed (agreed by every rank): table files bound to
         #: its content are checked again whenever it moves.
         self.generation = 0
+
+    @property
+    def device(self) -> torch.device:
+        return self._device()
 
     @property
     def serve_dtype(self) -> torch.dtype:
@@ -200,8 +205,7 @@ class TableIdentity:
         stamps = self.content.stamps() or {}
         files = sorted({(stamp.size, stamp.header) for stamp in stamps.values()})
         fallback = self.fingerprint if not stamps else None
-        text = json.dumps([self.template(), files, fallback], sort_keys=True, default=str)
-        return hashlib.sha256(text.encode()).hexdigest()[:32]
+        return hashlib.sha256(canonical_json([self.template(), files, fallback])).hexdigest()[:32]
 
     def current_binding(self) -> dict[str, Any] | None:
         """:meth:`binding`, or ``None`` if the source changed since the resident tables were built."""

@@ -12,7 +12,6 @@ shells over these.
 from __future__ import annotations
 
 import os
-import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,10 +23,12 @@ from tqdm.auto import tqdm
 from .cache import AdalnCache
 from .embedding import has_time_embedder
 from .errors import ConfigError
+from .options import flag
 from .plans import PlanKey, format_plan, key_to_plan, plan_key
 from .source import CheckpointSource
 from .spec import ModulationSpec
 from .tiers.store import Store, StoredEntry, binding_hash
+from .verify import check_sample, chunked, same_rows, sampled, verifying_cache
 
 Embed = Callable[[torch.Tensor], torch.Tensor]
 
@@ -37,7 +38,7 @@ def open_checkpoint(
 ) -> tuple[ModulationSpec, CheckpointSource]:
     """The spec read from ``path``'s headers and a validated source over it."""
     spec = ModulationSpec.from_checkpoint(path, layout=layout)
-    return spec, CheckpointSource(path, spec, layout=layout)  # type: ignore[arg-type]
+    return spec, CheckpointSource(path, spec, layout=layout)
 
 
 def is_store(path: str | os.PathLike[str]) -> bool:
@@ -76,7 +77,9 @@ def fill_store(
     """
     store = cache.store
     if store is None:
-        raise ConfigError("fill_store needs a cache with a store: pass AdalnCache(..., store=DIR) (CLI --store)")
+        raise ConfigError(
+            f"fill_store needs a cache with a store: pass AdalnCache(..., store=DIR) (CLI {flag('store')})"
+        )
     if cache.world_size > 1:
         # Every rank must pass the same chunks: build() agrees on store hits across ranks itself.
         stored: set[PlanKey] = set()
@@ -103,12 +106,15 @@ def fill_store(
         raise ConfigError(
             f"{failures} store write(s) failed under {store.path}"
             f"{f' and {skipped} pass(es) could not write it at all' if skipped else ''} (see the log, -v): check the "
-            f"directory's free space and permissions (--store)"
+            f"directory's free space and permissions ({flag('store')})"
         )
     return FillReport(
-        plans=len(plans), already_stored=len(stored) + hits, built=built, passes=passes,
+        plans=len(plans),
+        already_stored=len(stored) + hits,
+        built=built,
+        passes=passes,
         binding=_binding_hash(cache),
-    )  # fmt: skip
+    )
 
 
 def _binding_hash(cache: AdalnCache) -> str:
@@ -169,8 +175,7 @@ def verify_store(
     read and recomputed ``max_plans`` at a time, so memory stays at one slab's worth. Raises
     ConfigError when the store holds nothing for this checkpoint here.
     """
-    if sample is not None and sample < 1:
-        raise ConfigError(f"sample must be a positive number of entries, got {sample}: set --sample")
+    check_sample(sample, "entries")
     entries = store.entries()
     by_binding: dict[str, list[Any]] = {}
     for entry in entries:
@@ -183,11 +188,13 @@ def verify_store(
         if not infos:
             continue
         matched_any = True
-        if sample is not None and sample < len(infos):
-            infos = random.Random(seed).sample(infos, sample)
-        per_pass = max(1, min(max_plans, len(infos)))
-        chunks = [infos[i : i + per_pass] for i in range(0, len(infos), per_pass)]
-        for chunk in tqdm(chunks, desc=f"adalncache verify ({precision})", unit="pass", disable=not progress):
+        infos = sampled(infos, sample, seed)
+        for chunk in tqdm(
+            chunked(infos, min(max_plans, len(infos))),
+            desc=f"adalncache verify ({precision})",
+            unit="pass",
+            disable=not progress,
+        ):
             stored: list[StoredEntry] = []
             for item in store.iter_entries(chunk):
                 if isinstance(item, StoredEntry):
@@ -196,19 +203,21 @@ def verify_store(
                     report.corrupt.append(f"{item[0].path}: {item[1]}")
             if not stored:
                 continue
-            cache = AdalnCache(
-                spec, source, max_plans=len(stored), max_plan_width=max(spec.plan_rows(e.key) for e in stored),
-                device=device, precision=precision, progress=progress, read_ahead=read_ahead,
-                batched=False,  # always per plan: this is what confirms entries built with --batched
-            )  # fmt: skip
+            width = max(spec.plan_rows(e.key) for e in stored)
+            cache = verifying_cache(
+                spec,
+                source,
+                plans=len(stored),
+                width=width,
+                device=device,
+                precision=precision,
+                read_ahead=read_ahead,
+                progress=progress,
+            )
             cache.build([key_to_plan(e.key, spec.plan_columns) for e in stored], embed=embed)
             for item in stored:
-                fresh = cache.rows_of(item.key)
-                same = len(fresh.parts) == len(item.rows.parts) and all(
-                    torch.equal(a.cpu(), b) for a, b in zip(fresh.parts, item.rows.parts)
-                )
                 report.checked += 1
-                if not same:
+                if not same_rows(cache, item.key, item.rows):
                     report.mismatched.append(
                         f"{item.info.path}: plan {format_plan(item.key, columns=spec.plan_columns)} differs from a "
                         f"recomputation"
@@ -218,7 +227,7 @@ def verify_store(
     if not matched_any:
         raise ConfigError(
             f"{store.path} holds no entries for this checkpoint on this machine ({len(entries)} entries under other "
-            f"bindings): check --checkpoint and --device, or run adalncache build first"
+            f"bindings): check {flag('checkpoint')} and {flag('device')}, or run adalncache build first"
         )
     return report
 

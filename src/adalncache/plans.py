@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from .errors import PlanError
+from .options import knob
 from .schedules import minimax_h3_plans
 
 PlanKey = tuple[int, ...]
@@ -157,15 +158,16 @@ def validate_plan(plan: torch.Tensor, *, max_plan_width: int | None = None, colu
     what = "distinct timesteps" if columns == 1 else "rows"
     if plan.numel() == 0:
         raise PlanError(
-            "a plan must hold at least one timestep, got an empty tensor" if columns == 1 else
-            f"a plan must hold at least one row, got a tensor of shape {tuple(plan.shape)}"
-        )  # fmt: skip
+            "a plan must hold at least one timestep, got an empty tensor"
+            if columns == 1
+            else f"a plan must hold at least one row, got a tensor of shape {tuple(plan.shape)}"
+        )
     if not bool(torch.isfinite(plan).all()):
         raise PlanError(f"a plan's {'timesteps' if columns == 1 else 'values'} must be finite, got {plan.tolist()}")
     if max_plan_width is not None and rows > max_plan_width:
         raise PlanError(
             f"a plan has {rows} {what} but the slab holds at most {max_plan_width} per "
-            f"plan: raise max_plan_width (CLI --plan-width) to at least {rows}"
+            f"plan: raise {knob('max_plan_width')} to at least {rows}"
         )
 
 

@@ -191,9 +191,12 @@ class RebuildPass:
             )
             try:
                 stream = self.source.stream(
-                    work.layers, device=self.slab.device, columns=work.columns, read_ahead=self.read_ahead,
+                    work.layers,
+                    device=self.slab.device,
+                    columns=work.columns,
+                    read_ahead=self.read_ahead,
                     digests=self.digests,
-                )  # fmt: skip
+                )
                 rows = {key: tensors[key].shape[0] for key in keys}
                 stackers: dict[str, StackedProjector] = {}
                 if self.batched:
@@ -205,7 +208,7 @@ class RebuildPass:
                     name: [k for k in keys if name not in stackers or k not in stackers[name].grouped]
                     for name in self.spec.inputs
                 }
-                with contextlib.closing(stream), failing_at("read"):  # type: ignore[type-var]
+                with contextlib.closing(stream), failing_at("read"):  # type: ignore[type-var]  # a generator: close() exists
                     for lw in labelled(stream, work.layers):
                         weight, bias = (lw.weight.float(), lw.bias.float()) if fp32 else (lw.weight, lw.bias)
                         name = self.spec.input_of(lw.layer)

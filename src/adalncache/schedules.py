@@ -17,11 +17,12 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from .errors import PlanError
+from .options import flag
 
 #: The request kinds of the MiniMax-H3 pipeline: text to video+audio, first/last keyframes to
 #: video+audio, and references (image, optionally audio) to video+audio.
@@ -31,7 +32,7 @@ TASKS = ("t2va", "fl2va", "ref2va")
 def check_task(task: object) -> str:
     """``task`` if it is one of :data:`TASKS`, else a PlanError naming ``task=`` and ``--task``."""
     if task not in TASKS:
-        raise PlanError(f"unknown task {task!r}: set task= (CLI --task) to one of {', '.join(TASKS)}")
+        raise PlanError(f"unknown task {task!r}: set task= (CLI {flag('task')}) to one of {', '.join(TASKS)}")
     return str(task)
 
 
@@ -40,7 +41,7 @@ def check_steps(steps: object) -> int:
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 2:
         raise PlanError(
             f"steps must be an integer >= 2 (the pipeline's num_inference_steps: grid points with the "
-            f"terminal 0, so n points give n - 1 forwards), got {steps!r}: set steps= (CLI --steps)"
+            f"terminal 0, so n points give n - 1 forwards), got {steps!r}: set steps= (CLI {flag('steps')})"
         )
     return steps
 
@@ -175,7 +176,8 @@ def build_row_timestep_plan(
     from diffusers.schedulers.scheduling_minimax_h3 import MiniMaxH3Scheduler
 
     steps = check_steps(steps)
-    keyframe_noise_aug = float(MiniMaxH3ModularPipeline.keyframe_noise_aug.fget(None))  # type: ignore[attr-defined]
+    noise_aug: Any = MiniMaxH3ModularPipeline.keyframe_noise_aug  # a property, read off the class
+    keyframe_noise_aug = float(noise_aug.fget(None))
     scheduler: Any = MiniMaxH3Scheduler(shift=video_shift)
     audio_scheduler: Any = MiniMaxH3Scheduler(shift=audio_shift)
     scheduler.set_timesteps(steps, device=device)
@@ -199,7 +201,7 @@ def build_row_timestep_plan(
         )
         for timestep, audio_timestep in zip(timesteps, audio_timesteps)
     ]
-    return plan, timesteps, audio_timesteps  # type: ignore[return-value]
+    return cast(list[tuple[torch.Tensor, torch.Tensor]], plan), timesteps, audio_timesteps
 
 
 def minimax_h3_plans(
@@ -238,9 +240,13 @@ def minimax_h3_plans(
             "minimax_h3_plans needs diffusers with MiniMax-H3 support (pip install 'adalncache[diffusers]')"
         ) from exc
     layout, n_cond_video, n_cond_audio, _, _ = build_layout(
-        task, patch_size=(1, 1, 1), video_channels=1, audio_channels=1, geometry=_PLAN_GEOMETRY,
+        task,
+        patch_size=(1, 1, 1),
+        video_channels=1,
+        audio_channels=1,
+        geometry=_PLAN_GEOMETRY,
         audio_refs=audio_refs,
-    )  # fmt: skip
+    )
     plan, _, _ = build_row_timestep_plan(
         layout, n_cond_video, n_cond_audio, steps, video_shift=video_shift, audio_shift=audio_shift
     )

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 import torch
 
 from .errors import ConfigError, PlanError
+from .options import knob
 from .rows import PlanRows
 from .source import Columns
 from .spec import Layer, ModulationSpec
@@ -225,8 +226,8 @@ class Slab:
         # Slicing would silently cut an over-long request to the slab width; say so instead.
         if not 1 <= num_timesteps <= self.max_plan_width:
             raise PlanError(
-                f"num_timesteps must be in 1..{self.max_plan_width} (the slab's plan width, CLI --plan-width), "
-                f"got {num_timesteps}: pass len(plan) of a resident plan"
+                f"num_timesteps must be in 1..{self.max_plan_width} (the slab's plan width, "
+                f"{knob('max_plan_width')}), got {num_timesteps}: pass len(plan) of a resident plan"
             )
 
     @staticmethod

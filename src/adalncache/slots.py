@@ -53,6 +53,7 @@ from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from .errors import PlanError, PlanNotCachedError
+from .options import knob
 from .plans import PlanKey, format_plan, plan_key
 from .slab import Slab
 from .streams import NoEvents, StreamSync
@@ -187,7 +188,7 @@ class SlotPool:
             busy += f" and {retired} slot(s) still hold plans of an old identity for them"
         return (
             f"{need} plan(s) need slots but only {free} are free and {evictable} may be evicted: {busy}, "
-            f"and a build never evicts a held plan; raise max_plans (CLI --max-plans), or release "
+            f"and a build never evicts a held plan; raise {knob('max_plans')}, or release "
             f"requests (end their acquire() block) before building more"
         )
 

@@ -252,8 +252,10 @@ class ModulationSpec:
         """A JSON-friendly identity of the geometry (stores and table files bind entries to it)."""
         dtype = str(self.dtype).removeprefix("torch.")
         if self.geometry is None:
-            return {**_default.describe(self.num_layers, self.hidden_size, self.time_embed_dim, self.modalities),
-                    "dtype": dtype}  # fmt: skip
+            return {
+                **_default.describe(self.num_layers, self.hidden_size, self.time_embed_dim, self.modalities),
+                "dtype": dtype,
+            }
         return {**self.geometry.describe(), "dtype": dtype}
 
     # -- presets and readers -------------------------------------------------------------------

@@ -52,8 +52,10 @@ import torch
 from safetensors import safe_open
 
 from . import families, vllm_omni
+from .canonical import canonical_json
 from .errors import CheckpointError, ConfigError
 from .geometry import Family, KeyLayout, ModelGeometry, ServedLayer
+from .options import flag
 from .plans import PlanKey, format_plan, key_to_plan, plan_key
 from .rows import PlanRows
 from .source.digest import hash_hex
@@ -97,7 +99,8 @@ def tool_version() -> str:
 
 
 def _canonical(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
+    """Metadata values are strings: the canonical JSON (:mod:`adalncache.canonical`) as text."""
+    return canonical_json(value).decode()
 
 
 def slot_digest(timesteps: torch.Tensor, *parts: torch.Tensor) -> str:
@@ -163,7 +166,7 @@ class TableWriter:
         self.spec = spec
         self.keys: list[PlanKey] = [plan_key(p, spec.plan_columns) for p in plans]
         if not self.keys:
-            raise ConfigError("a table file needs at least one plan (check --task and --steps)")
+            raise ConfigError(f"a table file needs at least one plan (check {flag('task')} and {flag('steps')})")
         if len(set(self.keys)) != len(self.keys):
             raise ConfigError("a table file holds each plan once: pass distinct plans (SGLang would serve one of them)")
         self.width = max(spec.plan_rows(k) for k in self.keys)
@@ -207,8 +210,8 @@ class TableWriter:
         """A write that failed (a full disk, say): the temporary file goes, the error names -o."""
         self.abort()
         return ConfigError(
-            f"cannot write the table file {self.path}: {exc.strerror or exc} (set -o/--output to a path on a disk with "
-            f"room for its {self.nbytes} bytes); nothing was written there"
+            f"cannot write the table file {self.path}: {exc.strerror or exc} (set {flag('output')} to a path on a "
+            f"disk with room for its {self.nbytes} bytes); nothing was written there"
         )
 
     def open(self, metadata: Mapping[str, str]) -> None:
@@ -401,9 +404,11 @@ class TableFile:
         version = self.metadata.get("format_version")
         if version not in (FORMAT_VERSION, vllm_omni.FORMAT_VERSION):
             raise _bad(
-                self.path, f"its format_version is {version!r}, this reader knows {FORMAT_VERSION!r} (sglang and "
-                f"adalncache files) and {vllm_omni.FORMAT_VERSION!r} (vLLM-Omni sidecars)", argument,
-            )  # fmt: skip
+                self.path,
+                f"its format_version is {version!r}, this reader knows {FORMAT_VERSION!r} (sglang and "
+                f"adalncache files) and {vllm_omni.FORMAT_VERSION!r} (vLLM-Omni sidecars)",
+                argument,
+            )
         #: A vLLM-Omni sidecar's manifest (None for the other formats).
         self.manifest: dict[str, Any] | None = None
         if version == vllm_omni.FORMAT_VERSION:
@@ -435,9 +440,11 @@ class TableFile:
             vllm_omni.check_payload(self.path, self.manifest, spec, shapes, self.read_whole, argument)
         elif self.metadata.get(BOUND) is None and "sglang" not in spec.family.table_formats:
             raise _bad(
-                self.path, f"it carries no binding, and {spec.family.title} tables are only served from bound files "
-                f"(export them with adalncache export --format adalncache)", argument,
-            )  # fmt: skip
+                self.path,
+                f"it carries no binding, and {spec.family.title} tables are only served from bound files "
+                f"(export them with adalncache export {flag('format')} adalncache)",
+                argument,
+            )
         columns = spec.plan_columns
         timesteps = self._read_tensor(ts).view(torch.float32).view(tuple(ts.shape))
         counts = self._read_tensor(lengths).view(torch.int64)
@@ -449,14 +456,22 @@ class TableFile:
             key = plan_key(timesteps[s, : int(counts[s])].contiguous(), columns)
             self.keys.append(key)
             if key in self._slots:
-                log.warning("%s: plan %s appears twice (slots %d and %d); the first is served", self.path,
-                            format_plan(key, columns=columns), self._slots[key], s)  # fmt: skip
+                log.warning(
+                    "%s: plan %s appears twice (slots %d and %d); the first is served",
+                    self.path,
+                    format_plan(key, columns=columns),
+                    self._slots[key],
+                    s,
+                )
                 continue
             self._slots[key] = s
         self.format = (
-            vllm_omni.FORMAT if self.manifest is not None
-            else "adalncache" if self.metadata.get(BOUND) is not None else "sglang"
-        )  # fmt: skip
+            vllm_omni.FORMAT
+            if self.manifest is not None
+            else "adalncache"
+            if self.metadata.get(BOUND) is not None
+            else "sglang"
+        )
         self.binding: dict[str, Any] | None = None
         self.slot_digests: list[str] | None = None
         if self.format == "adalncache":
@@ -489,8 +504,11 @@ class TableFile:
 
     def _read_binding(self) -> None:
         if self.metadata.get(BOUND) != BOUND_VERSION:
-            raise _bad(self.path, f"its {BOUND} is {self.metadata.get(BOUND)!r}; this reader knows {BOUND_VERSION!r}",
-                       self.argument)  # fmt: skip
+            raise _bad(
+                self.path,
+                f"its {BOUND} is {self.metadata.get(BOUND)!r}; this reader knows {BOUND_VERSION!r}",
+                self.argument,
+            )
         try:
             binding = json.loads(self.metadata[BINDING])
             digests = json.loads(self.metadata[SLOT_DIGESTS])
@@ -583,8 +601,12 @@ class TableFile:
             parts.append(raw.view(s.dtype).view(n, *part.shape))
         rows = PlanRows(key_to_plan(key, s.plan_columns), *parts)
         if self.slot_digests is not None and slot_digest(*rows) != self.slot_digests[slot]:
-            log.warning("%s: slot %d (plan %s) fails its digest: not served", self.path, slot,
-                        format_plan(key, columns=s.plan_columns))  # fmt: skip
+            log.warning(
+                "%s: slot %d (plan %s) fails its digest: not served",
+                self.path,
+                slot,
+                format_plan(key, columns=s.plan_columns),
+            )
             return None
         return rows
 
@@ -622,8 +644,10 @@ class TableFile:
         bad = []
         for key in self._slots:
             if self.read(key) is None:
-                bad.append(f"slot {self._slots[key]} (plan {format_plan(key, columns=self.spec.plan_columns)}) fails "
-                           "its digest")  # fmt: skip
+                bad.append(
+                    f"slot {self._slots[key]} (plan {format_plan(key, columns=self.spec.plan_columns)}) fails "
+                    "its digest"
+                )
         return bad
 
 

@@ -72,9 +72,10 @@ class FaultInjectingSource:
         if bad:
             served = spec.layers()
             names = (
-                f"layers 0..{spec.num_layers - 1} or 'final'" if spec.geometry is None
+                f"layers 0..{spec.num_layers - 1} or 'final'"
+                if spec.geometry is None
                 else f"served layers ({served[0]!r} ... {served[-1]!r})"
-            )  # fmt: skip
+            )
             raise ConfigError(f"fail_at must name {names}, got {bad}")
         self.fail_at = layers
         self.exc = exc
@@ -91,7 +92,7 @@ class FaultInjectingSource:
         return self.source.fingerprint
 
     @property
-    def bytes_read(self) -> int:  # type: ignore[override]
+    def bytes_read(self) -> int:  # type: ignore[override]  # the protocol's attribute, read-only here
         return self.source.bytes_read
 
     def refresh(self) -> bool:
@@ -107,7 +108,7 @@ class FaultInjectingSource:
         digests: DigestSink | None = None,
     ) -> Iterator[LayerWeights]:
         inner = self.source.stream(layers, device=device, columns=columns, read_ahead=read_ahead, digests=digests)
-        with contextlib.closing(inner):  # type: ignore[type-var]
+        with contextlib.closing(inner):  # type: ignore[type-var]  # a generator: close() exists
             for layer in layers:
                 if layer in self.fail_at and (self.remaining is None or self.remaining > 0):
                     if self.remaining is not None:

@@ -46,6 +46,8 @@ from .errors import (
 from .faults import FaultPoints
 from .identity import TableIdentity
 from .numerics import autocast_dtype
+from .options import flag, knob
+from .placement import Site
 from .plans import PlanKey, format_plan, key_to_plan, plan_key, validate_plan
 from .rebuild import EmbedFn, ProjectFn, RebuildPass
 from .reports import BuildReport, CacheStats
@@ -87,7 +89,6 @@ class BuildSettings:
     """The construction options a build reads (validated and agreed by the cache)."""
 
     spec: ModulationSpec
-    device: torch.device
     precision: str
     max_plans: int
     max_plan_width: int
@@ -106,7 +107,7 @@ class BuildTransaction:
         source: WeightSource,
         slab: Slab,
         pool: SlotPool,
-        tiers: TierChain,
+        site: Site,
         identity: TableIdentity,
         collective: Collective,
         stats: CacheStats,
@@ -118,7 +119,8 @@ class BuildTransaction:
         self.source = source
         self._slab = slab
         self._pool = pool
-        self._tiers = tiers
+        #: The cache's device and tier chain (their one owner; a move replaces its placement).
+        self._site = site
         self._identity = identity
         self._dist = collective
         self.stats = stats
@@ -128,10 +130,9 @@ class BuildTransaction:
         self._lock = lock
         self._faults = faults
 
-    def relocate(self, device: torch.device, tiers: TierChain) -> None:
-        """Build on ``device`` from now on, with ``tiers`` (the cache moved; it holds both locks)."""
-        self.settings.device = device
-        self._tiers = tiers
+    @property
+    def _tiers(self) -> TierChain:
+        return self._site.tiers
 
     # -- the whole build ----------------------------------------------------------------------
 
@@ -166,14 +167,14 @@ class BuildTransaction:
 
     def _autocast_dtype(self) -> torch.dtype | None:
         """The autocast dtype this build runs under, refused when the slab cannot hold it exactly."""
-        dtype = autocast_dtype(self.settings.device)
+        dtype = autocast_dtype(self._site.device)
         if dtype is None:
             return None
         spec = self.settings.spec
         if self.settings.precision == "fp32":
             raise ConfigError(
-                f"precision='fp32' projects in fp32, but torch.autocast({self.settings.device.type!r}) makes the "
-                f"projection run in {dtype}: build outside autocast, or use precision='match' (CLI --precision)"
+                f"precision='fp32' projects in fp32, but torch.autocast({self._site.device.type!r}) makes the "
+                f"projection run in {dtype}: build outside autocast, or use precision='match' (CLI {flag('precision')})"
             )
         if spec.dtype != dtype and spec.dtype != torch.float32:
             raise ConfigError(
@@ -236,7 +237,7 @@ class BuildTransaction:
         if len(order) > settings.max_plans:
             raise PlanError(
                 f"the request needs {len(order)} distinct plans but the slab holds {settings.max_plans}: raise "
-                f"max_plans (CLI --max-plans) to at least {len(order)}, or split the request"
+                f"{knob('max_plans')} to at least {len(order)}, or split the request"
             )
         if not callable(embed) and (embed is not None or getattr(self.source, "serves_weights", True)):
             raise PlanError(_NEEDS_EMBED)
@@ -261,44 +262,8 @@ class BuildTransaction:
         report.device_hits = len(order) - len(missing)
         bytes_before = self.source.bytes_read
         faults = self._faults()
-        try:
-            from_host, from_store, from_tables = self._tiers.lookup(
-                missing, identity=self._identity, faults=faults, embed=None if embed is _no_embed else embed
-            )
-        except BaseException:
-            # Tier errors fall through to a rebuild inside the lookup; only an interrupt (or
-            # another BaseException) gets here. Nothing is reserved yet, so there is nothing to undo.
-            self._count_failure()
-            raise
+        from_host, from_store, from_tables, to_build = self._restorable(missing, report, faults, embed)
         restored = {**from_host, **from_store, **from_tables}
-        to_build = [k for k in missing if k not in restored]
-        if to_build and not getattr(self.source, "serves_weights", True):
-            self._count_failure()
-            where = f"the table files ({self._tiers.tables.searched()})" if self._tiers.tables else "no tier"
-            raise PlanNotCachedError(
-                f"plan {format_plan(to_build[0], columns=self.settings.spec.plan_columns)} ({len(to_build)} plan(s) "
-                f"of this request) is not in {where} and "
-                f"this cache has no weight source to build it: pass checkpoint= (enable_adaln_cache, or a "
-                f"CheckpointSource), or export these tables (adalncache export CHECKPOINT --task T --steps N -o FILE)"
-            )
-        try:
-            if to_build:  # a pass follows: it hashes only if no memo knows the digest (every rank asks here)
-                self._identity.content.resolve()
-            # One build per fleet: another process may be building these very entries.
-            served = self._tiers.claim(to_build, identity=self._identity, report=report)
-        except BaseException as exc:
-            self._tiers.release_claim()
-            self._count_failure()
-            if _interrupt(exc) is not None or isinstance(exc, BuildError):
-                raise
-            raise BuildError(
-                f"build of {len(missing)} plan(s) failed at tier lookup: {type(exc).__name__}: {exc}; nothing "
-                f"of this request was published and a retry rebuilds it",
-                failed_at="tier lookup",
-            ) from exc
-        from_store.update(served)
-        restored.update(served)
-        to_build = [k for k in to_build if k not in served]
         hashed_before = self.stats.hashed_bytes
         with self._lock:
             reservation = self._pool.reserve(missing, set(order))
@@ -333,13 +298,63 @@ class BuildTransaction:
             self.stats.record(report)
         log.info(
             "build: %d plan(s): %d device, %d host, %d store, %d table hits, %d built in %d pass(es), %d evicted",
-            report.plans, report.device_hits, report.host_hits, report.store_hits, report.table_hits, report.built,
-            report.passes, report.evicted,
-        )  # fmt: skip
+            report.plans,
+            report.device_hits,
+            report.host_hits,
+            report.store_hits,
+            report.table_hits,
+            report.built,
+            report.passes,
+            report.evicted,
+        )
         # After publish: copies only. A tier failure is counted and logged, never raised.
         self._tiers.write(
             order, to_build, rows_of=self.rows_of, binding=self._identity.binding, faults=faults, report=report
         )
+
+    def _restorable(
+        self, missing: list[PlanKey], report: BuildReport, faults: FaultPoints, embed: EmbedFn
+    ) -> tuple[dict[PlanKey, PlanRows], dict[PlanKey, PlanRows], dict[PlanKey, PlanRows], list[PlanKey]]:
+        """What the tiers restore of ``missing`` (host, store with the entries claimed, table files), and
+        what a pass must build: refused (PlanNotCachedError) when there is no weight source to build it."""
+        try:
+            from_host, from_store, from_tables = self._tiers.lookup(
+                missing, identity=self._identity, faults=faults, embed=None if embed is _no_embed else embed
+            )
+        except BaseException:
+            # Tier errors fall through to a rebuild inside the lookup; only an interrupt (or
+            # another BaseException) gets here. Nothing is reserved yet, so there is nothing to undo.
+            self._count_failure()
+            raise
+        restored = {**from_host, **from_store, **from_tables}
+        to_build = [k for k in missing if k not in restored]
+        if to_build and not getattr(self.source, "serves_weights", True):
+            self._count_failure()
+            where = f"the table files ({self._tiers.tables.searched()})" if self._tiers.tables else "no tier"
+            raise PlanNotCachedError(
+                f"plan {format_plan(to_build[0], columns=self.settings.spec.plan_columns)} ({len(to_build)} plan(s) "
+                f"of this request) is not in {where} and "
+                f"this cache has no weight source to build it: pass checkpoint= (an integration's, or a "
+                f"CheckpointSource), or export these tables (adalncache export CHECKPOINT {flag('task')} T "
+                f"{flag('steps')} N {flag('output').split('/')[0]} FILE)"
+            )
+        try:
+            if to_build:  # a pass follows: it hashes only if no memo knows the digest (every rank asks here)
+                self._identity.content.resolve()
+            # One build per fleet: another process may be building these very entries.
+            served = self._tiers.claim(to_build, identity=self._identity, report=report)
+        except BaseException as exc:
+            self._tiers.release_claim()
+            self._count_failure()
+            if _interrupt(exc) is not None or isinstance(exc, BuildError):
+                raise
+            raise BuildError(
+                f"build of {len(missing)} plan(s) failed at tier lookup: {type(exc).__name__}: {exc}; nothing "
+                f"of this request was published and a retry rebuilds it",
+                failed_at="tier lookup",
+            ) from exc
+        from_store.update(served)
+        return from_host, from_store, from_tables, [k for k in to_build if k not in served]
 
     def _write_and_publish(
         self,
@@ -424,10 +439,18 @@ class BuildTransaction:
     def _rebuild_pass(self, faults: FaultPoints, digests: DigestSink | None) -> RebuildPass:
         s = self.settings
         return RebuildPass(
-            spec=s.spec, source=self.source, slab=self._slab, collective=self._dist, precision=s.precision,
-            read_ahead=s.read_ahead, progress=s.progress, batched=s.batched, faults=faults,
-            out_dtype=self._identity.autocast, digests=digests,
-        )  # fmt: skip
+            spec=s.spec,
+            source=self.source,
+            slab=self._slab,
+            collective=self._dist,
+            precision=s.precision,
+            read_ahead=s.read_ahead,
+            progress=s.progress,
+            batched=s.batched,
+            faults=faults,
+            out_dtype=self._identity.autocast,
+            digests=digests,
+        )
 
     def rows_of(self, key: PlanKey) -> PlanRows:
         """A copy of a resident plan's rows, on the cache device (tiers and verify read these)."""

@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from .errors import CheckpointError, ConfigError, PlanError
 from .families.minimax_h3 import LAYOUTS, MODEL_VARIANTS
 from .geometry import KeyLayout
+from .options import flag, knob
 from .spec import Layer, ModulationSpec
 
 log = logging.getLogger(__name__)
@@ -115,13 +116,11 @@ def _check_positions(base_schedule: Sequence[Any]) -> list[float]:
     try:
         values = [float(v) for v in base_schedule]
     except (TypeError, ValueError):
-        raise PlanError(f"base_schedule must be numbers (CLI --base-schedule), got {base_schedule!r}") from None
+        raise PlanError(f"{knob('base_schedule')} must be numbers, got {base_schedule!r}") from None
     if len(values) < 2 or any(not math.isfinite(v) for v in values):
-        raise PlanError(f"base_schedule needs at least 2 finite positions (CLI --base-schedule), got {values}")
+        raise PlanError(f"{knob('base_schedule')} needs at least 2 finite positions, got {values}")
     if not 0.0 < values[0] <= 1.0 or values[-1] != 0.0 or any(a <= b for a, b in itertools.pairwise(values)):
-        raise PlanError(
-            f"base_schedule must start in (0, 1], end at 0 and strictly decrease (CLI --base-schedule), got {values}"
-        )
+        raise PlanError(f"{knob('base_schedule')} must start in (0, 1], end at 0 and strictly decrease, got {values}")
     return values
 
 
@@ -138,25 +137,24 @@ def schedule_contract(
     to 50, or to the explicit schedule's intervals. Raises PlanError naming the argument and flag.
     """
     if not isinstance(mode, str) or mode not in MODES:
-        raise PlanError(f"mode must be one of {', '.join(MODES)} (CLI --mode), got {mode!r}")
+        raise PlanError(f"{knob('mode')} must be one of {', '.join(MODES)}, got {mode!r}")
     positions = None if base_schedule is None else _check_positions(base_schedule)
     if num_steps is None:
         num_steps = DEFAULT_NUM_STEPS if positions is None else len(positions) - 1
     if type(num_steps) is not int or num_steps < (2 if positions is None else 1):
         raise PlanError(
-            f"num_steps must be an integer >= {2 if positions is None else 1} (forwards, CLI --num-steps), "
+            f"num_steps must be an integer >= {2 if positions is None else 1} (forwards, CLI {flag('num_steps')}), "
             f"got {num_steps!r}"
         )
     if positions is not None and len(positions) - 1 != num_steps:
         raise PlanError(
-            f"num_steps {num_steps} does not match base_schedule's {len(positions) - 1} intervals: drop --num-steps "
-            f"or make them agree"
+            f"num_steps {num_steps} does not match base_schedule's {len(positions) - 1} intervals: drop "
+            f"{flag('num_steps')} or make them agree"
         )
     shifts = {}
-    for name, flag, value in (("flow_shift", "--flow-shift", flow_shift),
-                              ("audio_flow_shift", "--audio-flow-shift", audio_flow_shift)):  # fmt: skip
+    for name, value in (("flow_shift", flow_shift), ("audio_flow_shift", audio_flow_shift)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-            raise PlanError(f"{name} must be a positive finite number (CLI {flag}), got {value!r}")
+            raise PlanError(f"{knob(name)} must be a positive finite number, got {value!r}")
         shifts[name] = float(value)
     return {"mode": mode, "num_steps": num_steps, "base_schedule": positions, **shifts}
 
@@ -428,35 +426,39 @@ def check_export(
     transformer the file names.
     """
     if spec.family.name != "minimax-h3" or spec.modalities != 3:
-        raise ConfigError(f"--format {FORMAT} holds MiniMax-H3 tables of 3 modalities only")
+        raise ConfigError(f"{flag('format')} {FORMAT} holds MiniMax-H3 tables of 3 modalities only")
     if spec.dtype != torch.bfloat16:
         raise ConfigError(
-            f"--format {FORMAT} holds bfloat16 tables only (vLLM-Omni checks the dtype), but this checkpoint's "
-            f"projections are {str(spec.dtype).removeprefix('torch.')}: use --format adalncache"
+            f"{flag('format')} {FORMAT} holds bfloat16 tables only (vLLM-Omni checks the dtype), but this checkpoint's "
+            f"projections are {str(spec.dtype).removeprefix('torch.')}: use {flag('format')} adalncache"
         )
     if precision != "match":
         raise ConfigError(
-            f"--format {FORMAT} cannot hold --precision {precision} tables: vLLM-Omni serves the file in place of its "
-            f"native bf16 projection (precision match); use --precision match or --format adalncache"
+            f"{flag('format')} {FORMAT} cannot hold {flag('precision')} {precision} tables: vLLM-Omni serves "
+            "the file in place of its "
+            f"native bf16 projection (precision match); use {flag('precision')} match or {flag('format')} adalncache"
         )
     if variant is not None:
         raise ConfigError(
-            f"--format {FORMAT} holds the base projections, but a LoRA variant is active on them ({variant!r}): "
+            f"{flag('format')} {FORMAT} holds the base projections, but a LoRA variant is active on them "
+            f"({variant!r}): "
             f"export from the checkpoint without the adapter"
         )
     if shard == "columns" and world_size > 1:
         raise ConfigError(
-            f"--format {FORMAT} holds single-process tables (vLLM-Omni serves the file at tensor parallel 1 only): "
-            f"use --shard layers"
+            f"{flag('format')} {FORMAT} holds single-process tables (vLLM-Omni serves the file at tensor "
+            "parallel 1 only): "
+            f"use {flag('shard')} layers"
         )
     mode = str(contract["mode"])
     wanted = variant_of(mode)
     if model_variant is not None and model_variant not in MODEL_VARIANTS:
-        raise ConfigError(f"--model-variant must be one of {', '.join(MODEL_VARIANTS)}, got {model_variant!r}")
+        raise ConfigError(f"{flag('model_variant')} must be one of {', '.join(MODEL_VARIANTS)}, got {model_variant!r}")
     if model_variant is not None and model_variant != wanted:
         raise ConfigError(
-            f"--model-variant {model_variant} does not serve --mode {mode} (the reference modes run on the ref2va "
-            f"transformer, t2va and fl2va on fl2va): set --model-variant {wanted} or drop it"
+            f"{flag('model_variant')} {model_variant} does not serve {flag('mode')} {mode} (the reference "
+            "modes run on the ref2va "
+            f"transformer, t2va and fl2va on fl2va): set {flag('model_variant')} {wanted} or drop it"
         )
     return wanted
 
@@ -531,9 +533,12 @@ def spec_fields(found: Mapping[str, Any], dtype: torch.dtype) -> dict[str, Any]:
     """The spec a manifest describes (``inspect`` of a file without a model)."""
     arch = found["architecture"]
     return {
-        "num_layers": arch["num_layers"], "hidden_size": arch["hidden_size"],
-        "time_embed_dim": arch["time_embed_dim"], "modalities": 3, "dtype": dtype,
-    }  # fmt: skip
+        "num_layers": arch["num_layers"],
+        "hidden_size": arch["hidden_size"],
+        "time_embed_dim": arch["time_embed_dim"],
+        "modalities": 3,
+        "dtype": dtype,
+    }
 
 
 def check_payload(

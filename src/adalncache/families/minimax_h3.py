@@ -24,18 +24,23 @@ import torch
 
 from ..errors import CheckpointError, ConfigError
 from ..geometry import FINAL, TIMESTEP, Family, KeyLayout, ModelGeometry, ServedLayer, TablePart
+from ..options import flag
 
 #: The two checkpoint layouts: the native release's names and diffusers'.
 LAYOUTS: dict[str, KeyLayout] = {
     "native": KeyLayout(
-        "native", "blocks.{i}.adaln_proj.linear", "final_layer.adaln_proj.linear",
+        "native",
+        "blocks.{i}.adaln_proj.linear",
+        "final_layer.adaln_proj.linear",
         ("time_embedder.proj_in", "time_embedder.proj_out"),
     ),
     "diffusers": KeyLayout(
-        "diffusers", "transformer_blocks.{i}.adaln_proj.linear", "norm_out.linear",
+        "diffusers",
+        "transformer_blocks.{i}.adaln_proj.linear",
+        "norm_out.linear",
         ("time_embedder.linear_1", "time_embedder.linear_2"),
     ),
-}  # fmt: skip
+}
 
 #: The released transformers a table file names in ``model_variant`` (SGLang compares it).
 MODEL_VARIANTS = ("fl2va", "ref2va")
@@ -99,11 +104,11 @@ def fields_from_transformer(model: Any, dtype: torch.dtype | None = None) -> dic
     The dtype is ``dtype`` when given, else block 0's projection weight's (inside a peft LoRA
     wrapper when there is one), bfloat16 for a model without blocks.
     """
-    config = getattr(model, "config", None)
+    config: Any = getattr(model, "config", None)
     try:
-        num_layers = int(config.num_layers)  # type: ignore[union-attr]
-        hidden_size = int(config.hidden_size)  # type: ignore[union-attr]
-        time_embed_dim = int(config.time_embed_dim)  # type: ignore[union-attr]
+        num_layers = int(config.num_layers)
+        hidden_size = int(config.hidden_size)
+        time_embed_dim = int(config.time_embed_dim)
     except AttributeError:
         raise ConfigError(
             f"ModulationSpec.from_transformer needs a MiniMaxH3Transformer3DModel (a config with "
@@ -147,12 +152,15 @@ def fields_from_headers(path: object, entries: Mapping[str, Any], layout: str, m
                 f"modalities; this is not a MiniMax-H3 checkpoint"
             )
         return {
-            "num_layers": count, "hidden_size": out // (6 * modalities), "time_embed_dim": k,
-            "modalities": modalities, "dtype": first.torch_dtype,
-        }  # fmt: skip
+            "num_layers": count,
+            "hidden_size": out // (6 * modalities),
+            "time_embed_dim": k,
+            "modalities": modalities,
+            "dtype": first.torch_dtype,
+        }
     raise CheckpointError(
         f"{path} holds no AdaLN projection in a known layout (looked for {LAYOUTS['native'].weight(0)!r} "
-        f"and {LAYOUTS['diffusers'].weight(0)!r}): pass a MiniMax-H3 transformer checkpoint, or set --layout"
+        f"and {LAYOUTS['diffusers'].weight(0)!r}): pass a MiniMax-H3 transformer checkpoint, or set {flag('layout')}"
     )
 
 

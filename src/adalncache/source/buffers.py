@@ -85,7 +85,7 @@ def aligned_empty(
     storage = owner.tensor if owner is not None else torch.empty(size, dtype=torch.uint8)
     view = place(storage, nbytes, residue, modulus=modulus, margin=margin).view(dtype).view(shape)
     if owner is not None:
-        view.adalncache_host_buffer = owner  # type: ignore[attr-defined]
+        vars(view)["adalncache_host_buffer"] = owner  # the pinned buffer lives as long as the view
     return view
 
 

@@ -266,6 +266,41 @@ class CheckpointSource:
             for fd in fds.values():
                 os.close(fd)
 
+    def _take_staging(self, device: torch.device, read_ahead: int) -> StagingPool | None:
+        """The staging buffers of one pass: the kept pool where it fits, else a new one (None: fresh per layer).
+
+        On CUDA each pinned buffer is free again once its copy finished (a load waits for it), and
+        loads run one at a time, so one buffer serves the whole pass; pinning is slow and rounds
+        up, so it happens once per pass, not per layer. On CPU the consumer projects from the
+        buffer itself: the one it holds plus the read_ahead being read. With read_ahead=0 the read
+        runs inside next(), while the consumer still holds the previous layer, so a single
+        buffer could never be reused: that mode keeps a fresh buffer per layer.
+        """
+        cuda = device.type == "cuda"
+        if not (cuda or read_ahead):
+            return None
+        slots = 1 if cuda else read_ahead + 1
+        # A kept pool is taken out while in use, so two concurrent passes never share buffers.
+        with self._lock:
+            kept, self._kept = self._kept, None
+        # Another read_ahead keeps the buffers it can use; a pool of the other kind is dropped.
+        reuse = kept is not None and kept.pin == cuda
+        staging = kept.resized(slots) if reuse and kept is not None else StagingPool(slots, pin=cuda, device=device)
+        staging.device = device if cuda else None
+        return staging
+
+    def _end_pass(self, staging: StagingPool | None, direct: DirectReads | None) -> None:
+        """Count the pass's O_DIRECT bytes and keep (or free) its staging buffers for the next pass."""
+        if direct is not None:
+            with self._lock:
+                self.bytes_direct += direct.bytes
+        if staging is not None:
+            if self.keep_buffers:
+                with self._lock:
+                    self._kept = staging
+            else:
+                staging.clear()
+
     def stream(
         self,
         layers: Sequence[Layer],
@@ -290,22 +325,7 @@ class CheckpointSource:
             device = torch.device("cuda", torch.cuda.current_device())  # the reader thread must not guess
         copy_stream = self.copy_streams.get(device) if cuda else None
         todo = list(layers)
-        # On CUDA each pinned buffer is free again once its copy finished (load waits for it), and
-        # loads run one at a time, so one buffer serves the whole pass; pinning is slow and rounds
-        # up, so it happens once per pass, not per layer. On CPU the consumer projects from the
-        # buffer itself: the one it holds plus the read_ahead being read. With read_ahead=0 the read
-        # runs inside next(), while the consumer still holds the previous layer, so a single
-        # buffer could never be reused: that mode keeps a fresh buffer per layer.
-        staging: StagingPool | None = None
-        if cuda or read_ahead:
-            slots = 1 if cuda else read_ahead + 1
-            # A kept pool is taken out while in use, so two concurrent passes never share buffers.
-            with self._lock:
-                kept, self._kept = self._kept, None
-            # Another read_ahead keeps the buffers it can use; a pool of the other kind is dropped.
-            reuse = kept is not None and kept.pin == cuda
-            staging = kept.resized(slots) if reuse and kept is not None else StagingPool(slots, pin=cuda, device=device)
-            staging.device = device if cuda else None
+        staging = self._take_staging(device, read_ahead)
 
         def load(fds: dict[Path, int], index: int) -> LayerWeights:
             layer = todo[index]
@@ -365,15 +385,7 @@ class CheckpointSource:
                 for fut in pending:
                     with contextlib.suppress(BaseException):
                         fut.result()
-                if direct is not None:
-                    with self._lock:
-                        self.bytes_direct += direct.bytes
-                if staging is not None:
-                    if self.keep_buffers:
-                        with self._lock:
-                            self._kept = staging
-                    else:
-                        staging.clear()
+                self._end_pass(staging, direct)
 
     # -- buffers and summary ----------------------------------------------------------------
 

@@ -31,7 +31,6 @@ is part of every digest string, so it can change later without confusing old rec
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import socket
 import threading
@@ -43,6 +42,7 @@ from typing import Any
 import blake3
 import torch
 
+from ..canonical import canonical_json
 from ..spec import FINAL, Layer, ModulationSpec
 
 #: Row blocks per tensor: 64 lets column splits of 1, 2, 4, 8, ... ranks compose to the same value.
@@ -68,10 +68,6 @@ def hash_hex(*parts: bytes | memoryview) -> str:
     for part in parts:
         h.update(part)
     return str(h.hexdigest())
-
-
-def _canonical(value: Any) -> bytes:
-    return json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
 
 
 def role_of(layer: Layer, part: str) -> str:
@@ -105,7 +101,7 @@ class TensorDigest:
     def complete(self, role: str) -> str | None:
         """The tensor digest, composed from the leaves once all of them are known."""
         if self.digest is None and len(self.leaves) == LEAVES:
-            head = _canonical([role, self.dtype, list(self.shape)])
+            head = canonical_json([role, self.dtype, list(self.shape)])
             self.digest = hash_hex(_TENSOR_TAG, head, *(bytes.fromhex(self.leaves[j]) for j in range(LEAVES)))
         return self.digest
 
@@ -168,7 +164,7 @@ def merge_knowledge(parts: Iterable[Mapping[str, TensorDigest]]) -> Knowledge | 
 
 def content_digest(spec: ModulationSpec, knowledge: Mapping[str, TensorDigest]) -> str | None:
     """``blake3:<hex>`` of the spec and every projection tensor, or ``None`` if any tensor is not fully known."""
-    parts: list[bytes] = [_CONTENT_TAG, _canonical(spec.describe())]
+    parts: list[bytes] = [_CONTENT_TAG, canonical_json(spec.describe())]
     for role in sorted(r for r, _, _ in projection_roles(spec)):
         record = knowledge.get(role)
         digest = record.complete(role) if record is not None else None
@@ -245,20 +241,32 @@ class FileStamp:
     def of(cls, path: Path, header: str) -> FileStamp:
         st = os.stat(path)
         return cls(
-            socket.gethostname(), str(Path(path).resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns,
-            st.st_ctime_ns, header,
-        )  # fmt: skip
+            socket.gethostname(),
+            str(Path(path).resolve()),
+            st.st_dev,
+            st.st_ino,
+            st.st_size,
+            st.st_mtime_ns,
+            st.st_ctime_ns,
+            header,
+        )
 
     def as_json(self) -> dict[str, Any]:
         return {
-            "host": self.host, "path": self.path, "device": self.device, "inode": self.inode, "size": self.size,
-            "mtime_ns": self.mtime_ns, "ctime_ns": self.ctime_ns, "header": self.header,
-        }  # fmt: skip
+            "host": self.host,
+            "path": self.path,
+            "device": self.device,
+            "inode": self.inode,
+            "size": self.size,
+            "mtime_ns": self.mtime_ns,
+            "ctime_ns": self.ctime_ns,
+            "header": self.header,
+        }
 
     @property
     def key(self) -> str:
         """The memo's name for this identity (the record itself is compared in full)."""
-        return hashlib.sha256(_canonical(self.as_json())).hexdigest()[:32]
+        return hashlib.sha256(canonical_json(self.as_json())).hexdigest()[:32]
 
 
 __all__ = [

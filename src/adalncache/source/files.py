@@ -34,8 +34,10 @@ import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 from ..errors import CheckpointError
+from ..options import flag
 from .header import FileIdentity, SafetensorsHeader, is_regular
 from .writer import PAD_PREFIX
 
@@ -50,8 +52,8 @@ INDEX_SUFFIX = ".safetensors.index.json"
 
 #: How a user picks one file set: the library argument and every command-line way to pass a checkpoint.
 PICK = (
-    "pass the file (or the index) to serve from: CheckpointSource(path), checkpoint= of enable_adaln_cache, "
-    "the CHECKPOINT argument of adalncache build, export and inspect, or --checkpoint of adalncache verify"
+    "pass the file (or the index) to serve from: CheckpointSource(path), the checkpoint= of an integration, "
+    f"the CHECKPOINT argument of adalncache build, export and inspect, or {flag('checkpoint')} of adalncache verify"
 )
 
 
@@ -91,7 +93,7 @@ def checkpoint_files(path: CheckpointPath) -> tuple[list[Path], Path | None]:
             if not is_regular(file):
                 raise _not_regular(file)
         return files, None
-    root = Path(path)  # type: ignore[arg-type]
+    root = Path(cast("str | os.PathLike[str]", path))  # a list or tuple returned above
     try:
         mode = os.stat(root).st_mode
     except FileNotFoundError:
@@ -127,7 +129,7 @@ def other_files(path: CheckpointPath, files: Sequence[Path]) -> list[Path]:
     """The regular ``*.safetensors`` of directory ``path`` that are not among ``files`` (none for a file or list)."""
     if isinstance(path, (list, tuple)):
         return []
-    root = Path(path)  # type: ignore[arg-type]
+    root = Path(cast("str | os.PathLike[str]", path))  # a list or tuple returned above
     if not root.is_dir():
         return []
     chosen = {f.resolve() for f in files}
@@ -193,8 +195,8 @@ class CheckpointFiles:
         headers = [SafetensorsHeader.read(f) for f in files]
         where: dict[str, SafetensorsHeader] = {}
         root = index.parent if index is not None else files[0].parent if len(files) > 1 else Path(str(files[0]))
-        if not isinstance(path, (list, tuple)) and Path(path).is_dir():  # type: ignore[arg-type]
-            root = Path(path)  # type: ignore[arg-type]
+        if isinstance(path, (str, os.PathLike)) and Path(path).is_dir():
+            root = Path(path)
         for header in headers:
             for name in header.entries:
                 held = where.setdefault(name, header)
@@ -224,8 +226,8 @@ class CheckpointFiles:
         """The files (and index) whose ``stat`` identity is no longer the one they had when read."""
         out = []
         watched = [(h.path, h.identity) for h in self.headers]
-        if self.index is not None:
-            watched.append((self.index, self.index_identity))  # type: ignore[arg-type]
+        if self.index is not None and self.index_identity is not None:
+            watched.append((self.index, self.index_identity))
         for path, identity in watched:
             try:
                 if FileIdentity.of(path) != identity:

@@ -189,7 +189,7 @@ def read_regular(path: Path) -> bytes:
         os.close(fd)
 
 
-class _Object(dict):  # type: ignore[type-arg]
+class _Object(dict[str, Any]):
     """A JSON object that remembers the keys it was given more than once (JSON allows it; we do not)."""
 
     repeated: list[str]

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError
+from ..options import flag
 from ..spec import Layer, ModulationSpec
 from .digest import DigestSink, role_of
 from .header import safetensors_name
@@ -116,7 +117,7 @@ class TensorSource:
         device = torch.device(device)
         if columns is not None and self.opaque:
             raise ConfigError(
-                "shard='columns' (CLI --shard) slices each projection's weight, which quantized or "
+                f"shard='columns' (CLI {flag('shard')}) slices each projection's weight, which quantized or "
                 "layerwise-cast weights do not allow; use shard='layers'"
             )
         for layer in layers:

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError
+from ..options import flag
 from ..spec import KeyLayout, Layer, ModulationSpec
 
 
@@ -55,7 +56,7 @@ def detect_layout(names: set[str] | Mapping[str, Any], spec: ModulationSpec, lay
         looked = " and ".join(repr(lay.weight(first)) for lay in layouts.values())
         raise CheckpointError(
             f"{where} holds no AdaLN projection in a known layout (looked for {looked}): pass a "
-            f"{spec.family.title} transformer checkpoint, or set layout= (CLI --layout)"
+            f"{spec.family.title} transformer checkpoint, or set layout= (CLI {flag('layout')})"
         )
     return layouts[best]
 

@@ -37,6 +37,7 @@ import torch
 
 from ..errors import ConfigError
 from ..faults import FaultPoints
+from ..options import flag
 from ..plans import PlanKey
 from ..reports import BuildReport, CacheStats
 from ..rows import PlanRows
@@ -131,8 +132,8 @@ class TierChain:
             # never be found again, so they would only fill the disk.
             raise ConfigError(
                 f"store= needs a source whose identity survives the process (a CheckpointSource), got "
-                f"{type(source).__name__}: pass the checkpoint path (checkpoint= in enable_adaln_cache, CLI "
-                f"CHECKPOINT), or drop store= (--store)"
+                f"{type(source).__name__}: pass the checkpoint path (an integration's checkpoint=, CLI "
+                f"CHECKPOINT), or drop store= ({flag('store')})"
             )
         opened = None if store is None else store if isinstance(store, Store) else Store(store)
         files = None if tables is None else TablesTier(tables, spec, source=source)
@@ -184,9 +185,13 @@ class TierChain:
             found = {}
             try:
                 found = self.tables.lookup(
-                    rest, template=identity.template(), generation=identity.generation, content=identity.content_now,
-                    agree=self._dist.any_of, embed=embed,
-                )  # fmt: skip
+                    rest,
+                    template=identity.template(),
+                    generation=identity.generation,
+                    content=identity.content_now,
+                    agree=self._dist.any_of,
+                    embed=embed,
+                )
             except Exception as exc:
                 log.warning("table file lookup failed (%s); rebuilding instead", exc)
             agreed = self._dist.agree_on([k in found for k in rest])
@@ -203,8 +208,10 @@ class TierChain:
         # Every rank asks the same question at the same point (the digest is unknown on all or none).
         worth = self.store.holds_other_content(identity.template(), rest)
         if self._dist.any_of([worth])[0]:
-            log.info("store %s holds these plans for another copy of these weights: hashing the checkpoint once",
-                     self.store.path)  # fmt: skip
+            log.info(
+                "store %s holds these plans for another copy of these weights: hashing the checkpoint once",
+                self.store.path,
+            )
             identity.hash_now()
             bound = identity.current_binding()
         if bound is None and count:
@@ -259,8 +266,9 @@ class TierChain:
             elapsed = time.monotonic() - start
             if watch.stale(locks.beat(namespace, todo[busy[0]])) or elapsed > store.lock_wait_s:
                 why = "its heartbeat stopped" if elapsed <= store.lock_wait_s else f"waited {elapsed:.0f} s"
-                log.warning("store %s: another process holds %d entries but %s; building them here", store.path,
-                            len(todo), why)  # fmt: skip
+                log.warning(
+                    "store %s: another process holds %d entries but %s; building them here", store.path, len(todo), why
+                )
                 break
             time.sleep(pause)
             pause = min(2 * pause, POLL_S[1])
@@ -371,8 +379,11 @@ class TierChain:
         log.warning(
             "store %s cannot be written (%s: %s): its hits are still served, but this cache builds without its locks "
             "and writes, counted in store_unwritable (tried again after %.0f s)",
-            self.store.path, what, exc, UNWRITABLE_RETRY_S,
-        )  # fmt: skip
+            self.store.path,
+            what,
+            exc,
+            UNWRITABLE_RETRY_S,
+        )
 
     def host_plans(self) -> int:
         """How many plans the host tier holds (0 without one)."""

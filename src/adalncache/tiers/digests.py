@@ -97,13 +97,21 @@ class DigestMemo:
             with self._locked(stamp):
                 merged = _merge(self._read(stamp), tensors)
                 body = {
-                    "format": RECORD_FORMAT, "hash": ALGORITHM, "leaves": LEAVES, "stamp": stamp.as_json(),
-                    "recorded": time.time(), "tensors": {role: rec.as_json() for role, rec in sorted(merged.items())},
-                }  # fmt: skip
+                    "format": RECORD_FORMAT,
+                    "hash": ALGORITHM,
+                    "leaves": LEAVES,
+                    "stamp": stamp.as_json(),
+                    "recorded": time.time(),
+                    "tensors": {role: rec.as_json() for role, rec in sorted(merged.items())},
+                }
                 self._write(self._path(stamp), json.dumps(body, indent=1, sort_keys=True).encode())
         except OSError as exc:
-            log.warning("digest memo %s: cannot record %s (%s); the next process hashes it again", self.directory,
-                        stamp.path, exc)  # fmt: skip
+            log.warning(
+                "digest memo %s: cannot record %s (%s); the next process hashes it again",
+                self.directory,
+                stamp.path,
+                exc,
+            )
 
     def forget(self, stamp: FileStamp) -> None:
         """Drop what is recorded for ``stamp``, here and in the store (it named other bytes); never raises."""

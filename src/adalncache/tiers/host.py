@@ -31,6 +31,7 @@ import torch
 
 from ..devices import allocation_error
 from ..hostmem import HostBuffer, Registrar
+from ..options import knob
 from ..plans import PlanKey, key_to_plan
 from ..rows import PlanRows
 from ..spec import ModulationSpec
@@ -38,7 +39,7 @@ from ..spec import ModulationSpec
 log = logging.getLogger(__name__)
 
 #: The argument (and CLI flag) that sizes the host tier, for messages that tell what to lower.
-HOST_TIER_KNOB = "host_cache_bytes (CLI --host-cache-gb)"
+HOST_TIER_KNOB = knob("host_cache_bytes")
 
 #: Unit alignment in bytes: keeps every view aligned for any dtype and for fast DMA.
 _ALIGN = 64
@@ -95,10 +96,10 @@ class HostTier:
         self.skipped_groups = 0
         if self.total_units == 0 and self.capacity_bytes > 0:
             log.warning(
-                "host tier of %d bytes cannot hold one timestep row (%d bytes): it will skip every group; "
-                "raise host_cache_bytes (CLI --host-cache-gb)",
+                "host tier of %d bytes cannot hold one timestep row (%d bytes): it will skip every group; raise %s",
                 self.capacity_bytes,
                 spec.row_bytes,
+                HOST_TIER_KNOB,
             )
 
     # -- sizes ------------------------------------------------------------------------------

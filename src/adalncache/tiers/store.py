@@ -41,7 +41,6 @@ import errno
 import hashlib
 import json
 import logging
-import math
 import os
 import socket
 import stat
@@ -53,22 +52,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
+from ..canonical import canonical_json
 from ..errors import ConfigError
-from ..geometry import TABLE_PART
 from ..numerics import numeric_environment
-from ..plans import PlanKey, key_to_plan
+from ..options import flag
+from ..plans import PlanKey
 from ..rows import PlanRows
-from ..source.header import NotARegularFile, dtype_named, open_regular, read_regular
-from ..spec import SUPPORTED_WEIGHT_DTYPES, ModulationSpec
+from ..source.header import read_regular
+from ..spec import ModulationSpec
 from .digests import DigestMemo
+from .entryfile import FORMAT_VERSION, MAGIC, CorruptEntry, encode_entry, entry_rows, parse_entry
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"ADLNSTO1"
-FORMAT_VERSION = 1
-_DIGEST = 32
 _SUFFIX = ".entry"
 _TMP_PREFIX = ".tmp-"
 #: A temp file this old is swept even when its writer's liveness cannot be checked (another host).
@@ -77,25 +73,12 @@ _STALE_TMP_SECONDS = 3600.0
 
 def binding_hash(binding: Mapping[str, Any]) -> str:
     """The directory name of a binding: sha256 of its canonical JSON."""
-    return hashlib.sha256(_canonical(binding)).hexdigest()[:32]
-
-
-def _part_names(count: int) -> list[str]:
-    """The names an entry's header gives its parts (informative: the payload's order is the spec's).
-
-    A two-part table's are ``block`` and ``final`` (the only parts of entries written before the
-    header listed them), a one-part table's ``table``.
-    """
-    return ["block", "final"] if count == 2 else [TABLE_PART] if count == 1 else [f"part{i}" for i in range(count)]
+    return hashlib.sha256(canonical_json(binding)).hexdigest()[:32]
 
 
 def plan_hash(key: PlanKey) -> str:
     """The file stem of a plan: sha256 of its fp32 bit patterns (little-endian int32)."""
     return hashlib.sha256(struct.pack(f"<{len(key)}i", *key)).hexdigest()[:32]
-
-
-def _canonical(value: Any) -> bytes:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str).encode()
 
 
 def _fsync_dir(path: Path) -> None:
@@ -119,14 +102,6 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-class CorruptEntry(Exception):
-    """Internal: an entry failed verification (the message says how); ``inode`` names the file read."""
-
-    def __init__(self, message: str, inode: int | None = None) -> None:
-        super().__init__(message)
-        self.inode = inode
 
 
 @dataclass(frozen=True)
@@ -168,10 +143,10 @@ class Store:
         lock_stale_s: float = 30.0,
     ) -> None:
         if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0):
-            raise ConfigError(f"max_bytes must be None or an integer >= 0, got {max_bytes!r} (CLI --max-gb)")
+            raise ConfigError(f"max_bytes must be None or an integer >= 0, got {max_bytes!r} (CLI {flag('max_bytes')})")
         for name, value in (("lock_wait_s", lock_wait_s), ("lock_stale_s", lock_stale_s)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-                raise ConfigError(f"{name} must be a number of seconds >= 0, got {value!r} (CLI --lock-wait)")
+                raise ConfigError(f"{name} must be a number of seconds >= 0, got {value!r} (CLI {flag('lock_wait_s')})")
         self.path = Path(path)
         self.max_bytes = max_bytes
         #: How long a build waits for another process that is building the same entries before it
@@ -194,7 +169,7 @@ class Store:
             # Never scatter entries into a directory that holds something else (a typo'd --store ~).
             raise ConfigError(
                 f"{self.path} is not empty and is not an adalncache store (no STORE marker): pass a new or empty "
-                f"directory (store= / CLI --store)"
+                f"directory (store= / CLI {flag('store')})"
             )
         try:
             for sub in ("bindings", "entries", "corrupt"):
@@ -202,7 +177,9 @@ class Store:
             if not marker.exists():
                 self._atomic_write(marker, f"adalncache store format {FORMAT_VERSION}\n".encode())
         except OSError as exc:
-            raise ConfigError(f"cannot use {self.path} as a store directory: {exc} (set store= / CLI --store)") from exc
+            raise ConfigError(
+                f"cannot use {self.path} as a store directory: {exc} (set store= / CLI {flag('store')})"
+            ) from exc
         self.sweep_temp()
 
     def __repr__(self) -> str:
@@ -219,12 +196,12 @@ class Store:
         That is a copied checkpoint (or a copied store) whose digest is not known here yet: one
         hashing read will probably turn these entries into hits.
         """
-        want = _canonical({k: v for k, v in template.items() if k != "content"})
+        want = canonical_json({k: v for k, v in template.items() if k != "content"})
         keys = list(keys)
         for bhash, binding in self.bindings().items():
             if not isinstance(binding, dict) or not binding.get("content"):
                 continue
-            if _canonical({k: v for k, v in binding.items() if k != "content"}) != want:
+            if canonical_json({k: v for k, v in binding.items() if k != "content"}) != want:
                 continue
             if any(self._entry_path(bhash, key).is_file() for key in keys):
                 return True
@@ -272,9 +249,11 @@ class Store:
         removed = 0
         now = time.time()
         roots = [
-            self.path, self.path / "bindings", self.path / "digests",
+            self.path,
+            self.path / "bindings",
+            self.path / "digests",
             *(p for p in (self.path / "entries").glob("*") if p.is_dir()),
-        ]  # fmt: skip
+        ]
         for root in roots:
             for tmp in root.glob(_TMP_PREFIX + "*"):
                 parts = tmp.name[len(_TMP_PREFIX) :].split("-")
@@ -308,35 +287,9 @@ class Store:
         """Write one plan's rows under ``binding`` atomically; returns the entry's path."""
         bhash = binding_hash(binding)
         self._ensure_binding(binding, bhash)
-        parts = [part.detach().to("cpu").contiguous() for part in rows.parts]
-        n = rows.timesteps.shape[0]
-        names = _part_names(len(parts))
-        if any(part.dim() < 2 or part.shape[0] != n for part in parts):
-            shapes = "/".join(str(tuple(part.shape)) for part in parts)
-            raise ConfigError(f"store.put: rows of shape {shapes} do not fit a plan of {n} timesteps")
-        payload = [part.view(torch.uint8).numpy().reshape(-1) for part in parts]
-        columns = rows.timesteps.shape[1] if rows.timesteps.dim() == 2 else 1
-        header: dict[str, Any] = {
-            "format": FORMAT_VERSION,
-            "binding": bhash,
-            "key": list(key),
-            "timesteps": key_to_plan(key, columns).tolist(),
-            "dtype": str(parts[0].dtype).removeprefix("torch."),
-            **{f"{name}_shape": list(part.shape) for name, part in zip(names, parts)},
-            "parts": names,
-            "created": time.time(),
-        }
-        head = _canonical(header)
-        # Pad the header (JSON allows trailing spaces) so the payload starts 64-byte aligned: the
-        # rows are then read as typed views of one buffer, with no copy.
-        head += b" " * ((-(len(MAGIC) + 4 + len(head))) % 64)
-        prefix = MAGIC + struct.pack("<I", len(head)) + head
-        digest = hashlib.sha256()
-        digest.update(prefix)
-        for chunk in payload:
-            digest.update(chunk.data)
+        chunks = encode_entry(bhash, key, rows)
         path = self._entry_path(bhash, key)
-        self._atomic_write(path, prefix, *(p.data for p in payload), digest.digest())
+        self._atomic_write(path, *chunks)
         if self.max_bytes is not None:
             self.prune(self.max_bytes, keep={path})
         return path
@@ -347,75 +300,6 @@ class Store:
         """The ``keys`` that have an entry under ``binding`` (by name only: nothing is read or verified)."""
         bhash = binding_hash(binding)
         return {key for key in keys if self._entry_path(bhash, key).is_file()}
-
-    @staticmethod
-    def _parse(path: Path) -> tuple[dict[str, Any], torch.Tensor, int, int]:
-        """Read and verify an entry file; returns (header, raw bytes, payload offset, inode).
-
-        The inode lets a caller move aside exactly the file it read, never a fresh rewrite that
-        another process renamed into place meanwhile.
-        """
-        try:
-            fd = open_regular(path)
-        except NotARegularFile as exc:  # a FIFO or a device where an entry belongs: never opened for reading
-            raise CorruptEntry(str(exc)) from None
-        with os.fdopen(fd, "rb") as f:
-            st = os.fstat(f.fileno())
-            size, inode = st.st_size, st.st_ino
-            if size < len(MAGIC) + 4 + _DIGEST:
-                raise CorruptEntry(f"{size} bytes is too short for an entry", inode)
-            raw = torch.empty(size, dtype=torch.uint8)
-            buf = raw.numpy()
-            got = f.readinto(buf.data)
-            if got != size:
-                raise CorruptEntry(f"read {got} of {size} bytes", inode)
-        data = buf.data
-        if bytes(data[: len(MAGIC)]) != MAGIC:
-            raise CorruptEntry("bad magic", inode)
-        if hashlib.sha256(data[: size - _DIGEST]).digest() != bytes(data[size - _DIGEST :]):
-            raise CorruptEntry("digest mismatch", inode)
-        (head_len,) = struct.unpack("<I", bytes(data[len(MAGIC) : len(MAGIC) + 4]))
-        start = len(MAGIC) + 4
-        if start + head_len > size - _DIGEST:
-            raise CorruptEntry("header length out of range", inode)
-        try:
-            header = json.loads(bytes(data[start : start + head_len]))
-        except ValueError as exc:
-            raise CorruptEntry(f"header is not JSON: {exc}", inode) from None
-        if not isinstance(header, dict):
-            raise CorruptEntry("header is not an object", inode)
-        return header, raw, start + head_len, inode
-
-    @staticmethod
-    def _rows(header: dict[str, Any], raw: torch.Tensor, offset: int, spec: ModulationSpec | None) -> PlanRows:
-        try:
-            dtype = dtype_named(header["dtype"])
-            if dtype is None or dtype not in SUPPORTED_WEIGHT_DTYPES:
-                raise CorruptEntry(f"unknown dtype {header['dtype']!r}")
-            names = [str(name) for name in header.get("parts", _part_names(2))]
-            shapes = [[int(v) for v in header[f"{name}_shape"]] for name in names]
-            key = tuple(int(v) for v in header["key"])
-            timesteps = torch.tensor(header["timesteps"], dtype=torch.float32)
-        except (KeyError, TypeError, ValueError) as exc:
-            raise CorruptEntry(f"header lacks a field: {exc}") from None
-        columns = timesteps.shape[1] if timesteps.dim() == 2 else 1
-        n = len(key) // columns
-        if spec is not None:
-            want = [[n, *part.shape] for part in spec.table_parts()]
-            if dtype != spec.dtype or shapes != want or columns != spec.plan_columns:
-                shown = "/".join(str(shape) for shape in shapes)
-                raise CorruptEntry(f"geometry {shown} {dtype} does not match the spec")
-        if not shapes or any(not shape or shape[0] != n for shape in shapes):
-            raise CorruptEntry("part shapes disagree with the plan")
-        item = torch.empty((), dtype=dtype).element_size()
-        sizes = [item * math.prod(shape) for shape in shapes]
-        if offset + sum(sizes) != raw.numel() - _DIGEST:
-            raise CorruptEntry("payload size disagrees with the header")
-        parts = []
-        for size, shape in zip(sizes, shapes):
-            parts.append(raw[offset : offset + size].view(dtype).view(shape))
-            offset += size
-        return PlanRows(key_to_plan(key, columns), *parts)
 
     def _move_aside(self, path: Path, why: str, inode: int | None) -> None:
         target = self.path / "corrupt" / f"{path.parent.name}-{path.stem}-{uuid.uuid4().hex[:8]}{_SUFFIX}"
@@ -442,10 +326,10 @@ class Store:
             path = self._entry_path(bhash, key)
             inode: int | None = None
             try:
-                header, raw, offset, inode = self._parse(path)
+                header, raw, offset, inode = parse_entry(path)
                 if header.get("binding") != bhash or tuple(header.get("key", ())) != tuple(key):
                     raise CorruptEntry("header names another binding or plan", inode)
-                rows = self._rows(header, raw, offset, spec)
+                rows = entry_rows(header, raw, offset, spec)
             except FileNotFoundError:
                 continue
             except CorruptEntry as exc:
@@ -489,8 +373,8 @@ class Store:
 
     def read_entry(self, info: EntryInfo) -> StoredEntry:
         """Read and verify one listed entry (raises CorruptEntry; does not move it)."""
-        header, raw, offset, _ = self._parse(info.path)
-        return StoredEntry(info, header, self._rows(header, raw, offset, None))
+        header, raw, offset, _ = parse_entry(info.path)
+        return StoredEntry(info, header, entry_rows(header, raw, offset, None))
 
     def iter_entries(self, infos: Iterable[EntryInfo] | None = None) -> Iterator[StoredEntry | tuple[EntryInfo, str]]:
         """Verified entries, or ``(info, problem)`` for those that fail verification."""
@@ -531,7 +415,7 @@ class Store:
     def prune(self, max_bytes: int, *, keep: Iterable[Path] = ()) -> int:
         """Delete least-recently-used entries until they total at most ``max_bytes``; returns how many."""
         if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
-            raise ConfigError(f"max_bytes must be an integer >= 0, got {max_bytes!r} (CLI --max-gb)")
+            raise ConfigError(f"max_bytes must be an integer >= 0, got {max_bytes!r} (CLI {flag('max_bytes')})")
         protected = set(keep)
         listed = self.entries()
         total = sum(e.size for e in listed)
@@ -560,4 +444,4 @@ class Store:
         return removed
 
 
-__all__ = ["EntryInfo", "Store", "StoredEntry", "binding_hash", "numeric_environment", "plan_hash"]
+__all__ = ["MAGIC", "EntryInfo", "Store", "StoredEntry", "binding_hash", "numeric_environment", "plan_hash"]

@@ -42,7 +42,6 @@ signature) is active.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -53,7 +52,9 @@ import torch
 import torch.nn.functional as F
 
 from .. import vllm_omni
+from ..canonical import plain_json
 from ..errors import ConfigError
+from ..options import TablesArg, flag
 from ..plans import PlanKey, format_plan, key_to_plan
 from ..rows import PlanRows
 from ..spec import ModulationSpec
@@ -62,7 +63,6 @@ from ..tablefile import TableFile
 log = logging.getLogger(__name__)
 
 #: What ``tables=`` may be: one path, or several searched in order.
-TablesArg = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
 
 #: Binding fields a bound file must share with the cache, besides the content digest.
 _CHECKED = ("spec", "precision", "environment", "shard")
@@ -83,7 +83,8 @@ def table_paths(tables: Any) -> list[Path]:
     ):
         return [Path(t) for t in tables]
     raise ConfigError(
-        f"tables= must be a table file path or a non-empty list of them, got {type(tables).__name__} (CLI --tables)"
+        f"tables= must be a table file path or a non-empty list of them, got {type(tables).__name__} "
+        f"(CLI {flag('tables')})"
     )
 
 
@@ -132,7 +133,8 @@ class TablesTier:
                     raise ConfigError(
                         f"{table.path} (tables=) is an sglang table file, which holds tables of the projection "
                         f"as computed (precision 'match'); this cache has precision={precision!r}: use "
-                        f"precision='match' (CLI --precision) or export a bound file with --precision {precision}"
+                        f"precision='match' (CLI {flag('precision')}) or export a bound file with "
+                        f"{flag('precision')} {precision}"
                     )
                 log.info("%s: an sglang table file carries no binding: only its geometry was checked", table.path)
                 continue
@@ -146,7 +148,7 @@ class TablesTier:
                 raise ConfigError(
                     f"{table.path} (tables=) was exported for another {', '.join(differs)} ({detail}); its tables are "
                     f"not what this cache computes bit for bit: export on this machine class with these settings "
-                    f"(adalncache export --device, --precision, --shard)"
+                    f"(adalncache export {flag('device')}, {flag('precision')}, {flag('shard')})"
                 )
             if digest is None:
                 log.info(
@@ -168,14 +170,15 @@ class TablesTier:
         if precision != "match":
             raise ConfigError(
                 f"{table.path} (tables=) is a vLLM-Omni sidecar, which holds the native projection's output "
-                f"(precision 'match'); this cache has precision={precision!r}: use precision='match' (CLI --precision)"
+                f"(precision 'match'); this cache has precision={precision!r}: use precision='match' (CLI "
+                f"{flag('precision')})"
             )
         here = vllm_omni.math_of_environment(template.get("environment") or {})
         if plain_json(here) != plain_json(table.manifest["math"]):
             raise ConfigError(
                 f"{table.path} (tables=) was built under another numeric environment (file {table.manifest['math']}, "
                 f"here {here}); its tables are not what this cache computes bit for bit: export it on this machine "
-                f"class (adalncache export --format vllm-omni --device ...)"
+                f"class (adalncache export {flag('format')} vllm-omni {flag('device')} ...)"
             )
         wrong = self._sidecar_weights(table)
         if wrong:
@@ -213,13 +216,17 @@ class TablesTier:
         for table in [t for t in live if t.manifest is not None]:
             if self._sidecar_weights(table):
                 self._gone.add(table.path)
-                log.warning("%s was exported from other weights than the checkpoint now holds: no longer served",
-                            table.path)  # fmt: skip
+                log.warning(
+                    "%s was exported from other weights than the checkpoint now holds: no longer served", table.path
+                )
         live = [t for t in live if t.path not in self._gone]
         for table in [t for t in live if t.binding is None and t.manifest is None]:
             self._gone.add(table.path)
-            log.warning("%s: the weight source changed on disk and an sglang table file carries no binding to check "
-                        "it against: no longer served", table.path)  # fmt: skip
+            log.warning(
+                "%s: the weight source changed on disk and an sglang table file carries no binding to check "
+                "it against: no longer served",
+                table.path,
+            )
         bound = [t for t in live if t.binding is not None]
         wanted = any(k in t for t in bound for k in keys)
         if not agree([wanted])[0]:  # every rank asks the same question (the digest may need a collective read)
@@ -232,8 +239,13 @@ class TablesTier:
         for table in bound:
             if table.content != digest:
                 self._gone.add(table.path)
-                log.warning("%s was exported from other projection weights (content %s) than the checkpoint now "
-                            "holds (%s): no longer served", table.path, table.content, digest)  # fmt: skip
+                log.warning(
+                    "%s was exported from other projection weights (content %s) than the checkpoint now "
+                    "holds (%s): no longer served",
+                    table.path,
+                    table.content,
+                    digest,
+                )
         self._checked = generation
 
     def _fits(self, table: TableFile, template: Mapping[str, Any]) -> bool:
@@ -242,22 +254,36 @@ class TablesTier:
         if table.manifest is not None:
             here = vllm_omni.math_of_environment(environment)
             if environment.get("autocast") is not None or plain_json(here) != plain_json(table.manifest["math"]):
-                self._say(table, "math", "%s: a vLLM-Omni sidecar of another numeric environment (or autocast) than "
-                          "this build's: not served while it differs", table.path)  # fmt: skip
+                self._say(
+                    table,
+                    "math",
+                    "%s: a vLLM-Omni sidecar of another numeric environment (or autocast) than "
+                    "this build's: not served while it differs",
+                    table.path,
+                )
                 return False
             return template.get("precision") == "match"
         if table.binding is None:
             if environment.get("autocast") is not None:
-                self._say(table, "autocast", "%s: an sglang table file holds tables computed without autocast: not "
-                          "served under torch.autocast", table.path)  # fmt: skip
+                self._say(
+                    table,
+                    "autocast",
+                    "%s: an sglang table file holds tables computed without autocast: not served under torch.autocast",
+                    table.path,
+                )
                 return False
             return template.get("precision") == "match"
         checked = [*_CHECKED, *(["alignment"] if template.get("alignment") is not None else [])]
         differs = [key for key in checked if plain_json(table.binding.get(key)) != plain_json(template.get(key))]
         if differs:
-            self._say(table, repr(differs), "%s was exported under another %s than this build runs under (autocast, "
-                      "matmul settings or threads, say): not served while it differs", table.path,
-                      ", ".join(differs))  # fmt: skip
+            self._say(
+                table,
+                repr(differs),
+                "%s was exported under another %s than this build runs under (autocast, "
+                "matmul settings or threads, say): not served while it differs",
+                table.path,
+                ", ".join(differs),
+            )
             return False
         return True
 
@@ -294,8 +320,9 @@ class TablesTier:
             if table.path in self._gone or table.changed():
                 if table.path not in self._gone:
                     self._gone.add(table.path)
-                    log.warning("%s changed on disk since it was opened: no longer served (reopen the cache)",
-                                table.path)  # fmt: skip
+                    log.warning(
+                        "%s changed on disk since it was opened: no longer served (reopen the cache)", table.path
+                    )
                 continue
             for key in todo:
                 if table.manifest is not None and not self._same_input(table, key, embed):
@@ -325,19 +352,19 @@ class TablesTier:
         wanted = F.silu(temb.to(x.device)).to(x.dtype)
         if torch.equal(x, wanted):
             return True
-        self._say(table, f"input {key}", "%s: plan %s: this model's time embedding differs from the one the file's "
-                  "rows were computed from: built here instead", table.path,
-                  format_plan(key, columns=self.spec.plan_columns))  # fmt: skip
+        self._say(
+            table,
+            f"input {key}",
+            "%s: plan %s: this model's time embedding differs from the one the file's "
+            "rows were computed from: built here instead",
+            table.path,
+            format_plan(key, columns=self.spec.plan_columns),
+        )
         return False
 
     def searched(self) -> str:
         """The files searched and how many plans each holds, for messages."""
         return ", ".join(f"{t.path} [{t.plans} plans]" for t in self.files)
-
-
-def plain_json(value: Any) -> Any:
-    """A JSON round trip, so a tuple in one binding equals a list in the other."""
-    return json.loads(json.dumps(value, sort_keys=True, default=str))
 
 
 __all__ = ["TablesArg", "TablesTier", "plain_json", "table_paths"]

@@ -87,7 +87,8 @@ class BuildCallbacks:
         # the output layer's module carries the output hook, and another thread's forward calling it
         # while a bypass stood in its place would run the plain linear on its own input.
         with bypassing_hooks({base} - {module}), swapped_parameters(base, {"weight": weight, "bias": bias}):
-            return type(module).forward(module, x)  # type: ignore[no-any-return]  # forward is typed Any
+            out: torch.Tensor = type(module).forward(module, x)
+            return out
 
 
 __all__ = ["BuildCallbacks"]

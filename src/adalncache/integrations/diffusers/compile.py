@@ -85,7 +85,8 @@ def _served_forward(self: Any, temb: torch.Tensor) -> tuple[torch.Tensor, ...]:
     dtype = state.dtype
     if dtype is not None and rows.dtype != dtype:  # built under autocast: served in its dtype
         rows = rows.to(dtype)
-    return rows.reshape(-1, 6 * self.hidden_size).chunk(6, dim=-1)  # type: ignore[no-any-return]
+    chunks: tuple[torch.Tensor, ...] = rows.reshape(-1, 6 * self.hidden_size).chunk(6, dim=-1)
+    return chunks
 
 
 def served_class(cls: type) -> type:
@@ -94,7 +95,7 @@ def served_class(cls: type) -> type:
     if served is None:
         served = type(cls.__name__, (cls,), {"forward": _served_forward, "__module__": cls.__module__})
         served.__qualname__ = cls.__qualname__
-        served._adalncache_original = cls  # type: ignore[attr-defined]
+        served._adalncache_original = cls  # type: ignore[attr-defined]  # a marker on a class made at runtime
         _SERVED[cls] = served
     return served
 

@@ -2,8 +2,8 @@
 
 :class:`AdalnCacheConfig` holds what the integration decides (the checkpoint, the miss policy,
 whether to park the time embedder); :class:`CacheOptions` holds what goes to the
-:class:`~adalncache.AdalnCache` it builds. The cache validates its own options (its messages name
-the CLI flags), so they are checked in one place whether the cache is built here or by hand.
+:class:`~adalncache.AdalnCache` it builds: the cache's own options (:mod:`adalncache.options`,
+where each is declared and checked once) and the device.
 """
 
 from __future__ import annotations
@@ -11,14 +11,14 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 
-from ... import AdalnCache, Store
+from ... import AdalnCache, options
 from ...errors import ConfigError
+from ...options import flag
 from ...spec import ModulationSpec
-from ...tiers.tables import TablesArg
 from .sources import Source
 
 OnMiss = Literal["build", "raise"]
@@ -27,36 +27,17 @@ CheckpointArg = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
 
 
 @dataclass(frozen=True)
-class CacheOptions:
+class CacheOptions(options.CacheOptions):
     """Options of the :class:`~adalncache.AdalnCache` an enabled model is served from.
 
+    Every option of :class:`adalncache.options.CacheOptions` (each checked when this is built,
+    the ConfigError naming its CLI flag), plus where the cache lives:
+
     Attributes:
-        max_plans: distinct plans (timestep sets) resident at once (CLI ``--max-plans``).
-        max_plan_width: timesteps of the widest plan (CLI ``--plan-width``).
-        precision: ``"match"`` (bit-identical to the resident projection) or ``"fp32"``.
-        host_cache_bytes: bytes of host memory keeping copies of built plans (0: no host tier).
-        store: a directory or :class:`~adalncache.Store` whose entries survive restarts.
-        process_group: a ``torch.distributed`` group whose ranks share the building.
-        shard: how ranks split a build, ``"layers"`` or ``"columns"``.
-        read_ahead: layers read ahead of the one being projected during a pass.
-        progress: show a progress bar for passes (``None``: when stderr is a terminal).
-        batched: project several plans of a pass at once where a probe proves it bit-identical.
         device: where the cache lives; it must be the model's device (``None``: the model's).
-        tables: table files (``adalncache export``) served as a read-only tier below the store.
     """
 
-    max_plans: int = 64
-    max_plan_width: int = 4
-    precision: str = "match"
-    host_cache_bytes: int = 0
-    store: Store | str | os.PathLike[str] | None = None
-    process_group: Any = None
-    shard: str = "layers"
-    read_ahead: int = 1
-    progress: bool | None = None
-    batched: bool = False
     device: torch.device | str | None = None
-    tables: TablesArg | None = None
 
     def device_for(self, model_device: torch.device) -> torch.device:
         """The cache's device: the model's, which ``device`` may name but not change."""
@@ -65,32 +46,19 @@ class CacheOptions:
         try:
             device = torch.device(self.device)
         except (RuntimeError, TypeError) as exc:
-            raise ConfigError(f"device {self.device!r} is not a torch device: set device= (CLI --device)") from exc
+            raise ConfigError(
+                f"device {self.device!r} is not a torch device: set device= (CLI {flag('device')})"
+            ) from exc
         if device.type != model_device.type or device.index not in (None, model_device.index):
             raise ConfigError(
-                f"device={device} (CLI --device) differs from the model's device {model_device}: the cache "
+                f"device={device} (CLI {flag('device')}) differs from the model's device {model_device}: the cache "
                 "serves the forward, so it must live where the model runs; move the model first"
             )
         return model_device
 
     def build(self, spec: ModulationSpec, source: Source | None, device: torch.device) -> AdalnCache:
-        """The cache for ``spec`` over ``source`` on ``device`` (which validates every option)."""
-        return AdalnCache(
-            spec,
-            source,
-            max_plans=self.max_plans,
-            max_plan_width=self.max_plan_width,
-            device=device,
-            precision=self.precision,
-            host_cache_bytes=self.host_cache_bytes,
-            store=self.store,
-            process_group=self.process_group,
-            shard=self.shard,
-            read_ahead=self.read_ahead,
-            progress=self.progress,
-            batched=self.batched,
-            tables=self.tables,
-        )
+        """The cache for ``spec`` over ``source`` on ``device``."""
+        return AdalnCache(spec, source, device=device, **self.kwargs())
 
 
 @dataclass(frozen=True)

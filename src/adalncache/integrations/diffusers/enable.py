@@ -2,21 +2,21 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from typing import Any
 
 import torch
+from typing_extensions import Unpack
 
-from ... import Store
 from ...errors import ConfigError
-from ...tiers.tables import TablesArg
+from ...options import OPTION_NAMES, ServingKwargs, TablesArg, option_keywords
 from .config import AdalnCacheConfig, CacheOptions, CheckpointArg, OnMiss, QuantizedProjections
 from .handle import AdalnCacheHandle, enable_transformer
 from .minimax_h3 import is_minimax_h3_transformer
 from .pipeline import PipelineAdalnCacheHandle, enable_pipeline
 
 
+@option_keywords()
 def enable_adaln_cache(
     model_or_pipeline: Any,
     checkpoint: CheckpointArg | Mapping[str, CheckpointArg] | None = None,
@@ -26,18 +26,9 @@ def enable_adaln_cache(
     layout: str = "auto",
     verify_checkpoint: bool = True,
     quantized_projections: QuantizedProjections = "model",
-    max_plans: int = 64,
-    max_plan_width: int = 4,
-    precision: str = "match",
-    host_cache_bytes: int = 0,
-    store: Store | str | os.PathLike[str] | None = None,
-    process_group: Any = None,
-    shard: str = "layers",
-    read_ahead: int = 1,
-    progress: bool | None = None,
-    batched: bool = False,
     device: torch.device | str | None = None,
     tables: TablesArg | Mapping[str, TablesArg] | None = None,
+    **options: Unpack[ServingKwargs],
 ) -> AdalnCacheHandle | PipelineAdalnCacheHandle:
     """Serve the AdaLN modulation of a MiniMax-H3 transformer (or pipeline) from bit-exact tables.
 
@@ -66,21 +57,6 @@ def enable_adaln_cache(
             refuses a ``checkpoint``; ``"checkpoint"`` serves full-precision tables from the
             unquantized ``checkpoint`` on purpose, so the AdaLN projections compute unquantized
             while the rest of the model stays quantized.
-        max_plans: distinct plans (timestep sets) resident at once; a request's distinct plans must
-            fit (CLI ``--max-plans``).
-        max_plan_width: timesteps of the widest plan (CLI ``--plan-width``).
-        precision: ``"match"`` is bit-identical to the resident projection; ``"fp32"`` projects in
-            fp32 and stores in the projection dtype (CLI ``--precision``).
-        host_cache_bytes: host memory for copies of built plans, so an evicted plan comes back
-            without a pass (0: none).
-        store: a directory or :class:`~adalncache.Store` holding plans across restarts (bound to
-            the checkpoint, so it needs ``checkpoint=`` to hit in another process).
-        process_group: a ``torch.distributed`` group; every rank enables with the same settings and
-            the ranks share each pass.
-        shard: how ranks split a pass: ``"layers"`` or ``"columns"`` (CLI ``--shard``).
-        read_ahead: layers read ahead of the one being projected during a pass.
-        progress: show a progress bar for passes (``None``: when stderr is a terminal).
-        batched: project several plans at once where a probe proves the result bit-identical.
         device: where the cache lives; it must be the model's device (``None``: the model's, or
             the device an offloading hook runs it on). The cache serves the forward, so a different
             device is a ``ConfigError``; when the model moves (``.to()``), the cache follows.
@@ -92,10 +68,11 @@ def enable_adaln_cache(
             then freed (neither on the device nor in host memory): plans the files hold are
             served, any other plan raises ``PlanNotCachedError``, and ``disable()`` cannot bring
             the projections back. Pass ``checkpoint=`` to build missing plans and to restore.
+        {cache options}
 
-    An unknown keyword is a ``TypeError`` naming it. Each option is checked where it is used: the
-    cache's options by :class:`~adalncache.AdalnCache` (a ``ConfigError`` naming the argument and
-    its CLI flag), before the model is modified.
+    The cache's options are those of :class:`adalncache.options.CacheOptions` (listed above, from
+    there). An unknown keyword is a ``TypeError`` naming it; a bad value a ``ConfigError`` naming
+    the argument and its CLI flag, before the model is modified.
 
     On a pipeline, a transformer whose cache is already enabled (one ``load_transformer`` loaded)
     keeps it; only the prepare blocks are added for it. To avoid loading the projections at all,
@@ -107,23 +84,13 @@ def enable_adaln_cache(
     """
 
     def options_for(files: TablesArg | None) -> CacheOptions:
-        return CacheOptions(
-            max_plans=max_plans,
-            max_plan_width=max_plan_width,
-            precision=precision,
-            host_cache_bytes=host_cache_bytes,
-            store=store,
-            process_group=process_group,
-            shard=shard,
-            read_ahead=read_ahead,
-            progress=progress,
-            batched=batched,
-            device=device,
-            tables=files,
-        )
+        unknown = [name for name in options if name not in OPTION_NAMES]
+        if unknown:
+            raise TypeError(f"enable_adaln_cache() got an unexpected keyword argument {unknown[0]!r}")
+        return CacheOptions(**options, device=device, tables=files)
 
     # One set of options for every transformer, unless the table files differ per component.
-    options = options_for(None if isinstance(tables, Mapping) else tables)
+    shared = options_for(None if isinstance(tables, Mapping) else tables)
 
     def config_for(path: CheckpointArg | None, component: str | None = None) -> AdalnCacheConfig:
         # One config per served transformer; only the checkpoint and the table files differ between them.
@@ -142,7 +109,7 @@ def enable_adaln_cache(
             layout=layout,
             verify_checkpoint=verify_checkpoint,
             quantized_projections=quantized_projections,
-            cache_options=options if not isinstance(tables, Mapping) else options_for(files),
+            cache_options=shared if not isinstance(tables, Mapping) else options_for(files),
         )
 
     if is_minimax_h3_transformer(model_or_pipeline):

@@ -119,7 +119,7 @@ class AdalnCacheTransformerHook(ModelHook):
             self.state.clear()
             held.release()
 
-    @torch.compiler.disable  # type: ignore[untyped-decorator]
+    @torch.compiler.disable  # type: ignore[untyped-decorator]  # torch ships it untyped
     def prepare(self, module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> PlanHold:
         """The forward's host work: read the plan, hold it resident, point the served modules at its slot.
 
@@ -183,7 +183,8 @@ def unhooked(module: nn.Module, hook_name: str) -> Callable[..., Any]:
     hook = get_hook(module, hook_name)
     if hook is None:
         return module
-    return hook.fn_ref.original_forward  # type: ignore[no-any-return]
+    original: Callable[..., Any] = hook.fn_ref.original_forward
+    return original
 
 
 def other_hooks_present(model: nn.Module) -> bool:

@@ -33,13 +33,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from typing_extensions import Unpack
 
-from ... import CheckpointSource, Store
+from ... import CheckpointSource
 from ...errors import CheckpointError, ConfigError
+from ...options import CacheKwargs, option_keywords
 from ...source import CheckpointFiles, SafetensorsHeader, checkpoint_files
 from ...source.mapped import MappedFile
 from ...spec import FINAL, LAYOUTS, KeyLayout, ModulationSpec, get_layout
-from ...tiers.tables import TablesArg
 from .config import AdalnCacheConfig, CacheOptions, CheckpointArg, OnMiss
 from .handle import enable_transformer
 from .minimax_h3 import DIFFUSERS_LAYOUT
@@ -75,6 +76,7 @@ class _Files:
         return (header, header.entries[key]) if header is not None else None
 
 
+@option_keywords(exclude=("device",))
 def load_transformer(
     path: str | os.PathLike[str],
     *,
@@ -87,17 +89,7 @@ def load_transformer(
     qkv_layout: str | None = None,
     on_miss: OnMiss = "build",
     free_time_embedder: bool | None = None,
-    max_plans: int = 64,
-    max_plan_width: int = 4,
-    precision: str = "match",
-    host_cache_bytes: int = 0,
-    store: Store | str | os.PathLike[str] | None = None,
-    process_group: Any = None,
-    shard: str = "layers",
-    read_ahead: int = 1,
-    progress: bool | None = None,
-    batched: bool = False,
-    tables: TablesArg | None = None,
+    **options: Unpack[CacheKwargs],
 ) -> Any:
     """Load a ``MiniMaxH3Transformer3DModel`` whose AdaLN projections are never loaded, cache enabled.
 
@@ -137,15 +129,14 @@ def load_transformer(
         free_time_embedder: ``None`` (the default) or ``True``: the time embedder is not loaded
             either (the cache reads it from the checkpoint in its passes); ``True`` requires the
             serving checkpoint to hold it. ``False`` loads it like any other weight.
-        max_plans, max_plan_width, precision, host_cache_bytes, store, process_group, shard,
-            read_ahead, progress, batched: the cache's options, as for ``enable_adaln_cache``;
-            the cache lives where ``device_map`` puts the model.
-        tables: table files written by ``adalncache export``, a read-only tier below the store (as
-            for ``enable_adaln_cache``): plans they hold are served with no pass; the model's files
-            serve every other plan (the projections are never loaded either way). When the model
-            files hold no projection at all (a download that left them out) and ``checkpoint`` is
-            None, the files are all there is: plans they lack raise ``PlanNotCachedError``, and
-            ``disable()`` cannot bring projections back.
+        {cache options}
+
+    The cache's options (above, from :class:`adalncache.options.CacheOptions`) are those of
+    ``enable_adaln_cache``; the cache lives where ``device_map`` puts the model. ``tables``: plans
+    the files hold are served with no pass; the model's files serve every other plan (the
+    projections are never loaded either way). When the model files hold no projection at all (a
+    download that left them out) and ``checkpoint`` is None, the files are all there is: plans
+    they lack raise ``PlanNotCachedError``, and ``disable()`` cannot bring projections back.
 
     Raises:
         ConfigError: a bad argument, named with the fix (a path without a transformer config, an
@@ -155,15 +146,12 @@ def load_transformer(
         CheckpointError: a model file is malformed, lacks tensors the model needs, or changed on
             disk during the load.
     """
+    cache_options = CacheOptions.of(options, where="load_transformer()")
+    tables = cache_options.tables
     cls = _transformer_class()
     directory = _model_directory(path, subfolder)
     _check_load_arguments(torch_dtype, qkv_layout, layout)
     device, hf_device_map = _single_device(device_map)
-    options = CacheOptions(
-        max_plans=max_plans, max_plan_width=max_plan_width, precision=precision, host_cache_bytes=host_cache_bytes,
-        store=store, process_group=process_group, shard=shard, read_ahead=read_ahead, progress=progress,
-        batched=batched, tables=tables,
-    )  # fmt: skip
     config_dict, unused = _load_config(cls, path, subfolder, directory, config)
     files = _model_files(directory, layout)
     if files.layout.name == "native":
@@ -182,11 +170,15 @@ def load_transformer(
     # 2. The source the cache serves from, checked against the config before any weight is read.
     tables_only = checkpoint is None and tables is not None and not _has_projections(files, served)
     source, free = _source_of(files, spec, checkpoint, layout, free_time_embedder, tables_only=tables_only)
-    cache = options.build(spec, source, device or torch.device("cpu"))
+    cache = cache_options.build(spec, source, device or torch.device("cpu"))
     handle_config = AdalnCacheConfig(
         checkpoint=checkpoint if checkpoint is not None else None if tables_only else list(files.files),
-        on_miss=on_miss, free_time_embedder=free, layout=layout, verify_checkpoint=False, cache_options=options,
-    )  # fmt: skip
+        on_miss=on_miss,
+        free_time_embedder=free,
+        layout=layout,
+        verify_checkpoint=False,
+        cache_options=cache_options,
+    )
     fingerprint = cache.source.fingerprint
 
     # 3. Every other tensor, file by file, through the stock placement.
@@ -213,8 +205,10 @@ def load_transformer(
     enable_transformer(model, handle_config, never_loaded=NeverLoaded(cache.source, cache, residues, target))
     logger.info(
         "load_transformer: %s loaded without its AdaLN projections (%.1f MB never read), cache enabled on %s",
-        directory, spec.projection_bytes / 1e6, target,
-    )  # fmt: skip
+        directory,
+        spec.projection_bytes / 1e6,
+        target,
+    )
     return model
 
 
@@ -430,10 +424,11 @@ def _decide_time_embedder(free: bool | None, source: Source, argument: str) -> b
     if free is False:
         return False
     names = source.layout.time_embedder_tensors()
+    reader: Any = source  # a checkpoint source here (its headers name the tensors)
     present = True
     for name in names:
         try:
-            source.entry(name)  # type: ignore[union-attr]
+            reader.entry(name)
         except KeyError:
             present = False
     if not present and free:
@@ -447,11 +442,12 @@ def _decide_time_embedder(free: bool | None, source: Source, argument: str) -> b
 def _check_against_model_files(files: _Files, source: Source, spec: ModulationSpec, argument: str) -> None:
     """Headers only: a separate checkpoint must hold the model files' projections (names, shapes, dtypes)."""
     problems = []
+    reader: Any = source  # a checkpoint source here (its headers name the tensors)
     for layer in spec.layers():
         for name in ("weight", "bias"):
             ours = files.entry(files.layout.weight(layer) if name == "weight" else files.layout.bias(layer))
             key = source.layout.weight(layer) if name == "weight" else source.layout.bias(layer)
-            theirs = source.entry(key)[1]  # type: ignore[union-attr]
+            theirs = reader.entry(key)[1]
             if ours is not None and (ours[1].shape != theirs.shape or ours[1].dtype != theirs.dtype):
                 problems.append(
                     f"{key}: {theirs.dtype} {list(theirs.shape)} in the checkpoint, {ours[1].dtype} "

@@ -90,7 +90,8 @@ def projection_module(model: nn.Module, layer: Layer) -> Any:
     """The current module of ``layer``'s projection (peft may have wrapped it), through the real blocks."""
     if layer == FINAL:
         return model.get_submodule(projection_path(FINAL))
-    block = transformer_blocks(model)[int(layer)]  # type: ignore[index]
+    blocks: Any = transformer_blocks(model)
+    block = blocks[int(layer)]
     return block.get_submodule(_in_block(int(layer), projection_path(layer)))
 
 

@@ -94,7 +94,8 @@ def stock_dtype(module: nn.Module) -> torch.dtype:
 
     hook = casting_hook(module)  # as get_parameter_dtype: a casting hook's compute dtype first
     if hook is not None:
-        return hook.compute_dtype  # type: ignore[no-any-return]
+        compute: torch.dtype = hook.compute_dtype
+        return compute
     base = base_linear(module)
     for name in ("weight", "bias"):  # nn.Linear's parameter order; quantized weights are not floating
         tensor = getattr(base, name, None)
@@ -137,7 +138,7 @@ def swapped_parameters(module: nn.Module, tensors: Mapping[str, torch.Tensor]) -
     shadows = {name: module.__dict__.pop(name) for name in tensors if name in module.__dict__}
     try:
         for name, tensor in tensors.items():
-            module._parameters[name] = tensor  # type: ignore[assignment]
+            module._parameters[name] = tensor  # type: ignore[assignment]  # a plain tensor stands in for the Parameter
         yield
     finally:
         for name, param in saved.items():

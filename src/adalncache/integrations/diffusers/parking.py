@@ -172,10 +172,17 @@ class WeightParking:
                 placeholder = nn.Parameter(meta, requires_grad=param.requires_grad)
                 self.parked.append(
                     ParkedParam(
-                        module=base, name=name, placeholder=placeholder, original=original, device=where,
-                        residue=residue, requires_grad=param.requires_grad, layer=layer, key=key,
+                        module=base,
+                        name=name,
+                        placeholder=placeholder,
+                        original=original,
+                        device=where,
+                        residue=residue,
+                        requires_grad=param.requires_grad,
+                        layer=layer,
+                        key=key,
                     )
-                )  # fmt: skip
+                )
                 if layer is None:
                     self.time_embedder_parked = True
                 del base._parameters[name]
@@ -320,7 +327,8 @@ class WeightParking:
     def _read_by_key(self, parked: ParkedParam) -> torch.Tensor:
         """A never-loaded time-embedder tensor, read from the source now at the model's dtype and residue."""
         assert parked.key is not None and self._source is not None
-        tensor = self._source.read_tensor(parked.key)  # type: ignore[union-attr,attr-defined]
+        reader: Any = self._source  # a checkpoint source (the only kind that parks by key)
+        tensor = reader.read_tensor(parked.key)
         if tensor.dtype != parked.placeholder.dtype:
             tensor = tensor.to(parked.placeholder.dtype)  # a fresh copy, as a stock load's cast is
         if tensor.device.type == "cpu" and tensor.data_ptr() % RESIDUE_BYTES != parked.residue:
@@ -332,7 +340,8 @@ class WeightParking:
     def _lazy_view(self, parked: ParkedParam) -> torch.Tensor:
         """The checkpoint's tensor as a mapped view: nothing is read until someone touches it."""
         assert parked.key is not None and self._source is not None
-        header, _ = self._source.entry(parked.key)  # type: ignore[union-attr,attr-defined]
+        reader: Any = self._source  # a checkpoint source (the only kind that parks by key)
+        header, _ = reader.entry(parked.key)
         mapped = self._maps.get((header.path, header.identity))
         if mapped is None:
             mapped = self._maps[(header.path, header.identity)] = MappedFile(header)

@@ -46,7 +46,7 @@ class AdalnCachePrepareStep(ModularPipelineBlocks):
     without an enabled cache makes it a no-op.
     """
 
-    model_name = "minimax-h3"  # type: ignore[assignment]
+    model_name = "minimax-h3"  # type: ignore[assignment]  # diffusers declares it None on the base class
 
     def __init__(self, transformer_name: str = "transformer") -> None:
         self.transformer_name = transformer_name
@@ -105,7 +105,7 @@ def wrap_loop_step(loop: LoopSequentialPipelineBlocks, transformer_name: str) ->
             _release_hold(components, transformer_name)
         return result
 
-    loop.loop_step = loop_step  # type: ignore[method-assign, assignment]
+    loop.loop_step = loop_step  # type: ignore[method-assign, assignment]  # the one patch of the loop, undone on disable
 
 
 def unwrap_loop_step(loop: LoopSequentialPipelineBlocks) -> None:

@@ -124,7 +124,8 @@ def output_dtype(module: nn.Module) -> torch.dtype:
 
     hook = casting_hook(module)
     if hook is not None:
-        return hook.compute_dtype  # type: ignore[no-any-return]
+        compute: torch.dtype = hook.compute_dtype
+        return compute
     base: Any = base_linear(module)
     weight = base._parameters.get("weight")
     if weight is not None and weight.is_floating_point():
@@ -135,7 +136,8 @@ def output_dtype(module: nn.Module) -> torch.dtype:
         raise ConfigError("the model's AdaLN projections are not materialised; load the model fully before enabling")
     with torch.no_grad():
         probe = torch.zeros(1, int(base.in_features), dtype=get_parameter_dtype(module), device=device)
-        return module(probe).dtype  # type: ignore[no-any-return]
+        served: torch.dtype = module(probe).dtype
+        return served
 
 
 def transformer_spec(model: nn.Module) -> ModulationSpec:
