@@ -15,9 +15,10 @@ from ...errors import ConfigError
 from ...spec import ModulationSpec
 from .family import DiffusersFamily
 from .minimax_h3 import FAMILY as MINIMAX_H3
+from .qwen_image import FAMILY as QWEN_IMAGE
 
 #: The integration's families, by core family name.
-FAMILIES: dict[str, DiffusersFamily] = {family.name: family for family in (MINIMAX_H3,)}
+FAMILIES: dict[str, DiffusersFamily] = {family.name: family for family in (MINIMAX_H3, QWEN_IMAGE)}
 
 
 def by_name(name: str) -> DiffusersFamily:
