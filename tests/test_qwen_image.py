@@ -21,7 +21,6 @@ from adalncache.diffusers import enable_adaln_cache
 from adalncache.families import qwen_image as core
 from adalncache.tools.tiny_qwen import (
     modulation_linears,
-    save_tiny_qwen,
     tiny_qwen_inputs,
     tiny_qwen_transformer,
 )
