@@ -250,3 +250,105 @@ def test_an_unknown_class_lists_the_supported_families(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"_class_name": "SD3Transformer2DModel"}))
     with pytest.raises(ConfigError, match="SD3Transformer2DModel cannot be served"):
         ModulationSpec.from_checkpoint(tmp_path)
+
+
+# -- the pipeline ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_a_pipeline_request_is_built_in_one_pass_and_repeats_build_nothing(
+    load_qwen: Callable[[str, str], Any], precision: str
+) -> None:
+    """QwenImagePipeline, with and without true CFG: images torch.equal, one pass per new schedule.
+
+    The tiny pipeline has no text encoder (a Qwen2.5-VL tokenizer cannot be made offline), so
+    requests pass ``prompt_embeds``/``prompt_embeds_mask``; the denoising loop is the stock one.
+    """
+    from adalncache.tools.tiny_qwen import tiny_prompt_embeds, tiny_qwen_pipeline
+
+    pipe = tiny_qwen_pipeline(transformer=load_qwen("plain", precision))
+    prompt = tiny_prompt_embeds(pipe.transformer, seed=1)
+    negative = tiny_prompt_embeds(pipe.transformer, seed=2)
+
+    def run(steps: int, cfg: bool) -> torch.Tensor:
+        kwargs: dict[str, Any] = {"true_cfg_scale": 4.0 if cfg else 1.0}
+        if cfg:
+            kwargs.update(
+                negative_prompt_embeds=negative["prompt_embeds"],
+                negative_prompt_embeds_mask=negative["prompt_embeds_mask"],
+            )
+        generator = torch.Generator().manual_seed(0)
+        out = pipe(
+            height=32, width=32, num_inference_steps=steps, generator=generator, output_type="pt", **prompt, **kwargs
+        )
+        return out.images  # type: ignore[no-any-return]
+
+    resident = {(steps, cfg): run(steps, cfg) for steps in (3, 4) for cfg in (False, True)}
+    handle = enable_adaln_cache(pipe)
+    assert torch.equal(run(4, False), resident[(4, False)]) and handle.stats.passes == 1
+    assert len(handle.cache) == 4  # the whole schedule, prepared before the first step ran
+    assert torch.equal(run(4, True), resident[(4, True)]) and handle.stats.passes == 1  # same schedule: no pass
+    assert torch.equal(run(3, True), resident[(3, True)]) and handle.stats.passes == 2  # a new schedule: one pass
+    assert torch.equal(run(3, False), resident[(3, False)]) and handle.stats.passes == 2
+    handle.disable()
+    assert "set_timesteps" not in pipe.scheduler.__dict__
+    assert torch.equal(run(4, False), resident[(4, False)])
+
+
+def test_a_pipeline_of_a_refused_transformer_says_why() -> None:
+    pipe = diffusers.FluxPipeline(
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(), vae=None, text_encoder=None, tokenizer=None,
+        text_encoder_2=None, tokenizer_2=None, transformer=_flux(),
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match="FluxTransformer2DModel cannot be served"):
+        enable_adaln_cache(pipe)
+    assert "set_timesteps" not in pipe.scheduler.__dict__
+
+
+# -- load_transformer ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sharded_root() -> Iterator[Path]:
+    """Each variant saved sharded with its index (diffusers layout), as the released checkpoint is."""
+    with tempfile.TemporaryDirectory(prefix="adalncache-qwen-sharded-") as tmp:
+        root = Path(tmp)
+        for variant in VARIANTS:
+            tiny_qwen_transformer(variant).save_pretrained(root / variant, max_shard_size="40KB")
+        yield root
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, None])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_load_transformer_never_loads_the_served_tensors(
+    sharded_root: Path, variant: str, dtype: torch.dtype | None
+) -> None:
+    from adalncache.diffusers import adaln_cache_handle, load_transformer
+
+    directory = sharded_root / variant
+    assert (directory / "diffusion_pytorch_model.safetensors.index.json").is_file()
+    stock = diffusers.QwenImageTransformer2DModel.from_pretrained(directory, torch_dtype=dtype).eval()
+    inputs = _inputs(stock, variant, 2)
+    resident = _run(stock, inputs)
+    model = load_transformer(directory, torch_dtype=dtype)
+    handle = adaln_cache_handle(model)
+    assert handle is not None and handle.spec == ModulationSpec.from_transformer(stock)
+    assert _served_parameters(model) == []
+    assert _parameter_bytes(model) == _parameter_bytes(stock) - sum(
+        p.numel() * p.element_size() for _, p in _served_parameters(stock)
+    )
+    for linear in modulation_linears(model):
+        assert linear.weight.device.type == "meta"
+    assert torch.equal(_run(model, inputs), resident)
+    handle.disable()
+    for (name, ours), (_, theirs) in zip(_served_parameters(model), _served_parameters(stock)):
+        assert ours.dtype == theirs.dtype and torch.equal(ours, theirs), name
+    assert torch.equal(_run(model, inputs), resident)
+
+
+def test_load_transformer_refuses_a_prompt_dependent_class(tmp_path: Path) -> None:
+    from adalncache.diffusers import load_transformer
+
+    _flux().save_pretrained(tmp_path / "flux")
+    with pytest.raises(ConfigError, match="FluxTransformer2DModel cannot be served"):
+        load_transformer(tmp_path / "flux")

@@ -112,11 +112,54 @@ def tiny_qwen_inputs(
     return inputs
 
 
+def tiny_qwen_vae(seed: int = 0) -> Any:
+    """A deterministic tiny ``AutoencoderKLQwenImage`` (8x spatial, 4 latent channels), in eval mode."""
+    from diffusers import AutoencoderKLQwenImage
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        vae: Any = AutoencoderKLQwenImage(
+            base_dim=8, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+            latents_mean=[0.1, -0.2, 0.3, 0.0], latents_std=[1.5, 2.0, 1.0, 2.5],
+        )  # fmt: skip
+    return vae.eval()
+
+
+def tiny_qwen_pipeline(variant: str = "plain", seed: int = 0, transformer: Any = None) -> Any:
+    """A ``QwenImagePipeline`` of a tiny transformer and VAE, without text encoder and tokenizer.
+
+    A Qwen2.5-VL text encoder needs its tokenizer's files, which cannot be made offline: requests
+    pass ``prompt_embeds`` and ``prompt_embeds_mask`` (:func:`tiny_prompt_embeds`) instead.
+    """
+    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
+
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9, shift_terminal=0.02, time_shift_type="exponential"
+    )
+    model = transformer if transformer is not None else tiny_qwen_transformer(variant, seed)
+    return QwenImagePipeline(
+        scheduler=scheduler, vae=tiny_qwen_vae(seed), text_encoder=None, tokenizer=None, transformer=model
+    )
+
+
+def tiny_prompt_embeds(model: Any, batch: int = 1, seed: int = 0, tokens: int = 5) -> dict[str, torch.Tensor]:
+    """Deterministic ``prompt_embeds`` and ``prompt_embeds_mask`` for a tiny pipeline's transformer."""
+    generator = torch.Generator().manual_seed(seed)
+    embeds = torch.randn(batch, tokens, model.config.joint_attention_dim, generator=generator)
+    return {
+        "prompt_embeds": embeds.to(model.img_in.weight.dtype),
+        "prompt_embeds_mask": torch.ones(batch, tokens, dtype=torch.long),
+    }
+
+
 __all__ = [
     "VARIANTS",
     "modulation_linears",
     "save_tiny_qwen",
+    "tiny_prompt_embeds",
     "tiny_qwen_config",
     "tiny_qwen_inputs",
+    "tiny_qwen_pipeline",
     "tiny_qwen_transformer",
+    "tiny_qwen_vae",
 ]

@@ -74,6 +74,26 @@ class QwenImage(DiffusersFamily):
             raise PlanError(f"a Qwen-Image plan is the forward's timestep tensor, got {type(plan).__name__}")
         return self.plan(model, plan, None)
 
+    def schedule_plans(
+        self, model: nn.Module, timesteps: torch.Tensor, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+    ) -> list[Any] | None:
+        """The Qwen-Image pipelines' ``t.expand(batch).to(latents.dtype) / 1000`` for every scheduler timestep.
+
+        Computed with the same operations in the same dtype as the pipeline, so the bits are the
+        forward's; ``None`` when this forward's timestep is none of them (a pipeline with another formula).
+        """
+        timestep = timestep_argument(model, args, kwargs)
+        if timestep.dim() != 1 or not timestep.is_floating_point():
+            return None
+        batch, dtype = timestep.shape[0], timestep.dtype
+        steps = [t.expand(batch).to(dtype) / 1000 for t in timesteps.detach().to(timestep.device)]
+        if not any(torch.equal(step, timestep) for step in steps):
+            return None
+        additional = forward_argument(model, core.ADDITIONAL, args, kwargs)
+        if getattr(model.config, "use_additional_t_cond", False):
+            return [{TIMESTEP: step, core.ADDITIONAL: additional} for step in steps]
+        return steps
+
     def plan(self, model: Any, timestep: torch.Tensor, additional: Any) -> torch.Tensor:
         """The plan of a forward called with ``timestep`` and ``additional_t_cond``: float32, exact."""
         if not isinstance(timestep, torch.Tensor) or timestep.dim() != 1 or not timestep.is_floating_point():
