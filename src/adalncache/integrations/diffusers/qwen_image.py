@@ -33,7 +33,7 @@ from ...families import qwen_image as core
 from ...geometry import TIMESTEP
 from ...spec import Layer, ModulationSpec
 from .family import DiffusersFamily, timestep_argument
-from .modules import bypassing_hooks, forward_argument, stock_dtype
+from .modules import bypassing_hooks, cast_as_layerwise, forward_argument, stock_dtype
 
 
 class QwenImage(DiffusersFamily):
@@ -133,7 +133,8 @@ class QwenImage(DiffusersFamily):
         module = model.get_submodule(self.time_embedder)
         # Only the dtype of hidden_states is read by time_text_embed.
         hidden = torch.empty(0, dtype=dtype, device=device)
-        with bypassing_hooks(module.modules()):
+        # Beneath every hook (ours stands in for it), casting as a layerwise-casting hook would.
+        with bypassing_hooks(module.modules()), cast_as_layerwise(module.modules()):
             temb = module(timestep, hidden, additional)
         if not model.config.zero_cond_t:
             return F.silu(temb)
