@@ -414,3 +414,26 @@ def test_cli_schedule_flags_are_checked(tmp_path: Path, capsys: pytest.CaptureFi
     assert not (tmp_path / "s").exists()
     assert main([*base, "--timesteps", "0.5,0.25", "--additional-t-cond", "1", "-q"]) == 0
     assert "2 distinct plan(s)" in capsys.readouterr().out
+
+
+def test_a_schedule_larger_than_the_cache_builds_step_by_step(
+    load_qwen: Callable[[str, str], Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A schedule that cannot be held whole is not an error: each forward builds its plan, images stay equal."""
+    from adalncache.tools.tiny_qwen import tiny_prompt_embeds, tiny_qwen_pipeline
+
+    pipe = tiny_qwen_pipeline(transformer=load_qwen("zero-cond", "fp32-memory"))
+    prompt = tiny_prompt_embeds(pipe.transformer, seed=1)
+
+    def run() -> torch.Tensor:
+        generator = torch.Generator().manual_seed(0)
+        out = pipe(height=32, width=32, num_inference_steps=4, generator=generator, output_type="pt", **prompt)
+        return out.images  # type: ignore[no-any-return]
+
+    resident = run()
+    handle = enable_adaln_cache(pipe, max_plans=2)
+    with caplog.at_level("WARNING"):
+        assert torch.equal(run(), resident)
+    assert "raise max_plans (--max-plans)" in caplog.text
+    assert handle.stats.passes == 4  # one per step
+    handle.disable()
