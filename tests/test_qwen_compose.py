@@ -140,3 +140,33 @@ def test_regional_compile_compiles_no_more_than_the_resident_model() -> None:
     cached, cached_counts = _compiled_counts(regional, cache=True)
     assert _equal(cached, resident)
     assert cached_counts == resident_counts, (cached_counts, resident_counts)
+
+
+def test_a_family_serving_every_projection_by_hook_is_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The seam's other serving path: no class swap, a hook on every projection, followed when peft replaces it.
+
+    A family whose blocks' owner modules do more than call the projection (an AdaLayerNormZero)
+    serves its projections this way; here Qwen-Image's family is registered with no swapped layer.
+    """
+    pytest.importorskip("peft")
+    from adalncache.integrations.diffusers import registry
+    from adalncache.integrations.diffusers.qwen_image import QwenImage
+    from adalncache.spec import Layer, ModulationSpec
+
+    class HookedQwenImage(QwenImage):
+        def swapped_layers(self, spec: ModulationSpec) -> list[Layer]:
+            return []
+
+    monkeypatch.setitem(registry.FAMILIES, "qwen-image", HookedQwenImage())
+    resident = tiny_qwen_transformer("zero-cond")
+    _lora(resident)
+    expected = _steps(resident)
+    model = tiny_qwen_transformer("zero-cond")
+    handle = enable_adaln_cache(model)
+    assert type(model.transformer_blocks[0].img_mod).__name__ == "Sequential"
+    assert "forward" not in model.transformer_blocks[0].img_mod.__dict__  # no swap, no hook on the owner
+    assert len(handle._hooks.hooked) == len(handle.spec.layers())
+    _lora(model)  # peft wraps every projection: each hook moves to the wrapper
+    assert _equal(_steps(model), expected)
+    handle.disable()
+    assert _equal(_steps(model), expected)
