@@ -437,3 +437,41 @@ def test_a_schedule_larger_than_the_cache_builds_step_by_step(
     assert "raise max_plans (--max-plans)" in caplog.text
     assert handle.stats.passes == 4  # one per step
     handle.disable()
+
+
+def test_the_load_reads_no_served_byte(tmp_path: Path) -> None:
+    """Page cache dropped, then load_transformer: not one whole page of a served tensor is read or cached.
+
+    The model is wider than the tiny one (dim 256) so that every served tensor spans whole pages;
+    a stock load of the same files reads them, so the measurement sees what it looks for.
+    """
+    from adalncache.diffusers import load_transformer
+    from adalncache.tools.measure import (
+        drop_page_cache,
+        io_read_bytes,
+        resident_served_bytes,
+        served_bytes,
+        weight_files,
+    )
+
+    config = {"num_layers": 2, "attention_head_dim": 64, "num_attention_heads": 4, "in_channels": 16,
+              "out_channels": 4, "joint_attention_dim": 24, "axes_dims_rope": (16, 24, 24)}  # fmt: skip
+    built: Any = diffusers.QwenImageTransformer2DModel(**config).to(torch.bfloat16)
+    directory = tmp_path / "sharded"
+    built.save_pretrained(directory, max_shard_size="1MB")
+    del built
+    checkpoint = weight_files(directory)
+    assert len(checkpoint) > 1
+    served, total = served_bytes(checkpoint)
+    assert served > 0
+    if not drop_page_cache(checkpoint) or io_read_bytes() is None:
+        pytest.skip("this filesystem keeps the files cached (or /proc/self/io is missing): nothing to measure")
+    before = io_read_bytes()
+    model = load_transformer(directory, torch_dtype=torch.bfloat16)
+    read = (io_read_bytes() or 0) - (before or 0)
+    assert resident_served_bytes(checkpoint) == 0
+    assert read <= total - served + (1 << 20), (read, total, served)
+    del model
+    assert drop_page_cache(checkpoint)
+    diffusers.QwenImageTransformer2DModel.from_pretrained(directory, torch_dtype=torch.bfloat16)
+    assert resident_served_bytes(checkpoint) > served // 2  # the stock load reads them
