@@ -475,3 +475,18 @@ def test_the_load_reads_no_served_byte(tmp_path: Path) -> None:
     assert drop_page_cache(checkpoint)
     diffusers.QwenImageTransformer2DModel.from_pretrained(directory, torch_dtype=torch.bfloat16)
     assert resident_served_bytes(checkpoint) > served // 2  # the stock load reads them
+
+
+@pytest.mark.parametrize("variant", ["plain", "zero-cond"])
+def test_a_forward_under_autocast_equals_the_resident_one(load_qwen: Callable[[str, str], Any], variant: str) -> None:
+    """fp32 weights under bf16 autocast: the forward casts the timestep to the autocast dtype (img_in's output)."""
+    model = load_qwen(variant, "fp32-memory")
+    inputs = _inputs(model, variant, 2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        resident = _run(model, inputs)
+    handle = enable_adaln_cache(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert handle.prepare([inputs["timestep"]]).passes == 1
+        assert torch.equal(_run(model, inputs), resident)
+    assert handle.stats.passes == 1
+    handle.disable()

@@ -25,7 +25,7 @@ from ... import TensorSource
 from ...errors import CheckpointError, ConfigError
 from ...holds import PlanHold
 from ...hostmem import HostBuffer
-from ...plans import PlanKey, plan_key
+from ...plans import PlanKey
 from ...source.absent import NoWeights
 from .callbacks import BuildCallbacks
 from .casting import casting_guard, settle_casting
@@ -33,12 +33,13 @@ from .choice import SourceChoice, choose_source
 from .config import AdalnCacheConfig
 from .hooks import ServingHooks
 from .lora import LoraTracker
-from .modules import base_linear, device_of, execution_device, forward_argument, install_overrides, remove_overrides
+from .modules import base_linear, device_of, execution_device, install_overrides, remove_overrides
 from .moving import LiftedGroupOffloading, guarded_apply, refresh_group_offloading
 from .parking import ParkTarget, WeightParking
 from .quantized import ProjectionStorage, adapter_guards, transformer_spec
 from .registry import family_of
 from .requests import RequestHolds
+from .scheduling import PendingSchedule
 from .signature import ServedSignature
 from .sources import NeverLoaded, Source, changed_since
 
@@ -74,8 +75,8 @@ class AdalnCacheHandle:
         self._lock = threading.RLock()
         #: Per thread: the hold of its last prepare() (``.hold``).
         self._prepared = threading.local()
-        #: Per thread: a pipeline's schedule waiting for its first forward (``.timesteps``).
-        self._schedule = threading.local()
+        #: Per thread: a pipeline's schedule waiting for its request's first forward.
+        self._schedule = PendingSchedule(model, lambda: self.family, lambda: self.cache, self._hold_schedule)
         #: Host copies of the model's own projections (CUDA), released on disable().
         self._host_buffers: list[HostBuffer] = []
         self._fresh_state()
@@ -299,7 +300,7 @@ class AdalnCacheHandle:
         """Register the hooks, and what a request or a forward holds its plans with."""
         model = self.model
         self._hooks = hooks = ServingHooks(
-            model, self.spec, self.cache, self._make_resident, self.family, before=self._before_forward
+            model, self.spec, self.cache, self._make_resident, self.family, before=self._schedule.before_forward
         )
         hooks.register(time_embedder=choice.free_time_embedder)
         signature = ServedSignature(
@@ -362,41 +363,15 @@ class AdalnCacheHandle:
         self.device = device
 
     def expect_schedule(self, timesteps: torch.Tensor) -> None:
-        """A pipeline's scheduler set ``timesteps`` on this thread: its next forward prepares them all.
+        """A pipeline's scheduler set ``timesteps`` on this thread: its next forward prepares them all."""
+        self._schedule.expect(timesteps)
 
-        The first forward of the request sees how the pipeline turns a scheduler timestep into the
-        forward's argument (batch, dtype); it prepares every step's plan then, in one pass, before
-        it runs, and holds them for this thread until its next request.
-        """
-        self._schedule.timesteps = timesteps.detach().clone()
-
-    def _before_forward(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
-        """Prepare a schedule that a pipeline's scheduler set since the last forward (see :meth:`expect_schedule`)."""
-        timesteps = getattr(self._schedule, "timesteps", None)
-        if timesteps is None:
-            return
-        self._schedule.timesteps = None
-        plans = self.family.schedule_plans(self.model, timesteps, args, kwargs)
-        if plans is None:
-            logger.info("AdaLN cache: the forward's timestep is not one of the schedule's; plans build per forward")
-            return
-        plans = [self.family.request_plan(self.model, plan) for plan in plans]
-        keys = {plan_key(plan, self.spec.plan_columns) for plan in plans}
-        width = max(int(plan.shape[0]) for plan in plans)
-        if len(keys) > self.cache.max_plans or width > self.cache.max_plan_width:
-            # Not an error: each forward still builds its own plan. Holding the whole schedule needs room for it.
-            logger.warning(
-                "AdaLN cache: this request's schedule has %d distinct plans of up to %d rows, more than max_plans=%d "
-                "x max_plan_width=%d hold; its plans build step by step (one pass each): raise max_plans "
-                "(--max-plans) or max_plan_width (--plan-width) to build it in one pass",
-                len(keys), width, self.cache.max_plans, self.cache.max_plan_width,
-            )  # fmt: skip
-            return
-        attention_kwargs = forward_argument(self.model, "attention_kwargs", args, kwargs)
+    def _hold_schedule(self, plans: list[Any], attention_kwargs: Mapping[str, Any] | None) -> None:
+        """Hold a request's whole schedule (already keyed as the forward keys it) for this thread."""
         self.release()  # the thread's previous request is over
         self._follow(execution_device(self.model))
-        held = self._holds.for_request(plans, attention_kwargs) if self._holds is not None else None
-        self._prepared.hold = held
+        assert self._holds is not None  # the hooks that call this are registered after the holds exist
+        self._prepared.hold = self._holds.for_request(plans, attention_kwargs)
 
     def _make_resident(
         self, plan: torch.Tensor, key: PlanKey, attention_kwargs: Mapping[str, Any] | None, device: torch.device

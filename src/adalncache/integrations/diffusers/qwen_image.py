@@ -33,7 +33,14 @@ from ...families import qwen_image as core
 from ...geometry import TIMESTEP
 from ...spec import Layer, ModulationSpec
 from .family import DiffusersFamily, timestep_argument
-from .modules import bypassing_hooks, cast_as_layerwise, forward_argument, stock_dtype
+from .modules import (
+    bypassing_hooks,
+    cast_as_layerwise,
+    device_of,
+    execution_device,
+    forward_argument,
+    stock_dtype,
+)
 
 
 class QwenImage(DiffusersFamily):
@@ -58,7 +65,7 @@ class QwenImage(DiffusersFamily):
         """The forward's timestep as it sees it (cast, doubled with ``zero_cond_t``), with its index column."""
         timestep = timestep_argument(module, args, kwargs)
         additional = forward_argument(module, core.ADDITIONAL, args, kwargs)
-        return self.plan(module, timestep, additional)
+        return self.plan(module, timestep, additional, timestep.device)
 
     def request_plan(self, model: nn.Module, plan: Any) -> Any:
         """A ``prepare()`` plan: the ``timestep`` tensor the forward receives, or a mapping by argument name."""
@@ -94,11 +101,14 @@ class QwenImage(DiffusersFamily):
             return [{TIMESTEP: step, core.ADDITIONAL: additional} for step in steps]
         return steps
 
-    def plan(self, model: Any, timestep: torch.Tensor, additional: Any) -> torch.Tensor:
-        """The plan of a forward called with ``timestep`` and ``additional_t_cond``: float32, exact."""
+    def plan(
+        self, model: Any, timestep: torch.Tensor, additional: Any, device: torch.device | None = None
+    ) -> torch.Tensor:
+        """The plan of a forward run on ``device`` with ``timestep`` and ``additional_t_cond``: float32, exact."""
         config = model.config
+        dtype = compute_dtype(model, device)
         return forward_plan_of(
-            compute_dtype(model), bool(config.zero_cond_t), bool(config.use_additional_t_cond), timestep, additional
+            dtype, bool(config.zero_cond_t), bool(config.use_additional_t_cond), timestep, additional
         )
 
     # -- the input -------------------------------------------------------------------------------------
@@ -107,7 +117,7 @@ class QwenImage(DiffusersFamily):
         self, model: Any, spec: ModulationSpec, plan: torch.Tensor, device: torch.device
     ) -> torch.Tensor | Mapping[str, torch.Tensor]:
         """``silu(temb)`` from the model's own ``time_text_embed``, as the forward computes it (module docstring)."""
-        dtype = compute_dtype(model)
+        dtype = compute_dtype(model, device)
         plan = plan.to(device)
         timestep = (plan[:, 0] if plan.dim() == 2 else plan).to(dtype)
         additional = plan[:, 1].to(torch.long) if plan.dim() == 2 else None
@@ -117,10 +127,12 @@ class QwenImage(DiffusersFamily):
         # Beneath every hook (ours stands in for it), casting as a layerwise-casting hook would.
         with bypassing_hooks(module.modules()), cast_as_layerwise(module.modules()):
             temb = module(timestep, hidden, additional)
+        # Under autocast temb is in the autocast dtype; the projection's own autocast casts the
+        # input back down, so the cast up to the weights' dtype (a no-op otherwise) is exact.
         if not model.config.zero_cond_t:
-            return F.silu(temb)
+            return F.silu(temb).to(spec.dtype)
         first = temb.chunk(2, dim=0)[0]
-        return {core.INPUT: F.silu(temb), core.FIRST: F.silu(first)}
+        return {core.INPUT: F.silu(temb).to(spec.dtype), core.FIRST: F.silu(first).to(spec.dtype)}
 
 
 def forward_plan_of(
@@ -197,8 +209,17 @@ def schedule_timesteps(
     return [t.expand(batch).to(dtype) / 1000 for t in timesteps]
 
 
-def compute_dtype(model: Any) -> torch.dtype:
-    """The dtype of ``hidden_states`` after ``img_in``: what the forward casts the timestep to."""
+def compute_dtype(model: Any, device: torch.device | None = None) -> torch.dtype:
+    """The dtype of ``hidden_states`` after ``img_in``: what the forward casts the timestep to.
+
+    The linear's own dtype, or the autocast dtype where autocast is on for the device the forward
+    runs on (``device``; by default where the model runs), since the linear then returns that.
+    """
+    if device is None:
+        device = execution_device(model) or device_of(model)
+    device_type = device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
     return stock_dtype(model.img_in)
 
 
