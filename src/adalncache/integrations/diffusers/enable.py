@@ -1,4 +1,4 @@
-"""The entry point: :func:`enable_adaln_cache` on a transformer or a MiniMax-H3 modular pipeline."""
+"""The entry point: :func:`enable_adaln_cache` on a transformer of a supported family, or a pipeline holding one."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from ...errors import ConfigError
 from ...options import OPTION_NAMES, ServingKwargs, TablesArg, option_keywords
 from .config import AdalnCacheConfig, CacheOptions, CheckpointArg, OnMiss, QuantizedProjections
 from .handle import AdalnCacheHandle, enable_transformer
-from .minimax_h3 import is_minimax_h3_transformer
 from .pipeline import PipelineAdalnCacheHandle, enable_pipeline
+from .registry import family_of
 
 
 @option_keywords()
@@ -30,15 +30,20 @@ def enable_adaln_cache(
     tables: TablesArg | Mapping[str, TablesArg] | None = None,
     **options: Unpack[ServingKwargs],
 ) -> AdalnCacheHandle | PipelineAdalnCacheHandle:
-    """Serve the AdaLN modulation of a MiniMax-H3 transformer (or pipeline) from bit-exact tables.
+    """Serve the AdaLN modulation of a supported transformer (or pipeline) from bit-exact tables.
 
-    The projection weights of every block's ``adaln_proj.linear`` and of ``norm_out.linear`` (and,
-    unless another hook might read ``temb``, the time embedder's) leave the device; meta
-    placeholders of the right shape keep module names, ``repr`` and the LoRA loaders working.
+    The served projections' weights (MiniMax-H3: every block's ``adaln_proj.linear`` and
+    ``norm_out.linear``; Qwen-Image: every block's ``img_mod.1`` and ``txt_mod.1`` and
+    ``norm_out.linear``) and, unless another hook might read ``temb``, the time embedder's leave
+    the device; meta placeholders of the right shape keep module names, ``repr`` and the LoRA
+    loaders working. A transformer whose modulation depends on the prompt, or of an unknown
+    class, is refused with ``ConfigError`` saying why; nothing changes.
 
     Args:
-        model_or_pipeline: a ``MiniMaxH3Transformer3DModel`` or a MiniMax-H3 modular pipeline
-            (its ``transformer`` and ``transformer_ref``, each with its own cache).
+        model_or_pipeline: a ``MiniMaxH3Transformer3DModel`` or ``QwenImageTransformer2DModel``; a
+            MiniMax-H3 modular pipeline (its ``transformer`` and ``transformer_ref``, each with its
+            own cache); or a pipeline such as ``QwenImagePipeline`` (its scheduler is watched and
+            each request's first forward prepares the whole schedule in one pass).
         checkpoint: the safetensors file(s) or directory holding the projections (native or
             diffusers layout); for a pipeline with both transformers, a mapping by component name.
             ``None``: the model's own tensors move to host memory and are the source.
@@ -112,7 +117,8 @@ def enable_adaln_cache(
             cache_options=shared if not isinstance(tables, Mapping) else options_for(files),
         )
 
-    if is_minimax_h3_transformer(model_or_pipeline):
+    if isinstance(model_or_pipeline, torch.nn.Module):
+        family_of(model_or_pipeline)  # a refused or unknown class: ConfigError naming why, nothing changed
         if isinstance(checkpoint, Mapping):
             raise ConfigError(
                 "checkpoint= is a mapping by component name, which only a pipeline takes; pass one path "

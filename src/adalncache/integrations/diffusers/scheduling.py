@@ -1,0 +1,118 @@
+"""A pipeline's scheduler watched for the schedule of each request (classic ``DiffusionPipeline``s).
+
+A pipeline such as ``QwenImagePipeline`` calls ``scheduler.set_timesteps`` once per request,
+before its first denoising step; its timesteps depend on the image size (``mu``), so they are
+only known then. :class:`ScheduleWatch` wraps ``set_timesteps`` (an instance attribute, removed
+again by :meth:`ScheduleWatch.remove`) and hands the new timesteps to the transformer's handle,
+whose next forward prepares the whole schedule in one pass (:meth:`.handle.AdalnCacheHandle.expect_schedule`).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from ...plans import plan_key
+from .family import DiffusersFamily
+from .modules import forward_argument
+
+logger = logging.getLogger(__name__)
+
+#: Marks our wrapper, so a second enabling does not wrap it again.
+WRAPPER_ATTRIBUTE = "_adalncache_schedule_watch"
+
+
+class ScheduleWatch:
+    """``scheduler.set_timesteps`` wrapped to report each request's timesteps to ``expect``."""
+
+    def __init__(self, scheduler: Any, expect: Callable[[torch.Tensor], None]) -> None:
+        self.scheduler = scheduler
+        self.expect = expect
+        self._installed = False
+
+    def install(self) -> None:
+        scheduler = self.scheduler
+        if scheduler is None or not callable(getattr(scheduler, "set_timesteps", None)):
+            return
+        if getattr(scheduler.__dict__.get("set_timesteps"), WRAPPER_ATTRIBUTE, False):
+            return  # already watched (by another handle of the same pipeline)
+        original = scheduler.set_timesteps
+
+        # functools.wraps keeps the signature visible: pipelines inspect it for `sigmas`/`timesteps`.
+        @functools.wraps(original)
+        def set_timesteps(*args: Any, **kwargs: Any) -> Any:
+            result = original(*args, **kwargs)
+            timesteps = getattr(scheduler, "timesteps", None)
+            if isinstance(timesteps, torch.Tensor):
+                self.expect(timesteps)
+            return result
+
+        setattr(set_timesteps, WRAPPER_ATTRIBUTE, True)
+        scheduler.set_timesteps = set_timesteps
+        self._installed = True
+
+    def remove(self) -> None:
+        """Put the scheduler's own ``set_timesteps`` back."""
+        if self._installed:
+            self.scheduler.__dict__.pop("set_timesteps", None)
+            self._installed = False
+
+
+class PendingSchedule(threading.local):
+    """Per thread: the timesteps a scheduler set, prepared by the request's first forward.
+
+    ``hold(plans, attention_kwargs)`` holds the whole schedule for the thread (the handle's); the
+    family turns the scheduler's timesteps into the forward's plans
+    (:meth:`~.family.DiffusersFamily.schedule_plans`), seeing the first forward's arguments.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        family: Callable[[], DiffusersFamily],
+        cache: Callable[[], Any],
+        hold: Callable[[list[Any], Mapping[str, Any] | None], None],
+    ) -> None:
+        self.model = model
+        self.family = family
+        self.cache = cache
+        self.hold = hold
+        self.timesteps: torch.Tensor | None = None
+
+    def expect(self, timesteps: torch.Tensor) -> None:
+        self.timesteps = timesteps.detach().clone()
+
+    def before_forward(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
+        """At a forward: prepare the schedule set since the last one, if it fits the cache (else per forward)."""
+        timesteps, self.timesteps = self.timesteps, None
+        if timesteps is None:
+            return
+        family, model, cache = self.family(), self.model, self.cache()
+        plans = family.schedule_plans(model, timesteps, args, kwargs)
+        if plans is None:
+            logger.info("AdaLN cache: the forward's timestep is not one of the schedule's; plans build per forward")
+            return
+        plans = [family.request_plan(model, plan) for plan in plans]
+        distinct = len({plan_key(plan, cache.spec.plan_columns) for plan in plans})
+        width = max(int(plan.shape[0]) for plan in plans)
+        if distinct > cache.max_plans or width > cache.max_plan_width:
+            # Not an error: each forward still builds its own plan. Holding the whole schedule needs room for it.
+            logger.warning(
+                "AdaLN cache: this request's schedule has %d distinct plans of up to %d rows, more than max_plans=%d "
+                "x max_plan_width=%d hold; its plans build step by step (one pass each): raise max_plans "
+                "(--max-plans) or max_plan_width (--plan-width) to build it in one pass",
+                distinct,
+                width,
+                cache.max_plans,
+                cache.max_plan_width,
+            )
+            return
+        self.hold(plans, forward_argument(model, "attention_kwargs", args, kwargs))
+
+
+__all__ = ["PendingSchedule", "ScheduleWatch"]
