@@ -20,10 +20,10 @@ import torch
 
 from ..errors import ConfigError
 from ..geometry import TABLE_ROWS, Family
-from . import minimax_h3
+from . import adaln_zero, minimax_h3
 
 #: Every supported family by name.
-FAMILIES: dict[str, Family] = {family.name: family for family in (minimax_h3.FAMILY,)}
+FAMILIES: dict[str, Family] = {family.name: family for family in (minimax_h3.FAMILY, adaln_zero.FAMILY)}
 
 _POOLED = "its AdaLN input depends on the pooled text embedding, so tables cannot be shared across prompts"
 
@@ -83,4 +83,14 @@ def table_tensor_sets() -> list[tuple[str, ...]]:
     return list(dict.fromkeys([*(family.table_tensors for family in FAMILIES.values()), (TABLE_ROWS,)]))
 
 
-__all__ = ["FAMILIES", "REFUSED", "for_class", "get", "minimax_h3", "supported", "table_fields", "table_tensor_sets"]
+__all__ = [
+    "FAMILIES",
+    "REFUSED",
+    "adaln_zero",
+    "for_class",
+    "get",
+    "minimax_h3",
+    "supported",
+    "table_fields",
+    "table_tensor_sets",
+]
