@@ -92,8 +92,8 @@ def build(class_name: str, *, seed: int = 0, dtype: torch.dtype = torch.float32,
     return (model if dtype == torch.float32 else model.to(dtype)).eval()
 
 
-def save_and_load(model: nn.Module, directory: Path, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
-    """``model`` saved in ``dtype`` with ``save_pretrained`` into ``directory`` and loaded back (eval mode)."""
+def save_and_load(model: Any, directory: Path, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
+    """``model`` (a diffusers model) saved in ``dtype`` with ``save_pretrained`` into ``directory`` and loaded back."""
     model.to(dtype).save_pretrained(str(directory))
     loaded = type(model).from_pretrained(str(directory), torch_dtype=dtype)
     return loaded.eval()  # type: ignore[no-any-return]  # from_pretrained is untyped

@@ -1,0 +1,194 @@
+"""What is the AdaLayerNormZero family's in the integration: which modules are served, their exact input, a plan.
+
+The family's definitions (per-class module lists, geometry, structure check) are in
+:mod:`adalncache.families.adaln_zero`; this module applies them to a live diffusers model:
+
+* **the structure** (:func:`model_geometry`): the model's modules, walked, checked against its
+  class's list of served and resident AdaLN modules; a refused or unknown class, or a model
+  whose modules differ from the list, gets a ConfigError and is not touched;
+* **the projections' input** (:func:`embed_input`): ``silu(temb)`` for one plan, where ``temb``
+  is computed by the model's own embedding modules exactly as its forward computes it (each
+  class's casts and its ``* 1000`` included, see :data:`_TEMB`);
+* **a forward's plan** (:func:`plan_of`): the forward's per-step inputs, one fp32 column each.
+
+A plan has one row per row of the forward's ``temb`` (its batch: a pipeline that concatenates
+cond and uncond runs 2B rows), and the columns of ``spec.plan_inputs``: ``timestep``, then
+``timestep_r`` and ``guidance`` where the config enables them. The plan holds the values the
+forward receives, before any cast the forward applies (the cast is part of the input's
+computation, reproduced here), so a plan's key is the bits the caller passed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ... import families
+from ...errors import ConfigError, PlanError
+from ...families import adaln_zero
+from ...geometry import ModelGeometry
+from .modules import base_linear
+
+#: dtypes whose values an fp32 plan holds exactly (so the forward's tensor is the plan cast back).
+_EXACT_IN_FP32 = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def is_adaln_zero_transformer(obj: Any) -> bool:
+    """Whether ``obj`` is a model of one of the family's diffusers classes (by class name)."""
+    return isinstance(obj, nn.Module) and type(obj).__name__ in adaln_zero.CLASSES
+
+
+def model_geometry(model: nn.Module) -> ModelGeometry:
+    """The served geometry of ``model`` after checking its modules; ConfigError naming the class and the reason.
+
+    A class that is refused (its modulation takes the prompt) or unknown is refused by the
+    families registry; a class of this family whose modules differ from its list (an extra or a
+    missing AdaLN module, one of another class or width, one that embeds its own timestep) is
+    refused by the structure check. Nothing on the model changes either way.
+    """
+    name = type(model).__name__
+    family = families.for_class(name)
+    if family is not adaln_zero.FAMILY:
+        raise ConfigError(f"{name} is a {family.title} model, not one of the {adaln_zero.FAMILY.name} family")
+    config = getattr(model, "config", None)
+    if not isinstance(config, Mapping):
+        raise ConfigError(f"{name} has no diffusers config to read its geometry from")
+    found = {path: type(module).__name__ for path, module in model.named_modules()}
+    linears: dict[str, tuple[int, int, bool]] = {}
+    for path, _, _ in adaln_zero.served_paths(name, *_block_counts(name, config)):
+        try:
+            linear = base_linear(model.get_submodule(path))
+        except AttributeError:
+            continue  # reported by the check as a missing module
+        weight, bias = getattr(linear, "weight", None), getattr(linear, "bias", None)
+        if isinstance(weight, torch.Tensor) and weight.dim() == 2:
+            linears[path] = (int(weight.shape[0]), int(weight.shape[1]), bias is not None)
+    return adaln_zero.check_structure(name, config, found, linears)
+
+
+def _block_counts(name: str, config: Mapping[str, Any]) -> tuple[int, int]:
+    fields = adaln_zero.fields_from_config(name, config)
+    return fields["double_layers"], fields["single_layers"]
+
+
+def _param_dtype(module: nn.Module) -> torch.dtype:
+    return next(module.parameters()).dtype
+
+
+def _hidden_dtype(model: Any) -> torch.dtype:
+    """The dtype of ``hidden_states`` after the model's ``x_embedder`` (a Linear: its weight's dtype)."""
+    weight = base_linear(model.x_embedder).weight
+    assert isinstance(weight, torch.Tensor)  # an nn.Linear's weight
+    return weight.dtype
+
+
+def _hunyuan_image(model: Any, cols: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    # The forward receives timestep in the embedder's dtype (any other fails its first linear) and
+    # casts time_proj's fp32 output to timestep.dtype; timestep_r and guidance are read by time_proj
+    # as fp32 whatever their dtype.
+    embed = model.time_guidance_embed
+    t = cols["timestep"].to(_param_dtype(embed.timestep_embedder))
+    return embed(t, timestep_r=cols.get(adaln_zero.TIMESTEP_R), guidance=cols.get(adaln_zero.GUIDANCE))
+
+
+def _hunyuan_video15(model: Any, cols: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    embed = model.time_embed
+    t = cols["timestep"].to(_param_dtype(embed.timestep_embedder))
+    return embed(t, timestep_r=cols.get(adaln_zero.TIMESTEP_R))
+
+
+def _motif(model: Any, cols: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    return model.time_text_embed(cols["timestep"])  # time_proj reads the timestep as fp32
+
+
+def _bria(model: Any, cols: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    dtype = _hidden_dtype(model)  # the forward: timestep.to(hidden_states.dtype)
+    temb = model.time_embed(cols["timestep"].to(dtype), dtype=dtype)
+    guidance = cols.get(adaln_zero.GUIDANCE)
+    if guidance is not None:  # Bria-FIBO's guidance-embedded variant (Bria's own is refused)
+        temb = temb + model.guidance_embed(guidance.to(dtype), dtype=dtype)
+    return temb  # type: ignore[no-any-return]
+
+
+def _longcat(model: Any, cols: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    dtype = _hidden_dtype(model)  # the forward: timestep.to(hidden_states.dtype) * 1000
+    return model.time_embed(cols["timestep"].to(dtype) * 1000, dtype)  # type: ignore[no-any-return]
+
+
+def _ovis(model: Any, cols: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    dtype = _hidden_dtype(model)  # the forward: timestep.to(hidden_states.dtype) * 1000
+    proj = model.time_proj(cols["timestep"].to(dtype) * 1000)
+    return model.timestep_embedder(proj.to(dtype))  # type: ignore[no-any-return]
+
+
+def _auraflow(model: Any, cols: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    # The forward casts time_step_embed's fp32 output to its first parameter's dtype.
+    proj = model.time_step_embed(cols["timestep"]).to(dtype=_param_dtype(model))
+    return model.time_step_proj(proj)  # type: ignore[no-any-return]
+
+
+#: Each class's ``temb`` from its per-step inputs (one fp32 tensor per plan column), as its forward computes it.
+_TEMB: dict[str, Callable[[Any, Mapping[str, torch.Tensor]], torch.Tensor]] = {
+    "HunyuanImageTransformer2DModel": _hunyuan_image,
+    "MotifVideoTransformer3DModel": _motif,
+    "BriaTransformer2DModel": _bria,
+    "LongCatImageTransformer2DModel": _longcat,
+    "HunyuanVideo15Transformer3DModel": _hunyuan_video15,
+    "AuraFlowTransformer2DModel": _auraflow,
+    "BriaFiboTransformer2DModel": _bria,
+    "OvisImageTransformer2DModel": _ovis,
+}
+
+
+def plan_columns(plan: torch.Tensor, plan_inputs: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """The plan's columns by input name (a 1-D plan is the ``timestep`` column)."""
+    if plan.dim() == 1:
+        return {plan_inputs[0]: plan}
+    return {name: plan[:, i].contiguous() for i, name in enumerate(plan_inputs)}
+
+
+def embed_input(model: Any, geometry: ModelGeometry, plan: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The served projections' exact input for ``plan``: ``silu(temb)``, ``temb`` from the model's own modules.
+
+    Every served projection of the family takes this one tensor: the blocks' ``AdaLayerNormZero``
+    and ``AdaLayerNormZeroSingle`` call ``linear(silu(temb))``, the output layer
+    ``linear(silu(temb).to(x.dtype))``, and ``x`` has ``temb``'s dtype in a model the cache serves.
+    """
+    cols = plan_columns(plan.to(device), geometry.plan_inputs)
+    with torch.no_grad():
+        temb = _TEMB[type(model).__name__](model, cols)
+    return F.silu(temb)
+
+
+def plan_of(inputs: Mapping[str, Any], plan_inputs: tuple[str, ...]) -> torch.Tensor:
+    """The plan of one forward: its per-step inputs (by argument name), one fp32 column each, one row per row.
+
+    Raises PlanError for a missing input the model's config enables, an input that is not a 1-D
+    tensor of the same rows as ``timestep``, or one whose dtype an fp32 plan cannot hold exactly.
+    """
+    columns: list[torch.Tensor] = []
+    for name in plan_inputs:
+        value = inputs.get(name)
+        if not isinstance(value, torch.Tensor):
+            raise PlanError(
+                f"the AdaLN cache needs the forward's {name} tensor (this model's config makes {name} one of the "
+                f"inputs of its modulation), got {type(value).__name__}"
+            )
+        if value.dim() != 1 or value.dtype not in _EXACT_IN_FP32:
+            raise PlanError(
+                f"the AdaLN cache serves a 1-D float32, bfloat16 or float16 {name} (one entry per batch row), got "
+                f"shape {tuple(value.shape)} and dtype {value.dtype}"
+            )
+        if columns and value.shape[0] != columns[0].shape[0]:
+            raise PlanError(f"{name} has {value.shape[0]} rows but timestep has {columns[0].shape[0]}")
+        columns.append(value.detach().to(torch.float32))
+    if len(columns) == 1:
+        return columns[0]
+    return torch.stack(columns, dim=1)
+
+
+__all__ = ["embed_input", "is_adaln_zero_transformer", "model_geometry", "plan_columns", "plan_of"]
