@@ -1,6 +1,6 @@
 """The two callbacks a build of an enabled model gets: ``embed`` (the projections' input) and ``project``.
 
-``embed`` computes a plan's input the way the stock forward does (:func:`.minimax_h3.embed_input`),
+``embed`` computes a plan's input the way the stock forward does (the family's :meth:`~.family.DiffusersFamily.embed`),
 with the parked time embedder's weights lent back for the build (:meth:`BuildCallbacks.lending`):
 taken on the first embed of a pass and parked again when the build returns, so a build that hits
 costs no copy. ``project`` runs one layer's served module with the source's weights standing in
@@ -10,7 +10,7 @@ for its parameters, through the module's own (LoRA-wrapped, quantized, layerwise
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from ...spec import Layer, ModulationSpec
 from .casting import casting_compute_dtype
-from .minimax_h3 import embed_input, projection_module, time_embedder_linears
+from .family import DiffusersFamily
 from .modules import base_linear, bypassing_hooks, swapped_parameters
 from .parking import TimeEmbedderLoan, WeightParking
 from .quantized import fresh_alias
@@ -41,7 +41,13 @@ class BuildCallbacks:
         device: Callable[[], torch.device],
         *,
         plain_tables: bool,
+        family: DiffusersFamily | None = None,
     ) -> None:
+        if family is None:
+            from .registry import for_spec
+
+            family = for_spec(spec)
+        self.family = family
         self.model = model
         self.spec = spec
         self.parking = parking
@@ -52,7 +58,7 @@ class BuildCallbacks:
     @contextlib.contextmanager
     def lending(self) -> Iterator[None]:
         """For one build: the parked time embedder is lent back by the first embed, parked again at exit."""
-        linears = [base_linear(linear) for _, linear in time_embedder_linears(self.model)]
+        linears = [base_linear(linear) for _, linear in self.family.time_embedder_linears(self.model)]
         loan = self.parking.time_embedder_loan(self.device(), linears)
         with loan:
             self._loan = loan
@@ -61,11 +67,11 @@ class BuildCallbacks:
             finally:
                 self._loan = None
 
-    def embed(self, plan: torch.Tensor) -> torch.Tensor:
+    def embed(self, plan: torch.Tensor) -> torch.Tensor | Mapping[str, torch.Tensor]:
         """The projections' exact input for ``plan``, on the cache's device."""
         if self._loan is not None:
             self._loan.take()
-        return embed_input(self.model, self.spec, plan, self.device())
+        return self.family.embed(self.model, self.spec, plan, self.device())
 
     def project(self, layer: Layer, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         """``layer``'s output for ``x``, through the module's own (LoRA-wrapped, quantized, cast) forward.
@@ -75,7 +81,7 @@ class BuildCallbacks:
         """
         if self.plain_tables:
             return F.linear(x, weight, bias)
-        module = projection_module(self.model, layer)
+        module = self.family.projection_module(self.model, layer)
         base = base_linear(module)
         weight = self.parking.at_model_residue(layer, "weight", weight, self.device())
         bias = self.parking.at_model_residue(layer, "bias", bias, self.device())

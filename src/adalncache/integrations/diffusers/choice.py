@@ -26,9 +26,9 @@ from ...hostmem import HostBuffer
 from ...spec import Layer, ModulationSpec
 from .casting import casting_paths
 from .config import AdalnCacheConfig
+from .family import check_materialised
 from .hooks import other_hooks_present
 from .lora import LoraTracker, Variant
-from .minimax_h3 import check_materialised, projection_modules, served_modules
 from .quantized import (
     ProjectionStorage,
     check_storage_options,
@@ -37,6 +37,7 @@ from .quantized import (
     own_tensors,
     storage_of,
 )
+from .registry import for_spec
 from .sources import NeverLoaded, Source, check_tables_against_model, checkpoint_source, model_source
 
 
@@ -76,18 +77,19 @@ def choose_source(
     Starts ``lora`` tracking (and, for full-precision tables of quantized projections, sets the
     variant they are built under).
     """
+    family = for_spec(spec)
     if never_loaded is None:
-        check_materialised(model, spec)
+        check_materialised(family, model, spec)
     lora.start()
     options = config.cache_options
     device = options.device_for(execution_device)
     free_time_embedder = config.free_time_embedder
     if free_time_embedder is None:
         free_time_embedder = not other_hooks_present(model)
-    modules = projection_modules(model, spec)
+    modules = family.projection_modules(model, spec)
     if never_loaded is not None:  # the loader checked it serves this model's projections
         return SourceChoice(never_loaded.source, device, modules, free_time_embedder)
-    storage = storage_of(modules)
+    storage = storage_of(modules, family.projection_path)
     check_storage_options(
         storage,
         checkpoint=config.checkpoint,
@@ -104,7 +106,7 @@ def choose_source(
         modules,
         free_time_embedder,
         storage=storage,
-        casting_at_enable=casting_paths(served_modules(model, spec)),
+        casting_at_enable=casting_paths(family.served_modules(model, spec)),
     )
     if config.checkpoint is not None:
         # Quantized projections are never compared with a checkpoint (there is nothing equal to
@@ -118,7 +120,8 @@ def choose_source(
         )
         if storage.opaque:
             choice.plain_tables = True
-            choice.host_tensors = own_tensors(modules, execution_device)  # disable() gives back the quantized weights
+            # disable() gives back the quantized weights
+            choice.host_tensors = own_tensors(modules, execution_device, family.projection_path)
             choice.plain_variant = lora.variant = full_precision_variant(model)
     elif options.tables is not None:
         # Table files and no checkpoint: the projections are needed by no plan the files hold,

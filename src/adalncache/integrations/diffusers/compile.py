@@ -7,7 +7,8 @@ the cache:
   ``functools.partial`` as ``forward``. Dynamo guards on that object's identity, so a hook on every
   block's ``adaln_proj`` makes each block of a regional compile (``compile_repeated_blocks``)
   recompile, and with 50 blocks the later ones pass the recompile limit and run uncompiled.
-  Instead every served ``adaln_proj`` gets one shared class (:func:`served_class`) swapped in place:
+  Instead every served block's owner module (MiniMax-H3's ``adaln_proj``, Qwen-Image's ``img_mod``)
+  gets one shared class (:func:`served_class`) swapped in place:
   the object, its name, its parameters and peft wrappers stay; ``repr`` shows the original class
   name. Its forward gathers the block's rows from the slab through tensors only (a per-block view
   of the block's column and the thread's slot buffer, updated in place once per forward), never a
@@ -38,8 +39,8 @@ ROWS_ATTRIBUTE = "_adalncache_rows"
 STATE_ATTRIBUTE = "_adalncache_state"
 _ATTRIBUTES = (ROWS_ATTRIBUTE, STATE_ATTRIBUTE)
 
-#: The served subclass of each modulation class, made once so every block shares it.
-_SERVED: dict[type, type] = {}
+#: The served subclass of each (owner class, served forward), made once so every block shares it.
+_SERVED: dict[tuple[type, Callable[..., Any]], type] = {}
 
 
 class Releasable(Protocol):
@@ -88,14 +89,15 @@ def _served_forward(self: Any, temb: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return rows.reshape(-1, 6 * self.hidden_size).chunk(6, dim=-1)  # type: ignore[no-any-return]
 
 
-def served_class(cls: type) -> type:
-    """The shared served subclass of ``cls`` (same name, so ``repr`` and class-name lookups are unchanged)."""
-    served = _SERVED.get(cls)
+def served_class(cls: type, forward: Callable[..., Any] = _served_forward) -> type:
+    """The shared served subclass of ``cls`` answering with ``forward`` (same name, so ``repr`` and
+    class-name lookups are unchanged)."""
+    served = _SERVED.get((cls, forward))
     if served is None:
-        served = type(cls.__name__, (cls,), {"forward": _served_forward, "__module__": cls.__module__})
+        served = type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__})
         served.__qualname__ = cls.__qualname__
         served._adalncache_original = cls  # type: ignore[attr-defined]
-        _SERVED[cls] = served
+        _SERVED[(cls, forward)] = served
     return served
 
 
@@ -105,41 +107,49 @@ def is_served(module: nn.Module) -> bool:
 
 
 class ServedBlocks:
-    """Every block's ``adaln_proj`` switched to the served class, and switched back.
+    """The served owners (every block's module that calls a served projection) switched to the
+    served class, and switched back.
 
-    ``modules`` are the ``adaln_proj`` modules in layer order; ``block_params`` is the cache's
-    ``(P, W, L, block_width)`` slab tensor.
+    ``modules``: ``(layer, path, owner module)`` in layer order; ``forward``: the served class's
+    forward (the family's); ``rows(layer)``: the ``[P, W, width]`` view of the cache's table the
+    owner of ``layer`` gathers from, read again at every :meth:`rebind` (the slab moved).
     """
 
-    def __init__(self, modules: list[nn.Module], state: ForwardState) -> None:
+    def __init__(
+        self,
+        modules: list[tuple[Any, str, nn.Module]],
+        state: ForwardState,
+        forward: Callable[..., Any] = _served_forward,
+    ) -> None:
         self.modules = modules
         self.state = state
+        self.forward = forward
         self._installed = False
 
-    def install(self, block_params: torch.Tensor) -> None:
-        for layer, module in enumerate(self.modules):
+    def install(self, rows: Callable[[Any], torch.Tensor]) -> None:
+        for _, path, module in self.modules:
             if "forward" in module.__dict__:
                 # Another hook replaced this module's forward per instance; a class swap would not reach it.
                 raise ConfigError(
-                    f"transformer_blocks.{layer}.adaln_proj has a forward of its own (a hook of another library "
+                    f"{path} has a forward of its own (a hook of another library "
                     "wraps it), so the AdaLN cache cannot serve it; remove that hook before enabling the cache"
                 )
-        for module in self.modules:
-            module.__class__ = served_class(type(module))
+        for _, _, module in self.modules:
+            module.__class__ = served_class(type(module), self.forward)
         self._installed = True
-        self.rebind(block_params)
+        self.rebind(rows)
 
-    def rebind(self, block_params: torch.Tensor) -> None:
-        """Point every served module at ``block_params`` (again, after the cache's slab moved)."""
-        for layer, module in enumerate(self.modules):
-            # A per-block view of the block's rows: (P, W, block_width), the same strides for every block.
-            module.__dict__[ROWS_ATTRIBUTE] = block_params.select(2, layer)
+    def rebind(self, rows: Callable[[Any], torch.Tensor]) -> None:
+        """Point every served module at its rows (again, after the cache's slab moved)."""
+        for layer, _, module in self.modules:
+            # A per-layer view of the layer's rows, the same strides for every block.
+            module.__dict__[ROWS_ATTRIBUTE] = rows(layer)
             module.__dict__[STATE_ATTRIBUTE] = self.state
 
     def uninstall(self) -> None:
         if not self._installed:
             return
-        for module in self.modules:
+        for _, _, module in self.modules:
             original = getattr(type(module), "_adalncache_original", None)
             if original is not None:
                 module.__class__ = original

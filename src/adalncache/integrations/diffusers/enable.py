@@ -13,8 +13,8 @@ from ...errors import ConfigError
 from ...tiers.tables import TablesArg
 from .config import AdalnCacheConfig, CacheOptions, CheckpointArg, OnMiss, QuantizedProjections
 from .handle import AdalnCacheHandle, enable_transformer
-from .minimax_h3 import is_minimax_h3_transformer
 from .pipeline import PipelineAdalnCacheHandle, enable_pipeline
+from .registry import family_of
 
 
 def enable_adaln_cache(
@@ -145,7 +145,8 @@ def enable_adaln_cache(
             cache_options=options if not isinstance(tables, Mapping) else options_for(files),
         )
 
-    if is_minimax_h3_transformer(model_or_pipeline):
+    if isinstance(model_or_pipeline, torch.nn.Module):
+        family_of(model_or_pipeline)  # a refused or unknown class: ConfigError naming why, nothing changed
         if isinstance(checkpoint, Mapping):
             raise ConfigError(
                 "checkpoint= is a mapping by component name, which only a pipeline takes; pass one path "

@@ -1,4 +1,4 @@
-"""The AdaLN cache enabled on one ``MiniMaxH3Transformer3DModel``: :class:`AdalnCacheHandle`.
+"""The AdaLN cache enabled on one transformer of a supported family: :class:`AdalnCacheHandle`.
 
 The handle owns the pieces of one enabling and the order they are put together and taken apart
 in: the weight source (:mod:`.choice`), the :class:`~adalncache.AdalnCache`, the parked weights
@@ -33,11 +33,11 @@ from .choice import SourceChoice, choose_source
 from .config import AdalnCacheConfig
 from .hooks import ServingHooks
 from .lora import LoraTracker
-from .minimax_h3 import capture_blocks, projection_path, release_blocks, served_modules, time_embedder_linears
 from .modules import base_linear, device_of, execution_device, install_overrides, remove_overrides
 from .moving import LiftedGroupOffloading, guarded_apply, refresh_group_offloading
 from .parking import ParkTarget, WeightParking
 from .quantized import ProjectionStorage, adapter_guards, transformer_spec
+from .registry import family_of
 from .requests import RequestHolds
 from .signature import ServedSignature
 from .sources import NeverLoaded, Source, changed_since
@@ -52,7 +52,7 @@ HANDLE_ATTRIBUTE = "_adalncache_handle"
 
 
 class AdalnCacheHandle:
-    """The AdaLN cache enabled on one ``MiniMaxH3Transformer3DModel``.
+    """The AdaLN cache enabled on one transformer of a supported family.
 
     ``cache`` is the :class:`~adalncache.AdalnCache`; ``prepare(plans)`` builds plans ahead of
     the loop; ``stats`` are the cache's counters; ``disable()`` restores the original modules and
@@ -80,9 +80,11 @@ class AdalnCacheHandle:
 
     def _fresh_state(self) -> None:
         """What one enabling builds up: read (again) from the model as it is now."""
+        #: What is particular to the model's family (:class:`~.family.DiffusersFamily`).
+        self.family = family_of(self.model)
         self.spec = transformer_spec(self.model)
         self._parking = WeightParking()
-        self._lora = LoraTracker(self.model, self.spec)
+        self._lora = LoraTracker(self.model, self.spec, self.family)
         self._hooks: ServingHooks | None = None
         self._holds: RequestHolds | None = None
         self._storage = ProjectionStorage()
@@ -136,6 +138,7 @@ class AdalnCacheHandle:
         if not self.enabled or self._holds is None:
             raise ConfigError("prepare() needs the AdaLN cache enabled; this handle was disabled")
         self._follow(execution_device(self.model))
+        plans = [self.family.request_plan(self.model, plan) for plan in plans]
         return self._holds.for_request(plans, attention_kwargs)
 
     def disable(self, *, allow_changed_checkpoint: bool = False) -> None:
@@ -157,8 +160,8 @@ class AdalnCacheHandle:
         self._overrides = ()
         freed = self._parking.freed
         self._parking.restore()
-        settle_casting(served_modules(self.model, self.spec), self._casting_at_enable)
-        release_blocks(self.model)
+        settle_casting(self.family.served_modules(self.model, self.spec), self._casting_at_enable)
+        self.family.release_blocks(self.model)
         refresh_group_offloading(self.model)
         self.enabled = False
         setattr(self.model, HANDLE_ATTRIBUTE, None)
@@ -222,7 +225,7 @@ class AdalnCacheHandle:
                 "the AdaLN cache is already enabled on this model; call handle.disable() before enabling again"
             )
         # The real block list, for builds inside a forward that swaps model.transformer_blocks (cache-dit).
-        capture_blocks(model)
+        self.family.capture_blocks(model)
         try:
             choice = choose_source(model, self.spec, self.config, self._lora, self.device, never_loaded)
             self._adopt(choice)
@@ -231,7 +234,7 @@ class AdalnCacheHandle:
             else:
                 self.cache = self.config.cache_options.build(self.spec, choice.source, choice.device)
         except BaseException:
-            release_blocks(model)
+            self.family.release_blocks(model)
             raise
         if choice.source is None:
             assert isinstance(self.cache.source, NoWeights)
@@ -275,9 +278,12 @@ class AdalnCacheHandle:
 
     def _park(self, choice: SourceChoice, never_loaded: NeverLoaded | None) -> None:
         """Free the served weights from the device (the time embedder's too when nothing else reads it)."""
-        targets = [ParkTarget(base_linear(module), layer, projection_path(layer)) for layer, module in choice.modules]
+        family = self.family
+        targets = [
+            ParkTarget(base_linear(module), layer, family.projection_path(layer)) for layer, module in choice.modules
+        ]
         if choice.free_time_embedder:
-            linears = time_embedder_linears(self.model)
+            linears = family.time_embedder_linears(self.model)
             targets += [ParkTarget(base_linear(linear), None, path) for path, linear in linears]
         self._parking.park(
             targets,
@@ -290,7 +296,7 @@ class AdalnCacheHandle:
     def _serve(self, choice: SourceChoice) -> None:
         """Register the hooks, and what a request or a forward holds its plans with."""
         model = self.model
-        self._hooks = hooks = ServingHooks(model, self.spec, self.cache, self._make_resident)
+        self._hooks = hooks = ServingHooks(model, self.spec, self.cache, self._make_resident, self.family)
         hooks.register(time_embedder=choice.free_time_embedder)
         signature = ServedSignature(
             model,
@@ -303,7 +309,7 @@ class AdalnCacheHandle:
             plain_variant=choice.plain_variant,
         )
         callbacks = BuildCallbacks(
-            model, self.spec, self._parking, lambda: self.device, plain_tables=choice.plain_tables
+            model, self.spec, self._parking, lambda: self.device, plain_tables=choice.plain_tables, family=self.family
         )
         self._holds = RequestHolds(
             self.cache, signature, callbacks, self._lora, self._lock, on_miss=self.config.on_miss

@@ -37,8 +37,8 @@ from ...plans import PlanKey, plan_key
 from ...spec import FINAL, ModulationSpec
 from .compat import get_hook, hook_names, hook_registry
 from .compile import CompiledCall, ServedBlocks
-from .minimax_h3 import TIME_EMBEDDER, forward_plan, modulation_modules, projection_path
-from .modules import base_linear, forward_argument
+from .family import DiffusersFamily
+from .modules import forward_argument
 
 if TYPE_CHECKING:
     from ... import AdalnCache
@@ -102,11 +102,18 @@ class ServeState(threading.local):
 class AdalnCacheTransformerHook(ModelHook):
     """Holds the step's plan once per forward and stashes its slot for the served modules."""
 
-    def __init__(self, cache: AdalnCache, state: ServeState, make_resident: MakeResident) -> None:
+    def __init__(
+        self, cache: AdalnCache, state: ServeState, make_resident: MakeResident, family: DiffusersFamily | None = None
+    ) -> None:
         super().__init__()
         self.cache = cache
         self.state = state
         self.make_resident = make_resident
+        if family is None:
+            from .registry import for_spec
+
+            family = for_spec(cache.spec)
+        self.family = family
 
     def new_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         forward: Any = self.fn_ref.original_forward
@@ -127,15 +134,15 @@ class AdalnCacheTransformerHook(ModelHook):
         ``torch.compile(model)`` dynamo would otherwise break the graph at every host read and
         dictionary lookup in here.
         """
-        timestep = forward_plan(module, args, kwargs)
+        timestep = self.family.forward_plan(module, args, kwargs)
         # The one device-to-host read of the plan this forward makes: keys, lookups and the build all
         # use this host copy (embed moves it back to the device; the values are the same bits).
         plan = timestep.detach().to("cpu")
-        key = plan_key(plan)
+        key = plan_key(plan, self.cache.spec.plan_columns)
         attention_kwargs = forward_argument(module, "attention_kwargs", args, kwargs)
         held = self.make_resident(plan, key, attention_kwargs, timestep.device)
         try:
-            self.state.serve(held, int(plan.numel()))
+            self.state.serve(held, int(plan.shape[0]))
         except BaseException:
             held.release()
             raise
@@ -143,17 +150,23 @@ class AdalnCacheTransformerHook(ModelHook):
 
 
 class AdalnCacheOutputHook(ModelHook):
-    """Serves ``norm_out.linear``'s output ``Z`` (shift then scale, as the module returns it)."""
+    """Serves a hooked projection's output: ``norm_out.linear``'s (shift then scale, as the module
+    returns it) by default, or ``layer``'s rows for the rows of its input.
+    """
 
-    def __init__(self, cache: AdalnCache, state: ServeState) -> None:
+    def __init__(self, cache: AdalnCache, state: ServeState, layer: Any = FINAL, path: str = "norm_out.linear") -> None:
         super().__init__()
         self.cache = cache
         self.state = state
+        self.layer = layer
+        self.path = path
 
-    def new_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:
-        slot, num_timesteps, dtype = self.state.require(projection_path(FINAL))
-        shift, scale = self.cache.final(slot, num_timesteps, dtype=dtype)
-        return torch.cat((shift, scale), dim=-1)
+    def new_forward(self, module: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        slot, num_timesteps, dtype = self.state.require(self.path)
+        if self.layer == FINAL and self.cache.spec.geometry is None:  # the default family's two-part table
+            shift, scale = self.cache.final(slot, num_timesteps, dtype=dtype)
+            return torch.cat((shift, scale), dim=-1)
+        return self.cache.layer_rows(self.layer, slot, int(x.shape[0]), dtype=dtype)
 
 
 class AdalnCacheTimeEmbedderHook(ModelHook):
@@ -163,13 +176,20 @@ class AdalnCacheTimeEmbedderHook(ModelHook):
     cache, so its value is never used; a zero-stride view costs no memory.
     """
 
-    def __init__(self, out_features: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, out_features: int, dtype: torch.dtype, device: torch.device, family: DiffusersFamily | None = None
+    ) -> None:
         super().__init__()
         self.out_features = out_features
         self.zero = torch.zeros((), dtype=dtype, device=device)
+        self.family = family
 
-    def new_forward(self, module: nn.Module, sample: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return self.zero.expand(sample.shape[0], self.out_features)
+    def new_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.family is None:
+            return self.zero.expand(args[0].shape[0], self.out_features)
+        rows, dtype = self.family.stand_in(args, kwargs)
+        zero = self.zero if dtype is None or dtype == self.zero.dtype else self.zero.to(dtype)
+        return zero.expand(rows, self.out_features)
 
 
 def remove_hook(module: nn.Module, name: str) -> None:
@@ -201,37 +221,57 @@ class ServingHooks:
     build-or-refuse policy); the hooks themselves only read the cache.
     """
 
-    def __init__(self, model: Any, spec: ModulationSpec, cache: AdalnCache, make_resident: MakeResident) -> None:
+    def __init__(
+        self,
+        model: Any,
+        spec: ModulationSpec,
+        cache: AdalnCache,
+        make_resident: MakeResident,
+        family: DiffusersFamily | None = None,
+    ) -> None:
+        if family is None:
+            from .registry import for_spec
+
+            family = for_spec(spec)
         self.model = model
         self.spec = spec
         self.cache = cache
+        self.family = family
         self.state = ServeState(cache.device)
         self.make_resident = make_resident
-        self.blocks = ServedBlocks(modulation_modules(model, spec), self.state)
+        swapped = family.swapped_layers(spec)
+        owners = [(layer, family.owner_path(layer)) for layer in swapped]
+        self.blocks = ServedBlocks(
+            [(layer, path, family.module_at(model, path)) for layer, path in owners],
+            self.state,
+            family.served_forward(),
+        )
+        #: The layers served by a hook on their projection module, by module path.
+        self.hooked = {family.projection_path(layer): layer for layer in spec.layers() if layer not in set(swapped)}
         self.compiled = CompiledCall(model, self.prepare_forward, self.state)
         self._transformer_hook: AdalnCacheTransformerHook | None = None
         self._forward: Any = None
-        self._hooked_output: nn.Module | None = None
+        self._hooked_output: dict[str, nn.Module] = {}
 
     def register(self, *, time_embedder: bool) -> None:
         """Register every hook; ``time_embedder``: also stand in for the (parked) time embedder."""
         from diffusers.models.modeling_utils import get_parameter_dtype
 
         model = self.model
+        family = self.family
         registry = HookRegistry.check_if_exists_or_initialize(model)
-        self._transformer_hook = AdalnCacheTransformerHook(self.cache, self.state, self.make_resident)
+        self._transformer_hook = AdalnCacheTransformerHook(self.cache, self.state, self.make_resident, family)
         registry.register_hook(self._transformer_hook, TRANSFORMER_HOOK)
         # The forward the registry installed for our hook: anything else there later wraps it.
         self._forward = model.__dict__.get("forward")
-        self.blocks.install(self.cache.block_params)
+        self.blocks.install(self._rows)
         self.follow_output()
         if time_embedder:
-            module = model.get_submodule(TIME_EMBEDDER)
-            linear_2: Any = base_linear(module.linear_2)
-            HookRegistry.check_if_exists_or_initialize(module).register_hook(
-                AdalnCacheTimeEmbedderHook(int(linear_2.out_features), get_parameter_dtype(module), self.cache.device),
-                TIME_EMBEDDER_HOOK,
+            module = model.get_submodule(family.time_embedder)
+            hook = AdalnCacheTimeEmbedderHook(
+                family.temb_width(model), get_parameter_dtype(module), self.cache.device, family
             )
+            HookRegistry.check_if_exists_or_initialize(module).register_hook(hook, TIME_EMBEDDER_HOOK)
         registry.invalidate_child_registries_cache()
         self.compiled.wrap()
 
@@ -240,9 +280,12 @@ class ServingHooks:
         assert self._transformer_hook is not None
         return self._transformer_hook.prepare(self.model, args, kwargs)
 
+    def _rows(self, layer: Any) -> torch.Tensor:
+        return self.family.rows_view(self.cache, layer)
+
     def rebind(self) -> None:
         """Point the served blocks at the cache's slab again (after the cache moved: new tensors)."""
-        self.blocks.rebind(self.cache.block_params)
+        self.blocks.rebind(self._rows)
 
     def forward_wrapped_by_others(self) -> bool:
         """Whether something outside diffusers' hook registry wrapped the transformer's forward after us.
@@ -257,21 +300,26 @@ class ServingHooks:
         return self.model.__dict__.get("forward") is not self._forward
 
     def output_moved(self) -> bool:
-        """Whether ``norm_out.linear`` is another module than the one the output hook sits on."""
-        return self.model.get_submodule(projection_path(FINAL)) is not self._hooked_output
+        """Whether a hooked projection (``norm_out.linear``) is another module than the one its hook sits on."""
+        return any(self.family.module_at(self.model, path) is not self._hooked_output.get(path) for path in self.hooked)
 
     def follow_output(self) -> None:
-        """Keep the output hook on whatever module is ``norm_out.linear`` now (peft swaps it)."""
-        current = self.model.get_submodule(projection_path(FINAL))
-        if current is self._hooked_output:
-            return
-        if self._hooked_output is not None:
-            remove_hook(self._hooked_output, OUTPUT_HOOK)
-        HookRegistry.check_if_exists_or_initialize(current).register_hook(
-            AdalnCacheOutputHook(self.cache, self.state), OUTPUT_HOOK
-        )
-        self._hooked_output = current
-        HookRegistry.check_if_exists_or_initialize(self.model).invalidate_child_registries_cache()
+        """Keep each output hook on whatever module sits at its projection's path now (peft swaps it)."""
+        moved = False
+        for path, layer in self.hooked.items():
+            current = self.family.module_at(self.model, path)
+            hooked = self._hooked_output.get(path)
+            if current is hooked:
+                continue
+            if hooked is not None:
+                remove_hook(hooked, OUTPUT_HOOK)
+            HookRegistry.check_if_exists_or_initialize(current).register_hook(
+                AdalnCacheOutputHook(self.cache, self.state, layer, path), OUTPUT_HOOK
+            )
+            self._hooked_output[path] = current
+            moved = True
+        if moved:
+            HookRegistry.check_if_exists_or_initialize(self.model).invalidate_child_registries_cache()
 
     def remove(self) -> None:
         """Remove every hook registered here (those never registered are skipped)."""
@@ -280,9 +328,9 @@ class ServingHooks:
         remove_hook(model, TRANSFORMER_HOOK)
         self._transformer_hook = None
         self.blocks.uninstall()
-        if self._hooked_output is not None:
-            remove_hook(self._hooked_output, OUTPUT_HOOK)
-            self._hooked_output = None
-        remove_hook(model.get_submodule(TIME_EMBEDDER), TIME_EMBEDDER_HOOK)
+        for hooked in self._hooked_output.values():
+            remove_hook(hooked, OUTPUT_HOOK)
+        self._hooked_output = {}
+        remove_hook(model.get_submodule(self.family.time_embedder), TIME_EMBEDDER_HOOK)
         HookRegistry.check_if_exists_or_initialize(model).invalidate_child_registries_cache()
         self.state.clear()

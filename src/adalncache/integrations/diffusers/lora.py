@@ -26,7 +26,7 @@ from torch import nn
 
 from ...errors import ConfigError
 from ...spec import ModulationSpec
-from .minimax_h3 import served_modules
+from .family import DiffusersFamily
 
 #: ``(module path, peft tuner module)`` pairs.
 Tuners = Sequence[tuple[str, Any]]
@@ -128,9 +128,14 @@ class LoraTracker:
     ``built_under`` records the signature of the tables now resident.
     """
 
-    def __init__(self, model: nn.Module, spec: ModulationSpec) -> None:
+    def __init__(self, model: nn.Module, spec: ModulationSpec, family: DiffusersFamily | None = None) -> None:
+        if family is None:
+            from .registry import for_spec
+
+            family = for_spec(spec)
         self.model = model
         self.spec = spec
+        self.family = family
         #: The signature the resident tables were built under.
         self.variant: Variant = None
         self._refs: list[torch.Tensor] = []
@@ -138,7 +143,8 @@ class LoraTracker:
 
     def tuners(self) -> list[tuple[str, Any]]:
         """The served modules that are peft LoRA wrappers right now (usually none)."""
-        return [(name, module) for name, module in served_modules(self.model, self.spec) if is_tuner_layer(module)]
+        served = self.family.served_modules(self.model, self.spec)
+        return [(name, module) for name, module in served if is_tuner_layer(module)]
 
     def start(self) -> None:
         """Remember which adapters are fused into the served modules when the cache is enabled."""

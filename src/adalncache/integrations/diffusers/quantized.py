@@ -33,9 +33,10 @@ from torch import nn
 
 from ... import TensorSource
 from ...errors import ConfigError
-from ...spec import FINAL, Layer, ModulationSpec
-from .minimax_h3 import DIFFUSERS_LAYOUT, projection_module, projection_path, time_embedder_linears, transformer_blocks
+from ...spec import Layer, ModulationSpec
+from .family import diffusers_layout
 from .modules import base_linear, casting_hook
+from .registry import family_of
 from .sources import HostTensors
 
 #: Module prefixes of the classes each library quantizes with, and the name messages use.
@@ -106,10 +107,10 @@ class ProjectionStorage:
         return " and ".join(parts) or "plain"
 
 
-def storage_of(modules: Sequence[tuple[Layer, Any]]) -> ProjectionStorage:
-    """The storage of the projections ``modules`` (``(layer, module)`` pairs)."""
+def storage_of(modules: Sequence[tuple[Layer, Any]], path: Callable[[Layer], str] = str) -> ProjectionStorage:
+    """The storage of the projections ``modules`` (``(layer, module)`` pairs); ``path`` names a layer's module."""
     libraries = sorted({name for _, module in modules if (name := quantization_of(module)) is not None})
-    cast = tuple(projection_path(layer) for layer, module in modules if casting_hook(module) is not None)
+    cast = tuple(path(layer) for layer, module in modules if casting_hook(module) is not None)
     return ProjectionStorage(quantized=tuple(libraries), cast=cast)
 
 
@@ -145,18 +146,17 @@ def transformer_spec(model: nn.Module) -> ModulationSpec:
     or layerwise-cast ones the dtype their forward returns, which must be one for all of them
     (one slab serves every projection).
     """
-    blocks: Any = transformer_blocks(model)
-    layers: list[Layer] = [*range(len(blocks)), FINAL]
-    modules = [(layer, projection_module(model, layer)) for layer in layers]
+    family = family_of(model)
+    modules = [(layer, family.projection_module(model, layer)) for layer in family.model_layers(model)]
     if not storage_of(modules).opaque:
-        return ModulationSpec.from_transformer(model)
+        return family.spec(model)
     dtypes = {str(dtype): dtype for dtype in (output_dtype(module) for _, module in modules)}
     if len(dtypes) != 1:
         raise ConfigError(
             f"the AdaLN projections return different dtypes ({sorted(dtypes)}); the cache serves them from one "
             "table dtype, so load or quantize the model with one compute dtype for all of them"
         )
-    return ModulationSpec.from_transformer(model, dtype=next(iter(dtypes.values())))
+    return family.spec(model, dtype=next(iter(dtypes.values())))
 
 
 def fresh_alias(tensor: torch.Tensor) -> torch.Tensor:
@@ -170,7 +170,9 @@ def fresh_alias(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach() if is_plain_tensor(tensor) else tensor
 
 
-def own_tensors(modules: Sequence[tuple[Layer, Any]], device: torch.device) -> HostTensors:
+def own_tensors(
+    modules: Sequence[tuple[Layer, Any]], device: torch.device, path: Callable[[Layer], str] = str
+) -> HostTensors:
     """The projections' own tensors by ``(layer, name)``, on the host.
 
     On CPU the very objects; elsewhere host copies (``.to("cpu")``: torchao refuses ``copy=``).
@@ -182,7 +184,7 @@ def own_tensors(modules: Sequence[tuple[Layer, Any]], device: torch.device) -> H
         for name in ("weight", "bias"):
             tensor: torch.Tensor | None = base._parameters[name]
             if tensor is None:
-                raise ConfigError(f"{projection_path(layer)}.{name} is missing; the AdaLN projections need a bias")
+                raise ConfigError(f"{path(layer)}.{name} is missing; the AdaLN projections need a bias")
             tensor = fresh_alias(tensor)
             if tensor.device.type != "cpu":
                 tensor = tensor.to("cpu")
@@ -207,15 +209,16 @@ def opaque_model_source(
     ``out_features`` and ``in_features``): it never reads them as matrices, never slices them, and
     fingerprints them by identity; the tables come from the modules' own forwards.
     """
-    host = own_tensors(modules, device)
+    host = own_tensors(modules, device, diffusers_layout(spec).prefix)
+    layout = diffusers_layout(spec)
     tensors: dict[str, torch.Tensor] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     for layer, module in modules:
         out_features, in_features = logical_shape(module)
         for name, shape in (("weight", (out_features, in_features)), ("bias", (out_features,))):
-            key = f"{DIFFUSERS_LAYOUT.prefix(layer)}.{name}"
+            key = f"{layout.prefix(layer)}.{name}"
             tensors[key], shapes[key] = host[(layer, name)], shape
-    return TensorSource(tensors, spec, layout=DIFFUSERS_LAYOUT.name, logical_shapes=shapes), host
+    return TensorSource(tensors, spec, layout=layout.name, logical_shapes=shapes), host
 
 
 def full_precision_variant(model: Any) -> tuple[Any, ...]:
@@ -226,7 +229,7 @@ def full_precision_variant(model: Any) -> tuple[Any, ...]:
     """
     embedder = tuple(
         (path, quantization_of(linear), casting_hook(linear) is not None)
-        for path, linear in time_embedder_linears(model)
+        for path, linear in family_of(model).time_embedder_linears(model)
     )
     return ("full-precision tables of quantized projections", embedder)
 

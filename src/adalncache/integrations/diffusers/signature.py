@@ -19,7 +19,6 @@ from ...spec import ModulationSpec
 from .casting import new_casting
 from .hooks import ServingHooks
 from .lora import LoraTracker, Tuners, Variant
-from .minimax_h3 import served_modules
 
 #: ``(tuners, variant, refs)``: the adapters on the served modules, the signature, the tensors it was read from.
 Signature = tuple[Tuners, Variant, list[torch.Tensor]]
@@ -56,7 +55,7 @@ class ServedSignature:
 
     def read(self, scale: float) -> Signature:
         """Follow a swapped output module, refuse a new cast or a plain-tables adapter, read the signature."""
-        new_casting(served_modules(self.model, self.spec), self.casting_at_enable)
+        new_casting(self.hooks.family.served_modules(self.model, self.spec), self.casting_at_enable)
         if scale == 1.0 and not self.hooks.output_moved():
             tuners, variant, refs = self.lora.current(scale)
         else:

@@ -23,7 +23,7 @@ from ...source.absent import NoWeights
 from ...source.digest import DigestSink
 from ...spec import KeyLayout, Layer, ModulationSpec
 from ...tiers.tables import TablesArg, TablesTier
-from .minimax_h3 import DIFFUSERS_LAYOUT, projection_path
+from .family import diffusers_layout, projection_path
 from .modules import base_linear
 
 
@@ -149,6 +149,7 @@ def model_source(
     host: HostTensors = {}
     buffers: list[HostBuffer] = []
     pin = device.type == "cuda"
+    layout = diffusers_layout(spec)
     for layer, module in modules:
         base = base_linear(module)
         for name in ("weight", "bias"):
@@ -156,9 +157,9 @@ def model_source(
             if tensor.device.type != "cpu":
                 tensor, buffer = host_tensor_like(tensor, pin=pin)
                 buffers.append(buffer)
-            tensors[f"{DIFFUSERS_LAYOUT.prefix(layer)}.{name}"] = tensor
+            tensors[f"{layout.prefix(layer)}.{name}"] = tensor
             host[(layer, name)] = tensor
-    return TensorSource(tensors, spec, layout=DIFFUSERS_LAYOUT.name), host, buffers
+    return TensorSource(tensors, spec, layout=layout.name), host, buffers
 
 
 def check_tables_against_model(
@@ -224,7 +225,7 @@ def verify_against_model(source: Source, spec: ModulationSpec, modules: Sequence
             same = same and torch.equal(theirs.to(ours.device), ours)
             if not same:
                 raise ConfigError(
-                    f"checkpoint= (CLI --checkpoint) does not match the model: {projection_path(layer)}.{name} "
+                    f"checkpoint= (CLI --checkpoint) does not match the model: {projection_path(spec, layer)}.{name} "
                     f"differs (checkpoint {theirs.dtype} {tuple(theirs.shape)}, model {ours.dtype} "
                     f"{tuple(ours.shape)}). A fine-tuned model or one with a fused LoRA must not be "
                     "served from the base file; pass checkpoint=None to serve the model's own weights, "
@@ -251,6 +252,7 @@ def source_key(source: Source, path: str, layer: Layer | None, name: str) -> str
     layout = source.layout
     if layer is not None:
         return layout.weight(layer) if name == "weight" else layout.bias(layer)
-    if path not in DIFFUSERS_LAYOUT.time_embedder:
+    ours = diffusers_layout(source.spec).time_embedder
+    if path not in ours:
         raise ConfigError(f"internal: {path} is neither an AdaLN projection nor a time-embedder linear")
-    return f"{layout.time_embedder[DIFFUSERS_LAYOUT.time_embedder.index(path)]}.{name}"
+    return f"{layout.time_embedder[ours.index(path)]}.{name}"
