@@ -66,7 +66,9 @@ class ClassLayout:
     for a single block modulated by an ``AdaLayerNormZero``); ``final_class``: the output layer's
     module class; ``bias``: whether the projections have a bias. ``stays``: module paths of AdaLN
     modules that take more than ``temb`` (``{k}`` counts ``refiners`` in the config); they stay
-    resident. ``time_embedders``: the modules computing ``temb`` whose weights shape it.
+    resident. ``temb_module``: the module whose output is ``temb``; ``time_embedders``: the
+    ``TimestepEmbedding`` modules inside it whose two linears' weights shape ``temb`` (Bria-FIBO's
+    guidance embedder is outside it: it stays resident).
     ``optional``: plan inputs after ``timestep``, each with the config flag enabling it.
     """
 
@@ -80,7 +82,8 @@ class ClassLayout:
     bias: bool = True
     stays: tuple[str, ...] = ()
     refiners: str = ""
-    time_embedders: tuple[str, ...] = ()
+    temb_module: str = "time_embed"
+    time_embedders: tuple[str, ...] = ("time_embed.timestep_embedder",)
     optional: tuple[tuple[str, str], ...] = ()
     #: A config flag the class cannot be served with, and why.
     unservable: tuple[tuple[str, str], ...] = ()
@@ -94,7 +97,7 @@ CLASSES: dict[str, ClassLayout] = {
     for c in (
         ClassLayout(
             "HunyuanImageTransformer2DModel", "HunyuanImage-2.1", _DOUBLE,
-            stays=(_REFINER,), refiners="num_refiner_layers",
+            stays=(_REFINER,), refiners="num_refiner_layers", temb_module="time_guidance_embed",
             time_embedders=(
                 "time_guidance_embed.timestep_embedder", "time_guidance_embed.timestep_embedder_r",
                 "time_guidance_embed.guidance_embedder",
@@ -103,21 +106,17 @@ CLASSES: dict[str, ClassLayout] = {
         ),
         ClassLayout(
             "MotifVideoTransformer3DModel", "Motif-Video", _DOUBLE,
-            time_embedders=("time_text_embed.timestep_embedder",),
+            temb_module="time_text_embed", time_embedders=("time_text_embed.timestep_embedder",),
         ),
         ClassLayout(
             "BriaTransformer2DModel", "Bria", _DOUBLE,
-            time_embedders=("time_embed.timestep_embedder",),
             unservable=((
                 "guidance_embeds",
                 "diffusers 0.42.1 cannot build it with guidance_embeds=True (its guidance embedder misses time_theta) "
                 "and its forward skips the guidance embedding when guidance is 0",
             ),),
         ),
-        ClassLayout(
-            "LongCatImageTransformer2DModel", "LongCat-Image", _DOUBLE,
-            time_embedders=("time_embed.timestep_embedder",),
-        ),
+        ClassLayout("LongCatImageTransformer2DModel", "LongCat-Image", _DOUBLE),
         ClassLayout(
             "HunyuanVideo15Transformer3DModel", "HunyuanVideo-1.5", _DOUBLE, single=(),
             stays=(_REFINER,), refiners="num_refiner_layers",
@@ -127,23 +126,31 @@ CLASSES: dict[str, ClassLayout] = {
         ClassLayout(
             "AuraFlowTransformer2DModel", "AuraFlow", ("joint_transformer_blocks", "num_mmdit_layers"),
             single=("single_transformer_blocks", "num_single_dit_layers"), single_norm="norm1", single_ways=6,
-            final_class="AuraFlowPreFinalBlock", bias=False, time_embedders=("time_step_proj",),
+            final_class="AuraFlowPreFinalBlock", bias=False, temb_module="time_step_proj",
+            time_embedders=("time_step_proj",),
         ),
         ClassLayout(
             "BriaFiboTransformer2DModel", "Bria-FIBO", _DOUBLE,
-            time_embedders=("time_embed.timestep_embedder", "guidance_embed.timestep_embedder"),
             optional=((GUIDANCE, "guidance_embeds"),),
         ),
         ClassLayout(
-            "OvisImageTransformer2DModel", "Ovis-Image", _DOUBLE, time_embedders=("timestep_embedder",),
+            "OvisImageTransformer2DModel", "Ovis-Image", _DOUBLE, temb_module="timestep_embedder",
+            time_embedders=("timestep_embedder",),
         ),
     )
 }  # fmt: skip
 
+#: The linears of every class's time embedders (a model has those of its class; the others are absent).
+TIME_EMBEDDER_LINEARS = tuple(
+    dict.fromkeys(
+        f"{path}.{linear}" for c in CLASSES.values() for path in c.time_embedders for linear in ("linear_1", "linear_2")
+    )
+)
+
 FAMILY = Family(
     name="adaln-zero",
     title="AdaLayerNormZero (timestep-only temb)",
-    layouts=(KeyLayout("diffusers"),),
+    layouts=(KeyLayout("diffusers", time_embedder=TIME_EMBEDDER_LINEARS),),
     class_names=tuple(CLASSES),
     table_formats=("adalncache",),
     table_tensors=(TABLE_ROWS,),
@@ -307,6 +314,7 @@ __all__ = [
     "GUIDANCE",
     "INPUT",
     "TIMESTEP_R",
+    "TIME_EMBEDDER_LINEARS",
     "ClassLayout",
     "check_structure",
     "fields_from_config",

@@ -1,4 +1,4 @@
-"""What is the AdaLayerNormZero family's in the integration: which modules are served, their exact input, a plan.
+"""What is the AdaLayerNormZero family's in the integration: its :class:`~.family.DiffusersFamily` (:data:`FAMILY`).
 
 The family's definitions (per-class module lists, geometry, structure check) are in
 :mod:`adalncache.families.adaln_zero`; this module applies them to a live diffusers model:
@@ -16,6 +16,12 @@ cond and uncond runs 2B rows), and the columns of ``spec.plan_inputs``: ``timest
 ``timestep_r`` and ``guidance`` where the config enables them. The plan holds the values the
 forward receives, before any cast the forward applies (the cast is part of the input's
 computation, reproduced here), so a plan's key is the bits the caller passed.
+
+Serving: every served projection (module paths are the layer ids) gets the integration's output
+hook, which returns its rows for the rows of its input; the module whose output is ``temb`` (per
+class: ``time_guidance_embed``, ``time_embed``, ...) gets the placeholder while its time embedders
+are parked. ``AuraFlowTransformer2DModel`` is refused for now: its projections have no bias, and
+the cache builds and binds tables from a weight and a bias per projection.
 """
 
 from __future__ import annotations
@@ -31,7 +37,9 @@ from ... import families
 from ...errors import ConfigError, PlanError
 from ...families import adaln_zero
 from ...geometry import ModelGeometry
-from .modules import base_linear
+from ...spec import ModulationSpec
+from .family import DiffusersFamily
+from .modules import base_linear, bypassing_hooks, forward_argument
 
 #: dtypes whose values an fp32 plan holds exactly (so the forward's tensor is the plan cast back).
 _EXACT_IN_FP32 = (torch.float32, torch.bfloat16, torch.float16)
@@ -191,4 +199,73 @@ def plan_of(inputs: Mapping[str, Any], plan_inputs: tuple[str, ...]) -> torch.Te
     return torch.stack(columns, dim=1)
 
 
-__all__ = ["embed_input", "is_adaln_zero_transformer", "model_geometry", "plan_columns", "plan_of"]
+class AdalnZero(DiffusersFamily):
+    """The AdaLayerNormZero family's eight classes as the integration serves them (module docstring)."""
+
+    family = adaln_zero.FAMILY
+    time_embedder = ""  # per class: see time_embedder_module
+    # Bria-FIBO's forward adds its guidance embedding to temb in place.
+    writable_stand_in = True
+
+    def spec(self, model: nn.Module, dtype: torch.dtype | None = None) -> ModulationSpec:
+        geometry = model_geometry(model)
+        name = type(model).__name__
+        if not adaln_zero.CLASSES[name].bias:
+            raise ConfigError(
+                f"{name} cannot be served yet: its AdaLN projections have no bias, and the cache builds and binds "
+                f"its tables from a weight and a bias per projection"
+            )
+        if dtype is None:
+            weight = base_linear(model.get_submodule(str(geometry.layers[0].id))).weight
+            dtype = weight.dtype if isinstance(weight, torch.Tensor) else torch.bfloat16
+        fields = adaln_zero.fields_from_config(name, model.config)  # type: ignore[arg-type]  # a FrozenDict
+        return ModulationSpec.for_geometry(
+            geometry, dtype=dtype, num_layers=fields["double_layers"] + fields["single_layers"]
+        )
+
+    def time_embedder_module(self, model: nn.Module) -> nn.Module:
+        return model.get_submodule(adaln_zero.CLASSES[type(model).__name__].temb_module)
+
+    def embed(self, model: Any, spec: ModulationSpec, plan: torch.Tensor, device: torch.device) -> torch.Tensor:
+        # Beneath every hook on the embedding modules: ours stands in for the parked time embedder,
+        # and an offloading hook must not move the weights a build lends back.
+        modules = [*self.time_embedder_module(model).modules()]
+        guidance = getattr(model, "guidance_embed", None)  # Bria-FIBO's, outside its time embedder
+        if isinstance(guidance, nn.Module):
+            modules += guidance.modules()
+        with bypassing_hooks(modules):
+            x = embed_input(model, spec.model_geometry, plan, device)
+        return x.to(spec.dtype)
+
+    def forward_plan(self, module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> torch.Tensor:
+        inputs = _plan_inputs(module)
+        return plan_of({name: forward_argument(module, name, args, kwargs) for name in inputs}, inputs)
+
+    def request_plan(self, model: nn.Module, plan: Any) -> Any:
+        """A plan given to ``prepare``: the forward's ``timestep`` tensor, or a mapping of its per-step inputs."""
+        inputs = _plan_inputs(model)
+        if isinstance(plan, Mapping):
+            return plan_of(plan, inputs)
+        if isinstance(plan, torch.Tensor) and plan.dim() == 1 and len(inputs) == 1:
+            return plan_of({inputs[0]: plan}, inputs)
+        return plan  # a (rows, columns) plan as the cache keys it; the cache validates it
+
+
+def _plan_inputs(model: nn.Module) -> tuple[str, ...]:
+    fields = adaln_zero.fields_from_config(type(model).__name__, model.config)  # type: ignore[arg-type]
+    return tuple(fields["plan_inputs"])
+
+
+#: The family's instance the registry serves.
+FAMILY = AdalnZero()
+
+
+__all__ = [
+    "FAMILY",
+    "AdalnZero",
+    "embed_input",
+    "is_adaln_zero_transformer",
+    "model_geometry",
+    "plan_columns",
+    "plan_of",
+]
