@@ -1,0 +1,208 @@
+"""enable_adaln_cache on the AdaLayerNormZero family's classes: freed, exact, one pass, restorable, refusals.
+
+Each class is built tiny (seeded, no download) in fp32, and as a bf16 copy saved and loaded with
+diffusers' own ``save_pretrained``/``from_pretrained``. A few denoising steps at batch 1 and 2 (the
+batch-2 rows identical as a cond/uncond concatenation makes them, or distinct) run resident first;
+with the cache enabled and the steps prepared in one pass, every output is ``torch.equal`` to the
+resident one, the served projections hold no bytes, and ``disable()`` gives the weights back.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("diffusers")
+
+from adalncache.diffusers import enable_adaln_cache
+from adalncache.errors import ConfigError, PlanError
+from adalncache.families import adaln_zero
+from adalncache.integrations.diffusers.handle import HANDLE_ATTRIBUTE
+from adalncache.tools import tiny_adaln_zero as tiny
+from adalncache.tools.tiny import parameter_bytes
+
+#: (class, flags) of every served class, with each optional input's variant.
+SERVED = [
+    (name, flags)
+    for name, layout in adaln_zero.CLASSES.items()
+    if layout.bias
+    for flags in ([{}] + ([{flag: True for _, flag in layout.optional}] if layout.optional else []))
+]
+TIMESTEP_IN_MODEL_DTYPE = {"HunyuanImageTransformer2DModel", "HunyuanVideo15Transformer3DModel"}
+UNIT_TIMESTEPS = {"LongCatImageTransformer2DModel", "OvisImageTransformer2DModel"}
+STEPS = (0.9137, 0.6021, 0.3347)
+
+
+def _id(variant: tuple[str, dict[str, bool]]) -> str:
+    name, flags = variant
+    return name.removesuffix("Model") + "".join(f"+{flag}" for flag in flags)
+
+
+def step_inputs(model: nn.Module, step: int, batch: int, same_rows: bool) -> dict[str, torch.Tensor]:
+    """The per-step inputs of one forward, as a pipeline passes them (dtypes included)."""
+    name = type(model).__name__
+    dtype = next(model.parameters()).dtype
+    scale = 1.0 if name in UNIT_TIMESTEPS else 1000.0
+    rows = [STEPS[step]] * batch if same_rows else [STEPS[step] * (1 - 0.3 * i) for i in range(batch)]
+    t = torch.tensor(rows) * scale
+    inputs = {"timestep": t.to(dtype) if name in TIMESTEP_IN_MODEL_DTYPE else t}
+    config: Any = model.config  # type: ignore[attr-defined]
+    if config.get("use_meanflow"):
+        following = STEPS[step + 1] if step + 1 < len(STEPS) else 0.0
+        inputs[adaln_zero.TIMESTEP_R] = (torch.tensor([following] * batch) * 1000).to(dtype)
+    if config.get("guidance_embeds"):
+        inputs[adaln_zero.GUIDANCE] = torch.tensor([4.5] * batch) * (1000 if "Hunyuan" in name else 1)
+    return inputs
+
+
+#: The forwards of a request: every step at batch 1, at batch 2 with identical rows, and distinct rows.
+FORWARDS = [(step, batch, same) for step in range(len(STEPS)) for batch, same in ((1, True), (2, True), (2, False))]
+
+
+def run(model: nn.Module) -> list[torch.Tensor]:
+    outputs = []
+    for step, batch, same in FORWARDS:
+        kwargs = tiny.forward_kwargs(model, step_inputs(model, step, batch, same), batch=batch, seed=step)
+        with torch.no_grad():
+            outputs.append(model(**kwargs)[0])
+    return outputs
+
+
+def request_plans(model: nn.Module) -> list[Any]:
+    """What a caller prepares: the timestep tensor, or a mapping of the per-step inputs by argument name."""
+    plans = []
+    for step, batch, same in FORWARDS:
+        inputs = step_inputs(model, step, batch, same)
+        plans.append(inputs["timestep"] if len(inputs) == 1 else inputs)
+    return plans
+
+
+def served_bytes(model: nn.Module) -> int:
+    geometry_layers = adaln_zero.served_paths(type(model).__name__, *_counts(model))
+    return sum(
+        p.numel() * p.element_size()
+        for path, _, _ in geometry_layers
+        for p in model.get_submodule(path).parameters()
+        if p.device.type != "meta"
+    )
+
+
+def _counts(model: nn.Module) -> tuple[int, int]:
+    fields = adaln_zero.fields_from_config(type(model).__name__, model.config)  # type: ignore[arg-type]
+    return fields["double_layers"], fields["single_layers"]
+
+
+def _snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+
+
+def _assert_state_equal(model: nn.Module, snapshot: dict[str, torch.Tensor]) -> None:
+    state = model.state_dict()
+    assert state.keys() == snapshot.keys()
+    for name, tensor in state.items():
+        assert tensor.device.type != "meta" and tensor.dtype == snapshot[name].dtype, name
+        assert torch.equal(tensor, snapshot[name]), name
+
+
+@pytest.mark.parametrize("precision", ["fp32-memory", "bf16-disk"])
+@pytest.mark.parametrize("variant", SERVED, ids=[_id(v) for v in SERVED])
+def test_enabled_forwards_equal_the_resident_ones_with_the_projections_freed(
+    variant: tuple[str, dict[str, bool]], precision: str, tmp_path: Path
+) -> None:
+    name, flags = variant
+    model = tiny.build(name, **flags)
+    if precision == "bf16-disk":
+        model = tiny.save_and_load(model, tmp_path / "model", torch.bfloat16)
+    resident = run(model)
+    snapshot = _snapshot(model)
+    before, served = parameter_bytes(model), served_bytes(model)
+    assert served > 0
+
+    handle = enable_adaln_cache(model)
+    assert served_bytes(model) == 0
+    assert parameter_bytes(model) <= before - served  # the served projections (and time embedders) are gone
+    assert model.get_submodule("norm_out.linear").weight.device.type == "meta"
+    assert handle.prepare(request_plans(model)).passes == 1
+    assert handle.prepare(request_plans(model)).passes == 0  # a repeated request builds nothing
+    cached = run(model)
+    for i, (r, c) in enumerate(zip(resident, cached)):
+        assert torch.equal(r, c), f"forward {FORWARDS[i]} differs"
+    assert handle.stats.passes == 1
+
+    handle.disable()
+    assert parameter_bytes(model) == before
+    _assert_state_equal(model, snapshot)
+    assert all(torch.equal(r, c) for r, c in zip(resident, run(model)))
+
+
+def test_the_time_embedder_can_stay() -> None:
+    model = tiny.build("OvisImageTransformer2DModel")
+    resident = run(model)
+    handle = enable_adaln_cache(model, free_time_embedder=False)
+    assert model.timestep_embedder.linear_1.weight.device.type == "cpu"
+    assert model.single_transformer_blocks[0].norm.linear.weight.device.type == "meta"
+    handle.prepare(request_plans(model))
+    assert all(torch.equal(r, c) for r, c in zip(resident, run(model)))
+    handle.disable()
+
+
+def test_a_forward_missing_an_input_its_config_enables_is_a_plan_error() -> None:
+    model = tiny.build("HunyuanVideo15Transformer3DModel", use_meanflow=True)
+    handle = enable_adaln_cache(model)
+    inputs = step_inputs(model, 0, 1, True)
+    del inputs[adaln_zero.TIMESTEP_R]
+    with pytest.raises(PlanError, match="needs the forward's timestep_r tensor"), torch.no_grad():
+        model(**tiny.forward_kwargs(model, inputs, batch=1))
+    handle.disable()
+
+
+def _unchanged_refusal(model: nn.Module, match: str) -> None:
+    snapshot, text = _snapshot(model), repr(model)
+    with pytest.raises(ConfigError, match=match):
+        enable_adaln_cache(model)
+    assert repr(model) == text and getattr(model, HANDLE_ATTRIBUTE, None) is None
+    _assert_state_equal(model, snapshot)
+
+
+def test_auraflow_is_refused_for_its_bias_less_projections_unchanged() -> None:
+    _unchanged_refusal(
+        tiny.build("AuraFlowTransformer2DModel"), "AuraFlowTransformer2DModel cannot be served yet: .*no bias"
+    )
+
+
+def test_a_model_whose_modules_differ_from_its_classes_list_is_refused_unchanged() -> None:
+    from diffusers.models.normalization import AdaLayerNormZero
+
+    model = tiny.build("BriaTransformer2DModel")
+    model.transformer_blocks[1].norm1_context = AdaLayerNormZero(32, num_embeddings=4)
+    _unchanged_refusal(model, "BriaTransformer2DModel cannot be served: its modules differ .* embeds its own timestep")
+
+
+def test_flux_and_sd3_are_refused_as_prompt_modulated_unchanged() -> None:
+    from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
+
+    flux = FluxTransformer2DModel(
+        num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2, joint_attention_dim=24,
+        pooled_projection_dim=8, in_channels=8, axes_dims_rope=(4, 6, 6),
+    )  # fmt: skip
+    _unchanged_refusal(flux, "FluxTransformer2DModel cannot be served from AdaLN tables: .*pooled text")
+    sd3 = SD3Transformer2DModel(
+        sample_size=8, in_channels=4, num_layers=1, attention_head_dim=16, num_attention_heads=2,
+        joint_attention_dim=24, caption_projection_dim=32, pooled_projection_dim=8, out_channels=4,
+    )  # fmt: skip
+    _unchanged_refusal(sd3, "SD3Transformer2DModel cannot be served from AdaLN tables: .*pooled text")
+
+
+def test_a_class_of_no_family_is_refused_as_not_supported() -> None:
+    from diffusers import SanaTransformer2DModel
+
+    sana = SanaTransformer2DModel(
+        in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=16, num_layers=1,
+        num_cross_attention_heads=2, cross_attention_head_dim=16, cross_attention_dim=32, caption_channels=24,
+        sample_size=8,
+    )  # fmt: skip
+    _unchanged_refusal(sana, "SanaTransformer2DModel is not a supported family")
