@@ -213,3 +213,19 @@ def test_a_forward_without_an_input_the_config_enables_has_no_plan() -> None:
         integration.plan_of({"timestep": torch.ones(2), "timestep_r": torch.ones(1)}, plan_inputs)
     with pytest.raises(PlanError, match=r"dtype torch\.float64"):
         integration.plan_of({"timestep": torch.ones(2, dtype=torch.float64)}, ("timestep",))
+
+
+@pytest.mark.parametrize(
+    "name", ["HunyuanImageTransformer2DModel", "AuraFlowTransformer2DModel", "OvisImageTransformer2DModel"]
+)
+def test_the_meta_device_sizes_are_the_real_models_bytes(name: str) -> None:
+    """The README's served bytes and shares (counted on meta) are what a real bf16 model of that config holds."""
+    from adalncache.tools.family_sizes import measure
+
+    sizes = measure(name, tiny.config(name))
+    model = tiny.build(name, dtype=torch.bfloat16)
+    geometry = integration.model_geometry(model)
+    served = {p for layer in geometry.layers for p in model.get_submodule(str(layer.id)).parameters()}
+    assert sizes.served_bytes == sum(p.numel() * p.element_size() for p in served)
+    assert sizes.total_bytes == sum(p.numel() * p.element_size() for p in model.parameters())
+    assert sizes.served_layers == len(geometry.layers) and 0 < sizes.share < 1
