@@ -250,6 +250,69 @@ class AdalnZero(DiffusersFamily):
             return plan_of({inputs[0]: plan}, inputs)
         return plan  # a (rows, columns) plan as the cache keys it; the cache validates it
 
+    def schedule_plans(
+        self, model: nn.Module, timesteps: torch.Tensor, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+    ) -> list[Any] | None:
+        """Every remaining step's per-step inputs of a pipeline request, from its schedule and first forward.
+
+        The family's pipelines turn a scheduler timestep ``t`` into the forward's ``timestep`` in
+        one of a few ways (:data:`_PIPELINE_TIMESTEPS`); the one that gives this forward's timestep
+        (its dtype and every row) at some step is the request's, and that step is its first. With
+        mean-flow, ``timestep_r`` is the next step's timestep (0 after the last), cast like the
+        pipelines cast it; ``guidance`` is the same at every step. ``None`` when no way matches.
+        """
+        inputs = _plan_inputs(model)
+        first = {name: forward_argument(model, name, args, kwargs) for name in inputs}
+        timestep = first["timestep"]
+        if not isinstance(timestep, torch.Tensor) or timestep.dim() != 1 or timestep.numel() == 0:
+            return None
+        schedule = timesteps.detach().to("cpu", torch.float32).flatten()
+        found = _match(schedule, timestep.detach().cpu())
+        if found is None:
+            return None
+        convert, start = found
+        rows, dtype = timestep.shape[0], timestep.dtype
+        plans: list[Any] = []
+        for k in range(start, schedule.shape[0]):
+            step = {"timestep": convert(schedule[k], dtype).expand(rows)}
+            if adaln_zero.TIMESTEP_R in inputs:
+                following = schedule[k + 1] if k + 1 < schedule.shape[0] else torch.tensor(0.0)
+                step[adaln_zero.TIMESTEP_R] = following.expand(rows).to(dtype)
+            if adaln_zero.GUIDANCE in inputs:
+                step[adaln_zero.GUIDANCE] = first[adaln_zero.GUIDANCE]
+            plans.append(step if len(step) > 1 else step["timestep"])
+        given_r = first.get(adaln_zero.TIMESTEP_R)
+        if adaln_zero.TIMESTEP_R in inputs and not (
+            isinstance(given_r, torch.Tensor) and torch.equal(given_r.cpu(), plans[0][adaln_zero.TIMESTEP_R])
+        ):
+            return None  # another pipeline's timestep_r: plans build per forward
+        return plans
+
+
+#: How the family's pipelines turn a scheduler timestep (fp32) into the forward's ``timestep`` of
+#: dtype ``d``: as it is (Motif-Video, Bria), cast (HunyuanImage, HunyuanVideo-1.5, Bria-FIBO), cast
+#: then divided by 1000 (LongCat-Image, Ovis-Image), divided by 1000 then cast (AuraFlow).
+_PIPELINE_TIMESTEPS: tuple[Callable[[torch.Tensor, torch.dtype], torch.Tensor], ...] = (
+    lambda t, d: t,
+    lambda t, d: t.to(d),
+    lambda t, d: t.to(d) / 1000,
+    lambda t, d: (t / 1000).to(d),
+)
+
+
+def _match(
+    schedule: torch.Tensor, timestep: torch.Tensor
+) -> tuple[Callable[[torch.Tensor, torch.dtype], torch.Tensor], int] | None:
+    """The conversion and the step at which ``schedule`` gives ``timestep`` (every row equal), or None."""
+    if not bool((timestep == timestep[0]).all()):
+        return None  # a pipeline's rows share the step's timestep
+    for k in range(schedule.shape[0]):
+        for convert in _PIPELINE_TIMESTEPS:
+            value = convert(schedule[k], timestep.dtype)
+            if value.dtype == timestep.dtype and torch.equal(value.expand(timestep.shape[0]), timestep):
+                return convert, k
+    return None
+
 
 def _plan_inputs(model: nn.Module) -> tuple[str, ...]:
     fields = adaln_zero.fields_from_config(type(model).__name__, model.config)  # type: ignore[arg-type]
