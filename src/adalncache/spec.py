@@ -279,6 +279,10 @@ class ModulationSpec:
         name = type(model).__name__
         if name in families.REFUSED:
             families.for_class(name)  # raises the ConfigError naming the reason
+        family = families.of_class(name)
+        reader = families.READERS.get(family.name) if family is not None else None
+        if reader is not None:
+            return cls.for_geometry(**reader.from_transformer(model, dtype))
         return cls(**_default.fields_from_transformer(model, dtype))
 
     @classmethod
@@ -303,34 +307,41 @@ class ModulationSpec:
         from .source.files import checkpoint_files
         from .source.header import SafetensorsHeader
 
-        class_name = _config_class(path)
-        if class_name is not None:
-            families.for_class(class_name)  # refused and unknown classes raise here
-        if layout not in ("auto", *LAYOUTS):
+        config = _config(path)
+        class_name = config.get("_class_name")
+        reader = None
+        if isinstance(class_name, str):
+            reader = families.READERS.get(families.for_class(class_name).name)  # refused and unknown classes raise
+        if reader is not None:
+            if layout not in ("auto", "diffusers"):
+                raise ConfigError(f"layout={layout!r}: a {class_name} checkpoint has the 'diffusers' layout only")
+        elif layout not in ("auto", *LAYOUTS):
             get_layout(layout)  # raises the ConfigError that lists the layouts
         files, _ = checkpoint_files(path)
         entries: dict[str, Any] = {}
         for file in files:
             entries.update(SafetensorsHeader.read(file).entries)
-        fields = _default.fields_from_headers(path, entries, layout, modalities)
         try:
-            return cls(**fields)
+            if reader is not None:
+                return cls.for_geometry(**reader.from_headers(path, entries, config))
+            return cls(**_default.fields_from_headers(path, entries, layout, modalities))
         except ConfigError as exc:
             raise CheckpointError(f"{path}: unusable projection geometry: {exc}") from None
 
 
-def _config_class(path: object) -> str | None:
-    """The ``_class_name`` of the ``config.json`` in ``path`` (a directory) or beside it (a file), if any."""
+def _config(path: object) -> dict[str, Any]:
+    """The ``config.json`` in ``path`` (a directory) or beside it (a file, or the first of a list); ``{}`` if none."""
+    if isinstance(path, (list, tuple)) and path:
+        path = path[0]
     if not isinstance(path, (str, os.PathLike)):
-        return None
+        return {}
     where = Path(path)
     config = (where if where.is_dir() else where.parent) / "config.json"
     try:
         data = json.loads(config.read_text())
     except (OSError, ValueError):
-        return None
-    name = data.get("_class_name") if isinstance(data, dict) else None
-    return name if isinstance(name, str) else None
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 __all__ = [

@@ -20,10 +20,17 @@ import torch
 
 from ..errors import ConfigError
 from ..geometry import TABLE_ROWS, Family
-from . import adaln_zero, minimax_h3
+from . import adaln_zero, minimax_h3, qwen_image
 
 #: Every supported family by name.
-FAMILIES: dict[str, Family] = {family.name: family for family in (minimax_h3.FAMILY, adaln_zero.FAMILY)}
+FAMILIES: dict[str, Family] = {
+    family.name: family for family in (minimax_h3.FAMILY, qwen_image.FAMILY, adaln_zero.FAMILY)
+}
+
+#: The readers of the families whose spec carries its geometry (every family but the default one):
+#: ``from_transformer(model, dtype)`` and ``from_headers(path, entries, config)`` give the keywords
+#: of ``ModulationSpec.for_geometry``.
+READERS: dict[str, Any] = {qwen_image.FAMILY.name: qwen_image}
 
 _POOLED = "its AdaLN input depends on the pooled text embedding, so tables cannot be shared across prompts"
 
@@ -83,13 +90,21 @@ def table_tensor_sets() -> list[tuple[str, ...]]:
     return list(dict.fromkeys([*(family.table_tensors for family in FAMILIES.values()), (TABLE_ROWS,)]))
 
 
+def of_class(class_name: str) -> Family | None:
+    """The family whose diffusers classes include ``class_name``, or None (no error)."""
+    return next((family for family in FAMILIES.values() if class_name in family.class_names), None)
+
+
 __all__ = [
     "FAMILIES",
+    "READERS",
     "REFUSED",
     "adaln_zero",
     "for_class",
     "get",
     "minimax_h3",
+    "of_class",
+    "qwen_image",
     "supported",
     "table_fields",
     "table_tensor_sets",

@@ -200,6 +200,17 @@ class DiffusersFamily:
         """A plan given to ``prepare`` as the forward will key it (the plan itself by default)."""
         return plan
 
+    def schedule_plans(
+        self, model: nn.Module, timesteps: torch.Tensor, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+    ) -> list[Any] | None:
+        """Every step's plan of a pipeline request whose scheduler set ``timesteps``, from its first forward.
+
+        The family's pipelines turn a scheduler timestep into the forward's ``timestep`` their own
+        way; ``None`` (the default) when the family's pipelines prepare their plans themselves, or
+        when this forward's timestep is none of the computed ones (another pipeline's formula).
+        """
+        return None
+
     # -- serving -----------------------------------------------------------------------------------
 
     def swapped_layers(self, spec: ModulationSpec) -> list[Layer]:

@@ -33,7 +33,7 @@ from .choice import SourceChoice, choose_source
 from .config import AdalnCacheConfig
 from .hooks import ServingHooks
 from .lora import LoraTracker
-from .modules import base_linear, device_of, execution_device, install_overrides, remove_overrides
+from .modules import base_linear, device_of, execution_device, forward_argument, install_overrides, remove_overrides
 from .moving import LiftedGroupOffloading, guarded_apply, refresh_group_offloading
 from .parking import ParkTarget, WeightParking
 from .quantized import ProjectionStorage, adapter_guards, transformer_spec
@@ -74,6 +74,8 @@ class AdalnCacheHandle:
         self._lock = threading.RLock()
         #: Per thread: the hold of its last prepare() (``.hold``).
         self._prepared = threading.local()
+        #: Per thread: a pipeline's schedule waiting for its first forward (``.timesteps``).
+        self._schedule = threading.local()
         #: Host copies of the model's own projections (CUDA), released on disable().
         self._host_buffers: list[HostBuffer] = []
         self._fresh_state()
@@ -296,7 +298,9 @@ class AdalnCacheHandle:
     def _serve(self, choice: SourceChoice) -> None:
         """Register the hooks, and what a request or a forward holds its plans with."""
         model = self.model
-        self._hooks = hooks = ServingHooks(model, self.spec, self.cache, self._make_resident, self.family)
+        self._hooks = hooks = ServingHooks(
+            model, self.spec, self.cache, self._make_resident, self.family, before=self._before_forward
+        )
         hooks.register(time_embedder=choice.free_time_embedder)
         signature = ServedSignature(
             model,
@@ -356,6 +360,28 @@ class AdalnCacheHandle:
                 self._hooks.rebind()  # the slab tensors are new ones on the new device
             logger.info("AdaLN cache: the model runs on %s now (was %s); the tables followed", device, before)
         self.device = device
+
+    def expect_schedule(self, timesteps: torch.Tensor) -> None:
+        """A pipeline's scheduler set ``timesteps`` on this thread: its next forward prepares them all.
+
+        The first forward of the request sees how the pipeline turns a scheduler timestep into the
+        forward's argument (batch, dtype); it prepares every step's plan then, in one pass, before
+        it runs, and holds them for this thread until its next request.
+        """
+        self._schedule.timesteps = timesteps.detach().clone()
+
+    def _before_forward(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
+        """Prepare a schedule that a pipeline's scheduler set since the last forward (see :meth:`expect_schedule`)."""
+        timesteps = getattr(self._schedule, "timesteps", None)
+        if timesteps is None:
+            return
+        self._schedule.timesteps = None
+        plans = self.family.schedule_plans(self.model, timesteps, args, kwargs)
+        if plans is None:
+            logger.info("AdaLN cache: the forward's timestep is not one of the schedule's; plans build per forward")
+            return
+        attention_kwargs = forward_argument(self.model, "attention_kwargs", args, kwargs)
+        self.prepare(plans, attention_kwargs=attention_kwargs)
 
     def _make_resident(
         self, plan: torch.Tensor, key: PlanKey, attention_kwargs: Mapping[str, Any] | None, device: torch.device

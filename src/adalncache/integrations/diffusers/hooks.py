@@ -114,6 +114,8 @@ class AdalnCacheTransformerHook(ModelHook):
 
             family = for_spec(cache.spec)
         self.family = family
+        #: ``before(args, kwargs)``: runs first in :meth:`prepare` (a pipeline's schedule is prepared there).
+        self.before: Callable[[tuple[Any, ...], Mapping[str, Any]], None] | None = None
 
     def new_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         forward: Any = self.fn_ref.original_forward
@@ -134,6 +136,8 @@ class AdalnCacheTransformerHook(ModelHook):
         ``torch.compile(model)`` dynamo would otherwise break the graph at every host read and
         dictionary lookup in here.
         """
+        if self.before is not None:
+            self.before(args, kwargs)
         timestep = self.family.forward_plan(module, args, kwargs)
         # The one device-to-host read of the plan this forward makes: keys, lookups and the build all
         # use this host copy (embed moves it back to the device; the values are the same bits).
@@ -229,11 +233,13 @@ class ServingHooks:
         cache: AdalnCache,
         make_resident: MakeResident,
         family: DiffusersFamily | None = None,
+        before: Callable[[tuple[Any, ...], Mapping[str, Any]], None] | None = None,
     ) -> None:
         if family is None:
             from .registry import for_spec
 
             family = for_spec(spec)
+        self.before = before
         self.model = model
         self.spec = spec
         self.cache = cache
@@ -262,6 +268,7 @@ class ServingHooks:
         family = self.family
         registry = HookRegistry.check_if_exists_or_initialize(model)
         self._transformer_hook = AdalnCacheTransformerHook(self.cache, self.state, self.make_resident, family)
+        self._transformer_hook.before = self.before
         registry.register_hook(self._transformer_hook, TRANSFORMER_HOOK)
         # The forward the registry installed for our hook: anything else there later wraps it.
         self._forward = model.__dict__.get("forward")

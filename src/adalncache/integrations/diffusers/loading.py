@@ -1,7 +1,9 @@
-"""``load_transformer``: a MiniMax-H3 transformer built like ``from_pretrained``, minus the projections.
+"""``load_transformer``: a transformer of a supported family built like ``from_pretrained``, minus the projections.
 
-``enable_adaln_cache`` frees the AdaLN projections (24.2 GiB of MiniMax-H3's bf16 weights) of a
-model that was loaded whole, so the machine must hold the whole model once. This loads every
+The class comes from the config's ``_class_name`` (MiniMax-H3 when the config names none, as a
+native checkpoint's may not); its family (:mod:`.registry`) says which tensors are served.
+``enable_adaln_cache`` frees the AdaLN projections (24.2 GiB of MiniMax-H3's bf16 weights, 12.7 GiB
+of Qwen-Image's) of a model that was loaded whole, so the machine must hold the whole model once. This loads every
 tensor *except* the served ones, with diffusers' own steps: the config through ``load_config``,
 the model built on meta under ``no_init_weights`` and ``init_empty_weights`` with the default
 dtype set to ``torch_dtype``, and each tensor placed by ``load_model_dict_into_meta``, which
@@ -34,16 +36,17 @@ from typing import Any
 
 import torch
 
-from ... import CheckpointSource, Store
+from ... import CheckpointSource, Store, families
 from ...errors import CheckpointError, ConfigError
 from ...source import CheckpointFiles, SafetensorsHeader, checkpoint_files
 from ...source.mapped import MappedFile
-from ...spec import FINAL, LAYOUTS, KeyLayout, ModulationSpec, get_layout
+from ...spec import KeyLayout, Layer, ModulationSpec
 from ...tiers.tables import TablesArg
 from .config import AdalnCacheConfig, CacheOptions, CheckpointArg, OnMiss
+from .family import DIFFUSERS, DiffusersFamily
 from .handle import enable_transformer
-from .minimax_h3 import DIFFUSERS_LAYOUT
 from .parking import RESIDUE_BYTES
+from .registry import by_name
 from .sources import CastCheckpointSource, CheckpointMismatchError, NeverLoaded, Source
 
 logger = logging.getLogger(__name__)
@@ -155,9 +158,9 @@ def load_transformer(
         CheckpointError: a model file is malformed, lacks tensors the model needs, or changed on
             disk during the load.
     """
-    cls = _transformer_class()
     directory = _model_directory(path, subfolder)
-    _check_load_arguments(torch_dtype, qkv_layout, layout)
+    cls, family = _transformer_class(directory, config)
+    _check_load_arguments(torch_dtype, qkv_layout, layout, family)
     device, hf_device_map = _single_device(device_map)
     options = CacheOptions(
         max_plans=max_plans, max_plan_width=max_plan_width, precision=precision, host_cache_bytes=host_cache_bytes,
@@ -165,19 +168,20 @@ def load_transformer(
         batched=batched, tables=tables,
     )  # fmt: skip
     config_dict, unused = _load_config(cls, path, subfolder, directory, config)
-    files = _model_files(directory, layout)
+    model = _build_on_meta(cls, config_dict, unused, torch_dtype)
+    layers = family.model_layers(model)
+    files = _model_files(directory, layout, family, layers[0])
     if files.layout.name == "native":
         sharded = files.checkpoint.index is not None or len(files.files) > 1
         qkv_layout = qkv_layout or ("interleaved" if sharded else "stacked")
 
-    model = _build_on_meta(cls, config_dict, unused, torch_dtype)
     expected: set[str] = set(model.state_dict())
     keep = list(cls._keep_in_fp32_modules or [])
-    served = _served_keys(files.layout, int(config_dict["num_layers"]), time_embedder=free_time_embedder is not False)
+    served = _served_keys(files.layout, family.layout, layers, time_embedder=free_time_embedder is not False)
     # 1. Placeholders: the stock dtype rule run on meta tensors (nothing read, nothing allocated).
     placeholders = _meta_tensors(files, served, config_dict, qkv_layout)
     _load_into(model, placeholders, torch_dtype, keep, {"": torch.device("meta")})
-    spec = ModulationSpec.from_transformer(model)
+    spec = family.spec(model)
 
     # 2. The source the cache serves from, checked against the config before any weight is read.
     tables_only = checkpoint is None and tables is not None and not _has_projections(files, served)
@@ -221,17 +225,19 @@ def load_transformer(
 # ---------------------------------------------------------------------------------------------------- arguments
 
 
-def _check_load_arguments(torch_dtype: torch.dtype | None, qkv_layout: str | None, layout: str) -> None:
+def _check_load_arguments(
+    torch_dtype: torch.dtype | None, qkv_layout: str | None, layout: str, family: DiffusersFamily
+) -> None:
     """Refuse a dtype, a fused-qkv row order or a key layout ``load_transformer`` cannot load."""
     if torch_dtype is not None and torch_dtype not in TORCH_DTYPES:
         raise ConfigError(
-            f"torch_dtype={torch_dtype!r} cannot load a MiniMax-H3 transformer: pass torch.bfloat16 (the released "
-            "mixed precision), torch.float16, torch.float32 or None"
+            f"torch_dtype={torch_dtype!r} cannot load a {family.family.title} transformer: pass torch.bfloat16 (the "
+            "released precision), torch.float16, torch.float32 or None"
         )
     if qkv_layout is not None and qkv_layout not in QKV_LAYOUTS:
         raise ConfigError(f"qkv_layout must be one of {list(QKV_LAYOUTS)} or None, got {qkv_layout!r}")
     if layout != "auto":
-        get_layout(layout)
+        family.family.layout(layout)
 
 
 def _source_of(
@@ -272,12 +278,38 @@ def _check_loaded(directory: Path, expected: set[str], seen: set[str], never_in_
         logger.warning("load_transformer: %d tensor(s) of %s are not used by the model", len(unexpected), directory)
 
 
-def _transformer_class() -> Any:
+#: The family a config that names no class is loaded as (a native MiniMax-H3 checkpoint's).
+DEFAULT_FAMILY = "minimax-h3"
+
+
+def _transformer_class(directory: Path, config: Any) -> tuple[Any, DiffusersFamily]:
+    """The diffusers class named by the config's ``_class_name`` and its family (refused classes raise)."""
     try:
-        from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3Transformer3DModel
+        import diffusers
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise ConfigError("load_transformer needs diffusers (pip install 'adalncache[diffusers]')") from exc
-    return MiniMaxH3Transformer3DModel
+    name = _class_name(directory, config)
+    family = by_name(families.for_class(name).name if name is not None else DEFAULT_FAMILY)
+    cls_name = name or family.family.class_names[0]
+    cls = getattr(diffusers, cls_name, None)
+    if cls is None:
+        raise ConfigError(f"this diffusers release has no {cls_name}: install a diffusers that does")
+    return cls, family
+
+
+def _class_name(directory: Path, config: Any) -> str | None:
+    """``_class_name`` of the config ``config=`` names, else of ``directory``'s ``config.json`` (None: none)."""
+    if isinstance(config, Mapping):
+        data: Any = config
+    else:
+        where = Path(config) if config is not None else directory
+        where = where / "config.json" if where.is_dir() else where
+        try:
+            data = json.loads(where.read_text())
+        except (OSError, ValueError):
+            return None
+    name = data.get("_class_name") if isinstance(data, Mapping) else None
+    return name if isinstance(name, str) else None
 
 
 def _model_directory(path: Any, subfolder: str | None) -> Path:
@@ -355,12 +387,12 @@ def _load_config(
     if loaded.get("_class_name") not in (None, cls.__name__):
         raise ConfigError(
             f"{argument} holds the config of a {loaded.get('_class_name')}, not a {cls.__name__}: pass the "
-            "MiniMax-H3 transformer's directory"
+            "transformer's directory"
         )
     return copy.deepcopy(loaded), unused
 
 
-def _model_files(directory: Path, layout: str) -> _Files:
+def _model_files(directory: Path, layout: str, family: DiffusersFamily, first: Layer) -> _Files:
     """The weight files ``from_pretrained`` would read (diffusers names), else the native ones."""
     try:
         if (directory / DIFFUSERS_INDEX).is_file():
@@ -378,23 +410,25 @@ def _model_files(directory: Path, layout: str) -> _Files:
             f"path=: {exc} (load_transformer reads safetensors weights, diffusers or native layout)"
         ) from None
     keys = set(checkpoint.where)
-    names = [layout] if layout != "auto" else list(LAYOUTS)
-    found = [n for n in names if {LAYOUTS[n].weight(0), LAYOUTS[n].time_embedder_tensors()[0]} & keys]
+    layouts = {lay.name: lay for lay in family.family.layouts}
+    names = [layout] if layout != "auto" else list(layouts)
+    found = [n for n in names if {layouts[n].weight(first), layouts[n].time_embedder_tensors()[0]} & keys]
     if not found:
         raise CheckpointError(
-            f"the weight files of {directory} hold no MiniMax-H3 transformer in the {' or '.join(names)} layout "
-            f"(no {LAYOUTS[names[0]].weight(0)!r}): pass path= the transformer's directory"
+            f"the weight files of {directory} hold no {family.family.title} transformer in the {' or '.join(names)} "
+            f"layout (no {layouts[names[0]].weight(first)!r}): pass path= the transformer's directory"
         )
-    return _Files(list(checkpoint.files), checkpoint, LAYOUTS[found[0]])
+    return _Files(list(checkpoint.files), checkpoint, layouts[found[0]])
 
 
 def _serving_source(paths: Any, spec: ModulationSpec, layout: str, argument: str) -> Source:
     """The checkpoint the cache reads the projections from, cast on read to the model's dtype if needed."""
     try:
         probe = CheckpointFiles.read(paths)
+        first = spec.layers()[0]
         dtypes = {
             entry.torch_dtype
-            for name in (lay.weight(0) for lay in LAYOUTS.values())
+            for name in (lay.weight(first) for lay in spec.layouts().values())
             if (entry := probe.where[name].entries[name] if name in probe.where else None) is not None
         }
         file_dtype = dtypes.pop() if len(dtypes) == 1 else spec.dtype
@@ -402,7 +436,7 @@ def _serving_source(paths: Any, spec: ModulationSpec, layout: str, argument: str
     except CheckpointError as exc:
         raise CheckpointMismatchError(
             f"{argument} cannot serve this model's AdaLN projections ({spec.num_layers} blocks, hidden "
-            f"{spec.hidden_size}, time embedding {spec.time_embed_dim}, from its config): {exc}"
+            f"{spec.hidden_size}, projection input {spec.time_embed_dim}, from its config): {exc}"
         ) from exc
     if source.spec.dtype != spec.dtype:
         return CastCheckpointSource(source, spec.dtype)
@@ -481,14 +515,19 @@ def _build_on_meta(cls: Any, config: dict[str, Any], unused: dict[str, Any], tor
             torch.set_default_dtype(dtype_orig)
 
 
-def _served_keys(layout: KeyLayout, num_layers: int, *, time_embedder: bool) -> dict[str, tuple[str, str]]:
-    """The tensors the cache serves: ``{name in the files: (name in the model, "projection" | "time_embedder")}``."""
+def _served_keys(
+    layout: KeyLayout, model_layout: KeyLayout, layers: list[Layer], *, time_embedder: bool
+) -> dict[str, tuple[str, str]]:
+    """The tensors the cache serves: ``{name in the files: (name in the model, "projection" | "time_embedder")}``.
+
+    ``model_layout``: the family's diffusers layout (the names inside the model).
+    """
     keys: dict[str, tuple[str, str]] = {}
-    for layer in [*range(num_layers), FINAL]:
-        keys[layout.weight(layer)] = (DIFFUSERS_LAYOUT.weight(layer), "projection")
-        keys[layout.bias(layer)] = (DIFFUSERS_LAYOUT.bias(layer), "projection")
+    for layer in layers:
+        keys[layout.weight(layer)] = (model_layout.weight(layer), "projection")
+        keys[layout.bias(layer)] = (model_layout.bias(layer), "projection")
     if time_embedder:
-        for theirs, ours in zip(layout.time_embedder_tensors(), DIFFUSERS_LAYOUT.time_embedder_tensors()):
+        for theirs, ours in zip(layout.time_embedder_tensors(), model_layout.time_embedder_tensors()):
             keys[theirs] = (ours, "time_embedder")
     return keys
 
@@ -569,7 +608,7 @@ def _resident_files(files: _Files, config: Any) -> _Files:
     if not ((where / DIFFUSERS_INDEX).is_file() or (where / DIFFUSERS_WEIGHTS).is_file()):
         return files
     try:
-        return _model_files(where, "diffusers")
+        return _model_files(where, DIFFUSERS, by_name(DEFAULT_FAMILY), 0)
     except CheckpointError as exc:
         logger.warning(
             "load_transformer: the diffusers weights next to config= cannot be read (%s); the served fp32 "

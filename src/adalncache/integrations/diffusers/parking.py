@@ -26,7 +26,6 @@ weight is refused.
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -38,7 +37,7 @@ from torch import nn
 from ...errors import ConfigError
 from ...source import ALIGNMENT, aligned_empty
 from ...source.mapped import MappedFile
-from ...spec import FINAL, Layer
+from ...spec import Layer
 from .modules import swapped_parameters
 from .quantized import is_plain_tensor
 from .sources import HostTensors, Source, read_layers, source_key
@@ -74,11 +73,6 @@ class ParkedParam:
     requires_grad: bool
     layer: Layer | None  # projection layer, or None for the time embedder
     key: str | None  # the source's name of the tensor, when it is read back from the source
-
-
-def _pass_order(layer: Layer) -> float:
-    """Sort key giving the order a pass reads layers in (blocks by index, then the output layer)."""
-    return math.inf if layer == FINAL else float(layer)
 
 
 def _as_function(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -198,7 +192,8 @@ class WeightParking:
         # Freed ones (a source without weights: table files only) keep their meta placeholders.
         freed = self.freed
         reread: dict[tuple[Layer, str], torch.Tensor] = {}
-        layers = sorted({p.layer for p in self.parked if p.original is None and p.layer is not None}, key=_pass_order)
+        # In the order they were parked: the spec's pass order (layers may be module paths).
+        layers = list(dict.fromkeys(p.layer for p in self.parked if p.original is None and p.layer is not None))
         layers = [] if freed else layers
         if layers:
             assert self._source is not None

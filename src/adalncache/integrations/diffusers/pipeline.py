@@ -1,4 +1,5 @@
-"""The AdaLN cache on a MiniMax-H3 modular pipeline: one handle per transformer, one prepare block per loop.
+"""The AdaLN cache on a pipeline: one handle per transformer; a prepare block per loop (modular pipelines)
+or a watched scheduler (classic pipelines such as ``QwenImagePipeline``, see :mod:`.scheduling`).
 
 A pipeline may hold ``transformer`` and ``transformer_ref``, each with its own weights and so its
 own cache. :class:`AdalnCachePrepareStep` sits in front of each denoise loop's denoiser and, at the
@@ -27,7 +28,8 @@ from diffusers.modular_pipelines.modular_pipeline_utils import InputParam, Outpu
 from ...errors import ConfigError
 from .config import AdalnCacheConfig, CheckpointArg
 from .handle import AdalnCacheHandle, adaln_cache_handle, enable_transformer
-from .minimax_h3 import is_minimax_h3_transformer
+from .registry import family_of, recognised
+from .scheduling import ScheduleWatch
 
 #: Name of the block inserted in front of each loop denoiser.
 PREPARE_BLOCK = "adaln_cache_prepare"
@@ -135,6 +137,7 @@ class PipelineAdalnCacheHandle:
         self.pipeline = pipeline
         self.handles = handles
         self._inserted: list[tuple[LoopSequentialPipelineBlocks, str]] = []
+        self._watch: ScheduleWatch | None = None
 
     def __getitem__(self, name: str) -> AdalnCacheHandle:
         return self.handles[name]
@@ -186,8 +189,19 @@ class PipelineAdalnCacheHandle:
                 del loop.sub_blocks[key]
             unwrap_loop_step(loop)
         self._inserted.clear()
+        if self._watch is not None:
+            self._watch.remove()
+            self._watch = None
         for handle in self.handles.values():
             handle.disable(allow_changed_checkpoint=allow_changed_checkpoint)
+
+    def watch_scheduler(self) -> None:
+        """A classic pipeline (no modular blocks): each request's schedule is prepared at its first forward."""
+        if getattr(self.pipeline, "_blocks", None) is not None or "transformer" not in self.handles:
+            return
+        handle = self.handles["transformer"]
+        self._watch = ScheduleWatch(getattr(self.pipeline, "scheduler", None), handle.expect_schedule)
+        self._watch.install()
 
     def insert_prepare_blocks(self) -> None:
         """Put a prepare block in front of the denoiser of every denoise loop that has none yet."""
@@ -226,12 +240,15 @@ def enable_pipeline(
     components: dict[str, Any] = {
         name: getattr(pipeline, name, None)
         for name in PIPELINE_TRANSFORMERS
-        if is_minimax_h3_transformer(getattr(pipeline, name, None))
+        if recognised(getattr(pipeline, name, None)) is not None
     }
     if not components:
+        transformer = getattr(pipeline, "transformer", None)
+        if isinstance(transformer, torch.nn.Module):
+            family_of(transformer)  # a refused or unknown class: the ConfigError says why
         raise ConfigError(
-            "enable_adaln_cache needs a MiniMaxH3Transformer3DModel or a MiniMax-H3 modular pipeline "
-            f"holding `transformer` or `transformer_ref`, got {type(pipeline).__name__}"
+            "enable_adaln_cache needs a transformer of a supported family, or a pipeline holding one as "
+            f"`transformer` (or `transformer_ref`), got {type(pipeline).__name__}"
         )
     checkpoints: dict[str, CheckpointArg | None]
     if isinstance(checkpoint, Mapping):
@@ -268,4 +285,5 @@ def enable_pipeline(
         raise
     pipeline_handle = PipelineAdalnCacheHandle(pipeline, handles)
     pipeline_handle.insert_prepare_blocks()
+    pipeline_handle.watch_scheduler()
     return pipeline_handle

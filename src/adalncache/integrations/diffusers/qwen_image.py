@@ -1,0 +1,158 @@
+"""What is Qwen-Image's in the integration: its :class:`~.family.DiffusersFamily` (:data:`FAMILY`).
+
+``QwenImageTransformer2DModel.forward`` (diffusers 0.42.1) does, in this order:
+
+1. ``timestep = timestep.to(hidden_states.dtype)`` (``hidden_states`` after ``img_in``: the model's
+   compute dtype), then with ``zero_cond_t`` ``timestep = cat([timestep, timestep * 0])``;
+2. ``temb = time_text_embed(timestep, hidden_states, additional_t_cond)``: ``time_proj`` (in the
+   timestep's dtype), the timestep embedder at ``hidden_states``' dtype, plus
+   ``addition_t_embedding(additional_t_cond)`` when ``use_additional_t_cond``;
+3. each block: ``img_mod(temb)`` (``SiLU`` in the model dtype, then ``Linear(dim, 6 * dim)``) on all
+   rows, ``txt_mod`` on the first half of the rows with ``zero_cond_t`` (all of them otherwise);
+4. ``norm_out.linear(silu(temb).to(x.dtype))`` on the same rows as ``txt_mod``.
+
+So a forward's plan is its timestep *as the forward sees it*: cast to the compute dtype (its fp32
+value is exact: in bf16 serving the plan's bits are bf16 values), doubled with ``zero_cond_t``,
+with the ``additional_t_cond`` index as a second column for the Layered variant. :meth:`QwenImage.embed`
+computes the inputs from that plan with the model's own ``time_text_embed``: ``silu(temb)`` for
+``img_mod`` (every plan row) and ``silu(temb[:B])`` for the others (the first half with
+``zero_cond_t``), each projected at its own row count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...errors import PlanError
+from ...families import qwen_image as core
+from ...geometry import TIMESTEP
+from ...spec import Layer, ModulationSpec
+from .family import DiffusersFamily, timestep_argument
+from .modules import bypassing_hooks, forward_argument, stock_dtype
+
+
+class QwenImage(DiffusersFamily):
+    """Qwen-Image (``QwenImageTransformer2DModel``) as the integration serves it."""
+
+    family = core.FAMILY
+    time_embedder = "time_text_embed"
+
+    def swapped_layers(self, spec: ModulationSpec) -> list[Layer]:
+        """Every block's ``img_mod.1`` and ``txt_mod.1``: their ``Sequential`` owners are class-swapped."""
+        return [layer for layer in spec.layers() if str(layer).startswith(f"{self.blocks}.")]
+
+    def stand_in(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[int, torch.dtype | None]:
+        """``time_text_embed(timestep, hidden_states, ...)`` has one row per timestep, in ``hidden_states``' dtype."""
+        timestep = args[0] if args else kwargs["timestep"]
+        hidden_states = args[1] if len(args) > 1 else kwargs.get("hidden_states")
+        return int(timestep.shape[0]), getattr(hidden_states, "dtype", None)
+
+    # -- plans ---------------------------------------------------------------------------------------
+
+    def forward_plan(self, module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> torch.Tensor:
+        """The forward's timestep as it sees it (cast, doubled with ``zero_cond_t``), with its index column."""
+        timestep = timestep_argument(module, args, kwargs)
+        additional = forward_argument(module, core.ADDITIONAL, args, kwargs)
+        return self.plan(module, timestep, additional)
+
+    def request_plan(self, model: nn.Module, plan: Any) -> Any:
+        """A ``prepare()`` plan: the ``timestep`` tensor the forward receives, or a mapping by argument name."""
+        if isinstance(plan, Mapping):
+            unknown = sorted(set(plan) - {TIMESTEP, core.ADDITIONAL})
+            if unknown or TIMESTEP not in plan:
+                raise PlanError(
+                    f"a Qwen-Image plan is the forward's timestep tensor, or a mapping with 'timestep' (and "
+                    f"'additional_t_cond'), got the keys {sorted(plan)}"
+                )
+            return self.plan(model, plan[TIMESTEP], plan.get(core.ADDITIONAL))
+        if not isinstance(plan, torch.Tensor):
+            raise PlanError(f"a Qwen-Image plan is the forward's timestep tensor, got {type(plan).__name__}")
+        return self.plan(model, plan, None)
+
+    def schedule_plans(
+        self, model: nn.Module, timesteps: torch.Tensor, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+    ) -> list[Any] | None:
+        """The Qwen-Image pipelines' ``t.expand(batch).to(latents.dtype) / 1000`` for every scheduler timestep.
+
+        Computed with the same operations in the same dtype as the pipeline, so the bits are the
+        forward's; ``None`` when this forward's timestep is none of them (a pipeline with another formula).
+        """
+        timestep = timestep_argument(model, args, kwargs)
+        if timestep.dim() != 1 or not timestep.is_floating_point():
+            return None
+        batch, dtype = timestep.shape[0], timestep.dtype
+        steps = [t.expand(batch).to(dtype) / 1000 for t in timesteps.detach().to(timestep.device)]
+        if not any(torch.equal(step, timestep) for step in steps):
+            return None
+        additional = forward_argument(model, core.ADDITIONAL, args, kwargs)
+        if getattr(model.config, "use_additional_t_cond", False):
+            return [{TIMESTEP: step, core.ADDITIONAL: additional} for step in steps]
+        return steps
+
+    def plan(self, model: Any, timestep: torch.Tensor, additional: Any) -> torch.Tensor:
+        """The plan of a forward called with ``timestep`` and ``additional_t_cond``: float32, exact."""
+        if not isinstance(timestep, torch.Tensor) or timestep.dim() != 1 or not timestep.is_floating_point():
+            raise PlanError(
+                f"Qwen-Image's timestep is a 1-D floating-point tensor (one entry per sample), got "
+                f"{_describe(timestep)}"
+            )
+        seen = timestep.detach().to(compute_dtype(model))
+        if model.config.zero_cond_t:
+            seen = torch.cat([seen, seen * 0], dim=0)
+        plan = seen.to(torch.float32)  # exact: every bf16, fp16 and fp32 value is an fp32 value
+        if not model.config.use_additional_t_cond:
+            return plan
+        if not isinstance(additional, torch.Tensor) or additional.dim() != 1:
+            raise PlanError(
+                f"this Qwen-Image transformer has use_additional_t_cond: its plan needs the forward's "
+                f"additional_t_cond (a 1-D index tensor), got {_describe(additional)}"
+            )
+        if additional.shape[0] not in (1, plan.shape[0]):
+            raise PlanError(
+                f"additional_t_cond has {additional.shape[0]} entries for {plan.shape[0]} timestep rows; the forward "
+                "adds its embedding to temb row by row, so pass one entry, or one per row"
+            )
+        column = additional.detach().to(device=plan.device).expand(plan.shape[0]).to(torch.float32)
+        return torch.stack([plan, column], dim=1)
+
+    # -- the input -------------------------------------------------------------------------------------
+
+    def embed(
+        self, model: Any, spec: ModulationSpec, plan: torch.Tensor, device: torch.device
+    ) -> torch.Tensor | Mapping[str, torch.Tensor]:
+        """``silu(temb)`` from the model's own ``time_text_embed``, as the forward computes it (module docstring)."""
+        dtype = compute_dtype(model)
+        plan = plan.to(device)
+        timestep = (plan[:, 0] if plan.dim() == 2 else plan).to(dtype)
+        additional = plan[:, 1].to(torch.long) if plan.dim() == 2 else None
+        module = model.get_submodule(self.time_embedder)
+        # Only the dtype of hidden_states is read by time_text_embed.
+        hidden = torch.empty(0, dtype=dtype, device=device)
+        with bypassing_hooks(module.modules()):
+            temb = module(timestep, hidden, additional)
+        if not model.config.zero_cond_t:
+            return F.silu(temb)
+        first = temb.chunk(2, dim=0)[0]
+        return {core.INPUT: F.silu(temb), core.FIRST: F.silu(first)}
+
+
+def compute_dtype(model: Any) -> torch.dtype:
+    """The dtype of ``hidden_states`` after ``img_in``: what the forward casts the timestep to."""
+    return stock_dtype(model.img_in)
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)} and dtype {value.dtype}"
+    return type(value).__name__
+
+
+#: The one instance the registry serves Qwen-Image models with.
+FAMILY = QwenImage()
+
+__all__ = ["FAMILY", "QwenImage", "compute_dtype"]

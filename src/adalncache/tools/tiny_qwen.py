@@ -1,0 +1,165 @@
+"""Tiny deterministic Qwen-Image transformers (a real ``QwenImageTransformer2DModel``, no download).
+
+Variants: ``"plain"`` (Qwen-Image), ``"zero-cond"`` (``zero_cond_t``, as Qwen-Image-Edit-2511) and
+``"layered"`` (``use_additional_t_cond``, as Qwen-Image-Layered). The sizes keep a forward on two
+CPU cores in milliseconds while every code path of the released model runs: two blocks, two heads.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import ConfigError
+
+#: The constructor arguments shared by every variant.
+BASE: dict[str, Any] = {
+    "patch_size": 2,
+    "in_channels": 16,
+    "out_channels": 4,
+    "num_layers": 2,
+    "attention_head_dim": 16,
+    "num_attention_heads": 2,
+    "joint_attention_dim": 24,
+    "axes_dims_rope": (4, 6, 6),
+}
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    "plain": {},
+    "zero-cond": {"zero_cond_t": True},
+    "layered": {"use_additional_t_cond": True},
+}
+
+
+def tiny_qwen_config(variant: str = "plain") -> dict[str, Any]:
+    """The ``QwenImageTransformer2DModel`` constructor arguments of a tiny model of ``variant``."""
+    if variant not in VARIANTS:
+        raise ConfigError(f"unknown tiny Qwen-Image variant {variant!r}: use one of {sorted(VARIANTS)}")
+    return {**BASE, **VARIANTS[variant]}
+
+
+def tiny_qwen_transformer(variant: str = "plain", seed: int = 0) -> nn.Module:
+    """A deterministic fp32 ``QwenImageTransformer2DModel`` of ``variant``, in eval mode.
+
+    The modulation projections are widened (the default init leaves them near zero) so that a
+    wrong table changes the output visibly; the global RNG is forked, so building one never
+    changes the random stream of the caller.
+    """
+    from diffusers import QwenImageTransformer2DModel
+
+    config = tiny_qwen_config(variant)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model: Any = QwenImageTransformer2DModel(**config)
+        with torch.no_grad():
+            for linear in modulation_linears(model):
+                linear.weight.mul_(4.0)
+                linear.bias.normal_(0.0, 0.5)
+            if config.get("use_additional_t_cond"):
+                model.time_text_embed.addition_t_embedding.weight.normal_(0.0, 0.5)
+    return model.eval()
+
+
+def modulation_linears(model: Any) -> list[Any]:
+    """Every block's ``img_mod.1`` and ``txt_mod.1`` and ``norm_out.linear``, in the geometry's order."""
+    linears = []
+    for block in model.transformer_blocks:
+        linears += [block.img_mod[1], block.txt_mod[1]]
+    linears.append(model.norm_out.linear)
+    return [getattr(linear, "base_layer", linear) for linear in linears]
+
+
+def save_tiny_qwen(model: nn.Module, directory: str | os.PathLike[str], *, dtype: torch.dtype = torch.bfloat16) -> Any:
+    """``save_pretrained`` the model to ``directory`` and load it back with ``torch_dtype=dtype``."""
+    from diffusers import QwenImageTransformer2DModel
+
+    if dtype not in (torch.bfloat16, torch.float32, torch.float16):
+        raise ConfigError(f"save_tiny_qwen dtype must be bfloat16, float16 or float32, got {dtype}")
+    directory = Path(directory)
+    model.save_pretrained(directory)  # type: ignore[operator]
+    return QwenImageTransformer2DModel.from_pretrained(directory, torch_dtype=dtype).eval()
+
+
+def tiny_qwen_inputs(
+    model: Any, batch: int = 1, *, seed: int = 0, dtype: torch.dtype | None = None, frames: int = 1
+) -> dict[str, Any]:
+    """Deterministic forward arguments for a tiny model: a 4x4 latent grid (x ``frames``), 5 text tokens.
+
+    ``frames`` > 1 gives ``zero_cond_t`` models a condition image per sample (``img_shapes`` of
+    several entries) as the Edit pipelines pass it. The timestep is the pipeline's ``t / 1000``.
+    """
+    config = model.config
+    dtype = dtype or model.img_in.weight.dtype
+    generator = torch.Generator().manual_seed(seed)
+    tokens = 16 * frames
+    hidden = torch.randn(batch, tokens, config.in_channels, generator=generator).to(dtype)
+    text = torch.randn(batch, 5, config.joint_attention_dim, generator=generator).to(dtype)
+    timestep = (torch.tensor([937.5, 250.0])[:batch] if batch <= 2 else torch.linspace(999, 1, batch)) / 1000
+    inputs: dict[str, Any] = {
+        "hidden_states": hidden,
+        "encoder_hidden_states": text,
+        "encoder_hidden_states_mask": torch.ones(batch, 5, dtype=torch.long),
+        "timestep": timestep.to(dtype),
+        "img_shapes": [[(1, 4, 4)] * frames for _ in range(batch)],
+        "return_dict": False,
+    }
+    if config.use_additional_t_cond:
+        inputs["additional_t_cond"] = torch.tensor([1] * batch, dtype=torch.long)
+    return inputs
+
+
+def tiny_qwen_vae(seed: int = 0) -> Any:
+    """A deterministic tiny ``AutoencoderKLQwenImage`` (8x spatial, 4 latent channels), in eval mode."""
+    from diffusers import AutoencoderKLQwenImage
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        vae: Any = AutoencoderKLQwenImage(
+            base_dim=8, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+            latents_mean=[0.1, -0.2, 0.3, 0.0], latents_std=[1.5, 2.0, 1.0, 2.5],
+        )  # fmt: skip
+    return vae.eval()
+
+
+def tiny_qwen_pipeline(variant: str = "plain", seed: int = 0, transformer: Any = None) -> Any:
+    """A ``QwenImagePipeline`` of a tiny transformer and VAE, without text encoder and tokenizer.
+
+    A Qwen2.5-VL text encoder needs its tokenizer's files, which cannot be made offline: requests
+    pass ``prompt_embeds`` and ``prompt_embeds_mask`` (:func:`tiny_prompt_embeds`) instead.
+    """
+    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
+
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9, shift_terminal=0.02, time_shift_type="exponential"
+    )
+    model = transformer if transformer is not None else tiny_qwen_transformer(variant, seed)
+    return QwenImagePipeline(
+        scheduler=scheduler, vae=tiny_qwen_vae(seed), text_encoder=None, tokenizer=None, transformer=model
+    )
+
+
+def tiny_prompt_embeds(model: Any, batch: int = 1, seed: int = 0, tokens: int = 5) -> dict[str, torch.Tensor]:
+    """Deterministic ``prompt_embeds`` and ``prompt_embeds_mask`` for a tiny pipeline's transformer."""
+    generator = torch.Generator().manual_seed(seed)
+    embeds = torch.randn(batch, tokens, model.config.joint_attention_dim, generator=generator)
+    return {
+        "prompt_embeds": embeds.to(model.img_in.weight.dtype),
+        "prompt_embeds_mask": torch.ones(batch, tokens, dtype=torch.long),
+    }
+
+
+__all__ = [
+    "VARIANTS",
+    "modulation_linears",
+    "save_tiny_qwen",
+    "tiny_prompt_embeds",
+    "tiny_qwen_config",
+    "tiny_qwen_inputs",
+    "tiny_qwen_pipeline",
+    "tiny_qwen_transformer",
+    "tiny_qwen_vae",
+]
