@@ -206,3 +206,38 @@ def test_a_class_of_no_family_is_refused_as_not_supported() -> None:
         sample_size=8,
     )  # fmt: skip
     _unchanged_refusal(sana, "SanaTransformer2DModel is not a supported family")
+
+
+@pytest.mark.parametrize("precision", ["fp32-memory", "bf16-disk"])
+@pytest.mark.parametrize("name", sorted(tiny.PIPELINES))
+def test_a_pipeline_request_is_built_in_one_pass_and_repeats_build_nothing(
+    name: str, precision: str, tmp_path: Path
+) -> None:
+    """Bria (cond and uncond concatenated: 2 identical rows a forward) and Ovis-Image (two forwards a step).
+
+    The tiny pipelines have no text encoder (their tokenizers cannot be made offline): requests pass
+    ``prompt_embeds`` and return latents; the denoising loop is the pipeline's own.
+    """
+    transformer = tiny.build(name)
+    if precision == "bf16-disk":
+        transformer = tiny.save_and_load(transformer, tmp_path / "model", torch.bfloat16)
+    pipe = tiny.tiny_pipeline(transformer)
+    prompt, negative = tiny.prompt_embeds(transformer, seed=1), tiny.prompt_embeds(transformer, seed=2)
+    extra = {"negative_prompt": None} if name == "OvisImageTransformer2DModel" else {}
+
+    def run(steps: int) -> torch.Tensor:
+        out = pipe(
+            prompt_embeds=prompt, negative_prompt_embeds=negative, guidance_scale=4.0, height=8, width=8,
+            num_inference_steps=steps, generator=torch.Generator().manual_seed(0), output_type="latent", **extra,
+        )  # fmt: skip
+        return out.images  # type: ignore[no-any-return]
+
+    resident = {steps: run(steps) for steps in (3, 4)}
+    handle = enable_adaln_cache(pipe)
+    assert torch.equal(run(4), resident[4]) and handle.stats.passes == 1
+    assert len(handle.cache) == 4  # every step's plan, prepared before the first step ran
+    assert torch.equal(run(4), resident[4]) and handle.stats.passes == 1  # the same request: no pass
+    assert torch.equal(run(3), resident[3]) and handle.stats.passes == 2  # a new schedule: one pass
+    handle.disable()
+    assert "set_timesteps" not in pipe.scheduler.__dict__
+    assert torch.equal(run(4), resident[4])
