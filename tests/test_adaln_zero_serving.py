@@ -241,3 +241,63 @@ def test_a_pipeline_request_is_built_in_one_pass_and_repeats_build_nothing(
     handle.disable()
     assert "set_timesteps" not in pipe.scheduler.__dict__
     assert torch.equal(run(4), resident[4])
+
+
+#: How each class's diffusers pipeline turns a scheduler timestep ``t`` into the forward's per-step
+#: inputs (the lines of its denoising loop), for the classes whose pipelines are not built tiny here.
+PIPELINE_STEP: dict[str, Any] = {
+    # pipeline_hunyuanimage.py: t.expand(B).to(dtype); timestep_r the next timestep (0 at the end),
+    # expanded then cast; guidance the distilled scale in the transformer's dtype times 1000.
+    "HunyuanImageTransformer2DModel": lambda t, nxt, b, d: {
+        "timestep": t.expand(b).to(d),
+        "timestep_r": nxt.expand(b).to(d),
+        "guidance": torch.tensor([3.5] * b, dtype=d) * 1000.0,
+    },
+    # pipeline_hunyuan_video1_5_image2video.py: as HunyuanImage's without guidance.
+    "HunyuanVideo15Transformer3DModel": lambda t, nxt, b, d: {
+        "timestep": t.expand(b).to(d),
+        "timestep_r": nxt.expand(b).to(d),
+    },
+    # pipeline_motif_video.py: t.expand(B).
+    "MotifVideoTransformer3DModel": lambda t, nxt, b, d: {"timestep": t.expand(b)},
+    # pipeline_longcat_image.py: t.expand(B).to(dtype), passed as timestep / 1000.
+    "LongCatImageTransformer2DModel": lambda t, nxt, b, d: {"timestep": t.expand(b).to(d) / 1000},
+    # pipeline_bria_fibo.py: t.expand(B).to(dtype); guidance as the caller passes it.
+    "BriaFiboTransformer2DModel": lambda t, nxt, b, d: {
+        "timestep": t.expand(b).to(d),
+        "guidance": torch.tensor([5.0] * b),
+    },
+}
+
+
+@pytest.mark.parametrize("name", sorted(PIPELINE_STEP))
+def test_a_schedule_read_from_the_first_forward_covers_every_step(name: str, tmp_path: Path) -> None:
+    """The family's schedule_plans, given a scheduler's timesteps and a request's first forward as the
+    class's pipeline builds it, prepares plans that every later forward hits (on_miss="raise")."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    flags = {flag: True for _, flag in adaln_zero.CLASSES[name].optional}
+    model = tiny.save_and_load(tiny.build(name, **flags), tmp_path / "model", torch.bfloat16)
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
+    scheduler.set_timesteps(5)
+    timesteps = scheduler.timesteps
+    following = [*timesteps[1:], torch.tensor(0.0)]
+    forwards = [PIPELINE_STEP[name](t, n, 2, torch.bfloat16) for t, n in zip(timesteps, following)]
+    resident = []
+    for inputs in forwards:
+        with torch.no_grad():
+            resident.append(model(**tiny.forward_kwargs(model, inputs, batch=2))[0])
+
+    handle = enable_adaln_cache(model, on_miss="raise")
+    first = tiny.forward_kwargs(model, forwards[0], batch=2)
+    plans = handle.family.schedule_plans(model, timesteps, (), first)
+    assert plans is not None and len(plans) == len(timesteps)
+    assert handle.prepare(plans).passes == 1
+    for inputs, expected in zip(forwards, resident):
+        with torch.no_grad():
+            assert torch.equal(model(**tiny.forward_kwargs(model, inputs, batch=2))[0], expected)
+    assert handle.stats.passes == 1
+    # A first forward no conversion of the schedule gives: no plans (they would build per forward).
+    other = tiny.forward_kwargs(model, {**forwards[0], "timestep": forwards[0]["timestep"] + 7}, batch=2)
+    assert handle.family.schedule_plans(model, timesteps, (), other) is None
+    handle.disable()
