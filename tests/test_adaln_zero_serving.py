@@ -301,3 +301,56 @@ def test_a_schedule_read_from_the_first_forward_covers_every_step(name: str, tmp
     other = tiny.forward_kwargs(model, {**forwards[0], "timestep": forwards[0]["timestep"] + 7}, batch=2)
     assert handle.family.schedule_plans(model, timesteps, (), other) is None
     handle.disable()
+
+
+# -- checkpoints and load_transformer ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        ("HunyuanImageTransformer2DModel", {"use_meanflow": True, "guidance_embeds": True}),
+        ("BriaTransformer2DModel", {}),
+    ],
+    ids=_id,
+)
+def test_load_transformer_never_loads_the_served_tensors(variant: tuple[str, dict[str, bool]], tmp_path: Path) -> None:
+    """A sharded bf16 diffusers checkpoint: the spec from its headers is the model's, the served projections stay
+    meta placeholders, the forwards equal the stock model's, and disable() reads them back exactly."""
+    from adalncache import ModulationSpec
+    from adalncache.diffusers import adaln_cache_handle, load_transformer
+
+    name, flags = variant
+    directory = tmp_path / "model"
+    tiny.build(name, **flags).to(torch.bfloat16).save_pretrained(directory, max_shard_size="40KB")
+    assert (directory / "diffusion_pytorch_model.safetensors.index.json").is_file()
+    stock = tiny.model_class(name).from_pretrained(directory, torch_dtype=torch.bfloat16).eval()  # type: ignore[attr-defined]
+    resident = run(stock)
+    assert ModulationSpec.from_checkpoint(directory) == ModulationSpec.from_transformer(stock)
+    model = load_transformer(directory, torch_dtype=torch.bfloat16)
+    handle = adaln_cache_handle(model)
+    assert handle is not None and handle.spec == ModulationSpec.from_transformer(stock)
+    assert served_bytes(model) == 0
+    assert parameter_bytes(model) <= parameter_bytes(stock) - served_bytes(stock)
+    assert handle.prepare(request_plans(model)).passes == 1
+    assert all(torch.equal(r, c) for r, c in zip(resident, run(model)))
+    handle.disable()
+    _assert_state_equal(model, _snapshot(stock))
+    assert all(torch.equal(r, c) for r, c in zip(resident, run(model)))
+
+
+def test_a_checkpoint_of_another_structure_or_auraflow_is_refused(tmp_path: Path) -> None:
+    import json
+
+    from adalncache import ModulationSpec
+    from adalncache.errors import CheckpointError
+
+    directory = tmp_path / "ovis"
+    tiny.build("OvisImageTransformer2DModel").save_pretrained(directory)
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "num_single_layers": 3}))
+    with pytest.raises(CheckpointError, match=r"single_transformer_blocks\.2\.norm\.linear\.weight is missing"):
+        ModulationSpec.from_checkpoint(directory)
+    tiny.build("AuraFlowTransformer2DModel").save_pretrained(tmp_path / "aura")
+    with pytest.raises(CheckpointError, match="AuraFlowTransformer2DModel cannot be served yet"):
+        ModulationSpec.from_checkpoint(tmp_path / "aura")

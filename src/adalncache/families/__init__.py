@@ -30,7 +30,7 @@ FAMILIES: dict[str, Family] = {
 #: The readers of the families whose spec carries its geometry (every family but the default one):
 #: ``from_transformer(model, dtype)`` and ``from_headers(path, entries, config)`` give the keywords
 #: of ``ModulationSpec.for_geometry``.
-READERS: dict[str, Any] = {qwen_image.FAMILY.name: qwen_image}
+READERS: dict[str, Any] = {qwen_image.FAMILY.name: qwen_image, adaln_zero.FAMILY.name: adaln_zero}
 
 _POOLED = "its AdaLN input depends on the pooled text embedding, so tables cannot be shared across prompts"
 

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from ..errors import ConfigError
+from ..errors import CheckpointError, ConfigError
 from ..geometry import TABLE_ROWS, TIMESTEP, Family, KeyLayout, ModelGeometry, ServedLayer
 
 #: The second timestep of the mean-flow variants (the next step's timestep).
@@ -240,6 +240,84 @@ def geometry_from_config(class_name: str, config: Mapping[str, Any]) -> ModelGeo
     return geometry(class_name, f["double_layers"], f["single_layers"], f["hidden_size"], f["plan_inputs"])
 
 
+def spec_args(geometry: ModelGeometry, fields: Mapping[str, Any], dtype: Any) -> dict[str, Any]:
+    """``ModulationSpec.for_geometry`` keywords of a model (blocks counted double plus single)."""
+    return {
+        "geometry": geometry,
+        "dtype": dtype,
+        "num_layers": fields["double_layers"] + fields["single_layers"],
+        "hidden_size": fields["hidden_size"],
+    }
+
+
+def _no_bias(class_name: str) -> None:
+    if not layout_of(class_name).bias:
+        raise ConfigError(
+            f"{class_name} cannot be served yet: its AdaLN projections have no bias, and the cache builds and binds "
+            f"its tables from a weight and a bias per projection"
+        )
+
+
+def walk(model: Any) -> ModelGeometry:
+    """The geometry of a transformer of this family, after its modules passed :func:`check_structure`."""
+    name = type(model).__name__
+    config = getattr(model, "config", None)
+    if not isinstance(config, Mapping):
+        raise ConfigError(f"{name} has no diffusers config to read its geometry from")
+    fields = fields_from_config(name, config)
+    modules = {path: type(module).__name__ for path, module in model.named_modules()}
+    linears: dict[str, tuple[int, int, bool]] = {}
+    for path, _, _ in served_paths(name, fields["double_layers"], fields["single_layers"]):
+        try:
+            linear = model.get_submodule(path)
+        except AttributeError:
+            continue  # reported by the check as a missing module
+        linear = getattr(linear, "base_layer", linear)  # inside a peft LoRA wrapper
+        weight = getattr(linear, "weight", None)
+        if weight is not None and getattr(weight, "dim", lambda: 0)() == 2:
+            linears[path] = (int(weight.shape[0]), int(weight.shape[1]), getattr(linear, "bias", None) is not None)
+    return check_structure(name, config, modules, linears)
+
+
+def from_transformer(model: Any, dtype: Any = None) -> dict[str, Any]:
+    """The spec keywords of a transformer of this family (:func:`walk`; AuraFlow refused for its bias-less projections).
+
+    ``dtype``: the projections' output dtype when their weights are stored in another one; by
+    default the first projection's weight dtype (inside a peft LoRA wrapper, if any).
+    """
+    geo = walk(model)
+    name = type(model).__name__
+    _no_bias(name)
+    if dtype is None:
+        first = model.get_submodule(str(geo.layers[0].id))
+        dtype = getattr(first, "base_layer", first).weight.dtype
+    return spec_args(geo, fields_from_config(name, model.config), dtype)
+
+
+def from_headers(path: object, entries: Mapping[str, Any], config: Mapping[str, Any]) -> dict[str, Any]:
+    """The spec keywords of a diffusers checkpoint from its ``config.json`` and safetensors headers.
+
+    Every served projection's weight and bias must be there with the geometry's shapes and one
+    dtype; CheckpointError names the first that is not.
+    """
+    name = str(config.get("_class_name"))
+    fields = fields_from_config(name, config)
+    _no_bias(name)
+    geo = geometry(name, fields["double_layers"], fields["single_layers"], fields["hidden_size"], fields["plan_inputs"])
+    dtypes = set()
+    for layer in geo.layers:
+        for tensor, shape in ((f"{layer.id}.weight", [layer.out_features, geo.in_features]),
+                              (f"{layer.id}.bias", [layer.out_features])):  # fmt: skip
+            entry = entries.get(tensor)
+            if entry is None or list(entry.shape) != shape or entry.torch_dtype is None:
+                found = "missing" if entry is None else f"{list(entry.shape)} {entry.dtype}"
+                raise CheckpointError(f"{path}: {tensor} is {found}, not {shape}: this is not the {name} of its config")
+            dtypes.add(entry.torch_dtype)
+    if len(dtypes) != 1:
+        raise CheckpointError(f"{path}: the AdaLN projections have several dtypes ({sorted(map(str, dtypes))})")
+    return spec_args(geo, fields, dtypes.pop())
+
+
 def _owner(path: str) -> str:
     return path.rpartition(".")[0]
 
@@ -318,9 +396,13 @@ __all__ = [
     "ClassLayout",
     "check_structure",
     "fields_from_config",
+    "from_headers",
+    "from_transformer",
     "geometry",
     "geometry_from_config",
     "layout_of",
     "resident_paths",
     "served_paths",
+    "spec_args",
+    "walk",
 ]

@@ -62,25 +62,7 @@ def model_geometry(model: nn.Module) -> ModelGeometry:
     family = families.for_class(name)
     if family is not adaln_zero.FAMILY:
         raise ConfigError(f"{name} is a {family.title} model, not one of the {adaln_zero.FAMILY.name} family")
-    config = getattr(model, "config", None)
-    if not isinstance(config, Mapping):
-        raise ConfigError(f"{name} has no diffusers config to read its geometry from")
-    found = {path: type(module).__name__ for path, module in model.named_modules()}
-    linears: dict[str, tuple[int, int, bool]] = {}
-    for path, _, _ in adaln_zero.served_paths(name, *_block_counts(name, config)):
-        try:
-            linear = base_linear(model.get_submodule(path))
-        except AttributeError:
-            continue  # reported by the check as a missing module
-        weight, bias = getattr(linear, "weight", None), getattr(linear, "bias", None)
-        if isinstance(weight, torch.Tensor) and weight.dim() == 2:
-            linears[path] = (int(weight.shape[0]), int(weight.shape[1]), bias is not None)
-    return adaln_zero.check_structure(name, config, found, linears)
-
-
-def _block_counts(name: str, config: Mapping[str, Any]) -> tuple[int, int]:
-    fields = adaln_zero.fields_from_config(name, config)
-    return fields["double_layers"], fields["single_layers"]
+    return adaln_zero.walk(model)
 
 
 def _param_dtype(module: nn.Module) -> torch.dtype:
@@ -208,20 +190,9 @@ class AdalnZero(DiffusersFamily):
     writable_stand_in = True
 
     def spec(self, model: nn.Module, dtype: torch.dtype | None = None) -> ModulationSpec:
-        geometry = model_geometry(model)
-        name = type(model).__name__
-        if not adaln_zero.CLASSES[name].bias:
-            raise ConfigError(
-                f"{name} cannot be served yet: its AdaLN projections have no bias, and the cache builds and binds "
-                f"its tables from a weight and a bias per projection"
-            )
-        if dtype is None:
-            weight = base_linear(model.get_submodule(str(geometry.layers[0].id))).weight
-            dtype = weight.dtype if isinstance(weight, torch.Tensor) else torch.bfloat16
-        fields = adaln_zero.fields_from_config(name, model.config)  # type: ignore[arg-type]  # a FrozenDict
-        return ModulationSpec.for_geometry(
-            geometry, dtype=dtype, num_layers=fields["double_layers"] + fields["single_layers"]
-        )
+        if type(model).__name__ not in adaln_zero.CLASSES:
+            model_geometry(model)  # a refused or unknown class: the registry's ConfigError
+        return ModulationSpec.for_geometry(**adaln_zero.from_transformer(model, dtype))
 
     def time_embedder_module(self, model: nn.Module) -> nn.Module:
         return model.get_submodule(adaln_zero.CLASSES[type(model).__name__].temb_module)
