@@ -229,3 +229,13 @@ def test_the_meta_device_sizes_are_the_real_models_bytes(name: str) -> None:
     assert sizes.served_bytes == sum(p.numel() * p.element_size() for p in served)
     assert sizes.total_bytes == sum(p.numel() * p.element_size() for p in model.parameters())
     assert sizes.served_layers == len(geometry.layers) and 0 < sizes.share < 1
+
+
+def test_classes_of_the_same_module_names_have_distinct_table_identities() -> None:
+    """Bria, LongCat-Image and Ovis-Image of one size share module paths and widths but not their temb: a table
+    bound to one is never another's."""
+    names = ("BriaTransformer2DModel", "LongCatImageTransformer2DModel", "OvisImageTransformer2DModel")
+    config = {"num_attention_heads": 2, "attention_head_dim": 16, "num_layers": 1, "num_single_layers": 1}
+    geometries = [adaln_zero.geometry_from_config(name, config) for name in names]
+    assert len({tuple(str(layer.id) for layer in g.layers) for g in geometries}) == 1
+    assert len({str(g.describe()) for g in geometries}) == len(names)

@@ -354,3 +354,23 @@ def test_a_checkpoint_of_another_structure_or_auraflow_is_refused(tmp_path: Path
     tiny.build("AuraFlowTransformer2DModel").save_pretrained(tmp_path / "aura")
     with pytest.raises(CheckpointError, match="AuraFlowTransformer2DModel cannot be served yet"):
         ModulationSpec.from_checkpoint(tmp_path / "aura")
+
+
+def test_the_store_serves_another_handle_without_a_pass(tmp_path: Path) -> None:
+    """Served from its diffusers checkpoint (verified against the model at enable), tables stored by one model are
+    found by a fresh model of the same weights: no pass, equal outputs."""
+    flags = {"use_meanflow": True, "guidance_embeds": True}
+    model = tiny.save_and_load(tiny.build("HunyuanImageTransformer2DModel", **flags), tmp_path / "model")
+    resident = run(model)
+    handle = enable_adaln_cache(model, tmp_path / "model", store=tmp_path / "store")
+    assert handle.prepare(request_plans(model)).passes == 1
+    assert all(torch.equal(r, c) for r, c in zip(resident, run(model)))
+    handle.disable()
+    again = tiny.model_class("HunyuanImageTransformer2DModel").from_pretrained(  # type: ignore[attr-defined]
+        tmp_path / "model", torch_dtype=torch.bfloat16
+    )
+    handle = enable_adaln_cache(again.eval(), tmp_path / "model", store=tmp_path / "store")
+    report = handle.prepare(request_plans(again))
+    assert report.passes == 0 and report.store_hits > 0
+    assert all(torch.equal(r, c) for r, c in zip(resident, run(again)))
+    handle.disable()

@@ -48,6 +48,17 @@ GUIDANCE = "guidance"
 #: The one projection input: ``silu(temb)`` in the projections' dtype.
 INPUT = "temb"
 
+
+def input_name(class_name: str) -> str:
+    """The projections' input as a geometry names it: ``temb`` of this class (``temb:BriaTransformer2DModel``).
+
+    Classes with the same module names and widths compute ``temb`` differently (a ``* 1000``, a
+    cast, another ``max_period``), so the class is part of what a table is bound to: the input
+    name is in the geometry's identity, which store bindings and table files carry.
+    """
+    return f"{INPUT}:{class_name}"
+
+
 #: The output layer every class of the family has.
 FINAL_PATH = "norm_out.linear"
 
@@ -230,7 +241,7 @@ def geometry(
 ) -> ModelGeometry:
     """The geometry of one model: its served projections by module path, widths, plan inputs."""
     paths = served_paths(class_name, double_layers, single_layers)
-    layers = tuple(ServedLayer(path, ways * hidden_size, INPUT) for path, ways, _ in paths)
+    layers = tuple(ServedLayer(path, ways * hidden_size, input_name(class_name)) for path, ways, _ in paths)
     return ModelGeometry(FAMILY, layers, hidden_size, plan_inputs)
 
 
@@ -400,6 +411,7 @@ __all__ = [
     "from_transformer",
     "geometry",
     "geometry_from_config",
+    "input_name",
     "layout_of",
     "resident_paths",
     "served_paths",
