@@ -45,11 +45,6 @@ from .modules import base_linear, bypassing_hooks, forward_argument
 _EXACT_IN_FP32 = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def is_adaln_zero_transformer(obj: Any) -> bool:
-    """Whether ``obj`` is a model of one of the family's diffusers classes (by class name)."""
-    return isinstance(obj, nn.Module) and type(obj).__name__ in adaln_zero.CLASSES
-
-
 def model_geometry(model: nn.Module) -> ModelGeometry:
     """The served geometry of ``model`` after checking its modules; ConfigError naming the class and the reason.
 
@@ -298,7 +293,6 @@ __all__ = [
     "FAMILY",
     "AdalnZero",
     "embed_input",
-    "is_adaln_zero_transformer",
     "model_geometry",
     "plan_columns",
     "plan_of",
