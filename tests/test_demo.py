@@ -63,3 +63,13 @@ def test_demo_bad_arguments_exit_2(argv: list[str], message: str, capsys: pytest
         raise SystemExit(code)
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_demo_qwen_image_verdict_is_yes(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["demo", "--model", "qwen-image", "--steps", "3", "--seed", "2"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert out.count("\nbit-identical: yes") == 1
+    assert "3 distinct, built in 1 pass(es) before the first step" in out
+    assert "resident -> 0.0 KiB weights" in out  # the served weights left the device
+    assert "of modulation projections and timestep embedder never read" in out

@@ -352,3 +352,126 @@ def test_load_transformer_refuses_a_prompt_dependent_class(tmp_path: Path) -> No
     _flux().save_pretrained(tmp_path / "flux")
     with pytest.raises(ConfigError, match="FluxTransformer2DModel cannot be served"):
         load_transformer(tmp_path / "flux")
+
+
+# -- the command line ----------------------------------------------------------------------------------
+
+
+def test_cli_tables_of_a_checkpoint_serve_the_pipeline_without_a_pass(tmp_path: Path) -> None:
+    """build/export/verify on a Qwen-Image repository (sharded bf16 transformer, scheduler config beside it).
+
+    The tables are computed from the files alone (no model), for the schedule the flags name; the
+    pipeline then serves a request of that schedule from the exported file with no pass at all,
+    images torch.equal to the resident pipeline's: the CLI's plans and inputs are the forward's bits.
+    """
+    from adalncache.cli import main
+    from adalncache.tools.tiny_qwen import tiny_prompt_embeds, tiny_qwen_pipeline
+
+    pipe = tiny_qwen_pipeline()
+    repo = tmp_path / "repo"
+    pipe.transformer.to(torch.bfloat16).save_pretrained(repo / "transformer", max_shard_size="40KB")
+    pipe.scheduler.save_config(repo / "scheduler")
+    pipe.transformer = diffusers.QwenImageTransformer2DModel.from_pretrained(
+        repo / "transformer", torch_dtype=torch.bfloat16
+    ).eval()
+    store, tables = tmp_path / "store", tmp_path / "tables.safetensors"
+    schedule = ["--steps", "4", "--height", "32", "--width", "32", "-q"]
+    assert main(["build", str(repo / "transformer"), "--store", str(store), *schedule]) == 0
+    assert main(["export", str(repo / "transformer"), "-o", str(tables), "--store", str(store), *schedule]) == 0
+    assert main(["verify", "--tables", str(tables), "--checkpoint", str(repo / "transformer")]) == 0
+
+    prompt = tiny_prompt_embeds(pipe.transformer, seed=1)
+
+    def run() -> torch.Tensor:
+        generator = torch.Generator().manual_seed(0)
+        return pipe(  # type: ignore[no-any-return]
+            height=32, width=32, num_inference_steps=4, generator=generator, output_type="pt", true_cfg_scale=1.0,
+            **prompt,
+        ).images  # fmt: skip
+
+    resident = run()
+    handle = enable_adaln_cache(pipe, repo / "transformer", tables=tables)
+    assert torch.equal(run(), resident) and handle.stats.passes == 0
+    handle.disable()
+
+
+def test_cli_schedule_flags_are_checked(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from adalncache.cli import main
+
+    directory = tmp_path / "transformer"
+    tiny_qwen_transformer("layered").save_pretrained(directory)
+    base = ["build", str(directory), "--store", str(tmp_path / "s")]
+    cases = [
+        (["--steps", "4"], "--scheduler-config"),
+        (["--timesteps", "0.5"], "--additional-t-cond"),
+        (["--task", "t2va", "--steps", "4"], "--task names MiniMax-H3"),
+        ([], "--steps N"),
+        (["--timesteps", "0.5,x", "--additional-t-cond", "1"], "--timesteps must be"),
+    ]
+    for flags, says in cases:
+        assert main([*base, *flags]) != 0
+        assert says in capsys.readouterr().err, (flags, says)
+    assert not (tmp_path / "s").exists()
+    assert main([*base, "--timesteps", "0.5,0.25", "--additional-t-cond", "1", "-q"]) == 0
+    assert "2 distinct plan(s)" in capsys.readouterr().out
+
+
+def test_a_schedule_larger_than_the_cache_builds_step_by_step(
+    load_qwen: Callable[[str, str], Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A schedule that cannot be held whole is not an error: each forward builds its plan, images stay equal."""
+    from adalncache.tools.tiny_qwen import tiny_prompt_embeds, tiny_qwen_pipeline
+
+    pipe = tiny_qwen_pipeline(transformer=load_qwen("zero-cond", "fp32-memory"))
+    prompt = tiny_prompt_embeds(pipe.transformer, seed=1)
+
+    def run() -> torch.Tensor:
+        generator = torch.Generator().manual_seed(0)
+        out = pipe(height=32, width=32, num_inference_steps=4, generator=generator, output_type="pt", **prompt)
+        return out.images  # type: ignore[no-any-return]
+
+    resident = run()
+    handle = enable_adaln_cache(pipe, max_plans=2)
+    with caplog.at_level("WARNING"):
+        assert torch.equal(run(), resident)
+    assert "raise max_plans (--max-plans)" in caplog.text
+    assert handle.stats.passes == 4  # one per step
+    handle.disable()
+
+
+def test_the_load_reads_no_served_byte(tmp_path: Path) -> None:
+    """Page cache dropped, then load_transformer: not one whole page of a served tensor is read or cached.
+
+    The model is wider than the tiny one (dim 256) so that every served tensor spans whole pages;
+    a stock load of the same files reads them, so the measurement sees what it looks for.
+    """
+    from adalncache.diffusers import load_transformer
+    from adalncache.tools.measure import (
+        drop_page_cache,
+        io_read_bytes,
+        resident_served_bytes,
+        served_bytes,
+        weight_files,
+    )
+
+    config = {"num_layers": 2, "attention_head_dim": 64, "num_attention_heads": 4, "in_channels": 16,
+              "out_channels": 4, "joint_attention_dim": 24, "axes_dims_rope": (16, 24, 24)}  # fmt: skip
+    built: Any = diffusers.QwenImageTransformer2DModel(**config).to(torch.bfloat16)
+    directory = tmp_path / "sharded"
+    built.save_pretrained(directory, max_shard_size="1MB")
+    del built
+    checkpoint = weight_files(directory)
+    assert len(checkpoint) > 1
+    served, total = served_bytes(checkpoint)
+    assert served > 0
+    if not drop_page_cache(checkpoint) or io_read_bytes() is None:
+        pytest.skip("this filesystem keeps the files cached (or /proc/self/io is missing): nothing to measure")
+    before = io_read_bytes()
+    model = load_transformer(directory, torch_dtype=torch.bfloat16)
+    read = (io_read_bytes() or 0) - (before or 0)
+    assert resident_served_bytes(checkpoint) == 0
+    assert read <= total - served + (1 << 20), (read, total, served)
+    del model
+    assert drop_page_cache(checkpoint)
+    diffusers.QwenImageTransformer2DModel.from_pretrained(directory, torch_dtype=torch.bfloat16)
+    assert resident_served_bytes(checkpoint) > served // 2  # the stock load reads them

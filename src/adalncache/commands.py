@@ -25,6 +25,7 @@ from .devices import resolve_device
 from .embedding import time_embed_fn
 from .errors import ConfigError
 from .export import check_export, check_output, export_tables, source_files, verify_tables
+from .families import qwen_image
 from .families.minimax_h3 import MODEL_VARIANTS
 from .offline import describe_checkpoint, describe_store, fill_store, is_store, open_checkpoint, verify_store
 from .plans import schedule_plans
@@ -73,11 +74,8 @@ def run_build(args: argparse.Namespace) -> int:
     host_cache_bytes = _gb_to_bytes(args.host_cache_gb, "--host-cache-gb")
     device = resolve_device(args.device)
     spec, source = open_checkpoint(args.checkpoint, layout=args.layout)
-    plans = schedule_plans(
-        args.task, args.steps, video_shift=args.video_shift, audio_shift=args.audio_shift,
-        audio_refs=not args.no_audio_refs,
-    )  # fmt: skip
-    width = max(p.numel() for p in plans)
+    plans, described = _request_plans(args, spec)
+    width = max(p.shape[0] for p in plans)
     if width > args.plan_width:
         raise ConfigError(f"these schedules have plans of {width} timesteps: raise --plan-width to at least {width}")
     with _torchrun_group(device, args.timeout) as (group, device, rank):
@@ -95,8 +93,8 @@ def run_build(args: argparse.Namespace) -> int:
         ranks = f", {cache.world_size} ranks (--shard {args.shard})" if group is not None else ""
     if rank0:
         print(
-            f"adalncache build: {report.plans} distinct plan(s) for {', '.join(args.task)} x steps "
-            f"{', '.join(map(str, args.steps))}: {report.already_stored} already stored, {report.built} built in "
+            f"adalncache build: {report.plans} distinct plan(s) for {described}: {report.already_stored} already "
+            f"stored, {report.built} built in "
             f"{report.passes} pass(es) into {args.store} (binding {report.binding[:12]}, {args.precision}{ranks})"
         )
     return 0
@@ -114,12 +112,12 @@ def run_export(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     spec, source = open_checkpoint(args.checkpoint, layout=args.layout)
     check_output(output, source_files(source))
-    check_export(spec, format=args.format, precision=args.precision, model_variant=args.model_variant, tasks=args.task)
-    shifts = {"video_shift": args.video_shift, "audio_shift": args.audio_shift, "audio_refs": not args.no_audio_refs}
-    plans = schedule_plans(args.task, args.steps, **shifts)
-    width = max(p.numel() for p in plans)
+    tasks = args.task or []
+    check_export(spec, format=args.format, precision=args.precision, model_variant=args.model_variant, tasks=tasks)
+    plans, _ = _request_plans(args, spec)
+    width = max(p.shape[0] for p in plans)
     store = Store(args.store, lock_wait_s=args.lock_wait) if args.store else None
-    schedules = [{"task": t, "steps": n, **shifts} for t in args.task for n in args.steps]
+    schedules = _schedule_records(args, spec)
     with _torchrun_group(device, args.timeout) as (group, device, rank):
         rank0 = rank == 0
         embed = time_embed_fn(source, spec, device)
@@ -130,9 +128,15 @@ def run_export(args: argparse.Namespace) -> int:
         )  # fmt: skip
         report = export_tables(
             cache, plans, output, embed=embed, format=args.format, model_variant=args.model_variant,
-            tasks=args.task, schedules=schedules, progress=rank0 and not args.quiet,
+            tasks=tasks, schedules=schedules, progress=rank0 and not args.quiet,
         )  # fmt: skip
-    if rank0:
+    if rank0 and spec.family.name == qwen_image.FAMILY.name:
+        print(
+            f"adalncache export: wrote {report.path} ({report.format}, {report.plans} plans of up to {report.width} "
+            f"rows, {report.bytes / 2**20:.2f} MiB): {report.store_hits} from the store, {report.built} built in "
+            f"{report.passes} pass(es); content {report.content}"
+        )
+    elif rank0:
         sglang = ", ".join(f"--steps {n} -> --num-inference-steps {n - 1}" for n in args.steps)
         print(
             f"adalncache export: wrote {report.path} ({report.format}, {report.plans} plans of up to {report.width} "
@@ -368,12 +372,144 @@ def _common(parser: argparse.ArgumentParser, *, slab: bool = True) -> None:
 
 
 def _schedules(parser: argparse.ArgumentParser, steps_help: str) -> None:
-    """The flags that name schedules: --task and --steps (repeatable), the shifts, --no-audio-refs."""
-    parser.add_argument("--task", action="append", required=True, choices=TASKS, help="request kind (repeatable)")
-    parser.add_argument("--steps", action="append", required=True, type=_positive_int("--steps"), help=steps_help)
+    """The flags that name schedules: --task and --steps (repeatable), the shifts, --no-audio-refs; and
+    Qwen-Image's --height/--width (repeatable), --timesteps, --batch, --scheduler-config, --additional-t-cond."""
+    parser.add_argument("--task", action="append", choices=TASKS, help="MiniMax-H3: request kind (repeatable)")
+    parser.add_argument("--steps", action="append", type=_positive_int("--steps"), help=steps_help)
     parser.add_argument("--video-shift", type=float, default=12.0, help="video schedule shift (default: 12)")
     parser.add_argument("--audio-shift", type=float, default=3.0, help="audio schedule shift (default: 3)")
     parser.add_argument("--no-audio-refs", action="store_true", help="ref2va without a reference audio")
+    qwen = "Qwen-Image: "
+    parser.add_argument(
+        "--height",
+        action="append",
+        type=_positive_int("--height"),
+        help=qwen + "image height (repeatable; default 1024): the schedule is shifted by the image size",
+    )
+    parser.add_argument(
+        "--width",
+        action="append",
+        type=_positive_int("--width"),
+        help=qwen + "image width (repeatable, paired with --height; default: the height)",
+    )
+    parser.add_argument(
+        "--timesteps",
+        default=None,
+        help=qwen + "explicit forward timesteps, comma-separated "
+        "(the transformer's timestep argument, the scheduler's t / 1000), instead of --steps",
+    )
+    parser.add_argument(
+        "--batch",
+        type=_positive_int("--batch"),
+        default=1,
+        help=qwen + "images per forward (batch x num_images_per_prompt) (default: 1)",
+    )
+    parser.add_argument(
+        "--scheduler-config",
+        default=None,
+        help=qwen + "the pipeline's scheduler_config.json (default: scheduler/ beside the transformer's directory)",
+    )
+    parser.add_argument(
+        "--additional-t-cond",
+        type=int,
+        default=None,
+        help=qwen + "Layered checkpoints: the additional_t_cond index the pipeline passes",
+    )
+
+
+def _request_plans(args: argparse.Namespace, spec: Any) -> tuple[list[torch.Tensor], str]:
+    """The distinct plans the schedule flags name for this checkpoint's family, and how to say what they are."""
+    if spec.family.name == qwen_image.FAMILY.name:
+        return _qwen_image_plans(args, spec)
+    if not args.task or not args.steps:
+        raise ConfigError(
+            f"--task and --steps name the schedules of a {spec.family.title} checkpoint: pass e.g. --task t2va "
+            "--steps 50"
+        )
+    plans = schedule_plans(
+        args.task, args.steps, video_shift=args.video_shift, audio_shift=args.audio_shift,
+        audio_refs=not args.no_audio_refs,
+    )  # fmt: skip
+    return plans, f"{', '.join(args.task)} x steps {', '.join(map(str, args.steps))}"
+
+
+def _sizes(args: argparse.Namespace) -> list[tuple[int, int]]:
+    heights = args.height or [1024]
+    widths = args.width or heights
+    if len(widths) != len(heights):
+        raise ConfigError(f"--width is given {len(widths)} time(s) for {len(heights)} --height: pair them")
+    return list(zip(heights, widths))
+
+
+def _qwen_image_plans(args: argparse.Namespace, spec: Any) -> tuple[list[torch.Tensor], str]:
+    """Qwen-Image's plans: the pipeline's forward timesteps for each (steps, size), or --timesteps."""
+    from .integrations.diffusers import qwen_image as served
+    from .plans import distinct_plans
+
+    if args.task:
+        raise ConfigError(
+            "--task names MiniMax-H3 request kinds; a Qwen-Image schedule is --steps with --height/--width"
+        )
+    if args.timesteps is not None:
+        try:
+            values = [float(v) for v in args.timesteps.split(",") if v.strip()]
+        except ValueError:
+            raise ConfigError(f"--timesteps must be comma-separated numbers, got {args.timesteps!r}") from None
+        if not values:
+            raise ConfigError("--timesteps is empty: pass the forward timesteps, e.g. --timesteps 0.999,0.5")
+        forwards = [torch.tensor([v] * args.batch) for v in values]
+        described = f"{len(values)} explicit timestep(s)"
+    elif args.steps:
+        config = _scheduler_config(args)
+        forwards = []
+        for steps in args.steps:
+            for height, width in _sizes(args):
+                timesteps = served.pipeline_timesteps(steps, height, width, config)
+                forwards += served.schedule_timesteps(timesteps, batch=args.batch, dtype=spec.dtype)
+        sizes = ", ".join(f"{h}x{w}" for h, w in _sizes(args))
+        described = f"steps {', '.join(map(str, args.steps))} at {sizes}"
+    else:
+        raise ConfigError("name a Qwen-Image schedule: --steps N (with --height/--width), or --timesteps t1,t2,...")
+    plans = served.spec_plans(spec, forwards, args.additional_t_cond)
+    order, tensors = distinct_plans(plans, columns=spec.plan_columns)
+    return [tensors[k] for k in order], described
+
+
+def _scheduler_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The pipeline's scheduler config: --scheduler-config, else ``scheduler/`` beside the transformer's directory."""
+    if args.scheduler_config is not None:
+        where = Path(args.scheduler_config)
+    else:
+        checkpoint = Path(args.checkpoint)
+        directory = checkpoint if checkpoint.is_dir() else checkpoint.parent
+        where = directory.parent / "scheduler"
+    if where.is_dir():
+        where = where / "scheduler_config.json"
+    try:
+        config = json.loads(where.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(
+            f"--steps needs the pipeline's scheduler config to compute the schedule: {where} cannot be read "
+            f"({type(exc).__name__}); pass --scheduler-config PATH (the pipeline's scheduler/scheduler_config.json), "
+            "or --timesteps"
+        ) from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"--scheduler-config {where} is not a JSON object")
+    return config
+
+
+def _schedule_records(args: argparse.Namespace, spec: Any) -> list[dict[str, Any]]:
+    """What a table file records about the schedules it was exported for."""
+    if spec.family.name == qwen_image.FAMILY.name:
+        if args.timesteps is not None:
+            return [{"timesteps": args.timesteps, "batch": args.batch}]
+        return [
+            {"steps": n, "height": h, "width": w, "batch": args.batch}
+            for n in args.steps or []
+            for h, w in _sizes(args)
+        ]
+    shifts = {"video_shift": args.video_shift, "audio_shift": args.audio_shift, "audio_refs": not args.no_audio_refs}
+    return [{"task": t, "steps": n, **shifts} for t in args.task or [] for n in args.steps or []]
 
 
 def _lock_wait(parser: argparse.ArgumentParser) -> None:

@@ -1,4 +1,4 @@
-"""MiniMax-H3's ``embed(plan)`` built from a checkpoint's time-embedder weights.
+"""A family's ``embed(plan)`` built from a checkpoint's time-embedder weights (MiniMax-H3, Qwen-Image).
 
 Why it exists: a cache filled without the model in memory (``adalncache build``, ``verify``, a
 torchrun build) still needs the projections' exact input for each plan. That input is MiniMax-H3's
@@ -13,11 +13,13 @@ alignment would give other bits than the model loaded from the same file.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from .errors import CheckpointError, ConfigError
+from .families import qwen_image
 from .source import CheckpointSource
 from .spec import ModulationSpec
 
@@ -46,6 +48,18 @@ def _missing(source: CheckpointSource) -> list[str]:
 
 
 def time_embed_fn(
+    source: CheckpointSource, spec: ModulationSpec, device: torch.device | str = "cpu"
+) -> Callable[[torch.Tensor], Any]:
+    """``embed(plan)`` of the checkpoint's family from its time-embedder weights, on ``device``.
+
+    MiniMax-H3's below; Qwen-Image's (:func:`qwen_image_embed_fn`) for a Qwen-Image spec.
+    """
+    if spec.family.name == qwen_image.FAMILY.name:
+        return qwen_image_embed_fn(source, spec, device)
+    return minimax_h3_embed_fn(source, spec, device)
+
+
+def minimax_h3_embed_fn(
     source: CheckpointSource, spec: ModulationSpec, device: torch.device | str = "cpu"
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     """``embed(plan)`` of MiniMax-H3 from the checkpoint's time-embedder weights, on ``device``.
@@ -91,4 +105,55 @@ def time_embed_fn(
     return embed
 
 
-__all__ = ["has_time_embedder", "time_embed_fn"]
+def qwen_image_embed_fn(
+    source: CheckpointSource, spec: ModulationSpec, device: torch.device | str = "cpu"
+) -> Callable[[torch.Tensor], Any]:
+    """``embed(plan)`` of Qwen-Image from the checkpoint: diffusers' own ``QwenTimestepProjEmbeddings``.
+
+    The module the transformer runs, given the checkpoint's weights (read at their file alignment)
+    and run in the spec's dtype, as a model loaded in that dtype runs it: the plan's timestep cast
+    to the dtype, ``time_proj``, the embedder, plus the ``additional_t_cond`` embedding for a
+    two-column plan; then SiLU. With ``zero_cond_t`` (the geometry's second input) the first half
+    of the rows is the second input.
+    """
+    try:
+        from diffusers.models.transformers.transformer_qwenimage import QwenTimestepProjEmbeddings
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ConfigError("build and verify need diffusers (pip install 'adalncache[diffusers]')") from exc
+    missing = _missing(source)
+    if missing:
+        raise CheckpointError(
+            f"the checkpoint has no time-embedder weights ({', '.join(missing)} missing): build and verify compute "
+            "the projections' input from them; pass the whole transformer checkpoint"
+        )
+    layered = spec.plan_columns == 2
+    module = QwenTimestepProjEmbeddings(spec.in_features, use_additional_t_cond=layered).eval()
+    device = torch.device(device)
+    names = source.layout.time_embedder_tensors()
+    tensors = {name: _read_float(source, name) for name in names}
+    if layered:
+        tensors[qwen_image.ADDITION_WEIGHT] = _read_float(source, qwen_image.ADDITION_WEIGHT)
+    prefix = qwen_image.TIME_TEXT_EMBED + "."
+    for name, tensor in tensors.items():
+        owner, _, attr = name.removeprefix(prefix).rpartition(".")
+        value = tensor if tensor.dtype == spec.dtype else tensor.to(spec.dtype)
+        setattr(
+            module.get_submodule(owner), attr, torch.nn.Parameter(value.to(device), requires_grad=False)
+        )  # a CPU tensor of the spec's dtype stays the file's view: .to is a no-op
+    zero_cond = qwen_image.FIRST in spec.inputs
+    hidden = torch.empty(0, dtype=spec.dtype, device=device)
+
+    def embed(plan: torch.Tensor) -> Any:
+        plan = plan.to(device)
+        timestep = (plan[:, 0] if plan.dim() == 2 else plan).to(spec.dtype)
+        additional = plan[:, 1].to(torch.long) if plan.dim() == 2 else None
+        with torch.no_grad():
+            temb = module(timestep, hidden, additional)
+            if not zero_cond:
+                return F.silu(temb)
+            return {qwen_image.INPUT: F.silu(temb), qwen_image.FIRST: F.silu(temb.chunk(2, dim=0)[0])}
+
+    return embed
+
+
+__all__ = ["has_time_embedder", "minimax_h3_embed_fn", "qwen_image_embed_fn", "time_embed_fn"]

@@ -50,6 +50,9 @@ DOUBLED = "temb"
 FIRST = "temb_first"
 #: The plan's second column when ``use_additional_t_cond``: the forward's ``additional_t_cond`` index.
 ADDITIONAL = "additional_t_cond"
+#: The module computing ``temb``, and the ``additional_t_cond`` embedding's weight inside it.
+TIME_TEXT_EMBED = "time_text_embed"
+ADDITION_WEIGHT = "time_text_embed.addition_t_embedding.weight"
 #: The output layer's projection.
 FINAL_PATH = "norm_out.linear"
 #: The blocks' attribute.
@@ -142,12 +145,14 @@ def from_headers(path: object, entries: Mapping[str, Any], config: Mapping[str, 
 
 __all__ = [
     "ADDITIONAL",
+    "ADDITION_WEIGHT",
     "FAMILY",
     "FINAL_PATH",
     "FIRST",
     "INPUT",
     "LAYOUT",
     "RELEASED",
+    "TIME_TEXT_EMBED",
     "config_flags",
     "from_headers",
     "from_transformer",

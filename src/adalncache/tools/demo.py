@@ -203,6 +203,11 @@ def run(args: argparse.Namespace) -> int:
     """The ``demo`` sub-command: returns 0 when every task is bit-identical, else 1."""
     from .tiny import SIZES, save_tiny, tiny_transformer, write_native_model
 
+    if getattr(args, "model", "minimax-h3") == "qwen-image":
+        from .demo_qwen import run_qwen
+
+        return run_qwen(args)
+
     if args.size not in SIZES:
         raise ConfigError(f"unknown size {args.size!r}: set --size to one of {', '.join(SIZES)}")
     if not isinstance(args.steps, int) or args.steps < 2:
@@ -253,6 +258,10 @@ def register(subparsers: Any) -> None:
             "Exit status 1 when any output differs."
         ),
     )
+    parser.add_argument(
+        "--model", default="minimax-h3", choices=["minimax-h3", "qwen-image"],
+        help="the model family (default: minimax-h3; qwen-image runs a tiny QwenImagePipeline)",
+    )  # fmt: skip
     parser.add_argument("--task", default="all", choices=[*TASKS, "all"], help="request kind (default: all three)")
     parser.add_argument(
         "--steps",

@@ -32,10 +32,11 @@ import torch
 from ..source import CheckpointFiles, checkpoint_files, resident_fraction
 
 #: The tensors the cache serves, in either layout: every block's projection, the output layer's,
-#: and the time embedder.
+#: and the time embedder (MiniMax-H3's; Qwen-Image's ``img_mod.1``, ``txt_mod.1`` and timestep embedder).
 SERVED = re.compile(
     r"^(transformer_blocks\.\d+\.adaln_proj\.linear|norm_out\.linear|blocks\.\d+\.adaln_proj\.linear"
-    r"|final_layer\.adaln_proj\.linear|time_embedder)\."
+    r"|final_layer\.adaln_proj\.linear|time_embedder"
+    r"|transformer_blocks\.\d+\.(img|txt)_mod\.1|time_text_embed\.timestep_embedder)\."
 )
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 

@@ -110,16 +110,17 @@ class ServedBlocks:
     """The served owners (every block's module that calls a served projection) switched to the
     served class, and switched back.
 
-    ``modules``: ``(layer, path, owner module)`` in layer order; ``forward``: the served class's
-    forward (the family's); ``rows(layer)``: the ``[P, W, width]`` view of the cache's table the
-    owner of ``layer`` gathers from, read again at every :meth:`rebind` (the slab moved).
+    ``modules``: ``(layer, path, owner module)`` in layer order; ``forward(layer)``: the served
+    class's forward for that layer's owner (the family's; owners of one class and one forward share
+    one served class); ``rows(layer)``: the ``[P, W, width]`` view of the cache's table the owner
+    of ``layer`` gathers from, read again at every :meth:`rebind` (the slab moved).
     """
 
     def __init__(
         self,
         modules: list[tuple[Any, str, nn.Module]],
         state: ForwardState,
-        forward: Callable[..., Any] = _served_forward,
+        forward: Callable[[Any], Callable[..., Any]] = lambda layer: _served_forward,
     ) -> None:
         self.modules = modules
         self.state = state
@@ -134,8 +135,8 @@ class ServedBlocks:
                     f"{path} has a forward of its own (a hook of another library "
                     "wraps it), so the AdaLN cache cannot serve it; remove that hook before enabling the cache"
                 )
-        for _, _, module in self.modules:
-            module.__class__ = served_class(type(module), self.forward)
+        for layer, _, module in self.modules:
+            module.__class__ = served_class(type(module), self.forward(layer))
         self._installed = True
         self.rebind(rows)
 

@@ -1,4 +1,4 @@
-"""The entry point: :func:`enable_adaln_cache` on a transformer or a MiniMax-H3 modular pipeline."""
+"""The entry point: :func:`enable_adaln_cache` on a transformer of a supported family, or a pipeline holding one."""
 
 from __future__ import annotations
 
@@ -39,15 +39,20 @@ def enable_adaln_cache(
     device: torch.device | str | None = None,
     tables: TablesArg | Mapping[str, TablesArg] | None = None,
 ) -> AdalnCacheHandle | PipelineAdalnCacheHandle:
-    """Serve the AdaLN modulation of a MiniMax-H3 transformer (or pipeline) from bit-exact tables.
+    """Serve the AdaLN modulation of a supported transformer (or pipeline) from bit-exact tables.
 
-    The projection weights of every block's ``adaln_proj.linear`` and of ``norm_out.linear`` (and,
-    unless another hook might read ``temb``, the time embedder's) leave the device; meta
-    placeholders of the right shape keep module names, ``repr`` and the LoRA loaders working.
+    The served projections' weights (MiniMax-H3: every block's ``adaln_proj.linear`` and
+    ``norm_out.linear``; Qwen-Image: every block's ``img_mod.1`` and ``txt_mod.1`` and
+    ``norm_out.linear``) and, unless another hook might read ``temb``, the time embedder's leave
+    the device; meta placeholders of the right shape keep module names, ``repr`` and the LoRA
+    loaders working. A transformer whose modulation depends on the prompt, or of an unknown
+    class, is refused with ``ConfigError`` saying why; nothing changes.
 
     Args:
-        model_or_pipeline: a ``MiniMaxH3Transformer3DModel`` or a MiniMax-H3 modular pipeline
-            (its ``transformer`` and ``transformer_ref``, each with its own cache).
+        model_or_pipeline: a ``MiniMaxH3Transformer3DModel`` or ``QwenImageTransformer2DModel``; a
+            MiniMax-H3 modular pipeline (its ``transformer`` and ``transformer_ref``, each with its
+            own cache); or a pipeline such as ``QwenImagePipeline`` (its scheduler is watched and
+            each request's first forward prepares the whole schedule in one pass).
         checkpoint: the safetensors file(s) or directory holding the projections (native or
             diffusers layout); for a pipeline with both transformers, a mapping by component name.
             ``None``: the model's own tensors move to host memory and are the source.

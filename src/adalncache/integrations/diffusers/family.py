@@ -217,8 +217,12 @@ class DiffusersFamily:
         """Layers served by a class swap of their owner module: the blocks' (the rest get a hook)."""
         return [layer for layer in spec.layers() if isinstance(layer, int)]
 
-    def served_forward(self) -> ServedForward:
-        """The forward of the served owners' class: the layer's rows for its input's rows."""
+    def served_forward(self, layer: Layer) -> ServedForward:
+        """The forward of ``layer``'s served owner class: by default the layer's rows for its input's rows.
+
+        A family whose owner does more than call the projection (an ``AdaLayerNormZero``: the norm
+        and the chunks) returns a forward doing the rest with the rows in place of the projection.
+        """
         return rows_forward
 
     def rows_view(self, cache: Any, layer: Layer) -> torch.Tensor:

@@ -25,7 +25,7 @@ from ... import TensorSource
 from ...errors import CheckpointError, ConfigError
 from ...holds import PlanHold
 from ...hostmem import HostBuffer
-from ...plans import PlanKey
+from ...plans import PlanKey, plan_key
 from ...source.absent import NoWeights
 from .callbacks import BuildCallbacks
 from .casting import casting_guard, settle_casting
@@ -380,8 +380,23 @@ class AdalnCacheHandle:
         if plans is None:
             logger.info("AdaLN cache: the forward's timestep is not one of the schedule's; plans build per forward")
             return
+        plans = [self.family.request_plan(self.model, plan) for plan in plans]
+        keys = {plan_key(plan, self.spec.plan_columns) for plan in plans}
+        width = max(int(plan.shape[0]) for plan in plans)
+        if len(keys) > self.cache.max_plans or width > self.cache.max_plan_width:
+            # Not an error: each forward still builds its own plan. Holding the whole schedule needs room for it.
+            logger.warning(
+                "AdaLN cache: this request's schedule has %d distinct plans of up to %d rows, more than max_plans=%d "
+                "x max_plan_width=%d hold; its plans build step by step (one pass each): raise max_plans "
+                "(--max-plans) or max_plan_width (--plan-width) to build it in one pass",
+                len(keys), width, self.cache.max_plans, self.cache.max_plan_width,
+            )  # fmt: skip
+            return
         attention_kwargs = forward_argument(self.model, "attention_kwargs", args, kwargs)
-        self.prepare(plans, attention_kwargs=attention_kwargs)
+        self.release()  # the thread's previous request is over
+        self._follow(execution_device(self.model))
+        held = self._holds.for_request(plans, attention_kwargs) if self._holds is not None else None
+        self._prepared.hold = held
 
     def _make_resident(
         self, plan: torch.Tensor, key: PlanKey, attention_kwargs: Mapping[str, Any] | None, device: torch.device

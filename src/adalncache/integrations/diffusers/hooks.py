@@ -251,7 +251,7 @@ class ServingHooks:
         self.blocks = ServedBlocks(
             [(layer, path, family.module_at(model, path)) for layer, path in owners],
             self.state,
-            family.served_forward(),
+            family.served_forward,
         )
         #: The layers served by a hook on their projection module, by module path.
         self.hooked = {family.projection_path(layer): layer for layer in spec.layers() if layer not in set(swapped)}

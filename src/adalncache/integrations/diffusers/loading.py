@@ -102,13 +102,16 @@ def load_transformer(
     batched: bool = False,
     tables: TablesArg | None = None,
 ) -> Any:
-    """Load a ``MiniMaxH3Transformer3DModel`` whose AdaLN projections are never loaded, cache enabled.
+    """Load a transformer of a supported family whose AdaLN projections are never loaded, cache enabled.
 
-    The result is what ``MiniMaxH3Transformer3DModel.from_pretrained(path, subfolder=...,
+    The class is the config's ``_class_name`` (``MiniMaxH3Transformer3DModel`` when it names none,
+    ``QwenImageTransformer2DModel``, ...; a class whose modulation depends on the prompt is refused
+    with ``ConfigError``). The result is what ``cls.from_pretrained(path, subfolder=...,
     torch_dtype=..., device_map=...)`` followed by ``enable_adaln_cache`` gives (same config,
-    dtypes, device and outputs, bit for bit), except that no projection weight (every block's
-    ``adaln_proj.linear``, ``norm_out.linear``, and the time embedder where the cache stands in for
-    it) is read from disk or allocated on any device: they are meta placeholders, read from the
+    dtypes, device and outputs, bit for bit), except that no served weight (MiniMax-H3: every
+    block's ``adaln_proj.linear``; Qwen-Image: every block's ``img_mod.1`` and ``txt_mod.1``; and
+    ``norm_out.linear``, and the time embedder where the cache stands in for it) is read from disk
+    or allocated on any device: they are meta placeholders, read from the
     checkpoint only by the cache's rebuild passes. ``adaln_cache_handle(model)`` gives the handle.
 
     Args:

@@ -47,7 +47,7 @@ class MiniMaxH3(DiffusersFamily):
     family = core.FAMILY
     time_embedder = TIME_EMBEDDER
 
-    def served_forward(self) -> ServedForward:
+    def served_forward(self, layer: Layer) -> ServedForward:
         return _served_forward
 
     def recognises(self, model: Any) -> bool:

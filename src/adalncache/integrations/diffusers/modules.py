@@ -173,6 +173,25 @@ def bypassing_hooks(modules: Iterable[nn.Module]) -> Iterator[None]:
                 module.__dict__["forward"] = forward
 
 
+@contextlib.contextmanager
+def cast_as_layerwise(modules: Iterable[nn.Module]) -> Iterator[None]:
+    """Give each module that carries a layerwise-casting hook its parameters in the hook's compute dtype.
+
+    For a forward run beneath every hook (:func:`bypassing_hooks`): the hook's pre-forward is
+    ``module.to(dtype=compute_dtype)``, the same ``Tensor.to`` of each of its own parameters,
+    which is applied here to fresh tensors instead (the stored ones stay as they are).
+    """
+    with contextlib.ExitStack() as stack:
+        for module in modules:
+            hook = get_hook(module, CASTING_HOOK)
+            if hook is None:
+                continue
+            own = {name: p for name, p in module._parameters.items() if p is not None}
+            cast = {name: p.detach().to(hook.compute_dtype) for name, p in own.items()}
+            stack.enter_context(swapped_parameters(module, cast))
+        yield
+
+
 def install_overrides(model: nn.Module, overrides: Mapping[str, Callable[..., Any]]) -> None:
     """Shadow methods of ``model`` with instance attributes (the class's methods stay untouched)."""
     for name, function in overrides.items():

@@ -28,12 +28,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...errors import PlanError
+from ...errors import ConfigError, PlanError
 from ...families import qwen_image as core
 from ...geometry import TIMESTEP
 from ...spec import Layer, ModulationSpec
 from .family import DiffusersFamily, timestep_argument
-from .modules import bypassing_hooks, forward_argument, stock_dtype
+from .modules import bypassing_hooks, cast_as_layerwise, forward_argument, stock_dtype
 
 
 class QwenImage(DiffusersFamily):
@@ -86,7 +86,7 @@ class QwenImage(DiffusersFamily):
         if timestep.dim() != 1 or not timestep.is_floating_point():
             return None
         batch, dtype = timestep.shape[0], timestep.dtype
-        steps = [t.expand(batch).to(dtype) / 1000 for t in timesteps.detach().to(timestep.device)]
+        steps = schedule_timesteps(timesteps.detach().to(timestep.device), batch=batch, dtype=dtype)
         if not any(torch.equal(step, timestep) for step in steps):
             return None
         additional = forward_argument(model, core.ADDITIONAL, args, kwargs)
@@ -96,29 +96,10 @@ class QwenImage(DiffusersFamily):
 
     def plan(self, model: Any, timestep: torch.Tensor, additional: Any) -> torch.Tensor:
         """The plan of a forward called with ``timestep`` and ``additional_t_cond``: float32, exact."""
-        if not isinstance(timestep, torch.Tensor) or timestep.dim() != 1 or not timestep.is_floating_point():
-            raise PlanError(
-                f"Qwen-Image's timestep is a 1-D floating-point tensor (one entry per sample), got "
-                f"{_describe(timestep)}"
-            )
-        seen = timestep.detach().to(compute_dtype(model))
-        if model.config.zero_cond_t:
-            seen = torch.cat([seen, seen * 0], dim=0)
-        plan = seen.to(torch.float32)  # exact: every bf16, fp16 and fp32 value is an fp32 value
-        if not model.config.use_additional_t_cond:
-            return plan
-        if not isinstance(additional, torch.Tensor) or additional.dim() != 1:
-            raise PlanError(
-                f"this Qwen-Image transformer has use_additional_t_cond: its plan needs the forward's "
-                f"additional_t_cond (a 1-D index tensor), got {_describe(additional)}"
-            )
-        if additional.shape[0] not in (1, plan.shape[0]):
-            raise PlanError(
-                f"additional_t_cond has {additional.shape[0]} entries for {plan.shape[0]} timestep rows; the forward "
-                "adds its embedding to temb row by row, so pass one entry, or one per row"
-            )
-        column = additional.detach().to(device=plan.device).expand(plan.shape[0]).to(torch.float32)
-        return torch.stack([plan, column], dim=1)
+        config = model.config
+        return forward_plan_of(
+            compute_dtype(model), bool(config.zero_cond_t), bool(config.use_additional_t_cond), timestep, additional
+        )
 
     # -- the input -------------------------------------------------------------------------------------
 
@@ -133,12 +114,87 @@ class QwenImage(DiffusersFamily):
         module = model.get_submodule(self.time_embedder)
         # Only the dtype of hidden_states is read by time_text_embed.
         hidden = torch.empty(0, dtype=dtype, device=device)
-        with bypassing_hooks(module.modules()):
+        # Beneath every hook (ours stands in for it), casting as a layerwise-casting hook would.
+        with bypassing_hooks(module.modules()), cast_as_layerwise(module.modules()):
             temb = module(timestep, hidden, additional)
         if not model.config.zero_cond_t:
             return F.silu(temb)
         first = temb.chunk(2, dim=0)[0]
         return {core.INPUT: F.silu(temb), core.FIRST: F.silu(first)}
+
+
+def forward_plan_of(
+    dtype: torch.dtype, zero_cond_t: bool, additional_t_cond: bool, timestep: Any, additional: Any
+) -> torch.Tensor:
+    """The plan of a forward of a model computing in ``dtype`` with these flags (module docstring)."""
+    if not isinstance(timestep, torch.Tensor) or timestep.dim() != 1 or not timestep.is_floating_point():
+        raise PlanError(
+            f"Qwen-Image's timestep is a 1-D floating-point tensor (one entry per sample), got {_describe(timestep)}"
+        )
+    seen = timestep.detach().to(dtype)
+    if zero_cond_t:
+        seen = torch.cat([seen, seen * 0], dim=0)
+    plan = seen.to(torch.float32)  # exact: every bf16, fp16 and fp32 value is an fp32 value
+    if not additional_t_cond:
+        return plan
+    if not isinstance(additional, torch.Tensor) or additional.dim() != 1:
+        raise PlanError(
+            f"this Qwen-Image transformer has use_additional_t_cond: its plan needs the forward's additional_t_cond "
+            f"(a 1-D index tensor), got {_describe(additional)}"
+        )
+    if additional.shape[0] not in (1, plan.shape[0]):
+        raise PlanError(
+            f"additional_t_cond has {additional.shape[0]} entries for {plan.shape[0]} timestep rows; the forward "
+            "adds its embedding to temb row by row, so pass one entry, or one per row"
+        )
+    column = additional.detach().to(device=plan.device).expand(plan.shape[0]).to(torch.float32)
+    return torch.stack([plan, column], dim=1)
+
+
+def spec_plans(
+    spec: ModulationSpec, timesteps: list[torch.Tensor], additional_t_cond: int | None = None
+) -> list[torch.Tensor]:
+    """The plans of forwards receiving ``timesteps``, for a model of ``spec`` (no model needed: the CLI)."""
+    layered = spec.plan_columns == 2
+    if layered and additional_t_cond is None:
+        raise ConfigError(
+            "this Qwen-Image checkpoint has use_additional_t_cond: pass --additional-t-cond (the index the pipeline "
+            "passes the transformer as additional_t_cond)"
+        )
+    zero_cond = core.FIRST in spec.inputs
+    column = torch.tensor([additional_t_cond if additional_t_cond is not None else 0])
+    return [forward_plan_of(spec.dtype, zero_cond, layered, t, column) for t in timesteps]
+
+
+def pipeline_timesteps(steps: int, height: int, width: int, scheduler_config: Mapping[str, Any]) -> torch.Tensor:
+    """The scheduler timesteps ``QwenImagePipeline`` runs for ``steps`` at ``height`` x ``width``.
+
+    As the pipeline computes them: ``sigmas = linspace(1, 1 / steps, steps)``, ``mu`` shifted by
+    the packed latent's length ``(height // 16) * (width // 16)``, then the scheduler's
+    ``set_timesteps(sigmas=..., mu=...)``; the forward receives ``t / 1000`` of each.
+    """
+    import numpy as np
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
+
+    scheduler: Any = FlowMatchEulerDiscreteScheduler.from_config(dict(scheduler_config))
+    sigmas = np.linspace(1.0, 1 / steps, steps)
+    mu = calculate_shift(
+        (height // 16) * (width // 16),
+        scheduler.config.get("base_image_seq_len", 256),
+        scheduler.config.get("max_image_seq_len", 4096),
+        scheduler.config.get("base_shift", 0.5),
+        scheduler.config.get("max_shift", 1.15),
+    )
+    scheduler.set_timesteps(sigmas=sigmas, mu=mu)
+    return scheduler.timesteps  # type: ignore[no-any-return]
+
+
+def schedule_timesteps(
+    timesteps: torch.Tensor, *, batch: int = 1, dtype: torch.dtype = torch.bfloat16
+) -> list[torch.Tensor]:
+    """The forward's ``timestep`` at each scheduler timestep: the pipeline's ``t.expand(batch).to(dtype) / 1000``."""
+    return [t.expand(batch).to(dtype) / 1000 for t in timesteps]
 
 
 def compute_dtype(model: Any) -> torch.dtype:
@@ -155,4 +211,12 @@ def _describe(value: object) -> str:
 #: The one instance the registry serves Qwen-Image models with.
 FAMILY = QwenImage()
 
-__all__ = ["FAMILY", "QwenImage", "compute_dtype"]
+__all__ = [
+    "FAMILY",
+    "QwenImage",
+    "compute_dtype",
+    "forward_plan_of",
+    "pipeline_timesteps",
+    "schedule_timesteps",
+    "spec_plans",
+]

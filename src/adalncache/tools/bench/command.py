@@ -11,6 +11,7 @@ it measures:
   at the request size where reading and projecting cost about the same (where overlap matters most);
 * a forward step of a tiny MiniMax-H3 with its projections resident, served from the cache, and
   offloaded to disk with diffusers' group offloading;
+* a forward step of a tiny Qwen-Image (bf16), resident against served from the cache;
 * ``build()`` latency when every plan of a 50-step request is already resident (the per-request
   hot path), beside SGLang's cache where one is installed, and a store hit against a pass;
 * memory: projection bytes against slab bytes, and the peak anonymous memory of a pass, measured in
@@ -46,6 +47,7 @@ from .forward import bench_forward
 from .hitpath import bench_build_latency
 from .memory import bench_memory
 from .passes import bench_pass
+from .qwen import bench_qwen
 from .report import write_outputs
 from .results import Results
 from .store import bench_store
@@ -53,7 +55,7 @@ from .tables import bench_tables
 from .workload import REAL_HIDDEN, REAL_IN, STEPS, generate_checkpoint, request_plans
 
 #: The sections, in the order they run (``--only`` takes their names).
-SECTIONS = ("pass", "forward", "build", "store", "memory", "deploy", "tables")
+SECTIONS = ("pass", "forward", "qwen", "build", "store", "memory", "deploy", "tables")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -96,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
     sections: dict[str, Callable[[], None]] = {
         "pass": lambda: bench_pass(res, source, plans, runs, cold=not args.no_cold, device=device),
         "forward": lambda: bench_forward(res, args.size, 3 if args.quick else 8, runs, device),
+        "qwen": lambda: bench_qwen(res, runs, device),
         "build": lambda: bench_build_latency(res, runs, work / "ckpt-latency-50x8x16", device),
         "store": lambda: bench_store(res, source, plans, runs, device),
         "memory": lambda: bench_memory(res, source, plans, ckpt_dir, device),
