@@ -374,3 +374,31 @@ def test_the_store_serves_another_handle_without_a_pass(tmp_path: Path) -> None:
     assert report.passes == 0 and report.store_hits > 0
     assert all(torch.equal(r, c) for r, c in zip(resident, run(again)))
     handle.disable()
+
+
+def test_a_bound_table_file_serves_a_fresh_model_without_weights(tmp_path: Path) -> None:
+    """Tables exported from a checkpoint-served model (bound to its weights, the family in the binding) serve a
+    fresh model of those weights with its projections freed and no weight source: no pass, outputs equal."""
+    from adalncache.export import export_tables
+    from adalncache.plans import distinct_plans
+    from adalncache.source.absent import NoWeights
+
+    name, flags = "BriaFiboTransformer2DModel", {"guidance_embeds": True}
+    model = tiny.save_and_load(tiny.build(name, **flags), tmp_path / "model")
+    resident = run(model)
+    handle = enable_adaln_cache(model, tmp_path / "model", free_time_embedder=False)
+    plans = [handle.family.request_plan(model, plan) for plan in request_plans(model)]
+    keys, tensors = distinct_plans(plans, columns=handle.spec.plan_columns)
+
+    def embed(plan: torch.Tensor) -> Any:
+        return handle.family.embed(model, handle.spec, plan, torch.device("cpu"))
+
+    out = tmp_path / "tables.safetensors"
+    export_tables(handle.cache, [tensors[k] for k in keys], out, embed=embed, progress=False)
+    handle.disable()
+
+    fresh = tiny.model_class(name).from_pretrained(tmp_path / "model", torch_dtype=torch.bfloat16)  # type: ignore[attr-defined]
+    handle = enable_adaln_cache(fresh.eval(), tables=out)
+    assert isinstance(handle.cache.source, NoWeights) and served_bytes(fresh) == 0
+    assert all(torch.equal(r, c) for r, c in zip(resident, run(fresh)))
+    assert handle.stats.passes == 0 and handle.stats.table_hits > 0
