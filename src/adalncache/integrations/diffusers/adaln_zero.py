@@ -17,8 +17,9 @@ cond and uncond runs 2B rows), and the columns of ``spec.plan_inputs``: ``timest
 forward receives, before any cast the forward applies (the cast is part of the input's
 computation, reproduced here), so a plan's key is the bits the caller passed.
 
-Serving: every served projection (module paths are the layer ids) gets the integration's output
-hook, which returns its rows for the rows of its input; the module whose output is ``temb`` (per
+Serving: every block's AdaLN module is switched in place to a served class whose forward is its
+own with the table rows in place of ``linear(silu(emb))``; ``norm_out.linear`` gets the
+integration's output hook, which returns its rows; the module whose output is ``temb`` (per
 class: ``time_guidance_embed``, ``time_embed``, ...) gets the placeholder while its time embedders
 are parked. ``AuraFlowTransformer2DModel`` is refused for now: its projections have no bias, and
 the cache builds and binds tables from a weight and a bias per projection.
@@ -36,9 +37,9 @@ from torch import nn
 from ... import families
 from ...errors import ConfigError, PlanError
 from ...families import adaln_zero
-from ...geometry import ModelGeometry
+from ...geometry import Layer, ModelGeometry
 from ...spec import ModulationSpec
-from .family import DiffusersFamily
+from .family import DiffusersFamily, ServedForward, rows_forward
 from .modules import base_linear, bypassing_hooks, forward_argument
 
 #: dtypes whose values an fp32 plan holds exactly (so the forward's tensor is the plan cast back).
@@ -189,6 +190,19 @@ class AdalnZero(DiffusersFamily):
             model_geometry(model)  # a refused or unknown class: the registry's ConfigError
         return ModulationSpec.for_geometry(**adaln_zero.from_transformer(model, dtype))
 
+    def swapped_layers(self, spec: ModulationSpec) -> list[Layer]:
+        """Every block's projection is served by a class swap of its AdaLN module (one class per kind of
+        module, so a regional compile makes one graph for all blocks); ``norm_out.linear`` by a hook."""
+        return [layer for layer in spec.layers() if layer != adaln_zero.FINAL_PATH]
+
+    def served_forward(self, layer: Layer) -> ServedForward:
+        """The served forward of ``layer``'s AdaLN module: its own forward with the rows in place of
+        ``linear(silu(emb))`` (6 chunks for ``AdaLayerNormZero``, 3 for ``AdaLayerNormZeroSingle``)."""
+        owner = str(layer).rpartition(".")[0]
+        single = owner.startswith("single_transformer_blocks.") and owner.endswith(".norm")
+        # The served forwards take the AdaLN modules' keywords (emb=...), more than ServedForward names.
+        return _single_forward if single else _zero_forward  # type: ignore[return-value]
+
     def time_embedder_module(self, model: nn.Module) -> nn.Module:
         return model.get_submodule(adaln_zero.CLASSES[type(model).__name__].temb_module)
 
@@ -253,6 +267,32 @@ class AdalnZero(DiffusersFamily):
         ):
             return None  # another pipeline's timestep_r: plans build per forward
         return plans
+
+
+def _zero_forward(
+    owner: Any,
+    x: torch.Tensor,
+    timestep: Any = None,
+    class_labels: Any = None,
+    hidden_dtype: Any = None,
+    emb: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """``AdaLayerNormZero.forward`` (diffusers 0.42.1; the model check refused one with its own ``emb``
+    module) with the served rows in place of ``linear(silu(emb))``."""
+    assert emb is not None
+    rows = rows_forward(owner, emb)
+    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = rows.chunk(6, dim=1)
+    x = owner.norm(x) * (1 + scale_msa[:, None]) + shift_msa[:, None]
+    return x, gate_msa, shift_mlp, scale_mlp, gate_mlp
+
+
+def _single_forward(owner: Any, x: torch.Tensor, emb: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """``AdaLayerNormZeroSingle.forward`` (diffusers 0.42.1) with the served rows in place of ``linear(silu(emb))``."""
+    assert emb is not None
+    rows = rows_forward(owner, emb)
+    shift_msa, scale_msa, gate_msa = rows.chunk(3, dim=1)
+    x = owner.norm(x) * (1 + scale_msa[:, None]) + shift_msa[:, None]
+    return x, gate_msa
 
 
 #: How the family's pipelines turn a scheduler timestep (fp32) into the forward's ``timestep`` of
