@@ -402,3 +402,36 @@ def test_a_bound_table_file_serves_a_fresh_model_without_weights(tmp_path: Path)
     assert isinstance(handle.cache.source, NoWeights) and served_bytes(fresh) == 0
     assert all(torch.equal(r, c) for r, c in zip(resident, run(fresh)))
     assert handle.stats.passes == 0 and handle.stats.table_hits > 0
+
+
+def _compiled_counts(name: str, cache: bool) -> tuple[list[torch.Tensor], tuple[int, ...]]:
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    model = tiny.build(name)
+    handle = enable_adaln_cache(model) if cache else None
+    if handle is not None:
+        handle.prepare(request_plans(model))
+    model.compile_repeated_blocks(backend="aot_eager")  # type: ignore[operator]
+    torch._dynamo.reset()
+    counters.clear()
+    outputs = run(model)
+    counts = (
+        counters["frames"]["total"],
+        counters["stats"]["unique_graphs"],
+        sum(counters["graph_break"].values()),
+        sum(counters["recompiles"].values()),
+    )
+    if handle is not None:
+        handle.disable()
+    return outputs, counts
+
+
+@pytest.mark.parametrize("name", ["OvisImageTransformer2DModel", "HunyuanVideo15Transformer3DModel"])
+def test_regional_compile_compiles_no_more_than_the_resident_model(name: str) -> None:
+    """``compile_repeated_blocks``: the served AdaLN class is one class per kind for every block, so the cached
+    model compiles the same frames, graphs, breaks and recompiles as the resident one, with equal outputs."""
+    resident, resident_counts = _compiled_counts(name, cache=False)
+    cached, cached_counts = _compiled_counts(name, cache=True)
+    assert all(torch.equal(r, c) for r, c in zip(resident, cached))
+    assert cached_counts == resident_counts, (cached_counts, resident_counts)
