@@ -435,3 +435,32 @@ def test_regional_compile_compiles_no_more_than_the_resident_model(name: str) ->
     cached, cached_counts = _compiled_counts(name, cache=True)
     assert all(torch.equal(r, c) for r, c in zip(resident, cached))
     assert cached_counts == resident_counts, (cached_counts, resident_counts)
+
+
+def _lora(model: nn.Module) -> None:
+    from peft import LoraConfig
+
+    targets = ["norm1.linear", "norm1_context.linear", "norm.linear", "norm_out.linear", "timestep_embedder.linear_1"]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(7)
+        model.add_adapter(LoraConfig(r=2, target_modules=targets, init_lora_weights=False))  # type: ignore[operator]
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_lora_on_the_served_modules_is_served_exactly(when: str) -> None:
+    """A peft LoRA on every served projection and the time embedder, loaded before or after enabling."""
+    pytest.importorskip("peft")
+    name = "OvisImageTransformer2DModel"
+    resident = tiny.build(name)
+    _lora(resident)
+    expected = run(resident)
+    model = tiny.build(name)
+    assert not torch.equal(run(model)[0], expected[0])  # the LoRA changes the outputs
+    if when == "before":
+        _lora(model)
+    handle = enable_adaln_cache(model)
+    if when == "after":
+        _lora(model)
+    assert all(torch.equal(r, c) for r, c in zip(expected, run(model)))
+    handle.disable()
+    assert all(torch.equal(r, c) for r, c in zip(expected, run(model)))
