@@ -20,15 +20,17 @@ import torch
 
 from ..errors import ConfigError
 from ..geometry import TABLE_ROWS, Family
-from . import minimax_h3, qwen_image
+from . import adaln_zero, minimax_h3, qwen_image
 
 #: Every supported family by name.
-FAMILIES: dict[str, Family] = {family.name: family for family in (minimax_h3.FAMILY, qwen_image.FAMILY)}
+FAMILIES: dict[str, Family] = {
+    family.name: family for family in (minimax_h3.FAMILY, qwen_image.FAMILY, adaln_zero.FAMILY)
+}
 
 #: The readers of the families whose spec carries its geometry (every family but the default one):
 #: ``from_transformer(model, dtype)`` and ``from_headers(path, entries, config)`` give the keywords
 #: of ``ModulationSpec.for_geometry``.
-READERS: dict[str, Any] = {qwen_image.FAMILY.name: qwen_image}
+READERS: dict[str, Any] = {qwen_image.FAMILY.name: qwen_image, adaln_zero.FAMILY.name: adaln_zero}
 
 _POOLED = "its AdaLN input depends on the pooled text embedding, so tables cannot be shared across prompts"
 
@@ -97,6 +99,7 @@ __all__ = [
     "FAMILIES",
     "READERS",
     "REFUSED",
+    "adaln_zero",
     "for_class",
     "get",
     "minimax_h3",

@@ -34,13 +34,17 @@ def enable_adaln_cache(
 
     The served projections' weights (MiniMax-H3: every block's ``adaln_proj.linear`` and
     ``norm_out.linear``; Qwen-Image: every block's ``img_mod.1`` and ``txt_mod.1`` and
-    ``norm_out.linear``) and, unless another hook might read ``temb``, the time embedder's leave
+    ``norm_out.linear``; the AdaLayerNormZero family: every ``norm1``, ``norm1_context`` and
+    single-block ``norm`` projection and ``norm_out.linear``, the token refiners' AdaLN staying)
+    and, unless another hook might read ``temb``, the time embedder's leave
     the device; meta placeholders of the right shape keep module names, ``repr`` and the LoRA
     loaders working. A transformer whose modulation depends on the prompt, or of an unknown
     class, is refused with ``ConfigError`` saying why; nothing changes.
 
     Args:
-        model_or_pipeline: a ``MiniMaxH3Transformer3DModel`` or ``QwenImageTransformer2DModel``; a
+        model_or_pipeline: a ``MiniMaxH3Transformer3DModel``, ``QwenImageTransformer2DModel`` or a
+            transformer of the AdaLayerNormZero family (HunyuanImage-2.1, HunyuanVideo-1.5,
+            Motif-Video, Bria, Bria-FIBO, LongCat-Image, Ovis-Image; docs/families.md); a
             MiniMax-H3 modular pipeline (its ``transformer`` and ``transformer_ref``, each with its
             own cache); or a pipeline such as ``QwenImagePipeline`` (its scheduler is watched and
             each request's first forward prepares the whole schedule in one pass).

@@ -98,6 +98,9 @@ class DiffusersFamily:
     blocks: ClassVar[str] = "transformer_blocks"
     #: Module path of the module whose output is ``temb`` (hooked with a placeholder when parked).
     time_embedder: ClassVar[str]
+    #: Whether the placeholder for ``temb`` must be a tensor of its own (the forward adds to it in
+    #: place) rather than a zero-stride view.
+    writable_stand_in: ClassVar[bool] = False
 
     # -- which models --------------------------------------------------------------------------
 
@@ -158,6 +161,11 @@ class DiffusersFamily:
     def projection_modules(self, model: nn.Module, spec: ModulationSpec) -> list[tuple[Layer, Any]]:
         """``(layer, current module)`` of every projection, in pass order."""
         return [(layer, self.projection_module(model, layer)) for layer in spec.layers()]
+
+    def time_embedder_module(self, model: nn.Module) -> nn.Module:
+        """The module whose output is ``temb`` (``time_embedder``'s path by default; a family of
+        several classes may put it elsewhere per class)."""
+        return model.get_submodule(self.time_embedder)
 
     def time_embedder_linears(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
         """``(path, module)`` of the time embedder's linears that exist on this model."""

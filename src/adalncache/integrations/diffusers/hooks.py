@@ -193,7 +193,8 @@ class AdalnCacheTimeEmbedderHook(ModelHook):
             return self.zero.expand(args[0].shape[0], self.out_features)
         rows, dtype = self.family.stand_in(args, kwargs)
         zero = self.zero if dtype is None or dtype == self.zero.dtype else self.zero.to(dtype)
-        return zero.expand(rows, self.out_features)
+        stand_in = zero.expand(rows, self.out_features)
+        return stand_in.clone() if self.family.writable_stand_in else stand_in
 
 
 def remove_hook(module: nn.Module, name: str) -> None:
@@ -275,7 +276,7 @@ class ServingHooks:
         self.blocks.install(self._rows)
         self.follow_output()
         if time_embedder:
-            module = model.get_submodule(family.time_embedder)
+            module = family.time_embedder_module(model)
             hook = AdalnCacheTimeEmbedderHook(
                 family.temb_width(model), get_parameter_dtype(module), self.cache.device, family
             )
@@ -339,6 +340,6 @@ class ServingHooks:
         for hooked in self._hooked_output.values():
             remove_hook(hooked, OUTPUT_HOOK)
         self._hooked_output = {}
-        remove_hook(model.get_submodule(self.family.time_embedder), TIME_EMBEDDER_HOOK)
+        remove_hook(self.family.time_embedder_module(model), TIME_EMBEDDER_HOOK)
         HookRegistry.check_if_exists_or_initialize(model).invalidate_child_registries_cache()
         self.state.clear()

@@ -13,12 +13,13 @@ from typing import Any
 from ... import families
 from ...errors import ConfigError
 from ...spec import ModulationSpec
+from .adaln_zero import FAMILY as ADALN_ZERO
 from .family import DiffusersFamily
 from .minimax_h3 import FAMILY as MINIMAX_H3
 from .qwen_image import FAMILY as QWEN_IMAGE
 
 #: The integration's families, by core family name.
-FAMILIES: dict[str, DiffusersFamily] = {family.name: family for family in (MINIMAX_H3, QWEN_IMAGE)}
+FAMILIES: dict[str, DiffusersFamily] = {family.name: family for family in (MINIMAX_H3, QWEN_IMAGE, ADALN_ZERO)}
 
 
 def by_name(name: str) -> DiffusersFamily:

@@ -1,0 +1,451 @@
+"""The AdaLayerNormZero family: Flux-shaped diffusers transformers whose ``temb`` is timestep-only.
+
+Eight diffusers 0.42.1 transformer classes share one modulation design: double-stream blocks
+with ``norm1`` and ``norm1_context`` (``AdaLayerNormZero``: ``linear(silu(temb))``, 6 x dim
+outputs), single-stream blocks with ``AdaLayerNormZeroSingle`` (3 x dim) or a 6-way
+``AdaLayerNormZero``, and an output layer ``norm_out`` (``linear(silu(temb).to(x.dtype))``,
+2 x dim). In these classes ``temb`` is computed from per-step scalars alone (``timestep``, and
+for some configurations ``timestep_r`` or ``guidance``), so every served projection has one input,
+``silu(temb)``, which a table can hold per plan.
+
+Flux.1 has the same module names but adds the pooled text embedding to ``temb``: it is refused
+(see :mod:`adalncache.families`). HunyuanImage-2.1 and HunyuanVideo-1.5 have a token refiner
+whose own AdaLN (``HunyuanImageAdaNorm`` / ``HunyuanVideo15AdaNorm``) takes pooled text: it
+stays resident, and this module lists it so that a model is checked against exactly what is
+served and what stays.
+
+What is here (definitions level: no diffusers import, no model objects):
+
+* :data:`CLASSES`: per class, where its blocks sit, which config keys count them, how its
+  single blocks are modulated, whether the projections have a bias, which AdaLN modules stay,
+  and which modules compute ``temb`` (its time embedders);
+* :func:`fields_from_config`: the sizes and plan inputs of one model from its config;
+* :func:`geometry`: the served layers in pass order (module paths as layer ids), widths, plan
+  inputs;
+* :func:`check_structure`: a model's modules (paths and class names, served linears' shapes)
+  against the class's list, so that a model whose structure differs is refused, never half served.
+
+The per-step inputs' exact arithmetic (casts, ``* 1000``) is the integration's to reproduce with
+the model's own embedding modules; docs/families.md tabulates it per class.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+from ..errors import CheckpointError, ConfigError
+from ..geometry import TABLE_ROWS, TIMESTEP, Family, KeyLayout, ModelGeometry, ServedLayer
+
+#: The second timestep of the mean-flow variants (the next step's timestep).
+TIMESTEP_R = "timestep_r"
+#: The distilled guidance scale of guidance-embedded variants.
+GUIDANCE = "guidance"
+
+#: The one projection input: ``silu(temb)`` in the projections' dtype.
+INPUT = "temb"
+
+
+def input_name(class_name: str) -> str:
+    """The projections' input as a geometry names it: ``temb`` of this class (``temb:BriaTransformer2DModel``).
+
+    Classes with the same module names and widths compute ``temb`` differently (a ``* 1000``, a
+    cast, another ``max_period``), so the class is part of what a table is bound to: the input
+    name is in the geometry's identity, which store bindings and table files carry.
+    """
+    return f"{INPUT}:{class_name}"
+
+
+#: The output layer every class of the family has.
+FINAL_PATH = "norm_out.linear"
+
+#: Module classes that compute an AdaLN modulation: every module of these classes in a model is
+#: either served or listed as staying resident, else the model is refused.
+ADALN_CLASS = re.compile(r"AdaLayerNorm|AdaNorm|PreFinalBlock")
+
+
+@dataclass(frozen=True)
+class ClassLayout:
+    """Where one diffusers class keeps its modulation, and what computes its ``temb``.
+
+    ``double``/``single``: the block lists' attributes with the config keys counting them
+    (``single`` empty for a class without single-stream blocks); ``single_norm``/``single_ways``:
+    the single block's AdaLN module and its outputs per dim (3 for ``AdaLayerNormZeroSingle``, 6
+    for a single block modulated by an ``AdaLayerNormZero``); ``final_class``: the output layer's
+    module class; ``bias``: whether the projections have a bias. ``stays``: module paths of AdaLN
+    modules that take more than ``temb`` (``{k}`` counts ``refiners`` in the config); they stay
+    resident. ``temb_module``: the module whose output is ``temb``; ``time_embedders``: the
+    ``TimestepEmbedding`` modules inside it whose two linears' weights shape ``temb`` (Bria-FIBO's
+    guidance embedder is outside it: it stays resident).
+    ``optional``: plan inputs after ``timestep``, each with the config flag enabling it.
+    """
+
+    class_name: str
+    title: str
+    double: tuple[str, str]
+    single: tuple[str, str] | tuple[()] = ("single_transformer_blocks", "num_single_layers")
+    single_norm: str = "norm"
+    single_ways: int = 3
+    final_class: str = "AdaLayerNormContinuous"
+    bias: bool = True
+    stays: tuple[str, ...] = ()
+    refiners: str = ""
+    temb_module: str = "time_embed"
+    time_embedders: tuple[str, ...] = ("time_embed.timestep_embedder",)
+    optional: tuple[tuple[str, str], ...] = ()
+    #: A config flag the class cannot be served with, and why.
+    unservable: tuple[tuple[str, str], ...] = ()
+
+
+_DOUBLE = ("transformer_blocks", "num_layers")
+_REFINER = "context_embedder.token_refiner.refiner_blocks.{k}.norm_out"
+
+CLASSES: dict[str, ClassLayout] = {
+    c.class_name: c
+    for c in (
+        ClassLayout(
+            "HunyuanImageTransformer2DModel",
+            "HunyuanImage-2.1",
+            _DOUBLE,
+            stays=(_REFINER,),
+            refiners="num_refiner_layers",
+            temb_module="time_guidance_embed",
+            time_embedders=(
+                "time_guidance_embed.timestep_embedder",
+                "time_guidance_embed.timestep_embedder_r",
+                "time_guidance_embed.guidance_embedder",
+            ),
+            optional=((TIMESTEP_R, "use_meanflow"), (GUIDANCE, "guidance_embeds")),
+        ),
+        ClassLayout(
+            "MotifVideoTransformer3DModel",
+            "Motif-Video",
+            _DOUBLE,
+            temb_module="time_text_embed",
+            time_embedders=("time_text_embed.timestep_embedder",),
+        ),
+        ClassLayout(
+            "BriaTransformer2DModel",
+            "Bria",
+            _DOUBLE,
+            unservable=(
+                (
+                    "guidance_embeds",
+                    "the model class (as of its 0.42.1 release) cannot be built with guidance_embeds=True (its "
+                    "guidance embedder misses time_theta) and its forward skips the guidance embedding when "
+                    "guidance is 0",
+                ),
+            ),
+        ),
+        ClassLayout("LongCatImageTransformer2DModel", "LongCat-Image", _DOUBLE),
+        ClassLayout(
+            "HunyuanVideo15Transformer3DModel",
+            "HunyuanVideo-1.5",
+            _DOUBLE,
+            single=(),
+            stays=(_REFINER,),
+            refiners="num_refiner_layers",
+            time_embedders=("time_embed.timestep_embedder", "time_embed.timestep_embedder_r"),
+            optional=((TIMESTEP_R, "use_meanflow"),),
+        ),
+        ClassLayout(
+            "AuraFlowTransformer2DModel",
+            "AuraFlow",
+            ("joint_transformer_blocks", "num_mmdit_layers"),
+            single=("single_transformer_blocks", "num_single_dit_layers"),
+            single_norm="norm1",
+            single_ways=6,
+            final_class="AuraFlowPreFinalBlock",
+            bias=False,
+            temb_module="time_step_proj",
+            time_embedders=("time_step_proj",),
+        ),
+        ClassLayout(
+            "BriaFiboTransformer2DModel",
+            "Bria-FIBO",
+            _DOUBLE,
+            optional=((GUIDANCE, "guidance_embeds"),),
+        ),
+        ClassLayout(
+            "OvisImageTransformer2DModel",
+            "Ovis-Image",
+            _DOUBLE,
+            temb_module="timestep_embedder",
+            time_embedders=("timestep_embedder",),
+        ),
+    )
+}
+
+#: The linears of every class's time embedders (a model has those of its class; the others are absent).
+TIME_EMBEDDER_LINEARS = tuple(
+    dict.fromkeys(
+        f"{path}.{linear}" for c in CLASSES.values() for path in c.time_embedders for linear in ("linear_1", "linear_2")
+    )
+)
+
+FAMILY = Family(
+    name="adaln-zero",
+    title="AdaLayerNormZero (timestep-only temb)",
+    layouts=(KeyLayout("diffusers", time_embedder=TIME_EMBEDDER_LINEARS),),
+    class_names=tuple(CLASSES),
+    table_formats=("adalncache",),
+    table_tensors=(TABLE_ROWS,),
+)
+
+
+def layout_of(class_name: str) -> ClassLayout:
+    """The layout of a class of this family, or a ConfigError naming the family's classes."""
+    try:
+        return CLASSES[class_name]
+    except (KeyError, TypeError):
+        raise ConfigError(f"{class_name} is not a class of the {FAMILY.name} family ({', '.join(CLASSES)})") from None
+
+
+def _count(config: Mapping[str, Any], key: str, class_name: str) -> int:
+    value = config.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"{class_name}: config {key} must be a non-negative integer, got {value!r}")
+    return value
+
+
+def fields_from_config(class_name: str, config: Mapping[str, Any]) -> dict[str, Any]:
+    """The sizes and plan inputs of a model of ``class_name`` with this (diffusers) config.
+
+    ``double_layers``/``single_layers``: the block counts; ``refiner_layers``: the token refiner's
+    blocks (whose AdaLN stays resident); ``hidden_size``: heads x head dim (the projections'
+    input width); ``plan_inputs``: ``timestep`` and each optional input the config enables.
+    Raises ConfigError for a configuration the class cannot be served with.
+    """
+    layout = layout_of(class_name)
+    for flag, reason in layout.unservable:
+        if config.get(flag):
+            raise ConfigError(f"{class_name} with {flag}={config.get(flag)!r} cannot be served: {reason}")
+    heads = _count(config, "num_attention_heads", class_name)
+    head_dim = _count(config, "attention_head_dim", class_name)
+    if heads * head_dim == 0:
+        raise ConfigError(f"{class_name}: num_attention_heads x attention_head_dim must be positive")
+    return {
+        "class_name": class_name,
+        "double_layers": _count(config, layout.double[1], class_name),
+        "single_layers": _count(config, layout.single[1], class_name) if layout.single else 0,
+        "refiner_layers": _count(config, layout.refiners, class_name) if layout.refiners else 0,
+        "hidden_size": heads * head_dim,
+        "plan_inputs": (TIMESTEP, *(name for name, flag in layout.optional if config.get(flag))),
+    }
+
+
+def served_paths(class_name: str, double_layers: int, single_layers: int) -> list[tuple[str, int, str]]:
+    """``(projection's module path, outputs per dim, its AdaLN module's class)`` of every served linear, in pass order.
+
+    Pass order is the forward's: each double block's ``norm1`` then ``norm1_context``, then the
+    single blocks, then the output layer.
+    """
+    layout = layout_of(class_name)
+    zero, blocks = "AdaLayerNormZero", layout.double[0]
+    paths: list[tuple[str, int, str]] = []
+    for i in range(double_layers):
+        paths += [(f"{blocks}.{i}.norm1.linear", 6, zero), (f"{blocks}.{i}.norm1_context.linear", 6, zero)]
+    if layout.single:
+        kind = zero if layout.single_ways == 6 else "AdaLayerNormZeroSingle"
+        paths += [
+            (f"{layout.single[0]}.{j}.{layout.single_norm}.linear", layout.single_ways, kind)
+            for j in range(single_layers)
+        ]
+    return [*paths, (FINAL_PATH, 2, layout.final_class)]
+
+
+def resident_paths(class_name: str, refiner_layers: int) -> list[str]:
+    """Module paths of the AdaLN modules that stay resident (their input includes the prompt)."""
+    layout = layout_of(class_name)
+    return [pattern.format(k=k) for pattern in layout.stays for k in range(refiner_layers)]
+
+
+@lru_cache(maxsize=64)
+def geometry(
+    class_name: str, double_layers: int, single_layers: int, hidden_size: int, plan_inputs: tuple[str, ...]
+) -> ModelGeometry:
+    """The geometry of one model: its served projections by module path, widths, plan inputs."""
+    paths = served_paths(class_name, double_layers, single_layers)
+    layers = tuple(ServedLayer(path, ways * hidden_size, input_name(class_name)) for path, ways, _ in paths)
+    return ModelGeometry(FAMILY, layers, hidden_size, plan_inputs)
+
+
+def geometry_from_config(class_name: str, config: Mapping[str, Any]) -> ModelGeometry:
+    """:func:`geometry` of the model ``config`` describes."""
+    f = fields_from_config(class_name, config)
+    return geometry(class_name, f["double_layers"], f["single_layers"], f["hidden_size"], f["plan_inputs"])
+
+
+def spec_args(geometry: ModelGeometry, fields: Mapping[str, Any], dtype: Any) -> dict[str, Any]:
+    """``ModulationSpec.for_geometry`` keywords of a model (blocks counted double plus single)."""
+    return {
+        "geometry": geometry,
+        "dtype": dtype,
+        "num_layers": fields["double_layers"] + fields["single_layers"],
+        "hidden_size": fields["hidden_size"],
+    }
+
+
+def _no_bias(class_name: str) -> None:
+    if not layout_of(class_name).bias:
+        raise ConfigError(
+            f"{class_name} cannot be served yet: its AdaLN projections have no bias, and the cache builds and binds "
+            f"its tables from a weight and a bias per projection"
+        )
+
+
+def walk(model: Any) -> ModelGeometry:
+    """The geometry of a transformer of this family, after its modules passed :func:`check_structure`."""
+    name = type(model).__name__
+    config = getattr(model, "config", None)
+    if not isinstance(config, Mapping):
+        raise ConfigError(f"{name} has no model config (config.json) to read its geometry from")
+    fields = fields_from_config(name, config)
+    modules = {path: type(module).__name__ for path, module in model.named_modules()}
+    linears: dict[str, tuple[int, int, bool]] = {}
+    for path, _, _ in served_paths(name, fields["double_layers"], fields["single_layers"]):
+        try:
+            linear = model.get_submodule(path)
+        except AttributeError:
+            continue  # reported by the check as a missing module
+        linear = getattr(linear, "base_layer", linear)  # inside a peft LoRA wrapper
+        weight = getattr(linear, "weight", None)
+        if weight is not None and getattr(weight, "dim", lambda: 0)() == 2:
+            linears[path] = (int(weight.shape[0]), int(weight.shape[1]), getattr(linear, "bias", None) is not None)
+    return check_structure(name, config, modules, linears)
+
+
+def from_transformer(model: Any, dtype: Any = None) -> dict[str, Any]:
+    """The spec keywords of a transformer of this family (:func:`walk`; AuraFlow refused for its bias-less projections).
+
+    ``dtype``: the projections' output dtype when their weights are stored in another one; by
+    default the first projection's weight dtype (inside a peft LoRA wrapper, if any).
+    """
+    geo = walk(model)
+    name = type(model).__name__
+    _no_bias(name)
+    if dtype is None:
+        first = model.get_submodule(str(geo.layers[0].id))
+        dtype = getattr(first, "base_layer", first).weight.dtype
+    return spec_args(geo, fields_from_config(name, model.config), dtype)
+
+
+def from_headers(path: object, entries: Mapping[str, Any], config: Mapping[str, Any]) -> dict[str, Any]:
+    """The spec keywords of a diffusers checkpoint from its ``config.json`` and safetensors headers.
+
+    Every served projection's weight and bias must be there with the geometry's shapes and one
+    dtype; CheckpointError names the first that is not.
+    """
+    name = str(config.get("_class_name"))
+    fields = fields_from_config(name, config)
+    _no_bias(name)
+    geo = geometry(name, fields["double_layers"], fields["single_layers"], fields["hidden_size"], fields["plan_inputs"])
+    dtypes = set()
+    for layer in geo.layers:
+        for tensor, shape in (
+            (f"{layer.id}.weight", [layer.out_features, geo.in_features]),
+            (f"{layer.id}.bias", [layer.out_features]),
+        ):
+            entry = entries.get(tensor)
+            if entry is None or list(entry.shape) != shape or entry.torch_dtype is None:
+                found = "missing" if entry is None else f"{list(entry.shape)} {entry.dtype}"
+                raise CheckpointError(f"{path}: {tensor} is {found}, not {shape}: this is not the {name} of its config")
+            dtypes.add(entry.torch_dtype)
+    if len(dtypes) != 1:
+        raise CheckpointError(f"{path}: the AdaLN projections have several dtypes ({sorted(map(str, dtypes))})")
+    return spec_args(geo, fields, dtypes.pop())
+
+
+def _owner(path: str) -> str:
+    return path.rpartition(".")[0]
+
+
+def check_structure(
+    class_name: str,
+    config: Mapping[str, Any],
+    modules: Mapping[str, str],
+    linears: Mapping[str, tuple[int, int, bool]],
+) -> ModelGeometry:
+    """The model's geometry, after checking its modules against the class's list; ConfigError if they differ.
+
+    ``modules``: every module of the model, path -> class name (``named_modules``);
+    ``linears``: ``(out_features, in_features, has bias)`` of each served projection found. The
+    AdaLN modules found (by class name, :data:`ADALN_CLASS`) must be exactly the served ones and
+    the resident ones; each served owner's class, its projection's shape and bias must be the
+    listed ones, and it must compute nothing but ``linear(silu(temb))`` (no embedding of its own).
+    """
+    layout = layout_of(class_name)
+    fields = fields_from_config(class_name, config)
+    geo = geometry(
+        class_name, fields["double_layers"], fields["single_layers"], fields["hidden_size"], fields["plan_inputs"]
+    )
+    served = {
+        _owner(path): (path, kind)
+        for path, _, kind in served_paths(class_name, fields["double_layers"], fields["single_layers"])
+    }
+    resident = set(resident_paths(class_name, fields["refiner_layers"]))
+    found = {path for path, kind in modules.items() if ADALN_CLASS.search(kind)}
+    problems: list[str] = []
+    missing = sorted(set(served) - found)
+    unexpected = sorted(found - set(served) - resident)
+    if missing:
+        problems.append(f"no AdaLN module at {_few(missing)}")
+    if unexpected:
+        problems.append(f"AdaLN modules not in its list at {_few(unexpected)}")
+    if resident - found:
+        problems.append(f"no resident token-refiner AdaLN at {_few(sorted(resident - found))}")
+    for owner, (path, kind) in served.items():
+        if owner not in modules:
+            continue
+        if modules[owner] != kind:
+            problems.append(f"{owner} is a {modules[owner]}, not an {kind}")
+        if f"{owner}.emb" in modules:
+            problems.append(f"{owner} embeds its own timestep (an AdaLayerNormZero with num_embeddings)")
+        want = (geo.layer(path).out_features, geo.in_features, layout.bias)
+        if linears.get(path) != want:
+            problems.append(f"{path} is {_linear(linears.get(path))}, not {_linear(want)}")
+    if problems:
+        raise ConfigError(
+            f"{class_name} cannot be served: its modules differ from the {FAMILY.name} family's list for this "
+            f"class ({'; '.join(problems[:4])}); nothing was changed"
+        )
+    return geo
+
+
+def _linear(shape: tuple[int, int, bool] | None) -> str:
+    if shape is None:
+        return "missing"
+    out, k, bias = shape
+    return f"Linear({k} -> {out}, bias={bias})"
+
+
+def _few(paths: list[str]) -> str:
+    return ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
+
+
+__all__ = [
+    "ADALN_CLASS",
+    "CLASSES",
+    "FAMILY",
+    "FINAL_PATH",
+    "GUIDANCE",
+    "INPUT",
+    "TIMESTEP_R",
+    "TIME_EMBEDDER_LINEARS",
+    "ClassLayout",
+    "check_structure",
+    "fields_from_config",
+    "from_headers",
+    "from_transformer",
+    "geometry",
+    "geometry_from_config",
+    "input_name",
+    "layout_of",
+    "resident_paths",
+    "served_paths",
+    "spec_args",
+    "walk",
+]

@@ -1,0 +1,339 @@
+"""What is the AdaLayerNormZero family's in the integration: its :class:`~.family.DiffusersFamily` (:data:`FAMILY`).
+
+The family's definitions (per-class module lists, geometry, structure check) are in
+:mod:`adalncache.families.adaln_zero`; this module applies them to a live diffusers model:
+
+* **the structure** (:func:`model_geometry`): the model's modules, walked, checked against its
+  class's list of served and resident AdaLN modules; a refused or unknown class, or a model
+  whose modules differ from the list, gets a ConfigError and is not touched;
+* **the projections' input** (:func:`embed_input`): ``silu(temb)`` for one plan, where ``temb``
+  is computed by the model's own embedding modules exactly as its forward computes it (each
+  class's casts and its ``* 1000`` included, see :data:`_TEMB`);
+* **a forward's plan** (:func:`plan_of`): the forward's per-step inputs, one fp32 column each.
+
+A plan has one row per row of the forward's ``temb`` (its batch: a pipeline that concatenates
+cond and uncond runs 2B rows), and the columns of ``spec.plan_inputs``: ``timestep``, then
+``timestep_r`` and ``guidance`` where the config enables them. The plan holds the values the
+forward receives, before any cast the forward applies (the cast is part of the input's
+computation, reproduced here), so a plan's key is the bits the caller passed.
+
+Serving: every block's AdaLN module is switched in place to a served class whose forward is its
+own with the table rows in place of ``linear(silu(emb))``; ``norm_out.linear`` gets the
+integration's output hook, which returns its rows; the module whose output is ``temb`` (per
+class: ``time_guidance_embed``, ``time_embed``, ...) gets the placeholder while its time embedders
+are parked. ``AuraFlowTransformer2DModel`` is refused for now: its projections have no bias, and
+the cache builds and binds tables from a weight and a bias per projection.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ... import families
+from ...errors import ConfigError, PlanError
+from ...families import adaln_zero
+from ...geometry import Layer, ModelGeometry
+from ...spec import ModulationSpec
+from .family import DiffusersFamily, ServedForward, rows_forward
+from .modules import base_linear, bypassing_hooks, forward_argument
+
+#: dtypes whose values an fp32 plan holds exactly (so the forward's tensor is the plan cast back).
+_EXACT_IN_FP32 = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def model_geometry(model: nn.Module) -> ModelGeometry:
+    """The served geometry of ``model`` after checking its modules; ConfigError naming the class and the reason.
+
+    A class that is refused (its modulation takes the prompt) or unknown is refused by the
+    families registry; a class of this family whose modules differ from its list (an extra or a
+    missing AdaLN module, one of another class or width, one that embeds its own timestep) is
+    refused by the structure check. Nothing on the model changes either way.
+    """
+    name = type(model).__name__
+    family = families.for_class(name)
+    if family is not adaln_zero.FAMILY:
+        raise ConfigError(f"{name} is a {family.title} model, not one of the {adaln_zero.FAMILY.name} family")
+    return adaln_zero.walk(model)
+
+
+def _param_dtype(module: nn.Module) -> torch.dtype:
+    return next(module.parameters()).dtype
+
+
+def _hidden_dtype(model: Any) -> torch.dtype:
+    """The dtype of ``hidden_states`` after the model's ``x_embedder`` (a Linear: its weight's dtype)."""
+    weight = base_linear(model.x_embedder).weight
+    assert isinstance(weight, torch.Tensor)  # an nn.Linear's weight
+    return weight.dtype
+
+
+def _hunyuan_image(model: Any, cols: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    # The forward receives timestep in the embedder's dtype (any other fails its first linear) and
+    # casts time_proj's fp32 output to timestep.dtype; timestep_r and guidance are read by time_proj
+    # as fp32 whatever their dtype.
+    embed = model.time_guidance_embed
+    t = cols["timestep"].to(_param_dtype(embed.timestep_embedder))
+    return embed(t, timestep_r=cols.get(adaln_zero.TIMESTEP_R), guidance=cols.get(adaln_zero.GUIDANCE))
+
+
+def _hunyuan_video15(model: Any, cols: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    embed = model.time_embed
+    t = cols["timestep"].to(_param_dtype(embed.timestep_embedder))
+    return embed(t, timestep_r=cols.get(adaln_zero.TIMESTEP_R))
+
+
+def _motif(model: Any, cols: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    return model.time_text_embed(cols["timestep"])  # time_proj reads the timestep as fp32
+
+
+def _bria(model: Any, cols: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    dtype = _hidden_dtype(model)  # the forward: timestep.to(hidden_states.dtype)
+    temb = model.time_embed(cols["timestep"].to(dtype), dtype=dtype)
+    guidance = cols.get(adaln_zero.GUIDANCE)
+    if guidance is not None:  # Bria-FIBO's guidance-embedded variant (Bria's own is refused)
+        temb = temb + model.guidance_embed(guidance.to(dtype), dtype=dtype)
+    return temb  # type: ignore[no-any-return]
+
+
+def _longcat(model: Any, cols: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    dtype = _hidden_dtype(model)  # the forward: timestep.to(hidden_states.dtype) * 1000
+    return model.time_embed(cols["timestep"].to(dtype) * 1000, dtype)  # type: ignore[no-any-return]
+
+
+def _ovis(model: Any, cols: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    dtype = _hidden_dtype(model)  # the forward: timestep.to(hidden_states.dtype) * 1000
+    proj = model.time_proj(cols["timestep"].to(dtype) * 1000)
+    return model.timestep_embedder(proj.to(dtype))  # type: ignore[no-any-return]
+
+
+def _auraflow(model: Any, cols: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    # The forward casts time_step_embed's fp32 output to its first parameter's dtype.
+    proj = model.time_step_embed(cols["timestep"]).to(dtype=_param_dtype(model))
+    return model.time_step_proj(proj)  # type: ignore[no-any-return]
+
+
+#: Each class's ``temb`` from its per-step inputs (one fp32 tensor per plan column), as its forward computes it.
+_TEMB: dict[str, Callable[[Any, Mapping[str, torch.Tensor]], torch.Tensor]] = {
+    "HunyuanImageTransformer2DModel": _hunyuan_image,
+    "MotifVideoTransformer3DModel": _motif,
+    "BriaTransformer2DModel": _bria,
+    "LongCatImageTransformer2DModel": _longcat,
+    "HunyuanVideo15Transformer3DModel": _hunyuan_video15,
+    "AuraFlowTransformer2DModel": _auraflow,
+    "BriaFiboTransformer2DModel": _bria,
+    "OvisImageTransformer2DModel": _ovis,
+}
+
+
+def plan_columns(plan: torch.Tensor, plan_inputs: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """The plan's columns by input name (a 1-D plan is the ``timestep`` column)."""
+    if plan.dim() == 1:
+        return {plan_inputs[0]: plan}
+    return {name: plan[:, i].contiguous() for i, name in enumerate(plan_inputs)}
+
+
+def embed_input(model: Any, geometry: ModelGeometry, plan: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The served projections' exact input for ``plan``: ``silu(temb)``, ``temb`` from the model's own modules.
+
+    Every served projection of the family takes this one tensor: the blocks' ``AdaLayerNormZero``
+    and ``AdaLayerNormZeroSingle`` call ``linear(silu(temb))``, the output layer
+    ``linear(silu(temb).to(x.dtype))``, and ``x`` has ``temb``'s dtype in a model the cache serves.
+    """
+    cols = plan_columns(plan.to(device), geometry.plan_inputs)
+    with torch.no_grad():
+        temb = _TEMB[type(model).__name__](model, cols)
+    return F.silu(temb)
+
+
+def plan_of(inputs: Mapping[str, Any], plan_inputs: tuple[str, ...]) -> torch.Tensor:
+    """The plan of one forward: its per-step inputs (by argument name), one fp32 column each, one row per row.
+
+    Raises PlanError for a missing input the model's config enables, an input that is not a 1-D
+    tensor of the same rows as ``timestep``, or one whose dtype an fp32 plan cannot hold exactly.
+    """
+    columns: list[torch.Tensor] = []
+    for name in plan_inputs:
+        value = inputs.get(name)
+        if not isinstance(value, torch.Tensor):
+            raise PlanError(
+                f"the AdaLN cache needs the forward's {name} tensor (this model's config makes {name} one of the "
+                f"inputs of its modulation), got {type(value).__name__}"
+            )
+        if value.dim() != 1 or value.dtype not in _EXACT_IN_FP32:
+            raise PlanError(
+                f"the AdaLN cache serves a 1-D float32, bfloat16 or float16 {name} (one entry per batch row), got "
+                f"shape {tuple(value.shape)} and dtype {value.dtype}"
+            )
+        if columns and value.shape[0] != columns[0].shape[0]:
+            raise PlanError(f"{name} has {value.shape[0]} rows but timestep has {columns[0].shape[0]}")
+        columns.append(value.detach().to(torch.float32))
+    if len(columns) == 1:
+        return columns[0]
+    return torch.stack(columns, dim=1)
+
+
+class AdalnZero(DiffusersFamily):
+    """The AdaLayerNormZero family's eight classes as the integration serves them (module docstring)."""
+
+    family = adaln_zero.FAMILY
+    time_embedder = ""  # per class: see time_embedder_module
+    # Bria-FIBO's forward adds its guidance embedding to temb in place.
+    writable_stand_in = True
+
+    def spec(self, model: nn.Module, dtype: torch.dtype | None = None) -> ModulationSpec:
+        if type(model).__name__ not in adaln_zero.CLASSES:
+            model_geometry(model)  # a refused or unknown class: the registry's ConfigError
+        return ModulationSpec.for_geometry(**adaln_zero.from_transformer(model, dtype))
+
+    def swapped_layers(self, spec: ModulationSpec) -> list[Layer]:
+        """Every block's projection is served by a class swap of its AdaLN module (one class per kind of
+        module, so a regional compile makes one graph for all blocks); ``norm_out.linear`` by a hook."""
+        return [layer for layer in spec.layers() if layer != adaln_zero.FINAL_PATH]
+
+    def served_forward(self, layer: Layer) -> ServedForward:
+        """The served forward of ``layer``'s AdaLN module: its own forward with the rows in place of
+        ``linear(silu(emb))`` (6 chunks for ``AdaLayerNormZero``, 3 for ``AdaLayerNormZeroSingle``)."""
+        owner = str(layer).rpartition(".")[0]
+        single = owner.startswith("single_transformer_blocks.") and owner.endswith(".norm")
+        # The served forwards take the AdaLN modules' keywords (emb=...), more than ServedForward names.
+        return _single_forward if single else _zero_forward  # type: ignore[return-value]
+
+    def time_embedder_module(self, model: nn.Module) -> nn.Module:
+        return model.get_submodule(adaln_zero.CLASSES[type(model).__name__].temb_module)
+
+    def embed(self, model: Any, spec: ModulationSpec, plan: torch.Tensor, device: torch.device) -> torch.Tensor:
+        # Beneath every hook on the embedding modules: ours stands in for the parked time embedder,
+        # and an offloading hook must not move the weights a build lends back.
+        modules = [*self.time_embedder_module(model).modules()]
+        guidance = getattr(model, "guidance_embed", None)  # Bria-FIBO's, outside its time embedder
+        if isinstance(guidance, nn.Module):
+            modules += guidance.modules()
+        with bypassing_hooks(modules):
+            x = embed_input(model, spec.model_geometry, plan, device)
+        return x.to(spec.dtype)
+
+    def forward_plan(self, module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> torch.Tensor:
+        inputs = _plan_inputs(module)
+        return plan_of({name: forward_argument(module, name, args, kwargs) for name in inputs}, inputs)
+
+    def request_plan(self, model: nn.Module, plan: Any) -> Any:
+        """A plan given to ``prepare``: the forward's ``timestep`` tensor, or a mapping of its per-step inputs."""
+        inputs = _plan_inputs(model)
+        if isinstance(plan, Mapping):
+            return plan_of(plan, inputs)
+        if isinstance(plan, torch.Tensor) and plan.dim() == 1 and len(inputs) == 1:
+            return plan_of({inputs[0]: plan}, inputs)
+        return plan  # a (rows, columns) plan as the cache keys it; the cache validates it
+
+    def schedule_plans(
+        self, model: nn.Module, timesteps: torch.Tensor, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+    ) -> list[Any] | None:
+        """Every remaining step's per-step inputs of a pipeline request, from its schedule and first forward.
+
+        The family's pipelines turn a scheduler timestep ``t`` into the forward's ``timestep`` in
+        one of a few ways (:data:`_PIPELINE_TIMESTEPS`); the one that gives this forward's timestep
+        (its dtype and every row) at some step is the request's, and that step is its first. With
+        mean-flow, ``timestep_r`` is the next step's timestep (0 after the last), cast like the
+        pipelines cast it; ``guidance`` is the same at every step. ``None`` when no way matches.
+        """
+        inputs = _plan_inputs(model)
+        first = {name: forward_argument(model, name, args, kwargs) for name in inputs}
+        timestep = first["timestep"]
+        if not isinstance(timestep, torch.Tensor) or timestep.dim() != 1 or timestep.numel() == 0:
+            return None
+        schedule = timesteps.detach().to("cpu", torch.float32).flatten()
+        found = _match(schedule, timestep.detach().cpu())
+        if found is None:
+            return None
+        convert, start = found
+        rows, dtype = timestep.shape[0], timestep.dtype
+        plans: list[Any] = []
+        for k in range(start, schedule.shape[0]):
+            step = {"timestep": convert(schedule[k], dtype).expand(rows)}
+            if adaln_zero.TIMESTEP_R in inputs:
+                following = schedule[k + 1] if k + 1 < schedule.shape[0] else torch.tensor(0.0)
+                step[adaln_zero.TIMESTEP_R] = following.expand(rows).to(dtype)
+            if adaln_zero.GUIDANCE in inputs:
+                step[adaln_zero.GUIDANCE] = first[adaln_zero.GUIDANCE]
+            plans.append(step if len(step) > 1 else step["timestep"])
+        given_r = first.get(adaln_zero.TIMESTEP_R)
+        if adaln_zero.TIMESTEP_R in inputs and not (
+            isinstance(given_r, torch.Tensor) and torch.equal(given_r.cpu(), plans[0][adaln_zero.TIMESTEP_R])
+        ):
+            return None  # another pipeline's timestep_r: plans build per forward
+        return plans
+
+
+def _zero_forward(
+    owner: Any,
+    x: torch.Tensor,
+    timestep: Any = None,
+    class_labels: Any = None,
+    hidden_dtype: Any = None,
+    emb: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """``AdaLayerNormZero.forward`` (diffusers 0.42.1; the model check refused one with its own ``emb``
+    module) with the served rows in place of ``linear(silu(emb))``."""
+    assert emb is not None
+    rows = rows_forward(owner, emb)
+    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = rows.chunk(6, dim=1)
+    x = owner.norm(x) * (1 + scale_msa[:, None]) + shift_msa[:, None]
+    return x, gate_msa, shift_mlp, scale_mlp, gate_mlp
+
+
+def _single_forward(owner: Any, x: torch.Tensor, emb: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """``AdaLayerNormZeroSingle.forward`` (diffusers 0.42.1) with the served rows in place of ``linear(silu(emb))``."""
+    assert emb is not None
+    rows = rows_forward(owner, emb)
+    shift_msa, scale_msa, gate_msa = rows.chunk(3, dim=1)
+    x = owner.norm(x) * (1 + scale_msa[:, None]) + shift_msa[:, None]
+    return x, gate_msa
+
+
+#: How the family's pipelines turn a scheduler timestep (fp32) into the forward's ``timestep`` of
+#: dtype ``d``: as it is (Motif-Video, Bria), cast (HunyuanImage, HunyuanVideo-1.5, Bria-FIBO), cast
+#: then divided by 1000 (LongCat-Image, Ovis-Image), divided by 1000 then cast (AuraFlow).
+_PIPELINE_TIMESTEPS: tuple[Callable[[torch.Tensor, torch.dtype], torch.Tensor], ...] = (
+    lambda t, d: t,
+    lambda t, d: t.to(d),
+    lambda t, d: t.to(d) / 1000,
+    lambda t, d: (t / 1000).to(d),
+)
+
+
+def _match(
+    schedule: torch.Tensor, timestep: torch.Tensor
+) -> tuple[Callable[[torch.Tensor, torch.dtype], torch.Tensor], int] | None:
+    """The conversion and the step at which ``schedule`` gives ``timestep`` (every row equal), or None."""
+    if not bool((timestep == timestep[0]).all()):
+        return None  # a pipeline's rows share the step's timestep
+    for k in range(schedule.shape[0]):
+        for convert in _PIPELINE_TIMESTEPS:
+            value = convert(schedule[k], timestep.dtype)
+            if value.dtype == timestep.dtype and torch.equal(value.expand(timestep.shape[0]), timestep):
+                return convert, k
+    return None
+
+
+def _plan_inputs(model: nn.Module) -> tuple[str, ...]:
+    fields = adaln_zero.fields_from_config(type(model).__name__, model.config)  # type: ignore[arg-type]
+    return tuple(fields["plan_inputs"])
+
+
+#: The family's instance the registry serves.
+FAMILY = AdalnZero()
+
+
+__all__ = [
+    "FAMILY",
+    "AdalnZero",
+    "embed_input",
+    "model_geometry",
+    "plan_columns",
+    "plan_of",
+]
