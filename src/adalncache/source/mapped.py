@@ -9,6 +9,11 @@ sits at its file offset's address modulo the page size, the alignment a stock lo
 read-around off for the whole mapping (``MADV_RANDOM``: a fault reads its own page only), and,
 for tensors that will be used at once, asks the kernel to prefetch exactly their pages
 (``MADV_WILLNEED``). A tensor that is never touched is never read.
+
+A rebuild pass that projects in place (:class:`~adalncache.source.CheckpointSource`, ``in_place``)
+maps the very file its pass holds open (``fd=``), with the kernel's default read-around: it only
+uses the mapping for bytes the page cache already holds, where a fault maps cached pages around it
+in one go.
 """
 
 from __future__ import annotations
@@ -35,17 +40,34 @@ class MappedFile:
     as long as any of them does, and writing to one never reaches the file.
     """
 
-    def __init__(self, header: SafetensorsHeader) -> None:
+    def __init__(self, header: SafetensorsHeader, *, fd: int | None = None, read_around: bool = False) -> None:
         self.header = header
         self.path: Path = header.path
         try:
-            with open(self.path, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
+            if fd is None:
+                with open(self.path, "rb") as f:
+                    self._map = self._open(f.fileno())
+            else:
+                self._map = self._open(fd)
         except (OSError, ValueError) as exc:
             raise CheckpointError(f"cannot map checkpoint file {self.path}: {exc}") from exc
-        if self._map is not None and hasattr(self._map, "madvise") and hasattr(mmap, "MADV_RANDOM"):
+        #: Bytes mapped: the file's size when it was mapped.
+        self.size = len(self._map) if self._map is not None else 0
+        if not read_around and self._map is not None and hasattr(self._map, "madvise") and hasattr(mmap, "MADV_RANDOM"):
             self._map.madvise(mmap.MADV_RANDOM)
+
+    @staticmethod
+    def _open(fd: int) -> mmap.mmap | None:
+        size = os.fstat(fd).st_size
+        return mmap.mmap(fd, 0, access=mmap.ACCESS_COPY) if size else None
+
+    def span(self, offset: int, nbytes: int) -> torch.Tensor:
+        """A uint8 view of the mapped bytes ``[offset, offset + nbytes)`` (the caller checked the range)."""
+        if self._map is None or nbytes == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # a shared buffer: a copy-on-write mapping is that
+            return torch.frombuffer(self._map, dtype=torch.uint8, count=nbytes, offset=offset)
 
     def entry(self, name: str) -> TensorEntry:
         """The header entry of tensor ``name`` (CheckpointError naming the file if absent)."""
