@@ -75,7 +75,7 @@ def _check_int(name: str, value: Any, flag: str, minimum: int) -> int:
 
 def _check_arguments(
     spec: Any, source: Any, *, max_plans: Any, max_plan_width: Any, host_cache_bytes: Any, read_ahead: Any,
-    batched: Any, precision: Any, shard: Any, tables: Any, store: Any,
+    batched: Any, precision: Any, shard: Any, tables: Any, store: Any, tiled: Any = False,
 ) -> None:  # fmt: skip
     """Every construction argument the cache can check alone; ConfigError names the one to change."""
     if not isinstance(spec, ModulationSpec):
@@ -86,6 +86,8 @@ def _check_arguments(
     _check_int("read_ahead", read_ahead, "--read-ahead", 0)
     if not isinstance(batched, bool):
         raise ConfigError(f"batched must be True or False, got {batched!r}: set or drop --batched")
+    if not (tiled is True or tiled is False or tiled == "auto"):
+        raise ConfigError(f"tiled must be 'auto', True or False, got {tiled!r}: set --tiled auto, on or off")
     if precision not in PRECISIONS:
         raise ConfigError(f"precision must be one of {list(PRECISIONS)}, got {precision!r}: set --precision")
     if shard not in SHARD_MODES:
@@ -140,10 +142,12 @@ class AdalnCache(SlabReads):
         progress: bool | None = None,
         batched: bool = False,
         tables: TablesArg | None = None,
+        tiled: bool | str = "auto",
     ) -> None:
         _check_arguments(
             spec, source, max_plans=max_plans, max_plan_width=max_plan_width, host_cache_bytes=host_cache_bytes,
             read_ahead=read_ahead, batched=batched, precision=precision, shard=shard, tables=tables, store=store,
+            tiled=tiled,
         )  # fmt: skip
         self.device = resolve_device(device, argument="device")
         if self.device.type == "cuda" and self.device.index is None:
@@ -167,6 +171,9 @@ class AdalnCache(SlabReads):
         #: Stack the plans of one width into one GEMM where a probe proved it bit-identical to the
         #: per-plan GEMM on this device (adalncache.batching); off by default.
         self.batched = batched
+        #: Project every plan tile by tile over the output columns where a probe proved it bit-identical
+        #: (adalncache.tiling): "auto" (the default) where it was also faster, with the default projection.
+        self.tiled = tiled
         # Ranks must agree on every capacity, or their slot decisions would diverge.
         self.max_plans, self.max_plan_width, self.host_cache_bytes = self._dist.min_ints(
             [max_plans, max_plan_width, host_cache_bytes]
@@ -213,6 +220,7 @@ class AdalnCache(SlabReads):
         settings = BuildSettings(
             spec=spec, device=self.device, precision=precision, max_plans=self.max_plans,
             max_plan_width=self.max_plan_width, read_ahead=read_ahead, progress=progress, batched=batched,
+            tiled=tiled,
         )  # fmt: skip
         self._builder = BuildTransaction(
             settings, source=self.source, slab=self._slab, pool=self._pool, tiers=self._tiers, identity=self._identity,

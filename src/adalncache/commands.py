@@ -88,7 +88,8 @@ def run_build(args: argparse.Namespace) -> int:
             spec, source, max_plans=max(1, min(args.max_plans, len(plans))), max_plan_width=width, device=device,
             precision=args.precision, store=Store(args.store, lock_wait_s=args.lock_wait),
             progress=rank0 and not args.quiet,
-            batched=args.batched, read_ahead=args.read_ahead, host_cache_bytes=host_cache_bytes,
+            batched=args.batched, tiled=TILED_FLAG[args.tiled], read_ahead=args.read_ahead,
+            host_cache_bytes=host_cache_bytes,
             process_group=group, shard=args.shard,
         )  # fmt: skip
         report = fill_store(cache, plans, embed=embed, progress=rank0 and not args.quiet)
@@ -126,7 +127,7 @@ def run_export(args: argparse.Namespace) -> int:
         cache = AdalnCache(
             spec, source, max_plans=max(1, min(args.max_plans, len(plans))), max_plan_width=width, device=device,
             precision=args.precision, store=store, progress=rank0 and not args.quiet, batched=args.batched,
-            read_ahead=args.read_ahead, process_group=group, shard=args.shard,
+            tiled=TILED_FLAG[args.tiled], read_ahead=args.read_ahead, process_group=group, shard=args.shard,
         )  # fmt: skip
         report = export_tables(
             cache, plans, output, embed=embed, format=args.format, model_variant=args.model_variant,
@@ -384,6 +385,18 @@ def _lock_wait(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
+#: ``--tiled``'s choices, as ``AdalnCache(tiled=)`` takes them.
+TILED_FLAG = {"auto": "auto", "on": True, "off": False}
+
+
+def _tiled(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--tiled", default="auto", choices=list(TILED_FLAG),
+        help="project every plan tile by tile over the output columns where a probe shows the bits unchanged: "
+        "auto (where also faster; default), on, off, as AdalnCache(tiled=)",
+    )  # fmt: skip
+
+
 def register(subparsers: Any) -> None:
     """Add ``build``, ``export``, ``inspect``, ``verify`` and ``store prune`` to the ``adalncache`` command line."""
     p = subparsers.add_parser(
@@ -406,6 +419,7 @@ def register(subparsers: Any) -> None:
         "--batched", action="store_true",
         help="stack plans of one width into one GEMM where a probe shows the bits unchanged (verify re-checks)",
     )  # fmt: skip
+    _tiled(p)
     p.add_argument(
         "--host-cache-gb", type=float, default=0.0,
         help="GiB of host memory for the cache's RAM tier, as AdalnCache(host_cache_bytes=) (default: 0; "
@@ -455,6 +469,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--store", default=None, help="a store to take entries from (and fill), optional")
     p.add_argument("--precision", default="match", choices=list(PRECISIONS), help="projection precision")
     p.add_argument("--batched", action="store_true", help="stacked projections where proven bit-identical")
+    _tiled(p)
     p.add_argument(
         "--shard", default="layers", choices=list(SHARD_MODES),
         help="under torchrun: layers (the one-process tables) or columns (a tensor-parallel runtime's tables)",

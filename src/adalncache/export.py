@@ -291,7 +291,7 @@ def verify_tables(
     chunks = [keys[i : i + max_plans] for i in range(0, len(keys), max_plans)]
     cache = AdalnCache(
         spec, source, max_plans=max(1, min(max_plans, len(keys))), max_plan_width=table.width, device=device,
-        precision=precision, read_ahead=read_ahead, progress=progress, batched=False,
+        precision=precision, read_ahead=read_ahead, progress=progress, batched=False, tiled=False,
     )  # fmt: skip
     columns = spec.plan_columns
     for chunk in tqdm(chunks, desc="adalncache verify --tables", unit="pass", disable=not progress):

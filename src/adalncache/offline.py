@@ -199,7 +199,7 @@ def verify_store(
             cache = AdalnCache(
                 spec, source, max_plans=len(stored), max_plan_width=max(spec.plan_rows(e.key) for e in stored),
                 device=device, precision=precision, progress=progress, read_ahead=read_ahead,
-                batched=False,  # always per plan: this is what confirms entries built with --batched
+                batched=False, tiled=False,  # always per plan, whole: this confirms entries built --batched/--tiled
             )  # fmt: skip
             cache.build([key_to_plan(e.key, spec.plan_columns) for e in stored], embed=embed)
             for item in stored:

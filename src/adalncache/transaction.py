@@ -94,6 +94,7 @@ class BuildSettings:
     read_ahead: int
     progress: bool | None
     batched: bool
+    tiled: bool | str = False
 
 
 class BuildTransaction:
@@ -424,7 +425,7 @@ class BuildTransaction:
         return RebuildPass(
             spec=s.spec, source=self.source, slab=self._slab, collective=self._dist, precision=s.precision,
             read_ahead=s.read_ahead, progress=s.progress, batched=s.batched, faults=faults,
-            out_dtype=self._identity.autocast, digests=digests,
+            out_dtype=self._identity.autocast, digests=digests, tiled=s.tiled,
         )  # fmt: skip
 
     def rows_of(self, key: PlanKey) -> PlanRows:

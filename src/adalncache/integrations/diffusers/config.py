@@ -41,6 +41,8 @@ class CacheOptions:
         read_ahead: layers read ahead of the one being projected during a pass.
         progress: show a progress bar for passes (``None``: when stderr is a terminal).
         batched: project several plans of a pass at once where a probe proves it bit-identical.
+        tiled: project every plan tile by tile over the output columns where a probe proves it
+            bit-identical: ``"auto"`` (where also faster, with the default projection), ``True``, ``False``.
         device: where the cache lives; it must be the model's device (``None``: the model's).
         tables: table files (``adalncache export``) served as a read-only tier below the store.
     """
@@ -55,6 +57,7 @@ class CacheOptions:
     read_ahead: int = 1
     progress: bool | None = None
     batched: bool = False
+    tiled: bool | str = "auto"
     device: torch.device | str | None = None
     tables: TablesArg | None = None
 
@@ -89,6 +92,7 @@ class CacheOptions:
             read_ahead=self.read_ahead,
             progress=self.progress,
             batched=self.batched,
+            tiled=self.tiled,
             tables=self.tables,
         )
 
