@@ -55,6 +55,21 @@ class TileStats:
     untiled_layers: int = 0  #: (layer, shape class) projections that ran whole (probe, refused, slower)
 
 
+def tile_bounds(width: int, tile_rows: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` of each tile of ``width`` output rows: ``tile_rows`` each, the last one
+    taking the remainder (between ``tile_rows`` and twice that).
+
+    Why no short last tile: a GEMM a few rows wide can take another kernel path than a wide one
+    (measured on the dev CPU: a bf16 GEMV of K=64 gives other bits for one output in 48 when the
+    weight has 64 rows or fewer, never at 96 or more), and a short remainder tile would be such a
+    GEMM, in a shape the probe's class does not single out.
+    """
+    if width <= tile_rows:
+        return [(0, width)]
+    starts = list(range(0, width - tile_rows + 1, tile_rows))
+    return [(start, starts[i + 1] if i + 1 < len(starts) else width) for i, start in enumerate(starts)]
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -131,8 +146,7 @@ class TiledProjector:
         """Every plan of ``keys`` projected one tile of output columns at a time, all plans per tile."""
         width = weight.shape[0]
         out: dict[PlanKey, torch.Tensor] = {}
-        for start in range(0, width, self.tile_rows):
-            stop = min(width, start + self.tile_rows)
+        for start, stop in tile_bounds(width, self.tile_rows):
             w_tile, b_tile = weight[start:stop], bias[start:stop]
             for key in keys:
                 y = self.project(layer, self.xs[key], w_tile, b_tile)
@@ -163,4 +177,4 @@ class TiledProjector:
 
 
 
-__all__ = ["TILED_MODES", "TILE_ROWS", "TileStats", "TiledProjector"]
+__all__ = ["TILED_MODES", "TILE_ROWS", "TileStats", "TiledProjector", "tile_bounds"]
