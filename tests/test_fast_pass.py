@@ -21,8 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from adalncache import AdalnCache, CheckpointSource, ConfigError, ModulationSpec
-from adalncache import tiling
+from adalncache import AdalnCache, CheckpointSource, ConfigError, ModulationSpec, tiling
 from adalncache.batching import clear_verdicts, verdicts
 from adalncache.plans import plan_key
 from adalncache.source import write_safetensors
@@ -180,7 +179,7 @@ def test_auto_tiles_only_the_default_projection(tmp_path: Path, monkeypatch: Any
     assert cache.tiled == "auto"
     report = cache.build(PLANS, embed=embed_for(spec), project=project)
     assert report.tiled_layers == 0 and set(seen) == {spec.out_features(0), spec.out_features(FINAL)}
-    _, auto = _build(source, tiled="auto")  # the default projection: probed, tiled where exact and faster
+    _build(source, tiled="auto")  # the default projection: probed, tiled where exact and faster
     assert verdicts("tiled")
 
 

@@ -17,8 +17,8 @@ from adalncache import CheckpointSource, ModulationSpec
 from adalncache.errors import CheckpointError, ConfigError
 from adalncache.source import checkpoint as checkpoint_module
 from adalncache.source import write_safetensors
-from adalncache.source.digest import DigestSink
 from adalncache.source.buffers import StagingPool
+from adalncache.source.digest import DigestSink
 from adalncache.spec import FINAL, get_layout
 
 

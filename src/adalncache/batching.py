@@ -115,9 +115,7 @@ class ProbedClasses:
         with _LOCK:
             return self._verdicts.get(cls)
 
-    def probe(
-        self, cls: Hashable, exact: Sequence[torch.Tensor], other: Sequence[torch.Tensor], layer: Layer
-    ) -> bool:
+    def probe(self, cls: Hashable, exact: Sequence[torch.Tensor], other: Sequence[torch.Tensor], layer: Layer) -> bool:
         """Record (and return) whether every ``other`` row block is bitwise ``exact``'s, for ``cls``."""
         same = all(same_bits(y, part) for y, part in zip(exact, other, strict=True))
         with _LOCK:

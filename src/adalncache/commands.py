@@ -386,7 +386,7 @@ def _lock_wait(parser: argparse.ArgumentParser) -> None:
 
 
 #: ``--tiled``'s choices, as ``AdalnCache(tiled=)`` takes them.
-TILED_FLAG = {"auto": "auto", "on": True, "off": False}
+TILED_FLAG: dict[str, bool | str] = {"auto": "auto", "on": True, "off": False}
 
 
 def _tiled(parser: argparse.ArgumentParser) -> None:

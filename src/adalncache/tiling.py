@@ -176,5 +176,4 @@ class TiledProjector:
         return whole  # the probed layer always keeps the whole rows
 
 
-
 __all__ = ["TILED_MODES", "TILE_ROWS", "TileStats", "TiledProjector", "tile_bounds"]
