@@ -36,6 +36,7 @@ def enable_adaln_cache(
     read_ahead: int = 1,
     progress: bool | None = None,
     batched: bool = False,
+    tiled: bool | str = "auto",
     device: torch.device | str | None = None,
     tables: TablesArg | Mapping[str, TablesArg] | None = None,
 ) -> AdalnCacheHandle | PipelineAdalnCacheHandle:
@@ -81,6 +82,9 @@ def enable_adaln_cache(
         read_ahead: layers read ahead of the one being projected during a pass.
         progress: show a progress bar for passes (``None``: when stderr is a terminal).
         batched: project several plans at once where a probe proves the result bit-identical.
+        tiled: project every plan tile by tile over the output columns where a probe proves the
+            result bit-identical (``"auto"``: where also faster, with the default projection only,
+            which the integration's LoRA-aware projection is not; ``True``; ``False``).
         device: where the cache lives; it must be the model's device (``None``: the model's, or
             the device an offloading hook runs it on). The cache serves the forward, so a different
             device is a ``ConfigError``; when the model moves (``.to()``), the cache follows.
@@ -118,6 +122,7 @@ def enable_adaln_cache(
             read_ahead=read_ahead,
             progress=progress,
             batched=batched,
+            tiled=tiled,
             device=device,
             tables=files,
         )

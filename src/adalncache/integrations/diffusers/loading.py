@@ -98,6 +98,7 @@ def load_transformer(
     progress: bool | None = None,
     batched: bool = False,
     tables: TablesArg | None = None,
+    tiled: bool | str = "auto",
 ) -> Any:
     """Load a ``MiniMaxH3Transformer3DModel`` whose AdaLN projections are never loaded, cache enabled.
 
@@ -138,7 +139,7 @@ def load_transformer(
             either (the cache reads it from the checkpoint in its passes); ``True`` requires the
             serving checkpoint to hold it. ``False`` loads it like any other weight.
         max_plans, max_plan_width, precision, host_cache_bytes, store, process_group, shard,
-            read_ahead, progress, batched: the cache's options, as for ``enable_adaln_cache``;
+            read_ahead, progress, batched, tiled: the cache's options, as for ``enable_adaln_cache``;
             the cache lives where ``device_map`` puts the model.
         tables: table files written by ``adalncache export``, a read-only tier below the store (as
             for ``enable_adaln_cache``): plans they hold are served with no pass; the model's files
@@ -162,7 +163,7 @@ def load_transformer(
     options = CacheOptions(
         max_plans=max_plans, max_plan_width=max_plan_width, precision=precision, host_cache_bytes=host_cache_bytes,
         store=store, process_group=process_group, shard=shard, read_ahead=read_ahead, progress=progress,
-        batched=batched, tables=tables,
+        batched=batched, tiled=tiled, tables=tables,
     )  # fmt: skip
     config_dict, unused = _load_config(cls, path, subfolder, directory, config)
     files = _model_files(directory, layout)
