@@ -587,13 +587,14 @@ def check_tiled(ctx: Context) -> dict[str, Any]:
     try:
         for precision in ("match", "fp32"):
             xs = make_inputs(ckpt.spec, plans, ctx.device, fp32=precision == "fp32", seed=16)
+            embed = embed_of(xs)
             clear_verdicts()
             seconds: dict[str, list[float]] = {"tiled": [], "whole": []}
             bad: dict[str, int] = {}
             for _ in range(3):
                 for name, mode in (("tiled", True), ("whole", False)):
                     cache = ctx.cache(ckpt, max_plans=len(plans), precision=precision, tiled=mode)
-                    seconds[name].append(timed(ctx.device, lambda c=cache: c.build(plans, embed=embed_of(xs))))
+                    seconds[name].append(timed(ctx.device, lambda c=cache, e=embed: c.build(plans, embed=e)))
                     bad[name] = len(ckpt.mismatches(cache, plans, xs, precision))
             med = {name: statistics.median(v) for name, v in seconds.items()}
             speed = verdicts("tiled speed")

@@ -15,7 +15,7 @@ import torch
 
 from adalncache import CheckpointSource, ModulationSpec
 from adalncache.errors import CheckpointError, ConfigError
-from adalncache.source import checkpoint as checkpoint_module
+from adalncache.source import mapped as mapped_module
 from adalncache.source import write_safetensors
 from adalncache.source.buffers import StagingPool
 from adalncache.source.digest import DigestSink
@@ -180,12 +180,12 @@ def test_in_place_stages_what_the_page_cache_does_not_hold(checkpoint, monkeypat
     staged, tensors = checkpoint
     source = _in_place(staged)
     weight0 = source.entry(source.layout.weight(0))[1]
-    real = checkpoint_module.resident_fraction
+    real = mapped_module.resident_fraction
 
     def cold_weight0(fd: int, offset: int, nbytes: int) -> float | None:
         return 0.0 if offset == weight0.begin else real(fd, offset, nbytes)
 
-    monkeypatch.setattr(checkpoint_module, "resident_fraction", cold_weight0)
+    monkeypatch.setattr(mapped_module, "resident_fraction", cold_weight0)
     for lw in source.stream(source.spec.layers(), read_ahead=1):
         _expect(source, tensors, lw)
     total = sum(t.numel() * t.element_size() for t in tensors.values())

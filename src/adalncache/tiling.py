@@ -43,8 +43,6 @@ log = logging.getLogger(__name__)
 #: stays in the last-level cache while every plan of a request uses it; a layer no wider than one
 #: tile is projected whole. Part of every shape class, so a new value is probed anew.
 TILE_ROWS = 2048
-#: The values ``tiled=`` takes.
-TILED_MODES = ("auto", True, False)
 
 
 @dataclass
@@ -176,4 +174,4 @@ class TiledProjector:
         return whole  # the probed layer always keeps the whole rows
 
 
-__all__ = ["TILED_MODES", "TILE_ROWS", "TileStats", "TiledProjector", "tile_bounds"]
+__all__ = ["TILE_ROWS", "TileStats", "TiledProjector", "tile_bounds"]

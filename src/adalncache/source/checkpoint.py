@@ -42,10 +42,10 @@ from .buffers import StagingPool, read_buffer
 from .digest import DigestSink, role_of
 from .files import CheckpointFiles, CheckpointPath
 from .header import SafetensorsHeader, TensorEntry, open_regular
-from .mapped import MappedFile
+from .mapped import PassMappings
 from .projections import detect_layout, expected, raise_problems, tensor_problem
 from .protocol import Columns, LayerWeights
-from .reads import DirectReads, pread_into, resident_fraction
+from .reads import DirectReads, pread_into
 
 log = logging.getLogger(__name__)
 
@@ -246,53 +246,25 @@ class CheckpointSource:
             digests[0].feed(digests[1], entry.dtype, entry.shape, rows, raw)
         return raw, raw.view(dtype).view(shape)
 
-    def _resident(self, fds: dict[Path, int], name: str, rows: tuple[int, int] | None) -> bool:
-        """Whether the page cache holds every page of tensor ``name`` (or its ``rows``), by ``mincore``.
-
-        False where that cannot be told (no ``mincore``; a file this process neither owns nor may
-        write, whose cache Linux hides): such bytes are staged, as before in-place reads existed.
-        """
-        header = self.entry(name)[0]
-        offset, nbytes, _ = self._span(name, rows)
-        return nbytes > 0 and resident_fraction(fds[header.path], offset, nbytes) == 1.0
-
     def _mapped_part(
         self,
-        fds: dict[Path, int],
-        maps: dict[Path, MappedFile],
+        maps: PassMappings,
         name: str,
         rows: tuple[int, int] | None,
         digests: tuple[DigestSink, str] | None,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(raw view, tensor view) of a projection tensor in the pass's mapping, or None to stage it.
+        """(raw view, tensor view) of a projection tensor (or its ``rows``) in the pass's mapping, or None to stage it.
 
-        Only for bytes the page cache holds. The file must still reach the tensor's end now
-        (CheckpointError otherwise, as a short ``pread`` gives): a page past the end of a file
-        would raise SIGBUS when touched. The bytes are hashed here, on the reader thread, which
-        also maps their pages before the consumer's GEMM touches them.
+        The bytes are hashed here, on the reader thread, which also maps their pages before the
+        consumer's GEMM touches them.
         """
         header, entry = self.entry(name)
         dtype = entry.torch_dtype
         assert dtype is not None  # validated
         offset, nbytes, shape = self._span(name, rows)
-        fd = fds[header.path]
-        if nbytes == 0 or resident_fraction(fd, offset, nbytes) != 1.0:
+        raw = maps.view(header, offset, nbytes, name)
+        if raw is None:
             return None
-        try:
-            size = os.fstat(fd).st_size
-        except OSError as exc:
-            raise CheckpointError(f"cannot stat checkpoint file {header.path}: {exc}") from exc
-        if size < offset + nbytes:
-            raise CheckpointError(
-                f"{header.path} ends at byte {size}, before the end of {name} (byte {offset + nbytes}): the file was "
-                f"truncated or rewritten during the pass; restore it and retry"
-            )
-        mapped = maps.get(header.path)
-        if mapped is None:
-            mapped = maps[header.path] = MappedFile(header, fd=fd, read_around=True)
-        if mapped.size < offset + nbytes:
-            return None  # shorter when mapped: the staged read says why
-        raw = mapped.span(offset, nbytes)
         with self._lock:
             self.bytes_read += nbytes
             self.bytes_in_place += nbytes
@@ -310,7 +282,7 @@ class CheckpointSource:
         staging: tuple[StagingPool, int] | None = None,
         direct: DirectReads | None = None,
         digests: DigestSink | None = None,
-        maps: dict[Path, MappedFile] | None = None,
+        maps: PassMappings | None = None,
     ) -> tuple[LayerWeights, list[torch.Tensor]]:
         """Read one layer's weight and bias (really reading every byte); returns keep-alive buffers.
 
@@ -321,7 +293,7 @@ class CheckpointSource:
         out: list[tuple[torch.Tensor, torch.Tensor]] = []
         for part, name in (("weight", self.layout.weight(layer)), ("bias", self.layout.bias(layer))):
             sink = (digests, role_of(layer, part)) if digests is not None else None
-            got = self._mapped_part(fds, maps, name, rows, sink) if maps is not None else None
+            got = self._mapped_part(maps, name, rows, sink) if maps is not None else None
             if got is None:
                 stage = (staging[0], staging[1], part) if staging else None
                 got = self._read_part(fds, name, rows, pin, stage, direct, sink)
@@ -385,9 +357,8 @@ class CheckpointSource:
             staging = kept.resized(slots) if reuse and kept is not None else StagingPool(slots, pin=cuda, device=device)
             staging.device = device if cuda else None
 
-        # In place (CPU only): the pass's own mappings of the files it holds open, dropped with the pass
-        # (the views a consumer still holds keep theirs alive).
-        maps: dict[Path, MappedFile] | None = {} if self.in_place and not cuda else None
+        # In place (CPU only): the pass's own mappings of the files it holds open (set once they are).
+        maps: PassMappings | None = None
 
         def load(fds: dict[Path, int], index: int) -> LayerWeights:
             layer = todo[index]
@@ -410,6 +381,7 @@ class CheckpointSource:
             contextlib.closing(direct) if direct is not None else contextlib.nullcontext(),
             ThreadPoolExecutor(1, thread_name_prefix="adalncache-read") as pool,
         ):
+            maps = PassMappings(fds) if self.in_place and not cuda else None
             pending: list[Future[LayerWeights]] = []
             submitted = 0
 
@@ -425,9 +397,10 @@ class CheckpointSource:
                     # While layer 0 is read, first-touch the buffer layer 1 will be read into (unless
                     # it will be projected in place: then no buffer is needed).
                     rows = columns.bounds(self.spec.out_features(todo[1])) if columns else None
-                    weight_name = self.layout.weight(todo[1])
-                    if maps is None or not self._resident(fds, weight_name, rows):
-                        staging.prefault(1, "weight", self._span(weight_name, rows)[1])
+                    name = self.layout.weight(todo[1])
+                    offset, nbytes, _ = self._span(name, rows)
+                    if maps is None or not maps.resident(self.entry(name)[0].path, offset, nbytes):
+                        staging.prefault(1, "weight", nbytes)
                 for _ in range(len(todo)):
                     lw = pending.pop(0).result()
                     # Read ahead while the consumer projects this layer: at most read_ahead + 1
@@ -454,7 +427,7 @@ class CheckpointSource:
                     with self._lock:
                         self.bytes_direct += direct.bytes
                 if maps is not None:
-                    maps.clear()
+                    maps.close()
                 if staging is not None:
                     if self.keep_buffers:
                         with self._lock:

@@ -27,6 +27,7 @@ import torch
 
 from ..errors import CheckpointError
 from .header import SafetensorsHeader, TensorEntry
+from .reads import resident_fraction
 
 #: The page size of mappings: prefetch ranges start on a page boundary.
 PAGE = mmap.PAGESIZE
@@ -106,6 +107,56 @@ class MappedFile:
         return raw.view(dtype).view(entry.shape)
 
 
+class PassMappings:
+    """The mappings a pass projects from in place: the files it holds open, each mapped on first use.
+
+    Why the pass's own descriptors: a checkpoint replaced by ``rename`` mid-pass must not be read
+    at the old offsets, so only the file the pass opened is mapped (as its ``pread`` reads do).
+    Dropped with the pass (:meth:`close`); tensors a consumer still holds keep their mapping alive.
+    """
+
+    def __init__(self, fds: dict[Path, int]) -> None:
+        self._fds = fds
+        self._maps: dict[Path, MappedFile] = {}
+
+    def resident(self, path: Path, offset: int, nbytes: int) -> bool:
+        """Whether the page cache holds every page of ``[offset, offset + nbytes)`` of ``path`` (``mincore``).
+
+        False where that cannot be told (no ``mincore``; a file this process neither owns nor may
+        write, whose cache Linux hides): such bytes are staged instead.
+        """
+        return nbytes > 0 and resident_fraction(self._fds[path], offset, nbytes) == 1.0
+
+    def view(self, header: SafetensorsHeader, offset: int, nbytes: int, what: str) -> torch.Tensor | None:
+        """A uint8 view of those bytes in the mapping, or None where they are to be staged.
+
+        Only for bytes the page cache holds. The file must still reach their end now
+        (CheckpointError naming it otherwise, as a short ``pread`` gives): a page past the end
+        of a file raises SIGBUS when touched.
+        """
+        path = header.path
+        if not self.resident(path, offset, nbytes):
+            return None
+        try:
+            size = os.fstat(self._fds[path]).st_size
+        except OSError as exc:
+            raise CheckpointError(f"cannot stat checkpoint file {path}: {exc}") from exc
+        if size < offset + nbytes:
+            raise CheckpointError(
+                f"{path} ends at byte {size}, before the end of {what} (byte {offset + nbytes}): the file was "
+                f"truncated or rewritten during the pass; restore it and retry"
+            )
+        mapped = self._maps.get(path)
+        if mapped is None:
+            mapped = self._maps[path] = MappedFile(header, fd=self._fds[path], read_around=True)
+        if mapped.size < offset + nbytes:
+            return None  # shorter when it was mapped: the staged read says why
+        return mapped.span(offset, nbytes)
+
+    def close(self) -> None:
+        self._maps.clear()
+
+
 def _dtype(entry: TensorEntry, path: Path) -> torch.dtype:
     dtype = entry.torch_dtype
     if dtype is None:
@@ -113,4 +164,4 @@ def _dtype(entry: TensorEntry, path: Path) -> torch.dtype:
     return dtype
 
 
-__all__ = ["PAGE", "MappedFile"]
+__all__ = ["PAGE", "MappedFile", "PassMappings"]
