@@ -108,12 +108,6 @@ def test_a_failing_check_leaves_the_others_and_the_demo_runs_last(tmp_path: Path
     checks = ["environment", "exact-match", "o-direct", "nccl", "host-tier", "demo"]
     assert [r["check"] for r in body["results"]] == checks
     results = by_name(body)
-    in_place = results["in-place"]
-    assert in_place["mismatches"] == {"in_place": 0, "staged": 0} and in_place["bytes_in_place"] > 0
-    tiled = results["tiled"]
-    for precision in ("match", "fp32"):
-        assert tiled[precision]["mismatches"] == {"tiled": 0, "whole": 0}
-        assert {v[0] for v in tiled[precision]["verdicts"]} == {1, 2, 3, 4}
     direct = results["o-direct"]  # the path of a sandbox that keeps the page cache: every chunk O_DIRECT
     assert direct["ok"] and direct["how"].startswith("page cache could not be dropped")
     assert direct["direct_mib"] > 0 or not direct["o_direct_supported"]
