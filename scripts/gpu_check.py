@@ -30,6 +30,12 @@ The checks, in order (``--only`` takes their names):
 * ``exact-match``, ``exact-fp32``: plans of 1 to 4 timesteps, both precisions, every layer
   ``torch.equal`` to ``F.linear`` on the device;
 * ``batched``: the batched mode's slab equals ``F.linear``; the probe's verdicts on this device;
+* ``in-place``: a warm pass with ``CheckpointSource(in_place=True)`` and one with ``in_place=False``,
+  both exact, timed side by side (on CUDA both stage through the pinned buffer: in place is a CPU
+  path, so the check confirms that no byte was taken in place there and the bits are unchanged);
+* ``tiled``: ``tiled=True`` and ``tiled=False`` over plans of 1 to 4 timesteps, bf16 and fp32: both
+  exact against ``F.linear``, the probe's verdicts (exact, faster) per plan width on this device,
+  and the two passes timed side by side (2,048-row tiles; smaller when the layers are narrower);
 * ``o-direct``: a cold pass (page cache dropped; where it cannot be dropped, every chunk routed to
   O_DIRECT) into the pinned staging buffer, and one with ``direct_io=False``, both exact;
 * ``lagging-consumer``: a projection that sleeps while the reader runs ahead, with the device
@@ -542,12 +548,78 @@ def check_batched(ctx: Context) -> dict[str, Any]:
     }
 
 
+def check_in_place(ctx: Context) -> dict[str, Any]:
+    ckpt = ctx.real()
+    plans = make_plans((1, 2, 3, 4), 2, seed=15)
+    xs = make_inputs(ckpt.spec, plans, ctx.device, seed=15)
+    sources = {"in_place": ckpt.source(), "staged": ckpt.source(in_place=False)}
+    for source in sources.values():
+        read_only(source)  # warm: the page cache holds every byte
+    seconds: dict[str, list[float]] = {name: [] for name in sources}
+    bad: dict[str, int] = {}
+    for _ in range(3):
+        for name, source in sources.items():
+            cache = ctx.cache(ckpt, source, max_plans=len(plans), tiled=False)
+            seconds[name].append(timed(ctx.device, lambda c=cache: c.build(plans, embed=embed_of(xs))))
+            bad[name] = len(ckpt.mismatches(cache, plans, xs))
+    med = {name: statistics.median(v) for name, v in seconds.items()}
+    taken = sources["in_place"].bytes_in_place
+    cuda = ctx.device.type == "cuda"
+    return {
+        "ok": not any(bad.values()) and (taken == 0 if cuda else taken > 0),
+        "mismatches": bad,
+        "bytes_in_place": taken,
+        "median_s": {k: round(v, 4) for k, v in med.items()},
+        "in_place_over_staged": round(med["in_place"] / med["staged"], 3),
+    }
+
+
+def check_tiled(ctx: Context) -> dict[str, Any]:
+    from adalncache import tiling
+    from adalncache.batching import clear_verdicts, verdicts
+
+    ckpt = ctx.real()
+    width = ckpt.spec.out_features(0)
+    tile = tiling.TILE_ROWS if width >= 4 * tiling.TILE_ROWS else max(128, width // 4)
+    old_tile, tiling.TILE_ROWS = tiling.TILE_ROWS, tile
+    plans = make_plans((2,), 12, seed=16) + make_plans((1, 3, 4), 1, seed=17)
+    out: dict[str, Any] = {"tile_rows": tile, "informational_timing": True}
+    try:
+        for precision in ("match", "fp32"):
+            xs = make_inputs(ckpt.spec, plans, ctx.device, fp32=precision == "fp32", seed=16)
+            embed = embed_of(xs)
+            clear_verdicts()
+            seconds: dict[str, list[float]] = {"tiled": [], "whole": []}
+            bad: dict[str, int] = {}
+            for _ in range(3):
+                for name, mode in (("tiled", True), ("whole", False)):
+                    cache = ctx.cache(ckpt, max_plans=len(plans), precision=precision, tiled=mode)
+                    seconds[name].append(timed(ctx.device, lambda c=cache, e=embed: c.build(plans, embed=e)))
+                    bad[name] = len(ckpt.mismatches(cache, plans, xs, precision))
+            med = {name: statistics.median(v) for name, v in seconds.items()}
+            speed = verdicts("tiled speed")
+            out[precision] = {
+                "mismatches": bad,
+                "median_s": {k: round(v, 4) for k, v in med.items()},
+                "tiled_over_whole": round(med["tiled"] / med["whole"], 3),
+                # plan width -> [exact, faster], per shape class the probe saw
+                "verdicts": [[k[3], v, speed.get(k)] for k, v in verdicts("tiled").items()],
+            }
+    finally:
+        tiling.TILE_ROWS = old_tile
+        clear_verdicts()
+    out["ok"] = all(not any(out[p]["mismatches"].values()) for p in ("match", "fp32"))
+    return out
+
+
 def check_o_direct(ctx: Context) -> dict[str, Any]:
     ckpt = ctx.real()
     plans = make_plans((1, 2), 2, seed=3)
     xs = make_inputs(ckpt.spec, plans, ctx.device, seed=3)
     supported = o_direct_works(ckpt.files[0])
-    source = ckpt.source()
+    # Staged, as on CUDA always: on a CPU a page cache that could not be dropped would otherwise be
+    # projected in place, and this check is about the O_DIRECT staging path.
+    source = ckpt.source(in_place=False)
     keep = "keep-cache:o-direct" in ctx.args.simulate.split(",")
     with forced_cold(ckpt.files, whole_machine=ctx.device.type == "cuda", drop=not keep) as how:
         before = source.bytes_direct
@@ -1107,6 +1179,8 @@ CHECKS: list[tuple[str, Callable[[Context], dict[str, Any]]]] = [
     ("exact-match", check_exact_match),
     ("exact-fp32", check_exact_fp32),
     ("batched", check_batched),
+    ("in-place", check_in_place),
+    ("tiled", check_tiled),
     ("o-direct", check_o_direct),
     ("lagging-consumer", check_lagging_consumer),
     ("memory", check_memory),

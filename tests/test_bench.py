@@ -50,9 +50,13 @@ def test_bench_pass_section_only(tmp_path: Path, capsys: pytest.CaptureFixture[s
     names = [c["name"] for c in data["comparisons"]]
     prefixes = (
         "pass vs max(read, project)", "first pass (fresh buffers)", "pass vs read and project run", "batched pass vs",
-        "pass vs naive",
+        "pass vs naive", "in-place pass vs staged pass", "tiled pass vs per-plan pass",
+        "default pass vs staged per-plan pass", "pass vs SGLang",
     )  # fmt: skip
     assert names and all(n.startswith(prefixes) for n in names)
+    for row in ("in-place pass vs staged pass", "tiled pass vs per-plan pass", "default pass vs staged per-plan"):
+        assert any(n.startswith(row) for n in names)
+    assert set(data["values"]["pass_fast_warm_s"]) >= {"staged", "inplace", "tiled"}
     assert data["values"]["batched"]["bit_identical"] is True
     printed = capsys.readouterr().out
     assert "pass vs naive" in printed and "x" in printed

@@ -69,6 +69,12 @@ def test_every_check_runs_on_cpu(tmp_path: Path) -> None:
         exact = results[f"exact-{precision}"]
         assert exact["mismatches"] == 0 and exact["passes"] == 1
         assert set(exact["mismatches_by_width"]) == {"1", "2", "3", "4"}
+    in_place = results["in-place"]
+    assert in_place["mismatches"] == {"in_place": 0, "staged": 0} and in_place["bytes_in_place"] > 0
+    tiled = results["tiled"]
+    for precision in ("match", "fp32"):
+        assert tiled[precision]["mismatches"] == {"tiled": 0, "whole": 0}
+        assert {v[0] for v in tiled[precision]["verdicts"]} == {1, 2, 3, 4}
     direct = results["o-direct"]
     assert direct["mismatches"] == 0 and direct["mismatches_direct_io_false"] == 0
     # Where this filesystem takes O_DIRECT, the cold pass read directly (forced if need be).

@@ -7,14 +7,18 @@ still sees every layer's own bytes, and every buffer keeps the file offset's add
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
 from adalncache import CheckpointSource, ModulationSpec
+from adalncache.errors import CheckpointError, ConfigError
+from adalncache.source import mapped as mapped_module
 from adalncache.source import write_safetensors
 from adalncache.source.buffers import StagingPool
+from adalncache.source.digest import DigestSink
 from adalncache.spec import FINAL, get_layout
 
 
@@ -31,7 +35,9 @@ def checkpoint(tmp_path: Path) -> tuple[CheckpointSource, dict[str, torch.Tensor
     # Odd residues modulo 64, so a buffer that lost its alignment would show.
     residues = {name: 2 * n + 2 for n, name in enumerate(tensors)}
     path = write_safetensors(tensors, tmp_path / "m.safetensors", residues=residues)
-    return CheckpointSource(path, spec), tensors
+    # Staged: these tests are about the staging buffers (a file just written is in the page cache,
+    # which the default would project from in place).
+    return CheckpointSource(path, spec, in_place=False), tensors
 
 
 def _expect(source: CheckpointSource, tensors: dict[str, torch.Tensor], lw: object) -> None:
@@ -121,7 +127,7 @@ def test_release_buffers_frees_the_kept_pool(checkpoint) -> None:  # type: ignor
 
 def test_keep_buffers_off_frees_the_pool_after_each_pass(tmp_path: Path, checkpoint) -> None:  # type: ignore[no-untyped-def]
     source, tensors = checkpoint
-    off = CheckpointSource(source.path, source.spec, keep_buffers=False)
+    off = CheckpointSource(source.path, source.spec, keep_buffers=False, in_place=False)
     for lw in off.stream(off.spec.layers(), read_ahead=1):
         _expect(off, tensors, lw)
     assert off._kept is None and off.kept_bytes == 0 and off.release_buffers() == 0
@@ -138,3 +144,74 @@ def test_a_different_read_ahead_keeps_the_buffers_it_can_use(checkpoint) -> None
     for lw in source.stream(source.spec.layers(), read_ahead=2):  # the third slot allocated again
         _expect(source, tensors, lw)
     assert source._kept.fresh == 8
+
+
+# -- in place: projecting from the pass's mapping of the file (CPU, bytes in the page cache) ----
+
+
+def _in_place(source: CheckpointSource) -> CheckpointSource:
+    return CheckpointSource(source.path, source.spec)  # the default: in place where the cache holds the bytes
+
+
+@pytest.mark.parametrize("read_ahead", [0, 1, 2])
+def test_in_place_layers_are_exact_aligned_and_copy_nothing(checkpoint, read_ahead: int) -> None:  # type: ignore[no-untyped-def]
+    """A file just written is in the page cache: every tensor is a view of the mapping, at the file
+    offset's address modulo 4096 (what from_pretrained's mapped views hold), hashed like a staged
+    read, and no staging buffer is ever filled."""
+    staged, tensors = checkpoint
+    source = _in_place(staged)
+    assert source.in_place
+    sinks = []
+    for src in (source, staged):
+        sink = DigestSink()
+        for lw in src.stream(src.spec.layers(), read_ahead=read_ahead, digests=sink):
+            _expect(src, tensors, lw)
+        sinks.append(sink.knowledge())
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    assert source.bytes_read == source.bytes_in_place == total
+    assert staged.bytes_in_place == 0 and staged.bytes_read == total
+    assert sinks[0] == sinks[1]  # hashed from the mapping: the same digests as the staged bytes
+    pool = source._kept
+    assert pool is None or pool.fresh == 0  # no buffer was allocated, let alone filled
+
+
+def test_in_place_stages_what_the_page_cache_does_not_hold(checkpoint, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A tensor the page cache does not hold wholly is staged (O_DIRECT for its cold bytes), the rest in place."""
+    staged, tensors = checkpoint
+    source = _in_place(staged)
+    weight0 = source.entry(source.layout.weight(0))[1]
+    real = mapped_module.resident_fraction
+
+    def cold_weight0(fd: int, offset: int, nbytes: int) -> float | None:
+        return 0.0 if offset == weight0.begin else real(fd, offset, nbytes)
+
+    monkeypatch.setattr(mapped_module, "resident_fraction", cold_weight0)
+    for lw in source.stream(source.spec.layers(), read_ahead=1):
+        _expect(source, tensors, lw)
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    assert source.bytes_read == total and source.bytes_in_place == total - weight0.nbytes
+
+
+def test_in_place_refuses_a_file_truncated_before_a_layer_is_mapped(checkpoint) -> None:  # type: ignore[no-untyped-def]
+    """A file cut short during a pass, before the reader reaches a layer: CheckpointError naming the
+    file (never a view past its end, which would raise SIGBUS when touched)."""
+    staged, _ = checkpoint
+    source = _in_place(staged)
+    stream = source.stream(source.spec.layers(), read_ahead=0)  # read_ahead=0: each read runs inside next()
+    first = next(stream)
+    assert source.bytes_in_place > 0
+    del first
+    cut = source.entry(source.layout.weight(1))[1].begin + 2
+    os.truncate(source.path, cut)
+    with pytest.raises(CheckpointError, match="truncated"):
+        next(stream)
+    stream.close()
+
+
+def test_in_place_is_off_on_request_and_checked(checkpoint) -> None:  # type: ignore[no-untyped-def]
+    staged, tensors = checkpoint
+    for lw in staged.stream(staged.spec.layers(), read_ahead=1):
+        _expect(staged, tensors, lw)
+    assert staged.bytes_in_place == 0
+    with pytest.raises(ConfigError, match="in_place"):
+        CheckpointSource(staged.path, staged.spec, in_place="yes")  # type: ignore[arg-type]

@@ -213,6 +213,7 @@ def assemble(
         read_ahead=options.read_ahead,
         progress=options.progress,
         batched=options.batched,
+        tiled=options.tiled,
     )
     builder = BuildTransaction(
         settings,

@@ -43,22 +43,30 @@ log = logging.getLogger(__name__)
 Project = Callable[[Layer, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 #: Shape classes and their verdicts for the default projection, shared by every cache of this
-#: process (the property belongs to the device's kernels, not to one cache). True: stacked bits
-#: proven equal so far.
-_VERDICTS: dict[Hashable, bool] = {}
+#: process (the property belongs to the device's kernels, not to one cache), one dict per
+#: alternative ("stacked" here, "tiled" in :mod:`adalncache.tiling`). True: bits proven equal so far.
+_SHARED: dict[str, dict[Hashable, bool]] = {"stacked": {}}
+_VERDICTS = _SHARED["stacked"]
 _LOCK = threading.Lock()
 
 
+def shared_verdicts(kind: str) -> dict[Hashable, bool]:
+    """The process-wide verdicts of alternative ``kind`` (created empty on first use)."""
+    with _LOCK:
+        return _SHARED.setdefault(kind, {})
+
+
 def clear_verdicts() -> None:
-    """Forget every probe result (tests; or after changing torch's backend settings)."""
+    """Forget every probe result of every alternative (tests; or after changing torch's backend settings)."""
     with _LOCK:
-        _VERDICTS.clear()
+        for table in _SHARED.values():
+            table.clear()
 
 
-def verdicts() -> dict[Hashable, bool]:
-    """A copy of the probe results so far, keyed by shape class."""
+def verdicts(kind: str = "stacked") -> dict[Hashable, bool]:
+    """A copy of the probe results so far of alternative ``kind``, keyed by shape class."""
     with _LOCK:
-        return dict(_VERDICTS)
+        return dict(_SHARED.get(kind, {}))
 
 
 @dataclass
@@ -87,6 +95,70 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.contiguous().view(ints), b.contiguous().view(ints))
 
 
+class ProbedClasses:
+    """The verdicts of one exact alternative to the per-plan projection, by shape class.
+
+    The one probe and spot-check bookkeeping that every such alternative shares (stacking plans
+    here, tiling the output columns in :mod:`adalncache.tiling`): a class is unknown until its probe
+    compares the alternative's rows with the per-plan rows bit for bit, accepted while every later
+    spot check agrees, and refused (for good, in this process or pass) at the first mismatch.
+    ``verdicts`` is a process-wide dict for the default projection, or a fresh one per pass for a
+    custom ``project``; ``what`` names the alternative in the log.
+    """
+
+    def __init__(self, what: str, verdicts: dict[Hashable, bool]) -> None:
+        self.what = what
+        self._verdicts = verdicts
+
+    def get(self, cls: Hashable) -> bool | None:
+        """True: proven equal so far; False: refused; None: not probed yet."""
+        with _LOCK:
+            return self._verdicts.get(cls)
+
+    def probe(self, cls: Hashable, exact: Sequence[torch.Tensor], other: Sequence[torch.Tensor], layer: Layer) -> bool:
+        """Record (and return) whether every ``other`` row block is bitwise ``exact``'s, for ``cls``."""
+        same = all(same_bits(y, part) for y, part in zip(exact, other, strict=True))
+        with _LOCK:
+            self._verdicts[cls] = same
+        if same:
+            log.info("%s is bit-identical for %s (probed at layer %s)", self.what, _describe(cls), layer)
+        else:
+            log.info("%s is NOT bit-identical for %s: projecting per plan", self.what, _describe(cls))
+        return same
+
+    def spot_check(self, cls: Hashable, alone: torch.Tensor, other: torch.Tensor, layer: Layer) -> bool:
+        """One plan's per-plan rows against the alternative's; a mismatch refuses ``cls`` (logged as a warning)."""
+        if same_bits(alone, other):
+            return True
+        with _LOCK:
+            self._verdicts[cls] = False
+        log.warning(
+            "%s differed from the per-plan one at layer %s (%s); projecting this shape class per plan from now on",
+            self.what,
+            layer,
+            _describe(cls),
+        )
+        return False
+
+
+def shape_class(weight: torch.Tensor, x: torch.Tensor, rows: int, *extra: Hashable) -> tuple[Hashable, ...]:
+    """What selects the kernel of ``F.linear(x, weight)``, for a probe's shape class.
+
+    Device, dtypes, input rows per plan, ``extra`` (how many plans are stacked, say), the weight's
+    shape, the weight's and the input's addresses modulo 64, and every setting that decides bits.
+    """
+    return (
+        str(weight.device),
+        weight.dtype,
+        x.dtype,
+        rows,
+        *extra,
+        tuple(weight.shape),
+        weight.data_ptr() % 64,
+        x.data_ptr() % 64,
+    )
+
+
 class StackedProjector:
     """Projects the plans of one pass, stacking each width group where its shape class is proven exact.
 
@@ -104,21 +176,14 @@ class StackedProjector:
         self.xs = xs
         self.project = project
         self.stats = StackStats()
-        self._verdicts: dict[Hashable, bool] = _VERDICTS if shared else {}
+        self._classes = ProbedClasses("stacked projection", _VERDICTS if shared else {})
         # The stacked input of each group, built once per pass (its rows in the group's order).
         self._stacked_x = [torch.cat([xs[k] for k in group]) for group in self.groups]
         self._layer_count = 0
 
     def _class(self, group: Sequence[PlanKey], x: torch.Tensor, weight: torch.Tensor) -> Hashable:
         return (
-            str(weight.device),
-            weight.dtype,
-            x.dtype,
-            self.xs[group[0]].shape[0],
-            len(group),
-            tuple(weight.shape),
-            weight.data_ptr() % 64,
-            x.data_ptr() % 64,
+            *shape_class(weight, x, self.xs[group[0]].shape[0], len(group)),
             tuple(self.xs[k].data_ptr() % 64 for k in group),
             bit_settings_key(weight.device),
         )
@@ -154,47 +219,39 @@ class StackedProjector:
         turn: int,
     ) -> list[tuple[PlanKey, torch.Tensor]]:
         cls = self._class(group, stacked_x, weight)
-        with _LOCK:
-            verdict = self._verdicts.get(cls)
+        verdict = self._classes.get(cls)
         if verdict is False:
             return self._per_plan(layer, group, weight, bias)
         if verdict is None:
             exact = self._per_plan(layer, group, weight, bias)
             parts = self._split(group, self.project(layer, stacked_x, weight, bias))
-            same = all(same_bits(y, part) for (_, y), part in zip(exact, parts, strict=True))
-            with _LOCK:
-                self._verdicts[cls] = same
-            self._log_verdict(cls, same, layer)
+            self._classes.probe(cls, [y for _, y in exact], parts, layer)
             return exact  # the probed layer always keeps the per-plan rows
         parts = self._split(group, self.project(layer, stacked_x, weight, bias))
         check = turn % len(group)
         alone = self.project(layer, self.xs[group[check]], weight, bias)
-        if not same_bits(alone, parts[check]):
-            with _LOCK:
-                self._verdicts[cls] = False
-            log.warning(
-                "stacked projection of %d plans of width %d differed from the per-plan one at layer %s; "
-                "projecting this shape class per plan from now on",
-                len(group),
-                self.xs[group[0]].shape[0],
-                layer,
-            )
+        if not self._classes.spot_check(cls, alone, parts[check], layer):
             return self._per_plan(layer, group, weight, bias)
         self.stats.stacked_layers += 1
         return list(zip(group, parts, strict=True))
-
-    def _log_verdict(self, cls: Hashable, same: bool, layer: Layer) -> None:
-        if same:
-            log.info("stacked projection is bit-identical for %s (probed at layer %s)", _describe(cls), layer)
-        else:
-            log.info("stacked projection is NOT bit-identical for %s: projecting per plan", _describe(cls))
 
 
 def _describe(cls: Hashable) -> str:
     if not isinstance(cls, tuple):
         return repr(cls)
-    device, wdtype, xdtype, rows, count, shape = cls[:6]
-    return f"{count} plans of {rows} input rows, weight {tuple(shape)} {wdtype} on {device}, input {xdtype}"
+    device, wdtype, xdtype, rows, extra = cls[:5]
+    shape = next((c for c in cls[5:] if isinstance(c, tuple)), ())
+    plans = f"{extra} plans of {rows} input rows" if isinstance(extra, int) else f"plans of {rows} input rows, {extra}"
+    return f"{plans}, weight {tuple(shape)} {wdtype} on {device}, input {xdtype}"
 
 
-__all__ = ["StackStats", "StackedProjector", "clear_verdicts", "same_bits", "verdicts"]
+__all__ = [
+    "ProbedClasses",
+    "StackStats",
+    "StackedProjector",
+    "clear_verdicts",
+    "same_bits",
+    "shape_class",
+    "shared_verdicts",
+    "verdicts",
+]

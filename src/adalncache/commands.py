@@ -516,12 +516,13 @@ BUILD_OPTIONS = (
     "max_plan_width",
     "precision",
     "batched",
+    "tiled",
     "host_cache_bytes",
     "shard",
     "max_plans",
     "read_ahead",
 )
-EXPORT_OPTIONS = ("store", "precision", "batched", "shard", "max_plans", "read_ahead")
+EXPORT_OPTIONS = ("store", "precision", "batched", "tiled", "shard", "max_plans", "read_ahead")
 VERIFY_OPTIONS = ("max_plans", "read_ahead")
 
 
@@ -554,6 +555,9 @@ def _add_options(parser: argparse.ArgumentParser, names: Sequence[str], *, requi
             kwargs["choices"] = list(cli.choices)
         elif cli.kind == "switch":
             kwargs["action"] = "store_true"
+        elif cli.kind == "auto-switch":
+            kwargs["type"] = _auto_switch
+            kwargs["metavar"] = "{auto,on,off}"
         elif cli.kind == "gib":
             kwargs["type"] = _gib_bytes
             kwargs["metavar"] = "GIB"
@@ -564,6 +568,14 @@ def _add_options(parser: argparse.ArgumentParser, names: Sequence[str], *, requi
             shown = o.default / 2**30 if cli.kind == "gib" else o.default
             kwargs["help"] += f" (default: {shown})"
         parser.add_argument(o.flag, **kwargs)
+
+
+def _auto_switch(text: str) -> bool | str:
+    """``auto``, ``on`` or ``off`` as an option takes it: ``"auto"``, True, False."""
+    values: dict[str, bool | str] = {"auto": "auto", "on": True, "off": False}
+    if text not in values:
+        raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from auto, on, off)")
+    return values[text]
 
 
 def _options_of(args: argparse.Namespace, names: Sequence[str]) -> dict[str, Any]:

@@ -110,6 +110,12 @@ class CacheIntrospection(SlabReads):
         to the per-plan GEMM on this device (:mod:`adalncache.batching`); off by default."""
         return self.options.batched
 
+    @property
+    def tiled(self) -> bool | str:
+        """Whether each layer is projected tile by tile over its output columns, every plan per tile, where a
+        probe proved it bit-identical (:mod:`adalncache.tiling`): ``"auto"`` only where it was also faster."""
+        return self.options.tiled
+
     # -- introspection ----------------------------------------------------------------------
 
     @property

@@ -60,10 +60,11 @@ class Cli:
     """How the command line parses one option.
 
     ``kind``: ``"int"`` (an integer >= ``minimum``), ``"choice"`` (one of ``choices``),
-    ``"switch"`` (present or not), ``"gib"`` (a number of GiB, turned into bytes), ``"path"``.
+    ``"switch"`` (present or not), ``"auto-switch"`` (``auto``, ``on`` or ``off``: ``"auto"``, True or
+    False), ``"gib"`` (a number of GiB, turned into bytes), ``"path"``.
     """
 
-    kind: Literal["int", "choice", "switch", "gib", "path"]
+    kind: Literal["int", "choice", "switch", "auto-switch", "gib", "path"]
     minimum: int = 0
     choices: tuple[str, ...] = ()
 
@@ -108,6 +109,11 @@ def _one_of(choices: tuple[str, ...]) -> Callable[[str, Any, str | None], None]:
 def _boolean(name: str, value: Any, flag: str | None) -> None:
     if not isinstance(value, bool):
         raise ConfigError(f"{name} must be True or False, got {value!r}: {_fix(name, flag)}")
+
+
+def _auto_or_boolean(name: str, value: Any, flag: str | None) -> None:
+    if not (value is True or value is False or value == "auto"):
+        raise ConfigError(f"{name} must be 'auto', True or False, got {value!r}: {_fix(name, flag)} auto, on or off")
 
 
 def _optional_boolean(name: str, value: Any, flag: str | None) -> None:
@@ -198,6 +204,14 @@ class CacheOptions:
         check=_boolean,
         cli=Cli("switch"),
     )
+    tiled: bool | str = _option(
+        "auto",
+        "project every plan tile by tile over the output columns where a probe proves it bit-identical: auto "
+        "(where the probe also found it faster, with the default projection), on, off",
+        flag="--tiled",
+        check=_auto_or_boolean,
+        cli=Cli("auto-switch"),
+    )
     tables: TablesArg | None = _option(
         None, "table files (adalncache export) served as a read-only tier below the store", flag="--tables"
     )
@@ -232,6 +246,7 @@ class ServingKwargs(TypedDict, total=False):
     read_ahead: int
     progress: bool | None
     batched: bool
+    tiled: bool | str
 
 
 class CacheKwargs(ServingKwargs, total=False):

@@ -35,6 +35,7 @@ from .slab import Slab
 from .source import WeightSource
 from .source.digest import DigestSink
 from .spec import Layer, ModulationSpec
+from .tiling import TiledProjector
 
 if TYPE_CHECKING:
     from .distributed import Collective
@@ -83,6 +84,7 @@ class RebuildPass:
         faults: FaultPoints,
         out_dtype: torch.dtype | None = None,
         digests: DigestSink | None = None,
+        tiled: bool | str = False,
     ) -> None:
         self.spec = spec
         self.source = source
@@ -98,6 +100,9 @@ class RebuildPass:
         self.out_dtype = out_dtype
         #: Hashes the bytes the pass reads (the content identity), when the digest is not known yet.
         self.digests = digests
+        #: Project the plans that are not stacked tile by tile where proven exact (adalncache.tiling):
+        #: True, False, or "auto" (exact and faster, default projection only).
+        self.tiled = tiled
 
     def _write(self, slot: int, layer: Layer, y: torch.Tensor, columns: Any, rows: int) -> None:
         if self.out_dtype is not None and y.dtype != self.out_dtype:
@@ -208,6 +213,7 @@ class RebuildPass:
                     name: [k for k in keys if name not in stackers or k not in stackers[name].grouped]
                     for name in self.spec.inputs
                 }
+                tilers = self._tilers(keys, xs, project)
                 with contextlib.closing(stream), failing_at("read"):  # type: ignore[type-var]  # a generator: close() exists
                     for lw in labelled(stream, work.layers):
                         weight, bias = (lw.weight.float(), lw.bias.float()) if fp32 else (lw.weight, lw.bias)
@@ -218,17 +224,36 @@ class RebuildPass:
                                 self.faults.check("project")
                                 for key, y in stacker.project_layer(lw.layer, weight, bias):
                                     self._write(slots[key], lw.layer, y, work.columns, rows[key])
-                            for key in alone[name]:
+                            tiler = tilers.get(name)
+                            if tiler is not None and alone[name]:
                                 self.faults.check("project")
-                                y = project(lw.layer, xs[key][name], weight, bias)
-                                self._write(slots[key], lw.layer, y, work.columns, rows[key])
+                                for key, y in tiler.project_layer(lw.layer, alone[name], weight, bias):
+                                    self._write(slots[key], lw.layer, y, work.columns, rows[key])
+                            else:
+                                for key in alone[name]:
+                                    self.faults.check("project")
+                                    y = project(lw.layer, xs[key][name], weight, bias)
+                                    self._write(slots[key], lw.layer, y, work.columns, rows[key])
                         report.layers_read.append(str(lw.layer))
                         bar.update(1)
                 if stackers:
                     report.stacked_layers = sum(st.stats.stacked_layers for st in stackers.values())
                     report.per_plan_layers = sum(st.stats.per_plan_layers for st in stackers.values())
+                report.tiled_layers = sum(t.stats.tiled_layers for t in tilers.values())
             finally:
                 bar.close()
+
+    def _tilers(
+        self, keys: Sequence[PlanKey], xs: dict[PlanKey, Inputs], project: ProjectFn
+    ) -> dict[str, TiledProjector]:
+        """One tiled projector per input name, when this pass tiles (``"auto"``: the default projection only)."""
+        default = project is default_project
+        if self.tiled is False or (self.tiled == "auto" and not default):
+            return {}
+        return {
+            name: TiledProjector({key: xs[key][name] for key in keys}, project, shared=default, mode=self.tiled)
+            for name in self.spec.inputs
+        }
 
 
 __all__ = ["EmbedFn", "Inputs", "ProjectFn", "RebuildPass", "default_project", "labelled"]

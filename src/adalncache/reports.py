@@ -73,6 +73,8 @@ class BuildReport:
     #: that ran per plan (the probe of a new shape class, or a class found not bit-identical).
     stacked_layers: int = 0
     per_plan_layers: int = 0
+    #: tiled mode: (layer, shape class) projections served tile by tile over the output columns.
+    tiled_layers: int = 0
     layers_read: list[str] = field(default_factory=list, repr=False)
 
     def as_dict(self) -> dict[str, Any]:

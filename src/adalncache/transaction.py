@@ -95,6 +95,7 @@ class BuildSettings:
     read_ahead: int
     progress: bool | None
     batched: bool
+    tiled: bool | str = False
 
 
 class BuildTransaction:
@@ -450,6 +451,7 @@ class BuildTransaction:
             faults=faults,
             out_dtype=self._identity.autocast,
             digests=digests,
+            tiled=s.tiled,
         )
 
     def rows_of(self, key: PlanKey) -> PlanRows:

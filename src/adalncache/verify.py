@@ -67,6 +67,7 @@ def verifying_cache(
         read_ahead=read_ahead,
         progress=progress,
         batched=False,
+        tiled=False,  # always whole, per plan: this confirms tables built batched or tiled
     )
 
 

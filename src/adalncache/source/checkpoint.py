@@ -4,12 +4,22 @@ A :class:`CheckpointSource` parses and validates the headers itself (native or d
 one file, a directory, a sharded checkpoint with its index, or a list of files), checks every
 projection tensor at construction, and streams one layer at a time with ``pread`` on a
 background thread, so layer k+1 is read while layer k is projected and at most
-``read_ahead + 1`` layers are in memory. Files are opened per pass, so a file replaced by
-``rename`` is seen by the next pass and nothing relies on a mapping staying valid.
+``read_ahead + 1`` layers are in memory. Files are opened (and, in place, mapped) per pass, so a
+file replaced by ``rename`` is seen by the next pass and no mapping outlives its pass.
+
+**In place** (``in_place=True``, the default): on a CPU, a tensor whose every page the page cache
+holds is projected straight from a mapping of the file the pass holds open, at the file's own
+offsets (where ``from_pretrained`` places the resident weights): no staging copy competes with
+the GEMMs for the cores. The reader thread still hashes those bytes (from the mapping) and checks,
+per tensor, that the file still reaches its end. Staging stays for CUDA (page-locked buffers, the
+copy stream), for bytes the cache does not hold (O_DIRECT), and for ``in_place=False``. What in
+place cannot catch is a file truncated *while* a mapped layer is hashed or projected: touching a
+page past the new end raises SIGBUS (as it does for a model loaded with ``from_pretrained``, which
+maps the same files); see docs/tables.md.
 
 Every buffer it reads into keeps the tensor's file offset modulo 4096 (so modulo 64), which is
-where a model that memory-maps the same file holds that tensor: projecting from the copy gives
-the model's bits (see :mod:`adalncache.source.buffers`).
+where a model that memory-maps the same file holds that tensor, as the mapping does: projecting
+from either gives the model's bits (see :mod:`adalncache.source.buffers`).
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ from .buffers import StagingPool, read_buffer
 from .digest import DigestSink, role_of
 from .files import CheckpointFiles, CheckpointPath
 from .header import SafetensorsHeader, TensorEntry, open_regular
+from .mapped import PassMappings
 from .projections import detect_layout, expected, raise_problems, tensor_problem
 from .protocol import Columns, LayerWeights
 from .reads import DirectReads, pread_into
@@ -68,9 +79,12 @@ class CheckpointSource:
         layout: str = "auto",
         keep_buffers: bool = True,
         direct_io: bool = True,
+        in_place: bool = True,
     ) -> None:
         if not isinstance(spec, ModulationSpec):
             raise ConfigError(f"CheckpointSource needs a ModulationSpec as spec, got {type(spec).__name__}")
+        if not isinstance(in_place, bool):
+            raise ConfigError(f"CheckpointSource's in_place must be True or False, got {in_place!r}")
         self.spec = spec
         self.path = path
         self._layout_arg = layout
@@ -92,6 +106,11 @@ class CheckpointSource:
         self.direct_io = bool(direct_io)
         #: Of ``bytes_read``, those read with O_DIRECT.
         self.bytes_direct = 0
+        #: Project from a mapping of the files, with no staging copy, on a CPU where the page cache
+        #: holds a tensor (see the module docstring). False: every byte is copied into staging buffers.
+        self.in_place = in_place
+        #: Of ``bytes_read``, those projected in place from the mapping (hashed, never copied).
+        self.bytes_in_place = 0
         self._kept: StagingPool | None = None
         #: The side stream of each device this source copies layers to, reused by every pass.
         self.copy_streams = CopyStreams()
@@ -227,6 +246,32 @@ class CheckpointSource:
             digests[0].feed(digests[1], entry.dtype, entry.shape, rows, raw)
         return raw, raw.view(dtype).view(shape)
 
+    def _mapped_part(
+        self,
+        maps: PassMappings,
+        name: str,
+        rows: tuple[int, int] | None,
+        digests: tuple[DigestSink, str] | None,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(raw view, tensor view) of a projection tensor (or its ``rows``) in the pass's mapping, or None to stage it.
+
+        The bytes are hashed here, on the reader thread, which also maps their pages before the
+        consumer's GEMM touches them.
+        """
+        header, entry = self.entry(name)
+        dtype = entry.torch_dtype
+        assert dtype is not None  # validated
+        offset, nbytes, shape = self._span(name, rows)
+        raw = maps.view(header, offset, nbytes, name)
+        if raw is None:
+            return None
+        with self._lock:
+            self.bytes_read += nbytes
+            self.bytes_in_place += nbytes
+        if digests is not None:
+            digests[0].feed(digests[1], entry.dtype, entry.shape, rows, raw)
+        return raw, raw.view(dtype).view(shape)
+
     def read_layer(
         self,
         fds: dict[Path, int],
@@ -237,18 +282,23 @@ class CheckpointSource:
         staging: tuple[StagingPool, int] | None = None,
         direct: DirectReads | None = None,
         digests: DigestSink | None = None,
+        maps: PassMappings | None = None,
     ) -> tuple[LayerWeights, list[torch.Tensor]]:
         """Read one layer's weight and bias (really reading every byte); returns keep-alive buffers.
 
         ``staging`` (pool, position in the pass) reads into a reused buffer instead of a fresh one.
+        ``maps`` (the pass's mappings, by file): take each tensor the page cache holds in place.
         """
         rows = columns.bounds(self.spec.out_features(layer)) if columns else None
-        w_stage = (staging[0], staging[1], "weight") if staging else None
-        b_stage = (staging[0], staging[1], "bias") if staging else None
-        w_sink = (digests, role_of(layer, "weight")) if digests is not None else None
-        b_sink = (digests, role_of(layer, "bias")) if digests is not None else None
-        w_raw, weight = self._read_part(fds, self.layout.weight(layer), rows, pin, w_stage, direct, w_sink)
-        b_raw, bias = self._read_part(fds, self.layout.bias(layer), rows, pin, b_stage, direct, b_sink)
+        out: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for part, name in (("weight", self.layout.weight(layer)), ("bias", self.layout.bias(layer))):
+            sink = (digests, role_of(layer, part)) if digests is not None else None
+            got = self._mapped_part(maps, name, rows, sink) if maps is not None else None
+            if got is None:
+                stage = (staging[0], staging[1], part) if staging else None
+                got = self._read_part(fds, name, rows, pin, stage, direct, sink)
+            out.append(got)
+        (w_raw, weight), (b_raw, bias) = out
         return LayerWeights(layer, weight, bias), [w_raw, b_raw]
 
     @contextlib.contextmanager
@@ -289,11 +339,13 @@ class CheckpointSource:
         staging.device = device if cuda else None
         return staging
 
-    def _end_pass(self, staging: StagingPool | None, direct: DirectReads | None) -> None:
-        """Count the pass's O_DIRECT bytes and keep (or free) its staging buffers for the next pass."""
+    def _end_pass(self, staging: StagingPool | None, direct: DirectReads | None, maps: PassMappings | None) -> None:
+        """Count the pass's O_DIRECT bytes, close its mappings, and keep (or free) its staging buffers."""
         if direct is not None:
             with self._lock:
                 self.bytes_direct += direct.bytes
+        if maps is not None:
+            maps.close()
         if staging is not None:
             if self.keep_buffers:
                 with self._lock:
@@ -327,11 +379,14 @@ class CheckpointSource:
         todo = list(layers)
         staging = self._take_staging(device, read_ahead)
 
+        # In place (CPU only): the pass's own mappings of the files it holds open (set once they are).
+        maps: PassMappings | None = None
+
         def load(fds: dict[Path, int], index: int) -> LayerWeights:
             layer = todo[index]
             stage = (staging, index) if staging is not None else None
             lw, keep = self.read_layer(
-                fds, layer, columns=columns, pin=cuda, staging=stage, direct=direct, digests=digests
+                fds, layer, columns=columns, pin=cuda, staging=stage, direct=direct, digests=digests, maps=maps
             )
             if copy_stream is None:
                 return lw  # the views keep their buffers alive; nothing else holds them
@@ -348,6 +403,7 @@ class CheckpointSource:
             contextlib.closing(direct) if direct is not None else contextlib.nullcontext(),
             ThreadPoolExecutor(1, thread_name_prefix="adalncache-read") as pool,
         ):
+            maps = PassMappings(fds) if self.in_place and not cuda else None
             pending: list[Future[LayerWeights]] = []
             submitted = 0
 
@@ -360,9 +416,13 @@ class CheckpointSource:
             try:
                 submit()
                 if staging is not None and not cuda and len(todo) > 1 and staging.slots > 1:
-                    # While layer 0 is read, first-touch the buffer layer 1 will be read into.
+                    # While layer 0 is read, first-touch the buffer layer 1 will be read into (unless
+                    # it will be projected in place: then no buffer is needed).
                     rows = columns.bounds(self.spec.out_features(todo[1])) if columns else None
-                    staging.prefault(1, "weight", self._span(self.layout.weight(todo[1]), rows)[1])
+                    name = self.layout.weight(todo[1])
+                    offset, nbytes, _ = self._span(name, rows)
+                    if maps is None or not maps.resident(self.entry(name)[0].path, offset, nbytes):
+                        staging.prefault(1, "weight", nbytes)
                 for _ in range(len(todo)):
                     lw = pending.pop(0).result()
                     # Read ahead while the consumer projects this layer: at most read_ahead + 1
@@ -385,7 +445,7 @@ class CheckpointSource:
                 for fut in pending:
                     with contextlib.suppress(BaseException):
                         fut.result()
-                self._end_pass(staging, direct)
+                self._end_pass(staging, direct, maps)
 
     # -- buffers and summary ----------------------------------------------------------------
 

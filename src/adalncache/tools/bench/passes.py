@@ -4,8 +4,12 @@ At 1 plan and at the whole request: the pass against max(read-only, project-only
 overlaps reading with projecting costs about the larger of the two), the first pass of a process
 (fresh staging buffers), the pass against reading and projecting merely run at once (the overlap
 this machine allows), and the batched pass against the per-plan one (with a bitwise check of
-their slabs). Then, at the request size where reading and projecting cost about the same (where
-overlap matters most), the pass against a naive read-then-project loop.
+their slabs). Warm, at the whole request: the pass projecting in place from the page cache against
+the staged pass (a copy into staging buffers), the tiled pass against the per-plan one, the
+default pass against the previous default (staged, per plan), and, where an installed SGLang
+provides its cache (:mod:`.sglang`), the default pass against SGLang's own pass over the same
+files, plans and inputs. Then, at the request size where reading and projecting cost about the
+same (where overlap matters most), the pass against a naive read-then-project loop.
 
 The variants of one page-cache state run interleaved, round by round, so a neighbour's load on a
 shared machine hits them alike instead of skewing whichever block happened to run during it.
@@ -15,12 +19,16 @@ from __future__ import annotations
 
 import logging
 import statistics
+import time
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
 import torch
 
+from ...batching import verdicts
+from ...plans import plan_key
+from ...tiling import TILE_ROWS
 from ..measure import drop_page_cache
 from .primitives import (
     ResidentLayer,
@@ -30,8 +38,11 @@ from .primitives import (
     read_and_project_concurrently,
     read_only,
     read_only_direct,
+    request_cache,
+    sync_device,
 )
 from .results import Comparison, Results, fmt_s
+from .sglang import SglangBaseline, tables_identical
 from .workload import make_inputs, plan_keys
 
 log = logging.getLogger(__name__)
@@ -72,6 +83,8 @@ class PassSection:
         self.resident = ResidentLayer(source, device)
         self.sizes = sorted({1, len(plans)})
         self.xs_of = {k: self.xs(k) for k in self.sizes}
+        #: SGLang's cache over the same files, or why it is not available (opened by the warm state).
+        self.sglang: SglangBaseline | str = "not opened"
 
     def xs(self, k: int) -> list[torch.Tensor]:
         """The projection inputs of the first ``k`` plans."""
@@ -119,7 +132,41 @@ class PassSection:
         variants["pass1fresh"] = partial(one_pass, source, plans[:1], inputs, fresh=True)
         variants["concurrent1"] = partial(read_and_project_concurrently, source, self.resident, self.xs_of[1])
         variants[f"batched{self.sizes[-1]}"] = partial(one_pass, source, plans, inputs, batched=True, settle=before)
+        if before is None:  # warm: the options of the pass at GEMM speed, side by side
+            variants.update(self.fast_variants())
         return variants
+
+    def fast_variants(self) -> dict[str, Callable[[], float]]:
+        """In place vs staged, tiled vs per plan (each alone), and SGLang's pass where available (warm only)."""
+        source, plans, inputs = self.source, self.plans, self.inputs
+        variants: dict[str, Callable[[], float]] = {
+            "staged": partial(one_pass, source, plans, inputs, in_place=False, tiled=False),
+            "inplace": partial(one_pass, source, plans, inputs, in_place=True, tiled=False),
+            "tiled": partial(one_pass, source, plans, inputs, in_place=True, tiled=True),
+        }
+        self.sglang = SglangBaseline.open(
+            list(source.files),
+            num_layers=source.spec.num_layers,
+            hidden_size=source.spec.hidden_size,
+            max_plans=len(plans),
+            device=self.inputs[next(iter(self.inputs))].device,
+        )
+        if isinstance(self.sglang, SglangBaseline):
+            variants["sglang"] = partial(self.sglang_pass, self.sglang)
+        return variants
+
+    def sglang_pass(self, baseline: SglangBaseline) -> float:
+        """SGLang's own rebuild pass of the whole request over the same files (its tables dropped first)."""
+        embed = self.embed
+        baseline.cache.invalidate()
+        sync_device(self.resident.device)
+        start = time.perf_counter()
+        baseline.cache.build(list(self.plans), embed=embed)
+        sync_device(self.resident.device)
+        return time.perf_counter() - start
+
+    def embed(self, plan: torch.Tensor) -> torch.Tensor:
+        return self.inputs[plan_key(plan)]
 
     def record(self, state: str, got: Timings, direct_ok: bool) -> tuple[list[float], str]:
         """Keep the raw samples; returns the raw-read bound (the faster read) and its name."""
@@ -150,6 +197,8 @@ class PassSection:
             if k == 1:
                 self.compare_first_pass(state, got, base, base_kind)
         top = self.sizes[-1]
+        if "staged" in got:
+            self.compare_fast(got, top)
         batched = res.values["batched"]
         res.add(
             Comparison(
@@ -164,6 +213,61 @@ class PassSection:
                 f"{batched['per_plan_layers']} per-plan layer groups in a new process's first pass)",
             )
         )
+
+    def compare_fast(self, got: Timings, top: int) -> None:
+        """Warm, the whole request: in place vs staged, tiled vs per plan, the default vs the old default and SGLang."""
+        res, source = self.res, self.source
+        res.values["pass_fast_warm_s"] = {
+            name: got[name] for name in ("staged", "inplace", "tiled", "sglang") if name in got
+        }
+        res.values["tiled_verdicts"] = {str(k): v for k, v in verdicts("tiled").items()}
+        rows = [
+            (
+                "in-place pass vs staged pass",
+                "pass, in place",
+                "pass, staged",
+                "inplace",
+                "staged",
+                "both per plan (tiled=False); in place: no copy of the page cache into staging buffers",
+            ),
+            (
+                "tiled pass vs per-plan pass",
+                "pass, tiled",
+                "pass, per plan",
+                "tiled",
+                "inplace",
+                f"both in place; tiles of {TILE_ROWS} rows, every plan per tile, each at its own M",
+            ),
+            (
+                "default pass vs staged per-plan pass",
+                "pass (defaults)",
+                "pass, staged, per plan",
+                f"pass{top}",
+                "staged",
+                "defaults: in place, tiled='auto' (where the probe found tiling exact and faster)",
+            ),
+        ]
+        for name, subject, baseline, mine, theirs, note in rows:
+            res.add(
+                Comparison(f"{name}, {top} plan(s), warm", subject, baseline, got[mine], got[theirs], None, note=note)
+            )
+        if "sglang" in got and isinstance(self.sglang, SglangBaseline):
+            probe = request_cache(source, top, self.resident.device)
+            probe.build(list(self.plans), embed=self.embed)
+            same = tables_identical(probe, self.sglang, self.plans)
+            res.add(
+                Comparison(
+                    f"pass vs SGLang {self.sglang.version}'s pass, {top} plan(s), warm",
+                    "pass (defaults)",
+                    f"SGLang {self.sglang.version}",
+                    got[f"pass{top}"],
+                    got["sglang"],
+                    1.0,
+                    note=f"same files, plans and inputs; tables bit-identical: {same}",
+                )
+            )
+        elif isinstance(self.sglang, str):
+            res.note(f"SGLang pass baseline not available: {self.sglang}")
 
     def compare_first_pass(self, state: str, got: Timings, base: list[float], base_kind: str) -> None:
         """At 1 plan: the first pass of a process against the bound, and the pass against mere concurrency."""

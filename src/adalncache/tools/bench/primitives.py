@@ -182,10 +182,19 @@ def naive(source: Any, xs: Sequence[torch.Tensor]) -> float:
     return time.perf_counter() - start
 
 
-def request_cache(source: Any, plans: int, device: torch.device, *, batched: bool = False) -> AdalnCache:
+def request_cache(
+    source: Any, plans: int, device: torch.device, *, batched: bool = False, tiled: bool | str = "auto"
+) -> AdalnCache:
     """A fresh cache with room for ``plans`` plans of up to 4 timesteps, no progress bar."""
     return AdalnCache(
-        source.spec, source, max_plans=plans, max_plan_width=4, progress=False, batched=batched, device=device
+        source.spec,
+        source,
+        max_plans=plans,
+        max_plan_width=4,
+        progress=False,
+        batched=batched,
+        device=device,
+        tiled=tiled,
     )
 
 
@@ -197,6 +206,8 @@ def one_pass(
     fresh: bool = False,
     batched: bool = False,
     settle: Callable[[], None] | None = None,
+    in_place: bool = True,
+    tiled: bool | str = "auto",
 ) -> float:
     """The real thing: a fresh cache's ``build`` of ``plans`` (one rebuild pass), timed.
 
@@ -205,12 +216,13 @@ def one_pass(
     untimed pass fills it first, then ``settle`` runs (the cold runs drop the page cache again
     there, so the priming pass cannot warm it). ``fresh``: the source allocates new buffers for
     this pass and frees them after (``keep_buffers=False``), which is what the first pass of a
-    process costs.
+    process costs. ``in_place`` and ``tiled``: the source's and the cache's options of those names
+    (the library's defaults: in place, ``"auto"``).
     """
     device = device_of(inputs)  # the cache lives where the inputs do
 
     def build(todo: Sequence[torch.Tensor]) -> float:
-        cache = request_cache(source, len(todo), device, batched=batched)
+        cache = request_cache(source, len(todo), device, batched=batched, tiled=tiled)
         sync_device(device)
         start = time.perf_counter()
         report = cache.build(list(todo), embed=lambda p: inputs[plan_key(p)])
@@ -220,6 +232,7 @@ def one_pass(
         return seconds
 
     source.keep_buffers = not fresh
+    source.in_place = in_place
     if fresh:
         source.release_buffers()
     elif source.kept_bytes == 0:
