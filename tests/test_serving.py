@@ -237,7 +237,7 @@ def test_slot_tensors_are_made_without_a_host_copy_and_kept_per_request(ckpt: Pa
 
 
 def test_a_closed_cache_gives_its_host_memory_back_and_refuses_to_build(ckpt: Path) -> None:
-    source = CheckpointSource(ckpt, SPEC)
+    source = CheckpointSource(ckpt, SPEC, in_place=False)  # staging buffers: what close() gives back
     cache = AdalnCache(SPEC, source, max_plans=2, host_cache_bytes=1 << 16, progress=False)
     cache.build([PLANS[0]], embed=EMBED)
     assert source.kept_bytes > 0
