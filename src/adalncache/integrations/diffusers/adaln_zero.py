@@ -21,8 +21,8 @@ Serving: every block's AdaLN module is switched in place to a served class whose
 own with the table rows in place of ``linear(silu(emb))``; ``norm_out.linear`` gets the
 integration's output hook, which returns its rows; the module whose output is ``temb`` (per
 class: ``time_guidance_embed``, ``time_embed``, ...) gets the placeholder while its time embedders
-are parked. ``AuraFlowTransformer2DModel`` is refused for now: its projections have no bias, and
-the cache builds and binds tables from a weight and a bias per projection.
+are parked. ``AuraFlowTransformer2DModel``'s projections have no bias: its layers are declared
+``bias=False`` and projected as ``F.linear(x, w, None)``, as its modules compute.
 """
 
 from __future__ import annotations

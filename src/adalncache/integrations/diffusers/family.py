@@ -254,9 +254,9 @@ def timestep_argument(module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[
 
 def check_materialised(family: DiffusersFamily, model: nn.Module, spec: ModulationSpec) -> None:
     """Refuse a model whose projections hold no data: there would be nothing to serve or restore."""
-    for _, module in family.projection_modules(model, spec):
+    for layer, module in family.projection_modules(model, spec):
         base = base_linear(module)
-        for name in ("weight", "bias"):
+        for name in spec.tensors_of(layer):
             param = getattr(base, name, None)
             if param is None or param.device.type == "meta":
                 raise ConfigError(
