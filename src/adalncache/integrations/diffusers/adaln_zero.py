@@ -190,6 +190,11 @@ class AdalnZero(DiffusersFamily):
             model_geometry(model)  # a refused or unknown class: the registry's ConfigError
         return ModulationSpec.for_geometry(**adaln_zero.from_transformer(model, dtype))
 
+    def blocks_path(self, model: nn.Module) -> str:
+        """The class's double-stream block list (AuraFlow's is ``joint_transformer_blocks``)."""
+        layout = adaln_zero.CLASSES.get(type(model).__name__)
+        return layout.double[0] if layout is not None else self.blocks
+
     def swapped_layers(self, spec: ModulationSpec) -> list[Layer]:
         """Every block's projection is served by a class swap of its AdaLN module (one class per kind of
         module, so a regional compile makes one graph for all blocks); ``norm_out.linear`` by a hook."""
