@@ -279,6 +279,8 @@ PIPELINE_STEP: dict[str, Any] = {
     "MotifVideoTransformer3DModel": lambda t, nxt, b, d: {"timestep": t.expand(b)},
     # pipeline_longcat_image.py: t.expand(B).to(dtype), passed as timestep / 1000.
     "LongCatImageTransformer2DModel": lambda t, nxt, b, d: {"timestep": t.expand(b).to(d) / 1000},
+    # pipeline_aura_flow.py: torch.tensor([t / 1000]).expand(2B) (cond and uncond concatenated), then cast.
+    "AuraFlowTransformer2DModel": lambda t, nxt, b, d: {"timestep": torch.tensor([t / 1000]).expand(b).to(d)},
     # pipeline_bria_fibo.py: t.expand(B).to(dtype); guidance as the caller passes it.
     "BriaFiboTransformer2DModel": lambda t, nxt, b, d: {
         "timestep": t.expand(b).to(d),

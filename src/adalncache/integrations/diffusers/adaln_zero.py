@@ -252,7 +252,7 @@ class AdalnZero(DiffusersFamily):
         if not isinstance(timestep, torch.Tensor) or timestep.dim() != 1 or timestep.numel() == 0:
             return None
         schedule = timesteps.detach().to("cpu", torch.float32).flatten()
-        found = _match(schedule, timestep.detach().cpu())
+        found = _match(schedule, timestep.detach().cpu(), _OWN_CONVERSION.get(type(model).__name__, 0))
         if found is None:
             return None
         convert, start = found
@@ -311,14 +311,25 @@ _PIPELINE_TIMESTEPS: tuple[Callable[[torch.Tensor, torch.dtype], torch.Tensor], 
 )
 
 
+#: The class whose own pipeline's conversion is not the first of :data:`_PIPELINE_TIMESTEPS` that
+#: can match: at ``t = 1000`` (a flow-matching schedule's first step) "cast then / 1000" and
+#: "/ 1000 then cast" both give 1.0, and only AuraFlow's pipeline divides first, so for it that
+#: conversion is tried first (the later steps differ).
+_OWN_CONVERSION = {"AuraFlowTransformer2DModel": 3}
+
+
 def _match(
-    schedule: torch.Tensor, timestep: torch.Tensor
+    schedule: torch.Tensor, timestep: torch.Tensor, own: int = 0
 ) -> tuple[Callable[[torch.Tensor, torch.dtype], torch.Tensor], int] | None:
-    """The conversion and the step at which ``schedule`` gives ``timestep`` (every row equal), or None."""
+    """The conversion and the step at which ``schedule`` gives ``timestep`` (every row equal), or None.
+
+    ``own``: the index of the class's own pipeline's conversion, tried first at every step.
+    """
     if not bool((timestep == timestep[0]).all()):
         return None  # a pipeline's rows share the step's timestep
+    converts = [_PIPELINE_TIMESTEPS[own], *(c for i, c in enumerate(_PIPELINE_TIMESTEPS) if i != own)]
     for k in range(schedule.shape[0]):
-        for convert in _PIPELINE_TIMESTEPS:
+        for convert in converts:
             value = convert(schedule[k], timestep.dtype)
             if value.dtype == timestep.dtype and torch.equal(value.expand(timestep.shape[0]), timestep):
                 return convert, k
