@@ -25,11 +25,10 @@ from adalncache.integrations.diffusers.handle import HANDLE_ATTRIBUTE
 from adalncache.tools import tiny_adaln_zero as tiny
 from adalncache.tools.tiny import parameter_bytes
 
-#: (class, flags) of every served class, with each optional input's variant.
+#: (class, flags) of every served class, with each optional input's variant (AuraFlow's projections have no bias).
 SERVED = [
     (name, flags)
     for name, layout in adaln_zero.CLASSES.items()
-    if layout.bias
     for flags in ([{}] + ([{flag: True for _, flag in layout.optional}] if layout.optional else []))
 ]
 TIMESTEP_IN_MODEL_DTYPE = {"HunyuanImageTransformer2DModel", "HunyuanVideo15Transformer3DModel"}
@@ -168,10 +167,28 @@ def _unchanged_refusal(model: nn.Module, match: str) -> None:
     _assert_state_equal(model, snapshot)
 
 
-def test_auraflow_is_refused_for_its_bias_less_projections_unchanged() -> None:
-    _unchanged_refusal(
-        tiny.build("AuraFlowTransformer2DModel"), "AuraFlowTransformer2DModel cannot be served yet: .*no bias"
-    )
+def test_auraflow_is_served_without_a_bias_anywhere(tmp_path: Path) -> None:
+    """AuraFlow's projections are ``nn.Linear(..., bias=False)``: the geometry says so, the checkpoint holds no
+    bias, enabling parks only the weights (no bias appears), and disable() leaves the biases None."""
+    from adalncache import ModulationSpec
+
+    model = tiny.build("AuraFlowTransformer2DModel")
+    spec = ModulationSpec.from_transformer(model)
+    assert not any(spec.has_bias(layer) for layer in spec.layers())
+    assert all(spec.tensors_of(layer) == ("weight",) for layer in spec.layers())
+    model.save_pretrained(tmp_path / "aura")
+    assert ModulationSpec.from_checkpoint(tmp_path / "aura") == spec
+    resident = run(model)
+    handle = enable_adaln_cache(model, checkpoint=tmp_path / "aura")
+    assert handle.prepare(request_plans(model)).passes == 1
+    assert all(torch.equal(r, c) for r, c in zip(resident, run(model)))
+    for layer in spec.layers():
+        linear = model.get_submodule(str(layer))
+        assert linear.weight.device.type == "meta" and linear.bias is None
+    handle.disable()
+    for layer in spec.layers():
+        assert model.get_submodule(str(layer)).bias is None
+    assert all(torch.equal(r, c) for r, c in zip(resident, run(model)))
 
 
 def test_a_model_whose_modules_differ_from_its_classes_list_is_refused_unchanged() -> None:
@@ -262,6 +279,8 @@ PIPELINE_STEP: dict[str, Any] = {
     "MotifVideoTransformer3DModel": lambda t, nxt, b, d: {"timestep": t.expand(b)},
     # pipeline_longcat_image.py: t.expand(B).to(dtype), passed as timestep / 1000.
     "LongCatImageTransformer2DModel": lambda t, nxt, b, d: {"timestep": t.expand(b).to(d) / 1000},
+    # pipeline_aura_flow.py: torch.tensor([t / 1000]).expand(2B) (cond and uncond concatenated), then cast.
+    "AuraFlowTransformer2DModel": lambda t, nxt, b, d: {"timestep": torch.tensor([t / 1000]).expand(b).to(d)},
     # pipeline_bria_fibo.py: t.expand(B).to(dtype); guidance as the caller passes it.
     "BriaFiboTransformer2DModel": lambda t, nxt, b, d: {
         "timestep": t.expand(b).to(d),
@@ -311,6 +330,7 @@ def test_a_schedule_read_from_the_first_forward_covers_every_step(name: str, tmp
     [
         ("HunyuanImageTransformer2DModel", {"use_meanflow": True, "guidance_embeds": True}),
         ("BriaTransformer2DModel", {}),
+        ("AuraFlowTransformer2DModel", {}),
     ],
     ids=_id,
 )
@@ -339,7 +359,7 @@ def test_load_transformer_never_loads_the_served_tensors(variant: tuple[str, dic
     assert all(torch.equal(r, c) for r, c in zip(resident, run(model)))
 
 
-def test_a_checkpoint_of_another_structure_or_auraflow_is_refused(tmp_path: Path) -> None:
+def test_a_checkpoint_of_another_structure_is_refused(tmp_path: Path) -> None:
     import json
 
     from adalncache import ModulationSpec
@@ -351,9 +371,6 @@ def test_a_checkpoint_of_another_structure_or_auraflow_is_refused(tmp_path: Path
     (directory / "config.json").write_text(json.dumps({**config, "num_single_layers": 3}))
     with pytest.raises(CheckpointError, match=r"single_transformer_blocks\.2\.norm\.linear\.weight is missing"):
         ModulationSpec.from_checkpoint(directory)
-    tiny.build("AuraFlowTransformer2DModel").save_pretrained(tmp_path / "aura")
-    with pytest.raises(CheckpointError, match="AuraFlowTransformer2DModel cannot be served yet"):
-        ModulationSpec.from_checkpoint(tmp_path / "aura")
 
 
 def test_the_store_serves_another_handle_without_a_pass(tmp_path: Path) -> None:

@@ -40,7 +40,7 @@ from .spec import Layer
 log = logging.getLogger(__name__)
 
 #: ``project(layer, x, weight, bias) -> y``, as ``AdalnCache.build(project=...)`` takes it.
-Project = Callable[[Layer, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+Project = Callable[[Layer, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 #: Shape classes and their verdicts for the default projection, shared by every cache of this
 #: process (the property belongs to the device's kernels, not to one cache), one dict per
@@ -189,7 +189,7 @@ class StackedProjector:
         )
 
     def project_layer(
-        self, layer: Layer, weight: torch.Tensor, bias: torch.Tensor
+        self, layer: Layer, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> list[tuple[PlanKey, torch.Tensor]]:
         """The grouped plans' outputs for this layer, as (key, y) pairs; ungrouped plans are the caller's."""
         out: list[tuple[PlanKey, torch.Tensor]] = []
@@ -200,7 +200,7 @@ class StackedProjector:
         return out
 
     def _per_plan(
-        self, layer: Layer, group: Sequence[PlanKey], weight: torch.Tensor, bias: torch.Tensor
+        self, layer: Layer, group: Sequence[PlanKey], weight: torch.Tensor, bias: torch.Tensor | None
     ) -> list[tuple[PlanKey, torch.Tensor]]:
         self.stats.per_plan_layers += 1
         return [(key, self.project(layer, self.xs[key], weight, bias)) for key in group]
@@ -215,7 +215,7 @@ class StackedProjector:
         group: Sequence[PlanKey],
         stacked_x: torch.Tensor,
         weight: torch.Tensor,
-        bias: torch.Tensor,
+        bias: torch.Tensor | None,
         turn: int,
     ) -> list[tuple[PlanKey, torch.Tensor]]:
         cls = self._class(group, stacked_x, weight)

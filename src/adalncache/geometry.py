@@ -4,9 +4,10 @@ Why this module exists: the slot pool, slab, rebuild pass, tiers, store, table f
 agreement must work for any model whose AdaLN modulation depends on per-step scalars only. What
 they need to know about a model is small and the same for every family:
 
-* the **served layers**, in pass order: each one projection (one weight ``(out, in)``, one bias
-  ``(out,)``), with its output width and the name of the input it takes (a family may feed two
-  projections differently cast or differently many rows of the same embedding);
+* the **served layers**, in pass order: each one projection (one weight ``(out, in)`` and, unless
+  the layer declares none, one bias ``(out,)``), with its output width and the name of the input
+  it takes (a family may feed two projections differently cast or differently many rows of the
+  same embedding);
 * the **table**: one row of a plan holds every layer's output side by side, each layer owning the
   columns ``[offset, offset + width)`` in pass order; a family may split that row into named
   *parts* (a table file tensor each), where other engines expect its tables in that shape;
@@ -90,13 +91,30 @@ class KeyLayout:
         return [f"{prefix}.{part}" for prefix in self.time_embedder for part in ("weight", "bias")]
 
 
+#: The tensors of a projection with a bias, in ``nn.Linear``'s parameter order.
+WITH_BIAS: tuple[str, ...] = ("weight", "bias")
+#: The tensors of a projection without one (``nn.Linear(..., bias=False)``).
+WITHOUT_BIAS: tuple[str, ...] = ("weight",)
+
+
 @dataclass(frozen=True)
 class ServedLayer:
-    """One served projection: its layer id, output width, and the name of the input it takes."""
+    """One served projection: its layer id, output width, the name of the input it takes, and whether it has a bias.
+
+    ``bias=False`` is a projection built ``nn.Linear(..., bias=False)``: it has no bias tensor
+    anywhere (checkpoint, model, digest, parking), and it is projected as ``F.linear(x, w, None)``,
+    which is what the resident module computes.
+    """
 
     id: Layer
     out_features: int
     input: str = "x"
+    bias: bool = True
+
+    @property
+    def tensors(self) -> tuple[str, ...]:
+        """The projection's tensor names (``"weight"``, then ``"bias"`` if it has one)."""
+        return WITH_BIAS if self.bias else WITHOUT_BIAS
 
 
 @dataclass(frozen=True)
@@ -203,6 +221,8 @@ class ModelGeometry:
                 )
             if not isinstance(layer.input, str) or not layer.input:
                 raise ConfigError(f"layer {layer.id!r}: input must name the projection input, got {layer.input!r}")
+            if not isinstance(layer.bias, bool):
+                raise ConfigError(f"layer {layer.id!r}: bias must be True or False, got {layer.bias!r}")
             by_id[layer.id] = layer
             offsets[layer.id] = offset
             offset += layer.out_features
@@ -272,10 +292,17 @@ class ModelGeometry:
         return tuple(dict.fromkeys(layer.input for layer in self.layers))
 
     def describe(self) -> dict[str, object]:
-        """A JSON-friendly identity: family, layers with widths and inputs, input width, plan inputs."""
+        """A JSON-friendly identity: family, layers with widths and inputs, input width, plan inputs.
+
+        A layer without a bias adds ``false`` to its entry; a layer with one adds nothing, so the
+        identity (and every digest and binding made from it) of a geometry whose layers all have a
+        bias is what it was before layers could lack one.
+        """
         return {
             "family": self.family.name,
-            "layers": [[layer.id, layer.out_features, layer.input] for layer in self.layers],
+            "layers": [
+                [layer.id, layer.out_features, layer.input, *([] if layer.bias else [False])] for layer in self.layers
+            ],
             "in_features": self.in_features,
             "plan_inputs": list(self.plan_inputs),
         }
@@ -286,6 +313,8 @@ __all__ = [
     "TABLE_PART",
     "TABLE_ROWS",
     "TIMESTEP",
+    "WITHOUT_BIAS",
+    "WITH_BIAS",
     "Family",
     "KeyLayout",
     "Layer",

@@ -45,11 +45,16 @@ if TYPE_CHECKING:
 EmbedFn = Callable[[torch.Tensor], "torch.Tensor | Mapping[str, torch.Tensor]"]
 #: A plan's projection inputs by name (one name, every layer's, when ``embed`` returns a tensor).
 Inputs = dict[str, torch.Tensor]
-#: ``project(layer, x, weight, bias) -> (len(plan), out_features)``; default ``F.linear``.
-ProjectFn = Callable[[Layer, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+#: ``project(layer, x, weight, bias) -> (len(plan), out_features)``; default ``F.linear``. ``bias`` is
+#: None for a layer without one, as ``nn.Linear(..., bias=False)`` passes it.
+ProjectFn = Callable[[Layer, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
-def default_project(layer: Layer, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+def _float(bias: torch.Tensor | None) -> torch.Tensor | None:
+    return bias.float() if bias is not None else None
+
+
+def default_project(layer: Layer, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """The resident projection: ``F.linear``."""
     return F.linear(x, weight, bias)
 
@@ -216,7 +221,7 @@ class RebuildPass:
                 tilers = self._tilers(keys, xs, project)
                 with contextlib.closing(stream), failing_at("read"):  # type: ignore[type-var]  # a generator: close() exists
                     for lw in labelled(stream, work.layers):
-                        weight, bias = (lw.weight.float(), lw.bias.float()) if fp32 else (lw.weight, lw.bias)
+                        weight, bias = (lw.weight.float(), _float(lw.bias)) if fp32 else (lw.weight, lw.bias)
                         name = self.spec.input_of(lw.layer)
                         with failing_at(f"projection of layer {lw.layer}"):
                             stacker = stackers.get(name)

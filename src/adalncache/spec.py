@@ -135,6 +135,13 @@ class ModulationSpec:
         """``layer``'s width and input (ConfigError for a layer this spec does not serve)."""
         return self._geometry.layer(layer)
 
+    def tensors_of(self, layer: Layer) -> tuple[str, ...]:
+        """The projection tensors ``layer`` has: ``("weight", "bias")``, or ``("weight",)`` without a bias."""
+        return self._geometry.layer(layer).tensors
+
+    def has_bias(self, layer: Layer) -> bool:
+        return self._geometry.layer(layer).bias
+
     def has_layer(self, layer: object) -> bool:
         return layer in self._geometry
 
@@ -231,9 +238,9 @@ class ModulationSpec:
         return (self.out_features(layer), self.in_features)
 
     def layer_bytes(self, layer: Layer) -> int:
-        """Bytes of one projection's weight and bias in ``dtype``."""
+        """Bytes of one projection's weight and bias (if it has one) in ``dtype``."""
         out = self.out_features(layer)
-        return (out * self.in_features + out) * self.itemsize
+        return (out * self.in_features + (out if self.has_bias(layer) else 0)) * self.itemsize
 
     @property
     def projection_bytes(self) -> int:

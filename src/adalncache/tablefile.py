@@ -495,7 +495,10 @@ class TableFile:
         """The geometry a bound file's binding describes (a family's layers), if it describes one."""
         try:
             described = json.loads(self.metadata[BINDING])["spec"]
-            layers = tuple(ServedLayer(layer, int(width), str(name)) for layer, width, name in described["layers"])
+            layers = tuple(
+                ServedLayer(entry[0], int(entry[1]), str(entry[2]), bool(entry[3]) if len(entry) > 3 else True)
+                for entry in described["layers"]
+            )
             family_name = str(described["family"])
             family = families.FAMILIES.get(family_name) or Family(family_name, family_name, (KeyLayout("diffusers"),))
             return ModelGeometry(family, layers, int(described["in_features"]), tuple(described["plan_inputs"]))

@@ -100,7 +100,7 @@ class TiledProjector:
         return (*shape_class(weight, x, x.shape[0], f"tiles of {self.tile_rows} rows"), bit_settings_key(weight.device))
 
     def project_layer(
-        self, layer: Layer, keys: Sequence[PlanKey], weight: torch.Tensor, bias: torch.Tensor
+        self, layer: Layer, keys: Sequence[PlanKey], weight: torch.Tensor, bias: torch.Tensor | None
     ) -> list[tuple[PlanKey, torch.Tensor]]:
         """Every one of ``keys``'s outputs for this layer, as (key, y) pairs, each at its plan's own M."""
         turn = self._layer_count
@@ -133,19 +133,19 @@ class TiledProjector:
         return [(key, out[key]) for key in keys]
 
     def _whole(
-        self, layer: Layer, group: Sequence[PlanKey], weight: torch.Tensor, bias: torch.Tensor
+        self, layer: Layer, group: Sequence[PlanKey], weight: torch.Tensor, bias: torch.Tensor | None
     ) -> dict[PlanKey, torch.Tensor]:
         self.stats.untiled_layers += 1
         return {key: self.project(layer, self.xs[key], weight, bias) for key in group}
 
     def _tiled(
-        self, layer: Layer, keys: Sequence[PlanKey], weight: torch.Tensor, bias: torch.Tensor
+        self, layer: Layer, keys: Sequence[PlanKey], weight: torch.Tensor, bias: torch.Tensor | None
     ) -> dict[PlanKey, torch.Tensor]:
         """Every plan of ``keys`` projected one tile of output columns at a time, all plans per tile."""
         width = weight.shape[0]
         out: dict[PlanKey, torch.Tensor] = {}
         for start, stop in tile_bounds(width, self.tile_rows):
-            w_tile, b_tile = weight[start:stop], bias[start:stop]
+            w_tile, b_tile = weight[start:stop], (bias[start:stop] if bias is not None else None)
             for key in keys:
                 y = self.project(layer, self.xs[key], w_tile, b_tile)
                 if key not in out:
@@ -154,7 +154,7 @@ class TiledProjector:
         return out
 
     def _probe(
-        self, layer: Layer, cls: Hashable, group: Sequence[PlanKey], weight: torch.Tensor, bias: torch.Tensor
+        self, layer: Layer, cls: Hashable, group: Sequence[PlanKey], weight: torch.Tensor, bias: torch.Tensor | None
     ) -> dict[PlanKey, torch.Tensor]:
         """Project ``group`` whole (the rows written) and tiled, timed; record whether tiling is exact and faster."""
         device = weight.device

@@ -308,13 +308,14 @@ class WeightDigests:
         self.from_passes = 0
         self.from_read = 0
 
-    def _take(self, layer: Layer, weight: torch.Tensor, bias: torch.Tensor) -> None:
+    def _take(self, layer: Layer, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         name_w, name_b = native_names(layer)
         self.digests[name_w] = tensor_sha256(weight)
-        self.digests[name_b] = tensor_sha256(bias)
+        if bias is not None:  # MiniMax-H3's projections all have one; a bias-less layer has no name to bind
+            self.digests[name_b] = tensor_sha256(bias)
         self._seen.add(layer)
 
-    def project(self, layer: Layer, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    def project(self, layer: Layer, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if layer not in self._seen:
             self._take(layer, weight, bias)
             self.from_passes += 1

@@ -269,7 +269,8 @@ def geometry(
 ) -> ModelGeometry:
     """The geometry of one model: its served projections by module path, widths, plan inputs."""
     paths = served_paths(class_name, double_layers, single_layers)
-    layers = tuple(ServedLayer(path, ways * hidden_size, input_name(class_name)) for path, ways, _ in paths)
+    bias = layout_of(class_name).bias  # AuraFlow's projections have none: served as F.linear(x, w, None)
+    layers = tuple(ServedLayer(path, ways * hidden_size, input_name(class_name), bias) for path, ways, _ in paths)
     return ModelGeometry(FAMILY, layers, hidden_size, plan_inputs)
 
 
@@ -287,14 +288,6 @@ def spec_args(geometry: ModelGeometry, fields: Mapping[str, Any], dtype: Any) ->
         "num_layers": fields["double_layers"] + fields["single_layers"],
         "hidden_size": fields["hidden_size"],
     }
-
-
-def _no_bias(class_name: str) -> None:
-    if not layout_of(class_name).bias:
-        raise ConfigError(
-            f"{class_name} cannot be served yet: its AdaLN projections have no bias, and the cache builds and binds "
-            f"its tables from a weight and a bias per projection"
-        )
 
 
 def walk(model: Any) -> ModelGeometry:
@@ -319,14 +312,13 @@ def walk(model: Any) -> ModelGeometry:
 
 
 def from_transformer(model: Any, dtype: Any = None) -> dict[str, Any]:
-    """The spec keywords of a transformer of this family (:func:`walk`; AuraFlow refused for its bias-less projections).
+    """The spec keywords of a transformer of this family (:func:`walk`).
 
     ``dtype``: the projections' output dtype when their weights are stored in another one; by
     default the first projection's weight dtype (inside a peft LoRA wrapper, if any).
     """
     geo = walk(model)
     name = type(model).__name__
-    _no_bias(name)
     if dtype is None:
         first = model.get_submodule(str(geo.layers[0].id))
         dtype = getattr(first, "base_layer", first).weight.dtype
@@ -336,19 +328,16 @@ def from_transformer(model: Any, dtype: Any = None) -> dict[str, Any]:
 def from_headers(path: object, entries: Mapping[str, Any], config: Mapping[str, Any]) -> dict[str, Any]:
     """The spec keywords of a diffusers checkpoint from its ``config.json`` and safetensors headers.
 
-    Every served projection's weight and bias must be there with the geometry's shapes and one
-    dtype; CheckpointError names the first that is not.
+    Every served projection's weight and bias (where the class has one) must be there with the
+    geometry's shapes and one dtype; CheckpointError names the first that is not.
     """
     name = str(config.get("_class_name"))
     fields = fields_from_config(name, config)
-    _no_bias(name)
     geo = geometry(name, fields["double_layers"], fields["single_layers"], fields["hidden_size"], fields["plan_inputs"])
     dtypes = set()
     for layer in geo.layers:
-        for tensor, shape in (
-            (f"{layer.id}.weight", [layer.out_features, geo.in_features]),
-            (f"{layer.id}.bias", [layer.out_features]),
-        ):
+        shapes = {"weight": [layer.out_features, geo.in_features], "bias": [layer.out_features]}
+        for tensor, shape in ((f"{layer.id}.{part}", shapes[part]) for part in layer.tensors):
             entry = entries.get(tensor)
             if entry is None or list(entry.shape) != shape or entry.torch_dtype is None:
                 found = "missing" if entry is None else f"{list(entry.shape)} {entry.dtype}"

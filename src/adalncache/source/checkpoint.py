@@ -291,15 +291,17 @@ class CheckpointSource:
         """
         rows = columns.bounds(self.spec.out_features(layer)) if columns else None
         out: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for part, name in (("weight", self.layout.weight(layer)), ("bias", self.layout.bias(layer))):
+        for part in self.spec.tensors_of(layer):
+            name = self.layout.weight(layer) if part == "weight" else self.layout.bias(layer)
             sink = (digests, role_of(layer, part)) if digests is not None else None
             got = self._mapped_part(maps, name, rows, sink) if maps is not None else None
             if got is None:
                 stage = (staging[0], staging[1], part) if staging else None
                 got = self._read_part(fds, name, rows, pin, stage, direct, sink)
             out.append(got)
-        (w_raw, weight), (b_raw, bias) = out
-        return LayerWeights(layer, weight, bias), [w_raw, b_raw]
+        (w_raw, weight), *rest = out
+        bias = rest[0][1] if rest else None
+        return LayerWeights(layer, weight, bias), [w_raw, *(raw for raw, _ in rest)]
 
     @contextlib.contextmanager
     def open_files(self) -> Iterator[dict[Path, int]]:
@@ -393,9 +395,9 @@ class CheckpointSource:
             # Runs on the reader thread, with the cache's device current (never device 0 by
             # default): the pinned buffer is copied on the source's side stream, and the thread
             # waits for the copy, even when it fails halfway, before the buffer can be reused.
-            weight, bias = copy_to_device([lw.weight, lw.bias], device, copy_stream)
+            copied = copy_to_device([t for t in (lw.weight, lw.bias) if t is not None], device, copy_stream)
             del keep, lw  # the staging buffer is free for the next layer
-            return LayerWeights(layer, weight, bias)
+            return LayerWeights(layer, copied[0], copied[1] if len(copied) > 1 else None)
 
         direct = DirectReads() if self.direct_io else None
         with (
@@ -434,7 +436,8 @@ class CheckpointSource:
                         # compute stream uses it, so it is not handed back to the next copy early.
                         current = torch.cuda.current_stream(device)
                         lw.weight.record_stream(current)
-                        lw.bias.record_stream(current)
+                        if lw.bias is not None:
+                            lw.bias.record_stream(current)
                     yield lw
                     del lw
                     if not pending:

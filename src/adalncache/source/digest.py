@@ -81,7 +81,7 @@ def role_of(layer: Layer, part: str) -> str:
 
 def projection_roles(spec: ModulationSpec) -> list[tuple[str, Layer, str]]:
     """``(role, layer, part)`` of every projection tensor of ``spec``, in pass order."""
-    return [(role_of(layer, part), layer, part) for layer in spec.layers() for part in ("weight", "bias")]
+    return [(role_of(layer, part), layer, part) for layer in spec.layers() for part in spec.tensors_of(layer)]
 
 
 def leaf_bounds(rows: int) -> list[tuple[int, int]]:

@@ -122,21 +122,23 @@ class TensorSource:
             )
         for layer in layers:
             weight = self.tensors[self.layout.weight(layer)]
-            bias = self.tensors[self.layout.bias(layer)]
+            bias = self.tensors[self.layout.bias(layer)] if self.spec.has_bias(layer) else None
             rows = None
             if columns is not None:
                 rows = start, stop = columns.bounds(self.spec.out_features(layer))
-                weight, bias = weight[start:stop], bias[start:stop]
+                weight = weight[start:stop]
+                bias = bias[start:stop] if bias is not None else None
             if digests is not None:
                 for part, tensor in (("weight", weight), ("bias", bias)):
-                    if tensor.device.type == "cpu" and tensor.is_contiguous():
+                    if tensor is not None and tensor.device.type == "cpu" and tensor.is_contiguous():
                         name = self.layout.weight(layer) if part == "weight" else self.layout.bias(layer)
                         full = self.tensors[name]
                         dtype = _safetensors_name(full.dtype)
                         digests.feed(role_of(layer, part), dtype, tuple(full.shape), rows, tensor)
-            self.bytes_read += weight.numel() * weight.element_size() + bias.numel() * bias.element_size()
+            self.bytes_read += sum(t.numel() * t.element_size() for t in (weight, bias) if t is not None)
             if weight.device != device:
-                weight, bias = weight.to(device), bias.to(device)
+                weight = weight.to(device)
+                bias = bias.to(device) if bias is not None else None
             yield LayerWeights(layer, weight, bias)
 
     def describe(self) -> dict[str, Any]:

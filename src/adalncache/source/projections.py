@@ -17,12 +17,17 @@ from ..spec import KeyLayout, Layer, ModulationSpec
 
 
 def expected(spec: ModulationSpec, layout: KeyLayout) -> list[tuple[Layer, str, tuple[int, ...]]]:
-    """(layer, tensor name, shape) of every projection weight and bias, in pass order."""
+    """(layer, tensor name, shape) of every projection weight and bias, in pass order.
+
+    A layer without a bias (:attr:`~adalncache.geometry.ServedLayer.bias`) contributes its weight
+    only: a bias-less checkpoint holds no such tensor, so none is looked for.
+    """
     out: list[tuple[Layer, str, tuple[int, ...]]] = []
     for layer in spec.layers():
         width = spec.out_features(layer)
         out.append((layer, layout.weight(layer), (width, spec.in_features)))
-        out.append((layer, layout.bias(layer), (width,)))
+        if spec.has_bias(layer):
+            out.append((layer, layout.bias(layer), (width,)))
     return out
 
 

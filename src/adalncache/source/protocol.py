@@ -31,11 +31,14 @@ class Columns(NamedTuple):
 
 
 class LayerWeights(NamedTuple):
-    """One projection as a pass sees it: the layer, its weight ``(out, in)`` and bias ``(out,)``."""
+    """One projection as a pass sees it: the layer, its weight ``(out, in)`` and bias ``(out,)``.
+
+    ``bias`` is None for a layer declared without one (``ServedLayer(..., bias=False)``).
+    """
 
     layer: Layer
     weight: torch.Tensor
-    bias: torch.Tensor
+    bias: torch.Tensor | None
 
 
 @runtime_checkable

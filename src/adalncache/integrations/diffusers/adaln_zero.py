@@ -21,8 +21,8 @@ Serving: every block's AdaLN module is switched in place to a served class whose
 own with the table rows in place of ``linear(silu(emb))``; ``norm_out.linear`` gets the
 integration's output hook, which returns its rows; the module whose output is ``temb`` (per
 class: ``time_guidance_embed``, ``time_embed``, ...) gets the placeholder while its time embedders
-are parked. ``AuraFlowTransformer2DModel`` is refused for now: its projections have no bias, and
-the cache builds and binds tables from a weight and a bias per projection.
+are parked. ``AuraFlowTransformer2DModel``'s projections have no bias: its layers are declared
+``bias=False`` and projected as ``F.linear(x, w, None)``, as its modules compute.
 """
 
 from __future__ import annotations
@@ -190,6 +190,11 @@ class AdalnZero(DiffusersFamily):
             model_geometry(model)  # a refused or unknown class: the registry's ConfigError
         return ModulationSpec.for_geometry(**adaln_zero.from_transformer(model, dtype))
 
+    def blocks_path(self, model: nn.Module) -> str:
+        """The class's double-stream block list (AuraFlow's is ``joint_transformer_blocks``)."""
+        layout = adaln_zero.CLASSES.get(type(model).__name__)
+        return layout.double[0] if layout is not None else self.blocks
+
     def swapped_layers(self, spec: ModulationSpec) -> list[Layer]:
         """Every block's projection is served by a class swap of its AdaLN module (one class per kind of
         module, so a regional compile makes one graph for all blocks); ``norm_out.linear`` by a hook."""
@@ -247,7 +252,7 @@ class AdalnZero(DiffusersFamily):
         if not isinstance(timestep, torch.Tensor) or timestep.dim() != 1 or timestep.numel() == 0:
             return None
         schedule = timesteps.detach().to("cpu", torch.float32).flatten()
-        found = _match(schedule, timestep.detach().cpu())
+        found = _match(schedule, timestep.detach().cpu(), _OWN_CONVERSION.get(type(model).__name__, 0))
         if found is None:
             return None
         convert, start = found
@@ -306,14 +311,25 @@ _PIPELINE_TIMESTEPS: tuple[Callable[[torch.Tensor, torch.dtype], torch.Tensor], 
 )
 
 
+#: The class whose own pipeline's conversion is not the first of :data:`_PIPELINE_TIMESTEPS` that
+#: can match: at ``t = 1000`` (a flow-matching schedule's first step) "cast then / 1000" and
+#: "/ 1000 then cast" both give 1.0, and only AuraFlow's pipeline divides first, so for it that
+#: conversion is tried first (the later steps differ).
+_OWN_CONVERSION = {"AuraFlowTransformer2DModel": 3}
+
+
 def _match(
-    schedule: torch.Tensor, timestep: torch.Tensor
+    schedule: torch.Tensor, timestep: torch.Tensor, own: int = 0
 ) -> tuple[Callable[[torch.Tensor, torch.dtype], torch.Tensor], int] | None:
-    """The conversion and the step at which ``schedule`` gives ``timestep`` (every row equal), or None."""
+    """The conversion and the step at which ``schedule`` gives ``timestep`` (every row equal), or None.
+
+    ``own``: the index of the class's own pipeline's conversion, tried first at every step.
+    """
     if not bool((timestep == timestep[0]).all()):
         return None  # a pipeline's rows share the step's timestep
+    converts = [_PIPELINE_TIMESTEPS[own], *(c for i, c in enumerate(_PIPELINE_TIMESTEPS) if i != own)]
     for k in range(schedule.shape[0]):
-        for convert in _PIPELINE_TIMESTEPS:
+        for convert in converts:
             value = convert(schedule[k], timestep.dtype)
             if value.dtype == timestep.dtype and torch.equal(value.expand(timestep.shape[0]), timestep):
                 return convert, k

@@ -73,7 +73,7 @@ class BuildCallbacks:
             self._loan.take()
         return self.family.embed(self.model, self.spec, plan, self.device())
 
-    def project(self, layer: Layer, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    def project(self, layer: Layer, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``layer``'s output for ``x``, through the module's own (LoRA-wrapped, quantized, cast) forward.
 
         The served module and its base linear run their class's forward beneath every hook: ours
@@ -83,16 +83,18 @@ class BuildCallbacks:
             return F.linear(x, weight, bias)
         module = self.family.projection_module(self.model, layer)
         base = base_linear(module)
-        weight = self.parking.at_model_residue(layer, "weight", weight, self.device())
-        bias = self.parking.at_model_residue(layer, "bias", bias, self.device())
+        # A layer without a bias swaps in its weight alone: the module's bias stays None.
+        tensors = {name: t for name, t in (("weight", weight), ("bias", bias)) if t is not None}
         compute = casting_compute_dtype(module)
-        if compute is not None:  # the layerwise-casting hook, bypassed below, would cast them so
-            weight, bias = weight.to(compute), bias.to(compute)
-        weight, bias = fresh_alias(weight), fresh_alias(bias)
+        for name, tensor in tensors.items():
+            tensor = self.parking.at_model_residue(layer, name, tensor, self.device())
+            if compute is not None:  # the layerwise-casting hook, bypassed below, would cast them so
+                tensor = tensor.to(compute)
+            tensors[name] = fresh_alias(tensor)
         # The module's class forward is called directly, not through a bypass of its instance forward:
         # the output layer's module carries the output hook, and another thread's forward calling it
         # while a bypass stood in its place would run the plain linear on its own input.
-        with bypassing_hooks({base} - {module}), swapped_parameters(base, {"weight": weight, "bias": bias}):
+        with bypassing_hooks({base} - {module}), swapped_parameters(base, tensors):
             out: torch.Tensor = type(module).forward(module, x)
             return out
 

@@ -133,9 +133,13 @@ class DiffusersFamily:
         """Module path of the module that calls ``layer``'s projection."""
         return self.projection_path(layer).rpartition(".")[0]
 
+    def blocks_path(self, model: nn.Module) -> str:
+        """The attribute holding ``model``'s blocks: :attr:`blocks`, unless the family's classes differ."""
+        return self.blocks
+
     def capture_blocks(self, model: nn.Module) -> None:
         """Remember the model's real block list while the cache is enabled."""
-        _CAPTURED_BLOCKS[model] = model.get_submodule(self.blocks)
+        _CAPTURED_BLOCKS[model] = model.get_submodule(self.blocks_path(model))
 
     def release_blocks(self, model: nn.Module) -> None:
         _CAPTURED_BLOCKS.pop(model, None)
@@ -143,11 +147,11 @@ class DiffusersFamily:
     def transformer_blocks(self, model: nn.Module) -> nn.Module:
         """The model's real block list: the captured one while enabled, else the model's attribute."""
         captured = _CAPTURED_BLOCKS.get(model)
-        return captured if captured is not None else model.get_submodule(self.blocks)
+        return captured if captured is not None else model.get_submodule(self.blocks_path(model))
 
     def module_at(self, model: nn.Module, path: str) -> Any:
         """The module at ``path``, reaching blocks through the real block list."""
-        head = f"{self.blocks}."
+        head = f"{self.blocks_path(model)}."
         if not path.startswith(head):
             return model.get_submodule(path)
         index, _, rest = path[len(head) :].partition(".")
@@ -254,9 +258,9 @@ def timestep_argument(module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[
 
 def check_materialised(family: DiffusersFamily, model: nn.Module, spec: ModulationSpec) -> None:
     """Refuse a model whose projections hold no data: there would be nothing to serve or restore."""
-    for _, module in family.projection_modules(model, spec):
+    for layer, module in family.projection_modules(model, spec):
         base = base_linear(module)
-        for name in ("weight", "bias"):
+        for name in spec.tensors_of(layer):
             param = getattr(base, name, None)
             if param is None or param.device.type == "meta":
                 raise ConfigError(

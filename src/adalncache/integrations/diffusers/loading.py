@@ -168,7 +168,11 @@ def load_transformer(
 
     expected: set[str] = set(model.state_dict())
     keep = list(cls._keep_in_fp32_modules or [])
-    served = _served_keys(files.layout, family.layout, layers, time_embedder=free_time_embedder is not False)
+    # A projection built without a bias (nn.Linear(..., bias=False)) has none in the files either.
+    biased = {layer for layer in layers if getattr(family.projection_module(model, layer), "bias", None) is not None}
+    served = _served_keys(
+        files.layout, family.layout, layers, time_embedder=free_time_embedder is not False, biased=biased
+    )
     # 1. Placeholders: the stock dtype rule run on meta tensors (nothing read, nothing allocated).
     placeholders = _meta_tensors(files, served, config_dict, qkv_layout)
     _load_into(model, placeholders, torch_dtype, keep, {"": torch.device("meta")})
@@ -481,7 +485,7 @@ def _check_against_model_files(files: _Files, source: Source, spec: ModulationSp
     problems = []
     reader: Any = source  # a checkpoint source here (its headers name the tensors)
     for layer in spec.layers():
-        for name in ("weight", "bias"):
+        for name in spec.tensors_of(layer):
             ours = files.entry(files.layout.weight(layer) if name == "weight" else files.layout.bias(layer))
             key = source.layout.weight(layer) if name == "weight" else source.layout.bias(layer)
             theirs = reader.entry(key)[1]
@@ -515,16 +519,23 @@ def _build_on_meta(cls: Any, config: dict[str, Any], unused: dict[str, Any], tor
 
 
 def _served_keys(
-    layout: KeyLayout, model_layout: KeyLayout, layers: list[Layer], *, time_embedder: bool
+    layout: KeyLayout,
+    model_layout: KeyLayout,
+    layers: list[Layer],
+    *,
+    time_embedder: bool,
+    biased: set[Layer] | None = None,
 ) -> dict[str, tuple[str, str]]:
     """The tensors the cache serves: ``{name in the files: (name in the model, "projection" | "time_embedder")}``.
 
-    ``model_layout``: the family's diffusers layout (the names inside the model).
+    ``model_layout``: the family's diffusers layout (the names inside the model). ``biased``: the
+    layers whose projection has a bias (None: every layer).
     """
     keys: dict[str, tuple[str, str]] = {}
     for layer in layers:
         keys[layout.weight(layer)] = (model_layout.weight(layer), "projection")
-        keys[layout.bias(layer)] = (model_layout.bias(layer), "projection")
+        if biased is None or layer in biased:
+            keys[layout.bias(layer)] = (model_layout.bias(layer), "projection")
     if time_embedder:
         for theirs, ours in zip(layout.time_embedder_tensors(), model_layout.time_embedder_tensors()):
             keys[theirs] = (ours, "time_embedder")

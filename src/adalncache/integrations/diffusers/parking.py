@@ -205,7 +205,9 @@ class WeightParking:
         if layers:
             assert self._source is not None
             for layer, weight, bias in read_layers(self._source, layers):
-                reread[(layer, "weight")], reread[(layer, "bias")] = weight, bias
+                reread[(layer, "weight")] = weight
+                if bias is not None:  # a layer without a bias parked none
+                    reread[(layer, "bias")] = bias
         restored: list[tuple[ParkedParam, nn.Parameter]] = []
         for parked in self.parked:
             if parked.original is None and freed:

@@ -184,9 +184,11 @@ def own_tensors(
     for layer, module in modules:
         base = base_linear(module)
         for name in ("weight", "bias"):
-            tensor: torch.Tensor | None = base._parameters[name]
+            tensor: torch.Tensor | None = base._parameters.get(name)
+            if tensor is None and name == "bias":
+                continue  # built without one (nn.Linear(..., bias=False)): nothing to park or give back
             if tensor is None:
-                raise ConfigError(f"{path(layer)}.{name} is missing; the AdaLN projections need a bias")
+                raise ConfigError(f"{path(layer)}.{name} is missing; the AdaLN projections need a weight")
             tensor = fresh_alias(tensor)
             if tensor.device.type != "cpu":
                 tensor = tensor.to("cpu")
@@ -217,7 +219,11 @@ def opaque_model_source(
     shapes: dict[str, tuple[int, ...]] = {}
     for layer, module in modules:
         out_features, in_features = logical_shape(module)
-        for name, shape in (("weight", (out_features, in_features)), ("bias", (out_features,))):
+        shapes_of = {"weight": (out_features, in_features), "bias": (out_features,)}
+        for name in spec.tensors_of(layer):
+            shape = shapes_of[name]
+            if (layer, name) not in host:
+                raise ConfigError(f"{layout.prefix(layer)}.{name} is missing; the model config declares it")
             key = f"{layout.prefix(layer)}.{name}"
             tensors[key], shapes[key] = host[(layer, name)], shape
     return TensorSource(tensors, spec, layout=layout.name, logical_shapes=shapes), host

@@ -88,7 +88,8 @@ class CastCheckpointSource:
         dtype = self.spec.dtype
         stream = self.source.stream(layers, device=device, columns=columns, read_ahead=read_ahead, digests=digests)
         for weights in stream:
-            yield LayerWeights(weights.layer, weights.weight.to(dtype), weights.bias.to(dtype))
+            bias = weights.bias.to(dtype) if weights.bias is not None else None
+            yield LayerWeights(weights.layer, weights.weight.to(dtype), bias)
 
     def describe(self) -> dict[str, Any]:
         return {**self.source.describe(), "served_as": str(self.spec.dtype), "spec": self.spec.describe()}
@@ -128,8 +129,10 @@ class CheckpointMismatchError(ConfigError, CheckpointError):
     CheckpointError: the setting is wrong because the file does not fit)."""
 
 
-def read_layers(source: Source, layers: Sequence[Layer]) -> Iterator[tuple[Layer, torch.Tensor, torch.Tensor]]:
-    """Stream ``layers`` from a weight source into host memory, one at a time (with read-ahead)."""
+def read_layers(source: Source, layers: Sequence[Layer]) -> Iterator[tuple[Layer, torch.Tensor, torch.Tensor | None]]:
+    """Stream ``layers`` from a weight source into host memory, one at a time (with read-ahead).
+
+    The bias is None for a layer without one."""
     for weights in source.stream(list(layers), device=torch.device("cpu")):
         yield weights.layer, weights.weight, weights.bias
 
@@ -152,7 +155,7 @@ def model_source(
     layout = diffusers_layout(spec)
     for layer, module in modules:
         base = base_linear(module)
-        for name in ("weight", "bias"):
+        for name in spec.tensors_of(layer):
             tensor = getattr(base, name).detach()
             if tensor.device.type != "cpu":
                 tensor, buffer = host_tensor_like(tensor, pin=pin)
@@ -221,6 +224,8 @@ def verify_against_model(source: Source, spec: ModulationSpec, modules: Sequence
     for layer, weight, bias in read_layers(source, spec.layers()):
         base = base_linear(by_layer[layer])
         for name, theirs in (("weight", weight), ("bias", bias)):
+            if theirs is None:  # a layer without a bias: the source reads none, the model has none
+                continue
             ours = getattr(base, name).detach()
             same = theirs.dtype == ours.dtype and theirs.shape == ours.shape
             same = same and torch.equal(theirs.to(ours.device), ours)
