@@ -116,8 +116,9 @@ def test_cli_tables_with_guidance_and_timestep_r_serve_a_fresh_model(tmp_path: P
 
 def test_cli_schedule_flags_are_checked(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Each wrong schedule flag is refused with one line naming the flag (exit 2), nothing written."""
-    ovis, hunyuan = tmp_path / "ovis", tmp_path / "hunyuan"
+    ovis, hunyuan, motif = tmp_path / "ovis", tmp_path / "hunyuan", tmp_path / "motif"
     _save(tiny.build("OvisImageTransformer2DModel"), ovis)
+    _save(tiny.build("MotifVideoTransformer3DModel"), motif)
     _save(tiny.build("HunyuanImageTransformer2DModel", use_meanflow=True), hunyuan)
     cases = [
         (ovis, ["--timesteps", "0.5", "--guidance", "3"], "does not take guidance: drop --guidance"),
@@ -127,7 +128,8 @@ def test_cli_schedule_flags_are_checked(tmp_path: Path, capsys: pytest.CaptureFi
         (ovis, ["--timesteps", "0.5,x"], "--timesteps must be"),
         (hunyuan, ["--timesteps", "500"], "pass --timestep-r"),
         (hunyuan, ["--timesteps", "500,250", "--timestep-r", "250"], "--timestep-r has 1 value(s) for 2"),
-        (hunyuan, ["--steps", "4", "--scheduler-config", str(tmp_path)], "pass the forward's timesteps"),
+        (hunyuan, ["--steps", "4", "--timestep-r", "250"], "--timestep-r pairs with --timesteps"),
+        (motif, ["--steps", "4", "--scheduler-config", str(tmp_path)], "pass the forward's timesteps"),
     ]
     (tmp_path / "scheduler_config.json").write_text('{"_class_name": "FlowMatchEulerDiscreteScheduler"}')
     for checkpoint, flags, says in cases:
