@@ -58,7 +58,8 @@ def run_adaln_zero(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     with tempfile.TemporaryDirectory(prefix=f"adalncache-demo-{args.model}-") as tmp:
         directory = Path(tmp) / "transformer"
-        tiny.build(class_name, seed=args.seed).to(torch.bfloat16).save_pretrained(directory, max_shard_size="40KB")
+        built: Any = tiny.build(class_name, seed=args.seed).to(torch.bfloat16)
+        built.save_pretrained(directory, max_shard_size="40KB")
         cls: Any = tiny.model_class(class_name)
         stock = cls.from_pretrained(directory, torch_dtype=torch.bfloat16).to(device).eval()
         pipe = tiny.tiny_pipeline(stock).to(device)

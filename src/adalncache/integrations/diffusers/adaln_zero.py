@@ -387,7 +387,7 @@ __all__ = [
     "AdalnZero",
     "embed_input",
     "model_geometry",
-    "plan_columns",
     "pipeline_forward_timesteps",
+    "plan_columns",
     "plan_of",
 ]
