@@ -697,7 +697,8 @@ def _sizes(args: argparse.Namespace) -> list[tuple[int, int]]:
     return list(zip(heights, widths))
 
 
-def _explicit_timesteps(args: argparse.Namespace, flag: str, text: str) -> list[float]:
+def _explicit_timesteps(flag: str, text: str) -> list[float]:
+    """The comma-separated numbers of ``flag`` (the forward's values); ConfigError naming it otherwise."""
     try:
         values = [float(v) for v in text.split(",") if v.strip()]
     except ValueError:
@@ -733,7 +734,7 @@ def _adaln_zero_plans(args: argparse.Namespace, spec: Any) -> tuple[list[torch.T
         if name not in inputs and value is not None:
             raise ConfigError(f"this {class_name} checkpoint's config does not take {name}: drop {flag_name}")
     if args.timesteps is not None:
-        forwards = [torch.tensor([v] * args.batch) for v in _explicit_timesteps(args, "--timesteps", args.timesteps)]
+        forwards = [torch.tensor([v] * args.batch) for v in _explicit_timesteps("--timesteps", args.timesteps)]
         described = f"{len(forwards)} explicit timestep(s)"
     elif args.steps:
         if args.timestep_r is not None:
@@ -751,7 +752,7 @@ def _adaln_zero_plans(args: argparse.Namespace, spec: Any) -> tuple[list[torch.T
         raise ConfigError(f"name a {class_name} schedule: --steps N (with --height/--width), or --timesteps t1,t2,...")
     seconds: list[float] = []
     if args.timestep_r is not None:
-        seconds = _explicit_timesteps(args, "--timestep-r", args.timestep_r)
+        seconds = _explicit_timesteps("--timestep-r", args.timestep_r)
         if len(seconds) != len(forwards):
             raise ConfigError(f"--timestep-r has {len(seconds)} value(s) for {len(forwards)} --timesteps: pair them")
     plans = []
@@ -776,12 +777,7 @@ def _qwen_image_plans(args: argparse.Namespace, spec: Any) -> tuple[list[torch.T
             "--task names MiniMax-H3 request kinds; a Qwen-Image schedule is --steps with --height/--width"
         )
     if args.timesteps is not None:
-        try:
-            values = [float(v) for v in args.timesteps.split(",") if v.strip()]
-        except ValueError:
-            raise ConfigError(f"--timesteps must be comma-separated numbers, got {args.timesteps!r}") from None
-        if not values:
-            raise ConfigError("--timesteps is empty: pass the forward timesteps, e.g. --timesteps 0.999,0.5")
+        values = _explicit_timesteps("--timesteps", args.timesteps)
         forwards = [torch.tensor([v] * args.batch) for v in values]
         described = f"{len(values)} explicit timestep(s)"
     elif args.steps:
