@@ -63,6 +63,8 @@ def test_cli_tables_of_a_checkpoint_serve_the_pipeline_without_a_pass(
     assert main(["verify", "--store", str(store), "--checkpoint", checkpoint, "-q"]) == 0
     assert main(["inspect", str(tables)]) == 0
     assert "adaln-zero" in capsys.readouterr().out  # the file's binding names the family
+    assert main(["inspect", str(store)]) == 0
+    assert "'family': 'adaln-zero'" in capsys.readouterr().out  # and so does the store's
 
     prompt, negative = tiny.prompt_embeds(transformer, seed=1), tiny.prompt_embeds(transformer, seed=2)
     extra = {"negative_prompt": None} if name == "OvisImageTransformer2DModel" else {}
