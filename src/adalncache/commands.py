@@ -605,7 +605,8 @@ def _common(parser: argparse.ArgumentParser) -> None:
 
 def _schedules(parser: argparse.ArgumentParser, steps_help: str) -> None:
     """The flags that name schedules: --task and --steps (repeatable), the shifts, --no-audio-refs; and
-    Qwen-Image's --height/--width (repeatable), --timesteps, --batch, --scheduler-config, --additional-t-cond.
+    Qwen-Image's --height/--width (repeatable), --timesteps, --batch, --scheduler-config, --additional-t-cond,
+    which the AdaLayerNormZero family shares (but --additional-t-cond), with its --guidance and --timestep-r.
     Which of them a command needs depends on the checkpoint's family (and, for ``export``, on
     ``--format``), so none is required here: it is checked once the checkpoint is open."""
     parser.add_argument("--task", action="append", choices=TASKS, help="MiniMax-H3: request kind (repeatable)")
@@ -613,7 +614,7 @@ def _schedules(parser: argparse.ArgumentParser, steps_help: str) -> None:
     parser.add_argument("--video-shift", type=float, default=12.0, help="video schedule shift (default: 12)")
     parser.add_argument("--audio-shift", type=float, default=3.0, help="audio schedule shift (default: 3)")
     parser.add_argument("--no-audio-refs", action="store_true", help="ref2va without a reference audio")
-    qwen = "Qwen-Image: "
+    qwen = "Qwen-Image, Bria, Ovis-Image: "
     parser.add_argument(
         "--height",
         action="append",
@@ -629,14 +630,15 @@ def _schedules(parser: argparse.ArgumentParser, steps_help: str) -> None:
     parser.add_argument(
         "--timesteps",
         default=None,
-        help=qwen + "explicit forward timesteps, comma-separated "
-        "(the transformer's timestep argument, the scheduler's t / 1000), instead of --steps",
+        help="Qwen-Image and the AdaLayerNormZero family: explicit forward timesteps, comma-separated "
+        "(the values of the transformer's timestep argument), instead of --steps",
     )
     parser.add_argument(
         "--batch",
         type=_positive_int("--batch"),
         default=1,
-        help=qwen + "images per forward (batch x num_images_per_prompt) (default: 1)",
+        help="Qwen-Image: images per forward (batch x num_images_per_prompt); the AdaLayerNormZero family: the "
+        "forward's rows (2 x images where the pipeline concatenates cond and uncond) (default: 1)",
     )
     parser.add_argument(
         "--scheduler-config",
