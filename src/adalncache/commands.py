@@ -26,8 +26,9 @@ from .devices import resolve_device
 from .embedding import time_embed_fn
 from .errors import ConfigError
 from .export import check_export, check_output, export_tables, source_files, verify_tables
-from .families import qwen_image
+from .families import adaln_zero, qwen_image
 from .families.minimax_h3 import MODEL_VARIANTS
+from .geometry import TIMESTEP
 from .offline import describe_checkpoint, describe_store, fill_store, is_store, open_checkpoint, verify_store
 from .options import flag, option
 from .plans import schedule_plans
@@ -35,6 +36,19 @@ from .schedules import TASKS
 from .spec import LAYOUTS
 from .tablefile import FORMATS, TableFile, is_table_file
 from .tiers.store import Store
+
+
+def _embed_fn(source: Any, spec: Any, device: torch.device) -> Callable[[torch.Tensor], Any]:
+    """``embed(plan)`` of the checkpoint's family, from the checkpoint alone.
+
+    The AdaLayerNormZero family's comes from the integration: each class computes ``temb`` with
+    its own modules, which it builds from the checkpoint's config (only their weights loaded).
+    """
+    if spec.family.name == adaln_zero.FAMILY.name:
+        from .integrations.diffusers.checkpoint_embed import adaln_zero_embed_fn
+
+        return adaln_zero_embed_fn(source, spec, device)
+    return time_embed_fn(source, spec, device)
 
 
 def _gb_to_bytes(value: float, flag: str) -> int:
@@ -86,7 +100,7 @@ def run_build(args: argparse.Namespace) -> int:
         )
     with _torchrun_group(device, args.timeout) as (group, device, rank):
         rank0 = rank == 0
-        embed = time_embed_fn(source, spec, device)
+        embed = _embed_fn(source, spec, device)
         # The working slab: no more plans than one pass needs, so a small build allocates little.
         options = _options_of(args, BUILD_OPTIONS)
         options.update(max_plans=max(1, min(args.max_plans, len(plans))), max_plan_width=width)
@@ -142,7 +156,7 @@ def run_export(args: argparse.Namespace) -> int:
     store = Store(args.store, lock_wait_s=args.lock_wait) if args.store else None
     with _torchrun_group(device, args.timeout) as (group, device, rank):
         rank0 = rank == 0
-        embed = time_embed_fn(source, spec, device) if sidecar is None else None
+        embed = _embed_fn(source, spec, device) if sidecar is None else None
         options = _options_of(args, EXPORT_OPTIONS)
         options.update(max_plans=max(1, min(args.max_plans, len(plans))), max_plan_width=width, store=store)
         cache = AdalnCache(
@@ -170,7 +184,7 @@ def run_export(args: argparse.Namespace) -> int:
             f"{sidecar['num_steps']} steps, flow_shift {sidecar['flow_shift']:g}, audio_flow_shift "
             f"{sidecar['audio_flow_shift']:g}, in eager mode (enforce_eager), tensor parallel 1, on this machine class"
         )
-    elif rank0 and spec.family.name == qwen_image.FAMILY.name:
+    elif rank0 and spec.family.name != "minimax-h3":
         print(
             f"adalncache export: wrote {report.path} ({report.format}, {report.plans} plans of up to {report.width} "
             f"rows, {report.bytes / 2**20:.2f} MiB): {report.store_hits} from the store, {report.built} built in "
@@ -400,7 +414,7 @@ def run_verify_tables(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     spec, source = open_checkpoint(args.checkpoint, layout=args.layout)
     table = TableFile(args.tables, spec, argument="--tables")
-    embed = time_embed_fn(source, spec, device)
+    embed = _embed_fn(source, spec, device)
     report = verify_tables(
         table,
         source,
@@ -444,7 +458,7 @@ def run_verify(args: argparse.Namespace) -> int:
         raise ConfigError(f"{path} is not an adalncache store (no STORE marker): set --store")
     device = resolve_device(args.device)
     spec, source = open_checkpoint(args.checkpoint, layout=args.layout)
-    embed = time_embed_fn(source, spec, device)
+    embed = _embed_fn(source, spec, device)
     report = verify_store(
         Store(path),
         spec,
@@ -591,7 +605,8 @@ def _common(parser: argparse.ArgumentParser) -> None:
 
 def _schedules(parser: argparse.ArgumentParser, steps_help: str) -> None:
     """The flags that name schedules: --task and --steps (repeatable), the shifts, --no-audio-refs; and
-    Qwen-Image's --height/--width (repeatable), --timesteps, --batch, --scheduler-config, --additional-t-cond.
+    Qwen-Image's --height/--width (repeatable), --timesteps, --batch, --scheduler-config, --additional-t-cond,
+    which the AdaLayerNormZero family shares (but --additional-t-cond), with its --guidance and --timestep-r.
     Which of them a command needs depends on the checkpoint's family (and, for ``export``, on
     ``--format``), so none is required here: it is checked once the checkpoint is open."""
     parser.add_argument("--task", action="append", choices=TASKS, help="MiniMax-H3: request kind (repeatable)")
@@ -599,7 +614,7 @@ def _schedules(parser: argparse.ArgumentParser, steps_help: str) -> None:
     parser.add_argument("--video-shift", type=float, default=12.0, help="video schedule shift (default: 12)")
     parser.add_argument("--audio-shift", type=float, default=3.0, help="audio schedule shift (default: 3)")
     parser.add_argument("--no-audio-refs", action="store_true", help="ref2va without a reference audio")
-    qwen = "Qwen-Image: "
+    qwen = "Qwen-Image, Bria, Ovis-Image: "
     parser.add_argument(
         "--height",
         action="append",
@@ -615,19 +630,32 @@ def _schedules(parser: argparse.ArgumentParser, steps_help: str) -> None:
     parser.add_argument(
         "--timesteps",
         default=None,
-        help=qwen + "explicit forward timesteps, comma-separated "
-        "(the transformer's timestep argument, the scheduler's t / 1000), instead of --steps",
+        help="Qwen-Image and the AdaLayerNormZero family: explicit forward timesteps, comma-separated "
+        "(the values of the transformer's timestep argument), instead of --steps",
     )
     parser.add_argument(
         "--batch",
         type=_positive_int("--batch"),
         default=1,
-        help=qwen + "images per forward (batch x num_images_per_prompt) (default: 1)",
+        help="Qwen-Image: images per forward (batch x num_images_per_prompt); the AdaLayerNormZero family: the "
+        "forward's rows (2 x images where the pipeline concatenates cond and uncond) (default: 1)",
     )
     parser.add_argument(
         "--scheduler-config",
         default=None,
         help=qwen + "the pipeline's scheduler_config.json (default: scheduler/ beside the transformer's directory)",
+    )
+    adaln = "AdaLayerNormZero family: "
+    parser.add_argument(
+        "--guidance",
+        type=float,
+        default=None,
+        help=adaln + "the guidance value every forward receives, where the config enables guidance_embeds",
+    )
+    parser.add_argument(
+        "--timestep-r",
+        default=None,
+        help=adaln + "the forwards' timestep_r (mean-flow variants), comma-separated, one per --timesteps value",
     )
     parser.add_argument(
         "--additional-t-cond",
@@ -639,6 +667,13 @@ def _schedules(parser: argparse.ArgumentParser, steps_help: str) -> None:
 
 def _request_plans(args: argparse.Namespace, spec: Any) -> tuple[list[torch.Tensor], str]:
     """The distinct plans the schedule flags name for this checkpoint's family, and how to say what they are."""
+    if spec.family.name == adaln_zero.FAMILY.name:
+        return _adaln_zero_plans(args, spec)
+    if args.guidance is not None or args.timestep_r is not None:
+        raise ConfigError(
+            f"--guidance and --timestep-r are per-step inputs of AdaLayerNormZero-family models, not of a "
+            f"{spec.family.title} checkpoint: drop them"
+        )
     if spec.family.name == qwen_image.FAMILY.name:
         return _qwen_image_plans(args, spec)
     if not args.task or not args.steps:
@@ -664,6 +699,76 @@ def _sizes(args: argparse.Namespace) -> list[tuple[int, int]]:
     return list(zip(heights, widths))
 
 
+def _explicit_timesteps(flag: str, text: str) -> list[float]:
+    """The comma-separated numbers of ``flag`` (the forward's values); ConfigError naming it otherwise."""
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ConfigError(f"{flag} must be comma-separated numbers, got {text!r}") from None
+    if not values:
+        raise ConfigError(f"{flag} is empty: pass the forward's values, e.g. {flag} 0.999,0.5")
+    return values
+
+
+def _adaln_zero_plans(args: argparse.Namespace, spec: Any) -> tuple[list[torch.Tensor], str]:
+    """An AdaLayerNormZero-family checkpoint's plans: its pipeline's forward timesteps (--steps), or --timesteps.
+
+    Each plan has ``--batch`` rows (the forward's rows) and a column per per-step input the
+    config enables: ``timestep``, ``timestep_r`` (``--timestep-r``, one per timestep) and
+    ``guidance`` (``--guidance``, the same at every step), the values the forward receives.
+    """
+    from .integrations.diffusers import adaln_zero as served
+    from .plans import distinct_plans
+
+    class_name = adaln_zero.class_of(spec.model_geometry)
+    inputs = tuple(spec.plan_inputs)
+    if args.task or args.additional_t_cond is not None:
+        raise ConfigError(
+            f"--task and --additional-t-cond name MiniMax-H3 and Qwen-Image schedules; a {class_name} schedule is "
+            "--steps (with --height/--width) or --timesteps, plus --guidance / --timestep-r where its config takes them"
+        )
+    for name, flag_name, value in (
+        (adaln_zero.GUIDANCE, "--guidance", args.guidance),
+        (adaln_zero.TIMESTEP_R, "--timestep-r", args.timestep_r),
+    ):
+        if name in inputs and value is None:
+            raise ConfigError(f"this {class_name} checkpoint's config makes {name} an input of temb: pass {flag_name}")
+        if name not in inputs and value is not None:
+            raise ConfigError(f"this {class_name} checkpoint's config does not take {name}: drop {flag_name}")
+    if args.timesteps is not None:
+        forwards = [torch.tensor([v] * args.batch) for v in _explicit_timesteps("--timesteps", args.timesteps)]
+        described = f"{len(forwards)} explicit timestep(s)"
+    elif args.steps:
+        if args.timestep_r is not None:
+            raise ConfigError("--timestep-r pairs with --timesteps (one value per timestep): pass both")
+        config = _scheduler_config(args)
+        forwards = []
+        for steps in args.steps:
+            for height, width in _sizes(args):
+                forwards += served.pipeline_forward_timesteps(
+                    class_name, steps, height, width, config, rows=args.batch, dtype=spec.dtype
+                )
+        sizes = ", ".join(f"{h}x{w}" for h, w in _sizes(args))
+        described = f"steps {', '.join(map(str, args.steps))} at {sizes}"
+    else:
+        raise ConfigError(f"name a {class_name} schedule: --steps N (with --height/--width), or --timesteps t1,t2,...")
+    seconds: list[float] = []
+    if args.timestep_r is not None:
+        seconds = _explicit_timesteps("--timestep-r", args.timestep_r)
+        if len(seconds) != len(forwards):
+            raise ConfigError(f"--timestep-r has {len(seconds)} value(s) for {len(forwards)} --timesteps: pair them")
+    plans = []
+    for k, timestep in enumerate(forwards):
+        step = {TIMESTEP: timestep}
+        if seconds:
+            step[adaln_zero.TIMESTEP_R] = torch.full(timestep.shape, seconds[k], dtype=torch.float32)
+        if args.guidance is not None:
+            step[adaln_zero.GUIDANCE] = torch.full(timestep.shape, args.guidance, dtype=torch.float32)
+        plans.append(served.plan_of(step, inputs))
+    order, tensors = distinct_plans(plans, columns=spec.plan_columns)
+    return [tensors[k] for k in order], described
+
+
 def _qwen_image_plans(args: argparse.Namespace, spec: Any) -> tuple[list[torch.Tensor], str]:
     """Qwen-Image's plans: the pipeline's forward timesteps for each (steps, size), or --timesteps."""
     from .integrations.diffusers import qwen_image as served
@@ -674,12 +779,7 @@ def _qwen_image_plans(args: argparse.Namespace, spec: Any) -> tuple[list[torch.T
             "--task names MiniMax-H3 request kinds; a Qwen-Image schedule is --steps with --height/--width"
         )
     if args.timesteps is not None:
-        try:
-            values = [float(v) for v in args.timesteps.split(",") if v.strip()]
-        except ValueError:
-            raise ConfigError(f"--timesteps must be comma-separated numbers, got {args.timesteps!r}") from None
-        if not values:
-            raise ConfigError("--timesteps is empty: pass the forward timesteps, e.g. --timesteps 0.999,0.5")
+        values = _explicit_timesteps("--timesteps", args.timesteps)
         forwards = [torch.tensor([v] * args.batch) for v in values]
         described = f"{len(values)} explicit timestep(s)"
     elif args.steps:
@@ -723,11 +823,13 @@ def _scheduler_config(args: argparse.Namespace) -> dict[str, Any]:
 
 def _schedule_records(args: argparse.Namespace, spec: Any) -> list[dict[str, Any]]:
     """What a table file records about the schedules it was exported for."""
-    if spec.family.name == qwen_image.FAMILY.name:
+    if spec.family.name in (qwen_image.FAMILY.name, adaln_zero.FAMILY.name):
+        inputs = {"guidance": args.guidance, "timestep_r": args.timestep_r}
+        extra = {k: v for k, v in inputs.items() if v is not None}
         if args.timesteps is not None:
-            return [{"timesteps": args.timesteps, "batch": args.batch}]
+            return [{"timesteps": args.timesteps, "batch": args.batch, **extra}]
         return [
-            {"steps": n, "height": h, "width": w, "batch": args.batch}
+            {"steps": n, "height": h, "width": w, "batch": args.batch, **extra}
             for n in args.steps or []
             for h, w in _sizes(args)
         ]

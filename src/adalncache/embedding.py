@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from .errors import CheckpointError, ConfigError
-from .families import qwen_image
+from .families import adaln_zero, qwen_image
 from .source import CheckpointSource
 from .spec import ModulationSpec
 
@@ -37,9 +37,25 @@ def has_time_embedder(source: CheckpointSource) -> bool:
     return not _missing(source)
 
 
+def _time_embedder_tensors(source: CheckpointSource) -> list[str]:
+    """The time-embedder tensors the checkpoint's model needs.
+
+    The AdaLayerNormZero family's layout lists every class's time embedders; a checkpoint needs
+    its own class's timestep embedder (the optional ones depend on its config, and the
+    checkpoint-only embed names any that is missing).
+    """
+    names = source.layout.time_embedder_tensors()
+    spec = source.spec
+    if spec.family.name != adaln_zero.FAMILY.name:
+        return names
+    class_name = adaln_zero.class_of(spec.model_geometry)
+    first = adaln_zero.layout_of(class_name).time_embedders[0]
+    return [name for name in names if name.startswith(f"{first}.linear_")]
+
+
 def _missing(source: CheckpointSource) -> list[str]:
     missing = []
-    for name in source.layout.time_embedder_tensors():
+    for name in _time_embedder_tensors(source):
         try:
             source.entry(name)
         except KeyError:

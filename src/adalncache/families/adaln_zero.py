@@ -59,6 +59,14 @@ def input_name(class_name: str) -> str:
     return f"{INPUT}:{class_name}"
 
 
+def class_of(geometry: ModelGeometry) -> str:
+    """The diffusers class a geometry of this family was made for (from its projections' input name)."""
+    prefix, _, class_name = geometry.layers[0].input.partition(":")
+    if prefix != INPUT or class_name not in CLASSES:
+        raise ConfigError(f"{geometry.layers[0].input!r} is not an input of the {FAMILY.name} family")
+    return class_name
+
+
 #: The output layer every class of the family has.
 FINAL_PATH = "norm_out.linear"
 
@@ -426,6 +434,7 @@ __all__ = [
     "TIME_EMBEDDER_LINEARS",
     "ClassLayout",
     "check_structure",
+    "class_of",
     "fields_from_config",
     "from_headers",
     "from_transformer",

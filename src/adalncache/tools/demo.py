@@ -199,6 +199,10 @@ def _print_result(result: DemoResult) -> None:
     print(f"bit-identical: {'yes' if result.identical else 'no'}")
 
 
+#: ``--model`` names of the AdaLayerNormZero family's demos (:mod:`.demo_adaln_zero`).
+ADALN_ZERO_DEMOS = ("bria", "ovis-image")
+
+
 def run(args: argparse.Namespace) -> int:
     """The ``demo`` sub-command: returns 0 when every task is bit-identical, else 1."""
     from .tiny import SIZES, save_tiny, tiny_transformer, write_native_model
@@ -207,6 +211,10 @@ def run(args: argparse.Namespace) -> int:
         from .demo_qwen import run_qwen
 
         return run_qwen(args)
+    if getattr(args, "model", "minimax-h3") in ADALN_ZERO_DEMOS:
+        from .demo_adaln_zero import run_adaln_zero
+
+        return run_adaln_zero(args)
 
     if args.size not in SIZES:
         raise ConfigError(f"unknown size {args.size!r}: set --size to one of {', '.join(SIZES)}")
@@ -261,8 +269,9 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--model",
         default="minimax-h3",
-        choices=["minimax-h3", "qwen-image"],
-        help="the model family (default: minimax-h3; qwen-image runs a tiny QwenImagePipeline)",
+        choices=["minimax-h3", "qwen-image", *ADALN_ZERO_DEMOS],
+        help="the model (default: minimax-h3; qwen-image runs a tiny QwenImagePipeline, bria and ovis-image a tiny "
+        "BriaPipeline and OvisImagePipeline)",
     )
     parser.add_argument("--task", default="all", choices=[*TASKS, "all"], help="request kind (default: all three)")
     parser.add_argument(

@@ -32,11 +32,14 @@ import torch
 from ..source import CheckpointFiles, checkpoint_files, resident_fraction
 
 #: The tensors the cache serves, in either layout: every block's projection, the output layer's,
-#: and the time embedder (MiniMax-H3's; Qwen-Image's ``img_mod.1``, ``txt_mod.1`` and timestep embedder).
+#: and the time embedder (MiniMax-H3's; Qwen-Image's ``img_mod.1``, ``txt_mod.1`` and timestep embedder;
+#: the AdaLayerNormZero family's ``norm1``, ``norm1_context`` and single blocks' ``norm`` linears, whose
+#: time embedder ``load_transformer`` loads).
 SERVED = re.compile(
     r"^(transformer_blocks\.\d+\.adaln_proj\.linear|norm_out\.linear|blocks\.\d+\.adaln_proj\.linear"
     r"|final_layer\.adaln_proj\.linear|time_embedder"
-    r"|transformer_blocks\.\d+\.(img|txt)_mod\.1|time_text_embed\.timestep_embedder)\."
+    r"|transformer_blocks\.\d+\.(img|txt)_mod\.1|time_text_embed\.timestep_embedder"
+    r"|transformer_blocks\.\d+\.norm1(_context)?\.linear|single_transformer_blocks\.\d+\.norm\.linear)\."
 )
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 

@@ -336,6 +336,58 @@ def _match(
     return None
 
 
+#: The classes whose pipeline's schedule :func:`pipeline_forward_timesteps` computes from a step count.
+STEP_SCHEDULES = ("BriaTransformer2DModel", "OvisImageTransformer2DModel")
+
+
+def pipeline_forward_timesteps(
+    class_name: str,
+    steps: int,
+    height: int,
+    width: int,
+    scheduler_config: Mapping[str, Any],
+    *,
+    rows: int,
+    dtype: torch.dtype,
+) -> list[torch.Tensor]:
+    """The ``timestep`` each forward of the class's pipeline receives for ``steps`` at ``height`` x ``width``.
+
+    For a checkpoint-only build: the scheduler timesteps as the pipeline sets them, then its own
+    conversion. ``OvisImagePipeline`` sets them as ``QwenImagePipeline`` does (shifted sigmas,
+    ``mu`` from the image size) and passes ``t.expand(rows).to(dtype) / 1000``; ``BriaPipeline``
+    with a FlowMatchEuler scheduler sets them the same way under ``use_dynamic_shifting``, else from
+    its ``get_original_sigmas``, and passes ``t.expand(rows)`` as it is (``rows``: 2 x images
+    with classifier-free guidance, which concatenates the two branches). ConfigError for another class
+    or scheduler.
+    """
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    from .qwen_image import pipeline_timesteps, schedule_timesteps
+
+    if class_name not in STEP_SCHEDULES:
+        raise ConfigError(
+            f"the schedule of {class_name}'s pipeline is not computed from a step count here: pass the forward's "
+            "timesteps (--timesteps)"
+        )
+    if scheduler_config.get("_class_name", "FlowMatchEulerDiscreteScheduler") != "FlowMatchEulerDiscreteScheduler":
+        raise ConfigError(
+            f"the scheduler config names a {scheduler_config.get('_class_name')}; a step count is turned into "
+            "timesteps for a FlowMatchEulerDiscreteScheduler only: pass the forward's timesteps (--timesteps)"
+        )
+    if class_name == "OvisImageTransformer2DModel":
+        return schedule_timesteps(pipeline_timesteps(steps, height, width, scheduler_config), batch=rows, dtype=dtype)
+    if scheduler_config.get("use_dynamic_shifting"):
+        timesteps = pipeline_timesteps(steps, height, width, scheduler_config)
+    else:
+        from diffusers.pipelines.bria.pipeline_bria import get_original_sigmas
+
+        scheduler: Any = FlowMatchEulerDiscreteScheduler.from_config(dict(scheduler_config))
+        sigmas = get_original_sigmas(scheduler.config.num_train_timesteps, steps)
+        scheduler.set_timesteps(sigmas=sigmas)  # as the pipeline's retrieve_timesteps calls it
+        timesteps = scheduler.timesteps
+    return [t.expand(rows) for t in timesteps]
+
+
 def _plan_inputs(model: nn.Module) -> tuple[str, ...]:
     fields = adaln_zero.fields_from_config(type(model).__name__, model.config)  # type: ignore[arg-type]
     return tuple(fields["plan_inputs"])
@@ -347,9 +399,11 @@ FAMILY = AdalnZero()
 
 __all__ = [
     "FAMILY",
+    "STEP_SCHEDULES",
     "AdalnZero",
     "embed_input",
     "model_geometry",
+    "pipeline_forward_timesteps",
     "plan_columns",
     "plan_of",
 ]
