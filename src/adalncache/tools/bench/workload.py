@@ -84,7 +84,9 @@ def generate_checkpoint(
     """
     directory.mkdir(parents=True, exist_ok=True)
     marker = directory / "COMPLETE.json"
-    want = {"spec": spec.describe(), "layers_per_shard": layers_per_shard, "layout": layout, "version": 1}
+    want: dict[str, Any] = {"spec": spec.describe(), "layers_per_shard": layers_per_shard, "version": 1}
+    if layout != "native":  # a native checkpoint written before layouts were a choice stays complete
+        want["layout"] = layout
     if config is not None:
         want["config"] = config
     if marker.exists():
