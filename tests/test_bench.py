@@ -144,3 +144,30 @@ def test_bench_deploy_section_measures_what_the_load_never_reads(tmp_path: Path)
     rows = {row["mode"]: row for row in deploy["card_table"]}
     assert rows["resident"]["with_cache_bytes"] < rows["resident"]["without_cache_bytes"]
     assert any("arithmetic, not measurement" in note for note in data["notes"])
+
+
+def test_bench_qwen_pass_section(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A Qwen-Image checkpoint written by the bench, one pass of a 50-step request's plans against its GEMMs.
+
+    ``--hidden`` shrinks the released width (3072) so the test stays quick; the tables are
+    checked ``torch.equal`` to ``F.linear`` of the file's own weights.
+    """
+    pytest.importorskip("diffusers")
+    from adalncache import ModulationSpec
+    from adalncache.tools.bench.workload import qwen_spec
+
+    out, work = tmp_path / "results", tmp_path / "work"
+    argv = ["bench", "--only", "qwen-pass", "--hidden", "8", "--plans", "6", "--runs", "1",
+            "--dir", str(work), "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    data = json.loads((out / "bench.json").read_text())
+    values = data["values"]["qwen_pass"]
+    assert values["tables_equal_linear"] is True and values["passes"] == 1
+    assert (values["blocks"], values["dim"], values["layers"], values["plans"]) == (2, 8, 5, 6)
+    (row,) = data["comparisons"]
+    assert row["name"].startswith("Qwen-Image pass vs plain GEMMs, 2 blocks at dim 8, 6 plan(s)") and row["ratio"] > 0
+    checkpoint = work / "qwen-2x8"
+    config = json.loads((checkpoint / "config.json").read_text())
+    assert config["_class_name"] == "QwenImageTransformer2DModel"
+    assert ModulationSpec.from_checkpoint(checkpoint) == qwen_spec(2, 8)  # the family read back from the files
+    assert "tables torch.equal to F.linear of the file's weights: True" in capsys.readouterr().out

@@ -295,6 +295,45 @@ def test_a_pipeline_request_is_built_in_one_pass_and_repeats_build_nothing(
     assert torch.equal(run(4, False), resident[(4, False)])
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("pipeline", "variant"), [("QwenImageEditPipeline", "plain"), ("QwenImageEditPlusPipeline", "zero-cond")]
+)
+def test_an_edit_pipeline_request_is_built_in_one_pass(pipeline: str, variant: str) -> None:
+    """The Edit pipelines share the transformer: one pass before the first step, images torch.equal.
+
+    No text encoder or processor can be built offline (Qwen2.5-VL needs its tokenizer's and
+    processor's files), so the request passes ``prompt_embeds``/``prompt_embeds_mask``: the
+    pipelines encode the prompt (with the input image) only when ``prompt_embeds`` is None. The
+    input image itself is still resized to about one megapixel and VAE-encoded, as the pipelines
+    always do, and its latents join the transformer's tokens (``img_shapes`` of two entries).
+    Edit-Plus with a ``zero_cond_t`` transformer is Qwen-Image-Edit-2511: plans of ``[t; 0]``.
+    """
+    from adalncache.tools.tiny_qwen import tiny_edit_image, tiny_prompt_embeds, tiny_qwen_pipeline
+
+    pipe = tiny_qwen_pipeline(variant, pipeline=pipeline)
+    assert type(pipe).__name__ == pipeline and pipe.text_encoder is None and pipe.processor is None
+    prompt = tiny_prompt_embeds(pipe.transformer, seed=1)
+    image = tiny_edit_image(seed=3)
+
+    def run() -> torch.Tensor:
+        generator = torch.Generator().manual_seed(0)
+        out = pipe(
+            image=image, height=32, width=32, num_inference_steps=2, true_cfg_scale=1.0, generator=generator,
+            output_type="pt", **prompt,
+        )  # fmt: skip
+        return out.images  # type: ignore[no-any-return]
+
+    resident = run()
+    handle = enable_adaln_cache(pipe)
+    assert torch.equal(run(), resident) and handle.stats.passes == 1
+    keys = handle.cache.resident_plans
+    assert len(keys) == 2  # the whole schedule, prepared before the first step ran
+    assert {len(key) for key in keys} == {2 if variant == "zero-cond" else 1}  # [t; 0] with zero_cond_t
+    assert torch.equal(run(), resident) and handle.stats.passes == 1  # the same request builds nothing
+    handle.disable()
+
+
 def test_a_pipeline_of_a_refused_transformer_says_why() -> None:
     pipe = diffusers.FluxPipeline(
         scheduler=diffusers.FlowMatchEulerDiscreteScheduler(), vae=None, text_encoder=None, tokenizer=None,

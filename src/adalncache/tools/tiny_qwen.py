@@ -7,6 +7,7 @@ CPU cores in milliseconds while every code path of the released model runs: two 
 
 from __future__ import annotations
 
+import inspect
 import os
 from pathlib import Path
 from typing import Any
@@ -129,21 +130,46 @@ def tiny_qwen_vae(seed: int = 0) -> Any:
     return vae.eval()
 
 
-def tiny_qwen_pipeline(variant: str = "plain", seed: int = 0, transformer: Any = None) -> Any:
-    """A ``QwenImagePipeline`` of a tiny transformer and VAE, without text encoder and tokenizer.
+def tiny_qwen_pipeline(
+    variant: str = "plain", seed: int = 0, transformer: Any = None, pipeline: str = "QwenImagePipeline"
+) -> Any:
+    """A Qwen-Image pipeline of a tiny transformer and VAE, without text encoder, tokenizer or processor.
 
-    A Qwen2.5-VL text encoder needs its tokenizer's files, which cannot be made offline: requests
-    pass ``prompt_embeds`` and ``prompt_embeds_mask`` (:func:`tiny_prompt_embeds`) instead.
+    ``pipeline``: the diffusers class, ``QwenImagePipeline`` or an Edit pipeline sharing the
+    transformer (``QwenImageEditPipeline``, ``QwenImageEditPlusPipeline``). A Qwen2.5-VL text
+    encoder needs its tokenizer's and processor's files, which cannot be made offline: requests pass
+    ``prompt_embeds`` and ``prompt_embeds_mask`` (:func:`tiny_prompt_embeds`) instead, and the
+    pipelines then never call them.
     """
-    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
+    import diffusers
+    from diffusers import FlowMatchEulerDiscreteScheduler
 
+    pipeline_class = getattr(diffusers, pipeline, None)
+    if pipeline_class is None or not pipeline.startswith("QwenImage"):
+        raise ConfigError(f"pipeline must name a diffusers Qwen-Image pipeline class, got {pipeline!r}")
     scheduler = FlowMatchEulerDiscreteScheduler(
         use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9, shift_terminal=0.02, time_shift_type="exponential"
     )
     model = transformer if transformer is not None else tiny_qwen_transformer(variant, seed)
-    return QwenImagePipeline(
-        scheduler=scheduler, vae=tiny_qwen_vae(seed), text_encoder=None, tokenizer=None, transformer=model
-    )
+    parts: dict[str, Any] = {
+        "scheduler": scheduler,
+        "vae": tiny_qwen_vae(seed),
+        "text_encoder": None,
+        "tokenizer": None,
+        "transformer": model,
+    }
+    if "processor" in inspect.signature(pipeline_class.__init__).parameters:  # the Edit pipelines'
+        parts["processor"] = None
+    return pipeline_class(**parts)
+
+
+def tiny_edit_image(seed: int = 0, size: tuple[int, int] = (32, 24)) -> Any:
+    """A deterministic RGB ``PIL.Image`` of ``size`` (width, height): an Edit pipeline's input image."""
+    from PIL import Image
+
+    generator = torch.Generator().manual_seed(seed)
+    pixels = torch.randint(0, 256, (size[1], size[0], 3), generator=generator, dtype=torch.uint8)
+    return Image.fromarray(pixels.numpy())
 
 
 def tiny_prompt_embeds(model: Any, batch: int = 1, seed: int = 0, tokens: int = 5) -> dict[str, torch.Tensor]:
@@ -160,6 +186,7 @@ __all__ = [
     "VARIANTS",
     "modulation_linears",
     "save_tiny_qwen",
+    "tiny_edit_image",
     "tiny_prompt_embeds",
     "tiny_qwen_config",
     "tiny_qwen_inputs",

@@ -12,6 +12,8 @@ it measures:
 * a forward step of a tiny MiniMax-H3 with its projections resident, served from the cache, and
   offloaded to disk with diffusers' group offloading;
 * a forward step of a tiny Qwen-Image (bf16), resident against served from the cache;
+* a pass of a 50-step Qwen-Image request over a generated checkpoint at the released widths (2
+  blocks) against the plain GEMMs over the same weights, tables checked ``torch.equal`` to them;
 * ``build()`` latency when every plan of a 50-step request is already resident (the per-request
   hot path), beside SGLang's cache where one is installed, and a store hit against a pass;
 * memory: projection bytes against slab bytes, and the peak anonymous memory of a pass, measured in
@@ -48,14 +50,15 @@ from .hitpath import bench_build_latency
 from .memory import bench_memory
 from .passes import bench_pass
 from .qwen import bench_qwen
+from .qwen_pass import bench_qwen_pass
 from .report import write_outputs
 from .results import Results
 from .store import bench_store
 from .tables import bench_tables
-from .workload import REAL_HIDDEN, REAL_IN, STEPS, generate_checkpoint, request_plans
+from .workload import QWEN_DIM, REAL_HIDDEN, REAL_IN, STEPS, generate_checkpoint, request_plans
 
 #: The sections, in the order they run (``--only`` takes their names).
-SECTIONS = ("pass", "forward", "qwen", "build", "store", "memory", "deploy", "tables")
+SECTIONS = ("pass", "forward", "qwen", "qwen-pass", "build", "store", "memory", "deploy", "tables")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -99,6 +102,9 @@ def run(args: argparse.Namespace) -> int:
         "pass": lambda: bench_pass(res, source, plans, runs, cold=not args.no_cold, device=device),
         "forward": lambda: bench_forward(res, args.size, 3 if args.quick else 8, runs, device),
         "qwen": lambda: bench_qwen(res, runs, device),
+        "qwen-pass": lambda: bench_qwen_pass(
+            res, runs, device, work, dim=args.hidden if args.hidden else QWEN_DIM, max_plans=args.plans
+        ),
         "build": lambda: bench_build_latency(res, runs, work / "ckpt-latency-50x8x16", device),
         "store": lambda: bench_store(res, source, plans, runs, device),
         "memory": lambda: bench_memory(res, source, plans, ckpt_dir, device),
@@ -126,7 +132,12 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--layers", type=int, default=4, help="blocks in the generated checkpoint (default 4)")
     p.add_argument("--full", action="store_true", help="all 50 blocks (24.2 GiB checkpoint on disk)")
-    p.add_argument("--hidden", type=int, default=0, help=f"hidden size (default {REAL_HIDDEN}: out = 18 x hidden)")
+    p.add_argument(
+        "--hidden",
+        type=int,
+        default=0,
+        help=f"hidden size (default {REAL_HIDDEN}: out = 18 x hidden; qwen-pass: dim, default {QWEN_DIM})",
+    )
     p.add_argument("--in-features", type=int, default=0, help=f"projection input width (default {REAL_IN})")
     p.add_argument("--plans", type=int, default=0, help="cap the 50-step request at this many plans")
     p.add_argument("--runs", type=int, default=0, help="samples per measurement (default 3; 1 with --quick)")

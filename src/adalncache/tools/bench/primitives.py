@@ -19,9 +19,9 @@ import torch.nn.functional as F
 
 from ...batching import clear_verdicts
 from ...cache import AdalnCache
-from ...plans import plan_key
+from ...plans import PlanKey, plan_key
 from ...source import aligned_empty, pread_into
-from ...spec import FINAL, Layer
+from ...spec import Layer
 
 
 def tensor_ranges(source: Any) -> list[tuple[Path, int, int]]:
@@ -124,29 +124,64 @@ def device_of(inputs: dict[tuple[int, ...], torch.Tensor] | Sequence[torch.Tenso
 
 
 class ResidentLayer:
-    """One block's and the output layer's weights held in memory, for the project-only baseline.
+    """Projection weights held in memory, for the project-only baseline.
 
-    Every block has the same shape, so projecting block 0's weight once per block costs what
-    projecting each block's own weight costs (496 MiB never fits a cache), without holding 24 GiB.
+    By default one layer of each width (MiniMax-H3: block 0 and the output layer): every layer of
+    a width has the same shape, so projecting that one weight once per layer costs what projecting
+    each layer's own weight costs (496 MiB never fits a cache), without holding 24 GiB.
+    ``every_layer``: each layer's own weight (a checkpoint small enough to hold, whose tables are
+    then checked against these very GEMMs, :func:`tables_equal_linear`).
     """
 
-    def __init__(self, source: Any, device: torch.device | str = "cpu") -> None:
+    def __init__(self, source: Any, device: torch.device | str = "cpu", *, every_layer: bool = False) -> None:
         self.spec = source.spec
         self.device = torch.device(device)
         self.tensors: dict[Layer, tuple[torch.Tensor, torch.Tensor]] = {}
-        for lw in source.stream([0, FINAL]):
+        layers = self.spec.layers()
+        if not every_layer:
+            first: dict[int, Layer] = {}
+            for layer in layers:
+                first.setdefault(self.spec.out_features(layer), layer)
+            layers = list(first.values())
+        self.of_width = {self.spec.out_features(layer): layer for layer in reversed(layers)}
+        for lw in source.stream(layers):
             self.tensors[lw.layer] = (lw.weight.clone().to(self.device), lw.bias.clone().to(self.device))
+
+    def weights(self, layer: Layer) -> tuple[torch.Tensor, torch.Tensor]:
+        """``layer``'s own weight and bias if held, else those of the held layer of its width."""
+        held = self.tensors.get(layer)
+        return held if held is not None else self.tensors[self.of_width[self.spec.out_features(layer)]]
 
     def project_only(self, xs: Sequence[torch.Tensor]) -> float:
         sync_device(self.device)
         start = time.perf_counter()
         with torch.no_grad():
             for layer in self.spec.layers():
-                weight, bias = self.tensors[FINAL if layer == FINAL else 0]
+                weight, bias = self.weights(layer)
                 for x in xs:
                     F.linear(x, weight, bias)
         sync_device(self.device)
         return time.perf_counter() - start
+
+
+def tables_equal_linear(
+    cache: AdalnCache, resident: ResidentLayer, plans: Sequence[torch.Tensor], inputs: dict[PlanKey, torch.Tensor]
+) -> bool:
+    """Whether every layer's rows of every plan are ``torch.equal`` to ``F.linear`` of its held weights.
+
+    ``resident`` must hold every layer (``every_layer=True``): these are the file's own weights,
+    so a match says the table is what the resident model's projection returns for that input.
+    """
+    with torch.no_grad():
+        for plan in plans:
+            key = plan_key(plan, cache.spec.plan_columns)
+            x = inputs[key]
+            slot = int(cache.lookup(plan))
+            for layer in cache.spec.layers():
+                weight, bias = resident.tensors[layer]
+                if not torch.equal(cache.layer_rows(layer, slot, x.shape[0]), F.linear(x, weight, bias)):
+                    return False
+    return True
 
 
 def naive(source: Any, xs: Sequence[torch.Tensor]) -> float:
@@ -280,5 +315,6 @@ __all__ = [
     "read_only_direct",
     "request_cache",
     "sync_device",
+    "tables_equal_linear",
     "tensor_ranges",
 ]

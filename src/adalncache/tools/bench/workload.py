@@ -1,9 +1,11 @@
 """What the benchmark measures on: a generated checkpoint at the real widths, a request's plans, their inputs.
 
-The checkpoint holds ``spec``'s projections in the native layout, sharded with an index, filled
-with seeded random bf16 (so every run, on every machine, reads the same bytes); it is written
-once per geometry and reused. The request is a 50-step t2va request (diffusers' own schedule when
-diffusers is installed); its projection inputs are deterministic ``silu(temb)`` stand-ins.
+The checkpoint holds ``spec``'s projections in the native layout (a Qwen-Image one: the diffusers
+layout with its ``config.json``), sharded with an index, filled with seeded random bf16 (so every
+run, on every machine, reads the same bytes); it is written once per geometry and reused. The
+request is a 50-step t2va request (diffusers' own schedule when diffusers is installed), or a
+50-step Qwen-Image request at 1024 x 1024 (the released scheduler's); the projection inputs are
+deterministic ``silu(temb)`` stand-ins.
 """
 
 from __future__ import annotations
@@ -12,13 +14,15 @@ import json
 import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from ...families import qwen_image
 from ...plans import distinct_plans, plan_key
 from ...source import LazyTensor, write_safetensors
-from ...spec import FINAL, ModulationSpec, get_layout
+from ...spec import ModulationSpec
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +31,26 @@ REAL_IN = 2688
 REAL_HIDDEN = 5376
 #: Request of the big comparisons: a 50-step t2va request has 49 distinct plans.
 STEPS = 50
+
+#: Qwen-Image's released width (``img_mod.1``/``txt_mod.1``: dim -> 6 x dim; ``norm_out.linear``: dim -> 2 x dim).
+QWEN_DIM = int(qwen_image.RELEASED["hidden_size"])
+#: Blocks of the generated Qwen-Image checkpoint (of the released 60): enough for a pass to stream
+#: and project layer after layer, small enough (0.48 GiB in bf16) to write and time in a minute.
+QWEN_BLOCKS = 2
+#: The request image size the schedule is shifted for (the pipeline's default).
+QWEN_SIZE = 1024
+#: The released pipeline's scheduler config (Qwen/Qwen-Image ``scheduler/scheduler_config.json``).
+QWEN_SCHEDULER: dict[str, Any] = {
+    "base_image_seq_len": 256,
+    "base_shift": 0.5,
+    "max_image_seq_len": 8192,
+    "max_shift": 0.9,
+    "num_train_timesteps": 1000,
+    "shift": 1.0,
+    "shift_terminal": 0.02,
+    "time_shift_type": "exponential",
+    "use_dynamic_shifting": True,
+}
 
 
 def _random_bf16(shape: tuple[int, ...], seed: int, scale: float) -> Callable[[], torch.Tensor]:
@@ -44,11 +68,27 @@ def _random_bf16(shape: tuple[int, ...], seed: int, scale: float) -> Callable[[]
     return make
 
 
-def generate_checkpoint(spec: ModulationSpec, directory: Path, *, layers_per_shard: int = 10) -> Path:
-    """A native-layout sharded checkpoint of ``spec``'s projections; reused when already complete."""
+def generate_checkpoint(
+    spec: ModulationSpec,
+    directory: Path,
+    *,
+    layers_per_shard: int = 10,
+    layout: str = "native",
+    config: dict[str, Any] | None = None,
+) -> Path:
+    """A sharded checkpoint of ``spec``'s projections in its family's ``layout``; reused when already complete.
+
+    ``config``: written as ``config.json`` beside the shards (a diffusers transformer directory, so
+    the family is read from its ``_class_name`` as for a real checkpoint). Layer ``n`` in pass order
+    is filled from seed ``1000 + n``, so the same geometry always gets the same bytes.
+    """
     directory.mkdir(parents=True, exist_ok=True)
     marker = directory / "COMPLETE.json"
-    want = {"spec": spec.describe(), "layers_per_shard": layers_per_shard, "version": 1}
+    want: dict[str, Any] = {"spec": spec.describe(), "layers_per_shard": layers_per_shard, "version": 1}
+    if layout != "native":  # a native checkpoint written before layouts were a choice stays complete
+        want["layout"] = layout
+    if config is not None:
+        want["config"] = config
     if marker.exists():
         try:
             if json.loads(marker.read_text()) == want:
@@ -57,8 +97,9 @@ def generate_checkpoint(spec: ModulationSpec, directory: Path, *, layers_per_sha
             pass
     for old in directory.glob("*.safetensors*"):
         old.unlink()
-    layout = get_layout("native")
+    names = spec.layout(layout)
     layers = spec.layers()
+    index = {layer: n for n, layer in enumerate(layers)}
     groups = [layers[i : i + layers_per_shard] for i in range(0, len(layers), layers_per_shard)]
     weight_map: dict[str, str] = {}
     scale = 1.0 / spec.time_embed_dim**0.5
@@ -66,16 +107,18 @@ def generate_checkpoint(spec: ModulationSpec, directory: Path, *, layers_per_sha
         name = f"model-{n + 1:05d}-of-{len(groups):05d}.safetensors"
         tensors: list[tuple[str, tuple[int, ...], Callable[[], torch.Tensor]]] = []
         for layer in group:
-            seed = 1000 + (spec.num_layers if layer == FINAL else int(layer))
+            seed = 1000 + index[layer]
             shape = spec.weight_shape(layer)
-            tensors.append((layout.weight(layer), shape, _random_bf16(shape, seed, scale)))
+            tensors.append((names.weight(layer), shape, _random_bf16(shape, seed, scale)))
             out = (spec.out_features(layer),)
-            tensors.append((layout.bias(layer), out, _random_bf16(out, seed + 7919, 0.1)))
+            tensors.append((names.bias(layer), out, _random_bf16(out, seed + 7919, 0.1)))
         lazy = {n: LazyTensor(shape, torch.bfloat16, make) for n, shape, make in tensors}
         write_safetensors(lazy, directory / name, metadata={"format": "pt", "generator": "adalncache bench"})
         weight_map.update({t[0]: name for t in tensors})
         log.info("wrote %s", name)
     (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    if config is not None:
+        (directory / "config.json").write_text(json.dumps(config, indent=2))
     marker.write_text(json.dumps(want))
     return directory
 
@@ -107,9 +150,56 @@ def request_plans(steps: int = STEPS) -> list[torch.Tensor]:
     return [tensors[k] for k in order]
 
 
+def qwen_spec(blocks: int = QWEN_BLOCKS, dim: int = QWEN_DIM) -> ModulationSpec:
+    """The bf16 spec of a Qwen-Image transformer with ``blocks`` blocks of width ``dim``."""
+    return ModulationSpec.for_geometry(**qwen_image.spec_args(blocks, dim, torch.bfloat16))
+
+
+def qwen_config(blocks: int = QWEN_BLOCKS, dim: int = QWEN_DIM) -> dict[str, Any]:
+    """That transformer's ``config.json``: its class (the family) and sizes (heads of 128 where ``dim`` allows)."""
+    heads = dim // 128 if dim % 128 == 0 else 1
+    return {
+        "_class_name": qwen_image.FAMILY.class_names[0],
+        "num_layers": blocks,
+        "num_attention_heads": heads,
+        "attention_head_dim": dim // heads,
+        "zero_cond_t": False,
+        "use_additional_t_cond": False,
+    }
+
+
+def qwen_request_plans(spec: ModulationSpec, steps: int = STEPS, size: int = QWEN_SIZE) -> list[torch.Tensor]:
+    """The distinct plans of a ``steps``-step request at ``size`` x ``size``, batch 1, as its forwards see them.
+
+    The released scheduler's timesteps for that image size, then the pipeline's ``t / 1000`` in
+    the spec's dtype: the same functions the CLI's ``--steps --height --width`` use.
+    """
+    from ...integrations.diffusers import qwen_image as served
+
+    timesteps = served.pipeline_timesteps(steps, size, size, QWEN_SCHEDULER)
+    forwards = served.schedule_timesteps(timesteps, batch=1, dtype=spec.dtype)
+    order, tensors = distinct_plans(served.spec_plans(spec, forwards), columns=spec.plan_columns)
+    return [tensors[k] for k in order]
+
+
 def plan_keys(plans: Sequence[torch.Tensor]) -> list[tuple[int, ...]]:
     """The key of each plan, in order."""
     return [plan_key(p) for p in plans]
 
 
-__all__ = ["REAL_HIDDEN", "REAL_IN", "STEPS", "generate_checkpoint", "make_inputs", "plan_keys", "request_plans"]
+__all__ = [
+    "QWEN_BLOCKS",
+    "QWEN_DIM",
+    "QWEN_SCHEDULER",
+    "QWEN_SIZE",
+    "REAL_HIDDEN",
+    "REAL_IN",
+    "STEPS",
+    "generate_checkpoint",
+    "make_inputs",
+    "plan_keys",
+    "qwen_config",
+    "qwen_request_plans",
+    "qwen_spec",
+    "request_plans",
+]
