@@ -186,14 +186,27 @@ def test_flux_and_sd3_are_refused_as_prompt_modulated_unchanged() -> None:
     from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
 
     flux = FluxTransformer2DModel(
-        num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2, joint_attention_dim=24,
-        pooled_projection_dim=8, in_channels=8, axes_dims_rope=(4, 6, 6),
-    )  # fmt: skip
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=24,
+        pooled_projection_dim=8,
+        in_channels=8,
+        axes_dims_rope=(4, 6, 6),
+    )
     _unchanged_refusal(flux, "FluxTransformer2DModel cannot be served from AdaLN tables: .*pooled text")
     sd3 = SD3Transformer2DModel(
-        sample_size=8, in_channels=4, num_layers=1, attention_head_dim=16, num_attention_heads=2,
-        joint_attention_dim=24, caption_projection_dim=32, pooled_projection_dim=8, out_channels=4,
-    )  # fmt: skip
+        sample_size=8,
+        in_channels=4,
+        num_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=24,
+        caption_projection_dim=32,
+        pooled_projection_dim=8,
+        out_channels=4,
+    )
     _unchanged_refusal(sd3, "SD3Transformer2DModel cannot be served from AdaLN tables: .*pooled text")
 
 
@@ -201,10 +214,17 @@ def test_a_class_of_no_family_is_refused_as_not_supported() -> None:
     from diffusers import SanaTransformer2DModel
 
     sana = SanaTransformer2DModel(
-        in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=16, num_layers=1,
-        num_cross_attention_heads=2, cross_attention_head_dim=16, cross_attention_dim=32, caption_channels=24,
+        in_channels=4,
+        out_channels=4,
+        num_attention_heads=2,
+        attention_head_dim=16,
+        num_layers=1,
+        num_cross_attention_heads=2,
+        cross_attention_head_dim=16,
+        cross_attention_dim=32,
+        caption_channels=24,
         sample_size=8,
-    )  # fmt: skip
+    )
     _unchanged_refusal(sana, "SanaTransformer2DModel is not a supported family")
 
 
@@ -227,9 +247,16 @@ def test_a_pipeline_request_is_built_in_one_pass_and_repeats_build_nothing(
 
     def run(steps: int) -> torch.Tensor:
         out = pipe(
-            prompt_embeds=prompt, negative_prompt_embeds=negative, guidance_scale=4.0, height=8, width=8,
-            num_inference_steps=steps, generator=torch.Generator().manual_seed(0), output_type="latent", **extra,
-        )  # fmt: skip
+            prompt_embeds=prompt,
+            negative_prompt_embeds=negative,
+            guidance_scale=4.0,
+            height=8,
+            width=8,
+            num_inference_steps=steps,
+            generator=torch.Generator().manual_seed(0),
+            output_type="latent",
+            **extra,
+        )
         return out.images  # type: ignore[no-any-return]
 
     resident = {steps: run(steps) for steps in (3, 4)}

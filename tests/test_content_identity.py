@@ -307,8 +307,9 @@ def test_an_in_place_rewrite_that_keeps_the_mtime_never_poisons_a_shared_store(t
     assert writer.content_digest not in (None, old_digest)
     for p in PLANS:
         block, final = _rows_of(new, p)
-        assert torch.equal(writer.rows_of(plan_key(p)).block, block) and torch.equal(writer.rows_of(plan_key(p)).final,
-                                                                                      final)  # fmt: skip
+        assert torch.equal(writer.rows_of(plan_key(p)).block, block) and torch.equal(
+            writer.rows_of(plan_key(p)).final, final
+        )
     forget_process_memo()  # another process, whose checkpoint is an untouched copy of the old weights
     reader = _cache(untouched, store)
     reader.build(PLANS, embed=embed)

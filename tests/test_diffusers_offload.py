@@ -41,9 +41,13 @@ def _stock(root: Path) -> Any:
 def _offload(model: Any, kind: str, device: torch.device = CPU, **extra: Any) -> None:
     if kind == "block":
         apply_group_offloading(
-            model, onload_device=device, offload_device=CPU, offload_type="block_level", num_blocks_per_group=1,
+            model,
+            onload_device=device,
+            offload_device=CPU,
+            offload_type="block_level",
+            num_blocks_per_group=1,
             **extra,
-        )  # fmt: skip
+        )
     else:
         model.enable_group_offload(onload_device=device, offload_device=CPU, offload_type="leaf_level", **extra)
 

@@ -280,10 +280,19 @@ class CacheMachine(RuleBasedStateMachine):
         self.holds = []
         self.host = set()
         self.expected = dict.fromkeys(
-            ("device_hits", "host_hits", "store_hits", "built_plans", "passes", "evicted_plans", "failed_builds",
-             "tier_write_failures", "fingerprint_changes"),
+            (
+                "device_hits",
+                "host_hits",
+                "store_hits",
+                "built_plans",
+                "passes",
+                "evicted_plans",
+                "failed_builds",
+                "tier_write_failures",
+                "fingerprint_changes",
+            ),
             0,
-        )  # fmt: skip
+        )
 
     def teardown(self) -> None:
         if self.store_dir is not None:
@@ -386,9 +395,15 @@ class CacheMachine(RuleBasedStateMachine):
             # or the pass. Either way the build then finds its file changed and publishes nothing.
             fires = hash_read or bool(to_build)
             return {
-                "order": order, "missing": missing, "evicted": evicted, "from_host": from_host,
-                "from_store": from_store, "to_build": to_build, "fires": fires, "fails": fires,
-            }  # fmt: skip
+                "order": order,
+                "missing": missing,
+                "evicted": evicted,
+                "from_host": from_host,
+                "from_store": from_store,
+                "to_build": to_build,
+                "fires": fires,
+                "fails": fires,
+            }
         if site is None:
             fires = False
         elif (fault is not None and fault.is_layer) or site in ("embed", "project"):
