@@ -278,11 +278,11 @@ def forced_cold(files: list[Path], *, whole_machine: bool, drop: bool = True) ->
     def direct_chunk(self: Any, fd: int, path: Path, address: int, nbytes: int, offset: int) -> int | None:
         return self.read(fd, path, address, nbytes, offset)
 
-    reads.DirectReads.chunk = direct_chunk  # type: ignore[method-assign]
+    reads.DirectReads.chunk = direct_chunk  # type: ignore[method-assign]  # patched for this check only, restored below
     try:
         yield "page cache could not be dropped: every chunk routed to O_DIRECT"
     finally:
-        reads.DirectReads.chunk = original  # type: ignore[method-assign]
+        reads.DirectReads.chunk = original  # type: ignore[method-assign]  # the restore of the patch above
 
 
 class GpuSleep:

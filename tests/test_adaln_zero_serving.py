@@ -50,7 +50,7 @@ def step_inputs(model: nn.Module, step: int, batch: int, same_rows: bool) -> dic
     rows = [STEPS[step]] * batch if same_rows else [STEPS[step] * (1 - 0.3 * i) for i in range(batch)]
     t = torch.tensor(rows) * scale
     inputs = {"timestep": t.to(dtype) if name in TIMESTEP_IN_MODEL_DTYPE else t}
-    config: Any = model.config  # type: ignore[attr-defined]
+    config: Any = model.config
     if config.get("use_meanflow"):
         following = STEPS[step + 1] if step + 1 < len(STEPS) else 0.0
         inputs[adaln_zero.TIMESTEP_R] = (torch.tensor([following] * batch) * 1000).to(dtype)
@@ -92,7 +92,7 @@ def served_bytes(model: nn.Module) -> int:
 
 
 def _counts(model: nn.Module) -> tuple[int, int]:
-    fields = adaln_zero.fields_from_config(type(model).__name__, model.config)  # type: ignore[arg-type]
+    fields = adaln_zero.fields_from_config(type(model).__name__, model.config)
     return fields["double_layers"], fields["single_layers"]
 
 
@@ -257,7 +257,7 @@ def test_a_pipeline_request_is_built_in_one_pass_and_repeats_build_nothing(
             output_type="latent",
             **extra,
         )
-        return out.images  # type: ignore[no-any-return]
+        return out.images
 
     resident = {steps: run(steps) for steps in (3, 4)}
     handle = enable_adaln_cache(pipe)
@@ -351,7 +351,7 @@ def test_load_transformer_never_loads_the_served_tensors(variant: tuple[str, dic
     directory = tmp_path / "model"
     tiny.build(name, **flags).to(torch.bfloat16).save_pretrained(directory, max_shard_size="40KB")
     assert (directory / "diffusion_pytorch_model.safetensors.index.json").is_file()
-    stock = tiny.model_class(name).from_pretrained(directory, torch_dtype=torch.bfloat16).eval()  # type: ignore[attr-defined]
+    stock = tiny.model_class(name).from_pretrained(directory, torch_dtype=torch.bfloat16).eval()
     resident = run(stock)
     assert ModulationSpec.from_checkpoint(directory) == ModulationSpec.from_transformer(stock)
     model = load_transformer(directory, torch_dtype=torch.bfloat16)
@@ -393,7 +393,7 @@ def test_the_store_serves_another_handle_without_a_pass(tmp_path: Path) -> None:
     assert handle.prepare(request_plans(model)).passes == 1
     assert all(torch.equal(r, c) for r, c in zip(resident, run(model)))
     handle.disable()
-    again = tiny.model_class("HunyuanImageTransformer2DModel").from_pretrained(  # type: ignore[attr-defined]
+    again = tiny.model_class("HunyuanImageTransformer2DModel").from_pretrained(
         tmp_path / "model", torch_dtype=torch.bfloat16
     )
     handle = enable_adaln_cache(again.eval(), tmp_path / "model", store=tmp_path / "store")
@@ -424,7 +424,7 @@ def test_a_bound_table_file_serves_a_fresh_model_without_weights(tmp_path: Path)
     export_tables(handle.cache, [tensors[k] for k in keys], out, embed=embed, progress=False)
     handle.disable()
 
-    fresh = tiny.model_class(name).from_pretrained(tmp_path / "model", torch_dtype=torch.bfloat16)  # type: ignore[attr-defined]
+    fresh = tiny.model_class(name).from_pretrained(tmp_path / "model", torch_dtype=torch.bfloat16)
     handle = enable_adaln_cache(fresh.eval(), tables=out)
     assert isinstance(handle.cache.source, NoWeights) and served_bytes(fresh) == 0
     assert all(torch.equal(r, c) for r, c in zip(resident, run(fresh)))
@@ -439,7 +439,7 @@ def _compiled_counts(name: str, cache: bool) -> tuple[list[torch.Tensor], tuple[
     handle = enable_adaln_cache(model) if cache else None
     if handle is not None:
         handle.prepare(request_plans(model))
-    model.compile_repeated_blocks(backend="aot_eager")  # type: ignore[operator]
+    model.compile_repeated_blocks(backend="aot_eager")
     torch._dynamo.reset()
     counters.clear()
     outputs = run(model)
@@ -470,7 +470,7 @@ def _lora(model: nn.Module) -> None:
     targets = ["norm1.linear", "norm1_context.linear", "norm.linear", "norm_out.linear", "timestep_embedder.linear_1"]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(7)
-        model.add_adapter(LoraConfig(r=2, target_modules=targets, init_lora_weights=False))  # type: ignore[operator]
+        model.add_adapter(LoraConfig(r=2, target_modules=targets, init_lora_weights=False))
 
 
 @pytest.mark.parametrize("when", ["before", "after"])

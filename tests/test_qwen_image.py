@@ -62,7 +62,7 @@ def _inputs(model: Any, variant: str, batch: int, seed: int = 0) -> dict[str, An
 
 def _run(model: Any, inputs: dict[str, Any]) -> torch.Tensor:
     with torch.no_grad():
-        return model(**inputs)[0]  # type: ignore[no-any-return]
+        return model(**inputs)[0]
 
 
 def _served_parameters(model: Any) -> list[tuple[str, torch.Tensor]]:
@@ -298,7 +298,7 @@ def test_a_pipeline_request_is_built_in_one_pass_and_repeats_build_nothing(
         out = pipe(
             height=32, width=32, num_inference_steps=steps, generator=generator, output_type="pt", **prompt, **kwargs
         )
-        return out.images  # type: ignore[no-any-return]
+        return out.images
 
     resident = {(steps, cfg): run(steps, cfg) for steps in (3, 4) for cfg in (False, True)}
     handle = enable_adaln_cache(pipe)
@@ -406,7 +406,7 @@ def test_cli_tables_of_a_checkpoint_serve_the_pipeline_without_a_pass(tmp_path: 
 
     def run() -> torch.Tensor:
         generator = torch.Generator().manual_seed(0)
-        return pipe(  # type: ignore[no-any-return]
+        return pipe(
             height=32,
             width=32,
             num_inference_steps=4,
@@ -455,7 +455,7 @@ def test_a_schedule_larger_than_the_cache_builds_step_by_step(
     def run() -> torch.Tensor:
         generator = torch.Generator().manual_seed(0)
         out = pipe(height=32, width=32, num_inference_steps=4, generator=generator, output_type="pt", **prompt)
-        return out.images  # type: ignore[no-any-return]
+        return out.images
 
     resident = run()
     handle = enable_adaln_cache(pipe, max_plans=2)

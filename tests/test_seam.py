@@ -151,7 +151,7 @@ def test_row_reads_of_named_layers_refuse_bad_slots_counts_and_layers(ckpt: Path
     with pytest.raises(PlanNotCachedError, match=f"slot {free} holds no plan"):
         cache.layer_rows(layer, free, 1)
     with pytest.raises(PlanError, match="num_timesteps must be an integer"):
-        cache.layer_rows(layer, slot, 1.5)  # type: ignore[arg-type]
+        cache.layer_rows(layer, slot, 1.5)  # type: ignore[arg-type]  # wrong on purpose: the refusal is what is tested
     with pytest.raises(PlanError, match="not served by this cache"):
         cache.layer_params(0)
     assert cache.layer_rows(layer, slot, 1).shape == (1, 24)
