@@ -119,7 +119,7 @@ def _bad(path: Path, what: str, argument: str) -> ConfigError:
 
 
 @dataclass(frozen=True)
-class Geometry:
+class TableShapes:
     """Shapes of the four tensors of a file of ``plans`` slots ``width`` timesteps wide."""
 
     plans: int
@@ -171,8 +171,7 @@ class TableWriter:
             raise ConfigError("a table file holds each plan once: pass distinct plans (SGLang would serve one of them)")
         self.width = max(spec.plan_rows(k) for k in self.keys)
         self.bound = bound
-        geometry = Geometry(len(self.keys), self.width, spec)
-        shapes = geometry.shapes()
+        shapes = TableShapes(len(self.keys), self.width, spec).shapes()
         self._extras = dict(extras or {})
         for name, (row_shape, dtype) in self._extras.items():
             if name in shapes:
@@ -425,7 +424,7 @@ class TableFile:
             spec = self._spec_of(entries, argument)
         self.spec = spec
         self._entries: dict[str, TensorEntry] = entries
-        for name, (shape, want) in Geometry(self.plans, self.width, spec).shapes().items():
+        for name, (shape, want) in TableShapes(self.plans, self.width, spec).shapes().items():
             entry = entries[name]
             if tuple(entry.shape) != shape or entry.torch_dtype != want:
                 raise ConfigError(
@@ -685,8 +684,8 @@ __all__ = [
     "FORMATS",
     "FORMAT_VERSION",
     "PLAN_TENSORS",
-    "Geometry",
     "TableFile",
+    "TableShapes",
     "TableWriter",
     "bound_metadata",
     "is_table_file",
