@@ -16,7 +16,7 @@ from pathlib import Path
 try:
     import tomllib
 except ImportError:  # Python 3.10: the TOML reader pip itself uses
-    from pip._vendor import tomli as tomllib  # type: ignore[no-redef]
+    from pip._vendor import tomli as tomllib  # type: ignore[no-redef]  # the same name on the older Python
 
 PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
 

@@ -278,11 +278,11 @@ def forced_cold(files: list[Path], *, whole_machine: bool, drop: bool = True) ->
     def direct_chunk(self: Any, fd: int, path: Path, address: int, nbytes: int, offset: int) -> int | None:
         return self.read(fd, path, address, nbytes, offset)
 
-    reads.DirectReads.chunk = direct_chunk  # type: ignore[method-assign]
+    reads.DirectReads.chunk = direct_chunk  # type: ignore[method-assign]  # patched for this check only, restored below
     try:
         yield "page cache could not be dropped: every chunk routed to O_DIRECT"
     finally:
-        reads.DirectReads.chunk = original  # type: ignore[method-assign]
+        reads.DirectReads.chunk = original  # type: ignore[method-assign]  # the restore of the patch above
 
 
 class GpuSleep:
@@ -732,11 +732,28 @@ def in_fresh_process(ctx: Context, name: str) -> dict[str, Any]:
     out = ctx.work / f"child-{name}"
     limit = max(15.0, ctx.limit_s - 10)  # the child ends (or is killed) before this check's watchdog fires
     cmd = [
-        sys.executable, str(Path(__file__).resolve()), "--child", "--only", name, "--device", str(ctx.device),
-        "--dir", str(ctx.work), "--out", str(out), "--layers", str(args.layers), "--hidden", str(args.hidden),
-        "--in-features", str(args.in_features), "--check-timeout", str(max(10.0, limit - 10)),
-        "--simulate", args.simulate,
-    ]  # fmt: skip
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--child",
+        "--only",
+        name,
+        "--device",
+        str(ctx.device),
+        "--dir",
+        str(ctx.work),
+        "--out",
+        str(out),
+        "--layers",
+        str(args.layers),
+        "--hidden",
+        str(args.hidden),
+        "--in-features",
+        str(args.in_features),
+        "--check-timeout",
+        str(max(10.0, limit - 10)),
+        "--simulate",
+        args.simulate,
+    ]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=limit, check=False)
     except subprocess.TimeoutExpired as exc:
@@ -747,8 +764,11 @@ def in_fresh_process(ctx: Context, name: str) -> dict[str, Any]:
     report = out / "gpu_check.json"
     found = [r for r in json.loads(report.read_text())["results"] if r["check"] == name] if report.exists() else []
     if not found:
-        return {"ok": False, "error": f"the child process left no result (exit {proc.returncode})",
-                "output": (proc.stdout + proc.stderr)[-4000:]}  # fmt: skip
+        return {
+            "ok": False,
+            "error": f"the child process left no result (exit {proc.returncode})",
+            "output": (proc.stdout + proc.stderr)[-4000:],
+        }
     result = {k: v for k, v in found[0].items() if k not in ("check", "seconds")}
     if result.get("skipped"):
         raise Skipped(result["skipped"])
@@ -883,8 +903,10 @@ def check_stream_evict(ctx: Context) -> dict[str, Any]:
     with on(read_stream):
         sleep(500.0)
         slot = cache.lookup(first)
-        rows = [cache.final_rows(slot, n) if layer == FINAL else cache.block_rows(int(layer), slot, n)
-                for layer in ckpt.spec.layers()]  # fmt: skip
+        rows = [
+            cache.final_rows(slot, n) if layer == FINAL else cache.block_rows(int(layer), slot, n)
+            for layer in ckpt.spec.layers()
+        ]
     with on(build_stream):
         report = cache.build([second], embed=embed_of(xs))  # evicts `first`: the only slot
     sync(device)
@@ -915,8 +937,10 @@ def check_acquire(ctx: Context) -> dict[str, Any]:
     refused = ""
     with on(read_stream), cache.acquire([first], embed=embed_of(xs)) as slots:
         sleep(300.0)
-        rows = [cache.final_rows(slots[0], n) if layer == FINAL else cache.block_rows(int(layer), slots[0], n)
-                for layer in ckpt.spec.layers()]  # fmt: skip
+        rows = [
+            cache.final_rows(slots[0], n) if layer == FINAL else cache.block_rows(int(layer), slots[0], n)
+            for layer in ckpt.spec.layers()
+        ]
         with on(build_stream):
             try:
                 cache.build([second], embed=embed_of(xs))
@@ -934,13 +958,17 @@ def check_acquire(ctx: Context) -> dict[str, Any]:
     held_ok = all(torch.equal(a, b) for a, b in zip(rows, want))
     cache.check_invariants()
     return {
-        "ok": bool(refused) and "max_plans" in refused and still_resident and held_ok
-        and torch.equal(late_rows, want[-1]) and not ckpt.mismatches(cache, [second], xs),
+        "ok": bool(refused)
+        and "max_plans" in refused
+        and still_resident
+        and held_ok
+        and torch.equal(late_rows, want[-1])
+        and not ckpt.mismatches(cache, [second], xs),
         "refused": refused[:300],
         "held_plan_still_resident": still_resident,
         "held_rows_exact": held_ok,
         "read_before_eviction_exact": bool(torch.equal(late_rows, want[-1])),
-    }  # fmt: skip
+    }
 
 
 def check_threads(ctx: Context) -> dict[str, Any]:
@@ -966,10 +994,14 @@ def check_threads(ctx: Context) -> dict[str, Any]:
                     try:
                         with cache.acquire(request, embed=embed_of(xs)) as slots:
                             got = [
-                                [cache.final_rows(slots[i], p.numel()) if layer == FINAL
-                                 else cache.block_rows(int(layer), slots[i], p.numel()) for layer in ckpt.spec.layers()]
+                                [
+                                    cache.final_rows(slots[i], p.numel())
+                                    if layer == FINAL
+                                    else cache.block_rows(int(layer), slots[i], p.numel())
+                                    for layer in ckpt.spec.layers()
+                                ]
                                 for i, p in enumerate(request)
-                            ]  # fmt: skip
+                            ]
                         if stream is not None:
                             stream.synchronize()
                         bad = sum(

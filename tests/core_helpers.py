@@ -165,28 +165,28 @@ class RewriteBetweenLayers:
         self.action = None
         self.fired = 0
 
-    def arm(self, layer: Layer, action) -> None:  # type: ignore[no-untyped-def]
+    def arm(self, layer: Layer, action) -> None:
         self.after, self.action = layer, action
 
     def disarm(self) -> None:
         self.after, self.action = None, None
 
-    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+    def __getattr__(self, name: str):
         return getattr(self.source, name)
 
     @property
     def fingerprint(self) -> str:
-        return self.source.fingerprint  # type: ignore[attr-defined,no-any-return]
+        return self.source.fingerprint
 
     @property
     def bytes_read(self) -> int:
-        return self.source.bytes_read  # type: ignore[attr-defined,no-any-return]
+        return self.source.bytes_read
 
     def refresh(self) -> bool:
-        return self.source.refresh()  # type: ignore[attr-defined,no-any-return]
+        return self.source.refresh()
 
-    def stream(self, layers, **kwargs):  # type: ignore[no-untyped-def]
-        inner = self.source.stream(layers, **kwargs)  # type: ignore[attr-defined]
+    def stream(self, layers, **kwargs):
+        inner = self.source.stream(layers, **kwargs)
         with contextlib.closing(inner):
             for item in inner:
                 yield item

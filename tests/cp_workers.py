@@ -27,7 +27,7 @@ def _cpu_context_parallel_shim() -> None:
     makes it pick ``cpu:0`` for every rank, which is where these ranks run anyway. diffusers
     itself does not support context parallel on CPU; this shim lives only in this test.
     """
-    torch.accelerator.device_count = lambda: 1  # type: ignore[assignment]
+    torch.accelerator.device_count = lambda: 1
 
 
 def _loop(model: Any, request: Any) -> Any:

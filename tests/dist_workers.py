@@ -54,7 +54,7 @@ def more_plans(i: int) -> list[torch.Tensor]:
 def embed_fn(spec: ModulationSpec) -> Callable[[torch.Tensor], torch.Tensor]:
     from core_helpers import embed_for
 
-    return embed_for(spec)  # type: ignore[no-any-return]
+    return embed_for(spec)
 
 
 def tables(cache: AdalnCache) -> dict[str, Any]:

@@ -50,7 +50,7 @@ def per_step_inputs(model: nn.Module, batch: int) -> dict[str, torch.Tensor]:
     scale = 1.0 if name in UNIT_TIMESTEPS else 1000.0
     t = torch.tensor([0.7131, 0.2459][:batch]) * scale
     inputs = {"timestep": t.to(dtype) if name in TIMESTEP_IN_MODEL_DTYPE else t}
-    config = model.config  # type: ignore[attr-defined]
+    config = model.config
     if config.get("use_meanflow"):
         inputs[adaln_zero.TIMESTEP_R] = (torch.tensor([0.5011, 0.0][:batch]) * 1000).to(dtype)
     if config.get("guidance_embeds"):

@@ -49,7 +49,7 @@ def step_inputs(model: nn.Module, step: int, batch: int, same_rows: bool) -> dic
     rows = [STEPS[step]] * batch if same_rows else [STEPS[step] * (1 - 0.3 * i) for i in range(batch)]
     t = torch.tensor(rows) * scale
     inputs = {"timestep": t.to(dtype) if name in TIMESTEP_IN_MODEL_DTYPE else t}
-    config: Any = model.config  # type: ignore[attr-defined]
+    config: Any = model.config
     if config.get("use_meanflow"):
         following = STEPS[step + 1] if step + 1 < len(STEPS) else 0.0
         inputs[adaln_zero.TIMESTEP_R] = (torch.tensor([following] * batch) * 1000).to(dtype)
@@ -91,7 +91,7 @@ def served_bytes(model: nn.Module) -> int:
 
 
 def _counts(model: nn.Module) -> tuple[int, int]:
-    fields = adaln_zero.fields_from_config(type(model).__name__, model.config)  # type: ignore[arg-type]
+    fields = adaln_zero.fields_from_config(type(model).__name__, model.config)
     return fields["double_layers"], fields["single_layers"]
 
 
@@ -203,14 +203,27 @@ def test_flux_and_sd3_are_refused_as_prompt_modulated_unchanged() -> None:
     from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
 
     flux = FluxTransformer2DModel(
-        num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2, joint_attention_dim=24,
-        pooled_projection_dim=8, in_channels=8, axes_dims_rope=(4, 6, 6),
-    )  # fmt: skip
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=24,
+        pooled_projection_dim=8,
+        in_channels=8,
+        axes_dims_rope=(4, 6, 6),
+    )
     _unchanged_refusal(flux, "FluxTransformer2DModel cannot be served from AdaLN tables: .*pooled text")
     sd3 = SD3Transformer2DModel(
-        sample_size=8, in_channels=4, num_layers=1, attention_head_dim=16, num_attention_heads=2,
-        joint_attention_dim=24, caption_projection_dim=32, pooled_projection_dim=8, out_channels=4,
-    )  # fmt: skip
+        sample_size=8,
+        in_channels=4,
+        num_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=24,
+        caption_projection_dim=32,
+        pooled_projection_dim=8,
+        out_channels=4,
+    )
     _unchanged_refusal(sd3, "SD3Transformer2DModel cannot be served from AdaLN tables: .*pooled text")
 
 
@@ -218,10 +231,17 @@ def test_a_class_of_no_family_is_refused_as_not_supported() -> None:
     from diffusers import SanaTransformer2DModel
 
     sana = SanaTransformer2DModel(
-        in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=16, num_layers=1,
-        num_cross_attention_heads=2, cross_attention_head_dim=16, cross_attention_dim=32, caption_channels=24,
+        in_channels=4,
+        out_channels=4,
+        num_attention_heads=2,
+        attention_head_dim=16,
+        num_layers=1,
+        num_cross_attention_heads=2,
+        cross_attention_head_dim=16,
+        cross_attention_dim=32,
+        caption_channels=24,
         sample_size=8,
-    )  # fmt: skip
+    )
     _unchanged_refusal(sana, "SanaTransformer2DModel is not a supported family")
 
 
@@ -244,10 +264,17 @@ def test_a_pipeline_request_is_built_in_one_pass_and_repeats_build_nothing(
 
     def run(steps: int) -> torch.Tensor:
         out = pipe(
-            prompt_embeds=prompt, negative_prompt_embeds=negative, guidance_scale=4.0, height=8, width=8,
-            num_inference_steps=steps, generator=torch.Generator().manual_seed(0), output_type="latent", **extra,
-        )  # fmt: skip
-        return out.images  # type: ignore[no-any-return]
+            prompt_embeds=prompt,
+            negative_prompt_embeds=negative,
+            guidance_scale=4.0,
+            height=8,
+            width=8,
+            num_inference_steps=steps,
+            generator=torch.Generator().manual_seed(0),
+            output_type="latent",
+            **extra,
+        )
+        return out.images
 
     resident = {steps: run(steps) for steps in (3, 4)}
     handle = enable_adaln_cache(pipe)
@@ -344,7 +371,7 @@ def test_load_transformer_never_loads_the_served_tensors(variant: tuple[str, dic
     directory = tmp_path / "model"
     tiny.build(name, **flags).to(torch.bfloat16).save_pretrained(directory, max_shard_size="40KB")
     assert (directory / "diffusion_pytorch_model.safetensors.index.json").is_file()
-    stock = tiny.model_class(name).from_pretrained(directory, torch_dtype=torch.bfloat16).eval()  # type: ignore[attr-defined]
+    stock = tiny.model_class(name).from_pretrained(directory, torch_dtype=torch.bfloat16).eval()
     resident = run(stock)
     assert ModulationSpec.from_checkpoint(directory) == ModulationSpec.from_transformer(stock)
     model = load_transformer(directory, torch_dtype=torch.bfloat16)
@@ -383,7 +410,7 @@ def test_the_store_serves_another_handle_without_a_pass(tmp_path: Path) -> None:
     assert handle.prepare(request_plans(model)).passes == 1
     assert all(torch.equal(r, c) for r, c in zip(resident, run(model)))
     handle.disable()
-    again = tiny.model_class("HunyuanImageTransformer2DModel").from_pretrained(  # type: ignore[attr-defined]
+    again = tiny.model_class("HunyuanImageTransformer2DModel").from_pretrained(
         tmp_path / "model", torch_dtype=torch.bfloat16
     )
     handle = enable_adaln_cache(again.eval(), tmp_path / "model", store=tmp_path / "store")
@@ -414,7 +441,7 @@ def test_a_bound_table_file_serves_a_fresh_model_without_weights(tmp_path: Path)
     export_tables(handle.cache, [tensors[k] for k in keys], out, embed=embed, progress=False)
     handle.disable()
 
-    fresh = tiny.model_class(name).from_pretrained(tmp_path / "model", torch_dtype=torch.bfloat16)  # type: ignore[attr-defined]
+    fresh = tiny.model_class(name).from_pretrained(tmp_path / "model", torch_dtype=torch.bfloat16)
     handle = enable_adaln_cache(fresh.eval(), tables=out)
     assert isinstance(handle.cache.source, NoWeights) and served_bytes(fresh) == 0
     assert all(torch.equal(r, c) for r, c in zip(resident, run(fresh)))
@@ -429,7 +456,7 @@ def _compiled_counts(name: str, cache: bool) -> tuple[list[torch.Tensor], tuple[
     handle = enable_adaln_cache(model) if cache else None
     if handle is not None:
         handle.prepare(request_plans(model))
-    model.compile_repeated_blocks(backend="aot_eager")  # type: ignore[operator]
+    model.compile_repeated_blocks(backend="aot_eager")
     torch._dynamo.reset()
     counters.clear()
     outputs = run(model)
@@ -460,7 +487,7 @@ def _lora(model: nn.Module) -> None:
     targets = ["norm1.linear", "norm1_context.linear", "norm.linear", "norm_out.linear", "timestep_embedder.linear_1"]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(7)
-        model.add_adapter(LoraConfig(r=2, target_modules=targets, init_lora_weights=False))  # type: ignore[operator]
+        model.add_adapter(LoraConfig(r=2, target_modules=targets, init_lora_weights=False))
 
 
 @pytest.mark.parametrize("when", ["before", "after"])

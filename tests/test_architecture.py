@@ -222,10 +222,24 @@ INTEGRATION = "adalncache.integrations.diffusers"
 FAMILY_NEUTRAL = {
     f"{INTEGRATION}.{name}"
     for name in (
-        "compat", "modules", "parking", "moving", "requests", "family", "callbacks", "signature", "choice",
-        "handle", "hooks", "lora", "quantized", "sources", "enable", "compile",
+        "compat",
+        "modules",
+        "parking",
+        "moving",
+        "requests",
+        "family",
+        "callbacks",
+        "signature",
+        "choice",
+        "handle",
+        "hooks",
+        "lora",
+        "quantized",
+        "sources",
+        "enable",
+        "compile",
     )
-}  # fmt: skip
+}
 
 
 def test_the_family_neutral_integration_modules_know_no_family() -> None:

@@ -114,7 +114,7 @@ def _replaced(key: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
 SPEC_CASES = [
     Bad("zero layers", lambda e: ModulationSpec(0, 8, 32), ConfigError, r"num_layers must be a positive"),
     Bad("negative hidden", lambda e: ModulationSpec(3, -8, 32), ConfigError, r"hidden_size must be a positive"),
-    Bad("float embed dim", lambda e: ModulationSpec(3, 8, 32.0), ConfigError, r"time_embed_dim"),  # type: ignore[arg-type]
+    Bad("float embed dim", lambda e: ModulationSpec(3, 8, 32.0), ConfigError, r"time_embed_dim"),  # type: ignore[arg-type]  # wrong on purpose: the refusal is what is tested
     Bad("bool modalities", lambda e: ModulationSpec(3, 8, 32, modalities=True), ConfigError, r"modalities"),
     Bad("float64 dtype", lambda e: ModulationSpec(3, 8, 32, dtype=torch.float64), ConfigError, r"dtype must be one"),
     Bad("int8 dtype", lambda e: ModulationSpec(3, 8, 32, dtype=torch.int8), ConfigError, r"dtype must be one"),
@@ -303,7 +303,7 @@ CACHE_CASES = [
     ),
     Bad("a single tensor", lambda e: e.cache.build(torch.tensor([0.3]), embed=EMBED), PlanError, r"wrap it in a list"),
     Bad("meta plan", _build(torch.tensor([0.5], device="meta")), PlanError, r"meta tensor"),
-    Bad("no plans at all", lambda e: e.cache.build(None, embed=EMBED), PlanError, r"sequence of plans"),  # type: ignore[arg-type]
+    Bad("no plans at all", lambda e: e.cache.build(None, embed=EMBED), PlanError, r"sequence of plans"),  # type: ignore[arg-type]  # wrong on purpose: the refusal is what is tested
     Bad("embed not callable", lambda e: e.cache.build([torch.tensor([0.3])], embed=None), PlanError, r"embed="),
     Bad("absent plan lookup", lambda e: e.cache.lookup(torch.tensor([0.3])), PlanNotCachedError, r"does not cover"),
     Bad("a slab too large to allocate", _new_cache(max_plans=10**12), ConfigError, r"bytes.*max_plans.*--max-plans"),
@@ -318,9 +318,9 @@ CACHE_CASES = [
     Bad("slot past the slab", lambda e: e.cache.block_rows(0, 999, 1), PlanError, r"slot.*0\.\.2"),
     Bad("negative slot", lambda e: e.cache.block_rows(0, -1, 1), PlanError, r"slot.*0\.\.2"),
     Bad("a free slot", lambda e: e.cache.final_rows(2, 1), PlanNotCachedError, r"slot 2 holds no plan"),
-    Bad("final as a block layer", lambda e: e.cache.block_rows("final", 0, 1), PlanError, r"final_rows"),  # type: ignore[arg-type]
+    Bad("final as a block layer", lambda e: e.cache.block_rows("final", 0, 1), PlanError, r"final_rows"),  # type: ignore[arg-type]  # wrong on purpose: the refusal is what is tested
     Bad("a bool as a layer", lambda e: e.cache.layer_rows(True, 0, 1), PlanError, r"layer True is not served"),
-    Bad("fractional timesteps", lambda e: e.cache.block_rows(0, 0, 1.5), PlanError, r"num_timesteps"),  # type: ignore[arg-type]
+    Bad("fractional timesteps", lambda e: e.cache.block_rows(0, 0, 1.5), PlanError, r"num_timesteps"),  # type: ignore[arg-type]  # wrong on purpose: the refusal is what is tested
     Bad(
         "one key for two plans",
         lambda e: e.cache.resolve_slots([A, B], keys=[plan_key(A)]),
@@ -329,7 +329,7 @@ CACHE_CASES = [
     ),
     Bad(
         "a key that is not a key",
-        lambda e: e.cache.build([torch.tensor([0.3])], embed=EMBED, keys=[None]),  # type: ignore[list-item]
+        lambda e: e.cache.build([torch.tensor([0.3])], embed=EMBED, keys=[None]),  # type: ignore[list-item]  # wrong on purpose: the refusal is what is tested
         PlanError,
         r"keys=",
     ),

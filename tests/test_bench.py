@@ -18,11 +18,30 @@ def test_bench_quick_tiny_geometry_writes_results(tmp_path: Path) -> None:
     pytest.importorskip("diffusers")
     out = tmp_path / "results"
     argv = [
-        "bench", "--quick", "--layers", "1", "--hidden", "8", "--in-features", "16", "--plans", "3",
-        "--size", "tiny", "--dir", str(tmp_path / "work"), "--out", str(out),
+        "bench",
+        "--quick",
+        "--layers",
+        "1",
+        "--hidden",
+        "8",
+        "--in-features",
+        "16",
+        "--plans",
+        "3",
+        "--size",
+        "tiny",
+        "--dir",
+        str(tmp_path / "work"),
+        "--out",
+        str(out),
         # The deploy section has its own test (its fresh processes would double this one's time).
-        "--only", "pass", "forward", "build", "store", "memory",
-    ]  # fmt: skip
+        "--only",
+        "pass",
+        "forward",
+        "build",
+        "store",
+        "memory",
+    ]
     assert main(argv) == 0
     data = json.loads((out / "bench.json").read_text())
     names = [c["name"] for c in data["comparisons"]]
@@ -42,17 +61,38 @@ def test_bench_quick_tiny_geometry_writes_results(tmp_path: Path) -> None:
 def test_bench_pass_section_only(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "results"
     argv = [
-        "bench", "--quick", "--layers", "1", "--hidden", "8", "--in-features", "16", "--plans", "2",
-        "--only", "pass", "--no-cold", "--dir", str(tmp_path / "work"), "--out", str(out),
-    ]  # fmt: skip
+        "bench",
+        "--quick",
+        "--layers",
+        "1",
+        "--hidden",
+        "8",
+        "--in-features",
+        "16",
+        "--plans",
+        "2",
+        "--only",
+        "pass",
+        "--no-cold",
+        "--dir",
+        str(tmp_path / "work"),
+        "--out",
+        str(out),
+    ]
     assert main(argv) == 0
     data = json.loads((out / "bench.json").read_text())
     names = [c["name"] for c in data["comparisons"]]
     prefixes = (
-        "pass vs max(read, project)", "first pass (fresh buffers)", "pass vs read and project run", "batched pass vs",
-        "pass vs naive", "in-place pass vs staged pass", "tiled pass vs per-plan pass",
-        "default pass vs staged per-plan pass", "pass vs SGLang",
-    )  # fmt: skip
+        "pass vs max(read, project)",
+        "first pass (fresh buffers)",
+        "pass vs read and project run",
+        "batched pass vs",
+        "pass vs naive",
+        "in-place pass vs staged pass",
+        "tiled pass vs per-plan pass",
+        "default pass vs staged per-plan pass",
+        "pass vs SGLang",
+    )
     assert names and all(n.startswith(prefixes) for n in names)
     for row in ("in-place pass vs staged pass", "tiled pass vs per-plan pass", "default pass vs staged per-plan"):
         assert any(n.startswith(row) for n in names)
@@ -67,8 +107,22 @@ def test_bench_rejects_a_device_it_cannot_use(tmp_path: Path, capsys: pytest.Cap
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    argv = ["bench", "--quick", "--layers", "1", "--hidden", "8", "--in-features", "16", "--device", "cuda",
-            "--dir", str(tmp_path / "work"), "--out", str(tmp_path / "out")]  # fmt: skip
+    argv = [
+        "bench",
+        "--quick",
+        "--layers",
+        "1",
+        "--hidden",
+        "8",
+        "--in-features",
+        "16",
+        "--device",
+        "cuda",
+        "--dir",
+        str(tmp_path / "work"),
+        "--out",
+        str(tmp_path / "out"),
+    ]
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "--device cuda" in err and "--device cpu" in err
@@ -106,7 +160,7 @@ def test_sglang_stubs_leave_no_trace() -> None:
 
     before = {name for name in sys.modules if name == "sglang" or name.startswith("sglang.")}
     with _stubbed(_runtime_stubs()):
-        from sglang.multimodal_gen.runtime.distributed import get_tp_world_size  # type: ignore[import-not-found]
+        from sglang.multimodal_gen.runtime.distributed import get_tp_world_size
 
         assert get_tp_world_size() == 1
     assert {name for name in sys.modules if name == "sglang" or name.startswith("sglang.")} == before

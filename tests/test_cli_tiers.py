@@ -54,9 +54,28 @@ def test_build_then_verify_on_sharded_checkpoint(
     assert len(list(ckpt.glob("*.safetensors"))) == 3
     store = tmp_path / "store"
     code = main(
-        ["build", str(ckpt), "--store", str(store), "--task", "t2va", "--task", "ref2va", "--steps", "4",
-         "--steps", "6", "--max-plans", "8", "--read-ahead", "0", "--host-cache-gb", "0.001", "-q"]
-    )  # fmt: skip
+        [
+            "build",
+            str(ckpt),
+            "--store",
+            str(store),
+            "--task",
+            "t2va",
+            "--task",
+            "ref2va",
+            "--steps",
+            "4",
+            "--steps",
+            "6",
+            "--max-plans",
+            "8",
+            "--read-ahead",
+            "0",
+            "--host-cache-gb",
+            "0.001",
+            "-q",
+        ]
+    )
     assert code == 0
     plans = {plan_key(p): p for t in ("t2va", "ref2va") for s in (4, 6) for p in minimax_h3_plans(t, s)}
     out = capsys.readouterr().out
@@ -70,8 +89,12 @@ def test_build_then_verify_on_sharded_checkpoint(
         assert torch.equal(entries[key].rows.block, block), f"block rows differ for plan {p.tolist()}"
         assert torch.equal(entries[key].rows.final, final)
 
-    assert main(["verify", "--store", str(store), "--checkpoint", str(ckpt), "--max-plans", "3", "--read-ahead", "2",
-                 "-q"]) == 0  # fmt: skip
+    assert (
+        main(
+            ["verify", "--store", str(store), "--checkpoint", str(ckpt), "--max-plans", "3", "--read-ahead", "2", "-q"]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "OK" in out and f"{len(plans)} entries recomputed" in out
     assert main(["verify", "--store", str(store), "--checkpoint", str(ckpt), "--sample", "2", "-q"]) == 0
@@ -120,8 +143,10 @@ def test_verify_exits_1_on_a_tampered_entry(load_tiny: Callable[[str], Any], tmp
     # The real entry point, in its own process: exit status 1 and the entry named.
     proc = subprocess.run(
         [sys.executable, "-m", "adalncache", "verify", "--store", str(store), "--checkpoint", str(ckpt), "-q"],
-        capture_output=True, text=True, timeout=180,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert proc.returncode == 1, proc.stderr
     assert "MISMATCH" in proc.stdout and victim.path.name in proc.stdout and "FAILED" in proc.stdout
 
@@ -204,11 +229,13 @@ def test_store_prune_and_bad_flags(
         (["store", "prune", "--store", str(tmp_path / "nope"), "--max-gb", "1"], "--store"),
         (["verify", "--store", str(tmp_path / "nope"), "--checkpoint", str(ckpt)], "--store"),
         (["build", str(ckpt), "--store", str(store), "--task", "t2va", "--steps", "1"], "--steps"),
-        (["build", str(ckpt), "--store", str(store), "--task", "ref2va", "--steps", "4", "--plan-width", "2"],
-         "--plan-width"),
+        (
+            ["build", str(ckpt), "--store", str(store), "--task", "ref2va", "--steps", "4", "--plan-width", "2"],
+            "--plan-width",
+        ),
         (["build", str(tmp_path / "missing"), "--store", str(store), "--task", "t2va", "--steps", "4"], "missing"),
         (["verify", "--store", str(store), "--checkpoint", str(ckpt), "--sample", "0"], "--sample"),
-    ):  # fmt: skip
+    ):
         assert main(argv) == 2, argv
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and flag in err, (argv, err)
@@ -221,8 +248,23 @@ def test_build_from_a_diffusers_layout_directory(
     model = load_tiny("bf16-disk")
     source_dir = tiny_saved_root / "bf16"
     store = tmp_path / "store"
-    assert main(["build", str(source_dir), "--store", str(store), "--task", "ref2va", "--steps", "3",
-                 "--no-audio-refs", "-q"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "build",
+                str(source_dir),
+                "--store",
+                str(store),
+                "--task",
+                "ref2va",
+                "--steps",
+                "3",
+                "--no-audio-refs",
+                "-q",
+            ]
+        )
+        == 0
+    )
     plans = {plan_key(p): p for p in minimax_h3_plans("ref2va", 3, audio_refs=False)}
     entries = _stored(store)
     assert set(entries) == set(plans)

@@ -41,10 +41,15 @@ def _launch(argv: list[str], world: int = 2) -> list[str]:
     ranks = []
     for rank in range(world):
         env = {
-            **os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-            "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"), "OMP_NUM_THREADS": "1",
-        }  # fmt: skip
+            **os.environ,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+            "OMP_NUM_THREADS": "1",
+        }
         ranks.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     outputs = []
     try:
@@ -63,9 +68,23 @@ def _launch(argv: list[str], world: int = 2) -> list[str]:
 def test_build_under_a_launcher_shards_by_columns(tiny_saved_dir: Path, tmp_path: Path) -> None:
     store = tmp_path / "store"
     argv = [
-        sys.executable, "-m", "adalncache", "build", str(tiny_saved_dir), "--store", str(store), "--task", "fl2va",
-        "--steps", "3", "--shard", "columns", "--timeout", "60", "-q",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "adalncache",
+        "build",
+        str(tiny_saved_dir),
+        "--store",
+        str(store),
+        "--task",
+        "fl2va",
+        "--steps",
+        "3",
+        "--shard",
+        "columns",
+        "--timeout",
+        "60",
+        "-q",
+    ]
     outputs = _launch(argv)
     plans = schedule_plans(["fl2va"], [3])
     assert f"{len(plans)} built in 1 pass(es)" in outputs[0] and "2 ranks (--shard columns)" in outputs[0]
@@ -87,9 +106,21 @@ def test_export_under_a_launcher_equals_the_one_process_file(tiny_saved_root: Pa
     checkpoint = tiny_saved_root / "bf16"
     shared = tmp_path / "ranks.safetensors"
     argv = [
-        sys.executable, "-m", "adalncache", "export", str(checkpoint), "-o", str(shared), "--task", "t2va",
-        "--steps", "4", "--timeout", "60", "-q",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "adalncache",
+        "export",
+        str(checkpoint),
+        "-o",
+        str(shared),
+        "--task",
+        "t2va",
+        "--steps",
+        "4",
+        "--timeout",
+        "60",
+        "-q",
+    ]
     _launch(argv)
     alone = tmp_path / "alone.safetensors"
     previous = torch.get_num_threads()
@@ -111,8 +142,9 @@ def test_vllm_omni_export_under_a_launcher_equals_the_one_process_file(tiny_save
     checkpoint = tiny_saved_root / "bf16"
     schedule = ["--format", "vllm-omni", "--mode", "fl2va", "--num-steps", "4", "-q"]
     shared = tmp_path / "ranks.safetensors"
-    _launch([sys.executable, "-m", "adalncache", "export", str(checkpoint), "-o", str(shared), "--timeout", "60",
-             *schedule])  # fmt: skip
+    _launch(
+        [sys.executable, "-m", "adalncache", "export", str(checkpoint), "-o", str(shared), "--timeout", "60", *schedule]
+    )
     alone = tmp_path / "alone.safetensors"
     assert main(["export", str(checkpoint), "-o", str(alone), *schedule]) == 0
     with safe_open(str(shared), framework="pt") as a, safe_open(str(alone), framework="pt") as b:

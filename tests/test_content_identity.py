@@ -48,7 +48,7 @@ def _ckpt(directory: Path, seed: int = 0, layout: str = "native", name: str = "m
 
 
 def _cache(ckpt: Path | list[Path], store: Path | Store | None = None, **kw: object) -> AdalnCache:
-    return AdalnCache(SPEC, CheckpointSource(ckpt, SPEC), max_plans=4, max_plan_width=4, store=store, **kw)  # type: ignore[arg-type]
+    return AdalnCache(SPEC, CheckpointSource(ckpt, SPEC), max_plans=4, max_plan_width=4, store=store, **kw)
 
 
 def _digest_by_reading(source: CheckpointSource, world: int, mode: str) -> str | None:
@@ -220,8 +220,8 @@ def test_unknown_digest_is_a_miss_and_old_format_bindings_never_hit(tmp_path: Pa
     assert cache.binding() is None and cache.content_digest is None  # nothing hashed yet: no binding
     report = cache.build(PLANS, embed=embed)
     assert report.store_hits == 0 and report.passes == 1 and cache.stats.store_unbound == 1
-    assert cache.binding() is not None and cache.binding()["content"] == cache.content_digest  # type: ignore[index]
-    assert binding_hash(old) not in {binding_hash(cache.binding())}  # type: ignore[arg-type]
+    assert cache.binding() is not None and cache.binding()["content"] == cache.content_digest
+    assert binding_hash(old) not in {binding_hash(cache.binding())}
 
 
 def test_identify_and_a_sharded_checkpoint_record_per_file(tmp_path: Path) -> None:
@@ -252,7 +252,7 @@ def test_fp32_content_at_other_offsets_is_another_binding(tmp_path: Path) -> Non
     report = second.build(PLANS, embed=embed)
     assert second.content_digest == first.content_digest
     assert report.store_hits == 0 and report.passes == 1
-    assert first.binding()["alignment"] != second.binding()["alignment"]  # type: ignore[index]
+    assert first.binding()["alignment"] != second.binding()["alignment"]
 
 
 def test_inspect_shows_both_identities(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -307,8 +307,9 @@ def test_an_in_place_rewrite_that_keeps_the_mtime_never_poisons_a_shared_store(t
     assert writer.content_digest not in (None, old_digest)
     for p in PLANS:
         block, final = _rows_of(new, p)
-        assert torch.equal(writer.rows_of(plan_key(p)).block, block) and torch.equal(writer.rows_of(plan_key(p)).final,
-                                                                                      final)  # fmt: skip
+        assert torch.equal(writer.rows_of(plan_key(p)).block, block) and torch.equal(
+            writer.rows_of(plan_key(p)).final, final
+        )
     forget_process_memo()  # another process, whose checkpoint is an untouched copy of the old weights
     reader = _cache(untouched, store)
     reader.build(PLANS, embed=embed)

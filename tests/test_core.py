@@ -57,7 +57,7 @@ def ckpt(tmp_path: Path) -> Path:
 def make_cache(path: Path, **kwargs: object) -> AdalnCache:
     kwargs.setdefault("max_plans", 2)
     kwargs.setdefault("max_plan_width", 4)
-    return AdalnCache(SPEC, CheckpointSource(path, SPEC), **kwargs)  # type: ignore[arg-type]
+    return AdalnCache(SPEC, CheckpointSource(path, SPEC), **kwargs)
 
 
 EMBED = embed_for(SPEC)
@@ -326,11 +326,11 @@ def test_tensor_source_uses_tensors_as_they_are(tmp_path: Path) -> None:
 def test_fault_during_pass(ckpt: Path, fail_at: object) -> None:
     inner = CheckpointSource(ckpt, SPEC)
     source = FaultInjectingSource(inner, None)
-    cache = AdalnCache(SPEC, source, max_plans=3)  # type: ignore[arg-type]
+    cache = AdalnCache(SPEC, source, max_plans=3)
     cache.build([A, B], embed=EMBED)
     cache.build([A], embed=EMBED)  # touch A: B is the least recently used
     before_a = cache.rows_of(plan_key(A))
-    source.arm(fail_at, OSError("disk on fire"))  # type: ignore[arg-type]
+    source.arm(fail_at, OSError("disk on fire"))
     with pytest.raises(BuildError, match=f"layer {fail_at}") as info:
         cache.build([C, D], embed=EMBED)  # needs one eviction (3 slots): B goes, A stays
     assert isinstance(info.value.__cause__, OSError)
@@ -361,7 +361,7 @@ def test_memory_error_from_embed_is_a_clean_build_error(ckpt: Path) -> None:
 def test_interrupt_during_a_build_is_rolled_back_and_propagates_as_itself(ckpt: Path, site: object) -> None:
     """Ctrl-C is the user's: the same rollback as any failure, then the KeyboardInterrupt itself."""
     source = FaultInjectingSource(CheckpointSource(ckpt, SPEC), None)
-    cache = AdalnCache(SPEC, source, max_plans=3, host_cache_bytes=1 << 20, progress=False)  # type: ignore[arg-type]
+    cache = AdalnCache(SPEC, source, max_plans=3, host_cache_bytes=1 << 20, progress=False)
     cache.build([A], embed=EMBED)
     failed = cache.stats.failed_builds
     if isinstance(site, int):
@@ -405,7 +405,7 @@ def test_a_checkpoint_rewritten_during_a_pass_publishes_nothing(ckpt: Path, keep
     from the old bytes, the later ones from the new. Nothing of that is published: a BuildError
     names the file, and a retry projects the new bytes."""
     source = RewriteBetweenLayers(CheckpointSource(ckpt, SPEC))
-    cache = AdalnCache(SPEC, source, max_plans=3, max_plan_width=2, progress=False)  # type: ignore[arg-type]
+    cache = AdalnCache(SPEC, source, max_plans=3, max_plan_width=2, progress=False)
     cache.build([A], embed=EMBED)
     new = make_weights(SPEC, seed=7)
     source.arm(1, lambda: rewrite_in_place(ckpt, new, keep_mtime=keep_mtime))

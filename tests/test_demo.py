@@ -38,10 +38,23 @@ def test_demo_all_tasks_small(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_demo_prints_no_for_a_mismatch(capsys: pytest.CaptureFixture[str]) -> None:
     result = DemoResult(
-        task="t2va", steps=4, forwards=3, plans=3, passes=1, bytes_before=1 << 21, bytes_after=0,
-        table_bytes=4096, resident_ms=1.0, cached_ms=1.0, stats={"passes": 1}, identical=False,
-        aot_plans_match=True, load_read_bytes=3 << 20, checkpoint_bytes=5 << 20, never_read_bytes=2 << 20,
-    )  # fmt: skip
+        task="t2va",
+        steps=4,
+        forwards=3,
+        plans=3,
+        passes=1,
+        bytes_before=1 << 21,
+        bytes_after=0,
+        table_bytes=4096,
+        resident_ms=1.0,
+        cached_ms=1.0,
+        stats={"passes": 1},
+        identical=False,
+        aot_plans_match=True,
+        load_read_bytes=3 << 20,
+        checkpoint_bytes=5 << 20,
+        never_read_bytes=2 << 20,
+    )
     _print_result(result)
     out = capsys.readouterr().out
     assert "bit-identical: no" in out

@@ -246,7 +246,7 @@ def test_load_state_dict_into_served_weights_is_refused(load_tiny: Callable[[str
 def test_enable_twice_and_bad_arguments(load_tiny: Callable[[str], Any]) -> None:
     model = load_tiny("bf16-disk")
     with pytest.raises(ConfigError, match="on_miss"):
-        enable_adaln_cache(model, on_miss="ignore")  # type: ignore[arg-type]
+        enable_adaln_cache(model, on_miss="ignore")  # type: ignore[arg-type]  # wrong on purpose: the refusal is what is tested
     handle = enable_adaln_cache(model)
     with pytest.raises(ConfigError, match="already enabled"):
         enable_adaln_cache(model)

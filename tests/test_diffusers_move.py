@@ -86,7 +86,7 @@ def test_casts_are_refused_and_change_nothing(tiny_saved_root: Path, cast: str) 
 def test_a_no_op_cast_of_an_fp32_model_is_allowed(tiny_saved_root: Path) -> None:
     model = load_transformer(tiny_saved_root / "fp32")
     assert model.float() is model and model.to(torch.float32) is model
-    adaln_cache_handle(model).disable()  # type: ignore[union-attr]
+    adaln_cache_handle(model).disable()
 
 
 def test_disable_after_moves_restores_the_stock_model(load_tiny: Callable[[str], Any]) -> None:
@@ -196,5 +196,5 @@ def test_cuda_device_map_load_is_exact(tiny_saved_root: Path) -> None:
     model = load_transformer(tiny_saved_root / "bf16", torch_dtype=torch.bfloat16, device_map="cuda")
     assert model.hf_device_map == stock.hf_device_map
     request = make_request(stock, "ref2va", STEPS, seed=3, device="cuda")
-    adaln_cache_handle(model).prepare(request.plans)  # type: ignore[union-attr]
+    adaln_cache_handle(model).prepare(request.plans)
     assert run_loop(model, request).equal(run_loop(stock, request))

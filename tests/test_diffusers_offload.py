@@ -41,9 +41,13 @@ def _stock(root: Path) -> Any:
 def _offload(model: Any, kind: str, device: torch.device = CPU, **extra: Any) -> None:
     if kind == "block":
         apply_group_offloading(
-            model, onload_device=device, offload_device=CPU, offload_type="block_level", num_blocks_per_group=1,
+            model,
+            onload_device=device,
+            offload_device=CPU,
+            offload_type="block_level",
+            num_blocks_per_group=1,
             **extra,
-        )  # fmt: skip
+        )
     else:
         model.enable_group_offload(onload_device=device, offload_device=CPU, offload_type="leaf_level", **extra)
 
@@ -124,12 +128,12 @@ def test_accelerate_model_offload_hook_is_exact(tiny_saved_root: Path) -> None:
     request = make_request(reference, "ref2va", STEPS, seed=3)
     expected = run_loop(reference, request)
     model: Any = load_transformer(tiny_saved_root / "bf16", torch_dtype=torch.bfloat16)
-    adaln_cache_handle(model).prepare(request.plans)  # type: ignore[union-attr]
+    adaln_cache_handle(model).prepare(request.plans)
     _, hook = cpu_offload_with_hook(model, execution_device=CPU)
     assert run_loop(model, request).equal(expected)
     hook.offload()
     assert run_loop(model, request).equal(expected)
-    assert adaln_cache_handle(model).stats.passes == 1  # type: ignore[union-attr]
+    assert adaln_cache_handle(model).stats.passes == 1
 
 
 @pytest.mark.parametrize("prepared", [True, False], ids=["prepared", "built-in-forward"])
@@ -149,7 +153,7 @@ def test_model_cpu_offload_of_a_diffusion_pipeline_is_exact(
     must project from weights where the offloaded model holds them."""
     from diffusers import DiffusionPipeline
 
-    class TransformerOnly(DiffusionPipeline):  # type: ignore[misc]
+    class TransformerOnly(DiffusionPipeline):
         model_cpu_offload_seq = "transformer"
 
         def __init__(self, transformer: Any) -> None:
@@ -168,7 +172,7 @@ def test_model_cpu_offload_of_a_diffusion_pipeline_is_exact(
     pipe.enable_model_cpu_offload(device="cpu")
     with gemv_residues() as gemvs:
         if prepared:
-            adaln_cache_handle(pipe.transformer).prepare(request.plans)  # type: ignore[union-attr]
+            adaln_cache_handle(pipe.transformer).prepare(request.plans)
         cached = run_loop(pipe.transformer, request)
     assert cached.equal(expected)
     assert gemvs == expected_gemvs  # the build's one-row GEMVs (the loop's own run none)

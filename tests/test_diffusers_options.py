@@ -60,7 +60,7 @@ def test_enable_signature_is_the_config_and_the_cache_options() -> None:
 def test_unknown_keyword_is_a_type_error_and_leaves_the_model(load_tiny: Callable[[str], Any]) -> None:
     model = load_tiny("bf16-disk")
     with pytest.raises(TypeError, match="max_plan_widht"):
-        enable_adaln_cache(model, max_plan_widht=2)  # type: ignore[call-arg]
+        enable_adaln_cache(model, max_plan_widht=2)  # type: ignore[call-arg]  # wrong on purpose: the refusal is what is tested
     assert all(p.device.type != "meta" for p in model.parameters())
     assert getattr(model, "_diffusers_hook", None) is None
 
@@ -122,8 +122,8 @@ def test_config_is_typed_and_frozen() -> None:
     config = AdalnCacheConfig(cache_options=CacheOptions(max_plans=3))
     assert config.cache_options.max_plans == 3
     with pytest.raises(dataclasses.FrozenInstanceError):
-        config.on_miss = "raise"  # type: ignore[misc]
+        config.on_miss = "raise"  # type: ignore[misc]  # wrong on purpose: the refusal is what is tested
     with pytest.raises(ConfigError, match="cache_options"):
-        AdalnCacheConfig(cache_options={"max_plans": 3})  # type: ignore[arg-type]
+        AdalnCacheConfig(cache_options={"max_plans": 3})  # type: ignore[arg-type]  # wrong on purpose: the refusal is what is tested
     with pytest.raises(ConfigError, match="on_miss"):
-        AdalnCacheConfig(on_miss="ignore")  # type: ignore[arg-type]
+        AdalnCacheConfig(on_miss="ignore")  # type: ignore[arg-type]  # wrong on purpose: the refusal is what is tested

@@ -100,7 +100,7 @@ def test_prepare_holds_for_the_thread_until_release_and_forwards_hold_their_own(
         assert handle.cache.held_slots == held  # every forward released its own hold
         other = make_request(model, "fl2va", STEPS, seed=1)
         with pytest.raises(Exception, match="held by requests in flight"):
-            handle.cache.build(other.plans, embed=lambda plan: None)  # type: ignore[arg-type,return-value]
+            handle.cache.build(other.plans, embed=lambda plan: None)  # type: ignore[arg-type,return-value]  # wrong on purpose: the refusal is what is tested
         handle.release()
         assert handle.cache.held_slots == {}
         with handle.request(other.plans) as hold:

@@ -114,7 +114,7 @@ def cold(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
 
 
 @pytest.mark.parametrize("read_ahead", [0, 1, 2])
-def test_a_cold_file_is_read_directly_and_exactly(cold, read_ahead: int) -> None:  # type: ignore[no-untyped-def]
+def test_a_cold_file_is_read_directly_and_exactly(cold, read_ahead: int) -> None:
     path, tensors = cold
     source = CheckpointSource(path, SPEC)
     _drop(path)
@@ -125,7 +125,7 @@ def test_a_cold_file_is_read_directly_and_exactly(cold, read_ahead: int) -> None
     assert source.bytes_direct > total // 2
 
 
-def test_a_cached_file_is_read_from_the_page_cache(cold) -> None:  # type: ignore[no-untyped-def]
+def test_a_cached_file_is_read_from_the_page_cache(cold) -> None:
     path, tensors = cold
     source = CheckpointSource(path, SPEC)
     _warm(path)
@@ -133,7 +133,7 @@ def test_a_cached_file_is_read_from_the_page_cache(cold) -> None:  # type: ignor
     assert source.bytes_direct == 0
 
 
-def test_a_half_cached_file_mixes_both_and_stays_exact(cold) -> None:  # type: ignore[no-untyped-def]
+def test_a_half_cached_file_mixes_both_and_stays_exact(cold) -> None:
     path, tensors = cold
     source = CheckpointSource(path, SPEC)
     _drop(path)
@@ -149,7 +149,7 @@ def test_a_half_cached_file_mixes_both_and_stays_exact(cold) -> None:  # type: i
     assert 0 < source.bytes_direct < source.bytes_read
 
 
-def test_direct_io_off_reads_through_the_page_cache(cold) -> None:  # type: ignore[no-untyped-def]
+def test_direct_io_off_reads_through_the_page_cache(cold) -> None:
     path, tensors = cold
     source = CheckpointSource(path, SPEC, direct_io=False)
     _drop(path)
@@ -157,7 +157,7 @@ def test_direct_io_off_reads_through_the_page_cache(cold) -> None:  # type: igno
     assert source.bytes_direct == 0
 
 
-def test_a_cold_file_truncated_during_the_pass_fails_the_build(cold) -> None:  # type: ignore[no-untyped-def]
+def test_a_cold_file_truncated_during_the_pass_fails_the_build(cold) -> None:
     path, _ = cold
     source = CheckpointSource(path, SPEC)
     cache = AdalnCache(SPEC, source, max_plans=2, max_plan_width=2)
@@ -191,7 +191,7 @@ def test_a_filesystem_without_o_direct_falls_back_to_plain_reads() -> None:
         assert source.bytes_direct == 0
 
 
-def test_o_direct_refused_at_open_falls_back_to_plain_reads(cold, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_o_direct_refused_at_open_falls_back_to_plain_reads(cold, monkeypatch) -> None:
     """A filesystem that refuses O_DIRECT (EINVAL at open, as older tmpfs does): plain reads, same bytes."""
     import errno
 
@@ -201,7 +201,7 @@ def test_o_direct_refused_at_open_falls_back_to_plain_reads(cold, monkeypatch) -
     def open_without_direct(file: object, flags: int, *args: object) -> int:
         if flags & os.O_DIRECT:
             raise OSError(errno.EINVAL, "Invalid argument")
-        return real_open(file, flags, *args)  # type: ignore[arg-type]
+        return real_open(file, flags, *args)
 
     monkeypatch.setattr(os, "open", open_without_direct)
     source = CheckpointSource(path, SPEC)
@@ -210,7 +210,7 @@ def test_o_direct_refused_at_open_falls_back_to_plain_reads(cold, monkeypatch) -
     assert source.bytes_direct == 0
 
 
-def test_without_mincore_the_page_cache_is_asked_directly(cold, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_without_mincore_the_page_cache_is_asked_directly(cold, monkeypatch) -> None:
     """A file we neither own nor may write hides its cache from mincore: RWF_NOWAIT decides instead."""
     from adalncache.source.reads import DirectReads
 
@@ -226,7 +226,7 @@ def test_without_mincore_the_page_cache_is_asked_directly(cold, monkeypatch) -> 
     assert warm.bytes_direct == 0
 
 
-def test_a_file_replaced_during_a_cold_pass_is_read_from_the_file_the_pass_opened(cold) -> None:  # type: ignore[no-untyped-def]
+def test_a_file_replaced_during_a_cold_pass_is_read_from_the_file_the_pass_opened(cold) -> None:
     """A checkpoint renamed over mid-pass: the rest of the pass still reads the file it opened.
 
     Layer 0 is cached (read without O_DIRECT); the later layers are cold, so their O_DIRECT

@@ -316,9 +316,23 @@ def test_torchrun_example_fills_a_store_that_serves_one_process(tiny_saved_dir: 
     script = Path(__file__).resolve().parents[1] / "examples" / "torchrun_build.py"
     store = tmp_path / "store"
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script),
-        str(tiny_saved_dir), "--store", str(store), "--task", "fl2va", "--steps", "4", "--timeout", "60",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(script),
+        str(tiny_saved_dir),
+        "--store",
+        str(store),
+        "--task",
+        "fl2va",
+        "--steps",
+        "4",
+        "--timeout",
+        "60",
+    ]
     env = {**os.environ, "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, capture_output=True, text=True, timeout=180, env=env, check=False)
     assert done.returncode == 0, done.stderr[-3000:]

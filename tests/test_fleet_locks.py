@@ -67,9 +67,16 @@ _WORKER = textwrap.dedent(
 
 def _start(tmp_path: Path, index: int, ckpt: Path, store: Path, sleep: float) -> subprocess.Popen[str]:
     code = _WORKER.format(
-        tests=str(TESTS), barrier=str(tmp_path / "barrier"), index=index, workers=WORKERS, sleep=sleep,
-        ckpt=str(ckpt), store=str(store), plans=PLANS, out=str(tmp_path / f"rows-{index}.safetensors"),
-    )  # fmt: skip
+        tests=str(TESTS),
+        barrier=str(tmp_path / "barrier"),
+        index=index,
+        workers=WORKERS,
+        sleep=sleep,
+        ckpt=str(ckpt),
+        store=str(store),
+        plans=PLANS,
+        out=str(tmp_path / f"rows-{index}.safetensors"),
+    )
     return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -167,9 +174,12 @@ def test_a_waiter_builds_itself_after_lock_wait(tmp_path: Path) -> None:
     try:
         assert started.wait(30)
         waiter = AdalnCache(
-            spec, CheckpointSource(ckpt, spec), max_plans=8, max_plan_width=4,
+            spec,
+            CheckpointSource(ckpt, spec),
+            max_plans=8,
+            max_plan_width=4,
             store=Store(store_dir, lock_wait_s=0.5),
-        )  # fmt: skip
+        )
         report = waiter.build(plans, embed=simple_embed(spec))
         assert report.passes == 1 and report.built == len(PLANS) and 0.5 <= report.waited_s < 10
         assert waiter.stats.lock_waits == 1

@@ -18,17 +18,33 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = [
-    "--device", "cpu", "--layers", "2", "--hidden", "64", "--in-features", "512", "--demo-size", "tiny",
-    "--demo-steps", "3",
-]  # fmt: skip
+    "--device",
+    "cpu",
+    "--layers",
+    "2",
+    "--hidden",
+    "64",
+    "--in-features",
+    "512",
+    "--demo-size",
+    "tiny",
+    "--demo-steps",
+    "3",
+]
 
 
 def run_script(tmp_path: Path, *extra: str, env_dir: Path | None = None, timeout: int = 300) -> tuple[Any, dict]:
     """Run the script in a fresh process; returns the process and the JSON it left."""
     cmd = [
-        sys.executable, str(ROOT / "scripts" / "gpu_check.py"), *SMALL, "--dir", str(tmp_path / "work"),
-        "--out", str(tmp_path / "out"), *extra,
-    ]  # fmt: skip
+        sys.executable,
+        str(ROOT / "scripts" / "gpu_check.py"),
+        *SMALL,
+        "--dir",
+        str(tmp_path / "work"),
+        "--out",
+        str(tmp_path / "out"),
+        *extra,
+    ]
     env = None
     if env_dir is not None:
         import os
@@ -100,10 +116,15 @@ def test_every_check_runs_on_cpu(tmp_path: Path) -> None:
 def test_a_failing_check_leaves_the_others_and_the_demo_runs_last(tmp_path: Path) -> None:
     """One check raises, another hangs in its child process: both are recorded, the rest still run."""
     proc, body = run_script(
-        tmp_path, "--only", "environment,exact-match,o-direct,nccl,host-tier,demo",
-        "--simulate", "fail:exact-match,hang:nccl,keep-cache:o-direct", "--check-timeout", "30",
+        tmp_path,
+        "--only",
+        "environment,exact-match,o-direct,nccl,host-tier,demo",
+        "--simulate",
+        "fail:exact-match,hang:nccl,keep-cache:o-direct",
+        "--check-timeout",
+        "30",
         env_dir=without_diffusers(tmp_path),
-    )  # fmt: skip
+    )
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     checks = ["environment", "exact-match", "o-direct", "nccl", "host-tier", "demo"]
     assert [r["check"] for r in body["results"]] == checks
@@ -124,9 +145,15 @@ def test_a_failing_check_leaves_the_others_and_the_demo_runs_last(tmp_path: Path
 
 def test_a_hung_check_is_stopped_and_what_ran_before_it_is_kept(tmp_path: Path) -> None:
     proc, body = run_script(
-        tmp_path, "--only", "environment,host-tier,demo", "--simulate", "hang:host-tier", "--check-timeout", "4",
+        tmp_path,
+        "--only",
+        "environment,host-tier,demo",
+        "--simulate",
+        "hang:host-tier",
+        "--check-timeout",
+        "4",
         timeout=120,
-    )  # fmt: skip
+    )
     assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert [r["check"] for r in body["results"]] == ["environment", "host-tier"]
     results = by_name(body)

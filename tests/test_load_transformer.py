@@ -170,7 +170,7 @@ def test_time_embedder_can_be_loaded(files: dict[str, Path]) -> None:
     assert model.time_embedder.linear_2.weight.device.type == "cpu"
     assert model.norm_out.linear.weight.device.type == "meta"
     request = make_request(stock, "ref2va", STEPS, seed=3)
-    adaln_cache_handle(model).prepare(request.plans)  # type: ignore[union-attr]
+    adaln_cache_handle(model).prepare(request.plans)
     assert run_loop(model, request).equal(run_loop(stock, request))
 
 
@@ -185,7 +185,7 @@ def test_cache_options_are_typed_keywords_like_enable_adaln_cache() -> None:
         assert params[field.name].kind is inspect.Parameter.KEYWORD_ONLY, field.name
         assert params[field.name].default == field.default, field.name
     with pytest.raises(TypeError, match="max_plan"):
-        load_transformer("nowhere", max_plan=3)  # type: ignore[call-arg]
+        load_transformer("nowhere", max_plan=3)  # type: ignore[call-arg]  # wrong on purpose: the refusal is what is tested
 
 
 def test_the_load_reads_no_served_byte(tmp_path: Path) -> None:

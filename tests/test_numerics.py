@@ -62,7 +62,7 @@ def _checkpoint(tmp_path: Path) -> Path:
 
 
 def _cache(path: Path, store: Path, **kw: object) -> AdalnCache:
-    return AdalnCache(SPEC, CheckpointSource(path, SPEC), max_plans=len(PLANS), store=store, **kw)  # type: ignore[arg-type]
+    return AdalnCache(SPEC, CheckpointSource(path, SPEC), max_plans=len(PLANS), store=store, **kw)
 
 
 def test_bit_settings_read_the_new_precision_api_without_raising() -> None:
@@ -113,7 +113,7 @@ def test_thread_count_is_part_of_the_binding_and_of_the_probe_class(tmp_path: Pa
         assert _cache(path, store).build(PLANS, embed=EMBED).store_hits == len(PLANS)
     # The probe's shape classes end with the bit-deciding settings: the same shapes under two
     # thread counts are different classes, each probed on its own.
-    assert {dict(cls[-1])["num_threads"] for cls in verdicts()} == {1, 2}  # type: ignore[index]
+    assert {dict(cls[-1])["num_threads"] for cls in verdicts()} == {1, 2}
 
 
 def test_a_torch_without_the_new_api_reads_the_legacy_flags(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -43,14 +43,14 @@ def _pipeline_row_plan(layout: dict[str, Any], n_video: int, n_audio: int, steps
 @pytest.mark.parametrize("steps", [2, 5, 9, 50])
 def test_plans_equal_the_set_timesteps_block(task: str, steps: int) -> None:
     """Bit for bit what the pipeline's SetTimesteps block stages for a real (larger) layout."""
-    from adalncache.schedules import Geometry, build_layout
+    from adalncache.schedules import LatentShape, build_layout
 
     layout, n_video, n_audio, _, _ = build_layout(
         task,
         patch_size=(1, 2, 2),
         video_channels=4,
         audio_channels=8,
-        geometry=Geometry(num_text_tokens=9, num_latent_frames=3, latent_height=4, latent_width=6),
+        geometry=LatentShape(num_text_tokens=9, num_latent_frames=3, latent_height=4, latent_width=6),
     )
     expected = _pipeline_row_plan(layout, n_video, n_audio, steps)
     plans = minimax_h3_plans(task, steps)

@@ -62,7 +62,7 @@ def _inputs(model: Any, variant: str, batch: int, seed: int = 0) -> dict[str, An
 
 def _run(model: Any, inputs: dict[str, Any]) -> torch.Tensor:
     with torch.no_grad():
-        return model(**inputs)[0]  # type: ignore[no-any-return]
+        return model(**inputs)[0]
 
 
 def _served_parameters(model: Any) -> list[tuple[str, torch.Tensor]]:
@@ -190,9 +190,12 @@ def test_the_spec_from_a_transformer_and_from_a_checkpoint(qwen_root: Path) -> N
     dim = 32
     assert spec.family.name == "qwen-image" and spec.num_layers == 2 and spec.in_features == dim
     assert spec.layers() == [
-        "transformer_blocks.0.img_mod.1", "transformer_blocks.0.txt_mod.1",
-        "transformer_blocks.1.img_mod.1", "transformer_blocks.1.txt_mod.1", "norm_out.linear",
-    ]  # fmt: skip
+        "transformer_blocks.0.img_mod.1",
+        "transformer_blocks.0.txt_mod.1",
+        "transformer_blocks.1.img_mod.1",
+        "transformer_blocks.1.txt_mod.1",
+        "norm_out.linear",
+    ]
     assert [spec.out_features(layer) for layer in spec.layers()] == [6 * dim] * 4 + [2 * dim]
     assert [spec.input_of(layer) for layer in spec.layers()] == ["temb", "temb_first"] * 2 + ["temb_first"]
     assert spec.plan_inputs == ("timestep",) and spec.dtype == torch.float32
@@ -222,9 +225,16 @@ def test_the_released_geometry_serves_a_third_of_the_model() -> None:
 
 def _flux() -> Any:
     return diffusers.FluxTransformer2DModel(
-        patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=8,
-        num_attention_heads=2, joint_attention_dim=8, pooled_projection_dim=8, axes_dims_rope=(2, 2, 4),
-    )  # fmt: skip
+        patch_size=1,
+        in_channels=4,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=8,
+        num_attention_heads=2,
+        joint_attention_dim=8,
+        pooled_projection_dim=8,
+        axes_dims_rope=(2, 2, 4),
+    )
 
 
 def test_a_prompt_dependent_modulation_is_refused_and_nothing_changes() -> None:
@@ -241,10 +251,17 @@ def test_a_prompt_dependent_modulation_is_refused_and_nothing_changes() -> None:
 
 def test_an_unknown_class_lists_the_supported_families(tmp_path: Path) -> None:
     model = diffusers.SanaTransformer2DModel(
-        in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=8, num_layers=1,
-        num_cross_attention_heads=2, cross_attention_head_dim=8, cross_attention_dim=16, caption_channels=8,
+        in_channels=4,
+        out_channels=4,
+        num_attention_heads=2,
+        attention_head_dim=8,
+        num_layers=1,
+        num_cross_attention_heads=2,
+        cross_attention_head_dim=8,
+        cross_attention_dim=16,
+        caption_channels=8,
         sample_size=8,
-    )  # fmt: skip
+    )
     with pytest.raises(ConfigError, match=r"SanaTransformer2DModel is not a supported family.*qwen-image"):
         enable_adaln_cache(model)
     (tmp_path / "config.json").write_text(json.dumps({"_class_name": "SD3Transformer2DModel"}))
@@ -281,7 +298,7 @@ def test_a_pipeline_request_is_built_in_one_pass_and_repeats_build_nothing(
         out = pipe(
             height=32, width=32, num_inference_steps=steps, generator=generator, output_type="pt", **prompt, **kwargs
         )
-        return out.images  # type: ignore[no-any-return]
+        return out.images
 
     resident = {(steps, cfg): run(steps, cfg) for steps in (3, 4) for cfg in (False, True)}
     handle = enable_adaln_cache(pipe)
@@ -336,9 +353,14 @@ def test_an_edit_pipeline_request_is_built_in_one_pass(pipeline: str, variant: s
 
 def test_a_pipeline_of_a_refused_transformer_says_why() -> None:
     pipe = diffusers.FluxPipeline(
-        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(), vae=None, text_encoder=None, tokenizer=None,
-        text_encoder_2=None, tokenizer_2=None, transformer=_flux(),
-    )  # fmt: skip
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(),
+        vae=None,
+        text_encoder=None,
+        tokenizer=None,
+        text_encoder_2=None,
+        tokenizer_2=None,
+        transformer=_flux(),
+    )
     with pytest.raises(ConfigError, match="FluxTransformer2DModel cannot be served"):
         enable_adaln_cache(pipe)
     assert "set_timesteps" not in pipe.scheduler.__dict__
@@ -423,10 +445,15 @@ def test_cli_tables_of_a_checkpoint_serve_the_pipeline_without_a_pass(tmp_path: 
 
     def run() -> torch.Tensor:
         generator = torch.Generator().manual_seed(0)
-        return pipe(  # type: ignore[no-any-return]
-            height=32, width=32, num_inference_steps=4, generator=generator, output_type="pt", true_cfg_scale=1.0,
+        return pipe(
+            height=32,
+            width=32,
+            num_inference_steps=4,
+            generator=generator,
+            output_type="pt",
+            true_cfg_scale=1.0,
             **prompt,
-        ).images  # fmt: skip
+        ).images
 
     resident = run()
     handle = enable_adaln_cache(pipe, repo / "transformer", tables=tables)
@@ -467,7 +494,7 @@ def test_a_schedule_larger_than_the_cache_builds_step_by_step(
     def run() -> torch.Tensor:
         generator = torch.Generator().manual_seed(0)
         out = pipe(height=32, width=32, num_inference_steps=4, generator=generator, output_type="pt", **prompt)
-        return out.images  # type: ignore[no-any-return]
+        return out.images
 
     resident = run()
     handle = enable_adaln_cache(pipe, max_plans=2)
@@ -493,8 +520,15 @@ def test_the_load_reads_no_served_byte(tmp_path: Path) -> None:
         weight_files,
     )
 
-    config = {"num_layers": 2, "attention_head_dim": 64, "num_attention_heads": 4, "in_channels": 16,
-              "out_channels": 4, "joint_attention_dim": 24, "axes_dims_rope": (16, 24, 24)}  # fmt: skip
+    config = {
+        "num_layers": 2,
+        "attention_head_dim": 64,
+        "num_attention_heads": 4,
+        "in_channels": 16,
+        "out_channels": 4,
+        "joint_attention_dim": 24,
+        "axes_dims_rope": (16, 24, 24),
+    }
     built: Any = diffusers.QwenImageTransformer2DModel(**config).to(torch.bfloat16)
     directory = tmp_path / "sharded"
     built.save_pretrained(directory, max_shard_size="1MB")

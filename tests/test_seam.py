@@ -93,8 +93,11 @@ def test_the_geometry_is_read_through_neutral_members() -> None:
 )
 def test_a_malformed_geometry_is_refused(change: dict[str, Any], says: str) -> None:
     fields: dict[str, Any] = {
-        "family": S.FAMILY, "layers": S.LAYERS, "in_features": 16, "plan_inputs": ("timestep", "guidance"),
-    }  # fmt: skip
+        "family": S.FAMILY,
+        "layers": S.LAYERS,
+        "in_features": 16,
+        "plan_inputs": ("timestep", "guidance"),
+    }
     with pytest.raises(ConfigError, match=says):
         ModelGeometry(**{**fields, **change})
 
@@ -148,7 +151,7 @@ def test_row_reads_of_named_layers_refuse_bad_slots_counts_and_layers(ckpt: Path
     with pytest.raises(PlanNotCachedError, match=f"slot {free} holds no plan"):
         cache.layer_rows(layer, free, 1)
     with pytest.raises(PlanError, match="num_timesteps must be an integer"):
-        cache.layer_rows(layer, slot, 1.5)  # type: ignore[arg-type]
+        cache.layer_rows(layer, slot, 1.5)  # type: ignore[arg-type]  # wrong on purpose: the refusal is what is tested
     with pytest.raises(PlanError, match="not served by this cache"):
         cache.layer_params(0)
     assert cache.layer_rows(layer, slot, 1).shape == (1, 24)
@@ -298,10 +301,14 @@ def test_an_unbound_table_file_of_this_family_is_refused(ckpt: Path, tmp_path: P
     cache = _cache(ckpt)
     cache.build(S.PLANS[:1], embed=S.embed)
     save_file(
-        {"plan_timesteps": cache.plan_timesteps[:1].clone(), "plan_lengths": cache.plan_lengths[:1].clone(),
-         TABLE_ROWS: cache.table[:1].clone()},
-        str(bare), metadata={"format_version": "2"},
-    )  # fmt: skip
+        {
+            "plan_timesteps": cache.plan_timesteps[:1].clone(),
+            "plan_lengths": cache.plan_lengths[:1].clone(),
+            TABLE_ROWS: cache.table[:1].clone(),
+        },
+        str(bare),
+        metadata={"format_version": "2"},
+    )
     with pytest.raises(ConfigError, match=r"carries no binding.*--format adalncache"):
         AdalnCache(S.SPEC, None, tables=str(bare))
 
@@ -321,9 +328,12 @@ def test_two_ranks_build_the_single_process_tables(ckpt: Path, tmp_path: Path) -
     out = tmp_path / "out"
     out.mkdir()
     ctx = mp.start_processes(
-        SW.entry, args=(2, str(tmp_path / "rendezvous"), str(ckpt), str(out)), nprocs=2, join=False,
+        SW.entry,
+        args=(2, str(tmp_path / "rendezvous"), str(ckpt), str(out)),
+        nprocs=2,
+        join=False,
         start_method="spawn",
-    )  # fmt: skip
+    )
     deadline = time.monotonic() + 180
     try:
         while not ctx.join(timeout=1.0):

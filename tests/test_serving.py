@@ -420,7 +420,7 @@ def test_a_failed_build_on_one_thread_leaves_the_others_served(ckpt: Path) -> No
 
     weights = load_reference(ckpt)
     source = FaultInjectingSource(CheckpointSource(ckpt, SPEC), None)
-    cache = AdalnCache(SPEC, source, max_plans=3, progress=False)  # type: ignore[arg-type]
+    cache = AdalnCache(SPEC, source, max_plans=3, progress=False)
     with cache.acquire([PLANS[0]], embed=EMBED) as slots:
         source.arm(1, OSError("disk on fire"))
         failure: list[BaseException] = []

@@ -69,9 +69,11 @@ def test_layouts_derive_block_indices_from_their_prefix() -> None:
 
 def test_layouts_name_the_time_embedder() -> None:
     assert LAYOUTS["native"].time_embedder_tensors() == [
-        "time_embedder.proj_in.weight", "time_embedder.proj_in.bias",
-        "time_embedder.proj_out.weight", "time_embedder.proj_out.bias",
-    ]  # fmt: skip
+        "time_embedder.proj_in.weight",
+        "time_embedder.proj_in.bias",
+        "time_embedder.proj_out.weight",
+        "time_embedder.proj_out.bias",
+    ]
     assert LAYOUTS["diffusers"].time_embedder == ("time_embedder.linear_1", "time_embedder.linear_2")
 
 

@@ -265,10 +265,10 @@ class CacheMachine(RuleBasedStateMachine):
 
     def open_cache(self) -> None:
         self.rewriter = RewriteBetweenLayers(CheckpointSource(self.ckpt.path, SPEC))
-        self.source = FaultInjectingSource(self.rewriter, None)  # type: ignore[arg-type]
+        self.source = FaultInjectingSource(self.rewriter, None)
         self.cache = AdalnCache(
             SPEC,
-            self.source,  # type: ignore[arg-type]
+            self.source,
             max_plans=self.max_plans,
             max_plan_width=self.width,
             host_cache_bytes=self.host_bytes,
@@ -280,10 +280,19 @@ class CacheMachine(RuleBasedStateMachine):
         self.holds = []
         self.host = set()
         self.expected = dict.fromkeys(
-            ("device_hits", "host_hits", "store_hits", "built_plans", "passes", "evicted_plans", "failed_builds",
-             "tier_write_failures", "fingerprint_changes"),
+            (
+                "device_hits",
+                "host_hits",
+                "store_hits",
+                "built_plans",
+                "passes",
+                "evicted_plans",
+                "failed_builds",
+                "tier_write_failures",
+                "fingerprint_changes",
+            ),
             0,
-        )  # fmt: skip
+        )
 
     def teardown(self) -> None:
         if self.store_dir is not None:
@@ -386,9 +395,15 @@ class CacheMachine(RuleBasedStateMachine):
             # or the pass. Either way the build then finds its file changed and publishes nothing.
             fires = hash_read or bool(to_build)
             return {
-                "order": order, "missing": missing, "evicted": evicted, "from_host": from_host,
-                "from_store": from_store, "to_build": to_build, "fires": fires, "fails": fires,
-            }  # fmt: skip
+                "order": order,
+                "missing": missing,
+                "evicted": evicted,
+                "from_host": from_host,
+                "from_store": from_store,
+                "to_build": to_build,
+                "fires": fires,
+                "fails": fires,
+            }
         if site is None:
             fires = False
         elif (fault is not None and fault.is_layer) or site in ("embed", "project"):
@@ -404,7 +419,7 @@ class CacheMachine(RuleBasedStateMachine):
         else:  # store_write
             fires = tiers[1] and bool(to_build)
         lookup_sites = ("host_read", "store_read")
-        interrupted_lookup = fires and (site in lookup_sites or fault_in_hash_read) and fault.exc is KeyboardInterrupt  # type: ignore[union-attr]
+        interrupted_lookup = fires and (site in lookup_sites or fault_in_hash_read) and fault.exc is KeyboardInterrupt
         if fault_in_hash_read:
             fires = True
         if interrupted_lookup:
@@ -424,25 +439,25 @@ class CacheMachine(RuleBasedStateMachine):
         }
 
     def apply_success(self, want: dict[str, object], site: object, *, interrupted: bool = False) -> None:
-        order: list[PlanKey] = want["order"]  # type: ignore[assignment]
-        missing: list[PlanKey] = want["missing"]  # type: ignore[assignment]
+        order: list[PlanKey] = want["order"]
+        missing: list[PlanKey] = want["missing"]
         e = self.expected
         if not missing:
             e["device_hits"] += len(order)
             self.lru = [k for k in self.lru if k not in order] + order
             return
-        to_build: list[PlanKey] = want["to_build"]  # type: ignore[assignment]
-        self.evict(want["evicted"])  # type: ignore[arg-type]
+        to_build: list[PlanKey] = want["to_build"]
+        self.evict(want["evicted"])
         self.lru = [k for k in self.lru if k not in order] + order
         for key in missing:  # each publish is a new instance of the plan
             self.instances += 1
             self.instance[key] = self.instances
         e["device_hits"] += len(order) - len(missing)
-        e["host_hits"] += len(want["from_host"])  # type: ignore[arg-type]
-        e["store_hits"] += len(want["from_store"])  # type: ignore[arg-type]
+        e["host_hits"] += len(want["from_host"])
+        e["store_hits"] += len(want["from_store"])
         e["built_plans"] += len(to_build)
         e["passes"] += 1 if to_build else 0
-        e["evicted_plans"] += len(want["evicted"])  # type: ignore[arg-type]
+        e["evicted_plans"] += len(want["evicted"])
         if site in ("host_write", "store_write") and want["fires"] and not interrupted:
             e["tier_write_failures"] += 1
         if self.cache.host_tier is not None and not (site == "host_write" and want["fires"]):
@@ -481,7 +496,7 @@ class CacheMachine(RuleBasedStateMachine):
         site = None if fault is None else fault.site
         version = self.ckpt.version
         if fault is not None and fault.is_layer:
-            self.source.arm(fault.site, fault.exc)  # type: ignore[arg-type]
+            self.source.arm(fault.site, fault.exc)
         if fault is not None and fault.is_rewrite:
             how = fault.how
             self.rewriter.arm(1, lambda: self.ckpt.write(1 - version, how))
@@ -534,8 +549,8 @@ class CacheMachine(RuleBasedStateMachine):
                 if fault.is_layer:
                     assert f"layer {fault.site}" in str(outcome), str(outcome)
             # Evicted plans are gone even though the build failed; nothing of the request is visible.
-            self.evict(want["evicted"])  # type: ignore[arg-type]
-            self.expected["evicted_plans"] += len(want["evicted"])  # type: ignore[arg-type]
+            self.evict(want["evicted"])
+            self.expected["evicted_plans"] += len(want["evicted"])
             self.expected["failed_builds"] += 1
             return
         if isinstance(outcome, KeyboardInterrupt):
@@ -545,12 +560,12 @@ class CacheMachine(RuleBasedStateMachine):
             return
         assert outcome is None, f"build failed unexpectedly: {outcome!r}"
         missing = want["missing"]
-        assert report.plans == len(want["order"])  # type: ignore[arg-type]
+        assert report.plans == len(want["order"])
         if missing:
-            assert report.built == len(want["to_build"])  # type: ignore[arg-type]
-            assert report.host_hits == len(want["from_host"])  # type: ignore[arg-type]
-            assert report.store_hits == len(want["from_store"])  # type: ignore[arg-type]
-            assert report.evicted == len(want["evicted"])  # type: ignore[arg-type]
+            assert report.built == len(want["to_build"])
+            assert report.host_hits == len(want["from_host"])
+            assert report.store_hits == len(want["from_store"])
+            assert report.evicted == len(want["evicted"])
             assert report.passes == (1 if want["to_build"] else 0)
         assert report.plans == report.device_hits + report.host_hits + report.store_hits + report.built
         self.apply_success(want, site)
@@ -572,7 +587,7 @@ class CacheMachine(RuleBasedStateMachine):
                 self.cache.block_params[slot].clone(),
                 self.cache.final_params[slot].clone(),
             )
-        self.holds.append(HoldRecord(held, instances, snapshot))  # type: ignore[arg-type]
+        self.holds.append(HoldRecord(held, instances, snapshot))
 
     @rule(idx=st.lists(st.integers(0, len(POOL) - 1), min_size=0, max_size=6))
     def build(self, idx: list[int]) -> None:

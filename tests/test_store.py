@@ -187,7 +187,7 @@ def test_one_failing_store_entry_does_not_keep_the_others_out(tmp_path: Path, mo
     def flaky_put(self: Store, binding: object, key: tuple[int, ...], rows: PlanRows) -> object:
         if key == victim:
             raise OSError(28, "No space left on device")
-        return put(self, binding, key, rows)  # type: ignore[arg-type]
+        return put(self, binding, key, rows)
 
     monkeypatch.setattr(Store, "put", flaky_put)
     report = cache.build(PLANS, embed=simple_embed(cache.spec))
@@ -338,7 +338,7 @@ def test_store_refuses_a_non_empty_foreign_directory(tmp_path: Path) -> None:
 
 
 def _open_store_after_barrier(path: str, barrier: object) -> None:
-    barrier.wait()  # type: ignore[attr-defined]
+    barrier.wait()
     Store(path)
 
 

@@ -41,7 +41,7 @@ def checkpoint(tmp_path: Path) -> tuple[CheckpointSource, dict[str, torch.Tensor
 
 
 def _expect(source: CheckpointSource, tensors: dict[str, torch.Tensor], lw: object) -> None:
-    layer, weight, bias = lw  # type: ignore[misc]
+    layer, weight, bias = lw
     assert torch.equal(weight, tensors[source.layout.weight(layer)])
     assert torch.equal(bias, tensors[source.layout.bias(layer)])
     for name, t in ((source.layout.weight(layer), weight), (source.layout.bias(layer), bias)):
@@ -51,7 +51,7 @@ def _expect(source: CheckpointSource, tensors: dict[str, torch.Tensor], lw: obje
 
 
 @pytest.mark.parametrize("read_ahead", [0, 1, 2, 3])
-def test_streamed_layers_are_exact_and_aligned(checkpoint, read_ahead: int) -> None:  # type: ignore[no-untyped-def]
+def test_streamed_layers_are_exact_and_aligned(checkpoint, read_ahead: int) -> None:
     source, tensors = checkpoint
     seen = []
     for lw in source.stream(source.spec.layers(), read_ahead=read_ahead):
@@ -62,7 +62,7 @@ def test_streamed_layers_are_exact_and_aligned(checkpoint, read_ahead: int) -> N
 
 
 @pytest.mark.parametrize("read_ahead", [0, 1, 2])
-def test_kept_layers_are_never_overwritten(checkpoint, read_ahead: int) -> None:  # type: ignore[no-untyped-def]
+def test_kept_layers_are_never_overwritten(checkpoint, read_ahead: int) -> None:
     source, tensors = checkpoint
     kept = list(source.stream(source.spec.layers(), read_ahead=read_ahead))
     for lw in kept:
@@ -74,7 +74,7 @@ def test_kept_layers_are_never_overwritten(checkpoint, read_ahead: int) -> None:
     assert FINAL in views
 
 
-def test_buffers_are_reused_by_a_well_behaved_consumer(checkpoint, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_buffers_are_reused_by_a_well_behaved_consumer(checkpoint, monkeypatch) -> None:
     source, tensors = checkpoint
     fresh: list[int] = []
     clear = StagingPool.clear
@@ -92,7 +92,7 @@ def test_buffers_are_reused_by_a_well_behaved_consumer(checkpoint, monkeypatch) 
     assert fresh == [4, 6]
 
 
-def test_keep_buffers_reuses_the_pool_across_passes(checkpoint) -> None:  # type: ignore[no-untyped-def]
+def test_keep_buffers_reuses_the_pool_across_passes(checkpoint) -> None:
     source, tensors = checkpoint
     assert source.keep_buffers  # the default: a serving process runs pass after pass
     for lw in source.stream(source.spec.layers(), read_ahead=1):
@@ -107,7 +107,7 @@ def test_keep_buffers_reuses_the_pool_across_passes(checkpoint) -> None:  # type
         _expect(source, tensors, lw)
 
 
-def test_release_buffers_frees_the_kept_pool(checkpoint) -> None:  # type: ignore[no-untyped-def]
+def test_release_buffers_frees_the_kept_pool(checkpoint) -> None:
     source, tensors = checkpoint
     assert source.release_buffers() == 0  # nothing kept before the first pass
     for lw in source.stream(source.spec.layers(), read_ahead=1):
@@ -125,7 +125,7 @@ def test_release_buffers_frees_the_kept_pool(checkpoint) -> None:  # type: ignor
     assert source._kept is not None and source._kept is not pool
 
 
-def test_keep_buffers_off_frees_the_pool_after_each_pass(tmp_path: Path, checkpoint) -> None:  # type: ignore[no-untyped-def]
+def test_keep_buffers_off_frees_the_pool_after_each_pass(tmp_path: Path, checkpoint) -> None:
     source, tensors = checkpoint
     off = CheckpointSource(source.path, source.spec, keep_buffers=False, in_place=False)
     for lw in off.stream(off.spec.layers(), read_ahead=1):
@@ -133,7 +133,7 @@ def test_keep_buffers_off_frees_the_pool_after_each_pass(tmp_path: Path, checkpo
     assert off._kept is None and off.kept_bytes == 0 and off.release_buffers() == 0
 
 
-def test_a_different_read_ahead_keeps_the_buffers_it_can_use(checkpoint) -> None:  # type: ignore[no-untyped-def]
+def test_a_different_read_ahead_keeps_the_buffers_it_can_use(checkpoint) -> None:
     source, tensors = checkpoint
     for lw in source.stream(source.spec.layers(), read_ahead=2):
         _expect(source, tensors, lw)
@@ -154,7 +154,7 @@ def _in_place(source: CheckpointSource) -> CheckpointSource:
 
 
 @pytest.mark.parametrize("read_ahead", [0, 1, 2])
-def test_in_place_layers_are_exact_aligned_and_copy_nothing(checkpoint, read_ahead: int) -> None:  # type: ignore[no-untyped-def]
+def test_in_place_layers_are_exact_aligned_and_copy_nothing(checkpoint, read_ahead: int) -> None:
     """A file just written is in the page cache: every tensor is a view of the mapping, at the file
     offset's address modulo 4096 (what from_pretrained's mapped views hold), hashed like a staged
     read, and no staging buffer is ever filled."""
@@ -175,7 +175,7 @@ def test_in_place_layers_are_exact_aligned_and_copy_nothing(checkpoint, read_ahe
     assert pool is None or pool.fresh == 0  # no buffer was allocated, let alone filled
 
 
-def test_in_place_stages_what_the_page_cache_does_not_hold(checkpoint, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_in_place_stages_what_the_page_cache_does_not_hold(checkpoint, monkeypatch) -> None:
     """A tensor the page cache does not hold wholly is staged (O_DIRECT for its cold bytes), the rest in place."""
     staged, tensors = checkpoint
     source = _in_place(staged)
@@ -192,7 +192,7 @@ def test_in_place_stages_what_the_page_cache_does_not_hold(checkpoint, monkeypat
     assert source.bytes_read == total and source.bytes_in_place == total - weight0.nbytes
 
 
-def test_in_place_refuses_a_file_truncated_before_a_layer_is_mapped(checkpoint) -> None:  # type: ignore[no-untyped-def]
+def test_in_place_refuses_a_file_truncated_before_a_layer_is_mapped(checkpoint) -> None:
     """A file cut short during a pass, before the reader reaches a layer: CheckpointError naming the
     file (never a view past its end, which would raise SIGBUS when touched)."""
     staged, _ = checkpoint
@@ -208,10 +208,10 @@ def test_in_place_refuses_a_file_truncated_before_a_layer_is_mapped(checkpoint) 
     stream.close()
 
 
-def test_in_place_is_off_on_request_and_checked(checkpoint) -> None:  # type: ignore[no-untyped-def]
+def test_in_place_is_off_on_request_and_checked(checkpoint) -> None:
     staged, tensors = checkpoint
     for lw in staged.stream(staged.spec.layers(), read_ahead=1):
         _expect(staged, tensors, lw)
     assert staged.bytes_in_place == 0
     with pytest.raises(ConfigError, match="in_place"):
-        CheckpointSource(staged.path, staged.spec, in_place="yes")  # type: ignore[arg-type]
+        CheckpointSource(staged.path, staged.spec, in_place="yes")  # type: ignore[arg-type]  # wrong on purpose: the refusal is what is tested

@@ -119,8 +119,25 @@ def test_sglang_export_passes_sglangs_checks_and_holds_the_resident_bits(
 ) -> None:
     model, ckpt, spec = bf16
     out = tmp_path / "h3-fl2va.safetensors"
-    assert _export(ckpt, out, "--format", "sglang", "--model-variant", "fl2va", "--task", "t2va", "--task", "fl2va",
-                   "--steps", "4", "--steps", "5") == 0  # fmt: skip
+    assert (
+        _export(
+            ckpt,
+            out,
+            "--format",
+            "sglang",
+            "--model-variant",
+            "fl2va",
+            "--task",
+            "t2va",
+            "--task",
+            "fl2va",
+            "--steps",
+            "4",
+            "--steps",
+            "5",
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "--steps 4 -> --num-inference-steps 3" in printed and "--steps 5 -> --num-inference-steps 4" in printed
     loaded = sglang_load(out, num_layers=spec.num_layers, hidden_size=spec.hidden_size, model_variant="fl2va")
@@ -142,11 +159,17 @@ def test_sglang_export_passes_sglangs_checks_and_holds_the_resident_bits(
     for meta, change, says in (
         ({"format_version": "1", "model_variant": "fl2va"}, {}, "format_version"),
         ({"format_version": "2", "model_variant": "ref2va"}, {}, "model_variant"),
-        ({"format_version": "2", "model_variant": "fl2va"}, {"block_params": tensors["block_params"].float()},
-         "block_params"),
-        ({"format_version": "2", "model_variant": "fl2va"}, {"plan_lengths": tensors["plan_lengths"] * 0},
-         "timestep plans"),
-    ):  # fmt: skip
+        (
+            {"format_version": "2", "model_variant": "fl2va"},
+            {"block_params": tensors["block_params"].float()},
+            "block_params",
+        ),
+        (
+            {"format_version": "2", "model_variant": "fl2va"},
+            {"plan_lengths": tensors["plan_lengths"] * 0},
+            "timestep plans",
+        ),
+    ):
         save_file({**tensors, **change}, str(broken), metadata=meta)
         with pytest.raises(ValueError, match=says):
             sglang_load(broken, num_layers=spec.num_layers, hidden_size=spec.hidden_size, model_variant="fl2va")
@@ -178,8 +201,9 @@ def test_bound_export_round_trips_and_serves_with_no_weights(
         block, final = _resident_rows(model, p)
         slot = cache.lookup(p)
         assert torch.equal(cache.block_rows(0, slot, p.numel()), block[:, 0])
-        assert torch.equal(cache.rows_of(plan_key(p)).block, block) and torch.equal(cache.final_rows(slot, p.numel()),
-                                                                                       final)  # fmt: skip
+        assert torch.equal(cache.rows_of(plan_key(p)).block, block) and torch.equal(
+            cache.final_rows(slot, p.numel()), final
+        )
     # A plan the file lacks: PlanNotCachedError naming the plan and the file searched; nothing changes.
     other = minimax_h3_plans("t2va", 6)[1]
     resident = cache.resident_plans
@@ -293,14 +317,17 @@ def test_a_corrupt_slot_is_a_miss_never_wrong_rows(bf16: tuple[Any, Path, Modula
 
 
 def test_verify_tables_and_bad_export_inputs(
-    bf16: tuple[Any, Path, ModulationSpec], load_tiny: Callable[[str], Any], tmp_path: Path,
+    bf16: tuple[Any, Path, ModulationSpec],
+    load_tiny: Callable[[str], Any],
+    tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
-) -> None:  # fmt: skip
+) -> None:
     _, ckpt, spec = bf16
     bound, sglang = tmp_path / "bound.safetensors", tmp_path / "sglang.safetensors"
     assert _export(ckpt, bound, "--task", "fl2va", "--steps", "3") == 0
-    assert _export(ckpt, sglang, "--task", "fl2va", "--steps", "3", "--format", "sglang", "--model-variant",
-                   "fl2va") == 0  # fmt: skip
+    assert (
+        _export(ckpt, sglang, "--task", "fl2va", "--steps", "3", "--format", "sglang", "--model-variant", "fl2va") == 0
+    )
     capsys.readouterr()
     assert main(["verify", "--tables", str(bound), "--checkpoint", str(ckpt), "-q"]) == 0
     assert "content matches" in capsys.readouterr().out
@@ -313,8 +340,11 @@ def test_verify_tables_and_bad_export_inputs(
     sglang.write_bytes(bytes(data))
     proc = subprocess.run(
         [sys.executable, "-m", "adalncache", "verify", "--tables", str(sglang), "--checkpoint", str(ckpt), "-q"],
-        capture_output=True, text=True, timeout=180, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
     assert proc.returncode == 1 and "MISMATCH" in proc.stdout, proc.stderr
     # Bad inputs: one line naming the flag, exit 2, nothing written.
     fp32_ckpt = write_h3_checkpoint(load_tiny("fp32-disk"), tmp_path / "fp32")
@@ -324,10 +354,22 @@ def test_verify_tables_and_bad_export_inputs(
         ([str(ckpt), "--format", "sglang"], "--model-variant"),
         ([str(ckpt), "--format", "sglang", "--model-variant", "fl2va", "--precision", "fp32"], "--precision"),
         ([str(ckpt), "--model-variant", "ref2va"], "--model-variant"),
-        ([str(ckpt), "--format", "sglang", "--model-variant", "fl2va", "--store", str(tmp_path / "st"), "-o",
-          str(tmp_path / "no-such-dir" / "x.safetensors")], "-o/--output"),
+        (
+            [
+                str(ckpt),
+                "--format",
+                "sglang",
+                "--model-variant",
+                "fl2va",
+                "--store",
+                str(tmp_path / "st"),
+                "-o",
+                str(tmp_path / "no-such-dir" / "x.safetensors"),
+            ],
+            "-o/--output",
+        ),
         ([str(ckpt), "--format", "onnx"], "--format"),
-    ):  # fmt: skip
+    ):
         full = ["export", *argv, "--task", "fl2va", "--steps", "3", "-q"]
         if "-o" not in argv:
             full += ["-o", str(target)]

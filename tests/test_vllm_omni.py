@@ -61,8 +61,13 @@ def _sha256(tensor: torch.Tensor) -> str:
     return h.hexdigest()
 
 
-def _rewrite(src: Path, dst: Path, *, manifest: Callable[[dict[str, Any]], None] | None = None,
-             tensors: Callable[[dict[str, torch.Tensor]], None] | None = None) -> Path:  # fmt: skip
+def _rewrite(
+    src: Path,
+    dst: Path,
+    *,
+    manifest: Callable[[dict[str, Any]], None] | None = None,
+    tensors: Callable[[dict[str, torch.Tensor]], None] | None = None,
+) -> Path:
     """A copy of a sidecar with its manifest or tensors changed (digests left as they were)."""
     with safe_open(str(src), framework="pt") as handle:
         meta = dict(handle.metadata())
@@ -98,8 +103,11 @@ def test_plans_and_contract_equal_the_installed_vllm_omni() -> None:
     module = load()
     if module is None:
         pytest.skip("vllm-omni is not installed")
-    extra = [{"mode": m, "num_steps": n, "base_schedule": None, "flow_shift": f, "audio_flow_shift": a}
-             for m in vo.MODES for n, f, a in ((3, 2.5, 9.0), (51, 12.0, 3.0), (13, 0.5, 0.75))]  # fmt: skip
+    extra = [
+        {"mode": m, "num_steps": n, "base_schedule": None, "flow_shift": f, "audio_flow_shift": a}
+        for m in vo.MODES
+        for n, f, a in ((3, 2.5, 9.0), (51, 12.0, 3.0), (13, 0.5, 0.75))
+    ]
     for schedule in [*SCHEDULES, *extra]:
         assert vo.schedule_contract(**schedule) == module.schedule_contract(**schedule)
         ours = [p.tolist() for p in vo.timestep_plans(vo.schedule_contract(**schedule))]
@@ -111,8 +119,13 @@ def test_plans_and_contract_equal_the_installed_vllm_omni() -> None:
 
 def test_schedule_defaults_and_refusals() -> None:
     contract = vo.schedule_contract("ref2va-audio")
-    assert contract == {"mode": "ref2va-audio", "num_steps": 50, "base_schedule": None, "flow_shift": 12.0,
-                        "audio_flow_shift": 3.0}  # fmt: skip
+    assert contract == {
+        "mode": "ref2va-audio",
+        "num_steps": 50,
+        "base_schedule": None,
+        "flow_shift": 12.0,
+        "audio_flow_shift": 3.0,
+    }
     assert vo.schedule_contract("fl2va", base_schedule=[1.0, 0.5, 0.0])["num_steps"] == 2
     for kwargs, says in (
         ({"mode": "i2v"}, "--mode"),
@@ -148,11 +161,18 @@ def test_export_writes_the_sidecar_and_tables_serves_it_exactly(
     found = json.loads(meta["manifest"])
     assert set(found) == set(vo.MANIFEST_KEYS) and set(tensors) == set(vo.PAYLOAD)
     assert found["schedule"] == contract and found["model_variant"] == "fl2va" and found["adapter_sha256"] is None
-    assert found["architecture"] == {"num_layers": spec.num_layers, "hidden_size": spec.hidden_size,
-                                     "timestep_input_dim": 32, "time_embed_hidden_size": 64,
-                                     "time_embed_dim": spec.time_embed_dim}  # fmt: skip
-    assert found["math"] == {"torch": torch.__version__, "device_type": "cpu",
-                             "float32_matmul_precision": torch.get_float32_matmul_precision()}  # fmt: skip
+    assert found["architecture"] == {
+        "num_layers": spec.num_layers,
+        "hidden_size": spec.hidden_size,
+        "timestep_input_dim": 32,
+        "time_embed_hidden_size": 64,
+        "time_embed_dim": spec.time_embed_dim,
+    }
+    assert found["math"] == {
+        "torch": torch.__version__,
+        "device_type": "cpu",
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+    }
     # Digests: every weight by its native name over the checkpoint's bytes, every payload tensor.
     stored = _checkpoint_tensors(ckpt)
     assert found["weights"] == {name: _sha256(stored[name]) for name in vo.weight_names(spec)}
@@ -210,8 +230,18 @@ def test_inspect_and_verify_tables_understand_the_sidecar(
 ) -> None:
     _, ckpt, spec = bf16
     out = tmp_path / "ref.safetensors"
-    schedule = ["--format", "vllm-omni", "--mode", "ref2va-mixed", "--num-steps", "4", "--flow-shift", "6",
-                "--audio-flow-shift", "2.5"]  # fmt: skip
+    schedule = [
+        "--format",
+        "vllm-omni",
+        "--mode",
+        "ref2va-mixed",
+        "--num-steps",
+        "4",
+        "--flow-shift",
+        "6",
+        "--audio-flow-shift",
+        "2.5",
+    ]
     assert _export(ckpt, out, *schedule) == 0
     # The same weights in diffusers' layout (the whole saved transformer) give the same manifest and payload:
     # digests name the native tensors and hash the bytes, whatever the file calls them.
@@ -280,8 +310,9 @@ def test_export_refuses_what_the_sidecar_cannot_hold(
 
     def refused(cache: AdalnCache, says: str, given: list[torch.Tensor] = plans, **kwargs: Any) -> None:
         with pytest.raises(ConfigError, match=says):
-            export_tables(cache, given, out, **{"format": "vllm-omni", "schedules": [contract], "progress": False,
-                                                **kwargs})  # fmt: skip
+            export_tables(
+                cache, given, out, **{"format": "vllm-omni", "schedules": [contract], "progress": False, **kwargs}
+            )
         assert cache.stats.passes == 0 and not out.exists()
 
     cache = AdalnCache(spec, source, max_plans=8, max_plan_width=2)
@@ -316,12 +347,18 @@ def test_tables_refuses_a_tampered_or_foreign_sidecar(bf16: tuple[Any, Path, Mod
         tensors["block_params"][0, 0, 0, 0] += 1
 
     opened(_rewrite(out, tmp_path / "a.safetensors", tensors=bump), "does not match its payload digest")
-    opened(_rewrite(out, tmp_path / "b.safetensors", manifest=lambda m: m["math"].update(torch="1.0")),
-           "another numeric environment")  # fmt: skip
-    opened(_rewrite(out, tmp_path / "c.safetensors", manifest=lambda m: m["schedule"].update(num_steps=7)),
-           "another model's|plans|needs")  # fmt: skip
-    opened(_rewrite(out, tmp_path / "d.safetensors", manifest=lambda m: m.update(model_variant="ref2va")),
-           "does not run mode")  # fmt: skip
+    opened(
+        _rewrite(out, tmp_path / "b.safetensors", manifest=lambda m: m["math"].update(torch="1.0")),
+        "another numeric environment",
+    )
+    opened(
+        _rewrite(out, tmp_path / "c.safetensors", manifest=lambda m: m["schedule"].update(num_steps=7)),
+        "another model's|plans|needs",
+    )
+    opened(
+        _rewrite(out, tmp_path / "d.safetensors", manifest=lambda m: m.update(model_variant="ref2va")),
+        "does not run mode",
+    )
     opened(_rewrite(out, tmp_path / "e.safetensors", manifest=lambda m: m.pop("math")), "exactly the keys")
     first = "blocks.0.adaln_proj.linear.weight"
     tampered = _rewrite(out, tmp_path / "f.safetensors", manifest=lambda m: m["weights"].update({first: "0" * 64}))
@@ -337,8 +374,13 @@ def test_tables_refuses_a_tampered_or_foreign_sidecar(bf16: tuple[Any, Path, Mod
     with pytest.raises(ConfigError, match="precision='match'"):
         AdalnCache(spec, None, max_plans=8, max_plan_width=2, precision="fp32", tables=out)
     with pytest.raises(ConfigError):
-        AdalnCache(ModulationSpec(num_layers=spec.num_layers + 1, hidden_size=spec.hidden_size,
-                                  time_embed_dim=spec.time_embed_dim), None, tables=out)  # fmt: skip
+        AdalnCache(
+            ModulationSpec(
+                num_layers=spec.num_layers + 1, hidden_size=spec.hidden_size, time_embed_dim=spec.time_embed_dim
+            ),
+            None,
+            tables=out,
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -354,8 +396,13 @@ def test_vllm_omnis_loader_accepts_the_export_and_serves_our_rows(
     _, ckpt, spec = bf16
     out = tmp_path / "h3.safetensors"
     assert _export(ckpt, out, "--format", "vllm-omni", "--mode", "fl2va", "--num-steps", "5") == 0
-    arch = types.SimpleNamespace(num_layers=spec.num_layers, hidden_size=spec.hidden_size, timestep_input_dim=32,
-                                 time_embed_hidden_size=64, time_embed_dim=spec.time_embed_dim)  # fmt: skip
+    arch = types.SimpleNamespace(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        timestep_input_dim=32,
+        time_embed_hidden_size=64,
+        time_embed_dim=spec.time_embed_dim,
+    )
     sidecar = module.MiniMaxH3AdalnCache(arch, path=str(out), model_variant="fl2va")
     sidecar.bind_adapter(None)
     for name, tensor in _checkpoint_tensors(ckpt).items():  # the stream the server loads the checkpoint from
@@ -468,8 +515,11 @@ def test_export_takes_the_releases_schedule_defaults(bf16: tuple[Any, Path, Modu
     (partition / "transformer").mkdir(parents=True)
     for path in ckpt.iterdir():
         (partition / "transformer" / path.name).write_bytes(path.read_bytes())
-    release = {"partition": "fl2va", "sigma_shift_scales": {"video": 5.0, "audio": 2.0},
-               "base_schedule": [1.0, 0.75, 0.5, 0.0]}  # fmt: skip
+    release = {
+        "partition": "fl2va",
+        "sigma_shift_scales": {"video": 5.0, "audio": 2.0},
+        "base_schedule": [1.0, 0.75, 0.5, 0.0],
+    }
     (partition / "model_index.json").write_text(json.dumps({"_minimax_h3": release}))
 
     def schedule(*extra: str) -> dict[str, Any]:

@@ -136,5 +136,8 @@ def run_on_private_tmpfs(code: str, mount: Path, *, size: str = "1m", timeout: f
     script = _MOUNT_PRELUDE.format(tests=tests, mount=str(mount), size=size) + textwrap.dedent(code)
     return subprocess.run(
         ["unshare", "--user", "--map-root-user", "--mount", "--", sys.executable, "-c", script],
-        capture_output=True, text=True, timeout=timeout, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )

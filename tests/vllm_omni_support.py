@@ -34,15 +34,28 @@ FIXTURE = Path(__file__).parent / "fixtures" / "vllm_omni_plans.json"
 
 #: Schedules whose plans the fixture records: every mode, a few step counts, other shifts, an explicit schedule.
 SCHEDULES: list[dict[str, Any]] = [
-    *({"mode": mode, "num_steps": n, "base_schedule": None, "flow_shift": 12.0, "audio_flow_shift": 3.0}
-      for mode in ("t2va", "fl2va", "ref2va-image", "ref2va-audio", "ref2va-mixed") for n in (2, 8, 30, 50)),
+    *(
+        {"mode": mode, "num_steps": n, "base_schedule": None, "flow_shift": 12.0, "audio_flow_shift": 3.0}
+        for mode in ("t2va", "fl2va", "ref2va-image", "ref2va-audio", "ref2va-mixed")
+        for n in (2, 8, 30, 50)
+    ),
     {"mode": "t2va", "num_steps": 17, "base_schedule": None, "flow_shift": 5.0, "audio_flow_shift": 1.5},
     {"mode": "ref2va-mixed", "num_steps": 9, "base_schedule": None, "flow_shift": 1.0, "audio_flow_shift": 7.25},
-    {"mode": "fl2va", "num_steps": 4, "base_schedule": [1.0, 0.9375, 0.8333, 0.625, 0.0], "flow_shift": 12.0,
-     "audio_flow_shift": 3.0},
-    {"mode": "ref2va-audio", "num_steps": 3, "base_schedule": [0.95, 0.5, 0.25, 0.0], "flow_shift": 6.0,
-     "audio_flow_shift": 2.0},
-]  # fmt: skip
+    {
+        "mode": "fl2va",
+        "num_steps": 4,
+        "base_schedule": [1.0, 0.9375, 0.8333, 0.625, 0.0],
+        "flow_shift": 12.0,
+        "audio_flow_shift": 3.0,
+    },
+    {
+        "mode": "ref2va-audio",
+        "num_steps": 3,
+        "base_schedule": [0.95, 0.5, 0.25, 0.0],
+        "flow_shift": 6.0,
+        "audio_flow_shift": 2.0,
+    },
+]
 
 
 def _root() -> Path | None:

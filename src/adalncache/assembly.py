@@ -31,7 +31,7 @@ from .identity import TableIdentity
 from .numerics import device_identity
 from .options import CacheOptions, knob
 from .placement import Placement, Site
-from .relocation import TableParking
+from .relocation import HostTableStash
 from .reports import CacheStats
 from .slab import Slab
 from .slots import SlotPool
@@ -125,7 +125,7 @@ class Parts:
     pool: SlotPool
     identity: TableIdentity
     builder: BuildTransaction
-    parking: TableParking
+    stash: HostTableStash
     site: Site
 
 
@@ -228,23 +228,23 @@ def assemble(
         lock=lock,
         faults=faults,
     )
-    return Parts(options, collective, stats, slab, sync, pool, identity, builder, TableParking(), site)
+    return Parts(options, collective, stats, slab, sync, pool, identity, builder, HostTableStash(), site)
 
 
 def relocated(parts: Parts, spec: ModulationSpec, source: WeightSource, target: torch.device) -> Placement:
     """Move the parts to ``target`` and return its placement (the caller holds both locks, no plan held).
 
     Within one device identity the slab's rows are copied as they are and the tiers stay. Across
-    identities the resident tables are parked (host copies by identity), the tiers are placed
+    identities the resident tables are stashed (host copies by identity), the tiers are placed
     anew for ``target`` (the store kept: it is keyed by the numeric environment), the table files
-    are served only where they fit, and tables parked for ``target``'s identity come back.
+    are served only where they fit, and tables stashed for ``target``'s identity come back.
     """
     old = parts.site.placement
     identity, pool, slab = parts.identity, parts.pool, parts.slab
     here, there = device_identity(old.device), device_identity(target)
     moved = here != there
     if moved:
-        parts.parking.park(
+        parts.stash.stash(
             here, pool, slab, fingerprint=identity.fingerprint, variant=identity.variant, autocast=identity.autocast
         )
         pool.clear()
@@ -268,7 +268,7 @@ def relocated(parts: Parts, spec: ModulationSpec, source: WeightSource, target: 
     parts.site.placement = new
     if moved:
         serve_files(new, identity, strict=False)
-        restored = parts.parking.restore(there, pool, slab, fingerprint=identity.fingerprint)
+        restored = parts.stash.restore(there, pool, slab, fingerprint=identity.fingerprint)
         if restored is not None:
             identity.variant, identity.autocast = restored.variant, restored.autocast
     return new

@@ -16,6 +16,7 @@ A file exported with ``--steps N`` therefore serves SGLang at ``--num-inference-
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import stat
@@ -202,30 +203,12 @@ def export_tables(
         return _export_sidecar(cache, plans, path, model_variant=model_variant, schedules=schedules, progress=progress)
     if embed is None:
         raise ConfigError(f"export_tables(format={format!r}) needs embed= (the projections' input for a plan)")
-    inputs = [*source_files(cache.source), *([t.path for t in cache.tables.files] if cache.tables else [])]
-    writer = TableWriter(path, spec, plans, bound=format == "adalncache") if cache.rank == 0 else None
-    check_output(path, inputs, needs=writer.nbytes if writer is not None else None)
-    if writer is not None:
-        # Created now, so an unwritable -o fails before the passes rather than after them. The
-        # header is sized for the final metadata: a binding is well under the 2 KiB placeholder.
-        if format == "sglang":
-            assert model_variant is not None
-            writer.open(sglang_metadata(model_variant))
-        else:
-            writer.open(
-                bound_metadata(binding={"~": "~" * 2048}, schedules=schedules, model_variant=model_variant, spec=spec)
-            )
+    writer = _opened_writer(cache, plans, path, format=format, model_variant=model_variant, schedules=schedules)
     keys = [plan_key(p, spec.plan_columns) for p in plans]
-    passes = store_hits = built = 0
     try:
-        chunks = [list(range(i, min(i + cache.max_plans, len(plans)))) for i in range(0, len(plans), cache.max_plans)]
-        for chunk in tqdm(chunks, desc="adalncache export", unit="pass", disable=not progress or len(chunks) < 2):
-            report = cache.build([plans[i] for i in chunk], embed=embed)
-            passes, store_hits, built = passes + report.passes, store_hits + report.store_hits, built + report.built
-            if writer is not None:
-                for index in chunk:
-                    writer.write_slot(index, cache.rows_of(keys[index]))
-            cache.invalidate()
+        passes, store_hits, built = _write_passes(
+            cache, plans, keys, writer, lambda batch: cache.build(batch, embed=embed), progress=progress
+        )
         binding = cache.binding() if format == "adalncache" else None  # (a collective in a group)
         if format == "adalncache" and binding is None:
             raise ConfigError(
@@ -269,6 +252,61 @@ def export_tables(
     )
 
 
+def _opened_writer(
+    cache: AdalnCache,
+    plans: Sequence[torch.Tensor],
+    path: Path,
+    *,
+    format: str,
+    model_variant: str | None,
+    schedules: Sequence[Mapping[str, Any]],
+) -> TableWriter | None:
+    """Rank 0's writer of a bound or SGLang file, its header written; ``None`` on the other ranks.
+
+    Created before the passes, so an unwritable output fails before them rather than after. The
+    header is sized for the final metadata: a binding is well under the 2 KiB placeholder.
+    """
+    spec = cache.spec
+    inputs = [*source_files(cache.source), *([t.path for t in cache.tables.files] if cache.tables else [])]
+    writer = TableWriter(path, spec, plans, bound=format == "adalncache") if cache.rank == 0 else None
+    check_output(path, inputs, needs=writer.nbytes if writer is not None else None)
+    if writer is not None:
+        if format == "sglang":
+            assert model_variant is not None
+            writer.open(sglang_metadata(model_variant))
+        else:
+            writer.open(
+                bound_metadata(binding={"~": "~" * 2048}, schedules=schedules, model_variant=model_variant, spec=spec)
+            )
+    return writer
+
+
+def _write_passes(
+    cache: AdalnCache,
+    plans: Sequence[torch.Tensor],
+    keys: Sequence[Any],
+    writer: TableWriter | None,
+    build: Callable[[list[torch.Tensor]], Any],
+    *,
+    progress: bool,
+    extra: Callable[[TableWriter, int], None] | None = None,
+) -> tuple[int, int, int]:
+    """Builds ``plans`` in passes of at most ``cache.max_plans`` plans and writes each pass's rows (and
+    ``extra``) to ``writer`` before the next pass reuses the slab; returns (passes, store hits, built)."""
+    passes = store_hits = built = 0
+    chunks = [list(range(i, min(i + cache.max_plans, len(plans)))) for i in range(0, len(plans), cache.max_plans)]
+    for chunk in tqdm(chunks, desc="adalncache export", unit="pass", disable=not progress or len(chunks) < 2):
+        report = build([plans[i] for i in chunk])
+        passes, store_hits, built = passes + report.passes, store_hits + report.store_hits, built + report.built
+        if writer is not None:
+            for index in chunk:
+                writer.write_slot(index, cache.rows_of(keys[index]))
+                if extra is not None:
+                    extra(writer, index)
+        cache.invalidate()
+    return passes, store_hits, built
+
+
 def _sidecar_schedule(plans: Sequence[torch.Tensor], schedules: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """The one schedule of a vLLM-Omni sidecar, its plans checked against ``plans`` (ConfigError otherwise)."""
     if len(schedules) != 1:
@@ -290,22 +328,13 @@ def _sidecar_schedule(plans: Sequence[torch.Tensor], schedules: Sequence[Mapping
     return contract
 
 
-def _export_sidecar(
+def _check_sidecar(
     cache: AdalnCache,
     plans: Sequence[torch.Tensor],
-    path: Path,
-    *,
     model_variant: str | None,
     schedules: Sequence[Mapping[str, Any]],
-    progress: bool,
-) -> ExportReport:
-    """Write vLLM-Omni's weight-bound sidecar (:mod:`adalncache.vllm_omni`); see :func:`export_tables`.
-
-    The projections' weight digests are taken from the bytes the passes project with (a layer no
-    pass of this process read, another rank's in a layer split, is hashed by one read at the end);
-    the payload digests by reading the finished tensors back from the temporary file before it is
-    renamed into place. No store or table file is used: their rows record no projection input.
-    """
+) -> tuple[dict[str, Any], str]:
+    """The schedule and model variant of a vLLM-Omni sidecar of ``plans``, or a ConfigError saying what to change."""
     spec = cache.spec
     contract = _sidecar_schedule(plans, schedules)
     variant = vllm_omni.check_export(
@@ -324,6 +353,27 @@ def _export_sidecar(
             f"and table files do not record (they may hold rows of another input): drop {flag('store')} "
             "(store=, tables=)"
         )
+    return contract, variant
+
+
+def _export_sidecar(
+    cache: AdalnCache,
+    plans: Sequence[torch.Tensor],
+    path: Path,
+    *,
+    model_variant: str | None,
+    schedules: Sequence[Mapping[str, Any]],
+    progress: bool,
+) -> ExportReport:
+    """Write vLLM-Omni's weight-bound sidecar (:mod:`adalncache.vllm_omni`); see :func:`export_tables`.
+
+    The projections' weight digests are taken from the bytes the passes project with (a layer no
+    pass of this process read, another rank's in a layer split, is hashed by one read at the end);
+    the payload digests by reading the finished tensors back from the temporary file before it is
+    renamed into place. No store or table file is used: their rows record no projection input.
+    """
+    spec = cache.spec
+    contract, variant = _check_sidecar(cache, plans, model_variant, schedules)
     embedding = vllm_omni.TimeEmbedding(cache.source, spec, cache.device)
     # Resident plans were built from whatever embed= their build had: projected again here.
     cache.invalidate()
@@ -332,49 +382,34 @@ def _export_sidecar(
     writer = TableWriter(path, spec, plans, bound=False, extras=extras) if cache.rank == 0 else None
     check_output(path, inputs, needs=writer.nbytes if writer is not None else None)
     digests = vllm_omni.WeightDigests(spec)
-    math_block = vllm_omni.math_of_device(cache.device)
+    manifest = functools.partial(
+        vllm_omni.manifest,
+        spec=spec,
+        embedding=embedding,
+        contract=contract,
+        model_variant=variant,
+        math_block=vllm_omni.math_of_device(cache.device),
+    )
     placeholder = {name: "0" * 64 for name in [*vllm_omni.weight_names(spec), *vllm_omni.PAYLOAD]}
     if writer is not None:
-        writer.open(
-            vllm_omni.metadata(
-                vllm_omni.manifest(
-                    spec=spec,
-                    embedding=embedding,
-                    contract=contract,
-                    model_variant=variant,
-                    weights=placeholder,
-                    payload=placeholder,
-                    math_block=math_block,
-                )
-            )
-        )
+        writer.open(vllm_omni.metadata(manifest(weights=placeholder, payload=placeholder)))
     keys = [plan_key(p, spec.plan_columns) for p in plans]
-    passes = store_hits = built = 0
     try:
-        chunks = [list(range(i, min(i + cache.max_plans, len(plans)))) for i in range(0, len(plans), cache.max_plans)]
-        for chunk in tqdm(chunks, desc="adalncache export", unit="pass", disable=not progress or len(chunks) < 2):
-            report = cache.build([plans[i] for i in chunk], embed=embedding.embed, project=digests.project)
-            passes, store_hits, built = passes + report.passes, store_hits + report.store_hits, built + report.built
-            if writer is not None:
-                for index in chunk:
-                    writer.write_slot(index, cache.rows_of(keys[index]))
-                    writer.write_extra(vllm_omni.EMBEDDINGS, index, embedding.temb(plans[index]))
-            cache.invalidate()
+        passes, store_hits, built = _write_passes(
+            cache,
+            plans,
+            keys,
+            writer,
+            lambda batch: cache.build(batch, embed=embedding.embed, project=digests.project),
+            progress=progress,
+            extra=lambda out, index: out.write_extra(vllm_omni.EMBEDDINGS, index, embedding.temb(plans[index])),
+        )
         if writer is None:
             return ExportReport(
                 path, vllm_omni.FORMAT, len(plans), _width(spec, keys), 0, passes, store_hits, built, None
             )
         digests.complete(cache.source, read_ahead=cache.read_ahead)
-        payload = _payload_digests(writer)
-        found = vllm_omni.manifest(
-            spec=spec,
-            embedding=embedding,
-            contract=contract,
-            model_variant=variant,
-            weights={**embedding.digests, **digests.digests},
-            payload=payload,
-            math_block=math_block,
-        )
+        found = manifest(weights={**embedding.digests, **digests.digests}, payload=_payload_digests(writer))
         writer.finish(vllm_omni.metadata(found))
     except BaseException:
         if writer is not None:

@@ -3,7 +3,7 @@
 Tables are the bits one kind of device computes, and another kind computes other bits (a CPU and
 a GPU, two GPU models), so rows are never served on a device of another identity
 (:func:`~adalncache.numerics.device_identity`). Within one identity (``cuda:0`` to ``cuda:1`` of
-one model) the slab is copied as it is. Across identities the resident tables are *parked*: host
+one model) the slab is copied as it is. Across identities the resident tables are *stashed*: host
 copies, least recently used first, with the source fingerprint, the variant and the autocast state they
 were built under, kept per identity. When the cache comes back to a device of that identity they are
 restored bit-exactly with no pass, unless the source changed since (then they are stale and
@@ -38,7 +38,7 @@ def same_device(a: torch.device, b: torch.device) -> bool:
     return indexed(a) == indexed(b)
 
 
-class ParkedTables(NamedTuple):
+class StashedTables(NamedTuple):
     """One device identity's tables, kept on the host while the cache serves another device."""
 
     rows: list[tuple[PlanKey, PlanRows]]
@@ -47,13 +47,14 @@ class ParkedTables(NamedTuple):
     autocast: torch.dtype | None
 
 
-class TableParking:
-    """The parked tables of one cache, by device identity."""
+class HostTableStash:
+    """Host copies of one cache's computed tables, by device identity, kept while the cache serves a
+    device of another identity (a model's weights are nothing of this: only rows the cache computed)."""
 
     def __init__(self) -> None:
-        self._parked: dict[tuple[Any, ...], ParkedTables] = {}
+        self._stashed: dict[tuple[Any, ...], StashedTables] = {}
 
-    def park(
+    def stash(
         self,
         identity: tuple[Any, ...],
         pool: SlotPool,
@@ -69,21 +70,21 @@ class TableParking:
             copy = slab.read_rows(slot, slab.spec.plan_rows(key))
             rows.append((key, PlanRows(*(tensor.to("cpu") for tensor in copy))))
         if rows:
-            self._parked[identity] = ParkedTables(rows, fingerprint, variant, autocast)
+            self._stashed[identity] = StashedTables(rows, fingerprint, variant, autocast)
         else:
-            self._parked.pop(identity, None)
+            self._stashed.pop(identity, None)
 
     def restore(
         self, identity: tuple[Any, ...], pool: SlotPool, slab: Slab, *, fingerprint: str | None
-    ) -> ParkedTables | None:
-        """Publish the tables parked for ``identity`` into an empty ``pool``; what came back, or None.
+    ) -> StashedTables | None:
+        """Publish the tables stashed for ``identity`` into an empty ``pool``; what came back, or None.
 
         Only tables built under ``fingerprint`` (the source as the cache holds it now) come back.
         """
-        parked = self._parked.pop(identity, None)
-        if parked is None or parked.fingerprint != fingerprint:
+        stashed = self._stashed.pop(identity, None)
+        if stashed is None or stashed.fingerprint != fingerprint:
             return None
-        rows = dict(parked.rows[-pool.num_slots :])
+        rows = dict(stashed.rows[-pool.num_slots :])
         keys = list(rows)
         reservation = pool.reserve(keys, set(keys))
         for key, slot in reservation.slots.items():
@@ -92,7 +93,7 @@ class TableParking:
         slab.publish([reservation.slots[k] for k in keys], [rows[k].timesteps for k in keys])
         pool.commit(reservation.slots)
         pool.touch(keys)
-        return ParkedTables(list(rows.items()), parked.fingerprint, parked.variant, parked.autocast)
+        return StashedTables(list(rows.items()), stashed.fingerprint, stashed.variant, stashed.autocast)
 
 
-__all__ = ["ParkedTables", "TableParking", "same_device"]
+__all__ = ["HostTableStash", "StashedTables", "same_device"]

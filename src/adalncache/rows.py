@@ -23,7 +23,7 @@ class PlanRows(tuple[torch.Tensor, ...]):
             raise ValueError("PlanRows needs the plan and at least one part of its rows")
         return super().__new__(cls, (timesteps, *parts))
 
-    def __getnewargs__(self) -> tuple[torch.Tensor, ...]:  # type: ignore[override]  # tuple's says tuple[Any, ...]
+    def __getnewargs__(self) -> tuple[torch.Tensor, ...]:
         # Pickled (torch.save, a process group's objects) as the positional arguments __new__ takes.
         return tuple(self)
 

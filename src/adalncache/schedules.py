@@ -54,7 +54,7 @@ def check_shift(name: str, shift: object) -> float:
 
 
 @dataclass
-class Geometry:
+class LatentShape:
     """Latent geometry of a request's packed layout (the defaults keep a tiny forward at a few ms)."""
 
     num_text_tokens: int = 6
@@ -66,7 +66,7 @@ class Geometry:
 
 
 #: The smallest layout that has every kind of row a task has: all the plans look at.
-_PLAN_GEOMETRY = Geometry(
+_PLAN_SHAPE = LatentShape(
     num_text_tokens=1, num_latent_frames=1, latent_height=1, latent_width=1, num_audio_latents=1, num_keyframes=1
 )
 
@@ -77,7 +77,7 @@ def build_layout(
     patch_size: tuple[int, int, int],
     video_channels: int,
     audio_channels: int,
-    geometry: Geometry | None = None,
+    geometry: LatentShape | None = None,
     audio_refs: bool = True,
 ) -> tuple[dict[str, torch.Tensor], int, int, list[torch.Tensor], list[torch.Tensor]]:
     """The packed layout of a ``task`` request, from the pipeline's own static builders.
@@ -104,7 +104,7 @@ def build_layout(
     )
 
     task = check_task(task)
-    geo = geometry or Geometry()
+    geo = geometry or LatentShape()
     text_token_tags = torch.full((geo.num_text_tokens,), MINIMAX_H3_TEXT_TAG, dtype=torch.long)
     condition_latents: list[torch.Tensor] = []
     audio_condition_latents: list[torch.Tensor] = []
@@ -244,7 +244,7 @@ def minimax_h3_plans(
         patch_size=(1, 1, 1),
         video_channels=1,
         audio_channels=1,
-        geometry=_PLAN_GEOMETRY,
+        geometry=_PLAN_SHAPE,
         audio_refs=audio_refs,
     )
     plan, _, _ = build_row_timestep_plan(
@@ -255,7 +255,7 @@ def minimax_h3_plans(
 
 __all__ = [
     "TASKS",
-    "Geometry",
+    "LatentShape",
     "build_layout",
     "build_row_timestep_plan",
     "check_shift",

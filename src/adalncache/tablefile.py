@@ -119,7 +119,7 @@ def _bad(path: Path, what: str, argument: str) -> ConfigError:
 
 
 @dataclass(frozen=True)
-class Geometry:
+class TableShapes:
     """Shapes of the four tensors of a file of ``plans`` slots ``width`` timesteps wide."""
 
     plans: int
@@ -171,8 +171,7 @@ class TableWriter:
             raise ConfigError("a table file holds each plan once: pass distinct plans (SGLang would serve one of them)")
         self.width = max(spec.plan_rows(k) for k in self.keys)
         self.bound = bound
-        geometry = Geometry(len(self.keys), self.width, spec)
-        shapes = geometry.shapes()
+        shapes = TableShapes(len(self.keys), self.width, spec).shapes()
         self._extras = dict(extras or {})
         for name, (row_shape, dtype) in self._extras.items():
             if name in shapes:
@@ -382,33 +381,9 @@ class TableFile:
     ) -> None:
         self.path = Path(path)
         self.argument = argument
-        if not self.path.is_file():
-            raise ConfigError(f"table file {self.path} does not exist ({argument})")
-        try:
-            header = SafetensorsHeader.read(self.path)
-            with safe_open(str(self.path), framework="pt") as handle:
-                self.metadata: dict[str, str] = dict(handle.metadata() or {})
-        except (CheckpointError, OSError) as exc:
-            raise _bad(self.path, f"not a readable safetensors file: {exc}", argument) from None
-        self.identity: FileIdentity = header.identity
-        entries = header.entries
-        wanted = [*PLAN_TENSORS, *(p.tensor for p in spec.table_parts())] if spec is not None else None
-        if wanted is None:
-            found = _part_tensors(entries)
-            wanted = [*PLAN_TENSORS, *(found if found is not None else families.table_tensor_sets()[0])]
-        absent = [name for name in wanted if name not in entries]
-        if absent:
-            raise _bad(
-                self.path, f"it has no {', '.join(absent)} tensor (a table file holds {', '.join(wanted)})", argument
-            )
-        version = self.metadata.get("format_version")
-        if version not in (FORMAT_VERSION, vllm_omni.FORMAT_VERSION):
-            raise _bad(
-                self.path,
-                f"its format_version is {version!r}, this reader knows {FORMAT_VERSION!r} (sglang and "
-                f"adalncache files) and {vllm_omni.FORMAT_VERSION!r} (vLLM-Omni sidecars)",
-                argument,
-            )
+        entries = self._open()
+        self._check_present(entries, spec)
+        version = self._check_version()
         #: A vLLM-Omni sidecar's manifest (None for the other formats).
         self.manifest: dict[str, Any] | None = None
         if version == vllm_omni.FORMAT_VERSION:
@@ -425,31 +400,93 @@ class TableFile:
             spec = self._spec_of(entries, argument)
         self.spec = spec
         self._entries: dict[str, TensorEntry] = entries
-        for name, (shape, want) in Geometry(self.plans, self.width, spec).shapes().items():
+        self._check_shapes(entries, spec)
+        self._check_format(entries, spec)
+        self._index_plans(ts, lengths, spec.plan_columns)
+        self.format = (
+            vllm_omni.FORMAT
+            if self.manifest is not None
+            else "adalncache"
+            if self.metadata.get(BOUND) is not None
+            else "sglang"
+        )
+        self.binding: dict[str, Any] | None = None
+        self.slot_digests: list[str] | None = None
+        if self.format == "adalncache":
+            self._read_binding()
+
+    def _open(self) -> dict[str, TensorEntry]:
+        """The file's tensor entries; sets its identity and metadata (a ConfigError if it is no safetensors file)."""
+        if not self.path.is_file():
+            raise ConfigError(f"table file {self.path} does not exist ({self.argument})")
+        try:
+            header = SafetensorsHeader.read(self.path)
+            with safe_open(str(self.path), framework="pt") as handle:
+                self.metadata: dict[str, str] = dict(handle.metadata() or {})
+        except (CheckpointError, OSError) as exc:
+            raise _bad(self.path, f"not a readable safetensors file: {exc}", self.argument) from None
+        self.identity: FileIdentity = header.identity
+        return header.entries
+
+    def _check_present(self, entries: dict[str, TensorEntry], spec: ModulationSpec | None) -> None:
+        """Refuses a file without the plan tensors and the table parts of ``spec`` (or of its own family)."""
+        wanted = [*PLAN_TENSORS, *(p.tensor for p in spec.table_parts())] if spec is not None else None
+        if wanted is None:
+            found = _part_tensors(entries)
+            wanted = [*PLAN_TENSORS, *(found if found is not None else families.table_tensor_sets()[0])]
+        absent = [name for name in wanted if name not in entries]
+        if absent:
+            raise _bad(
+                self.path,
+                f"it has no {', '.join(absent)} tensor (a table file holds {', '.join(wanted)})",
+                self.argument,
+            )
+
+    def _check_version(self) -> str | None:
+        """The file's ``format_version``, refused unless this reader knows it."""
+        version = self.metadata.get("format_version")
+        if version not in (FORMAT_VERSION, vllm_omni.FORMAT_VERSION):
+            raise _bad(
+                self.path,
+                f"its format_version is {version!r}, this reader knows {FORMAT_VERSION!r} (sglang and "
+                f"adalncache files) and {vllm_omni.FORMAT_VERSION!r} (vLLM-Omni sidecars)",
+                self.argument,
+            )
+        return version
+
+    def _check_shapes(self, entries: dict[str, TensorEntry], spec: ModulationSpec) -> None:
+        """Refuses a tensor whose shape or dtype is not the one ``spec`` needs at this plans x width."""
+        for name, (shape, want) in TableShapes(self.plans, self.width, spec).shapes().items():
             entry = entries[name]
             if tuple(entry.shape) != shape or entry.torch_dtype != want:
                 raise ConfigError(
-                    f"{self.path} ({argument}): {name} is {list(entry.shape)} {entry.torch_dtype or entry.dtype}, this "
-                    f"model needs {list(shape)} {want}: it holds another checkpoint geometry or dtype; export "
-                    f"tables from this model's checkpoint (adalncache export)"
+                    f"{self.path} ({self.argument}): {name} is {list(entry.shape)} "
+                    f"{entry.torch_dtype or entry.dtype}, this model needs {list(shape)} {want}: it holds another "
+                    f"checkpoint geometry or dtype; export tables from this model's checkpoint (adalncache export)"
                 )
+
+    def _check_format(self, entries: dict[str, TensorEntry], spec: ModulationSpec) -> None:
+        """Refuses a format the family is not served from: a sidecar's payload is checked against its manifest,
+        an unbound file is refused for a family served only from bound ones."""
         if self.manifest is not None:
             if vllm_omni.FORMAT not in spec.family.table_formats:
-                raise _bad(self.path, f"a vLLM-Omni sidecar cannot hold {spec.family.title} tables", argument)
+                raise _bad(self.path, f"a vLLM-Omni sidecar cannot hold {spec.family.title} tables", self.argument)
             shapes = {name: (tuple(e.shape), e.torch_dtype) for name, e in entries.items()}
-            vllm_omni.check_payload(self.path, self.manifest, spec, shapes, self.read_whole, argument)
+            vllm_omni.check_payload(self.path, self.manifest, spec, shapes, self.read_whole, self.argument)
         elif self.metadata.get(BOUND) is None and "sglang" not in spec.family.table_formats:
             raise _bad(
                 self.path,
                 f"it carries no binding, and {spec.family.title} tables are only served from bound files "
                 f"(export them with adalncache export {flag('format')} adalncache)",
-                argument,
+                self.argument,
             )
-        columns = spec.plan_columns
+
+    def _index_plans(self, ts: TensorEntry, lengths: TensorEntry, columns: int) -> None:
+        """Reads the plans into ``keys`` (slot order) and the slot of each plan (the first of a repeated one)."""
         timesteps = self._read_tensor(ts).view(torch.float32).view(tuple(ts.shape))
         counts = self._read_tensor(lengths).view(torch.int64)
         if bool(((counts < 1) | (counts > self.width)).any()):
-            raise _bad(self.path, f"a plan length is outside 1..{self.width}", argument)
+            raise _bad(self.path, f"a plan length is outside 1..{self.width}", self.argument)
         self.keys: list[PlanKey] = []
         self._slots: dict[PlanKey, int] = {}
         for s in range(self.plans):
@@ -465,17 +502,6 @@ class TableFile:
                 )
                 continue
             self._slots[key] = s
-        self.format = (
-            vllm_omni.FORMAT
-            if self.manifest is not None
-            else "adalncache"
-            if self.metadata.get(BOUND) is not None
-            else "sglang"
-        )
-        self.binding: dict[str, Any] | None = None
-        self.slot_digests: list[str] | None = None
-        if self.format == "adalncache":
-            self._read_binding()
 
     def _spec_of(self, entries: dict[str, TensorEntry], argument: str) -> ModulationSpec:
         """The spec a file describes itself (``inspect``): a bound file's layers, else its family's tensors."""
@@ -688,8 +714,8 @@ __all__ = [
     "FORMATS",
     "FORMAT_VERSION",
     "PLAN_TENSORS",
-    "Geometry",
     "TableFile",
+    "TableShapes",
     "TableWriter",
     "bound_metadata",
     "is_table_file",

@@ -92,7 +92,7 @@ class FaultInjectingSource:
         return self.source.fingerprint
 
     @property
-    def bytes_read(self) -> int:  # type: ignore[override]  # the protocol's attribute, read-only here
+    def bytes_read(self) -> int:
         return self.source.bytes_read
 
     def refresh(self) -> bool:

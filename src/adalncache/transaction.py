@@ -97,6 +97,24 @@ class BuildSettings:
     batched: bool
     tiled: bool | str = False
 
+    def checked_autocast(self, device: torch.device) -> torch.dtype | None:
+        """The autocast dtype a build on ``device`` runs under, refused when the slab cannot hold it exactly."""
+        dtype = autocast_dtype(device)
+        if dtype is None:
+            return None
+        spec = self.spec
+        if self.precision == "fp32":
+            raise ConfigError(
+                f"precision='fp32' projects in fp32, but torch.autocast({device.type!r}) makes the "
+                f"projection run in {dtype}: build outside autocast, or use precision='match' (CLI {flag('precision')})"
+            )
+        if spec.dtype != dtype and spec.dtype != torch.float32:
+            raise ConfigError(
+                f"under torch.autocast to {dtype} the projections return {dtype}, which the slab's {spec.dtype} "
+                f"cannot hold exactly: run without autocast, or with autocast to {spec.dtype}"
+            )
+        return dtype
+
 
 class BuildTransaction:
     """Runs the builds of one cache (one at a time: the cache serialises them)."""
@@ -150,7 +168,7 @@ class BuildTransaction:
 
         ``embed`` may be ``None`` only for a source that serves no weights: no pass can run there.
         """
-        autocast = self._autocast_dtype()
+        autocast = self.settings.checked_autocast(self._site.device)
         self._sync.begin_build()
         try:
             self._check_identity(variant, autocast, order)
@@ -165,24 +183,6 @@ class BuildTransaction:
             self._fill(order, missing, tensors, embed if embed is not None else _no_embed, project, report)
         finally:
             self._sync.end_build()
-
-    def _autocast_dtype(self) -> torch.dtype | None:
-        """The autocast dtype this build runs under, refused when the slab cannot hold it exactly."""
-        dtype = autocast_dtype(self._site.device)
-        if dtype is None:
-            return None
-        spec = self.settings.spec
-        if self.settings.precision == "fp32":
-            raise ConfigError(
-                f"precision='fp32' projects in fp32, but torch.autocast({self._site.device.type!r}) makes the "
-                f"projection run in {dtype}: build outside autocast, or use precision='match' (CLI {flag('precision')})"
-            )
-        if spec.dtype != dtype and spec.dtype != torch.float32:
-            raise ConfigError(
-                f"under torch.autocast to {dtype} the projections return {dtype}, which the slab's {spec.dtype} "
-                f"cannot hold exactly: run without autocast, or with autocast to {spec.dtype}"
-            )
-        return dtype
 
     def _check_identity(self, variant: Hashable, autocast: torch.dtype | None, order: list[PlanKey]) -> None:
         """Step 1; a source that no longer validates is a BuildError (``failed_at="checkpoint"``)."""

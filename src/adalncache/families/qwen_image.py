@@ -105,10 +105,10 @@ def config_flags(config: Any) -> dict[str, bool]:
 
 def from_transformer(model: Any, dtype: torch.dtype | None = None) -> dict[str, Any]:
     """The spec keywords of a ``QwenImageTransformer2DModel`` (its config, block 0's ``img_mod.1`` dtype)."""
-    config = getattr(model, "config", None)
+    config: Any = getattr(model, "config", None)
     try:
-        num_layers = int(config.num_layers)  # type: ignore[union-attr]
-        hidden_size = int(config.num_attention_heads) * int(config.attention_head_dim)  # type: ignore[union-attr]
+        num_layers = int(config.num_layers)
+        hidden_size = int(config.num_attention_heads) * int(config.attention_head_dim)
     except AttributeError:
         raise ConfigError(
             f"ModulationSpec.from_transformer needs a QwenImageTransformer2DModel (a config with num_layers, "

@@ -84,7 +84,9 @@ def run_qwen(args: argparse.Namespace) -> int:
         handle: Any = enable_adaln_cache(pipe)  # adopts the loaded cache, watches the scheduler
         try:
             cached, cached_s = run()
-            table = adaln_cache_handle(cached_model).cache.slab_bytes  # type: ignore[union-attr]
+            served = adaln_cache_handle(cached_model)
+            assert served is not None, "enable_adaln_cache(pipe) enables the pipeline's transformer"
+            table = served.cache.slab_bytes
             stats = handle.stats
             bytes_after = _served_parameter_bytes(cached_model)
         finally:

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from ..errors import ConfigError
-from ..schedules import TASKS, Geometry, build_layout, build_row_timestep_plan, check_steps, check_task
+from ..schedules import TASKS, LatentShape, build_layout, build_row_timestep_plan, check_steps, check_task
 from ..source.writer import PAD_PREFIX, write_safetensors
 
 if TYPE_CHECKING:
@@ -386,7 +386,7 @@ def make_request(
     steps: int = 4,
     *,
     seed: int = 0,
-    geometry: Geometry | None = None,
+    geometry: LatentShape | None = None,
     video_shift: float = 12.0,
     audio_shift: float = 3.0,
     audio_refs: bool = True,
@@ -403,7 +403,7 @@ def make_request(
 
     task = check_task(task)
     steps = check_steps(steps)
-    geo = geometry or Geometry()
+    geo = geometry or LatentShape()
     config: Any = model.config
     patch_size = cast(tuple[int, int, int], tuple(config.patch_size))
     if device is None:
@@ -755,7 +755,7 @@ __all__ = [
     "PAD_PREFIX",
     "SIZES",
     "TASKS",
-    "Geometry",
+    "LatentShape",
     "LoopResult",
     "TinyRequest",
     "adaln_parameter_bytes",

@@ -97,7 +97,7 @@ def model_class(class_name: str) -> type[nn.Module]:
         raise ConfigError(f"no tiny model of {class_name!r}: the tiny classes are {', '.join(CONFIGS)}")
     import diffusers
 
-    return getattr(diffusers, class_name)  # type: ignore[no-any-return]  # diffusers' exports are untyped
+    return getattr(diffusers, class_name)
 
 
 def config(class_name: str, **flags: Any) -> dict[str, Any]:
@@ -123,7 +123,7 @@ def save_and_load(model: Any, directory: Path, dtype: torch.dtype = torch.bfloat
     """``model`` (a diffusers model) saved in ``dtype`` with ``save_pretrained`` into ``directory`` and loaded back."""
     model.to(dtype).save_pretrained(str(directory))
     loaded = type(model).from_pretrained(str(directory), torch_dtype=dtype)
-    return loaded.eval()  # type: ignore[no-any-return]  # from_pretrained is untyped
+    return loaded.eval()
 
 
 def forward_kwargs(

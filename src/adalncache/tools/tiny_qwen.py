@@ -81,7 +81,8 @@ def save_tiny_qwen(model: nn.Module, directory: str | os.PathLike[str], *, dtype
     if dtype not in (torch.bfloat16, torch.float32, torch.float16):
         raise ConfigError(f"save_tiny_qwen dtype must be bfloat16, float16 or float32, got {dtype}")
     directory = Path(directory)
-    model.save_pretrained(directory)  # type: ignore[operator]
+    pretrained: Any = model  # a diffusers ModelMixin; nn.Module types its attributes as Tensor | Module
+    pretrained.save_pretrained(directory)
     return QwenImageTransformer2DModel.from_pretrained(directory, torch_dtype=dtype).eval()
 
 

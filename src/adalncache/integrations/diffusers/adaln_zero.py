@@ -97,24 +97,24 @@ def _bria(model: Any, cols: Mapping[str, torch.Tensor]) -> torch.Tensor:
     guidance = cols.get(adaln_zero.GUIDANCE)
     if guidance is not None:  # Bria-FIBO's guidance-embedded variant (Bria's own is refused)
         temb = temb + model.guidance_embed(guidance.to(dtype), dtype=dtype)
-    return temb  # type: ignore[no-any-return]
+    return temb
 
 
 def _longcat(model: Any, cols: Mapping[str, torch.Tensor]) -> torch.Tensor:
     dtype = _hidden_dtype(model)  # the forward: timestep.to(hidden_states.dtype) * 1000
-    return model.time_embed(cols["timestep"].to(dtype) * 1000, dtype)  # type: ignore[no-any-return]
+    return model.time_embed(cols["timestep"].to(dtype) * 1000, dtype)
 
 
 def _ovis(model: Any, cols: Mapping[str, torch.Tensor]) -> torch.Tensor:
     dtype = _hidden_dtype(model)  # the forward: timestep.to(hidden_states.dtype) * 1000
     proj = model.time_proj(cols["timestep"].to(dtype) * 1000)
-    return model.timestep_embedder(proj.to(dtype))  # type: ignore[no-any-return]
+    return model.timestep_embedder(proj.to(dtype))
 
 
 def _auraflow(model: Any, cols: Mapping[str, torch.Tensor]) -> torch.Tensor:
     # The forward casts time_step_embed's fp32 output to its first parameter's dtype.
     proj = model.time_step_embed(cols["timestep"]).to(dtype=_param_dtype(model))
-    return model.time_step_proj(proj)  # type: ignore[no-any-return]
+    return model.time_step_proj(proj)
 
 
 #: Each class's ``temb`` from its per-step inputs (one fp32 tensor per plan column), as its forward computes it.
@@ -206,7 +206,7 @@ class AdalnZero(DiffusersFamily):
         owner = str(layer).rpartition(".")[0]
         single = owner.startswith("single_transformer_blocks.") and owner.endswith(".norm")
         # The served forwards take the AdaLN modules' keywords (emb=...), more than ServedForward names.
-        return _single_forward if single else _zero_forward  # type: ignore[return-value]
+        return _single_forward if single else _zero_forward
 
     def time_embedder_module(self, model: nn.Module) -> nn.Module:
         return model.get_submodule(adaln_zero.CLASSES[type(model).__name__].temb_module)
@@ -389,7 +389,8 @@ def pipeline_forward_timesteps(
 
 
 def _plan_inputs(model: nn.Module) -> tuple[str, ...]:
-    fields = adaln_zero.fields_from_config(type(model).__name__, model.config)  # type: ignore[arg-type]
+    config: Any = model.config
+    fields = adaln_zero.fields_from_config(type(model).__name__, config)
     return tuple(fields["plan_inputs"])
 
 

@@ -155,7 +155,7 @@ class DiffusersFamily:
         if not path.startswith(head):
             return model.get_submodule(path)
         index, _, rest = path[len(head) :].partition(".")
-        block: Any = self.transformer_blocks(model)[int(index)]  # type: ignore[index]
+        block = self.transformer_blocks(model).get_submodule(str(int(index)))
         return block.get_submodule(rest) if rest else block
 
     def projection_module(self, model: nn.Module, layer: Layer) -> Any:
@@ -231,7 +231,7 @@ class DiffusersFamily:
 
     def rows_view(self, cache: Any, layer: Layer) -> torch.Tensor:
         """The ``[P, W, out_features]`` view a served owner of ``layer`` gathers its rows from."""
-        return cache.layer_params(layer)  # type: ignore[no-any-return]
+        return cache.layer_params(layer)
 
     def stand_in(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[int, torch.dtype | None]:
         """Rows and dtype of the ``temb`` the parked time embedder would return for this call.
@@ -245,7 +245,8 @@ class DiffusersFamily:
     def temb_width(self, model: nn.Module) -> int:
         """Width of ``temb``: the time embedder's last linear's outputs."""
         _, last = self.time_embedder_linears(model)[-1]
-        return int(base_linear(last).out_features)  # type: ignore[arg-type]
+        out_features: Any = base_linear(last).out_features
+        return int(out_features)
 
 
 def timestep_argument(module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> torch.Tensor:

@@ -128,7 +128,7 @@ class AdalnCacheTransformerHook(ModelHook):
             self.state.clear()
             held.release()
 
-    @torch.compiler.disable  # type: ignore[untyped-decorator]  # torch ships it untyped
+    @torch.compiler.disable
     def prepare(self, module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> PlanHold:
         """The forward's host work: read the plan, hold it resident, point the served modules at its slot.
 

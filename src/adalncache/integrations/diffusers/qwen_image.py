@@ -199,7 +199,7 @@ def pipeline_timesteps(steps: int, height: int, width: int, scheduler_config: Ma
         scheduler.config.get("max_shift", 1.15),
     )
     scheduler.set_timesteps(sigmas=sigmas, mu=mu)
-    return scheduler.timesteps  # type: ignore[no-any-return]
+    return scheduler.timesteps
 
 
 def schedule_timesteps(
