@@ -71,9 +71,16 @@ def test_cli_tables_of_a_checkpoint_serve_the_pipeline_without_a_pass(
 
     def run() -> torch.Tensor:
         out = pipe(
-            prompt_embeds=prompt, negative_prompt_embeds=negative, guidance_scale=4.0, height=8, width=8,
-            num_inference_steps=4, generator=torch.Generator().manual_seed(0), output_type="latent", **extra,
-        )  # fmt: skip
+            prompt_embeds=prompt,
+            negative_prompt_embeds=negative,
+            guidance_scale=4.0,
+            height=8,
+            width=8,
+            num_inference_steps=4,
+            generator=torch.Generator().manual_seed(0),
+            output_type="latent",
+            **extra,
+        )
         return out.images  # type: ignore[no-any-return]
 
     resident = run()
@@ -140,8 +147,22 @@ def test_cli_schedule_flags_are_checked(tmp_path: Path, capsys: pytest.CaptureFi
         err = capsys.readouterr().err
         assert says in err and err.count("\n") == 1, (flags, err)
         assert not store.exists()
-    assert main(["build", str(hunyuan), "--store", str(tmp_path / "s"), "--timesteps", "500,250,500",
-                 "--timestep-r", "250,0,250", "-q"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "build",
+                str(hunyuan),
+                "--store",
+                str(tmp_path / "s"),
+                "--timesteps",
+                "500,250,500",
+                "--timestep-r",
+                "250,0,250",
+                "-q",
+            ]
+        )
+        == 0
+    )
     assert "2 distinct plan(s)" in capsys.readouterr().out
 
 

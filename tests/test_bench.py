@@ -211,8 +211,21 @@ def test_bench_qwen_pass_section(tmp_path: Path, capsys: pytest.CaptureFixture[s
     from adalncache.tools.bench.workload import qwen_spec
 
     out, work = tmp_path / "results", tmp_path / "work"
-    argv = ["bench", "--only", "qwen-pass", "--hidden", "8", "--plans", "6", "--runs", "1",
-            "--dir", str(work), "--out", str(out)]  # fmt: skip
+    argv = [
+        "bench",
+        "--only",
+        "qwen-pass",
+        "--hidden",
+        "8",
+        "--plans",
+        "6",
+        "--runs",
+        "1",
+        "--dir",
+        str(work),
+        "--out",
+        str(out),
+    ]
     assert main(argv) == 0
     data = json.loads((out / "bench.json").read_text())
     values = data["values"]["qwen_pass"]

@@ -336,9 +336,15 @@ def test_an_edit_pipeline_request_is_built_in_one_pass(pipeline: str, variant: s
     def run() -> torch.Tensor:
         generator = torch.Generator().manual_seed(0)
         out = pipe(
-            image=image, height=32, width=32, num_inference_steps=2, true_cfg_scale=1.0, generator=generator,
-            output_type="pt", **prompt,
-        )  # fmt: skip
+            image=image,
+            height=32,
+            width=32,
+            num_inference_steps=2,
+            true_cfg_scale=1.0,
+            generator=generator,
+            output_type="pt",
+            **prompt,
+        )
         return out.images  # type: ignore[no-any-return]
 
     resident = run()
