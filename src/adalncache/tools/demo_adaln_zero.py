@@ -50,6 +50,7 @@ def run_adaln_zero(args: argparse.Namespace) -> int:
     """The demo on ``args.model`` (a key of :data:`MODELS`): 0 when the cached latents equal the resident ones."""
     from ..diffusers import adaln_cache_handle, enable_adaln_cache, load_transformer
     from . import tiny_adaln_zero as tiny
+    from .demo_files import bf16_files, no_loading_bars
     from .measure import drop_page_cache, io_read_bytes, resident_served_bytes, served_bytes, weight_files
 
     if not isinstance(args.steps, int) or args.steps < 1:
@@ -58,11 +59,12 @@ def run_adaln_zero(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     with tempfile.TemporaryDirectory(prefix=f"adalncache-demo-{args.model}-") as tmp:
         directory = Path(tmp) / "transformer"
-        built: Any = tiny.build(class_name, seed=args.seed).to(torch.bfloat16)
-        built.save_pretrained(directory, max_shard_size="40KB")
+        bf16_files(tiny.build(class_name, seed=args.seed), Path(tmp) / "fp32", directory)
         cls: Any = tiny.model_class(class_name)
-        stock = cls.from_pretrained(directory, torch_dtype=torch.bfloat16).to(device).eval()
+        with no_loading_bars():
+            stock = cls.from_pretrained(directory, torch_dtype=torch.bfloat16).to(device).eval()
         pipe = tiny.tiny_pipeline(stock).to(device)
+        pipe.set_progress_bar_config(disable=True)  # the demo prints its own lines only
         prompt = tiny.prompt_embeds(stock, seed=args.seed + 1).to(device)
         negative = tiny.prompt_embeds(stock, seed=args.seed + 2).to(device)
         extra = {"negative_prompt": None} if args.model == "ovis-image" else {}

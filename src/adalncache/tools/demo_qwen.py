@@ -42,6 +42,7 @@ def run_qwen(args: argparse.Namespace) -> int:
     from diffusers import QwenImageTransformer2DModel
 
     from ..diffusers import adaln_cache_handle, enable_adaln_cache, load_transformer
+    from .demo_files import bf16_files, no_loading_bars
     from .measure import drop_page_cache, io_read_bytes, resident_served_bytes, served_bytes, weight_files
     from .tiny_qwen import tiny_prompt_embeds, tiny_qwen_pipeline, tiny_qwen_transformer
 
@@ -50,10 +51,11 @@ def run_qwen(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     with tempfile.TemporaryDirectory(prefix="adalncache-demo-qwen-") as tmp:
         directory = Path(tmp) / "transformer"
-        built: Any = tiny_qwen_transformer("plain", seed=args.seed).to(torch.bfloat16)
-        built.save_pretrained(directory, max_shard_size="40KB")
-        stock = QwenImageTransformer2DModel.from_pretrained(directory, torch_dtype=torch.bfloat16).to(device).eval()
+        bf16_files(tiny_qwen_transformer("plain", seed=args.seed), Path(tmp) / "fp32", directory)
+        with no_loading_bars():
+            stock = QwenImageTransformer2DModel.from_pretrained(directory, torch_dtype=torch.bfloat16).to(device).eval()
         pipe = tiny_qwen_pipeline(seed=args.seed, transformer=stock).to(device)
+        pipe.set_progress_bar_config(disable=True)  # the demo prints its own lines only
         prompt = {k: v.to(device) for k, v in tiny_prompt_embeds(stock, seed=args.seed).items()}
 
         def run() -> tuple[torch.Tensor, float]:
