@@ -23,7 +23,6 @@ import torch
 from ..devices import resolve_device
 from ..errors import ConfigError
 from ..families import adaln_zero
-from .demo_qwen import _format_bytes
 
 #: The demo's models: ``--model`` name -> diffusers class.
 MODELS = {"bria": "BriaTransformer2DModel", "ovis-image": "OvisImageTransformer2DModel"}
@@ -48,10 +47,8 @@ def _served_parameter_bytes(model: Any) -> int:
 
 def run_adaln_zero(args: argparse.Namespace) -> int:
     """The demo on ``args.model`` (a key of :data:`MODELS`): 0 when the cached latents equal the resident ones."""
-    from ..diffusers import adaln_cache_handle, enable_adaln_cache, load_transformer
     from . import tiny_adaln_zero as tiny
-    from .demo_files import bf16_files, no_loading_bars
-    from .measure import drop_page_cache, io_read_bytes, resident_served_bytes, served_bytes, weight_files
+    from .demo_files import bf16_files, no_loading_bars, run_cached
 
     if not isinstance(args.steps, int) or args.steps < 1:
         raise ConfigError(f"--steps must be a positive integer (num_inference_steps), got {args.steps}")
@@ -87,42 +84,11 @@ def run_adaln_zero(args: argparse.Namespace) -> int:
 
         resident, resident_s = run()
         bytes_before = _served_parameter_bytes(stock)
-        files = weight_files(directory)
-        never_read, total = served_bytes(files)
-        dropped = drop_page_cache(files)
-        before = io_read_bytes()
-        cached_model = load_transformer(directory, torch_dtype=torch.bfloat16, device_map=device)
-        after = io_read_bytes()
-        read = None if before is None or after is None or not dropped else after - before
-        served_cached = resident_served_bytes(files)
-        pipe.transformer = cached_model
-        handle: Any = enable_adaln_cache(pipe)  # adopts the loaded cache, watches the scheduler
-        try:
-            cached, cached_s = run()
-            table = adaln_cache_handle(cached_model).cache.slab_bytes  # type: ignore[union-attr]
-            stats = handle.stats
-            bytes_after = _served_parameter_bytes(cached_model)
-        finally:
-            handle.disable()
-    identical = torch.equal(cached, resident)
-    read_text = "?" if read is None else _format_bytes(read)
-    in_cache = "none of them" if served_cached == 0 else _format_bytes(served_cached)
-    pipeline = type(pipe).__name__
+        cached = run_cached(pipe, directory, device, run, _served_parameter_bytes)
+    identical = torch.equal(cached.output, resident)
     rows = [
-        ("request", f"{SIZE}x{SIZE}, {args.steps} steps, guidance {GUIDANCE:g} ({pipeline}, bf16)"),
-        ("plans", f"{len(handle.cache)} distinct, built in {stats.passes} pass(es) before the first step"),
-        (
-            "load",
-            f"load_transformer read {read_text} of the {_format_bytes(total)} checkpoint; "
-            f"{_format_bytes(never_read)} of modulation projections never read "
-            f"({in_cache} in the page cache)",
-        ),
-        (
-            "modulation bytes on device",
-            f"{_format_bytes(bytes_before)} resident -> {_format_bytes(bytes_after)} "
-            f"weights + {_format_bytes(table)} table cached",
-        ),
-        ("request time", f"{resident_s * 1000:.1f} ms resident, {cached_s * 1000:.1f} ms cached"),
+        ("request", f"{SIZE}x{SIZE}, {args.steps} steps, guidance {GUIDANCE:g} ({type(pipe).__name__}, bf16)"),
+        *cached.rows("modulation projections", bytes_before, resident_s),
     ]
     title = adaln_zero.layout_of(class_name).title
     print(f"adalncache demo: tiny {title} ({class_name}), device {device}, seed {args.seed}")

@@ -24,10 +24,6 @@ from ..errors import ConfigError
 SIZE = 64
 
 
-def _format_bytes(count: int) -> str:
-    return f"{count / 2**20:.2f} MiB" if count >= 2**20 else f"{count / 2**10:.1f} KiB"
-
-
 def _served_parameter_bytes(model: Any) -> int:
     names = ("img_mod.1.", "txt_mod.1.", "norm_out.linear.", "time_text_embed.timestep_embedder.")
     return sum(
@@ -41,9 +37,7 @@ def run_qwen(args: argparse.Namespace) -> int:
     """The demo on Qwen-Image: returns 0 when the cached images equal the resident ones, else 1."""
     from diffusers import QwenImageTransformer2DModel
 
-    from ..diffusers import adaln_cache_handle, enable_adaln_cache, load_transformer
-    from .demo_files import bf16_files, no_loading_bars
-    from .measure import drop_page_cache, io_read_bytes, resident_served_bytes, served_bytes, weight_files
+    from .demo_files import bf16_files, no_loading_bars, run_cached
     from .tiny_qwen import tiny_prompt_embeds, tiny_qwen_pipeline, tiny_qwen_transformer
 
     if not isinstance(args.steps, int) or args.steps < 1:
@@ -74,43 +68,11 @@ def run_qwen(args: argparse.Namespace) -> int:
 
         resident, resident_s = run()
         bytes_before = _served_parameter_bytes(stock)
-        files = weight_files(directory)
-        never_read, total = served_bytes(files)
-        dropped = drop_page_cache(files)
-        before = io_read_bytes()
-        cached_model = load_transformer(directory, torch_dtype=torch.bfloat16, device_map=device)
-        after = io_read_bytes()
-        read = None if before is None or after is None or not dropped else after - before
-        served_cached = resident_served_bytes(files)
-        pipe.transformer = cached_model
-        handle: Any = enable_adaln_cache(pipe)  # adopts the loaded cache, watches the scheduler
-        try:
-            cached, cached_s = run()
-            served = adaln_cache_handle(cached_model)
-            assert served is not None, "enable_adaln_cache(pipe) enables the pipeline's transformer"
-            table = served.cache.slab_bytes
-            stats = handle.stats
-            bytes_after = _served_parameter_bytes(cached_model)
-        finally:
-            handle.disable()
-    identical = torch.equal(cached, resident)
-    read_text = "?" if read is None else _format_bytes(read)
-    in_cache = "none of them" if served_cached == 0 else _format_bytes(served_cached)
+        cached = run_cached(pipe, directory, device, run, _served_parameter_bytes)
+    identical = torch.equal(cached.output, resident)
     rows = [
         ("request", f"{SIZE}x{SIZE}, {args.steps} steps (QwenImagePipeline, bf16)"),
-        ("plans", f"{len(handle.cache)} distinct, built in {stats.passes} pass(es) before the first step"),
-        (
-            "load",
-            f"load_transformer read {read_text} of the {_format_bytes(total)} checkpoint; "
-            f"{_format_bytes(never_read)} of modulation projections and timestep embedder never read "
-            f"({in_cache} in the page cache)",
-        ),
-        (
-            "modulation bytes on device",
-            f"{_format_bytes(bytes_before)} resident -> {_format_bytes(bytes_after)} "
-            f"weights + {_format_bytes(table)} table cached",
-        ),
-        ("request time", f"{resident_s * 1000:.1f} ms resident, {cached_s * 1000:.1f} ms cached"),
+        *cached.rows("modulation projections and timestep embedder", bytes_before, resident_s),
     ]
     print(f"adalncache demo: tiny Qwen-Image, device {device}, seed {args.seed}")
     width = max(len(name) for name, _ in rows)
