@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from .errors import PlanError, PlanNotCachedError
-from .identity import TableIdentity
+from .identity.binding import TableIdentity
 from .plans import PlanKey, keyed_plans, plan_key
 from .slab import Slab
 from .slots import SlotPool

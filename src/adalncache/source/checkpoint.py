@@ -36,10 +36,10 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError, ConfigError
+from ..identity.digest import DigestSink, role_of
 from ..spec import Layer, ModulationSpec
 from ..streams import CopyStreams, copy_to_device
 from .buffers import StagingPool, read_buffer
-from .digest import DigestSink, role_of
 from .files import CheckpointFiles, CheckpointPath
 from .header import SafetensorsHeader, TensorEntry, open_regular
 from .mapped import PassMappings
