@@ -847,8 +847,8 @@ def _lock_wait(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def register(subparsers: Any) -> None:
-    """Add ``build``, ``export``, ``inspect``, ``verify`` and ``store prune`` to the ``adalncache`` command line."""
+def _register_build(subparsers: Any) -> None:
+    """``adalncache build``: fill a store with the tables of some schedules."""
     p = subparsers.add_parser(
         "build",
         help="fill a store with the tables of one or more schedules",
@@ -871,6 +871,9 @@ def register(subparsers: Any) -> None:
     _common(p)
     p.set_defaults(func=run_build)
 
+
+def _register_export(subparsers: Any) -> None:
+    """``adalncache export``: write the tables of some schedules to one table file."""
     p = subparsers.add_parser(
         "export",
         help="write the tables of one or more schedules to one file (sglang, vllm-omni or adalncache format)",
@@ -915,6 +918,9 @@ def register(subparsers: Any) -> None:
     _common(p)
     p.set_defaults(func=run_export)
 
+
+def _register_inspect(subparsers: Any) -> None:
+    """``adalncache inspect``: what a checkpoint, a store or a table file holds."""
     p = subparsers.add_parser(
         "inspect",
         help="what a checkpoint or a store holds",
@@ -936,6 +942,9 @@ def register(subparsers: Any) -> None:
     )
     p.set_defaults(func=run_inspect)
 
+
+def _register_verify(subparsers: Any) -> None:
+    """``adalncache verify``: recompute store entries or a table file and compare them bit for bit."""
     p = subparsers.add_parser(
         "verify",
         help="recompute store entries or a table file and compare bit for bit (exit 1 on any difference)",
@@ -955,6 +964,9 @@ def register(subparsers: Any) -> None:
     _common(p)
     p.set_defaults(func=run_verify)
 
+
+def _register_store(subparsers: Any) -> None:
+    """``adalncache store prune``: store maintenance."""
     p = subparsers.add_parser("store", help="store maintenance", description="Store maintenance commands.")
     store_sub = p.add_subparsers(dest="store_command", metavar="ACTION", parser_class=type(p))
     store_sub.required = True
@@ -966,6 +978,12 @@ def register(subparsers: Any) -> None:
     q.add_argument("--store", required=True, help="store directory")
     q.add_argument("--max-gb", type=float, required=True, help="size to prune down to, in GiB (0 empties it)")
     q.set_defaults(func=run_prune)
+
+
+def register(subparsers: Any) -> None:
+    """Add ``build``, ``export``, ``inspect``, ``verify`` and ``store prune`` to the ``adalncache`` command line."""
+    for add in (_register_build, _register_export, _register_inspect, _register_verify, _register_store):
+        add(subparsers)
 
 
 __all__ = ["register", "run_build", "run_export", "run_inspect", "run_prune", "run_verify"]
