@@ -22,7 +22,9 @@ integration's family-neutral modules never import the module that is MiniMax-H3'
 from __future__ import annotations
 
 import ast
+import io
 import re
+import tokenize
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -420,6 +422,88 @@ def test_the_speech_scan_finds_flags_and_words_above(tmp_path: Path) -> None:
     found = core_speaking_above(root)
     assert sorted(entry.split(":")[0] for entry in found) == ["adalncache.a", "adalncache.b", "adalncache.c"]
     assert any("flag -o" in entry for entry in found)
+
+
+# ---------------------------------------------------------------------------------------------
+# sizes: no runtime class or function a reader cannot hold in mind at once
+
+#: A class spans at most this many lines (docstrings and comments included: it is read whole).
+MAX_CLASS_LINES = 350
+#: A function holds at most this many lines of code (its docstring, comments and blank lines not counted).
+MAX_FUNCTION_CODE_LINES = 80
+
+
+def _code_lines(lines: list[str], node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """The lines of ``node`` that carry code: no blank line, no comment-only line, not its docstring."""
+    body = node.body
+    docstring: set[int] = set()
+    first = body[0] if body else None
+    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+        docstring = set(range(first.lineno, (first.end_lineno or first.lineno) + 1))
+    assert node.end_lineno is not None
+    source = "\n".join(lines[node.lineno - 1 : node.end_lineno]) + "\n"
+    skip = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER}
+    code: set[int] = set()
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type not in skip:
+            code.update(range(token.start[0] + node.lineno - 1, token.end[0] + node.lineno))
+    return len(code - docstring)
+
+
+def oversized(root: Path = SRC) -> list[str]:
+    """Every class over :data:`MAX_CLASS_LINES` lines and function over :data:`MAX_FUNCTION_CODE_LINES`
+    code lines in the runtime (everything but ``tools/``), nested ones included."""
+    found = []
+    for name, path in modules(root).items():
+        if layer(name) == 2 and name not in CLI:  # the tools: generators and benchmarks, not the runtime
+            continue
+        text = path.read_text()
+        lines = text.splitlines()
+        where = path.relative_to(root.parent.parent)
+        for node in ast.walk(ast.parse(text, filename=str(path))):
+            if isinstance(node, ast.ClassDef):
+                size = (node.end_lineno or node.lineno) - node.lineno + 1
+                if size > MAX_CLASS_LINES:
+                    found.append(f"{where}:{node.lineno}: class {node.name} is {size} lines (> {MAX_CLASS_LINES})")
+            elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                size = _code_lines(lines, node)
+                if size > MAX_FUNCTION_CODE_LINES:
+                    found.append(
+                        f"{where}:{node.lineno}: function {node.name} has {size} code lines "
+                        f"(> {MAX_FUNCTION_CODE_LINES})"
+                    )
+    return found
+
+
+def test_no_runtime_class_or_function_is_oversized() -> None:
+    """A class of more than 350 lines or a function of more than 80 code lines does several jobs:
+    split it by job (see docs/architecture.md for how the source, the handle and the commands are)."""
+    found = oversized()
+    print("\n".join(found))
+    assert not found, "split these by job:\n" + "\n".join(found)
+
+
+def test_the_size_scan_counts_code_not_prose(tmp_path: Path) -> None:
+    """The scan counts a function's code lines (not its docstring, comments or blank lines), a class's
+    lines, and skips the tools: a long docstring passes, 81 statements fail, a 351-line class fails."""
+    prose = '    """' + "why\n" * 200 + '    """\n' + "    # note\n\n" * 50 + "    return 1\n"
+    code = "".join(f"    x{i} = {i}\n" for i in range(81))
+    big_class = "class Big:\n" + "    a = 1\n" * 350
+    root = _tree(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "prose.py": "def f():\n" + prose,
+            "code.py": "def g():\n" + code,
+            "klass.py": big_class,
+            "tools/__init__.py": "",
+            "tools/gen.py": "def h():\n" + code,
+        },
+    )
+    found = oversized(root)
+    assert len(found) == 2, found
+    assert "function g has 82 code lines" in found[0] or "function g has 82 code lines" in found[1]
+    assert any("class Big is 351 lines" in entry for entry in found)
 
 
 # ---------------------------------------------------------------------------------------------
