@@ -81,7 +81,7 @@ def test_cli_tables_of_a_checkpoint_serve_the_pipeline_without_a_pass(
             output_type="latent",
             **extra,
         )
-        return out.images  # type: ignore[no-any-return]
+        return out.images
 
     resident = run()
     handle = enable_adaln_cache(pipe, repo / "transformer", tables=tables)

@@ -17,6 +17,10 @@ two modules' designs together).
 Inside two packages the same scan checks one more rule each: a section of the benchmark
 (``tools.bench``) imports only the benchmark's shared modules, never another section; and the
 integration's family-neutral modules never import the module that is MiniMax-H3's.
+
+Two more scans keep the code readable: no runtime class over 350 lines and no function over 80
+lines of code (a longer one does several jobs), and the tools are not fought (no formatter
+opt-out; a handful of type ignores, each with its error code and a comment saying why).
 """
 
 from __future__ import annotations
@@ -504,6 +508,58 @@ def test_the_size_scan_counts_code_not_prose(tmp_path: Path) -> None:
     assert len(found) == 2, found
     assert "function g has 82 code lines" in found[0] or "function g has 82 code lines" in found[1]
     assert any("class Big is 351 lines" in entry for entry in found)
+
+
+# ---------------------------------------------------------------------------------------------
+# the tools are not fought: no formatter opt-outs, a handful of type ignores, each saying why
+
+ROOT = SRC.parents[1]
+#: How many ``type: ignore`` the runtime may hold ("a handful"): each is a place mypy cannot follow.
+MAX_RUNTIME_IGNORES = 8
+IGNORE = re.compile(r"#\s*type:\s*ignore(?P<codes>\[[^\]]+\])?(?P<rest>.*)")
+
+
+def tool_overrides(paths: Iterable[Path], root: Path = ROOT) -> tuple[list[str], int]:
+    """(problems, ignores in ``src``): each formatter opt-out, and each ``type: ignore`` without an
+    error code or without a comment after it that says why. Comments only (``tokenize``), so a string
+    that spells the words is not counted."""
+    problems: list[str] = []
+    runtime = 0
+    for path in paths:
+        with path.open() as handle:
+            comments = [t for t in tokenize.generate_tokens(handle.readline) if t.type == tokenize.COMMENT]
+        for token in comments:
+            where = f"{path.relative_to(root)}:{token.start[0]}"
+            if re.search(r"fmt:\s*(skip|off)", token.string):
+                problems.append(f"{where}: a formatter opt-out")
+            found = IGNORE.search(token.string)
+            if found is None:
+                continue
+            if path.relative_to(root).parts[0] == "src":
+                runtime += 1
+            if not found["codes"] or not found["rest"].strip().lstrip("#").strip():
+                problems.append(f"{where}: a type ignore needs its error code and a comment saying why")
+    return problems, runtime
+
+
+def test_the_tools_are_not_fought() -> None:
+    paths = sorted(p for folder in ("src", "tests", "scripts", "examples") for p in (ROOT / folder).rglob("*.py"))
+    problems, runtime = tool_overrides(paths)
+    assert not problems, "\n".join(problems)
+    assert runtime <= MAX_RUNTIME_IGNORES, f"{runtime} type ignores in src (at most {MAX_RUNTIME_IGNORES})"
+
+
+def test_the_override_scan_finds_bare_ignores_and_opt_outs(tmp_path: Path) -> None:
+    path = tmp_path / "x.py"
+    path.write_text(
+        "a = f(1)  # type: ignore\n"
+        "b = f(2)  # type: ignore[arg-type]\n"
+        "c = f(3)  # type: ignore[arg-type]  # wrong on purpose\n"
+        "d = [1,2]  # fmt: skip\n"
+        "e = '# type: ignore  # fmt: skip'\n"
+    )
+    problems, runtime = tool_overrides([path], tmp_path)
+    assert [p.split(":")[1] for p in problems] == ["1", "2", "4"] and runtime == 0, problems
 
 
 # ---------------------------------------------------------------------------------------------

@@ -345,7 +345,7 @@ def test_an_edit_pipeline_request_is_built_in_one_pass(pipeline: str, variant: s
             output_type="pt",
             **prompt,
         )
-        return out.images  # type: ignore[no-any-return]
+        return out.images
 
     resident = run()
     handle = enable_adaln_cache(pipe)
