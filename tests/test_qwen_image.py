@@ -486,6 +486,13 @@ def test_cli_schedule_flags_are_checked(tmp_path: Path, capsys: pytest.CaptureFi
     assert not (tmp_path / "s").exists()
     assert main([*base, "--timesteps", "0.5,0.25", "--additional-t-cond", "1", "-q"]) == 0
     assert "2 distinct plan(s)" in capsys.readouterr().out
+    # inspect names a two-column plan's columns (not "timesteps")
+    tables = tmp_path / "tables.safetensors"
+    export = ["export", str(directory), "-o", str(tables), "--store", str(tmp_path / "s")]
+    assert main([*export, "--timesteps", "0.5,0.25", "--additional-t-cond", "1", "-q"]) == 0
+    capsys.readouterr()
+    assert main(["inspect", str(tables)]) == 0
+    assert "2 plans of up to 1 rows of (timestep, additional_t_cond)" in capsys.readouterr().out
 
 
 def test_cli_steps_default_to_the_released_scheduler(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

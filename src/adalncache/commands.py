@@ -292,12 +292,21 @@ def _family_geometry(spec: dict[str, Any]) -> str | None:
     )
 
 
+def _plan_rows_in_words(spec: dict[str, Any], width: int) -> str:
+    """What a plan of ``width`` rows is: timesteps, or rows of the plan's columns where several key it."""
+    columns = spec.get("plan_inputs") or ["timestep"]
+    if len(columns) == 1:
+        return f"{width} timesteps"
+    return f"{width} rows of ({', '.join(columns)})"
+
+
 def _print_tables(info: dict[str, Any]) -> None:
-    print(
-        f"table file {info['path']}: {info['format']} format, {info['plans']} plans of up to {info['width']} "
-        f"timesteps (per width: {info['plans_per_width']}), {info['bytes'] / 2**20:.2f} MiB"
-    )
     spec = info["spec"]
+    print(
+        f"table file {info['path']}: {info['format']} format, {info['plans']} plans of up to "
+        f"{_plan_rows_in_words(spec, info['width'])} (per width: {info['plans_per_width']}), "
+        f"{info['bytes'] / 2**20:.2f} MiB"
+    )
     geometry = _family_geometry(spec) or f"{spec['num_layers']} blocks, hidden {spec['hidden_size']}, {spec['dtype']}"
     print(f"  {geometry}; model_variant {info['model_variant'] or '(none)'}")
     binding = info["binding"]
