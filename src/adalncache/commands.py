@@ -285,7 +285,8 @@ def _family_geometry(spec: dict[str, Any]) -> str | None:
     """A described spec of a family that lists its layers, in words (None for the default family's)."""
     if "family" not in spec:
         return None
-    widths = sorted({int(width) for _, width, _ in spec["layers"]})
+    # An entry is [id, width, input] plus ``false`` for a layer without a bias (AuraFlow's).
+    widths = sorted({int(entry[1]) for entry in spec["layers"]})
     return (
         f"{spec['family']}: {len(spec['layers'])} layers of widths {', '.join(map(str, widths))}, input "
         f"{spec['in_features']}, plans keyed by {', '.join(spec['plan_inputs'])}, {spec['dtype']}"
