@@ -186,3 +186,23 @@ def test_demo_is_bit_identical(model: str, capsys: pytest.CaptureFixture[str]) -
     assert main(["demo", "--model", model, "--steps", "3"]) == 0
     out = capsys.readouterr().out
     assert "bit-identical: yes" in out and "never read" in out
+
+
+@pytest.mark.parametrize("name", sorted(tiny.CONFIGS))
+def test_inspect_describes_a_checkpoint_of_every_class(
+    name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every class, each optional per-step input enabled: AuraFlow's layers (no bias: their described entries
+    carry a fourth field) once made inspect fail."""
+    from adalncache import ModulationSpec
+    from adalncache.families import adaln_zero
+
+    flags = {flag: True for _, flag in adaln_zero.CLASSES[name].optional}
+    directory = tmp_path / "model"
+    _save(tiny.build(name, **flags), directory)
+    spec = ModulationSpec.from_checkpoint(directory)
+    assert main(["inspect", str(directory)]) == 0
+    out = capsys.readouterr().out
+    layers = len(spec.layers())
+    assert f"adaln-zero: {layers} layers of widths" in out and "time embedder: present" in out
+    assert f"plans keyed by {', '.join(spec.model_geometry.plan_inputs)}," in out

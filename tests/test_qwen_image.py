@@ -474,7 +474,7 @@ def test_cli_schedule_flags_are_checked(tmp_path: Path, capsys: pytest.CaptureFi
     tiny_qwen_transformer("layered").save_pretrained(directory)
     base = ["build", str(directory), "--store", str(tmp_path / "s")]
     cases = [
-        (["--steps", "4"], "--scheduler-config"),
+        (["--steps", "4", "--scheduler-config", str(tmp_path / "none")], "--scheduler-config"),
         (["--timesteps", "0.5"], "--additional-t-cond"),
         (["--task", "t2va", "--steps", "4"], "--task names MiniMax-H3"),
         ([], "--steps N"),
@@ -486,6 +486,42 @@ def test_cli_schedule_flags_are_checked(tmp_path: Path, capsys: pytest.CaptureFi
     assert not (tmp_path / "s").exists()
     assert main([*base, "--timesteps", "0.5,0.25", "--additional-t-cond", "1", "-q"]) == 0
     assert "2 distinct plan(s)" in capsys.readouterr().out
+    # inspect names a two-column plan's columns (not "timesteps")
+    tables = tmp_path / "tables.safetensors"
+    export = ["export", str(directory), "-o", str(tables), "--store", str(tmp_path / "s")]
+    assert main([*export, "--timesteps", "0.5,0.25", "--additional-t-cond", "1", "-q"]) == 0
+    capsys.readouterr()
+    assert main(["inspect", str(tables)]) == 0
+    assert "2 plans of up to 1 rows of (timestep, additional_t_cond)" in capsys.readouterr().out
+
+
+def test_cli_steps_default_to_the_released_scheduler(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A transformer directory alone (no scheduler/ beside, no --scheduler-config): the released config.
+
+    The plans are the pipeline's forward timesteps under that config, and differ from those of
+    diffusers' default FlowMatchEulerDiscreteScheduler (so the default is really read).
+    """
+    from adalncache.cli import main
+    from adalncache.integrations.diffusers import qwen_image as served
+
+    directory = tmp_path / "transformer"
+    tiny_qwen_transformer("plain").save_pretrained(directory)
+    store = tmp_path / "s"
+    assert (
+        main(["build", str(directory), "--store", str(store), "--steps", "4", "--height", "64", "--width", "64"]) == 0
+    )
+    assert "released Qwen-Image scheduler config" in capsys.readouterr().out
+    released = served.pipeline_timesteps(4, 64, 64, core.RELEASED_SCHEDULER)
+    default = served.pipeline_timesteps(4, 64, 64, {"use_dynamic_shifting": True})
+    assert not torch.equal(released, default)
+    from adalncache.tools.bench.workload import QWEN_SCHEDULER
+
+    assert QWEN_SCHEDULER is core.RELEASED_SCHEDULER  # the bench's schedules are the CLI's
+    model = diffusers.QwenImageTransformer2DModel.from_pretrained(directory).eval()
+    handle = enable_adaln_cache(model, directory, store=store, on_miss="raise")
+    handle.prepare(served.schedule_timesteps(released, batch=1, dtype=torch.float32))
+    assert handle.stats.passes == 0  # every plan of the released schedule came from the store
+    handle.disable()
 
 
 def test_a_schedule_larger_than_the_cache_builds_step_by_step(

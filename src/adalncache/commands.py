@@ -285,19 +285,29 @@ def _family_geometry(spec: dict[str, Any]) -> str | None:
     """A described spec of a family that lists its layers, in words (None for the default family's)."""
     if "family" not in spec:
         return None
-    widths = sorted({int(width) for _, width, _ in spec["layers"]})
+    # An entry is [id, width, input] plus ``false`` for a layer without a bias (AuraFlow's).
+    widths = sorted({int(entry[1]) for entry in spec["layers"]})
     return (
         f"{spec['family']}: {len(spec['layers'])} layers of widths {', '.join(map(str, widths))}, input "
         f"{spec['in_features']}, plans keyed by {', '.join(spec['plan_inputs'])}, {spec['dtype']}"
     )
 
 
+def _plan_rows_in_words(spec: dict[str, Any], width: int) -> str:
+    """What a plan of ``width`` rows is: timesteps, or rows of the plan's columns where several key it."""
+    columns = spec.get("plan_inputs") or ["timestep"]
+    if len(columns) == 1:
+        return f"{width} timesteps"
+    return f"{width} rows of ({', '.join(columns)})"
+
+
 def _print_tables(info: dict[str, Any]) -> None:
-    print(
-        f"table file {info['path']}: {info['format']} format, {info['plans']} plans of up to {info['width']} "
-        f"timesteps (per width: {info['plans_per_width']}), {info['bytes'] / 2**20:.2f} MiB"
-    )
     spec = info["spec"]
+    print(
+        f"table file {info['path']}: {info['format']} format, {info['plans']} plans of up to "
+        f"{_plan_rows_in_words(spec, info['width'])} (per width: {info['plans_per_width']}), "
+        f"{info['bytes'] / 2**20:.2f} MiB"
+    )
     geometry = _family_geometry(spec) or f"{spec['num_layers']} blocks, hidden {spec['hidden_size']}, {spec['dtype']}"
     print(f"  {geometry}; model_variant {info['model_variant'] or '(none)'}")
     binding = info["binding"]
@@ -783,7 +793,7 @@ def _qwen_image_plans(args: argparse.Namespace, spec: Any) -> tuple[list[torch.T
         forwards = [torch.tensor([v] * args.batch) for v in values]
         described = f"{len(values)} explicit timestep(s)"
     elif args.steps:
-        config = _scheduler_config(args)
+        config = _scheduler_config(args, qwen_image.RELEASED_SCHEDULER)
         forwards = []
         for steps in args.steps:
             for height, width in _sizes(args):
@@ -791,6 +801,8 @@ def _qwen_image_plans(args: argparse.Namespace, spec: Any) -> tuple[list[torch.T
                 forwards += served.schedule_timesteps(timesteps, batch=args.batch, dtype=spec.dtype)
         sizes = ", ".join(f"{h}x{w}" for h, w in _sizes(args))
         described = f"steps {', '.join(map(str, args.steps))} at {sizes}"
+        if config is qwen_image.RELEASED_SCHEDULER:
+            described += " (the released Qwen-Image scheduler config: no --scheduler-config, no scheduler/ beside)"
     else:
         raise ConfigError("name a Qwen-Image schedule: --steps N (with --height/--width), or --timesteps t1,t2,...")
     plans = served.spec_plans(spec, forwards, args.additional_t_cond)
@@ -798,14 +810,21 @@ def _qwen_image_plans(args: argparse.Namespace, spec: Any) -> tuple[list[torch.T
     return [tensors[k] for k in order], described
 
 
-def _scheduler_config(args: argparse.Namespace) -> dict[str, Any]:
-    """The pipeline's scheduler config: --scheduler-config, else ``scheduler/`` beside the transformer's directory."""
+def _scheduler_config(args: argparse.Namespace, released: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The pipeline's scheduler config: --scheduler-config, else ``scheduler/`` beside the transformer's directory.
+
+    ``released``: the family's released scheduler config, returned itself (not a copy, so the caller
+    can say it was used) when neither is there, as for a transformer directory copied on its own; a
+    family without one needs the flag.
+    """
     if args.scheduler_config is not None:
         where = Path(args.scheduler_config)
     else:
         checkpoint = Path(args.checkpoint)
         directory = checkpoint if checkpoint.is_dir() else checkpoint.parent
         where = directory.parent / "scheduler"
+        if released is not None and not where.exists():
+            return released
     if where.is_dir():
         where = where / "scheduler_config.json"
     try:
