@@ -60,7 +60,7 @@ def _run(pipe: Any, **kwargs: Any) -> torch.Tensor:
         **prompt,
         **kwargs,
     )
-    return out.images  # type: ignore[no-any-return]
+    return out.images
 
 
 @pytest.fixture

@@ -47,7 +47,7 @@ def _run(pipe: Any) -> torch.Tensor:
         output_type="pt",
         **prompt,
     )
-    return out.images  # type: ignore[no-any-return]
+    return out.images
 
 
 def _pipeline() -> tuple[Any, dict[str, int]]:
