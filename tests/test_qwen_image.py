@@ -357,6 +357,54 @@ def test_an_edit_pipeline_request_is_built_in_one_pass(pipeline: str, variant: s
     handle.disable()
 
 
+@pytest.mark.slow
+def test_the_layered_pipeline_is_served_in_one_pass() -> None:
+    """QwenImageLayeredPipeline (``use_additional_t_cond``): images torch.equal, one pass, a repeat builds nothing.
+
+    The request passes ``prompt_embeds`` and a non-empty ``prompt`` (its batch size): with no prompt
+    the pipeline would caption the input image with the Qwen2.5-VL model, whose tokenizer and
+    processor cannot be made offline; the tiny text encoder is there because the pipeline casts the
+    input image to its dtype. The input image is resized to the pipeline's 640 x 640 bucket and
+    VAE-encoded as always. Each forward's plan is ``(timestep, additional_t_cond)`` with the
+    pipeline's ``is_rgb`` index 0: the whole schedule's plans are built before the first step. The
+    images come back as decoded ``pt`` tensors (diffusers 0.42.1's Layered pipeline fails on
+    ``output_type="latent"``).
+    """
+    from adalncache.tools.tiny_qwen import tiny_edit_image, tiny_prompt_embeds, tiny_qwen_pipeline
+
+    pipe = tiny_qwen_pipeline("layered", pipeline="QwenImageLayeredPipeline")
+    pipe.set_progress_bar_config(disable=True)
+    prompt = tiny_prompt_embeds(pipe.transformer, seed=1)
+    image = tiny_edit_image(seed=3)
+
+    def run() -> list[torch.Tensor]:
+        generator = torch.Generator().manual_seed(0)
+        out = pipe(
+            image=image,
+            prompt="layers",
+            layers=1,
+            num_inference_steps=2,
+            true_cfg_scale=1.0,
+            generator=generator,
+            output_type="pt",
+            **prompt,
+        )
+        return list(out.images)
+
+    resident = run()
+    handle = enable_adaln_cache(pipe)
+    assert _all_equal(run(), resident) and handle.stats.passes == 1
+    keys = handle.cache.resident_plans
+    assert len(keys) == 2 and {key[1] for key in keys} == {0}  # two steps, additional_t_cond 0 (is_rgb)
+    assert _all_equal(run(), resident) and handle.stats.passes == 1  # the same request builds nothing
+    handle.disable()
+    assert _all_equal(run(), resident)
+
+
+def _all_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
 def test_a_pipeline_of_a_refused_transformer_says_why() -> None:
     pipe = diffusers.FluxPipeline(
         scheduler=diffusers.FlowMatchEulerDiscreteScheduler(),

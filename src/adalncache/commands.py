@@ -653,7 +653,8 @@ def _schedules(parser: argparse.ArgumentParser, steps_help: str) -> None:
     parser.add_argument(
         "--scheduler-config",
         default=None,
-        help=qwen + "the pipeline's scheduler_config.json (default: scheduler/ beside the transformer's directory)",
+        help=qwen + "the pipeline's scheduler_config.json (default: scheduler/ beside the transformer's directory; "
+        "for Qwen-Image without one, the released Qwen-Image scheduler config)",
     )
     adaln = "AdaLayerNormZero family: "
     parser.add_argument(
