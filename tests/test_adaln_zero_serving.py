@@ -386,6 +386,40 @@ def test_load_transformer_never_loads_the_served_tensors(variant: tuple[str, dic
     assert all(torch.equal(r, c) for r, c in zip(resident, run(model)))
 
 
+@pytest.mark.parametrize("variant", SERVED, ids=_id)
+def test_load_transformer_reads_neither_projections_nor_the_time_embedder(
+    variant: tuple[str, dict[str, bool]], tmp_path: Path
+) -> None:
+    """Every class and variant: the parameters a stock load has and this load lacks are exactly the served
+    projections and the linears of the class's own time embedders (the optional ones its config enables);
+    the first request still equals the stock model's."""
+    from adalncache.diffusers import adaln_cache_handle, load_transformer
+
+    name, flags = variant
+    directory = tmp_path / "model"
+    tiny.build(name, **flags).to(torch.bfloat16).save_pretrained(directory)
+    stock = tiny.model_class(name).from_pretrained(directory, torch_dtype=torch.bfloat16).eval()
+    model = load_transformer(directory, torch_dtype=torch.bfloat16)
+    layout = adaln_zero.CLASSES[name]
+    never_loaded = set(dict(stock.named_parameters())) - set(dict(model.named_parameters()))
+    embedders = {n for n, _ in stock.named_parameters() if n.startswith(tuple(f"{e}." for e in layout.time_embedders))}
+    served = set(_served_paths(stock))
+    projections = {n for n, _ in stock.named_parameters() if n.rsplit(".", 1)[0] in served}
+    assert embedders and never_loaded == projections | embedders
+    handle = adaln_cache_handle(model)
+    assert handle is not None
+    assert handle.prepare(request_plans(model)).passes == 1
+    assert all(torch.equal(r, c) for r, c in zip(run(stock), run(model)))
+
+
+def _served_paths(model: nn.Module) -> list[str]:
+    """The module paths of the projections the cache serves on ``model``."""
+    from adalncache import ModulationSpec
+    from adalncache.integrations.diffusers.adaln_zero import FAMILY
+
+    return [FAMILY.projection_path(layer) for layer in ModulationSpec.from_transformer(model).layers()]
+
+
 def test_a_checkpoint_of_another_structure_is_refused(tmp_path: Path) -> None:
     import json
 
