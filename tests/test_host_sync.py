@@ -318,3 +318,38 @@ def test_a_lora_or_its_scale_changed_after_prepare_is_served_exactly(reads: Host
     assert cached.equal(run_loop(models[0], request, attention_kwargs=half))
     handle.check_request()
     handle.disable()
+
+
+def test_a_classic_pipeline_reports_a_mismatch_at_the_scheduler_last_step() -> None:
+    """QwenImagePipeline: its schedule is prepared at the first forward; a forward given another
+    timestep (a pre-hook nudges it) is NaN, and the request raises PlanMismatchError from its last step."""
+    from adalncache.tools.tiny_qwen import tiny_prompt_embeds, tiny_qwen_pipeline
+
+    pipe = tiny_qwen_pipeline(transformer=tiny_qwen_transformer("plain"))
+    prompt = tiny_prompt_embeds(pipe.transformer, seed=1)
+
+    def run() -> torch.Tensor:
+        generator = torch.Generator().manual_seed(0)
+        out = pipe(height=32, width=32, num_inference_steps=3, generator=generator, output_type="latent", **prompt)
+        return out.images
+
+    resident = run()
+    handle = enable_adaln_cache(pipe)
+    seen: list[torch.Tensor] = []
+
+    def nudge(_: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        seen.append(kwargs["timestep"])
+        if len(seen) == 2:
+            kwargs["timestep"] = kwargs["timestep"] * 0.999
+        return args, kwargs
+
+    hook = pipe.transformer.register_forward_pre_hook(nudge, with_kwargs=True)
+    try:
+        with pytest.raises(PlanMismatchError, match="1 forward"):
+            run()
+    finally:
+        hook.remove()
+    assert torch.equal(run(), resident)  # the cache serves the next request exactly
+    assert handle.stats.passes == 1
+    handle.disable()
+    assert "step" not in pipe.scheduler.__dict__
