@@ -12,6 +12,12 @@ The table parts a family declares (``spec.table_parts()``) and each layer's colu
 ``table`` made once per allocation (:meth:`Slab.part_params`, :meth:`Slab.layer_params`): strided,
 not contiguous, so whoever needs contiguous bytes (a file, a collective) copies or goes row by row.
 
+The table has one slot more than the pool hands out: the *poison slot* (index ``max_plans``),
+filled with NaN and never written, which a served forward whose plan matched no prepared plan
+gathers (found on the device, without a host read): NaN out, never another plan's rows. The
+public views (``table``, :meth:`Slab.part_params`, :meth:`Slab.layer_params`) stay ``[P, ...]``;
+:meth:`Slab.served_layer` and :meth:`Slab.served_part` include it.
+
 Allocated once on the cache's device; their pointers never move (hooks and CUDA graphs may hold
 them) unless the cache itself moves to another device (:meth:`Slab.relocate`), and they are not
 registered in any module, so no ``state_dict`` holds them.

@@ -1,12 +1,14 @@
 """The diffusers hooks that serve a forward's AdaLN modulation from the cache.
 
-- :class:`AdalnCacheTransformerHook` wraps the transformer's ``forward``. It reads the step's
-  ``timestep`` (the *plan*) once on the host, has the plan made resident and *held* for the
-  current LoRA signature and autocast state (built, or refused with ``on_miss="raise"``), and
-  stashes the hold's slot in a :class:`ServeState` for the served modules; the hold is released
-  and the stash cleared when the forward ends (on an exception too), so no build on another
-  thread can rewrite the rows a forward is reading. The stash is per thread. That host work runs
-  outside any compiled region (see :mod:`.compile`).
+- :class:`AdalnCacheTransformerHook` wraps the transformer's ``forward``. A forward of the
+  thread's prepared request finds its slot on the device, with no host read (:mod:`.prepared`:
+  what a CUDA graph can capture). Any other forward reads the step's ``timestep`` (the *plan*)
+  once on the host, has the plan made resident and *held* for the current LoRA signature and
+  autocast state (built, or refused with ``on_miss="raise"``); the hold is released when the
+  forward ends (on an exception too), so no build on another thread can rewrite the rows a
+  forward is reading. Either way the slot goes into a per-thread :class:`ServeState` for the
+  served modules, cleared when the forward ends. That host work runs outside any compiled region
+  (see :mod:`.compile`).
 - Every block's ``adaln_proj`` is served by a class swapped in place rather than a hook
   (:class:`~.compile.ServedBlocks`): a hook per block would make a regional compile recompile
   every block. It serves the block's six modulation tensors whether or not ``adaln_proj.linear``

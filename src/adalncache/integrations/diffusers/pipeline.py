@@ -206,8 +206,14 @@ class PipelineAdalnCacheHandle:
         if self._watch is not None:
             self._watch.remove()
             self._watch = None
+        mismatches: list[PlanMismatchError] = []
         for handle in self.handles.values():
-            handle.disable(allow_changed_checkpoint=allow_changed_checkpoint)
+            try:
+                handle.disable(allow_changed_checkpoint=allow_changed_checkpoint)
+            except PlanMismatchError as exc:  # raised once that handle is disabled: disable the others too
+                mismatches.append(exc)
+        if mismatches:
+            raise mismatches[0]
 
     def watch_scheduler(self) -> None:
         """A classic pipeline (no modular blocks): each request's schedule is prepared at its first forward."""
