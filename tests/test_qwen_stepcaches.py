@@ -177,6 +177,34 @@ def test_sea_cache_runs_exactly_but_the_stock_pipeline_lets_it_skip_nothing() ->
     assert _compare(enable) == 0
 
 
+def _step_in_cache_context(pipe: Any) -> None:
+    """Make the pipeline's ``cache_context("cond")`` carry the step index, sigma and step count SeaCache needs.
+
+    Read from the pipeline's own scheduler at each forward (``step_index`` is None before the first
+    step); an instance attribute, so the stock denoising loop itself is unchanged.
+    """
+    model = pipe.transformer
+    stock = type(model).cache_context
+
+    def cache_context(name: str) -> Any:
+        scheduler = pipe.scheduler
+        step = scheduler.step_index or 0
+        sigma = float(scheduler.sigmas[step])
+        return stock(model, name, step_index=step, sigma=sigma, num_inference_steps=len(scheduler.timesteps))
+
+    model.cache_context = cache_context
+
+
+def test_sea_cache_given_the_step_skips_and_is_exact() -> None:
+    from diffusers.hooks import SeaCacheConfig
+
+    def enable(pipe: Any) -> None:
+        _step_in_cache_context(pipe)
+        pipe.transformer.enable_cache(SeaCacheConfig(threshold=1.0, raw_vision_callback=_raw_vision))
+
+    assert _compare(enable) > 0
+
+
 def test_faster_cache_fails_in_diffusers_itself() -> None:
     """Not a row the AdaLN cache can support: the pipeline without it fails (diffusers 0.42.1)."""
     from diffusers.hooks import FasterCacheConfig
