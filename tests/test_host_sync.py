@@ -353,3 +353,32 @@ def test_a_classic_pipeline_reports_a_mismatch_at_the_scheduler_last_step() -> N
     assert handle.stats.passes == 1
     handle.disable()
     assert "step" not in pipe.scheduler.__dict__
+
+
+def test_a_pipeline_handle_reports_a_mismatch_after_releasing_every_transformer(reads: HostReads) -> None:
+    """``PipelineAdalnCacheHandle.release()`` releases every component's hold, then raises; ``check_request``
+    and ``disable`` report too, and a nested ``handle.request`` gives the thread's request back after."""
+    from diffusers.modular_pipelines.minimax_h3 import MiniMaxH3Blocks
+
+    model = tiny_transformer("tiny", seed=0)
+    pipe = MiniMaxH3Blocks().init_pipeline()
+    pipe.update_components(transformer=model)
+    request = make_request(model, "t2va", STEPS, seed=3)
+    resident = run_loop(model, request)
+    handle = enable_adaln_cache(pipe)
+    handle.prepare(request.plans)
+    assert torch.isnan(_stray_forward(model, request)).all()
+    with pytest.raises(PlanMismatchError):
+        handle.release()
+    assert handle.cache.held_slots == {}
+    handle.prepare(request.plans)
+    with pytest.raises(PlanMismatchError), handle["transformer"].request(request.plans[:2]):
+        assert torch.isnan(_stray_forward(model, request)).all()  # the block's request serves it: a miss
+    handle.check_request()  # reported once, at the block's end
+    assert run_loop(model, request, step_context=reads.counting).equal(resident)
+    assert reads.take() == {}  # the outer request is the thread's again: served from the device, exact
+    handle.check_request()
+    assert torch.isnan(_stray_forward(model, request)).all()
+    with pytest.raises(PlanMismatchError):
+        handle.disable()
+    assert not handle.enabled
