@@ -40,7 +40,7 @@ from ...families import adaln_zero
 from ...geometry import Layer, ModelGeometry
 from ...spec import ModulationSpec
 from .family import DiffusersFamily, ServedForward, rows_forward
-from .modules import base_linear, bypassing_hooks, forward_argument
+from .modules import bypassing_hooks, cast_as_layerwise, device_of, execution_device, forward_argument, stock_dtype
 
 #: dtypes whose values an fp32 plan holds exactly (so the forward's tensor is the plan cast back).
 _EXACT_IN_FP32 = (torch.float32, torch.bfloat16, torch.float16)
@@ -62,14 +62,20 @@ def model_geometry(model: nn.Module) -> ModelGeometry:
 
 
 def _param_dtype(module: nn.Module) -> torch.dtype:
-    return next(module.parameters()).dtype
+    """``module``'s dtype as diffusers' ``get_parameter_dtype`` gives it (a layerwise-casting hook's compute dtype)."""
+    from diffusers.models.modeling_utils import get_parameter_dtype
+
+    return get_parameter_dtype(module)
 
 
 def _hidden_dtype(model: Any) -> torch.dtype:
-    """The dtype of ``hidden_states`` after the model's ``x_embedder`` (a Linear: its weight's dtype)."""
-    weight = base_linear(model.x_embedder).weight
-    assert isinstance(weight, torch.Tensor)  # an nn.Linear's weight
-    return weight.dtype
+    """The dtype of ``hidden_states`` after the model's ``x_embedder`` (a Linear), which the forward casts
+    the timestep to: the autocast dtype where autocast is on for the device the forward runs on, else
+    the linear's (its layerwise-casting compute dtype where it has one)."""
+    device = execution_device(model) or device_of(model)
+    if torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return stock_dtype(model.x_embedder)
 
 
 def _hunyuan_image(model: Any, cols: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -234,7 +240,9 @@ class AdalnZero(DiffusersFamily):
         guidance = getattr(model, "guidance_embed", None)  # Bria-FIBO's, outside its time embedder
         if isinstance(guidance, nn.Module):
             modules += guidance.modules()
-        with bypassing_hooks(modules):
+        # Under autocast temb is in the autocast dtype; the projection's own autocast casts the input
+        # back down, so the cast up to the projections' dtype (a no-op otherwise) is exact.
+        with bypassing_hooks(modules), cast_as_layerwise(modules):
             x = embed_input(model, spec.model_geometry, plan, device)
         return x.to(spec.dtype)
 
