@@ -81,7 +81,7 @@ def test_cli_tables_of_a_checkpoint_serve_the_pipeline_without_a_pass(
     assert "'family': 'adaln-zero'" in capsys.readouterr().out  # and so does the store's
 
     def run() -> torch.Tensor:
-        return pipe(**pipelines.request(pipe, 4))[0]  # type: ignore[no-any-return]
+        return pipe(**pipelines.request(pipe, 4))[0]
 
     resident = run()
     handle = enable_adaln_cache(pipe, repo / "transformer", tables=tables)

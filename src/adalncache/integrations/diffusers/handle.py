@@ -36,6 +36,7 @@ from .lora import LoraTracker
 from .modules import base_linear, device_of, execution_device, install_overrides, remove_overrides
 from .moving import LiftedGroupOffloading, guarded_apply, refresh_group_offloading
 from .parking import ParkTarget, WeightParking
+from .prepared import PreparedRequest, PreparedRequests
 from .quantized import ProjectionStorage, adapter_guards, transformer_spec
 from .registry import family_of
 from .requests import RequestHolds
@@ -73,8 +74,8 @@ class AdalnCacheHandle:
         self._enabled_fingerprint: str | None = None
         #: Builds, LoRA scaling and hook moves (they change module state other threads read).
         self._lock = threading.RLock()
-        #: Per thread: the hold of its last prepare() (``.hold``).
-        self._prepared = threading.local()
+        #: Per thread: its prepared request, whose forwards find their slots on the device (``prepared``).
+        self._prepared = PreparedRequests()
         #: Per thread: a pipeline's schedule waiting for its request's first forward.
         self._schedule = PendingSchedule(model, lambda: self.family, lambda: self.cache, self._hold_schedule)
         #: Host copies of the model's own projections (CUDA), released on disable().
@@ -113,15 +114,29 @@ class AdalnCacheHandle:
         """
         self.release()  # the thread's previous request is over: its plans may make room for this one
         held = self._request_hold(plans, attention_kwargs)
-        self._prepared.hold = held
+        self._prepared.start(self._prepared_request(held, attention_kwargs))
         return held.report
 
-    def release(self) -> None:
-        """Release the plans the calling thread's last :meth:`prepare` holds (no-op when none)."""
-        held: PlanHold | None = getattr(self._prepared, "hold", None)
-        self._prepared.hold = None
-        if held is not None:
-            held.release()
+    def release(self, *, check: bool = True) -> None:
+        """Release the plans the calling thread's last :meth:`prepare` holds (no-op when none).
+
+        Raises :class:`~adalncache.PlanMismatchError` (after releasing) when a forward of that
+        request matched none of its prepared plans (it was served NaN rows; see :meth:`check_request`);
+        ``check=False`` (on the way out of another error) keeps that report for the next check.
+        """
+        self._prepared.release()
+        if check:
+            self._prepared.check()
+
+    def check_request(self) -> None:
+        """Raise :class:`~adalncache.PlanMismatchError` if a forward of the calling thread's prepared
+        request matched none of its plans since the last check (a host read: call it off the critical path).
+
+        Such a forward finds its slot on the device without a host read, and gets the poison
+        slot's NaN rows instead of any plan's; this is where the miss is reported. The request
+        stays prepared and the cache stays usable.
+        """
+        self._prepared.check()
 
     @contextlib.contextmanager
     def request(self, plans: Sequence[Any], *, attention_kwargs: Mapping[str, Any] | None = None) -> Iterator[PlanHold]:
@@ -132,10 +147,15 @@ class AdalnCacheHandle:
         :class:`~adalncache.holds.PlanHold` (``.report`` says what the build did).
         """
         held = self._request_hold(plans, attention_kwargs)
+        request = self._prepared_request(held, attention_kwargs)
+        previous = self._prepared.start(request)  # the block's forwards are this request's
         try:
             yield held
-        finally:
-            held.release()
+        except BaseException:
+            self._prepared.finish(request, previous)
+            raise
+        self._prepared.finish(request, previous)
+        self._prepared.check()  # a forward of the block matched no plan of it: PlanMismatchError
 
     def _request_hold(self, plans: Sequence[Any], attention_kwargs: Mapping[str, Any] | None) -> PlanHold:
         if not self.enabled or self._holds is None:
@@ -143,6 +163,31 @@ class AdalnCacheHandle:
         self._follow(execution_device(self.model))
         plans = [self.family.request_plan(self.model, plan) for plan in plans]
         return self._holds.for_request(plans, attention_kwargs)
+
+    def _prepared_request(self, held: PlanHold, attention_kwargs: Mapping[str, Any] | None) -> PreparedRequest:
+        """``held`` as a request whose forwards find their slots on the device (released if that fails)."""
+        assert self._holds is not None  # _request_hold checked it
+        try:
+            variant = self._holds.variant_of(attention_kwargs)
+            poison, columns = self.cache.poison_slot, self.spec.plan_columns
+            return PreparedRequest(held, variant=variant, device=self.cache.device, poison=poison, columns=columns)
+        except BaseException:
+            held.release()
+            raise
+
+    def _serve_prepared(
+        self, timestep: torch.Tensor, attention_kwargs: Mapping[str, Any] | None
+    ) -> tuple[torch.Tensor, torch.dtype] | None:
+        """A forward's ``(slot, dtype)`` from the thread's prepared request, found on the device, or None.
+
+        None sends the forward down the host path: no prepared request, no holds (disabled), or a
+        CPU forward under accelerate's offload hook (whose device the host path follows).
+        """
+        if self._prepared.request is None or self._holds is None:
+            return None
+        if timestep.device.type == "cpu" and getattr(self.model, "_hf_hook", None) is not None:
+            return None
+        return self._prepared.slot_of(timestep, self._holds.variant_of(attention_kwargs))
 
     def disable(self, *, allow_changed_checkpoint: bool = False) -> None:
         """Remove every hook and override and put the original weights back, bit-exactly.
@@ -177,6 +222,7 @@ class AdalnCacheHandle:
             )
         else:
             logger.info("AdaLN cache disabled; projection weights restored")
+        self._prepared.check()  # a forward of the last request matched none of its plans
 
     def _check_disable(self, allow_changed_checkpoint: bool) -> None:
         """Refuse a disable that would drop another library's wrapper or restore from a changed file."""
@@ -187,7 +233,7 @@ class AdalnCacheHandle:
                 "1.5.3 cannot remove its own here: reload the model), and enable such a library before "
                 "enable_adaln_cache() when the cache must be disabled on its own"
             )
-        self.release()
+        self._prepared.release()  # a mismatch it reports is raised once disabled
         if self._parking.restores_from_source and not allow_changed_checkpoint:
             assert self.source is not None
             if changed_since(self.source, self._enabled_fingerprint):
@@ -300,7 +346,13 @@ class AdalnCacheHandle:
         """Register the hooks, and what a request or a forward holds its plans with."""
         model = self.model
         self._hooks = hooks = ServingHooks(
-            model, self.spec, self.cache, self._make_resident, self.family, before=self._schedule.before_forward
+            model,
+            self.spec,
+            self.cache,
+            self._make_resident,
+            self.family,
+            before=self._schedule.before_forward,
+            prepared=self._serve_prepared,
         )
         hooks.register(time_embedder=choice.free_time_embedder)
         signature = ServedSignature(
@@ -354,7 +406,7 @@ class AdalnCacheHandle:
         before = self.cache.device
         # The calling thread's prepared request holds slots of the old device: it is over. Holds of
         # other threads' requests in flight make the move fail (ConfigError, nothing moved).
-        self.release()
+        self._prepared.release()  # a mismatch it reports waits for the next check
         self.cache.move_to(device)  # a no-op when both name one device ("cuda" and "cuda:0")
         if self.cache.device != before:
             if self._hooks is not None:
@@ -368,10 +420,11 @@ class AdalnCacheHandle:
 
     def _hold_schedule(self, plans: list[Any], attention_kwargs: Mapping[str, Any] | None) -> None:
         """Hold a request's whole schedule (already keyed as the forward keys it) for this thread."""
-        self.release()  # the thread's previous request is over
+        self.release()  # the thread's previous request is over (PlanMismatchError if it had a mismatch)
         self._follow(execution_device(self.model))
         assert self._holds is not None  # the hooks that call this are registered after the holds exist
-        self._prepared.hold = self._holds.for_request(plans, attention_kwargs)
+        held = self._holds.for_request(plans, attention_kwargs)
+        self._prepared.start(self._prepared_request(held, attention_kwargs))
 
     def _make_resident(
         self, plan: torch.Tensor, key: PlanKey, attention_kwargs: Mapping[str, Any] | None, device: torch.device

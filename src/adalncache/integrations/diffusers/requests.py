@@ -62,6 +62,10 @@ class RequestHolds:
         tuners, variant, refs = self.signature.read(scale)
         return self.hold(tensors, None, scale, tuners, variant, refs)
 
+    def variant_of(self, attention_kwargs: Mapping[str, Any] | None) -> Variant:
+        """The LoRA signature a forward (or a request) called with ``attention_kwargs`` is served under."""
+        return self.signature.read(lora_scale_of(attention_kwargs))[1]
+
     def for_forward(self, plan: torch.Tensor, key: PlanKey, attention_kwargs: Mapping[str, Any] | None) -> PlanHold:
         """Before a forward: hold its plan (the host copy of its timestep) under its LoRA signature, or refuse."""
         scale = lora_scale_of(attention_kwargs)
