@@ -19,6 +19,7 @@ from torch import nn
 pytest.importorskip("diffusers")
 
 from adalncache.diffusers import enable_adaln_cache
+from adalncache.errors import PlanError
 from adalncache.families import adaln_zero
 from adalncache.tools import tiny_adaln_zero as tiny
 from adalncache.tools import tiny_adaln_zero_pipelines as tiny_pipelines
@@ -403,3 +404,24 @@ def test_a_lora_on_the_served_modules_is_served_exactly(when: str) -> None:
     assert all(torch.equal(r, c) for r, c in zip(expected, run(model)))
     handle.disable()
     assert all(torch.equal(r, c) for r, c in zip(expected, run(model)))
+
+
+@pytest.mark.parametrize(
+    ("pipeline", "flags"),
+    [("BriaFiboPipeline", {"guidance_embeds": True}), ("HunyuanVideo15Pipeline", {"use_meanflow": True})],
+)
+def test_a_pipeline_leaving_out_an_input_the_config_enables_is_a_plan_error(
+    pipeline: str, flags: dict[str, bool]
+) -> None:
+    """Bria-FIBO's pipeline passes no guidance, HunyuanVideo-1.5's text-to-video pipeline no timestep_r: the
+    stock forward then skips that embedding, but a plan cannot mark an input absent, so serving refuses."""
+    name = next(n for n, p in tiny_pipelines.PIPELINES.items() if pipeline in p)
+    pipe = tiny_pipelines.tiny_pipeline(tiny_pipelines.build(name, **flags), pipeline)
+    resident = pipe(**tiny_pipelines.request(pipe, 2))[0]  # the stock pipeline runs
+    assert torch.isfinite(resident).all()
+    handle = enable_adaln_cache(pipe)
+    missing = adaln_zero.GUIDANCE if "guidance_embeds" in flags else adaln_zero.TIMESTEP_R
+    with pytest.raises(PlanError, match=f"needs the forward's {missing} tensor"):
+        pipe(**tiny_pipelines.request(pipe, 2))
+    handle.disable()
+    assert torch.equal(pipe(**tiny_pipelines.request(pipe, 2))[0], resident)
