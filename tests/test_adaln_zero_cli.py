@@ -35,27 +35,40 @@ def _fresh(name: str, directory: Path) -> Any:
     return cls.from_pretrained(directory, torch_dtype=torch.bfloat16).eval()
 
 
-@pytest.mark.parametrize("name", ["BriaTransformer2DModel", "OvisImageTransformer2DModel"])
-def test_cli_tables_of_a_checkpoint_serve_the_pipeline_without_a_pass(
-    name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """A class keyed by the timestep alone, its schedule named by --steps and the pipeline's scheduler config.
+def _guidance(dtype: torch.dtype) -> str:
+    """HunyuanImage's pipeline passes ``tensor([3.5], dtype) * 1000``: the value the forward receives."""
+    return repr(float((torch.tensor([3.5], dtype=dtype) * 1000.0)[0]))
 
-    Bria concatenates cond and uncond (``--batch 2``: two rows a forward), Ovis-Image runs them as
-    two forwards (one row). Every plan of the request is in the file, so enabling builds nothing.
-    """
+
+#: (pipeline, rows a forward, the schedule flags beyond --steps): Bria and AuraFlow concatenate cond and
+#: uncond (two rows), Ovis-Image runs them as two forwards, HunyuanImage-2.1 (mean-flow, distilled
+#: guidance) runs one forward a step, its timestep_r computed from the schedule.
+CLI_PIPELINES = [
+    ("BriaPipeline", "2", []),
+    ("OvisImagePipeline", "1", []),
+    ("AuraFlowPipeline", "2", []),
+    ("HunyuanImagePipeline", "1", ["--guidance", _guidance(torch.bfloat16)]),
+]
+
+
+@pytest.mark.parametrize(("pipeline", "rows", "flags"), CLI_PIPELINES, ids=[p for p, _, _ in CLI_PIPELINES])
+def test_cli_tables_of_a_checkpoint_serve_the_pipeline_without_a_pass(
+    pipeline: str, rows: str, flags: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A schedule named by --steps and the pipeline's scheduler config: every plan of the request is in the
+    file, so enabling the pipeline with it builds nothing and the latents equal the resident ones."""
+    name = next(n for n, p in pipelines.PIPELINES.items() if pipeline in p)
     repo = tmp_path / "repo"
-    _save(tiny.build(name), repo / "transformer")
+    _save(pipelines.build(name, **pipelines.PIPELINE_FLAGS.get(pipeline, {})), repo / "transformer")
     transformer = _fresh(name, repo / "transformer")
-    pipe = pipelines.tiny_pipeline(transformer)
+    pipe = pipelines.tiny_pipeline(transformer, pipeline)
     pipe.scheduler.save_config(repo / "scheduler")
-    rows = "2" if name == "BriaTransformer2DModel" else "1"
     store, tables = tmp_path / "store", tmp_path / "tables.safetensors"
-    schedule = ["--steps", "4", "--height", "8", "--width", "8", "--batch", rows, "-q"]
+    schedule = ["--steps", "4", "--height", "8", "--width", "8", "--batch", rows, *flags, "-q"]
     checkpoint = str(repo / "transformer")
     assert main(["inspect", checkpoint]) == 0
     described = capsys.readouterr().out
-    assert "adaln-zero: 7 layers" in described and "time embedder: present" in described
+    assert "adaln-zero: " in described and "time embedder: present" in described
     assert main(["build", checkpoint, "--store", str(store), *schedule]) == 0
     assert "4 distinct plan(s)" in capsys.readouterr().out
     assert main(["export", checkpoint, "-o", str(tables), "--store", str(store), *schedule]) == 0
@@ -67,22 +80,8 @@ def test_cli_tables_of_a_checkpoint_serve_the_pipeline_without_a_pass(
     assert main(["inspect", str(store)]) == 0
     assert "'family': 'adaln-zero'" in capsys.readouterr().out  # and so does the store's
 
-    prompt, negative = pipelines.prompt_embeds(transformer, seed=1), pipelines.prompt_embeds(transformer, seed=2)
-    extra = {"negative_prompt": None} if name == "OvisImageTransformer2DModel" else {}
-
     def run() -> torch.Tensor:
-        out = pipe(
-            prompt_embeds=prompt,
-            negative_prompt_embeds=negative,
-            guidance_scale=4.0,
-            height=8,
-            width=8,
-            num_inference_steps=4,
-            generator=torch.Generator().manual_seed(0),
-            output_type="latent",
-            **extra,
-        )
-        return out.images
+        return pipe(**pipelines.request(pipe, 4))[0]
 
     resident = run()
     handle = enable_adaln_cache(pipe, repo / "transformer", tables=tables)
@@ -207,3 +206,72 @@ def test_inspect_describes_a_checkpoint_of_every_class(
     layers = len(spec.layers())
     assert f"adaln-zero: {layers} layers of widths" in out and "time embedder: present" in out
     assert f"plans keyed by {', '.join(spec.model_geometry.plan_inputs)}," in out
+
+
+@pytest.mark.parametrize(
+    "pipeline",
+    [
+        "BriaPipeline",
+        "OvisImagePipeline",
+        "LongCatImagePipeline",
+        "BriaFiboPipeline",
+        "AuraFlowPipeline",
+        "HunyuanImagePipeline",
+        "HunyuanVideo15Pipeline",
+        "HunyuanVideo15ImageToVideoPipeline",
+    ],
+)
+def test_a_step_count_gives_the_forwards_the_pipeline_runs(pipeline: str) -> None:
+    """What ``--steps`` computes from a scheduler config (pipeline_forward_inputs) is, forward by forward, what
+    the class's own pipeline passes its transformer (timestep, and timestep_r where the config takes it).
+
+    The tiny pipelines' VAEs do not compress (Bria-FIBO's pipeline assumes 16 whatever its VAE): an
+    ``SIZE`` request has the packed length a 64 x 64 request of the released VAE has, which sets the shift.
+    """
+    from adalncache.families import adaln_zero
+    from adalncache.integrations.diffusers.adaln_zero import pipeline_forward_inputs
+
+    name = next(n for n, p in pipelines.PIPELINES.items() if pipeline in p)
+    transformer = pipelines.build(name, **pipelines.PIPELINE_FLAGS.get(pipeline, {}))
+    pipe = pipelines.tiny_pipeline(transformer, pipeline)
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    from adalncache.integrations.diffusers.adaln_zero import STEP_SCHEDULES
+
+    # The shifted pipelines' released configs shift by the image size; the others' pass no mu.
+    pipe.scheduler = FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=STEP_SCHEDULES[name][0] == "shifted")
+    seen: list[dict[str, torch.Tensor]] = []
+
+    def record(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        seen.append({k: kwargs[k] for k in ("timestep", adaln_zero.TIMESTEP_R) if kwargs.get(k) is not None})
+
+    hook = transformer.register_forward_pre_hook(record, with_kwargs=True)
+    pipe(**pipelines.request(pipe, 5))
+    hook.remove()
+    size = 64 if name != "BriaFiboTransformer2DModel" else pipelines.SIZES[name]
+    rows = seen[0]["timestep"].shape[0]
+    computed = pipeline_forward_inputs(
+        name,
+        5,
+        size,
+        size,
+        pipe.scheduler.config,
+        rows=rows,
+        dtype=transformer.dtype,
+        timestep_r=adaln_zero.TIMESTEP_R in seen[0],
+    )
+    per_step = len(seen) // len(computed)  # pipelines that run cond and uncond as two forwards
+    assert len(seen) == per_step * len(computed) == per_step * 5
+    for k, step in enumerate(computed):
+        for name_, value in step.items():
+            got = seen[k * per_step][name_]
+            assert got.dtype == value.dtype and torch.equal(got, value), (k, name_)
+
+
+def test_a_class_whose_schedule_the_checkpoint_does_not_give_names_timesteps(tmp_path: Path) -> None:
+    """Motif-Video's shift depends on the frame count: --steps is refused with the flag to use instead."""
+    from adalncache.errors import ConfigError
+    from adalncache.integrations.diffusers.adaln_zero import pipeline_forward_inputs
+
+    with pytest.raises(ConfigError, match="--timesteps"):
+        pipeline_forward_inputs("MotifVideoTransformer3DModel", 4, 64, 64, {}, rows=1, dtype=torch.bfloat16)

@@ -19,6 +19,7 @@ from torch import nn
 pytest.importorskip("diffusers")
 
 from adalncache.diffusers import enable_adaln_cache
+from adalncache.errors import PlanError
 from adalncache.families import adaln_zero
 from adalncache.tools import tiny_adaln_zero as tiny
 from adalncache.tools import tiny_adaln_zero_pipelines as tiny_pipelines
@@ -403,3 +404,62 @@ def test_a_lora_on_the_served_modules_is_served_exactly(when: str) -> None:
     assert all(torch.equal(r, c) for r, c in zip(expected, run(model)))
     handle.disable()
     assert all(torch.equal(r, c) for r, c in zip(expected, run(model)))
+
+
+@pytest.mark.parametrize(
+    ("pipeline", "flags"),
+    [("BriaFiboPipeline", {"guidance_embeds": True}), ("HunyuanVideo15Pipeline", {"use_meanflow": True})],
+)
+def test_a_pipeline_leaving_out_an_input_the_config_enables_is_a_plan_error(
+    pipeline: str, flags: dict[str, bool]
+) -> None:
+    """Bria-FIBO's pipeline passes no guidance, HunyuanVideo-1.5's text-to-video pipeline no timestep_r: the
+    stock forward then skips that embedding, but a plan cannot mark an input absent, so serving refuses."""
+    name = next(n for n, p in tiny_pipelines.PIPELINES.items() if pipeline in p)
+    pipe = tiny_pipelines.tiny_pipeline(tiny_pipelines.build(name, **flags), pipeline)
+    resident = pipe(**tiny_pipelines.request(pipe, 2))[0]  # the stock pipeline runs
+    assert torch.isfinite(resident).all()
+    handle = enable_adaln_cache(pipe)
+    missing = adaln_zero.GUIDANCE if "guidance_embeds" in flags else adaln_zero.TIMESTEP_R
+    with pytest.raises(PlanError, match=f"needs the forward's {missing} tensor"):
+        pipe(**tiny_pipelines.request(pipe, 2))
+    handle.disable()
+    assert torch.equal(pipe(**tiny_pipelines.request(pipe, 2))[0], resident)
+
+
+@pytest.mark.parametrize("name", ["HunyuanImageTransformer2DModel", "BriaTransformer2DModel"])
+def test_load_transformer_leaves_the_served_pages_unread(name: str, tmp_path: Path) -> None:
+    """Page cache dropped, then load: no whole page inside a served projection or the class's time-embedder
+    linears is cached afterwards (nothing read them). A stock load of the same files caches them, so the
+    measurement can see what it looks for."""
+    from adalncache.diffusers import load_transformer
+    from adalncache.source import CheckpointFiles
+    from adalncache.tools.measure import PAGE, cached_fraction, drop_page_cache
+
+    flags = {flag: True for _, flag in adaln_zero.CLASSES[name].optional}
+    directory = tmp_path / "model"
+    tiny.build(name, **flags).to(torch.bfloat16).save_pretrained(directory, max_shard_size="40KB")
+    files = sorted(directory.glob("*.safetensors"))
+    stock = tiny.model_class(name).from_pretrained(directory, torch_dtype=torch.bfloat16)
+    served = {f"{path}.{part}" for path in _served_paths(stock) for part in ("weight", "bias")}
+    embedders = tuple(f"{e}." for e in adaln_zero.CLASSES[name].time_embedders)
+    served |= {n for n, _ in stock.named_parameters() if n.startswith(embedders)}
+    del stock
+
+    def cached() -> int:
+        total = 0
+        for header in CheckpointFiles.read(files).headers:
+            for key, entry in header.entries.items():
+                first, last = -(-entry.begin // PAGE) * PAGE, entry.end // PAGE * PAGE
+                if key in served and last > first:
+                    total += round((cached_fraction(header.path, first, last - first) or 0.0) * (last - first))
+        return total
+
+    if not drop_page_cache(files) or cached() != 0:
+        pytest.skip("this filesystem keeps the files cached: nothing to measure")
+    model = load_transformer(directory, torch_dtype=torch.bfloat16)
+    assert cached() == 0
+    del model
+    assert drop_page_cache(files)
+    tiny.model_class(name).from_pretrained(directory, torch_dtype=torch.bfloat16)
+    assert cached() > 0  # the stock load reads them

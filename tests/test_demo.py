@@ -86,3 +86,32 @@ def test_demo_qwen_image_verdict_is_yes(capsys: pytest.CaptureFixture[str]) -> N
     assert "3 distinct, built in 1 pass(es) before the first step" in out
     assert "resident -> 0.0 KiB weights" in out  # the served weights left the device
     assert "of modulation projections and timestep embedder never read" in out
+
+
+@pytest.mark.parametrize("model", ["bria", "ovis-image", "qwen-image"])
+def test_a_family_demo_prints_only_its_own_lines(model: str) -> None:
+    """A fresh process, as ``make demo ARGS="--model NAME"`` runs it: nothing on stderr (no other library's
+    warning: transformers' torchvision fallback when a pipeline module imports an image processor,
+    diffusers' direct-cast warning of a VAE cast at construction), and every stdout line is the demo's."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import adalncache
+
+    # The package under test and the interpreter's own site-packages (as the project's venv has them).
+    env = {**os.environ, "PYTHONPATH": str(Path(adalncache.__file__).parents[1])}
+    done = subprocess.run(
+        [sys.executable, "-m", "adalncache", "demo", "--model", model, "--steps", "2"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stderr == ""
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("adalncache demo: tiny ") and lines[-1] == "bit-identical: yes"
+    assert all(line.startswith("  ") for line in lines[1:-1]), lines

@@ -725,7 +725,8 @@ def _adaln_zero_plans(args: argparse.Namespace, spec: Any) -> tuple[list[torch.T
     """An AdaLayerNormZero-family checkpoint's plans: its pipeline's forward timesteps (--steps), or --timesteps.
 
     Each plan has ``--batch`` rows (the forward's rows) and a column per per-step input the
-    config enables: ``timestep``, ``timestep_r`` (``--timestep-r``, one per timestep) and
+    config enables: ``timestep``, ``timestep_r`` (``--timestep-r``, one per timestep; with
+    ``--steps`` the schedule's next timestep, as the mean-flow pipelines pass it) and
     ``guidance`` (``--guidance``, the same at every step), the values the forward receives.
     """
     from .integrations.diffusers import adaln_zero as served
@@ -742,6 +743,8 @@ def _adaln_zero_plans(args: argparse.Namespace, spec: Any) -> tuple[list[torch.T
         (adaln_zero.GUIDANCE, "--guidance", args.guidance),
         (adaln_zero.TIMESTEP_R, "--timestep-r", args.timestep_r),
     ):
+        if name == adaln_zero.TIMESTEP_R and args.timesteps is None and args.steps:
+            continue  # --steps computes timestep_r from the schedule (the next step's timestep)
         if name in inputs and value is None:
             raise ConfigError(f"this {class_name} checkpoint's config makes {name} an input of temb: pass {flag_name}")
         if name not in inputs and value is not None:
@@ -751,14 +754,26 @@ def _adaln_zero_plans(args: argparse.Namespace, spec: Any) -> tuple[list[torch.T
         described = f"{len(forwards)} explicit timestep(s)"
     elif args.steps:
         if args.timestep_r is not None:
-            raise ConfigError("--timestep-r pairs with --timesteps (one value per timestep): pass both")
+            raise ConfigError(
+                "--timestep-r pairs with --timesteps (one value per timestep); with --steps it is the schedule's next "
+                "timestep: drop --timestep-r"
+            )
         config = _scheduler_config(args)
-        forwards = []
+        forwards, following = [], []
         for steps in args.steps:
             for height, width in _sizes(args):
-                forwards += served.pipeline_forward_timesteps(
-                    class_name, steps, height, width, config, rows=args.batch, dtype=spec.dtype
-                )
+                for step in served.pipeline_forward_inputs(
+                    class_name,
+                    steps,
+                    height,
+                    width,
+                    config,
+                    rows=args.batch,
+                    dtype=spec.dtype,
+                    timestep_r=adaln_zero.TIMESTEP_R in inputs,
+                ):
+                    forwards.append(step[TIMESTEP])
+                    following += [step[adaln_zero.TIMESTEP_R]] if adaln_zero.TIMESTEP_R in step else []
         sizes = ", ".join(f"{h}x{w}" for h, w in _sizes(args))
         described = f"steps {', '.join(map(str, args.steps))} at {sizes}"
     else:
@@ -773,6 +788,8 @@ def _adaln_zero_plans(args: argparse.Namespace, spec: Any) -> tuple[list[torch.T
         step = {TIMESTEP: timestep}
         if seconds:
             step[adaln_zero.TIMESTEP_R] = torch.full(timestep.shape, seconds[k], dtype=torch.float32)
+        elif args.timesteps is None and adaln_zero.TIMESTEP_R in inputs:
+            step[adaln_zero.TIMESTEP_R] = following[k]
         if args.guidance is not None:
             step[adaln_zero.GUIDANCE] = torch.full(timestep.shape, args.guidance, dtype=torch.float32)
         plans.append(served.plan_of(step, inputs))

@@ -77,6 +77,9 @@ def _flux_vae(latent_channels: int) -> Any:
         up_block_types=("UpDecoderBlock2D",),
         norm_num_groups=8,
         layers_per_block=1,
+        # The released VAEs set it; BriaPipeline casts a VAE without one (``vae.to(float32)``, which
+        # logs diffusers' direct-cast warning) when it is built.
+        shift_factor=0.0,
     )
 
 
@@ -172,6 +175,25 @@ def _image_encoder(width: int) -> dict[str, Any]:
     return {"image_encoder": encoder, "feature_extractor": processor}
 
 
+def pipeline_class(name: str) -> Any:
+    """The diffusers pipeline class ``name``, imported without transformers' torchvision-fallback notices.
+
+    Some pipeline modules import ``CLIPImageProcessor`` or ``SiglipImageProcessor`` at module level;
+    without torchvision, transformers binds each to its PIL twin and logs a notice once. The tiny
+    pipelines use no image processor but the PIL one they are given, so the notice says nothing
+    about them: transformers' log level is raised for the import only, then restored.
+    """
+    import diffusers
+    from transformers.utils import logging as transformers_logging
+
+    level = transformers_logging.get_verbosity()
+    transformers_logging.set_verbosity_error()
+    try:
+        return getattr(diffusers, name)
+    finally:
+        transformers_logging.set_verbosity(level)
+
+
 def tiny_pipeline(transformer: Any, pipeline: str | None = None) -> Any:
     """The diffusers pipeline ``pipeline`` (default: the class's first of :data:`PIPELINES`) of a tiny transformer."""
     import diffusers
@@ -181,7 +203,7 @@ def tiny_pipeline(transformer: Any, pipeline: str | None = None) -> Any:
     pipeline = pipeline or (choices[0] if choices else None)
     if pipeline not in choices:
         raise ConfigError(f"no tiny pipeline {pipeline!r} of {name}: the tiny pipelines are {PIPELINES}")
-    cls = getattr(diffusers, pipeline)
+    cls = pipeline_class(pipeline)
     pipe = cls(
         transformer=transformer,
         scheduler=diffusers.FlowMatchEulerDiscreteScheduler(),
@@ -334,6 +356,7 @@ __all__ = [
     "SIZE",
     "SIZES",
     "build",
+    "pipeline_class",
     "prompt_embeds",
     "request",
     "tiny_pipeline",

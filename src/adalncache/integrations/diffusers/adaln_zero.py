@@ -40,7 +40,7 @@ from ...families import adaln_zero
 from ...geometry import Layer, ModelGeometry
 from ...spec import ModulationSpec
 from .family import DiffusersFamily, ServedForward, rows_forward
-from .modules import base_linear, bypassing_hooks, forward_argument
+from .modules import bypassing_hooks, cast_as_layerwise, device_of, execution_device, forward_argument, stock_dtype
 
 #: dtypes whose values an fp32 plan holds exactly (so the forward's tensor is the plan cast back).
 _EXACT_IN_FP32 = (torch.float32, torch.bfloat16, torch.float16)
@@ -62,14 +62,20 @@ def model_geometry(model: nn.Module) -> ModelGeometry:
 
 
 def _param_dtype(module: nn.Module) -> torch.dtype:
-    return next(module.parameters()).dtype
+    """``module``'s dtype as diffusers' ``get_parameter_dtype`` gives it (a layerwise-casting hook's compute dtype)."""
+    from diffusers.models.modeling_utils import get_parameter_dtype
+
+    return get_parameter_dtype(module)
 
 
 def _hidden_dtype(model: Any) -> torch.dtype:
-    """The dtype of ``hidden_states`` after the model's ``x_embedder`` (a Linear: its weight's dtype)."""
-    weight = base_linear(model.x_embedder).weight
-    assert isinstance(weight, torch.Tensor)  # an nn.Linear's weight
-    return weight.dtype
+    """The dtype of ``hidden_states`` after the model's ``x_embedder`` (a Linear), which the forward casts
+    the timestep to: the autocast dtype where autocast is on for the device the forward runs on, else
+    the linear's (its layerwise-casting compute dtype where it has one)."""
+    device = execution_device(model) or device_of(model)
+    if torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return stock_dtype(model.x_embedder)
 
 
 def _hunyuan_image(model: Any, cols: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -234,7 +240,9 @@ class AdalnZero(DiffusersFamily):
         guidance = getattr(model, "guidance_embed", None)  # Bria-FIBO's, outside its time embedder
         if isinstance(guidance, nn.Module):
             modules += guidance.modules()
-        with bypassing_hooks(modules):
+        # Under autocast temb is in the autocast dtype; the projection's own autocast casts the input
+        # back down, so the cast up to the projections' dtype (a no-op otherwise) is exact.
+        with bypassing_hooks(modules), cast_as_layerwise(modules):
             x = embed_input(model, spec.model_geometry, plan, device)
         return x.to(spec.dtype)
 
@@ -352,8 +360,98 @@ def _match(
     return None
 
 
-#: The classes whose pipeline's schedule :func:`pipeline_forward_timesteps` computes from a step count.
-STEP_SCHEDULES = ("BriaTransformer2DModel", "OvisImageTransformer2DModel")
+#: How each class's pipeline sets its scheduler for a step count: ``shifted`` (``sigmas = linspace(1,
+#: 1 / steps, steps)`` and ``mu`` from the packed latent length ``(height // k) * (width // k)``, ``k``
+#: given), ``unshifted`` (``sigmas = linspace(1, 0, steps + 1)[:-1]``, no ``mu``: the Hunyuan
+#: pipelines), ``plain`` (``set_timesteps(steps)``: AuraFlow), ``bria`` (Bria's own rule); and how it
+#: turns a scheduler timestep into the forward's (an index of :data:`_PIPELINE_TIMESTEPS`). Not here:
+#: Motif-Video, whose shift depends on the frame count, which a checkpoint does not give.
+STEP_SCHEDULES: dict[str, tuple[str, int, int]] = {
+    "BriaTransformer2DModel": ("bria", 16, 0),
+    "OvisImageTransformer2DModel": ("shifted", 16, 2),
+    "LongCatImageTransformer2DModel": ("shifted", 16, 2),
+    "BriaFiboTransformer2DModel": ("shifted", 16, 1),  # vae_scale_factor 16, unpatched latents
+    "AuraFlowTransformer2DModel": ("plain", 0, 3),
+    "HunyuanImageTransformer2DModel": ("unshifted", 0, 1),
+    "HunyuanVideo15Transformer3DModel": ("unshifted", 0, 1),
+}
+
+
+def _scheduler_timesteps(
+    class_name: str, steps: int, height: int, width: int, scheduler_config: Mapping[str, Any]
+) -> torch.Tensor:
+    """The scheduler timesteps the class's pipeline sets for ``steps`` at ``height`` x ``width`` (fp32)."""
+    import numpy as np
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
+
+    rule, packing, _ = STEP_SCHEDULES[class_name]
+    scheduler: Any = FlowMatchEulerDiscreteScheduler.from_config(dict(scheduler_config))
+    config = scheduler.config
+    if rule in ("unshifted", "plain") and config.get("use_dynamic_shifting"):
+        raise ConfigError(
+            f"the scheduler config shifts by the image size (use_dynamic_shifting), which {class_name}'s pipeline "
+            "does not pass (it would fail): pass the scheduler config of the pipeline, or --timesteps"
+        )
+    if rule == "bria" and not config.get("use_dynamic_shifting"):
+        from diffusers.pipelines.bria.pipeline_bria import get_original_sigmas
+
+        scheduler.set_timesteps(sigmas=get_original_sigmas(config.num_train_timesteps, steps))
+    elif rule in ("shifted", "bria"):
+        mu = calculate_shift(
+            (height // packing) * (width // packing),
+            config.get("base_image_seq_len", 256),
+            config.get("max_image_seq_len", 4096),
+            config.get("base_shift", 0.5),
+            config.get("max_shift", 1.15),
+        )
+        scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu)
+    elif rule == "unshifted":
+        scheduler.set_timesteps(sigmas=np.linspace(1.0, 0.0, steps + 1)[:-1])
+    else:
+        scheduler.set_timesteps(steps)
+    return scheduler.timesteps.to(torch.float32)
+
+
+def pipeline_forward_inputs(
+    class_name: str,
+    steps: int,
+    height: int,
+    width: int,
+    scheduler_config: Mapping[str, Any],
+    *,
+    rows: int,
+    dtype: torch.dtype,
+    timestep_r: bool = False,
+) -> list[dict[str, torch.Tensor]]:
+    """The per-step inputs each forward of the class's pipeline receives for ``steps`` at ``height`` x ``width``.
+
+    For a checkpoint-only build: the scheduler timesteps as the pipeline sets them
+    (:data:`STEP_SCHEDULES`), then its own conversion; ``rows``: the forward's rows (2 x images
+    where the pipeline concatenates cond and uncond). ``timestep_r`` (a mean-flow config): the next
+    step's timestep, 0 after the last, cast like the Hunyuan pipelines cast it. ConfigError naming
+    ``--timesteps`` for a class whose schedule a checkpoint does not determine, or another scheduler.
+    """
+    if class_name not in STEP_SCHEDULES:
+        raise ConfigError(
+            f"the schedule of {class_name}'s pipeline is not computed from a step count here (it depends on more "
+            "than the checkpoint and the image size): pass the forward's timesteps (--timesteps)"
+        )
+    if scheduler_config.get("_class_name", "FlowMatchEulerDiscreteScheduler") != "FlowMatchEulerDiscreteScheduler":
+        raise ConfigError(
+            f"the scheduler config names a {scheduler_config.get('_class_name')}; a step count is turned into "
+            "timesteps for a FlowMatchEulerDiscreteScheduler only: pass the forward's timesteps (--timesteps)"
+        )
+    schedule = _scheduler_timesteps(class_name, steps, height, width, scheduler_config)
+    convert = _PIPELINE_TIMESTEPS[STEP_SCHEDULES[class_name][2]]
+    forwards = []
+    for k in range(schedule.shape[0]):
+        step = {"timestep": convert(schedule[k], dtype).expand(rows)}
+        if timestep_r:
+            following = schedule[k + 1] if k + 1 < schedule.shape[0] else torch.tensor(0.0)
+            step[adaln_zero.TIMESTEP_R] = following.expand(rows).to(dtype)
+        forwards.append(step)
+    return forwards
 
 
 def pipeline_forward_timesteps(
@@ -366,42 +464,9 @@ def pipeline_forward_timesteps(
     rows: int,
     dtype: torch.dtype,
 ) -> list[torch.Tensor]:
-    """The ``timestep`` each forward of the class's pipeline receives for ``steps`` at ``height`` x ``width``.
-
-    For a checkpoint-only build: the scheduler timesteps as the pipeline sets them, then its own
-    conversion. ``OvisImagePipeline`` sets them as ``QwenImagePipeline`` does (shifted sigmas,
-    ``mu`` from the image size) and passes ``t.expand(rows).to(dtype) / 1000``; ``BriaPipeline``
-    with a FlowMatchEuler scheduler sets them the same way under ``use_dynamic_shifting``, else from
-    its ``get_original_sigmas``, and passes ``t.expand(rows)`` as it is (``rows``: 2 x images
-    with classifier-free guidance, which concatenates the two branches). ConfigError for another class
-    or scheduler.
-    """
-    from diffusers import FlowMatchEulerDiscreteScheduler
-
-    from .qwen_image import pipeline_timesteps, schedule_timesteps
-
-    if class_name not in STEP_SCHEDULES:
-        raise ConfigError(
-            f"the schedule of {class_name}'s pipeline is not computed from a step count here: pass the forward's "
-            "timesteps (--timesteps)"
-        )
-    if scheduler_config.get("_class_name", "FlowMatchEulerDiscreteScheduler") != "FlowMatchEulerDiscreteScheduler":
-        raise ConfigError(
-            f"the scheduler config names a {scheduler_config.get('_class_name')}; a step count is turned into "
-            "timesteps for a FlowMatchEulerDiscreteScheduler only: pass the forward's timesteps (--timesteps)"
-        )
-    if class_name == "OvisImageTransformer2DModel":
-        return schedule_timesteps(pipeline_timesteps(steps, height, width, scheduler_config), batch=rows, dtype=dtype)
-    if scheduler_config.get("use_dynamic_shifting"):
-        timesteps = pipeline_timesteps(steps, height, width, scheduler_config)
-    else:
-        from diffusers.pipelines.bria.pipeline_bria import get_original_sigmas
-
-        scheduler: Any = FlowMatchEulerDiscreteScheduler.from_config(dict(scheduler_config))
-        sigmas = get_original_sigmas(scheduler.config.num_train_timesteps, steps)
-        scheduler.set_timesteps(sigmas=sigmas)  # as the pipeline's retrieve_timesteps calls it
-        timesteps = scheduler.timesteps
-    return [t.expand(rows) for t in timesteps]
+    """The ``timestep`` each forward of the class's pipeline receives (:func:`pipeline_forward_inputs`)."""
+    inputs = pipeline_forward_inputs(class_name, steps, height, width, scheduler_config, rows=rows, dtype=dtype)
+    return [step["timestep"] for step in inputs]
 
 
 def _plan_inputs(model: nn.Module) -> tuple[str, ...]:
@@ -420,6 +485,7 @@ __all__ = [
     "AdalnZero",
     "embed_input",
     "model_geometry",
+    "pipeline_forward_inputs",
     "pipeline_forward_timesteps",
     "plan_columns",
     "plan_of",
