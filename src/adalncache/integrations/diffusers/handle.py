@@ -25,7 +25,8 @@ from ... import TensorSource
 from ...errors import CheckpointError, ConfigError
 from ...holds import PlanHold
 from ...hostmem import HostBuffer
-from ...plans import PlanKey
+from ...numerics import autocast_dtype
+from ...plans import PlanKey, plan_key
 from ...source.absent import NoWeights
 from .callbacks import BuildCallbacks
 from .casting import casting_guard, settle_casting
@@ -35,6 +36,7 @@ from .hooks import ServingHooks
 from .lora import LoraTracker
 from .modules import base_linear, device_of, execution_device, install_overrides, remove_overrides
 from .moving import LiftedGroupOffloading, guarded_apply, refresh_group_offloading
+from .overlap import BackgroundPass
 from .parking import ParkTarget, WeightParking
 from .quantized import ProjectionStorage, adapter_guards, transformer_spec
 from .registry import family_of
@@ -73,8 +75,10 @@ class AdalnCacheHandle:
         self._enabled_fingerprint: str | None = None
         #: Builds, LoRA scaling and hook moves (they change module state other threads read).
         self._lock = threading.RLock()
-        #: Per thread: the hold of its last prepare() (``.hold``).
+        #: Per thread: the hold of its last prepare() (``.hold``), or its request's BackgroundPass.
         self._prepared = threading.local()
+        #: Background passes started and maybe still running (disable() waits for them).
+        self._background: list[BackgroundPass] = []
         #: Per thread: a pipeline's schedule waiting for its request's first forward.
         self._schedule = PendingSchedule(model, lambda: self.family, lambda: self.cache, self._hold_schedule)
         #: Host copies of the model's own projections (CUDA), released on disable().
@@ -118,10 +122,58 @@ class AdalnCacheHandle:
 
     def release(self) -> None:
         """Release the plans the calling thread's last :meth:`prepare` holds (no-op when none)."""
-        held: PlanHold | None = getattr(self._prepared, "hold", None)
+        held: PlanHold | BackgroundPass | None = getattr(self._prepared, "hold", None)
         self._prepared.hold = None
         if held is not None:
             held.release()
+
+    def start_prepare(self, plans: Sequence[Any], *, attention_kwargs: Mapping[str, Any] | None = None) -> None:
+        """:meth:`prepare` on a background thread: returns at once, and each forward of the calling
+        thread waits only for its own plan (the first step's are built first, :mod:`.overlap`).
+
+        A failure of the pass is raised by the next forward that needs a plan of it, or by
+        :meth:`finish`. Under autocast (thread-local state the pass thread would not see) this is
+        :meth:`prepare` itself.
+        """
+        self.release()
+        if not self.enabled or self._holds is None:
+            raise ConfigError("start_prepare() needs the AdaLN cache enabled; this handle was disabled")
+        self._follow(execution_device(self.model))
+        self._start_background([self.family.request_plan(self.model, plan) for plan in plans], attention_kwargs)
+
+    def finish(self) -> None:
+        """End the calling thread's request: wait for its background pass, if any, release its plans,
+        and raise the pass's error if no forward raised it yet."""
+        held: PlanHold | BackgroundPass | None = getattr(self._prepared, "hold", None)
+        self._prepared.hold = None
+        if isinstance(held, BackgroundPass):
+            held.finish()
+        elif held is not None:
+            held.release()
+
+    def _start_background(self, plans: list[Any], attention_kwargs: Mapping[str, Any] | None) -> None:
+        """Hold ``plans`` (keyed as forwards key them) for this thread from a background pass."""
+        holds = self._holds
+        assert holds is not None
+        if autocast_dtype(self.cache.device) is not None:
+            self._prepared.hold = holds.for_request(plans, attention_kwargs)
+            return
+        columns = self.cache.spec.plan_columns
+        keys = [plan_key(plan[0] if isinstance(plan, (tuple, list)) else plan, columns) for plan in plans]
+        background = BackgroundPass(lambda chunk: holds.for_request(chunk, attention_kwargs), plans, keys)
+        self._background = [running for running in self._background if not running.done]
+        self._background.append(background)
+        self._prepared.hold = background.start()
+
+    def _await_background(self, key: PlanKey) -> None:
+        """Before a forward of ``key``: wait for the thread's background pass to make it servable."""
+        pending = getattr(self._prepared, "hold", None)
+        if isinstance(pending, BackgroundPass):
+            try:
+                pending.wait_for(key)
+            except BaseException:
+                self.release()  # the request fails here: what its pass did hold goes back now
+                raise
 
     @contextlib.contextmanager
     def request(self, plans: Sequence[Any], *, attention_kwargs: Mapping[str, Any] | None = None) -> Iterator[PlanHold]:
@@ -154,6 +206,9 @@ class AdalnCacheHandle:
         """
         if not self.enabled:
             return
+        for running in self._background:  # a pass still running uses the parked weights and the hooks
+            running.join()
+        self._background = []
         self._check_disable(allow_changed_checkpoint)
         if self._hooks is not None:
             self._hooks.remove()
@@ -371,6 +426,9 @@ class AdalnCacheHandle:
         self.release()  # the thread's previous request is over
         self._follow(execution_device(self.model))
         assert self._holds is not None  # the hooks that call this are registered after the holds exist
+        if self.config.overlap:
+            self._start_background(plans, attention_kwargs)
+            return
         self._prepared.hold = self._holds.for_request(plans, attention_kwargs)
 
     def _make_resident(
@@ -389,6 +447,7 @@ class AdalnCacheHandle:
             named = execution_device(self.model)
             device = named if named is not None and named.type == "cpu" else device
         self._follow(device)
+        self._await_background(key)
         assert self._holds is not None  # the hooks are registered after the holds exist
         return self._holds.for_forward(plan, key, attention_kwargs)
 

@@ -7,6 +7,11 @@ first step, hands the request's whole ``row_timestep_plan`` to that denoiser's t
 so every step's plan is built in one pass before any step runs; ``prepare`` also *holds* those
 plans for the running thread, so no other request's build evicts them mid-loop.
 
+With ``overlap=True`` the block starts the pass on a background thread instead
+(:meth:`.handle.AdalnCacheHandle.start_prepare`, :mod:`.overlap`): the schedule is known only here,
+after the text encoder (the set-timesteps block reads the text length), and step 0's forward then
+waits only for step 0's plans.
+
 The hold is released when the loop ends: each loop's ``loop_step`` is wrapped (an instance
 attribute, removed again by ``disable``) so that the step after which no step follows, or any
 exception raised inside a step, releases it. An interrupt that lands between two steps (in the
@@ -81,14 +86,19 @@ class AdalnCachePrepareStep(ModularPipelineBlocks):
     def __call__(self, components: Any, block_state: Any, i: int, t: torch.Tensor) -> tuple[Any, Any]:
         if i == 0:
             handle = adaln_cache_handle(getattr(components, self.transformer_name, None))
-            if handle is not None:
+            if handle is not None and handle.config.overlap:
+                # The pass runs beside the loop; step 0's forward waits for step 0's plans only.
+                handle.start_prepare(block_state.row_timestep_plan, attention_kwargs=block_state.attention_kwargs)
+            elif handle is not None:
                 handle.prepare(block_state.row_timestep_plan, attention_kwargs=block_state.attention_kwargs)
         return components, block_state
 
 
-def _release_hold(components: Any, transformer_name: str) -> None:
+def _release_hold(components: Any, transformer_name: str, *, finished: bool = False) -> None:
     handle = adaln_cache_handle(getattr(components, transformer_name, None))
-    if handle is not None:
+    if handle is not None and finished:
+        handle.finish()  # a background pass's error no forward raised is raised here, at the request's end
+    elif handle is not None:
         handle.release()
 
 
@@ -104,7 +114,7 @@ def wrap_loop_step(loop: LoopSequentialPipelineBlocks, transformer_name: str) ->
             raise
         step, timesteps = kwargs.get("i"), getattr(block_state, "timesteps", None)
         if step is not None and timesteps is not None and step >= len(timesteps) - 1:
-            _release_hold(components, transformer_name)
+            _release_hold(components, transformer_name, finished=True)
         return result
 
     loop.loop_step = loop_step  # type: ignore[method-assign, assignment]  # the one patch of the loop, undone on disable
@@ -181,6 +191,11 @@ class PipelineAdalnCacheHandle:
         """Release the plans the calling thread's last ``prepare`` holds, on every transformer."""
         for handle in self.handles.values():
             handle.release()
+
+    def finish(self) -> None:
+        """End the calling thread's request on every transformer (:meth:`.handle.AdalnCacheHandle.finish`)."""
+        for handle in self.handles.values():
+            handle.finish()
 
     def disable(self, *, allow_changed_checkpoint: bool = False) -> None:
         """Remove the inserted loop blocks and disable every transformer's cache."""

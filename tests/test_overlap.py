@@ -1,0 +1,188 @@
+"""A request's pass on a background thread (``overlap=True``): outputs torch.equal, the first step's
+plans built first in a transaction of their own, a failure of the pass raised in the request with
+the cache as usable as before, and no deadlock between concurrent requests.
+
+Tiny real ``QwenImagePipeline`` / ``QwenImageTransformer2DModel`` and the tiny MiniMax-H3 modular
+pipeline; nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from typing import Any
+
+import pytest
+import torch
+
+from adalncache import BuildError, ConfigError
+from adalncache.diffusers import enable_adaln_cache
+from adalncache.faults import FaultPoints
+from adalncache.integrations.diffusers.overlap import BackgroundPass
+
+pytest.importorskip("diffusers")
+
+from adalncache.tools.tiny_qwen import tiny_prompt_embeds, tiny_qwen_inputs, tiny_qwen_pipeline, tiny_qwen_transformer
+
+
+class FailAtPublish(FaultPoints):
+    """Fails the ``n``-th publish (1-based): the n-th transaction of the cache that reaches it."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.seen = 0
+
+    def check(self, point: str) -> None:
+        if point == "publish":
+            self.seen += 1
+            if self.seen == self.n:
+                raise OSError("injected publish failure")
+
+
+def _qwen_pipe() -> tuple[Any, Any]:
+    pipe = tiny_qwen_pipeline(transformer=tiny_qwen_transformer("plain"))
+    return pipe, tiny_prompt_embeds(pipe.transformer, seed=1)
+
+
+def _run(pipe: Any, prompt: dict[str, Any], steps: int = 4) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(0)
+    return pipe(height=32, width=32, num_inference_steps=steps, generator=generator, output_type="pt", **prompt).images
+
+
+def test_overlapped_pipeline_requests_are_exact_and_build_the_first_step_first() -> None:
+    pipe, prompt = _qwen_pipe()
+    resident = {steps: _run(pipe, prompt, steps) for steps in (3, 4)}
+    handle = enable_adaln_cache(pipe, overlap=True)
+    assert handle["transformer"].config.overlap
+    built: list[int] = []
+    cache = handle.cache
+    original = cache._builder.run
+
+    def spy(order: Any, *args: Any) -> Any:
+        built.append(len(order))
+        return original(order, *args)
+
+    cache._builder.run = spy
+    assert torch.equal(_run(pipe, prompt, 4), resident[4])
+    # Two transactions: the first step's plan alone, then the whole schedule (the first one a hit there).
+    assert built == [1, 4] and handle.stats.passes == 2 and handle.stats.built_plans == 4
+    assert len(cache) == 4
+    assert torch.equal(_run(pipe, prompt, 4), resident[4]) and handle.stats.passes == 2  # resident: no pass
+    # The 3-step schedule starts at the 4-step one's first timestep: its first transaction is a hit.
+    assert torch.equal(_run(pipe, prompt, 3), resident[3]) and handle.stats.passes == 3
+    assert built == [1, 4, 3]  # resident plans take the hit path, not a transaction
+    cache.check_invariants()
+    handle.disable()
+    assert torch.equal(_run(pipe, prompt, 4), resident[4])
+
+
+@pytest.mark.parametrize("failing", [1, 2], ids=["first-transaction", "second-transaction"])
+def test_a_failure_in_the_background_pass_raises_in_the_request_and_rolls_back(failing: int) -> None:
+    pipe, prompt = _qwen_pipe()
+    resident = _run(pipe, prompt)
+    handle = enable_adaln_cache(pipe, overlap=True)
+    cache = handle.cache
+    cache.fault_points = FailAtPublish(failing)
+    with pytest.raises(BuildError, match="injected publish failure") as raised:
+        _run(pipe, prompt)
+    assert raised.value.failed_at == "publish"
+    assert cache.stats.failed_builds == 1
+    # The failed transaction published nothing; the first one (when it succeeded) stays, whole.
+    assert len(cache) == failing - 1
+    cache.check_invariants()
+    assert not cache._pool.held_slots  # the failed request gave its holds back
+    cache.fault_points = FaultPoints()
+    assert torch.equal(_run(pipe, prompt), resident)  # as usable as before: the retry builds and is exact
+    assert len(cache) == 4
+    handle.disable()
+
+
+def test_concurrent_overlapped_requests_do_not_deadlock() -> None:
+    """Two threads, each a request of its own schedule on one transformer, passes in the background."""
+    model = tiny_qwen_transformer("plain")
+    schedules = [[torch.tensor([1.0 - 0.1 * k - 0.05 * t]) for k in range(4)] for t in range(2)]
+    inputs = tiny_qwen_inputs(model, 1, seed=3)
+
+    def forward(timestep: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return model(**{**inputs, "timestep": timestep})[0]
+
+    resident = [[forward(t) for t in schedule] for schedule in schedules]
+    handle = enable_adaln_cache(model, max_plans=8)
+    results: dict[int, list[torch.Tensor]] = {}
+    errors: list[BaseException] = []
+
+    def request(index: int) -> None:
+        try:
+            handle.start_prepare(schedules[index])
+            results[index] = [forward(t) for t in schedules[index]]
+            handle.finish()
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=request, args=(index,)) for index in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not any(thread.is_alive() for thread in threads), "deadlock: a request never finished"
+    assert errors == []
+    for index in range(2):
+        assert all(torch.equal(got, ref) for got, ref in zip(results[index], resident[index]))
+    assert handle.stats.built_plans == 8
+    handle.cache.check_invariants()
+    handle.disable()
+
+
+def test_finish_raises_an_error_no_forward_raised() -> None:
+    """A request whose forwards never needed the failed plans still gets the error at its end."""
+    model = tiny_qwen_transformer("plain")
+    handle = enable_adaln_cache(model)
+    handle.cache.fault_points = FailAtPublish(2)
+    handle.start_prepare([torch.tensor([0.9]), torch.tensor([0.8])])
+    with pytest.raises(BuildError):
+        handle.finish()
+    handle.finish()  # nothing left to end: a no-op
+    handle.cache.check_invariants()
+    handle.disable()
+
+
+def test_a_background_pass_needs_one_key_per_plan() -> None:
+    with pytest.raises(ValueError, match="one key per plan"):
+        BackgroundPass(lambda plans: None, [torch.tensor([1.0])], [])  # type: ignore[arg-type, return-value]
+
+
+def test_overlap_must_be_a_bool() -> None:
+    model = tiny_qwen_transformer("plain")
+    with pytest.raises(ConfigError, match="overlap must be True or False"):
+        enable_adaln_cache(model, overlap="yes")  # type: ignore[arg-type]
+
+
+@pytest.mark.slow
+def test_the_minimax_pipeline_overlapped_is_exact() -> None:
+    from adalncache.tools.tiny import tiny_pipeline
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pipe = tiny_pipeline(size="tiny", seed=0)
+
+    def call() -> dict[str, torch.Tensor]:
+        return pipe(
+            prompt="a cat playing a piano in the rain",
+            height=64,
+            width=64,
+            num_frames=124,
+            num_inference_steps=4,
+            generator=torch.Generator().manual_seed(0),
+            output=["latents", "audio_latents"],
+            output_type="pt",
+        )
+
+    resident = call()
+    handle = enable_adaln_cache(pipe, overlap=True)
+    got = call()
+    for name in ("latents", "audio_latents"):
+        assert torch.equal(got[name], resident[name]), name
+    assert handle.stats.passes == 2  # step 0's plans, then the rest
+    assert not handle.cache._pool.held_slots  # the loop's end gave the request's holds back
+    handle.disable()
