@@ -6,7 +6,8 @@ A package, one module per job: :mod:`.command` (the command line and the order o
 timed side by side), and one module per section: :mod:`.passes` (``pass``), :mod:`.forward`,
 :mod:`.hitpath` (``build``, with SGLang's cache from :mod:`.sglang` beside it), :mod:`.store`,
 :mod:`.memory`, :mod:`.first_request` (``first-request``), :mod:`.deploy` (with the released
-geometry's arithmetic in :mod:`.released`) and :mod:`.tables`. Process and page-cache measurements are :mod:`adalncache.tools.measure`'s.
+geometry's arithmetic in :mod:`.released`) and :mod:`.tables`. Process and page-cache
+measurements are :mod:`adalncache.tools.measure`'s.
 """
 
 from __future__ import annotations
