@@ -97,6 +97,25 @@ def test_a_failure_in_the_background_pass_raises_in_the_request_and_rolls_back(f
     handle.disable()
 
 
+class InterruptAtPublish(FaultPoints):
+    def check(self, point: str) -> None:
+        if point == "publish":
+            raise KeyboardInterrupt
+
+
+def test_an_interrupt_in_the_background_pass_propagates_as_itself() -> None:
+    """Ctrl-C semantics of the pass: rolled back, then raised in the request as itself, not wrapped."""
+    pipe, prompt = _qwen_pipe()
+    handle = enable_adaln_cache(pipe, overlap=True)
+    handle.cache.fault_points = InterruptAtPublish()
+    with pytest.raises(KeyboardInterrupt):
+        _run(pipe, prompt)
+    assert len(handle.cache) == 0 and handle.stats.failed_builds == 1
+    assert not handle.cache._pool.held_slots
+    handle.cache.check_invariants()
+    handle.disable()
+
+
 def test_concurrent_overlapped_requests_do_not_deadlock() -> None:
     """Two threads, each a request of its own schedule on one transformer, passes in the background."""
     model = tiny_qwen_transformer("plain")

@@ -79,6 +79,7 @@ class AdalnCacheHandle:
         self._prepared = threading.local()
         #: Background passes started and maybe still running (disable() waits for them).
         self._background: list[BackgroundPass] = []
+        self._background_lock = threading.Lock()  # guards _background only (the handle's lock is held by builds)
         #: Per thread: a pipeline's schedule waiting for its request's first forward.
         self._schedule = PendingSchedule(model, lambda: self.family, lambda: self.cache, self._hold_schedule)
         #: Host copies of the model's own projections (CUDA), released on disable().
@@ -161,8 +162,9 @@ class AdalnCacheHandle:
         columns = self.cache.spec.plan_columns
         keys = [plan_key(plan[0] if isinstance(plan, (tuple, list)) else plan, columns) for plan in plans]
         background = BackgroundPass(lambda chunk: holds.for_request(chunk, attention_kwargs), plans, keys)
-        self._background = [running for running in self._background if not running.done]
-        self._background.append(background)
+        with self._background_lock:
+            self._background = [running for running in self._background if not running.done]
+            self._background.append(background)
         self._prepared.hold = background.start()
 
     def _await_background(self, key: PlanKey) -> None:
@@ -206,9 +208,10 @@ class AdalnCacheHandle:
         """
         if not self.enabled:
             return
-        for running in self._background:  # a pass still running uses the parked weights and the hooks
-            running.join()
-        self._background = []
+        with self._background_lock:
+            running, self._background = self._background, []
+        for background in running:  # a pass still running uses the parked weights and the hooks
+            background.join()
         self._check_disable(allow_changed_checkpoint)
         if self._hooks is not None:
             self._hooks.remove()
