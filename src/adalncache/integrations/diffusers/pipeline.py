@@ -8,9 +8,9 @@ so every step's plan is built in one pass before any step runs; ``prepare`` also
 plans for the running thread, so no other request's build evicts them mid-loop.
 
 With ``overlap=True`` the block starts the pass on a background thread instead
-(:meth:`.handle.AdalnCacheHandle.start_prepare`, :mod:`.overlap`): the schedule is known only here,
-after the text encoder (the set-timesteps block reads the text length), and step 0's forward then
-waits only for step 0's plans.
+(:meth:`.handle.AdalnCacheHandle.start_prepare`, :mod:`.overlap`): the schedule is known no earlier,
+since the set-timesteps block that makes it reads the text length (so it follows the text encoder)
+and runs right before the loop; step 0's forward then waits only for step 0's plans.
 
 The hold is released when the loop ends: each loop's ``loop_step`` is wrapped (an instance
 attribute, removed again by ``disable``) so that the step after which no step follows, or any
