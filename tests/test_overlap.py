@@ -97,6 +97,65 @@ def test_a_failure_in_the_background_pass_raises_in_the_request_and_rolls_back(f
     handle.disable()
 
 
+class BlockSecondPublish(FaultPoints):
+    """Holds the second transaction just before its publish until ``go`` is set."""
+
+    def __init__(self) -> None:
+        self.seen = 0
+        self.reached = threading.Event()
+        self.go = threading.Event()
+
+    def check(self, point: str) -> None:
+        if point == "publish":
+            self.seen += 1
+            if self.seen == 2:
+                self.reached.set()
+                assert self.go.wait(timeout=120), "the test never let the second transaction publish"
+
+
+def test_the_first_step_waits_only_for_its_own_plans() -> None:
+    """Step 0's forward runs while the rest of the pass is still unpublished; step 1's waits for it."""
+    model = tiny_qwen_transformer("plain")
+    schedule = [torch.tensor([0.9 - 0.1 * k]) for k in range(3)]
+    inputs = tiny_qwen_inputs(model, 1, seed=4)
+
+    def forward(timestep: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return model(**{**inputs, "timestep": timestep})[0]
+
+    resident = [forward(t) for t in schedule]
+    handle = enable_adaln_cache(model)
+    faults = BlockSecondPublish()
+    handle.cache.fault_points = faults
+    outputs: list[torch.Tensor] = []
+    step_done = [threading.Event() for _ in schedule]
+    errors: list[BaseException] = []
+
+    def request() -> None:  # one request on one thread: its forwards wait on its own background pass
+        try:
+            handle.start_prepare(schedule)
+            for k, timestep in enumerate(schedule):
+                outputs.append(forward(timestep))
+                step_done[k].set()
+            handle.finish()
+        except BaseException as exc:
+            errors.append(exc)
+            faults.go.set()
+
+    thread = threading.Thread(target=request)
+    thread.start()
+    assert faults.reached.wait(timeout=120)  # the second transaction has projected, not published
+    assert step_done[0].wait(timeout=120), errors  # step 0 ran, served from the first transaction alone
+    assert len(handle.cache) == 1 and handle.stats.passes == 1
+    assert not step_done[1].wait(timeout=0.5)  # step 1 waits: its plan is not published yet
+    faults.go.set()
+    thread.join(timeout=120)
+    assert not thread.is_alive() and errors == []
+    assert all(torch.equal(got, ref) for got, ref in zip(outputs, resident)) and len(outputs) == 3
+    assert handle.stats.passes == 2 and not handle.cache._pool.held_slots
+    handle.disable()
+
+
 class InterruptAtPublish(FaultPoints):
     def check(self, point: str) -> None:
         if point == "publish":
