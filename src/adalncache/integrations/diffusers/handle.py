@@ -152,6 +152,13 @@ class AdalnCacheHandle:
         elif held is not None:
             held.release()
 
+    def join_background(self) -> None:
+        """Wait until every background pass started on this handle (by any thread) has ended."""
+        with self._background_lock:
+            running, self._background = self._background, []
+        for background in running:
+            background.join()
+
     def _start_background(self, plans: list[Any], attention_kwargs: Mapping[str, Any] | None) -> None:
         """Hold ``plans`` (keyed as forwards key them) for this thread from a background pass."""
         holds = self._holds
@@ -208,10 +215,7 @@ class AdalnCacheHandle:
         """
         if not self.enabled:
             return
-        with self._background_lock:
-            running, self._background = self._background, []
-        for background in running:  # a pass still running uses the parked weights and the hooks
-            background.join()
+        self.join_background()  # a pass still running uses the parked weights and the hooks
         self._check_disable(allow_changed_checkpoint)
         if self._hooks is not None:
             self._hooks.remove()

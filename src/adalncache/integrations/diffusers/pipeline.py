@@ -197,6 +197,11 @@ class PipelineAdalnCacheHandle:
         for handle in self.handles.values():
             handle.finish()
 
+    def join_background(self) -> None:
+        """Wait until every transformer's background passes have ended."""
+        for handle in self.handles.values():
+            handle.join_background()
+
     def disable(self, *, allow_changed_checkpoint: bool = False) -> None:
         """Remove the inserted loop blocks and disable every transformer's cache."""
         for loop, key in self._inserted:

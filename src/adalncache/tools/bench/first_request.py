@@ -95,6 +95,8 @@ def bench_first_request(res: Results, size: str, runs: int) -> None:
             for _ in range(max(runs, 1)):
                 for name in samples:  # taking turns, so drifting load hits both alike
                     samples[name].append(_first_step_seconds(pipes[name], handles[name]))
+            for handle in handles.values():
+                handle.join_background()  # the last stopped request's pass, still running
             passes = {name: int(handle.stats.passes) for name, handle in handles.items()}
         finally:
             for handle in handles.values():
