@@ -9,6 +9,7 @@ pipeline; nothing is downloaded.
 from __future__ import annotations
 
 import threading
+import traceback
 import warnings
 from typing import Any
 
@@ -204,7 +205,7 @@ def test_concurrent_overlapped_requests_do_not_deadlock() -> None:
     for thread in threads:
         thread.join(timeout=120)
     assert not any(thread.is_alive() for thread in threads), "deadlock: a request never finished"
-    assert errors == []
+    assert errors == [], "".join(traceback.format_exception(errors[0]))
     for index in range(2):
         assert all(torch.equal(got, ref) for got, ref in zip(results[index], resident[index]))
     assert handle.stats.built_plans == 8

@@ -163,12 +163,15 @@ class AdalnCacheHandle:
         """Hold ``plans`` (keyed as forwards key them) for this thread from a background pass."""
         holds = self._holds
         assert holds is not None
-        if autocast_dtype(self.cache.device) is not None:
+        tensors = [plan[0] if isinstance(plan, (tuple, list)) else plan for plan in plans]
+        if autocast_dtype(self.cache.device) is not None or all(t in self.cache for t in tensors):
+            # Autocast is thread-local (a pass thread would not see it); a resident request is a hit.
             self._prepared.hold = holds.for_request(plans, attention_kwargs)
             return
         columns = self.cache.spec.plan_columns
-        keys = [plan_key(plan[0] if isinstance(plan, (tuple, list)) else plan, columns) for plan in plans]
-        background = BackgroundPass(lambda chunk: holds.for_request(chunk, attention_kwargs), plans, keys)
+        keys = [plan_key(t, columns) for t in tensors]
+        inputs = holds.embed_ahead(plans, attention_kwargs)  # the time embedder runs here, not beside forwards
+        background = BackgroundPass(lambda chunk: holds.for_request(chunk, attention_kwargs, embed=inputs), plans, keys)
         with self._background_lock:
             self._background = [running for running in self._background if not running.done]
             self._background.append(background)

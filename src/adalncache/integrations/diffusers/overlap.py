@@ -19,7 +19,12 @@ that needs a plan of the failed transaction, and by :meth:`BackgroundPass.finish
 request's end at the latest.
 
 Threads: the request's thread waits on events, never while holding a lock; the pass takes the
-handle's lock, then the cache's build lock, then its state lock, as a foreground build does. A
+handle's lock, then the cache's build lock, then its state lock, as a foreground build does. The
+plans' inputs (the time embedder's output) are computed on the request's thread before the pass
+starts (:meth:`.requests.RequestHolds.embed_ahead`): the pass thread only reads weights and
+projects, so the request's own forwards, which run beside it, never meet a time embedder whose
+weights a build lent or parked. A request whose plans are all resident takes the hit path on its
+own thread and starts no pass. A
 Ctrl-C in the request's thread interrupts its wait; the pass then finishes (or fails) on its own
 and gives its holds back, since :meth:`BackgroundPass.release` marks it released.
 """
