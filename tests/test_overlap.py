@@ -265,3 +265,20 @@ def test_the_minimax_pipeline_overlapped_is_exact() -> None:
     assert handle.stats.passes == 2  # step 0's plans, then the rest
     assert not handle.cache._pool.held_slots  # the loop's end gave the request's holds back
     handle.disable()
+
+
+def test_a_hook_bypass_applies_to_the_bypassing_thread_only() -> None:
+    """A build runs a module beneath its hooks; a forward on another thread meanwhile still gets the hook."""
+    from adalncache.integrations.diffusers.modules import bypassing_hooks
+
+    module = torch.nn.Linear(2, 2)
+    module.forward = lambda x: torch.full((1,), 7.0)  # type: ignore[method-assign]  # a wrapper, as a hook installs
+    x = torch.ones(1, 2)
+    seen: list[torch.Tensor] = []
+    with bypassing_hooks([module]):
+        assert torch.equal(module(x), torch.nn.functional.linear(x, module.weight, module.bias))
+        other = threading.Thread(target=lambda: seen.append(module(x)))
+        other.start()
+        other.join()
+    assert torch.equal(seen[0], torch.full((1,), 7.0))
+    assert torch.equal(module(x), torch.full((1,), 7.0))  # the wrapper is back
