@@ -57,6 +57,11 @@ The checks, in order (``--only`` takes their names):
   ``shard="layers"`` and ``"columns"``, exact;
 * ``host-tier``: a plan evicted from the slab comes back from the (pinned) host tier, no pass;
 * ``timing``: pass vs read-only vs project-only, 1 and 16 plans (informational);
+* ``graph-capture``: a prepared request's forward of a tiny MiniMax-H3 captured in one CUDA graph
+  (the forward finds its slot on the device, no host read) and replayed: ``torch.equal`` to the
+  resident forward; a stray timestep copied into the captured input gives NaN and a
+  ``PlanMismatchError`` at ``check_request()``; the right one is exact again (on a CPU: the same
+  forwards run eagerly);
 * ``demo``: ``adalncache demo`` on the device (diffusers' tiny MiniMax-H3, resident vs cached).
 """
 
@@ -1204,7 +1209,88 @@ def check_demo(ctx: Context) -> dict[str, Any]:
     return {"ok": code == 0, "exit_code": code, "argv": argv, "output": text[-4000:]}
 
 
-#: name, function; the order is the run order (the demo last: it is the only one needing diffusers).
+def _stray(timestep: torch.Tensor) -> torch.Tensor:
+    """``timestep`` one fp32 ulp up: the same shape as a prepared plan, and none of them."""
+    return torch.nextafter(timestep, torch.full_like(timestep, 2000.0))
+
+
+def check_graph_capture(ctx: Context) -> dict[str, Any]:
+    """A prepared request's forward captured in a CUDA graph and replayed: exact, and a stray timestep
+    written into the captured input gives NaN and a PlanMismatchError at ``check_request()``.
+
+    On a CPU the same forwards run eagerly (no graph to capture): the code path and the verdicts
+    are the same, which is what the test suite runs.
+    """
+    missing = [name for name in ("diffusers", "transformers") if not importable(name)]
+    if missing:
+        raise Skipped(f"the graph-capture check runs a tiny MiniMax-H3 and needs {' and '.join(missing)}")
+    from adalncache import PlanMismatchError
+    from adalncache.diffusers import enable_adaln_cache
+    from adalncache.tools.tiny import make_request, tiny_transformer
+
+    device = ctx.device
+    model = tiny_transformer("tiny", seed=0).to(device)
+    request = make_request(model, "t2va", 4, seed=3, device=device)
+    kwargs = request.forward_kwargs(1, request.latents.clone(), request.audio_latents.clone())
+    with torch.no_grad():
+        resident = model(**kwargs)[0].clone()
+    handle = enable_adaln_cache(model)
+    try:
+        handle.prepare(request.plans)
+        static = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+        run, how = _captured(model, static, device)
+        exact = bool(torch.equal(run(), resident))
+        static["timestep"].copy_(_stray(kwargs["timestep"]))
+        stray_nan = bool(torch.isnan(run()).all())
+        try:
+            handle.check_request()
+            reported = ""
+        except PlanMismatchError as exc:
+            reported = str(exc)
+        static["timestep"].copy_(kwargs["timestep"])
+        exact_again = bool(torch.equal(run(), resident))
+        handle.check_request()
+        handle.cache.check_invariants()
+    finally:
+        handle.disable()
+    return {
+        "ok": exact and stray_nan and bool(reported) and exact_again,
+        "how": how,
+        "exact": exact,
+        "stray_forward_all_nan": stray_nan,
+        "mismatch_reported": reported[:300],
+        "exact_after_mismatch": exact_again,
+    }
+
+
+def _captured(model: Any, static: dict[str, Any], device: torch.device) -> tuple[Callable[[], torch.Tensor], str]:
+    """``run()`` replaying ``model(**static)`` from a CUDA graph (CUDA), or calling it (elsewhere)."""
+    if device.type != "cuda":
+
+        def eager() -> torch.Tensor:
+            with torch.no_grad():
+                out: torch.Tensor = model(**static)[0]
+            return out.clone()
+
+        return eager, "eager forwards (no CUDA device: nothing to capture)"
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side), torch.no_grad():  # warm-up off the capture, as torch.cuda.graph asks
+        for _ in range(2):
+            model(**static)
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        captured = model(**static)[0]
+
+    def replay() -> torch.Tensor:
+        graph.replay()
+        return captured.clone()
+
+    return replay, "one CUDA graph captured, replayed with new inputs copied into its static tensors"
+
+
+#: name, function; the order is the run order (the demo last; it and graph-capture need diffusers).
 CHECKS: list[tuple[str, Callable[[Context], dict[str, Any]]]] = [
     ("environment", check_environment),
     ("checkpoint", check_checkpoint),
@@ -1224,6 +1310,7 @@ CHECKS: list[tuple[str, Callable[[Context], dict[str, Any]]]] = [
     ("nccl", check_nccl),
     ("host-tier", check_host_tier),
     ("timing", check_timing),
+    ("graph-capture", check_graph_capture),
     ("demo", check_demo),
 ]
 NAMES = [name for name, _ in CHECKS]

@@ -19,10 +19,9 @@ from torch import nn
 pytest.importorskip("diffusers")
 
 from adalncache.diffusers import enable_adaln_cache
-from adalncache.errors import ConfigError, PlanError
 from adalncache.families import adaln_zero
-from adalncache.integrations.diffusers.handle import HANDLE_ATTRIBUTE
 from adalncache.tools import tiny_adaln_zero as tiny
+from adalncache.tools import tiny_adaln_zero_pipelines as tiny_pipelines
 from adalncache.tools.tiny import parameter_bytes
 
 #: (class, flags) of every served class, with each optional input's variant (AuraFlow's projections have no bias).
@@ -107,179 +106,41 @@ def _assert_state_equal(model: nn.Module, snapshot: dict[str, torch.Tensor]) -> 
         assert torch.equal(tensor, snapshot[name]), name
 
 
-@pytest.mark.parametrize("precision", ["fp32-memory", "bf16-disk"])
-@pytest.mark.parametrize("variant", SERVED, ids=[_id(v) for v in SERVED])
-def test_enabled_forwards_equal_the_resident_ones_with_the_projections_freed(
-    variant: tuple[str, dict[str, bool]], precision: str, tmp_path: Path
-) -> None:
-    name, flags = variant
-    model = tiny.build(name, **flags)
-    if precision == "bf16-disk":
-        model = tiny.save_and_load(model, tmp_path / "model", torch.bfloat16)
-    resident = run(model)
-    snapshot = _snapshot(model)
-    before, served = parameter_bytes(model), served_bytes(model)
-    assert served > 0
-
-    handle = enable_adaln_cache(model)
-    assert served_bytes(model) == 0
-    assert parameter_bytes(model) <= before - served  # the served projections (and time embedders) are gone
-    assert model.get_submodule("norm_out.linear").weight.device.type == "meta"
-    assert handle.prepare(request_plans(model)).passes == 1
-    assert handle.prepare(request_plans(model)).passes == 0  # a repeated request builds nothing
-    cached = run(model)
-    for i, (r, c) in enumerate(zip(resident, cached)):
-        assert torch.equal(r, c), f"forward {FORWARDS[i]} differs"
-    assert handle.stats.passes == 1
-
-    handle.disable()
-    assert parameter_bytes(model) == before
-    _assert_state_equal(model, snapshot)
-    assert all(torch.equal(r, c) for r, c in zip(resident, run(model)))
+#: Every class's diffusers pipelines (HunyuanVideo-1.5's text-to-video and image-to-video), each
+#: run in fp32 from memory; Bria (cond and uncond concatenated) and Ovis-Image (two forwards a step)
+#: also as bf16 files saved and loaded by diffusers.
+PIPELINE_RUNS = [
+    (pipeline, "fp32-memory") for pipelines in tiny_pipelines.PIPELINES.values() for pipeline in pipelines
+] + [("BriaPipeline", "bf16-disk"), ("OvisImagePipeline", "bf16-disk")]
 
 
-def test_the_time_embedder_can_stay() -> None:
-    model = tiny.build("OvisImageTransformer2DModel")
-    resident = run(model)
-    handle = enable_adaln_cache(model, free_time_embedder=False)
-    assert model.timestep_embedder.linear_1.weight.device.type == "cpu"
-    assert model.single_transformer_blocks[0].norm.linear.weight.device.type == "meta"
-    handle.prepare(request_plans(model))
-    assert all(torch.equal(r, c) for r, c in zip(resident, run(model)))
-    handle.disable()
-
-
-def test_a_forward_missing_an_input_its_config_enables_is_a_plan_error() -> None:
-    model = tiny.build("HunyuanVideo15Transformer3DModel", use_meanflow=True)
-    handle = enable_adaln_cache(model)
-    inputs = step_inputs(model, 0, 1, True)
-    del inputs[adaln_zero.TIMESTEP_R]
-    with pytest.raises(PlanError, match="needs the forward's timestep_r tensor"), torch.no_grad():
-        model(**tiny.forward_kwargs(model, inputs, batch=1))
-    handle.disable()
-
-
-def _unchanged_refusal(model: nn.Module, match: str) -> None:
-    snapshot, text = _snapshot(model), repr(model)
-    with pytest.raises(ConfigError, match=match):
-        enable_adaln_cache(model)
-    assert repr(model) == text and getattr(model, HANDLE_ATTRIBUTE, None) is None
-    _assert_state_equal(model, snapshot)
-
-
-def test_auraflow_is_served_without_a_bias_anywhere(tmp_path: Path) -> None:
-    """AuraFlow's projections are ``nn.Linear(..., bias=False)``: the geometry says so, the checkpoint holds no
-    bias, enabling parks only the weights (no bias appears), and disable() leaves the biases None."""
-    from adalncache import ModulationSpec
-
-    model = tiny.build("AuraFlowTransformer2DModel")
-    spec = ModulationSpec.from_transformer(model)
-    assert not any(spec.has_bias(layer) for layer in spec.layers())
-    assert all(spec.tensors_of(layer) == ("weight",) for layer in spec.layers())
-    model.save_pretrained(tmp_path / "aura")
-    assert ModulationSpec.from_checkpoint(tmp_path / "aura") == spec
-    resident = run(model)
-    handle = enable_adaln_cache(model, checkpoint=tmp_path / "aura")
-    assert handle.prepare(request_plans(model)).passes == 1
-    assert all(torch.equal(r, c) for r, c in zip(resident, run(model)))
-    for layer in spec.layers():
-        linear = model.get_submodule(str(layer))
-        assert linear.weight.device.type == "meta" and linear.bias is None
-    handle.disable()
-    for layer in spec.layers():
-        assert model.get_submodule(str(layer)).bias is None
-    assert all(torch.equal(r, c) for r, c in zip(resident, run(model)))
-
-
-def test_a_model_whose_modules_differ_from_its_classes_list_is_refused_unchanged() -> None:
-    from diffusers.models.normalization import AdaLayerNormZero
-
-    model = tiny.build("BriaTransformer2DModel")
-    model.transformer_blocks[1].norm1_context = AdaLayerNormZero(32, num_embeddings=4)
-    _unchanged_refusal(model, "BriaTransformer2DModel cannot be served: its modules differ .* embeds its own timestep")
-
-
-def test_flux_and_sd3_are_refused_as_prompt_modulated_unchanged() -> None:
-    from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
-
-    flux = FluxTransformer2DModel(
-        num_layers=1,
-        num_single_layers=1,
-        attention_head_dim=16,
-        num_attention_heads=2,
-        joint_attention_dim=24,
-        pooled_projection_dim=8,
-        in_channels=8,
-        axes_dims_rope=(4, 6, 6),
-    )
-    _unchanged_refusal(flux, "FluxTransformer2DModel cannot be served from AdaLN tables: .*pooled text")
-    sd3 = SD3Transformer2DModel(
-        sample_size=8,
-        in_channels=4,
-        num_layers=1,
-        attention_head_dim=16,
-        num_attention_heads=2,
-        joint_attention_dim=24,
-        caption_projection_dim=32,
-        pooled_projection_dim=8,
-        out_channels=4,
-    )
-    _unchanged_refusal(sd3, "SD3Transformer2DModel cannot be served from AdaLN tables: .*pooled text")
-
-
-def test_a_class_of_no_family_is_refused_as_not_supported() -> None:
-    from diffusers import SanaTransformer2DModel
-
-    sana = SanaTransformer2DModel(
-        in_channels=4,
-        out_channels=4,
-        num_attention_heads=2,
-        attention_head_dim=16,
-        num_layers=1,
-        num_cross_attention_heads=2,
-        cross_attention_head_dim=16,
-        cross_attention_dim=32,
-        caption_channels=24,
-        sample_size=8,
-    )
-    _unchanged_refusal(sana, "SanaTransformer2DModel is not a supported family")
-
-
-@pytest.mark.parametrize("precision", ["fp32-memory", "bf16-disk"])
-@pytest.mark.parametrize("name", sorted(tiny.PIPELINES))
+@pytest.mark.parametrize(("pipeline", "precision"), PIPELINE_RUNS, ids=lambda v: str(v))
 def test_a_pipeline_request_is_built_in_one_pass_and_repeats_build_nothing(
-    name: str, precision: str, tmp_path: Path
+    pipeline: str, precision: str, tmp_path: Path
 ) -> None:
-    """Bria (cond and uncond concatenated: 2 identical rows a forward) and Ovis-Image (two forwards a step).
+    """The pipeline's own denoising loop, classifier-free guidance included (AuraFlow, Bria and Bria-FIBO
+    concatenate cond and uncond: 2 identical rows a forward; the others run separate forwards), with
+    each optional per-step input the pipeline passes (HunyuanImage: timestep_r and guidance;
+    HunyuanVideo-1.5 image-to-video: timestep_r).
 
-    The tiny pipelines have no text encoder (their tokenizers cannot be made offline): requests pass
-    ``prompt_embeds`` and return latents; the denoising loop is the pipeline's own.
+    The tiny pipelines have no text encoder (T5, Qwen2.5-VL, Qwen3, T5Gemma and SmolLM3 need tokenizer
+    files that cannot be made offline): requests pass seeded prompt embeddings, or, for Bria-FIBO and
+    LongCat-Image whose pipelines take text only, text whose encoding is seeded; they return latents.
     """
-    transformer = tiny.build(name)
+    name = next(n for n, p in tiny_pipelines.PIPELINES.items() if pipeline in p)
+    transformer = tiny_pipelines.build(name, **tiny_pipelines.PIPELINE_FLAGS.get(pipeline, {}))
     if precision == "bf16-disk":
         transformer = tiny.save_and_load(transformer, tmp_path / "model", torch.bfloat16)
-    pipe = tiny.tiny_pipeline(transformer)
-    prompt, negative = tiny.prompt_embeds(transformer, seed=1), tiny.prompt_embeds(transformer, seed=2)
-    extra = {"negative_prompt": None} if name == "OvisImageTransformer2DModel" else {}
+    pipe = tiny_pipelines.tiny_pipeline(transformer, pipeline)
 
     def run(steps: int) -> torch.Tensor:
-        out = pipe(
-            prompt_embeds=prompt,
-            negative_prompt_embeds=negative,
-            guidance_scale=4.0,
-            height=8,
-            width=8,
-            num_inference_steps=steps,
-            generator=torch.Generator().manual_seed(0),
-            output_type="latent",
-            **extra,
-        )
-        return out.images
+        return pipe(**tiny_pipelines.request(pipe, steps))[0]
 
     resident = {steps: run(steps) for steps in (3, 4)}
     handle = enable_adaln_cache(pipe)
     assert torch.equal(run(4), resident[4]) and handle.stats.passes == 1
     assert len(handle.cache) == 4  # every step's plan, prepared before the first step ran
+    assert served_bytes(transformer) == 0
     assert torch.equal(run(4), resident[4]) and handle.stats.passes == 1  # the same request: no pass
     assert torch.equal(run(3), resident[3]) and handle.stats.passes == 2  # a new schedule: one pass
     handle.disable()
@@ -384,6 +245,40 @@ def test_load_transformer_never_loads_the_served_tensors(variant: tuple[str, dic
     handle.disable()
     _assert_state_equal(model, _snapshot(stock))
     assert all(torch.equal(r, c) for r, c in zip(resident, run(model)))
+
+
+@pytest.mark.parametrize("variant", SERVED, ids=_id)
+def test_load_transformer_reads_neither_projections_nor_the_time_embedder(
+    variant: tuple[str, dict[str, bool]], tmp_path: Path
+) -> None:
+    """Every class and variant: the parameters a stock load has and this load lacks are exactly the served
+    projections and the linears of the class's own time embedders (the optional ones its config enables);
+    the first request still equals the stock model's."""
+    from adalncache.diffusers import adaln_cache_handle, load_transformer
+
+    name, flags = variant
+    directory = tmp_path / "model"
+    tiny.build(name, **flags).to(torch.bfloat16).save_pretrained(directory)
+    stock = tiny.model_class(name).from_pretrained(directory, torch_dtype=torch.bfloat16).eval()
+    model = load_transformer(directory, torch_dtype=torch.bfloat16)
+    layout = adaln_zero.CLASSES[name]
+    never_loaded = set(dict(stock.named_parameters())) - set(dict(model.named_parameters()))
+    embedders = {n for n, _ in stock.named_parameters() if n.startswith(tuple(f"{e}." for e in layout.time_embedders))}
+    served = set(_served_paths(stock))
+    projections = {n for n, _ in stock.named_parameters() if n.rsplit(".", 1)[0] in served}
+    assert embedders and never_loaded == projections | embedders
+    handle = adaln_cache_handle(model)
+    assert handle is not None
+    assert handle.prepare(request_plans(model)).passes == 1
+    assert all(torch.equal(r, c) for r, c in zip(run(stock), run(model)))
+
+
+def _served_paths(model: nn.Module) -> list[str]:
+    """The module paths of the projections the cache serves on ``model``."""
+    from adalncache import ModulationSpec
+    from adalncache.integrations.diffusers.adaln_zero import FAMILY
+
+    return [FAMILY.projection_path(layer) for layer in ModulationSpec.from_transformer(model).layers()]
 
 
 def test_a_checkpoint_of_another_structure_is_refused(tmp_path: Path) -> None:

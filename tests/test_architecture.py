@@ -17,12 +17,18 @@ two modules' designs together).
 Inside two packages the same scan checks one more rule each: a section of the benchmark
 (``tools.bench``) imports only the benchmark's shared modules, never another section; and the
 integration's family-neutral modules never import the module that is MiniMax-H3's.
+
+Two more scans keep the code readable: no runtime class over 350 lines and no function over 80
+lines of code (a longer one does several jobs), and the tools are not fought (no formatter
+opt-out; a handful of type ignores, each with its error code and a comment saying why).
 """
 
 from __future__ import annotations
 
 import ast
+import io
 import re
+import tokenize
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -420,6 +426,151 @@ def test_the_speech_scan_finds_flags_and_words_above(tmp_path: Path) -> None:
     found = core_speaking_above(root)
     assert sorted(entry.split(":")[0] for entry in found) == ["adalncache.a", "adalncache.b", "adalncache.c"]
     assert any("flag -o" in entry for entry in found)
+
+
+# ---------------------------------------------------------------------------------------------
+# sizes: no runtime class or function a reader cannot hold in mind at once
+
+#: A class spans at most this many lines (docstrings and comments included: it is read whole).
+MAX_CLASS_LINES = 350
+#: A function holds at most this many lines of code (its docstring, comments and blank lines not counted).
+MAX_FUNCTION_CODE_LINES = 80
+
+
+def _code_lines(lines: list[str], node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """The lines of ``node`` that carry code: no blank line, no comment-only line, not its docstring."""
+    body = node.body
+    docstring: set[int] = set()
+    first = body[0] if body else None
+    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+        docstring = set(range(first.lineno, (first.end_lineno or first.lineno) + 1))
+    assert node.end_lineno is not None
+    source = "\n".join(lines[node.lineno - 1 : node.end_lineno]) + "\n"
+    skip = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER}
+    code: set[int] = set()
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type not in skip:
+            code.update(range(token.start[0] + node.lineno - 1, token.end[0] + node.lineno))
+    return len(code - docstring)
+
+
+def oversized(root: Path = SRC) -> dict[str, str]:
+    """Every class over :data:`MAX_CLASS_LINES` lines and function over :data:`MAX_FUNCTION_CODE_LINES`
+    code lines in the runtime (everything but ``tools/``), nested ones included: ``"path: kind name"``
+    to what is wrong with it."""
+    found: dict[str, str] = {}
+    for name, path in modules(root).items():
+        if layer(name) == 2 and name not in CLI:  # the tools: generators and benchmarks, not the runtime
+            continue
+        text = path.read_text()
+        lines = text.splitlines()
+        where = path.relative_to(root.parent.parent)
+        for node in ast.walk(ast.parse(text, filename=str(path))):
+            if isinstance(node, ast.ClassDef):
+                size = (node.end_lineno or node.lineno) - node.lineno + 1
+                if size > MAX_CLASS_LINES:
+                    found[f"{where}: class {node.name}"] = f"line {node.lineno}: {size} lines (> {MAX_CLASS_LINES})"
+            elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                size = _code_lines(lines, node)
+                if size > MAX_FUNCTION_CODE_LINES:
+                    found[f"{where}: function {node.name}"] = (
+                        f"line {node.lineno}: {size} code lines (> {MAX_FUNCTION_CODE_LINES})"
+                    )
+    return found
+
+
+#: Offenders whose split is under way, named exactly (path and name); each entry goes when its split
+#: lands (the test fails on an entry that is no longer oversized). The handle grew past 350 lines
+#: with the prepared requests served on the device, a change still under way.
+BEING_SPLIT = {"src/adalncache/integrations/diffusers/handle.py: class AdalnCacheHandle"}
+
+
+def test_no_runtime_class_or_function_is_oversized() -> None:
+    """A class of more than 350 lines or a function of more than 80 code lines does several jobs:
+    split it by job (see docs/architecture.md for how the source, the handle and the commands are)."""
+    found = oversized()
+    lines = [f"{name} ({why})" for name, why in found.items()]
+    print("\n".join(lines))
+    assert not BEING_SPLIT - set(found), f"no longer oversized, drop from BEING_SPLIT: {BEING_SPLIT - set(found)}"
+    left = [line for name, line in zip(found, lines, strict=True) if name not in BEING_SPLIT]
+    assert not left, "split these by job:\n" + "\n".join(left)
+
+
+def test_the_size_scan_counts_code_not_prose(tmp_path: Path) -> None:
+    """The scan counts a function's code lines (not its docstring, comments or blank lines), a class's
+    lines, and skips the tools: a long docstring passes, 81 statements fail, a 351-line class fails."""
+    prose = '    """' + "why\n" * 200 + '    """\n' + "    # note\n\n" * 50 + "    return 1\n"
+    code = "".join(f"    x{i} = {i}\n" for i in range(81))
+    big_class = "class Big:\n" + "    a = 1\n" * 350
+    root = _tree(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "prose.py": "def f():\n" + prose,
+            "code.py": "def g():\n" + code,
+            "klass.py": big_class,
+            "tools/__init__.py": "",
+            "tools/gen.py": "def h():\n" + code,
+        },
+    )
+    found = oversized(root)
+    where = f"{tmp_path.name}/{PACKAGE}"
+    assert found == {
+        f"{where}/code.py: function g": "line 1: 82 code lines (> 80)",
+        f"{where}/klass.py: class Big": "line 1: 351 lines (> 350)",
+    }, found
+
+
+# ---------------------------------------------------------------------------------------------
+# the tools are not fought: no formatter opt-outs, a handful of type ignores, each saying why
+
+ROOT = SRC.parents[1]
+#: How many ``type: ignore`` the runtime may hold ("a handful"): each is a place mypy cannot follow.
+MAX_RUNTIME_IGNORES = 8
+IGNORE = re.compile(r"#\s*type:\s*ignore(?P<codes>\[[^\]]+\])?(?P<rest>.*)")
+
+
+def tool_overrides(paths: Iterable[Path], root: Path = ROOT) -> tuple[list[str], int]:
+    """(problems, ignores in ``src``): each formatter opt-out, and each ``type: ignore`` without an
+    error code or without a comment after it that says why. Comments only (``tokenize``), so a string
+    that spells the words is not counted."""
+    problems: list[str] = []
+    runtime = 0
+    for path in paths:
+        with path.open() as handle:
+            comments = [t for t in tokenize.generate_tokens(handle.readline) if t.type == tokenize.COMMENT]
+        for token in comments:
+            where = f"{path.relative_to(root)}:{token.start[0]}"
+            if re.search(r"fmt:\s*(skip|off)", token.string):
+                problems.append(f"{where}: a formatter opt-out")
+            found = IGNORE.search(token.string)
+            if found is None:
+                continue
+            if path.relative_to(root).parts[0] == "src":
+                runtime += 1
+            if not found["codes"] or not found["rest"].strip().lstrip("#").strip():
+                problems.append(f"{where}: a type ignore needs its error code and a comment saying why")
+    return problems, runtime
+
+
+def test_the_tools_are_not_fought() -> None:
+    paths = sorted(p for folder in ("src", "tests", "scripts", "examples") for p in (ROOT / folder).rglob("*.py"))
+    problems, runtime = tool_overrides(paths)
+    assert not problems, "\n".join(problems)
+    assert runtime <= MAX_RUNTIME_IGNORES, f"{runtime} type ignores in src (at most {MAX_RUNTIME_IGNORES})"
+
+
+def test_the_override_scan_finds_bare_ignores_and_opt_outs(tmp_path: Path) -> None:
+    path = tmp_path / "x.py"
+    path.write_text(
+        "a = f(1)  # type: ignore\n"
+        "b = f(2)  # type: ignore[arg-type]\n"
+        "c = f(3)  # type: ignore[arg-type]  # wrong on purpose\n"
+        "d = [1,2]  # fmt: skip\n"
+        "e = '# type: ignore  # fmt: skip'\n"
+    )
+    problems, runtime = tool_overrides([path], tmp_path)
+    assert [p.split(":")[1] for p in problems] == ["1", "2", "4"] and runtime == 0, problems
 
 
 # ---------------------------------------------------------------------------------------------

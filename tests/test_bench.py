@@ -230,6 +230,9 @@ def test_bench_qwen_pass_section(tmp_path: Path, capsys: pytest.CaptureFixture[s
     data = json.loads((out / "bench.json").read_text())
     values = data["values"]["qwen_pass"]
     assert values["tables_equal_linear"] is True and values["passes"] == 1
+    # the config block describes the Qwen-Image checkpoint the section ran on, no MiniMax-H3 geometry
+    assert data["config"]["spec"] is None and data["config"]["checkpoint"] is None
+    assert data["config"]["qwen_pass"]["spec"]["family"] == "qwen-image"
     assert (values["blocks"], values["dim"], values["layers"], values["plans"]) == (2, 8, 5, 6)
     (row,) = data["comparisons"]
     assert row["name"].startswith("Qwen-Image pass vs plain GEMMs, 2 blocks at dim 8, 6 plan(s)") and row["ratio"] > 0

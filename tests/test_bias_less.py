@@ -68,7 +68,7 @@ def test_the_geometry_declares_which_layers_have_a_bias() -> None:
     assert S.SPEC.describe()["layers"][1] == ["blocks.0.mod_b", 40, "b"]
     assert SPEC.describe()["layers"][1] == ["blocks.0.mod_b", 40, "b", False]
     with pytest.raises(ConfigError, match="bias must be True or False"):
-        ModelGeometry(S.FAMILY, (ServedLayer("x", 4, "a", "no"),), 16)  # type: ignore[arg-type]
+        ModelGeometry(S.FAMILY, (ServedLayer("x", 4, "a", "no"),), 16)  # type: ignore[arg-type]  # wrong on purpose
 
 
 def test_a_checkpoint_source_reads_the_weights_alone_and_builds_exactly(ckpt: Path) -> None:

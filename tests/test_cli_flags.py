@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import argparse
 import ast
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -114,3 +117,65 @@ def test_build_flags_refuse_bad_values(
     err = capsys.readouterr().err.strip()
     assert code == 2 and re.search(says, err.splitlines()[-1]), err
     assert not (tmp_path / "s").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# a clean first screen: each command's stderr is its own
+
+ROOT = Path(__file__).resolve().parents[1]
+#: Terminal control sequences a progress bar writes (cursor up, erase line).
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+def foreign_lines(stderr: str) -> list[str]:
+    """The lines of ``stderr`` that are not adalncache's own (its progress bars and messages start so)."""
+    lines = re.split(r"[\r\n]", ANSI.sub("", stderr))
+    return [line.strip() for line in lines if line.strip() and not line.strip().startswith("adalncache")]
+
+
+def run_as_installed(argv: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    """``python -m adalncache ARGV`` with only the package's source on the path, as a user's install sees
+    it: none of the test-only extras (quantization libraries, a step cache, bitsandbytes) that the test
+    run itself has on ``PYTHONPATH`` and that diffusers would import and let speak."""
+    env = {key: value for key, value in os.environ.items() if key not in {"PYTHONPATH", "PYTHONWARNINGS"}}
+    env["PYTHONPATH"] = str(ROOT / "src")
+    return subprocess.run(
+        [sys.executable, "-m", "adalncache", *argv],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+
+
+def test_the_filter_of_foreign_lines_sees_other_libraries_and_passes_progress_bars() -> None:
+    ours = "adalncache pass:   0%|          | 0/3\radalncache pass: 100%|#| 3/3\x1b[A\n"
+    theirs = (
+        "Failed to load torchao/_C_mxfp8.so: Could not load this library\n"
+        "W1205 07:14:01 torch/utils/_pytree.py:630] <enum 'KernelPreference'> is an Enum subclass\n"
+    )
+    assert foreign_lines(ours) == []
+    assert foreign_lines(ours + theirs) == [line for line in theirs.splitlines()]
+
+
+def test_every_command_prints_only_its_own_output(tiny_saved_root: Path, tmp_path: Path) -> None:
+    """``--help``, ``inspect``, ``build``, ``verify``, ``export`` on a tiny checkpoint, and ``demo`` (which
+    imports diffusers): each succeeds, prints its output on stdout, and writes nothing on stderr but its
+    own progress bars, in the environment a ``pip install`` gives (no other library's warnings)."""
+    checkpoint, store = str(tiny_saved_root / "bf16"), str(tmp_path / "store")
+    schedule = ["--task", "t2va", "--steps", "3"]
+    commands = [
+        ["--help"],
+        ["inspect", checkpoint],
+        ["build", checkpoint, *schedule, "--store", store],
+        ["verify", "--store", store, "--checkpoint", checkpoint],
+        ["export", checkpoint, *schedule, "-o", str(tmp_path / "tables.safetensors")],
+        ["demo", "--size", "tiny", *schedule],
+    ]
+    for argv in commands:
+        proc = run_as_installed(argv, tmp_path)
+        assert proc.returncode == 0, (argv, proc.stderr[-2000:])
+        assert proc.stdout.strip(), argv
+        assert foreign_lines(proc.stderr) == [], (argv, foreign_lines(proc.stderr))

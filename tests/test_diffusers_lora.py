@@ -171,3 +171,24 @@ def test_lora_loaded_before_enabling(pair: tuple[Any, Any, Any, Any, TinyRequest
     handle.prepare(request.plans)
     _assert_equal(run_loop(resident, request), run_loop(cached, request))
     handle.disable()
+
+
+def test_a_hotswap_in_place_rebuilds_the_tables(pair: tuple[Any, Any, Any, Any, TinyRequest], tmp_path: Path) -> None:
+    """peft's hotswap copies the new adapter into the old tensors through ``.data``: nothing the
+    signature reads changes but the loader's hotswap counter, so without it the first adapter's
+    tables were served under the second."""
+    resident, cached, pipe_r, pipe_c, request = pair
+    handle = enable_adaln_cache(pipe_c)
+    one = _lora_file(resident, tmp_path / "one.safetensors", seed=11)
+    two = _lora_file(resident, tmp_path / "two.safetensors", seed=12)
+    for pipe in (pipe_r, pipe_c):
+        pipe.load_lora_weights(str(one), adapter_name="style")
+    handle.prepare(request.plans)
+    with_one = run_loop(resident, request)
+    _assert_equal(with_one, run_loop(cached, request))
+    for pipe in (pipe_r, pipe_c):
+        pipe.load_lora_weights(str(two), adapter_name="style", hotswap=True)
+    with_two = run_loop(resident, request)
+    assert not with_two.equal(with_one)
+    _assert_equal(with_two, run_loop(cached, request))
+    handle.disable()

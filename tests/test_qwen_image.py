@@ -345,7 +345,7 @@ def test_an_edit_pipeline_request_is_built_in_one_pass(pipeline: str, variant: s
             output_type="pt",
             **prompt,
         )
-        return out.images  # type: ignore[no-any-return]
+        return out.images
 
     resident = run()
     handle = enable_adaln_cache(pipe)
@@ -355,6 +355,54 @@ def test_an_edit_pipeline_request_is_built_in_one_pass(pipeline: str, variant: s
     assert {len(key) for key in keys} == {2 if variant == "zero-cond" else 1}  # [t; 0] with zero_cond_t
     assert torch.equal(run(), resident) and handle.stats.passes == 1  # the same request builds nothing
     handle.disable()
+
+
+@pytest.mark.slow
+def test_the_layered_pipeline_is_served_in_one_pass() -> None:
+    """QwenImageLayeredPipeline (``use_additional_t_cond``): images torch.equal, one pass, a repeat builds nothing.
+
+    The request passes ``prompt_embeds`` and a non-empty ``prompt`` (its batch size): with no prompt
+    the pipeline would caption the input image with the Qwen2.5-VL model, whose tokenizer and
+    processor cannot be made offline; the tiny text encoder is there because the pipeline casts the
+    input image to its dtype. The input image is resized to the pipeline's 640 x 640 bucket and
+    VAE-encoded as always. Each forward's plan is ``(timestep, additional_t_cond)`` with the
+    pipeline's ``is_rgb`` index 0: the whole schedule's plans are built before the first step. The
+    images come back as decoded ``pt`` tensors (diffusers 0.42.1's Layered pipeline fails on
+    ``output_type="latent"``).
+    """
+    from adalncache.tools.tiny_qwen import tiny_edit_image, tiny_prompt_embeds, tiny_qwen_pipeline
+
+    pipe = tiny_qwen_pipeline("layered", pipeline="QwenImageLayeredPipeline")
+    pipe.set_progress_bar_config(disable=True)
+    prompt = tiny_prompt_embeds(pipe.transformer, seed=1)
+    image = tiny_edit_image(seed=3)
+
+    def run() -> list[torch.Tensor]:
+        generator = torch.Generator().manual_seed(0)
+        out = pipe(
+            image=image,
+            prompt="layers",
+            layers=1,
+            num_inference_steps=2,
+            true_cfg_scale=1.0,
+            generator=generator,
+            output_type="pt",
+            **prompt,
+        )
+        return list(out.images)
+
+    resident = run()
+    handle = enable_adaln_cache(pipe)
+    assert _all_equal(run(), resident) and handle.stats.passes == 1
+    keys = handle.cache.resident_plans
+    assert len(keys) == 2 and {key[1] for key in keys} == {0}  # two steps, additional_t_cond 0 (is_rgb)
+    assert _all_equal(run(), resident) and handle.stats.passes == 1  # the same request builds nothing
+    handle.disable()
+    assert _all_equal(run(), resident)
+
+
+def _all_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
 def test_a_pipeline_of_a_refused_transformer_says_why() -> None:
@@ -474,7 +522,7 @@ def test_cli_schedule_flags_are_checked(tmp_path: Path, capsys: pytest.CaptureFi
     tiny_qwen_transformer("layered").save_pretrained(directory)
     base = ["build", str(directory), "--store", str(tmp_path / "s")]
     cases = [
-        (["--steps", "4"], "--scheduler-config"),
+        (["--steps", "4", "--scheduler-config", str(tmp_path / "none")], "--scheduler-config"),
         (["--timesteps", "0.5"], "--additional-t-cond"),
         (["--task", "t2va", "--steps", "4"], "--task names MiniMax-H3"),
         ([], "--steps N"),
@@ -486,6 +534,42 @@ def test_cli_schedule_flags_are_checked(tmp_path: Path, capsys: pytest.CaptureFi
     assert not (tmp_path / "s").exists()
     assert main([*base, "--timesteps", "0.5,0.25", "--additional-t-cond", "1", "-q"]) == 0
     assert "2 distinct plan(s)" in capsys.readouterr().out
+    # inspect names a two-column plan's columns (not "timesteps")
+    tables = tmp_path / "tables.safetensors"
+    export = ["export", str(directory), "-o", str(tables), "--store", str(tmp_path / "s")]
+    assert main([*export, "--timesteps", "0.5,0.25", "--additional-t-cond", "1", "-q"]) == 0
+    capsys.readouterr()
+    assert main(["inspect", str(tables)]) == 0
+    assert "2 plans of up to 1 rows of (timestep, additional_t_cond)" in capsys.readouterr().out
+
+
+def test_cli_steps_default_to_the_released_scheduler(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A transformer directory alone (no scheduler/ beside, no --scheduler-config): the released config.
+
+    The plans are the pipeline's forward timesteps under that config, and differ from those of
+    diffusers' default FlowMatchEulerDiscreteScheduler (so the default is really read).
+    """
+    from adalncache.cli import main
+    from adalncache.integrations.diffusers import qwen_image as served
+
+    directory = tmp_path / "transformer"
+    tiny_qwen_transformer("plain").save_pretrained(directory)
+    store = tmp_path / "s"
+    assert (
+        main(["build", str(directory), "--store", str(store), "--steps", "4", "--height", "64", "--width", "64"]) == 0
+    )
+    assert "released Qwen-Image scheduler config" in capsys.readouterr().out
+    released = served.pipeline_timesteps(4, 64, 64, core.RELEASED_SCHEDULER)
+    default = served.pipeline_timesteps(4, 64, 64, {"use_dynamic_shifting": True})
+    assert not torch.equal(released, default)
+    from adalncache.tools.bench.workload import QWEN_SCHEDULER
+
+    assert QWEN_SCHEDULER is core.RELEASED_SCHEDULER  # the bench's schedules are the CLI's
+    model = diffusers.QwenImageTransformer2DModel.from_pretrained(directory).eval()
+    handle = enable_adaln_cache(model, directory, store=store, on_miss="raise")
+    handle.prepare(served.schedule_timesteps(released, batch=1, dtype=torch.float32))
+    assert handle.stats.passes == 0  # every plan of the released schedule came from the store
+    handle.disable()
 
 
 def test_a_schedule_larger_than_the_cache_builds_step_by_step(

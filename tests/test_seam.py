@@ -69,7 +69,7 @@ def test_the_geometry_is_read_through_neutral_members() -> None:
         "plan_inputs": ["timestep", "guidance"],
         "dtype": "bfloat16",
     }
-    assert spec.slab_bytes(3, 2) == 3 * 2 * 112 * 2 + 3 * 2 * 4 * 2 + 3 * 8
+    assert spec.slab_bytes(3, 2) == (3 + 1) * 2 * 112 * 2 + 3 * 2 * 4 * 2 + 3 * 8  # the poison slot's rows too
     with pytest.raises(ConfigError, match=r"block_width describes the MiniMax-H3 geometry.*out_features"):
         spec.block_width  # noqa: B018
     with pytest.raises(ConfigError, match="not a served layer"):

@@ -63,10 +63,10 @@ from adalncache import (
     plan_key,
 )
 from adalncache.holds import PlanHold
+from adalncache.identity.memo import forget_process_memo
 from adalncache.plans import PlanKey
 from adalncache.spec import FINAL, LAYOUTS, Layer
 from adalncache.testing import FaultInjectingSource, inject_faults
-from adalncache.tiers.digests import forget_process_memo
 from core_helpers import (
     SPEC,
     RewriteBetweenLayers,

@@ -417,7 +417,7 @@ def test_table_files_follow_a_move_only_where_they_fit(
     identity serves them there only if the binding fits (here it does not: it builds), and serves
     them again once it is back."""
     import adalncache.assembly as cache_module  # where a move compares device identities
-    import adalncache.identity as identity_module
+    import adalncache.identity.binding as identity_module
 
     # ``cpu`` and ``cpu:0`` as two device identities with two numeric environments (a CPU and a GPU).
     real_identity, real_environment = cache_module.device_identity, identity_module.numeric_environment

@@ -12,6 +12,7 @@ from .errors import (
     CheckpointError,
     ConfigError,
     PlanError,
+    PlanMismatchError,
     PlanNotCachedError,
 )
 from .holds import PlanHold
@@ -34,6 +35,7 @@ __all__ = [
     "ModulationSpec",
     "PlanError",
     "PlanHold",
+    "PlanMismatchError",
     "PlanNotCachedError",
     "Store",
     "TensorSource",

@@ -27,7 +27,7 @@ from .devices import allocation_error, check_available
 from .distributed import Collective, make_collective
 from .errors import AdalnCacheError
 from .faults import FaultPoints
-from .identity import TableIdentity
+from .identity.binding import TableIdentity
 from .numerics import device_identity
 from .options import CacheOptions, knob
 from .placement import Placement, Site

@@ -5,6 +5,11 @@ digest's leaves and the build-lock namespace must each encode equal values to eq
 every process and every release, or an entry written by one would be a miss (or a second build)
 for the other. Keys sorted, no whitespace, and anything JSON cannot express (a ``torch.dtype``, a
 path) as its ``str``, so a value never makes the encoder raise halfway through a build.
+
+``strict=True`` is the same encoding for a format another program reads back and re-checks
+(vLLM-Omni's manifest): there a value JSON cannot express must fail loudly at export, never be
+written as a ``str`` the reader's own encoder would not produce, and NaN or infinity (not JSON)
+are refused instead of written as ``NaN``.
 """
 
 from __future__ import annotations
@@ -13,8 +18,13 @@ import json
 from typing import Any
 
 
-def canonical_json(value: Any) -> bytes:
-    """``value`` as canonical JSON bytes (sorted keys, compact separators, ``str`` for the rest)."""
+def canonical_json(value: Any, *, strict: bool = False) -> bytes:
+    """``value`` as canonical JSON bytes (sorted keys, compact separators, ``str`` for the rest).
+
+    With ``strict``, anything JSON cannot express, NaN and infinity included, raises instead.
+    """
+    if strict:
+        return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
     return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str).encode()
 
 

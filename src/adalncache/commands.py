@@ -285,19 +285,29 @@ def _family_geometry(spec: dict[str, Any]) -> str | None:
     """A described spec of a family that lists its layers, in words (None for the default family's)."""
     if "family" not in spec:
         return None
-    widths = sorted({int(width) for _, width, _ in spec["layers"]})
+    # An entry is [id, width, input] plus ``false`` for a layer without a bias (AuraFlow's).
+    widths = sorted({int(entry[1]) for entry in spec["layers"]})
     return (
         f"{spec['family']}: {len(spec['layers'])} layers of widths {', '.join(map(str, widths))}, input "
         f"{spec['in_features']}, plans keyed by {', '.join(spec['plan_inputs'])}, {spec['dtype']}"
     )
 
 
+def _plan_rows_in_words(spec: dict[str, Any], width: int) -> str:
+    """What a plan of ``width`` rows is: timesteps, or rows of the plan's columns where several key it."""
+    columns = spec.get("plan_inputs") or ["timestep"]
+    if len(columns) == 1:
+        return f"{width} timesteps"
+    return f"{width} rows of ({', '.join(columns)})"
+
+
 def _print_tables(info: dict[str, Any]) -> None:
-    print(
-        f"table file {info['path']}: {info['format']} format, {info['plans']} plans of up to {info['width']} "
-        f"timesteps (per width: {info['plans_per_width']}), {info['bytes'] / 2**20:.2f} MiB"
-    )
     spec = info["spec"]
+    print(
+        f"table file {info['path']}: {info['format']} format, {info['plans']} plans of up to "
+        f"{_plan_rows_in_words(spec, info['width'])} (per width: {info['plans_per_width']}), "
+        f"{info['bytes'] / 2**20:.2f} MiB"
+    )
     geometry = _family_geometry(spec) or f"{spec['num_layers']} blocks, hidden {spec['hidden_size']}, {spec['dtype']}"
     print(f"  {geometry}; model_variant {info['model_variant'] or '(none)'}")
     binding = info["binding"]
@@ -643,7 +653,8 @@ def _schedules(parser: argparse.ArgumentParser, steps_help: str) -> None:
     parser.add_argument(
         "--scheduler-config",
         default=None,
-        help=qwen + "the pipeline's scheduler_config.json (default: scheduler/ beside the transformer's directory)",
+        help=qwen + "the pipeline's scheduler_config.json (default: scheduler/ beside the transformer's directory; "
+        "for Qwen-Image without one, the released Qwen-Image scheduler config)",
     )
     adaln = "AdaLayerNormZero family: "
     parser.add_argument(
@@ -783,7 +794,7 @@ def _qwen_image_plans(args: argparse.Namespace, spec: Any) -> tuple[list[torch.T
         forwards = [torch.tensor([v] * args.batch) for v in values]
         described = f"{len(values)} explicit timestep(s)"
     elif args.steps:
-        config = _scheduler_config(args)
+        config = _scheduler_config(args, qwen_image.RELEASED_SCHEDULER)
         forwards = []
         for steps in args.steps:
             for height, width in _sizes(args):
@@ -791,6 +802,8 @@ def _qwen_image_plans(args: argparse.Namespace, spec: Any) -> tuple[list[torch.T
                 forwards += served.schedule_timesteps(timesteps, batch=args.batch, dtype=spec.dtype)
         sizes = ", ".join(f"{h}x{w}" for h, w in _sizes(args))
         described = f"steps {', '.join(map(str, args.steps))} at {sizes}"
+        if config is qwen_image.RELEASED_SCHEDULER:
+            described += " (the released Qwen-Image scheduler config: no --scheduler-config, no scheduler/ beside)"
     else:
         raise ConfigError("name a Qwen-Image schedule: --steps N (with --height/--width), or --timesteps t1,t2,...")
     plans = served.spec_plans(spec, forwards, args.additional_t_cond)
@@ -798,14 +811,21 @@ def _qwen_image_plans(args: argparse.Namespace, spec: Any) -> tuple[list[torch.T
     return [tensors[k] for k in order], described
 
 
-def _scheduler_config(args: argparse.Namespace) -> dict[str, Any]:
-    """The pipeline's scheduler config: --scheduler-config, else ``scheduler/`` beside the transformer's directory."""
+def _scheduler_config(args: argparse.Namespace, released: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The pipeline's scheduler config: --scheduler-config, else ``scheduler/`` beside the transformer's directory.
+
+    ``released``: the family's released scheduler config, returned itself (not a copy, so the caller
+    can say it was used) when neither is there, as for a transformer directory copied on its own; a
+    family without one needs the flag.
+    """
     if args.scheduler_config is not None:
         where = Path(args.scheduler_config)
     else:
         checkpoint = Path(args.checkpoint)
         directory = checkpoint if checkpoint.is_dir() else checkpoint.parent
         where = directory.parent / "scheduler"
+        if released is not None and not where.exists():
+            return released
     if where.is_dir():
         where = where / "scheduler_config.json"
     try:
@@ -847,8 +867,8 @@ def _lock_wait(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def register(subparsers: Any) -> None:
-    """Add ``build``, ``export``, ``inspect``, ``verify`` and ``store prune`` to the ``adalncache`` command line."""
+def _register_build(subparsers: Any) -> None:
+    """``adalncache build``: fill a store with the tables of some schedules."""
     p = subparsers.add_parser(
         "build",
         help="fill a store with the tables of one or more schedules",
@@ -871,6 +891,9 @@ def register(subparsers: Any) -> None:
     _common(p)
     p.set_defaults(func=run_build)
 
+
+def _register_export(subparsers: Any) -> None:
+    """``adalncache export``: write the tables of some schedules to one table file."""
     p = subparsers.add_parser(
         "export",
         help="write the tables of one or more schedules to one file (sglang, vllm-omni or adalncache format)",
@@ -915,6 +938,9 @@ def register(subparsers: Any) -> None:
     _common(p)
     p.set_defaults(func=run_export)
 
+
+def _register_inspect(subparsers: Any) -> None:
+    """``adalncache inspect``: what a checkpoint, a store or a table file holds."""
     p = subparsers.add_parser(
         "inspect",
         help="what a checkpoint or a store holds",
@@ -936,6 +962,9 @@ def register(subparsers: Any) -> None:
     )
     p.set_defaults(func=run_inspect)
 
+
+def _register_verify(subparsers: Any) -> None:
+    """``adalncache verify``: recompute store entries or a table file and compare them bit for bit."""
     p = subparsers.add_parser(
         "verify",
         help="recompute store entries or a table file and compare bit for bit (exit 1 on any difference)",
@@ -955,6 +984,9 @@ def register(subparsers: Any) -> None:
     _common(p)
     p.set_defaults(func=run_verify)
 
+
+def _register_store(subparsers: Any) -> None:
+    """``adalncache store prune``: store maintenance."""
     p = subparsers.add_parser("store", help="store maintenance", description="Store maintenance commands.")
     store_sub = p.add_subparsers(dest="store_command", metavar="ACTION", parser_class=type(p))
     store_sub.required = True
@@ -966,6 +998,12 @@ def register(subparsers: Any) -> None:
     q.add_argument("--store", required=True, help="store directory")
     q.add_argument("--max-gb", type=float, required=True, help="size to prune down to, in GiB (0 empties it)")
     q.set_defaults(func=run_prune)
+
+
+def register(subparsers: Any) -> None:
+    """Add ``build``, ``export``, ``inspect``, ``verify`` and ``store prune`` to the ``adalncache`` command line."""
+    for add in (_register_build, _register_export, _register_inspect, _register_verify, _register_store):
+        add(subparsers)
 
 
 __all__ = ["register", "run_build", "run_export", "run_inspect", "run_prune", "run_verify"]

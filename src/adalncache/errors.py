@@ -35,6 +35,17 @@ class PlanNotCachedError(AdalnCacheError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class PlanMismatchError(PlanNotCachedError):
+    """A served forward's plan was none of its request's prepared plans.
+
+    Raised after the fact: a forward of a prepared request finds its slot on the device (no host
+    read of the timestep, so the forward can be captured in a CUDA graph) and a forward whose
+    inputs match no prepared plan is served the poison slot (NaN rows, never another plan's
+    rows) and counted; the count is read off the critical path, at the request's end, the
+    scheduler's last step, the next ``prepare``, ``disable()`` or ``handle.check_request()``.
+    """
+
+
 class CheckpointError(AdalnCacheError, ValueError):
     """A checkpoint is missing tensors, has misshapen ones, or is not a readable safetensors file."""
 

@@ -29,11 +29,11 @@ from tqdm.auto import tqdm
 from .batching import StackedProjector
 from .errors import PlanError, failing_at, mark_failed_at
 from .faults import FaultPoints
+from .identity.digest import DigestSink
 from .plans import PlanKey, format_plan, plan_key
 from .reports import BuildReport
 from .slab import Slab
 from .source import WeightSource
-from .source.digest import DigestSink
 from .spec import Layer, ModulationSpec
 from .tiling import TiledProjector
 

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from .errors import PlanError, PlanNotCachedError
-from .identity import TableIdentity
+from .identity.binding import TableIdentity
 from .plans import PlanKey, keyed_plans, plan_key
 from .slab import Slab
 from .slots import SlotPool
@@ -97,6 +97,23 @@ class SlabReads:
                 f"the slot lookup() or resolve_slots() returned for a resident plan, and hold it while reading"
             )
         return slot
+
+    @property
+    def poison_slot(self) -> int:
+        """The poison slot's index (``max_plans``): NaN rows that no plan ever occupies.
+
+        A served forward whose plan matched none of its request's prepared plans (found on the
+        device, without a host read) gathers these rows: its output is NaN, never another plan's.
+        """
+        return self._slab.poison_slot
+
+    def served_params(self, layer: Layer) -> torch.Tensor:
+        """:meth:`layer_params` with the poison slot after the last slot: ``[P + 1, W, out_features]``."""
+        return self._slab.served_layer(layer)
+
+    def served_part(self, name: str) -> torch.Tensor:
+        """Table part ``name`` with the poison slot after the last slot: ``[P + 1, W, *part.shape]``."""
+        return self._slab.served_part(name)
 
     def layer_params(self, layer: Layer) -> torch.Tensor:
         """``layer``'s columns of every slot: a ``[P, W, out_features]`` view of :attr:`table`.

@@ -12,6 +12,12 @@ The table parts a family declares (``spec.table_parts()``) and each layer's colu
 ``table`` made once per allocation (:meth:`Slab.part_params`, :meth:`Slab.layer_params`): strided,
 not contiguous, so whoever needs contiguous bytes (a file, a collective) copies or goes row by row.
 
+The table has one slot more than the pool hands out: the *poison slot* (index ``max_plans``),
+filled with NaN and never written, which a served forward whose plan matched no prepared plan
+gathers (found on the device, without a host read): NaN out, never another plan's rows. The
+public views (``table``, :meth:`Slab.part_params`, :meth:`Slab.layer_params`) stay ``[P, ...]``;
+:meth:`Slab.served_layer` and :meth:`Slab.served_part` include it.
+
 Allocated once on the cache's device; their pointers never move (hooks and CUDA graphs may hold
 them) unless the cache itself moves to another device (:meth:`Slab.relocate`), and they are not
 registered in any module, so no ``state_dict`` holds them.
@@ -50,14 +56,23 @@ class Slab:
         C = spec.plan_columns
         self.plan_timesteps = torch.zeros((P, W) if C == 1 else (P, W, C), dtype=torch.float32, device=device)
         self.plan_lengths = torch.zeros(P, dtype=torch.int64, device=device)
-        self.table = torch.zeros(P, W, spec.table_width, dtype=spec.dtype, device=device)
-        self._parts = {
-            part.name: self.table[..., part.start : part.stop].view(P, W, *part.shape) for part in spec.table_parts()
+        # One slot more than the pool hands out: the poison slot (index P), NaN rows that a served
+        # forward whose plan matched no prepared plan gathers instead of any real slot's rows.
+        self._storage = torch.zeros(P + 1, W, spec.table_width, dtype=spec.dtype, device=device)
+        self._storage[P].fill_(float("nan"))
+        self.table = self._storage[:P]
+        # Served views ([P + 1, ...]: a device slot tensor may name the poison slot) and the public
+        # ones ([P, ...]: the slots plans live in), both made once per allocation.
+        self._served_parts = {
+            part.name: self._storage[..., part.start : part.stop].view(P + 1, W, *part.shape)
+            for part in spec.table_parts()
         }
-        self._layers = {
-            layer: self.table[..., spec.offset(layer) : spec.offset(layer) + spec.out_features(layer)]
+        self._served_layers = {
+            layer: self._storage[..., spec.offset(layer) : spec.offset(layer) + spec.out_features(layer)]
             for layer in spec.layers()
         }
+        self._parts = {name: view[:P] for name, view in self._served_parts.items()}
+        self._layers = {layer: view[:P] for layer, view in self._served_layers.items()}
         # 0-d slot indices already on the device, so lookups never copy host -> device.
         self._slot_index = torch.arange(P, dtype=torch.int64, device=device)
         # Slot tensors of slot lists that are not a contiguous run, by slot tuple (see indices()).
@@ -83,7 +98,32 @@ class Slab:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors())
+        """Bytes the slab holds on its device, the poison slot's rows included."""
+        others = sum(t.numel() * t.element_size() for t in (self.plan_timesteps, self.plan_lengths))
+        return others + self._storage.numel() * self._storage.element_size()
+
+    @property
+    def poison_slot(self) -> int:
+        """The index of the poison slot (``max_plans``): NaN rows, never handed out, never written."""
+        return self.max_plans
+
+    def poison_intact(self) -> bool:
+        """Whether every value of the poison slot is still NaN (a host read: for invariant checks)."""
+        return bool(torch.isnan(self._storage[self.max_plans]).all().item())
+
+    def served_layer(self, layer: Layer) -> torch.Tensor:
+        """``layer``'s columns of every slot and of the poison slot, ``[P + 1, W, out_features]``.
+
+        What served modules gather from with a device slot tensor: a forward that matched no
+        prepared plan gathers the poison slot's NaN rows, so its output is NaN, never plausible.
+        """
+        self.layer_params(layer)  # the one check of the layer id
+        return self._served_layers[layer]
+
+    def served_part(self, name: str) -> torch.Tensor:
+        """Table part ``name`` of every slot and of the poison slot, ``[P + 1, W, *part.shape]``."""
+        self.part_params(name)  # the one check of the part name
+        return self._served_parts[name]
 
     def part_params(self, name: str) -> torch.Tensor:
         """Table part ``name`` of every slot, ``[P, W, *part.shape]`` (a view of ``table``)."""
@@ -233,13 +273,15 @@ class Slab:
     @staticmethod
     def _slot_rows(table: torch.Tensor, slot: int | torch.Tensor) -> torch.Tensor:
         if isinstance(slot, torch.Tensor):
-            # index_select keeps a device slot on the device: no host read, no sync.
-            return table.index_select(0, slot.reshape(1).to(table.device))[0]
+            # index_select keeps a device slot on the device: no host read, no sync (and no copy at
+            # all for a slot already on the table's device, the served forwards' case).
+            index = slot.reshape(1)
+            return table.index_select(0, index if index.device == table.device else index.to(table.device))[0]
         return table[slot]
 
     def layer_rows(self, layer: Layer, slot: int | torch.Tensor, n: int) -> torch.Tensor:
         """The ``(n, out_features)`` output of ``layer``'s projection for the slot's first ``n`` rows."""
-        table = self.layer_params(layer)
+        table = self.served_layer(layer)
         self._check_count(n)
         return self._slot_rows(table, slot)[:n]
 
@@ -247,7 +289,7 @@ class Slab:
 
     def block_rows(self, layer: int, slot: int | torch.Tensor, num_timesteps: int) -> torch.Tensor:
         """``Y`` of block ``layer``: the ``(num_timesteps, block_width)`` output of its projection."""
-        blocks = self.part_params("block")
+        blocks = self.served_part("block")
         self._check_count(num_timesteps)
         if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < blocks.shape[2]:
             raise PlanError(
@@ -258,13 +300,13 @@ class Slab:
 
     def block_all_rows(self, slot: int | torch.Tensor, num_timesteps: int) -> torch.Tensor:
         """Every block's rows of ``slot`` from one gather: ``(num_timesteps, L, block_width)``."""
-        blocks = self.part_params("block")
+        blocks = self.served_part("block")
         self._check_count(num_timesteps)
         return self._slot_rows(blocks, slot)[:num_timesteps]
 
     def final_rows(self, slot: int | torch.Tensor, num_timesteps: int) -> torch.Tensor:
         """``Z``: the ``(num_timesteps, final_width)`` output of the output-layer projection."""
-        final = self.part_params("final")
+        final = self.served_part("final")
         self._check_count(num_timesteps)
         return self._slot_rows(final, slot)[:num_timesteps]
 

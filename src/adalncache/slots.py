@@ -266,6 +266,9 @@ class SlotPool:
         assert set(self._holds) <= resident | retired, "a held slot is neither resident nor retired"
         assert retired <= set(self._holds), "a retired slot is not held"
         assert all(count > 0 for count in self._holds.values()), "a hold count is not positive"
+        poison = self._slab.poison_slot
+        assert poison not in resident | free | retired | set(self._holds), "the poison slot was handed out"
+        assert self._slab.poison_intact(), "the poison slot's rows are not all NaN"
         lengths, timesteps = self._slab.published()
         spec = self._slab.spec
         for slot in free:

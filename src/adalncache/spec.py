@@ -248,9 +248,10 @@ class ModulationSpec:
         return sum(self.layer_bytes(layer) for layer in self.layers())
 
     def slab_bytes(self, max_plans: int, max_plan_width: int) -> int:
-        """Device bytes of a slab of ``max_plans`` x ``max_plan_width`` plan rows (all buffers)."""
+        """Device bytes of a slab of ``max_plans`` x ``max_plan_width`` plan rows (all buffers, and the
+        poison slot's table rows: one slot more than ``max_plans``)."""
         rows = max_plans * max_plan_width
-        return rows * self.row_bytes + rows * 4 * self.plan_columns + max_plans * 8
+        return (rows + max_plan_width) * self.row_bytes + rows * 4 * self.plan_columns + max_plans * 8
 
     def with_dtype(self, dtype: torch.dtype) -> ModulationSpec:
         return replace(self, dtype=dtype)

@@ -55,11 +55,12 @@ from . import families, vllm_omni
 from .canonical import canonical_json
 from .errors import CheckpointError, ConfigError
 from .geometry import Family, KeyLayout, ModelGeometry, ServedLayer
+from .identity.digest import hash_hex
+from .identity.files import FileIdentity
 from .options import flag
 from .plans import PlanKey, format_plan, key_to_plan, plan_key
 from .rows import PlanRows
-from .source.digest import hash_hex
-from .source.header import FileIdentity, SafetensorsHeader, TensorEntry, safetensors_name
+from .source.header import SafetensorsHeader, TensorEntry, safetensors_name
 from .source.reads import pread_into
 from .spec import ModulationSpec
 

@@ -18,8 +18,8 @@ import torch
 
 from .errors import ConfigError
 from .faults import NO_FAULTS, POINTS, FaultPoints
+from .identity.digest import DigestSink
 from .source import Columns, LayerWeights, WeightSource
-from .source.digest import DigestSink
 from .spec import FINAL, Layer
 
 if TYPE_CHECKING:

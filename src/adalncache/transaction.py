@@ -44,7 +44,8 @@ from .errors import (
     failure_phase,
 )
 from .faults import FaultPoints
-from .identity import TableIdentity
+from .identity.binding import TableIdentity
+from .identity.digest import DigestSink
 from .numerics import autocast_dtype
 from .options import flag, knob
 from .placement import Site
@@ -55,7 +56,6 @@ from .rows import PlanRows
 from .slab import Slab
 from .slots import Reservation, SlotPool
 from .source import WeightSource
-from .source.digest import DigestSink
 from .spec import ModulationSpec
 from .streams import StreamSync
 from .tiers.chain import TierChain

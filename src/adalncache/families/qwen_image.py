@@ -42,6 +42,24 @@ FAMILY = Family(
 #: The released geometry (Qwen/Qwen-Image ``transformer/config.json``): 60 blocks, 24 heads of 128.
 RELEASED: dict[str, Any] = {"num_layers": 60, "hidden_size": 3072, "zero_cond_t": False, "additional_t_cond": False}
 
+#: The released pipeline's scheduler config (Qwen/Qwen-Image ``scheduler/scheduler_config.json``; the
+#: Edit and Layered releases ship the same values; the switches left at diffusers' defaults are
+#: omitted). ``--steps`` computes a Qwen-Image schedule with it when no ``--scheduler-config`` is
+#: given and no ``scheduler/`` directory sits beside the checkpoint: the shift depends on it, so a
+#: schedule of another config would build tables no request of the released pipeline asks for.
+RELEASED_SCHEDULER: dict[str, Any] = {
+    "_class_name": "FlowMatchEulerDiscreteScheduler",
+    "base_image_seq_len": 256,
+    "base_shift": 0.5,
+    "max_image_seq_len": 8192,
+    "max_shift": 0.9,
+    "num_train_timesteps": 1000,
+    "shift": 1.0,
+    "shift_terminal": 0.02,
+    "time_shift_type": "exponential",
+    "use_dynamic_shifting": True,
+}
+
 #: The projections' input: ``silu(temb)`` in the model's dtype, one row per plan row.
 INPUT = "temb"
 #: With ``zero_cond_t``: ``img_mod`` takes all 2B rows of ``[t; 0]`` ...
@@ -152,6 +170,7 @@ __all__ = [
     "INPUT",
     "LAYOUT",
     "RELEASED",
+    "RELEASED_SCHEDULER",
     "TIME_TEXT_EMBED",
     "config_flags",
     "from_headers",

@@ -15,11 +15,12 @@ serves tensors already in memory. The modules, one job each:
 * :mod:`.writer`: the safetensors writer the tools and tests use.
 """
 
+from ..identity.files import FileIdentity
 from ..spec import FINAL
 from .buffers import ALIGNMENT, aligned_empty
 from .checkpoint import CheckpointSource
 from .files import CheckpointFiles, checkpoint_files
-from .header import SAFETENSORS_DTYPES, FileIdentity, SafetensorsHeader, TensorEntry
+from .header import SAFETENSORS_DTYPES, SafetensorsHeader, TensorEntry
 from .mapped import MappedFile
 from .memory import TensorSource
 from .protocol import Columns, LayerWeights, WeightSource

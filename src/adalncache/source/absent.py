@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 from ..errors import PlanNotCachedError
+from ..identity.digest import DigestSink
 from ..spec import Layer, ModulationSpec
-from .digest import DigestSink
 from .protocol import Columns, LayerWeights
 
 

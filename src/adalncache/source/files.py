@@ -37,8 +37,9 @@ from pathlib import Path
 from typing import cast
 
 from ..errors import CheckpointError
+from ..identity.files import FileIdentity
 from ..options import flag
-from .header import FileIdentity, SafetensorsHeader, is_regular
+from .header import SafetensorsHeader, is_regular
 from .writer import PAD_PREFIX
 
 log = logging.getLogger(__name__)

@@ -37,6 +37,7 @@ import torch
 from safetensors import safe_open
 
 from ..errors import CheckpointError
+from ..identity.files import FileIdentity
 
 
 class DType(NamedTuple):
@@ -117,31 +118,6 @@ class TensorEntry:
     @property
     def torch_dtype(self) -> torch.dtype | None:
         return SAFETENSORS_DTYPES.get(self.dtype)
-
-
-@dataclass(frozen=True)
-class FileIdentity:
-    """``stat`` identity of a file: any rewrite, rename-replace or touch changes it.
-
-    The change time is part of it because the modification time is not enough: a rewrite in place
-    that puts the mtime back (``os.utime``, ``touch -d``, a copy tool that preserves times) keeps
-    device, inode, size and mtime, but every write, ``utime`` and ``chmod`` sets the ctime to the
-    current time, and no user can set it back.
-    """
-
-    device: int
-    inode: int
-    size: int
-    mtime_ns: int
-    ctime_ns: int
-
-    @classmethod
-    def of(cls, path: Path) -> FileIdentity:
-        return cls.from_stat(os.stat(path))
-
-    @classmethod
-    def from_stat(cls, st: os.stat_result) -> FileIdentity:
-        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 class NotARegularFile(OSError):

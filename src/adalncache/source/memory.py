@@ -9,9 +9,9 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError
+from ..identity.digest import DigestSink, role_of
 from ..options import flag
 from ..spec import Layer, ModulationSpec
-from .digest import DigestSink, role_of
 from .header import safetensors_name
 from .projections import detect_layout, expected, raise_problems, tensor_problem
 from .protocol import Columns, LayerWeights

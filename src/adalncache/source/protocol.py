@@ -12,8 +12,8 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 
+from ..identity.digest import DigestSink
 from ..spec import KeyLayout, Layer, ModulationSpec
-from .digest import DigestSink
 
 
 class Columns(NamedTuple):

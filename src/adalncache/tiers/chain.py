@@ -13,7 +13,7 @@ the rules around both are the same for every tier:
   third (``tables=``, read-only: their hits are not copied to the store), only for what the
   tiers before did not have.
 
-The store is bound to the content digest of the source (:mod:`adalncache.content`). While it is
+The store is bound to the content digest of the source (:mod:`adalncache.identity.content`). While it is
 unknown the store is skipped, except in one case where learning it pays at once: the store holds
 entries, for plans this build wants, under a binding equal to this one in all but the content (a
 copied checkpoint beside its store). Then one hashing read of the projections runs first, which
@@ -57,7 +57,7 @@ UNWRITABLE_RETRY_S = 60.0
 
 
 class Binder(Protocol):
-    """What the chain needs from the cache's identity to use the store (see :mod:`adalncache.identity`)."""
+    """What the chain needs from the cache's identity to use the store (see :mod:`adalncache.identity.binding`)."""
 
     variant: Any
     generation: int

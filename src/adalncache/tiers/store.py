@@ -54,13 +54,13 @@ from typing import Any
 
 from ..canonical import canonical_json
 from ..errors import ConfigError
+from ..identity.memo import DigestMemo
 from ..numerics import numeric_environment
 from ..options import flag
 from ..plans import PlanKey
 from ..rows import PlanRows
 from ..source.header import read_regular
 from ..spec import ModulationSpec
-from .digests import DigestMemo
 from .entryfile import FORMAT_VERSION, MAGIC, CorruptEntry, encode_entry, entry_rows, parse_entry
 
 log = logging.getLogger(__name__)

@@ -21,7 +21,7 @@ What is checked, and when:
   state and the matmul switches of this moment): a file that differs serves nothing while it
   differs (under ``torch.autocast``, say), and an SGLang file serves only outside autocast;
 * whenever the weight source's identity changed since the files were last checked (a checkpoint
-  rewritten or replaced on disk, :attr:`~adalncache.identity.TableIdentity.generation`): a bound
+  rewritten or replaced on disk, :attr:`~adalncache.identity.binding.TableIdentity.generation`): a bound
   file's content digest against the source's new one, learnt from the digest memo or by one
   hashing read, and only when the file holds a plan the build wants. A file that no longer matches
   is never consulted again; an SGLang file, which nothing can check, is not consulted again either;

@@ -48,6 +48,7 @@ def _served_parameter_bytes(model: Any) -> int:
 def run_adaln_zero(args: argparse.Namespace) -> int:
     """The demo on ``args.model`` (a key of :data:`MODELS`): 0 when the cached latents equal the resident ones."""
     from . import tiny_adaln_zero as tiny
+    from . import tiny_adaln_zero_pipelines as pipelines
     from .demo_files import bf16_files, no_loading_bars, run_cached
 
     if not isinstance(args.steps, int) or args.steps < 1:
@@ -60,10 +61,10 @@ def run_adaln_zero(args: argparse.Namespace) -> int:
         cls: Any = tiny.model_class(class_name)
         with no_loading_bars():
             stock = cls.from_pretrained(directory, torch_dtype=torch.bfloat16).to(device).eval()
-        pipe = tiny.tiny_pipeline(stock).to(device)
+        pipe = pipelines.tiny_pipeline(stock).to(device)
         pipe.set_progress_bar_config(disable=True)  # the demo prints its own lines only
-        prompt = tiny.prompt_embeds(stock, seed=args.seed + 1).to(device)
-        negative = tiny.prompt_embeds(stock, seed=args.seed + 2).to(device)
+        prompt = pipelines.prompt_embeds(stock, seed=args.seed + 1).to(device)
+        negative = pipelines.prompt_embeds(stock, seed=args.seed + 2).to(device)
         extra = {"negative_prompt": None} if args.model == "ovis-image" else {}
 
         def run() -> tuple[torch.Tensor, float]:

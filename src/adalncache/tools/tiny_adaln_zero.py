@@ -9,6 +9,8 @@ token refiner of the two Hunyuan classes, the optional embedders of ``timestep_r
 (not the classes' own init, some of which zeroes projections), so two builds with the same seed
 are the same model, and a bf16 copy round-trips through ``save_pretrained``/``from_pretrained``.
 
+Their diffusers pipelines are built in :mod:`.tiny_adaln_zero_pipelines`.
+
 Everything imports diffusers lazily: ``import adalncache.tools.tiny_adaln_zero`` works without it.
 """
 
@@ -192,55 +194,12 @@ def forward_kwargs(
     return kw
 
 
-#: The classes whose diffusers pipeline :func:`tiny_pipeline` builds: Bria's concatenates the
-#: conditional and unconditional batch (2B rows a forward), Ovis-Image's runs them as two forwards.
-PIPELINES = {"BriaTransformer2DModel": "BriaPipeline", "OvisImageTransformer2DModel": "OvisImagePipeline"}
-
-
-def tiny_pipeline(transformer: Any) -> Any:
-    """The diffusers pipeline of a tiny Bria or Ovis-Image transformer, with a tiny VAE and no text encoder.
-
-    Their text encoders (T5, Qwen3) need tokenizer files that cannot be made offline: requests pass
-    ``prompt_embeds`` (:func:`prompt_embeds`) and ``output_type="latent"`` (the VAE only sizes the
-    latents).
-    """
-    import diffusers
-
-    name = type(transformer).__name__
-    if name not in PIPELINES:
-        raise ConfigError(f"no tiny pipeline of {name}: the tiny pipelines are of {', '.join(PIPELINES)}")
-    latent_channels = CONFIGS[name]["in_channels"] // 4  # the pipelines pack 2 x 2 latent patches
-    vae = diffusers.AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        latent_channels=latent_channels,
-        block_out_channels=(8,),
-        down_block_types=("DownEncoderBlock2D",),
-        up_block_types=("UpDecoderBlock2D",),
-        norm_num_groups=8,
-        layers_per_block=1,
-    )
-    pipeline = getattr(diffusers, PIPELINES[name])
-    scheduler = diffusers.FlowMatchEulerDiscreteScheduler()
-    return pipeline(transformer=transformer, scheduler=scheduler, vae=vae, text_encoder=None, tokenizer=None)
-
-
-def prompt_embeds(transformer: Any, seed: int = 0) -> torch.Tensor:
-    """Deterministic text embeddings of one prompt for a tiny transformer's pipeline, in its dtype."""
-    cfg = CONFIGS[type(transformer).__name__]
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(1, TEXT_TOKENS, cfg["joint_attention_dim"], generator=g).to(next(transformer.parameters()).dtype)
-
-
 __all__ = [
     "CONFIGS",
     "OPTIONAL_FLAGS",
-    "PIPELINES",
     "build",
     "config",
     "forward_kwargs",
     "model_class",
-    "prompt_embeds",
     "save_and_load",
-    "tiny_pipeline",
 ]

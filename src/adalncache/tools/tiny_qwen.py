@@ -136,8 +136,9 @@ def tiny_qwen_pipeline(
 ) -> Any:
     """A Qwen-Image pipeline of a tiny transformer and VAE, without text encoder, tokenizer or processor.
 
-    ``pipeline``: the diffusers class, ``QwenImagePipeline`` or an Edit pipeline sharing the
-    transformer (``QwenImageEditPipeline``, ``QwenImageEditPlusPipeline``). A Qwen2.5-VL text
+    ``pipeline``: the diffusers class, ``QwenImagePipeline`` or a pipeline sharing the transformer
+    (``QwenImageEditPipeline``, ``QwenImageEditPlusPipeline``, ``QwenImageLayeredPipeline``; the
+    latter with a ``"layered"`` transformer and a tiny text encoder, :func:`tiny_qwen_text_encoder`). A Qwen2.5-VL text
     encoder needs its tokenizer's and processor's files, which cannot be made offline: requests pass
     ``prompt_embeds`` and ``prompt_embeds_mask`` (:func:`tiny_prompt_embeds`) instead, and the
     pipelines then never call them.
@@ -155,13 +156,48 @@ def tiny_qwen_pipeline(
     parts: dict[str, Any] = {
         "scheduler": scheduler,
         "vae": tiny_qwen_vae(seed),
-        "text_encoder": None,
+        # The Layered pipeline casts its input image to the text encoder's dtype even when prompt
+        # embeddings are passed: it gets a tiny real one (never called on a prompt).
+        "text_encoder": tiny_qwen_text_encoder(seed) if pipeline == "QwenImageLayeredPipeline" else None,
         "tokenizer": None,
         "transformer": model,
     }
     if "processor" in inspect.signature(pipeline_class.__init__).parameters:  # the Edit pipelines'
         parts["processor"] = None
     return pipeline_class(**parts)
+
+
+def tiny_qwen_text_encoder(seed: int = 0) -> Any:
+    """A deterministic tiny ``Qwen2_5_VLForConditionalGeneration`` (one layer of width 16 per tower), in eval mode.
+
+    Built from a config alone (no download). Its weights mean nothing: the tiny pipelines take
+    ``prompt_embeds``; the Layered pipeline only reads its dtype.
+    """
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    text = {
+        "hidden_size": 16,
+        "intermediate_size": 32,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "vocab_size": 64,
+        "rope_scaling": {"type": "mrope", "mrope_section": [1, 1, 2]},
+        "bos_token_id": None,
+        "eos_token_id": None,
+    }
+    vision = {
+        "depth": 1,
+        "hidden_size": 16,
+        "intermediate_size": 32,
+        "num_heads": 2,
+        "out_hidden_size": 16,
+        "fullatt_block_indexes": [0],
+    }
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        encoder: Any = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(text_config=text, vision_config=vision))
+    return encoder.eval()
 
 
 def tiny_edit_image(seed: int = 0, size: tuple[int, int] = (32, 24)) -> Any:
@@ -192,6 +228,7 @@ __all__ = [
     "tiny_qwen_config",
     "tiny_qwen_inputs",
     "tiny_qwen_pipeline",
+    "tiny_qwen_text_encoder",
     "tiny_qwen_transformer",
     "tiny_qwen_vae",
 ]

@@ -211,6 +211,22 @@ class AdalnZero(DiffusersFamily):
     def time_embedder_module(self, model: nn.Module) -> nn.Module:
         return model.get_submodule(adaln_zero.CLASSES[type(model).__name__].temb_module)
 
+    def time_embedder_linears(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
+        """The linears of the model's own class's time embedders (the family's layout lists every class's:
+        a path of another class could name a module of this one), those its config builds."""
+        layout = adaln_zero.CLASSES.get(type(model).__name__)
+        if layout is None:
+            return super().time_embedder_linears(model)
+        named = []
+        for embedder in layout.time_embedders:
+            for linear in ("linear_1", "linear_2"):
+                path = f"{embedder}.{linear}"
+                try:
+                    named.append((path, model.get_submodule(path)))
+                except AttributeError:
+                    continue  # an optional embedder (timestep_r, guidance) its config does not enable
+        return named
+
     def embed(self, model: Any, spec: ModulationSpec, plan: torch.Tensor, device: torch.device) -> torch.Tensor:
         # Beneath every hook on the embedding modules: ours stands in for the parked time embedder,
         # and an offloading hook must not move the weights a build lends back.

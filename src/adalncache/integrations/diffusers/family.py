@@ -230,8 +230,9 @@ class DiffusersFamily:
         return rows_forward
 
     def rows_view(self, cache: Any, layer: Layer) -> torch.Tensor:
-        """The ``[P, W, out_features]`` view a served owner of ``layer`` gathers its rows from."""
-        return cache.layer_params(layer)
+        """The ``[P + 1, W, out_features]`` view a served owner of ``layer`` gathers its rows from (the
+        poison slot last: what a forward that matched no prepared plan reads)."""
+        return cache.served_params(layer)
 
     def stand_in(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[int, torch.dtype | None]:
         """Rows and dtype of the ``temb`` the parked time embedder would return for this call.

@@ -36,8 +36,9 @@ from .hooks import ServingHooks
 from .lora import LoraTracker
 from .modules import base_linear, device_of, execution_device, install_overrides, remove_overrides
 from .moving import LiftedGroupOffloading, guarded_apply, refresh_group_offloading
-from .overlap import BackgroundPass
+from .overlap import BackgroundPasses
 from .parking import ParkTarget, WeightParking
+from .prepared import PreparedRequest, PreparedRequests
 from .quantized import ProjectionStorage, adapter_guards, transformer_spec
 from .registry import family_of
 from .requests import RequestHolds
@@ -75,11 +76,10 @@ class AdalnCacheHandle:
         self._enabled_fingerprint: str | None = None
         #: Builds, LoRA scaling and hook moves (they change module state other threads read).
         self._lock = threading.RLock()
-        #: Per thread: the hold of its last prepare() (``.hold``), or its request's BackgroundPass.
-        self._prepared = threading.local()
-        #: Background passes started and maybe still running (disable() waits for them).
-        self._background: list[BackgroundPass] = []
-        self._background_lock = threading.Lock()  # guards _background only (the handle's lock is held by builds)
+        #: Per thread: its prepared request, whose forwards find their slots on the device (``prepared``).
+        self._prepared = PreparedRequests()
+        #: Per thread: its request's pass on a background thread (``overlap``), and all those running.
+        self._passes = BackgroundPasses()
         #: Per thread: a pipeline's schedule waiting for its request's first forward.
         self._schedule = PendingSchedule(model, lambda: self.family, lambda: self.cache, self._hold_schedule)
         #: Host copies of the model's own projections (CUDA), released on disable().
@@ -118,23 +118,27 @@ class AdalnCacheHandle:
         """
         self.release()  # the thread's previous request is over: its plans may make room for this one
         held = self._request_hold(plans, attention_kwargs)
-        self._prepared.hold = held
+        self._prepared.start(self._prepared_request(held, attention_kwargs))
         return held.report
 
-    def release(self) -> None:
-        """Release the plans the calling thread's last :meth:`prepare` holds (no-op when none)."""
-        held: PlanHold | BackgroundPass | None = getattr(self._prepared, "hold", None)
-        self._prepared.hold = None
-        if held is not None:
-            held.release()
+    def release(self, *, check: bool = True) -> None:
+        """Release the plans the calling thread's last :meth:`prepare` holds (no-op when none).
+
+        Raises :class:`~adalncache.PlanMismatchError` (after releasing) when a forward of that
+        request matched none of its prepared plans (it was served NaN rows; see :meth:`check_request`);
+        ``check=False`` (on the way out of another error) keeps that report for the next check.
+        """
+        self._passes.release()
+        self._prepared.release()
+        if check:
+            self._prepared.check()
 
     def start_prepare(self, plans: Sequence[Any], *, attention_kwargs: Mapping[str, Any] | None = None) -> None:
         """:meth:`prepare` on a background thread: returns at once, and each forward of the calling
         thread waits only for its own plan (the first step's are built first, :mod:`.overlap`).
 
         A failure of the pass is raised by the next forward that needs a plan of it, or by
-        :meth:`finish`. Under autocast (thread-local state the pass thread would not see) this is
-        :meth:`prepare` itself.
+        :meth:`finish`. The request's forwards key their plans on the host (no device-side lookup).
         """
         self.release()
         if not self.enabled or self._holds is None:
@@ -143,21 +147,18 @@ class AdalnCacheHandle:
         self._start_background([self.family.request_plan(self.model, plan) for plan in plans], attention_kwargs)
 
     def finish(self) -> None:
-        """End the calling thread's request: wait for its background pass, if any, release its plans,
-        and raise the pass's error if no forward raised it yet."""
-        held: PlanHold | BackgroundPass | None = getattr(self._prepared, "hold", None)
-        self._prepared.hold = None
-        if isinstance(held, BackgroundPass):
-            held.finish()
-        elif held is not None:
-            held.release()
+        """End the calling thread's request: wait for its background pass, if any, raise its error if
+        no forward raised it yet, then :meth:`release` (and its PlanMismatchError check)."""
+        try:
+            self._passes.finish()
+        except BaseException:
+            self.release(check=False)
+            raise
+        self.release()
 
     def join_background(self) -> None:
         """Wait until every background pass started on this handle (by any thread) has ended."""
-        with self._background_lock:
-            running, self._background = self._background, []
-        for background in running:
-            background.join()
+        self._passes.join_all()
 
     def _start_background(self, plans: list[Any], attention_kwargs: Mapping[str, Any] | None) -> None:
         """Hold ``plans`` (keyed as forwards key them) for this thread from a background pass."""
@@ -166,26 +167,30 @@ class AdalnCacheHandle:
         tensors = [plan[0] if isinstance(plan, (tuple, list)) else plan for plan in plans]
         if autocast_dtype(self.cache.device) is not None or all(t in self.cache for t in tensors):
             # Autocast is thread-local (a pass thread would not see it); a resident request is a hit.
-            self._prepared.hold = holds.for_request(plans, attention_kwargs)
+            held = holds.for_request(plans, attention_kwargs)
+            self._prepared.start(self._prepared_request(held, attention_kwargs))
             return
-        columns = self.cache.spec.plan_columns
-        keys = [plan_key(t, columns) for t in tensors]
+        keys = [plan_key(t, self.cache.spec.plan_columns) for t in tensors]
         inputs = holds.embed_ahead(plans, attention_kwargs)  # the time embedder runs here, not beside forwards
-        background = BackgroundPass(lambda chunk: holds.for_request(chunk, attention_kwargs, embed=inputs), plans, keys)
-        with self._background_lock:
-            self._background = [running for running in self._background if not running.done]
-            self._background.append(background)
-        self._prepared.hold = background.start()
+        self._passes.start(lambda chunk: holds.for_request(chunk, attention_kwargs, embed=inputs), plans, keys)
 
     def _await_background(self, key: PlanKey) -> None:
         """Before a forward of ``key``: wait for the thread's background pass to make it servable."""
-        pending = getattr(self._prepared, "hold", None)
-        if isinstance(pending, BackgroundPass):
-            try:
-                pending.wait_for(key)
-            except BaseException:
-                self.release()  # the request fails here: what its pass did hold goes back now
-                raise
+        try:
+            self._passes.wait_for(key)
+        except BaseException:
+            self.release(check=False)  # the request fails here: what its pass did hold goes back now
+            raise
+
+    def check_request(self) -> None:
+        """Raise :class:`~adalncache.PlanMismatchError` if a forward of the calling thread's prepared
+        request matched none of its plans since the last check (a host read: call it off the critical path).
+
+        Such a forward finds its slot on the device without a host read, and gets the poison
+        slot's NaN rows instead of any plan's; this is where the miss is reported. The request
+        stays prepared and the cache stays usable.
+        """
+        self._prepared.check()
 
     @contextlib.contextmanager
     def request(self, plans: Sequence[Any], *, attention_kwargs: Mapping[str, Any] | None = None) -> Iterator[PlanHold]:
@@ -196,10 +201,15 @@ class AdalnCacheHandle:
         :class:`~adalncache.holds.PlanHold` (``.report`` says what the build did).
         """
         held = self._request_hold(plans, attention_kwargs)
+        request = self._prepared_request(held, attention_kwargs)
+        previous = self._prepared.start(request)  # the block's forwards are this request's
         try:
             yield held
-        finally:
-            held.release()
+        except BaseException:
+            self._prepared.finish(request, previous)
+            raise
+        self._prepared.finish(request, previous)
+        self._prepared.check()  # a forward of the block matched no plan of it: PlanMismatchError
 
     def _request_hold(self, plans: Sequence[Any], attention_kwargs: Mapping[str, Any] | None) -> PlanHold:
         if not self.enabled or self._holds is None:
@@ -207,6 +217,31 @@ class AdalnCacheHandle:
         self._follow(execution_device(self.model))
         plans = [self.family.request_plan(self.model, plan) for plan in plans]
         return self._holds.for_request(plans, attention_kwargs)
+
+    def _prepared_request(self, held: PlanHold, attention_kwargs: Mapping[str, Any] | None) -> PreparedRequest:
+        """``held`` as a request whose forwards find their slots on the device (released if that fails)."""
+        assert self._holds is not None  # _request_hold checked it
+        try:
+            variant = self._holds.variant_of(attention_kwargs)
+            poison, columns = self.cache.poison_slot, self.spec.plan_columns
+            return PreparedRequest(held, variant=variant, device=self.cache.device, poison=poison, columns=columns)
+        except BaseException:
+            held.release()
+            raise
+
+    def _serve_prepared(
+        self, timestep: torch.Tensor, attention_kwargs: Mapping[str, Any] | None
+    ) -> tuple[torch.Tensor, torch.dtype] | None:
+        """A forward's ``(slot, dtype)`` from the thread's prepared request, found on the device, or None.
+
+        None sends the forward down the host path: no prepared request, no holds (disabled), or a
+        CPU forward under accelerate's offload hook (whose device the host path follows).
+        """
+        if self._prepared.request is None or self._holds is None:
+            return None
+        if timestep.device.type == "cpu" and getattr(self.model, "_hf_hook", None) is not None:
+            return None
+        return self._prepared.slot_of(timestep, self._holds.variant_of(attention_kwargs))
 
     def disable(self, *, allow_changed_checkpoint: bool = False) -> None:
         """Remove every hook and override and put the original weights back, bit-exactly.
@@ -242,6 +277,7 @@ class AdalnCacheHandle:
             )
         else:
             logger.info("AdaLN cache disabled; projection weights restored")
+        self._prepared.check()  # a forward of the last request matched none of its plans
 
     def _check_disable(self, allow_changed_checkpoint: bool) -> None:
         """Refuse a disable that would drop another library's wrapper or restore from a changed file."""
@@ -252,7 +288,8 @@ class AdalnCacheHandle:
                 "1.5.3 cannot remove its own here: reload the model), and enable such a library before "
                 "enable_adaln_cache() when the cache must be disabled on its own"
             )
-        self.release()
+        self._passes.release()
+        self._prepared.release()  # a mismatch it reports is raised once disabled
         if self._parking.restores_from_source and not allow_changed_checkpoint:
             assert self.source is not None
             if changed_since(self.source, self._enabled_fingerprint):
@@ -365,7 +402,13 @@ class AdalnCacheHandle:
         """Register the hooks, and what a request or a forward holds its plans with."""
         model = self.model
         self._hooks = hooks = ServingHooks(
-            model, self.spec, self.cache, self._make_resident, self.family, before=self._schedule.before_forward
+            model,
+            self.spec,
+            self.cache,
+            self._make_resident,
+            self.family,
+            before=self._schedule.before_forward,
+            prepared=self._serve_prepared,
         )
         hooks.register(time_embedder=choice.free_time_embedder)
         signature = ServedSignature(
@@ -419,7 +462,8 @@ class AdalnCacheHandle:
         before = self.cache.device
         # The calling thread's prepared request holds slots of the old device: it is over. Holds of
         # other threads' requests in flight make the move fail (ConfigError, nothing moved).
-        self.release()
+        self._passes.release()
+        self._prepared.release()  # a mismatch it reports waits for the next check
         self.cache.move_to(device)  # a no-op when both name one device ("cuda" and "cuda:0")
         if self.cache.device != before:
             if self._hooks is not None:
@@ -433,13 +477,14 @@ class AdalnCacheHandle:
 
     def _hold_schedule(self, plans: list[Any], attention_kwargs: Mapping[str, Any] | None) -> None:
         """Hold a request's whole schedule (already keyed as the forward keys it) for this thread."""
-        self.release()  # the thread's previous request is over
+        self.release()  # the thread's previous request is over (PlanMismatchError if it had a mismatch)
         self._follow(execution_device(self.model))
         assert self._holds is not None  # the hooks that call this are registered after the holds exist
         if self.config.overlap:
             self._start_background(plans, attention_kwargs)
             return
-        self._prepared.hold = self._holds.for_request(plans, attention_kwargs)
+        held = self._holds.for_request(plans, attention_kwargs)
+        self._prepared.start(self._prepared_request(held, attention_kwargs))
 
     def _make_resident(
         self, plan: torch.Tensor, key: PlanKey, attention_kwargs: Mapping[str, Any] | None, device: torch.device

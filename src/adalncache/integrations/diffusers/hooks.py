@@ -1,12 +1,14 @@
 """The diffusers hooks that serve a forward's AdaLN modulation from the cache.
 
-- :class:`AdalnCacheTransformerHook` wraps the transformer's ``forward``. It reads the step's
-  ``timestep`` (the *plan*) once on the host, has the plan made resident and *held* for the
-  current LoRA signature and autocast state (built, or refused with ``on_miss="raise"``), and
-  stashes the hold's slot in a :class:`ServeState` for the served modules; the hold is released
-  and the stash cleared when the forward ends (on an exception too), so no build on another
-  thread can rewrite the rows a forward is reading. The stash is per thread. That host work runs
-  outside any compiled region (see :mod:`.compile`).
+- :class:`AdalnCacheTransformerHook` wraps the transformer's ``forward``. A forward of the
+  thread's prepared request finds its slot on the device, with no host read (:mod:`.prepared`:
+  what a CUDA graph can capture). Any other forward reads the step's ``timestep`` (the *plan*)
+  once on the host, has the plan made resident and *held* for the current LoRA signature and
+  autocast state (built, or refused with ``on_miss="raise"``); the hold is released when the
+  forward ends (on an exception too), so no build on another thread can rewrite the rows a
+  forward is reading. Either way the slot goes into a per-thread :class:`ServeState` for the
+  served modules, cleared when the forward ends. That host work runs outside any compiled region
+  (see :mod:`.compile`).
 - Every block's ``adaln_proj`` is served by a class swapped in place rather than a hook
   (:class:`~.compile.ServedBlocks`): a hook per block would make a regional compile recompile
   every block. It serves the block's six modulation tensors whether or not ``adaln_proj.linear``
@@ -36,7 +38,7 @@ from ...holds import PlanHold
 from ...plans import PlanKey, plan_key
 from ...spec import FINAL, ModulationSpec
 from .compat import get_hook, hook_names, hook_registry
-from .compile import CompiledCall, ServedBlocks
+from .compile import CompiledCall, Releasable, ServedBlocks
 from .family import DiffusersFamily
 from .modules import forward_argument
 
@@ -53,6 +55,20 @@ HOOK_PREFIX = "adaln_cache"
 #: ``make_resident(plan, key, attention_kwargs, device)``: hold the forward's plan resident on the
 #: device the forward runs on (its timestep's), or raise.
 MakeResident = Callable[[torch.Tensor, PlanKey, Mapping[str, Any] | None, torch.device], PlanHold]
+
+#: ``prepared(timestep, attention_kwargs)``: the forward's ``(slot, dtype)`` found on the device from
+#: the thread's prepared request (no host read), or ``None`` for the host path (see :mod:`.prepared`).
+ServePrepared = Callable[[torch.Tensor, Mapping[str, Any] | None], tuple[torch.Tensor, torch.dtype] | None]
+
+
+class _Unheld:
+    """What a forward served from its prepared request releases: nothing (the request holds its plans)."""
+
+    def release(self) -> None:
+        return None
+
+
+UNHELD = _Unheld()
 
 
 class ServeState(threading.local):
@@ -75,12 +91,15 @@ class ServeState(threading.local):
 
     def serve(self, held: PlanHold, num_timesteps: int) -> None:
         """Stash the held plan's slot (a device tensor, no host copy) and point the served blocks at it."""
-        slot = held.slots
+        self.serve_slot(held.slots, num_timesteps, held.dtype)
+
+    def serve_slot(self, slot: torch.Tensor, num_timesteps: int, dtype: torch.dtype | None) -> None:
+        """Stash ``slot`` (a device tensor, never read on the host) and point the served blocks at it."""
         if self.slot_buffer.device != slot.device:  # the model (and the cache) moved
             self.slot_buffer = torch.zeros(1, dtype=torch.int64, device=slot.device)
         self.slot = slot
         self.num_timesteps = num_timesteps
-        self.dtype = held.dtype
+        self.dtype = dtype
         self.slot_buffer.copy_(slot.reshape(1))
 
     def clear(self) -> None:
@@ -116,6 +135,8 @@ class AdalnCacheTransformerHook(ModelHook):
         self.family = family
         #: ``before(args, kwargs)``: runs first in :meth:`prepare` (a pipeline's schedule is prepared there).
         self.before: Callable[[tuple[Any, ...], Mapping[str, Any]], None] | None = None
+        #: Serves a forward of the thread's prepared request without a host read (:mod:`.prepared`).
+        self.prepared: ServePrepared | None = None
 
     def new_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         forward: Any = self.fn_ref.original_forward
@@ -129,21 +150,27 @@ class AdalnCacheTransformerHook(ModelHook):
             held.release()
 
     @torch.compiler.disable
-    def prepare(self, module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> PlanHold:
+    def prepare(self, module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Releasable:
         """The forward's host work: read the plan, hold it resident, point the served modules at its slot.
 
         Returns the hold, which the caller releases when the forward ends. Never traced: under
         ``torch.compile(model)`` dynamo would otherwise break the graph at every host read and
-        dictionary lookup in here.
+        dictionary lookup in here. A forward of the thread's prepared request finds its slot on
+        the device instead (:mod:`.prepared`): no host read of a device tensor at all.
         """
         if self.before is not None:
             self.before(args, kwargs)
         timestep = self.family.forward_plan(module, args, kwargs)
+        attention_kwargs = forward_argument(module, "attention_kwargs", args, kwargs)
+        if self.prepared is not None:
+            served = self.prepared(timestep, attention_kwargs)
+            if served is not None:
+                self.state.serve_slot(served[0], int(timestep.shape[0]), served[1])
+                return UNHELD  # the request's hold keeps its plans; released when the request ends
         # The one device-to-host read of the plan this forward makes: keys, lookups and the build all
         # use this host copy (embed moves it back to the device; the values are the same bits).
         plan = timestep.detach().to("cpu")
         key = plan_key(plan, self.cache.spec.plan_columns)
-        attention_kwargs = forward_argument(module, "attention_kwargs", args, kwargs)
         held = self.make_resident(plan, key, attention_kwargs, timestep.device)
         try:
             self.state.serve(held, int(plan.shape[0]))
@@ -235,12 +262,14 @@ class ServingHooks:
         make_resident: MakeResident,
         family: DiffusersFamily | None = None,
         before: Callable[[tuple[Any, ...], Mapping[str, Any]], None] | None = None,
+        prepared: ServePrepared | None = None,
     ) -> None:
         if family is None:
             from .registry import for_spec
 
             family = for_spec(spec)
         self.before = before
+        self.prepared = prepared
         self.model = model
         self.spec = spec
         self.cache = cache
@@ -270,6 +299,7 @@ class ServingHooks:
         registry = HookRegistry.check_if_exists_or_initialize(model)
         self._transformer_hook = AdalnCacheTransformerHook(self.cache, self.state, self.make_resident, family)
         self._transformer_hook.before = self.before
+        self._transformer_hook.prepared = self.prepared
         registry.register_hook(self._transformer_hook, TRANSFORMER_HOOK)
         # The forward the registry installed for our hook: anything else there later wraps it.
         self._forward = model.__dict__.get("forward")
@@ -284,7 +314,7 @@ class ServingHooks:
         registry.invalidate_child_registries_cache()
         self.compiled.wrap()
 
-    def prepare_forward(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> PlanHold:
+    def prepare_forward(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Releasable:
         """The transformer hook's host work for a forward called with ``args`` and ``kwargs`` (returns its hold)."""
         assert self._transformer_hook is not None
         return self._transformer_hook.prepare(self.model, args, kwargs)

@@ -46,6 +46,7 @@ from ...spec import KeyLayout, Layer, ModulationSpec
 from .config import AdalnCacheConfig, CacheOptions, CheckpointArg, OnMiss
 from .family import DIFFUSERS, DiffusersFamily
 from .handle import enable_transformer
+from .modules import base_linear
 from .parking import RESIDUE_BYTES
 from .registry import by_name
 from .sources import CastCheckpointSource, CheckpointMismatchError, NeverLoaded, Source
@@ -153,37 +154,21 @@ def load_transformer(
             disk during the load.
     """
     cache_options = CacheOptions.of(options, where="load_transformer()")
-    tables = cache_options.tables
     directory = _model_directory(path, subfolder)
     cls, family = _transformer_class(directory, config)
     _check_load_arguments(torch_dtype, qkv_layout, layout, family)
     device, hf_device_map = _single_device(device_map)
     config_dict, unused = _load_config(cls, path, subfolder, directory, config)
     model = _build_on_meta(cls, config_dict, unused, torch_dtype)
-    layers = family.model_layers(model)
-    files = _model_files(directory, layout, family, layers[0])
-    if files.layout.name == "native":
-        sharded = files.checkpoint.index is not None or len(files.files) > 1
-        qkv_layout = qkv_layout or ("interleaved" if sharded else "stacked")
-
-    expected: set[str] = set(model.state_dict())
-    keep = list(cls._keep_in_fp32_modules or [])
-    # A projection built without a bias (nn.Linear(..., bias=False)) has none in the files either.
-    biased = {layer for layer in layers if getattr(family.projection_module(model, layer), "bias", None) is not None}
-    served = _served_keys(
-        files.layout, family.layout, layers, time_embedder=free_time_embedder is not False, biased=biased
-    )
-    # 1. Placeholders: the stock dtype rule run on meta tensors (nothing read, nothing allocated).
-    placeholders = _meta_tensors(files, served, config_dict, qkv_layout)
-    _load_into(model, placeholders, torch_dtype, keep, {"": torch.device("meta")})
+    plan = _plan_load(model, family, directory, layout, qkv_layout, config_dict, torch_dtype, free_time_embedder)
     spec = family.spec(model)
 
     # 2. The source the cache serves from, checked against the config before any weight is read.
-    tables_only = checkpoint is None and tables is not None and not _has_projections(files, served)
-    source, free = _source_of(files, spec, checkpoint, layout, free_time_embedder, tables_only=tables_only)
+    tables_only = checkpoint is None and cache_options.tables is not None and not _has_projections(plan)
+    source, free = _source_of(plan, spec, checkpoint, layout, free_time_embedder, tables_only=tables_only)
     cache = cache_options.build(spec, source, device or torch.device("cpu"))
     handle_config = AdalnCacheConfig(
-        checkpoint=checkpoint if checkpoint is not None else None if tables_only else list(files.files),
+        checkpoint=checkpoint if checkpoint is not None else None if tables_only else list(plan.files.files),
         on_miss=on_miss,
         free_time_embedder=free,
         layout=layout,
@@ -193,26 +178,13 @@ def load_transformer(
     fingerprint = cache.source.fingerprint
 
     # 3. Every other tensor, file by file, through the stock placement.
-    skip = served if free else {k: v for k, v in served.items() if v[1] != "time_embedder"}
-    seen = set(placeholders)
-    for header in files.checkpoint.headers:
-        state = _real_tensors(header, files.layout, skip, config_dict, qkv_layout)
-        seen.update(state)
-        _load_into(model, state, torch_dtype, keep, hf_device_map)
-    never_in_files = {ours for _, (ours, kind) in served.items() if kind == "projection"} if tables_only else set()
-    _check_loaded(directory, expected, seen, never_in_files)
-    if not free:  # the time embedder was loaded after all: its placeholders were replaced by real tensors
-        served = {k: v for k, v in served.items() if v[1] != "time_embedder"}
-    if files.checkpoint.changed() or cache.source.refresh() or cache.source.fingerprint != fingerprint:
+    served = _load_the_rest(model, plan, directory, hf_device_map, free=free, tables_only=tables_only)
+    if plan.files.checkpoint.changed() or cache.source.refresh() or cache.source.fingerprint != fingerprint:
         raise CheckpointError(f"the checkpoint in {directory} changed on disk while it was being loaded; load it again")
 
     target = device or torch.device("cpu")
-    if device is not None:
-        _move_buffers(model, device)  # rope.inv_freq is computed, not loaded (dispatch_model's .to() moves it)
-        model.hf_device_map = dict(hf_device_map or {})
-    model.register_to_config(_name_or_path=path)  # as given, like from_pretrained
-    model.eval()
-    residues = _stock_residues(_resident_files(files, config), files, served, placeholders, target)
+    _place(model, path, device, hf_device_map)
+    residues = _stock_residues(_resident_files(plan.files, config), plan.files, served, plan.placeholders, target)
     enable_transformer(model, handle_config, never_loaded=NeverLoaded(cache.source, cache, residues, target))
     logger.info(
         "load_transformer: %s loaded without its AdaLN projections (%.1f MB never read), cache enabled on %s",
@@ -221,6 +193,92 @@ def load_transformer(
         target,
     )
     return model
+
+
+@dataclass(frozen=True)
+class _LoadPlan:
+    """What a load reads and what it leaves as meta placeholders, decided before any weight is read.
+
+    ``served``: ``{name in the files: (name in the model, kind)}`` of the tensors the cache serves
+    (the projections, and the model's own time-embedder linears unless ``free_time_embedder=False``);
+    ``placeholders``: their meta tensors (already placed on the model); ``time_embedder``: ``(path,
+    has a bias)`` of the model's time-embedder linears (``model_layout``: the names inside the model).
+    """
+
+    files: _Files
+    model_layout: KeyLayout
+    served: dict[str, tuple[str, str]]
+    placeholders: dict[str, torch.Tensor]
+    time_embedder: list[tuple[str, bool]]
+    expected: set[str]
+    config: dict[str, Any]
+    qkv_layout: str | None
+    torch_dtype: torch.dtype | None
+    keep: list[str]
+
+
+def _plan_load(
+    model: Any,
+    family: DiffusersFamily,
+    directory: Path,
+    layout: str,
+    qkv_layout: str | None,
+    config: dict[str, Any],
+    torch_dtype: torch.dtype | None,
+    free_time_embedder: bool | None,
+) -> _LoadPlan:
+    """Step 1: the files, the served tensors, and their placeholders run through the stock dtype rule on meta.
+
+    The time embedder's tensors are those of the linears the family declares for this model
+    (``family.time_embedder_linears``): a family of several classes lists every class's, and a
+    checkpoint holds only its own class's (with the optional embedders its config enables).
+    """
+    layers = family.model_layers(model)
+    files = _model_files(directory, layout, family, layers[0])
+    if files.layout.name == "native":
+        sharded = files.checkpoint.index is not None or len(files.files) > 1
+        qkv_layout = qkv_layout or ("interleaved" if sharded else "stacked")
+    expected: set[str] = set(model.state_dict())
+    keep = list(type(model)._keep_in_fp32_modules or [])
+    # A projection built without a bias (nn.Linear(..., bias=False)) has none in the files either.
+    biased = {layer for layer in layers if getattr(family.projection_module(model, layer), "bias", None) is not None}
+    linears = [(path, base_linear(linear).bias is not None) for path, linear in family.time_embedder_linears(model)]
+    served = _served_keys(files.layout, family.layout, layers, biased=biased)
+    if free_time_embedder is not False:
+        served.update(_time_embedder_keys(files.layout, family.layout, linears))
+    placeholders = _meta_tensors(files, served, config, qkv_layout)
+    _load_into(model, placeholders, torch_dtype, keep, {"": torch.device("meta")})
+    return _LoadPlan(
+        files, family.layout, served, placeholders, linears, expected, config, qkv_layout, torch_dtype, keep
+    )
+
+
+def _load_the_rest(
+    model: Any, plan: _LoadPlan, directory: Path, device_map: Any, *, free: bool, tables_only: bool
+) -> dict[str, tuple[str, str]]:
+    """Step 3: every tensor but the served ones, file by file; returns what stays served (never loaded).
+
+    When the time embedder is loaded after all (``free`` is False), its tensors are read like any
+    other and its placeholders replaced.
+    """
+    served = plan.served if free else {k: v for k, v in plan.served.items() if v[1] != "time_embedder"}
+    seen = set(plan.placeholders)
+    for header in plan.files.checkpoint.headers:
+        state = _real_tensors(header, plan.files.layout, served, plan.config, plan.qkv_layout)
+        seen.update(state)
+        _load_into(model, state, plan.torch_dtype, plan.keep, device_map)
+    never_in_files = {ours for _, (ours, kind) in plan.served.items() if kind == "projection"} if tables_only else set()
+    _check_loaded(directory, plan.expected, seen, never_in_files)
+    return served
+
+
+def _place(model: Any, path: Any, device: torch.device | None, hf_device_map: dict[str, Any] | None) -> None:
+    """What ``from_pretrained`` does last: computed buffers on the device, the map and name recorded, eval mode."""
+    if device is not None:
+        _move_buffers(model, device)  # rope.inv_freq is computed, not loaded (dispatch_model's .to() moves it)
+        model.hf_device_map = dict(hf_device_map or {})
+    model.register_to_config(_name_or_path=path)  # as given, like from_pretrained
+    model.eval()
 
 
 # ---------------------------------------------------------------------------------------------------- arguments
@@ -242,7 +300,7 @@ def _check_load_arguments(
 
 
 def _source_of(
-    files: _Files,
+    plan: _LoadPlan,
     spec: ModulationSpec,
     checkpoint: CheckpointArg | None,
     layout: str,
@@ -258,10 +316,11 @@ def _source_of(
     if tables_only:
         return None, _tables_only_time_embedder(free_time_embedder)
     source_arg = "checkpoint= (CLI --checkpoint)" if checkpoint is not None else "path="
-    source = _serving_source(checkpoint if checkpoint is not None else files.files, spec, layout, source_arg)
-    free = _decide_time_embedder(free_time_embedder, source, source_arg)
+    source = _serving_source(checkpoint if checkpoint is not None else plan.files.files, spec, layout, source_arg)
+    names = list(_time_embedder_keys(source.layout, plan.model_layout, plan.time_embedder))
+    free = _decide_time_embedder(free_time_embedder, source, names, source_arg)
     if checkpoint is not None:
-        _check_against_model_files(files, source, spec, source_arg)
+        _check_against_model_files(plan.files, source, spec, source_arg)
     return source, free
 
 
@@ -444,9 +503,9 @@ def _serving_source(paths: Any, spec: ModulationSpec, layout: str, argument: str
     return source
 
 
-def _has_projections(files: _Files, served: Mapping[str, tuple[str, str]]) -> bool:
+def _has_projections(plan: _LoadPlan) -> bool:
     """Whether the model files hold any AdaLN projection tensor (a download may have left them out)."""
-    return any(files.entry(key) is not None for key, (_, kind) in served.items() if kind == "projection")
+    return any(plan.files.entry(key) is not None for key, (_, kind) in plan.served.items() if kind == "projection")
 
 
 def _tables_only_time_embedder(free: bool | None) -> bool:
@@ -460,24 +519,27 @@ def _tables_only_time_embedder(free: bool | None) -> bool:
     return False
 
 
-def _decide_time_embedder(free: bool | None, source: Source, argument: str) -> bool:
-    """Whether the time embedder is left unloaded: it must then be in the serving checkpoint."""
-    if free is False:
+def _decide_time_embedder(free: bool | None, source: Source, names: list[str], argument: str) -> bool:
+    """Whether the time embedder is left unloaded: it must then be in the serving checkpoint.
+
+    ``names``: the model's own time-embedder tensors (those of the linears its family declares for
+    it) in the serving checkpoint's layout.
+    """
+    if free is False or not names:
         return False
-    names = source.layout.time_embedder_tensors()
     reader: Any = source  # a checkpoint source here (its headers name the tensors)
-    present = True
+    missing = []
     for name in names:
         try:
             reader.entry(name)
         except KeyError:
-            present = False
-    if not present and free:
+            missing.append(name)
+    if missing and free:
         raise ConfigError(
             f"free_time_embedder=True needs the time embedder in the checkpoint the cache reads ({argument}), which "
-            f"lacks {names[0]!r}: pass free_time_embedder=None or False, or the whole transformer checkpoint"
+            f"lacks {missing[0]!r}: pass free_time_embedder=None or False, or the whole transformer checkpoint"
         )
-    return present
+    return not missing
 
 
 def _check_against_model_files(files: _Files, source: Source, spec: ModulationSpec, argument: str) -> None:
@@ -519,14 +581,9 @@ def _build_on_meta(cls: Any, config: dict[str, Any], unused: dict[str, Any], tor
 
 
 def _served_keys(
-    layout: KeyLayout,
-    model_layout: KeyLayout,
-    layers: list[Layer],
-    *,
-    time_embedder: bool,
-    biased: set[Layer] | None = None,
+    layout: KeyLayout, model_layout: KeyLayout, layers: list[Layer], *, biased: set[Layer] | None = None
 ) -> dict[str, tuple[str, str]]:
-    """The tensors the cache serves: ``{name in the files: (name in the model, "projection" | "time_embedder")}``.
+    """The served projections' tensors: ``{name in the files: (name in the model, "projection")}``.
 
     ``model_layout``: the family's diffusers layout (the names inside the model). ``biased``: the
     layers whose projection has a bias (None: every layer).
@@ -536,9 +593,22 @@ def _served_keys(
         keys[layout.weight(layer)] = (model_layout.weight(layer), "projection")
         if biased is None or layer in biased:
             keys[layout.bias(layer)] = (model_layout.bias(layer), "projection")
-    if time_embedder:
-        for theirs, ours in zip(layout.time_embedder_tensors(), model_layout.time_embedder_tensors()):
-            keys[theirs] = (ours, "time_embedder")
+    return keys
+
+
+def _time_embedder_keys(
+    layout: KeyLayout, model_layout: KeyLayout, linears: list[tuple[str, bool]]
+) -> dict[str, tuple[str, str]]:
+    """The model's time-embedder tensors: ``{name in layout: (name in the model, "time_embedder")}``.
+
+    ``linears``: ``(path in the model, has a bias)`` of the linears the family declares for this
+    model; a path's name in ``layout`` is the one at the same position of its ``time_embedder``.
+    """
+    keys: dict[str, tuple[str, str]] = {}
+    for path, bias in linears:
+        theirs = layout.time_embedder[model_layout.time_embedder.index(path)]
+        for part in ("weight", "bias") if bias else ("weight",):
+            keys[f"{theirs}.{part}"] = (f"{path}.{part}", "time_embedder")
     return keys
 
 

@@ -6,6 +6,12 @@ adapter's scaling (a ``set_adapters`` weight and ``attention_kwargs["scale"]`` i
 adapter tensors themselves. Their *signature* keys the tables (the build's ``variant``): when it
 changes, the tables are rebuilt through the module's own LoRA-wrapped forward.
 
+A hotswap in place (``load_lora_adapter(..., hotswap=True)``, diffusers' ``load_lora_weights(...,
+hotswap=True)``) copies the new adapter into the old one's tensors through ``.data``: same tensor
+objects, addresses and version counters, and the same scaling at equal rank and alpha. Nothing the
+signature reads changes, so each hotswap through the loader bumps a counter the signature includes
+(a peft hotswap called on the model directly is not seen: call ``handle.cache.invalidate()`` after it).
+
 Fusing an adapter rewrites the base weight, which the cache no longer holds on the device, so
 ``fuse_lora``/``unfuse_lora`` are refused while enabled; ``load_lora_adapter`` and peft's
 ``add_adapter`` are let through with device-resident stand-ins for the parked weights so the new
@@ -140,6 +146,8 @@ class LoraTracker:
         self.variant: Variant = None
         self._refs: list[torch.Tensor] = []
         self._merged_at_enable: tuple[Any, ...] = ()
+        #: Hotswaps in place through the loader since enabling (module docstring): part of the signature.
+        self.hotswaps = 0
 
     def tuners(self) -> list[tuple[str, Any]]:
         """The served modules that are peft LoRA wrappers right now (usually none)."""
@@ -161,6 +169,8 @@ class LoraTracker:
             )
         with applied_lora_scale(tuners, scale):
             variant, refs = signature(tuners)
+        if variant is not None and self.hotswaps:
+            variant = (*variant, ("hotswaps", self.hotswaps))
         return tuners, variant, refs
 
     def built_under(self, variant: Variant, refs: list[torch.Tensor]) -> bool:
@@ -206,9 +216,13 @@ class LoraTracker:
             return cls.unfuse_lora(model, *args, **kwargs)
 
         def load_lora_adapter(*args: Any, **kwargs: Any) -> Any:
-            # The next forward sees the new signature and rebuilds; nothing to invalidate here.
+            # The next forward sees the new signature and rebuilds; nothing to invalidate here. A
+            # hotswap changes nothing the signature reads but the counter (module docstring).
             with standing_in():
                 result = cls.load_lora_adapter(model, *args, **kwargs)
+            # load_lora_adapter(path_or_dict, prefix, hotswap, ...): hotswap may come positionally.
+            if kwargs.get("hotswap", args[2] if len(args) > 2 else False):
+                self.hotswaps += 1
             after_load()
             return result
 

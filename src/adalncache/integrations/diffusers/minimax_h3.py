@@ -55,7 +55,7 @@ class MiniMaxH3(DiffusersFamily):
 
     def rows_view(self, cache: Any, layer: Layer) -> torch.Tensor:
         # A per-block view of the block's rows: (P, W, block_width), the same strides for every block.
-        return cache.block_params.select(2, int(layer))
+        return cache.served_part("block").select(2, int(layer))
 
     def embed(self, model: Any, spec: ModulationSpec, plan: torch.Tensor, device: torch.device) -> torch.Tensor:
         """The projections' exact input for ``plan``, computed as the stock forward computes it.

@@ -147,4 +147,56 @@ class BackgroundPass:
             raise self.error
 
 
-__all__ = ["BackgroundPass"]
+class BackgroundPasses:
+    """One handle's background passes: the calling thread's pending one, and every one still running.
+
+    Per thread, at most one request is pending (its pass); :meth:`join_all` waits for the passes of
+    every thread (``disable()`` does, since a running pass uses the parked weights and the hooks).
+    """
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+        self._lock = threading.Lock()  # guards _running only; never held while waiting
+        self._running: list[BackgroundPass] = []
+
+    def start(self, hold: HoldFn, plans: Sequence[Any], keys: Sequence[PlanKey]) -> None:
+        """Start the calling thread's request's pass (its previous one must have been taken)."""
+        background = BackgroundPass(hold, plans, keys)
+        with self._lock:
+            self._running = [running for running in self._running if not running.done]
+            self._running.append(background)
+        self._local.pending = background.start()
+
+    def take(self) -> BackgroundPass | None:
+        """The calling thread's pending pass, which is no longer its request's."""
+        pending: BackgroundPass | None = getattr(self._local, "pending", None)
+        self._local.pending = None
+        return pending
+
+    def release(self) -> None:
+        """The calling thread's request is over: give its pass's holds back (never waits)."""
+        pending = self.take()
+        if pending is not None:
+            pending.release()
+
+    def finish(self) -> None:
+        """The calling thread's request ends: wait for its pass; raise its error if no forward did."""
+        pending = self.take()
+        if pending is not None:
+            pending.finish()
+
+    def wait_for(self, key: PlanKey) -> None:
+        """Before a forward of ``key`` on this thread: wait for its pending pass to make it servable."""
+        pending: BackgroundPass | None = getattr(self._local, "pending", None)
+        if pending is not None:
+            pending.wait_for(key)
+
+    def join_all(self) -> None:
+        """Wait until every pass started here (by any thread) has ended."""
+        with self._lock:
+            running, self._running = self._running, []
+        for background in running:
+            background.join()
+
+
+__all__ = ["BackgroundPass", "BackgroundPasses"]

@@ -30,7 +30,7 @@ from diffusers.modular_pipelines.modular_pipeline import (
 )
 from diffusers.modular_pipelines.modular_pipeline_utils import InputParam, OutputParam
 
-from ...errors import ConfigError
+from ...errors import ConfigError, PlanMismatchError
 from .config import AdalnCacheConfig, CheckpointArg
 from .handle import AdalnCacheHandle, adaln_cache_handle, enable_transformer
 from .registry import family_of, recognised
@@ -94,12 +94,14 @@ class AdalnCachePrepareStep(ModularPipelineBlocks):
         return components, block_state
 
 
-def _release_hold(components: Any, transformer_name: str, *, finished: bool = False) -> None:
+def _release_hold(components: Any, transformer_name: str, *, check: bool = True) -> None:
+    """Release the request's hold; ``check`` (the request's end): first wait for its background pass and
+    raise its error if no forward did, then raise PlanMismatchError for a forward that matched no plan."""
     handle = adaln_cache_handle(getattr(components, transformer_name, None))
-    if handle is not None and finished:
-        handle.finish()  # a background pass's error no forward raised is raised here, at the request's end
+    if handle is not None and check:
+        handle.finish()
     elif handle is not None:
-        handle.release()
+        handle.release(check=False)
 
 
 def wrap_loop_step(loop: LoopSequentialPipelineBlocks, transformer_name: str) -> None:
@@ -110,11 +112,11 @@ def wrap_loop_step(loop: LoopSequentialPipelineBlocks, transformer_name: str) ->
         try:
             result = original(components, block_state, **kwargs)
         except BaseException:
-            _release_hold(components, transformer_name)
+            _release_hold(components, transformer_name, check=False)  # the step's own error goes first
             raise
         step, timesteps = kwargs.get("i"), getattr(block_state, "timesteps", None)
         if step is not None and timesteps is not None and step >= len(timesteps) - 1:
-            _release_hold(components, transformer_name, finished=True)
+            _release_hold(components, transformer_name)
         return result
 
     loop.loop_step = loop_step  # type: ignore[method-assign, assignment]  # the one patch of the loop, undone on disable
@@ -188,9 +190,22 @@ class PipelineAdalnCacheHandle:
         return next(iter(reports.values())) if len(reports) == 1 else reports
 
     def release(self) -> None:
-        """Release the plans the calling thread's last ``prepare`` holds, on every transformer."""
+        """Release the plans the calling thread's last ``prepare`` holds, on every transformer (then
+        raise PlanMismatchError if a forward of that request matched none of its prepared plans)."""
         for handle in self.handles.values():
-            handle.release()
+            handle.release(check=False)
+        self.check_request()
+
+    def check_request(self) -> None:
+        """``check_request()`` of every transformer's handle (PlanMismatchError after checking them all)."""
+        errors: list[PlanMismatchError] = []
+        for handle in self.handles.values():
+            try:
+                handle.check_request()
+            except PlanMismatchError as exc:
+                errors.append(exc)
+        if errors:
+            raise errors[0]
 
     def finish(self) -> None:
         """End the calling thread's request on every transformer (:meth:`.handle.AdalnCacheHandle.finish`)."""
@@ -212,15 +227,23 @@ class PipelineAdalnCacheHandle:
         if self._watch is not None:
             self._watch.remove()
             self._watch = None
+        mismatches: list[PlanMismatchError] = []
         for handle in self.handles.values():
-            handle.disable(allow_changed_checkpoint=allow_changed_checkpoint)
+            try:
+                handle.disable(allow_changed_checkpoint=allow_changed_checkpoint)
+            except PlanMismatchError as exc:  # raised once that handle is disabled: disable the others too
+                mismatches.append(exc)
+        if mismatches:
+            raise mismatches[0]
 
     def watch_scheduler(self) -> None:
         """A classic pipeline (no modular blocks): each request's schedule is prepared at its first forward."""
         if getattr(self.pipeline, "_blocks", None) is not None or "transformer" not in self.handles:
             return
         handle = self.handles["transformer"]
-        self._watch = ScheduleWatch(getattr(self.pipeline, "scheduler", None), handle.expect_schedule)
+        self._watch = ScheduleWatch(
+            getattr(self.pipeline, "scheduler", None), handle.expect_schedule, last_step=handle.check_request
+        )
         self._watch.install()
 
     def insert_prepare_blocks(self) -> None:

@@ -159,7 +159,10 @@ def forward_plan_of(
             f"additional_t_cond has {additional.shape[0]} entries for {plan.shape[0]} timestep rows; the forward "
             "adds its embedding to temb row by row, so pass one entry, or one per row"
         )
-    column = additional.detach().to(device=plan.device).expand(plan.shape[0]).to(torch.float32)
+    column = additional.detach()
+    if column.device != plan.device:  # no copy at all when it is on the device already (the served forward's case)
+        column = column.to(device=plan.device)
+    column = column.expand(plan.shape[0]).to(torch.float32)
     return torch.stack([plan, column], dim=1)
 
 

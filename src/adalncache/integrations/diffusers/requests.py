@@ -89,6 +89,10 @@ class RequestHolds:
             inputs = {plan_key(t, columns): callbacks.embed(t) for t in tensors}
         return EmbedAhead(inputs, columns)
 
+    def variant_of(self, attention_kwargs: Mapping[str, Any] | None) -> Variant:
+        """The LoRA signature a forward (or a request) called with ``attention_kwargs`` is served under."""
+        return self.signature.read(lora_scale_of(attention_kwargs))[1]
+
     def for_forward(self, plan: torch.Tensor, key: PlanKey, attention_kwargs: Mapping[str, Any] | None) -> PlanHold:
         """Before a forward: hold its plan (the host copy of its timestep) under its LoRA signature, or refuse."""
         scale = lora_scale_of(attention_kwargs)

@@ -34,9 +34,13 @@ WRAPPER_ATTRIBUTE = "_adalncache_schedule_watch"
 class ScheduleWatch:
     """``scheduler.set_timesteps`` wrapped to report each request's timesteps to ``expect``."""
 
-    def __init__(self, scheduler: Any, expect: Callable[[torch.Tensor], None]) -> None:
+    def __init__(
+        self, scheduler: Any, expect: Callable[[torch.Tensor], None], *, last_step: Callable[[], None] | None = None
+    ) -> None:
         self.scheduler = scheduler
         self.expect = expect
+        #: Called after the request's last ``scheduler.step`` (the handle's ``check_request``).
+        self.last_step = last_step
         self._installed = False
 
     def install(self) -> None:
@@ -58,12 +62,34 @@ class ScheduleWatch:
 
         setattr(set_timesteps, WRAPPER_ATTRIBUTE, True)
         scheduler.set_timesteps = set_timesteps
+        if self.last_step is not None and callable(getattr(scheduler, "step", None)):
+            scheduler.step = self._watched_step(scheduler.step)
         self._installed = True
 
+    def _watched_step(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        """``scheduler.step`` that calls ``last_step`` once the request's last step is taken.
+
+        Where a mismatch of the request's forwards is reported in a classic pipeline: the step
+        index is the scheduler's own host counter, so the check costs no extra sync per step.
+        """
+        scheduler, last_step = self.scheduler, self.last_step
+        assert last_step is not None
+
+        @functools.wraps(original)
+        def step(*args: Any, **kwargs: Any) -> Any:
+            result = original(*args, **kwargs)
+            index, timesteps = getattr(scheduler, "step_index", None), getattr(scheduler, "timesteps", None)
+            if isinstance(index, int) and timesteps is not None and index >= len(timesteps):
+                last_step()
+            return result
+
+        return step
+
     def remove(self) -> None:
-        """Put the scheduler's own ``set_timesteps`` back."""
+        """Put the scheduler's own ``set_timesteps`` and ``step`` back."""
         if self._installed:
             self.scheduler.__dict__.pop("set_timesteps", None)
+            self.scheduler.__dict__.pop("step", None)
             self._installed = False
 
 

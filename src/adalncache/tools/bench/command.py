@@ -102,10 +102,12 @@ def run(args: argparse.Namespace) -> int:
             "command": " ".join(["adalncache bench", *args.argv]),
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
             f"{torch.get_num_threads()} threads",
-            "spec": spec.describe(),
+            # The generated MiniMax-H3 checkpoint's geometry, only where a section ran on it: the other
+            # sections bring their own models and say their geometry in their own config entry.
+            "spec": spec.describe() if source is not None else None,
             "runs": runs,
             "plans": len(plans),
-            "checkpoint": str(ckpt_dir),
+            "checkpoint": str(ckpt_dir) if source is not None else None,
             "files": len(source.files) if source is not None else None,
             "read_ahead": 1,
             "device": str(device),

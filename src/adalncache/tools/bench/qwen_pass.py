@@ -52,6 +52,7 @@ def bench_qwen_pass(res: Results, runs: int, device: torch.device, work: Path, *
     if read_back != spec:
         raise AssertionError(f"the generated checkpoint reads back as {read_back!r}, not {spec!r}")
     source = CheckpointSource(directory, spec)
+    res.config["qwen_pass"] = {"spec": spec.describe(), "checkpoint": str(directory)}
     plans = qwen_request_plans(spec, STEPS, QWEN_SIZE)
     if max_plans:
         plans = plans[:max_plans]

@@ -21,8 +21,8 @@ import torch
 
 from ...cache import AdalnCache
 from ...export import export_tables
+from ...identity.memo import forget_process_memo
 from ...plans import plan_key
-from ...tiers.digests import forget_process_memo
 from .primitives import sync_device
 from .results import Comparison, Results
 from .workload import make_inputs

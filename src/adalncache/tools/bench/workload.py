@@ -39,18 +39,8 @@ QWEN_DIM = int(qwen_image.RELEASED["hidden_size"])
 QWEN_BLOCKS = 2
 #: The request image size the schedule is shifted for (the pipeline's default).
 QWEN_SIZE = 1024
-#: The released pipeline's scheduler config (Qwen/Qwen-Image ``scheduler/scheduler_config.json``).
-QWEN_SCHEDULER: dict[str, Any] = {
-    "base_image_seq_len": 256,
-    "base_shift": 0.5,
-    "max_image_seq_len": 8192,
-    "max_shift": 0.9,
-    "num_train_timesteps": 1000,
-    "shift": 1.0,
-    "shift_terminal": 0.02,
-    "time_shift_type": "exponential",
-    "use_dynamic_shifting": True,
-}
+#: The released pipeline's scheduler config: the one constant the CLI's ``--steps`` defaults to.
+QWEN_SCHEDULER: dict[str, Any] = qwen_image.RELEASED_SCHEDULER
 
 
 def _random_bf16(shape: tuple[int, ...], seed: int, scale: float) -> Callable[[], torch.Tensor]:

@@ -30,13 +30,10 @@ is part of every digest string, so it can change later without confusing old rec
 
 from __future__ import annotations
 
-import hashlib
 import os
-import socket
 import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import blake3
@@ -218,62 +215,10 @@ class DigestSink:
         return out
 
 
-@dataclass(frozen=True)
-class FileStamp:
-    """Everything that says a file still holds the bytes it held when it was hashed.
-
-    The stat identity plus ``ctime``: a rewrite that restores the mtime (``touch -d``, ``os.utime``)
-    still changes the ctime, which no user can set. The host and the resolved path make a copy a
-    new identity (it costs one hashing read, never a wrong digest). ``header`` is the sha256 of
-    the file's safetensors header.
-    """
-
-    host: str
-    path: str
-    device: int
-    inode: int
-    size: int
-    mtime_ns: int
-    ctime_ns: int
-    header: str
-
-    @classmethod
-    def of(cls, path: Path, header: str) -> FileStamp:
-        st = os.stat(path)
-        return cls(
-            socket.gethostname(),
-            str(Path(path).resolve()),
-            st.st_dev,
-            st.st_ino,
-            st.st_size,
-            st.st_mtime_ns,
-            st.st_ctime_ns,
-            header,
-        )
-
-    def as_json(self) -> dict[str, Any]:
-        return {
-            "host": self.host,
-            "path": self.path,
-            "device": self.device,
-            "inode": self.inode,
-            "size": self.size,
-            "mtime_ns": self.mtime_ns,
-            "ctime_ns": self.ctime_ns,
-            "header": self.header,
-        }
-
-    @property
-    def key(self) -> str:
-        """The memo's name for this identity (the record itself is compared in full)."""
-        return hashlib.sha256(canonical_json(self.as_json())).hexdigest()[:32]
-
-
 __all__ = [
     "ALGORITHM",
     "LEAVES",
     "DigestSink",
-    "FileStamp",
     "Knowledge",
     "TensorDigest",
     "content_digest",

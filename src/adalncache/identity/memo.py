@@ -2,7 +2,7 @@
 
 Hashing the projections costs a read of every byte (24.2 GiB on the released model). The memo
 makes that a one-time cost per file identity: a pass that hashes records what it learnt under
-each file's :class:`~adalncache.source.digest.FileStamp` (stat identity, ctime, host, resolved
+each file's :class:`~adalncache.identity.files.FileStamp` (stat identity, ctime, host, resolved
 path, header hash), and a later process whose files still carry those stamps knows the content
 digest with a ``stat`` and a small JSON read.
 
@@ -33,8 +33,9 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from ..source.digest import ALGORITHM, LEAVES, FileStamp, TensorDigest
 from ..source.header import read_regular
+from .digest import ALGORITHM, LEAVES, TensorDigest
+from .files import FileStamp
 
 log = logging.getLogger(__name__)
 

@@ -1,11 +1,11 @@
 """The content digest of a weight source: known from the memo, learnt during a pass, or read on purpose.
 
 The store binds entries to the *content* of the projection tensors (see
-:mod:`adalncache.source.digest`), so a copied checkpoint or a copied store still hits. Knowing
+:mod:`adalncache.identity.digest`), so a copied checkpoint or a copied store still hits. Knowing
 that digest costs a read of every projection byte, so :class:`ContentIdentity` gets it the
 cheapest way available, in this order:
 
-1. **the memo** (:mod:`adalncache.tiers.digests`): every file still carries the identity it had
+1. **the memo** (:mod:`adalncache.identity.memo`): every file still carries the identity it had
    when it was hashed: a ``stat`` per file and a small JSON read;
 2. **the pass that builds anyway**: the reader thread hashes the bytes it streams, so the digest
    is known before the pass's entries are written, at no extra read;
@@ -39,23 +39,23 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .errors import CheckpointError
-from .reports import CacheStats
-from .source.digest import (
+from ..errors import CheckpointError
+from ..reports import CacheStats
+from ..spec import ModulationSpec
+from .digest import (
     DigestSink,
-    FileStamp,
     Knowledge,
     TensorDigest,
     content_digest,
     merge_knowledge,
     projection_roles,
 )
-from .spec import ModulationSpec
-from .tiers.digests import DigestMemo
+from .files import FileStamp
+from .memo import DigestMemo
 
 if TYPE_CHECKING:
-    from .distributed import Collective
-    from .source import WeightSource
+    from ..distributed import Collective
+    from ..source import WeightSource
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ request takes, and a checkpoint changed on disk matters only to what is read fro
 pass, or a store entry bound to its content). The variant and the autocast state are compared
 on every build, hits included (:meth:`TableIdentity.matches`).
 
-The binding names the *content* of the projection tensors (:mod:`adalncache.content`), not the
+The binding names the *content* of the projection tensors (:mod:`adalncache.identity.content`), not the
 files' stat identity: a copied checkpoint, or a store copied to another host, binds to the same
 entries. The stat fingerprint still decides when the slab's tables must be dropped (any rewrite,
 even one that turns out to hold the same bytes, since that is cheap to see and safe to assume).
@@ -30,18 +30,18 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .canonical import canonical_json
+from ..canonical import canonical_json
+from ..errors import CheckpointError
+from ..numerics import numeric_environment
+from ..plans import PlanKey
+from ..reports import CacheStats
+from ..source import WeightSource
+from ..spec import ModulationSpec
 from .content import ContentIdentity
-from .errors import CheckpointError
-from .numerics import numeric_environment
-from .plans import PlanKey
-from .reports import CacheStats
-from .source import WeightSource
-from .spec import ModulationSpec
-from .tiers.digests import DigestMemo
+from .memo import DigestMemo
 
 if TYPE_CHECKING:
-    from .distributed import Collective
+    from ..distributed import Collective
 
 log = logging.getLogger(__name__)
 
