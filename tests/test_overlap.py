@@ -228,13 +228,13 @@ def test_finish_raises_an_error_no_forward_raised() -> None:
 
 def test_a_background_pass_needs_one_key_per_plan() -> None:
     with pytest.raises(ValueError, match="one key per plan"):
-        BackgroundPass(lambda plans: None, [torch.tensor([1.0])], [])  # type: ignore[arg-type, return-value]
+        BackgroundPass(lambda plans: None, [torch.tensor([1.0])], [])  # type: ignore[arg-type, return-value]  # never called
 
 
 def test_overlap_must_be_a_bool() -> None:
     model = tiny_qwen_transformer("plain")
     with pytest.raises(ConfigError, match="overlap must be True or False"):
-        enable_adaln_cache(model, overlap="yes")  # type: ignore[arg-type]
+        enable_adaln_cache(model, overlap="yes")  # type: ignore[arg-type]  # the wrong type is the point
 
 
 @pytest.mark.slow
