@@ -24,9 +24,13 @@ plans' inputs (the time embedder's output) are computed on the request's thread 
 starts (:meth:`.requests.RequestHolds.embed_ahead`): the pass thread only reads weights and
 projects, so the request's own forwards, which run beside it, never meet a time embedder whose
 weights a build lent or parked. A request whose plans are all resident takes the hit path on its
-own thread and starts no pass. A
-Ctrl-C in the request's thread interrupts its wait; the pass then finishes (or fails) on its own
-and gives its holds back, since :meth:`BackgroundPass.release` marks it released.
+own thread and starts no pass. A Ctrl-C in the request's thread interrupts its wait; the pass then
+finishes (or fails) on its own and gives its holds back, since :meth:`BackgroundPass.release` marks
+it released.
+
+The request's forwards key their plans on the host (the host path of :mod:`.hooks`), where they
+wait: the device-side lookup of :mod:`.prepared` needs the request's slots, which a pass still
+running does not have yet.
 """
 
 from __future__ import annotations
