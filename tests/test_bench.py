@@ -241,3 +241,20 @@ def test_bench_qwen_pass_section(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert config["_class_name"] == "QwenImageTransformer2DModel"
     assert ModulationSpec.from_checkpoint(checkpoint) == qwen_spec(2, 8)  # the family read back from the files
     assert "tables torch.equal to F.linear of the file's weights: True" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_bench_first_request_section_compares_overlapped_and_sequential(tmp_path: Path) -> None:
+    """The first-request row: both pipelines' latents torch.equal, the overlapped one ran two transactions."""
+    pytest.importorskip("diffusers")
+    pytest.importorskip("transformers")
+    out = tmp_path / "results"
+    assert main(["bench", "--only", "first-request", "--quick", "--size", "tiny", "--out", str(out)]) == 0
+    data = json.loads((out / "bench.json").read_text())
+    values = data["values"]["first_request"]
+    assert values["latents_bit_identical"] is True
+    # Per pipeline: the exactness run, then one cold timed run; overlapped is two transactions each time.
+    assert values["passes"] == {"sequential": 2, "overlapped": 4}
+    (row,) = [c for c in data["comparisons"] if c["name"].startswith("first request, encode + pass + first step")]
+    assert row["subject"] == "overlapped" and row["baseline"] == "sequential"
+    assert "first request, encode + pass + first step" in (out / "bench.md").read_text()

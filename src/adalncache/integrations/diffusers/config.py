@@ -83,6 +83,9 @@ class AdalnCacheConfig:
             ``"checkpoint"``: full-precision tables from the unquantized ``checkpoint`` (a plain
             linear of its weights): the AdaLN projections compute unquantized while the rest of
             the model stays quantized. No effect on a model with plain projections.
+        overlap: run a pipeline request's rebuild pass on a background thread, started as soon as
+            its plans are known, so its first step waits only for the first step's plans (built
+            first, in a transaction of their own) and not for the whole pass (:mod:`.overlap`).
         cache_options: the options of the :class:`~adalncache.AdalnCache` (:class:`CacheOptions`).
     """
 
@@ -92,6 +95,7 @@ class AdalnCacheConfig:
     layout: str = "auto"
     verify_checkpoint: bool = True
     quantized_projections: QuantizedProjections = "model"
+    overlap: bool = False
     cache_options: CacheOptions = field(default_factory=CacheOptions)
 
     def __post_init__(self) -> None:
@@ -103,5 +107,7 @@ class AdalnCacheConfig:
             raise ConfigError(
                 f"quantized_projections must be 'model' or 'checkpoint', got {self.quantized_projections!r}"
             )
+        if not isinstance(self.overlap, bool):
+            raise ConfigError(f"overlap must be True or False, got {self.overlap!r}")
         if not isinstance(self.cache_options, CacheOptions):
             raise ConfigError(f"cache_options must be a CacheOptions, got {type(self.cache_options).__name__}")

@@ -26,6 +26,7 @@ def enable_adaln_cache(
     layout: str = "auto",
     verify_checkpoint: bool = True,
     quantized_projections: QuantizedProjections = "model",
+    overlap: bool = False,
     device: torch.device | str | None = None,
     tables: TablesArg | Mapping[str, TablesArg] | None = None,
     **options: Unpack[ServingKwargs],
@@ -66,6 +67,12 @@ def enable_adaln_cache(
             refuses a ``checkpoint``; ``"checkpoint"`` serves full-precision tables from the
             unquantized ``checkpoint`` on purpose, so the AdaLN projections compute unquantized
             while the rest of the model stays quantized.
+        overlap: on a pipeline, start each request's rebuild pass on a background thread as soon
+            as its plans are known; its first step waits only for the first step's plans, built
+            first in a small transaction of their own (a miss then counts two passes). A failure
+            of the background pass is raised in the request, by the next forward that needs a
+            plan of it, with the same typed error and rollback as a foreground pass
+            (docs/diffusers.md).
         device: where the cache lives; it must be the model's device (``None``: the model's, or
             the device an offloading hook runs it on). The cache serves the forward, so a different
             device is a ``ConfigError``; when the model moves (``.to()``), the cache follows.
@@ -118,6 +125,7 @@ def enable_adaln_cache(
             layout=layout,
             verify_checkpoint=verify_checkpoint,
             quantized_projections=quantized_projections,
+            overlap=overlap,
             cache_options=shared if not isinstance(tables, Mapping) else options_for(files),
         )
 

@@ -25,7 +25,8 @@ from ... import TensorSource
 from ...errors import CheckpointError, ConfigError
 from ...holds import PlanHold
 from ...hostmem import HostBuffer
-from ...plans import PlanKey
+from ...numerics import autocast_dtype
+from ...plans import PlanKey, plan_key
 from ...source.absent import NoWeights
 from .callbacks import BuildCallbacks
 from .casting import casting_guard, settle_casting
@@ -35,6 +36,7 @@ from .hooks import ServingHooks
 from .lora import LoraTracker
 from .modules import base_linear, device_of, execution_device, install_overrides, remove_overrides
 from .moving import LiftedGroupOffloading, guarded_apply, refresh_group_offloading
+from .overlap import BackgroundPasses
 from .parking import ParkTarget, WeightParking
 from .prepared import PreparedRequest, PreparedRequests
 from .quantized import ProjectionStorage, adapter_guards, transformer_spec
@@ -76,6 +78,8 @@ class AdalnCacheHandle:
         self._lock = threading.RLock()
         #: Per thread: its prepared request, whose forwards find their slots on the device (``prepared``).
         self._prepared = PreparedRequests()
+        #: Per thread: its request's pass on a background thread (``overlap``), and all those running.
+        self._passes = BackgroundPasses()
         #: Per thread: a pipeline's schedule waiting for its request's first forward.
         self._schedule = PendingSchedule(model, lambda: self.family, lambda: self.cache, self._hold_schedule)
         #: Host copies of the model's own projections (CUDA), released on disable().
@@ -124,9 +128,59 @@ class AdalnCacheHandle:
         request matched none of its prepared plans (it was served NaN rows; see :meth:`check_request`);
         ``check=False`` (on the way out of another error) keeps that report for the next check.
         """
+        self._passes.release()
         self._prepared.release()
         if check:
             self._prepared.check()
+
+    def start_prepare(self, plans: Sequence[Any], *, attention_kwargs: Mapping[str, Any] | None = None) -> None:
+        """:meth:`prepare` on a background thread: returns at once, and each forward of the calling
+        thread waits only for its own plan (the first step's are built first, :mod:`.overlap`).
+
+        A failure of the pass is raised by the next forward that needs a plan of it, or by
+        :meth:`finish`. The request's forwards key their plans on the host (no device-side lookup).
+        """
+        self.release()
+        if not self.enabled or self._holds is None:
+            raise ConfigError("start_prepare() needs the AdaLN cache enabled; this handle was disabled")
+        self._follow(execution_device(self.model))
+        self._start_background([self.family.request_plan(self.model, plan) for plan in plans], attention_kwargs)
+
+    def finish(self) -> None:
+        """End the calling thread's request: wait for its background pass, if any, raise its error if
+        no forward raised it yet, then :meth:`release` (and its PlanMismatchError check)."""
+        try:
+            self._passes.finish()
+        except BaseException:
+            self.release(check=False)
+            raise
+        self.release()
+
+    def join_background(self) -> None:
+        """Wait until every background pass started on this handle (by any thread) has ended."""
+        self._passes.join_all()
+
+    def _start_background(self, plans: list[Any], attention_kwargs: Mapping[str, Any] | None) -> None:
+        """Hold ``plans`` (keyed as forwards key them) for this thread from a background pass."""
+        holds = self._holds
+        assert holds is not None
+        tensors = [plan[0] if isinstance(plan, (tuple, list)) else plan for plan in plans]
+        if autocast_dtype(self.cache.device) is not None or all(t in self.cache for t in tensors):
+            # Autocast is thread-local (a pass thread would not see it); a resident request is a hit.
+            held = holds.for_request(plans, attention_kwargs)
+            self._prepared.start(self._prepared_request(held, attention_kwargs))
+            return
+        keys = [plan_key(t, self.cache.spec.plan_columns) for t in tensors]
+        inputs = holds.embed_ahead(plans, attention_kwargs)  # the time embedder runs here, not beside forwards
+        self._passes.start(lambda chunk: holds.for_request(chunk, attention_kwargs, embed=inputs), plans, keys)
+
+    def _await_background(self, key: PlanKey) -> None:
+        """Before a forward of ``key``: wait for the thread's background pass to make it servable."""
+        try:
+            self._passes.wait_for(key)
+        except BaseException:
+            self.release(check=False)  # the request fails here: what its pass did hold goes back now
+            raise
 
     def check_request(self) -> None:
         """Raise :class:`~adalncache.PlanMismatchError` if a forward of the calling thread's prepared
@@ -199,6 +253,7 @@ class AdalnCacheHandle:
         """
         if not self.enabled:
             return
+        self.join_background()  # a pass still running uses the parked weights and the hooks
         self._check_disable(allow_changed_checkpoint)
         if self._hooks is not None:
             self._hooks.remove()
@@ -233,6 +288,7 @@ class AdalnCacheHandle:
                 "1.5.3 cannot remove its own here: reload the model), and enable such a library before "
                 "enable_adaln_cache() when the cache must be disabled on its own"
             )
+        self._passes.release()
         self._prepared.release()  # a mismatch it reports is raised once disabled
         if self._parking.restores_from_source and not allow_changed_checkpoint:
             assert self.source is not None
@@ -406,6 +462,7 @@ class AdalnCacheHandle:
         before = self.cache.device
         # The calling thread's prepared request holds slots of the old device: it is over. Holds of
         # other threads' requests in flight make the move fail (ConfigError, nothing moved).
+        self._passes.release()
         self._prepared.release()  # a mismatch it reports waits for the next check
         self.cache.move_to(device)  # a no-op when both name one device ("cuda" and "cuda:0")
         if self.cache.device != before:
@@ -423,6 +480,9 @@ class AdalnCacheHandle:
         self.release()  # the thread's previous request is over (PlanMismatchError if it had a mismatch)
         self._follow(execution_device(self.model))
         assert self._holds is not None  # the hooks that call this are registered after the holds exist
+        if self.config.overlap:
+            self._start_background(plans, attention_kwargs)
+            return
         held = self._holds.for_request(plans, attention_kwargs)
         self._prepared.start(self._prepared_request(held, attention_kwargs))
 
@@ -442,6 +502,7 @@ class AdalnCacheHandle:
             named = execution_device(self.model)
             device = named if named is not None and named.type == "cpu" else device
         self._follow(device)
+        self._await_background(key)
         assert self._holds is not None  # the hooks are registered after the holds exist
         return self._holds.for_forward(plan, key, attention_kwargs)
 

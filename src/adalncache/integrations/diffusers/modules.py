@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -149,6 +150,21 @@ def swapped_parameters(module: nn.Module, tensors: Mapping[str, torch.Tensor]) -
         module.__dict__.update(shadows)
 
 
+class _ThreadBypass:
+    """A module's instance ``forward`` during :func:`bypassing_hooks`: the class's own forward on the
+    bypassing thread, the wrapper it stands in for (if any) on every other thread."""
+
+    def __init__(self, module: nn.Module, wrapped: Callable[..., Any] | None, thread: int) -> None:
+        self.own = type(module).forward.__get__(module)
+        self.wrapped = wrapped
+        self.thread = thread
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.wrapped is None or threading.get_ident() == self.thread:
+            return self.own(*args, **kwargs)
+        return self.wrapped(*args, **kwargs)
+
+
 @contextlib.contextmanager
 def bypassing_hooks(modules: Iterable[nn.Module]) -> Iterator[None]:
     """Run ``modules`` with their class's own ``forward``, beneath every hook wrapped around them.
@@ -157,14 +173,18 @@ def bypassing_hooks(modules: Iterable[nn.Module]) -> Iterator[None]:
     with a wrapper. A rebuild pass calls a served module's forward with weights taken from the
     source, and no hook may see that call: an offloading hook would onload the module and then
     move those weights to its offload device, and ours would serve the table instead of
-    projecting. The class's forward is bound on the instance for the duration, then the wrappers
-    come back.
+    projecting. For the duration, the instance's ``forward`` runs the class's forward on the calling
+    thread only: a forward of the model running meanwhile on another thread (a request served
+    beside a build) still goes through the wrappers, so it never runs a module whose parameters a
+    build has parked or lent. Then the wrappers come back.
     """
     saved: list[tuple[nn.Module, Any]] = []
+    thread = threading.get_ident()
     try:
         for module in modules:
-            saved.append((module, module.__dict__.get("forward", _ABSENT)))
-            module.__dict__["forward"] = type(module).forward.__get__(module)
+            wrapped = module.__dict__.get("forward", _ABSENT)
+            saved.append((module, wrapped))
+            module.__dict__["forward"] = _ThreadBypass(module, None if wrapped is _ABSENT else wrapped, thread)
         yield
     finally:
         for module, forward in reversed(saved):

@@ -7,6 +7,11 @@ first step, hands the request's whole ``row_timestep_plan`` to that denoiser's t
 so every step's plan is built in one pass before any step runs; ``prepare`` also *holds* those
 plans for the running thread, so no other request's build evicts them mid-loop.
 
+With ``overlap=True`` the block starts the pass on a background thread instead
+(:meth:`.handle.AdalnCacheHandle.start_prepare`, :mod:`.overlap`): the schedule is known no earlier,
+since the set-timesteps block that makes it reads the text length (so it follows the text encoder)
+and runs right before the loop; step 0's forward then waits only for step 0's plans.
+
 The hold is released when the loop ends: each loop's ``loop_step`` is wrapped (an instance
 attribute, removed again by ``disable``) so that the step after which no step follows, or any
 exception raised inside a step, releases it. An interrupt that lands between two steps (in the
@@ -81,16 +86,22 @@ class AdalnCachePrepareStep(ModularPipelineBlocks):
     def __call__(self, components: Any, block_state: Any, i: int, t: torch.Tensor) -> tuple[Any, Any]:
         if i == 0:
             handle = adaln_cache_handle(getattr(components, self.transformer_name, None))
-            if handle is not None:
+            if handle is not None and handle.config.overlap:
+                # The pass runs beside the loop; step 0's forward waits for step 0's plans only.
+                handle.start_prepare(block_state.row_timestep_plan, attention_kwargs=block_state.attention_kwargs)
+            elif handle is not None:
                 handle.prepare(block_state.row_timestep_plan, attention_kwargs=block_state.attention_kwargs)
         return components, block_state
 
 
 def _release_hold(components: Any, transformer_name: str, *, check: bool = True) -> None:
-    """Release the request's hold; ``check``: raise PlanMismatchError for a forward that matched no plan."""
+    """Release the request's hold; ``check`` (the request's end): first wait for its background pass and
+    raise its error if no forward did, then raise PlanMismatchError for a forward that matched no plan."""
     handle = adaln_cache_handle(getattr(components, transformer_name, None))
-    if handle is not None:
-        handle.release(check=check)
+    if handle is not None and check:
+        handle.finish()
+    elif handle is not None:
+        handle.release(check=False)
 
 
 def wrap_loop_step(loop: LoopSequentialPipelineBlocks, transformer_name: str) -> None:
@@ -195,6 +206,16 @@ class PipelineAdalnCacheHandle:
                 errors.append(exc)
         if errors:
             raise errors[0]
+
+    def finish(self) -> None:
+        """End the calling thread's request on every transformer (:meth:`.handle.AdalnCacheHandle.finish`)."""
+        for handle in self.handles.values():
+            handle.finish()
+
+    def join_background(self) -> None:
+        """Wait until every transformer's background passes have ended."""
+        for handle in self.handles.values():
+            handle.join_background()
 
     def disable(self, *, allow_changed_checkpoint: bool = False) -> None:
         """Remove the inserted loop blocks and disable every transformer's cache."""

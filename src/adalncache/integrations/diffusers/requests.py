@@ -14,6 +14,7 @@ whose plan was not prepared builds it (warning once) unless ``on_miss="raise"``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Mapping, Sequence
@@ -23,7 +24,7 @@ import torch
 
 from ...errors import ConfigError, PlanNotCachedError
 from ...holds import PlanHold
-from ...plans import PlanKey
+from ...plans import PlanKey, plan_key
 from .callbacks import BuildCallbacks
 from .lora import LoraTracker, Tuners, Variant, applied_lora_scale, lora_scale_of
 from .signature import ServedSignature
@@ -55,12 +56,38 @@ class RequestHolds:
         self.on_miss = on_miss
         self._warned_miss = False
 
-    def for_request(self, plans: Sequence[Any], attention_kwargs: Mapping[str, Any] | None) -> PlanHold:
-        """Hold a request's plans (timestep tensors, or ``(timestep, indices)`` pairs) under its LoRA scale."""
+    def for_request(
+        self, plans: Sequence[Any], attention_kwargs: Mapping[str, Any] | None, *, embed: EmbedAhead | None = None
+    ) -> PlanHold:
+        """Hold a request's plans (timestep tensors, or ``(timestep, indices)`` pairs) under its LoRA scale.
+
+        ``embed``: the plans' inputs computed ahead (:meth:`embed_ahead`), for a build on another thread.
+        """
         tensors = [plan[0] if isinstance(plan, (tuple, list)) else plan for plan in plans]
         scale = lora_scale_of(attention_kwargs)
         tuners, variant, refs = self.signature.read(scale)
-        return self.hold(tensors, None, scale, tuners, variant, refs)
+        return self.hold(tensors, None, scale, tuners, variant, refs, embed=embed)
+
+    def embed_ahead(self, plans: Sequence[Any], attention_kwargs: Mapping[str, Any] | None) -> EmbedAhead:
+        """The build inputs of ``plans``, computed now on this thread, for a pass on another thread.
+
+        Why: a family's ``embed`` runs the time embedder beneath its hooks (its stand-in hook is
+        bypassed on the module itself, and the parked weights are lent back), which a forward running
+        meanwhile on another thread would see. Computed here, before the pass thread starts, with the
+        same LoRA scale, loan and grad mode as a build, the inputs are the same bits.
+        """
+        tensors = [plan[0] if isinstance(plan, (tuple, list)) else plan for plan in plans]
+        columns = self.cache.spec.plan_columns
+        tuners, _, _ = self.signature.read(lora_scale_of(attention_kwargs))
+        callbacks = self.callbacks
+        with (
+            self.lock,
+            callbacks.lending(),
+            torch.no_grad(),
+            applied_lora_scale(tuners, lora_scale_of(attention_kwargs)),
+        ):
+            inputs = {plan_key(t, columns): callbacks.embed(t) for t in tensors}
+        return EmbedAhead(inputs, columns)
 
     def variant_of(self, attention_kwargs: Mapping[str, Any] | None) -> Variant:
         """The LoRA signature a forward (or a request) called with ``attention_kwargs`` is served under."""
@@ -106,6 +133,8 @@ class RequestHolds:
         tuners: Tuners,
         variant: Variant,
         refs: list[torch.Tensor],
+        *,
+        embed: EmbedAhead | None = None,
     ) -> PlanHold:
         """Hold ``plans`` resident under ``variant``: the cache's hit path, else a build under the lock."""
         held = self.cache.hold_resident(plans, keys=keys, variant=variant)
@@ -121,14 +150,30 @@ class RequestHolds:
                 "full-width forward cannot run on; unload the adapter or build with shard='layers'"
             )
         callbacks = self.callbacks
+        # Inputs computed ahead need no loan of the time embedder: the pass never runs it.
+        lending = callbacks.lending() if embed is None else contextlib.nullcontext()
         with self.lock:
-            with callbacks.lending(), torch.no_grad(), applied_lora_scale(tuners, scale):
+            with lending, torch.no_grad(), applied_lora_scale(tuners, scale):
                 held = self.cache.hold(
-                    plans, embed=callbacks.embed, project=callbacks.project, variant=variant, keys=keys
+                    plans, embed=embed or callbacks.embed, project=callbacks.project, variant=variant, keys=keys
                 )
             if self.lora.built_under(variant, refs):
                 logger.info("AdaLN cache: tables rebuilt for a new LoRA signature")
         return held
 
 
-__all__ = ["RequestHolds"]
+class EmbedAhead:
+    """A build's ``embed`` that returns inputs computed ahead (:meth:`RequestHolds.embed_ahead`)."""
+
+    def __init__(self, inputs: dict[PlanKey, Any], columns: int) -> None:
+        self.inputs = inputs
+        self.columns = columns
+
+    def __call__(self, plan: torch.Tensor) -> Any:
+        key = plan_key(plan, self.columns)
+        if key not in self.inputs:  # every plan of the request was embedded: a pass builds no other
+            raise KeyError(f"no input was computed ahead for plan {plan.tolist()}")
+        return self.inputs[key]
+
+
+__all__ = ["EmbedAhead", "RequestHolds"]

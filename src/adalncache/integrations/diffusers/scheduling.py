@@ -5,6 +5,10 @@ before its first denoising step; its timesteps depend on the image size (``mu``)
 only known then. :class:`ScheduleWatch` wraps ``set_timesteps`` (an instance attribute, removed
 again by :meth:`ScheduleWatch.remove`) and hands the new timesteps to the transformer's handle,
 whose next forward prepares the whole schedule in one pass (:meth:`.handle.AdalnCacheHandle.expect_schedule`).
+
+With ``overlap=True`` that first forward starts the pass on a background thread and waits only for
+its own step's plans (:mod:`.overlap`). It cannot start earlier: ``QwenImagePipeline`` sets the
+timesteps after encoding the prompt, and the plans' batch and dtype are the first forward's.
 """
 
 from __future__ import annotations

@@ -12,6 +12,8 @@ it measures:
 * a forward step of a tiny MiniMax-H3 with its projections resident, served from the cache, and
   offloaded to disk with diffusers' group offloading;
 * a forward step of a tiny Qwen-Image (bf16), resident against served from the cache;
+* a first request's prompt encoding + pass + first step in a tiny MiniMax-H3 pipeline, with the
+  pass on a background thread (``overlap=True``) against the pass before step 0;
 * a pass of a 50-step Qwen-Image request over a generated checkpoint at the released widths (2
   blocks) against the plain GEMMs over the same weights, tables checked ``torch.equal`` to them;
 * ``build()`` latency when every plan of a 50-step request is already resident (the per-request
@@ -45,6 +47,7 @@ from ...devices import resolve_device
 from ...source import CheckpointSource
 from ...spec import ModulationSpec
 from .deploy import bench_deploy
+from .first_request import bench_first_request
 from .forward import bench_forward
 from .hitpath import bench_build_latency
 from .memory import bench_memory
@@ -58,7 +61,18 @@ from .tables import bench_tables
 from .workload import QWEN_DIM, REAL_HIDDEN, REAL_IN, STEPS, generate_checkpoint, request_plans
 
 #: The sections, in the order they run (``--only`` takes their names).
-SECTIONS = ("pass", "forward", "qwen", "qwen-pass", "build", "store", "memory", "deploy", "tables")
+SECTIONS = (
+    "pass",
+    "forward",
+    "qwen",
+    "qwen-pass",
+    "first-request",
+    "build",
+    "store",
+    "memory",
+    "deploy",
+    "tables",
+)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -107,6 +121,7 @@ def run(args: argparse.Namespace) -> int:
         "qwen-pass": lambda: bench_qwen_pass(
             res, runs, device, work, dim=args.hidden if args.hidden else QWEN_DIM, max_plans=args.plans
         ),
+        "first-request": lambda: bench_first_request(res, args.size, runs),
         "build": lambda: bench_build_latency(res, runs, work / "ckpt-latency-50x8x16", device),
         "store": lambda: bench_store(res, source, plans, runs, device),
         "memory": lambda: bench_memory(res, source, plans, ckpt_dir, device),
