@@ -525,6 +525,136 @@ def test_diffusers_fused_lora_while_enabled_is_refused(load_tiny: Callable[[str]
     handle.disable()
 
 
+# -- prepared requests: handle.prepare / request / release -----------------------------------------
+
+_T = torch.tensor([0.5])
+_IDX = torch.tensor([1])
+
+#: ``(name, act(handle), error, says)``: bad arguments of a layered Qwen-Image handle's request API.
+PREPARE_CASES: list[tuple[str, Callable[[Any], Any], type[BaseException], str]] = [
+    ("plans None", lambda h: h.prepare(None), PlanError, r"plans must be a list .*--timesteps"),
+    ("one tensor, not a list", lambda h: h.prepare(torch.tensor([0.5, 0.25])), PlanError, r"plans must be a list"),
+    ("one mapping, not a list", lambda h: h.prepare({"timestep": _T, "additional_t_cond": _IDX}), PlanError, r"wrap"),
+    ("a string", lambda h: h.request("0.5").__enter__(), PlanError, r"plans must be a list"),
+    ("mapping without its index", lambda h: h.prepare([{"timestep": _T}]), PlanError, r"additional_t_cond"),
+    ("mapping of another name", lambda h: h.prepare([{"t": _T, "additional_t_cond": _IDX}]), PlanError, r"'timestep'"),
+    (
+        "float index",
+        lambda h: h.prepare([{"timestep": _T, "additional_t_cond": torch.tensor([0.5])}]),
+        PlanError,
+        r"integer index .*--additional-t-cond",
+    ),
+    (
+        "integer timestep",
+        lambda h: h.prepare([{"timestep": _IDX, "additional_t_cond": _IDX}]),
+        PlanError,
+        r"floating-point",
+    ),
+    (
+        "2-D timestep",
+        lambda h: h.prepare([{"timestep": _T.reshape(1, 1), "additional_t_cond": _IDX}]),
+        PlanError,
+        r"1-D",
+    ),
+    (
+        "empty timestep",
+        lambda h: h.prepare([{"timestep": _T[:0], "additional_t_cond": _IDX[:0]}]),
+        PlanError,
+        r"at least one",
+    ),
+    (
+        "NaN timestep",
+        lambda h: h.prepare([{"timestep": torch.tensor([float("nan")]), "additional_t_cond": _IDX}]),
+        PlanError,
+        r"finite",
+    ),
+    (
+        "meta timestep",
+        lambda h: h.prepare([{"timestep": _T.to("meta"), "additional_t_cond": _IDX}]),
+        PlanError,
+        r"meta",
+    ),
+    (
+        "too many plans",
+        lambda h: h.prepare([{"timestep": torch.tensor([i / 10]), "additional_t_cond": _IDX} for i in range(9)]),
+        PlanError,
+        r"--max-plans",
+    ),
+    (
+        "attention_kwargs a string",
+        lambda h: h.prepare([{"timestep": _T, "additional_t_cond": _IDX}], attention_kwargs="scale"),
+        ConfigError,
+        r"attention_kwargs",
+    ),
+    (
+        "LoRA scale a string",
+        lambda h: h.prepare([{"timestep": _T, "additional_t_cond": _IDX}], attention_kwargs={"scale": "x"}),
+        ConfigError,
+        r'\["scale"\]',
+    ),
+    (
+        "LoRA scale NaN",
+        lambda h: h.prepare([{"timestep": _T, "additional_t_cond": _IDX}], attention_kwargs={"scale": float("nan")}),
+        ConfigError,
+        r"finite",
+    ),
+    ("release(check='no')", lambda h: h.release(check="no"), ConfigError, r"check=.*True or False"),
+]
+
+
+def _table_state(cache: AdalnCache) -> dict[str, object]:
+    """What ``snapshot`` compares, for a family of named layers (the whole table, not MiniMax's parts)."""
+    return {
+        "order": cache.resident_plans,
+        "free": sorted(cache.free_slots),
+        "lengths": cache.plan_lengths.clone(),
+        "timesteps": cache.plan_timesteps.clone(),
+        "table": cache.table.clone(),
+        "stats": cache.stats.as_dict(),
+    }
+
+
+@pytest.fixture(scope="module")
+def layered_qwen() -> tuple[Any, Any, dict[str, Any]]:
+    """A resident and a to-be-served tiny layered Qwen-Image (two-column plans), and a forward's arguments."""
+    pytest.importorskip("diffusers")
+    from adalncache.tools.tiny_qwen import tiny_qwen_inputs, tiny_qwen_transformer
+
+    resident, served = tiny_qwen_transformer("layered"), tiny_qwen_transformer("layered")
+    return resident, served, tiny_qwen_inputs(resident, 1)
+
+
+@pytest.mark.parametrize("index", range(len(PREPARE_CASES)), ids=[case[0] for case in PREPARE_CASES])
+def test_prepare_rejects(layered_qwen: tuple[Any, Any, dict[str, Any]], index: int) -> None:
+    """Each bad request argument is refused by name and changes nothing: the prepared request, the
+    resident tables and the stats stay; the prepared forward is still served exactly, on the device."""
+    from adalncache.diffusers import enable_adaln_cache
+
+    name, act, error, says = PREPARE_CASES[index]
+    resident, model, inputs = layered_qwen
+    with torch.no_grad():
+        expected = resident(**inputs)[0]
+    handle = enable_adaln_cache(model, max_plans=4)
+    try:
+        handle.prepare([{"timestep": inputs["timestep"], "additional_t_cond": inputs["additional_t_cond"]}])
+        before = _table_state(handle.cache)
+        with pytest.raises(error, match=says):
+            act(handle)
+        after = _table_state(handle.cache)
+        assert before.keys() == after.keys()
+        for key, value in before.items():
+            same = torch.equal(value, after[key]) if isinstance(value, torch.Tensor) else value == after[key]
+            assert same, f"{name}: {key} changed"
+        handle.cache.check_invariants()
+        with torch.no_grad():
+            served = model(**inputs)[0]
+        assert torch.equal(served, expected), f"{name}: not exact after the refusal"
+        handle.check_request()  # no miss: the refusal served nothing from the poison slot
+    finally:
+        handle.release(check=False)
+        handle.disable()
+
+
 # -- files that are not regular files, and ambiguous directories ------------------------------------
 
 _FIFO_CHILD = """

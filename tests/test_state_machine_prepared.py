@@ -42,7 +42,14 @@ pytest.importorskip("peft")
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 from adalncache import PlanMismatchError
 from adalncache.diffusers import enable_adaln_cache
@@ -173,7 +180,8 @@ class PreparedMachine(RuleBasedStateMachine):
     # -- the model ------------------------------------------------------------------------------
 
     def _expect_nan(self, entry: Entry, scale: float) -> bool:
-        """A forward the prepared request covers (same plan shape, same LoRA signature) but that matches none of its plans."""
+        """Whether the prepared request covers the forward (same plan shape and LoRA signature) but
+        holds none of its plans: then it is served the poison slot."""
         if self.prepared is None:
             return False
         plans, prepared_scale = self.prepared

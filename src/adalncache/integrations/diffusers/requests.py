@@ -15,13 +15,14 @@ whose plan was not prepared builds it (warning once) unless ``on_miss="raise"``.
 from __future__ import annotations
 
 import logging
+import math
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ...errors import ConfigError, PlanNotCachedError
+from ...errors import ConfigError, PlanError, PlanNotCachedError
 from ...holds import PlanHold
 from ...plans import PlanKey
 from .callbacks import BuildCallbacks
@@ -32,6 +33,22 @@ if TYPE_CHECKING:
     from ... import AdalnCache
 
 logger = logging.getLogger(__name__)
+
+
+def request_plans(plans: Any) -> list[Any]:
+    """``prepare``'s / ``request``'s ``plans`` as a list, or :class:`~adalncache.PlanError`.
+
+    Why: a single tensor, a single mapping or a string is iterable, so without this check it would
+    be taken apart (a tensor into 0-d rows, a mapping into its key strings) and refused with a
+    message about the pieces, not about the argument.
+    """
+    if isinstance(plans, (torch.Tensor, Mapping, str, bytes)) or not isinstance(plans, (Sequence, Iterable)):
+        raise PlanError(
+            f"plans must be a list of plans (one per forward: its timestep tensor, or a mapping of its keying "
+            f"inputs by argument name; the CLI's --timesteps / --steps), got {type(plans).__name__}: wrap a "
+            "single plan in a list"
+        )
+    return list(plans)
 
 
 class RequestHolds:
@@ -59,6 +76,8 @@ class RequestHolds:
         """Hold a request's plans (timestep tensors, or ``(timestep, indices)`` pairs) under its LoRA scale."""
         tensors = [plan[0] if isinstance(plan, (tuple, list)) else plan for plan in plans]
         scale = lora_scale_of(attention_kwargs)
+        if not math.isfinite(scale):  # every row would be NaN or inf: never a request worth building
+            raise ConfigError(f'attention_kwargs["scale"] (the LoRA scale) must be finite, got {scale}')
         tuners, variant, refs = self.signature.read(scale)
         return self.hold(tensors, None, scale, tuners, variant, refs)
 
