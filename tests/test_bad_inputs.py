@@ -655,6 +655,68 @@ def test_prepare_rejects(layered_qwen: tuple[Any, Any, dict[str, Any]], index: i
         handle.disable()
 
 
+# -- schedule flags of Qwen-Image and AdaLayerNormZero checkpoints ---------------------------------
+
+#: ``(checkpoint, flags, says)``: each must exit 2 with one line naming the flag, and write nothing.
+SCHEDULE_CLI_CASES: list[tuple[str, list[str], str]] = [
+    (
+        "layered",
+        ["--timesteps", "0.5", "--additional-t-cond", "99999999999999999999"],
+        r"--additional-t-cond must be <",
+    ),
+    ("layered", ["--timesteps", "0.5", "--additional-t-cond", "-1"], r"--additional-t-cond must be >= 0"),
+    ("plain", ["--timesteps", "0.5", "--additional-t-cond", "1"], r"drop --additional-t-cond"),
+    ("plain", ["--steps", "4", "--scheduler-config", "{wrongtype}"], r"cannot be computed from --scheduler-config"),
+    ("plain", ["--steps", "4", "--height", "1000000000", "--width", "1000000000"], r"--height 1000000000 --width"),
+    (
+        "bria",
+        ["--steps", "4", "--height", "8", "--width", "8", "--scheduler-config", "{wrongtype}"],
+        r"cannot be computed from --scheduler-config",
+    ),
+    ("layered", ["--timesteps", "nan", "--additional-t-cond", "1"], r"--timesteps must be finite"),
+    ("layered", ["--timesteps", "1e40", "--additional-t-cond", "1"], r"--timesteps must be finite"),
+    ("bria", ["--timesteps", "0.5", "--guidance", "3"], r"drop --guidance"),
+]
+
+
+@pytest.fixture(scope="module")
+def family_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Tiny layered and plain Qwen-Image and Bria (AdaLayerNormZero) checkpoints, and a scheduler
+    config whose values have the wrong types."""
+    pytest.importorskip("diffusers")
+    from adalncache.tools import tiny_adaln_zero
+    from adalncache.tools.tiny_qwen import tiny_qwen_transformer
+
+    root = tmp_path_factory.mktemp("families")
+    tiny_qwen_transformer("layered").save_pretrained(root / "layered")
+    tiny_qwen_transformer("plain").save_pretrained(root / "plain")
+    tiny_adaln_zero.build("BriaTransformer2DModel").save_pretrained(root / "bria")
+    wrong = {"shift": "x", "use_dynamic_shifting": True, "base_shift": "a", "max_shift": "b"}
+    (root / "wrongtype.json").write_text(json.dumps(wrong))
+    return root
+
+
+@pytest.mark.parametrize("index", range(len(SCHEDULE_CLI_CASES)), ids=lambda i: " ".join(SCHEDULE_CLI_CASES[i][1]))
+@pytest.mark.parametrize("command", ["build", "export"])
+def test_cli_schedule_flags_of_every_family_are_refused(
+    family_checkpoints: Path, capsys: pytest.CaptureFixture[str], command: str, index: int, tmp_path: Path
+) -> None:
+    checkpoint, flags, says = SCHEDULE_CLI_CASES[index]
+    flags = [flag.format(wrongtype=family_checkpoints / "wrongtype.json") for flag in flags]
+    args = [command, str(family_checkpoints / checkpoint), "--store", str(tmp_path / "s"), *flags, "-q"]
+    if command == "export":
+        args += ["-o", str(tmp_path / "t.safetensors")]
+    try:
+        code = main(args)
+    except SystemExit as exc:  # argparse's own errors exit
+        code = exc.code
+    err = capsys.readouterr().err.strip()
+    assert code == 2, (code, err)
+    assert len(err.splitlines()) == 1 or err.splitlines()[0].startswith("usage:"), err
+    assert re.search(says, err.splitlines()[-1]), err
+    assert not (tmp_path / "s").exists() and not (tmp_path / "t.safetensors").exists(), "a refused command wrote"
+
+
 # -- files that are not regular files, and ambiguous directories ------------------------------------
 
 _FIFO_CHILD = """
