@@ -655,6 +655,35 @@ def test_prepare_rejects(layered_qwen: tuple[Any, Any, dict[str, Any]], index: i
         handle.disable()
 
 
+def test_prepare_rejects_a_meta_input_of_a_three_column_family() -> None:
+    """HunyuanImage (timestep, timestep_r, guidance): a meta guidance is a PlanError, not a
+    RuntimeError about devices from stacking the columns; the prepared request stays and is exact."""
+    pytest.importorskip("diffusers")
+    from adalncache.diffusers import enable_adaln_cache
+    from adalncache.families import adaln_zero
+    from adalncache.tools import tiny_adaln_zero
+
+    model = tiny_adaln_zero.build("HunyuanImageTransformer2DModel", use_meanflow=True, guidance_embeds=True)
+    plan = {
+        "timestep": torch.tensor([713.1]),
+        adaln_zero.TIMESTEP_R: torch.tensor([501.1]),
+        adaln_zero.GUIDANCE: torch.tensor([3500.0]),
+    }
+    handle = enable_adaln_cache(model, max_plans=4)
+    try:
+        handle.prepare([plan])
+        before = _table_state(handle.cache)
+        with pytest.raises(PlanError, match="meta tensor"):
+            handle.prepare([{**plan, adaln_zero.GUIDANCE: plan[adaln_zero.GUIDANCE].to("meta")}])
+        after = _table_state(handle.cache)
+        for key, value in before.items():
+            same = torch.equal(value, after[key]) if isinstance(value, torch.Tensor) else value == after[key]
+            assert same, f"{key} changed"
+        handle.cache.check_invariants()
+    finally:
+        handle.disable()
+
+
 # -- schedule flags of Qwen-Image and AdaLayerNormZero checkpoints ---------------------------------
 
 #: ``(checkpoint, flags, says)``: each must exit 2 with one line naming the flag, and write nothing.

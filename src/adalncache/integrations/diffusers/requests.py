@@ -48,7 +48,14 @@ def request_plans(plans: Any) -> list[Any]:
             f"inputs by argument name; the CLI's --timesteps / --steps), got {type(plans).__name__}: wrap a "
             "single plan in a list"
         )
-    return list(plans)
+    plans = list(plans)
+    for plan in plans:
+        # A meta tensor has no values to key: refused here for every family, before a family's
+        # plan function stacks it with real tensors (a RuntimeError about devices otherwise).
+        values = plan.values() if isinstance(plan, Mapping) else plan if isinstance(plan, (tuple, list)) else [plan]
+        if any(isinstance(value, torch.Tensor) and value.is_meta for value in values):
+            raise PlanError("a plan must hold data, got a meta tensor: pass the tensors the forward receives")
+    return plans
 
 
 class RequestHolds:
