@@ -308,3 +308,25 @@ def test_prepared_state_machine() -> None:
 def test_prepared_state_machine_soak() -> None:
     """Many random sequences (``make soak``: ADALNCACHE_SOAK=1 pytest -m soak)."""
     _run("adalncache-prepared-soak" if os.environ.get("ADALNCACHE_SOAK") else "adalncache-prepared-ci")
+
+
+def test_a_deferred_report_survives_release_and_is_raised_once() -> None:
+    """The sequence the generated ones reach rarely: a miss, ``release(check=False)``, a fresh
+    prepare (which reports it), then a miss of the new request reported by ``disable()``. Each
+    step checks the machine's contract, so a report lost or raised twice fails here."""
+    machine = PreparedMachine()
+    try:
+        machine.enable((0,), 1.0)
+        machine.forward(1, 1.0, None)  # differs in the index column only: NaN, one miss
+        machine.forward(len(POOL), 1.0, None)  # a ulp off: NaN, a second miss
+        machine.release(False)
+        machine.check_request()  # the deferred report: "2 forward(s)"
+        machine.prepare((0, 3), 0.5, None)
+        machine.forward(4, 0.5, None)  # batch of two, other index column: NaN
+        machine.forward(3, 0.5, None)  # prepared: exact
+        machine.hotswap_lora(6)  # new adapter weights: host path, exact
+        machine.forward(3, 0.5, None)
+        machine.disable_and_enable()  # reports the one miss, restores every parameter
+        machine.cache_consistent()
+    finally:
+        machine.teardown()
