@@ -525,6 +525,227 @@ def test_diffusers_fused_lora_while_enabled_is_refused(load_tiny: Callable[[str]
     handle.disable()
 
 
+# -- prepared requests: handle.prepare / request / release -----------------------------------------
+
+_T = torch.tensor([0.5])
+_IDX = torch.tensor([1])
+
+#: ``(name, act(handle), error, says)``: bad arguments of a layered Qwen-Image handle's request API.
+PREPARE_CASES: list[tuple[str, Callable[[Any], Any], type[BaseException], str]] = [
+    ("plans None", lambda h: h.prepare(None), PlanError, r"plans must be a list .*--timesteps"),
+    ("one tensor, not a list", lambda h: h.prepare(torch.tensor([0.5, 0.25])), PlanError, r"plans must be a list"),
+    ("one mapping, not a list", lambda h: h.prepare({"timestep": _T, "additional_t_cond": _IDX}), PlanError, r"wrap"),
+    ("a string", lambda h: h.request("0.5").__enter__(), PlanError, r"plans must be a list"),
+    ("mapping without its index", lambda h: h.prepare([{"timestep": _T}]), PlanError, r"additional_t_cond"),
+    ("mapping of another name", lambda h: h.prepare([{"t": _T, "additional_t_cond": _IDX}]), PlanError, r"'timestep'"),
+    (
+        "float index",
+        lambda h: h.prepare([{"timestep": _T, "additional_t_cond": torch.tensor([0.5])}]),
+        PlanError,
+        r"integer index .*--additional-t-cond",
+    ),
+    (
+        "integer timestep",
+        lambda h: h.prepare([{"timestep": _IDX, "additional_t_cond": _IDX}]),
+        PlanError,
+        r"floating-point",
+    ),
+    (
+        "2-D timestep",
+        lambda h: h.prepare([{"timestep": _T.reshape(1, 1), "additional_t_cond": _IDX}]),
+        PlanError,
+        r"1-D",
+    ),
+    (
+        "empty timestep",
+        lambda h: h.prepare([{"timestep": _T[:0], "additional_t_cond": _IDX[:0]}]),
+        PlanError,
+        r"at least one",
+    ),
+    (
+        "NaN timestep",
+        lambda h: h.prepare([{"timestep": torch.tensor([float("nan")]), "additional_t_cond": _IDX}]),
+        PlanError,
+        r"finite",
+    ),
+    (
+        "meta timestep",
+        lambda h: h.prepare([{"timestep": _T.to("meta"), "additional_t_cond": _IDX}]),
+        PlanError,
+        r"meta",
+    ),
+    (
+        "too many plans",
+        lambda h: h.prepare([{"timestep": torch.tensor([i / 10]), "additional_t_cond": _IDX} for i in range(9)]),
+        PlanError,
+        r"--max-plans",
+    ),
+    (
+        "attention_kwargs a string",
+        lambda h: h.prepare([{"timestep": _T, "additional_t_cond": _IDX}], attention_kwargs="scale"),
+        ConfigError,
+        r"attention_kwargs",
+    ),
+    (
+        "LoRA scale a string",
+        lambda h: h.prepare([{"timestep": _T, "additional_t_cond": _IDX}], attention_kwargs={"scale": "x"}),
+        ConfigError,
+        r'\["scale"\]',
+    ),
+    (
+        "LoRA scale NaN",
+        lambda h: h.prepare([{"timestep": _T, "additional_t_cond": _IDX}], attention_kwargs={"scale": float("nan")}),
+        ConfigError,
+        r"finite",
+    ),
+    ("release(check='no')", lambda h: h.release(check="no"), ConfigError, r"check=.*True or False"),
+]
+
+
+def _table_state(cache: AdalnCache) -> dict[str, object]:
+    """What ``snapshot`` compares, for a family of named layers (the whole table, not MiniMax's parts)."""
+    return {
+        "order": cache.resident_plans,
+        "free": sorted(cache.free_slots),
+        "lengths": cache.plan_lengths.clone(),
+        "timesteps": cache.plan_timesteps.clone(),
+        "table": cache.table.clone(),
+        "stats": cache.stats.as_dict(),
+    }
+
+
+@pytest.fixture(scope="module")
+def layered_qwen() -> tuple[Any, Any, dict[str, Any]]:
+    """A resident and a to-be-served tiny layered Qwen-Image (two-column plans), and a forward's arguments."""
+    pytest.importorskip("diffusers")
+    from adalncache.tools.tiny_qwen import tiny_qwen_inputs, tiny_qwen_transformer
+
+    resident, served = tiny_qwen_transformer("layered"), tiny_qwen_transformer("layered")
+    return resident, served, tiny_qwen_inputs(resident, 1)
+
+
+@pytest.mark.parametrize("index", range(len(PREPARE_CASES)), ids=[case[0] for case in PREPARE_CASES])
+def test_prepare_rejects(layered_qwen: tuple[Any, Any, dict[str, Any]], index: int) -> None:
+    """Each bad request argument is refused by name and changes nothing: the prepared request, the
+    resident tables and the stats stay; the prepared forward is still served exactly, on the device."""
+    from adalncache.diffusers import enable_adaln_cache
+
+    name, act, error, says = PREPARE_CASES[index]
+    resident, model, inputs = layered_qwen
+    with torch.no_grad():
+        expected = resident(**inputs)[0]
+    handle = enable_adaln_cache(model, max_plans=4)
+    try:
+        handle.prepare([{"timestep": inputs["timestep"], "additional_t_cond": inputs["additional_t_cond"]}])
+        before = _table_state(handle.cache)
+        with pytest.raises(error, match=says):
+            act(handle)
+        after = _table_state(handle.cache)
+        assert before.keys() == after.keys()
+        for key, value in before.items():
+            same = torch.equal(value, after[key]) if isinstance(value, torch.Tensor) else value == after[key]
+            assert same, f"{name}: {key} changed"
+        handle.cache.check_invariants()
+        with torch.no_grad():
+            served = model(**inputs)[0]
+        assert torch.equal(served, expected), f"{name}: not exact after the refusal"
+        handle.check_request()  # no miss: the refusal served nothing from the poison slot
+    finally:
+        handle.release(check=False)
+        handle.disable()
+
+
+def test_prepare_rejects_a_meta_input_of_a_three_column_family() -> None:
+    """HunyuanImage (timestep, timestep_r, guidance): a meta guidance is a PlanError, not a
+    RuntimeError about devices from stacking the columns; the prepared request stays and is exact."""
+    pytest.importorskip("diffusers")
+    from adalncache.diffusers import enable_adaln_cache
+    from adalncache.families import adaln_zero
+    from adalncache.tools import tiny_adaln_zero
+
+    model = tiny_adaln_zero.build("HunyuanImageTransformer2DModel", use_meanflow=True, guidance_embeds=True)
+    plan = {
+        "timestep": torch.tensor([713.1]),
+        adaln_zero.TIMESTEP_R: torch.tensor([501.1]),
+        adaln_zero.GUIDANCE: torch.tensor([3500.0]),
+    }
+    handle = enable_adaln_cache(model, max_plans=4)
+    try:
+        handle.prepare([plan])
+        before = _table_state(handle.cache)
+        with pytest.raises(PlanError, match="meta tensor"):
+            handle.prepare([{**plan, adaln_zero.GUIDANCE: plan[adaln_zero.GUIDANCE].to("meta")}])
+        after = _table_state(handle.cache)
+        for key, value in before.items():
+            same = torch.equal(value, after[key]) if isinstance(value, torch.Tensor) else value == after[key]
+            assert same, f"{key} changed"
+        handle.cache.check_invariants()
+    finally:
+        handle.disable()
+
+
+# -- schedule flags of Qwen-Image and AdaLayerNormZero checkpoints ---------------------------------
+
+#: ``(checkpoint, flags, says)``: each must exit 2 with one line naming the flag, and write nothing.
+SCHEDULE_CLI_CASES: list[tuple[str, list[str], str]] = [
+    (
+        "layered",
+        ["--timesteps", "0.5", "--additional-t-cond", "99999999999999999999"],
+        r"--additional-t-cond must be <",
+    ),
+    ("layered", ["--timesteps", "0.5", "--additional-t-cond", "-1"], r"--additional-t-cond must be >= 0"),
+    ("plain", ["--timesteps", "0.5", "--additional-t-cond", "1"], r"drop --additional-t-cond"),
+    ("plain", ["--steps", "4", "--scheduler-config", "{wrongtype}"], r"cannot be computed from --scheduler-config"),
+    ("plain", ["--steps", "4", "--height", "1000000000", "--width", "1000000000"], r"--height 1000000000 --width"),
+    (
+        "bria",
+        ["--steps", "4", "--height", "8", "--width", "8", "--scheduler-config", "{wrongtype}"],
+        r"cannot be computed from --scheduler-config",
+    ),
+    ("layered", ["--timesteps", "nan", "--additional-t-cond", "1"], r"--timesteps must be finite"),
+    ("layered", ["--timesteps", "1e40", "--additional-t-cond", "1"], r"--timesteps must be finite"),
+    ("bria", ["--timesteps", "0.5", "--guidance", "3"], r"drop --guidance"),
+]
+
+
+@pytest.fixture(scope="module")
+def family_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Tiny layered and plain Qwen-Image and Bria (AdaLayerNormZero) checkpoints, and a scheduler
+    config whose values have the wrong types."""
+    pytest.importorskip("diffusers")
+    from adalncache.tools import tiny_adaln_zero
+    from adalncache.tools.tiny_qwen import tiny_qwen_transformer
+
+    root = tmp_path_factory.mktemp("families")
+    tiny_qwen_transformer("layered").save_pretrained(root / "layered")
+    tiny_qwen_transformer("plain").save_pretrained(root / "plain")
+    tiny_adaln_zero.build("BriaTransformer2DModel").save_pretrained(root / "bria")
+    wrong = {"shift": "x", "use_dynamic_shifting": True, "base_shift": "a", "max_shift": "b"}
+    (root / "wrongtype.json").write_text(json.dumps(wrong))
+    return root
+
+
+@pytest.mark.parametrize("index", range(len(SCHEDULE_CLI_CASES)), ids=lambda i: " ".join(SCHEDULE_CLI_CASES[i][1]))
+@pytest.mark.parametrize("command", ["build", "export"])
+def test_cli_schedule_flags_of_every_family_are_refused(
+    family_checkpoints: Path, capsys: pytest.CaptureFixture[str], command: str, index: int, tmp_path: Path
+) -> None:
+    checkpoint, flags, says = SCHEDULE_CLI_CASES[index]
+    flags = [flag.format(wrongtype=family_checkpoints / "wrongtype.json") for flag in flags]
+    args = [command, str(family_checkpoints / checkpoint), "--store", str(tmp_path / "s"), *flags, "-q"]
+    if command == "export":
+        args += ["-o", str(tmp_path / "t.safetensors")]
+    try:
+        code = main(args)
+    except SystemExit as exc:  # argparse's own errors exit
+        code = exc.code
+    err = capsys.readouterr().err.strip()
+    assert code == 2, (code, err)
+    assert len(err.splitlines()) == 1 or err.splitlines()[0].startswith("usage:"), err
+    assert re.search(says, err.splitlines()[-1]), err
+    assert not (tmp_path / "s").exists() and not (tmp_path / "t.safetensors").exists(), "a refused command wrote"
+
+
 # -- files that are not regular files, and ambiguous directories ------------------------------------
 
 _FIFO_CHILD = """

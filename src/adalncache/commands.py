@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -534,6 +535,42 @@ def _positive_int(flag: str) -> Callable[[str], int]:
     return _int_at_least(flag, 1)
 
 
+_T = TypeVar("_T")
+
+#: Plans are float32: an index column is exact only below 2**24 (and an embedding index is never negative).
+MAX_INDEX = 2**24
+
+
+def _index(flag: str) -> Callable[[str], int]:
+    """An embedding index: 0 <= value < 2**24, so the plan's float32 column holds it exactly."""
+    at_least_zero = _int_at_least(flag, 0)
+
+    def parse(text: str) -> int:
+        value = at_least_zero(text)
+        if value >= MAX_INDEX:
+            raise argparse.ArgumentTypeError(f"{flag} must be < {MAX_INDEX} (an embedding index), got {value}")
+        return value
+
+    return parse
+
+
+def _scheduled(compute: Callable[[], _T], config: Any, steps: int, height: int, width: int) -> _T:
+    """``compute()``, the schedule a pipeline runs, with a bad config value or size as one ConfigError.
+
+    Why: the schedule formulas take the config's values as they are; a string ``shift`` or a
+    size whose sequence length overflows a float raised a bare TypeError or OverflowError.
+    """
+    try:
+        return compute()
+    except (TypeError, ValueError, OverflowError, KeyError, ZeroDivisionError) as exc:
+        source = "the released scheduler config" if config is qwen_image.RELEASED_SCHEDULER else "--scheduler-config"
+        raise ConfigError(
+            f"the schedule for --steps {steps} at --height {height} --width {width} cannot be computed from {source} "
+            f"({type(exc).__name__}: {exc}): pass the pipeline's scheduler/scheduler_config.json and a size it runs, "
+            "or --timesteps"
+        ) from None
+
+
 #: The cache options each command takes, as generated flags (in this order on its --help).
 BUILD_OPTIONS = (
     "store",
@@ -670,7 +707,7 @@ def _schedules(parser: argparse.ArgumentParser, steps_help: str) -> None:
     )
     parser.add_argument(
         "--additional-t-cond",
-        type=int,
+        type=_index("--additional-t-cond"),
         default=None,
         help=qwen + "Layered checkpoints: the additional_t_cond index the pipeline passes",
     )
@@ -718,6 +755,17 @@ def _explicit_timesteps(flag: str, text: str) -> list[float]:
         raise ConfigError(f"{flag} must be comma-separated numbers, got {text!r}") from None
     if not values:
         raise ConfigError(f"{flag} is empty: pass the forward's values, e.g. {flag} 0.999,0.5")
+    return _finite(flag, values)
+
+
+def _finite(flag: str, values: list[float]) -> list[float]:
+    """``values`` if every one is finite as the float32 a plan holds; else ConfigError naming ``flag``.
+
+    Checked before the store is opened: the plan's own check would refuse them too, but only
+    after the command had created the store's directory.
+    """
+    if not bool(torch.tensor(values, dtype=torch.float32).isfinite().all()):
+        raise ConfigError(f"{flag} must be finite float32 values (|v| < 3.4e38), got {values}")
     return values
 
 
@@ -739,6 +787,8 @@ def _adaln_zero_plans(args: argparse.Namespace, spec: Any) -> tuple[list[torch.T
             f"--task and --additional-t-cond name MiniMax-H3 and Qwen-Image schedules; a {class_name} schedule is "
             "--steps (with --height/--width) or --timesteps, plus --guidance / --timestep-r where its config takes them"
         )
+    if args.guidance is not None:
+        _finite("--guidance", [args.guidance])
     for name, flag_name, value in (
         (adaln_zero.GUIDANCE, "--guidance", args.guidance),
         (adaln_zero.TIMESTEP_R, "--timestep-r", args.timestep_r),
@@ -762,16 +812,24 @@ def _adaln_zero_plans(args: argparse.Namespace, spec: Any) -> tuple[list[torch.T
         forwards, following = [], []
         for steps in args.steps:
             for height, width in _sizes(args):
-                for step in served.pipeline_forward_inputs(
-                    class_name,
+                scheduled = _scheduled(
+                    functools.partial(
+                        served.pipeline_forward_inputs,
+                        class_name,
+                        steps,
+                        height,
+                        width,
+                        config,
+                        rows=args.batch,
+                        dtype=spec.dtype,
+                        timestep_r=adaln_zero.TIMESTEP_R in inputs,
+                    ),
+                    config,
                     steps,
                     height,
                     width,
-                    config,
-                    rows=args.batch,
-                    dtype=spec.dtype,
-                    timestep_r=adaln_zero.TIMESTEP_R in inputs,
-                ):
+                )
+                for step in scheduled:
                     forwards.append(step[TIMESTEP])
                     following += [step[adaln_zero.TIMESTEP_R]] if adaln_zero.TIMESTEP_R in step else []
         sizes = ", ".join(f"{h}x{w}" for h, w in _sizes(args))
@@ -815,7 +873,13 @@ def _qwen_image_plans(args: argparse.Namespace, spec: Any) -> tuple[list[torch.T
         forwards = []
         for steps in args.steps:
             for height, width in _sizes(args):
-                timesteps = served.pipeline_timesteps(steps, height, width, config)
+                timesteps = _scheduled(
+                    functools.partial(served.pipeline_timesteps, steps, height, width, config),
+                    config,
+                    steps,
+                    height,
+                    width,
+                )
                 forwards += served.schedule_timesteps(timesteps, batch=args.batch, dtype=spec.dtype)
         sizes = ", ".join(f"{h}x{w}" for h, w in _sizes(args))
         described = f"steps {', '.join(map(str, args.steps))} at {sizes}"
@@ -823,6 +887,11 @@ def _qwen_image_plans(args: argparse.Namespace, spec: Any) -> tuple[list[torch.T
             described += " (the released Qwen-Image scheduler config: no --scheduler-config, no scheduler/ beside)"
     else:
         raise ConfigError("name a Qwen-Image schedule: --steps N (with --height/--width), or --timesteps t1,t2,...")
+    if args.additional_t_cond is not None and spec.plan_columns != 2:
+        raise ConfigError(
+            "this Qwen-Image checkpoint has no use_additional_t_cond (its forwards ignore additional_t_cond): drop "
+            "--additional-t-cond"
+        )
     plans = served.spec_plans(spec, forwards, args.additional_t_cond)
     order, tensors = distinct_plans(plans, columns=spec.plan_columns)
     return [tensors[k] for k in order], described

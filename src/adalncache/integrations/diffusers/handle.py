@@ -41,7 +41,7 @@ from .parking import ParkTarget, WeightParking
 from .prepared import PreparedRequest, PreparedRequests
 from .quantized import ProjectionStorage, adapter_guards, transformer_spec
 from .registry import family_of
-from .requests import RequestHolds
+from .requests import RequestHolds, request_plans
 from .scheduling import PendingSchedule
 from .signature import ServedSignature
 from .sources import NeverLoaded, Source, changed_since
@@ -128,6 +128,8 @@ class AdalnCacheHandle:
         request matched none of its prepared plans (it was served NaN rows; see :meth:`check_request`);
         ``check=False`` (on the way out of another error) keeps that report for the next check.
         """
+        if not isinstance(check, bool):  # "no" would be truthy: a report the caller meant to defer would raise
+            raise ConfigError(f"release(check=...) takes True or False, got {check!r}")
         self._passes.release()
         self._prepared.release()
         if check:
@@ -215,7 +217,7 @@ class AdalnCacheHandle:
         if not self.enabled or self._holds is None:
             raise ConfigError("prepare() needs the AdaLN cache enabled; this handle was disabled")
         self._follow(execution_device(self.model))
-        plans = [self.family.request_plan(self.model, plan) for plan in plans]
+        plans = [self.family.request_plan(self.model, plan) for plan in request_plans(plans)]
         return self._holds.for_request(plans, attention_kwargs)
 
     def _prepared_request(self, held: PlanHold, attention_kwargs: Mapping[str, Any] | None) -> PreparedRequest:

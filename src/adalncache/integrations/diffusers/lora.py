@@ -58,7 +58,18 @@ def lora_scale_of(attention_kwargs: Mapping[str, Any] | None) -> float:
     """The LoRA scale a forward given ``attention_kwargs`` runs under (1.0 when not set)."""
     if attention_kwargs is None:
         return 1.0
-    return float(attention_kwargs.get("scale", 1.0))
+    # Checked here, not left to float(): a str or a set would otherwise fail as an AttributeError or
+    # ValueError deep in a build, naming neither the argument nor what to pass.
+    if not isinstance(attention_kwargs, Mapping):
+        raise ConfigError(
+            "attention_kwargs must be a mapping (as the pipeline's attention_kwargs=), got "
+            f"{type(attention_kwargs).__name__}"
+        )
+    scale = attention_kwargs.get("scale", 1.0)
+    try:
+        return float(scale)
+    except (TypeError, ValueError, RuntimeError):
+        raise ConfigError(f'attention_kwargs["scale"] (the LoRA scale) must be a number, got {scale!r}') from None
 
 
 @contextlib.contextmanager

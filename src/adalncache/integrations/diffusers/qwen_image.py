@@ -149,10 +149,12 @@ def forward_plan_of(
     plan = seen.to(torch.float32)  # exact: every bf16, fp16 and fp32 value is an fp32 value
     if not additional_t_cond:
         return plan
-    if not isinstance(additional, torch.Tensor) or additional.dim() != 1:
+    if not isinstance(additional, torch.Tensor) or additional.dim() != 1 or additional.is_floating_point():
+        # A float index would key a plan no forward has (the forward's embedding takes an integer
+        # index), and 0.5 would be embedded as index 0: refused, never a plan of another step.
         raise PlanError(
             f"this Qwen-Image transformer has use_additional_t_cond: its plan needs the forward's additional_t_cond "
-            f"(a 1-D index tensor), got {_describe(additional)}"
+            f"(a 1-D integer index tensor; the CLI's --additional-t-cond), got {_describe(additional)}"
         )
     if additional.shape[0] not in (1, plan.shape[0]):
         raise PlanError(

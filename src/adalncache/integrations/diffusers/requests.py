@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ...errors import ConfigError, PlanNotCachedError
+from ...errors import ConfigError, PlanError, PlanNotCachedError
 from ...holds import PlanHold
 from ...plans import PlanKey, plan_key
 from .callbacks import BuildCallbacks
@@ -33,6 +34,29 @@ if TYPE_CHECKING:
     from ... import AdalnCache
 
 logger = logging.getLogger(__name__)
+
+
+def request_plans(plans: Any) -> list[Any]:
+    """``prepare``'s / ``request``'s ``plans`` as a list, or :class:`~adalncache.PlanError`.
+
+    Why: a single tensor, a single mapping or a string is iterable, so without this check it would
+    be taken apart (a tensor into 0-d rows, a mapping into its key strings) and refused with a
+    message about the pieces, not about the argument.
+    """
+    if isinstance(plans, (torch.Tensor, Mapping, str, bytes)) or not isinstance(plans, (Sequence, Iterable)):
+        raise PlanError(
+            f"plans must be a list of plans (one per forward: its timestep tensor, or a mapping of its keying "
+            f"inputs by argument name; the CLI's --timesteps / --steps), got {type(plans).__name__}: wrap a "
+            "single plan in a list"
+        )
+    plans = list(plans)
+    for plan in plans:
+        # A meta tensor has no values to key: refused here for every family, before a family's
+        # plan function stacks it with real tensors (a RuntimeError about devices otherwise).
+        values = plan.values() if isinstance(plan, Mapping) else plan if isinstance(plan, (tuple, list)) else [plan]
+        if any(isinstance(value, torch.Tensor) and value.is_meta for value in values):
+            raise PlanError("a plan must hold data, got a meta tensor: pass the tensors the forward receives")
+    return plans
 
 
 class RequestHolds:
@@ -65,6 +89,8 @@ class RequestHolds:
         """
         tensors = [plan[0] if isinstance(plan, (tuple, list)) else plan for plan in plans]
         scale = lora_scale_of(attention_kwargs)
+        if not math.isfinite(scale):  # every row would be NaN or inf: never a request worth building
+            raise ConfigError(f'attention_kwargs["scale"] (the LoRA scale) must be finite, got {scale}')
         tuners, variant, refs = self.signature.read(scale)
         return self.hold(tensors, None, scale, tuners, variant, refs, embed=embed)
 
