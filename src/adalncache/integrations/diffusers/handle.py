@@ -40,7 +40,6 @@ from .parking import ParkTarget, WeightParking
 from .quantized import ProjectionStorage, adapter_guards, transformer_spec
 from .registry import family_of
 from .requests import RequestHolds
-from .scheduling import PendingSchedule
 from .signature import ServedSignature
 from .sources import NeverLoaded, Source, changed_since
 
@@ -84,8 +83,6 @@ class AdalnCacheHandle:
             follow=self._follow,
             overlap=config.overlap,
         )
-        #: Per thread: a pipeline's schedule waiting for its request's first forward.
-        self._schedule = PendingSchedule(model, lambda: self.family, lambda: self.cache, self._requests.hold_schedule)
         #: Host copies of the model's own projections (CUDA), released on disable().
         self._host_buffers: list[HostBuffer] = []
         self._fresh_state()
@@ -333,7 +330,7 @@ class AdalnCacheHandle:
             self.cache,
             self._requests.hold_forward,
             self.family,
-            before=self._schedule.before_forward,
+            before=self._requests.schedule.before_forward,
             prepared=self._requests.serve_prepared,
         )
         hooks.register(time_embedder=choice.free_time_embedder)
@@ -398,7 +395,7 @@ class AdalnCacheHandle:
 
     def expect_schedule(self, timesteps: torch.Tensor) -> None:
         """A pipeline's scheduler set ``timesteps`` on this thread: its next forward prepares them all."""
-        self._schedule.expect(timesteps)
+        self._requests.schedule.expect(timesteps)
 
 
 def enable_transformer(

@@ -3,15 +3,17 @@
 Why a class of its own: the handle (:mod:`.handle`) puts one enabling together and takes it
 apart; what a request does while the model is enabled is a separate job with its own per-thread
 state. A thread's request is held in one of three ways (``prepare``, ``request``, a pipeline's
-schedule), optionally by a pass on a background thread (:mod:`.overlap`), and its forwards are
-served either on the device from the request's prepared keys (:mod:`.prepared`) or on the host
-path, each forward holding its own plan (:mod:`.requests`). The request ends at ``release``,
-``finish``, the thread's next request, a move of the cache or ``disable()``; a forward that matched
-none of its plans is reported then as :class:`~adalncache.PlanMismatchError`.
+schedule, which :mod:`.scheduling` keeps here until the request's first forward), optionally by
+a pass on a background thread (:mod:`.overlap`), and its forwards are served either on the device
+from the request's prepared keys (:mod:`.prepared`) or on the host path, each forward holding its
+own plan (:mod:`.requests`). The request ends at ``release``, ``finish``, the thread's next
+request, a move of the cache or ``disable()``; a forward that matched none of its plans is
+reported then as :class:`~adalncache.PlanMismatchError`.
 
 The handle keeps its public methods (``prepare``, ``release``, ``check_request``, ``request``,
-``start_prepare``, ``finish``, ``join_background``) and delegates them here; this class reaches
-the handle's state only through the callables it is given, so it never sees a half-enabled model.
+``start_prepare``, ``finish``, ``join_background``, ``expect_schedule``) and delegates them here.
+This class reaches the enabling only through the callables it is given, read at each call: an
+enabling again (after a cast) replaces the holds, the cache and the family under it.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from .modules import execution_device
 from .overlap import BackgroundPasses
 from .prepared import PreparedRequest, PreparedRequests
 from .requests import RequestHolds
+from .scheduling import PendingSchedule
 
 if TYPE_CHECKING:
     from ... import AdalnCache, BuildReport
@@ -68,6 +71,8 @@ class RequestLifecycle:
         self._prepared = PreparedRequests()
         #: Per thread: its request's pass on a background thread (``overlap``), and all those running.
         self._passes = BackgroundPasses()
+        #: Per thread: a pipeline's schedule waiting for its request's first forward (the hooks' ``before``).
+        self.schedule = PendingSchedule(model, family, cache, self.hold_schedule)
 
     # ------------------------------------------------------------------ a request's start and end
 
