@@ -226,6 +226,25 @@ def test_finish_raises_an_error_no_forward_raised() -> None:
     handle.disable()
 
 
+def test_a_disabled_handle_refuses_a_new_request_by_its_method_name() -> None:
+    """The request methods the handle delegates keep their messages: each names the method refused,
+    nothing is held, and ending a request (``release``, ``finish``, ``join_background``) stays a no-op."""
+    model = tiny_qwen_transformer("plain")
+    handle = enable_adaln_cache(model)
+    handle.disable()
+    plans = [torch.tensor([0.9])]
+    with pytest.raises(ConfigError, match=r"^start_prepare\(\) needs the AdaLN cache enabled"):
+        handle.start_prepare(plans)
+    with pytest.raises(ConfigError, match=r"^prepare\(\) needs the AdaLN cache enabled"):
+        handle.prepare(plans)
+    with pytest.raises(ConfigError, match=r"^prepare\(\) needs the AdaLN cache enabled"), handle.request(plans):
+        pass
+    handle.release()
+    handle.finish()
+    handle.join_background()
+    handle.check_request()
+
+
 def test_a_background_pass_needs_one_key_per_plan() -> None:
     with pytest.raises(ValueError, match="one key per plan"):
         BackgroundPass(lambda plans: None, [torch.tensor([1.0])], [])  # type: ignore[arg-type, return-value]  # never called

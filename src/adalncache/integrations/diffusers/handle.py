@@ -2,8 +2,9 @@
 
 The handle owns the pieces of one enabling and the order they are put together and taken apart
 in: the weight source (:mod:`.choice`), the :class:`~adalncache.AdalnCache`, the parked weights
-(:mod:`.parking`), the hooks (:mod:`.hooks`), the LoRA tracking and the method overrides. What a
-request or a forward does while enabled is :mod:`.requests` (holds: the hit path, else one build)
+(:mod:`.parking`), the hooks (:mod:`.hooks`), the LoRA tracking and the method overrides. Each
+thread's request, from ``prepare`` to its end, is :mod:`.lifecycle`'s (the handle's request methods
+delegate to it); a request's or a forward's holds are :mod:`.requests` (the hit path, else one build)
 with the LoRA signature of :mod:`.signature` and the build callbacks of :mod:`.callbacks`.
 
 Threads: a build (with its LoRA scale and its loan of the time embedder's weights) runs under the
@@ -15,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -25,24 +26,20 @@ from ... import TensorSource
 from ...errors import CheckpointError, ConfigError
 from ...holds import PlanHold
 from ...hostmem import HostBuffer
-from ...numerics import autocast_dtype
-from ...plans import PlanKey, plan_key
 from ...source.absent import NoWeights
 from .callbacks import BuildCallbacks
 from .casting import casting_guard, settle_casting
 from .choice import SourceChoice, choose_source
 from .config import AdalnCacheConfig
 from .hooks import ServingHooks
+from .lifecycle import RequestLifecycle
 from .lora import LoraTracker
 from .modules import base_linear, device_of, execution_device, install_overrides, remove_overrides
 from .moving import LiftedGroupOffloading, guarded_apply, refresh_group_offloading
-from .overlap import BackgroundPasses
 from .parking import ParkTarget, WeightParking
-from .prepared import PreparedRequest, PreparedRequests
 from .quantized import ProjectionStorage, adapter_guards, transformer_spec
 from .registry import family_of
-from .requests import RequestHolds, request_plans
-from .scheduling import PendingSchedule
+from .requests import RequestHolds
 from .signature import ServedSignature
 from .sources import NeverLoaded, Source, changed_since
 
@@ -76,12 +73,16 @@ class AdalnCacheHandle:
         self._enabled_fingerprint: str | None = None
         #: Builds, LoRA scaling and hook moves (they change module state other threads read).
         self._lock = threading.RLock()
-        #: Per thread: its prepared request, whose forwards find their slots on the device (``prepared``).
-        self._prepared = PreparedRequests()
-        #: Per thread: its request's pass on a background thread (``overlap``), and all those running.
-        self._passes = BackgroundPasses()
-        #: Per thread: a pipeline's schedule waiting for its request's first forward.
-        self._schedule = PendingSchedule(model, lambda: self.family, lambda: self.cache, self._hold_schedule)
+        #: Each thread's request: held, served on the device or the host path, checked, released.
+        self._requests = RequestLifecycle(
+            model,
+            holds=lambda: self._holds,
+            enabled=lambda: self.enabled,
+            cache=lambda: self.cache,
+            family=lambda: self.family,
+            follow=self._follow,
+            overlap=config.overlap,
+        )
         #: Host copies of the model's own projections (CUDA), released on disable().
         self._host_buffers: list[HostBuffer] = []
         self._fresh_state()
@@ -116,10 +117,7 @@ class AdalnCacheHandle:
         effective LoRA projection, so the tables are built under it. Call it under the autocast
         state the loop runs under (tables built outside autocast are rebuilt inside it).
         """
-        self.release()  # the thread's previous request is over: its plans may make room for this one
-        held = self._request_hold(plans, attention_kwargs)
-        self._prepared.start(self._prepared_request(held, attention_kwargs))
-        return held.report
+        return self._requests.prepare(plans, attention_kwargs)
 
     def release(self, *, check: bool = True) -> None:
         """Release the plans the calling thread's last :meth:`prepare` holds (no-op when none).
@@ -128,12 +126,7 @@ class AdalnCacheHandle:
         request matched none of its prepared plans (it was served NaN rows; see :meth:`check_request`);
         ``check=False`` (on the way out of another error) keeps that report for the next check.
         """
-        if not isinstance(check, bool):  # "no" would be truthy: a report the caller meant to defer would raise
-            raise ConfigError(f"release(check=...) takes True or False, got {check!r}")
-        self._passes.release()
-        self._prepared.release()
-        if check:
-            self._prepared.check()
+        self._requests.release(check=check)
 
     def start_prepare(self, plans: Sequence[Any], *, attention_kwargs: Mapping[str, Any] | None = None) -> None:
         """:meth:`prepare` on a background thread: returns at once, and each forward of the calling
@@ -142,47 +135,16 @@ class AdalnCacheHandle:
         A failure of the pass is raised by the next forward that needs a plan of it, or by
         :meth:`finish`. The request's forwards key their plans on the host (no device-side lookup).
         """
-        self.release()
-        if not self.enabled or self._holds is None:
-            raise ConfigError("start_prepare() needs the AdaLN cache enabled; this handle was disabled")
-        self._follow(execution_device(self.model))
-        self._start_background([self.family.request_plan(self.model, plan) for plan in plans], attention_kwargs)
+        self._requests.start_prepare(plans, attention_kwargs)
 
     def finish(self) -> None:
         """End the calling thread's request: wait for its background pass, if any, raise its error if
         no forward raised it yet, then :meth:`release` (and its PlanMismatchError check)."""
-        try:
-            self._passes.finish()
-        except BaseException:
-            self.release(check=False)
-            raise
-        self.release()
+        self._requests.finish()
 
     def join_background(self) -> None:
         """Wait until every background pass started on this handle (by any thread) has ended."""
-        self._passes.join_all()
-
-    def _start_background(self, plans: list[Any], attention_kwargs: Mapping[str, Any] | None) -> None:
-        """Hold ``plans`` (keyed as forwards key them) for this thread from a background pass."""
-        holds = self._holds
-        assert holds is not None
-        tensors = [plan[0] if isinstance(plan, (tuple, list)) else plan for plan in plans]
-        if autocast_dtype(self.cache.device) is not None or all(t in self.cache for t in tensors):
-            # Autocast is thread-local (a pass thread would not see it); a resident request is a hit.
-            held = holds.for_request(plans, attention_kwargs)
-            self._prepared.start(self._prepared_request(held, attention_kwargs))
-            return
-        keys = [plan_key(t, self.cache.spec.plan_columns) for t in tensors]
-        inputs = holds.embed_ahead(plans, attention_kwargs)  # the time embedder runs here, not beside forwards
-        self._passes.start(lambda chunk: holds.for_request(chunk, attention_kwargs, embed=inputs), plans, keys)
-
-    def _await_background(self, key: PlanKey) -> None:
-        """Before a forward of ``key``: wait for the thread's background pass to make it servable."""
-        try:
-            self._passes.wait_for(key)
-        except BaseException:
-            self.release(check=False)  # the request fails here: what its pass did hold goes back now
-            raise
+        self._requests.join_background()
 
     def check_request(self) -> None:
         """Raise :class:`~adalncache.PlanMismatchError` if a forward of the calling thread's prepared
@@ -192,58 +154,18 @@ class AdalnCacheHandle:
         slot's NaN rows instead of any plan's; this is where the miss is reported. The request
         stays prepared and the cache stays usable.
         """
-        self._prepared.check()
+        self._requests.check()
 
-    @contextlib.contextmanager
-    def request(self, plans: Sequence[Any], *, attention_kwargs: Mapping[str, Any] | None = None) -> Iterator[PlanHold]:
+    def request(
+        self, plans: Sequence[Any], *, attention_kwargs: Mapping[str, Any] | None = None
+    ) -> contextlib.AbstractContextManager[PlanHold]:
         """``with handle.request(plans):`` prepares ``plans`` and holds them until the block ends.
 
         For a bare transformer loop: no build for another request evicts or rewrites these plans
         while the loop runs, and they are released on an exception too. Yields the
         :class:`~adalncache.holds.PlanHold` (``.report`` says what the build did).
         """
-        held = self._request_hold(plans, attention_kwargs)
-        request = self._prepared_request(held, attention_kwargs)
-        previous = self._prepared.start(request)  # the block's forwards are this request's
-        try:
-            yield held
-        except BaseException:
-            self._prepared.finish(request, previous)
-            raise
-        self._prepared.finish(request, previous)
-        self._prepared.check()  # a forward of the block matched no plan of it: PlanMismatchError
-
-    def _request_hold(self, plans: Sequence[Any], attention_kwargs: Mapping[str, Any] | None) -> PlanHold:
-        if not self.enabled or self._holds is None:
-            raise ConfigError("prepare() needs the AdaLN cache enabled; this handle was disabled")
-        self._follow(execution_device(self.model))
-        plans = [self.family.request_plan(self.model, plan) for plan in request_plans(plans)]
-        return self._holds.for_request(plans, attention_kwargs)
-
-    def _prepared_request(self, held: PlanHold, attention_kwargs: Mapping[str, Any] | None) -> PreparedRequest:
-        """``held`` as a request whose forwards find their slots on the device (released if that fails)."""
-        assert self._holds is not None  # _request_hold checked it
-        try:
-            variant = self._holds.variant_of(attention_kwargs)
-            poison, columns = self.cache.poison_slot, self.spec.plan_columns
-            return PreparedRequest(held, variant=variant, device=self.cache.device, poison=poison, columns=columns)
-        except BaseException:
-            held.release()
-            raise
-
-    def _serve_prepared(
-        self, timestep: torch.Tensor, attention_kwargs: Mapping[str, Any] | None
-    ) -> tuple[torch.Tensor, torch.dtype] | None:
-        """A forward's ``(slot, dtype)`` from the thread's prepared request, found on the device, or None.
-
-        None sends the forward down the host path: no prepared request, no holds (disabled), or a
-        CPU forward under accelerate's offload hook (whose device the host path follows).
-        """
-        if self._prepared.request is None or self._holds is None:
-            return None
-        if timestep.device.type == "cpu" and getattr(self.model, "_hf_hook", None) is not None:
-            return None
-        return self._prepared.slot_of(timestep, self._holds.variant_of(attention_kwargs))
+        return self._requests.request(plans, attention_kwargs)
 
     def disable(self, *, allow_changed_checkpoint: bool = False) -> None:
         """Remove every hook and override and put the original weights back, bit-exactly.
@@ -279,7 +201,7 @@ class AdalnCacheHandle:
             )
         else:
             logger.info("AdaLN cache disabled; projection weights restored")
-        self._prepared.check()  # a forward of the last request matched none of its plans
+        self._requests.check()  # a forward of the last request matched none of its plans
 
     def _check_disable(self, allow_changed_checkpoint: bool) -> None:
         """Refuse a disable that would drop another library's wrapper or restore from a changed file."""
@@ -290,8 +212,7 @@ class AdalnCacheHandle:
                 "1.5.3 cannot remove its own here: reload the model), and enable such a library before "
                 "enable_adaln_cache() when the cache must be disabled on its own"
             )
-        self._passes.release()
-        self._prepared.release()  # a mismatch it reports is raised once disabled
+        self._requests.abandon()  # a mismatch it reports is raised once disabled
         if self._parking.restores_from_source and not allow_changed_checkpoint:
             assert self.source is not None
             if changed_since(self.source, self._enabled_fingerprint):
@@ -407,10 +328,10 @@ class AdalnCacheHandle:
             model,
             self.spec,
             self.cache,
-            self._make_resident,
+            self._requests.hold_forward,
             self.family,
-            before=self._schedule.before_forward,
-            prepared=self._serve_prepared,
+            before=self._requests.schedule.before_forward,
+            prepared=self._requests.serve_prepared,
         )
         hooks.register(time_embedder=choice.free_time_embedder)
         signature = ServedSignature(
@@ -464,8 +385,7 @@ class AdalnCacheHandle:
         before = self.cache.device
         # The calling thread's prepared request holds slots of the old device: it is over. Holds of
         # other threads' requests in flight make the move fail (ConfigError, nothing moved).
-        self._passes.release()
-        self._prepared.release()  # a mismatch it reports waits for the next check
+        self._requests.abandon()  # a mismatch it reports waits for the next check
         self.cache.move_to(device)  # a no-op when both name one device ("cuda" and "cuda:0")
         if self.cache.device != before:
             if self._hooks is not None:
@@ -475,38 +395,7 @@ class AdalnCacheHandle:
 
     def expect_schedule(self, timesteps: torch.Tensor) -> None:
         """A pipeline's scheduler set ``timesteps`` on this thread: its next forward prepares them all."""
-        self._schedule.expect(timesteps)
-
-    def _hold_schedule(self, plans: list[Any], attention_kwargs: Mapping[str, Any] | None) -> None:
-        """Hold a request's whole schedule (already keyed as the forward keys it) for this thread."""
-        self.release()  # the thread's previous request is over (PlanMismatchError if it had a mismatch)
-        self._follow(execution_device(self.model))
-        assert self._holds is not None  # the hooks that call this are registered after the holds exist
-        if self.config.overlap:
-            self._start_background(plans, attention_kwargs)
-            return
-        held = self._holds.for_request(plans, attention_kwargs)
-        self._prepared.start(self._prepared_request(held, attention_kwargs))
-
-    def _make_resident(
-        self, plan: torch.Tensor, key: PlanKey, attention_kwargs: Mapping[str, Any] | None, device: torch.device
-    ) -> PlanHold:
-        """Before a forward (the transformer hook calls it): hold ``plan`` resident on ``device``, or refuse.
-
-        ``plan`` is the host copy of the forward's timestep, ``key`` its key, ``device`` where the
-        forward runs (its timestep's), which the cache follows; the hook releases the hold when the
-        forward returns.
-        """
-        if device.type == "cpu" and getattr(self.model, "_hf_hook", None) is not None:
-            # A CPU tensor reports "cpu" even when the forward runs on "cpu:0" (accelerate's model
-            # offload with device="cpu"), whose .to() gave the weights fresh addresses: follow the
-            # device the hook names, as prepare() does, so a build here projects like the model.
-            named = execution_device(self.model)
-            device = named if named is not None and named.type == "cpu" else device
-        self._follow(device)
-        self._await_background(key)
-        assert self._holds is not None  # the hooks are registered after the holds exist
-        return self._holds.for_forward(plan, key, attention_kwargs)
+        self._requests.schedule.expect(timesteps)
 
 
 def enable_transformer(

@@ -250,8 +250,8 @@ def other_hooks_present(model: nn.Module) -> bool:
 class ServingHooks:
     """The hooks of one transformer: registered together, the output hook kept on the live module.
 
-    ``make_resident`` is what the transformer hook calls before each forward (the handle's
-    build-or-refuse policy); the hooks themselves only read the cache.
+    ``make_resident`` is what the transformer hook calls before each forward (the build-or-refuse
+    policy, :meth:`.lifecycle.RequestLifecycle.hold_forward`); the hooks themselves only read the cache.
     """
 
     def __init__(

@@ -45,7 +45,7 @@ from ...plans import PlanKey
 
 logger = logging.getLogger(__name__)
 
-#: Holds a list of request plans resident (one transaction at most): the handle's request hold.
+#: Holds a list of request plans resident (one transaction at most): the request lifecycle's hold (:mod:`.lifecycle`).
 HoldFn = Callable[[list[Any]], PlanHold]
 
 

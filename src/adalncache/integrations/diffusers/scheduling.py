@@ -96,7 +96,7 @@ class ScheduleWatch:
 class PendingSchedule(threading.local):
     """Per thread: the timesteps a scheduler set, prepared by the request's first forward.
 
-    ``hold(plans, attention_kwargs)`` holds the whole schedule for the thread (the handle's); the
+    ``hold(plans, attention_kwargs)`` holds the whole schedule for the thread (the request lifecycle's); the
     family turns the scheduler's timesteps into the forward's plans
     (:meth:`~.family.DiffusersFamily.schedule_plans`), seeing the first forward's arguments.
     """

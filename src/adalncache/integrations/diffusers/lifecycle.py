@@ -1,0 +1,240 @@
+"""Each thread's request on an enabled model, from its ``prepare`` to its end: :class:`RequestLifecycle`.
+
+Why a class of its own: the handle (:mod:`.handle`) puts one enabling together and takes it
+apart; what a request does while the model is enabled is a separate job with its own per-thread
+state. A thread's request is held in one of three ways (``prepare``, ``request``, a pipeline's
+schedule, which :mod:`.scheduling` keeps here until the request's first forward), optionally by
+a pass on a background thread (:mod:`.overlap`), and its forwards are served either on the device
+from the request's prepared keys (:mod:`.prepared`) or on the host path, each forward holding its
+own plan (:mod:`.requests`). The request ends at ``release``, ``finish``, the thread's next
+request, a move of the cache or ``disable()``; a forward that matched none of its plans is
+reported then as :class:`~adalncache.PlanMismatchError`.
+
+The handle keeps its public methods (``prepare``, ``release``, ``check_request``, ``request``,
+``start_prepare``, ``finish``, ``join_background``, ``expect_schedule``) and delegates them here.
+This class reaches the enabling only through the callables it is given, read at each call: an
+enabling again (after a cast) replaces the holds, the cache and the family under it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ...errors import ConfigError
+from ...holds import PlanHold
+from ...numerics import autocast_dtype
+from ...plans import PlanKey, plan_key
+from .modules import execution_device
+from .overlap import BackgroundPasses
+from .prepared import PreparedRequest, PreparedRequests
+from .requests import RequestHolds, request_plans
+from .scheduling import PendingSchedule
+
+if TYPE_CHECKING:
+    from ... import AdalnCache, BuildReport
+    from .family import DiffusersFamily
+
+
+class RequestLifecycle:
+    """The calling thread's request on one enabled model: held, served, checked and released.
+
+    ``holds``: the enabling's :class:`~.requests.RequestHolds` (None while none is registered);
+    ``enabled``: whether the handle is enabled; ``cache`` and ``family``: the enabling's (an
+    enabling again after a cast replaces them); ``follow``: the handle's ``_follow(device)``,
+    which moves the cache to where the forwards run (and abandons this thread's request when it
+    moves); ``overlap``: a pipeline's schedule is held by a background pass.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        holds: Callable[[], RequestHolds | None],
+        enabled: Callable[[], bool],
+        cache: Callable[[], AdalnCache],
+        family: Callable[[], DiffusersFamily],
+        follow: Callable[[torch.device | None], None],
+        overlap: bool,
+    ) -> None:
+        self._model = model
+        self._holds = holds
+        self._enabled = enabled
+        self._cache = cache
+        self._family = family
+        self._follow = follow
+        self._overlap = overlap
+        #: Per thread: its prepared request, whose forwards find their slots on the device (``prepared``).
+        self._prepared = PreparedRequests()
+        #: Per thread: its request's pass on a background thread (``overlap``), and all those running.
+        self._passes = BackgroundPasses()
+        #: Per thread: a pipeline's schedule waiting for its request's first forward (the hooks' ``before``).
+        self.schedule = PendingSchedule(model, family, cache, self.hold_schedule)
+
+    # ------------------------------------------------------------------ a request's start and end
+
+    def prepare(self, plans: Sequence[Any], attention_kwargs: Mapping[str, Any] | None) -> BuildReport:
+        """``handle.prepare``: end the thread's previous request, then hold ``plans`` as its new one."""
+        self.release()  # the thread's previous request is over: its plans may make room for this one
+        held = self._request_hold(plans, attention_kwargs, "prepare()")
+        self._prepared.start(self._prepared_request(held, attention_kwargs))
+        return held.report
+
+    def release(self, *, check: bool = True) -> None:
+        """``handle.release``: give the thread's holds back, then report a mismatch (unless ``check=False``)."""
+        if not isinstance(check, bool):  # "no" would be truthy: a report the caller meant to defer would raise
+            raise ConfigError(f"release(check=...) takes True or False, got {check!r}")
+        self.abandon()
+        if check:
+            self._prepared.check()
+
+    def abandon(self) -> None:
+        """Give the thread's holds back without checking: a mismatch waits for the next check.
+
+        For a move of the cache (the holds name slots of the old device) and the way into
+        ``disable()`` (which checks once the model is restored).
+        """
+        self._passes.release()
+        self._prepared.release()
+
+    def check(self) -> None:
+        """``handle.check_request``: raise PlanMismatchError for the thread's forwards that matched no plan."""
+        self._prepared.check()
+
+    @contextlib.contextmanager
+    def request(self, plans: Sequence[Any], attention_kwargs: Mapping[str, Any] | None) -> Iterator[PlanHold]:
+        """``handle.request``: hold ``plans`` for the ``with`` block, the thread's request inside it."""
+        held = self._request_hold(plans, attention_kwargs, "prepare()")
+        request = self._prepared_request(held, attention_kwargs)
+        previous = self._prepared.start(request)  # the block's forwards are this request's
+        try:
+            yield held
+        except BaseException:
+            self._prepared.finish(request, previous)
+            raise
+        self._prepared.finish(request, previous)
+        self._prepared.check()  # a forward of the block matched no plan of it: PlanMismatchError
+
+    def start_prepare(self, plans: Sequence[Any], attention_kwargs: Mapping[str, Any] | None) -> None:
+        """``handle.start_prepare``: end the previous request, then hold ``plans`` from a background pass."""
+        self.release()
+        holds = self._serving("start_prepare()")
+        family = self._family()
+        self._start_background(holds, [family.request_plan(self._model, plan) for plan in plans], attention_kwargs)
+
+    def finish(self) -> None:
+        """``handle.finish``: wait for the thread's pass, raise its error, then :meth:`release`."""
+        try:
+            self._passes.finish()
+        except BaseException:
+            self.release(check=False)
+            raise
+        self.release()
+
+    def join_background(self) -> None:
+        """``handle.join_background``: wait until every background pass (any thread's) has ended."""
+        self._passes.join_all()
+
+    # ------------------------------------------------------------------ what the hooks call
+
+    def hold_schedule(self, plans: list[Any], attention_kwargs: Mapping[str, Any] | None) -> None:
+        """Hold a pipeline's whole schedule (already keyed as the forward keys it) for this thread."""
+        self.release()  # the thread's previous request is over (PlanMismatchError if it had a mismatch)
+        self._follow(execution_device(self._model))
+        holds = self._holds()
+        assert holds is not None  # the hooks that call this are registered after the holds exist
+        if self._overlap:
+            self._start_background(holds, plans, attention_kwargs)
+            return
+        held = holds.for_request(plans, attention_kwargs)
+        self._prepared.start(self._prepared_request(held, attention_kwargs))
+
+    def serve_prepared(
+        self, timestep: torch.Tensor, attention_kwargs: Mapping[str, Any] | None
+    ) -> tuple[torch.Tensor, torch.dtype] | None:
+        """A forward's ``(slot, dtype)`` from the thread's prepared request, found on the device, or None.
+
+        None sends the forward down the host path: no prepared request, no holds (disabled), or a
+        CPU forward under accelerate's offload hook (whose device the host path follows).
+        """
+        holds = self._holds()
+        if self._prepared.request is None or holds is None:
+            return None
+        if timestep.device.type == "cpu" and getattr(self._model, "_hf_hook", None) is not None:
+            return None
+        return self._prepared.slot_of(timestep, holds.variant_of(attention_kwargs))
+
+    def hold_forward(
+        self, plan: torch.Tensor, key: PlanKey, attention_kwargs: Mapping[str, Any] | None, device: torch.device
+    ) -> PlanHold:
+        """Before a forward (the transformer hook calls it): hold ``plan`` resident on ``device``, or refuse.
+
+        ``plan`` is the host copy of the forward's timestep, ``key`` its key, ``device`` where the
+        forward runs (its timestep's), which the cache follows; the hook releases the hold when the
+        forward returns.
+        """
+        if device.type == "cpu" and getattr(self._model, "_hf_hook", None) is not None:
+            # A CPU tensor reports "cpu" even when the forward runs on "cpu:0" (accelerate's model
+            # offload with device="cpu"), whose .to() gave the weights fresh addresses: follow the
+            # device the hook names, as prepare() does, so a build here projects like the model.
+            named = execution_device(self._model)
+            device = named if named is not None and named.type == "cpu" else device
+        self._follow(device)
+        self._await_background(key)
+        holds = self._holds()
+        assert holds is not None  # the hooks are registered after the holds exist
+        return holds.for_forward(plan, key, attention_kwargs)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _serving(self, what: str) -> RequestHolds:
+        """The enabling's holds, or ConfigError when the handle was disabled."""
+        holds = self._holds()
+        if not self._enabled() or holds is None:
+            raise ConfigError(f"{what} needs the AdaLN cache enabled; this handle was disabled")
+        self._follow(execution_device(self._model))
+        return holds
+
+    def _request_hold(self, plans: Sequence[Any], attention_kwargs: Mapping[str, Any] | None, what: str) -> PlanHold:
+        holds = self._serving(what)
+        family = self._family()
+        return holds.for_request([family.request_plan(self._model, plan) for plan in request_plans(plans)], attention_kwargs)
+
+    def _prepared_request(self, held: PlanHold, attention_kwargs: Mapping[str, Any] | None) -> PreparedRequest:
+        """``held`` as a request whose forwards find their slots on the device (released if that fails)."""
+        try:
+            holds = self._holds()
+            assert holds is not None  # the caller held through them
+            variant = holds.variant_of(attention_kwargs)
+            cache = self._cache()
+            poison, columns = cache.poison_slot, cache.spec.plan_columns
+            return PreparedRequest(held, variant=variant, device=cache.device, poison=poison, columns=columns)
+        except BaseException:
+            held.release()
+            raise
+
+    def _start_background(
+        self, holds: RequestHolds, plans: list[Any], attention_kwargs: Mapping[str, Any] | None
+    ) -> None:
+        """Hold ``plans`` (keyed as forwards key them) for this thread from a background pass."""
+        cache = self._cache()
+        tensors = [plan[0] if isinstance(plan, (tuple, list)) else plan for plan in plans]
+        if autocast_dtype(cache.device) is not None or all(t in cache for t in tensors):
+            # Autocast is thread-local (a pass thread would not see it); a resident request is a hit.
+            held = holds.for_request(plans, attention_kwargs)
+            self._prepared.start(self._prepared_request(held, attention_kwargs))
+            return
+        keys = [plan_key(t, cache.spec.plan_columns) for t in tensors]
+        inputs = holds.embed_ahead(plans, attention_kwargs)  # the time embedder runs here, not beside forwards
+        self._passes.start(lambda chunk: holds.for_request(chunk, attention_kwargs, embed=inputs), plans, keys)
+
+    def _await_background(self, key: PlanKey) -> None:
+        """Before a forward of ``key``: wait for the thread's background pass to make it servable."""
+        try:
+            self._passes.wait_for(key)
+        except BaseException:
+            self.release(check=False)  # the request fails here: what its pass did hold goes back now
+            raise
