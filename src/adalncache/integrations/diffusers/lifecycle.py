@@ -201,7 +201,9 @@ class RequestLifecycle:
     def _request_hold(self, plans: Sequence[Any], attention_kwargs: Mapping[str, Any] | None, what: str) -> PlanHold:
         holds = self._serving(what)
         family = self._family()
-        return holds.for_request([family.request_plan(self._model, plan) for plan in request_plans(plans)], attention_kwargs)
+        return holds.for_request(
+            [family.request_plan(self._model, plan) for plan in request_plans(plans)], attention_kwargs
+        )
 
     def _prepared_request(self, held: PlanHold, attention_kwargs: Mapping[str, Any] | None) -> PreparedRequest:
         """``held`` as a request whose forwards find their slots on the device (released if that fails)."""
