@@ -382,3 +382,23 @@ def test_a_pipeline_handle_reports_a_mismatch_after_releasing_every_transformer(
     with pytest.raises(PlanMismatchError):
         handle.disable()
     assert not handle.enabled
+
+
+def test_a_classic_pipeline_ends_its_request_at_the_last_step() -> None:
+    """After a classic pipeline returns, its schedule is no longer the thread's prepared request: a
+    bare forward of the same shape takes the host path (built, exact), never the poison slot."""
+    from adalncache.tools.tiny_qwen import tiny_prompt_embeds, tiny_qwen_pipeline
+
+    pipe = tiny_qwen_pipeline(transformer=tiny_qwen_transformer("plain"))
+    prompt = tiny_prompt_embeds(pipe.transformer, seed=1)
+    inputs = tiny_qwen_inputs(pipe.transformer, 1, seed=0)
+    with torch.no_grad():
+        resident = pipe.transformer(**inputs)[0]
+    handle = enable_adaln_cache(pipe)
+    generator = torch.Generator().manual_seed(0)
+    pipe(height=32, width=32, num_inference_steps=3, generator=generator, output_type="latent", **prompt)
+    with torch.no_grad():
+        served = pipe.transformer(**inputs)[0]
+    assert torch.equal(served, resident)
+    handle.check_request()  # nothing pending: the bare forward was no miss
+    handle.disable()
