@@ -402,3 +402,31 @@ def test_a_classic_pipeline_ends_its_request_at_the_last_step() -> None:
     assert torch.equal(served, resident)
     handle.check_request()  # nothing pending: the bare forward was no miss
     handle.disable()
+
+
+def _stray_kwargs(request: Any) -> dict[str, Any]:
+    """Step 1's forward with its timestep one ulp off: a miss of the prepared request."""
+    kwargs = request.forward_kwargs(1, request.latents.clone(), request.audio_latents.clone())
+    kwargs["timestep"] = torch.nextafter(kwargs["timestep"], torch.full_like(kwargs["timestep"], 2000.0))
+    return kwargs
+
+
+@pytest.mark.parametrize("inside", ["prepare", "forward", "both"])
+def test_inference_mode_on_either_side_of_a_prepared_request(inside: str) -> None:
+    """``prepare`` under ``torch.inference_mode()`` and the loop outside it, a miss inside it and
+    its check outside, or both: served exactly, and the miss raised as PlanMismatchError, once."""
+    model = tiny_transformer("tiny", seed=0)
+    resident = tiny_transformer("tiny", seed=0)
+    request = make_request(model, "t2va", 3, seed=3)
+    handle = enable_adaln_cache(model)
+    with torch.inference_mode(inside != "forward"):
+        handle.prepare(request.plans)
+    served, expected = run_loop(model, request), run_loop(resident, request)
+    assert torch.equal(served.latents, expected.latents)
+    with torch.inference_mode(inside != "prepare"):
+        video, _ = model(**_stray_kwargs(request))
+    assert torch.isnan(video).all()
+    with pytest.raises(PlanMismatchError, match=r"^1 forward"):
+        handle.check_request()
+    handle.check_request()  # reported once
+    handle.disable()

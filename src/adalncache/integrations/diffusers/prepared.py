@@ -67,6 +67,15 @@ class PreparedRequest:
         by_length: dict[int, list[PlanKey]] = {}
         for key in slots:
             by_length.setdefault(len(key), []).append(key)
+        # Never inference tensors, though prepare() may run under torch.inference_mode(): the miss
+        # counter is updated in place, which a later loop outside inference mode could not do.
+        with torch.inference_mode(False):
+            self._device_state(slots, by_length, device, poison)
+
+    def _device_state(
+        self, slots: dict[PlanKey, int], by_length: dict[int, list[PlanKey]], device: torch.device, poison: int
+    ) -> None:
+        """The keys, slots, poison slot and miss counter on the device (outside inference mode)."""
         #: Patterns per plan -> (``[R, patterns]`` int32 keys, ``[R]`` slots), on the device.
         self.groups = {
             length: (
