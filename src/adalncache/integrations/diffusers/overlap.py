@@ -103,8 +103,14 @@ class BackgroundPass:
                     self._first.set()
             self._keep(self._hold(self._plans))
         except BaseException as exc:  # kept for the request's thread, which raises it (module docstring)
-            self.error = exc
-            logger.debug("AdaLN cache: the background pass failed: %s", exc)
+            with self._lock:
+                self.error = exc
+                late = self._released and not self._surfaced  # no thread of the request will raise it
+                self._surfaced = self._surfaced or late
+            if late:
+                logger.warning("AdaLN cache: a background pass failed after its request ended: %s", exc)
+            else:
+                logger.debug("AdaLN cache: the background pass failed: %s", exc)
         finally:
             self._first.set()
             self._done.set()
@@ -132,7 +138,8 @@ class BackgroundPass:
         with self._lock:
             self._released = True
             holds, self._holds = self._holds, []
-            unreported = self.error is not None and not self._surfaced and self._done.is_set()
+            # The pass sets its error under this lock: either it is set now, or the pass sees _released.
+            unreported = self.error is not None and not self._surfaced
             self._surfaced = self._surfaced or unreported
         for held in holds:
             held.release()
