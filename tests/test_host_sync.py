@@ -430,3 +430,17 @@ def test_inference_mode_on_either_side_of_a_prepared_request(inside: str) -> Non
         handle.check_request()
     handle.check_request()  # reported once
     handle.disable()
+
+
+def test_a_prepare_inside_a_request_block_releases_the_outer_request() -> None:
+    """``prepare`` inside ``with handle.request(...)`` ends the block's request and the one it stood in for."""
+    model = tiny_transformer("tiny", seed=0)
+    first, second = make_request(model, "t2va", 3, seed=1), make_request(model, "t2va", 4, seed=2)
+    handle = enable_adaln_cache(model, max_plans=16)
+    handle.prepare(first.plans)
+    outer = handle._requests._prepared.request.hold
+    with handle.request(second.plans):
+        handle.prepare(second.plans)  # a helper called inside the block prepares again
+    handle.release()
+    assert outer.released, "the outer request's plans stay held after the block and release()"
+    handle.disable()

@@ -166,6 +166,8 @@ class PreparedRequests(threading.local):
         """End ``request`` (a ``with`` block's), putting ``previous`` back; its misses wait for :meth:`check`."""
         if self.request is request:
             self.request = previous
+        elif previous is not None:  # a prepare inside the block replaced it: the outer request is over too
+            self.pending += previous.release()
         self.pending += request.release()
 
     def check(self) -> None:
