@@ -321,3 +321,16 @@ def test_a_pass_failing_after_its_request_was_released_logs_a_warning(caplog: py
         go.set()
         background.join()
     assert [r for r in caplog.records if r.levelno == logging.WARNING and "disk gone" in r.getMessage()]
+
+
+def test_no_background_pass_starts_once_disabling_began() -> None:
+    """``disable()`` closes the passes before it joins them: a request started on another thread
+    afterwards holds in the foreground, never on a pass that would outlive the join."""
+    from adalncache.integrations.diffusers.overlap import BackgroundPasses
+
+    passes = BackgroundPasses()
+    started: list[Any] = []
+    passes.close()
+    assert passes.start(lambda chunk: started.append(chunk), [torch.tensor([0.5])], [(1,)]) is False
+    passes.join_all()
+    assert started == [] and passes.take() is None

@@ -134,6 +134,18 @@ class RequestLifecycle:
             raise
         self.release()
 
+    def stop_background(self) -> None:
+        """The way into ``disable()``: refuse new background passes, then wait for the running ones.
+
+        Why not :meth:`join_background`: another thread could start a pass between the join and
+        the hooks' removal, and that pass would run on the parked weights as they are restored.
+        """
+        self._passes.close()
+
+    def reopen_background(self) -> None:
+        """After :meth:`stop_background`, the handle enabled again (a cast): passes may start again."""
+        self._passes.reopen()
+
     def join_background(self) -> None:
         """``handle.join_background``: wait until every background pass (any thread's) has ended."""
         self._passes.join_all()
@@ -237,7 +249,9 @@ class RequestLifecycle:
             return
         keys = [plan_key(t, cache.spec.plan_columns) for t in tensors]
         inputs = holds.embed_ahead(plans, attention_kwargs)  # the time embedder runs here, not beside forwards
-        self._passes.start(lambda chunk: holds.for_request(chunk, attention_kwargs, embed=inputs), plans, keys)
+        if not self._passes.start(lambda chunk: holds.for_request(chunk, attention_kwargs, embed=inputs), plans, keys):
+            # disable() has begun on another thread: no new pass, which would outlive its join.
+            self._prepared.start(self._prepared_request(holds.for_request(plans, attention_kwargs)))
 
     def _await_background(self, key: PlanKey) -> None:
         """Before a forward of ``key``: wait for the thread's background pass to make it servable."""

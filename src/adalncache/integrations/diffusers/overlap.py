@@ -167,16 +167,35 @@ class BackgroundPasses:
 
     def __init__(self) -> None:
         self._local = threading.local()
-        self._lock = threading.Lock()  # guards _running only; never held while waiting
+        self._lock = threading.Lock()  # guards _running and _closed; never held while waiting
         self._running: list[BackgroundPass] = []
+        self._closed = False
 
-    def start(self, hold: HoldFn, plans: Sequence[Any], keys: Sequence[PlanKey]) -> None:
-        """Start the calling thread's request's pass (its previous one must have been taken)."""
+    def start(self, hold: HoldFn, plans: Sequence[Any], keys: Sequence[PlanKey]) -> bool:
+        """Start the calling thread's request's pass (its previous one must have been taken).
+
+        False, starting nothing, once :meth:`close` was called: ``disable()`` has joined the passes
+        and is removing the hooks a new pass would use; the caller holds in the foreground instead.
+        """
         background = BackgroundPass(hold, plans, keys)
         with self._lock:
+            if self._closed:
+                return False
             self._running = [running for running in self._running if not running.done]
-            self._running.append(background)
+            self._running.append(background)  # registered before close() can take the list
         self._local.pending = background.start()
+        return True
+
+    def reopen(self) -> None:
+        """Accept passes again: the handle was enabled again (after a cast) over the same requests."""
+        with self._lock:
+            self._closed = False
+
+    def close(self) -> None:
+        """Refuse new passes, then wait for every running one (the way into ``disable()``)."""
+        with self._lock:
+            self._closed = True
+        self.join_all()
 
     def take(self) -> BackgroundPass | None:
         """The calling thread's pending pass, which is no longer its request's."""
