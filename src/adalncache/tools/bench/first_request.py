@@ -7,8 +7,8 @@ background thread, step 0 waiting only for its own plans). The time measured is 
 the end of the first ``scheduler.step``: prompt encoding + pass + first step. The request is then
 stopped (the rest of the loop is the same in both); both handles' background passes are joined
 before each run, outside the timing (``invalidate()`` does not wait for a pass: a pass still
-running would build into the next run's cold cache and overlap its timing). Exactness: the whole request of each pipeline,
-run once, ``torch.equal`` on the latents.
+running would build into the next run's cold cache and overlap its timing). Exactness: the whole
+request of each pipeline, run once, ``torch.equal`` on the latents.
 """
 
 from __future__ import annotations
