@@ -454,21 +454,6 @@ def pipeline_forward_inputs(
     return forwards
 
 
-def pipeline_forward_timesteps(
-    class_name: str,
-    steps: int,
-    height: int,
-    width: int,
-    scheduler_config: Mapping[str, Any],
-    *,
-    rows: int,
-    dtype: torch.dtype,
-) -> list[torch.Tensor]:
-    """The ``timestep`` each forward of the class's pipeline receives (:func:`pipeline_forward_inputs`)."""
-    inputs = pipeline_forward_inputs(class_name, steps, height, width, scheduler_config, rows=rows, dtype=dtype)
-    return [step["timestep"] for step in inputs]
-
-
 def _plan_inputs(model: nn.Module) -> tuple[str, ...]:
     config: Any = model.config
     fields = adaln_zero.fields_from_config(type(model).__name__, config)
@@ -486,7 +471,6 @@ __all__ = [
     "embed_input",
     "model_geometry",
     "pipeline_forward_inputs",
-    "pipeline_forward_timesteps",
     "plan_columns",
     "plan_of",
 ]
