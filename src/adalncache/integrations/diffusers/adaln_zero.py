@@ -254,6 +254,12 @@ class AdalnZero(DiffusersFamily):
         """A plan given to ``prepare``: the forward's ``timestep`` tensor, or a mapping of its per-step inputs."""
         inputs = _plan_inputs(model)
         if isinstance(plan, Mapping):
+            unknown = sorted(str(key) for key in set(plan) - set(inputs))
+            if unknown:  # a key the modulation does not read (a typo, another family's input): never ignored
+                raise PlanError(
+                    f"a {type(model).__name__} plan mapping takes the keys {list(inputs)} (the inputs of its "
+                    f"modulation under this config), got the unknown key(s) {unknown}"
+                )
             return plan_of(plan, inputs)
         if isinstance(plan, torch.Tensor) and plan.dim() == 1 and len(inputs) == 1:
             return plan_of({inputs[0]: plan}, inputs)
