@@ -705,6 +705,8 @@ SCHEDULE_CLI_CASES: list[tuple[str, list[str], str]] = [
     ("layered", ["--timesteps", "nan", "--additional-t-cond", "1"], r"--timesteps must be finite"),
     ("layered", ["--timesteps", "1e40", "--additional-t-cond", "1"], r"--timesteps must be finite"),
     ("bria", ["--timesteps", "0.5", "--guidance", "3"], r"drop --guidance"),
+    ("plain", ["--timesteps", "0.5", "--steps", "4"], r"--timesteps and --steps both name the schedule"),
+    ("bria", ["--timesteps", "0.5", "--steps", "4", "--guidance", "3"], r"--timesteps and --steps both name"),
 ]
 
 

@@ -715,6 +715,11 @@ def _schedules(parser: argparse.ArgumentParser, steps_help: str) -> None:
 
 def _request_plans(args: argparse.Namespace, spec: Any) -> tuple[list[torch.Tensor], str]:
     """The distinct plans the schedule flags name for this checkpoint's family, and how to say what they are."""
+    if args.timesteps is not None and args.steps:  # every family's plans take one or the other: never ignore one
+        raise ConfigError(
+            "--timesteps and --steps both name the schedule (explicit timesteps, or the pipeline's schedule of N "
+            "steps): pass one of them"
+        )
     if spec.family.name == adaln_zero.FAMILY.name:
         return _adaln_zero_plans(args, spec)
     if args.guidance is not None or args.timestep_r is not None:
