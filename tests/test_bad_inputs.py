@@ -705,6 +705,8 @@ SCHEDULE_CLI_CASES: list[tuple[str, list[str], str]] = [
     ("layered", ["--timesteps", "nan", "--additional-t-cond", "1"], r"--timesteps must be finite"),
     ("layered", ["--timesteps", "1e40", "--additional-t-cond", "1"], r"--timesteps must be finite"),
     ("bria", ["--timesteps", "0.5", "--guidance", "3"], r"drop --guidance"),
+    ("plain", ["--timesteps", "0.5", "--steps", "4"], r"--timesteps and --steps both name the schedule"),
+    ("bria", ["--timesteps", "0.5", "--steps", "4", "--guidance", "3"], r"--timesteps and --steps both name"),
 ]
 
 
@@ -793,3 +795,19 @@ def test_cli_refuses_an_ambiguous_directory_naming_both_files(env: Env, capsys: 
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and "diffusion_pytorch_model.old.safetensors" in err, err
         assert "--checkpoint" in err and "CHECKPOINT" in err, err
+
+
+def test_prepare_refuses_an_unknown_key_of_an_adaln_zero_plan() -> None:
+    """HunyuanImage given Qwen-Image's ``additional_t_cond``: PlanError naming the accepted keys (was ignored)."""
+    pytest.importorskip("diffusers")
+    from adalncache.diffusers import enable_adaln_cache
+    from adalncache.tools import tiny_adaln_zero
+
+    model = tiny_adaln_zero.build("HunyuanImageTransformer2DModel")
+    handle = enable_adaln_cache(model, max_plans=4)
+    try:
+        with pytest.raises(PlanError, match=r"takes the keys \['timestep'\].*additional_t_cond"):
+            handle.prepare([{"timestep": torch.tensor([713.1]), "additional_t_cond": torch.tensor([1])}])
+        assert handle.stats.passes == 0
+    finally:
+        handle.disable()

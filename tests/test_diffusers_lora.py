@@ -192,3 +192,109 @@ def test_a_hotswap_in_place_rebuilds_the_tables(pair: tuple[Any, Any, Any, Any, 
     assert not with_two.equal(with_one)
     _assert_equal(with_two, run_loop(cached, request))
     handle.disable()
+
+
+def _swap_in_place(model: Any) -> None:
+    """A hotswap done on the model directly: new adapter values copied in through ``.data``."""
+    generator = torch.Generator().manual_seed(99)
+    for name, parameter in model.named_parameters():
+        if "lora_B" in name and ("adaln_proj" in name or "norm_out" in name):
+            parameter.data.copy_(0.3 * torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype))
+
+
+def test_a_prepared_request_stops_serving_its_rows_after_invalidate(
+    pair: tuple[Any, Any, Any, Any, TinyRequest], tmp_path: Path
+) -> None:
+    """``cache.invalidate()`` retires the prepared request's held plans: its forwards rebuild, never the old rows."""
+    resident, cached, pipe_resident, pipe_cached, request = pair
+    handle = enable_adaln_cache(pipe_cached)
+    one = _lora_file(resident, tmp_path / "one.safetensors", seed=11)
+    for pipe in (pipe_resident, pipe_cached):
+        pipe.load_lora_weights(str(one), adapter_name="style")
+    handle.prepare(request.plans)
+    before = run_loop(resident, request)
+    _assert_equal(before, run_loop(cached, request))
+    _swap_in_place(resident)
+    _swap_in_place(cached)
+    handle.cache.invalidate()
+    after = run_loop(resident, request)
+    assert not torch.equal(after.latents, before.latents)  # the swap changed the modulation
+    _assert_equal(after, run_loop(cached, request))
+    handle.release()
+
+
+def test_prepare_stamps_the_variant_its_plans_were_held_under(
+    pair: tuple[Any, Any, Any, Any, TinyRequest], tmp_path: Path
+) -> None:
+    """A LoRA change between prepare's hold and its request: the request keeps the held variant (host path after)."""
+    resident, cached, pipe_resident, pipe_cached, request = pair
+    handle = enable_adaln_cache(pipe_cached)
+    one = _lora_file(resident, tmp_path / "one.safetensors", seed=11)
+    two = _lora_file(resident, tmp_path / "two.safetensors", seed=12)
+    for pipe in (pipe_resident, pipe_cached):
+        pipe.load_lora_weights(str(one), adapter_name="style")
+    holds = handle.handles["transformer"]._holds
+    original = holds.for_request
+
+    def for_request(*args: Any, **kwargs: Any) -> Any:
+        held = original(*args, **kwargs)
+        pipe_cached.load_lora_weights(str(two), adapter_name="style", hotswap=True)  # another thread's swap
+        return held
+
+    holds.for_request = for_request
+    try:
+        handle.prepare(request.plans)
+    finally:
+        holds.for_request = original
+    pipe_resident.load_lora_weights(str(two), adapter_name="style", hotswap=True)
+    _assert_equal(run_loop(resident, request), run_loop(cached, request))
+    handle.release()
+
+
+def test_a_scale_one_read_never_sees_another_thread_s_scaled_build(
+    pair: tuple[Any, Any, Any, Any, TinyRequest], tmp_path: Path
+) -> None:
+    """A build under ``scale=0.5`` scales the adapters in place (under the lock); a concurrent read at 1 waits."""
+    import threading
+
+    from adalncache.integrations.diffusers.lora import applied_lora_scale
+
+    resident, _, _, pipe_cached, _ = pair
+    handle = enable_adaln_cache(pipe_cached)
+    pipe_cached.load_lora_weights(str(_lora_file(resident, tmp_path / "one.safetensors", seed=11)), adapter_name="s")
+    holds = handle.handles["transformer"]._holds
+    own, half = holds.variant_of(None), holds.variant_of({"scale": 0.5})
+    assert own != half
+    tuners, _, _ = holds.signature.read(0.5)
+    read: dict[str, Any] = {}
+    thread = threading.Thread(target=lambda: read.setdefault("variant", holds.variant_of(None)))
+    with holds.lock, applied_lora_scale(tuners, 0.5):  # what a build does around its projections
+        thread.start()
+        thread.join(timeout=0.5)
+        assert thread.is_alive(), "a scale-1 read went past a build's lock while the adapters were scaled"
+    thread.join()
+    assert read["variant"] == own
+
+
+def test_a_hotswap_that_fails_midway_still_rebuilds(
+    pair: tuple[Any, Any, Any, Any, TinyRequest], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """peft raising after copying some tensors through ``.data``: the swap is counted, the next forward rebuilds."""
+    resident, cached, pipe_resident, pipe_cached, request = pair
+    handle = enable_adaln_cache(pipe_cached)
+    one = _lora_file(resident, tmp_path / "one.safetensors", seed=11)
+    for pipe in (pipe_resident, pipe_cached):
+        pipe.load_lora_weights(str(one), adapter_name="style")
+    _assert_equal(run_loop(resident, request), run_loop(cached, request))
+
+    def failing_hotswap(model: Any, *args: Any, **kwargs: Any) -> Any:
+        _swap_in_place(model)  # some tensors copied in, then the failure
+        raise RuntimeError("hotswap failed midway")
+
+    monkeypatch.setattr(type(cached), "load_lora_adapter", failing_hotswap)
+    with pytest.raises(RuntimeError, match="midway"):
+        pipe_cached.load_lora_weights(str(one), adapter_name="style", hotswap=True)
+    monkeypatch.undo()
+    _swap_in_place(resident)
+    _assert_equal(run_loop(resident, request), run_loop(cached, request))
+    handle.disable()

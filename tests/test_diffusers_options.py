@@ -24,7 +24,14 @@ from adalncache.plans import minimax_h3_plans
 from adalncache.tools.tiny import make_request, run_loop
 
 #: Options of enable_adaln_cache that belong to the integration, not to the cache.
-INTEGRATION_OPTIONS = {"on_miss", "free_time_embedder", "layout", "verify_checkpoint", "quantized_projections"}
+INTEGRATION_OPTIONS = {
+    "on_miss",
+    "free_time_embedder",
+    "layout",
+    "verify_checkpoint",
+    "quantized_projections",
+    "overlap",
+}
 
 
 def _keyword_defaults(function: Callable[..., Any]) -> dict[str, Any]:

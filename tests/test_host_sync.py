@@ -382,3 +382,65 @@ def test_a_pipeline_handle_reports_a_mismatch_after_releasing_every_transformer(
     with pytest.raises(PlanMismatchError):
         handle.disable()
     assert not handle.enabled
+
+
+def test_a_classic_pipeline_ends_its_request_at_the_last_step() -> None:
+    """After a classic pipeline returns, its schedule is no longer the thread's prepared request: a
+    bare forward of the same shape takes the host path (built, exact), never the poison slot."""
+    from adalncache.tools.tiny_qwen import tiny_prompt_embeds, tiny_qwen_pipeline
+
+    pipe = tiny_qwen_pipeline(transformer=tiny_qwen_transformer("plain"))
+    prompt = tiny_prompt_embeds(pipe.transformer, seed=1)
+    inputs = tiny_qwen_inputs(pipe.transformer, 1, seed=0)
+    with torch.no_grad():
+        resident = pipe.transformer(**inputs)[0]
+    handle = enable_adaln_cache(pipe)
+    generator = torch.Generator().manual_seed(0)
+    pipe(height=32, width=32, num_inference_steps=3, generator=generator, output_type="latent", **prompt)
+    with torch.no_grad():
+        served = pipe.transformer(**inputs)[0]
+    assert torch.equal(served, resident)
+    handle.check_request()  # nothing pending: the bare forward was no miss
+    handle.disable()
+
+
+def _stray_kwargs(request: Any) -> dict[str, Any]:
+    """Step 1's forward with its timestep one ulp off: a miss of the prepared request."""
+    kwargs = request.forward_kwargs(1, request.latents.clone(), request.audio_latents.clone())
+    kwargs["timestep"] = torch.nextafter(kwargs["timestep"], torch.full_like(kwargs["timestep"], 2000.0))
+    return kwargs
+
+
+@pytest.mark.parametrize("inside", ["prepare", "forward", "both"])
+def test_inference_mode_on_either_side_of_a_prepared_request(inside: str) -> None:
+    """``prepare`` under ``torch.inference_mode()`` and the loop outside it, a miss inside it and
+    its check outside, or both: served exactly, and the miss raised as PlanMismatchError, once."""
+    model = tiny_transformer("tiny", seed=0)
+    resident = tiny_transformer("tiny", seed=0)
+    request = make_request(model, "t2va", 3, seed=3)
+    handle = enable_adaln_cache(model)
+    with torch.inference_mode(inside != "forward"):
+        handle.prepare(request.plans)
+    served, expected = run_loop(model, request), run_loop(resident, request)
+    assert torch.equal(served.latents, expected.latents)
+    with torch.inference_mode(inside != "prepare"):
+        video, _ = model(**_stray_kwargs(request))
+    assert torch.isnan(video).all()
+    with pytest.raises(PlanMismatchError, match=r"^1 forward"):
+        handle.check_request()
+    handle.check_request()  # reported once
+    handle.disable()
+
+
+def test_a_prepare_inside_a_request_block_releases_the_outer_request() -> None:
+    """``prepare`` inside ``with handle.request(...)`` ends the block's request and the one it stood in for."""
+    model = tiny_transformer("tiny", seed=0)
+    first, second = make_request(model, "t2va", 3, seed=1), make_request(model, "t2va", 4, seed=2)
+    handle = enable_adaln_cache(model, max_plans=16)
+    handle.prepare(first.plans)
+    outer = handle._requests._prepared.request.hold
+    with handle.request(second.plans):
+        handle.prepare(second.plans)  # a helper called inside the block prepares again
+    handle.release()
+    assert outer.released, "the outer request's plans stay held after the block and release()"
+    handle.disable()

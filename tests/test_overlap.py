@@ -301,3 +301,36 @@ def test_a_hook_bypass_applies_to_the_bypassing_thread_only() -> None:
         other.join()
     assert torch.equal(seen[0], torch.full((1,), 7.0))
     assert torch.equal(module(x), torch.full((1,), 7.0))  # the wrapper is back
+
+
+def test_a_pass_failing_after_its_request_was_released_logs_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    """No thread of the request will raise the error then: it must not vanish at debug level."""
+    import logging
+
+    from adalncache.integrations.diffusers.overlap import BackgroundPass
+
+    go = threading.Event()
+
+    def hold(plans: Any) -> Any:
+        go.wait(timeout=30)
+        raise OSError("disk gone")
+
+    background = BackgroundPass(hold, [torch.tensor([0.5])], [(1,)]).start()
+    background.release()  # the request ends while its pass still runs
+    with caplog.at_level(logging.WARNING, logger="adalncache"):
+        go.set()
+        background.join()
+    assert [r for r in caplog.records if r.levelno == logging.WARNING and "disk gone" in r.getMessage()]
+
+
+def test_no_background_pass_starts_once_disabling_began() -> None:
+    """``disable()`` closes the passes before it joins them: a request started on another thread
+    afterwards holds in the foreground, never on a pass that would outlive the join."""
+    from adalncache.integrations.diffusers.overlap import BackgroundPasses
+
+    passes = BackgroundPasses()
+    started: list[Any] = []
+    passes.close()
+    assert passes.start(lambda chunk: started.append(chunk), [torch.tensor([0.5])], [(1,)]) is False
+    passes.join_all()
+    assert started == [] and passes.take() is None

@@ -565,6 +565,8 @@ def test_cli_steps_default_to_the_released_scheduler(tmp_path: Path, capsys: pyt
     from adalncache.tools.bench.workload import QWEN_SCHEDULER
 
     assert QWEN_SCHEDULER is core.RELEASED_SCHEDULER  # the bench's schedules are the CLI's
+    with pytest.raises(TypeError):  # shared by the CLI and the bench: nobody changes it for the others
+        core.RELEASED_SCHEDULER["shift"] = 3.0  # type: ignore[index]  # wrong on purpose: the refusal is what is tested
     model = diffusers.QwenImageTransformer2DModel.from_pretrained(directory).eval()
     handle = enable_adaln_cache(model, directory, store=store, on_miss="raise")
     handle.prepare(served.schedule_timesteps(released, batch=1, dtype=torch.float32))

@@ -234,6 +234,10 @@ class PreparedMachine(RuleBasedStateMachine):
         entry = STRAY if index == len(POOL) else POOL[index]
         expected = self.models.forward(self.models.resident, entry, scale)
         nan = self._expect_nan(entry, scale)
+        if self.prepared is not None and scale != self.prepared[1]:
+            # The host path builds under another LoRA signature: the held plans retire, so the
+            # prepared request's rows may be stale and no later forward is served from them.
+            self.prepared = (self.prepared[0], float("nan"))
         if fault is None:
             served = self.models.forward(self.models.cached, entry, scale)
         else:

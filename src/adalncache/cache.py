@@ -214,7 +214,7 @@ class AdalnCache(CacheIntrospection):
                 order, tensors = distinct_plans(plans, keys, self.spec.plan_columns)
                 report = self._build(order, tensors, embed, project, variant)
                 with self._lock:
-                    held = self._hold(keys, report)
+                    held = self._hold(keys, report, variant)
         held.report.seconds = time.perf_counter() - start
         return held
 
@@ -272,7 +272,7 @@ class AdalnCache(CacheIntrospection):
         """The hit path of a hold: hold ``keys`` in the same state-lock section that found them resident."""
         with self._lock:
             report = self._hit(list(dict.fromkeys(keys)), variant, local=local)
-            return None if report is None else self._hold(keys, report)
+            return None if report is None else self._hold(keys, report, variant)
 
     def _build(
         self,
@@ -296,8 +296,8 @@ class AdalnCache(CacheIntrospection):
                 self._in_build.active = False
         return report
 
-    def _hold(self, keys: list[PlanKey], report: BuildReport) -> PlanHold:
-        """Hold the slots of ``keys`` (resident; the state lock is held)."""
+    def _hold(self, keys: list[PlanKey], report: BuildReport, variant: Hashable) -> PlanHold:
+        """Hold the slots of ``keys`` (resident under ``variant``; the state lock is held)."""
         slot_list = [self._pool.require(key) for key in keys]
         held = PlanHold(
             self._release,
@@ -306,6 +306,8 @@ class AdalnCache(CacheIntrospection):
             slots=self._slab.indices(slot_list),
             report=report,
             dtype=self._identity.serve_dtype,
+            variant=variant,
+            epoch=self._pool.retirements,
         )
         self._pool.hold(held.held)
         # This thread's stream reads these slots from now on: after the writes that filled them.
@@ -325,6 +327,15 @@ class AdalnCache(CacheIntrospection):
         return self._builder.rows_of(key)
 
     # -- maintenance ------------------------------------------------------------------------
+
+    @property
+    def retirements(self) -> int:
+        """How many held plans were ever retired (``invalidate()``, tables of an old identity dropped).
+
+        Why: a hold keeps reading its retired slots' old rows; a caller that serves many forwards
+        from one hold (a prepared request) compares this with the hold's ``epoch`` to stop doing so.
+        """
+        return self._pool.retirements
 
     def invalidate(self) -> None:
         """Empty the slab and the host tier (held plans retire).

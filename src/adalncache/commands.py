@@ -14,7 +14,7 @@ import contextlib
 import functools
 import json
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar
@@ -554,7 +554,7 @@ def _index(flag: str) -> Callable[[str], int]:
     return parse
 
 
-def _scheduled(compute: Callable[[], _T], config: Any, steps: int, height: int, width: int) -> _T:
+def _scheduled(compute: Callable[[], _T], released: bool, steps: int, height: int, width: int) -> _T:
     """``compute()``, the schedule a pipeline runs, with a bad config value or size as one ConfigError.
 
     Why: the schedule formulas take the config's values as they are; a string ``shift`` or a
@@ -563,7 +563,7 @@ def _scheduled(compute: Callable[[], _T], config: Any, steps: int, height: int, 
     try:
         return compute()
     except (TypeError, ValueError, OverflowError, KeyError, ZeroDivisionError) as exc:
-        source = "the released scheduler config" if config is qwen_image.RELEASED_SCHEDULER else "--scheduler-config"
+        source = "the released scheduler config" if released else "--scheduler-config"
         raise ConfigError(
             f"the schedule for --steps {steps} at --height {height} --width {width} cannot be computed from {source} "
             f"({type(exc).__name__}: {exc}): pass the pipeline's scheduler/scheduler_config.json and a size it runs, "
@@ -715,6 +715,11 @@ def _schedules(parser: argparse.ArgumentParser, steps_help: str) -> None:
 
 def _request_plans(args: argparse.Namespace, spec: Any) -> tuple[list[torch.Tensor], str]:
     """The distinct plans the schedule flags name for this checkpoint's family, and how to say what they are."""
+    if args.timesteps is not None and args.steps:  # every family's plans take one or the other: never ignore one
+        raise ConfigError(
+            "--timesteps and --steps both name the schedule (explicit timesteps, or the pipeline's schedule of N "
+            "steps): pass one of them"
+        )
     if spec.family.name == adaln_zero.FAMILY.name:
         return _adaln_zero_plans(args, spec)
     if args.guidance is not None or args.timestep_r is not None:
@@ -808,7 +813,7 @@ def _adaln_zero_plans(args: argparse.Namespace, spec: Any) -> tuple[list[torch.T
                 "--timestep-r pairs with --timesteps (one value per timestep); with --steps it is the schedule's next "
                 "timestep: drop --timestep-r"
             )
-        config = _scheduler_config(args)
+        config, released = _scheduler_config(args)
         forwards, following = [], []
         for steps in args.steps:
             for height, width in _sizes(args):
@@ -824,7 +829,7 @@ def _adaln_zero_plans(args: argparse.Namespace, spec: Any) -> tuple[list[torch.T
                         dtype=spec.dtype,
                         timestep_r=adaln_zero.TIMESTEP_R in inputs,
                     ),
-                    config,
+                    released,
                     steps,
                     height,
                     width,
@@ -869,13 +874,13 @@ def _qwen_image_plans(args: argparse.Namespace, spec: Any) -> tuple[list[torch.T
         forwards = [torch.tensor([v] * args.batch) for v in values]
         described = f"{len(values)} explicit timestep(s)"
     elif args.steps:
-        config = _scheduler_config(args, qwen_image.RELEASED_SCHEDULER)
+        config, released = _scheduler_config(args, qwen_image.RELEASED_SCHEDULER)
         forwards = []
         for steps in args.steps:
             for height, width in _sizes(args):
                 timesteps = _scheduled(
                     functools.partial(served.pipeline_timesteps, steps, height, width, config),
-                    config,
+                    released,
                     steps,
                     height,
                     width,
@@ -883,7 +888,7 @@ def _qwen_image_plans(args: argparse.Namespace, spec: Any) -> tuple[list[torch.T
                 forwards += served.schedule_timesteps(timesteps, batch=args.batch, dtype=spec.dtype)
         sizes = ", ".join(f"{h}x{w}" for h, w in _sizes(args))
         described = f"steps {', '.join(map(str, args.steps))} at {sizes}"
-        if config is qwen_image.RELEASED_SCHEDULER:
+        if released:
             described += " (the released Qwen-Image scheduler config: no --scheduler-config, no scheduler/ beside)"
     else:
         raise ConfigError("name a Qwen-Image schedule: --steps N (with --height/--width), or --timesteps t1,t2,...")
@@ -897,12 +902,15 @@ def _qwen_image_plans(args: argparse.Namespace, spec: Any) -> tuple[list[torch.T
     return [tensors[k] for k in order], described
 
 
-def _scheduler_config(args: argparse.Namespace, released: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The pipeline's scheduler config: --scheduler-config, else ``scheduler/`` beside the transformer's directory.
+def _scheduler_config(
+    args: argparse.Namespace, released: Mapping[str, Any] | None = None
+) -> tuple[dict[str, Any], bool]:
+    """The pipeline's scheduler config: --scheduler-config, else ``scheduler/`` beside the transformer's
+    directory; and whether it is ``released``.
 
-    ``released``: the family's released scheduler config, returned itself (not a copy, so the caller
-    can say it was used) when neither is there, as for a transformer directory copied on its own; a
-    family without one needs the flag.
+    ``released``: the family's released scheduler config, a copy of which is returned (with True, so
+    the caller can say it was used) when neither is there, as for a transformer directory copied on
+    its own; a family without one needs the flag.
     """
     if args.scheduler_config is not None:
         where = Path(args.scheduler_config)
@@ -911,7 +919,7 @@ def _scheduler_config(args: argparse.Namespace, released: dict[str, Any] | None 
         directory = checkpoint if checkpoint.is_dir() else checkpoint.parent
         where = directory.parent / "scheduler"
         if released is not None and not where.exists():
-            return released
+            return dict(released), True
     if where.is_dir():
         where = where / "scheduler_config.json"
     try:
@@ -924,7 +932,7 @@ def _scheduler_config(args: argparse.Namespace, released: dict[str, Any] | None 
         ) from None
     if not isinstance(config, dict):
         raise ConfigError(f"--scheduler-config {where} is not a JSON object")
-    return config
+    return config, False
 
 
 def _schedule_records(args: argparse.Namespace, spec: Any) -> list[dict[str, Any]]:

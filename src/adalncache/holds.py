@@ -10,7 +10,7 @@ that cannot find room without doing so raises ``PlanError`` instead.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from types import TracebackType
 
 import torch
@@ -26,6 +26,10 @@ class PlanHold:
     device (built without a host-to-device copy; read-only, it may be shared). ``keys``: the plans'
     keys, in the same order. ``report``: what the build that made them resident did. ``dtype``:
     the dtype the rows are served in (the autocast dtype they were built under, else the slab's).
+    ``variant``: the identity variant (LoRA signature) the plans were held under, recorded with the
+    hold so a caller never stamps a variant read later (after a change) on these rows. ``epoch``:
+    the cache's :attr:`~adalncache.AdalnCache.retirements` when the hold was taken; a different
+    count later means a held plan may have been retired (its rows are no longer current).
     """
 
     def __init__(
@@ -37,6 +41,8 @@ class PlanHold:
         slots: torch.Tensor,
         report: BuildReport,
         dtype: torch.dtype,
+        variant: Hashable = None,
+        epoch: int = 0,
     ) -> None:
         self._release = release
         self.keys = keys
@@ -46,6 +52,8 @@ class PlanHold:
         self.slots = slots
         self.report = report
         self.dtype = dtype
+        self.variant = variant
+        self.epoch = epoch
         self.released = False
 
     def release(self) -> None:

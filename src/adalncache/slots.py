@@ -82,6 +82,9 @@ class SlotPool:
         self._holds: dict[int, int] = {}
         # Held slots whose plan left the map, with that plan: cleared at their last release.
         self._retired: dict[int, PlanKey] = {}
+        #: How many held slots were ever retired: a hold that recorded another count may read rows
+        #: that are no longer what its plan's key would build now (``invalidate()``, a new identity).
+        self.retirements = 0
 
     # -- queries ----------------------------------------------------------------------------
 
@@ -201,6 +204,7 @@ class SlotPool:
         slot = self._map.pop(key)
         if slot in self._holds:
             self._retired[slot] = key
+            self.retirements += 1
             return
         self._free_slot(slot)
 

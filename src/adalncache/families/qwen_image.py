@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from functools import lru_cache
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -47,18 +48,21 @@ RELEASED: dict[str, Any] = {"num_layers": 60, "hidden_size": 3072, "zero_cond_t"
 #: omitted). ``--steps`` computes a Qwen-Image schedule with it when no ``--scheduler-config`` is
 #: given and no ``scheduler/`` directory sits beside the checkpoint: the shift depends on it, so a
 #: schedule of another config would build tables no request of the released pipeline asks for.
-RELEASED_SCHEDULER: dict[str, Any] = {
-    "_class_name": "FlowMatchEulerDiscreteScheduler",
-    "base_image_seq_len": 256,
-    "base_shift": 0.5,
-    "max_image_seq_len": 8192,
-    "max_shift": 0.9,
-    "num_train_timesteps": 1000,
-    "shift": 1.0,
-    "shift_terminal": 0.02,
-    "time_shift_type": "exponential",
-    "use_dynamic_shifting": True,
-}
+#: Read-only: it is shared (the CLI, the bench), so no caller may change it for the others.
+RELEASED_SCHEDULER: Mapping[str, Any] = MappingProxyType(
+    {
+        "_class_name": "FlowMatchEulerDiscreteScheduler",
+        "base_image_seq_len": 256,
+        "base_shift": 0.5,
+        "max_image_seq_len": 8192,
+        "max_shift": 0.9,
+        "num_train_timesteps": 1000,
+        "shift": 1.0,
+        "shift_terminal": 0.02,
+        "time_shift_type": "exponential",
+        "use_dynamic_shifting": True,
+    }
+)
 
 #: The projections' input: ``silu(temb)`` in the model's dtype, one row per plan row.
 INPUT = "temb"

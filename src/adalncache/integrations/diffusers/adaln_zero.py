@@ -254,6 +254,12 @@ class AdalnZero(DiffusersFamily):
         """A plan given to ``prepare``: the forward's ``timestep`` tensor, or a mapping of its per-step inputs."""
         inputs = _plan_inputs(model)
         if isinstance(plan, Mapping):
+            unknown = sorted(str(key) for key in set(plan) - set(inputs))
+            if unknown:  # a key the modulation does not read (a typo, another family's input): never ignored
+                raise PlanError(
+                    f"a {type(model).__name__} plan mapping takes the keys {list(inputs)} (the inputs of its "
+                    f"modulation under this config), got the unknown key(s) {unknown}"
+                )
             return plan_of(plan, inputs)
         if isinstance(plan, torch.Tensor) and plan.dim() == 1 and len(inputs) == 1:
             return plan_of({inputs[0]: plan}, inputs)
@@ -454,21 +460,6 @@ def pipeline_forward_inputs(
     return forwards
 
 
-def pipeline_forward_timesteps(
-    class_name: str,
-    steps: int,
-    height: int,
-    width: int,
-    scheduler_config: Mapping[str, Any],
-    *,
-    rows: int,
-    dtype: torch.dtype,
-) -> list[torch.Tensor]:
-    """The ``timestep`` each forward of the class's pipeline receives (:func:`pipeline_forward_inputs`)."""
-    inputs = pipeline_forward_inputs(class_name, steps, height, width, scheduler_config, rows=rows, dtype=dtype)
-    return [step["timestep"] for step in inputs]
-
-
 def _plan_inputs(model: nn.Module) -> tuple[str, ...]:
     config: Any = model.config
     fields = adaln_zero.fields_from_config(type(model).__name__, config)
@@ -486,7 +477,6 @@ __all__ = [
     "embed_input",
     "model_geometry",
     "pipeline_forward_inputs",
-    "pipeline_forward_timesteps",
     "plan_columns",
     "plan_of",
 ]

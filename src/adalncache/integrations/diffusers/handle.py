@@ -177,7 +177,7 @@ class AdalnCacheHandle:
         """
         if not self.enabled:
             return
-        self.join_background()  # a pass still running uses the parked weights and the hooks
+        self._requests.stop_background()  # a pass uses the parked weights and the hooks: none from now on
         self._check_disable(allow_changed_checkpoint)
         if self._hooks is not None:
             self._hooks.remove()
@@ -367,6 +367,7 @@ class AdalnCacheHandle:
     def _enable_again(self) -> None:
         """Enable over the model as it is now (after a cast), with the same settings."""
         self._fresh_state()
+        self._requests.reopen_background()
         self._enable()
 
     def _device_guards(self) -> dict[str, Callable[..., Any]]:

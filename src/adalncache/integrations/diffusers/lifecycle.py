@@ -80,7 +80,7 @@ class RequestLifecycle:
         """``handle.prepare``: end the thread's previous request, then hold ``plans`` as its new one."""
         self.release()  # the thread's previous request is over: its plans may make room for this one
         held = self._request_hold(plans, attention_kwargs, "prepare()")
-        self._prepared.start(self._prepared_request(held, attention_kwargs))
+        self._prepared.start(self._prepared_request(held))
         return held.report
 
     def release(self, *, check: bool = True) -> None:
@@ -108,7 +108,7 @@ class RequestLifecycle:
     def request(self, plans: Sequence[Any], attention_kwargs: Mapping[str, Any] | None) -> Iterator[PlanHold]:
         """``handle.request``: hold ``plans`` for the ``with`` block, the thread's request inside it."""
         held = self._request_hold(plans, attention_kwargs, "prepare()")
-        request = self._prepared_request(held, attention_kwargs)
+        request = self._prepared_request(held)
         previous = self._prepared.start(request)  # the block's forwards are this request's
         try:
             yield held
@@ -134,6 +134,18 @@ class RequestLifecycle:
             raise
         self.release()
 
+    def stop_background(self) -> None:
+        """The way into ``disable()``: refuse new background passes, then wait for the running ones.
+
+        Why not :meth:`join_background`: another thread could start a pass between the join and
+        the hooks' removal, and that pass would run on the parked weights as they are restored.
+        """
+        self._passes.close()
+
+    def reopen_background(self) -> None:
+        """After :meth:`stop_background`, the handle enabled again (a cast): passes may start again."""
+        self._passes.reopen()
+
     def join_background(self) -> None:
         """``handle.join_background``: wait until every background pass (any thread's) has ended."""
         self._passes.join_all()
@@ -150,7 +162,7 @@ class RequestLifecycle:
             self._start_background(holds, plans, attention_kwargs)
             return
         held = holds.for_request(plans, attention_kwargs)
-        self._prepared.start(self._prepared_request(held, attention_kwargs))
+        self._prepared.start(self._prepared_request(held))
 
     def serve_prepared(
         self, timestep: torch.Tensor, attention_kwargs: Mapping[str, Any] | None
@@ -205,15 +217,21 @@ class RequestLifecycle:
             [family.request_plan(self._model, plan) for plan in request_plans(plans)], attention_kwargs
         )
 
-    def _prepared_request(self, held: PlanHold, attention_kwargs: Mapping[str, Any] | None) -> PreparedRequest:
+    def _prepared_request(self, held: PlanHold) -> PreparedRequest:
         """``held`` as a request whose forwards find their slots on the device (released if that fails)."""
         try:
-            holds = self._holds()
-            assert holds is not None  # the caller held through them
-            variant = holds.variant_of(attention_kwargs)
+            # The variant the plans were held under, recorded with the hold: reading the LoRA
+            # signature again here would stamp a change made meanwhile on the old rows.
             cache = self._cache()
             poison, columns = cache.poison_slot, cache.spec.plan_columns
-            return PreparedRequest(held, variant=variant, device=cache.device, poison=poison, columns=columns)
+            return PreparedRequest(
+                held,
+                variant=held.variant,
+                device=cache.device,
+                poison=poison,
+                columns=columns,
+                retirements=lambda: cache.retirements,
+            )
         except BaseException:
             held.release()
             raise
@@ -227,11 +245,13 @@ class RequestLifecycle:
         if autocast_dtype(cache.device) is not None or all(t in cache for t in tensors):
             # Autocast is thread-local (a pass thread would not see it); a resident request is a hit.
             held = holds.for_request(plans, attention_kwargs)
-            self._prepared.start(self._prepared_request(held, attention_kwargs))
+            self._prepared.start(self._prepared_request(held))
             return
         keys = [plan_key(t, cache.spec.plan_columns) for t in tensors]
         inputs = holds.embed_ahead(plans, attention_kwargs)  # the time embedder runs here, not beside forwards
-        self._passes.start(lambda chunk: holds.for_request(chunk, attention_kwargs, embed=inputs), plans, keys)
+        if not self._passes.start(lambda chunk: holds.for_request(chunk, attention_kwargs, embed=inputs), plans, keys):
+            # disable() has begun on another thread: no new pass, which would outlive its join.
+            self._prepared.start(self._prepared_request(holds.for_request(plans, attention_kwargs)))
 
     def _await_background(self, key: PlanKey) -> None:
         """Before a forward of ``key``: wait for the thread's background pass to make it servable."""

@@ -229,11 +229,14 @@ class LoraTracker:
         def load_lora_adapter(*args: Any, **kwargs: Any) -> Any:
             # The next forward sees the new signature and rebuilds; nothing to invalidate here. A
             # hotswap changes nothing the signature reads but the counter (module docstring).
-            with standing_in():
-                result = cls.load_lora_adapter(model, *args, **kwargs)
-            # load_lora_adapter(path_or_dict, prefix, hotswap, ...): hotswap may come positionally.
-            if kwargs.get("hotswap", args[2] if len(args) > 2 else False):
-                self.hotswaps += 1
+            try:
+                with standing_in():
+                    result = cls.load_lora_adapter(model, *args, **kwargs)
+            finally:
+                # load_lora_adapter(path_or_dict, prefix, hotswap, ...): hotswap may come positionally.
+                # Counted even when it raised: peft may have copied some new tensors in already.
+                if kwargs.get("hotswap", args[2] if len(args) > 2 else False):
+                    self.hotswaps += 1
             after_load()
             return result
 

@@ -103,8 +103,14 @@ class BackgroundPass:
                     self._first.set()
             self._keep(self._hold(self._plans))
         except BaseException as exc:  # kept for the request's thread, which raises it (module docstring)
-            self.error = exc
-            logger.debug("AdaLN cache: the background pass failed: %s", exc)
+            with self._lock:
+                self.error = exc
+                late = self._released and not self._surfaced  # no thread of the request will raise it
+                self._surfaced = self._surfaced or late
+            if late:
+                logger.warning("AdaLN cache: a background pass failed after its request ended: %s", exc)
+            else:
+                logger.debug("AdaLN cache: the background pass failed: %s", exc)
         finally:
             self._first.set()
             self._done.set()
@@ -132,7 +138,8 @@ class BackgroundPass:
         with self._lock:
             self._released = True
             holds, self._holds = self._holds, []
-            unreported = self.error is not None and not self._surfaced and self._done.is_set()
+            # The pass sets its error under this lock: either it is set now, or the pass sees _released.
+            unreported = self.error is not None and not self._surfaced
             self._surfaced = self._surfaced or unreported
         for held in holds:
             held.release()
@@ -160,16 +167,35 @@ class BackgroundPasses:
 
     def __init__(self) -> None:
         self._local = threading.local()
-        self._lock = threading.Lock()  # guards _running only; never held while waiting
+        self._lock = threading.Lock()  # guards _running and _closed; never held while waiting
         self._running: list[BackgroundPass] = []
+        self._closed = False
 
-    def start(self, hold: HoldFn, plans: Sequence[Any], keys: Sequence[PlanKey]) -> None:
-        """Start the calling thread's request's pass (its previous one must have been taken)."""
+    def start(self, hold: HoldFn, plans: Sequence[Any], keys: Sequence[PlanKey]) -> bool:
+        """Start the calling thread's request's pass (its previous one must have been taken).
+
+        False, starting nothing, once :meth:`close` was called: ``disable()`` has joined the passes
+        and is removing the hooks a new pass would use; the caller holds in the foreground instead.
+        """
         background = BackgroundPass(hold, plans, keys)
         with self._lock:
+            if self._closed:
+                return False
             self._running = [running for running in self._running if not running.done]
-            self._running.append(background)
+            self._running.append(background)  # registered before close() can take the list
         self._local.pending = background.start()
+        return True
+
+    def reopen(self) -> None:
+        """Accept passes again: the handle was enabled again (after a cast) over the same requests."""
+        with self._lock:
+            self._closed = False
+
+    def close(self) -> None:
+        """Refuse new passes, then wait for every running one (the way into ``disable()``)."""
+        with self._lock:
+            self._closed = True
+        self.join_all()
 
     def take(self) -> BackgroundPass | None:
         """The calling thread's pending pass, which is no longer its request's."""

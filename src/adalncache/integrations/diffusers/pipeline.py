@@ -242,7 +242,7 @@ class PipelineAdalnCacheHandle:
             return
         handle = self.handles["transformer"]
         self._watch = ScheduleWatch(
-            getattr(self.pipeline, "scheduler", None), handle.expect_schedule, last_step=handle.check_request
+            getattr(self.pipeline, "scheduler", None), handle.expect_schedule, last_step=handle.release
         )
         self._watch.install()
 

@@ -16,14 +16,16 @@ the scheduler's last step, the next ``prepare``, ``disable()``, or ``handle.chec
 What stays on the host path (checked on the host, without reading a device tensor): a forward with
 no prepared request on its thread, a plan whose shape or dtype no prepared plan has, a forward on
 another device, under another LoRA signature or autocast state than the request was prepared
-under, or after its hold was released (a move of the cache). Those forwards key and hold their
-plan on the host as before, so they are served exactly, or refused with the host path's error.
+under, after its hold was released (a move of the cache), or after a held plan of the cache was
+retired (``cache.invalidate()``, a checkpoint change): the held rows may be stale then. Those
+forwards key and hold their plan on the host as before, so they are served exactly, or refused
+with the host path's error.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 
 import torch
 
@@ -38,13 +40,26 @@ class PreparedRequest:
 
     ``hold`` holds the plans (released by :meth:`release`); ``variant`` and ``autocast`` are the
     LoRA signature and the autocast dtype the request was prepared under; ``poison`` is the slab's
-    poison slot. The keys are grouped by their number of bit patterns (rows x columns), which a
+    poison slot; ``retirements`` reads the cache's count of retired held plans, which the hold
+    recorded as its ``epoch``: once it changed (``invalidate()``, tables of an old identity
+    dropped), the held rows may be stale and forwards go to the host path, which rebuilds. The
+    keys are grouped by their number of bit patterns (rows x columns), which a
     forward's plan shape gives on the host, so the device compares only plans of its own shape.
     """
 
-    def __init__(self, hold: PlanHold, *, variant: Hashable, device: torch.device, poison: int, columns: int) -> None:
+    def __init__(
+        self,
+        hold: PlanHold,
+        *,
+        variant: Hashable,
+        device: torch.device,
+        poison: int,
+        columns: int,
+        retirements: Callable[[], int],
+    ) -> None:
         self.hold = hold
         self.variant = variant
+        self.retirements = retirements
         self.device = device
         self.columns = columns
         self.autocast = autocast_dtype(device)
@@ -52,6 +67,15 @@ class PreparedRequest:
         by_length: dict[int, list[PlanKey]] = {}
         for key in slots:
             by_length.setdefault(len(key), []).append(key)
+        # Never inference tensors, though prepare() may run under torch.inference_mode(): the miss
+        # counter is updated in place, which a later loop outside inference mode could not do.
+        with torch.inference_mode(False):
+            self._device_state(slots, by_length, device, poison)
+
+    def _device_state(
+        self, slots: dict[PlanKey, int], by_length: dict[int, list[PlanKey]], device: torch.device, poison: int
+    ) -> None:
+        """The keys, slots, poison slot and miss counter on the device (outside inference mode)."""
         #: Patterns per plan -> (``[R, patterns]`` int32 keys, ``[R]`` slots), on the device.
         self.groups = {
             length: (
@@ -67,6 +91,8 @@ class PreparedRequest:
     def covers(self, plan: torch.Tensor, variant: Hashable) -> bool:
         """Whether a forward with ``plan`` under ``variant`` is this request's to serve (host checks only)."""
         if self.hold.released or plan.device != self.device or plan.dtype != torch.float32:
+            return False
+        if self.retirements() != self.hold.epoch:  # a held plan was retired: its rows may be stale
             return False
         shaped = plan.dim() == 1 if self.columns == 1 else plan.dim() == 2 and plan.shape[1] == self.columns
         if not shaped or plan.numel() not in self.groups:
@@ -140,6 +166,8 @@ class PreparedRequests(threading.local):
         """End ``request`` (a ``with`` block's), putting ``previous`` back; its misses wait for :meth:`check`."""
         if self.request is request:
             self.request = previous
+        elif previous is not None:  # a prepare inside the block replaced it: the outer request is over too
+            self.pending += previous.release()
         self.pending += request.release()
 
     def check(self) -> None:

@@ -39,7 +39,7 @@ class ScheduleWatch:
     ) -> None:
         self.scheduler = scheduler
         self.expect = expect
-        #: Called after the request's last ``scheduler.step`` (the handle's ``check_request``).
+        #: Called after the request's last ``scheduler.step`` (the handle's ``release``: the request ends there).
         self.last_step = last_step
         self._installed = False
 

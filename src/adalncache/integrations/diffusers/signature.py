@@ -4,7 +4,10 @@ Before reading it, the served model is checked for what the tables cannot follow
 cast added to a served module since enabling is refused, and a LoRA that replaced
 ``norm_out.linear`` gets the output hook moved onto the new module. Reading the signature under
 an ``attention_kwargs["scale"]`` other than 1 scales the adapters for a moment, which a build on
-another thread must not see: that case (and a hook move) takes the handle's lock.
+another thread must not see: that case (and a hook move) takes the handle's lock. A build under
+such a scale changes the shared ``module.scaling`` in place while it runs, so with adapters on
+the served modules a read at scale 1 takes the lock too (it would read the build's scaling);
+only a model without adapters is read without it.
 """
 
 from __future__ import annotations
@@ -58,6 +61,9 @@ class ServedSignature:
         new_casting(self.hooks.family.served_modules(self.model, self.spec), self.casting_at_enable)
         if scale == 1.0 and not self.hooks.output_moved():
             tuners, variant, refs = self.lora.current(scale)
+            if tuners:  # a build on another thread may be scaling them in place: read under its lock
+                with self.lock:
+                    tuners, variant, refs = self.lora.current(scale)
         else:
             with self.lock:
                 self.hooks.follow_output()

@@ -5,9 +5,10 @@ Two tiny MiniMax-H3 modular pipelines of the same seeded components (``--size``)
 in the foreground (the whole schedule before step 0), one with ``overlap=True`` (the pass on a
 background thread, step 0 waiting only for its own plans). The time measured is from the call to
 the end of the first ``scheduler.step``: prompt encoding + pass + first step. The request is then
-stopped (the rest of the loop is the same in both); the background pass finishes before the next
-run starts, since ``invalidate()`` waits for it. Exactness: the whole request of each pipeline,
-run once, ``torch.equal`` on the latents.
+stopped (the rest of the loop is the same in both); both handles' background passes are joined
+before each run, outside the timing (``invalidate()`` does not wait for a pass: a pass still
+running would build into the next run's cold cache and overlap its timing). Exactness: the whole
+request of each pipeline, run once, ``torch.equal`` on the latents.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ _BLOCK_LOGGER = "diffusers.modular_pipelines.modular_pipeline"
 
 
 def _first_step_seconds(pipe: Any, handle: Any) -> float:
-    handle.cache.invalidate()  # cold: the request's pass runs (waits for a background pass still running)
+    handle.cache.invalidate()  # cold: the request's pass runs (the caller joined every pass still running)
     logger = logging.getLogger(_BLOCK_LOGGER)
     level = logger.level
     logger.setLevel(logging.CRITICAL)
@@ -94,6 +95,8 @@ def bench_first_request(res: Results, size: str, runs: int) -> None:
             samples: dict[str, list[float]] = {"sequential": [], "overlapped": []}
             for _ in range(max(runs, 1)):
                 for name in samples:  # taking turns, so drifting load hits both alike
+                    for handle in handles.values():  # untimed: no stopped request's pass runs beside it
+                        handle.join_background()
                     samples[name].append(_first_step_seconds(pipes[name], handles[name]))
             for handle in handles.values():
                 handle.join_background()  # the last stopped request's pass, still running

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +40,7 @@ QWEN_BLOCKS = 2
 #: The request image size the schedule is shifted for (the pipeline's default).
 QWEN_SIZE = 1024
 #: The released pipeline's scheduler config: the one constant the CLI's ``--steps`` defaults to.
-QWEN_SCHEDULER: dict[str, Any] = qwen_image.RELEASED_SCHEDULER
+QWEN_SCHEDULER: Mapping[str, Any] = qwen_image.RELEASED_SCHEDULER
 
 
 def _random_bf16(shape: tuple[int, ...], seed: int, scale: float) -> Callable[[], torch.Tensor]:
