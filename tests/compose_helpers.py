@@ -123,3 +123,19 @@ def gemv_residues() -> Iterator[Counter[tuple[tuple[int, ...], int]]]:
         yield seen
     finally:
         torch.nn.functional.linear = linear
+
+
+def write_lora(model: Any, names: list[str], path: Any, seed: int, rank: int = 4) -> Any:
+    """A seeded LoRA in diffusers' format on the linears ``names`` of ``model``, saved to ``path``."""
+    from safetensors.torch import save_file
+
+    generator = torch.Generator().manual_seed(seed)
+    modules = dict(model.named_modules())
+    tensors = {}
+    for name in names:
+        linear = modules[name]
+        linear = getattr(linear, "base_layer", linear)
+        tensors[f"transformer.{name}.lora_A.weight"] = 0.3 * torch.randn(rank, linear.in_features, generator=generator)
+        tensors[f"transformer.{name}.lora_B.weight"] = 0.3 * torch.randn(linear.out_features, rank, generator=generator)
+    save_file(tensors, path)
+    return path

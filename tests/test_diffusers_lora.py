@@ -21,13 +21,11 @@ pytest.importorskip("diffusers")
 from adalncache.diffusers import enable_adaln_cache
 from adalncache.errors import ConfigError
 from adalncache.tools.tiny import LoopResult, TinyRequest, make_request, run_loop
+from compose_helpers import write_lora
 
 
 def _lora_file(model: Any, path: Path, seed: int, rank: int = 4) -> Path:
     """A LoRA in the diffusers format on every served module (plus one attention projection)."""
-    from safetensors.torch import save_file
-
-    generator = torch.Generator().manual_seed(seed)
     names = [f"transformer_blocks.{i}.adaln_proj.linear" for i in range(len(model.transformer_blocks))]
     names += [
         "norm_out.linear",
@@ -35,15 +33,7 @@ def _lora_file(model: Any, path: Path, seed: int, rank: int = 4) -> Path:
         "time_embedder.linear_2",
         "transformer_blocks.0.attn.to_q",
     ]
-    modules = dict(model.named_modules())
-    tensors = {}
-    for name in names:
-        linear = modules[name]
-        linear = getattr(linear, "base_layer", linear)
-        tensors[f"transformer.{name}.lora_A.weight"] = 0.3 * torch.randn(rank, linear.in_features, generator=generator)
-        tensors[f"transformer.{name}.lora_B.weight"] = 0.3 * torch.randn(linear.out_features, rank, generator=generator)
-    save_file(tensors, path)
-    return path
+    return write_lora(model, names, path, seed, rank)
 
 
 def _pipeline(model: Any) -> Any:

@@ -24,26 +24,16 @@ pytest.importorskip("diffusers")
 from adalncache.diffusers import enable_adaln_cache
 from adalncache.errors import ConfigError
 from adalncache.tools.tiny_qwen import tiny_prompt_embeds, tiny_qwen_pipeline
+from compose_helpers import write_lora
 
 
 def _lora_file(model: Any, path: Path, seed: int, rank: int = 4) -> Path:
     """A LoRA in diffusers' Qwen-Image format on every served module, the time embedder and one attention."""
-    from safetensors.torch import save_file
-
-    generator = torch.Generator().manual_seed(seed)
     names = []
     for i in range(len(model.transformer_blocks)):
         names += [f"transformer_blocks.{i}.img_mod.1", f"transformer_blocks.{i}.txt_mod.1"]
     names += ["norm_out.linear", "time_text_embed.timestep_embedder.linear_1", "transformer_blocks.0.attn.to_q"]
-    modules = dict(model.named_modules())
-    tensors = {}
-    for name in names:
-        linear = modules[name]
-        linear = getattr(linear, "base_layer", linear)
-        tensors[f"transformer.{name}.lora_A.weight"] = 0.3 * torch.randn(rank, linear.in_features, generator=generator)
-        tensors[f"transformer.{name}.lora_B.weight"] = 0.3 * torch.randn(linear.out_features, rank, generator=generator)
-    save_file(tensors, path)
-    return path
+    return write_lora(model, names, path, seed, rank)
 
 
 def _run(pipe: Any, **kwargs: Any) -> torch.Tensor:

@@ -180,11 +180,7 @@ class CheckpointSource:
         digests: DigestSink | None = None,
         maps: PassMappings | None = None,
     ) -> tuple[LayerWeights, list[torch.Tensor]]:
-        """Read one layer's weight and bias (really reading every byte); returns keep-alive buffers.
-
-        ``staging`` (pool, position in the pass) reads into a reused buffer instead of a fresh one.
-        ``maps`` (the pass's mappings, by file): take each tensor the page cache holds in place.
-        """
+        """One layer's weight and bias, read and counted by :meth:`.layers.LayerReads.layer` (its arguments)."""
         return LayerReads(self._checkpoint, self._counters).layer(
             fds, layer, columns=columns, pin=pin, staging=staging, direct=direct, digests=digests, maps=maps
         )
