@@ -26,9 +26,11 @@ from ...hostmem import HostBuffer
 from ...spec import Layer, ModulationSpec
 from .casting import casting_paths
 from .config import AdalnCacheConfig
-from .family import check_materialised
+from .family import DiffusersFamily, check_materialised
 from .hooks import other_hooks_present
 from .lora import LoraTracker, Variant
+from .modules import base_linear
+from .parking import ParkTarget
 from .quantized import (
     ProjectionStorage,
     check_storage_options,
@@ -62,6 +64,18 @@ class SourceChoice:
     plain_tables: bool = False
     plain_variant: Variant = None
     casting_at_enable: frozenset[str] = frozenset()
+
+    def park_targets(self, family: DiffusersFamily, model: Any) -> list[ParkTarget]:
+        """What enabling frees from the device: every served projection, and the time embedder's
+        linears when nothing else reads them (``free_time_embedder``)."""
+        targets = [
+            ParkTarget(base_linear(module), layer, family.projection_path(layer)) for layer, module in self.modules
+        ]
+        if self.free_time_embedder:
+            targets += [
+                ParkTarget(base_linear(linear), None, path) for path, linear in family.time_embedder_linears(model)
+            ]
+        return targets
 
 
 def choose_source(

@@ -215,6 +215,16 @@ class DiffusersFamily:
         """
         return None
 
+    def predict_schedule(self, model: nn.Module, pipeline: Any, call: Mapping[str, Any]) -> list[Any] | None:
+        """Every step's plan of a pipeline call, from its arguments, before the pipeline runs.
+
+        ``call``: the call's arguments by name, defaults applied. Lets ``overlap=True`` start the
+        pass before the prompt is encoded; the request's first forward compares the prediction with
+        the plans of the schedule the scheduler set (:meth:`schedule_plans`), so a wrong one costs
+        time, never a row. ``None`` (the default): no prediction for this pipeline.
+        """
+        return None
+
     # -- serving -----------------------------------------------------------------------------------
 
     def swapped_layers(self, spec: ModulationSpec) -> list[Layer]:

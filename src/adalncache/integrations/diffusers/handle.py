@@ -34,9 +34,9 @@ from .config import AdalnCacheConfig
 from .hooks import ServingHooks
 from .lifecycle import RequestLifecycle
 from .lora import LoraTracker
-from .modules import base_linear, device_of, execution_device, install_overrides, remove_overrides
+from .modules import device_of, execution_device, install_overrides, remove_overrides
 from .moving import LiftedGroupOffloading, guarded_apply, refresh_group_offloading
-from .parking import ParkTarget, WeightParking
+from .parking import WeightParking
 from .quantized import ProjectionStorage, adapter_guards, transformer_spec
 from .registry import family_of
 from .requests import RequestHolds
@@ -136,6 +136,14 @@ class AdalnCacheHandle:
         :meth:`finish`. The request's forwards key their plans on the host (no device-side lookup).
         """
         self._requests.start_prepare(plans, attention_kwargs)
+
+    def predicted_request(
+        self, plans: Sequence[Any], *, attention_kwargs: Mapping[str, Any] | None = None
+    ) -> contextlib.AbstractContextManager[None]:
+        """With ``overlap=True``: start the pass of a pipeline call's schedule predicted from its
+        arguments, for the ``with`` block (the call); its first forward adopts the pass when the
+        scheduler set the same plans, and drops it otherwise (a wrong prediction costs time, never a row)."""
+        return self._requests.predicted(plans, attention_kwargs)
 
     def finish(self) -> None:
         """End the calling thread's request: wait for its background pass, if any, raise its error if
@@ -306,15 +314,8 @@ class AdalnCacheHandle:
 
     def _park(self, choice: SourceChoice, never_loaded: NeverLoaded | None) -> None:
         """Free the served weights from the device (the time embedder's too when nothing else reads it)."""
-        family = self.family
-        targets = [
-            ParkTarget(base_linear(module), layer, family.projection_path(layer)) for layer, module in choice.modules
-        ]
-        if choice.free_time_embedder:
-            linears = family.time_embedder_linears(self.model)
-            targets += [ParkTarget(base_linear(linear), None, path) for path, linear in linears]
         self._parking.park(
-            targets,
+            choice.park_targets(self.family, self.model),
             source=self.cache.source,
             host_tensors=choice.host_tensors,
             never_loaded=never_loaded.residues if never_loaded is not None else None,

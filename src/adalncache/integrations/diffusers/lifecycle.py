@@ -19,6 +19,7 @@ enabling again (after a cast) replaces the holds, the cache and the family under
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +34,8 @@ from .overlap import BackgroundPasses
 from .prepared import PreparedRequest, PreparedRequests
 from .requests import RequestHolds, request_plans
 from .scheduling import PendingSchedule
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from ... import AdalnCache, BuildReport
@@ -152,8 +155,38 @@ class RequestLifecycle:
 
     # ------------------------------------------------------------------ what the hooks call
 
+    @contextlib.contextmanager
+    def predicted(self, plans: Sequence[Any], attention_kwargs: Mapping[str, Any] | None) -> Iterator[None]:
+        """``handle.predicted_request``: a pipeline call's schedule, predicted from its arguments before
+        it encodes the prompt, built by a background pass from now on (with ``overlap``).
+
+        The request's first forward adopts the pass when the schedule the scheduler set is the same
+        plans in the same order (:meth:`hold_schedule`); otherwise it is dropped and the real one
+        built, so a wrong prediction costs time, never a row. One the call never adopted is given
+        back when the block ends.
+        """
+        if self._overlap and self._enabled() and (holds := self._holds()) is not None:
+            self.abandon()  # the thread's previous request is over (a mismatch is reported at the first forward)
+            try:
+                self._follow(execution_device(self._model))
+                family = self._family()
+                keyed = [family.request_plan(self._model, plan) for plan in plans]
+                if keyed and self.schedule.fits(keyed, warn=False):
+                    self._start_background(holds, keyed, attention_kwargs, predicted=True)
+            except Exception as exc:  # an optimisation: the first forward prepares the real schedule and raises
+                logger.debug("AdaLN cache: the predicted schedule's pass did not start: %s", exc)
+        try:
+            yield
+        finally:
+            self._passes.drop_predicted()
+
     def hold_schedule(self, plans: list[Any], attention_kwargs: Mapping[str, Any] | None) -> None:
         """Hold a pipeline's whole schedule (already keyed as the forward keys it) for this thread."""
+        current = self._holds()
+        if current is not None and self._passes.adopt(
+            lambda: self._keys(plans), lambda: current.variant_of(attention_kwargs)
+        ):
+            return  # the pass started from the call's prediction is this schedule's (:meth:`predicted`)
         self.release()  # the thread's previous request is over (PlanMismatchError if it had a mismatch)
         self._follow(execution_device(self._model))
         holds = self._holds()
@@ -237,21 +270,37 @@ class RequestLifecycle:
             raise
 
     def _start_background(
-        self, holds: RequestHolds, plans: list[Any], attention_kwargs: Mapping[str, Any] | None
+        self,
+        holds: RequestHolds,
+        plans: list[Any],
+        attention_kwargs: Mapping[str, Any] | None,
+        *,
+        predicted: bool = False,
     ) -> None:
-        """Hold ``plans`` (keyed as forwards key them) for this thread from a background pass."""
+        """Hold ``plans`` (keyed as forwards key them) for this thread from a background pass.
+
+        ``predicted``: ``plans`` are a pipeline call's predicted schedule (:meth:`predicted`): a pass
+        is started only where one is needed, and nothing is held in the foreground.
+        """
         cache = self._cache()
-        tensors = [plan[0] if isinstance(plan, (tuple, list)) else plan for plan in plans]
-        if autocast_dtype(cache.device) is not None or all(t in cache for t in tensors):
+        if autocast_dtype(cache.device) is not None or all(t in cache for t in _tensors(plans)):
             # Autocast is thread-local (a pass thread would not see it); a resident request is a hit.
-            held = holds.for_request(plans, attention_kwargs)
-            self._prepared.start(self._prepared_request(held))
+            if not predicted:
+                held = holds.for_request(plans, attention_kwargs)
+                self._prepared.start(self._prepared_request(held))
             return
-        keys = [plan_key(t, cache.spec.plan_columns) for t in tensors]
+        keys = self._keys(plans)
         inputs = holds.embed_ahead(plans, attention_kwargs)  # the time embedder runs here, not beside forwards
-        if not self._passes.start(lambda chunk: holds.for_request(chunk, attention_kwargs, embed=inputs), plans, keys):
+        variant = holds.variant_of(attention_kwargs) if predicted else None
+        hold = lambda chunk: holds.for_request(chunk, attention_kwargs, embed=inputs)  # noqa: E731
+        if not self._passes.start(hold, plans, keys, predicted=predicted, variant=variant) and not predicted:
             # disable() has begun on another thread: no new pass, which would outlive its join.
             self._prepared.start(self._prepared_request(holds.for_request(plans, attention_kwargs)))
+
+    def _keys(self, plans: Sequence[Any]) -> list[PlanKey]:
+        """The key of each plan (keyed as forwards key them), in step order."""
+        columns = self._cache().spec.plan_columns
+        return [plan_key(t, columns) for t in _tensors(plans)]
 
     def _await_background(self, key: PlanKey) -> None:
         """Before a forward of ``key``: wait for the thread's background pass to make it servable."""
@@ -260,3 +309,8 @@ class RequestLifecycle:
         except BaseException:
             self.release(check=False)  # the request fails here: what its pass did hold goes back now
             raise
+
+
+def _tensors(plans: Sequence[Any]) -> list[torch.Tensor]:
+    """Each plan's timestep tensor (a ``(timestep, timestep_indices)`` pair's first element)."""
+    return [plan[0] if isinstance(plan, (tuple, list)) else plan for plan in plans]

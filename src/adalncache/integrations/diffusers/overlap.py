@@ -62,6 +62,12 @@ class BackgroundPass:
             raise ValueError("BackgroundPass needs one key per plan and at least one plan")
         self._hold = hold
         self._plans = list(plans)
+        #: The key of each step's plan in step order: what a predicted pass is compared on (``adopt``).
+        self.keys = tuple(keys)
+        #: Started from a pipeline call's predicted schedule and not adopted yet by its first forward.
+        self.predicted = False
+        #: The LoRA variant the plans are built under (compared when a prediction is adopted).
+        self.variant: object = None
         self.first_keys = frozenset([keys[0]])
         #: Whether the request has plans beyond the first step's (else one transaction does it all).
         self.split = len(set(keys)) > 1
@@ -107,7 +113,7 @@ class BackgroundPass:
                 self.error = exc
                 late = self._released and not self._surfaced  # no thread of the request will raise it
                 self._surfaced = self._surfaced or late
-            if late:
+            if late and not self.predicted:
                 logger.warning("AdaLN cache: a background pass failed after its request ended: %s", exc)
             else:
                 logger.debug("AdaLN cache: the background pass failed: %s", exc)
@@ -143,8 +149,10 @@ class BackgroundPass:
             self._surfaced = self._surfaced or unreported
         for held in holds:
             held.release()
-        if unreported:
+        if unreported and not self.predicted:
             logger.warning("AdaLN cache: a background pass failed after its request ended: %s", self.error)
+        elif unreported:  # a prediction no request adopted: its failure is no request's (a real pass retries)
+            logger.debug("AdaLN cache: a pass of a dropped prediction failed: %s", self.error)
 
     def finish(self) -> None:
         """The request's end: wait for the pass, release its holds, raise its error if no forward did."""
@@ -171,13 +179,24 @@ class BackgroundPasses:
         self._running: list[BackgroundPass] = []
         self._closed = False
 
-    def start(self, hold: HoldFn, plans: Sequence[Any], keys: Sequence[PlanKey]) -> bool:
+    def start(
+        self,
+        hold: HoldFn,
+        plans: Sequence[Any],
+        keys: Sequence[PlanKey],
+        *,
+        predicted: bool = False,
+        variant: object = None,
+    ) -> bool:
         """Start the calling thread's request's pass (its previous one must have been taken).
 
+        ``predicted``: ``plans`` are a pipeline call's predicted schedule, built under the LoRA
+        ``variant`` (the request's first forward adopts the pass, or drops it: :meth:`adopt`).
         False, starting nothing, once :meth:`close` was called: ``disable()`` has joined the passes
         and is removing the hooks a new pass would use; the caller holds in the foreground instead.
         """
         background = BackgroundPass(hold, plans, keys)
+        background.predicted, background.variant = predicted, variant
         with self._lock:
             if self._closed:
                 return False
@@ -196,6 +215,27 @@ class BackgroundPasses:
         with self._lock:
             self._closed = True
         self.join_all()
+
+    def adopt(self, keys: Callable[[], Sequence[PlanKey]], variant: Callable[[], object]) -> bool:
+        """At a request's first forward: whether the thread's pass started from a prediction is this
+        request's (the same ``keys()`` in the same step order, under the same LoRA ``variant()``); it
+        is then the request's pass. False when there is none or it predicted otherwise (the caller
+        drops it). The callables are read only when a prediction is pending."""
+        pending: BackgroundPass | None = getattr(self._local, "pending", None)
+        if pending is None or not pending.predicted:
+            return False
+        if pending.keys != tuple(keys()) or pending.variant != variant():
+            logger.info("AdaLN cache: the schedule predicted from the pipeline call was not the request's; dropped")
+            return False
+        pending.predicted = False
+        logger.debug("AdaLN cache: the pass started from the pipeline call's predicted schedule is the request's")
+        return True
+
+    def drop_predicted(self) -> None:
+        """The pipeline call ends: give back a predicted pass no forward adopted (never waits)."""
+        pending: BackgroundPass | None = getattr(self._local, "pending", None)
+        if pending is not None and pending.predicted:
+            self.release()
 
     def take(self) -> BackgroundPass | None:
         """The calling thread's pending pass, which is no longer its request's."""

@@ -31,6 +31,7 @@ from diffusers.modular_pipelines.modular_pipeline import (
 from diffusers.modular_pipelines.modular_pipeline_utils import InputParam, OutputParam
 
 from ...errors import ConfigError, PlanMismatchError
+from .calls import CallWatch
 from .config import AdalnCacheConfig, CheckpointArg
 from .handle import AdalnCacheHandle, adaln_cache_handle, enable_transformer
 from .registry import family_of, recognised
@@ -150,6 +151,7 @@ class PipelineAdalnCacheHandle:
         self.handles = handles
         self._inserted: list[tuple[LoopSequentialPipelineBlocks, str]] = []
         self._watch: ScheduleWatch | None = None
+        self._calls: CallWatch | None = None
 
     def __getitem__(self, name: str) -> AdalnCacheHandle:
         return self.handles[name]
@@ -227,6 +229,9 @@ class PipelineAdalnCacheHandle:
         if self._watch is not None:
             self._watch.remove()
             self._watch = None
+        if self._calls is not None:
+            self._calls.remove()
+            self._calls = None
         mismatches: list[PlanMismatchError] = []
         for handle in self.handles.values():
             try:
@@ -237,7 +242,9 @@ class PipelineAdalnCacheHandle:
             raise mismatches[0]
 
     def watch_scheduler(self) -> None:
-        """A classic pipeline (no modular blocks): each request's schedule is prepared at its first forward."""
+        """A classic pipeline (no modular blocks): each request's schedule is prepared at its first forward;
+        with ``overlap=True`` its pass starts when the call begins, from the schedule predicted from its
+        arguments (:mod:`.calls`)."""
         if getattr(self.pipeline, "_blocks", None) is not None or "transformer" not in self.handles:
             return
         handle = self.handles["transformer"]
@@ -245,6 +252,19 @@ class PipelineAdalnCacheHandle:
             getattr(self.pipeline, "scheduler", None), handle.expect_schedule, last_step=handle.release
         )
         self._watch.install()
+        if handle.config.overlap:
+            self._calls = CallWatch(self.pipeline, self._predicted_request)
+            self._calls.install()
+
+    def _predicted_request(self, pipeline: Any, call: Mapping[str, Any]) -> Any:
+        """The call's predicted request (the handle's ``predicted_request``), or None when none is predicted."""
+        handle = self.handles["transformer"]
+        if not handle.enabled:
+            return None
+        plans = handle.family.predict_schedule(handle.model, pipeline, call)
+        if not plans:
+            return None
+        return handle.predicted_request(plans, attention_kwargs=call.get("attention_kwargs"))
 
     def insert_prepare_blocks(self) -> None:
         """Put a prepare block in front of the denoiser of every denoise loop that has none yet."""

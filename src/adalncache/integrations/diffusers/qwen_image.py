@@ -32,6 +32,7 @@ from ...errors import ConfigError, PlanError
 from ...families import qwen_image as core
 from ...geometry import TIMESTEP
 from ...spec import Layer, ModulationSpec
+from .calls import pipeline_class
 from .family import DiffusersFamily, timestep_argument
 from .modules import (
     bypassing_hooks,
@@ -100,6 +101,24 @@ class QwenImage(DiffusersFamily):
         if getattr(model.config, "use_additional_t_cond", False):
             return [{TIMESTEP: step, core.ADDITIONAL: additional} for step in steps]
         return steps
+
+    def predict_schedule(self, model: nn.Module, pipeline: Any, call: Mapping[str, Any]) -> list[Any] | None:
+        """``QwenImagePipeline``'s schedule from its call's arguments (:func:`predicted_timesteps`).
+
+        Its text-to-image call only: the Edit pipelines size the latents from the input image, the
+        Layered one from its own resolution buckets, and a subclass may compute its own way (their
+        passes start at the first forward, as without a prediction).
+        """
+        from diffusers import QwenImagePipeline
+
+        config: Any = model.config
+        if pipeline_class(pipeline).__call__ is not QwenImagePipeline.__call__ or config.use_additional_t_cond:
+            return None
+        batch, dtype = _call_batch_and_dtype(pipeline, call)
+        if batch is None or dtype is None:
+            return None
+        timesteps = predicted_timesteps(pipeline, call)
+        return schedule_timesteps(timesteps, batch=batch, dtype=dtype)
 
     def plan(
         self, model: Any, timestep: torch.Tensor, additional: Any, device: torch.device | None = None
@@ -205,6 +224,60 @@ def pipeline_timesteps(steps: int, height: int, width: int, scheduler_config: Ma
     )
     scheduler.set_timesteps(sigmas=sigmas, mu=mu)
     return scheduler.timesteps
+
+
+def predicted_timesteps(pipeline: Any, call: Mapping[str, Any]) -> torch.Tensor:
+    """The scheduler timesteps ``QwenImagePipeline.__call__`` will set for ``call`` (its arguments by name).
+
+    Its own steps, on a fresh scheduler of the pipeline's class and config (the pipeline's is not
+    touched): the default size ``default_sample_size * vae_scale_factor``, ``sigmas`` (default
+    ``linspace(1, 1 / steps, steps)``), ``mu`` shifted by the packed latents' length (the given
+    ``latents``' own), and ``retrieve_timesteps`` on the execution device.
+    """
+    import numpy as np
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
+
+    scale = pipeline.vae_scale_factor
+    height = call["height"] or pipeline.default_sample_size * scale
+    width = call["width"] or pipeline.default_sample_size * scale
+    latents = call["latents"]
+    if isinstance(latents, torch.Tensor):
+        sequence = int(latents.shape[1])
+    else:  # prepare_latents: 2 * (size // (scale * 2)) latent pixels a side, packed 2 x 2
+        sequence = (int(height) // (scale * 2)) * (int(width) // (scale * 2))
+    steps = call["num_inference_steps"]
+    sigmas: Any = np.linspace(1.0, 1 / steps, steps) if call["sigmas"] is None else call["sigmas"]
+    scheduler: Any = type(pipeline.scheduler).from_config(pipeline.scheduler.config)
+    config = scheduler.config
+    mu = calculate_shift(
+        sequence,
+        config.get("base_image_seq_len", 256),
+        config.get("max_image_seq_len", 4096),
+        config.get("base_shift", 0.5),
+        config.get("max_shift", 1.15),
+    )
+    timesteps, _ = retrieve_timesteps(scheduler, steps, pipeline._execution_device, sigmas=sigmas, mu=mu)
+    return timesteps
+
+
+def _call_batch_and_dtype(pipeline: Any, call: Mapping[str, Any]) -> tuple[int | None, torch.dtype | None]:
+    """The latents' batch and dtype of a ``QwenImagePipeline`` call: the transformer's timestep is
+    ``t.expand(batch).to(dtype)`` (None where the call does not tell)."""
+    prompt, embeds, latents = call["prompt"], call["prompt_embeds"], call["latents"]
+    if isinstance(prompt, str):
+        batch: int | None = 1
+    elif isinstance(prompt, list):
+        batch = len(prompt)
+    else:
+        batch = int(embeds.shape[0]) if isinstance(embeds, torch.Tensor) else None
+    if batch is not None:
+        batch *= int(call["num_images_per_prompt"])
+    if isinstance(latents, torch.Tensor):  # used as given, cast to the embeddings' dtype
+        batch = int(latents.shape[0])
+    # encode_prompt returns given embeddings as they are, and casts its own to the text encoder's dtype.
+    encoder = getattr(pipeline, "text_encoder", None)
+    dtype = embeds.dtype if isinstance(embeds, torch.Tensor) else getattr(encoder, "dtype", None)
+    return batch, dtype
 
 
 def schedule_timesteps(

@@ -122,16 +122,23 @@ class PendingSchedule(threading.local):
         timesteps, self.timesteps = self.timesteps, None
         if timesteps is None:
             return
-        family, model, cache = self.family(), self.model, self.cache()
+        family, model = self.family(), self.model
         plans = family.schedule_plans(model, timesteps, args, kwargs)
         if plans is None:
             logger.info("AdaLN cache: the forward's timestep is not one of the schedule's; plans build per forward")
             return
         plans = [family.request_plan(model, plan) for plan in plans]
+        if self.fits(plans):
+            self.hold(plans, forward_argument(model, "attention_kwargs", args, kwargs))
+
+    def fits(self, plans: list[Any], *, warn: bool = True) -> bool:
+        """Whether the cache can hold every plan of a schedule at once (else its plans build per forward)."""
+        cache = self.cache()
         distinct = len({plan_key(plan, cache.spec.plan_columns) for plan in plans})
         width = max(int(plan.shape[0]) for plan in plans)
-        if distinct > cache.max_plans or width > cache.max_plan_width:
-            # Not an error: each forward still builds its own plan. Holding the whole schedule needs room for it.
+        if distinct <= cache.max_plans and width <= cache.max_plan_width:
+            return True
+        if warn:  # not an error: each forward still builds its own plan; holding the whole schedule needs room for it
             logger.warning(
                 "AdaLN cache: this request's schedule has %d distinct plans of up to %d rows, more than max_plans=%d "
                 "x max_plan_width=%d hold; its plans build step by step (one pass each): raise max_plans "
@@ -141,8 +148,7 @@ class PendingSchedule(threading.local):
                 cache.max_plans,
                 cache.max_plan_width,
             )
-            return
-        self.hold(plans, forward_argument(model, "attention_kwargs", args, kwargs))
+        return False
 
 
 __all__ = ["PendingSchedule", "ScheduleWatch"]

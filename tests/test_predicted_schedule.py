@@ -1,0 +1,259 @@
+"""A ``QwenImagePipeline`` call's pass started before its prompt is encoded (``overlap=True``).
+
+The schedule is predicted from the call's arguments; the request's first forward adopts the pass
+only when the scheduler set the same plans, bit for bit. Checked here: the prediction equals the
+pipeline's own timesteps over sizes, step counts, ``sigmas``, given latents and batches; the pass
+is running before ``encode_prompt`` is called; an adopted prediction costs no extra pass; a wrong,
+failing or unreadable prediction never serves a row, never fails the request, and leaves no hold;
+``disable()`` gives the pipeline its own class back. Tiny real pipelines; nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+from typing import Any
+
+import pytest
+import torch
+
+from adalncache.diffusers import enable_adaln_cache
+from adalncache.faults import FaultPoints
+
+pytest.importorskip("diffusers")
+
+from diffusers import QwenImagePipeline
+
+from adalncache.integrations.diffusers.qwen_image import QwenImage, predicted_timesteps
+from adalncache.tools.tiny_qwen import tiny_prompt_embeds, tiny_qwen_pipeline, tiny_qwen_transformer
+
+
+class _Stop(Exception):
+    """Stops a pipeline call once its scheduler's timesteps are set."""
+
+
+def _pipe() -> Any:
+    return tiny_qwen_pipeline(transformer=tiny_qwen_transformer("plain"))
+
+
+def _call_arguments(pipe: Any, **call: Any) -> dict[str, Any]:
+    """``call`` bound to ``QwenImagePipeline.__call__``'s parameters, defaults applied (as the watch sees it)."""
+    import inspect
+
+    bound = inspect.signature(QwenImagePipeline.__call__).bind(pipe, **call)
+    bound.apply_defaults()
+    arguments = dict(bound.arguments)
+    del arguments["self"]
+    return arguments
+
+
+def _timesteps_the_pipeline_sets(pipe: Any, **call: Any) -> torch.Tensor:
+    """Run the pipeline up to its ``set_timesteps`` (the resident pipeline, no cache) and return them."""
+    scheduler = pipe.scheduler
+    original = scheduler.set_timesteps
+
+    @functools.wraps(original)  # the pipeline inspects its signature for `sigmas`
+    def set_timesteps(*args: Any, **kwargs: Any) -> None:
+        original(*args, **kwargs)
+        raise _Stop
+
+    scheduler.set_timesteps = set_timesteps
+    try:
+        with pytest.raises(_Stop):
+            pipe(output_type="latent", **call)
+    finally:
+        del scheduler.set_timesteps
+    return scheduler.timesteps.clone()
+
+
+CASES = {
+    "32x32-4-steps": {"height": 32, "width": 32, "num_inference_steps": 4},
+    "48x80-7-steps": {"height": 48, "width": 80, "num_inference_steps": 7},
+    "odd-size": {"height": 40, "width": 72, "num_inference_steps": 3},
+    "default-size": {"num_inference_steps": 2},
+    "own-sigmas": {"height": 32, "width": 32, "num_inference_steps": 3, "sigmas": [1.0, 0.6, 0.25]},
+}
+
+
+@pytest.mark.parametrize("call", list(CASES.values()), ids=list(CASES))
+def test_the_predicted_timesteps_are_the_pipelines_own(call: dict[str, Any]) -> None:
+    pipe = _pipe()
+    prompt = tiny_prompt_embeds(pipe.transformer, seed=1)
+    expected = _timesteps_the_pipeline_sets(pipe, **call, **prompt)
+    predicted = predicted_timesteps(pipe, _call_arguments(pipe, **call, **prompt))
+    assert torch.equal(predicted, expected)
+
+
+def test_given_latents_set_the_predicted_shift() -> None:
+    """Latents passed in are used as they are: their length, not the call's size, sets ``mu``."""
+    pipe = _pipe()
+    prompt = tiny_prompt_embeds(pipe.transformer, seed=1)
+    latents = torch.randn(1, 24, pipe.transformer.config.in_channels, generator=torch.Generator().manual_seed(2))
+    call = {"height": 32, "width": 32, "num_inference_steps": 5, "latents": latents}
+    expected = _timesteps_the_pipeline_sets(pipe, **call, **prompt)
+    assert torch.equal(predicted_timesteps(pipe, _call_arguments(pipe, **call, **prompt)), expected)
+    without = predicted_timesteps(pipe, _call_arguments(pipe, **{**call, "latents": None}, **prompt))
+    assert not torch.equal(without, expected)  # the check above can fail: the latents' length matters
+
+
+def _run(pipe: Any, prompt: dict[str, Any], **call: Any) -> torch.Tensor:
+    arguments = {"height": 32, "width": 32, "num_inference_steps": 4, **call}
+    return pipe(generator=torch.Generator().manual_seed(0), output_type="pt", **arguments, **prompt).images
+
+
+BATCHES = {
+    "one": {},
+    "two-images-per-prompt": {"num_images_per_prompt": 2},
+    "two-prompts": {"batch": 2},
+}
+
+
+@pytest.mark.parametrize("batch", list(BATCHES.values()), ids=list(BATCHES))
+def test_an_adopted_prediction_costs_no_extra_pass_and_is_exact(
+    batch: dict[str, Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    pipe = _pipe()
+    prompt = tiny_prompt_embeds(pipe.transformer, batch=batch.pop("batch", 1), seed=1)
+    resident = _run(pipe, prompt, **batch)
+    handle = enable_adaln_cache(pipe, overlap=True)
+    assert isinstance(pipe, QwenImagePipeline) and type(pipe).__name__ == "QwenImagePipeline"
+    with caplog.at_level(logging.DEBUG, logger="adalncache"):
+        assert torch.equal(_run(pipe, prompt, **batch), resident)
+    assert [r for r in caplog.records if "predicted schedule is the request's" in r.getMessage()]
+    # Adopted: the overlapped request's two transactions (first step, then all), no pass of its own after it.
+    assert handle.stats.passes == 2 and handle.stats.built_plans == 4
+    assert torch.equal(_run(pipe, prompt, **batch), resident) and handle.stats.passes == 2
+    handle.join_background()
+    assert not handle.cache._pool.held_slots
+    handle.disable()
+    assert type(pipe) is QwenImagePipeline and '"_class_name": "QwenImagePipeline"' in pipe.to_json_string()
+
+
+class BlockUntil(FaultPoints):
+    """The first publish waits for ``go`` (at most ``timeout`` seconds); ``reached`` says it got there."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self.reached = threading.Event()
+        self.go = threading.Event()
+
+    def check(self, point: str) -> None:
+        if point == "publish" and not self.reached.is_set():
+            self.reached.set()
+            self.go.wait(timeout=self.timeout)
+
+
+def test_the_pass_runs_before_the_prompt_is_encoded() -> None:
+    """``encode_prompt`` is entered only once the pass is about to publish its first step's plans."""
+    pipe = _pipe()
+    prompt = tiny_prompt_embeds(pipe.transformer, seed=1)
+    resident = _run(pipe, prompt)
+    handle = enable_adaln_cache(pipe, overlap=True)
+    faults = BlockUntil(timeout=60)
+    handle.cache.fault_points = faults
+    seen: list[bool] = []
+    encode = pipe.encode_prompt
+
+    def encode_prompt(*args: Any, **kwargs: Any) -> Any:
+        seen.append(faults.reached.wait(timeout=60))  # False: no pass reached its publish while encoding waited
+        faults.go.set()
+        return encode(*args, **kwargs)
+
+    pipe.encode_prompt = encode_prompt
+    assert torch.equal(_run(pipe, prompt), resident)
+    assert seen == [True] and handle.stats.passes == 2
+    del pipe.encode_prompt
+    handle.disable()
+
+
+def _shifted(self: QwenImage, model: Any, pipeline: Any, call: Any) -> Any:
+    """A wrong prediction: every timestep a little off the pipeline's."""
+    plans = ORIGINAL_PREDICT(self, model, pipeline, call)
+    return [plan * 0.99 for plan in plans]
+
+
+ORIGINAL_PREDICT = QwenImage.predict_schedule
+
+
+def test_a_wrong_prediction_is_dropped_and_the_real_schedule_built(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    pipe = _pipe()
+    prompt = tiny_prompt_embeds(pipe.transformer, seed=1)
+    resident = _run(pipe, prompt)
+    handle = enable_adaln_cache(pipe, overlap=True)
+    monkeypatch.setattr(QwenImage, "predict_schedule", _shifted)
+    with caplog.at_level(logging.INFO, logger="adalncache"):
+        assert torch.equal(_run(pipe, prompt), resident)
+    assert any("was not the request's; dropped" in record.getMessage() for record in caplog.records)
+    # The prediction's two transactions, then the request's own two (from its first forward).
+    assert handle.stats.passes == 4 and handle.stats.built_plans == 8
+    handle.join_background()
+    assert not handle.cache._pool.held_slots
+    handle.cache.check_invariants()
+    handle.disable()
+
+
+class FailFirstPublish(FaultPoints):
+    def __init__(self) -> None:
+        self.failed = False
+
+    def check(self, point: str) -> None:
+        if point == "publish" and not self.failed:
+            self.failed = True
+            raise OSError("injected publish failure")
+
+
+def test_a_failing_wrong_prediction_is_no_error_of_the_request(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    pipe = _pipe()
+    prompt = tiny_prompt_embeds(pipe.transformer, seed=1)
+    resident = _run(pipe, prompt)
+    handle = enable_adaln_cache(pipe, overlap=True)
+    monkeypatch.setattr(QwenImage, "predict_schedule", _shifted)
+    handle.cache.fault_points = faults = FailFirstPublish()
+    with caplog.at_level(logging.WARNING, logger="adalncache"):
+        assert torch.equal(_run(pipe, prompt), resident)
+        handle.join_background()
+    assert faults.failed and handle.stats.failed_builds == 1
+    ours = [r for r in caplog.records if r.name.startswith("adalncache") and r.levelno >= logging.WARNING]
+    assert not ours  # the failure was no request's
+    assert not handle.cache._pool.held_slots
+    handle.cache.check_invariants()
+    handle.disable()
+
+
+def test_a_prediction_that_raises_starts_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(self: QwenImage, model: Any, pipeline: Any, call: Any) -> Any:
+        raise KeyError("num_inference_steps")
+
+    pipe = _pipe()
+    prompt = tiny_prompt_embeds(pipe.transformer, seed=1)
+    resident = _run(pipe, prompt)
+    handle = enable_adaln_cache(pipe, overlap=True)
+    monkeypatch.setattr(QwenImage, "predict_schedule", broken)
+    assert torch.equal(_run(pipe, prompt), resident)
+    assert handle.stats.passes == 2  # the first forward started the request's pass, as without a prediction
+    handle.disable()
+
+
+def test_a_call_that_fails_before_its_first_forward_gives_the_prediction_back() -> None:
+    pipe = _pipe()
+    prompt = tiny_prompt_embeds(pipe.transformer, seed=1)
+    handle = enable_adaln_cache(pipe, overlap=True)
+    with pytest.raises(ValueError):
+        _run(pipe, prompt, height=32, width=32, callback_on_step_end_tensor_inputs=["not_a_tensor"])
+    handle.join_background()
+    assert not handle.cache._pool.held_slots
+    resident_after = _run(pipe, prompt)  # the cache is as usable as before
+    handle.disable()
+    assert torch.equal(resident_after, _run(pipe, prompt))
+
+
+def test_only_overlap_swaps_the_pipeline_class() -> None:
+    pipe = _pipe()
+    handle = enable_adaln_cache(pipe)
+    assert type(pipe) is QwenImagePipeline
+    handle.disable()
