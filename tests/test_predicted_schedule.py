@@ -97,9 +97,9 @@ def test_given_latents_set_the_predicted_shift() -> None:
     assert not torch.equal(without, expected)  # the check above can fail: the latents' length matters
 
 
-def _run(pipe: Any, prompt: dict[str, Any], **call: Any) -> torch.Tensor:
+def _run(pipe: Any, embeds: dict[str, Any], **call: Any) -> torch.Tensor:
     arguments = {"height": 32, "width": 32, "num_inference_steps": 4, **call}
-    return pipe(generator=torch.Generator().manual_seed(0), output_type="pt", **arguments, **prompt).images
+    return pipe(generator=torch.Generator().manual_seed(0), output_type="pt", **arguments, **embeds).images
 
 
 BATCHES = {
@@ -256,4 +256,22 @@ def test_only_overlap_swaps_the_pipeline_class() -> None:
     pipe = _pipe()
     handle = enable_adaln_cache(pipe)
     assert type(pipe) is QwenImagePipeline
+    handle.disable()
+
+
+def test_a_pipeline_encoding_its_own_prompts_adopts_the_prediction(caplog: pytest.LogCaptureFixture) -> None:
+    """A real tokenizer and text encoder: two prompts, two images each, true CFG (two encodings)."""
+    pipe = tiny_qwen_pipeline(text_encoder_layers=2)
+    call = {
+        "prompt": ["a cat playing a piano in the rain", "waves crash on a rocky shore"],
+        "negative_prompt": ["the quick brown fox", "a drone shot"],
+        "true_cfg_scale": 2.0,
+        "num_images_per_prompt": 2,
+    }
+    resident = _run(pipe, {}, **call)
+    handle = enable_adaln_cache(pipe, overlap=True)
+    with caplog.at_level(logging.DEBUG, logger="adalncache"):
+        assert torch.equal(_run(pipe, {}, **call), resident)
+    assert [r for r in caplog.records if "predicted schedule is the request's" in r.getMessage()]
+    assert handle.stats.passes == 2 and resident.shape[0] == 4
     handle.disable()

@@ -29,6 +29,19 @@ BASE: dict[str, Any] = {
     "axes_dims_rope": (4, 6, 6),
 }
 
+#: Sizes over :data:`BASE`: "tiny" for tests; "medium" (8 blocks of width 768, each block's two
+#: modulation projections 768 x 4,608) makes a pass take long enough to measure beside a forward.
+SIZES: dict[str, dict[str, Any]] = {
+    "tiny": {},
+    "medium": {
+        "num_layers": 8,
+        "attention_head_dim": 64,
+        "num_attention_heads": 12,
+        "joint_attention_dim": 64,
+        "axes_dims_rope": (16, 24, 24),
+    },
+}
+
 VARIANTS: dict[str, dict[str, Any]] = {
     "plain": {},
     "zero-cond": {"zero_cond_t": True},
@@ -36,14 +49,16 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
-def tiny_qwen_config(variant: str = "plain") -> dict[str, Any]:
-    """The ``QwenImageTransformer2DModel`` constructor arguments of a tiny model of ``variant``."""
+def tiny_qwen_config(variant: str = "plain", size: str = "tiny") -> dict[str, Any]:
+    """The ``QwenImageTransformer2DModel`` constructor arguments of a model of ``variant`` and ``size``."""
     if variant not in VARIANTS:
         raise ConfigError(f"unknown tiny Qwen-Image variant {variant!r}: use one of {sorted(VARIANTS)}")
-    return {**BASE, **VARIANTS[variant]}
+    if size not in SIZES:
+        raise ConfigError(f"unknown tiny Qwen-Image size {size!r}: use one of {sorted(SIZES)}")
+    return {**BASE, **SIZES[size], **VARIANTS[variant]}
 
 
-def tiny_qwen_transformer(variant: str = "plain", seed: int = 0) -> nn.Module:
+def tiny_qwen_transformer(variant: str = "plain", seed: int = 0, size: str = "tiny") -> nn.Module:
     """A deterministic fp32 ``QwenImageTransformer2DModel`` of ``variant``, in eval mode.
 
     The modulation projections are widened (the default init leaves them near zero) so that a
@@ -52,7 +67,7 @@ def tiny_qwen_transformer(variant: str = "plain", seed: int = 0) -> nn.Module:
     """
     from diffusers import QwenImageTransformer2DModel
 
-    config = tiny_qwen_config(variant)
+    config = tiny_qwen_config(variant, size)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model: Any = QwenImageTransformer2DModel(**config)
@@ -132,16 +147,24 @@ def tiny_qwen_vae(seed: int = 0) -> Any:
 
 
 def tiny_qwen_pipeline(
-    variant: str = "plain", seed: int = 0, transformer: Any = None, pipeline: str = "QwenImagePipeline"
+    variant: str = "plain",
+    seed: int = 0,
+    transformer: Any = None,
+    pipeline: str = "QwenImagePipeline",
+    *,
+    text_encoder_layers: int = 0,
 ) -> Any:
-    """A Qwen-Image pipeline of a tiny transformer and VAE, without text encoder, tokenizer or processor.
+    """A Qwen-Image pipeline of a tiny transformer and VAE, by default without text encoder, tokenizer or processor.
 
     ``pipeline``: the diffusers class, ``QwenImagePipeline`` or a pipeline sharing the transformer
     (``QwenImageEditPipeline``, ``QwenImageEditPlusPipeline``, ``QwenImageLayeredPipeline``; the
-    latter with a ``"layered"`` transformer and a tiny text encoder, :func:`tiny_qwen_text_encoder`). A Qwen2.5-VL text
-    encoder needs its tokenizer's and processor's files, which cannot be made offline: requests pass
+    latter with a ``"layered"`` transformer and a tiny text encoder, :func:`tiny_qwen_text_encoder`).
+    The Edit pipelines' Qwen2.5-VL processor needs files that cannot be made offline: requests pass
     ``prompt_embeds`` and ``prompt_embeds_mask`` (:func:`tiny_prompt_embeds`) instead, and the
-    pipelines then never call them.
+    pipelines then never call it. ``text_encoder_layers`` > 0 (``QwenImagePipeline``): the pipeline
+    encodes its prompts itself, with the locally trained byte-level tokenizer
+    (:func:`~adalncache.tools.tiny.tiny_tokenizer`) and a text encoder of that many layers as wide
+    as the transformer's ``joint_attention_dim``.
     """
     import diffusers
     from diffusers import FlowMatchEulerDiscreteScheduler
@@ -162,27 +185,40 @@ def tiny_qwen_pipeline(
         "tokenizer": None,
         "transformer": model,
     }
+    if text_encoder_layers > 0:
+        if pipeline != "QwenImagePipeline":
+            raise ConfigError(f"text_encoder_layers needs pipeline='QwenImagePipeline', got {pipeline!r}")
+        from .tiny import tiny_tokenizer
+
+        parts["tokenizer"] = tokenizer = tiny_tokenizer()
+        width = model.config.joint_attention_dim
+        parts["text_encoder"] = tiny_qwen_text_encoder(
+            seed, width=width, layers=text_encoder_layers, vocab_size=len(tokenizer)
+        )
     if "processor" in inspect.signature(pipeline_class.__init__).parameters:  # the Edit pipelines'
         parts["processor"] = None
     return pipeline_class(**parts)
 
 
-def tiny_qwen_text_encoder(seed: int = 0) -> Any:
-    """A deterministic tiny ``Qwen2_5_VLForConditionalGeneration`` (one layer of width 16 per tower), in eval mode.
+def tiny_qwen_text_encoder(seed: int = 0, *, width: int = 16, layers: int = 1, vocab_size: int = 64) -> Any:
+    """A deterministic tiny ``Qwen2_5_VLForConditionalGeneration`` (``layers`` text layers of ``width``;
+    one vision layer of width 16), in eval mode.
 
-    Built from a config alone (no download). Its weights mean nothing: the tiny pipelines take
-    ``prompt_embeds``; the Layered pipeline only reads its dtype.
+    Built from a config alone (no download). Its weights mean nothing: most tiny pipelines take
+    ``prompt_embeds`` (the Layered pipeline only reads its dtype); ``with_text_encoder`` pipelines
+    encode their prompts with it (``width``: the transformer's ``joint_attention_dim``).
     """
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
+    quarter = width // 16  # the rotary sections split half of each head's width (width / 2 heads)
     text = {
-        "hidden_size": 16,
-        "intermediate_size": 32,
-        "num_hidden_layers": 1,
+        "hidden_size": width,
+        "intermediate_size": 2 * width,
+        "num_hidden_layers": layers,
         "num_attention_heads": 2,
         "num_key_value_heads": 1,
-        "vocab_size": 64,
-        "rope_scaling": {"type": "mrope", "mrope_section": [1, 1, 2]},
+        "vocab_size": vocab_size,
+        "rope_scaling": {"type": "mrope", "mrope_section": [quarter, quarter, width // 4 - 2 * quarter]},
         "bos_token_id": None,
         "eos_token_id": None,
     }
@@ -220,6 +256,7 @@ def tiny_prompt_embeds(model: Any, batch: int = 1, seed: int = 0, tokens: int = 
 
 
 __all__ = [
+    "SIZES",
     "VARIANTS",
     "modulation_linears",
     "save_tiny_qwen",
