@@ -275,3 +275,75 @@ def test_a_pipeline_encoding_its_own_prompts_adopts_the_prediction(caplog: pytes
     assert [r for r in caplog.records if "predicted schedule is the request's" in r.getMessage()]
     assert handle.stats.passes == 2 and resident.shape[0] == 4
     handle.disable()
+
+
+# -- load_transformer, and a cold checkpoint ---------------------------------------------------------
+
+
+def _saved(tmp_path: Any) -> Any:
+    from adalncache.tools.tiny_qwen import save_tiny_qwen
+
+    directory = tmp_path / "transformer"
+    save_tiny_qwen(tiny_qwen_transformer("plain"), directory, dtype=torch.float32)
+    return directory
+
+
+def test_load_transformer_takes_overlap_and_the_pipeline_keeps_it(
+    tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    from adalncache.diffusers import load_transformer
+
+    directory = _saved(tmp_path)
+    stock = tiny_qwen_pipeline(transformer=type(tiny_qwen_transformer()).from_pretrained(directory).eval())
+    prompt = tiny_prompt_embeds(stock.transformer, seed=1)
+    resident = _run(stock, prompt)
+    pipe = tiny_qwen_pipeline(transformer=load_transformer(directory, torch_dtype=torch.float32, overlap=True))
+    handle = enable_adaln_cache(pipe)
+    assert handle["transformer"].config.overlap
+    with caplog.at_level(logging.DEBUG, logger="adalncache"):
+        assert torch.equal(_run(pipe, prompt), resident)
+    assert [r for r in caplog.records if "predicted schedule is the request's" in r.getMessage()]
+    handle.disable()
+
+
+def test_overlap_cannot_be_turned_on_for_a_transformer_load_transformer_enabled(tmp_path: Any) -> None:
+    from adalncache import ConfigError
+    from adalncache.diffusers import adaln_cache_handle, load_transformer
+
+    pipe = tiny_qwen_pipeline(transformer=load_transformer(_saved(tmp_path), torch_dtype=torch.float32))
+    with pytest.raises(ConfigError, match="pass overlap=True to load_transformer"):
+        enable_adaln_cache(pipe, overlap=True)
+    assert type(pipe) is QwenImagePipeline  # nothing changed: no watch, no class swap
+    handle = adaln_cache_handle(pipe.transformer)
+    assert handle is not None and handle.enabled and not handle.config.overlap
+    handle.disable()
+
+
+def test_a_cold_checkpoint_is_read_once_a_warm_one_first_step_first(tmp_path: Any) -> None:
+    """From a checkpoint the page cache does not hold, the first step's own transaction would read every
+    layer twice (O_DIRECT keeps nothing cached): the overlapped pass is one transaction there."""
+    from adalncache.diffusers import load_transformer
+    from adalncache.integrations.diffusers.overlap import split_pays
+    from adalncache.tools.measure import drop_page_cache
+
+    directory = _saved(tmp_path)
+    files = sorted(directory.glob("*.safetensors"))
+    pipe = tiny_qwen_pipeline(transformer=load_transformer(directory, torch_dtype=torch.float32, overlap=True))
+    prompt = tiny_prompt_embeds(pipe.transformer, seed=1)
+    handle = enable_adaln_cache(pipe)
+    source = handle.cache.source
+    drop_page_cache(files)
+    if source.cached_fraction() != 0.0:
+        pytest.skip("this filesystem keeps the files cached: nothing to measure")
+    assert not split_pays(source)
+    cold = _run(pipe, prompt)
+    handle.join_background()
+    assert handle.stats.passes == 1 and handle.stats.built_plans == 4
+    for path in files:  # warm: every byte read through the page cache
+        path.read_bytes()
+    assert source.cached_fraction() == 1.0 and split_pays(source)
+    handle.cache.invalidate()
+    assert torch.equal(_run(pipe, prompt), cold)
+    handle.join_background()
+    assert handle.stats.passes == 3  # the first step's plans, then all of them
+    handle.disable()

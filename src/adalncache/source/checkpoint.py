@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import CheckpointError, ConfigError
 from ..identity.digest import DigestSink
 from ..spec import Layer, ModulationSpec
 from ..streams import CopyStreams
@@ -47,8 +47,9 @@ from .header import SafetensorsHeader, TensorEntry
 from .layers import LayerReads, ReadCounters, open_files
 from .mapped import PassMappings
 from .passes import KeptBuffers, LayerPass, PassSettings
+from .projections import expected
 from .protocol import Columns, LayerWeights
-from .reads import DirectReads
+from .reads import DirectReads, resident_fraction
 from .validated import ValidatedCheckpoint
 
 log = logging.getLogger(__name__)
@@ -149,6 +150,27 @@ class CheckpointSource:
     def bytes_in_place(self) -> int:
         """Of ``bytes_read``, those projected in place from the mapping (hashed, never copied)."""
         return self._counters.in_place
+
+    def cached_fraction(self) -> float | None:
+        """Of the projection bytes, the fraction the page cache holds now (``mincore``; nothing is read).
+
+        None where that cannot be told (no ``mincore``, a file that cannot be opened: the pass
+        itself then says why). What a caller weighing a second read of the same bytes asks: a
+        cold pass reads with O_DIRECT, so reading them again is as cold as the first time.
+        """
+        total = cached = 0.0
+        try:
+            with open_files(self._checkpoint) as fds:
+                for _, key, _ in expected(self.spec, self.layout):
+                    header, entry = self._checkpoint.entry(key)
+                    fraction = resident_fraction(fds[header.path], entry.begin, entry.nbytes)
+                    if fraction is None:
+                        return None
+                    total += entry.nbytes
+                    cached += fraction * entry.nbytes
+        except CheckpointError:
+            return None
+        return cached / total if total else None
 
     # -- reading ----------------------------------------------------------------------------
 

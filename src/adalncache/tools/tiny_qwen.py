@@ -191,7 +191,8 @@ def tiny_qwen_pipeline(
         from .tiny import tiny_tokenizer
 
         parts["tokenizer"] = tokenizer = tiny_tokenizer()
-        width = model.config.joint_attention_dim
+        config: Any = model.config
+        width = int(config.joint_attention_dim)
         parts["text_encoder"] = tiny_qwen_text_encoder(
             seed, width=width, layers=text_encoder_layers, vocab_size=len(tokenizer)
         )

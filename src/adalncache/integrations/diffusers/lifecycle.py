@@ -30,7 +30,7 @@ from ...holds import PlanHold
 from ...numerics import autocast_dtype
 from ...plans import PlanKey, plan_key
 from .modules import execution_device
-from .overlap import BackgroundPasses
+from .overlap import BackgroundPasses, split_pays
 from .prepared import PreparedRequest, PreparedRequests
 from .requests import RequestHolds, request_plans
 from .scheduling import PendingSchedule
@@ -293,7 +293,10 @@ class RequestLifecycle:
         inputs = holds.embed_ahead(plans, attention_kwargs)  # the time embedder runs here, not beside forwards
         variant = holds.variant_of(attention_kwargs) if predicted else None
         hold = lambda chunk: holds.for_request(chunk, attention_kwargs, embed=inputs)  # noqa: E731
-        if not self._passes.start(hold, plans, keys, predicted=predicted, variant=variant) and not predicted:
+        started = self._passes.start(
+            hold, plans, keys, predicted=predicted, variant=variant, split=split_pays(cache.source)
+        )
+        if not started and not predicted:
             # disable() has begun on another thread: no new pass, which would outlive its join.
             self._prepared.start(self._prepared_request(holds.for_request(plans, attention_kwargs)))
 

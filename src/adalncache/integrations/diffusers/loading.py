@@ -93,6 +93,7 @@ def load_transformer(
     qkv_layout: str | None = None,
     on_miss: OnMiss = "build",
     free_time_embedder: bool | None = None,
+    overlap: bool = False,
     **options: Unpack[CacheKwargs],
 ) -> Any:
     """Load a transformer of a supported family whose AdaLN projections are never loaded, cache enabled.
@@ -136,6 +137,8 @@ def load_transformer(
         free_time_embedder: ``None`` (the default) or ``True``: the time embedder is not loaded
             either (the cache reads it from the checkpoint in its passes); ``True`` requires the
             serving checkpoint to hold it. ``False`` loads it like any other weight.
+        overlap: as for :func:`~adalncache.diffusers.enable_adaln_cache`, for the pipeline this
+            transformer joins (``enable_adaln_cache(pipe)`` keeps this transformer's settings).
         {cache options}
 
     The cache's options (above, from :class:`adalncache.options.CacheOptions`) are those of
@@ -173,6 +176,7 @@ def load_transformer(
         free_time_embedder=free,
         layout=layout,
         verify_checkpoint=False,
+        overlap=overlap,
         cache_options=cache_options,
     )
     fingerprint = cache.source.fingerprint

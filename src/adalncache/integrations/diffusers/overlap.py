@@ -42,11 +42,27 @@ from typing import Any
 
 from ...holds import PlanHold
 from ...plans import PlanKey
+from ...source import CheckpointSource
 
 logger = logging.getLogger(__name__)
 
 #: Holds a list of request plans resident (one transaction at most): the request lifecycle's hold (:mod:`.lifecycle`).
 HoldFn = Callable[[list[Any]], PlanHold]
+
+
+def split_pays(source: object) -> bool:
+    """Whether a pass split in two transactions (the first step's plans, then all) pays on ``source``.
+
+    Each transaction reads every layer. From memory, or from a checkpoint the page cache mostly
+    holds, the second read is cheap and the first step waits for one plan's projections instead
+    of all of them. From a cold checkpoint the pass is bound by the reading, which is O_DIRECT (the
+    page cache keeps nothing): the first transaction alone costs the whole read, and the second
+    reads it all again; one transaction is then faster for the first step and for the request.
+    """
+    if not isinstance(source, CheckpointSource):
+        return True
+    fraction = source.cached_fraction()
+    return fraction is None or fraction >= 0.5
 
 
 class BackgroundPass:
@@ -57,7 +73,7 @@ class BackgroundPass:
     other requests' builds from evicting its plans until :meth:`release`.
     """
 
-    def __init__(self, hold: HoldFn, plans: Sequence[Any], keys: Sequence[PlanKey]) -> None:
+    def __init__(self, hold: HoldFn, plans: Sequence[Any], keys: Sequence[PlanKey], *, split: bool = True) -> None:
         if len(plans) != len(keys) or not plans:
             raise ValueError("BackgroundPass needs one key per plan and at least one plan")
         self._hold = hold
@@ -69,8 +85,9 @@ class BackgroundPass:
         #: The LoRA variant the plans are built under (compared when a prediction is adopted).
         self.variant: object = None
         self.first_keys = frozenset([keys[0]])
-        #: Whether the request has plans beyond the first step's (else one transaction does it all).
-        self.split = len(set(keys)) > 1
+        #: Whether the first step's plans get a transaction of their own: ``split`` (the caller's
+        #: :func:`split_pays`) and plans beyond the first step's (else one transaction does it all).
+        self.split = split and len(set(keys)) > 1
         self._first = threading.Event()
         self._done = threading.Event()
         self._lock = threading.Lock()  # guards _holds, _released, _surfaced; never held while waiting
@@ -187,6 +204,7 @@ class BackgroundPasses:
         *,
         predicted: bool = False,
         variant: object = None,
+        split: bool = True,
     ) -> bool:
         """Start the calling thread's request's pass (its previous one must have been taken).
 
@@ -195,7 +213,7 @@ class BackgroundPasses:
         False, starting nothing, once :meth:`close` was called: ``disable()`` has joined the passes
         and is removing the hooks a new pass would use; the caller holds in the foreground instead.
         """
-        background = BackgroundPass(hold, plans, keys)
+        background = BackgroundPass(hold, plans, keys, split=split)
         background.predicted, background.variant = predicted, variant
         with self._lock:
             if self._closed:

@@ -332,11 +332,16 @@ def enable_pipeline(
     # A transformer that already serves from its own cache (loaded by load_transformer) is adopted
     # as it is: its projections were never loaded, so there is nothing to enable again.
     adopted = {name: handle for name, model in components.items() if (handle := adaln_cache_handle(model))}
-    for name in adopted:
+    for name, handle in adopted.items():
         if checkpoints[name] is not None:
             raise ConfigError(
                 f"{name} already serves its AdaLN projections from its own cache (load_transformer enabled it): "
                 f"drop checkpoint= for {name}"
+            )
+        if config_for(None, name).overlap and not handle.config.overlap:
+            raise ConfigError(
+                f"overlap=True cannot be turned on for {name}, whose cache load_transformer enabled without it: "
+                "pass overlap=True to load_transformer instead"
             )
     try:
         for name, model in components.items():

@@ -18,9 +18,11 @@ once, ``torch.equal`` on the latents.
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -42,7 +44,7 @@ QWEN_CALL: dict[str, Any] = {
 }
 
 #: Text encoder layers of the Qwen-Image pipeline (its encoding is what the early pass overlaps).
-QWEN_TEXT_LAYERS = 12
+QWEN_TEXT_LAYERS = 160
 
 
 class _FirstStepDone(Exception):
@@ -93,8 +95,9 @@ def _call(pipe: Any, request: Callable[[Any], Any], *, stop_after_first: bool) -
 _BLOCK_LOGGER = "diffusers.modular_pipelines.modular_pipeline"
 
 
-def _first_step_seconds(pipe: Any, handle: Any, request: Callable[[Any], Any]) -> float:
+def _first_step_seconds(pipe: Any, handle: Any, request: Callable[[Any], Any], cold: Callable[[], object]) -> float:
     handle.cache.invalidate()  # cold: the request's pass runs (the caller joined every pass still running)
+    cold()
     logger = logging.getLogger(_BLOCK_LOGGER)
     level = logger.level
     logger.setLevel(logging.CRITICAL)
@@ -108,57 +111,61 @@ def _first_step_seconds(pipe: Any, handle: Any, request: Callable[[Any], Any]) -
             transformer.release(check=False)
 
 
-def _compare(pipes: dict[str, Any], request: Callable[[Any], Any], runs: int) -> tuple[dict[str, Any], bool]:
-    """Time each pipeline's first request, taking turns; then whether their whole requests are equal."""
-    from ...diffusers import enable_adaln_cache
-
-    for pipe in pipes.values():
-        pipe.set_progress_bar_config(disable=True)
-    handles = {name: enable_adaln_cache(pipe, overlap=name == "overlapped") for name, pipe in pipes.items()}
-    try:
-        outputs = {name: _call(pipe, request, stop_after_first=False) for name, pipe in pipes.items()}
-        exact = torch.equal(_latents(outputs["sequential"]), _latents(outputs["overlapped"]))
-        samples: dict[str, list[float]] = {"sequential": [], "overlapped": []}
-        for _ in range(max(runs, 1)):
-            for name in samples:  # taking turns, so drifting load hits both alike
-                for handle in handles.values():  # untimed: no stopped request's pass runs beside it
-                    handle.join_background()
-                samples[name].append(_first_step_seconds(pipes[name], handles[name], request))
-        for handle in handles.values():
-            handle.join_background()  # the last stopped request's pass, still running
-        passes = {name: int(handle.stats.passes) for name, handle in handles.items()}
-    finally:
-        for handle in handles.values():
-            handle.disable()
+def _compare(
+    pipes: dict[str, Any],
+    handles: dict[str, Any],
+    request: Callable[[Any], Any],
+    runs: int,
+    cold: Callable[[], object] = lambda: None,
+) -> tuple[dict[str, Any], bool]:
+    """Time each pipeline's first request, taking turns (``cold()`` before each); then whether every
+    pipeline's whole request equals the ``"sequential"`` one's."""
+    outputs = {name: _latents(_call(pipe, request, stop_after_first=False)) for name, pipe in pipes.items()}
+    exact = all(torch.equal(outputs["sequential"], latents) for latents in outputs.values())
+    samples: dict[str, list[float]] = {name: [] for name in pipes}
+    for _ in range(max(runs, 1)):
+        for name in samples:  # taking turns, so drifting load hits both alike
+            for handle in handles.values():  # untimed: no stopped request's pass runs beside it
+                handle.join_background()
+            samples[name].append(_first_step_seconds(pipes[name], handles[name], request, cold))
+    for handle in handles.values():
+        handle.join_background()  # the last stopped request's pass, still running
+    passes = {name: int(handle.stats.passes) for name, handle in handles.items()}
     return {"samples": samples, "passes": passes}, exact
 
 
 def _latents(output: Any) -> torch.Tensor:
     """The final latents of a MiniMax-H3 (``output=["latents"]``) or Qwen-Image (``output_type="latent"``) call."""
-    if isinstance(output, dict):
-        latents: torch.Tensor = output["latents"]
-        return latents
-    images: torch.Tensor = output.images
-    return images
+    if hasattr(output, "images"):  # a pipeline output (itself a dict) of a classic pipeline
+        images: torch.Tensor = output.images
+        return images
+    latents: torch.Tensor = output["latents"]
+    return latents
 
 
-def bench_first_request(res: Results, size: str, runs: int) -> None:
-    """Encode + pass + first step of a first request: overlapped against sequential, side by side.
+def _disable_all(handles: dict[str, Any]) -> None:
+    for handle in handles.values():
+        handle.disable()
 
-    Two pipelines: a MiniMax-H3 modular pipeline of ``size`` (the pass starts at the loop, after
-    the encoding), and a Qwen-Image pipeline of the "medium" tiny size with a real tokenizer and
-    text encoder (the pass starts when the call begins, from the predicted schedule).
-    """
+
+def bench_first_request(res: Results, size: str, runs: int, work: Path) -> None:
+    """Encode + pass + first step of a first request: overlapped against sequential, side by side."""
     try:
+        from ...diffusers import enable_adaln_cache
         from ..tiny import tiny_pipeline
-        from ..tiny_qwen import tiny_qwen_pipeline, tiny_qwen_transformer
     except ImportError as exc:
         res.note(f"first-request comparison skipped: diffusers or transformers unavailable ({exc})")
         return
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        minimax = {name: tiny_pipeline(size=size, seed=0) for name in ("sequential", "overlapped")}
-        measured, exact = _compare(minimax, _minimax_call, runs)
+        pipes = {name: tiny_pipeline(size=size, seed=0) for name in ("sequential", "overlapped")}
+        for pipe in pipes.values():
+            pipe.set_progress_bar_config(disable=True)
+        handles = {name: enable_adaln_cache(pipe, overlap=name == "overlapped") for name, pipe in pipes.items()}
+        try:
+            measured, exact = _compare(pipes, handles, _minimax_call, runs)
+        finally:
+            _disable_all(handles)
     res.values["first_request"] = {"steps": STEPS, "size": size, "latents_bit_identical": exact, **measured}
     res.add(
         Comparison(
@@ -171,26 +178,104 @@ def bench_first_request(res: Results, size: str, runs: int) -> None:
             note=f"torch.equal latents: {exact}; overlapped runs two transactions (step 0's plans, then the rest)",
         )
     )
+    _bench_qwen_first_request(res, runs, work)
+
+
+def _qwen_parts(pipe: Any, handle: Any, runs: int, cold: Callable[[], object]) -> dict[str, float]:
+    """Medians of what the first step waits for, alone: the two prompt encodings, and a cold pass of the schedule."""
+    import inspect
+
+    from ...integrations.diffusers.qwen_image import predicted_timesteps, schedule_timesteps
+
+    bound = inspect.signature(type(pipe).__call__).bind(pipe, **QWEN_CALL)
+    bound.apply_defaults()
+    call = {name: value for name, value in bound.arguments.items() if name != "self"}
+    plans = schedule_timesteps(predicted_timesteps(pipe, call), batch=1, dtype=torch.float32)
+    transformer = handle.handles["transformer"]
+    encode, passes = [], []
+    for _ in range(max(runs, 1)):
+        started = time.perf_counter()
+        for prompt in (QWEN_CALL["prompt"], QWEN_CALL["negative_prompt"]):
+            pipe.encode_prompt(prompt=prompt, device=pipe._execution_device)
+        encode.append(time.perf_counter() - started)
+        handle.cache.invalidate()
+        cold()
+        started = time.perf_counter()
+        transformer.prepare(plans)
+        passes.append(time.perf_counter() - started)
+        transformer.release()
+    return {"encode": statistics.median(encode), "pass": statistics.median(passes)}
+
+
+def _bench_qwen_first_request(res: Results, runs: int, work: Path) -> None:
+    """The Qwen-Image rows: a transformer loaded by ``load_transformer`` (its projections never
+    read), its checkpoint's pages dropped before each run (a first request after start-up), the
+    pass started before the prompt is encoded ("early"), at the first forward ("late": a
+    subclass with its own ``__call__`` gets no prediction), and before step 0 ("sequential")."""
+    from diffusers import QwenImagePipeline
+
+    from ...diffusers import enable_adaln_cache, load_transformer
+    from ..measure import drop_page_cache
+    from ..tiny_qwen import save_tiny_qwen, tiny_qwen_pipeline, tiny_qwen_transformer
+
+    class LateStart(QwenImagePipeline):
+        """``QwenImagePipeline`` with a ``__call__`` of its own: no schedule is predicted for it."""
+
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            return super().__call__(*args, **kwargs)  # type: ignore[misc]  # diffusers' __call__ is untyped to mypy
+
+    directory = work / "qwen-first-request-medium"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        qwen = {
-            name: tiny_qwen_pipeline(
-                transformer=tiny_qwen_transformer("plain", size="medium"), text_encoder_layers=QWEN_TEXT_LAYERS
-            )
-            for name in ("sequential", "overlapped")
-        }
-        measured, exact = _compare(qwen, _qwen_call, runs)
+        save_tiny_qwen(tiny_qwen_transformer("plain", size="medium"), directory, dtype=torch.float32)
+        files = sorted(directory.glob("*.safetensors"))
+        pipes: dict[str, Any] = {}
+        for name in ("sequential", "late", "early"):
+            transformer = load_transformer(directory, torch_dtype=torch.float32, overlap=name != "sequential")
+            pipe = tiny_qwen_pipeline(transformer=transformer.eval(), text_encoder_layers=QWEN_TEXT_LAYERS)
+            pipes[name] = LateStart(**pipe.components) if name == "late" else pipe
+            pipes[name].set_progress_bar_config(disable=True)
+        handles = {name: enable_adaln_cache(pipe) for name, pipe in pipes.items()}
+        cached: list[float | None] = []
+
+        source: Any = handles["sequential"].cache.source  # a CheckpointSource: load_transformer's files
+
+        def cold() -> None:
+            drop_page_cache(files)
+            cached.append(source.cached_fraction())
+
+        try:
+            measured, exact = _compare(pipes, handles, _qwen_call, runs, cold=cold)
+            measured["parts_s"] = _qwen_parts(pipes["sequential"], handles["sequential"], runs, cold)
+        finally:
+            _disable_all(handles)
+    measured["served_bytes_cached_at_start"] = max((c for c in cached if c is not None), default=None)
     res.values["first_request_qwen"] = {"steps": STEPS, "size": "medium", "latents_bit_identical": exact, **measured}
+    samples, parts = measured["samples"], measured["parts_s"]
+    what = f"tiny Qwen-Image pipeline, medium, {STEPS} steps, true CFG, load_transformer, checkpoint pages dropped"
     res.add(
         Comparison(
-            f"first request, encode + pass + first step (tiny Qwen-Image pipeline, medium, {STEPS} steps, true CFG; "
-            "overlapped: the pass starts before the prompt is encoded)",
-            "overlapped",
+            f"first request, encode + pass + first step ({what}): pass started before the prompt is encoded",
+            "early",
             "sequential",
-            measured["samples"]["overlapped"],
-            measured["samples"]["sequential"],
+            samples["early"],
+            samples["sequential"],
             1.0,
-            note=f"torch.equal latents: {exact}; the pass of the schedule predicted from the call's arguments",
+            note=(
+                f"torch.equal latents: {exact}; the pass of the schedule predicted from the call's arguments; "
+                f"alone: prompt encodings {parts['encode'] * 1e3:.0f} ms, cold pass {parts['pass'] * 1e3:.0f} ms"
+            ),
+        )
+    )
+    res.add(
+        Comparison(
+            f"first request, encode + pass + first step ({what}): started before the encoding / at the first forward",
+            "early",
+            "late",
+            samples["early"],
+            samples["late"],
+            1.0,
+            note="both overlapped; what starting before the prompt encoding adds",
         )
     )
 
