@@ -314,6 +314,7 @@ def test_overlap_cannot_be_turned_on_for_a_transformer_load_transformer_enabled(
     with pytest.raises(ConfigError, match="pass overlap=True to load_transformer"):
         enable_adaln_cache(pipe, overlap=True)
     assert type(pipe) is QwenImagePipeline  # nothing changed: no watch, no class swap
+    assert "set_timesteps" not in pipe.scheduler.__dict__
     handle = adaln_cache_handle(pipe.transformer)
     assert handle is not None and handle.enabled and not handle.config.overlap
     handle.disable()

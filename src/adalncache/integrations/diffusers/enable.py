@@ -68,11 +68,15 @@ def enable_adaln_cache(
             unquantized ``checkpoint`` on purpose, so the AdaLN projections compute unquantized
             while the rest of the model stays quantized.
         overlap: on a pipeline, start each request's rebuild pass on a background thread as soon
-            as its plans are known; its first step waits only for the first step's plans, built
-            first in a small transaction of their own (a miss then counts two passes). A failure
-            of the background pass is raised in the request, by the next forward that needs a
-            plan of it, with the same typed error and rollback as a foreground pass
-            (docs/diffusers.md).
+            as its plans are known (``QwenImagePipeline``: when the call begins, before the prompt
+            is encoded, from the schedule its arguments give; the first forward checks it against
+            the schedule the scheduler set, bit for bit, and builds that one instead when they
+            differ); its first step waits only for the first step's plans, built first in a small
+            transaction of their own (a miss then counts two passes; one pass from a cold
+            checkpoint, which would otherwise be read twice). A failure of the background pass is
+            raised in the request, by the next forward that needs a plan of it, with the same
+            typed error and rollback as a foreground pass (docs/diffusers.md). For a transformer
+            ``load_transformer`` enabled, pass ``overlap`` there.
         device: where the cache lives; it must be the model's device (``None``: the model's, or
             the device an offloading hook runs it on). The cache serves the forward, so a different
             device is a ``ConfigError``; when the model moves (``.to()``), the cache follows.

@@ -10,7 +10,15 @@ plans or none, and per-layer publication would make a half-built plan visible. S
 as **two transactions**: the first step's plans alone (small), then every plan of the request (the
 first step's are hits there). A forward whose plan is one of the first step's waits for the first;
 any other forward waits for the second. An overlapped miss therefore costs two passes
-(``stats.passes``), the first over one plan.
+(``stats.passes``), the first over one plan. Except from a cold checkpoint (:func:`split_pays`):
+each transaction reads every layer, and a cold one reads them with O_DIRECT, so the second would
+read everything again; the pass is one transaction there, which every forward waits for.
+
+Where the pass starts: at a MiniMax-H3 loop's prepare block, at a classic pipeline's first
+forward, or (``QwenImagePipeline``) when the call begins, from the schedule predicted from its
+arguments (:mod:`.calls`): such a pass is *predicted* until the request's first forward adopts it
+(:meth:`BackgroundPasses.adopt`: the same keys in the same order, the same LoRA variant) or drops
+it; a dropped one's failure is no request's (logged at debug level).
 
 Failure: each transaction rolls back as a foreground one does (nothing of it published, the cache
 exactly as usable as before it). Its error (the same :class:`~adalncache.BuildError` or

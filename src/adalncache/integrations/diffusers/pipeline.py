@@ -8,9 +8,10 @@ so every step's plan is built in one pass before any step runs; ``prepare`` also
 plans for the running thread, so no other request's build evicts them mid-loop.
 
 With ``overlap=True`` the block starts the pass on a background thread instead
-(:meth:`.handle.AdalnCacheHandle.start_prepare`, :mod:`.overlap`): the schedule is known no earlier,
-since the set-timesteps block that makes it reads the text length (so it follows the text encoder)
-and runs right before the loop; step 0's forward then waits only for step 0's plans.
+(:meth:`.handle.AdalnCacheHandle.start_prepare`, :mod:`.overlap`); step 0's forward then waits
+only for step 0's plans. The set-timesteps block that makes the schedule runs right before the
+loop, after the text encoder; predicting the schedule earlier, as a classic ``QwenImagePipeline``'s
+call is (:mod:`.calls`), would need the task's conditioning rows, which the layout blocks decide.
 
 The hold is released when the loop ends: each loop's ``loop_step`` is wrapped (an instance
 attribute, removed again by ``disable``) so that the step after which no step follows, or any

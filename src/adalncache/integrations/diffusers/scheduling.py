@@ -7,8 +7,9 @@ again by :meth:`ScheduleWatch.remove`) and hands the new timesteps to the transf
 whose next forward prepares the whole schedule in one pass (:meth:`.handle.AdalnCacheHandle.expect_schedule`).
 
 With ``overlap=True`` that first forward starts the pass on a background thread and waits only for
-its own step's plans (:mod:`.overlap`). It cannot start earlier: ``QwenImagePipeline`` sets the
-timesteps after encoding the prompt, and the plans' batch and dtype are the first forward's.
+its own step's plans (:mod:`.overlap`). ``QwenImagePipeline`` sets the timesteps after encoding
+the prompt; its pass starts earlier still, when the call begins, from the schedule predicted from
+the call's arguments (:mod:`.calls`), which that first forward adopts when it is the one set here.
 """
 
 from __future__ import annotations

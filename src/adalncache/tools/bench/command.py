@@ -13,7 +13,9 @@ it measures:
   offloaded to disk with diffusers' group offloading;
 * a forward step of a tiny Qwen-Image (bf16), resident against served from the cache;
 * a first request's prompt encoding + pass + first step in a tiny MiniMax-H3 pipeline, with the
-  pass on a background thread (``overlap=True``) against the pass before step 0;
+  pass on a background thread (``overlap=True``) against the pass before step 0, and in a
+  Qwen-Image pipeline loaded by ``load_transformer`` from a checkpoint whose pages are dropped,
+  the pass started before the prompt is encoded against before step 0 and at the first forward;
 * a pass of a 50-step Qwen-Image request over a generated checkpoint at the released widths (2
   blocks) against the plain GEMMs over the same weights, tables checked ``torch.equal`` to them;
 * ``build()`` latency when every plan of a 50-step request is already resident (the per-request
