@@ -255,6 +255,16 @@ def test_bench_first_request_section_compares_overlapped_and_sequential(tmp_path
     assert values["latents_bit_identical"] is True
     # Per pipeline: the exactness run, then one cold timed run; overlapped is two transactions each time.
     assert values["passes"] == {"sequential": 2, "overlapped": 4}
-    (row,) = [c for c in data["comparisons"] if c["name"].startswith("first request, encode + pass + first step")]
-    assert row["subject"] == "overlapped" and row["baseline"] == "sequential"
-    assert "first request, encode + pass + first step" in (out / "bench.md").read_text()
+    rows = [c for c in data["comparisons"] if c["name"].startswith("first request, encode + pass + first step")]
+    assert [(row["subject"], row["baseline"]) for row in rows] == [
+        ("overlapped", "sequential"),
+        ("early", "sequential"),
+        ("early", "late"),
+    ]
+    qwen = data["values"]["first_request_qwen"]
+    assert qwen["latents_bit_identical"] is True and qwen["size"] == "tiny"
+    # The two overlapped pipelines ran the same requests on the same checkpoint: the same passes; the
+    # sequential one a pass per request (the exactness run, the timed run).
+    assert qwen["passes"]["early"] == qwen["passes"]["late"] and qwen["passes"]["sequential"] == 2
+    assert qwen["parts_s"]["encode"] > 0 and qwen["parts_s"]["pass"] > 0
+    assert "pass started before the prompt is encoded" in (out / "bench.md").read_text()

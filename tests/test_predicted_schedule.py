@@ -167,9 +167,9 @@ def test_the_pass_runs_before_the_prompt_is_encoded() -> None:
     handle.disable()
 
 
-def _shifted(self: QwenImage, model: Any, pipeline: Any, call: Any) -> Any:
+def _shifted(self: QwenImage, model: Any, pipeline: Any, call: Any, component: str) -> Any:
     """A wrong prediction: every timestep a little off the pipeline's."""
-    plans = ORIGINAL_PREDICT(self, model, pipeline, call)
+    plans = ORIGINAL_PREDICT(self, model, pipeline, call, component)
     return [plan * 0.99 for plan in plans]
 
 
@@ -226,7 +226,7 @@ def test_a_failing_wrong_prediction_is_no_error_of_the_request(
 
 
 def test_a_prediction_that_raises_starts_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
-    def broken(self: QwenImage, model: Any, pipeline: Any, call: Any) -> Any:
+    def broken(self: QwenImage, model: Any, pipeline: Any, call: Any, component: str) -> Any:
         raise KeyError("num_inference_steps")
 
     pipe = _pipe()

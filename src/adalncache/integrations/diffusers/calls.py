@@ -1,17 +1,19 @@
-"""A classic pipeline's call seen before it runs: its schedule predicted, its pass started early.
+"""A pipeline's call seen before it runs: its schedule predicted, its pass started early.
 
-Why: with ``overlap=True`` a request's pass runs on a background thread, but a classic pipeline
-(``QwenImagePipeline``) sets its scheduler's timesteps only after it has encoded the prompt, so
-a pass started from the scheduler (:mod:`.scheduling`) cannot overlap the encoding. The call's
-arguments (steps, size, batch, ``sigmas``, the prompt embeddings' dtype) are enough to compute
-the schedule before anything runs: the model's family predicts it
+Why: with ``overlap=True`` a request's pass runs on a background thread, but a pipeline knows its
+schedule only after it has encoded the prompt (``QwenImagePipeline`` sets its scheduler's
+timesteps then; a MiniMax-H3 modular pipeline's set-timesteps block runs after its text encoder),
+so a pass started from the schedule cannot overlap the encoding. The call's arguments are enough
+to compute the plans before anything runs (Qwen-Image: steps, size, batch, ``sigmas``, the prompt
+embeddings' dtype; MiniMax-H3: the task its inputs pick, steps, the schedulers' shifts): the
+model's family predicts them
 (:meth:`~.family.DiffusersFamily.predict_schedule`) and the handle starts its pass
 (:meth:`~.handle.AdalnCacheHandle.predicted_request`) before the pipeline's own ``__call__``.
 
-Nothing is trusted: the request's first forward compares the predicted plans with the plans of
-the schedule the scheduler did set, bit for bit, and adopts the pass only when they are the
-same; otherwise the pass is dropped and the real schedule is built. A prediction that fails
-(an argument the family cannot read) starts nothing.
+Nothing is trusted: where the request's schedule is known (a classic pipeline's first forward, a
+modular pipeline's prepare block) the predicted plans are compared with it, bit for bit, and the
+pass is adopted only when they are the same; otherwise it is dropped and the real schedule is
+built. A prediction that fails (an argument the family cannot read) starts nothing.
 
 How: ``pipe(...)`` looks ``__call__`` up on the pipeline's class, so the instance's class is
 swapped for a subclass of it that adds only ``__call__`` (same name and module, so saving the
@@ -102,8 +104,12 @@ class CallWatch:
         except TypeError:
             return None
         bound.apply_defaults()
-        call = dict(bound.arguments)
-        call.pop(next(iter(signature.parameters)), None)  # self
+        call: dict[str, Any] = {}
+        for name, value in list(bound.arguments.items())[1:]:  # self left out
+            if signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
+                call.update(value)  # a modular pipeline's inputs, by name like any other argument
+            else:
+                call[name] = value
         try:
             return self.predict(pipeline, call)
         except Exception as exc:  # a prediction is an optimisation: the first forward builds the real schedule

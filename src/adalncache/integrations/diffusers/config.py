@@ -84,8 +84,9 @@ class AdalnCacheConfig:
             linear of its weights): the AdaLN projections compute unquantized while the rest of
             the model stays quantized. No effect on a model with plain projections.
         overlap: run a pipeline request's rebuild pass on a background thread, started as soon as
-            its plans are known (a ``QwenImagePipeline`` call's: when the call begins, before the
-            prompt is encoded, from its arguments), so its first step waits only for the first
+            its plans are known (``QwenImagePipeline`` and the MiniMax-H3 modular pipeline: when
+            the call begins, before the prompt is encoded, from its arguments), so its first step
+            waits only for the first
             step's plans (built first, in a transaction of their own, unless the checkpoint is
             cold) and not for the whole pass (:mod:`.overlap`, :mod:`.calls`).
         cache_options: the options of the :class:`~adalncache.AdalnCache` (:class:`CacheOptions`).

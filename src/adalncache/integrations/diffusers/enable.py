@@ -68,10 +68,11 @@ def enable_adaln_cache(
             unquantized ``checkpoint`` on purpose, so the AdaLN projections compute unquantized
             while the rest of the model stays quantized.
         overlap: on a pipeline, start each request's rebuild pass on a background thread as soon
-            as its plans are known (``QwenImagePipeline``: when the call begins, before the prompt
-            is encoded, from the schedule its arguments give; the first forward checks it against
-            the schedule the scheduler set, bit for bit, and builds that one instead when they
-            differ); its first step waits only for the first step's plans, built first in a small
+            as its plans are known (``QwenImagePipeline`` and the MiniMax-H3 modular pipeline: when
+            the call begins, before the prompt is encoded, from the plans its arguments give; once
+            the request's schedule is known they are checked against it, bit for bit, and that
+            one is built instead when they differ); its first step waits only for the first
+            step's plans, built first in a small
             transaction of their own (a miss then counts two passes; one pass from a cold
             checkpoint, which would otherwise be read twice). A failure of the background pass is
             raised in the request, by the next forward that needs a plan of it, with the same

@@ -215,10 +215,14 @@ class DiffusersFamily:
         """
         return None
 
-    def predict_schedule(self, model: nn.Module, pipeline: Any, call: Mapping[str, Any]) -> list[Any] | None:
+    def predict_schedule(
+        self, model: nn.Module, pipeline: Any, call: Mapping[str, Any], component: str
+    ) -> list[Any] | None:
         """Every step's plan of a pipeline call, from its arguments, before the pipeline runs.
 
-        ``call``: the call's arguments by name, defaults applied. Lets ``overlap=True`` start the
+        ``call``: the call's arguments by name, defaults applied (a ``**kwargs`` parameter's
+        entries among them); ``component``: the pipeline's name for ``model`` (``transformer``,
+        ``transformer_ref``): ``None`` when this call does not run that one. Lets ``overlap=True`` start the
         pass before the prompt is encoded; the request's first forward compares the prediction with
         the plans of the schedule the scheduler set (:meth:`schedule_plans`), so a wrong one costs
         time, never a row. ``None`` (the default): no prediction for this pipeline.

@@ -122,11 +122,15 @@ class RequestLifecycle:
         self._prepared.check()  # a forward of the block matched no plan of it: PlanMismatchError
 
     def start_prepare(self, plans: Sequence[Any], attention_kwargs: Mapping[str, Any] | None) -> None:
-        """``handle.start_prepare``: end the previous request, then hold ``plans`` from a background pass."""
+        """``handle.start_prepare``: end the previous request, then hold ``plans`` from a background pass
+        (the pass started from the call's predicted schedule, when it predicted these plans)."""
+        family = self._family()
+        keyed = [family.request_plan(self._model, plan) for plan in request_plans(plans)]
+        if self._adopted(keyed, attention_kwargs):
+            return
         self.release()
         holds = self._serving("start_prepare()")
-        family = self._family()
-        self._start_background(holds, [family.request_plan(self._model, plan) for plan in plans], attention_kwargs)
+        self._start_background(holds, keyed, attention_kwargs)
 
     def finish(self) -> None:
         """``handle.finish``: wait for the thread's pass, raise its error, then :meth:`release`."""
@@ -182,11 +186,8 @@ class RequestLifecycle:
 
     def hold_schedule(self, plans: list[Any], attention_kwargs: Mapping[str, Any] | None) -> None:
         """Hold a pipeline's whole schedule (already keyed as the forward keys it) for this thread."""
-        current = self._holds()
-        if current is not None and self._passes.adopt(
-            lambda: self._keys(plans), lambda: current.variant_of(attention_kwargs)
-        ):
-            return  # the pass started from the call's prediction is this schedule's (:meth:`predicted`)
+        if self._adopted(plans, attention_kwargs):
+            return
         self.release()  # the thread's previous request is over (PlanMismatchError if it had a mismatch)
         self._follow(execution_device(self._model))
         holds = self._holds()
@@ -299,6 +300,14 @@ class RequestLifecycle:
         if not started and not predicted:
             # disable() has begun on another thread: no new pass, which would outlive its join.
             self._prepared.start(self._prepared_request(holds.for_request(plans, attention_kwargs)))
+
+    def _adopted(self, plans: Sequence[Any], attention_kwargs: Mapping[str, Any] | None) -> bool:
+        """Whether the thread's pass started from the call's prediction (:meth:`predicted`) is the pass
+        of ``plans`` (keyed as forwards key them) and now the request's; it is dropped when it is not."""
+        holds = self._holds()
+        return holds is not None and self._passes.adopt(
+            lambda: self._keys(plans), lambda: holds.variant_of(attention_kwargs)
+        )
 
     def _keys(self, plans: Sequence[Any]) -> list[PlanKey]:
         """The key of each plan (keyed as forwards key them), in step order."""

@@ -25,6 +25,7 @@ from torch import nn
 from ...errors import ConfigError, PlanError
 from ...families import minimax_h3 as core
 from ...spec import LAYOUTS, Layer, ModulationSpec
+from .calls import pipeline_class
 from .compile import _served_forward
 from .family import DiffusersFamily, ServedForward, timestep_argument
 from .family import check_materialised as _check_materialised
@@ -73,6 +74,12 @@ class MiniMaxH3(DiffusersFamily):
             temb = time_embedder(temb.to(get_parameter_dtype(time_embedder)))
         return F.silu(temb).to(projection_dtype(model, spec))
 
+    def predict_schedule(
+        self, model: nn.Module, pipeline: Any, call: Mapping[str, Any], component: str
+    ) -> list[Any] | None:
+        """The MiniMax-H3 modular pipeline's plans for a call, before its blocks run (:func:`predicted_plans`)."""
+        return predicted_plans(pipeline, call, component)
+
     def forward_plan(self, module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> torch.Tensor:
         """The plan of one transformer forward: its ``timestep`` argument, refused unless 1-D float32.
 
@@ -89,6 +96,51 @@ class MiniMaxH3(DiffusersFamily):
 
 #: The one instance the registry serves MiniMax-H3 models with.
 FAMILY = MiniMaxH3()
+
+
+def predicted_plans(pipeline: Any, call: Mapping[str, Any], component: str) -> list[torch.Tensor] | None:
+    """Every step's plan a ``MiniMaxH3ModularPipeline`` call feeds its ``component``, from the call's inputs.
+
+    A step's plan is the sorted distinct timesteps of its rows, which depend on the task and the
+    two schedules only, never on the prompt, size or seed (:func:`adalncache.minimax_h3_plans`):
+    the task is the one the pipeline's blocks pick (``ref2va`` with ``references``, run by
+    ``transformer_ref``; ``fl2va`` with ``image`` or ``last_image``; else ``t2va``, both run by
+    ``transformer``), ``num_inference_steps`` (diffusers' default when absent), the shifts of
+    the pipeline's two schedulers, and, for ``ref2va``, whether an audio reference holds rows at
+    ``t = 1``. None for a call it cannot tell (a ``state`` passed in, references without an image
+    or video, a pipeline class of another ``__call__``, a component the call does not run).
+    """
+    from diffusers.modular_pipelines.modular_pipeline import ModularPipeline
+    from diffusers.modular_pipelines.modular_pipeline_utils import InputParam
+
+    from ...schedules import minimax_h3_plans
+
+    if pipeline_class(pipeline).__call__ is not ModularPipeline.__call__ or call.get("state") is not None:
+        return None
+    references = call.get("references")
+    if references is not None:
+        task = "ref2va"
+    elif call.get("image") is not None or call.get("last_image") is not None:
+        task = "fl2va"
+    else:
+        task = "t2va"
+    if component != ("transformer_ref" if task == "ref2va" else "transformer"):
+        return None
+    kinds = [getattr(reference, "kind", None) for reference in references or ()]
+    if task == "ref2va" and not any(kind in ("image", "video") for kind in kinds):
+        return None
+    steps = call.get("num_inference_steps")
+    if steps is None:  # the set-timesteps block's input is diffusers' template, with its default
+        steps = InputParam.template("num_inference_steps").default
+    if steps is None:
+        return None
+    return minimax_h3_plans(
+        task,
+        int(steps),
+        video_shift=float(pipeline.scheduler.config["shift"]),
+        audio_shift=float(pipeline.audio_scheduler.config["shift"]),
+        audio_refs="audio" in kinds,
+    )
 
 
 def is_minimax_h3_transformer(obj: Any) -> bool:

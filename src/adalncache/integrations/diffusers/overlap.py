@@ -14,9 +14,10 @@ any other forward waits for the second. An overlapped miss therefore costs two p
 each transaction reads every layer, and a cold one reads them with O_DIRECT, so the second would
 read everything again; the pass is one transaction there, which every forward waits for.
 
-Where the pass starts: at a MiniMax-H3 loop's prepare block, at a classic pipeline's first
-forward, or (``QwenImagePipeline``) when the call begins, from the schedule predicted from its
-arguments (:mod:`.calls`): such a pass is *predicted* until the request's first forward adopts it
+Where the pass starts: when a pipeline call begins, from the schedule predicted from its
+arguments (:mod:`.calls`; ``QwenImagePipeline``, the MiniMax-H3 modular pipeline), else at a
+MiniMax-H3 loop's prepare block or a classic pipeline's first forward. A predicted pass stays
+*predicted* until the request's schedule is known there and adopts it
 (:meth:`BackgroundPasses.adopt`: the same keys in the same order, the same LoRA variant) or drops
 it; a dropped one's failure is no request's (logged at debug level).
 

@@ -7,11 +7,11 @@ first step, hands the request's whole ``row_timestep_plan`` to that denoiser's t
 so every step's plan is built in one pass before any step runs; ``prepare`` also *holds* those
 plans for the running thread, so no other request's build evicts them mid-loop.
 
-With ``overlap=True`` the block starts the pass on a background thread instead
-(:meth:`.handle.AdalnCacheHandle.start_prepare`, :mod:`.overlap`); step 0's forward then waits
-only for step 0's plans. The set-timesteps block that makes the schedule runs right before the
-loop, after the text encoder; predicting the schedule earlier, as a classic ``QwenImagePipeline``'s
-call is (:mod:`.calls`), would need the task's conditioning rows, which the layout blocks decide.
+With ``overlap=True`` the pass starts earlier still: when the call begins, before the text
+encoder runs, from the plans predicted from the call's inputs (:mod:`.calls`,
+:func:`.minimax_h3.predicted_plans`); the block then adopts that pass when the schedule the
+set-timesteps block made has the same keys (:meth:`.handle.AdalnCacheHandle.start_prepare`), and
+starts one itself otherwise. Step 0's forward waits only for step 0's plans (:mod:`.overlap`).
 
 The hold is released when the loop ends: each loop's ``loop_step`` is wrapped (an instance
 attribute, removed again by ``disable``) so that the step after which no step follows, or any
@@ -21,6 +21,7 @@ progress bar) leaves the hold to the thread's next request, whose ``prepare`` re
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -243,9 +244,7 @@ class PipelineAdalnCacheHandle:
             raise mismatches[0]
 
     def watch_scheduler(self) -> None:
-        """A classic pipeline (no modular blocks): each request's schedule is prepared at its first forward;
-        with ``overlap=True`` its pass starts when the call begins, from the schedule predicted from its
-        arguments (:mod:`.calls`)."""
+        """A classic pipeline (no modular blocks): each request's schedule is prepared at its first forward."""
         if getattr(self.pipeline, "_blocks", None) is not None or "transformer" not in self.handles:
             return
         handle = self.handles["transformer"]
@@ -253,19 +252,35 @@ class PipelineAdalnCacheHandle:
             getattr(self.pipeline, "scheduler", None), handle.expect_schedule, last_step=handle.release
         )
         self._watch.install()
-        if handle.config.overlap:
+
+    def watch_calls(self) -> None:
+        """With ``overlap=True``: each call's pass starts when the call begins, before the prompt is
+        encoded, from the schedule predicted from its arguments (:mod:`.calls`)."""
+        if any(handle.config.overlap for handle in self.handles.values()):
             self._calls = CallWatch(self.pipeline, self._predicted_request)
             self._calls.install()
 
     def _predicted_request(self, pipeline: Any, call: Mapping[str, Any]) -> Any:
-        """The call's predicted request (the handle's ``predicted_request``), or None when none is predicted."""
-        handle = self.handles["transformer"]
-        if not handle.enabled:
+        """A context manager for the call holding each predicted pass (the handles' ``predicted_request``),
+        or None when no transformer's schedule is predicted for this call."""
+        predicted = []
+        for name, handle in self.handles.items():
+            if handle.enabled and handle.config.overlap:
+                plans = handle.family.predict_schedule(handle.model, pipeline, call, name)
+                if plans:
+                    predicted.append((handle, plans))
+        if not predicted:
             return None
-        plans = handle.family.predict_schedule(handle.model, pipeline, call)
-        if not plans:
-            return None
-        return handle.predicted_request(plans, attention_kwargs=call.get("attention_kwargs"))
+        attention_kwargs = call.get("attention_kwargs")
+
+        @contextlib.contextmanager
+        def requests() -> Iterator[None]:
+            with contextlib.ExitStack() as stack:
+                for handle, plans in predicted:
+                    stack.enter_context(handle.predicted_request(plans, attention_kwargs=attention_kwargs))
+                yield
+
+        return requests()
 
     def insert_prepare_blocks(self) -> None:
         """Put a prepare block in front of the denoiser of every denoise loop that has none yet."""
@@ -355,4 +370,5 @@ def enable_pipeline(
     pipeline_handle = PipelineAdalnCacheHandle(pipeline, handles)
     pipeline_handle.insert_prepare_blocks()
     pipeline_handle.watch_scheduler()
+    pipeline_handle.watch_calls()
     return pipeline_handle

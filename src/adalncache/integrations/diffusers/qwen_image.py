@@ -102,7 +102,9 @@ class QwenImage(DiffusersFamily):
             return [{TIMESTEP: step, core.ADDITIONAL: additional} for step in steps]
         return steps
 
-    def predict_schedule(self, model: nn.Module, pipeline: Any, call: Mapping[str, Any]) -> list[Any] | None:
+    def predict_schedule(
+        self, model: nn.Module, pipeline: Any, call: Mapping[str, Any], component: str
+    ) -> list[Any] | None:
         """``QwenImagePipeline``'s schedule from its call's arguments (:func:`predicted_timesteps`).
 
         Its text-to-image call only: the Edit pipelines size the latents from the input image, the
@@ -113,6 +115,8 @@ class QwenImage(DiffusersFamily):
 
         config: Any = model.config
         if pipeline_class(pipeline).__call__ is not QwenImagePipeline.__call__ or config.use_additional_t_cond:
+            return None
+        if component != "transformer":
             return None
         batch, dtype = _call_batch_and_dtype(pipeline, call)
         if batch is None or dtype is None:

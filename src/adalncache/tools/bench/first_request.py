@@ -43,8 +43,10 @@ QWEN_CALL: dict[str, Any] = {
     "output_type": "latent",
 }
 
-#: Text encoder layers of the Qwen-Image pipeline (its encoding is what the early pass overlaps).
-QWEN_TEXT_LAYERS = 160
+#: The Qwen-Image pipeline by ``--size``: its transformer's tiny size and its text encoder's layers
+#: (the encoding is what a pass started before it overlaps; at "medium" the two encodings take about
+#: as long as the cold pass on a 2-core CPU).
+QWEN_SIZES = {"tiny": ("tiny", 2), "small": ("medium", 160), "medium": ("medium", 160)}
 
 
 class _FirstStepDone(Exception):
@@ -178,7 +180,7 @@ def bench_first_request(res: Results, size: str, runs: int, work: Path) -> None:
             note=f"torch.equal latents: {exact}; overlapped runs two transactions (step 0's plans, then the rest)",
         )
     )
-    _bench_qwen_first_request(res, runs, work)
+    _bench_qwen_first_request(res, runs, work, size)
 
 
 def _qwen_parts(pipe: Any, handle: Any, runs: int, cold: Callable[[], object]) -> dict[str, float]:
@@ -207,7 +209,7 @@ def _qwen_parts(pipe: Any, handle: Any, runs: int, cold: Callable[[], object]) -
     return {"encode": statistics.median(encode), "pass": statistics.median(passes)}
 
 
-def _bench_qwen_first_request(res: Results, runs: int, work: Path) -> None:
+def _bench_qwen_first_request(res: Results, runs: int, work: Path, size: str) -> None:
     """The Qwen-Image rows: a transformer loaded by ``load_transformer`` (its projections never
     read), its checkpoint's pages dropped before each run (a first request after start-up), the
     pass started before the prompt is encoded ("early"), at the first forward ("late": a
@@ -224,15 +226,16 @@ def _bench_qwen_first_request(res: Results, runs: int, work: Path) -> None:
         def __call__(self, *args: Any, **kwargs: Any) -> Any:
             return super().__call__(*args, **kwargs)  # type: ignore[misc]  # diffusers' __call__ is untyped to mypy
 
-    directory = work / "qwen-first-request-medium"
+    qwen_size, text_layers = QWEN_SIZES[size]
+    directory = work / f"qwen-first-request-{qwen_size}"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        save_tiny_qwen(tiny_qwen_transformer("plain", size="medium"), directory, dtype=torch.float32)
+        save_tiny_qwen(tiny_qwen_transformer("plain", size=qwen_size), directory, dtype=torch.float32)
         files = sorted(directory.glob("*.safetensors"))
         pipes: dict[str, Any] = {}
         for name in ("sequential", "late", "early"):
             transformer = load_transformer(directory, torch_dtype=torch.float32, overlap=name != "sequential")
-            pipe = tiny_qwen_pipeline(transformer=transformer.eval(), text_encoder_layers=QWEN_TEXT_LAYERS)
+            pipe = tiny_qwen_pipeline(transformer=transformer.eval(), text_encoder_layers=text_layers)
             pipes[name] = LateStart(**pipe.components) if name == "late" else pipe
             pipes[name].set_progress_bar_config(disable=True)
         handles = {name: enable_adaln_cache(pipe) for name, pipe in pipes.items()}
@@ -250,9 +253,15 @@ def _bench_qwen_first_request(res: Results, runs: int, work: Path) -> None:
         finally:
             _disable_all(handles)
     measured["served_bytes_cached_at_start"] = max((c for c in cached if c is not None), default=None)
-    res.values["first_request_qwen"] = {"steps": STEPS, "size": "medium", "latents_bit_identical": exact, **measured}
+    res.values["first_request_qwen"] = {
+        "steps": STEPS,
+        "size": qwen_size,
+        "text_encoder_layers": text_layers,
+        "latents_bit_identical": exact,
+        **measured,
+    }
     samples, parts = measured["samples"], measured["parts_s"]
-    what = f"tiny Qwen-Image pipeline, medium, {STEPS} steps, true CFG, load_transformer, checkpoint pages dropped"
+    what = f"tiny Qwen-Image pipeline, {qwen_size}, {STEPS} steps, true CFG, load_transformer, checkpoint pages dropped"
     res.add(
         Comparison(
             f"first request, encode + pass + first step ({what}): pass started before the prompt is encoded",
