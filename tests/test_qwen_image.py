@@ -655,3 +655,32 @@ def test_a_forward_under_autocast_equals_the_resident_one(load_qwen: Callable[[s
         assert torch.equal(_run(model, inputs), resident)
     assert handle.stats.passes == 1
     handle.disable()
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["foreground", "overlap"])
+def test_a_scheduler_setting_nan_timesteps_is_one_clear_error(overlap: bool) -> None:
+    """diffusers' flow-match scheduler with shift_terminal gives a 1-step schedule the timestep NaN
+    (0 / 0); the resident pipeline returns NaN images. Served, the request raises a PlanError that
+    says so and what to change, and the cache serves the next request exactly."""
+    from adalncache.tools.tiny_qwen import tiny_prompt_embeds, tiny_qwen_pipeline
+
+    pipe = tiny_qwen_pipeline(transformer=tiny_qwen_transformer("plain"))
+    prompt = tiny_prompt_embeds(pipe.transformer, seed=1)
+
+    def run(steps: int) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(0)
+        images: torch.Tensor = pipe(
+            height=32, width=32, num_inference_steps=steps, generator=generator, output_type="pt", **prompt
+        ).images
+        return images
+
+    assert bool(torch.isnan(run(1)).all())  # the resident pipeline's own result
+    resident = run(3)
+    handle = enable_adaln_cache(pipe, overlap=overlap)
+    with pytest.raises(PlanError, match=r"non-finite timesteps \[nan\].*num_inference_steps >= 2"):
+        run(1)
+    handle.join_background()
+    assert not handle.cache._pool.held_slots
+    handle.cache.check_invariants()
+    assert torch.equal(run(3), resident)
+    handle.disable()

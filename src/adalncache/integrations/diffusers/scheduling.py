@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from ...errors import PlanError
 from ...plans import plan_key
 from .family import DiffusersFamily
 from .modules import forward_argument
@@ -123,6 +124,13 @@ class PendingSchedule(threading.local):
         timesteps, self.timesteps = self.timesteps, None
         if timesteps is None:
             return
+        if timesteps.is_floating_point() and not bool(torch.isfinite(timesteps).all()):
+            raise PlanError(
+                f"the pipeline's scheduler set non-finite timesteps {timesteps.tolist()} for this request of "
+                f"{timesteps.numel()} step(s): the model would compute NaN outputs from them, and no table holds "
+                "such a plan. diffusers' flow-match scheduler with shift_terminal (Qwen-Image's config) divides 0 by "
+                "0 for a single step: use num_inference_steps >= 2, or a scheduler config without shift_terminal"
+            )
         family, model = self.family(), self.model
         plans = family.schedule_plans(model, timesteps, args, kwargs)
         if plans is None:
