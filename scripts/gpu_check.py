@@ -62,6 +62,10 @@ The checks, in order (``--only`` takes their names):
   resident forward; a stray timestep copied into the captured input gives NaN and a
   ``PlanMismatchError`` at ``check_request()``; the right one is exact again (on a CPU: the same
   forwards run eagerly);
+* ``first-request``: a first request's prompt encoding + pass + first step, its pass started on a
+  background thread before the prompt is encoded (``overlap=True``) against before step 0, for a
+  MiniMax-H3 and a Qwen-Image pipeline (the bench's ``first-request`` section, "medium" on CUDA):
+  latents ``torch.equal``, and the ratios this device shows;
 * ``demo``: ``adalncache demo`` on the device (diffusers' tiny MiniMax-H3, resident vs cached).
 """
 
@@ -1209,6 +1213,32 @@ def check_demo(ctx: Context) -> dict[str, Any]:
     return {"ok": code == 0, "exit_code": code, "argv": argv, "output": text[-4000:]}
 
 
+def check_first_request(ctx: Context) -> dict[str, Any]:
+    """A first request's prompt encoding + pass + first step on this device, its pass on a background
+    thread started before the prompt is encoded (``overlap=True``) against before step 0: the bench's
+    ``first-request`` section (a MiniMax-H3 and a Qwen-Image pipeline; the latter loaded by
+    ``load_transformer`` from a checkpoint whose pages are dropped). Exactness (latents
+    ``torch.equal``) decides the verdict; the ratios are what the device shows.
+    """
+    missing = [name for name in ("diffusers", "transformers") if not importable(name)]
+    if missing:
+        raise Skipped(f"the first-request check runs tiny pipelines and needs {' and '.join(missing)}")
+    from adalncache.tools.bench.first_request import bench_first_request
+    from adalncache.tools.bench.results import Results
+
+    size = "medium" if ctx.device.type == "cuda" else "tiny"
+    res = Results(config={"device": str(ctx.device), "size": size})
+    bench_first_request(res, size, 3 if ctx.device.type == "cuda" else 1, ctx.work / "first-request", ctx.device)
+    exact = {name: res.values[name]["latents_bit_identical"] for name in ("first_request", "first_request_qwen")}
+    return {
+        "ok": all(exact.values()),
+        "latents_bit_identical": exact,
+        "size": size,
+        "ratios": {f"{c.name}: {c.subject} / {c.baseline}": round(c.ratio, 3) for c in res.comparisons},
+        "qwen_parts_s": res.values["first_request_qwen"].get("parts_s"),
+    }
+
+
 def _stray(timestep: torch.Tensor) -> torch.Tensor:
     """``timestep`` one fp32 ulp up: the same shape as a prepared plan, and none of them."""
     return torch.nextafter(timestep, torch.full_like(timestep, 2000.0))
@@ -1290,7 +1320,7 @@ def _captured(model: Any, static: dict[str, Any], device: torch.device) -> tuple
     return replay, "one CUDA graph captured, replayed with new inputs copied into its static tensors"
 
 
-#: name, function; the order is the run order (the demo last; it and graph-capture need diffusers).
+#: name, function; the order is the run order (the demo last; it, graph-capture and first-request need diffusers).
 CHECKS: list[tuple[str, Callable[[Context], dict[str, Any]]]] = [
     ("environment", check_environment),
     ("checkpoint", check_checkpoint),
@@ -1311,6 +1341,7 @@ CHECKS: list[tuple[str, Callable[[Context], dict[str, Any]]]] = [
     ("host-tier", check_host_tier),
     ("timing", check_timing),
     ("graph-capture", check_graph_capture),
+    ("first-request", check_first_request),
     ("demo", check_demo),
 ]
 NAMES = [name for name, _ in CHECKS]

@@ -79,7 +79,7 @@ def test_every_check_runs_on_cpu(tmp_path: Path) -> None:
     results = by_name(body)
     assert not [r for r in results.values() if not r.get("skipped") and not r["ok"]], tail
     for name, result in results.items():
-        if name not in ("demo", "graph-capture"):
+        if name not in ("demo", "graph-capture", "first-request"):
             assert not result.get("skipped"), (name, result)
     for precision in ("match", "fp32"):
         exact = results[f"exact-{precision}"]
@@ -110,6 +110,10 @@ def test_every_check_runs_on_cpu(tmp_path: Path) -> None:
     if not capture.get("skipped"):
         assert capture["exact"] and capture["stray_forward_all_nan"] and capture["exact_after_mismatch"]
         assert "matched none" in capture["mismatch_reported"] or "match none" in capture["mismatch_reported"]
+    first = results["first-request"]
+    if not first.get("skipped"):
+        assert first["latents_bit_identical"] == {"first_request": True, "first_request_qwen": True}
+        assert len(first["ratios"]) == 3 and first["qwen_parts_s"]["pass"] > 0
     demo = results["demo"]
     if results["environment"]["importable"]["diffusers"]:
         assert demo["ok"] and "all tasks bit-identical: yes" in demo["output"]

@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
         "qwen-pass": lambda: bench_qwen_pass(
             res, runs, device, work, dim=args.hidden if args.hidden else QWEN_DIM, max_plans=args.plans
         ),
-        "first-request": lambda: bench_first_request(res, args.size, runs, work),
+        "first-request": lambda: bench_first_request(res, args.size, runs, work, device),
         "build": lambda: bench_build_latency(res, runs, work / "ckpt-latency-50x8x16", device),
         "store": lambda: bench_store(res, source, plans, runs, device),
         "memory": lambda: bench_memory(res, source, plans, ckpt_dir, device),

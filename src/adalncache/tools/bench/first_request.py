@@ -150,7 +150,7 @@ def _disable_all(handles: dict[str, Any]) -> None:
         handle.disable()
 
 
-def bench_first_request(res: Results, size: str, runs: int, work: Path) -> None:
+def bench_first_request(res: Results, size: str, runs: int, work: Path, device: torch.device | None = None) -> None:
     """Encode + pass + first step of a first request: overlapped against sequential, side by side."""
     try:
         from ...diffusers import enable_adaln_cache
@@ -160,7 +160,10 @@ def bench_first_request(res: Results, size: str, runs: int, work: Path) -> None:
         return
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        pipes = {name: tiny_pipeline(size=size, seed=0) for name in ("sequential", "overlapped")}
+        pipes = {
+            name: tiny_pipeline(size=size, seed=0).to(device or torch.device("cpu"))
+            for name in ("sequential", "overlapped")
+        }
         for pipe in pipes.values():
             pipe.set_progress_bar_config(disable=True)
         handles = {name: enable_adaln_cache(pipe, overlap=name == "overlapped") for name, pipe in pipes.items()}
@@ -180,7 +183,7 @@ def bench_first_request(res: Results, size: str, runs: int, work: Path) -> None:
             note=f"torch.equal latents: {exact}; overlapped runs two transactions (step 0's plans, then the rest)",
         )
     )
-    _bench_qwen_first_request(res, runs, work, size)
+    _bench_qwen_first_request(res, runs, work, size, device or torch.device("cpu"))
 
 
 def _qwen_parts(pipe: Any, handle: Any, runs: int, cold: Callable[[], object]) -> dict[str, float]:
@@ -209,7 +212,7 @@ def _qwen_parts(pipe: Any, handle: Any, runs: int, cold: Callable[[], object]) -
     return {"encode": statistics.median(encode), "pass": statistics.median(passes)}
 
 
-def _bench_qwen_first_request(res: Results, runs: int, work: Path, size: str) -> None:
+def _bench_qwen_first_request(res: Results, runs: int, work: Path, size: str, device: torch.device) -> None:
     """The Qwen-Image rows: a transformer loaded by ``load_transformer`` (its projections never
     read), its checkpoint's pages dropped before each run (a first request after start-up), the
     pass started before the prompt is encoded ("early"), at the first forward ("late": a
@@ -234,9 +237,12 @@ def _bench_qwen_first_request(res: Results, runs: int, work: Path, size: str) ->
         files = sorted(directory.glob("*.safetensors"))
         pipes: dict[str, Any] = {}
         for name in ("sequential", "late", "early"):
-            transformer = load_transformer(directory, torch_dtype=torch.float32, overlap=name != "sequential")
+            transformer = load_transformer(
+                directory, torch_dtype=torch.float32, device_map=device, overlap=name != "sequential"
+            )
             pipe = tiny_qwen_pipeline(transformer=transformer.eval(), text_encoder_layers=text_layers)
-            pipes[name] = LateStart(**pipe.components) if name == "late" else pipe
+            chosen: Any = LateStart(**pipe.components) if name == "late" else pipe
+            pipes[name] = chosen.to(device)
             pipes[name].set_progress_bar_config(disable=True)
         handles = {name: enable_adaln_cache(pipe) for name, pipe in pipes.items()}
         cached: list[float | None] = []
