@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from adalncache import AdalnCache, CheckpointSource, Store, TensorSource, plan_key
+from adalncache import AdalnCache, CheckpointSource, ConfigError, Store, TensorSource, plan_key
 from adalncache.identity.digest import LEAVES, DigestSink, content_digest, leaf_bounds
 from adalncache.identity.memo import forget_process_memo
 from adalncache.source import Columns
@@ -318,3 +318,24 @@ def test_an_in_place_rewrite_that_keeps_the_mtime_never_poisons_a_shared_store(t
         block, final = _rows_of(old, p)
         rows = reader.rows_of(plan_key(p))
         assert torch.equal(rows.block, block) and torch.equal(rows.final, final), "the shared store was poisoned"
+
+
+def test_passes_hash_only_where_something_is_bound_to_the_digest(tmp_path: Path) -> None:
+    """No store and no table files: a pass reads and projects, no byte hashed, the digest unknown (a
+    later identify() reads for it). A store, or hash_passes=True: every pass hashes what it reads."""
+    ckpt = _ckpt(tmp_path / "ckpt")
+    plans = [plan(0.5), plan(0.25)]
+    bare = AdalnCache(SPEC, CheckpointSource(ckpt, SPEC), max_plans=4, max_plan_width=1)
+    assert bare.hash_passes is False
+    bare.build(plans[:1], embed=simple_embed(SPEC))
+    assert bare.stats.hashed_bytes == 0 and bare.content_digest is None and bare.binding() is None
+    bare.hash_passes = True
+    bare.build(plans[1:], embed=simple_embed(SPEC))
+    assert bare.stats.hashed_bytes == SPEC.projection_bytes and bare.content_digest is not None
+    stored = _cache(ckpt, tmp_path / "store")
+    assert stored.hash_passes is True
+    stored.build(plans[:1], embed=simple_embed(SPEC))
+    assert stored.stats.hashed_bytes == SPEC.projection_bytes
+    assert stored.content_digest == bare.content_digest  # the same bytes, the same digest
+    with pytest.raises(ConfigError, match="hash_passes takes True or False"):
+        bare.hash_passes = "yes"  # type: ignore[assignment]  # the wrong type is the point

@@ -202,6 +202,9 @@ def assemble(
     identity = TableIdentity(
         source, collective, stats, spec=spec, precision=options.precision, device=lambda: site.device, memo=memo
     )
+    # Passes hash what they read only where something is bound to the content digest (same on every
+    # rank: the store and table settings were agreed above).
+    identity.content.wanted = store is not None or placement.files is not None
     # A table file that cannot serve this cache bit-exactly is refused now, on every rank.
     if placement.files is not None:
         agreed(collective, lambda: serve_files(placement, identity, strict=True))

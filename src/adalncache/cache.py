@@ -167,6 +167,24 @@ class AdalnCache(CacheIntrospection):
         with self._exclusive("identify()"):
             return self._identity.content.identify(read=read)
 
+    @property
+    def hash_passes(self) -> bool:
+        """Whether each pass hashes the projection bytes it reads, learning and checking the content digest.
+
+        On where something is bound to the digest (a ``store``, ``tables``); off otherwise, so a
+        pass costs its reads and projections only. ``export_tables`` and ``verify_tables`` turn it
+        on (they bind or check tables); set it to learn the digest during the passes you run anyway
+        instead of by a later hashing read (``identify()``). Every rank of a group sets it alike.
+        """
+        return self._identity.content.wanted
+
+    @hash_passes.setter
+    def hash_passes(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise ConfigError(f"hash_passes takes True or False, got {value!r}")
+        with self._exclusive("hash_passes"):
+            self._identity.content.wanted = value
+
     # -- build and hold ---------------------------------------------------------------------
 
     def build(

@@ -203,6 +203,8 @@ def export_tables(
         return _export_sidecar(cache, plans, path, model_variant=model_variant, schedules=schedules, progress=progress)
     if embed is None:
         raise ConfigError(f"export_tables(format={format!r}) needs embed= (the projections' input for a plan)")
+    if format == "adalncache":
+        cache.hash_passes = True  # the file is bound to the content digest its passes learn (no second read)
     writer = _opened_writer(cache, plans, path, format=format, model_variant=model_variant, schedules=schedules)
     keys = [plan_key(p, spec.plan_columns) for p in plans]
     try:
@@ -504,6 +506,7 @@ def verify_tables(
         read_ahead=read_ahead,
         progress=progress,
     )
+    cache.hash_passes = table.binding is not None  # a bound file's content is checked against what the passes read
     columns = spec.plan_columns
     # A vLLM-Omni sidecar holds rows of vLLM-Omni's own time embedding, and binds its weights by digest:
     # both are recomputed here, the projections' digests from the bytes the passes project with.

@@ -19,8 +19,12 @@ share it read) and the ranks compose the same digest in one collective; a rank r
 memo only the bytes it read itself, never a digest composed with its peers' (their copies of the
 checkpoint need not be this host's).
 
-A checkpoint on disk is hashed by *every* pass, digest known or not: the binding a pass writes
-its entries under must name the bytes that pass projected, and only hashing them proves it. A
+A checkpoint on disk is hashed by *every* pass, digest known or not, wherever something is bound
+to the digest (:attr:`ContentIdentity.wanted`: a store, table files, an export or a verification):
+the binding a pass writes its entries under must name the bytes that pass projected, and only
+hashing them proves it. A cache with neither store nor table files binds nothing to the digest:
+its passes do not hash (the hashing cost them about half again on two CPU cores), and the file
+identity checked before and after each pass is what stands between a rewrite and its tables. A
 pass that finds other bytes than the digest it was bound to (a rewrite no file identity showed:
 another host writing a network share, a clock that cannot be trusted) raises, forgets the memo's
 records of those files, and leaves the digest unknown. Before a pass the files' identity must be
@@ -97,6 +101,9 @@ class ContentIdentity:
         self._pending: tuple[DigestSink, dict[str, FileStamp] | None, bool, str | None] | None = None
         self._warned_unknown = False
         self._warned_skew = False
+        #: Whether passes hash what they read: something is bound to the digest (a store, table
+        #: files, an export or a verification). Without, hashing would only cost the pass time.
+        self.wanted = True
 
     # -- what the source is -----------------------------------------------------------------
 
@@ -249,11 +256,11 @@ class ContentIdentity:
     def pass_sink(self) -> DigestSink | None:
         """A sink for the next pass to feed (None: nothing to hash), after the files' identity settled.
 
-        A checkpoint is hashed by every pass (see the module docstring); tensors in memory only
-        while their digest is unknown.
+        A checkpoint is hashed by every pass while the digest is :attr:`wanted` (see the module
+        docstring); tensors in memory only while their digest is unknown.
         """
         self._pending = None
-        if not self.hashable or (self.digest is not None and not self.verifies):
+        if not self.hashable or not self.wanted or (self.digest is not None and not self.verifies):
             return None
         before, settled = self.settled_stamps()
         sink = DigestSink()
