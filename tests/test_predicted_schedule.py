@@ -225,7 +225,9 @@ def test_a_failing_wrong_prediction_is_no_error_of_the_request(
     handle.disable()
 
 
-def test_a_prediction_that_raises_starts_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_prediction_that_raises_starts_nothing(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     def broken(self: QwenImage, model: Any, pipeline: Any, call: Any, component: str) -> Any:
         raise KeyError("num_inference_steps")
 
@@ -234,7 +236,11 @@ def test_a_prediction_that_raises_starts_nothing(monkeypatch: pytest.MonkeyPatch
     resident = _run(pipe, prompt)
     handle = enable_adaln_cache(pipe, overlap=True)
     monkeypatch.setattr(QwenImage, "predict_schedule", broken)
-    assert torch.equal(_run(pipe, prompt), resident)
+    with caplog.at_level(logging.DEBUG, logger="adalncache"):
+        assert torch.equal(_run(pipe, prompt), resident)
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("no schedule predicted for this call" in m for m in messages)
+    assert not any("predicted schedule is the request's" in m for m in messages)  # nothing to adopt
     assert handle.stats.passes == 2  # the first forward started the request's pass, as without a prediction
     handle.disable()
 
@@ -246,10 +252,33 @@ def test_a_call_that_fails_before_its_first_forward_gives_the_prediction_back() 
     with pytest.raises(ValueError):
         _run(pipe, prompt, height=32, width=32, callback_on_step_end_tensor_inputs=["not_a_tensor"])
     handle.join_background()
-    assert not handle.cache._pool.held_slots
+    assert handle.stats.passes >= 1 and len(handle.cache) == 4  # the prediction's pass did run ...
+    assert not handle.cache._pool.held_slots  # ... and gave its holds back when the call failed
     resident_after = _run(pipe, prompt)  # the cache is as usable as before
     handle.disable()
     assert torch.equal(resident_after, _run(pipe, prompt))
+
+
+def test_a_call_patched_onto_the_class_later_still_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The swapped class finds its parent's ``__call__`` at each call: a wrapper another library puts on
+    the pipeline class after an enable/disable cycle runs when the cache is enabled again."""
+    pipe = _pipe()
+    prompt = tiny_prompt_embeds(pipe.transformer, seed=1)
+    enable_adaln_cache(pipe, overlap=True).disable()
+    calls: list[int] = []
+    stock = QwenImagePipeline.__call__
+
+    @functools.wraps(stock)
+    def patched(self: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return stock(self, *args, **kwargs)
+
+    monkeypatch.setattr(QwenImagePipeline, "__call__", patched)
+    resident = _run(pipe, prompt)
+    handle = enable_adaln_cache(pipe, overlap=True)
+    assert torch.equal(_run(pipe, prompt), resident)
+    assert calls == [1, 1]
+    handle.disable()
 
 
 def test_only_overlap_swaps_the_pipeline_class() -> None:

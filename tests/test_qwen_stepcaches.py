@@ -68,13 +68,21 @@ def _pipeline() -> tuple[Any, dict[str, int]]:
     return pipe, calls
 
 
-def _compare(enable_step_cache: Callable[[Any], Any], *, wraps_forward: bool = False) -> int:
+def _compare(
+    enable_step_cache: Callable[[Any], Any],
+    *,
+    wraps_forward: bool = False,
+    overlap: bool = False,
+    disable_step_cache: Callable[[Any], Any] | None = None,
+) -> int:
     """Step cache alone vs with the AdaLN cache in both orders; returns the attention calls it skipped.
 
     A second request runs after ``disable()``: the step cache must be left working (compared with
     the second request of the step cache alone, since its state may carry over between requests).
     ``wraps_forward``: the step cache wraps the forward outside diffusers' hook registry, so
-    ``disable()`` under it is refused instead.
+    ``disable()`` under it is refused instead, and must leave the pipeline as it was (the second
+    request equal too). ``overlap``: the AdaLN cache runs the pass on a background thread (a new
+    schedule: two passes). ``disable_step_cache``: called last, where the step cache went first.
     """
     reference, calls = _pipeline()
     enable_step_cache(reference)
@@ -85,18 +93,22 @@ def _compare(enable_step_cache: Callable[[Any], Any], *, wraps_forward: bool = F
         pipe, _ = _pipeline()
         if order == "step cache first":
             enable_step_cache(pipe)
-        handle = enable_adaln_cache(pipe, on_miss="raise")
+        handle = enable_adaln_cache(pipe, on_miss="raise", overlap=overlap)
         if order == "adalncache first":
             enable_step_cache(pipe)
         assert torch.equal(_run(pipe), expected), order
+        handle.join_background()
         stats = handle.stats
-        assert (stats.built_plans, stats.passes) == (STEPS, 1), (order, stats)
+        assert (stats.built_plans, stats.passes) == (STEPS, 2 if overlap else 1), (order, stats)
         if wraps_forward and order == "adalncache first":
             with pytest.raises(ConfigError, match=r"wrapped the transformer's forward"):
                 handle.disable()
+            assert torch.equal(_run(pipe), expected_after), order  # refused: the pipeline left as it was
             continue
         handle.disable()
         assert torch.equal(_run(pipe), expected_after), order
+        if disable_step_cache is not None:
+            disable_step_cache(pipe)  # its own removal still works after the AdaLN cache's
     return skipped
 
 
@@ -245,3 +257,11 @@ def _cache_dit(pipe: Any) -> Any:
 
 def test_cache_dit_dbcache_in_both_orders() -> None:
     assert _compare(_cache_dit, wraps_forward=True) > 0
+
+
+def test_cache_dit_dbcache_in_both_orders_overlapped() -> None:
+    """cache-dit wraps the pipeline class's ``__call__``: over it the AdaLN cache swaps no class (its
+    pass starts at the first forward), and under it a refused ``disable()`` keeps cache-dit's wrapper."""
+    import cache_dit
+
+    assert _compare(_cache_dit, wraps_forward=True, overlap=True, disable_step_cache=cache_dit.disable_cache) > 0

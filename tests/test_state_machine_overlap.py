@@ -136,7 +136,10 @@ class OverlapMachine(RuleBasedStateMachine):
         self.stack.close()
         if self.handle is not None and self.handle.enabled:
             self.handle.join_background()
-            self.handle.disable()
+            try:
+                self.handle.disable()
+            except PlanMismatchError:  # a request left unfinished with a forward outside it: reported here
+                assert self.misses, "disable() reported a mismatch no forward made"
 
     # ------------------------------------------------------------------ helpers
 

@@ -222,7 +222,17 @@ class PipelineAdalnCacheHandle:
             handle.join_background()
 
     def disable(self, *, allow_changed_checkpoint: bool = False) -> None:
-        """Remove the inserted loop blocks and disable every transformer's cache."""
+        """Disable every transformer's cache, then remove the inserted loop blocks and the watches.
+
+        In that order: a transformer's disable that is refused (another library's wrapper would be
+        dropped, a changed checkpoint) leaves the pipeline as it was, its watches included.
+        """
+        mismatches: list[PlanMismatchError] = []
+        for handle in self.handles.values():
+            try:
+                handle.disable(allow_changed_checkpoint=allow_changed_checkpoint)
+            except PlanMismatchError as exc:  # raised once that handle is disabled: disable the others too
+                mismatches.append(exc)
         for loop, key in self._inserted:
             if key in loop.sub_blocks:
                 del loop.sub_blocks[key]
@@ -234,12 +244,6 @@ class PipelineAdalnCacheHandle:
         if self._calls is not None:
             self._calls.remove()
             self._calls = None
-        mismatches: list[PlanMismatchError] = []
-        for handle in self.handles.values():
-            try:
-                handle.disable(allow_changed_checkpoint=allow_changed_checkpoint)
-            except PlanMismatchError as exc:  # raised once that handle is disabled: disable the others too
-                mismatches.append(exc)
         if mismatches:
             raise mismatches[0]
 
