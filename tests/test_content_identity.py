@@ -332,6 +332,10 @@ def test_passes_hash_only_where_something_is_bound_to_the_digest(tmp_path: Path)
     bare.hash_passes = True
     bare.build(plans[1:], embed=simple_embed(SPEC))
     assert bare.stats.hashed_bytes == SPEC.projection_bytes and bare.content_digest is not None
+    forget_process_memo()
+    asked = AdalnCache(SPEC, CheckpointSource(ckpt, SPEC), max_plans=4, max_plan_width=1)
+    assert asked.identify() == bare.content_digest  # a hashing-only read when asked, passes hashing or not
+    assert asked.stats.hash_reads == 1 and asked.stats.hashed_bytes == SPEC.projection_bytes
     stored = _cache(ckpt, tmp_path / "store")
     assert stored.hash_passes is True
     stored.build(plans[:1], embed=simple_embed(SPEC))

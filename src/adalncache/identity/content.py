@@ -259,8 +259,15 @@ class ContentIdentity:
         A checkpoint is hashed by every pass while the digest is :attr:`wanted` (see the module
         docstring); tensors in memory only while their digest is unknown.
         """
+        if not self.wanted:
+            self._pending = None
+            return None
+        return self._sink()
+
+    def _sink(self) -> DigestSink | None:
+        """A sink for a read that hashes (a pass, or :meth:`identify`'s hashing-only read)."""
         self._pending = None
-        if not self.hashable or not self.wanted or (self.digest is not None and not self.verifies):
+        if not self.hashable or (self.digest is not None and not self.verifies):
             return None
         before, settled = self.settled_stamps()
         sink = DigestSink()
@@ -327,7 +334,7 @@ class ContentIdentity:
         """
         if self.resolve() is not None or not read or not self.hashable:
             return self.digest
-        sink = self.pass_sink()
+        sink = self._sink()  # asked for: hashes whether or not passes do (``wanted``)
         assert sink is not None
         failure: Exception | None = None
         try:
