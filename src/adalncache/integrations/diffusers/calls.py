@@ -71,7 +71,7 @@ def _swapped_class(own: type) -> type:
 
 
 class CallWatch:
-    """A classic pipeline's ``__call__`` watched: ``predict`` sees each call's arguments first."""
+    """A pipeline's ``__call__`` watched: ``predict`` sees each call's arguments first."""
 
     #: The instance attribute the swapped ``__call__`` finds its watch under.
     ATTRIBUTE = "_adalncache_call_watch"
