@@ -56,7 +56,8 @@ The checks, in order (``--only`` takes their names):
 * ``nccl``, in a fresh process: a one-rank process group (NCCL on CUDA, gloo on CPU),
   ``shard="layers"`` and ``"columns"``, exact;
 * ``host-tier``: a plan evicted from the slab comes back from the (pinned) host tier, no pass;
-* ``timing``: pass vs read-only vs project-only, 1 and 16 plans (informational);
+* ``timing``: pass vs read-only vs project-only, 1 and 16 plans, and on CUDA the pass as a ratio of
+  the pinned host-to-device copy of the same bytes, the physical limit (informational);
 * ``graph-capture``: a prepared request's forward of a tiny MiniMax-H3 captured in one CUDA graph
   (the forward finds its slot on the device, no host read) and replayed: ``torch.equal`` to the
   resident forward; a stray timestep copied into the captured input gives NaN and a
@@ -109,7 +110,7 @@ from adalncache import AdalnCache, CheckpointSource, ModulationSpec, PlanError, 
 from adalncache.hostmem import pinned_bytes  # noqa: E402
 from adalncache.source import aligned_empty  # noqa: E402
 from adalncache.spec import FINAL, Layer  # noqa: E402
-from adalncache.tools.bench.primitives import read_only  # noqa: E402
+from adalncache.tools.bench.primitives import PinnedCopy, read_only  # noqa: E402
 from adalncache.tools.bench.workload import generate_checkpoint  # noqa: E402
 from adalncache.tools.measure import cached_fraction, drop_page_cache, proc_status  # noqa: E402
 
@@ -1180,8 +1181,13 @@ def check_timing(ctx: Context) -> dict[str, Any]:
         return timed(device, lambda: cache.build(plans[:k], embed=embed_of(xs)))
 
     samples: dict[str, list[float]] = {"read": [], "project1": [], "pass1": [], "project16": [], "pass16": []}
+    h2d = PinnedCopy(source, device) if device.type == "cuda" else None  # the physical limit of a CUDA pass
+    if h2d is not None:
+        samples["h2d"] = []
     one_pass(1)  # the kept staging buffer, the copy stream, cuBLAS handles
     for _ in range(3):
+        if h2d is not None:
+            samples["h2d"].append(h2d())
         samples["read"].append(read_only(source))  # host only: no device work to wait for
         for k in (1, 16):
             samples[f"project{k}"].append(project_only(k))
@@ -1190,6 +1196,8 @@ def check_timing(ctx: Context) -> dict[str, Any]:
     out: dict[str, Any] = {"ok": True, "informational": True, "median_s": {k: round(v, 4) for k, v in med.items()}}
     for k in (1, 16):
         out[f"pass_over_max_read_project_{k}"] = round(med[f"pass{k}"] / max(med["read"], med[f"project{k}"]), 3)
+        if h2d is not None:
+            out[f"pass_over_pinned_h2d_{k}"] = round(med[f"pass{k}"] / med["h2d"], 3)
     return out
 
 

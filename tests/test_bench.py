@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from adalncache.cli import main
 
@@ -98,8 +99,18 @@ def test_bench_pass_section_only(tmp_path: Path, capsys: pytest.CaptureFixture[s
         assert any(n.startswith(row) for n in names)
     assert set(data["values"]["pass_fast_warm_s"]) >= {"staged", "inplace", "tiled"}
     assert data["values"]["batched"]["bit_identical"] is True
+    # The physical limit of a CUDA pass is measured there only; on a CPU the run says so.
+    assert any("pinned host-to-device copy: measured on a CUDA device only" in note for note in data["notes"])
+    assert "pinned_h2d_s" not in data["values"]
     printed = capsys.readouterr().out
     assert "pass vs naive" in printed and "x" in printed
+
+
+def test_the_pinned_copy_needs_cuda() -> None:
+    from adalncache.tools.bench.primitives import PinnedCopy
+
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        PinnedCopy(object(), torch.device("cpu"))
 
 
 def test_bench_rejects_a_device_it_cannot_use(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

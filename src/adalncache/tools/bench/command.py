@@ -7,6 +7,8 @@ it measures:
 * the pass against the raw sequential read of the same bytes from the same files and against the
   projections alone (weights already in memory), page cache warm and cold, at 1 plan and at a full
   50-step request: a pass that overlaps reading with projecting costs about the larger of the two;
+* on CUDA (``--device cuda``), the pass as a ratio of the pinned host-to-device copy of the same
+  bytes, the physical limit of a pass that feeds a GPU from host memory (a CPU run notes it);
 * the pass against a naive loop that reads each layer whole into a fresh buffer, then projects,
   at the request size where reading and projecting cost about the same (where overlap matters most);
 * a forward step of a tiny MiniMax-H3 with its projections resident, served from the cache, and

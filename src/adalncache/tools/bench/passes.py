@@ -31,6 +31,7 @@ from ...plans import plan_key
 from ...tiling import TILE_ROWS
 from ..measure import drop_page_cache
 from .primitives import (
+    PinnedCopy,
     ResidentLayer,
     batched_exactness,
     naive,
@@ -134,6 +135,8 @@ class PassSection:
         variants[f"batched{self.sizes[-1]}"] = partial(one_pass, source, plans, inputs, batched=True, settle=before)
         if before is None:  # warm: the options of the pass at GEMM speed, side by side
             variants.update(self.fast_variants())
+            if self.resident.device.type == "cuda":  # the physical limit of a CUDA pass, beside it
+                variants["h2d"] = PinnedCopy(source, self.resident.device)
         return variants
 
     def fast_variants(self) -> dict[str, Callable[[], float]]:
@@ -199,6 +202,22 @@ class PassSection:
         top = self.sizes[-1]
         if "staged" in got:
             self.compare_fast(got, top)
+        if "h2d" in got:
+            res.values["pinned_h2d_s"] = got["h2d"]
+            for k in self.sizes:
+                res.add(
+                    Comparison(
+                        f"pass vs the pinned host-to-device copy of its bytes, {k} plan(s), {state}",
+                        "pass",
+                        "pinned H2D copy",
+                        got[f"pass{k}"],
+                        got["h2d"],
+                        None,
+                        note="the copy alone, from page-locked memory: the limit a CUDA pass cannot beat",
+                    )
+                )
+        elif state == "warm":
+            res.note("pass vs pinned host-to-device copy: measured on a CUDA device only (--device cuda)")
         batched = res.values["batched"]
         res.add(
             Comparison(
