@@ -176,14 +176,20 @@ def _shifted(self: QwenImage, model: Any, pipeline: Any, call: Any, component: s
 ORIGINAL_PREDICT = QwenImage.predict_schedule
 
 
-def test_a_wrong_prediction_is_dropped_and_the_real_schedule_built(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
+def _overlapped(monkeypatch: pytest.MonkeyPatch, predict: Any) -> tuple[Any, dict[str, Any], torch.Tensor, Any]:
+    """A tiny pipeline, its prompt, its resident images, and its overlapped handle predicting with ``predict``."""
     pipe = _pipe()
     prompt = tiny_prompt_embeds(pipe.transformer, seed=1)
     resident = _run(pipe, prompt)
     handle = enable_adaln_cache(pipe, overlap=True)
-    monkeypatch.setattr(QwenImage, "predict_schedule", _shifted)
+    monkeypatch.setattr(QwenImage, "predict_schedule", predict)
+    return pipe, prompt, resident, handle
+
+
+def test_a_wrong_prediction_is_dropped_and_the_real_schedule_built(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    pipe, prompt, resident, handle = _overlapped(monkeypatch, _shifted)
     with caplog.at_level(logging.INFO, logger="adalncache"):
         assert torch.equal(_run(pipe, prompt), resident)
     assert any("was not the request's; dropped" in record.getMessage() for record in caplog.records)
@@ -208,11 +214,7 @@ class FailFirstPublish(FaultPoints):
 def test_a_failing_wrong_prediction_is_no_error_of_the_request(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    pipe = _pipe()
-    prompt = tiny_prompt_embeds(pipe.transformer, seed=1)
-    resident = _run(pipe, prompt)
-    handle = enable_adaln_cache(pipe, overlap=True)
-    monkeypatch.setattr(QwenImage, "predict_schedule", _shifted)
+    pipe, prompt, resident, handle = _overlapped(monkeypatch, _shifted)
     handle.cache.fault_points = faults = FailFirstPublish()
     with caplog.at_level(logging.WARNING, logger="adalncache"):
         assert torch.equal(_run(pipe, prompt), resident)
@@ -231,11 +233,7 @@ def test_a_prediction_that_raises_starts_nothing(
     def broken(self: QwenImage, model: Any, pipeline: Any, call: Any, component: str) -> Any:
         raise KeyError("num_inference_steps")
 
-    pipe = _pipe()
-    prompt = tiny_prompt_embeds(pipe.transformer, seed=1)
-    resident = _run(pipe, prompt)
-    handle = enable_adaln_cache(pipe, overlap=True)
-    monkeypatch.setattr(QwenImage, "predict_schedule", broken)
+    pipe, prompt, resident, handle = _overlapped(monkeypatch, broken)
     with caplog.at_level(logging.DEBUG, logger="adalncache"):
         assert torch.equal(_run(pipe, prompt), resident)
     messages = [r.getMessage() for r in caplog.records]

@@ -32,7 +32,7 @@ from ...plans import PlanKey, plan_key
 from .modules import execution_device
 from .overlap import BackgroundPasses, split_pays
 from .prepared import PreparedRequest, PreparedRequests
-from .requests import RequestHolds, request_plans
+from .requests import RequestHolds, plan_tensors, request_plans
 from .scheduling import PendingSchedule
 
 logger = logging.getLogger(__name__)
@@ -284,7 +284,7 @@ class RequestLifecycle:
         is started only where one is needed, and nothing is held in the foreground.
         """
         cache = self._cache()
-        if autocast_dtype(cache.device) is not None or all(t in cache for t in _tensors(plans)):
+        if autocast_dtype(cache.device) is not None or all(t in cache for t in plan_tensors(plans)):
             # Autocast is thread-local (a pass thread would not see it); a resident request is a hit.
             if not predicted:
                 held = holds.for_request(plans, attention_kwargs)
@@ -294,9 +294,8 @@ class RequestLifecycle:
         inputs = holds.embed_ahead(plans, attention_kwargs)  # the time embedder runs here, not beside forwards
         variant = holds.variant_of(attention_kwargs) if predicted else None
         hold = lambda chunk: holds.for_request(chunk, attention_kwargs, embed=inputs)  # noqa: E731
-        started = self._passes.start(
-            hold, plans, keys, predicted=predicted, variant=variant, split=split_pays(cache.source)
-        )
+        split = len(set(keys)) > 1 and split_pays(cache.source)  # mincore only where a split is possible
+        started = self._passes.start(hold, plans, keys, predicted=predicted, variant=variant, split=split)
         if not started and not predicted:
             # disable() has begun on another thread: no new pass, which would outlive its join.
             self._prepared.start(self._prepared_request(holds.for_request(plans, attention_kwargs)))
@@ -312,7 +311,7 @@ class RequestLifecycle:
     def _keys(self, plans: Sequence[Any]) -> list[PlanKey]:
         """The key of each plan (keyed as forwards key them), in step order."""
         columns = self._cache().spec.plan_columns
-        return [plan_key(t, columns) for t in _tensors(plans)]
+        return [plan_key(t, columns) for t in plan_tensors(plans)]
 
     def _await_background(self, key: PlanKey) -> None:
         """Before a forward of ``key``: wait for the thread's background pass to make it servable."""
@@ -321,8 +320,3 @@ class RequestLifecycle:
         except BaseException:
             self.release(check=False)  # the request fails here: what its pass did hold goes back now
             raise
-
-
-def _tensors(plans: Sequence[Any]) -> list[torch.Tensor]:
-    """Each plan's timestep tensor (a ``(timestep, timestep_indices)`` pair's first element)."""
-    return [plan[0] if isinstance(plan, (tuple, list)) else plan for plan in plans]

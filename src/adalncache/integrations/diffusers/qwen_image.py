@@ -206,62 +206,70 @@ def spec_plans(
     return [forward_plan_of(spec.dtype, zero_cond, layered, t, column) for t in timesteps]
 
 
-def pipeline_timesteps(steps: int, height: int, width: int, scheduler_config: Mapping[str, Any]) -> torch.Tensor:
+def pipeline_timesteps(
+    steps: int,
+    height: int,
+    width: int,
+    scheduler_config: Mapping[str, Any],
+    *,
+    sigmas: Any = None,
+    sequence: int | None = None,
+    scheduler_class: Any = None,
+    device: torch.device | None = None,
+) -> torch.Tensor:
     """The scheduler timesteps ``QwenImagePipeline`` runs for ``steps`` at ``height`` x ``width``.
 
-    As the pipeline computes them: ``sigmas = linspace(1, 1 / steps, steps)``, ``mu`` shifted by
-    the packed latent's length ``(height // 16) * (width // 16)``, then the scheduler's
-    ``set_timesteps(sigmas=..., mu=...)``; the forward receives ``t / 1000`` of each.
+    As the pipeline computes them, on a fresh scheduler of ``scheduler_class`` (default flow-match
+    Euler) and ``scheduler_config``: ``sigmas`` (default ``linspace(1, 1 / steps, steps)``), ``mu``
+    shifted by the packed latents' length ``sequence`` (default ``(height // 16) * (width // 16)``),
+    then ``retrieve_timesteps(..., sigmas=..., mu=...)`` on ``device``; the forward receives
+    ``t / 1000`` of each.
     """
     import numpy as np
     from diffusers import FlowMatchEulerDiscreteScheduler
-    from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
 
-    scheduler: Any = FlowMatchEulerDiscreteScheduler.from_config(dict(scheduler_config))
-    sigmas = np.linspace(1.0, 1 / steps, steps)
+    scheduler: Any = (scheduler_class or FlowMatchEulerDiscreteScheduler).from_config(dict(scheduler_config))
+    if sigmas is None:
+        sigmas = np.linspace(1.0, 1 / steps, steps)
     mu = calculate_shift(
-        (height // 16) * (width // 16),
+        (height // 16) * (width // 16) if sequence is None else sequence,
         scheduler.config.get("base_image_seq_len", 256),
         scheduler.config.get("max_image_seq_len", 4096),
         scheduler.config.get("base_shift", 0.5),
         scheduler.config.get("max_shift", 1.15),
     )
-    scheduler.set_timesteps(sigmas=sigmas, mu=mu)
-    return scheduler.timesteps
+    timesteps, _ = retrieve_timesteps(scheduler, steps, device, sigmas=sigmas, mu=mu)
+    return timesteps
 
 
 def predicted_timesteps(pipeline: Any, call: Mapping[str, Any]) -> torch.Tensor:
     """The scheduler timesteps ``QwenImagePipeline.__call__`` will set for ``call`` (its arguments by name).
 
-    Its own steps, on a fresh scheduler of the pipeline's class and config (the pipeline's is not
-    touched): the default size ``default_sample_size * vae_scale_factor``, ``sigmas`` (default
-    ``linspace(1, 1 / steps, steps)``), ``mu`` shifted by the packed latents' length (the given
-    ``latents``' own), and ``retrieve_timesteps`` on the execution device.
+    :func:`pipeline_timesteps` with the call's own values, on a fresh scheduler of the pipeline's
+    class and config (the pipeline's is not touched): the default size ``default_sample_size *
+    vae_scale_factor``, the call's ``sigmas``, the packed latents' length (the given ``latents``'
+    own), on the execution device.
     """
-    import numpy as np
-    from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
-
     scale = pipeline.vae_scale_factor
-    height = call["height"] or pipeline.default_sample_size * scale
-    width = call["width"] or pipeline.default_sample_size * scale
+    height = int(call["height"] or pipeline.default_sample_size * scale)
+    width = int(call["width"] or pipeline.default_sample_size * scale)
     latents = call["latents"]
     if isinstance(latents, torch.Tensor):
         sequence = int(latents.shape[1])
     else:  # prepare_latents: 2 * (size // (scale * 2)) latent pixels a side, packed 2 x 2
-        sequence = (int(height) // (scale * 2)) * (int(width) // (scale * 2))
-    steps = call["num_inference_steps"]
-    sigmas: Any = np.linspace(1.0, 1 / steps, steps) if call["sigmas"] is None else call["sigmas"]
-    scheduler: Any = type(pipeline.scheduler).from_config(pipeline.scheduler.config)
-    config = scheduler.config
-    mu = calculate_shift(
-        sequence,
-        config.get("base_image_seq_len", 256),
-        config.get("max_image_seq_len", 4096),
-        config.get("base_shift", 0.5),
-        config.get("max_shift", 1.15),
+        sequence = (height // (scale * 2)) * (width // (scale * 2))
+    scheduler = pipeline.scheduler
+    return pipeline_timesteps(
+        call["num_inference_steps"],
+        height,
+        width,
+        scheduler.config,
+        sigmas=call["sigmas"],
+        sequence=sequence,
+        scheduler_class=type(scheduler),
+        device=pipeline._execution_device,
     )
-    timesteps, _ = retrieve_timesteps(scheduler, steps, pipeline._execution_device, sigmas=sigmas, mu=mu)
-    return timesteps
 
 
 def _call_batch_and_dtype(pipeline: Any, call: Mapping[str, Any]) -> tuple[int | None, torch.dtype | None]:

@@ -59,6 +59,11 @@ def request_plans(plans: Any) -> list[Any]:
     return plans
 
 
+def plan_tensors(plans: Sequence[Any]) -> list[torch.Tensor]:
+    """Each plan's timestep tensor (a ``(timestep, timestep_indices)`` pair's first element)."""
+    return [plan[0] if isinstance(plan, (tuple, list)) else plan for plan in plans]
+
+
 class RequestHolds:
     """Holds for one enabled model's requests and forwards (module docstring)."""
 
@@ -87,7 +92,7 @@ class RequestHolds:
 
         ``embed``: the plans' inputs computed ahead (:meth:`embed_ahead`), for a build on another thread.
         """
-        tensors = [plan[0] if isinstance(plan, (tuple, list)) else plan for plan in plans]
+        tensors = plan_tensors(plans)
         scale = lora_scale_of(attention_kwargs)
         if not math.isfinite(scale):  # every row would be NaN or inf: never a request worth building
             raise ConfigError(f'attention_kwargs["scale"] (the LoRA scale) must be finite, got {scale}')
@@ -102,7 +107,7 @@ class RequestHolds:
         meanwhile on another thread would see. Computed here, before the pass thread starts, with the
         same LoRA scale, loan and grad mode as a build, the inputs are the same bits.
         """
-        tensors = [plan[0] if isinstance(plan, (tuple, list)) else plan for plan in plans]
+        tensors = plan_tensors(plans)
         columns = self.cache.spec.plan_columns
         tuners, _, _ = self.signature.read(lora_scale_of(attention_kwargs))
         callbacks = self.callbacks
