@@ -375,3 +375,18 @@ def test_a_cold_checkpoint_is_read_once_a_warm_one_first_step_first(tmp_path: An
     handle.join_background()
     assert handle.stats.passes == 3  # the first step's plans, then all of them
     handle.disable()
+
+
+@pytest.mark.parametrize("plans", [None, torch.tensor([0.5]), "0.5"], ids=["None", "one tensor", "a string"])
+def test_predicted_request_refuses_what_is_not_a_list_of_plans(plans: Any) -> None:
+    from adalncache import PlanError
+
+    pipe = _pipe()
+    handle = enable_adaln_cache(pipe, overlap=True)
+    with (
+        pytest.raises(PlanError, match="plans must be a list of plans"),
+        handle["transformer"].predicted_request(plans),
+    ):
+        pass
+    assert not handle.cache._pool.held_slots and handle.stats.passes == 0
+    handle.disable()

@@ -167,8 +167,9 @@ class RequestLifecycle:
         The request's first forward adopts the pass when the schedule the scheduler set is the same
         plans in the same order (:meth:`hold_schedule`); otherwise it is dropped and the real one
         built, so a wrong prediction costs time, never a row. One the call never adopted is given
-        back when the block ends.
+        back when the block ends. ``plans`` that are not a list of plans is a PlanError, as for ``prepare``.
         """
+        plans = request_plans(plans)
         if self._overlap and self._enabled() and (holds := self._holds()) is not None:
             self.abandon()  # the thread's previous request is over (a mismatch is reported at the first forward)
             try:
