@@ -64,7 +64,8 @@ def main() -> None:
         embed = time_embed_fn(source, spec, device)
         plans = schedule_plans(tasks, steps, video_shift=12.0, audio_shift=3.0, audio_refs=True)
         slab_plans = max(1, min(args.max_plans, len(plans)))
-        cache = AdalnCache(
+        # The cache is closed (``with``) before the group is destroyed, so it does not keep the group alive.
+        with AdalnCache(
             spec,
             source,
             max_plans=slab_plans,
@@ -74,9 +75,9 @@ def main() -> None:
             process_group=dist.group.WORLD,
             shard=args.shard,
             progress=rank == 0,
-        )
-        # Every rank passes the same plans: store hits are agreed across ranks inside build().
-        report = fill_store(cache, plans, embed=embed, progress=rank == 0)
+        ) as cache:
+            # Every rank passes the same plans: store hits are agreed across ranks inside build().
+            report = fill_store(cache, plans, embed=embed, progress=rank == 0)
         built, stored, passes = report.built, report.already_stored, report.passes
         if rank == 0:
             print(

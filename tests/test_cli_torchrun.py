@@ -151,3 +151,42 @@ def test_vllm_omni_export_under_a_launcher_equals_the_one_process_file(tiny_save
         assert a.metadata() == b.metadata() and sorted(a.keys()) == sorted(b.keys())
         for name in a.keys():  # noqa: SIM118 (safe_open has no iteration)
             assert torch.equal(a.get_tensor(name), b.get_tensor(name)), name
+
+
+#: Runs ``adalncache.cli.main`` in a launched rank, then prints which of the process's threads are still alive.
+_MAIN_THEN_THREADS = (
+    "import json, os, sys\n"
+    "from adalncache.cli import main\n"
+    "code = main(sys.argv[1:])\n"
+    "names = [open(f'/proc/self/task/{t}/comm').read().strip() for t in os.listdir('/proc/self/task')]\n"
+    "print('THREADS ' + json.dumps({'code': code, 'threads': names}))\n"
+)
+
+
+@pytest.mark.parametrize("command", ["build", "export-adalncache", "export-vllm-omni"])
+def test_no_gloo_thread_outlives_main_under_a_launcher(command: str, tiny_saved_root: Path, tmp_path: Path) -> None:
+    """When ``main()`` returns in a rank, the process group and its gloo worker threads are gone.
+
+    A group kept alive past ``destroy_process_group()`` (by a cache in a reference cycle) ends its
+    worker threads only at interpreter exit, where one of them can abort the rank (SIGABRT,
+    "terminate called without an active exception") about one run in fifty.
+    """
+    checkpoint = str(tiny_saved_root / "bf16")
+    out = str(tmp_path / "out.safetensors")
+    argv = {
+        "build": ["build", checkpoint, "--store", str(tmp_path / "store"), "--task", "t2va", "--steps", "3"],
+        "export-adalncache": ["export", checkpoint, "-o", out, "--task", "t2va", "--steps", "3"],
+        "export-vllm-omni": [
+            *("export", checkpoint, "-o", out),
+            *("--format", "vllm-omni", "--mode", "t2va"),
+            "--num-steps",
+            "3",
+        ],
+    }[command]
+    outputs = _launch([sys.executable, "-c", _MAIN_THEN_THREADS, *argv, "--timeout", "60", "-q"])
+    for rank, output in enumerate(outputs):
+        line = next(text for text in output.splitlines() if text.startswith("THREADS "))
+        report = json.loads(line[len("THREADS ") :])
+        assert report["code"] == 0, (rank, output)
+        gloo = [name for name in report["threads"] if "gloo" in name]
+        assert gloo == [], f"rank {rank} still runs {gloo} after main() returned (all threads: {report['threads']})"

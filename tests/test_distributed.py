@@ -352,3 +352,58 @@ def test_torchrun_example_fills_a_store_that_serves_one_process(tiny_saved_dir: 
     finally:
         torch.set_num_threads(previous)
     assert (report.store_hits, report.passes, report.bytes_read) == (len(plans), 0, 0)
+
+
+#: A one-rank gloo group in a fresh process: build with ``process_group=``, then (``close``) close the
+#: cache and destroy the group, or (``drop``) drop the last reference with the garbage collector off.
+_RELEASE_SCRIPT = """
+import gc, json, os, sys, weakref
+import torch, torch.distributed as dist
+sys.path.insert(0, {tests!r})
+from adalncache import AdalnCache, TensorSource
+from core_helpers import SPEC, embed_for, make_weights
+
+def threads():
+    return [open(f"/proc/self/task/{{t}}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
+dist.init_process_group("gloo", rank=0, world_size=1)
+gc.disable()
+cache = AdalnCache(SPEC, TensorSource(make_weights(SPEC), SPEC), process_group=dist.group.WORLD)
+cache.build([torch.tensor([0.5]), torch.tensor([0.25, 0.75])], embed=embed_for(SPEC))
+before = threads()
+if sys.argv[1] == "close":
+    cache.close()
+    freed = None
+else:
+    ref = weakref.ref(cache)
+    del cache
+    freed = ref() is None
+dist.destroy_process_group()
+print(json.dumps({{"before": before, "after": threads(), "freed": freed}}))
+"""
+
+
+@pytest.mark.parametrize("how", ["close", "drop"])
+def test_a_cache_never_keeps_its_process_group_alive(how: str) -> None:
+    """Closing a cache releases its process group, and a cache with a group is freed by reference counting
+    alone: after ``destroy_process_group()`` no gloo worker thread runs, so none can abort the process at
+    interpreter exit (a group kept alive by a reference cycle ended its threads during finalisation)."""
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    script = _RELEASE_SCRIPT.format(tests=str(Path(__file__).resolve().parent))
+    done = subprocess.run(
+        [sys.executable, "-c", script, how, port], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert any("gloo" in name for name in report["before"]), report  # the check can see gloo's threads
+    assert not any("gloo" in name for name in report["after"]), report
+    if how == "drop":
+        assert report["freed"] is True

@@ -25,10 +25,12 @@ stat, no device work. A request that holds its plans (:meth:`AdalnCache.hold`,
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Hashable, Iterator, Sequence
+import weakref
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -79,6 +81,21 @@ def _check_spec_and_source(spec: Any, source: Any, tables: Any) -> None:
         )
 
 
+def _fault_points_of(cache: weakref.ref[AdalnCache]) -> Callable[[], FaultPoints]:
+    """The cache's fault points, read per build through a weak reference.
+
+    Why weak: the build transaction keeps this callable, and a closure over the cache itself would
+    put the cache in a reference cycle; a cache of a process group would then keep the group (and
+    its gloo worker threads) alive until a garbage collection, which at interpreter exit aborts.
+    """
+
+    def read() -> FaultPoints:
+        owner = cache()
+        return owner.fault_points if owner is not None else NO_FAULTS
+
+    return read
+
+
 class AdalnCache(CacheIntrospection):
     """A device slab of bit-exact AdaLN tables, rebuilt transactionally from a weight source.
 
@@ -124,7 +141,7 @@ class AdalnCache(CacheIntrospection):
             given,
             pinned(resolve_device(device, argument="device")),
             lock=self._lock,
-            faults=lambda: self.fault_points,
+            faults=_fault_points_of(weakref.ref(self)),
         )
         self._parts = parts
         #: The options in force: as given, with the capacities every rank of a group agreed on.
@@ -364,13 +381,20 @@ class AdalnCache(CacheIntrospection):
             self._builder.drop_all("invalidate()")
 
     def close(self) -> int:
-        """Give back the host memory the cache holds: the host tier's arena (unlocked and freed) and the
-        source's kept read buffers; returns the bytes released. Resident plans stay readable; building
-        afterwards raises ConfigError. Idempotent."""
+        """Give back what the cache holds beyond its slab: the host tier's arena (unlocked and freed), the
+        source's kept read buffers, and its process group; returns the bytes released. Resident plans stay
+        readable; building afterwards raises ConfigError. Idempotent.
+
+        Why the process group: a cache that kept it would keep ``torch.distributed``'s group (and its
+        worker threads) alive past ``destroy_process_group()``; close a cache of a group before
+        destroying the group.
+        """
         with self._exclusive("close()"), self._lock:
             if self._closed:
                 return 0
             self._closed = True
+            self._dist.release()
+            self.options = self._parts.options = dataclasses.replace(self.options, process_group=None)
             released = self._tiers.release()
             release_buffers = getattr(self.source, "release_buffers", None)
             if callable(release_buffers):
@@ -385,6 +409,12 @@ class AdalnCache(CacheIntrospection):
         with self._exclusive("check_invariants()"), self._lock:
             self._pool.check_invariants()
             self._tiers.check_invariants()
+
+    def __enter__(self) -> AdalnCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # -- devices ----------------------------------------------------------------------------
 

@@ -106,9 +106,10 @@ def run_build(args: argparse.Namespace) -> int:
         options = _options_of(args, BUILD_OPTIONS)
         options.update(max_plans=max(1, min(args.max_plans, len(plans))), max_plan_width=width)
         options.update(store=Store(args.store, lock_wait_s=args.lock_wait), progress=rank0 and not args.quiet)
-        cache = AdalnCache(spec, source, device=device, process_group=group, **options)
-        report = fill_store(cache, plans, embed=embed, progress=rank0 and not args.quiet)
-        ranks = f", {cache.world_size} ranks (--shard {args.shard})" if group is not None else ""
+        # Closed before the group is destroyed: a cache that outlived it would keep gloo's threads alive.
+        with AdalnCache(spec, source, device=device, process_group=group, **options) as cache:
+            report = fill_store(cache, plans, embed=embed, progress=rank0 and not args.quiet)
+            ranks = f", {cache.world_size} ranks (--shard {args.shard})" if group is not None else ""
     if rank0:
         print(
             f"adalncache build: {report.plans} distinct plan(s) for {described}: {report.already_stored} already "
@@ -160,20 +161,20 @@ def run_export(args: argparse.Namespace) -> int:
         embed = _embed_fn(source, spec, device) if sidecar is None else None
         options = _options_of(args, EXPORT_OPTIONS)
         options.update(max_plans=max(1, min(args.max_plans, len(plans))), max_plan_width=width, store=store)
-        cache = AdalnCache(
+        with AdalnCache(
             spec, source, device=device, process_group=group, progress=rank0 and not args.quiet, **options
-        )
-        report = export_tables(
-            cache,
-            plans,
-            output,
-            embed=embed,
-            format=args.format,
-            model_variant=args.model_variant,
-            tasks=tasks,
-            schedules=schedules,
-            progress=rank0 and not args.quiet,
-        )
+        ) as cache:
+            report = export_tables(
+                cache,
+                plans,
+                output,
+                embed=embed,
+                format=args.format,
+                model_variant=args.model_variant,
+                tasks=tasks,
+                schedules=schedules,
+                progress=rank0 and not args.quiet,
+            )
     if rank0 and sidecar is not None:
         print(
             f"adalncache export: wrote {report.path} (vllm-omni format 4, {report.plans} plans of up to "

@@ -136,6 +136,9 @@ class Collective:
         """What the tables' bits reproduce (part of the store binding): a single process here."""
         return "single"
 
+    def release(self) -> None:
+        """Drop every reference to the process group (the cache was closed; nothing collective runs again)."""
+
 
 def _digest(values: Any) -> int:
     """A 60-bit digest of ``repr(values)``, stable across processes (``hash()`` is salted per process)."""
@@ -447,6 +450,12 @@ class ProcessGroupCollective(Collective):
             # recv is [world, n, share]: rank r's slice of every layer; the table row wants each
             # layer's slices side by side, which the gathered-column index says where.
             rows.index_copy_(1, buffers["gathered"], recv.permute(1, 0, 2).reshape(n, -1).to(rows.device))
+
+    def release(self) -> None:
+        # The group object (and through it gloo's worker threads) must not outlive
+        # destroy_process_group() because a closed cache still references it.
+        self.group = None
+        self._gather = None
 
     def describe_shard(self) -> str:
         # Layer sharding reproduces the single-process bits; column sharding reproduces a
