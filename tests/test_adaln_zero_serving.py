@@ -19,8 +19,9 @@ from torch import nn
 pytest.importorskip("diffusers")
 
 from adalncache.diffusers import enable_adaln_cache
-from adalncache.errors import PlanError
+from adalncache.errors import ConfigError, PlanError
 from adalncache.families import adaln_zero
+from adalncache.integrations.diffusers.handle import HANDLE_ATTRIBUTE
 from adalncache.tools import tiny_adaln_zero as tiny
 from adalncache.tools import tiny_adaln_zero_pipelines as tiny_pipelines
 from adalncache.tools.tiny import parameter_bytes
@@ -105,6 +106,144 @@ def _assert_state_equal(model: nn.Module, snapshot: dict[str, torch.Tensor]) -> 
     for name, tensor in state.items():
         assert tensor.device.type != "meta" and tensor.dtype == snapshot[name].dtype, name
         assert torch.equal(tensor, snapshot[name]), name
+
+
+@pytest.mark.parametrize("precision", ["fp32-memory", "bf16-disk"])
+@pytest.mark.parametrize("variant", SERVED, ids=[_id(v) for v in SERVED])
+def test_enabled_forwards_equal_the_resident_ones_with_the_projections_freed(
+    variant: tuple[str, dict[str, bool]], precision: str, tmp_path: Path
+) -> None:
+    name, flags = variant
+    model = tiny.build(name, **flags)
+    if precision == "bf16-disk":
+        model = tiny.save_and_load(model, tmp_path / "model", torch.bfloat16)
+    resident = run(model)
+    snapshot = _snapshot(model)
+    before, served = parameter_bytes(model), served_bytes(model)
+    assert served > 0
+
+    handle = enable_adaln_cache(model)
+    assert served_bytes(model) == 0
+    assert parameter_bytes(model) <= before - served  # the served projections (and time embedders) are gone
+    assert model.get_submodule("norm_out.linear").weight.device.type == "meta"
+    assert handle.prepare(request_plans(model)).passes == 1
+    assert handle.prepare(request_plans(model)).passes == 0  # a repeated request builds nothing
+    cached = run(model)
+    for i, (r, c) in enumerate(zip(resident, cached)):
+        assert torch.equal(r, c), f"forward {FORWARDS[i]} differs"
+    assert handle.stats.passes == 1
+
+    handle.disable()
+    assert parameter_bytes(model) == before
+    _assert_state_equal(model, snapshot)
+    assert all(torch.equal(r, c) for r, c in zip(resident, run(model)))
+
+
+def test_the_time_embedder_can_stay() -> None:
+    model = tiny.build("OvisImageTransformer2DModel")
+    resident = run(model)
+    handle = enable_adaln_cache(model, free_time_embedder=False)
+    assert model.timestep_embedder.linear_1.weight.device.type == "cpu"
+    assert model.single_transformer_blocks[0].norm.linear.weight.device.type == "meta"
+    handle.prepare(request_plans(model))
+    assert all(torch.equal(r, c) for r, c in zip(resident, run(model)))
+    handle.disable()
+
+
+def test_a_forward_missing_an_input_its_config_enables_is_a_plan_error() -> None:
+    model = tiny.build("HunyuanVideo15Transformer3DModel", use_meanflow=True)
+    handle = enable_adaln_cache(model)
+    inputs = step_inputs(model, 0, 1, True)
+    del inputs[adaln_zero.TIMESTEP_R]
+    with pytest.raises(PlanError, match="needs the forward's timestep_r tensor"), torch.no_grad():
+        model(**tiny.forward_kwargs(model, inputs, batch=1))
+    handle.disable()
+
+
+def _unchanged_refusal(model: nn.Module, match: str) -> None:
+    snapshot, text = _snapshot(model), repr(model)
+    with pytest.raises(ConfigError, match=match):
+        enable_adaln_cache(model)
+    assert repr(model) == text and getattr(model, HANDLE_ATTRIBUTE, None) is None
+    _assert_state_equal(model, snapshot)
+
+
+def test_auraflow_is_served_without_a_bias_anywhere(tmp_path: Path) -> None:
+    """AuraFlow's projections are ``nn.Linear(..., bias=False)``: the geometry says so, the checkpoint holds no
+    bias, enabling parks only the weights (no bias appears), and disable() leaves the biases None."""
+    from adalncache import ModulationSpec
+
+    model = tiny.build("AuraFlowTransformer2DModel")
+    spec = ModulationSpec.from_transformer(model)
+    assert not any(spec.has_bias(layer) for layer in spec.layers())
+    assert all(spec.tensors_of(layer) == ("weight",) for layer in spec.layers())
+    model.save_pretrained(tmp_path / "aura")
+    assert ModulationSpec.from_checkpoint(tmp_path / "aura") == spec
+    resident = run(model)
+    handle = enable_adaln_cache(model, checkpoint=tmp_path / "aura")
+    assert handle.prepare(request_plans(model)).passes == 1
+    assert all(torch.equal(r, c) for r, c in zip(resident, run(model)))
+    for layer in spec.layers():
+        linear = model.get_submodule(str(layer))
+        assert linear.weight.device.type == "meta" and linear.bias is None
+    handle.disable()
+    for layer in spec.layers():
+        assert model.get_submodule(str(layer)).bias is None
+    assert all(torch.equal(r, c) for r, c in zip(resident, run(model)))
+
+
+def test_a_model_whose_modules_differ_from_its_classes_list_is_refused_unchanged() -> None:
+    from diffusers.models.normalization import AdaLayerNormZero
+
+    model = tiny.build("BriaTransformer2DModel")
+    model.transformer_blocks[1].norm1_context = AdaLayerNormZero(32, num_embeddings=4)
+    _unchanged_refusal(model, "BriaTransformer2DModel cannot be served: its modules differ .* embeds its own timestep")
+
+
+def test_flux_and_sd3_are_refused_as_prompt_modulated_unchanged() -> None:
+    from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
+
+    flux = FluxTransformer2DModel(
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=24,
+        pooled_projection_dim=8,
+        in_channels=8,
+        axes_dims_rope=(4, 6, 6),
+    )
+    _unchanged_refusal(flux, "FluxTransformer2DModel cannot be served from AdaLN tables: .*pooled text")
+    sd3 = SD3Transformer2DModel(
+        sample_size=8,
+        in_channels=4,
+        num_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=24,
+        caption_projection_dim=32,
+        pooled_projection_dim=8,
+        out_channels=4,
+    )
+    _unchanged_refusal(sd3, "SD3Transformer2DModel cannot be served from AdaLN tables: .*pooled text")
+
+
+def test_a_class_of_no_family_is_refused_as_not_supported() -> None:
+    from diffusers import SanaTransformer2DModel
+
+    sana = SanaTransformer2DModel(
+        in_channels=4,
+        out_channels=4,
+        num_attention_heads=2,
+        attention_head_dim=16,
+        num_layers=1,
+        num_cross_attention_heads=2,
+        cross_attention_head_dim=16,
+        cross_attention_dim=32,
+        caption_channels=24,
+        sample_size=8,
+    )
+    _unchanged_refusal(sana, "SanaTransformer2DModel is not a supported family")
 
 
 #: Every class's diffusers pipelines (HunyuanVideo-1.5's text-to-video and image-to-video), each

@@ -193,3 +193,42 @@ def test_the_readme_links_every_docs_page() -> None:
 )
 def test_link_extraction(text: str, expected: list[str]) -> None:
     assert relative_links(text) == expected
+
+
+#: A test cited in prose: ``file.py::test_name`` (optionally ``tests/`` first and a ``[param]`` after),
+#: or ``::test_name`` for another test of the file cited last.
+_CITED_TEST = re.compile(r"`((?:tests/)?(test_\w+\.py))?::(test_\w+)(?:\[[^`\]]*\])?")
+
+
+def cited_tests(text: str) -> list[tuple[str, str]]:
+    """(file, test) of every test ``text`` cites, resolving ``::name`` to the file cited before it."""
+    found, current = [], None
+    for match in _CITED_TEST.finditer(text):
+        current = match.group(2) or current
+        if current is not None:
+            found.append((current, match.group(3)))
+    return found
+
+
+def test_every_test_the_docs_cite_exists() -> None:
+    """A promise in docs/ (guarantees.md above all) names the test that proves it: that test must exist,
+    so a refactor that renames or drops a test cannot leave a promise without its proof."""
+    defined: dict[str, set[str]] = {}
+    for path in (ROOT / "tests").glob("test_*.py"):
+        defined[path.name] = set(re.findall(r"^(?:async )?def (test_\w+)", path.read_text(), flags=re.MULTILINE))
+    missing = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for file, name in cited_tests(page.read_text()):
+            if name not in defined.get(file, set()):
+                missing.append(f"{page.relative_to(ROOT)}: {file}::{name}")
+    assert not missing, "cited tests that do not exist:\n" + "\n".join(missing)
+
+
+def test_cited_tests_resolve_a_bare_name_to_the_file_cited_before() -> None:
+    text = "`test_a.py::test_one`; `::test_two[x]`, then `tests/test_b.py::test_three` and `::test_four`"
+    assert cited_tests(text) == [
+        ("test_a.py", "test_one"),
+        ("test_a.py", "test_two"),
+        ("test_b.py", "test_three"),
+        ("test_b.py", "test_four"),
+    ]
