@@ -458,7 +458,7 @@ def test_the_store_serves_another_handle_without_a_pass(tmp_path: Path) -> None:
 def test_a_bound_table_file_serves_a_fresh_model_without_weights(tmp_path: Path) -> None:
     """Tables exported from a checkpoint-served model (bound to its weights, the family in the binding) serve a
     fresh model of those weights with its projections freed and no weight source: no pass, outputs equal."""
-    from adalncache.export import export_tables
+    from adalncache.offline import export_tables
     from adalncache.plans import distinct_plans
     from adalncache.source.absent import NoWeights
 

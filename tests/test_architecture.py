@@ -267,9 +267,15 @@ MODEL_NAMES = re.compile(r"minimax|adaln_proj|final_layer|proj_in|proj_out|fl2va
 
 #: MiniMax-H3's own modules outside ``families/``, kept where their imports put them and where users
 #: import them from: its schedules (the request kinds; diffusers' pipeline code), the time
-#: embedder read from a checkpoint (above the sources), and vLLM-Omni's sidecar format for it (its
-#: modes, schedule contract and manifest; the table files and the tiers read it, so it sits below them).
-FAMILY_MODULES = {"adalncache.schedules", "adalncache.embedding", "adalncache.vllm_omni"}
+#: embedder read from a checkpoint (above the sources), and the two table formats that are its alone:
+#: SGLang's sidecar (its model variants and schedule flags) and vLLM-Omni's (its modes, schedule
+#: contract and manifest).
+FAMILY_MODULES = {
+    "adalncache.schedules",
+    "adalncache.embedding",
+    "adalncache.formats.sglang",
+    "adalncache.formats.vllm_omni",
+}
 
 #: The public MiniMax-H3 names the core keeps (docs/api.md), each where it has always been
 #: importable from: ``ModulationSpec.minimax_h3`` (from its family module) and

@@ -21,10 +21,10 @@ from safetensors.torch import load_file, save_file
 import seam_helpers as S
 from adalncache import AdalnCache, CheckpointSource, ConfigError, Store, TensorSource
 from adalncache.errors import CheckpointError
-from adalncache.export import export_tables
+from adalncache.formats import TableFile
 from adalncache.geometry import ModelGeometry, ServedLayer
+from adalncache.offline import export_tables
 from adalncache.spec import ModulationSpec
-from adalncache.tablefile import TableFile
 
 BIAS_LESS = {"blocks.0.mod_b", "norm_out.linear"}
 LAYERS = tuple(ServedLayer(s.id, s.out_features, s.input, s.id not in BIAS_LESS) for s in S.LAYERS)

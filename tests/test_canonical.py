@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from adalncache import vllm_omni
 from adalncache.canonical import canonical_json
+from adalncache.formats import vllm_omni
 
 
 def test_strict_and_lenient_encode_plain_values_to_the_same_bytes() -> None:

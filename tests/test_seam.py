@@ -33,11 +33,11 @@ from adalncache import (
     TensorSource,
 )
 from adalncache.batching import clear_verdicts, verdicts
-from adalncache.export import export_tables, verify_tables
+from adalncache.formats import TableFile, is_table_file
 from adalncache.geometry import TABLE_ROWS, ModelGeometry, ServedLayer, TablePart
+from adalncache.offline import export_tables, verify_tables
 from adalncache.plans import plan_key
 from adalncache.spec import ModulationSpec
-from adalncache.tablefile import TableFile, is_table_file
 
 
 @pytest.fixture

@@ -33,10 +33,10 @@ from adalncache import (
 )
 from adalncache.cli import main
 from adalncache.embedding import time_embed_fn
-from adalncache.export import export_tables
+from adalncache.formats import TableFile
+from adalncache.offline import export_tables
 from adalncache.plans import minimax_h3_plans, schedule_plans
 from adalncache.spec import FINAL, LAYOUTS
-from adalncache.tablefile import TableFile
 from core_helpers import SPEC as CORE_SPEC
 from core_helpers import embed_for, load_reference, make_weights, write_checkpoint
 from tiers_support import run_on_private_tmpfs, write_h3_checkpoint

@@ -23,11 +23,11 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from adalncache import AdalnCache, CheckpointSource, ConfigError, ModulationSpec, PlanError, plan_key
-from adalncache import vllm_omni as vo
 from adalncache.cli import main
 from adalncache.embedding import time_embed_fn
-from adalncache.export import export_tables, verify_tables
-from adalncache.tablefile import TableFile
+from adalncache.formats import TableFile
+from adalncache.formats import vllm_omni as vo
+from adalncache.offline import export_tables, verify_tables
 from tiers_support import write_h3_checkpoint
 from vllm_omni_support import FIXTURE, SCHEDULES, load, their_plans
 

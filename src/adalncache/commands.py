@@ -1,7 +1,7 @@
 """``adalncache build | export | inspect | verify | store prune``: the command-line shells.
 
 Each ``run_*`` checks its arguments, turns them into library calls (:mod:`adalncache.offline`,
-:mod:`adalncache.export`, :mod:`adalncache.plans`, :mod:`adalncache.embedding`) and prints what they
+:mod:`adalncache.formats`, :mod:`adalncache.plans`, :mod:`adalncache.embedding`) and prints what they
 return; the work itself lives in the library, where the examples and the tests call it too.
 ``build`` and ``export`` may run under torchrun: each rank then builds its share of every pass
 (``--shard``) and the ranks exchange rows, as ``AdalnCache(process_group=...)`` does.
@@ -21,21 +21,30 @@ from typing import Any, TypeVar
 
 import torch
 
-from . import vllm_omni
 from .cache import AdalnCache
 from .devices import resolve_device
 from .embedding import time_embed_fn
 from .errors import ConfigError
-from .export import check_export, check_output, export_tables, source_files, verify_tables
 from .families import adaln_zero, qwen_image
 from .families.minimax_h3 import MODEL_VARIANTS
+from .formats import FORMATS, TableFile, TableFormat, is_table_file, table_format, vllm_omni
 from .geometry import TIMESTEP
-from .offline import describe_checkpoint, describe_store, fill_store, is_store, open_checkpoint, verify_store
+from .offline import (
+    check_output,
+    describe_checkpoint,
+    describe_store,
+    export_tables,
+    fill_store,
+    is_store,
+    open_checkpoint,
+    source_files,
+    verify_store,
+    verify_tables,
+)
 from .options import flag, option
 from .plans import schedule_plans
 from .schedules import TASKS
 from .spec import LAYOUTS
-from .tablefile import FORMATS, TableFile, is_table_file
 from .tiers.store import Store
 
 
@@ -126,39 +135,35 @@ def run_build(args: argparse.Namespace) -> int:
 def run_export(args: argparse.Namespace) -> int:
     if not (args.timeout > 0):
         raise ConfigError(f"--timeout must be a positive number of seconds, got {args.timeout}")
-    sidecar = _sidecar_schedule(args)
+    kind = table_format(args.format)
+    own = kind.schedule(args.checkpoint, _format_inputs(args, kind))  # None: the family's schedule flags
     output = Path(args.output)
     check_output(output)  # before anything is read, then again against the checkpoint's files
     device = resolve_device(args.device)
     spec, source = open_checkpoint(args.checkpoint, layout=args.layout)
     check_output(output, source_files(source))
     tasks = args.task or []
-    check_export(spec, format=args.format, precision=args.precision, model_variant=args.model_variant, tasks=tasks)
-    if sidecar is not None:
-        if args.store:
-            raise ConfigError(
-                "--format vllm-omni projects every plan from vLLM-Omni's own time embedding, which store entries do "
-                "not record: drop --store"
-            )
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        vllm_omni.check_export(
-            spec,
-            precision=args.precision,
-            model_variant=args.model_variant,
-            contract=sidecar,
-            shard=args.shard,
-            world_size=max(world, 2 if args.shard == "columns" else 1),
-        )
-        plans = vllm_omni.timestep_plans(sidecar)
-        schedules: list[dict[str, Any]] = [sidecar]
-    else:
+    world = max(int(os.environ.get("WORLD_SIZE", "1")), 2 if args.shard == "columns" else 1)
+    kind.check_export(
+        spec,
+        precision=args.precision,
+        model_variant=args.model_variant,
+        tasks=tasks,
+        schedules=own[1] if own is not None else (),
+        shard=args.shard,
+        world_size=world,
+        tiers=bool(args.store),
+    )
+    if own is None:
         plans, _ = _request_plans(args, spec)
         schedules = _schedule_records(args, spec)
+    else:
+        plans, schedules = own
     width = max(p.shape[0] for p in plans)
     store = Store(args.store, lock_wait_s=args.lock_wait) if args.store else None
     with _torchrun_group(device, args.timeout) as (group, device, rank):
         rank0 = rank == 0
-        embed = _embed_fn(source, spec, device) if sidecar is None else None
+        embed = None if kind.own_input else _embed_fn(source, spec, device)
         options = _options_of(args, EXPORT_OPTIONS)
         options.update(max_plans=max(1, min(args.max_plans, len(plans))), max_plan_width=width, store=store)
         with AdalnCache(
@@ -175,7 +180,8 @@ def run_export(args: argparse.Namespace) -> int:
                 schedules=schedules,
                 progress=rank0 and not args.quiet,
             )
-    if rank0 and sidecar is not None:
+    if rank0 and own is not None:
+        sidecar = schedules[0]
         print(
             f"adalncache export: wrote {report.path} (vllm-omni format 4, {report.plans} plans of up to "
             f"{report.width} timesteps, {report.bytes / 2**20:.2f} MiB): {report.built} built in {report.passes} "
@@ -203,8 +209,35 @@ def run_export(args: argparse.Namespace) -> int:
     return 0
 
 
-# ---------------------------------------------------------------------------------------------
-# export --format vllm-omni: its schedule arguments (kept together, apart from the other formats')
+def _schedule_inputs() -> tuple[dict[str, Any], frozenset[str]]:
+    """``export``'s schedule inputs (argument names), each with the default it stands for when not given, and
+    which of them are the checkpoint family's (the others name a format's own schedule)."""
+    family, own = argparse.ArgumentParser(add_help=False), argparse.ArgumentParser(add_help=False)
+    _schedules(family, "")
+    _sidecar_arguments(own)
+    names = vars(family.parse_args([]))
+    return {**names, **vars(own.parse_args([]))}, frozenset(names)
+
+
+def _format_inputs(args: argparse.Namespace, kind: TableFormat) -> dict[str, Any]:
+    """The schedule inputs given to ``export``, once every one the format does not take is refused.
+
+    ``export`` parses every schedule flag with the default None, so a flag given is seen even at its
+    default value (``--video-shift 12``); the defaults are put back here once it is checked. A
+    format takes its own inputs (``takes``) or, without any, the checkpoint family's schedule flags.
+    """
+    defaults, family = _schedule_inputs()
+    given = {name: getattr(args, name) for name in defaults if getattr(args, name) is not None}
+    takes = kind.takes if kind.takes is not None else family
+    refused = ", ".join("--" + name.replace("_", "-") for name in given if name not in takes)
+    if refused:
+        said = "its own schedule flags" if kind.takes is not None else "the checkpoint family's schedule flags"
+        taken = ", ".join("--" + name.replace("_", "-") for name in defaults if name in takes)
+        raise ConfigError(f"--format {kind.name} does not take {refused} (it takes {said}: {taken}): drop {refused}")
+    for name, default in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+    return given
 
 
 def _sidecar_arguments(parser: argparse.ArgumentParser) -> None:
@@ -240,45 +273,6 @@ def _sidecar_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _sidecar_schedule(args: argparse.Namespace) -> dict[str, Any] | None:
-    """The schedule contract of ``--format vllm-omni`` (None for the other formats); refuses mixed-up flags."""
-    given = [
-        flag
-        for flag, value in (
-            ("--mode", args.mode),
-            ("--num-steps", args.num_steps),
-            ("--base-schedule", args.base_schedule),
-            ("--flow-shift", args.flow_shift),
-            ("--audio-flow-shift", args.audio_flow_shift),
-        )
-        if value is not None
-    ]
-    if args.format != vllm_omni.FORMAT:
-        if given:
-            raise ConfigError(f"{', '.join(given)} name a --format vllm-omni schedule: use --task and --steps here")
-        return None
-    if args.task or args.steps or args.no_audio_refs:
-        raise ConfigError(
-            "--format vllm-omni takes its schedule as vLLM-Omni does: --mode, --num-steps (forwards), "
-            "--base-schedule, --flow-shift, --audio-flow-shift; drop --task, --steps and --no-audio-refs"
-        )
-    if args.mode is None:
-        raise ConfigError(f"--format vllm-omni needs --mode (one of {', '.join(vllm_omni.MODES)})")
-    # Unset flags take the release's defaults (its model_index.json), then vLLM-Omni's, as the server does.
-    release = vllm_omni.release_defaults(args.checkpoint)
-    positions = release.get("base_schedule")
-    if args.base_schedule is not None:
-        try:
-            positions = [float(v) for v in args.base_schedule.split(",")]
-        except ValueError:
-            raise ConfigError(f"--base-schedule takes comma-separated numbers, got {args.base_schedule!r}") from None
-    flow = args.flow_shift if args.flow_shift is not None else release.get("flow_shift", vllm_omni.DEFAULT_FLOW_SHIFT)
-    audio = args.audio_flow_shift
-    if audio is None:
-        audio = release.get("audio_flow_shift", vllm_omni.DEFAULT_AUDIO_FLOW_SHIFT)
-    return vllm_omni.schedule_contract(args.mode, args.num_steps, positions, flow, audio)
-
-
 # ---------------------------------------------------------------------------------------------
 # inspect
 
@@ -312,36 +306,8 @@ def _print_tables(info: dict[str, Any]) -> None:
     )
     geometry = _family_geometry(spec) or f"{spec['num_layers']} blocks, hidden {spec['hidden_size']}, {spec['dtype']}"
     print(f"  {geometry}; model_variant {info['model_variant'] or '(none)'}")
-    binding = info["binding"]
-    found = info.get("manifest")
-    if found is not None:
-        schedule, arch, math_block = found["schedule"], found["architecture"], found["math"]
-        print(
-            f"  vLLM-Omni sidecar (format 4): mode {schedule['mode']}, {schedule['num_steps']} steps, flow_shift "
-            f"{schedule['flow_shift']:g}, audio_flow_shift {schedule['audio_flow_shift']:g}, base_schedule "
-            f"{schedule['base_schedule']}; adapter {found['adapter_sha256'] or 'none'}"
-        )
-        print(
-            f"  time embedder {arch['timestep_input_dim']} -> {arch['time_embed_hidden_size']} -> "
-            f"{arch['time_embed_dim']}; {len(found['weights'])} weight digests; built under torch "
-            f"{math_block.get('torch')} on {math_block.get('device_type')}"
-            + (
-                f" (capability {math_block.get('capability')}, CUDA {math_block.get('cuda')})"
-                if math_block.get("device_type") == "cuda"
-                else ""
-            )
-        )
-    elif binding is None:
-        print("  binding: none (an sglang file: only its geometry can be checked)")
-    else:
-        env = binding.get("environment", {})
-        print(f"  content {binding.get('content')}")
-        print(
-            f"  precision {binding.get('precision')}, shard {binding.get('shard')}, torch {env.get('torch')} on "
-            f"{env.get('device_name') or env.get('cpu_capability') or env.get('device_type')}; {info['tool']}, "
-            f"{info['created']}"
-        )
-        print(f"  schedules: {info['schedules']}")
+    for line in FORMATS[info["format"]].summary(info):
+        print(line)
     if "slots" in info:
         print(f"  slots: {info['slots']}")
 
@@ -353,11 +319,9 @@ def run_inspect(args: argparse.Namespace) -> int:
     elif is_table_file(path):
         table = TableFile(path, argument="PATH")
         info = table.describe()
-        if table.binding is not None and not args.quick:
-            bad = table.verify_slots()
-            info["slots"] = f"{len(bad)} of {table.plans} fail their digest" if bad else "every digest verified"
-        elif table.manifest is not None:
-            info["slots"] = "every payload digest verified (a vLLM-Omni sidecar is checked whole when opened)"
+        slots = table.kind.slots_checked(table, args.quick)
+        if slots is not None:
+            info["slots"] = slots
     else:
         store = Store(args.store) if args.store else None
         info = describe_checkpoint(args.path, layout=args.layout, store=store, hash=args.hash)
@@ -444,7 +408,7 @@ def run_verify_tables(args: argparse.Namespace) -> int:
         print(f"MISMATCH {line}")
     if report.content_matches is False:
         print(f"CONTENT the file names {table.content}, --checkpoint is {report.content}")
-    for name in report.weights_mismatched:
+    for name in report.weights_mismatched or []:
         print(f"WEIGHTS {name}: its digest in the file's manifest is not --checkpoint's")
     if report.foreign:
         print(
@@ -455,7 +419,7 @@ def run_verify_tables(args: argparse.Namespace) -> int:
         f"adalncache verify: {'OK' if report.ok else 'FAILED'}: {report.checked} plan(s) of {table.path} recomputed, "
         f"{len(report.mismatched)} mismatched, {len(report.corrupt)} corrupt"
         + ("" if report.content_matches is None else f", content {'matches' if report.content_matches else 'DIFFERS'}")
-        + ("" if table.manifest is None else f", {len(report.weights_mismatched)} weight digest(s) differ")
+        + ("" if report.weights_mismatched is None else f", {len(report.weights_mismatched)} weight digest(s) differ")
     )
     return 0 if report.ok else 1
 
@@ -1031,7 +995,7 @@ def _register_export(subparsers: Any) -> None:
     _lock_wait(p)
     _add_options(p, EXPORT_OPTIONS)
     _common(p)
-    p.set_defaults(func=run_export)
+    p.set_defaults(func=run_export, **dict.fromkeys(_schedule_inputs()[0]))  # None: see _format_inputs
 
 
 def _register_inspect(subparsers: Any) -> None:

@@ -1,21 +1,34 @@
-"""Offline work on checkpoints and stores, without the model: fill a store, check it, describe either.
+"""Offline work on checkpoints, stores and table files, without the model: fill, export, verify, describe.
 
 Why these exist: a serving process should start with its tables already on disk. :func:`fill_store`
 runs the same transactional build the cache runs at serving time (same source, same embed, same
-binding), so the entries it writes are exactly those a serving cache on this machine looks up.
-:func:`verify_store` recomputes entries from the checkpoint and compares them bit for bit, so a store
-can be trusted after a copy or a disk scare; :func:`describe_checkpoint` and :func:`describe_store`
-say what a checkpoint or a store holds. The ``adalncache build | verify | inspect`` commands are thin
-shells over these.
+binding), so the entries it writes are exactly those a serving cache on this machine looks up;
+:func:`export_tables` streams the tables of some schedules into one table file in any format
+(:mod:`adalncache.formats`), with the same cache (store entries reused, a ``torchrun`` group sharing
+the passes as ``build`` does). :func:`verify_store` and :func:`verify_tables` recompute a store's
+entries or a table file's plans from the checkpoint on this machine and compare them bit for bit,
+so either can be trusted after a copy or a disk scare; :func:`describe_checkpoint` and
+:func:`describe_store` say what a checkpoint or a store holds. The ``adalncache build | export |
+verify | inspect`` commands are thin shells over these.
+
+Both verifications share one method: a sample of the entries, chunks of at most one slab, a cache
+that always projects per plan (so it confirms tables built stacked or tiled too), and ``torch.equal``
+of every table part. Only where the stored rows come from differs.
+
+Step counts: ``--steps N`` is the pipeline's ``num_inference_steps`` (grid points including the
+terminal 0), so it gives ``N - 1`` forwards; SGLang's ``--num-inference-steps M`` counts forwards.
+A file exported with ``--steps N`` therefore serves SGLang at ``--num-inference-steps N - 1``.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+import random
+import stat
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from tqdm.auto import tqdm
@@ -23,12 +36,14 @@ from tqdm.auto import tqdm
 from .cache import AdalnCache
 from .embedding import has_time_embedder
 from .errors import ConfigError
+from .formats import TableFile, table_format
+from .formats.sglang import Export, TableWriter
 from .options import flag
 from .plans import PlanKey, format_plan, key_to_plan, plan_key
-from .source import CheckpointSource
+from .rows import PlanRows
+from .source import CheckpointSource, WeightSource
 from .spec import ModulationSpec
 from .tiers.store import Store, StoredEntry, binding_hash
-from .verify import check_sample, chunked, same_rows, sampled, verifying_cache
 
 Embed = Callable[[torch.Tensor], torch.Tensor]
 
@@ -45,6 +60,47 @@ def is_store(path: str | os.PathLike[str]) -> bool:
     """Whether ``path`` is an adalncache store directory (it has the store's marker file)."""
     root = Path(path)
     return root.is_dir() and (root / "STORE").exists()
+
+
+T = TypeVar("T")
+
+
+def check_sample(sample: int | None, unit: str) -> None:
+    """Refuse a sample size below one (ConfigError naming ``--sample``)."""
+    if sample is not None and sample < 1:
+        raise ConfigError(f"sample must be a positive number of {unit}, got {sample}: set {flag('sample')}")
+
+
+def sampled(items: Sequence[T], sample: int | None, seed: int) -> list[T]:
+    """``sample`` of ``items`` chosen with ``seed`` (all of them when ``sample`` is None or not smaller)."""
+    if sample is not None and sample < len(items):
+        return random.Random(seed).sample(list(items), sample)
+    return list(items)
+
+
+def chunked(items: Sequence[T], per_pass: int) -> list[list[T]]:
+    """``items`` in chunks of ``per_pass`` (at least one): one pass, one slab's worth, each."""
+    step = max(1, per_pass)
+    return [list(items[i : i + step]) for i in range(0, len(items), step)]
+
+
+def verifying_cache(
+    spec: ModulationSpec, source: WeightSource, *, plans: int, width: int, **options: Any
+) -> AdalnCache:
+    """A cache that recomputes ``plans`` plans of up to ``width`` rows, always whole and per plan (never
+    stacked or tiled: this is what confirms tables that were built so); ``options``: device, precision,
+    read_ahead, progress."""
+    return AdalnCache(
+        spec, source, max_plans=max(1, plans), max_plan_width=width, batched=False, tiled=False, **options
+    )
+
+
+def same_rows(cache: AdalnCache, key: PlanKey, stored: PlanRows) -> bool:
+    """Whether the cache's recomputed rows of ``key`` equal ``stored``, part for part (``torch.equal``)."""
+    fresh = cache.rows_of(key)
+    return len(fresh.parts) == len(stored.parts) and all(
+        torch.equal(a.cpu(), b) for a, b in zip(fresh.parts, stored.parts)
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -204,16 +260,8 @@ def verify_store(
             if not stored:
                 continue
             width = max(spec.plan_rows(e.key) for e in stored)
-            cache = verifying_cache(
-                spec,
-                source,
-                plans=len(stored),
-                width=width,
-                device=device,
-                precision=precision,
-                read_ahead=read_ahead,
-                progress=progress,
-            )
+            options = {"device": device, "precision": precision, "read_ahead": read_ahead, "progress": progress}
+            cache = verifying_cache(spec, source, plans=len(stored), width=width, **options)
             cache.build([key_to_plan(e.key, spec.plan_columns) for e in stored], embed=embed)
             for item in stored:
                 report.checked += 1
@@ -229,6 +277,228 @@ def verify_store(
             f"{store.path} holds no entries for this checkpoint on this machine ({len(entries)} entries under other "
             f"bindings): check {flag('checkpoint')} and {flag('device')}, or run adalncache build first"
         )
+    return report
+
+
+# ---------------------------------------------------------------------------------------------
+# export
+
+
+@dataclass
+class ExportReport:
+    """What :func:`export_tables` wrote."""
+
+    path: Path
+    format: str
+    plans: int
+    width: int
+    bytes: int
+    passes: int
+    store_hits: int
+    built: int
+    content: str | None
+
+
+def check_output(path: Path, inputs: Iterable[Path] = (), *, needs: int | None = None) -> None:
+    """Refuse, before any pass, an output path the export must not write (ConfigError naming ``-o``).
+
+    ``-o`` must be a new name, or a regular file that is none of ``inputs`` (the checkpoint's files
+    and index: same device and inode, so a link to one of them counts as that file); never a
+    directory, a FIFO, a device or a socket, whose replacement by a file destroys what was there.
+    Its directory must exist and be writable, and, when ``needs`` (bytes) is given and the system
+    can tell, have room for the file.
+    """
+    out = flag("output")
+    try:
+        st = os.stat(path)  # follows links: writing "through" a link to an input is writing the input
+    except FileNotFoundError:
+        st = None
+    except OSError as exc:
+        raise ConfigError(f"{out} {path} cannot be used: {exc}") from None
+    if st is not None:
+        if stat.S_ISDIR(st.st_mode):
+            raise ConfigError(f"{out} {path} is a directory: name the table file to write")
+        if not stat.S_ISREG(st.st_mode):
+            raise ConfigError(
+                f"{out} {path} is not a regular file (a FIFO, a device or a socket), which the table file "
+                f"would replace: name a new file, or a table file to replace"
+            )
+        for source in inputs:
+            try:
+                other = os.stat(source)
+            except OSError:
+                continue
+            if (other.st_dev, other.st_ino) == (st.st_dev, st.st_ino):
+                raise ConfigError(
+                    f"{out} {path} is {source}, which this export reads (the checkpoint): writing the "
+                    f"tables there would destroy it; name another file"
+                )
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"{out} {path}: its directory {parent} does not exist or is not writable")
+    if needs is not None:
+        try:
+            vfs = os.statvfs(parent)
+            free = vfs.f_bavail * vfs.f_frsize
+        except OSError:
+            return
+        if needs > free:
+            raise ConfigError(
+                f"{out} {path}: the table file needs {needs} bytes ({needs / 2**20:.1f} MiB) but its disk "
+                f"has {free} bytes free: free some space, or name a file on another disk"
+            )
+
+
+def source_files(source: Any) -> list[Path]:
+    """The files a weight source reads (a checkpoint's files and index; none for tensors in memory)."""
+    files = [Path(f) for f in getattr(source, "files", None) or []]
+    index = getattr(source, "index", None)
+    return files + ([Path(index)] if index is not None else [])
+
+
+def export_tables(
+    cache: AdalnCache,
+    plans: Sequence[torch.Tensor],
+    out: str | os.PathLike[str],
+    *,
+    embed: Embed | None = None,
+    format: str = "adalncache",
+    model_variant: str | None = None,
+    tasks: Sequence[str] = (),
+    schedules: Sequence[Mapping[str, Any]] = (),
+    progress: bool = True,
+) -> ExportReport:
+    """Compute the tables of ``plans`` with ``cache`` and write them to ``out`` (rank 0 writes in a group).
+
+    ``plans``: distinct plans in slot order (``schedule_plans`` gives them; for ``format="vllm-omni"``
+    exactly ``timestep_plans`` of the one schedule, and no ``embed=``). Passes of at most
+    ``cache.max_plans`` plans each; the cache's slab is scratch, the file is the product. What the
+    format cannot hold is refused before any pass, and an unwritable output before the passes too.
+    The file appears at ``out`` only once complete (a temporary file is renamed into place): an
+    interrupted or failed export leaves ``out`` as it was. In a process group every rank calls this.
+    """
+    spec, path = cache.spec, Path(out)
+    job = table_format(format).export(
+        cache, plans, embed=embed, model_variant=model_variant, tasks=tasks, schedules=schedules
+    )
+    writer = None
+    if cache.rank == 0:
+        writer = TableWriter(path, spec, plans, extras=job.extras, slot_digests=job.slot_digests)
+    inputs = [*source_files(cache.source), *([t.path for t in cache.tables.files] if cache.tables else [])]
+    check_output(path, inputs, needs=writer.nbytes if writer is not None else None)
+    keys = [plan_key(p, spec.plan_columns) for p in plans]
+    try:
+        if writer is not None:
+            writer.open(job.placeholder())
+        passes, store_hits, built = _write_passes(cache, plans, keys, writer, job, progress=progress)
+        metadata = job.finish(writer)  # on every rank: a binding may be a collective
+        if writer is not None:
+            writer.finish(metadata)
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+        raise
+    size = path.stat().st_size if writer is not None else 0
+    width = max(spec.plan_rows(k) for k in keys)
+    return ExportReport(path, format, len(plans), width, size, passes, store_hits, built, job.content)
+
+
+def _write_passes(
+    cache: AdalnCache,
+    plans: Sequence[torch.Tensor],
+    keys: Sequence[PlanKey],
+    writer: TableWriter | None,
+    job: Export,
+    *,
+    progress: bool,
+) -> tuple[int, int, int]:
+    """Builds ``plans`` in passes of at most ``cache.max_plans`` plans and writes each pass's slots to
+    ``writer`` before the next pass reuses the slab; returns (passes, store hits, built)."""
+    passes = store_hits = built = 0
+    chunks = chunked(range(len(plans)), cache.max_plans)
+    for chunk in tqdm(chunks, desc="adalncache export", unit="pass", disable=not progress or len(chunks) < 2):
+        report = job.build([plans[i] for i in chunk])
+        passes, store_hits, built = passes + report.passes, store_hits + report.store_hits, built + report.built
+        if writer is not None:
+            for index in chunk:
+                job.slot(writer, index, cache.rows_of(keys[index]))
+        cache.invalidate()
+    return passes, store_hits, built
+
+
+# ---------------------------------------------------------------------------------------------
+# verify a table file
+
+
+@dataclass
+class TablesVerifyReport:
+    """What :func:`verify_tables` found."""
+
+    checked: int = 0
+    mismatched: list[str] = field(default_factory=list)
+    corrupt: list[str] = field(default_factory=list)
+    #: Bound files: the content digest of the checkpoint here, and whether the file names it.
+    content: str | None = None
+    content_matches: bool | None = None
+    #: Binding fields (environment, shard; a vLLM-Omni sidecar's math) that differ from this machine: bits are
+    #: then not expected to match.
+    foreign: list[str] = field(default_factory=list)
+    #: A file that binds its weights by digest (a vLLM-Omni sidecar): those whose digest differs from the
+    #: checkpoint's (None for the other formats).
+    weights_mismatched: list[str] | None = None
+
+    @property
+    def ok(self) -> bool:
+        return not (self.mismatched or self.corrupt or self.weights_mismatched) and self.content_matches is not False
+
+
+def verify_tables(
+    table: TableFile,
+    source: CheckpointSource,
+    *,
+    embed: Embed,
+    device: str | torch.device = "cpu",
+    max_plans: int = 64,
+    read_ahead: int = 1,
+    sample: int | None = None,
+    seed: int = 0,
+    progress: bool = True,
+) -> TablesVerifyReport:
+    """Recompute ``table``'s plans from ``source`` on this machine and compare every row with ``torch.equal``.
+
+    Always per plan (never batched), at the file's precision (a bound file's; the others are
+    ``match``), as its format computes rows (a vLLM-Omni sidecar's from its own time embedding, which
+    is compared too). What the file binds is checked against what the passes read: a bound file's
+    content digest, a sidecar's weight digests; binding fields that differ from this machine are
+    listed in ``foreign`` (a mismatch is then expected, not a fault of the file).
+    """
+    check_sample(sample, "plans")
+    spec = source.spec
+    if table.spec != spec:
+        raise ConfigError(f"{table.path} holds tables of another geometry than {flag('checkpoint')}")
+    report = TablesVerifyReport()
+    keys = sampled(list(dict.fromkeys(table.keys)), sample, seed)
+    precision = str((table.binding or {}).get("precision", "match"))
+    options = {"device": device, "precision": precision, "read_ahead": read_ahead, "progress": progress}
+    cache = verifying_cache(spec, source, plans=min(max_plans, len(keys)), width=table.width, **options)
+    verifier = table.kind.verifier(table, source, embed, device)
+    verifier.prepare(cache)
+    columns = spec.plan_columns
+    desc = f"adalncache verify {flag('tables')}"
+    for chunk in tqdm(chunked(keys, max_plans), desc=desc, unit="pass", disable=not progress):
+        plans = [key_to_plan(k, columns) for k in chunk]
+        cache.build(plans, embed=verifier.embed, project=verifier.project)
+        for key, plan in zip(chunk, plans):
+            shown = format_plan(key, columns=columns)
+            stored = table.read(key)
+            if stored is None:
+                report.corrupt.append(f"slot {table.slot_of(key)} (plan {shown}) fails its digest")
+                continue
+            report.checked += 1
+            if not (same_rows(cache, key, stored) and verifier.same(table, key, plan)):
+                report.mismatched.append(f"plan {shown} (slot {table.slot_of(key)}) differs")
+        cache.invalidate()
+    verifier.finish(cache, report, read_ahead)
     return report
 
 
@@ -298,12 +568,18 @@ def describe_checkpoint(
 
 
 __all__ = [
+    "ExportReport",
     "FillReport",
+    "TablesVerifyReport",
     "VerifyReport",
+    "check_output",
     "describe_checkpoint",
     "describe_store",
+    "export_tables",
     "fill_store",
     "is_store",
     "open_checkpoint",
+    "source_files",
     "verify_store",
+    "verify_tables",
 ]

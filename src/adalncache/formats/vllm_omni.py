@@ -1,4 +1,4 @@
-"""vLLM-Omni's MiniMax-H3 AdaLN sidecar (format version 4): its schedule, plans, manifest and checks.
+"""vLLM-Omni's MiniMax-H3 AdaLN sidecar (format version 4): its schedule, plans, manifest, write, read and checks.
 
 vLLM-Omni 0.30.0 serves MiniMax-H3 with an optional table file of its own, which it accepts only
 when the file is bound to what it will run: a ``manifest`` (canonical JSON) that names the
@@ -20,8 +20,9 @@ This module is the one home of those rules, in the project's own terms:
   ``silu(temb)`` cast to bf16;
 * :class:`WeightDigests`: the weight digests, taken from the bytes a rebuild pass hands its
   projection anyway (no second read), completed by one hashing read of whatever no pass read;
-* :func:`manifest`, :func:`read_manifest`, :func:`check_payload`, :func:`check_export`: writing and
-  checking a file; :func:`input_digests` hashes a weight source to compare a file with it.
+* :class:`VllmOmniFormat`: writing a file (its export takes the schedule, not ``embed=``, and projects
+  every plan again from that embedding), reading and checking one (the manifest's structure, every payload
+  digest, the plans against the schedule's, the ``math`` block and the weight digests against the cache's).
 
 A digest is SHA-256 over the canonical JSON of ``[dtype, shape]`` and then the tensor's raw bytes.
 vLLM-Omni itself is never imported: the rules are implemented here and checked against its code by
@@ -36,19 +37,22 @@ import json
 import logging
 import math
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from . import canonical
-from .errors import CheckpointError, ConfigError, PlanError
-from .families.minimax_h3 import LAYOUTS, MODEL_VARIANTS
-from .geometry import KeyLayout
-from .options import flag, knob
-from .spec import Layer, ModulationSpec
+from .. import canonical
+from ..errors import CheckpointError, ConfigError, PlanError
+from ..families.minimax_h3 import LAYOUTS
+from ..geometry import KeyLayout
+from ..options import flag, knob
+from ..plans import PlanKey, format_plan, key_to_plan
+from ..rows import PlanRows
+from ..spec import Layer, ModulationSpec
+from .sglang import Export, Layout, TableFormat, TableWriter, Verifier, bad_file
 
 log = logging.getLogger(__name__)
 
@@ -77,13 +81,10 @@ EMBEDDINGS = "time_embeddings"
 PAYLOAD = ("plan_timesteps", "plan_lengths", EMBEDDINGS, "block_params", "final_params")
 MANIFEST_KEYS = ("architecture", "model_variant", "schedule", "adapter_sha256", "weights", "payload", "math")
 SCHEDULE_KEYS = ("mode", "num_steps", "base_schedule", "flow_shift", "audio_flow_shift")
+ARCHITECTURE_KEYS = ("num_layers", "hidden_size", "timestep_input_dim", "time_embed_hidden_size", "time_embed_dim")
 #: The names the manifest uses for weights: the native release's.
 NATIVE: KeyLayout = LAYOUTS["native"]
 _HEX = frozenset("0123456789abcdef")
-
-
-# ---------------------------------------------------------------------------------------------
-# digests
 
 
 def canonical_json(value: Any) -> str:
@@ -282,14 +283,13 @@ class TimeEmbedding:
         return F.silu(self.temb(plan)).to(self.dtype)
 
 
-def native_names(layer: Layer) -> tuple[str, str]:
-    """The manifest's names of a layer's weight and bias."""
-    return NATIVE.weight(layer), NATIVE.bias(layer)
-
-
 def weight_names(spec: ModulationSpec) -> list[str]:
     """Every name the manifest's ``weights`` must hold: the time embedder's, then every projection's."""
-    return [*NATIVE.time_embedder_tensors(), *(n for layer in spec.layers() for n in native_names(layer))]
+    return [*NATIVE.time_embedder_tensors(), *(n for layer in spec.layers() for n in _native(layer))]
+
+
+def _native(layer: Layer) -> tuple[str, str]:
+    return NATIVE.weight(layer), NATIVE.bias(layer)
 
 
 class WeightDigests:
@@ -310,7 +310,7 @@ class WeightDigests:
         self.from_read = 0
 
     def _take(self, layer: Layer, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        name_w, name_b = native_names(layer)
+        name_w, name_b = _native(layer)
         self.digests[name_w] = tensor_sha256(weight)
         if bias is not None:  # MiniMax-H3's projections all have one; a bias-less layer has no name to bind
             self.digests[name_b] = tensor_sha256(bias)
@@ -397,178 +397,69 @@ def math_of_environment(environment: Mapping[str, Any]) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------
-# writing
+# the manifest
 
 
-def architecture(spec: ModulationSpec, embedding: TimeEmbedding) -> dict[str, int]:
-    """The manifest's ``architecture`` of a model of ``spec`` with this time embedder."""
-    return {
-        "num_layers": spec.num_layers,
-        "hidden_size": spec.hidden_size,
-        "timestep_input_dim": embedding.frequencies,
-        "time_embed_hidden_size": embedding.hidden,
-        "time_embed_dim": spec.time_embed_dim,
-    }
-
-
-def check_export(
-    spec: ModulationSpec,
-    *,
-    precision: str,
-    model_variant: str | None,
-    contract: Mapping[str, Any],
-    variant: object = None,
-    shard: str = "layers",
-    world_size: int = 1,
-) -> str:
-    """Refuse, before any pass, what a vllm-omni file cannot hold; returns the model variant to record.
-
-    vLLM-Omni serves the native bf16 projections of the base weights, in one process: bf16
-    projections at ``precision="match"``, no LoRA variant, no column split, and a mode of the
-    transformer the file names.
-    """
-    if spec.family.name != "minimax-h3" or spec.modalities != 3:
-        raise ConfigError(f"{flag('format')} {FORMAT} holds MiniMax-H3 tables of 3 modalities only")
-    if spec.dtype != torch.bfloat16:
-        raise ConfigError(
-            f"{flag('format')} {FORMAT} holds bfloat16 tables only (vLLM-Omni checks the dtype), but this checkpoint's "
-            f"projections are {str(spec.dtype).removeprefix('torch.')}: use {flag('format')} adalncache"
-        )
-    if precision != "match":
-        raise ConfigError(
-            f"{flag('format')} {FORMAT} cannot hold {flag('precision')} {precision} tables: vLLM-Omni serves "
-            "the file in place of its "
-            f"native bf16 projection (precision match); use {flag('precision')} match or {flag('format')} adalncache"
-        )
-    if variant is not None:
-        raise ConfigError(
-            f"{flag('format')} {FORMAT} holds the base projections, but a LoRA variant is active on them "
-            f"({variant!r}): "
-            f"export from the checkpoint without the adapter"
-        )
-    if shard == "columns" and world_size > 1:
-        raise ConfigError(
-            f"{flag('format')} {FORMAT} holds single-process tables (vLLM-Omni serves the file at tensor "
-            "parallel 1 only): "
-            f"use {flag('shard')} layers"
-        )
-    mode = str(contract["mode"])
-    wanted = variant_of(mode)
-    if model_variant is not None and model_variant not in MODEL_VARIANTS:
-        raise ConfigError(f"{flag('model_variant')} must be one of {', '.join(MODEL_VARIANTS)}, got {model_variant!r}")
-    if model_variant is not None and model_variant != wanted:
-        raise ConfigError(
-            f"{flag('model_variant')} {model_variant} does not serve {flag('mode')} {mode} (the reference "
-            "modes run on the ref2va "
-            f"transformer, t2va and fl2va on fl2va): set {flag('model_variant')} {wanted} or drop it"
-        )
-    return wanted
-
-
-def manifest(
-    *,
-    spec: ModulationSpec,
-    embedding: TimeEmbedding,
-    contract: Mapping[str, Any],
-    model_variant: str,
-    weights: Mapping[str, str],
-    payload: Mapping[str, str],
-    math_block: Mapping[str, Any],
-) -> dict[str, Any]:
-    """The manifest of a file (no adapter: the base weights)."""
-    return {
-        "architecture": architecture(spec, embedding),
-        "model_variant": model_variant,
-        "schedule": dict(contract),
-        "adapter_sha256": None,
-        "weights": {name: weights[name] for name in weight_names(spec)},
-        "payload": {name: payload[name] for name in PAYLOAD},
-        "math": dict(math_block),
-    }
-
-
-def metadata(manifest_: Mapping[str, Any]) -> dict[str, str]:
-    """The safetensors metadata of a file: exactly what vLLM-Omni reads."""
-    return {"format_version": FORMAT_VERSION, "manifest": canonical_json(dict(manifest_))}
-
-
-# ---------------------------------------------------------------------------------------------
-# reading
-
-
-def read_manifest(path: object, metadata_: Mapping[str, str], argument: str) -> dict[str, Any]:
+def read_manifest(path: object, metadata: Mapping[str, str], argument: str) -> dict[str, Any]:
     """The manifest of a format-4 file, its structure checked (ConfigError naming the file otherwise)."""
-
-    def bad(what: str) -> ConfigError:
-        return ConfigError(f"{path} ({argument}) is not a usable vLLM-Omni sidecar: {what}")
-
     try:
-        found = json.loads(metadata_["manifest"])
+        found = json.loads(metadata["manifest"])
     except (KeyError, TypeError, ValueError):
-        raise bad("its manifest is missing or not JSON") from None
+        raise _unusable(path, argument, "its manifest is missing or not JSON") from None
     if not isinstance(found, dict) or set(found) != set(MANIFEST_KEYS):
-        raise bad(f"its manifest must have exactly the keys {', '.join(MANIFEST_KEYS)}")
+        raise _unusable(path, argument, f"its manifest must have exactly the keys {', '.join(MANIFEST_KEYS)}")
     if any(not isinstance(found[k], dict) for k in ("architecture", "schedule", "weights", "payload", "math")):
-        raise bad("architecture, schedule, weights, payload and math must be JSON objects")
+        raise _unusable(path, argument, "architecture, schedule, weights, payload and math must be JSON objects")
     if set(found["schedule"]) != set(SCHEDULE_KEYS):
-        raise bad(f"its schedule must have exactly the keys {', '.join(SCHEDULE_KEYS)}")
+        raise _unusable(path, argument, f"its schedule must have exactly the keys {', '.join(SCHEDULE_KEYS)}")
     try:
         contract = schedule_contract(**found["schedule"])
     except PlanError as exc:
-        raise bad(f"its schedule is not valid ({exc})") from None
+        raise _unusable(path, argument, f"its schedule is not valid ({exc})") from None
     if found["model_variant"] != variant_of(contract["mode"]):
-        raise bad(f"model_variant {found['model_variant']!r} does not run mode {contract['mode']!r}")
+        what = f"model_variant {found['model_variant']!r} does not run mode {contract['mode']!r}"
+        raise _unusable(path, argument, what)
     arch = found["architecture"]
-    keys = ("num_layers", "hidden_size", "timestep_input_dim", "time_embed_hidden_size", "time_embed_dim")
-    if set(arch) != set(keys) or any(type(arch[k]) is not int or arch[k] < 1 for k in keys):
-        raise bad(f"its architecture must hold the positive integers {', '.join(keys)}")
+    if set(arch) != set(ARCHITECTURE_KEYS) or any(type(arch[k]) is not int or arch[k] < 1 for k in ARCHITECTURE_KEYS):
+        raise _unusable(
+            path, argument, f"its architecture must hold the positive integers {', '.join(ARCHITECTURE_KEYS)}"
+        )
     digests = [*found["weights"].values(), *found["payload"].values()]
     if set(found["payload"]) != set(PAYLOAD) or not all(_is_digest(d) for d in digests):
-        raise bad("its weight and payload digests must be SHA-256 hex strings, one per payload tensor")
+        raise _unusable(
+            path, argument, "its weight and payload digests must be SHA-256 hex strings, one per payload tensor"
+        )
     adapter = found["adapter_sha256"]
     if adapter is not None and not _is_digest(adapter):
-        raise bad("its adapter_sha256 must be null or a SHA-256 hex string")
+        raise _unusable(path, argument, "its adapter_sha256 must be null or a SHA-256 hex string")
     return found
 
 
-def spec_fields(found: Mapping[str, Any], dtype: torch.dtype) -> dict[str, Any]:
-    """The spec a manifest describes (``inspect`` of a file without a model)."""
-    arch = found["architecture"]
-    return {
-        "num_layers": arch["num_layers"],
-        "hidden_size": arch["hidden_size"],
-        "time_embed_dim": arch["time_embed_dim"],
-        "modalities": 3,
-        "dtype": dtype,
-    }
+def _unusable(path: object, argument: str, what: str) -> ConfigError:
+    return ConfigError(f"{path} ({argument}) is not a usable vLLM-Omni sidecar: {what}")
 
 
-def check_payload(
-    path: object,
-    found: Mapping[str, Any],
-    spec: ModulationSpec,
-    shapes: Mapping[str, tuple[tuple[int, ...], torch.dtype | None]],
-    read: Callable[[str], torch.Tensor],
-    argument: str,
-) -> None:
-    """Check a file's tensors against its manifest and ``spec``, as vLLM-Omni's loader does (ConfigError).
+def check_payload(table: Layout) -> None:
+    """Check a file's tensors against its manifest and spec, as vLLM-Omni's loader does (ConfigError).
 
     Exactly the five tensors; shapes and dtypes from the schedule's plans and the architecture;
     every tensor finite and matching its digest; the plans equal to the schedule's.
     """
-
-    def bad(what: str) -> ConfigError:
-        return ConfigError(f"{path} ({argument}) is not a usable vLLM-Omni sidecar: {what}")
-
+    found, spec = table.manifest, table.spec
+    assert found is not None
     arch = found["architecture"]
     ours = {"num_layers": spec.num_layers, "hidden_size": spec.hidden_size, "time_embed_dim": spec.time_embed_dim}
     differs = [f"{k} {arch[k]} (this model: {v})" for k, v in ours.items() if arch[k] != v]
     if differs or spec.modalities != 3:
-        raise bad(f"its architecture is another model's: {', '.join(differs) or 'modalities'}")
+        what = f"its architecture is another model's: {', '.join(differs) or 'modalities'}"
+        raise _unusable(table.path, table.argument, what)
     if set(found["weights"]) != set(weight_names(spec)):
-        raise bad("its weights must name exactly the time embedder's and every AdaLN projection's tensors")
+        what = "its weights must name exactly the time embedder's and every AdaLN projection's tensors"
+        raise _unusable(table.path, table.argument, what)
+    shapes = {name: (tuple(e.shape), e.torch_dtype) for name, e in table._entries.items()}
     if set(shapes) != set(PAYLOAD):
-        raise bad(f"it must hold exactly the tensors {', '.join(PAYLOAD)}, it holds {', '.join(sorted(shapes))}")
+        what = f"it must hold exactly the tensors {', '.join(PAYLOAD)}, it holds {', '.join(sorted(shapes))}"
+        raise _unusable(table.path, table.argument, what)
     timesteps, lengths = padded_plans(timestep_plans(found["schedule"]))
     P, W = timesteps.shape
     H, L, K = spec.hidden_size, spec.num_layers, spec.time_embed_dim
@@ -581,50 +472,309 @@ def check_payload(
     }
     for name, (shape, dtype) in expected.items():
         if tuple(shapes[name][0]) != shape or shapes[name][1] != dtype:
-            raise bad(f"{name} is {list(shapes[name][0])} {shapes[name][1]}, its schedule needs {list(shape)} {dtype}")
+            what = f"{name} is {list(shapes[name][0])} {shapes[name][1]}, its schedule needs {list(shape)} {dtype}"
+            raise _unusable(table.path, table.argument, what)
     for name in PAYLOAD:
-        value = read(name)
+        value = table.read_whole(name)
         if not bool(torch.isfinite(value).all()):
-            raise bad(f"{name} holds non-finite values")
+            raise _unusable(table.path, table.argument, f"{name} holds non-finite values")
         if tensor_sha256(value) != found["payload"][name]:
-            raise bad(f"{name} does not match its payload digest (the file was changed after it was written)")
+            what = f"{name} does not match its payload digest (the file was changed after it was written)"
+            raise _unusable(table.path, table.argument, what)
         if name == "plan_timesteps" and not torch.equal(value, timesteps):
-            raise bad("its plans are not the ones its schedule derives")
+            raise _unusable(table.path, table.argument, "its plans are not the ones its schedule derives")
         if name == "plan_lengths" and not torch.equal(value, lengths):
-            raise bad("its plan lengths are not the ones its schedule derives")
+            raise _unusable(table.path, table.argument, "its plan lengths are not the ones its schedule derives")
 
 
-__all__ = [
-    "AUDIO_REF_COND_TIMESTEP",
-    "DEFAULT_AUDIO_FLOW_SHIFT",
-    "DEFAULT_FLOW_SHIFT",
-    "DEFAULT_NUM_STEPS",
-    "EMBEDDINGS",
-    "FORMAT",
-    "FORMAT_VERSION",
-    "IMAGE_COND_TIMESTEP",
-    "MODES",
-    "PAYLOAD",
-    "TimeEmbedding",
-    "WeightDigests",
-    "architecture",
-    "canonical_json",
-    "check_export",
-    "check_payload",
-    "input_digests",
-    "manifest",
-    "math_identity",
-    "math_of_device",
-    "math_of_environment",
-    "metadata",
-    "padded_plans",
-    "read_manifest",
-    "release_defaults",
-    "schedule_contract",
-    "spec_fields",
-    "tensor_sha256",
-    "timestep_plans",
-    "variant_of",
-    "weight_mismatches",
-    "weight_names",
-]
+# ---------------------------------------------------------------------------------------------
+# the format
+
+
+class SidecarExport(Export):
+    """A sidecar's export: every plan projected from vLLM-Omni's own time embedding, whose rows the file records.
+
+    The projections' weight digests are taken from the bytes the passes project with (a layer no
+    pass of this process read, another rank's in a layer split, is hashed by one read at the end);
+    the payload digests by reading the finished tensors back from the temporary file before it is
+    renamed into place.
+    """
+
+    def __init__(self, cache: Any, plans: Sequence[torch.Tensor], contract: dict[str, Any], variant: str) -> None:
+        spec = cache.spec
+        self.embedding = TimeEmbedding(cache.source, spec, cache.device)
+        # Resident plans were built from whatever embed= their build had: projected again here.
+        cache.invalidate()
+        super().__init__(cache, {}, self.embedding.embed)
+        self.plans, self.digests = plans, WeightDigests(spec)
+        self.extras = {EMBEDDINGS: ((spec.time_embed_dim,), torch.float32)}
+        self._manifest = {
+            "architecture": {
+                "num_layers": spec.num_layers,
+                "hidden_size": spec.hidden_size,
+                "timestep_input_dim": self.embedding.frequencies,
+                "time_embed_hidden_size": self.embedding.hidden,
+                "time_embed_dim": spec.time_embed_dim,
+            },
+            "model_variant": variant,
+            "schedule": dict(contract),
+            "adapter_sha256": None,  # the base weights
+            "weights": dict.fromkeys(weight_names(spec), "0" * 64),
+            "payload": dict.fromkeys(PAYLOAD, "0" * 64),
+            "math": math_of_device(cache.device),
+        }
+
+    def build(self, batch: list[torch.Tensor]) -> Any:
+        return self.cache.build(batch, embed=self.embedding.embed, project=self.digests.project)
+
+    def slot(self, writer: TableWriter, index: int, rows: PlanRows) -> None:
+        writer.write_slot(index, rows)
+        writer.write_extra(EMBEDDINGS, index, self.embedding.temb(self.plans[index]))
+
+    def placeholder(self) -> dict[str, str]:
+        return {"format_version": FORMAT_VERSION, "manifest": canonical_json(self._manifest)}
+
+    def finish(self, writer: TableWriter | None) -> dict[str, str]:
+        if writer is None:
+            return {}
+        self.digests.complete(self.cache.source, read_ahead=self.cache.read_ahead)
+        found = {**self.embedding.digests, **self.digests.digests}
+        self._manifest["weights"] = {name: found[name] for name in self._manifest["weights"]}
+        for name in PAYLOAD:
+            value = writer.read_back(name)
+            if not bool(torch.isfinite(value).all()):
+                raise ConfigError(f"the {name} of this export hold non-finite values: vLLM-Omni refuses such a file")
+            self._manifest["payload"][name] = tensor_sha256(value)
+        log.info(
+            "%s: weight digests of %d layer(s) taken during the passes, %d by a hashing read",
+            writer.path,
+            self.digests.from_passes,
+            self.digests.from_read,
+        )
+        return self.placeholder()
+
+
+class SidecarVerifier(Verifier):
+    """``verify --tables`` of a sidecar: rows of vLLM-Omni's own time embedding, which the file records, and
+    the weights bound by digest (the projections' from the bytes the passes project with)."""
+
+    def __init__(self, table: Layout, source: Any, device: torch.device | str) -> None:
+        self.embedding, self.weights = TimeEmbedding(source, table.spec, device), WeightDigests(table.spec)
+        super().__init__(self.embedding.embed, self.weights.project)
+        self.table, self.source, self.device = table, source, device
+
+    def same(self, table: Layout, key: PlanKey, plan: torch.Tensor) -> bool:
+        temb = table.read_rows(EMBEDDINGS, key)
+        return temb is not None and torch.equal(self.embedding.temb(plan).cpu(), temb)
+
+    def finish(self, cache: Any, report: Any, read_ahead: int) -> None:
+        assert self.table.manifest is not None
+        self.weights.complete(self.source, read_ahead=read_ahead)
+        here = {**self.embedding.digests, **self.weights.digests}
+        report.weights_mismatched = weight_mismatches(self.table.manifest, here)
+        if math_of_device(self.device) != self.table.manifest["math"]:
+            report.foreign.append("math")
+
+
+class VllmOmniFormat(TableFormat):
+    """vLLM-Omni's sidecar of one schedule (see the module docstring)."""
+
+    name = FORMAT
+    version = FORMAT_VERSION
+    takes = frozenset(SCHEDULE_KEYS)
+    checkable = True
+    own_input = True
+
+    def _contract(self, schedules: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        if len(schedules) != 1:
+            raise ConfigError(
+                f"{flag('format')} {FORMAT} holds exactly one schedule (vLLM-Omni binds the file to it), got "
+                f"{len(schedules)}: pass schedules=[schedule_contract(...)] and export one file per schedule"
+            )
+        try:
+            return schedule_contract(**dict(schedules[0]))
+        except TypeError as exc:
+            raise ConfigError(f"the schedule of a {FORMAT} file takes {', '.join(SCHEDULE_KEYS)}: {exc}") from None
+
+    def check_export(self, spec: ModulationSpec, **given: Any) -> None:
+        """vLLM-Omni serves the native bf16 projections of the base weights, in one process: bf16 projections
+        at ``precision="match"``, no LoRA variant, no column split, a mode of the transformer the file names,
+        and rows of its own time embedding, which store entries and table files do not record."""
+        super().check_export(spec, **given)
+        fmt, mv = flag("format"), flag("model_variant")
+        contract = self._contract(given.get("schedules", ()))
+        if spec.modalities != 3:
+            raise ConfigError(f"{fmt} {FORMAT} holds MiniMax-H3 tables of 3 modalities only")
+        self._bf16_match(spec, given["precision"], "vLLM-Omni")
+        if given.get("variant") is not None:
+            raise ConfigError(
+                f"{fmt} {FORMAT} holds the base projections, but a LoRA variant is active on them "
+                f"({given['variant']!r}): export from the checkpoint without the adapter"
+            )
+        if given.get("shard") == "columns" and given.get("world_size", 1) > 1:
+            raise ConfigError(
+                f"{fmt} {FORMAT} holds single-process tables (vLLM-Omni serves the file at tensor parallel 1 only): "
+                f"use {flag('shard')} layers"
+            )
+        mode, model_variant = str(contract["mode"]), given["model_variant"]
+        if model_variant is not None and model_variant != variant_of(mode):
+            raise ConfigError(
+                f"{mv} {model_variant} does not serve {flag('mode')} {mode} (the reference modes run on the ref2va "
+                f"transformer, t2va and fl2va on fl2va): set {mv} {variant_of(mode)} or drop it"
+            )
+        if given.get("tiers"):
+            raise ConfigError(
+                f"{fmt} {FORMAT} projects every plan from vLLM-Omni's own time embedding, which store entries "
+                f"and table files do not record (they may hold rows of another input): drop {flag('store')} "
+                "(store=, tables=)"
+            )
+
+    def schedule(self, checkpoint: Any, given: Mapping[str, Any]) -> tuple[list[torch.Tensor], list[Any]]:
+        """The one schedule the command line names; unset inputs take the release's defaults (its
+        ``model_index.json``), then vLLM-Omni's, as the server does."""
+        if given.get("mode") is None:
+            raise ConfigError(f"{flag('format')} {FORMAT} needs {flag('mode')} (one of {', '.join(MODES)})")
+        release = release_defaults(checkpoint)
+        positions = release.get("base_schedule")
+        if given.get("base_schedule") is not None:
+            try:
+                positions = [float(v) for v in str(given["base_schedule"]).split(",")]
+            except ValueError:
+                what = f"{flag('base_schedule')} takes comma-separated numbers, got {given['base_schedule']!r}"
+                raise ConfigError(what) from None
+        flow, audio = given.get("flow_shift"), given.get("audio_flow_shift")
+        flow = release.get("flow_shift", DEFAULT_FLOW_SHIFT) if flow is None else flow
+        audio = release.get("audio_flow_shift", DEFAULT_AUDIO_FLOW_SHIFT) if audio is None else audio
+        contract = schedule_contract(given["mode"], given.get("num_steps"), positions, flow, audio)
+        return timestep_plans(contract), [contract]
+
+    def export(self, cache: Any, plans: Sequence[torch.Tensor], **given: Any) -> Export:
+        if given["embed"] is not None:
+            raise ConfigError(
+                f"{flag('format')} {FORMAT} computes the projections' input itself (vLLM-Omni's fp32 time embedding, "
+                "from the checkpoint's time embedder): drop embed="
+            )
+        schedules, model_variant = given["schedules"], given["model_variant"]
+        tiers = cache.store is not None or cache.tables is not None
+        self.check_export(
+            cache.spec,
+            precision=cache.precision,
+            model_variant=model_variant,
+            tasks=given["tasks"],
+            schedules=schedules,
+            shard=cache.shard,
+            world_size=cache.world_size,
+            variant=cache.variant,
+            tiers=tiers,
+        )
+        contract = self._contract(schedules)
+        derived = timestep_plans(contract)
+        if len(plans) != len(derived) or not all(torch.equal(a.float(), b) for a, b in zip(plans, derived)):
+            raise ConfigError(
+                "plans must be exactly the schedule's plans in vLLM-Omni's order (vllm_omni.timestep_plans(contract)): "
+                "its loader refuses a file with any other plans"
+            )
+        return SidecarExport(cache, plans, contract, variant_of(contract["mode"]))
+
+    def opened(self, table: Layout, spec: ModulationSpec | None) -> ModulationSpec | None:
+        table.manifest = found = read_manifest(table.path, table.metadata, table.argument)
+        if spec is not None:
+            return spec
+        arch = found["architecture"]
+        fields = {k: arch[k] for k in ("num_layers", "hidden_size", "time_embed_dim")}
+        return ModulationSpec(**fields, modalities=3, dtype=table.part_dtype() or torch.bfloat16)
+
+    def check_file(self, table: Layout) -> None:
+        if FORMAT not in table.spec.family.table_formats:
+            what = f"a vLLM-Omni sidecar cannot hold {table.spec.family.title} tables"
+            raise bad_file(table.path, what, table.argument)
+        check_payload(table)
+
+    def check_cache(self, table: Layout, template: Mapping[str, Any], *, digest: str | None, source: Any) -> None:
+        assert table.manifest is not None
+        self._check_match(table, template, "a vLLM-Omni sidecar")
+        here = math_of_environment(template.get("environment") or {})
+        if canonical.plain_json(here) != canonical.plain_json(table.manifest["math"]):
+            raise ConfigError(
+                f"{table.path} (tables=) was built under another numeric environment (file {table.manifest['math']}, "
+                f"here {here}); its tables are not what this cache computes bit for bit: export it on this machine "
+                f"class (adalncache export {flag('format')} {FORMAT} {flag('device')} ...)"
+            )
+        wrong = self._weights(table, source)
+        if wrong:
+            raise ConfigError(
+                f"{table.path} (tables=) was built from other weights than this cache's ({', '.join(wrong[:3])}"
+                f"{', ...' if len(wrong) > 3 else ''} differ from its manifest): export it from this checkpoint"
+            )
+
+    def _weights(self, table: Layout, source: Any) -> list[str]:
+        """Names whose digest in the sidecar's manifest differs from ``source``'s weights (one hashing read).
+
+        Remembered per file and source fingerprint: a move to another device checks the ``math`` block
+        again, not the weights, and a changed checkpoint (another fingerprint) is hashed again.
+        """
+        assert table.manifest is not None
+        key = ("weights", str(getattr(source, "fingerprint", None)))
+        if key not in table.memo:
+            digests = input_digests(source, table.spec)
+            if digests is None:
+                log.info("%s: no weights to hash here: the sidecar's weight digests were not checked", table.path)
+                return []
+            table.memo[key] = weight_mismatches(table.manifest, digests)
+        return list(table.memo[key])
+
+    def unfit(self, table: Layout, template: Mapping[str, Any]) -> str | None:
+        assert table.manifest is not None
+        environment = template.get("environment") or {}
+        here = math_of_environment(environment)
+        if environment.get("autocast") is not None or canonical.plain_json(here) != canonical.plain_json(
+            table.manifest["math"]
+        ):
+            return (
+                f"{table.path}: a vLLM-Omni sidecar of another numeric environment (or autocast) than this build's: "
+                "not served while it differs"
+            )
+        return None if template.get("precision") == "match" else f"{table.path}: not served at another precision"
+
+    def still_serves(self, table: Layout, source: Any) -> bool | None:
+        if not self._weights(table, source):
+            return True
+        log.warning("%s was exported from other weights than the checkpoint now holds: no longer served", table.path)
+        return False
+
+    def same_input(self, table: Layout, key: PlanKey, embed: Any) -> str | None:
+        """The sidecar records each plan's fp32 time embedding; its rows are the projections of ``silu(temb)`` in
+        the projections' dtype. A model whose time embedding of the plan has other bits (on a CPU, a one-row fp32
+        GEMV can change with the time embedder weights' address) would get rows that are not its own, so the
+        plan is built instead. Without ``embed`` (a cache of table files only) nothing can be compared and the
+        file is trusted, as vLLM-Omni trusts it."""
+        if embed is None:
+            return None
+        temb = table.read_rows(EMBEDDINGS, key)
+        x = embed(key_to_plan(key, table.spec.plan_columns))
+        if temb is None or not isinstance(x, torch.Tensor) or torch.equal(x, F.silu(temb.to(x.device)).to(x.dtype)):
+            return None
+        return (
+            f"{table.path}: plan {format_plan(key, columns=table.spec.plan_columns)}: this model's time embedding "
+            "differs from the one the file's rows were computed from: built here instead"
+        )
+
+    def verifier(self, table: Layout, source: Any, embed: Any, device: torch.device | str) -> Verifier:
+        return SidecarVerifier(table, source, device)
+
+    def summary(self, info: Mapping[str, Any]) -> list[str]:
+        found = info["manifest"]
+        schedule, arch, block = found["schedule"], found["architecture"], found["math"]
+        cuda = block.get("device_type") == "cuda"
+        cuda_said = f" (capability {block.get('capability')}, CUDA {block.get('cuda')})" if cuda else ""
+        return [
+            f"  vLLM-Omni sidecar (format 4): mode {schedule['mode']}, {schedule['num_steps']} steps, flow_shift "
+            f"{schedule['flow_shift']:g}, audio_flow_shift {schedule['audio_flow_shift']:g}, base_schedule "
+            f"{schedule['base_schedule']}; adapter {found['adapter_sha256'] or 'none'}",
+            f"  time embedder {arch['timestep_input_dim']} -> {arch['time_embed_hidden_size']} -> "
+            f"{arch['time_embed_dim']}; {len(found['weights'])} weight digests; built under torch "
+            f"{block.get('torch')} on {block.get('device_type')}{cuda_said}",
+        ]
+
+    def slots_checked(self, table: Layout, quick: bool) -> str | None:
+        return "every payload digest verified (a vLLM-Omni sidecar is checked whole when opened)"

@@ -1,0 +1,71 @@
+"""Table files in the three formats other engines and this package read, behind one interface.
+
+A table file holds the tables of a set of plans in one safetensors file (the layout, SGLang's sidecar:
+:mod:`.sglang`). Three formats write it, each in its own module with its write, read and check:
+``sglang`` (:mod:`.sglang`: the layout alone, unbound, for the family SGLang serves), ``adalncache``
+(:mod:`.adalncache`: the layout bound to what produced it, every family) and ``vllm-omni``
+(:mod:`.vllm_omni`: vLLM-Omni's weight-bound format-4 sidecar of one schedule, for the family it serves). Callers never branch on the format: they
+look it up here by name (:func:`table_format`, :data:`FORMATS`) or open a file with :class:`TableFile`,
+which finds the format of the file and asks it, through :class:`~.sglang.TableFormat`'s hooks, to read
+and check it; the tier (:mod:`adalncache.tiers.tables`), ``export`` and ``verify`` do the same.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+
+from ..errors import ConfigError
+from ..options import flag
+from ..spec import ModulationSpec
+from .adalncache import AdalncacheFormat
+from .sglang import PLAN_TENSORS, Layout, SglangFormat, TableFormat, part_tensors
+from .vllm_omni import VllmOmniFormat
+
+#: Every format by its name (``--format``), in the order a file's format is recognised: a bound file is
+#: also a file of SGLang's layout, so the bound format looks first.
+FORMATS: dict[str, TableFormat] = {f.name: f for f in (AdalncacheFormat(), SglangFormat(), VllmOmniFormat())}
+
+
+def table_format(name: str) -> TableFormat:
+    """The format called ``name`` (ConfigError naming ``--format`` otherwise)."""
+    if name not in FORMATS:
+        raise ConfigError(f"{flag('format')} must be one of {', '.join(FORMATS)}, got {name!r}")
+    return FORMATS[name]
+
+
+class TableFile(Layout):
+    """One table file of any format, validated by its format and indexed; :meth:`read` returns a plan's rows.
+
+    ``spec``: the geometry and dtype the file must have (None: taken from the file, for
+    ``inspect``). ``argument``: how messages name the file's setting (``tables=``, ``--tables``).
+    ``format`` is the format's name and ``kind`` the format itself.
+    """
+
+    def __init__(
+        self, path: str | os.PathLike[str], spec: ModulationSpec | None = None, *, argument: str = "tables="
+    ) -> None:
+        super().__init__(path, spec, argument=argument, formats=tuple(FORMATS.values()))
+
+
+def is_table_file(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a safetensors file holding the plans and a family's table tensors (for ``inspect``)."""
+    path = Path(path)
+    if not path.is_file():
+        return False
+    try:
+        with open(path, "rb") as handle:
+            (length,) = struct.unpack("<Q", handle.read(8))
+            if length > 100_000_000:
+                return False
+            header = json.loads(handle.read(length))
+    except (OSError, ValueError, struct.error):
+        return False
+    return (
+        isinstance(header, dict) and all(name in header for name in PLAN_TENSORS) and part_tensors(header) is not None
+    )
+
+
+__all__ = ["FORMATS", "TableFile", "TableFormat", "is_table_file", "table_format"]

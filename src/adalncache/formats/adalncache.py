@@ -1,0 +1,261 @@
+"""The bound ``adalncache`` format: the layout plus what binds a file to the tables it holds, for every family.
+
+A bound file has the layout's tensors (:mod:`.sglang`, in the projections' dtype) plus metadata that binds
+it to what produced it: the content digest of the projection tensors, the spec (family and layers
+included), the precision, the numeric environment, the tool's version, the schedules, the family and its
+layers (id, first column, width), and a BLAKE3 digest per slot, checked on every read. A bound file of
+bfloat16 tables with a ``model_variant`` is also an SGLang file: SGLang ignores the extra keys.
+
+Why it exists beside SGLang's: a reader can check that the file is what this cache would compute, bit for
+bit, instead of trusting it. The tier refuses at open a file bound to another spec, precision, environment,
+shard or content; at every lookup it serves a file only while the binding the cache would give its own
+tables *now* (autocast and matmul switches included) equals the file's; after the weight source changed,
+only while the source's new content digest is still the file's.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+import torch
+
+from .. import families
+from ..canonical import canonical_json, plain_json
+from ..errors import ConfigError
+from ..geometry import Family, KeyLayout, ModelGeometry, ServedLayer
+from ..options import flag
+from ..plans import format_plan
+from ..rows import PlanRows
+from ..spec import ModulationSpec
+from .sglang import FORMAT_VERSION, Export, Layout, TableFormat, TableWriter, Verifier, bad_file, slot_digest
+
+log = logging.getLogger(__name__)
+
+#: Metadata keys of the bound format.
+BOUND = "adalncache.format"
+BOUND_VERSION = "1"
+TOOL = "adalncache.tool"
+BINDING = "adalncache.binding"
+CONTENT = "adalncache.content"
+SCHEDULES = "adalncache.schedules"
+SLOT_DIGESTS = "adalncache.slot_digests"
+CREATED = "adalncache.created"
+FAMILY = "adalncache.family"
+#: ``[[layer id, first column, width], ...]`` in table order: where each layer sits in a row.
+LAYERS = "adalncache.layers"
+#: Binding fields a bound file must share with the cache, besides the content digest.
+CHECKED = ("spec", "precision", "environment", "shard")
+
+
+def tool_version() -> str:
+    """``adalncache <version>`` of this installation."""
+    try:
+        return f"adalncache {version('adalncache')}"
+    except PackageNotFoundError:  # a source tree on PYTHONPATH
+        return "adalncache (not installed)"
+
+
+def _text(value: Any) -> str:
+    """Metadata values are strings: the canonical JSON (:mod:`adalncache.canonical`) as text."""
+    return canonical_json(value).decode()
+
+
+def bound_metadata(
+    *,
+    binding: Mapping[str, Any],
+    schedules: Sequence[Mapping[str, Any]],
+    model_variant: str | None,
+    spec: ModulationSpec | None = None,
+) -> dict[str, str]:
+    """The metadata of a bound file (slot digests are added by the writer); ``spec`` adds its family and layers."""
+    meta = {
+        "format_version": FORMAT_VERSION,
+        BOUND: BOUND_VERSION,
+        TOOL: tool_version(),
+        BINDING: _text(binding),
+        CONTENT: str(binding.get("content")),
+        SCHEDULES: _text(list(schedules)),
+        CREATED: time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    if spec is not None:
+        meta[FAMILY] = spec.family.name
+        meta[LAYERS] = _text([[layer, spec.offset(layer), spec.out_features(layer)] for layer in spec.layers()])
+    if model_variant is not None:
+        meta["model_variant"] = model_variant
+    return meta
+
+
+def _differs(table: Layout, template: Mapping[str, Any]) -> list[str]:
+    """The binding fields of ``table`` that are not ``template``'s (alignment too, where the cache has one)."""
+    assert table.binding is not None
+    checked = [*CHECKED, *(["alignment"] if template.get("alignment") is not None else [])]
+    return [key for key in checked if plain_json(table.binding.get(key)) != plain_json(template.get(key))]
+
+
+class BoundExport(Export):
+    """A bound file's export: its passes hash what they read, and the file is bound to that content digest."""
+
+    slot_digests = SLOT_DIGESTS
+
+    def __init__(self, cache: Any, embed: Any, schedules: Sequence[Mapping[str, Any]], model_variant: Any) -> None:
+        super().__init__(cache, {}, embed)
+        self._args = {"schedules": schedules, "model_variant": model_variant, "spec": cache.spec}
+        cache.hash_passes = True  # the file is bound to the content digest its passes learn (no second read)
+
+    def placeholder(self) -> dict[str, str]:
+        # Sized for the final metadata: a binding is well under the 2 KiB placeholder.
+        return bound_metadata(binding={"~": "~" * 2048}, **self._args)
+
+    def finish(self, writer: TableWriter | None) -> dict[str, str]:
+        binding = self.cache.binding()  # (a collective in a group: every rank asks)
+        if binding is None:
+            raise ConfigError(
+                "the content digest of the checkpoint could not be composed (a column split whose world size does "
+                f"not divide 64 cuts the hashed row blocks): export the bound format with {flag('shard')} layers or "
+                f"2, 4, 8 ranks, or use {flag('format')} sglang"
+            )
+        self.content = binding["content"]
+        return bound_metadata(binding=binding, **self._args)
+
+
+class BoundVerifier(Verifier):
+    """``verify --tables`` of a bound file: its content digest against what the passes read, and which
+    binding fields differ from this machine's (bits are then not expected to match)."""
+
+    def __init__(self, table: Layout, embed: Any) -> None:
+        super().__init__(embed)
+        self.table = table
+
+    def prepare(self, cache: Any) -> None:
+        cache.hash_passes = True
+
+    def finish(self, cache: Any, report: Any, read_ahead: int) -> None:
+        binding = self.table.binding or {}
+        report.content = cache.identify()
+        report.content_matches = report.content == self.table.content
+        here = cache.binding() or {}
+        report.foreign = [k for k in ("environment", "shard") if plain_json(binding.get(k)) != plain_json(here.get(k))]
+
+
+class AdalncacheFormat(TableFormat):
+    """The bound format (see the module docstring)."""
+
+    name = "adalncache"
+    binds_content = True
+    checkable = True
+
+    def export(self, cache: Any, plans: Sequence[torch.Tensor], **given: Any) -> Export:
+        embed = self._checked_embed(cache, given["embed"], given["model_variant"], given["tasks"])
+        return BoundExport(cache, embed, given["schedules"], given["model_variant"])
+
+    def recognizes(self, metadata: Mapping[str, str]) -> bool:
+        return metadata.get(BOUND) is not None
+
+    def opened(self, table: Layout, spec: ModulationSpec | None) -> ModulationSpec | None:
+        """Reads the binding and the slot digests; a file opened without a spec gives the geometry it describes."""
+        if table.metadata.get(BOUND) != BOUND_VERSION:
+            what = f"its {BOUND} is {table.metadata.get(BOUND)!r}; this reader knows {BOUND_VERSION!r}"
+            raise bad_file(table.path, what, table.argument)
+        try:
+            binding = json.loads(table.metadata[BINDING])
+            digests = json.loads(table.metadata[SLOT_DIGESTS])
+        except (KeyError, ValueError) as exc:
+            what = f"its binding metadata is missing or not JSON ({exc})"
+            raise bad_file(table.path, what, table.argument) from None
+        if not isinstance(binding, dict) or not isinstance(digests, list) or len(digests) != table.plans:
+            what = f"its binding metadata is malformed (needs {table.plans} slot digests)"
+            raise bad_file(table.path, what, table.argument)
+        table.binding, table.slot_digests = binding, [str(d) for d in digests]
+        dtype = table.part_dtype()
+        if spec is not None or dtype is None:
+            return spec
+        try:
+            described = binding["spec"]
+            layers = tuple(
+                ServedLayer(entry[0], int(entry[1]), str(entry[2]), bool(entry[3]) if len(entry) > 3 else True)
+                for entry in described["layers"]
+            )
+            name = str(described["family"])
+            family = families.FAMILIES.get(name) or Family(name, name, (KeyLayout("diffusers"),))
+            geometry = ModelGeometry(family, layers, int(described["in_features"]), tuple(described["plan_inputs"]))
+        except (KeyError, ValueError, TypeError, ConfigError):
+            return None  # a binding of the default geometry: the tensors' shapes describe it
+        return ModulationSpec.for_geometry(geometry, dtype=dtype)
+
+    def read(self, table: Layout, slot: int, rows: PlanRows) -> bool:
+        assert table.slot_digests is not None
+        if slot_digest(*rows) == table.slot_digests[slot]:
+            return True
+        shown = format_plan(table.keys[slot], columns=table.spec.plan_columns)
+        log.warning("%s: slot %d (plan %s) fails its digest: not served", table.path, slot, shown)
+        return False
+
+    def check_cache(self, table: Layout, template: Mapping[str, Any], *, digest: str | None, source: Any) -> None:
+        differs = _differs(table, template)
+        if differs:
+            assert table.binding is not None
+            detail = "; ".join(
+                f"{key}: file {plain_json(table.binding.get(key))}, here {plain_json(template.get(key))}"
+                for key in differs
+            )
+            raise ConfigError(
+                f"{table.path} (tables=) was exported for another {', '.join(differs)} ({detail}); its tables are "
+                f"not what this cache computes bit for bit: export on this machine class with these settings "
+                f"(adalncache export {flag('device')}, {flag('precision')}, {flag('shard')})"
+            )
+        if digest is None:
+            log.info(
+                "%s: the content digest of the projections cannot be computed here (no weights): checked "
+                "spec, precision and environment only",
+                table.path,
+            )
+        elif table.content != digest:
+            raise ConfigError(
+                f"{table.path} (tables=) was built from other projection weights (content {table.content}, this "
+                f"model's {digest}): export the tables from this checkpoint (adalncache export), or pass the "
+                f"checkpoint they came from"
+            )
+
+    def unfit(self, table: Layout, template: Mapping[str, Any]) -> str | None:
+        differs = _differs(table, template)
+        if not differs:
+            return None
+        return (
+            f"{table.path} was exported under another {', '.join(differs)} than this build runs under (autocast, "
+            f"matmul settings or threads, say): not served while it differs"
+        )
+
+    def still_serves(self, table: Layout, source: Any) -> bool | None:
+        return None  # its content digest says (the tier asks the source's once for every bound file)
+
+    def verifier(self, table: Layout, source: Any, embed: Any, device: torch.device | str) -> Verifier:
+        return BoundVerifier(table, embed)
+
+    def described(self, table: Layout) -> dict[str, Any]:
+        try:
+            schedules = json.loads(table.metadata[SCHEDULES])
+        except (KeyError, ValueError):
+            schedules = None
+        return {"tool": table.metadata.get(TOOL), "created": table.metadata.get(CREATED), "schedules": schedules}
+
+    def summary(self, info: Mapping[str, Any]) -> list[str]:
+        binding = info["binding"]
+        env = binding.get("environment", {})
+        device = env.get("device_name") or env.get("cpu_capability") or env.get("device_type")
+        return [
+            f"  content {binding.get('content')}",
+            f"  precision {binding.get('precision')}, shard {binding.get('shard')}, torch {env.get('torch')} on "
+            f"{device}; {info['tool']}, {info['created']}",
+            f"  schedules: {info['schedules']}",
+        ]
+
+    def slots_checked(self, table: Layout, quick: bool) -> str | None:
+        if quick:
+            return None
+        bad = table.verify_slots()
+        return f"{len(bad)} of {table.plans} fail their digest" if bad else "every digest verified"
