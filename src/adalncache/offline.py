@@ -37,7 +37,7 @@ from .cache import AdalnCache
 from .embedding import has_time_embedder
 from .errors import ConfigError
 from .formats import TableFile, table_format
-from .formats.sglang import Export, TableWriter
+from .formats.sglang import TableWriter
 from .options import flag
 from .plans import PlanKey, format_plan, key_to_plan, plan_key
 from .rows import PlanRows
@@ -98,9 +98,11 @@ def verifying_cache(
 def same_rows(cache: AdalnCache, key: PlanKey, stored: PlanRows) -> bool:
     """Whether the cache's recomputed rows of ``key`` equal ``stored``, part for part (``torch.equal``)."""
     fresh = cache.rows_of(key)
-    return len(fresh.parts) == len(stored.parts) and all(
-        torch.equal(a.cpu(), b) for a, b in zip(fresh.parts, stored.parts)
-    )
+    return len(fresh.parts) == len(stored.parts) and all(_same(a, b) for a, b in zip(fresh.parts, stored.parts))
+
+
+def _same(fresh: torch.Tensor, stored: torch.Tensor | None) -> bool:
+    return stored is not None and torch.equal(fresh.cpu(), stored)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -377,53 +379,37 @@ def export_tables(
     The file appears at ``out`` only once complete (a temporary file is renamed into place): an
     interrupted or failed export leaves ``out`` as it was. In a process group every rank calls this.
     """
-    spec, path = cache.spec, Path(out)
-    job = table_format(format).export(
-        cache, plans, embed=embed, model_variant=model_variant, tasks=tasks, schedules=schedules
-    )
+    spec, path, kind = cache.spec, Path(out), table_format(format)
+    given = {"embed": embed, "model_variant": model_variant, "tasks": tasks, "schedules": schedules}
+    passes = kind.export(cache, plans, **given)
     writer = None
     if cache.rank == 0:
-        writer = TableWriter(path, spec, plans, extras=job.extras, slot_digests=job.slot_digests)
+        extras = kind.extra_tensors(spec)
+        writer = TableWriter(path, spec, plans, extras=extras, slot_digests=kind.slot_digests)
     inputs = [*source_files(cache.source), *([t.path for t in cache.tables.files] if cache.tables else [])]
     check_output(path, inputs, needs=writer.nbytes if writer is not None else None)
-    keys = [plan_key(p, spec.plan_columns) for p in plans]
+    done = hits = built = 0
     try:
         if writer is not None:
-            writer.open(job.placeholder())
-        passes, store_hits, built = _write_passes(cache, plans, keys, writer, job, progress=progress)
-        metadata = job.finish(writer)  # on every rank: a binding may be a collective
+            writer.open(kind.metadata(passes, given, None, final=False))
+        chunks = chunked(range(len(plans)), cache.max_plans)
+        for chunk in tqdm(chunks, desc="adalncache export", unit="pass", disable=not progress or len(chunks) < 2):
+            report = passes.build([plans[i] for i in chunk])
+            done, hits, built = done + report.passes, hits + report.store_hits, built + report.built
+            for i in chunk:  # each pass's rows, before the next pass reuses the slab
+                if writer is not None:
+                    writer.write_slot(i, cache.rows_of(plan_key(plans[i], spec.plan_columns)), passes.extras(plans[i]))
+            cache.invalidate()
+        metadata = kind.metadata(passes, given, writer, final=True)  # on every rank: a binding may be a collective
         if writer is not None:
             writer.finish(metadata)
     except BaseException:
         if writer is not None:
             writer.abort()
         raise
+    width = max(spec.plan_rows(plan_key(p, spec.plan_columns)) for p in plans)
     size = path.stat().st_size if writer is not None else 0
-    width = max(spec.plan_rows(k) for k in keys)
-    return ExportReport(path, format, len(plans), width, size, passes, store_hits, built, job.content)
-
-
-def _write_passes(
-    cache: AdalnCache,
-    plans: Sequence[torch.Tensor],
-    keys: Sequence[PlanKey],
-    writer: TableWriter | None,
-    job: Export,
-    *,
-    progress: bool,
-) -> tuple[int, int, int]:
-    """Builds ``plans`` in passes of at most ``cache.max_plans`` plans and writes each pass's slots to
-    ``writer`` before the next pass reuses the slab; returns (passes, store hits, built)."""
-    passes = store_hits = built = 0
-    chunks = chunked(range(len(plans)), cache.max_plans)
-    for chunk in tqdm(chunks, desc="adalncache export", unit="pass", disable=not progress or len(chunks) < 2):
-        report = job.build([plans[i] for i in chunk])
-        passes, store_hits, built = passes + report.passes, store_hits + report.store_hits, built + report.built
-        if writer is not None:
-            for index in chunk:
-                job.slot(writer, index, cache.rows_of(keys[index]))
-        cache.invalidate()
-    return passes, store_hits, built
+    return ExportReport(path, format, len(plans), width, size, done, hits, built, passes.content)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -481,13 +467,12 @@ def verify_tables(
     precision = str((table.binding or {}).get("precision", "match"))
     options = {"device": device, "precision": precision, "read_ahead": read_ahead, "progress": progress}
     cache = verifying_cache(spec, source, plans=min(max_plans, len(keys)), width=table.width, **options)
-    verifier = table.kind.verifier(table, source, embed, device)
-    verifier.prepare(cache)
+    passes = table.kind.passes(cache, embed)
     columns = spec.plan_columns
     desc = f"adalncache verify {flag('tables')}"
     for chunk in tqdm(chunked(keys, max_plans), desc=desc, unit="pass", disable=not progress):
         plans = [key_to_plan(k, columns) for k in chunk]
-        cache.build(plans, embed=verifier.embed, project=verifier.project)
+        passes.build(plans)
         for key, plan in zip(chunk, plans):
             shown = format_plan(key, columns=columns)
             stored = table.read(key)
@@ -495,10 +480,11 @@ def verify_tables(
                 report.corrupt.append(f"slot {table.slot_of(key)} (plan {shown}) fails its digest")
                 continue
             report.checked += 1
-            if not (same_rows(cache, key, stored) and verifier.same(table, key, plan)):
+            extras = passes.extras(plan).items()
+            if not (same_rows(cache, key, stored) and all(_same(v, table.read_rows(n, key)) for n, v in extras)):
                 report.mismatched.append(f"plan {shown} (slot {table.slot_of(key)}) differs")
         cache.invalidate()
-    verifier.finish(cache, report, read_ahead)
+    table.kind.verified(table, passes, report)
     return report
 
 

@@ -4,10 +4,10 @@ A table file holds the tables of a set of plans in one safetensors file (the lay
 :mod:`.sglang`). Three formats write it, each in its own module with its write, read and check:
 ``sglang`` (:mod:`.sglang`: the layout alone, unbound, for the family SGLang serves), ``adalncache``
 (:mod:`.adalncache`: the layout bound to what produced it, every family) and ``vllm-omni``
-(:mod:`.vllm_omni`: vLLM-Omni's weight-bound format-4 sidecar of one schedule, for the family it serves). Callers never branch on the format: they
-look it up here by name (:func:`table_format`, :data:`FORMATS`) or open a file with :class:`TableFile`,
-which finds the format of the file and asks it, through :class:`~.sglang.TableFormat`'s hooks, to read
-and check it; the tier (:mod:`adalncache.tiers.tables`), ``export`` and ``verify`` do the same.
+(:mod:`.vllm_omni`: vLLM-Omni's weight-bound format-4 sidecar of one schedule, for the family it serves).
+Callers never branch on the format: they look it up here by name (:func:`table_format`) or open a file
+with :class:`TableFile`, which finds its format and has it read and check the file through the hooks
+of :class:`~.sglang.TableFormat`, as the tier, ``export``, ``verify`` and ``inspect`` use it.
 """
 
 from __future__ import annotations

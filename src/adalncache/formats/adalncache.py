@@ -22,8 +22,6 @@ from collections.abc import Mapping, Sequence
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
-import torch
-
 from .. import families
 from ..canonical import canonical_json, plain_json
 from ..errors import ConfigError
@@ -32,7 +30,7 @@ from ..options import flag
 from ..plans import format_plan
 from ..rows import PlanRows
 from ..spec import ModulationSpec
-from .sglang import FORMAT_VERSION, Export, Layout, TableFormat, TableWriter, Verifier, bad_file, slot_digest
+from .sglang import FORMAT_VERSION, Layout, Passes, TableFormat, TableWriter, bad_file, slot_digest
 
 log = logging.getLogger(__name__)
 
@@ -97,61 +95,36 @@ def _differs(table: Layout, template: Mapping[str, Any]) -> list[str]:
     return [key for key in checked if plain_json(table.binding.get(key)) != plain_json(template.get(key))]
 
 
-class BoundExport(Export):
-    """A bound file's export: its passes hash what they read, and the file is bound to that content digest."""
-
-    slot_digests = SLOT_DIGESTS
-
-    def __init__(self, cache: Any, embed: Any, schedules: Sequence[Mapping[str, Any]], model_variant: Any) -> None:
-        super().__init__(cache, {}, embed)
-        self._args = {"schedules": schedules, "model_variant": model_variant, "spec": cache.spec}
-        cache.hash_passes = True  # the file is bound to the content digest its passes learn (no second read)
-
-    def placeholder(self) -> dict[str, str]:
-        # Sized for the final metadata: a binding is well under the 2 KiB placeholder.
-        return bound_metadata(binding={"~": "~" * 2048}, **self._args)
-
-    def finish(self, writer: TableWriter | None) -> dict[str, str]:
-        binding = self.cache.binding()  # (a collective in a group: every rank asks)
-        if binding is None:
-            raise ConfigError(
-                "the content digest of the checkpoint could not be composed (a column split whose world size does "
-                f"not divide 64 cuts the hashed row blocks): export the bound format with {flag('shard')} layers or "
-                f"2, 4, 8 ranks, or use {flag('format')} sglang"
-            )
-        self.content = binding["content"]
-        return bound_metadata(binding=binding, **self._args)
-
-
-class BoundVerifier(Verifier):
-    """``verify --tables`` of a bound file: its content digest against what the passes read, and which
-    binding fields differ from this machine's (bits are then not expected to match)."""
-
-    def __init__(self, table: Layout, embed: Any) -> None:
-        super().__init__(embed)
-        self.table = table
-
-    def prepare(self, cache: Any) -> None:
-        cache.hash_passes = True
-
-    def finish(self, cache: Any, report: Any, read_ahead: int) -> None:
-        binding = self.table.binding or {}
-        report.content = cache.identify()
-        report.content_matches = report.content == self.table.content
-        here = cache.binding() or {}
-        report.foreign = [k for k in ("environment", "shard") if plain_json(binding.get(k)) != plain_json(here.get(k))]
-
-
 class AdalncacheFormat(TableFormat):
     """The bound format (see the module docstring)."""
 
     name = "adalncache"
     binds_content = True
     checkable = True
+    slot_digests = SLOT_DIGESTS
 
-    def export(self, cache: Any, plans: Sequence[torch.Tensor], **given: Any) -> Export:
-        embed = self._checked_embed(cache, given["embed"], given["model_variant"], given["tasks"])
-        return BoundExport(cache, embed, given["schedules"], given["model_variant"])
+    def passes(self, cache: Any, embed: Any) -> Passes:
+        # Bound to the content digest its passes learn as they read (an export's file, a verification's
+        # comparison): no second read of the checkpoint.
+        cache.hash_passes = True
+        return Passes(cache, embed)
+
+    def metadata(
+        self, passes: Passes, given: Mapping[str, Any], writer: TableWriter | None, *, final: bool
+    ) -> dict[str, str]:
+        args = {"schedules": given["schedules"], "model_variant": given["model_variant"], "spec": passes.cache.spec}
+        if not final:
+            # Sized for the final metadata: a binding is well under the 2 KiB placeholder.
+            return bound_metadata(binding={"~": "~" * 2048}, **args)
+        binding = passes.cache.binding()  # (a collective in a group: every rank asks)
+        if binding is None:
+            raise ConfigError(
+                "the content digest of the checkpoint could not be composed (a column split whose world size does "
+                f"not divide 64 cuts the hashed row blocks): export the bound format with {flag('shard')} layers or "
+                f"2, 4, 8 ranks, or use {flag('format')} sglang"
+            )
+        passes.content = binding["content"]
+        return bound_metadata(binding=binding, **args)
 
     def recognizes(self, metadata: Mapping[str, str]) -> bool:
         return metadata.get(BOUND) is not None
@@ -195,6 +168,9 @@ class AdalncacheFormat(TableFormat):
         log.warning("%s: slot %d (plan %s) fails its digest: not served", table.path, slot, shown)
         return False
 
+    def check_file(self, table: Layout) -> None:
+        """Every family's tables are served from bound files."""
+
     def check_cache(self, table: Layout, template: Mapping[str, Any], *, digest: str | None, source: Any) -> None:
         differs = _differs(table, template)
         if differs:
@@ -233,8 +209,12 @@ class AdalncacheFormat(TableFormat):
     def still_serves(self, table: Layout, source: Any) -> bool | None:
         return None  # its content digest says (the tier asks the source's once for every bound file)
 
-    def verifier(self, table: Layout, source: Any, embed: Any, device: torch.device | str) -> Verifier:
-        return BoundVerifier(table, embed)
+    def verified(self, table: Layout, passes: Passes, report: Any) -> None:
+        cache, binding = passes.cache, table.binding or {}
+        report.content = cache.identify()
+        report.content_matches = report.content == table.content
+        here = cache.binding() or {}
+        report.foreign = [k for k in ("environment", "shard") if plain_json(binding.get(k)) != plain_json(here.get(k))]
 
     def described(self, table: Layout) -> dict[str, Any]:
         try:

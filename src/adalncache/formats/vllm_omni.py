@@ -50,9 +50,8 @@ from ..families.minimax_h3 import LAYOUTS
 from ..geometry import KeyLayout
 from ..options import flag, knob
 from ..plans import PlanKey, format_plan, key_to_plan
-from ..rows import PlanRows
 from ..spec import Layer, ModulationSpec
-from .sglang import Export, Layout, TableFormat, TableWriter, Verifier, bad_file
+from .sglang import Layout, Passes, Shapes, TableFormat, TableWriter, bad_file
 
 log = logging.getLogger(__name__)
 
@@ -491,89 +490,27 @@ def check_payload(table: Layout) -> None:
 # the format
 
 
-class SidecarExport(Export):
-    """A sidecar's export: every plan projected from vLLM-Omni's own time embedding, whose rows the file records.
+class SidecarPasses(Passes):
+    """A sidecar's passes: every plan projected from vLLM-Omni's own time embedding, which the file records
+    beside its rows; the projections' weight digests taken from the bytes the passes project with (a layer no
+    pass of this process read, another rank's in a layer split, is hashed by one read at the end)."""
 
-    The projections' weight digests are taken from the bytes the passes project with (a layer no
-    pass of this process read, another rank's in a layer split, is hashed by one read at the end);
-    the payload digests by reading the finished tensors back from the temporary file before it is
-    renamed into place.
-    """
-
-    def __init__(self, cache: Any, plans: Sequence[torch.Tensor], contract: dict[str, Any], variant: str) -> None:
-        spec = cache.spec
-        self.embedding = TimeEmbedding(cache.source, spec, cache.device)
-        # Resident plans were built from whatever embed= their build had: projected again here.
-        cache.invalidate()
-        super().__init__(cache, {}, self.embedding.embed)
-        self.plans, self.digests = plans, WeightDigests(spec)
-        self.extras = {EMBEDDINGS: ((spec.time_embed_dim,), torch.float32)}
-        self._manifest = {
-            "architecture": {
-                "num_layers": spec.num_layers,
-                "hidden_size": spec.hidden_size,
-                "timestep_input_dim": self.embedding.frequencies,
-                "time_embed_hidden_size": self.embedding.hidden,
-                "time_embed_dim": spec.time_embed_dim,
-            },
-            "model_variant": variant,
-            "schedule": dict(contract),
-            "adapter_sha256": None,  # the base weights
-            "weights": dict.fromkeys(weight_names(spec), "0" * 64),
-            "payload": dict.fromkeys(PAYLOAD, "0" * 64),
-            "math": math_of_device(cache.device),
-        }
+    def __init__(self, cache: Any) -> None:
+        self.embedding = TimeEmbedding(cache.source, cache.spec, cache.device)
+        super().__init__(cache, self.embedding.embed)
+        self.digests = WeightDigests(cache.spec)
+        self.math = math_of_device(cache.device)
 
     def build(self, batch: list[torch.Tensor]) -> Any:
         return self.cache.build(batch, embed=self.embedding.embed, project=self.digests.project)
 
-    def slot(self, writer: TableWriter, index: int, rows: PlanRows) -> None:
-        writer.write_slot(index, rows)
-        writer.write_extra(EMBEDDINGS, index, self.embedding.temb(self.plans[index]))
+    def extras(self, plan: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {EMBEDDINGS: self.embedding.temb(plan)}
 
-    def placeholder(self) -> dict[str, str]:
-        return {"format_version": FORMAT_VERSION, "manifest": canonical_json(self._manifest)}
-
-    def finish(self, writer: TableWriter | None) -> dict[str, str]:
-        if writer is None:
-            return {}
+    def weights(self) -> dict[str, str]:
+        """Every weight's digest, by the manifest's names (the completing read first)."""
         self.digests.complete(self.cache.source, read_ahead=self.cache.read_ahead)
-        found = {**self.embedding.digests, **self.digests.digests}
-        self._manifest["weights"] = {name: found[name] for name in self._manifest["weights"]}
-        for name in PAYLOAD:
-            value = writer.read_back(name)
-            if not bool(torch.isfinite(value).all()):
-                raise ConfigError(f"the {name} of this export hold non-finite values: vLLM-Omni refuses such a file")
-            self._manifest["payload"][name] = tensor_sha256(value)
-        log.info(
-            "%s: weight digests of %d layer(s) taken during the passes, %d by a hashing read",
-            writer.path,
-            self.digests.from_passes,
-            self.digests.from_read,
-        )
-        return self.placeholder()
-
-
-class SidecarVerifier(Verifier):
-    """``verify --tables`` of a sidecar: rows of vLLM-Omni's own time embedding, which the file records, and
-    the weights bound by digest (the projections' from the bytes the passes project with)."""
-
-    def __init__(self, table: Layout, source: Any, device: torch.device | str) -> None:
-        self.embedding, self.weights = TimeEmbedding(source, table.spec, device), WeightDigests(table.spec)
-        super().__init__(self.embedding.embed, self.weights.project)
-        self.table, self.source, self.device = table, source, device
-
-    def same(self, table: Layout, key: PlanKey, plan: torch.Tensor) -> bool:
-        temb = table.read_rows(EMBEDDINGS, key)
-        return temb is not None and torch.equal(self.embedding.temb(plan).cpu(), temb)
-
-    def finish(self, cache: Any, report: Any, read_ahead: int) -> None:
-        assert self.table.manifest is not None
-        self.weights.complete(self.source, read_ahead=read_ahead)
-        here = {**self.embedding.digests, **self.weights.digests}
-        report.weights_mismatched = weight_mismatches(self.table.manifest, here)
-        if math_of_device(self.device) != self.table.manifest["math"]:
-            report.foreign.append("math")
+        return {**self.embedding.digests, **self.digests.digests}
 
 
 class VllmOmniFormat(TableFormat):
@@ -648,7 +585,7 @@ class VllmOmniFormat(TableFormat):
         contract = schedule_contract(given["mode"], given.get("num_steps"), positions, flow, audio)
         return timestep_plans(contract), [contract]
 
-    def export(self, cache: Any, plans: Sequence[torch.Tensor], **given: Any) -> Export:
+    def export(self, cache: Any, plans: Sequence[torch.Tensor], **given: Any) -> Passes:
         if given["embed"] is not None:
             raise ConfigError(
                 f"{flag('format')} {FORMAT} computes the projections' input itself (vLLM-Omni's fp32 time embedding, "
@@ -674,7 +611,64 @@ class VllmOmniFormat(TableFormat):
                 "plans must be exactly the schedule's plans in vLLM-Omni's order (vllm_omni.timestep_plans(contract)): "
                 "its loader refuses a file with any other plans"
             )
-        return SidecarExport(cache, plans, contract, variant_of(contract["mode"]))
+        passes = SidecarPasses(cache)
+        cache.invalidate()  # resident plans were built from whatever embed= their build had: projected again
+        return passes
+
+    def passes(self, cache: Any, embed: Any) -> Passes:
+        return SidecarPasses(cache)
+
+    def extra_tensors(self, spec: ModulationSpec) -> Shapes:
+        return {EMBEDDINGS: ((spec.time_embed_dim,), torch.float32)}
+
+    def metadata(
+        self, passes: Passes, given: Mapping[str, Any], writer: TableWriter | None, *, final: bool
+    ) -> dict[str, str]:
+        """The manifest; the final one takes the weight digests of the passes and the payload digests of the
+        tensors as written (read back from the temporary file before it is renamed into place)."""
+        assert isinstance(passes, SidecarPasses)
+        if final and writer is None:
+            return {}
+        spec, embedding, contract = passes.cache.spec, passes.embedding, self._contract(given["schedules"])
+        weights, payload = dict.fromkeys(weight_names(spec), "0" * 64), dict.fromkeys(PAYLOAD, "0" * 64)
+        if final and writer is not None:
+            found = passes.weights()
+            weights = {name: found[name] for name in weights}
+            for name in PAYLOAD:
+                value = writer.read_back(name)
+                if not bool(torch.isfinite(value).all()):
+                    raise ConfigError(
+                        f"the {name} of this export hold non-finite values: vLLM-Omni refuses such a file"
+                    )
+                payload[name] = tensor_sha256(value)
+            log.info(
+                "%s: weight digests of %d layer(s) taken during the passes, %d by a hashing read",
+                writer.path,
+                passes.digests.from_passes,
+                passes.digests.from_read,
+            )
+        manifest = {
+            "architecture": {
+                "num_layers": spec.num_layers,
+                "hidden_size": spec.hidden_size,
+                "timestep_input_dim": embedding.frequencies,
+                "time_embed_hidden_size": embedding.hidden,
+                "time_embed_dim": spec.time_embed_dim,
+            },
+            "model_variant": variant_of(contract["mode"]),
+            "schedule": contract,
+            "adapter_sha256": None,  # the base weights
+            "weights": weights,
+            "payload": payload,
+            "math": passes.math,
+        }
+        return {"format_version": FORMAT_VERSION, "manifest": canonical_json(manifest)}
+
+    def verified(self, table: Layout, passes: Passes, report: Any) -> None:
+        assert isinstance(passes, SidecarPasses) and table.manifest is not None
+        report.weights_mismatched = weight_mismatches(table.manifest, passes.weights())
+        if math_of_device(passes.cache.device) != table.manifest["math"]:
+            report.foreign.append("math")
 
     def opened(self, table: Layout, spec: ModulationSpec | None) -> ModulationSpec | None:
         table.manifest = found = read_manifest(table.path, table.metadata, table.argument)
@@ -758,9 +752,6 @@ class VllmOmniFormat(TableFormat):
             f"{table.path}: plan {format_plan(key, columns=table.spec.plan_columns)}: this model's time embedding "
             "differs from the one the file's rows were computed from: built here instead"
         )
-
-    def verifier(self, table: Layout, source: Any, embed: Any, device: torch.device | str) -> Verifier:
-        return SidecarVerifier(table, source, device)
 
     def summary(self, info: Mapping[str, Any]) -> list[str]:
         found = info["manifest"]

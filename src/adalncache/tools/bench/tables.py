@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 from ...cache import AdalnCache
-from ...export import export_tables
 from ...identity.memo import forget_process_memo
+from ...offline import export_tables
 from ...plans import plan_key
 from .primitives import sync_device
 from .results import Comparison, Results
