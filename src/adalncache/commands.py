@@ -306,8 +306,36 @@ def _print_tables(info: dict[str, Any]) -> None:
     )
     geometry = _family_geometry(spec) or f"{spec['num_layers']} blocks, hidden {spec['hidden_size']}, {spec['dtype']}"
     print(f"  {geometry}; model_variant {info['model_variant'] or '(none)'}")
-    for line in FORMATS[info["format"]].summary(info):
-        print(line)
+    binding = info["binding"]
+    found = info.get("manifest")
+    if found is not None:
+        schedule, arch, math_block = found["schedule"], found["architecture"], found["math"]
+        print(
+            f"  vLLM-Omni sidecar (format 4): mode {schedule['mode']}, {schedule['num_steps']} steps, flow_shift "
+            f"{schedule['flow_shift']:g}, audio_flow_shift {schedule['audio_flow_shift']:g}, base_schedule "
+            f"{schedule['base_schedule']}; adapter {found['adapter_sha256'] or 'none'}"
+        )
+        print(
+            f"  time embedder {arch['timestep_input_dim']} -> {arch['time_embed_hidden_size']} -> "
+            f"{arch['time_embed_dim']}; {len(found['weights'])} weight digests; built under torch "
+            f"{math_block.get('torch')} on {math_block.get('device_type')}"
+            + (
+                f" (capability {math_block.get('capability')}, CUDA {math_block.get('cuda')})"
+                if math_block.get("device_type") == "cuda"
+                else ""
+            )
+        )
+    elif binding is None:
+        print("  binding: none (an sglang file: only its geometry can be checked)")
+    else:
+        env = binding.get("environment", {})
+        print(f"  content {binding.get('content')}")
+        print(
+            f"  precision {binding.get('precision')}, shard {binding.get('shard')}, torch {env.get('torch')} on "
+            f"{env.get('device_name') or env.get('cpu_capability') or env.get('device_type')}; {info['tool']}, "
+            f"{info['created']}"
+        )
+        print(f"  schedules: {info['schedules']}")
     if "slots" in info:
         print(f"  slots: {info['slots']}")
 

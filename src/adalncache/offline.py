@@ -1,19 +1,14 @@
 """Offline work on checkpoints, stores and table files, without the model: fill, export, verify, describe.
 
 Why these exist: a serving process should start with its tables already on disk. :func:`fill_store`
-runs the same transactional build the cache runs at serving time (same source, same embed, same
-binding), so the entries it writes are exactly those a serving cache on this machine looks up;
-:func:`export_tables` streams the tables of some schedules into one table file in any format
-(:mod:`adalncache.formats`), with the same cache (store entries reused, a ``torchrun`` group sharing
-the passes as ``build`` does). :func:`verify_store` and :func:`verify_tables` recompute a store's
-entries or a table file's plans from the checkpoint on this machine and compare them bit for bit,
-so either can be trusted after a copy or a disk scare; :func:`describe_checkpoint` and
-:func:`describe_store` say what a checkpoint or a store holds. The ``adalncache build | export |
-verify | inspect`` commands are thin shells over these.
-
-Both verifications share one method: a sample of the entries, chunks of at most one slab, a cache
-that always projects per plan (so it confirms tables built stacked or tiled too), and ``torch.equal``
-of every table part. Only where the stored rows come from differs.
+runs the same transactional build the cache runs at serving time (same source, embed and binding), so
+the entries it writes are exactly those a serving cache on this machine looks up; :func:`export_tables`
+streams the tables of some schedules into one table file in any format (:mod:`adalncache.formats`),
+from the same cache (store entries reused, a ``torchrun`` group sharing the passes). :func:`verify_store`
+and :func:`verify_tables` recompute a store's entries or a file's plans on this machine the same way
+(a sample, one slab's worth per pass, a cache that always projects whole and per plan, so tables built
+stacked or tiled are confirmed too, ``torch.equal`` of every part), so either can be trusted after a
+copy or a disk scare. The ``adalncache build | export | verify | inspect`` commands are shells over these.
 
 Step counts: ``--steps N`` is the pipeline's ``num_inference_steps`` (grid points including the
 terminal 0), so it gives ``N - 1`` forwards; SGLang's ``--num-inference-steps M`` counts forwards.
@@ -25,7 +20,7 @@ from __future__ import annotations
 import os
 import random
 import stat
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -82,6 +77,19 @@ def chunked(items: Sequence[T], per_pass: int) -> list[list[T]]:
     """``items`` in chunks of ``per_pass`` (at least one): one pass, one slab's worth, each."""
     step = max(1, per_pass)
     return [list(items[i : i + step]) for i in range(0, len(items), step)]
+
+
+def _in_passes(
+    cache: AdalnCache, plans: Sequence[torch.Tensor], build: Callable[[list[torch.Tensor]], Any], desc: str, **bar: Any
+) -> Iterator[tuple[range, Any]]:
+    """``plans`` built ``cache.max_plans`` at a time: each pass's (indices, report), used before the next pass
+    reuses the slab, which is scratch here (the product is a store, a file or a comparison). ``bar``:
+    ``progress``, and ``least`` passes that show a bar (default 2)."""
+    per = max(1, cache.max_plans)
+    chunks = [range(i, min(i + per, len(plans))) for i in range(0, len(plans), per)]
+    for chunk in tqdm(chunks, desc=desc, unit="pass", disable=not bar["progress"] or len(chunks) < bar.get("least", 2)):
+        yield chunk, build([plans[i] for i in chunk])
+        cache.invalidate()
 
 
 def verifying_cache(
@@ -149,16 +157,12 @@ def fill_store(
         stored = store.contains(binding, [plan_key(p, columns) for p in plans]) if binding is not None else set()
     todo = [p for p in plans if plan_key(p, cache.spec.plan_columns) not in stored]
     unwritable = cache.stats.store_unwritable
-    per_pass = cache.max_plans
-    chunks = [todo[i : i + per_pass] for i in range(0, len(todo), per_pass)]
     built = passes = failures = hits = 0
-    for chunk in tqdm(chunks, desc="adalncache build", unit="pass", disable=not progress or len(chunks) < 2):
-        report = cache.build(chunk, embed=embed)
-        built += report.built
-        passes += report.passes
-        hits += report.store_hits
-        failures += report.tier_write_failures
-        cache.invalidate()
+    for _, report in _in_passes(
+        cache, todo, lambda chunk: cache.build(chunk, embed=embed), "adalncache build", progress=progress
+    ):
+        built, passes = built + report.built, passes + report.passes
+        hits, failures = hits + report.store_hits, failures + report.tier_write_failures
     skipped = cache.stats.store_unwritable - unwritable
     if failures or skipped:
         raise ConfigError(
@@ -166,13 +170,7 @@ def fill_store(
             f"{f' and {skipped} pass(es) could not write it at all' if skipped else ''} (see the log, -v): check the "
             f"directory's free space and permissions ({flag('store')})"
         )
-    return FillReport(
-        plans=len(plans),
-        already_stored=len(stored) + hits,
-        built=built,
-        passes=passes,
-        binding=_binding_hash(cache),
-    )
+    return FillReport(len(plans), len(stored) + hits, built, passes, _binding_hash(cache))
 
 
 def _binding_hash(cache: AdalnCache) -> str:
@@ -186,16 +184,26 @@ def _binding_hash(cache: AdalnCache) -> str:
 
 @dataclass
 class VerifyReport:
-    """What :func:`verify_store` found: entries recomputed, those that differ, those unreadable."""
+    """What :func:`verify_store` or :func:`verify_tables` found: entries recomputed, those that differ, those
+    unreadable, and what the entries bind, against this machine."""
 
     checked: int = 0
     mismatched: list[str] = field(default_factory=list)
     corrupt: list[str] = field(default_factory=list)
+    #: A store: its entries under bindings this machine would not use (not checked).
     other_bindings: int = 0
+    #: A bound file: the content digest of the checkpoint here, and whether the file names it.
+    content: str | None = None
+    content_matches: bool | None = None
+    #: What a file binds (environment, shard; a sidecar's math) that differs from this machine: bits are then
+    #: not expected to match.
+    foreign: list[str] = field(default_factory=list)
+    #: A file that binds its weights by digest (a vLLM-Omni sidecar): those that differ (None for the others).
+    weights_mismatched: list[str] | None = None
 
     @property
     def ok(self) -> bool:
-        return not (self.mismatched or self.corrupt)
+        return not (self.mismatched or self.corrupt or self.weights_mismatched) and self.content_matches is not False
 
 
 def _local_hashes(
@@ -392,9 +400,7 @@ def export_tables(
     try:
         if writer is not None:
             writer.open(kind.metadata(passes, given, None, final=False))
-        chunks = chunked(range(len(plans)), cache.max_plans)
-        for chunk in tqdm(chunks, desc="adalncache export", unit="pass", disable=not progress or len(chunks) < 2):
-            report = passes.build([plans[i] for i in chunk])
+        for chunk, report in _in_passes(cache, plans, passes.build, "adalncache export", progress=progress):
             done, hits, built = done + report.passes, hits + report.store_hits, built + report.built
             for i in chunk:  # each pass's rows, before the next pass reuses the slab
                 if writer is not None:
@@ -416,28 +422,6 @@ def export_tables(
 # verify a table file
 
 
-@dataclass
-class TablesVerifyReport:
-    """What :func:`verify_tables` found."""
-
-    checked: int = 0
-    mismatched: list[str] = field(default_factory=list)
-    corrupt: list[str] = field(default_factory=list)
-    #: Bound files: the content digest of the checkpoint here, and whether the file names it.
-    content: str | None = None
-    content_matches: bool | None = None
-    #: Binding fields (environment, shard; a vLLM-Omni sidecar's math) that differ from this machine: bits are
-    #: then not expected to match.
-    foreign: list[str] = field(default_factory=list)
-    #: A file that binds its weights by digest (a vLLM-Omni sidecar): those whose digest differs from the
-    #: checkpoint's (None for the other formats).
-    weights_mismatched: list[str] | None = None
-
-    @property
-    def ok(self) -> bool:
-        return not (self.mismatched or self.corrupt or self.weights_mismatched) and self.content_matches is not False
-
-
 def verify_tables(
     table: TableFile,
     source: CheckpointSource,
@@ -449,7 +433,7 @@ def verify_tables(
     sample: int | None = None,
     seed: int = 0,
     progress: bool = True,
-) -> TablesVerifyReport:
+) -> VerifyReport:
     """Recompute ``table``'s plans from ``source`` on this machine and compare every row with ``torch.equal``.
 
     Always per plan (never batched), at the file's precision (a bound file's; the others are
@@ -462,18 +446,18 @@ def verify_tables(
     spec = source.spec
     if table.spec != spec:
         raise ConfigError(f"{table.path} holds tables of another geometry than {flag('checkpoint')}")
-    report = TablesVerifyReport()
+    report = VerifyReport()
     keys = sampled(list(dict.fromkeys(table.keys)), sample, seed)
     precision = str((table.binding or {}).get("precision", "match"))
     options = {"device": device, "precision": precision, "read_ahead": read_ahead, "progress": progress}
     cache = verifying_cache(spec, source, plans=min(max_plans, len(keys)), width=table.width, **options)
     passes = table.kind.passes(cache, embed)
     columns = spec.plan_columns
-    desc = f"adalncache verify {flag('tables')}"
-    for chunk in tqdm(chunked(keys, max_plans), desc=desc, unit="pass", disable=not progress):
-        plans = [key_to_plan(k, columns) for k in chunk]
-        passes.build(plans)
-        for key, plan in zip(chunk, plans):
+    plans = [key_to_plan(k, columns) for k in keys]
+    for chunk, _ in _in_passes(
+        cache, plans, passes.build, f"adalncache verify {flag('tables')}", progress=progress, least=1
+    ):
+        for key, plan in ((keys[i], plans[i]) for i in chunk):
             shown = format_plan(key, columns=columns)
             stored = table.read(key)
             if stored is None:
@@ -483,7 +467,6 @@ def verify_tables(
             extras = passes.extras(plan).items()
             if not (same_rows(cache, key, stored) and all(_same(v, table.read_rows(n, key)) for n, v in extras)):
                 report.mismatched.append(f"plan {shown} (slot {table.slot_of(key)}) differs")
-        cache.invalidate()
     table.kind.verified(table, passes, report)
     return report
 
@@ -551,21 +534,3 @@ def describe_checkpoint(
         info["content_from"] = f"hashed now{f', recorded in {store.path}' if store is not None else ''}"
     info["content"] = content
     return info
-
-
-__all__ = [
-    "ExportReport",
-    "FillReport",
-    "TablesVerifyReport",
-    "VerifyReport",
-    "check_output",
-    "describe_checkpoint",
-    "describe_store",
-    "export_tables",
-    "fill_store",
-    "is_store",
-    "open_checkpoint",
-    "source_files",
-    "verify_store",
-    "verify_tables",
-]

@@ -223,17 +223,6 @@ class AdalncacheFormat(TableFormat):
             schedules = None
         return {"tool": table.metadata.get(TOOL), "created": table.metadata.get(CREATED), "schedules": schedules}
 
-    def summary(self, info: Mapping[str, Any]) -> list[str]:
-        binding = info["binding"]
-        env = binding.get("environment", {})
-        device = env.get("device_name") or env.get("cpu_capability") or env.get("device_type")
-        return [
-            f"  content {binding.get('content')}",
-            f"  precision {binding.get('precision')}, shard {binding.get('shard')}, torch {env.get('torch')} on "
-            f"{device}; {info['tool']}, {info['created']}",
-            f"  schedules: {info['schedules']}",
-        ]
-
     def slots_checked(self, table: Layout, quick: bool) -> str | None:
         if quick:
             return None

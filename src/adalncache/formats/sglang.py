@@ -172,12 +172,17 @@ class TableFormat:
     def export(self, cache: Any, plans: Sequence[torch.Tensor], **given: Any) -> Passes:
         """The passes of an export of ``plans`` from ``cache``, everything checked first (ConfigError);
         ``given``: ``embed``, ``model_variant``, ``tasks``, ``schedules`` (see ``export_tables``)."""
-        self.check_export(
-            cache.spec, precision=cache.precision, model_variant=given["model_variant"], tasks=given["tasks"]
-        )
+        self.check_cache_export(cache, given)
         if given["embed"] is None:
             raise ConfigError(f"export_tables(format={self.name!r}) needs embed= (the projections' input for a plan)")
         return self.passes(cache, given["embed"])
+
+    def check_cache_export(self, cache: Any, given: Mapping[str, Any]) -> None:
+        """:meth:`check_export` of an export from ``cache``: its settings, and the ``export_tables`` arguments."""
+        settings = {"precision": cache.precision, "shard": cache.shard, "world_size": cache.world_size}
+        tiers = cache.store is not None or cache.tables is not None
+        checked = {k: given[k] for k in ("model_variant", "tasks", "schedules")}
+        self.check_export(cache.spec, **settings, **checked, variant=cache.variant, tiers=tiers)
 
     def passes(self, cache: Any, embed: Any) -> Passes:
         """How ``cache`` computes this format's rows (for an export or a verification)."""
@@ -268,10 +273,6 @@ class TableFormat:
     def described(self, table: Layout) -> dict[str, Any]:
         """What ``describe()`` says for this format (among the keys it always has)."""
         return {}
-
-    def summary(self, info: Mapping[str, Any]) -> list[str]:
-        """``inspect``'s lines about what binds the file (``info``: its ``describe()``)."""
-        return [f"  binding: none (an {self.name} file: only its geometry can be checked)"]
 
     def slots_checked(self, table: Layout, quick: bool) -> str | None:
         """What ``inspect`` says of the file's slots (their digests read again unless ``quick``), or None."""

@@ -386,13 +386,15 @@ def math_identity(device_type: str, capability: Sequence[int] | None = None) -> 
 def math_of_device(device: torch.device | str) -> dict[str, Any]:
     """:func:`math_identity` of a device (a CUDA device's own capability)."""
     device = torch.device(device)
-    capability = list(torch.cuda.get_device_capability(device)) if device.type == "cuda" else None
-    return math_identity(device.type, capability)
+    return math_identity(device.type, torch.cuda.get_device_capability(device) if device.type == "cuda" else None)
 
 
-def math_of_environment(environment: Mapping[str, Any]) -> dict[str, Any]:
-    """:func:`math_identity` of the device a cache's numeric environment describes."""
-    return math_identity(str(environment.get("device_type")), environment.get("capability"))
+def _math_differs(table: Layout, template: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The ``math`` of the device a cache's binding describes, where it is not the sidecar's (else None)."""
+    environment = template.get("environment") or {}
+    here = math_identity(str(environment.get("device_type")), environment.get("capability"))
+    assert table.manifest is not None
+    return None if canonical.plain_json(here) == canonical.plain_json(table.manifest["math"]) else here
 
 
 # ---------------------------------------------------------------------------------------------
@@ -591,21 +593,8 @@ class VllmOmniFormat(TableFormat):
                 f"{flag('format')} {FORMAT} computes the projections' input itself (vLLM-Omni's fp32 time embedding, "
                 "from the checkpoint's time embedder): drop embed="
             )
-        schedules, model_variant = given["schedules"], given["model_variant"]
-        tiers = cache.store is not None or cache.tables is not None
-        self.check_export(
-            cache.spec,
-            precision=cache.precision,
-            model_variant=model_variant,
-            tasks=given["tasks"],
-            schedules=schedules,
-            shard=cache.shard,
-            world_size=cache.world_size,
-            variant=cache.variant,
-            tiers=tiers,
-        )
-        contract = self._contract(schedules)
-        derived = timestep_plans(contract)
+        self.check_cache_export(cache, given)
+        derived = timestep_plans(self._contract(given["schedules"]))
         if len(plans) != len(derived) or not all(torch.equal(a.float(), b) for a, b in zip(plans, derived)):
             raise ConfigError(
                 "plans must be exactly the schedule's plans in vLLM-Omni's order (vllm_omni.timestep_plans(contract)): "
@@ -687,8 +676,8 @@ class VllmOmniFormat(TableFormat):
     def check_cache(self, table: Layout, template: Mapping[str, Any], *, digest: str | None, source: Any) -> None:
         assert table.manifest is not None
         self._check_match(table, template, "a vLLM-Omni sidecar")
-        here = math_of_environment(template.get("environment") or {})
-        if canonical.plain_json(here) != canonical.plain_json(table.manifest["math"]):
+        here = _math_differs(table, template)
+        if here is not None:
             raise ConfigError(
                 f"{table.path} (tables=) was built under another numeric environment (file {table.manifest['math']}, "
                 f"here {here}); its tables are not what this cache computes bit for bit: export it on this machine "
@@ -718,12 +707,7 @@ class VllmOmniFormat(TableFormat):
         return list(table.memo[key])
 
     def unfit(self, table: Layout, template: Mapping[str, Any]) -> str | None:
-        assert table.manifest is not None
-        environment = template.get("environment") or {}
-        here = math_of_environment(environment)
-        if environment.get("autocast") is not None or canonical.plain_json(here) != canonical.plain_json(
-            table.manifest["math"]
-        ):
+        if (template.get("environment") or {}).get("autocast") is not None or _math_differs(table, template):
             return (
                 f"{table.path}: a vLLM-Omni sidecar of another numeric environment (or autocast) than this build's: "
                 "not served while it differs"
@@ -752,20 +736,6 @@ class VllmOmniFormat(TableFormat):
             f"{table.path}: plan {format_plan(key, columns=table.spec.plan_columns)}: this model's time embedding "
             "differs from the one the file's rows were computed from: built here instead"
         )
-
-    def summary(self, info: Mapping[str, Any]) -> list[str]:
-        found = info["manifest"]
-        schedule, arch, block = found["schedule"], found["architecture"], found["math"]
-        cuda = block.get("device_type") == "cuda"
-        cuda_said = f" (capability {block.get('capability')}, CUDA {block.get('cuda')})" if cuda else ""
-        return [
-            f"  vLLM-Omni sidecar (format 4): mode {schedule['mode']}, {schedule['num_steps']} steps, flow_shift "
-            f"{schedule['flow_shift']:g}, audio_flow_shift {schedule['audio_flow_shift']:g}, base_schedule "
-            f"{schedule['base_schedule']}; adapter {found['adapter_sha256'] or 'none'}",
-            f"  time embedder {arch['timestep_input_dim']} -> {arch['time_embed_hidden_size']} -> "
-            f"{arch['time_embed_dim']}; {len(found['weights'])} weight digests; built under torch "
-            f"{block.get('torch')} on {block.get('device_type')}{cuda_said}",
-        ]
 
     def slots_checked(self, table: Layout, quick: bool) -> str | None:
         return "every payload digest verified (a vLLM-Omni sidecar is checked whole when opened)"
