@@ -27,10 +27,8 @@ from ..canonical import canonical_json, plain_json
 from ..errors import ConfigError
 from ..geometry import Family, KeyLayout, ModelGeometry, ServedLayer
 from ..options import flag
-from ..plans import format_plan
-from ..rows import PlanRows
 from ..spec import ModulationSpec
-from .sglang import FORMAT_VERSION, Layout, Passes, TableFormat, TableWriter, bad_file, slot_digest
+from .sglang import FORMAT_VERSION, Layout, Passes, TableFormat, TableWriter, bad_file
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +100,7 @@ class AdalncacheFormat(TableFormat):
     binds_content = True
     checkable = True
     slot_digests = SLOT_DIGESTS
+    marker = BOUND
 
     def passes(self, cache: Any, embed: Any) -> Passes:
         # Bound to the content digest its passes learn as they read (an export's file, a verification's
@@ -125,9 +124,6 @@ class AdalncacheFormat(TableFormat):
             )
         passes.content = binding["content"]
         return bound_metadata(binding=binding, **args)
-
-    def recognizes(self, metadata: Mapping[str, str]) -> bool:
-        return metadata.get(BOUND) is not None
 
     def opened(self, table: Layout, spec: ModulationSpec | None) -> ModulationSpec | None:
         """Reads the binding and the slot digests; a file opened without a spec gives the geometry it describes."""
@@ -159,14 +155,6 @@ class AdalncacheFormat(TableFormat):
         except (KeyError, ValueError, TypeError, ConfigError):
             return None  # a binding of the default geometry: the tensors' shapes describe it
         return ModulationSpec.for_geometry(geometry, dtype=dtype)
-
-    def read(self, table: Layout, slot: int, rows: PlanRows) -> bool:
-        assert table.slot_digests is not None
-        if slot_digest(*rows) == table.slot_digests[slot]:
-            return True
-        shown = format_plan(table.keys[slot], columns=table.spec.plan_columns)
-        log.warning("%s: slot %d (plan %s) fails its digest: not served", table.path, slot, shown)
-        return False
 
     def check_file(self, table: Layout) -> None:
         """Every family's tables are served from bound files."""

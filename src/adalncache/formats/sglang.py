@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import struct
 import uuid
@@ -71,10 +72,7 @@ def _raw(tensor: torch.Tensor) -> memoryview:
 
 
 def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
-    n = dtype.itemsize
-    for size in shape:
-        n *= size
-    return n
+    return math.prod(shape) * dtype.itemsize
 
 
 class Passes:
@@ -113,8 +111,10 @@ class TableFormat:
     checkable = False
     #: Whether its rows are projected from an input the format computes itself (no ``embed=``).
     own_input = False
-    #: The metadata key the writer records one digest per slot under, or None.
+    #: The metadata key the writer records one digest per slot under (checked on every read), or None.
     slot_digests: str | None = None
+    #: The metadata key that marks a file of this format among those of its version, or None (any file).
+    marker: str | None = None
 
     # -- writing ------------------------------------------------------------------------------------
 
@@ -201,10 +201,6 @@ class TableFormat:
 
     # -- reading ------------------------------------------------------------------------------------
 
-    def recognizes(self, metadata: Mapping[str, str]) -> bool:
-        """Whether a file of this format's version with this metadata is of this format."""
-        return True
-
     def opened(self, table: Layout, spec: ModulationSpec | None) -> ModulationSpec | None:
         """Read the format's metadata into ``table``; returns ``spec``, or (None given) the one the file describes."""
         return spec
@@ -220,10 +216,6 @@ class TableFormat:
                 f"(export them with adalncache export {flag('format')} adalncache)",
                 table.argument,
             )
-
-    def read(self, table: Layout, slot: int, rows: PlanRows) -> bool:
-        """Whether a slot's rows as read may be served (a format with slot digests checks them)."""
-        return True
 
     # -- serving (the tier) and verifying -------------------------------------------------------------
 
@@ -540,7 +532,7 @@ class Layout:
             what = f"it has no {', '.join(absent)} tensor (a table file holds {', '.join(wanted)})"
             raise bad_file(self.path, what, argument)
         version = self.metadata.get("format_version")
-        kind = next((f for f in formats if f.version == version and f.recognizes(self.metadata)), None)
+        kind = next((f for f in formats if f.version == version and f.marker in (None, *self.metadata)), None)
         if kind is None:
             known = {f.version: " and ".join(g.name for g in formats if g.version == f.version) for f in formats}
             said = " and ".join(f"{v!r} ({names} files)" for v, names in known.items())
@@ -672,14 +664,18 @@ class Layout:
             return True
 
     def read(self, key: PlanKey) -> PlanRows | None:
-        """The rows of plan ``key`` (None if absent; None, logged, if its format refuses the slot as read)."""
+        """The rows of plan ``key`` (None if absent; None, logged, if the slot fails its digest)."""
         slot = self._slots.get(key)
         if slot is None:
             return None
         n = self.spec.plan_rows(key)
         parts = [self._rows(part.tensor, slot, n) for part in self.spec.table_parts()]
         rows = PlanRows(key_to_plan(key, self.spec.plan_columns), *parts)
-        return rows if self.kind.read(self, slot, rows) else None
+        if self.slot_digests is None or slot_digest(*rows) == self.slot_digests[slot]:
+            return rows
+        shown = format_plan(key, columns=self.spec.plan_columns)
+        log.warning("%s: slot %d (plan %s) fails its digest: not served", self.path, slot, shown)
+        return None
 
     def describe(self) -> dict[str, Any]:
         """What ``inspect`` shows: format, geometry, plans per width, variant, binding."""

@@ -401,50 +401,47 @@ def _math_differs(table: Layout, template: Mapping[str, Any]) -> dict[str, Any] 
 # the manifest
 
 
-def read_manifest(path: object, metadata: Mapping[str, str], argument: str) -> dict[str, Any]:
+def read_manifest(table: Layout) -> dict[str, Any]:
     """The manifest of a format-4 file, its structure checked (ConfigError naming the file otherwise)."""
     try:
-        found = json.loads(metadata["manifest"])
+        found = json.loads(table.metadata["manifest"])
     except (KeyError, TypeError, ValueError):
-        raise _unusable(path, argument, "its manifest is missing or not JSON") from None
+        raise _unusable(table, "its manifest is missing or not JSON") from None
     if not isinstance(found, dict) or set(found) != set(MANIFEST_KEYS):
-        raise _unusable(path, argument, f"its manifest must have exactly the keys {', '.join(MANIFEST_KEYS)}")
+        raise _unusable(table, f"its manifest must have exactly the keys {', '.join(MANIFEST_KEYS)}")
     if any(not isinstance(found[k], dict) for k in ("architecture", "schedule", "weights", "payload", "math")):
-        raise _unusable(path, argument, "architecture, schedule, weights, payload and math must be JSON objects")
+        raise _unusable(table, "architecture, schedule, weights, payload and math must be JSON objects")
     if set(found["schedule"]) != set(SCHEDULE_KEYS):
-        raise _unusable(path, argument, f"its schedule must have exactly the keys {', '.join(SCHEDULE_KEYS)}")
+        raise _unusable(table, f"its schedule must have exactly the keys {', '.join(SCHEDULE_KEYS)}")
     try:
         contract = schedule_contract(**found["schedule"])
     except PlanError as exc:
-        raise _unusable(path, argument, f"its schedule is not valid ({exc})") from None
+        raise _unusable(table, f"its schedule is not valid ({exc})") from None
     if found["model_variant"] != variant_of(contract["mode"]):
         what = f"model_variant {found['model_variant']!r} does not run mode {contract['mode']!r}"
-        raise _unusable(path, argument, what)
+        raise _unusable(table, what)
     arch = found["architecture"]
     if set(arch) != set(ARCHITECTURE_KEYS) or any(type(arch[k]) is not int or arch[k] < 1 for k in ARCHITECTURE_KEYS):
-        raise _unusable(
-            path, argument, f"its architecture must hold the positive integers {', '.join(ARCHITECTURE_KEYS)}"
-        )
+        raise _unusable(table, f"its architecture must hold the positive integers {', '.join(ARCHITECTURE_KEYS)}")
     digests = [*found["weights"].values(), *found["payload"].values()]
     if set(found["payload"]) != set(PAYLOAD) or not all(_is_digest(d) for d in digests):
-        raise _unusable(
-            path, argument, "its weight and payload digests must be SHA-256 hex strings, one per payload tensor"
-        )
+        raise _unusable(table, "its weight and payload digests must be SHA-256 hex strings, one per payload tensor")
     adapter = found["adapter_sha256"]
     if adapter is not None and not _is_digest(adapter):
-        raise _unusable(path, argument, "its adapter_sha256 must be null or a SHA-256 hex string")
+        raise _unusable(table, "its adapter_sha256 must be null or a SHA-256 hex string")
     return found
 
 
-def _unusable(path: object, argument: str, what: str) -> ConfigError:
-    return ConfigError(f"{path} ({argument}) is not a usable vLLM-Omni sidecar: {what}")
+def _unusable(table: Layout, what: str) -> ConfigError:
+    return ConfigError(f"{table.path} ({table.argument}) is not a usable vLLM-Omni sidecar: {what}")
 
 
 def check_payload(table: Layout) -> None:
-    """Check a file's tensors against its manifest and spec, as vLLM-Omni's loader does (ConfigError).
+    """Check a file's tensors against its manifest, as vLLM-Omni's loader does (ConfigError), once the layout's
+    checks passed (the plan and table-part tensors are the spec's at the file's plans and width).
 
-    Exactly the five tensors; shapes and dtypes from the schedule's plans and the architecture;
-    every tensor finite and matching its digest; the plans equal to the schedule's.
+    The architecture is the spec's; exactly the five tensors, the tables bfloat16 and the time embeddings
+    ``[P, W, K]`` float32; every tensor finite and matching its digest; the plans the schedule's.
     """
     found, spec = table.manifest, table.spec
     assert found is not None
@@ -452,40 +449,29 @@ def check_payload(table: Layout) -> None:
     ours = {"num_layers": spec.num_layers, "hidden_size": spec.hidden_size, "time_embed_dim": spec.time_embed_dim}
     differs = [f"{k} {arch[k]} (this model: {v})" for k, v in ours.items() if arch[k] != v]
     if differs or spec.modalities != 3:
-        what = f"its architecture is another model's: {', '.join(differs) or 'modalities'}"
-        raise _unusable(table.path, table.argument, what)
+        raise _unusable(table, f"its architecture is another model's: {', '.join(differs) or 'modalities'}")
     if set(found["weights"]) != set(weight_names(spec)):
-        what = "its weights must name exactly the time embedder's and every AdaLN projection's tensors"
-        raise _unusable(table.path, table.argument, what)
-    shapes = {name: (tuple(e.shape), e.torch_dtype) for name, e in table._entries.items()}
-    if set(shapes) != set(PAYLOAD):
-        what = f"it must hold exactly the tensors {', '.join(PAYLOAD)}, it holds {', '.join(sorted(shapes))}"
-        raise _unusable(table.path, table.argument, what)
+        raise _unusable(table, "its weights must name exactly the time embedder's and every AdaLN projection's tensors")
+    if set(table._entries) != set(PAYLOAD):
+        names = ", ".join(sorted(table._entries))
+        raise _unusable(table, f"it must hold exactly the tensors {', '.join(PAYLOAD)}, it holds {names}")
+    temb, K = table._entries[EMBEDDINGS], spec.time_embed_dim
+    if spec.dtype != torch.bfloat16 or tuple(temb.shape) != (table.plans, table.width, K) or temb.dtype != "F32":
+        what = f"its tables must be bfloat16 and its {EMBEDDINGS} [{table.plans}, {table.width}, {K}] float32"
+        raise _unusable(table, what)
     timesteps, lengths = padded_plans(timestep_plans(found["schedule"]))
-    P, W = timesteps.shape
-    H, L, K = spec.hidden_size, spec.num_layers, spec.time_embed_dim
-    expected = {
-        "plan_timesteps": ((P, W), torch.float32),
-        "plan_lengths": ((P,), torch.int64),
-        EMBEDDINGS: ((P, W, K), torch.float32),
-        "block_params": ((P, W, L, 18 * H), torch.bfloat16),
-        "final_params": ((P, W, 2 * H), torch.bfloat16),
-    }
-    for name, (shape, dtype) in expected.items():
-        if tuple(shapes[name][0]) != shape or shapes[name][1] != dtype:
-            what = f"{name} is {list(shapes[name][0])} {shapes[name][1]}, its schedule needs {list(shape)} {dtype}"
-            raise _unusable(table.path, table.argument, what)
     for name in PAYLOAD:
         value = table.read_whole(name)
         if not bool(torch.isfinite(value).all()):
-            raise _unusable(table.path, table.argument, f"{name} holds non-finite values")
+            raise _unusable(table, f"{name} holds non-finite values")
         if tensor_sha256(value) != found["payload"][name]:
-            what = f"{name} does not match its payload digest (the file was changed after it was written)"
-            raise _unusable(table.path, table.argument, what)
+            raise _unusable(
+                table, f"{name} does not match its payload digest (the file was changed after it was written)"
+            )
         if name == "plan_timesteps" and not torch.equal(value, timesteps):
-            raise _unusable(table.path, table.argument, "its plans are not the ones its schedule derives")
+            raise _unusable(table, "its plans are not the ones its schedule derives")
         if name == "plan_lengths" and not torch.equal(value, lengths):
-            raise _unusable(table.path, table.argument, "its plan lengths are not the ones its schedule derives")
+            raise _unusable(table, "its plan lengths are not the ones its schedule derives")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -660,7 +646,7 @@ class VllmOmniFormat(TableFormat):
             report.foreign.append("math")
 
     def opened(self, table: Layout, spec: ModulationSpec | None) -> ModulationSpec | None:
-        table.manifest = found = read_manifest(table.path, table.metadata, table.argument)
+        table.manifest = found = read_manifest(table)
         if spec is not None:
             return spec
         arch = found["architecture"]

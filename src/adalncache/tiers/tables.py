@@ -2,34 +2,25 @@
 
 A team builds the tables of its schedules once (``adalncache export``), ships the file with the
 model, and every serving process reads from it instead of streaming 24 GiB of projection weights.
-This tier opens the files given, refuses at once any that cannot serve this cache, and restores
-plans from them like the store does: a plan's rows are read from the first file (in the order
-given) that holds the plan. What each format checks is its own (:mod:`adalncache.formats`); when
-is this tier's:
+This tier opens the files given and restores plans from them like the store does: a plan's rows come
+from the first file (in the order given) that holds it. What is checked is each format's
+(:mod:`adalncache.formats`); when is this tier's, so that no file ever serves rows this cache would
+not compute now, bit for bit:
 
-* at open (:class:`TablesTier`), every file: structure and geometry (its tensors, their dtypes and
-  shapes against the cache's spec, ``format_version``, plan lengths) and what its format refuses,
-  raising ``ConfigError`` naming the file;
-* at construction of the cache (:meth:`TablesTier.check_bindings`), each file against the cache:
-  a bound file's binding (spec, precision, numeric environment, shard) and content digest (when the
-  cache has weights to hash), a vLLM-Omni sidecar's ``math`` block and weight digests, an SGLang
-  file (which carries no binding: only its geometry can be checked) only as ``precision="match"``;
-* at every lookup, each file against what the cache would compute *now* (the binding's numeric
-  environment holds the autocast state and the matmul switches of this moment): a file that differs
-  serves nothing while it differs (under ``torch.autocast``, say);
-* whenever the weight source's identity changed since the files were last checked (a checkpoint
-  rewritten or replaced on disk, :attr:`~adalncache.identity.binding.TableIdentity.generation`): a
-  file bound to a content digest against the source's new one, learnt from the digest memo or by one
-  hashing read, and only when the file holds a plan the build wants; a sidecar's weight digests
-  again; a file with nothing to check is not consulted again. A file that no longer matches is
-  never consulted again;
-* on every read: a slot whose bytes fail their digest is a miss (counted in ``tables_corrupt``),
-  never wrong rows. A file changed on disk since it was opened is not read again (a table file is
-  read-only by contract; reopen the cache to use a new one). A sidecar's plan is served only where
-  the build's own projection input is the one its rows came from.
+* at open, each file's structure and geometry against the cache's spec, and what its format refuses;
+* at construction of the cache (:meth:`TablesTier.check_bindings`), each file against the cache's
+  binding (precision, numeric environment, shard, and the weights it names, where the cache has some);
+* at every lookup, each file against the binding the cache would give tables built *now* (autocast
+  and matmul switches included): a file that differs serves nothing while it differs;
+* whenever the weight source's identity changed (a checkpoint rewritten or replaced on disk): each
+  file against the new weights (a content digest from the memo or one hashing read, asked only when a
+  file that binds one holds a plan the build wants); a file with nothing to check them by, or bound to
+  other weights, is never consulted again;
+* on every read: a slot that fails its digest is a miss (``tables_corrupt``), a file changed on disk
+  since it was opened is not read again (reopen the cache), and a plan whose projection input is not
+  the one the file's rows came from is built instead.
 
-Tables hold the base projection (no LoRA), so the tier serves nothing while a variant (a LoRA
-signature) is active.
+Tables hold the base projection (no LoRA), so the tier serves nothing while a variant is active.
 """
 
 from __future__ import annotations
