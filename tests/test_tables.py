@@ -561,3 +561,68 @@ def test_an_export_onto_a_full_disk_is_one_line_and_leaves_nothing(
     ours = [line for line in out["err"].splitlines() if line.startswith("adalncache")]
     assert out["code"] == 2 and "Traceback" not in out["err"] and len(ours) == 1, out["err"]
     assert "-o/--output" in ours[0] and "space" in ours[0] and out["left"] == [], out
+
+
+# ---------------------------------------------------------------------------------------------
+# every schedule flag a format does not take is refused
+
+#: Every schedule flag of ``export``, with a value (a flag's own default among them: given is given).
+SCHEDULE_FLAGS: dict[str, list[str]] = {
+    "--task": ["t2va"],
+    "--steps": ["3"],
+    "--video-shift": ["12"],
+    "--audio-shift": ["3"],
+    "--no-audio-refs": [],
+    "--height": ["8"],
+    "--width": ["8"],
+    "--timesteps": ["0.5"],
+    "--batch": ["1"],
+    "--scheduler-config": ["scheduler_config.json"],
+    "--guidance": ["3.5"],
+    "--timestep-r": ["0.25"],
+    "--additional-t-cond": ["1"],
+    "--mode": ["t2va"],
+    "--num-steps": ["4"],
+    "--base-schedule": ["1,0.5,0"],
+    "--flow-shift": ["12"],
+    "--audio-flow-shift": ["3"],
+}
+MINIMAX = {"--task", "--steps", "--video-shift", "--audio-shift", "--no-audio-refs"}
+SIDECAR = {"--mode", "--num-steps", "--base-schedule", "--flow-shift", "--audio-flow-shift"}
+#: What each format takes, and a schedule it exports from a tiny MiniMax-H3 checkpoint.
+FORMAT_SCHEDULES = {
+    "sglang": (MINIMAX, ["--task", "t2va", "--steps", "3", "--model-variant", "fl2va"]),
+    "adalncache": (set(SCHEDULE_FLAGS) - SIDECAR, ["--task", "t2va", "--steps", "3"]),
+    "vllm-omni": (SIDECAR, ["--mode", "t2va", "--num-steps", "4"]),
+}
+REFUSED = [(fmt, flag) for fmt, (takes, _) in FORMAT_SCHEDULES.items() for flag in SCHEDULE_FLAGS if flag not in takes]
+
+
+@pytest.mark.parametrize(("fmt", "flag"), REFUSED, ids=[f"{fmt} {flag}" for fmt, flag in REFUSED])
+def test_export_refuses_every_flag_its_format_does_not_take(
+    fmt: str, flag: str, tiny_saved_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A flag the chosen format does not take (``--format vllm-omni --video-shift 12``, ``--format sglang
+    --timesteps 0.5``, ``--format adalncache --mode t2va``) is one line naming it and the format, exit 2,
+    before anything is read: no table file, no temporary file, no store directory."""
+    _, schedule = FORMAT_SCHEDULES[fmt]
+    out, store = tmp_path / "t.safetensors", tmp_path / "store"
+    argv = ["export", str(tiny_saved_root / "bf16"), "-o", str(out), "--format", fmt, *schedule, "-q"]
+    code = main([*argv, "--store", str(store), flag, *SCHEDULE_FLAGS[flag]])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert f"--format {fmt} does not take {flag} " in err and f"drop {flag}" in err, err
+    assert list(tmp_path.iterdir()) == [], "a refused export created something"
+
+
+def test_each_format_takes_its_own_schedule_flags(tiny_saved_root: Path, tmp_path: Path) -> None:
+    """The control: the schedule flags a format takes pass the check (here: every one of a format at once)."""
+    checkpoint = str(tiny_saved_root / "bf16")
+    for fmt, flags in (
+        ("sglang", ["--task", "t2va", "--steps", "3", "--video-shift", "12", "--audio-shift", "3"]),
+        ("vllm-omni", ["--mode", "t2va", "--num-steps", "3", "--flow-shift", "12", "--audio-flow-shift", "3"]),
+    ):
+        out = tmp_path / f"{fmt}.safetensors"
+        variant = ["--model-variant", "fl2va"] if fmt == "sglang" else []
+        assert main(["export", checkpoint, "-o", str(out), "--format", fmt, *variant, *flags, "-q"]) == 0
+        assert TableFile(out).format == fmt

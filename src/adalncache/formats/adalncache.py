@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
@@ -61,31 +61,6 @@ def _text(value: Any) -> str:
     return canonical_json(value).decode()
 
 
-def bound_metadata(
-    *,
-    binding: Mapping[str, Any],
-    schedules: Sequence[Mapping[str, Any]],
-    model_variant: str | None,
-    spec: ModulationSpec | None = None,
-) -> dict[str, str]:
-    """The metadata of a bound file (slot digests are added by the writer); ``spec`` adds its family and layers."""
-    meta = {
-        "format_version": FORMAT_VERSION,
-        BOUND: BOUND_VERSION,
-        TOOL: tool_version(),
-        BINDING: _text(binding),
-        CONTENT: str(binding.get("content")),
-        SCHEDULES: _text(list(schedules)),
-        CREATED: time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
-    if spec is not None:
-        meta[FAMILY] = spec.family.name
-        meta[LAYERS] = _text([[layer, spec.offset(layer), spec.out_features(layer)] for layer in spec.layers()])
-    if model_variant is not None:
-        meta["model_variant"] = model_variant
-    return meta
-
-
 def _differs(table: Layout, template: Mapping[str, Any]) -> list[str]:
     """The binding fields of ``table`` that are not ``template``'s (alignment too, where the cache has one)."""
     assert table.binding is not None
@@ -111,19 +86,28 @@ class AdalncacheFormat(TableFormat):
     def metadata(
         self, passes: Passes, given: Mapping[str, Any], writer: TableWriter | None, *, final: bool
     ) -> dict[str, str]:
-        args = {"schedules": given["schedules"], "model_variant": given["model_variant"], "spec": passes.cache.spec}
-        if not final:
-            # Sized for the final metadata: a binding is well under the 2 KiB placeholder.
-            return bound_metadata(binding={"~": "~" * 2048}, **args)
-        binding = passes.cache.binding()  # (a collective in a group: every rank asks)
+        # The placeholder is sized for the final metadata: a binding is well under its 2 KiB.
+        binding = passes.cache.binding() if final else {"~": "~" * 2048}  # (a collective in a group)
         if binding is None:
             raise ConfigError(
                 "the content digest of the checkpoint could not be composed (a column split whose world size does "
                 f"not divide 64 cuts the hashed row blocks): export the bound format with {flag('shard')} layers or "
                 f"2, 4, 8 ranks, or use {flag('format')} sglang"
             )
-        passes.content = binding["content"]
-        return bound_metadata(binding=binding, **args)
+        passes.content = binding.get("content")
+        spec, variant = passes.cache.spec, given["model_variant"]
+        return {
+            "format_version": FORMAT_VERSION,
+            BOUND: BOUND_VERSION,
+            TOOL: tool_version(),
+            BINDING: _text(binding),
+            CONTENT: str(binding.get("content")),
+            SCHEDULES: _text(list(given["schedules"])),
+            CREATED: time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            FAMILY: spec.family.name,
+            LAYERS: _text([[layer, spec.offset(layer), spec.out_features(layer)] for layer in spec.layers()]),
+            **({} if variant is None else {"model_variant": variant}),
+        }
 
     def opened(self, table: Layout, spec: ModulationSpec | None) -> ModulationSpec | None:
         """Reads the binding and the slot digests; a file opened without a spec gives the geometry it describes."""
