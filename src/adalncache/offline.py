@@ -392,8 +392,7 @@ def export_tables(
     passes = kind.export(cache, plans, **given)
     writer = None
     if cache.rank == 0:
-        extras = kind.extra_tensors(spec)
-        writer = TableWriter(path, spec, plans, extras=extras, slot_digests=kind.slot_digests)
+        writer = TableWriter(path, spec, plans, extras=passes.shapes, slot_digests=kind.slot_digests)
     inputs = [*source_files(cache.source), *([t.path for t in cache.tables.files] if cache.tables else [])]
     check_output(path, inputs, needs=writer.nbytes if writer is not None else None)
     done = hits = built = 0
@@ -405,7 +404,6 @@ def export_tables(
             for i in chunk:  # each pass's rows, before the next pass reuses the slab
                 if writer is not None:
                     writer.write_slot(i, cache.rows_of(plan_key(plans[i], spec.plan_columns)), passes.extras(plans[i]))
-            cache.invalidate()
         metadata = kind.metadata(passes, given, writer, final=True)  # on every rank: a binding may be a collective
         if writer is not None:
             writer.finish(metadata)

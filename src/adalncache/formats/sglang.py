@@ -1,12 +1,11 @@
 """The layout every table file has, which is SGLang's sidecar, and the ``sglang`` format: that layout alone.
 
 The layout (``format_version = "2"``, as SGLang checks it) holds the tables of a set of plans in one
-safetensors file: ``plan_timesteps [P, W] float32`` (``[P, W, C]`` for plans of ``C`` columns; slot
-``s`` holds a plan in its first ``plan_lengths[s]`` rows, zeros after), ``plan_lengths [P] int64``
-(each in ``1..W``), and one ``[P, W, *part.shape]`` tensor per table part of the family
-(``spec.table_parts()``: SGLang's ``block_params`` and ``final_params`` for the family it serves,
-``table_rows`` for any other), rows past a plan's length zero (never read; zeros keep the bytes
-deterministic).
+safetensors file: ``plan_timesteps [P, W] float32`` (``[P, W, C]`` for plans of ``C`` columns; slot ``s``
+holds a plan in its first ``plan_lengths[s]`` rows), ``plan_lengths [P] int64`` (each in ``1..W``), and
+one ``[P, W, *part.shape]`` tensor per table part of the family (``spec.table_parts()``: SGLang's
+``block_params`` and ``final_params``, ``table_rows`` for any other family). Rows past a plan's length are
+zero: never read, and they keep the bytes deterministic.
 
 The other formats add to it (:mod:`.adalncache` binds a file in its metadata, :mod:`.vllm_omni` adds a
 per-row tensor and a manifest), so what they share lives here: :class:`TableFormat`, the interface each
@@ -14,10 +13,10 @@ format implements, whose defaults are the bare layout's; :class:`TableWriter`, w
 slot (never a whole P x W slab in memory) into a temporary file renamed into place at the end; and
 :class:`Layout`, which opens a file, has its format check it, and reads a plan's rows with ``pread``.
 
-:class:`SglangFormat` is SGLang's sidecar, MiniMax-H3's: exactly the layout in bfloat16 and
-``model_variant``, so SGLang loads it unmodified. It carries no binding: a reader can check its geometry and
-nothing more, so it is served only as ``precision="match"`` tables outside autocast, and never again once
-the weight source changed.
+:class:`SglangFormat` is SGLang's sidecar, MiniMax-H3's: the layout in bfloat16 and ``model_variant``,
+nothing else, so SGLang loads it unmodified. It carries no binding: a reader can check its geometry and
+nothing more, so it serves only as ``precision="match"`` tables outside autocast, never once the weight
+source changed.
 """
 
 from __future__ import annotations
@@ -85,6 +84,8 @@ class Passes:
 
     def __init__(self, cache: Any, embed: Callable[[torch.Tensor], Any]) -> None:
         self.cache, self.embed = cache, embed
+        #: The per-row tensors :meth:`extras` gives, by name: ``(row shape, dtype)``.
+        self.shapes: Shapes = {}
 
     def build(self, batch: list[torch.Tensor]) -> Any:
         return self.cache.build(batch, embed=self.embed)
@@ -187,10 +188,6 @@ class TableFormat:
     def passes(self, cache: Any, embed: Any) -> Passes:
         """How ``cache`` computes this format's rows (for an export or a verification)."""
         return Passes(cache, embed)
-
-    def extra_tensors(self, spec: ModulationSpec) -> Shapes:
-        """The per-row tensors a file has beside the table parts (``[P, W, *shape]`` of ``dtype``), by name."""
-        return {}
 
     def metadata(
         self, passes: Passes, given: Mapping[str, Any], writer: TableWriter | None, *, final: bool
@@ -537,7 +534,8 @@ class Layout:
             known = {f.version: " and ".join(g.name for g in formats if g.version == f.version) for f in formats}
             said = " and ".join(f"{v!r} ({names} files)" for v, names in known.items())
             raise bad_file(self.path, f"its format_version is {version!r}, this reader knows {said}", argument)
-        self.kind, self.format = kind, kind.name
+        #: Its format; whether the file names the weights it was built from (a bound file, a sidecar).
+        self.kind, self.format, self.checkable = kind, kind.name, kind.checkable
         ts, lengths = header.entries["plan_timesteps"], header.entries["plan_lengths"]
         if ts.dtype != "F32" or len(ts.shape) not in (2, 3) or lengths.dtype != "I64" or lengths.shape != ts.shape[:1]:
             raise bad_file(self.path, "plan_timesteps must be [P, W] float32 and plan_lengths [P] int64", argument)
@@ -639,11 +637,6 @@ class Layout:
         if self.manifest is not None:
             return str(self.manifest["model_variant"])
         return self.metadata.get("model_variant")
-
-    @property
-    def checkable(self) -> bool:
-        """Whether the file names the weights it was built from (a bound file or a vLLM-Omni sidecar)."""
-        return self.kind.checkable
 
     @property
     def content(self) -> str | None:

@@ -1,32 +1,20 @@
 """vLLM-Omni's MiniMax-H3 AdaLN sidecar (format version 4): its schedule, plans, manifest, write, read and checks.
 
-vLLM-Omni 0.30.0 serves MiniMax-H3 with an optional table file of its own, which it accepts only
-when the file is bound to what it will run: a ``manifest`` (canonical JSON) that names the
-architecture, the released transformer (``model_variant``), the one schedule the file covers, an
-adapter, the SHA-256 of every weight the tables depend on (the time embedder's two linears and every
-AdaLN projection, by their native checkpoint names), the SHA-256 of each payload tensor, and the
-``math`` of the building machine (torch, device type, fp32 matmul precision; on CUDA also the CUDA
-build, the device capability and the TF32 and BF16 reduced-precision switches). The payload is the
-SGLang layout plus ``time_embeddings [P, W, K] float32``: serving finds a plan's rows by the SHA-256
-of the time embedding its forward computes, so that tensor must hold the exact fp32 ``temb``.
+vLLM-Omni 0.30.0 accepts a table file only when it is bound to what it will run: a ``manifest``
+(canonical JSON) naming the architecture, the released transformer (``model_variant``), the one schedule
+the file covers, an adapter, the SHA-256 of every weight the tables depend on (the time embedder's two
+linears and every AdaLN projection, by their native names), of each payload tensor, and the ``math`` of
+the building machine (torch, device type, fp32 matmul precision; on CUDA also the CUDA build, the
+capability and the TF32 and BF16 reduced-precision switches). The payload is the SGLang layout plus
+``time_embeddings [P, W, K] float32``: serving finds a plan's rows by the SHA-256 of the time embedding its
+forward computes, so that tensor must hold the exact fp32 ``temb``. A digest is SHA-256 over the canonical
+JSON of ``[dtype, shape]`` and then the tensor's raw bytes.
 
-This module is the one home of those rules, in the project's own terms:
-
-* :func:`schedule_contract` and :func:`timestep_plans`: a schedule as vLLM-Omni takes it (mode,
-  forwards, optional explicit positions, the two flow shifts, with its defaults) and the plans its
-  loader derives from it, in its order (one plan per distinct set of a step's timesteps, sorted);
-* :class:`TimeEmbedding`: the fp32 time embedding as vLLM-Omni computes it (fp32 weights in fresh
-  storage, sinusoids cosine first, two linears with SiLU between), and the projections' input
-  ``silu(temb)`` cast to bf16;
-* :class:`WeightDigests`: the weight digests, taken from the bytes a rebuild pass hands its
-  projection anyway (no second read), completed by one hashing read of whatever no pass read;
-* :class:`VllmOmniFormat`: writing a file (its export takes the schedule, not ``embed=``, and projects
-  every plan again from that embedding), reading and checking one (the manifest's structure, every payload
-  digest, the plans against the schedule's, the ``math`` block and the weight digests against the cache's).
-
-A digest is SHA-256 over the canonical JSON of ``[dtype, shape]`` and then the tensor's raw bytes.
-vLLM-Omni itself is never imported: the rules are implemented here and checked against its code by
-the tests where it is installed.
+This module is the one home of those rules: the schedule as vLLM-Omni takes it and the plans its loader
+derives (:func:`schedule_contract`, :func:`timestep_plans`), its fp32 time embedding (:class:`TimeEmbedding`:
+fresh fp32 weights, cosine first, two linears with SiLU between), the weight digests taken from the bytes a
+pass projects with anyway (:class:`WeightDigests`), and the format (:class:`VllmOmniFormat`). vLLM-Omni
+itself is never imported: the tests check these rules against its code where it is installed.
 """
 
 from __future__ import annotations
@@ -51,7 +39,7 @@ from ..geometry import KeyLayout
 from ..options import flag, knob
 from ..plans import PlanKey, format_plan, key_to_plan
 from ..spec import Layer, ModulationSpec
-from .sglang import Layout, Passes, Shapes, TableFormat, TableWriter, bad_file
+from .sglang import Layout, Passes, TableFormat, TableWriter, bad_file
 
 log = logging.getLogger(__name__)
 
@@ -488,6 +476,7 @@ class SidecarPasses(Passes):
         super().__init__(cache, self.embedding.embed)
         self.digests = WeightDigests(cache.spec)
         self.math = math_of_device(cache.device)
+        self.shapes = {EMBEDDINGS: ((cache.spec.time_embed_dim,), torch.float32)}
 
     def build(self, batch: list[torch.Tensor]) -> Any:
         return self.cache.build(batch, embed=self.embedding.embed, project=self.digests.project)
@@ -592,9 +581,6 @@ class VllmOmniFormat(TableFormat):
 
     def passes(self, cache: Any, embed: Any) -> Passes:
         return SidecarPasses(cache)
-
-    def extra_tensors(self, spec: ModulationSpec) -> Shapes:
-        return {EMBEDDINGS: ((spec.time_embed_dim,), torch.float32)}
 
     def metadata(
         self, passes: Passes, given: Mapping[str, Any], writer: TableWriter | None, *, final: bool
