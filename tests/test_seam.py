@@ -32,10 +32,10 @@ from adalncache import (
     Store,
     TensorSource,
 )
-from adalncache.batching import clear_verdicts, verdicts
 from adalncache.export import export_tables, verify_tables
 from adalncache.geometry import TABLE_ROWS, ModelGeometry, ServedLayer, TablePart
 from adalncache.plans import plan_key
+from adalncache.rebuild import clear_verdicts, verdicts
 from adalncache.spec import ModulationSpec
 from adalncache.tablefile import TableFile, is_table_file
 

@@ -21,10 +21,18 @@ import torch
 import torch.nn.functional as F
 
 from adalncache import AdalnCache, BuildError, CheckpointSource, ConfigError, PlanError, PlanNotCachedError, plan_key
-from adalncache.hostmem import HostBuffer, RecordingRegistrar, host_tensor_like, pinned_bytes
+from adalncache.devices import (
+    CopyStreams,
+    HostBuffer,
+    RecordedEvents,
+    RecordingRegistrar,
+    StreamSync,
+    copy_to_device,
+    host_tensor_like,
+    pinned_bytes,
+)
 from adalncache.source.buffers import DIRECT_BLOCK, StagingPool
 from adalncache.spec import FINAL, LAYOUTS
-from adalncache.streams import CopyStreams, RecordedEvents, StreamSync, copy_to_device
 from adalncache.tiers.host import HostTier
 from core_helpers import SPEC, assert_same_state, embed_for, load_reference, make_weights, snapshot, write_checkpoint
 

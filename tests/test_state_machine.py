@@ -62,7 +62,7 @@ from adalncache import (
     PlanNotCachedError,
     plan_key,
 )
-from adalncache.holds import PlanHold
+from adalncache.cache import PlanHold
 from adalncache.identity.memo import forget_process_memo
 from adalncache.plans import PlanKey
 from adalncache.spec import FINAL, LAYOUTS, Layer

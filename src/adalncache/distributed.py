@@ -370,12 +370,8 @@ class ProcessGroupCollective(Collective):
         pass whose failures are agreed, so the exchange after the agreement allocates nothing and
         cannot fail on one rank alone.
         """
-        self._gather = None
-        if self.shard == "columns":
-            self._gather = self._column_buffers(slab)
-            return LocalWork(list(layers), Columns(self.rank, self.world))
-        mine = set(self._shares[self.rank])
-        return LocalWork([layer for layer in layers if layer in mine])
+        self._gather = self._column_buffers(slab) if self.shard == "columns" else None
+        return self.hash_work(layers)
 
     def hash_work(self, layers: Sequence[Layer]) -> LocalWork:
         if self.shard == "columns":
@@ -497,12 +493,3 @@ def make_collective(
     if device is not None and device.type == "cuda" and "nccl" not in str(dist.get_backend(process_group)):
         log.info("cache on CUDA with a %s process group: rows are staged through host memory", dist.get_backend())
     return ProcessGroupCollective(process_group, shard, spec, device=device, config=config)
-
-
-__all__ = [
-    "Collective",
-    "LocalWork",
-    "PeerBuildFailure",
-    "ProcessGroupCollective",
-    "make_collective",
-]

@@ -18,7 +18,7 @@ from .cache import AdalnCache
 from .errors import ConfigError
 from .options import flag
 from .plans import PlanKey
-from .rows import PlanRows
+from .slab import PlanRows
 from .source import WeightSource
 from .spec import ModulationSpec
 

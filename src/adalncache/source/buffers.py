@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..hostmem import HostBuffer, Registrar
+from ..devices import HostBuffer, Registrar
 
 log = logging.getLogger(__name__)
 

@@ -29,11 +29,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..devices import allocation_error
-from ..hostmem import HostBuffer, Registrar
+from ..devices import HostBuffer, Registrar, allocation_error
 from ..options import knob
 from ..plans import PlanKey, key_to_plan
-from ..rows import PlanRows
+from ..slab import PlanRows
 from ..spec import ModulationSpec
 
 log = logging.getLogger(__name__)

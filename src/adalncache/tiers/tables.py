@@ -56,7 +56,7 @@ from ..canonical import plain_json
 from ..errors import ConfigError
 from ..options import TablesArg, flag
 from ..plans import PlanKey, format_plan, key_to_plan
-from ..rows import PlanRows
+from ..slab import PlanRows
 from ..spec import ModulationSpec
 from ..tablefile import TableFile
 

@@ -23,9 +23,9 @@ import torch
 from torch import nn
 
 from ... import TensorSource
+from ...cache import PlanHold
+from ...devices import HostBuffer
 from ...errors import CheckpointError, ConfigError
-from ...holds import PlanHold
-from ...hostmem import HostBuffer
 from ...source.absent import NoWeights
 from .callbacks import BuildCallbacks
 from .casting import casting_guard, settle_casting

@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ...cache import PlanHold
 from ...errors import ConfigError, PlanError, PlanNotCachedError
-from ...holds import PlanHold
 from ...plans import PlanKey, plan_key
 from .callbacks import BuildCallbacks
 from .lora import LoraTracker, Tuners, Variant, applied_lora_scale, lora_scale_of
