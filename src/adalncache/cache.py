@@ -2,54 +2,40 @@
 
 The cache decides *when* work runs; its parts do it: :class:`~adalncache.slab.Slab` holds the
 tensors and does every row read and write, :class:`~adalncache.slab.SlotPool` alone changes the
-slot map, the LRU order, the free list and the holds, :class:`~adalncache.transaction.BuildTransaction`
-runs a build that has something to build (validate, tiers, reserve, pass, publish, in that order),
-the tiers (:mod:`adalncache.tiers`) keep copies, :class:`~adalncache.devices.StreamSync` orders
-device work across streams, and the collective (:mod:`adalncache.distributed`) makes ranks agree.
+slot map and the holds, :class:`~adalncache.transaction.BuildTransaction` runs a build that has
+something to build, the tiers (:mod:`adalncache.tiers`) keep copies,
+:class:`~adalncache.devices.StreamSync` orders device work across streams, and the collective
+(:mod:`adalncache.distributed`) makes ranks agree. Construction builds the parts in the one order
+that works across ranks: settings that fix later collectives are compared, capacities min-reduced,
+and whatever can fail on one rank alone (device memory, a store directory, a table file) is agreed
+before any rank goes on (:func:`_agreed`).
 
-**Construction** builds the parts in the one order that works across ranks: settings that fix the
-number or size of later collectives are compared, capacities are min-reduced, and whatever can fail
-on one rank alone (out of device memory, an unusable store directory, a table file that does not
-fit) is agreed before any rank goes on (:func:`_agreed`): raised before agreeing, the other ranks
-would wait for this one in their next collective.
+Threads: every public method may be called from several threads. The *build lock* serialises
+builds (and ``invalidate``, ``close``, ``move_to``); the *state lock* guards the slot map, the holds,
+the statistics and the identity, held for microseconds and never during a pass, so lookups and the
+hit path (every plan resident under the current variant and autocast state: key, check, touch,
+count; no stat, no device work) never wait while a pass streams the weights.
 
-**Threads.** Every public method may be called from several threads. Two locks: the *build lock*
-serialises builds (and ``invalidate``/``close``/``move_to``): at most one pass runs; the *state lock*
-guards the slot map, the holds, the statistics and the identity, held for microseconds and never
-during a pass, so lookups and the hit path of other requests never wait while a pass streams the
-weights. The hit path (every plan resident under the current variant and autocast state, one
-process): key the request (once, or pass ``keys=``), check, touch, count, under the state lock
-alone; no stat, no device work.
+Holds: a request resolves its slots once (what a CUDA graph or a step loop wants) and reads them at
+every step; without a hold another request's build could evict those plans and write other rows
+into the same slots. Reads take the state lock only to read the slot map, make the calling
+thread's stream wait for the build that wrote the slot, and serve rows in the dtype the resident
+projection returns. Slot tensors are made without a host-to-device copy and a device slot is never
+read on the host, so a captured CUDA graph sees no sync and no baked-in slot. The family's
+modulation reads (``block``, ``block_all``, ``final``) are the family's (``spec.family.rows``): the
+cache only gathers a table part's rows.
 
-**Holds.** A request resolves its slots once, at its first step (what a CUDA graph or a step loop
-wants), and reads them at every later step; without a hold, another request's build could evict
-those plans and write other rows into the same slots, and the first request would silently read
-the wrong modulation. While a :class:`PlanHold` is alive no build evicts or rewrites its slots (the
-slot pool reference-counts them); a build that cannot find room otherwise raises ``PlanError``.
+Moves: rows never cross device identities (:func:`~adalncache.numerics.device_identity`: another
+kind of device computes other bits). Within one identity the slab is copied; across identities the
+resident tables are stashed on the host per identity (with the fingerprint, variant and autocast
+state they were built under) and come back bit-exactly, with no pass, on a device of that identity
+unless the source changed since, so a model bounced between a GPU and the host never rebuilds. One
+:class:`~adalncache.transaction.Site` owns the device and the tier chain; a move replaces it whole.
 
-**Reads** (``lookup``, ``resolve_slots``, the row verbs) take the state lock only to read the slot
-map, make the calling thread's CUDA stream wait for the build that wrote the slot, and serve rows in
-the dtype the resident projection returns (the autocast dtype the tables were built under). Slot
-tensors are made without a host-to-device copy, and a device slot is never read on the host, so a
-captured CUDA graph sees no sync and no baked-in slot. The family's modulation reads (``block``,
-``block_all``, ``final``) are the family's (``spec.family.rows``): the cache only gathers the rows
-of a table part.
-
-**Moves.** Tables are the bits one kind of device computes (another kind computes other bits), so
-rows never cross device identities (:func:`~adalncache.numerics.device_identity`). Within one
-identity (``cuda:0`` to ``cuda:1`` of one model) the slab is copied as it is. Across identities the
-resident tables are *stashed* on the host, least recently used first, with the source fingerprint,
-variant and autocast state they were built under, per identity; back on a device of that identity
-they are restored bit-exactly with no pass, unless the source changed since. Everything else is
-built on the new device by the next build, the store included (it is keyed by the numeric
-environment). A model offload that bounces a transformer between a GPU and the host copies the
-resident rows once each way and never rebuilds them. One :class:`~adalncache.transaction.Site`
-owns the device and the tier chain; a move replaces its placement with one assignment.
-
-**No reference cycle.** A cache of a process group must be freed by reference counting alone, or
-it keeps the group (and its gloo worker threads) alive until a garbage collection, which at
-interpreter exit aborts; so no part holds a closure over the cache (the fault points are read
-through a weak reference), and :meth:`AdalnCache.close` drops the group.
+No reference cycle: a cache of a process group must be freed by reference counting alone, or it
+keeps the group (and its gloo threads) alive until a garbage collection, which at interpreter exit
+aborts; so no part holds a closure over the cache (the fault points are read through a weak
+reference), and :meth:`AdalnCache.close` drops the group.
 """
 
 from __future__ import annotations
@@ -62,7 +48,6 @@ import time
 import weakref
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
-from types import TracebackType
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import torch
@@ -160,33 +145,6 @@ def _allocate_slab(spec: ModulationSpec, options: CacheOptions, device: torch.de
     return slab
 
 
-def _place(
-    spec: ModulationSpec,
-    source: WeightSource,
-    options: CacheOptions,
-    device: torch.device,
-    *,
-    collective: Collective,
-    stats: CacheStats,
-    store: Any,
-    files: TablesTier | None = None,
-) -> Placement:
-    """The tier chain for ``device``: a host tier of ``options.host_cache_bytes`` (pinned for CUDA),
-    ``store`` (a path or an open Store), and ``options.tables`` opened (at construction) or the
-    already open ``files`` (on a move; checked against the device by :func:`_serve_files`)."""
-    tiers = TierChain.open(
-        spec,
-        source,
-        host_cache_bytes=options.host_cache_bytes,
-        store=store,
-        device=device,
-        collective=collective,
-        stats=stats,
-        tables=options.tables if files is None else None,
-    )
-    return Placement(device, tiers, tiers.tables if files is None else files)
-
-
 def _serve_files(placement: Placement, identity: TableIdentity, *, strict: bool) -> None:
     """Serve the table files where they fit the placement's device (their binding names a numeric
     environment, device included). ``strict`` (construction): a file that does not fit raises;
@@ -245,9 +203,7 @@ class PlanHold:
     def __enter__(self) -> PlanHold:
         return self
 
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.release()
 
     def __repr__(self) -> str:
@@ -330,10 +286,7 @@ class AdalnCache:
         self.stats = stats = CacheStats()
 
         def local() -> tuple[Slab, Placement]:
-            slab = _allocate_slab(spec, options_, target)
-            return slab, _place(
-                spec, self.source, options_, target, collective=collective, stats=stats, store=options_.store
-            )
+            return _allocate_slab(spec, options_, target), self._place(target, options_.store)
 
         self._slab, placement = _agreed(collective, local)
         self._site = site = Site(placement)
@@ -377,6 +330,22 @@ class AdalnCache:
             self.slab_bytes / 2**20,
             self.device,
         )
+
+    def _place(self, device: torch.device, store: Any, files: TablesTier | None = None) -> Placement:
+        """The tier chain for ``device``: a host tier of ``host_cache_bytes`` (pinned for CUDA), ``store``
+        (a path or an open Store), and ``options.tables`` opened (at construction) or the already open
+        ``files`` (on a move; checked against the device by :func:`_serve_files`)."""
+        tiers = TierChain.open(
+            self.spec,
+            self.source,
+            host_cache_bytes=self.options.host_cache_bytes,
+            store=store,
+            device=device,
+            collective=self._dist,
+            stats=self.stats,
+            tables=self.options.tables if files is None else None,
+        )
+        return Placement(device, tiers, tiers.tables if files is None else files)
 
     @contextlib.contextmanager
     def _exclusive(self, what: str) -> Iterator[None]:
@@ -679,16 +648,7 @@ class AdalnCache:
             # The host tier held rows of the old device; a new one (pinned for CUDA) holds the new
             # one's, and the old arena (page-locked for a GPU) is given back now.
             old.tiers.release()
-            new = _place(
-                self.spec,
-                self.source,
-                self.options,
-                target,
-                collective=self._dist,
-                stats=self.stats,
-                store=old.tiers.store,
-                files=old.files,
-            )
+            new = self._place(target, old.tiers.store, old.files)
         else:
             new = Placement(target, old.tiers, old.files)
         slab.relocate(target, keep_rows=not moved)

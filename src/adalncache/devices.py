@@ -13,7 +13,7 @@ the order of work across its CUDA streams.
   unlocked by :meth:`HostBuffer.release` (or when collected). Nothing records which stream still
   reads a buffer: every user synchronises before it reuses or releases one
   (:func:`copy_to_device`; the host tier's blocking copies). The CUDA calls go through a
-  :class:`Registrar`, so sizes and release paths are tested on a CPU (:class:`RecordingRegistrar`).
+  :class:`Registrar`, so sizes and release paths are tested on a CPU with a recording one.
 * **Stream order** (:class:`StreamSync`). On a CPU every operation runs in program order and none
   of this does anything. On CUDA the host returns from a launch before the kernel ran, and each
   thread may launch on its own stream, so three orderings are made explicit with events:
@@ -23,8 +23,8 @@ the order of work across its CUDA streams.
   only each stream's newest event is kept, since events on one stream complete in order) and
   *build -> build* (each build's stream waits on the previous build's last event, so host-tier
   copies and slot writes of consecutive builds never overlap). :class:`CudaEvents` makes the CUDA
-  calls, :class:`NoEvents` (CPU) none, :class:`RecordedEvents` replays the bookkeeping on a CPU for
-  tests. The source's copy streams (:class:`CopyStreams`) and the copy that must finish before its
+  calls, :class:`NoEvents` (CPU) none, and a recording :class:`EventBackend` replays the bookkeeping
+  on a CPU for tests. The source's copy streams (:class:`CopyStreams`) and the copy that must finish before its
   host buffer is reused (:func:`copy_to_device`) are here too, so all stream code sits in one module.
 """
 
@@ -164,30 +164,7 @@ class CudaRegistrar:
             log.warning("cudaHostUnregister failed with CUDA error %d; the pages stay locked until exit", code)
 
 
-class RecordingRegistrar:
-    """A CPU stand-in that records what would be registered: ``live`` maps address -> bytes."""
-
-    def __init__(self, fail: bool = False) -> None:
-        self.fail = fail
-        self.live: dict[int, int] = {}
-        self.registered: list[int] = []  # sizes, in order
-        self.unregistered = 0
-        self._lock = threading.Lock()
-
-    def register(self, address: int, nbytes: int) -> None:
-        if self.fail:
-            raise MemoryError(f"cannot page-lock {nbytes} bytes (recording registrar told to fail)")
-        with self._lock:
-            self.live[address] = nbytes
-            self.registered.append(nbytes)
-
-    def unregister(self, address: int) -> None:
-        with self._lock:
-            del self.live[address]
-            self.unregistered += 1
-
-
-#: The registrar used when none is given (CUDA). Tests may pass their own to each buffer.
+#: The registrar used when none is given (CUDA). Tests pass a recording one to each buffer.
 CUDA = CudaRegistrar()
 
 #: Bytes page-locked by live :class:`HostBuffer` objects now (through any registrar).
@@ -239,12 +216,7 @@ class HostBuffer:
     """
 
     def __init__(
-        self,
-        nbytes: int,
-        *,
-        pin: bool = False,
-        registrar: Registrar | None = None,
-        device: torch.device | None = None,
+        self, nbytes: int, *, pin: bool = False, registrar: Registrar | None = None, device: torch.device | None = None
     ) -> None:
         if nbytes < 0:
             raise ValueError(f"a host buffer needs nbytes >= 0, got {nbytes}")
@@ -348,36 +320,6 @@ class CudaEvents:
         torch.cuda.current_stream(self.device).wait_event(event)
 
 
-class RecordedEvents:
-    """A CPU stand-in that logs what a CUDA backend would do, for tests of the bookkeeping.
-
-    ``current`` names the stream the calling code is "on"; events are numbered in record order;
-    ``log`` holds ``("record", stream, event)`` and ``("wait", stream, event)`` tuples.
-    """
-
-    active = True
-
-    def __init__(self) -> None:
-        self.current: Hashable = "default"
-        self.log: list[tuple[str, Hashable, int]] = []
-        self._count = 0
-
-    def stream(self) -> Hashable:
-        return self.current
-
-    def record(self) -> Any:
-        self._count += 1
-        self.log.append(("record", self.current, self._count))
-        return self._count
-
-    def wait(self, event: Any) -> None:
-        self.log.append(("wait", self.current, int(event)))
-
-    def waits(self) -> list[tuple[Hashable, int]]:
-        """``(stream, event)`` of every wait so far, in order."""
-        return [(stream, event) for kind, stream, event in self.log if kind == "wait"]
-
-
 def events_for(device: torch.device) -> EventBackend:
     """The event backend of ``device``: CUDA events on a GPU, nothing on a CPU."""
     return CudaEvents(device) if device.type == "cuda" else NoEvents()
@@ -414,10 +356,6 @@ class StreamSync:
             #: so it follows every earlier publish too: a reader of slots the host does not know
             #: waits on it alone.
             self.last_publish: Any = None
-
-    @property
-    def active(self) -> bool:
-        return bool(self.backend.active)
 
     def begin_build(self) -> None:
         """Before a build writes anything: order its stream after the previous build."""

@@ -2,41 +2,27 @@
 per plan, or by an alternative only where a probe proved it bit-identical.
 
 Why each plan is projected on its own, at its own M: the bits of a GEMM depend on M (and on the
-kernel M selects), and the forward projects one plan's rows at a time. ``embed(plan)`` gives the
-projections' input: one tensor (every layer's input), or a mapping from input name
-(``spec.input_of(layer)``) to tensor, for a family whose layers take differently cast inputs or
-fewer rows of the same embedding. Each input has ``m <= n`` rows for a plan of ``n`` rows (exactly
-the rows the forward feeds the module); a layer is projected at its input's own ``M = m``, and its
-table rows ``m`` to ``n`` are zeroed so a slot's tables never depend on what it held before.
+kernel M selects), and the forward projects one plan's rows at a time. ``embed(plan)`` gives one
+input (every layer's) or one per input name (``spec.input_of(layer)``), each with ``m <= n`` rows
+for a plan of ``n`` (the rows the forward feeds those layers); a layer is projected at its input's
+own ``M = m`` and its table rows ``m`` to ``n`` are zeroed, so a slot never depends on what it held
+before. The pass is purely local (no collective inside it: a failure on one rank never leaves a
+peer blocked), and every failure is labelled with its phase (``embed of plan ...``, ``read of
+layer 3``, ``projection of layer 3``) for the ``BuildError`` the cache raises.
 
-The pass is purely local: no collective runs inside it, so a failure on one rank can never leave
-a peer blocked. Every failure is labelled with the phase it came from (``embed of plan ...``,
-``read of layer 3``, ``projection of layer 3``) for the ``BuildError`` the cache raises.
-
-Two alternatives to the per-plan GEMM make a CPU pass cheaper, where per-plan GEMMs cost far more
-than reading the weights (49 plans of M=2 re-stream a 496 MiB weight 49 times per layer):
-
-* **stacked** (``batched=True``, :class:`StackedProjector`): the plans of one input width in one
-  GEMM. Stacking changes M, and whether the bits stay the per-plan ones depends on the device,
-  the kernel library and the shapes (measured: on a CPU, bf16 stacked equals per-plan except at
-  M=1 and fp32 differs almost everywhere; cuBLAS differs at M=32);
-* **tiled** (``tiled=``, :class:`TiledProjector`): every plan projected one tile of output rows
-  of the weight at a time, so the tile stays in the CPU's caches while every plan uses it. Each
-  plan keeps its own M and input, so each element is the same dot product; whether the kernel sums
-  it in the same order for a slice of the weight is again the device's and library's property.
-
-So nothing is assumed (:class:`ProbedClasses`). The first time a *shape class* is seen (device,
-dtypes, input rows, K, N, the weight's and the input's addresses modulo 64, every setting of
-:func:`adalncache.numerics.bit_settings`, and the alternative's own shape: plans stacked, tile
-rows), the layer is projected both ways and the per-plan rows are written; the class is accepted
-only if every plan's rows are bitwise equal (:func:`same_bits`: -0.0 and +0.0 differ). Every later
-layer of an accepted class spot-checks one plan (a different one each layer) against its per-plan
-rows; a mismatch refuses the class (a warning) and projects it per plan. The guarantee is the
-probe's plus the spot checks', not a per-row check: ``adalncache verify`` recomputes per plan.
-Verdicts for the default projection (a plain ``F.linear``) are shared by the whole process (they
-belong to the device's kernels); a custom ``project`` (the diffusers integration's LoRA-aware
-forward) may behave differently from one call to the next (another adapter, scale or weight copy),
-so its verdicts live for one pass only.
+On a CPU per-plan GEMMs cost far more than the reads (49 plans of M=2 re-stream a 496 MiB weight 49
+times per layer), so two alternatives exist: **stacked** (``batched=True``, :class:`StackedProjector`:
+the plans of one input width in one GEMM, which changes M) and **tiled** (``tiled=``,
+:class:`TiledProjector`: every plan per tile of the weight's output rows, so the tile stays in the
+caches; each plan keeps its M and input, but whether a kernel sums a slice of the weight in the
+same order is the device's property). Neither is assumed exact (:class:`ProbedClasses`): the first
+layer of a new *shape class* (device, dtypes, rows, K, N, addresses modulo 64, the settings that
+decide bits, the alternative's own shape) is projected both ways, the per-plan rows are written,
+and the class is accepted only if every plan's rows are bitwise equal (:func:`same_bits`); every
+later layer spot-checks one plan (a different one each layer), and a mismatch refuses the class.
+Verdicts for the default ``F.linear`` are shared by the process (they are the device's kernels'); a
+custom ``project`` (the diffusers integration's LoRA-aware forward) may change from one call to the
+next, so its verdicts live for one pass. Why and what is measured: docs/exactness.md, sections 7 and 8.
 """
 
 from __future__ import annotations

@@ -1,55 +1,39 @@
 """The slab: preallocated tensors holding every resident plan's tables, the slot pool that decides
 which plan owns which slot, and the rows one plan's table is exchanged as.
 
-**Tensors** (:class:`Slab`): ``max_plans`` slots of ``max_plan_width`` plan rows each,
+:class:`Slab`: ``max_plans`` slots of ``max_plan_width`` plan rows, ``plan_timesteps [P, W] f32``
+(``[P, W, C]`` for plans of ``C > 1`` columns; a slot's plan, zero past its length), ``plan_lengths
+[P] i64`` (0 for a slot that holds nothing) and ``table [P, W, table_width]`` (every served layer's
+output per plan row, side by side). The table parts a family declares and each layer's columns are
+views of ``table`` made once per allocation: strided, so whoever needs contiguous bytes (a file, a
+collective) copies or goes row by row. One slot more than the pool hands out, the *poison slot*
+(index ``max_plans``), holds NaN and is never written: a served forward whose plan matched no
+prepared plan (found on the device, without a host read) gathers NaN, never another plan's rows.
+The tensors are allocated once; their pointers never move (hooks and CUDA graphs may hold them)
+unless the cache moves (:meth:`Slab.relocate`), and no module registers them, so no ``state_dict``
+holds them. The slab does every row read and write, and decides neither which slot a plan gets
+nor when a slot becomes visible.
 
-* ``plan_timesteps [P, W] f32`` (``[P, W, C]`` for plans of ``C > 1`` columns): a slot's plan,
-  zero past its length;
-* ``plan_lengths [P] i64``: a slot's number of plan rows, 0 for a slot that holds nothing;
-* ``table [P, W, table_width]``: every served layer's projection output, per plan row, side by
-  side (layer ``l`` owns columns ``[spec.offset(l), spec.offset(l) + spec.out_features(l))``).
+:class:`SlotPool` alone changes the host-side slot map (plan -> slot in LRU order: what lookups
+consult), the free list and the holds. A slot is *free*, *reserved* (handed to one build),
+*resident* (in the map; maybe *held*, reference counted, by requests in flight that read it, so no
+build evicts or rewrites it) or *retired* (held while its plan left the map: no lookup finds it, its
+holders still read it, so it keeps its rows until the last hold goes). Why each transition runs in
+its order: **reserve** takes free slots lowest first (deterministic, so the ranks of a group pick
+the same slots), then evicts least-recently-used plans *not in the request* (a build must never
+evict a plan it uses) and not held, every such decision in :meth:`SlotPool._eviction_candidates`;
+**unpublish** forgets the plan in the map first, so no lookup reaches a slot being cleared;
+**commit**, the map flip, is the last step of a publish, so a failure earlier hides the whole
+request; **release** (a failed build) hides what was written (plans evicted to make room stay
+evicted: they were only a cache). On CUDA every first write to a slot waits for the reads still
+queued on it, and a commit records the event readers wait on (:class:`~adalncache.devices.StreamSync`).
+The pool is not thread-safe by itself: the cache calls it under its state lock. The states, the
+invariants :meth:`SlotPool.check_invariants` asserts, and every step of a build are in
+docs/state-machine.md.
 
-The table parts a family declares (``spec.table_parts()``) and each layer's columns are views of
-``table`` made once per allocation: strided, not contiguous, so whoever needs contiguous bytes (a
-file, a collective) copies or goes row by row. One slot more than the pool hands out, the *poison
-slot* (index ``max_plans``), is filled with NaN and never written: a served forward whose plan
-matched no prepared plan (found on the device, without a host read) gathers it, NaN out, never
-another plan's rows. Allocated once on the cache's device; their pointers never move (hooks and
-CUDA graphs may hold them) unless the cache itself moves (:meth:`Slab.relocate`), and no module
-registers them, so no ``state_dict`` holds them. Every row read and write goes through the slab;
-it never decides *which* slot a plan gets, nor when a slot becomes visible to lookups.
-
-**Slots** (:class:`SlotPool`): the only code that changes the host-side slot map (plan -> slot,
-in LRU order: what lookups consult), the free list and the holds. A slot is *free* (in the free
-list, length 0, zero timesteps), *reserved* (handed to one build, in neither the map nor the free
-list), *resident* (in the map, with its plan's length and timesteps; possibly *held*, reference
-counted, by requests in flight that read it, so no build evicts or rewrites it) or *retired* (a
-held slot whose plan left the map by ``invalidate()`` or an identity change: no lookup finds it,
-its holders still read it, so it keeps its rows until the last hold goes, then it is cleared and
-freed). :meth:`SlotPool.check_invariants` asserts: no two plans share a slot, none is free twice;
-outside a build the resident, retired and free slots partition ``0..P-1``; a free slot has length
-0, a resident or retired one its plan's length and timesteps; every held slot is resident or
-retired and every retired slot held. Why each transition runs in its order:
-
-* **reserve** takes free slots first, lowest first (deterministic, so the ranks of a group pick the
-  same slots), then evicts least-recently-used plans *not in the request* (its own build must
-  never evict a plan it uses) and not held (a request in flight reads them): every eviction
-  decision goes through :meth:`SlotPool._eviction_candidates`;
-* **unpublish** (an eviction, ``invalidate()``, an identity change): the map forgets the plan
-  first, so no lookup reaches a slot being cleared; a held slot retires instead;
-* **commit**, the host-side map flip, is the last step of a publish: a failure at any earlier
-  point hides the whole request; **release** (a failed build) returns the reserved slots and hides
-  what was written to them (plans evicted to make room stay evicted: they were only a cache);
-* **touch** marks plans most recently used in the order given (a request's first-seen order).
-
-On CUDA every first write to a slot (a reservation, a clearing) waits for the reads still queued
-on it, and a commit records the event readers wait on (:class:`~adalncache.devices.StreamSync`).
-The pool is not thread-safe by itself: the cache calls it under its state lock. The whole story,
-with every step of a build, is docs/state-machine.md.
-
-**Rows** (:class:`PlanRows`): tiers (host arena, store, table files) copy published plans out of
-the slab and back in as a plan's tensor, then the rows of each table part in order, so they never
-need to know the slab's layout.
+:class:`PlanRows`: tiers (host arena, store, table files) copy published plans out of the slab and
+back in as a plan's tensor, then the rows of each table part in order, so they never need to know
+the slab's layout.
 """
 
 from __future__ import annotations
@@ -261,14 +245,6 @@ class Slab:
 
     # -- writes (before publish: nothing here is visible to lookups yet) -------------------
 
-    def projection_view(self, slot: int, layer: Layer, n: int, columns: Columns | None = None) -> torch.Tensor:
-        """Where ``n`` rows of ``layer``'s projection go: a view of the slot (of its column slice)."""
-        table = self.layer_params(layer)[slot, :n]
-        if columns is None:
-            return table
-        lo, hi = columns.bounds(self.spec.out_features(layer))
-        return table[..., lo:hi]
-
     def write_projection(
         self, slot: int, layer: Layer, y: torch.Tensor, columns: Columns | None = None, rows: int | None = None
     ) -> None:
@@ -282,12 +258,9 @@ class Slab:
         if y.dim() != 2 or y.shape[1] != hi - lo or y.shape[0] > self.max_plan_width:
             raise PlanError(f"the projection of layer {layer} returned shape {tuple(y.shape)}, expected (M, {hi - lo})")
         m = y.shape[0]
-        if rows is not None and rows > m:
-            view = self.projection_view(slot, layer, rows, columns)
-            view[:m].copy_(y)
-            view[m:].zero_()
-            return
-        self.projection_view(slot, layer, m, columns).copy_(y)
+        view = self.layer_params(layer)[slot, : max(m, rows or 0), lo:hi]
+        view[:m].copy_(y)
+        view[m:].zero_()  # rows the layer did not take (none when it took them all)
 
     def write_rows(self, slot: int, rows: PlanRows) -> None:
         """Restore a plan's rows from a tier into ``slot`` (its plan is written at publish)."""
@@ -361,11 +334,7 @@ class Slab:
         return self._slot_rows(table, slot)[:n]
 
     def part_rows(
-        self,
-        name: str,
-        slot: int | torch.Tensor,
-        n: int,
-        select: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        self, name: str, slot: int | torch.Tensor, n: int, select: Callable[[torch.Tensor], torch.Tensor] | None = None
     ) -> torch.Tensor:
         """Table part ``name``'s rows for the slot's first ``n`` plan rows, ``(n, *part.shape)``.
 
@@ -571,7 +540,10 @@ class SlotPool:
     # -- invariants -------------------------------------------------------------------------
 
     def check_invariants(self) -> None:
-        """Assert the invariants of the module docstring (call it outside a build)."""
+        """Assert the invariants (call it outside a build): no two plans share a slot, none is free twice;
+        the resident, retired and free slots partition ``0..P-1``; a free slot has length 0, a resident
+        or retired one its plan's length and timesteps; every held slot is resident or retired and every
+        retired slot held; the poison slot is never handed out and all NaN."""
         resident = set(self._map.values())
         free = set(self._free)
         retired = set(self._retired)

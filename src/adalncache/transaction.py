@@ -38,7 +38,6 @@ from .devices import StreamSync
 from .distributed import Collective
 from .errors import BuildError, CheckpointError, ConfigError, PlanError, PlanNotCachedError, failing_at, failure_phase
 from .identity.binding import TableIdentity
-from .identity.digest import DigestSink
 from .numerics import autocast_dtype
 from .options import CacheOptions, flag, knob
 from .plans import PlanKey, format_plan, key_to_plan, plan_key, validate_plan
@@ -214,11 +213,7 @@ class BuildTransaction:
     # -- step 3 -------------------------------------------------------------------------------
 
     def _validate_request(
-        self,
-        order: list[PlanKey],
-        missing: list[PlanKey],
-        tensors: dict[PlanKey, torch.Tensor],
-        embed: EmbedFn | None,
+        self, order: list[PlanKey], missing: list[PlanKey], tensors: dict[PlanKey, torch.Tensor], embed: EmbedFn | None
     ) -> None:
         """Reject a request the slab cannot take before touching any state (PlanError names the knob)."""
         options = self.options
@@ -380,7 +375,17 @@ class BuildTransaction:
                     # change again without its ctime moving), then must still be what step 1 accepted.
                     sink = self.identity.content.pass_sink()
                     self._check_unchanged("before its pass")
-                self._rebuild_pass(faults, sink).run(to_build, slots, tensors, embed, project, report)
+                rebuild = RebuildPass(
+                    self.spec,
+                    self.source,
+                    self.slab,
+                    self.collective,
+                    self.options,
+                    faults,
+                    out_dtype=self.identity.autocast,
+                    digests=sink,
+                )
+                rebuild.run(to_build, slots, tensors, embed, project, report)
             with failing_at("checkpoint"):
                 # Rewritten or replaced since step 1 (mid-pass, say): what was read may mix old and new
                 # bytes, and restored rows may be of the old ones; none of it is published.
@@ -434,18 +439,6 @@ class BuildTransaction:
                 f"this build checked it, {stage}: nothing of this request is published; build again to read the "
                 f"new bytes"
             )
-
-    def _rebuild_pass(self, faults: FaultPoints, digests: DigestSink | None) -> RebuildPass:
-        return RebuildPass(
-            self.spec,
-            self.source,
-            self.slab,
-            self.collective,
-            self.options,
-            faults,
-            out_dtype=self.identity.autocast,
-            digests=digests,
-        )
 
     def rows_of(self, key: PlanKey) -> PlanRows:
         """A copy of a resident plan's rows, on the cache device (tiers and verify read these)."""

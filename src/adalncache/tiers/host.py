@@ -1,7 +1,7 @@
 """Host tier: copies of published plans in one preallocated, byte-bounded host arena.
 
 Why one arena: page-locking memory is slow, so it happens once, at construction, for one arena of
-exactly the capacity (a :class:`~adalncache.hostmem.HostBuffer`: torch's pinned allocator would
+exactly the capacity (a :class:`~adalncache.devices.HostBuffer`: torch's pinned allocator would
 round 20 GB up to 32 GiB and never give it back), when the cache device is CUDA, so restores are
 asynchronous DMA; the arena is carved up here. :meth:`HostTier.release` gives it back.
 

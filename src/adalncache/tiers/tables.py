@@ -89,7 +89,7 @@ def table_paths(tables: Any) -> list[Path]:
 
 
 class TablesTier:
-    """Several table files searched in order; plans come back as :class:`~adalncache.rows.PlanRows`."""
+    """Several table files searched in order; plans come back as :class:`~adalncache.slab.PlanRows`."""
 
     def __init__(self, tables: TablesArg, spec: ModulationSpec, *, source: Any = None) -> None:
         """``source``: the cache's weight source, whose tensors a vLLM-Omni sidecar's weight digests are checked

@@ -171,7 +171,7 @@ class AdalnCacheHandle:
 
         For a bare transformer loop: no build for another request evicts or rewrites these plans
         while the loop runs, and they are released on an exception too. Yields the
-        :class:`~adalncache.holds.PlanHold` (``.report`` says what the build did).
+        :class:`~adalncache.cache.PlanHold` (``.report`` says what the build did).
         """
         return self._requests.request(plans, attention_kwargs)
 
