@@ -272,7 +272,10 @@ class BuildTransaction:
                 self.stats.failed_builds += 1
             interrupt = _interrupt(exc)
             if interrupt is not None:
-                raise interrupt from None  # Ctrl-C is the user's: rolled back, then propagated as itself
+                try:
+                    raise interrupt from None  # Ctrl-C is the user's: rolled back, then propagated as itself
+                finally:
+                    del interrupt  # this frame is in its traceback: kept, it would make a reference cycle
             if isinstance(exc, BuildError):
                 raise
             phase = failure_phase(exc) or "build"
@@ -364,8 +367,9 @@ class BuildTransaction:
         """Write every reserved slot, agree with the other ranks, publish. Raises on any failure."""
         slots = reservation.slots
         # Local work only up to the agreement: no collective runs in here, so a failure on one
-        # rank can never leave a peer blocked waiting for it.
-        failure: BaseException | None = None
+        # rank can never leave a peer blocked waiting for it. Every rank learns whether any rank
+        # failed before anyone exchanges results (a failure is agreed inside its except block, which
+        # drops it after: kept in a local, this frame would sit in its own traceback, a cycle).
         try:
             for key, rows in restored.items():
                 self.slab.write_rows(slots[key], rows)
@@ -393,11 +397,9 @@ class BuildTransaction:
             with failing_at("publish"):
                 faults.check("publish")
         except BaseException as exc:
-            failure = exc
-        # Every rank learns whether any rank failed before anyone exchanges results.
-        self.collective.raise_if_any_failed(failure, "build")
-        if failure is not None:
-            raise failure
+            self.collective.raise_if_any_failed(exc, "build")
+            raise
+        self.collective.raise_if_any_failed(None, "build")
         if to_build:
             # Every rank read its share with no file changing: compose the digest of what was read (a
             # collective). Bytes that hash to another digest than the one bound fail every rank alike.
@@ -409,16 +411,14 @@ class BuildTransaction:
                 raise
             except Exception as exc:
                 log.warning("content digest not learnt from the pass (%s); store writes are skipped", exc)
-            shared: BaseException | None = None
+            # Publish only once every rank holds every row.
             try:
                 counts = [self.spec.plan_rows(k) for k in to_build]
                 self.collective.share_results(self.slab, [slots[k] for k in to_build], counts)
             except BaseException as exc:
-                shared = exc
-            # Publish only once every rank holds every row.
-            self.collective.raise_if_any_failed(shared, "exchange of results")
-            if shared is not None:
-                raise shared
+                self.collective.raise_if_any_failed(exc, "exchange of results")
+                raise
+            self.collective.raise_if_any_failed(None, "exchange of results")
         keys = list(slots)
         columns = self.spec.plan_columns
         with self.lock:
