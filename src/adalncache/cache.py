@@ -220,11 +220,6 @@ class StashedTables(NamedTuple):
     autocast: torch.dtype | None
 
 
-def _option(name: str, doc: str | None = None) -> Any:
-    """A read-only attribute of the cache that is the option ``name`` in force."""
-    return property(lambda cache: getattr(cache.options, name), doc=doc)
-
-
 class AdalnCache:
     """A device slab of bit-exact AdaLN tables, rebuilt transactionally from a weight source.
 
@@ -791,11 +786,13 @@ class AdalnCache:
     # The family's modulation reads: its row split (``spec.family.rows``) says which table part holds
     # what and how a row splits; the cache gathers the part's rows, ordered and in the served dtype.
 
-    def _rows(self, read: str) -> RowSplit:
+    def _rows(self, read: str, slot: object = None) -> RowSplit:
         """The family's row split for ``read`` (``"block"`` or ``"final"``), or the ConfigError of a
-        table without those parts (naming what to read instead)."""
+        table without those parts (naming what to read instead), after the checks of an integer ``slot``."""
         split = self.spec.family.rows
         if split is None:
+            if slot is not None and not isinstance(slot, torch.Tensor):
+                self._check_slot(slot)  # a bad slot is named first, as by every row read
             raise self._slab.no_part(read)
         return split
 
@@ -808,32 +805,32 @@ class AdalnCache:
         self, layer: int, slot: int | torch.Tensor, num_timesteps: int, *, dtype: torch.dtype | None = None
     ) -> torch.Tensor:
         """``Y`` of block ``layer``: the ``(num_timesteps, block_width)`` output of its projection."""
-        return self._rows("block").block_rows(self._gather(slot, num_timesteps, dtype), layer)
+        return self._rows("block", slot).block_rows(self._gather(slot, num_timesteps, dtype), layer)
 
     def block(
         self, layer: int, slot: int | torch.Tensor, num_timesteps: int, *, dtype: torch.dtype | None = None
     ) -> tuple[torch.Tensor, ...]:
         """The six ``(num_timesteps * modalities, hidden)`` tensors, as ``Y.view(-1, 6H).chunk(6, -1)``."""
-        split = self._rows("block")
+        split = self._rows("block", slot)
         return split.block(split.block_rows(self._gather(slot, num_timesteps, dtype), layer), self.spec)
 
     def block_all(
         self, slot: int | torch.Tensor, num_timesteps: int, *, dtype: torch.dtype | None = None
     ) -> list[tuple[torch.Tensor, ...]]:
         """:meth:`block` for every layer from one gather of the slot."""
-        return self._rows("block").block_all(self._gather(slot, num_timesteps, dtype), self.spec)
+        return self._rows("block", slot).block_all(self._gather(slot, num_timesteps, dtype), self.spec)
 
     def final_rows(
         self, slot: int | torch.Tensor, num_timesteps: int, *, dtype: torch.dtype | None = None
     ) -> torch.Tensor:
         """``Z``: the ``(num_timesteps, final_width)`` output of the output-layer projection."""
-        return self._rows("final").final_rows(self._gather(slot, num_timesteps, dtype))
+        return self._rows("final", slot).final_rows(self._gather(slot, num_timesteps, dtype))
 
     def final(
         self, slot: int | torch.Tensor, num_timesteps: int, *, dtype: torch.dtype | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(shift, scale)`` of the output layer."""
-        split = self._rows("final")
+        split = self._rows("final", slot)
         return split.final(split.final_rows(self._gather(slot, num_timesteps, dtype)))
 
     # -- what the cache tells about itself ---------------------------------------------------
@@ -872,23 +869,45 @@ class AdalnCache:
     def _tiers(self) -> TierChain:
         return self._site.tiers
 
-    max_plans = _option("max_plans")
-    max_plan_width = _option("max_plan_width")
-    host_cache_bytes = _option("host_cache_bytes")
-    precision = _option("precision")
-    shard = _option("shard")
-    read_ahead = _option("read_ahead")
-    progress = _option("progress")
-    batched = _option(
-        "batched",
+    @property
+    def max_plans(self) -> int:
+        return self.options.max_plans
+
+    @property
+    def max_plan_width(self) -> int:
+        return self.options.max_plan_width
+
+    @property
+    def host_cache_bytes(self) -> int:
+        return self.options.host_cache_bytes
+
+    @property
+    def precision(self) -> str:
+        return self.options.precision
+
+    @property
+    def shard(self) -> str:
+        return self.options.shard
+
+    @property
+    def read_ahead(self) -> int:
+        return self.options.read_ahead
+
+    @property
+    def progress(self) -> bool | None:
+        return self.options.progress
+
+    @property
+    def batched(self) -> bool:
         """Whether plans of one width are stacked into one GEMM where a probe proved it bit-identical
-        to the per-plan GEMM on this device (:mod:`adalncache.rebuild`); off by default.""",
-    )
-    tiled = _option(
-        "tiled",
+        to the per-plan GEMM on this device (:mod:`adalncache.rebuild`); off by default."""
+        return self.options.batched
+
+    @property
+    def tiled(self) -> bool | str:
         """Whether each layer is projected tile by tile over its output columns, every plan per tile, where a
-        probe proved it bit-identical (:mod:`adalncache.rebuild`): ``"auto"`` only where it was also faster.""",
-    )
+        probe proved it bit-identical (:mod:`adalncache.rebuild`): ``"auto"`` only where it was also faster."""
+        return self.options.tiled
 
     @property
     def slab_bytes(self) -> int:

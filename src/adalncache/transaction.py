@@ -88,9 +88,9 @@ class Placement:
 class Site:
     """The one owner of a cache's current :class:`Placement`.
 
-    Why: the device and the tiers used to be copied into the cache, its identity and its build
-    transaction, and a move patched each copy. The identity and the transaction read them here, and
-    a move replaces the placement with one assignment.
+    Why one owner: the cache, its identity and its build transaction all read the device and the
+    tiers; copies would each need patching on a move. They read them here, and a move replaces the
+    placement with one assignment.
     """
 
     def __init__(self, placement: Placement) -> None:
