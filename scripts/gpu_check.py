@@ -107,7 +107,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from adalncache import AdalnCache, CheckpointSource, ModulationSpec, PlanError, plan_key  # noqa: E402
-from adalncache.hostmem import pinned_bytes  # noqa: E402
+from adalncache.devices import pinned_bytes  # noqa: E402
 from adalncache.source import aligned_empty  # noqa: E402
 from adalncache.spec import FINAL, Layer  # noqa: E402
 from adalncache.tools.bench.primitives import PinnedCopy, read_only  # noqa: E402
@@ -540,7 +540,7 @@ def check_exact_fp32(ctx: Context) -> dict[str, Any]:
 
 
 def check_batched(ctx: Context) -> dict[str, Any]:
-    from adalncache.batching import clear_verdicts, verdicts
+    from adalncache.rebuild import clear_verdicts, verdicts
 
     ckpt = ctx.real()
     plans = make_plans((2,), 16, seed=2)  # a 16-step t2va request's shape: plans of two timesteps
@@ -585,8 +585,8 @@ def check_in_place(ctx: Context) -> dict[str, Any]:
 
 
 def check_tiled(ctx: Context) -> dict[str, Any]:
-    from adalncache import tiling
-    from adalncache.batching import clear_verdicts, verdicts
+    from adalncache import rebuild as tiling
+    from adalncache.rebuild import clear_verdicts, verdicts
 
     ckpt = ctx.real()
     width = ckpt.spec.out_features(0)
@@ -1056,7 +1056,7 @@ def check_tf32(ctx: Context) -> dict[str, Any]:
     matmul = torch.backends.cuda.matmul
     if not hasattr(matmul, "fp32_precision"):
         raise Skipped("torch.backends.cuda.matmul.fp32_precision not available in this torch")
-    from adalncache.batching import clear_verdicts
+    from adalncache.rebuild import clear_verdicts
 
     ckpt = ctx.small()
     device = ctx.device

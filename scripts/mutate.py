@@ -3,7 +3,7 @@
 show that the state machine (tests/test_state_machine.py, CI profile) catches it.
 
 Why: a model-based test that passes is only evidence if it fails on the bugs it exists for. Both
-bugs live in the slot pool (``src/adalncache/slots.py``, class ``SlotPool``). A mutation is a
+bugs live in the slot pool (``src/adalncache/slab.py``, class ``SlotPool``). A mutation is a
 transformation of that module's syntax tree (``ast.NodeTransformer``), not a text substitution,
 so it keeps applying after any reformatting of the code (line length, indentation, quotes,
 comments); only a change of the code's structure or names can stop it, and then this script says
@@ -46,7 +46,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TEST = "tests/test_state_machine.py::test_state_machine"
 
 #: The module (under src/adalncache) and class both mutations edit, and the pool's attribute names.
-TARGET = "slots.py"
+TARGET = "slab.py"
 POOL_CLASS = "SlotPool"
 MAP = "_map"
 FREE = "_free"

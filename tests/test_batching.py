@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from adalncache import AdalnCache, CheckpointSource, ConfigError, ModulationSpec
-from adalncache.batching import clear_verdicts, verdicts
 from adalncache.plans import plan_key
+from adalncache.rebuild import clear_verdicts, verdicts
 from adalncache.spec import FINAL, Layer
 from core_helpers import assert_plan_exact, embed_for, load_reference, make_weights, write_checkpoint
 
@@ -96,7 +96,7 @@ def test_a_spot_check_mismatch_falls_back_and_refuses_the_class(tmp_path: Path, 
         return y
 
     per_plan, _ = _build(source, plans, batched=False, project=project)
-    with caplog.at_level("WARNING", logger="adalncache.batching"):
+    with caplog.at_level("WARNING", logger="adalncache.rebuild"):
         batched, report = _build(source, plans, batched=True, project=project)
     _assert_same_slabs(per_plan, batched, plans)
     assert "differed from the per-plan one at layer 1" in caplog.text
@@ -104,7 +104,7 @@ def test_a_spot_check_mismatch_falls_back_and_refuses_the_class(tmp_path: Path, 
     # A custom projection's verdicts live for one pass: the next pass probes again, is caught
     # again, and still writes only per-plan rows. The process-wide verdicts hold none of it.
     caplog.clear()
-    with caplog.at_level("WARNING", logger="adalncache.batching"):
+    with caplog.at_level("WARNING", logger="adalncache.rebuild"):
         again, report2 = _build(source, plans, batched=True, project=project)
     _assert_same_slabs(per_plan, again, plans)
     assert report2.stacked_layers == 0 and "differed from the per-plan one at layer 1" in caplog.text
@@ -131,7 +131,7 @@ def test_a_probe_that_finds_different_bits_keeps_per_plan_rows(tmp_path: Path) -
 
 
 def test_same_bits_is_stricter_than_torch_equal() -> None:
-    from adalncache.batching import same_bits
+    from adalncache.rebuild import same_bits
 
     plus, minus = torch.zeros(3, dtype=torch.bfloat16), -torch.zeros(3, dtype=torch.bfloat16)
     assert torch.equal(plus, minus) and not same_bits(plus, minus)

@@ -8,8 +8,11 @@ half-built plan visible to a retry, (c) a rejected over-wide request disturbed r
 from __future__ import annotations
 
 import contextlib
+import gc
+import logging
 import os
 import re
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -382,6 +385,34 @@ def test_interrupt_during_a_build_is_rolled_back_and_propagates_as_itself(ckpt: 
     ref = load_reference(ckpt)
     for plan in (A, B, C):
         assert_plan_exact(cache, ref, "native", EMBED, plan)
+
+
+@pytest.mark.parametrize("exc", [RuntimeError, KeyboardInterrupt])
+@pytest.mark.parametrize("site", ["embed", "project", "publish", "host_read", "host_write", 1])
+def test_a_cache_is_freed_by_reference_counting_alone(
+    ckpt: Path, site: object, exc: type[BaseException], caplog: pytest.LogCaptureFixture
+) -> None:
+    """No part of a cache, and no failed or interrupted build, keeps it in a reference cycle: it goes with its
+    last reference, garbage collector off (a cache of a process group kept alive keeps the group's threads).
+    Warnings are not captured here: a handler that keeps log records keeps the exceptions they name."""
+    gc.collect()
+    gc.disable()
+    try:
+        caplog.set_level(logging.CRITICAL, logger="adalncache")
+        source = FaultInjectingSource(CheckpointSource(ckpt, SPEC))
+        cache = AdalnCache(SPEC, source, max_plans=3, host_cache_bytes=1 << 20, progress=False)
+        with cache.acquire([A], embed=EMBED) as slots:
+            cache.block_all(slots[0], 1)
+        cache.invalidate()
+        source.arm(site if isinstance(site, int) else None, exc)
+        context = contextlib.nullcontext() if isinstance(site, int) else inject_faults(cache, str(site), exc)
+        with context, contextlib.suppress(BaseException):
+            cache.build([A, B], embed=EMBED)
+        freed = weakref.ref(cache)
+        del cache
+        assert freed() is None
+    finally:
+        gc.enable()
 
 
 @pytest.mark.parametrize("point", ["project", "publish"])

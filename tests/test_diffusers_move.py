@@ -18,7 +18,7 @@ import torch
 
 pytest.importorskip("diffusers")
 
-import adalncache.assembly as cache_module  # where a move compares device identities
+import adalncache.cache as cache_module  # where a move compares device identities
 from adalncache.diffusers import adaln_cache_handle, enable_adaln_cache, load_transformer
 from adalncache.errors import ConfigError
 from adalncache.plans import minimax_h3_plans

@@ -8,7 +8,7 @@ on the weight's address on some CPUs): the mapping keeps the file offset's addre
 as the staging buffers do.
 
 Tiled: the layers here are a few hundred rows wide, so the tile is set smaller than a layer
-(``tiling.TILE_ROWS``) for the test; a forced mismatch goes through the ``project=`` seam.
+(``rebuild.TILE_ROWS``) for the test; a forced mismatch goes through the ``project=`` seam.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from adalncache import AdalnCache, CheckpointSource, ConfigError, ModulationSpec, tiling
-from adalncache.batching import clear_verdicts, verdicts
+from adalncache import AdalnCache, CheckpointSource, ConfigError, ModulationSpec, rebuild
 from adalncache.plans import plan_key
+from adalncache.rebuild import clear_verdicts, verdicts
 from adalncache.source import write_safetensors
 from adalncache.spec import FINAL, Layer, get_layout
 from core_helpers import assert_plan_exact, embed_for, load_reference, make_weights
@@ -90,7 +90,7 @@ def test_in_place_tables_equal_staged_tables(tmp_path: Path, dtype: torch.dtype)
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_tiled_tables_equal_per_plan_tables(tmp_path: Path, dtype: torch.dtype, monkeypatch: Any) -> None:
-    monkeypatch.setattr(tiling, "TILE_ROWS", TILE)
+    monkeypatch.setattr(rebuild, "TILE_ROWS", TILE)
     path, spec = _checkpoint(tmp_path, dtype)
     source = CheckpointSource(path, spec)
     whole, _ = _build(source, tiled=False)
@@ -113,7 +113,7 @@ def test_tiled_tables_equal_per_plan_tables(tmp_path: Path, dtype: torch.dtype, 
 def test_cpu_bf16_tiles_every_plan_width(tmp_path: Path, monkeypatch: Any) -> None:
     """On this CPU a bf16 projection sliced into column tiles gives the whole GEMM's bits at M = 1..4
     (docs/exactness.md), so the probe accepts every width and the second pass tiles every block."""
-    monkeypatch.setattr(tiling, "TILE_ROWS", TILE)
+    monkeypatch.setattr(rebuild, "TILE_ROWS", TILE)
     path, spec = _checkpoint(tmp_path, torch.bfloat16)
     source = CheckpointSource(path, spec)
     _build(source, tiled=True)
@@ -127,7 +127,7 @@ def test_a_projection_that_changes_bits_when_tiled_falls_back_for_its_class(
 ) -> None:
     """A projection that adds 1 to a tile's output for plans of 2 timesteps: the probe refuses that
     class (per plan from then on); the other widths are tiled; every row is still the whole GEMM's."""
-    monkeypatch.setattr(tiling, "TILE_ROWS", TILE)
+    monkeypatch.setattr(rebuild, "TILE_ROWS", TILE)
     path, spec = _checkpoint(tmp_path, torch.bfloat16)
     source = CheckpointSource(path, spec)
 
@@ -146,7 +146,7 @@ def test_a_projection_that_changes_bits_when_tiled_falls_back_for_its_class(
 def test_a_spot_check_mismatch_refuses_the_class(tmp_path: Path, monkeypatch: Any, caplog: Any) -> None:
     """A projection exact when tiled at the probe (layer 0) but not later: the spot check of layer 1
     catches it, that layer is projected whole, and the class stays refused."""
-    monkeypatch.setattr(tiling, "TILE_ROWS", TILE)
+    monkeypatch.setattr(rebuild, "TILE_ROWS", TILE)
     path, spec = _checkpoint(tmp_path, torch.bfloat16)
     source = CheckpointSource(path, spec)
 
@@ -156,7 +156,7 @@ def test_a_spot_check_mismatch_refuses_the_class(tmp_path: Path, monkeypatch: An
         return y + 1 if tiled and layer not in (0, FINAL) and x.shape[0] == 4 else y
 
     whole, _ = _build(source, tiled=False)
-    with caplog.at_level("WARNING", logger="adalncache.batching"):
+    with caplog.at_level("WARNING", logger="adalncache.rebuild"):
         tiled, report = _build(source, tiled=True, project=project)
     _assert_same_tables(whole, tiled)
     assert "tiled projection" in caplog.text and "differed from the per-plan one at layer 1" in caplog.text
@@ -166,7 +166,7 @@ def test_a_spot_check_mismatch_refuses_the_class(tmp_path: Path, monkeypatch: An
 def test_auto_tiles_only_the_default_projection(tmp_path: Path, monkeypatch: Any) -> None:
     """``tiled="auto"`` (the default) leaves a custom projection whole: it need not accept a slice of
     the weight (the diffusers integration's module forward does not)."""
-    monkeypatch.setattr(tiling, "TILE_ROWS", TILE)
+    monkeypatch.setattr(rebuild, "TILE_ROWS", TILE)
     path, spec = _checkpoint(tmp_path, torch.bfloat16)
     source = CheckpointSource(path, spec)
     seen: list[int] = []
@@ -184,10 +184,10 @@ def test_auto_tiles_only_the_default_projection(tmp_path: Path, monkeypatch: Any
 
 
 def test_tiles_cover_the_width_without_a_short_last_tile() -> None:
-    assert tiling.tile_bounds(288, 96) == [(0, 96), (96, 192), (192, 288)]
-    assert tiling.tile_bounds(300, 96) == [(0, 96), (96, 192), (192, 300)]
-    assert tiling.tile_bounds(96, 96) == [(0, 96)] and tiling.tile_bounds(50, 96) == [(0, 50)]
-    assert tiling.tile_bounds(96768, 2048)[-1] == (94208, 96768)
+    assert rebuild.tile_bounds(288, 96) == [(0, 96), (96, 192), (192, 288)]
+    assert rebuild.tile_bounds(300, 96) == [(0, 96), (96, 192), (192, 300)]
+    assert rebuild.tile_bounds(96, 96) == [(0, 96)] and rebuild.tile_bounds(50, 96) == [(0, 50)]
+    assert rebuild.tile_bounds(96768, 2048)[-1] == (94208, 96768)
 
 
 def test_tiled_is_checked(tmp_path: Path) -> None:

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from adalncache import AdalnCache, CheckpointSource, numerics
-from adalncache.batching import clear_verdicts, verdicts
 from adalncache.numerics import bit_settings, bit_settings_key, numeric_environment
+from adalncache.rebuild import clear_verdicts, verdicts
 from core_helpers import SPEC, assert_plan_exact, embed_for, load_reference, make_weights, write_checkpoint
 
 EMBED = embed_for(SPEC)

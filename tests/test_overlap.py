@@ -18,8 +18,8 @@ import torch
 
 from adalncache import BuildError, ConfigError
 from adalncache.diffusers import enable_adaln_cache
-from adalncache.faults import FaultPoints
 from adalncache.integrations.diffusers.overlap import BackgroundPass
+from adalncache.reports import FaultPoints
 
 pytest.importorskip("diffusers")
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from adalncache.diffusers import enable_adaln_cache
-from adalncache.faults import FaultPoints
+from adalncache.reports import FaultPoints
 
 pytest.importorskip("diffusers")
 

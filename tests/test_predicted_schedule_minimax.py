@@ -21,9 +21,9 @@ pytest.importorskip("transformers")
 pytest.importorskip("diffusers")
 
 from adalncache.diffusers import enable_adaln_cache
-from adalncache.faults import FaultPoints
 from adalncache.integrations.diffusers.minimax_h3 import predicted_plans
 from adalncache.plans import minimax_h3_plans, plan_key
+from adalncache.reports import FaultPoints
 
 STEPS = 4
 ADOPTED = "predicted schedule is the request's"

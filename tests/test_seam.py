@@ -32,11 +32,11 @@ from adalncache import (
     Store,
     TensorSource,
 )
-from adalncache.batching import clear_verdicts, verdicts
 from adalncache.formats import TableFile, is_table_file
 from adalncache.geometry import TABLE_ROWS, ModelGeometry, ServedLayer, TablePart
 from adalncache.offline import export_tables, verify_tables
 from adalncache.plans import plan_key
+from adalncache.rebuild import clear_verdicts, verdicts
 from adalncache.spec import ModulationSpec
 
 

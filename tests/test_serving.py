@@ -13,6 +13,7 @@ import gc
 import os
 import random
 import threading
+from collections.abc import Hashable
 from pathlib import Path
 from typing import Any
 
@@ -21,12 +22,74 @@ import torch
 import torch.nn.functional as F
 
 from adalncache import AdalnCache, BuildError, CheckpointSource, ConfigError, PlanError, PlanNotCachedError, plan_key
-from adalncache.hostmem import HostBuffer, RecordingRegistrar, host_tensor_like, pinned_bytes
+from adalncache.devices import (
+    CopyStreams,
+    HostBuffer,
+    StreamSync,
+    copy_to_device,
+    host_tensor_like,
+    pinned_bytes,
+)
 from adalncache.source.buffers import DIRECT_BLOCK, StagingPool
 from adalncache.spec import FINAL, LAYOUTS
-from adalncache.streams import CopyStreams, RecordedEvents, StreamSync, copy_to_device
 from adalncache.tiers.host import HostTier
 from core_helpers import SPEC, assert_same_state, embed_for, load_reference, make_weights, snapshot, write_checkpoint
+
+# -- CPU stand-ins for the CUDA calls: they record what a GPU would be asked to do --------------
+
+
+class RecordingRegistrar:
+    """A CPU stand-in for the CUDA registrar, recording what would be registered: ``live`` maps address -> bytes."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.fail = fail
+        self.live: dict[int, int] = {}
+        self.registered: list[int] = []  # sizes, in order
+        self.unregistered = 0
+        self._lock = threading.Lock()
+
+    def register(self, address: int, nbytes: int) -> None:
+        if self.fail:
+            raise MemoryError(f"cannot page-lock {nbytes} bytes (recording registrar told to fail)")
+        with self._lock:
+            self.live[address] = nbytes
+            self.registered.append(nbytes)
+
+    def unregister(self, address: int) -> None:
+        with self._lock:
+            del self.live[address]
+            self.unregistered += 1
+
+
+class RecordedEvents:
+    """A CPU stand-in that logs what a CUDA backend would do, for tests of the bookkeeping.
+
+    ``current`` names the stream the calling code is "on"; events are numbered in record order;
+    ``log`` holds ``("record", stream, event)`` and ``("wait", stream, event)`` tuples.
+    """
+
+    active = True
+
+    def __init__(self) -> None:
+        self.current: Hashable = "default"
+        self.log: list[tuple[str, Hashable, int]] = []
+        self._count = 0
+
+    def stream(self) -> Hashable:
+        return self.current
+
+    def record(self) -> Any:
+        self._count += 1
+        self.log.append(("record", self.current, self._count))
+        return self._count
+
+    def wait(self, event: Any) -> None:
+        self.log.append(("wait", self.current, int(event)))
+
+    def waits(self) -> list[tuple[Hashable, int]]:
+        """``(stream, event)`` of every wait so far, in order."""
+        return [(stream, event) for kind, stream, event in self.log if kind == "wait"]
+
 
 EMBED = embed_for(SPEC)
 LAYOUT = LAYOUTS["native"]

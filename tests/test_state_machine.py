@@ -4,7 +4,7 @@ Why a model: the slab's historical bookkeeping bugs (a plan of the request evict
 build; a slot map published before the layers were written) were ordering bugs that only show
 after a particular sequence of requests, evictions and failures. Hypothesis generates such
 sequences and shrinks a failure to the shortest one; the model below encodes the build contract
-exactly (the slot pool's rules are in ``adalncache.slots``; ``scripts/mutate.py`` puts each bug
+exactly (the slot pool's rules are in ``adalncache.slab``; ``scripts/mutate.py`` puts each bug
 back and checks that this test fails):
 
 * slots for missing plans come from free slots first, then from the least recently used plans
@@ -62,7 +62,7 @@ from adalncache import (
     PlanNotCachedError,
     plan_key,
 )
-from adalncache.holds import PlanHold
+from adalncache.cache import PlanHold
 from adalncache.identity.memo import forget_process_memo
 from adalncache.plans import PlanKey
 from adalncache.spec import FINAL, LAYOUTS, Layer

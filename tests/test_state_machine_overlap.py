@@ -51,7 +51,7 @@ from hypothesis.stateful import (
 
 from adalncache import BuildError, PlanMismatchError
 from adalncache.diffusers import enable_adaln_cache
-from adalncache.faults import FaultPoints
+from adalncache.reports import FaultPoints
 from adalncache.tools.tiny_qwen import tiny_qwen_inputs, tiny_qwen_transformer
 
 settings.register_profile(

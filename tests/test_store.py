@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from adalncache import AdalnCache, CheckpointSource, ConfigError, Store, plan_key
 from adalncache.cli import main
 from adalncache.offline import verify_store
-from adalncache.rows import PlanRows
+from adalncache.slab import PlanRows
 from adalncache.testing import inject_faults
 from adalncache.tiers.store import binding_hash
 from adalncache.tools.tiny import write_safetensors

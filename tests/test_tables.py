@@ -416,7 +416,7 @@ def test_table_files_follow_a_move_only_where_they_fit(
     """Table files are bound to a numeric environment: a cache that moves to a device of another
     identity serves them there only if the binding fits (here it does not: it builds), and serves
     them again once it is back."""
-    import adalncache.assembly as cache_module  # where a move compares device identities
+    import adalncache.cache as cache_module  # where a move compares device identities
     import adalncache.identity.binding as identity_module
 
     # ``cpu`` and ``cpu:0`` as two device identities with two numeric environments (a CPU and a GPU).

@@ -190,7 +190,7 @@ def test_one_arena_allocated_once() -> None:
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from adalncache.rows import PlanRows  # noqa: E402
+from adalncache.slab import PlanRows  # noqa: E402
 
 _SPEC = small_spec()
 

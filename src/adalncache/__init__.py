@@ -5,7 +5,7 @@ The public names and what callers may rely on are in docs/api.md; the README has
 
 from __future__ import annotations
 
-from .cache import AdalnCache, BuildReport, CacheStats
+from .cache import AdalnCache, BuildReport, CacheStats, PlanHold
 from .errors import (
     AdalnCacheError,
     BuildError,
@@ -15,7 +15,6 @@ from .errors import (
     PlanMismatchError,
     PlanNotCachedError,
 )
-from .holds import PlanHold
 from .plans import plan_key
 from .source import CheckpointSource, TensorSource
 from .spec import ModulationSpec

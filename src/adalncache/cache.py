@@ -1,25 +1,41 @@
 """AdalnCache: a device slab of bit-exact AdaLN tables, rebuilt transactionally from a weight source.
 
-The cache's parts are built by :func:`adalncache.assembly.assemble` from (spec, source, options,
-device); the cache decides *when* work runs, and delegates:
-:class:`~adalncache.slab.Slab` holds the four tensors and does every row read and write,
-:class:`~adalncache.slots.SlotPool` alone changes the slot map, the LRU order, the free list and
-the holds, :class:`~adalncache.transaction.BuildTransaction` runs a build that has something to
-build (validate, tiers, reserve, pass, publish, in that order), the tiers
-(:mod:`adalncache.tiers`) keep copies, :class:`~adalncache.streams.StreamSync` orders device work
-across streams, and the collective (:mod:`adalncache.distributed`) makes ranks agree.
+The cache decides *when* work runs; its parts do it: :class:`~adalncache.slab.Slab` holds the
+tensors and does every row read and write, :class:`~adalncache.slab.SlotPool` alone changes the
+slot map and the holds, :class:`~adalncache.transaction.BuildTransaction` runs a build that has
+something to build, the tiers (:mod:`adalncache.tiers`) keep copies,
+:class:`~adalncache.devices.StreamSync` orders device work across streams, and the collective
+(:mod:`adalncache.distributed`) makes ranks agree. Construction builds the parts in the one order
+that works across ranks: settings that fix later collectives are compared, capacities min-reduced,
+and whatever can fail on one rank alone (device memory, a store directory, a table file) is agreed
+before any rank goes on (:func:`_agreed`).
 
-Threads. Every public method may be called from several threads. Two locks:
+Threads: every public method may be called from several threads. The *build lock* serialises
+builds (and ``invalidate``, ``close``, ``move_to``); the *state lock* guards the slot map, the holds,
+the statistics and the identity, held for microseconds and never during a pass, so lookups and the
+hit path (every plan resident under the current variant and autocast state: key, check, touch,
+count; no stat, no device work) never wait while a pass streams the weights.
 
-* the **build lock** serialises builds (and ``invalidate``/``close``): at most one pass runs;
-* the **state lock** guards the slot map, the holds, the statistics and the identity; it is held
-  for microseconds, never during a pass, so lookups and the hit path of other requests do not
-  wait while a pass streams the weights.
+Holds: a request resolves its slots once (what a CUDA graph or a step loop wants) and reads them at
+every step; without a hold another request's build could evict those plans and write other rows
+into the same slots. Reads take the state lock only to read the slot map, make the calling
+thread's stream wait for the build that wrote the slot, and serve rows in the dtype the resident
+projection returns. Slot tensors are made without a host-to-device copy and a device slot is never
+read on the host, so a captured CUDA graph sees no sync and no baked-in slot. The family's
+modulation reads (``block``, ``block_all``, ``final``) are the family's (``spec.family.rows``): the
+cache only gathers a table part's rows.
 
-The hit path (every plan resident under the current variant and autocast state, one process):
-key the request (once, or pass ``keys=``), check, touch, count, under the state lock alone; no
-stat, no device work. A request that holds its plans (:meth:`AdalnCache.hold`,
-:meth:`AdalnCache.acquire`) also gets its slot tensor, made without a host-to-device copy.
+Moves: rows never cross device identities (:func:`~adalncache.numerics.device_identity`: another
+kind of device computes other bits). Within one identity the slab is copied; across identities the
+resident tables are stashed on the host per identity (with the fingerprint, variant and autocast
+state they were built under) and come back bit-exactly, with no pass, on a device of that identity
+unless the source changed since, so a model bounced between a GPU and the host never rebuilds. One
+:class:`~adalncache.transaction.Site` owns the device and the tier chain; a move replaces it whole.
+
+No reference cycle: a cache of a process group must be freed by reference counting alone, or it
+keeps the group (and its gloo threads) alive until a garbage collection, which at interpreter exit
+aborts; so no part holds a closure over the cache (the fault points are read through a weak
+reference), and :meth:`AdalnCache.close` drops the group.
 """
 
 from __future__ import annotations
@@ -31,32 +47,41 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Hashable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import torch
 from typing_extensions import Unpack
 
-from .assembly import assemble, pinned, relocated
-from .devices import resolve_device
-from .errors import AdalnCacheError, ConfigError, PlanError
-from .faults import NO_FAULTS, FaultPoints
-from .holds import PlanHold
-from .introspection import CacheIntrospection
-from .numerics import autocast_dtype
-from .options import PRECISIONS, SHARD_MODES, CacheKwargs, CacheOptions, option_keywords
-from .plans import PlanKey, distinct_plans, keyed_plans
+from .devices import StreamSync, allocation_error, check_available, events_for, indexed, resolve_device
+from .distributed import Collective, make_collective
+from .errors import AdalnCacheError, ConfigError, PlanError, PlanNotCachedError
+from .geometry import RowSplit
+from .identity.binding import TableIdentity
+from .numerics import autocast_dtype, device_identity
+from .options import CacheKwargs, CacheOptions, knob, option_keywords
+from .plans import PlanKey, distinct_plans, keyed_plans, plan_key
 from .rebuild import EmbedFn, ProjectFn, default_project
-from .relocation import same_device
-from .reports import BuildReport, CacheStats
-from .rows import PlanRows
+from .reports import NO_FAULTS, BuildReport, CacheStats, FaultPoints
+from .slab import PlanRows, Slab, SlotPool
 from .source import WeightSource
 from .source.absent import NoWeights
-from .spec import ModulationSpec
+from .spec import Layer, ModulationSpec
+from .tiers.chain import TierChain
+from .tiers.host import HOST_TIER_KNOB
+from .transaction import BuildTransaction, Placement, Site
 
 if TYPE_CHECKING:
-    pass
+    from .tiers.host import HostTier
+    from .tiers.store import Store
+    from .tiers.tables import TablesTier
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: What to lower when the slab does not fit.
+SLAB_KNOBS = f"{knob('max_plans')} or {knob('max_plan_width')}"
 
 
 def _check_spec_and_source(spec: Any, source: Any, tables: Any) -> None:
@@ -82,12 +107,8 @@ def _check_spec_and_source(spec: Any, source: Any, tables: Any) -> None:
 
 
 def _fault_points_of(cache: weakref.ref[AdalnCache]) -> Callable[[], FaultPoints]:
-    """The cache's fault points, read per build through a weak reference.
-
-    Why weak: the build transaction keeps this callable, and a closure over the cache itself would
-    put the cache in a reference cycle; a cache of a process group would then keep the group (and
-    its gloo worker threads) alive until a garbage collection, which at interpreter exit aborts.
-    """
+    """The cache's fault points, read per build through a weak reference (the transaction keeps this
+    callable: a closure over the cache itself would put the cache in a reference cycle)."""
 
     def read() -> FaultPoints:
         owner = cache()
@@ -96,7 +117,110 @@ def _fault_points_of(cache: weakref.ref[AdalnCache]) -> Callable[[], FaultPoints
     return read
 
 
-class AdalnCache(CacheIntrospection):
+def _agreed(collective: Collective, make: Callable[[], T]) -> T:
+    """``make()``, after every rank of the group learnt whether it failed on any rank."""
+    try:
+        result = make()
+    except BaseException as exc:
+        collective.agree_construction(exc)
+        raise
+    collective.agree_construction(None)
+    return result
+
+
+def _allocate_slab(spec: ModulationSpec, options: CacheOptions, device: torch.device) -> Slab:
+    """The slab, refused (ConfigError naming its bytes and the knobs) when the device cannot hold it;
+    then a host tier the host cannot hold beside a CPU slab (before its arena is mapped)."""
+    nbytes = spec.slab_bytes(options.max_plans, options.max_plan_width)
+    what = f"the slab of max_plans={options.max_plans} x max_plan_width={options.max_plan_width} plans"
+    check_available(nbytes, device, what, SLAB_KNOBS)
+    try:
+        slab = Slab(spec, options.max_plans, options.max_plan_width, device)
+    except (RuntimeError, MemoryError) as exc:  # the allocator's own failure (torch.OutOfMemoryError too)
+        raise allocation_error(exc, nbytes, device, what, SLAB_KNOBS) from None
+    if options.host_cache_bytes:
+        beside = nbytes if device.type == "cpu" else 0
+        what = f"the host tier of host_cache_bytes={options.host_cache_bytes}" + (" beside the slab" if beside else "")
+        check_available(options.host_cache_bytes + beside, torch.device("cpu"), what, HOST_TIER_KNOB)
+    return slab
+
+
+def _serve_files(placement: Placement, identity: TableIdentity, *, strict: bool) -> None:
+    """Serve the table files where they fit the placement's device (their binding names a numeric
+    environment, device included). ``strict`` (construction): a file that does not fit raises;
+    otherwise (a move) it is logged and the files are not served on that device."""
+    files = placement.files
+    if files is None:
+        return
+    try:
+        files.check_bindings(identity.template(), identity.content.identify, generation=identity.generation)
+    except AdalnCacheError as exc:
+        if strict:
+            raise
+        log.warning("table files not served on %s (%s); plans are built there instead", placement.device, exc)
+        placement.tiers.tables = None
+        return
+    placement.tiers.tables = files
+
+
+@dataclass(eq=False)
+class PlanHold:
+    """The plans of one request, held until :meth:`release` (or the end of a ``with`` block).
+
+    ``slots``: one slot per plan of the request, in the order given, as a LongTensor on the cache
+    device (built without a host-to-device copy; read-only, it may be shared). ``keys``: the plans'
+    keys, in the same order. ``report``: what the build that made them resident did. ``dtype``:
+    the dtype the rows are served in (the autocast dtype they were built under, else the slab's).
+    ``variant``: the identity variant (LoRA signature) the plans were held under, recorded with the
+    hold so a caller never stamps a variant read later (after a change) on these rows. ``epoch``:
+    the cache's :attr:`~adalncache.AdalnCache.retirements` when the hold was taken; a different
+    count later means a held plan may have been retired (its rows are no longer current).
+    """
+
+    _release: Callable[[PlanHold], None] = field(repr=False)
+    keys: list[PlanKey]
+    slot_list: list[int]
+    slots: torch.Tensor
+    report: BuildReport
+    dtype: torch.dtype
+    variant: Hashable = None
+    epoch: int = 0
+    released: bool = False
+    #: The distinct slots held, each once.
+    held: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.held = list(dict.fromkeys(self.slot_list))
+
+    def release(self) -> None:
+        """Give the plans back (idempotent): builds may evict or rewrite them again.
+
+        Call it on the thread (CUDA: the stream) that read the rows: the cache records there when
+        the reads are done, and a later rewrite of these slots waits for that.
+        """
+        self._release(self)
+
+    def __enter__(self) -> PlanHold:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        state = "released" if self.released else "held"
+        return f"PlanHold({len(self.keys)} plan(s) in {len(self.held)} slot(s), {state})"
+
+
+class StashedTables(NamedTuple):
+    """One device identity's tables, kept on the host while the cache serves another device."""
+
+    rows: list[tuple[PlanKey, PlanRows]]
+    fingerprint: str | None
+    variant: Hashable
+    autocast: torch.dtype | None
+
+
+class AdalnCache:
     """A device slab of bit-exact AdaLN tables, rebuilt transactionally from a weight source.
 
     The slab tensors (``plan_timesteps``, ``plan_lengths``, ``table``, and the views of ``table``:
@@ -135,22 +259,65 @@ class AdalnCache(CacheIntrospection):
         #: Set on the thread running a build (so while embed= and project= run): see _exclusive.
         self._in_build = threading.local()
         self._closed = False
-        parts = assemble(
-            spec,
-            self.source,
-            given,
-            pinned(resolve_device(device, argument="device")),
-            lock=self._lock,
-            faults=_fault_points_of(weakref.ref(self)),
+        #: Host copies of the tables of other device identities, while the cache serves this one.
+        self._stashed: dict[tuple[Any, ...], StashedTables] = {}
+        target = indexed(resolve_device(device, argument="device"))
+        # Settings that fix the number or size of later collectives are compared across ranks.
+        config = {
+            "precision": given.precision,
+            "store": given.store is not None,
+            "device_type": target.type,
+            "tables": given.tables is not None,
+        }
+        self._dist = collective = make_collective(given.process_group, given.shard, spec, device=target, config=config)
+        # Ranks must agree on every capacity, or their slot decisions would diverge.
+        max_plans, max_plan_width, host_cache_bytes = collective.min_ints(
+            [given.max_plans, given.max_plan_width, given.host_cache_bytes]
         )
-        self._parts = parts
         #: The options in force: as given, with the capacities every rank of a group agreed on.
-        self.options = parts.options
-        self.stats = parts.stats
+        self.options = options_ = dataclasses.replace(
+            given, max_plans=max_plans, max_plan_width=max_plan_width, host_cache_bytes=host_cache_bytes
+        )
+        self.stats = stats = CacheStats()
+
+        def local() -> tuple[Slab, Placement]:
+            return _allocate_slab(spec, options_, target), self._place(target, options_.store)
+
+        self._slab, placement = _agreed(collective, local)
+        self._site = site = Site(placement)
         #: The per-slot events that order builds and reads across CUDA streams (no-ops on a CPU).
-        self.stream_sync = parts.sync
-        self._dist, self._slab, self._pool = parts.collective, parts.slab, parts.pool
-        self._identity, self._builder, self._site = parts.identity, parts.builder, parts.site
+        self.stream_sync = StreamSync(options_.max_plans, events_for(target))
+        self._pool = SlotPool(self._slab, self.stream_sync)
+        store = placement.tiers.store
+        self._identity = identity = TableIdentity(
+            self.source,
+            collective,
+            stats,
+            spec=spec,
+            precision=options_.precision,
+            device=lambda: site.device,
+            memo=store.memo if store is not None else None,
+        )
+        # Passes hash what they read only where something is bound to the content digest (same on every
+        # rank: the store and table settings were agreed above).
+        identity.content.wanted = store is not None or placement.files is not None
+        # A table file that cannot serve this cache bit-exactly is refused now, on every rank.
+        if placement.files is not None:
+            _agreed(collective, lambda: _serve_files(placement, identity, strict=True))
+        self._builder = BuildTransaction(
+            spec,
+            options_,
+            self.source,
+            self._slab,
+            self._pool,
+            site,
+            identity,
+            collective,
+            stats,
+            self.stream_sync,
+            self._lock,
+            _fault_points_of(weakref.ref(self)),
+        )
         log.debug(
             "AdalnCache: %d plans x %d timesteps, %.1f MiB slab on %s",
             self.max_plans,
@@ -158,6 +325,22 @@ class AdalnCache(CacheIntrospection):
             self.slab_bytes / 2**20,
             self.device,
         )
+
+    def _place(self, device: torch.device, store: Any, files: TablesTier | None = None) -> Placement:
+        """The tier chain for ``device``: a host tier of ``host_cache_bytes`` (pinned for CUDA), ``store``
+        (a path or an open Store), and ``options.tables`` opened (at construction) or the already open
+        ``files`` (on a move; checked against the device by :func:`_serve_files`)."""
+        tiers = TierChain.open(
+            self.spec,
+            self.source,
+            host_cache_bytes=self.options.host_cache_bytes,
+            store=store,
+            device=device,
+            collective=self._dist,
+            stats=self.stats,
+            tables=self.options.tables if files is None else None,
+        )
+        return Placement(device, tiers, tiers.tables if files is None else files)
 
     @contextlib.contextmanager
     def _exclusive(self, what: str) -> Iterator[None]:
@@ -394,7 +577,7 @@ class AdalnCache(CacheIntrospection):
                 return 0
             self._closed = True
             self._dist.release()
-            self.options = self._parts.options = dataclasses.replace(self.options, process_group=None)
+            self.options = self._builder.options = dataclasses.replace(self.options, process_group=None)
             released = self._tiers.release()
             release_buffers = getattr(self.source, "release_buffers", None)
             if callable(release_buffers):
@@ -402,7 +585,7 @@ class AdalnCache(CacheIntrospection):
             return released
 
     def check_invariants(self) -> None:
-        """Assert the bookkeeping invariants (:mod:`adalncache.slots`; tests call this after every step).
+        """Assert the bookkeeping invariants (:mod:`adalncache.slab`; tests call this after every step).
 
         Waits for a build in progress (its reserved slots are by design in no set).
         """
@@ -419,14 +602,14 @@ class AdalnCache(CacheIntrospection):
     # -- devices ----------------------------------------------------------------------------
 
     def move_to(self, device: torch.device | str) -> None:
-        """Serve from ``device`` from now on (see :mod:`adalncache.relocation` for what follows).
+        """Serve from ``device`` from now on (see the module docstring for what follows).
 
         The slab tensors are new tensors on the new device: code that kept the old ones (a CUDA
         graph) must take them again. Refused (``ConfigError``, nothing changed) for a cache of a
         process group, and while requests hold plans (their slot tensors are on the old device).
         """
         target = resolve_device(device, argument="device")
-        if same_device(target, self.device):
+        if indexed(target) == indexed(self.device):
             return
         if self._dist.world > 1:
             raise ConfigError(
@@ -444,9 +627,376 @@ class AdalnCache(CacheIntrospection):
             self._relocate(target)
 
     def _relocate(self, target: torch.device) -> None:
-        previous = self.device
-        relocated(self._parts, self.spec, self.source, target)
-        log.info("AdaLN cache moved from %s to %s (%d plan(s) resident there)", previous, target, len(self._pool))
+        """Move the parts to ``target`` (both locks held, no plan held).
 
+        Within one device identity the slab's rows are copied as they are and the tiers stay. Across
+        identities the resident tables are stashed, the tiers are placed anew for ``target`` (the store
+        kept: it is keyed by the numeric environment), the table files are served only where they fit,
+        and tables stashed for ``target``'s identity come back.
+        """
+        old, identity, pool, slab = self._site.placement, self._identity, self._pool, self._slab
+        here, there = device_identity(old.device), device_identity(target)
+        moved = here != there
+        if moved:
+            self._stash(here)
+            pool.clear()
+            # The host tier held rows of the old device; a new one (pinned for CUDA) holds the new
+            # one's, and the old arena (page-locked for a GPU) is given back now.
+            old.tiers.release()
+            new = self._place(target, old.tiers.store, old.files)
+        else:
+            new = Placement(target, old.tiers, old.files)
+        slab.relocate(target, keep_rows=not moved)
+        self.stream_sync.reset(events_for(target))
+        self._site.placement = new
+        if moved:
+            _serve_files(new, identity, strict=False)
+            restored = self._restore(there)
+            if restored is not None:
+                identity.variant, identity.autocast = restored.variant, restored.autocast
+        log.info("AdaLN cache moved from %s to %s (%d plan(s) resident there)", old.device, target, len(pool))
 
-__all__ = ["PRECISIONS", "SHARD_MODES", "AdalnCache", "AdalnCacheError", "BuildReport", "CacheStats", "PlanHold"]
+    def _stash(self, identity: tuple[Any, ...]) -> None:
+        """Keep host copies of every resident table under the device ``identity``, least recently used first."""
+        rows = []
+        for key, slot in self._pool.items():
+            copy = self._slab.read_rows(slot, self.spec.plan_rows(key))
+            rows.append((key, PlanRows(*(tensor.to("cpu") for tensor in copy))))
+        if rows:
+            tables = self._identity
+            self._stashed[identity] = StashedTables(rows, tables.fingerprint, tables.variant, tables.autocast)
+        else:
+            self._stashed.pop(identity, None)
+
+    def _restore(self, identity: tuple[Any, ...]) -> StashedTables | None:
+        """Publish the tables stashed for ``identity`` into the emptied pool; what came back, or None.
+
+        Only tables built under the source as the cache holds it now (its fingerprint) come back.
+        """
+        stashed = self._stashed.pop(identity, None)
+        if stashed is None or stashed.fingerprint != self._identity.fingerprint:
+            return None
+        pool, slab = self._pool, self._slab
+        rows = dict(stashed.rows[-pool.num_slots :])
+        keys = list(rows)
+        reservation = pool.reserve(keys, set(keys))
+        for key, slot in reservation.slots.items():
+            slab.write_rows(slot, rows[key])
+        # Contents first, then timesteps and lengths, then the host-side map: as a build publishes.
+        slab.publish([reservation.slots[k] for k in keys], [rows[k].timesteps for k in keys])
+        pool.commit(reservation.slots)
+        pool.touch(keys)
+        return stashed
+
+    # -- reads ------------------------------------------------------------------------------
+
+    def resolve_slots(self, plans: Sequence[torch.Tensor], *, keys: Sequence[PlanKey] | None = None) -> torch.Tensor:
+        """One slot per plan as a LongTensor on the cache device (pass ``keys`` to skip keying).
+
+        Made without a host-to-device copy (a view, or a tensor kept per slot list); read-only.
+        """
+        plans, keys = keyed_plans(plans, keys, self.spec.plan_columns)
+        with self._lock:
+            slots = [self._pool.require(k) for k in keys]
+            tensor = self._slab.indices(slots)
+        self.stream_sync.before_read(slots)
+        return tensor
+
+    def lookup(self, plan: torch.Tensor, *, key: PlanKey | None = None) -> torch.Tensor:
+        """The slot of a resident plan as a 0-d LongTensor on the cache device."""
+        key = plan_key(plan, self.spec.plan_columns) if key is None else key
+        with self._lock:
+            slot = self._pool.require(key)
+        self.stream_sync.before_read([slot])
+        return self._slab.index(slot)
+
+    def _read(
+        self, slot: int | torch.Tensor, read: Callable[[], torch.Tensor], dtype: torch.dtype | None
+    ) -> torch.Tensor:
+        """``read()`` of a slot's rows, ordered after their writes, in the served dtype.
+
+        An integer slot gives views of the slab (valid while the slot holds its plan: hold it);
+        a device slot tensor gives a gathered copy, and the gather is recorded as a read that a
+        later rewrite of any slot waits for.
+        """
+        known = [self._check_slot(slot)] if not isinstance(slot, torch.Tensor) else None
+        self.stream_sync.before_read(known)
+        rows = read()
+        if known is None:
+            self.stream_sync.after_read(None)
+        want = dtype if dtype is not None else self._identity.serve_dtype
+        return rows if rows.dtype == want else rows.to(want)
+
+    def _check_slot(self, slot: object) -> int:
+        """An integer slot, checked on the host: in range, and holding a plan (resident, or retired but held).
+
+        A device slot tensor is never read on the host (that would sync the device): it is the
+        caller's from ``lookup``, ``resolve_slots`` or ``acquire``.
+        """
+        if isinstance(slot, bool) or not isinstance(slot, int):
+            raise PlanError(
+                f"slot must be an integer or the slot tensor lookup()/resolve_slots() returned, got "
+                f"{type(slot).__name__}"
+            )
+        if not 0 <= slot < self._slab.max_plans:
+            raise PlanError(
+                f"slot must be in 0..{self._slab.max_plans - 1} (the slab's max_plans), got {slot}: pass a slot "
+                f"lookup() or resolve_slots() returned"
+            )
+        with self._lock:
+            in_use = self._pool.in_use(slot)
+        if not in_use:
+            raise PlanNotCachedError(
+                f"the cache does not cover slot {slot}: slot {slot} holds no plan (it is free, or being built); pass "
+                f"the slot lookup() or resolve_slots() returned for a resident plan, and hold it while reading"
+            )
+        return slot
+
+    @property
+    def poison_slot(self) -> int:
+        """The poison slot's index (``max_plans``): NaN rows that no plan ever occupies.
+
+        A served forward whose plan matched none of its request's prepared plans (found on the
+        device, without a host read) gathers these rows: its output is NaN, never another plan's.
+        """
+        return self._slab.poison_slot
+
+    def served_params(self, layer: Layer) -> torch.Tensor:
+        """:meth:`layer_params` with the poison slot after the last slot: ``[P + 1, W, out_features]``."""
+        return self._slab.served_layer(layer)
+
+    def served_part(self, name: str) -> torch.Tensor:
+        """Table part ``name`` with the poison slot after the last slot: ``[P + 1, W, *part.shape]``."""
+        return self._slab.served_part(name)
+
+    def layer_params(self, layer: Layer) -> torch.Tensor:
+        """``layer``'s columns of every slot: a ``[P, W, out_features]`` view of :attr:`table`.
+
+        A static view (made once per slab allocation) that served modules can gather from with a
+        device slot tensor (``index_select``), so serving never reads the slot on the host.
+        """
+        return self._slab.layer_params(layer)
+
+    def layer_rows(
+        self, layer: Layer, slot: int | torch.Tensor, n: int, *, dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        """The ``(n, out_features)`` output of ``layer``'s projection for the slot's first ``n`` plan rows."""
+        return self._read(slot, lambda: self._slab.layer_rows(layer, slot, n), dtype)
+
+    # The family's modulation reads: its row split (``spec.family.rows``) says which table part holds
+    # what and how a row splits; the cache gathers the part's rows, ordered and in the served dtype.
+
+    def _rows(self, read: str, slot: object = None) -> RowSplit:
+        """The family's row split for ``read`` (``"block"`` or ``"final"``), or the ConfigError of a
+        table without those parts (naming what to read instead), after the checks of an integer ``slot``."""
+        split = self.spec.family.rows
+        if split is None:
+            if slot is not None and not isinstance(slot, torch.Tensor):
+                self._check_slot(slot)  # a bad slot is named first, as by every row read
+            raise self._slab.no_part(read)
+        return split
+
+    def _gather(self, slot: int | torch.Tensor, n: int, dtype: torch.dtype | None) -> Callable[..., torch.Tensor]:
+        """``gather(part, select=None)``: the part's rows of ``slot``'s first ``n`` plan rows, read as
+        :meth:`_read` reads (``select`` narrows the part before the gather)."""
+        return lambda part, select=None: self._read(slot, lambda: self._slab.part_rows(part, slot, n, select), dtype)
+
+    def block_rows(
+        self, layer: int, slot: int | torch.Tensor, num_timesteps: int, *, dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        """``Y`` of block ``layer``: the ``(num_timesteps, block_width)`` output of its projection."""
+        return self._rows("block", slot).block_rows(self._gather(slot, num_timesteps, dtype), layer)
+
+    def block(
+        self, layer: int, slot: int | torch.Tensor, num_timesteps: int, *, dtype: torch.dtype | None = None
+    ) -> tuple[torch.Tensor, ...]:
+        """The six ``(num_timesteps * modalities, hidden)`` tensors, as ``Y.view(-1, 6H).chunk(6, -1)``."""
+        split = self._rows("block", slot)
+        return split.block(split.block_rows(self._gather(slot, num_timesteps, dtype), layer), self.spec)
+
+    def block_all(
+        self, slot: int | torch.Tensor, num_timesteps: int, *, dtype: torch.dtype | None = None
+    ) -> list[tuple[torch.Tensor, ...]]:
+        """:meth:`block` for every layer from one gather of the slot."""
+        return self._rows("block", slot).block_all(self._gather(slot, num_timesteps, dtype), self.spec)
+
+    def final_rows(
+        self, slot: int | torch.Tensor, num_timesteps: int, *, dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        """``Z``: the ``(num_timesteps, final_width)`` output of the output-layer projection."""
+        return self._rows("final", slot).final_rows(self._gather(slot, num_timesteps, dtype))
+
+    def final(
+        self, slot: int | torch.Tensor, num_timesteps: int, *, dtype: torch.dtype | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(shift, scale)`` of the output layer."""
+        split = self._rows("final", slot)
+        return split.final(split.final_rows(self._gather(slot, num_timesteps, dtype)))
+
+    # -- what the cache tells about itself ---------------------------------------------------
+
+    @property
+    def plan_timesteps(self) -> torch.Tensor:
+        """``[P, W]`` f32 (``[P, W, C]`` for plans of ``C`` columns): each slot's plan, zero past its length."""
+        return self._slab.plan_timesteps
+
+    @property
+    def plan_lengths(self) -> torch.Tensor:
+        """``[P]`` i64: each slot's plan rows, 0 for a free slot."""
+        return self._slab.plan_lengths
+
+    @property
+    def table(self) -> torch.Tensor:
+        """``[P, W, spec.table_width]``: every served layer's output per plan row, side by side."""
+        return self._slab.table
+
+    @property
+    def block_params(self) -> torch.Tensor:
+        """``[P, W, L, block_width]``: the table's blocks part, a view of :attr:`table` (two-part tables)."""
+        return self._slab.part_params(self._rows("block").block_part)
+
+    @property
+    def final_params(self) -> torch.Tensor:
+        """``[P, W, final_width]``: the table's output-layer part, a view of :attr:`table` (two-part tables)."""
+        return self._slab.part_params(self._rows("final").final_part)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the slab lives and passes project (changed only by :meth:`move_to`)."""
+        return self._site.device
+
+    @property
+    def _tiers(self) -> TierChain:
+        return self._site.tiers
+
+    @property
+    def max_plans(self) -> int:
+        return self.options.max_plans
+
+    @property
+    def max_plan_width(self) -> int:
+        return self.options.max_plan_width
+
+    @property
+    def host_cache_bytes(self) -> int:
+        return self.options.host_cache_bytes
+
+    @property
+    def precision(self) -> str:
+        return self.options.precision
+
+    @property
+    def shard(self) -> str:
+        return self.options.shard
+
+    @property
+    def read_ahead(self) -> int:
+        return self.options.read_ahead
+
+    @property
+    def progress(self) -> bool | None:
+        return self.options.progress
+
+    @property
+    def batched(self) -> bool:
+        """Whether plans of one width are stacked into one GEMM where a probe proved it bit-identical
+        to the per-plan GEMM on this device (:mod:`adalncache.rebuild`); off by default."""
+        return self.options.batched
+
+    @property
+    def tiled(self) -> bool | str:
+        """Whether each layer is projected tile by tile over its output columns, every plan per tile, where a
+        probe proved it bit-identical (:mod:`adalncache.rebuild`): ``"auto"`` only where it was also faster."""
+        return self.options.tiled
+
+    @property
+    def slab_bytes(self) -> int:
+        return self._slab.nbytes
+
+    def slab_tensors(self) -> tuple[torch.Tensor, ...]:
+        return self._slab.tensors()
+
+    @property
+    def resident_plans(self) -> list[PlanKey]:
+        """Published plan keys, least recently used first."""
+        with self._lock:
+            return self._pool.keys()
+
+    def slot_of(self, key: PlanKey) -> int | None:
+        with self._lock:
+            return self._pool.slot_of(key)
+
+    @property
+    def free_slots(self) -> list[int]:
+        with self._lock:
+            return self._pool.free_slots
+
+    @property
+    def held_slots(self) -> dict[int, int]:
+        """How many requests hold each held slot (resident, or retired by an identity change)."""
+        with self._lock:
+            return self._pool.held_slots
+
+    @property
+    def variant(self) -> Hashable:
+        return self._identity.variant
+
+    @property
+    def serve_dtype(self) -> torch.dtype:
+        """The dtype rows are served in: the autocast dtype the tables were built under, else ``spec.dtype``."""
+        return self._identity.serve_dtype
+
+    @property
+    def host_tier(self) -> HostTier | None:
+        return self._tiers.host
+
+    @property
+    def store(self) -> Store | None:
+        return self._tiers.store
+
+    @property
+    def tables(self) -> TablesTier | None:
+        """The read-only table files (``tables=``), or None."""
+        return self._tiers.tables
+
+    @property
+    def content_digest(self) -> str | None:
+        """The content digest of the source's projection tensors, if known yet (no I/O; see :meth:`identify`)."""
+        return self._identity.content.digest
+
+    @property
+    def world_size(self) -> int:
+        """Ranks that build this cache together (1 without a process group)."""
+        return self._dist.world
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the cache's process group (0 without one)."""
+        return self._dist.rank
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` gave the cache's host memory back (it can no longer build)."""
+        return self._closed
+
+    def __contains__(self, plan: torch.Tensor) -> bool:
+        key = plan_key(plan, self.spec.plan_columns)
+        with self._lock:
+            return key in self._pool
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._pool)
+
+    def __repr__(self) -> str:
+        return (
+            f"AdalnCache({len(self)}/{self.max_plans} plans resident, width {self.max_plan_width}, "
+            f"{self.spec.num_layers} layers, {self.precision}, {self.device})"
+        )
+
+    def binding(self) -> dict[str, Any] | None:
+        """Everything a stored table depends on besides its plan (stores key entries by it).
+
+        ``None`` while the source's content digest is not known (the store is then not used).
+        """
+        return self._identity.binding()

@@ -1,16 +1,51 @@
-"""Turning a device argument into a usable torch device, with the error that says what to change.
+"""The device layer: which device, what memory it can still give, host memory for DMA to it, and
+the order of work across its CUDA streams.
 
-Why its own module: the cache (``device=``) and the ``demo`` and ``bench`` commands
-(``--device``) must all refuse a device that is not one, or that this machine cannot use, before
-doing any work, and say it the same way.
+* **Which device.** The cache (``device=``) and the ``demo`` and ``bench`` commands (``--device``)
+  must all refuse a device that is not one, or that this machine cannot use, before doing any
+  work, and say it the same way (:func:`resolve_device`); a slab or a host tier the device cannot
+  hold is refused before it is allocated (:func:`check_available`).
+* **Host memory for DMA** (:class:`HostBuffer`). Not ``torch.empty(..., pin_memory=True)``: torch's
+  caching host allocator rounds every request up to a power of two and keeps freed blocks instead
+  of returning them to the system (a 20 GB host tier would pin 32 GiB, a 496 MiB layer 512 MiB,
+  and ``release_buffers()`` or ``disable()`` would give nothing back). A buffer is an anonymous
+  ``mmap`` of exactly its size, page-locked in place with ``cudaHostRegister`` when pinned and
+  unlocked by :meth:`HostBuffer.release` (or when collected). Nothing records which stream still
+  reads a buffer: every user synchronises before it reuses or releases one
+  (:func:`copy_to_device`; the host tier's blocking copies). The CUDA calls go through a
+  :class:`Registrar`, so sizes and release paths are tested on a CPU with a recording one.
+* **Stream order** (:class:`StreamSync`). On a CPU every operation runs in program order and none
+  of this does anything. On CUDA the host returns from a launch before the kernel ran, and each
+  thread may launch on its own stream, so three orderings are made explicit with events:
+  *publish -> read* (a build records an event after its last write; every reader's stream waits on
+  the events of the slots it reads), *read -> rewrite* (a release and a gather record read events;
+  a writer waits on them, and on the slot's last write, before its first write to a slot; per slot
+  only each stream's newest event is kept, since events on one stream complete in order) and
+  *build -> build* (each build's stream waits on the previous build's last event, so host-tier
+  copies and slot writes of consecutive builds never overlap). :class:`CudaEvents` makes the CUDA
+  calls, :class:`NoEvents` (CPU) none, and a recording :class:`EventBackend` replays the bookkeeping
+  on a CPU for tests. The source's copy streams (:class:`CopyStreams`) and the copy that must finish before its
+  host buffer is reused (:func:`copy_to_device`) are here too, so all stream code sits in one module.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import mmap
+import threading
+import weakref
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from typing import Any, Protocol
+
 import torch
 
 from .errors import ConfigError
-from .options import flag
+from .options import flag, knob
+
+log = logging.getLogger(__name__)
+
+# -- which device ------------------------------------------------------------------------------
 
 
 def resolve_device(value: torch.device | str, *, argument: str | None = None) -> torch.device:
@@ -36,6 +71,14 @@ def resolve_device(value: torch.device | str, *, argument: str | None = None) ->
         raise ConfigError(f"{given}: CUDA is not available on this machine; use {cpu}")
     if device.type == "meta":
         raise ConfigError(f"{given}: the meta device holds no data, so no table can live or be computed there; {fix}")
+    return device
+
+
+def indexed(device: torch.device) -> torch.device:
+    """``device`` with its index (``cuda`` means the current CUDA device): a build or a reader thread
+    must not land on whatever CUDA device is current in its own thread."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
     return device
 
 
@@ -86,4 +129,369 @@ def allocation_error(exc: BaseException, nbytes: int, device: torch.device, what
     )
 
 
-__all__ = ["allocation_error", "available_bytes", "check_available", "resolve_device"]
+# -- host memory for DMA -----------------------------------------------------------------------
+
+
+class Registrar(Protocol):
+    """Page-locks host ranges for the device (``cudaHostRegister``) and unlocks them."""
+
+    def register(self, address: int, nbytes: int) -> None:
+        """Page-lock ``[address, address + nbytes)``; raise on failure."""
+        ...
+
+    def unregister(self, address: int) -> None:
+        """Undo :meth:`register` of the range starting at ``address``."""
+        ...
+
+
+class CudaRegistrar:
+    """``cudaHostRegister`` (portable: pinned for every device context) and ``cudaHostUnregister``."""
+
+    PORTABLE = 1  # cudaHostRegisterPortable
+
+    def register(self, address: int, nbytes: int) -> None:
+        code = int(torch.cuda.cudart().cudaHostRegister(address, nbytes, self.PORTABLE))
+        if code != 0:
+            raise MemoryError(
+                f"cudaHostRegister of {nbytes} bytes failed with CUDA error {code}: not enough memory can be "
+                f"page-locked (a locked-memory limit, or host memory); lower {knob('host_cache_bytes')} or "
+                f"{knob('read_ahead')}"
+            )
+
+    def unregister(self, address: int) -> None:
+        code = int(torch.cuda.cudart().cudaHostUnregister(address))
+        if code != 0:
+            log.warning("cudaHostUnregister failed with CUDA error %d; the pages stay locked until exit", code)
+
+
+#: The registrar used when none is given (CUDA). Tests pass a recording one to each buffer.
+CUDA = CudaRegistrar()
+
+#: Bytes page-locked by live :class:`HostBuffer` objects now (through any registrar).
+_pinned = 0
+_pinned_lock = threading.Lock()
+
+
+def _count_pinned(delta: int) -> None:
+    global _pinned
+    with _pinned_lock:
+        _pinned += delta
+
+
+def pinned_bytes() -> int:
+    """The bytes this package holds page-locked right now (host tier arenas, staging buffers, host
+    copies of a model's projections): what a deployment check compares before and after
+    ``disable()`` or ``close()``, which must give them all back."""
+    with _pinned_lock:
+        return _pinned
+
+
+def _on_device(device: torch.device | None) -> contextlib.AbstractContextManager[Any]:
+    """``device`` current for a CUDA runtime call: a call on a thread whose current device is
+    another GPU would create a context there (about 0.5 GiB of that GPU's memory)."""
+    if device is None or device.type != "cuda":
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
+
+
+def _unregister(
+    registrar: Registrar, address: int, nbytes: int, device: torch.device | None, keep_alive: object
+) -> None:
+    """Finalizer: unlock the pages; ``keep_alive`` (the mapping) is dropped only after, so the range
+    is still mapped when it is unregistered."""
+    with _on_device(device):
+        registrar.unregister(address)
+    _count_pinned(-nbytes)
+    del keep_alive
+
+
+class HostBuffer:
+    """``nbytes`` of host memory as a uint8 tensor (``.tensor``), page-locked for DMA when ``pin``.
+
+    An anonymous mapping of exactly ``nbytes`` (rounded to whole pages by the kernel, never to a
+    power of two), back to the system once this object is released (or collected) and no tensor
+    viewing it is alive. :meth:`release` unlocks the pages at once; views that outlive it stay
+    valid, as ordinary pageable memory. ``device``: the GPU the buffer serves, made current for
+    the CUDA calls (whatever thread makes them).
+    """
+
+    def __init__(
+        self, nbytes: int, *, pin: bool = False, registrar: Registrar | None = None, device: torch.device | None = None
+    ) -> None:
+        if nbytes < 0:
+            raise ValueError(f"a host buffer needs nbytes >= 0, got {nbytes}")
+        self.nbytes = int(nbytes)
+        self.pinned = False
+        self._finalizer: weakref.finalize | None = None
+        if self.nbytes == 0:
+            self.tensor = torch.empty(0, dtype=torch.uint8)
+            return
+        mapping = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.tensor = torch.frombuffer(mapping, dtype=torch.uint8)
+        if pin:
+            registrar = registrar if registrar is not None else CUDA
+            address = self.tensor.data_ptr()
+            with _on_device(device):
+                registrar.register(address, self.nbytes)  # raises: nothing registered, the mapping just goes
+            self.pinned = True
+            _count_pinned(self.nbytes)
+            self._finalizer = weakref.finalize(self, _unregister, registrar, address, self.nbytes, device, mapping)
+
+    def release(self) -> int:
+        """Unlock the pages now (idempotent); returns the bytes that were page-locked."""
+        finalizer, self._finalizer = self._finalizer, None
+        if finalizer is None or not finalizer.alive:
+            return 0
+        finalizer()
+        self.pinned = False
+        return self.nbytes
+
+    def __repr__(self) -> str:
+        return f"HostBuffer({self.nbytes} bytes{', pinned' if self.pinned else ''})"
+
+
+def host_tensor_like(
+    tensor: torch.Tensor, *, pin: bool, registrar: Registrar | None = None
+) -> tuple[torch.Tensor, HostBuffer]:
+    """A host copy of ``tensor`` in a :class:`HostBuffer` of exactly its size (page-locked when ``pin``),
+    and the buffer that owns its memory (keep it to release the pages early)."""
+    nbytes = tensor.numel() * tensor.element_size()
+    buffer = HostBuffer(nbytes, pin=pin, registrar=registrar, device=tensor.device)
+    copy = buffer.tensor.view(tensor.dtype).view(tensor.shape) if nbytes else torch.empty_like(tensor, device="cpu")
+    copy.copy_(tensor)
+    return copy, buffer
+
+
+# -- stream order ------------------------------------------------------------------------------
+
+
+class EventBackend(Protocol):
+    """How events are made and waited on for one device (CUDA, a CPU no-op, or a recording fake)."""
+
+    #: False when every operation is a no-op (the cache then skips the bookkeeping entirely).
+    active: bool
+
+    def stream(self) -> Hashable:
+        """The calling thread's current stream on this device (a hashable identity)."""
+        ...
+
+    def record(self) -> Any:
+        """Record an event on the current stream after everything enqueued so far; return it."""
+        ...
+
+    def wait(self, event: Any) -> None:
+        """Make the current stream wait for ``event`` (the host does not block)."""
+        ...
+
+
+class NoEvents:
+    """A CPU: work runs in program order, so there is nothing to record or wait for."""
+
+    active = False
+
+    def stream(self) -> Hashable:
+        return None
+
+    def record(self) -> Any:
+        return None
+
+    def wait(self, event: Any) -> None:
+        return None
+
+
+class CudaEvents:
+    """CUDA events on the calling thread's current stream of ``device``."""
+
+    active = True
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def stream(self) -> Hashable:
+        stream = torch.cuda.current_stream(self.device)
+        return (stream.device_index, stream.cuda_stream)
+
+    def record(self) -> Any:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def wait(self, event: Any) -> None:
+        torch.cuda.current_stream(self.device).wait_event(event)
+
+
+def events_for(device: torch.device) -> EventBackend:
+    """The event backend of ``device``: CUDA events on a GPU, nothing on a CPU."""
+    return CudaEvents(device) if device.type == "cuda" else NoEvents()
+
+
+class StreamSync:
+    """Per-slot events of one slab: the last write of each slot and the reads still pending on it.
+
+    Thread-safe (a small lock of its own): readers record and wait from any thread while a build
+    runs. With an inactive backend (a CPU) every method returns at once.
+    """
+
+    def __init__(self, num_slots: int, backend: EventBackend) -> None:
+        self._lock = threading.Lock()
+        self._slots = num_slots
+        self.reset(backend)
+
+    def reset(self, backend: EventBackend) -> None:
+        """Start over with ``backend`` (also when the slab moved to another device: the old events order
+        nothing there; the cache moves under both locks, with no reader or build in flight)."""
+        with self._lock:
+            self.backend = backend
+            #: The event after the last write of each slot (``None``: never written, or already
+            #: waited for by everyone who needed it).
+            self.written: list[Any] = [None] * self._slots
+            #: Per slot, per stream: the newest event after a read of that slot.
+            self.read: list[dict[Hashable, Any]] = [{} for _ in range(self._slots)]
+            #: Per stream: the newest event after a read whose slot the host does not know (a gather
+            #: with a device slot tensor); every rewrite of any slot waits on these.
+            self.read_any: dict[Hashable, Any] = {}
+            #: The event after the last build's last write (the next build's stream waits on it).
+            self.last_build: Any = None
+            #: The event of the newest publish. Builds are chained (each waits for the previous one),
+            #: so it follows every earlier publish too: a reader of slots the host does not know
+            #: waits on it alone.
+            self.last_publish: Any = None
+
+    def begin_build(self) -> None:
+        """Before a build writes anything: order its stream after the previous build."""
+        if not self.backend.active:
+            return
+        with self._lock:
+            event = self.last_build
+        if event is not None:
+            self.backend.wait(event)
+
+    def end_build(self) -> None:
+        """After a build's last device work (publish, or a rollback's clearing)."""
+        if not self.backend.active:
+            return
+        event = self.backend.record()
+        with self._lock:
+            self.last_build = event
+
+    def before_write(self, slots: Iterable[int]) -> None:
+        """Before the first write to ``slots``: wait until every pending read of them is done, and
+        the last write of each (a clearing on another stream, say)."""
+        if not self.backend.active:
+            return
+        pending: list[Any] = []
+        with self._lock:
+            for slot in slots:
+                pending.extend(self.read[slot].values())
+                self.read[slot].clear()  # waited for by this stream, which writes everything after
+                pending.append(self.written[slot])
+            # Reads of unknown slots stay: a writer on another stream must wait for them too.
+            pending.extend(self.read_any.values())
+        for event in _distinct(pending):
+            self.backend.wait(event)
+
+    def after_write(self, slots: Sequence[int], *, publish: bool = False) -> None:
+        """After the last write of ``slots``: one event every later reader (``publish``) or writer waits on."""
+        if not self.backend.active or not slots:
+            return
+        event = self.backend.record()
+        with self._lock:
+            for slot in slots:
+                self.written[slot] = event
+            if publish:
+                self.last_publish = event
+
+    def before_read(self, slots: Iterable[int] | None) -> None:
+        """Before reading ``slots`` (``None``: slots the host does not know: after every publish)."""
+        if not self.backend.active:
+            return
+        with self._lock:
+            events = [self.last_publish] if slots is None else [self.written[slot] for slot in slots]
+        for event in _distinct(events):
+            self.backend.wait(event)
+
+    def after_read(self, slots: Iterable[int] | None) -> None:
+        """After enqueueing reads of ``slots`` (``None``: unknown slots): no rewrite may overtake them."""
+        if not self.backend.active:
+            return
+        stream = self.backend.stream()
+        event = self.backend.record()
+        with self._lock:
+            if slots is None:
+                self.read_any[stream] = event
+            else:
+                for slot in slots:
+                    self.read[slot][stream] = event
+
+
+def _distinct(events: Iterable[Any]) -> list[Any]:
+    """The events, without ``None`` and without waiting twice on one event object."""
+    seen: set[int] = set()
+    out = []
+    for event in events:
+        if event is not None and id(event) not in seen:
+            seen.add(id(event))
+            out.append(event)
+    return out
+
+
+class CopyStreams:
+    """One side stream per device, made on first use and reused by every later pass.
+
+    Why not a new stream per pass: torch hands out streams round-robin from a pool, and the
+    caching allocator keeps blocks freed on a stream for that stream, so a fresh stream per pass
+    leaves each pass's freed weight blocks cached where the next pass cannot reuse them, and the
+    reserved device memory grows pass after pass.
+    """
+
+    def __init__(self, factory: Callable[[torch.device], Any] | None = None) -> None:
+        self._factory = factory or (lambda device: torch.cuda.Stream(device))
+        self._streams: dict[torch.device, Any] = {}
+        self._lock = threading.Lock()
+        #: How many streams were made (tests check that passes reuse them).
+        self.made = 0
+
+    def get(self, device: torch.device) -> Any:
+        with self._lock:
+            stream = self._streams.get(device)
+            if stream is None:
+                stream = self._factory(device)
+                self._streams[device] = stream
+                self.made += 1
+            return stream
+
+
+def _cuda_context(device: torch.device, stream: Any) -> contextlib.AbstractContextManager[Any]:
+    """``device`` current and ``stream`` current on it, for the calling thread."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.cuda.device(device))
+    stack.enter_context(torch.cuda.stream(stream))
+    return stack
+
+
+def copy_to_device(
+    tensors: Sequence[torch.Tensor],
+    device: torch.device,
+    stream: Any,
+    *,
+    copy: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    context: Callable[[torch.device, Any], contextlib.AbstractContextManager[Any]] = _cuda_context,
+) -> list[torch.Tensor]:
+    """Copy host ``tensors`` to ``device`` on ``stream`` and wait until the copies are done.
+
+    The host buffers may be reused as soon as this returns, whether it returns or raises: a
+    failure after some copies were queued (out of device memory on the second tensor, say) still
+    synchronises ``stream`` before propagating, so no DMA can read a buffer the caller hands back
+    to its pool. The calling thread makes ``device`` current, so a reader thread never creates a
+    context on another GPU. ``copy`` (the per-tensor copy) and ``context`` (making the device and
+    stream current) are seams for tests on a CPU.
+    """
+    do_copy = copy or (lambda t: t.to(device, non_blocking=True))
+    try:
+        with context(device, stream):
+            out = [do_copy(t) for t in tensors]
+        stream.synchronize()
+    except BaseException:
+        stream.synchronize()  # whatever was queued reads the host buffers: let it finish first
+        raise
+    return out

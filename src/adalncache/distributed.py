@@ -1,32 +1,20 @@
 """Rank agreement and work sharing for distributed builds (``process_group=``).
 
-The cache talks to its peers only through a :class:`Collective`. In a single process every
-method is trivial (the base class itself). With a ``torch.distributed`` process group
-(:class:`ProcessGroupCollective`: gloo on CPU, NCCL on GPU) the ranks run SPMD: every rank calls
-``build`` with the same plans, and every decision that must be identical everywhere is reduced
-across ranks before anyone acts on it:
-
-* capacities (``max_plans``, ``max_plan_width``, ``host_cache_bytes``) are min-reduced at
-  construction, and the configuration that shapes collectives (geometry, ``shard``, whether a
-  store exists) is compared, so two ranks can never disagree on a slot or on a collective's size;
-* each build starts with one small all-reduce: did the source or the variant change on any rank
-  (then every rank drops its tables), did the source fail to re-validate on any rank, did
-  every rank ask for the same plans, and are the ranks' slot maps still equal (digests, min- and
-  max-reduced; diverged slabs are dropped everywhere, which brings the ranks back into step);
-* tier hits are AND-reduced (:meth:`agree_on`) before any tier is used;
-* the rebuild pass is purely local (no collective inside it), and ends in one agreement
-  all-gather carrying every rank's failure, if any. Only when no rank failed do the ranks
-  exchange their rows (:meth:`share_results`); a second agreement follows the exchange, and
-  only then does any rank publish. So an exception on one rank, anywhere before publish, makes
-  every rank raise :class:`~adalncache.errors.BuildError` naming that rank, within the time of
-  two small collectives, and no rank publishes.
-
-A rank that dies outright (killed, segfault, lost node) cannot take part in an agreement: its
-peers block in the next collective until the process group's timeout (``timeout=`` of
-``init_process_group``/``new_group``) expires, then raise. docs/distributed.md has the details.
-
-Rows move only through the :class:`~adalncache.slab.Slab` this module is handed: it never sees
-the cache, whose slot decisions stay the cache's.
+The cache talks to its peers only through a :class:`Collective`: trivial in a single process (the
+base class itself); over a ``torch.distributed`` group (:class:`ProcessGroupCollective`: gloo on
+CPU, NCCL on GPU) the ranks run SPMD, and every decision that must be identical everywhere is
+reduced across ranks before anyone acts on it: capacities are min-reduced and the settings that
+shape collectives compared at construction; each build starts with one small all-reduce (did the
+source or the variant change or fail to validate on any rank, did every rank ask for the same plans,
+are the slot maps still equal; diverged slabs are dropped everywhere, which brings the ranks back
+into step); tier hits are AND-reduced (:meth:`Collective.agree_on`). The rebuild pass is local and
+ends in one agreement all-gather carrying every rank's failure; only when none failed do the ranks
+exchange rows (:meth:`Collective.share_results`), agree again, and publish. So an exception on one
+rank anywhere before publish makes every rank raise :class:`~adalncache.errors.BuildError` naming
+that rank, within two small collectives, and no rank publishes. A rank that dies outright cannot
+take part: its peers block until the group's ``timeout=`` expires, then raise (docs/distributed.md).
+Rows move only through the :class:`~adalncache.slab.Slab` this module is handed: it never sees the
+cache, whose slot decisions stay the cache's.
 """
 
 from __future__ import annotations
@@ -370,12 +358,8 @@ class ProcessGroupCollective(Collective):
         pass whose failures are agreed, so the exchange after the agreement allocates nothing and
         cannot fail on one rank alone.
         """
-        self._gather = None
-        if self.shard == "columns":
-            self._gather = self._column_buffers(slab)
-            return LocalWork(list(layers), Columns(self.rank, self.world))
-        mine = set(self._shares[self.rank])
-        return LocalWork([layer for layer in layers if layer in mine])
+        self._gather = self._column_buffers(slab) if self.shard == "columns" else None
+        return self.hash_work(layers)
 
     def hash_work(self, layers: Sequence[Layer]) -> LocalWork:
         if self.shard == "columns":
@@ -497,12 +481,3 @@ def make_collective(
     if device is not None and device.type == "cuda" and "nccl" not in str(dist.get_backend(process_group)):
         log.info("cache on CUDA with a %s process group: rows are staged through host memory", dist.get_backend())
     return ProcessGroupCollective(process_group, shard, spec, device=device, config=config)
-
-
-__all__ = [
-    "Collective",
-    "LocalWork",
-    "PeerBuildFailure",
-    "ProcessGroupCollective",
-    "make_collective",
-]

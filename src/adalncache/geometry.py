@@ -24,11 +24,15 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from .errors import ConfigError
 from .options import flag
+
+if TYPE_CHECKING:
+    import torch
 
 #: A served layer: a block index, ``"final"`` (the output layer of a family that numbers its
 #: blocks), or the projection's module path (``"transformer_blocks.3.norm1.linear"``).
@@ -122,7 +126,7 @@ class TablePart:
     """A named run of columns ``[start, stop)`` of the table row, stored as ``(rows, *shape)``.
 
     ``tensor`` is the part's name in a table file (``[P, W, *shape]``); ``name`` its name in a
-    store entry's header and in :class:`~adalncache.rows.PlanRows` (whose tensors are the parts in
+    store entry's header and in :class:`~adalncache.slab.PlanRows` (whose tensors are the parts in
     order).
     """
 
@@ -131,6 +135,31 @@ class TablePart:
     start: int
     stop: int
     shape: tuple[int, ...]
+
+
+#: ``gather(part, select=None)``: a table part's rows of the slot being read (``select`` narrows the
+#: part's ``[P + 1, W, *shape]`` view before the gather), as the cache reads rows.
+Gather = Callable[..., "torch.Tensor"]
+
+
+class RowSplit(Protocol):
+    """How a family's table rows split into what its modules take, for the cache's ``block_rows``,
+    ``block``, ``block_all``, ``final_rows``, ``final``, ``block_params`` and ``final_params``: which
+    table part holds the blocks' rows and which the output layer's, and how a row splits. The cache
+    only gathers a part's rows; a family whose table is read by layer declares none."""
+
+    block_part: str
+    final_part: str
+
+    def block_rows(self, gather: Gather, layer: object) -> torch.Tensor: ...
+
+    def block(self, rows: torch.Tensor, spec: Any) -> tuple[torch.Tensor, ...]: ...
+
+    def block_all(self, gather: Gather, spec: Any) -> list[tuple[torch.Tensor, ...]]: ...
+
+    def final_rows(self, gather: Gather) -> torch.Tensor: ...
+
+    def final(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 @dataclass(frozen=True)
@@ -142,7 +171,8 @@ class Family:
     can be written in (``"adalncache"``, the bound format, always); ``model_variants`` the values a
     table file's ``model_variant`` may take and ``task_variants`` which of them serves each task,
     where another engine reads that field. ``class_names``: the diffusers transformer classes of
-    the family (``_class_name`` in a checkpoint's ``config.json``).
+    the family (``_class_name`` in a checkpoint's ``config.json``). ``rows``: its :class:`RowSplit`,
+    where its modules take the modulation as parts of a row rather than by layer.
     """
 
     name: str
@@ -153,6 +183,7 @@ class Family:
     table_tensors: tuple[str, ...] = (TABLE_ROWS,)
     model_variants: tuple[str, ...] = ()
     task_variants: tuple[tuple[str, str], ...] = ()
+    rows: RowSplit | None = None
 
     def __post_init__(self) -> None:
         if not self.layouts:
@@ -316,9 +347,11 @@ __all__ = [
     "WITHOUT_BIAS",
     "WITH_BIAS",
     "Family",
+    "Gather",
     "KeyLayout",
     "Layer",
     "ModelGeometry",
+    "RowSplit",
     "ServedLayer",
     "TablePart",
 ]

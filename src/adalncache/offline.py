@@ -35,7 +35,7 @@ from .formats import TableFile, table_format
 from .formats.sglang import TableWriter
 from .options import flag
 from .plans import PlanKey, format_plan, key_to_plan, plan_key
-from .rows import PlanRows
+from .slab import PlanRows
 from .source import CheckpointSource, WeightSource
 from .spec import ModulationSpec
 from .tiers.store import Store, StoredEntry, binding_hash

@@ -1,44 +1,58 @@
-"""The rebuild pass: stream this rank's layers once and project every plan into its reserved slot.
+"""The rebuild pass: stream this rank's layers once and project every plan into its reserved slot,
+per plan, or by an alternative only where a probe proved it bit-identical.
 
 Why each plan is projected on its own, at its own M: the bits of a GEMM depend on M (and on the
-kernel M selects), and the forward projects one plan's rows at a time. The batched mode
-(:mod:`adalncache.batching`) stacks plans only where a probe proved the bits unchanged.
+kernel M selects), and the forward projects one plan's rows at a time. ``embed(plan)`` gives one
+input (every layer's) or one per input name (``spec.input_of(layer)``), each with ``m <= n`` rows
+for a plan of ``n`` (the rows the forward feeds those layers); a layer is projected at its input's
+own ``M = m`` and its table rows ``m`` to ``n`` are zeroed, so a slot never depends on what it held
+before. The pass is purely local (no collective inside it: a failure on one rank never leaves a
+peer blocked), and every failure is labelled with its phase (``embed of plan ...``, ``read of
+layer 3``, ``projection of layer 3``) for the ``BuildError`` the cache raises.
 
-``embed(plan)`` gives the projections' input: one tensor (every layer's input), or a mapping from
-input name (``spec.input_of(layer)``) to tensor, for a family whose layers take differently cast
-inputs or fewer rows of the same embedding. Each input has ``m <= n`` rows for a plan of ``n``
-rows (exactly the rows the forward feeds the module); a layer is projected at its input's own
-``M = m``, and its table rows ``m`` to ``n`` are zeroed so a slot's tables never depend on what it
-held before.
-
-The pass is purely local: no collective runs inside it, so a failure on one rank can never leave
-a peer blocked. Every failure is labelled with the phase it came from (``embed of plan ...``,
-``read of layer 3``, ``projection of layer 3``) for the ``BuildError`` the cache raises.
+On a CPU per-plan GEMMs cost far more than the reads (49 plans of M=2 re-stream a 496 MiB weight 49
+times per layer), so two alternatives exist: **stacked** (``batched=True``, :class:`StackedProjector`:
+the plans of one input width in one GEMM, which changes M) and **tiled** (``tiled=``,
+:class:`TiledProjector`: every plan per tile of the weight's output rows, so the tile stays in the
+caches; each plan keeps its M and input, but whether a kernel sums a slice of the weight in the
+same order is the device's property). Neither is assumed exact (:class:`ProbedClasses`): the first
+layer of a new *shape class* (device, dtypes, rows, K, N, addresses modulo 64, the settings that
+decide bits, the alternative's own shape) is projected both ways, the per-plan rows are written,
+and the class is accepted only if every plan's rows are bitwise equal (:func:`same_bits`); every
+later layer spot-checks one plan (a different one each layer), and a mismatch refuses the class.
+Verdicts for the default ``F.linear`` are shared by the process (they are the device's kernels'); a
+custom ``project`` (the diffusers integration's LoRA-aware forward) may change from one call to the
+next, so its verdicts live for one pass. Why and what is measured: docs/exactness.md, sections 7 and 8.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+import logging
+import threading
+import time
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from .batching import StackedProjector
 from .errors import PlanError, failing_at, mark_failed_at
-from .faults import FaultPoints
 from .identity.digest import DigestSink
+from .numerics import bit_settings_key
+from .options import CacheOptions
 from .plans import PlanKey, format_plan, plan_key
-from .reports import BuildReport
+from .reports import BuildReport, FaultPoints
 from .slab import Slab
 from .source import WeightSource
 from .spec import Layer, ModulationSpec
-from .tiling import TiledProjector
 
 if TYPE_CHECKING:
     from .distributed import Collective
+
+log = logging.getLogger(__name__)
 
 #: ``embed(plan) -> (len(plan), in_features)``, or a mapping from input name to ``(m, in_features)``
 #: tensors: the exact input of the projections for a plan.
@@ -49,9 +63,10 @@ Inputs = dict[str, torch.Tensor]
 #: None for a layer without one, as ``nn.Linear(..., bias=False)`` passes it.
 ProjectFn = Callable[[Layer, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
-
-def _float(bias: torch.Tensor | None) -> torch.Tensor | None:
-    return bias.float() if bias is not None else None
+#: Output rows of the weight per tile. 2,048 rows of a 2,688-wide bf16 weight are 10.5 MiB, which
+#: stays in the last-level cache while every plan of a request uses it; a layer no wider than one
+#: tile is projected whole. Part of every shape class, so a new value is probed anew.
+TILE_ROWS = 2048
 
 
 def default_project(layer: Layer, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -72,42 +87,337 @@ def labelled(stream: Iterator[Any], layers: Sequence[Layer]) -> Iterator[Any]:
         yield item
 
 
-class RebuildPass:
-    """One pass over the weight source for one build: embed, stream, project, write into the slab."""
+# -- probes: an alternative to the per-plan projection, only where proven exact -----------------
+
+#: Shape classes and their verdicts for the default projection, shared by every cache of this
+#: process, one dict per alternative ("stacked", "tiled", and the tiled probe's "tiled speed").
+#: True: bits proven equal so far.
+_SHARED: dict[str, dict[Hashable, bool]] = {}
+_LOCK = threading.Lock()
+
+
+def shared_verdicts(kind: str) -> dict[Hashable, bool]:
+    """The process-wide verdicts of alternative ``kind`` (created empty on first use)."""
+    with _LOCK:
+        return _SHARED.setdefault(kind, {})
+
+
+def clear_verdicts() -> None:
+    """Forget every probe result of every alternative (tests; or after changing torch's backend settings)."""
+    with _LOCK:
+        for table in _SHARED.values():
+            table.clear()
+
+
+def verdicts(kind: str = "stacked") -> dict[Hashable, bool]:
+    """A copy of the probe results so far of alternative ``kind``, keyed by shape class."""
+    with _LOCK:
+        return dict(_SHARED.get(kind, {}))
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality: unlike ``torch.equal`` it tells -0.0 from +0.0 (and any NaN payload apart)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(a.element_size())
+    if ints is None or not a.dtype.is_floating_point:
+        return torch.equal(a, b)
+    return torch.equal(a.contiguous().view(ints), b.contiguous().view(ints))
+
+
+def shape_class(weight: torch.Tensor, x: torch.Tensor, rows: int, *extra: Hashable) -> tuple[Hashable, ...]:
+    """What selects the kernel of ``F.linear(x, weight)``, for a probe's shape class: device, dtypes,
+    input rows per plan, ``extra`` (how many plans are stacked, say), the weight's shape, and the
+    weight's and the input's addresses modulo 64 (each alternative adds the settings that decide bits)."""
+    return (
+        str(weight.device),
+        weight.dtype,
+        x.dtype,
+        rows,
+        *extra,
+        tuple(weight.shape),
+        weight.data_ptr() % 64,
+        x.data_ptr() % 64,
+    )
+
+
+def _describe(cls: Hashable) -> str:
+    if not isinstance(cls, tuple):
+        return repr(cls)
+    device, wdtype, xdtype, rows, extra = cls[:5]
+    shape = next((c for c in cls[5:] if isinstance(c, tuple)), ())
+    plans = f"{extra} plans of {rows} input rows" if isinstance(extra, int) else f"plans of {rows} input rows, {extra}"
+    return f"{plans}, weight {tuple(shape)} {wdtype} on {device}, input {xdtype}"
+
+
+class ProbedClasses:
+    """The verdicts of one exact alternative to the per-plan projection, by shape class.
+
+    A class is unknown until its probe compares the alternative's rows with the per-plan rows bit
+    for bit, accepted while every later spot check agrees, and refused (for good, in this process or
+    pass) at the first mismatch. ``verdicts`` is a process-wide dict for the default projection, or
+    a fresh one per pass for a custom ``project``; ``what`` names the alternative in the log.
+    """
+
+    def __init__(self, what: str, verdicts: dict[Hashable, bool]) -> None:
+        self.what = what
+        self._verdicts = verdicts
+
+    def get(self, cls: Hashable) -> bool | None:
+        """True: proven equal so far; False: refused; None: not probed yet."""
+        with _LOCK:
+            return self._verdicts.get(cls)
+
+    def probe(self, cls: Hashable, exact: Sequence[torch.Tensor], other: Sequence[torch.Tensor], layer: Layer) -> bool:
+        """Record (and return) whether every ``other`` row block is bitwise ``exact``'s, for ``cls``."""
+        same = all(same_bits(y, part) for y, part in zip(exact, other, strict=True))
+        with _LOCK:
+            self._verdicts[cls] = same
+        if same:
+            log.info("%s is bit-identical for %s (probed at layer %s)", self.what, _describe(cls), layer)
+        else:
+            log.info("%s is NOT bit-identical for %s: projecting per plan", self.what, _describe(cls))
+        return same
+
+    def spot_check(self, cls: Hashable, alone: torch.Tensor, other: torch.Tensor, layer: Layer) -> bool:
+        """One plan's per-plan rows against the alternative's; a mismatch refuses ``cls`` (logged as a warning)."""
+        if same_bits(alone, other):
+            return True
+        with _LOCK:
+            self._verdicts[cls] = False
+        log.warning(
+            "%s differed from the per-plan one at layer %s (%s); projecting this shape class per plan from now on",
+            self.what,
+            layer,
+            _describe(cls),
+        )
+        return False
+
+
+@dataclass
+class ProbeStats:
+    """What the alternatives did in one pass (exposed on the BuildReport)."""
+
+    stacked_layers: int = 0  #: (layer, group) projections served by one stacked GEMM
+    per_plan_layers: int = 0  #: (layer, group) projections that ran per plan (probe, no verdict yet, refused)
+    tiled_layers: int = 0  #: (layer, shape class) projections served tile by tile
+
+
+class StackedProjector:
+    """Projects the plans of one pass, stacking each group of one input width where its class is proven exact."""
+
+    def __init__(self, keys: Sequence[PlanKey], xs: dict[PlanKey, torch.Tensor], project: ProjectFn, *, shared: bool):
+        groups: dict[int, list[PlanKey]] = {}
+        for key in keys:
+            groups.setdefault(xs[key].shape[0], []).append(key)
+        #: Plans whose inputs have the same rows (the GEMM's M), in groups of two or more.
+        self.groups = [g for g in groups.values() if len(g) >= 2]
+        self.grouped = {key for group in self.groups for key in group}
+        self.xs = xs
+        self.project = project
+        self.stats = ProbeStats()
+        self._classes = ProbedClasses("stacked projection", shared_verdicts("stacked") if shared else {})
+        # The stacked input of each group, built once per pass (its rows in the group's order).
+        self._stacked_x = [torch.cat([xs[k] for k in group]) for group in self.groups]
+        self._layer_count = 0
+
+    def project_layer(
+        self, layer: Layer, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> list[tuple[PlanKey, torch.Tensor]]:
+        """The grouped plans' outputs for this layer, as (key, y) pairs; ungrouped plans are the caller's."""
+        out: list[tuple[PlanKey, torch.Tensor]] = []
+        turn = self._layer_count
+        self._layer_count += 1
+        for group, stacked_x in zip(self.groups, self._stacked_x, strict=True):
+            m = self.xs[group[0]].shape[0]
+            addresses = tuple(self.xs[k].data_ptr() % 64 for k in group)
+            cls = (*shape_class(weight, stacked_x, m, len(group)), addresses, bit_settings_key(weight.device))
+            verdict = self._classes.get(cls)
+            if verdict is False:
+                out.extend(self._per_plan(layer, group, weight, bias))
+                continue
+            if verdict is None:
+                exact = self._per_plan(layer, group, weight, bias)
+                stacked = self.project(layer, stacked_x, weight, bias)
+                parts = [stacked[i * m : (i + 1) * m] for i in range(len(group))]
+                self._classes.probe(cls, [y for _, y in exact], parts, layer)
+                out.extend(exact)  # the probed layer always keeps the per-plan rows
+                continue
+            y = self.project(layer, stacked_x, weight, bias)
+            parts = [y[i * m : (i + 1) * m] for i in range(len(group))]
+            check = turn % len(group)
+            alone = self.project(layer, self.xs[group[check]], weight, bias)
+            if not self._classes.spot_check(cls, alone, parts[check], layer):
+                out.extend(self._per_plan(layer, group, weight, bias))
+                continue
+            self.stats.stacked_layers += 1
+            out.extend(zip(group, parts, strict=True))
+        return out
+
+    def _per_plan(
+        self, layer: Layer, group: Sequence[PlanKey], weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> list[tuple[PlanKey, torch.Tensor]]:
+        self.stats.per_plan_layers += 1
+        return [(key, self.project(layer, self.xs[key], weight, bias)) for key in group]
+
+
+def tile_bounds(width: int, tile_rows: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` of each tile of ``width`` output rows: ``tile_rows`` each, the last one
+    taking the remainder (between ``tile_rows`` and twice that).
+
+    Why no short last tile: a GEMM a few rows wide can take another kernel path than a wide one
+    (measured on the dev CPU: a bf16 GEMV of K=64 gives other bits for one output in 48 when the
+    weight has 64 rows or fewer, never at 96 or more), and a short remainder tile would be such a
+    GEMM, in a shape the probe's class does not single out.
+    """
+    if width <= tile_rows:
+        return [(0, width)]
+    starts = list(range(0, width - tile_rows + 1, tile_rows))
+    return [(start, starts[i + 1] if i + 1 < len(starts) else width) for i, start in enumerate(starts)]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class TiledProjector:
+    """Projects the plans of one pass tile by tile where their shape class is proven exact.
+
+    ``mode``: ``"auto"`` tiles a class that its probe found exact and faster, with the default
+    projection only (a custom ``project=`` must accept any slice of the weight's rows, which the
+    diffusers integration's module forward does not); ``True`` tiles every class found exact, with
+    any projection. The probe times both ways, the whole projection twice: its first run is the
+    first touch of the layer's weight (page faults of a mapped checkpoint, cache misses), which
+    would make tiling, timed second over warm memory, look faster than it is.
+    """
 
     def __init__(
         self,
+        xs: dict[PlanKey, torch.Tensor],
+        project: ProjectFn,
         *,
+        shared: bool,
+        mode: bool | str = True,
+        tile_rows: int | None = None,
+    ) -> None:
+        self.xs = xs
+        self.project = project
+        self.mode = mode
+        self.tile_rows = int(tile_rows if tile_rows is not None else TILE_ROWS)
+        self.stats = ProbeStats()
+        verdicts = shared_verdicts("tiled") if shared else {}
+        self._classes = ProbedClasses(f"tiled projection ({self.tile_rows}-row tiles)", verdicts)
+        #: Whether the probe found the tiled projection faster, by class (auto mode reads it).
+        self._faster: dict[Hashable, bool] = shared_verdicts("tiled speed") if shared else {}
+        self._layer_count = 0
+
+    def project_layer(
+        self, layer: Layer, keys: Sequence[PlanKey], weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> list[tuple[PlanKey, torch.Tensor]]:
+        """Every one of ``keys``'s outputs for this layer, as (key, y) pairs, each at its plan's own M."""
+        turn = self._layer_count
+        self._layer_count += 1
+        if weight.shape[0] <= self.tile_rows:
+            return [(key, self.project(layer, self.xs[key], weight, bias)) for key in keys]
+        classes: dict[Hashable, list[PlanKey]] = {}
+        for key in keys:
+            x = self.xs[key]
+            shape = shape_class(weight, x, x.shape[0], f"tiles of {self.tile_rows} rows")
+            classes.setdefault((*shape, bit_settings_key(weight.device)), []).append(key)
+        out: dict[PlanKey, torch.Tensor] = {}
+        accepted: list[tuple[Hashable, list[PlanKey]]] = []
+        for cls, group in classes.items():
+            verdict = self._classes.get(cls)
+            if verdict is None:
+                out.update(self._probe(layer, cls, group, weight, bias))
+            elif verdict and (self.mode is True or self._faster.get(cls, False)):
+                accepted.append((cls, group))
+            else:
+                out.update(self._whole(layer, group, weight, bias))
+        if accepted:
+            tiled = self._tiled(layer, [k for _, group in accepted for k in group], weight, bias)
+            for cls, group in accepted:
+                check = group[turn % len(group)]
+                alone = self.project(layer, self.xs[check], weight, bias)
+                if self._classes.spot_check(cls, alone, tiled[check], layer):
+                    self.stats.tiled_layers += 1
+                    out.update((k, tiled[k]) for k in group)
+                else:
+                    out.update(self._whole(layer, group, weight, bias))
+        return [(key, out[key]) for key in keys]
+
+    def _whole(
+        self, layer: Layer, group: Sequence[PlanKey], weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> dict[PlanKey, torch.Tensor]:
+        return {key: self.project(layer, self.xs[key], weight, bias) for key in group}
+
+    def _tiled(
+        self, layer: Layer, keys: Sequence[PlanKey], weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> dict[PlanKey, torch.Tensor]:
+        """Every plan of ``keys`` projected one tile of output columns at a time, all plans per tile."""
+        width = weight.shape[0]
+        out: dict[PlanKey, torch.Tensor] = {}
+        for start, stop in tile_bounds(width, self.tile_rows):
+            w_tile, b_tile = weight[start:stop], (bias[start:stop] if bias is not None else None)
+            for key in keys:
+                y = self.project(layer, self.xs[key], w_tile, b_tile)
+                if key not in out:
+                    out[key] = torch.empty((y.shape[0], width), dtype=y.dtype, device=y.device)
+                out[key][:, start:stop] = y
+        return out
+
+    def _probe(
+        self, layer: Layer, cls: Hashable, group: Sequence[PlanKey], weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> dict[PlanKey, torch.Tensor]:
+        """Project ``group`` whole (the rows written) and tiled, timed; record whether tiling is exact and faster."""
+        device = weight.device
+        whole = self._whole(layer, group, weight, bias)
+        _sync(device)
+        start = time.perf_counter()
+        tiled = self._tiled(layer, group, weight, bias)
+        _sync(device)
+        middle = time.perf_counter()
+        self._whole(layer, group, weight, bias)
+        _sync(device)
+        faster = middle - start < time.perf_counter() - middle
+        self._faster[cls] = faster
+        if self._classes.probe(cls, [whole[k] for k in group], [tiled[k] for k in group], layer):
+            log.info(
+                "tiled projection %s than whole for %d plan(s) at layer %s",
+                "faster" if faster else "slower",
+                len(group),
+                layer,
+            )
+        return whole  # the probed layer always keeps the whole rows
+
+
+# -- the pass ----------------------------------------------------------------------------------
+
+
+class RebuildPass:
+    """One pass over the weight source for one build: embed, stream, project, write into the slab.
+
+    ``out_dtype``: under autocast, the dtype the resident projection returns; every projection must
+    return it (the slab holds its values exactly, and the cache serves them back in it).
+    ``digests``: hashes the bytes the pass reads (the content identity), when the digest is not
+    known yet. ``options``: ``precision``, ``read_ahead``, ``progress``, ``batched`` and ``tiled``.
+    """
+
+    def __init__(
+        self,
         spec: ModulationSpec,
         source: WeightSource,
         slab: Slab,
         collective: Collective,
-        precision: str,
-        read_ahead: int,
-        progress: bool | None,
-        batched: bool,
+        options: CacheOptions,
         faults: FaultPoints,
-        out_dtype: torch.dtype | None = None,
-        digests: DigestSink | None = None,
-        tiled: bool | str = False,
+        *,
+        out_dtype: torch.dtype | None,
+        digests: DigestSink | None,
     ) -> None:
-        self.spec = spec
-        self.source = source
-        self.slab = slab
-        self.collective = collective
-        self.precision = precision
-        self.read_ahead = read_ahead
-        self.progress = progress
-        self.batched = batched
-        self.faults = faults
-        #: Under autocast, the dtype the resident projection returns; every projection must return it
-        #: (the slab holds its values exactly, and the cache serves them back in it).
-        self.out_dtype = out_dtype
-        #: Hashes the bytes the pass reads (the content identity), when the digest is not known yet.
-        self.digests = digests
-        #: Project the plans that are not stacked tile by tile where proven exact (adalncache.tiling):
-        #: True, False, or "auto" (exact and faster, default projection only).
-        self.tiled = tiled
+        self.spec, self.source, self.slab, self.collective = spec, source, slab, collective
+        self.options, self.faults, self.out_dtype, self.digests = options, faults, out_dtype, digests
 
     def _write(self, slot: int, layer: Layer, y: torch.Tensor, columns: Any, rows: int) -> None:
         if self.out_dtype is not None and y.dtype != self.out_dtype:
@@ -135,8 +445,9 @@ class RebuildPass:
                 f"{what} must be an (m, {k}) tensor with 1 <= m <= {rows} (the rows the forward feeds the layers "
                 f"taking {name!r}) for a plan of {rows} rows, got {shape}"
             )
-        want_dtype = torch.float32 if self.precision == "fp32" else spec.dtype
-        if self.precision == "match" and x.dtype != want_dtype:
+        precision = self.options.precision
+        want_dtype = torch.float32 if precision == "fp32" else spec.dtype
+        if precision == "match" and x.dtype != want_dtype:
             raise PlanError(
                 f"{what} returned {x.dtype} but precision='match' projects in the weights' dtype "
                 f"{spec.dtype}: return silu(temb).to({spec.dtype}) as the model's forward does"
@@ -188,40 +499,52 @@ class RebuildPass:
         report: BuildReport,
     ) -> None:
         """Stream this rank's layers once; project each plan at its input's own M into its reserved slot."""
+        options = self.options
         with torch.no_grad():
             xs = self.embed_all(keys, tensors, embed)
             work = self.collective.local_work(self.spec.layers(), self.slab)
-            fp32 = self.precision == "fp32"
+            fp32 = options.precision == "fp32"
             bar = tqdm(
                 total=len(work.layers),
                 desc="adalncache pass",
                 unit="layer",
                 leave=False,
-                disable=(not self.progress) if self.progress is not None else None,
+                disable=(not options.progress) if options.progress is not None else None,
             )
             try:
                 stream = self.source.stream(
                     work.layers,
                     device=self.slab.device,
                     columns=work.columns,
-                    read_ahead=self.read_ahead,
+                    read_ahead=options.read_ahead,
                     digests=self.digests,
                 )
                 rows = {key: tensors[key].shape[0] for key in keys}
+                default = project is default_project
                 stackers: dict[str, StackedProjector] = {}
-                if self.batched:
+                if options.batched:
                     with failing_at("projection setup (batched)"):
                         for name in self.spec.inputs:
-                            by_key = {key: xs[key][name] for key in keys}
-                            stackers[name] = StackedProjector(keys, by_key, project, shared=project is default_project)
+                            stackers[name] = StackedProjector(
+                                keys, {k: xs[k][name] for k in keys}, project, shared=default
+                            )
                 alone = {
                     name: [k for k in keys if name not in stackers or k not in stackers[name].grouped]
                     for name in self.spec.inputs
                 }
-                tilers = self._tilers(keys, xs, project)
+                tilers: dict[str, TiledProjector] = {}
+                if options.tiled is True or (options.tiled == "auto" and default):
+                    tilers = {
+                        name: TiledProjector(
+                            {k: xs[k][name] for k in keys}, project, shared=default, mode=options.tiled
+                        )
+                        for name in self.spec.inputs
+                    }
                 with contextlib.closing(stream), failing_at("read"):  # type: ignore[type-var]  # a generator: close() exists
                     for lw in labelled(stream, work.layers):
-                        weight, bias = (lw.weight.float(), _float(lw.bias)) if fp32 else (lw.weight, lw.bias)
+                        weight, bias = (lw.weight, lw.bias)
+                        if fp32:
+                            weight, bias = weight.float(), (bias.float() if bias is not None else None)
                         name = self.spec.input_of(lw.layer)
                         with failing_at(f"projection of layer {lw.layer}"):
                             stacker = stackers.get(name)
@@ -247,18 +570,3 @@ class RebuildPass:
                 report.tiled_layers = sum(t.stats.tiled_layers for t in tilers.values())
             finally:
                 bar.close()
-
-    def _tilers(
-        self, keys: Sequence[PlanKey], xs: dict[PlanKey, Inputs], project: ProjectFn
-    ) -> dict[str, TiledProjector]:
-        """One tiled projector per input name, when this pass tiles (``"auto"``: the default projection only)."""
-        default = project is default_project
-        if self.tiled is False or (self.tiled == "auto" and not default):
-            return {}
-        return {
-            name: TiledProjector({key: xs[key][name] for key in keys}, project, shared=default, mode=self.tiled)
-            for name in self.spec.inputs
-        }
-
-
-__all__ = ["EmbedFn", "Inputs", "ProjectFn", "RebuildPass", "default_project", "labelled"]

@@ -1,4 +1,12 @@
-"""What the cache tells its caller: counters over its life and a report per ``build`` call."""
+"""What a build records, and where a test may make it fail: the objects the cache hands every part a
+build runs through (the tiers, the identity, the pass).
+
+:class:`CacheStats` (counters over the cache's life) and :class:`BuildReport` (one ``build`` call)
+are what the cache tells its caller. :class:`FaultPoints` is called at a few named moments of a
+build (:data:`POINTS`); the default object does nothing, and :func:`adalncache.testing.inject_faults`
+installs one that raises, so tests reach every failure path without monkeypatching private names.
+They sit below the cache because the tiers and the identity fill them in too.
+"""
 
 from __future__ import annotations
 
@@ -83,4 +91,15 @@ class BuildReport:
         return out
 
 
-__all__ = ["BuildReport", "CacheStats"]
+#: The named moments of a build where :class:`FaultPoints` is checked.
+POINTS = ("embed", "project", "publish", "host_write", "host_read", "store_write", "store_read")
+
+
+class FaultPoints:
+    """No faults: every check passes. Subclasses raise at chosen points."""
+
+    def check(self, point: str) -> None:
+        """Called by the cache at ``point``; raise to simulate a failure there."""
+
+
+NO_FAULTS = FaultPoints()

@@ -1,45 +1,100 @@
-"""The slab: three preallocated tensors holding every resident plan's tables, and all row traffic.
+"""The slab: preallocated tensors holding every resident plan's tables, the slot pool that decides
+which plan owns which slot, and the rows one plan's table is exchanged as.
 
-``max_plans`` slots of ``max_plan_width`` plan rows each:
+:class:`Slab`: ``max_plans`` slots of ``max_plan_width`` plan rows, ``plan_timesteps [P, W] f32``
+(``[P, W, C]`` for plans of ``C > 1`` columns; a slot's plan, zero past its length), ``plan_lengths
+[P] i64`` (0 for a slot that holds nothing) and ``table [P, W, table_width]`` (every served layer's
+output per plan row, side by side). The table parts a family declares and each layer's columns are
+views of ``table`` made once per allocation: strided, so whoever needs contiguous bytes (a file, a
+collective) copies or goes row by row. One slot more than the pool hands out, the *poison slot*
+(index ``max_plans``), holds NaN and is never written: a served forward whose plan matched no
+prepared plan (found on the device, without a host read) gathers NaN, never another plan's rows.
+The tensors are allocated once; their pointers never move (hooks and CUDA graphs may hold them)
+unless the cache moves (:meth:`Slab.relocate`), and no module registers them, so no ``state_dict``
+holds them. The slab does every row read and write, and decides neither which slot a plan gets
+nor when a slot becomes visible.
 
-* ``plan_timesteps [P, W] f32`` (``[P, W, C]`` for plans of ``C > 1`` columns): a slot's plan,
-  zero past its length;
-* ``plan_lengths [P] i64``: a slot's number of plan rows, 0 for a slot that holds nothing;
-* ``table [P, W, table_width]``: every served layer's projection output, per plan row, side by
-  side (layer ``l`` owns columns ``[spec.offset(l), spec.offset(l) + spec.out_features(l))``).
+:class:`SlotPool` alone changes the host-side slot map (plan -> slot in LRU order: what lookups
+consult), the free list and the holds. A slot is *free*, *reserved* (handed to one build),
+*resident* (in the map; maybe *held*, reference counted, by requests in flight that read it, so no
+build evicts or rewrites it) or *retired* (held while its plan left the map: no lookup finds it, its
+holders still read it, so it keeps its rows until the last hold goes). Why each transition runs in
+its order: **reserve** takes free slots lowest first (deterministic, so the ranks of a group pick
+the same slots), then evicts least-recently-used plans *not in the request* (a build must never
+evict a plan it uses) and not held, every such decision in :meth:`SlotPool._eviction_candidates`;
+**unpublish** forgets the plan in the map first, so no lookup reaches a slot being cleared;
+**commit**, the map flip, is the last step of a publish, so a failure earlier hides the whole
+request; **release** (a failed build) hides what was written (plans evicted to make room stay
+evicted: they were only a cache). On CUDA every first write to a slot waits for the reads still
+queued on it, and a commit records the event readers wait on (:class:`~adalncache.devices.StreamSync`).
+The pool is not thread-safe by itself: the cache calls it under its state lock. The states, the
+invariants :meth:`SlotPool.check_invariants` asserts, and every step of a build are in
+docs/state-machine.md.
 
-The table parts a family declares (``spec.table_parts()``) and each layer's columns are views of
-``table`` made once per allocation (:meth:`Slab.part_params`, :meth:`Slab.layer_params`): strided,
-not contiguous, so whoever needs contiguous bytes (a file, a collective) copies or goes row by row.
-
-The table has one slot more than the pool hands out: the *poison slot* (index ``max_plans``),
-filled with NaN and never written, which a served forward whose plan matched no prepared plan
-gathers (found on the device, without a host read): NaN out, never another plan's rows. The
-public views (``table``, :meth:`Slab.part_params`, :meth:`Slab.layer_params`) stay ``[P, ...]``;
-:meth:`Slab.served_layer` and :meth:`Slab.served_part` include it.
-
-Allocated once on the cache's device; their pointers never move (hooks and CUDA graphs may hold
-them) unless the cache itself moves to another device (:meth:`Slab.relocate`), and they are not
-registered in any module, so no ``state_dict`` holds them.
-
-Every read and write of rows goes through :class:`Slab`. It does not decide *which* slot a plan
-gets or when a slot is visible to lookups: that is :class:`adalncache.slots.SlotPool`'s job. The
-slab only knows how to write a slot (a layer's projection, restored rows, the plan and then the
-lengths), clear one, and read one.
+:class:`PlanRows`: tiers (host arena, store, table files) copy published plans out of the slab and
+back in as a plan's tensor, then the rows of each table part in order, so they never need to know
+the slab's layout.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
-from .errors import ConfigError, PlanError
+from .devices import StreamSync
+from .errors import ConfigError, PlanError, PlanNotCachedError
 from .options import knob
-from .rows import PlanRows
+from .plans import PlanKey, format_plan, plan_key
 from .source import Columns
 from .spec import Layer, ModulationSpec
+
+
+class PlanRows(tuple[torch.Tensor, ...]):
+    """One plan's table: ``timesteps`` (the plan, f32), then one tensor ``(n, *part.shape)`` per table part."""
+
+    __slots__ = ()
+
+    def __new__(cls, timesteps: torch.Tensor, *parts: torch.Tensor) -> PlanRows:
+        if not parts:
+            raise ValueError("PlanRows needs the plan and at least one part of its rows")
+        return super().__new__(cls, (timesteps, *parts))
+
+    def __getnewargs__(self) -> tuple[torch.Tensor, ...]:
+        # Pickled (torch.save, a process group's objects) as the positional arguments __new__ takes.
+        return tuple(self)
+
+    @property
+    def timesteps(self) -> torch.Tensor:
+        """The plan (the slab's ``plan_timesteps`` row): ``(n,)``, or ``(n, columns)``."""
+        return self[0]
+
+    @property
+    def parts(self) -> tuple[torch.Tensor, ...]:
+        """The rows of each table part, in the spec's part order."""
+        return tuple(self[1:])
+
+    @property
+    def block(self) -> torch.Tensor:
+        """The first part of a two-part table (its stacked blocks' rows)."""
+        return self[1]
+
+    @property
+    def final(self) -> torch.Tensor:
+        """The second part of a two-part table (its output layer's rows)."""
+        if len(self) < 3:
+            raise AttributeError("these rows have one part: read .parts[0]")
+        return self[2]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self)
+
+    def __repr__(self) -> str:
+        shapes = ", ".join(str(tuple(t.shape)) for t in self)
+        return f"PlanRows({shapes})"
 
 
 class Slab:
@@ -130,11 +185,15 @@ class Slab:
         try:
             return self._parts[name]
         except KeyError:
-            raise ConfigError(
-                f"this cache's table has no {name!r} part (its parts: {', '.join(self._parts)}; a "
-                f"{self.spec.family.title} table): read cache.table, or cache.layer_params(layer) / "
-                f"cache.layer_rows(layer, slot, n)"
-            ) from None
+            raise self.no_part(name) from None
+
+    def no_part(self, name: str) -> ConfigError:
+        """The error for a read of table part ``name``, which this table does not have."""
+        return ConfigError(
+            f"this cache's table has no {name!r} part (its parts: {', '.join(self._parts)}; a "
+            f"{self.spec.family.title} table): read cache.table, or cache.layer_params(layer) / "
+            f"cache.layer_rows(layer, slot, n)"
+        )
 
     def layer_params(self, layer: Layer) -> torch.Tensor:
         """``layer``'s columns of every slot, ``[P, W, out_features]`` (a view of ``table``)."""
@@ -186,14 +245,6 @@ class Slab:
 
     # -- writes (before publish: nothing here is visible to lookups yet) -------------------
 
-    def projection_view(self, slot: int, layer: Layer, n: int, columns: Columns | None = None) -> torch.Tensor:
-        """Where ``n`` rows of ``layer``'s projection go: a view of the slot (of its column slice)."""
-        table = self.layer_params(layer)[slot, :n]
-        if columns is None:
-            return table
-        lo, hi = columns.bounds(self.spec.out_features(layer))
-        return table[..., lo:hi]
-
     def write_projection(
         self, slot: int, layer: Layer, y: torch.Tensor, columns: Columns | None = None, rows: int | None = None
     ) -> None:
@@ -207,12 +258,9 @@ class Slab:
         if y.dim() != 2 or y.shape[1] != hi - lo or y.shape[0] > self.max_plan_width:
             raise PlanError(f"the projection of layer {layer} returned shape {tuple(y.shape)}, expected (M, {hi - lo})")
         m = y.shape[0]
-        if rows is not None and rows > m:
-            view = self.projection_view(slot, layer, rows, columns)
-            view[:m].copy_(y)
-            view[m:].zero_()
-            return
-        self.projection_view(slot, layer, m, columns).copy_(y)
+        view = self.layer_params(layer)[slot, : max(m, rows or 0), lo:hi]
+        view[:m].copy_(y)
+        view[m:].zero_()  # rows the layer did not take (none when it took them all)
 
     def write_rows(self, slot: int, rows: PlanRows) -> None:
         """Restore a plan's rows from a tier into ``slot`` (its plan is written at publish)."""
@@ -285,30 +333,237 @@ class Slab:
         self._check_count(n)
         return self._slot_rows(table, slot)[:n]
 
-    # The two-part table's readers: its stacked blocks (``block``) and its output layer (``final``).
+    def part_rows(
+        self, name: str, slot: int | torch.Tensor, n: int, select: Callable[[torch.Tensor], torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """Table part ``name``'s rows for the slot's first ``n`` plan rows, ``(n, *part.shape)``.
 
-    def block_rows(self, layer: int, slot: int | torch.Tensor, num_timesteps: int) -> torch.Tensor:
-        """``Y`` of block ``layer``: the ``(num_timesteps, block_width)`` output of its projection."""
-        blocks = self.served_part("block")
-        self._check_count(num_timesteps)
-        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < blocks.shape[2]:
-            raise PlanError(
-                f"layer must be in 0..{blocks.shape[2] - 1} (a block index), got {layer!r}: the output layer's "
-                f"rows are final_rows() and final()"
+        ``select`` narrows the part's ``[P + 1, W, ...]`` view before the gather (a family picking
+        one block of a stacked part), so a device slot gathers only what is read.
+        """
+        table = self.served_part(name)
+        self._check_count(n)
+        return self._slot_rows(table if select is None else select(table), slot)[:n]
+
+
+@dataclass
+class Reservation:
+    """The slots one build may write: ``slots`` per missing plan; ``evicted`` plans made room."""
+
+    slots: dict[PlanKey, int] = field(default_factory=dict)
+    evicted: list[PlanKey] = field(default_factory=list)
+
+
+class SlotPool:
+    """Slot map, LRU order, free list and holds of one slab (the rules are in the module docstring)."""
+
+    def __init__(self, slab: Slab, sync: StreamSync) -> None:
+        self._slab = slab
+        self.num_slots = slab.max_plans
+        self.sync = sync
+        # The published slot map; its order is the LRU order (least recently used first).
+        self._map: OrderedDict[PlanKey, int] = OrderedDict()
+        # Every slot that is neither resident, retired nor reserved.
+        self._free: list[int] = list(range(self.num_slots))
+        # Hold counts of the slots requests in flight read (only counts > 0 are kept).
+        self._holds: dict[int, int] = {}
+        # Held slots whose plan left the map, with that plan: cleared at their last release.
+        self._retired: dict[int, PlanKey] = {}
+        #: How many held slots were ever retired: a hold that recorded another count may read rows
+        #: that are no longer what its plan's key would build now (``invalidate()``, a new identity).
+        self.retirements = 0
+
+    # -- queries ----------------------------------------------------------------------------
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._map
+
+    def __len__(self) -> int:
+        return len(self._map)
+
+    def slot_of(self, key: PlanKey) -> int | None:
+        return self._map.get(key)
+
+    def require(self, key: PlanKey) -> int:
+        """The slot of resident ``key``; PlanNotCachedError ("does not cover") if it is not resident."""
+        slot = self._map.get(key)
+        if slot is None:
+            raise PlanNotCachedError(
+                f"the cache does not cover plan {format_plan(key, columns=self._slab.spec.plan_columns)} "
+                f"({len(self._map)} plan(s) resident): call "
+                f"build() with it first"
             )
-        return self._slot_rows(blocks.select(2, layer), slot)[:num_timesteps]
+        return slot
 
-    def block_all_rows(self, slot: int | torch.Tensor, num_timesteps: int) -> torch.Tensor:
-        """Every block's rows of ``slot`` from one gather: ``(num_timesteps, L, block_width)``."""
-        blocks = self.served_part("block")
-        self._check_count(num_timesteps)
-        return self._slot_rows(blocks, slot)[:num_timesteps]
+    def keys(self) -> list[PlanKey]:
+        """Resident plans, least recently used first."""
+        return list(self._map)
 
-    def final_rows(self, slot: int | torch.Tensor, num_timesteps: int) -> torch.Tensor:
-        """``Z``: the ``(num_timesteps, final_width)`` output of the output-layer projection."""
-        final = self.served_part("final")
-        self._check_count(num_timesteps)
-        return self._slot_rows(final, slot)[:num_timesteps]
+    def items(self) -> list[tuple[PlanKey, int]]:
+        """``(plan, slot)`` of every resident plan, least recently used first."""
+        return list(self._map.items())
 
+    @property
+    def free_slots(self) -> list[int]:
+        return sorted(self._free)
 
-__all__ = ["Slab"]
+    @property
+    def held_slots(self) -> dict[int, int]:
+        """Hold count of every held slot (resident or retired)."""
+        return dict(self._holds)
+
+    def in_use(self, slot: int) -> bool:
+        """Whether ``slot`` holds a plan someone may read: resident, or retired while held."""
+        return slot in self._retired or slot in self._map.values()
+
+    def held_plans(self) -> int:
+        """How many resident plans are held by requests in flight."""
+        return sum(1 for slot in self._map.values() if slot in self._holds)
+
+    def room(self, wanted: Collection[PlanKey]) -> tuple[int, int]:
+        """``(free slots, plans a build for wanted may evict)``: the most slots a build could reserve."""
+        return len(self._free), len(self._eviction_candidates(wanted))
+
+    # -- transitions ------------------------------------------------------------------------
+
+    def touch(self, keys: Iterable[PlanKey]) -> None:
+        """Mark resident ``keys`` most recently used, in the order given (the last is the newest)."""
+        for key in keys:
+            self._map.move_to_end(key)
+
+    def _eviction_candidates(self, wanted: Collection[PlanKey]) -> list[PlanKey]:
+        """Resident plans a build for ``wanted`` may evict, least recently used first.
+
+        The one place that decides what may be evicted: never a plan of the request itself, and
+        never a plan a request in flight holds.
+        """
+        return [k for k in self._map if self._map[k] not in self._holds if k not in wanted]
+
+    def reserve(self, missing: Sequence[PlanKey], wanted: Collection[PlanKey]) -> Reservation:
+        """Slots for ``missing``: free ones first (lowest first), then LRU plans outside ``wanted``.
+
+        Evicted plans are unpublished at once (a build that then fails does not bring them back).
+        Raises PlanError, changing nothing, when even evicting every candidate leaves too few
+        slots; the cache's own request check (at most ``max_plans`` distinct plans) rules that out.
+        """
+        candidates = self._eviction_candidates(wanted)
+        if len(missing) > len(self._free) + len(candidates):
+            raise PlanError(self.no_room_message(len(missing), wanted))
+        reservation = Reservation()
+        self._free.sort(reverse=True)  # pop() hands out the lowest free slot first: deterministic
+        victims = iter(candidates)
+        for key in missing:
+            if not self._free:
+                victim = next(victims)
+                self.unpublish(victim)
+                reservation.evicted.append(victim)
+            reservation.slots[key] = self._free.pop()
+        # The build writes these slots next: reads still queued on them (a released request's,
+        # an evicted plan's last gathers) must finish first.
+        self.sync.before_write(reservation.slots.values())
+        return reservation
+
+    def no_room_message(self, need: int, wanted: Collection[PlanKey]) -> str:
+        """Why a build for ``wanted`` cannot reserve ``need`` slots, and what to change."""
+        free, evictable = self.room(wanted)
+        held = self.held_plans()
+        retired = len(self._retired)
+        busy = f"{held} resident plan(s) are held by requests in flight"
+        if retired:
+            busy += f" and {retired} slot(s) still hold plans of an old identity for them"
+        return (
+            f"{need} plan(s) need slots but only {free} are free and {evictable} may be evicted: {busy}, "
+            f"and a build never evicts a held plan; raise {knob('max_plans')}, or release "
+            f"requests (end their acquire() block) before building more"
+        )
+
+    def unpublish(self, key: PlanKey) -> None:
+        """Evict ``key``: the map forgets it first, so no lookup can reach a slot being cleared.
+
+        A held slot is retired instead: its holders keep reading it, so it keeps everything until
+        the last hold is released (:meth:`unhold`).
+        """
+        slot = self._map.pop(key)
+        if slot in self._holds:
+            self._retired[slot] = key
+            self.retirements += 1
+            return
+        self._free_slot(slot)
+
+    def _free_slot(self, slot: int) -> None:
+        # The clearing may run outside a build, on the releasing thread's stream: the next writer
+        # of the slot waits for it, as for any write.
+        self.sync.before_write([slot])
+        self._slab.clear(slot)
+        self.sync.after_write([slot])
+        self._free.append(slot)
+
+    def hold(self, slots: Iterable[int]) -> None:
+        """Count one more request reading each of ``slots`` (resident slots, each given once)."""
+        for slot in slots:
+            self._holds[slot] = self._holds.get(slot, 0) + 1
+
+    def unhold(self, slots: Iterable[int]) -> None:
+        """One request stopped reading ``slots``; a retired slot is freed at its last release."""
+        for slot in slots:
+            count = self._holds[slot] - 1
+            if count:
+                self._holds[slot] = count
+                continue
+            del self._holds[slot]
+            if slot in self._retired:
+                del self._retired[slot]
+                self._free_slot(slot)
+
+    def release(self, slots: dict[PlanKey, int]) -> None:
+        """Return the slots of a failed build to the free list, hiding anything written into them."""
+        for key, slot in slots.items():
+            if self._map.get(key) == slot:
+                del self._map[key]
+            self._slab.clear(slot)
+            if slot not in self._free:
+                self._free.append(slot)
+
+    def commit(self, slots: dict[PlanKey, int]) -> None:
+        """The host-side map flip, the last step of a publish: ``slots`` become resident, newest last.
+
+        The event readers wait on is recorded first, after every device write of the build.
+        """
+        self.sync.after_write(list(slots.values()), publish=True)
+        self._map.update(slots)
+
+    def clear(self) -> None:
+        """Unpublish every plan (``invalidate()``, or tables built under an old identity); held ones retire."""
+        for key in list(self._map):
+            self.unpublish(key)
+
+    # -- invariants -------------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """Assert the invariants (call it outside a build): no two plans share a slot, none is free twice;
+        the resident, retired and free slots partition ``0..P-1``; a free slot has length 0, a resident
+        or retired one its plan's length and timesteps; every held slot is resident or retired and every
+        retired slot held; the poison slot is never handed out and all NaN."""
+        resident = set(self._map.values())
+        free = set(self._free)
+        retired = set(self._retired)
+        assert len(resident) == len(self._map), "two plans share a slot"
+        assert len(free) == len(self._free), "a slot is free twice"
+        assert not resident & free, "a slot is both free and resident"
+        assert not retired & (resident | free), "a retired slot is also free or resident"
+        assert resident | free | retired == set(range(self.num_slots)), "a slot leaked"
+        assert set(self._holds) <= resident | retired, "a held slot is neither resident nor retired"
+        assert retired <= set(self._holds), "a retired slot is not held"
+        assert all(count > 0 for count in self._holds.values()), "a hold count is not positive"
+        poison = self._slab.poison_slot
+        assert poison not in resident | free | retired | set(self._holds), "the poison slot was handed out"
+        assert self._slab.poison_intact(), "the poison slot's rows are not all NaN"
+        lengths, timesteps = self._slab.published()
+        spec = self._slab.spec
+        for slot in free:
+            assert int(lengths[slot]) == 0, f"free slot {slot} has length {int(lengths[slot])}"
+        for key, slot in [*self._map.items(), *((k, s) for s, k in self._retired.items())]:
+            n, rows = int(lengths[slot]), spec.plan_rows(key)
+            assert n == rows, f"slot {slot}: length {n} but its plan {format_plan(key)} has {rows}"
+            plan = timesteps[slot, :n].contiguous()
+            assert plan_key(plan, spec.plan_columns) == key, f"slot {slot}: timesteps disagree with map"

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .errors import ConfigError
-from .faults import NO_FAULTS, POINTS, FaultPoints
 from .identity.digest import DigestSink
+from .reports import NO_FAULTS, POINTS, FaultPoints
 from .source import Columns, LayerWeights, WeightSource
 from .spec import FINAL, Layer
 

@@ -34,34 +34,22 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .errors import (
-    BuildError,
-    CheckpointError,
-    ConfigError,
-    PlanError,
-    PlanNotCachedError,
-    failing_at,
-    failure_phase,
-)
-from .faults import FaultPoints
+from .devices import StreamSync
+from .distributed import Collective
+from .errors import BuildError, CheckpointError, ConfigError, PlanError, PlanNotCachedError, failing_at, failure_phase
 from .identity.binding import TableIdentity
-from .identity.digest import DigestSink
 from .numerics import autocast_dtype
-from .options import flag, knob
-from .placement import Site
+from .options import CacheOptions, flag, knob
 from .plans import PlanKey, format_plan, key_to_plan, plan_key, validate_plan
 from .rebuild import EmbedFn, ProjectFn, RebuildPass
-from .reports import BuildReport, CacheStats
-from .rows import PlanRows
-from .slab import Slab
-from .slots import Reservation, SlotPool
+from .reports import BuildReport, CacheStats, FaultPoints
+from .slab import PlanRows, Reservation, Slab, SlotPool
 from .source import WeightSource
 from .spec import ModulationSpec
-from .streams import StreamSync
 from .tiers.chain import TierChain
 
 if TYPE_CHECKING:
-    from .distributed import Collective
+    from .tiers.tables import TablesTier
 
 log = logging.getLogger(__name__)
 
@@ -84,18 +72,65 @@ def _interrupt(exc: BaseException) -> BaseException | None:
     return None
 
 
-@dataclass
-class BuildSettings:
-    """The construction options a build reads (validated and agreed by the cache)."""
+@dataclass(frozen=True)
+class Placement:
+    """Where a cache builds and serves: the device, the tier chain placed for it, and the table files.
+
+    ``files`` are the table files of ``tables=``; ``tiers.tables`` is them where their binding fits
+    this device, else None (plans are built there instead).
+    """
+
+    device: torch.device
+    tiers: TierChain
+    files: TablesTier | None
+
+
+class Site:
+    """The one owner of a cache's current :class:`Placement`.
+
+    Why one owner: the cache, its identity and its build transaction all read the device and the
+    tiers; copies would each need patching on a move. They read them here, and a move replaces the
+    placement with one assignment.
+    """
+
+    def __init__(self, placement: Placement) -> None:
+        self.placement = placement
+
+    @property
+    def device(self) -> torch.device:
+        return self.placement.device
+
+    @property
+    def tiers(self) -> TierChain:
+        return self.placement.tiers
+
+
+@dataclass(eq=False)
+class BuildTransaction:
+    """Runs the builds of one cache (one at a time: the cache serialises them) on the cache's parts.
+
+    ``lock`` is the cache's state lock: held while the slot map, the stats or the identity change,
+    so readers on other threads always see them consistent (never during a pass). ``site``: the
+    cache's device and tier chain (their one owner; a move replaces its placement). ``faults``:
+    the cache's fault points, read per build.
+    """
 
     spec: ModulationSpec
-    precision: str
-    max_plans: int
-    max_plan_width: int
-    read_ahead: int
-    progress: bool | None
-    batched: bool
-    tiled: bool | str = False
+    options: CacheOptions
+    source: WeightSource
+    slab: Slab
+    pool: SlotPool
+    site: Site
+    identity: TableIdentity
+    collective: Collective
+    stats: CacheStats
+    sync: StreamSync
+    lock: threading.RLock
+    faults: Callable[[], FaultPoints]
+
+    @property
+    def _tiers(self) -> TierChain:
+        return self.site.tiers
 
     def checked_autocast(self, device: torch.device) -> torch.dtype | None:
         """The autocast dtype a build on ``device`` runs under, refused when the slab cannot hold it exactly."""
@@ -103,7 +138,7 @@ class BuildSettings:
         if dtype is None:
             return None
         spec = self.spec
-        if self.precision == "fp32":
+        if self.options.precision == "fp32":
             raise ConfigError(
                 f"precision='fp32' projects in fp32, but torch.autocast({device.type!r}) makes the "
                 f"projection run in {dtype}: build outside autocast, or use precision='match' (CLI {flag('precision')})"
@@ -114,44 +149,6 @@ class BuildSettings:
                 f"cannot hold exactly: run without autocast, or with autocast to {spec.dtype}"
             )
         return dtype
-
-
-class BuildTransaction:
-    """Runs the builds of one cache (one at a time: the cache serialises them)."""
-
-    def __init__(
-        self,
-        settings: BuildSettings,
-        *,
-        source: WeightSource,
-        slab: Slab,
-        pool: SlotPool,
-        site: Site,
-        identity: TableIdentity,
-        collective: Collective,
-        stats: CacheStats,
-        sync: StreamSync,
-        lock: threading.RLock,
-        faults: Callable[[], FaultPoints],
-    ) -> None:
-        self.settings = settings
-        self.source = source
-        self._slab = slab
-        self._pool = pool
-        #: The cache's device and tier chain (their one owner; a move replaces its placement).
-        self._site = site
-        self._identity = identity
-        self._dist = collective
-        self.stats = stats
-        self._sync = sync
-        #: The cache's state lock: held while the slot map, the stats or the identity change, so
-        #: readers on other threads always see them consistent (never during a pass).
-        self._lock = lock
-        self._faults = faults
-
-    @property
-    def _tiers(self) -> TierChain:
-        return self._site.tiers
 
     # -- the whole build ----------------------------------------------------------------------
 
@@ -168,29 +165,29 @@ class BuildTransaction:
 
         ``embed`` may be ``None`` only for a source that serves no weights: no pass can run there.
         """
-        autocast = self.settings.checked_autocast(self._site.device)
-        self._sync.begin_build()
+        autocast = self.checked_autocast(self.site.device)
+        self.sync.begin_build()
         try:
             self._check_identity(variant, autocast, order)
-            with self._lock:
-                missing = [key for key in order if key not in self._pool]
+            with self.lock:
+                missing = [key for key in order if key not in self.pool]
                 if not missing:
-                    self._pool.touch(order)
+                    self.pool.touch(order)
                     self.stats.device_hits += len(order)
                     report.device_hits = len(order)
                     return
             self._validate_request(order, missing, tensors, embed)
             self._fill(order, missing, tensors, embed if embed is not None else _no_embed, project, report)
         finally:
-            self._sync.end_build()
+            self.sync.end_build()
 
     def _check_identity(self, variant: Hashable, autocast: torch.dtype | None, order: list[PlanKey]) -> None:
         """Step 1; a source that no longer validates is a BuildError (``failed_at="checkpoint"``)."""
-        with self._lock:
-            held = bool(len(self._pool) or self._tiers.host_plans())
-            resident = self._pool.items()
+        with self.lock:
+            held = bool(len(self.pool) or self._tiers.host_plans())
+            resident = self.pool.items()
         try:
-            self._identity.check(variant, autocast, order, resident, holds_tables=held, drop=self.drop_all)
+            self.identity.check(variant, autocast, order, resident, holds_tables=held, drop=self.drop_all)
         except (CheckpointError, BuildError) as exc:
             self._count_failure()
             if isinstance(exc, BuildError):
@@ -203,30 +200,26 @@ class BuildTransaction:
 
     def drop_all(self, why: str) -> None:
         """Forget every device and host-tier plan (they were built under another identity)."""
-        with self._lock:
-            if len(self._pool):
-                log.info("dropping %d resident plan(s): %s", len(self._pool), why)
-            self._pool.clear()
+        with self.lock:
+            if len(self.pool):
+                log.info("dropping %d resident plan(s): %s", len(self.pool), why)
+            self.pool.clear()
             self._tiers.clear_host()
 
     def _count_failure(self) -> None:
-        with self._lock:
+        with self.lock:
             self.stats.failed_builds += 1
 
     # -- step 3 -------------------------------------------------------------------------------
 
     def _validate_request(
-        self,
-        order: list[PlanKey],
-        missing: list[PlanKey],
-        tensors: dict[PlanKey, torch.Tensor],
-        embed: EmbedFn | None,
+        self, order: list[PlanKey], missing: list[PlanKey], tensors: dict[PlanKey, torch.Tensor], embed: EmbedFn | None
     ) -> None:
         """Reject a request the slab cannot take before touching any state (PlanError names the knob)."""
-        settings = self.settings
-        columns = settings.spec.plan_columns
+        options = self.options
+        columns = self.spec.plan_columns
         for key in missing:
-            validate_plan(tensors[key], max_plan_width=settings.max_plan_width, columns=columns)
+            validate_plan(tensors[key], max_plan_width=options.max_plan_width, columns=columns)
             actual = plan_key(tensors[key], columns)
             if actual != key:
                 # Keys the caller computed (keys=) that are not these plans' would file a table
@@ -235,18 +228,18 @@ class BuildTransaction:
                     f"keys= does not match plans: the key given for plan {format_plan(actual, columns=columns)} is "
                     f"{format_plan(key, columns=columns)}; pass keys=[plan_key(p) for p in plans]"
                 )
-        if len(order) > settings.max_plans:
+        if len(order) > options.max_plans:
             raise PlanError(
-                f"the request needs {len(order)} distinct plans but the slab holds {settings.max_plans}: raise "
+                f"the request needs {len(order)} distinct plans but the slab holds {options.max_plans}: raise "
                 f"{knob('max_plans')} to at least {len(order)}, or split the request"
             )
         if not callable(embed) and (embed is not None or getattr(self.source, "serves_weights", True)):
             raise PlanError(_NEEDS_EMBED)
-        with self._lock:
-            free, evictable = self._pool.room(order)
-            message = self._pool.no_room_message(len(missing), order) if len(missing) > free + evictable else None
+        with self.lock:
+            free, evictable = self.pool.room(order)
+            message = self.pool.no_room_message(len(missing), order) if len(missing) > free + evictable else None
         # Holds are local state: every rank must refuse together, or the others would wait in the pass.
-        if self._dist.any_of([message is not None])[0]:
+        if self.collective.any_of([message is not None])[0]:
             raise PlanError(message or "another rank cannot find room for this request beside its held plans")
 
     # -- steps 4 to 7 -------------------------------------------------------------------------
@@ -262,31 +255,34 @@ class BuildTransaction:
     ) -> None:
         report.device_hits = len(order) - len(missing)
         bytes_before = self.source.bytes_read
-        faults = self._faults()
+        faults = self.faults()
         from_host, from_store, from_tables, to_build = self._restorable(missing, report, faults, embed)
         restored = {**from_host, **from_store, **from_tables}
         hashed_before = self.stats.hashed_bytes
-        with self._lock:
-            reservation = self._pool.reserve(missing, set(order))
+        with self.lock:
+            reservation = self.pool.reserve(missing, set(order))
             self.stats.evicted_plans += len(reservation.evicted)
         report.evicted = len(reservation.evicted)
         try:
             self._write_and_publish(reservation, restored, to_build, tensors, embed, project, report, faults)
         except BaseException as exc:
             self._tiers.release_claim()
-            with self._lock:
-                self._pool.release(reservation.slots)
+            with self.lock:
+                self.pool.release(reservation.slots)
                 self.stats.failed_builds += 1
             interrupt = _interrupt(exc)
             if interrupt is not None:
-                raise interrupt from None  # Ctrl-C is the user's: rolled back, then propagated as itself
+                try:
+                    raise interrupt from None  # Ctrl-C is the user's: rolled back, then propagated as itself
+                finally:
+                    del interrupt  # this frame is in its traceback: kept, it would make a reference cycle
             if isinstance(exc, BuildError):
                 raise
             phase = failure_phase(exc) or "build"
             raise BuildError(
                 f"build of {len(missing)} plan(s) failed at {phase}: {type(exc).__name__}: {exc}; nothing "
                 f"of this request was published and a retry rebuilds it",
-                rank=self._dist.rank if self._dist.world > 1 else None,
+                rank=self.collective.rank if self.collective.world > 1 else None,
                 failed_at=phase,
             ) from exc
         report.host_hits, report.store_hits, report.table_hits = len(from_host), len(from_store), len(from_tables)
@@ -294,8 +290,8 @@ class BuildTransaction:
         report.passes = 1 if to_build else 0
         report.hashed_bytes = self.stats.hashed_bytes - hashed_before
         report.bytes_read = self.source.bytes_read - bytes_before
-        with self._lock:
-            self._pool.touch(order)
+        with self.lock:
+            self.pool.touch(order)
             self.stats.record(report)
         log.info(
             "build: %d plan(s): %d device, %d host, %d store, %d table hits, %d built in %d pass(es), %d evicted",
@@ -310,7 +306,7 @@ class BuildTransaction:
         )
         # After publish: copies only. A tier failure is counted and logged, never raised.
         self._tiers.write(
-            order, to_build, rows_of=self.rows_of, binding=self._identity.binding, faults=faults, report=report
+            order, to_build, rows_of=self.rows_of, binding=self.identity.binding, faults=faults, report=report
         )
 
     def _restorable(
@@ -320,7 +316,7 @@ class BuildTransaction:
         what a pass must build: refused (PlanNotCachedError) when there is no weight source to build it."""
         try:
             from_host, from_store, from_tables = self._tiers.lookup(
-                missing, identity=self._identity, faults=faults, embed=None if embed is _no_embed else embed
+                missing, identity=self.identity, faults=faults, embed=None if embed is _no_embed else embed
             )
         except BaseException:
             # Tier errors fall through to a rebuild inside the lookup; only an interrupt (or
@@ -333,7 +329,7 @@ class BuildTransaction:
             self._count_failure()
             where = f"the table files ({self._tiers.tables.searched()})" if self._tiers.tables else "no tier"
             raise PlanNotCachedError(
-                f"plan {format_plan(to_build[0], columns=self.settings.spec.plan_columns)} ({len(to_build)} plan(s) "
+                f"plan {format_plan(to_build[0], columns=self.spec.plan_columns)} ({len(to_build)} plan(s) "
                 f"of this request) is not in {where} and "
                 f"this cache has no weight source to build it: pass checkpoint= (an integration's, or a "
                 f"CheckpointSource), or export these tables (adalncache export CHECKPOINT {flag('task')} T "
@@ -341,9 +337,9 @@ class BuildTransaction:
             )
         try:
             if to_build:  # a pass follows: it hashes only if no memo knows the digest (every rank asks here)
-                self._identity.content.resolve()
+                self.identity.content.resolve()
             # One build per fleet: another process may be building these very entries.
-            served = self._tiers.claim(to_build, identity=self._identity, report=report)
+            served = self._tiers.claim(to_build, identity=self.identity, report=report)
         except BaseException as exc:
             self._tiers.release_claim()
             self._count_failure()
@@ -371,18 +367,29 @@ class BuildTransaction:
         """Write every reserved slot, agree with the other ranks, publish. Raises on any failure."""
         slots = reservation.slots
         # Local work only up to the agreement: no collective runs in here, so a failure on one
-        # rank can never leave a peer blocked waiting for it.
-        failure: BaseException | None = None
+        # rank can never leave a peer blocked waiting for it. Every rank learns whether any rank
+        # failed before anyone exchanges results (a failure is agreed inside its except block, which
+        # drops it after: kept in a local, this frame would sit in its own traceback, a cycle).
         try:
             for key, rows in restored.items():
-                self._slab.write_rows(slots[key], rows)
+                self.slab.write_rows(slots[key], rows)
             if to_build:
                 with failing_at("checkpoint"):
                     # The files' identity settles first (a file written in the last milliseconds could
                     # change again without its ctime moving), then must still be what step 1 accepted.
-                    sink = self._identity.content.pass_sink()
+                    sink = self.identity.content.pass_sink()
                     self._check_unchanged("before its pass")
-                self._rebuild_pass(faults, sink).run(to_build, slots, tensors, embed, project, report)
+                rebuild = RebuildPass(
+                    self.spec,
+                    self.source,
+                    self.slab,
+                    self.collective,
+                    self.options,
+                    faults,
+                    out_dtype=self.identity.autocast,
+                    digests=sink,
+                )
+                rebuild.run(to_build, slots, tensors, embed, project, report)
             with failing_at("checkpoint"):
                 # Rewritten or replaced since step 1 (mid-pass, say): what was read may mix old and new
                 # bytes, and restored rows may be of the old ones; none of it is published.
@@ -390,45 +397,41 @@ class BuildTransaction:
             with failing_at("publish"):
                 faults.check("publish")
         except BaseException as exc:
-            failure = exc
-        # Every rank learns whether any rank failed before anyone exchanges results.
-        self._dist.raise_if_any_failed(failure, "build")
-        if failure is not None:
-            raise failure
+            self.collective.raise_if_any_failed(exc, "build")
+            raise
+        self.collective.raise_if_any_failed(None, "build")
         if to_build:
             # Every rank read its share with no file changing: compose the digest of what was read (a
             # collective). Bytes that hash to another digest than the one bound fail every rank alike.
             try:
                 with failing_at("checkpoint"):
-                    self._identity.after_pass()
+                    self.identity.after_pass()
             except CheckpointError:
                 self.drop_all("the bytes read are not the content the resident tables were built from")
                 raise
             except Exception as exc:
                 log.warning("content digest not learnt from the pass (%s); store writes are skipped", exc)
-            shared: BaseException | None = None
-            try:
-                counts = [self.settings.spec.plan_rows(k) for k in to_build]
-                self._dist.share_results(self._slab, [slots[k] for k in to_build], counts)
-            except BaseException as exc:
-                shared = exc
             # Publish only once every rank holds every row.
-            self._dist.raise_if_any_failed(shared, "exchange of results")
-            if shared is not None:
-                raise shared
+            try:
+                counts = [self.spec.plan_rows(k) for k in to_build]
+                self.collective.share_results(self.slab, [slots[k] for k in to_build], counts)
+            except BaseException as exc:
+                self.collective.raise_if_any_failed(exc, "exchange of results")
+                raise
+            self.collective.raise_if_any_failed(None, "exchange of results")
         keys = list(slots)
-        columns = self.settings.spec.plan_columns
-        with self._lock:
+        columns = self.spec.plan_columns
+        with self.lock:
             # Timesteps from the keys, not from the callers' tensors: the slab holds exactly what the map says.
-            self._slab.publish([slots[k] for k in keys], [key_to_plan(k, columns) for k in keys])
+            self.slab.publish([slots[k] for k in keys], [key_to_plan(k, columns) for k in keys])
             # The host-side map is what lookups consult: it changes last, all at once.
-            self._pool.commit(slots)
+            self.pool.commit(slots)
 
     def _check_unchanged(self, stage: str) -> None:
         """CheckpointError naming the files if the source is no longer what this build's identity check accepted."""
         changed_files = getattr(self.source, "changed_files", None)
         changed = list(changed_files()) if callable(changed_files) else []
-        if not changed and self.source.fingerprint != self._identity.fingerprint:
+        if not changed and self.source.fingerprint != self.identity.fingerprint:
             changed = list(getattr(self.source, "files", None) or [type(self.source).__name__])
         if changed:
             raise CheckpointError(
@@ -437,31 +440,11 @@ class BuildTransaction:
                 f"new bytes"
             )
 
-    def _rebuild_pass(self, faults: FaultPoints, digests: DigestSink | None) -> RebuildPass:
-        s = self.settings
-        return RebuildPass(
-            spec=s.spec,
-            source=self.source,
-            slab=self._slab,
-            collective=self._dist,
-            precision=s.precision,
-            read_ahead=s.read_ahead,
-            progress=s.progress,
-            batched=s.batched,
-            faults=faults,
-            out_dtype=self._identity.autocast,
-            digests=digests,
-            tiled=s.tiled,
-        )
-
     def rows_of(self, key: PlanKey) -> PlanRows:
         """A copy of a resident plan's rows, on the cache device (tiers and verify read these)."""
-        with self._lock:
-            slot = self._pool.require(key)
-        self._sync.before_read([slot])
-        rows = self._slab.read_rows(slot, self.settings.spec.plan_rows(key))
-        self._sync.after_read([slot])
+        with self.lock:
+            slot = self.pool.require(key)
+        self.sync.before_read([slot])
+        rows = self.slab.read_rows(slot, self.spec.plan_rows(key))
+        self.sync.after_read([slot])
         return rows
-
-
-__all__ = ["BuildSettings", "BuildTransaction"]

@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointError, ConfigError
-from ..geometry import FINAL, TIMESTEP, Family, KeyLayout, ModelGeometry, ServedLayer, TablePart
+from ..errors import CheckpointError, ConfigError, PlanError
+from ..geometry import FINAL, TIMESTEP, Family, Gather, KeyLayout, ModelGeometry, ServedLayer, TablePart
 from ..options import flag
 
 #: The two checkpoint layouts: the native release's names and diffusers'.
@@ -47,6 +47,42 @@ MODEL_VARIANTS = ("fl2va", "ref2va")
 #: Which released transformer serves each task (t2va runs on the fl2va transformer).
 TASK_VARIANTS = {"t2va": "fl2va", "fl2va": "fl2va", "ref2va": "ref2va"}
 
+
+class ModulationRows:
+    """How MiniMax-H3's table rows split into what its modules take (the cache's ``block``,
+    ``block_all`` and ``final`` read through this): the ``block`` part stacks every block's row,
+    ``[num_layers, block_width]``, and a block's row ``Y`` splits as its forward splits it,
+    ``Y.view(-1, 6H).chunk(6, -1)``; the ``final`` part is the output layer's ``(shift, scale)``."""
+
+    block_part = "block"
+    final_part = "final"
+
+    def block_rows(self, gather: Gather, layer: object) -> torch.Tensor:
+        def one_block(blocks: torch.Tensor) -> torch.Tensor:
+            if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < blocks.shape[2]:
+                raise PlanError(
+                    f"layer must be in 0..{blocks.shape[2] - 1} (a block index), got {layer!r}: the output layer's "
+                    f"rows are final_rows() and final()"
+                )
+            return blocks.select(2, layer)
+
+        return gather(self.block_part, one_block)
+
+    def block(self, rows: torch.Tensor, spec: Any) -> tuple[torch.Tensor, ...]:
+        return rows.reshape(-1, 6 * spec.hidden_size).chunk(6, dim=-1)
+
+    def block_all(self, gather: Gather, spec: Any) -> list[tuple[torch.Tensor, ...]]:
+        rows = gather(self.block_part)  # (n, num_layers, block_width), one gather
+        return [self.block(rows[:, layer], spec) for layer in range(rows.shape[1])]
+
+    def final_rows(self, gather: Gather) -> torch.Tensor:
+        return gather(self.final_part)
+
+    def final(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        shift, scale = rows.chunk(2, dim=-1)
+        return shift, scale
+
+
 FAMILY = Family(
     name="minimax-h3",
     title="MiniMax-H3",
@@ -56,6 +92,7 @@ FAMILY = Family(
     table_tensors=("block_params", "final_params"),
     model_variants=MODEL_VARIANTS,
     task_variants=tuple(TASK_VARIANTS.items()),
+    rows=ModulationRows(),
 )
 
 #: The released geometry: 50 blocks, hidden 5376, time embedding 2688.
@@ -178,6 +215,7 @@ __all__ = [
     "MODEL_VARIANTS",
     "RELEASED",
     "TASK_VARIANTS",
+    "ModulationRows",
     "block_width",
     "describe",
     "fields_from_headers",

@@ -41,7 +41,7 @@ from ..identity.digest import hash_hex
 from ..identity.files import FileIdentity
 from ..options import flag
 from ..plans import PlanKey, format_plan, key_to_plan, plan_key
-from ..rows import PlanRows
+from ..slab import PlanRows
 from ..source.header import SafetensorsHeader, TensorEntry, safetensors_name
 from ..source.reads import pread_into
 from ..spec import ModulationSpec

@@ -8,7 +8,7 @@ Reads go further and keep it modulo 4096 (:data:`DIRECT_BLOCK`), which is what O
 from the buffer, the file offset and the length; the buffers they use carry a block of slack on
 each side, so a direct read can round its range out to whole blocks.
 
-Page-locked buffers (for CUDA) come from :class:`~adalncache.hostmem.HostBuffer`: exactly the
+Page-locked buffers (for CUDA) come from :class:`~adalncache.devices.HostBuffer`: exactly the
 size asked for, unlike torch's pinned allocator (which rounds each request up to a power of two,
 pinning a 496 MiB layer as 512 MiB, and keeps freed blocks), and given back when released.
 """
@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..hostmem import HostBuffer, Registrar
+from ..devices import HostBuffer, Registrar
 
 log = logging.getLogger(__name__)
 

@@ -37,10 +37,10 @@ from typing import Any
 
 import torch
 
+from ..devices import CopyStreams
 from ..errors import CheckpointError, ConfigError
 from ..identity.digest import DigestSink
 from ..spec import Layer, ModulationSpec
-from ..streams import CopyStreams
 from .buffers import StagingPool
 from .files import CheckpointPath
 from .header import SafetensorsHeader, TensorEntry

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
+from ..devices import CopyStreams, copy_to_device
 from ..identity.digest import DigestSink
 from ..spec import Layer
-from ..streams import CopyStreams, copy_to_device
 from .buffers import StagingPool
 from .layers import LayerReads, open_files
 from .mapped import PassMappings

@@ -36,11 +36,10 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 import torch
 
 from ..errors import ConfigError
-from ..faults import FaultPoints
 from ..options import flag
 from ..plans import PlanKey
-from ..reports import BuildReport, CacheStats
-from ..rows import PlanRows
+from ..reports import BuildReport, CacheStats, FaultPoints
+from ..slab import PlanRows
 from ..spec import ModulationSpec
 from .host import HostTier
 from .locks import NO_CLAIM, POLL_S, BuildLocks, Claim, Staleness

@@ -24,7 +24,7 @@ from ..canonical import canonical_json
 from ..errors import ConfigError
 from ..geometry import TABLE_PART
 from ..plans import PlanKey, key_to_plan
-from ..rows import PlanRows
+from ..slab import PlanRows
 from ..source.header import NotARegularFile, dtype_named, open_regular
 from ..spec import SUPPORTED_WEIGHT_DTYPES, ModulationSpec
 

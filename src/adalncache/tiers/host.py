@@ -1,7 +1,7 @@
 """Host tier: copies of published plans in one preallocated, byte-bounded host arena.
 
 Why one arena: page-locking memory is slow, so it happens once, at construction, for one arena of
-exactly the capacity (a :class:`~adalncache.hostmem.HostBuffer`: torch's pinned allocator would
+exactly the capacity (a :class:`~adalncache.devices.HostBuffer`: torch's pinned allocator would
 round 20 GB up to 32 GiB and never give it back), when the cache device is CUDA, so restores are
 asynchronous DMA; the arena is carved up here. :meth:`HostTier.release` gives it back.
 
@@ -29,11 +29,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..devices import allocation_error
-from ..hostmem import HostBuffer, Registrar
+from ..devices import HostBuffer, Registrar, allocation_error
 from ..options import knob
 from ..plans import PlanKey, key_to_plan
-from ..rows import PlanRows
+from ..slab import PlanRows
 from ..spec import ModulationSpec
 
 log = logging.getLogger(__name__)

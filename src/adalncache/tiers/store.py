@@ -58,7 +58,7 @@ from ..identity.memo import DigestMemo
 from ..numerics import numeric_environment
 from ..options import flag
 from ..plans import PlanKey
-from ..rows import PlanRows
+from ..slab import PlanRows
 from ..source.header import read_regular
 from ..spec import ModulationSpec
 from .entryfile import FORMAT_VERSION, MAGIC, CorruptEntry, encode_entry, entry_rows, parse_entry

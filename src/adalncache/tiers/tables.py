@@ -37,7 +37,7 @@ from ..errors import ConfigError
 from ..formats import TableFile
 from ..options import TablesArg, flag
 from ..plans import PlanKey
-from ..rows import PlanRows
+from ..slab import PlanRows
 from ..spec import ModulationSpec
 
 log = logging.getLogger(__name__)
@@ -64,7 +64,7 @@ def table_paths(tables: Any) -> list[Path]:
 
 
 class TablesTier:
-    """Several table files searched in order; plans come back as :class:`~adalncache.rows.PlanRows`."""
+    """Several table files searched in order; plans come back as :class:`~adalncache.slab.PlanRows`."""
 
     def __init__(self, tables: TablesArg, spec: ModulationSpec, *, source: Any = None) -> None:
         """``source``: the cache's weight source, whose tensors a file that names its weights is checked

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ...hostmem import HostBuffer
+from ...devices import HostBuffer
 from ...spec import Layer, ModulationSpec
 from .casting import casting_paths
 from .config import AdalnCacheConfig

@@ -23,9 +23,9 @@ import torch
 from torch import nn
 
 from ... import TensorSource
+from ...cache import PlanHold
+from ...devices import HostBuffer
 from ...errors import CheckpointError, ConfigError
-from ...holds import PlanHold
-from ...hostmem import HostBuffer
 from ...source.absent import NoWeights
 from .callbacks import BuildCallbacks
 from .casting import casting_guard, settle_casting
@@ -171,7 +171,7 @@ class AdalnCacheHandle:
 
         For a bare transformer loop: no build for another request evicts or rewrites these plans
         while the loop runs, and they are released on an exception too. Yields the
-        :class:`~adalncache.holds.PlanHold` (``.report`` says what the build did).
+        :class:`~adalncache.cache.PlanHold` (``.report`` says what the build did).
         """
         return self._requests.request(plans, attention_kwargs)
 

@@ -33,8 +33,8 @@ import torch
 from diffusers.hooks.hooks import HookRegistry, ModelHook
 from torch import nn
 
+from ...cache import PlanHold
 from ...errors import ConfigError
-from ...holds import PlanHold
 from ...plans import PlanKey, plan_key
 from ...spec import FINAL, ModulationSpec
 from .compat import get_hook, hook_names, hook_registry

@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ...cache import PlanHold
 from ...errors import ConfigError
-from ...holds import PlanHold
 from ...numerics import autocast_dtype
 from ...plans import PlanKey, plan_key
 from .modules import execution_device

@@ -49,7 +49,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ...holds import PlanHold
+from ...cache import PlanHold
 from ...plans import PlanKey
 from ...source import CheckpointSource
 

@@ -29,8 +29,8 @@ from collections.abc import Callable, Hashable
 
 import torch
 
+from ...cache import PlanHold
 from ...errors import PlanMismatchError
-from ...holds import PlanHold
 from ...numerics import autocast_dtype
 from ...plans import PlanKey
 

@@ -1,6 +1,6 @@
 """How a request or a forward of an enabled model gets its plans held: the hit path, else one build.
 
-Requests hold their plans (:class:`~adalncache.holds.PlanHold`): ``handle.prepare`` holds a
+Requests hold their plans (:class:`~adalncache.cache.PlanHold`): ``handle.prepare`` holds a
 request's plans for the calling thread until that thread's next ``prepare`` or ``release()``;
 ``handle.request`` holds them for a ``with`` block; and every forward holds its own plan until it
 returns. So a build for another request (another thread, or a forward whose plan was not
@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ...cache import PlanHold
 from ...errors import ConfigError, PlanError, PlanNotCachedError
-from ...holds import PlanHold
 from ...plans import PlanKey, plan_key
 from .callbacks import BuildCallbacks
 from .lora import LoraTracker, Tuners, Variant, applied_lora_scale, lora_scale_of

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 
 from ... import AdalnCache, CheckpointSource, TensorSource
+from ...devices import HostBuffer, host_tensor_like
 from ...errors import CheckpointError, ConfigError
-from ...hostmem import HostBuffer, host_tensor_like
 from ...identity.digest import DigestSink
 from ...source import Columns, LayerWeights, SafetensorsHeader, TensorEntry, WeightSource
 from ...source.absent import NoWeights

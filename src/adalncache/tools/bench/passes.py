@@ -26,9 +26,8 @@ from typing import Any
 
 import torch
 
-from ...batching import verdicts
 from ...plans import plan_key
-from ...tiling import TILE_ROWS
+from ...rebuild import TILE_ROWS, verdicts
 from ..measure import drop_page_cache
 from .primitives import (
     PinnedCopy,

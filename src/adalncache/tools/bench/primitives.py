@@ -17,9 +17,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ...batching import clear_verdicts
 from ...cache import AdalnCache
 from ...plans import PlanKey, plan_key
+from ...rebuild import clear_verdicts
 from ...source import aligned_empty, pread_into
 from ...spec import Layer
 
