@@ -2,7 +2,7 @@
 
 Tests, the demo and the benchmark all need the same three things: a real
 ``MiniMaxH3Transformer3DModel`` small enough for a 2-core CPU, its weights on disk (diffusers layout
-through ``save_pretrained`` and the native MiniMax layout through :func:`write_native_checkpoint`),
+through ``save_pretrained`` and the native MiniMax layout through :func:`write_native_model`),
 and the exact inputs the MiniMax-H3 pipeline feeds the transformer. The inputs are built with the
 pipeline's own static layout and plan builders and stepped with ``MiniMaxH3Scheduler``, so a loop
 run here is the pipeline's denoising loop minus the encoders and decoders. Nothing is downloaded.
@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,13 +25,10 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from ..errors import ConfigError
-from ..schedules import TASKS, LatentShape, build_layout, build_row_timestep_plan, check_steps, check_task
-from ..source.writer import PAD_PREFIX, write_safetensors
+from ..schedules import LatentShape, build_layout, build_row_timestep_plan, check_steps, check_task
 
 if TYPE_CHECKING:
     from torch import nn
-
-log = logging.getLogger(__name__)
 
 #: Model sizes. "tiny" is the smallest geometry with every part of the model (2 blocks, hidden 64:
 #: a forward in a few ms); "small" is wide enough that the projections weigh tens of MB (so the
@@ -98,11 +94,6 @@ def _check_size(size: str) -> dict[str, Any]:
     return dict(SIZES[size])
 
 
-def tiny_config(size: str = "tiny") -> dict[str, Any]:
-    """The ``MiniMaxH3Transformer3DModel`` constructor arguments of a named size."""
-    return _check_size(size)
-
-
 def tiny_transformer(size: str = "tiny", seed: int = 0) -> nn.Module:
     """A deterministic fp32 ``MiniMaxH3Transformer3DModel`` of the given size, in eval mode.
 
@@ -118,13 +109,14 @@ def tiny_transformer(size: str = "tiny", seed: int = 0) -> nn.Module:
         # The default init leaves the AdaLN projections near zero-mean noise of tiny magnitude;
         # widen them so the modulation moves the outputs and a wrong table cannot go unnoticed.
         with torch.no_grad():
-            for module in _projection_linears(model):
+            for module in projection_linears(model):
                 module.weight.mul_(4.0)
                 module.bias.normal_(0.0, 0.5)
     return model.eval()
 
 
-def _projection_linears(model: Any) -> list[Any]:
+def projection_linears(model: Any) -> list[Any]:
+    """Every block's ``adaln_proj.linear`` and ``norm_out.linear`` (their base layers under a LoRA), in layer order."""
     linears = [block.adaln_proj.linear for block in model.transformer_blocks]
     linears.append(model.norm_out.linear)
     return [getattr(linear, "base_layer", linear) for linear in linears]
@@ -148,65 +140,6 @@ def save_tiny(model: nn.Module, directory: str | os.PathLike[str], *, dtype: tor
     saver.save_pretrained(directory)
     loaded: Any = MiniMaxH3Transformer3DModel.from_pretrained(directory, torch_dtype=dtype)
     return loaded.eval()
-
-
-def projection_tensors(model: nn.Module, layout: str = "native") -> dict[str, torch.Tensor]:
-    """The AdaLN projection weights and biases of ``model`` under ``layout``'s tensor names."""
-    from ..spec import FINAL, get_layout
-
-    key_layout = get_layout(layout)
-    linears = _projection_linears(model)
-    layers: list[Any] = [*range(len(linears) - 1), FINAL]
-    tensors: dict[str, torch.Tensor] = {}
-    for layer, linear in zip(layers, linears):
-        tensors[key_layout.weight(layer)] = linear.weight.detach()
-        tensors[key_layout.bias(layer)] = linear.bias.detach()
-    return tensors
-
-
-def write_native_checkpoint(
-    model: nn.Module,
-    path: str | os.PathLike[str],
-    *,
-    shards: int = 2,
-    layout: str = "native",
-    match_alignment: bool = True,
-) -> Path:
-    """Write the model's AdaLN projections as a sharded safetensors checkpoint in ``layout``.
-
-    ``path`` is a directory; it receives ``shards`` files ``model-0000i-of-0000N.safetensors`` and a
-    ``model.safetensors.index.json`` weight map, exactly the shape of the MiniMax release. Only
-    the projections are written: they are all a rebuild source reads. With ``match_alignment``
-    every tensor lands at the model tensor's own address modulo 64, so an fp32 model (built in
-    memory, 64-byte aligned, or loaded from disk at odd offsets) projects bit-identically from it.
-    Returns the directory.
-    """
-    if not isinstance(shards, int) or shards < 1:
-        raise ConfigError(f"write_native_checkpoint shards must be a positive integer, got {shards!r}")
-    directory = Path(path)
-    directory.mkdir(parents=True, exist_ok=True)
-    tensors = projection_tensors(model, layout)
-    names = list(tensors)
-    # Pairs (weight, bias) stay together so a layer never straddles two shards.
-    pairs = [names[i : i + 2] for i in range(0, len(names), 2)]
-    shards = min(shards, len(pairs))
-    per_shard = -(-len(pairs) // shards)
-    weight_map: dict[str, str] = {}
-    total = 0
-    for index in range(shards):
-        chunk = [name for pair in pairs[index * per_shard : (index + 1) * per_shard] for name in pair]
-        if not chunk:
-            continue
-        file_name = f"model-{index + 1:05d}-of-{shards:05d}.safetensors"
-        part = {name: tensors[name] for name in chunk}
-        residues = {name: t.data_ptr() % 64 for name, t in part.items()} if match_alignment else None
-        write_safetensors(part, directory / file_name, residues=residues, metadata={"format": "pt"})
-        for name in chunk:
-            weight_map[name] = file_name
-            total += tensors[name].numel() * tensors[name].element_size()
-    index_path = directory / "model.safetensors.index.json"
-    index_path.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    return directory
 
 
 #: diffusers names -> native (MiniMax release) names, applied in order, as the inverse of diffusers'
@@ -298,27 +231,11 @@ def write_native_model(
     return directory
 
 
-def parameter_bytes(model: nn.Module, device: str | torch.device | None = None) -> int:
-    """Bytes of the model's parameters that hold real storage (meta placeholders count 0).
-
-    ``device`` restricts the count to one device type (e.g. ``"cpu"``, ``"cuda"``).
-    """
-    wanted = None if device is None else torch.device(device).type
-    total = 0
-    for param in model.parameters():
-        if param.device.type == "meta":
-            continue
-        if wanted is not None and param.device.type != wanted:
-            continue
-        total += param.numel() * param.element_size()
-    return total
-
-
 def adaln_parameter_bytes(model: nn.Module) -> int:
     """Bytes of the AdaLN projection parameters (and the time embedder's) held on a real device."""
     total = 0
     embedder: Any = model.time_embedder
-    modules: list[nn.Module] = [*_projection_linears(model), embedder]
+    modules: list[nn.Module] = [*projection_linears(model), embedder]
     for module in modules:
         for param in module.parameters():
             if param.device.type != "meta":
@@ -548,11 +465,6 @@ def run_loop(
     return LoopResult(outputs=outputs, latents=latents, audio_latents=audio_latents, step_seconds=seconds)
 
 
-def outputs_equal(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> bool:
-    """``torch.equal`` over two sequences of tensors of the same length."""
-    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
-
-
 # --------------------------------------------------------------------------------------------------
 # The whole modular pipeline: tiny text encoder, locally trained tokenizer, tiny VAEs.
 # --------------------------------------------------------------------------------------------------
@@ -752,30 +664,20 @@ def _quiet_progress_bars(blocks: Any) -> None:
 
 
 __all__ = [
-    "PAD_PREFIX",
     "SIZES",
-    "TASKS",
-    "LatentShape",
     "LoopResult",
     "TinyRequest",
     "adaln_parameter_bytes",
-    "build_layout",
-    "build_row_timestep_plan",
     "make_request",
     "native_state_dict",
-    "outputs_equal",
-    "parameter_bytes",
-    "projection_tensors",
+    "projection_linears",
     "run_loop",
     "save_tiny",
-    "tiny_config",
     "tiny_pipeline",
     "tiny_processor",
     "tiny_text_encoder",
     "tiny_tokenizer",
     "tiny_transformer",
     "tiny_vaes",
-    "write_native_checkpoint",
     "write_native_model",
-    "write_safetensors",
 ]

@@ -237,15 +237,6 @@ def tiny_qwen_text_encoder(seed: int = 0, *, width: int = 16, layers: int = 1, v
     return encoder.eval()
 
 
-def tiny_edit_image(seed: int = 0, size: tuple[int, int] = (32, 24)) -> Any:
-    """A deterministic RGB ``PIL.Image`` of ``size`` (width, height): an Edit pipeline's input image."""
-    from PIL import Image
-
-    generator = torch.Generator().manual_seed(seed)
-    pixels = torch.randint(0, 256, (size[1], size[0], 3), generator=generator, dtype=torch.uint8)
-    return Image.fromarray(pixels.numpy())
-
-
 def tiny_prompt_embeds(model: Any, batch: int = 1, seed: int = 0, tokens: int = 5) -> dict[str, torch.Tensor]:
     """Deterministic ``prompt_embeds`` and ``prompt_embeds_mask`` for a tiny pipeline's transformer."""
     generator = torch.Generator().manual_seed(seed)
@@ -261,7 +252,6 @@ __all__ = [
     "VARIANTS",
     "modulation_linears",
     "save_tiny_qwen",
-    "tiny_edit_image",
     "tiny_prompt_embeds",
     "tiny_qwen_config",
     "tiny_qwen_inputs",
