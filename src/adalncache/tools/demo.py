@@ -515,6 +515,3 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--device", default="cpu", help="torch device to run on (default: cpu)")
     parser.add_argument("--seed", type=_seed, default=0, help="seed of the weights and the noise (default: 0)")
     parser.set_defaults(func=run)
-
-
-__all__ = ["DemoResult", "register", "run", "run_task"]

@@ -178,9 +178,6 @@ class OnloadMeter:
 
         group.onload_ = onload_
 
-    def reset(self) -> None:
-        self.calls = self.bytes = 0
-
 
 def _group_tensors(group: Any) -> list[torch.Tensor]:
     seen: dict[int, torch.Tensor] = {}
@@ -190,18 +187,3 @@ def _group_tensors(group: Any) -> list[torch.Tensor]:
     for tensor in (*group.parameters, *group.buffers):
         seen[id(tensor)] = tensor
     return list(seen.values())
-
-
-__all__ = [
-    "SERVED",
-    "STATUS_KEYS",
-    "OnloadMeter",
-    "cached_fraction",
-    "drop_page_cache",
-    "io_read_bytes",
-    "meminfo",
-    "proc_status",
-    "resident_served_bytes",
-    "served_bytes",
-    "weight_files",
-]

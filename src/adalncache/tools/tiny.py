@@ -18,7 +18,7 @@ import os
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -36,17 +36,15 @@ if TYPE_CHECKING:
 #: released model's proportions (projection input = hidden / 2, output 18 x hidden, FFN about
 #: 2.7 x hidden), so the projections are about 40% of each block's weights as in MiniMax-H3; it is
 #: the size the bench's forward comparison uses.
+_EVERY_SIZE = {"num_refiner_layers": 1, "in_channels": 4, "audio_in_channels": 8, "patch_size": (1, 2, 2)}
 SIZES: dict[str, dict[str, Any]] = {
     "tiny": {
+        **_EVERY_SIZE,
         "num_attention_heads": 2,
         "attention_head_dim": 32,
         "hidden_size": 64,
         "num_layers": 2,
-        "num_refiner_layers": 1,
         "ffn_dim": 128,
-        "in_channels": 4,
-        "audio_in_channels": 8,
-        "patch_size": (1, 2, 2),
         "text_dim": 48,
         "freq_dim": 32,
         "time_embed_hidden_dim": 64,
@@ -54,15 +52,12 @@ SIZES: dict[str, dict[str, Any]] = {
         "rope_freq_dim": 4,
     },
     "small": {
+        **_EVERY_SIZE,
         "num_attention_heads": 4,
         "attention_head_dim": 64,
         "hidden_size": 320,
         "num_layers": 6,
-        "num_refiner_layers": 1,
         "ffn_dim": 640,
-        "in_channels": 4,
-        "audio_in_channels": 8,
-        "patch_size": (1, 2, 2),
         "text_dim": 64,
         "freq_dim": 64,
         "time_embed_hidden_dim": 320,
@@ -70,15 +65,12 @@ SIZES: dict[str, dict[str, Any]] = {
         "rope_freq_dim": 8,
     },
     "medium": {
+        **_EVERY_SIZE,
         "num_attention_heads": 12,
         "attention_head_dim": 64,
         "hidden_size": 768,
         "num_layers": 8,
-        "num_refiner_layers": 1,
         "ffn_dim": 2048,
-        "in_channels": 4,
-        "audio_in_channels": 8,
-        "patch_size": (1, 2, 2),
         "text_dim": 64,
         "freq_dim": 64,
         "time_embed_hidden_dim": 384,
@@ -233,14 +225,9 @@ def write_native_model(
 
 def adaln_parameter_bytes(model: nn.Module) -> int:
     """Bytes of the AdaLN projection parameters (and the time embedder's) held on a real device."""
-    total = 0
-    embedder: Any = model.time_embedder
-    modules: list[nn.Module] = [*projection_linears(model), embedder]
-    for module in modules:
-        for param in module.parameters():
-            if param.device.type != "meta":
-                total += param.numel() * param.element_size()
-    return total
+    modules: list[Any] = [*projection_linears(model), model.time_embedder]
+    params = [p for module in modules for p in module.parameters() if p.device.type != "meta"]
+    return sum(p.numel() * p.element_size() for p in params)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -269,7 +256,6 @@ class TinyRequest:
     num_condition_audio_rows: int
     video_shift: float
     audio_shift: float
-    extras: dict[str, Any] = field(default_factory=dict)
 
     @property
     def plans(self) -> list[torch.Tensor]:
@@ -661,23 +647,3 @@ def _quiet_progress_bars(blocks: Any) -> None:
         blocks.set_progress_bar_config(disable=True)
     for block in getattr(blocks, "sub_blocks", {}).values():
         _quiet_progress_bars(block)
-
-
-__all__ = [
-    "SIZES",
-    "LoopResult",
-    "TinyRequest",
-    "adaln_parameter_bytes",
-    "make_request",
-    "native_state_dict",
-    "projection_linears",
-    "run_loop",
-    "save_tiny",
-    "tiny_pipeline",
-    "tiny_processor",
-    "tiny_text_encoder",
-    "tiny_tokenizer",
-    "tiny_transformer",
-    "tiny_vaes",
-    "write_native_model",
-]

@@ -116,17 +116,3 @@ def prompt_embeds(
     width = width or transformer.config.joint_attention_dim
     g = torch.Generator().manual_seed(seed)
     return torch.randn(1, tokens, width, generator=g).to(next(transformer.parameters()).dtype)
-
-
-__all__ = [
-    "CONFIGS",
-    "FLUX",
-    "HEADS",
-    "PIPELINES",
-    "TEXT_TOKENS",
-    "flux_vae",
-    "pipeline_class",
-    "prompt_embeds",
-    "seeded_model",
-    "tiny_pipeline",
-]

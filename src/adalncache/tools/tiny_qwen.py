@@ -245,18 +245,3 @@ def tiny_prompt_embeds(model: Any, batch: int = 1, seed: int = 0, tokens: int = 
         "prompt_embeds": embeds.to(model.img_in.weight.dtype),
         "prompt_embeds_mask": torch.ones(batch, tokens, dtype=torch.long),
     }
-
-
-__all__ = [
-    "SIZES",
-    "VARIANTS",
-    "modulation_linears",
-    "save_tiny_qwen",
-    "tiny_prompt_embeds",
-    "tiny_qwen_config",
-    "tiny_qwen_inputs",
-    "tiny_qwen_pipeline",
-    "tiny_qwen_text_encoder",
-    "tiny_qwen_transformer",
-    "tiny_qwen_vae",
-]

@@ -1,41 +1,16 @@
 """``adalncache bench``: side-by-side measurements of the rebuild pass, serving and memory.
 
 Every comparison is measured in one run on one machine and printed as a ratio of medians, because
-absolute times on a shared CPU say little while ratios of neighbouring runs stay meaningful. What
-it measures:
+absolute times on a shared CPU say little while ratios of neighbouring runs stay meaningful.
+Results go to ``bench/results/`` as JSON, Markdown and a PNG chart (:func:`write_outputs`), after
+every section, so a long run leaves partial results.
 
-* the pass against the raw sequential read of the same bytes from the same files and against the
-  projections alone (weights already in memory), page cache warm and cold, at 1 plan and at a full
-  50-step request: a pass that overlaps reading with projecting costs about the larger of the two;
-* on CUDA (``--device cuda``), the pass as a ratio of the pinned host-to-device copy of the same
-  bytes, the physical limit of a pass that feeds a GPU from host memory (a CPU run notes it);
-* the pass against a naive loop that reads each layer whole into a fresh buffer, then projects,
-  at the request size where reading and projecting cost about the same (where overlap matters most);
-* a forward step of a tiny MiniMax-H3 with its projections resident, served from the cache, and
-  offloaded to disk with diffusers' group offloading;
-* a forward step of a tiny Qwen-Image (bf16), resident against served from the cache;
-* a first request's prompt encoding + pass + first step in a tiny MiniMax-H3 pipeline, with the
-  pass on a background thread (``overlap=True``) against the pass before step 0, and in a
-  Qwen-Image pipeline loaded by ``load_transformer`` from a checkpoint whose pages are dropped,
-  the pass started before the prompt is encoded against before step 0 and at the first forward;
-* a pass of a 50-step Qwen-Image request over a generated checkpoint at the released widths (2
-  blocks) against the plain GEMMs over the same weights, tables checked ``torch.equal`` to them;
-* ``build()`` latency when every plan of a 50-step request is already resident (the per-request
-  hot path), beside SGLang's cache where one is installed, and a store hit against a pass;
-* memory: projection bytes against slab bytes, and the peak anonymous memory of a pass, measured in
-  a child process so the parent's buffers do not count (page cache is file-backed, reported apart);
-* deployment: what ``load_transformer`` reads and holds against a stock load, and what group
-  offloading onloads with and without the cache; content hashing, store and table-file hits.
-
-The checkpoint is generated at the real projection widths (in 2688, out 96768 per block) with
-``--layers`` blocks (``--full``: all 50, 24.2 GiB), in the native layout, sharded with an index.
-Results go to ``bench/results/`` as JSON, Markdown and a PNG chart (:func:`write_outputs`).
-
-The package: this module (the command line, the order of the sections, the report),
-:mod:`.workload` (the generated checkpoint, the request, its inputs, and the results model),
-:mod:`.primitives` (what is timed side by side, SGLang's cache among it), and the sections:
-:mod:`.passes` (on a generated checkpoint) and :mod:`.models` (on tiny real models). Process and
-page-cache measurements are :mod:`adalncache.tools.measure`'s.
+The sections (``--only``), each documented where it is defined: ``pass``, ``qwen-pass``, ``build``,
+``store``, ``memory`` and ``tables`` on a checkpoint generated at the real projection widths
+(:mod:`.passes`); ``forward``, ``qwen``, ``first-request`` and ``deploy`` on tiny real models
+(:mod:`.models`). What they share: :mod:`.workload` (the generated checkpoint, the request, its
+inputs, the results model) and :mod:`.primitives` (what is timed side by side, SGLang's cache
+among it). Process and page-cache measurements are :mod:`adalncache.tools.measure`'s.
 """
 
 from __future__ import annotations
@@ -254,6 +229,3 @@ def register(subparsers: Any) -> None:
         return run(args)
 
     p.set_defaults(func=func)
-
-
-__all__ = ["SECTIONS", "register", "run", "write_outputs"]

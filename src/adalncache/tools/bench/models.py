@@ -693,18 +693,3 @@ def _released(res: Results) -> dict[str, Any]:
             f"{row['with_cache_bytes'] / gib:.1f} GiB with it; fits without/with: {fits}"
         )
     return {"released_sizes": sizes, "card_table": table, "released_onloaded_per_step": [stock_step, cached_step]}
-
-
-__all__ = [
-    "MODES",
-    "bench_deploy",
-    "bench_first_request",
-    "bench_forward",
-    "bench_qwen",
-    "card_table",
-    "memory_probe",
-    "onloaded_per_forward",
-    "released_sizes",
-    "request_slab_bytes",
-    "run_memory_probe",
-]

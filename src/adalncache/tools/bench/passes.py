@@ -780,16 +780,3 @@ class TablesSection:
                 served.append(seconds)
             note = f"bound file of {table.stat().st_size / 2**20:.0f} MiB, no weight source"
             res.add(Comparison(f"table-file hit vs pass, {n} plans", "table hit", "pass", served, plain, note=note))
-
-
-__all__ = [
-    "PassSection",
-    "TablesSection",
-    "bench_build_latency",
-    "bench_memory",
-    "bench_pass",
-    "bench_qwen_pass",
-    "bench_store",
-    "bench_tables",
-    "probe_pass",
-]

@@ -524,28 +524,3 @@ class SglangBaseline:
             if not (torch.equal(rows.block, their_block) and torch.equal(rows.final, their_final)):
                 return False
         return True
-
-
-__all__ = [
-    "PinnedCopy",
-    "ResidentLayer",
-    "SglangBaseline",
-    "batched_exactness",
-    "in_fresh_process",
-    "inputs_device",
-    "load_sglang_cache",
-    "naive",
-    "one_pass",
-    "read_and_project_concurrently",
-    "read_buffer",
-    "read_only",
-    "read_only_direct",
-    "request_cache",
-    "result_of",
-    "rounds",
-    "sync_device",
-    "tables_equal_linear",
-    "tensor_ranges",
-    "timed",
-    "timed_build",
-]

@@ -278,24 +278,3 @@ def qwen_request_plans(spec: ModulationSpec, steps: int = STEPS, size: int = QWE
     forwards = served.schedule_timesteps(timesteps, batch=1, dtype=spec.dtype)
     order, tensors = distinct_plans(served.spec_plans(spec, forwards), columns=spec.plan_columns)
     return [tensors[k] for k in order]
-
-
-__all__ = [
-    "QWEN_BLOCKS",
-    "QWEN_DIM",
-    "QWEN_SCHEDULER",
-    "QWEN_SIZE",
-    "REAL_HIDDEN",
-    "REAL_IN",
-    "STEPS",
-    "Comparison",
-    "PlanInputs",
-    "Results",
-    "fmt_s",
-    "generate_checkpoint",
-    "make_inputs",
-    "qwen_config",
-    "qwen_request_plans",
-    "qwen_spec",
-    "request_plans",
-]
