@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import statistics
 import tempfile
 import time
@@ -141,15 +140,6 @@ def _table_bytes(cache: Any) -> int:
     return sum(t.numel() * t.element_size() for t in (getattr(cache, n, None) for n in names) if t is not None)
 
 
-def _stats_dict(stats: Any) -> dict[str, Any]:
-    as_dict = getattr(stats, "as_dict", None)
-    if callable(as_dict):
-        return dict(as_dict())
-    if dataclasses.is_dataclass(stats) and not isinstance(stats, type):
-        return dataclasses.asdict(stats)
-    return dict(vars(stats))
-
-
 def run_task(
     model: Any,
     checkpoint: Path,
@@ -196,7 +186,7 @@ def run_task(
         aot_match = [plan_key(p) for p in ahead] == [plan_key(p) for p in request.plans]
         report = handle.prepare(ahead)
         cached = run_loop(cached_model, request)
-        stats = _stats_dict(handle.stats)
+        stats = dict(handle.stats.as_dict())
     finally:
         handle.disable()
     return DemoResult(
@@ -286,21 +276,21 @@ def run_minimax_h3(args: argparse.Namespace) -> int:
 
 @dataclass(frozen=True)
 class _PipelineDemo:
-    """What differs between the pipeline demos (Qwen-Image and the AdaLayerNormZero family's)."""
+    """What differs between the pipeline demos (Qwen-Image and the AdaLayerNormZero family's).
 
-    #: The header's model name.
+    ``title``: the header's model name; ``request``: the request row (``{steps}`` filled in);
+    ``never_read``: what the cached load never reads, in the ``load`` row; ``build(seed)``: the tiny
+    fp32 transformer; ``pipeline(stock, seed)``: its pipeline; ``inputs(stock, seed, device)``: the
+    request's arguments besides the steps and the generator; ``served(model)``: the bytes of its
+    served parameters on its device.
+    """
+
     title: str
-    #: The request row (``{steps}`` is filled in).
     request: str
-    #: What the cached load never reads, in the ``load`` row.
     never_read: str
-    #: seed -> the tiny transformer, fp32.
     build: Callable[[int], Any]
-    #: (stock transformer, seed) -> its pipeline.
     pipeline: Callable[[Any, int], Any]
-    #: (stock transformer, seed, device) -> the request's arguments besides the steps and generator.
     inputs: Callable[[Any, int, torch.device], dict[str, Any]]
-    #: model -> the bytes of its served parameters on its device.
     served: Callable[[Any], int]
 
 

@@ -23,6 +23,7 @@ import contextlib
 import gc
 import os
 import re
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -141,6 +142,21 @@ def meminfo() -> dict[str, int]:
             key, _, value = line.partition(":")
             out[key] = int(value.split()[0]) * 1024
     return out
+
+
+def sync_device(device: torch.device) -> None:
+    """Wait for the device's queued work, so a timer around it measures the work itself."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], Any], device: torch.device) -> float:
+    """Seconds of ``fn()``, the device synchronised before and after."""
+    sync_device(device)
+    start = time.perf_counter()
+    fn()
+    sync_device(device)
+    return time.perf_counter() - start
 
 
 # ---------------------------------------------------------------------------------------------------- offloading

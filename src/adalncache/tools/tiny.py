@@ -26,6 +26,7 @@ import torch
 
 from ..errors import ConfigError
 from ..schedules import LatentShape, build_layout, build_row_timestep_plan, check_steps, check_task
+from .measure import sync_device
 
 if TYPE_CHECKING:
     from torch import nn
@@ -114,24 +115,19 @@ def projection_linears(model: Any) -> list[Any]:
     return [getattr(linear, "base_layer", linear) for linear in linears]
 
 
-def save_tiny(model: nn.Module, directory: str | os.PathLike[str], *, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
-    """``save_pretrained`` the model to ``directory`` and load it back with ``torch_dtype=dtype``.
+def save_tiny(model: Any, directory: str | os.PathLike[str], *, dtype: torch.dtype = torch.bfloat16) -> Any:
+    """``save_pretrained`` a tiny diffusers model to ``directory`` and load it back with ``torch_dtype=dtype``.
 
-    With bf16 this is the released mixed precision: ``_keep_in_fp32_modules`` keeps the time
+    With bf16 this is the released mixed precision: ``_keep_in_fp32_modules`` keeps MiniMax-H3's time
     embedder, patch projections and heads in fp32 and the AdaLN projections and blocks in bf16.
     With fp32 the loaded weights stay views into the mapped file, at the file's (odd) offsets,
     which is the alignment case exactness tests must cover (an fp32 GEMV's bits depend on the
     weight's address modulo 16).
     """
-    from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3Transformer3DModel
-
     if dtype not in (torch.bfloat16, torch.float32, torch.float16):
         raise ConfigError(f"save_tiny dtype must be bfloat16, float16 or float32, got {dtype}")
-    directory = Path(directory)
-    saver: Any = model  # a diffusers model
-    saver.save_pretrained(directory)
-    loaded: Any = MiniMaxH3Transformer3DModel.from_pretrained(directory, torch_dtype=dtype)
-    return loaded.eval()
+    model.save_pretrained(Path(directory))
+    return type(model).from_pretrained(Path(directory), torch_dtype=dtype).eval()
 
 
 #: diffusers names -> native (MiniMax release) names, applied in order, as the inverse of diffusers'
@@ -394,11 +390,6 @@ class LoopResult:
         return torch.equal(self.latents, other.latents) and torch.equal(self.audio_latents, other.audio_latents)
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 @torch.no_grad()
 def run_loop(
     model: nn.Module,
@@ -434,11 +425,11 @@ def run_loop(
         if attention_kwargs is not None:
             kwargs["attention_kwargs"] = dict(attention_kwargs)
         # The step time includes the device work the forward queued, not only its launch.
-        _synchronize(device)
+        sync_device(device)
         start = time.perf_counter()
         with step_context(step, float(t), len(scheduler.timesteps)) if step_context else contextlib.nullcontext():
             noise_pred, audio_noise_pred = model(**kwargs)
-        _synchronize(device)
+        sync_device(device)
         seconds.append(time.perf_counter() - start)
         outputs.append((noise_pred.clone(), audio_noise_pred.clone()))
         latents[n_video:] = scheduler.step(noise_pred[0, n_video:].float(), t, latents[n_video:], return_dict=False)[0]

@@ -32,9 +32,10 @@ from ..measure import (
     proc_status,
     resident_served_bytes,
     served_bytes,
+    timed,
     weight_files,
 )
-from .primitives import in_fresh_process, result_of, timed
+from .primitives import in_fresh_process, result_of
 from .workload import Comparison, Results
 
 # ---------------------------------------------------------------------------------------------------- forward
@@ -354,7 +355,8 @@ def _bench_qwen_first_request(res: Results, runs: int, work: Path, size: str, de
     from diffusers import QwenImagePipeline
 
     from ...diffusers import enable_adaln_cache, load_transformer
-    from ..tiny_qwen import save_tiny_qwen, tiny_qwen_pipeline, tiny_qwen_transformer
+    from ..tiny import save_tiny
+    from ..tiny_qwen import tiny_qwen_pipeline, tiny_qwen_transformer
 
     class LateStart(QwenImagePipeline):
         """``QwenImagePipeline`` with a ``__call__`` of its own: no schedule is predicted for it."""
@@ -366,7 +368,7 @@ def _bench_qwen_first_request(res: Results, runs: int, work: Path, size: str, de
     directory = work / f"qwen-first-request-{qwen_size}"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        save_tiny_qwen(tiny_qwen_transformer("plain", size=qwen_size), directory, dtype=torch.float32)
+        save_tiny(tiny_qwen_transformer("plain", size=qwen_size), directory, dtype=torch.float32)
         files = sorted(directory.glob("*.safetensors"))
         pipes: dict[str, Any] = {}
         for name in ("sequential", "late", "early"):

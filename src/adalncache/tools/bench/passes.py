@@ -29,7 +29,7 @@ from ...plans import plan_key
 from ...source import CheckpointSource
 from ...spec import ModulationSpec
 from ...tiling import TILE_ROWS
-from ..measure import drop_page_cache, meminfo, proc_status
+from ..measure import drop_page_cache, meminfo, proc_status, timed
 from .primitives import (
     PinnedCopy,
     ResidentLayer,
@@ -46,7 +46,6 @@ from .primitives import (
     result_of,
     rounds,
     tables_equal_linear,
-    timed,
     timed_build,
 )
 from .workload import (
@@ -413,32 +412,13 @@ class HitTiming:
         return out
 
 
-def hit_variants(
-    ours: Any, theirs: SglangBaseline | None, steps: Sequence[torch.Tensor], embed: Callable[[torch.Tensor], Any]
-) -> dict[str, tuple[Callable[[], Any], Callable[[], Any] | None]]:
-    """``call label -> (our call, the baseline's call or None)`` for one request's per-step plans."""
-    plans = list(steps)
-    keys = [plan_key(p) for p in plans]
-    sg = theirs.cache if theirs is not None else None
-    sg_keys = [theirs.key(p) for p in plans] if theirs is not None else []
-    return {
-        "build()": (
-            lambda: ours.build(plans, embed=embed),
-            (lambda: sg.build(plans, embed=embed)) if sg is not None else None,
-        ),
-        "build(keys=)": (
-            lambda: ours.build(plans, embed=embed, keys=keys),
-            (lambda: sg.build(plans, embed=embed, keys=sg_keys)) if sg is not None else None,
-        ),
-        "resolve_slots()": (
-            lambda: ours.resolve_slots(plans),
-            (lambda: sg.resolve_slots(plans)) if sg is not None else None,
-        ),
-        "resolve_slots(keys=)": (
-            lambda: ours.resolve_slots(plans, keys=keys),
-            (lambda: sg.resolve_slots(plans, keys=sg_keys)) if sg is not None else None,
-        ),
-    }
+#: The hit-path calls timed, by label: ``call(cache, plans, keys, embed)``.
+HIT_CALLS: dict[str, Callable[[Any, list[torch.Tensor], list[Any], Callable[[torch.Tensor], Any]], Any]] = {
+    "build()": lambda cache, plans, keys, embed: cache.build(plans, embed=embed),
+    "build(keys=)": lambda cache, plans, keys, embed: cache.build(plans, embed=embed, keys=keys),
+    "resolve_slots()": lambda cache, plans, keys, embed: cache.resolve_slots(plans),
+    "resolve_slots(keys=)": lambda cache, plans, keys, embed: cache.resolve_slots(plans, keys=keys),
+}
 
 
 def time_interleaved(
@@ -481,11 +461,14 @@ def hit_timings(
     calls: dict[str, Callable[[], Any]] = {}
     labels: list[tuple[str, int]] = []
     for size, steps in requests.items():
-        for call, (mine, base) in hit_variants(ours, theirs, steps, embed).items():
+        plans = list(steps)
+        keys = [plan_key(p) for p in plans]  # each cache keys plans with its own key function
+        their_keys = [theirs.key(p) for p in plans] if theirs is not None else []
+        for call, fn in HIT_CALLS.items():
             labels.append((call, size))
-            calls[f"ours {call} {size}"] = mine
-            if base is not None:
-                calls[f"theirs {call} {size}"] = base
+            calls[f"ours {call} {size}"] = partial(fn, ours, plans, keys, embed)
+            if theirs is not None:
+                calls[f"theirs {call} {size}"] = partial(fn, theirs.cache, plans, their_keys, embed)
     got = time_interleaved(calls, samples, device)
     return [
         HitTiming(call, size, got[f"ours {call} {size}"], got.get(f"theirs {call} {size}")) for call, size in labels

@@ -40,22 +40,8 @@ from ...cache import AdalnCache
 from ...plans import PlanKey, plan_key
 from ...source import aligned_empty, pread_into
 from ...spec import Layer, ModulationSpec
+from ..measure import sync_device, timed
 from .workload import PlanInputs
-
-
-def sync_device(device: torch.device) -> None:
-    """Wait for the device's queued work, so a timer around it measures the work itself."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def timed(fn: Callable[[], Any], device: torch.device) -> float:
-    """Seconds of ``fn()``, the device synchronised before and after."""
-    sync_device(device)
-    start = time.perf_counter()
-    fn()
-    sync_device(device)
-    return time.perf_counter() - start
 
 
 def rounds(
