@@ -14,9 +14,9 @@ module can be read, tested and changed with only what is below it in mind. Every
 also one inside a function (it runs when called) or under ``if TYPE_CHECKING:`` (it still ties the
 two modules' designs together).
 
-Inside two packages the same scan checks one more rule each: a section of the benchmark
-(``tools.bench``) imports only the benchmark's shared modules, never another section; and the
-integration's family-neutral modules never import the module that is MiniMax-H3's.
+Inside two packages the same scan checks one more rule each: a module of the benchmark's sections
+(``tools.bench``) imports only the benchmark's shared modules, never another module of sections;
+and the integration's family-neutral modules never import the module that is MiniMax-H3's.
 
 Two more scans keep the code readable: no runtime class over 350 lines and no function over 80
 lines of code (a longer one does several jobs), and the tools are not fought (no formatter
