@@ -1231,8 +1231,8 @@ def check_first_request(ctx: Context) -> dict[str, Any]:
     missing = [name for name in ("diffusers", "transformers") if not importable(name)]
     if missing:
         raise Skipped(f"the first-request check runs tiny pipelines and needs {' and '.join(missing)}")
-    from adalncache.tools.bench.first_request import bench_first_request
-    from adalncache.tools.bench.results import Results
+    from adalncache.tools.bench.models import bench_first_request
+    from adalncache.tools.bench.workload import Results
 
     size = "medium" if ctx.device.type == "cuda" else "tiny"
     res = Results(config={"device": str(ctx.device), "size": size})

@@ -17,10 +17,9 @@ import torch
 
 pytest.importorskip("diffusers")
 
+import adaln_zero_helpers as tiny
 from adalncache.cli import main
 from adalncache.diffusers import enable_adaln_cache
-from adalncache.tools import tiny_adaln_zero as tiny
-from adalncache.tools import tiny_adaln_zero_pipelines as pipelines
 
 SHARD = "40KB"
 
@@ -57,11 +56,11 @@ def test_cli_tables_of_a_checkpoint_serve_the_pipeline_without_a_pass(
 ) -> None:
     """A schedule named by --steps and the pipeline's scheduler config: every plan of the request is in the
     file, so enabling the pipeline with it builds nothing and the latents equal the resident ones."""
-    name = next(n for n, p in pipelines.PIPELINES.items() if pipeline in p)
+    name = next(n for n, p in tiny.PIPELINES.items() if pipeline in p)
     repo = tmp_path / "repo"
-    _save(pipelines.build(name, **pipelines.PIPELINE_FLAGS.get(pipeline, {})), repo / "transformer")
+    _save(tiny.pipeline_transformer(name, **tiny.PIPELINE_FLAGS.get(pipeline, {})), repo / "transformer")
     transformer = _fresh(name, repo / "transformer")
-    pipe = pipelines.tiny_pipeline(transformer, pipeline)
+    pipe = tiny.tiny_pipeline(transformer, pipeline)
     pipe.scheduler.save_config(repo / "scheduler")
     store, tables = tmp_path / "store", tmp_path / "tables.safetensors"
     schedule = ["--steps", "4", "--height", "8", "--width", "8", "--batch", rows, *flags, "-q"]
@@ -81,7 +80,7 @@ def test_cli_tables_of_a_checkpoint_serve_the_pipeline_without_a_pass(
     assert "'family': 'adaln-zero'" in capsys.readouterr().out  # and so does the store's
 
     def run() -> torch.Tensor:
-        return pipe(**pipelines.request(pipe, 4))[0]
+        return pipe(**tiny.request(pipe, 4))[0]
 
     resident = run()
     handle = enable_adaln_cache(pipe, repo / "transformer", tables=tables)
@@ -231,9 +230,9 @@ def test_a_step_count_gives_the_forwards_the_pipeline_runs(pipeline: str) -> Non
     from adalncache.families import adaln_zero
     from adalncache.integrations.diffusers.adaln_zero import pipeline_forward_inputs
 
-    name = next(n for n, p in pipelines.PIPELINES.items() if pipeline in p)
-    transformer = pipelines.build(name, **pipelines.PIPELINE_FLAGS.get(pipeline, {}))
-    pipe = pipelines.tiny_pipeline(transformer, pipeline)
+    name = next(n for n, p in tiny.PIPELINES.items() if pipeline in p)
+    transformer = tiny.pipeline_transformer(name, **tiny.PIPELINE_FLAGS.get(pipeline, {}))
+    pipe = tiny.tiny_pipeline(transformer, pipeline)
     from diffusers import FlowMatchEulerDiscreteScheduler
 
     from adalncache.integrations.diffusers.adaln_zero import STEP_SCHEDULES
@@ -246,9 +245,9 @@ def test_a_step_count_gives_the_forwards_the_pipeline_runs(pipeline: str) -> Non
         seen.append({k: kwargs[k] for k in ("timestep", adaln_zero.TIMESTEP_R) if kwargs.get(k) is not None})
 
     hook = transformer.register_forward_pre_hook(record, with_kwargs=True)
-    pipe(**pipelines.request(pipe, 5))
+    pipe(**tiny.request(pipe, 5))
     hook.remove()
-    size = 64 if name != "BriaFiboTransformer2DModel" else pipelines.SIZES[name]
+    size = 64 if name != "BriaFiboTransformer2DModel" else tiny.SIZES[name]
     rows = seen[0]["timestep"].shape[0]
     computed = pipeline_forward_inputs(
         name,

@@ -16,8 +16,8 @@ import torch
 
 pytest.importorskip("diffusers")
 
+import adaln_zero_helpers as tiny
 from adalncache.diffusers import enable_adaln_cache
-from adalncache.tools import tiny_adaln_zero as tiny
 from test_adaln_zero_serving import SERVED, _id, request_plans, run, served_bytes
 
 #: The classes whose forwards cast the timestep to ``hidden_states``' dtype, which autocast changes.

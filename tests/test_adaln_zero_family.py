@@ -19,11 +19,11 @@ import pytest
 import torch
 from torch import nn
 
+import adaln_zero_helpers as tiny
 from adalncache import families
 from adalncache.errors import ConfigError, PlanError
 from adalncache.families import adaln_zero
 from adalncache.integrations.diffusers import adaln_zero as integration
-from adalncache.tools import tiny_adaln_zero as tiny
 
 #: (class, config flags): every class, and each optional input's variant.
 VARIANTS = [
@@ -220,7 +220,7 @@ def test_a_forward_without_an_input_the_config_enables_has_no_plan() -> None:
 )
 def test_the_meta_device_sizes_are_the_real_models_bytes(name: str) -> None:
     """The README's served bytes and shares (counted on meta) are what a real bf16 model of that config holds."""
-    from adalncache.tools.family_sizes import measure
+    from family_sizes import measure
 
     sizes = measure(name, tiny.config(name))
     model = tiny.build(name, dtype=torch.bfloat16)

@@ -18,13 +18,12 @@ from torch import nn
 
 pytest.importorskip("diffusers")
 
+import adaln_zero_helpers as tiny
 from adalncache.diffusers import enable_adaln_cache
 from adalncache.errors import ConfigError, PlanError
 from adalncache.families import adaln_zero
 from adalncache.integrations.diffusers.handle import HANDLE_ATTRIBUTE
-from adalncache.tools import tiny_adaln_zero as tiny
-from adalncache.tools import tiny_adaln_zero_pipelines as tiny_pipelines
-from adalncache.tools.tiny import parameter_bytes
+from tiny_helpers import parameter_bytes
 
 #: (class, flags) of every served class, with each optional input's variant (AuraFlow's projections have no bias).
 SERVED = [
@@ -249,9 +248,10 @@ def test_a_class_of_no_family_is_refused_as_not_supported() -> None:
 #: Every class's diffusers pipelines (HunyuanVideo-1.5's text-to-video and image-to-video), each
 #: run in fp32 from memory; Bria (cond and uncond concatenated) and Ovis-Image (two forwards a step)
 #: also as bf16 files saved and loaded by diffusers.
-PIPELINE_RUNS = [
-    (pipeline, "fp32-memory") for pipelines in tiny_pipelines.PIPELINES.values() for pipeline in pipelines
-] + [("BriaPipeline", "bf16-disk"), ("OvisImagePipeline", "bf16-disk")]
+PIPELINE_RUNS = [(pipeline, "fp32-memory") for pipelines in tiny.PIPELINES.values() for pipeline in pipelines] + [
+    ("BriaPipeline", "bf16-disk"),
+    ("OvisImagePipeline", "bf16-disk"),
+]
 
 
 @pytest.mark.parametrize(("pipeline", "precision"), PIPELINE_RUNS, ids=lambda v: str(v))
@@ -267,14 +267,14 @@ def test_a_pipeline_request_is_built_in_one_pass_and_repeats_build_nothing(
     files that cannot be made offline): requests pass seeded prompt embeddings, or, for Bria-FIBO and
     LongCat-Image whose pipelines take text only, text whose encoding is seeded; they return latents.
     """
-    name = next(n for n, p in tiny_pipelines.PIPELINES.items() if pipeline in p)
-    transformer = tiny_pipelines.build(name, **tiny_pipelines.PIPELINE_FLAGS.get(pipeline, {}))
+    name = next(n for n, p in tiny.PIPELINES.items() if pipeline in p)
+    transformer = tiny.pipeline_transformer(name, **tiny.PIPELINE_FLAGS.get(pipeline, {}))
     if precision == "bf16-disk":
         transformer = tiny.save_and_load(transformer, tmp_path / "model", torch.bfloat16)
-    pipe = tiny_pipelines.tiny_pipeline(transformer, pipeline)
+    pipe = tiny.tiny_pipeline(transformer, pipeline)
 
     def run(steps: int) -> torch.Tensor:
-        return pipe(**tiny_pipelines.request(pipe, steps))[0]
+        return pipe(**tiny.request(pipe, steps))[0]
 
     resident = {steps: run(steps) for steps in (3, 4)}
     handle = enable_adaln_cache(pipe)
@@ -554,16 +554,16 @@ def test_a_pipeline_leaving_out_an_input_the_config_enables_is_a_plan_error(
 ) -> None:
     """Bria-FIBO's pipeline passes no guidance, HunyuanVideo-1.5's text-to-video pipeline no timestep_r: the
     stock forward then skips that embedding, but a plan cannot mark an input absent, so serving refuses."""
-    name = next(n for n, p in tiny_pipelines.PIPELINES.items() if pipeline in p)
-    pipe = tiny_pipelines.tiny_pipeline(tiny_pipelines.build(name, **flags), pipeline)
-    resident = pipe(**tiny_pipelines.request(pipe, 2))[0]  # the stock pipeline runs
+    name = next(n for n, p in tiny.PIPELINES.items() if pipeline in p)
+    pipe = tiny.tiny_pipeline(tiny.pipeline_transformer(name, **flags), pipeline)
+    resident = pipe(**tiny.request(pipe, 2))[0]  # the stock pipeline runs
     assert torch.isfinite(resident).all()
     handle = enable_adaln_cache(pipe)
     missing = adaln_zero.GUIDANCE if "guidance_embeds" in flags else adaln_zero.TIMESTEP_R
     with pytest.raises(PlanError, match=f"needs the forward's {missing} tensor"):
-        pipe(**tiny_pipelines.request(pipe, 2))
+        pipe(**tiny.request(pipe, 2))
     handle.disable()
-    assert torch.equal(pipe(**tiny_pipelines.request(pipe, 2))[0], resident)
+    assert torch.equal(pipe(**tiny.request(pipe, 2))[0], resident)
 
 
 @pytest.mark.parametrize("name", ["HunyuanImageTransformer2DModel", "BriaTransformer2DModel"])

@@ -659,9 +659,9 @@ def test_prepare_rejects_a_meta_input_of_a_three_column_family() -> None:
     """HunyuanImage (timestep, timestep_r, guidance): a meta guidance is a PlanError, not a
     RuntimeError about devices from stacking the columns; the prepared request stays and is exact."""
     pytest.importorskip("diffusers")
+    import adaln_zero_helpers as tiny_adaln_zero
     from adalncache.diffusers import enable_adaln_cache
     from adalncache.families import adaln_zero
-    from adalncache.tools import tiny_adaln_zero
 
     model = tiny_adaln_zero.build("HunyuanImageTransformer2DModel", use_meanflow=True, guidance_embeds=True)
     plan = {
@@ -715,7 +715,7 @@ def family_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Tiny layered and plain Qwen-Image and Bria (AdaLayerNormZero) checkpoints, and a scheduler
     config whose values have the wrong types."""
     pytest.importorskip("diffusers")
-    from adalncache.tools import tiny_adaln_zero
+    import adaln_zero_helpers as tiny_adaln_zero
     from adalncache.tools.tiny_qwen import tiny_qwen_transformer
 
     root = tmp_path_factory.mktemp("families")
@@ -800,8 +800,8 @@ def test_cli_refuses_an_ambiguous_directory_naming_both_files(env: Env, capsys: 
 def test_prepare_refuses_an_unknown_key_of_an_adaln_zero_plan() -> None:
     """HunyuanImage given Qwen-Image's ``additional_t_cond``: PlanError naming the accepted keys (was ignored)."""
     pytest.importorskip("diffusers")
+    import adaln_zero_helpers as tiny_adaln_zero
     from adalncache.diffusers import enable_adaln_cache
-    from adalncache.tools import tiny_adaln_zero
 
     model = tiny_adaln_zero.build("HunyuanImageTransformer2DModel")
     handle = enable_adaln_cache(model, max_plans=4)

@@ -142,7 +142,7 @@ def test_bench_rejects_a_device_it_cannot_use(tmp_path: Path, capsys: pytest.Cap
 
 def test_bench_hit_path_section(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The hit path: ``build()`` and ``resolve_slots()`` of a fully resident request, 49 and 10 plans, per plan."""
-    from adalncache.tools.bench.sglang import load_sglang_cache
+    from adalncache.tools.bench.primitives import load_sglang_cache
 
     out = tmp_path / "results"
     argv = ["bench", "--quick", "--only", "build", "--dir", str(tmp_path / "work"), "--out", str(out)]
@@ -167,7 +167,7 @@ def test_sglang_stubs_leave_no_trace() -> None:
     """The stubs of SGLang's runtime exist only while its cache module loads."""
     import sys
 
-    from adalncache.tools.bench.sglang import _runtime_stubs, _stubbed, load_sglang_cache
+    from adalncache.tools.bench.primitives import _runtime_stubs, _stubbed, load_sglang_cache
 
     before = {name for name in sys.modules if name == "sglang" or name.startswith("sglang.")}
     with _stubbed(_runtime_stubs()):

@@ -18,8 +18,9 @@ import torch.nn.functional as F
 from adalncache.cli import main
 from adalncache.plans import minimax_h3_plans, plan_key
 from adalncache.tiers.store import MAGIC, Store
-from adalncache.tools.tiny import make_request, run_loop, write_native_checkpoint
+from adalncache.tools.tiny import make_request, run_loop
 from tiers_support import write_h3_checkpoint
+from tiny_helpers import write_native_checkpoint
 
 pytest.importorskip("diffusers")
 

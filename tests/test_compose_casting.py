@@ -18,8 +18,9 @@ pytest.importorskip("diffusers")
 
 from adalncache.diffusers import adaln_cache_handle, enable_adaln_cache
 from adalncache.errors import ConfigError
-from adalncache.tools.tiny import make_request, run_loop, write_native_checkpoint
+from adalncache.tools.tiny import make_request, run_loop
 from compose_helpers import assert_equal, assert_exact, assert_full_precision_tables, maxdiff, projections, serve
+from tiny_helpers import write_native_checkpoint
 
 FP8, BF16 = torch.float8_e4m3fn, torch.bfloat16
 

@@ -1,7 +1,7 @@
 """Loading paths and adapters added while enabled.
 
 ``from_single_file`` reads MiniMax's native single-file layout (written here whole by
-``tools.native``); the cache must be exact on the loaded model, from its own tensors and from a
+``tiny_helpers.write_native_single_file``); the cache must be exact on the loaded model, from its own tensors and from a
 ``checkpoint=`` pointing at that same file. peft's ``add_adapter`` on an enabled model must give the
 adapter real weights (it once put them on the meta placeholders' device: NaN outputs, no error).
 """
@@ -18,9 +18,9 @@ pytest.importorskip("diffusers")
 
 from adalncache.diffusers import enable_adaln_cache
 from adalncache.errors import ConfigError
-from adalncache.tools.native import native_state_dict, write_native_single_file
-from adalncache.tools.tiny import make_request, run_loop, tiny_transformer
+from adalncache.tools.tiny import make_request, native_state_dict, run_loop, tiny_transformer
 from compose_helpers import assert_equal, assert_exact, serve
+from tiny_helpers import write_native_single_file
 
 
 def _from_single_file(path: Path, config_dir: Path, dtype: torch.dtype | None) -> Any:

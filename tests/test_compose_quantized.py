@@ -32,8 +32,7 @@ from adalncache.integrations.diffusers.quantized import (
     storage_of,
 )
 from adalncache.spec import FINAL
-from adalncache.tools.native import write_gguf
-from adalncache.tools.tiny import make_request, run_loop, tiny_transformer, write_native_checkpoint
+from adalncache.tools.tiny import make_request, run_loop, tiny_transformer
 from compose_helpers import (
     assert_equal,
     assert_exact,
@@ -43,6 +42,7 @@ from compose_helpers import (
     projections,
     serve,
 )
+from tiny_helpers import write_gguf, write_native_checkpoint
 
 EXTRA = "installed by the compose extra (pip install 'adalncache[compose]'; make test installs it)"
 

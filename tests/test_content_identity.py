@@ -23,10 +23,9 @@ import torch.nn.functional as F
 from adalncache import AdalnCache, CheckpointSource, ConfigError, Store, TensorSource, plan_key
 from adalncache.identity.digest import LEAVES, DigestSink, content_digest, leaf_bounds
 from adalncache.identity.memo import forget_process_memo
-from adalncache.source import Columns
+from adalncache.source import Columns, write_safetensors
 from adalncache.spec import FINAL, LAYOUTS
 from adalncache.tiers.store import binding_hash
-from adalncache.tools.tiny import write_safetensors
 from core_helpers import make_weights, write_checkpoint
 from tiers_support import plan, projection_dict, simple_embed, small_spec
 

@@ -22,7 +22,8 @@ import adalncache.cache as cache_module  # where a move compares device identiti
 from adalncache.diffusers import adaln_cache_handle, enable_adaln_cache, load_transformer
 from adalncache.errors import ConfigError
 from adalncache.plans import minimax_h3_plans
-from adalncache.tools.tiny import make_request, parameter_bytes, run_loop
+from adalncache.tools.tiny import make_request, run_loop
+from tiny_helpers import parameter_bytes
 
 STEPS = 4
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (moves across devices)")

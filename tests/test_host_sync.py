@@ -23,10 +23,10 @@ import torch
 
 pytest.importorskip("diffusers")
 
+import adaln_zero_helpers as tiny_az
 from adalncache import PlanMismatchError, PlanNotCachedError
 from adalncache.diffusers import enable_adaln_cache
 from adalncache.families import adaln_zero
-from adalncache.tools import tiny_adaln_zero as tiny_az
 from adalncache.tools.tiny import make_request, run_loop, tiny_transformer
 from adalncache.tools.tiny_qwen import tiny_qwen_inputs, tiny_qwen_transformer
 

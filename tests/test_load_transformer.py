@@ -25,13 +25,8 @@ from adalncache.errors import CheckpointError, ConfigError
 from adalncache.integrations.diffusers import CheckpointMismatchError
 from adalncache.plans import minimax_h3_plans
 from adalncache.tools.measure import drop_page_cache, io_read_bytes, resident_served_bytes, served_bytes, weight_files
-from adalncache.tools.tiny import (
-    make_request,
-    run_loop,
-    tiny_transformer,
-    write_native_checkpoint,
-    write_native_model,
-)
+from adalncache.tools.tiny import make_request, run_loop, tiny_transformer, write_native_model
+from tiny_helpers import write_native_checkpoint
 
 TASKS = ("t2va", "fl2va", "ref2va")
 STEPS = 4

@@ -308,10 +308,10 @@ def test_a_pipeline_encoding_its_own_prompts_adopts_the_prediction(caplog: pytes
 
 
 def _saved(tmp_path: Any) -> Any:
-    from adalncache.tools.tiny_qwen import save_tiny_qwen
+    from adalncache.tools.tiny import save_tiny
 
     directory = tmp_path / "transformer"
-    save_tiny_qwen(tiny_qwen_transformer("plain"), directory, dtype=torch.float32)
+    save_tiny(tiny_qwen_transformer("plain"), directory, dtype=torch.float32)
     return directory
 
 

@@ -326,7 +326,8 @@ def test_an_edit_pipeline_request_is_built_in_one_pass(pipeline: str, variant: s
     always do, and its latents join the transformer's tokens (``img_shapes`` of two entries).
     Edit-Plus with a ``zero_cond_t`` transformer is Qwen-Image-Edit-2511: plans of ``[t; 0]``.
     """
-    from adalncache.tools.tiny_qwen import tiny_edit_image, tiny_prompt_embeds, tiny_qwen_pipeline
+    from adalncache.tools.tiny_qwen import tiny_prompt_embeds, tiny_qwen_pipeline
+    from tiny_helpers import tiny_edit_image
 
     pipe = tiny_qwen_pipeline(variant, pipeline=pipeline)
     assert type(pipe).__name__ == pipeline and pipe.text_encoder is None and pipe.processor is None
@@ -370,7 +371,8 @@ def test_the_layered_pipeline_is_served_in_one_pass() -> None:
     images come back as decoded ``pt`` tensors (diffusers 0.42.1's Layered pipeline fails on
     ``output_type="latent"``).
     """
-    from adalncache.tools.tiny_qwen import tiny_edit_image, tiny_prompt_embeds, tiny_qwen_pipeline
+    from adalncache.tools.tiny_qwen import tiny_prompt_embeds, tiny_qwen_pipeline
+    from tiny_helpers import tiny_edit_image
 
     pipe = tiny_qwen_pipeline("layered", pipeline="QwenImageLayeredPipeline")
     pipe.set_progress_bar_config(disable=True)

@@ -1,7 +1,7 @@
 """Helpers shared by the tier tests: tiny specs, in-memory sources, checkpoints with a time embedder.
 
 Why a native checkpoint *with* the time embedder: ``adalncache build``/``verify`` compute the
-projections' input from it, and ``tiny.write_native_checkpoint`` writes only the projections.
+projections' input from it, and ``tiny_helpers.write_native_checkpoint`` writes only the projections.
 """
 
 from __future__ import annotations
@@ -58,10 +58,11 @@ def plan(*values: float) -> torch.Tensor:
 def write_h3_checkpoint(model: Any, directory: Path, *, shards: int = 2) -> Path:
     """A sharded native-layout checkpoint of ``model``'s projections *and* time embedder.
 
-    Tensors keep the model's own address modulo 64 (as ``tiny.write_native_checkpoint`` does), so
+    Tensors keep the model's own address modulo 64 (as ``tiny_helpers.write_native_checkpoint`` does), so
     projecting and embedding from the file is bit-identical to the resident model.
     """
-    from adalncache.tools.tiny import projection_tensors, write_safetensors
+    from adalncache.source import write_safetensors
+    from tiny_helpers import projection_tensors
 
     directory.mkdir(parents=True, exist_ok=True)
     tensors = dict(projection_tensors(model, "native"))

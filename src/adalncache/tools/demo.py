@@ -1,24 +1,34 @@
-"""``adalncache demo``: a deterministic tiny MiniMax-H3, resident versus cached, with a verdict.
+"""``adalncache demo``: a deterministic tiny model, resident versus cached, with a verdict.
 
-What it shows, end to end and offline: a transformer built from a seed and round-tripped through
-``save_pretrained``/``from_pretrained(torch_dtype=bfloat16)`` (the released mixed precision), the
-whole model written as a sharded native-layout checkpoint (the MiniMax release's names), and one
-request's denoising loop (the pipeline's own layout and plan builders, ``MiniMaxH3Scheduler``) run
-twice: with the stock model, projections resident, then with a model that
-:func:`~adalncache.diffusers.load_transformer` loaded from that checkpoint without ever reading its
-AdaLN projections (or its time embedder), served by the cache. The verdict compares every forward
-output and the final latents with ``torch.equal``; the table reports the plans, rebuild passes,
-the checkpoint bytes the load read and never read, AdaLN bytes on the device before and after, and
-per-step time both ways.
+MiniMax-H3 (the default), end to end and offline: a transformer built from a seed and
+round-tripped through ``save_pretrained``/``from_pretrained(torch_dtype=bfloat16)`` (the released
+mixed precision), the whole model written as a sharded native-layout checkpoint (the MiniMax
+release's names), and one request's denoising loop (the pipeline's own layout and plan builders,
+``MiniMaxH3Scheduler``) run twice: with the stock model, projections resident, then with a model
+that :func:`~adalncache.diffusers.load_transformer` loaded from that checkpoint without ever reading
+its AdaLN projections (or its time embedder), served by the cache. The verdict compares every
+forward output and the final latents with ``torch.equal``; the table reports the plans, rebuild
+passes, the checkpoint bytes the load read and never read, AdaLN bytes on the device before and
+after, and per-step time both ways.
+
+``--model qwen-image | bria | ovis-image``: the family's tiny diffusers pipeline, as deterministic
+and offline. A tiny transformer saved in bf16 as a sharded diffusers checkpoint, its pipeline
+around it (tiny VAE; prompt embeddings instead of a text encoder, which needs tokenizer files),
+run once with the stock transformer and once with one ``load_transformer`` loaded without reading
+its modulation projections (nor Qwen-Image's timestep embedder; the AdaLayerNormZero family's time
+embedder is loaded), served by the cache. Bria's pipeline concatenates the conditional and
+unconditional batch (two rows a forward), Ovis-Image's runs them as two forwards. The verdict
+compares the images (Qwen-Image) or latents with ``torch.equal``.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import logging
+import contextlib
 import statistics
 import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,12 +39,16 @@ from ..devices import resolve_device
 from ..errors import ConfigError
 from ..schedules import TASKS
 
-log = logging.getLogger(__name__)
+#: ``--model`` names of the AdaLayerNormZero family's demos -> diffusers class.
+ADALN_ZERO_DEMOS = {"bria": "BriaTransformer2DModel", "ovis-image": "OvisImageTransformer2DModel"}
+
+#: Small shards, so a family demo's checkpoint is sharded with its index like a released one.
+SHARD_SIZE = "40KB"
 
 
 @dataclass
 class DemoResult:
-    """One task's outcome: what the table prints and whether the cached run was bit-identical."""
+    """One MiniMax-H3 task's outcome: what the table prints and whether the cached run was bit-identical."""
 
     task: str
     steps: int
@@ -58,31 +72,72 @@ class DemoResult:
     served_cached_after_load: int = 0
 
 
-def _format_bytes(count: int) -> str:
+def _format_bytes(count: int, smallest: str = "B") -> str:
+    """``count`` in MiB, else KiB, else (``smallest="B"``, the MiniMax-H3 table's) bytes."""
     if count >= 1 << 20:
         return f"{count / (1 << 20):.2f} MiB"
-    if count >= 1 << 10:
+    if count >= 1 << 10 or smallest == "KiB":
         return f"{count / (1 << 10):.1f} KiB"
     return f"{count} B"
 
 
+@dataclass
+class _Load:
+    """What ``load_transformer`` read of a checkpoint whose page cache was dropped first."""
+
+    #: Bytes the load read (None where /proc cannot tell, or the page cache could not be dropped).
+    read: int | None
+    total: int
+    #: Bytes of the served tensors in the files, and of their pages in the page cache after the load.
+    never_read: int
+    in_page_cache: int
+
+
+def _measured_load(directory: Path, load: Callable[[], Any]) -> tuple[Any, _Load]:
+    """``load()`` of the checkpoint in ``directory`` with its page cache dropped, and what it read."""
+    from .measure import drop_page_cache, io_read_bytes, resident_served_bytes, served_bytes, weight_files
+
+    files = weight_files(directory)
+    never_read, total = served_bytes(files)
+    dropped = drop_page_cache(files)
+    before = io_read_bytes()
+    model = load()
+    after = io_read_bytes()
+    read = None if before is None or after is None or not dropped else after - before
+    return model, _Load(read, total, never_read, resident_served_bytes(files))
+
+
+def _load_line(load: _Load, served: str, smallest: str) -> str:
+    """The table's ``load`` row: what the load read, and the ``served`` bytes it never read."""
+    read = "?" if load.read is None else _format_bytes(load.read, smallest)
+    cached = "none of them" if load.in_page_cache == 0 else _format_bytes(load.in_page_cache, smallest)
+    return (
+        f"load_transformer read {read} of the {_format_bytes(load.total, smallest)} checkpoint; "
+        f"{_format_bytes(load.never_read, smallest)} of {served} never read ({cached} in the page cache)"
+    )
+
+
+def _print_rows(rows: Sequence[tuple[str, str]], identical: bool) -> None:
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
+        print(f"  {name:<{width}}  {value}")
+    print(f"bit-identical: {'yes' if identical else 'no'}")
+
+
+def _served_bytes(model: Any, served: Callable[[str], bool]) -> int:
+    """Bytes on the model's device of the parameters whose names ``served`` accepts."""
+    return sum(
+        p.numel() * p.element_size() for name, p in model.named_parameters() if p.device.type != "meta" and served(name)
+    )
+
+
+# ---------------------------------------------------------------------------------------------------- MiniMax-H3
+
+
 def _table_bytes(cache: Any) -> int:
     """Device bytes of the cache's slab buffers (what replaces the weights on the device)."""
-    total = 0
-    for name in ("plan_timesteps", "plan_lengths", "block_params", "final_params"):
-        tensor = getattr(cache, name, None)
-        if isinstance(tensor, torch.Tensor):
-            total += tensor.numel() * tensor.element_size()
-    return total
-
-
-def _stats_dict(stats: Any) -> dict[str, Any]:
-    as_dict = getattr(stats, "as_dict", None)
-    if callable(as_dict):
-        return dict(as_dict())
-    if dataclasses.is_dataclass(stats) and not isinstance(stats, type):
-        return dataclasses.asdict(stats)
-    return dict(vars(stats))
+    names = ("plan_timesteps", "plan_lengths", "block_params", "final_params")
+    return sum(t.numel() * t.element_size() for t in (getattr(cache, n, None) for n in names) if t is not None)
 
 
 def run_task(
@@ -103,7 +158,6 @@ def run_task(
     """
     from ..diffusers import adaln_cache_handle, load_transformer
     from ..plans import minimax_h3_plans, plan_key
-    from .measure import drop_page_cache, io_read_bytes, resident_served_bytes, served_bytes, weight_files
     from .tiny import adaln_parameter_bytes, make_request, run_loop
 
     request = make_request(model, task, steps, seed=seed, device=device)
@@ -113,17 +167,18 @@ def run_task(
     # The plans known ahead of time, from the schedule alone, must be the loop's own plans.
     ahead = minimax_h3_plans(task, steps)
     distinct = len({plan_key(plan) for plan in ahead})
-    files = weight_files(checkpoint)
-    never_read, total = served_bytes(files)
-    dropped = drop_page_cache(files)
-    before = io_read_bytes()
     # A slab sized to the request, so the table bytes reported are what this request needs.
-    cached_model: Any = load_transformer(
-        checkpoint, config=config, torch_dtype=torch.bfloat16, device_map=device, max_plans=distinct, max_plan_width=4
+    cached_model, load = _measured_load(
+        checkpoint,
+        lambda: load_transformer(
+            checkpoint,
+            config=config,
+            torch_dtype=torch.bfloat16,
+            device_map=device,
+            max_plans=distinct,
+            max_plan_width=4,
+        ),
     )
-    after = io_read_bytes()
-    read = None if before is None or after is None or not dropped else after - before
-    served_cached = resident_served_bytes(files)
     handle: Any = adaln_cache_handle(cached_model)
     try:
         bytes_after = adaln_parameter_bytes(cached_model)
@@ -131,7 +186,7 @@ def run_task(
         aot_match = [plan_key(p) for p in ahead] == [plan_key(p) for p in request.plans]
         report = handle.prepare(ahead)
         cached = run_loop(cached_model, request)
-        stats = _stats_dict(handle.stats)
+        stats = dict(handle.stats.as_dict())
     finally:
         handle.disable()
     return DemoResult(
@@ -148,38 +203,18 @@ def run_task(
         stats=stats,
         identical=cached.equal(resident),
         aot_plans_match=aot_match,
-        load_read_bytes=read,
-        checkpoint_bytes=total,
-        never_read_bytes=never_read,
-        served_cached_after_load=served_cached,
-    )
-
-
-def _print_header(size: str, model: Any, device: torch.device, seed: int, checkpoint: Path) -> None:
-    config = model.config
-    dtype = model.transformer_blocks[0].adaln_proj.linear.weight.dtype
-    geometry = f"{config.num_layers} blocks, hidden {config.hidden_size}, time embedding {config.time_embed_dim}"
-    precision = f"{str(dtype).removeprefix('torch.')} AdaLN projections, fp32 time embedder"
-    print(
-        f"adalncache demo: tiny MiniMax-H3 '{size}' ({geometry}), released mixed precision ({precision}), "
-        f"device {device}, seed {seed}"
-    )
-    print(f"native checkpoint: {checkpoint} ({len(list(checkpoint.glob('*.safetensors')))} shards + index)")
-
-
-def _load_line(result: DemoResult) -> str:
-    """What ``load_transformer`` read of the checkpoint, and the AdaLN bytes it never read."""
-    read = "?" if result.load_read_bytes is None else _format_bytes(result.load_read_bytes)
-    cached = "none of them" if result.served_cached_after_load == 0 else _format_bytes(result.served_cached_after_load)
-    return (
-        f"load_transformer read {read} of the {_format_bytes(result.checkpoint_bytes)} checkpoint; "
-        f"{_format_bytes(result.never_read_bytes)} of AdaLN projections and time embedder never read "
-        f"({cached} in the page cache)"
+        load_read_bytes=load.read,
+        checkpoint_bytes=load.total,
+        never_read_bytes=load.never_read,
+        served_cached_after_load=load.in_page_cache,
     )
 
 
 def _print_result(result: DemoResult) -> None:
     aot = "yes" if result.aot_plans_match else "NO"
+    load = _Load(
+        result.load_read_bytes, result.checkpoint_bytes, result.never_read_bytes, result.served_cached_after_load
+    )
     before = _format_bytes(result.bytes_before)
     after = f"{_format_bytes(result.bytes_after)} weights + {_format_bytes(result.table_bytes)} table"
     rows = [
@@ -187,34 +222,18 @@ def _print_result(result: DemoResult) -> None:
         ("steps", f"{result.steps} (grid points; {result.forwards} forwards)"),
         ("plans", f"{result.plans} distinct (ahead-of-time plans match the loop: {aot})"),
         ("passes", f"{result.passes} rebuild pass{'es' if result.passes != 1 else ''} for the whole request"),
-        ("load", _load_line(result)),
+        ("load", _load_line(load, "AdaLN projections and time embedder", "B")),
         ("AdaLN bytes on device", f"{before} resident -> {after} cached"),
         ("per-step time", f"{result.resident_ms:.2f} ms resident, {result.cached_ms:.2f} ms cached (median)"),
         ("cache stats", ", ".join(f"{k}={v}" for k, v in result.stats.items() if v or k == "passes")),
     ]
-    width = max(len(name) for name, _ in rows)
     print()
-    for name, value in rows:
-        print(f"  {name:<{width}}  {value}")
-    print(f"bit-identical: {'yes' if result.identical else 'no'}")
+    _print_rows(rows, result.identical)
 
 
-#: ``--model`` names of the AdaLayerNormZero family's demos (:mod:`.demo_adaln_zero`).
-ADALN_ZERO_DEMOS = ("bria", "ovis-image")
-
-
-def run(args: argparse.Namespace) -> int:
-    """The ``demo`` sub-command: returns 0 when every task is bit-identical, else 1."""
+def run_minimax_h3(args: argparse.Namespace) -> int:
+    """The MiniMax-H3 demo: 0 when every task is bit-identical, else 1."""
     from .tiny import SIZES, save_tiny, tiny_transformer, write_native_model
-
-    if getattr(args, "model", "minimax-h3") == "qwen-image":
-        from .demo_qwen import run_qwen
-
-        return run_qwen(args)
-    if getattr(args, "model", "minimax-h3") in ADALN_ZERO_DEMOS:
-        from .demo_adaln_zero import run_adaln_zero
-
-        return run_adaln_zero(args)
 
     if args.size not in SIZES:
         raise ConfigError(f"unknown size {args.size!r}: set --size to one of {', '.join(SIZES)}")
@@ -226,12 +245,20 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="adalncache-demo-") as tmp:
         root = Path(tmp)
         built = tiny_transformer(args.size, seed=args.seed)
-        model = save_tiny(built, root / "diffusers", dtype=torch.bfloat16)
+        model: Any = save_tiny(built, root / "diffusers", dtype=torch.bfloat16)
         del built
         # The whole model under the MiniMax release's names, sharded like the release.
         checkpoint = write_native_model(model, root / "native", shards=2, qkv_layout="interleaved")
         model = model.to(device)
-        _print_header(args.size, model, device, args.seed, checkpoint)
+        config = model.config
+        dtype = model.transformer_blocks[0].adaln_proj.linear.weight.dtype
+        geometry = f"{config.num_layers} blocks, hidden {config.hidden_size}, time embedding {config.time_embed_dim}"
+        precision = f"{str(dtype).removeprefix('torch.')} AdaLN projections, fp32 time embedder"
+        print(
+            f"adalncache demo: tiny MiniMax-H3 '{args.size}' ({geometry}), released mixed precision ({precision}), "
+            f"device {device}, seed {args.seed}"
+        )
+        print(f"native checkpoint: {checkpoint} ({len(list(checkpoint.glob('*.safetensors')))} shards + index)")
         results = [
             run_task(model, checkpoint, task, args.steps, seed=args.seed, device=device, config=root / "diffusers")
             for task in tasks
@@ -242,6 +269,195 @@ def run(args: argparse.Namespace) -> int:
     if len(results) > 1:
         print(f"\nall tasks bit-identical: {'yes' if ok else 'no'}")
     return 0 if ok else 1
+
+
+# ---------------------------------------------------------------------------------------------------- pipelines
+
+
+@dataclass(frozen=True)
+class _PipelineDemo:
+    """What differs between the pipeline demos (Qwen-Image and the AdaLayerNormZero family's).
+
+    ``title``: the header's model name; ``request``: the request row (``{steps}`` filled in);
+    ``never_read``: what the cached load never reads, in the ``load`` row; ``build(seed)``: the tiny
+    fp32 transformer; ``pipeline(stock, seed)``: its pipeline; ``inputs(stock, seed, device)``: the
+    request's arguments besides the steps and the generator; ``served(model)``: the bytes of its
+    served parameters on its device.
+    """
+
+    title: str
+    request: str
+    never_read: str
+    build: Callable[[int], Any]
+    pipeline: Callable[[Any, int], Any]
+    inputs: Callable[[Any, int, torch.device], dict[str, Any]]
+    served: Callable[[Any], int]
+
+
+#: Image size of the Qwen-Image request: 64 px is a 4 x 4 grid of packed latent tokens.
+QWEN_SIZE = 64
+#: Image size of the AdaLayerNormZero requests (the tiny VAE does not downsample: a 4 x 4 grid of packed
+#: tokens), and their guidance scale.
+ADALN_ZERO_SIZE = 8
+GUIDANCE = 4.0
+
+
+def _qwen_demo() -> _PipelineDemo:
+    from .tiny_qwen import tiny_prompt_embeds, tiny_qwen_pipeline, tiny_qwen_transformer
+
+    names = ("img_mod.1.", "txt_mod.1.", "norm_out.linear.", "time_text_embed.timestep_embedder.")
+
+    def inputs(stock: Any, seed: int, device: torch.device) -> dict[str, Any]:
+        prompt = {k: v.to(device) for k, v in tiny_prompt_embeds(stock, seed=seed).items()}
+        return {"height": QWEN_SIZE, "width": QWEN_SIZE, "output_type": "pt", "true_cfg_scale": 1.0, **prompt}
+
+    return _PipelineDemo(
+        title="tiny Qwen-Image",
+        request=f"{QWEN_SIZE}x{QWEN_SIZE}, {{steps}} steps (QwenImagePipeline, bf16)",
+        never_read="modulation projections and timestep embedder",
+        build=lambda seed: tiny_qwen_transformer("plain", seed=seed),
+        pipeline=lambda stock, seed: tiny_qwen_pipeline(seed=seed, transformer=stock),
+        inputs=inputs,
+        served=lambda model: _served_bytes(model, lambda name: any(part in name for part in names)),
+    )
+
+
+def _adaln_zero_demo(name: str) -> _PipelineDemo:
+    from ..families import adaln_zero
+    from .tiny_adaln_zero import CONFIGS, PIPELINES, prompt_embeds, seeded_model, tiny_pipeline
+
+    class_name = ADALN_ZERO_DEMOS[name]
+
+    def served(model: Any) -> int:
+        """The served projections' bytes (the time embedder stays loaded in this family)."""
+        fields = adaln_zero.fields_from_config(class_name, model.config)
+        paths = adaln_zero.served_paths(class_name, fields["double_layers"], fields["single_layers"])
+        return _served_bytes(model, lambda name: any(name.startswith(f"{owner}.") for owner, _, _ in paths))
+
+    def inputs(stock: Any, seed: int, device: torch.device) -> dict[str, Any]:
+        return {
+            "prompt_embeds": prompt_embeds(stock, seed=seed + 1).to(device),
+            "negative_prompt_embeds": prompt_embeds(stock, seed=seed + 2).to(device),
+            "guidance_scale": GUIDANCE,
+            "height": ADALN_ZERO_SIZE,
+            "width": ADALN_ZERO_SIZE,
+            "output_type": "latent",
+            **({"negative_prompt": None} if name == "ovis-image" else {}),
+        }
+
+    size = f"{ADALN_ZERO_SIZE}x{ADALN_ZERO_SIZE}"
+    return _PipelineDemo(
+        title=f"tiny {adaln_zero.layout_of(class_name).title} ({class_name})",
+        request=f"{size}, {{steps}} steps, guidance {GUIDANCE:g} ({PIPELINES[class_name]}, bf16)",
+        never_read="modulation projections",
+        build=lambda seed: seeded_model(class_name, CONFIGS[class_name], seed=seed),
+        pipeline=lambda stock, seed: tiny_pipeline(stock),
+        inputs=inputs,
+        served=served,
+    )
+
+
+@contextlib.contextmanager
+def _no_loading_bars() -> Iterator[None]:
+    """diffusers' shard-loading progress bars off for the block (the demo prints its own lines only)."""
+    from diffusers.utils import logging as diffusers_logging
+
+    enabled = diffusers_logging.is_progress_bar_enabled()
+    diffusers_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            diffusers_logging.enable_progress_bar()
+
+
+def _bf16_files(model: Any, scratch: Path, directory: Path) -> None:
+    """Write ``model`` (fp32, in memory) to ``directory`` as the sharded bf16 files of a release.
+
+    Why not ``model.to(torch.bfloat16)`` and save: diffusers warns about a direct cast of a model
+    that names modules to keep in fp32, and that warning would open the demo's output. Saving the
+    fp32 model and loading it with ``torch_dtype=torch.bfloat16`` is the released precision rule,
+    applied by diffusers itself, and gives files like a released checkpoint's.
+    """
+    model.save_pretrained(scratch)
+    cast: Any = type(model).from_pretrained(scratch, torch_dtype=torch.bfloat16)
+    cast.save_pretrained(directory, max_shard_size=SHARD_SIZE)
+    with contextlib.suppress(OSError):
+        for path in scratch.iterdir():
+            path.unlink()
+
+
+def run_pipeline(args: argparse.Namespace, demo: _PipelineDemo) -> int:
+    """A pipeline demo: 0 when the cached request's output equals the resident one, else 1.
+
+    The cached half loads the transformer with ``load_transformer`` (page cache dropped first, bytes
+    read counted), puts it in the pipeline, enables the cache on the pipeline (which adopts the
+    loaded cache and watches the scheduler), runs the request and disables the cache again.
+    """
+    from ..diffusers import adaln_cache_handle, enable_adaln_cache, load_transformer
+
+    if not isinstance(args.steps, int) or args.steps < 1:
+        raise ConfigError(f"--steps must be a positive integer (num_inference_steps), got {args.steps}")
+    device = resolve_device(args.device)
+    with tempfile.TemporaryDirectory(prefix=f"adalncache-demo-{args.model}-") as tmp:
+        directory = Path(tmp) / "transformer"
+        built = demo.build(args.seed)
+        _bf16_files(built, Path(tmp) / "fp32", directory)
+        with _no_loading_bars():
+            stock = type(built).from_pretrained(directory, torch_dtype=torch.bfloat16).to(device).eval()
+        pipe = demo.pipeline(stock, args.seed).to(device)
+        pipe.set_progress_bar_config(disable=True)  # the demo prints its own lines only
+        inputs = demo.inputs(stock, args.seed, device)
+
+        def run() -> tuple[torch.Tensor, float]:
+            generator = torch.Generator(device).manual_seed(args.seed)
+            start = time.perf_counter()
+            out = pipe(num_inference_steps=args.steps, generator=generator, **inputs)
+            return out.images, time.perf_counter() - start
+
+        resident, resident_s = run()
+        bytes_before = demo.served(stock)
+        model, load = _measured_load(
+            directory, lambda: load_transformer(directory, torch_dtype=torch.bfloat16, device_map=device)
+        )
+        pipe.transformer = model
+        handle: Any = enable_adaln_cache(pipe)
+        try:
+            cached, seconds = run()
+            served = adaln_cache_handle(model)
+            assert served is not None, "enable_adaln_cache(pipe) enables the pipeline's transformer"
+            table_bytes, plans, passes = served.cache.slab_bytes, len(handle.cache), handle.stats.passes
+            bytes_after = demo.served(model)
+        finally:
+            handle.disable()
+    identical = torch.equal(cached, resident)
+    rows = [
+        ("request", demo.request.format(steps=args.steps)),
+        ("plans", f"{plans} distinct, built in {passes} pass(es) before the first step"),
+        ("load", _load_line(load, demo.never_read, "KiB")),
+        (
+            "modulation bytes on device",
+            f"{_format_bytes(bytes_before, 'KiB')} resident -> {_format_bytes(bytes_after, 'KiB')} "
+            f"weights + {_format_bytes(table_bytes, 'KiB')} table cached",
+        ),
+        ("request time", f"{resident_s * 1000:.1f} ms resident, {seconds * 1000:.1f} ms cached"),
+    ]
+    print(f"adalncache demo: {demo.title}, device {device}, seed {args.seed}")
+    _print_rows(rows, identical)
+    return 0 if identical else 1
+
+
+# ---------------------------------------------------------------------------------------------------- command
+
+
+def run(args: argparse.Namespace) -> int:
+    """The ``demo`` sub-command: returns 0 when every output is bit-identical, else 1."""
+    model = getattr(args, "model", "minimax-h3")
+    if model == "qwen-image":
+        return run_pipeline(args, _qwen_demo())
+    if model in ADALN_ZERO_DEMOS:
+        return run_pipeline(args, _adaln_zero_demo(model))
+    return run_minimax_h3(args)
 
 
 def _seed(text: str) -> int:
@@ -289,6 +505,3 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--device", default="cpu", help="torch device to run on (default: cpu)")
     parser.add_argument("--seed", type=_seed, default=0, help="seed of the weights and the noise (default: 0)")
     parser.set_defaults(func=run)
-
-
-__all__ = ["DemoResult", "register", "run", "run_task"]

@@ -23,6 +23,7 @@ import contextlib
 import gc
 import os
 import re
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -143,6 +144,21 @@ def meminfo() -> dict[str, int]:
     return out
 
 
+def sync_device(device: torch.device) -> None:
+    """Wait for the device's queued work, so a timer around it measures the work itself."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], Any], device: torch.device) -> float:
+    """Seconds of ``fn()``, the device synchronised before and after."""
+    sync_device(device)
+    start = time.perf_counter()
+    fn()
+    sync_device(device)
+    return time.perf_counter() - start
+
+
 # ---------------------------------------------------------------------------------------------------- offloading
 
 
@@ -178,9 +194,6 @@ class OnloadMeter:
 
         group.onload_ = onload_
 
-    def reset(self) -> None:
-        self.calls = self.bytes = 0
-
 
 def _group_tensors(group: Any) -> list[torch.Tensor]:
     seen: dict[int, torch.Tensor] = {}
@@ -190,18 +203,3 @@ def _group_tensors(group: Any) -> list[torch.Tensor]:
     for tensor in (*group.parameters, *group.buffers):
         seen[id(tensor)] = tensor
     return list(seen.values())
-
-
-__all__ = [
-    "SERVED",
-    "STATUS_KEYS",
-    "OnloadMeter",
-    "cached_fraction",
-    "drop_page_cache",
-    "io_read_bytes",
-    "meminfo",
-    "proc_status",
-    "resident_served_bytes",
-    "served_bytes",
-    "weight_files",
-]

@@ -2,7 +2,7 @@
 
 Tests, the demo and the benchmark all need the same three things: a real
 ``MiniMaxH3Transformer3DModel`` small enough for a 2-core CPU, its weights on disk (diffusers layout
-through ``save_pretrained`` and the native MiniMax layout through :func:`write_native_checkpoint`),
+through ``save_pretrained`` and the native MiniMax layout through :func:`write_native_model`),
 and the exact inputs the MiniMax-H3 pipeline feeds the transformer. The inputs are built with the
 pipeline's own static layout and plan builders and stepped with ``MiniMaxH3Scheduler``, so a loop
 run here is the pipeline's denoising loop minus the encoders and decoders. Nothing is downloaded.
@@ -14,25 +14,22 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from ..errors import ConfigError
-from ..schedules import TASKS, LatentShape, build_layout, build_row_timestep_plan, check_steps, check_task
-from ..source.writer import PAD_PREFIX, write_safetensors
+from ..schedules import LatentShape, build_layout, build_row_timestep_plan, check_steps, check_task
+from .measure import sync_device
 
 if TYPE_CHECKING:
     from torch import nn
-
-log = logging.getLogger(__name__)
 
 #: Model sizes. "tiny" is the smallest geometry with every part of the model (2 blocks, hidden 64:
 #: a forward in a few ms); "small" is wide enough that the projections weigh tens of MB (so the
@@ -40,17 +37,15 @@ log = logging.getLogger(__name__)
 #: released model's proportions (projection input = hidden / 2, output 18 x hidden, FFN about
 #: 2.7 x hidden), so the projections are about 40% of each block's weights as in MiniMax-H3; it is
 #: the size the bench's forward comparison uses.
+_EVERY_SIZE = {"num_refiner_layers": 1, "in_channels": 4, "audio_in_channels": 8, "patch_size": (1, 2, 2)}
 SIZES: dict[str, dict[str, Any]] = {
     "tiny": {
+        **_EVERY_SIZE,
         "num_attention_heads": 2,
         "attention_head_dim": 32,
         "hidden_size": 64,
         "num_layers": 2,
-        "num_refiner_layers": 1,
         "ffn_dim": 128,
-        "in_channels": 4,
-        "audio_in_channels": 8,
-        "patch_size": (1, 2, 2),
         "text_dim": 48,
         "freq_dim": 32,
         "time_embed_hidden_dim": 64,
@@ -58,15 +53,12 @@ SIZES: dict[str, dict[str, Any]] = {
         "rope_freq_dim": 4,
     },
     "small": {
+        **_EVERY_SIZE,
         "num_attention_heads": 4,
         "attention_head_dim": 64,
         "hidden_size": 320,
         "num_layers": 6,
-        "num_refiner_layers": 1,
         "ffn_dim": 640,
-        "in_channels": 4,
-        "audio_in_channels": 8,
-        "patch_size": (1, 2, 2),
         "text_dim": 64,
         "freq_dim": 64,
         "time_embed_hidden_dim": 320,
@@ -74,15 +66,12 @@ SIZES: dict[str, dict[str, Any]] = {
         "rope_freq_dim": 8,
     },
     "medium": {
+        **_EVERY_SIZE,
         "num_attention_heads": 12,
         "attention_head_dim": 64,
         "hidden_size": 768,
         "num_layers": 8,
-        "num_refiner_layers": 1,
         "ffn_dim": 2048,
-        "in_channels": 4,
-        "audio_in_channels": 8,
-        "patch_size": (1, 2, 2),
         "text_dim": 64,
         "freq_dim": 64,
         "time_embed_hidden_dim": 384,
@@ -96,11 +85,6 @@ def _check_size(size: str) -> dict[str, Any]:
     if size not in SIZES:
         raise ConfigError(f"unknown model size {size!r}: set size= (CLI --size) to one of {sorted(SIZES)}")
     return dict(SIZES[size])
-
-
-def tiny_config(size: str = "tiny") -> dict[str, Any]:
-    """The ``MiniMaxH3Transformer3DModel`` constructor arguments of a named size."""
-    return _check_size(size)
 
 
 def tiny_transformer(size: str = "tiny", seed: int = 0) -> nn.Module:
@@ -118,95 +102,32 @@ def tiny_transformer(size: str = "tiny", seed: int = 0) -> nn.Module:
         # The default init leaves the AdaLN projections near zero-mean noise of tiny magnitude;
         # widen them so the modulation moves the outputs and a wrong table cannot go unnoticed.
         with torch.no_grad():
-            for module in _projection_linears(model):
+            for module in projection_linears(model):
                 module.weight.mul_(4.0)
                 module.bias.normal_(0.0, 0.5)
     return model.eval()
 
 
-def _projection_linears(model: Any) -> list[Any]:
+def projection_linears(model: Any) -> list[Any]:
+    """Every block's ``adaln_proj.linear`` and ``norm_out.linear`` (their base layers under a LoRA), in layer order."""
     linears = [block.adaln_proj.linear for block in model.transformer_blocks]
     linears.append(model.norm_out.linear)
     return [getattr(linear, "base_layer", linear) for linear in linears]
 
 
-def save_tiny(model: nn.Module, directory: str | os.PathLike[str], *, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
-    """``save_pretrained`` the model to ``directory`` and load it back with ``torch_dtype=dtype``.
+def save_tiny(model: Any, directory: str | os.PathLike[str], *, dtype: torch.dtype = torch.bfloat16) -> Any:
+    """``save_pretrained`` a tiny diffusers model to ``directory`` and load it back with ``torch_dtype=dtype``.
 
-    With bf16 this is the released mixed precision: ``_keep_in_fp32_modules`` keeps the time
+    With bf16 this is the released mixed precision: ``_keep_in_fp32_modules`` keeps MiniMax-H3's time
     embedder, patch projections and heads in fp32 and the AdaLN projections and blocks in bf16.
     With fp32 the loaded weights stay views into the mapped file, at the file's (odd) offsets,
     which is the alignment case exactness tests must cover (an fp32 GEMV's bits depend on the
     weight's address modulo 16).
     """
-    from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3Transformer3DModel
-
     if dtype not in (torch.bfloat16, torch.float32, torch.float16):
         raise ConfigError(f"save_tiny dtype must be bfloat16, float16 or float32, got {dtype}")
-    directory = Path(directory)
-    saver: Any = model  # a diffusers model
-    saver.save_pretrained(directory)
-    loaded: Any = MiniMaxH3Transformer3DModel.from_pretrained(directory, torch_dtype=dtype)
-    return loaded.eval()
-
-
-def projection_tensors(model: nn.Module, layout: str = "native") -> dict[str, torch.Tensor]:
-    """The AdaLN projection weights and biases of ``model`` under ``layout``'s tensor names."""
-    from ..spec import FINAL, get_layout
-
-    key_layout = get_layout(layout)
-    linears = _projection_linears(model)
-    layers: list[Any] = [*range(len(linears) - 1), FINAL]
-    tensors: dict[str, torch.Tensor] = {}
-    for layer, linear in zip(layers, linears):
-        tensors[key_layout.weight(layer)] = linear.weight.detach()
-        tensors[key_layout.bias(layer)] = linear.bias.detach()
-    return tensors
-
-
-def write_native_checkpoint(
-    model: nn.Module,
-    path: str | os.PathLike[str],
-    *,
-    shards: int = 2,
-    layout: str = "native",
-    match_alignment: bool = True,
-) -> Path:
-    """Write the model's AdaLN projections as a sharded safetensors checkpoint in ``layout``.
-
-    ``path`` is a directory; it receives ``shards`` files ``model-0000i-of-0000N.safetensors`` and a
-    ``model.safetensors.index.json`` weight map, exactly the shape of the MiniMax release. Only
-    the projections are written: they are all a rebuild source reads. With ``match_alignment``
-    every tensor lands at the model tensor's own address modulo 64, so an fp32 model (built in
-    memory, 64-byte aligned, or loaded from disk at odd offsets) projects bit-identically from it.
-    Returns the directory.
-    """
-    if not isinstance(shards, int) or shards < 1:
-        raise ConfigError(f"write_native_checkpoint shards must be a positive integer, got {shards!r}")
-    directory = Path(path)
-    directory.mkdir(parents=True, exist_ok=True)
-    tensors = projection_tensors(model, layout)
-    names = list(tensors)
-    # Pairs (weight, bias) stay together so a layer never straddles two shards.
-    pairs = [names[i : i + 2] for i in range(0, len(names), 2)]
-    shards = min(shards, len(pairs))
-    per_shard = -(-len(pairs) // shards)
-    weight_map: dict[str, str] = {}
-    total = 0
-    for index in range(shards):
-        chunk = [name for pair in pairs[index * per_shard : (index + 1) * per_shard] for name in pair]
-        if not chunk:
-            continue
-        file_name = f"model-{index + 1:05d}-of-{shards:05d}.safetensors"
-        part = {name: tensors[name] for name in chunk}
-        residues = {name: t.data_ptr() % 64 for name, t in part.items()} if match_alignment else None
-        write_safetensors(part, directory / file_name, residues=residues, metadata={"format": "pt"})
-        for name in chunk:
-            weight_map[name] = file_name
-            total += tensors[name].numel() * tensors[name].element_size()
-    index_path = directory / "model.safetensors.index.json"
-    index_path.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    return directory
+    model.save_pretrained(Path(directory))
+    return type(model).from_pretrained(Path(directory), torch_dtype=dtype).eval()
 
 
 #: diffusers names -> native (MiniMax release) names, applied in order, as the inverse of diffusers'
@@ -298,32 +219,11 @@ def write_native_model(
     return directory
 
 
-def parameter_bytes(model: nn.Module, device: str | torch.device | None = None) -> int:
-    """Bytes of the model's parameters that hold real storage (meta placeholders count 0).
-
-    ``device`` restricts the count to one device type (e.g. ``"cpu"``, ``"cuda"``).
-    """
-    wanted = None if device is None else torch.device(device).type
-    total = 0
-    for param in model.parameters():
-        if param.device.type == "meta":
-            continue
-        if wanted is not None and param.device.type != wanted:
-            continue
-        total += param.numel() * param.element_size()
-    return total
-
-
 def adaln_parameter_bytes(model: nn.Module) -> int:
     """Bytes of the AdaLN projection parameters (and the time embedder's) held on a real device."""
-    total = 0
-    embedder: Any = model.time_embedder
-    modules: list[nn.Module] = [*_projection_linears(model), embedder]
-    for module in modules:
-        for param in module.parameters():
-            if param.device.type != "meta":
-                total += param.numel() * param.element_size()
-    return total
+    modules: list[Any] = [*projection_linears(model), model.time_embedder]
+    params = [p for module in modules for p in module.parameters() if p.device.type != "meta"]
+    return sum(p.numel() * p.element_size() for p in params)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -352,7 +252,6 @@ class TinyRequest:
     num_condition_audio_rows: int
     video_shift: float
     audio_shift: float
-    extras: dict[str, Any] = field(default_factory=dict)
 
     @property
     def plans(self) -> list[torch.Tensor]:
@@ -491,11 +390,6 @@ class LoopResult:
         return torch.equal(self.latents, other.latents) and torch.equal(self.audio_latents, other.audio_latents)
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 @torch.no_grad()
 def run_loop(
     model: nn.Module,
@@ -531,11 +425,11 @@ def run_loop(
         if attention_kwargs is not None:
             kwargs["attention_kwargs"] = dict(attention_kwargs)
         # The step time includes the device work the forward queued, not only its launch.
-        _synchronize(device)
+        sync_device(device)
         start = time.perf_counter()
         with step_context(step, float(t), len(scheduler.timesteps)) if step_context else contextlib.nullcontext():
             noise_pred, audio_noise_pred = model(**kwargs)
-        _synchronize(device)
+        sync_device(device)
         seconds.append(time.perf_counter() - start)
         outputs.append((noise_pred.clone(), audio_noise_pred.clone()))
         latents[n_video:] = scheduler.step(noise_pred[0, n_video:].float(), t, latents[n_video:], return_dict=False)[0]
@@ -546,11 +440,6 @@ def run_loop(
         if on_step is not None:
             on_step(step)
     return LoopResult(outputs=outputs, latents=latents, audio_latents=audio_latents, step_seconds=seconds)
-
-
-def outputs_equal(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> bool:
-    """``torch.equal`` over two sequences of tensors of the same length."""
-    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -749,33 +638,3 @@ def _quiet_progress_bars(blocks: Any) -> None:
         blocks.set_progress_bar_config(disable=True)
     for block in getattr(blocks, "sub_blocks", {}).values():
         _quiet_progress_bars(block)
-
-
-__all__ = [
-    "PAD_PREFIX",
-    "SIZES",
-    "TASKS",
-    "LatentShape",
-    "LoopResult",
-    "TinyRequest",
-    "adaln_parameter_bytes",
-    "build_layout",
-    "build_row_timestep_plan",
-    "make_request",
-    "native_state_dict",
-    "outputs_equal",
-    "parameter_bytes",
-    "projection_tensors",
-    "run_loop",
-    "save_tiny",
-    "tiny_config",
-    "tiny_pipeline",
-    "tiny_processor",
-    "tiny_text_encoder",
-    "tiny_tokenizer",
-    "tiny_transformer",
-    "tiny_vaes",
-    "write_native_checkpoint",
-    "write_native_model",
-    "write_safetensors",
-]

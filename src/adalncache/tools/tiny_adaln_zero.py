@@ -1,15 +1,15 @@
-"""Deterministic tiny models of the AdaLayerNormZero family's eight diffusers classes, built offline.
+"""Tiny seeded AdaLayerNormZero-family models, and the pipelines of the two the demo runs (Bria, Ovis-Image).
 
-Tests need each real class (``HunyuanImageTransformer2DModel``, ``MotifVideoTransformer3DModel``,
-``BriaTransformer2DModel``, ``LongCatImageTransformer2DModel``, ``HunyuanVideo15Transformer3DModel``,
-``AuraFlowTransformer2DModel``, ``BriaFiboTransformer2DModel``, ``OvisImageTransformer2DModel``)
-small enough for a 2-core CPU, with every part its forward runs (double and single blocks, the
-token refiner of the two Hunyuan classes, the optional embedders of ``timestep_r`` and
-``guidance``), and the arguments its forward takes. Weights are filled from a seeded generator
-(not the classes' own init, some of which zeroes projections), so two builds with the same seed
-are the same model, and a bf16 copy round-trips through ``save_pretrained``/``from_pretrained``.
+A tiny model is a real diffusers class (``BriaTransformer2DModel``, ``OvisImageTransformer2DModel``,
+or any class of the family given its config) small enough for a 2-core CPU, its weights filled from
+a seeded generator (not the class's own init, some of which zeroes projections), so two builds with
+the same seed are the same model, and a bf16 copy round-trips through
+``save_pretrained``/``from_pretrained``.
 
-Their diffusers pipelines are built in :mod:`.tiny_adaln_zero_pipelines`.
+Its pipeline gets a tiny one-level VAE (only sized: the demo's requests return latents) and no text
+encoder: the encoders need tokenizer files that cannot be made offline, so a request passes seeded
+prompt embeddings (:func:`prompt_embeds`). The VAE is built at the dtype it runs in (fp32,
+diffusers' default), so building it logs nothing.
 
 Everything imports diffusers lazily: ``import adalncache.tools.tiny_adaln_zero`` works without it.
 """
@@ -17,103 +17,41 @@ Everything imports diffusers lazily: ``import adalncache.tools.tiny_adaln_zero``
 from __future__ import annotations
 
 from collections.abc import Mapping
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..errors import ConfigError
-from ..families import adaln_zero
-
 if TYPE_CHECKING:
     from torch import nn
 
-_HEADS = {"num_attention_heads": 2, "attention_head_dim": 16}  # hidden 32
-_FLUX = {**_HEADS, "num_layers": 2, "num_single_layers": 2, "in_channels": 8, "axes_dims_rope": [4, 6, 6]}
+#: Attention of every tiny class: 2 heads of 16 (hidden 32).
+HEADS = {"num_attention_heads": 2, "attention_head_dim": 16}
+#: The Flux-shaped classes' tiny blocks: two double and two single, 8 latent channels (2 x 2 packed).
+FLUX = {**HEADS, "num_layers": 2, "num_single_layers": 2, "in_channels": 8, "axes_dims_rope": [4, 6, 6]}
 
-#: The tiny config of each class: hidden 32, two blocks of each kind, one refiner block.
+#: The tiny config of each class the demo runs.
 CONFIGS: dict[str, dict[str, Any]] = {
-    "HunyuanImageTransformer2DModel": {
-        **_HEADS,
-        "in_channels": 4,
-        "out_channels": 4,
-        "num_layers": 2,
-        "num_single_layers": 2,
-        "num_refiner_layers": 1,
-        "patch_size": (1, 1),
-        "text_embed_dim": 24,
-        "rope_axes_dim": (8, 8),
-    },
-    "MotifVideoTransformer3DModel": {
-        **_HEADS,
-        "in_channels": 4,
-        "out_channels": 4,
-        "num_layers": 2,
-        "num_single_layers": 2,
-        "text_embed_dim": 24,
-        "rope_axes_dim": (4, 6, 6),
-    },
-    "BriaTransformer2DModel": {**_FLUX, "joint_attention_dim": 24},
-    "LongCatImageTransformer2DModel": {**_FLUX, "joint_attention_dim": 24, "pooled_projection_dim": 24},
-    "HunyuanVideo15Transformer3DModel": {
-        **_HEADS,
-        "in_channels": 4,
-        "out_channels": 4,
-        "num_layers": 2,
-        "num_refiner_layers": 1,
-        "text_embed_dim": 24,
-        "text_embed_2_dim": 12,
-        "image_embed_dim": 12,
-        "rope_axes_dim": (4, 6, 6),
-    },
-    "AuraFlowTransformer2DModel": {
-        **_HEADS,
-        "sample_size": 8,
-        "patch_size": 2,
-        "in_channels": 4,
-        "out_channels": 4,
-        "num_mmdit_layers": 2,
-        "num_single_dit_layers": 2,
-        "joint_attention_dim": 24,
-        "caption_projection_dim": 32,
-        "pos_embed_max_size": 8,
-    },
-    "BriaFiboTransformer2DModel": {**_FLUX, "joint_attention_dim": 24, "text_encoder_dim": 12},
-    "OvisImageTransformer2DModel": {**_FLUX, "out_channels": 8, "joint_attention_dim": 24},
+    "BriaTransformer2DModel": {**FLUX, "joint_attention_dim": 24},
+    "OvisImageTransformer2DModel": {**FLUX, "out_channels": 8, "joint_attention_dim": 24},
 }
 
-#: Each class's config flags that enable an optional per-step input.
-OPTIONAL_FLAGS: dict[str, dict[str, str]] = {
-    name: {flag: input_name for input_name, flag in layout.optional} for name, layout in adaln_zero.CLASSES.items()
-}
+#: The demo's pipeline of each of its classes.
+PIPELINES = {"BriaTransformer2DModel": "BriaPipeline", "OvisImageTransformer2DModel": "OvisImagePipeline"}
 
-#: Image side of the latent grid (tokens = side * side; frames 2 for the video classes).
-SIDE = 4
-FRAMES = 2
+#: Text tokens of a prompt's seeded embeddings.
 TEXT_TOKENS = 5
 
 
-def model_class(class_name: str) -> type[nn.Module]:
-    """The diffusers class called ``class_name`` (one of :data:`CONFIGS`)."""
-    if class_name not in CONFIGS:
-        raise ConfigError(f"no tiny model of {class_name!r}: the tiny classes are {', '.join(CONFIGS)}")
+def seeded_model(
+    class_name: str, config: Mapping[str, Any], *, seed: int = 0, dtype: torch.dtype = torch.float32
+) -> nn.Module:
+    """The diffusers class ``class_name`` built from ``config``, every parameter drawn from ``seed``, in eval mode."""
     import diffusers
 
-    return getattr(diffusers, class_name)
-
-
-def config(class_name: str, **flags: Any) -> dict[str, Any]:
-    """The tiny config of ``class_name`` with ``flags`` (``use_meanflow=True``, ``guidance_embeds=True``)."""
-    model_class(class_name)
-    return {**CONFIGS[class_name], **flags}
-
-
-def build(class_name: str, *, seed: int = 0, dtype: torch.dtype = torch.float32, **flags: Any) -> nn.Module:
-    """A tiny ``class_name`` with seeded weights (the same for the same seed and flags), in ``dtype``, eval mode."""
-    cls = model_class(class_name)
+    cls = getattr(diffusers, class_name)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = cls(**config(class_name, **flags))
+        model = cls(**config)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for _, param in sorted(model.named_parameters()):
@@ -121,85 +59,60 @@ def build(class_name: str, *, seed: int = 0, dtype: torch.dtype = torch.float32,
     return (model if dtype == torch.float32 else model.to(dtype)).eval()
 
 
-def save_and_load(model: Any, directory: Path, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
-    """``model`` (a diffusers model) saved in ``dtype`` with ``save_pretrained`` into ``directory`` and loaded back."""
-    model.to(dtype).save_pretrained(str(directory))
-    loaded = type(model).from_pretrained(str(directory), torch_dtype=dtype)
-    return loaded.eval()
+def flux_vae(latent_channels: int) -> Any:
+    """A one-level ``AutoencoderKL`` (scale factor 1), fp32."""
+    import diffusers
+
+    return diffusers.AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        latent_channels=latent_channels,
+        block_out_channels=(8,),
+        down_block_types=("DownEncoderBlock2D",),
+        up_block_types=("UpDecoderBlock2D",),
+        norm_num_groups=8,
+        layers_per_block=1,
+        # The released VAEs set it; BriaPipeline casts a VAE without one (``vae.to(float32)``, which
+        # logs diffusers' direct-cast warning) when it is built.
+        shift_factor=0.0,
+    )
 
 
-def forward_kwargs(
-    model: nn.Module, inputs: Mapping[str, torch.Tensor], *, batch: int, seed: int = 1
-) -> dict[str, Any]:
-    """The arguments of one forward of ``model``: seeded latents and text, plus ``inputs`` (the per-step ones).
+def pipeline_class(name: str) -> Any:
+    """The diffusers pipeline class ``name``, imported without transformers' torchvision-fallback notices.
 
-    ``inputs``: ``timestep`` and the optional per-step inputs by their argument names, each with
-    ``batch`` entries, passed as given (their dtype is the caller's, as a pipeline's would be).
+    Some pipeline modules import ``CLIPImageProcessor`` or ``SiglipImageProcessor`` at module level;
+    without torchvision, transformers binds each to its PIL twin and logs a notice once. The tiny
+    pipelines use no image processor but the PIL one they are given, so the notice says nothing
+    about them: transformers' log level is raised for the import only, then restored.
     """
-    name = type(model).__name__
-    cfg = CONFIGS[name]
-    dtype = next(model.parameters()).dtype
+    import diffusers
+    from transformers.utils import logging as transformers_logging
+
+    level = transformers_logging.get_verbosity()
+    transformers_logging.set_verbosity_error()
+    try:
+        return getattr(diffusers, name)
+    finally:
+        transformers_logging.set_verbosity(level)
+
+
+def tiny_pipeline(transformer: Any) -> Any:
+    """The demo's pipeline (:data:`PIPELINES`) of a tiny Bria or Ovis-Image ``transformer``, progress bars off."""
+    import diffusers
+
+    cls = pipeline_class(PIPELINES[type(transformer).__name__])
+    vae = flux_vae(transformer.config.in_channels // 4)  # the pipelines pack 2 x 2 latent patches
+    scheduler = diffusers.FlowMatchEulerDiscreteScheduler()
+    pipe = cls(transformer=transformer, scheduler=scheduler, vae=vae, text_encoder=None, tokenizer=None)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def prompt_embeds(
+    transformer: Any, seed: int = 0, *, width: int | None = None, tokens: int = TEXT_TOKENS
+) -> torch.Tensor:
+    """Seeded text embeddings of one prompt, in the transformer's dtype (``width``: its ``joint_attention_dim``)."""
+    width = width or transformer.config.joint_attention_dim
     g = torch.Generator().manual_seed(seed)
-
-    def rand(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=g).to(dtype)
-
-    tokens = SIDE * SIDE
-    mask = torch.ones(batch, TEXT_TOKENS, dtype=torch.bool)
-    mask[-1, -1] = False  # one padded text token: the masks reach the attention
-    kw: dict[str, Any] = {"return_dict": False, **inputs}
-    if name in (
-        "BriaTransformer2DModel",
-        "LongCatImageTransformer2DModel",
-        "OvisImageTransformer2DModel",
-        "BriaFiboTransformer2DModel",
-    ):
-        ids = torch.zeros(tokens, 3)
-        ids[:, 1], ids[:, 2] = torch.arange(tokens) // SIDE, torch.arange(tokens) % SIDE
-        kw |= {
-            "hidden_states": rand(batch, tokens, cfg["in_channels"]),
-            "encoder_hidden_states": rand(batch, TEXT_TOKENS, cfg["joint_attention_dim"]),
-            "img_ids": ids,
-            "txt_ids": torch.zeros(TEXT_TOKENS, 3),
-        }
-        if name == "BriaFiboTransformer2DModel":
-            layers = cfg["num_layers"] + cfg["num_single_layers"]
-            kw["text_encoder_layers"] = [rand(batch, TEXT_TOKENS, cfg["text_encoder_dim"]) for _ in range(layers)]
-    elif name == "AuraFlowTransformer2DModel":
-        kw |= {
-            "hidden_states": rand(batch, cfg["in_channels"], cfg["sample_size"], cfg["sample_size"]),
-            "encoder_hidden_states": rand(batch, TEXT_TOKENS, cfg["joint_attention_dim"]),
-        }
-    elif name == "HunyuanImageTransformer2DModel":
-        kw |= {
-            "hidden_states": rand(batch, cfg["in_channels"], SIDE, SIDE),
-            "encoder_hidden_states": rand(batch, TEXT_TOKENS, cfg["text_embed_dim"]),
-            "encoder_attention_mask": mask,
-        }
-    elif name == "MotifVideoTransformer3DModel":
-        kw |= {
-            "hidden_states": rand(batch, cfg["in_channels"], FRAMES, SIDE, SIDE),
-            "encoder_hidden_states": rand(batch, TEXT_TOKENS, cfg["text_embed_dim"]),
-            "encoder_attention_mask": mask,
-        }
-    else:  # HunyuanVideo15Transformer3DModel
-        kw |= {
-            "hidden_states": rand(batch, cfg["in_channels"], FRAMES, SIDE, SIDE),
-            "encoder_hidden_states": rand(batch, TEXT_TOKENS, cfg["text_embed_dim"]),
-            "encoder_attention_mask": mask,
-            "encoder_hidden_states_2": rand(batch, 3, cfg["text_embed_2_dim"]),
-            "encoder_attention_mask_2": torch.ones(batch, 3, dtype=torch.bool),
-            "image_embeds": rand(batch, 2, cfg["image_embed_dim"]),
-        }
-    return kw
-
-
-__all__ = [
-    "CONFIGS",
-    "OPTIONAL_FLAGS",
-    "build",
-    "config",
-    "forward_kwargs",
-    "model_class",
-    "save_and_load",
-]
+    return torch.randn(1, tokens, width, generator=g).to(next(transformer.parameters()).dtype)

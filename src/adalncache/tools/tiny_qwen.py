@@ -8,8 +8,6 @@ CPU cores in milliseconds while every code path of the released model runs: two 
 from __future__ import annotations
 
 import inspect
-import os
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -49,15 +47,6 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
-def tiny_qwen_config(variant: str = "plain", size: str = "tiny") -> dict[str, Any]:
-    """The ``QwenImageTransformer2DModel`` constructor arguments of a model of ``variant`` and ``size``."""
-    if variant not in VARIANTS:
-        raise ConfigError(f"unknown tiny Qwen-Image variant {variant!r}: use one of {sorted(VARIANTS)}")
-    if size not in SIZES:
-        raise ConfigError(f"unknown tiny Qwen-Image size {size!r}: use one of {sorted(SIZES)}")
-    return {**BASE, **SIZES[size], **VARIANTS[variant]}
-
-
 def tiny_qwen_transformer(variant: str = "plain", seed: int = 0, size: str = "tiny") -> nn.Module:
     """A deterministic fp32 ``QwenImageTransformer2DModel`` of ``variant``, in eval mode.
 
@@ -67,7 +56,11 @@ def tiny_qwen_transformer(variant: str = "plain", seed: int = 0, size: str = "ti
     """
     from diffusers import QwenImageTransformer2DModel
 
-    config = tiny_qwen_config(variant, size)
+    if variant not in VARIANTS:
+        raise ConfigError(f"unknown tiny Qwen-Image variant {variant!r}: use one of {sorted(VARIANTS)}")
+    if size not in SIZES:
+        raise ConfigError(f"unknown tiny Qwen-Image size {size!r}: use one of {sorted(SIZES)}")
+    config = {**BASE, **SIZES[size], **VARIANTS[variant]}
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model: Any = QwenImageTransformer2DModel(**config)
@@ -87,18 +80,6 @@ def modulation_linears(model: Any) -> list[Any]:
         linears += [block.img_mod[1], block.txt_mod[1]]
     linears.append(model.norm_out.linear)
     return [getattr(linear, "base_layer", linear) for linear in linears]
-
-
-def save_tiny_qwen(model: nn.Module, directory: str | os.PathLike[str], *, dtype: torch.dtype = torch.bfloat16) -> Any:
-    """``save_pretrained`` the model to ``directory`` and load it back with ``torch_dtype=dtype``."""
-    from diffusers import QwenImageTransformer2DModel
-
-    if dtype not in (torch.bfloat16, torch.float32, torch.float16):
-        raise ConfigError(f"save_tiny_qwen dtype must be bfloat16, float16 or float32, got {dtype}")
-    directory = Path(directory)
-    pretrained: Any = model  # a diffusers ModelMixin; nn.Module types its attributes as Tensor | Module
-    pretrained.save_pretrained(directory)
-    return QwenImageTransformer2DModel.from_pretrained(directory, torch_dtype=dtype).eval()
 
 
 def tiny_qwen_inputs(
@@ -237,15 +218,6 @@ def tiny_qwen_text_encoder(seed: int = 0, *, width: int = 16, layers: int = 1, v
     return encoder.eval()
 
 
-def tiny_edit_image(seed: int = 0, size: tuple[int, int] = (32, 24)) -> Any:
-    """A deterministic RGB ``PIL.Image`` of ``size`` (width, height): an Edit pipeline's input image."""
-    from PIL import Image
-
-    generator = torch.Generator().manual_seed(seed)
-    pixels = torch.randint(0, 256, (size[1], size[0], 3), generator=generator, dtype=torch.uint8)
-    return Image.fromarray(pixels.numpy())
-
-
 def tiny_prompt_embeds(model: Any, batch: int = 1, seed: int = 0, tokens: int = 5) -> dict[str, torch.Tensor]:
     """Deterministic ``prompt_embeds`` and ``prompt_embeds_mask`` for a tiny pipeline's transformer."""
     generator = torch.Generator().manual_seed(seed)
@@ -254,19 +226,3 @@ def tiny_prompt_embeds(model: Any, batch: int = 1, seed: int = 0, tokens: int = 
         "prompt_embeds": embeds.to(model.img_in.weight.dtype),
         "prompt_embeds_mask": torch.ones(batch, tokens, dtype=torch.long),
     }
-
-
-__all__ = [
-    "SIZES",
-    "VARIANTS",
-    "modulation_linears",
-    "save_tiny_qwen",
-    "tiny_edit_image",
-    "tiny_prompt_embeds",
-    "tiny_qwen_config",
-    "tiny_qwen_inputs",
-    "tiny_qwen_pipeline",
-    "tiny_qwen_text_encoder",
-    "tiny_qwen_transformer",
-    "tiny_qwen_vae",
-]

@@ -102,11 +102,6 @@ def served_class(cls: type, forward: Callable[..., Any] = _served_forward) -> ty
     return served
 
 
-def is_served(module: nn.Module) -> bool:
-    """Whether ``module``'s class is a served class installed by :class:`ServedBlocks`."""
-    return type(module) in _SERVED.values()
-
-
 class ServedBlocks:
     """The served owners (every block's module that calls a served projection) switched to the
     served class, and switched back.

@@ -230,15 +230,6 @@ def remove_hook(module: nn.Module, name: str) -> None:
         hook_registry(module).remove_hook(name, recurse=False)
 
 
-def unhooked(module: nn.Module, hook_name: str) -> Callable[..., Any]:
-    """``module``'s forward beneath hook ``hook_name`` (its own, possibly LoRA-wrapped, forward)."""
-    hook = get_hook(module, hook_name)
-    if hook is None:
-        return module
-    original: Callable[..., Any] = hook.fn_ref.original_forward
-    return original
-
-
 def other_hooks_present(model: nn.Module) -> bool:
     """Whether a diffusers hook that is not ours sits on any module (it might read ``temb``)."""
     for _, module in model.named_modules():

@@ -8,9 +8,6 @@
   the projections' dtype, computed as the stock forward computes it;
 * **a forward's plan** (:meth:`MiniMaxH3.forward_plan`): the ``timestep`` tensor the forward
   receives, 1-D float32, one entry per distinct timestep of the step.
-
-The module-level helpers are the family's methods under the names the integration used before
-families existed.
 """
 
 from __future__ import annotations
@@ -28,7 +25,6 @@ from ...spec import LAYOUTS, Layer, ModulationSpec
 from .calls import pipeline_class
 from .compile import _served_forward
 from .family import DiffusersFamily, ServedForward, timestep_argument
-from .family import check_materialised as _check_materialised
 from .modules import bypassing_hooks, stock_dtype
 
 #: The diffusers layout: its prefixes are the projections' module paths inside the transformer.
@@ -150,65 +146,15 @@ def is_minimax_h3_transformer(obj: Any) -> bool:
     return isinstance(obj, MiniMaxH3Transformer3DModel)
 
 
-def projection_path(layer: Layer) -> str:
-    """Module path of ``layer``'s projection (``transformer_blocks.3.adaln_proj.linear``)."""
-    return FAMILY.projection_path(layer)
-
-
-def owner_path(layer: Layer) -> str:
-    """Module path of the module that calls ``layer``'s projection (``transformer_blocks.3.adaln_proj``)."""
-    return FAMILY.owner_path(layer)
-
-
-def capture_blocks(model: nn.Module) -> None:
-    FAMILY.capture_blocks(model)
-
-
-def release_blocks(model: nn.Module) -> None:
-    FAMILY.release_blocks(model)
-
-
-def transformer_blocks(model: nn.Module) -> nn.Module:
-    return FAMILY.transformer_blocks(model)
-
-
-def projection_module(model: nn.Module, layer: Layer) -> Any:
-    return FAMILY.projection_module(model, layer)
-
-
-def projection_modules(model: nn.Module, spec: ModulationSpec) -> list[tuple[Layer, Any]]:
-    return FAMILY.projection_modules(model, spec)
-
-
-def time_embedder_linears(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    return FAMILY.time_embedder_linears(model)
-
-
-def served_modules(model: nn.Module, spec: ModulationSpec) -> list[tuple[str, Any]]:
-    return FAMILY.served_modules(model, spec)
-
-
-def check_materialised(model: nn.Module, spec: ModulationSpec) -> None:
-    _check_materialised(FAMILY, model, spec)
-
-
 def projection_dtype(model: nn.Module, spec: ModulationSpec) -> torch.dtype:
     """The one dtype every projection computes in (the cache serves them one shared embedding)."""
-    dtypes = {stock_dtype(module) for _, module in projection_modules(model, spec)}
+    dtypes = {stock_dtype(module) for _, module in FAMILY.projection_modules(model, spec)}
     if len(dtypes) != 1:
         raise ConfigError(
             f"the AdaLN projections do not share one dtype ({sorted(map(str, dtypes))}); the cache "
             "serves one embedding to all of them, so cast the model consistently before enabling"
         )
     return dtypes.pop()
-
-
-def embed_input(model: Any, spec: ModulationSpec, plan: torch.Tensor, device: torch.device) -> torch.Tensor:
-    return FAMILY.embed(model, spec, plan, device)
-
-
-def forward_plan(module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> torch.Tensor:
-    return FAMILY.forward_plan(module, args, kwargs)
 
 
 __all__ = ["DIFFUSERS_LAYOUT", "FAMILY", "MiniMaxH3", "is_minimax_h3_transformer"]

@@ -1,16 +1,34 @@
-"""The primitives the benchmark times side by side: raw reads, projections alone, a naive loop, the real pass.
+"""What the benchmark times side by side: raw reads, projections alone, a naive loop, the real pass, SGLang's.
 
-Each returns seconds (``None`` where the machine cannot do it) and synchronises the device around
-what it times, so a timer measures the work and not its queueing. The baselines read the same
-bytes from the same files as the pass (:func:`tensor_ranges`), so a ratio compares like with like.
+Each timed primitive returns seconds (``None`` where the machine cannot do it) and synchronises the
+device around what it times (:func:`timed`), so a timer measures the work and not its queueing.
+The baselines read the same bytes from the same files as the pass (:func:`tensor_ranges`), so a
+ratio compares like with like; variants run interleaved (:func:`rounds`), so a neighbour's load on a
+shared machine hits them alike instead of skewing whichever happened to run during it.
+
+SGLang's own AdaLN cache (:class:`SglangBaseline`) is imported from an installed ``sglang``
+package: never a dependency of this project and never a copy of its code. Its module imports a few
+functions of SGLang's serving runtime (tensor-parallel rank, host memory budget, logging), which do
+not import outside a full SGLang deployment; those are stubbed while the module is loaded (world
+size 1, no host tier) and removed again, so nothing of the stubs outlives the load. Where no usable
+SGLang is installed, the baseline is reported as not available (a string saying why).
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib.metadata
+import importlib.util
+import json
+import logging
 import os
+import subprocess
+import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+import types
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +39,44 @@ from ...cache import AdalnCache
 from ...plans import PlanKey, plan_key
 from ...rebuild import clear_verdicts
 from ...source import aligned_empty, pread_into
-from ...spec import Layer
+from ...spec import Layer, ModulationSpec
+from ..measure import sync_device, timed
+from .workload import PlanInputs
+
+
+def rounds(
+    variants: Mapping[str, Callable[[], float]], runs: int, before: Callable[[], None] | None = None
+) -> dict[str, list[float]]:
+    """``runs`` samples of every variant, taking turns; ``before`` runs ahead of each sample (a cache drop, say)."""
+    out: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(runs):
+        for name, fn in variants.items():
+            if before is not None:
+                before()
+            out[name].append(fn())
+    return out
+
+
+def in_fresh_process(target: str, args: dict[str, Any], *, timeout: float | None = None) -> Any:
+    """``module:function`` called with ``args`` in a fresh Python process (the same interpreter and
+    import path), as a ``CompletedProcess`` whose last stdout line is the function's JSON result.
+
+    Why: a process's peak memory cannot be reset below what it already touched, and what the
+    parent holds would count; a fresh process measures one thing alone.
+    """
+    module, function = target.split(":")
+    code = f"import json, sys\nfrom {module} import {function}\nprint(json.dumps({function}(json.loads(sys.argv[1]))))"
+    command = [sys.executable, "-c", code, json.dumps(args)]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def result_of(proc: Any) -> dict[str, Any]:
+    """The JSON result of :func:`in_fresh_process`."""
+    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------- reads
 
 
 def tensor_ranges(source: Any) -> list[tuple[Path, int, int]]:
@@ -32,6 +87,13 @@ def tensor_ranges(source: Any) -> list[tuple[Path, int, int]]:
             header, entry = source.entry(name)
             out.append((header.path, entry.begin, entry.nbytes))
     return out
+
+
+def read_buffer(source: Any) -> torch.Tensor:
+    """A buffer for :func:`read_only`, its pages faulted in: the cost floor of reading is the copy."""
+    buf = torch.empty(max(n for _, _, n in tensor_ranges(source)), dtype=torch.uint8)
+    buf.fill_(0)
+    return buf
 
 
 def read_only(source: Any, buf: torch.Tensor | None = None) -> float:
@@ -47,56 +109,6 @@ def read_only(source: Any, buf: torch.Tensor | None = None) -> float:
     finally:
         for fd in fds.values():
             os.close(fd)
-    return time.perf_counter() - start
-
-
-class PinnedCopy:
-    """The pinned host-to-device copy of the bytes a pass moves: the physical limit of a CUDA pass.
-
-    One page-locked host buffer and one device buffer, as large as the largest projection tensor,
-    allocated once (outside every timing); each sample copies every projection tensor's byte count
-    from one to the other with ``non_blocking=True``, in pass order, between two synchronisations.
-    The bytes copied are whatever the buffers hold: a copy's speed does not depend on them.
-    """
-
-    def __init__(self, source: Any, device: torch.device) -> None:
-        if device.type != "cuda":
-            raise ValueError(f"a pinned host-to-device copy needs a CUDA device, got {device}")
-        self.sizes = [nbytes for _, _, nbytes in tensor_ranges(source)]
-        self.device = device
-        self.host = torch.empty(max(self.sizes), dtype=torch.uint8, pin_memory=True)
-        self.target = torch.empty(max(self.sizes), dtype=torch.uint8, device=device)
-        self()  # the first copy of a process sets up the DMA path: untimed
-
-    def __call__(self) -> float:
-        sync_device(self.device)
-        start = time.perf_counter()
-        for nbytes in self.sizes:
-            self.target[:nbytes].copy_(self.host[:nbytes], non_blocking=True)
-        sync_device(self.device)
-        return time.perf_counter() - start
-
-
-def read_buffer(source: Any) -> torch.Tensor:
-    """A buffer for :func:`read_only`, its pages faulted in: the cost floor of reading is the copy."""
-    buf = torch.empty(max(n for _, _, n in tensor_ranges(source)), dtype=torch.uint8)
-    buf.fill_(0)
-    return buf
-
-
-def read_and_project_concurrently(source: Any, resident: Any, xs: Sequence[torch.Tensor]) -> float:
-    """Read-only on a thread while project-only runs, with no dependency between them.
-
-    Why: on a machine with few cores the two compete for the same cores and memory bandwidth, so
-    even a perfect pipeline cannot reach max(read, project). This is what overlapping them costs
-    here, which tells a pipeline's own overhead apart from the machine's limit.
-    """
-    buf = read_buffer(source)
-    reader = threading.Thread(target=read_only, args=(source, buf))
-    start = time.perf_counter()
-    reader.start()
-    resident.project_only(xs)
-    reader.join()
     return time.perf_counter() - start
 
 
@@ -138,16 +150,49 @@ def read_only_direct(source: Any) -> float | None:
     return seconds
 
 
-def sync_device(device: torch.device) -> None:
-    """Wait for the device's queued work, so a timer around it measures the work itself."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def read_and_project_concurrently(source: Any, resident: ResidentLayer, xs: Sequence[torch.Tensor]) -> float:
+    """Read-only on a thread while project-only runs, with no dependency between them.
+
+    Why: on a machine with few cores the two compete for the same cores and memory bandwidth, so
+    even a perfect pipeline cannot reach max(read, project). This is what overlapping them costs
+    here, which tells a pipeline's own overhead apart from the machine's limit.
+    """
+    buf = read_buffer(source)
+    reader = threading.Thread(target=read_only, args=(source, buf))
+    start = time.perf_counter()
+    reader.start()
+    resident.project_only(xs)
+    reader.join()
+    return time.perf_counter() - start
 
 
-def device_of(inputs: dict[tuple[int, ...], torch.Tensor] | Sequence[torch.Tensor]) -> torch.device:
-    """The device the projection inputs sit on (the cache is built there)."""
-    values = list(inputs.values()) if isinstance(inputs, dict) else list(inputs)
-    return values[0].device if values else torch.device("cpu")
+class PinnedCopy:
+    """The pinned host-to-device copy of the bytes a pass moves: the physical limit of a CUDA pass.
+
+    One page-locked host buffer and one device buffer, as large as the largest projection tensor,
+    allocated once (outside every timing); each sample copies every projection tensor's byte count
+    from one to the other with ``non_blocking=True``, in pass order, between two synchronisations.
+    The bytes copied are whatever the buffers hold: a copy's speed does not depend on them.
+    """
+
+    def __init__(self, source: Any, device: torch.device) -> None:
+        if device.type != "cuda":
+            raise ValueError(f"a pinned host-to-device copy needs a CUDA device, got {device}")
+        self.sizes = [nbytes for _, _, nbytes in tensor_ranges(source)]
+        self.device = device
+        self.host = torch.empty(max(self.sizes), dtype=torch.uint8, pin_memory=True)
+        self.target = torch.empty(max(self.sizes), dtype=torch.uint8, device=device)
+        self()  # the first copy of a process sets up the DMA path: untimed
+
+    def __call__(self) -> float:
+        def copy() -> None:
+            for nbytes in self.sizes:
+                self.target[:nbytes].copy_(self.host[:nbytes], non_blocking=True)
+
+        return timed(copy, self.device)
+
+
+# ---------------------------------------------------------------------------------------------------- projections
 
 
 class ResidentLayer:
@@ -180,15 +225,14 @@ class ResidentLayer:
         return held if held is not None else self.tensors[self.of_width[self.spec.out_features(layer)]]
 
     def project_only(self, xs: Sequence[torch.Tensor]) -> float:
-        sync_device(self.device)
-        start = time.perf_counter()
-        with torch.no_grad():
-            for layer in self.spec.layers():
-                weight, bias = self.weights(layer)
-                for x in xs:
-                    F.linear(x, weight, bias)
-        sync_device(self.device)
-        return time.perf_counter() - start
+        def project() -> None:
+            with torch.no_grad():
+                for layer in self.spec.layers():
+                    weight, bias = self.weights(layer)
+                    for x in xs:
+                        F.linear(x, weight, bias)
+
+        return timed(project, self.device)
 
 
 def tables_equal_linear(
@@ -201,8 +245,7 @@ def tables_equal_linear(
     """
     with torch.no_grad():
         for plan in plans:
-            key = plan_key(plan, cache.spec.plan_columns)
-            x = inputs[key]
+            x = inputs[plan_key(plan, cache.spec.plan_columns)]
             slot = int(cache.lookup(plan))
             for layer in cache.spec.layers():
                 weight, bias = resident.tensors[layer]
@@ -217,7 +260,7 @@ def naive(source: Any, xs: Sequence[torch.Tensor]) -> float:
     On a GPU each layer is copied to the device (pageable, blocking) before it is projected.
     """
     spec, layout = source.spec, source.layout
-    device = device_of(xs)
+    device = xs[0].device if xs else torch.device("cpu")
     start = time.perf_counter()
     fds: dict[Path, int] = {}
     try:
@@ -244,26 +287,34 @@ def naive(source: Any, xs: Sequence[torch.Tensor]) -> float:
     return time.perf_counter() - start
 
 
+# ---------------------------------------------------------------------------------------------------- the pass
+
+
+def inputs_device(inputs: PlanInputs) -> torch.device:
+    """The device the projection inputs sit on (the cache is built there)."""
+    return next(iter(inputs.values())).device if inputs else torch.device("cpu")
+
+
 def request_cache(
-    source: Any, plans: int, device: torch.device, *, batched: bool = False, tiled: bool | str = "auto"
+    source: Any, plans: int, device: torch.device, *, spec: ModulationSpec | None = None, **options: Any
 ) -> AdalnCache:
-    """A fresh cache with room for ``plans`` plans of up to 4 timesteps, no progress bar."""
-    return AdalnCache(
-        source.spec,
-        source,
-        max_plans=plans,
-        max_plan_width=4,
-        progress=False,
-        batched=batched,
-        device=device,
-        tiled=tiled,
-    )
+    """A fresh cache of ``spec`` (the source's) with room for ``plans`` plans of up to 4 timesteps, no
+    progress bar, the other ``options`` as given."""
+    spec = spec or source.spec
+    return AdalnCache(spec, source, max_plans=plans, max_plan_width=4, progress=False, device=device, **options)
+
+
+def timed_build(cache: AdalnCache, plans: Sequence[torch.Tensor], inputs: PlanInputs) -> tuple[float, Any]:
+    """Seconds of ``cache.build(plans)`` on the inputs' device, and its report."""
+    reports = []
+    seconds = timed(lambda: reports.append(cache.build(list(plans), embed=inputs.embed)), inputs_device(inputs))
+    return seconds, reports[0]
 
 
 def one_pass(
     source: Any,
     plans: Sequence[torch.Tensor],
-    inputs: dict[tuple[int, ...], torch.Tensor],
+    inputs: PlanInputs,
     *,
     fresh: bool = False,
     batched: bool = False,
@@ -281,15 +332,10 @@ def one_pass(
     process costs. ``in_place`` and ``tiled``: the source's and the cache's options of those names
     (the library's defaults: in place, ``"auto"``).
     """
-    device = device_of(inputs)  # the cache lives where the inputs do
 
     def build(todo: Sequence[torch.Tensor]) -> float:
-        cache = request_cache(source, len(todo), device, batched=batched, tiled=tiled)
-        sync_device(device)
-        start = time.perf_counter()
-        report = cache.build(list(todo), embed=lambda p: inputs[plan_key(p)])
-        sync_device(device)
-        seconds = time.perf_counter() - start
+        cache = request_cache(source, len(todo), inputs_device(inputs), batched=batched, tiled=tiled)
+        seconds, report = timed_build(cache, todo, inputs)
         assert report.passes == 1 and report.built == len(todo)
         return seconds
 
@@ -304,16 +350,14 @@ def one_pass(
     return build(plans)
 
 
-def batched_exactness(
-    source: Any, plans: Sequence[torch.Tensor], inputs: dict[tuple[int, ...], torch.Tensor]
-) -> dict[str, Any]:
+def batched_exactness(source: Any, plans: Sequence[torch.Tensor], inputs: PlanInputs) -> dict[str, Any]:
     """Build ``plans`` per plan and batched, from scratch (probe included), and compare the slabs bitwise."""
     clear_verdicts()  # a new process's view: the batched build probes every shape class again
     built = {}
     reports = {}
     for batched in (False, True):
-        cache = request_cache(source, len(plans), device_of(inputs), batched=batched)
-        reports[batched] = cache.build(list(plans), embed=lambda p: inputs[plan_key(p)])
+        cache = request_cache(source, len(plans), inputs_device(inputs), batched=batched)
+        reports[batched] = cache.build(list(plans), embed=inputs.embed)
         built[batched] = {plan_key(p): cache.rows_of(plan_key(p)) for p in plans}
     per_plan, stacked = built[False], built[True]
     same = all(
@@ -330,18 +374,139 @@ def batched_exactness(
     }
 
 
-__all__ = [
-    "ResidentLayer",
-    "batched_exactness",
-    "device_of",
-    "naive",
-    "one_pass",
-    "read_and_project_concurrently",
-    "read_buffer",
-    "read_only",
-    "read_only_direct",
-    "request_cache",
-    "sync_device",
-    "tables_equal_linear",
-    "tensor_ranges",
-]
+# ---------------------------------------------------------------------------------------------------- SGLang
+
+#: The cache module inside an installed ``sglang`` package (0.5.23).
+SGLANG_CACHE_FILE = Path("multimodal_gen/runtime/models/dits/minimax_h3_adaln_cache.py")
+
+
+class _SglangArch:
+    """The two fields of SGLang's ``MiniMaxH3DiTArchConfig`` that its cache reads."""
+
+    def __init__(self, num_layers: int, hidden_size: int) -> None:
+        self.num_layers = num_layers
+        self.hidden_size = hidden_size
+
+
+def _runtime_stubs() -> dict[str, dict[str, Any]]:
+    """What SGLang 0.5.23's cache module imports from SGLang's runtime, as a single process serves it."""
+    return {
+        "sglang.multimodal_gen.configs.models.dits.minimax_h3": {
+            "MINIMAX_H3_ADALN_MODALITY_NUM": 3,
+            "MiniMaxH3DiTArchConfig": _SglangArch,
+        },
+        "sglang.multimodal_gen.runtime.distributed": {
+            "get_tp_world_size": lambda: 1,
+            "tensor_model_parallel_all_gather": lambda tensor: tensor,
+        },
+        "sglang.multimodal_gen.runtime.distributed.parallel_state": {
+            "get_tp_rank": lambda: 0,
+            "get_world_group": lambda: None,
+            "world_group_is_initialized": lambda: False,
+        },
+        "sglang.multimodal_gen.runtime.managers.memory_managers.host_memory_budget": {
+            "HOST_RESERVE_FRACTION": 0.1,
+            "MIN_HOST_RESERVE_BYTES": 0,
+            "host_memory_available_bytes": lambda: 0,
+        },
+        "sglang.multimodal_gen.runtime.utils.logging_utils": {"init_logger": logging.getLogger},
+    }
+
+
+@contextlib.contextmanager
+def _stubbed(modules: dict[str, dict[str, Any]]) -> Iterator[None]:
+    """``modules`` (and their parent packages) in ``sys.modules`` for the duration; the old entries after."""
+    names = set(modules)
+    for name in modules:
+        parts = name.split(".")
+        names.update(".".join(parts[:i]) for i in range(1, len(parts)))
+    saved = {name: sys.modules.get(name) for name in names}
+    try:
+        for name in sorted(names):
+            module = types.ModuleType(name)
+            if name not in modules:
+                module.__path__ = []  # a package, so its children can be imported from it
+            module.__dict__.update(modules.get(name, {}))
+            sys.modules[name] = module
+        yield
+    finally:
+        for name, old in saved.items():
+            if old is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = old
+
+
+def load_sglang_cache() -> tuple[types.ModuleType, str] | str:
+    """SGLang's cache module (``MiniMaxH3AdalnCache``, ``_plan_key``) and SGLang's version, or why not available."""
+    try:
+        spec = importlib.util.find_spec("sglang")
+    except (ImportError, ValueError) as exc:
+        return f"sglang cannot be found ({exc})"
+    if spec is None or not spec.submodule_search_locations:
+        return "sglang is not installed"
+    path = Path(next(iter(spec.submodule_search_locations))) / SGLANG_CACHE_FILE
+    if not path.is_file():
+        return f"this sglang has no {SGLANG_CACHE_FILE}"
+    try:
+        version = importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown"
+    name = "_adalncache_bench_sglang_adaln_cache"
+    loader_spec = importlib.util.spec_from_file_location(name, path)
+    if loader_spec is None or loader_spec.loader is None:
+        return f"cannot load {path}"
+    module = importlib.util.module_from_spec(loader_spec)
+    sys.modules[name] = module  # under a private name: its classes resolve their annotations through it
+    try:
+        with _stubbed(_runtime_stubs()):
+            loader_spec.loader.exec_module(module)
+    except Exception as exc:  # another SGLang version, or a missing dependency of the module (msgspec)
+        sys.modules.pop(name, None)
+        return f"SGLang {version}'s cache module did not load: {type(exc).__name__}: {exc}"
+    for needed in ("MiniMaxH3AdalnCache", "_plan_key"):
+        if not hasattr(module, needed):
+            return f"SGLang {version}'s cache module has no {needed}"
+    return module, version
+
+
+@dataclass
+class SglangBaseline:
+    """SGLang's cache over the same checkpoint files, its slab built by its own rebuild pass."""
+
+    cache: Any
+    version: str
+    key: Callable[[torch.Tensor], tuple[int, ...]]
+
+    @classmethod
+    def open(
+        cls, files: Sequence[Path], *, num_layers: int, hidden_size: int, max_plans: int, device: torch.device
+    ) -> SglangBaseline | str:
+        """The baseline, or why it is not available (never raises for a missing or foreign SGLang)."""
+        loaded = load_sglang_cache()
+        if isinstance(loaded, str):
+            return loaded
+        module, version = loaded
+        try:
+            cache = module.MiniMaxH3AdalnCache(
+                _SglangArch(num_layers, hidden_size),
+                weight_files=[str(f) for f in files],
+                max_plans=max_plans,
+                max_plan_width=4,
+            )
+            cache.load(device)
+        except Exception as exc:
+            return f"SGLang {version}'s cache could not be constructed: {type(exc).__name__}: {exc}"
+        return cls(cache, version, module._plan_key)
+
+    def tables_identical(self, ours: Any, plans: Sequence[torch.Tensor]) -> bool:
+        """Whether both caches hold the same bits for every plan (so both were timed on the same tables)."""
+        for plan in plans:
+            n = plan.numel()
+            rows = ours.rows_of(plan_key(plan))
+            slot = self.cache.resolve_slots([plan])[0]
+            their_block = self.cache.block_params[slot, :n].to(rows.block.device)
+            their_final = self.cache.final_params[slot, :n].to(rows.final.device)
+            if not (torch.equal(rows.block, their_block) and torch.equal(rows.final, their_final)):
+                return False
+        return True

@@ -1,18 +1,26 @@
-"""What the benchmark measures on: a generated checkpoint at the real widths, a request's plans, their inputs.
+"""What every section of the benchmark measures on, and what it records: the workload and the results.
 
-The checkpoint holds ``spec``'s projections in the native layout (a Qwen-Image one: the diffusers
-layout with its ``config.json``), sharded with an index, filled with seeded random bf16 (so every
-run, on every machine, reads the same bytes); it is written once per geometry and reused. The
-request is a 50-step t2va request (diffusers' own schedule when diffusers is installed), or a
-50-step Qwen-Image request at 1024 x 1024 (the released scheduler's); the projection inputs are
-deterministic ``silu(temb)`` stand-ins.
+**The workload.** The generated checkpoint holds ``spec``'s projections in the native layout (a
+Qwen-Image one: the diffusers layout with its ``config.json``), sharded with an index, filled with
+seeded random bf16 (so every run, on every machine, reads the same bytes); it is written once per
+geometry and reused. The request is a 50-step t2va request (diffusers' own schedule when diffusers
+is installed), or a 50-step Qwen-Image request at 1024 x 1024 (the released scheduler's); the
+projection inputs are deterministic ``silu(temb)`` stand-ins (:class:`PlanInputs`).
+
+**The results.** A :class:`Comparison` is one subject timed (or measured) against one baseline in
+the same run, as a ratio of medians: absolute times on a shared CPU say little, while ratios of
+neighbouring runs stay meaningful. :class:`Results` collects them with each section's raw values and
+notes, prints each comparison as it is added, and is what the command writes out as JSON, Markdown
+and a chart.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import statistics
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,11 +28,101 @@ import torch
 import torch.nn.functional as F
 
 from ...families import qwen_image
-from ...plans import distinct_plans, plan_key
+from ...plans import PlanKey, distinct_plans, plan_key
 from ...source import LazyTensor, write_safetensors
 from ...spec import ModulationSpec
 
 log = logging.getLogger(__name__)
+
+# ---------------------------------------------------------------------------------------------------- results
+
+
+@dataclass
+class Comparison:
+    """``name``: ``subject`` against ``baseline`` (medians of ``runs`` samples each), with a target."""
+
+    name: str
+    subject: str
+    baseline: str
+    subject_s: list[float]
+    baseline_s: list[float]
+    target: float | None = None
+    note: str = ""
+    unit: str = "s"
+
+    @property
+    def ratio(self) -> float:
+        return statistics.median(self.subject_s) / statistics.median(self.baseline_s)
+
+    @property
+    def met(self) -> bool | None:
+        return None if self.target is None else self.ratio <= self.target
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "subject": self.subject,
+            "baseline": self.baseline,
+            "subject_median_s": statistics.median(self.subject_s),
+            "baseline_median_s": statistics.median(self.baseline_s),
+            "subject_s": self.subject_s,
+            "baseline_s": self.baseline_s,
+            "ratio": self.ratio,
+            "target": self.target,
+            "met": self.met,
+            "note": self.note,
+            "unit": self.unit,
+        }
+
+    def fmt(self, samples: list[float]) -> str:
+        value = statistics.median(samples)
+        return f"{value / 2**20:.0f} MiB" if self.unit == "bytes" else fmt_s(value)
+
+    def line(self) -> str:
+        target = "" if self.target is None else f"  (target <= {self.target:g}: {'met' if self.met else 'MISSED'})"
+        return (
+            f"{self.name}: {self.subject} {self.fmt(self.subject_s)} / {self.baseline} "
+            f"{self.fmt(self.baseline_s)} = {self.ratio:.3f}x{target}" + (f"  [{self.note}]" if self.note else "")
+        )
+
+
+def fmt_s(seconds: float) -> str:
+    """Seconds in the unit that reads best (us, ms or s)."""
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.1f} us"
+    if seconds < 1:
+        return f"{seconds * 1e3:.1f} ms"
+    return f"{seconds:.2f} s"
+
+
+@dataclass
+class Results:
+    """Everything one run measured: its configuration, comparisons, raw values and notes."""
+
+    config: dict[str, Any]
+    comparisons: list[Comparison] = field(default_factory=list)
+    values: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def add(self, comparison: Comparison) -> Comparison:
+        self.comparisons.append(comparison)
+        print(comparison.line(), flush=True)
+        return comparison
+
+    def note(self, text: str) -> None:
+        self.notes.append(text)
+        print(f"note: {text}", flush=True)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "config": self.config,
+            "comparisons": [c.as_dict() for c in self.comparisons],
+            "values": self.values,
+            "notes": self.notes,
+        }
+
+
+# ---------------------------------------------------------------------------------------------------- workload
 
 #: The released geometry: time embedding (projection input) and hidden size (output = 18 x hidden).
 REAL_IN = 2688
@@ -113,11 +211,21 @@ def generate_checkpoint(
     return directory
 
 
-def make_inputs(
-    spec: ModulationSpec, plans: Sequence[torch.Tensor], device: torch.device | str = "cpu"
-) -> dict[tuple[int, ...], torch.Tensor]:
+class PlanInputs(dict[PlanKey, torch.Tensor]):
+    """The projection input of every plan of a request, by plan key."""
+
+    def embed(self, plan: torch.Tensor) -> torch.Tensor:
+        """The input of ``plan``: what a build's ``embed`` returns."""
+        return self[plan_key(plan)]
+
+    def of(self, plans: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The inputs of ``plans``, in order."""
+        return [self.embed(plan) for plan in plans]
+
+
+def make_inputs(spec: ModulationSpec, plans: Sequence[torch.Tensor], device: torch.device | str = "cpu") -> PlanInputs:
     """A deterministic projection input per plan, on ``device``: ``silu(temb).to(bf16)`` stand-ins."""
-    out = {}
+    out = PlanInputs()
     for n, plan in enumerate(plans):
         key = plan_key(plan)
         if key not in out:
@@ -170,26 +278,3 @@ def qwen_request_plans(spec: ModulationSpec, steps: int = STEPS, size: int = QWE
     forwards = served.schedule_timesteps(timesteps, batch=1, dtype=spec.dtype)
     order, tensors = distinct_plans(served.spec_plans(spec, forwards), columns=spec.plan_columns)
     return [tensors[k] for k in order]
-
-
-def plan_keys(plans: Sequence[torch.Tensor]) -> list[tuple[int, ...]]:
-    """The key of each plan, in order."""
-    return [plan_key(p) for p in plans]
-
-
-__all__ = [
-    "QWEN_BLOCKS",
-    "QWEN_DIM",
-    "QWEN_SCHEDULER",
-    "QWEN_SIZE",
-    "REAL_HIDDEN",
-    "REAL_IN",
-    "STEPS",
-    "generate_checkpoint",
-    "make_inputs",
-    "plan_keys",
-    "qwen_config",
-    "qwen_request_plans",
-    "qwen_spec",
-    "request_plans",
-]

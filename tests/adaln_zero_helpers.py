@@ -1,28 +1,192 @@
-"""The diffusers pipelines of the tiny AdaLayerNormZero-family transformers, built offline, and their requests.
+"""The tiny models of the AdaLayerNormZero family's eight diffusers classes, their pipelines and requests.
 
-Every class's pipeline (:data:`PIPELINES`) is built around a tiny transformer of
-:mod:`.tiny_adaln_zero` with a tiny VAE (only sized: requests return latents) and no text encoder:
-the encoders (T5, Qwen2.5-VL, Qwen3, T5Gemma, SmolLM3) need tokenizer files that cannot be made
-offline, so a request passes seeded prompt embeddings (:func:`request`). Two pipelines cannot take
-embeddings alone: Bria-FIBO's takes none, and LongCat-Image's counts its prompts and refuses a prompt
-with embeddings; their requests pass text, and :func:`tiny_pipeline` replaces the part of the pipeline
-that runs the text encoder with seeded embeddings of the text (the only part not the pipeline's own).
+Tests need each real class (``HunyuanImageTransformer2DModel``, ``MotifVideoTransformer3DModel``,
+``BriaTransformer2DModel``, ``LongCatImageTransformer2DModel``, ``HunyuanVideo15Transformer3DModel``,
+``AuraFlowTransformer2DModel``, ``BriaFiboTransformer2DModel``, ``OvisImageTransformer2DModel``)
+small enough for a 2-core CPU, with every part its forward runs (double and single blocks, the
+token refiner of the two Hunyuan classes, the optional embedders of ``timestep_r`` and
+``guidance``), and the arguments its forward takes. Weights are seeded
+(:func:`adalncache.tools.tiny_adaln_zero.seeded_model`, the demo's builder), so two builds with the
+same seed are the same model.
 
-The VAEs are built at the dtype they run in (fp32, diffusers' default), so building them logs
-nothing; the image-to-video pipeline of HunyuanVideo-1.5 also gets a tiny SigLIP image encoder.
-
-Everything imports diffusers lazily: ``import adalncache.tools.tiny_adaln_zero_pipelines`` works without it.
+Every class's pipeline (:data:`PIPELINES`) is built around a tiny transformer with a tiny VAE (only
+sized: requests return latents) and no text encoder: the encoders (T5, Qwen2.5-VL, Qwen3, T5Gemma,
+SmolLM3) need tokenizer files that cannot be made offline, so a request passes seeded prompt
+embeddings (:func:`request`). Two pipelines cannot take embeddings alone: Bria-FIBO's takes none,
+and LongCat-Image's counts its prompts and refuses a prompt with embeddings; their requests pass
+text, and :func:`tiny_pipeline` replaces the part of the pipeline that runs the text encoder with
+seeded embeddings of the text (the only part not the pipeline's own). The image-to-video pipeline
+of HunyuanVideo-1.5 also gets a tiny SigLIP image encoder.
 """
 
 from __future__ import annotations
 
 import types
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
-from ..errors import ConfigError
-from . import tiny_adaln_zero as tiny
+from adalncache.errors import ConfigError
+from adalncache.families import adaln_zero
+from adalncache.tools import tiny_adaln_zero as demo_models
+from adalncache.tools.tiny_adaln_zero import FLUX, HEADS, TEXT_TOKENS, flux_vae, pipeline_class
+
+#: The tiny config of each class: hidden 32, two blocks of each kind, one refiner block.
+CONFIGS: dict[str, dict[str, Any]] = {
+    "HunyuanImageTransformer2DModel": {
+        **HEADS,
+        "in_channels": 4,
+        "out_channels": 4,
+        "num_layers": 2,
+        "num_single_layers": 2,
+        "num_refiner_layers": 1,
+        "patch_size": (1, 1),
+        "text_embed_dim": 24,
+        "rope_axes_dim": (8, 8),
+    },
+    "MotifVideoTransformer3DModel": {
+        **HEADS,
+        "in_channels": 4,
+        "out_channels": 4,
+        "num_layers": 2,
+        "num_single_layers": 2,
+        "text_embed_dim": 24,
+        "rope_axes_dim": (4, 6, 6),
+    },
+    "BriaTransformer2DModel": demo_models.CONFIGS["BriaTransformer2DModel"],
+    "LongCatImageTransformer2DModel": {**FLUX, "joint_attention_dim": 24, "pooled_projection_dim": 24},
+    "HunyuanVideo15Transformer3DModel": {
+        **HEADS,
+        "in_channels": 4,
+        "out_channels": 4,
+        "num_layers": 2,
+        "num_refiner_layers": 1,
+        "text_embed_dim": 24,
+        "text_embed_2_dim": 12,
+        "image_embed_dim": 12,
+        "rope_axes_dim": (4, 6, 6),
+    },
+    "AuraFlowTransformer2DModel": {
+        **HEADS,
+        "sample_size": 8,
+        "patch_size": 2,
+        "in_channels": 4,
+        "out_channels": 4,
+        "num_mmdit_layers": 2,
+        "num_single_dit_layers": 2,
+        "joint_attention_dim": 24,
+        "caption_projection_dim": 32,
+        "pos_embed_max_size": 8,
+    },
+    "BriaFiboTransformer2DModel": {**FLUX, "joint_attention_dim": 24, "text_encoder_dim": 12},
+    "OvisImageTransformer2DModel": demo_models.CONFIGS["OvisImageTransformer2DModel"],
+}
+
+#: Each class's config flags that enable an optional per-step input.
+OPTIONAL_FLAGS: dict[str, dict[str, str]] = {
+    name: {flag: input_name for input_name, flag in layout.optional} for name, layout in adaln_zero.CLASSES.items()
+}
+
+#: Image side of the latent grid (tokens = side * side; frames 2 for the video classes).
+SIDE = 4
+FRAMES = 2
+
+
+def model_class(class_name: str) -> type[nn.Module]:
+    """The diffusers class called ``class_name`` (one of :data:`CONFIGS`)."""
+    if class_name not in CONFIGS:
+        raise ConfigError(f"no tiny model of {class_name!r}: the tiny classes are {', '.join(CONFIGS)}")
+    import diffusers
+
+    return getattr(diffusers, class_name)
+
+
+def config(class_name: str, **flags: Any) -> dict[str, Any]:
+    """The tiny config of ``class_name`` with ``flags`` (``use_meanflow=True``, ``guidance_embeds=True``)."""
+    model_class(class_name)
+    return {**CONFIGS[class_name], **flags}
+
+
+def build(class_name: str, *, seed: int = 0, dtype: torch.dtype = torch.float32, **flags: Any) -> nn.Module:
+    """A tiny ``class_name`` with seeded weights (the same for the same seed and flags), in ``dtype``, eval mode."""
+    return demo_models.seeded_model(class_name, config(class_name, **flags), seed=seed, dtype=dtype)
+
+
+def save_and_load(model: Any, directory: Path, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
+    """``model`` (a diffusers model) saved in ``dtype`` with ``save_pretrained`` into ``directory`` and loaded back."""
+    model.to(dtype).save_pretrained(str(directory))
+    loaded = type(model).from_pretrained(str(directory), torch_dtype=dtype)
+    return loaded.eval()
+
+
+def forward_kwargs(
+    model: nn.Module, inputs: Mapping[str, torch.Tensor], *, batch: int, seed: int = 1
+) -> dict[str, Any]:
+    """The arguments of one forward of ``model``: seeded latents and text, plus ``inputs`` (the per-step ones).
+
+    ``inputs``: ``timestep`` and the optional per-step inputs by their argument names, each with
+    ``batch`` entries, passed as given (their dtype is the caller's, as a pipeline's would be).
+    """
+    name = type(model).__name__
+    cfg = CONFIGS[name]
+    dtype = next(model.parameters()).dtype
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    tokens = SIDE * SIDE
+    mask = torch.ones(batch, TEXT_TOKENS, dtype=torch.bool)
+    mask[-1, -1] = False  # one padded text token: the masks reach the attention
+    kw: dict[str, Any] = {"return_dict": False, **inputs}
+    if name in (
+        "BriaTransformer2DModel",
+        "LongCatImageTransformer2DModel",
+        "OvisImageTransformer2DModel",
+        "BriaFiboTransformer2DModel",
+    ):
+        ids = torch.zeros(tokens, 3)
+        ids[:, 1], ids[:, 2] = torch.arange(tokens) // SIDE, torch.arange(tokens) % SIDE
+        kw |= {
+            "hidden_states": rand(batch, tokens, cfg["in_channels"]),
+            "encoder_hidden_states": rand(batch, TEXT_TOKENS, cfg["joint_attention_dim"]),
+            "img_ids": ids,
+            "txt_ids": torch.zeros(TEXT_TOKENS, 3),
+        }
+        if name == "BriaFiboTransformer2DModel":
+            layers = cfg["num_layers"] + cfg["num_single_layers"]
+            kw["text_encoder_layers"] = [rand(batch, TEXT_TOKENS, cfg["text_encoder_dim"]) for _ in range(layers)]
+    elif name == "AuraFlowTransformer2DModel":
+        kw |= {
+            "hidden_states": rand(batch, cfg["in_channels"], cfg["sample_size"], cfg["sample_size"]),
+            "encoder_hidden_states": rand(batch, TEXT_TOKENS, cfg["joint_attention_dim"]),
+        }
+    elif name == "HunyuanImageTransformer2DModel":
+        kw |= {
+            "hidden_states": rand(batch, cfg["in_channels"], SIDE, SIDE),
+            "encoder_hidden_states": rand(batch, TEXT_TOKENS, cfg["text_embed_dim"]),
+            "encoder_attention_mask": mask,
+        }
+    elif name == "MotifVideoTransformer3DModel":
+        kw |= {
+            "hidden_states": rand(batch, cfg["in_channels"], FRAMES, SIDE, SIDE),
+            "encoder_hidden_states": rand(batch, TEXT_TOKENS, cfg["text_embed_dim"]),
+            "encoder_attention_mask": mask,
+        }
+    else:  # HunyuanVideo15Transformer3DModel
+        kw |= {
+            "hidden_states": rand(batch, cfg["in_channels"], FRAMES, SIDE, SIDE),
+            "encoder_hidden_states": rand(batch, TEXT_TOKENS, cfg["text_embed_dim"]),
+            "encoder_attention_mask": mask,
+            "encoder_hidden_states_2": rand(batch, 3, cfg["text_embed_2_dim"]),
+            "encoder_attention_mask_2": torch.ones(batch, 3, dtype=torch.bool),
+            "image_embeds": rand(batch, 2, cfg["image_embed_dim"]),
+        }
+    return kw
+
 
 #: Each class's diffusers pipelines (the first is the text-to-image or text-to-video one).
 PIPELINES: dict[str, tuple[str, ...]] = {
@@ -59,28 +223,9 @@ PIPELINE_FLAGS: dict[str, dict[str, bool]] = {
 _VIDEO = ("MotifVideoTransformer3DModel", "HunyuanVideo15Transformer3DModel")
 
 
-def build(class_name: str, *, seed: int = 0, dtype: torch.dtype = torch.float32, **flags: Any) -> Any:
-    """A tiny transformer of ``class_name`` (:func:`tiny_adaln_zero.build`) with the config its pipeline needs."""
-    return tiny.build(class_name, seed=seed, dtype=dtype, **{**PIPELINE_CONFIG.get(class_name, {}), **flags})
-
-
-def _flux_vae(latent_channels: int) -> Any:
-    """A one-level ``AutoencoderKL`` (scale factor 1), fp32."""
-    import diffusers
-
-    return diffusers.AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        latent_channels=latent_channels,
-        block_out_channels=(8,),
-        down_block_types=("DownEncoderBlock2D",),
-        up_block_types=("UpDecoderBlock2D",),
-        norm_num_groups=8,
-        layers_per_block=1,
-        # The released VAEs set it; BriaPipeline casts a VAE without one (``vae.to(float32)``, which
-        # logs diffusers' direct-cast warning) when it is built.
-        shift_factor=0.0,
-    )
+def pipeline_transformer(class_name: str, *, seed: int = 0, dtype: torch.dtype = torch.float32, **flags: Any) -> Any:
+    """A tiny transformer of ``class_name`` (:func:`build`) with the config its pipeline needs."""
+    return build(class_name, seed=seed, dtype=dtype, **{**PIPELINE_CONFIG.get(class_name, {}), **flags})
 
 
 def _wan_vae(z_dim: int) -> Any:
@@ -108,9 +253,9 @@ def _vae(transformer: Any) -> Any:
     if class_name in _VIDEO:  # the video pipelines' condition: latents, their frames and a mask
         channels = transformer.config.out_channels
     if class_name in ("BriaTransformer2DModel", "OvisImageTransformer2DModel", "LongCatImageTransformer2DModel"):
-        return _flux_vae(channels // 4)  # the pipelines pack 2 x 2 latent patches
+        return flux_vae(channels // 4)  # the pipelines pack 2 x 2 latent patches
     if class_name == "AuraFlowTransformer2DModel":
-        return _flux_vae(channels)
+        return flux_vae(channels)
     if class_name in ("BriaFiboTransformer2DModel", "MotifVideoTransformer3DModel"):
         return _wan_vae(channels // 4 if class_name == "BriaFiboTransformer2DModel" else channels)
     if class_name == "HunyuanImageTransformer2DModel":
@@ -151,7 +296,7 @@ def _components(class_name: str, pipeline: str) -> dict[str, Any]:
             "guider": diffusers.ClassifierFreeGuidance(),
         }
         if pipeline == "HunyuanVideo15ImageToVideoPipeline":
-            parts |= _image_encoder(tiny.CONFIGS[class_name]["image_embed_dim"])
+            parts |= _image_encoder(CONFIGS[class_name]["image_embed_dim"])
         return parts
     return {"text_encoder": None, "tokenizer": None}
 
@@ -173,25 +318,6 @@ def _image_encoder(width: int) -> dict[str, Any]:
         encoder = transformers.SiglipVisionModel(config).eval()
     processor = transformers.SiglipImageProcessorPil(size={"height": 8, "width": 8})
     return {"image_encoder": encoder, "feature_extractor": processor}
-
-
-def pipeline_class(name: str) -> Any:
-    """The diffusers pipeline class ``name``, imported without transformers' torchvision-fallback notices.
-
-    Some pipeline modules import ``CLIPImageProcessor`` or ``SiglipImageProcessor`` at module level;
-    without torchvision, transformers binds each to its PIL twin and logs a notice once. The tiny
-    pipelines use no image processor but the PIL one they are given, so the notice says nothing
-    about them: transformers' log level is raised for the import only, then restored.
-    """
-    import diffusers
-    from transformers.utils import logging as transformers_logging
-
-    level = transformers_logging.get_verbosity()
-    transformers_logging.set_verbosity_error()
-    try:
-        return getattr(diffusers, name)
-    finally:
-        transformers_logging.set_verbosity(level)
 
 
 def tiny_pipeline(transformer: Any, pipeline: str | None = None) -> Any:
@@ -219,13 +345,12 @@ def tiny_pipeline(transformer: Any, pipeline: str | None = None) -> Any:
 
 
 def prompt_embeds(
-    transformer: Any, seed: int = 0, *, width: int | None = None, tokens: int = tiny.TEXT_TOKENS
+    transformer: Any, seed: int = 0, *, width: int | None = None, tokens: int = TEXT_TOKENS
 ) -> torch.Tensor:
     """Seeded text embeddings of one prompt, in the transformer's dtype (``width``: its text width by default)."""
-    cfg = tiny.CONFIGS[type(transformer).__name__]
+    cfg = CONFIGS[type(transformer).__name__]
     width = width or cfg.get("joint_attention_dim") or cfg["text_embed_dim"]
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(1, tokens, width, generator=g).to(next(transformer.parameters()).dtype)
+    return demo_models.prompt_embeds(transformer, seed, width=width, tokens=tokens)
 
 
 def _seed_of(text: str) -> int:
@@ -260,7 +385,7 @@ def _fibo_encode_prompt(
     transformer = self.transformer
     dtype = transformer.dtype
     layers = len(transformer.transformer_blocks) + len(transformer.single_transformer_blocks)
-    width = tiny.CONFIGS[type(transformer).__name__]["text_encoder_dim"]
+    width = CONFIGS[type(transformer).__name__]["text_encoder_dim"]
 
     def encode(texts: list[str]) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
         rows = [prompt_embeds(transformer, _seed_of(t), width=width * (layers + 1)) for t in texts]
@@ -268,7 +393,7 @@ def _fibo_encode_prompt(
         parts = list(hidden.split(width, dim=-1))
         mask = torch.ones(hidden.shape[:2], dtype=dtype, device=device)
         embeds = torch.cat([parts[-1], parts[-2]], dim=-1)[
-            ..., : tiny.CONFIGS[type(transformer).__name__]["joint_attention_dim"]
+            ..., : CONFIGS[type(transformer).__name__]["joint_attention_dim"]
         ]
         return embeds.to(dtype), [p.to(dtype) for p in parts[:layers]], mask
 
@@ -290,7 +415,7 @@ def _text(transformer: Any, seed: int, prefix: str, mask_name: str) -> dict[str,
 
 def _second_text(transformer: Any, seed: int, prefix: str) -> dict[str, torch.Tensor]:
     """The Hunyuan pipelines' second (ByT5) embeddings, seeded, with their mask."""
-    cfg = tiny.CONFIGS[type(transformer).__name__]
+    cfg = CONFIGS[type(transformer).__name__]
     width = cfg.get("text_embed_2_dim", cfg["text_embed_dim"])
     embeds = prompt_embeds(transformer, seed + 100, width=width, tokens=3)
     return {f"{prefix}prompt_embeds_2": embeds, f"{prefix}prompt_embeds_mask_2": torch.ones(1, 3, dtype=torch.long)}
@@ -335,29 +460,15 @@ def request(pipe: Any, steps: int, *, seed: int = 0) -> dict[str, Any]:
         kw |= {"height": SIZE, "width": SIZE}
         if name == "AuraFlowTransformer2DModel":
             return kw | {"guidance_scale": 4.0}
-        return kw | {"num_frames": tiny.FRAMES}
+        return kw | {"num_frames": FRAMES}
     kw |= _text(transformer, seed + 1, "", "prompt_embeds_mask") | _second_text(transformer, seed + 1, "")
     kw |= _text(transformer, seed + 2, "negative_", "negative_prompt_embeds_mask")
     kw |= _second_text(transformer, seed + 2, "negative_")
     if name == "HunyuanImageTransformer2DModel":
         return kw | {"height": SIZE, "width": SIZE, "distilled_guidance_scale": 3.5}
-    kw |= {"num_frames": tiny.FRAMES}
+    kw |= {"num_frames": FRAMES}
     if type(pipe).__name__ == "HunyuanVideo15ImageToVideoPipeline":
         from PIL import Image
 
         return kw | {"image": Image.new("RGB", (SIZE, SIZE), (120, 40, 200))}
     return kw | {"height": SIZE, "width": SIZE}
-
-
-__all__ = [
-    "PIPELINES",
-    "PIPELINE_CONFIG",
-    "PIPELINE_FLAGS",
-    "SIZE",
-    "SIZES",
-    "build",
-    "pipeline_class",
-    "prompt_embeds",
-    "request",
-    "tiny_pipeline",
-]

@@ -1,26 +1,28 @@
-"""What the AdaLN cache takes off the device for each AdaLayerNormZero class: served bytes and share, on meta.
+"""What the AdaLN cache takes off the device for each supported class: served bytes and share, on meta.
 
-The README's table of families is computed here, not typed in: each class is instantiated on the
-meta device (no memory, no download) with its class-default config or the overrides given, its
-served projections are found by the family's own structure check, and their parameters are
-counted against the whole model's, in bf16 (two bytes a parameter).
+The README's table of supported models is computed here, not typed in: each class is instantiated
+on the meta device (no memory, no download) with its class-default config (the released sizes) or
+the overrides given, its served projections are read by the cache's own geometry
+(``ModulationSpec.from_transformer``), and their bytes are counted against the whole model's, in
+bf16 (two bytes a parameter).
 
-Run ``python -m adalncache.tools.family_sizes`` for the markdown table.
+Run ``python tests/family_sizes.py`` for the markdown table.
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..families import adaln_zero
+from adalncache import ModulationSpec
+from adalncache.families import adaln_zero
 
-log = logging.getLogger(__name__)
+#: The classes of the other families, whose class defaults are the released sizes.
+OTHER_FAMILIES = ("MiniMaxH3Transformer3DModel", "QwenImageTransformer2DModel")
 
 #: Configs other than the class defaults, where a released model differs from them (sizes only).
 RELEASED: dict[str, tuple[str, dict[str, Any]]] = {
@@ -47,21 +49,18 @@ def measure(class_name: str, overrides: Mapping[str, Any] | None = None, label: 
     """The served and total bf16 bytes of ``class_name`` built on the meta device with ``overrides``."""
     import diffusers
 
-    from ..integrations.diffusers.adaln_zero import model_geometry
-
     cls = getattr(diffusers, class_name)
     with torch.device("meta"):
         model = cls(**dict(overrides or {}))
-    geometry = model_geometry(model)
-    served = sum(p.numel() for layer in geometry.layers for p in model.get_submodule(str(layer.id)).parameters())
+    spec = ModulationSpec.from_transformer(model, dtype=torch.bfloat16)
     total = sum(p.numel() for p in model.parameters())
-    return Sizes(class_name, label, len(geometry.layers), 2 * served, 2 * total)
+    return Sizes(class_name, label, len(spec.layers()), spec.projection_bytes, 2 * total)
 
 
 def table() -> list[Sizes]:
-    """Every class of the family at its class defaults, plus the released configs of :data:`RELEASED`."""
+    """Every supported class at its class defaults, plus the released configs of :data:`RELEASED`."""
     rows = []
-    for name in adaln_zero.CLASSES:
+    for name in (*OTHER_FAMILIES, *adaln_zero.CLASSES):
         rows.append(measure(name))
         if name in RELEASED:
             label, overrides = RELEASED[name]
@@ -79,8 +78,5 @@ def main(argv: list[str] | None = None) -> None:
         print(f"| `{row.class_name}` | {row.config} | {row.served_layers} | {gib:.2f} GiB | {row.share:.1%} |")
 
 
-if __name__ == "__main__":  # pragma: no cover - a command
+if __name__ == "__main__":
     main()
-
-
-__all__ = ["RELEASED", "Sizes", "main", "measure", "table"]

@@ -1,0 +1,697 @@
+"""The sections on tiny real models: ``forward``, ``qwen``, ``first-request``, ``deploy``.
+
+Each runs a tiny diffusers model or pipeline (:mod:`adalncache.tools.tiny`,
+:mod:`adalncache.tools.tiny_qwen`) resident and served by the cache, checks the outputs with
+``torch.equal``, and measures the two side by side: a forward step, a first request's time to its
+first step, and what deploying without the projections reads, holds and moves. The ``deploy``
+section adds the released MiniMax-H3 geometry as arithmetic.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import statistics
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ...plans import minimax_h3_plans, plan_key
+from ...spec import ModulationSpec
+from ..measure import (
+    OnloadMeter,
+    drop_page_cache,
+    io_read_bytes,
+    proc_status,
+    resident_served_bytes,
+    served_bytes,
+    timed,
+    weight_files,
+)
+from .primitives import in_fresh_process, result_of
+from .workload import Comparison, Results
+
+# ---------------------------------------------------------------------------------------------------- forward
+
+
+def bench_forward(res: Results, size: str, steps: int, runs: int, device: torch.device) -> None:
+    """The ``forward`` section: a forward step of a tiny MiniMax-H3, resident, served from the cache, and offloaded.
+
+    Three instances of the same seeded model run the same request: with its projections resident,
+    with the cache enabled, and with diffusers' group offloading moving the projections (to disk on
+    a CPU, where offloading to the CPU would be a no-op; to host memory on a GPU). Exactness comes
+    from the real denoising loop; timing is per step, the three variants taking turns.
+    """
+    try:
+        from diffusers.hooks import apply_group_offloading
+
+        from ...diffusers import enable_adaln_cache
+        from ..tiny import make_request, run_loop, tiny_transformer
+    except ImportError as exc:
+        res.note(f"forward comparison skipped: diffusers unavailable ({exc})")
+        return
+
+    # Three instances of the same seeded model, run round-robin (noise hits all three alike).
+    model: Any = tiny_transformer(size).to(device)
+    request = make_request(model, "t2va", steps, device=device)
+    cached_model: Any = tiny_transformer(size).to(device)
+    distinct = len({plan_key(p) for p in request.plans})
+    handle: Any = enable_adaln_cache(cached_model, max_plans=distinct, max_plan_width=4)
+    off_model: Any = tiny_transformer(size).to(device)
+    on_gpu = device.type == "cuda"
+    offload_to = "host" if on_gpu else "disk"
+    samples: dict[str, list[float]] = {"resident": [], "cached": [], "offload": []}
+    outs: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="adalncache-offload-") as tmp:
+        modules = [(f"block{n}", b.adaln_proj) for n, b in enumerate(off_model.transformer_blocks)]
+        for name, module in [*modules, ("norm_out", off_model.norm_out)]:
+            where: dict[str, Any] = (
+                {"offload_device": torch.device("cpu")} if on_gpu else {"offload_to_disk_path": os.path.join(tmp, name)}
+            )
+            apply_group_offloading(module, onload_device=device, offload_type="leaf_level", **where)
+        try:
+            handle.prepare(request.plans)
+            variants = (("resident", model), ("cached", cached_model), ("offload", off_model))
+            # Exactness from the real denoising loop, once per variant (this also warms them up).
+            for name, which in variants:
+                outs[name] = run_loop(which, request)
+            # Timing interleaved step by step (the three variants within milliseconds of each other),
+            # on the request's own per-step inputs.
+            with torch.no_grad():
+                for _ in range(max(runs, 1) * 2):
+                    for step in range(len(request.plan)):
+                        kwargs = request.forward_kwargs(step, request.latents, request.audio_latents)
+                        for name, which in variants:
+                            samples[name].append(timed(partial(which, **kwargs), device))
+        finally:
+            handle.disable()
+    exact = bool(outs["resident"].equal(outs["cached"]))
+    res.values["forward"] = {
+        "size": size,
+        "steps": steps,
+        "cached_bit_identical": exact,
+        "device": str(device),
+        "offload_to": offload_to,
+        "offload_bit_identical": bool(outs["resident"].equal(outs["offload"])),
+    }
+    name = f"forward step, tiny '{size}'"
+    note = f"torch.equal outputs: {exact}"
+    res.add(Comparison(name, "cached", "resident", samples["cached"], samples["resident"], 1.0, note=note))
+    res.add(Comparison(name, "cached", f"group offload ({offload_to})", samples["cached"], samples["offload"]))
+
+
+# ---------------------------------------------------------------------------------------------------- qwen
+
+#: The ``qwen`` section's forward timesteps (the pipeline's ``t / 1000``).
+QWEN_TIMESTEPS = (0.999, 0.75, 0.5)
+
+
+def bench_qwen(res: Results, runs: int, device: torch.device) -> None:
+    """The ``qwen`` section: a forward step of a tiny Qwen-Image, resident and served from the cache.
+
+    Two instances of the same seeded ``QwenImageTransformer2DModel`` (bf16, the released dtype) run
+    the same three-step request, one with its modulation projections resident, one with the cache
+    enabled (every plan prepared in one pass first). Exactness is ``torch.equal`` of every step's
+    output; timing is per step, the two taking turns.
+    """
+    try:
+        from ...diffusers import enable_adaln_cache
+        from ..tiny_qwen import tiny_qwen_inputs, tiny_qwen_transformer
+    except ImportError as exc:
+        res.note(f"qwen forward comparison skipped: diffusers unavailable ({exc})")
+        return
+    models: dict[str, Any] = {
+        name: tiny_qwen_transformer("plain").to(device=device, dtype=torch.bfloat16) for name in ("resident", "cached")
+    }
+    inputs = {
+        k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in tiny_qwen_inputs(models["resident"]).items()
+    }
+    steps = [torch.tensor([t], dtype=torch.bfloat16, device=device) for t in QWEN_TIMESTEPS]
+    handle: Any = enable_adaln_cache(models["cached"], max_plans=len(steps))
+    samples: dict[str, list[float]] = {"resident": [], "cached": []}
+    exact = True
+    try:
+        handle.prepare(steps)
+        with torch.no_grad():
+            for t in steps:
+                out = {name: model(**{**inputs, "timestep": t})[0] for name, model in models.items()}
+                exact = exact and torch.equal(out["resident"], out["cached"])
+            for _ in range(max(runs, 1) * 2):
+                for t in steps:
+                    for name, model in models.items():
+                        samples[name].append(timed(partial(model, **{**inputs, "timestep": t}), device))
+        passes = int(handle.stats.passes)
+    finally:
+        handle.disable()
+    res.values["qwen_forward"] = {"steps": len(steps), "cached_bit_identical": exact, "passes": passes}
+    note = f"torch.equal outputs: {exact}; {passes} pass for the request"
+    name = "forward step, tiny Qwen-Image (bf16)"
+    res.add(Comparison(name, "cached", "resident", samples["cached"], samples["resident"], 1.0, note=note))
+
+
+# ---------------------------------------------------------------------------------------------------- first-request
+
+#: Denoising steps of the first-request section's request (its schedule's plans are what the pass builds).
+FIRST_REQUEST_STEPS = 8
+
+#: The Qwen-Image request: a prompt the tiny tokenizer knows, with true CFG (two encodings).
+QWEN_CALL: dict[str, Any] = {
+    "prompt": "a cat playing a piano in the rain",
+    "negative_prompt": "waves crash on a rocky shore",
+    "true_cfg_scale": 2.0,
+    "height": 64,
+    "width": 64,
+    "num_inference_steps": FIRST_REQUEST_STEPS,
+    "output_type": "latent",
+}
+
+#: The Qwen-Image pipeline by ``--size``: its transformer's tiny size and its text encoder's layers
+#: (the encoding is what a pass started before it overlaps; at "medium" the two encodings take about
+#: as long as the cold pass on a 2-core CPU).
+QWEN_SIZES = {"tiny": ("tiny", 2), "small": ("medium", 160), "medium": ("medium", 160)}
+
+#: diffusers' modular pipelines log the traceback of an exception raised in a block: the stop is ours.
+_BLOCK_LOGGER = "diffusers.modular_pipelines.modular_pipeline"
+
+
+class _FirstStepDone(Exception):
+    """Raised by the wrapped ``scheduler.step`` to stop a timed request after its first step."""
+
+
+def _minimax_call(pipe: Any) -> Any:
+    return pipe(
+        prompt="a cat playing a piano in the rain",
+        height=64,
+        width=64,
+        num_frames=124,
+        num_inference_steps=FIRST_REQUEST_STEPS,
+        generator=torch.Generator().manual_seed(0),
+        output=["latents"],
+        output_type="pt",
+    )
+
+
+def _qwen_call(pipe: Any) -> Any:
+    return pipe(generator=torch.Generator().manual_seed(0), **QWEN_CALL)
+
+
+def _call(pipe: Any, request: Callable[[Any], Any], *, stop_after_first: bool) -> Any:
+    scheduler = pipe.scheduler
+    own = scheduler.__dict__.get("step")  # the cache's own watch of a classic pipeline's steps, if any
+    original = scheduler.step
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        out = original(*args, **kwargs)
+        if stop_after_first:
+            raise _FirstStepDone
+        return out
+
+    scheduler.step = step
+    try:
+        return request(pipe)
+    except _FirstStepDone:
+        return None
+    finally:
+        if own is None:
+            del scheduler.step  # the instance attribute: the class's step shows through again
+        else:
+            scheduler.step = own
+
+
+def _first_step_seconds(pipe: Any, handle: Any, request: Callable[[Any], Any], cold: Callable[[], object]) -> float:
+    handle.cache.invalidate()  # cold: the request's pass runs (the caller joined every pass still running)
+    cold()
+    logger = logging.getLogger(_BLOCK_LOGGER)
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        started = time.perf_counter()
+        _call(pipe, request, stop_after_first=True)
+        return time.perf_counter() - started
+    finally:
+        logger.setLevel(level)
+        for transformer in handle.handles.values():  # the stopped request's holds (a classic pipeline keeps them)
+            transformer.release(check=False)
+
+
+def _compare(
+    pipes: dict[str, Any],
+    handles: dict[str, Any],
+    request: Callable[[Any], Any],
+    runs: int,
+    cold: Callable[[], object] = lambda: None,
+) -> tuple[dict[str, Any], bool]:
+    """Time each pipeline's first request, taking turns (``cold()`` before each); then whether every
+    pipeline's whole request equals the ``"sequential"`` one's."""
+    outputs = {name: _latents(_call(pipe, request, stop_after_first=False)) for name, pipe in pipes.items()}
+    exact = all(torch.equal(outputs["sequential"], latents) for latents in outputs.values())
+    samples: dict[str, list[float]] = {name: [] for name in pipes}
+    for _ in range(max(runs, 1)):
+        for name in samples:  # taking turns, so drifting load hits both alike
+            for handle in handles.values():  # untimed: no stopped request's pass runs beside it
+                handle.join_background()
+            samples[name].append(_first_step_seconds(pipes[name], handles[name], request, cold))
+    for handle in handles.values():
+        handle.join_background()  # the last stopped request's pass, still running
+    passes = {name: int(handle.stats.passes) for name, handle in handles.items()}
+    return {"samples": samples, "passes": passes}, exact
+
+
+def _latents(output: Any) -> torch.Tensor:
+    """The final latents of a MiniMax-H3 (``output=["latents"]``) or Qwen-Image (``output_type="latent"``) call."""
+    if hasattr(output, "images"):  # a pipeline output (itself a dict) of a classic pipeline
+        images: torch.Tensor = output.images
+        return images
+    latents: torch.Tensor = output["latents"]
+    return latents
+
+
+def bench_first_request(res: Results, size: str, runs: int, work: Path, device: torch.device | None = None) -> None:
+    """The ``first-request`` section: a first request's wall time to the end of its first denoising step.
+
+    Two pipelines of the same seeded components run the same request from a cold cache
+    (``invalidate()`` before each run): one with the request's pass in the foreground (the whole
+    schedule before step 0), one with ``overlap=True`` (the pass on a background thread, step 0
+    waiting only for its own plans). Measured for a MiniMax-H3 modular pipeline (``--size``: its
+    pass starts at the denoise loop, after the prompt is encoded) and for a Qwen-Image pipeline with
+    a real tokenizer and text encoder (its pass starts when the call begins, from the schedule
+    predicted from the call's arguments, so it overlaps the prompt encoding too). The time measured
+    is from the call to the end of the first ``scheduler.step``: prompt encoding + pass + first step.
+    The request is then stopped (the rest of the loop is the same in both) and its holds released;
+    both handles' background passes are joined before each run, outside the timing
+    (``invalidate()`` does not wait for a pass: a pass still running would build into the next
+    run's cold cache and overlap its timing). Exactness: the whole request of each pipeline, run
+    once, ``torch.equal`` on the latents.
+    """
+    try:
+        from ...diffusers import enable_adaln_cache
+        from ..tiny import tiny_pipeline
+    except ImportError as exc:
+        res.note(f"first-request comparison skipped: diffusers or transformers unavailable ({exc})")
+        return
+    device = device or torch.device("cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pipes = {name: tiny_pipeline(size=size, seed=0).to(device) for name in ("sequential", "overlapped")}
+        for pipe in pipes.values():
+            pipe.set_progress_bar_config(disable=True)
+        handles = {name: enable_adaln_cache(pipe, overlap=name == "overlapped") for name, pipe in pipes.items()}
+        try:
+            measured, exact = _compare(pipes, handles, _minimax_call, runs)
+        finally:
+            for handle in handles.values():
+                handle.disable()
+    res.values["first_request"] = {
+        "steps": FIRST_REQUEST_STEPS,
+        "size": size,
+        "latents_bit_identical": exact,
+        **measured,
+    }
+    samples = measured["samples"]
+    name = f"first request, encode + pass + first step (tiny MiniMax-H3 pipeline, {size}, {FIRST_REQUEST_STEPS} steps)"
+    note = f"torch.equal latents: {exact}; overlapped runs two transactions (step 0's plans, then the rest)"
+    res.add(Comparison(name, "overlapped", "sequential", samples["overlapped"], samples["sequential"], 1.0, note))
+    _bench_qwen_first_request(res, runs, work, size, device)
+
+
+def _qwen_parts(pipe: Any, handle: Any, runs: int, cold: Callable[[], object]) -> dict[str, float]:
+    """Medians of what the first step waits for, alone: the two prompt encodings, and a cold pass of the schedule."""
+    import inspect
+
+    from ...integrations.diffusers.qwen_image import predicted_timesteps, schedule_timesteps
+
+    bound = inspect.signature(type(pipe).__call__).bind(pipe, **QWEN_CALL)
+    bound.apply_defaults()
+    call = {name: value for name, value in bound.arguments.items() if name != "self"}
+    plans = schedule_timesteps(predicted_timesteps(pipe, call), batch=1, dtype=torch.float32)
+    transformer = handle.handles["transformer"]
+    encode, passes = [], []
+    for _ in range(max(runs, 1)):
+        started = time.perf_counter()
+        for prompt in (QWEN_CALL["prompt"], QWEN_CALL["negative_prompt"]):
+            pipe.encode_prompt(prompt=prompt, device=pipe._execution_device)
+        encode.append(time.perf_counter() - started)
+        handle.cache.invalidate()
+        cold()
+        started = time.perf_counter()
+        transformer.prepare(plans)
+        passes.append(time.perf_counter() - started)
+        transformer.release()
+    return {"encode": statistics.median(encode), "pass": statistics.median(passes)}
+
+
+def _bench_qwen_first_request(res: Results, runs: int, work: Path, size: str, device: torch.device) -> None:
+    """The Qwen-Image rows: a transformer loaded by ``load_transformer`` (its projections never
+    read), its checkpoint's pages dropped before each run (a first request after start-up), the
+    pass started before the prompt is encoded ("early"), at the first forward ("late": a
+    subclass with its own ``__call__`` gets no prediction), and before step 0 ("sequential")."""
+    from diffusers import QwenImagePipeline
+
+    from ...diffusers import enable_adaln_cache, load_transformer
+    from ..tiny import save_tiny
+    from ..tiny_qwen import tiny_qwen_pipeline, tiny_qwen_transformer
+
+    class LateStart(QwenImagePipeline):
+        """``QwenImagePipeline`` with a ``__call__`` of its own: no schedule is predicted for it."""
+
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            return super().__call__(*args, **kwargs)  # type: ignore[misc]  # diffusers' __call__ is untyped to mypy
+
+    qwen_size, text_layers = QWEN_SIZES[size]
+    directory = work / f"qwen-first-request-{qwen_size}"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        save_tiny(tiny_qwen_transformer("plain", size=qwen_size), directory, dtype=torch.float32)
+        files = sorted(directory.glob("*.safetensors"))
+        pipes: dict[str, Any] = {}
+        for name in ("sequential", "late", "early"):
+            transformer = load_transformer(
+                directory, torch_dtype=torch.float32, device_map=device, overlap=name != "sequential"
+            )
+            pipe = tiny_qwen_pipeline(transformer=transformer.eval(), text_encoder_layers=text_layers)
+            chosen: Any = LateStart(**pipe.components) if name == "late" else pipe
+            pipes[name] = chosen.to(device)
+            pipes[name].set_progress_bar_config(disable=True)
+        handles = {name: enable_adaln_cache(pipe) for name, pipe in pipes.items()}
+        cached: list[float | None] = []
+
+        source: Any = handles["sequential"].cache.source  # a CheckpointSource: load_transformer's files
+
+        def cold() -> None:
+            drop_page_cache(files)
+            cached.append(source.cached_fraction())
+
+        try:
+            measured, exact = _compare(pipes, handles, _qwen_call, runs, cold=cold)
+            measured["parts_s"] = _qwen_parts(pipes["sequential"], handles["sequential"], runs, cold)
+        finally:
+            for handle in handles.values():
+                handle.disable()
+    measured["served_bytes_cached_at_start"] = max((c for c in cached if c is not None), default=None)
+    res.values["first_request_qwen"] = {
+        "steps": FIRST_REQUEST_STEPS,
+        "size": qwen_size,
+        "text_encoder_layers": text_layers,
+        "latents_bit_identical": exact,
+        **measured,
+    }
+    samples, parts = measured["samples"], measured["parts_s"]
+    what = (
+        f"tiny Qwen-Image pipeline, {qwen_size}, {FIRST_REQUEST_STEPS} steps, true CFG, load_transformer, "
+        "checkpoint pages dropped"
+    )
+    note = (
+        f"torch.equal latents: {exact}; the pass of the schedule predicted from the call's arguments; "
+        f"alone: prompt encodings {parts['encode'] * 1e3:.0f} ms, cold pass {parts['pass'] * 1e3:.0f} ms"
+    )
+    name = f"first request, encode + pass + first step ({what}): pass started before the prompt is encoded"
+    res.add(Comparison(name, "early", "sequential", samples["early"], samples["sequential"], 1.0, note))
+    note = "both overlapped; what starting before the prompt encoding adds"
+    name = f"first request, encode + pass + first step ({what}): started before the encoding / at the first forward"
+    res.add(Comparison(name, "early", "late", samples["early"], samples["late"], 1.0, note))
+
+
+# ---------------------------------------------------------------------------------------------------- deploy
+
+#: The modes of :func:`memory_probe`: a stock load then ``enable_adaln_cache`` (serving the model's
+#: own weights, or the checkpoint), and ``load_transformer``.
+MODES = ("stock", "stock-checkpoint", "load_transformer")
+
+
+def memory_probe(args: dict[str, Any]) -> dict[str, Any]:
+    """In a fresh process: load, enable, prepare and run one request; what it read and held.
+
+    ``args``: ``mode`` (one of :data:`MODES`), ``checkpoint`` (a diffusers-layout directory saved in
+    the released mixed precision), ``task``, ``steps``. Returns the bytes read by the load, the
+    served bytes it left in the page cache, and the peak resident memory above the level after the
+    imports (``peak``), with its anonymous and file-backed parts at the end. A process's peak cannot
+    be reset below what its imports already touched, so ``VmHWM`` is reset through
+    ``/proc/self/clear_refs`` once the imports are done.
+    """
+    from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3Transformer3DModel
+
+    from ...diffusers import adaln_cache_handle, enable_adaln_cache, load_transformer
+    from ..tiny import make_request, run_loop
+
+    mode, checkpoint = args["mode"], Path(args["checkpoint"])
+    task, steps = args.get("task", "t2va"), int(args.get("steps", 4))
+    torch.set_num_threads(1)
+    files = weight_files(checkpoint)
+    plans = minimax_h3_plans(task, steps)
+    distinct = len({plan_key(p) for p in plans})
+    dropped = drop_page_cache(files)
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS: the peak of what follows
+        resettable = True
+    except OSError:
+        resettable = False
+    base = proc_status()
+    read0 = io_read_bytes()
+    started = time.perf_counter()
+    if mode == "load_transformer":
+        model: Any = load_transformer(checkpoint, torch_dtype=torch.bfloat16, max_plans=distinct)
+    elif mode in ("stock", "stock-checkpoint"):
+        model = MiniMaxH3Transformer3DModel.from_pretrained(checkpoint, torch_dtype=torch.bfloat16)
+    else:
+        raise ValueError(f"unknown mode {mode!r}: one of {MODES}")
+    load_seconds = time.perf_counter() - started
+    read1 = io_read_bytes()
+    served_resident = resident_served_bytes(files)
+    if mode != "load_transformer":
+        enable_adaln_cache(model, checkpoint if mode == "stock-checkpoint" else None, max_plans=distinct)
+    handle: Any = adaln_cache_handle(model)
+    request = make_request(model, task, steps, seed=0)
+    report = handle.prepare(plans)
+    run_loop(model, request)
+    end = proc_status()
+    return {
+        "mode": mode,
+        "dropped": dropped,
+        "peak_resettable": resettable,
+        "load_read_bytes": None if read0 is None or read1 is None else read1 - read0,
+        "load_seconds": load_seconds,
+        "served_resident_after_load": served_resident,
+        "peak": end["VmHWM"] - base["VmRSS"],
+        "anon": end["RssAnon"] - base["RssAnon"],
+        "file": end["RssFile"] - base["RssFile"],
+        "passes": report.passes,
+        "source_bytes_read": int(getattr(handle.source, "bytes_read", 0)),
+    }
+
+
+def run_memory_probe(
+    mode: str, checkpoint: str | os.PathLike[str], *, task: str = "t2va", steps: int = 4, timeout: float = 600
+) -> dict[str, Any]:
+    """:func:`memory_probe` in a fresh Python process (the same interpreter and import path)."""
+    args = {"mode": mode, "checkpoint": os.fspath(checkpoint), "task": task, "steps": steps}
+    proc = in_fresh_process(f"{__name__}:memory_probe", args, timeout=timeout)
+    if proc.returncode != 0:
+        tail = proc.stderr.strip().splitlines()[-3:]
+        raise RuntimeError(f"memory probe ({mode}) failed: {' | '.join(tail)}")
+    return result_of(proc)
+
+
+def bench_deploy(res: Results, size: str, steps: int, *, quick: bool = False) -> None:
+    """The ``deploy`` section: deploying without the projections, on a tiny MiniMax-H3 in the released precision.
+
+    Side by side, measured: the peak resident memory of load + enable + one request,
+    ``from_pretrained`` then ``enable_adaln_cache`` against ``load_transformer``, each in a fresh
+    process (:func:`memory_probe`); the bytes the load reads from the checkpoint (page cache dropped
+    first) and the served bytes it leaves in the page cache; the bytes block-level group offloading
+    onloads per forward, with and without the cache. Then the released geometry as arithmetic:
+    what a 24, 48 and 80 GB card must hold either way. ``quick`` leaves out the stock load served
+    from its checkpoint (one fresh process less).
+    """
+    try:
+        from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3Transformer3DModel
+
+        from ..tiny import tiny_transformer
+    except ImportError as exc:
+        res.note(f"deploy section skipped: diffusers unavailable ({exc})")
+        return
+    values: dict[str, Any] = {"size": size}
+    with tempfile.TemporaryDirectory(prefix="adalncache-deploy-") as tmp:
+        checkpoint = Path(tmp) / "transformer"
+        built: Any = tiny_transformer(size)
+        built.save_pretrained(Path(tmp) / "fp32")
+        # The released mixed precision in the file: bf16 blocks and projections, fp32 time embedder and heads.
+        mixed: Any = MiniMaxH3Transformer3DModel.from_pretrained(Path(tmp) / "fp32", torch_dtype=torch.bfloat16)
+        mixed.save_pretrained(checkpoint)
+        del built, mixed
+        served, total = served_bytes(weight_files(checkpoint))
+        modes = [mode for mode in MODES if not (quick and mode == "stock-checkpoint")]
+        probes = {mode: run_memory_probe(mode, checkpoint, steps=steps) for mode in modes}
+        values.update({"served_bytes": served, "checkpoint_bytes": total, "probes": probes})
+        _compare_probes(res, size, probes, served, total)
+        values["onloaded_per_forward"] = onloads = onloaded_per_forward(checkpoint, steps)
+        name = f"bytes onloaded per forward by group offloading (block level, 1 block per group), '{size}'"
+        note = "the projections and the time embedder are never onloaded"
+        with_, without = [onloads["with"]], [onloads["without"]]
+        res.add(Comparison(name, "with the cache", "without", with_, without, None, note=note, unit="bytes"))
+    values.update(_released(res))
+    res.values["deploy"] = values
+
+
+def _compare_probes(res: Results, size: str, probes: dict[str, Any], served: int, total: int) -> None:
+    """The fresh processes side by side: peak resident memory, and the bytes their load read."""
+    new, mib = probes["load_transformer"], 2**20
+    for stock_mode, label in (("stock", "its own weights"), ("stock-checkpoint", "checkpoint=")):
+        if stock_mode not in probes:
+            continue
+        stock = probes[stock_mode]
+        note = (
+            f"anonymous {new['anon'] / mib:.0f} vs {stock['anon'] / mib:.0f} MiB, file-backed "
+            f"{new['file'] / mib:.0f} vs {stock['file'] / mib:.0f} MiB; served tensors "
+            f"{served / mib:.0f} MiB of {total / mib:.0f} MiB"
+        )
+        name = f"peak resident memory of load + enable + one t2va request, '{size}' (fresh processes)"
+        baseline = f"from_pretrained + enable_adaln_cache({label})"
+        peaks = [float(new["peak"])], [float(stock["peak"])]
+        res.add(Comparison(name, "load_transformer", baseline, *peaks, None, note=note, unit="bytes"))
+    stock = probes["stock"]
+    if new["load_read_bytes"] is not None and stock["load_read_bytes"]:
+        note = (
+            f"served tensors' pages cached by the load: {new['served_resident_after_load']} B vs "
+            f"{stock['served_resident_after_load'] / mib:.1f} MiB"
+        )
+        name = f"checkpoint bytes read by the load, '{size}' (page cache dropped)"
+        reads = [float(new["load_read_bytes"])], [float(stock["load_read_bytes"])]
+        res.add(Comparison(name, "load_transformer", "from_pretrained", *reads, None, note=note, unit="bytes"))
+
+
+def onloaded_per_forward(checkpoint: Path, steps: int) -> dict[str, float]:
+    """Bytes block-level group offloading (1 block per group) onloads per forward, without and with the cache.
+
+    CPU to CPU: the bytes, not the time.
+    """
+    from diffusers.hooks import apply_group_offloading
+    from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3Transformer3DModel
+
+    from ...diffusers import adaln_cache_handle, load_transformer
+    from ..tiny import make_request, run_loop
+
+    cpu = torch.device("cpu")
+    onloads: dict[str, float] = {}
+    for name in ("without", "with"):
+        if name == "without":
+            model: Any = MiniMaxH3Transformer3DModel.from_pretrained(checkpoint, torch_dtype=torch.bfloat16)
+        else:
+            model = load_transformer(checkpoint, torch_dtype=torch.bfloat16)
+        apply_group_offloading(
+            model, onload_device=cpu, offload_device=cpu, offload_type="block_level", num_blocks_per_group=1
+        )
+        request = make_request(model, "t2va", steps)
+        if name == "with":
+            handle: Any = adaln_cache_handle(model)
+            handle.prepare(request.plans)
+        meter = OnloadMeter(model)
+        run_loop(model, request)
+        onloads[name] = meter.bytes / len(request.plan)
+        del model
+    return onloads
+
+
+def released_sizes() -> dict[str, int]:
+    """Byte counts of the released MiniMax-H3 in its released mixed precision (arithmetic, no weights).
+
+    The model is built on meta with the default config (the released geometry) and each
+    parameter counted at bf16, or fp32 for the modules the model keeps in fp32.
+    """
+    import accelerate
+    from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3Transformer3DModel
+
+    with accelerate.init_empty_weights():
+        model = MiniMaxH3Transformer3DModel()
+    keep = list(MiniMaxH3Transformer3DModel._keep_in_fp32_modules or [])
+    sizes = {"projections": 0, "time_embedder": 0, "blocks_rest": 0, "other": 0, "block_rest": 0, "block_projection": 0}
+    for name, param in model.named_parameters():
+        nbytes = param.numel() * (4 if any(k in name.split(".") for k in keep) else 2)
+        if re.match(r"(transformer_blocks\.\d+\.adaln_proj\.linear|norm_out\.linear)\.", name):
+            sizes["projections"] += nbytes
+        elif name.startswith("time_embedder."):
+            sizes["time_embedder"] += nbytes
+        elif name.startswith("transformer_blocks."):
+            sizes["blocks_rest"] += nbytes
+        else:
+            sizes["other"] += nbytes
+        if name.startswith("transformer_blocks.0."):
+            sizes["block_projection" if ".adaln_proj." in name else "block_rest"] += nbytes
+    sizes["num_layers"] = int(model.config.num_layers)
+    return sizes
+
+
+def request_slab_bytes(steps: int = 50, task: str = "t2va") -> int:
+    """The slab of the released geometry sized to one request: its distinct plans, its widest plan."""
+    plans = minimax_h3_plans(task, steps)
+    distinct = len({plan_key(plan) for plan in plans})
+    return ModulationSpec.minimax_h3().slab_bytes(distinct, max(int(plan.numel()) for plan in plans))
+
+
+def card_table(sizes: dict[str, int], slab: int, *, cards_gb: Sequence[int] = (24, 48, 80)) -> list[dict[str, Any]]:
+    """What a card must hold, with and without the cache, per way of running (weights and tables only).
+
+    ``resident``: every weight on the card (also what model CPU offload needs while the transformer
+    runs); ``group offload``: block-level group offloading, one block per group: the weights outside
+    the blocks stay for the forward, one block is onloaded at a time (two with a prefetching
+    stream). With the cache the projections and the time embedder are gone and the slab
+    (``slab`` bytes) is added. Activations are not counted.
+    """
+    stock_block = sizes["block_rest"] + sizes["block_projection"]
+    cached_block = sizes["block_rest"]
+    rows = {
+        "resident": (
+            sizes["projections"] + sizes["time_embedder"] + sizes["blocks_rest"] + sizes["other"],
+            sizes["blocks_rest"] + sizes["other"] + slab,
+        ),
+        "group offload, 1 block in flight": (
+            sizes["other"] + sizes["time_embedder"] + stock_block,
+            sizes["other"] + cached_block + slab,
+        ),
+        "group offload with stream, 2 blocks in flight": (
+            sizes["other"] + sizes["time_embedder"] + 2 * stock_block,
+            sizes["other"] + 2 * cached_block + slab,
+        ),
+    }
+    table = []
+    for mode, (without, with_cache) in rows.items():
+        row: dict[str, Any] = {"mode": mode, "without_cache_bytes": without, "with_cache_bytes": with_cache}
+        for gb in cards_gb:
+            row[f"{gb} GB"] = (without <= gb * 10**9, with_cache <= gb * 10**9)
+        table.append(row)
+    return table
+
+
+def _released(res: Results) -> dict[str, Any]:
+    """The released geometry's arithmetic, as notes; the values it adds to the section's."""
+    sizes = released_sizes()
+    slab = request_slab_bytes()
+    table = card_table(sizes, slab)
+    # What block-level group offloading moves per step for the blocks, without and with the cache.
+    stock_step = sizes["num_layers"] * (sizes["block_rest"] + sizes["block_projection"])
+    cached_step = sizes["num_layers"] * sizes["block_rest"]
+    weights = sum(sizes[k] for k in ("projections", "time_embedder", "blocks_rest", "other"))
+    gib = 2**30
+    res.note(
+        f"released MiniMax-H3 (arithmetic, not measurement): weights {weights / gib:.1f} GiB, projections "
+        f"{sizes['projections'] / gib:.1f} GiB; per block {sizes['block_rest'] / 2**20:.0f} MiB + "
+        f"{sizes['block_projection'] / 2**20:.0f} MiB of projection; block-level group offloading moves "
+        f"{stock_step / gib:.1f} GiB per step without the cache, {cached_step / gib:.1f} GiB with it; the "
+        f"slab for a 50-step t2va request holds {slab / gib:.2f} GiB"
+    )
+    for row in table:
+        fits = ", ".join(
+            f"{card}: {'yes' if row[card][0] else 'no'}/{'yes' if row[card][1] else 'no'}"
+            for card in ("24 GB", "48 GB", "80 GB")
+        )
+        res.note(
+            f"released, {row['mode']} (arithmetic): {row['without_cache_bytes'] / gib:.1f} GiB without the cache, "
+            f"{row['with_cache_bytes'] / gib:.1f} GiB with it; fits without/with: {fits}"
+        )
+    return {"released_sizes": sizes, "card_table": table, "released_onloaded_per_step": [stock_step, cached_step]}
