@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from adalncache import vllm_omni
-from adalncache.canonical import canonical_json
+from adalncache.identity import canonical_json
 
 
 def test_strict_and_lenient_encode_plain_values_to_the_same_bytes() -> None:

@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from adalncache import AdalnCache, CheckpointSource, ConfigError, Store, TensorSource, plan_key
-from adalncache.identity.digest import LEAVES, DigestSink, content_digest, leaf_bounds
-from adalncache.identity.memo import forget_process_memo
+from adalncache.identity import LEAVES, DigestSink, leaf_bounds
+from adalncache.identity.binding import content_digest, forget_process_memo
 from adalncache.source import Columns
 from adalncache.spec import FINAL, LAYOUTS
 from adalncache.tiers.store import binding_hash
@@ -62,7 +62,7 @@ def _digest_by_reading(source: CheckpointSource, world: int, mode: str) -> str |
             mine = SPEC.layers()[rank::world]
             list(source.stream(mine, digests=sink))
         sinks.append(sink)
-    from adalncache.identity.digest import merge_knowledge
+    from adalncache.identity import merge_knowledge
 
     merged = merge_knowledge([s.knowledge() for s in sinks])
     assert merged is not None

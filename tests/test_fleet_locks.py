@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from adalncache import AdalnCache, CheckpointSource, Store, plan_key
-from adalncache.tiers.locks import Staleness
+from adalncache.tiers.store import Staleness
 from adalncache.tools.tiny import write_safetensors
 from tiers_support import plan, projection_dict, simple_embed, small_spec
 

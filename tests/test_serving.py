@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from adalncache import AdalnCache, BuildError, CheckpointSource, ConfigError, PlanError, PlanNotCachedError, plan_key
 from adalncache.hostmem import HostBuffer, RecordingRegistrar, host_tensor_like, pinned_bytes
-from adalncache.source.buffers import DIRECT_BLOCK, StagingPool
+from adalncache.source.reads import DIRECT_BLOCK, StagingPool
 from adalncache.spec import FINAL, LAYOUTS
 from adalncache.streams import CopyStreams, RecordedEvents, StreamSync, copy_to_device
 from adalncache.tiers.host import HostTier

@@ -63,7 +63,7 @@ from adalncache import (
     plan_key,
 )
 from adalncache.holds import PlanHold
-from adalncache.identity.memo import forget_process_memo
+from adalncache.identity.binding import forget_process_memo
 from adalncache.plans import PlanKey
 from adalncache.spec import FINAL, LAYOUTS, Layer
 from adalncache.testing import FaultInjectingSource, inject_faults

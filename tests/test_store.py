@@ -419,7 +419,7 @@ import torch.nn.functional as F
 from tiers_support import plan, projection_dict, simple_embed, small_spec
 from adalncache import AdalnCache, CheckpointSource, Store, plan_key
 from adalncache.spec import FINAL, LAYOUTS
-from adalncache.identity.memo import forget_process_memo
+from adalncache.identity.binding import forget_process_memo
 from adalncache.tools.tiny import write_safetensors
 
 warnings = []

@@ -15,10 +15,10 @@ import torch
 
 from adalncache import CheckpointSource, ModulationSpec
 from adalncache.errors import CheckpointError, ConfigError
-from adalncache.identity.digest import DigestSink
-from adalncache.source import mapped as mapped_module
-from adalncache.source import write_safetensors
-from adalncache.source.buffers import StagingPool
+from adalncache.identity import DigestSink
+from adalncache.source import reads as mapped_module
+from adalncache.source.files import write_safetensors
+from adalncache.source.reads import StagingPool
 from adalncache.spec import FINAL, get_layout
 
 

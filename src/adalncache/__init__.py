@@ -17,7 +17,8 @@ from .errors import (
 )
 from .holds import PlanHold
 from .plans import plan_key
-from .source import CheckpointSource, TensorSource
+from .source.checkpoint import CheckpointSource
+from .source.memory import TensorSource
 from .spec import ModulationSpec
 from .tiers.store import Store
 

@@ -27,8 +27,8 @@ from .devices import allocation_error, check_available
 from .distributed import Collective, make_collective
 from .errors import AdalnCacheError
 from .faults import FaultPoints
+from .identity import device_identity
 from .identity.binding import TableIdentity
-from .numerics import device_identity
 from .options import CacheOptions, knob
 from .placement import Placement, Site
 from .relocation import HostTableStash

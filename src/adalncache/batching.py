@@ -16,7 +16,7 @@ differs at M=32). So nothing is assumed:
   layer is recomputed per plan. The other plans of a stacked layer are not checked one by one:
   the guarantee is that of the probe plus the spot checks, for a class that pins what selects
   the kernel (device, dtypes, shapes, addresses modulo 64, and every setting of
-  :func:`adalncache.numerics.bit_settings`: thread count, matmul precision switches...).
+  :func:`adalncache.identity.bit_settings`: thread count, matmul precision switches...).
 
 Comparisons are bitwise (``same_bits``: -0.0 and +0.0 differ), stricter than ``torch.equal``.
 
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .numerics import bit_settings_key
+from .identity import bit_settings_key
 from .plans import PlanKey
 from .spec import Layer
 

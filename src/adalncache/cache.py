@@ -41,8 +41,8 @@ from .devices import resolve_device
 from .errors import AdalnCacheError, ConfigError, PlanError
 from .faults import NO_FAULTS, FaultPoints
 from .holds import PlanHold
+from .identity import autocast_dtype
 from .introspection import CacheIntrospection
-from .numerics import autocast_dtype
 from .options import PRECISIONS, SHARD_MODES, CacheKwargs, CacheOptions, option_keywords
 from .plans import PlanKey, distinct_plans, keyed_plans
 from .rebuild import EmbedFn, ProjectFn, default_project
@@ -50,7 +50,7 @@ from .relocation import same_device
 from .reports import BuildReport, CacheStats
 from .rows import PlanRows
 from .source import WeightSource
-from .source.absent import NoWeights
+from .source.memory import NoWeights
 from .spec import ModulationSpec
 
 if TYPE_CHECKING:
@@ -126,7 +126,7 @@ class AdalnCache(CacheIntrospection):
         _check_spec_and_source(spec, source, options.get("tables"))
         given = CacheOptions.of(options, where="AdalnCache()")
         self.spec = spec
-        #: The weight source; without one (``source=None``) a :class:`~adalncache.source.absent.NoWeights`
+        #: The weight source; without one (``source=None``) a :class:`~adalncache.source.memory.NoWeights`
         #: that serves table files only.
         self.source: WeightSource = source if source is not None else NoWeights(spec)
         self.fault_points: FaultPoints = NO_FAULTS

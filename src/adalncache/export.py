@@ -30,11 +30,11 @@ from tqdm.auto import tqdm
 
 from . import vllm_omni
 from .cache import AdalnCache
-from .canonical import plain_json
 from .errors import ConfigError
+from .identity import plain_json
 from .options import flag
 from .plans import format_plan, key_to_plan, plan_key
-from .source import CheckpointSource
+from .source.checkpoint import CheckpointSource
 from .spec import ModulationSpec
 from .tablefile import FORMATS, TableFile, TableWriter, bound_metadata, sglang_metadata
 from .verify import check_sample, chunked, same_rows, sampled, verifying_cache

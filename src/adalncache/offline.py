@@ -25,7 +25,7 @@ from .embedding import has_time_embedder
 from .errors import ConfigError
 from .options import flag
 from .plans import PlanKey, format_plan, key_to_plan, plan_key
-from .source import CheckpointSource
+from .source.checkpoint import CheckpointSource
 from .spec import ModulationSpec
 from .tiers.store import Store, StoredEntry, binding_hash
 from .verify import check_sample, chunked, same_rows, sampled, verifying_cache

@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 from .batching import StackedProjector
 from .errors import PlanError, failing_at, mark_failed_at
 from .faults import FaultPoints
-from .identity.digest import DigestSink
+from .identity import DigestSink
 from .plans import PlanKey, format_plan, plan_key
 from .reports import BuildReport
 from .slab import Slab

@@ -2,7 +2,7 @@
 
 Tables are the bits one kind of device computes, and another kind computes other bits (a CPU and
 a GPU, two GPU models), so rows are never served on a device of another identity
-(:func:`~adalncache.numerics.device_identity`). Within one identity (``cuda:0`` to ``cuda:1`` of
+(:func:`~adalncache.identity.device_identity`). Within one identity (``cuda:0`` to ``cuda:1`` of
 one model) the slab is copied as it is. Across identities the resident tables are *stashed*: host
 copies, least recently used first, with the source fingerprint, the variant and the autocast state they
 were built under, kept per identity. When the cache comes back to a device of that identity they are

@@ -52,15 +52,13 @@ import torch
 from safetensors import safe_open
 
 from . import families, vllm_omni
-from .canonical import canonical_json
 from .errors import CheckpointError, ConfigError
 from .geometry import Family, KeyLayout, ModelGeometry, ServedLayer
-from .identity.digest import hash_hex
-from .identity.files import FileIdentity
+from .identity import FileIdentity, canonical_json, hash_hex
 from .options import flag
 from .plans import PlanKey, format_plan, key_to_plan, plan_key
 from .rows import PlanRows
-from .source.header import SafetensorsHeader, TensorEntry, safetensors_name
+from .source.files import SafetensorsHeader, TensorEntry, safetensors_name
 from .source.reads import pread_into
 from .spec import ModulationSpec
 
@@ -100,7 +98,7 @@ def tool_version() -> str:
 
 
 def _canonical(value: Any) -> str:
-    """Metadata values are strings: the canonical JSON (:mod:`adalncache.canonical`) as text."""
+    """Metadata values are strings: the canonical JSON (:func:`adalncache.identity.canonical_json`) as text."""
     return canonical_json(value).decode()
 
 

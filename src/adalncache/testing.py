@@ -18,7 +18,7 @@ import torch
 
 from .errors import ConfigError
 from .faults import NO_FAULTS, POINTS, FaultPoints
-from .identity.digest import DigestSink
+from .identity import DigestSink
 from .source import Columns, LayerWeights, WeightSource
 from .spec import FINAL, Layer
 

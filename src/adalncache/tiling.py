@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from .batching import ProbedClasses, Project, shape_class, shared_verdicts
-from .numerics import bit_settings_key
+from .identity import bit_settings_key
 from .plans import PlanKey
 from .spec import Layer
 

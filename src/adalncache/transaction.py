@@ -44,9 +44,8 @@ from .errors import (
     failure_phase,
 )
 from .faults import FaultPoints
+from .identity import DigestSink, autocast_dtype
 from .identity.binding import TableIdentity
-from .identity.digest import DigestSink
-from .numerics import autocast_dtype
 from .options import flag, knob
 from .placement import Site
 from .plans import PlanKey, format_plan, key_to_plan, plan_key, validate_plan

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from . import canonical
+from . import identity
 from .errors import CheckpointError, ConfigError, PlanError
 from .families.minimax_h3 import LAYOUTS, MODEL_VARIANTS
 from .geometry import KeyLayout
@@ -88,13 +88,13 @@ _HEX = frozenset("0123456789abcdef")
 
 def canonical_json(value: Any) -> str:
     """The manifest's encoding as text: the package's canonical JSON, strict (no NaN, no ``str`` fallback)."""
-    return canonical.canonical_json(value, strict=True).decode()
+    return identity.canonical_json(value, strict=True).decode()
 
 
 def tensor_sha256(tensor: torch.Tensor) -> str:
     """SHA-256 of ``[dtype, shape]`` (canonical JSON) and then the tensor's bytes as stored (bf16 not widened)."""
     value = tensor.detach().to("cpu").contiguous()
-    digest = hashlib.sha256(canonical.canonical_json([str(value.dtype), list(value.shape)], strict=True))
+    digest = hashlib.sha256(identity.canonical_json([str(value.dtype), list(value.shape)], strict=True))
     digest.update(value.reshape(-1).view(torch.uint8).numpy().data)
     return digest.hexdigest()
 

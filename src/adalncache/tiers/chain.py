@@ -13,7 +13,7 @@ the rules around both are the same for every tier:
   third (``tables=``, read-only: their hits are not copied to the store), only for what the
   tiers before did not have.
 
-The store is bound to the content digest of the source (:mod:`adalncache.identity.content`). While it is
+The store is bound to the content digest of the source (:mod:`adalncache.identity.binding`). While it is
 unknown the store is skipped, except in one case where learning it pays at once: the store holds
 entries, for plans this build wants, under a binding equal to this one in all but the content (a
 copied checkpoint beside its store). Then one hashing read of the projections runs first, which
@@ -43,12 +43,12 @@ from ..reports import BuildReport, CacheStats
 from ..rows import PlanRows
 from ..spec import ModulationSpec
 from .host import HostTier
-from .locks import NO_CLAIM, POLL_S, BuildLocks, Claim, Staleness
-from .store import Store, plan_hash
+from .store import NO_CLAIM, POLL_S, BuildLocks, Claim, Staleness, Store, plan_hash
 from .tables import TablesArg, TablesTier
 
 if TYPE_CHECKING:
     from ..distributed import Collective
+    from ..identity.binding import ContentIdentity
 
 log = logging.getLogger(__name__)
 
@@ -57,20 +57,15 @@ UNWRITABLE_RETRY_S = 60.0
 
 
 class Binder(Protocol):
-    """What the chain needs from the cache's identity to use the store (see :mod:`adalncache.identity.binding`)."""
+    """What the chain needs from the cache's identity (:class:`~adalncache.identity.binding.TableIdentity`)."""
 
     variant: Any
     generation: int
-
-    def content_now(self) -> str | None: ...
+    content: ContentIdentity
 
     def current_binding(self) -> dict[str, Any] | None: ...
 
     def template(self) -> dict[str, Any]: ...
-
-    def hash_now(self) -> None: ...
-
-    def note_unbound(self, what: str) -> None: ...
 
     def lock_namespace(self) -> str: ...
 
@@ -188,7 +183,7 @@ class TierChain:
                     rest,
                     template=identity.template(),
                     generation=identity.generation,
-                    content=identity.content_now,
+                    content=identity.content.identify,
                     agree=self._dist.any_of,
                     embed=embed,
                 )
@@ -212,10 +207,10 @@ class TierChain:
                 "store %s holds these plans for another copy of these weights: hashing the checkpoint once",
                 self.store.path,
             )
-            identity.hash_now()
+            identity.content.identify()
             bound = identity.current_binding()
         if bound is None and count:
-            identity.note_unbound("store lookup")
+            identity.content.note_unknown("store lookup")
         return bound
 
     def claim(self, to_build: Sequence[PlanKey], *, identity: Binder, report: BuildReport) -> dict[PlanKey, PlanRows]:

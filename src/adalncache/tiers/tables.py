@@ -52,8 +52,8 @@ import torch
 import torch.nn.functional as F
 
 from .. import vllm_omni
-from ..canonical import plain_json
 from ..errors import ConfigError
+from ..identity import plain_json
 from ..options import TablesArg, flag
 from ..plans import PlanKey, format_plan, key_to_plan
 from ..rows import PlanRows

@@ -27,7 +27,7 @@ import torch
 
 from ..errors import ConfigError
 from ..schedules import TASKS, LatentShape, build_layout, build_row_timestep_plan, check_steps, check_task
-from ..source.writer import PAD_PREFIX, write_safetensors
+from ..source.files import PAD_PREFIX, write_safetensors
 
 if TYPE_CHECKING:
     from torch import nn

@@ -26,7 +26,7 @@ from ... import TensorSource
 from ...errors import CheckpointError, ConfigError
 from ...holds import PlanHold
 from ...hostmem import HostBuffer
-from ...source.absent import NoWeights
+from ...source.memory import NoWeights
 from .callbacks import BuildCallbacks
 from .casting import casting_guard, settle_casting
 from .choice import SourceChoice, choose_source

@@ -31,7 +31,7 @@ import torch
 
 from ...errors import PlanMismatchError
 from ...holds import PlanHold
-from ...numerics import autocast_dtype
+from ...identity import autocast_dtype
 from ...plans import PlanKey
 
 

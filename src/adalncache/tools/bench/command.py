@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 from ...devices import resolve_device
-from ...source import CheckpointSource
+from ...source.checkpoint import CheckpointSource
 from ...spec import ModulationSpec
 from .deploy import bench_deploy
 from .first_request import bench_first_request

@@ -28,7 +28,7 @@ import torch
 
 from ...cache import AdalnCache
 from ...plans import plan_key
-from ...source import CheckpointSource
+from ...source.checkpoint import CheckpointSource
 from ...spec import ModulationSpec
 from .results import Comparison, Results
 from .sglang import SglangBaseline, tables_identical

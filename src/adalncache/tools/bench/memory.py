@@ -19,7 +19,7 @@ import torch
 
 from ...cache import AdalnCache
 from ...plans import plan_key
-from ...source import CheckpointSource
+from ...source.checkpoint import CheckpointSource
 from ...spec import ModulationSpec
 from ..measure import meminfo, proc_status
 from .results import Comparison, Results

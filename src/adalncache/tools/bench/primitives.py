@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from ...batching import clear_verdicts
 from ...cache import AdalnCache
 from ...plans import PlanKey, plan_key
-from ...source import aligned_empty, pread_into
+from ...source.reads import aligned_empty, pread_into
 from ...spec import Layer
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ...source import CheckpointSource
+from ...source.checkpoint import CheckpointSource
 from ...spec import ModulationSpec
 from .primitives import ResidentLayer, one_pass, read_only, request_cache, tables_equal_linear
 from .results import Comparison, Results

@@ -21,7 +21,7 @@ import torch
 
 from ...cache import AdalnCache
 from ...export import export_tables
-from ...identity.memo import forget_process_memo
+from ...identity.binding import forget_process_memo
 from ...plans import plan_key
 from .primitives import sync_device
 from .results import Comparison, Results
