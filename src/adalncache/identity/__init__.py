@@ -1,21 +1,12 @@
-"""Identity: what a table is bound to, and the encodings every binding, hash and memo is computed over.
+"""Identity: what a table is bound to, in the encodings every binding, hash and memo is computed over.
 
-A table is exact only for the bytes and the settings it was projected under. This module names
-both, with nothing above the weight sources (they hash what they read into a :class:`DigestSink`):
-
-* **canonical JSON** (:func:`canonical_json`): every hash, binding and bound metadata encodes equal
-  values to equal bytes, in every process and release, or an entry written by one would be a miss
-  (or a second build) for the other;
-* **file identity** (:class:`FileIdentity`, :class:`FileStamp`): what says a file on disk is still
-  the one that was read, checked with a ``stat`` (never a re-hash);
-* **the numeric environment** (:func:`bit_settings`, :func:`numeric_environment`): every setting
-  besides the weights and the input that can change a GEMM's bits;
-* **the content digest**: a digest of the projection tensors' bytes that any split of the reading
-  composes to (its leaves and tensor digests here; composed over a spec by
-  :func:`~adalncache.identity.binding.content_digest`).
-
-How a cache learns the digest, remembers it per file identity, checks it after every pass, and
-forms the binding of its tables is :mod:`adalncache.identity.binding`.
+A table is exact only for the bytes and the settings it was projected under. This module names both,
+below the weight sources (they hash what they read into a :class:`DigestSink`): canonical JSON
+(:func:`canonical_json`: equal values give equal bytes in every process and release, or an entry
+written by one would be a miss, or a second build, for the other), file identity
+(:class:`FileIdentity`, :class:`FileStamp`: a ``stat``, never a re-hash), the numeric environment,
+and the content digest's leaves and tensor digests. How a cache learns the digest, remembers it,
+checks it and forms the binding of its tables is :mod:`adalncache.identity.binding`.
 
 **The content digest.** A store entry or a table file is valid for the *bytes* of the projections,
 not for one file on one disk, so a copied checkpoint binds to the same tables. The digest can be
@@ -83,12 +74,11 @@ from ..geometry import FINAL, Layer
 
 
 def canonical_json(value: Any, *, strict: bool = False) -> bytes:
-    """``value`` as canonical JSON bytes: sorted keys, compact separators, ``str`` for the rest.
+    """``value`` as canonical JSON bytes: sorted keys, compact separators, and ``str`` for what JSON
+    cannot express (a dtype, a path), so a value never makes the encoder raise halfway through a build.
 
-    ``str`` for what JSON cannot express (a ``torch.dtype``, a path), so a value never makes the
-    encoder raise halfway through a build. ``strict`` is the same encoding for a format another
-    program reads back and re-checks (vLLM-Omni's manifest): anything JSON cannot express, NaN and
-    infinity included, raises instead of being written as text that reader would not produce.
+    ``strict`` is the same encoding for a format another program reads back and re-checks (vLLM-Omni's
+    manifest): anything JSON cannot express, NaN and infinity included, raises instead.
     """
     if strict:
         return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()

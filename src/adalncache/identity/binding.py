@@ -1,50 +1,33 @@
 """How a cache learns what its tables are bound to, remembers it, checks it, and binds its tables to it.
 
-A table is exact only for the weights and settings it was projected under. Three of those can
-change while a cache lives: the weight source (a checkpoint rewritten on disk, seen through its
-fingerprint), the caller's *variant* (the active LoRA adapters, say) and the *autocast* state of
-the device's type. :class:`TableIdentity` remembers them, re-checks them at the start of every
-build that has something to build (a build whose plans are all resident is the hit path and does
-not ``stat``), drops tables built under an old identity, and forms **the binding**: the one value
-naming everything a stored table depends on besides its plan (:meth:`TableIdentity.binding`:
-content digest, spec with dtype, precision, variant, shard mode, numeric environment and, for fp32
-and fp16 weights, each tensor's address modulo 64). Every tier compares it by equality.
+Three things a table depends on can change while a cache lives: the weight source (a checkpoint
+rewritten on disk, seen through its fingerprint), the caller's *variant* (the active LoRA adapters)
+and the *autocast* state of the device's type. :class:`TableIdentity` re-checks them at the start of
+every build that has something to build (the hit path does not ``stat``), drops tables built under
+an old identity, and forms **the binding** (:meth:`TableIdentity.binding`): the one value naming
+everything a stored table depends on besides its plan (content digest, spec with dtype, precision,
+variant, shard mode, numeric environment, and for fp32 and fp16 weights each tensor's address modulo
+64), which every tier compares by equality.
 
-The binding names the *content* of the projection tensors, not the files' stat identity, so a
-copied checkpoint or store binds to the same entries. Knowing that digest costs a read of every
-projection byte, so :class:`ContentIdentity` gets it the cheapest way available:
-
-1. **the memo** (:class:`DigestMemo`): every file still carries the identity it had when hashed;
-2. **the pass that builds anyway**: the reader thread hashes what it streams (no extra read);
-3. **a hashing-only read** (:meth:`ContentIdentity.identify`) when it pays: the store holds entries
-   under a binding equal to this one in all but the content, or a bound table file must be checked.
-
-Until then the digest is *unknown* and the store is not consulted: a miss, never a wrong answer. In
-a process group every rank contributes what it knows and the ranks compose one digest in one
-collective; a rank records in its memo only the bytes it read itself.
+The binding names the *content* of the projection tensors, so a copied checkpoint or store binds to
+the same entries. :class:`ContentIdentity` learns that digest the cheapest way available: from the
+memo (:class:`DigestMemo`), from the pass that builds anyway (the reader thread hashes what it
+streams), or by a hashing-only read when it pays (the store holds entries under a binding equal to
+this one but for the content, or a bound table file must be checked). Until then the digest is
+*unknown* and the store is not consulted: a miss, never a wrong answer. In a process group the ranks
+compose one digest in one collective; a rank records in its memo only the bytes it read itself.
 
 **Checked on every read that hashes.** Where something is bound to the digest
-(:attr:`ContentIdentity.wanted`: a store, table files, an export, a verification) a checkpoint is
-hashed by *every* pass, digest known or not: the binding a pass writes under must name the bytes
-it projected, and only hashing proves it. A pass whose bytes hash to another digest than the one
-held for an unchanged file identity raises :func:`rewritten`'s ``CheckpointError``, forgets the
-memo's records of those files and leaves the digest unknown. A stat identity cannot see every
-rewrite (a write through a shared mapping to a page already dirty keeps mtime and ctime on ext4;
-an NFS client caches attributes), so anything else that re-reads the bytes anyway checks them the
-same way (:class:`CheckedRead`), and ``CheckpointSource(rehash=True)`` distrusts the memo. Without
-store or table files nothing is bound to the digest and passes do not hash (it cost a pass about
-half again on two CPU cores). Before a pass the files' identity must be *settled*
-(:func:`settle_margin_ns`): a file changed within the last clock ticks could change again without
-its ctime moving, so the pass waits those milliseconds first.
-
-**The memo.** Hashing costs a read of every byte (24.2 GiB on the released model); the memo makes
-it a one-time cost per file identity. A pass records what it learnt under each file's
-:class:`~adalncache.identity.FileStamp`, in the store (``<store>/digests/<stamp key>.json``, one
-record per file, shared by every process using the store) and in this process (a dictionary, so a
-cache without a store, or a second cache over the same files, does not hash twice). A record is used
-only when its stamp equals the file's current stamp field by field. Records are merged under
-``flock`` of a lock file beside them and replaced atomically; where the lock is not shared (some
-network filesystems) a lost update only means a later re-hash.
+(:attr:`ContentIdentity.wanted`: a store, table files, an export, a verification) every pass hashes
+what it reads, digest known or not: the binding a pass writes under must name the bytes it
+projected. Bytes that hash to another digest than the one held for an unchanged file identity raise
+:func:`rewritten`'s ``CheckpointError``; the memo's records of those files are forgotten. A ``stat``
+cannot see every rewrite (a write through a shared mapping to a page already dirty keeps mtime and
+ctime on ext4; an NFS client caches attributes), so anything else that re-reads the bytes anyway
+checks them too (:class:`CheckedRead`), and ``CheckpointSource(rehash=True)`` distrusts the memo.
+Without store or table files nothing is bound to the digest and passes do not hash (it cost a pass
+about half again on two CPU cores). Before a pass the files' identity must be *settled*
+(:func:`settle_margin_ns`).
 """
 
 from __future__ import annotations
@@ -165,7 +148,17 @@ def _merge(into: Mapping[str, TensorDigest], tensors: Mapping[str, TensorDigest]
 
 
 class DigestMemo:
-    """Tensor digests by file stamp: in this process, and in ``directory`` when given (a store's)."""
+    """Tensor digests by file stamp: in this process, and in ``directory`` when given (a store's).
+
+    Hashing costs a read of every byte (24.2 GiB on the released model); the memo makes it a one-time
+    cost per file identity. A hashing read records what it learnt under each file's
+    :class:`~adalncache.identity.FileStamp`: in the store (``<store>/digests/<stamp key>.json``, one
+    record per file, shared by every process using the store) and in this process (so a cache without
+    a store, or a second cache over the same files, does not hash twice). A record is used only when
+    its stamp equals the file's current stamp field by field. Records are merged under ``flock`` of a
+    lock file beside them and replaced atomically; where the lock is not shared (some network
+    filesystems) a lost update only means a later re-hash.
+    """
 
     def __init__(self, directory: Path | None = None, *, write: Callable[[Path, bytes], None] | None = None) -> None:
         self.directory = directory
