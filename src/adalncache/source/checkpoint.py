@@ -129,77 +129,6 @@ class ValidatedCheckpoint:
                 os.close(fd)
 
 
-class ReadCounters:
-    """The byte counters of a source, shared by its passes' reader threads (one lock)."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.read = 0  # projection bytes read by passes (staged or in place)
-        self.direct = 0  # of those, read with O_DIRECT
-        self.in_place = 0  # of those, projected in place from the mapping (hashed, never copied)
-
-    def add(self, nbytes: int, *, in_place: bool = False, direct: int = 0) -> None:
-        with self.lock:
-            self.read += nbytes
-            self.in_place += nbytes if in_place else 0
-            self.direct += direct
-
-
-class KeptBuffers:
-    """The staging buffers a source keeps between passes (taken out while a pass uses them)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._pool: StagingPool | None = None
-
-    def take(self, device: torch.device, read_ahead: int) -> StagingPool | None:
-        """The staging buffers of one pass: the kept pool where it fits, else a new one (None: fresh per layer).
-
-        On CUDA each pinned buffer is free again once its copy finished (a load waits for it) and loads
-        run one at a time, so one buffer serves the pass; pinning is slow and rounds up, so it happens
-        once per pass, not per layer. On CPU the consumer projects from the buffer itself: the one it
-        holds plus the read_ahead being read. With read_ahead=0 the read runs inside next(), while the
-        consumer still holds the previous layer, so a single buffer could never be reused: that mode
-        takes a fresh buffer per layer.
-        """
-        cuda = device.type == "cuda"
-        if not (cuda or read_ahead):
-            return None
-        slots = 1 if cuda else read_ahead + 1
-        # Taken out while in use, so two concurrent passes never share buffers.
-        with self._lock:
-            kept, self._pool = self._pool, None
-        # Another read_ahead keeps the buffers it can use; a pool of the other kind is dropped.
-        reuse = kept is not None and kept.pin == cuda
-        staging = kept.resized(slots) if reuse and kept is not None else StagingPool(slots, pin=cuda, device=device)
-        staging.device = device if cuda else None
-        return staging
-
-    def give_back(self, staging: StagingPool, keep: bool) -> None:
-        """After a pass: keep its buffers for the next one, or free them."""
-        if keep:
-            with self._lock:
-                self._pool = staging
-        else:
-            staging.clear()
-
-    @property
-    def pool(self) -> StagingPool | None:
-        with self._lock:
-            return self._pool
-
-    def release(self) -> int:
-        """Free the kept buffers; the bytes released."""
-        with self._lock:
-            kept, self._pool = self._pool, None
-        if kept is None:
-            return 0
-        released = kept.nbytes
-        kept.clear()
-        log.debug("released %.1f MiB of kept read buffers", released / 2**20)
-        return released
-
-
 class CheckpointSource:
     """Projection weights streamed from safetensors files (see the module docstring).
 
@@ -235,12 +164,15 @@ class CheckpointSource:
         self._layout_arg = layout
         if layout != "auto":
             spec.layout(layout)
-        self._counters = ReadCounters()
         self.keep_buffers = bool(keep_buffers)
         self.direct_io = bool(direct_io)
         self.in_place = in_place
         self.rehash = rehash
-        self._buffers = KeptBuffers()
+        #: One lock for the byte counters (passes' reader threads add to them) and the kept buffers.
+        self._lock = threading.Lock()
+        self._read = self._direct = self._in_place = 0
+        #: The staging buffers kept from the last pass (taken out while a pass uses them).
+        self._pool: StagingPool | None = None
         #: The side stream of each device this source copies layers to, reused by every pass.
         self.copy_streams = CopyStreams()
         self._load()
@@ -277,25 +209,31 @@ class CheckpointSource:
 
     # -- counters ---------------------------------------------------------------------------
 
+    def _count(self, nbytes: int, *, in_place: bool = False, direct: int = 0) -> None:
+        with self._lock:
+            self._read += nbytes
+            self._in_place += nbytes if in_place else 0
+            self._direct += direct
+
     @property
     def bytes_read(self) -> int:
         """Projection bytes read by passes (staged or in place)."""
-        return self._counters.read
+        return self._read
 
     @bytes_read.setter
     def bytes_read(self, value: int) -> None:
-        with self._counters.lock:
-            self._counters.read = value
+        with self._lock:
+            self._read = value
 
     @property
     def bytes_direct(self) -> int:
         """Of ``bytes_read``, those read with O_DIRECT."""
-        return self._counters.direct
+        return self._direct
 
     @property
     def bytes_in_place(self) -> int:
         """Of ``bytes_read``, those projected in place from the mapping (hashed, never copied)."""
-        return self._counters.in_place
+        return self._in_place
 
     def cached_fraction(self) -> float | None:
         """Of the projection bytes, the fraction the page cache holds now (``mincore``; nothing is read).
@@ -381,22 +319,59 @@ class CheckpointSource:
 
     @property
     def _kept(self) -> StagingPool | None:
-        """The staging pool kept from the last pass (None when none is kept), for the tests that
-        check which buffers a pass reused."""
-        return self._buffers.pool
+        """The staging pool kept from the last pass (None when none is kept, or a pass holds it)."""
+        with self._lock:
+            return self._pool
 
     @property
     def kept_bytes(self) -> int:
         """Bytes the read buffers kept from the last pass hold (0 when none are kept)."""
-        pool = self._buffers.pool
+        pool = self._kept
         return pool.nbytes if pool is not None else 0
+
+    def _take_buffers(self, device: torch.device, read_ahead: int) -> StagingPool | None:
+        """The staging buffers of one pass: the kept pool where it fits, else a new one (None: fresh per layer).
+
+        On CUDA each pinned buffer is free again once its copy finished (a load waits for it) and loads
+        run one at a time, so one buffer serves the pass; pinning is slow and rounds up, so it happens
+        once per pass, not per layer. On CPU the consumer projects from the buffer itself: the one it
+        holds plus the read_ahead being read. With read_ahead=0 the read runs inside next(), while the
+        consumer still holds the previous layer, so a single buffer could never be reused: that mode
+        takes a fresh buffer per layer.
+        """
+        cuda = device.type == "cuda"
+        if not (cuda or read_ahead):
+            return None
+        with self._lock:  # taken out while in use, so two concurrent passes never share buffers
+            kept, self._pool = self._pool, None
+        # Another read_ahead keeps the buffers it can use; a pool of the other kind is dropped.
+        slots = 1 if cuda else read_ahead + 1
+        reuse = kept is not None and kept.pin == cuda
+        staging = kept.resized(slots) if reuse and kept is not None else StagingPool(slots, pin=cuda, device=device)
+        staging.device = device if cuda else None
+        return staging
+
+    def _give_back(self, staging: StagingPool, keep: bool) -> None:
+        """After a pass: keep its buffers for the next one, or free them."""
+        if keep:
+            with self._lock:
+                self._pool = staging
+        else:
+            staging.clear()
 
     def release_buffers(self) -> int:
         """Free the read buffers kept from the last pass; returns the bytes released.
 
         Safe at any time: a pass in progress owns its buffers. The next pass allocates fresh ones.
         """
-        return self._buffers.release()
+        with self._lock:
+            kept, self._pool = self._pool, None
+        if kept is None:
+            return 0
+        released = kept.nbytes
+        kept.clear()
+        log.debug("released %.1f MiB of kept read buffers", released / 2**20)
+        return released
 
     def describe(self) -> dict[str, Any]:
         tensors: list[dict[str, Any]] = []
@@ -440,15 +415,13 @@ class LayerPass:
         read_ahead: int,
         digests: DigestSink | None,
     ) -> None:
-        self.checkpoint = source._checkpoint
-        self.counters = source._counters
+        self.source, self.checkpoint = source, source._checkpoint
         self.todo = list(layers)
         self.device, self.columns, self.read_ahead, self.digests = device, columns, read_ahead, digests
-        self.keep = source.keep_buffers
-        self.kept = source._buffers
         self.cuda = device.type == "cuda"
         self.copy_stream = source.copy_streams.get(device) if self.cuda else None
-        self.staging = self.kept.take(device, read_ahead)
+        self.staging = source._take_buffers(device, read_ahead)
+        self.keep = source.keep_buffers
         self.direct = DirectReads() if source.direct_io else None
         self.in_place = source.in_place and not self.cuda
         # In place: the pass's own mappings of the files it holds open (set once they are).
@@ -470,13 +443,13 @@ class LayerPass:
             offset, nbytes, shape = checkpoint.span(name, rows)
             raw = self.maps.view(header, offset, nbytes, name) if self.maps is not None else None
             if raw is not None:
-                self.counters.add(nbytes, in_place=True)
+                self.source._count(nbytes, in_place=True)
             else:
                 if self.staging is not None:
                     raw = self.staging.take(index, part, nbytes, offset)
                 else:
                     raw = read_buffer(nbytes, offset, pin=self.cuda)
-                self.counters.add(pread_into(fds[header.path], raw, offset, header.path, name, self.direct))
+                self.source._count(pread_into(fds[header.path], raw, offset, header.path, name, self.direct))
             if self.digests is not None:
                 self.digests.feed(role_of(layer, part), entry.dtype, entry.shape, rows, raw)
             out.append((raw, raw.view(dtype).view(shape)))
@@ -558,8 +531,8 @@ class LayerPass:
     def end(self) -> None:
         """Count the pass's O_DIRECT bytes, close its mappings, and keep (or free) its staging buffers."""
         if self.direct is not None:
-            self.counters.add(0, direct=self.direct.bytes)
+            self.source._count(0, direct=self.direct.bytes)
         if self.maps is not None:
             self.maps.close()
         if self.staging is not None:
-            self.kept.give_back(self.staging, self.keep)
+            self.source._give_back(self.staging, self.keep)

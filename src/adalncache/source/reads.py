@@ -30,6 +30,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import logging
+import math
 import mmap
 import os
 import threading
@@ -96,9 +97,7 @@ def aligned_empty(
             f"a {dtype} tensor cannot start at an address {residue} modulo {modulus}: not a multiple of its "
             f"{itemsize}-byte elements"
         )
-    nbytes = itemsize
-    for size in shape:
-        nbytes *= size
+    nbytes = itemsize * math.prod(shape)
     size = _storage_bytes(nbytes, modulus, margin)
     # Page-locked: the view keeps the mapping alive, and the buffer object (kept on the tensor)
     # keeps the pages locked for as long as the tensor lives.
@@ -176,7 +175,8 @@ class StagingPool:
                 self._wait = 0.0
                 del self._buffers[key]
                 # The consumer's view keeps the memory alive (as pageable memory once unlocked).
-                self._release_owner(key)
+                with self._lock:
+                    self._release_owner(key)
                 return None
             time.sleep(0.0002)
         return held
@@ -203,7 +203,7 @@ class StagingPool:
                 if owner is not None:
                     owner.release()
                 return self._buffers[key]
-            self._release_owner(key, locked=True)
+            self._release_owner(key)
             held = (storage, _use_count(storage))
             self._buffers[key] = held
             if owner is not None:
@@ -211,13 +211,10 @@ class StagingPool:
             self.fresh += 1
             return held
 
-    def _release_owner(self, key: tuple[int, str], *, locked: bool = False) -> None:
-        """Unlock the pages of ``key``'s old buffer (pinned pools); its memory goes with its last view."""
-        if not locked:
-            with self._lock:
-                owner = self._owners.pop(key, None)
-        else:
-            owner = self._owners.pop(key, None)
+    def _release_owner(self, key: tuple[int, str]) -> None:
+        """Unlock the pages of ``key``'s old buffer (pinned pools; under the lock); its memory goes with
+        its last view."""
+        owner = self._owners.pop(key, None)
         if owner is not None:
             owner.release()
 
