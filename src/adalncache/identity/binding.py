@@ -194,14 +194,8 @@ class DigestMemo:
             self.directory.mkdir(parents=True, exist_ok=True)
             with self._locked(stamp):
                 merged = _merge(self._read(stamp), tensors)
-                body = {
-                    "format": RECORD_FORMAT,
-                    "hash": ALGORITHM,
-                    "leaves": LEAVES,
-                    "stamp": stamp.as_json(),
-                    "recorded": time.time(),
-                    "tensors": {role: rec.as_json() for role, rec in sorted(merged.items())},
-                }
+                body = {**self._kind(stamp), "recorded": time.time()}
+                body["tensors"] = {role: rec.as_json() for role, rec in sorted(merged.items())}
                 self._write(self._path(stamp), json.dumps(body, indent=1, sort_keys=True).encode())
         except OSError as exc:
             log.warning(
@@ -227,6 +221,11 @@ class DigestMemo:
         assert self.directory is not None
         return self.directory / f"{stamp.key}.json"
 
+    @staticmethod
+    def _kind(stamp: FileStamp) -> dict[str, Any]:
+        """What a record must say of itself to be used: its format, hash, leaves and the full stamp."""
+        return {"format": RECORD_FORMAT, "hash": ALGORITHM, "leaves": LEAVES, "stamp": stamp.as_json()}
+
     @contextlib.contextmanager
     def _locked(self, stamp: FileStamp) -> Iterator[None]:
         fd = os.open(self._path(stamp).with_suffix(".lock"), os.O_RDWR | os.O_CREAT, 0o644)
@@ -240,12 +239,7 @@ class DigestMemo:
         """The on-disk record of ``stamp``, if its stamp matches in full; anything unreadable is no record."""
         try:
             data: Any = json.loads(read_regular(self._path(stamp)))
-            if (data.get("format"), data.get("hash"), data.get("leaves"), data.get("stamp")) != (
-                RECORD_FORMAT,
-                ALGORITHM,
-                LEAVES,
-                stamp.as_json(),
-            ):
+            if any(data.get(key) != value for key, value in self._kind(stamp).items()):
                 return {}
             return {str(role): TensorDigest.from_json(rec) for role, rec in dict(data["tensors"]).items()}
         except FileNotFoundError:

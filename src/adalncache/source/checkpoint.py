@@ -52,24 +52,6 @@ from .reads import DirectReads, PassMappings, StagingPool, pread_into, read_buff
 log = logging.getLogger(__name__)
 
 
-def misaligned(entry: TensorEntry) -> str | None:
-    """Why ``entry``'s data cannot be viewed as its dtype in place, or None.
-
-    A tensor is read into a buffer at its file offset's address modulo 4096, so its elements sit on
-    their natural boundary only if the offset is a multiple of the element size, as every writer of
-    the format (safetensors' own included) lays them out.
-    """
-    dtype = entry.torch_dtype
-    if dtype is None:
-        return f"dtype {entry.dtype} has no torch counterpart"
-    if entry.begin % dtype.itemsize:
-        return (
-            f"its data starts at file offset {entry.begin}, not a multiple of its {dtype.itemsize}-byte "
-            f"elements; re-save the checkpoint with safetensors"
-        )
-    return None
-
-
 @dataclass(frozen=True)
 class ValidatedCheckpoint:
     """The files of a checkpoint and its key layout, every projection tensor checked against ``spec``."""
@@ -90,7 +72,7 @@ class ValidatedCheckpoint:
             entry = where[key].entries[key] if key in where else None
             dtype = (entry.torch_dtype or entry.dtype) if entry else None
             problem = tensor_problem(spec, key, entry.shape if entry else None, dtype, shape)
-            if problem is None and entry is not None and (why := misaligned(entry)):
+            if problem is None and entry is not None and (why := entry.misaligned()):
                 problem = f"{key}: {why}"
             if problem:
                 problems.append(problem)
@@ -276,7 +258,7 @@ class CheckpointSource:
         except KeyError:
             files = ", ".join(str(f) for f in self.files)
             raise CheckpointError(f"the checkpoint has no tensor {name!r} (files searched: {files})") from None
-        why = misaligned(entry)
+        why = entry.misaligned()
         if why:
             raise CheckpointError(f"{header.path}: tensor {name!r} cannot be read: {why}")
         dtype = entry.torch_dtype

@@ -143,6 +143,23 @@ class TensorEntry:
     def torch_dtype(self) -> torch.dtype | None:
         return SAFETENSORS_DTYPES.get(self.dtype)
 
+    def misaligned(self) -> str | None:
+        """Why this tensor's data cannot be viewed as its dtype in place, or None.
+
+        A tensor is read into a buffer at its file offset's address modulo 4096 (or mapped at it), so
+        its elements sit on their natural boundary only if the offset is a multiple of the element
+        size, as every writer of the format (safetensors' own included) lays them out.
+        """
+        dtype = self.torch_dtype
+        if dtype is None:
+            return f"dtype {self.dtype} has no torch counterpart"
+        if self.begin % dtype.itemsize:
+            return (
+                f"its data starts at file offset {self.begin}, not a multiple of its {dtype.itemsize}-byte "
+                f"elements; re-save the checkpoint with safetensors"
+            )
+        return None
+
 
 class NotARegularFile(OSError):
     """A path names a FIFO, a device, a socket or a directory where a regular file must be."""

@@ -514,16 +514,13 @@ class MappedFile:
         entry = self.header.entries.get(name)
         if entry is None:
             raise CheckpointError(f"{self.path} has no tensor {name!r}")
+        why = entry.misaligned()
+        if why:
+            raise CheckpointError(f"{self.path}: tensor {name!r} cannot be mapped: {why}")
         dtype = entry.torch_dtype
-        if dtype is None:
-            raise CheckpointError(f"{self.path}: tensor {name!r} has dtype {entry.dtype}, which torch cannot hold")
+        assert dtype is not None  # misaligned said so
         if entry.nbytes == 0 or self._map is None:
             return torch.empty(entry.shape, dtype=dtype)
-        if entry.begin % dtype.itemsize:
-            raise CheckpointError(
-                f"{self.path}: tensor {name!r} starts at file offset {entry.begin}, not a multiple of its "
-                f"{dtype.itemsize}-byte elements; re-save the checkpoint with safetensors"
-            )
         if prefetch and hasattr(self._map, "madvise") and hasattr(mmap, "MADV_WILLNEED"):
             start = entry.begin - entry.begin % PAGE
             self._map.madvise(mmap.MADV_WILLNEED, start, entry.end - start)

@@ -245,6 +245,11 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _check_max_bytes(max_bytes: Any, what: str) -> None:
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
+        raise ConfigError(f"max_bytes must be {what}, got {max_bytes!r} (CLI {flag('max_bytes')})")
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -293,8 +298,8 @@ class Store:
         lock_wait_s: float = 600.0,
         lock_stale_s: float = 30.0,
     ) -> None:
-        if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0):
-            raise ConfigError(f"max_bytes must be None or an integer >= 0, got {max_bytes!r} (CLI {flag('max_bytes')})")
+        if max_bytes is not None:
+            _check_max_bytes(max_bytes, "None or an integer >= 0")
         for name, value in (("lock_wait_s", lock_wait_s), ("lock_stale_s", lock_stale_s)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
                 raise ConfigError(f"{name} must be a number of seconds >= 0, got {value!r} (CLI {flag('lock_wait_s')})")
@@ -558,8 +563,7 @@ class Store:
 
     def prune(self, max_bytes: int, *, keep: Iterable[Path] = ()) -> int:
         """Delete least-recently-used entries until they total at most ``max_bytes``; returns how many."""
-        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
-            raise ConfigError(f"max_bytes must be an integer >= 0, got {max_bytes!r} (CLI {flag('max_bytes')})")
+        _check_max_bytes(max_bytes, "an integer >= 0")
         protected = set(keep)
         listed = self.entries()
         total = sum(e.size for e in listed)
