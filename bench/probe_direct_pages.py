@@ -12,9 +12,8 @@ from pathlib import Path
 
 import torch
 
-from adalncache.source import CheckpointSource
-from adalncache.source.buffers import DIRECT_BLOCK, place
-from adalncache.source.reads import CHUNK, DirectReads
+from adalncache.source.checkpoint import CheckpointSource
+from adalncache.source.reads import CHUNK, DIRECT_BLOCK, DirectReads, place
 from adalncache.spec import ModulationSpec
 from adalncache.tools.bench import drop_page_cache, tensor_ranges
 

@@ -108,7 +108,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from adalncache import AdalnCache, CheckpointSource, ModulationSpec, PlanError, plan_key  # noqa: E402
 from adalncache.devices import pinned_bytes  # noqa: E402
-from adalncache.source import aligned_empty  # noqa: E402
+from adalncache.source.reads import aligned_empty  # noqa: E402
 from adalncache.spec import FINAL, Layer  # noqa: E402
 from adalncache.tools.bench.primitives import PinnedCopy, read_only  # noqa: E402
 from adalncache.tools.bench.workload import generate_checkpoint  # noqa: E402

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import mmap
 import os
+import time
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -141,6 +143,44 @@ def rewrite_in_place(path: Path, weights: Mapping[str, torch.Tensor], *, keep_mt
         os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
     after = os.stat(path)
     assert after.st_ino == before.st_ino and after.st_size == before.st_size
+
+
+def stat_identity(path: Path) -> tuple[int, ...]:
+    """What a checkpoint's file identity is made of: device, inode, size, mtime and ctime."""
+    st = os.stat(path)
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+class DirtyMapping:
+    """A shared, writable mapping of ``path`` whose every page was written once already (dirty).
+
+    ext4 updates a file's mtime and ctime when a clean page of a shared mapping takes its first write
+    fault; later writes to that page, until writeback cleans it (about 30 s, or an ``fsync``), fault no
+    more and move neither time. Opening the mapping writes each page's first byte back unchanged: that
+    moves the times once, as any write does. :meth:`write` then changes bytes no ``stat`` can see.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        fd = os.open(path, os.O_RDWR)
+        try:
+            self.map = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        for offset in range(0, len(self.map), mmap.PAGESIZE):
+            self.map[offset] = self.map[offset]
+        #: When the pages were dirtied (a caller that waits long may see writeback clean them).
+        self.dirtied = time.monotonic()
+
+    def write(self, data: bytes, offset: int = 0) -> bool:
+        """Write ``data`` at ``offset`` through the mapping; whether the file's stat identity stayed put."""
+        before = stat_identity(self.path)
+        self.map[offset : offset + len(data)] = data
+        return stat_identity(self.path) == before
+
+    def close(self) -> None:
+        """Unmap (no ``msync``: the pages stay dirty in the page cache until writeback)."""
+        self.map.close()
 
 
 def replace_atomically(path: Path, weights: Mapping[str, torch.Tensor]) -> None:

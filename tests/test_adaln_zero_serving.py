@@ -460,7 +460,7 @@ def test_a_bound_table_file_serves_a_fresh_model_without_weights(tmp_path: Path)
     fresh model of those weights with its projections freed and no weight source: no pass, outputs equal."""
     from adalncache.offline import export_tables
     from adalncache.plans import distinct_plans
-    from adalncache.source.absent import NoWeights
+    from adalncache.source.memory import NoWeights
 
     name, flags = "BriaFiboTransformer2DModel", {"guidance_embeds": True}
     model = tiny.save_and_load(tiny.build(name, **flags), tmp_path / "model")
@@ -572,7 +572,7 @@ def test_load_transformer_leaves_the_served_pages_unread(name: str, tmp_path: Pa
     linears is cached afterwards (nothing read them). A stock load of the same files caches them, so the
     measurement can see what it looks for."""
     from adalncache.diffusers import load_transformer
-    from adalncache.source import CheckpointFiles
+    from adalncache.source.files import CheckpointFiles
     from adalncache.tools.measure import PAGE, cached_fraction, drop_page_cache
 
     flags = {flag: True for _, flag in adaln_zero.CLASSES[name].optional}

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from adalncache.canonical import canonical_json
 from adalncache.formats import vllm_omni
+from adalncache.identity import canonical_json
 
 
 def test_strict_and_lenient_encode_plain_values_to_the_same_bytes() -> None:

@@ -14,19 +14,31 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from adalncache import AdalnCache, CheckpointSource, ConfigError, Store, TensorSource, plan_key
-from adalncache.identity.digest import LEAVES, DigestSink, content_digest, leaf_bounds
-from adalncache.identity.memo import forget_process_memo
-from adalncache.source import Columns, write_safetensors
+from adalncache import (
+    AdalnCache,
+    BuildError,
+    CheckpointError,
+    CheckpointSource,
+    ConfigError,
+    Store,
+    TensorSource,
+    plan_key,
+)
+from adalncache.identity import LEAVES, DigestSink, leaf_bounds
+from adalncache.identity.binding import CheckedRead, content_digest, forget_process_memo
+from adalncache.source import Columns
+from adalncache.source.files import write_safetensors
 from adalncache.spec import FINAL, LAYOUTS
 from adalncache.tiers.store import binding_hash
-from core_helpers import make_weights, write_checkpoint
+from core_helpers import DirtyMapping, make_weights, stat_identity, write_checkpoint
 from tiers_support import plan, projection_dict, simple_embed, small_spec
 
 TESTS = Path(__file__).resolve().parent
@@ -61,7 +73,7 @@ def _digest_by_reading(source: CheckpointSource, world: int, mode: str) -> str |
             mine = SPEC.layers()[rank::world]
             list(source.stream(mine, digests=sink))
         sinks.append(sink)
-    from adalncache.identity.digest import merge_knowledge
+    from adalncache.identity import merge_knowledge
 
     merged = merge_knowledge([s.knowledge() for s in sinks])
     assert merged is not None
@@ -342,3 +354,184 @@ def test_passes_hash_only_where_something_is_bound_to_the_digest(tmp_path: Path)
     assert stored.content_digest == bare.content_digest  # the same bytes, the same digest
     with pytest.raises(ConfigError, match="hash_passes takes True or False"):
         bare.hash_passes = "yes"  # type: ignore[assignment]  # the wrong type is the point
+
+
+# ---------------------------------------------------------------------------------------------
+# a rewrite the stat cannot see: a write through a shared mapping to a page already dirty
+
+
+def _new_bytes(directory: Path, seed: int = 5) -> bytes:
+    """Another model's checkpoint bytes with this one's header (same names, shapes, dtypes, offsets)."""
+    return write_safetensors(projection_dict(SPEC, seed), directory / "other.safetensors").read_bytes()
+
+
+def test_a_write_to_a_dirty_shared_page_moves_no_stat_and_the_next_hashing_pass_refuses_it(tmp_path: Path) -> None:
+    """Written through a shared mapping whose pages are already dirty, the checkpoint's bytes change and its
+    device, inode, size, mtime and ctime do not (ext4). A pass that hashes (a store is bound to the
+    digest) finds other bytes than the digest held for that identity: the build fails at the checkpoint
+    with a CheckpointError that says what happened and what to do, nothing of it is published (the old
+    tables are dropped, the store gets no entry of the new bytes under the old digest), and the retry
+    hashes the new bytes and builds from them."""
+    ckpt, store = _ckpt(tmp_path / "d"), tmp_path / "store"
+    old, new = projection_dict(SPEC, 0), projection_dict(SPEC, 5)
+    data, embed = _new_bytes(tmp_path / "d"), simple_embed(SPEC)
+    mapping = DirtyMapping(ckpt)  # its first write of each page moved mtime and ctime, as any write does
+    try:
+        cache = _cache(ckpt, store)
+        cache.build(PLANS[:1], embed=embed)  # learns the digest under the identity after that write
+        held = cache.content_digest
+        before = stat_identity(ckpt)
+        assert mapping.write(data), "writeback cleaned the pages in between (a sync elsewhere): rerun"
+        assert stat_identity(ckpt) == before and Path(ckpt).read_bytes() == data
+        with pytest.raises(BuildError) as caught:
+            cache.build(PLANS[1:], embed=embed)
+        assert caught.value.failed_at == "checkpoint"
+        cause = caught.value.__cause__
+        assert isinstance(cause, CheckpointError), cause
+        text = str(cause)
+        assert "rewritten without its stat identity changing" in text and str(ckpt) in text and held in text
+        assert "shared memory mapping to a page already dirty" in text and "adalncache verify --store" in text
+        assert cache.resident_plans == [] and cache.content_digest is None  # nothing published, old tables dropped
+        assert {b["content"] for b in Store(store).bindings().values()} == {held} and len(Store(store).entries()) == 1
+        report = cache.build(PLANS, embed=embed)  # the retry reads the new bytes anew
+        assert (report.built, report.store_hits, report.passes) == (3, 0, 1) and cache.stats.hash_reads == 1
+        assert cache.content_digest not in (None, held)
+        for p in PLANS:
+            block, final = _rows_of(new, p)
+            rows = cache.rows_of(plan_key(p))
+            assert torch.equal(rows.block, block) and torch.equal(rows.final, final)
+            assert not torch.equal(rows.final, _rows_of(old, p)[1])
+    finally:
+        mapping.close()
+
+
+def test_without_a_store_hash_passes_refuses_an_unseen_rewrite_and_no_hashing_mixes_old_and_new(
+    tmp_path: Path,
+) -> None:
+    """No store: with ``hash_passes`` on, the next pass after the unseen rewrite fails as above; with it off
+    (the default) nothing is bound to the digest, so the pass projects the new bytes beside the resident
+    plans of the old ones (docs/tables.md says so; the check is the ``stat`` identity, which did not move)."""
+    old, new = projection_dict(SPEC, 0), projection_dict(SPEC, 5)
+    embed = simple_embed(SPEC)
+    for hashing in (True, False):
+        ckpt = _ckpt(tmp_path / str(hashing))
+        data = _new_bytes(tmp_path / str(hashing))
+        mapping = DirtyMapping(ckpt)
+        try:
+            cache = _cache(ckpt)
+            cache.hash_passes = hashing
+            cache.build(PLANS[:1], embed=embed)
+            assert mapping.write(data), "writeback cleaned the pages in between (a sync elsewhere): rerun"
+            if hashing:
+                with pytest.raises(BuildError, match="rewritten without its stat identity changing"):
+                    cache.build(PLANS[1:], embed=embed)
+                assert cache.resident_plans == []
+                continue
+            cache.build(PLANS[1:], embed=embed)
+            assert torch.equal(cache.rows_of(plan_key(PLANS[0])).final, _rows_of(old, PLANS[0])[1])
+            assert torch.equal(cache.rows_of(plan_key(PLANS[1])).final, _rows_of(new, PLANS[1])[1])
+        finally:
+            mapping.close()
+
+
+def test_memoed_store_hits_serve_an_unseen_rewrite_unless_the_source_rehashes(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A fresh process over the rewritten file takes the old digest from the store's memo (the identity is
+    unchanged) and serves the old entries without reading (``passes=0``): what a ``stat`` cannot see.
+    ``CheckpointSource(rehash=True)`` distrusts the memo: the first use hashes the file, says the memo
+    held other bytes, replaces the record, and builds from the new bytes; after it, a plain process
+    hits the new entries."""
+    ckpt, store = _ckpt(tmp_path / "r"), tmp_path / "store"
+    old, new = projection_dict(SPEC, 0), projection_dict(SPEC, 5)
+    data, embed = _new_bytes(tmp_path / "r"), simple_embed(SPEC)
+    mapping = DirtyMapping(ckpt)
+    try:
+        writer = _cache(ckpt, store)
+        writer.build(PLANS, embed=embed)
+        held = writer.content_digest
+        assert mapping.write(data), "writeback cleaned the pages in between (a sync elsewhere): rerun"
+    finally:
+        mapping.close()
+    forget_process_memo()
+    stale = _cache(ckpt, store)
+    report = stale.build(PLANS, embed=embed)
+    assert (report.passes, report.store_hits, report.bytes_read) == (0, 3, 0) and stale.content_digest == held
+    assert torch.equal(stale.rows_of(plan_key(PLANS[0])).final, _rows_of(old, PLANS[0])[1])
+    forget_process_memo()
+    rehashing = AdalnCache(SPEC, CheckpointSource(ckpt, SPEC, rehash=True), max_plans=4, max_plan_width=4, store=store)
+    with caplog.at_level("WARNING", logger="adalncache"):
+        report = rehashing.build(PLANS, embed=embed)
+    assert (report.store_hits, report.built, report.passes) == (0, 3, 1) and rehashing.stats.hash_reads == 1
+    assert rehashing.content_digest not in (None, held)
+    assert "rewritten without their stat changing" in caplog.text
+    for p in PLANS:
+        assert torch.equal(rehashing.rows_of(plan_key(p)).final, _rows_of(new, p)[1])
+    forget_process_memo()
+    plain = _cache(ckpt, store)
+    report = plain.build(PLANS, embed=embed)
+    assert (report.store_hits, report.passes) == (3, 0) and plain.content_digest == rehashing.content_digest
+    with pytest.raises(ConfigError, match="rehash must be True or False"):
+        CheckpointSource(ckpt, SPEC, rehash="yes")  # type: ignore[arg-type]  # the wrong type is the point
+
+
+def test_a_checked_read_refuses_bytes_rewritten_unseen(tmp_path: Path) -> None:
+    """What restoring weights from the checkpoint calls: every layer is streamed and hashed, and after the
+    last one the bytes must hash to the digest held, else a CheckpointError (before the caller has used
+    anything). Without a digest held it learns one; a partial read cannot be checked."""
+    ckpt = _ckpt(tmp_path / "c")
+    data = _new_bytes(tmp_path / "c")
+    mapping = DirtyMapping(ckpt)
+    try:
+        source = CheckpointSource(ckpt, SPEC)
+        learnt = CheckedRead(source)
+        assert len(list(learnt.layers())) == len(SPEC.layers())
+        cache = _cache(ckpt)
+        assert learnt.digest is not None and learnt.digest == cache.identify()
+        assert len(list(CheckedRead(source, cache.content_digest).layers())) == len(SPEC.layers())  # unchanged: fine
+        assert mapping.write(data), "writeback cleaned the pages in between (a sync elsewhere): rerun"
+        check = CheckedRead(source, learnt.digest)
+        seen = []
+        with pytest.raises(CheckpointError, match="rewritten without its stat identity changing") as caught:
+            for weights in check.layers():
+                seen.append(weights.layer)
+        assert seen == SPEC.layers() and "restore the checkpoint" in str(caught.value)
+        assert check.digest not in (None, learnt.digest)
+        with pytest.raises(ValueError, match="every layer"):
+            list(CheckedRead(source, learnt.digest).layers([0]))
+    finally:
+        mapping.close()
+
+
+def test_verify_store_exits_1_naming_the_entries_of_a_checkpoint_rewritten_unseen(
+    load_tiny: Callable[[str], Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``adalncache verify --store`` recomputes the entries from the bytes on disk now: after a rewrite no
+    ``stat`` saw (a projection weight doubled through a dirty shared mapping), it exits 1 and names them."""
+    pytest.importorskip("diffusers")
+    from adalncache.cli import main
+    from adalncache.source.files import SafetensorsHeader
+    from tiers_support import write_h3_checkpoint
+
+    ckpt, store = write_h3_checkpoint(load_tiny("bf16-disk"), tmp_path / "ckpt", shards=1), tmp_path / "store"
+    build = ["build", str(ckpt), "--store", str(store), "--task", "t2va", "--steps", "3", "-q"]
+    verify = ["verify", "--store", str(store), "--checkpoint", str(ckpt), "-q"]
+    assert main(build) == 0
+    [file] = sorted(Path(ckpt).glob("*.safetensors"))
+    name = next(n for n in SafetensorsHeader.read(file).entries if n.endswith("adaln_proj.linear.weight"))
+    entry = SafetensorsHeader.read(file).entries[name]
+    mapping = DirtyMapping(file)
+    try:
+        forget_process_memo()
+        assert main(build) == 0  # a new process learns the digest under the identity after that first write
+        assert main(verify) == 0
+        doubled = torch.frombuffer(bytearray(mapping.map[entry.begin : entry.end]), dtype=torch.bfloat16) * 2
+        assert mapping.write(doubled.view(torch.uint8).numpy().tobytes(), entry.begin), "writeback intervened: rerun"
+    finally:
+        mapping.close()
+    forget_process_memo()
+    capsys.readouterr()
+    assert main(verify) == 1
+    shown = capsys.readouterr().out
+    assert "FAILED" in shown and all(e.path.name in shown for e in Store(store).entries())
+    assert shown.count("MISMATCH") == len(Store(store).entries())

@@ -19,7 +19,7 @@ pytest.importorskip("diffusers")
 from adalncache.cli import main
 from adalncache.diffusers import enable_adaln_cache
 from adalncache.errors import ConfigError, PlanNotCachedError
-from adalncache.source.absent import NoWeights
+from adalncache.source.memory import NoWeights
 from adalncache.tools.tiny import make_request, run_loop
 from tiers_support import write_h3_checkpoint
 

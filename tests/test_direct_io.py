@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from adalncache import AdalnCache, BuildError, CheckpointSource, ModulationSpec
-from adalncache.source import resident_fraction, write_safetensors
+from adalncache.source.files import write_safetensors
+from adalncache.source.reads import resident_fraction
 from adalncache.spec import FINAL, get_layout
 from core_helpers import embed_for
 

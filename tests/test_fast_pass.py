@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from adalncache import AdalnCache, CheckpointSource, ConfigError, ModulationSpec, rebuild
 from adalncache.plans import plan_key
 from adalncache.rebuild import clear_verdicts, verdicts
-from adalncache.source import write_safetensors
+from adalncache.source.files import write_safetensors
 from adalncache.spec import FINAL, Layer, get_layout
 from core_helpers import assert_plan_exact, embed_for, load_reference, make_weights
 

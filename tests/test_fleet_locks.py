@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from adalncache import AdalnCache, CheckpointSource, Store, plan_key
-from adalncache.source import write_safetensors
-from adalncache.tiers.locks import Staleness
+from adalncache.source.files import write_safetensors
+from adalncache.tiers.store import Staleness
 from tiers_support import plan, projection_dict, simple_embed, small_spec
 
 TESTS = Path(__file__).resolve().parent

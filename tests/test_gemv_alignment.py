@@ -29,7 +29,7 @@ from adalncache.diffusers import adaln_cache_handle, enable_adaln_cache, load_tr
 from adalncache.embedding import time_embed_fn
 from adalncache.offline import fill_store, open_checkpoint
 from adalncache.plans import minimax_h3_plans
-from adalncache.source.writer import write_safetensors
+from adalncache.source.files import write_safetensors
 from adalncache.spec import FINAL, LAYOUTS
 from adalncache.tools.tiny import make_request, native_state_dict, run_loop, tiny_transformer
 from compose_helpers import gemv_residues

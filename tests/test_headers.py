@@ -27,7 +27,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from adalncache import AdalnCache, BuildError, CheckpointError, CheckpointSource
-from adalncache.source import ALIGNMENT, LazyTensor, aligned_empty, write_safetensors
+from adalncache.source.files import LazyTensor, write_safetensors
+from adalncache.source.reads import ALIGNMENT, aligned_empty
 from adalncache.spec import LAYOUTS
 from core_helpers import SPEC, assert_plan_exact, embed_for, make_weights, write_checkpoint
 

@@ -1,4 +1,4 @@
-"""The settings that decide output bits (adalncache.numerics): one definition, read without raising.
+"""The settings that decide output bits (adalncache.identity): one definition, read without raising.
 
 Why these tests: the store binding and the batched probe both key on these settings, so a
 setting that raises when read would break every store write and batched build, and a setting
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from adalncache import AdalnCache, CheckpointSource, numerics
-from adalncache.numerics import bit_settings, bit_settings_key, numeric_environment
+from adalncache import AdalnCache, CheckpointSource, identity
+from adalncache.identity import bit_settings, bit_settings_key, numeric_environment
 from adalncache.rebuild import clear_verdicts, verdicts
 from core_helpers import SPEC, assert_plan_exact, embed_for, load_reference, make_weights, write_checkpoint
 
@@ -36,7 +36,7 @@ def new_precision_api(cuda: str = "tf32", onednn: str = "tf32") -> Iterator[None
     """Set the matmul switches of the new API (CUDA's and oneDNN's) for the block, then restore them.
 
     Once either is set, torch refuses to read the legacy flags (``allow_tf32``,
-    ``get_float32_matmul_precision()``): the hazard :mod:`adalncache.numerics` must survive.
+    ``get_float32_matmul_precision()``): the hazard :mod:`adalncache.identity` must survive.
     """
     matmul, onednn_matmul = torch.backends.cuda.matmul, torch.backends.mkldnn.matmul
     previous = matmul.fp32_precision, onednn_matmul.fp32_precision
@@ -100,7 +100,7 @@ def test_store_write_store_hit_and_batched_build_under_the_new_precision_api(tmp
 
 
 def test_thread_count_is_part_of_the_binding_and_of_the_probe_class(tmp_path: Path) -> None:
-    """1 and 2 intra-op threads can give different GEMM bits (see adalncache.numerics): never mix them."""
+    """1 and 2 intra-op threads can give different GEMM bits (see adalncache.identity): never mix them."""
     path, store = _checkpoint(tmp_path), tmp_path / "store"
     with num_threads(1):
         one = bit_settings_key("cpu")
@@ -117,7 +117,7 @@ def test_thread_count_is_part_of_the_binding_and_of_the_probe_class(tmp_path: Pa
 
 
 def test_a_torch_without_the_new_api_reads_the_legacy_flags(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(numerics, "_has_new_precision_api", lambda: False)
+    monkeypatch.setattr(identity, "_has_new_precision_api", lambda: False)
     settings = bit_settings("cpu")
     assert settings["float32_matmul_precision"] == torch.get_float32_matmul_precision()
     assert "mkldnn_matmul_fp32_precision" not in settings and "num_threads" in settings

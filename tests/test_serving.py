@@ -30,7 +30,7 @@ from adalncache.devices import (
     host_tensor_like,
     pinned_bytes,
 )
-from adalncache.source.buffers import DIRECT_BLOCK, StagingPool
+from adalncache.source.reads import DIRECT_BLOCK, StagingPool
 from adalncache.spec import FINAL, LAYOUTS
 from adalncache.tiers.host import HostTier
 from core_helpers import SPEC, assert_same_state, embed_for, load_reference, make_weights, snapshot, write_checkpoint

@@ -25,7 +25,12 @@ back and checks that this test fails):
   back, an atomic replacement by other weights) and in the middle of a pass (rewritten between two
   layers): the next build with something to build drops every table of the old file, a build whose
   file changed under it publishes nothing (``BuildError``), and the store serves an entry only for
-  the bytes it was built from (entries are per content; a copy of old bytes would still find them).
+  the bytes it was built from (entries are per content; a copy of old bytes would still find them);
+* the checkpoint is rewritten where no ``stat`` sees it (through a shared mapping whose pages are
+  already dirty): what the cache serves without reading stays (resident plans, host-tier copies,
+  store entries under the digest the memo holds for the unchanged identity), a pass that hashes (a
+  store, or ``hash_passes``) fails at the checkpoint and publishes nothing, and a pass that does not
+  hash projects the new bytes beside the old plans (docs/tables.md says which).
 
 After every step the real cache must agree with the model (resident plans in LRU order, held
 slots, stats), satisfy its own and our invariants, every resident row must equal an independent
@@ -52,7 +57,14 @@ import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 from adalncache import (
     AdalnCache,
@@ -63,18 +75,20 @@ from adalncache import (
     plan_key,
 )
 from adalncache.cache import PlanHold
-from adalncache.identity.memo import forget_process_memo
+from adalncache.identity.binding import forget_process_memo
 from adalncache.plans import PlanKey
 from adalncache.spec import FINAL, LAYOUTS, Layer
 from adalncache.testing import FaultInjectingSource, inject_faults
 from core_helpers import (
     SPEC,
+    DirtyMapping,
     RewriteBetweenLayers,
     embed_for,
     load_reference,
     make_weights,
     replace_atomically,
     rewrite_in_place,
+    stat_identity,
     write_checkpoint,
 )
 
@@ -154,6 +168,8 @@ class Checkpoint:
     reference: dict[tuple[int, PlanKey], list[torch.Tensor]] = field(default_factory=dict)
     #: Which version the file on disk holds now.
     version: int = 0
+    #: A shared mapping of the file whose pages are dirty (None: none open, or the file was written since).
+    mapping: DirtyMapping | None = None
 
     def rows(self, plan: torch.Tensor, version: int) -> list[torch.Tensor]:
         """Independent projection of every layer for ``plan`` from ``version``'s weights, memoised."""
@@ -162,8 +178,14 @@ class Checkpoint:
             self.reference[key] = project(self.weights[version], plan)
         return self.reference[key]
 
+    def close_mapping(self) -> None:
+        if self.mapping is not None:
+            self.mapping.close()
+            self.mapping = None
+
     def write(self, version: int, how: str) -> None:
         """Put ``version``'s weights on disk: ``"in place"`` (mtime put back) or ``"replace"`` (a new inode)."""
+        self.close_mapping()  # its fsync cleans the pages (or a new inode leaves the mapping behind)
         weights = make_weights(SPEC, seed=VERSIONS[version])
         if how == "in place":
             rewrite_in_place(self.path, weights, keep_mtime=True)
@@ -186,6 +208,7 @@ def checkpoint() -> Iterator[Checkpoint]:
         path = write_checkpoint(Path(tmp) / "ckpt", make_weights(SPEC, seed=VERSIONS[0]))
         _CHECKPOINT = Checkpoint(path, weights)
         yield _CHECKPOINT
+        _CHECKPOINT.close_mapping()
         _CHECKPOINT = None
 
 
@@ -235,8 +258,9 @@ class CacheMachine(RuleBasedStateMachine):
         width=st.integers(2, 3),
         host=st.sampled_from(["none", "ample", "tight"]),
         store=st.booleans(),
+        hash_passes=st.booleans(),
     )
-    def setup(self, max_plans: int, width: int, host: str, store: bool) -> None:
+    def setup(self, max_plans: int, width: int, host: str, store: bool, hash_passes: bool) -> None:
         self.max_plans = max_plans
         self.width = width
         self.host_mode = host
@@ -246,6 +270,8 @@ class CacheMachine(RuleBasedStateMachine):
         self.host_bytes = {"none": 0, "ample": 1 << 20, "tight": 3 * 1024}[host]
         if store:
             self.store_dir = tempfile.mkdtemp(prefix="adalncache-sm-store-")
+        # Passes hash what they read where a store is bound to the digest, or where asked to.
+        self.hashing = store or hash_passes
         # Model state.
         self.lru: list[PlanKey] = []  # resident plans, least recently used first
         self.instance: dict[PlanKey, int] = {}  # resident plan -> the instance (a publish) it is
@@ -257,9 +283,18 @@ class CacheMachine(RuleBasedStateMachine):
         self.stored: dict[int, set[PlanKey]] = {0: set(), 1: set()}
         self.published_from: dict[PlanKey, int] = {}  # resident plan -> the version it was projected from
         self.touched = False  # the checkpoint's stat identity changed since the last identity check
-        self.hashed = False  # the digest memo knows the checkpoint's content digest under its current identity
+        # The version whose content digest the memo holds under the file's current identity, and the one
+        # the cache object holds (None: none). They differ from the bytes on disk only after a rewrite
+        # no stat saw.
+        self.memo: int | None = None
+        self.known: int | None = None
+        self.host_version: dict[PlanKey, int] = {}  # the version of each host-tier copy's rows
         if self.ckpt.version != 0:
             self.ckpt.write(0, "replace")  # every example starts from the first weights
+        # A writer holds the file mapped with every page dirty (before the cache opens it), so a rewrite no
+        # stat sees is one step away until the file is next written otherwise.
+        self.ckpt.close_mapping()
+        self.ckpt.mapping = DirtyMapping(self.ckpt.path)
         forget_process_memo()  # a new machine: nothing of another example's files is known
         self.open_cache()
 
@@ -275,10 +310,12 @@ class CacheMachine(RuleBasedStateMachine):
             store=self.store_dir,
             progress=False,
         )
+        self.cache.hash_passes = self.hashing
+        self.known = None
         self.lru = []
         self.instance = {}
         self.holds = []
-        self.host = set()
+        self.host, self.host_version = set(), {}
         self.expected = dict.fromkeys(
             (
                 "device_hits",
@@ -329,7 +366,7 @@ class CacheMachine(RuleBasedStateMachine):
         """The file's identity moved (and maybe its bytes): the next build with something to build
         drops everything, and the memo knows nothing of the new identity."""
         self.touched = True
-        self.hashed = False
+        self.memo = None
 
     def expect_build(self, plans: list[torch.Tensor], fault: Fault | None) -> dict[str, object]:
         """What the contract says this build does (before it runs)."""
@@ -352,6 +389,7 @@ class CacheMachine(RuleBasedStateMachine):
             dropped = True
             self.drop_all()
             self.host = set()
+            self.known = None
             self.expected["fingerprint_changes"] += 1
         missing = [k for k in order if k not in self.lru]
         if any(not any(p is q for q in POOL) for p in plans):
@@ -379,17 +417,26 @@ class CacheMachine(RuleBasedStateMachine):
         # clean: the fault fired once). Unknown and nothing stored for them: the pass hashes.
         # (Entries of any version count: the store holds these plans for a binding equal in all but
         # the content, so learning the digest pays; only those of the bytes on disk then hit.)
+        # The store is asked under the digest the cache holds, else the one the memo holds for the file's
+        # identity: after a rewrite no stat saw, that is the old bytes' (their entries hit).
         stored_any = self.stored[0] | self.stored[1]
-        hash_read = tiers[1] and bool(rest) and site != "store_read" and not self.hashed
-        hash_read = hash_read and any(k in stored_any for k in rest)
+        interrupted_early = site == "host_read" and tiers[0] and fault is not None and fault.exc is KeyboardInterrupt
+        store_asked = tiers[1] and bool(rest) and site != "store_read" and not interrupted_early
+        if store_asked and self.known is None:
+            self.known = self.memo
+        hash_read = store_asked and self.known is None and any(k in stored_any for k in rest)
         fault_in_hash_read = hash_read and fault is not None and (fault.is_layer or fault.is_rewrite)
         if hash_read and not fault_in_hash_read:
-            self.hashed = True  # recorded by the hashing read, whatever the build does next
-        from_store = [k for k in rest if tiers[1] and site != "store_read" and k in self.stored[self.ckpt.version]]
+            self.memo = self.known = self.ckpt.version  # recorded by the hashing read, whatever the build does next
+        from_store = [k for k in rest if store_asked and self.known is not None and k in self.stored[self.known]]
         if fault_in_hash_read:
             from_store = []
         to_build = [k for k in rest if k not in from_store]
         evicted = victims[: max(0, len(missing) - free)]
+        tier_before = set() if dropped else {k for k in map(plan_key, POOL) if tiers[0] and k in self.cache.host_tier}
+        # A pass that hashes checks the bytes against the digest the cache holds: other bytes (a rewrite
+        # no stat saw) fail the build at the checkpoint, unless a fault ends it before the check.
+        mismatch = bool(to_build) and self.hashing and self.known is not None and self.known != self.ckpt.version
         if fault is not None and fault.is_rewrite:
             # The rewrite runs in the first stream of this build that reaches layer 1: a hashing read
             # or the pass. Either way the build then finds its file changed and publishes nothing.
@@ -401,8 +448,10 @@ class CacheMachine(RuleBasedStateMachine):
                 "from_host": from_host,
                 "from_store": from_store,
                 "to_build": to_build,
+                "tier_before": tier_before,
                 "fires": fires,
                 "fails": fires,
+                "mismatch": mismatch and not fires,
             }
         if site is None:
             fires = False
@@ -427,6 +476,8 @@ class CacheMachine(RuleBasedStateMachine):
         fails = fires and (site not in ("host_write", "store_write", *lookup_sites) or interrupted_lookup)
         if fault_in_hash_read and not interrupted_lookup:
             fails = False  # the hashing read failed, the lookup fell back to the pass, which succeeded
+        if mismatch and site in ("host_write", "store_write"):
+            fires = False  # the build fails at the check, before publish: nothing is copied down
         return {
             "order": order,
             "missing": missing,
@@ -434,8 +485,10 @@ class CacheMachine(RuleBasedStateMachine):
             "from_host": from_host,
             "from_store": from_store,
             "to_build": to_build,
+            "tier_before": tier_before,
             "fires": fires,
             "fails": fails,
+            "mismatch": mismatch and not fails,
         }
 
     def apply_success(self, want: dict[str, object], site: object, *, interrupted: bool = False) -> None:
@@ -460,25 +513,38 @@ class CacheMachine(RuleBasedStateMachine):
         e["evicted_plans"] += len(want["evicted"])
         if site in ("host_write", "store_write") and want["fires"] and not interrupted:
             e["tier_write_failures"] += 1
-        if self.cache.host_tier is not None and not (site == "host_write" and want["fires"]):
-            self.host |= set(order)
-        store_skipped = (site == "store_write" or (interrupted and site == "host_write")) and want["fires"]
-        if self.cache.store is not None and not store_skipped:
-            self.stored[self.ckpt.version] |= set(to_build)
-        if to_build:
-            self.hashed = True  # the pass hashed what it read and recorded it
-        # Every row published by this build is a fresh projection of the bytes on disk right now.
+        version = self.ckpt.version
+        if to_build and self.hashing:  # the pass hashed what it read (and recorded it, unless it was bound)
+            self.memo = version if self.known is None else self.memo
+            self.known = version
+        # A built row is a fresh projection of the bytes on disk right now; a restored one is what its tier
+        # held (the bytes on disk, except after a rewrite no stat saw: the version the copy or the digest
+        # it is filed under names).
         disk = load_reference(self.ckpt.path)
-        assert all(torch.equal(disk[name], t) for name, t in self.ckpt.weights[self.ckpt.version].items()), (
+        assert all(torch.equal(disk[name], t) for name, t in self.ckpt.weights[version].items()), (
             "the model lost track of the file's version"
         )
         for key in missing:
-            self.published_from[key] = self.ckpt.version
+            if key in want["from_host"]:
+                self.published_from[key] = self.host_version[key]
+            elif key in want["from_store"]:
+                self.published_from[key] = self.known if self.known is not None else version
+            else:
+                self.published_from[key] = version
             plan = next(p for p in POOL if plan_key(p) == key)
             rows = self.cache.rows_of(key)
-            for layer, want in zip(SPEC.layers(), project(disk, plan)):
+            for layer, ref in zip(SPEC.layers(), self.ckpt.rows(plan, self.published_from[key])):
                 got = rows.final if layer == FINAL else rows.block[:, int(layer)]
-                assert torch.equal(got, want), f"plan {plan.tolist()} layer {layer}: not the bytes on disk at publish"
+                assert torch.equal(got, ref), f"plan {plan.tolist()} layer {layer}: not the bytes it was built from"
+        if self.cache.host_tier is not None and not (site == "host_write" and want["fires"]):
+            self.host |= set(order)
+        tier = self.cache.host_tier
+        for key in order:  # a copy taken now holds the slab's rows; one held before keeps its own
+            if tier is not None and key in tier and key not in want["tier_before"]:
+                self.host_version[key] = self.published_from[key]
+        store_skipped = (site == "store_write" or (interrupted and site == "host_write")) and want["fires"]
+        if self.cache.store is not None and not store_skipped:
+            self.stored[version] |= set(to_build)
 
     def evict(self, keys: list[PlanKey]) -> None:
         self.lru = [k for k in self.lru if k not in keys]
@@ -536,6 +602,18 @@ class CacheMachine(RuleBasedStateMachine):
             assert fired == 0, "a rejected request reached a fault point"
             return
         assert fired == int(bool(want["fires"])), f"fault at {site} fired {fired} time(s), model said {want['fires']}"
+        if want.get("mismatch"):
+            assert isinstance(outcome, BuildError) and outcome.failed_at == "checkpoint", repr(outcome)
+            assert "rewritten without its stat identity changing" in str(outcome.__cause__), str(outcome.__cause__)
+            # Nothing of the request is published, every table of the old bytes is dropped, and the digest and
+            # the memo's record of the file are forgotten: the next pass hashes anew.
+            self.evict(want["evicted"])
+            self.drop_all()
+            self.host, self.host_version = set(), {}
+            self.memo = self.known = None
+            self.expected["evicted_plans"] += len(want["evicted"])
+            self.expected["failed_builds"] += 1
+            return
         if want.get("fails"):
             assert fault is not None
             if fault.is_rewrite:
@@ -645,7 +723,7 @@ class CacheMachine(RuleBasedStateMachine):
     def invalidate(self) -> None:
         self.cache.invalidate()
         self.drop_all()
-        self.host = set()
+        self.host, self.host_version = set(), {}
 
     @rule()
     def reopen(self) -> None:
@@ -676,6 +754,32 @@ class CacheMachine(RuleBasedStateMachine):
         """Other weights renamed over the file (a new inode), as a download or ``save_pretrained`` does."""
         self.ckpt.write(1 - self.ckpt.version, "replace")
         self.changed_on_disk()
+
+    @rule()
+    def dirty_the_checkpoint_through_a_mapping(self) -> None:
+        """A writer maps the checkpoint shared and writes each page once (the bytes unchanged): the first
+        write fault of a page moves mtime and ctime, as any write does."""
+        self.ckpt.close_mapping()
+        before = stat_identity(self.ckpt.path)
+        self.ckpt.mapping = DirtyMapping(self.ckpt.path)
+        if stat_identity(self.ckpt.path) != before:  # (within one clock tick of the last write it may not)
+            self.changed_on_disk()
+
+    @precondition(lambda self: self.ckpt.mapping is not None)
+    @rule(idx=st.lists(st.integers(0, len(POOL) - 1), min_size=1, max_size=4))
+    def build_after_an_unseen_rewrite(self, idx: list[int]) -> None:
+        """The other weights written through that mapping: its pages are dirty already, so no write fault
+        and no time moves (unless writeback cleaned them meanwhile: then it is an ordinary rewrite). Then
+        a request: what it may serve without reading, and what a pass that hashes (or does not) makes of
+        the new bytes, is the model's."""
+        assert self.ckpt.mapping is not None
+        version = 1 - self.ckpt.version
+        data = (self.ckpt.path.parents[1] / f"v{VERSIONS[version]}" / "model.safetensors").read_bytes()
+        unseen = self.ckpt.mapping.write(data)
+        self.ckpt.version = version
+        if not unseen:
+            self.changed_on_disk()
+        self.run_build([POOL[i] for i in idx], None)
 
     @rule(idx=st.lists(st.integers(0, len(POOL) - 1), max_size=4))
     def resolve(self, idx: list[int]) -> None:
@@ -767,6 +871,68 @@ class CacheMachine(RuleBasedStateMachine):
             assert got["host_evicted"] == 0 and got["host_pressure_skips"] == 0
             tier = self.cache.host_tier
             assert tier is not None and {k for k in map(plan_key, POOL) if k in tier} == self.host
+
+
+def _checked(state: CacheMachine) -> None:
+    for check in (
+        state.cache_invariants,
+        state.resident_plans_match_model_lru,
+        state.held_plans_are_never_evicted_or_rewritten,
+        state.slots_partition_the_slab,
+        state.resident_rows_are_exact,
+        state.absent_plans_do_not_resolve,
+        state.stats_add_up,
+    ):
+        check()
+
+
+def test_the_model_follows_a_rewrite_no_stat_sees(checkpoint: Checkpoint) -> None:
+    """Each case of ``build_after_an_unseen_rewrite`` once, whatever the generated sequences reach: with a
+    store, the next pass fails at the checkpoint and publishes nothing, and after a restart the memo'd
+    store entry of the old bytes is served without reading; with ``hash_passes`` and no store the next
+    pass fails the same way; without hashing the pass projects the new bytes beside the resident old
+    ones, and a host-tier copy of the old bytes is served."""
+    assert checkpoint is _CHECKPOINT
+    state = CacheMachine()
+    cases = [
+        (
+            {"max_plans": 4, "host": "ample", "store": True, "hash_passes": False},
+            [
+                lambda: state.build(idx=[0]),
+                lambda: state.build_after_an_unseen_rewrite(idx=[0, 1]),  # the pass of plan 1 refuses the bytes
+                lambda: state.build(idx=[1]),  # the retry hashes them anew
+                lambda: state.reopen(),
+                lambda: state.build_after_an_unseen_rewrite(idx=[1]),  # the old bytes' entry, by the memo'd digest
+                lambda: state.build(idx=[0, 1]),  # a pass: refused again
+            ],
+            {"failed_builds": 1, "store_hits": 1, "passes": 0},
+        ),
+        (
+            {"max_plans": 2, "host": "none", "store": False, "hash_passes": True},
+            [lambda: state.build(idx=[0]), lambda: state.build_after_an_unseen_rewrite(idx=[1])],
+            {"failed_builds": 1, "passes": 1},
+        ),
+        (
+            {"max_plans": 1, "host": "ample", "store": False, "hash_passes": False},
+            [
+                lambda: state.build(idx=[0]),
+                lambda: state.build_after_an_unseen_rewrite(idx=[1]),  # plan 1 from the new bytes
+                lambda: state.build(idx=[0]),  # plan 0's host-tier copy, of the old bytes
+            ],
+            {"failed_builds": 0, "host_hits": 1, "passes": 2},
+        ),
+    ]
+    for setup, sequence, stats in cases:
+        state = CacheMachine()
+        state.setup(width=3, **setup)
+        _checked(state)
+        for step in sequence:
+            step()
+            _checked(state)
+        got = state.cache.stats.as_dict()
+        assert {k: got[k] for k in stats} == stats, got
+        state.teardown()
+    assert state.published_from[plan_key(POOL[0])] != state.ckpt.version  # served from the old bytes' copy
 
 
 def _machine() -> CacheMachine:

@@ -22,7 +22,7 @@ from adalncache import AdalnCache, CheckpointSource, ConfigError, Store, plan_ke
 from adalncache.cli import main
 from adalncache.offline import verify_store
 from adalncache.slab import PlanRows
-from adalncache.source import write_safetensors
+from adalncache.source.files import write_safetensors
 from adalncache.testing import inject_faults
 from adalncache.tiers.store import binding_hash
 from tiers_support import plan, projection_dict, run_on_private_tmpfs, simple_embed, small_spec
@@ -419,8 +419,8 @@ import torch.nn.functional as F
 from tiers_support import plan, projection_dict, simple_embed, small_spec
 from adalncache import AdalnCache, CheckpointSource, Store, plan_key
 from adalncache.spec import FINAL, LAYOUTS
-from adalncache.identity.memo import forget_process_memo
-from adalncache.source import write_safetensors
+from adalncache.identity.binding import forget_process_memo
+from adalncache.source.files import write_safetensors
 
 warnings = []
 class Count(logging.Handler):

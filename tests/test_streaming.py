@@ -15,10 +15,10 @@ import torch
 
 from adalncache import CheckpointSource, ModulationSpec
 from adalncache.errors import CheckpointError, ConfigError
-from adalncache.identity.digest import DigestSink
-from adalncache.source import mapped as mapped_module
-from adalncache.source import write_safetensors
-from adalncache.source.buffers import StagingPool
+from adalncache.identity import DigestSink
+from adalncache.source import reads as reads_module
+from adalncache.source.files import write_safetensors
+from adalncache.source.reads import StagingPool
 from adalncache.spec import FINAL, get_layout
 
 
@@ -180,12 +180,12 @@ def test_in_place_stages_what_the_page_cache_does_not_hold(checkpoint, monkeypat
     staged, tensors = checkpoint
     source = _in_place(staged)
     weight0 = source.entry(source.layout.weight(0))[1]
-    real = mapped_module.resident_fraction
+    real = reads_module.resident_fraction
 
     def cold_weight0(fd: int, offset: int, nbytes: int) -> float | None:
         return 0.0 if offset == weight0.begin else real(fd, offset, nbytes)
 
-    monkeypatch.setattr(mapped_module, "resident_fraction", cold_weight0)
+    monkeypatch.setattr(reads_module, "resident_fraction", cold_weight0)
     for lw in source.stream(source.spec.layers(), read_ahead=1):
         _expect(source, tensors, lw)
     total = sum(t.numel() * t.element_size() for t in tensors.values())

@@ -61,7 +61,7 @@ def write_h3_checkpoint(model: Any, directory: Path, *, shards: int = 2) -> Path
     Tensors keep the model's own address modulo 64 (as ``tiny_helpers.write_native_checkpoint`` does), so
     projecting and embedding from the file is bit-identical to the resident model.
     """
-    from adalncache.source import write_safetensors
+    from adalncache.source.files import write_safetensors
     from tiny_helpers import projection_tensors
 
     directory.mkdir(parents=True, exist_ok=True)

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from adalncache.errors import ConfigError
-from adalncache.source import write_safetensors
+from adalncache.source.files import write_safetensors
 from adalncache.spec import FINAL, get_layout
 from adalncache.tools.tiny import native_state_dict, projection_linears
 

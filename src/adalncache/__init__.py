@@ -16,7 +16,8 @@ from .errors import (
     PlanNotCachedError,
 )
 from .plans import plan_key
-from .source import CheckpointSource, TensorSource
+from .source.checkpoint import CheckpointSource
+from .source.memory import TensorSource
 from .spec import ModulationSpec
 from .tiers.store import Store
 

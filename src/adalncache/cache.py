@@ -25,7 +25,7 @@ read on the host, so a captured CUDA graph sees no sync and no baked-in slot. Th
 modulation reads (``block``, ``block_all``, ``final``) are the family's (``spec.family.rows``): the
 cache only gathers a table part's rows.
 
-Moves: rows never cross device identities (:func:`~adalncache.numerics.device_identity`: another
+Moves: rows never cross device identities (:func:`~adalncache.identity.device_identity`: another
 kind of device computes other bits). Within one identity the slab is copied; across identities the
 resident tables are stashed on the host per identity (with the fingerprint, variant and autocast
 state they were built under) and come back bit-exactly, with no pass, on a device of that identity
@@ -57,15 +57,15 @@ from .devices import StreamSync, allocation_error, check_available, events_for, 
 from .distributed import Collective, make_collective
 from .errors import AdalnCacheError, ConfigError, PlanError, PlanNotCachedError
 from .geometry import RowSplit
+from .identity import autocast_dtype, device_identity
 from .identity.binding import TableIdentity
-from .numerics import autocast_dtype, device_identity
 from .options import CacheKwargs, CacheOptions, knob, option_keywords
 from .plans import PlanKey, distinct_plans, keyed_plans, plan_key
 from .rebuild import EmbedFn, ProjectFn, default_project
 from .reports import NO_FAULTS, BuildReport, CacheStats, FaultPoints
 from .slab import PlanRows, Slab, SlotPool
 from .source import WeightSource
-from .source.absent import NoWeights
+from .source.memory import NoWeights
 from .spec import Layer, ModulationSpec
 from .tiers.chain import TierChain
 from .tiers.host import HOST_TIER_KNOB
@@ -250,7 +250,7 @@ class AdalnCache:
         _check_spec_and_source(spec, source, options.get("tables"))
         given = CacheOptions.of(options, where="AdalnCache()")
         self.spec = spec
-        #: The weight source; without one (``source=None``) a :class:`~adalncache.source.absent.NoWeights`
+        #: The weight source; without one (``source=None``) a :class:`~adalncache.source.memory.NoWeights`
         #: that serves table files only.
         self.source: WeightSource = source if source is not None else NoWeights(spec)
         self.fault_points: FaultPoints = NO_FAULTS

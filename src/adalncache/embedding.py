@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from .errors import CheckpointError, ConfigError
 from .families import adaln_zero, qwen_image
-from .source import CheckpointSource
+from .source.checkpoint import CheckpointSource
 from .spec import ModulationSpec
 
 

@@ -36,7 +36,8 @@ from .formats.sglang import TableWriter
 from .options import flag
 from .plans import PlanKey, format_plan, key_to_plan, plan_key
 from .slab import PlanRows
-from .source import CheckpointSource, WeightSource
+from .source import WeightSource
+from .source.checkpoint import CheckpointSource
 from .spec import ModulationSpec
 from .tiers.store import Store, StoredEntry, binding_hash
 

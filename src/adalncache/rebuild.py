@@ -40,8 +40,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from .errors import PlanError, failing_at, mark_failed_at
-from .identity.digest import DigestSink
-from .numerics import bit_settings_key
+from .identity import DigestSink, bit_settings_key
 from .options import CacheOptions
 from .plans import PlanKey, format_plan, plan_key
 from .reports import BuildReport, FaultPoints

@@ -314,8 +314,7 @@ class ModulationSpec:
         # Deferred, and from the two source modules that import no spec: the rest of the source
         # package is built on this module (it validates checkpoints against a spec).
         from .errors import CheckpointError
-        from .source.files import checkpoint_files
-        from .source.header import SafetensorsHeader
+        from .source.files import SafetensorsHeader, checkpoint_files
 
         config = _config(path)
         class_name = config.get("_class_name")

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .errors import ConfigError
-from .identity.digest import DigestSink
+from .identity import DigestSink
 from .reports import NO_FAULTS, POINTS, FaultPoints
 from .source import Columns, LayerWeights, WeightSource
 from .spec import FINAL, Layer

@@ -37,8 +37,8 @@ import torch
 from .devices import StreamSync
 from .distributed import Collective
 from .errors import BuildError, CheckpointError, ConfigError, PlanError, PlanNotCachedError, failing_at, failure_phase
+from .identity import autocast_dtype
 from .identity.binding import TableIdentity
-from .numerics import autocast_dtype
 from .options import CacheOptions, flag, knob
 from .plans import PlanKey, format_plan, key_to_plan, plan_key, validate_plan
 from .rebuild import EmbedFn, ProjectFn, RebuildPass

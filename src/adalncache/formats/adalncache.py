@@ -23,9 +23,9 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from .. import families
-from ..canonical import canonical_json, plain_json
 from ..errors import ConfigError
 from ..geometry import Family, KeyLayout, ModelGeometry, ServedLayer
+from ..identity import canonical_json, plain_json
 from ..options import flag
 from ..spec import ModulationSpec
 from .sglang import FORMAT_VERSION, Layout, Passes, TableFormat, TableWriter, bad_file
@@ -57,7 +57,7 @@ def tool_version() -> str:
 
 
 def _text(value: Any) -> str:
-    """Metadata values are strings: the canonical JSON (:mod:`adalncache.canonical`) as text."""
+    """Metadata values are strings: the canonical JSON (:mod:`adalncache.identity`) as text."""
     return canonical_json(value).decode()
 
 

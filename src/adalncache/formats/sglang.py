@@ -37,12 +37,11 @@ from safetensors import safe_open
 
 from .. import families
 from ..errors import CheckpointError, ConfigError
-from ..identity.digest import hash_hex
-from ..identity.files import FileIdentity
+from ..identity import FileIdentity, hash_hex
 from ..options import flag
 from ..plans import PlanKey, format_plan, key_to_plan, plan_key
 from ..slab import PlanRows
-from ..source.header import SafetensorsHeader, TensorEntry, safetensors_name
+from ..source.files import SafetensorsHeader, TensorEntry, safetensors_name
 from ..source.reads import pread_into
 from ..spec import ModulationSpec
 

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .. import canonical
+from .. import identity
 from ..errors import CheckpointError, ConfigError, PlanError
 from ..families.minimax_h3 import LAYOUTS
 from ..geometry import KeyLayout
@@ -76,13 +76,13 @@ _HEX = frozenset("0123456789abcdef")
 
 def canonical_json(value: Any) -> str:
     """The manifest's encoding as text: the package's canonical JSON, strict (no NaN, no ``str`` fallback)."""
-    return canonical.canonical_json(value, strict=True).decode()
+    return identity.canonical_json(value, strict=True).decode()
 
 
 def tensor_sha256(tensor: torch.Tensor) -> str:
     """SHA-256 of ``[dtype, shape]`` (canonical JSON) and then the tensor's bytes as stored (bf16 not widened)."""
     value = tensor.detach().to("cpu").contiguous()
-    digest = hashlib.sha256(canonical.canonical_json([str(value.dtype), list(value.shape)], strict=True))
+    digest = hashlib.sha256(identity.canonical_json([str(value.dtype), list(value.shape)], strict=True))
     digest.update(value.reshape(-1).view(torch.uint8).numpy().data)
     return digest.hexdigest()
 
@@ -382,7 +382,7 @@ def _math_differs(table: Layout, template: Mapping[str, Any]) -> dict[str, Any] 
     environment = template.get("environment") or {}
     here = math_identity(str(environment.get("device_type")), environment.get("capability"))
     assert table.manifest is not None
-    return None if canonical.plain_json(here) == canonical.plain_json(table.manifest["math"]) else here
+    return None if identity.plain_json(here) == identity.plain_json(table.manifest["math"]) else here
 
 
 # ---------------------------------------------------------------------------------------------

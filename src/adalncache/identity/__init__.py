@@ -1,16 +1,413 @@
-"""One home for identity: what a table was built from, and how the package knows it is still so.
+"""Identity: what a table is bound to, in the encodings every binding, hash and memo is computed over.
 
-* :mod:`~adalncache.identity.files`: a file's ``stat`` identity and the stamp the memo keys on;
-* :mod:`~adalncache.identity.digest`: the content digest of the projection tensors (its leaves,
-  tensor digests and composition), and the sink a pass hashes into;
-* :mod:`~adalncache.identity.memo`: the digest memo, a file stamp's digests in the store and in
-  the process;
-* :mod:`~adalncache.identity.content`: how a cache learns its source's content digest (the memo,
-  a pass, a hashing read) and checks it after every pass;
-* :mod:`~adalncache.identity.binding`: what resident tables were built under (fingerprint,
-  variant, autocast) and the store binding.
+A table is exact only for the bytes and the settings it was projected under. This module names both,
+below the weight sources (they hash what they read into a :class:`DigestSink`): canonical JSON
+(:func:`canonical_json`: equal values give equal bytes in every process and release, or an entry
+written by one would be a miss, or a second build, for the other), file identity
+(:class:`FileIdentity`, :class:`FileStamp`: a ``stat``, never a re-hash), the numeric environment,
+and the content digest's leaves and tensor digests. How a cache learns the digest, remembers it,
+checks it and forms the binding of its tables is :mod:`adalncache.identity.binding`.
 
-The package itself imports none of them: the source reads file identities and hashes what it
-reads (the lower modules) while the binding sits above the source, so each is imported by its
-own name and loading one never loads the others.
+**The content digest.** A store entry or a table file is valid for the *bytes* of the projections,
+not for one file on one disk, so a copied checkpoint binds to the same tables. The digest can be
+computed while a rebuild pass reads the bytes anyway, by whichever rank reads them:
+
+* a tensor of ``R`` rows is cut into :data:`LEAVES` row blocks (leaf ``j``: rows
+  ``[j*R//64, (j+1)*R//64)``), each hashed on its own; a rank of a column split of ``world`` ranks
+  reads whole leaves whenever ``world`` divides 64, a rank of a layer split whole tensors;
+* a tensor digest hashes a tag, the tensor's layout-free *role* (``block.3.weight``,
+  ``final.bias``), its dtype and shape, and its 64 leaf hashes in order;
+* the content digest is ``blake3:`` and the hash of a tag, the spec, and every role with its tensor
+  digest, in sorted order: native and diffusers layouts, sharded or not, give one value; one
+  flipped bit, another dtype or shape another.
+
+Anything not read completely (a column split that cuts leaves, a device tensor) leaves the digest
+*unknown*: a store lookup is then a miss, never a guess. BLAKE3 because it is cryptographic (a
+crafted checkpoint cannot match a shipped table file) and fast enough to hide behind a pass (about
+4 GiB/s per core against 0.9 for SHA-256 on the development machine; it releases the GIL). The
+algorithm's name is part of every digest string, so it can change without confusing old records.
+
+**The numeric environment**, and why each part is in it (the store binding and the batched
+probe's shape classes both read :func:`bit_settings`, so they never disagree about what matters):
+
+* **Intra-op thread count** on a CPU. Measured on a 2-core AVX512 CPU (torch 2.13.0+cpu, MKL
+  2024.2, oneDNN 3.12), the same ``F.linear`` with 1 and 2 threads over 489 cases (bf16, fp16, fp32;
+  K = 2688 and 32; N up to 96768; M = 1..4 and stacked up to 200): bits changed in 70 (bf16 at
+  M = 2 and 3, fp32 at stacked M >= 16); 4 threads also changed bf16 at M = 4, 6 and 98; fp16 never.
+  Each count gave identical bits run after run. A GPU's GEMM does not use the CPU threads.
+* **Matmul precision switches.** From torch 2.9 each backend has an ``fp32_precision`` switch
+  (``"none"``: as the parent); ``mkldnn.matmul.fp32_precision = "bf16"`` changes an fp32
+  ``F.linear``'s bits on a CPU. Once a new switch is set, reading the legacy flags
+  (``cuda.matmul.allow_tf32``, ``get_float32_matmul_precision()``) can raise ("mix of the legacy
+  and new APIs"), CPU builds included; the new switches already reflect the legacy setters, so only
+  they are read (the matmul leaves of CUDA and oneDNN; conv and rnn never reach ``F.linear``), and
+  the legacy flags only on a torch without them.
+* **Reduced-precision reductions** and fp16 accumulation on CUDA; **deterministic algorithms**
+  (they may pick other kernels).
+* **Autocast** of the device's type: under it a projection and the fp32 time embedder compute in
+  the autocast dtype. Recorded only when on, so entries written without autocast keep their binding.
+
+:func:`numeric_environment` adds the torch and CUDA builds, the device name and capability or the
+CPU capability; the probe's shape class already names the device.
 """
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import platform
+import socket
+import threading
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import blake3
+import torch
+
+from ..geometry import FINAL, Layer
+
+# -- canonical JSON -------------------------------------------------------------------------------
+
+
+def canonical_json(value: Any, *, strict: bool = False) -> bytes:
+    """``value`` as canonical JSON bytes: sorted keys, compact separators, and ``str`` for what JSON
+    cannot express (a dtype, a path), so a value never makes the encoder raise halfway through a build.
+
+    ``strict`` is the same encoding for a format another program reads back and re-checks (vLLM-Omni's
+    manifest): anything JSON cannot express, NaN and infinity included, raises instead.
+    """
+    if strict:
+        return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str).encode()
+
+
+def plain_json(value: Any) -> Any:
+    """``value`` as JSON reads it back (a tuple becomes a list), so two bindings compare as stored."""
+    return json.loads(canonical_json(value))
+
+
+# -- file identity --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FileIdentity:
+    """``stat`` identity of a file, re-checked at the start of every pass and lookup.
+
+    The change time is in it because the modification time is not enough: a rewrite in place that
+    puts the mtime back (``os.utime``, ``touch -d``, a copy tool) keeps device, inode, size and
+    mtime, but every write *through the file system*, ``utime`` and ``chmod`` sets the ctime, and no
+    user can set it back. (A write through a shared mapping to a page already dirty moves neither:
+    docs/tables.md says what catches that.)
+    """
+
+    device: int
+    inode: int
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+
+    @classmethod
+    def of(cls, path: Path) -> FileIdentity:
+        return cls.from_stat(os.stat(path))
+
+    @classmethod
+    def from_stat(cls, st: os.stat_result) -> FileIdentity:
+        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+@dataclass(frozen=True)
+class FileStamp:
+    """The key the digest memo remembers a file's tensor digests under: its stat identity, ctime
+    included, plus the host and resolved path (a copy is a new identity: one hashing read, never a
+    wrong digest) and the sha256 of its safetensors header."""
+
+    host: str
+    path: str
+    device: int
+    inode: int
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+    header: str
+
+    @classmethod
+    def of(cls, path: Path, header: str) -> FileStamp:
+        st = os.stat(path)
+        where = str(Path(path).resolve())
+        return cls(
+            socket.gethostname(), where, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, header
+        )
+
+    def as_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @property
+    def key(self) -> str:
+        """The memo's name for this identity (the record itself is compared in full)."""
+        return hashlib.sha256(canonical_json(self.as_json())).hexdigest()[:32]
+
+
+# -- the numeric environment ----------------------------------------------------------------------
+
+#: The matmul precision switch of the new API for each device type's GEMM library, with its parents
+#: (most specific first); a chain of ``"none"`` ends in IEEE arithmetic.
+_MATMUL_PRECISION: dict[str, tuple[str, tuple[str, ...]]] = {
+    "cuda": ("cuda_matmul_fp32_precision", ("cuda.matmul.fp32_precision", "cudnn.fp32_precision", "fp32_precision")),
+    "cpu": (
+        "mkldnn_matmul_fp32_precision",
+        ("mkldnn.matmul.fp32_precision", "mkldnn.fp32_precision", "fp32_precision"),
+    ),
+}
+#: CUDA switches no fp32 precision setting covers (reading them never raises).
+_CUDA_REDUCED: tuple[tuple[str, str], ...] = (
+    ("bf16_reduced", "cuda.matmul.allow_bf16_reduced_precision_reduction"),
+    ("fp16_reduced", "cuda.matmul.allow_fp16_reduced_precision_reduction"),
+    ("fp16_accumulation", "cuda.matmul.allow_fp16_accumulation"),
+)
+_MISSING = object()
+
+
+def _backend_attr(path: str) -> Any:
+    """``torch.backends.<path>``, or ``_MISSING`` where this torch has no such attribute."""
+    obj: Any = torch.backends
+    for part in path.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            return _MISSING
+    return obj
+
+
+def _has_new_precision_api() -> bool:
+    return _backend_attr("cuda.matmul.fp32_precision") is not _MISSING
+
+
+def _effective_precision(chain: tuple[str, ...]) -> str:
+    """The first switch of ``chain`` that is set (not ``"none"``); IEEE when none is."""
+    for path in chain:
+        value = _backend_attr(path)
+        if value is not _MISSING and str(value) != "none":
+            return str(value)
+    return "ieee"
+
+
+def autocast_dtype(device: torch.device | str) -> torch.dtype | None:
+    """The dtype a projection on ``device`` computes and returns in under the current autocast, or None.
+
+    Autocast is per device type and per thread; only the state of ``device``'s type reaches its kernels.
+    """
+    kind = device.type if isinstance(device, torch.device) else torch.device(device).type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
+
+
+def bit_settings(device: torch.device | str) -> dict[str, Any]:
+    """Every process-wide setting, besides shapes, dtypes and addresses, that can change GEMM bits on ``device``.
+
+    Only what reaches ``device``'s kernels: the thread count and the oneDNN switch on a CPU, the
+    CUDA switches on a GPU (a store filled by ranks with one CPU thread each still serves a GPU
+    process with many); another device type gets every switch. Never raises, whichever mix of the
+    legacy and new precision APIs the caller used. Values are plain, so the result is JSON-able.
+    """
+    kind = torch.device(device).type
+    cpu, cuda = kind != "cuda", kind != "cpu"  # an unknown device type gets both
+    settings: dict[str, Any] = {}
+    if cpu:
+        settings["num_threads"] = torch.get_num_threads()
+    if _has_new_precision_api():
+        for label, chain in (_MATMUL_PRECISION[k] for k, wanted in (("cuda", cuda), ("cpu", cpu)) if wanted):
+            settings[label] = _effective_precision(chain)
+    else:
+        settings["matmul_tf32"] = _backend_attr("cuda.matmul.allow_tf32")
+        settings["float32_matmul_precision"] = torch.get_float32_matmul_precision()
+    for label, path in _CUDA_REDUCED if cuda else ():
+        value = _backend_attr(path)
+        if value is not _MISSING:
+            settings[label] = value
+    settings["deterministic"] = torch.are_deterministic_algorithms_enabled()
+    autocast = autocast_dtype(device)
+    if autocast is not None:
+        settings["autocast"] = str(autocast).removeprefix("torch.")
+    return settings
+
+
+def bit_settings_key(device: torch.device | str) -> tuple[tuple[str, Any], ...]:
+    """:func:`bit_settings` as a hashable key (the batched probe's shape classes use it)."""
+    return tuple(sorted(bit_settings(device).items()))
+
+
+def numeric_environment(device: torch.device) -> dict[str, Any]:
+    """Everything besides the weights that decides a projection's bits on ``device``: :func:`bit_settings`
+    plus the software and hardware that ran it. The store binds its entries to it."""
+    env: dict[str, Any] = {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "device_type": device.type,
+        **bit_settings(device),
+    }
+    if device.type == "cuda":
+        env["device_name"] = torch.cuda.get_device_name(device)
+        env["capability"] = list(torch.cuda.get_device_capability(device))
+        # cuBLAS vs cuBLASLt and the workspace configuration pick different GEMM kernels.
+        blas = getattr(torch.backends.cuda, "preferred_blas_library", None)
+        env["blas"] = str(blas()) if callable(blas) else None
+        env["cublas_workspace"] = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    else:
+        env["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+        env["machine"] = platform.machine()
+    return env
+
+
+def device_identity(device: torch.device) -> tuple[Any, ...]:
+    """The part of :func:`numeric_environment` that belongs to the device rather than to the process.
+
+    Two devices of one identity (two GPUs of one model) compute the same bits for the same kernels,
+    so tables move between them as they are; across identities they must be computed again.
+    """
+    if device.type == "cuda":
+        return ("cuda", torch.cuda.get_device_name(device), tuple(torch.cuda.get_device_capability(device)))
+    return (device.type,)
+
+
+# -- the content digest ---------------------------------------------------------------------------
+
+#: Row blocks per tensor: 64 lets column splits of 1, 2, 4, 8, ... ranks compose to the same value.
+LEAVES = 64
+ALGORITHM = "blake3"
+PREFIX = ALGORITHM + ":"
+_TENSOR_TAG = b"adalncache-tensor-v1"
+#: Hashing threads per call: one on a small machine (the pass needs the cores for its GEMMs),
+#: several on a large one, where a pass is bound by reading and one thread could fall behind the disk.
+_CPUS = os.cpu_count() or 1
+HASH_THREADS = 1 if _CPUS <= 4 else min(8, _CPUS // 2)
+
+
+def hash_hex(*parts: bytes | memoryview) -> str:
+    """The hex BLAKE3 of ``parts`` concatenated (:data:`HASH_THREADS` threads for large inputs)."""
+    h = blake3.blake3(max_threads=HASH_THREADS)
+    for part in parts:
+        h.update(part)
+    return str(h.hexdigest())
+
+
+def role_of(layer: Layer, part: str) -> str:
+    """The layout-free name of a projection tensor: ``block.{i}.weight``, ``final.bias``, ``<module path>.bias``."""
+    if layer == FINAL:
+        return f"final.{part}"
+    return f"block.{layer}.{part}" if isinstance(layer, int) else f"{layer}.{part}"
+
+
+def leaf_bounds(rows: int) -> list[tuple[int, int]]:
+    """The ``[start, stop)`` rows of each leaf of a tensor with ``rows`` rows."""
+    return [(j * rows // LEAVES, (j + 1) * rows // LEAVES) for j in range(LEAVES)]
+
+
+@dataclass
+class TensorDigest:
+    """What is known of one projection tensor's bytes: its whole digest, or some of its leaves."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    digest: str | None = None
+    leaves: dict[int, str] = field(default_factory=dict)
+
+    def complete(self, role: str) -> str | None:
+        """The tensor digest, composed from the leaves once all of them are known."""
+        if self.digest is None and len(self.leaves) == LEAVES:
+            head = canonical_json([role, self.dtype, list(self.shape)])
+            self.digest = hash_hex(_TENSOR_TAG, head, *(bytes.fromhex(self.leaves[j]) for j in range(LEAVES)))
+        return self.digest
+
+    def merged(self, other: TensorDigest, role: str) -> TensorDigest | None:
+        """Both records together, or ``None`` when they contradict each other (other bytes)."""
+        if (self.dtype, tuple(self.shape)) != (other.dtype, tuple(other.shape)):
+            return None
+        leaves = dict(self.leaves)
+        for j, value in other.leaves.items():
+            if leaves.setdefault(j, value) != value:
+                return None
+        out = TensorDigest(self.dtype, tuple(self.shape), leaves=leaves)
+        known = {d for d in (self.complete(role), other.complete(role), out.complete(role)) if d is not None}
+        if len(known) > 1:
+            return None
+        out.digest = known.pop() if known else None
+        return out
+
+    def as_json(self) -> dict[str, Any]:
+        """The record as a memo keeps it: the digest alone when known, else the leaves."""
+        out: dict[str, Any] = {"dtype": self.dtype, "shape": list(self.shape)}
+        if self.digest is not None:
+            out["digest"] = self.digest
+        else:
+            out["leaves"] = {str(j): v for j, v in sorted(self.leaves.items())}
+        return out
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> TensorDigest:
+        """Inverse of :meth:`as_json` (ValueError/KeyError/TypeError on a malformed record)."""
+        leaves = {int(j): str(v) for j, v in dict(data.get("leaves", {})).items()}
+        if any(not 0 <= j < LEAVES for j in leaves):
+            raise ValueError("leaf index out of range")
+        digest = data.get("digest")
+        shape = tuple(int(s) for s in data["shape"])
+        return cls(str(data["dtype"]), shape, None if digest is None else str(digest), leaves)
+
+
+#: What a process knows of a weight source's tensors, by role.
+Knowledge = dict[str, TensorDigest]
+
+
+def merge_knowledge(parts: Iterable[Mapping[str, TensorDigest]]) -> Knowledge | None:
+    """The union of several ranks' (or records') knowledge; ``None`` when two contradict each other."""
+    out: Knowledge = {}
+    for part in parts:
+        for role, record in part.items():
+            have = out.get(role)
+            merged = record if have is None else have.merged(record, role)
+            if merged is None:
+                return None
+            out[role] = TensorDigest(merged.dtype, tuple(merged.shape), merged.digest, dict(merged.leaves))
+    return out
+
+
+class DigestSink:
+    """Collects the leaf hashes of the bytes a read hashes; the reader thread feeds it.
+
+    Thread-safe, because a source reads on its own thread while the pass projects. The hashing runs
+    on the feeding thread (BLAKE3 releases the GIL), right after the bytes arrive, so a
+    compute-bound pass hides it behind its GEMMs.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._records: Knowledge = {}
+        self.hashed_bytes = 0
+
+    def feed(
+        self, role: str, dtype: str, shape: tuple[int, ...], rows: tuple[int, int] | None, data: torch.Tensor
+    ) -> None:
+        """Hash the leaves of tensor ``role`` that lie wholly inside ``data``: the bytes of its rows
+        ``rows = (start, stop)`` (all of it when None), contiguous on the CPU, as stored in the file."""
+        total = shape[0] if shape else 1
+        start, stop = rows if rows is not None else (0, total)
+        flat = data.detach().reshape(-1).view(torch.uint8)
+        row_bytes = flat.numel() // max(1, stop - start) if stop > start else 0
+        array = flat.numpy()
+        found: dict[int, str] = {}
+        for j, (lo, hi) in enumerate(leaf_bounds(total)):
+            if start <= lo and hi <= stop:
+                found[j] = hash_hex(array[(lo - start) * row_bytes : (hi - start) * row_bytes].data)
+        with self._lock:
+            self._records.setdefault(role, TensorDigest(dtype, tuple(shape))).leaves.update(found)
+            self.hashed_bytes += flat.numel()
+
+    def knowledge(self) -> Knowledge:
+        """What was hashed, by role (tensor digests composed where every leaf was read)."""
+        with self._lock:
+            out = {r: TensorDigest(t.dtype, t.shape, t.digest, dict(t.leaves)) for r, t in self._records.items()}
+        for role, record in out.items():
+            record.complete(role)
+        return out

@@ -1,50 +1,145 @@
 """Weight sources: where the projection bytes of a rebuild pass come from.
 
 Two kinds share one small protocol (:class:`WeightSource`), so the cache never cares where bytes
-come from: :class:`CheckpointSource` streams safetensors files from disk, :class:`TensorSource`
-serves tensors already in memory. The modules, one job each:
-
-* :mod:`.protocol`: ``WeightSource``, ``LayerWeights``, ``Columns``;
-* :mod:`.header`: the safetensors dtype table, parsing and validating one file's header;
-* :mod:`.files`: which files make a checkpoint, and their fingerprint;
-* :mod:`.buffers`: buffers placed at a chosen address modulo N, and the staging pool;
-* :mod:`.reads`: the one ``pread`` loop, O_DIRECT for uncached bytes, page-cache residency;
-* :mod:`.mapped`: zero-copy views of a mapped file that read only the bytes touched;
-* :mod:`.projections`: which projection tensors a spec needs and why one is unusable;
-* :mod:`.checkpoint`, :mod:`.memory`: the two sources;
-* :mod:`.writer`: the safetensors writer the tools and tests use.
+come from: :class:`~adalncache.source.checkpoint.CheckpointSource` streams safetensors files from
+disk, :class:`~adalncache.source.memory.TensorSource` serves tensors already in memory, and
+:class:`~adalncache.source.memory.NoWeights` stands in for a cache that serves table files only.
+Both validate their tensors here at construction (:func:`expected`, :func:`tensor_problem`), so a
+wrong checkpoint or mapping fails with one message listing every unusable tensor before any build.
+The modules: :mod:`.files` (safetensors files: headers, the files of a checkpoint, their
+fingerprint, validation against a spec, the writer), :mod:`.reads` (bytes into buffers: ``pread``,
+O_DIRECT, aligned buffers, mapped views), :mod:`.checkpoint` and :mod:`.memory` (the sources).
 """
 
-from ..identity.files import FileIdentity
-from ..spec import FINAL
-from .buffers import ALIGNMENT, aligned_empty
-from .checkpoint import CheckpointSource
-from .files import CheckpointFiles, checkpoint_files
-from .header import SAFETENSORS_DTYPES, SafetensorsHeader, TensorEntry
-from .mapped import MappedFile
-from .memory import TensorSource
-from .protocol import Columns, LayerWeights, WeightSource
-from .reads import pread_into, resident_fraction
-from .writer import LazyTensor, write_safetensors
+from __future__ import annotations
 
-__all__ = [
-    "ALIGNMENT",
-    "FINAL",
-    "SAFETENSORS_DTYPES",
-    "CheckpointFiles",
-    "CheckpointSource",
-    "Columns",
-    "FileIdentity",
-    "LayerWeights",
-    "LazyTensor",
-    "MappedFile",
-    "SafetensorsHeader",
-    "TensorEntry",
-    "TensorSource",
-    "WeightSource",
-    "aligned_empty",
-    "checkpoint_files",
-    "pread_into",
-    "resident_fraction",
-    "write_safetensors",
-]
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, NamedTuple, Protocol, runtime_checkable
+
+import torch
+
+from ..errors import CheckpointError
+from ..identity import DigestSink
+from ..options import flag
+from ..spec import KeyLayout, Layer, ModulationSpec
+
+
+class Columns(NamedTuple):
+    """A slice ``[start, stop)`` of output features: column-parallel ranks read ``part`` of ``parts``
+    equal slices of every projection."""
+
+    part: int
+    parts: int
+
+    def bounds(self, width: int) -> tuple[int, int]:
+        size = width // self.parts
+        return self.part * size, (self.part + 1) * size
+
+
+class LayerWeights(NamedTuple):
+    """One projection as a pass sees it: the layer, its weight ``(out, in)`` and bias ``(out,)``
+    (None for a layer declared without one, ``ServedLayer(..., bias=False)``)."""
+
+    layer: Layer
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+
+
+@runtime_checkable
+class WeightSource(Protocol):
+    """What the cache needs from a source of projection weights."""
+
+    spec: ModulationSpec
+    layout: KeyLayout
+    bytes_read: int
+
+    @property
+    def fingerprint(self) -> str:
+        """Identity of the bytes served (``stat`` identities for files; addresses for tensors)."""
+        ...
+
+    def refresh(self) -> bool:
+        """Re-check the identity cheaply (``stat``, never re-hashing data); True when it changed.
+
+        Raises CheckpointError when the changed source no longer validates.
+        """
+        ...
+
+    def stream(
+        self,
+        layers: Sequence[Layer],
+        *,
+        device: torch.device | str,
+        columns: Columns | None = None,
+        read_ahead: int = 1,
+        digests: DigestSink | None = None,
+    ) -> Iterator[LayerWeights]:
+        """Yield ``layers`` in order, reading ahead; the consumer must finish one before asking the next.
+
+        ``digests`` hashes the bytes as they are read (the content identity); a source that cannot
+        hash what it serves (a device tensor) feeds it nothing.
+        """
+        ...
+
+    def describe(self) -> dict[str, Any]:
+        """A JSON-friendly summary for ``inspect`` and logs."""
+        ...
+
+
+def expected(spec: ModulationSpec, layout: KeyLayout) -> list[tuple[Layer, str, tuple[int, ...]]]:
+    """(layer, tensor name, shape) of every projection weight and bias, in pass order (a layer declared
+    without a bias contributes its weight only: no such tensor is looked for)."""
+    out: list[tuple[Layer, str, tuple[int, ...]]] = []
+    for layer in spec.layers():
+        width = spec.out_features(layer)
+        out.append((layer, layout.weight(layer), (width, spec.in_features)))
+        if spec.has_bias(layer):
+            out.append((layer, layout.bias(layer), (width,)))
+    return out
+
+
+def tensor_problem(
+    spec: ModulationSpec,
+    name: str,
+    shape: tuple[int, ...] | None,
+    dtype: torch.dtype | str | None,
+    want: tuple[int, ...],
+) -> str | None:
+    """Why a projection tensor cannot be used, or None."""
+    if shape is None:
+        return f"{name}: missing"
+    if tuple(shape) != want:
+        return f"{name}: shape {list(shape)}, expected {list(want)}"
+    if dtype != spec.dtype:
+        shown = str(dtype).removeprefix("torch.")
+        return f"{name}: dtype {shown}, expected {str(spec.dtype).removeprefix('torch.')} (ModulationSpec.dtype)"
+    return None
+
+
+def detect_layout(names: set[str] | Mapping[str, Any], spec: ModulationSpec, layout: str, where: str) -> KeyLayout:
+    """``layout`` itself, or for ``"auto"`` the layout whose projection names ``names`` holds most of."""
+    if layout != "auto":
+        return spec.layout(layout)
+    layouts = spec.layouts()
+    scores = {name: sum(key in names for _, key, _ in expected(spec, lay)) for name, lay in layouts.items()}
+    best = max(scores, key=lambda n: scores[n])
+    if scores[best] == 0:
+        first = spec.layers()[0]
+        looked = " and ".join(repr(lay.weight(first)) for lay in layouts.values())
+        raise CheckpointError(
+            f"{where} holds no AdaLN projection in a known layout (looked for {looked}): pass a "
+            f"{spec.family.title} transformer checkpoint, or set layout= (CLI {flag('layout')})"
+        )
+    return layouts[best]
+
+
+def raise_problems(problems: list[str], where: str, layout: KeyLayout) -> None:
+    """CheckpointError listing ``problems`` (the first 20), if there are any."""
+    if not problems:
+        return
+    more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
+    raise CheckpointError(
+        f"{len(problems)} AdaLN projection tensor(s) unusable in {layout.name} layout ({where}):\n  "
+        + "\n  ".join(problems[:20])
+        + more
+    )

@@ -1,62 +1,129 @@
 """Projection weights streamed from safetensors files, one layer at a time, with read-ahead.
 
-A :class:`CheckpointSource` parses and validates the headers itself (native or diffusers layout;
-one file, a directory, a sharded checkpoint with its index, or a list of files), checks every
-projection tensor at construction, and streams one layer at a time with ``pread`` on a
-background thread, so layer k+1 is read while layer k is projected and at most
-``read_ahead + 1`` layers are in memory. Files are opened (and, in place, mapped) per pass, so a
-file replaced by ``rename`` is seen by the next pass and no mapping outlives its pass.
+A :class:`CheckpointSource` validates the headers itself (native or diffusers layout; one file, a
+directory, a sharded checkpoint with its index, or a list of files), checks every projection tensor
+at construction, and streams one layer at a time with ``pread`` on a background thread, so layer
+k+1 is read while layer k is projected and at most ``read_ahead + 1`` layers are in memory. Files are
+opened (and, in place, mapped) per pass, so a file replaced by ``rename`` is seen by the next pass
+and no mapping outlives its pass.
+
+**The validated checkpoint** (:class:`ValidatedCheckpoint`) is one immutable value: construction
+(and every re-validation after the files changed) either accepts the whole checkpoint or refuses it
+naming every missing, misshapen or misplaced tensor, and a refresh swaps it whole, so a pass never
+sees half of an old checkpoint and half of a new one.
 
 **In place** (``in_place=True``, the default): on a CPU, a tensor whose every page the page cache
 holds is projected straight from a mapping of the file the pass holds open, at the file's own
-offsets (where ``from_pretrained`` places the resident weights): no staging copy competes with
-the GEMMs for the cores. The reader thread still hashes those bytes (from the mapping) and checks,
-per tensor, that the file still reaches its end. Staging stays for CUDA (page-locked buffers, the
-copy stream), for bytes the cache does not hold (O_DIRECT), and for ``in_place=False``. What in
-place cannot catch is a file truncated *while* a mapped layer is hashed or projected: touching a
-page past the new end raises SIGBUS (as it does for a model loaded with ``from_pretrained``, which
-maps the same files); see docs/tables.md.
+offsets (where ``from_pretrained`` places the resident weights): no staging copy competes with the
+GEMMs for the cores. The reader thread still hashes those bytes and checks, per tensor, that the file
+still reaches its end. Staging stays for CUDA (page-locked buffers, the copy stream), for bytes the
+cache does not hold (O_DIRECT), and for ``in_place=False``. What in place cannot catch is a file
+truncated *while* a mapped layer is hashed or projected: touching a page past the new end raises
+SIGBUS (as it does for a model loaded with ``from_pretrained``); see docs/tables.md.
 
-Every buffer it reads into keeps the tensor's file offset modulo 4096 (so modulo 64), which is
-where a model that memory-maps the same file holds that tensor, as the mapping does: projecting
-from either gives the model's bits (see :mod:`adalncache.source.buffers`).
-
-The source itself only holds what lasts between passes and decides nothing else: the validated
-files and layout (:mod:`~adalncache.source.validated`), the per-layer reads and byte counters
-(:mod:`~adalncache.source.layers`), and a pass's stream with the staging buffers kept for the next
-one (:mod:`~adalncache.source.passes`).
+Every buffer it reads into keeps the tensor's file offset modulo 4096 (so modulo 64), where a model
+that memory-maps the same file holds that tensor: projecting from either gives the model's bits.
+Every byte read is counted and hashed exactly once, on the reader thread that read it, while it is
+still hot in the CPU's caches.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import threading
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..devices import CopyStreams
+from ..devices import CopyStreams, copy_to_device
 from ..errors import CheckpointError, ConfigError
-from ..identity.digest import DigestSink
-from ..spec import Layer, ModulationSpec
-from .buffers import StagingPool
-from .files import CheckpointPath
-from .header import SafetensorsHeader, TensorEntry
-from .layers import LayerReads, ReadCounters, open_files
-from .mapped import PassMappings
-from .passes import KeptBuffers, LayerPass, PassSettings
-from .projections import expected
-from .protocol import Columns, LayerWeights
-from .reads import DirectReads, resident_fraction
-from .validated import ValidatedCheckpoint
+from ..identity import DigestSink, role_of
+from ..spec import KeyLayout, Layer, ModulationSpec
+from . import Columns, LayerWeights, detect_layout, expected, raise_problems, tensor_problem
+from .files import CheckpointFiles, CheckpointPath, SafetensorsHeader, TensorEntry, open_regular
+from .reads import DirectReads, PassMappings, StagingPool, pread_into, read_buffer, resident_fraction
 
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class ValidatedCheckpoint:
+    """The files of a checkpoint and its key layout, every projection tensor checked against ``spec``."""
+
+    files: CheckpointFiles
+    layout: KeyLayout
+    spec: ModulationSpec
+
+    @classmethod
+    def read(cls, path: CheckpointPath, spec: ModulationSpec, layout: str) -> ValidatedCheckpoint:
+        """Resolve the files, parse their headers and validate; CheckpointError naming every problem."""
+        checkpoint = CheckpointFiles.read(path)
+        where = checkpoint.where
+        searched = ", ".join(str(f) for f in checkpoint.files)
+        found = detect_layout(where, spec, layout, f"checkpoint ({searched})")
+        problems = []
+        for _, key, shape in expected(spec, found):
+            entry = where[key].entries[key] if key in where else None
+            dtype = (entry.torch_dtype or entry.dtype) if entry else None
+            problem = tensor_problem(spec, key, entry.shape if entry else None, dtype, shape)
+            if problem is None and entry is not None and (why := entry.misaligned()):
+                problem = f"{key}: {why}"
+            if problem:
+                problems.append(problem)
+        raise_problems(problems, f"files searched: {searched}", found)
+        return cls(checkpoint, found, spec)
+
+    def entry(self, name: str) -> tuple[SafetensorsHeader, TensorEntry]:
+        """The header of the file holding tensor ``name`` and its entry there (KeyError if absent)."""
+        header = self.files.where[name]
+        return header, header.entries[name]
+
+    def span(self, name: str, rows: tuple[int, int] | None) -> tuple[int, int, list[int]]:
+        """(file offset, bytes, shape) of tensor ``name``, or of its rows ``[start, stop)``."""
+        entry = self.entry(name)[1]
+        shape = list(entry.shape)
+        if rows is None:
+            return entry.begin, entry.nbytes, shape
+        start, stop = rows
+        row_bytes = entry.nbytes // shape[0]
+        shape[0] = stop - start
+        return entry.begin + start * row_bytes, (stop - start) * row_bytes, shape
+
+    @contextlib.contextmanager
+    def opened(self) -> Iterator[dict[Path, int]]:
+        """Every file open, for one pass (files are never kept open between passes)."""
+        fds: dict[Path, int] = {}
+        try:
+            for header in self.files.headers:
+                try:
+                    fds[header.path] = open_regular(header.path)
+                except OSError as exc:
+                    raise CheckpointError(f"cannot open checkpoint file {header.path}: {exc}") from exc
+            yield fds
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+
+
 class CheckpointSource:
-    """Projection weights streamed from safetensors files (see the module docstring)."""
+    """Projection weights streamed from safetensors files (see the module docstring).
+
+    ``keep_buffers``: keep the read buffers between passes (``read_ahead + 1`` layers of host memory,
+    about 1 GiB at the released widths, or one pinned layer on CUDA), because a serving process runs
+    pass after pass and fresh buffers cost every pass the first-touch page faults of two layers
+    (0.23 s per 496 MiB layer on the 2-core dev box, against 45 ms for the ``pread`` itself) or, on
+    CUDA, a slow pinned allocation; :meth:`release_buffers` gives them back. ``direct_io``: read the
+    bytes the page cache does not hold with O_DIRECT (:class:`~adalncache.source.reads.DirectReads`).
+    ``in_place``: project from a mapping where the page cache holds a tensor (module docstring).
+    ``rehash``: do not take the content digest from the digest memo: hash the files on first use,
+    and again after their identity changes (a rewrite their ``stat`` cannot see, docs/tables.md).
+    """
 
     def __init__(
         self,
@@ -67,33 +134,27 @@ class CheckpointSource:
         keep_buffers: bool = True,
         direct_io: bool = True,
         in_place: bool = True,
+        rehash: bool = False,
     ) -> None:
         if not isinstance(spec, ModulationSpec):
             raise ConfigError(f"CheckpointSource needs a ModulationSpec as spec, got {type(spec).__name__}")
-        if not isinstance(in_place, bool):
-            raise ConfigError(f"CheckpointSource's in_place must be True or False, got {in_place!r}")
+        for name, value in (("in_place", in_place), ("rehash", rehash)):
+            if not isinstance(value, bool):
+                raise ConfigError(f"CheckpointSource's {name} must be True or False, got {value!r}")
         self.spec = spec
         self.path = path
         self._layout_arg = layout
         if layout != "auto":
             spec.layout(layout)
-        self._counters = ReadCounters()
-        #: Keep the read buffers between passes: ``read_ahead + 1`` layers of host memory (about
-        #: 1 GiB at the released widths), or one pinned layer on CUDA. On by default because a
-        #: serving process runs pass after pass, and fresh buffers cost every pass the first-touch
-        #: page faults of two layers (measured 0.23 s per 496 MiB layer on the 2-core dev box,
-        #: against 45 ms for the ``pread`` itself from the page cache) or, on CUDA, a slow pinned
-        #: allocation. Set it False (or call :meth:`release_buffers`) to give the memory back to the
-        #: OS after every pass instead.
         self.keep_buffers = bool(keep_buffers)
-        #: Read the bytes the page cache does not hold with O_DIRECT (see
-        #: :class:`~adalncache.source.reads.DirectReads`): no CPU copy, no page cache filled or
-        #: evicted. Cached bytes are read from the cache.
         self.direct_io = bool(direct_io)
-        #: Project from a mapping of the files, with no staging copy, on a CPU where the page cache
-        #: holds a tensor (see the module docstring). False: every byte is copied into staging buffers.
         self.in_place = in_place
-        self._buffers = KeptBuffers()
+        self.rehash = rehash
+        #: One lock for the byte counters (passes' reader threads add to them) and the kept buffers.
+        self._lock = threading.Lock()
+        self._read = self._direct = self._in_place = 0
+        #: The staging buffers kept from the last pass (taken out while a pass uses them).
+        self._pool: StagingPool | None = None
         #: The side stream of each device this source copies layers to, reused by every pass.
         self.copy_streams = CopyStreams()
         self._load()
@@ -102,15 +163,14 @@ class CheckpointSource:
 
     def _load(self) -> None:
         """(Re)resolve files, parse headers and validate; only commits state when all is well."""
-        checkpoint = ValidatedCheckpoint.read(self.path, self.spec, self._layout_arg)
-        self._checkpoint = checkpoint
-        self.files = checkpoint.files
-        self.index = checkpoint.index
-        self.layout = checkpoint.layout
+        self._checkpoint = ValidatedCheckpoint.read(self.path, self.spec, self._layout_arg)
+        self.files = self._checkpoint.files.files
+        self.index = self._checkpoint.files.index
+        self.layout = self._checkpoint.layout
 
     @property
     def fingerprint(self) -> str:
-        return self._checkpoint.fingerprint
+        return self._checkpoint.files.fingerprint
 
     def changed_files(self) -> list[Path]:
         """The files (and index) whose ``stat`` identity (ctime included) moved since they were validated.
@@ -118,11 +178,11 @@ class CheckpointSource:
         What a build checks before and after its pass: a file rewritten or replaced meanwhile means
         the bytes read may be a mix of old and new, so nothing read from it may be published.
         """
-        return self._checkpoint.files_read.changed_files()
+        return self._checkpoint.files.changed_files()
 
     def refresh(self) -> bool:
         """``stat`` every file; on any change re-parse headers and re-validate (CheckpointError if bad)."""
-        if not self._checkpoint.files_read.changed():
+        if not self._checkpoint.files.changed():
             return False
         old = self.fingerprint
         self._load()
@@ -131,38 +191,45 @@ class CheckpointSource:
 
     # -- counters ---------------------------------------------------------------------------
 
+    def _count(self, nbytes: int, *, in_place: bool = False, direct: int = 0) -> None:
+        with self._lock:
+            self._read += nbytes
+            self._in_place += nbytes if in_place else 0
+            self._direct += direct
+
     @property
     def bytes_read(self) -> int:
         """Projection bytes read by passes (staged or in place)."""
-        return self._counters.read
+        return self._read
 
     @bytes_read.setter
     def bytes_read(self, value: int) -> None:
-        with self._counters.lock:
-            self._counters.read = value
+        with self._lock:
+            self._read = value
 
     @property
     def bytes_direct(self) -> int:
         """Of ``bytes_read``, those read with O_DIRECT."""
-        return self._counters.direct
+        return self._direct
 
     @property
     def bytes_in_place(self) -> int:
         """Of ``bytes_read``, those projected in place from the mapping (hashed, never copied)."""
-        return self._counters.in_place
+        return self._in_place
 
     def cached_fraction(self) -> float | None:
         """Of the projection bytes, the fraction the page cache holds now (``mincore``; nothing is read).
 
-        None where that cannot be told (no ``mincore``, a file that cannot be opened: the pass
-        itself then says why). What a caller weighing a second read of the same bytes asks: a
-        cold pass reads with O_DIRECT, so reading them again is as cold as the first time.
+        None where that cannot be told (no ``mincore``, a file that cannot be opened: the pass itself
+        then says why). What a caller weighing a second read of the same bytes asks: a cold pass reads
+        with O_DIRECT, so reading them again is as cold as the first time.
         """
         total = cached = 0.0
+        checkpoint = self._checkpoint
         try:
-            with open_files(self._checkpoint) as fds:
+            with checkpoint.opened() as fds:
                 for _, key, _ in expected(self.spec, self.layout):
-                    header, entry = self._checkpoint.entry(key)
+                    header, entry = checkpoint.entry(key)
                     fraction = resident_fraction(fds[header.path], entry.begin, entry.nbytes)
                     if fraction is None:
                         return None
@@ -181,35 +248,31 @@ class CheckpointSource:
     def read_tensor(self, name: str) -> torch.Tensor:
         """One whole tensor of the checkpoint (any dtype torch can hold), read from disk now.
 
-        For the tensors besides the projections that a caller needs exactly as the file holds
-        them (the time embedder, say): the buffer keeps the file offset's address modulo 4096,
-        like the projections, because an fp32 GEMV's bits depend on the weight's address. Read
-        through the page cache and not counted in ``bytes_read`` (which counts the projection
-        bytes of passes). CheckpointError, naming the files and the tensor, if it is absent or
-        cannot be read.
+        For tensors besides the projections that a caller needs exactly as the file holds them (the
+        time embedder): the buffer keeps the file offset's address modulo 4096, because an fp32 GEMV's
+        bits depend on the weight's address. Read through the page cache, not counted in
+        ``bytes_read``. CheckpointError, naming the files and the tensor, if it is absent or unreadable.
         """
-        return self._checkpoint.read_tensor(name)
-
-    def read_layer(
-        self,
-        fds: dict[Path, int],
-        layer: Layer,
-        *,
-        columns: Columns | None = None,
-        pin: bool = False,
-        staging: tuple[StagingPool, int] | None = None,
-        direct: DirectReads | None = None,
-        digests: DigestSink | None = None,
-        maps: PassMappings | None = None,
-    ) -> tuple[LayerWeights, list[torch.Tensor]]:
-        """One layer's weight and bias, read and counted by :meth:`.layers.LayerReads.layer` (its arguments)."""
-        return LayerReads(self._checkpoint, self._counters).layer(
-            fds, layer, columns=columns, pin=pin, staging=staging, direct=direct, digests=digests, maps=maps
-        )
-
-    def open_files(self) -> contextlib.AbstractContextManager[dict[Path, int]]:
-        """Open every file for one pass (files are never kept open between passes)."""
-        return open_files(self._checkpoint)
+        try:
+            header, entry = self.entry(name)
+        except KeyError:
+            files = ", ".join(str(f) for f in self.files)
+            raise CheckpointError(f"the checkpoint has no tensor {name!r} (files searched: {files})") from None
+        why = entry.misaligned()
+        if why:
+            raise CheckpointError(f"{header.path}: tensor {name!r} cannot be read: {why}")
+        dtype = entry.torch_dtype
+        assert dtype is not None  # misaligned said so
+        view = read_buffer(entry.nbytes, entry.begin)
+        try:
+            fd = open_regular(header.path)
+        except OSError as exc:
+            raise CheckpointError(f"cannot open checkpoint file {header.path}: {exc}") from exc
+        try:
+            pread_into(fd, view, entry.begin, header.path, name)
+        finally:
+            os.close(fd)
+        return view.view(dtype).view(entry.shape)
 
     def stream(
         self,
@@ -222,46 +285,83 @@ class CheckpointSource:
     ) -> Iterator[LayerWeights]:
         """Yield each layer, reading up to ``read_ahead`` layers ahead on a background thread.
 
-        At most ``read_ahead + 1`` layers are held in host memory at once: the one the consumer
-        projects and those being read. On CUDA the host buffers are pinned and copied to the device
-        on a side stream, so the copy of layer k+1 overlaps the projection of layer k. ``digests``
-        hashes every byte read, on the reader thread, before the buffer goes to the consumer.
+        At most ``read_ahead + 1`` layers are held in host memory at once. On CUDA the host buffers
+        are pinned and copied to the device on a side stream, so the copy of layer k+1 overlaps the
+        projection of layer k. ``digests`` hashes every byte read, on the reader thread, before the
+        buffer goes to the consumer.
         """
         device = torch.device(device)
         if read_ahead < 0:
             raise ConfigError(f"read_ahead must be >= 0, got {read_ahead}")
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())  # the reader thread must not guess
-        settings = PassSettings(device, columns, read_ahead, digests, self.direct_io, self.in_place, self.keep_buffers)
-        reads = LayerReads(self._checkpoint, self._counters)
-        yield from LayerPass(reads, layers, settings, self._buffers, self.copy_streams).run()
+        yield from LayerPass(self, layers, device, columns, read_ahead, digests).run()
 
     # -- buffers and summary ----------------------------------------------------------------
 
     @property
     def _kept(self) -> StagingPool | None:
-        """The staging pool kept from the last pass (None when none is kept), for the tests that
-        check which buffers a pass reused."""
-        return self._buffers.pool
+        """The staging pool kept from the last pass (None when none is kept, or a pass holds it)."""
+        with self._lock:
+            return self._pool
 
     @property
     def kept_bytes(self) -> int:
         """Bytes the read buffers kept from the last pass hold (0 when none are kept)."""
-        return self._buffers.nbytes
+        pool = self._kept
+        return pool.nbytes if pool is not None else 0
+
+    def _take_buffers(self, device: torch.device, read_ahead: int) -> StagingPool | None:
+        """The staging buffers of one pass: the kept pool where it fits, else a new one (None: fresh per layer).
+
+        On CUDA each pinned buffer is free again once its copy finished (a load waits for it) and loads
+        run one at a time, so one buffer serves the pass; pinning is slow and rounds up, so it happens
+        once per pass, not per layer. On CPU the consumer projects from the buffer itself: the one it
+        holds plus the read_ahead being read. With read_ahead=0 the read runs inside next(), while the
+        consumer still holds the previous layer, so a single buffer could never be reused: that mode
+        takes a fresh buffer per layer.
+        """
+        cuda = device.type == "cuda"
+        if not (cuda or read_ahead):
+            return None
+        with self._lock:  # taken out while in use, so two concurrent passes never share buffers
+            kept, self._pool = self._pool, None
+        # Another read_ahead keeps the buffers it can use; a pool of the other kind is dropped.
+        slots = 1 if cuda else read_ahead + 1
+        reuse = kept is not None and kept.pin == cuda
+        staging = kept.resized(slots) if reuse and kept is not None else StagingPool(slots, pin=cuda, device=device)
+        staging.device = device if cuda else None
+        return staging
+
+    def _give_back(self, staging: StagingPool, keep: bool) -> None:
+        """After a pass: keep its buffers for the next one, or free them."""
+        if keep:
+            with self._lock:
+                self._pool = staging
+        else:
+            staging.clear()
 
     def release_buffers(self) -> int:
         """Free the read buffers kept from the last pass; returns the bytes released.
 
-        Why: with ``keep_buffers`` on (the default) the source holds ``read_ahead + 1`` layers of
-        host memory between passes; a process that is done building (or about to need that memory)
-        gives it back here. The next pass allocates fresh buffers. Safe at any time: a pass in
-        progress owns its buffers and is not affected.
+        Safe at any time: a pass in progress owns its buffers. The next pass allocates fresh ones.
         """
-        return self._buffers.release()
+        with self._lock:
+            kept, self._pool = self._pool, None
+        if kept is None:
+            return 0
+        released = kept.nbytes
+        kept.clear()
+        log.debug("released %.1f MiB of kept read buffers", released / 2**20)
+        return released
 
     def describe(self) -> dict[str, Any]:
-        tensors = self._checkpoint.projection_tensors()
-        total = sum(tensor.pop("nbytes") for tensor in tensors)
+        tensors: list[dict[str, Any]] = []
+        total = 0
+        for _, key, _ in expected(self.spec, self.layout):
+            header, entry = self.entry(key)
+            tensors.append({"name": key, "file": header.path.name, "shape": list(entry.shape), "dtype": entry.dtype})
+            total += entry.nbytes
         return {
             "kind": "checkpoint",
             "path": str(self.path),
@@ -279,4 +379,142 @@ class CheckpointSource:
         return f"CheckpointSource({str(self.path)!r}, layout={self.layout.name!r}, files={len(self.files)})"
 
 
-__all__ = ["CheckpointSource"]
+class LayerPass:
+    """One pass over ``layers`` of the checkpoint as validated when it starts: a reader thread
+    ``read_ahead`` layers ahead of the consumer.
+
+    A pass has a lifetime of its own (files opened and mapped for it, staging buffers taken for it
+    and handed back after it, a reader thread drained whether the consumer finishes, fails or stops
+    early); nothing of it outlives the pass but the staging buffers the source keeps.
+    """
+
+    def __init__(
+        self,
+        source: CheckpointSource,
+        layers: Sequence[Layer],
+        device: torch.device,
+        columns: Columns | None,
+        read_ahead: int,
+        digests: DigestSink | None,
+    ) -> None:
+        self.source, self.checkpoint = source, source._checkpoint
+        self.todo = list(layers)
+        self.device, self.columns, self.read_ahead, self.digests = device, columns, read_ahead, digests
+        self.cuda = device.type == "cuda"
+        self.copy_stream = source.copy_streams.get(device) if self.cuda else None
+        self.staging = source._take_buffers(device, read_ahead)
+        self.keep = source.keep_buffers
+        self.direct = DirectReads() if source.direct_io else None
+        self.in_place = source.in_place and not self.cuda
+        # In place: the pass's own mappings of the files it holds open (set once they are).
+        self.maps: PassMappings | None = None
+
+    def _rows(self, layer: Layer) -> tuple[int, int] | None:
+        return self.columns.bounds(self.checkpoint.spec.out_features(layer)) if self.columns else None
+
+    def read(self, fds: dict[Path, int], layer: Layer, index: int) -> tuple[LayerWeights, list[torch.Tensor]]:
+        """One layer's weight and bias, really reading every byte (in place, into a staging slot, or a
+        fresh buffer), counted and hashed; returns the keep-alive buffers too."""
+        checkpoint, rows = self.checkpoint, self._rows(layer)
+        out: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for part in checkpoint.spec.tensors_of(layer):
+            name = checkpoint.layout.weight(layer) if part == "weight" else checkpoint.layout.bias(layer)
+            header, entry = checkpoint.entry(name)
+            dtype = entry.torch_dtype
+            assert dtype is not None  # validated
+            offset, nbytes, shape = checkpoint.span(name, rows)
+            raw = self.maps.view(header, offset, nbytes, name) if self.maps is not None else None
+            if raw is not None:
+                self.source._count(nbytes, in_place=True)
+            else:
+                if self.staging is not None:
+                    raw = self.staging.take(index, part, nbytes, offset)
+                else:
+                    raw = read_buffer(nbytes, offset, pin=self.cuda)
+                self.source._count(pread_into(fds[header.path], raw, offset, header.path, name, self.direct))
+            if self.digests is not None:
+                self.digests.feed(role_of(layer, part), entry.dtype, entry.shape, rows, raw)
+            out.append((raw, raw.view(dtype).view(shape)))
+        (w_raw, weight), *rest = out
+        return LayerWeights(layer, weight, rest[0][1] if rest else None), [w_raw, *(raw for raw, _ in rest)]
+
+    def load(self, fds: dict[Path, int], index: int) -> LayerWeights:
+        """Read layer ``index`` of the pass (on the reader thread), and copy it to a CUDA device."""
+        lw, keep = self.read(fds, self.todo[index], index)
+        if self.copy_stream is None:
+            return lw  # the views keep their buffers alive; nothing else holds them
+        # With the cache's device current (never device 0 by default): the pinned buffer is copied on
+        # the source's side stream, and the thread waits for the copy, even when it fails halfway,
+        # before the buffer can be reused.
+        copied = copy_to_device([t for t in (lw.weight, lw.bias) if t is not None], self.device, self.copy_stream)
+        del keep, lw  # the staging buffer is free for the next layer
+        return LayerWeights(self.todo[index], copied[0], copied[1] if len(copied) > 1 else None)
+
+    def prefault_second(self) -> None:
+        """While layer 0 is read, first-touch the buffer layer 1 will be read into (unless it will be
+        projected in place: then no buffer is needed)."""
+        staging, todo, checkpoint = self.staging, self.todo, self.checkpoint
+        if staging is None or self.cuda or len(todo) < 2 or staging.slots < 2:
+            return
+        name = checkpoint.layout.weight(todo[1])
+        offset, nbytes, _ = checkpoint.span(name, self._rows(todo[1]))
+        if self.maps is None or not self.maps.resident(checkpoint.entry(name)[0].path, offset, nbytes):
+            staging.prefault(1, "weight", nbytes)
+
+    def handed_over(self, lw: LayerWeights) -> LayerWeights:
+        """``lw`` made safe for the consumer's stream: on CUDA the block was allocated on the copy
+        stream, so the allocator is told the compute stream uses it (else it could hand the block
+        back to the next copy early)."""
+        if self.cuda:
+            current = torch.cuda.current_stream(self.device)
+            for tensor in (lw.weight, lw.bias):
+                if tensor is not None:
+                    tensor.record_stream(current)
+        return lw
+
+    def run(self) -> Iterator[LayerWeights]:
+        """Yield each layer; at most ``read_ahead + 1`` layers are alive at once (this one and those being read)."""
+        direct = self.direct
+        with (
+            self.checkpoint.opened() as fds,
+            contextlib.closing(direct) if direct is not None else contextlib.nullcontext(),
+            ThreadPoolExecutor(1, thread_name_prefix="adalncache-read") as pool,
+        ):
+            self.maps = PassMappings(fds) if self.in_place else None
+            pending: list[Future[LayerWeights]] = []
+            submitted = 0
+
+            def submit() -> None:
+                nonlocal submitted
+                if submitted < len(self.todo):
+                    pending.append(pool.submit(self.load, fds, submitted))
+                    submitted += 1
+
+            try:
+                submit()
+                self.prefault_second()
+                for _ in range(len(self.todo)):
+                    lw = pending.pop(0).result()
+                    # Read ahead while the consumer projects this layer.
+                    while len(pending) < self.read_ahead and submitted < len(self.todo):
+                        submit()
+                    yield self.handed_over(lw)
+                    del lw
+                    if not pending:
+                        submit()
+            finally:
+                for fut in pending:
+                    fut.cancel()
+                for fut in pending:
+                    with contextlib.suppress(BaseException):
+                        fut.result()
+                self.end()
+
+    def end(self) -> None:
+        """Count the pass's O_DIRECT bytes, close its mappings, and keep (or free) its staging buffers."""
+        if self.direct is not None:
+            self.source._count(0, direct=self.direct.bytes)
+        if self.maps is not None:
+            self.maps.close()
+        if self.staging is not None:
+            self.source._give_back(self.staging, self.keep)

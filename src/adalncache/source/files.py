@@ -1,48 +1,422 @@
-"""Which files make a checkpoint, their parsed headers, and the fingerprint that names their bytes.
+"""A checkpoint's safetensors files: their headers, which files make the checkpoint, their fingerprint, the writer.
 
-A checkpoint path is one ``.safetensors`` file, an index (``*.safetensors.index.json``), a
-directory, or a list of files. A directory stands for exactly one set of files, the one diffusers
-would load from it, chosen in this order:
+**Headers** are validated when a source is constructed (and again when a file changes on disk),
+the way safetensors itself validates a file, so a corrupt header is reported as a malformed file
+naming the tensor instead of surfacing later inside a read or a GEMM:
 
-1. its one ``*.safetensors.index.json`` (diffusers' sharded layout, or a native index): the files
-   it names, which must stay inside the directory;
-2. diffusers' single weights file, ``diffusion_pytorch_model.safetensors``;
-3. otherwise every ``*.safetensors`` in it.
+* 8 bytes of little-endian header length, then that many bytes of UTF-8 JSON holding one object,
+  at most 100 MB; ``__metadata__``, if present, maps strings to strings;
+* every other key is a tensor: ``dtype`` a known name, ``shape`` a list of non-negative integers,
+  ``data_offsets`` two JSON integers ``0 <= begin <= end`` (not floats, not booleans) with
+  ``end - begin`` the product of the shape times the dtype's size;
+* sorted by offset, the spans tile the data section exactly (no gap, no overlap, no tail);
+* then safetensors' own parser must accept the file too, so nothing its reference refuses is read.
 
-Any other ``*.safetensors`` in the directory that holds a tensor name of that set (an old copy
-of the weights, another precision's variant) makes the directory ambiguous: it is refused with a
-``CheckpointError`` naming both files, never merged and never silently ignored, because the
-cache must serve the weights the model loads. Other files (a LoRA, other tensor names) are not
-read. A tensor name given by two files of the set is refused the same way (alignment padding that
-:func:`~adalncache.source.writer.write_safetensors` inserts is no tensor and may repeat).
+**Which files.** A checkpoint path is one ``.safetensors`` file, an index
+(``*.safetensors.index.json``), a directory, or a list of files. A directory stands for the one set
+of files diffusers would load from it: its one index (whose files must stay inside the directory),
+else diffusers' ``diffusion_pytorch_model.safetensors``, else every ``*.safetensors`` in it. Any
+other ``*.safetensors`` of the directory that holds a tensor name of that set (an old copy, another
+precision) makes it ambiguous and is refused naming both files, never merged nor silently ignored:
+the cache must serve the weights the model loads. A tensor name given by two files of the set is
+refused the same way (the writer's alignment padding is no tensor and may repeat). Only regular
+files are opened: a FIFO, a device or a socket named ``*.safetensors`` is skipped in a directory
+(logged) and refused when named itself, so nothing blocks.
 
-Only regular files are ever opened: a FIFO, a device or a socket named ``*.safetensors`` is
-skipped in a directory (logged) and refused when named itself, so nothing blocks.
+**The fingerprint** is built from each file's ``stat`` identity (device, inode, size, mtime, ctime)
+and a hash of its header: it changes whenever a file is rewritten through the file system (even
+with its mtime put back), replaced or touched, and checking it costs a ``stat`` per file.
 
-The fingerprint is built from each file's ``stat`` identity (device, inode, size, mtime, ctime)
-and a hash of its header, so it changes whenever a file is rewritten (even with its mtime put
-back), replaced or touched, and checking it costs a ``stat`` per file, never a read of tensor data.
+**The writer** (:func:`write_safetensors`) places each tensor at a chosen file offset modulo
+``align``: on a CPU an fp32 GEMV's bits depend on the weight's address modulo 16, and a mapped file
+puts a tensor at (page-aligned base + file offset), so choosing offsets reproduces a model's own
+alignment. Tensors may be produced one at a time as they are written (:class:`LazyTensor`), so a
+multi-GiB benchmark checkpoint needs one tensor of memory; gaps are ``uint8`` padding tensors named
+``PAD_PREFIX.<n>``, so safetensors itself loads the files.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
+import math
 import os
+import re
 import stat
-from collections.abc import Sequence
+import struct
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
+from typing import Any, NamedTuple, cast
 
-from ..errors import CheckpointError
-from ..identity.files import FileIdentity
+import torch
+from safetensors import safe_open
+
+from ..errors import CheckpointError, ConfigError
+from ..identity import FileIdentity
 from ..options import flag
-from .header import SafetensorsHeader, is_regular
-from .writer import PAD_PREFIX
 
 log = logging.getLogger(__name__)
+
+
+def _optional(name: str) -> torch.dtype | None:
+    """A torch dtype that older torch builds lack."""
+    dtype = getattr(torch, name, None)
+    return dtype if isinstance(dtype, torch.dtype) else None
+
+
+class DType(NamedTuple):
+    """One safetensors dtype: its name in headers, its width in bits, the torch dtype (if any)."""
+
+    name: str
+    bits: int
+    torch: torch.dtype | None
+
+
+#: Every dtype a safetensors header may carry. One without a torch counterpart (the sub-byte float
+#: formats) is validated like any other; it only cannot be read as a tensor.
+DTYPES: tuple[DType, ...] = tuple(
+    DType(name, bits, dtype)
+    for name, bits, dtype in (
+        ("BOOL", 8, torch.bool),
+        ("U8", 8, torch.uint8),
+        ("I8", 8, torch.int8),
+        ("U16", 16, _optional("uint16")),
+        ("I16", 16, torch.int16),
+        ("U32", 32, _optional("uint32")),
+        ("I32", 32, torch.int32),
+        ("U64", 64, _optional("uint64")),
+        ("I64", 64, torch.int64),
+        ("F16", 16, torch.float16),
+        ("BF16", 16, torch.bfloat16),
+        ("F32", 32, torch.float32),
+        ("F64", 64, torch.float64),
+        ("C64", 64, torch.complex64),
+        ("F8_E4M3", 8, torch.float8_e4m3fn),
+        ("F8_E5M2", 8, torch.float8_e5m2),
+        ("F8_E4M3FNUZ", 8, _optional("float8_e4m3fnuz")),
+        ("F8_E5M2FNUZ", 8, _optional("float8_e5m2fnuz")),
+        ("F8_E8M0", 8, _optional("float8_e8m0fnu")),
+        ("F4", 4, None),
+        ("F6_E2M3", 6, None),
+        ("F6_E3M2", 6, None),
+    )
+)
+_BY_NAME: dict[str, DType] = {d.name: d for d in DTYPES}
+#: safetensors dtype names -> torch dtypes (those torch can hold).
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {d.name: d.torch for d in DTYPES if d.torch is not None}
+_NAME_OF: dict[torch.dtype, str] = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
+_BY_TORCH_NAME: dict[str, torch.dtype] = {str(d).removeprefix("torch."): d for d in SAFETENSORS_DTYPES.values()}
+
+
+def safetensors_name(dtype: torch.dtype) -> str | None:
+    """The name a safetensors header gives ``dtype`` (``torch.bfloat16`` -> ``"BF16"``), or None."""
+    return _NAME_OF.get(dtype)
+
+
+def dtype_named(name: str) -> torch.dtype | None:
+    """The torch dtype spelled ``name`` the way torch prints it without its prefix (``"bfloat16"``)."""
+    return _BY_TORCH_NAME.get(name)
+
+
+#: A header larger than this is not a safetensors header (the format caps it at 100 MB).
+MAX_HEADER = 100_000_000
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """Where one tensor lives inside a safetensors file."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int  # absolute file offset of the first data byte
+    end: int  # absolute file offset one past the last data byte
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+    @property
+    def torch_dtype(self) -> torch.dtype | None:
+        return SAFETENSORS_DTYPES.get(self.dtype)
+
+    def misaligned(self) -> str | None:
+        """Why this tensor's data cannot be viewed as its dtype in place, or None.
+
+        A tensor is read into a buffer at its file offset's address modulo 4096 (or mapped at it), so
+        its elements sit on their natural boundary only if the offset is a multiple of the element
+        size, as every writer of the format (safetensors' own included) lays them out.
+        """
+        dtype = self.torch_dtype
+        if dtype is None:
+            return f"dtype {self.dtype} has no torch counterpart"
+        if self.begin % dtype.itemsize:
+            return (
+                f"its data starts at file offset {self.begin}, not a multiple of its {dtype.itemsize}-byte "
+                f"elements; re-save the checkpoint with safetensors"
+            )
+        return None
+
+
+class NotARegularFile(OSError):
+    """A path names a FIFO, a device, a socket or a directory where a regular file must be."""
+
+
+def is_regular(path: Path) -> bool:
+    """Whether ``path`` (following symlinks) is a regular file; False if it cannot be stat'ed."""
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        return False
+
+
+def open_regular(path: Path) -> int:
+    """A read-only descriptor of ``path``, refused (:class:`NotARegularFile`) unless it is a regular file.
+
+    The one way the package opens a file to read it. ``O_NONBLOCK`` because opening a FIFO for
+    reading otherwise waits for a writer, forever if none comes (a named pipe called
+    ``x.safetensors`` in a checkpoint directory must not hang a scan); on a regular file the flag
+    changes nothing. The type is checked on the open descriptor, so a file swapped for a FIFO
+    after a ``stat`` is still refused.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = "a directory" if stat.S_ISDIR(mode) else "a FIFO, device or socket"
+            raise NotARegularFile(errno.EINVAL, f"{path} is not a regular file ({kind})")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_regular(path: Path) -> bytes:
+    """The whole content of the regular file ``path`` (:func:`open_regular`, then read)."""
+    fd = open_regular(path)
+    try:
+        parts = []
+        while chunk := os.read(fd, 1 << 20):
+            parts.append(chunk)
+        return b"".join(parts)
+    finally:
+        os.close(fd)
+
+
+class _Object(dict[str, Any]):
+    """A JSON object that remembers the keys it was given more than once (JSON allows it; we do not)."""
+
+    repeated: list[str]
+
+
+def _object(pairs: list[tuple[str, Any]]) -> _Object:
+    out = _Object()
+    out.repeated = []
+    for key, value in pairs:
+        if key in out:
+            out.repeated.append(key)
+        out[key] = value
+    return out
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def _integer(text: str) -> int | float:
+    """A JSON integer; ``-0`` stays a float, as safetensors' parser reads it (and refuses it as an offset)."""
+    return -0.0 if text == "-0" else int(text)
+
+
+def _is_count(value: Any) -> bool:
+    """A JSON integer >= 0 (Python's json reads ``true`` as a bool, which is an int: refuse it)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+@dataclass(frozen=True)
+class SafetensorsHeader:
+    """A parsed, validated safetensors header: tensor entries plus the identity the fingerprint is built from."""
+
+    path: Path
+    identity: FileIdentity
+    digest: str
+    entries: dict[str, TensorEntry]
+
+    @classmethod
+    def read(cls, path: Path) -> SafetensorsHeader:
+        """Parse and validate ``path``'s header (see the module docstring); CheckpointError if it is malformed."""
+        try:
+            fd = open_regular(path)
+            try:
+                return cls._read(path, fd)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            raise CheckpointError(f"cannot read checkpoint file {path}: {exc}") from exc
+
+    @classmethod
+    def _read(cls, path: Path, fd: int) -> SafetensorsHeader:
+        identity = FileIdentity.from_stat(os.fstat(fd))
+        # No read-ahead: a buffered read of the header would pull the first tensors' pages into
+        # the page cache too, and a load that must not read the projections would read some.
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        prefix = os.pread(fd, 8, 0)
+        if len(prefix) < 8:
+            raise CheckpointError(
+                f"{path} is not a safetensors file ({identity.size} bytes, shorter than the 8-byte "
+                f"header length): pass a .safetensors checkpoint"
+            )
+        (length,) = struct.unpack("<Q", prefix)
+        if length <= 0 or length > MAX_HEADER or 8 + length > identity.size:
+            raise CheckpointError(
+                f"{path} is not a safetensors file (header length {length} does not fit the "
+                f"{identity.size}-byte file): pass a .safetensors checkpoint, or re-save it if it "
+                f"was truncated"
+            )
+        raw = _pread_exact(fd, length, 8)
+        try:
+            header = json.loads(
+                raw.decode("utf-8"), object_pairs_hook=_object, parse_constant=_no_constant, parse_int=_integer
+            )
+            if not isinstance(header, dict):
+                raise ValueError("header is not a JSON object")
+        except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+            raise CheckpointError(
+                f"{path} is not a safetensors file (its header is not valid JSON: {exc}): pass a "
+                f".safetensors checkpoint"
+            ) from None
+        entries = _entries(path, header, 8 + length, identity.size)
+        _safetensors_accepts(path, fd)
+        digest = hashlib.sha256(prefix + raw).hexdigest()
+        return cls(path, identity, digest, entries)
+
+
+def _pread_exact(fd: int, length: int, offset: int) -> bytes:
+    """``length`` bytes at ``offset`` (fewer only at the end of the file), however the reads split."""
+    parts = []
+    while length > 0:
+        part = os.pread(fd, length, offset)
+        if not part:
+            break
+        parts.append(part)
+        length -= len(part)
+        offset += len(part)
+    return b"".join(parts)
+
+
+def _malformed(path: Path, what: str) -> CheckpointError:
+    return CheckpointError(f"{path} is a malformed safetensors file: {what}; re-save or re-download the checkpoint")
+
+
+def _repeated(obj: Any) -> list[str]:
+    """The keys a parsed JSON object was given more than once."""
+    return obj.repeated if isinstance(obj, _Object) else []
+
+
+def _entries(path: Path, header: dict[str, Any], data_start: int, size: int) -> dict[str, TensorEntry]:
+    """The tensor entries of ``header``, each checked alone, then their spans checked together."""
+    if _repeated(header):
+        raise _malformed(path, f"its header names {_repeated(header)[0]!r} twice")
+    meta = header.get("__metadata__")
+    if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
+        raise _malformed(path, f"its __metadata__ is {json.dumps(meta)[:80]}, not a map of strings to strings")
+    if _repeated(meta):
+        raise _malformed(path, f"its __metadata__ repeats the key {_repeated(meta)[0]!r}")
+    entries: dict[str, TensorEntry] = {}
+    for name, info in header.items():
+        if name != "__metadata__":
+            entries[name] = _entry(path, name, info, data_start, size)
+    _check_tiling(path, entries, data_start, size)
+    return entries
+
+
+def _entry(path: Path, name: str, info: Any, data_start: int, size: int) -> TensorEntry:
+    """One tensor's entry, checked on its own: field types, known dtype, span length, inside the file."""
+
+    def bad(what: str) -> CheckpointError:
+        return _malformed(path, f"tensor {name!r} {what}")
+
+    if not isinstance(info, dict):
+        raise bad(f"has the entry {json.dumps(info)[:80]}, not a JSON object")
+    if _repeated(info):
+        raise bad(f"repeats the key {_repeated(info)[0]!r} in its entry")
+    missing = [key for key in ("dtype", "shape", "data_offsets") if key not in info]
+    if missing:
+        raise bad(f"has no {missing[0]!r} in its entry")
+    dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    known = _BY_NAME.get(dtype) if isinstance(dtype, str) else None
+    if known is None:
+        raise bad(f"has the unknown dtype {json.dumps(dtype)[:40]} (known: {', '.join(_BY_NAME)})")
+    if not isinstance(shape, list) or not all(_is_count(s) for s in shape):
+        raise bad(f"has the shape {json.dumps(shape)[:80]}, not a list of non-negative integers")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(v) for v in offsets)):
+        raise bad(f"has the data_offsets {json.dumps(offsets)[:80]}, not two non-negative integers [begin, end]")
+    begin, end = offsets
+    if begin > end:
+        raise bad(f"has the data_offsets [{begin}, {end}]: its span ends before it begins")
+    elements = math.prod(shape)
+    bits = elements * known.bits
+    if bits % 8:
+        raise bad(f"holds {elements} elements of {known.name}, which do not fill whole bytes")
+    if end - begin != bits // 8:
+        raise bad(f"spans {end - begin} bytes of data, but its shape {shape} of {known.name} needs {bits // 8} bytes")
+    if data_start + end > size:
+        raise CheckpointError(
+            f"{path} is truncated (or its header corrupt): tensor {name!r} ends at byte {data_start + end} but "
+            f"the file has {size} bytes; re-save or re-download the checkpoint"
+        )
+    return TensorEntry(name, known.name, tuple(shape), data_start + begin, data_start + end)
+
+
+def _check_tiling(path: Path, entries: dict[str, TensorEntry], data_start: int, size: int) -> None:
+    """Sorted by offset, the spans must cover the data section exactly: no gap, no overlap, no tail."""
+    expected = data_start
+    previous: TensorEntry | None = None
+    for entry in sorted(entries.values(), key=lambda e: (e.begin, e.end, e.name)):
+        if entry.begin < expected:
+            assert previous is not None  # expected only grows past data_start after a first entry
+            raise _malformed(
+                path,
+                f"tensor {entry.name!r} (data bytes {entry.begin - data_start}..{entry.end - data_start}) "
+                f"overlaps tensor {previous.name!r} (bytes {previous.begin - data_start}..{previous.end - data_start})",
+            )
+        if entry.begin > expected:
+            raise _malformed(
+                path,
+                f"data bytes {expected - data_start}..{entry.begin - data_start} before tensor {entry.name!r} "
+                f"belong to no tensor (the spans must tile the data section)",
+            )
+        expected, previous = entry.end, entry
+    if expected < size:  # (every span ends inside the file: checked entry by entry)
+        after = f"after tensor {previous.name!r}" if previous is not None else "after the header"
+        raise _malformed(path, f"its last {size - expected} bytes ({after}) belong to no tensor")
+
+
+#: safetensors names the tensor of an error between backticks.
+_NAMED = re.compile(r"`([^`]*)`")
+
+
+def _safetensors_accepts(path: Path, fd: int) -> None:
+    """safetensors' own parser must accept the file too (a backstop for anything the checks above miss).
+
+    It opens the very file ``fd`` holds (through ``/proc/self/fd``, where the system has it), not
+    whatever the path names by now: a path swapped for a FIFO meanwhile never blocks.
+    """
+    opened = f"/proc/self/fd/{fd}" if os.path.isdir("/proc/self/fd") else str(path)
+    try:
+        with safe_open(opened, framework="pt"):
+            pass
+    except OSError as exc:
+        raise CheckpointError(f"cannot read checkpoint file {path}: {exc}") from exc
+    except Exception as exc:  # safetensors' error type lives in its compiled module
+        named = _NAMED.search(str(exc))
+        which = f" (tensor {named.group(1)!r})" if named else ""
+        raise _malformed(path, f"safetensors refuses its header{which}: {exc}") from None
+
 
 #: What a checkpoint path may be: a file, an index, a directory, or a list of files.
 CheckpointPath = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
@@ -50,6 +424,8 @@ CheckpointPath = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
 #: The single weights file diffusers' ``from_pretrained`` loads from a model directory.
 DIFFUSERS_WEIGHTS = "diffusion_pytorch_model.safetensors"
 INDEX_SUFFIX = ".safetensors.index.json"
+#: The writer's padding tensors carry this prefix; readers look tensors up by name, so padding is invisible to them.
+PAD_PREFIX = "__adalncache_padding__"
 
 #: How a user picks one file set: the library argument and every command-line way to pass a checkpoint.
 PICK = (
@@ -126,7 +502,7 @@ def checkpoint_files(path: CheckpointPath) -> tuple[list[Path], Path | None]:
     return files, None
 
 
-def other_files(path: CheckpointPath, files: Sequence[Path]) -> list[Path]:
+def _other_files(path: CheckpointPath, files: Sequence[Path]) -> list[Path]:
     """The regular ``*.safetensors`` of directory ``path`` that are not among ``files`` (none for a file or list)."""
     if isinstance(path, (list, tuple)):
         return []
@@ -203,7 +579,7 @@ class CheckpointFiles:
                 held = where.setdefault(name, header)
                 if held is not header and not name.startswith(PAD_PREFIX):
                     raise _clash(root, name, held.path, header.path, index)
-        for other in other_files(path, files):
+        for other in _other_files(path, files):
             try:
                 names = SafetensorsHeader.read(other).entries
             except CheckpointError as exc:
@@ -238,8 +614,89 @@ class CheckpointFiles:
         return out
 
     def changed(self) -> bool:
-        """Whether any file (or the index) no longer has the ``stat`` identity it had when read."""
         return bool(self.changed_files())
 
 
-__all__ = ["DIFFUSERS_WEIGHTS", "CheckpointFiles", "CheckpointPath", "checkpoint_files", "other_files"]
+class LazyTensor(NamedTuple):
+    """A tensor of ``shape`` and ``dtype`` that ``make()`` produces only when it is written."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    make: Callable[[], torch.Tensor]
+
+
+def _declared(name: str, tensor: torch.Tensor | LazyTensor) -> tuple[list[int], str, int]:
+    """(shape, safetensors dtype name, bytes) of ``tensor``, without producing a lazy one."""
+    shape = [int(s) for s in tensor.shape]
+    dtype_name = safetensors_name(tensor.dtype)
+    if dtype_name is None:
+        raise ConfigError(f"write_safetensors cannot store dtype {tensor.dtype} (tensor {name!r})")
+    return shape, dtype_name, tensor.dtype.itemsize * math.prod(shape)
+
+
+def _data(name: str, tensor: torch.Tensor | LazyTensor) -> torch.Tensor:
+    """The bytes of ``tensor`` as a flat uint8 CPU tensor (producing a lazy one now)."""
+    if isinstance(tensor, LazyTensor):
+        made = tensor.make()
+        if tuple(made.shape) != tuple(tensor.shape) or made.dtype != tensor.dtype:
+            raise ConfigError(
+                f"write_safetensors: tensor {name!r} was declared {tensor.dtype} {list(tensor.shape)} but made "
+                f"{made.dtype} {list(made.shape)}"
+            )
+        data = made
+    else:
+        data = tensor.detach()
+    return data.to("cpu").contiguous().reshape(-1).view(torch.uint8)
+
+
+def write_safetensors(
+    tensors: Mapping[str, torch.Tensor | LazyTensor],
+    path: str | os.PathLike[str],
+    *,
+    residues: Mapping[str, int] | None = None,
+    align: int = 64,
+    metadata: Mapping[str, str] | None = None,
+) -> Path:
+    """Write ``tensors`` to ``path`` as a safetensors file, each at a chosen file offset modulo ``align``.
+
+    ``residues`` gives the wanted ``file offset % align`` per tensor (default 0). The header is
+    padded with spaces (which the format allows) so the data section starts at a multiple of
+    ``align``. The file is written to a temporary name, synced and renamed into place, so a
+    reader never sees half of it. Returns ``path``.
+    """
+    residues = dict(residues or {})
+    path = Path(path)
+    order: list[tuple[str, torch.Tensor | LazyTensor | int]] = []  # an int is that many padding bytes
+    header: dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = dict(metadata)
+    offset = 0
+    for name, tensor in tensors.items():
+        shape, dtype_name, nbytes = _declared(name, tensor)
+        gap = (residues.get(name, 0) - offset) % align
+        if gap:
+            pad_name = f"{PAD_PREFIX}.{sum(isinstance(t, int) for _, t in order)}"
+            header[pad_name] = {"dtype": "U8", "shape": [gap], "data_offsets": [offset, offset + gap]}
+            order.append((pad_name, gap))
+            offset += gap
+        header[name] = {"dtype": dtype_name, "shape": shape, "data_offsets": [offset, offset + nbytes]}
+        order.append((name, tensor))
+        offset += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    blob += b" " * ((-(8 + len(blob))) % align)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as handle:
+        handle.write(struct.pack("<Q", len(blob)))
+        handle.write(blob)
+        for name, item in order:
+            if isinstance(item, int):
+                handle.write(b"\0" * item)
+                continue
+            data = _data(name, item)
+            if data.numel():
+                handle.write(data.numpy().data)
+            del data
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+    return path

@@ -1,4 +1,12 @@
-"""Projection weights already in memory (a model's own tensors), served exactly as they are."""
+"""Sources that read nothing from disk: projection tensors already in memory, or no weights at all.
+
+:class:`TensorSource` serves a model's own tensors exactly as they are (never copied).
+:class:`NoWeights` stands where a weight source would be for a cache that serves table files only: a
+model loaded without its AdaLN projections (or whose projections were freed) can still be served
+for every plan its table files hold, and the cache's bookkeeping needs no special case. A build
+that would need a pass raises :class:`~adalncache.PlanNotCachedError` before anything changes (the
+cache checks ``serves_weights`` first, so :meth:`NoWeights.stream` is only a last line of defence).
+"""
 
 from __future__ import annotations
 
@@ -8,18 +16,12 @@ from typing import Any
 
 import torch
 
-from ..errors import ConfigError
-from ..identity.digest import DigestSink, role_of
+from ..errors import ConfigError, PlanNotCachedError
+from ..identity import DigestSink, role_of
 from ..options import flag
 from ..spec import Layer, ModulationSpec
-from .header import safetensors_name
-from .projections import detect_layout, expected, raise_problems, tensor_problem
-from .protocol import Columns, LayerWeights
-
-
-def _safetensors_name(dtype: torch.dtype) -> str:
-    """The dtype as a checkpoint names it, so a tensor hashes alike from memory and from a file."""
-    return safetensors_name(dtype) or str(dtype)
+from . import Columns, LayerWeights, detect_layout, expected, raise_problems, tensor_problem
+from .files import safetensors_name
 
 
 class TensorSource:
@@ -133,7 +135,7 @@ class TensorSource:
                     if tensor is not None and tensor.device.type == "cpu" and tensor.is_contiguous():
                         name = self.layout.weight(layer) if part == "weight" else self.layout.bias(layer)
                         full = self.tensors[name]
-                        dtype = _safetensors_name(full.dtype)
+                        dtype = safetensors_name(full.dtype) or str(full.dtype)  # as a file names it: hashes alike
                         digests.feed(role_of(layer, part), dtype, tuple(full.shape), rows, tensor)
             self.bytes_read += sum(t.numel() * t.element_size() for t in (weight, bias) if t is not None)
             if weight.device != device:
@@ -163,3 +165,43 @@ def _inner_tensors(t: torch.Tensor) -> list[tuple[str, int, int]]:
     names, _ = flatten()
     inner = [(name, getattr(t, name, None)) for name in names]
     return [(name, x.data_ptr(), x._version) for name, x in inner if isinstance(x, torch.Tensor)]
+
+
+class NoWeights:
+    """No projection weights: every plan must come from a table file (see the module docstring)."""
+
+    #: Nothing to read, nothing to hash, nothing a store could be bound to.
+    serves_weights = False
+    persistent = False
+
+    def __init__(self, spec: ModulationSpec) -> None:
+        self.spec = spec
+        self.layout = spec.default_layout
+        self.bytes_read = 0
+
+    @property
+    def fingerprint(self) -> str:
+        return "no-weights"
+
+    def refresh(self) -> bool:
+        return False
+
+    def stream(
+        self,
+        layers: Sequence[Layer],
+        *,
+        device: torch.device | str = "cpu",
+        columns: Columns | None = None,
+        read_ahead: int = 1,
+        digests: DigestSink | None = None,
+    ) -> Iterator[LayerWeights]:
+        raise PlanNotCachedError(
+            "this cache has no projection weights (source=None): it serves table files only; pass a checkpoint "
+            "to build plans they lack"
+        )
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": "none", "spec": self.spec.describe(), "fingerprint": self.fingerprint}
+
+    def __repr__(self) -> str:
+        return "NoWeights()"

@@ -13,7 +13,7 @@ the rules around both are the same for every tier:
   third (``tables=``, read-only: their hits are not copied to the store), only for what the
   tiers before did not have.
 
-The store is bound to the content digest of the source (:mod:`adalncache.identity.content`). While it is
+The store is bound to the content digest of the source (:mod:`adalncache.identity.binding`). While it is
 unknown the store is skipped, except in one case where learning it pays at once: the store holds
 entries, for plans this build wants, under a binding equal to this one in all but the content (a
 copied checkpoint beside its store). Then one hashing read of the projections runs first, which
@@ -42,12 +42,12 @@ from ..reports import BuildReport, CacheStats, FaultPoints
 from ..slab import PlanRows
 from ..spec import ModulationSpec
 from .host import HostTier
-from .locks import NO_CLAIM, POLL_S, BuildLocks, Claim, Staleness
-from .store import Store, plan_hash
+from .store import NO_CLAIM, POLL_S, BuildLocks, Claim, Staleness, Store, plan_hash
 from .tables import TablesArg, TablesTier
 
 if TYPE_CHECKING:
     from ..distributed import Collective
+    from ..identity.binding import ContentIdentity
 
 log = logging.getLogger(__name__)
 
@@ -56,20 +56,15 @@ UNWRITABLE_RETRY_S = 60.0
 
 
 class Binder(Protocol):
-    """What the chain needs from the cache's identity to use the store (see :mod:`adalncache.identity.binding`)."""
+    """What the chain needs from the cache's identity (:class:`~adalncache.identity.binding.TableIdentity`)."""
 
     variant: Any
     generation: int
-
-    def content_now(self) -> str | None: ...
+    content: ContentIdentity
 
     def current_binding(self) -> dict[str, Any] | None: ...
 
     def template(self) -> dict[str, Any]: ...
-
-    def hash_now(self) -> None: ...
-
-    def note_unbound(self, what: str) -> None: ...
 
     def lock_namespace(self) -> str: ...
 
@@ -152,51 +147,52 @@ class TierChain:
         interrupt (a ``BaseException`` that is not an ``Exception``) escapes.
         """
         self._counted_unwritable = False  # a new build (every build with something missing starts here)
-        from_host: dict[PlanKey, PlanRows] = {}
-        if self.host is not None:
-            found = {}
-            try:
-                faults.check("host_read")
-                found = self.host.lookup(missing)
-            except Exception as exc:  # a tier is only a cache: fall through to the next one
-                log.warning("host tier lookup failed (%s); rebuilding instead", exc)
-            agreed = self._dist.agree_on([k in found for k in missing])
-            from_host = {k: found[k] for k, ok in zip(missing, agreed) if ok}
-        from_store: dict[PlanKey, PlanRows] = {}
-        if self.store is not None:
-            rest = [k for k in missing if k not in from_host]
-            found = {}
-            if rest:
-                try:
-                    faults.check("store_read")
-                    bound = self._binding(identity, rest)
-                    if bound is not None:
-                        found = self.store.get_many(bound, rest, self.spec)
-                except Exception as exc:
-                    log.warning("store lookup failed (%s); rebuilding instead", exc)
-                    found = {}
-                agreed = self._dist.agree_on([k in found for k in rest])
-                from_store = {k: found[k] for k, ok in zip(rest, agreed) if ok}
-            self.stats.store_corrupt = self.store.corrupt_moved
+        host, store, tables = self.host, self.store, self.tables
+
+        def read_host(keys: list[PlanKey]) -> dict[PlanKey, PlanRows]:
+            faults.check("host_read")
+            return host.lookup(keys) if host is not None else {}
+
+        def read_store(keys: list[PlanKey]) -> dict[PlanKey, PlanRows]:
+            faults.check("store_read")
+            bound = self._binding(identity, keys)
+            return store.get_many(bound, keys, self.spec) if store is not None and bound is not None else {}
+
+        def read_tables(keys: list[PlanKey]) -> dict[PlanKey, PlanRows]:
+            if tables is None:
+                return {}
+            return tables.lookup(
+                keys,
+                template=identity.template(),
+                generation=identity.generation,
+                content=identity.content.identify,
+                agree=self._dist.any_of,
+                embed=embed,
+            )
+
+        from_host = self._agreed(list(missing), "host tier", read_host) if host is not None else {}
+        rest = [k for k in missing if k not in from_host]
+        from_store = self._agreed(rest, "store", read_store) if store is not None and rest else {}
+        if store is not None:
+            self.stats.store_corrupt = store.corrupt_moved
+        rest = [k for k in rest if k not in from_store]
         from_tables: dict[PlanKey, PlanRows] = {}
-        rest = [k for k in missing if k not in from_host and k not in from_store]
-        if self.tables is not None and rest and identity.variant is None:
-            found = {}
-            try:
-                found = self.tables.lookup(
-                    rest,
-                    template=identity.template(),
-                    generation=identity.generation,
-                    content=identity.content_now,
-                    agree=self._dist.any_of,
-                    embed=embed,
-                )
-            except Exception as exc:
-                log.warning("table file lookup failed (%s); rebuilding instead", exc)
-            agreed = self._dist.agree_on([k in found for k in rest])
-            from_tables = {k: found[k] for k, ok in zip(rest, agreed) if ok}
-            self.stats.tables_corrupt = self.tables.corrupt
+        if tables is not None and rest and identity.variant is None:
+            from_tables = self._agreed(rest, "table file", read_tables)
+            self.stats.tables_corrupt = tables.corrupt
         return Restored(from_host, from_store, from_tables)
+
+    def _agreed(
+        self, keys: list[PlanKey], what: str, read: Callable[[list[PlanKey]], dict[PlanKey, PlanRows]]
+    ) -> dict[PlanKey, PlanRows]:
+        """What every rank restores of ``keys`` with ``read``; a failure is a miss (a tier is only a cache)."""
+        found: dict[PlanKey, PlanRows] = {}
+        try:
+            found = read(keys)
+        except Exception as exc:
+            log.warning("%s lookup failed (%s); rebuilding instead", what, exc)
+        agreed = self._dist.agree_on([k in found for k in keys])
+        return {k: found[k] for k, ok in zip(keys, agreed) if ok}
 
     def _binding(self, identity: Binder, rest: Sequence[PlanKey], *, count: bool = True) -> dict[str, Any] | None:
         """The store binding; a hashing read first when the store probably holds these plans under it."""
@@ -211,10 +207,10 @@ class TierChain:
                 "store %s holds these plans for another copy of these weights: hashing the checkpoint once",
                 self.store.path,
             )
-            identity.hash_now()
+            identity.content.identify()
             bound = identity.current_binding()
         if bound is None and count:
-            identity.note_unbound("store lookup")
+            identity.content.note_unknown("store lookup")
         return bound
 
     def claim(self, to_build: Sequence[PlanKey], *, identity: Binder, report: BuildReport) -> dict[PlanKey, PlanRows]:

@@ -92,7 +92,6 @@ class HostTier:
         self._plans: dict[PlanKey, _Entry] = {}
         self._groups: OrderedDict[GroupId, None] = OrderedDict()  # least recently used first
         self.evicted_plans = 0
-        self.skipped_groups = 0
         if self.total_units == 0 and self.capacity_bytes > 0:
             log.warning(
                 "host tier of %d bytes cannot hold one timestep row (%d bytes): it will skip every group; raise %s",
@@ -214,7 +213,6 @@ class HostTier:
         rows = self.spec.plan_rows
         need = sum(rows(key) for key in group)
         if need > self.total_units:
-            self.skipped_groups += 1
             log.info("host tier: a group of %d timestep rows exceeds the tier (%d): skipped", need, self.total_units)
             return False
 
@@ -255,7 +253,6 @@ class HostTier:
                     self.evicted_plans += 1
             if isinstance(exc, _NoRoom):
                 # Only the group's own shared plans fragment the arena: skip rather than fail.
-                self.skipped_groups += 1
                 log.info("host tier: no contiguous room for a group of %d rows: skipped", need)
                 return False
             raise

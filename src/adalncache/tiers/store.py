@@ -1,4 +1,4 @@
-"""Persistent store: published tables that survive restarts, shared safely by several processes.
+"""The store: published tables that survive restarts, shared safely by several processes.
 
 Layout of a store directory::
 
@@ -9,42 +9,64 @@ Layout of a store directory::
     <root>/digests/<key>.json            the digest memo: tensor digests by file identity
     <root>/locks/<bhash>/<phash>.lock    per-entry build locks (one build per fleet)
 
-An entry is ``MAGIC | u32 header length | JSON header | part bytes ... | sha256`` where the trailing
-digest covers everything before it: the plan's rows of each table part (``spec.table_parts()``) in
-order, each ``(n, *part.shape)`` contiguous, listed in the header's ``parts`` with their shapes as
-``<part>_shape`` (entries written before ``parts`` existed hold ``block`` then ``final``). Why this
-shape: one file per (binding, plan) makes every write independent (no shared index to lock), the
-header lets ``inspect`` and ``verify`` read an entry without the cache, and a whole-file digest
-catches truncation and flipped bits alike.
+**An entry** is ``MAGIC | u32 header length | JSON header | part bytes ... | sha256``: the trailing
+digest covers everything before it; the header (canonical JSON, padded so the payload starts 64-byte
+aligned) names the binding, the plan, the dtype and each table part's shape (``<part>_shape``, in
+the spec's order listed in ``parts``; entries written before ``parts`` existed hold ``block`` then
+``final``). One file per (binding, plan) makes every write independent (no shared index to lock),
+the header lets ``inspect`` and ``verify`` read an entry without the cache, and a whole-file digest
+catches truncation and flipped bits alike. The format is what every process sharing a store must
+agree on; the rest of this module only moves these files around.
 
-* Binding: ``bhash`` is the sha256 of the canonical JSON of :meth:`AdalnCache.binding` (content
-  digest of the projection tensors, spec with dtype, precision, variant, shard mode, numeric
-  environment). Any change gives another directory, so a mismatch is a miss, never a wrong answer.
-  Bindings of the first format named the checkpoint files' stat fingerprint instead of their
-  content; no binding of today can equal one, so their entries are never looked up again.
-* Atomic writes: a uniquely named temp file in the target directory, fsync, ``os.replace``,
-  fsync of the directory. A temp file (``.tmp-<host>-<pid>-...``) is never an entry: readers,
+* Binding: ``bhash`` is the sha256 of the canonical JSON of the binding (content digest of the
+  projection tensors, spec with dtype, precision, variant, shard mode, numeric environment). Any
+  change gives another directory, so a mismatch is a miss, never a wrong answer. Bindings of the
+  first format named the files' stat fingerprint; no binding of today equals one.
+* Atomic writes: a uniquely named temp file in the target directory, fsync, ``os.replace``, fsync
+  of the directory. A temp file (``.tmp-<host>-<pid>-...``) is never an entry: readers,
   ``entries()`` (so ``inspect``, ``verify``, ``prune`` and the LRU) skip it, so a writer killed at
-  any moment leaves at worst a temp file, which is swept when its writer is gone, and a live
-  writer's file is never pruned, reported corrupt or verified. Only regular files are read.
+  any moment leaves at worst a temp file, swept once its writer is gone, and a live writer's file is
+  never pruned, reported corrupt or verified. Only regular files are read.
 * Every read verifies the digest and the header against the request; a bad entry is moved to
   ``corrupt/`` (counted in ``corrupt_moved``) and the cache rebuilds it.
 * Recency is recorded explicitly with ``os.utime`` on every hit and write (not atime, which
-  ``noatime``/``relatime`` mounts do not maintain); :meth:`Store.prune` deletes least recently
-  used entries first.
+  ``noatime``/``relatime`` mounts do not maintain); :meth:`Store.prune` deletes least recently used
+  entries first.
+
+**One build per fleet** (:class:`BuildLocks`): twenty serving processes starting together on a cold
+store would each read the 24 GiB checkpoint and compute the same tables; with per-entry locks the
+first process to claim an entry builds it and the others restore it once it appears.
+
+* ``flock`` on ``<store>/locks/<binding hash>/<plan hash>.lock``: the kernel drops the lock when its
+  holder dies, SIGKILL included. A holder releases by unlinking the file while still holding it; a
+  waiter that obtains a lock on an unlinked inode sees that its path now names another file (or
+  none) and tries again. Only non-blocking attempts, always in plan-hash order, so no two processes
+  wait for each other; a short-lived gate lock per binding makes each attempt on a request's entries
+  one step, so identical requests never split the entries between them.
+* Heartbeat: the holder rewrites its lock files every :data:`HEARTBEAT_S` seconds (pid, host, a
+  counter); a waiter watches the counter on its *own* monotonic clock (no clock comparison between
+  hosts): a counter stopped for ``lock_stale_s`` is a hung holder, or one on a dead host whose
+  network-filesystem lease has not expired, and is not waited for.
+* Bounded: a waiter builds the entries itself once they appear (restored), once it obtains their
+  locks (the holder finished or died: it re-checks the store first), when the holder looks stale, or
+  after ``lock_wait_s``. The lock only saves work: entries are atomic, verified on read and
+  bit-identical whoever builds them, so the worst case is duplicated work, never a wrong entry.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import hashlib
 import json
 import logging
+import math
 import os
 import socket
 import stat
 import struct
+import threading
 import time
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
@@ -52,18 +74,147 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..canonical import canonical_json
+import torch
+
 from ..errors import ConfigError
-from ..identity.memo import DigestMemo
-from ..numerics import numeric_environment
+from ..geometry import TABLE_PART
+from ..identity import canonical_json
+from ..identity.binding import DigestMemo
 from ..options import flag
-from ..plans import PlanKey
+from ..plans import PlanKey, key_to_plan
 from ..slab import PlanRows
-from ..source.header import read_regular
-from ..spec import ModulationSpec
-from .entryfile import FORMAT_VERSION, MAGIC, CorruptEntry, encode_entry, entry_rows, parse_entry
+from ..source.files import NotARegularFile, dtype_named, open_regular, read_regular
+from ..spec import SUPPORTED_WEIGHT_DTYPES, ModulationSpec
 
 log = logging.getLogger(__name__)
+
+# -- the entry file -----------------------------------------------------------------------------
+
+MAGIC = b"ADLNSTO1"
+FORMAT_VERSION = 1
+DIGEST_BYTES = 32
+
+
+def part_names(count: int) -> list[str]:
+    """The names an entry's header gives its parts (informative: the payload's order is the spec's).
+
+    A two-part table's are ``block`` and ``final`` (the only parts of entries written before the
+    header listed them), a one-part table's ``table``.
+    """
+    return ["block", "final"] if count == 2 else [TABLE_PART] if count == 1 else [f"part{i}" for i in range(count)]
+
+
+class CorruptEntry(Exception):
+    """Internal: an entry failed verification (the message says how); ``inode`` names the file read."""
+
+    def __init__(self, message: str, inode: int | None = None) -> None:
+        super().__init__(message)
+        self.inode = inode
+
+
+def encode_entry(bhash: str, key: PlanKey, rows: PlanRows) -> list[bytes | memoryview]:
+    """The bytes of one entry file, in order: header, each part's rows, the digest of all before it."""
+    parts = [part.detach().to("cpu").contiguous() for part in rows.parts]
+    n = rows.timesteps.shape[0]
+    names = part_names(len(parts))
+    if any(part.dim() < 2 or part.shape[0] != n for part in parts):
+        shapes = "/".join(str(tuple(part.shape)) for part in parts)
+        raise ConfigError(f"store.put: rows of shape {shapes} do not fit a plan of {n} timesteps")
+    payload = [part.view(torch.uint8).numpy().reshape(-1) for part in parts]
+    columns = rows.timesteps.shape[1] if rows.timesteps.dim() == 2 else 1
+    header: dict[str, Any] = {
+        "format": FORMAT_VERSION,
+        "binding": bhash,
+        "key": list(key),
+        "timesteps": key_to_plan(key, columns).tolist(),
+        "dtype": str(parts[0].dtype).removeprefix("torch."),
+        **{f"{name}_shape": list(part.shape) for name, part in zip(names, parts)},
+        "parts": names,
+        "created": time.time(),
+    }
+    head = canonical_json(header)
+    # Pad the header (JSON allows trailing spaces) so the payload starts 64-byte aligned: the
+    # rows are then read as typed views of one buffer, with no copy.
+    head += b" " * ((-(len(MAGIC) + 4 + len(head))) % 64)
+    prefix = MAGIC + struct.pack("<I", len(head)) + head
+    digest = hashlib.sha256()
+    digest.update(prefix)
+    for chunk in payload:
+        digest.update(chunk.data)
+    return [prefix, *(p.data for p in payload), digest.digest()]
+
+
+def parse_entry(path: Path) -> tuple[dict[str, Any], torch.Tensor, int, int]:
+    """Read and verify an entry file; returns (header, raw bytes, payload offset, inode).
+
+    The inode lets a caller move aside exactly the file it read, never a fresh rewrite that
+    another process renamed into place meanwhile.
+    """
+    try:
+        fd = open_regular(path)
+    except NotARegularFile as exc:  # a FIFO or a device where an entry belongs: never opened for reading
+        raise CorruptEntry(str(exc)) from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        size, inode = st.st_size, st.st_ino
+        if size < len(MAGIC) + 4 + DIGEST_BYTES:
+            raise CorruptEntry(f"{size} bytes is too short for an entry", inode)
+        raw = torch.empty(size, dtype=torch.uint8)
+        buf = raw.numpy()
+        got = f.readinto(buf.data)
+        if got != size:
+            raise CorruptEntry(f"read {got} of {size} bytes", inode)
+    data = buf.data
+    if bytes(data[: len(MAGIC)]) != MAGIC:
+        raise CorruptEntry("bad magic", inode)
+    if hashlib.sha256(data[: size - DIGEST_BYTES]).digest() != bytes(data[size - DIGEST_BYTES :]):
+        raise CorruptEntry("digest mismatch", inode)
+    (head_len,) = struct.unpack("<I", bytes(data[len(MAGIC) : len(MAGIC) + 4]))
+    start = len(MAGIC) + 4
+    if start + head_len > size - DIGEST_BYTES:
+        raise CorruptEntry("header length out of range", inode)
+    try:
+        header = json.loads(bytes(data[start : start + head_len]))
+    except ValueError as exc:
+        raise CorruptEntry(f"header is not JSON: {exc}", inode) from None
+    if not isinstance(header, dict):
+        raise CorruptEntry("header is not an object", inode)
+    return header, raw, start + head_len, inode
+
+
+def entry_rows(header: dict[str, Any], raw: torch.Tensor, offset: int, spec: ModulationSpec | None) -> PlanRows:
+    try:
+        dtype = dtype_named(header["dtype"])
+        if dtype is None or dtype not in SUPPORTED_WEIGHT_DTYPES:
+            raise CorruptEntry(f"unknown dtype {header['dtype']!r}")
+        names = [str(name) for name in header.get("parts", part_names(2))]
+        shapes = [[int(v) for v in header[f"{name}_shape"]] for name in names]
+        key = tuple(int(v) for v in header["key"])
+        timesteps = torch.tensor(header["timesteps"], dtype=torch.float32)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CorruptEntry(f"header lacks a field: {exc}") from None
+    columns = timesteps.shape[1] if timesteps.dim() == 2 else 1
+    n = len(key) // columns
+    if spec is not None:
+        want = [[n, *part.shape] for part in spec.table_parts()]
+        if dtype != spec.dtype or shapes != want or columns != spec.plan_columns:
+            shown = "/".join(str(shape) for shape in shapes)
+            raise CorruptEntry(f"geometry {shown} {dtype} does not match the spec")
+    if not shapes or any(not shape or shape[0] != n for shape in shapes):
+        raise CorruptEntry("part shapes disagree with the plan")
+    item = torch.empty((), dtype=dtype).element_size()
+    sizes = [item * math.prod(shape) for shape in shapes]
+    if offset + sum(sizes) != raw.numel() - DIGEST_BYTES:
+        raise CorruptEntry("payload size disagrees with the header")
+    parts = []
+    for size, shape in zip(sizes, shapes):
+        parts.append(raw[offset : offset + size].view(dtype).view(shape))
+        offset += size
+    return PlanRows(key_to_plan(key, columns), *parts)
+
+
+# -- the store ----------------------------------------------------------------------------------
+
 
 _SUFFIX = ".entry"
 _TMP_PREFIX = ".tmp-"
@@ -92,6 +243,11 @@ def _fsync_dir(path: Path) -> None:
             os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _check_max_bytes(max_bytes: Any, what: str) -> None:
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
+        raise ConfigError(f"max_bytes must be {what}, got {max_bytes!r} (CLI {flag('max_bytes')})")
 
 
 def _pid_alive(pid: int) -> bool:
@@ -142,8 +298,8 @@ class Store:
         lock_wait_s: float = 600.0,
         lock_stale_s: float = 30.0,
     ) -> None:
-        if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0):
-            raise ConfigError(f"max_bytes must be None or an integer >= 0, got {max_bytes!r} (CLI {flag('max_bytes')})")
+        if max_bytes is not None:
+            _check_max_bytes(max_bytes, "None or an integer >= 0")
         for name, value in (("lock_wait_s", lock_wait_s), ("lock_stale_s", lock_stale_s)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
                 raise ConfigError(f"{name} must be a number of seconds >= 0, got {value!r} (CLI {flag('lock_wait_s')})")
@@ -175,7 +331,7 @@ class Store:
             for sub in ("bindings", "entries", "corrupt"):
                 (self.path / sub).mkdir(parents=True, exist_ok=True)
             if not marker.exists():
-                self._atomic_write(marker, f"adalncache store format {FORMAT_VERSION}\n".encode())
+                self.write_atomic(marker, f"adalncache store format {FORMAT_VERSION}\n".encode())
         except OSError as exc:
             raise ConfigError(
                 f"cannot use {self.path} as a store directory: {exc} (set store= / CLI {flag('store')})"
@@ -217,14 +373,8 @@ class Store:
         return final.with_name(f"{_TMP_PREFIX}{self._host}-{os.getpid()}-{uuid.uuid4().hex}-{final.name}")
 
     def write_atomic(self, final: Path, *chunks: bytes | memoryview) -> None:
-        """Write ``chunks`` to ``final`` (inside the store) so that readers see either nothing or all of it.
-
-        The one atomic writer of the store's files (entries, bindings, the digest memo).
-        """
-        self._atomic_write(final, *chunks)
-
-    def _atomic_write(self, final: Path, *chunks: bytes | memoryview) -> None:
-        """Write ``chunks`` to ``final`` so that readers see either nothing or all of it."""
+        """Write ``chunks`` to ``final`` (inside the store) so that readers see either nothing or all of it:
+        the one atomic writer of the store's files (entries, bindings, the digest memo)."""
         tmp = self._temp_name(final)
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -257,7 +407,6 @@ class Store:
         for root in roots:
             for tmp in root.glob(_TMP_PREFIX + "*"):
                 parts = tmp.name[len(_TMP_PREFIX) :].split("-")
-                orphan = False
                 try:
                     age = now - tmp.stat().st_mtime
                 except OSError:
@@ -280,7 +429,7 @@ class Store:
     def _ensure_binding(self, binding: Mapping[str, Any], bhash: str) -> None:
         target = self.path / "bindings" / f"{bhash}.json"
         if not target.exists():
-            self._atomic_write(target, json.dumps(binding, sort_keys=True, indent=1, default=str).encode())
+            self.write_atomic(target, json.dumps(binding, sort_keys=True, indent=1, default=str).encode())
         (self.path / "entries" / bhash).mkdir(parents=True, exist_ok=True)
 
     def put(self, binding: Mapping[str, Any], key: PlanKey, rows: PlanRows) -> Path:
@@ -289,7 +438,7 @@ class Store:
         self._ensure_binding(binding, bhash)
         chunks = encode_entry(bhash, key, rows)
         path = self._entry_path(bhash, key)
-        self._atomic_write(path, *chunks)
+        self.write_atomic(path, *chunks)
         if self.max_bytes is not None:
             self.prune(self.max_bytes, keep={path})
         return path
@@ -414,8 +563,7 @@ class Store:
 
     def prune(self, max_bytes: int, *, keep: Iterable[Path] = ()) -> int:
         """Delete least-recently-used entries until they total at most ``max_bytes``; returns how many."""
-        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
-            raise ConfigError(f"max_bytes must be an integer >= 0, got {max_bytes!r} (CLI {flag('max_bytes')})")
+        _check_max_bytes(max_bytes, "an integer >= 0")
         protected = set(keep)
         listed = self.entries()
         total = sum(e.size for e in listed)
@@ -444,4 +592,145 @@ class Store:
         return removed
 
 
-__all__ = ["MAGIC", "EntryInfo", "Store", "StoredEntry", "binding_hash", "numeric_environment", "plan_hash"]
+# -- one build per fleet ------------------------------------------------------------------------
+
+
+#: Seconds between a holder's heartbeats.
+HEARTBEAT_S = 1.0
+#: First and longest pause between a waiter's polls.
+POLL_S = (0.05, 0.5)
+
+
+class Claim:
+    """The entry locks this process holds for one build; :meth:`release` frees them (idempotent)."""
+
+    def __init__(self, held: dict[PlanKey, tuple[Path, int]]) -> None:
+        self.held = held
+        self._stop = threading.Event()
+        self._beat: threading.Thread | None = None
+        if held:
+            self._write_beat(0)
+            self._beat = threading.Thread(target=self._heartbeat, name="adalncache-lock-heartbeat", daemon=True)
+            self._beat.start()
+
+    def __bool__(self) -> bool:
+        return bool(self.held)
+
+    def _write_beat(self, count: int) -> None:
+        body = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "beat": count}).encode()
+        for _, fd in self.held.values():
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, body, 0)
+                os.fsync(fd)
+
+    def _heartbeat(self) -> None:
+        count = 0
+        while not self._stop.wait(HEARTBEAT_S):
+            count += 1
+            self._write_beat(count)
+
+    def drop(self, keys: list[PlanKey]) -> None:
+        """Release the locks of ``keys`` now (their entries turned out to exist already)."""
+        for key in keys:
+            if key in self.held:
+                _release(*self.held.pop(key))
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._beat is not None:
+            self._beat.join()
+            self._beat = None
+        for path, fd in self.held.values():
+            _release(path, fd)
+        self.held = {}
+
+
+NO_CLAIM = Claim({})
+
+
+def _release(path: Path, fd: int) -> None:
+    # Unlink while holding: a waiter holding the old inode then sees the path changed and retries.
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+    with contextlib.suppress(OSError):
+        os.close(fd)
+
+
+def _try_lock(path: Path) -> int | None:
+    """A descriptor of ``path`` locked exclusively by this process, or None if another holds it."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        os.close(fd)
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            return None
+        raise
+    try:
+        same = os.stat(path).st_ino == os.fstat(fd).st_ino
+    except FileNotFoundError:
+        same = False
+    if not same:  # the previous holder released (unlinked) it between our open and our lock
+        os.close(fd)
+        return _try_lock(path)
+    return fd
+
+
+class BuildLocks:
+    """The lock files of one store (see the module docstring)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def path(self, bhash: str, phash: str) -> Path:
+        return self.root / bhash / f"{phash}.lock"
+
+    def try_claim(self, bhash: str, keys: dict[PlanKey, str]) -> tuple[Claim, list[PlanKey]]:
+        """Lock every key this process can (``keys``: key -> plan hash); returns the claim and the keys others hold."""
+        (self.root / bhash).mkdir(parents=True, exist_ok=True)
+        held: dict[PlanKey, tuple[Path, int]] = {}
+        busy: list[PlanKey] = []
+        # The gate makes the attempt on all entries one step: two processes asking for the same
+        # plans at the same instant cannot each get half of them (and both build). It is held for
+        # the attempts only, never while building; a process that dies holding it releases it.
+        gate = os.open(self.root / bhash / ".gate", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(gate, fcntl.LOCK_EX)
+            for key, phash in sorted(keys.items(), key=lambda item: item[1]):
+                path = self.path(bhash, phash)
+                fd = _try_lock(path)
+                if fd is None:
+                    busy.append(key)
+                else:
+                    held[key] = (path, fd)
+        except BaseException:
+            for path, fd in held.values():
+                _release(path, fd)
+            raise
+        finally:
+            os.close(gate)
+        return Claim(held), busy
+
+    def beat(self, bhash: str, phash: str) -> bytes | None:
+        """The current content of a lock file (its holder's heartbeat), or None if there is none."""
+        try:
+            return self.path(bhash, phash).read_bytes()
+        except OSError:
+            return None
+
+
+class Staleness:
+    """Whether a holder's heartbeat has stopped, judged on this process's monotonic clock."""
+
+    def __init__(self, stale_s: float) -> None:
+        self.stale_s = stale_s
+        self._seen: bytes | None = None
+        self._since = time.monotonic()
+
+    def stale(self, beat: bytes | None) -> bool:
+        now = time.monotonic()
+        if beat != self._seen:
+            self._seen, self._since = beat, now
+            return False
+        return now - self._since > self.stale_s

@@ -30,7 +30,8 @@ from typing import Any
 
 import torch
 
-from ..source import CheckpointFiles, checkpoint_files, resident_fraction
+from ..source.files import CheckpointFiles, checkpoint_files
+from ..source.reads import resident_fraction
 
 #: The tensors the cache serves, in either layout: every block's projection, the output layer's,
 #: and the time embedder (MiniMax-H3's; Qwen-Image's ``img_mod.1``, ``txt_mod.1`` and timestep embedder;

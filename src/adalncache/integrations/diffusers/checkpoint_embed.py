@@ -27,7 +27,7 @@ from torch import nn
 
 from ...errors import CheckpointError
 from ...families import adaln_zero
-from ...source import CheckpointSource
+from ...source.checkpoint import CheckpointSource
 from ...spec import ModulationSpec
 from .adaln_zero import embed_input
 from .loading import _build_on_meta, _load_config, _transformer_class

@@ -26,7 +26,7 @@ from ... import TensorSource
 from ...cache import PlanHold
 from ...devices import HostBuffer
 from ...errors import CheckpointError, ConfigError
-from ...source.absent import NoWeights
+from ...source.memory import NoWeights
 from .callbacks import BuildCallbacks
 from .casting import casting_guard, settle_casting
 from .choice import SourceChoice, choose_source

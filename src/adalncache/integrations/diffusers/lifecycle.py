@@ -27,7 +27,7 @@ import torch
 
 from ...cache import PlanHold
 from ...errors import ConfigError
-from ...numerics import autocast_dtype
+from ...identity import autocast_dtype
 from ...plans import PlanKey, plan_key
 from .modules import execution_device
 from .overlap import BackgroundPasses, split_pays

@@ -13,7 +13,7 @@ projections (and, where the cache stands in for it, the time embedder) go throug
 as *meta* tensors, so their placeholders get exactly the stock dtype while no byte of them is
 read or allocated; the cache reads them from the checkpoint in rebuild passes only.
 
-Bytes come from :class:`~adalncache.source.mapped.MappedFile`: the files are mapped like torch
+Bytes come from :class:`~adalncache.source.reads.MappedFile`: the files are mapped like torch
 maps them (so each loaded tensor sits where a stock load puts it, modulo the page size) but with
 read-around off, so the load reads the loaded tensors' pages and nothing else.
 
@@ -40,8 +40,8 @@ from typing_extensions import Unpack
 from ... import CheckpointSource, families
 from ...errors import CheckpointError, ConfigError
 from ...options import CacheKwargs, option_keywords
-from ...source import CheckpointFiles, SafetensorsHeader, checkpoint_files
-from ...source.mapped import MappedFile
+from ...source.files import CheckpointFiles, SafetensorsHeader, checkpoint_files
+from ...source.reads import MappedFile
 from ...spec import KeyLayout, Layer, ModulationSpec
 from .config import AdalnCacheConfig, CacheOptions, CheckpointArg, OnMiss
 from .family import DIFFUSERS, DiffusersFamily

@@ -51,7 +51,7 @@ from typing import Any
 
 from ...cache import PlanHold
 from ...plans import PlanKey
-from ...source import CheckpointSource
+from ...source.checkpoint import CheckpointSource
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ back from a copy or a file is placed at the address the original had, modulo 64.
 
 ``state_dict()`` on a parked module carries the real weights (``save_pretrained`` must never write
 a model without its projections): tensors read back from a checkpoint are lazy views of the file
-(:class:`~adalncache.source.mapped.MappedFile`), so a caller that only collects the state dict
+(:class:`~adalncache.source.reads.MappedFile`), so a caller that only collects the state dict
 (accelerate's ``cpu_offload`` does) reads none of their bytes. ``load_state_dict()`` into a parked
 weight is refused.
 """
@@ -35,8 +35,7 @@ import torch
 from torch import nn
 
 from ...errors import ConfigError
-from ...source import ALIGNMENT, aligned_empty
-from ...source.mapped import MappedFile
+from ...source.reads import ALIGNMENT, MappedFile, aligned_empty
 from ...spec import Layer
 from .modules import swapped_parameters
 from .quantized import is_plain_tensor

@@ -31,7 +31,7 @@ import torch
 
 from ...cache import PlanHold
 from ...errors import PlanMismatchError
-from ...numerics import autocast_dtype
+from ...identity import autocast_dtype
 from ...plans import PlanKey
 
 

@@ -18,9 +18,10 @@ import torch
 from ... import AdalnCache, CheckpointSource, TensorSource
 from ...devices import HostBuffer, host_tensor_like
 from ...errors import CheckpointError, ConfigError
-from ...identity.digest import DigestSink
-from ...source import Columns, LayerWeights, SafetensorsHeader, TensorEntry, WeightSource
-from ...source.absent import NoWeights
+from ...identity import DigestSink
+from ...source import Columns, LayerWeights, WeightSource
+from ...source.files import SafetensorsHeader, TensorEntry
+from ...source.memory import NoWeights
 from ...spec import KeyLayout, Layer, ModulationSpec
 from ...tiers.tables import TablesArg, TablesTier
 from .family import diffusers_layout, projection_path

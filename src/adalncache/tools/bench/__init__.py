@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from ...devices import resolve_device
-from ...source import CheckpointSource
+from ...source.checkpoint import CheckpointSource
 from ...spec import ModulationSpec
 from .models import bench_deploy, bench_first_request, bench_forward, bench_qwen
 from .passes import bench_build_latency, bench_memory, bench_pass, bench_qwen_pass, bench_store, bench_tables

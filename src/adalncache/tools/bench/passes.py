@@ -22,11 +22,11 @@ from typing import Any
 import torch
 
 from ...cache import AdalnCache
-from ...identity.memo import forget_process_memo
+from ...identity.binding import forget_process_memo
 from ...offline import export_tables
 from ...plans import plan_key
 from ...rebuild import TILE_ROWS, verdicts
-from ...source import CheckpointSource
+from ...source.checkpoint import CheckpointSource
 from ...spec import ModulationSpec
 from ..measure import drop_page_cache, meminfo, proc_status, timed
 from .primitives import (

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from ...cache import AdalnCache
 from ...plans import PlanKey, plan_key
 from ...rebuild import clear_verdicts
-from ...source import aligned_empty, pread_into
+from ...source.reads import aligned_empty, pread_into
 from ...spec import Layer, ModulationSpec
 from ..measure import sync_device, timed
 from .workload import PlanInputs

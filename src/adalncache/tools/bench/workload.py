@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from ...families import qwen_image
 from ...plans import PlanKey, distinct_plans, plan_key
-from ...source import LazyTensor, write_safetensors
+from ...source.files import LazyTensor, write_safetensors
 from ...spec import ModulationSpec
 
 log = logging.getLogger(__name__)
