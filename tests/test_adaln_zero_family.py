@@ -220,15 +220,16 @@ def test_a_forward_without_an_input_the_config_enables_has_no_plan() -> None:
 )
 def test_the_meta_device_sizes_are_the_real_models_bytes(name: str) -> None:
     """The README's served bytes and shares (counted on meta) are what a real bf16 model of that config holds."""
-    from family_sizes import measure
+    from adalncache.fit import count_model, recipes
 
-    sizes = measure(name, tiny.config(name))
+    counted = count_model({"_class_name": name, **tiny.config(name)}, source=name, label="tiny")
+    sizes = counted.footprint(recipes()["bf16"])
     model = tiny.build(name, dtype=torch.bfloat16)
     geometry = integration.model_geometry(model)
     served = {p for layer in geometry.layers for p in model.get_submodule(str(layer.id)).parameters()}
-    assert sizes.served_bytes == sum(p.numel() * p.element_size() for p in served)
-    assert sizes.total_bytes == sum(p.numel() * p.element_size() for p in model.parameters())
-    assert sizes.served_layers == len(geometry.layers) and 0 < sizes.share < 1
+    assert sizes.served == sum(p.numel() * p.element_size() for p in served)
+    assert sizes.total == sum(p.numel() * p.element_size() for p in model.parameters())
+    assert len(counted.spec.layers()) == len(geometry.layers) and 0 < sizes.served < sizes.total
 
 
 def test_classes_of_the_same_module_names_have_distinct_table_identities() -> None:

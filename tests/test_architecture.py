@@ -38,7 +38,7 @@ import pytest
 PACKAGE = "adalncache"
 SRC = Path(__file__).resolve().parents[1] / "src" / PACKAGE
 
-CLI = {"adalncache.cli", "adalncache.commands", "adalncache.__main__"}
+CLI = {"adalncache.cli", "adalncache.commands", "adalncache.fit", "adalncache.__main__"}
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from .errors import AdalnCacheError
 _COMMAND_MODULES = (
     "adalncache.tools.demo",
     "adalncache.commands",
+    "adalncache.fit",
     "adalncache.tools.bench",
 )
 
