@@ -206,7 +206,7 @@ def test_bench_deploy_section_measures_what_the_load_never_reads(tmp_path: Path)
     assert any(n.startswith("peak resident memory of load + enable") for n in names)
     assert any(n.startswith("checkpoint bytes read by the load") for n in names)
     assert any(n.startswith("bytes onloaded per forward by group offloading") for n in names)
-    rows = {row["mode"]: row for row in deploy["card_table"]}
+    rows = {row["placement"]: row for row in deploy["card_table"]}
     assert rows["resident"]["with_cache_bytes"] < rows["resident"]["without_cache_bytes"]
     assert any("arithmetic, not measurement" in note for note in data["notes"])
 

@@ -22,6 +22,7 @@ from adalncache.fit import (
     Footprint,
     Parameter,
     count_model,
+    open_model,
     recipes,
     released_model,
 )
@@ -95,10 +96,10 @@ def write_pipeline(root: Path, class_name: str, config: dict[str, Any]) -> Path:
 @pytest.mark.parametrize("name", list(RELEASED))
 def test_every_released_model_is_counted_as_the_meta_device_holds_it(name: str) -> None:
     """Served and total parameters and bf16 bytes equal a count made here on the meta device, for every class."""
-    released = RELEASED[name]
+    class_name, overrides, _, _ = RELEASED[name]
     model = released_model(name)
-    served, total, served_bytes, total_bytes = independent_count(released.class_name, dict(released.overrides))
-    assert (model.served_parameters, model.total_parameters) == (served, total)
+    served, total, served_bytes, total_bytes = independent_count(class_name, dict(overrides))
+    assert (model.count(served=True), model.count()) == (served, total)
     bf16 = model.footprint(recipes()["bf16"])
     assert (bf16.served, bf16.total) == (served_bytes, total_bytes)
     assert len(model.spec.layers()) == len(model.served_paths) > 0
@@ -109,10 +110,10 @@ def test_every_supported_class_is_one_released_name() -> None:
     from adalncache import families
 
     classes = {name for family in families.FAMILIES.values() for name in family.class_names}
-    assert sorted(r.class_name for r in RELEASED.values()) == sorted(classes)
+    assert sorted(class_name for class_name, _, _, _ in RELEASED.values()) == sorted(classes)
 
 
-@pytest.mark.parametrize("class_name", sorted({r.class_name for r in RELEASED.values()}))
+@pytest.mark.parametrize("class_name", sorted(class_name for class_name, _, _, _ in RELEASED.values()))
 def test_every_class_through_the_command(class_name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A pipeline's root, the transformer directory and its bare config.json give the same counts, which are the
     meta device's; the released name runs too."""
@@ -125,7 +126,7 @@ def test_every_class_through_the_command(class_name: str, tmp_path: Path, capsys
         found = json.loads(out)["model"]
         assert (found["class"], found["served_parameters"], found["parameters"]) == (class_name, served, total)
         assert found["stored"] is None
-    name = next(n for n, r in RELEASED.items() if r.class_name == class_name)
+    name = next(n for n, released in RELEASED.items() if released[0] == class_name)
     code, out, _ = run(["--released", name], capsys)
     assert code == 0 and class_name in out and "Not counted:" in out
 
@@ -250,8 +251,9 @@ def test_the_tables_are_the_slab_of_the_requests_plans(tmp_path: Path, capsys: p
         assert code == 0, err
         data = json.loads(out)
         found = data["tables"]
-        plans, rows, row_bytes = found["plans"], found["rows_per_plan"], found["row_bytes"]
-        assert data["rows"][0]["table_bytes"] >= (plans + 1) * rows * row_bytes  # the slab: one poison slot more
+        model = open_model(argv[0])[0] if not argv[0].startswith("--") else released_model(argv[1])
+        assert data["rows"][0]["table_bytes"] == model.spec.slab_bytes(found["plans"], found["rows_per_plan"])
+        assert found["row_bytes"] == model.spec.row_bytes
         return found
 
     qwen = {**tiny_config("QwenImageTransformer2DModel"), **VARIANTS["zero-cond"]}
@@ -318,6 +320,10 @@ def test_the_json_holds_every_number(capsys: pytest.CaptureFixture[str]) -> None
         assert row["saved_bytes"] == row["without_cache_bytes"] - row["with_cache_bytes"]
         assert set(row["fits_without"]) == set(row["fits_with"]) == {"16", "24", "48", "80"}
         assert all(isinstance(row[k], int) for k in ("without_cache_bytes", "with_cache_bytes", "table_bytes"))
+    code, out, _ = run(["--released", "all", "--json", "--recipe", "bf16", "--steps", "20"], capsys)
+    every = json.loads(out)
+    assert code == 0 and [m["model"]["class"] for m in every] == [r[0] for r in RELEASED.values()]
+    assert all(len(m["rows"]) == len(PLACEMENTS) and m["tables"]["plans"] in (19, 20) for m in every)
 
 
 def test_the_readme_tables_are_what_the_command_prints(capsys: pytest.CaptureFixture[str]) -> None:

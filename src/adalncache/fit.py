@@ -1,27 +1,24 @@
 """``adalncache fit MODEL``: what a recipe needs on a card, without and with the cache.
 
-Why a command: whether a model fits a card is the first question a user asks, and the answer
-depends on the recipe (bf16, 8-bit or 4-bit weight-only, a GGUF type), on the placement (resident,
-or diffusers' block-level group offloading) and on the tables of the requests served. It is
-counted, never guessed from a parameter count: the transformer is built on the meta device from its
-``config.json`` (no memory, no weights), each parameter is sized under each recipe's rules, the
-served projections are the cache's own geometry (:meth:`ModulationSpec.from_transformer`, never a
-second list), and the tables are what the slab holds for the request's distinct plans
-(:meth:`ModulationSpec.slab_bytes`). Nothing is read but the config and the safetensors headers;
-nothing is written or downloaded.
-
-The same counts print the README's tables of supported models and of cards (``--released all``),
-so the numbers a user reads there are the ones a test compares with meta-device counts.
+Whether a model fits a card depends on the recipe (bf16, 8-bit or 4-bit weight-only, a GGUF type),
+the placement (resident, or diffusers' block-level group offloading) and the tables of the requests
+served. So it is counted, not guessed from a parameter count: the transformer is built on the meta
+device from its ``config.json`` (no memory, no weights), each parameter is sized under each recipe,
+the served projections are the cache's own geometry (:meth:`ModulationSpec.from_transformer`, never
+a second list), and the tables are what the slab holds for the request's distinct plans
+(:meth:`ModulationSpec.slab_bytes`). Nothing is read but the config and the safetensors headers.
+The README's tables of supported models and of cards are this module's output (``--released all``).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import functools
 import json
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,95 +30,69 @@ from .errors import ConfigError
 from .spec import ModulationSpec
 
 GiB = 2**30
-
-#: The cards checked, in GiB of device memory.
+#: The cards checked, in GiB of device memory, and what each keeps free unless ``--reserve-gb`` says.
 CARDS_GIB = (16, 24, 48, 80)
-#: What a card keeps free for activations, the CUDA context and allocator slack unless ``--reserve-gb`` says.
 DEFAULT_RESERVE_GIB = 2.0
-#: The default request: this many steps (the family's first task where it has tasks), batch 1.
+#: The default request: this many steps (the family's first task, where it has tasks), batch 1.
 DEFAULT_STEPS = 50
-
 NOT_COUNTED = (
     "activations at the chosen image or video size, the text encoder and the VAE (a pipeline may offload them), "
-    "the model's buffers (rotary tables and the like), and the host memory an offloaded placement needs"
+    "the model's buffers, and the host memory an offloaded placement needs"
 )
 
-
-@dataclass(frozen=True)
-class Released:
-    """A released model by name: its transformer class and the config values it differs from the class defaults
-    in; ``note``: what the config is, for the tables (where the class defaults are not the release, say so)."""
-
-    name: str
-    class_name: str
-    overrides: Mapping[str, Any] = field(default_factory=dict)
-    note: str = "released sizes (the class defaults)"
-    keyed: str = ""
-
-
-#: One released model per supported class: the configs the README's tables are printed for.
-RELEASED: dict[str, Released] = {
-    r.name: r
-    for r in (
-        Released("minimax-h3", "MiniMaxH3Transformer3DModel", keyed=" (a step's distinct timesteps)"),
-        Released(
-            "qwen-image",
-            "QwenImageTransformer2DModel",
-            note="Qwen-Image; Edit, Edit-2511 and Layered have its sizes",
-            keyed=" (Layered: plus `additional_t_cond`)",
-        ),
-        Released(
-            "hunyuanimage-2.1",
-            "HunyuanImageTransformer2DModel",
-            keyed=", plus `timestep_r` and `guidance` where the config enables `use_meanflow`, `guidance_embeds`",
-        ),
-        Released("motif-video", "MotifVideoTransformer3DModel"),
-        Released(
-            "bria", "BriaTransformer2DModel", note="class defaults (Flux-sized; the released 4B model is about a third)"
-        ),
-        Released(
-            "longcat-image",
-            "LongCatImageTransformer2DModel",
-            note="class defaults (Flux-sized; the released 6B model is about half)",
-        ),
-        Released(
-            "hunyuanvideo-1.5",
-            "HunyuanVideo15Transformer3DModel",
-            keyed=", plus `timestep_r` where the config enables `use_meanflow`",
-        ),
-        Released("auraflow", "AuraFlowTransformer2DModel"),
-        Released(
-            "bria-fibo",
-            "BriaFiboTransformer2DModel",
-            {"num_layers": 8},
-            note="released: 8 double blocks (`num_layers=8`)",
-            keyed=", plus `guidance` where the config enables `guidance_embeds`",
-        ),
-        Released("ovis-image", "OvisImageTransformer2DModel"),
-    )
+#: One released model per supported class, by name: (class, config values other than the class defaults,
+#: what the config is, what else keys its tables). The README's tables are printed for these.
+RELEASED: dict[str, tuple[str, dict[str, Any], str, str]] = {
+    "minimax-h3": ("MiniMaxH3Transformer3DModel", {}, "released sizes", " (a step's distinct timesteps)"),
+    "qwen-image": (
+        "QwenImageTransformer2DModel",
+        {},
+        "released sizes (also Edit, Edit-2511, Layered)",
+        " (Layered: plus `additional_t_cond`)",
+    ),
+    "hunyuanimage-2.1": (
+        "HunyuanImageTransformer2DModel",
+        {},
+        "released sizes",
+        ", with `use_meanflow` / `guidance_embeds` plus `timestep_r` / `guidance`",
+    ),
+    "motif-video": ("MotifVideoTransformer3DModel", {}, "released sizes", ""),
+    "bria": ("BriaTransformer2DModel", {}, "class defaults (Flux-sized; the released 4B is about a third)", ""),
+    "longcat-image": (
+        "LongCatImageTransformer2DModel",
+        {},
+        "class defaults (Flux-sized; the released 6B about half)",
+        "",
+    ),
+    "hunyuanvideo-1.5": (
+        "HunyuanVideo15Transformer3DModel",
+        {},
+        "released sizes",
+        ", with `use_meanflow` plus `timestep_r`",
+    ),
+    "auraflow": ("AuraFlowTransformer2DModel", {}, "released sizes", ""),
+    "bria-fibo": (
+        "BriaFiboTransformer2DModel",
+        {"num_layers": 8},
+        "released: 8 double blocks (`num_layers=8`)",
+        ", with `guidance_embeds` plus `guidance`",
+    ),
+    "ovis-image": ("OvisImageTransformer2DModel", {}, "released sizes", ""),
 }
-
-
-# ---------------------------------------------------------------------------------------------
-# what is counted
 
 
 @dataclass(frozen=True)
 class Parameter:
-    """One parameter of the transformer, with what the recipes and placements ask of it.
-
-    ``linear``: the weight of an ``nn.Linear`` (what weight-only quantizers replace); ``fp32``: in
-    a module the class keeps in fp32 (``_keep_in_fp32_modules``, which loaders and quantizers leave
-    alone); ``block``: the block group offloading moves it with (``transformer_blocks.3``), None
-    outside the blocks; ``served``: a parameter of a projection the cache serves.
-    """
+    """One parameter and what the recipes and placements ask of it: ``linear``, the weight of an ``nn.Linear``
+    (what weight-only quantizers replace); ``fp32``, in a module the class keeps in fp32; ``block``, the block
+    group offloading moves it with (None outside the blocks); ``served``, of a projection the cache serves."""
 
     name: str
     shape: tuple[int, ...]
-    linear: bool
-    fp32: bool
-    block: str | None
-    served: bool
+    linear: bool = False
+    fp32: bool = False
+    block: str | None = None
+    served: bool = False
 
     @property
     def numel(self) -> int:
@@ -129,148 +100,119 @@ class Parameter:
 
 
 @dataclass(frozen=True)
-class Stored:
-    """What the safetensors headers beside the config say: bytes per tensor and dtype, and any quantization."""
-
-    files: int
-    tensors: tuple[tuple[str, int], ...]
-    dtypes: Mapping[str, int]
-    quantized: str | None
-    projection_dtype: torch.dtype
-
-
-@dataclass(frozen=True)
 class Model:
-    """The transformer counted on the meta device: every parameter, the served spec, the headers if any.
+    """The transformer counted on the meta device, and what the safetensors headers beside it say, if read.
 
-    ``block_lists``: the model's top-level ``ModuleList`` / ``Sequential`` children, whose items are
-    the blocks block-level group offloading moves one at a time.
+    ``block_lists``: its top-level ``ModuleList`` / ``Sequential`` children, whose items are the
+    blocks of block-level group offloading. ``stored``: (tensor name, bytes) from the headers;
+    ``dtypes``: stored bytes per dtype; ``quantized``: why the checkpoint counts as quantized;
+    ``stored_dtype``: the served projections' stored dtype (their tables' as stored).
     """
 
     class_name: str
     family: str
-    source: str
-    config: str
     parameters: tuple[Parameter, ...]
     spec: ModulationSpec
     served_paths: frozenset[str]
     block_lists: frozenset[str]
-    stored: Stored | None = None
+    source: str = ""
+    config: str = ""
+    stored: tuple[tuple[str, int], ...] | None = None
+    dtypes: Mapping[str, int] | None = None
+    quantized: str | None = None
+    stored_dtype: torch.dtype = torch.bfloat16
 
-    @property
-    def served_parameters(self) -> int:
-        return sum(p.numel for p in self.parameters if p.served)
-
-    @property
-    def total_parameters(self) -> int:
-        return sum(p.numel for p in self.parameters)
+    def count(self, served: bool | None = None) -> int:
+        """Parameters (of the served projections only, or of the rest only)."""
+        return sum(p.numel for p in self.parameters if served is None or p.served == served)
 
     def footprint(self, recipe: Recipe) -> Footprint:
-        """Where ``recipe``'s bytes sit; the stored recipe's come from the headers, by tensor name."""
+        """Where ``recipe``'s bytes sit; the stored recipe's are the headers', placed by tensor name."""
         if recipe.name != STORED or self.stored is None:
             return Footprint.of((p.block, p.served, recipe.size(p)) for p in self.parameters)
-        return Footprint.of((*self._where(name), nbytes) for name, nbytes in self.stored.tensors)
-
-    def _where(self, name: str) -> tuple[str | None, bool]:
-        """(block, served) of a stored tensor, by the module path its name starts with."""
-        parts = name.split(".")
-        served = any(".".join(parts[:k]) in self.served_paths for k in range(1, len(parts)))
-        return (".".join(parts[:2]) if parts[0] in self.block_lists and len(parts) > 2 else None), served
+        placed = []
+        for name, nbytes in self.stored:
+            parts = name.split(".")
+            served = any(".".join(parts[:k]) in self.served_paths for k in range(1, len(parts)))
+            block = ".".join(parts[:2]) if parts[0] in self.block_lists and len(parts) > 2 else None
+            placed.append((block, served, nbytes))
+        return Footprint.of(placed)
 
 
 @functools.lru_cache(maxsize=32)
 def _counted(class_name: str, config_json: str) -> Model:
-    """``class_name`` built on the meta device from the config, counted (per process: the released
-    MiniMax-H3 takes a second or two to construct, and the tests count every class several times)."""
+    """``class_name`` built on meta from the config and counted, once per process (the released
+    MiniMax-H3 takes a second or two to build, and the tests count every class several times)."""
     import diffusers
     from torch import nn
 
     cls = getattr(diffusers, class_name, None)
     if cls is None:
-        raise ConfigError(
-            f"diffusers {diffusers.__version__} has no {class_name}: install the version the cache supports"
-        )
+        raise ConfigError(f"diffusers {diffusers.__version__} has no {class_name}: install the one the cache supports")
     try:
         with torch.device("meta"):
             model = cls.from_config(json.loads(config_json))
     except (TypeError, ValueError, KeyError, AttributeError, RuntimeError) as exc:
         raise ConfigError(f"its config.json cannot build a {class_name}: {type(exc).__name__}: {exc}") from None
     spec = ModulationSpec.from_transformer(model, dtype=torch.bfloat16)
-    diffusers_names = spec.layout("diffusers")  # every family's served modules by their diffusers paths
-    served = frozenset(diffusers_names.prefix(layer) for layer in spec.layers())
+    names = spec.layout("diffusers")  # every family's served modules by their diffusers paths
+    served = frozenset(names.prefix(layer) for layer in spec.layers())
     modules = dict(model.named_modules())
-    keep = tuple(getattr(cls, "_keep_in_fp32_modules", None) or ())
-    lists = frozenset(
-        name for name, child in model.named_children() if isinstance(child, (nn.ModuleList, nn.Sequential))
-    )
+    keep = getattr(cls, "_keep_in_fp32_modules", None) or ()
+    lists = frozenset(n for n, child in model.named_children() if isinstance(child, (nn.ModuleList, nn.Sequential)))
     parameters = []
     for name, param in model.named_parameters():
         module, _, leaf = name.rpartition(".")
         parts = name.split(".")
-        parameters.append(
-            Parameter(
-                name,
-                tuple(param.shape),
-                linear=leaf == "weight" and isinstance(modules.get(module), nn.Linear),
-                fp32=any(k in parts for k in keep),
-                block=".".join(parts[:2]) if parts[0] in lists else None,
-                served=module in served,
-            )
-        )
+        linear = leaf == "weight" and isinstance(modules.get(module), nn.Linear)
+        block = ".".join(parts[:2]) if parts[0] in lists else None
+        fp32 = any(k in parts for k in keep)
+        parameters.append(Parameter(name, tuple(param.shape), linear, fp32, block, module in served))
     family = families.for_class(class_name).name
-    return Model(class_name, family, "", "", tuple(parameters), spec, served, lists)
+    return Model(class_name, family, tuple(parameters), spec, served, lists)
 
 
 def count_model(config: Mapping[str, Any], *, source: str, label: str, weights: Path | None = None) -> Model:
-    """The model a ``config.json`` describes, counted on the meta device. ``source`` and ``label`` say where
-    it came from; ``weights``: the directory whose safetensors headers say how it is stored (None: the
-    config alone). A class the cache refuses, or does not know: the family registry's ConfigError."""
+    """The model a ``config.json`` describes, counted; ``weights``: the directory whose safetensors headers
+    say how it is stored (None: the config alone). A refused or unknown class: the family registry's
+    ConfigError."""
     class_name = config.get("_class_name")
     if not isinstance(class_name, str):
         raise ConfigError(f"{source}: its config has no _class_name, so it is not a diffusers transformer's")
     families.for_class(class_name)  # refused or unknown: one line naming the class and why
-    counted = {k: v for k, v in config.items() if k != "quantization_config"}
-    model = replace(_counted(class_name, json.dumps(counted, sort_keys=True)), source=source, config=label)
+    counted = json.dumps({k: v for k, v in config.items() if k != "quantization_config"}, sort_keys=True)
+    model = replace(_counted(class_name, counted), source=source, config=label)
     if weights is None or not any(weights.glob("*.safetensors")):
         return model
+    from .source.files import SafetensorsHeader, checkpoint_files
+
+    stored: dict[str, int] = {}
+    dtypes: dict[str, int] = {}
+    served: set[torch.dtype | None] = set()
+    for file in checkpoint_files(weights)[0]:
+        for name, entry in SafetensorsHeader.read(file).entries.items():
+            stored[name] = entry.nbytes
+            dtypes[entry.dtype] = dtypes.get(entry.dtype, 0) + entry.nbytes
+            if name.removesuffix(".weight") in model.served_paths:
+                served.add(entry.torch_dtype)
     quantization = config.get("quantization_config")
-    method = quantization.get("quant_method") if isinstance(quantization, Mapping) else None
-    return replace(model, stored=_stored(model, weights, f"quantization_config {method}" if method else None))
+    unusual = sorted(set(dtypes) - {"F32", "F16", "BF16"})
+    quantized = f"tensors of {', '.join(unusual)}" if unusual else None
+    if isinstance(quantization, Mapping):
+        quantized = f"quantization_config {quantization.get('quant_method')}"
+    dtype = served.pop() if len(served) == 1 else None
+    stored_dtype = dtype if dtype in (torch.float32, torch.float16) else torch.bfloat16
+    return replace(model, stored=tuple(stored.items()), dtypes=dtypes, quantized=quantized, stored_dtype=stored_dtype)
 
 
 def released_model(name: str) -> Model:
     """The released model ``name`` (:data:`RELEASED`), counted on the meta device."""
-    released = RELEASED[name]
-    config = {"_class_name": released.class_name, **released.overrides}
-    return count_model(config, source=f"released {name}", label=released.note)
-
-
-#: Safetensors dtypes of floating-point tensors a model computes with as they are stored.
-_FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-
-
-def _stored(model: Model, directory: Path, quantized: str | None) -> Stored:
-    """What the safetensors headers in ``directory`` say (their headers only: no tensor byte is read)."""
-    from .source.files import SafetensorsHeader, checkpoint_files
-
-    files, _ = checkpoint_files(directory)
-    tensors: dict[str, int] = {}
-    dtypes: dict[str, int] = {}
-    projection: torch.dtype | None = None
-    for file in files:
-        for name, entry in SafetensorsHeader.read(file).entries.items():
-            tensors[name] = entry.nbytes
-            dtypes[entry.dtype] = dtypes.get(entry.dtype, 0) + entry.nbytes
-            if projection is None and name.endswith(".weight") and name[: -len(".weight")] in model.served_paths:
-                projection = _FLOAT_DTYPES.get(entry.dtype)
-    unusual = sorted(d for d in dtypes if d not in _FLOAT_DTYPES)
-    if quantized is None and unusual:
-        quantized = f"tensors of {', '.join(unusual)}"
-    return Stored(len(files), tuple(tensors.items()), dtypes, quantized, projection or torch.bfloat16)
+    class_name, overrides, label, _ = RELEASED[name]
+    return count_model({"_class_name": class_name, **overrides}, source=f"released {name}", label=label)
 
 
 # ---------------------------------------------------------------------------------------------
-# recipes
+# recipes and placements
 
 
 @dataclass(frozen=True)
@@ -287,25 +229,20 @@ def _bf16(p: Parameter) -> int:
     return p.numel * (4 if p.fp32 else 2)
 
 
-def _quantized(p: Parameter) -> bool:
-    """Whether a weight-only quantizer replaces ``p``: an ``nn.Linear`` weight outside the fp32 modules."""
-    return p.linear and not p.fp32
+def _eight_bit(p: Parameter) -> int:
+    return p.numel + 4 * p.shape[0] if p.linear and not p.fp32 else _bf16(p)
 
 
 #: The 4-bit recipe's group: one fp32 scale per this many weights (bitsandbytes' NF4 / FP4 blocks).
 FOUR_BIT_GROUP = 64
 
 
-def _eight_bit(p: Parameter) -> int:
-    return p.numel + 4 * p.shape[0] if _quantized(p) else _bf16(p)
-
-
 def _four_bit(p: Parameter) -> int:
-    return (p.numel + 1) // 2 + 4 * -(-p.numel // FOUR_BIT_GROUP) if _quantized(p) else _bf16(p)
+    return (p.numel + 1) // 2 + 4 * -(-p.numel // FOUR_BIT_GROUP) if p.linear and not p.fp32 else _bf16(p)
 
 
-#: GGUF quantization types: (weights per block, bytes per block), the ``gguf`` package's
-#: ``GGML_QUANT_SIZES`` (used instead where it is installed; a test checks that the two agree).
+#: GGUF types: (weights per block, bytes per block), the ``gguf`` package's ``GGML_QUANT_SIZES`` (used
+#: instead where it is installed; a test checks that they agree).
 GGUF_TYPES: dict[str, tuple[int, int]] = {
     "Q8_0": (32, 34),
     "Q6_K": (256, 210),
@@ -318,8 +255,11 @@ GGUF_TYPES: dict[str, tuple[int, int]] = {
     "Q3_K": (256, 110),
     "Q2_K": (256, 84),
 }
-#: city96's converter keeps tensors of at most this many elements in F32.
-GGUF_SMALL = 1024
+GGUF_RULE = (
+    "converted as city96's tools convert a bf16 model: every `*weight` tensor of 2 to 4 dimensions in the type, "
+    "F16 where its rows (last dimension) are not a multiple of the type's block; 1-D tensors and those of at most "
+    "1024 elements F32; the rest bf16; each held as the file stores it"
+)
 
 
 def gguf_block(name: str) -> tuple[int, int]:
@@ -332,21 +272,9 @@ def gguf_block(name: str) -> tuple[int, int]:
     return int(block), int(block_bytes)
 
 
-#: How a GGUF recipe sizes each tensor: as city96's tools convert a bf16 model, held as the file stores it.
-GGUF_RULE = (
-    f"converted as city96's tools convert a bf16 model: every `*weight` tensor of 2 to 4 dimensions in the type, "
-    f"F16 where its rows (the last dimension) are not a multiple of the type's block; 1-D tensors and those of at most "
-    f"{GGUF_SMALL} elements F32; the rest bf16; each held as the file stores it (the F32 and F16 ones may be cast "
-    f"to the compute dtype on load, which only lowers the count)"
-)
-
-
-def _gguf(name: str) -> Callable[[Parameter], int]:
-    """Bytes of a parameter in a GGUF file of type ``name`` (:data:`GGUF_RULE`)."""
-    block, block_bytes = gguf_block(name)
-
+def _gguf(block: int, block_bytes: int) -> Callable[[Parameter], int]:
     def size(p: Parameter) -> int:
-        if len(p.shape) == 1 or p.numel <= GGUF_SMALL:
+        if len(p.shape) == 1 or p.numel <= 1024:
             return 4 * p.numel
         if len(p.shape) > 4 or not p.name.endswith("weight") or p.shape[-1] % block:
             return 2 * p.numel
@@ -355,42 +283,31 @@ def _gguf(name: str) -> Callable[[Parameter], int]:
     return size
 
 
-#: The recipe of the tensors as the safetensors files hold them (sized from their headers).
+#: The recipe of the tensors as the safetensors files hold them (their headers' bytes).
 STORED = "stored"
-
-
-def recipes() -> dict[str, Recipe]:
-    """Every recipe by name, in the order the output lists them."""
-    found = {
-        STORED: Recipe(STORED, "as stored", "each tensor as the safetensors files beside config.json hold it", _bf16),
-        "bf16": Recipe("bf16", "bf16", "every parameter in bf16 (fp32 in the modules the class keeps in fp32)", _bf16),
-        "8bit": Recipe(
-            "8bit",
-            "fp8 / int8",
-            "weight-only: 1 byte per weight of every nn.Linear plus one fp32 scale per output row; the rest as bf16",
-            _eight_bit,
-        ),
-        "4bit": Recipe(
-            "4bit",
-            "4-bit",
-            f"weight-only (NF4 / FP4): 0.5 byte per weight of every nn.Linear plus one fp32 scale per group of "
-            f"{FOUR_BIT_GROUP}; the rest as bf16",
-            _four_bit,
-        ),
-    }
-    for name in GGUF_TYPES:
-        block, block_bytes = gguf_block(name)
-        rule = f"{8 * block_bytes / block:g} bits per weight in blocks of {block}, the GGUF rule below"
-        found[name] = Recipe(name, f"GGUF {name}", rule, _gguf(name))
-    return found
-
-
-#: The recipes listed when ``--recipe`` is not given (after the stored one; the other GGUF types on request).
+#: The recipes counted when ``--recipe`` is not given (after the stored one; the other GGUF types on request).
 DEFAULT_RECIPES = ("bf16", "8bit", "4bit", "Q8_0", "Q6_K", "Q5_K", "Q4_K", "Q3_K", "Q2_K")
 
 
-# ---------------------------------------------------------------------------------------------
-# placements
+def recipes() -> dict[str, Recipe]:
+    """Every recipe by name."""
+    weight_only = "weight-only, every nn.Linear (the rest as bf16): "
+    found = [
+        Recipe(STORED, "as stored", "each tensor as the safetensors files beside config.json hold it", _bf16),
+        Recipe("bf16", "bf16", "every parameter in bf16 (fp32 in the modules the class keeps in fp32)", _bf16),
+        Recipe("8bit", "fp8 / int8", weight_only + "1 byte per weight plus an fp32 scale per output row", _eight_bit),
+        Recipe(
+            "4bit",
+            "4-bit",
+            weight_only + f"0.5 byte per weight plus an fp32 scale per {FOUR_BIT_GROUP} weights",
+            _four_bit,
+        ),
+    ]
+    for name in GGUF_TYPES:
+        block, block_bytes = gguf_block(name)
+        rule = f"{8 * block_bytes / block:g} bits per weight in blocks of {block} (GGUF rule below)"
+        found.append(Recipe(name, f"GGUF {name}", rule, _gguf(block, block_bytes)))
+    return {recipe.name: recipe for recipe in found}
 
 
 @dataclass(frozen=True)
@@ -402,10 +319,10 @@ class Footprint:
     blocks: tuple[tuple[int, int], ...]
 
     @classmethod
-    def of(cls, sized: Iterable[tuple[str | None, bool, int]]) -> Footprint:
-        outside = [0, 0]
-        blocks: dict[str, list[int]] = {}
-        for block, served, nbytes in sized:
+    def of(cls, placed: Iterable[tuple[str | None, bool, int]]) -> Footprint:
+        """From (block or None, served, bytes) of every tensor."""
+        outside, blocks = [0, 0], dict[str, list[int]]()
+        for block, served, nbytes in placed:
             slot = outside if block is None else blocks.setdefault(block, [0, 0])
             slot[0] += nbytes
             slot[1] += nbytes if served else 0
@@ -420,33 +337,28 @@ class Footprint:
         return self.outside_served + sum(s for _, s in self.blocks)
 
     def on_card(self, placement: str, cached: bool) -> int:
-        """Weight bytes on the card under ``placement`` (:data:`PLACEMENTS`), without or with the served projections."""
-        outside = self.outside - (self.outside_served if cached else 0)
+        """Weight bytes on the card under ``placement``, without or with the served projections."""
         blocks = sorted((b - (s if cached else 0) for b, s in self.blocks), reverse=True)
         in_flight = {"resident": len(blocks), "block offload": 1, "block offload + stream": 2}[placement]
-        return outside + sum(blocks[:in_flight])
+        return self.outside - (self.outside_served if cached else 0) + sum(blocks[:in_flight])
 
 
 PLACEMENTS = {
     "resident": "every weight on the card (also what model CPU offload needs while the transformer runs)",
-    "block offload": (
-        "diffusers' group offloading at block level, one block per group: the largest block on the card plus "
-        "everything outside the blocks"
-    ),
-    "block offload + stream": (
-        "the same with use_stream=True: the two largest blocks (the running one and the prefetched next) plus "
-        "everything outside the blocks"
-    ),
+    "block offload": "diffusers' block-level group offloading, one block per group: the largest block plus "
+    "everything outside the blocks",
+    "block offload + stream": "the same with use_stream=True: the two largest blocks (the running one and the "
+    "prefetched next) plus everything outside the blocks",
 }
 
 
 # ---------------------------------------------------------------------------------------------
-# the request's tables
+# the request's tables, and the count
 
 
 @dataclass(frozen=True)
 class Tables:
-    """The request the tables are sized for: its distinct plans, the rows of the widest, how it was named."""
+    """The request the tables are sized for: how it was named, its distinct plans, the rows of the widest."""
 
     described: str
     plans: int
@@ -454,30 +366,25 @@ class Tables:
 
 
 def _schedule_defaults() -> dict[str, Any]:
-    """The schedule flags of ``build`` with their defaults (what a flag not given holds)."""
     parser = argparse.ArgumentParser(add_help=False)
     _schedules(parser, "")
     return vars(parser.parse_args([]))
 
 
 def request_tables(args: argparse.Namespace, spec: ModulationSpec, checkpoint: Path | None) -> Tables:
-    """The distinct plans of the request ``build``'s schedule flags in ``args`` name, as ``build`` computes them.
+    """The distinct plans of the request ``build``'s schedule flags name in ``args``, as ``build`` computes them.
 
-    No schedule flag: the default request, ``--steps 50`` (with the family's first task where it has
-    tasks) and ``--batch 1``. Where the schedule cannot be computed without files that are not there
-    (a released model, whose pipeline's scheduler config this command does not have; the default
-    request of a checkpoint without it), the tables are sized from the step count and ``--batch``:
-    one plan of ``--batch`` rows per forward, an upper bound (a forward's plan may repeat another's).
-    ``checkpoint``: the transformer's directory (``scheduler/`` beside it is the pipeline's).
+    No schedule flag: ``--steps 50`` (with the family's first task where it has tasks), batch 1.
+    Where the schedule needs files that are not there (the pipeline's scheduler config: a released
+    model, or the default request of a checkpoint without it) the tables are sized as one plan of
+    ``--batch`` rows per forward, an upper bound. ``checkpoint``: the transformer's directory.
     """
     given = [name for name, value in _schedule_defaults().items() if getattr(args, name) != value]
     tasks = [task for task, _ in spec.family.task_variants]
-    if not args.steps and args.timesteps is None:
-        args.steps = [DEFAULT_STEPS]
-    if tasks and not args.task:
-        args.task = [tasks[0]]
+    args.steps = args.steps or ([DEFAULT_STEPS] if args.timesteps is None else None)
+    args.task = args.task or tasks[:1] or None
     if checkpoint is not None or tasks or args.timesteps is not None:
-        args.checkpoint = str(checkpoint)  # where --steps looks for the scheduler config (never read otherwise)
+        args.checkpoint = str(checkpoint)  # where --steps finds scheduler/ (unused by the other schedules)
         try:
             plans, described = _request_plans(args, spec)
             return Tables(described, len(plans), max(int(plan.shape[0]) for plan in plans))
@@ -490,95 +397,35 @@ def request_tables(args: argparse.Namespace, spec: ModulationSpec, checkpoint: P
             f"{flags}: a released model's tables are sized from --steps and --batch alone; for the plans of the other "
             "schedule flags, name a checkpoint directory or its config.json (MODEL)"
         )
-    forwards = sum(args.steps)
-    return Tables(
-        f"steps {', '.join(map(str, args.steps))}, batch {args.batch}, sized as one plan per forward: the schedule "
-        "itself needs the pipeline's scheduler config",
-        forwards,
-        args.batch,
-    )
+    steps = ", ".join(map(str, args.steps))
+    said = f"steps {steps}, batch {args.batch}: one plan per forward, as no scheduler config is at hand"
+    return Tables(said, sum(args.steps), args.batch)
 
 
 def default_tables(model: Model) -> Tables:
-    """The tables of the default request for ``model`` (no file read: sized as for a released model)."""
+    """The default request's tables for ``model``, from no file (as for a released model)."""
     return request_tables(argparse.Namespace(**_schedule_defaults()), model.spec, None)
-
-
-# ---------------------------------------------------------------------------------------------
-# the count: bytes on the card and which cards fit
-
-
-@dataclass(frozen=True)
-class Fit:
-    """What each recipe and placement needs on a card, without and with the cache, and which cards fit.
-
-    ``rows``: one per recipe and placement, in bytes (the JSON output's rows).
-    """
-
-    model: Model
-    tables: Tables
-    reserve_gib: float
-    recipes: tuple[Recipe, ...]
-    rows: tuple[dict[str, Any], ...]
-
-    def row(self, recipe: str, placement: str) -> dict[str, Any]:
-        return next(r for r in self.rows if r["recipe"] == recipe and r["placement"] == placement)
-
-    def as_dict(self) -> dict[str, Any]:
-        m, stored = self.model, self.model.stored
-        return {
-            "model": {
-                "class": m.class_name,
-                "family": m.family,
-                "source": m.source,
-                "config": m.config,
-                "parameters": m.total_parameters,
-                "served_layers": len(m.spec.layers()),
-                "served_parameters": m.served_parameters,
-                "stored": None
-                if stored is None
-                else {
-                    "files": stored.files,
-                    "bytes": sum(n for _, n in stored.tensors),
-                    "dtypes": dict(stored.dtypes),
-                    "quantized": stored.quantized,
-                },
-            },
-            "tables": {
-                "request": self.tables.described,
-                "plans": self.tables.plans,
-                "rows_per_plan": self.tables.rows,
-                "row_bytes": m.spec.row_bytes,
-            },
-            "cards_gib": list(CARDS_GIB),
-            "reserve_gib": self.reserve_gib,
-            "recipes": {r.name: f"{r.title}: {r.rule}" for r in self.recipes},
-            "gguf": GGUF_RULE,
-            "placements": dict(PLACEMENTS),
-            "not_counted": NOT_COUNTED,
-            "rows": list(self.rows),
-        }
 
 
 def fit(
     model: Model, tables: Tables, *, recipe_names: Sequence[str] = (), reserve_gib: float = DEFAULT_RESERVE_GIB
-) -> Fit:
-    """Count ``recipe_names`` (default: the stored one where headers were read, then :data:`DEFAULT_RECIPES`)
-    under every placement, without and with the cache, against every card of :data:`CARDS_GIB`.
+) -> dict[str, Any]:
+    """Every number of ``adalncache fit --json``: ``recipe_names`` (default: the stored recipe where headers
+    were read, then :data:`DEFAULT_RECIPES`) under every placement, without and with the cache, per card.
 
-    With the cache the served projections leave the card, whatever their recipe, and the slab's
-    tables of ``tables`` are added, in the dtype the model's projections return: bf16 under every
-    recipe, the stored dtype of the projections as stored.
+    With the cache the served projections leave the card whatever their recipe, and the slab of
+    ``tables`` is added in the dtype the projections return: bf16 under every recipe (a quantized
+    projection's tables hold its compute dtype), their stored dtype as stored.
     """
     known = recipes()
     names = list(recipe_names) or [*([STORED] if model.stored is not None else []), *DEFAULT_RECIPES]
     if STORED in names and model.stored is None:
         raise ConfigError("--recipe stored needs the safetensors files beside config.json: MODEL has none")
-    usable = {gib: (gib - reserve_gib) * GiB for gib in CARDS_GIB}
+    room = {str(gib): (gib - reserve_gib) * GiB for gib in CARDS_GIB}
     rows = []
     for name in names:
         footprint = model.footprint(known[name])
-        dtype = model.stored.projection_dtype if name == STORED and model.stored else torch.bfloat16
+        dtype = model.stored_dtype if name == STORED else torch.bfloat16
         table = model.spec.with_dtype(dtype).slab_bytes(tables.plans, tables.rows)
         for placement in PLACEMENTS:
             without = footprint.on_card(placement, cached=False)
@@ -593,11 +440,37 @@ def fit(
                     "weight_bytes": footprint.total,
                     "served_bytes": footprint.served,
                     "table_bytes": table,
-                    "fits_without": {str(gib): without <= room for gib, room in usable.items()},
-                    "fits_with": {str(gib): with_cache <= room for gib, room in usable.items()},
+                    "fits_without": {card: without <= free for card, free in room.items()},
+                    "fits_with": {card: with_cache <= free for card, free in room.items()},
                 }
             )
-    return Fit(model, tables, reserve_gib, tuple(known[name] for name in names), tuple(rows))
+    return {
+        "model": {
+            "class": model.class_name,
+            "family": model.family,
+            "source": model.source,
+            "config": model.config,
+            "parameters": model.count(),
+            "served_layers": len(model.spec.layers()),
+            "served_parameters": model.count(served=True),
+            "stored": None
+            if model.stored is None
+            else {"bytes": sum(n for _, n in model.stored), "dtypes": model.dtypes, "quantized": model.quantized},
+        },
+        "tables": {
+            "request": tables.described,
+            "plans": tables.plans,
+            "rows_per_plan": tables.rows,
+            "row_bytes": model.spec.row_bytes,
+        },
+        "cards_gib": list(CARDS_GIB),
+        "reserve_gib": reserve_gib,
+        "recipes": {name: f"{known[name].title}: {known[name].rule}" for name in names},
+        "gguf": GGUF_RULE,
+        "placements": PLACEMENTS,
+        "not_counted": NOT_COUNTED,
+        "rows": rows,
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -608,123 +481,88 @@ def _gib(nbytes: int) -> str:
     return f"{nbytes / GiB:.2f}"
 
 
-def _render(headers: Sequence[str], rows: Sequence[Sequence[str]], markdown: bool) -> list[str]:
+def _render(headers: Sequence[str], rows: Sequence[Sequence[str]], markdown: bool) -> str:
     """A table as markdown, or as aligned columns."""
     if markdown:
-        lines = [headers, ["---"] * len(headers), *rows]
-        return ["| " + " | ".join(line) + " |" for line in lines]
-    widths = [max(len(cell) for cell in column) for column in zip(headers, *rows)]
-    return ["  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in (headers, *rows)]
+        return "\n".join("| " + " | ".join(line) + " |" for line in (headers, ["---"] * len(headers), *rows))
+    widths = [max(map(len, column)) for column in zip(headers, *rows)]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in (headers, *rows))
 
 
-def _on(row: Mapping[str, Any], gib: int) -> str:
-    """Whether a card of ``gib`` fits, in words, without and with the cache."""
+def _card(row: Mapping[str, Any], gib: int) -> str:
     without, with_cache = row["fits_without"][str(gib)], row["fits_with"][str(gib)]
     if without:
         return "fits" if with_cache else "without the cache only"
     return "with the cache" if with_cache else "does not fit"
 
 
-def print_fit(result: Fit, markdown: bool = False) -> None:
+def print_fit(found: Mapping[str, Any], markdown: bool = False) -> None:
     """The readable report: what was counted, one row per recipe and placement, and what they assume."""
-    m, t = result.model, result.tables
-    print(f"adalncache fit: {m.class_name} ({m.family}), {m.source}: {m.config}")
+    m, t = found["model"], found["tables"]
+    print(f"adalncache fit: {m['class']} ({m['family']}), {m['source']}: {m['config']}")
     print(
-        f"  {m.total_parameters / 1e9:.2f} B parameters; the {len(m.spec.layers())} projections the cache serves "
-        f"hold {m.served_parameters / 1e9:.2f} B of them ({m.served_parameters / m.total_parameters:.1%})"
+        f"  {m['parameters'] / 1e9:.2f} B parameters; the {m['served_layers']} projections the cache serves hold "
+        f"{m['served_parameters'] / 1e9:.2f} B of them ({m['served_parameters'] / m['parameters']:.1%})"
     )
-    if m.stored is not None:
-        s = m.stored
-        dtypes = ", ".join(f"{d} {_gib(n)} GiB" for d, n in sorted(s.dtypes.items(), key=lambda kv: -kv[1]))
-        state = f"already quantized ({s.quantized})" if s.quantized else "not quantized"
-        print(f"  stored in {s.files} safetensors file(s), from their headers: {dtypes}; {state}")
+    if m["stored"] is not None:
+        dtypes = ", ".join(f"{d} {_gib(n)} GiB" for d, n in sorted(m["stored"]["dtypes"].items()))
+        print(f"  stored (headers): {dtypes}; {m['stored']['quantized'] or 'not'} quantized")
+    table = found["rows"][0]["table_bytes"]
+    print(f"  tables: {t['plans']} plan(s) of up to {t['rows_per_plan']} row(s) ({t['request']}): {_gib(table)} GiB")
+    cards = ", ".join(map(str, CARDS_GIB))
     print(
-        f"  tables: {t.plans} distinct plan(s) of up to {t.rows} row(s) ({t.described}): "
-        f"{m.spec.slab_bytes(t.plans, t.rows) / 2**20:.1f} MiB in bf16, a row {m.spec.row_bytes / 2**20:.2f} MiB"
-    )
-    print(
-        f"  cards: {', '.join(map(str, CARDS_GIB))} GiB, each less {result.reserve_gib:g} GiB for activations, the "
-        "CUDA context and allocator slack (--reserve-gb)"
+        f"  cards: {cards} GiB, each less {found['reserve_gib']:g} GiB for activations, CUDA and slack (--reserve-gb)"
     )
     print()
+    titles = {name: rule.partition(":")[0] for name, rule in found["recipes"].items()}
     headers = ["recipe", "placement", "without (GiB)", "with (GiB)", "saved", *(f"{gib} GB" for gib in CARDS_GIB)]
-    titles = {r.name: r.title for r in result.recipes}
-    cells = [
-        [
-            titles[row["recipe"]],
-            row["placement"],
-            _gib(row["without_cache_bytes"]),
-            _gib(row["with_cache_bytes"]),
-            _gib(row["saved_bytes"]),
-            *(_on(row, gib) for gib in CARDS_GIB),
-        ]
-        for row in result.rows
-    ]
-    print("\n".join(_render(headers, cells, markdown)))
-    print()
-    print(
-        "With the cache the served projections leave the card, whatever their recipe, and the request's tables are "
-        "added."
-    )
-    for recipe in result.recipes:
-        print(f"  {recipe.title}: {recipe.rule}")
-    if any(recipe.name in GGUF_TYPES for recipe in result.recipes):
+    cells = []
+    for r in found["rows"]:
+        sizes = map(_gib, (r["without_cache_bytes"], r["with_cache_bytes"], r["saved_bytes"]))
+        cells.append([titles[r["recipe"]], r["placement"], *sizes, *(_card(r, gib) for gib in CARDS_GIB)])
+    print(_render(headers, cells, markdown))
+    print("\nWith the cache the served projections leave the card, whatever their recipe, and the tables are added.")
+    for line in [*found["recipes"].values(), *(f"{k}: {v}" for k, v in found["placements"].items())]:
+        print(f"  {line}")
+    if any(name in GGUF_TYPES for name in found["recipes"]):
         print(f"  GGUF: {GGUF_RULE}")
-    for placement, says in PLACEMENTS.items():
-        print(f"  {placement}: {says}")
     print(f"Not counted: {NOT_COUNTED}.")
 
 
-#: The recipes of the README's card table, and its placement besides resident.
+#: The README's card table: these recipes resident, then the first under the last placement.
 CARD_TABLE_RECIPES = ("bf16", "8bit", "4bit", "Q4_K")
-CARD_TABLE_OFFLOAD = "block offload + stream"
 
 
-def released_tables(markdown: bool = True) -> list[list[str]]:
-    """The README's two tables, one row per released config: what the cache serves, and which cards fit.
-
-    The card table's cells are ``without -> with GiB (smallest card without -> with)``, resident, for
-    the recipes of :data:`CARD_TABLE_RECIPES`, then bf16 under :data:`CARD_TABLE_OFFLOAD`.
-    """
-    known = recipes()
+def released_tables(found: Sequence[Mapping[str, Any]], markdown: bool = True) -> list[str]:
+    """The README's two tables from :func:`fit` of each released model (in :data:`RELEASED`'s order): what the
+    cache serves, and which cards fit (cells ``without → with GiB (smallest card that fits, without → with)``)."""
     supported, cards = [], []
-    for name, released in RELEASED.items():
+    for (name, (_, _, _, keyed)), counted in zip(RELEASED.items(), found):
         m = released_model(name)
-        result = fit(m, default_tables(m), recipe_names=CARD_TABLE_RECIPES)
-        bf16 = result.row("bf16", "resident")
-        supported.append(
-            [
-                f"`{m.family}`",
-                f"`{m.class_name}`",
-                m.config,
-                str(len(m.spec.layers())),
-                f"{_gib(bf16['served_bytes'])} GiB",
-                f"{bf16['served_bytes'] / bf16['weight_bytes']:.1%}",
-                ", ".join(f"`{i}`" for i in m.spec.plan_inputs) + released.keyed,
-            ]
-        )
-        cells = [_smallest(result.row(recipe, "resident")) for recipe in CARD_TABLE_RECIPES]
-        cards.append([name, *cells, _smallest(result.row("bf16", CARD_TABLE_OFFLOAD))])
+        bf16 = m.footprint(recipes()["bf16"])
+        inputs = ", ".join(f"`{i}`" for i in m.spec.plan_inputs) + keyed
+        served = [str(len(m.spec.layers())), f"{_gib(bf16.served)} GiB", f"{bf16.served / bf16.total:.1%}", inputs]
+        supported.append([f"`{m.family}`", f"`{m.class_name}`", m.config, *served])
+        rows = counted["rows"]
+        cards.append([name, *(_smallest(r) for r in rows if r["placement"] == "resident"), _smallest(rows[2])])
     headers = ["family", "class", "config", "served layers", "served (bf16)", "share of the model", "tables keyed by"]
-    titles = [known[recipe].title for recipe in CARD_TABLE_RECIPES]
-    card_headers = ["model", *(f"{t}, resident" for t in titles), f"bf16, {CARD_TABLE_OFFLOAD}"]
+    titles = [title.partition(":")[0] for title in found[0]["recipes"].values()]
+    card_headers = ["model", *(f"{t}, resident" for t in titles), f"{titles[0]}, {list(PLACEMENTS)[2]}"]
     return [_render(headers, supported, markdown), _render(card_headers, cards, markdown)]
 
 
 def _smallest(row: Mapping[str, Any]) -> str:
-    """``without → with GiB (smallest card that fits without → with)``."""
-
     def smallest(fits: Mapping[str, bool]) -> str:
-        return next((f"{gib} GB" for gib in CARDS_GIB if fits[str(gib)]), "none")
+        return next((str(gib) for gib in CARDS_GIB if fits[str(gib)]), "none")
 
     return (
         f"{_gib(row['without_cache_bytes'])} → {_gib(row['with_cache_bytes'])} GiB "
-        f"({smallest(row['fits_without'])} → {smallest(row['fits_with'])})"
-    ).replace(" GB →", " →")
+        f"({smallest(row['fits_without'])} → {smallest(row['fits_with'])} GB)"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
-# MODEL on the command line
+# the command
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -740,10 +578,9 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def open_model(path: str | Path) -> tuple[Model, Path]:
-    """The model MODEL names, counted, and the transformer's directory (its ``scheduler/`` sibling has the
-    pipeline's schedule). MODEL: a transformer directory (``config.json``, and the safetensors files
-    whose headers say how it is stored), a pipeline's root (``model_index.json``, then ``transformer/``)
-    or a bare ``config.json`` (nothing beside it is read)."""
+    """MODEL counted, and the transformer's directory (``scheduler/`` beside it is the pipeline's): a
+    transformer directory (``config.json`` and the safetensors headers), a pipeline's root
+    (``model_index.json``, then ``transformer/``) or a bare ``config.json`` (nothing beside it read)."""
     where = Path(path)
     if not where.exists():
         raise ConfigError(f"MODEL {where} does not exist: name a transformer directory, a pipeline or a config.json")
@@ -752,8 +589,7 @@ def open_model(path: str | Path) -> tuple[Model, Path]:
             raise ConfigError(f"MODEL {where}: its model_index.json names no transformer component")
         where = where / "transformer"
     if not where.is_dir():
-        config = _read_json(where)
-        return count_model(config, source=str(where), label="its config alone (no weights read)"), where.parent
+        return count_model(_read_json(where), source=str(where), label="its config alone"), where.parent
     if not (where / "config.json").is_file():
         raise ConfigError(f"MODEL {where} has no config.json (nor model_index.json): it is not a diffusers model")
     config = _read_json(where / "config.json")
@@ -763,23 +599,20 @@ def open_model(path: str | Path) -> tuple[Model, Path]:
 def run_fit(args: argparse.Namespace) -> int:
     if (args.model is None) == (args.released is None):
         raise ConfigError("name one model: MODEL (a directory or a config.json) or --released NAME, not both")
+    recipe_names, reserve = args.recipe or (), args.reserve_gb
     if args.released == "all":
-        if args.json:
-            found = [released_model(name) for name in RELEASED]
-            print(json.dumps([fit(m, default_tables(m), reserve_gib=args.reserve_gb).as_dict() for m in found]))
-        else:
-            print("\n\n".join("\n".join(table) for table in released_tables(markdown=args.markdown)))
+        models = [released_model(name) for name in RELEASED]
+        tables = [request_tables(copy.copy(args), m.spec, None) for m in models]
+        table_recipes = recipe_names or (() if args.json else CARD_TABLE_RECIPES)
+        found = [fit(m, t, recipe_names=table_recipes, reserve_gib=reserve) for m, t in zip(models, tables)]
+        print(json.dumps(found) if args.json else "\n\n".join(released_tables(found, markdown=args.markdown)))
         return 0
-    if args.released is not None:
-        model, checkpoint = released_model(args.released), None
-    else:
-        model, checkpoint = open_model(args.model)
-    tables = request_tables(args, model.spec, checkpoint)
-    result = fit(model, tables, recipe_names=args.recipe or (), reserve_gib=args.reserve_gb)
+    model, checkpoint = (released_model(args.released), None) if args.released else open_model(args.model)
+    found_one = fit(model, request_tables(args, model.spec, checkpoint), recipe_names=recipe_names, reserve_gib=reserve)
     if args.json:
-        print(json.dumps(result.as_dict(), indent=1))
+        print(json.dumps(found_one, indent=1))
     else:
-        print_fit(result, markdown=args.markdown)
+        print_fit(found_one, markdown=args.markdown)
     return 0
 
 
@@ -798,32 +631,23 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "fit",
         help="bytes each recipe needs on a card, without and with the cache, and which cards fit",
-        description=(
-            "Count the transformer MODEL names on the meta device (nothing read but its config.json and the "
-            "safetensors headers beside it; nothing written or downloaded): for each recipe (as stored, bf16, "
-            "fp8 / int8 and 4-bit weight-only, GGUF types) and placement (resident, block-level group offloading), "
-            "the bytes a card must hold without and with the cache (the request's tables included), and which of "
-            "the 16, 24, 48 and 80 GB cards fit."
-        ),
+        description="Count the transformer MODEL on the meta device (nothing read but its config.json and the "
+        "safetensors headers beside it): per recipe (as stored, bf16, fp8 / int8 and 4-bit weight-only, GGUF types) "
+        "and placement (resident, block-level group offloading), the bytes a card must hold without and with the "
+        "cache (the request's tables included), and which of the 16, 24, 48 and 80 GB cards fit.",
     )
-    p.add_argument(
-        "model",
-        metavar="MODEL",
-        nargs="?",
-        help="a diffusers transformer directory, a pipeline's root (model_index.json) or a config.json",
-    )
+    p.add_argument("model", metavar="MODEL", nargs="?", help="a transformer directory, a pipeline or a config.json")
     p.add_argument(
         "--released",
         metavar="NAME",
         choices=[*RELEASED, "all"],
-        help=f"a released model instead of MODEL: {', '.join(RELEASED)}; all: the README's tables for every one",
+        help=f"a released model instead of MODEL: {', '.join(RELEASED)}; all: the README's tables",
     )
     p.add_argument(
         "--recipe",
         action="append",
         choices=list(recipes()),
-        help=f"a recipe to count (repeatable; default: {STORED} where MODEL has weights, then "
-        f"{', '.join(DEFAULT_RECIPES)})",
+        help=f"a recipe (repeatable; default: {STORED} where MODEL has weights, {', '.join(DEFAULT_RECIPES)})",
     )
     p.add_argument(
         "--reserve-gb",
@@ -842,7 +666,6 @@ __all__ = [
     "GGUF_TYPES",
     "PLACEMENTS",
     "RELEASED",
-    "Fit",
     "Footprint",
     "Model",
     "Parameter",
@@ -852,6 +675,7 @@ __all__ = [
     "default_tables",
     "fit",
     "open_model",
+    "print_fit",
     "recipes",
     "register",
     "released_model",

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import statistics
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,6 @@ from typing import Any
 import torch
 
 from ...plans import minimax_h3_plans, plan_key
-from ...spec import ModulationSpec
 from ..measure import (
     OnloadMeter,
     drop_page_cache,
@@ -505,8 +503,8 @@ def bench_deploy(res: Results, size: str, steps: int, *, quick: bool = False) ->
     ``from_pretrained`` then ``enable_adaln_cache`` against ``load_transformer``, each in a fresh
     process (:func:`memory_probe`); the bytes the load reads from the checkpoint (page cache dropped
     first) and the served bytes it leaves in the page cache; the bytes block-level group offloading
-    onloads per forward, with and without the cache. Then the released geometry as arithmetic:
-    what a 24, 48 and 80 GB card must hold either way. ``quick`` leaves out the stock load served
+    onloads per forward, with and without the cache. Then the released model as arithmetic
+    (``adalncache fit``): what the 16, 24, 48 and 80 GB cards must hold either way. ``quick`` leaves out the stock load served
     from its checkpoint (one fresh process less).
     """
     try:
@@ -598,100 +596,28 @@ def onloaded_per_forward(checkpoint: Path, steps: int) -> dict[str, float]:
     return onloads
 
 
-def released_sizes() -> dict[str, int]:
-    """Byte counts of the released MiniMax-H3 in its released mixed precision (arithmetic, no weights).
-
-    The model is built on meta with the default config (the released geometry) and each
-    parameter counted at bf16, or fp32 for the modules the model keeps in fp32.
-    """
-    import accelerate
-    from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3Transformer3DModel
-
-    with accelerate.init_empty_weights():
-        model = MiniMaxH3Transformer3DModel()
-    keep = list(MiniMaxH3Transformer3DModel._keep_in_fp32_modules or [])
-    sizes = {"projections": 0, "time_embedder": 0, "blocks_rest": 0, "other": 0, "block_rest": 0, "block_projection": 0}
-    for name, param in model.named_parameters():
-        nbytes = param.numel() * (4 if any(k in name.split(".") for k in keep) else 2)
-        if re.match(r"(transformer_blocks\.\d+\.adaln_proj\.linear|norm_out\.linear)\.", name):
-            sizes["projections"] += nbytes
-        elif name.startswith("time_embedder."):
-            sizes["time_embedder"] += nbytes
-        elif name.startswith("transformer_blocks."):
-            sizes["blocks_rest"] += nbytes
-        else:
-            sizes["other"] += nbytes
-        if name.startswith("transformer_blocks.0."):
-            sizes["block_projection" if ".adaln_proj." in name else "block_rest"] += nbytes
-    sizes["num_layers"] = int(model.config.num_layers)
-    return sizes
-
-
-def request_slab_bytes(steps: int = 50, task: str = "t2va") -> int:
-    """The slab of the released geometry sized to one request: its distinct plans, its widest plan."""
-    plans = minimax_h3_plans(task, steps)
-    distinct = len({plan_key(plan) for plan in plans})
-    return ModulationSpec.minimax_h3().slab_bytes(distinct, max(int(plan.numel()) for plan in plans))
-
-
-def card_table(sizes: dict[str, int], slab: int, *, cards_gb: Sequence[int] = (24, 48, 80)) -> list[dict[str, Any]]:
-    """What a card must hold, with and without the cache, per way of running (weights and tables only).
-
-    ``resident``: every weight on the card (also what model CPU offload needs while the transformer
-    runs); ``group offload``: block-level group offloading, one block per group: the weights outside
-    the blocks stay for the forward, one block is onloaded at a time (two with a prefetching
-    stream). With the cache the projections and the time embedder are gone and the slab
-    (``slab`` bytes) is added. Activations are not counted.
-    """
-    stock_block = sizes["block_rest"] + sizes["block_projection"]
-    cached_block = sizes["block_rest"]
-    rows = {
-        "resident": (
-            sizes["projections"] + sizes["time_embedder"] + sizes["blocks_rest"] + sizes["other"],
-            sizes["blocks_rest"] + sizes["other"] + slab,
-        ),
-        "group offload, 1 block in flight": (
-            sizes["other"] + sizes["time_embedder"] + stock_block,
-            sizes["other"] + cached_block + slab,
-        ),
-        "group offload with stream, 2 blocks in flight": (
-            sizes["other"] + sizes["time_embedder"] + 2 * stock_block,
-            sizes["other"] + 2 * cached_block + slab,
-        ),
-    }
-    table = []
-    for mode, (without, with_cache) in rows.items():
-        row: dict[str, Any] = {"mode": mode, "without_cache_bytes": without, "with_cache_bytes": with_cache}
-        for gb in cards_gb:
-            row[f"{gb} GB"] = (without <= gb * 10**9, with_cache <= gb * 10**9)
-        table.append(row)
-    return table
-
-
 def _released(res: Results) -> dict[str, Any]:
-    """The released geometry's arithmetic, as notes; the values it adds to the section's."""
-    sizes = released_sizes()
-    slab = request_slab_bytes()
-    table = card_table(sizes, slab)
-    # What block-level group offloading moves per step for the blocks, without and with the cache.
-    stock_step = sizes["num_layers"] * (sizes["block_rest"] + sizes["block_projection"])
-    cached_step = sizes["num_layers"] * sizes["block_rest"]
-    weights = sum(sizes[k] for k in ("projections", "time_embedder", "blocks_rest", "other"))
-    gib = 2**30
+    """The released model's arithmetic, as notes: ``adalncache fit --released minimax-h3 --recipe bf16``."""
+    from ...fit import default_tables, fit, recipes, released_model
+
+    model = released_model("minimax-h3")
+    found = fit(model, default_tables(model), recipe_names=("bf16",))
+    bf16 = model.footprint(recipes()["bf16"])
+    moved = [sum(b for b, _ in bf16.blocks), sum(b - s for b, s in bf16.blocks)]  # what block offload moves per step
+    gib, table = 2**30, found["rows"][0]["table_bytes"]
     res.note(
-        f"released MiniMax-H3 (arithmetic, not measurement): weights {weights / gib:.1f} GiB, projections "
-        f"{sizes['projections'] / gib:.1f} GiB; per block {sizes['block_rest'] / 2**20:.0f} MiB + "
-        f"{sizes['block_projection'] / 2**20:.0f} MiB of projection; block-level group offloading moves "
-        f"{stock_step / gib:.1f} GiB per step without the cache, {cached_step / gib:.1f} GiB with it; the "
-        f"slab for a 50-step t2va request holds {slab / gib:.2f} GiB"
+        f"released MiniMax-H3 (arithmetic, not measurement, adalncache fit): weights {bf16.total / gib:.1f} GiB, "
+        f"projections {bf16.served / gib:.1f} GiB; block-level group offloading moves {moved[0] / gib:.1f} GiB per "
+        f"step without the cache, {moved[1] / gib:.1f} GiB with it; the slab for a 50-step t2va request holds "
+        f"{table / gib:.2f} GiB"
     )
-    for row in table:
+    for row in found["rows"]:
         fits = ", ".join(
-            f"{card}: {'yes' if row[card][0] else 'no'}/{'yes' if row[card][1] else 'no'}"
-            for card in ("24 GB", "48 GB", "80 GB")
+            f"{card} GB: {'yes' if row['fits_without'][card] else 'no'}/{'yes' if row['fits_with'][card] else 'no'}"
+            for card in row["fits_without"]
         )
         res.note(
-            f"released, {row['mode']} (arithmetic): {row['without_cache_bytes'] / gib:.1f} GiB without the cache, "
+            f"released, {row['placement']} (arithmetic): {row['without_cache_bytes'] / gib:.1f} GiB without the cache, "
             f"{row['with_cache_bytes'] / gib:.1f} GiB with it; fits without/with: {fits}"
         )
-    return {"released_sizes": sizes, "card_table": table, "released_onloaded_per_step": [stock_step, cached_step]}
+    return {"card_table": found["rows"], "released_onloaded_per_step": moved}
