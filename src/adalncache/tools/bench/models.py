@@ -504,8 +504,8 @@ def bench_deploy(res: Results, size: str, steps: int, *, quick: bool = False) ->
     process (:func:`memory_probe`); the bytes the load reads from the checkpoint (page cache dropped
     first) and the served bytes it leaves in the page cache; the bytes block-level group offloading
     onloads per forward, with and without the cache. Then the released model as arithmetic
-    (``adalncache fit``): what the 16, 24, 48 and 80 GB cards must hold either way. ``quick`` leaves out the stock load served
-    from its checkpoint (one fresh process less).
+    (``adalncache fit``): what the 16, 24, 48 and 80 GB cards must hold either way. ``quick``
+    leaves out the stock load served from its checkpoint (one fresh process less).
     """
     try:
         from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3Transformer3DModel
