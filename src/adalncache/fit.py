@@ -41,42 +41,18 @@ NOT_COUNTED = (
 )
 
 #: One released model per supported class, by name: (class, config values other than the class defaults,
-#: what the config is, what else keys its tables). The README's tables are printed for these.
+#: what the config is, what else keys its tables: "if on", where the config enables it). The README's
+#: tables are printed for these.
 RELEASED: dict[str, tuple[str, dict[str, Any], str, str]] = {
     "minimax-h3": ("MiniMaxH3Transformer3DModel", {}, "released sizes", " (a step's distinct timesteps)"),
-    "qwen-image": (
-        "QwenImageTransformer2DModel",
-        {},
-        "released sizes (also Edit, Edit-2511, Layered)",
-        " (Layered: plus `additional_t_cond`)",
-    ),
-    "hunyuanimage-2.1": (
-        "HunyuanImageTransformer2DModel",
-        {},
-        "released sizes",
-        ", with `use_meanflow` / `guidance_embeds` plus `timestep_r` / `guidance`",
-    ),
+    "qwen-image": ("QwenImageTransformer2DModel", {}, "released sizes (Edit too)", " (Layered: `additional_t_cond`)"),
+    "hunyuanimage-2.1": ("HunyuanImageTransformer2DModel", {}, "released sizes", ", `timestep_r` / `guidance` if on"),
     "motif-video": ("MotifVideoTransformer3DModel", {}, "released sizes", ""),
-    "bria": ("BriaTransformer2DModel", {}, "class defaults (Flux-sized; the released 4B is about a third)", ""),
-    "longcat-image": (
-        "LongCatImageTransformer2DModel",
-        {},
-        "class defaults (Flux-sized; the released 6B about half)",
-        "",
-    ),
-    "hunyuanvideo-1.5": (
-        "HunyuanVideo15Transformer3DModel",
-        {},
-        "released sizes",
-        ", with `use_meanflow` plus `timestep_r`",
-    ),
+    "bria": ("BriaTransformer2DModel", {}, "class defaults (Flux-sized; the released 4B is a third)", ""),
+    "longcat-image": ("LongCatImageTransformer2DModel", {}, "class defaults (Flux-sized; the released 6B half)", ""),
+    "hunyuanvideo-1.5": ("HunyuanVideo15Transformer3DModel", {}, "released sizes", ", `timestep_r` if on"),
     "auraflow": ("AuraFlowTransformer2DModel", {}, "released sizes", ""),
-    "bria-fibo": (
-        "BriaFiboTransformer2DModel",
-        {"num_layers": 8},
-        "released: 8 double blocks (`num_layers=8`)",
-        ", with `guidance_embeds` plus `guidance`",
-    ),
+    "bria-fibo": ("BriaFiboTransformer2DModel", {"num_layers": 8}, "released: 8 double blocks", ", `guidance` if on"),
     "ovis-image": ("OvisImageTransformer2DModel", {}, "released sizes", ""),
 }
 
