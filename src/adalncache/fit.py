@@ -359,22 +359,23 @@ def request_tables(args: argparse.Namespace, spec: ModulationSpec, checkpoint: P
     tasks = [task for task, _ in spec.family.task_variants]
     args.steps = args.steps or ([DEFAULT_STEPS] if args.timesteps is None else None)
     args.task = args.task or tasks[:1] or None
+    reason = "a released model comes with no scheduler config"
     if checkpoint is not None or tasks or args.timesteps is not None:
         args.checkpoint = str(checkpoint)  # where --steps finds scheduler/ (unused by the other schedules)
         try:
             plans, described = _request_plans(args, spec)
             return Tables(described, len(plans), max(int(plan.shape[0]) for plan in plans))
-        except ConfigError:
+        except ConfigError as exc:
             if given:
                 raise
+            reason = str(exc).split(":")[0]
     elif set(given) - {"steps", "batch"}:
         flags = ", ".join("--" + name.replace("_", "-") for name in given if name not in ("steps", "batch"))
         raise ConfigError(
             f"{flags}: a released model's tables are sized from --steps and --batch alone; for the plans of the other "
             "schedule flags, name a checkpoint directory or its config.json (MODEL)"
         )
-    steps = ", ".join(map(str, args.steps))
-    said = f"steps {steps}, batch {args.batch}: one plan per forward, as no scheduler config is at hand"
+    said = f"steps {', '.join(map(str, args.steps))}, batch {args.batch}; one plan per forward, as {reason}"
     return Tables(said, sum(args.steps), args.batch)
 
 
