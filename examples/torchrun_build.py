@@ -28,10 +28,10 @@ import torch
 import torch.distributed as dist
 
 from adalncache import AdalnCache, CheckpointSource, ModulationSpec, Store
-from adalncache.embedding import time_embed_fn
+from adalncache.families import checkpoint_embed as time_embed_fn
+from adalncache.families.minimax_h3 import TASKS
 from adalncache.offline import fill_store
 from adalncache.plans import schedule_plans
-from adalncache.schedules import TASKS
 
 
 def parse() -> argparse.Namespace:

@@ -22,17 +22,19 @@ dtype. Nothing here names a model.
 
 from __future__ import annotations
 
+import json
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from importlib import import_module
+from pathlib import Path
+from typing import Any, ClassVar, Literal, Protocol
 
-from .errors import ConfigError
-from .options import flag
+import torch
 
-if TYPE_CHECKING:
-    import torch
+from .errors import CheckpointError, ConfigError
+from .options import Argument, Cli, flag
 
 #: A served layer: a block index, ``"final"`` (the output layer of a family that numbers its
 #: blocks), or the projection's module path (``"transformer_blocks.3.norm1.linear"``).
@@ -163,16 +165,42 @@ class RowSplit(Protocol):
 
 
 @dataclass(frozen=True)
-class Family:
-    """What every model of one family shares: its name, key layouts, and the table formats it supports.
+class Schedule:
+    """What a command's schedule flags name for one checkpoint: every forward's plan in step order
+    (repeats kept), the schedule in words (``build``'s report), and what a table file records of it."""
 
-    ``layouts`` are tried in order by layout detection (``layout="auto"``); the first is the one a
-    cache without weights reports. ``table_formats`` are the table-file formats the family's tables
-    can be written in (``"adalncache"``, the bound format, always); ``model_variants`` the values a
-    table file's ``model_variant`` may take and ``task_variants`` which of them serves each task,
-    where another engine reads that field. ``class_names``: the diffusers transformer classes of
-    the family (``_class_name`` in a checkpoint's ``config.json``). ``rows``: its :class:`RowSplit`,
-    where its modules take the modulation as parts of a row rather than by layer.
+    plans: list[torch.Tensor]
+    described: str
+    records: list[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family: what all its models share, and everything the core asks of a family.
+
+    A family module (:mod:`adalncache.families`) makes one instance of a subclass; the core asks
+    it, through the registry, and never names a model. What it declares:
+
+    * ``layouts``, tried in order by layout detection (``layout="auto"``; the first is the one a
+      cache without weights reports); ``class_names``, the diffusers transformer classes of the
+      family (``_class_name`` in a checkpoint's ``config.json``);
+    * ``table_formats``, the table-file formats its tables can be written in (``"adalncache"``,
+      the bound format, always) with ``table_tensors``, ``model_variants`` and ``task_variants``
+      (what a file's ``model_variant`` may say, where another engine reads it); ``rows``, its
+      :class:`RowSplit`, where its modules take the modulation as parts of a row;
+    * ``arguments``, the flags that name its schedules (:meth:`schedule` turns them into plans);
+      ``plan_rows``, what one row of its plans is in words; ``demos``, the demo models
+      (``adalncache demo --model``) by name with their class;
+    * ``model_embed``: where a family whose ``embed`` from a checkpoint needs the model's own
+      modules (built on the meta device from ``config.json``) keeps that function, as
+      ``"module:function"`` of the integration; :meth:`checkpoint_embed` loads it by name when a
+      command asks, so the core imports nothing above it.
+
+    The methods a family module overrides read a model's geometry (:meth:`spec_fields`,
+    :meth:`header_fields`), compute its schedules (:meth:`schedule`, pure computation: the
+    integration predicts a pipeline's plans with it too) and the projections' input from a
+    checkpoint (:meth:`embed_from_checkpoint`), and list the tensors a row depends on besides the
+    projections (:meth:`upstream`).
     """
 
     name: str
@@ -184,6 +212,10 @@ class Family:
     model_variants: tuple[str, ...] = ()
     task_variants: tuple[tuple[str, str], ...] = ()
     rows: RowSplit | None = None
+    arguments: tuple[Argument, ...] = ()
+    plan_rows: str = "rows"
+    demos: tuple[tuple[str, str], ...] = ()
+    model_embed: str = ""
 
     def __post_init__(self) -> None:
         if not self.layouts:
@@ -205,6 +237,291 @@ class Family:
     def variant_of(self, task: str) -> str | None:
         """The model variant serving ``task`` (None when the family names none)."""
         return dict(self.task_variants).get(task)
+
+    # -- a model's geometry ------------------------------------------------------------------------
+
+    def spec_fields(self, model: Any, dtype: torch.dtype | None = None) -> dict[str, Any]:
+        """``ModulationSpec`` keywords of a transformer of this family: its config, and the projections'
+        dtype (``dtype`` when their weights are stored in another one). ConfigError for another model."""
+        raise ConfigError(f"the {self.name} family reads no transformer")
+
+    def header_fields(
+        self, path: object, entries: Mapping[str, Any], config: Mapping[str, Any], layout: str, modalities: int
+    ) -> dict[str, Any]:
+        """``ModulationSpec`` keywords of a checkpoint from its safetensors header entries and its
+        ``config.json`` (no tensor data); CheckpointError when its projections are missing or unusable."""
+        raise ConfigError(f"the {self.name} family reads no checkpoint")
+
+    # -- schedules -----------------------------------------------------------------------------------
+
+    def schedule_name(self, spec: Any) -> str:
+        """What messages call a checkpoint of ``spec`` (``a ... schedule``): the family's title by default."""
+        return self.title
+
+    def schedule_hint(self, spec: Any) -> str:
+        """How the flags name a schedule of this family, for messages (``--task and --steps``)."""
+        return ", ".join(argument.flag for argument in self.arguments)
+
+    def schedule(self, values: Mapping[str, Any], *, spec: Any, source: Any, checkpoint: Any) -> Schedule:
+        """The plans of the schedule ``values`` name, for a checkpoint of ``spec``.
+
+        ``values``: every argument of :attr:`arguments` by name, its default where the flag was not
+        given. ``source``: the checkpoint's source (its header entries only are read: no value may
+        be checked later, against the files, than here); ``checkpoint``: the path it was opened
+        from. Every bad value is a ConfigError or PlanError naming its flag, raised before anything
+        is written: commands compute the schedule before they create a store or a file.
+        """
+        raise ConfigError(f"the {self.title} family names no schedule on the command line")
+
+    # -- the projections' input without the model -----------------------------------------------------
+
+    def upstream(self, spec: Any, layout: KeyLayout) -> tuple[str, ...]:
+        """Checkpoint keys (as ``layout`` names them) of the tensors a table row depends on besides the
+        projections: the time embedder's parameters, and those of any addition, guidance or
+        second-timestep embedding the model's config enables (by default the layout's time embedder)."""
+        return tuple(layout.time_embedder_tensors())
+
+    def missing_upstream(self, source: Any) -> list[str]:
+        """The :meth:`upstream` tensors ``source``'s checkpoint lacks."""
+        missing = []
+        for name in self.upstream(source.spec, source.layout):
+            try:
+                source.entry(name)
+            except KeyError:
+                missing.append(name)
+        return missing
+
+    def checkpoint_embed(self, source: Any, spec: Any, device: Any = "cpu") -> Callable[[torch.Tensor], Any]:
+        """``embed(plan)`` for a cache filled without the model in memory (``build``, ``export``, ``verify``).
+
+        The projections' exact input, computed from the checkpoint's own :meth:`upstream` tensors as
+        the model computes it, on ``device``. CheckpointError naming the missing tensors when the
+        checkpoint holds the projections alone.
+        """
+        missing = self.missing_upstream(source)
+        if missing:
+            raise CheckpointError(
+                f"the checkpoint has no time-embedder weights ({', '.join(missing)} missing from "
+                f"{', '.join(str(f) for f in source.files)}): build, export and verify compute the projections' "
+                "input from them; pass the whole transformer checkpoint, not only its AdaLN projections"
+            )
+        if self.model_embed:
+            module, _, function = self.model_embed.partition(":")
+            embed: Callable[..., Callable[[torch.Tensor], Any]] = getattr(import_module(module), function)
+            return embed(source, spec, device)
+        return self.embed_from_checkpoint(source, spec, torch.device(device))
+
+    def embed_from_checkpoint(self, source: Any, spec: Any, device: torch.device) -> Callable[[torch.Tensor], Any]:
+        """:meth:`checkpoint_embed` of a family whose input the core computes itself."""
+        raise ConfigError(f"the {self.title} family computes no projection input from a checkpoint")
+
+
+def read_upstream(source: Any, name: str) -> torch.Tensor:
+    """One upstream tensor as the file holds it: its address keeps the file offset's alignment, as
+    the source keeps the projections', because an fp32 GEMV's bits depend on the weight's address."""
+    header, entry = source.entry(name)
+    if entry.torch_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise CheckpointError(f"{header.path}: tensor {name} has dtype {entry.dtype}, expected F32, BF16 or F16")
+    return source.read_tensor(name)
+
+
+# ---------------------------------------------------------------------------------------------
+# the schedules of the flow-matching image pipelines (several families share them)
+
+STEPS = Argument("steps", "the pipeline's num_inference_steps (repeatable)", Cli("int", 1), repeat=True)
+HEIGHT = Argument(
+    "height",
+    "image height (repeatable; default 1024): the schedule is shifted by the image size",
+    Cli("int", 1),
+    repeat=True,
+)
+WIDTH = Argument(
+    "width", "image width (repeatable, paired with the heights; default: the height)", Cli("int", 1), repeat=True
+)
+TIMESTEPS = Argument(
+    "timesteps",
+    "explicit forward timesteps, comma-separated (the values of the transformer's timestep argument), instead of "
+    "a step count",
+    Cli("text"),
+)
+BATCH = Argument(
+    "batch",
+    "the forward's rows: images per forward (batch x num_images_per_prompt; 2 x images where the pipeline "
+    "concatenates cond and uncond)",
+    Cli("int", 1),
+    default=1,
+)
+SCHEDULER_CONFIG = Argument(
+    "scheduler_config",
+    "the pipeline's scheduler_config.json (default: scheduler/ beside the transformer's directory, else the "
+    "family's released scheduler config where it has one)",
+    Cli("text"),
+)
+
+#: The default image size of a step count's schedule.
+DEFAULT_SIZE = 1024
+
+
+def numbers(argument: Argument, text: str) -> list[float]:
+    """The comma-separated numbers of ``argument``, finite as the float32 a plan holds; ConfigError naming it.
+
+    Checked before the store is opened: the plan's own check would refuse them too, but only after
+    the command had created the store's directory.
+    """
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ConfigError(f"{argument.flag} must be comma-separated numbers, got {text!r}") from None
+    if not values:
+        raise ConfigError(f"{argument.flag} is empty: pass the forward's values, e.g. {argument.flag} 0.999,0.5")
+    return finite(argument, values)
+
+
+def finite(argument: Argument, values: list[float]) -> list[float]:
+    """``values`` if every one is finite as the float32 a plan holds, else ConfigError naming ``argument``."""
+    if not bool(torch.tensor(values, dtype=torch.float32).isfinite().all()):
+        raise ConfigError(f"{argument.flag} must be finite float32 values (|v| < 3.4e38), got {values}")
+    return values
+
+
+class ImageFamily(Family):
+    """A family whose pipelines are flow-matching image pipelines: a schedule is a step count at an image
+    size, turned into timesteps by the pipeline's scheduler config, or the forward's timesteps given
+    outright; every forward has ``batch`` rows.
+
+    A subclass gives the forwards of a step count (:meth:`step_inputs`), turns forwards into plans
+    (:meth:`plans_of`) and checks its own flags first (:meth:`check_values`); ``released_scheduler``
+    is the scheduler config a step count uses when neither the flag nor a ``scheduler/`` beside the
+    checkpoint gives one (None: one of them must).
+    """
+
+    released_scheduler: ClassVar[Mapping[str, Any] | None] = None
+
+    def schedule_hint(self, spec: Any) -> str:
+        return f"{STEPS.flag} N (with {HEIGHT.flag}/{WIDTH.flag}), or {TIMESTEPS.flag} t1,t2,..."
+
+    def check_values(self, values: Mapping[str, Any], spec: Any) -> None:
+        """Refuse the family's own flags that do not fit this checkpoint, before any schedule is computed."""
+
+    def step_inputs(
+        self, spec: Any, values: Mapping[str, Any], steps: int, size: tuple[int, int], config: Mapping[str, Any]
+    ) -> list[dict[str, torch.Tensor]]:
+        """The per-step inputs (by the forward's argument names) of each forward of ``steps`` at ``size``."""
+        raise NotImplementedError
+
+    def plans_of(
+        self, forwards: list[dict[str, torch.Tensor]], values: Mapping[str, Any], spec: Any, source: Any
+    ) -> list[torch.Tensor]:
+        """The plans of these forwards (``timestep`` each, and what a step count computed besides)."""
+        raise NotImplementedError
+
+    def schedule(self, values: Mapping[str, Any], *, spec: Any, source: Any, checkpoint: Any) -> Schedule:
+        steps, timesteps, batch = values["steps"], values["timesteps"], values["batch"]
+        if timesteps is not None and steps:  # every family's plans take one or the other: never ignore one
+            raise ConfigError(
+                f"{TIMESTEPS.flag} and {STEPS.flag} both name the schedule (explicit timesteps, or the pipeline's "
+                "schedule of N steps): pass one of them"
+            )
+        self.check_values(values, spec)
+        if timesteps is not None:
+            forwards = [{TIMESTEP: torch.tensor([v] * batch)} for v in numbers(TIMESTEPS, timesteps)]
+            described = f"{len(forwards)} explicit timestep(s)"
+        elif steps:
+            config, released = self._scheduler_config(values, checkpoint)
+            forwards = []
+            for count in steps:
+                for size in _sizes(values):
+                    forwards += self._step_inputs(spec, values, count, size, config, released)
+            sizes = ", ".join(f"{h}x{w}" for h, w in _sizes(values))
+            described = f"steps {', '.join(map(str, steps))} at {sizes}"
+            if released:
+                described += (
+                    f" (the released {self.title} scheduler config: no {SCHEDULER_CONFIG.flag}, no scheduler/ beside)"
+                )
+        else:
+            raise ConfigError(f"name a {self.schedule_name(spec)} schedule: {self.schedule_hint(spec)}")
+        extra = {name: values[name] for name in ("guidance", "timestep_r") if values.get(name) is not None}
+        if timesteps is not None:
+            records = [{"timesteps": timesteps, "batch": batch, **extra}]
+        else:
+            records = [
+                {"steps": n, "height": h, "width": w, "batch": batch, **extra} for n in steps for h, w in _sizes(values)
+            ]
+        return Schedule(self.plans_of(forwards, values, spec, source), described, records)
+
+    def _step_inputs(
+        self,
+        spec: Any,
+        values: Mapping[str, Any],
+        steps: int,
+        size: tuple[int, int],
+        config: Mapping[str, Any],
+        released: bool,
+    ) -> list[dict[str, torch.Tensor]]:
+        """:meth:`step_inputs`, with a bad config value or size, or a step count whose timesteps are not
+        finite, as one ConfigError naming the flags.
+
+        Why: the schedule formulas take the config's values as they are (a string ``shift`` or a size
+        whose sequence length overflows a float raised a bare TypeError or OverflowError), and a
+        ``shift_terminal`` config divides 0 by 0 at one step, which the plan check would only report
+        as a NaN timestep once the store was created.
+        """
+        where = "the released scheduler config" if released else SCHEDULER_CONFIG.flag
+        said = f"{STEPS.flag} {steps} at {HEIGHT.flag} {size[0]} {WIDTH.flag} {size[1]}"
+
+        def compute(count: int) -> list[dict[str, torch.Tensor]]:
+            try:
+                return self.step_inputs(spec, values, count, size, config)
+            except (TypeError, ValueError, OverflowError, KeyError, ZeroDivisionError) as exc:
+                raise ConfigError(
+                    f"the schedule for {said} cannot be computed from {where} ({type(exc).__name__}: {exc}): pass the "
+                    f"pipeline's scheduler/scheduler_config.json and a size it runs, or {TIMESTEPS.flag}"
+                ) from None
+
+        def is_finite(forwards: list[dict[str, torch.Tensor]]) -> bool:
+            return all(bool(t.float().isfinite().all()) for step in forwards for t in step.values())
+
+        forwards = compute(steps)
+        if is_finite(forwards):
+            return forwards
+        working = next((n for n in range(1, steps + 65) if n != steps and is_finite(compute(n))), None)
+        advice = f"use {STEPS.flag} {working} or more" if working is not None else "use another scheduler config"
+        raise ConfigError(
+            f"the schedule for {said} has non-finite timesteps under {where} (its formula divides by zero at this "
+            f"step count; the model would compute NaN from them): {advice}, or pass {TIMESTEPS.flag}"
+        )
+
+    def _scheduler_config(self, values: Mapping[str, Any], checkpoint: Any) -> tuple[dict[str, Any], bool]:
+        """The pipeline's scheduler config, and whether it is :attr:`released_scheduler` (a copy of which is
+        used when neither the flag nor ``scheduler/`` beside the transformer's directory gives one)."""
+        if values["scheduler_config"] is not None:
+            where = Path(values["scheduler_config"])
+        else:
+            path = Path(checkpoint[0] if isinstance(checkpoint, (list, tuple)) else checkpoint)
+            where = (path if path.is_dir() else path.parent).parent / "scheduler"
+            if self.released_scheduler is not None and not where.exists():
+                return dict(self.released_scheduler), True
+        if where.is_dir():
+            where = where / "scheduler_config.json"
+        try:
+            config = json.loads(where.read_text())
+        except (OSError, ValueError) as exc:
+            raise ConfigError(
+                f"{STEPS.flag} needs the pipeline's scheduler config to compute the schedule: {where} cannot be read "
+                f"({type(exc).__name__}); pass {SCHEDULER_CONFIG.flag} PATH (the pipeline's "
+                f"scheduler/scheduler_config.json), or {TIMESTEPS.flag}"
+            ) from None
+        if not isinstance(config, dict):
+            raise ConfigError(f"{SCHEDULER_CONFIG.flag} {where} is not a JSON object")
+        return config, False
+
+
+def _sizes(values: Mapping[str, Any]) -> list[tuple[int, int]]:
+    heights = values["height"] or [DEFAULT_SIZE]
+    widths = values["width"] or heights
+    if len(widths) != len(heights):
+        raise ConfigError(f"{WIDTH.flag} is given {len(widths)} time(s) for {len(heights)} {HEIGHT.flag}: pair them")
+    return list(zip(heights, widths))
 
 
 def _positive(value: object) -> bool:
@@ -340,18 +657,29 @@ class ModelGeometry:
 
 
 __all__ = [
+    "BATCH",
     "FINAL",
+    "HEIGHT",
+    "SCHEDULER_CONFIG",
+    "STEPS",
     "TABLE_PART",
     "TABLE_ROWS",
     "TIMESTEP",
+    "TIMESTEPS",
+    "WIDTH",
     "WITHOUT_BIAS",
     "WITH_BIAS",
     "Family",
     "Gather",
+    "ImageFamily",
     "KeyLayout",
     "Layer",
     "ModelGeometry",
     "RowSplit",
+    "Schedule",
     "ServedLayer",
     "TablePart",
+    "finite",
+    "numbers",
+    "read_upstream",
 ]

@@ -289,11 +289,8 @@ class ModulationSpec:
         name = type(model).__name__
         if name in families.REFUSED:
             families.for_class(name)  # raises the ConfigError naming the reason
-        family = families.of_class(name)
-        reader = families.READERS.get(family.name) if family is not None else None
-        if reader is not None:
-            return cls.for_geometry(**reader.from_transformer(model, dtype))
-        return cls(**_default.fields_from_transformer(model, dtype))
+        family = families.of_class(name) or families.DEFAULT
+        return cls(**family.spec_fields(model, dtype))
 
     @classmethod
     def from_checkpoint(
@@ -318,23 +315,16 @@ class ModulationSpec:
 
         config = _config(path)
         class_name = config.get("_class_name")
-        reader = None
-        if isinstance(class_name, str):
-            reader = families.READERS.get(families.for_class(class_name).name)  # refused and unknown classes raise
-        if reader is not None:
-            if layout not in ("auto", "diffusers"):
-                only = "diffusers"  # the one layout name of these families
-                raise ConfigError(f"layout={layout!r}: a {class_name} checkpoint has the {only!r} layout only")
-        elif layout not in ("auto", *LAYOUTS):
-            get_layout(layout)  # raises the ConfigError that lists the layouts
+        # Refused and unknown classes raise; a checkpoint without config.json is the default family's.
+        family = families.for_class(class_name) if isinstance(class_name, str) else families.DEFAULT
+        if layout != "auto":
+            family.layout(layout)  # raises the ConfigError that lists the family's layouts
         files, _ = checkpoint_files(path)
         entries: dict[str, Any] = {}
         for file in files:
             entries.update(SafetensorsHeader.read(file).entries)
         try:
-            if reader is not None:
-                return cls.for_geometry(**reader.from_headers(path, entries, config))
-            return cls(**_default.fields_from_headers(path, entries, layout, modalities))
+            return cls(**family.header_fields(path, entries, config, layout, modalities))
         except ConfigError as exc:
             raise CheckpointError(f"{path}: unusable projection geometry: {exc}") from None
 

@@ -37,7 +37,7 @@ import torch
 
 from ..devices import resolve_device
 from ..errors import ConfigError
-from ..schedules import TASKS
+from ..families.minimax_h3 import TASKS
 
 #: ``--model`` names of the AdaLayerNormZero family's demos -> diffusers class.
 ADALN_ZERO_DEMOS = {"bria": "BriaTransformer2DModel", "ovis-image": "OvisImageTransformer2DModel"}
