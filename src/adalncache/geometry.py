@@ -484,8 +484,10 @@ class ImageFamily(Family):
         forwards = compute(steps)
         if is_finite(forwards):
             return forwards
-        working = next((n for n in range(1, steps + 65) if n != steps and is_finite(compute(n))), None)
-        advice = f"use {STEPS.flag} {working} or more" if working is not None else "use another scheduler config"
+        working = next((n for n in range(steps + 1, steps + 65) if is_finite(compute(n))), None)
+        advice = "use another scheduler config"
+        if working is not None:
+            advice = f"use {STEPS.flag} {working} (the smallest step count above {steps} whose timesteps are finite)"
         raise ConfigError(
             f"the schedule for {said} has non-finite timesteps under {where} (its formula divides by zero at this "
             f"step count; the model would compute NaN from them): {advice}, or pass {TIMESTEPS.flag}"
