@@ -713,7 +713,11 @@ SCHEDULE_CLI_CASES: list[tuple[str, list[str], str]] = [
     ("layered", ["--timesteps", "0.5,x", "--additional-t-cond", "1"], r"--timesteps must be comma-separated numbers"),
     ("layered", ["--timesteps", ",", "--additional-t-cond", "1"], r"--timesteps is empty"),
     ("plain", ["--timesteps", "0.5", "--additional-t-cond", "1"], r"drop --additional-t-cond"),
-    ("plain", ["--steps", "1"], r"--steps 1 at --height 1024 --width 1024 has non-finite.*use --steps 2 \\(the smallest"),
+    (
+        "plain",
+        ["--steps", "1"],
+        r"--steps 1 at --height 1024 --width 1024 has non-finite.*use --steps 2 \(the smallest",
+    ),
     ("plain", [], r"name a Qwen-Image schedule: --steps N"),
     ("plain", ["--steps", "4", "--batch", "0"], r"--batch must be >= 1"),
     ("plain", ["--steps", "4", "--height", "64", "--height", "32", "--width", "64"], r"--width is given 1 time"),
