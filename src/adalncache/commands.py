@@ -24,6 +24,7 @@ import torch
 
 from . import families
 from .cache import AdalnCache
+from .cli import add_flag, add_options, add_schedule_flags, gib_to_bytes
 from .devices import resolve_device
 from .errors import ConfigError
 from .formats import FORMATS, TableFile, TableFormat, is_table_file, table_format, vllm_omni
@@ -40,17 +41,10 @@ from .offline import (
     verify_store,
     verify_tables,
 )
-from .options import Cli, option
+from .options import Argument, Cli, flag
 from .plans import distinct_plans
-from .spec import LAYOUTS, ModulationSpec
+from .spec import ModulationSpec
 from .tiers.store import Store
-
-
-def _gb_to_bytes(value: float, flag: str) -> int:
-    if not (value >= 0) or value == float("inf"):
-        raise ConfigError(f"{flag} must be a non-negative number of GiB, got {value!r}")
-    return int(value * (1 << 30))
-
 
 # ---------------------------------------------------------------------------------------------
 # build and export
@@ -58,12 +52,9 @@ def _gb_to_bytes(value: float, flag: str) -> int:
 
 @contextlib.contextmanager
 def _torchrun_group(device: torch.device, timeout: float) -> Iterator[tuple[Any, torch.device, int]]:
-    """(process group, this rank's device, rank) when torchrun started this command (``WORLD_SIZE`` > 1).
-
-    A plain run gets ``(None, device, 0)``.
-    gloo on CPU, NCCL on CUDA with one GPU per rank (``LOCAL_RANK``). ``timeout`` is the only bound
-    on how long the other ranks wait when one dies outright, so it is the user's to set.
-    """
+    """(process group, this rank's device, rank) when torchrun started this command (``WORLD_SIZE`` > 1), else
+    ``(None, device, 0)``: gloo on CPU, NCCL on CUDA with one GPU per rank (``LOCAL_RANK``). ``timeout`` is the
+    only bound on how long the other ranks wait when one dies outright, so it is the user's to set."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         yield None, device, 0
         return
@@ -83,44 +74,60 @@ def _torchrun_group(device: torch.device, timeout: float) -> Iterator[tuple[Any,
 
 
 def _schedule(args: argparse.Namespace, given: dict[str, Any], spec: ModulationSpec, source: Any) -> Schedule:
-    """The checkpoint's family's schedule of the flags ``given``, its plans made distinct (first-seen order).
-
-    Computed before anything is created: every bad schedule flag is one line and leaves nothing on disk.
-    """
+    """The family's schedule of the flags ``given``, its plans distinct (first-seen order); computed before
+    anything is created, so every bad schedule flag is one line and leaves nothing on disk."""
     schedule = families.schedule(spec, given, source=source, checkpoint=args.checkpoint)
     order, tensors = distinct_plans(schedule.plans, columns=spec.plan_columns)
     return Schedule([tensors[k] for k in order], schedule.described, schedule.records)
 
 
 def _given(args: argparse.Namespace, names: Sequence[str]) -> dict[str, Any]:
-    """The schedule flags of ``names`` given on the command line (they parse to None when absent)."""
+    """The flags of ``names`` given on the command line (every schedule flag parses to None when absent)."""
     return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
 
 
+def _passes(
+    args: argparse.Namespace,
+    device: torch.device,
+    source: Any,
+    plans: list[torch.Tensor],
+    options: Sequence[str],
+    work: Callable[[AdalnCache, Any, bool], Any],
+    *,
+    embed: bool = True,
+) -> tuple[Any, str, bool]:
+    """``work(cache, embed, progress)`` on a cache of the command's ``options`` for ``plans`` (under torchrun,
+    its group): the result, the ranks in words, whether this is rank 0. The working slab holds no more plans
+    than one pass needs, so a small build allocates little; the store is opened after the checkpoint's embed,
+    so a checkpoint without its time embedder leaves no store behind."""
+    with _torchrun_group(device, args.timeout) as (group, device, rank):
+        progress = rank == 0 and not args.quiet
+        inputs = source.spec.family.checkpoint_embed(source, source.spec, device) if embed else None
+        given = {name: getattr(args, name) for name in options}
+        given.update(max_plans=max(1, min(args.max_plans, len(plans))), max_plan_width=max(p.shape[0] for p in plans))
+        given.update(store=Store(args.store, lock_wait_s=args.lock_wait) if args.store else None, progress=progress)
+        # Closed before the group is destroyed: a cache that outlived it would keep gloo's threads alive.
+        with AdalnCache(source.spec, source, device=device, process_group=group, **given) as cache:
+            result = work(cache, inputs, progress)
+            ranks = f", {cache.world_size} ranks (--shard {args.shard})" if group is not None else ""
+    return result, ranks, rank == 0
+
+
 def run_build(args: argparse.Namespace) -> int:
-    if not (args.timeout > 0):
-        raise ConfigError(f"--timeout must be a positive number of seconds, got {args.timeout}")
     device = resolve_device(args.device)
     spec, source = open_checkpoint(args.checkpoint, layout=args.layout)
     schedule = _schedule(args, _given(args, list(families.ARGUMENTS)), spec, source)
-    plans = schedule.plans
-    width = max(p.shape[0] for p in plans)
+    width = max(p.shape[0] for p in schedule.plans)
     if width > args.max_plan_width:
         raise ConfigError(
             f"these schedules have plans of {width} {spec.family.plan_rows}: raise "
-            f"{option('max_plan_width').flag} to at least {width}"
+            f"{flag('max_plan_width')} to at least {width}"
         )
-    with _torchrun_group(device, args.timeout) as (group, device, rank):
-        rank0 = rank == 0
-        embed = spec.family.checkpoint_embed(source, spec, device)
-        # The working slab: no more plans than one pass needs, so a small build allocates little.
-        options = _options_of(args, BUILD_OPTIONS)
-        options.update(max_plans=max(1, min(args.max_plans, len(plans))), max_plan_width=width)
-        options.update(store=Store(args.store, lock_wait_s=args.lock_wait), progress=rank0 and not args.quiet)
-        # Closed before the group is destroyed: a cache that outlived it would keep gloo's threads alive.
-        with AdalnCache(spec, source, device=device, process_group=group, **options) as cache:
-            report = fill_store(cache, plans, embed=embed, progress=rank0 and not args.quiet)
-            ranks = f", {cache.world_size} ranks (--shard {args.shard})" if group is not None else ""
+
+    def fill(cache: AdalnCache, embed: Any, progress: bool) -> Any:
+        return fill_store(cache, schedule.plans, embed=embed, progress=progress)
+
+    report, ranks, rank0 = _passes(args, device, source, schedule.plans, BUILD_OPTIONS, fill)
     if rank0:
         print(
             f"adalncache build: {report.plans} distinct plan(s) for {schedule.described}: {report.already_stored} "
@@ -131,8 +138,6 @@ def run_build(args: argparse.Namespace) -> int:
 
 
 def run_export(args: argparse.Namespace) -> int:
-    if not (args.timeout > 0):
-        raise ConfigError(f"--timeout must be a positive number of seconds, got {args.timeout}")
     kind = table_format(args.format)
     given = _format_inputs(args, kind)
     own = kind.schedule(args.checkpoint, given)  # None: the checkpoint family's schedule flags
@@ -158,27 +163,12 @@ def run_export(args: argparse.Namespace) -> int:
         plans, schedules = schedule.plans, schedule.records
     else:
         plans, schedules = own
-    width = max(p.shape[0] for p in plans)
-    store = Store(args.store, lock_wait_s=args.lock_wait) if args.store else None
-    with _torchrun_group(device, args.timeout) as (group, device, rank):
-        rank0 = rank == 0
-        embed = None if kind.own_input else spec.family.checkpoint_embed(source, spec, device)
-        options = _options_of(args, EXPORT_OPTIONS)
-        options.update(max_plans=max(1, min(args.max_plans, len(plans))), max_plan_width=width, store=store)
-        with AdalnCache(
-            spec, source, device=device, process_group=group, progress=rank0 and not args.quiet, **options
-        ) as cache:
-            report = export_tables(
-                cache,
-                plans,
-                output,
-                embed=embed,
-                format=args.format,
-                model_variant=args.model_variant,
-                tasks=tasks,
-                schedules=schedules,
-                progress=rank0 and not args.quiet,
-            )
+
+    def export(cache: AdalnCache, embed: Any, progress: bool) -> Any:
+        given = {"model_variant": args.model_variant, "tasks": tasks, "schedules": schedules, "progress": progress}
+        return export_tables(cache, plans, output, embed=embed, format=args.format, **given)
+
+    report, _, rank0 = _passes(args, device, source, plans, EXPORT_OPTIONS, export, embed=not kind.own_input)
     if rank0 and own is not None:
         sidecar = schedules[0]
         print(
@@ -205,12 +195,9 @@ def run_export(args: argparse.Namespace) -> int:
 
 
 def _format_inputs(args: argparse.Namespace, kind: TableFormat) -> dict[str, Any]:
-    """The schedule flags given to ``export``, once every one the format does not take is refused.
-
-    Every schedule flag parses to None when absent, so a flag given is seen even at its default
-    value (``--video-shift 12``). A format takes its own flags (``takes``) or, without any, the
-    checkpoint families' schedule flags (the checkpoint's family refuses those of the others).
-    """
+    """The schedule flags given to ``export`` (at their default value too: ``--video-shift 12``), once every one
+    the format does not take is refused: its own (``takes``), or the families' (the checkpoint's refuses the
+    others')."""
     names = [*families.ARGUMENTS, *SIDECAR_INPUTS]
     given = _given(args, names)
     takes = kind.takes if kind.takes is not None else families.ARGUMENTS
@@ -223,50 +210,40 @@ def _format_inputs(args: argparse.Namespace, kind: TableFormat) -> dict[str, Any
 
 
 #: The schedule of a ``--format vllm-omni`` file, named as vLLM-Omni's schedule contract names it.
-SIDECAR_INPUTS = ("mode", "num_steps", "base_schedule", "flow_shift", "audio_flow_shift")
-
-
-def _sidecar_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags of :data:`SIDECAR_INPUTS`."""
-    group = parser.add_argument_group(
-        "vllm-omni schedule (--format vllm-omni: one schedule per file, as vLLM-Omni requests name it)"
-    )
-    group.add_argument("--mode", choices=list(vllm_omni.MODES), default=None, help="vLLM-Omni's task mode")
-    group.add_argument(
-        "--num-steps",
-        type=_int_parser("--num-steps", 1),
-        default=None,
-        help=f"forwards (vLLM-Omni's num_inference_steps) (default: {vllm_omni.DEFAULT_NUM_STEPS}, or the "
-        f"intervals of --base-schedule)",
-    )
-    group.add_argument(
-        "--base-schedule",
-        default=None,
-        help="explicit rectified-flow positions, comma-separated (a distilled release's base_schedule)",
-    )
-    group.add_argument(
-        "--flow-shift",
-        type=float,
-        default=None,
-        help=f"video flow shift (default: the release's, as vLLM-Omni reads it from model_index.json next to the "
+SIDECAR = (
+    Argument("mode", "vLLM-Omni's task mode", Cli("choice", choices=tuple(vllm_omni.MODES))),
+    Argument(
+        "num_steps",
+        f"forwards (vLLM-Omni's num_inference_steps) (default: {vllm_omni.DEFAULT_NUM_STEPS}, or the intervals of "
+        "--base-schedule)",
+        Cli("int", 1),
+    ),
+    Argument(
+        "base_schedule", "explicit rectified-flow positions, comma-separated (a distilled release's)", Cli("text")
+    ),
+    Argument(
+        "flow_shift",
+        "video flow shift (default: the release's, as vLLM-Omni reads it from model_index.json next to the "
         f"transformer, else {vllm_omni.DEFAULT_FLOW_SHIFT:g})",
-    )
-    group.add_argument(
-        "--audio-flow-shift",
-        type=float,
-        default=None,
-        help=f"audio flow shift (default: the release's, else {vllm_omni.DEFAULT_AUDIO_FLOW_SHIFT:g})",
-    )
+        Cli("float"),
+    ),
+    Argument(
+        "audio_flow_shift",
+        f"audio flow shift (default: the release's, else {vllm_omni.DEFAULT_AUDIO_FLOW_SHIFT:g})",
+        Cli("float"),
+    ),
+)
+SIDECAR_INPUTS = tuple(argument.name for argument in SIDECAR)
 
 
 # ---------------------------------------------------------------------------------------------
 # inspect
 
 
-def _family_geometry(spec: dict[str, Any]) -> str | None:
-    """A described spec of a family that lists its layers, in words (None for the default family's)."""
+def _geometry(spec: dict[str, Any], blocks: str) -> str:
+    """A described spec in words: the layers of a family that lists them, else ``blocks`` (the default family's)."""
     if "family" not in spec:
-        return None
+        return f"{spec['num_layers']} blocks, hidden {spec['hidden_size']}, {blocks}{spec['dtype']}"
     # An entry is [id, width, input] plus ``false`` for a layer without a bias (AuraFlow's).
     widths = sorted({int(entry[1]) for entry in spec["layers"]})
     return (
@@ -275,23 +252,15 @@ def _family_geometry(spec: dict[str, Any]) -> str | None:
     )
 
 
-def _plan_rows_in_words(spec: dict[str, Any], width: int) -> str:
-    """What a plan of ``width`` rows is: timesteps, or rows of the plan's columns where several key it."""
-    columns = spec.get("plan_inputs") or ["timestep"]
-    if len(columns) == 1:
-        return f"{width} timesteps"
-    return f"{width} rows of ({', '.join(columns)})"
-
-
 def _print_tables(info: dict[str, Any]) -> None:
-    spec = info["spec"]
+    spec, width = info["spec"], info["width"]
+    columns = spec.get("plan_inputs") or ["timestep"]  # a plan's rows: timesteps, or rows of several keys
+    rows = f"{width} timesteps" if len(columns) == 1 else f"{width} rows of ({', '.join(columns)})"
     print(
-        f"table file {info['path']}: {info['format']} format, {info['plans']} plans of up to "
-        f"{_plan_rows_in_words(spec, info['width'])} (per width: {info['plans_per_width']}), "
-        f"{info['bytes'] / 2**20:.2f} MiB"
+        f"table file {info['path']}: {info['format']} format, {info['plans']} plans of up to {rows} (per width: "
+        f"{info['plans_per_width']}), {info['bytes'] / 2**20:.2f} MiB"
     )
-    geometry = _family_geometry(spec) or f"{spec['num_layers']} blocks, hidden {spec['hidden_size']}, {spec['dtype']}"
-    print(f"  {geometry}; model_variant {info['model_variant'] or '(none)'}")
+    print(f"  {_geometry(spec, '')}; model_variant {info['model_variant'] or '(none)'}")
     binding = info["binding"]
     found = info.get("manifest")
     if found is not None:
@@ -301,15 +270,12 @@ def _print_tables(info: dict[str, Any]) -> None:
             f"{schedule['flow_shift']:g}, audio_flow_shift {schedule['audio_flow_shift']:g}, base_schedule "
             f"{schedule['base_schedule']}; adapter {found['adapter_sha256'] or 'none'}"
         )
+        cuda = math_block.get("device_type") == "cuda"
+        on = f" (capability {math_block.get('capability')}, CUDA {math_block.get('cuda')})" if cuda else ""
         print(
             f"  time embedder {arch['timestep_input_dim']} -> {arch['time_embed_hidden_size']} -> "
             f"{arch['time_embed_dim']}; {len(found['weights'])} weight digests; built under torch "
-            f"{math_block.get('torch')} on {math_block.get('device_type')}"
-            + (
-                f" (capability {math_block.get('capability')}, CUDA {math_block.get('cuda')})"
-                if math_block.get("device_type") == "cuda"
-                else ""
-            )
+            f"{math_block.get('torch')} on {math_block.get('device_type')}{on}"
         )
     elif binding is None:
         print("  binding: none (an sglang file: only its geometry can be checked)")
@@ -371,10 +337,7 @@ def run_inspect(args: argparse.Namespace) -> int:
         return 0
     spec = info["spec"]
     print(f"checkpoint {info['path']}: {info['layout']} layout, {len(info['files'])} file(s)")
-    geometry = _family_geometry(spec) or (
-        f"{spec['num_layers']} blocks, hidden {spec['hidden_size']}, time embedding {spec['time_embed_dim']}, "
-        f"{spec['dtype']}"
-    )
+    geometry = _geometry(spec, f"time embedding {spec.get('time_embed_dim')}, ")
     print(
         f"  {geometry}; {info['projection_tensors']} projection tensors, "
         f"{info['projection_bytes'] / 2**20:.2f} MiB; one table row {info['row_bytes'] / 2**20:.3f} MiB"
@@ -400,27 +363,34 @@ def run_inspect(args: argparse.Namespace) -> int:
 # verify
 
 
-def run_verify_tables(args: argparse.Namespace) -> int:
+def run_verify(args: argparse.Namespace) -> int:
+    if args.sample is not None and args.sample < 1:
+        raise ConfigError(f"--sample must be a positive number of entries, got {args.sample}")
+    path = Path(args.store or "")
+    if args.tables is None and not is_store(path):
+        raise ConfigError(f"{path} is not an adalncache store (no STORE marker): set --store")
     device = resolve_device(args.device)
     spec, source = open_checkpoint(args.checkpoint, layout=args.layout)
-    table = TableFile(args.tables, spec, argument="--tables")
-    embed = spec.family.checkpoint_embed(source, spec, device)
-    report = verify_tables(
-        table,
-        source,
-        embed=embed,
-        device=device,
-        max_plans=args.max_plans,
-        read_ahead=args.read_ahead,
-        sample=args.sample,
-        seed=args.seed,
-        progress=not args.quiet,
-    )
+    table = TableFile(args.tables, spec, argument="--tables") if args.tables is not None else None
+    given = {"read_ahead": args.read_ahead, "sample": args.sample, "seed": args.seed, "progress": not args.quiet}
+    given.update(embed=spec.family.checkpoint_embed(source, spec, device), device=device, max_plans=args.max_plans)
+    # A store's report names no content, weights or foreign environment: those lines are a table file's.
+    if table is None:
+        report = verify_store(Store(path), spec, source, **given)
+        checked = f"{report.checked} entr{'y' if report.checked == 1 else 'ies'} recomputed"
+        said = f"; {report.other_bindings} under other bindings not checked"
+    else:
+        report = verify_tables(table, source, **given)
+        checked, said = f"{report.checked} plan(s) of {table.path} recomputed", ""
+        if report.content_matches is not None:
+            said += f", content {'matches' if report.content_matches else 'DIFFERS'}"
+        if report.weights_mismatched is not None:
+            said += f", {len(report.weights_mismatched)} weight digest(s) differ"
     for line in report.corrupt:
         print(f"CORRUPT {line}")
     for line in report.mismatched:
         print(f"MISMATCH {line}")
-    if report.content_matches is False:
+    if report.content_matches is False and table is not None:
         print(f"CONTENT the file names {table.content}, --checkpoint is {report.content}")
     for name in report.weights_mismatched or []:
         print(f"WEIGHTS {name}: its digest in the file's manifest is not --checkpoint's")
@@ -430,46 +400,8 @@ def run_verify_tables(args: argparse.Namespace) -> int:
             f"not expected (verify on the machine class it was exported for)"
         )
     print(
-        f"adalncache verify: {'OK' if report.ok else 'FAILED'}: {report.checked} plan(s) of {table.path} recomputed, "
-        f"{len(report.mismatched)} mismatched, {len(report.corrupt)} corrupt"
-        + ("" if report.content_matches is None else f", content {'matches' if report.content_matches else 'DIFFERS'}")
-        + ("" if report.weights_mismatched is None else f", {len(report.weights_mismatched)} weight digest(s) differ")
-    )
-    return 0 if report.ok else 1
-
-
-def run_verify(args: argparse.Namespace) -> int:
-    if args.sample is not None and args.sample < 1:
-        raise ConfigError(f"--sample must be a positive number of entries, got {args.sample}")
-    if args.tables is not None:
-        return run_verify_tables(args)
-    path = Path(args.store)
-    if not is_store(path):
-        raise ConfigError(f"{path} is not an adalncache store (no STORE marker): set --store")
-    device = resolve_device(args.device)
-    spec, source = open_checkpoint(args.checkpoint, layout=args.layout)
-    embed = spec.family.checkpoint_embed(source, spec, device)
-    report = verify_store(
-        Store(path),
-        spec,
-        source,
-        embed=embed,
-        device=device,
-        max_plans=args.max_plans,
-        read_ahead=args.read_ahead,
-        sample=args.sample,
-        seed=args.seed,
-        progress=not args.quiet,
-    )
-    for line in report.corrupt:
-        print(f"CORRUPT {line}")
-    for line in report.mismatched:
-        print(f"MISMATCH {line}")
-    checked = report.checked
-    print(
-        f"adalncache verify: {'OK' if report.ok else 'FAILED'}: {checked} entr{'y' if checked == 1 else 'ies'} "
-        f"recomputed, {len(report.mismatched)} mismatched, {len(report.corrupt)} corrupt; {report.other_bindings} "
-        f"under other bindings not checked"
+        f"adalncache verify: {'OK' if report.ok else 'FAILED'}: {checked}, {len(report.mismatched)} mismatched, "
+        f"{len(report.corrupt)} corrupt{said}"
     )
     return 0 if report.ok else 1
 
@@ -482,7 +414,7 @@ def run_prune(args: argparse.Namespace) -> int:
     path = Path(args.store)
     if not is_store(path):
         raise ConfigError(f"{path} is not an adalncache store (no STORE marker): set --store")
-    limit = _gb_to_bytes(args.max_gb, "--max-gb")
+    limit = gib_to_bytes(args.max_gb, "--max-gb")
     store = Store(path)
     before = store.total_bytes
     removed = store.prune(limit)
@@ -496,131 +428,35 @@ def run_prune(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------------
 # argparse wiring
 
-
-def _int_parser(flag: str, minimum: int, below: int | None = None) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{flag} takes an integer, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"{flag} must be >= {minimum}, got {value}")
-        if below is not None and value >= below:
-            raise argparse.ArgumentTypeError(f"{flag} must be < {below}, got {value}")
-        return value
-
-    return parse
-
-
-def _gib_bytes(text: str) -> int:
-    try:
-        return _gb_to_bytes(float(text), option("host_cache_bytes").flag or "")
-    except (ValueError, ConfigError) as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _auto_switch(text: str) -> bool | str:
-    """``auto``, ``on`` or ``off`` as an option takes it: ``"auto"``, True, False."""
-    values: dict[str, bool | str] = {"auto": "auto", "on": True, "off": False}
-    if text not in values:
-        raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from auto, on, off)")
-    return values[text]
-
-
-def _add_flag(
-    parser: Any, flag: str, cli: Cli, *, dest: str, help: str, default: Any, repeat: bool = False, shown: Any = None
-) -> None:
-    """One flag parsed as ``cli`` says (:class:`~adalncache.options.Cli`); ``shown``: the default its help names."""
-    kwargs: dict[str, Any] = {"dest": dest, "default": default, "help": help}
-    if cli.kind == "int":
-        kwargs.update(type=_int_parser(flag, cli.minimum, cli.below), metavar="N")
-    elif cli.kind == "float":
-        kwargs["type"] = float
-    elif cli.kind == "path":
-        kwargs["metavar"] = "DIR"
-    elif cli.kind == "choice":
-        kwargs["choices"] = list(cli.choices)
-    elif cli.kind == "switch":
-        kwargs["action"] = "store_true"
-    elif cli.kind == "auto-switch":
-        kwargs.update(type=_auto_switch, metavar="{auto,on,off}")
-    elif cli.kind == "gib":
-        kwargs.update(type=_gib_bytes, metavar="GIB")
-    if repeat:
-        kwargs["action"] = "append"
-    if shown is not None and cli.kind != "switch":
-        kwargs["help"] += f" (default: {shown:g})" if isinstance(shown, float) else f" (default: {shown})"
-    parser.add_argument(flag, **kwargs)
-
-
 #: The cache options each command takes, as generated flags (in this order on its --help).
-BUILD_OPTIONS = (
-    "store",
-    "max_plan_width",
-    "precision",
-    "batched",
-    "tiled",
-    "host_cache_bytes",
-    "shard",
-    "max_plans",
-    "read_ahead",
-)
 EXPORT_OPTIONS = ("store", "precision", "batched", "tiled", "shard", "max_plans", "read_ahead")
+BUILD_OPTIONS = ("store", "max_plan_width", *EXPORT_OPTIONS[1:4], "host_cache_bytes", *EXPORT_OPTIONS[4:])
 VERIFY_OPTIONS = ("max_plans", "read_ahead")
+#: ``--layout``: auto, or any family's checkpoint layout.
+LAYOUTS = ["auto", *dict.fromkeys(layout.name for family in families.FAMILIES.values() for layout in family.layouts)]
 
 
-def _add_options(parser: argparse.ArgumentParser, names: Sequence[str], *, required: Sequence[str] = ()) -> None:
-    """One flag per cache option of ``names``, generated from :mod:`adalncache.options`.
-
-    The flag, its help, its default and how it parses come from the option's definition; the
-    value lands in ``args.<option name>`` in the option's own unit (bytes for ``--host-cache-gb``).
-    ``required``: options this command cannot run without.
-    """
-    for name in names:
-        o = option(name)
-        if o.flag is None or o.cli is None:
-            raise ValueError(f"the option {name} has no command-line flag")
-        if name in required:
-            parser.add_argument(o.flag, dest=name, required=True, help=o.doc, metavar="DIR")
-            continue
-        shown = o.default / 2**30 if o.cli.kind == "gib" else o.default
-        _add_flag(parser, o.flag, o.cli, dest=name, help=o.doc, default=o.default, shown=str(shown))
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"--timeout must be a positive number of seconds, got {value}")
+    return value
 
 
-def _schedule_flags(parser: argparse.ArgumentParser) -> None:
-    """Every family's schedule flags, each once (:data:`adalncache.families.ARGUMENTS`). Which of them a
-    command needs depends on the checkpoint's family (and, for ``export``, on ``--format``), so none is
-    required here and all parse to None when absent: the family checks them once the checkpoint is open."""
-    group = parser.add_argument_group("schedule (the flags of the checkpoint's family)")
-    every = len(families.FAMILIES)
-    for argument in families.ARGUMENTS.values():
-        takers = families.takers(argument.name)
-        said = "" if len(takers) == every else ", ".join(f.title for f in takers) + ": "
-        shown = argument.default if argument.default not in (None, False) else None
-        _add_flag(
-            group,
-            argument.flag,
-            argument.cli,
-            dest=argument.name,
-            help=said + argument.help,
-            default=None,
-            repeat=argument.repeat,
-            shown=shown,
-        )
-
-
-def _options_of(args: argparse.Namespace, names: Sequence[str]) -> dict[str, Any]:
-    """The cache options ``names`` as the command line gave them, as keyword arguments of AdalnCache."""
-    return {name: getattr(args, name) for name in names}
-
-
-def _common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--layout", default="auto", choices=["auto", *LAYOUTS], help="checkpoint layout")
+def _common(parser: argparse.ArgumentParser, *, passes: bool = False) -> None:
+    """The flags every command that reads a checkpoint takes; ``passes``: those of one that fills a store."""
+    parser.add_argument("--layout", default="auto", choices=LAYOUTS, help="checkpoint layout")
     parser.add_argument("--device", default="cpu", help="device the tables are for (default: cpu)")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
-
-
-def _lock_wait(parser: argparse.ArgumentParser) -> None:
+    if not passes:
+        return
+    parser.add_argument(
+        "--timeout",
+        type=_seconds,
+        default=600.0,
+        help="under torchrun, the process group's timeout in seconds: how long ranks wait for a dead peer "
+        "(default: 600)",
+    )
     parser.add_argument(
         "--lock-wait",
         type=float,
@@ -641,17 +477,9 @@ def _register_build(subparsers: Any) -> None:
         ),
     )
     p.add_argument("checkpoint", metavar="CHECKPOINT", help=".safetensors file, or a (sharded) checkpoint directory")
-    p.add_argument(
-        "--timeout",
-        type=float,
-        default=600.0,
-        help="under torchrun, the process group's timeout in seconds: how long ranks wait for a dead peer "
-        "(default: 600)",
-    )
-    _lock_wait(p)
-    _add_options(p, BUILD_OPTIONS, required=("store",))
-    _common(p)
-    _schedule_flags(p)
+    add_options(p, BUILD_OPTIONS, required=("store",))
+    _common(p, passes=True)
+    add_schedule_flags(p)
     p.set_defaults(func=run_build)
 
 
@@ -663,7 +491,7 @@ def _register_export(subparsers: Any) -> None:
         description=(
             "Compute the AdaLN tables of every plan the given schedules use, from CHECKPOINT (which must include "
             "the time embedder), and write them to one safetensors file: --format sglang is exactly SGLang's "
-            "sidecar (serve it with --minimax-h3-adaln-cache-path and the same --model-variant); --format adalncache "
+            "sidecar (serve it with SGLang's AdaLN cache path and the same --model-variant); --format adalncache "
             "adds the binding (content digest, spec, precision, numeric environment) that lets enable_adaln_cache("
             "tables=) and adalncache verify --tables check it. Step counts: --steps N is the pipeline's "
             "num_inference_steps (N grid points, N - 1 forwards); SGLang's --num-inference-steps counts forwards, so "
@@ -687,15 +515,17 @@ def _register_export(subparsers: Any) -> None:
         "--model-variant",
         choices=list(dict.fromkeys(v for f in families.FAMILIES.values() for v in f.model_variants)),
         default=None,
-        help="the released transformer the tables belong to, where the family names them (t2va and fl2va run on "
-        "fl2va, ref2va on ref2va); SGLang compares it with its own --model-variant",
+        help="the released transformer the tables belong to, where the checkpoint's family names one (the one its "
+        "tasks run on); SGLang compares it with its own --model-variant",
     )
-    p.add_argument("--timeout", type=float, default=600.0, help="under torchrun, the process group's timeout (s)")
-    _lock_wait(p)
-    _add_options(p, EXPORT_OPTIONS)
-    _common(p)
-    _schedule_flags(p)
-    _sidecar_arguments(p)
+    add_options(p, EXPORT_OPTIONS)
+    _common(p, passes=True)
+    add_schedule_flags(p)
+    group = p.add_argument_group(
+        "vllm-omni schedule (--format vllm-omni: one schedule per file, as its requests name it)"
+    )
+    for argument in SIDECAR:
+        add_flag(group, argument.flag, argument.cli, dest=argument.name, help=argument.help, default=None)
     p.set_defaults(func=run_export)
 
 
@@ -710,7 +540,7 @@ def _register_inspect(subparsers: Any) -> None:
         ),
     )
     p.add_argument("path", metavar="PATH", help="a checkpoint (file or directory), a store directory or a table file")
-    p.add_argument("--layout", default="auto", choices=["auto", *LAYOUTS], help="checkpoint layout (default: auto)")
+    p.add_argument("--layout", default="auto", choices=LAYOUTS, help="checkpoint layout (default: auto)")
     p.add_argument("--tensors", action="store_true", help="list every projection tensor")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--quick", action="store_true", help="store or table file: skip checking their digests")
@@ -740,7 +570,7 @@ def _register_verify(subparsers: Any) -> None:
     p.add_argument("--checkpoint", required=True, help="the checkpoint the entries were built from")
     p.add_argument("--sample", type=int, default=None, help="check only N entries, chosen at random")
     p.add_argument("--seed", type=int, default=0, help="seed of --sample (default: 0)")
-    _add_options(p, VERIFY_OPTIONS)
+    add_options(p, VERIFY_OPTIONS)
     _common(p)
     p.set_defaults(func=run_verify)
 
