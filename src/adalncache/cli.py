@@ -27,8 +27,6 @@ _COMMAND_MODULES = (
     "adalncache.tools.bench",
 )
 
-log = logging.getLogger("adalncache")
-
 
 class _Parser(argparse.ArgumentParser):
     """argparse exits with 2 on bad arguments already; keep its messages to one line."""

@@ -15,9 +15,11 @@ they need to know about a model is small and the same for every family:
 * the **key layouts**: how a checkpoint names each layer's tensors.
 
 :class:`ModelGeometry` holds exactly that; :class:`Family` holds what is shared by every model of
-one family (its layouts, the table formats it can be written in). Families are defined in
-:mod:`adalncache.families`; :class:`~adalncache.spec.ModulationSpec` wraps a geometry with the
-dtype. Nothing here names a model.
+one family, and is the one seam through which the core asks a family anything (its geometry from
+a model or a checkpoint, its schedules, its projection input from a checkpoint, what a row depends
+on besides the projections). :class:`ImageFamily` is what the families served through diffusers'
+flow-matching image pipelines share. Families are defined in :mod:`adalncache.families`;
+:class:`~adalncache.spec.ModulationSpec` wraps a geometry with the dtype. Nothing here names a model.
 """
 
 from __future__ import annotations
@@ -97,12 +99,6 @@ class KeyLayout:
         return [f"{prefix}.{part}" for prefix in self.time_embedder for part in ("weight", "bias")]
 
 
-#: The tensors of a projection with a bias, in ``nn.Linear``'s parameter order.
-WITH_BIAS: tuple[str, ...] = ("weight", "bias")
-#: The tensors of a projection without one (``nn.Linear(..., bias=False)``).
-WITHOUT_BIAS: tuple[str, ...] = ("weight",)
-
-
 @dataclass(frozen=True)
 class ServedLayer:
     """One served projection: its layer id, output width, the name of the input it takes, and whether it has a bias.
@@ -119,8 +115,8 @@ class ServedLayer:
 
     @property
     def tensors(self) -> tuple[str, ...]:
-        """The projection's tensor names (``"weight"``, then ``"bias"`` if it has one)."""
-        return WITH_BIAS if self.bias else WITHOUT_BIAS
+        """The projection's tensor names, in ``nn.Linear``'s parameter order (``"weight"``, then ``"bias"`` if any)."""
+        return ("weight", "bias") if self.bias else ("weight",)
 
 
 @dataclass(frozen=True)
@@ -178,28 +174,23 @@ class Schedule:
 class Family:
     """One model family: what all its models share, and everything the core asks of a family.
 
-    A family module (:mod:`adalncache.families`) makes one instance of a subclass; the core asks
-    it, through the registry, and never names a model. What it declares:
+    A family module (:mod:`adalncache.families`) makes one instance of a subclass, and the core asks
+    it (through the registry, or as ``spec.family``) instead of naming a model. It declares its
+    ``layouts`` (tried in order by layout detection; the first is the one a cache without weights
+    reports); its diffusers ``class_names``; the ``table_formats`` its tables can be written in
+    (``"adalncache"``, the bound format, always) with their ``table_tensors``, and the
+    ``model_variants``/``task_variants`` a file's ``model_variant`` may say where another engine reads
+    it; its :class:`RowSplit` (``rows``) where its modules take a row in parts; the ``arguments`` that
+    name its schedules, what one row of its plans is (``plan_rows``), its demo models by name with
+    their class (``demos``); and ``model_embed``, ``"module:function"`` of the integration where its
+    projection input from a checkpoint needs the model's own modules (built on the meta device from
+    ``config.json``): :meth:`checkpoint_embed` loads it by name when a command asks, so the core
+    imports nothing above it.
 
-    * ``layouts``, tried in order by layout detection (``layout="auto"``; the first is the one a
-      cache without weights reports); ``class_names``, the diffusers transformer classes of the
-      family (``_class_name`` in a checkpoint's ``config.json``);
-    * ``table_formats``, the table-file formats its tables can be written in (``"adalncache"``,
-      the bound format, always) with ``table_tensors``, ``model_variants`` and ``task_variants``
-      (what a file's ``model_variant`` may say, where another engine reads it); ``rows``, its
-      :class:`RowSplit`, where its modules take the modulation as parts of a row;
-    * ``arguments``, the flags that name its schedules (:meth:`schedule` turns them into plans);
-      ``plan_rows``, what one row of its plans is in words; ``demos``, the demo models
-      (``adalncache demo --model``) by name with their class;
-    * ``model_embed``: where a family whose ``embed`` from a checkpoint needs the model's own
-      modules (built on the meta device from ``config.json``) keeps that function, as
-      ``"module:function"`` of the integration; :meth:`checkpoint_embed` loads it by name when a
-      command asks, so the core imports nothing above it.
-
-    The methods a family module overrides read a model's geometry (:meth:`spec_fields`,
-    :meth:`header_fields`), compute its schedules (:meth:`schedule`, pure computation: the
-    integration predicts a pipeline's plans with it too) and the projections' input from a
-    checkpoint (:meth:`embed_from_checkpoint`), and list the tensors a row depends on besides the
+    A family module overrides the methods that read a model's geometry (:meth:`spec_fields`,
+    :meth:`header_fields`), compute its schedules (:meth:`schedule`: pure computation, so the
+    integration predicts a pipeline's plans with it too), compute the projections' input from a
+    checkpoint (:meth:`embed_from_checkpoint`) and list what a row depends on besides the
     projections (:meth:`upstream`).
     """
 
@@ -241,15 +232,25 @@ class Family:
     # -- a model's geometry ------------------------------------------------------------------------
 
     def spec_fields(self, model: Any, dtype: torch.dtype | None = None) -> dict[str, Any]:
-        """``ModulationSpec`` keywords of a transformer of this family: its config, and the projections'
-        dtype (``dtype`` when their weights are stored in another one). ConfigError for another model."""
+        """The spec keywords of a transformer of this family (``ModulationSpec``'s, or ``for_geometry``'s for a
+        family whose spec carries its geometry): its config, and the projections' dtype (``dtype`` when
+        their weights are stored in another one). ConfigError for another model."""
         raise ConfigError(f"the {self.name} family reads no transformer")
+
+    def projection_dtype(self, model: Any, first: Layer) -> torch.dtype:
+        """The dtype of the model's projection of layer ``first`` (inside a peft LoRA wrapper, if any), where
+        diffusers puts it; bfloat16 for a model without it (no blocks)."""
+        try:
+            linear = model.get_submodule(self.layout("diffusers").prefix(first))
+        except AttributeError:
+            return torch.bfloat16
+        return getattr(linear, "base_layer", linear).weight.dtype
 
     def header_fields(
         self, path: object, entries: Mapping[str, Any], config: Mapping[str, Any], layout: str, modalities: int
     ) -> dict[str, Any]:
-        """``ModulationSpec`` keywords of a checkpoint from its safetensors header entries and its
-        ``config.json`` (no tensor data); CheckpointError when its projections are missing or unusable."""
+        """The spec keywords (as :meth:`spec_fields`) of a checkpoint from its safetensors header entries and
+        its ``config.json`` (no tensor data); CheckpointError when its projections are missing or unusable."""
         raise ConfigError(f"the {self.name} family reads no checkpoint")
 
     # -- schedules -----------------------------------------------------------------------------------
@@ -263,14 +264,10 @@ class Family:
         return ", ".join(argument.flag for argument in self.arguments)
 
     def schedule(self, values: Mapping[str, Any], *, spec: Any, source: Any, checkpoint: Any) -> Schedule:
-        """The plans of the schedule ``values`` name, for a checkpoint of ``spec``.
-
-        ``values``: every argument of :attr:`arguments` by name, its default where the flag was not
-        given. ``source``: the checkpoint's source (its header entries only are read: no value may
-        be checked later, against the files, than here); ``checkpoint``: the path it was opened
-        from. Every bad value is a ConfigError or PlanError naming its flag, raised before anything
-        is written: commands compute the schedule before they create a store or a file.
-        """
+        """The plans of the schedule ``values`` (every argument of :attr:`arguments`, defaults applied) name for a
+        checkpoint of ``spec``, opened from ``checkpoint`` as ``source`` (whose headers may be read). Every bad
+        value is a ConfigError or PlanError naming its flag, raised here: commands compute the schedule before
+        they create a store or a file, so a refused schedule leaves nothing on disk."""
         raise ConfigError(f"the {self.title} family names no schedule on the command line")
 
     # -- the projections' input without the model -----------------------------------------------------
@@ -292,12 +289,9 @@ class Family:
         return missing
 
     def checkpoint_embed(self, source: Any, spec: Any, device: Any = "cpu") -> Callable[[torch.Tensor], Any]:
-        """``embed(plan)`` for a cache filled without the model in memory (``build``, ``export``, ``verify``).
-
-        The projections' exact input, computed from the checkpoint's own :meth:`upstream` tensors as
-        the model computes it, on ``device``. CheckpointError naming the missing tensors when the
-        checkpoint holds the projections alone.
-        """
+        """``embed(plan)`` for a cache filled without the model in memory (``build``, ``export``, ``verify``): the
+        projections' exact input from the checkpoint's own :meth:`upstream` tensors, computed as the model
+        computes it, on ``device``; CheckpointError naming the tensors a checkpoint of the projections lacks."""
         missing = self.missing_upstream(source)
         if missing:
             raise CheckpointError(
@@ -333,16 +327,12 @@ HEIGHT = Argument(
     "height",
     "image height (repeatable; default 1024): the schedule is shifted by the image size",
     Cli("int", 1),
-    repeat=True,
+    None,
+    True,
 )
-WIDTH = Argument(
-    "width", "image width (repeatable, paired with the heights; default: the height)", Cli("int", 1), repeat=True
-)
+WIDTH = Argument("width", "image width (repeatable, one per height; default: the height)", Cli("int", 1), repeat=True)
 TIMESTEPS = Argument(
-    "timesteps",
-    "explicit forward timesteps, comma-separated (the values of the transformer's timestep argument), instead of "
-    "a step count",
-    Cli("text"),
+    "timesteps", "explicit forward timesteps, comma-separated (the forward's timestep values)", Cli("text")
 )
 BATCH = Argument(
     "batch",
@@ -385,15 +375,11 @@ def finite(argument: Argument, values: list[float]) -> list[float]:
 
 
 class ImageFamily(Family):
-    """A family whose pipelines are flow-matching image pipelines: a schedule is a step count at an image
-    size, turned into timesteps by the pipeline's scheduler config, or the forward's timesteps given
-    outright; every forward has ``batch`` rows.
-
-    A subclass gives the forwards of a step count (:meth:`step_inputs`), turns forwards into plans
-    (:meth:`plans_of`) and checks its own flags first (:meth:`check_values`); ``released_scheduler``
-    is the scheduler config a step count uses when neither the flag nor a ``scheduler/`` beside the
-    checkpoint gives one (None: one of them must).
-    """
+    """A family served through flow-matching image pipelines: a schedule is a step count at an image size (the
+    pipeline's scheduler config turns it into timesteps), or the forward's timesteps; a forward has ``batch``
+    rows. A subclass gives a step count's forwards (:meth:`step_inputs`), turns forwards into plans
+    (:meth:`plans_of`) and checks its own flags first (:meth:`check_values`); ``released_scheduler`` is the
+    config used when neither the flag nor ``scheduler/`` beside the checkpoint gives one (None: one must)."""
 
     released_scheduler: ClassVar[Mapping[str, Any] | None] = None
 
@@ -423,30 +409,24 @@ class ImageFamily(Family):
                 "schedule of N steps): pass one of them"
             )
         self.check_values(values, spec)
+        extra = {name: values[name] for name in ("guidance", "timestep_r") if values.get(name) is not None}
         if timesteps is not None:
             forwards = [{TIMESTEP: torch.tensor([v] * batch)} for v in numbers(TIMESTEPS, timesteps)]
+            records = [{"timesteps": timesteps, "batch": batch, **extra}]
             described = f"{len(forwards)} explicit timestep(s)"
         elif steps:
             config, released = self._scheduler_config(values, checkpoint)
-            forwards = []
-            for count in steps:
-                for size in _sizes(values):
-                    forwards += self._step_inputs(spec, values, count, size, config, released)
-            sizes = ", ".join(f"{h}x{w}" for h, w in _sizes(values))
-            described = f"steps {', '.join(map(str, steps))} at {sizes}"
+            sizes = _sizes(values)
+            forwards = [
+                f for n in steps for z in sizes for f in self._step_inputs(spec, values, n, z, config, released)
+            ]
+            records = [{"steps": n, "height": h, "width": w, "batch": batch, **extra} for n in steps for h, w in sizes]
+            described = f"steps {', '.join(map(str, steps))} at {', '.join(f'{h}x{w}' for h, w in sizes)}"
             if released:
-                described += (
-                    f" (the released {self.title} scheduler config: no {SCHEDULER_CONFIG.flag}, no scheduler/ beside)"
-                )
+                flag = SCHEDULER_CONFIG.flag
+                described += f" (the released {self.title} scheduler config: no {flag}, no scheduler/ beside)"
         else:
             raise ConfigError(f"name a {self.schedule_name(spec)} schedule: {self.schedule_hint(spec)}")
-        extra = {name: values[name] for name in ("guidance", "timestep_r") if values.get(name) is not None}
-        if timesteps is not None:
-            records = [{"timesteps": timesteps, "batch": batch, **extra}]
-        else:
-            records = [
-                {"steps": n, "height": h, "width": w, "batch": batch, **extra} for n in steps for h, w in _sizes(values)
-            ]
         return Schedule(self.plans_of(forwards, values, spec, source), described, records)
 
     def _step_inputs(
@@ -458,14 +438,10 @@ class ImageFamily(Family):
         config: Mapping[str, Any],
         released: bool,
     ) -> list[dict[str, torch.Tensor]]:
-        """:meth:`step_inputs`, with a bad config value or size, or a step count whose timesteps are not
-        finite, as one ConfigError naming the flags.
-
-        Why: the schedule formulas take the config's values as they are (a string ``shift`` or a size
-        whose sequence length overflows a float raised a bare TypeError or OverflowError), and a
-        ``shift_terminal`` config divides 0 by 0 at one step, which the plan check would only report
-        as a NaN timestep once the store was created.
-        """
+        """:meth:`step_inputs`, a bad config value or size, or non-finite timesteps being one ConfigError naming
+        the flags: the formulas take the config's values as they are (a string ``shift``, or a size whose
+        sequence length overflows a float, raised a bare TypeError or OverflowError), and a ``shift_terminal``
+        config divides 0 by 0 at one step, which the plan check reported only once the store existed."""
         where = "the released scheduler config" if released else SCHEDULER_CONFIG.flag
         said = f"{STEPS.flag} {steps} at {HEIGHT.flag} {size[0]} {WIDTH.flag} {size[1]}"
 
@@ -669,8 +645,6 @@ __all__ = [
     "TIMESTEP",
     "TIMESTEPS",
     "WIDTH",
-    "WITHOUT_BIAS",
-    "WITH_BIAS",
     "Family",
     "Gather",
     "ImageFamily",

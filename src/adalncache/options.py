@@ -73,13 +73,10 @@ class Cli:
 
 @dataclass(frozen=True)
 class Argument:
-    """A flag that names a schedule (``--steps``, ``--guidance``), declared by the family modules that take it.
-
-    Its flag is its name with dashes (``video_shift`` -> ``--video-shift``): the one rule that makes
-    a flag of a name, so a family module never spells one. ``default``: the value when the flag is
-    not given (the command line parses an absent flag as None, so a flag given at its default value
-    is still seen as given); ``repeat``: the flag may be given several times (a list of values).
-    """
+    """A flag that names a schedule (``--steps``), declared by the family modules that take it: its flag is its
+    name with dashes (``video_shift`` -> ``--video-shift``), the one rule, so no family module spells one.
+    ``default``: the value of an absent flag (which parses as None, so one given at its default is seen);
+    ``repeat``: the flag may be given several times (a list)."""
 
     name: str
     help: str
@@ -97,10 +94,8 @@ _ARGUMENTS: dict[str, Argument] = {}
 
 
 def declare(arguments: Iterable[Argument]) -> None:
-    """Make ``arguments`` known to :func:`flag` (the families registry declares every family's).
-
-    A name may be declared by several families only as the same argument: one flag, one meaning.
-    """
+    """Make ``arguments`` known to :func:`flag` (the families registry declares every family's); a name
+    several families declare must be the same argument: one flag, one meaning."""
     for argument in arguments:
         known = _ARGUMENTS.setdefault(argument.name, argument)
         if known != argument:

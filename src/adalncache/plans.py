@@ -24,8 +24,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from .errors import PlanError
-from .options import knob
 from .families.minimax_h3 import minimax_h3_plans
+from .options import knob
 
 PlanKey = tuple[int, ...]
 

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import families
-from .errors import ConfigError
+from .errors import CheckpointError, ConfigError
 from .families import minimax_h3 as _default
 from .geometry import FINAL, Family, KeyLayout, Layer, ModelGeometry, ServedLayer, TablePart
 
@@ -114,6 +114,11 @@ class ModulationSpec:
             dtype=dtype,
             geometry=geometry,
         )
+
+    @classmethod
+    def _of(cls, fields: dict[str, Any]) -> ModulationSpec:
+        """The spec of a family's keywords: :meth:`for_geometry`'s where its spec carries its geometry."""
+        return cls.for_geometry(**fields) if "geometry" in fields else cls(**fields)
 
     # -- the family-neutral members the core reads -------------------------------------------
 
@@ -260,10 +265,8 @@ class ModulationSpec:
         """A JSON-friendly identity of the geometry (stores and table files bind entries to it)."""
         dtype = str(self.dtype).removeprefix("torch.")
         if self.geometry is None:
-            return {
-                **_default.describe(self.num_layers, self.hidden_size, self.time_embed_dim, self.modalities),
-                "dtype": dtype,
-            }
+            fields = _default.describe(self.num_layers, self.hidden_size, self.time_embed_dim, self.modalities)
+            return {**fields, "dtype": dtype}
         return {**self.geometry.describe(), "dtype": dtype}
 
     # -- presets and readers -------------------------------------------------------------------
@@ -274,9 +277,7 @@ class ModulationSpec:
 
         50 blocks, hidden 5376, time embedding 2688, bf16; ``overrides`` replace any field.
         """
-        fields: dict[str, Any] = dict(_default.RELEASED)
-        fields.update(overrides)
-        return cls(**fields)
+        return cls(**{**_default.RELEASED, **overrides})
 
     @classmethod
     def from_transformer(cls, model: nn.Module, *, dtype: torch.dtype | None = None) -> ModulationSpec:
@@ -290,7 +291,7 @@ class ModulationSpec:
         if name in families.REFUSED:
             families.for_class(name)  # raises the ConfigError naming the reason
         family = families.of_class(name) or families.DEFAULT
-        return cls(**family.spec_fields(model, dtype))
+        return cls._of(family.spec_fields(model, dtype))
 
     @classmethod
     def from_checkpoint(
@@ -308,9 +309,8 @@ class ModulationSpec:
         against the result. Raises CheckpointError when no layout's projections are there or the
         first is unusable, ConfigError for a class that is refused or not supported.
         """
-        # Deferred, and from the two source modules that import no spec: the rest of the source
-        # package is built on this module (it validates checkpoints against a spec).
-        from .errors import CheckpointError
+        # Deferred, and from the source module that imports no spec: the rest of the source package is
+        # built on this module (it validates checkpoints against a spec).
         from .source.files import SafetensorsHeader, checkpoint_files
 
         config = _config(path)
@@ -324,7 +324,7 @@ class ModulationSpec:
         for file in files:
             entries.update(SafetensorsHeader.read(file).entries)
         try:
-            return cls(**family.header_fields(path, entries, config, layout, modalities))
+            return cls._of(family.header_fields(path, entries, config, layout, modalities))
         except ConfigError as exc:
             raise CheckpointError(f"{path}: unusable projection geometry: {exc}") from None
 

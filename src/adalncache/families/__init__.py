@@ -27,9 +27,7 @@ from ..options import Argument, declare
 from . import adaln_zero, minimax_h3, qwen_image
 
 #: Every supported family by name.
-FAMILIES: dict[str, Family] = {
-    family.name: family for family in (minimax_h3.FAMILY, qwen_image.FAMILY, adaln_zero.FAMILY)
-}
+FAMILIES: dict[str, Family] = {f.name: f for f in (minimax_h3.FAMILY, qwen_image.FAMILY, adaln_zero.FAMILY)}
 
 #: The family of a model whose class names none (a checkpoint without ``config.json``).
 DEFAULT: Family = minimax_h3.FAMILY
@@ -40,20 +38,17 @@ ARGUMENTS: dict[str, Argument] = {a.name: a for family in FAMILIES.values() for 
 declare(ARGUMENTS.values())
 
 #: The demo models (``adalncache demo --model``) -> (family, diffusers class).
-DEMOS: dict[str, tuple[Family, str]] = {
-    demo: (family, class_name) for family in FAMILIES.values() for demo, class_name in family.demos
-}
+DEMOS: dict[str, tuple[Family, str]] = {demo: (f, name) for f in FAMILIES.values() for demo, name in f.demos}
 
-_POOLED = "its AdaLN input depends on the pooled text embedding, so tables cannot be shared across prompts"
+_SHARED = "so tables cannot be shared across prompts"
+_POOLED = f"its AdaLN input depends on the pooled text embedding, {_SHARED}"
 
 #: diffusers classes that look servable but are not, with the reason.
 REFUSED: dict[str, str] = {
     "FluxTransformer2DModel": _POOLED,
     "SD3Transformer2DModel": _POOLED,
     "HunyuanVideoTransformer3DModel": _POOLED,
-    "MochiTransformer3DModel": (
-        "its AdaLN input depends on the text embedding, so tables cannot be shared across prompts"
-    ),
+    "MochiTransformer3DModel": f"its AdaLN input depends on the text embedding, {_SHARED}",
     "HiDreamImageTransformer2DModel": _POOLED,
     "Kandinsky5Transformer3DModel": _POOLED,
 }
@@ -74,9 +69,9 @@ def get(name: str) -> Family:
 
 def for_class(class_name: str) -> Family:
     """The family of a diffusers transformer class; ConfigError naming why a refused or unknown class is not served."""
-    for family in FAMILIES.values():
-        if class_name in family.class_names:
-            return family
+    family = of_class(class_name)
+    if family is not None:
+        return family
     reason = REFUSED.get(class_name)
     if reason is not None:
         raise ConfigError(f"{class_name} cannot be served from AdaLN tables: {reason}")
@@ -86,14 +81,12 @@ def for_class(class_name: str) -> Family:
 def table_fields(shapes: Mapping[str, tuple[int, ...]], dtype: torch.dtype | None) -> dict[str, Any]:
     """The spec fields an unbound table file's tensor shapes imply (``inspect``), or ValueError saying why not.
 
-    Only a family whose table parts determine its geometry can be read this way; bound files
-    describe their layers in their binding instead.
+    Only a family whose table parts determine its geometry can be read this way (MiniMax-H3's
+    ``block_params [P, W, L, 18 * hidden]``); bound files describe their layers in their binding instead.
     """
-    if dtype is not None and all(name in shapes for name in minimax_h3.FAMILY.table_tensors):
-        fields = minimax_h3.fields_from_table(shapes["block_params"], dtype)
-        if fields is not None:
-            return fields
-    block = shapes.get("block_params")
+    block = shapes.get("block_params") or ()
+    if dtype is not None and all(name in shapes for name in minimax_h3.FAMILY.table_tensors) and len(block) == 4:
+        return {"num_layers": block[2], "hidden_size": block[3] // 18, "time_embed_dim": 1, "dtype": dtype}
     raise ValueError(f"block_params is {list(block) if block else None} {dtype}, not [P, W, L, 18 * hidden]")
 
 

@@ -11,22 +11,15 @@ for some configurations ``timestep_r`` or ``guidance``), so every served project
 Flux.1 has the same module names but adds the pooled text embedding to ``temb``: it is refused
 (see :mod:`adalncache.families`). HunyuanImage-2.1 and HunyuanVideo-1.5 have a token refiner
 whose own AdaLN (``HunyuanImageAdaNorm`` / ``HunyuanVideo15AdaNorm``) takes pooled text: it
-stays resident, and this module lists it so that a model is checked against exactly what is
-served and what stays.
+stays resident, and :data:`CLASSES` lists it so that a model is checked against exactly what is
+served and what stays (:func:`check_structure`: a model whose structure differs is refused, never
+half served). :func:`geometry` gives the served layers in pass order (module paths as layer ids).
 
-What is here (definitions level: no diffusers import, no model objects):
-
-* :data:`CLASSES`: per class, where its blocks sit, which config keys count them, how its
-  single blocks are modulated, whether the projections have a bias, which AdaLN modules stay,
-  and which modules compute ``temb`` (its time embedders);
-* :func:`fields_from_config`: the sizes and plan inputs of one model from its config;
-* :func:`geometry`: the served layers in pass order (module paths as layer ids), widths, plan
-  inputs;
-* :func:`check_structure`: a model's modules (paths and class names, served linears' shapes)
-  against the class's list, so that a model whose structure differs is refused, never half served.
-
-The per-step inputs' exact arithmetic (casts, ``* 1000``) is the integration's to reproduce with
-the model's own embedding modules; docs/families.md tabulates it per class.
+A plan holds the forward's per-step inputs (:func:`plan_of`), one fp32 column each; a step count's
+forwards are computed as each class's pipeline computes them (:func:`pipeline_forward_inputs`).
+The inputs' exact arithmetic (casts, ``* 1000``) is the integration's to reproduce with the
+model's own embedding modules, so the checkpoint-only ``embed`` lives there
+(:attr:`~adalncache.geometry.Family.model_embed`); docs/families.md tabulates it per class.
 """
 
 from __future__ import annotations
@@ -57,6 +50,7 @@ from ..geometry import (
     numbers,
 )
 from ..options import Argument, Cli
+from .qwen_image import pipeline_timesteps
 
 #: The second timestep of the mean-flow variants (the next step's timestep).
 TIMESTEP_R = "timestep_r"
@@ -339,11 +333,8 @@ def from_transformer(model: Any, dtype: Any = None) -> dict[str, Any]:
     default the first projection's weight dtype (inside a peft LoRA wrapper, if any).
     """
     geo = walk(model)
-    name = type(model).__name__
-    if dtype is None:
-        first = model.get_submodule(str(geo.layers[0].id))
-        dtype = getattr(first, "base_layer", first).weight.dtype
-    return spec_args(geo, fields_from_config(name, model.config), dtype)
+    dtype = dtype or FAMILY.projection_dtype(model, geo.layers[0].id)
+    return spec_args(geo, fields_from_config(type(model).__name__, model.config), dtype)
 
 
 def _owner(path: str) -> str:
@@ -478,32 +469,27 @@ STEP_SCHEDULES: dict[str, tuple[str, int, int]] = {
 def _scheduler_timesteps(
     class_name: str, steps: int, height: int, width: int, scheduler_config: Mapping[str, Any]
 ) -> torch.Tensor:
-    """The scheduler timesteps the class's pipeline sets for ``steps`` at ``height`` x ``width`` (fp32)."""
+    """The scheduler timesteps the class's pipeline sets for ``steps`` at ``height`` x ``width`` (fp32): the
+    shifted rule is Qwen-Image's pipeline's, which these pipelines copy."""
     import numpy as np
     from diffusers import FlowMatchEulerDiscreteScheduler
-    from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
 
     rule, packing, _ = STEP_SCHEDULES[class_name]
     scheduler: Any = FlowMatchEulerDiscreteScheduler.from_config(dict(scheduler_config))
     config = scheduler.config
-    if rule in ("unshifted", "plain") and config.get("use_dynamic_shifting"):
+    dynamic = config.get("use_dynamic_shifting")
+    if rule in ("unshifted", "plain") and dynamic:
         raise ConfigError(
             f"the scheduler config shifts by the image size (use_dynamic_shifting), which {class_name}'s pipeline "
             f"does not pass (it would fail): pass the scheduler config of the pipeline, or {TIMESTEPS.flag}"
         )
-    if rule == "bria" and not config.get("use_dynamic_shifting"):
+    if rule == "shifted" or (rule == "bria" and dynamic):
+        sequence = (height // packing) * (width // packing)
+        return pipeline_timesteps(steps, height, width, scheduler_config, sequence=sequence).to(torch.float32)
+    if rule == "bria":
         from diffusers.pipelines.bria.pipeline_bria import get_original_sigmas
 
         scheduler.set_timesteps(sigmas=get_original_sigmas(config.num_train_timesteps, steps))
-    elif rule in ("shifted", "bria"):
-        mu = calculate_shift(
-            (height // packing) * (width // packing),
-            config.get("base_image_seq_len", 256),
-            config.get("max_image_seq_len", 4096),
-            config.get("base_shift", 0.5),
-            config.get("max_shift", 1.15),
-        )
-        scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu)
     elif rule == "unshifted":
         scheduler.set_timesteps(sigmas=np.linspace(1.0, 0.0, steps + 1)[:-1])
     else:
@@ -567,7 +553,7 @@ class AdalnZero(ImageFamily):
     embedding modules, which only the integration can (:attr:`Family.model_embed`)."""
 
     def spec_fields(self, model: Any, dtype: Any = None) -> dict[str, Any]:
-        return _fields(from_transformer(model, dtype))
+        return from_transformer(model, dtype)
 
     def header_fields(
         self, path: object, entries: Mapping[str, Any], config: Mapping[str, Any], layout: str, modalities: int
@@ -589,7 +575,7 @@ class AdalnZero(ImageFamily):
                 dtypes.add(entry.torch_dtype)
         if len(dtypes) != 1:
             raise CheckpointError(f"{path}: the AdaLN projections have several dtypes ({sorted(map(str, dtypes))})")
-        return _fields(spec_args(geo, fields_from_config(name, config), dtypes.pop()))
+        return spec_args(geo, fields_from_config(name, config), dtypes.pop())
 
     def schedule_name(self, spec: Any) -> str:
         return class_of(spec.model_geometry)
@@ -663,17 +649,8 @@ class AdalnZero(ImageFamily):
         embedders += [path for (name, _), path in zip(layout_.optional, layout_.time_embedders[1:]) if name in inputs]
         if layout_.guidance_embedder and GUIDANCE in inputs:
             embedders.append(layout_.guidance_embedder)
-        return tuple(
-            f"{e}.{linear}.{part}"
-            for e in embedders
-            for linear in ("linear_1", "linear_2")
-            for part in ("weight", "bias")
-        )
-
-
-def _fields(args: Mapping[str, Any]) -> dict[str, Any]:
-    """``ModulationSpec`` keywords of ``ModulationSpec.for_geometry`` ones."""
-    return {**args, "time_embed_dim": args["geometry"].in_features}
+        linears = [f"{e}.linear_{i}" for e in embedders for i in (1, 2)]
+        return tuple(f"{linear}.{part}" for linear in linears for part in ("weight", "bias"))
 
 
 FAMILY = AdalnZero(

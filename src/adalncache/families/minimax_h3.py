@@ -148,13 +148,6 @@ def describe(num_layers: int, hidden_size: int, time_embed_dim: int, modalities:
     }
 
 
-def fields_from_table(block_shape: tuple[int, ...], dtype: torch.dtype) -> dict[str, Any] | None:
-    """The spec fields a table file's ``block_params [P, W, L, 18 * hidden]`` implies, or None if it cannot."""
-    if len(block_shape) != 4:
-        return None
-    return {"num_layers": block_shape[2], "hidden_size": block_shape[3] // 18, "time_embed_dim": 1, "dtype": dtype}
-
-
 # ---------------------------------------------------------------------------------------------
 # schedules
 
@@ -236,24 +229,16 @@ def build_layout(
     task = check_task(task)
     geo = geometry or LatentShape()
     text_token_tags = torch.full((geo.num_text_tokens,), MINIMAX_H3_TEXT_TAG, dtype=torch.long)
+    # The arguments both builders take, in their order after the references.
+    sizes = (geo.num_latent_frames, geo.latent_height, geo.latent_width, geo.num_audio_latents, patch_size)
+    tags = (MINIMAX_H3_AUDIO_CHANNELS, MINIMAX_H3_AUDIO_TAG, MINIMAX_H3_VIDEO_TAG)
     condition_latents: list[torch.Tensor] = []
     audio_condition_latents: list[torch.Tensor] = []
     if task in ("t2va", "fl2va"):
         anchors: tuple[str, ...] = ()
         if task == "fl2va":
             anchors = tuple("first" if i % 2 == 0 else "last" for i in range(max(1, geo.num_keyframes)))
-        out = MiniMaxH3PrepareLayoutStep.build_packed_sequence(
-            text_token_tags,
-            geo.num_latent_frames,
-            geo.latent_height,
-            geo.latent_width,
-            geo.num_audio_latents,
-            patch_size,
-            MINIMAX_H3_AUDIO_CHANNELS,
-            MINIMAX_H3_AUDIO_TAG,
-            MINIMAX_H3_VIDEO_TAG,
-            anchors,
-        )
+        out = MiniMaxH3PrepareLayoutStep.build_packed_sequence(text_token_tags, *sizes, *tags, anchors)
     else:
         references: list[Any] = [MiniMaxH3ImageReference(image=torch.zeros(3, 8, 8))]
         condition_latents.append(torch.zeros(1, video_channels, 1, geo.latent_height, geo.latent_width))
@@ -261,27 +246,10 @@ def build_layout(
             references.append(MiniMaxH3AudioReference(audio=torch.zeros(1, 800)))
             audio_condition_latents.append(torch.zeros(2 * MINIMAX_H3_AUDIO_CHANNELS, audio_channels))
         out = MiniMaxH3Ref2VAPrepareLayoutStep.build_ref2va_packed_sequence(
-            text_token_tags,
-            references,
-            condition_latents,
-            audio_condition_latents,
-            geo.num_latent_frames,
-            geo.latent_height,
-            geo.latent_width,
-            geo.num_audio_latents,
-            patch_size,
-            MINIMAX_H3_AUDIO_CHANNELS,
-            MINIMAX_H3_AUDIO_TAG,
-            MINIMAX_H3_VIDEO_TAG,
+            text_token_tags, references, condition_latents, audio_condition_latents, *sizes, *tags
         )
-    position_ids, token_tags, video_indices, audio_indices, text_indices, n_cond_video, n_cond_audio = out
-    layout = {
-        "position_ids": position_ids,
-        "token_tags": token_tags,
-        "video_indices": video_indices,
-        "audio_indices": audio_indices,
-        "text_indices": text_indices,
-    }
+    names = ("position_ids", "token_tags", "video_indices", "audio_indices", "text_indices")
+    layout, (n_cond_video, n_cond_audio) = dict(zip(names, out[:5])), out[5:]
     return layout, int(n_cond_video), int(n_cond_audio), condition_latents, audio_condition_latents
 
 
@@ -308,28 +276,21 @@ def build_row_timestep_plan(
     steps = check_steps(steps)
     noise_aug: Any = MiniMaxH3ModularPipeline.keyframe_noise_aug  # a property, read off the class
     keyframe_noise_aug = float(noise_aug.fget(None))
-    scheduler: Any = MiniMaxH3Scheduler(shift=video_shift)
-    audio_scheduler: Any = MiniMaxH3Scheduler(shift=audio_shift)
-    scheduler.set_timesteps(steps, device=device)
-    audio_scheduler.set_timesteps(steps, device=device)
-    timesteps = scheduler.timesteps
-    audio_timesteps = audio_scheduler.timesteps
+    schedules = []
+    for shift in (video_shift, audio_shift):
+        scheduler: Any = MiniMaxH3Scheduler(shift=shift)
+        scheduler.set_timesteps(steps, device=device)
+        schedules.append(scheduler.timesteps)
+    timesteps, audio_timesteps = schedules
+    rows = (layout["video_indices"], layout["audio_indices"], num_condition_video_rows, num_condition_audio_rows)
     plan = [
         tuple(
             tensor.to(device)
             for tensor in MiniMaxH3SetTimestepsStep.build_row_timesteps(
-                layout["video_indices"],
-                layout["audio_indices"],
-                num_condition_video_rows,
-                num_condition_audio_rows,
-                layout["text_indices"].numel(),
-                float(timestep),
-                float(audio_timestep),
-                max(float(timestep), keyframe_noise_aug),
-                1.0,
+                *rows, layout["text_indices"].numel(), float(t), float(a), max(float(t), keyframe_noise_aug), 1.0
             )
         )
-        for timestep, audio_timestep in zip(timesteps, audio_timesteps)
+        for t, a in zip(timesteps, audio_timesteps)
     ]
     return cast(list[tuple[torch.Tensor, torch.Tensor]], plan), timesteps, audio_timesteps
 
@@ -393,11 +354,7 @@ class MiniMaxH3(Family):
     """The MiniMax-H3 family (module docstring)."""
 
     def spec_fields(self, model: Any, dtype: torch.dtype | None = None) -> dict[str, Any]:
-        """``num_layers``, ``hidden_size``, ``time_embed_dim`` and the projections' dtype of a transformer.
-
-        The dtype is ``dtype`` when given, else block 0's projection weight's (inside a peft LoRA
-        wrapper when there is one), bfloat16 for a model without blocks.
-        """
+        """The config's ``num_layers``, ``hidden_size``, ``time_embed_dim``; ``dtype`` or block 0's projection's."""
         config: Any = getattr(model, "config", None)
         try:
             fields: dict[str, Any] = {
@@ -410,13 +367,7 @@ class MiniMaxH3(Family):
                 f"ModulationSpec.from_transformer needs a MiniMaxH3Transformer3DModel (a config with "
                 f"num_layers, hidden_size and time_embed_dim), got {type(model).__name__}"
             ) from None
-        if dtype is None:
-            dtype = torch.bfloat16
-            blocks = getattr(model, "transformer_blocks", None)
-            if blocks is not None and len(blocks) > 0:
-                linear = blocks[0].adaln_proj.linear
-                dtype = getattr(linear, "base_layer", linear).weight.dtype  # inside a peft LoRA wrapper, if any
-        return {**fields, "dtype": dtype}
+        return {**fields, "dtype": dtype or self.projection_dtype(model, 0)}
 
     def header_fields(
         self, path: object, entries: Mapping[str, Any], config: Mapping[str, Any], layout: str, modalities: int
@@ -534,7 +485,6 @@ __all__ = [
     "check_steps",
     "check_task",
     "describe",
-    "fields_from_table",
     "final_width",
     "geometry",
     "minimax_h3_plans",

@@ -10,7 +10,7 @@ embedding of a per-sample index, which is then the plan's second column).
 Layers are named by module path (``transformer_blocks.3.img_mod.1``), in the order the forward
 runs them: block by block, image before text, then ``norm_out.linear``. With ``zero_cond_t`` (the
 Edit-2511 variant) the forward doubles the timestep to ``[t; 0 * t]``: ``img_mod`` runs on those
-2B rows (input :data:`DOUBLED`), ``txt_mod`` and ``norm_out`` on the first B (input
+2B rows (input :data:`INPUT`), ``txt_mod`` and ``norm_out`` on the first B (input
 :data:`FIRST`), so a plan is the doubled timestep and the two inputs have different row counts.
 The table is one part (``table_rows``).
 
@@ -78,17 +78,15 @@ RELEASED_SCHEDULER: Mapping[str, Any] = MappingProxyType(
     }
 )
 
-#: The projections' input: ``silu(temb)`` in the model's dtype, one row per plan row.
+#: The projections' input: ``silu(temb)`` in the model's dtype, one row per plan row (with ``zero_cond_t``,
+#: ``img_mod`` takes it, all 2B rows of ``[t; 0]``, and ``txt_mod`` and ``norm_out`` the first B).
 INPUT = "temb"
-#: With ``zero_cond_t``: ``img_mod`` takes all 2B rows of ``[t; 0]`` ...
-DOUBLED = "temb"
-#: ... and ``txt_mod`` and ``norm_out`` the first B.
 FIRST = "temb_first"
 #: The plan's second column when ``use_additional_t_cond``: the forward's ``additional_t_cond`` index.
 ADDITIONAL = "additional_t_cond"
 #: The module computing ``temb``, and the ``additional_t_cond`` embedding's weight inside it.
 TIME_TEXT_EMBED = "time_text_embed"
-ADDITION_WEIGHT = "time_text_embed.addition_t_embedding.weight"
+ADDITION_WEIGHT = f"{TIME_TEXT_EMBED}.addition_t_embedding.weight"
 #: The output layer's projection.
 FINAL_PATH = "norm_out.linear"
 #: The blocks' attribute.
@@ -178,13 +176,10 @@ def forward_plan_of(
 
 
 def check_additional_t_cond(index: Any, rows: int) -> None:
-    """PlanError unless every ``additional_t_cond`` index (an int or an integer tensor) is below ``rows``.
-
-    ``rows``: the rows of the model's ``addition_t_embedding`` (``num_embeddings``; two in the
-    released Layered model). An index at or above them would fail inside the embedding as a bare
-    ``IndexError``; every path that takes an index (the CLI's flag, a plan mapping given to
-    ``prepare``) checks it here first, before anything is built or created.
-    """
+    """PlanError unless every ``additional_t_cond`` index (an int or an integer tensor) is in ``0..rows-1``, the
+    rows of the model's ``addition_t_embedding`` (two in the released Layered model). One above would fail in
+    the embedding as a bare ``IndexError``: every path taking an index (the CLI's flag, a plan mapping given
+    to ``prepare``) checks it here, before anything is built or created."""
     values = index.detach().flatten().tolist() if isinstance(index, torch.Tensor) else [index]
     bad = [v for v in values if not 0 <= v < rows]
     if bad:
@@ -260,13 +255,8 @@ class QwenImage(ImageFamily):
                 f"ModulationSpec.from_transformer needs a QwenImageTransformer2DModel (a config with num_layers, "
                 f"num_attention_heads and attention_head_dim), got {type(model).__name__}"
             ) from None
-        if dtype is None:
-            dtype = torch.bfloat16
-            blocks = getattr(model, BLOCKS, None)
-            if blocks is not None and len(blocks) > 0:
-                linear = blocks[0].img_mod[1]
-                dtype = getattr(linear, "base_layer", linear).weight.dtype  # inside a peft LoRA wrapper, if any
-        return _fields(spec_args(num_layers, hidden_size, dtype, **config_flags(config)))
+        dtype = dtype or self.projection_dtype(model, img_path(0))
+        return spec_args(num_layers, hidden_size, dtype, **config_flags(config))
 
     def header_fields(
         self, path: object, entries: Mapping[str, Any], config: Mapping[str, Any], layout: str, modalities: int
@@ -284,7 +274,7 @@ class QwenImage(ImageFamily):
             )
         if len(first.shape) != 2 or first.torch_dtype is None or first.shape[0] != 6 * first.shape[1]:
             raise CheckpointError(f"{path}: {img_path(0)}.weight is {list(first.shape)}, not [6 * dim, dim]")
-        return _fields(spec_args(count, int(first.shape[1]), first.torch_dtype, **config_flags(config)))
+        return spec_args(count, int(first.shape[1]), first.torch_dtype, **config_flags(config))
 
     def schedule_hint(self, spec: Any) -> str:
         return super().schedule_hint(spec) + (f", and {ADDITIONAL_T_COND.flag} I" if spec.plan_columns == 2 else "")
@@ -357,11 +347,6 @@ class QwenImage(ImageFamily):
                 return {INPUT: F.silu(temb), FIRST: F.silu(temb.chunk(2, dim=0)[0])}
 
         return embed
-
-
-def _fields(args: Mapping[str, Any]) -> dict[str, Any]:
-    """``ModulationSpec`` keywords of ``ModulationSpec.for_geometry`` ones."""
-    return {**args, "time_embed_dim": args["geometry"].in_features}
 
 
 FAMILY = QwenImage(
