@@ -114,6 +114,8 @@ def _passes(
 
 
 def run_build(args: argparse.Namespace) -> int:
+    if not (args.timeout > 0):
+        raise ConfigError(f"--timeout must be a positive number of seconds, got {args.timeout}")
     device = resolve_device(args.device)
     spec, source = open_checkpoint(args.checkpoint, layout=args.layout)
     schedule = _schedule(args, _given(args, list(families.ARGUMENTS)), spec, source)
@@ -138,6 +140,8 @@ def run_build(args: argparse.Namespace) -> int:
 
 
 def run_export(args: argparse.Namespace) -> int:
+    if not (args.timeout > 0):
+        raise ConfigError(f"--timeout must be a positive number of seconds, got {args.timeout}")
     kind = table_format(args.format)
     given = _format_inputs(args, kind)
     own = kind.schedule(args.checkpoint, given)  # None: the checkpoint family's schedule flags
@@ -436,13 +440,6 @@ VERIFY_OPTIONS = ("max_plans", "read_ahead")
 LAYOUTS = ["auto", *dict.fromkeys(layout.name for family in families.FAMILIES.values() for layout in family.layouts)]
 
 
-def _seconds(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"--timeout must be a positive number of seconds, got {value}")
-    return value
-
-
 def _common(parser: argparse.ArgumentParser, *, passes: bool = False) -> None:
     """The flags every command that reads a checkpoint takes; ``passes``: those of one that fills a store."""
     parser.add_argument("--layout", default="auto", choices=LAYOUTS, help="checkpoint layout")
@@ -452,7 +449,7 @@ def _common(parser: argparse.ArgumentParser, *, passes: bool = False) -> None:
         return
     parser.add_argument(
         "--timeout",
-        type=_seconds,
+        type=float,
         default=600.0,
         help="under torchrun, the process group's timeout in seconds: how long ranks wait for a dead peer "
         "(default: 600)",
