@@ -28,10 +28,10 @@ import torch
 import torch.distributed as dist
 
 from adalncache import AdalnCache, CheckpointSource, ModulationSpec, Store
-from adalncache.embedding import time_embed_fn
+from adalncache.families import checkpoint_embed
+from adalncache.families.minimax_h3 import TASKS
 from adalncache.offline import fill_store
 from adalncache.plans import schedule_plans
-from adalncache.schedules import TASKS
 
 
 def parse() -> argparse.Namespace:
@@ -61,7 +61,7 @@ def main() -> None:
         rank, world = dist.get_rank(), dist.get_world_size()
         spec = ModulationSpec.from_checkpoint(args.checkpoint)
         source = CheckpointSource(args.checkpoint, spec)
-        embed = time_embed_fn(source, spec, device)
+        embed = checkpoint_embed(source, spec, device)
         plans = schedule_plans(tasks, steps, video_shift=12.0, audio_shift=3.0, audio_refs=True)
         slab_plans = max(1, min(args.max_plans, len(plans)))
         # The cache is closed (``with``) before the group is destroyed, so it does not keep the group alive.

@@ -130,7 +130,7 @@ def test_cli_schedule_flags_are_checked(tmp_path: Path, capsys: pytest.CaptureFi
     _save(tiny.build("HunyuanImageTransformer2DModel", use_meanflow=True), hunyuan)
     cases = [
         (ovis, ["--timesteps", "0.5", "--guidance", "3"], "does not take guidance: drop --guidance"),
-        (ovis, ["--task", "t2va", "--steps", "4"], "--task and --additional-t-cond name"),
+        (ovis, ["--task", "t2va", "--steps", "4"], "--task names MiniMax-H3 schedules"),
         (ovis, [], "--steps N"),
         (ovis, ["--steps", "4"], "--scheduler-config"),
         (ovis, ["--timesteps", "0.5,x"], "--timesteps must be"),
@@ -228,14 +228,14 @@ def test_a_step_count_gives_the_forwards_the_pipeline_runs(pipeline: str) -> Non
     ``SIZE`` request has the packed length a 64 x 64 request of the released VAE has, which sets the shift.
     """
     from adalncache.families import adaln_zero
-    from adalncache.integrations.diffusers.adaln_zero import pipeline_forward_inputs
+    from adalncache.families.adaln_zero import pipeline_forward_inputs
 
     name = next(n for n, p in tiny.PIPELINES.items() if pipeline in p)
     transformer = tiny.pipeline_transformer(name, **tiny.PIPELINE_FLAGS.get(pipeline, {}))
     pipe = tiny.tiny_pipeline(transformer, pipeline)
     from diffusers import FlowMatchEulerDiscreteScheduler
 
-    from adalncache.integrations.diffusers.adaln_zero import STEP_SCHEDULES
+    from adalncache.families.adaln_zero import STEP_SCHEDULES
 
     # The shifted pipelines' released configs shift by the image size; the others' pass no mu.
     pipe.scheduler = FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=STEP_SCHEDULES[name][0] == "shifted")
@@ -270,7 +270,7 @@ def test_a_step_count_gives_the_forwards_the_pipeline_runs(pipeline: str) -> Non
 def test_a_class_whose_schedule_the_checkpoint_does_not_give_names_timesteps(tmp_path: Path) -> None:
     """Motif-Video's shift depends on the frame count: --steps is refused with the flag to use instead."""
     from adalncache.errors import ConfigError
-    from adalncache.integrations.diffusers.adaln_zero import pipeline_forward_inputs
+    from adalncache.families.adaln_zero import pipeline_forward_inputs
 
     with pytest.raises(ConfigError, match="--timesteps"):
         pipeline_forward_inputs("MotifVideoTransformer3DModel", 4, 64, 64, {}, rows=1, dtype=torch.bfloat16)

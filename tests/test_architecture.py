@@ -2,7 +2,7 @@
 
 Layers, lowest first:
 
-* the runtime core: every module not named below (spec, plans, schedules, source, cache, tiers, ...);
+* the runtime core: every module not named below (spec, plans, families, source, cache, tiers, ...);
 * the integrations: ``adalncache.integrations`` and its public alias ``adalncache.diffusers``;
 * the command-line shells (``adalncache.cli``, ``adalncache.commands``, ``adalncache.__main__``) and
   the tools (``adalncache.tools``: tiny models, demo, measurements, and the ``bench`` package).
@@ -12,15 +12,18 @@ then never loads the benchmark, the tiny-model builders or argparse code, and th
 depends on diffusers' integration. No import cycle anywhere in the package either, so every
 module can be read, tested and changed with only what is below it in mind. Every import counts,
 also one inside a function (it runs when called) or under ``if TYPE_CHECKING:`` (it still ties the
-two modules' designs together).
+two modules' designs together). One dependency of the core on the integration is declared instead
+of imported: a family whose projection input from a checkpoint needs the model's own modules names
+that function in its registry entry (``Family.model_embed``), and a test here checks it resolves.
 
 Inside two packages the same scan checks one more rule each: a module of the benchmark's sections
 (``tools.bench``) imports only the benchmark's shared modules, never another module of sections;
-and the integration's family-neutral modules never import the module that is MiniMax-H3's.
+and the integration's family-neutral modules never import a family's module.
 
-Two more scans keep the code readable: the package as a whole stays within a budget of lines and
-modules (one concept per module; no cap on a class or a function, which would split one concept
-over several files), and the tools are not fought (no formatter opt-out; a handful of type
+The strings are scanned too: no model is named in the family-neutral core (outside ``families/``
+and the two table formats that are one family's), the core spells no CLI flag and no word of the
+integration, and the flags the integration still spells only shrink. The package stays within its
+line and module budget, and the tools are not fought (no formatter opt-out; a handful of type
 ignores, each with its error code and a comment saying why).
 """
 
@@ -184,7 +187,7 @@ def test_the_graph_is_read() -> None:
     assert ("adalncache.tiers.store", "adalncache.spec") in pairs  # from ..spec import ...
     assert ("adalncache.tools.demo", "adalncache.tools.tiny") in pairs  # inside a function
     assert ("adalncache.commands", "adalncache.offline") in pairs
-    assert ("adalncache.plans", "adalncache.schedules") in pairs
+    assert ("adalncache.plans", "adalncache.families.minimax_h3") in pairs
 
 
 def test_no_layer_imports_a_layer_above_it() -> None:
@@ -249,40 +252,57 @@ FAMILY_NEUTRAL = {
 }
 
 
+def test_a_declared_model_embed_resolves_in_the_integration() -> None:
+    """``Family.model_embed`` names a function of the integration layer that exists (not an import: the
+    core loads it by name when a command asks, so a rename there must show here)."""
+    import importlib
+
+    from adalncache import families
+
+    declared = [f.model_embed for f in families.FAMILIES.values() if f.model_embed]
+    assert declared
+    for name in declared:
+        module, _, function = name.partition(":")
+        assert layer(module) == 1 and callable(getattr(importlib.import_module(module), function)), name
+
+
+#: The integration's family modules (one per family, beside its family seam).
+FAMILY_MODULE_NAMES = ("minimax_h3", "qwen_image", "adaln_zero")
+
+
 def test_the_family_neutral_integration_modules_know_no_family() -> None:
     found = modules()
     assert set(found) >= FAMILY_NEUTRAL and f"{INTEGRATION}.minimax_h3" in found
     problems = [
         str(e)
         for e in import_edges()
-        if e.source in FAMILY_NEUTRAL and e.target in {f"{INTEGRATION}.minimax_h3", f"{INTEGRATION}.qwen_image"}
+        if e.source in FAMILY_NEUTRAL and e.target in {f"{INTEGRATION}.{name}" for name in FAMILY_MODULE_NAMES}
     ]
-    assert not problems, "family-neutral modules importing the MiniMax-H3 module:\n" + "\n".join(problems)
+    assert not problems, "family-neutral modules importing a family's module:\n" + "\n".join(problems)
 
 
 # ---------------------------------------------------------------------------------------------
 # no model's name below the family modules
 
-#: Names that belong to MiniMax-H3: its package and class names, its module paths and checkpoint
-#: names, its request kinds.
-MODEL_NAMES = re.compile(r"minimax|adaln_proj|final_layer|proj_in|proj_out|fl2va|ref2va|t2va", re.IGNORECASE)
+#: Names that belong to a model family: MiniMax-H3's package and class names, module paths, checkpoint
+#: names and request kinds; Qwen-Image's modules and keying input; the AdaLayerNormZero family's classes
+#: and the look-alikes the registry refuses.
+MODEL_NAMES = re.compile(
+    r"minimax|adaln_proj|final_layer|proj_in|proj_out|fl2va|ref2va|t2va"
+    r"|qwen|img_mod|txt_mod|time_text_embed|additional_t_cond"
+    r"|adaln_zero|hunyuan|aura_?flow|\bbria|\bovis|longcat|\bmotif|\bflux|\bmochi|hidream|kandinsky",
+    re.IGNORECASE,
+)
 
-#: MiniMax-H3's own modules outside ``families/``, kept where their imports put them and where users
-#: import them from: its schedules (the request kinds; diffusers' pipeline code), the time
-#: embedder read from a checkpoint (above the sources), and the two table formats that are its alone:
-#: SGLang's sidecar (its model variants and schedule flags) and vLLM-Omni's (its modes, schedule
-#: contract and manifest).
-FAMILY_MODULES = {
-    "adalncache.schedules",
-    "adalncache.embedding",
-    "adalncache.formats.sglang",
-    "adalncache.formats.vllm_omni",
-}
+#: MiniMax-H3's own modules outside ``families/``: the two table formats that are its alone, SGLang's
+#: sidecar (its model variants and schedule flags) and vLLM-Omni's (its modes, schedule contract and
+#: manifest).
+FAMILY_MODULES = {"adalncache.formats.sglang", "adalncache.formats.vllm_omni"}
 
 #: The public MiniMax-H3 names the core keeps (docs/api.md), each where it has always been
-#: importable from: ``ModulationSpec.minimax_h3`` (from its family module) and
+#: importable from, and the family module each comes from: ``ModulationSpec.minimax_h3`` and
 #: ``adalncache.plans.minimax_h3_plans``.
-ALLOWED = {"adalncache.spec": {"minimax_h3"}, "adalncache.plans": {"minimax_h3_plans"}}
+ALLOWED = {"adalncache.spec": {"minimax_h3"}, "adalncache.plans": {"minimax_h3_plans", "minimax_h3"}}
 
 
 def _names_in(tree: ast.AST) -> Iterable[tuple[int, str]]:
@@ -337,13 +357,14 @@ def test_the_name_scan_finds_names_in_strings_and_identifiers(tmp_path: Path) ->
             "a.py": '"""Serves MiniMax-H3."""\n',
             "b.py": "def f(adaln_proj):\n    return adaln_proj\n",
             "c.py": 'X = f"{1}t2va"\n',
+            "d.py": 'PATH = "transformer_blocks.0.img_mod.1"  # improvised, provisional\n',
             "families/__init__.py": "",
             "families/m.py": 'NAME = "minimax-h3"\n',
             "integrations/x.py": 'NAME = "minimax-h3"\n',
         },
     )
     found = model_names_below_families(root)
-    assert {entry.split(":")[0] for entry in found} == {"adalncache.a", "adalncache.b", "adalncache.c"}
+    assert {entry.split(":")[0] for entry in found} == {"adalncache.a", "adalncache.b", "adalncache.c", "adalncache.d"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -416,6 +437,43 @@ def test_the_core_names_no_flag_and_nothing_above_it() -> None:
     )
 
 
+#: CLI flags the integration still spells in its messages, each with how many times: written before the
+#: messages took their flags from the options definition. The list may only shrink (a count going down, a
+#: flag going away); a new flag, or one more use of a listed one, fails: take it from
+#: ``adalncache.options.flag``.
+INTEGRATION_FLAGS = {
+    "--checkpoint": 5,
+    "--max-plans": 1,
+    "--plan-width": 1,
+    "--precision": 1,
+    "--shard": 2,
+    "--steps": 1,
+    "--timesteps": 1,
+}
+
+
+def flags_spelled(root: Path = SRC, level: int = 1) -> dict[str, list[str]]:
+    """Each CLI flag written in the messages of the modules of ``level``, with where (``module:line``)."""
+    found: dict[str, list[str]] = {}
+    for module, path in modules(root).items():
+        if layer(module) != level:
+            continue
+        for line, text in _message_strings(ast.parse(path.read_text(), filename=str(path))):
+            for match in CLI_FLAG.finditer(text):
+                found.setdefault(match.group(0), []).append(f"{module}:{line}")
+    return found
+
+
+def test_the_integration_spells_no_new_flag() -> None:
+    """The integration's messages name flags through the options definition: the flags it still spells
+    itself are a list that only shrinks."""
+    found = flags_spelled()
+    grown = {flag: where for flag, where in found.items() if len(where) > INTEGRATION_FLAGS.get(flag, 0)}
+    assert not grown, "CLI flags spelled in the integration (take them from adalncache.options.flag):\n" + "\n".join(
+        f"  {flag}: {', '.join(where)}" for flag, where in sorted(grown.items())
+    )
+
+
 def test_the_speech_scan_finds_flags_and_words_above(tmp_path: Path) -> None:
     root = _tree(
         tmp_path,
@@ -433,6 +491,7 @@ def test_the_speech_scan_finds_flags_and_words_above(tmp_path: Path) -> None:
     found = core_speaking_above(root)
     assert sorted(entry.split(":")[0] for entry in found) == ["adalncache.a", "adalncache.b", "adalncache.c"]
     assert any("flag -o" in entry for entry in found)
+    assert flags_spelled(root) == {"--device": ["adalncache.integrations.x:1"]}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -684,36 +684,86 @@ def test_prepare_rejects_a_meta_input_of_a_three_column_family() -> None:
         handle.disable()
 
 
-# -- schedule flags of Qwen-Image and AdaLayerNormZero checkpoints ---------------------------------
+# -- schedule flags of every family ------------------------------------------------------------------
 
-#: ``(checkpoint, flags, says)``: each must exit 2 with one line naming the flag, and write nothing.
+#: ``(checkpoint, flags, says)``: every error of a family's schedule flags (argparse's and the family's), each
+#: of which must exit 2 with one line naming the flag, for ``build`` and ``export`` alike, and leave nothing on
+#: disk (no store skeleton, no table file, no temporary file). ``{name}`` is a scheduler config file.
 SCHEDULE_CLI_CASES: list[tuple[str, list[str], str]] = [
+    ("minimax", [], r"needs --task and --steps"),
+    ("minimax", ["--task", "t2va"], r"needs --task and --steps"),
+    ("minimax", ["--task", "t2vx", "--steps", "4"], r"--task.*invalid choice"),
+    ("minimax", ["--task", "t2va", "--steps", "0"], r"--steps must be >= 1"),
+    ("minimax", ["--task", "t2va", "--steps", "1"], r"steps must be an integer >= 2.*--steps"),
+    ("minimax", ["--task", "t2va", "--steps", "4", "--video-shift", "0"], r"video_shift must be a positive.*--video"),
+    ("minimax", ["--task", "t2va", "--steps", "4", "--audio-shift", "nan"], r"audio_shift must be a positive.*--audio"),
+    ("minimax", ["--task", "t2va", "--steps", "4", "--guidance", "3"], r"--guidance names AdaLayerNormZero.*drop"),
+    ("minimax", ["--task", "t2va", "--steps", "4", "--timesteps", "0.5"], r"--timesteps names.*drop --timesteps"),
     (
         "layered",
         ["--timesteps", "0.5", "--additional-t-cond", "99999999999999999999"],
         r"--additional-t-cond must be <",
     ),
     ("layered", ["--timesteps", "0.5", "--additional-t-cond", "-1"], r"--additional-t-cond must be >= 0"),
+    ("layered", ["--timesteps", "0.5", "--additional-t-cond", "7"], r"additional_t_cond must be an index in 0\.\.1"),
+    ("layered", ["--steps", "4", "--additional-t-cond", "2"], r"additional_t_cond .* --additional-t-cond"),
+    ("layered", ["--timesteps", "0.5"], r"pass --additional-t-cond"),
+    ("layered", ["--timesteps", "nan", "--additional-t-cond", "1"], r"--timesteps must be finite"),
+    ("layered", ["--timesteps", "1e40", "--additional-t-cond", "1"], r"--timesteps must be finite"),
+    ("layered", ["--timesteps", "0.5,x", "--additional-t-cond", "1"], r"--timesteps must be comma-separated numbers"),
+    ("layered", ["--timesteps", ",", "--additional-t-cond", "1"], r"--timesteps is empty"),
     ("plain", ["--timesteps", "0.5", "--additional-t-cond", "1"], r"drop --additional-t-cond"),
+    (
+        "plain",
+        ["--steps", "1"],
+        r"--steps 1 at --height 1024 --width 1024 has non-finite.*use --steps 2 \(the smallest",
+    ),
+    ("plain", [], r"name a Qwen-Image schedule: --steps N"),
+    ("plain", ["--steps", "4", "--batch", "0"], r"--batch must be >= 1"),
+    ("plain", ["--steps", "4", "--height", "64", "--height", "32", "--width", "64"], r"--width is given 1 time"),
+    ("plain", ["--steps", "4", "--scheduler-config", "{missing}"], r"cannot be read.*--scheduler-config"),
+    ("plain", ["--steps", "4", "--scheduler-config", "{notobject}"], r"--scheduler-config .* is not a JSON object"),
     ("plain", ["--steps", "4", "--scheduler-config", "{wrongtype}"], r"cannot be computed from --scheduler-config"),
     ("plain", ["--steps", "4", "--height", "1000000000", "--width", "1000000000"], r"--height 1000000000 --width"),
+    ("plain", ["--task", "t2va", "--steps", "4"], r"--task names MiniMax-H3 schedules.*drop --task"),
+    ("plain", ["--timesteps", "0.5", "--steps", "4"], r"--timesteps and --steps both name the schedule"),
     (
         "bria",
         ["--steps", "4", "--height", "8", "--width", "8", "--scheduler-config", "{wrongtype}"],
         r"cannot be computed from --scheduler-config",
     ),
-    ("layered", ["--timesteps", "nan", "--additional-t-cond", "1"], r"--timesteps must be finite"),
-    ("layered", ["--timesteps", "1e40", "--additional-t-cond", "1"], r"--timesteps must be finite"),
+    ("bria", ["--steps", "4", "--scheduler-config", "{ddim}"], r"names a DDIMScheduler.*--timesteps"),
     ("bria", ["--timesteps", "0.5", "--guidance", "3"], r"drop --guidance"),
-    ("plain", ["--timesteps", "0.5", "--steps", "4"], r"--timesteps and --steps both name the schedule"),
+    ("bria", ["--timesteps", "0.5", "--additional-t-cond", "1"], r"--additional-t-cond names Qwen-Image.*drop"),
     ("bria", ["--timesteps", "0.5", "--steps", "4", "--guidance", "3"], r"--timesteps and --steps both name"),
+    ("hunyuan", ["--timesteps", "500", "--timestep-r", "250"], r"makes guidance an input of temb: pass --guidance"),
+    ("hunyuan", ["--timesteps", "500", "--guidance", "3500"], r"makes timestep_r an input.*pass --timestep-r"),
+    ("hunyuan", ["--timesteps", "500", "--timestep-r", "250", "--guidance", "nan"], r"--guidance must be finite"),
+    ("hunyuan", ["--timesteps", "500", "--timestep-r", "x", "--guidance", "3"], r"--timestep-r must be comma-sep"),
+    ("hunyuan", ["--timesteps", "5,2", "--timestep-r", "2", "--guidance", "3"], r"--timestep-r has 1 value\(s\) for 2"),
+    ("hunyuan", ["--steps", "4", "--timestep-r", "250", "--guidance", "3"], r"--timestep-r pairs with --timesteps"),
+    (
+        "hunyuan",
+        ["--steps", "4", "--guidance", "3", "--scheduler-config", "{dynamic}"],
+        r"use_dynamic_shifting.*--time",
+    ),
+    ("motif", ["--steps", "4", "--scheduler-config", "{flowmatch}"], r"pass the forward's timesteps \(--timesteps\)"),
 ]
+
+#: The scheduler configs the cases name (``{name}``), beside the checkpoints.
+SCHEDULER_CONFIGS = {
+    "wrongtype": {"shift": "x", "use_dynamic_shifting": True, "base_shift": "a", "max_shift": "b"},
+    "notobject": [1, 2],
+    "dynamic": {"_class_name": "FlowMatchEulerDiscreteScheduler", "use_dynamic_shifting": True},
+    "flowmatch": {"_class_name": "FlowMatchEulerDiscreteScheduler"},
+    "ddim": {"_class_name": "DDIMScheduler"},
+}
 
 
 @pytest.fixture(scope="module")
 def family_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Tiny layered and plain Qwen-Image and Bria (AdaLayerNormZero) checkpoints, and a scheduler
-    config whose values have the wrong types."""
+    """Tiny layered and plain Qwen-Image, Bria, HunyuanImage-2.1 (mean-flow and guidance) and Motif-Video
+    checkpoints (the AdaLayerNormZero family), and the scheduler configs of :data:`SCHEDULER_CONFIGS`."""
     pytest.importorskip("diffusers")
     import adaln_zero_helpers as tiny_adaln_zero
     from adalncache.tools.tiny_qwen import tiny_qwen_transformer
@@ -722,21 +772,38 @@ def family_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tiny_qwen_transformer("layered").save_pretrained(root / "layered")
     tiny_qwen_transformer("plain").save_pretrained(root / "plain")
     tiny_adaln_zero.build("BriaTransformer2DModel").save_pretrained(root / "bria")
-    wrong = {"shift": "x", "use_dynamic_shifting": True, "base_shift": "a", "max_shift": "b"}
-    (root / "wrongtype.json").write_text(json.dumps(wrong))
+    hunyuan = tiny_adaln_zero.build("HunyuanImageTransformer2DModel", use_meanflow=True, guidance_embeds=True)
+    hunyuan.save_pretrained(root / "hunyuan")
+    tiny_adaln_zero.build("MotifVideoTransformer3DModel").save_pretrained(root / "motif")
+    for name, config in SCHEDULER_CONFIGS.items():
+        (root / f"{name}.json").write_text(json.dumps(config))
     return root
 
 
-@pytest.mark.parametrize("index", range(len(SCHEDULE_CLI_CASES)), ids=lambda i: " ".join(SCHEDULE_CLI_CASES[i][1]))
+@pytest.mark.parametrize(
+    "index",
+    range(len(SCHEDULE_CLI_CASES)),
+    ids=lambda i: " ".join(SCHEDULE_CLI_CASES[i][:1]) + " " + " ".join(SCHEDULE_CLI_CASES[i][1]),
+)
 @pytest.mark.parametrize("command", ["build", "export"])
 def test_cli_schedule_flags_of_every_family_are_refused(
-    family_checkpoints: Path, capsys: pytest.CaptureFixture[str], command: str, index: int, tmp_path: Path
+    family_checkpoints: Path,
+    tiny_saved_root: Path,
+    capsys: pytest.CaptureFixture[str],
+    command: str,
+    index: int,
+    tmp_path: Path,
 ) -> None:
+    """Every schedule-flag error of every family is one line naming the flag, exit 2, and leaves nothing on disk."""
     checkpoint, flags, says = SCHEDULE_CLI_CASES[index]
-    flags = [flag.format(wrongtype=family_checkpoints / "wrongtype.json") for flag in flags]
-    args = [command, str(family_checkpoints / checkpoint), "--store", str(tmp_path / "s"), *flags, "-q"]
+    configs = {name: family_checkpoints / f"{name}.json" for name in [*SCHEDULER_CONFIGS, "missing"]}
+    flags = [flag.format(**configs) for flag in flags]
+    directory = tiny_saved_root / "bf16" if checkpoint == "minimax" else family_checkpoints / checkpoint
+    work = tmp_path / "work"
+    work.mkdir()
+    args = [command, str(directory), "--store", str(work / "s"), *flags, "-q"]
     if command == "export":
-        args += ["-o", str(tmp_path / "t.safetensors")]
+        args += ["-o", str(work / "t.safetensors")]
     try:
         code = main(args)
     except SystemExit as exc:  # argparse's own errors exit
@@ -745,7 +812,7 @@ def test_cli_schedule_flags_of_every_family_are_refused(
     assert code == 2, (code, err)
     assert len(err.splitlines()) == 1 or err.splitlines()[0].startswith("usage:"), err
     assert re.search(says, err.splitlines()[-1]), err
-    assert not (tmp_path / "s").exists() and not (tmp_path / "t.safetensors").exists(), "a refused command wrote"
+    assert list(work.iterdir()) == [], "a refused command left something on disk"
 
 
 # -- files that are not regular files, and ambiguous directories ------------------------------------

@@ -71,12 +71,18 @@ def test_the_collection_sees_messages_and_parsers() -> None:
 
 
 def test_every_flag_of_the_options_definition_is_defined() -> None:
-    """Messages take their flags from adalncache.options (not from literals): each one it holds exists,
-    and each cache option with a flag parses to the option's own default on ``build``."""
-    from adalncache.options import ARGUMENT_FLAGS, OPTIONS
+    """Messages take their flags from adalncache.options (not from literals): each one it holds or the families
+    declare exists on ``build`` and ``export``, and each cache option with a flag parses to the option's own
+    default on ``build``."""
+    from adalncache import families
+    from adalncache.options import ARGUMENT_FLAGS, OPTIONS, flag
 
     defined = defined_flags(build_parser())
     flags = {o.flag for o in OPTIONS if o.flag} | {f for text in ARGUMENT_FLAGS.values() for f in text.split("/")}
+    for argument in families.ARGUMENTS.values():
+        assert flag(argument.name) == argument.flag
+        assert {"adalncache build", "adalncache export"} <= defined[argument.flag], argument.flag
+        flags.add(argument.flag)
     assert not {f for f in flags if f not in defined}, sorted(f for f in flags if f not in defined)
     args = build_parser().parse_args(["build", "ckpt", "--store", "s", "--task", "t2va", "--steps", "4"])
     for o in OPTIONS:

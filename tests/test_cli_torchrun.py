@@ -22,7 +22,7 @@ from safetensors import safe_open
 
 from adalncache import AdalnCache, CheckpointSource, ModulationSpec
 from adalncache.cli import main
-from adalncache.embedding import time_embed_fn
+from adalncache.families import checkpoint_embed as time_embed_fn
 from adalncache.plans import plan_key, schedule_plans
 from adalncache.tiers.store import Store
 

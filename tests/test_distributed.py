@@ -310,7 +310,7 @@ def test_torchrun_example_fills_a_store_that_serves_one_process(tiny_saved_dir: 
     import sys
 
     from adalncache import ModulationSpec
-    from adalncache.embedding import time_embed_fn
+    from adalncache.families import checkpoint_embed as time_embed_fn
     from adalncache.plans import schedule_plans
 
     script = Path(__file__).resolve().parents[1] / "examples" / "torchrun_build.py"

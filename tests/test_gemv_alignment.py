@@ -26,7 +26,7 @@ from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3Transf
 
 from adalncache import AdalnCache, Store
 from adalncache.diffusers import adaln_cache_handle, enable_adaln_cache, load_transformer
-from adalncache.embedding import time_embed_fn
+from adalncache.families import checkpoint_embed as time_embed_fn
 from adalncache.offline import fill_store, open_checkpoint
 from adalncache.plans import minimax_h3_plans
 from adalncache.source.files import write_safetensors
@@ -97,7 +97,7 @@ def test_m1_gemvs_use_the_resident_alignment(
     directory; ``load_transformer native``: from the native file with ``config=`` the diffusers
     directory (``from_pretrained(config)`` is the resident model); ``store from checkpoint``: a
     store filled from the diffusers files alone (``adalncache build``'s path, the time embedder
-    from ``embedding.py``), then served to the model (``checkpoint=`` those files) with
+    the family's checkpoint embed), then served to the model (``checkpoint=`` those files) with
     ``on_miss="raise"``."""
     resident = _stock(files, precision)
     served = resident.time_embedder.linear_1.weight

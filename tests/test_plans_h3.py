@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from adalncache.errors import PlanError
+from adalncache.families.minimax_h3 import TASKS
 from adalncache.plans import minimax_h3_plans, plan_key
-from adalncache.schedules import TASKS
 
 pytest.importorskip("diffusers")
 
@@ -43,7 +43,7 @@ def _pipeline_row_plan(layout: dict[str, Any], n_video: int, n_audio: int, steps
 @pytest.mark.parametrize("steps", [2, 5, 9, 50])
 def test_plans_equal_the_set_timesteps_block(task: str, steps: int) -> None:
     """Bit for bit what the pipeline's SetTimesteps block stages for a real (larger) layout."""
-    from adalncache.schedules import LatentShape, build_layout
+    from adalncache.families.minimax_h3 import LatentShape, build_layout
 
     layout, n_video, n_audio, _, _ = build_layout(
         task,

@@ -32,7 +32,7 @@ from adalncache import (
     plan_key,
 )
 from adalncache.cli import main
-from adalncache.embedding import time_embed_fn
+from adalncache.families import checkpoint_embed as time_embed_fn
 from adalncache.formats import TableFile
 from adalncache.offline import export_tables
 from adalncache.plans import minimax_h3_plans, schedule_plans

@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from adalncache import AdalnCache, CheckpointSource, ConfigError, ModulationSpec, PlanError, plan_key
 from adalncache.cli import main
-from adalncache.embedding import time_embed_fn
+from adalncache.families import checkpoint_embed as time_embed_fn
 from adalncache.formats import TableFile
 from adalncache.formats import vllm_omni as vo
 from adalncache.offline import export_tables, verify_tables

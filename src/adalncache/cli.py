@@ -1,8 +1,10 @@
-"""The ``adalncache`` command line.
+"""The ``adalncache`` command line: its parser, its flags made from the library's definitions, ``main``.
 
 Each sub-command lives in the module that owns its work and exposes ``register(subparsers)``;
-this file only wires them together and turns library errors into one clear line and exit
-code 2, so a user never sees a traceback for a bad argument.
+this file wires them together, builds their flags from the one definition of each (a cache
+option's or a family's schedule argument's, :mod:`adalncache.options`: type, default, help and
+checks are written there, never restated here), and turns library errors into one clear line and
+exit code 2, so a user never sees a traceback for a bad argument.
 """
 
 from __future__ import annotations
@@ -11,10 +13,12 @@ import argparse
 import importlib
 import logging
 import sys
-from collections.abc import Sequence
-from typing import NoReturn
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
 
-from .errors import AdalnCacheError
+from . import families
+from .errors import AdalnCacheError, ConfigError
+from .options import Cli, option
 
 # Modules that register sub-commands, in the order ``--help`` lists them.
 _COMMAND_MODULES = (
@@ -23,8 +27,6 @@ _COMMAND_MODULES = (
     "adalncache.fit",
     "adalncache.tools.bench",
 )
-
-log = logging.getLogger("adalncache")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -69,4 +71,109 @@ def main(argv: Sequence[str] | None = None) -> int:
     return int(code or 0)
 
 
-__all__ = ["build_parser", "main"]
+# ---------------------------------------------------------------------------------------------
+# flags made from their definitions
+
+
+def gib_to_bytes(value: float, flag: str) -> int:
+    if not (value >= 0) or value == float("inf"):
+        raise ConfigError(f"{flag} must be a non-negative number of GiB, got {value!r}")
+    return int(value * (1 << 30))
+
+
+def int_parser(flag: str, minimum: int, below: int | None = None) -> Callable[[str], int]:
+    """argparse's ``type=`` of an integer flag in ``minimum <= value < below``, its errors naming ``flag``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} takes an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{flag} must be >= {minimum}, got {value}")
+        if below is not None and value >= below:
+            raise argparse.ArgumentTypeError(f"{flag} must be < {below}, got {value}")
+        return value
+
+    return parse
+
+
+def _gib_bytes(text: str) -> int:
+    try:
+        return gib_to_bytes(float(text), option("host_cache_bytes").flag or "")
+    except (ValueError, ConfigError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _auto_switch(text: str) -> bool | str:
+    """``auto``, ``on`` or ``off`` as an option takes it: ``"auto"``, True, False."""
+    values: dict[str, bool | str] = {"auto": "auto", "on": True, "off": False}
+    if text not in values:
+        raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from auto, on, off)")
+    return values[text]
+
+
+def add_flag(
+    parser: Any, flag: str, cli: Cli, *, dest: str, help: str, default: Any, repeat: bool = False, shown: Any = None
+) -> None:
+    """One flag parsed as ``cli`` says; ``repeat``: each use appends; ``shown``: the default its help names."""
+    kwargs: dict[str, Any] = {"dest": dest, "default": default, "help": help}
+    if cli.kind == "int":
+        kwargs.update(type=int_parser(flag, cli.minimum, cli.below), metavar="N")
+    elif cli.kind == "float":
+        kwargs["type"] = float
+    elif cli.kind == "path":
+        kwargs["metavar"] = "DIR"
+    elif cli.kind == "choice":
+        kwargs["choices"] = list(cli.choices)
+    elif cli.kind == "switch":
+        kwargs["action"] = "store_true"
+    elif cli.kind == "auto-switch":
+        kwargs.update(type=_auto_switch, metavar="{auto,on,off}")
+    elif cli.kind == "gib":
+        kwargs.update(type=_gib_bytes, metavar="GIB")
+    if repeat:
+        kwargs["action"] = "append"
+    if shown is not None and cli.kind != "switch":
+        kwargs["help"] += f" (default: {shown:g})" if isinstance(shown, float) else f" (default: {shown})"
+    parser.add_argument(flag, **kwargs)
+
+
+def add_options(parser: argparse.ArgumentParser, names: Sequence[str], *, required: Sequence[str] = ()) -> None:
+    """One flag per cache option of ``names``: its flag, help, default and parsing from the option's
+    definition; the value lands in ``args.<option name>`` in the option's own unit (bytes for
+    ``--host-cache-gb``). ``required``: options the command cannot run without."""
+    for name in names:
+        o = option(name)
+        if o.flag is None or o.cli is None:
+            raise ValueError(f"the option {name} has no command-line flag")
+        if name in required:
+            parser.add_argument(o.flag, dest=name, required=True, help=o.doc, metavar="DIR")
+            continue
+        shown = o.default / 2**30 if o.cli.kind == "gib" else o.default
+        add_flag(parser, o.flag, o.cli, dest=name, help=o.doc, default=o.default, shown=str(shown))
+
+
+def add_schedule_flags(parser: argparse.ArgumentParser) -> None:
+    """Every family's schedule flags, each once (:data:`adalncache.families.ARGUMENTS`), helped with the
+    families that take them. Which of them a command needs depends on the checkpoint's family, so none
+    is required here and all parse to None when absent: the family checks them once the checkpoint is
+    open, and a flag given at its default value is still seen as given."""
+    group = parser.add_argument_group("schedule (the flags of the checkpoint's family)")
+    for argument in families.ARGUMENTS.values():
+        takers = families.takers(argument.name)
+        said = "" if len(takers) == len(families.FAMILIES) else ", ".join(f.title for f in takers) + ": "
+        shown = argument.default if argument.default not in (None, False) else None
+        add_flag(
+            group,
+            argument.flag,
+            argument.cli,
+            dest=argument.name,
+            help=said + argument.help,
+            default=None,
+            repeat=argument.repeat,
+            shown=shown,
+        )
+
+
+__all__ = ["add_flag", "add_options", "add_schedule_flags", "build_parser", "gib_to_bytes", "int_parser", "main"]

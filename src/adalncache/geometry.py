@@ -15,24 +15,28 @@ they need to know about a model is small and the same for every family:
 * the **key layouts**: how a checkpoint names each layer's tensors.
 
 :class:`ModelGeometry` holds exactly that; :class:`Family` holds what is shared by every model of
-one family (its layouts, the table formats it can be written in). Families are defined in
-:mod:`adalncache.families`; :class:`~adalncache.spec.ModulationSpec` wraps a geometry with the
-dtype. Nothing here names a model.
+one family, and is the one seam through which the core asks a family anything (its geometry from
+a model or a checkpoint, its schedules, its projection input from a checkpoint, what a row depends
+on besides the projections). :class:`ImageFamily` is what the families served through diffusers'
+flow-matching image pipelines share. Families are defined in :mod:`adalncache.families`;
+:class:`~adalncache.spec.ModulationSpec` wraps a geometry with the dtype. Nothing here names a model.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from importlib import import_module
+from pathlib import Path
+from typing import Any, ClassVar, Literal, Protocol
 
-from .errors import ConfigError
-from .options import flag
+import torch
 
-if TYPE_CHECKING:
-    import torch
+from .errors import CheckpointError, ConfigError
+from .options import Argument, Cli, flag
 
 #: A served layer: a block index, ``"final"`` (the output layer of a family that numbers its
 #: blocks), or the projection's module path (``"transformer_blocks.3.norm1.linear"``).
@@ -95,12 +99,6 @@ class KeyLayout:
         return [f"{prefix}.{part}" for prefix in self.time_embedder for part in ("weight", "bias")]
 
 
-#: The tensors of a projection with a bias, in ``nn.Linear``'s parameter order.
-WITH_BIAS: tuple[str, ...] = ("weight", "bias")
-#: The tensors of a projection without one (``nn.Linear(..., bias=False)``).
-WITHOUT_BIAS: tuple[str, ...] = ("weight",)
-
-
 @dataclass(frozen=True)
 class ServedLayer:
     """One served projection: its layer id, output width, the name of the input it takes, and whether it has a bias.
@@ -117,8 +115,8 @@ class ServedLayer:
 
     @property
     def tensors(self) -> tuple[str, ...]:
-        """The projection's tensor names (``"weight"``, then ``"bias"`` if it has one)."""
-        return WITH_BIAS if self.bias else WITHOUT_BIAS
+        """The projection's tensor names, in ``nn.Linear``'s parameter order (``"weight"``, then ``"bias"`` if any)."""
+        return ("weight", "bias") if self.bias else ("weight",)
 
 
 @dataclass(frozen=True)
@@ -163,16 +161,37 @@ class RowSplit(Protocol):
 
 
 @dataclass(frozen=True)
-class Family:
-    """What every model of one family shares: its name, key layouts, and the table formats it supports.
+class Schedule:
+    """What a command's schedule flags name for one checkpoint: every forward's plan in step order
+    (repeats kept), the schedule in words (``build``'s report), and what a table file records of it."""
 
-    ``layouts`` are tried in order by layout detection (``layout="auto"``); the first is the one a
-    cache without weights reports. ``table_formats`` are the table-file formats the family's tables
-    can be written in (``"adalncache"``, the bound format, always); ``model_variants`` the values a
-    table file's ``model_variant`` may take and ``task_variants`` which of them serves each task,
-    where another engine reads that field. ``class_names``: the diffusers transformer classes of
-    the family (``_class_name`` in a checkpoint's ``config.json``). ``rows``: its :class:`RowSplit`,
-    where its modules take the modulation as parts of a row rather than by layer.
+    plans: list[torch.Tensor]
+    described: str
+    records: list[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family: what all its models share, and everything the core asks of a family.
+
+    A family module (:mod:`adalncache.families`) makes one instance of a subclass, and the core asks
+    it (through the registry, or as ``spec.family``) instead of naming a model. It declares its
+    ``layouts`` (tried in order by layout detection; the first is the one a cache without weights
+    reports); its diffusers ``class_names``; the ``table_formats`` its tables can be written in
+    (``"adalncache"``, the bound format, always) with their ``table_tensors``, and the
+    ``model_variants``/``task_variants`` a file's ``model_variant`` may say where another engine reads
+    it; its :class:`RowSplit` (``rows``) where its modules take a row in parts; the ``arguments`` that
+    name its schedules, what one row of its plans is (``plan_rows``), its demo models by name with
+    their class (``demos``); and ``model_embed``, ``"module:function"`` of the integration where its
+    projection input from a checkpoint needs the model's own modules (built on the meta device from
+    ``config.json``): :meth:`checkpoint_embed` loads it by name when a command asks, so the core
+    imports nothing above it.
+
+    A family module overrides the methods that read a model's geometry (:meth:`spec_fields`,
+    :meth:`header_fields`), compute its schedules (:meth:`schedule`: pure computation, so the
+    integration predicts a pipeline's plans with it too), compute the projections' input from a
+    checkpoint (:meth:`embed_from_checkpoint`) and list what a row depends on besides the
+    projections (:meth:`upstream`).
     """
 
     name: str
@@ -184,6 +203,10 @@ class Family:
     model_variants: tuple[str, ...] = ()
     task_variants: tuple[tuple[str, str], ...] = ()
     rows: RowSplit | None = None
+    arguments: tuple[Argument, ...] = ()
+    plan_rows: str = "rows"
+    demos: tuple[tuple[str, str], ...] = ()
+    model_embed: str = ""
 
     def __post_init__(self) -> None:
         if not self.layouts:
@@ -205,6 +228,278 @@ class Family:
     def variant_of(self, task: str) -> str | None:
         """The model variant serving ``task`` (None when the family names none)."""
         return dict(self.task_variants).get(task)
+
+    # -- a model's geometry ------------------------------------------------------------------------
+
+    def spec_fields(self, model: Any, dtype: torch.dtype | None = None) -> dict[str, Any]:
+        """The spec keywords of a transformer of this family (``ModulationSpec``'s, or ``for_geometry``'s for a
+        family whose spec carries its geometry): its config, and the projections' dtype (``dtype`` when
+        their weights are stored in another one). ConfigError for another model."""
+        raise ConfigError(f"the {self.name} family reads no transformer")
+
+    def projection_dtype(self, model: Any, first: Layer) -> torch.dtype:
+        """The dtype of the model's projection of layer ``first`` (inside a peft LoRA wrapper, if any), where
+        diffusers puts it; bfloat16 for a model without it (no blocks)."""
+        try:
+            linear = model.get_submodule(self.layout("diffusers").prefix(first))
+        except AttributeError:
+            return torch.bfloat16
+        return getattr(linear, "base_layer", linear).weight.dtype
+
+    def header_fields(
+        self, path: object, entries: Mapping[str, Any], config: Mapping[str, Any], layout: str, modalities: int
+    ) -> dict[str, Any]:
+        """The spec keywords (as :meth:`spec_fields`) of a checkpoint from its safetensors header entries and
+        its ``config.json`` (no tensor data); CheckpointError when its projections are missing or unusable."""
+        raise ConfigError(f"the {self.name} family reads no checkpoint")
+
+    # -- schedules -----------------------------------------------------------------------------------
+
+    def schedule_name(self, spec: Any) -> str:
+        """What messages call a checkpoint of ``spec`` (``a ... schedule``): the family's title by default."""
+        return self.title
+
+    def schedule_hint(self, spec: Any) -> str:
+        """How the flags name a schedule of this family, for messages (``--task and --steps``)."""
+        return ", ".join(argument.flag for argument in self.arguments)
+
+    def schedule(self, values: Mapping[str, Any], *, spec: Any, source: Any, checkpoint: Any) -> Schedule:
+        """The plans of the schedule ``values`` (every argument of :attr:`arguments`, defaults applied) name for a
+        checkpoint of ``spec``, opened from ``checkpoint`` as ``source`` (whose headers may be read). Every bad
+        value is a ConfigError or PlanError naming its flag, raised here: commands compute the schedule before
+        they create a store or a file, so a refused schedule leaves nothing on disk."""
+        raise ConfigError(f"the {self.title} family names no schedule on the command line")
+
+    # -- the projections' input without the model -----------------------------------------------------
+
+    def upstream(self, spec: Any, layout: KeyLayout) -> tuple[str, ...]:
+        """Checkpoint keys (as ``layout`` names them) of the tensors a table row depends on besides the
+        projections: the time embedder's parameters, and those of any addition, guidance or
+        second-timestep embedding the model's config enables (by default the layout's time embedder)."""
+        return tuple(layout.time_embedder_tensors())
+
+    def missing_upstream(self, source: Any) -> list[str]:
+        """The :meth:`upstream` tensors ``source``'s checkpoint lacks."""
+        missing = []
+        for name in self.upstream(source.spec, source.layout):
+            try:
+                source.entry(name)
+            except KeyError:
+                missing.append(name)
+        return missing
+
+    def checkpoint_embed(self, source: Any, spec: Any, device: Any = "cpu") -> Callable[[torch.Tensor], Any]:
+        """``embed(plan)`` for a cache filled without the model in memory (``build``, ``export``, ``verify``): the
+        projections' exact input from the checkpoint's own :meth:`upstream` tensors, computed as the model
+        computes it, on ``device``; CheckpointError naming the tensors a checkpoint of the projections lacks."""
+        missing = self.missing_upstream(source)
+        if missing:
+            raise CheckpointError(
+                f"the checkpoint has no time-embedder weights ({', '.join(missing)} missing from "
+                f"{', '.join(str(f) for f in source.files)}): build, export and verify compute the projections' "
+                "input from them; pass the whole transformer checkpoint, not only its AdaLN projections"
+            )
+        if self.model_embed:
+            module, _, function = self.model_embed.partition(":")
+            embed: Callable[..., Callable[[torch.Tensor], Any]] = getattr(import_module(module), function)
+            return embed(source, spec, device)
+        return self.embed_from_checkpoint(source, spec, torch.device(device))
+
+    def embed_from_checkpoint(self, source: Any, spec: Any, device: torch.device) -> Callable[[torch.Tensor], Any]:
+        """:meth:`checkpoint_embed` of a family whose input the core computes itself."""
+        raise ConfigError(f"the {self.title} family computes no projection input from a checkpoint")
+
+
+def read_upstream(source: Any, name: str) -> torch.Tensor:
+    """One upstream tensor as the file holds it: its address keeps the file offset's alignment, as
+    the source keeps the projections', because an fp32 GEMV's bits depend on the weight's address."""
+    header, entry = source.entry(name)
+    if entry.torch_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise CheckpointError(f"{header.path}: tensor {name} has dtype {entry.dtype}, expected F32, BF16 or F16")
+    return source.read_tensor(name)
+
+
+# ---------------------------------------------------------------------------------------------
+# the schedules of the flow-matching image pipelines (several families share them)
+
+STEPS = Argument("steps", "the pipeline's num_inference_steps (repeatable)", Cli("int", 1), repeat=True)
+HEIGHT = Argument(
+    "height",
+    "image height (repeatable; default 1024): the schedule is shifted by the image size",
+    Cli("int", 1),
+    None,
+    True,
+)
+WIDTH = Argument("width", "image width (repeatable, one per height; default: the height)", Cli("int", 1), repeat=True)
+TIMESTEPS = Argument(
+    "timesteps", "explicit forward timesteps, comma-separated (the forward's timestep values)", Cli("text")
+)
+BATCH = Argument(
+    "batch",
+    "the forward's rows: images per forward (batch x num_images_per_prompt; 2 x images where the pipeline "
+    "concatenates cond and uncond)",
+    Cli("int", 1),
+    default=1,
+)
+SCHEDULER_CONFIG = Argument(
+    "scheduler_config",
+    "the pipeline's scheduler_config.json (default: scheduler/ beside the transformer's directory, else the "
+    "family's released scheduler config where it has one)",
+    Cli("text"),
+)
+
+#: The default image size of a step count's schedule.
+DEFAULT_SIZE = 1024
+
+
+def numbers(argument: Argument, text: str) -> list[float]:
+    """The comma-separated numbers of ``argument``, finite as the float32 a plan holds; ConfigError naming it.
+
+    Checked before the store is opened: the plan's own check would refuse them too, but only after
+    the command had created the store's directory.
+    """
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ConfigError(f"{argument.flag} must be comma-separated numbers, got {text!r}") from None
+    if not values:
+        raise ConfigError(f"{argument.flag} is empty: pass the forward's values, e.g. {argument.flag} 0.999,0.5")
+    return finite(argument, values)
+
+
+def finite(argument: Argument, values: list[float]) -> list[float]:
+    """``values`` if every one is finite as the float32 a plan holds, else ConfigError naming ``argument``."""
+    if not bool(torch.tensor(values, dtype=torch.float32).isfinite().all()):
+        raise ConfigError(f"{argument.flag} must be finite float32 values (|v| < 3.4e38), got {values}")
+    return values
+
+
+class ImageFamily(Family):
+    """A family served through flow-matching image pipelines: a schedule is a step count at an image size (the
+    pipeline's scheduler config turns it into timesteps), or the forward's timesteps; a forward has ``batch``
+    rows. A subclass gives a step count's forwards (:meth:`step_inputs`), turns forwards into plans
+    (:meth:`plans_of`) and checks its own flags first (:meth:`check_values`); ``released_scheduler`` is the
+    config used when neither the flag nor ``scheduler/`` beside the checkpoint gives one (None: one must)."""
+
+    released_scheduler: ClassVar[Mapping[str, Any] | None] = None
+
+    def schedule_hint(self, spec: Any) -> str:
+        return f"{STEPS.flag} N (with {HEIGHT.flag}/{WIDTH.flag}), or {TIMESTEPS.flag} t1,t2,..."
+
+    def check_values(self, values: Mapping[str, Any], spec: Any) -> None:
+        """Refuse the family's own flags that do not fit this checkpoint, before any schedule is computed."""
+
+    def step_inputs(
+        self, spec: Any, values: Mapping[str, Any], steps: int, size: tuple[int, int], config: Mapping[str, Any]
+    ) -> list[dict[str, torch.Tensor]]:
+        """The per-step inputs (by the forward's argument names) of each forward of ``steps`` at ``size``."""
+        raise NotImplementedError
+
+    def plans_of(
+        self, forwards: list[dict[str, torch.Tensor]], values: Mapping[str, Any], spec: Any, source: Any
+    ) -> list[torch.Tensor]:
+        """The plans of these forwards (``timestep`` each, and what a step count computed besides)."""
+        raise NotImplementedError
+
+    def schedule(self, values: Mapping[str, Any], *, spec: Any, source: Any, checkpoint: Any) -> Schedule:
+        steps, timesteps, batch = values["steps"], values["timesteps"], values["batch"]
+        if timesteps is not None and steps:  # every family's plans take one or the other: never ignore one
+            raise ConfigError(
+                f"{TIMESTEPS.flag} and {STEPS.flag} both name the schedule (explicit timesteps, or the pipeline's "
+                "schedule of N steps): pass one of them"
+            )
+        self.check_values(values, spec)
+        extra = {name: values[name] for name in ("guidance", "timestep_r") if values.get(name) is not None}
+        if timesteps is not None:
+            forwards = [{TIMESTEP: torch.tensor([v] * batch)} for v in numbers(TIMESTEPS, timesteps)]
+            records = [{"timesteps": timesteps, "batch": batch, **extra}]
+            described = f"{len(forwards)} explicit timestep(s)"
+        elif steps:
+            config, released = self._scheduler_config(values, checkpoint)
+            sizes = _sizes(values)
+            forwards = [
+                f for n in steps for z in sizes for f in self._step_inputs(spec, values, n, z, config, released)
+            ]
+            records = [{"steps": n, "height": h, "width": w, "batch": batch, **extra} for n in steps for h, w in sizes]
+            described = f"steps {', '.join(map(str, steps))} at {', '.join(f'{h}x{w}' for h, w in sizes)}"
+            if released:
+                flag = SCHEDULER_CONFIG.flag
+                described += f" (the released {self.title} scheduler config: no {flag}, no scheduler/ beside)"
+        else:
+            raise ConfigError(f"name a {self.schedule_name(spec)} schedule: {self.schedule_hint(spec)}")
+        return Schedule(self.plans_of(forwards, values, spec, source), described, records)
+
+    def _step_inputs(
+        self,
+        spec: Any,
+        values: Mapping[str, Any],
+        steps: int,
+        size: tuple[int, int],
+        config: Mapping[str, Any],
+        released: bool,
+    ) -> list[dict[str, torch.Tensor]]:
+        """:meth:`step_inputs`, a bad config value or size, or non-finite timesteps being one ConfigError naming
+        the flags: the formulas take the config's values as they are (a string ``shift``, or a size whose
+        sequence length overflows a float, raised a bare TypeError or OverflowError), and a ``shift_terminal``
+        config divides 0 by 0 at one step, which the plan check reported only once the store existed."""
+        where = "the released scheduler config" if released else SCHEDULER_CONFIG.flag
+        said = f"{STEPS.flag} {steps} at {HEIGHT.flag} {size[0]} {WIDTH.flag} {size[1]}"
+
+        def compute(count: int) -> list[dict[str, torch.Tensor]]:
+            try:
+                return self.step_inputs(spec, values, count, size, config)
+            except (TypeError, ValueError, OverflowError, KeyError, ZeroDivisionError) as exc:
+                raise ConfigError(
+                    f"the schedule for {said} cannot be computed from {where} ({type(exc).__name__}: {exc}): pass the "
+                    f"pipeline's scheduler/scheduler_config.json and a size it runs, or {TIMESTEPS.flag}"
+                ) from None
+
+        def is_finite(forwards: list[dict[str, torch.Tensor]]) -> bool:
+            return all(bool(t.float().isfinite().all()) for step in forwards for t in step.values())
+
+        forwards = compute(steps)
+        if is_finite(forwards):
+            return forwards
+        working = next((n for n in range(steps + 1, steps + 65) if is_finite(compute(n))), None)
+        advice = "use another scheduler config"
+        if working is not None:
+            advice = f"use {STEPS.flag} {working} (the smallest step count above {steps} whose timesteps are finite)"
+        raise ConfigError(
+            f"the schedule for {said} has non-finite timesteps under {where} (its formula divides by zero at this "
+            f"step count; the model would compute NaN from them): {advice}, or pass {TIMESTEPS.flag}"
+        )
+
+    def _scheduler_config(self, values: Mapping[str, Any], checkpoint: Any) -> tuple[dict[str, Any], bool]:
+        """The pipeline's scheduler config, and whether it is :attr:`released_scheduler` (a copy of which is
+        used when neither the flag nor ``scheduler/`` beside the transformer's directory gives one)."""
+        if values["scheduler_config"] is not None:
+            where = Path(values["scheduler_config"])
+        else:
+            path = Path(checkpoint[0] if isinstance(checkpoint, (list, tuple)) else checkpoint)
+            where = (path if path.is_dir() else path.parent).parent / "scheduler"
+            if self.released_scheduler is not None and not where.exists():
+                return dict(self.released_scheduler), True
+        if where.is_dir():
+            where = where / "scheduler_config.json"
+        try:
+            config = json.loads(where.read_text())
+        except (OSError, ValueError) as exc:
+            raise ConfigError(
+                f"{STEPS.flag} needs the pipeline's scheduler config to compute the schedule: {where} cannot be read "
+                f"({type(exc).__name__}); pass {SCHEDULER_CONFIG.flag} PATH (the pipeline's "
+                f"scheduler/scheduler_config.json), or {TIMESTEPS.flag}"
+            ) from None
+        if not isinstance(config, dict):
+            raise ConfigError(f"{SCHEDULER_CONFIG.flag} {where} is not a JSON object")
+        return config, False
+
+
+def _sizes(values: Mapping[str, Any]) -> list[tuple[int, int]]:
+    heights = values["height"] or [DEFAULT_SIZE]
+    widths = values["width"] or heights
+    if len(widths) != len(heights):
+        raise ConfigError(f"{WIDTH.flag} is given {len(widths)} time(s) for {len(heights)} {HEIGHT.flag}: pair them")
+    return list(zip(heights, widths))
 
 
 def _positive(value: object) -> bool:
@@ -340,18 +635,27 @@ class ModelGeometry:
 
 
 __all__ = [
+    "BATCH",
     "FINAL",
+    "HEIGHT",
+    "SCHEDULER_CONFIG",
+    "STEPS",
     "TABLE_PART",
     "TABLE_ROWS",
     "TIMESTEP",
-    "WITHOUT_BIAS",
-    "WITH_BIAS",
+    "TIMESTEPS",
+    "WIDTH",
     "Family",
     "Gather",
+    "ImageFamily",
     "KeyLayout",
     "Layer",
     "ModelGeometry",
     "RowSplit",
+    "Schedule",
     "ServedLayer",
     "TablePart",
+    "finite",
+    "numbers",
+    "read_upstream",
 ]

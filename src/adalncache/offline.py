@@ -29,7 +29,6 @@ import torch
 from tqdm.auto import tqdm
 
 from .cache import AdalnCache
-from .embedding import has_time_embedder
 from .errors import ConfigError
 from .formats import TableFile, table_format
 from .formats.sglang import TableWriter
@@ -523,7 +522,7 @@ def describe_checkpoint(
     """
     spec, source = open_checkpoint(path, layout=layout)
     info = source.describe()
-    info["time_embedder"] = has_time_embedder(source)
+    info["time_embedder"] = not spec.family.missing_upstream(source)
     info["row_bytes"] = spec.row_bytes
     probe = AdalnCache(spec, source, max_plans=1, max_plan_width=1, store=store)
     content = probe.identify(read=False)

@@ -13,14 +13,16 @@ documentation, CLI flag and how the command line parses it) and its key in :clas
 (a test keeps the two in step). Every door then accepts it, validates it and documents it.
 
 Besides the options, :data:`ARGUMENT_FLAGS` holds the flags of the other arguments the library's
-messages advise on (a device, a checkpoint layout, a schedule, an export), for the same reason.
+messages advise on (a device, a checkpoint layout, an export), for the same reason, and an
+:class:`Argument` is one flag that names a schedule: the families declare theirs (type, help,
+default) and the command line builds its flags from them; :func:`flag` knows every declared one.
 """
 
 from __future__ import annotations
 
 import inspect
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, TypedDict, TypeVar, cast
 
@@ -39,8 +41,6 @@ ARGUMENT_FLAGS = {
     "checkpoint": "--checkpoint",
     "device": "--device",
     "layout": "--layout",
-    "task": "--task",
-    "steps": "--steps",
     "format": "--format",
     "model_variant": "--model-variant",
     "output": "-o/--output",
@@ -57,16 +57,51 @@ ARGUMENT_FLAGS = {
 
 @dataclass(frozen=True)
 class Cli:
-    """How the command line parses one option.
+    """How the command line parses one option or argument.
 
-    ``kind``: ``"int"`` (an integer >= ``minimum``), ``"choice"`` (one of ``choices``),
-    ``"switch"`` (present or not), ``"auto-switch"`` (``auto``, ``on`` or ``off``: ``"auto"``, True or
-    False), ``"gib"`` (a number of GiB, turned into bytes), ``"path"``.
+    ``kind``: ``"int"`` (an integer >= ``minimum`` and, with ``below``, < ``below``), ``"float"``,
+    ``"text"``, ``"choice"`` (one of ``choices``), ``"switch"`` (present or not), ``"auto-switch"``
+    (``auto``, ``on`` or ``off``: ``"auto"``, True or False), ``"gib"`` (a number of GiB, turned into
+    bytes), ``"path"``.
     """
 
-    kind: Literal["int", "choice", "switch", "auto-switch", "gib", "path"]
+    kind: Literal["int", "float", "text", "choice", "switch", "auto-switch", "gib", "path"]
     minimum: int = 0
     choices: tuple[str, ...] = ()
+    below: int | None = None
+
+
+@dataclass(frozen=True)
+class Argument:
+    """A flag that names a schedule (``--steps``), declared by the family modules that take it: its flag is its
+    name with dashes (``video_shift`` -> ``--video-shift``), the one rule, so no family module spells one.
+    ``default``: the value of an absent flag (which parses as None, so one given at its default is seen);
+    ``repeat``: the flag may be given several times (a list)."""
+
+    name: str
+    help: str
+    cli: Cli
+    default: Any = None
+    repeat: bool = False
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
+#: Every declared schedule argument by name (:func:`declare`).
+_ARGUMENTS: dict[str, Argument] = {}
+
+
+def declare(arguments: Iterable[Argument]) -> None:
+    """Make ``arguments`` known to :func:`flag` (the families registry declares every family's); a name
+    several families declare must be the same argument: one flag, one meaning."""
+    for argument in arguments:
+        known = _ARGUMENTS.setdefault(argument.name, argument)
+        if known != argument:
+            raise ValueError(
+                f"the schedule argument {argument.name} is declared twice, differently: {known}, {argument}"
+            )
 
 
 @dataclass(frozen=True)
@@ -277,6 +312,8 @@ def option(name: str) -> Option:
 def flag(name: str) -> str:
     """The command-line flag of the option or argument ``name`` (``"max_plans"`` -> ``"--max-plans"``)."""
     found = _BY_NAME[name].flag if name in _BY_NAME else ARGUMENT_FLAGS.get(name)
+    if found is None and name in _ARGUMENTS:
+        found = _ARGUMENTS[name].flag
     if found is None:
         raise KeyError(f"{name} has no command-line flag")
     return found
@@ -342,12 +379,14 @@ __all__ = [
     "OPTION_NAMES",
     "PRECISIONS",
     "SHARD_MODES",
+    "Argument",
     "CacheKwargs",
     "CacheOptions",
     "Cli",
     "Option",
     "ServingKwargs",
     "TablesArg",
+    "declare",
     "flag",
     "knob",
     "option",

@@ -9,10 +9,10 @@ take it as ``columns`` (1 by default). A plan's key is the tuple of exact fp32 b
 row-major order, because two plans that differ in one bit (or only in order) give different AdaLN
 outputs; a key holds ``rows * columns`` patterns.
 
-The schedules themselves (tasks, the pipeline's recipe, :func:`minimax_h3_plans`) live in
-:mod:`adalncache.schedules`; ``minimax_h3_plans`` is importable from here too, where users have
-always found it. :func:`schedule_plans` sits here rather than there because it keys plans, and the
-schedules module must not import this one (this one re-exports from it).
+The schedules themselves are their families' (:mod:`adalncache.families`); ``minimax_h3_plans`` is
+importable from here too, where users have always found it. :func:`schedule_plans` sits here
+rather than in that family's module because it keys plans, and the family modules must not import
+this one (this one re-exports from one of them).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from .errors import PlanError
+from .families.minimax_h3 import minimax_h3_plans
 from .options import knob
-from .schedules import minimax_h3_plans
 
 PlanKey = tuple[int, ...]
 

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import families
-from .errors import ConfigError
+from .errors import CheckpointError, ConfigError
 from .families import minimax_h3 as _default
 from .geometry import FINAL, Family, KeyLayout, Layer, ModelGeometry, ServedLayer, TablePart
 
@@ -114,6 +114,11 @@ class ModulationSpec:
             dtype=dtype,
             geometry=geometry,
         )
+
+    @classmethod
+    def _of(cls, fields: dict[str, Any]) -> ModulationSpec:
+        """The spec of a family's keywords: :meth:`for_geometry`'s where its spec carries its geometry."""
+        return cls.for_geometry(**fields) if "geometry" in fields else cls(**fields)
 
     # -- the family-neutral members the core reads -------------------------------------------
 
@@ -260,10 +265,8 @@ class ModulationSpec:
         """A JSON-friendly identity of the geometry (stores and table files bind entries to it)."""
         dtype = str(self.dtype).removeprefix("torch.")
         if self.geometry is None:
-            return {
-                **_default.describe(self.num_layers, self.hidden_size, self.time_embed_dim, self.modalities),
-                "dtype": dtype,
-            }
+            fields = _default.describe(self.num_layers, self.hidden_size, self.time_embed_dim, self.modalities)
+            return {**fields, "dtype": dtype}
         return {**self.geometry.describe(), "dtype": dtype}
 
     # -- presets and readers -------------------------------------------------------------------
@@ -274,9 +277,7 @@ class ModulationSpec:
 
         50 blocks, hidden 5376, time embedding 2688, bf16; ``overrides`` replace any field.
         """
-        fields: dict[str, Any] = dict(_default.RELEASED)
-        fields.update(overrides)
-        return cls(**fields)
+        return cls(**{**_default.RELEASED, **overrides})
 
     @classmethod
     def from_transformer(cls, model: nn.Module, *, dtype: torch.dtype | None = None) -> ModulationSpec:
@@ -289,11 +290,8 @@ class ModulationSpec:
         name = type(model).__name__
         if name in families.REFUSED:
             families.for_class(name)  # raises the ConfigError naming the reason
-        family = families.of_class(name)
-        reader = families.READERS.get(family.name) if family is not None else None
-        if reader is not None:
-            return cls.for_geometry(**reader.from_transformer(model, dtype))
-        return cls(**_default.fields_from_transformer(model, dtype))
+        family = families.of_class(name) or families.DEFAULT
+        return cls._of(family.spec_fields(model, dtype))
 
     @classmethod
     def from_checkpoint(
@@ -311,30 +309,22 @@ class ModulationSpec:
         against the result. Raises CheckpointError when no layout's projections are there or the
         first is unusable, ConfigError for a class that is refused or not supported.
         """
-        # Deferred, and from the two source modules that import no spec: the rest of the source
-        # package is built on this module (it validates checkpoints against a spec).
-        from .errors import CheckpointError
+        # Deferred, and from the source module that imports no spec: the rest of the source package is
+        # built on this module (it validates checkpoints against a spec).
         from .source.files import SafetensorsHeader, checkpoint_files
 
         config = _config(path)
         class_name = config.get("_class_name")
-        reader = None
-        if isinstance(class_name, str):
-            reader = families.READERS.get(families.for_class(class_name).name)  # refused and unknown classes raise
-        if reader is not None:
-            if layout not in ("auto", "diffusers"):
-                only = "diffusers"  # the one layout name of these families
-                raise ConfigError(f"layout={layout!r}: a {class_name} checkpoint has the {only!r} layout only")
-        elif layout not in ("auto", *LAYOUTS):
-            get_layout(layout)  # raises the ConfigError that lists the layouts
+        # Refused and unknown classes raise; a checkpoint without config.json is the default family's.
+        family = families.for_class(class_name) if isinstance(class_name, str) else families.DEFAULT
+        if layout != "auto":
+            family.layout(layout)  # raises the ConfigError that lists the family's layouts
         files, _ = checkpoint_files(path)
         entries: dict[str, Any] = {}
         for file in files:
             entries.update(SafetensorsHeader.read(file).entries)
         try:
-            if reader is not None:
-                return cls.for_geometry(**reader.from_headers(path, entries, config))
-            return cls(**_default.fields_from_headers(path, entries, layout, modalities))
+            return cls._of(family.header_fields(path, entries, config, layout, modalities))
         except ConfigError as exc:
             raise CheckpointError(f"{path}: unusable projection geometry: {exc}") from None
 

@@ -1,10 +1,13 @@
-"""The model families the cache serves, and the look-alikes it refuses, by name and by diffusers class.
+"""The model families the cache serves, and the look-alikes it refuses: the one registry the core asks.
 
-A family module (one per family, beside this file) declares what the family-neutral core needs:
-its :class:`~adalncache.geometry.Family` (key layouts, table formats), how to build a
-:class:`~adalncache.geometry.ModelGeometry` from a model's sizes, and how to read those sizes from a
-checkpoint or a transformer. This package is at the definitions level: the spec's presets import
-it, and it imports nothing above the geometry.
+A family module (one per family, beside this file) makes one :class:`~adalncache.geometry.Family`
+holding everything the family-neutral core needs of it: key layouts and table formats, its
+geometry read from a transformer or a checkpoint, the flags that name its schedules and how they
+become plans, its projection input computed from a checkpoint, the tensors a row depends on
+besides the projections. Everything else (the spec, the command line, the table formats, the
+integration) finds a family here, by name, by diffusers class, or as ``spec.family``, and never
+names one. This package is at the definitions level: the spec imports it, and it imports nothing
+above the geometry.
 
 Refused classes: transformers whose modulation input includes the prompt. Their projections have
 the same module names as a servable family's, but a table built for one prompt is wrong for the
@@ -13,35 +16,39 @@ next, so they get a :class:`~adalncache.errors.ConfigError` naming the reason, n
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 from ..errors import ConfigError
-from ..geometry import TABLE_ROWS, Family
+from ..geometry import TABLE_ROWS, Family, Schedule
+from ..options import Argument, declare
 from . import adaln_zero, minimax_h3, qwen_image
 
 #: Every supported family by name.
-FAMILIES: dict[str, Family] = {
-    family.name: family for family in (minimax_h3.FAMILY, qwen_image.FAMILY, adaln_zero.FAMILY)
-}
+FAMILIES: dict[str, Family] = {f.name: f for f in (minimax_h3.FAMILY, qwen_image.FAMILY, adaln_zero.FAMILY)}
 
-#: The readers of the families whose spec carries its geometry (every family but the default one):
-#: ``from_transformer(model, dtype)`` and ``from_headers(path, entries, config)`` give the keywords
-#: of ``ModulationSpec.for_geometry``.
-READERS: dict[str, Any] = {qwen_image.FAMILY.name: qwen_image, adaln_zero.FAMILY.name: adaln_zero}
+#: The family of a model whose class names none (a checkpoint without ``config.json``).
+DEFAULT: Family = minimax_h3.FAMILY
 
-_POOLED = "its AdaLN input depends on the pooled text embedding, so tables cannot be shared across prompts"
+#: Every family's schedule arguments, each once, in the families' order: the flags ``build`` and
+#: ``export`` take (declared, so messages get their flags from the one definition).
+ARGUMENTS: dict[str, Argument] = {a.name: a for family in FAMILIES.values() for a in family.arguments}
+declare(ARGUMENTS.values())
+
+#: The demo models (``adalncache demo --model``) -> (family, diffusers class).
+DEMOS: dict[str, tuple[Family, str]] = {demo: (f, name) for f in FAMILIES.values() for demo, name in f.demos}
+
+_SHARED = "so tables cannot be shared across prompts"
+_POOLED = f"its AdaLN input depends on the pooled text embedding, {_SHARED}"
 
 #: diffusers classes that look servable but are not, with the reason.
 REFUSED: dict[str, str] = {
     "FluxTransformer2DModel": _POOLED,
     "SD3Transformer2DModel": _POOLED,
     "HunyuanVideoTransformer3DModel": _POOLED,
-    "MochiTransformer3DModel": (
-        "its AdaLN input depends on the text embedding, so tables cannot be shared across prompts"
-    ),
+    "MochiTransformer3DModel": f"its AdaLN input depends on the text embedding, {_SHARED}",
     "HiDreamImageTransformer2DModel": _POOLED,
     "Kandinsky5Transformer3DModel": _POOLED,
 }
@@ -62,9 +69,9 @@ def get(name: str) -> Family:
 
 def for_class(class_name: str) -> Family:
     """The family of a diffusers transformer class; ConfigError naming why a refused or unknown class is not served."""
-    for family in FAMILIES.values():
-        if class_name in family.class_names:
-            return family
+    family = of_class(class_name)
+    if family is not None:
+        return family
     reason = REFUSED.get(class_name)
     if reason is not None:
         raise ConfigError(f"{class_name} cannot be served from AdaLN tables: {reason}")
@@ -74,14 +81,12 @@ def for_class(class_name: str) -> Family:
 def table_fields(shapes: Mapping[str, tuple[int, ...]], dtype: torch.dtype | None) -> dict[str, Any]:
     """The spec fields an unbound table file's tensor shapes imply (``inspect``), or ValueError saying why not.
 
-    Only a family whose table parts determine its geometry can be read this way; bound files
-    describe their layers in their binding instead.
+    Only a family whose table parts determine its geometry can be read this way (MiniMax-H3's
+    ``block_params [P, W, L, 18 * hidden]``); bound files describe their layers in their binding instead.
     """
-    if dtype is not None and all(name in shapes for name in minimax_h3.FAMILY.table_tensors):
-        fields = minimax_h3.fields_from_table(shapes["block_params"], dtype)
-        if fields is not None:
-            return fields
-    block = shapes.get("block_params")
+    block = shapes.get("block_params") or ()
+    if dtype is not None and all(name in shapes for name in minimax_h3.FAMILY.table_tensors) and len(block) == 4:
+        return {"num_layers": block[2], "hidden_size": block[3] // 18, "time_embed_dim": 1, "dtype": dtype}
     raise ValueError(f"block_params is {list(block) if block else None} {dtype}, not [P, W, L, 18 * hidden]")
 
 
@@ -95,17 +100,52 @@ def of_class(class_name: str) -> Family | None:
     return next((family for family in FAMILIES.values() if class_name in family.class_names), None)
 
 
+def takers(name: str) -> list[Family]:
+    """The families whose schedules take the argument ``name``."""
+    return [family for family in FAMILIES.values() if any(a.name == name for a in family.arguments)]
+
+
+def schedule(spec: Any, given: Mapping[str, Any], *, source: Any, checkpoint: Any) -> Schedule:
+    """The plans the schedule flags ``given`` (argument name -> value, the flags on the command line) name
+    for a checkpoint of ``spec``, from its family (:meth:`Family.schedule <adalncache.geometry.Family.schedule>`).
+
+    A flag of another family's schedules is refused, naming the families that take it and what this
+    one takes: it was silently ignored once, and a table built for the wrong schedule serves nothing.
+    """
+    family: Family = spec.family
+    taken = {a.name: a for a in family.arguments}
+    foreign = [ARGUMENTS[name].flag for name in given if name not in taken]
+    if foreign:
+        owners = {f.title: None for name in given if name not in taken for f in takers(name)}
+        raise ConfigError(
+            f"{' and '.join(foreign)} name{'s' if len(foreign) == 1 else ''} {' and '.join(owners)} schedules; a "
+            f"{family.schedule_name(spec)} schedule is {family.schedule_hint(spec)}: drop {', '.join(foreign)}"
+        )
+    values = {name: given.get(name, argument.default) for name, argument in taken.items()}
+    return family.schedule(values, spec=spec, source=source, checkpoint=checkpoint)
+
+
+def checkpoint_embed(source: Any, spec: Any, device: Any = "cpu") -> Callable[[torch.Tensor], Any]:
+    """``embed(plan)`` of ``spec``'s family from the checkpoint ``source`` reads (no model needed)."""
+    return spec.family.checkpoint_embed(source, spec, device)
+
+
 __all__ = [
+    "ARGUMENTS",
+    "DEFAULT",
+    "DEMOS",
     "FAMILIES",
-    "READERS",
     "REFUSED",
     "adaln_zero",
+    "checkpoint_embed",
     "for_class",
     "get",
     "minimax_h3",
     "of_class",
     "qwen_image",
+    "schedule",
     "supported",
     "table_fields",
     "table_tensor_sets",
+    "takers",
 ]

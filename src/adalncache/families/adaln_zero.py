@@ -11,34 +11,46 @@ for some configurations ``timestep_r`` or ``guidance``), so every served project
 Flux.1 has the same module names but adds the pooled text embedding to ``temb``: it is refused
 (see :mod:`adalncache.families`). HunyuanImage-2.1 and HunyuanVideo-1.5 have a token refiner
 whose own AdaLN (``HunyuanImageAdaNorm`` / ``HunyuanVideo15AdaNorm``) takes pooled text: it
-stays resident, and this module lists it so that a model is checked against exactly what is
-served and what stays.
+stays resident, and :data:`CLASSES` lists it so that a model is checked against exactly what is
+served and what stays (:func:`check_structure`: a model whose structure differs is refused, never
+half served). :func:`geometry` gives the served layers in pass order (module paths as layer ids).
 
-What is here (definitions level: no diffusers import, no model objects):
-
-* :data:`CLASSES`: per class, where its blocks sit, which config keys count them, how its
-  single blocks are modulated, whether the projections have a bias, which AdaLN modules stay,
-  and which modules compute ``temb`` (its time embedders);
-* :func:`fields_from_config`: the sizes and plan inputs of one model from its config;
-* :func:`geometry`: the served layers in pass order (module paths as layer ids), widths, plan
-  inputs;
-* :func:`check_structure`: a model's modules (paths and class names, served linears' shapes)
-  against the class's list, so that a model whose structure differs is refused, never half served.
-
-The per-step inputs' exact arithmetic (casts, ``* 1000``) is the integration's to reproduce with
-the model's own embedding modules; docs/families.md tabulates it per class.
+A plan holds the forward's per-step inputs (:func:`plan_of`), one fp32 column each; a step count's
+forwards are computed as each class's pipeline computes them (:func:`pipeline_forward_inputs`).
+The inputs' exact arithmetic (casts, ``* 1000``) is the integration's to reproduce with the
+model's own embedding modules, so the checkpoint-only ``embed`` lives there
+(:attr:`~adalncache.geometry.Family.model_embed`); docs/families.md tabulates it per class.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from ..errors import CheckpointError, ConfigError
-from ..geometry import TABLE_ROWS, TIMESTEP, Family, KeyLayout, ModelGeometry, ServedLayer
+import torch
+
+from ..errors import CheckpointError, ConfigError, PlanError
+from ..geometry import (
+    BATCH,
+    HEIGHT,
+    SCHEDULER_CONFIG,
+    STEPS,
+    TABLE_ROWS,
+    TIMESTEP,
+    TIMESTEPS,
+    WIDTH,
+    ImageFamily,
+    KeyLayout,
+    ModelGeometry,
+    ServedLayer,
+    finite,
+    numbers,
+)
+from ..options import Argument, Cli
+from .qwen_image import pipeline_timesteps
 
 #: The second timestep of the mean-flow variants (the next step's timestep).
 TIMESTEP_R = "timestep_r"
@@ -88,7 +100,9 @@ class ClassLayout:
     resident. ``temb_module``: the module whose output is ``temb``; ``time_embedders``: the
     ``TimestepEmbedding`` modules inside it whose two linears' weights shape ``temb`` (Bria-FIBO's
     guidance embedder is outside it: it stays resident).
-    ``optional``: plan inputs after ``timestep``, each with the config flag enabling it.
+    ``optional``: plan inputs after ``timestep``, each with the config flag enabling it (the time
+    embedders after the first serve them, in this order); ``guidance_embedder``: the embedder of
+    ``guidance`` where it sits outside ``temb_module`` (Bria-FIBO's).
     """
 
     class_name: str
@@ -104,6 +118,7 @@ class ClassLayout:
     temb_module: str = "time_embed"
     time_embedders: tuple[str, ...] = ("time_embed.timestep_embedder",)
     optional: tuple[tuple[str, str], ...] = ()
+    guidance_embedder: str = ""
     #: A config flag the class cannot be served with, and why.
     unservable: tuple[tuple[str, str], ...] = ()
 
@@ -176,6 +191,7 @@ CLASSES: dict[str, ClassLayout] = {
             "Bria-FIBO",
             _DOUBLE,
             optional=((GUIDANCE, "guidance_embeds"),),
+            guidance_embedder="guidance_embed.timestep_embedder",
         ),
         ClassLayout(
             "OvisImageTransformer2DModel",
@@ -192,15 +208,6 @@ TIME_EMBEDDER_LINEARS = tuple(
     dict.fromkeys(
         f"{path}.{linear}" for c in CLASSES.values() for path in c.time_embedders for linear in ("linear_1", "linear_2")
     )
-)
-
-FAMILY = Family(
-    name="adaln-zero",
-    title="AdaLayerNormZero (timestep-only temb)",
-    layouts=(KeyLayout("diffusers", time_embedder=TIME_EMBEDDER_LINEARS),),
-    class_names=tuple(CLASSES),
-    table_formats=("adalncache",),
-    table_tensors=(TABLE_ROWS,),
 )
 
 
@@ -326,34 +333,8 @@ def from_transformer(model: Any, dtype: Any = None) -> dict[str, Any]:
     default the first projection's weight dtype (inside a peft LoRA wrapper, if any).
     """
     geo = walk(model)
-    name = type(model).__name__
-    if dtype is None:
-        first = model.get_submodule(str(geo.layers[0].id))
-        dtype = getattr(first, "base_layer", first).weight.dtype
-    return spec_args(geo, fields_from_config(name, model.config), dtype)
-
-
-def from_headers(path: object, entries: Mapping[str, Any], config: Mapping[str, Any]) -> dict[str, Any]:
-    """The spec keywords of a diffusers checkpoint from its ``config.json`` and safetensors headers.
-
-    Every served projection's weight and bias (where the class has one) must be there with the
-    geometry's shapes and one dtype; CheckpointError names the first that is not.
-    """
-    name = str(config.get("_class_name"))
-    fields = fields_from_config(name, config)
-    geo = geometry(name, fields["double_layers"], fields["single_layers"], fields["hidden_size"], fields["plan_inputs"])
-    dtypes = set()
-    for layer in geo.layers:
-        shapes = {"weight": [layer.out_features, geo.in_features], "bias": [layer.out_features]}
-        for tensor, shape in ((f"{layer.id}.{part}", shapes[part]) for part in layer.tensors):
-            entry = entries.get(tensor)
-            if entry is None or list(entry.shape) != shape or entry.torch_dtype is None:
-                found = "missing" if entry is None else f"{list(entry.shape)} {entry.dtype}"
-                raise CheckpointError(f"{path}: {tensor} is {found}, not {shape}: this is not the {name} of its config")
-            dtypes.add(entry.torch_dtype)
-    if len(dtypes) != 1:
-        raise CheckpointError(f"{path}: the AdaLN projections have several dtypes ({sorted(map(str, dtypes))})")
-    return spec_args(geo, fields, dtypes.pop())
+    dtype = dtype or FAMILY.projection_dtype(model, geo.layers[0].id)
+    return spec_args(geo, fields_from_config(type(model).__name__, model.config), dtype)
 
 
 def _owner(path: str) -> str:
@@ -423,25 +404,293 @@ def _few(paths: list[str]) -> str:
     return ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
 
 
+# ---------------------------------------------------------------------------------------------
+# plans and schedules
+
+#: dtypes whose values an fp32 plan holds exactly (so the forward's tensor is the plan cast back).
+_EXACT_IN_FP32 = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def plan_of(inputs: Mapping[str, Any], plan_inputs: tuple[str, ...]) -> torch.Tensor:
+    """The plan of one forward: its per-step inputs (by argument name), one fp32 column each, one row per row.
+
+    Raises PlanError for a missing input the model's config enables, an input that is not a 1-D
+    tensor of the same rows as ``timestep``, or one whose dtype an fp32 plan cannot hold exactly.
+    """
+    columns: list[torch.Tensor] = []
+    for name in plan_inputs:
+        value = inputs.get(name)
+        if not isinstance(value, torch.Tensor):
+            raise PlanError(
+                f"the AdaLN cache needs the forward's {name} tensor (this model's config makes {name} one of the "
+                f"inputs of its modulation), got {type(value).__name__}"
+            )
+        if value.dim() != 1 or value.dtype not in _EXACT_IN_FP32:
+            raise PlanError(
+                f"the AdaLN cache serves a 1-D float32, bfloat16 or float16 {name} (one entry per batch row), got "
+                f"shape {tuple(value.shape)} and dtype {value.dtype}"
+            )
+        if columns and value.shape[0] != columns[0].shape[0]:
+            raise PlanError(f"{name} has {value.shape[0]} rows but timestep has {columns[0].shape[0]}")
+        columns.append(value.detach().to(torch.float32))
+    if len(columns) == 1:
+        return columns[0]
+    return torch.stack(columns, dim=1)
+
+
+#: How the family's pipelines turn a scheduler timestep (fp32) into the forward's ``timestep`` of
+#: dtype ``d``: as it is (Motif-Video, Bria), cast (HunyuanImage, HunyuanVideo-1.5, Bria-FIBO), cast
+#: then divided by 1000 (LongCat-Image, Ovis-Image), divided by 1000 then cast (AuraFlow).
+PIPELINE_TIMESTEPS: tuple[Callable[[torch.Tensor, torch.dtype], torch.Tensor], ...] = (
+    lambda t, d: t,
+    lambda t, d: t.to(d),
+    lambda t, d: t.to(d) / 1000,
+    lambda t, d: (t / 1000).to(d),
+)
+
+
+#: How each class's pipeline sets its scheduler for a step count: ``shifted`` (``sigmas = linspace(1,
+#: 1 / steps, steps)`` and ``mu`` from the packed latent length ``(height // k) * (width // k)``, ``k``
+#: given), ``unshifted`` (``sigmas = linspace(1, 0, steps + 1)[:-1]``, no ``mu``: the Hunyuan
+#: pipelines), ``plain`` (``set_timesteps(steps)``: AuraFlow), ``bria`` (Bria's own rule); and how it
+#: turns a scheduler timestep into the forward's (an index of :data:`PIPELINE_TIMESTEPS`). Not here:
+#: Motif-Video, whose shift depends on the frame count, which a checkpoint does not give.
+STEP_SCHEDULES: dict[str, tuple[str, int, int]] = {
+    "BriaTransformer2DModel": ("bria", 16, 0),
+    "OvisImageTransformer2DModel": ("shifted", 16, 2),
+    "LongCatImageTransformer2DModel": ("shifted", 16, 2),
+    "BriaFiboTransformer2DModel": ("shifted", 16, 1),  # vae_scale_factor 16, unpatched latents
+    "AuraFlowTransformer2DModel": ("plain", 0, 3),
+    "HunyuanImageTransformer2DModel": ("unshifted", 0, 1),
+    "HunyuanVideo15Transformer3DModel": ("unshifted", 0, 1),
+}
+
+
+def _scheduler_timesteps(
+    class_name: str, steps: int, height: int, width: int, scheduler_config: Mapping[str, Any]
+) -> torch.Tensor:
+    """The scheduler timesteps the class's pipeline sets for ``steps`` at ``height`` x ``width`` (fp32): the
+    shifted rule is Qwen-Image's pipeline's, which these pipelines copy."""
+    import numpy as np
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    rule, packing, _ = STEP_SCHEDULES[class_name]
+    scheduler: Any = FlowMatchEulerDiscreteScheduler.from_config(dict(scheduler_config))
+    config = scheduler.config
+    dynamic = config.get("use_dynamic_shifting")
+    if rule in ("unshifted", "plain") and dynamic:
+        raise ConfigError(
+            f"the scheduler config shifts by the image size (use_dynamic_shifting), which {class_name}'s pipeline "
+            f"does not pass (it would fail): pass the scheduler config of the pipeline, or {TIMESTEPS.flag}"
+        )
+    if rule == "shifted" or (rule == "bria" and dynamic):
+        sequence = (height // packing) * (width // packing)
+        return pipeline_timesteps(steps, height, width, scheduler_config, sequence=sequence).to(torch.float32)
+    if rule == "bria":
+        from diffusers.pipelines.bria.pipeline_bria import get_original_sigmas
+
+        scheduler.set_timesteps(sigmas=get_original_sigmas(config.num_train_timesteps, steps))
+    elif rule == "unshifted":
+        scheduler.set_timesteps(sigmas=np.linspace(1.0, 0.0, steps + 1)[:-1])
+    else:
+        scheduler.set_timesteps(steps)
+    return scheduler.timesteps.to(torch.float32)
+
+
+def pipeline_forward_inputs(
+    class_name: str,
+    steps: int,
+    height: int,
+    width: int,
+    scheduler_config: Mapping[str, Any],
+    *,
+    rows: int,
+    dtype: torch.dtype,
+    timestep_r: bool = False,
+) -> list[dict[str, torch.Tensor]]:
+    """The per-step inputs each forward of the class's pipeline receives for ``steps`` at ``height`` x ``width``.
+
+    For a checkpoint-only build: the scheduler timesteps as the pipeline sets them
+    (:data:`STEP_SCHEDULES`), then its own conversion; ``rows``: the forward's rows (2 x images
+    where the pipeline concatenates cond and uncond). ``timestep_r`` (a mean-flow config): the next
+    step's timestep, 0 after the last, cast like the Hunyuan pipelines cast it. ConfigError naming
+    ``--timesteps`` for a class whose schedule a checkpoint does not determine, or another scheduler.
+    """
+    if class_name not in STEP_SCHEDULES:
+        raise ConfigError(
+            f"the schedule of {class_name}'s pipeline is not computed from a step count here (it depends on more "
+            f"than the checkpoint and the image size): pass the forward's timesteps ({TIMESTEPS.flag})"
+        )
+    if scheduler_config.get("_class_name", "FlowMatchEulerDiscreteScheduler") != "FlowMatchEulerDiscreteScheduler":
+        raise ConfigError(
+            f"the scheduler config names a {scheduler_config.get('_class_name')}; a step count is turned into "
+            f"timesteps for a FlowMatchEulerDiscreteScheduler only: pass the forward's timesteps ({TIMESTEPS.flag})"
+        )
+    schedule = _scheduler_timesteps(class_name, steps, height, width, scheduler_config)
+    convert = PIPELINE_TIMESTEPS[STEP_SCHEDULES[class_name][2]]
+    forwards = []
+    for k in range(schedule.shape[0]):
+        step = {TIMESTEP: convert(schedule[k], dtype).expand(rows)}
+        if timestep_r:
+            following = schedule[k + 1] if k + 1 < schedule.shape[0] else torch.tensor(0.0)
+            step[TIMESTEP_R] = following.expand(rows).to(dtype)
+        forwards.append(step)
+    return forwards
+
+
+GUIDANCE_VALUE = Argument(
+    GUIDANCE, "the guidance value every forward receives, where the config enables guidance_embeds", Cli("float")
+)
+TIMESTEP_R_VALUES = Argument(
+    TIMESTEP_R,
+    "the forwards' timestep_r (mean-flow variants), comma-separated, one per explicit timestep",
+    Cli("text"),
+)
+
+
+class AdalnZero(ImageFamily):
+    """The AdaLayerNormZero family (module docstring): its checkpoint-only ``embed`` builds the class's own
+    embedding modules, which only the integration can (:attr:`Family.model_embed`)."""
+
+    def spec_fields(self, model: Any, dtype: Any = None) -> dict[str, Any]:
+        return from_transformer(model, dtype)
+
+    def header_fields(
+        self, path: object, entries: Mapping[str, Any], config: Mapping[str, Any], layout: str, modalities: int
+    ) -> dict[str, Any]:
+        """Every served projection's weight and bias (where the class has one) must be there with the
+        geometry's shapes and one dtype; CheckpointError names the first that is not."""
+        name = str(config.get("_class_name"))
+        geo = geometry_from_config(name, config)
+        dtypes = set()
+        for layer in geo.layers:
+            shapes = {"weight": [layer.out_features, geo.in_features], "bias": [layer.out_features]}
+            for tensor, shape in ((f"{layer.id}.{part}", shapes[part]) for part in layer.tensors):
+                entry = entries.get(tensor)
+                if entry is None or list(entry.shape) != shape or entry.torch_dtype is None:
+                    found = "missing" if entry is None else f"{list(entry.shape)} {entry.dtype}"
+                    raise CheckpointError(
+                        f"{path}: {tensor} is {found}, not {shape}: this is not the {name} of its config"
+                    )
+                dtypes.add(entry.torch_dtype)
+        if len(dtypes) != 1:
+            raise CheckpointError(f"{path}: the AdaLN projections have several dtypes ({sorted(map(str, dtypes))})")
+        return spec_args(geo, fields_from_config(name, config), dtypes.pop())
+
+    def schedule_name(self, spec: Any) -> str:
+        return class_of(spec.model_geometry)
+
+    def schedule_hint(self, spec: Any) -> str:
+        return (
+            f"{super().schedule_hint(spec)}, plus {GUIDANCE_VALUE.flag} / {TIMESTEP_R_VALUES.flag} where its config "
+            "takes them"
+        )
+
+    def check_values(self, values: Mapping[str, Any], spec: Any) -> None:
+        """``guidance`` and ``timestep_r`` exactly where the config makes them inputs of ``temb`` (with a step
+        count, ``timestep_r`` is the schedule's next timestep, as the mean-flow pipelines pass it)."""
+        class_name, inputs = class_of(spec.model_geometry), spec.plan_inputs
+        if values[GUIDANCE] is not None:
+            finite(GUIDANCE_VALUE, [values[GUIDANCE]])
+        for argument in (GUIDANCE_VALUE, TIMESTEP_R_VALUES):
+            value = values[argument.name]
+            if argument is TIMESTEP_R_VALUES and values["timesteps"] is None and values["steps"]:
+                if value is not None:
+                    raise ConfigError(
+                        f"{argument.flag} pairs with {TIMESTEPS.flag} (one value per timestep); with {STEPS.flag} it "
+                        f"is the schedule's next timestep: drop {argument.flag}"
+                    )
+                continue
+            said = f"this {class_name} checkpoint's config"
+            if argument.name in inputs and value is None:
+                raise ConfigError(f"{said} makes {argument.name} an input of temb: pass {argument.flag}")
+            if argument.name not in inputs and value is not None:
+                raise ConfigError(f"{said} does not take {argument.name}: drop {argument.flag}")
+
+    def step_inputs(
+        self, spec: Any, values: Mapping[str, Any], steps: int, size: tuple[int, int], config: Mapping[str, Any]
+    ) -> list[dict[str, torch.Tensor]]:
+        return pipeline_forward_inputs(
+            class_of(spec.model_geometry),
+            steps,
+            *size,
+            config,
+            rows=values["batch"],
+            dtype=spec.dtype,
+            timestep_r=TIMESTEP_R in spec.plan_inputs,
+        )
+
+    def plans_of(
+        self, forwards: list[dict[str, torch.Tensor]], values: Mapping[str, Any], spec: Any, source: Any
+    ) -> list[torch.Tensor]:
+        """Each forward's columns: ``timestep``, ``timestep_r`` (the flag's values with explicit timesteps,
+        the schedule's next timestep with a step count) and ``guidance`` (the same at every step)."""
+        seconds = numbers(TIMESTEP_R_VALUES, values[TIMESTEP_R]) if values[TIMESTEP_R] is not None else []
+        if seconds and len(seconds) != len(forwards):
+            raise ConfigError(
+                f"{TIMESTEP_R_VALUES.flag} has {len(seconds)} value(s) for {len(forwards)} {TIMESTEPS.flag}: pair them"
+            )
+        plans = []
+        for k, forward in enumerate(forwards):
+            step, shape = dict(forward), forward[TIMESTEP].shape
+            if seconds:
+                step[TIMESTEP_R] = torch.full(shape, seconds[k], dtype=torch.float32)
+            if values[GUIDANCE] is not None:
+                step[GUIDANCE] = torch.full(shape, values[GUIDANCE], dtype=torch.float32)
+            plans.append(plan_of(step, spec.plan_inputs))
+        return plans
+
+    def upstream(self, spec: Any, layout: KeyLayout) -> tuple[str, ...]:
+        """The class's time embedders that its config builds (the first, and one per optional input it
+        enables), and Bria-FIBO's guidance embedder where guidance is an input."""
+        inputs = spec.plan_inputs
+        layout_ = CLASSES[class_of(spec.model_geometry)]
+        embedders = [layout_.time_embedders[0]]
+        embedders += [path for (name, _), path in zip(layout_.optional, layout_.time_embedders[1:]) if name in inputs]
+        if layout_.guidance_embedder and GUIDANCE in inputs:
+            embedders.append(layout_.guidance_embedder)
+        linears = [f"{e}.linear_{i}" for e in embedders for i in (1, 2)]
+        return tuple(f"{linear}.{part}" for linear in linears for part in ("weight", "bias"))
+
+
+FAMILY = AdalnZero(
+    name="adaln-zero",
+    title="AdaLayerNormZero (timestep-only temb)",
+    layouts=(KeyLayout("diffusers", time_embedder=TIME_EMBEDDER_LINEARS),),
+    class_names=tuple(CLASSES),
+    table_formats=("adalncache",),
+    table_tensors=(TABLE_ROWS,),
+    arguments=(STEPS, HEIGHT, WIDTH, TIMESTEPS, BATCH, SCHEDULER_CONFIG, GUIDANCE_VALUE, TIMESTEP_R_VALUES),
+    demos=(("bria", "BriaTransformer2DModel"), ("ovis-image", "OvisImageTransformer2DModel")),
+    model_embed="adalncache.integrations.diffusers.checkpoint_embed:adaln_zero_embed_fn",
+)
+
+
 __all__ = [
     "ADALN_CLASS",
     "CLASSES",
     "FAMILY",
     "FINAL_PATH",
     "GUIDANCE",
+    "GUIDANCE_VALUE",
     "INPUT",
+    "PIPELINE_TIMESTEPS",
+    "STEP_SCHEDULES",
     "TIMESTEP_R",
+    "TIMESTEP_R_VALUES",
     "TIME_EMBEDDER_LINEARS",
+    "AdalnZero",
     "ClassLayout",
     "check_structure",
     "class_of",
     "fields_from_config",
-    "from_headers",
     "from_transformer",
     "geometry",
     "geometry_from_config",
     "input_name",
     "layout_of",
+    "pipeline_forward_inputs",
+    "plan_of",
     "resident_paths",
     "served_paths",
     "spec_args",

@@ -37,10 +37,8 @@ import torch
 
 from ..devices import resolve_device
 from ..errors import ConfigError
-from ..schedules import TASKS
-
-#: ``--model`` names of the AdaLayerNormZero family's demos -> diffusers class.
-ADALN_ZERO_DEMOS = {"bria": "BriaTransformer2DModel", "ovis-image": "OvisImageTransformer2DModel"}
+from ..families import DEMOS
+from ..families.minimax_h3 import TASKS
 
 #: Small shards, so a family demo's checkpoint is sharded with its index like a released one.
 SHARD_SIZE = "40KB"
@@ -326,7 +324,7 @@ def _adaln_zero_demo(name: str) -> _PipelineDemo:
     from ..families import adaln_zero
     from .tiny_adaln_zero import CONFIGS, PIPELINES, prompt_embeds, seeded_model, tiny_pipeline
 
-    class_name = ADALN_ZERO_DEMOS[name]
+    _, class_name = DEMOS[name]
 
     def served(model: Any) -> int:
         """The served projections' bytes (the time embedder stays loaded in this family)."""
@@ -453,9 +451,10 @@ def run_pipeline(args: argparse.Namespace, demo: _PipelineDemo) -> int:
 def run(args: argparse.Namespace) -> int:
     """The ``demo`` sub-command: returns 0 when every output is bit-identical, else 1."""
     model = getattr(args, "model", "minimax-h3")
-    if model == "qwen-image":
+    family, _ = DEMOS[model]  # each demo model's family runs it its own way
+    if family.name == "qwen-image":
         return run_pipeline(args, _qwen_demo())
-    if model in ADALN_ZERO_DEMOS:
+    if family.name == "adaln-zero":
         return run_pipeline(args, _adaln_zero_demo(model))
     return run_minimax_h3(args)
 
@@ -485,7 +484,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--model",
         default="minimax-h3",
-        choices=["minimax-h3", "qwen-image", *ADALN_ZERO_DEMOS],
+        choices=list(DEMOS),
         help="the model (default: minimax-h3; qwen-image runs a tiny QwenImagePipeline, bria and ovis-image a tiny "
         "BriaPipeline and OvisImagePipeline)",
     )

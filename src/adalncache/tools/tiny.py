@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from ..errors import ConfigError
-from ..schedules import LatentShape, build_layout, build_row_timestep_plan, check_steps, check_task
+from ..families.minimax_h3 import LatentShape, build_layout, build_row_timestep_plan, check_steps, check_task
 from .measure import sync_device
 
 if TYPE_CHECKING:

@@ -37,13 +37,11 @@ from torch import nn
 from ... import families
 from ...errors import ConfigError, PlanError
 from ...families import adaln_zero
+from ...families.adaln_zero import PIPELINE_TIMESTEPS, plan_of
 from ...geometry import Layer, ModelGeometry
 from ...spec import ModulationSpec
 from .family import DiffusersFamily, ServedForward, rows_forward
 from .modules import bypassing_hooks, cast_as_layerwise, device_of, execution_device, forward_argument, stock_dtype
-
-#: dtypes whose values an fp32 plan holds exactly (so the forward's tensor is the plan cast back).
-_EXACT_IN_FP32 = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def model_geometry(model: nn.Module) -> ModelGeometry:
@@ -156,33 +154,6 @@ def embed_input(model: Any, geometry: ModelGeometry, plan: torch.Tensor, device:
     return F.silu(temb)
 
 
-def plan_of(inputs: Mapping[str, Any], plan_inputs: tuple[str, ...]) -> torch.Tensor:
-    """The plan of one forward: its per-step inputs (by argument name), one fp32 column each, one row per row.
-
-    Raises PlanError for a missing input the model's config enables, an input that is not a 1-D
-    tensor of the same rows as ``timestep``, or one whose dtype an fp32 plan cannot hold exactly.
-    """
-    columns: list[torch.Tensor] = []
-    for name in plan_inputs:
-        value = inputs.get(name)
-        if not isinstance(value, torch.Tensor):
-            raise PlanError(
-                f"the AdaLN cache needs the forward's {name} tensor (this model's config makes {name} one of the "
-                f"inputs of its modulation), got {type(value).__name__}"
-            )
-        if value.dim() != 1 or value.dtype not in _EXACT_IN_FP32:
-            raise PlanError(
-                f"the AdaLN cache serves a 1-D float32, bfloat16 or float16 {name} (one entry per batch row), got "
-                f"shape {tuple(value.shape)} and dtype {value.dtype}"
-            )
-        if columns and value.shape[0] != columns[0].shape[0]:
-            raise PlanError(f"{name} has {value.shape[0]} rows but timestep has {columns[0].shape[0]}")
-        columns.append(value.detach().to(torch.float32))
-    if len(columns) == 1:
-        return columns[0]
-    return torch.stack(columns, dim=1)
-
-
 class AdalnZero(DiffusersFamily):
     """The AdaLayerNormZero family's eight classes as the integration serves them (module docstring)."""
 
@@ -271,7 +242,7 @@ class AdalnZero(DiffusersFamily):
         """Every remaining step's per-step inputs of a pipeline request, from its schedule and first forward.
 
         The family's pipelines turn a scheduler timestep ``t`` into the forward's ``timestep`` in
-        one of a few ways (:data:`_PIPELINE_TIMESTEPS`); the one that gives this forward's timestep
+        one of a few ways (:data:`PIPELINE_TIMESTEPS`); the one that gives this forward's timestep
         (its dtype and every row) at some step is the request's, and that step is its first. With
         mean-flow, ``timestep_r`` is the next step's timestep (0 after the last), cast like the
         pipelines cast it; ``guidance`` is the same at every step. ``None`` when no way matches.
@@ -330,18 +301,7 @@ def _single_forward(owner: Any, x: torch.Tensor, emb: torch.Tensor | None = None
     return x, gate_msa
 
 
-#: How the family's pipelines turn a scheduler timestep (fp32) into the forward's ``timestep`` of
-#: dtype ``d``: as it is (Motif-Video, Bria), cast (HunyuanImage, HunyuanVideo-1.5, Bria-FIBO), cast
-#: then divided by 1000 (LongCat-Image, Ovis-Image), divided by 1000 then cast (AuraFlow).
-_PIPELINE_TIMESTEPS: tuple[Callable[[torch.Tensor, torch.dtype], torch.Tensor], ...] = (
-    lambda t, d: t,
-    lambda t, d: t.to(d),
-    lambda t, d: t.to(d) / 1000,
-    lambda t, d: (t / 1000).to(d),
-)
-
-
-#: The class whose own pipeline's conversion is not the first of :data:`_PIPELINE_TIMESTEPS` that
+#: The class whose own pipeline's conversion is not the first of :data:`PIPELINE_TIMESTEPS` that
 #: can match: at ``t = 1000`` (a flow-matching schedule's first step) "cast then / 1000" and
 #: "/ 1000 then cast" both give 1.0, and only AuraFlow's pipeline divides first, so for it that
 #: conversion is tried first (the later steps differ).
@@ -357,107 +317,13 @@ def _match(
     """
     if not bool((timestep == timestep[0]).all()):
         return None  # a pipeline's rows share the step's timestep
-    converts = [_PIPELINE_TIMESTEPS[own], *(c for i, c in enumerate(_PIPELINE_TIMESTEPS) if i != own)]
+    converts = [PIPELINE_TIMESTEPS[own], *(c for i, c in enumerate(PIPELINE_TIMESTEPS) if i != own)]
     for k in range(schedule.shape[0]):
         for convert in converts:
             value = convert(schedule[k], timestep.dtype)
             if value.dtype == timestep.dtype and torch.equal(value.expand(timestep.shape[0]), timestep):
                 return convert, k
     return None
-
-
-#: How each class's pipeline sets its scheduler for a step count: ``shifted`` (``sigmas = linspace(1,
-#: 1 / steps, steps)`` and ``mu`` from the packed latent length ``(height // k) * (width // k)``, ``k``
-#: given), ``unshifted`` (``sigmas = linspace(1, 0, steps + 1)[:-1]``, no ``mu``: the Hunyuan
-#: pipelines), ``plain`` (``set_timesteps(steps)``: AuraFlow), ``bria`` (Bria's own rule); and how it
-#: turns a scheduler timestep into the forward's (an index of :data:`_PIPELINE_TIMESTEPS`). Not here:
-#: Motif-Video, whose shift depends on the frame count, which a checkpoint does not give.
-STEP_SCHEDULES: dict[str, tuple[str, int, int]] = {
-    "BriaTransformer2DModel": ("bria", 16, 0),
-    "OvisImageTransformer2DModel": ("shifted", 16, 2),
-    "LongCatImageTransformer2DModel": ("shifted", 16, 2),
-    "BriaFiboTransformer2DModel": ("shifted", 16, 1),  # vae_scale_factor 16, unpatched latents
-    "AuraFlowTransformer2DModel": ("plain", 0, 3),
-    "HunyuanImageTransformer2DModel": ("unshifted", 0, 1),
-    "HunyuanVideo15Transformer3DModel": ("unshifted", 0, 1),
-}
-
-
-def _scheduler_timesteps(
-    class_name: str, steps: int, height: int, width: int, scheduler_config: Mapping[str, Any]
-) -> torch.Tensor:
-    """The scheduler timesteps the class's pipeline sets for ``steps`` at ``height`` x ``width`` (fp32)."""
-    import numpy as np
-    from diffusers import FlowMatchEulerDiscreteScheduler
-    from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
-
-    rule, packing, _ = STEP_SCHEDULES[class_name]
-    scheduler: Any = FlowMatchEulerDiscreteScheduler.from_config(dict(scheduler_config))
-    config = scheduler.config
-    if rule in ("unshifted", "plain") and config.get("use_dynamic_shifting"):
-        raise ConfigError(
-            f"the scheduler config shifts by the image size (use_dynamic_shifting), which {class_name}'s pipeline "
-            "does not pass (it would fail): pass the scheduler config of the pipeline, or --timesteps"
-        )
-    if rule == "bria" and not config.get("use_dynamic_shifting"):
-        from diffusers.pipelines.bria.pipeline_bria import get_original_sigmas
-
-        scheduler.set_timesteps(sigmas=get_original_sigmas(config.num_train_timesteps, steps))
-    elif rule in ("shifted", "bria"):
-        mu = calculate_shift(
-            (height // packing) * (width // packing),
-            config.get("base_image_seq_len", 256),
-            config.get("max_image_seq_len", 4096),
-            config.get("base_shift", 0.5),
-            config.get("max_shift", 1.15),
-        )
-        scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu)
-    elif rule == "unshifted":
-        scheduler.set_timesteps(sigmas=np.linspace(1.0, 0.0, steps + 1)[:-1])
-    else:
-        scheduler.set_timesteps(steps)
-    return scheduler.timesteps.to(torch.float32)
-
-
-def pipeline_forward_inputs(
-    class_name: str,
-    steps: int,
-    height: int,
-    width: int,
-    scheduler_config: Mapping[str, Any],
-    *,
-    rows: int,
-    dtype: torch.dtype,
-    timestep_r: bool = False,
-) -> list[dict[str, torch.Tensor]]:
-    """The per-step inputs each forward of the class's pipeline receives for ``steps`` at ``height`` x ``width``.
-
-    For a checkpoint-only build: the scheduler timesteps as the pipeline sets them
-    (:data:`STEP_SCHEDULES`), then its own conversion; ``rows``: the forward's rows (2 x images
-    where the pipeline concatenates cond and uncond). ``timestep_r`` (a mean-flow config): the next
-    step's timestep, 0 after the last, cast like the Hunyuan pipelines cast it. ConfigError naming
-    ``--timesteps`` for a class whose schedule a checkpoint does not determine, or another scheduler.
-    """
-    if class_name not in STEP_SCHEDULES:
-        raise ConfigError(
-            f"the schedule of {class_name}'s pipeline is not computed from a step count here (it depends on more "
-            "than the checkpoint and the image size): pass the forward's timesteps (--timesteps)"
-        )
-    if scheduler_config.get("_class_name", "FlowMatchEulerDiscreteScheduler") != "FlowMatchEulerDiscreteScheduler":
-        raise ConfigError(
-            f"the scheduler config names a {scheduler_config.get('_class_name')}; a step count is turned into "
-            "timesteps for a FlowMatchEulerDiscreteScheduler only: pass the forward's timesteps (--timesteps)"
-        )
-    schedule = _scheduler_timesteps(class_name, steps, height, width, scheduler_config)
-    convert = _PIPELINE_TIMESTEPS[STEP_SCHEDULES[class_name][2]]
-    forwards = []
-    for k in range(schedule.shape[0]):
-        step = {"timestep": convert(schedule[k], dtype).expand(rows)}
-        if timestep_r:
-            following = schedule[k + 1] if k + 1 < schedule.shape[0] else torch.tensor(0.0)
-            step[adaln_zero.TIMESTEP_R] = following.expand(rows).to(dtype)
-        forwards.append(step)
-    return forwards
 
 
 def _plan_inputs(model: nn.Module) -> tuple[str, ...]:
@@ -470,13 +336,4 @@ def _plan_inputs(model: nn.Module) -> tuple[str, ...]:
 FAMILY = AdalnZero()
 
 
-__all__ = [
-    "FAMILY",
-    "STEP_SCHEDULES",
-    "AdalnZero",
-    "embed_input",
-    "model_geometry",
-    "pipeline_forward_inputs",
-    "plan_columns",
-    "plan_of",
-]
+__all__ = ["FAMILY", "AdalnZero", "embed_input", "model_geometry", "plan_columns"]

@@ -109,7 +109,7 @@ def predicted_plans(pipeline: Any, call: Mapping[str, Any], component: str) -> l
     from diffusers.modular_pipelines.modular_pipeline import ModularPipeline
     from diffusers.modular_pipelines.modular_pipeline_utils import InputParam
 
-    from ...schedules import minimax_h3_plans
+    from ...families.minimax_h3 import minimax_h3_plans
 
     if pipeline_class(pipeline).__call__ is not ModularPipeline.__call__ or call.get("state") is not None:
         return None

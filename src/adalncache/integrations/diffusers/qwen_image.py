@@ -28,8 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...errors import ConfigError, PlanError
+from ...errors import PlanError
 from ...families import qwen_image as core
+from ...families.qwen_image import forward_plan_of, pipeline_timesteps, schedule_timesteps
 from ...geometry import TIMESTEP
 from ...spec import Layer, ModulationSpec
 from .calls import pipeline_class
@@ -158,91 +159,6 @@ class QwenImage(DiffusersFamily):
         return {core.INPUT: F.silu(temb).to(spec.dtype), core.FIRST: F.silu(first).to(spec.dtype)}
 
 
-def forward_plan_of(
-    dtype: torch.dtype, zero_cond_t: bool, additional_t_cond: bool, timestep: Any, additional: Any
-) -> torch.Tensor:
-    """The plan of a forward of a model computing in ``dtype`` with these flags (module docstring)."""
-    if not isinstance(timestep, torch.Tensor) or timestep.dim() != 1 or not timestep.is_floating_point():
-        raise PlanError(
-            f"Qwen-Image's timestep is a 1-D floating-point tensor (one entry per sample), got {_describe(timestep)}"
-        )
-    seen = timestep.detach().to(dtype)
-    if zero_cond_t:
-        seen = torch.cat([seen, seen * 0], dim=0)
-    plan = seen.to(torch.float32)  # exact: every bf16, fp16 and fp32 value is an fp32 value
-    if not additional_t_cond:
-        return plan
-    if not isinstance(additional, torch.Tensor) or additional.dim() != 1 or additional.is_floating_point():
-        # A float index would key a plan no forward has (the forward's embedding takes an integer
-        # index), and 0.5 would be embedded as index 0: refused, never a plan of another step.
-        raise PlanError(
-            f"this Qwen-Image transformer has use_additional_t_cond: its plan needs the forward's additional_t_cond "
-            f"(a 1-D integer index tensor; the CLI's --additional-t-cond), got {_describe(additional)}"
-        )
-    if additional.shape[0] not in (1, plan.shape[0]):
-        raise PlanError(
-            f"additional_t_cond has {additional.shape[0]} entries for {plan.shape[0]} timestep rows; the forward "
-            "adds its embedding to temb row by row, so pass one entry, or one per row"
-        )
-    column = additional.detach()
-    if column.device != plan.device:  # no copy at all when it is on the device already (the served forward's case)
-        column = column.to(device=plan.device)
-    column = column.expand(plan.shape[0]).to(torch.float32)
-    return torch.stack([plan, column], dim=1)
-
-
-def spec_plans(
-    spec: ModulationSpec, timesteps: list[torch.Tensor], additional_t_cond: int | None = None
-) -> list[torch.Tensor]:
-    """The plans of forwards receiving ``timesteps``, for a model of ``spec`` (no model needed: the CLI)."""
-    layered = spec.plan_columns == 2
-    if layered and additional_t_cond is None:
-        raise ConfigError(
-            "this Qwen-Image checkpoint has use_additional_t_cond: pass --additional-t-cond (the index the pipeline "
-            "passes the transformer as additional_t_cond)"
-        )
-    zero_cond = core.FIRST in spec.inputs
-    column = torch.tensor([additional_t_cond if additional_t_cond is not None else 0])
-    return [forward_plan_of(spec.dtype, zero_cond, layered, t, column) for t in timesteps]
-
-
-def pipeline_timesteps(
-    steps: int,
-    height: int,
-    width: int,
-    scheduler_config: Mapping[str, Any],
-    *,
-    sigmas: Any = None,
-    sequence: int | None = None,
-    scheduler_class: Any = None,
-    device: torch.device | None = None,
-) -> torch.Tensor:
-    """The scheduler timesteps ``QwenImagePipeline`` runs for ``steps`` at ``height`` x ``width``.
-
-    As the pipeline computes them, on a fresh scheduler of ``scheduler_class`` (default flow-match
-    Euler) and ``scheduler_config``: ``sigmas`` (default ``linspace(1, 1 / steps, steps)``), ``mu``
-    shifted by the packed latents' length ``sequence`` (default ``(height // 16) * (width // 16)``),
-    then ``retrieve_timesteps(..., sigmas=..., mu=...)`` on ``device``; the forward receives
-    ``t / 1000`` of each.
-    """
-    import numpy as np
-    from diffusers import FlowMatchEulerDiscreteScheduler
-    from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
-
-    scheduler: Any = (scheduler_class or FlowMatchEulerDiscreteScheduler).from_config(dict(scheduler_config))
-    if sigmas is None:
-        sigmas = np.linspace(1.0, 1 / steps, steps)
-    mu = calculate_shift(
-        (height // 16) * (width // 16) if sequence is None else sequence,
-        scheduler.config.get("base_image_seq_len", 256),
-        scheduler.config.get("max_image_seq_len", 4096),
-        scheduler.config.get("base_shift", 0.5),
-        scheduler.config.get("max_shift", 1.15),
-    )
-    timesteps, _ = retrieve_timesteps(scheduler, steps, device, sigmas=sigmas, mu=mu)
-    return timesteps
-
-
 def predicted_timesteps(pipeline: Any, call: Mapping[str, Any]) -> torch.Tensor:
     """The scheduler timesteps ``QwenImagePipeline.__call__`` will set for ``call`` (its arguments by name).
 
@@ -292,13 +208,6 @@ def _call_batch_and_dtype(pipeline: Any, call: Mapping[str, Any]) -> tuple[int |
     return batch, dtype
 
 
-def schedule_timesteps(
-    timesteps: torch.Tensor, *, batch: int = 1, dtype: torch.dtype = torch.bfloat16
-) -> list[torch.Tensor]:
-    """The forward's ``timestep`` at each scheduler timestep: the pipeline's ``t.expand(batch).to(dtype) / 1000``."""
-    return [t.expand(batch).to(dtype) / 1000 for t in timesteps]
-
-
 def compute_dtype(model: Any, device: torch.device | None = None) -> torch.dtype:
     """The dtype of ``hidden_states`` after ``img_in``: what the forward casts the timestep to.
 
@@ -313,21 +222,7 @@ def compute_dtype(model: Any, device: torch.device | None = None) -> torch.dtype
     return stock_dtype(model.img_in)
 
 
-def _describe(value: object) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"a tensor of shape {tuple(value.shape)} and dtype {value.dtype}"
-    return type(value).__name__
-
-
 #: The one instance the registry serves Qwen-Image models with.
 FAMILY = QwenImage()
 
-__all__ = [
-    "FAMILY",
-    "QwenImage",
-    "compute_dtype",
-    "forward_plan_of",
-    "pipeline_timesteps",
-    "schedule_timesteps",
-    "spec_plans",
-]
+__all__ = ["FAMILY", "QwenImage", "compute_dtype"]

@@ -272,9 +272,7 @@ def qwen_request_plans(spec: ModulationSpec, steps: int = STEPS, size: int = QWE
     The released scheduler's timesteps for that image size, then the pipeline's ``t / 1000`` in
     the spec's dtype: the same functions the CLI's ``--steps --height --width`` use.
     """
-    from ...integrations.diffusers import qwen_image as served
-
-    timesteps = served.pipeline_timesteps(steps, size, size, QWEN_SCHEDULER)
-    forwards = served.schedule_timesteps(timesteps, batch=1, dtype=spec.dtype)
-    order, tensors = distinct_plans(served.spec_plans(spec, forwards), columns=spec.plan_columns)
+    family = qwen_image.FAMILY
+    forwards = family.step_inputs(spec, {"batch": 1}, steps, (size, size), QWEN_SCHEDULER)
+    order, tensors = distinct_plans(family.plans_of(forwards, {"additional_t_cond": None}, spec, None), columns=1)
     return [tensors[k] for k in order]
