@@ -438,7 +438,7 @@ def test_a_prepare_inside_a_request_block_releases_the_outer_request() -> None:
     first, second = make_request(model, "t2va", 3, seed=1), make_request(model, "t2va", 4, seed=2)
     handle = enable_adaln_cache(model, max_plans=16)
     handle.prepare(first.plans)
-    outer = handle._requests._prepared.request.hold
+    outer = handle.requests.current().hold
     with handle.request(second.plans):
         handle.prepare(second.plans)  # a helper called inside the block prepares again
     handle.release()

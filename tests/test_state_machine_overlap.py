@@ -195,7 +195,8 @@ class OverlapMachine(RuleBasedStateMachine):
         self.handle.start_prepare([_plan(i) for i in schedule])
         # Every plan resident by now (the prediction's pass may have published them): the request was
         # held in the foreground as by prepare(), its forwards found on the device.
-        self.foreground = self.handle._requests._prepared.request is not None
+        request = self.handle.requests.current()
+        self.foreground = request is not None and request.groups is not None
         self.misses = 0
 
     @precondition(lambda self: self.schedule is not None)

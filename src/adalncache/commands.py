@@ -55,7 +55,7 @@ def _embed_fn(source: Any, spec: Any, device: torch.device) -> Callable[[torch.T
     its own modules, which it builds from the checkpoint's config (only their weights loaded).
     """
     if spec.family.name == adaln_zero.FAMILY.name:
-        from .integrations.diffusers.checkpoint_embed import adaln_zero_embed_fn
+        from .integrations.diffusers.adaln_zero import adaln_zero_embed_fn
 
         return adaln_zero_embed_fn(source, spec, device)
     return time_embed_fn(source, spec, device)

@@ -52,6 +52,8 @@ ARGUMENT_FLAGS = {
     "base_schedule": "--base-schedule",
     "flow_shift": "--flow-shift",
     "audio_flow_shift": "--audio-flow-shift",
+    "timesteps": "--timesteps",
+    "additional_t_cond": "--additional-t-cond",
 }
 
 

@@ -39,16 +39,13 @@ from typing_extensions import Unpack
 
 from ... import CheckpointSource, families
 from ...errors import CheckpointError, ConfigError
-from ...options import CacheKwargs, option_keywords
+from ...options import CacheKwargs, flag, option_keywords
 from ...source.files import CheckpointFiles, SafetensorsHeader, checkpoint_files
 from ...source.reads import MappedFile
 from ...spec import KeyLayout, Layer, ModulationSpec
-from .config import AdalnCacheConfig, CacheOptions, CheckpointArg, OnMiss
-from .family import DIFFUSERS, DiffusersFamily
-from .handle import enable_transformer
-from .modules import base_linear
+from .family import DIFFUSERS, DiffusersFamily, base_linear, by_name
+from .handle import AdalnCacheConfig, CacheOptions, CheckpointArg, OnMiss, enable_transformer
 from .parking import RESIDUE_BYTES
-from .registry import by_name
 from .sources import CastCheckpointSource, CheckpointMismatchError, NeverLoaded, Source
 
 logger = logging.getLogger(__name__)
@@ -319,7 +316,7 @@ def _source_of(
     """
     if tables_only:
         return None, _tables_only_time_embedder(free_time_embedder)
-    source_arg = "checkpoint= (CLI --checkpoint)" if checkpoint is not None else "path="
+    source_arg = f"checkpoint= (CLI {flag('checkpoint')})" if checkpoint is not None else "path="
     source = _serving_source(checkpoint if checkpoint is not None else plan.files.files, spec, layout, source_arg)
     names = list(_time_embedder_keys(source.layout, plan.model_layout, plan.time_embedder))
     free = _decide_time_embedder(free_time_embedder, source, names, source_arg)

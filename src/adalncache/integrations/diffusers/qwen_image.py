@@ -31,17 +31,20 @@ from torch import nn
 from ...errors import ConfigError, PlanError
 from ...families import qwen_image as core
 from ...geometry import TIMESTEP
+from ...options import flag
 from ...spec import Layer, ModulationSpec
-from .calls import pipeline_class
-from .family import DiffusersFamily, timestep_argument
-from .modules import (
+from .family import (
+    DiffusersFamily,
     bypassing_hooks,
     cast_as_layerwise,
     device_of,
     execution_device,
     forward_argument,
+    register,
     stock_dtype,
+    timestep_argument,
 )
+from .request import pipeline_class
 
 
 class QwenImage(DiffusersFamily):
@@ -53,6 +56,10 @@ class QwenImage(DiffusersFamily):
     def swapped_layers(self, spec: ModulationSpec) -> list[Layer]:
         """Every block's ``img_mod.1`` and ``txt_mod.1``: their ``Sequential`` owners are class-swapped."""
         return [layer for layer in spec.layers() if str(layer).startswith(f"{self.blocks}.")]
+
+    def upstream_modules(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
+        """``time_text_embed``: its ``time_proj``, timestep embedder and (Layered) ``addition_t_embedding``."""
+        return [(self.time_embedder, model.get_submodule(self.time_embedder))]
 
     def stand_in(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[int, torch.dtype | None]:
         """``time_text_embed(timestep, hidden_states, ...)`` has one row per timestep, in ``hidden_states``' dtype."""
@@ -177,7 +184,7 @@ def forward_plan_of(
         # index), and 0.5 would be embedded as index 0: refused, never a plan of another step.
         raise PlanError(
             f"this Qwen-Image transformer has use_additional_t_cond: its plan needs the forward's additional_t_cond "
-            f"(a 1-D integer index tensor; the CLI's --additional-t-cond), got {_describe(additional)}"
+            f"(a 1-D integer index tensor; the CLI's {flag(core.ADDITIONAL)}), got {_describe(additional)}"
         )
     if additional.shape[0] not in (1, plan.shape[0]):
         raise PlanError(
@@ -198,8 +205,8 @@ def spec_plans(
     layered = spec.plan_columns == 2
     if layered and additional_t_cond is None:
         raise ConfigError(
-            "this Qwen-Image checkpoint has use_additional_t_cond: pass --additional-t-cond (the index the pipeline "
-            "passes the transformer as additional_t_cond)"
+            f"this Qwen-Image checkpoint has use_additional_t_cond: pass {flag(core.ADDITIONAL)} (the index the "
+            "pipeline passes the transformer as additional_t_cond)"
         )
     zero_cond = core.FIRST in spec.inputs
     column = torch.tensor([additional_t_cond if additional_t_cond is not None else 0])
@@ -320,7 +327,7 @@ def _describe(value: object) -> str:
 
 
 #: The one instance the registry serves Qwen-Image models with.
-FAMILY = QwenImage()
+FAMILY = register(QwenImage())
 
 __all__ = [
     "FAMILY",
