@@ -133,7 +133,11 @@ class OverlapMachine(RuleBasedStateMachine):
         self.handle = enable_adaln_cache(self.model, overlap=True, max_plans=MAX_PLANS)
 
     def teardown(self) -> None:
-        self.stack.close()
+        try:
+            self.stack.close()  # the call ends: a forward of its request served the poison slot is reported here
+        except PlanMismatchError:
+            assert self.misses, "the call's end reported a mismatch no forward made"
+            self.misses = 0
         if self.handle is not None and self.handle.enabled:
             self.handle.join_background()
             try:

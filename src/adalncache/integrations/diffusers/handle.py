@@ -75,7 +75,7 @@ from .quantized import (
     storage_of,
     transformer_spec,
 )
-from .request import Builder, CallWatch, Requests, ScheduleWatch
+from .request import Builder, CallWatch, Requests, ScheduleWatch, request_plans
 from .signature import Signature, Variant
 from .sources import (
     NeverLoaded,
@@ -455,7 +455,7 @@ class AdalnCacheHandle:
         """A pipeline call's request, for the ``with`` block around it: with ``overlap=True`` the pass of
         ``plans`` (its schedule, predicted from its arguments) starts now; the call adopts it when its
         schedule is the same plans, and drops it otherwise (a wrong prediction costs time, never a row)."""
-        return self.requests.call(plans, attention_kwargs)
+        return self.requests.call(request_plans(plans), attention_kwargs)
 
     def finish(self) -> None:
         """End the calling thread's request: wait for its background pass, raise its error if no forward
