@@ -51,15 +51,7 @@ from .compat import (
     group_offloading_hook_names,
     reapply_group_offloading,
 )
-from .family import (
-    DiffusersFamily,
-    base_linear,
-    check_materialised,
-    device_of,
-    execution_device,
-    family_of,
-    recognised,
-)
+from .family import DiffusersFamily, base_linear, check_materialised, device_of, execution_device, family_of, recognised
 from .hooks import ServingHooks, other_hooks_present
 from .parking import ParkTarget, WeightParking
 from .quantized import (
@@ -77,14 +69,7 @@ from .quantized import (
 )
 from .request import Builder, CallWatch, Requests, ScheduleWatch, request_plans
 from .signature import Signature, Variant
-from .sources import (
-    NeverLoaded,
-    Source,
-    changed_since,
-    check_tables_against_model,
-    checkpoint_source,
-    model_source,
-)
+from .sources import NeverLoaded, Source, changed_since, check_tables_against_model, checkpoint_source, model_source
 
 if TYPE_CHECKING:
     from ... import BuildReport, CacheStats

@@ -192,12 +192,7 @@ def check_tables_against_model(
 
 
 def checkpoint_source(
-    checkpoint: Any,
-    spec: ModulationSpec,
-    modules: Sequence[tuple[Layer, Any]],
-    *,
-    layout: str,
-    verify: bool,
+    checkpoint: Any, spec: ModulationSpec, modules: Sequence[tuple[Layer, Any]], *, layout: str, verify: bool
 ) -> tuple[CheckpointSource, str | None]:
     """A :class:`~adalncache.CheckpointSource` for ``checkpoint``, refused unless it fits the model, and
     the content digest of its projections when ``verify`` read them (else None)."""
