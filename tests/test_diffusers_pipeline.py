@@ -173,9 +173,9 @@ def test_full_pipeline_fl2va_with_a_keyframe(pipe: Any) -> None:
         handle.disable()
 
 
-def test_pipeline_holds_a_request_from_its_first_step_to_its_last(pipe: Any, resident: dict[str, torch.Tensor]) -> None:
-    """The prepare block holds the request's plans for the whole loop; the loop's last step, or an
-    exception inside a step, releases them; disable() unwraps the loop again."""
+def test_pipeline_holds_a_request_from_its_first_step_to_its_end(pipe: Any, resident: dict[str, torch.Tensor]) -> None:
+    """The prepare block holds the request's plans for the whole loop; the call's end releases them,
+    whether it returned or a step raised; disable() leaves the loop as it was."""
     from adalncache.integrations.diffusers.minimax_h3 import denoise_loops
 
     handle = enable_adaln_cache(pipe)
