@@ -907,66 +907,35 @@ def enable_adaln_cache(
 ) -> AdalnCacheHandle | PipelineAdalnCacheHandle:
     """Serve the AdaLN modulation of a supported transformer (or pipeline) from bit-exact tables.
 
-    The served projections' weights (MiniMax-H3: every block's ``adaln_proj.linear`` and
-    ``norm_out.linear``; Qwen-Image: every block's ``img_mod.1`` and ``txt_mod.1`` and
-    ``norm_out.linear``; the AdaLayerNormZero family: every ``norm1``, ``norm1_context`` and
-    single-block ``norm`` projection and ``norm_out.linear``, the token refiners' AdaLN staying) and,
-    unless another hook might read ``temb``, the time embedder's leave the device; meta placeholders of
-    the right shape keep module names, ``repr`` and the LoRA loaders working. A transformer whose
-    modulation depends on the prompt, or of an unknown class, is refused with ``ConfigError`` saying
-    why; nothing changes.
+    The served projections' weights (MiniMax-H3: every block's ``adaln_proj.linear``; Qwen-Image: every
+    block's ``img_mod.1`` and ``txt_mod.1``; the AdaLayerNormZero family: every ``norm1``,
+    ``norm1_context`` and single-block ``norm`` projection; and ``norm_out.linear``) and, unless another
+    hook might read ``temb``, the time embedder's leave the device; meta placeholders of the right shape
+    keep module names, ``repr`` and the LoRA loaders working. A transformer whose modulation depends on
+    the prompt, or of an unknown class, is refused with ``ConfigError`` saying why; nothing changes.
 
     Args:
-        model_or_pipeline: a ``MiniMaxH3Transformer3DModel``, ``QwenImageTransformer2DModel`` or a
-            transformer of the AdaLayerNormZero family (HunyuanImage-2.1, HunyuanVideo-1.5, AuraFlow,
-            Motif-Video, Bria, Bria-FIBO, LongCat-Image, Ovis-Image; docs/families.md); a MiniMax-H3
-            modular pipeline (its ``transformer`` and ``transformer_ref``, each with its own cache); or a
-            pipeline such as ``QwenImagePipeline``. Every call of a pipeline is a request, ended however
-            the call ends; a classic pipeline's scheduler is watched and the call's first forward
-            prepares its whole schedule in one pass.
-        checkpoint: the safetensors file(s) or directory holding the projections (native or diffusers
-            layout); for a pipeline with both transformers, a mapping by component name. ``None``: the
-            model's own tensors move to host memory and are the source.
-        on_miss: ``"build"`` builds an unprepared plan at its first forward (warning once); ``"raise"``
-            raises ``PlanNotCachedError`` instead.
-        free_time_embedder: also move the time embedder's weights off the device. ``None`` (auto): yes
-            unless another diffusers hook sits on the model (it might read ``temb``, which the stock
-            forward only feeds to the served projections). ``False`` keeps it on the model, where it may
-            be changed while enabled (the next request rebuilds).
-        layout: the checkpoint's key layout, ``"auto"``, ``"native"`` or ``"diffusers"``.
-        verify_checkpoint: stream the checkpoint once and refuse it (``ConfigError``) unless its
-            projections equal the model's, bit for bit: a fine-tune or a fused LoRA must not be served
-            from the base file. Turn off only for a checkpoint known to be the model's own.
-        quantized_projections: for a model whose AdaLN projections are quantized (torchao,
-            optimum-quanto, GGUF, bitsandbytes) or kept in fp8 by layerwise casting: ``"model"`` serves
-            tables of the model's own projections (outputs equal the quantized model's) and refuses a
-            ``checkpoint``; ``"checkpoint"`` serves full-precision tables from the unquantized
-            ``checkpoint`` on purpose.
-        overlap: on a pipeline, start each request's rebuild pass on a background thread as soon as its
-            plans are known (``QwenImagePipeline`` and the MiniMax-H3 modular pipeline: when the call
-            begins, before the prompt is encoded, from the plans its arguments give, checked bit for bit
-            against the schedule once known); its first step waits only for the first step's plans. A
-            failure of the pass is raised in the request by the next forward that needs a plan of it,
-            with the same typed error and rollback as a foreground pass. For a transformer
-            ``load_transformer`` enabled, pass ``overlap`` there.
-        device: where the cache lives; it must be the model's device (``None``: the model's, or the
-            device an offloading hook runs it on); when the model moves (``.to()``), the cache follows.
-        tables: table files written by ``adalncache export`` (either format), searched in order as a
-            read-only tier below the store; for a pipeline with both transformers, a mapping by
-            component name. A file that does not fit the model is refused with ``ConfigError``. With
-            ``checkpoint=None`` the model's own projections are checked against bound files, then freed:
-            plans the files hold are served, any other plan raises ``PlanNotCachedError``, and
-            ``disable()`` cannot bring the projections back. Pass ``checkpoint=`` to build missing plans
-            and to restore.
+        model_or_pipeline: a transformer of a supported family (docs/families.md), a MiniMax-H3 modular
+            pipeline (its ``transformer`` and ``transformer_ref``, each with its own cache), or a
+            pipeline such as ``QwenImagePipeline``: every call of a pipeline is a request, ended however
+            the call ends, and a classic pipeline's whole schedule is prepared in one pass at its first
+            forward. A transformer whose cache is already enabled (``load_transformer``) keeps it.
+        checkpoint, on_miss, free_time_embedder, layout, verify_checkpoint, quantized_projections, overlap:
+            as :class:`AdalnCacheConfig` documents them; for a pipeline with both transformers,
+            ``checkpoint`` is a mapping by component name.
+        device: where the cache lives; it must be the model's (``None``: the model's, or the device an
+            offloading hook runs it on); when the model moves (``.to()``), the cache follows.
+        tables: table files written by ``adalncache export``, searched in order as a read-only tier below
+            the store (a mapping by component name for a pipeline with both transformers). A file that
+            does not fit the model is refused with ``ConfigError``. With ``checkpoint=None`` the model's
+            projections are checked against bound files, then freed: plans the files hold are served,
+            any other raises ``PlanNotCachedError``, and ``disable()`` cannot bring them back.
         {cache options}
 
-    The cache's options are those of :class:`adalncache.options.CacheOptions` (listed above). An unknown
-    keyword is a ``TypeError`` naming it; a bad value a ``ConfigError`` naming the argument and its CLI
-    flag, before the model is modified.
-
-    Returns:
-        A handle with ``.cache``, ``.prepare(plans)``, ``.stats`` and ``.disable()``; for a pipeline, one
-        per transformer behind a :class:`PipelineAdalnCacheHandle`.
+    An unknown keyword is a ``TypeError`` naming it; a bad value a ``ConfigError`` naming the argument
+    and its CLI flag, before the model is modified. Returns a handle with ``.cache``,
+    ``.prepare(plans)``, ``.stats`` and ``.disable()``; for a pipeline, one per transformer behind a
+    :class:`PipelineAdalnCacheHandle`.
     """
 
     def options_for(files: TablesArg | None) -> CacheOptions:

@@ -23,7 +23,6 @@ from ...identity import DigestSink
 from ...identity.binding import CheckedRead
 from ...options import flag
 from ...source import Columns, LayerWeights, WeightSource
-from ...source.files import SafetensorsHeader, TensorEntry
 from ...source.memory import NoWeights
 from ...spec import KeyLayout, Layer, ModulationSpec
 from ...tiers.tables import TablesArg, TablesTier
@@ -56,31 +55,10 @@ class CastCheckpointSource:
     def bytes_read(self, value: int) -> None:
         self.source.bytes_read = value
 
-    @property
-    def fingerprint(self) -> str:
-        return self.source.fingerprint
-
-    @property
-    def rehash(self) -> bool:
-        """The wrapped source's ``rehash`` (distrust the digest memo), which the cache's identity reads."""
-        return self.source.rehash
-
-    @property
-    def files(self) -> list[Any]:
-        return list(self.source.files)
-
-    def refresh(self) -> bool:
-        return self.source.refresh()
-
-    def changed_files(self) -> list[Any]:
-        """The wrapped checkpoint's files rewritten or replaced since validated (a build checks around its pass)."""
-        return self.source.changed_files()
-
-    def entry(self, name: str) -> tuple[SafetensorsHeader, TensorEntry]:
-        return self.source.entry(name)
-
-    def read_tensor(self, name: str) -> torch.Tensor:
-        return self.source.read_tensor(name)
+    def __getattr__(self, name: str) -> Any:
+        """Everything but the projections' dtype is the wrapped checkpoint's: its fingerprint, files,
+        headers, ``rehash``, time-embedder reads (``read_tensor``), its refresh and change checks."""
+        return getattr(self.__dict__["source"], name)
 
     def stream(
         self,
