@@ -548,15 +548,4 @@ def _plan_inputs(model: nn.Module) -> tuple[str, ...]:
 FAMILY = register(AdalnZero())
 
 
-__all__ = [
-    "FAMILY",
-    "STEP_SCHEDULES",
-    "AdalnZero",
-    "adaln_zero_embed_fn",
-    "embed_input",
-    "model_geometry",
-    "pipeline_forward_inputs",
-    "plan_columns",
-    "plan_of",
-    "temb_modules",
-]
+__all__ = ["FAMILY", "AdalnZero", "adaln_zero_embed_fn", "pipeline_forward_inputs", "plan_of"]

@@ -529,16 +529,4 @@ def cast_as_layerwise(modules: Iterable[nn.Module]) -> Iterator[None]:
         yield
 
 
-__all__ = [
-    "DIFFUSERS",
-    "FAMILIES",
-    "DiffusersFamily",
-    "base_linear",
-    "by_name",
-    "family_of",
-    "forward_argument",
-    "gather_rows",
-    "recognised",
-    "register",
-    "rows_forward",
-]
+__all__ = ["FAMILIES", "DiffusersFamily", "family_of", "gather_rows", "register"]

@@ -978,12 +978,4 @@ def enable_adaln_cache(
     return enable_pipeline(model_or_pipeline, checkpoint, config_for)
 
 
-__all__ = [
-    "AdalnCacheConfig",
-    "AdalnCacheHandle",
-    "CacheOptions",
-    "PipelineAdalnCacheHandle",
-    "adaln_cache_handle",
-    "enable_adaln_cache",
-    "enable_transformer",
-]
+__all__ = ["AdalnCacheConfig", "AdalnCacheHandle", "PipelineAdalnCacheHandle", "enable_adaln_cache"]

@@ -308,11 +308,4 @@ class ServingHooks:
         self.state.clear()
 
 
-__all__ = [
-    "AdalnCacheOutputHook",
-    "AdalnCacheTimeEmbedderHook",
-    "AdalnCacheTransformerHook",
-    "ServingHooks",
-    "other_hooks_present",
-    "served_class",
-]
+__all__ = ["AdalnCacheOutputHook", "AdalnCacheTimeEmbedderHook", "AdalnCacheTransformerHook", "ServingHooks"]

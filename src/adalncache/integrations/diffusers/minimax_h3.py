@@ -2,7 +2,7 @@
 modular pipeline's prepare block, and what diffusers' block-level step caches need to know of it.
 
 * **the served modules**: every block's ``adaln_proj.linear`` and ``norm_out.linear``; their
-  module paths are the prefixes of the diffusers key layout (:data:`DIFFUSERS_LAYOUT`). Every
+  module paths are the prefixes of the family's diffusers key layout. Every
   block's ``adaln_proj`` is served by a class swap whose forward returns the block's six
   modulation tensors (:func:`_served_forward`), ``norm_out.linear`` by a hook;
 * **upstream of them**: ``time_proj`` and ``time_embedder``;
@@ -40,7 +40,7 @@ from torch import nn
 
 from ...errors import ConfigError, PlanError
 from ...families import minimax_h3 as core
-from ...spec import FINAL, LAYOUTS, Layer, ModulationSpec
+from ...spec import FINAL, Layer, ModulationSpec
 from .compat import CHECKED_DIFFUSERS, block_registry
 from .family import (
     ROWS_ATTRIBUTE,
@@ -58,12 +58,6 @@ from .handle import adaln_cache_handle
 from .request import pipeline_class
 
 logger = logging.getLogger(__name__)
-
-#: The diffusers layout: its prefixes are the projections' module paths inside the transformer.
-DIFFUSERS_LAYOUT = LAYOUTS["diffusers"]
-
-#: The attribute holding the transformer's blocks.
-BLOCKS = "transformer_blocks"
 
 #: The time embedder (the module whose output is ``temb``).
 TIME_EMBEDDER = "time_embedder"
@@ -375,14 +369,4 @@ def minimax_h3_raw_vision(module: Any, args: tuple[Any, ...], kwargs: Mapping[st
     return [ordered.reshape(frames, heights.numel(), widths.numel(), -1).permute(3, 0, 1, 2)]
 
 
-__all__ = [
-    "DIFFUSERS_LAYOUT",
-    "FAMILY",
-    "PREPARE_BLOCK",
-    "AdalnCachePrepareStep",
-    "MiniMaxH3",
-    "denoise_loops",
-    "is_minimax_h3_transformer",
-    "minimax_h3_raw_vision",
-    "register_minimax_h3_block",
-]
+__all__ = ["FAMILY", "AdalnCachePrepareStep", "minimax_h3_raw_vision", "register_minimax_h3_block"]

@@ -91,9 +91,10 @@ def _as_function(method: Callable[..., Any]) -> Callable[..., Any]:
 class WeightParking:
     """The parameters parked off one model, and everything needed to bring them back.
 
-    ``park`` replaces them with meta placeholders and installs the state_dict hooks; ``restore``
-    puts the originals back bit-exactly and removes the hooks. In between, ``time_embedder_loan``
-    lends the time embedder's real weights to a build, ``standing_in`` lends zero-stride stand-ins
+    ``park`` replaces them with meta placeholders and installs the state_dict hooks; ``read_back``
+    gets the originals without changing anything, ``put_back`` puts them in place bit-exactly and
+    removes the hooks. In between, :class:`TimeEmbedderLoan` lends the time embedder's real weights
+    to a build, ``standing_in`` lends zero-stride stand-ins
     on the model's device to a LoRA load, ``at_model_residue`` aligns a weight from the source
     like the model's own, and ``moved_to`` records that the model now keeps its weights elsewhere.
     """

@@ -329,12 +329,4 @@ def _describe(value: object) -> str:
 #: The one instance the registry serves Qwen-Image models with.
 FAMILY = register(QwenImage())
 
-__all__ = [
-    "FAMILY",
-    "QwenImage",
-    "compute_dtype",
-    "forward_plan_of",
-    "pipeline_timesteps",
-    "schedule_timesteps",
-    "spec_plans",
-]
+__all__ = ["FAMILY", "QwenImage", "pipeline_timesteps", "schedule_timesteps", "spec_plans"]

@@ -1015,6 +1015,8 @@ def pipeline_class(pipeline: Any) -> type:
 def _swapped_class(own: type) -> type:
     """A subclass of ``own`` whose ``__call__`` runs inside the instance's bracket, then ``own``'s own."""
 
+    # functools.wraps: the signature is the pipeline's own (pipelines and tools bind arguments to it).
+    @functools.wraps(own.__call__)
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
         stock = own.__call__.__get__(self, own)  # looked up now: a wrapper put on the class later runs too
         watch: CallWatch | None = self.__dict__.get(CallWatch.ATTRIBUTE)
@@ -1023,7 +1025,6 @@ def _swapped_class(own: type) -> type:
         with watch.bracket(self, watch.arguments(stock, args, kwargs)):
             return stock(*args, **kwargs)
 
-    __call__.__doc__ = own.__call__.__doc__
     namespace = {"__call__": __call__, "__module__": own.__module__, "__qualname__": own.__qualname__, OWN_CLASS: own}
     return type(own.__name__, (own,), namespace)
 
@@ -1142,14 +1143,4 @@ class ScheduleWatch:
             self._installed = False
 
 
-__all__ = [
-    "BackgroundPass",
-    "Builder",
-    "CallWatch",
-    "Request",
-    "Requests",
-    "ScheduleWatch",
-    "pipeline_class",
-    "request_plans",
-    "split_pays",
-]
+__all__ = ["BackgroundPass", "CallWatch", "Request", "Requests", "ScheduleWatch"]
