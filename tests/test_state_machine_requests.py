@@ -45,8 +45,8 @@ from adalncache.tools.tiny_qwen import tiny_prompt_embeds, tiny_qwen_inputs, tin
 
 settings.register_profile(
     "adalncache-requests-ci",
-    max_examples=6,
-    stateful_step_count=6,
+    max_examples=4,
+    stateful_step_count=5,
     derandomize=True,
     database=None,
     deadline=None,

@@ -721,19 +721,13 @@ class Requests:
         self._end_call(request, returned=True)
 
     def _end_call(self, request: Request, *, returned: bool) -> int:
-        """The call's request ends: everything goes back; a returned call raises its pass's error and its
-        mismatch, a failed one returns the misses (the caller notes them on the call's error)."""
+        """The call's request ends: everything goes back, its pass too, never waited for (a failure of it
+        that no forward of the call needed is logged: the call's outputs never read those plans); a
+        returned call raises its mismatch, a failed one returns the misses (noted on the call's error)."""
         state = self.state
         state.calls, state.timesteps = 0, None
         if state.request is request:
             state.request = None
-        background = request.background
-        if returned and background is not None and not background.predicted:
-            try:
-                background.finish()
-            except BaseException:
-                state.pending += request.drop()
-                raise
         state.pending += request.drop()
         if returned:
             self.check()
