@@ -233,21 +233,14 @@ FAMILY_NEUTRAL = {
     f"{INTEGRATION}.{name}"
     for name in (
         "compat",
-        "modules",
-        "parking",
-        "moving",
-        "requests",
         "family",
-        "callbacks",
-        "signature",
-        "choice",
-        "handle",
-        "hooks",
-        "lora",
-        "quantized",
         "sources",
-        "enable",
-        "compile",
+        "quantized",
+        "parking",
+        "hooks",
+        "signature",
+        "request",
+        "handle",
     )
 }
 

@@ -302,6 +302,43 @@ def test_disable_refuses_a_checkpoint_changed_since_enable(load_tiny: Callable[[
     _assert_state_equal(model, snapshot)
 
 
+def test_disable_refuses_bytes_rewritten_where_no_stat_sees_it(load_tiny: Callable[[str], Any], tmp_path: Path) -> None:
+    """Written through a shared mapping whose pages are already dirty, the checkpoint's bytes change and its
+    stat identity does not (ext4): ``disable()`` re-reads the projections to restore them, hashes them, finds
+    another digest than the one enabling's verification learnt, and raises CheckpointError before anything
+    changes; the model stays enabled and serving, exactly. The original bytes back, it restores them."""
+    from core_helpers import DirtyMapping
+
+    model = load_tiny("bf16-disk")
+    snapshot = _snapshot(model)
+    request = make_request(model, "t2va", 3, seed=2)
+    resident = run_loop(model, request)
+    path = write_native_checkpoint(model, tmp_path / "native", shards=1, match_alignment=False)
+    other = load_tiny("bf16-disk")
+    with torch.no_grad():
+        other.norm_out.linear.bias.add_(1.0)
+    (file,) = path.glob("*.safetensors")
+    (rewritten,) = write_native_checkpoint(other, tmp_path / "other", shards=1, match_alignment=False).glob(
+        "*.safetensors"
+    )
+    old, new = file.read_bytes(), rewritten.read_bytes()
+    assert len(old) == len(new) and old != new
+    mapping = DirtyMapping(file)  # its first write of each page moves the file's times once, as any write does
+    try:
+        handle = enable_adaln_cache(model, path)
+        assert run_loop(model, request).equal(resident)  # built from the bytes enabling verified
+        assert mapping.write(new), "writeback cleaned the pages in between (a sync elsewhere): rerun"
+        with pytest.raises(CheckpointError, match="rewritten without its stat identity changing"):
+            handle.disable()
+        assert handle.enabled
+        assert run_loop(model, request).equal(resident)  # served from the resident tables, as before
+        assert mapping.write(old)
+        handle.disable()
+    finally:
+        mapping.close()
+    _assert_state_equal(model, snapshot)
+
+
 def test_host_tier_brings_evicted_plans_back_without_a_pass(load_tiny: Callable[[str], Any]) -> None:
     model = load_tiny("bf16-disk")
     request = make_request(model, "fl2va", 6)

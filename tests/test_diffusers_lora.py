@@ -223,19 +223,19 @@ def test_prepare_stamps_the_variant_its_plans_were_held_under(
     two = _lora_file(resident, tmp_path / "two.safetensors", seed=12)
     for pipe in (pipe_resident, pipe_cached):
         pipe.load_lora_weights(str(one), adapter_name="style")
-    holds = handle.handles["transformer"]._holds
-    original = holds.for_request
+    holds = handle.handles["transformer"].builder
+    original = holds.hold
 
-    def for_request(*args: Any, **kwargs: Any) -> Any:
+    def hold(*args: Any, **kwargs: Any) -> Any:
         held = original(*args, **kwargs)
         pipe_cached.load_lora_weights(str(two), adapter_name="style", hotswap=True)  # another thread's swap
         return held
 
-    holds.for_request = for_request
+    holds.hold = hold  # type: ignore[method-assign]  # the race, injected between the hold and the request
     try:
         handle.prepare(request.plans)
     finally:
-        holds.for_request = original
+        del holds.hold
     pipe_resident.load_lora_weights(str(two), adapter_name="style", hotswap=True)
     _assert_equal(run_loop(resident, request), run_loop(cached, request))
     handle.release()
@@ -247,12 +247,12 @@ def test_a_scale_one_read_never_sees_another_thread_s_scaled_build(
     """A build under ``scale=0.5`` scales the adapters in place (under the lock); a concurrent read at 1 waits."""
     import threading
 
-    from adalncache.integrations.diffusers.lora import applied_lora_scale
+    from adalncache.integrations.diffusers.signature import applied_lora_scale
 
     resident, _, _, pipe_cached, _ = pair
     handle = enable_adaln_cache(pipe_cached)
     pipe_cached.load_lora_weights(str(_lora_file(resident, tmp_path / "one.safetensors", seed=11)), adapter_name="s")
-    holds = handle.handles["transformer"]._holds
+    holds = handle.handles["transformer"].builder
     own, half = holds.variant_of(None), holds.variant_of({"scale": 0.5})
     assert own != half
     tuners, _, _ = holds.signature.read(0.5)

@@ -141,9 +141,9 @@ def test_cache_move_across_identities_parks_and_restores_tables(
     assert handle.stats.passes == 1
     # Through the handle, as a forward on "another device" and back would run it: exact, one pass.
     request = make_request(model, "t2va", STEPS, seed=2)
-    handle._follow(torch.device("cpu", 0))
+    handle.follow(torch.device("cpu", 0))
     assert len(handle.cache) == 0 and handle.device == torch.device("cpu", 0)
-    handle._follow(torch.device("cpu"))
+    handle.follow(torch.device("cpu"))
     out = run_loop(model, request)
     handle.disable()
     assert out.equal(run_loop(model, request))

@@ -86,7 +86,7 @@ def test_full_pipeline_t2va_is_bit_identical(pipe: Any, resident: dict[str, torc
     assert transformer.transformer_blocks[0].adaln_proj.linear.weight.device.type == "cpu"
     _assert_outputs_equal(resident, _call(pipe))
     # disable() took the prepare block back out of the denoise loop.
-    from adalncache.integrations.diffusers.pipeline import PREPARE_BLOCK, denoise_loops
+    from adalncache.integrations.diffusers.minimax_h3 import PREPARE_BLOCK, denoise_loops
 
     assert all(PREPARE_BLOCK not in loop.sub_blocks for loop in denoise_loops(pipe._blocks))
 
@@ -122,7 +122,7 @@ def test_transformer_and_transformer_ref_get_their_own_caches(
     pipe: Any, resident: dict[str, torch.Tensor], tmp_path: Any
 ) -> None:
     from adalncache.errors import ConfigError
-    from adalncache.integrations.diffusers.pipeline import AdalnCachePrepareStep, denoise_loops
+    from adalncache.integrations.diffusers.minimax_h3 import AdalnCachePrepareStep, denoise_loops
     from adalncache.tools.tiny import tiny_transformer
 
     pipe.update_components(transformer_ref=tiny_transformer("tiny", seed=1))
@@ -173,10 +173,10 @@ def test_full_pipeline_fl2va_with_a_keyframe(pipe: Any) -> None:
         handle.disable()
 
 
-def test_pipeline_holds_a_request_from_its_first_step_to_its_last(pipe: Any, resident: dict[str, torch.Tensor]) -> None:
-    """The prepare block holds the request's plans for the whole loop; the loop's last step, or an
-    exception inside a step, releases them; disable() unwraps the loop again."""
-    from adalncache.integrations.diffusers.pipeline import denoise_loops
+def test_pipeline_holds_a_request_from_its_first_step_to_its_end(pipe: Any, resident: dict[str, torch.Tensor]) -> None:
+    """The prepare block holds the request's plans for the whole loop; the call's end releases them,
+    whether it returned or a step raised; disable() leaves the loop as it was."""
+    from adalncache.integrations.diffusers.minimax_h3 import denoise_loops
 
     handle = enable_adaln_cache(pipe)
     cache = handle.cache

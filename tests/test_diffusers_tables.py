@@ -67,6 +67,24 @@ def test_served_from_tables_alone_bit_identical_with_the_projections_freed(
     assert all(w.device.type == "meta" for w in _projection_weights(model))
 
 
+def test_an_upstream_change_of_a_model_served_from_tables_alone_is_refused(
+    load_tiny: Callable[[str], Any], exported: tuple[Path, Path]
+) -> None:
+    """Table files and no weights: the tables of a changed time embedder cannot be built, so the next
+    forward refuses the change (ConfigError naming the tensor), never serves the old rows for it."""
+    _, tables = exported
+    model = load_tiny("bf16-disk")
+    request = make_request(model, "t2va", STEPS, seed=3)
+    resident = run_loop(model, request)
+    handle = enable_adaln_cache(model, tables=tables, free_time_embedder=False)
+    assert run_loop(model, request).equal(resident)
+    with torch.no_grad():
+        model.time_embedder.linear_1.weight.mul_(2)
+    with pytest.raises(ConfigError, match=r"time_embedder\.linear_1\.weight .*cannot rebuild"):
+        run_loop(model, request)
+    handle.disable()
+
+
 def test_tables_with_a_checkpoint_build_misses_and_restore(
     load_tiny: Callable[[str], Any], exported: tuple[Path, Path]
 ) -> None:

@@ -320,9 +320,9 @@ def test_a_lora_or_its_scale_changed_after_prepare_is_served_exactly(reads: Host
     handle.disable()
 
 
-def test_a_classic_pipeline_reports_a_mismatch_at_the_scheduler_last_step() -> None:
+def test_a_classic_pipeline_reports_a_mismatch_at_the_end_of_its_call() -> None:
     """QwenImagePipeline: its schedule is prepared at the first forward; a forward given another
-    timestep (a pre-hook nudges it) is NaN, and the request raises PlanMismatchError from its last step."""
+    timestep (a pre-hook nudges it) is NaN, and the call's request raises PlanMismatchError at its end."""
     from adalncache.tools.tiny_qwen import tiny_prompt_embeds, tiny_qwen_pipeline
 
     pipe = tiny_qwen_pipeline(transformer=tiny_qwen_transformer("plain"))
@@ -384,7 +384,7 @@ def test_a_pipeline_handle_reports_a_mismatch_after_releasing_every_transformer(
     assert not handle.enabled
 
 
-def test_a_classic_pipeline_ends_its_request_at_the_last_step() -> None:
+def test_a_classic_pipeline_ends_its_request_with_its_call() -> None:
     """After a classic pipeline returns, its schedule is no longer the thread's prepared request: a
     bare forward of the same shape takes the host path (built, exact), never the poison slot."""
     from adalncache.tools.tiny_qwen import tiny_prompt_embeds, tiny_qwen_pipeline
@@ -438,7 +438,7 @@ def test_a_prepare_inside_a_request_block_releases_the_outer_request() -> None:
     first, second = make_request(model, "t2va", 3, seed=1), make_request(model, "t2va", 4, seed=2)
     handle = enable_adaln_cache(model, max_plans=16)
     handle.prepare(first.plans)
-    outer = handle._requests._prepared.request.hold
+    outer = handle.requests.current().hold
     with handle.request(second.plans):
         handle.prepare(second.plans)  # a helper called inside the block prepares again
     handle.release()

@@ -18,7 +18,7 @@ import torch
 
 from adalncache import BuildError, ConfigError
 from adalncache.diffusers import enable_adaln_cache
-from adalncache.integrations.diffusers.overlap import BackgroundPass
+from adalncache.integrations.diffusers.request import BackgroundPass
 from adalncache.reports import FaultPoints
 
 pytest.importorskip("diffusers")
@@ -288,7 +288,7 @@ def test_the_minimax_pipeline_overlapped_is_exact() -> None:
 
 def test_a_hook_bypass_applies_to_the_bypassing_thread_only() -> None:
     """A build runs a module beneath its hooks; a forward on another thread meanwhile still gets the hook."""
-    from adalncache.integrations.diffusers.modules import bypassing_hooks
+    from adalncache.integrations.diffusers.family import bypassing_hooks
 
     module = torch.nn.Linear(2, 2)
     module.forward = lambda x: torch.full((1,), 7.0)  # type: ignore[method-assign]  # a wrapper, as a hook installs
@@ -307,7 +307,7 @@ def test_a_pass_failing_after_its_request_was_released_logs_a_warning(caplog: py
     """No thread of the request will raise the error then: it must not vanish at debug level."""
     import logging
 
-    from adalncache.integrations.diffusers.overlap import BackgroundPass
+    from adalncache.integrations.diffusers.request import BackgroundPass
 
     go = threading.Event()
 
@@ -326,11 +326,13 @@ def test_a_pass_failing_after_its_request_was_released_logs_a_warning(caplog: py
 def test_no_background_pass_starts_once_disabling_began() -> None:
     """``disable()`` closes the passes before it joins them: a request started on another thread
     afterwards holds in the foreground, never on a pass that would outlive the join."""
-    from adalncache.integrations.diffusers.overlap import BackgroundPasses
-
-    passes = BackgroundPasses()
-    started: list[Any] = []
-    passes.close()
-    assert passes.start(lambda chunk: started.append(chunk), [torch.tensor([0.5])], [(1,)]) is False
-    passes.join_all()
-    assert started == [] and passes.take() is None
+    model = tiny_qwen_transformer("plain")
+    handle = enable_adaln_cache(model, overlap=True)
+    handle.requests.close()
+    handle.start_prepare([torch.tensor([0.5])])
+    request = handle.requests.current()
+    assert request is not None and request.background is None and request.hold is not None
+    handle.join_background()
+    handle.requests.reopen()
+    handle.release()
+    handle.disable()

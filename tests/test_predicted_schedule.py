@@ -279,11 +279,15 @@ def test_a_call_patched_onto_the_class_later_still_runs(monkeypatch: pytest.Monk
     handle.disable()
 
 
-def test_only_overlap_swaps_the_pipeline_class() -> None:
+def test_the_pipeline_class_is_swapped_while_enabled_and_given_back() -> None:
+    """Every call is bracketed (with or without ``overlap``): the instance's class is a same-named subclass
+    of its own while enabled, and its own class again after ``disable()``."""
     pipe = _pipe()
     handle = enable_adaln_cache(pipe)
-    assert type(pipe) is QwenImagePipeline
+    assert type(pipe) is not QwenImagePipeline and isinstance(pipe, QwenImagePipeline)
+    assert type(pipe).__name__ == "QwenImagePipeline" and type(pipe).__module__ == QwenImagePipeline.__module__
     handle.disable()
+    assert type(pipe) is QwenImagePipeline
 
 
 def test_a_pipeline_encoding_its_own_prompts_adopts_the_prediction(caplog: pytest.LogCaptureFixture) -> None:
@@ -351,7 +355,7 @@ def test_a_cold_checkpoint_is_read_once_a_warm_one_first_step_first(tmp_path: An
     """From a checkpoint the page cache does not hold, the first step's own transaction would read every
     layer twice (O_DIRECT keeps nothing cached): the overlapped pass is one transaction there."""
     from adalncache.diffusers import load_transformer
-    from adalncache.integrations.diffusers.overlap import split_pays
+    from adalncache.integrations.diffusers.request import split_pays
     from adalncache.tools.measure import drop_page_cache
 
     directory = _saved(tmp_path)

@@ -149,7 +149,7 @@ def test_a_family_serving_every_projection_by_hook_is_exact(monkeypatch: pytest.
     serves its projections this way; here Qwen-Image's family is registered with no swapped layer.
     """
     pytest.importorskip("peft")
-    from adalncache.integrations.diffusers import registry
+    from adalncache.integrations.diffusers import family as registry
     from adalncache.integrations.diffusers.qwen_image import QwenImage
     from adalncache.spec import Layer, ModulationSpec
 

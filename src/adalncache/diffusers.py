@@ -7,36 +7,5 @@ installed). It exports exactly that package's names (a test holds the two lists 
 
 from __future__ import annotations
 
-from .integrations.diffusers import (
-    AdalnCacheConfig,
-    AdalnCacheHandle,
-    AdalnCacheOutputHook,
-    AdalnCachePrepareStep,
-    AdalnCacheTimeEmbedderHook,
-    AdalnCacheTransformerHook,
-    CacheOptions,
-    CheckpointMismatchError,
-    PipelineAdalnCacheHandle,
-    adaln_cache_handle,
-    enable_adaln_cache,
-    load_transformer,
-    minimax_h3_raw_vision,
-    register_minimax_h3_block,
-)
-
-__all__ = [
-    "AdalnCacheConfig",
-    "AdalnCacheHandle",
-    "AdalnCacheOutputHook",
-    "AdalnCachePrepareStep",
-    "AdalnCacheTimeEmbedderHook",
-    "AdalnCacheTransformerHook",
-    "CacheOptions",
-    "CheckpointMismatchError",
-    "PipelineAdalnCacheHandle",
-    "adaln_cache_handle",
-    "enable_adaln_cache",
-    "load_transformer",
-    "minimax_h3_raw_vision",
-    "register_minimax_h3_block",
-]
+from .integrations.diffusers import *  # noqa: F403  # the package's public names, listed there once
+from .integrations.diffusers import __all__ as __all__

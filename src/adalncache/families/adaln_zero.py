@@ -662,7 +662,7 @@ FAMILY = AdalnZero(
     table_tensors=(TABLE_ROWS,),
     arguments=(STEPS, HEIGHT, WIDTH, TIMESTEPS, BATCH, SCHEDULER_CONFIG, GUIDANCE_VALUE, TIMESTEP_R_VALUES),
     demos=(("bria", "BriaTransformer2DModel"), ("ovis-image", "OvisImageTransformer2DModel")),
-    model_embed="adalncache.integrations.diffusers.checkpoint_embed:adaln_zero_embed_fn",
+    model_embed="adalncache.integrations.diffusers.adaln_zero:adaln_zero_embed_fn",
 )
 
 

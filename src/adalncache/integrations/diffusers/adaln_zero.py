@@ -23,11 +23,19 @@ integration's output hook, which returns its rows; the module whose output is ``
 class: ``time_guidance_embed``, ``time_embed``, ...) gets the placeholder while its time embedders
 are parked. ``AuraFlowTransformer2DModel``'s projections have no bias: its layers are declared
 ``bias=False`` and projected as ``F.linear(x, w, None)``, as its modules compute.
+
+Upstream of the projections (:func:`temb_modules`): the class's ``temb`` module, the timestep
+projection some classes keep beside it, and Bria-FIBO's ``guidance_embed``. The command line builds
+tables from a checkpoint alone (:func:`adaln_zero_embed_fn`) with the same modules: the class built
+on meta from the checkpoint's ``config.json`` in the projections' dtype, as ``load_transformer``
+builds it, with only those modules' parameters read (at their file alignment), so its tables hold
+the projections of the very ``silu(temb)`` the served model computes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,13 +43,25 @@ import torch.nn.functional as F
 from torch import nn
 
 from ... import families
-from ...errors import ConfigError, PlanError
+from ...errors import CheckpointError, ConfigError, PlanError
 from ...families import adaln_zero
 from ...families.adaln_zero import PIPELINE_TIMESTEPS, plan_of
 from ...geometry import Layer, ModelGeometry
+from ...source.checkpoint import CheckpointSource
 from ...spec import ModulationSpec
-from .family import DiffusersFamily, ServedForward, rows_forward
-from .modules import bypassing_hooks, cast_as_layerwise, device_of, execution_device, forward_argument, stock_dtype
+from .family import (
+    DiffusersFamily,
+    ServedForward,
+    bypassing_hooks,
+    cast_as_layerwise,
+    device_of,
+    execution_device,
+    forward_argument,
+    register,
+    rows_forward,
+    stock_dtype,
+)
+from .loading import _build_on_meta, _load_config, _transformer_class
 
 
 def model_geometry(model: nn.Module) -> ModelGeometry:
@@ -134,6 +154,22 @@ _TEMB: dict[str, Callable[[Any, Mapping[str, torch.Tensor]], torch.Tensor]] = {
 }
 
 
+#: Modules outside a class's ``temb`` module its forward computes ``temb`` with (a timestep projection).
+_BESIDE_TEMB = {"OvisImageTransformer2DModel": ("time_proj",), "AuraFlowTransformer2DModel": ("time_step_embed",)}
+
+#: A module outside the time embedding module whose output ``temb`` adds (Bria-FIBO's guidance).
+GUIDANCE_MODULE = "guidance_embed"
+
+
+def temb_modules(model: nn.Module) -> list[str]:
+    """Module paths ``temb`` is computed with, for this model's class: everything upstream of the projections."""
+    name = type(model).__name__
+    paths = [adaln_zero.CLASSES[name].temb_module, *_BESIDE_TEMB.get(name, ())]
+    if isinstance(getattr(model, GUIDANCE_MODULE, None), nn.Module):
+        paths.append(GUIDANCE_MODULE)
+    return paths
+
+
 def plan_columns(plan: torch.Tensor, plan_inputs: tuple[str, ...]) -> dict[str, torch.Tensor]:
     """The plan's columns by input name (a 1-D plan is the ``timestep`` column)."""
     if plan.dim() == 1:
@@ -188,6 +224,9 @@ class AdalnZero(DiffusersFamily):
     def time_embedder_module(self, model: nn.Module) -> nn.Module:
         return model.get_submodule(adaln_zero.CLASSES[type(model).__name__].temb_module)
 
+    def upstream_modules(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
+        return [(path, model.get_submodule(path)) for path in temb_modules(model)]
+
     def time_embedder_linears(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
         """The linears of the model's own class's time embedders (the family's layout lists every class's:
         a path of another class could name a module of this one), those its config builds."""
@@ -207,10 +246,7 @@ class AdalnZero(DiffusersFamily):
     def embed(self, model: Any, spec: ModulationSpec, plan: torch.Tensor, device: torch.device) -> torch.Tensor:
         # Beneath every hook on the embedding modules: ours stands in for the parked time embedder,
         # and an offloading hook must not move the weights a build lends back.
-        modules = [*self.time_embedder_module(model).modules()]
-        guidance = getattr(model, "guidance_embed", None)  # Bria-FIBO's, outside its time embedder
-        if isinstance(guidance, nn.Module):
-            modules += guidance.modules()
+        modules = [module for _, upstream in self.upstream_modules(model) for module in upstream.modules()]
         # Under autocast temb is in the autocast dtype; the projection's own autocast casts the input
         # back down, so the cast up to the projections' dtype (a no-op otherwise) is exact.
         with bypassing_hooks(modules), cast_as_layerwise(modules):
@@ -326,6 +362,47 @@ def _match(
     return None
 
 
+def adaln_zero_embed_fn(
+    source: CheckpointSource, spec: ModulationSpec, device: torch.device | str = "cpu"
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``embed(plan)`` of an AdaLayerNormZero-family checkpoint, with the model's own embedding modules.
+
+    Raises CheckpointError when the checkpoint lacks a tensor those modules need (a file of the
+    projections alone), or its directory has no ``config.json`` of the class the spec names.
+    """
+    directory = Path(source.files[0]).parent  # where its config.json is, beside its weight files
+    cls, _ = _transformer_class(directory, None)
+    config, unused = _load_config(cls, directory, None, directory, None)
+    model = _build_on_meta(cls, config, unused, spec.dtype)
+    device = torch.device(device)
+    for prefix in temb_modules(model):
+        module = model.get_submodule(prefix)
+        for name, param in list(module.named_parameters()):
+            key = f"{prefix}.{name}"
+            try:
+                source.entry(key)
+            except KeyError:
+                raise CheckpointError(
+                    f"the checkpoint has no {key} ({', '.join(str(f) for f in source.files)}): build, export and "
+                    "verify compute the projections' input with the model's time embedding; pass the whole "
+                    "transformer checkpoint, not only its AdaLN projections"
+                ) from None
+            tensor = source.read_tensor(key)
+            value = tensor if tensor.dtype == param.dtype else tensor.to(param.dtype)  # the stock dtype rule
+            owner, _, attr = name.rpartition(".")
+            holder: Any = module.get_submodule(owner) if owner else module
+            # A CPU tensor already in the parameter's dtype stays the file's aligned buffer (.to is a no-op).
+            setattr(holder, attr, nn.Parameter(value.to(device), requires_grad=False))
+    model.eval()
+    geometry = spec.model_geometry
+
+    def embed(plan: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return embed_input(model, geometry, plan, device).to(spec.dtype)
+
+    return embed
+
+
 def _plan_inputs(model: nn.Module) -> tuple[str, ...]:
     config: Any = model.config
     fields = adaln_zero.fields_from_config(type(model).__name__, config)
@@ -333,7 +410,7 @@ def _plan_inputs(model: nn.Module) -> tuple[str, ...]:
 
 
 #: The family's instance the registry serves.
-FAMILY = AdalnZero()
+FAMILY = register(AdalnZero())
 
 
-__all__ = ["FAMILY", "AdalnZero", "embed_input", "model_geometry", "plan_columns"]
+__all__ = ["FAMILY", "AdalnZero", "adaln_zero_embed_fn", "embed_input", "model_geometry", "plan_columns"]

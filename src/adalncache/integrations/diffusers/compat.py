@@ -172,22 +172,4 @@ def block_registry() -> tuple[Any, Any]:
     return private("TransformerBlockRegistry"), private("TransformerBlockMetadata")
 
 
-__all__ = [
-    "CHECKED_DIFFUSERS",
-    "HOOK_ORDER_ATTRIBUTE",
-    "HOOK_REGISTRY_ATTRIBUTE",
-    "PRIVATE_NAMES",
-    "PrivateName",
-    "apply_group_offloading_config",
-    "block_registry",
-    "get_hook",
-    "group_offload_enabled",
-    "group_offloading_config",
-    "group_offloading_hook",
-    "group_offloading_hook_names",
-    "group_onload_device",
-    "hook_names",
-    "hook_registry",
-    "private",
-    "reapply_group_offloading",
-]
+__all__ = ["CHECKED_DIFFUSERS", "PRIVATE_NAMES", "PrivateName", "private"]

@@ -1,58 +1,69 @@
-"""What the integration needs to know about one model family: :class:`DiffusersFamily`.
+"""What the integration knows of a model: its family (:class:`DiffusersFamily`, registered here), and
+how to reach, run and patch its modules whatever the family.
 
-The integration (parking, sources, the LoRA signature, hooks, builds, moves) is the same for every
+The integration (parking, sources, the signature, hooks, requests, moves) is the same for every
 diffusers transformer whose AdaLN modulation depends on per-step inputs only. What differs between
-families is small, and a family module (``minimax_h3.py``, ``qwen_image.py``, beside this file)
-declares exactly that by subclassing :class:`DiffusersFamily`:
+families is declared by one module per family (``minimax_h3.py``, ``qwen_image.py``,
+``adaln_zero.py``), each a subclass of :class:`DiffusersFamily` registered with :func:`register`:
 
 * **which transformers it serves**: ``family`` (the core :class:`~adalncache.geometry.Family`,
-  whose ``class_names`` are the diffusers classes) and :meth:`DiffusersFamily.spec` (the
-  :class:`~adalncache.ModulationSpec` of a model, ``ModulationSpec.from_transformer`` by default);
-* **where the served projections sit**: their module paths are the prefixes of the family's
-  ``"diffusers"`` key layout (the one place that names them); the current module is looked up
-  each time (:meth:`DiffusersFamily.projection_module`) because peft wraps or replaces it, and
-  blocks are reached through the list captured while enabled (cache-dit swaps it in its forward);
-* **what else shapes the served outputs**: the time embedder's linears (the layout's
-  ``time_embedder`` paths), which the LoRA signature reads and parking may free, and
-  ``time_embedder``: the module whose output is the projections' ``temb``, stood in for by a
-  zero placeholder while its weights are parked (:meth:`DiffusersFamily.stand_in`);
-* **the projections' exact input** for a plan (:meth:`DiffusersFamily.embed`), computed with the
-  model's own modules as its stock forward computes it: one tensor, or a mapping input name ->
-  tensor when layers take differently many rows (``spec.input_of(layer)``);
-* **a forward's plan** (:meth:`DiffusersFamily.forward_plan`), from the forward's arguments, and
-  the same normalisation for the plans a request prepares (:meth:`DiffusersFamily.request_plan`);
-* **how the served modules answer while enabled**: the layers of :meth:`DiffusersFamily.swapped_layers`
-  have the module that calls them (their path's parent) switched in place to a served class
-  whose forward is :meth:`DiffusersFamily.served_forward` (one class for every block, so a
-  regional compile reuses one graph); every other layer's projection gets a hook that returns
-  its rows, kept on whatever module sits at its path (peft replaces modules).
+  whose ``class_names`` are the diffusers classes) and :meth:`DiffusersFamily.spec`;
+* **where the served projections sit**: the prefixes of the family's ``"diffusers"`` key layout
+  (the one place that names them); the current module is looked up each time because peft wraps
+  or replaces it, and blocks are reached through the list captured while enabled (cache-dit swaps
+  it in its forward);
+* **what is upstream of them** (:meth:`DiffusersFamily.upstream_modules`, abstract: a family that
+  does not declare it cannot be made, so it cannot register): every module between the forward's
+  keying inputs and the projections' input. The rows depend on those modules' weights as much as
+  on the projections', so the tables' signature covers them;
+* **the projections' exact input** for a plan (:meth:`DiffusersFamily.embed`) and **a forward's
+  plan** (:meth:`DiffusersFamily.forward_plan`), both abstract, computed as the stock forward does;
+* **how the served modules answer**: the owners of :meth:`DiffusersFamily.swapped_layers` are
+  switched in place to a served class whose forward is :meth:`DiffusersFamily.served_forward` (one
+  class for every block, so a regional compile reuses one graph); every other projection gets a hook.
 
-One instance per family is registered in :mod:`.registry`; nothing else in the integration names
-a family.
+The module helpers below know no family: peft wraps a module it targets (the real ``nn.Linear``
+becomes ``base_layer``, :func:`base_linear`); a rebuild pass runs a served module beneath every hook
+on it (:func:`bypassing_hooks`) with the source's tensors standing in for its parameters
+(:func:`swapped_parameters`).
 """
 
 from __future__ import annotations
 
+import abc
+import contextlib
+import inspect
+import threading
 import weakref
-from collections.abc import Callable, Mapping
-from typing import Any, ClassVar
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, ClassVar, Protocol
 
 import torch
 from torch import nn
 
+from ... import families
 from ...errors import ConfigError, PlanError
 from ...geometry import Family, KeyLayout
 from ...spec import Layer, ModulationSpec
-from .modules import base_linear, forward_argument
+from .compat import get_hook, group_offload_enabled, group_onload_device
 
 #: The key layout whose prefixes are the projections' module paths inside a diffusers transformer.
 DIFFUSERS = "diffusers"
 
-#: ``forward(owner, x)`` of a served owner module: returns the layer's rows for the input ``x``.
-ServedForward = Callable[[Any, torch.Tensor], Any]
+#: The name diffusers registers its layerwise-casting hook under.
+CASTING_HOOK = "layerwise_casting"
 
-#: The real block list of each enabled model. Kept off the model itself: a library that looks for
-#: a model's blocks among its attributes (cache-dit does) must not find a second list there.
+#: Attributes a served owner module reads its rows from: its ``[P + 1, W, width]`` view of the table
+#: and the per-thread state holding the forward's slot (set on install, removed on uninstall).
+ROWS_ATTRIBUTE = "_adalncache_rows"
+STATE_ATTRIBUTE = "_adalncache_state"
+
+#: ``forward(owner, x, ...)`` of a served owner module: its output with the layer's rows in place of
+#: the projection's.
+ServedForward = Callable[..., Any]
+
+#: The real block list of each enabled model. Kept off the model itself: a library that looks for a
+#: model's blocks among its attributes (cache-dit does) must not find a second list there.
 _CAPTURED_BLOCKS: weakref.WeakKeyDictionary[nn.Module, nn.Module] = weakref.WeakKeyDictionary()
 
 
@@ -66,30 +77,52 @@ def projection_path(spec: ModulationSpec, layer: Layer) -> str:
     return diffusers_layout(spec).prefix(layer)
 
 
-def rows_forward(owner: Any, x: torch.Tensor) -> torch.Tensor:
-    """A served owner's forward: the layer's rows for the ``x.shape[0]`` rows of its input.
+# -- the one row gather ---------------------------------------------------------------------------
 
-    The rows are gathered through tensors only (the block's column view and the thread's slot
-    buffer), so a compiled block makes one graph for every block.
+
+class ForwardState(Protocol):
+    """The forward in progress on this thread (the request module's per-thread state): ``slot`` its
+    device slot (``None`` outside a forward), ``slot_buffer`` the one-element tensor the served modules
+    gather with (written in place, so its address, which compiled and CUDA graphs hold, stays), and
+    ``dtype`` the dtype the rows are served in (``None``: the slab's)."""
+
+    slot: torch.Tensor | None
+    slot_buffer: torch.Tensor
+    dtype: torch.dtype | None
+
+    def require(self, what: str) -> None: ...
+
+
+def gather_rows(view: torch.Tensor, state: ForwardState, rows: int, what: str) -> torch.Tensor:
+    """The forward's ``rows`` rows of a ``[P + 1, W, width]`` table view (the poison slot last).
+
+    Tensors only (the view and the thread's slot buffer, never a Python number dynamo would
+    specialise on), so a compiled block makes one graph for every block and a CUDA graph keeps
+    working when the slot written into the buffer changes.
     """
-    from .compile import ROWS_ATTRIBUTE, STATE_ATTRIBUTE
-
-    state = getattr(owner, STATE_ATTRIBUTE)
     if state.slot is None:
-        state.require(type(owner).__name__)
-    rows = getattr(owner, ROWS_ATTRIBUTE).index_select(0, state.slot_buffer)[0, : x.shape[0]]
+        state.require(what)
+    out = view.index_select(0, state.slot_buffer)[0, :rows]
     dtype = state.dtype
-    if dtype is not None and rows.dtype != dtype:  # built under autocast: served in its dtype
-        rows = rows.to(dtype)
-    return rows
+    return out.to(dtype) if dtype is not None and out.dtype != dtype else out  # built under autocast
 
 
-class DiffusersFamily:
+def rows_forward(owner: Any, x: torch.Tensor) -> torch.Tensor:
+    """A served owner's forward: the layer's rows for the ``x.shape[0]`` rows of its input."""
+    return gather_rows(
+        owner.__dict__[ROWS_ATTRIBUTE], owner.__dict__[STATE_ATTRIBUTE], x.shape[0], type(owner).__name__
+    )
+
+
+# -- the family seam ------------------------------------------------------------------------------
+
+
+class DiffusersFamily(abc.ABC):
     """One model family as the integration serves it (module docstring); subclass per family.
 
-    Subclasses set ``family`` and ``time_embedder`` and implement :meth:`embed` and
-    :meth:`forward_plan`; the rest has defaults that fit a transformer whose blocks are in
-    ``blocks`` and whose projections are plain (possibly peft-wrapped) ``nn.Linear`` modules.
+    Subclasses set ``family`` and ``time_embedder`` and implement the abstract methods; the rest has
+    defaults that fit a transformer whose blocks are in ``blocks`` and whose projections are plain
+    (possibly peft-wrapped) ``nn.Linear`` modules.
     """
 
     #: The core family: name, diffusers class names, key layouts (one named ``"diffusers"``).
@@ -102,11 +135,13 @@ class DiffusersFamily:
     #: place) rather than a zero-stride view.
     writable_stand_in: ClassVar[bool] = False
 
-    # -- which models --------------------------------------------------------------------------
-
     @property
     def name(self) -> str:
         return self.family.name
+
+    @property
+    def layout(self) -> KeyLayout:
+        return self.family.layout(DIFFUSERS)
 
     def recognises(self, model: Any) -> bool:
         """Whether ``model`` is a transformer of this family (by its class name, as diffusers names it)."""
@@ -120,9 +155,53 @@ class DiffusersFamily:
         """The model's served layers, read before its dtype is known (quantized weights have none)."""
         return self.spec(model, torch.float32).layers()
 
-    @property
-    def layout(self) -> KeyLayout:
-        return self.family.layout(DIFFUSERS)
+    # -- what the rows depend on --------------------------------------------------------------
+
+    @abc.abstractmethod
+    def upstream_modules(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
+        """``(path, module)`` of every module between the forward's keying inputs and the projections'
+        input (time embedders; addition, guidance and second-timestep embeddings): their weights, buffers
+        and adapters shape every row, so the tables' signature covers them. Abstract on purpose: a family
+        that forgot one would serve stale rows after a change to it."""
+
+    @abc.abstractmethod
+    def embed(
+        self, model: Any, spec: ModulationSpec, plan: torch.Tensor, device: torch.device
+    ) -> torch.Tensor | Mapping[str, torch.Tensor]:
+        """The projections' exact input for ``plan``, as the stock forward computes it, on ``device``: one
+        tensor, or a mapping input name -> tensor when layers take differently many rows."""
+
+    @abc.abstractmethod
+    def forward_plan(self, module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> torch.Tensor:
+        """The plan of one transformer forward, from its arguments (a PlanError when it has none)."""
+
+    def request_plan(self, model: nn.Module, plan: Any) -> Any:
+        """A plan given to ``prepare`` as the forward will key it (the plan itself by default)."""
+        return plan
+
+    def schedule_plans(
+        self, model: nn.Module, timesteps: torch.Tensor, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+    ) -> list[Any] | None:
+        """Every step's plan of a pipeline request whose scheduler set ``timesteps``, from its first forward.
+
+        ``None`` (the default) when the family's pipelines prepare their plans themselves, or when this
+        forward's timestep is none of the computed ones (another pipeline's formula).
+        """
+        return None
+
+    def predict_schedule(
+        self, model: nn.Module, pipeline: Any, call: Mapping[str, Any], component: str
+    ) -> list[Any] | None:
+        """Every step's plan of a pipeline call, from its arguments (by name, defaults applied), before
+        the pipeline runs; ``component``: the pipeline's name for ``model``. Lets ``overlap=True`` start
+        the pass before the prompt is encoded; the request adopts it only if the schedule set later is
+        the same plans, so a wrong prediction costs time, never a row. ``None``: no prediction."""
+        return None
+
+    def attach_pipeline(self, pipeline: Any) -> Callable[[], None] | None:
+        """Install what this family's own pipelines need besides the call and scheduler watches (the
+        MiniMax-H3 modular pipeline's prepare blocks); returns the undo, or None when nothing was done."""
+        return None
 
     # -- where the served modules sit ------------------------------------------------------------
 
@@ -144,18 +223,15 @@ class DiffusersFamily:
     def release_blocks(self, model: nn.Module) -> None:
         _CAPTURED_BLOCKS.pop(model, None)
 
-    def transformer_blocks(self, model: nn.Module) -> nn.Module:
-        """The model's real block list: the captured one while enabled, else the model's attribute."""
-        captured = _CAPTURED_BLOCKS.get(model)
-        return captured if captured is not None else model.get_submodule(self.blocks_path(model))
-
     def module_at(self, model: nn.Module, path: str) -> Any:
         """The module at ``path``, reaching blocks through the real block list."""
         head = f"{self.blocks_path(model)}."
         if not path.startswith(head):
             return model.get_submodule(path)
         index, _, rest = path[len(head) :].partition(".")
-        block = self.transformer_blocks(model).get_submodule(str(int(index)))
+        captured = _CAPTURED_BLOCKS.get(model)
+        blocks = captured if captured is not None else model.get_submodule(self.blocks_path(model))
+        block = blocks.get_submodule(str(int(index)))
         return block.get_submodule(rest) if rest else block
 
     def projection_module(self, model: nn.Module, layer: Layer) -> Any:
@@ -167,67 +243,23 @@ class DiffusersFamily:
         return [(layer, self.projection_module(model, layer)) for layer in spec.layers()]
 
     def time_embedder_module(self, model: nn.Module) -> nn.Module:
-        """The module whose output is ``temb`` (``time_embedder``'s path by default; a family of
-        several classes may put it elsewhere per class)."""
+        """The module whose output is ``temb`` (a family of several classes may put it elsewhere per class)."""
         return model.get_submodule(self.time_embedder)
 
     def time_embedder_linears(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
-        """``(path, module)`` of the time embedder's linears that exist on this model."""
+        """``(path, module)`` of the time embedder's linears that exist on this model (parking may free them)."""
         named = []
         for path in self.layout.time_embedder:
-            try:
+            with contextlib.suppress(AttributeError):
                 named.append((path, model.get_submodule(path)))
-            except AttributeError:
-                continue
         return named
 
     def served_modules(self, model: nn.Module, spec: ModulationSpec) -> list[tuple[str, Any]]:
-        """``(path, current module)`` of every module whose weights shape the served outputs."""
+        """``(path, current module)`` of every module whose weights the cache serves or parks."""
         named: list[tuple[str, Any]] = [
             (self.projection_path(layer), module) for layer, module in self.projection_modules(model, spec)
         ]
         return named + self.time_embedder_linears(model)
-
-    # -- the input and the plan ------------------------------------------------------------------
-
-    def embed(
-        self, model: Any, spec: ModulationSpec, plan: torch.Tensor, device: torch.device
-    ) -> torch.Tensor | Mapping[str, torch.Tensor]:
-        """The projections' exact input for ``plan``, as the stock forward computes it, on ``device``."""
-        raise NotImplementedError
-
-    def forward_plan(self, module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> torch.Tensor:
-        """The plan of one transformer forward, from its arguments (a PlanError when it has none)."""
-        raise NotImplementedError
-
-    def request_plan(self, model: nn.Module, plan: Any) -> Any:
-        """A plan given to ``prepare`` as the forward will key it (the plan itself by default)."""
-        return plan
-
-    def schedule_plans(
-        self, model: nn.Module, timesteps: torch.Tensor, args: tuple[Any, ...], kwargs: Mapping[str, Any]
-    ) -> list[Any] | None:
-        """Every step's plan of a pipeline request whose scheduler set ``timesteps``, from its first forward.
-
-        The family's pipelines turn a scheduler timestep into the forward's ``timestep`` their own
-        way; ``None`` (the default) when the family's pipelines prepare their plans themselves, or
-        when this forward's timestep is none of the computed ones (another pipeline's formula).
-        """
-        return None
-
-    def predict_schedule(
-        self, model: nn.Module, pipeline: Any, call: Mapping[str, Any], component: str
-    ) -> list[Any] | None:
-        """Every step's plan of a pipeline call, from its arguments, before the pipeline runs.
-
-        ``call``: the call's arguments by name, defaults applied (a ``**kwargs`` parameter's
-        entries among them); ``component``: the pipeline's name for ``model`` (``transformer``,
-        ``transformer_ref``): ``None`` when this call does not run that one. Lets ``overlap=True`` start the
-        pass before the prompt is encoded; the request's first forward compares the prediction with
-        the plans of the schedule the scheduler set (:meth:`schedule_plans`), so a wrong one costs
-        time, never a row. ``None`` (the default): no prediction for this pipeline.
-        """
-        return None
 
     # -- serving -----------------------------------------------------------------------------------
 
@@ -238,22 +270,18 @@ class DiffusersFamily:
     def served_forward(self, layer: Layer) -> ServedForward:
         """The forward of ``layer``'s served owner class: by default the layer's rows for its input's rows.
 
-        A family whose owner does more than call the projection (an ``AdaLayerNormZero``: the norm
-        and the chunks) returns a forward doing the rest with the rows in place of the projection.
+        A family whose owner does more than call the projection (an ``AdaLayerNormZero``: the norm and
+        the chunks) returns a forward doing the rest with the rows in place of the projection.
         """
         return rows_forward
 
     def rows_view(self, cache: Any, layer: Layer) -> torch.Tensor:
-        """The ``[P + 1, W, out_features]`` view a served owner of ``layer`` gathers its rows from (the
-        poison slot last: what a forward that matched no prepared plan reads)."""
+        """The ``[P + 1, W, out_features]`` view ``layer``'s rows are gathered from (the poison slot last)."""
         return cache.served_params(layer)
 
     def stand_in(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[int, torch.dtype | None]:
-        """Rows and dtype of the ``temb`` the parked time embedder would return for this call.
-
-        ``None`` for the dtype: the time embedder's parameter dtype (read when it was parked).
-        By default its first argument has one row per row of ``temb``.
-        """
+        """Rows and dtype of the ``temb`` the parked time embedder would return for this call (``None``
+        for the dtype: its parameter dtype). By default its first argument has one row per row of ``temb``."""
         sample = args[0] if args else next(iter(kwargs.values()))
         return int(sample.shape[0]), None
 
@@ -288,13 +316,217 @@ def check_materialised(family: DiffusersFamily, model: nn.Module, spec: Modulati
                 )
 
 
-__all__ = [
-    "DIFFUSERS",
-    "DiffusersFamily",
-    "ServedForward",
-    "check_materialised",
-    "diffusers_layout",
-    "projection_path",
-    "rows_forward",
-    "timestep_argument",
-]
+# -- the registry ---------------------------------------------------------------------------------
+
+#: The integration's families, by core family name (each family module registers its one instance;
+#: the package imports every family module).
+FAMILIES: dict[str, DiffusersFamily] = {}
+
+
+def register(family: DiffusersFamily) -> DiffusersFamily:
+    """Register ``family`` (an instance: a subclass that left an abstract method out cannot be made)."""
+    if not isinstance(family, DiffusersFamily):
+        raise ConfigError(f"a diffusers family must be a DiffusersFamily, got {type(family).__name__}")
+    FAMILIES[family.name] = family
+    return family
+
+
+def by_name(name: str) -> DiffusersFamily:
+    """The integration's family called ``name`` (a ConfigError when the core family has none)."""
+    family = FAMILIES.get(name)
+    if family is None:
+        families.get(name)  # an unknown name: the core's error lists the supported families
+        raise ConfigError(f"the {name} family has no diffusers integration; the served ones are {sorted(FAMILIES)}")
+    return family
+
+
+def recognised(obj: Any) -> DiffusersFamily | None:
+    """The family of ``obj`` when it is a transformer the integration serves, else None (no error)."""
+    return next((family for family in FAMILIES.values() if family.recognises(obj)), None)
+
+
+def family_of(model: Any) -> DiffusersFamily:
+    """The family of a transformer, or the core's ConfigError saying why its class is refused or unknown."""
+    family = recognised(model)
+    return family if family is not None else by_name(families.for_class(type(model).__name__).name)
+
+
+# -- module helpers (no family) -------------------------------------------------------------------
+
+
+def base_linear(module: nn.Module) -> nn.Module:
+    """The ``nn.Linear`` under a peft wrapper (or the module itself)."""
+    base = getattr(module, "base_layer", None)
+    return base if isinstance(base, nn.Module) else module
+
+
+def device_of(model: nn.Module) -> torch.device:
+    """The device of the model's first materialised parameter (where its weights are kept)."""
+    for param in model.parameters():
+        if param.device.type != "meta":
+            return param.device
+    raise ConfigError(
+        "the model holds no materialised parameter; load it before enabling the AdaLN cache (or load it with "
+        "adalncache.diffusers.load_transformer, which enables the cache itself); an accelerate offload applied "
+        "before enabling moves every weight to meta: enable first, then offload"
+    )
+
+
+def execution_device(model: nn.Module) -> torch.device | None:
+    """Where the model's forward runs, which offloading makes differ from where its weights are kept.
+
+    Group offloading runs on its onload device; an accelerate hook names its execution device; else
+    the forward runs where the weights are. ``None`` when nothing tells (every weight on meta, no hook).
+    """
+    if group_offload_enabled(model):
+        return group_onload_device(model)
+    device = _hook_device(model)
+    if device is not None:
+        return device
+    for param in model.parameters():
+        if param.device.type != "meta":
+            return param.device
+    for module in model.modules():  # accelerate's sequential offload: a hook on each module with weights
+        device = _hook_device(module)
+        if device is not None:
+            return device
+    return None
+
+
+def _hook_device(module: nn.Module) -> torch.device | None:
+    """The execution device an accelerate hook on ``module`` names, if any."""
+    device = getattr(getattr(module, "_hf_hook", None), "execution_device", None)
+    if device is None:
+        return None
+    return torch.device(f"cuda:{device}" if isinstance(device, int) else device)
+
+
+def casting_hook(module: nn.Module) -> Any:
+    """diffusers' layerwise-casting hook on this projection's (base) linear, or None."""
+    return get_hook(base_linear(module), CASTING_HOOK)
+
+
+def stock_dtype(module: nn.Module) -> torch.dtype:
+    """The dtype diffusers' ``get_parameter_dtype`` gives ``module`` in the stock (unparked) model.
+
+    The stock forward casts the projection's input to it: a layerwise-casting hook's compute dtype
+    where one sits on it, else its first floating-point parameter's dtype: the base linear's weight,
+    or its bias when the weight is quantized, which a parked module keeps as placeholder attributes
+    (so the dtype is read there); peft's adapters (perhaps fp32) must not decide it.
+    """
+    from diffusers.models.modeling_utils import get_parameter_dtype
+
+    hook = casting_hook(module)
+    if hook is not None:
+        compute: torch.dtype = hook.compute_dtype
+        return compute
+    base = base_linear(module)
+    for name in ("weight", "bias"):  # nn.Linear's parameter order; quantized weights are not floating
+        tensor = getattr(base, name, None)
+        if isinstance(tensor, torch.Tensor) and tensor.is_floating_point():
+            return tensor.dtype
+    return get_parameter_dtype(module)
+
+
+_FORWARD_PARAMETERS: dict[type, list[str]] = {}
+
+
+def forward_argument(model: nn.Module, name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
+    """A forward argument by name, whether it was passed by keyword or by position (None when absent)."""
+    if name in kwargs:
+        return kwargs[name]
+    names = _FORWARD_PARAMETERS.get(type(model))
+    if names is None:
+        names = [p for p in inspect.signature(type(model).forward).parameters if p != "self"]
+        _FORWARD_PARAMETERS[type(model)] = names
+    index = names.index(name) if name in names else -1
+    return args[index] if 0 <= index < len(args) else None
+
+
+_ABSENT: Any = object()
+
+
+@contextlib.contextmanager
+def swapped_parameters(module: nn.Module, tensors: Mapping[str, torch.Tensor]) -> Iterator[None]:
+    """Temporarily give ``module`` other tensors as parameters, without copying them.
+
+    Set through ``_parameters`` so the tensors are used as they are (same storage, same address: the
+    alignment the exactness depends on), and put back even if the forward raises. A parked
+    placeholder (an instance attribute of the same name) would shadow them: it steps aside meanwhile.
+    """
+    saved = {name: module._parameters.get(name, _ABSENT) for name in tensors}
+    shadows = {name: module.__dict__.pop(name) for name in tensors if name in module.__dict__}
+    try:
+        for name, tensor in tensors.items():
+            module._parameters[name] = tensor  # type: ignore[assignment]  # a plain tensor stands in for the Parameter
+        yield
+    finally:
+        for name, param in saved.items():
+            if param is _ABSENT:
+                module._parameters.pop(name, None)
+            else:
+                module._parameters[name] = param
+        module.__dict__.update(shadows)
+
+
+class _ThreadBypass:
+    """A module's instance ``forward`` during :func:`bypassing_hooks`: the class's own forward on the
+    bypassing thread, the wrapper it stands in for (if any) on every other thread."""
+
+    def __init__(self, module: nn.Module, wrapped: Callable[..., Any] | None, thread: int) -> None:
+        self.own = type(module).forward.__get__(module)
+        self.wrapped = wrapped
+        self.thread = thread
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.wrapped is None or threading.get_ident() == self.thread:
+            return self.own(*args, **kwargs)
+        return self.wrapped(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def bypassing_hooks(modules: Iterable[nn.Module]) -> Iterator[None]:
+    """Run ``modules`` with their class's own ``forward``, beneath every hook wrapped around them.
+
+    diffusers and accelerate hooks replace ``module.forward`` with a wrapper. A rebuild pass calls a
+    served module with weights taken from the source, and no hook may see that call: an offloading
+    hook would onload the module and move those weights away, and ours would serve the table instead
+    of projecting. Only on the calling thread: a forward running meanwhile on another thread still
+    goes through the wrappers, so it never runs a module whose parameters a build parked or lent.
+    """
+    saved: list[tuple[nn.Module, Any]] = []
+    thread = threading.get_ident()
+    try:
+        for module in modules:
+            wrapped = module.__dict__.get("forward", _ABSENT)
+            saved.append((module, wrapped))
+            module.__dict__["forward"] = _ThreadBypass(module, None if wrapped is _ABSENT else wrapped, thread)
+        yield
+    finally:
+        for module, forward in reversed(saved):
+            if forward is _ABSENT:
+                module.__dict__.pop("forward", None)
+            else:
+                module.__dict__["forward"] = forward
+
+
+@contextlib.contextmanager
+def cast_as_layerwise(modules: Iterable[nn.Module]) -> Iterator[None]:
+    """Give each module that carries a layerwise-casting hook its parameters in the hook's compute dtype.
+
+    For a forward run beneath every hook (:func:`bypassing_hooks`): the hook's pre-forward is
+    ``module.to(dtype=compute_dtype)``, the same ``Tensor.to`` of each parameter, applied here to fresh
+    tensors instead (the stored ones stay as they are).
+    """
+    with contextlib.ExitStack() as stack:
+        for module in modules:
+            hook = get_hook(module, CASTING_HOOK)
+            if hook is not None:
+                own = {name: p for name, p in module._parameters.items() if p is not None}
+                stack.enter_context(
+                    swapped_parameters(module, {n: p.detach().to(hook.compute_dtype) for n, p in own.items()})
+                )
+        yield
+
+
+__all__ = ["FAMILIES", "DiffusersFamily", "family_of", "gather_rows", "register"]

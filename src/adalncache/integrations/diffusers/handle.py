@@ -1,63 +1,369 @@
-"""The AdaLN cache enabled on one transformer of a supported family: :class:`AdalnCacheHandle`.
+"""Enabling and disabling: :func:`enable_adaln_cache`, :class:`AdalnCacheHandle` (one transformer) and
+:class:`PipelineAdalnCacheHandle` (a pipeline's transformers, its calls and its scheduler).
 
-The handle owns the pieces of one enabling and the order they are put together and taken apart
-in: the weight source (:mod:`.choice`), the :class:`~adalncache.AdalnCache`, the parked weights
-(:mod:`.parking`), the hooks (:mod:`.hooks`), the LoRA tracking and the method overrides. Each
-thread's request, from ``prepare`` to its end, is :mod:`.lifecycle`'s (the handle's request methods
-delegate to it); a request's or a forward's holds are :mod:`.requests` (the hit path, else one build)
-with the LoRA signature of :mod:`.signature` and the build callbacks of :mod:`.callbacks`.
+One enabling puts its pieces together in this order, and ``disable()`` takes them apart in reverse,
+restoring the model bit-exactly: the settings (:class:`AdalnCacheConfig`, :class:`CacheOptions`);
+the weight source, decided before the model changes (:func:`choose_source`: a verified checkpoint,
+table files only, quantized or plain model tensors; :mod:`.sources`); the
+:class:`~adalncache.AdalnCache`; the parked weights (:mod:`.parking`); the hooks and served owners
+(:mod:`.hooks`); the signature the tables are keyed by and its LoRA guards (:mod:`.signature`); the
+builder that holds and builds (:mod:`.request`); and instance overrides of a few model methods:
+``_apply`` (moves take the cache along, casts are refused), ``compile``,
+``enable_layerwise_casting``, the LoRA loaders. Each thread's request is :mod:`.request`'s: the
+handle's request verbs are those of its :class:`~.request.Requests`.
 
-Threads: a build (with its LoRA scale and its loan of the time embedder's weights) runs under the
-handle's lock; a forward whose plan is resident takes no lock but the cache's short one.
+Moving an enabled model (``.to()``, ``.cuda()``, ``.cpu()``, ``.half()``, ``pipe.to()``) ends in
+``nn.Module._apply(fn)`` on the model, so one override sees them all. It first *probes* ``fn`` on an
+empty tensor of every device and dtype the model holds, so nothing changes until every check passed:
+a dtype change is refused (the tables hold the projections' outputs at the loaded precision), so is
+``meta``; a device move lets the cache follow first (it moves or rebuilds its tables), and go back if
+the weights cannot move. The parked placeholders are no parameters: ``_apply`` never touches them.
+
+Group offloading applied before enabling captured the weights enabling parks (and pinned copies of
+them with streams): it is lifted while our hooks are registered and applied again outside them
+(:class:`LiftedGroupOffloading`), and rebuilt after ``disable()`` restores the weights.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
-from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import nn
+from typing_extensions import Unpack
 
-from ... import TensorSource
+from ... import AdalnCache, TensorSource, options
 from ...cache import PlanHold
 from ...devices import HostBuffer
-from ...errors import CheckpointError, ConfigError
+from ...errors import CheckpointError, ConfigError, PlanMismatchError
+from ...options import OPTION_NAMES, ServingKwargs, TablesArg, flag, option_keywords
 from ...source.memory import NoWeights
-from .callbacks import BuildCallbacks
-from .casting import casting_guard, settle_casting
-from .choice import SourceChoice, choose_source
-from .config import AdalnCacheConfig
-from .hooks import ServingHooks
-from .lifecycle import RequestLifecycle
-from .lora import LoraTracker
-from .modules import device_of, execution_device, install_overrides, remove_overrides
-from .moving import LiftedGroupOffloading, guarded_apply, refresh_group_offloading
-from .parking import WeightParking
-from .quantized import ProjectionStorage, adapter_guards, transformer_spec
-from .registry import family_of
-from .requests import RequestHolds
-from .signature import ServedSignature
-from .sources import NeverLoaded, Source, changed_since
+from ...spec import Layer, ModulationSpec
+from .compat import (
+    apply_group_offloading_config,
+    group_offloading_config,
+    group_offloading_hook_names,
+    reapply_group_offloading,
+)
+from .family import DiffusersFamily, base_linear, check_materialised, device_of, execution_device, family_of, recognised
+from .hooks import ServingHooks, other_hooks_present
+from .parking import ParkTarget, WeightParking
+from .quantized import (
+    ProjectionStorage,
+    adapter_guards,
+    casting_guard,
+    casting_paths,
+    check_storage_options,
+    full_precision_variant,
+    opaque_model_source,
+    own_tensors,
+    settle_casting,
+    storage_of,
+    transformer_spec,
+)
+from .request import Builder, CallWatch, Requests, ScheduleWatch, request_plans
+from .signature import Signature, Variant
+from .sources import NeverLoaded, Source, changed_since, check_tables_against_model, checkpoint_source, model_source
 
 if TYPE_CHECKING:
-    from ... import AdalnCache, BuildReport, CacheStats
+    from ... import BuildReport, CacheStats
 
 logger = logging.getLogger(__name__)
 
 #: Where the handle of an enabled model is kept on the model.
 HANDLE_ATTRIBUTE = "_adalncache_handle"
 
+#: The pipeline components that are transformers the cache can serve.
+PIPELINE_TRANSFORMERS = ("transformer", "transformer_ref")
+
+OnMiss = Literal["build", "raise"]
+QuantizedProjections = Literal["model", "checkpoint"]
+CheckpointArg = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
+
+
+# -- settings -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CacheOptions(options.CacheOptions):
+    """Options of the :class:`~adalncache.AdalnCache` an enabled model is served from.
+
+    Every option of :class:`adalncache.options.CacheOptions` (each checked when this is built, the
+    ConfigError naming its CLI flag), plus where the cache lives:
+
+    Attributes:
+        device: where the cache lives; it must be the model's device (``None``: the model's).
+    """
+
+    device: torch.device | str | None = None
+
+    def device_for(self, model_device: torch.device) -> torch.device:
+        """The cache's device: the model's, which ``device`` may name but not change."""
+        if self.device is None:
+            return model_device
+        try:
+            device = torch.device(self.device)
+        except (RuntimeError, TypeError) as exc:
+            raise ConfigError(
+                f"device {self.device!r} is not a torch device: set device= (CLI {flag('device')})"
+            ) from exc
+        if device.type != model_device.type or device.index not in (None, model_device.index):
+            raise ConfigError(
+                f"device={device} (CLI {flag('device')}) differs from the model's device {model_device}: the cache "
+                "serves the forward, so it must live where the model runs; move the model first"
+            )
+        return model_device
+
+    def build(self, spec: ModulationSpec, source: Source | None, device: torch.device) -> AdalnCache:
+        """The cache for ``spec`` over ``source`` on ``device``."""
+        return AdalnCache(spec, source, device=device, **self.kwargs())
+
+
+@dataclass(frozen=True)
+class AdalnCacheConfig:
+    """Settings of :func:`~adalncache.diffusers.enable_adaln_cache` for one transformer.
+
+    Attributes:
+        checkpoint: safetensors file, directory or list of files holding the projections (native or
+            diffusers layout). ``None`` serves the model's own tensors from host memory.
+        on_miss: what a forward outside a prepared request does when its plan is not resident:
+            ``"build"`` builds it (one warning per handle), ``"raise"`` raises
+            :class:`~adalncache.PlanNotCachedError`.
+        free_time_embedder: also move the time embedder off the device. ``None`` (auto) frees it unless
+            another diffusers hook is attached to the model, since such a hook might read ``temb``; the
+            AdaLN projections are its only consumers in the stock forward.
+        layout: checkpoint layout, ``"auto"``, ``"native"`` or ``"diffusers"``.
+        verify_checkpoint: stream the checkpoint once at enable time and refuse it unless its
+            projections equal the model's (keep it on: a fine-tune or a fused LoRA must not be served
+            from the base file).
+        quantized_projections: where the tables of quantized or layerwise-cast AdaLN projections come
+            from. ``"model"`` (default): the model's own projections, through their own forward, so
+            outputs equal the quantized model's; a ``checkpoint`` is then refused. ``"checkpoint"``:
+            full-precision tables from the unquantized ``checkpoint`` (a plain linear of its weights).
+            No effect on a model with plain projections.
+        overlap: run a pipeline request's rebuild pass on a background thread, started as soon as its
+            plans are known (``QwenImagePipeline`` and the MiniMax-H3 modular pipeline: when the call
+            begins, before the prompt is encoded, from its arguments), so its first step waits only for
+            the first step's plans (:mod:`.request`).
+        cache_options: the options of the :class:`~adalncache.AdalnCache` (:class:`CacheOptions`).
+    """
+
+    checkpoint: CheckpointArg | None = None
+    on_miss: OnMiss = "build"
+    free_time_embedder: bool | None = None
+    layout: str = "auto"
+    verify_checkpoint: bool = True
+    quantized_projections: QuantizedProjections = "model"
+    overlap: bool = False
+    cache_options: CacheOptions = field(default_factory=CacheOptions)
+
+    def __post_init__(self) -> None:
+        if self.on_miss not in ("build", "raise"):
+            raise ConfigError(f"on_miss must be 'build' or 'raise', got {self.on_miss!r}")
+        if self.free_time_embedder not in (None, True, False):
+            raise ConfigError(f"free_time_embedder must be None, True or False, got {self.free_time_embedder!r}")
+        if self.quantized_projections not in ("model", "checkpoint"):
+            raise ConfigError(
+                f"quantized_projections must be 'model' or 'checkpoint', got {self.quantized_projections!r}"
+            )
+        if not isinstance(self.overlap, bool):
+            raise ConfigError(f"overlap must be True or False, got {self.overlap!r}")
+        if not isinstance(self.cache_options, CacheOptions):
+            raise ConfigError(f"cache_options must be a CacheOptions, got {type(self.cache_options).__name__}")
+
+
+# -- where an enabling serves from ----------------------------------------------------------------
+
+
+@dataclass
+class SourceChoice:
+    """What one enabling serves from, and what parking needs to know about it.
+
+    ``source``: ``None`` for table files alone. ``modules``: ``(layer, current module)`` of every
+    projection. ``host_tensors``: what parking restores from (``None``: re-read from the source, whose
+    content ``digest`` the enabling's verification learnt). ``plain_variant``: set for full-precision
+    tables of quantized projections from the checkpoint. ``casting_at_enable``: served modules with a
+    layerwise-casting hook.
+    """
+
+    source: Source | None
+    device: torch.device
+    modules: list[tuple[Layer, Any]]
+    free_time_embedder: bool
+    host_tensors: Any = None
+    host_buffers: list[HostBuffer] = field(default_factory=list)
+    storage: ProjectionStorage = field(default_factory=ProjectionStorage)
+    plain_variant: Variant = None
+    casting_at_enable: frozenset[str] = frozenset()
+    digest: str | None = None
+
+    def park_targets(self, family: DiffusersFamily, model: Any) -> list[ParkTarget]:
+        """Every served projection, and the time embedder's linears when nothing else reads them."""
+        targets = [
+            ParkTarget(base_linear(module), layer, family.projection_path(layer)) for layer, module in self.modules
+        ]
+        if self.free_time_embedder:
+            targets += [
+                ParkTarget(base_linear(linear), None, path) for path, linear in family.time_embedder_linears(model)
+            ]
+        return targets
+
+
+def choose_source(
+    model: Any,
+    spec: ModulationSpec,
+    family: DiffusersFamily,
+    config: AdalnCacheConfig,
+    execution: torch.device,
+    never_loaded: NeverLoaded | None,
+) -> SourceChoice:
+    """Check the model and the options and choose the source; the model is not changed. In this order:
+
+    * ``checkpoint=``: a checkpoint verified against the model's projections (for quantized ones, which
+      have nothing equal to compare, it means full-precision tables from it, asked for on purpose);
+    * ``tables=`` and no checkpoint: no source; the files are checked against the model's projections,
+      which are then freed (not parked);
+    * quantized projections: the model's own quantized tensors, read through their modules;
+    * otherwise the model's own projection tensors, moved to host memory (a ``TensorSource``).
+
+    A model built by ``load_transformer`` never held its projections: its source comes with it.
+    """
+    if never_loaded is None:
+        check_materialised(family, model, spec)
+    options = config.cache_options
+    device = options.device_for(execution)
+    free_time_embedder = config.free_time_embedder
+    if free_time_embedder is None:
+        free_time_embedder = not other_hooks_present(model)
+    modules = family.projection_modules(model, spec)
+    if never_loaded is not None:  # the loader checked it serves this model's projections
+        return SourceChoice(never_loaded.source, device, modules, free_time_embedder)
+    storage = storage_of(modules, family.projection_path)
+    check_storage_options(
+        storage,
+        checkpoint=config.checkpoint,
+        quantized_projections=config.quantized_projections,
+        precision=options.precision,
+        shard=options.shard,
+        process_group=options.process_group,
+        device=device,
+        tables=options.tables,
+    )
+    choice = SourceChoice(
+        None,
+        device,
+        modules,
+        free_time_embedder,
+        storage=storage,
+        casting_at_enable=casting_paths(family.served_modules(model, spec)),
+    )
+    if config.checkpoint is not None:
+        verify = config.verify_checkpoint and not storage.opaque
+        choice.source, choice.digest = checkpoint_source(
+            config.checkpoint, spec, modules, layout=config.layout, verify=verify
+        )
+        if storage.opaque:
+            # disable() gives back the quantized weights
+            choice.host_tensors = own_tensors(modules, execution, family.projection_path)
+            choice.plain_variant = full_precision_variant(model)
+    elif options.tables is not None:
+        check_tables_against_model(spec, modules, options.tables, device=device, precision=options.precision)
+    elif storage.opaque:
+        choice.source, choice.host_tensors = opaque_model_source(spec, modules, execution)
+    else:
+        choice.source, choice.host_tensors, choice.host_buffers = model_source(spec, modules, execution)
+    return choice
+
+
+# -- moving an enabled model (module docstring) ---------------------------------------------------
+
+
+def guarded_apply(
+    model: nn.Module, *, moved: Callable[[torch.device], None], back: Callable[[torch.device], None]
+) -> Callable[..., Any]:
+    """The ``_apply`` override: ``moved(target)`` runs before the weights move, ``back(previous)`` when
+    they then fail to."""
+
+    def _apply(fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
+        held = {(t.device, t.dtype) for t in (*model.parameters(), *model.buffers())}
+        targets: set[torch.device] = set()
+        for device, dtype in sorted(held, key=str):
+            probe = fn(torch.empty(0, dtype=dtype, device=device))
+            if probe.dtype != dtype:
+                raise ConfigError(
+                    f"the model cannot be cast ({dtype} -> {probe.dtype}) while the AdaLN cache is enabled: its "
+                    "tables hold the projections' outputs at the loaded precision; call handle.disable(), cast, "
+                    "then enable again (or load the model with the torch_dtype you want)"
+                )
+            if probe.device != device:
+                targets.add(probe.device)
+        if any(target.type == "meta" for target in targets):
+            raise ConfigError(
+                "moving the model to the meta device would drop the weights its forward needs while the AdaLN "
+                "cache is enabled; call handle.disable() first"
+            )
+        if len(targets) > 1:
+            raise ConfigError(
+                f"internal: one move sends the model's tensors to several devices ({sorted(map(str, targets))})"
+            )
+        if not targets:
+            return type(model)._apply(model, fn, recurse)
+        target = targets.pop()
+        previous = next((d for d, _ in held if d != target), target)
+        moved(target)
+        try:
+            return type(model)._apply(model, fn, recurse)
+        except BaseException:
+            back(previous)
+            raise
+
+    return _apply
+
+
+class LiftedGroupOffloading:
+    """diffusers' group offloading taken off a model now, and applied again by :meth:`restore`.
+
+    Our hooks must be registered while it is off, so that it comes back *outside* them: removing a
+    hook beneath one that replaces the forward (ours do) would unhook that one, and diffusers re-applies
+    group offloading by removing and adding it (after a LoRA load, say). Re-applied, it rebuilds its
+    groups from the model as it is now (the weights parked). A model without it is left alone.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        from diffusers.hooks.hooks import HookRegistry
+
+        self.model = model
+        self.config: Any = group_offloading_config(model)
+        if self.config is not None:
+            registry = HookRegistry.check_if_exists_or_initialize(model)
+            for name in group_offloading_hook_names():
+                registry.remove_hook(name, recurse=True)
+
+    def restore(self) -> None:
+        """Apply the group offloading taken off again, to the model as it is now (once)."""
+        if self.config is not None:
+            config, self.config = self.config, None
+            apply_group_offloading_config(self.model, config)
+
+
+# -- one transformer ------------------------------------------------------------------------------
+
 
 class AdalnCacheHandle:
     """The AdaLN cache enabled on one transformer of a supported family.
 
-    ``cache`` is the :class:`~adalncache.AdalnCache`; ``prepare(plans)`` builds plans ahead of
-    the loop; ``stats`` are the cache's counters; ``disable()`` restores the original modules and
-    weights bit-exactly. :func:`~adalncache.diffusers.enable_adaln_cache` makes one.
+    ``cache`` is the :class:`~adalncache.AdalnCache`; ``prepare(plans)`` builds plans ahead of the loop;
+    ``stats`` are the cache's counters; ``disable()`` restores the original modules and weights
+    bit-exactly. :func:`~adalncache.diffusers.enable_adaln_cache` makes one.
+
+    Threads: a build (with its LoRA scale and its loan of the time embedder's weights) runs under the
+    handle's lock; a forward whose plan is resident takes no lock but the cache's short one.
     """
 
     def __init__(self, model: nn.Module, config: AdalnCacheConfig) -> None:
@@ -73,16 +379,8 @@ class AdalnCacheHandle:
         self._enabled_fingerprint: str | None = None
         #: Builds, LoRA scaling and hook moves (they change module state other threads read).
         self._lock = threading.RLock()
-        #: Each thread's request: held, served on the device or the host path, checked, released.
-        self._requests = RequestLifecycle(
-            model,
-            holds=lambda: self._holds,
-            enabled=lambda: self.enabled,
-            cache=lambda: self.cache,
-            family=lambda: self.family,
-            follow=self._follow,
-            overlap=config.overlap,
-        )
+        #: Each thread's request (the handle's request verbs are its methods).
+        self.requests = Requests(self, self.device)
         #: Host copies of the model's own projections (CUDA), released on disable().
         self._host_buffers: list[HostBuffer] = []
         self._fresh_state()
@@ -93,12 +391,17 @@ class AdalnCacheHandle:
         self.family = family_of(self.model)
         self.spec = transformer_spec(self.model)
         self._parking = WeightParking()
-        self._lora = LoraTracker(self.model, self.spec, self.family)
         self._hooks: ServingHooks | None = None
-        self._holds: RequestHolds | None = None
+        self.builder: Builder | None = None
+        self._signature: Signature | None = None
         self._storage = ProjectionStorage()
-        #: Served modules that had a layerwise-casting hook when the cache was enabled.
         self._casting_at_enable: frozenset[str] = frozenset()
+        #: The content digest of the checkpoint's projections, learnt by the verification at enable.
+        self._digest: str | None = None
+
+    @property
+    def overlap(self) -> bool:
+        return self.config.overlap
 
     # ------------------------------------------------------------------ public
 
@@ -108,96 +411,95 @@ class AdalnCacheHandle:
         return self.cache.stats
 
     def prepare(self, plans: Sequence[Any], *, attention_kwargs: Mapping[str, Any] | None = None) -> BuildReport:
-        """Make every plan resident for the model's current LoRA and autocast state, in at most one
-        pass, and hold them for the calling thread until its next ``prepare`` or :meth:`release`.
+        """Make every plan resident for the model's current LoRA and autocast state, in at most one pass,
+        and hold them for the calling thread until its next ``prepare`` or :meth:`release`.
 
-        ``plans``: the per-step ``timestep`` tensors (``minimax_h3_plans`` gives them ahead of
-        time) or the pipeline's ``row_timestep_plan`` (``(timestep, timestep_indices)`` pairs).
-        ``attention_kwargs``: what the loop will pass the transformer; its ``"scale"`` changes the
-        effective LoRA projection, so the tables are built under it. Call it under the autocast
-        state the loop runs under (tables built outside autocast are rebuilt inside it).
+        ``plans``: the per-step ``timestep`` tensors the forward will receive (a mapping of its keying
+        inputs by argument name for a family keyed by several; MiniMax-H3 also takes the pipeline's
+        ``row_timestep_plan``). ``attention_kwargs``: what the loop will pass the transformer; its
+        ``"scale"`` changes the effective LoRA projection. Call it under the loop's autocast state.
+        The request's forwards find their slots on the device, with no host read.
         """
-        return self._requests.prepare(plans, attention_kwargs)
+        return self.requests.prepare(plans, attention_kwargs)
 
     def release(self, *, check: bool = True) -> None:
-        """Release the plans the calling thread's last :meth:`prepare` holds (no-op when none).
-
-        Raises :class:`~adalncache.PlanMismatchError` (after releasing) when a forward of that
-        request matched none of its prepared plans (it was served NaN rows; see :meth:`check_request`);
-        ``check=False`` (on the way out of another error) keeps that report for the next check.
-        """
-        self._requests.release(check=check)
+        """Release the plans the calling thread's request holds (no-op when none); then raise
+        :class:`~adalncache.PlanMismatchError` if a forward of it matched none of its plans
+        (``check=False``, on the way out of another error, keeps that report for the next check)."""
+        self.requests.release(check=check)
 
     def start_prepare(self, plans: Sequence[Any], *, attention_kwargs: Mapping[str, Any] | None = None) -> None:
-        """:meth:`prepare` on a background thread: returns at once, and each forward of the calling
-        thread waits only for its own plan (the first step's are built first, :mod:`.overlap`).
-
-        A failure of the pass is raised by the next forward that needs a plan of it, or by
-        :meth:`finish`. The request's forwards key their plans on the host (no device-side lookup).
-        """
-        self._requests.start_prepare(plans, attention_kwargs)
+        """:meth:`prepare` on a background thread: returns at once, and each forward of the calling thread
+        waits only for its own plan (the first step's are built first) and keys it on the host. A
+        failure of the pass is raised by the next forward that needs a plan of it, or by :meth:`finish`."""
+        self.requests.start_prepare(plans, attention_kwargs)
 
     def predicted_request(
         self, plans: Sequence[Any], *, attention_kwargs: Mapping[str, Any] | None = None
     ) -> contextlib.AbstractContextManager[None]:
-        """With ``overlap=True``: start the pass of a pipeline call's schedule predicted from its
-        arguments, for the ``with`` block (the call); its first forward adopts the pass when the
-        scheduler set the same plans, and drops it otherwise (a wrong prediction costs time, never a row)."""
-        return self._requests.predicted(plans, attention_kwargs)
+        """A pipeline call's request, for the ``with`` block around it: with ``overlap=True`` the pass of
+        ``plans`` (its schedule, predicted from its arguments) starts now; the call adopts it when its
+        schedule is the same plans, and drops it otherwise (a wrong prediction costs time, never a row)."""
+        return self.requests.call(request_plans(plans), attention_kwargs)
 
     def finish(self) -> None:
-        """End the calling thread's request: wait for its background pass, if any, raise its error if
-        no forward raised it yet, then :meth:`release` (and its PlanMismatchError check)."""
-        self._requests.finish()
+        """End the calling thread's request: wait for its background pass, raise its error if no forward
+        raised it yet, then :meth:`release` (and its PlanMismatchError check)."""
+        self.requests.finish()
 
     def join_background(self) -> None:
         """Wait until every background pass started on this handle (by any thread) has ended."""
-        self._requests.join_background()
+        self.requests.join()
 
     def check_request(self) -> None:
-        """Raise :class:`~adalncache.PlanMismatchError` if a forward of the calling thread's prepared
-        request matched none of its plans since the last check (a host read: call it off the critical path).
-
-        Such a forward finds its slot on the device without a host read, and gets the poison
-        slot's NaN rows instead of any plan's; this is where the miss is reported. The request
-        stays prepared and the cache stays usable.
-        """
-        self._requests.check()
+        """Raise :class:`~adalncache.PlanMismatchError` if a forward of the calling thread's request matched
+        none of its plans since the last check (served the poison slot's NaN rows). A host read: call it
+        off the critical path. The request stays prepared and the cache usable."""
+        self.requests.check()
 
     def request(
         self, plans: Sequence[Any], *, attention_kwargs: Mapping[str, Any] | None = None
     ) -> contextlib.AbstractContextManager[PlanHold]:
-        """``with handle.request(plans):`` prepares ``plans`` and holds them until the block ends.
+        """``with handle.request(plans):`` prepares ``plans`` and holds them until the block ends (on an
+        exception too), yielding the :class:`~adalncache.cache.PlanHold`; a mismatch raises at its end."""
+        return self.requests.request(plans, attention_kwargs)
 
-        For a bare transformer loop: no build for another request evicts or rewrites these plans
-        while the loop runs, and they are released on an exception too. Yields the
-        :class:`~adalncache.cache.PlanHold` (``.report`` says what the build did).
-        """
-        return self._requests.request(plans, attention_kwargs)
+    def expect_schedule(self, timesteps: torch.Tensor) -> None:
+        """A pipeline's scheduler set ``timesteps`` on this thread: its next forward prepares them all."""
+        self.requests.expect(timesteps)
 
     def disable(self, *, allow_changed_checkpoint: bool = False) -> None:
         """Remove every hook and override and put the original weights back, bit-exactly.
 
-        Weights served from a checkpoint are read back from it. If the file changed since enabling
-        verified it (its stat identity: a rewrite, a rename over it), what it holds now need not be
-        the original weights, so this raises CheckpointError before touching anything and the cache
-        stays enabled; ``allow_changed_checkpoint=True`` restores from the file as it is now.
+        Weights served from a checkpoint are read back from it, hashed and checked against the content
+        digest held for it. If the file changed since enabling verified it (its stat identity: a
+        rewrite, a rename over it), or its bytes hash to another digest (a rewrite the stat cannot see),
+        what it holds need not be the original weights: this raises CheckpointError before anything
+        changes, and the cache stays enabled and serving. ``allow_changed_checkpoint=True`` restores
+        from the file as it is now.
         """
         if not self.enabled:
             return
-        self._requests.stop_background()  # a pass uses the parked weights and the hooks: none from now on
-        self._check_disable(allow_changed_checkpoint)
+        self.requests.close()  # a pass uses the parked weights and the hooks: none from now on
+        try:
+            self._check_disable(allow_changed_checkpoint)
+            held = None if allow_changed_checkpoint else self._digest or self.cache.content_digest
+            restored = self._parking.read_back(held)  # every byte in hand before anything changes
+        except BaseException:
+            self.requests.reopen()
+            raise
         if self._hooks is not None:
             self._hooks.remove()
             self._hooks = None
-        self._holds = None
-        remove_overrides(self.model, self._overrides)
+        self.builder = None
+        for name in self._overrides:
+            self.model.__dict__.pop(name, None)
         self._overrides = ()
         freed = self._parking.freed
-        self._parking.restore()
+        self._parking.put_back(restored)
         settle_casting(self.family.served_modules(self.model, self.spec), self._casting_at_enable)
         self.family.release_blocks(self.model)
-        refresh_group_offloading(self.model)
+        reapply_group_offloading(self.model)
         self.enabled = False
         setattr(self.model, HANDLE_ATTRIBUTE, None)
         self._give_back_memory()
@@ -209,7 +511,7 @@ class AdalnCacheHandle:
             )
         else:
             logger.info("AdaLN cache disabled; projection weights restored")
-        self._requests.check()  # a forward of the last request matched none of its plans
+        self.requests.check()  # a forward of the last request matched none of its plans
 
     def _check_disable(self, allow_changed_checkpoint: bool) -> None:
         """Refuse a disable that would drop another library's wrapper or restore from a changed file."""
@@ -220,7 +522,7 @@ class AdalnCacheHandle:
                 "1.5.3 cannot remove its own here: reload the model), and enable such a library before "
                 "enable_adaln_cache() when the cache must be disabled on its own"
             )
-        self._requests.abandon()  # a mismatch it reports is raised once disabled
+        self.requests.abandon()  # a mismatch it reports is raised once disabled
         if self._parking.restores_from_source and not allow_changed_checkpoint:
             assert self.source is not None
             if changed_since(self.source, self._enabled_fingerprint):
@@ -232,11 +534,8 @@ class AdalnCacheHandle:
                 )
 
     def _give_back_memory(self) -> None:
-        """After restoring: the cache's host tier and read buffers, and the model's host copies.
-
-        The copies of the model's own projections (CUDA) are unlocked now, and freed with the
-        in-memory source, which a closed cache never reads again.
-        """
+        """After restoring: the cache's host tier and read buffers, and the model's host copies (CUDA),
+        unlocked now and freed with the in-memory source, which a closed cache never reads again."""
         cache = getattr(self, "cache", None)
         released = cache.close() if cache is not None else 0
         for buffer in self._host_buffers:
@@ -263,12 +562,14 @@ class AdalnCacheHandle:
         # The real block list, for builds inside a forward that swaps model.transformer_blocks (cache-dit).
         self.family.capture_blocks(model)
         try:
-            choice = choose_source(model, self.spec, self.config, self._lora, self.device, never_loaded)
-            self._adopt(choice)
-            if never_loaded is not None:
-                self.cache = never_loaded.cache
-            else:
-                self.cache = self.config.cache_options.build(self.spec, choice.source, choice.device)
+            choice = choose_source(model, self.spec, self.family, self.config, self.device, never_loaded)
+            self.source, self._storage, self._digest = choice.source, choice.storage, choice.digest
+            self._casting_at_enable, self._host_buffers = choice.casting_at_enable, choice.host_buffers
+            self.cache = (
+                never_loaded.cache
+                if never_loaded is not None
+                else self.config.cache_options.build(self.spec, choice.source, choice.device)
+            )
         except BaseException:
             self.family.release_blocks(model)
             raise
@@ -276,19 +577,19 @@ class AdalnCacheHandle:
             assert isinstance(self.cache.source, NoWeights)
             self.source = self.cache.source
         self._enabled_fingerprint = self.cache.source.fingerprint
-        # From here on the model is modified; undo everything if a step fails. Group offloading (if
-        # applied first) captured the weights parked here: it is lifted, and comes back rebuilt,
-        # outside our hooks (see moving.LiftedGroupOffloading).
+        # From here on the model is modified; undo everything if a step fails.
         lifted = LiftedGroupOffloading(model)
         try:
-            self._park(choice, never_loaded)
+            self._parking.park(
+                choice.park_targets(self.family, model),
+                source=self.cache.source,
+                host_tensors=choice.host_tensors,
+                never_loaded=never_loaded.residues if never_loaded is not None else None,
+                device=never_loaded.device if never_loaded is not None else None,
+            )
             self._serve(choice)
             lifted.restore()
-            overrides = self._lora.guards(standing_in=self._parking.standing_in, after_load=self._follow_output)
-            overrides.update(self._device_guards())
-            overrides.update(self._composition_guards())
-            install_overrides(model, overrides)
-            self._overrides = tuple(overrides)
+            self._install_overrides()
         except BaseException:
             lifted.restore()
             self.enabled = True
@@ -305,89 +606,69 @@ class AdalnCacheHandle:
             type(self.source).__name__,
         )
 
-    def _adopt(self, choice: SourceChoice) -> None:
-        """Keep what the rest of the enabling and the disabling need from the chosen source."""
-        self.source = choice.source
-        self._storage = choice.storage
-        self._casting_at_enable = choice.casting_at_enable
-        self._host_buffers = choice.host_buffers
-
-    def _park(self, choice: SourceChoice, never_loaded: NeverLoaded | None) -> None:
-        """Free the served weights from the device (the time embedder's too when nothing else reads it)."""
-        self._parking.park(
-            choice.park_targets(self.family, self.model),
-            source=self.cache.source,
-            host_tensors=choice.host_tensors,
-            never_loaded=never_loaded.residues if never_loaded is not None else None,
-            device=never_loaded.device if never_loaded is not None else None,
-        )
-
     def _serve(self, choice: SourceChoice) -> None:
-        """Register the hooks, and what a request or a forward holds its plans with."""
+        """Register the hooks, the signature and the builder that holds a request's or a forward's plans."""
         model = self.model
-        self._hooks = hooks = ServingHooks(
+        self._hooks = hooks = ServingHooks(model, self.spec, self.cache, self.family, self.requests.state)
+        hooks.register(self.requests.serve, time_embedder=choice.free_time_embedder)
+        self._signature = signature = Signature(
             model,
             self.spec,
-            self.cache,
-            self._requests.hold_forward,
             self.family,
-            before=self._requests.schedule.before_forward,
-            prepared=self._requests.serve_prepared,
-        )
-        hooks.register(time_embedder=choice.free_time_embedder)
-        signature = ServedSignature(
-            model,
-            self.spec,
-            self._lora,
-            hooks,
+            self._parking,
             self._lock,
             casting_at_enable=choice.casting_at_enable,
-            plain_tables=choice.plain_tables,
             plain_variant=choice.plain_variant,
+            rebuildable=getattr(self.cache.source, "serves_weights", True),
         )
-        callbacks = BuildCallbacks(
-            model, self.spec, self._parking, lambda: self.device, plain_tables=choice.plain_tables, family=self.family
-        )
-        self._holds = RequestHolds(
-            self.cache, signature, callbacks, self._lora, self._lock, on_miss=self.config.on_miss
+        signature.hooks = hooks
+        self.builder = Builder(
+            model,
+            self.spec,
+            self.family,
+            self.cache,
+            self._parking,
+            signature,
+            self._lock,
+            lambda: self.device,
+            plain_tables=choice.plain_variant is not None,
+            on_miss=self.config.on_miss,
         )
 
-    def _follow_output(self) -> None:
-        """Move the output hook onto whatever module sits at ``norm_out.linear`` now (a LoRA load replaced it)."""
-        if self._hooks is not None:
-            self._hooks.follow_output()
-
-    def _composition_guards(self) -> dict[str, Callable[..., Any]]:
-        """Overrides for what other diffusers features do to a served model: compile, cast, load adapters."""
-        assert self._hooks is not None
-        guards = self._hooks.compiled.guard()
-        guards.update(casting_guard(self.model, disable=self.disable, enable_again=self._enable_again))
-        guards.update(adapter_guards(self._storage))
-        return guards
+    def _install_overrides(self) -> None:
+        """Instance overrides of what other diffusers features do to a served model: move, cast, compile,
+        load adapters (the class's methods stay untouched; ``disable()`` takes them off)."""
+        assert self._hooks is not None and self._signature is not None
+        hooks = self._hooks
+        overrides = self._signature.guards(standing_in=self._parking.standing_in, after_load=hooks.follow_output)
+        overrides["_apply"] = guarded_apply(self.model, moved=self._moved_to, back=self._moved_to)
+        overrides.update(hooks.compile_guard())
+        overrides.update(casting_guard(self.model, disable=self.disable, enable_again=self._enable_again))
+        overrides.update(adapter_guards(self._storage))
+        self.model.__dict__.update(overrides)
+        self._overrides = tuple(overrides)
 
     def _enable_again(self) -> None:
         """Enable over the model as it is now (after a cast), with the same settings."""
         self._fresh_state()
-        self._requests.reopen_background()
+        self.requests.reopen()
         self._enable()
-
-    def _device_guards(self) -> dict[str, Callable[..., Any]]:
-        """The ``_apply`` override: moves take the cache along, casts are refused (see ``moving``)."""
-        return {"_apply": guarded_apply(self.model, moved=self._moved_to, back=self._moved_to)}
 
     def _moved_to(self, device: torch.device) -> None:
         """The model's weights go to ``device``: the parked weights' home and the cache follow."""
         self._parking.moved_to(device)
-        self._follow(device)
+        self.follow(device)
 
-    def _follow(self, device: torch.device | None) -> None:
-        """Serve forwards that run on ``device``: the cache moves its tables there (or rebuilds them)."""
+    def follow(self, device: torch.device | None) -> None:
+        """Serve forwards that run on ``device``: the cache moves its tables there (or rebuilds them).
+
+        The calling thread's request holds slots of the old device: it is over. Holds of other threads'
+        requests in flight make the move fail (ConfigError, nothing moved).
+        """
         if device is None or device == self.device:
             return
         before = self.cache.device
-        # The calling thread's prepared request holds slots of the old device: it is over. Holds of
-        # other threads' requests in flight make the move fail (ConfigError, nothing moved).
-        self._requests.abandon()  # a mismatch it reports waits for the next check
+        self.requests.abandon()  # a mismatch it reports waits for the next check
         self.cache.move_to(device)  # a no-op when both name one device ("cuda" and "cuda:0")
         if self.cache.device != before:
             if self._hooks is not None:
@@ -395,19 +676,11 @@ class AdalnCacheHandle:
             logger.info("AdaLN cache: the model runs on %s now (was %s); the tables followed", device, before)
         self.device = device
 
-    def expect_schedule(self, timesteps: torch.Tensor) -> None:
-        """A pipeline's scheduler set ``timesteps`` on this thread: its next forward prepares them all."""
-        self._requests.schedule.expect(timesteps)
-
 
 def enable_transformer(
     model: nn.Module, config: AdalnCacheConfig, *, never_loaded: NeverLoaded | None = None
 ) -> AdalnCacheHandle:
-    """Enable the cache on one transformer; on failure the model is left as it was.
-
-    ``never_loaded``: the model's served weights were never loaded (``load_transformer`` built it
-    with meta placeholders in their place); they are parked straight from that source.
-    """
+    """Enable the cache on one transformer; on failure the model is left as it was."""
     handle = AdalnCacheHandle(model, config)
     handle._enable(never_loaded=never_loaded)
     return handle
@@ -417,3 +690,292 @@ def adaln_cache_handle(model: Any) -> AdalnCacheHandle | None:
     """The enabled handle of ``model``, or ``None``."""
     handle = getattr(model, HANDLE_ATTRIBUTE, None)
     return handle if isinstance(handle, AdalnCacheHandle) and handle.enabled else None
+
+
+# -- a pipeline -----------------------------------------------------------------------------------
+
+
+class PipelineAdalnCacheHandle:
+    """The AdaLN cache enabled on a pipeline: one handle per transformer.
+
+    ``handles`` maps component names (``transformer``, ``transformer_ref``) to their
+    :class:`AdalnCacheHandle`; indexing works too (``handle["transformer"]``). ``cache`` and ``stats``
+    are those of the only transformer when there is one, else dicts by name. Every call of the
+    pipeline is each transformer's request (:class:`~.request.CallWatch`); a classic pipeline's
+    scheduler is watched for the call's schedule (:class:`~.request.ScheduleWatch`); a family may add
+    blocks of its own (the MiniMax-H3 modular pipeline's prepare blocks).
+    """
+
+    def __init__(self, pipeline: Any, handles: dict[str, AdalnCacheHandle]) -> None:
+        self.pipeline = pipeline
+        self.handles = handles
+        self._undo: list[Callable[[], None]] = []
+
+    def __getitem__(self, name: str) -> AdalnCacheHandle:
+        return self.handles[name]
+
+    @property
+    def enabled(self) -> bool:
+        return any(handle.enabled for handle in self.handles.values())
+
+    @property
+    def cache(self) -> Any:
+        if len(self.handles) == 1:
+            return next(iter(self.handles.values())).cache
+        return {name: handle.cache for name, handle in self.handles.items()}
+
+    @property
+    def stats(self) -> Any:
+        if len(self.handles) == 1:
+            return next(iter(self.handles.values())).stats
+        return {name: handle.stats for name, handle in self.handles.items()}
+
+    def prepare(
+        self, plans: Sequence[Any], *, attention_kwargs: Mapping[str, Any] | None = None, component: str | None = None
+    ) -> Any:
+        """Prepare ``plans`` on one component's cache (``component``) or on every one."""
+        if component is not None:
+            if component not in self.handles:
+                raise ConfigError(
+                    f"component={component!r} has no AdaLN cache on this pipeline; choose one of {sorted(self.handles)}"
+                )
+            return self.handles[component].prepare(plans, attention_kwargs=attention_kwargs)
+        reports = {
+            name: handle.prepare(plans, attention_kwargs=attention_kwargs) for name, handle in self.handles.items()
+        }
+        return next(iter(reports.values())) if len(reports) == 1 else reports
+
+    def release(self) -> None:
+        """Release the calling thread's request on every transformer, then raise PlanMismatchError if a
+        forward of it matched none of its plans."""
+        for handle in self.handles.values():
+            handle.release(check=False)
+        self.check_request()
+
+    def check_request(self) -> None:
+        """``check_request()`` of every transformer's handle (PlanMismatchError after checking them all)."""
+        errors: list[PlanMismatchError] = []
+        for handle in self.handles.values():
+            try:
+                handle.check_request()
+            except PlanMismatchError as exc:
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
+    def finish(self) -> None:
+        """End the calling thread's request on every transformer (:meth:`AdalnCacheHandle.finish`)."""
+        for handle in self.handles.values():
+            handle.finish()
+
+    def join_background(self) -> None:
+        for handle in self.handles.values():
+            handle.join_background()
+
+    def disable(self, *, allow_changed_checkpoint: bool = False) -> None:
+        """Disable every transformer's cache, then remove the watches and the family's blocks.
+
+        In that order: a transformer's disable that is refused (another library's wrapper would be
+        dropped, a changed checkpoint) leaves the pipeline as it was, its watches included.
+        """
+        mismatches: list[PlanMismatchError] = []
+        for handle in self.handles.values():
+            try:
+                handle.disable(allow_changed_checkpoint=allow_changed_checkpoint)
+            except PlanMismatchError as exc:  # raised once that handle is disabled: disable the others too
+                mismatches.append(exc)
+        for undo in reversed(self._undo):
+            undo()
+        self._undo.clear()
+        if mismatches:
+            raise mismatches[0]
+
+    def attach(self) -> None:
+        """Bracket every call, watch a classic pipeline's scheduler, add the families' own blocks."""
+        pipeline = self.pipeline
+        calls = CallWatch(pipeline, self._call)
+        calls.install()
+        self._undo.append(calls.remove)
+        if getattr(pipeline, "_blocks", None) is None and "transformer" in self.handles:
+            watch = ScheduleWatch(getattr(pipeline, "scheduler", None), self.handles["transformer"].expect_schedule)
+            watch.install()
+            self._undo.append(watch.remove)
+        for family in {id(h.family): h.family for h in self.handles.values()}.values():
+            undo = family.attach_pipeline(pipeline)
+            if undo is not None:
+                self._undo.append(undo)
+
+    @contextlib.contextmanager
+    def _call(self, pipeline: Any, call: Mapping[str, Any]) -> Iterator[None]:
+        """One call of the pipeline: each transformer's request, with the schedule its family predicts
+        from the call's arguments where ``overlap`` is on."""
+        with contextlib.ExitStack() as stack:
+            for name, handle in self.handles.items():
+                plans = None
+                if handle.enabled and handle.config.overlap and call:
+                    try:
+                        plans = handle.family.predict_schedule(handle.model, pipeline, call, name) or None
+                    except Exception as exc:  # a prediction is an optimisation: the schedule is built when known
+                        logger.debug("AdaLN cache: no schedule predicted for this call: %s", exc)
+                if handle.enabled:
+                    stack.enter_context(handle.requests.call(plans, call.get("attention_kwargs")))
+            yield
+
+    def __repr__(self) -> str:
+        return f"PipelineAdalnCacheHandle({', '.join(f'{n}={h!r}' for n, h in self.handles.items())})"
+
+
+def enable_pipeline(
+    pipeline: Any,
+    checkpoint: CheckpointArg | Mapping[str, CheckpointArg] | None,
+    config_for: Callable[[CheckpointArg | None, str], AdalnCacheConfig],
+) -> PipelineAdalnCacheHandle:
+    """Enable the cache on every served transformer of ``pipeline``; all or none.
+
+    ``checkpoint``: one path when the pipeline holds one transformer, else a mapping by component name.
+    A transformer whose cache is already enabled (``load_transformer``) keeps it.
+    """
+    components: dict[str, Any] = {
+        name: getattr(pipeline, name, None)
+        for name in PIPELINE_TRANSFORMERS
+        if recognised(getattr(pipeline, name, None)) is not None
+    }
+    if not components:
+        transformer = getattr(pipeline, "transformer", None)
+        if isinstance(transformer, torch.nn.Module):
+            family_of(transformer)  # a refused or unknown class: the ConfigError says why
+        raise ConfigError(
+            "enable_adaln_cache needs a transformer of a supported family, or a pipeline holding one as "
+            f"`transformer` (or `transformer_ref`), got {type(pipeline).__name__}"
+        )
+    checkpoints: dict[str, CheckpointArg | None]
+    if isinstance(checkpoint, Mapping):
+        unknown = sorted(set(checkpoint) - set(components))
+        if unknown:
+            raise ConfigError(
+                f"checkpoint= names {unknown}, which this pipeline does not hold; use {sorted(components)}"
+            )
+        checkpoints = {name: checkpoint.get(name) for name in components}
+    elif checkpoint is not None and len(components) > 1:
+        raise ConfigError(
+            "checkpoint= is one path but the pipeline holds both transformer and transformer_ref, which "
+            "are different checkpoints; pass {'transformer': ..., 'transformer_ref': ...}"
+        )
+    else:
+        checkpoints = {name: checkpoint for name in components}
+    # A transformer that already serves from its own cache (load_transformer) is adopted as it is.
+    adopted = {name: handle for name, model in components.items() if (handle := adaln_cache_handle(model))}
+    for name, handle in adopted.items():
+        if checkpoints[name] is not None:
+            raise ConfigError(
+                f"{name} already serves its AdaLN projections from its own cache (load_transformer enabled it): "
+                f"drop checkpoint= for {name}"
+            )
+        if config_for(None, name).overlap and not handle.config.overlap:
+            raise ConfigError(
+                f"overlap=True cannot be turned on for {name}, whose cache load_transformer enabled without it: "
+                "pass overlap=True to load_transformer instead"
+            )
+    handles: dict[str, AdalnCacheHandle] = {}
+    try:
+        for name, model in components.items():
+            handles[name] = adopted.get(name) or enable_transformer(model, config_for(checkpoints[name], name))
+    except BaseException:
+        for name, handle in handles.items():
+            if name not in adopted:
+                handle.disable()
+        raise
+    pipeline_handle = PipelineAdalnCacheHandle(pipeline, handles)
+    pipeline_handle.attach()
+    return pipeline_handle
+
+
+@option_keywords()
+def enable_adaln_cache(
+    model_or_pipeline: Any,
+    checkpoint: CheckpointArg | Mapping[str, CheckpointArg] | None = None,
+    *,
+    on_miss: OnMiss = "build",
+    free_time_embedder: bool | None = None,
+    layout: str = "auto",
+    verify_checkpoint: bool = True,
+    quantized_projections: QuantizedProjections = "model",
+    overlap: bool = False,
+    device: torch.device | str | None = None,
+    tables: TablesArg | Mapping[str, TablesArg] | None = None,
+    **options: Unpack[ServingKwargs],
+) -> AdalnCacheHandle | PipelineAdalnCacheHandle:
+    """Serve the AdaLN modulation of a supported transformer (or pipeline) from bit-exact tables.
+
+    The served projections' weights (MiniMax-H3: every block's ``adaln_proj.linear``; Qwen-Image: every
+    block's ``img_mod.1`` and ``txt_mod.1``; the AdaLayerNormZero family: every ``norm1``,
+    ``norm1_context`` and single-block ``norm`` projection; and ``norm_out.linear``) and, unless another
+    hook might read ``temb``, the time embedder's leave the device; meta placeholders of the right shape
+    keep module names, ``repr`` and the LoRA loaders working. A transformer whose modulation depends on
+    the prompt, or of an unknown class, is refused with ``ConfigError`` saying why; nothing changes.
+
+    Args:
+        model_or_pipeline: a transformer of a supported family (docs/families.md), a MiniMax-H3 modular
+            pipeline (its ``transformer`` and ``transformer_ref``, each with its own cache), or a
+            pipeline such as ``QwenImagePipeline``: every call of a pipeline is a request, ended however
+            the call ends, and a classic pipeline's whole schedule is prepared in one pass at its first
+            forward. A transformer whose cache is already enabled (``load_transformer``) keeps it.
+        checkpoint, on_miss, free_time_embedder, layout, verify_checkpoint, quantized_projections, overlap:
+            as :class:`AdalnCacheConfig` documents them; for a pipeline with both transformers,
+            ``checkpoint`` is a mapping by component name.
+        device: where the cache lives; it must be the model's (``None``: the model's, or the device an
+            offloading hook runs it on); when the model moves (``.to()``), the cache follows.
+        tables: table files written by ``adalncache export``, searched in order as a read-only tier below
+            the store (a mapping by component name for a pipeline with both transformers). A file that
+            does not fit the model is refused with ``ConfigError``. With ``checkpoint=None`` the model's
+            projections are checked against bound files, then freed: plans the files hold are served,
+            any other raises ``PlanNotCachedError``, and ``disable()`` cannot bring them back.
+        {cache options}
+
+    An unknown keyword is a ``TypeError`` naming it; a bad value a ``ConfigError`` naming the argument
+    and its CLI flag, before the model is modified. Returns a handle with ``.cache``,
+    ``.prepare(plans)``, ``.stats`` and ``.disable()``; for a pipeline, one per transformer behind a
+    :class:`PipelineAdalnCacheHandle`.
+    """
+
+    def options_for(files: TablesArg | None) -> CacheOptions:
+        unknown = [name for name in options if name not in OPTION_NAMES]
+        if unknown:
+            raise TypeError(f"enable_adaln_cache() got an unexpected keyword argument {unknown[0]!r}")
+        return CacheOptions(**options, device=device, tables=files)
+
+    # One set of options for every transformer, unless the table files differ per component.
+    shared = options_for(None if isinstance(tables, Mapping) else tables)
+
+    def config_for(path: CheckpointArg | None, component: str | None = None) -> AdalnCacheConfig:
+        files: Any = tables
+        if isinstance(tables, Mapping):
+            if component is None:
+                raise ConfigError(
+                    "tables= is a mapping by component name, which only a pipeline takes; pass one path (or a "
+                    "list of paths) for a single transformer"
+                )
+            files = tables.get(component)
+        return AdalnCacheConfig(
+            checkpoint=path,
+            on_miss=on_miss,
+            free_time_embedder=free_time_embedder,
+            layout=layout,
+            verify_checkpoint=verify_checkpoint,
+            quantized_projections=quantized_projections,
+            overlap=overlap,
+            cache_options=shared if not isinstance(tables, Mapping) else options_for(files),
+        )
+
+    if isinstance(model_or_pipeline, torch.nn.Module):
+        family_of(model_or_pipeline)  # a refused or unknown class: ConfigError naming why, nothing changed
+        if isinstance(checkpoint, Mapping):
+            raise ConfigError(
+                "checkpoint= is a mapping by component name, which only a pipeline takes; pass one path for a "
+                "single transformer"
+            )
+        return enable_transformer(model_or_pipeline, config_for(checkpoint))
+    return enable_pipeline(model_or_pipeline, checkpoint, config_for)
+
+
+__all__ = ["AdalnCacheConfig", "AdalnCacheHandle", "PipelineAdalnCacheHandle", "enable_adaln_cache"]

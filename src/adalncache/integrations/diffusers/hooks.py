@@ -1,46 +1,42 @@
-"""The diffusers hooks that serve a forward's AdaLN modulation from the cache.
+"""How a forward reaches the slab: the diffusers hooks and the served class, registered on one transformer
+under constant names and removed again, compiling like the resident model.
 
-- :class:`AdalnCacheTransformerHook` wraps the transformer's ``forward``. A forward of the
-  thread's prepared request finds its slot on the device, with no host read (:mod:`.prepared`:
-  what a CUDA graph can capture). Any other forward reads the step's ``timestep`` (the *plan*)
-  once on the host, has the plan made resident and *held* for the current LoRA signature and
-  autocast state (built, or refused with ``on_miss="raise"``); the hold is released when the
-  forward ends (on an exception too), so no build on another thread can rewrite the rows a
-  forward is reading. Either way the slot goes into a per-thread :class:`ServeState` for the
-  served modules, cleared when the forward ends. That host work runs outside any compiled region
-  (see :mod:`.compile`).
-- Every block's ``adaln_proj`` is served by a class swapped in place rather than a hook
-  (:class:`~.compile.ServedBlocks`): a hook per block would make a regional compile recompile
-  every block. It serves the block's six modulation tensors whether or not ``adaln_proj.linear``
-  is a peft wrapper.
-- :class:`AdalnCacheOutputHook` replaces ``norm_out.linear``'s forward. peft *replaces* that module
-  object when a LoRA targets it, so :meth:`ServingHooks.follow_output` moves the hook to whatever
-  module sits there now.
-- :class:`AdalnCacheTimeEmbedderHook` (when the time embedder is parked) returns a zero-stride
-  placeholder of the right shape: every consumer of ``temb`` is served from the cache.
-
-:class:`ServingHooks` registers them on one transformer under the constant names below and removes
-them again.
+- :class:`AdalnCacheTransformerHook` wraps the transformer's ``forward``. Before it runs it asks the
+  request module one question, the slot of this forward's keying inputs (``serve``: found on the
+  device for a prepared request, else held on the host), which lands in the thread's state; it is
+  cleared and the hold released when the forward ends (on an exception too).
+- Every block's owner module (MiniMax-H3's ``adaln_proj``, Qwen-Image's ``img_mod``, an
+  ``AdaLayerNormZero``) is switched in place to one shared served class (:func:`served_class`)
+  rather than hooked: diffusers gives each hooked module its own ``functools.partial`` as
+  ``forward``, dynamo guards on its identity, and a regional compile (``compile_repeated_blocks``)
+  would recompile every block, the later ones past the recompile limit. The object, its name, its
+  parameters and peft wrappers stay; ``repr`` shows the original class name. Its forward gathers the
+  rows through tensors only (:func:`~.family.gather_rows`), so every block reuses one graph and a
+  CUDA graph replays with the addresses it captured while the model stays on one device.
+- :class:`AdalnCacheOutputHook` serves ``norm_out.linear`` (peft *replaces* that module when a LoRA
+  targets it, so :meth:`ServingHooks.follow_output` moves the hook to whatever module sits there).
+- :class:`AdalnCacheTimeEmbedderHook` stands in for a parked time embedder: a zero-stride tensor of
+  the shape and dtype of ``temb``, whose value the served projections, its only consumers, never read.
+- The host work of a forward (keying, holding, maybe a build) traced by dynamo would be a row of
+  data-dependent graph breaks: ``model.compile()`` stores the compiled callable as
+  ``_compiled_call_impl``, and :class:`EagerPrepare` stands in for it, doing that work eagerly before
+  the compiled call. ``torch.compile(model)`` (a wrapper module) cannot be reached: the hook's host
+  work runs under ``torch.compiler.disable`` there, adding frames but no graphs.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from diffusers.hooks.hooks import HookRegistry, ModelHook
 from torch import nn
 
-from ...cache import PlanHold
 from ...errors import ConfigError
-from ...plans import PlanKey, plan_key
-from ...spec import FINAL, ModulationSpec
+from ...spec import ModulationSpec
 from .compat import get_hook, hook_names, hook_registry
-from .compile import CompiledCall, Releasable, ServedBlocks
-from .family import DiffusersFamily
-from .modules import forward_argument
+from .family import ROWS_ATTRIBUTE, STATE_ATTRIBUTE, DiffusersFamily, ForwardState, gather_rows
 
 if TYPE_CHECKING:
     from ... import AdalnCache
@@ -52,97 +48,42 @@ TIME_EMBEDDER_HOOK = "adaln_cache_time_embedder"
 #: Every hook name above starts with it; a hook without it belongs to someone else.
 HOOK_PREFIX = "adaln_cache"
 
-#: ``make_resident(plan, key, attention_kwargs, device)``: hold the forward's plan resident on the
-#: device the forward runs on (its timestep's), or raise.
-MakeResident = Callable[[torch.Tensor, PlanKey, Mapping[str, Any] | None, torch.device], PlanHold]
-
-#: ``prepared(timestep, attention_kwargs)``: the forward's ``(slot, dtype)`` found on the device from
-#: the thread's prepared request (no host read), or ``None`` for the host path (see :mod:`.prepared`).
-ServePrepared = Callable[[torch.Tensor, Mapping[str, Any] | None], tuple[torch.Tensor, torch.dtype] | None]
+#: The served subclass of each (owner class, served forward), made once so every block shares it.
+_SERVED: dict[tuple[type, Callable[..., Any]], type] = {}
 
 
-class _Unheld:
-    """What a forward served from its prepared request releases: nothing (the request holds its plans)."""
+class Releasable(Protocol):
+    """What one forward holds (a :class:`~adalncache.cache.PlanHold`, or nothing): released when it ends."""
 
-    def release(self) -> None:
-        return None
-
-
-UNHELD = _Unheld()
+    def release(self) -> None: ...
 
 
-class ServeState(threading.local):
-    """What the transformer hook hands the served modules for the forward in progress.
+class ServingState(ForwardState, Protocol):
+    """The thread's forward state as the hooks use it: ``prepared_outside`` is set while
+    :class:`EagerPrepare` did the forward's host work before the compiled call."""
 
-    Per thread (a ``threading.local``): two threads running forwards of one model each see their
-    own slot. ``slot_buffer`` is the one-element device tensor the served blocks gather with:
-    written in place at every forward of its thread, so its address (which compiled graphs and
-    CUDA graphs hold) does not change while the model stays on one device. ``dtype`` is the dtype
-    the rows are served in (the autocast dtype they were built under). ``prepared_outside`` is set
-    while a compiled call's host work was done before entering it (:class:`~.compile.EagerPrepare`).
-    """
+    prepared_outside: bool
 
-    def __init__(self, device: torch.device) -> None:
-        self.slot: torch.Tensor | None = None
-        self.num_timesteps = 0
-        self.dtype: torch.dtype | None = None
-        self.slot_buffer = torch.zeros(1, dtype=torch.int64, device=device)
-        self.prepared_outside = False
+    def clear(self) -> None: ...
 
-    def serve(self, held: PlanHold, num_timesteps: int) -> None:
-        """Stash the held plan's slot (a device tensor, no host copy) and point the served blocks at it."""
-        self.serve_slot(held.slots, num_timesteps, held.dtype)
 
-    def serve_slot(self, slot: torch.Tensor, num_timesteps: int, dtype: torch.dtype | None) -> None:
-        """Stash ``slot`` (a device tensor, never read on the host) and point the served blocks at it."""
-        if self.slot_buffer.device != slot.device:  # the model (and the cache) moved
-            self.slot_buffer = torch.zeros(1, dtype=torch.int64, device=slot.device)
-        self.slot = slot
-        self.num_timesteps = num_timesteps
-        self.dtype = dtype
-        self.slot_buffer.copy_(slot.reshape(1))
-
-    def clear(self) -> None:
-        """Forget the forward's slot, so a stray call outside a forward fails instead of reading stale rows."""
-        self.slot = None
-        self.num_timesteps = 0
-        self.dtype = None
-
-    def require(self, what: str) -> tuple[torch.Tensor, int, torch.dtype | None]:
-        """The forward's ``(slot, num_timesteps, dtype)``, or a ConfigError when no forward is in progress."""
-        if self.slot is None:
-            raise ConfigError(
-                f"{what} is served by the AdaLN cache and can only run inside the transformer's forward "
-                "while the cache is enabled; call handle.disable() to use the module on its own"
-            )
-        return self.slot, self.num_timesteps, self.dtype
+#: ``serve(args, kwargs)``: a forward's host work; points the thread's state at its slot, returns its hold.
+Serve = Callable[[tuple[Any, ...], Mapping[str, Any]], Releasable]
 
 
 class AdalnCacheTransformerHook(ModelHook):
-    """Holds the step's plan once per forward and stashes its slot for the served modules."""
+    """Asks for the forward's slot once per forward (``serve``) and releases what it held at the end."""
 
-    def __init__(
-        self, cache: AdalnCache, state: ServeState, make_resident: MakeResident, family: DiffusersFamily | None = None
-    ) -> None:
+    def __init__(self, serve: Serve, state: ServingState) -> None:
         super().__init__()
-        self.cache = cache
+        self.serve = serve
         self.state = state
-        self.make_resident = make_resident
-        if family is None:
-            from .registry import for_spec
-
-            family = for_spec(cache.spec)
-        self.family = family
-        #: ``before(args, kwargs)``: runs first in :meth:`prepare` (a pipeline's schedule is prepared there).
-        self.before: Callable[[tuple[Any, ...], Mapping[str, Any]], None] | None = None
-        #: Serves a forward of the thread's prepared request without a host read (:mod:`.prepared`).
-        self.prepared: ServePrepared | None = None
 
     def new_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         forward: Any = self.fn_ref.original_forward
         if self.state.prepared_outside:
             return forward(*args, **kwargs)  # a compiled call: EagerPrepare did the host work already
-        held = self.prepare(module, args, kwargs)
+        held = self.prepare(args, kwargs)
         try:
             return forward(*args, **kwargs)
         finally:
@@ -150,78 +91,51 @@ class AdalnCacheTransformerHook(ModelHook):
             held.release()
 
     @torch.compiler.disable
-    def prepare(self, module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Releasable:
-        """The forward's host work: read the plan, hold it resident, point the served modules at its slot.
-
-        Returns the hold, which the caller releases when the forward ends. Never traced: under
-        ``torch.compile(model)`` dynamo would otherwise break the graph at every host read and
-        dictionary lookup in here. A forward of the thread's prepared request finds its slot on
-        the device instead (:mod:`.prepared`): no host read of a device tensor at all.
-        """
-        if self.before is not None:
-            self.before(args, kwargs)
-        timestep = self.family.forward_plan(module, args, kwargs)
-        attention_kwargs = forward_argument(module, "attention_kwargs", args, kwargs)
-        if self.prepared is not None:
-            served = self.prepared(timestep, attention_kwargs)
-            if served is not None:
-                self.state.serve_slot(served[0], int(timestep.shape[0]), served[1])
-                return UNHELD  # the request's hold keeps its plans; released when the request ends
-        # The one device-to-host read of the plan this forward makes: keys, lookups and the build all
-        # use this host copy (embed moves it back to the device; the values are the same bits).
-        plan = timestep.detach().to("cpu")
-        key = plan_key(plan, self.cache.spec.plan_columns)
-        held = self.make_resident(plan, key, attention_kwargs, timestep.device)
-        try:
-            self.state.serve(held, int(plan.shape[0]))
-        except BaseException:
-            held.release()
-            raise
-        return held
+    def prepare(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Releasable:
+        """The forward's host work, never traced (under ``torch.compile(model)`` dynamo would break the
+        graph at every host read and dictionary lookup in it)."""
+        return self.serve(args, kwargs)
 
 
 class AdalnCacheOutputHook(ModelHook):
-    """Serves a hooked projection's output: ``norm_out.linear``'s (shift then scale, as the module
-    returns it) by default, or ``layer``'s rows for the rows of its input.
-    """
+    """Serves a hooked projection's output (``norm_out.linear``): its rows for the rows of its input."""
 
-    def __init__(self, cache: AdalnCache, state: ServeState, layer: Any = FINAL, path: str = "norm_out.linear") -> None:
+    def __init__(self, rows: torch.Tensor, state: ForwardState, path: str = "norm_out.linear") -> None:
         super().__init__()
-        self.cache = cache
+        self.rows = rows
         self.state = state
-        self.layer = layer
         self.path = path
 
     def new_forward(self, module: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        slot, num_timesteps, dtype = self.state.require(self.path)
-        if self.layer == FINAL and self.cache.spec.geometry is None:  # the default family's two-part table
-            shift, scale = self.cache.final(slot, num_timesteps, dtype=dtype)
-            return torch.cat((shift, scale), dim=-1)
-        return self.cache.layer_rows(self.layer, slot, int(x.shape[0]), dtype=dtype)
+        return gather_rows(self.rows, self.state, int(x.shape[0]), self.path)
 
 
 class AdalnCacheTimeEmbedderHook(ModelHook):
-    """Stands in for a parked time embedder: a zero-stride tensor of the shape and dtype of ``temb``.
+    """Stands in for a parked time embedder: a zero-stride tensor of the shape and dtype of ``temb``."""
 
-    Only the AdaLN projections read ``temb`` in the stock forward and both are served from the
-    cache, so its value is never used; a zero-stride view costs no memory.
-    """
-
-    def __init__(
-        self, out_features: int, dtype: torch.dtype, device: torch.device, family: DiffusersFamily | None = None
-    ) -> None:
+    def __init__(self, out_features: int, dtype: torch.dtype, device: torch.device, family: DiffusersFamily) -> None:
         super().__init__()
         self.out_features = out_features
         self.zero = torch.zeros((), dtype=dtype, device=device)
         self.family = family
 
     def new_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if self.family is None:
-            return self.zero.expand(args[0].shape[0], self.out_features)
         rows, dtype = self.family.stand_in(args, kwargs)
         zero = self.zero if dtype is None or dtype == self.zero.dtype else self.zero.to(dtype)
         stand_in = zero.expand(rows, self.out_features)
         return stand_in.clone() if self.family.writable_stand_in else stand_in
+
+
+def served_class(cls: type, forward: Callable[..., Any]) -> type:
+    """The shared served subclass of ``cls`` answering with ``forward`` (same name, so ``repr`` and
+    class-name lookups are unchanged)."""
+    served = _SERVED.get((cls, forward))
+    if served is None:
+        served = type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__})
+        served.__qualname__ = cls.__qualname__
+        served._adalncache_original = cls  # type: ignore[attr-defined]  # a marker on a class made at runtime
+        _SERVED[(cls, forward)] = served
+    return served
 
 
 def remove_hook(module: nn.Module, name: str) -> None:
@@ -232,102 +146,99 @@ def remove_hook(module: nn.Module, name: str) -> None:
 
 def other_hooks_present(model: nn.Module) -> bool:
     """Whether a diffusers hook that is not ours sits on any module (it might read ``temb``)."""
-    for _, module in model.named_modules():
-        if any(not name.startswith(HOOK_PREFIX) for name in hook_names(module)):
-            return True
-    return False
+    return any(not name.startswith(HOOK_PREFIX) for _, module in model.named_modules() for name in hook_names(module))
+
+
+class EagerPrepare:
+    """Stands in for ``model._compiled_call_impl``: the host work eagerly, then the compiled call."""
+
+    def __init__(self, compiled: Callable[..., Any], serve: Serve, state: ServingState) -> None:
+        self.compiled = compiled
+        self.serve = serve
+        self.state = state
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        held = self.serve(args, kwargs)
+        self.state.prepared_outside = True
+        try:
+            return self.compiled(*args, **kwargs)
+        finally:
+            self.state.prepared_outside = False
+            self.state.clear()
+            held.release()
 
 
 class ServingHooks:
-    """The hooks of one transformer: registered together, the output hook kept on the live module.
-
-    ``make_resident`` is what the transformer hook calls before each forward (the build-or-refuse
-    policy, :meth:`.lifecycle.RequestLifecycle.hold_forward`); the hooks themselves only read the cache.
-    """
+    """The hooks and served owners of one transformer: registered together, removed together, the
+    output hook kept on the live module, the rows views re-read after the cache moved."""
 
     def __init__(
-        self,
-        model: Any,
-        spec: ModulationSpec,
-        cache: AdalnCache,
-        make_resident: MakeResident,
-        family: DiffusersFamily | None = None,
-        before: Callable[[tuple[Any, ...], Mapping[str, Any]], None] | None = None,
-        prepared: ServePrepared | None = None,
+        self, model: Any, spec: ModulationSpec, cache: AdalnCache, family: DiffusersFamily, state: ServingState
     ) -> None:
-        if family is None:
-            from .registry import for_spec
-
-            family = for_spec(spec)
-        self.before = before
-        self.prepared = prepared
         self.model = model
-        self.spec = spec
         self.cache = cache
         self.family = family
-        self.state = ServeState(cache.device)
-        self.make_resident = make_resident
+        self.state = state
         swapped = family.swapped_layers(spec)
-        owners = [(layer, family.owner_path(layer)) for layer in swapped]
-        self.blocks = ServedBlocks(
-            [(layer, path, family.module_at(model, path)) for layer, path in owners],
-            self.state,
-            family.served_forward,
-        )
+        self.owners = [
+            (layer, path, family.module_at(model, path)) for layer in swapped for path in [family.owner_path(layer)]
+        ]
         #: The layers served by a hook on their projection module, by module path.
         self.hooked = {family.projection_path(layer): layer for layer in spec.layers() if layer not in set(swapped)}
-        self.compiled = CompiledCall(model, self.prepare_forward, self.state)
-        self._transformer_hook: AdalnCacheTransformerHook | None = None
-        self._forward: Any = None
         self._hooked_output: dict[str, nn.Module] = {}
+        self._forward: Any = None
+        self._swapped = False
 
-    def register(self, *, time_embedder: bool) -> None:
-        """Register every hook; ``time_embedder``: also stand in for the (parked) time embedder."""
+    def register(self, serve: Serve, *, time_embedder: bool) -> None:
+        """Register every hook and swap every owner; ``time_embedder``: also stand in for the parked one."""
         from diffusers.models.modeling_utils import get_parameter_dtype
 
-        model = self.model
-        family = self.family
+        model, family = self.model, self.family
+        for _, path, module in self.owners:
+            if (
+                "forward" in module.__dict__
+            ):  # another hook replaced its forward per instance: a swap would not reach it
+                raise ConfigError(
+                    f"{path} has a forward of its own (a hook of another library wraps it), so the AdaLN cache cannot "
+                    "serve it; remove that hook before enabling the cache"
+                )
+        self._serve = serve
         registry = HookRegistry.check_if_exists_or_initialize(model)
-        self._transformer_hook = AdalnCacheTransformerHook(self.cache, self.state, self.make_resident, family)
-        self._transformer_hook.before = self.before
-        self._transformer_hook.prepared = self.prepared
-        registry.register_hook(self._transformer_hook, TRANSFORMER_HOOK)
-        # The forward the registry installed for our hook: anything else there later wraps it.
-        self._forward = model.__dict__.get("forward")
-        self.blocks.install(self._rows)
-        self.follow_output()
+        registry.register_hook(AdalnCacheTransformerHook(serve, self.state), TRANSFORMER_HOOK)
+        self._forward = model.__dict__.get("forward")  # ours: anything else there later wraps it
+        for layer, _, module in self.owners:
+            module.__class__ = served_class(type(module), family.served_forward(layer))
+        self._swapped = True
+        self.rebind()
         if time_embedder:
             module = family.time_embedder_module(model)
-            hook = AdalnCacheTimeEmbedderHook(
+            stand_in = AdalnCacheTimeEmbedderHook(
                 family.temb_width(model), get_parameter_dtype(module), self.cache.device, family
             )
-            HookRegistry.check_if_exists_or_initialize(module).register_hook(hook, TIME_EMBEDDER_HOOK)
+            HookRegistry.check_if_exists_or_initialize(module).register_hook(stand_in, TIME_EMBEDDER_HOOK)
         registry.invalidate_child_registries_cache()
-        self.compiled.wrap()
-
-    def prepare_forward(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Releasable:
-        """The transformer hook's host work for a forward called with ``args`` and ``kwargs`` (returns its hold)."""
-        assert self._transformer_hook is not None
-        return self._transformer_hook.prepare(self.model, args, kwargs)
-
-    def _rows(self, layer: Any) -> torch.Tensor:
-        return self.family.rows_view(self.cache, layer)
+        self.wrap_compiled()
 
     def rebind(self) -> None:
-        """Point the served blocks at the cache's slab again (after the cache moved: new tensors)."""
-        self.blocks.rebind(self._rows)
+        """Point every served owner and output hook at the cache's slab (again, after it moved: new tensors)."""
+        for layer, _, module in self.owners:
+            module.__dict__[ROWS_ATTRIBUTE] = self.family.rows_view(self.cache, layer)
+            module.__dict__[STATE_ATTRIBUTE] = self.state
+        for path in self.hooked:
+            hook = get_hook(self._hooked_output[path], OUTPUT_HOOK) if path in self._hooked_output else None
+            if hook is not None:
+                hook.rows = self.family.rows_view(self.cache, self.hooked[path])
+        self.follow_output()
 
     def forward_wrapped_by_others(self) -> bool:
         """Whether something outside diffusers' hook registry wrapped the transformer's forward after us.
 
-        Removing our hook then would put back the forward from before enabling and silently drop
-        that wrapper (cache-dit replaces ``forward`` this way). Hooks registered after ours through
-        the registry are fine: it relinks them.
+        Removing our hook then would put back the forward from before enabling and silently drop that
+        wrapper (cache-dit replaces ``forward`` this way); hooks registered through the registry are
+        fine: it relinks them.
         """
         order = hook_names(self.model)
-        if not order or order[-1] != TRANSFORMER_HOOK:
-            return False
-        return self.model.__dict__.get("forward") is not self._forward
+        return bool(order) and order[-1] == TRANSFORMER_HOOK and self.model.__dict__.get("forward") is not self._forward
 
     def output_moved(self) -> bool:
         """Whether a hooked projection (``norm_out.linear``) is another module than the one its hook sits on."""
@@ -343,24 +254,58 @@ class ServingHooks:
                 continue
             if hooked is not None:
                 remove_hook(hooked, OUTPUT_HOOK)
+            rows = self.family.rows_view(self.cache, layer)
             HookRegistry.check_if_exists_or_initialize(current).register_hook(
-                AdalnCacheOutputHook(self.cache, self.state, layer, path), OUTPUT_HOOK
+                AdalnCacheOutputHook(rows, self.state, path), OUTPUT_HOOK
             )
             self._hooked_output[path] = current
             moved = True
         if moved:
             HookRegistry.check_if_exists_or_initialize(self.model).invalidate_child_registries_cache()
 
+    def wrap_compiled(self) -> None:
+        """Wrap the model's compiled callable in :class:`EagerPrepare`, if it has one (idempotent)."""
+        compiled = self.model.__dict__.get("_compiled_call_impl")
+        if compiled is not None and not isinstance(compiled, EagerPrepare):
+            self.model._compiled_call_impl = EagerPrepare(compiled, self._serve, self.state)
+
+    def unwrap_compiled(self) -> None:
+        """Put the compiled callable back as ``nn.Module.compile`` left it."""
+        current = self.model.__dict__.get("_compiled_call_impl")
+        if isinstance(current, EagerPrepare):
+            self.model._compiled_call_impl = current.compiled
+
+    def compile_guard(self) -> dict[str, Callable[..., Any]]:
+        """An instance override of ``compile``: compile as asked, then wrap the result."""
+        model, cls = self.model, type(self.model)
+
+        def compile(*args: Any, **kwargs: Any) -> Any:
+            self.unwrap_compiled()
+            result = cls.compile(model, *args, **kwargs)
+            self.wrap_compiled()
+            return result
+
+        return {"compile": compile}
+
     def remove(self) -> None:
-        """Remove every hook registered here (those never registered are skipped)."""
+        """Remove every hook registered here and swap every owner back (those never installed are skipped)."""
         model = self.model
-        self.compiled.unwrap()
+        self.unwrap_compiled()
         remove_hook(model, TRANSFORMER_HOOK)
-        self._transformer_hook = None
-        self.blocks.uninstall()
+        if self._swapped:
+            for _, _, module in self.owners:
+                original = getattr(type(module), "_adalncache_original", None)
+                if original is not None:
+                    module.__class__ = original
+                for name in (ROWS_ATTRIBUTE, STATE_ATTRIBUTE):
+                    module.__dict__.pop(name, None)
+            self._swapped = False
         for hooked in self._hooked_output.values():
             remove_hook(hooked, OUTPUT_HOOK)
         self._hooked_output = {}
         remove_hook(self.family.time_embedder_module(model), TIME_EMBEDDER_HOOK)
         HookRegistry.check_if_exists_or_initialize(model).invalidate_child_registries_cache()
         self.state.clear()
+
+
+__all__ = ["AdalnCacheOutputHook", "AdalnCacheTimeEmbedderHook", "AdalnCacheTransformerHook", "ServingHooks"]

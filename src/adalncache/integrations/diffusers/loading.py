@@ -1,17 +1,16 @@
 """``load_transformer``: a transformer of a supported family built like ``from_pretrained``, minus the projections.
 
-The class comes from the config's ``_class_name`` (MiniMax-H3 when the config names none, as a
-native checkpoint's may not); its family (:mod:`.registry`) says which tensors are served.
 ``enable_adaln_cache`` frees the AdaLN projections (24.2 GiB of MiniMax-H3's bf16 weights, 12.7 GiB
-of Qwen-Image's) of a model that was loaded whole, so the machine must hold the whole model once. This loads every
-tensor *except* the served ones, with diffusers' own steps: the config through ``load_config``,
-the model built on meta under ``no_init_weights`` and ``init_empty_weights`` with the default
-dtype set to ``torch_dtype``, and each tensor placed by ``load_model_dict_into_meta``, which
-applies the stock dtype rule (``torch_dtype``, except the ``_keep_in_fp32_modules``, which stay
-fp32; ``torch_dtype=None`` gives the model's default fp32) and the device placement. The
-projections (and, where the cache stands in for it, the time embedder) go through the same rule
-as *meta* tensors, so their placeholders get exactly the stock dtype while no byte of them is
-read or allocated; the cache reads them from the checkpoint in rebuild passes only.
+of Qwen-Image's) of a model that was loaded whole, so the machine must hold the whole model once.
+This loads every tensor *except* the served ones (the config's ``_class_name`` names the class,
+MiniMax-H3 when it names none; its family which tensors are served), with diffusers' own steps:
+the config through ``load_config``, the model built on meta under ``no_init_weights`` and
+``init_empty_weights`` with the default dtype set to ``torch_dtype``, and each tensor placed by
+``load_model_dict_into_meta``, which applies the stock dtype rule (``torch_dtype``, except the
+``_keep_in_fp32_modules``; ``None`` gives fp32) and the device placement. The projections (and,
+where the cache stands in for it, the time embedder) go through the same rule as *meta* tensors,
+so their placeholders get exactly the stock dtype while no byte of them is read or allocated; the
+cache reads them from the checkpoint in rebuild passes only.
 
 Bytes come from :class:`~adalncache.source.reads.MappedFile`: the files are mapped like torch
 maps them (so each loaded tensor sits where a stock load puts it, modulo the page size) but with
@@ -39,16 +38,13 @@ from typing_extensions import Unpack
 
 from ... import CheckpointSource, families
 from ...errors import CheckpointError, ConfigError
-from ...options import CacheKwargs, option_keywords
+from ...options import CacheKwargs, flag, option_keywords
 from ...source.files import CheckpointFiles, SafetensorsHeader, checkpoint_files
 from ...source.reads import MappedFile
 from ...spec import KeyLayout, Layer, ModulationSpec
-from .config import AdalnCacheConfig, CacheOptions, CheckpointArg, OnMiss
-from .family import DIFFUSERS, DiffusersFamily
-from .handle import enable_transformer
-from .modules import base_linear
+from .family import DIFFUSERS, DiffusersFamily, base_linear, by_name
+from .handle import AdalnCacheConfig, CacheOptions, CheckpointArg, OnMiss, enable_transformer
 from .parking import RESIDUE_BYTES
-from .registry import by_name
 from .sources import CastCheckpointSource, CheckpointMismatchError, NeverLoaded, Source
 
 logger = logging.getLogger(__name__)
@@ -98,15 +94,12 @@ def load_transformer(
 ) -> Any:
     """Load a transformer of a supported family whose AdaLN projections are never loaded, cache enabled.
 
-    The class is the config's ``_class_name`` (``MiniMaxH3Transformer3DModel`` when it names none,
-    ``QwenImageTransformer2DModel``, ...; a class whose modulation depends on the prompt is refused
-    with ``ConfigError``). The result is what ``cls.from_pretrained(path, subfolder=...,
-    torch_dtype=..., device_map=...)`` followed by ``enable_adaln_cache`` gives (same config,
-    dtypes, device and outputs, bit for bit), except that no served weight (MiniMax-H3: every
-    block's ``adaln_proj.linear``; Qwen-Image: every block's ``img_mod.1`` and ``txt_mod.1``; and
-    ``norm_out.linear``, and the time embedder where the cache stands in for it) is read from disk
-    or allocated on any device: they are meta placeholders, read from the
-    checkpoint only by the cache's rebuild passes. ``adaln_cache_handle(model)`` gives the handle.
+    The result is what ``cls.from_pretrained(path, subfolder=..., torch_dtype=..., device_map=...)``
+    followed by ``enable_adaln_cache`` gives (same config, dtypes, device and outputs, bit for bit),
+    except that no served weight (and no time embedder where the cache stands in for it) is read from
+    disk or allocated on any device: they are meta placeholders, read from the checkpoint only by the
+    cache's rebuild passes. ``adaln_cache_handle(model)`` gives the handle; a class whose modulation
+    depends on the prompt is refused with ``ConfigError``.
 
     Args:
         path: a local directory holding the transformer's ``config.json`` and its safetensors
@@ -133,28 +126,21 @@ def load_transformer(
             ``"interleaved"``; ``None``: interleaved for a sharded native checkpoint (the order of
             the MiniMax release shards), stacked for a single native file (that of the published
             single files). Not used for the diffusers layout.
-        on_miss: as for :func:`~adalncache.diffusers.enable_adaln_cache`.
+        on_miss, overlap: as for :func:`~adalncache.diffusers.enable_adaln_cache` (a pipeline this
+            transformer joins keeps them).
         free_time_embedder: ``None`` (the default) or ``True``: the time embedder is not loaded
             either (the cache reads it from the checkpoint in its passes); ``True`` requires the
             serving checkpoint to hold it. ``False`` loads it like any other weight.
-        overlap: as for :func:`~adalncache.diffusers.enable_adaln_cache`, for the pipeline this
-            transformer joins (``enable_adaln_cache(pipe)`` keeps this transformer's settings).
         {cache options}
 
-    The cache's options (above, from :class:`adalncache.options.CacheOptions`) are those of
-    ``enable_adaln_cache``; the cache lives where ``device_map`` puts the model. ``tables``: plans
-    the files hold are served with no pass; the model's files serve every other plan (the
-    projections are never loaded either way). When the model files hold no projection at all (a
-    download that left them out) and ``checkpoint`` is None, the files are all there is: plans
+    The cache lives where ``device_map`` puts the model. ``tables``: plans the files hold are served
+    with no pass, the model's files serve the rest; when the model files hold no projection at all (a
+    download that left them out) and ``checkpoint`` is None, the table files are all there is: plans
     they lack raise ``PlanNotCachedError``, and ``disable()`` cannot bring projections back.
 
-    Raises:
-        ConfigError: a bad argument, named with the fix (a path without a transformer config, an
-            unknown dtype, a splitting device map, a cache option out of range).
-        CheckpointMismatchError: the checkpoint's projections do not fit the config (missing,
-            misshapen, another dtype than the model files').
-        CheckpointError: a model file is malformed, lacks tensors the model needs, or changed on
-            disk during the load.
+    Raises ``ConfigError`` for a bad argument, named with the fix; ``CheckpointMismatchError`` for a
+    checkpoint whose projections do not fit the config; ``CheckpointError`` for a model file that is
+    malformed, lacks tensors the model needs, or changed on disk during the load.
     """
     cache_options = CacheOptions.of(options, where="load_transformer()")
     directory = _model_directory(path, subfolder)
@@ -319,7 +305,7 @@ def _source_of(
     """
     if tables_only:
         return None, _tables_only_time_embedder(free_time_embedder)
-    source_arg = "checkpoint= (CLI --checkpoint)" if checkpoint is not None else "path="
+    source_arg = f"checkpoint= (CLI {flag('checkpoint')})" if checkpoint is not None else "path="
     source = _serving_source(checkpoint if checkpoint is not None else plan.files.files, spec, layout, source_arg)
     names = list(_time_embedder_keys(source.layout, plan.model_layout, plan.time_embedder))
     free = _decide_time_embedder(free_time_embedder, source, names, source_arg)

@@ -1,41 +1,77 @@
-"""What is MiniMax-H3's in the integration: its :class:`~.family.DiffusersFamily` (:data:`FAMILY`).
+"""What is MiniMax-H3's in the integration: its :class:`~.family.DiffusersFamily` (:data:`FAMILY`), its
+modular pipeline's prepare block, and what diffusers' block-level step caches need to know of it.
 
 * **the served modules**: every block's ``adaln_proj.linear`` and ``norm_out.linear``; their
-  module paths are the prefixes of the diffusers key layout (:data:`DIFFUSERS_LAYOUT`). Every
+  module paths are the prefixes of the family's diffusers key layout. Every
   block's ``adaln_proj`` is served by a class swap whose forward returns the block's six
-  modulation tensors (:func:`.compile._served_forward`), ``norm_out.linear`` by a hook;
+  modulation tensors (:func:`_served_forward`), ``norm_out.linear`` by a hook;
+* **upstream of them**: ``time_proj`` and ``time_embedder``;
 * **their input** (:meth:`MiniMaxH3.embed`): ``silu(time_embedder(time_proj(timestep)))`` cast to
   the projections' dtype, computed as the stock forward computes it;
 * **a forward's plan** (:meth:`MiniMaxH3.forward_plan`): the ``timestep`` tensor the forward
-  receives, 1-D float32, one entry per distinct timestep of the step.
+  receives, 1-D float32, one entry per distinct timestep of the step;
+* **the modular pipeline**: a block named ``adaln_cache_prepare`` (:class:`AdalnCachePrepareStep`)
+  sits in front of each denoise loop's denoiser and, at step 0, hands the request's whole
+  ``row_timestep_plan`` to that denoiser's transformer's request (``transformer`` and
+  ``transformer_ref`` each have their own cache), so every step's plan is built in one pass before
+  any step runs; the call's end releases it. Its schedule is predicted from the call's arguments too
+  (:func:`predicted_plans`, for ``overlap=True``);
+* **step caches**: diffusers' first-block cache, MagCache and SeaCache skip whole blocks and find out
+  what a block returns from a registry of block classes, which diffusers 0.42 keeps private and
+  where it does not register ``MiniMaxH3TransformerBlock``: :func:`register_minimax_h3_block` does,
+  checking the registry is the one it was written against; SeaCache's spectral indicator needs the
+  generated video as latents, which :func:`minimax_h3_raw_vision` reads off the transformer's own
+  inputs. A block a step cache skips never calls its ``adaln_proj``, and every forward still runs
+  (``norm_out`` needs its plan), so the cache builds exactly the request's plans.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
+import logging
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from diffusers.modular_pipelines.modular_pipeline import LoopSequentialPipelineBlocks, ModularPipelineBlocks
+from diffusers.modular_pipelines.modular_pipeline_utils import InputParam, OutputParam
 from torch import nn
 
 from ...errors import ConfigError, PlanError
 from ...families import minimax_h3 as core
-from ...spec import LAYOUTS, Layer, ModulationSpec
-from .calls import pipeline_class
-from .compile import _served_forward
-from .family import DiffusersFamily, ServedForward, timestep_argument
-from .modules import bypassing_hooks, stock_dtype
+from ...spec import FINAL, Layer, ModulationSpec
+from .compat import CHECKED_DIFFUSERS, block_registry
+from .family import (
+    ROWS_ATTRIBUTE,
+    STATE_ATTRIBUTE,
+    DiffusersFamily,
+    ServedForward,
+    bypassing_hooks,
+    forward_argument,
+    gather_rows,
+    register,
+    stock_dtype,
+    timestep_argument,
+)
+from .handle import adaln_cache_handle
+from .request import pipeline_class
 
-#: The diffusers layout: its prefixes are the projections' module paths inside the transformer.
-DIFFUSERS_LAYOUT = LAYOUTS["diffusers"]
+logger = logging.getLogger(__name__)
 
-#: The attribute holding the transformer's blocks.
-BLOCKS = "transformer_blocks"
-
-#: The time embedder and its two linears, whose LoRA (if any) also shapes what the projections see.
+#: The time embedder (the module whose output is ``temb``).
 TIME_EMBEDDER = "time_embedder"
-TIME_EMBEDDER_LINEARS = ("linear_1", "linear_2")
+
+#: Name of the block inserted in front of each loop denoiser.
+PREPARE_BLOCK = "adaln_cache_prepare"
+
+
+def _served_forward(self: Any, temb: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``adaln_proj(temb)`` served from the slab: ``Y.view(-1, 6H).chunk(6, -1)`` of the resident ``Y``
+    (``temb`` only gives the number of timesteps: one row per timestep of the plan)."""
+    rows = gather_rows(self.__dict__[ROWS_ATTRIBUTE], self.__dict__[STATE_ATTRIBUTE], temb.shape[0], "adaln_proj")
+    chunks: tuple[torch.Tensor, ...] = rows.reshape(-1, 6 * self.hidden_size).chunk(6, dim=-1)
+    return chunks
 
 
 class MiniMaxH3(DiffusersFamily):
@@ -52,7 +88,39 @@ class MiniMaxH3(DiffusersFamily):
 
     def rows_view(self, cache: Any, layer: Layer) -> torch.Tensor:
         # A per-block view of the block's rows: (P, W, block_width), the same strides for every block.
+        if layer == FINAL:
+            return cache.served_part("final")
         return cache.served_part("block").select(2, int(layer))
+
+    def upstream_modules(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
+        return [("time_proj", model.get_submodule("time_proj")), (TIME_EMBEDDER, model.get_submodule(TIME_EMBEDDER))]
+
+    def attach_pipeline(self, pipeline: Any) -> Callable[[], None] | None:
+        """The prepare block in front of the denoiser of every denoise loop of a modular pipeline."""
+        blocks = getattr(pipeline, "_blocks", None)
+        if blocks is None:
+            return None
+        inserted = []
+        for loop in denoise_loops(blocks):
+            if PREPARE_BLOCK in loop.sub_blocks:
+                continue
+            names = list(loop.sub_blocks)
+            index, denoiser = next(
+                (i, loop.sub_blocks[name])
+                for i, name in enumerate(names)
+                if hasattr(loop.sub_blocks[name], "transformer_name")
+            )
+            loop.sub_blocks.insert(
+                PREPARE_BLOCK, AdalnCachePrepareStep(transformer_name=denoiser.transformer_name), index
+            )
+            inserted.append(loop)
+
+        def remove() -> None:
+            for loop in inserted:
+                if PREPARE_BLOCK in loop.sub_blocks:
+                    del loop.sub_blocks[PREPARE_BLOCK]
+
+        return remove
 
     def embed(self, model: Any, spec: ModulationSpec, plan: torch.Tensor, device: torch.device) -> torch.Tensor:
         """The projections' exact input for ``plan``, computed as the stock forward computes it.
@@ -91,7 +159,64 @@ class MiniMaxH3(DiffusersFamily):
 
 
 #: The one instance the registry serves MiniMax-H3 models with.
-FAMILY = MiniMaxH3()
+FAMILY = register(MiniMaxH3())
+
+
+class AdalnCachePrepareStep(ModularPipelineBlocks):
+    """Denoise-loop block that hands a request's whole ``row_timestep_plan`` to its transformer at step 0.
+
+    Inserted in front of each MiniMax-H3 loop denoiser by ``enable_adaln_cache(pipe)``: the call's request
+    then holds every step's plan (at most one rebuild pass, or a background pass with ``overlap=True``
+    that adopts the call's predicted one), so no step waits on a build; the call's end releases them. A
+    transformer without an enabled cache makes it a no-op.
+    """
+
+    model_name = "minimax-h3"  # type: ignore[assignment]  # diffusers declares it None on the base class
+
+    def __init__(self, transformer_name: str = "transformer") -> None:
+        self.transformer_name = transformer_name
+        super().__init__()
+
+    @property
+    def description(self) -> str:
+        return (
+            "Builds the AdaLN tables of every step of the request in one pass before the first denoising "
+            "step (adalncache)."
+        )
+
+    @property
+    def inputs(self) -> list[InputParam]:
+        return [
+            InputParam(
+                name="row_timestep_plan",
+                type_hint=list,
+                required=True,
+                description="One `(timestep, timestep_indices)` pair per step.",
+            ),
+            InputParam.template("attention_kwargs"),
+        ]
+
+    @property
+    def intermediate_outputs(self) -> list[OutputParam]:
+        return []
+
+    @torch.no_grad()
+    def __call__(self, components: Any, block_state: Any, i: int, t: torch.Tensor) -> tuple[Any, Any]:
+        if i == 0:
+            handle = adaln_cache_handle(getattr(components, self.transformer_name, None))
+            if handle is not None:
+                handle.requests.schedule(block_state.row_timestep_plan, block_state.attention_kwargs)
+        return components, block_state
+
+
+def denoise_loops(blocks: Any) -> Iterator[LoopSequentialPipelineBlocks]:
+    """Every loop block in a block tree whose sub-blocks include a MiniMax-H3 loop denoiser."""
+    if isinstance(blocks, LoopSequentialPipelineBlocks):
+        if any(hasattr(block, "transformer_name") for block in blocks.sub_blocks.values()):
+            yield blocks
+        return
+    for block in getattr(blocks, "sub_blocks", {}).values():
+        yield from denoise_loops(block)
 
 
 def predicted_plans(pipeline: Any, call: Mapping[str, Any], component: str) -> list[torch.Tensor] | None:
@@ -157,4 +282,91 @@ def projection_dtype(model: nn.Module, spec: ModulationSpec) -> torch.dtype:
     return dtypes.pop()
 
 
-__all__ = ["DIFFUSERS_LAYOUT", "FAMILY", "MiniMaxH3", "is_minimax_h3_transformer"]
+#: The diffusers release series (major.minor) the block registration was tested with.
+TESTED_DIFFUSERS = ".".join(CHECKED_DIFFUSERS.split(".")[:2])
+
+#: What the registry's metadata must offer for the registration below to mean what it says.
+_METADATA_FIELDS = {"return_hidden_states_index", "return_encoder_hidden_states_index", "hidden_states_argument_name"}
+
+
+def register_minimax_h3_block() -> bool:
+    """Register ``MiniMaxH3TransformerBlock`` with diffusers' block registry; True if it was not yet there.
+
+    After this, ``FirstBlockCacheConfig``, ``MagCacheConfig`` and ``SeaCacheConfig`` accept a
+    ``MiniMaxH3Transformer3DModel`` in ``enable_cache``. The block takes ``hidden_states`` first and
+    returns them as a plain tensor (no ``encoder_hidden_states``: text rows are part of the packed
+    sequence). The registry is private to diffusers; a diffusers whose registry looks different
+    raises ``ConfigError`` instead of registering something wrong.
+    """
+    import diffusers
+    from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3TransformerBlock
+
+    version = diffusers.__version__
+
+    TransformerBlockRegistry, TransformerBlockMetadata = block_registry()  # ConfigError where it moved
+    fields = {field.name for field in dataclasses.fields(TransformerBlockMetadata)}
+    if not fields >= _METADATA_FIELDS or not callable(getattr(TransformerBlockRegistry, "register", None)):
+        raise ConfigError(
+            f"diffusers {version}'s block registry is not the one register_minimax_h3_block() was written for "
+            f"(tested with diffusers {TESTED_DIFFUSERS}); the block-level step caches cannot be taught "
+            "the MiniMax-H3 block this way"
+        )
+    try:
+        TransformerBlockRegistry.get(MiniMaxH3TransformerBlock)
+        return False  # already registered (by diffusers itself, or an earlier call)
+    except ValueError:
+        pass
+    if ".".join(version.split(".")[:2]) != TESTED_DIFFUSERS:
+        logger.warning(
+            "register_minimax_h3_block(): diffusers %s is not a version this registration was tested with (%s); "
+            "its block registry is private to diffusers",
+            version,
+            TESTED_DIFFUSERS,
+        )
+    metadata: Any = TransformerBlockMetadata  # diffusers annotates the index as int, None included
+    TransformerBlockRegistry.register(
+        MiniMaxH3TransformerBlock, metadata(return_hidden_states_index=0, return_encoder_hidden_states_index=None)
+    )
+    return True
+
+
+def minimax_h3_raw_vision(module: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[torch.Tensor] | None:
+    """SeaCache's ``raw_vision_callback`` for MiniMax-H3: the generated video rows as one ``(C, T, H, W)`` latent.
+
+    The packed video rows arrive as ``hidden_states`` ``(1, rows, C)`` in the order of
+    ``video_indices``. The generated ones are those at the generated video's timestep (the last
+    video row's ``timestep_indices`` entry): keyframes and reference images ride at their own
+    noise level and are left out. They come frame after frame, each frame ``H * W`` rows with one
+    rotary time coordinate; their ``(h, w)`` coordinates give the grid. Returns None (SeaCache
+    then runs without skipping) when the inputs do not look like that.
+    """
+    names = ("hidden_states", "position_ids", "video_indices", "timestep_indices")
+    hidden, positions, video, timestep_indices = (forward_argument(module, name, args, kwargs) for name in names)
+    if not all(isinstance(t, torch.Tensor) for t in (hidden, positions, video, timestep_indices)):
+        return None
+    if hidden.dim() != 3 or hidden.shape[0] != 1 or hidden.shape[1] != video.numel() or video.numel() == 0:
+        return None
+    steps = timestep_indices.index_select(0, video).cpu()
+    generated = torch.nonzero(steps == steps[-1]).flatten()
+    coords = positions.index_select(0, video).cpu().index_select(0, generated)
+    times = coords[:, 0]
+    frame_starts = torch.nonzero(torch.cat([torch.ones(1, dtype=torch.bool), times[1:] != times[:-1]])).flatten()
+    counts = torch.diff(torch.cat([frame_starts, torch.tensor([times.numel()])]))
+    frames = frame_starts.numel()
+    rows_per_frame = int(counts[0])
+    if not bool((counts == rows_per_frame).all()) or (frames > 1 and not bool((times[frame_starts].diff() > 0).all())):
+        return None
+    grid = coords[:rows_per_frame, 1:]
+    heights, widths = torch.unique(grid[:, 0]), torch.unique(grid[:, 1])
+    if heights.numel() * widths.numel() != rows_per_frame:
+        return None
+    rows = hidden[0].index_select(0, generated.to(hidden.device))
+    # Rows within a frame in (h, w) order, whatever order the layout packed them in.
+    cell = torch.searchsorted(heights, grid[:, 0].contiguous()) * widths.numel() + torch.searchsorted(
+        widths, grid[:, 1].contiguous()
+    )
+    ordered = rows.view(frames, rows_per_frame, -1)[:, torch.argsort(cell).to(hidden.device)]
+    return [ordered.reshape(frames, heights.numel(), widths.numel(), -1).permute(3, 0, 1, 2)]
+
+
+__all__ = ["FAMILY", "AdalnCachePrepareStep", "minimax_h3_raw_vision", "register_minimax_h3_block"]

@@ -14,7 +14,11 @@ straight from the checkpoint.
 
 Restoring is bit-exact, alignment included: on CPU an fp32 GEMV with a single row (M=1) gives
 different bits for the same weight at a different address modulo 16 bytes, so a weight that comes
-back from a copy or a file is placed at the address the original had, modulo 64.
+back from a copy or a file is placed at the address the original had, modulo 64. Weights read back
+from the checkpoint are hashed as they are read and checked against the content digest held for
+it (:class:`~adalncache.identity.binding.CheckedRead`): a rewrite no ``stat`` can see (a write
+through a shared mapping to a dirty page) is refused with ``CheckpointError`` before anything is
+put back, never restored.
 
 ``state_dict()`` on a parked module carries the real weights (``save_pretrained`` must never write
 a model without its projections): tensors read back from a checkpoint are lazy views of the file
@@ -35,11 +39,12 @@ import torch
 from torch import nn
 
 from ...errors import ConfigError
+from ...identity.binding import CheckedRead
 from ...source.reads import ALIGNMENT, MappedFile, aligned_empty
 from ...spec import Layer
-from .modules import swapped_parameters
+from .family import swapped_parameters
 from .quantized import is_plain_tensor
-from .sources import HostTensors, Source, read_layers, source_key
+from .sources import HostTensors, Source, source_key
 
 #: Alignment window the restored weights keep: 64 bytes covers the 16 that change GEMV bits on CPU.
 RESIDUE_BYTES = ALIGNMENT
@@ -86,9 +91,10 @@ def _as_function(method: Callable[..., Any]) -> Callable[..., Any]:
 class WeightParking:
     """The parameters parked off one model, and everything needed to bring them back.
 
-    ``park`` replaces them with meta placeholders and installs the state_dict hooks; ``restore``
-    puts the originals back bit-exactly and removes the hooks. In between, ``time_embedder_loan``
-    lends the time embedder's real weights to a build, ``standing_in`` lends zero-stride stand-ins
+    ``park`` replaces them with meta placeholders and installs the state_dict hooks; ``read_back``
+    gets the originals without changing anything, ``put_back`` puts them in place bit-exactly and
+    removes the hooks. In between, :class:`TimeEmbedderLoan` lends the time embedder's real weights
+    to a build, ``standing_in`` lends zero-stride stand-ins
     on the model's device to a LoRA load, ``at_model_residue`` aligns a weight from the source
     like the model's own, and ``moved_to`` records that the model now keeps its weights elsewhere.
     """
@@ -189,24 +195,25 @@ class WeightParking:
             self._hook_handles.append(base.register_state_dict_post_hook(_as_function(self._state_dict_hook)))
             self._hook_handles.append(base.register_load_state_dict_pre_hook(_as_function(self._load_state_dict_hook)))
 
-    def restore(self) -> None:
-        """Remove the state_dict hooks and put every parked parameter back, bit-exactly."""
-        for handle in self._hook_handles:
-            handle.remove()
-        self._hook_handles.clear()
-        # Source-backed projections are read back in one streaming pass (verified equal at enable).
-        # Freed ones (a source without weights: table files only) keep their meta placeholders.
+    def read_back(self, held: str | None = None) -> list[tuple[ParkedParam, nn.Parameter]]:
+        """Every parked parameter's real tensor, on its device at its residue, without touching the model.
+
+        Source-backed projections are read back in one streaming pass, hashed and checked against
+        ``held`` (the content digest held for the source; ``None``: not checked): a mismatch raises
+        ``CheckpointError`` after the last layer, before anything is put back. Freed ones (a source
+        without weights: table files only) keep their meta placeholders.
+        """
         freed = self.freed
         reread: dict[tuple[Layer, str], torch.Tensor] = {}
         # In the order they were parked: the spec's pass order (layers may be module paths).
         layers = list(dict.fromkeys(p.layer for p in self.parked if p.original is None and p.layer is not None))
-        layers = [] if freed else layers
-        if layers:
+        if layers and not freed:
             assert self._source is not None
-            for layer, weight, bias in read_layers(self._source, layers):
-                reread[(layer, "weight")] = weight
-                if bias is not None:  # a layer without a bias parked none
-                    reread[(layer, "bias")] = bias
+            every = set(layers) == set(self._source.spec.layers())
+            for weights in CheckedRead(self._source, held if every else None).layers(layers):
+                reread[(weights.layer, "weight")] = weights.weight
+                if weights.bias is not None:  # a layer without a bias parked none
+                    reread[(weights.layer, "bias")] = weights.bias
         restored: list[tuple[ParkedParam, nn.Parameter]] = []
         for parked in self.parked:
             if parked.original is None and freed:
@@ -228,7 +235,13 @@ class WeightParking:
                     tensor = source_tensor.to(parked.device)  # a quantized tensor has no address to reproduce
             param = tensor if isinstance(tensor, nn.Parameter) else nn.Parameter(tensor, parked.requires_grad)
             restored.append((parked, param))
-        # Nothing is changed on the model until every tensor is back in hand.
+        return restored
+
+    def put_back(self, restored: list[tuple[ParkedParam, nn.Parameter]]) -> None:
+        """Remove the state_dict hooks and put what :meth:`read_back` returned in place, bit-exactly."""
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles.clear()
         for parked, param in restored:
             parked.module.__dict__.pop(parked.name, None)
             parked.module._parameters[parked.name] = param
@@ -243,6 +256,11 @@ class WeightParking:
         self._residues.clear()
         self._maps.clear()
         self.time_embedder_parked = False
+
+    def placeholders(self, module: nn.Module) -> dict[str, nn.Parameter]:
+        """The placeholders parked on ``module``, by parameter name (a loan moves them aside for a
+        build; these records do not move, so a signature read meanwhile still sees them)."""
+        return {p.name: p.placeholder for p in self.parked if p.module is module}
 
     @property
     def freed(self) -> bool:
@@ -286,14 +304,6 @@ class WeightParking:
         copy = aligned_empty(tensor.shape, tensor.dtype, residue, device=tensor.device)
         copy.copy_(tensor)
         return copy
-
-    def time_embedder_loan(self, device: torch.device, linears: Sequence[nn.Module] = ()) -> TimeEmbedderLoan:
-        """A context in which ``take()`` gives the time embedder real weights on ``device`` until exit.
-
-        ``linears``: the time embedder's base linears, whose registered weights are lent as copies
-        when they are kept on another device (group offloading keeps them on its offload device).
-        """
-        return TimeEmbedderLoan(self, device, linears)
 
     @contextlib.contextmanager
     def standing_in(self) -> Iterator[None]:
@@ -399,7 +409,8 @@ class TimeEmbedderLoan:
 
     The build's ``embed`` runs the time embedder's own forward; taking the weights lazily means a
     build that hits every plan costs no copy. Parked weights come from their host copy or the
-    source; weights the model keeps on another device than the build's are lent as copies.
+    source; weights the model keeps on another device than the build's (``linears``: the time
+    embedder's base linears; group offloading keeps them on its offload device) are lent as copies.
     """
 
     def __init__(self, parking: WeightParking, device: torch.device, linears: Sequence[nn.Module] = ()) -> None:

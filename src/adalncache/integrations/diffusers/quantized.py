@@ -20,6 +20,14 @@ computes from those tensors. So for such a model:
 
 Detection looks at the classes of the module and of its weight (``model.hf_quantizer`` is unset
 after a manual ``quantize_``) and never imports a quantization library itself.
+
+Layerwise casting applied *after* enabling would only reach the meta placeholders while the tables
+keep the uncast weights, a silent difference. ``model.enable_layerwise_casting(...)`` is therefore
+guarded (disable, cast the restored weights, enable again, :func:`casting_guard`); the free function
+``diffusers.hooks.apply_layerwise_casting(model, ...)`` cannot be guarded, so a casting hook that
+appears on a served module is refused at the next forward or prepare (:func:`new_casting`), and
+``disable()`` then casts the restored weights the way the hook would have at registration
+(:func:`settle_casting`), so the model is the cast model.
 """
 
 from __future__ import annotations
@@ -32,11 +40,10 @@ import torch
 from torch import nn
 
 from ... import TensorSource
-from ...errors import ConfigError
+from ...errors import AdalnCacheError, ConfigError
+from ...options import flag
 from ...spec import Layer, ModulationSpec
-from .family import diffusers_layout
-from .modules import base_linear, casting_hook
-from .registry import family_of
+from .family import base_linear, casting_hook, diffusers_layout, family_of
 from .sources import HostTensors
 
 #: Module prefixes of the classes each library quantizes with, and the name messages use.
@@ -46,9 +53,6 @@ _LIBRARIES = (
     ("diffusers.quantizers.gguf", "gguf"),
     ("bitsandbytes", "bitsandbytes"),
 )
-
-#: Values of ``quantized_projections``.
-QUANTIZED_PROJECTIONS = ("model", "checkpoint")
 
 
 def is_plain_tensor(tensor: Any) -> bool:
@@ -272,7 +276,7 @@ def check_storage_options(
     if quantized_projections == "checkpoint" and checkpoint is None:
         raise ConfigError(
             "quantized_projections='checkpoint' serves full-precision tables from an unquantized checkpoint, so it "
-            "needs checkpoint= (CLI --checkpoint): pass the file the model was quantized from"
+            f"needs checkpoint= (CLI {flag('checkpoint')}): pass the file the model was quantized from"
         )
     if not storage.opaque:
         return
@@ -287,22 +291,22 @@ def check_storage_options(
         )
     if checkpoint is not None and quantized_projections != "checkpoint":
         raise ConfigError(
-            f"checkpoint= (CLI --checkpoint) holds full-precision projections but the model's AdaLN projections are "
-            f"{what}; tables from the checkpoint would not equal this model. Pass checkpoint=None to serve the "
-            "model's own projections, or quantized_projections='checkpoint' to serve full-precision tables from "
-            "the checkpoint on purpose (the AdaLN projections then compute unquantized, the rest of the model "
-            "stays as loaded)"
+            f"checkpoint= (CLI {flag('checkpoint')}) holds full-precision projections but the model's AdaLN "
+            f"projections are {what}; tables from the checkpoint would not equal this model. Pass checkpoint=None to "
+            "serve the model's own projections, or quantized_projections='checkpoint' to serve full-precision "
+            "tables from the checkpoint on purpose (the AdaLN projections then compute unquantized, the rest of the "
+            "model stays as loaded)"
         )
     if quantized_projections == "model" and precision != "match":
         raise ConfigError(
-            f"precision={precision!r} (CLI --precision) recomputes the projections in fp32 from their weights, but the "
-            f"model's AdaLN projections are {what} and only their own forward computes what the model does; "
-            "use precision='match'"
+            f"precision={precision!r} (CLI {flag('precision')}) recomputes the projections in fp32 from their "
+            f"weights, but the model's AdaLN projections are {what} and only their own forward computes what the "
+            "model does; use precision='match'"
         )
     if shard == "columns" and process_group is not None:
         raise ConfigError(
-            f"shard='columns' (CLI --shard) slices each projection's weight across ranks, but the AdaLN projections "
-            f"are {what}; use shard='layers'"
+            f"shard='columns' (CLI {flag('shard')}) slices each projection's weight across ranks, but the AdaLN "
+            f"projections are {what}; use shard='layers'"
         )
     if "bitsandbytes" in storage.quantized and device.type != "cpu":
         raise ConfigError(
@@ -310,3 +314,72 @@ def check_storage_options(
             "bitsandbytes parameters to the host and back re-quantizes them); keep the AdaLN projections out of "
             "quantization (BitsAndBytesConfig(llm_int8_skip_modules=['adaln_proj', 'norm_out'])) or run on CPU"
         )
+
+
+# -- layerwise casting applied while enabled (module docstring) --------------------------------------
+
+
+def casting_compute_dtype(module: Any) -> Any:
+    """The compute dtype of the casting hook on ``module``'s linear, or None.
+
+    A rebuild pass runs the projection beneath every hook (:func:`~.modules.bypassing_hooks`), so
+    it applies the cast itself: the hook's pre-forward is ``module.to(dtype=compute_dtype)``, the
+    same ``Tensor.to`` of each parameter.
+    """
+    hook = casting_hook(module)
+    return hook.compute_dtype if hook is not None else None
+
+
+def casting_paths(named: Sequence[tuple[str, Any]]) -> frozenset[str]:
+    """The paths among ``named`` (``(path, module)`` pairs) whose linear carries a casting hook."""
+    return frozenset(path for path, module in named if casting_hook(module) is not None)
+
+
+def new_casting(named: Sequence[tuple[str, Any]], at_enable: frozenset[str]) -> None:
+    """Refuse a casting hook added to a served module since enabling (the tables would not be cast)."""
+    added = sorted(casting_paths(named) - at_enable)
+    if added:
+        raise ConfigError(
+            f"layerwise casting was applied to {', '.join(added[:3])}{' ...' if len(added) > 3 else ''} while the "
+            "AdaLN cache serves them, so the tables no longer match the cast model; call handle.disable() (the "
+            "casting then applies to the restored weights) and enable the cache again, or cast with "
+            "model.enable_layerwise_casting(...), which re-enables the cache for you"
+        )
+
+
+def settle_casting(named: Sequence[tuple[str, Any]], at_enable: frozenset[str]) -> None:
+    """Cast restored weights the way a casting hook added while enabled would have cast them.
+
+    The hook casts its module to the storage dtype when it is registered; registered on a
+    placeholder, that cast reached nothing real.
+    """
+    for path, module in named:
+        if path in at_enable:
+            continue
+        hook = casting_hook(module)
+        if hook is not None:
+            base_linear(module).to(dtype=hook.storage_dtype, non_blocking=hook.non_blocking)
+
+
+def casting_guard(
+    model: Any, *, disable: Callable[[], None], enable_again: Callable[[], None]
+) -> dict[str, Callable[..., Any]]:
+    """An instance override of ``enable_layerwise_casting``: disable, cast the real weights, enable again.
+
+    Cast while served, only the placeholders would change; the tables would keep the uncast weights.
+    """
+    cls: Any = type(model)
+
+    def enable_layerwise_casting(*args: Any, **kwargs: Any) -> Any:
+        disable()
+        result = cls.enable_layerwise_casting(model, *args, **kwargs)
+        try:
+            enable_again()
+        except AdalnCacheError as exc:
+            raise ConfigError(
+                f"layerwise casting was applied, but the AdaLN cache could not be enabled again: {exc}; the cache "
+                "is now disabled"
+            ) from exc
+        return result
+
+    return {"enable_layerwise_casting": enable_layerwise_casting}

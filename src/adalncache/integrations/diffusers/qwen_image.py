@@ -33,16 +33,18 @@ from ...families import qwen_image as core
 from ...families.qwen_image import forward_plan_of, pipeline_timesteps, schedule_timesteps
 from ...geometry import TIMESTEP
 from ...spec import Layer, ModulationSpec
-from .calls import pipeline_class
-from .family import DiffusersFamily, timestep_argument
-from .modules import (
+from .family import (
+    DiffusersFamily,
     bypassing_hooks,
     cast_as_layerwise,
     device_of,
     execution_device,
     forward_argument,
+    register,
     stock_dtype,
+    timestep_argument,
 )
+from .request import pipeline_class
 
 
 class QwenImage(DiffusersFamily):
@@ -54,6 +56,10 @@ class QwenImage(DiffusersFamily):
     def swapped_layers(self, spec: ModulationSpec) -> list[Layer]:
         """Every block's ``img_mod.1`` and ``txt_mod.1``: their ``Sequential`` owners are class-swapped."""
         return [layer for layer in spec.layers() if str(layer).startswith(f"{self.blocks}.")]
+
+    def upstream_modules(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
+        """``time_text_embed``: its ``time_proj``, timestep embedder and (Layered) ``addition_t_embedding``."""
+        return [(self.time_embedder, model.get_submodule(self.time_embedder))]
 
     def stand_in(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[int, torch.dtype | None]:
         """``time_text_embed(timestep, hidden_states, ...)`` has one row per timestep, in ``hidden_states``' dtype."""
@@ -223,6 +229,6 @@ def compute_dtype(model: Any, device: torch.device | None = None) -> torch.dtype
 
 
 #: The one instance the registry serves Qwen-Image models with.
-FAMILY = QwenImage()
+FAMILY = register(QwenImage())
 
 __all__ = ["FAMILY", "QwenImage", "compute_dtype"]

@@ -3,7 +3,8 @@
 Without a checkpoint the model's own projection tensors (moved to host memory when the model runs
 elsewhere) become a :class:`~adalncache.TensorSource`. With one, the checkpoint must hold exactly
 the model's projections: a fine-tune or a fused LoRA served from the base file would give wrong
-outputs silently, so enabling streams it once, layer by layer, and compares bit for bit.
+outputs silently, so enabling streams it once, layer by layer, compares bit for bit, and keeps the
+content digest of what it read (``disable()`` checks the bytes it reads back against it).
 """
 
 from __future__ import annotations
@@ -19,13 +20,13 @@ from ... import AdalnCache, CheckpointSource, TensorSource
 from ...devices import HostBuffer, host_tensor_like
 from ...errors import CheckpointError, ConfigError
 from ...identity import DigestSink
+from ...identity.binding import CheckedRead
+from ...options import flag
 from ...source import Columns, LayerWeights, WeightSource
-from ...source.files import SafetensorsHeader, TensorEntry
 from ...source.memory import NoWeights
 from ...spec import KeyLayout, Layer, ModulationSpec
 from ...tiers.tables import TablesArg, TablesTier
-from .family import diffusers_layout, projection_path
-from .modules import base_linear
+from .family import base_linear, diffusers_layout, projection_path
 
 
 class CastCheckpointSource:
@@ -54,26 +55,10 @@ class CastCheckpointSource:
     def bytes_read(self, value: int) -> None:
         self.source.bytes_read = value
 
-    @property
-    def fingerprint(self) -> str:
-        return self.source.fingerprint
-
-    @property
-    def files(self) -> list[Any]:
-        return list(self.source.files)
-
-    def refresh(self) -> bool:
-        return self.source.refresh()
-
-    def changed_files(self) -> list[Any]:
-        """The wrapped checkpoint's files rewritten or replaced since validated (a build checks around its pass)."""
-        return self.source.changed_files()
-
-    def entry(self, name: str) -> tuple[SafetensorsHeader, TensorEntry]:
-        return self.source.entry(name)
-
-    def read_tensor(self, name: str) -> torch.Tensor:
-        return self.source.read_tensor(name)
+    def __getattr__(self, name: str) -> Any:
+        """Everything but the projections' dtype is the wrapped checkpoint's: its fingerprint, files,
+        headers, ``rehash``, time-embedder reads (``read_tensor``), its refresh and change checks."""
+        return getattr(self.__dict__["source"], name)
 
     def stream(
         self,
@@ -128,14 +113,6 @@ HostTensors = dict[tuple[Layer, str], torch.Tensor]
 class CheckpointMismatchError(ConfigError, CheckpointError):
     """The checkpoint given to enable_adaln_cache cannot serve this model (a ConfigError and a
     CheckpointError: the setting is wrong because the file does not fit)."""
-
-
-def read_layers(source: Source, layers: Sequence[Layer]) -> Iterator[tuple[Layer, torch.Tensor, torch.Tensor | None]]:
-    """Stream ``layers`` from a weight source into host memory, one at a time (with read-ahead).
-
-    The bias is None for a layer without one."""
-    for weights in source.stream(list(layers), device=torch.device("cpu")):
-        yield weights.layer, weights.weight, weights.bias
 
 
 def model_source(
@@ -193,14 +170,10 @@ def check_tables_against_model(
 
 
 def checkpoint_source(
-    checkpoint: Any,
-    spec: ModulationSpec,
-    modules: Sequence[tuple[Layer, Any]],
-    *,
-    layout: str,
-    verify: bool,
-) -> CheckpointSource:
-    """A :class:`~adalncache.CheckpointSource` for ``checkpoint``, refused unless it fits the model."""
+    checkpoint: Any, spec: ModulationSpec, modules: Sequence[tuple[Layer, Any]], *, layout: str, verify: bool
+) -> tuple[CheckpointSource, str | None]:
+    """A :class:`~adalncache.CheckpointSource` for ``checkpoint``, refused unless it fits the model, and
+    the content digest of its projections when ``verify`` read them (else None)."""
     paths: Any = checkpoint
     if isinstance(checkpoint, Sequence) and not isinstance(checkpoint, (str, bytes)):
         paths = [os.fspath(path) for path in checkpoint]
@@ -211,20 +184,21 @@ def checkpoint_source(
     except CheckpointError as exc:
         # Missing, misshapen or other-dtype projections: this checkpoint cannot serve this model.
         raise CheckpointMismatchError(
-            f"checkpoint= (CLI --checkpoint) does not match the model ({spec.dtype} projections of "
+            f"checkpoint= (CLI {flag('checkpoint')}) does not match the model ({spec.dtype} projections of "
             f"{spec.num_layers} blocks): {exc}"
         ) from exc
-    if verify:
-        verify_against_model(source, spec, modules)
-    return source
+    return source, verify_against_model(source, spec, modules) if verify else None
 
 
-def verify_against_model(source: Source, spec: ModulationSpec, modules: Sequence[tuple[Layer, Any]]) -> None:
-    """Stream the checkpoint one layer at a time and refuse it unless it equals the model, bit for bit."""
+def verify_against_model(source: Source, spec: ModulationSpec, modules: Sequence[tuple[Layer, Any]]) -> str | None:
+    """Stream the checkpoint one layer at a time and refuse it unless it equals the model, bit for bit;
+    returns the content digest of the bytes read (None where the source cannot hash them)."""
     by_layer = dict(modules)
-    for layer, weight, bias in read_layers(source, spec.layers()):
-        base = base_linear(by_layer[layer])
-        for name, theirs in (("weight", weight), ("bias", bias)):
+    check = CheckedRead(source)
+    for weights in check.layers():
+        base = base_linear(by_layer[weights.layer])
+        layer = weights.layer
+        for name, theirs in (("weight", weights.weight), ("bias", weights.bias)):
             if theirs is None:  # a layer without a bias: the source reads none, the model has none
                 continue
             ours = getattr(base, name).detach()
@@ -232,12 +206,13 @@ def verify_against_model(source: Source, spec: ModulationSpec, modules: Sequence
             same = same and torch.equal(theirs.to(ours.device), ours)
             if not same:
                 raise ConfigError(
-                    f"checkpoint= (CLI --checkpoint) does not match the model: {projection_path(spec, layer)}.{name} "
-                    f"differs (checkpoint {theirs.dtype} {tuple(theirs.shape)}, model {ours.dtype} "
-                    f"{tuple(ours.shape)}). A fine-tuned model or one with a fused LoRA must not be "
+                    f"checkpoint= (CLI {flag('checkpoint')}) does not match the model: "
+                    f"{projection_path(spec, layer)}.{name} differs (checkpoint {theirs.dtype} {tuple(theirs.shape)}, "
+                    f"model {ours.dtype} {tuple(ours.shape)}). A fine-tuned model or one with a fused LoRA must not be "
                     "served from the base file; pass checkpoint=None to serve the model's own weights, "
                     "or the checkpoint it was loaded from"
                 )
+    return check.digest
 
 
 def changed_since(source: Source, fingerprint: str | None) -> bool:

@@ -1,0 +1,1140 @@
+"""A request on an enabled model, from its start to its end: one :class:`Request` per thread.
+
+**Where a request starts.** When a pipeline call begins (its ``__call__`` is bracketed, classic
+and modular pipelines alike: :class:`CallWatch`), at ``handle.prepare`` / ``handle.request`` /
+``handle.start_prepare`` for a loop of one's own, or at ``handle.predicted_request`` around a
+pipeline call. A call's plans become known inside it: a modular pipeline's prepare block hands them
+over, a classic pipeline's scheduler is watched (:class:`ScheduleWatch`) and the request's first
+forward turns its timesteps into every step's plan (:meth:`~.family.DiffusersFamily.schedule_plans`).
+
+**What it owns.** The plans it holds (so no other request's build evicts or rewrites them: one
+:class:`~adalncache.cache.PlanHold`, or its background pass's holds with ``overlap=True``), the
+keys of its plans on the device with its served-slot miss counter, and its pass on a background
+thread (:class:`BackgroundPass`), which it may have started from a prediction of the call's schedule.
+
+**How its forwards are served.** The transformer hook asks one question per forward
+(:meth:`Requests.serve`): the slot for these keying inputs. A forward of a request prepared in the
+foreground compares its keying inputs with the request's keys *on the device* (the exact fp32 bit
+patterns, as the host keys are) and picks the slot with ``torch.where``: no host read, so it can be
+captured in a CUDA graph. One that matches none of its request's plans is served the slab's poison
+slot (NaN rows, never another step's) and counted on the device; the count is read off the
+critical path and raised as :class:`~adalncache.PlanMismatchError` at the request's end (or
+``handle.check_request()``). Every other forward takes the host path and is exact: keyed on the
+host, its plan held for the forward (built if missing, unless ``on_miss="raise"``). That includes
+a forward outside any live request, a plan shape the request has no plan of, another device, LoRA
+variant or autocast state, a retired held plan, a CPU forward under accelerate's offload hook, the
+forwards of a request held by a background pass (they wait there for their own plan), and those of
+a schedule held outside a pipeline call (a class another library patched: nothing ends it when the
+call ends, so it must never serve NaN to a later forward).
+
+**How it ends.** In a ``finally`` however its call ends: returned, raised (its own exception
+propagates; a mismatch is logged and noted on it, never raised over it), or interrupted
+(``pipe._interrupt``: the call returns). A request of one's own loop ends at ``release()``,
+``finish()``, the thread's next request, a move of the cache (its slots name the old slab) or
+``disable()``. Ending gives every hold back and keeps the misses not yet reported for the thread's
+next check.
+
+**Threads.** Each thread has its own request and its own forward slot (:class:`ThreadState`, the
+one per-thread holder of the integration). A build runs under the handle's lock; a background
+pass takes that lock, then the cache's build lock, then its state lock, as a foreground build
+does; the request's thread only waits on events, never while holding a lock. The plans' inputs
+(the time embedder's output) are computed on the request's thread before the pass starts, so the
+pass only reads weights and projects beside the request's forwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import logging
+import math
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from ...cache import PlanHold
+from ...errors import ConfigError, PlanError, PlanMismatchError, PlanNotCachedError
+from ...identity import autocast_dtype
+from ...options import flag, knob
+from ...plans import PlanKey, plan_key
+from ...source.checkpoint import CheckpointSource
+from ...spec import Layer, ModulationSpec
+from .family import (
+    DiffusersFamily,
+    base_linear,
+    bypassing_hooks,
+    execution_device,
+    forward_argument,
+    swapped_parameters,
+)
+from .parking import TimeEmbedderLoan, WeightParking
+from .quantized import casting_compute_dtype, fresh_alias
+from .signature import Signature, Tuners, Variant, applied_lora_scale, lora_scale_of
+
+if TYPE_CHECKING:
+    from ... import AdalnCache, BuildReport
+
+logger = logging.getLogger(__name__)
+
+
+def request_plans(plans: Any) -> list[Any]:
+    """``prepare``'s / ``request``'s ``plans`` as a list, or :class:`~adalncache.PlanError`.
+
+    Why: a single tensor, a single mapping or a string is iterable, so without this check it would be
+    taken apart (a tensor into 0-d rows, a mapping into its key strings) and refused with a message
+    about the pieces, not about the argument.
+    """
+    if isinstance(plans, (torch.Tensor, Mapping, str, bytes)) or not isinstance(plans, (Sequence, Iterable)):
+        raise PlanError(
+            f"plans must be a list of plans (one per forward: its timestep tensor, or a mapping of its keying "
+            f"inputs by argument name; the CLI's {flag('timesteps')} / {flag('steps')}), "
+            f"got {type(plans).__name__}: wrap a single plan in a list"
+        )
+    plans = list(plans)
+    for plan in plans:
+        # A meta tensor has no values to key: refused for every family, before a family's plan
+        # function stacks it with real tensors (a RuntimeError about devices otherwise).
+        values = plan.values() if isinstance(plan, Mapping) else plan if isinstance(plan, (tuple, list)) else [plan]
+        if any(isinstance(value, torch.Tensor) and value.is_meta for value in values):
+            raise PlanError("a plan must hold data, got a meta tensor: pass the tensors the forward receives")
+    return plans
+
+
+def plan_tensors(plans: Sequence[Any]) -> list[torch.Tensor]:
+    """Each plan's timestep tensor (a ``(timestep, timestep_indices)`` pair's first element)."""
+    return [plan[0] if isinstance(plan, (tuple, list)) else plan for plan in plans]
+
+
+def mismatch_error(misses: int) -> PlanMismatchError:
+    """The error for ``misses`` forwards of a request served the poison slot."""
+    return PlanMismatchError(
+        f"{misses} forward(s) of this request had keying inputs (timestep, and guidance or a second "
+        "timestep for the families keyed by them) that match none of the plans prepared for it, so "
+        "their modulation was the poison slot's NaN rows and their outputs are NaN, never another "
+        "step's rows; pass handle.prepare(plans) the plans the loop's forwards receive (each step's "
+        "timestep tensor, as the transformer gets it), or run without prepare() to key each forward "
+        "on the host (the cache stays usable)"
+    )
+
+
+def split_pays(source: object) -> bool:
+    """Whether a background pass split in two transactions (the first step's plans, then all) pays on ``source``.
+
+    A transaction publishes all of its plans or none, so the first step waits for a whole
+    transaction. From memory, or from a checkpoint the page cache mostly holds, a second read is
+    cheap and the first step waits for one plan's projections instead of all. From a cold checkpoint
+    the pass is bound by the reading, which is O_DIRECT (the page cache keeps nothing): the second
+    transaction would read it all again, so one is faster for the first step and for the request.
+    """
+    if not isinstance(source, CheckpointSource):
+        return True
+    fraction = source.cached_fraction()
+    return fraction is None or fraction >= 0.5
+
+
+# -- builds ---------------------------------------------------------------------------------------
+
+
+class EmbedAhead:
+    """A build's ``embed`` that returns inputs computed ahead (:meth:`Builder.embed_ahead`)."""
+
+    def __init__(self, inputs: dict[PlanKey, Any], columns: int) -> None:
+        self.inputs = inputs
+        self.columns = columns
+
+    def __call__(self, plan: torch.Tensor) -> Any:
+        key = plan_key(plan, self.columns)
+        if key not in self.inputs:  # every plan of the request was embedded: a pass builds no other
+            raise KeyError(f"no input was computed ahead for plan {plan.tolist()}")
+        return self.inputs[key]
+
+
+class Builder:
+    """How one enabling holds plans: the cache's hit path, else one build under the handle's lock.
+
+    A build runs with the request's LoRA scale applied and the parked time embedder's weights lent
+    back (taken on the first ``embed`` of a pass, so a build that hits costs no copy); ``project``
+    runs one layer's served module with the source's weights standing in for its parameters, through
+    the module's own (LoRA-wrapped, quantized, layerwise-cast) forward. ``plain_tables``: full-precision
+    tables of quantized projections (``quantized_projections="checkpoint"``): a plain linear of the
+    checkpoint's weights, decided by that setting, never by the weight's type.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        spec: ModulationSpec,
+        family: DiffusersFamily,
+        cache: AdalnCache,
+        parking: WeightParking,
+        signature: Signature,
+        lock: threading.RLock,
+        device: Callable[[], torch.device],
+        *,
+        plain_tables: bool,
+        on_miss: str,
+    ) -> None:
+        self.model, self.spec, self.family, self.cache = model, spec, family, cache
+        self.parking, self.signature, self.lock, self.device = parking, signature, lock, device
+        self.plain_tables = plain_tables
+        self.on_miss = on_miss
+        self._loan: TimeEmbedderLoan | None = None
+        self._warned_miss = False
+
+    def variant_of(self, attention_kwargs: Mapping[str, Any] | None) -> Variant:
+        """The variant a forward (or a request) called with ``attention_kwargs`` is served under."""
+        return self.signature.read(lora_scale_of(attention_kwargs))[1]
+
+    def hold(
+        self, plans: Sequence[Any], attention_kwargs: Mapping[str, Any] | None, *, embed: EmbedAhead | None = None
+    ) -> PlanHold:
+        """Hold a request's plans under its LoRA scale (``embed``: inputs computed ahead, for another thread)."""
+        scale = lora_scale_of(attention_kwargs)
+        if not math.isfinite(scale):  # every row would be NaN or inf: never a request worth building
+            raise ConfigError(f'attention_kwargs["scale"] (the LoRA scale) must be finite, got {scale}')
+        tuners, variant, refs = self.signature.read(scale)
+        return self._hold(plan_tensors(plans), None, scale, tuners, variant, refs, embed=embed)
+
+    def hold_forward(self, plan: torch.Tensor, key: PlanKey, attention_kwargs: Mapping[str, Any] | None) -> PlanHold:
+        """Before a forward on the host path: hold its plan (the host copy of its keying inputs), or refuse."""
+        scale = lora_scale_of(attention_kwargs)
+        tuners, variant, refs = self.signature.read(scale)
+        if self.on_miss == "raise":
+            held = self.cache.hold_resident([plan], keys=[key], variant=variant)
+            if held is not None:
+                return held
+            if variant != self.signature.variant:
+                raise PlanNotCachedError(
+                    "the AdaLN cache does not cover this forward: the LoRA state of the AdaLN projections (or a "
+                    "module upstream of them) changed since the tables were built; call handle.prepare(plans) "
+                    "(on_miss='raise')"
+                )
+            raise PlanNotCachedError(
+                f"the AdaLN cache does not cover this forward's plan {plan.tolist()} under the current LoRA and "
+                "autocast state; call handle.prepare(plans) before the loop (under the loop's autocast), or "
+                "enable with on_miss='build'"
+            )
+        held = self._hold([plan], [key], scale, tuners, variant, refs)
+        if held.report.passes:
+            message = (
+                "AdaLN cache: a forward's plan was not prepared and was built on the spot (one rebuild pass); call "
+                "handle.prepare(plans) before the loop to build all steps in one pass"
+            )
+            logger.log(logging.INFO if self._warned_miss else logging.WARNING, message)
+            self._warned_miss = True
+        return held
+
+    def embed_ahead(self, plans: Sequence[Any], attention_kwargs: Mapping[str, Any] | None) -> EmbedAhead:
+        """The build inputs of ``plans``, computed now on this thread, for a pass on another thread.
+
+        Why: ``embed`` runs the time embedder beneath its hooks with lent weights, which a forward
+        running meanwhile on another thread would see. Computed here, before the pass starts, with the
+        same LoRA scale, loan and grad mode as a build, the inputs are the same bits.
+        """
+        columns = self.cache.spec.plan_columns
+        scale = lora_scale_of(attention_kwargs)
+        tuners, _, _ = self.signature.read(scale)
+        with self.lock, self.lending(), torch.no_grad(), applied_lora_scale(tuners, scale):
+            return EmbedAhead({plan_key(t, columns): self.embed(t) for t in plan_tensors(plans)}, columns)
+
+    def _hold(
+        self,
+        plans: Sequence[torch.Tensor],
+        keys: Sequence[PlanKey] | None,
+        scale: float,
+        tuners: Tuners,
+        variant: Variant,
+        refs: list[torch.Tensor],
+        *,
+        embed: EmbedAhead | None = None,
+    ) -> PlanHold:
+        """Hold ``plans`` resident under ``variant``: the cache's hit path, else a build under the lock."""
+        held = self.cache.hold_resident(plans, keys=keys, variant=variant)
+        if held is not None:
+            return held
+        if (
+            variant is not None
+            and not self.plain_tables
+            and self.cache.shard == "columns"
+            and self.cache.world_size > 1
+        ):
+            # The adapter's forward runs on the whole projection; a rank's column slice of the base
+            # weight cannot go through it (it would fail later with an unhelpful shape error).
+            raise ConfigError(
+                f"LoRA adapters on the AdaLN projections need shard='layers' ({knob('shard')} layers): with "
+                "shard='columns' each rank holds a column slice of the base weight, which the adapter's "
+                "full-width forward cannot run on; unload the adapter or build with shard='layers'"
+            )
+        # Inputs computed ahead need no loan of the time embedder: the pass never runs it.
+        lending = self.lending() if embed is None else contextlib.nullcontext()
+        with self.lock:
+            with lending, torch.no_grad(), applied_lora_scale(tuners, scale):
+                held = self.cache.hold(
+                    plans, embed=embed or self.embed, project=self.project, variant=variant, keys=keys
+                )
+            if self.signature.built_under(variant, refs):
+                logger.info("AdaLN cache: tables rebuilt for a new LoRA or upstream signature")
+        return held
+
+    @contextlib.contextmanager
+    def lending(self) -> Iterator[None]:
+        """For one build: the parked time embedder is lent back by the first embed, parked again at exit."""
+        linears = [base_linear(linear) for _, linear in self.family.time_embedder_linears(self.model)]
+        with TimeEmbedderLoan(self.parking, self.device(), linears) as loan:
+            self._loan = loan
+            try:
+                yield
+            finally:
+                self._loan = None
+
+    def embed(self, plan: torch.Tensor) -> torch.Tensor | Mapping[str, torch.Tensor]:
+        """The projections' exact input for ``plan``, on the cache's device."""
+        if self._loan is not None:
+            self._loan.take()
+        return self.family.embed(self.model, self.spec, plan, self.device())
+
+    def project(self, layer: Layer, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``layer``'s output for ``x``, through the module's own forward beneath every hook (ours would
+        serve the table, an offloading hook would move the source's weights)."""
+        if self.plain_tables:
+            return F.linear(x, weight, bias)
+        module = self.family.projection_module(self.model, layer)
+        base = base_linear(module)
+        # A layer without a bias swaps in its weight alone: the module's bias stays None.
+        tensors = {name: t for name, t in (("weight", weight), ("bias", bias)) if t is not None}
+        compute = casting_compute_dtype(module)
+        for name, tensor in tensors.items():
+            tensor = self.parking.at_model_residue(layer, name, tensor, self.device())
+            if compute is not None:  # the layerwise-casting hook, bypassed below, would cast them so
+                tensor = tensor.to(compute)
+            tensors[name] = fresh_alias(tensor)
+        # The class forward is called directly, not through a bypass of its instance forward: the output
+        # layer's module carries the output hook, and another thread's forward calling it while a bypass
+        # stood in its place would run the plain linear on its own input.
+        with bypassing_hooks({base} - {module}), swapped_parameters(base, tensors):
+            out: torch.Tensor = type(module).forward(module, x)
+            return out
+
+
+# -- a pass on a background thread ----------------------------------------------------------------
+
+#: Holds a list of plans resident (one transaction at most): the builder's hold, for one request.
+HoldFn = Callable[[list[Any]], PlanHold]
+
+
+class BackgroundPass:
+    """One request's pass on a daemon thread (``overlap=True``): the first step's plans, then all.
+
+    Why two transactions: a transaction publishes all of its plans or none, and per-layer publication
+    would make half-built plans visible; so the first step's plans get a small transaction of their own
+    (unless ``split`` says a second read does not pay, :func:`split_pays`), and a forward of the first
+    step waits for it, any other forward for the second. Each transaction rolls back as a foreground one
+    does; its error (the same object) is raised in the request's thread by the next forward that needs
+    a plan of it, and by :meth:`finish` at the request's end at the latest. ``keys``: each step's key in
+    step order (what a predicted pass is compared on). The holds it takes are the request's until
+    :meth:`release`; a pass still running then gives its own back when it ends.
+    """
+
+    def __init__(self, hold: HoldFn, plans: Sequence[Any], keys: Sequence[PlanKey], *, split: bool = True) -> None:
+        if len(plans) != len(keys) or not plans:
+            raise ValueError("BackgroundPass needs one key per plan and at least one plan")
+        self._hold = hold
+        self._plans = list(plans)
+        self.keys = tuple(keys)
+        #: Started from a pipeline call's predicted schedule and not adopted yet by its request.
+        self.predicted = False
+        #: The variant the plans are built under (compared when a prediction is adopted).
+        self.variant: object = None
+        self.first_keys = frozenset([keys[0]])
+        self.split = split and len(set(keys)) > 1
+        self._first = threading.Event()
+        self._done = threading.Event()
+        self._lock = threading.Lock()  # guards _holds, _released, _surfaced; never held while waiting
+        self._holds: list[PlanHold] = []
+        self._released = False
+        self._surfaced = False
+        self._first_error: BaseException | None = None
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="adalncache-pass", daemon=True)
+
+    def start(self) -> BackgroundPass:
+        self._thread.start()
+        return self
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def _keep(self, held: PlanHold) -> None:
+        """Keep ``held`` for the request, or give it back at once when the request already ended."""
+        with self._lock:
+            if not self._released:
+                self._holds.append(held)
+                return
+        held.release()
+
+    def _run(self) -> None:
+        try:
+            if self.split:
+                try:
+                    self._keep(self._hold(self._plans[:1]))
+                except BaseException as exc:
+                    self._first_error = exc
+                    raise
+                finally:
+                    self._first.set()
+            self._keep(self._hold(self._plans))
+        except BaseException as exc:  # kept for the request's thread, which raises it
+            with self._lock:
+                self.error = exc
+                late = self._released and not self._surfaced  # no thread of the request will raise it
+                self._surfaced = self._surfaced or late
+            if late and not self.predicted:
+                logger.warning("AdaLN cache: a background pass failed after its request ended: %s", exc)
+            else:
+                logger.debug("AdaLN cache: the background pass failed: %s", exc)
+        finally:
+            self._first.set()
+            self._done.set()
+
+    def wait_for(self, key: PlanKey) -> None:
+        """Before a forward of plan ``key``: wait until it is servable; raise the pass's error (the same
+        object a foreground build would have raised) if its transaction failed."""
+        first = self.split and key in self.first_keys
+        (self._first if first else self._done).wait()
+        error = self._first_error if first else self.error
+        if error is not None:
+            with self._lock:
+                self._surfaced = True
+            raise error
+
+    def join(self) -> None:
+        self._done.wait()
+
+    def release(self) -> None:
+        """Give the request's holds back (never waits, never raises: an interrupted request calls it)."""
+        with self._lock:
+            self._released = True
+            holds, self._holds = self._holds, []
+            # The pass sets its error under this lock: either it is set now, or the pass sees _released.
+            unreported = self.error is not None and not self._surfaced
+            self._surfaced = self._surfaced or unreported
+        for held in holds:
+            held.release()
+        if unreported and not self.predicted:
+            logger.warning("AdaLN cache: a background pass failed after its request ended: %s", self.error)
+        elif unreported:  # a prediction no request adopted: its failure is no request's (a real pass retries)
+            logger.debug("AdaLN cache: a pass of a dropped prediction failed: %s", self.error)
+
+    def finish(self) -> None:
+        """The request's end: wait for the pass, release its holds, raise its error if no forward did."""
+        self.join()
+        with self._lock:
+            unreported = self.error is not None and not self._surfaced
+            self._surfaced = True
+        self.release()
+        if unreported:
+            assert self.error is not None
+            raise self.error
+
+
+# -- the request ----------------------------------------------------------------------------------
+
+
+class Request:
+    """One request of one thread (module docstring): what it holds, how its forwards are served, its end.
+
+    ``call``: a pipeline call's request, which stays the thread's until the call ends (emptied by a
+    move or a second schedule, never replaced).
+    """
+
+    def __init__(self, *, call: bool = False) -> None:
+        self.call = call
+        self.hold: PlanHold | None = None
+        self.background: BackgroundPass | None = None
+        #: Patterns per plan -> (``[R, patterns]`` int32 keys, ``[R]`` slots) on the device; None: host path.
+        self.groups: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._misses: torch.Tensor | None = None
+
+    def held(self, hold: PlanHold, cache: AdalnCache, *, on_device: bool = True) -> None:
+        """Hold ``hold``'s plans for this request; ``on_device``: its forwards find their slots on the device."""
+        self.hold = hold
+        if not on_device:
+            return
+        try:
+            # The variant the plans were held under, recorded with the hold: reading the signature again
+            # would stamp a change made meanwhile on the old rows.
+            self.variant, self.device, self.columns = hold.variant, cache.device, cache.spec.plan_columns
+            self.autocast = autocast_dtype(cache.device)
+            self._retirements = lambda: cache.retirements
+            by_length: dict[int, list[tuple[PlanKey, int]]] = {}
+            for key, slot in dict(zip(hold.keys, hold.slot_list, strict=True)).items():
+                by_length.setdefault(len(key), []).append((key, slot))
+            # Never inference tensors, though prepare() may run under torch.inference_mode(): the miss
+            # counter is updated in place, which a later loop outside inference mode could not do.
+            with torch.inference_mode(False):
+                self.groups = {
+                    length: (
+                        torch.tensor([key for key, _ in pairs], dtype=torch.int32).to(cache.device),
+                        torch.tensor([slot for _, slot in pairs], dtype=torch.int64).to(cache.device),
+                    )
+                    for length, pairs in by_length.items()
+                }
+                self._poison = torch.tensor(cache.poison_slot, dtype=torch.int64).to(cache.device)
+                self._misses = torch.zeros((), dtype=torch.int64, device=cache.device)
+        except BaseException:
+            self.drop()
+            raise
+
+    def slot_of(self, plan: torch.Tensor, variant: object) -> tuple[torch.Tensor, torch.dtype] | None:
+        """``(slot, dtype)`` of a forward with ``plan`` under ``variant``, found on the device; None for the
+        host path (decided from host state only: shapes, dtypes, devices, the variant, autocast).
+
+        Device operations only (no ``.item()``, no ``bool()`` of a tensor), so a CUDA graph captures it; a
+        forward matching none of the plans gets the poison slot and adds one to the miss counter.
+        """
+        hold, groups = self.hold, self.groups
+        if hold is None or groups is None or hold.released or plan.device != self.device or plan.dtype != torch.float32:
+            return None
+        if self._retirements() != hold.epoch:  # a held plan was retired (invalidate, a new identity): maybe stale
+            return None
+        shaped = plan.dim() == 1 if self.columns == 1 else plan.dim() == 2 and plan.shape[1] == self.columns
+        if not shaped or plan.numel() not in groups:
+            return None
+        if variant != self.variant or autocast_dtype(self.device) != self.autocast:
+            return None
+        keys, slots = groups[plan.numel()]
+        bits = plan.detach().contiguous().view(torch.int32).reshape(1, -1)
+        found = (keys == bits).all(dim=1)
+        hit = found.any()
+        assert self._misses is not None
+        self._misses.add_(hit.logical_not().to(torch.int64))
+        return torch.where(hit, slots[found.to(torch.int64).argmax()], self._poison), hold.dtype
+
+    def take_misses(self) -> int:
+        """The forwards served the poison slot since the last call (a host read, off the critical path)."""
+        if self._misses is None:
+            return 0
+        count = int(self._misses.item())
+        if count:
+            self._misses.zero_()
+        return count
+
+    def wait_for(self, key: PlanKey) -> None:
+        if self.background is not None:
+            self.background.wait_for(key)
+
+    def drop(self) -> int:
+        """Give everything back (never waits, never raises); returns the misses not yet reported."""
+        misses = self.take_misses()
+        hold, background = self.hold, self.background
+        self.hold, self.background, self.groups, self._misses = None, None, None, None
+        if background is not None:
+            background.release()
+        if hold is not None:
+            hold.release()
+        return misses
+
+
+class ThreadState(threading.local):
+    """Per thread, for one enabled model: its request, the misses of its ended requests not yet reported,
+    the pipeline calls it is inside, the timesteps a scheduler set in the call, and the forward in progress.
+
+    ``slot_buffer`` is the one-element device tensor the served modules gather with: written in place
+    at every forward of its thread, so its address (which compiled graphs and CUDA graphs hold) does
+    not change while the model stays on one device. ``prepared_outside`` is set while a compiled call's
+    host work was done before entering it.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.request: Request | None = None
+        self.pending = 0
+        self.calls = 0
+        self.timesteps: torch.Tensor | None = None
+        self.slot: torch.Tensor | None = None
+        self.dtype: torch.dtype | None = None
+        self.slot_buffer = torch.zeros(1, dtype=torch.int64, device=device)
+        self.prepared_outside = False
+
+    def serve_slot(self, slot: torch.Tensor, dtype: torch.dtype | None) -> None:
+        """Point the served modules at ``slot`` (a device tensor, never read on the host)."""
+        if self.slot_buffer.device != slot.device:  # the model (and the cache) moved
+            self.slot_buffer = torch.zeros(1, dtype=torch.int64, device=slot.device)
+        self.slot, self.dtype = slot, dtype
+        self.slot_buffer.copy_(slot.reshape(1))
+
+    def clear(self) -> None:
+        """Forget the forward's slot, so a stray call outside a forward fails instead of reading stale rows."""
+        self.slot, self.dtype = None, None
+
+    def require(self, what: str) -> None:
+        if self.slot is None:
+            raise ConfigError(
+                f"{what} is served by the AdaLN cache and can only run inside the transformer's forward while the "
+                "cache is enabled; call handle.disable() to use the module on its own"
+            )
+
+
+class _Unheld:
+    """What a forward served from its request's device lookup releases: nothing (the request holds its plans)."""
+
+    def release(self) -> None:
+        return None
+
+
+UNHELD = _Unheld()
+
+
+class Enabled(Protocol):
+    """What :class:`Requests` reads of its handle, at each use (an enabling again replaces them)."""
+
+    model: Any
+    enabled: bool
+    cache: AdalnCache
+    family: DiffusersFamily
+    builder: Builder | None
+
+    @property
+    def overlap(self) -> bool: ...
+
+    def follow(self, device: torch.device | None) -> None: ...
+
+
+class Requests:
+    """One enabled model's requests: each thread's (:class:`ThreadState`), and every background pass.
+
+    The handle's request verbs are these methods; the transformer hook calls :meth:`serve`.
+    """
+
+    def __init__(self, handle: Enabled, device: torch.device) -> None:
+        self._handle = handle
+        self.state = ThreadState(device)
+        self._lock = threading.Lock()  # guards _running and _closed; never held while waiting
+        self._running: list[BackgroundPass] = []
+        self._closed = False
+
+    # -- the verbs of a loop of one's own ---------------------------------------------------------
+
+    def prepare(self, plans: Sequence[Any], attention_kwargs: Mapping[str, Any] | None) -> BuildReport:
+        """End the thread's request, then hold ``plans`` as its new one (in its call, if one is running)."""
+        self._end(check=True)  # the previous request is over: its mismatch raises here, before any build
+        builder, keyed = self._keyed(plans, "prepare()")
+        held = builder.hold(keyed, attention_kwargs)
+        self._open().held(held, self._handle.cache)
+        return held.report
+
+    def release(self, *, check: bool = True) -> None:
+        if not isinstance(check, bool):  # "no" would be truthy: a report the caller meant to defer would raise
+            raise ConfigError(f"release(check=...) takes True or False, got {check!r}")
+        self._end(check=check)
+
+    def check(self) -> None:
+        """Raise PlanMismatchError for the thread's forwards served the poison slot since the last check."""
+        state = self.state
+        if state.request is not None:
+            state.pending += state.request.take_misses()
+        misses, state.pending = state.pending, 0
+        if misses:
+            raise mismatch_error(misses)
+
+    @contextlib.contextmanager
+    def request(self, plans: Sequence[Any], attention_kwargs: Mapping[str, Any] | None) -> Iterator[PlanHold]:
+        """Hold ``plans`` for a ``with`` block, the thread's request inside it (it stands in for the one
+        before, which is the thread's again after the block unless a ``prepare`` inside ended both)."""
+        builder, keyed = self._keyed(plans, "prepare()")
+        held = builder.hold(keyed, attention_kwargs)
+        block = Request()
+        block.held(held, self._handle.cache)
+        state = self.state
+        previous, state.request = state.request, block
+        try:
+            yield held
+        finally:
+            state.pending += block.drop()
+            if state.request is block:
+                state.request = previous
+            elif previous is not None and previous is not state.request:
+                state.pending += previous.drop()
+        self.check()  # a forward of the block matched no plan of it (the block ended without an error)
+
+    def start_prepare(self, plans: Sequence[Any], attention_kwargs: Mapping[str, Any] | None) -> None:
+        """:meth:`prepare` by a background pass (or adopt the call's predicted pass when it holds these plans)."""
+        if self._adopted(self._family_plans(plans), attention_kwargs):
+            return
+        self._end(check=True)
+        builder, keyed = self._keyed(plans, "start_prepare()")
+        self._background(builder, keyed, attention_kwargs, self._open())
+
+    def finish(self) -> None:
+        """The request's end: wait for its pass, raise the pass's error if no forward did, then release."""
+        request = self.state.request
+        background = request.background if request is not None else None
+        if background is not None and not background.predicted:
+            try:
+                background.finish()
+            except BaseException:
+                self._end(check=False)
+                raise
+        self._end(check=True)
+
+    # -- a pipeline call ---------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def call(
+        self, plans: Sequence[Any] | None = None, attention_kwargs: Mapping[str, Any] | None = None
+    ) -> Iterator[None]:
+        """A pipeline call's request, from its start to its end in a ``finally`` (module docstring).
+
+        ``plans``: the call's schedule predicted from its arguments, whose pass starts now with
+        ``overlap=True``; the request adopts it when the schedule it learns is the same plans in the
+        same order under the same variant, and drops it otherwise. A call inside a call of this thread
+        (one pipeline calling another) is part of the outer one's request.
+        """
+        if plans is not None:
+            plans = request_plans(plans)
+        state = self.state
+        if state.calls:
+            state.calls += 1
+            try:
+                yield
+            finally:
+                state.calls -= 1
+            return
+        self._end(check=True)  # the thread's previous request is over
+        request = state.request = Request(call=True)
+        state.calls, state.timesteps = 1, None
+        if plans is not None:
+            self._predict(request, plans, attention_kwargs)
+        try:
+            yield
+        except BaseException as exc:
+            misses = self._end_call(request, returned=False)
+            if misses:  # the call's own error goes first; the mismatch is said, never raised over it
+                note = str(mismatch_error(misses))
+                logger.warning("AdaLN cache: the failed call's request also had a mismatch: %s", note)
+                exc.add_note(f"AdaLN cache: {note}")
+            raise
+        self._end_call(request, returned=True)
+
+    def _end_call(self, request: Request, *, returned: bool) -> int:
+        """The call's request ends: everything goes back, its pass too, never waited for (a failure of it
+        that no forward of the call needed is logged: the call's outputs never read those plans); a
+        returned call raises its mismatch, a failed one returns the misses (noted on the call's error)."""
+        state = self.state
+        state.calls, state.timesteps = 0, None
+        if state.request is request:
+            state.request = None
+        state.pending += request.drop()
+        if returned:
+            self.check()
+            return 0
+        misses, state.pending = state.pending, 0
+        return misses
+
+    def _predict(self, request: Request, plans: list[Any], attention_kwargs: Mapping[str, Any] | None) -> None:
+        """Start the pass of a call's predicted schedule (``overlap=True``); an optimisation, never an error."""
+        handle = self._handle
+        builder = handle.builder
+        if not handle.overlap or not handle.enabled or builder is None:
+            return
+        try:
+            handle.follow(execution_device(handle.model))
+            keyed = self._family_plans(plans)
+            if keyed and self.fits(keyed, warn=False):
+                self._background(builder, keyed, attention_kwargs, request, predicted=True)
+        except Exception as exc:  # the schedule, when known, is built as without a prediction
+            logger.debug("AdaLN cache: the predicted schedule's pass did not start: %s", exc)
+
+    def schedule(self, plans: Sequence[Any], attention_kwargs: Mapping[str, Any] | None) -> None:
+        """A pipeline's schedule, known inside its call (a modular pipeline's prepare block, a classic
+        pipeline's first forward): held by the call's request (adopting its predicted pass when it is the
+        same), by a background pass with ``overlap``. Outside a bracketed call (another library patched
+        the pipeline's class) it is held for the thread with its forwards on the host path."""
+        keyed = self._family_plans(plans)
+        if self._adopted(keyed, attention_kwargs):
+            return
+        current = self.state.request
+        in_call = current is not None and current.call
+        self._end(check=True)
+        builder = self._serving("the pipeline's schedule")
+        if self._handle.overlap:
+            self._background(builder, keyed, attention_kwargs, self._open())
+            return
+        self._open().held(builder.hold(keyed, attention_kwargs), self._handle.cache, on_device=in_call)
+
+    def expect(self, timesteps: torch.Tensor) -> None:
+        """A scheduler set ``timesteps`` on this thread: the next forward prepares the whole schedule."""
+        self.state.timesteps = timesteps.detach().clone()
+
+    def fits(self, plans: list[Any], *, warn: bool = True) -> bool:
+        """Whether the cache can hold every plan of a schedule at once (else its plans build per forward)."""
+        cache = self._handle.cache
+        distinct = len({plan_key(plan, cache.spec.plan_columns) for plan in plan_tensors(plans)})
+        width = max(int(plan.shape[0]) for plan in plan_tensors(plans))
+        if distinct <= cache.max_plans and width <= cache.max_plan_width:
+            return True
+        if warn:  # not an error: each forward still builds its own plan
+            logger.warning(
+                "AdaLN cache: this request's schedule has %d distinct plans of up to %d rows, more than max_plans=%d "
+                "x max_plan_width=%d hold; its plans build step by step (one pass each): raise max_plans (%s) or "
+                "max_plan_width (%s) to build it in one pass",
+                distinct,
+                width,
+                cache.max_plans,
+                cache.max_plan_width,
+                flag("max_plans"),
+                flag("max_plan_width"),
+            )
+        return False
+
+    # -- the forward -------------------------------------------------------------------------------
+
+    def serve(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> PlanHold | _Unheld:
+        """The one question a forward asks: its slot, for its keying inputs. Points the thread's state at
+        it and returns what the forward holds (released when it ends)."""
+        handle = self._handle
+        model, family, state = handle.model, handle.family, self.state
+        builder = handle.builder
+        assert builder is not None  # the hooks are registered after the builder exists
+        self._schedule_at_first_forward(args, kwargs)
+        plan = family.forward_plan(model, args, kwargs)
+        attention_kwargs = forward_argument(model, "attention_kwargs", args, kwargs)
+        request = state.request
+        # A CPU forward under accelerate's offload hook takes the host path, whose device it follows.
+        offloaded = plan.device.type == "cpu" and getattr(model, "_hf_hook", None) is not None
+        if request is not None and request.groups is not None and not offloaded:
+            served = request.slot_of(plan, builder.variant_of(attention_kwargs))
+            if served is not None:
+                state.serve_slot(*served)
+                return UNHELD  # the request holds its plans until it ends
+        # The one device-to-host read of the plan this forward makes: keys, lookups and the build all
+        # use this host copy (embed moves it back to the device; the values are the same bits).
+        host = plan.detach().to("cpu")
+        key = plan_key(host, handle.cache.spec.plan_columns)
+        device = plan.device
+        if offloaded:
+            # A CPU tensor reports "cpu" even when the forward runs on "cpu:0" (accelerate's model offload
+            # with device="cpu"), whose .to() gave the weights fresh addresses: follow the device the hook
+            # names, as prepare() does, so a build here projects like the model.
+            named = execution_device(model)
+            device = named if named is not None and named.type == "cpu" else device
+        handle.follow(device)
+        request = state.request
+        if request is not None:
+            try:
+                request.wait_for(key)
+            except BaseException:
+                self._end(check=False)  # the request fails here: what its pass did hold goes back now
+                raise
+        held = builder.hold_forward(host, key, attention_kwargs)
+        try:
+            state.serve_slot(held.slots, held.dtype)
+        except BaseException:
+            held.release()
+            raise
+        return held
+
+    def _schedule_at_first_forward(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
+        """A classic pipeline: the schedule its scheduler set since the last forward, prepared now if it
+        fits the cache (else its plans build per forward)."""
+        state = self.state
+        timesteps, state.timesteps = state.timesteps, None
+        if timesteps is None:
+            return
+        if timesteps.is_floating_point() and not bool(torch.isfinite(timesteps).all()):
+            raise PlanError(
+                f"the pipeline's scheduler set non-finite timesteps {timesteps.tolist()} for this request of "
+                f"{timesteps.numel()} step(s): the model would compute NaN outputs from them, and no table holds "
+                "such a plan. diffusers' flow-match scheduler with shift_terminal (Qwen-Image's config) divides 0 by "
+                "0 for a single step: use num_inference_steps >= 2, or a scheduler config without shift_terminal"
+            )
+        handle = self._handle
+        plans = handle.family.schedule_plans(handle.model, timesteps, args, kwargs)
+        if plans is None:
+            logger.info("AdaLN cache: the forward's timestep is not one of the schedule's; plans build per forward")
+        elif self.fits(self._family_plans(plans)):
+            self.schedule(plans, forward_argument(handle.model, "attention_kwargs", args, kwargs))
+
+    # -- ends, moves, disabling --------------------------------------------------------------------
+
+    def abandon(self) -> None:
+        """Give the thread's holds back without checking (a move of the cache: they name the old slab;
+        the way into ``disable()``): a mismatch waits for the next check."""
+        self._end(check=False)
+
+    def close(self) -> None:
+        """The way into ``disable()``: refuse new background passes, then wait for the running ones.
+
+        Not a plain join: another thread could start a pass between the join and the hooks' removal,
+        and that pass would run on the parked weights as they are restored.
+        """
+        with self._lock:
+            self._closed = True
+        self.join()
+
+    def reopen(self) -> None:
+        """Accept passes again: the handle is enabled again (after a cast, or a refused disable)."""
+        with self._lock:
+            self._closed = False
+
+    def join(self) -> None:
+        """Wait until every pass started here (by any thread) has ended."""
+        with self._lock:
+            running, self._running = self._running, []
+        for background in running:
+            background.join()
+
+    def current(self) -> Request | None:
+        """The calling thread's request (None: none is live)."""
+        return self.state.request
+
+    # -- helpers -----------------------------------------------------------------------------------
+
+    def _end(self, *, check: bool) -> None:
+        """End the thread's request (a call's stays the call's, empty); ``check``: raise its mismatch."""
+        state = self.state
+        request = state.request
+        if request is not None:
+            state.pending += request.drop()
+            if not request.call:
+                state.request = None
+        if check:
+            self.check()
+
+    def _open(self) -> Request:
+        """The request new plans go to: the running call's, else a new one, the thread's from now on."""
+        state = self.state
+        if state.request is None or not state.request.call:
+            state.request = Request()
+        return state.request
+
+    def _serving(self, what: str) -> Builder:
+        """The enabling's builder, or ConfigError when disabled; the cache follows where the model runs."""
+        handle = self._handle
+        if not handle.enabled or handle.builder is None:
+            raise ConfigError(f"{what} needs the AdaLN cache enabled; this handle was disabled")
+        handle.follow(execution_device(handle.model))
+        assert handle.builder is not None
+        return handle.builder
+
+    def _family_plans(self, plans: Any) -> list[Any]:
+        """``plans`` as the forward keys them (the family's ``request_plan`` of each)."""
+        handle = self._handle
+        return [handle.family.request_plan(handle.model, plan) for plan in request_plans(plans)]
+
+    def _keyed(self, plans: Any, what: str) -> tuple[Builder, list[Any]]:
+        builder = self._serving(what)
+        return builder, self._family_plans(plans)
+
+    def _keys(self, plans: Sequence[Any]) -> list[PlanKey]:
+        columns = self._handle.cache.spec.plan_columns
+        return [plan_key(t, columns) for t in plan_tensors(plans)]
+
+    def _adopted(self, plans: list[Any], attention_kwargs: Mapping[str, Any] | None) -> bool:
+        """Whether the thread's request holds a pass predicted for exactly ``plans`` (the same keys in the
+        same order, under the same variant): it is then the request's. A different one is dropped by the
+        caller's end of the request."""
+        request, builder = self.state.request, self._handle.builder
+        background = request.background if request is not None else None
+        if background is None or not background.predicted or builder is None:
+            return False
+        if background.keys != tuple(self._keys(plans)) or background.variant != builder.variant_of(attention_kwargs):
+            logger.info("AdaLN cache: the schedule predicted from the pipeline call was not the request's; dropped")
+            return False
+        background.predicted = False
+        logger.debug("AdaLN cache: the pass started from the pipeline call's predicted schedule is the request's")
+        return True
+
+    def _background(
+        self,
+        builder: Builder,
+        plans: list[Any],
+        attention_kwargs: Mapping[str, Any] | None,
+        request: Request,
+        *,
+        predicted: bool = False,
+    ) -> None:
+        """Hold ``plans`` for ``request`` by a background pass; ``predicted``: a call's predicted schedule
+        (a pass is started only where one is needed, and nothing is held in the foreground)."""
+        cache = self._handle.cache
+        if autocast_dtype(cache.device) is not None or all(t in cache for t in plan_tensors(plans)):
+            # Autocast is thread-local (a pass thread would not see it); a resident request is a hit.
+            if not predicted:
+                request.held(builder.hold(plans, attention_kwargs), cache)
+            return
+        keys = self._keys(plans)
+        inputs = builder.embed_ahead(plans, attention_kwargs)  # the time embedder runs here, not beside forwards
+        background = BackgroundPass(
+            lambda chunk: builder.hold(chunk, attention_kwargs, embed=inputs),
+            plans,
+            keys,
+            split=len(set(keys)) > 1 and split_pays(cache.source),  # mincore only where a split is possible
+        )
+        background.predicted = predicted
+        background.variant = builder.variant_of(attention_kwargs) if predicted else None
+        with self._lock:
+            started = not self._closed
+            if started:
+                self._running = [running for running in self._running if not running.done]
+                self._running.append(background)  # registered before close() can take the list
+        if started:
+            request.background = background.start()
+        elif not predicted:  # disable() has begun on another thread: no pass that would outlive its join
+            request.held(builder.hold(plans, attention_kwargs), cache)
+
+
+# -- where a request starts: a pipeline's call and its scheduler ----------------------------------
+
+#: The attribute of a swapped class that names the pipeline's own class.
+OWN_CLASS = "_adalncache_own_class"
+
+#: Class attributes by which a library says it has wrapped a pipeline class's ``__call__`` (cache-dit).
+FOREIGN_CALL_PATCHES = ("_original_call",)
+
+#: Given the pipeline and the call's arguments by name: a context manager bracketing the call.
+Bracket = Callable[[Any, Mapping[str, Any]], contextlib.AbstractContextManager[None]]
+
+
+def pipeline_class(pipeline: Any) -> type:
+    """The pipeline's own class (the one before :class:`CallWatch` swapped it)."""
+    cls = type(pipeline)
+    own: type = cls.__dict__.get(OWN_CLASS, cls)
+    return own
+
+
+def _swapped_class(own: type) -> type:
+    """A subclass of ``own`` whose ``__call__`` runs inside the instance's bracket, then ``own``'s own."""
+
+    # functools.wraps: the signature is the pipeline's own (pipelines and tools bind arguments to it).
+    @functools.wraps(own.__call__)
+    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+        stock = own.__call__.__get__(self, own)  # looked up now: a wrapper put on the class later runs too
+        watch: CallWatch | None = self.__dict__.get(CallWatch.ATTRIBUTE)
+        if watch is None:
+            return stock(*args, **kwargs)
+        with watch.bracket(self, watch.arguments(stock, args, kwargs)):
+            return stock(*args, **kwargs)
+
+    namespace = {"__call__": __call__, "__module__": own.__module__, "__qualname__": own.__qualname__, OWN_CLASS: own}
+    return type(own.__name__, (own,), namespace)
+
+
+class CallWatch:
+    """A pipeline's ``__call__`` bracketed: each call is a request, from its start to its ``finally``.
+
+    ``pipe(...)`` looks ``__call__`` up on the class, so the instance's class is swapped for a subclass
+    made for this instance alone that adds only ``__call__`` (same name and module: saving the pipeline
+    writes the same class name); it finds the class's own ``__call__`` at each call. :meth:`remove`
+    swaps the class back, unless another library has patched the subclass since (cache-dit wraps
+    ``pipe.__class__.__call__``): the class then stays, with the watch gone, so that library's wrapper
+    keeps working. Over a class another library already patched that way nothing is installed, and a
+    call's schedule is held outside any bracket (its forwards on the host path: nothing ends it when
+    the call ends).
+    """
+
+    #: The instance attribute the swapped ``__call__`` finds its watch under.
+    ATTRIBUTE = "_adalncache_call_watch"
+
+    def __init__(self, pipeline: Any, bracket: Bracket) -> None:
+        self.pipeline = pipeline
+        self.bracket = bracket
+        self._swapped: type | None = None
+        self._namespace: dict[str, Any] = {}
+
+    def install(self) -> None:
+        pipeline = self.pipeline
+        if pipeline.__dict__.get(self.ATTRIBUTE) is not None:
+            return  # already watched
+        own = pipeline_class(pipeline)
+        if any(hasattr(own, name) for name in FOREIGN_CALL_PATCHES):
+            logger.info(
+                "AdaLN cache: %s's __call__ is wrapped by another library; its calls are not bracketed (their "
+                "schedules are held for the thread, keyed on the host)",
+                own.__name__,
+            )
+            return
+        self._swapped = _swapped_class(own)
+        self._namespace = dict(self._swapped.__dict__)
+        pipeline.__dict__[self.ATTRIBUTE] = self
+        pipeline.__class__ = self._swapped
+
+    def remove(self) -> None:
+        if self._swapped is None:
+            return
+        pipeline = self.pipeline
+        pipeline.__dict__.pop(self.ATTRIBUTE, None)
+        untouched = dict(self._swapped.__dict__) == self._namespace
+        if type(pipeline) is self._swapped and untouched:
+            pipeline.__class__ = pipeline_class(pipeline)
+        elif not untouched:
+            logger.info("AdaLN cache: another library patched the pipeline's class since; it keeps the class")
+        self._swapped = None
+
+    @staticmethod
+    def arguments(stock: Callable[..., Any], args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        """The call's arguments by name, defaults applied, a ``**kwargs`` parameter's entries among them
+        (``{}`` when they do not bind: the pipeline's own ``__call__`` raises its own TypeError)."""
+        try:
+            signature = inspect.signature(stock)
+            bound = signature.bind(*args, **kwargs)
+        except (TypeError, ValueError):
+            return {}
+        bound.apply_defaults()
+        call: dict[str, Any] = {}
+        for name, value in bound.arguments.items():
+            if signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
+                call.update(value)  # a modular pipeline's inputs, by name like any other argument
+            else:
+                call[name] = value
+        return call
+
+
+#: Marks our wrapper, so a second enabling does not wrap it again.
+WRAPPER_ATTRIBUTE = "_adalncache_schedule_watch"
+
+
+class ScheduleWatch:
+    """``scheduler.set_timesteps`` wrapped (an instance attribute) to report each request's timesteps.
+
+    A classic pipeline calls it once per request, before its first denoising step; its timesteps may
+    depend on the image size, so they are known only then. ``expect`` hands them to the handle,
+    whose next forward on that thread prepares the whole schedule in one pass.
+    """
+
+    def __init__(self, scheduler: Any, expect: Callable[[torch.Tensor], None]) -> None:
+        self.scheduler = scheduler
+        self.expect = expect
+        self._installed = False
+
+    def install(self) -> None:
+        scheduler = self.scheduler
+        if scheduler is None or not callable(getattr(scheduler, "set_timesteps", None)):
+            return
+        if getattr(scheduler.__dict__.get("set_timesteps"), WRAPPER_ATTRIBUTE, False):
+            return  # already watched (by another handle of the same pipeline)
+        original = scheduler.set_timesteps
+
+        # functools.wraps keeps the signature visible: pipelines inspect it for `sigmas`/`timesteps`.
+        @functools.wraps(original)
+        def set_timesteps(*args: Any, **kwargs: Any) -> Any:
+            result = original(*args, **kwargs)
+            timesteps = getattr(scheduler, "timesteps", None)
+            if isinstance(timesteps, torch.Tensor):
+                self.expect(timesteps)
+            return result
+
+        setattr(set_timesteps, WRAPPER_ATTRIBUTE, True)
+        scheduler.set_timesteps = set_timesteps
+        self._installed = True
+
+    def remove(self) -> None:
+        if self._installed:
+            self.scheduler.__dict__.pop("set_timesteps", None)
+            self._installed = False
+
+
+__all__ = ["BackgroundPass", "CallWatch", "Request", "Requests", "ScheduleWatch"]
