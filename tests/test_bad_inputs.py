@@ -545,6 +545,12 @@ PREPARE_CASES: list[tuple[str, Callable[[Any], Any], type[BaseException], str]] 
         r"integer index .*--additional-t-cond",
     ),
     (
+        "index past the embedding's rows",
+        lambda h: h.prepare([{"timestep": _T, "additional_t_cond": torch.tensor([7])}]),
+        PlanError,
+        r"index in 0\.\.1 .*got 7.*--additional-t-cond",
+    ),
+    (
         "integer timestep",
         lambda h: h.prepare([{"timestep": _IDX, "additional_t_cond": _IDX}]),
         PlanError,

@@ -84,6 +84,9 @@ class QwenImage(DiffusersFamily):
                     f"a Qwen-Image plan is the forward's timestep tensor, or a mapping with 'timestep' (and "
                     f"'additional_t_cond'), got the keys {sorted(plan)}"
                 )
+            embedding = getattr(getattr(model, "time_text_embed", None), "addition_t_embedding", None)
+            if isinstance(embedding, nn.Embedding) and isinstance(plan.get(core.ADDITIONAL), (int, torch.Tensor)):
+                core.check_additional_t_cond(plan[core.ADDITIONAL], embedding.num_embeddings)
             return self.plan(model, plan[TIMESTEP], plan.get(core.ADDITIONAL))
         if not isinstance(plan, torch.Tensor):
             raise PlanError(f"a Qwen-Image plan is the forward's timestep tensor, got {type(plan).__name__}")
