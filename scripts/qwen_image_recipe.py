@@ -108,7 +108,7 @@ def load(directory: Path, recipe: str) -> nn.Module:
 
 
 def forwards(size: int, steps: int, text: int, seed: int) -> tuple[dict[str, Any], list[torch.Tensor]]:
-    """The fixed inputs of one request at ``size`` x ``size`` and each step's ``timestep``, as the pipeline computes them."""
+    """The inputs of one request at ``size`` x ``size``, and each step's ``timestep`` as the pipeline computes it."""
     from adalncache.families.qwen_image import RELEASED_SCHEDULER, pipeline_timesteps, schedule_timesteps
 
     generator = torch.Generator().manual_seed(seed)
@@ -163,8 +163,10 @@ def main() -> int:
             f"Qwen-Image, released layer widths, {args.layers} of 60 blocks; {args.steps} steps at "
             f"{args.size}x{args.size}, {args.text} prompt tokens, batch 1; {args.threads} CPU threads"
         )
-        print(f"{'recipe':<8} {'held without':>13} {'held with':>10} {'tables':>8} {'s/step without':>15} "
-              f"{'s/step with':>12} {'with/without':>13} {'pass s':>7} {'torch.equal':>12}")
+        print(
+            f"{'recipe':<8} {'held without':>13} {'held with':>10} {'tables':>8} {'s/step without':>15} "
+            f"{'s/step with':>12} {'with/without':>13} {'pass s':>7} {'torch.equal':>12}"
+        )
         for recipe in ("bf16", "int8"):
             resident = load(directory, recipe)
             served = load(directory, recipe)
@@ -180,7 +182,8 @@ def main() -> int:
             exact = all(torch.equal(a, b) for a, b in zip(out_a, out_b, strict=True))
             print(
                 f"{recipe:<8} {without_bytes / GiB:>11.3f}Gi {with_bytes / GiB:>8.3f}Gi {tables / GiB:>6.3f}Gi "
-                f"{per_step_a:>15.2f} {per_step_b:>12.2f} {per_step_b / per_step_a:>13.2f} {pass_s:>7.2f} {str(exact):>12}"
+                f"{per_step_a:>15.2f} {per_step_b:>12.2f} {per_step_b / per_step_a:>13.2f} {pass_s:>7.2f} "
+                f"{exact!s:>12}"
             )
             handle.disable()
             del resident, served, handle
