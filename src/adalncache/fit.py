@@ -25,8 +25,9 @@ from typing import Any
 import torch
 
 from . import families
-from .commands import _request_plans, _schedules
+from .cli import add_schedule_flags
 from .errors import ConfigError
+from .plans import distinct_plans
 from .spec import ModulationSpec
 
 GiB = 2**30
@@ -341,12 +342,6 @@ class Tables:
     rows: int
 
 
-def _schedule_defaults() -> dict[str, Any]:
-    parser = argparse.ArgumentParser(add_help=False)
-    _schedules(parser, "")
-    return vars(parser.parse_args([]))
-
-
 def request_tables(args: argparse.Namespace, spec: ModulationSpec, checkpoint: Path | None) -> Tables:
     """The distinct plans of the request ``build``'s schedule flags name in ``args``, as ``build`` computes them.
 
@@ -355,33 +350,37 @@ def request_tables(args: argparse.Namespace, spec: ModulationSpec, checkpoint: P
     model, or the default request of a checkpoint without it) the tables are sized as one plan of
     ``--batch`` rows per forward, an upper bound. ``checkpoint``: the transformer's directory.
     """
-    given = [name for name, value in _schedule_defaults().items() if getattr(args, name) != value]
+    given = {name: getattr(args, name) for name in families.ARGUMENTS if getattr(args, name, None) is not None}
     tasks = [task for task, _ in spec.family.task_variants]
-    args.steps = args.steps or ([DEFAULT_STEPS] if args.timesteps is None else None)
-    args.task = args.task or tasks[:1] or None
+    request = dict(given)
+    if "timesteps" not in request:
+        request.setdefault("steps", [DEFAULT_STEPS])
+    if tasks:
+        request.setdefault("task", tasks[:1])
     reason = "a released model comes with no scheduler config"
-    if checkpoint is not None or tasks or args.timesteps is not None:
-        args.checkpoint = str(checkpoint)  # where --steps finds scheduler/ (unused by the other schedules)
+    if checkpoint is not None or tasks or "timesteps" in given:
         try:
-            plans, described = _request_plans(args, spec)
-            return Tables(described, len(plans), max(int(plan.shape[0]) for plan in plans))
+            schedule = families.schedule(spec, request, source=None, checkpoint=checkpoint)
+            order, tensors = distinct_plans(schedule.plans, columns=spec.plan_columns)
+            return Tables(schedule.described, len(order), max(int(tensors[key].shape[0]) for key in order))
         except ConfigError as exc:
             if given:
                 raise
             reason = str(exc).split(":")[0]
     elif set(given) - {"steps", "batch"}:
-        flags = ", ".join("--" + name.replace("_", "-") for name in given if name not in ("steps", "batch"))
+        flags = ", ".join(families.ARGUMENTS[name].flag for name in given if name not in ("steps", "batch"))
         raise ConfigError(
             f"{flags}: a released model's tables are sized from --steps and --batch alone; for the plans of the other "
             "schedule flags, name a checkpoint directory or its config.json (MODEL)"
         )
+    args.steps, args.batch = request.get("steps") or [DEFAULT_STEPS], request.get("batch") or 1
     said = f"steps {', '.join(map(str, args.steps))}, batch {args.batch}; one plan per forward, as {reason}"
     return Tables(said, sum(args.steps), args.batch)
 
 
 def default_tables(model: Model) -> Tables:
     """The default request's tables for ``model``, from no file (as for a released model)."""
-    return request_tables(argparse.Namespace(**_schedule_defaults()), model.spec, None)
+    return request_tables(argparse.Namespace(**dict.fromkeys(families.ARGUMENTS)), model.spec, None)
 
 
 def fit(
@@ -632,7 +631,7 @@ def register(subparsers: Any) -> None:
         default=DEFAULT_RESERVE_GIB,
         help=f"GiB a card keeps for activations, the CUDA context and slack (default: {DEFAULT_RESERVE_GIB:g})",
     )
-    _schedules(p, f"the request's steps, as build takes them (repeatable; default: {DEFAULT_STEPS})")
+    add_schedule_flags(p)
     p.add_argument("--json", action="store_true", help="every number, machine-readable")
     p.add_argument("--markdown", action="store_true", help="the tables in markdown")
     p.set_defaults(func=run_fit)
