@@ -612,3 +612,41 @@ def test_checker_finds_a_deferred_cycle_and_an_upward_import(tmp_path: Path) -> 
 def test_checker_resolves_imports_to_modules(tmp_path: Path, text: str, target: str) -> None:
     root = _tree(tmp_path, {"__init__.py": "", "x.py": text, "sub/__init__.py": "", "sub/mod.py": ""})
     assert [(e.source, e.target) for e in import_edges(root)] == [("adalncache.x", target)]
+
+
+# ---------------------------------------------------------------------------------------------------- the map
+
+ARCHITECTURE = SRC.parents[1] / "docs" / "architecture.md"
+MAP_LAYERS = {"core": 0, "integration": 1, "command line": 2}
+
+
+def architecture_map(text: str) -> list[tuple[str, str]]:
+    """``(file, layer)`` of every row of the "Where each concept lives" table of docs/architecture.md."""
+    section = text.split("## Where each concept lives", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"^\| `([^`]+\.py)` \| ([a-z ]+) \|", section, flags=re.M)
+
+
+def test_the_architecture_map_names_every_module_once() -> None:
+    """docs/architecture.md maps each module to the concept it owns: a module added, moved or removed
+    without the map changing fails here, and so does a row whose layer is not the module's."""
+    rows = architecture_map(ARCHITECTURE.read_text())
+    files = [path for path, _ in rows]
+    repeated = sorted({path for path in files if files.count(path) > 1})
+    assert not repeated, f"modules mapped twice: {repeated}"
+    actual = {str(path.relative_to(SRC)): name for name, path in modules().items()}
+    assert sorted(set(files) - set(actual)) == [], "the map names files that do not exist"
+    assert sorted(set(actual) - set(files)) == [], "modules missing from docs/architecture.md's map"
+    wrong = [
+        f"{path}: mapped to the {where}, but the import rules put it in {LAYER_NAMES[layer(actual[path])]}"
+        for path, where in rows
+        if MAP_LAYERS[where] != layer(actual[path])
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_map_check_sees_a_missing_module_and_a_wrong_layer() -> None:
+    text = (
+        "## Where each concept lives\n\n| `cache.py` | integration | x |\n| `cli.py` | command line | y |\n\n## Next\n"
+    )
+    assert architecture_map(text) == [("cache.py", "integration"), ("cli.py", "command line")]
+    assert MAP_LAYERS["integration"] != layer("adalncache.cache")
