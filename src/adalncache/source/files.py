@@ -37,6 +37,7 @@ multi-GiB benchmark checkpoint needs one tensor of memory; gaps are ``uint8`` pa
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -192,6 +193,19 @@ def open_regular(path: Path) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename into directory ``path`` durable: the directory entry itself must reach the disk."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        with contextlib.suppress(OSError):  # some filesystems refuse fsync on directories
+            os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def read_regular(path: Path) -> bytes:

@@ -58,22 +58,16 @@ class TensorSource:
         problems = []
         for _, key, shape in expected(spec, self.layout):
             t = tensors.get(key)
-            if t is not None and not isinstance(t, torch.Tensor):
-                problems.append(f"{key}: not a tensor ({type(t).__name__})")
-                continue
-            if t is not None and t.device.type == "meta":
-                problems.append(f"{key}: a meta tensor holds no data")
-                continue
-            if t is not None and key in self.logical_shapes:
+            if t is None:
+                problem = tensor_problem(spec, key, None, None, shape)
+            elif not isinstance(t, torch.Tensor):
+                problem = f"{key}: not a tensor ({type(t).__name__})"
+            elif t.device.type == "meta":
+                problem = f"{key}: a meta tensor holds no data"
+            elif key in self.logical_shapes:
                 problem = tensor_problem(spec, key, self.logical_shapes[key], spec.dtype, shape)
             else:
-                problem = tensor_problem(
-                    spec,
-                    key,
-                    tuple(t.shape) if t is not None else None,
-                    t.dtype if t is not None else None,
-                    shape,
-                )
+                problem = tensor_problem(spec, key, tuple(t.shape), t.dtype, shape)
             if problem:
                 problems.append(problem)
         raise_problems(problems, "tensors given to TensorSource", self.layout)
@@ -186,15 +180,7 @@ class NoWeights:
     def refresh(self) -> bool:
         return False
 
-    def stream(
-        self,
-        layers: Sequence[Layer],
-        *,
-        device: torch.device | str = "cpu",
-        columns: Columns | None = None,
-        read_ahead: int = 1,
-        digests: DigestSink | None = None,
-    ) -> Iterator[LayerWeights]:
+    def stream(self, layers: Sequence[Layer], **_: Any) -> Iterator[LayerWeights]:
         raise PlanNotCachedError(
             "this cache has no projection weights (source=None): it serves table files only; pass a checkpoint "
             "to build plans they lack"
