@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from .. import families
 from ..errors import CheckpointError, ConfigError
@@ -528,11 +527,10 @@ class Layout:
             raise ConfigError(f"table file {self.path} does not exist ({argument})")
         try:
             header = SafetensorsHeader.read(self.path)
-            with safe_open(str(self.path), framework="pt") as handle:
-                self.metadata: dict[str, str] = dict(handle.metadata() or {})
-        except (CheckpointError, OSError) as exc:
+        except CheckpointError as exc:
             raise bad_file(self.path, f"not a readable safetensors file: {exc}", argument) from None
         self.identity: FileIdentity = header.identity
+        self.metadata: dict[str, str] = header.metadata
         self._entries: dict[str, TensorEntry] = header.entries
         parts = [p.tensor for p in spec.table_parts()] if spec else part_tensors(header.entries)
         wanted = [*PLAN_TENSORS, *(parts or families.table_tensor_sets()[0])]

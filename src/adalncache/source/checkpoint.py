@@ -52,6 +52,13 @@ from .reads import DirectReads, PassMappings, StagingPool, pread_into, read_buff
 log = logging.getLogger(__name__)
 
 
+def _open(path: Path) -> int:
+    try:
+        return open_regular(path)
+    except OSError as exc:
+        raise CheckpointError(f"cannot open checkpoint file {path}: {exc}") from exc
+
+
 @dataclass(frozen=True)
 class ValidatedCheckpoint:
     """The files of a checkpoint and its key layout, every projection tensor checked against ``spec``."""
@@ -101,10 +108,7 @@ class ValidatedCheckpoint:
         fds: dict[Path, int] = {}
         try:
             for header in self.files.headers:
-                try:
-                    fds[header.path] = open_regular(header.path)
-                except OSError as exc:
-                    raise CheckpointError(f"cannot open checkpoint file {header.path}: {exc}") from exc
+                fds[header.path] = _open(header.path)
             yield fds
         finally:
             for fd in fds.values():
@@ -264,10 +268,7 @@ class CheckpointSource:
         dtype = entry.torch_dtype
         assert dtype is not None  # misaligned said so
         view = read_buffer(entry.nbytes, entry.begin)
-        try:
-            fd = open_regular(header.path)
-        except OSError as exc:
-            raise CheckpointError(f"cannot open checkpoint file {header.path}: {exc}") from exc
+        fd = _open(header.path)
         try:
             pread_into(fd, view, entry.begin, header.path, name)
         finally:
@@ -300,16 +301,10 @@ class CheckpointSource:
     # -- buffers and summary ----------------------------------------------------------------
 
     @property
-    def _kept(self) -> StagingPool | None:
-        """The staging pool kept from the last pass (None when none is kept, or a pass holds it)."""
-        with self._lock:
-            return self._pool
-
-    @property
     def kept_bytes(self) -> int:
-        """Bytes the read buffers kept from the last pass hold (0 when none are kept)."""
-        pool = self._kept
-        return pool.nbytes if pool is not None else 0
+        """Bytes the read buffers kept from the last pass hold (0 when none are kept, or a pass holds them)."""
+        with self._lock:
+            return self._pool.nbytes if self._pool is not None else 0
 
     def _take_buffers(self, device: torch.device, read_ahead: int) -> StagingPool | None:
         """The staging buffers of one pass: the kept pool where it fits, else a new one (None: fresh per layer).

@@ -258,6 +258,8 @@ class SafetensorsHeader:
     identity: FileIdentity
     digest: str
     entries: dict[str, TensorEntry]
+    #: The header's ``__metadata__`` (strings by key; empty when it has none).
+    metadata: dict[str, str]
 
     @classmethod
     def read(cls, path: Path) -> SafetensorsHeader:
@@ -306,7 +308,7 @@ class SafetensorsHeader:
         entries = _entries(path, header, 8 + length, identity.size)
         _safetensors_accepts(path, fd)
         digest = hashlib.sha256(prefix + raw).hexdigest()
-        return cls(path, identity, digest, entries)
+        return cls(path, identity, digest, entries, dict(header.get("__metadata__") or {}))
 
 
 def _pread_exact(fd: int, length: int, offset: int) -> bytes:

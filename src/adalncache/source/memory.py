@@ -95,10 +95,8 @@ class TensorSource:
         return self._fingerprint
 
     def refresh(self) -> bool:
-        new = self._compute_fingerprint()
-        changed = new != self._fingerprint
-        self._fingerprint = new
-        return changed
+        old, self._fingerprint = self._fingerprint, self._compute_fingerprint()
+        return old != self._fingerprint
 
     def stream(
         self,
