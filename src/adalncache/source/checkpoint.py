@@ -156,7 +156,10 @@ class CheckpointSource:
         self.rehash = rehash
         #: One lock for the byte counters (passes' reader threads add to them) and the kept buffers.
         self._lock = threading.Lock()
-        self._read = self._direct = self._in_place = 0
+        self._read = 0
+        #: Of ``bytes_read``, those read with O_DIRECT, and those projected in place from the mapping
+        #: (hashed, never copied).
+        self.bytes_direct = self.bytes_in_place = 0
         #: The staging buffers kept from the last pass (taken out while a pass uses them).
         self._pool: StagingPool | None = None
         #: The side stream of each device this source copies layers to, reused by every pass.
@@ -198,8 +201,8 @@ class CheckpointSource:
     def _count(self, nbytes: int, *, in_place: bool = False, direct: int = 0) -> None:
         with self._lock:
             self._read += nbytes
-            self._in_place += nbytes if in_place else 0
-            self._direct += direct
+            self.bytes_in_place += nbytes if in_place else 0
+            self.bytes_direct += direct
 
     @property
     def bytes_read(self) -> int:
@@ -210,16 +213,6 @@ class CheckpointSource:
     def bytes_read(self, value: int) -> None:
         with self._lock:
             self._read = value
-
-    @property
-    def bytes_direct(self) -> int:
-        """Of ``bytes_read``, those read with O_DIRECT."""
-        return self._direct
-
-    @property
-    def bytes_in_place(self) -> int:
-        """Of ``bytes_read``, those projected in place from the mapping (hashed, never copied)."""
-        return self._in_place
 
     def cached_fraction(self) -> float | None:
         """Of the projection bytes, the fraction the page cache holds now (``mincore``; nothing is read).

@@ -145,16 +145,7 @@ class TierChain:
             return store.get_many(bound, keys, self.spec) if store is not None and bound is not None else {}
 
         def read_tables(keys: list[PlanKey]) -> dict[PlanKey, PlanRows]:
-            if tables is None:
-                return {}
-            return tables.lookup(
-                keys,
-                template=identity.template(),
-                generation=identity.generation,
-                content=identity.content.identify,
-                agree=self._dist.any_of,
-                embed=embed,
-            )
+            return tables.lookup(keys, identity, agree=self._dist.any_of, embed=embed) if tables is not None else {}
 
         from_host = self._agreed(list(missing), "host tier", read_host) if host is not None else {}
         rest = [k for k in missing if k not in from_host]
