@@ -122,13 +122,7 @@ class FillReport:
     binding: str
 
 
-def fill_store(
-    cache: AdalnCache,
-    plans: Sequence[torch.Tensor],
-    *,
-    embed: Embed,
-    progress: bool = True,
-) -> FillReport:
+def fill_store(cache: AdalnCache, plans: Sequence[torch.Tensor], *, embed: Embed, progress: bool = True) -> FillReport:
     """Build every plan ``cache``'s store lacks, in passes of at most ``cache.max_plans`` plans.
 
     The cache's slab is scratch here and is emptied after each pass: the store is the product. A
