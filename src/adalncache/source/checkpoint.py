@@ -45,7 +45,7 @@ from ..devices import CopyStreams, copy_to_device
 from ..errors import CheckpointError, ConfigError
 from ..identity import DigestSink, role_of
 from ..spec import KeyLayout, Layer, ModulationSpec
-from . import Columns, LayerWeights, detect_layout, expected, raise_problems, tensor_problem
+from . import Columns, LayerWeights, check_tensors, detect_layout, expected, tensor_problem
 from .files import CheckpointFiles, CheckpointPath, SafetensorsHeader, TensorEntry, open_regular
 from .reads import DirectReads, PassMappings, StagingPool, pread_into, read_buffer, resident_fraction
 
@@ -74,16 +74,17 @@ class ValidatedCheckpoint:
         where = checkpoint.where
         searched = ", ".join(str(f) for f in checkpoint.files)
         found = detect_layout(where, spec, layout, f"checkpoint ({searched})")
-        problems = []
-        for _, key, shape in expected(spec, found):
+
+        def problem(key: str, shape: tuple[int, ...]) -> str | None:
             entry = where[key].entries[key] if key in where else None
-            dtype = (entry.torch_dtype or entry.dtype) if entry else None
-            problem = tensor_problem(spec, key, entry.shape if entry else None, dtype, shape)
-            if problem is None and entry is not None and (why := entry.misaligned()):
-                problem = f"{key}: {why}"
-            if problem:
-                problems.append(problem)
-        raise_problems(problems, f"files searched: {searched}", found)
+            if entry is None:
+                return tensor_problem(spec, key, None, None, shape)
+            found = tensor_problem(spec, key, entry.shape, entry.torch_dtype or entry.dtype, shape)
+            if found is None and (why := entry.misaligned()):
+                found = f"{key}: {why}"
+            return found
+
+        check_tensors(spec, found, problem, f"files searched: {searched}")
         return cls(checkpoint, found, spec)
 
     def entry(self, name: str) -> tuple[SafetensorsHeader, TensorEntry]:
