@@ -295,10 +295,16 @@ class CheckpointSource:
     # -- buffers and summary ----------------------------------------------------------------
 
     @property
-    def kept_bytes(self) -> int:
-        """Bytes the read buffers kept from the last pass hold (0 when none are kept, or a pass holds them)."""
+    def _kept(self) -> StagingPool | None:
+        """The staging pool kept from the last pass (None when none is kept, or a pass holds it)."""
         with self._lock:
-            return self._pool.nbytes if self._pool is not None else 0
+            return self._pool
+
+    @property
+    def kept_bytes(self) -> int:
+        """Bytes the read buffers kept from the last pass hold (0 when none are kept)."""
+        pool = self._kept
+        return pool.nbytes if pool is not None else 0
 
     def _take_buffers(self, device: torch.device, read_ahead: int) -> StagingPool | None:
         """The staging buffers of one pass: the kept pool where it fits, else a new one (None: fresh per layer).
