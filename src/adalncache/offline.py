@@ -73,12 +73,6 @@ def sampled(items: Sequence[T], sample: int | None, seed: int) -> list[T]:
     return list(items)
 
 
-def chunked(items: Sequence[T], per_pass: int) -> list[list[T]]:
-    """``items`` in chunks of ``per_pass`` (at least one): one pass, one slab's worth, each."""
-    step = max(1, per_pass)
-    return [list(items[i : i + step]) for i in range(0, len(items), step)]
-
-
 def _in_passes(
     cache: AdalnCache, plans: Sequence[torch.Tensor], build: Callable[[list[torch.Tensor]], Any], desc: str, **bar: Any
 ) -> Iterator[tuple[range, Any]]:
@@ -128,13 +122,7 @@ class FillReport:
     binding: str
 
 
-def fill_store(
-    cache: AdalnCache,
-    plans: Sequence[torch.Tensor],
-    *,
-    embed: Embed,
-    progress: bool = True,
-) -> FillReport:
+def fill_store(cache: AdalnCache, plans: Sequence[torch.Tensor], *, embed: Embed, progress: bool = True) -> FillReport:
     """Build every plan ``cache``'s store lacks, in passes of at most ``cache.max_plans`` plans.
 
     The cache's slab is scratch here and is emptied after each pass: the store is the product. A
@@ -248,19 +236,16 @@ def verify_store(
         by_binding.setdefault(entry.binding, []).append(entry)
     report = VerifyReport()
     hashes = _local_hashes(spec, source, device, store)
-    matched_any = False
-    for precision, bhash in hashes.items():
-        infos = by_binding.get(bhash, [])
-        if not infos:
-            continue
-        matched_any = True
-        infos = sampled(infos, sample, seed)
-        for chunk in tqdm(
-            chunked(infos, min(max_plans, len(infos))),
-            desc=f"adalncache verify ({precision})",
-            unit="pass",
-            disable=not progress,
-        ):
+    if not any(h in by_binding for h in hashes.values()):
+        raise ConfigError(
+            f"{store.path} holds no entries for this checkpoint on this machine ({len(entries)} entries under other "
+            f"bindings): check {flag('checkpoint')} and {flag('device')}, or run adalncache build first"
+        )
+    per = max(1, max_plans)  # one pass, one slab's worth, each
+    for precision, bhash in ((p, h) for p, h in hashes.items() if h in by_binding):
+        infos = sampled(by_binding[bhash], sample, seed)
+        chunks = [infos[i : i + per] for i in range(0, len(infos), per)]
+        for chunk in tqdm(chunks, desc=f"adalncache verify ({precision})", unit="pass", disable=not progress):
             stored: list[StoredEntry] = []
             for item in store.iter_entries(chunk):
                 if isinstance(item, StoredEntry):
@@ -282,11 +267,6 @@ def verify_store(
                     )
             del cache, stored
     report.other_bindings = len(entries) - sum(len(by_binding.get(h, [])) for h in hashes.values())
-    if not matched_any:
-        raise ConfigError(
-            f"{store.path} holds no entries for this checkpoint on this machine ({len(entries)} entries under other "
-            f"bindings): check {flag('checkpoint')} and {flag('device')}, or run adalncache build first"
-        )
     return report
 
 

@@ -1,13 +1,9 @@
 """Table files in the three formats other engines and this package read, behind one interface.
 
-A table file holds the tables of a set of plans in one safetensors file (the layout, SGLang's sidecar:
-:mod:`.sglang`). Three formats write it, each in its own module with its write, read and check:
-``sglang`` (:mod:`.sglang`: the layout alone, unbound, for the family SGLang serves), ``adalncache``
-(:mod:`.adalncache`: the layout bound to what produced it, every family) and ``vllm-omni``
-(:mod:`.vllm_omni`: vLLM-Omni's weight-bound format-4 sidecar of one schedule, for the family it serves).
-Callers never branch on the format: they look it up here by name (:func:`table_format`) or open a file
-with :class:`TableFile`, which finds its format and has it read and check the file through the hooks
-of :class:`~.sglang.TableFormat`, as the tier, ``export``, ``verify`` and ``inspect`` use it.
+Each format is one module with its write, read and check (:mod:`.sglang`, which also holds the layout
+every format shares, :mod:`.adalncache`, :mod:`.vllm_omni`). Callers never branch on the format: they
+look it up by name (:func:`table_format`) or open a file with :class:`TableFile`, which finds its format
+and has it check the file, as the tier, ``export``, ``verify`` and ``inspect`` use it.
 """
 
 from __future__ import annotations
@@ -37,12 +33,8 @@ def table_format(name: str) -> TableFormat:
 
 
 class TableFile(Layout):
-    """One table file of any format, validated by its format and indexed; :meth:`read` returns a plan's rows.
-
-    ``spec``: the geometry and dtype the file must have (None: taken from the file, for
-    ``inspect``). ``argument``: how messages name the file's setting (``tables=``, ``--tables``).
-    ``format`` is the format's name and ``kind`` the format itself.
-    """
+    """One table file of any of :data:`FORMATS` (see :class:`~.sglang.Layout`); ``format`` is the format's
+    name and ``kind`` the format itself."""
 
     def __init__(
         self, path: str | os.PathLike[str], spec: ModulationSpec | None = None, *, argument: str = "tables="

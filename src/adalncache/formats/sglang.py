@@ -28,12 +28,12 @@ import math
 import os
 import struct
 import uuid
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from .. import families
 from ..errors import CheckpointError, ConfigError
@@ -41,7 +41,7 @@ from ..identity import FileIdentity, hash_hex
 from ..options import flag
 from ..plans import PlanKey, format_plan, key_to_plan, plan_key
 from ..slab import PlanRows
-from ..source.files import SafetensorsHeader, TensorEntry, safetensors_name
+from ..source.files import SafetensorsHeader, TensorEntry, fsync_dir, safetensors_name
 from ..source.reads import pread_into
 from ..spec import ModulationSpec
 
@@ -71,6 +71,34 @@ def _raw(tensor: torch.Tensor) -> memoryview:
 
 def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
     return math.prod(shape) * dtype.itemsize
+
+
+def layout_shapes(spec: ModulationSpec, plans: int, width: int, rows: Shapes | None = None) -> Shapes:
+    """Every tensor of a file of ``plans`` slots of ``width`` rows, in file order: the plans, then each per-row
+    tensor (``rows``: its row shape and dtype by name; the spec's table parts when None)."""
+    columns = spec.plan_columns
+    rows = {part.tensor: (part.shape, spec.dtype) for part in spec.table_parts()} if rows is None else rows
+    return {
+        "plan_timesteps": ((plans, width) if columns == 1 else (plans, width, columns), torch.float32),
+        "plan_lengths": ((plans,), torch.int64),
+        **{name: ((plans, width, *shape), dtype) for name, (shape, dtype) in rows.items()},
+    }
+
+
+def padded_plans(plans: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``plan_timesteps [P, W]`` (``[P, W, C]`` for plans of ``C`` columns; zeros past each plan) and
+    ``plan_lengths [P]``, as a file holds them."""
+    timesteps = torch.zeros((len(plans), max(len(p) for p in plans), *plans[0].shape[1:]), dtype=torch.float32)
+    for index, plan in enumerate(plans):
+        timesteps[index, : len(plan)] = plan
+    return timesteps, torch.tensor([len(p) for p in plans], dtype=torch.int64)
+
+
+def _pread(fd: int, offset: int, nbytes: int, path: Path, what: str) -> torch.Tensor:
+    buf = torch.empty(nbytes, dtype=torch.uint8)
+    if nbytes:
+        pread_into(fd, buf, offset, path, what)
+    return buf
 
 
 class Passes:
@@ -328,15 +356,10 @@ class TableWriter:
             raise ConfigError(f"a table file needs at least one plan (check {flag('task')} and {flag('steps')})")
         if len(set(self.keys)) != len(self.keys):
             raise ConfigError("a table file holds each plan once: pass distinct plans (SGLang would serve one of them)")
-        P, W, C = len(self.keys), max(spec.plan_rows(k) for k in self.keys), spec.plan_columns
-        self.width = W
-        rows: Shapes = {part.tensor: (part.shape, spec.dtype) for part in spec.table_parts()}
-        self._rows = {**rows, **(extras or {})}
-        self._shapes: Shapes = {
-            "plan_timesteps": ((P, W) if C == 1 else (P, W, C), torch.float32),
-            "plan_lengths": ((P,), torch.int64),
-            **{name: ((P, W, *shape), dtype) for name, (shape, dtype) in self._rows.items()},
-        }
+        P, self.width = len(self.keys), max(spec.plan_rows(k) for k in self.keys)
+        self._rows: Shapes = {part.tensor: (part.shape, spec.dtype) for part in spec.table_parts()}
+        self._rows.update(extras or {})
+        self._shapes = layout_shapes(spec, P, self.width, self._rows)
         self._tensors: dict[str, Any] = {}
         self.begin: dict[str, int] = {}
         offset = 0
@@ -378,11 +401,7 @@ class TableWriter:
             os.ftruncate(self._fd, 8 + self._reserved + self._data_bytes)
         except OSError as exc:
             raise self._failed(exc) from None
-        shape, _ = self._shapes["plan_timesteps"]
-        timesteps = torch.zeros(shape, dtype=torch.float32)
-        lengths = torch.tensor([self.spec.plan_rows(k) for k in self.keys], dtype=torch.int64)
-        for s, key in enumerate(self.keys):
-            timesteps[s, : self.spec.plan_rows(key)] = key_to_plan(key, self.spec.plan_columns)
+        timesteps, lengths = padded_plans([key_to_plan(k, self.spec.plan_columns) for k in self.keys])
         self._pwrite(self.begin["plan_timesteps"], timesteps)
         self._pwrite(self.begin["plan_lengths"], lengths)
 
@@ -431,9 +450,7 @@ class TableWriter:
         """The whole tensor ``name`` as written so far (a format whose metadata digests its tensors reads them here)."""
         assert self._fd is not None
         shape, dtype = self._shapes[name]
-        buf = torch.empty(_nbytes(shape, dtype), dtype=torch.uint8)
-        if buf.numel():
-            pread_into(self._fd, buf, 8 + self._reserved + self.begin[name], self.tmp, name)
+        buf = _pread(self._fd, 8 + self._reserved + self.begin[name], _nbytes(shape, dtype), self.tmp, name)
         return buf.view(dtype).view(shape)
 
     def finish(self, metadata: Mapping[str, str]) -> Path:
@@ -459,12 +476,7 @@ class TableWriter:
             os.replace(self.tmp, self.path)
         except OSError as exc:
             raise self._failed(exc) from None
-        with contextlib.suppress(OSError):
-            fd = os.open(self.path.parent, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+        fsync_dir(self.path.parent)
         return self.path
 
     def abort(self) -> None:
@@ -515,11 +527,10 @@ class Layout:
             raise ConfigError(f"table file {self.path} does not exist ({argument})")
         try:
             header = SafetensorsHeader.read(self.path)
-            with safe_open(str(self.path), framework="pt") as handle:
-                self.metadata: dict[str, str] = dict(handle.metadata() or {})
-        except (CheckpointError, OSError) as exc:
+        except CheckpointError as exc:
             raise bad_file(self.path, f"not a readable safetensors file: {exc}", argument) from None
         self.identity: FileIdentity = header.identity
+        self.metadata: dict[str, str] = header.metadata
         self._entries: dict[str, TensorEntry] = header.entries
         parts = [p.tensor for p in spec.table_parts()] if spec else part_tensors(header.entries)
         wanted = [*PLAN_TENSORS, *(parts or families.table_tensor_sets()[0])]
@@ -559,13 +570,7 @@ class Layout:
 
     def _check_shapes(self) -> None:
         """Refuses a plan or table-part tensor whose shape or dtype is not the one the spec needs here."""
-        P, W, s = self.plans, self.width, self.spec
-        wanted: Shapes = {
-            "plan_timesteps": ((P, W) if s.plan_columns == 1 else (P, W, s.plan_columns), torch.float32),
-            "plan_lengths": ((P,), torch.int64),
-            **{part.tensor: ((P, W, *part.shape), s.dtype) for part in s.table_parts()},
-        }
-        for name, (shape, want) in wanted.items():
+        for name, (shape, want) in layout_shapes(self.spec, self.plans, self.width).items():
             entry = self._entries[name]
             if tuple(entry.shape) != shape or entry.torch_dtype != want:
                 raise ConfigError(
@@ -620,14 +625,11 @@ class Layout:
         )
 
     def _read(self, offset: int, nbytes: int, what: str) -> torch.Tensor:
-        buf = torch.empty(nbytes, dtype=torch.uint8)
         fd = os.open(self.path, os.O_RDONLY)
         try:
-            if nbytes:
-                pread_into(fd, buf, offset, self.path, what)
+            return _pread(fd, offset, nbytes, self.path, what)
         finally:
             os.close(fd)
-        return buf
 
     # -- queries ----------------------------------------------------------------------------
 
@@ -671,9 +673,7 @@ class Layout:
 
     def describe(self) -> dict[str, Any]:
         """What ``inspect`` shows: format, geometry, plans per width, variant, binding."""
-        widths: dict[int, int] = {}
-        for key in self.keys:
-            widths[self.spec.plan_rows(key)] = widths.get(self.spec.plan_rows(key), 0) + 1
+        widths = Counter(self.spec.plan_rows(key) for key in self.keys)
         info = {
             "kind": "tables",
             "path": str(self.path),

@@ -39,7 +39,7 @@ from ..geometry import KeyLayout
 from ..options import flag, knob
 from ..plans import PlanKey, format_plan, key_to_plan
 from ..spec import Layer, ModulationSpec
-from .sglang import Layout, Passes, TableFormat, TableWriter, bad_file
+from .sglang import Layout, Passes, TableFormat, TableWriter, bad_file, padded_plans
 
 log = logging.getLogger(__name__)
 
@@ -206,15 +206,6 @@ def timestep_plans(contract: Mapping[str, Any]) -> list[torch.Tensor]:
         plan = torch.tensor([values[kind] for kind in MODES[c["mode"]]], dtype=torch.float32).unique(sorted=True)
         plans.setdefault(tuple(plan.tolist()), plan)
     return list(plans.values())
-
-
-def padded_plans(plans: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``plan_timesteps [P, W]`` (zeros past each plan) and ``plan_lengths [P]``, as a file holds them."""
-    width = max(len(p) for p in plans)
-    timesteps = torch.zeros((len(plans), width), dtype=torch.float32)
-    for index, plan in enumerate(plans):
-        timesteps[index, : len(plan)] = plan
-    return timesteps, torch.tensor([len(p) for p in plans], dtype=torch.int64)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ O_DIRECT, aligned buffers, mapped views), :mod:`.checkpoint` and :mod:`.memory` 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
@@ -133,8 +133,11 @@ def detect_layout(names: set[str] | Mapping[str, Any], spec: ModulationSpec, lay
     return layouts[best]
 
 
-def raise_problems(problems: list[str], where: str, layout: KeyLayout) -> None:
-    """CheckpointError listing ``problems`` (the first 20), if there are any."""
+def check_tensors(
+    spec: ModulationSpec, layout: KeyLayout, problem: Callable[[str, tuple[int, ...]], str | None], where: str
+) -> None:
+    """CheckpointError listing (the first 20) projection tensors that ``problem(name, shape)`` finds unusable."""
+    problems = [p for _, key, shape in expected(spec, layout) if (p := problem(key, shape)) is not None]
     if not problems:
         return
     more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""

@@ -45,11 +45,18 @@ from ..devices import CopyStreams, copy_to_device
 from ..errors import CheckpointError, ConfigError
 from ..identity import DigestSink, role_of
 from ..spec import KeyLayout, Layer, ModulationSpec
-from . import Columns, LayerWeights, detect_layout, expected, raise_problems, tensor_problem
+from . import Columns, LayerWeights, check_tensors, detect_layout, expected, tensor_problem
 from .files import CheckpointFiles, CheckpointPath, SafetensorsHeader, TensorEntry, open_regular
 from .reads import DirectReads, PassMappings, StagingPool, pread_into, read_buffer, resident_fraction
 
 log = logging.getLogger(__name__)
+
+
+def _open(path: Path) -> int:
+    try:
+        return open_regular(path)
+    except OSError as exc:
+        raise CheckpointError(f"cannot open checkpoint file {path}: {exc}") from exc
 
 
 @dataclass(frozen=True)
@@ -67,16 +74,17 @@ class ValidatedCheckpoint:
         where = checkpoint.where
         searched = ", ".join(str(f) for f in checkpoint.files)
         found = detect_layout(where, spec, layout, f"checkpoint ({searched})")
-        problems = []
-        for _, key, shape in expected(spec, found):
+
+        def problem(key: str, shape: tuple[int, ...]) -> str | None:
             entry = where[key].entries[key] if key in where else None
-            dtype = (entry.torch_dtype or entry.dtype) if entry else None
-            problem = tensor_problem(spec, key, entry.shape if entry else None, dtype, shape)
-            if problem is None and entry is not None and (why := entry.misaligned()):
-                problem = f"{key}: {why}"
-            if problem:
-                problems.append(problem)
-        raise_problems(problems, f"files searched: {searched}", found)
+            if entry is None:
+                return tensor_problem(spec, key, None, None, shape)
+            found = tensor_problem(spec, key, entry.shape, entry.torch_dtype or entry.dtype, shape)
+            if found is None and (why := entry.misaligned()):
+                found = f"{key}: {why}"
+            return found
+
+        check_tensors(spec, found, problem, f"files searched: {searched}")
         return cls(checkpoint, found, spec)
 
     def entry(self, name: str) -> tuple[SafetensorsHeader, TensorEntry]:
@@ -101,10 +109,7 @@ class ValidatedCheckpoint:
         fds: dict[Path, int] = {}
         try:
             for header in self.files.headers:
-                try:
-                    fds[header.path] = open_regular(header.path)
-                except OSError as exc:
-                    raise CheckpointError(f"cannot open checkpoint file {header.path}: {exc}") from exc
+                fds[header.path] = _open(header.path)
             yield fds
         finally:
             for fd in fds.values():
@@ -152,7 +157,10 @@ class CheckpointSource:
         self.rehash = rehash
         #: One lock for the byte counters (passes' reader threads add to them) and the kept buffers.
         self._lock = threading.Lock()
-        self._read = self._direct = self._in_place = 0
+        self._read = 0
+        #: Of ``bytes_read``, those read with O_DIRECT, and those projected in place from the mapping
+        #: (hashed, never copied).
+        self.bytes_direct = self.bytes_in_place = 0
         #: The staging buffers kept from the last pass (taken out while a pass uses them).
         self._pool: StagingPool | None = None
         #: The side stream of each device this source copies layers to, reused by every pass.
@@ -194,8 +202,8 @@ class CheckpointSource:
     def _count(self, nbytes: int, *, in_place: bool = False, direct: int = 0) -> None:
         with self._lock:
             self._read += nbytes
-            self._in_place += nbytes if in_place else 0
-            self._direct += direct
+            self.bytes_in_place += nbytes if in_place else 0
+            self.bytes_direct += direct
 
     @property
     def bytes_read(self) -> int:
@@ -206,16 +214,6 @@ class CheckpointSource:
     def bytes_read(self, value: int) -> None:
         with self._lock:
             self._read = value
-
-    @property
-    def bytes_direct(self) -> int:
-        """Of ``bytes_read``, those read with O_DIRECT."""
-        return self._direct
-
-    @property
-    def bytes_in_place(self) -> int:
-        """Of ``bytes_read``, those projected in place from the mapping (hashed, never copied)."""
-        return self._in_place
 
     def cached_fraction(self) -> float | None:
         """Of the projection bytes, the fraction the page cache holds now (``mincore``; nothing is read).
@@ -264,10 +262,7 @@ class CheckpointSource:
         dtype = entry.torch_dtype
         assert dtype is not None  # misaligned said so
         view = read_buffer(entry.nbytes, entry.begin)
-        try:
-            fd = open_regular(header.path)
-        except OSError as exc:
-            raise CheckpointError(f"cannot open checkpoint file {header.path}: {exc}") from exc
+        fd = _open(header.path)
         try:
             pread_into(fd, view, entry.begin, header.path, name)
         finally:

@@ -37,6 +37,7 @@ multi-GiB benchmark checkpoint needs one tensor of memory; gaps are ``uint8`` pa
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -194,6 +195,19 @@ def open_regular(path: Path) -> int:
     return fd
 
 
+def fsync_dir(path: Path) -> None:
+    """Make a rename into directory ``path`` durable: the directory entry itself must reach the disk."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        with contextlib.suppress(OSError):  # some filesystems refuse fsync on directories
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def read_regular(path: Path) -> bytes:
     """The whole content of the regular file ``path`` (:func:`open_regular`, then read)."""
     fd = open_regular(path)
@@ -244,6 +258,8 @@ class SafetensorsHeader:
     identity: FileIdentity
     digest: str
     entries: dict[str, TensorEntry]
+    #: The header's ``__metadata__`` (strings by key; empty when it has none).
+    metadata: dict[str, str]
 
     @classmethod
     def read(cls, path: Path) -> SafetensorsHeader:
@@ -292,7 +308,7 @@ class SafetensorsHeader:
         entries = _entries(path, header, 8 + length, identity.size)
         _safetensors_accepts(path, fd)
         digest = hashlib.sha256(prefix + raw).hexdigest()
-        return cls(path, identity, digest, entries)
+        return cls(path, identity, digest, entries, dict(header.get("__metadata__") or {}))
 
 
 def _pread_exact(fd: int, length: int, offset: int) -> bytes:

@@ -20,7 +20,7 @@ from ..errors import ConfigError, PlanNotCachedError
 from ..identity import DigestSink, role_of
 from ..options import flag
 from ..spec import Layer, ModulationSpec
-from . import Columns, LayerWeights, detect_layout, expected, raise_problems, tensor_problem
+from . import Columns, LayerWeights, check_tensors, detect_layout, expected, tensor_problem
 from .files import safetensors_name
 
 
@@ -55,28 +55,20 @@ class TensorSource:
         self.spec = spec
         self.layout = detect_layout(tensors, spec, layout, "the tensors given to TensorSource")
         self.logical_shapes = {key: tuple(shape) for key, shape in (logical_shapes or {}).items()}
-        problems = []
-        for _, key, shape in expected(spec, self.layout):
+
+        def problem(key: str, shape: tuple[int, ...]) -> str | None:
             t = tensors.get(key)
-            if t is not None and not isinstance(t, torch.Tensor):
-                problems.append(f"{key}: not a tensor ({type(t).__name__})")
-                continue
-            if t is not None and t.device.type == "meta":
-                problems.append(f"{key}: a meta tensor holds no data")
-                continue
-            if t is not None and key in self.logical_shapes:
-                problem = tensor_problem(spec, key, self.logical_shapes[key], spec.dtype, shape)
-            else:
-                problem = tensor_problem(
-                    spec,
-                    key,
-                    tuple(t.shape) if t is not None else None,
-                    t.dtype if t is not None else None,
-                    shape,
-                )
-            if problem:
-                problems.append(problem)
-        raise_problems(problems, "tensors given to TensorSource", self.layout)
+            if t is None:
+                return tensor_problem(spec, key, None, None, shape)
+            if not isinstance(t, torch.Tensor):
+                return f"{key}: not a tensor ({type(t).__name__})"
+            if t.device.type == "meta":
+                return f"{key}: a meta tensor holds no data"
+            if key in self.logical_shapes:
+                return tensor_problem(spec, key, self.logical_shapes[key], spec.dtype, shape)
+            return tensor_problem(spec, key, tuple(t.shape), t.dtype, shape)
+
+        check_tensors(spec, self.layout, problem, "tensors given to TensorSource")
         self.tensors = {key: tensors[key] for _, key, _ in expected(spec, self.layout)}
         self.bytes_read = 0
         #: The fingerprint names addresses in this process, so store entries could never hit again.
@@ -101,10 +93,8 @@ class TensorSource:
         return self._fingerprint
 
     def refresh(self) -> bool:
-        new = self._compute_fingerprint()
-        changed = new != self._fingerprint
-        self._fingerprint = new
-        return changed
+        old, self._fingerprint = self._fingerprint, self._compute_fingerprint()
+        return old != self._fingerprint
 
     def stream(
         self,
@@ -186,15 +176,7 @@ class NoWeights:
     def refresh(self) -> bool:
         return False
 
-    def stream(
-        self,
-        layers: Sequence[Layer],
-        *,
-        device: torch.device | str = "cpu",
-        columns: Columns | None = None,
-        read_ahead: int = 1,
-        digests: DigestSink | None = None,
-    ) -> Iterator[LayerWeights]:
+    def stream(self, layers: Sequence[Layer], **_: Any) -> Iterator[LayerWeights]:
         raise PlanNotCachedError(
             "this cache has no projection weights (source=None): it serves table files only; pass a checkpoint "
             "to build plans they lack"

@@ -190,12 +190,7 @@ class StagingPool:
         return place(held[0], nbytes, file_offset, modulus=DIRECT_BLOCK, margin=DIRECT_BLOCK)
 
     def _add(
-        self,
-        key: tuple[int, str],
-        storage: torch.Tensor,
-        owner: HostBuffer | None,
-        *,
-        only_if_absent: bool = False,
+        self, key: tuple[int, str], storage: torch.Tensor, owner: HostBuffer | None, *, only_if_absent: bool = False
     ) -> tuple[torch.Tensor, int]:
         """Register ``storage`` as the buffer of ``key`` (unless ``only_if_absent`` and one is there)."""
         with self._lock:

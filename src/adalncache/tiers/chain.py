@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -47,26 +47,12 @@ from .tables import TablesArg, TablesTier
 
 if TYPE_CHECKING:
     from ..distributed import Collective
-    from ..identity.binding import ContentIdentity
+    from ..identity.binding import TableIdentity
 
 log = logging.getLogger(__name__)
 
 #: Seconds a store found unwritable is left alone before its writes and locks are tried again.
 UNWRITABLE_RETRY_S = 60.0
-
-
-class Binder(Protocol):
-    """What the chain needs from the cache's identity (:class:`~adalncache.identity.binding.TableIdentity`)."""
-
-    variant: Any
-    generation: int
-    content: ContentIdentity
-
-    def current_binding(self) -> dict[str, Any] | None: ...
-
-    def template(self) -> dict[str, Any]: ...
-
-    def lock_namespace(self) -> str: ...
 
 
 class Restored(NamedTuple):
@@ -134,7 +120,7 @@ class TierChain:
         return cls(spec, host, opened, collective, stats, files)
 
     def lookup(
-        self, missing: Sequence[PlanKey], *, identity: Binder, faults: FaultPoints, embed: Any = None
+        self, missing: Sequence[PlanKey], *, identity: TableIdentity, faults: FaultPoints, embed: Any = None
     ) -> Restored:
         """Plans every rank can restore from the host tier, then the store, then table files (cheapest first).
 
@@ -159,16 +145,7 @@ class TierChain:
             return store.get_many(bound, keys, self.spec) if store is not None and bound is not None else {}
 
         def read_tables(keys: list[PlanKey]) -> dict[PlanKey, PlanRows]:
-            if tables is None:
-                return {}
-            return tables.lookup(
-                keys,
-                template=identity.template(),
-                generation=identity.generation,
-                content=identity.content.identify,
-                agree=self._dist.any_of,
-                embed=embed,
-            )
+            return tables.lookup(keys, identity, agree=self._dist.any_of, embed=embed) if tables is not None else {}
 
         from_host = self._agreed(list(missing), "host tier", read_host) if host is not None else {}
         rest = [k for k in missing if k not in from_host]
@@ -194,7 +171,9 @@ class TierChain:
         agreed = self._dist.agree_on([k in found for k in keys])
         return {k: found[k] for k, ok in zip(keys, agreed) if ok}
 
-    def _binding(self, identity: Binder, rest: Sequence[PlanKey], *, count: bool = True) -> dict[str, Any] | None:
+    def _binding(
+        self, identity: TableIdentity, rest: Sequence[PlanKey], *, count: bool = True
+    ) -> dict[str, Any] | None:
         """The store binding; a hashing read first when the store probably holds these plans under it."""
         assert self.store is not None
         bound = identity.current_binding()
@@ -213,7 +192,9 @@ class TierChain:
             identity.content.note_unknown("store lookup")
         return bound
 
-    def claim(self, to_build: Sequence[PlanKey], *, identity: Binder, report: BuildReport) -> dict[PlanKey, PlanRows]:
+    def claim(
+        self, to_build: Sequence[PlanKey], *, identity: TableIdentity, report: BuildReport
+    ) -> dict[PlanKey, PlanRows]:
         """Claim the store entries this build is about to compute, or wait for another process building them.
 
         Returns the plans that appeared in the store meanwhile (restored, verified); the caller

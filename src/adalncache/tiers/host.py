@@ -183,18 +183,21 @@ class HostTier:
             self._owner[index] = None
         self._free_units += entry.units
 
+    def _unhold(self, key: PlanKey, group: GroupId) -> None:
+        """``group`` no longer holds ``key``: a plan no group holds is freed and counted as evicted."""
+        entry = self._plans.get(key)
+        if entry is None:
+            return
+        entry.groups.discard(group)
+        if not entry.groups:
+            del self._plans[key]
+            self._give_back(entry)
+            self.evicted_plans += 1
+
     def _evict_group(self, group: GroupId) -> None:
-        """Drop a group; plans it was the last holder of are freed and counted as evicted."""
         del self._groups[group]
         for key in group:
-            entry = self._plans.get(key)
-            if entry is None:
-                continue
-            entry.groups.discard(group)
-            if not entry.groups:
-                del self._plans[key]
-                self._give_back(entry)
-                self.evicted_plans += 1
+            self._unhold(key, group)
 
     def admit(self, group_keys: Iterable[PlanKey], rows_of: Callable[[PlanKey], PlanRows]) -> bool:
         """Hold every plan of one request (``group_keys``), copying new ones with ``rows_of(key)``.
@@ -243,14 +246,8 @@ class HostTier:
         except BaseException as exc:
             for entry in placed.values():
                 self._give_back(entry)
-            for key in held:
-                entry = self._plans[key]  # held plans were claimed, so no eviction freed them
-                entry.groups.discard(group)
-                if not entry.groups:
-                    # Its other groups were evicted to make room for this one: it goes with them.
-                    del self._plans[key]
-                    self._give_back(entry)
-                    self.evicted_plans += 1
+            for key in held:  # claimed, so no eviction freed them; one whose other groups were evicted goes now
+                self._unhold(key, group)
             if isinstance(exc, _NoRoom):
                 # Only the group's own shared plans fragment the arena: skip rather than fail.
                 log.info("host tier: no contiguous room for a group of %d rows: skipped", need)

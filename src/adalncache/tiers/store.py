@@ -83,7 +83,7 @@ from ..identity.binding import DigestMemo
 from ..options import flag
 from ..plans import PlanKey, key_to_plan
 from ..slab import PlanRows
-from ..source.files import NotARegularFile, dtype_named, open_regular, read_regular
+from ..source.files import NotARegularFile, dtype_named, fsync_dir, open_regular, read_regular
 from ..spec import SUPPORTED_WEIGHT_DTYPES, ModulationSpec
 
 log = logging.getLogger(__name__)
@@ -230,19 +230,6 @@ def binding_hash(binding: Mapping[str, Any]) -> str:
 def plan_hash(key: PlanKey) -> str:
     """The file stem of a plan: sha256 of its fp32 bit patterns (little-endian int32)."""
     return hashlib.sha256(struct.pack(f"<{len(key)}i", *key)).hexdigest()[:32]
-
-
-def _fsync_dir(path: Path) -> None:
-    """Make a rename durable: the directory entry itself must reach the disk."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        with contextlib.suppress(OSError):  # some filesystems refuse fsync on directories
-            os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _check_max_bytes(max_bytes: Any, what: str) -> None:
@@ -392,7 +379,7 @@ class Store:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
-        _fsync_dir(final.parent)
+        fsync_dir(final.parent)
 
     def sweep_temp(self) -> int:
         """Delete temp files whose writer is gone (dead pid here, or older than an hour elsewhere)."""

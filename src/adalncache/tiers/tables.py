@@ -29,7 +29,7 @@ import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -40,10 +40,14 @@ from ..plans import PlanKey
 from ..slab import PlanRows
 from ..spec import ModulationSpec
 
+if TYPE_CHECKING:
+    from ..identity.binding import TableIdentity
+
 log = logging.getLogger(__name__)
 
 #: The ranks' any-of over a list of flags (the identity in one process).
 AnyOf = Callable[[list[bool]], list[bool]]
+Embed = Callable[[torch.Tensor], Any]
 
 
 def table_paths(tables: Any) -> list[Path]:
@@ -135,25 +139,19 @@ class TablesTier:
         self._checked = generation
 
     def lookup(
-        self,
-        keys: Sequence[PlanKey],
-        *,
-        template: Mapping[str, Any] | None = None,
-        generation: int | None = None,
-        content: Callable[[], str | None] | None = None,
-        agree: AnyOf | None = None,
-        embed: Callable[[torch.Tensor], Any] | None = None,
+        self, keys: Sequence[PlanKey], identity: TableIdentity, *, agree: AnyOf, embed: Embed | None
     ) -> dict[PlanKey, PlanRows]:
         """Rows of every key some file holds (first file first); a slot its format refuses is a miss.
 
-        ``template``: the binding (content left open) the cache would give tables built now; a file
-        that does not fit it is skipped. ``generation``, ``content()``, ``agree``: the source identity
-        generation, its content digest (hashing if it must: a collective in a group) and the ranks'
-        any-of, for the check again after the source changed (module docstring). ``embed``: the build's
-        ``embed(plan)``, which a file that records its rows' projection input is checked against.
+        A file that does not fit the binding (content left open) ``identity`` would give tables built now
+        is skipped. After the source identity moved (its ``generation``), the files are checked again
+        (module docstring) against its content digest, hashing if it must (a collective in a group, where
+        ``agree`` is the ranks' any-of). ``embed``: the build's ``embed(plan)``, which a file that records
+        its rows' projection input is checked against.
         """
-        if generation is not None and generation != self._checked and content is not None:
-            self._recheck(keys, generation, content, agree or (lambda flags: flags))
+        template, generation = identity.template(), identity.generation
+        if generation != self._checked:
+            self._recheck(keys, generation, identity.content.identify, agree)
             if generation != self._checked:
                 return {}
         found: dict[PlanKey, PlanRows] = {}
@@ -161,7 +159,7 @@ class TablesTier:
             todo = [k for k in keys if k not in found and k in table]
             if not todo:
                 continue
-            unfit = None if table.path in self._gone or template is None else table.kind.unfit(table, template)
+            unfit = None if table.path in self._gone else table.kind.unfit(table, template)
             if unfit is not None:
                 self._say(unfit)
                 continue
