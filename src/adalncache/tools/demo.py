@@ -369,22 +369,6 @@ def _no_loading_bars() -> Iterator[None]:
             diffusers_logging.enable_progress_bar()
 
 
-def _bf16_files(model: Any, scratch: Path, directory: Path) -> None:
-    """Write ``model`` (fp32, in memory) to ``directory`` as the sharded bf16 files of a release.
-
-    Why not ``model.to(torch.bfloat16)`` and save: diffusers warns about a direct cast of a model
-    that names modules to keep in fp32, and that warning would open the demo's output. Saving the
-    fp32 model and loading it with ``torch_dtype=torch.bfloat16`` is the released precision rule,
-    applied by diffusers itself, and gives files like a released checkpoint's.
-    """
-    model.save_pretrained(scratch)
-    cast: Any = type(model).from_pretrained(scratch, torch_dtype=torch.bfloat16)
-    cast.save_pretrained(directory, max_shard_size=SHARD_SIZE)
-    with contextlib.suppress(OSError):
-        for path in scratch.iterdir():
-            path.unlink()
-
-
 def run_pipeline(args: argparse.Namespace, demo: _PipelineDemo) -> int:
     """A pipeline demo: 0 when the cached request's output equals the resident one, else 1.
 
@@ -393,6 +377,7 @@ def run_pipeline(args: argparse.Namespace, demo: _PipelineDemo) -> int:
     loaded cache and watches the scheduler), runs the request and disables the cache again.
     """
     from ..diffusers import adaln_cache_handle, enable_adaln_cache, load_transformer
+    from .tiny import save_released
 
     if not isinstance(args.steps, int) or args.steps < 1:
         raise ConfigError(f"--steps must be a positive integer (num_inference_steps), got {args.steps}")
@@ -400,7 +385,7 @@ def run_pipeline(args: argparse.Namespace, demo: _PipelineDemo) -> int:
     with tempfile.TemporaryDirectory(prefix=f"adalncache-demo-{args.model}-") as tmp:
         directory = Path(tmp) / "transformer"
         built = demo.build(args.seed)
-        _bf16_files(built, Path(tmp) / "fp32", directory)
+        save_released(built, directory, max_shard_size=SHARD_SIZE)
         with _no_loading_bars():
             stock = type(built).from_pretrained(directory, torch_dtype=torch.bfloat16).to(device).eval()
         pipe = demo.pipeline(stock, args.seed).to(device)

@@ -15,7 +15,7 @@ import statistics
 import tempfile
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -159,6 +159,16 @@ def bench_qwen(res: Results, runs: int, device: torch.device) -> None:
 #: Denoising steps of the first-request section's request (its schedule's plans are what the pass builds).
 FIRST_REQUEST_STEPS = 8
 
+#: The MiniMax-H3 request (its pipeline's own latents returned).
+MINIMAX_CALL: dict[str, Any] = {
+    "prompt": "a cat playing a piano in the rain",
+    "height": 64,
+    "width": 64,
+    "num_frames": 124,
+    "num_inference_steps": FIRST_REQUEST_STEPS,
+    "output": ["latents"],
+    "output_type": "pt",
+}
 #: The Qwen-Image request: a prompt the tiny tokenizer knows, with true CFG (two encodings).
 QWEN_CALL: dict[str, Any] = {
     "prompt": "a cat playing a piano in the rain",
@@ -183,24 +193,7 @@ class _FirstStepDone(Exception):
     """Raised by the wrapped ``scheduler.step`` to stop a timed request after its first step."""
 
 
-def _minimax_call(pipe: Any) -> Any:
-    return pipe(
-        prompt="a cat playing a piano in the rain",
-        height=64,
-        width=64,
-        num_frames=124,
-        num_inference_steps=FIRST_REQUEST_STEPS,
-        generator=torch.Generator().manual_seed(0),
-        output=["latents"],
-        output_type="pt",
-    )
-
-
-def _qwen_call(pipe: Any) -> Any:
-    return pipe(generator=torch.Generator().manual_seed(0), **QWEN_CALL)
-
-
-def _call(pipe: Any, request: Callable[[Any], Any], *, stop_after_first: bool) -> Any:
+def _call(pipe: Any, request: Mapping[str, Any], *, stop_after_first: bool) -> Any:
     scheduler = pipe.scheduler
     own = scheduler.__dict__.get("step")  # the cache's own watch of a classic pipeline's steps, if any
     original = scheduler.step
@@ -213,7 +206,7 @@ def _call(pipe: Any, request: Callable[[Any], Any], *, stop_after_first: bool) -
 
     scheduler.step = step
     try:
-        return request(pipe)
+        return pipe(generator=torch.Generator().manual_seed(0), **request)
     except _FirstStepDone:
         return None
     finally:
@@ -223,7 +216,7 @@ def _call(pipe: Any, request: Callable[[Any], Any], *, stop_after_first: bool) -
             scheduler.step = own
 
 
-def _first_step_seconds(pipe: Any, handle: Any, request: Callable[[Any], Any], cold: Callable[[], object]) -> float:
+def _first_step_seconds(pipe: Any, handle: Any, request: Mapping[str, Any], cold: Callable[[], object]) -> float:
     handle.cache.invalidate()  # cold: the request's pass runs (the caller joined every pass still running)
     cold()
     logger = logging.getLogger(_BLOCK_LOGGER)
@@ -242,7 +235,7 @@ def _first_step_seconds(pipe: Any, handle: Any, request: Callable[[Any], Any], c
 def _compare(
     pipes: dict[str, Any],
     handles: dict[str, Any],
-    request: Callable[[Any], Any],
+    request: Mapping[str, Any],
     runs: int,
     cold: Callable[[], object] = lambda: None,
 ) -> tuple[dict[str, Any], bool]:
@@ -302,7 +295,7 @@ def bench_first_request(res: Results, size: str, runs: int, work: Path, device: 
             pipe.set_progress_bar_config(disable=True)
         handles = {name: enable_adaln_cache(pipe, overlap=name == "overlapped") for name, pipe in pipes.items()}
         try:
-            measured, exact = _compare(pipes, handles, _minimax_call, runs)
+            measured, exact = _compare(pipes, handles, MINIMAX_CALL, runs)
         finally:
             for handle in handles.values():
                 handle.disable()
@@ -387,7 +380,7 @@ def _bench_qwen_first_request(res: Results, runs: int, work: Path, size: str, de
             cached.append(source.cached_fraction())
 
         try:
-            measured, exact = _compare(pipes, handles, _qwen_call, runs, cold=cold)
+            measured, exact = _compare(pipes, handles, QWEN_CALL, runs, cold=cold)
             measured["parts_s"] = _qwen_parts(pipes["sequential"], handles["sequential"], runs, cold)
         finally:
             for handle in handles.values():
@@ -508,21 +501,17 @@ def bench_deploy(res: Results, size: str, steps: int, *, quick: bool = False) ->
     leaves out the stock load served from its checkpoint (one fresh process less).
     """
     try:
-        from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3Transformer3DModel
-
-        from ..tiny import tiny_transformer
+        import diffusers  # noqa: F401  # the section runs diffusers' MiniMax-H3
     except ImportError as exc:
         res.note(f"deploy section skipped: diffusers unavailable ({exc})")
         return
+    from ..tiny import save_released, tiny_transformer
+
     values: dict[str, Any] = {"size": size}
     with tempfile.TemporaryDirectory(prefix="adalncache-deploy-") as tmp:
         checkpoint = Path(tmp) / "transformer"
-        built: Any = tiny_transformer(size)
-        built.save_pretrained(Path(tmp) / "fp32")
         # The released mixed precision in the file: bf16 blocks and projections, fp32 time embedder and heads.
-        mixed: Any = MiniMaxH3Transformer3DModel.from_pretrained(Path(tmp) / "fp32", torch_dtype=torch.bfloat16)
-        mixed.save_pretrained(checkpoint)
-        del built, mixed
+        save_released(tiny_transformer(size), checkpoint)
         served, total = served_bytes(weight_files(checkpoint))
         modes = [mode for mode in MODES if not (quick and mode == "stock-checkpoint")]
         probes = {mode: run_memory_probe(mode, checkpoint, steps=steps) for mode in modes}
