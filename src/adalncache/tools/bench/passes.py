@@ -42,7 +42,6 @@ from .primitives import (
     read_only,
     read_only_direct,
     request_cache,
-    result_of,
     rounds,
     tables_equal_linear,
     timed_build,
@@ -630,11 +629,11 @@ def bench_memory(res: Results, source: Any, plans: list[torch.Tensor], checkpoin
         "device": str(device),
     }
     meminfo_before = meminfo()
-    proc = in_fresh_process(f"{__name__}:probe_pass", probe_args)
-    if proc.returncode != 0:
-        res.note(f"memory probe failed: {proc.stderr.strip().splitlines()[-1:]}")
+    try:
+        probe = in_fresh_process(f"{__name__}:probe_pass", probe_args)
+    except RuntimeError as exc:
+        res.note(f"memory probe failed: {exc}")
         return
-    probe = result_of(proc)
     layer = spec.layer_bytes(0)
     pass_anon = probe["peak_rss_anon"] - probe["baseline"]["RssAnon"]
     budget = probe["slab_bytes"] + 3 * layer
