@@ -164,11 +164,11 @@ def run_task(
     """
     from ..diffusers import adaln_cache_handle, load_transformer
     from ..plans import minimax_h3_plans, plan_key
-    from .tiny import adaln_parameter_bytes, make_request, run_loop
+    from .tiny import make_request, run_loop
 
     request = make_request(model, task, steps, seed=seed, device=device)
     resident = run_loop(model, request)
-    bytes_before = adaln_parameter_bytes(model)
+    bytes_before = _served_bytes(model, time_embedder=True)
 
     # The plans known ahead of time, from the schedule alone, must be the loop's own plans.
     ahead = minimax_h3_plans(task, steps)
@@ -187,7 +187,7 @@ def run_task(
     )
     handle: Any = adaln_cache_handle(cached_model)
     try:
-        bytes_after = adaln_parameter_bytes(cached_model)
+        bytes_after = _served_bytes(cached_model, time_embedder=True)
         table_bytes = _table_bytes(handle.cache)
         aot_match = [plan_key(p) for p in ahead] == [plan_key(p) for p in request.plans]
         report = handle.prepare(ahead)

@@ -227,13 +227,6 @@ def write_native_model(
     return directory
 
 
-def adaln_parameter_bytes(model: nn.Module) -> int:
-    """Bytes of the AdaLN projection parameters (and the time embedder's) held on a real device."""
-    modules: list[Any] = [*projection_linears(model), model.time_embedder]
-    params = [p for module in modules for p in module.parameters() if p.device.type != "meta"]
-    return sum(p.numel() * p.element_size() for p in params)
-
-
 # --------------------------------------------------------------------------------------------------
 # Requests: the pipeline's packed layout and row-timestep plan, without encoders or decoders.
 # --------------------------------------------------------------------------------------------------
