@@ -15,8 +15,8 @@ pytest.importorskip("diffusers")
 from adalncache.diffusers import enable_adaln_cache
 from adalncache.errors import CheckpointError, ConfigError, PlanError, PlanNotCachedError
 from adalncache.plans import minimax_h3_plans
-from adalncache.tools.tiny import adaln_parameter_bytes, make_request, run_loop
-from tiny_helpers import parameter_bytes, write_native_checkpoint
+from adalncache.tools.tiny import make_request, run_loop
+from tiny_helpers import adaln_parameter_bytes, parameter_bytes, write_native_checkpoint
 
 TASKS = ("t2va", "fl2va", "ref2va")
 PRECISIONS = ("fp32-memory", "fp32-disk", "bf16-disk")  # as the load_tiny fixture takes them

@@ -9,7 +9,8 @@
   (:func:`adalncache.tools.tiny.native_state_dict`, the exact inverse of diffusers' conversion), as
   safetensors or, through the ``gguf`` package, as a GGUF file whose 2-D weights are quantized (what
   published GGUF checkpoints of diffusion transformers hold);
-* byte counts of a model's parameters, and an Edit pipeline's input image.
+* byte counts of a model's parameters (all, or the AdaLN projections' and the time embedder's), and an
+  Edit pipeline's input image.
 """
 
 from __future__ import annotations
@@ -152,6 +153,13 @@ def parameter_bytes(model: nn.Module, device: str | torch.device | None = None) 
         for param in model.parameters()
         if param.device.type != "meta" and (wanted is None or param.device.type == wanted)
     )
+
+
+def adaln_parameter_bytes(model: nn.Module) -> int:
+    """Bytes of the AdaLN projection parameters (and the time embedder's) held on a real device."""
+    modules: list[Any] = [*projection_linears(model), model.time_embedder]
+    params = [p for module in modules for p in module.parameters() if p.device.type != "meta"]
+    return sum(p.numel() * p.element_size() for p in params)
 
 
 def tiny_edit_image(seed: int = 0, size: tuple[int, int] = (32, 24)) -> Any:

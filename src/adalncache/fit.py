@@ -637,24 +637,4 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=run_fit)
 
 
-__all__ = [
-    "CARDS_GIB",
-    "GGUF_TYPES",
-    "PLACEMENTS",
-    "RELEASED",
-    "Footprint",
-    "Model",
-    "Parameter",
-    "Recipe",
-    "Tables",
-    "count_model",
-    "default_tables",
-    "fit",
-    "open_model",
-    "print_fit",
-    "recipes",
-    "register",
-    "released_model",
-    "released_tables",
-    "request_tables",
-]
+__all__ = ["default_tables", "fit", "open_model", "print_fit", "recipes", "register", "released_model"]

@@ -35,10 +35,12 @@ from typing import Any
 
 import torch
 
+from ..cli import int_parser
 from ..devices import resolve_device
 from ..errors import ConfigError
 from ..families import DEMOS
 from ..families.minimax_h3 import TASKS
+from ..spec import ModulationSpec
 
 #: Small shards, so a family demo's checkpoint is sharded with its index like a released one.
 SHARD_SIZE = "40KB"
@@ -122,10 +124,16 @@ def _print_rows(rows: Sequence[tuple[str, str]], identical: bool) -> None:
     print(f"bit-identical: {'yes' if identical else 'no'}")
 
 
-def _served_bytes(model: Any, served: Callable[[str], bool]) -> int:
-    """Bytes on the model's device of the parameters whose names ``served`` accepts."""
+def _served_bytes(model: Any, time_embedder: bool) -> int:
+    """Bytes on the model's device of the projections the cache serves (and of the time embedder's linears,
+    where the load leaves them out too): the modules the family's diffusers layout names."""
+    spec = ModulationSpec.from_transformer(model)
+    layout = spec.layout("diffusers")
+    owners = {layout.prefix(layer) for layer in spec.layers()} | set(layout.time_embedder if time_embedder else ())
     return sum(
-        p.numel() * p.element_size() for name, p in model.named_parameters() if p.device.type != "meta" and served(name)
+        p.numel() * p.element_size()
+        for name, p in model.named_parameters()
+        if p.device.type != "meta" and name.rpartition(".")[0] in owners
     )
 
 
@@ -156,11 +164,11 @@ def run_task(
     """
     from ..diffusers import adaln_cache_handle, load_transformer
     from ..plans import minimax_h3_plans, plan_key
-    from .tiny import adaln_parameter_bytes, make_request, run_loop
+    from .tiny import make_request, run_loop
 
     request = make_request(model, task, steps, seed=seed, device=device)
     resident = run_loop(model, request)
-    bytes_before = adaln_parameter_bytes(model)
+    bytes_before = _served_bytes(model, time_embedder=True)
 
     # The plans known ahead of time, from the schedule alone, must be the loop's own plans.
     ahead = minimax_h3_plans(task, steps)
@@ -179,7 +187,7 @@ def run_task(
     )
     handle: Any = adaln_cache_handle(cached_model)
     try:
-        bytes_after = adaln_parameter_bytes(cached_model)
+        bytes_after = _served_bytes(cached_model, time_embedder=True)
         table_bytes = _table_bytes(handle.cache)
         aot_match = [plan_key(p) for p in ahead] == [plan_key(p) for p in request.plans]
         report = handle.prepare(ahead)
@@ -279,8 +287,8 @@ class _PipelineDemo:
     ``title``: the header's model name; ``request``: the request row (``{steps}`` filled in);
     ``never_read``: what the cached load never reads, in the ``load`` row; ``build(seed)``: the tiny
     fp32 transformer; ``pipeline(stock, seed)``: its pipeline; ``inputs(stock, seed, device)``: the
-    request's arguments besides the steps and the generator; ``served(model)``: the bytes of its
-    served parameters on its device.
+    request's arguments besides the steps and the generator; ``time_embedder``: whether the cached
+    load leaves the time embedder out too (its bytes are then counted with the projections').
     """
 
     title: str
@@ -289,7 +297,7 @@ class _PipelineDemo:
     build: Callable[[int], Any]
     pipeline: Callable[[Any, int], Any]
     inputs: Callable[[Any, int, torch.device], dict[str, Any]]
-    served: Callable[[Any], int]
+    time_embedder: bool
 
 
 #: Image size of the Qwen-Image request: 64 px is a 4 x 4 grid of packed latent tokens.
@@ -303,8 +311,6 @@ GUIDANCE = 4.0
 def _qwen_demo() -> _PipelineDemo:
     from .tiny_qwen import tiny_prompt_embeds, tiny_qwen_pipeline, tiny_qwen_transformer
 
-    names = ("img_mod.1.", "txt_mod.1.", "norm_out.linear.", "time_text_embed.timestep_embedder.")
-
     def inputs(stock: Any, seed: int, device: torch.device) -> dict[str, Any]:
         prompt = {k: v.to(device) for k, v in tiny_prompt_embeds(stock, seed=seed).items()}
         return {"height": QWEN_SIZE, "width": QWEN_SIZE, "output_type": "pt", "true_cfg_scale": 1.0, **prompt}
@@ -316,7 +322,7 @@ def _qwen_demo() -> _PipelineDemo:
         build=lambda seed: tiny_qwen_transformer("plain", seed=seed),
         pipeline=lambda stock, seed: tiny_qwen_pipeline(seed=seed, transformer=stock),
         inputs=inputs,
-        served=lambda model: _served_bytes(model, lambda name: any(part in name for part in names)),
+        time_embedder=True,
     )
 
 
@@ -325,12 +331,6 @@ def _adaln_zero_demo(name: str) -> _PipelineDemo:
     from .tiny_adaln_zero import CONFIGS, PIPELINES, prompt_embeds, seeded_model, tiny_pipeline
 
     _, class_name = DEMOS[name]
-
-    def served(model: Any) -> int:
-        """The served projections' bytes (the time embedder stays loaded in this family)."""
-        fields = adaln_zero.fields_from_config(class_name, model.config)
-        paths = adaln_zero.served_paths(class_name, fields["double_layers"], fields["single_layers"])
-        return _served_bytes(model, lambda name: any(name.startswith(f"{owner}.") for owner, _, _ in paths))
 
     def inputs(stock: Any, seed: int, device: torch.device) -> dict[str, Any]:
         return {
@@ -351,7 +351,7 @@ def _adaln_zero_demo(name: str) -> _PipelineDemo:
         build=lambda seed: seeded_model(class_name, CONFIGS[class_name], seed=seed),
         pipeline=lambda stock, seed: tiny_pipeline(stock),
         inputs=inputs,
-        served=served,
+        time_embedder=False,
     )
 
 
@@ -369,22 +369,6 @@ def _no_loading_bars() -> Iterator[None]:
             diffusers_logging.enable_progress_bar()
 
 
-def _bf16_files(model: Any, scratch: Path, directory: Path) -> None:
-    """Write ``model`` (fp32, in memory) to ``directory`` as the sharded bf16 files of a release.
-
-    Why not ``model.to(torch.bfloat16)`` and save: diffusers warns about a direct cast of a model
-    that names modules to keep in fp32, and that warning would open the demo's output. Saving the
-    fp32 model and loading it with ``torch_dtype=torch.bfloat16`` is the released precision rule,
-    applied by diffusers itself, and gives files like a released checkpoint's.
-    """
-    model.save_pretrained(scratch)
-    cast: Any = type(model).from_pretrained(scratch, torch_dtype=torch.bfloat16)
-    cast.save_pretrained(directory, max_shard_size=SHARD_SIZE)
-    with contextlib.suppress(OSError):
-        for path in scratch.iterdir():
-            path.unlink()
-
-
 def run_pipeline(args: argparse.Namespace, demo: _PipelineDemo) -> int:
     """A pipeline demo: 0 when the cached request's output equals the resident one, else 1.
 
@@ -393,6 +377,7 @@ def run_pipeline(args: argparse.Namespace, demo: _PipelineDemo) -> int:
     loaded cache and watches the scheduler), runs the request and disables the cache again.
     """
     from ..diffusers import adaln_cache_handle, enable_adaln_cache, load_transformer
+    from .tiny import save_released
 
     if not isinstance(args.steps, int) or args.steps < 1:
         raise ConfigError(f"--steps must be a positive integer (num_inference_steps), got {args.steps}")
@@ -400,7 +385,7 @@ def run_pipeline(args: argparse.Namespace, demo: _PipelineDemo) -> int:
     with tempfile.TemporaryDirectory(prefix=f"adalncache-demo-{args.model}-") as tmp:
         directory = Path(tmp) / "transformer"
         built = demo.build(args.seed)
-        _bf16_files(built, Path(tmp) / "fp32", directory)
+        save_released(built, directory, max_shard_size=SHARD_SIZE)
         with _no_loading_bars():
             stock = type(built).from_pretrained(directory, torch_dtype=torch.bfloat16).to(device).eval()
         pipe = demo.pipeline(stock, args.seed).to(device)
@@ -414,7 +399,7 @@ def run_pipeline(args: argparse.Namespace, demo: _PipelineDemo) -> int:
             return out.images, time.perf_counter() - start
 
         resident, resident_s = run()
-        bytes_before = demo.served(stock)
+        bytes_before = _served_bytes(stock, demo.time_embedder)
         model, load = _measured_load(
             directory, lambda: load_transformer(directory, torch_dtype=torch.bfloat16, device_map=device)
         )
@@ -425,7 +410,7 @@ def run_pipeline(args: argparse.Namespace, demo: _PipelineDemo) -> int:
             served = adaln_cache_handle(model)
             assert served is not None, "enable_adaln_cache(pipe) enables the pipeline's transformer"
             table_bytes, plans, passes = served.cache.slab_bytes, len(handle.cache), handle.stats.passes
-            bytes_after = demo.served(model)
+            bytes_after = _served_bytes(model, demo.time_embedder)
         finally:
             handle.disable()
     identical = torch.equal(cached, resident)
@@ -457,17 +442,6 @@ def run(args: argparse.Namespace) -> int:
     if family.name == "adaln-zero":
         return run_pipeline(args, _adaln_zero_demo(model))
     return run_minimax_h3(args)
-
-
-def _seed(text: str) -> int:
-    """``--seed``: an integer torch's generators take (0 to 2**63 - 1), else argparse's one-line error."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--seed takes an integer, got {text!r}") from None
-    if not 0 <= value < 2**63:
-        raise argparse.ArgumentTypeError(f"--seed must be in 0..{2**63 - 1}, got {value}")
-    return value
 
 
 def register(subparsers: Any) -> None:
@@ -502,5 +476,7 @@ def register(subparsers: Any) -> None:
         help="model size (default: small, savings in MB)",
     )
     parser.add_argument("--device", default="cpu", help="torch device to run on (default: cpu)")
-    parser.add_argument("--seed", type=_seed, default=0, help="seed of the weights and the noise (default: 0)")
+    # An integer torch's generators take (0 to 2**63 - 1), else argparse's one-line error.
+    seed = int_parser("--seed", 0, 2**63)
+    parser.add_argument("--seed", type=seed, default=0, help="seed of the weights and the noise (default: 0)")
     parser.set_defaults(func=run)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import tempfile
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -81,12 +82,6 @@ SIZES: dict[str, dict[str, Any]] = {
 }
 
 
-def _check_size(size: str) -> dict[str, Any]:
-    if size not in SIZES:
-        raise ConfigError(f"unknown model size {size!r}: set size= (CLI --size) to one of {sorted(SIZES)}")
-    return dict(SIZES[size])
-
-
 def tiny_transformer(size: str = "tiny", seed: int = 0) -> nn.Module:
     """A deterministic fp32 ``MiniMaxH3Transformer3DModel`` of the given size, in eval mode.
 
@@ -95,10 +90,11 @@ def tiny_transformer(size: str = "tiny", seed: int = 0) -> nn.Module:
     """
     from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3Transformer3DModel
 
-    config = _check_size(size)
+    if size not in SIZES:
+        raise ConfigError(f"unknown model size {size!r}: set size= (CLI --size) to one of {sorted(SIZES)}")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model: Any = MiniMaxH3Transformer3DModel(**config)
+        model: Any = MiniMaxH3Transformer3DModel(**SIZES[size])
         # The default init leaves the AdaLN projections near zero-mean noise of tiny magnitude;
         # widen them so the modulation moves the outputs and a wrong table cannot go unnoticed.
         with torch.no_grad():
@@ -128,6 +124,18 @@ def save_tiny(model: Any, directory: str | os.PathLike[str], *, dtype: torch.dty
         raise ConfigError(f"save_tiny dtype must be bfloat16, float16 or float32, got {dtype}")
     model.save_pretrained(Path(directory))
     return type(model).from_pretrained(Path(directory), torch_dtype=dtype).eval()
+
+
+def save_released(model: Any, directory: str | os.PathLike[str], *, max_shard_size: str = "10GB") -> None:
+    """Write an fp32 diffusers ``model`` to ``directory`` as a release's files: bf16, fp32 where its class says.
+
+    Why not ``model.to(torch.bfloat16)`` and save: diffusers warns about a direct cast of a model
+    that names modules to keep in fp32. Saving the fp32 model and loading it back with
+    ``torch_dtype=torch.bfloat16`` (:func:`save_tiny`) is the released precision rule, applied by
+    diffusers itself; ``max_shard_size`` shards the files like a release's.
+    """
+    with tempfile.TemporaryDirectory(prefix="adalncache-fp32-") as scratch:
+        save_tiny(model, scratch, dtype=torch.bfloat16).save_pretrained(directory, max_shard_size=max_shard_size)
 
 
 #: diffusers names -> native (MiniMax release) names, applied in order, as the inverse of diffusers'
@@ -219,13 +227,6 @@ def write_native_model(
     return directory
 
 
-def adaln_parameter_bytes(model: nn.Module) -> int:
-    """Bytes of the AdaLN projection parameters (and the time embedder's) held on a real device."""
-    modules: list[Any] = [*projection_linears(model), model.time_embedder]
-    params = [p for module in modules for p in module.parameters() if p.device.type != "meta"]
-    return sum(p.numel() * p.element_size() for p in params)
-
-
 # --------------------------------------------------------------------------------------------------
 # Requests: the pipeline's packed layout and row-timestep plan, without encoders or decoders.
 # --------------------------------------------------------------------------------------------------
@@ -272,13 +273,6 @@ class TinyRequest:
         }
 
 
-def _patchify(latents: torch.Tensor, patch_size: tuple[int, int, int]) -> torch.Tensor:
-    from diffusers.modular_pipelines.minimax_h3.before_denoise import patchify_video_latents
-
-    patches: torch.Tensor = patchify_video_latents(latents, patch_size)
-    return patches
-
-
 def make_request(
     model: nn.Module,
     task: str = "t2va",
@@ -297,6 +291,7 @@ def make_request(
     audio rows) from a generator seeded with ``seed``; conditioning rows are noised with the
     scheduler's ``scale_noise`` at ``keyframe_noise_aug`` like ``MiniMaxH3PrepareConditionLatentsStep``.
     """
+    from diffusers.modular_pipelines.minimax_h3.before_denoise import patchify_video_latents as patchify
     from diffusers.modular_pipelines.minimax_h3.modular_pipeline import MiniMaxH3ModularPipeline
     from diffusers.schedulers.scheduling_minimax_h3 import MiniMaxH3Scheduler
 
@@ -333,11 +328,11 @@ def make_request(
             condition_latents[index] = clean
         noise = torch.randn(clean.shape, generator=generator)
         noised = noiser.scale_noise(clean, keyframe_noise_aug, noise)
-        condition_rows.append(_patchify(noised, patch_size))
+        condition_rows.append(patchify(noised, patch_size))
     video_noise = torch.randn(
         1, config.in_channels, geo.num_latent_frames, geo.latent_height, geo.latent_width, generator=generator
     )
-    latents = _patchify(video_noise, patch_size)
+    latents: torch.Tensor = patchify(video_noise, patch_size)
     audio_rows = torch.randn(
         geo.num_audio_latents * 2, config.audio_in_channels, generator=generator, dtype=torch.float32
     )

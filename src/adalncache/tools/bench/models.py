@@ -15,7 +15,7 @@ import statistics
 import tempfile
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -33,10 +33,27 @@ from ..measure import (
     timed,
     weight_files,
 )
-from .primitives import in_fresh_process, result_of
+from .primitives import in_fresh_process
 from .workload import Comparison, Results
 
 # ---------------------------------------------------------------------------------------------------- forward
+
+
+def forward_rounds(
+    models: Mapping[str, Any], calls: Sequence[Mapping[str, Any]], runs: int, device: torch.device
+) -> dict[str, list[float]]:
+    """Seconds of each model's forward on each of ``calls``, ``2 * runs`` rounds.
+
+    The models take turns call by call, within milliseconds of each other, so drifting load on a
+    shared machine hits them alike.
+    """
+    samples: dict[str, list[float]] = {name: [] for name in models}
+    with torch.no_grad():
+        for _ in range(max(runs, 1) * 2):
+            for call in calls:
+                for name, model in models.items():
+                    samples[name].append(timed(partial(model, **call), device))
+    return samples
 
 
 def bench_forward(res: Results, size: str, steps: int, runs: int, device: torch.device) -> None:
@@ -65,7 +82,6 @@ def bench_forward(res: Results, size: str, steps: int, runs: int, device: torch.
     off_model: Any = tiny_transformer(size).to(device)
     on_gpu = device.type == "cuda"
     offload_to = "host" if on_gpu else "disk"
-    samples: dict[str, list[float]] = {"resident": [], "cached": [], "offload": []}
     outs: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="adalncache-offload-") as tmp:
         modules = [(f"block{n}", b.adaln_proj) for n, b in enumerate(off_model.transformer_blocks)]
@@ -76,18 +92,16 @@ def bench_forward(res: Results, size: str, steps: int, runs: int, device: torch.
             apply_group_offloading(module, onload_device=device, offload_type="leaf_level", **where)
         try:
             handle.prepare(request.plans)
-            variants = (("resident", model), ("cached", cached_model), ("offload", off_model))
+            variants = {"resident": model, "cached": cached_model, "offload": off_model}
             # Exactness from the real denoising loop, once per variant (this also warms them up).
-            for name, which in variants:
+            for name, which in variants.items():
                 outs[name] = run_loop(which, request)
-            # Timing interleaved step by step (the three variants within milliseconds of each other),
-            # on the request's own per-step inputs.
-            with torch.no_grad():
-                for _ in range(max(runs, 1) * 2):
-                    for step in range(len(request.plan)):
-                        kwargs = request.forward_kwargs(step, request.latents, request.audio_latents)
-                        for name, which in variants:
-                            samples[name].append(timed(partial(which, **kwargs), device))
+            # Timing on the request's own per-step inputs.
+            calls = [
+                request.forward_kwargs(step, request.latents, request.audio_latents)
+                for step in range(len(request.plan))
+            ]
+            samples = forward_rounds(variants, calls, runs, device)
         finally:
             handle.disable()
     exact = bool(outs["resident"].equal(outs["cached"]))
@@ -133,18 +147,15 @@ def bench_qwen(res: Results, runs: int, device: torch.device) -> None:
     }
     steps = [torch.tensor([t], dtype=torch.bfloat16, device=device) for t in QWEN_TIMESTEPS]
     handle: Any = enable_adaln_cache(models["cached"], max_plans=len(steps))
-    samples: dict[str, list[float]] = {"resident": [], "cached": []}
+    calls = [{**inputs, "timestep": t} for t in steps]
     exact = True
     try:
         handle.prepare(steps)
         with torch.no_grad():
-            for t in steps:
-                out = {name: model(**{**inputs, "timestep": t})[0] for name, model in models.items()}
+            for call in calls:
+                out = {name: model(**call)[0] for name, model in models.items()}
                 exact = exact and torch.equal(out["resident"], out["cached"])
-            for _ in range(max(runs, 1) * 2):
-                for t in steps:
-                    for name, model in models.items():
-                        samples[name].append(timed(partial(model, **{**inputs, "timestep": t}), device))
+        samples = forward_rounds(models, calls, runs, device)
         passes = int(handle.stats.passes)
     finally:
         handle.disable()
@@ -159,6 +170,16 @@ def bench_qwen(res: Results, runs: int, device: torch.device) -> None:
 #: Denoising steps of the first-request section's request (its schedule's plans are what the pass builds).
 FIRST_REQUEST_STEPS = 8
 
+#: The MiniMax-H3 request (its pipeline's own latents returned).
+MINIMAX_CALL: dict[str, Any] = {
+    "prompt": "a cat playing a piano in the rain",
+    "height": 64,
+    "width": 64,
+    "num_frames": 124,
+    "num_inference_steps": FIRST_REQUEST_STEPS,
+    "output": ["latents"],
+    "output_type": "pt",
+}
 #: The Qwen-Image request: a prompt the tiny tokenizer knows, with true CFG (two encodings).
 QWEN_CALL: dict[str, Any] = {
     "prompt": "a cat playing a piano in the rain",
@@ -183,24 +204,7 @@ class _FirstStepDone(Exception):
     """Raised by the wrapped ``scheduler.step`` to stop a timed request after its first step."""
 
 
-def _minimax_call(pipe: Any) -> Any:
-    return pipe(
-        prompt="a cat playing a piano in the rain",
-        height=64,
-        width=64,
-        num_frames=124,
-        num_inference_steps=FIRST_REQUEST_STEPS,
-        generator=torch.Generator().manual_seed(0),
-        output=["latents"],
-        output_type="pt",
-    )
-
-
-def _qwen_call(pipe: Any) -> Any:
-    return pipe(generator=torch.Generator().manual_seed(0), **QWEN_CALL)
-
-
-def _call(pipe: Any, request: Callable[[Any], Any], *, stop_after_first: bool) -> Any:
+def _call(pipe: Any, request: Mapping[str, Any], *, stop_after_first: bool) -> Any:
     scheduler = pipe.scheduler
     own = scheduler.__dict__.get("step")  # the cache's own watch of a classic pipeline's steps, if any
     original = scheduler.step
@@ -213,7 +217,7 @@ def _call(pipe: Any, request: Callable[[Any], Any], *, stop_after_first: bool) -
 
     scheduler.step = step
     try:
-        return request(pipe)
+        return pipe(generator=torch.Generator().manual_seed(0), **request)
     except _FirstStepDone:
         return None
     finally:
@@ -223,7 +227,7 @@ def _call(pipe: Any, request: Callable[[Any], Any], *, stop_after_first: bool) -
             scheduler.step = own
 
 
-def _first_step_seconds(pipe: Any, handle: Any, request: Callable[[Any], Any], cold: Callable[[], object]) -> float:
+def _first_step_seconds(pipe: Any, handle: Any, request: Mapping[str, Any], cold: Callable[[], object]) -> float:
     handle.cache.invalidate()  # cold: the request's pass runs (the caller joined every pass still running)
     cold()
     logger = logging.getLogger(_BLOCK_LOGGER)
@@ -242,7 +246,7 @@ def _first_step_seconds(pipe: Any, handle: Any, request: Callable[[Any], Any], c
 def _compare(
     pipes: dict[str, Any],
     handles: dict[str, Any],
-    request: Callable[[Any], Any],
+    request: Mapping[str, Any],
     runs: int,
     cold: Callable[[], object] = lambda: None,
 ) -> tuple[dict[str, Any], bool]:
@@ -302,7 +306,7 @@ def bench_first_request(res: Results, size: str, runs: int, work: Path, device: 
             pipe.set_progress_bar_config(disable=True)
         handles = {name: enable_adaln_cache(pipe, overlap=name == "overlapped") for name, pipe in pipes.items()}
         try:
-            measured, exact = _compare(pipes, handles, _minimax_call, runs)
+            measured, exact = _compare(pipes, handles, MINIMAX_CALL, runs)
         finally:
             for handle in handles.values():
                 handle.disable()
@@ -387,7 +391,7 @@ def _bench_qwen_first_request(res: Results, runs: int, work: Path, size: str, de
             cached.append(source.cached_fraction())
 
         try:
-            measured, exact = _compare(pipes, handles, _qwen_call, runs, cold=cold)
+            measured, exact = _compare(pipes, handles, QWEN_CALL, runs, cold=cold)
             measured["parts_s"] = _qwen_parts(pipes["sequential"], handles["sequential"], runs, cold)
         finally:
             for handle in handles.values():
@@ -484,18 +488,6 @@ def memory_probe(args: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def run_memory_probe(
-    mode: str, checkpoint: str | os.PathLike[str], *, task: str = "t2va", steps: int = 4, timeout: float = 600
-) -> dict[str, Any]:
-    """:func:`memory_probe` in a fresh Python process (the same interpreter and import path)."""
-    args = {"mode": mode, "checkpoint": os.fspath(checkpoint), "task": task, "steps": steps}
-    proc = in_fresh_process(f"{__name__}:memory_probe", args, timeout=timeout)
-    if proc.returncode != 0:
-        tail = proc.stderr.strip().splitlines()[-3:]
-        raise RuntimeError(f"memory probe ({mode}) failed: {' | '.join(tail)}")
-    return result_of(proc)
-
-
 def bench_deploy(res: Results, size: str, steps: int, *, quick: bool = False) -> None:
     """The ``deploy`` section: deploying without the projections, on a tiny MiniMax-H3 in the released precision.
 
@@ -508,24 +500,23 @@ def bench_deploy(res: Results, size: str, steps: int, *, quick: bool = False) ->
     leaves out the stock load served from its checkpoint (one fresh process less).
     """
     try:
-        from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3Transformer3DModel
-
-        from ..tiny import tiny_transformer
+        import diffusers  # noqa: F401  # the section runs diffusers' MiniMax-H3
     except ImportError as exc:
         res.note(f"deploy section skipped: diffusers unavailable ({exc})")
         return
+    from ..tiny import save_released, tiny_transformer
+
     values: dict[str, Any] = {"size": size}
     with tempfile.TemporaryDirectory(prefix="adalncache-deploy-") as tmp:
         checkpoint = Path(tmp) / "transformer"
-        built: Any = tiny_transformer(size)
-        built.save_pretrained(Path(tmp) / "fp32")
         # The released mixed precision in the file: bf16 blocks and projections, fp32 time embedder and heads.
-        mixed: Any = MiniMaxH3Transformer3DModel.from_pretrained(Path(tmp) / "fp32", torch_dtype=torch.bfloat16)
-        mixed.save_pretrained(checkpoint)
-        del built, mixed
+        save_released(tiny_transformer(size), checkpoint)
         served, total = served_bytes(weight_files(checkpoint))
         modes = [mode for mode in MODES if not (quick and mode == "stock-checkpoint")]
-        probes = {mode: run_memory_probe(mode, checkpoint, steps=steps) for mode in modes}
+        args = {"checkpoint": str(checkpoint), "steps": steps}
+        probes = {
+            mode: in_fresh_process(f"{__name__}:memory_probe", {**args, "mode": mode}, timeout=600) for mode in modes
+        }
         values.update({"served_bytes": served, "checkpoint_bytes": total, "probes": probes})
         _compare_probes(res, size, probes, served, total)
         values["onloaded_per_forward"] = onloads = onloaded_per_forward(checkpoint, steps)

@@ -42,7 +42,6 @@ from .primitives import (
     read_only,
     read_only_direct,
     request_cache,
-    result_of,
     rounds,
     tables_equal_linear,
     timed_build,
@@ -554,18 +553,12 @@ def bench_build_latency(res: Results, runs: int, directory: Path, device: torch.
 
 def bench_store(res: Results, source: Any, plans: list[torch.Tensor], runs: int, device: torch.device) -> None:
     """The ``store`` section: a store hit against a pass of the same request."""
-    inputs = make_inputs(source.spec, plans, device)
+    section = TablesSection(res, source, plans, runs, device)
     with tempfile.TemporaryDirectory(prefix="adalncache-bench-store-") as tmp:
-        request_cache(source, len(plans), device, store=tmp).build(plans, embed=inputs.embed)
-        hits = []
-        for _ in range(runs):
-            seconds, report = timed_build(request_cache(source, len(plans), device, store=tmp), plans, inputs)
-            hits.append(seconds)
-            if report.store_hits != len(plans):
-                res.note(f"store run hit {report.store_hits} of {len(plans)} plans")
+        hits = section.store_hits(tmp, "store run")
     # The pass of the same request was measured (warm) in the pass section of this run.
     measured = res.values.get("pass_warm_s", {}).get(str(len(plans)))
-    passes = measured or [one_pass(source, plans, inputs) for _ in range(runs)]
+    passes = measured or [one_pass(source, plans, section.inputs) for _ in range(runs)]
     res.add(Comparison(f"store hit vs pass, {len(plans)} plans", "store hit", "pass", hits, passes))
 
 
@@ -636,11 +629,11 @@ def bench_memory(res: Results, source: Any, plans: list[torch.Tensor], checkpoin
         "device": str(device),
     }
     meminfo_before = meminfo()
-    proc = in_fresh_process(f"{__name__}:probe_pass", probe_args)
-    if proc.returncode != 0:
-        res.note(f"memory probe failed: {proc.stderr.strip().splitlines()[-1:]}")
+    try:
+        probe = in_fresh_process(f"{__name__}:probe_pass", probe_args)
+    except RuntimeError as exc:
+        res.note(f"memory probe failed: {exc}")
         return
-    probe = result_of(proc)
     layer = spec.layer_bytes(0)
     pass_anon = probe["peak_rss_anon"] - probe["baseline"]["RssAnon"]
     budget = probe["slab_bytes"] + 3 * layer
@@ -739,18 +732,23 @@ class TablesSection:
         name = "hashing-only read (a copied checkpoint's one read)"
         self.res.add(Comparison(name, "hash read", "pass", reads, plain))
 
+    def store_hits(self, store: str | Path, what: str) -> list[float]:
+        """Seconds of builds of the request that hit ``store``, which an untimed build fills first."""
+        timed_build(self.cache(store=store), self.plans, self.inputs)
+        hits = []
+        for _ in range(self.runs):
+            seconds, report = timed_build(self.cache(store=store), self.plans, self.inputs)
+            if report.store_hits != len(self.plans):
+                self.res.note(f"{what} hit {report.store_hits} of {len(self.plans)} plans")
+            hits.append(seconds)
+        return hits
+
     def hits(self, plain: list[float]) -> None:
         """A store hit and a table-file hit (no weight source) against a pass."""
         res, plans, n = self.res, self.plans, len(self.plans)
         with tempfile.TemporaryDirectory(prefix="adalncache-bench-tables-") as tmp:
             store, table = Path(tmp) / "store", Path(tmp) / "tables.safetensors"
-            timed_build(self.cache(store=store), plans, self.inputs)
-            hits = []
-            for _ in range(self.runs):
-                seconds, report = timed_build(self.cache(store=store), plans, self.inputs)
-                if report.store_hits != n:
-                    res.note(f"tables: a store run hit {report.store_hits} of {n} plans")
-                hits.append(seconds)
+            hits = self.store_hits(store, "tables: a store run")
             res.add(Comparison(f"store hit vs pass, {n} plans (content-bound)", "store hit", "pass", hits, plain))
             export_tables(self.cache(), plans, table, embed=self.inputs.embed, progress=False)
             res.values["tables_file_bytes"] = table.stat().st_size

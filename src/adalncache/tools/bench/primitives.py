@@ -57,21 +57,21 @@ def rounds(
     return out
 
 
-def in_fresh_process(target: str, args: dict[str, Any], *, timeout: float | None = None) -> Any:
+def in_fresh_process(target: str, args: dict[str, Any], *, timeout: float | None = None) -> dict[str, Any]:
     """``module:function`` called with ``args`` in a fresh Python process (the same interpreter and
-    import path), as a ``CompletedProcess`` whose last stdout line is the function's JSON result.
+    import path): the JSON result the function returns, which it prints as its last stdout line.
 
     Why: a process's peak memory cannot be reset below what it already touched, and what the
-    parent holds would count; a fresh process measures one thing alone.
+    parent holds would count; a fresh process measures one thing alone. A failure raises a
+    ``RuntimeError`` with the last lines of its stderr.
     """
     module, function = target.split(":")
     code = f"import json, sys\nfrom {module} import {function}\nprint(json.dumps({function}(json.loads(sys.argv[1]))))"
     command = [sys.executable, "-c", code, json.dumps(args)]
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False)
-
-
-def result_of(proc: Any) -> dict[str, Any]:
-    """The JSON result of :func:`in_fresh_process`."""
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False)
+    if proc.returncode != 0:
+        tail = " | ".join(proc.stderr.strip().splitlines()[-3:])
+        raise RuntimeError(f"{function}({args}) failed: {tail}")
     result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
     return result
 
