@@ -285,7 +285,8 @@ def verify_store(
     if not matched_any:
         raise ConfigError(
             f"{store.path} holds no entries for this checkpoint on this machine ({len(entries)} entries under other "
-            f"bindings): check {flag('checkpoint')} and {flag('device')}, or run adalncache build first"
+            f"bindings: other projections or other modules upstream of them, such as the time embedder, another "
+            f"device or torch): check {flag('checkpoint')} and {flag('device')}, or run adalncache build first"
         )
     return report
 

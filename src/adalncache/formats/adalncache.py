@@ -76,7 +76,8 @@ def _other_upstream(table: Layout, template: Mapping[str, Any]) -> ConfigError:
     (or from modules it does not name: written before files recorded them)."""
     assert table.binding is not None
     spec = table.spec
-    modules = sorted({name.rpartition(".")[0] for name in spec.family.upstream(spec, spec.default_layout)})
+    names = spec.family.upstream_names(spec, spec.default_layout).values()
+    modules = sorted({name.rpartition(".")[0] for name in names})
     said = ", ".join(modules) or "the time embedder"
     found = table.binding.get("upstream")
     if found is None:
@@ -92,7 +93,7 @@ def _other_upstream(table: Layout, template: Mapping[str, Any]) -> ConfigError:
         )
     return ConfigError(
         f"{table.path} (tables=) {why}; export the tables again from this model's checkpoint (adalncache export "
-        f"{flag('checkpoint')} ...), or serve the model its tables came from"
+        "CHECKPOINT -o FILE ...), or serve the model its tables came from"
     )
 
 
