@@ -27,11 +27,11 @@ import adaln_zero_helpers as tiny
 from adalncache.cli import main
 from adalncache.diffusers import enable_adaln_cache
 from adalncache.errors import ConfigError
-from adalncache.plans import minimax_h3_plans
 from adalncache.identity.binding import upstream_of
 from adalncache.integrations.diffusers.family import family_of
 from adalncache.integrations.diffusers.signature import upstream_digest_of
 from adalncache.offline import open_checkpoint
+from adalncache.plans import minimax_h3_plans
 from adalncache.tools.tiny import make_request, run_loop, tiny_transformer
 from adalncache.tools.tiny_qwen import tiny_qwen_inputs, tiny_qwen_transformer
 from tiers_support import write_h3_checkpoint

@@ -31,15 +31,18 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
+from safetensors import safe_open
 from typing_extensions import Unpack
 
 from ... import CheckpointSource, families
 from ...errors import CheckpointError, ConfigError
+from ...identity import upstream_digest
 from ...options import CacheKwargs, flag, option_keywords
 from ...source.files import CheckpointFiles, SafetensorsHeader, checkpoint_files
+from ...source.memory import NoWeights
 from ...source.reads import MappedFile
 from ...spec import KeyLayout, Layer, ModulationSpec
 from .family import DIFFUSERS, DiffusersFamily, base_linear, by_name
@@ -155,7 +158,9 @@ def load_transformer(
     # 2. The source the cache serves from, checked against the config before any weight is read.
     tables_only = checkpoint is None and cache_options.tables is not None and not _has_projections(plan)
     source, free = _source_of(plan, spec, checkpoint, layout, free_time_embedder, tables_only=tables_only)
-    cache = cache_options.build(spec, source, device or torch.device("cpu"))
+    served_from: Any = source if source is not None else NoWeights(spec)
+    served_from.upstream = _upstream_of_files(plan, spec, source, free)  # read by the binding
+    cache = cache_options.build(spec, served_from, device or torch.device("cpu"))
     handle_config = AdalnCacheConfig(
         checkpoint=checkpoint if checkpoint is not None else None if tables_only else list(plan.files.files),
         on_miss=on_miss,
@@ -496,6 +501,27 @@ def _serving_source(paths: Any, spec: ModulationSpec, layout: str, argument: str
 def _has_projections(plan: _LoadPlan) -> bool:
     """Whether the model files hold any AdaLN projection tensor (a download may have left them out)."""
     return any(plan.files.entry(key) is not None for key, (_, kind) in plan.served.items() if kind == "projection")
+
+
+def _upstream_of_files(plan: _LoadPlan, spec: ModulationSpec, source: Source | None, free: bool) -> str | None:
+    """The binding's upstream digest of the loaded model: each upstream tensor the family declares as the model
+    files hold it, the time embedder's from the serving checkpoint where the cache stands in for it (``free``);
+    None where the files lack one. The bytes are the files', as the command line hashes them."""
+    standing_in = {}
+    if free and source is not None:
+        keys = _time_embedder_keys(source.layout, plan.model_layout, plan.time_embedder)
+        standing_in = {name: key for key, (name, _) in keys.items()}
+    tensors = {}
+    for key, name in spec.family.upstream_names(spec, plan.files.layout).items():
+        if name in standing_in:
+            tensors[name] = cast(Any, source).read_tensor(standing_in[name])
+            continue
+        found = plan.files.entry(key)
+        if found is None:
+            return None
+        with safe_open(str(found[0].path), "pt") as opened:
+            tensors[name] = opened.get_tensor(key)
+    return upstream_digest(tensors)
 
 
 def _tables_only_time_embedder(free: bool | None) -> bool:
