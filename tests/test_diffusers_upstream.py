@@ -25,7 +25,7 @@ pytest.importorskip("peft")
 
 import adaln_zero_helpers as tiny
 from adalncache.cli import main
-from adalncache.diffusers import enable_adaln_cache
+from adalncache.diffusers import adaln_cache_handle, enable_adaln_cache
 from adalncache.errors import ConfigError
 from adalncache.identity.binding import upstream_of
 from adalncache.integrations.diffusers.family import family_of
@@ -355,3 +355,33 @@ def test_a_table_file_without_an_upstream_digest_is_refused_where_the_cache_know
         enable_adaln_cache(load_tiny("bf16-disk"), str(base), tables=old)
     spec, _ = open_checkpoint(str(base))
     AdalnCache(spec, None, tables=old).close()
+
+
+def test_load_transformer_of_a_fine_tune_refuses_the_base_models_table_file(
+    load_tiny: Callable[[str], Any], base_and_tuned: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """``load_transformer`` binds the upstream tensors it computes with (here the time embedder the cache
+    reads from the files in the model's place): the base model's file serves the base model's files with no
+    pass, and a fine-tune that changed only its time embedder is refused it when loading."""
+    from adalncache.diffusers import load_transformer
+
+    base, _ = base_and_tuned
+    tables = tmp_path / "t2va.safetensors"
+    assert main(["export", str(base), "-o", str(tables), "--task", "t2va", "--steps", "3", "-q"]) == 0
+    for tuned in (False, True):
+        model = load_tiny("bf16-disk")
+        if tuned:
+            _nudge(model, TIME_EMBEDDER_WEIGHT)
+        directory = tmp_path / f"model-{tuned}"
+        model.save_pretrained(directory)
+        if tuned:
+            with pytest.raises(ConfigError, match="other modules upstream of the projections"):
+                load_transformer(directory, torch_dtype=torch.bfloat16, tables=str(tables))
+            continue
+        request = make_request(model, "t2va", 3, seed=1)
+        resident = run_loop(model, request)
+        loaded = load_transformer(directory, torch_dtype=torch.bfloat16, tables=str(tables))
+        assert run_loop(loaded, request).equal(resident)
+        stats = adaln_cache_handle(loaded).stats
+        assert stats.table_hits > 0 and stats.passes == 0
+        adaln_cache_handle(loaded).disable()

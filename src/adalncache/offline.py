@@ -490,6 +490,7 @@ def describe_store(path: str | os.PathLike[str], *, verify: bool = True) -> dict
         info.update(
             format=int(binding.get("binding", 1)),
             content=binding.get("content"),
+            upstream=binding.get("upstream"),
             spec=binding.get("spec"),
             precision=binding.get("precision"),
             variant=binding.get("variant"),

@@ -204,6 +204,8 @@ class AdalncacheFormat(TableFormat):
         differs = _differs(table, template)
         if not differs:
             return None
+        if "upstream" in differs:  # known only once a model being loaded has its upstream tensors
+            return f"{_other_upstream(table, template)}: not served"
         return (
             f"{table.path} was exported under another {', '.join(differs)} than this build runs under (autocast, "
             f"matmul settings or threads, say): not served while it differs"

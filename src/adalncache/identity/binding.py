@@ -111,14 +111,17 @@ def upstream_of(source: Any) -> str | None:
     """The upstream digest (:func:`~adalncache.identity.upstream_digest`) of what ``source``'s rows are
     computed from, or None where it cannot be named.
 
-    ``source.upstream``, where set, says it: the diffusers integration sets it from the model's live
-    parameters, since its rows come from the model's own modules whatever checkpoint the projections are
-    read from. Otherwise a checkpoint names it by its own tensors (the family's
+    ``source.upstream``, where set, says it (a digest, or a callable giving one when first asked, so that
+    nothing is read before a tier needs the binding): the diffusers integration sets it from the model's
+    live parameters, since its rows come from the model's own modules whatever checkpoint the projections
+    are read from. Otherwise a checkpoint names it by its own tensors (the family's
     :meth:`~adalncache.geometry.Family.upstream` declaration): what ``build``, ``export`` and ``verify``
     compute the rows with. A checkpoint of the projections alone, tensors in memory and table files name
     none: their caller's ``embed`` is the caller's to vouch for.
     """
     given = getattr(source, "upstream", _UNSET)
+    if callable(given):
+        given = given()
     if given is not _UNSET:
         return None if given is None else str(given)
     if not (callable(getattr(source, "read_tensor", None)) and callable(getattr(source, "entry", None))):
@@ -679,7 +682,10 @@ class TableIdentity:
     def upstream(self) -> str | None:
         """The upstream digest of the rows (:func:`upstream_of`), for the source's current identity."""
         if self._upstream is None or self._upstream[0] != self.fingerprint:
-            self._upstream = (self.fingerprint, upstream_of(self.source))
+            found = upstream_of(self.source)
+            if found is None and callable(getattr(self.source, "upstream", None)):
+                return None  # asked again: a model still being loaded has no upstream tensors yet
+            self._upstream = (self.fingerprint, found)
         return self._upstream[1]
 
     @property
