@@ -93,7 +93,7 @@ def _other_upstream(table: Layout, template: Mapping[str, Any]) -> ConfigError:
         )
     return ConfigError(
         f"{table.path} (tables=) {why}; export the tables again from this model's checkpoint (adalncache export "
-        "CHECKPOINT -o FILE ...), or serve the model its tables came from"
+        f"CHECKPOINT {flag('output')} FILE ...), or serve the model its tables came from"
     )
 
 
