@@ -29,6 +29,7 @@ from .devices import resolve_device
 from .errors import ConfigError
 from .formats import FORMATS, TableFile, TableFormat, is_table_file, table_format, vllm_omni
 from .geometry import Schedule
+from .identity.binding import BINDING_FORMAT
 from .offline import (
     check_output,
     describe_checkpoint,
@@ -286,6 +287,7 @@ def _print_tables(info: dict[str, Any]) -> None:
     else:
         env = binding.get("environment", {})
         print(f"  content {binding.get('content')}")
+        print(f"  upstream {binding.get('upstream')} (the modules before the projections: time embedders, ...)")
         print(
             f"  precision {binding.get('precision')}, shard {binding.get('shard')}, torch {env.get('torch')} on "
             f"{env.get('device_name') or env.get('cpu_capability') or env.get('device_type')}; {info['tool']}, "
@@ -319,16 +321,18 @@ def run_inspect(args: argparse.Namespace) -> int:
         health = info["health"]
         print(f"store {info['path']}: {info['entries']} entries, {info['bytes'] / 2**20:.2f} MiB")
         for bhash, b in info["bindings"].items():
-            if b["format"] == 1:
+            if b["format"] < BINDING_FORMAT:
+                bound = "a file's stat identity" if b["format"] == 1 else "the content without the upstream modules"
                 print(
-                    f"  binding {bhash[:12]}: {b['entries']} entries, {b['bytes'] / 2**20:.2f} MiB: format 1 (bound to "
-                    f"a file's stat identity), never looked up by this version; store prune --max-gb removes entries"
+                    f"  binding {bhash[:12]}: {b['entries']} entries, {b['bytes'] / 2**20:.2f} MiB: format "
+                    f"{b['format']} (bound to {bound}), never looked up by this version; store prune --max-gb removes "
+                    "entries"
                 )
                 continue
             print(
                 f"  binding {bhash[:12]}: {b['entries']} entries, {b['bytes'] / 2**20:.2f} MiB, content "
-                f"{str(b['content'])[:23]}, precision {b['precision']}, spec {b['spec']}, torch {b['torch']} on "
-                f"{b['device']}"
+                f"{str(b['content'])[:23]}, upstream {str(b['upstream'])[:23]}, precision {b['precision']}, spec "
+                f"{b['spec']}, torch {b['torch']} on {b['device']}"
             )
         if args.quick:
             state = "digests not checked (--quick)"

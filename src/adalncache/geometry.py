@@ -275,8 +275,22 @@ class Family:
     def upstream(self, spec: Any, layout: KeyLayout) -> tuple[str, ...]:
         """Checkpoint keys (as ``layout`` names them) of the tensors a table row depends on besides the
         projections: the time embedder's parameters, and those of any addition, guidance or
-        second-timestep embedding the model's config enables (by default the layout's time embedder)."""
+        second-timestep embedding the model's config enables (by default the layout's time embedder).
+
+        The one declaration of them: the checkpoint embed reads them, the binding's upstream digest hashes
+        them (:meth:`upstream_names`), and the integration's upstream modules must hold every one. Every
+        layout lists them in the same order, so position names a tensor across layouts."""
         return tuple(layout.time_embedder_tensors())
+
+    def upstream_names(self, spec: Any, layout: KeyLayout) -> dict[str, str]:
+        """:meth:`upstream` keys of ``layout`` -> the parameter name of each in the diffusers model (the
+        layout-free name the upstream digest hashes it under, so a native checkpoint and a model loaded from
+        its conversion give one digest)."""
+        keys = self.upstream(spec, layout)
+        diffusers = next((found for found in self.layouts if found.name == "diffusers"), layout)
+        names = self.upstream(spec, diffusers)
+        assert len(names) == len(keys), f"family {self.name!r}: layouts declare different upstream tensors"
+        return dict(zip(keys, names))
 
     def missing_upstream(self, source: Any) -> list[str]:
         """The :meth:`upstream` tensors ``source``'s checkpoint lacks."""

@@ -239,7 +239,8 @@ def verify_store(
     if not any(h in by_binding for h in hashes.values()):
         raise ConfigError(
             f"{store.path} holds no entries for this checkpoint on this machine ({len(entries)} entries under other "
-            f"bindings): check {flag('checkpoint')} and {flag('device')}, or run adalncache build first"
+            f"bindings: other projections or other modules upstream of them, such as the time embedder, another "
+            f"device or torch): check {flag('checkpoint')} and {flag('device')}, or run adalncache build first"
         )
     per = max(1, max_plans)  # one pass, one slab's worth, each
     for precision, bhash in ((p, h) for p, h in hashes.items() if h in by_binding):
@@ -469,6 +470,7 @@ def describe_store(path: str | os.PathLike[str], *, verify: bool = True) -> dict
         info.update(
             format=int(binding.get("binding", 1)),
             content=binding.get("content"),
+            upstream=binding.get("upstream"),
             spec=binding.get("spec"),
             precision=binding.get("precision"),
             variant=binding.get("variant"),

@@ -1,16 +1,18 @@
 """The bound ``adalncache`` format: the layout plus what binds a file to the tables it holds, for every family.
 
 A bound file has the layout's tensors (:mod:`.sglang`, in the projections' dtype) plus metadata that binds
-it to what produced it: the content digest of the projection tensors, the spec (family and layers
-included), the precision, the numeric environment, the tool's version, the schedules, the family and its
-layers (id, first column, width), and a BLAKE3 digest per slot, checked on every read. A bound file of
-bfloat16 tables with a ``model_variant`` is also an SGLang file: SGLang ignores the extra keys.
+it to what produced it: the content digest of the projection tensors, the upstream digest of the modules
+before them (time embedders; addition, guidance and second-timestep embeddings), the spec (family and
+layers included), the precision, the numeric environment, the tool's version, the schedules, the family
+and its layers (id, first column, width), and a BLAKE3 digest per slot, checked on every read. A bound
+file of bfloat16 tables with a ``model_variant`` is also an SGLang file: SGLang ignores the extra keys.
 
 Why it exists beside SGLang's: a reader can check that the file is what this cache would compute, bit for
 bit, instead of trusting it. The tier refuses at open a file bound to another spec, precision, environment,
-shard or content; at every lookup it serves a file only while the binding the cache would give its own
-tables *now* (autocast and matmul switches included) equals the file's; after the weight source changed,
-only while the source's new content digest is still the file's.
+shard, upstream or content (a file with no upstream digest, written before files recorded one, is refused
+wherever the cache knows its own: export it again); at every lookup it serves a file only while the
+binding the cache would give its own tables *now* (autocast and matmul switches included) equals the
+file's; after the weight source changed, only while the source's new content digest is still the file's.
 """
 
 from __future__ import annotations
@@ -62,10 +64,37 @@ def _text(value: Any) -> str:
 
 
 def _differs(table: Layout, template: Mapping[str, Any]) -> list[str]:
-    """The binding fields of ``table`` that are not ``template``'s (alignment too, where the cache has one)."""
+    """The binding fields of ``table`` that are not ``template``'s (alignment and upstream too, where the
+    cache has them)."""
     assert table.binding is not None
-    checked = [*CHECKED, *(["alignment"] if template.get("alignment") is not None else [])]
+    checked = [*CHECKED, *(key for key in ("alignment", "upstream") if template.get(key) is not None)]
     return [key for key in checked if plain_json(table.binding.get(key)) != plain_json(template.get(key))]
+
+
+def _other_upstream(table: Layout, template: Mapping[str, Any]) -> ConfigError:
+    """The refusal of a file whose rows came from other modules upstream of the projections than this cache's
+    (or from modules it does not name: written before files recorded them)."""
+    assert table.binding is not None
+    spec = table.spec
+    names = spec.family.upstream_names(spec, spec.default_layout).values()
+    modules = sorted({name.rpartition(".")[0] for name in names})
+    said = ", ".join(modules) or "the time embedder"
+    found = table.binding.get("upstream")
+    if found is None:
+        why = (
+            "records no digest of the modules upstream of the projections (written by an adalncache that did not "
+            "bind them, or from a source that could not name them), so nothing says its rows were computed with "
+            f"this model's {said}"
+        )
+    else:
+        why = (
+            f"was built with other modules upstream of the projections ({said}: upstream digest {found}, this "
+            f"model's {template.get('upstream')}): a fine-tune or an adapter changed them, and every row would be stale"
+        )
+    return ConfigError(
+        f"{table.path} (tables=) {why}; export the tables again from this model's checkpoint (adalncache export "
+        f"CHECKPOINT {flag('output')} FILE ...), or serve the model its tables came from"
+    )
 
 
 class AdalncacheFormat(TableFormat):
@@ -145,6 +174,8 @@ class AdalncacheFormat(TableFormat):
 
     def check_cache(self, table: Layout, template: Mapping[str, Any], *, digest: str | None, source: Any) -> None:
         differs = _differs(table, template)
+        if "upstream" in differs:
+            raise _other_upstream(table, template)
         if differs:
             assert table.binding is not None
             detail = "; ".join(
@@ -173,6 +204,8 @@ class AdalncacheFormat(TableFormat):
         differs = _differs(table, template)
         if not differs:
             return None
+        if "upstream" in differs:  # known only once a model being loaded has its upstream tensors
+            return f"{_other_upstream(table, template)}: not served"
         return (
             f"{table.path} was exported under another {', '.join(differs)} than this build runs under (autocast, "
             f"matmul settings or threads, say): not served while it differs"
@@ -186,6 +219,10 @@ class AdalncacheFormat(TableFormat):
         report.content = cache.identify()
         report.content_matches = report.content == table.content
         here = cache.binding() or {}
+        if plain_json(binding.get("upstream")) != plain_json(here.get("upstream")):
+            # Rows recomputed here come from --checkpoint's upstream modules: a file of other ones fails
+            # there too, but this names why.
+            report.mismatched.append(str(_other_upstream(table, here)))
         report.foreign = [k for k in ("environment", "shard") if plain_json(binding.get(k)) != plain_json(here.get(k))]
 
     def described(self, table: Layout) -> dict[str, Any]:

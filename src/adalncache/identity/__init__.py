@@ -356,6 +356,28 @@ class TensorDigest:
         return cls(str(data["dtype"]), shape, None if digest is None else str(digest), leaves)
 
 
+_UPSTREAM_TAG = b"adalncache-upstream-v1"
+
+
+def upstream_digest(tensors: Mapping[str, torch.Tensor]) -> str:
+    """``blake3:<hex>`` of the tensors upstream of the projections (time embedders; addition, guidance and
+    second-timestep embeddings), by the name the diffusers model gives each: a tag, then per name in sorted
+    order the name, dtype, shape and raw bytes.
+
+    Why: a row is the projection of what these modules compute, so a binding that named only the projection
+    bytes would serve one checkpoint's rows to a fine-tune that changed only its time embedder. The bytes are
+    hashed as they are (not cast), so the checkpoint's tensors and a model's live parameters loaded from them
+    give one value, and a model that holds them in another dtype another (a miss or a refusal, never stale
+    rows). The tensors are small (megabytes), so they are hashed whole, once per source identity.
+    """
+    parts: list[bytes | memoryview] = [_UPSTREAM_TAG]
+    for name in sorted(tensors):
+        tensor = tensors[name].detach().to("cpu").contiguous()
+        parts += [canonical_json([name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape)])]
+        parts.append(tensor.reshape(-1).view(torch.uint8).numpy().data)
+    return PREFIX + hash_hex(*parts)
+
+
 #: What a process knows of a weight source's tensors, by role.
 Knowledge = dict[str, TensorDigest]
 

@@ -5,9 +5,12 @@ rewritten on disk, seen through its fingerprint), the caller's *variant* (the ac
 and the *autocast* state of the device's type. :class:`TableIdentity` re-checks them at the start of
 every build that has something to build (the hit path does not ``stat``), drops tables built under
 an old identity, and forms **the binding** (:meth:`TableIdentity.binding`): the one value naming
-everything a stored table depends on besides its plan (content digest, spec with dtype, precision,
-variant, shard mode, numeric environment, and for fp32 and fp16 weights each tensor's address modulo
-64), which every tier compares by equality.
+everything a stored table depends on besides its plan (content digest, upstream digest, spec with
+dtype, precision, variant, shard mode, numeric environment, and for fp32 and fp16 weights each tensor's
+address modulo 64), which every tier compares by equality. The upstream digest (:func:`upstream_of`)
+names the modules between the keying inputs and the projections (time embedders; addition, guidance and
+second-timestep embeddings), from the checkpoint's tensors or the model's live parameters: a fine-tune
+that changed only those is another binding.
 
 The binding names the *content* of the projection tensors, so a copied checkpoint or store binds to
 the same entries. :class:`ContentIdentity` learns that digest the cheapest way available: from the
@@ -67,6 +70,7 @@ from . import (
     merge_knowledge,
     numeric_environment,
     role_of,
+    upstream_digest,
 )
 
 if TYPE_CHECKING:
@@ -74,9 +78,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: Format of the store binding: 2 names the content digest (format 1, without this key, named the
-#: source's stat fingerprint; its entries are never looked up again).
-BINDING_FORMAT = 2
+#: Format of the store binding: 3 adds the upstream digest; 2 named the content digest without it, and
+#: format 1 (without this key) the source's stat fingerprint. Entries of an older format are never looked
+#: up again: a miss, so the next build writes them anew.
+BINDING_FORMAT = 3
 #: Format of a memo record.
 RECORD_FORMAT = 1
 #: The longest a pass waits for a checkpoint's files to stop changing before it gives up (a writer is busy).
@@ -100,6 +105,38 @@ def content_digest(spec: ModulationSpec, knowledge: Mapping[str, TensorDigest]) 
             return None
         parts += [role.encode(), bytes.fromhex(digest)]
     return PREFIX + hash_hex(*parts)
+
+
+def upstream_of(source: Any) -> str | None:
+    """The upstream digest (:func:`~adalncache.identity.upstream_digest`) of what ``source``'s rows are
+    computed from, or None where it cannot be named.
+
+    ``source.upstream``, where set, says it (a digest, or a callable giving one when first asked, so that
+    nothing is read before a tier needs the binding): the diffusers integration sets it from the model's
+    live parameters, since its rows come from the model's own modules whatever checkpoint the projections
+    are read from. Otherwise a checkpoint names it by its own tensors (the family's
+    :meth:`~adalncache.geometry.Family.upstream` declaration): what ``build``, ``export`` and ``verify``
+    compute the rows with. A checkpoint of the projections alone, tensors in memory and table files name
+    none: their caller's ``embed`` is the caller's to vouch for.
+    """
+    given = getattr(source, "upstream", _UNSET)
+    if callable(given):
+        given = given()
+    if given is not _UNSET:
+        return None if given is None else str(given)
+    if not (callable(getattr(source, "read_tensor", None)) and callable(getattr(source, "entry", None))):
+        return None
+    spec = source.spec
+    names = spec.family.upstream_names(spec, source.layout)
+    try:
+        for key in names:
+            source.entry(key)
+    except KeyError:
+        return None
+    return upstream_digest({name: source.read_tensor(key) for key, name in names.items()})
+
+
+_UNSET = object()
 
 
 def rewritten(files: str, read: str, held: str, outcome: str) -> CheckpointError:
@@ -637,6 +674,19 @@ class TableIdentity:
         #: How many times the source's identity changed (agreed by every rank): table files bound to
         #: its content are checked again whenever it moves.
         self.generation = 0
+        #: ``(fingerprint, upstream digest)``: learnt once per source identity (a rewrite of the
+        #: checkpoint may change its time embedder too).
+        self._upstream: tuple[str | None, str | None] | None = None
+
+    @property
+    def upstream(self) -> str | None:
+        """The upstream digest of the rows (:func:`upstream_of`), for the source's current identity."""
+        if self._upstream is None or self._upstream[0] != self.fingerprint:
+            found = upstream_of(self.source)
+            if found is None and callable(getattr(self.source, "upstream", None)):
+                return None  # asked again: a model still being loaded has no upstream tensors yet
+            self._upstream = (self.fingerprint, found)
+        return self._upstream[1]
 
     @property
     def serve_dtype(self) -> torch.dtype:
@@ -717,6 +767,7 @@ class TableIdentity:
             "binding": BINDING_FORMAT,
             "content": None,
             "spec": self.spec.describe(),
+            "upstream": self.upstream,
             "precision": self.precision,
             "variant": repr(self.variant),
             "shard": self._dist.describe_shard(),

@@ -32,7 +32,7 @@ import os
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
 from torch import nn
@@ -68,7 +68,7 @@ from .quantized import (
     transformer_spec,
 )
 from .request import Builder, CallWatch, Requests, ScheduleWatch, request_plans
-from .signature import Signature, Variant
+from .signature import Signature, Variant, upstream_digest_of
 from .sources import NeverLoaded, Source, changed_since, check_tables_against_model, checkpoint_source, model_source
 
 if TYPE_CHECKING:
@@ -263,6 +263,8 @@ def choose_source(
         storage=storage,
         casting_at_enable=casting_paths(family.served_modules(model, spec)),
     )
+    # The rows come from the model's own upstream modules, whichever source the projections are read from.
+    upstream = upstream_digest_of(model, spec, family)
     if config.checkpoint is not None:
         verify = config.verify_checkpoint and not storage.opaque
         choice.source, choice.digest = checkpoint_source(
@@ -273,11 +275,15 @@ def choose_source(
             choice.host_tensors = own_tensors(modules, execution, family.projection_path)
             choice.plain_variant = full_precision_variant(model)
     elif options.tables is not None:
-        check_tables_against_model(spec, modules, options.tables, device=device, precision=options.precision)
+        check_tables_against_model(
+            spec, modules, options.tables, device=device, precision=options.precision, upstream=upstream
+        )
     elif storage.opaque:
         choice.source, choice.host_tensors = opaque_model_source(spec, modules, execution)
     else:
         choice.source, choice.host_tensors, choice.host_buffers = model_source(spec, modules, execution)
+    if choice.source is not None:
+        cast(Any, choice.source).upstream = upstream  # read by the binding (identity.binding.upstream_of)
     return choice
 
 

@@ -24,11 +24,13 @@ projections and the time embedder are only renamed by it, so they pass through a
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import logging
 import os
+import weakref
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,11 +42,13 @@ from ... import CheckpointSource, families
 from ...errors import CheckpointError, ConfigError
 from ...options import CacheKwargs, flag, option_keywords
 from ...source.files import CheckpointFiles, SafetensorsHeader, checkpoint_files
+from ...source.memory import NoWeights
 from ...source.reads import MappedFile
 from ...spec import KeyLayout, Layer, ModulationSpec
 from .family import DIFFUSERS, DiffusersFamily, base_linear, by_name
 from .handle import AdalnCacheConfig, CacheOptions, CheckpointArg, OnMiss, enable_transformer
 from .parking import RESIDUE_BYTES
+from .signature import upstream_digest_of
 from .sources import CastCheckpointSource, CheckpointMismatchError, NeverLoaded, Source
 
 logger = logging.getLogger(__name__)
@@ -155,7 +159,10 @@ def load_transformer(
     # 2. The source the cache serves from, checked against the config before any weight is read.
     tables_only = checkpoint is None and cache_options.tables is not None and not _has_projections(plan)
     source, free = _source_of(plan, spec, checkpoint, layout, free_time_embedder, tables_only=tables_only)
-    cache = cache_options.build(spec, source, device or torch.device("cpu"))
+    served_from: Any = source if source is not None else NoWeights(spec)
+    # Read by the binding when a tier first needs it: the load itself reads no time-embedder byte.
+    served_from.upstream = _upstream_of_load(model, family, spec, plan, source, free)
+    cache = cache_options.build(spec, served_from, device or torch.device("cpu"))
     handle_config = AdalnCacheConfig(
         checkpoint=checkpoint if checkpoint is not None else None if tables_only else list(plan.files.files),
         on_miss=on_miss,
@@ -496,6 +503,28 @@ def _serving_source(paths: Any, spec: ModulationSpec, layout: str, argument: str
 def _has_projections(plan: _LoadPlan) -> bool:
     """Whether the model files hold any AdaLN projection tensor (a download may have left them out)."""
     return any(plan.files.entry(key) is not None for key, (_, kind) in plan.served.items() if kind == "projection")
+
+
+def _upstream_of_load(
+    model: Any, family: DiffusersFamily, spec: ModulationSpec, plan: _LoadPlan, source: Source | None, free: bool
+) -> Callable[[], str | None]:
+    """The binding's upstream digest of the loaded model, computed when a tier first asks (the load itself
+    reads no time-embedder byte): its live upstream parameters, and the serving checkpoint's time embedder
+    where the cache stands in for it (``free``: never loaded into the model). It holds neither ``plan`` nor
+    the model (the cache is the model's: a strong reference would keep the model, and the mappings of its
+    files, alive after the caller let go of it)."""
+    keys = _time_embedder_keys(source.layout, plan.model_layout, plan.time_embedder) if free and source else {}
+    reader: Any = source  # a checkpoint source (read_tensor)
+    held = weakref.ref(model)
+
+    def digest() -> str | None:
+        loaded = held()
+        if loaded is None:
+            return None
+        standing_in = {name: functools.partial(reader.read_tensor, key) for key, (name, _) in keys.items()}
+        return upstream_digest_of(loaded, spec, family, standing_in)
+
+    return digest
 
 
 def _tables_only_time_embedder(free: bool | None) -> bool:

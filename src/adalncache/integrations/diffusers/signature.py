@@ -52,6 +52,7 @@ import torch
 from torch import nn
 
 from ...errors import ConfigError
+from ...identity import upstream_digest
 from ...spec import ModulationSpec
 from .family import DiffusersFamily
 from .hooks import ServingHooks
@@ -160,6 +161,46 @@ def lora_entries(tuners: Tuners) -> tuple[Variant, list[torch.Tensor]]:
 def _merged(tuners: Tuners) -> tuple[Any, ...]:
     """Which tuners have which adapters fused into their base weights."""
     return tuple((name, tuple(module.merged_adapters)) for name, module in tuners if module.merged_adapters)
+
+
+def upstream_digest_of(
+    model: nn.Module,
+    spec: ModulationSpec,
+    family: DiffusersFamily,
+    standing_in: Mapping[str, Callable[[], torch.Tensor]] | None = None,
+) -> str | None:
+    """The binding's upstream digest from the model's live parameters: the tensors the core family declares
+    (:meth:`~adalncache.geometry.Family.upstream`), by their diffusers names, as the model holds them (inside
+    a peft wrapper, its base layer's), so a model loaded from a checkpoint and the checkpoint give one digest.
+    Read when enabling, before anything is parked; ``standing_in``: by name, how to read the tensors the cache
+    computes with in place of the model's (a time embedder ``load_transformer`` never loaded), read only once
+    every other one is found. None where one is
+    missing, meta (an offloader's) or has no plain bytes (a tensor subclass): the binding then names no
+    upstream, and what is bound to one is not served to it."""
+    core = family.family
+    names = list(core.upstream_names(spec, core.layout("diffusers")).values())
+    watched = [path for path, _ in family.upstream_modules(model)]
+    outside = [name for name in names if not any(name.startswith(f"{path}.") for path in watched)]
+    if outside:  # the core declaration is the one home of the fact: the watched modules must cover it
+        raise ConfigError(
+            f"the {core.title} family declares {', '.join(outside)} upstream of the AdaLN projections, but its "
+            f"diffusers upstream_modules ({', '.join(watched)}) leave them out: a change to them would not be seen"
+        )
+    standing_in = standing_in or {}
+    tensors = {}
+    for name in names:
+        if name in standing_in:
+            continue
+        owner, _, attr = name.rpartition(".")
+        try:
+            module = model.get_submodule(owner)
+        except AttributeError:
+            return None
+        tensor = getattr(getattr(module, "base_layer", module), attr, None)
+        if not isinstance(tensor, torch.Tensor) or tensor.is_meta or type(tensor) not in (torch.Tensor, nn.Parameter):
+            return None
+        tensors[name] = tensor
+    return upstream_digest({**tensors, **{name: read() for name, read in standing_in.items()}})
 
 
 class Signature:
@@ -381,4 +422,4 @@ def refuse_weight_dependent_init(adapter_config: Any) -> None:
         )
 
 
-__all__ = ["Signature", "Tuners", "Variant", "applied_lora_scale", "lora_scale_of"]
+__all__ = ["Signature", "Tuners", "Variant", "applied_lora_scale", "lora_scale_of", "upstream_digest_of"]

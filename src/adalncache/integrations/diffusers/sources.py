@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -150,8 +150,11 @@ def check_tables_against_model(
     *,
     device: torch.device,
     precision: str,
+    upstream: str | None = None,
 ) -> None:
     """Refuse table files that do not hold this model's projections, before the model's own weights are freed.
+
+    ``upstream``: the model's upstream digest, which a bound file's must equal.
 
     A bound file names the content digest of the projections it was built from: the model's own
     tensors are hashed (as they are; on a GPU through a host copy) and compared; a vLLM-Omni sidecar
@@ -161,6 +164,7 @@ def check_tables_against_model(
     if not any(table.checkable for table in TablesTier(tables, spec).files):
         return
     own, _, buffers = model_source(spec, modules, device)
+    cast(Any, own).upstream = upstream  # read by the binding (identity.binding.upstream_of)
     try:
         cache = AdalnCache(spec, own, max_plans=1, max_plan_width=1, device=device, precision=precision, tables=tables)
         cache.close()
