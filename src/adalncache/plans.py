@@ -151,11 +151,24 @@ def plan_rows(key: PlanKey, columns: int = 1) -> int:
     return len(key) // columns
 
 
+def slab_rows(key: PlanKey, columns: int = 1, width: int | None = None) -> int:
+    """The slab rows the plan ``key`` needs: its rows while they fit ``width`` (one each), else its distinct rows.
+
+    Rows of equal keying inputs (a batch's images, CFG's two halves) may share a slab row, so a plan
+    wider than the slab fits when its distinct rows do (the build then checks that the rows it
+    shares came out bitwise equal).
+    """
+    rows = plan_rows(key, columns)
+    if width is not None and rows <= width:
+        return rows
+    return len({key[i : i + columns] for i in range(0, len(key), columns)})
+
+
 def validate_plan(plan: torch.Tensor, *, max_plan_width: int | None = None, columns: int = 1) -> None:
-    """Reject plans that cannot be served: not float32 of the cache's shape, empty, non-finite, or too wide."""
-    plan_key(plan, columns)  # dtype and rank
+    """Reject plans that cannot be served: not float32 of the cache's shape, empty, non-finite, or with more
+    distinct rows than the slab holds per plan."""
+    key = plan_key(plan, columns)  # dtype and rank
     rows = plan.shape[0]
-    what = "distinct timesteps" if columns == 1 else "rows"
     if plan.numel() == 0:
         raise PlanError(
             "a plan must hold at least one timestep, got an empty tensor"
@@ -164,10 +177,15 @@ def validate_plan(plan: torch.Tensor, *, max_plan_width: int | None = None, colu
         )
     if not bool(torch.isfinite(plan).all()):
         raise PlanError(f"a plan's {'timesteps' if columns == 1 else 'values'} must be finite, got {plan.tolist()}")
-    if max_plan_width is not None and rows > max_plan_width:
+    if max_plan_width is None or rows <= max_plan_width:
+        return
+    distinct = slab_rows(key, columns)
+    if distinct > max_plan_width:
+        values = "timesteps" if columns == 1 else "rows of keying inputs"
         raise PlanError(
-            f"a plan has {rows} {what} but the slab holds at most {max_plan_width} per "
-            f"plan: raise {knob('max_plan_width')} to at least {rows}"
+            f"a plan holds {distinct} distinct {values} in its {rows} rows but the slab holds at most "
+            f"{max_plan_width} per plan (rows of equal inputs share one): raise {knob('max_plan_width')} to at "
+            f"least {distinct}"
         )
 
 
@@ -270,5 +288,6 @@ __all__ = [
     "plan_keys",
     "plan_rows",
     "schedule_plans",
+    "slab_rows",
     "validate_plan",
 ]

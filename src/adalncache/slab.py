@@ -9,10 +9,16 @@ views of ``table`` made once per allocation: strided, so whoever needs contiguou
 collective) copies or goes row by row. One slot more than the pool hands out, the *poison slot*
 (index ``max_plans``), holds NaN and is never written: a served forward whose plan matched no
 prepared plan (found on the device, without a host read) gathers NaN, never another plan's rows.
-The tensors are allocated once; their pointers never move (hooks and CUDA graphs may hold them)
-unless the cache moves (:meth:`Slab.relocate`), and no module registers them, so no ``state_dict``
-holds them. The slab does every row read and write, and decides neither which slot a plan gets
-nor when a slot becomes visible.
+A plan of more rows than ``max_plan_width`` (a batch: ``num_images_per_prompt`` x prompts x CFG rows
+of equal timesteps) fits when its distinct rows do: the slot stores each distinct row once
+(:class:`RowLayout`) and ``row_map [P + 1, R] i64`` says which slab row each plan row reads, as a
+flat index into the ``(P + 1) * W`` rows, so a read is one row gather (:func:`gather_rows`). Rows
+are shared only where the build's own GEMM, run at the forward's full M, gave rows of equal inputs
+bitwise equal (:meth:`Slab.write_projection` checks every layer); a plan that fits keeps one slab
+row per plan row, exactly as before. The tensors are allocated once; their pointers never move
+(hooks and CUDA graphs may hold them) unless the cache moves (:meth:`Slab.relocate`), and no module
+registers them, so no ``state_dict`` holds them. The slab does every row read and write, and decides
+neither which slot a plan gets nor when a slot becomes visible.
 
 :class:`SlotPool` alone changes the host-side slot map (plan -> slot in LRU order: what lookups
 consult), the free list and the holds. A slot is *free*, *reserved* (handed to one build),
@@ -50,6 +56,64 @@ from .options import knob
 from .plans import PlanKey, format_plan, plan_key
 from .source import Columns
 from .spec import Layer, ModulationSpec
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality: unlike ``torch.equal`` it tells -0.0 from +0.0 (and any NaN payload apart)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(a.element_size())
+    if ints is None or not a.dtype.is_floating_point:
+        return torch.equal(a, b)
+    return torch.equal(a.contiguous().view(ints), b.contiguous().view(ints))
+
+
+def gather_rows(view: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Rows ``index`` of a ``[P + 1, W, ...]`` slab view, flat over ``(slot, row)``: one gather.
+
+    ``index`` is a slot's :attr:`Slab.row_map` entries (``slot * W + slab row``), so a plan whose
+    rows share slab rows reads them with no host work; every view of the slab is a slice of its
+    last dimension, so the flattening is a view, never a copy.
+    """
+    return view.flatten(0, 1).index_select(0, index)
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """Which slab row each row of a plan reads: ``stored`` (the plan row each slab row holds, first
+    occurrences in order) and ``row_of`` (the slab row of each plan row).
+
+    A plan of at most ``max_plan_width`` rows keeps one slab row per plan row (the identity), as it
+    always did; a wider one stores each distinct row (equal fp32 bit patterns in every column) once.
+    """
+
+    stored: tuple[int, ...]
+    row_of: tuple[int, ...]
+
+    @classmethod
+    def of(cls, key: PlanKey, columns: int, width: int) -> RowLayout:
+        rows = len(key) // columns
+        if rows <= width:
+            return cls(tuple(range(rows)), tuple(range(rows)))
+        first: dict[PlanKey, int] = {}
+        stored: list[int] = []
+        row_of: list[int] = []
+        for i in range(rows):
+            row = key[i * columns : (i + 1) * columns]
+            if row not in first:
+                first[row] = len(stored)
+                stored.append(i)
+            row_of.append(first[row])
+        return cls(tuple(stored), tuple(row_of))
+
+    @property
+    def shared(self) -> bool:
+        """Whether some slab row serves several plan rows."""
+        return len(self.stored) < len(self.row_of)
+
+    def representatives(self, m: int) -> list[int]:
+        """For each of the first ``m`` plan rows, the plan row whose values its slab row holds."""
+        return [self.stored[self.row_of[i]] for i in range(m)]
 
 
 class PlanRows(tuple[torch.Tensor, ...]):
@@ -104,9 +168,11 @@ class Slab:
         self.spec = spec
         self.max_plans = max_plans
         self.max_plan_width = max_plan_width
-        self._allocate(device)
+        #: The layouts of the slots whose plans share slab rows (set by :meth:`lay_out`; others are the identity).
+        self._layouts: dict[int, RowLayout] = {}
+        self._allocate(device, max_plan_width)
 
-    def _allocate(self, device: torch.device) -> None:
+    def _allocate(self, device: torch.device, capacity: int) -> None:
         P, W, spec = self.max_plans, self.max_plan_width, self.spec
         C = spec.plan_columns
         self.plan_timesteps = torch.zeros((P, W) if C == 1 else (P, W, C), dtype=torch.float32, device=device)
@@ -133,6 +199,28 @@ class Slab:
         # Slot tensors of slot lists that are not a contiguous run, by slot tuple (see indices()).
         self._index_cache: OrderedDict[tuple[int, ...], torch.Tensor] = OrderedDict()
         self.device = device
+        #: ``[P + 1, R]``: the flat slab row (``slot * W + row``) each plan row of a slot reads; R grows
+        #: to the rows of the widest plan published. Rows past a plan's own read the poison slot.
+        self.row_map = self._identity_rows(torch.arange(P + 1, device=device), capacity)
+
+    def _identity_rows(self, slots: torch.Tensor, capacity: int) -> torch.Tensor:
+        """The row map of slots holding one slab row per plan row: ``slot * W + i``, then the poison row."""
+        W = self.max_plan_width
+        rows = torch.arange(capacity, dtype=torch.int64, device=slots.device)
+        return torch.where(rows < W, slots.reshape(-1, 1) * W + rows, self.max_plans * W)
+
+    @property
+    def row_capacity(self) -> int:
+        """The most plan rows a read may ask for: the width, or the rows of the widest plan published."""
+        return int(self.row_map.shape[1])
+
+    def _grow_row_map(self, rows: int) -> None:
+        """Widen the row map to ``rows`` (a new tensor: readers holding the old one read it unchanged)."""
+        old = self.row_map
+        capacity = max(rows, 2 * old.shape[1])
+        grown = self._identity_rows(torch.arange(self.max_plans + 1, device=old.device), capacity)
+        grown[:, : old.shape[1]] = old
+        self.row_map = grown
 
     def relocate(self, device: torch.device, *, keep_rows: bool) -> None:
         """Put the tensors on ``device``: new tensors, so the pointers change (the only time).
@@ -141,11 +229,13 @@ class Slab:
         new slab is empty, and the caller must have unpublished every slot first. The old tensors
         are freed once the copy is done, so a move never holds two slabs on one device.
         """
-        old = self.tensors()
-        self._allocate(device)
+        old, old_map = self.tensors(), self.row_map
+        self._allocate(device, self.row_capacity)
         if keep_rows:
-            for new, tensor in zip(self.tensors(), old):
+            for new, tensor in zip((*self.tensors(), self.row_map), (*old, old_map)):
                 new.copy_(tensor)
+        else:
+            self._layouts.clear()
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         """The tensors that own the slab's memory: ``plan_timesteps``, ``plan_lengths``, ``table``."""
@@ -154,7 +244,7 @@ class Slab:
     @property
     def nbytes(self) -> int:
         """Bytes the slab holds on its device, the poison slot's rows included."""
-        others = sum(t.numel() * t.element_size() for t in (self.plan_timesteps, self.plan_lengths))
+        others = sum(t.numel() * t.element_size() for t in (self.plan_timesteps, self.plan_lengths, self.row_map))
         return others + self._storage.numel() * self._storage.element_size()
 
     @property
@@ -245,6 +335,44 @@ class Slab:
 
     # -- writes (before publish: nothing here is visible to lookups yet) -------------------
 
+    def lay_out(self, slot: int, key: PlanKey) -> RowLayout:
+        """Decide which slab row each row of ``key`` (about to be written into ``slot``) reads."""
+        layout = RowLayout.of(key, self.spec.plan_columns, self.max_plan_width)
+        if layout.shared:
+            self._layouts[slot] = layout
+        else:
+            self._layouts.pop(slot, None)
+        return layout
+
+    def stored_rows(self, slot: int, rows: int) -> int:
+        """The slab rows ``slot``'s plan of ``rows`` rows occupies (fewer where rows share one)."""
+        layout = self._layouts.get(slot)
+        return rows if layout is None else len(layout.stored)
+
+    def _unshared(self, rows: int, distinct: int, what: str) -> PlanError:
+        return PlanError(
+            f"a plan of {rows} rows holds {distinct} distinct values, but {what} gave rows of equal inputs different "
+            f"bits, so every row needs its own slab row and the slab holds at most {self.max_plan_width} per plan: "
+            f"raise {knob('max_plan_width')} to at least {rows}"
+        )
+
+    def _compact(self, slot: int, y: torch.Tensor, what: str) -> tuple[torch.Tensor, int | None]:
+        """``y`` (a plan's first ``M`` rows) reduced to its slab rows where ``slot``'s plan shares rows, after
+        checking that every row equals, bit for bit, the row stored for it; ``(y, None)`` for the identity.
+
+        The check runs on every build: one GEMM at M rows is not assumed to give rows of equal inputs equal
+        bits (docs/exactness.md has the measurement), and a row that differs is never served in its place.
+        """
+        layout = self._layouts.get(slot)
+        if layout is None:
+            return y, None
+        m = y.shape[0]
+        reps = layout.representatives(m)
+        if not same_bits(y[torch.tensor(reps, dtype=torch.int64, device=y.device)], y):
+            raise self._unshared(len(layout.row_of), len(layout.stored), what)
+        kept = [s for s in layout.stored if s < m]  # first occurrences: the rows the layer took come first
+        return y[torch.tensor(kept, dtype=torch.int64, device=y.device)], len(layout.stored)
+
     def write_projection(
         self, slot: int, layer: Layer, y: torch.Tensor, columns: Columns | None = None, rows: int | None = None
     ) -> None:
@@ -252,20 +380,31 @@ class Slab:
 
         ``rows``: the plan's row count when ``layer`` took fewer rows (``M < rows``); rows ``M``
         to ``rows`` of the layer are zeroed, so a slot's table never depends on what it held before.
+        A plan that shares slab rows (:meth:`lay_out`) keeps each distinct row once, checked first.
         """
         width = self.spec.out_features(layer)
         lo, hi = columns.bounds(width) if columns is not None else (0, width)
-        if y.dim() != 2 or y.shape[1] != hi - lo or y.shape[0] > self.max_plan_width:
+        layout = self._layouts.get(slot)
+        most = self.max_plan_width if layout is None else len(layout.row_of)
+        if y.dim() != 2 or y.shape[1] != hi - lo or y.shape[0] > most:
             raise PlanError(f"the projection of layer {layer} returned shape {tuple(y.shape)}, expected (M, {hi - lo})")
+        y, stored = self._compact(slot, y, f"the projection of layer {layer} at M={y.shape[0]}")
+        if stored is not None:
+            rows = stored
         m = y.shape[0]
         view = self.layer_params(layer)[slot, : max(m, rows or 0), lo:hi]
         view[:m].copy_(y)
         view[m:].zero_()  # rows the layer did not take (none when it took them all)
 
     def write_rows(self, slot: int, rows: PlanRows) -> None:
-        """Restore a plan's rows from a tier into ``slot`` (its plan is written at publish)."""
+        """Restore a plan's rows from a tier into ``slot`` (its plan is written at publish); a plan that
+        shares slab rows (:meth:`lay_out`) keeps each distinct row once, checked first as a build's are."""
         n = rows.timesteps.shape[0]
         for part, tensor in zip(self._parts.values(), rows.parts, strict=True):
+            flat = tensor.reshape(n, -1)
+            kept, stored = self._compact(slot, flat, "the stored table")
+            if stored is not None:
+                tensor, n = kept.reshape(-1, *tensor.shape[1:]), stored
             part[slot, :n].copy_(tensor, non_blocking=True)
 
     def row_view(self, slot: int, n: int) -> torch.Tensor:
@@ -278,24 +417,57 @@ class Slab:
         The rows must already be written. Lengths flip after the plans, all in one copy, so a
         device-side reader that trusts ``plan_lengths`` never sees a half-filled slot.
         """
+        lengths_list = []
         for slot, plan in zip(slots, plans, strict=True):
+            layout = self._layouts.get(slot)
+            if layout is not None:
+                # One row per slab row (the plan's distinct rows); the map gives each plan row its own.
+                plan = plan[torch.tensor(layout.stored, dtype=torch.int64, device=plan.device)]
+                self._map_rows(slot, layout.row_of)
             row = self.plan_timesteps[slot]
             row.zero_()
             row[: plan.shape[0]].copy_(plan.to(self.device))
+            lengths_list.append(plan.shape[0])
         index = torch.tensor(list(slots), dtype=torch.int64)
-        lengths = torch.tensor([plan.shape[0] for plan in plans], dtype=torch.int64)
+        lengths = torch.tensor(lengths_list, dtype=torch.int64)
         self.plan_lengths.index_copy_(0, index.to(self.device), lengths.to(self.device))
+
+    def _map_rows(self, slot: int, row_of: Sequence[int]) -> None:
+        """Point ``slot``'s plan rows at slab rows ``row_of`` (the poison row past them)."""
+        if len(row_of) > self.row_capacity:
+            self._grow_row_map(len(row_of))
+        W = self.max_plan_width
+        entries = torch.full((self.row_capacity,), self.max_plans * W, dtype=torch.int64)
+        entries[: len(row_of)] = torch.tensor(row_of, dtype=torch.int64) + slot * W
+        self.row_map[slot].copy_(entries.to(self.device))
 
     def clear(self, slot: int) -> None:
         """Hide whatever ``slot`` holds: length 0 and a zero plan (its rows are overwritten on reuse)."""
         self.plan_lengths[slot] = 0
         self.plan_timesteps[slot].zero_()
+        if self._layouts.pop(slot, None) is not None:
+            self.row_map[slot].copy_(self._identity_rows(self._slot_index[slot], self.row_capacity)[0])
+
+    def layout_of(self, slot: int, rows: int) -> RowLayout:
+        """The row layout of ``slot``'s plan of ``rows`` rows."""
+        return self._layouts.get(slot) or RowLayout(tuple(range(rows)), tuple(range(rows)))
 
     # -- reads ------------------------------------------------------------------------------
 
     def read_rows(self, slot: int, n: int) -> PlanRows:
-        """A contiguous copy of ``slot``'s first ``n`` rows, part by part (tiers and ``verify`` keep these)."""
+        """A contiguous copy of ``slot``'s first ``n`` rows, part by part (tiers and ``verify`` keep these).
+
+        A plan that shares slab rows is read out row for row (each plan row its slab row's copy): the
+        tiers and table files hold every plan row, as a plan whose rows each have a slab row does.
+        """
         contiguous = torch.contiguous_format
+        layout = self._layouts.get(slot)
+        if layout is not None:
+            index = torch.tensor(layout.row_of, dtype=torch.int64, device=self.device)
+            return PlanRows(
+                self.plan_timesteps[slot].index_select(0, index),
+                *(part[slot].index_select(0, index) for part in self._parts.values()),
+            )
         return PlanRows(
             self.plan_timesteps[slot, :n].clone(memory_format=contiguous),
             *(part[slot, :n].clone(memory_format=contiguous) for part in self._parts.values()),
@@ -306,16 +478,18 @@ class Slab:
         return self.plan_lengths.cpu(), self.plan_timesteps.cpu()
 
     def _check_count(self, num_timesteps: int) -> None:
+        W = self.max_plan_width
         if isinstance(num_timesteps, bool) or not isinstance(num_timesteps, int):
             raise PlanError(
-                f"num_timesteps must be an integer in 1..{self.max_plan_width}, got {num_timesteps!r}: pass "
+                f"num_timesteps must be an integer in 1..{self.row_capacity}, got {num_timesteps!r}: pass "
                 f"len(plan) of a resident plan"
             )
         # Slicing would silently cut an over-long request to the slab width; say so instead.
-        if not 1 <= num_timesteps <= self.max_plan_width:
+        if not 1 <= num_timesteps <= self.row_capacity:
+            wider = f", or the {self.row_capacity} rows of the widest plan published" if self.row_capacity > W else ""
             raise PlanError(
-                f"num_timesteps must be in 1..{self.max_plan_width} (the slab's plan width, "
-                f"{knob('max_plan_width')}), got {num_timesteps}: pass len(plan) of a resident plan"
+                f"num_timesteps must be in 1..{self.row_capacity} (the slab's plan width, "
+                f"{knob('max_plan_width')}{wider}), got {num_timesteps}: pass len(plan) of a resident plan"
             )
 
     @staticmethod
@@ -327,11 +501,21 @@ class Slab:
             return table.index_select(0, index if index.device == table.device else index.to(table.device))[0]
         return table[slot]
 
+    def row_index(self, slot: int | torch.Tensor, n: int) -> torch.Tensor:
+        """The flat slab rows (:func:`gather_rows`) of ``slot``'s first ``n`` plan rows, found on the device."""
+        return self._slot_rows(self.row_map, slot)[:n]
+
+    def _rows(self, view: torch.Tensor, slot: int | torch.Tensor, n: int) -> torch.Tensor:
+        """``view``'s rows for the slot's first ``n`` plan rows: a slice of a plan that fits the width,
+        else one gather through the row map."""
+        self._check_count(n)
+        if n <= self.max_plan_width:
+            return self._slot_rows(view, slot)[:n]
+        return gather_rows(view, self.row_index(slot, n))
+
     def layer_rows(self, layer: Layer, slot: int | torch.Tensor, n: int) -> torch.Tensor:
         """The ``(n, out_features)`` output of ``layer``'s projection for the slot's first ``n`` rows."""
-        table = self.served_layer(layer)
-        self._check_count(n)
-        return self._slot_rows(table, slot)[:n]
+        return self._rows(self.served_layer(layer), slot, n)
 
     def part_rows(
         self, name: str, slot: int | torch.Tensor, n: int, select: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -342,8 +526,7 @@ class Slab:
         one block of a stacked part), so a device slot gathers only what is read.
         """
         table = self.served_part(name)
-        self._check_count(n)
-        return self._slot_rows(table if select is None else select(table), slot)[:n]
+        return self._rows(table if select is None else select(table), slot, n)
 
 
 @dataclass
@@ -562,8 +745,14 @@ class SlotPool:
         spec = self._slab.spec
         for slot in free:
             assert int(lengths[slot]) == 0, f"free slot {slot} has length {int(lengths[slot])}"
+        row_map = self._slab.row_map.cpu()
+        width = self._slab.max_plan_width
         for key, slot in [*self._map.items(), *((k, s) for s, k in self._retired.items())]:
             n, rows = int(lengths[slot]), spec.plan_rows(key)
-            assert n == rows, f"slot {slot}: length {n} but its plan {format_plan(key)} has {rows}"
-            plan = timesteps[slot, :n].contiguous()
+            layout = self._slab.layout_of(slot, rows)
+            stored = len(layout.stored)
+            assert n == stored, f"slot {slot}: length {n} but its plan {format_plan(key)} has {stored} slab rows"
+            plan = timesteps[slot, list(layout.row_of)].contiguous()
             assert plan_key(plan, spec.plan_columns) == key, f"slot {slot}: timesteps disagree with map"
+            mapped = [slot * width + r for r in layout.row_of]
+            assert row_map[slot, :rows].tolist() == mapped, f"slot {slot}: its row map disagrees with its plan"

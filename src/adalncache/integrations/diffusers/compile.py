@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from ...errors import ConfigError
+from ...slab import gather_rows
 
 #: Per-block attributes the served class reads; set on install, removed on uninstall.
 ROWS_ATTRIBUTE = "_adalncache_rows"
@@ -66,6 +67,7 @@ class ForwardState(Protocol):
 
     slot: torch.Tensor | None
     slot_buffer: torch.Tensor
+    row_buffer: torch.Tensor
     dtype: torch.dtype | None
     prepared_outside: bool
 
@@ -82,7 +84,7 @@ def _served_forward(self: Any, temb: torch.Tensor) -> tuple[torch.Tensor, ...]:
     state: ForwardState = getattr(self, STATE_ATTRIBUTE)
     if state.slot is None:
         state.require("adaln_proj")
-    rows = getattr(self, ROWS_ATTRIBUTE).index_select(0, state.slot_buffer)[0, : temb.shape[0]]
+    rows = gather_rows(getattr(self, ROWS_ATTRIBUTE), state.row_buffer[: temb.shape[0]])
     dtype = state.dtype
     if dtype is not None and rows.dtype != dtype:  # built under autocast: served in its dtype
         rows = rows.to(dtype)

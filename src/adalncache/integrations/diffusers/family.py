@@ -42,6 +42,7 @@ from torch import nn
 
 from ...errors import ConfigError, PlanError
 from ...geometry import Family, KeyLayout
+from ...slab import gather_rows
 from ...spec import Layer, ModulationSpec
 from .modules import base_linear, forward_argument
 
@@ -77,7 +78,7 @@ def rows_forward(owner: Any, x: torch.Tensor) -> torch.Tensor:
     state = getattr(owner, STATE_ATTRIBUTE)
     if state.slot is None:
         state.require(type(owner).__name__)
-    rows = getattr(owner, ROWS_ATTRIBUTE).index_select(0, state.slot_buffer)[0, : x.shape[0]]
+    rows = gather_rows(getattr(owner, ROWS_ATTRIBUTE), state.row_buffer[: x.shape[0]])
     dtype = state.dtype
     if dtype is not None and rows.dtype != dtype:  # built under autocast: served in its dtype
         rows = rows.to(dtype)

@@ -87,20 +87,25 @@ class ServeState(threading.local):
         self.num_timesteps = 0
         self.dtype: torch.dtype | None = None
         self.slot_buffer = torch.zeros(1, dtype=torch.int64, device=device)
+        #: The forward's flat slab rows (``cache.row_index``), which the served blocks gather with.
+        self.row_buffer = torch.zeros(1, dtype=torch.int64, device=device)
         self.prepared_outside = False
 
-    def serve(self, held: PlanHold, num_timesteps: int) -> None:
+    def serve(self, held: PlanHold, num_timesteps: int, rows: torch.Tensor) -> None:
         """Stash the held plan's slot (a device tensor, no host copy) and point the served blocks at it."""
-        self.serve_slot(held.slots, num_timesteps, held.dtype)
+        self.serve_slot(held.slots, num_timesteps, held.dtype, rows)
 
-    def serve_slot(self, slot: torch.Tensor, num_timesteps: int, dtype: torch.dtype | None) -> None:
-        """Stash ``slot`` (a device tensor, never read on the host) and point the served blocks at it."""
+    def serve_slot(self, slot: torch.Tensor, num_timesteps: int, dtype: torch.dtype | None, rows: torch.Tensor) -> None:
+        """Stash ``slot`` and its ``rows`` (device tensors, never read on the host) for the served blocks."""
         if self.slot_buffer.device != slot.device:  # the model (and the cache) moved
             self.slot_buffer = torch.zeros(1, dtype=torch.int64, device=slot.device)
+        if self.row_buffer.shape != rows.shape or self.row_buffer.device != rows.device:
+            self.row_buffer = torch.zeros_like(rows)
         self.slot = slot
         self.num_timesteps = num_timesteps
         self.dtype = dtype
         self.slot_buffer.copy_(slot.reshape(1))
+        self.row_buffer.copy_(rows)
 
     def clear(self) -> None:
         """Forget the forward's slot, so a stray call outside a forward fails instead of reading stale rows."""
@@ -165,7 +170,8 @@ class AdalnCacheTransformerHook(ModelHook):
         if self.prepared is not None:
             served = self.prepared(timestep, attention_kwargs)
             if served is not None:
-                self.state.serve_slot(served[0], int(timestep.shape[0]), served[1])
+                rows = int(timestep.shape[0])
+                self.state.serve_slot(served[0], rows, served[1], self.cache.row_index(served[0], rows))
                 return UNHELD  # the request's hold keeps its plans; released when the request ends
         # The one device-to-host read of the plan this forward makes: keys, lookups and the build all
         # use this host copy (embed moves it back to the device; the values are the same bits).
@@ -173,7 +179,7 @@ class AdalnCacheTransformerHook(ModelHook):
         key = plan_key(plan, self.cache.spec.plan_columns)
         held = self.make_resident(plan, key, attention_kwargs, timestep.device)
         try:
-            self.state.serve(held, int(plan.shape[0]))
+            self.state.serve(held, int(plan.shape[0]), self.cache.row_index(held.slots, int(plan.shape[0])))
         except BaseException:
             held.release()
             raise

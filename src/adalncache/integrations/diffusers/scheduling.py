@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from ...errors import PlanError
-from ...plans import plan_key
+from ...plans import plan_key, slab_rows
 from .family import DiffusersFamily
 from .modules import forward_argument
 
@@ -144,7 +144,10 @@ class PendingSchedule(threading.local):
         """Whether the cache can hold every plan of a schedule at once (else its plans build per forward)."""
         cache = self.cache()
         distinct = len({plan_key(plan, cache.spec.plan_columns) for plan in plans})
-        width = max(int(plan.shape[0]) for plan in plans)
+        width = max(
+            slab_rows(plan_key(plan, cache.spec.plan_columns), cache.spec.plan_columns, cache.max_plan_width)
+            for plan in plans
+        )
         if distinct <= cache.max_plans and width <= cache.max_plan_width:
             return True
         if warn:  # not an error: each forward still builds its own plan; holding the whole schedule needs room for it
