@@ -783,7 +783,6 @@ class AdalnCache:
         the device (no host read of a slot tensor): what a served module gathers with
         :func:`~adalncache.slab.gather_rows` from a :meth:`served_params` or :meth:`served_part` view. A plan of
         more rows than the width shares slab rows between rows of equal inputs; this says which."""
-        self._slab._check_count(n)
         return self._slab.row_index(slot, n)
 
     def layer_rows(

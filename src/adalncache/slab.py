@@ -243,8 +243,9 @@ class Slab:
 
     @property
     def nbytes(self) -> int:
-        """Bytes the slab holds on its device, the poison slot's rows included."""
-        others = sum(t.numel() * t.element_size() for t in (self.plan_timesteps, self.plan_lengths, self.row_map))
+        """Bytes the slab holds on its device, the poison slot's rows included (``spec.slab_bytes``); the row
+        map (8 bytes per slot and plan row, 2 KiB at the defaults) is not counted."""
+        others = sum(t.numel() * t.element_size() for t in (self.plan_timesteps, self.plan_lengths))
         return others + self._storage.numel() * self._storage.element_size()
 
     @property
@@ -503,15 +504,16 @@ class Slab:
 
     def row_index(self, slot: int | torch.Tensor, n: int) -> torch.Tensor:
         """The flat slab rows (:func:`gather_rows`) of ``slot``'s first ``n`` plan rows, found on the device."""
+        self._check_count(n)
         return self._slot_rows(self.row_map, slot)[:n]
 
     def _rows(self, view: torch.Tensor, slot: int | torch.Tensor, n: int) -> torch.Tensor:
         """``view``'s rows for the slot's first ``n`` plan rows: a slice of a plan that fits the width,
         else one gather through the row map."""
+        if isinstance(n, int) and not isinstance(n, bool) and n > self.max_plan_width:
+            return gather_rows(view, self.row_index(slot, n))
         self._check_count(n)
-        if n <= self.max_plan_width:
-            return self._slot_rows(view, slot)[:n]
-        return gather_rows(view, self.row_index(slot, n))
+        return self._slot_rows(view, slot)[:n]
 
     def layer_rows(self, layer: Layer, slot: int | torch.Tensor, n: int) -> torch.Tensor:
         """The ``(n, out_features)`` output of ``layer``'s projection for the slot's first ``n`` rows."""
