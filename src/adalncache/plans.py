@@ -151,17 +151,19 @@ def plan_rows(key: PlanKey, columns: int = 1) -> int:
     return len(key) // columns
 
 
-def slab_rows(key: PlanKey, columns: int = 1, width: int | None = None) -> int:
-    """The slab rows the plan ``key`` needs: its rows while they fit ``width`` (one each), else its distinct rows.
+def shared_rows(key: PlanKey, columns: int = 1) -> tuple[list[int], list[int]]:
+    """``(stored, row_of)`` of a plan whose rows of equal keying inputs share one slab row: the first plan row
+    of each distinct row, in order, and the index into ``stored`` each plan row reads."""
+    first: dict[PlanKey, int] = {}
+    row_of = [first.setdefault(key[i : i + columns], len(first)) for i in range(0, len(key), columns)]
+    return [row_of.index(r) for r in range(len(first))], row_of
 
-    Rows of equal keying inputs (a batch's images, CFG's two halves) may share a slab row, so a plan
-    wider than the slab fits when its distinct rows do (the build then checks that the rows it
-    shares came out bitwise equal).
-    """
+
+def slab_rows(key: PlanKey, columns: int = 1, width: int | None = None) -> int:
+    """The slab rows the plan ``key`` needs: its rows while they fit ``width``, else its distinct rows (rows of
+    equal keying inputs, a batch's images, may share one where the build finds them bitwise equal)."""
     rows = plan_rows(key, columns)
-    if width is not None and rows <= width:
-        return rows
-    return len({key[i : i + columns] for i in range(0, len(key), columns)})
+    return rows if width is not None and rows <= width else len(shared_rows(key, columns)[0])
 
 
 def validate_plan(plan: torch.Tensor, *, max_plan_width: int | None = None, columns: int = 1) -> None:
@@ -288,6 +290,7 @@ __all__ = [
     "plan_keys",
     "plan_rows",
     "schedule_plans",
+    "shared_rows",
     "slab_rows",
     "validate_plan",
 ]

@@ -8,17 +8,16 @@ output per plan row, side by side). The table parts a family declares and each l
 views of ``table`` made once per allocation: strided, so whoever needs contiguous bytes (a file, a
 collective) copies or goes row by row. One slot more than the pool hands out, the *poison slot*
 (index ``max_plans``), holds NaN and is never written: a served forward whose plan matched no
-prepared plan (found on the device, without a host read) gathers NaN, never another plan's rows.
-A plan of more rows than ``max_plan_width`` (a batch: ``num_images_per_prompt`` x prompts x CFG rows
-of equal timesteps) fits when its distinct rows do: the slot stores each distinct row once
-(:class:`RowLayout`) and ``row_map [P + 1, R] i64`` says which slab row each plan row reads, as a
-flat index into the ``(P + 1) * W`` rows, so a read is one row gather (:func:`gather_rows`). Rows
-are shared only where the build's own GEMM, run at the forward's full M, gave rows of equal inputs
-bitwise equal (:meth:`Slab.write_projection` checks every layer); a plan that fits keeps one slab
-row per plan row, exactly as before. The tensors are allocated once; their pointers never move
-(hooks and CUDA graphs may hold them) unless the cache moves (:meth:`Slab.relocate`), and no module
-registers them, so no ``state_dict`` holds them. The slab does every row read and write, and decides
-neither which slot a plan gets nor when a slot becomes visible.
+prepared plan (found on the device, without a host read) gathers NaN, never another plan's rows. A
+plan of more rows than ``max_plan_width`` (a batch of equal timesteps) fits when its distinct rows
+do: the slot stores each distinct row once and ``row_map [P + 1, R] i64`` gives each plan row its
+slab row as a flat index into the ``(P + 1) * W`` rows, so a read is one gather
+(:func:`gather_rows`). Rows are shared only where the build's own GEMM, at the forward's M, gave
+rows of equal inputs the same bits (checked at every write); a plan that fits keeps one slab row per
+plan row, as before. The tensors are allocated once; their pointers never move (hooks and CUDA
+graphs may hold them) unless the cache moves (:meth:`Slab.relocate`), and no module registers them,
+so no ``state_dict`` holds them. The slab does every row read and write, and decides neither which
+slot a plan gets nor when a slot becomes visible.
 
 :class:`SlotPool` alone changes the host-side slot map (plan -> slot in LRU order: what lookups
 consult), the free list and the holds. A slot is *free*, *reserved* (handed to one build),
@@ -53,7 +52,7 @@ import torch
 from .devices import StreamSync
 from .errors import ConfigError, PlanError, PlanNotCachedError
 from .options import knob
-from .plans import PlanKey, format_plan, plan_key
+from .plans import PlanKey, format_plan, plan_key, shared_rows
 from .source import Columns
 from .spec import Layer, ModulationSpec
 
@@ -76,44 +75,6 @@ def gather_rows(view: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     last dimension, so the flattening is a view, never a copy.
     """
     return view.flatten(0, 1).index_select(0, index)
-
-
-@dataclass(frozen=True)
-class RowLayout:
-    """Which slab row each row of a plan reads: ``stored`` (the plan row each slab row holds, first
-    occurrences in order) and ``row_of`` (the slab row of each plan row).
-
-    A plan of at most ``max_plan_width`` rows keeps one slab row per plan row (the identity), as it
-    always did; a wider one stores each distinct row (equal fp32 bit patterns in every column) once.
-    """
-
-    stored: tuple[int, ...]
-    row_of: tuple[int, ...]
-
-    @classmethod
-    def of(cls, key: PlanKey, columns: int, width: int) -> RowLayout:
-        rows = len(key) // columns
-        if rows <= width:
-            return cls(tuple(range(rows)), tuple(range(rows)))
-        first: dict[PlanKey, int] = {}
-        stored: list[int] = []
-        row_of: list[int] = []
-        for i in range(rows):
-            row = key[i * columns : (i + 1) * columns]
-            if row not in first:
-                first[row] = len(stored)
-                stored.append(i)
-            row_of.append(first[row])
-        return cls(tuple(stored), tuple(row_of))
-
-    @property
-    def shared(self) -> bool:
-        """Whether some slab row serves several plan rows."""
-        return len(self.stored) < len(self.row_of)
-
-    def representatives(self, m: int) -> list[int]:
-        """For each of the first ``m`` plan rows, the plan row whose values its slab row holds."""
-        return [self.stored[self.row_of[i]] for i in range(m)]
 
 
 class PlanRows(tuple[torch.Tensor, ...]):
@@ -168,8 +129,8 @@ class Slab:
         self.spec = spec
         self.max_plans = max_plans
         self.max_plan_width = max_plan_width
-        #: The layouts of the slots whose plans share slab rows (set by :meth:`lay_out`; others are the identity).
-        self._layouts: dict[int, RowLayout] = {}
+        #: ``(stored, row_of)`` of each slot whose plan shares slab rows (:meth:`lay_out`; the others: one each).
+        self._layouts: dict[int, tuple[list[int], list[int]]] = {}
         self._allocate(device, max_plan_width)
 
     def _allocate(self, device: torch.device, capacity: int) -> None:
@@ -213,14 +174,6 @@ class Slab:
     def row_capacity(self) -> int:
         """The most plan rows a read may ask for: the width, or the rows of the widest plan published."""
         return int(self.row_map.shape[1])
-
-    def _grow_row_map(self, rows: int) -> None:
-        """Widen the row map to ``rows`` (a new tensor: readers holding the old one read it unchanged)."""
-        old = self.row_map
-        capacity = max(rows, 2 * old.shape[1])
-        grown = self._identity_rows(torch.arange(self.max_plans + 1, device=old.device), capacity)
-        grown[:, : old.shape[1]] = old
-        self.row_map = grown
 
     def relocate(self, device: torch.device, *, keep_rows: bool) -> None:
         """Put the tensors on ``device``: new tensors, so the pointers change (the only time).
@@ -336,43 +289,37 @@ class Slab:
 
     # -- writes (before publish: nothing here is visible to lookups yet) -------------------
 
-    def lay_out(self, slot: int, key: PlanKey) -> RowLayout:
-        """Decide which slab row each row of ``key`` (about to be written into ``slot``) reads."""
-        layout = RowLayout.of(key, self.spec.plan_columns, self.max_plan_width)
-        if layout.shared:
-            self._layouts[slot] = layout
-        else:
-            self._layouts.pop(slot, None)
-        return layout
+    def lay_out(self, slot: int, key: PlanKey) -> None:
+        """Let the rows of equal keying inputs of ``key``, about to be written into ``slot``, share slab rows
+        when it has more rows than the width (a plan that fits keeps one slab row per plan row)."""
+        self._layouts.pop(slot, None)
+        if self.spec.plan_rows(key) > self.max_plan_width:
+            self._layouts[slot] = shared_rows(key, self.spec.plan_columns)
 
-    def stored_rows(self, slot: int, rows: int) -> int:
-        """The slab rows ``slot``'s plan of ``rows`` rows occupies (fewer where rows share one)."""
-        layout = self._layouts.get(slot)
-        return rows if layout is None else len(layout.stored)
-
-    def _unshared(self, rows: int, distinct: int, what: str) -> PlanError:
-        return PlanError(
-            f"a plan of {rows} rows holds {distinct} distinct values, but {what} gave rows of equal inputs different "
-            f"bits, so every row needs its own slab row and the slab holds at most {self.max_plan_width} per plan: "
-            f"raise {knob('max_plan_width')} to at least {rows}"
-        )
+    def layout(self, slot: int, rows: int) -> tuple[list[int], list[int]]:
+        """``(stored, row_of)`` of ``slot``'s plan of ``rows`` rows: the plan row each slab row holds, the slab
+        row each plan row reads."""
+        return self._layouts.get(slot) or (list(range(rows)), list(range(rows)))
 
     def _compact(self, slot: int, y: torch.Tensor, what: str) -> tuple[torch.Tensor, int | None]:
-        """``y`` (a plan's first ``M`` rows) reduced to its slab rows where ``slot``'s plan shares rows, after
-        checking that every row equals, bit for bit, the row stored for it; ``(y, None)`` for the identity.
+        """``y`` (a plan's first ``M`` rows) cut to its slab rows where ``slot``'s plan shares rows, once every row
+        was found bitwise equal to the row stored for it; ``(y, None)`` for a plan that does not share.
 
-        The check runs on every build: one GEMM at M rows is not assumed to give rows of equal inputs equal
-        bits (docs/exactness.md has the measurement), and a row that differs is never served in its place.
+        Checked at every write: one GEMM at M rows is not assumed to give rows of equal inputs equal bits
+        (docs/exactness.md, rule 9), and a row that differs is never served in another's place.
         """
-        layout = self._layouts.get(slot)
-        if layout is None:
+        if slot not in self._layouts:
             return y, None
-        m = y.shape[0]
-        reps = layout.representatives(m)
-        if not same_bits(y[torch.tensor(reps, dtype=torch.int64, device=y.device)], y):
-            raise self._unshared(len(layout.row_of), len(layout.stored), what)
-        kept = [s for s in layout.stored if s < m]  # first occurrences: the rows the layer took come first
-        return y[torch.tensor(kept, dtype=torch.int64, device=y.device)], len(layout.stored)
+        (stored, row_of), m = self._layouts[slot], y.shape[0]
+        first = torch.tensor([stored[row_of[i]] for i in range(m)], dtype=torch.int64, device=y.device)
+        if not same_bits(y[first], y):
+            raise PlanError(
+                f"a plan of {len(row_of)} rows holds {len(stored)} distinct values, but {what} gave rows of equal "
+                f"inputs different bits, so every row needs its own slab row and the slab holds at most "
+                f"{self.max_plan_width} per plan: raise {knob('max_plan_width')} to at least {len(row_of)}"
+            )
+        kept = [i for i in stored if i < m]  # first occurrences: those of the rows the layer took come first
+        return y[torch.tensor(kept, dtype=torch.int64, device=y.device)], len(stored)
 
     def write_projection(
         self, slot: int, layer: Layer, y: torch.Tensor, columns: Columns | None = None, rows: int | None = None
@@ -385,8 +332,7 @@ class Slab:
         """
         width = self.spec.out_features(layer)
         lo, hi = columns.bounds(width) if columns is not None else (0, width)
-        layout = self._layouts.get(slot)
-        most = self.max_plan_width if layout is None else len(layout.row_of)
+        most = len(self._layouts[slot][1]) if slot in self._layouts else self.max_plan_width
         if y.dim() != 2 or y.shape[1] != hi - lo or y.shape[0] > most:
             raise PlanError(f"the projection of layer {layer} returned shape {tuple(y.shape)}, expected (M, {hi - lo})")
         y, stored = self._compact(slot, y, f"the projection of layer {layer} at M={y.shape[0]}")
@@ -418,29 +364,27 @@ class Slab:
         The rows must already be written. Lengths flip after the plans, all in one copy, so a
         device-side reader that trusts ``plan_lengths`` never sees a half-filled slot.
         """
-        lengths_list = []
+        counts = []
         for slot, plan in zip(slots, plans, strict=True):
-            layout = self._layouts.get(slot)
-            if layout is not None:
-                # One row per slab row (the plan's distinct rows); the map gives each plan row its own.
-                plan = plan[torch.tensor(layout.stored, dtype=torch.int64, device=plan.device)]
-                self._map_rows(slot, layout.row_of)
+            if slot in self._layouts:  # the slab holds the plan's distinct rows; the map gives each plan row its own
+                stored, row_of = self._layouts[slot]
+                plan = plan[torch.tensor(stored, dtype=torch.int64, device=plan.device)]
+                if len(row_of) > self.row_capacity:  # a new tensor: a reader holding the old one reads it unchanged
+                    every = torch.arange(self.max_plans + 1, device=self.device)
+                    grown = self._identity_rows(every, max(len(row_of), 2 * self.row_capacity))
+                    grown[:, : self.row_capacity] = self.row_map
+                    self.row_map = grown
+                W = self.max_plan_width
+                entries = torch.full((self.row_capacity,), self.max_plans * W, dtype=torch.int64)
+                entries[: len(row_of)] = torch.tensor(row_of, dtype=torch.int64) + slot * W
+                self.row_map[slot].copy_(entries.to(self.device))
             row = self.plan_timesteps[slot]
             row.zero_()
             row[: plan.shape[0]].copy_(plan.to(self.device))
-            lengths_list.append(plan.shape[0])
+            counts.append(plan.shape[0])
         index = torch.tensor(list(slots), dtype=torch.int64)
-        lengths = torch.tensor(lengths_list, dtype=torch.int64)
+        lengths = torch.tensor(counts, dtype=torch.int64)
         self.plan_lengths.index_copy_(0, index.to(self.device), lengths.to(self.device))
-
-    def _map_rows(self, slot: int, row_of: Sequence[int]) -> None:
-        """Point ``slot``'s plan rows at slab rows ``row_of`` (the poison row past them)."""
-        if len(row_of) > self.row_capacity:
-            self._grow_row_map(len(row_of))
-        W = self.max_plan_width
-        entries = torch.full((self.row_capacity,), self.max_plans * W, dtype=torch.int64)
-        entries[: len(row_of)] = torch.tensor(row_of, dtype=torch.int64) + slot * W
-        self.row_map[slot].copy_(entries.to(self.device))
 
     def clear(self, slot: int) -> None:
         """Hide whatever ``slot`` holds: length 0 and a zero plan (its rows are overwritten on reuse)."""
@@ -448,10 +392,6 @@ class Slab:
         self.plan_timesteps[slot].zero_()
         if self._layouts.pop(slot, None) is not None:
             self.row_map[slot].copy_(self._identity_rows(self._slot_index[slot], self.row_capacity)[0])
-
-    def layout_of(self, slot: int, rows: int) -> RowLayout:
-        """The row layout of ``slot``'s plan of ``rows`` rows."""
-        return self._layouts.get(slot) or RowLayout(tuple(range(rows)), tuple(range(rows)))
 
     # -- reads ------------------------------------------------------------------------------
 
@@ -462,9 +402,8 @@ class Slab:
         tiers and table files hold every plan row, as a plan whose rows each have a slab row does.
         """
         contiguous = torch.contiguous_format
-        layout = self._layouts.get(slot)
-        if layout is not None:
-            index = torch.tensor(layout.row_of, dtype=torch.int64, device=self.device)
+        if slot in self._layouts:
+            index = torch.tensor(self._layouts[slot][1], dtype=torch.int64, device=self.device)
             return PlanRows(
                 self.plan_timesteps[slot].index_select(0, index),
                 *(part[slot].index_select(0, index) for part in self._parts.values()),
@@ -751,10 +690,9 @@ class SlotPool:
         width = self._slab.max_plan_width
         for key, slot in [*self._map.items(), *((k, s) for s, k in self._retired.items())]:
             n, rows = int(lengths[slot]), spec.plan_rows(key)
-            layout = self._slab.layout_of(slot, rows)
-            stored = len(layout.stored)
-            assert n == stored, f"slot {slot}: length {n} but its plan {format_plan(key)} has {stored} slab rows"
-            plan = timesteps[slot, list(layout.row_of)].contiguous()
+            stored, row_of = self._slab.layout(slot, rows)
+            assert n == len(stored), f"slot {slot}: length {n} but its plan {format_plan(key)} has {len(stored)} rows"
+            plan = timesteps[slot, row_of].contiguous()
             assert plan_key(plan, spec.plan_columns) == key, f"slot {slot}: timesteps disagree with map"
-            mapped = [slot * width + r for r in layout.row_of]
+            mapped = [slot * width + r for r in row_of]
             assert row_map[slot, :rows].tolist() == mapped, f"slot {slot}: its row map disagrees with its plan"

@@ -415,7 +415,7 @@ class BuildTransaction:
                 log.warning("content digest not learnt from the pass (%s); store writes are skipped", exc)
             # Publish only once every rank holds every row.
             try:
-                counts = [self.slab.stored_rows(slots[k], self.spec.plan_rows(k)) for k in to_build]
+                counts = [len(self.slab.layout(slots[k], self.spec.plan_rows(k))[0]) for k in to_build]
                 self.collective.share_results(self.slab, [slots[k] for k in to_build], counts)
             except BaseException as exc:
                 self.collective.raise_if_any_failed(exc, "exchange of results")
