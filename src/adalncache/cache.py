@@ -779,10 +779,8 @@ class AdalnCache:
         return self._slab.layer_params(layer)
 
     def row_index(self, slot: int | torch.Tensor, n: int) -> torch.Tensor:
-        """The flat slab rows (``slot * max_plan_width + row``) that ``slot``'s first ``n`` plan rows read, found on
-        the device (no host read of a slot tensor): what a served module gathers with
-        :func:`~adalncache.slab.gather_rows` from a :meth:`served_params` or :meth:`served_part` view. A plan of
-        more rows than the width shares slab rows between rows of equal inputs; this says which."""
+        """The flat slab rows (``slot * max_plan_width + row``) that ``slot``'s first ``n`` plan rows read (found on the
+        device): what a served module gathers with :func:`~adalncache.slab.gather_rows` from a served view."""
         return self._slab.row_index(slot, n)
 
     def layer_rows(

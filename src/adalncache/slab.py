@@ -396,11 +396,8 @@ class Slab:
     # -- reads ------------------------------------------------------------------------------
 
     def read_rows(self, slot: int, n: int) -> PlanRows:
-        """A contiguous copy of ``slot``'s first ``n`` rows, part by part (tiers and ``verify`` keep these).
-
-        A plan that shares slab rows is read out row for row (each plan row its slab row's copy): the
-        tiers and table files hold every plan row, as a plan whose rows each have a slab row does.
-        """
+        """A contiguous copy of ``slot``'s first ``n`` rows, part by part (tiers and ``verify`` keep these); a
+        plan that shares slab rows is read out with every plan row, as tiers and table files hold it."""
         contiguous = torch.contiguous_format
         if slot in self._layouts:
             index = torch.tensor(self._layouts[slot][1], dtype=torch.int64, device=self.device)
@@ -418,7 +415,6 @@ class Slab:
         return self.plan_lengths.cpu(), self.plan_timesteps.cpu()
 
     def _check_count(self, num_timesteps: int) -> None:
-        W = self.max_plan_width
         if isinstance(num_timesteps, bool) or not isinstance(num_timesteps, int):
             raise PlanError(
                 f"num_timesteps must be an integer in 1..{self.row_capacity}, got {num_timesteps!r}: pass "
@@ -426,10 +422,9 @@ class Slab:
             )
         # Slicing would silently cut an over-long request to the slab width; say so instead.
         if not 1 <= num_timesteps <= self.row_capacity:
-            wider = f", or the {self.row_capacity} rows of the widest plan published" if self.row_capacity > W else ""
             raise PlanError(
-                f"num_timesteps must be in 1..{self.row_capacity} (the slab's plan width, "
-                f"{knob('max_plan_width')}{wider}), got {num_timesteps}: pass len(plan) of a resident plan"
+                f"num_timesteps must be in 1..{self.row_capacity} (the slab's plan width, {knob('max_plan_width')}, "
+                f"or the rows of its widest plan), got {num_timesteps}: pass len(plan) of a resident plan"
             )
 
     @staticmethod
