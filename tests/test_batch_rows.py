@@ -173,3 +173,28 @@ def test_rows_that_differ_from_one_gemm_are_never_shared() -> None:
     rows = cache.layer_rows(cache.spec.layers()[0], cache.lookup(plan), 6)
     assert rows.shape[0] == 6 and all(torch.equal(rows[i], rows[0]) for i in range(6))
     handle.disable()
+
+
+def test_a_shared_plan_leaves_the_slab_and_comes_back_from_the_host_tier_exactly() -> None:
+    """A plan of 8 equal rows goes to the host tier as 8 rows (as a plan whose rows each have a slab row
+    would), comes back with no pass into one slab row, checked again, and reads the same rows."""
+    from tiers_support import plan, simple_embed, small_spec, tensor_source
+
+    spec = small_spec()
+    cache = AdalnCache(spec, tensor_source(spec), max_plans=2, max_plan_width=4, host_cache_bytes=32 * spec.row_bytes)
+    embed = simple_embed(spec)
+    batch = plan(*[0.5] * 8)
+    cache.build([batch], embed=embed)
+    key = plan_key(batch)
+    before = cache.rows_of(key)
+    assert before.timesteps.shape[0] == 8 and _slab_rows(cache) == {8: 1}
+    cache.build([plan(0.3, 0.2), plan(0.1)], embed=embed)  # evicts the batch plan
+    assert key not in cache.resident_plans
+    report = cache.build([batch], embed=embed)
+    assert report.passes == 0 and report.host_hits == 1
+    assert _slab_rows(cache)[8] == 1
+    after = cache.rows_of(key)
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    slot = cache.lookup(batch)
+    assert torch.equal(cache.block_rows(0, slot, 8), before.block[:, 0])
+    cache.check_invariants()

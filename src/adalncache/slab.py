@@ -348,11 +348,9 @@ class Slab:
         shares slab rows (:meth:`lay_out`) keeps each distinct row once, checked first as a build's are."""
         n = rows.timesteps.shape[0]
         for part, tensor in zip(self._parts.values(), rows.parts, strict=True):
-            flat = tensor.reshape(n, -1)
-            kept, stored = self._compact(slot, flat, "the stored table")
-            if stored is not None:
-                tensor, n = kept.reshape(-1, *tensor.shape[1:]), stored
-            part[slot, :n].copy_(tensor, non_blocking=True)
+            kept, _ = self._compact(slot, tensor.reshape(n, -1), "the stored table")
+            tensor = kept.reshape(-1, *tensor.shape[1:])
+            part[slot, : tensor.shape[0]].copy_(tensor, non_blocking=True)
 
     def row_view(self, slot: int, n: int) -> torch.Tensor:
         """``table[slot, :n]``: the rows a distributed exchange fills in place."""
