@@ -681,6 +681,7 @@ class AdalnCache:
         keys = list(rows)
         reservation = pool.reserve(keys, set(keys))
         for key, slot in reservation.slots.items():
+            slab.lay_out(slot, key)
             slab.write_rows(slot, rows[key])
         # Contents first, then timesteps and lengths, then the host-side map: as a build publishes.
         slab.publish([reservation.slots[k] for k in keys], [rows[k].timesteps for k in keys])
@@ -776,6 +777,11 @@ class AdalnCache:
         device slot tensor (``index_select``), so serving never reads the slot on the host.
         """
         return self._slab.layer_params(layer)
+
+    def row_index(self, slot: int | torch.Tensor, n: int) -> torch.Tensor:
+        """The flat slab rows (``slot * max_plan_width + row``) that ``slot``'s first ``n`` plan rows read (found on the
+        device): what a served module gathers with :func:`~adalncache.slab.gather_rows` from a served view."""
+        return self._slab.row_index(slot, n)
 
     def layer_rows(
         self, layer: Layer, slot: int | torch.Tensor, n: int, *, dtype: torch.dtype | None = None

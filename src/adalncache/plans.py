@@ -151,11 +151,26 @@ def plan_rows(key: PlanKey, columns: int = 1) -> int:
     return len(key) // columns
 
 
+def shared_rows(key: PlanKey, columns: int = 1) -> tuple[list[int], list[int]]:
+    """``(stored, row_of)`` of a plan whose rows of equal keying inputs share one slab row: the first plan row
+    of each distinct row, in order, and the index into ``stored`` each plan row reads."""
+    first: dict[PlanKey, int] = {}
+    row_of = [first.setdefault(key[i : i + columns], len(first)) for i in range(0, len(key), columns)]
+    return [row_of.index(r) for r in range(len(first))], row_of
+
+
+def slab_rows(key: PlanKey, columns: int = 1, width: int | None = None) -> int:
+    """The slab rows the plan ``key`` needs: its rows while they fit ``width``, else its distinct rows (rows of
+    equal keying inputs, a batch's images, may share one where the build finds them bitwise equal)."""
+    rows = plan_rows(key, columns)
+    return rows if width is not None and rows <= width else len(shared_rows(key, columns)[0])
+
+
 def validate_plan(plan: torch.Tensor, *, max_plan_width: int | None = None, columns: int = 1) -> None:
-    """Reject plans that cannot be served: not float32 of the cache's shape, empty, non-finite, or too wide."""
-    plan_key(plan, columns)  # dtype and rank
+    """Reject plans that cannot be served: not float32 of the cache's shape, empty, non-finite, or with more
+    distinct rows than the slab holds per plan."""
+    key = plan_key(plan, columns)  # dtype and rank
     rows = plan.shape[0]
-    what = "distinct timesteps" if columns == 1 else "rows"
     if plan.numel() == 0:
         raise PlanError(
             "a plan must hold at least one timestep, got an empty tensor"
@@ -164,10 +179,15 @@ def validate_plan(plan: torch.Tensor, *, max_plan_width: int | None = None, colu
         )
     if not bool(torch.isfinite(plan).all()):
         raise PlanError(f"a plan's {'timesteps' if columns == 1 else 'values'} must be finite, got {plan.tolist()}")
-    if max_plan_width is not None and rows > max_plan_width:
+    if max_plan_width is None or rows <= max_plan_width:
+        return
+    distinct = slab_rows(key, columns)
+    if distinct > max_plan_width:
+        values = "timesteps" if columns == 1 else "rows of keying inputs"
         raise PlanError(
-            f"a plan has {rows} {what} but the slab holds at most {max_plan_width} per "
-            f"plan: raise {knob('max_plan_width')} to at least {rows}"
+            f"a plan holds {distinct} distinct {values} in its {rows} rows but the slab holds at most "
+            f"{max_plan_width} per plan (rows of equal inputs share one): raise {knob('max_plan_width')} to at "
+            f"least {distinct}"
         )
 
 
@@ -270,5 +290,7 @@ __all__ = [
     "plan_keys",
     "plan_rows",
     "schedule_plans",
+    "shared_rows",
+    "slab_rows",
     "validate_plan",
 ]

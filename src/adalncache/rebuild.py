@@ -44,7 +44,7 @@ from .identity import DigestSink, bit_settings_key
 from .options import CacheOptions
 from .plans import PlanKey, format_plan, plan_key
 from .reports import BuildReport, FaultPoints
-from .slab import Slab
+from .slab import Slab, same_bits
 from .source import WeightSource
 from .spec import Layer, ModulationSpec
 
@@ -112,16 +112,6 @@ def verdicts(kind: str = "stacked") -> dict[Hashable, bool]:
     """A copy of the probe results so far of alternative ``kind``, keyed by shape class."""
     with _LOCK:
         return dict(_SHARED.get(kind, {}))
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bitwise equality: unlike ``torch.equal`` it tells -0.0 from +0.0 (and any NaN payload apart)."""
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(a.element_size())
-    if ints is None or not a.dtype.is_floating_point:
-        return torch.equal(a, b)
-    return torch.equal(a.contiguous().view(ints), b.contiguous().view(ints))
 
 
 def shape_class(weight: torch.Tensor, x: torch.Tensor, rows: int, *extra: Hashable) -> tuple[Hashable, ...]:

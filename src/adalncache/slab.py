@@ -8,11 +8,16 @@ output per plan row, side by side). The table parts a family declares and each l
 views of ``table`` made once per allocation: strided, so whoever needs contiguous bytes (a file, a
 collective) copies or goes row by row. One slot more than the pool hands out, the *poison slot*
 (index ``max_plans``), holds NaN and is never written: a served forward whose plan matched no
-prepared plan (found on the device, without a host read) gathers NaN, never another plan's rows.
-The tensors are allocated once; their pointers never move (hooks and CUDA graphs may hold them)
-unless the cache moves (:meth:`Slab.relocate`), and no module registers them, so no ``state_dict``
-holds them. The slab does every row read and write, and decides neither which slot a plan gets
-nor when a slot becomes visible.
+prepared plan (found on the device, without a host read) gathers NaN, never another plan's rows. A
+plan of more rows than ``max_plan_width`` (a batch of equal timesteps) fits when its distinct rows
+do: the slot stores each distinct row once and ``row_map [P + 1, R] i64`` gives each plan row its
+slab row as a flat index into the ``(P + 1) * W`` rows, so a read is one gather
+(:func:`gather_rows`). Rows are shared only where the build's own GEMM, at the forward's M, gave
+rows of equal inputs the same bits (checked at every write); a plan that fits keeps one slab row per
+plan row, as before. The tensors are allocated once; their pointers never move (hooks and CUDA
+graphs may hold them) unless the cache moves (:meth:`Slab.relocate`), and no module registers them,
+so no ``state_dict`` holds them. The slab does every row read and write, and decides neither which
+slot a plan gets nor when a slot becomes visible.
 
 :class:`SlotPool` alone changes the host-side slot map (plan -> slot in LRU order: what lookups
 consult), the free list and the holds. A slot is *free*, *reserved* (handed to one build),
@@ -47,9 +52,29 @@ import torch
 from .devices import StreamSync
 from .errors import ConfigError, PlanError, PlanNotCachedError
 from .options import knob
-from .plans import PlanKey, format_plan, plan_key
+from .plans import PlanKey, format_plan, plan_key, shared_rows
 from .source import Columns
 from .spec import Layer, ModulationSpec
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality: unlike ``torch.equal`` it tells -0.0 from +0.0 (and any NaN payload apart)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(a.element_size())
+    if ints is None or not a.dtype.is_floating_point:
+        return torch.equal(a, b)
+    return torch.equal(a.contiguous().view(ints), b.contiguous().view(ints))
+
+
+def gather_rows(view: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Rows ``index`` of a ``[P + 1, W, ...]`` slab view, flat over ``(slot, row)``: one gather.
+
+    ``index`` is a slot's :attr:`Slab.row_map` entries (``slot * W + slab row``), so a plan whose
+    rows share slab rows reads them with no host work; every view of the slab is a slice of its
+    last dimension, so the flattening is a view, never a copy.
+    """
+    return view.flatten(0, 1).index_select(0, index)
 
 
 class PlanRows(tuple[torch.Tensor, ...]):
@@ -104,9 +129,11 @@ class Slab:
         self.spec = spec
         self.max_plans = max_plans
         self.max_plan_width = max_plan_width
-        self._allocate(device)
+        #: ``(stored, row_of)`` of each slot whose plan shares slab rows (:meth:`lay_out`; the others: one each).
+        self._layouts: dict[int, tuple[list[int], list[int]]] = {}
+        self._allocate(device, max_plan_width)
 
-    def _allocate(self, device: torch.device) -> None:
+    def _allocate(self, device: torch.device, capacity: int) -> None:
         P, W, spec = self.max_plans, self.max_plan_width, self.spec
         C = spec.plan_columns
         self.plan_timesteps = torch.zeros((P, W) if C == 1 else (P, W, C), dtype=torch.float32, device=device)
@@ -133,6 +160,20 @@ class Slab:
         # Slot tensors of slot lists that are not a contiguous run, by slot tuple (see indices()).
         self._index_cache: OrderedDict[tuple[int, ...], torch.Tensor] = OrderedDict()
         self.device = device
+        #: ``[P + 1, R]``: the flat slab row (``slot * W + row``) each plan row of a slot reads; R grows
+        #: to the rows of the widest plan published. Rows past a plan's own read the poison slot.
+        self.row_map = self._identity_rows(torch.arange(P + 1, device=device), capacity)
+
+    def _identity_rows(self, slots: torch.Tensor, capacity: int) -> torch.Tensor:
+        """The row map of slots holding one slab row per plan row: ``slot * W + i``, then the poison row."""
+        W = self.max_plan_width
+        rows = torch.arange(capacity, dtype=torch.int64, device=slots.device)
+        return torch.where(rows < W, slots.reshape(-1, 1) * W + rows, self.max_plans * W)
+
+    @property
+    def row_capacity(self) -> int:
+        """The most plan rows a read may ask for: the width, or the rows of the widest plan published."""
+        return int(self.row_map.shape[1])
 
     def relocate(self, device: torch.device, *, keep_rows: bool) -> None:
         """Put the tensors on ``device``: new tensors, so the pointers change (the only time).
@@ -141,11 +182,13 @@ class Slab:
         new slab is empty, and the caller must have unpublished every slot first. The old tensors
         are freed once the copy is done, so a move never holds two slabs on one device.
         """
-        old = self.tensors()
-        self._allocate(device)
+        old, old_map = self.tensors(), self.row_map
+        self._allocate(device, self.row_capacity)
         if keep_rows:
-            for new, tensor in zip(self.tensors(), old):
+            for new, tensor in zip((*self.tensors(), self.row_map), (*old, old_map)):
                 new.copy_(tensor)
+        else:
+            self._layouts.clear()
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         """The tensors that own the slab's memory: ``plan_timesteps``, ``plan_lengths``, ``table``."""
@@ -153,7 +196,8 @@ class Slab:
 
     @property
     def nbytes(self) -> int:
-        """Bytes the slab holds on its device, the poison slot's rows included."""
+        """Bytes the slab holds on its device, the poison slot's rows included (``spec.slab_bytes``); the row
+        map (8 bytes per slot and plan row, 2 KiB at the defaults) is not counted."""
         others = sum(t.numel() * t.element_size() for t in (self.plan_timesteps, self.plan_lengths))
         return others + self._storage.numel() * self._storage.element_size()
 
@@ -245,6 +289,38 @@ class Slab:
 
     # -- writes (before publish: nothing here is visible to lookups yet) -------------------
 
+    def lay_out(self, slot: int, key: PlanKey) -> None:
+        """Let the rows of equal keying inputs of ``key``, about to be written into ``slot``, share slab rows
+        when it has more rows than the width (a plan that fits keeps one slab row per plan row)."""
+        self._layouts.pop(slot, None)
+        if self.spec.plan_rows(key) > self.max_plan_width:
+            self._layouts[slot] = shared_rows(key, self.spec.plan_columns)
+
+    def layout(self, slot: int, rows: int) -> tuple[list[int], list[int]]:
+        """``(stored, row_of)`` of ``slot``'s plan of ``rows`` rows: the plan row each slab row holds, the slab
+        row each plan row reads."""
+        return self._layouts.get(slot) or (list(range(rows)), list(range(rows)))
+
+    def _compact(self, slot: int, y: torch.Tensor, what: str) -> tuple[torch.Tensor, int | None]:
+        """``y`` (a plan's first ``M`` rows) cut to its slab rows where ``slot``'s plan shares rows, once every row
+        was found bitwise equal to the row stored for it; ``(y, None)`` for a plan that does not share.
+
+        Checked at every write: one GEMM at M rows is not assumed to give rows of equal inputs equal bits
+        (docs/exactness.md, rule 9), and a row that differs is never served in another's place.
+        """
+        if slot not in self._layouts:
+            return y, None
+        (stored, row_of), m = self._layouts[slot], y.shape[0]
+        first = torch.tensor([stored[row_of[i]] for i in range(m)], dtype=torch.int64, device=y.device)
+        if not same_bits(y[first], y):
+            raise PlanError(
+                f"a plan of {len(row_of)} rows holds {len(stored)} distinct values, but {what} gave rows of equal "
+                f"inputs different bits, so every row needs its own slab row and the slab holds at most "
+                f"{self.max_plan_width} per plan: raise {knob('max_plan_width')} to at least {len(row_of)}"
+            )
+        kept = [i for i in stored if i < m]  # first occurrences: those of the rows the layer took come first
+        return y[torch.tensor(kept, dtype=torch.int64, device=y.device)], len(stored)
+
     def write_projection(
         self, slot: int, layer: Layer, y: torch.Tensor, columns: Columns | None = None, rows: int | None = None
     ) -> None:
@@ -252,21 +328,29 @@ class Slab:
 
         ``rows``: the plan's row count when ``layer`` took fewer rows (``M < rows``); rows ``M``
         to ``rows`` of the layer are zeroed, so a slot's table never depends on what it held before.
+        A plan that shares slab rows (:meth:`lay_out`) keeps each distinct row once, checked first.
         """
         width = self.spec.out_features(layer)
         lo, hi = columns.bounds(width) if columns is not None else (0, width)
-        if y.dim() != 2 or y.shape[1] != hi - lo or y.shape[0] > self.max_plan_width:
+        most = len(self._layouts[slot][1]) if slot in self._layouts else self.max_plan_width
+        if y.dim() != 2 or y.shape[1] != hi - lo or y.shape[0] > most:
             raise PlanError(f"the projection of layer {layer} returned shape {tuple(y.shape)}, expected (M, {hi - lo})")
+        y, stored = self._compact(slot, y, f"the projection of layer {layer} at M={y.shape[0]}")
+        if stored is not None:
+            rows = stored
         m = y.shape[0]
         view = self.layer_params(layer)[slot, : max(m, rows or 0), lo:hi]
         view[:m].copy_(y)
         view[m:].zero_()  # rows the layer did not take (none when it took them all)
 
     def write_rows(self, slot: int, rows: PlanRows) -> None:
-        """Restore a plan's rows from a tier into ``slot`` (its plan is written at publish)."""
+        """Restore a plan's rows from a tier into ``slot`` (its plan is written at publish); a plan that
+        shares slab rows (:meth:`lay_out`) keeps each distinct row once, checked first as a build's are."""
         n = rows.timesteps.shape[0]
         for part, tensor in zip(self._parts.values(), rows.parts, strict=True):
-            part[slot, :n].copy_(tensor, non_blocking=True)
+            kept, _ = self._compact(slot, tensor.reshape(n, -1), "the stored table")
+            tensor = kept.reshape(-1, *tensor.shape[1:])
+            part[slot, : tensor.shape[0]].copy_(tensor, non_blocking=True)
 
     def row_view(self, slot: int, n: int) -> torch.Tensor:
         """``table[slot, :n]``: the rows a distributed exchange fills in place."""
@@ -278,24 +362,47 @@ class Slab:
         The rows must already be written. Lengths flip after the plans, all in one copy, so a
         device-side reader that trusts ``plan_lengths`` never sees a half-filled slot.
         """
+        counts = []
         for slot, plan in zip(slots, plans, strict=True):
+            if slot in self._layouts:  # the slab holds the plan's distinct rows; the map gives each plan row its own
+                stored, row_of = self._layouts[slot]
+                plan = plan[torch.tensor(stored, dtype=torch.int64, device=plan.device)]
+                if len(row_of) > self.row_capacity:  # a new tensor: a reader holding the old one reads it unchanged
+                    every = torch.arange(self.max_plans + 1, device=self.device)
+                    grown = self._identity_rows(every, max(len(row_of), 2 * self.row_capacity))
+                    grown[:, : self.row_capacity] = self.row_map
+                    self.row_map = grown
+                W = self.max_plan_width
+                entries = torch.full((self.row_capacity,), self.max_plans * W, dtype=torch.int64)
+                entries[: len(row_of)] = torch.tensor(row_of, dtype=torch.int64) + slot * W
+                self.row_map[slot].copy_(entries.to(self.device))
             row = self.plan_timesteps[slot]
             row.zero_()
             row[: plan.shape[0]].copy_(plan.to(self.device))
+            counts.append(plan.shape[0])
         index = torch.tensor(list(slots), dtype=torch.int64)
-        lengths = torch.tensor([plan.shape[0] for plan in plans], dtype=torch.int64)
+        lengths = torch.tensor(counts, dtype=torch.int64)
         self.plan_lengths.index_copy_(0, index.to(self.device), lengths.to(self.device))
 
     def clear(self, slot: int) -> None:
         """Hide whatever ``slot`` holds: length 0 and a zero plan (its rows are overwritten on reuse)."""
         self.plan_lengths[slot] = 0
         self.plan_timesteps[slot].zero_()
+        if self._layouts.pop(slot, None) is not None:
+            self.row_map[slot].copy_(self._identity_rows(self._slot_index[slot], self.row_capacity)[0])
 
     # -- reads ------------------------------------------------------------------------------
 
     def read_rows(self, slot: int, n: int) -> PlanRows:
-        """A contiguous copy of ``slot``'s first ``n`` rows, part by part (tiers and ``verify`` keep these)."""
+        """A contiguous copy of ``slot``'s first ``n`` rows, part by part (tiers and ``verify`` keep these); a
+        plan that shares slab rows is read out with every plan row, as tiers and table files hold it."""
         contiguous = torch.contiguous_format
+        if slot in self._layouts:
+            index = torch.tensor(self._layouts[slot][1], dtype=torch.int64, device=self.device)
+            return PlanRows(
+                self.plan_timesteps[slot].index_select(0, index),
+                *(part[slot].index_select(0, index) for part in self._parts.values()),
+            )
         return PlanRows(
             self.plan_timesteps[slot, :n].clone(memory_format=contiguous),
             *(part[slot, :n].clone(memory_format=contiguous) for part in self._parts.values()),
@@ -308,14 +415,14 @@ class Slab:
     def _check_count(self, num_timesteps: int) -> None:
         if isinstance(num_timesteps, bool) or not isinstance(num_timesteps, int):
             raise PlanError(
-                f"num_timesteps must be an integer in 1..{self.max_plan_width}, got {num_timesteps!r}: pass "
+                f"num_timesteps must be an integer in 1..{self.row_capacity}, got {num_timesteps!r}: pass "
                 f"len(plan) of a resident plan"
             )
         # Slicing would silently cut an over-long request to the slab width; say so instead.
-        if not 1 <= num_timesteps <= self.max_plan_width:
+        if not 1 <= num_timesteps <= self.row_capacity:
             raise PlanError(
-                f"num_timesteps must be in 1..{self.max_plan_width} (the slab's plan width, "
-                f"{knob('max_plan_width')}), got {num_timesteps}: pass len(plan) of a resident plan"
+                f"num_timesteps must be in 1..{self.row_capacity} (the slab's plan width, {knob('max_plan_width')}, "
+                f"or the rows of its widest plan), got {num_timesteps}: pass len(plan) of a resident plan"
             )
 
     @staticmethod
@@ -327,11 +434,22 @@ class Slab:
             return table.index_select(0, index if index.device == table.device else index.to(table.device))[0]
         return table[slot]
 
+    def row_index(self, slot: int | torch.Tensor, n: int) -> torch.Tensor:
+        """The flat slab rows (:func:`gather_rows`) of ``slot``'s first ``n`` plan rows, found on the device."""
+        self._check_count(n)
+        return self._slot_rows(self.row_map, slot)[:n]
+
+    def _rows(self, view: torch.Tensor, slot: int | torch.Tensor, n: int) -> torch.Tensor:
+        """``view``'s rows for the slot's first ``n`` plan rows: a slice of a plan that fits the width,
+        else one gather through the row map."""
+        if isinstance(n, int) and not isinstance(n, bool) and n > self.max_plan_width:
+            return gather_rows(view, self.row_index(slot, n))
+        self._check_count(n)
+        return self._slot_rows(view, slot)[:n]
+
     def layer_rows(self, layer: Layer, slot: int | torch.Tensor, n: int) -> torch.Tensor:
         """The ``(n, out_features)`` output of ``layer``'s projection for the slot's first ``n`` rows."""
-        table = self.served_layer(layer)
-        self._check_count(n)
-        return self._slot_rows(table, slot)[:n]
+        return self._rows(self.served_layer(layer), slot, n)
 
     def part_rows(
         self, name: str, slot: int | torch.Tensor, n: int, select: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -342,8 +460,7 @@ class Slab:
         one block of a stacked part), so a device slot gathers only what is read.
         """
         table = self.served_part(name)
-        self._check_count(n)
-        return self._slot_rows(table if select is None else select(table), slot)[:n]
+        return self._rows(table if select is None else select(table), slot, n)
 
 
 @dataclass
@@ -562,8 +679,13 @@ class SlotPool:
         spec = self._slab.spec
         for slot in free:
             assert int(lengths[slot]) == 0, f"free slot {slot} has length {int(lengths[slot])}"
+        row_map = self._slab.row_map.cpu()
+        width = self._slab.max_plan_width
         for key, slot in [*self._map.items(), *((k, s) for s, k in self._retired.items())]:
             n, rows = int(lengths[slot]), spec.plan_rows(key)
-            assert n == rows, f"slot {slot}: length {n} but its plan {format_plan(key)} has {rows}"
-            plan = timesteps[slot, :n].contiguous()
+            stored, row_of = self._slab.layout(slot, rows)
+            assert n == len(stored), f"slot {slot}: length {n} but its plan {format_plan(key)} has {len(stored)} rows"
+            plan = timesteps[slot, row_of].contiguous()
             assert plan_key(plan, spec.plan_columns) == key, f"slot {slot}: timesteps disagree with map"
+            mapped = [slot * width + r for r in row_of]
+            assert row_map[slot, :rows].tolist() == mapped, f"slot {slot}: its row map disagrees with its plan"

@@ -371,6 +371,8 @@ class BuildTransaction:
         # failed before anyone exchanges results (a failure is agreed inside its except block, which
         # drops it after: kept in a local, this frame would sit in its own traceback, a cycle).
         try:
+            for key, slot in slots.items():
+                self.slab.lay_out(slot, key)
             for key, rows in restored.items():
                 self.slab.write_rows(slots[key], rows)
             if to_build:
@@ -413,7 +415,7 @@ class BuildTransaction:
                 log.warning("content digest not learnt from the pass (%s); store writes are skipped", exc)
             # Publish only once every rank holds every row.
             try:
-                counts = [self.spec.plan_rows(k) for k in to_build]
+                counts = [len(self.slab.layout(slots[k], self.spec.plan_rows(k))[0]) for k in to_build]
                 self.collective.share_results(self.slab, [slots[k] for k in to_build], counts)
             except BaseException as exc:
                 self.collective.raise_if_any_failed(exc, "exchange of results")

@@ -41,7 +41,7 @@ from typing import Any, ClassVar, Protocol
 import torch
 from torch import nn
 
-from ... import families
+from ... import families, slab
 from ...errors import ConfigError, PlanError
 from ...geometry import Family, KeyLayout
 from ...spec import Layer, ModulationSpec
@@ -82,12 +82,15 @@ def projection_path(spec: ModulationSpec, layer: Layer) -> str:
 
 class ForwardState(Protocol):
     """The forward in progress on this thread (the request module's per-thread state): ``slot`` its
-    device slot (``None`` outside a forward), ``slot_buffer`` the one-element tensor the served modules
-    gather with (written in place, so its address, which compiled and CUDA graphs hold, stays), and
+    device slot (``None`` outside a forward), ``slot_buffer`` its one-element copy, ``row_buffer`` the
+    flat slab rows of the forward's plan rows that the served modules gather with (``cache.row_index``:
+    rows of a batch's equal inputs may share one; both written in place, so their addresses, which
+    compiled and CUDA graphs hold, stay), and
     ``dtype`` the dtype the rows are served in (``None``: the slab's)."""
 
     slot: torch.Tensor | None
     slot_buffer: torch.Tensor
+    row_buffer: torch.Tensor
     dtype: torch.dtype | None
 
     def require(self, what: str) -> None: ...
@@ -96,13 +99,13 @@ class ForwardState(Protocol):
 def gather_rows(view: torch.Tensor, state: ForwardState, rows: int, what: str) -> torch.Tensor:
     """The forward's ``rows`` rows of a ``[P + 1, W, width]`` table view (the poison slot last).
 
-    Tensors only (the view and the thread's slot buffer, never a Python number dynamo would
+    Tensors only (the view and the thread's row buffer, never a Python number dynamo would
     specialise on), so a compiled block makes one graph for every block and a CUDA graph keeps
     working when the slot written into the buffer changes.
     """
     if state.slot is None:
         state.require(what)
-    out = view.index_select(0, state.slot_buffer)[0, :rows]
+    out = slab.gather_rows(view, state.row_buffer[:rows])
     dtype = state.dtype
     return out.to(dtype) if dtype is not None and out.dtype != dtype else out  # built under autocast
 

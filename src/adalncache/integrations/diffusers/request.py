@@ -60,7 +60,7 @@ from ...cache import PlanHold
 from ...errors import ConfigError, PlanError, PlanMismatchError, PlanNotCachedError
 from ...identity import autocast_dtype
 from ...options import flag, knob
-from ...plans import PlanKey, plan_key
+from ...plans import PlanKey, plan_key, slab_rows
 from ...source.checkpoint import CheckpointSource
 from ...spec import Layer, ModulationSpec
 from .family import (
@@ -558,14 +558,19 @@ class ThreadState(threading.local):
         self.slot: torch.Tensor | None = None
         self.dtype: torch.dtype | None = None
         self.slot_buffer = torch.zeros(1, dtype=torch.int64, device=device)
+        self.row_buffer = torch.zeros(1, dtype=torch.int64, device=device)
         self.prepared_outside = False
 
-    def serve_slot(self, slot: torch.Tensor, dtype: torch.dtype | None) -> None:
-        """Point the served modules at ``slot`` (a device tensor, never read on the host)."""
+    def serve_slot(self, slot: torch.Tensor, dtype: torch.dtype | None, rows: torch.Tensor) -> None:
+        """Point the served modules at ``slot`` and its flat slab ``rows`` (``cache.row_index``; device
+        tensors, never read on the host)."""
         if self.slot_buffer.device != slot.device:  # the model (and the cache) moved
             self.slot_buffer = torch.zeros(1, dtype=torch.int64, device=slot.device)
+        if self.row_buffer.shape != rows.shape or self.row_buffer.device != rows.device:
+            self.row_buffer = torch.zeros_like(rows)  # another batch width: a new buffer, then reused
         self.slot, self.dtype = slot, dtype
         self.slot_buffer.copy_(slot.reshape(1))
+        self.row_buffer.copy_(rows)
 
     def clear(self) -> None:
         """Forget the forward's slot, so a stray call outside a forward fails instead of reading stale rows."""
@@ -774,7 +779,8 @@ class Requests:
         """Whether the cache can hold every plan of a schedule at once (else its plans build per forward)."""
         cache = self._handle.cache
         distinct = len({plan_key(plan, cache.spec.plan_columns) for plan in plan_tensors(plans)})
-        width = max(int(plan.shape[0]) for plan in plan_tensors(plans))
+        columns = cache.spec.plan_columns
+        width = max(slab_rows(plan_key(plan, columns), columns, cache.max_plan_width) for plan in plan_tensors(plans))
         if distinct <= cache.max_plans and width <= cache.max_plan_width:
             return True
         if warn:  # not an error: each forward still builds its own plan
@@ -809,7 +815,7 @@ class Requests:
         if request is not None and request.groups is not None and not offloaded:
             served = request.slot_of(plan, builder.variant_of(attention_kwargs))
             if served is not None:
-                state.serve_slot(*served)
+                state.serve_slot(*served, handle.cache.row_index(served[0], int(plan.shape[0])))
                 return UNHELD  # the request holds its plans until it ends
         # The one device-to-host read of the plan this forward makes: keys, lookups and the build all
         # use this host copy (embed moves it back to the device; the values are the same bits).
@@ -832,7 +838,7 @@ class Requests:
                 raise
         held = builder.hold_forward(host, key, attention_kwargs)
         try:
-            state.serve_slot(held.slots, held.dtype)
+            state.serve_slot(held.slots, held.dtype, handle.cache.row_index(held.slots, int(host.shape[0])))
         except BaseException:
             held.release()
             raise
