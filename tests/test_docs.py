@@ -232,3 +232,11 @@ def test_cited_tests_resolve_a_bare_name_to_the_file_cited_before() -> None:
         ("test_b.py", "test_three"),
         ("test_b.py", "test_four"),
     ]
+
+
+def test_the_readme_is_a_users_page() -> None:
+    """At most 150 lines: what it does, the two commands, the quick starts, one measured table, links;
+    the knobs and the full benchmark live in docs/."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 150, f"README.md has {len(lines)} lines; move detail into docs/"
+    assert lines[2] == "```bash" and lines[3].startswith("make demo") and lines[4].startswith("make test"), lines[:6]
