@@ -20,7 +20,7 @@ pytest.importorskip("accelerate")
 
 from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3Transformer3DModel
 
-from adalncache.diffusers import CacheOptions, adaln_cache_handle, load_transformer
+from adalncache.diffusers import AdalnCacheConfig, CacheOptions, adaln_cache_handle, load_transformer
 from adalncache.errors import CheckpointError, ConfigError
 from adalncache.integrations.diffusers import CheckpointMismatchError
 from adalncache.plans import minimax_h3_plans
@@ -169,13 +169,35 @@ def test_time_embedder_can_be_loaded(files: dict[str, Path]) -> None:
     assert run_loop(model, request).equal(run_loop(stock, request))
 
 
+def test_config_carries_the_options_and_model_config_the_diffusers_config(files: dict[str, Path]) -> None:
+    """``config=AdalnCacheConfig(...)`` with a keyword beside it (the keyword wins); a native checkpoint's
+    diffusers config as ``model_config=`` (or, as before, as ``config=``); both as ``config=`` and
+    ``model_config=`` at once is a ConfigError naming both; a typo names the close match."""
+    stock = _stock(files, "native-fp32", None)
+    config = AdalnCacheConfig(max_plans=5, on_miss="raise", free_time_embedder=False)
+    model = load_transformer(files["native-fp32"], model_config=files["fp32"], config=config, max_plans=6)
+    handle = adaln_cache_handle(model)
+    assert handle is not None and (handle.cache.max_plans, handle.config.on_miss) == (6, "raise")
+    assert model.time_embedder.linear_2.weight.device.type == "cpu"  # free_time_embedder=False from config=
+    request = make_request(stock, "t2va", STEPS, seed=5)
+    handle.prepare(request.plans)
+    assert run_loop(model, request).equal(run_loop(stock, request))
+    with pytest.raises(ConfigError, match=r"config=.*model_config="):
+        load_transformer(files["native-fp32"], model_config=files["fp32"], config=files["fp32"])
+    with pytest.raises(TypeError, match="did you mean 'on_miss'"):
+        load_transformer(files["fp32"], on_mis="raise")  # type: ignore[call-arg]  # wrong on purpose: the refusal is tested
+    with pytest.raises(TypeError, match="verify_checkpoint"):
+        load_transformer(files["fp32"], verify_checkpoint=False)  # type: ignore[call-arg]  # wrong on purpose: the refusal is tested
+
+
 def test_cache_options_are_typed_keywords_like_enable_adaln_cache() -> None:
     """Every cache option is a keyword of load_transformer with enable_adaln_cache's default; the
     cache's device is where device_map puts the model, so ``device`` is not one."""
     params = inspect.signature(load_transformer).parameters
+    assert "device" not in params  # not an option: where device_map puts the model
     for field in fields(CacheOptions):
-        if field.name == "device":
-            assert "device" not in params
+        if field.name in ("verify_checkpoint", "quantized_projections"):
+            assert field.name not in params  # enable_adaln_cache's: the projections are never read here
             continue
         assert params[field.name].kind is inspect.Parameter.KEYWORD_ONLY, field.name
         assert params[field.name].default == field.default, field.name

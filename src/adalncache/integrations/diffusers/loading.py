@@ -29,21 +29,21 @@ import logging
 import os
 from collections import OrderedDict
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from typing_extensions import Unpack
 
-from ... import CheckpointSource, families
+from ... import AdalnCache, CheckpointSource, families
 from ...errors import CheckpointError, ConfigError
-from ...options import CacheKwargs, flag, option_keywords
+from ...options import AdalnCacheConfig, ConfigKwargs, flag, option_keywords
 from ...source.files import CheckpointFiles, SafetensorsHeader, checkpoint_files
 from ...source.reads import MappedFile
 from ...spec import KeyLayout, Layer, ModulationSpec
 from .family import DIFFUSERS, DiffusersFamily, base_linear, by_name
-from .handle import AdalnCacheConfig, CacheOptions, CheckpointArg, OnMiss, enable_transformer
+from .handle import CheckpointArg, enable_transformer
 from .parking import RESIDUE_BYTES
 from .sources import CastCheckpointSource, CheckpointMismatchError, NeverLoaded, Source
 
@@ -76,21 +76,26 @@ class _Files:
         return (header, header.entries[key]) if header is not None else None
 
 
-@option_keywords(exclude=("device",))
+#: Options of enable_adaln_cache that load_transformer has no use for: it never reads the projections to
+#: verify them (the headers are checked), and loads them quantized only through ``quantization_config``.
+NOT_LOADING_OPTIONS = ("verify_checkpoint", "quantized_projections")
+
+ModelConfig = str | os.PathLike[str] | Mapping[str, Any]
+
+
+@option_keywords(exclude=NOT_LOADING_OPTIONS)
 def load_transformer(
     path: str | os.PathLike[str],
     *,
     subfolder: str | None = None,
-    config: str | os.PathLike[str] | Mapping[str, Any] | None = None,
+    config: AdalnCacheConfig | ModelConfig | None = None,
+    model_config: ModelConfig | None = None,
+    quantization_config: Any = None,
     torch_dtype: torch.dtype | None = None,
     device_map: Any = None,
     checkpoint: CheckpointArg | None = None,
-    layout: str = "auto",
     qkv_layout: str | None = None,
-    on_miss: OnMiss = "build",
-    free_time_embedder: bool | None = None,
-    overlap: bool = False,
-    **options: Unpack[CacheKwargs],
+    **options: Unpack[ConfigKwargs],
 ) -> Any:
     """Load a transformer of a supported family whose AdaLN projections are never loaded, cache enabled.
 
@@ -107,8 +112,13 @@ def load_transformer(
             index or not) or the native layout (``*.safetensors``, with its index when sharded).
         subfolder: the transformer's folder inside ``path`` (``"transformer"`` for a pipeline
             repository).
-        config: where the diffusers config is when ``path`` has none (a native checkpoint): a
+        config: the options as one :class:`~adalncache.options.AdalnCacheConfig` (each keyword option
+            given beside it replaces that field). A directory, ``config.json`` file or mapping here is
+            taken as ``model_config`` (as before ``model_config`` existed).
+        model_config: where the diffusers config is when ``path`` has none (a native checkpoint): a
             directory or ``config.json`` file, or the config as a mapping.
+        quantization_config: a diffusers quantization config (``TorchAoConfig``, ``QuantoConfig``, ...),
+            as for ``from_pretrained``: see the docs (diffusers.md) for the ones supported.
         torch_dtype: the dtype to load in, as for ``from_pretrained``: ``torch.bfloat16`` is the
             released mixed precision (the time embedder, patch projections and heads stay fp32);
             ``None`` loads everything in fp32.
@@ -142,7 +152,23 @@ def load_transformer(
     checkpoint whose projections do not fit the config; ``CheckpointError`` for a model file that is
     malformed, lacks tensors the model needs, or changed on disk during the load.
     """
-    cache_options = CacheOptions.of(options, where="load_transformer()")
+    if config is not None and not isinstance(config, AdalnCacheConfig):
+        if model_config is not None:
+            raise ConfigError(
+                "config= is a diffusers model config and model_config= is given too: pass the model config as "
+                "model_config= and the cache's options as config=AdalnCacheConfig(...)"
+            )
+        config, model_config = None, config
+    settings = AdalnCacheConfig.of(options, where="load_transformer()", config=config, exclude=NOT_LOADING_OPTIONS)
+    if config is not None and (config.quantized_projections, config.verify_checkpoint) != ("model", True):
+        raise ConfigError(
+            "load_transformer takes no verify_checkpoint or quantized_projections (it never reads the projections to "
+            "verify them, and quantizes only through quantization_config=): leave them at their defaults in config="
+        )
+    layout, free_time_embedder = settings.layout, settings.free_time_embedder
+    if quantization_config is not None:
+        raise ConfigError("quantization_config= is not supported yet")
+    config = model_config
     directory = _model_directory(path, subfolder)
     cls, family = _transformer_class(directory, config)
     _check_load_arguments(torch_dtype, qkv_layout, layout, family)
@@ -153,18 +179,11 @@ def load_transformer(
     spec = family.spec(model)
 
     # 2. The source the cache serves from, checked against the config before any weight is read.
-    tables_only = checkpoint is None and cache_options.tables is not None and not _has_projections(plan)
+    tables_only = checkpoint is None and settings.tables is not None and not _has_projections(plan)
     source, free = _source_of(plan, spec, checkpoint, layout, free_time_embedder, tables_only=tables_only)
-    cache = cache_options.build(spec, source, device or torch.device("cpu"))
-    handle_config = AdalnCacheConfig(
-        checkpoint=checkpoint if checkpoint is not None else None if tables_only else list(plan.files.files),
-        on_miss=on_miss,
-        free_time_embedder=free,
-        layout=layout,
-        verify_checkpoint=False,
-        overlap=overlap,
-        cache_options=cache_options,
-    )
+    settings = replace(settings, free_time_embedder=free, verify_checkpoint=False)
+    cache = AdalnCache(spec, source, device=device or torch.device("cpu"), config=settings)
+    serving = checkpoint if checkpoint is not None else None if tables_only else list(plan.files.files)
     fingerprint = cache.source.fingerprint
 
     # 3. Every other tensor, file by file, through the stock placement.
@@ -175,7 +194,7 @@ def load_transformer(
     target = device or torch.device("cpu")
     _place(model, path, device, hf_device_map)
     residues = _stock_residues(_resident_files(plan.files, config), plan.files, served, plan.placeholders, target)
-    enable_transformer(model, handle_config, never_loaded=NeverLoaded(cache.source, cache, residues, target))
+    enable_transformer(model, settings, serving, never_loaded=NeverLoaded(cache.source, cache, residues, target))
     logger.info(
         "load_transformer: %s loaded without its AdaLN projections (%.1f MB never read), cache enabled on %s",
         directory,
