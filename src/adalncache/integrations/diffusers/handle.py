@@ -69,7 +69,15 @@ from .quantized import (
 )
 from .request import Builder, CallWatch, Requests, ScheduleWatch, request_plans
 from .signature import Signature, Variant
-from .sources import NeverLoaded, Source, changed_since, check_tables_against_model, checkpoint_source, model_source
+from .sources import (
+    NeverLoaded,
+    Quantization,
+    Source,
+    changed_since,
+    check_tables_against_model,
+    checkpoint_source,
+    model_source,
+)
 
 if TYPE_CHECKING:
     from ... import BuildReport, CacheStats
@@ -329,6 +337,8 @@ class AdalnCacheHandle:
         self._casting_at_enable: frozenset[str] = frozenset()
         #: The content digest of the checkpoint's projections, learnt by the verification at enable.
         self._digest: str | None = None
+        #: The quantizer the model was loaded through (``load_transformer(quantization_config=...)``).
+        self._quantization: Quantization | None = None
 
     @property
     def overlap(self) -> bool:
@@ -428,6 +438,8 @@ class AdalnCacheHandle:
         self._overrides = ()
         freed = self._parking.freed
         self._parking.put_back(restored)
+        if self._quantization is not None:  # the model loaded quantized: its projections are quantized again
+            self._quantization.restore([self.family.projection_path(layer) for layer in self.spec.layers()])
         settle_casting(self.family.served_modules(self.model, self.spec), self._casting_at_enable)
         self.family.release_blocks(self.model)
         reapply_group_offloading(self.model)
@@ -496,6 +508,8 @@ class AdalnCacheHandle:
             choice = choose_source(
                 model, self.spec, self.family, self.config, self.checkpoint, self.device, never_loaded
             )
+            if never_loaded is not None:
+                self._quantization = never_loaded.quantization
             self.source, self._storage, self._digest = choice.source, choice.storage, choice.digest
             self._casting_at_enable, self._host_buffers = choice.casting_at_enable, choice.host_buffers
             self.cache = (
@@ -551,7 +565,7 @@ class AdalnCacheHandle:
             self._parking,
             self._lock,
             casting_at_enable=choice.casting_at_enable,
-            plain_variant=choice.plain_variant,
+            plain_variant=choice.plain_variant if self._quantization is None else self._quantization.variant,
             rebuildable=getattr(self.cache.source, "serves_weights", True),
         )
         signature.hooks = hooks
@@ -566,6 +580,7 @@ class AdalnCacheHandle:
             lambda: self.device,
             plain_tables=choice.plain_variant is not None,
             on_miss=self.config.on_miss,
+            quantization=self._quantization,
         )
 
     def _install_overrides(self) -> None:

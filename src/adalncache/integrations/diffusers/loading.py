@@ -45,7 +45,7 @@ from ...spec import KeyLayout, Layer, ModulationSpec
 from .family import DIFFUSERS, DiffusersFamily, base_linear, by_name
 from .handle import CheckpointArg, enable_transformer
 from .parking import RESIDUE_BYTES
-from .sources import CastCheckpointSource, CheckpointMismatchError, NeverLoaded, Source
+from .sources import CastCheckpointSource, CheckpointMismatchError, NeverLoaded, Quantization, Source
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +58,9 @@ SPLITTING_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
 
 #: The dtypes a MiniMax-H3 transformer may be loaded in.
 TORCH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+#: The quantization methods whose loaded weights a pass reproduces (``quant_method``: the config's name).
+QUANTIZERS = {"torchao": "TorchAoConfig"}
 
 #: The row order of a native checkpoint's fused ``qkv_proj`` (diffusers' converter cannot tell).
 QKV_LAYOUTS = ("stacked", "interleaved")
@@ -166,8 +169,14 @@ def load_transformer(
             "verify them, and quantizes only through quantization_config=): leave them at their defaults in config="
         )
     layout, free_time_embedder = settings.layout, settings.free_time_embedder
-    if quantization_config is not None:
-        raise ConfigError("quantization_config= is not supported yet")
+    quantizer, torch_dtype = _quantizer(quantization_config, torch_dtype, device_map)
+    if quantizer is not None:
+        if free_time_embedder:
+            raise ConfigError(
+                "free_time_embedder=True cannot be combined with quantization_config=: the time embedder is loaded "
+                "through the quantizer like from_pretrained loads it; leave free_time_embedder at None"
+            )
+        free_time_embedder = False
     config = model_config
     directory = _model_directory(path, subfolder)
     cls, family = _transformer_class(directory, config)
@@ -175,7 +184,14 @@ def load_transformer(
     device, hf_device_map = _single_device(device_map)
     config_dict, unused = _load_config(cls, path, subfolder, directory, config)
     model = _build_on_meta(cls, config_dict, unused, torch_dtype)
-    plan = _plan_load(model, family, directory, layout, qkv_layout, config_dict, torch_dtype, free_time_embedder)
+    keep = list(cls._keep_in_fp32_modules or [])
+    if quantizer is not None:
+        if not getattr(quantizer, "use_keep_in_fp32_modules", False):  # as from_pretrained decides it
+            keep = []
+        quantizer.preprocess_model(model=model, device_map=hf_device_map, keep_in_fp32_modules=keep)
+    plan = _plan_load(
+        model, family, directory, layout, qkv_layout, config_dict, torch_dtype, free_time_embedder, keep, quantizer
+    )
     spec = family.spec(model)
 
     # 2. The source the cache serves from, checked against the config before any weight is read.
@@ -192,9 +208,11 @@ def load_transformer(
         raise CheckpointError(f"the checkpoint in {directory} changed on disk while it was being loaded; load it again")
 
     target = device or torch.device("cpu")
-    _place(model, path, device, hf_device_map)
+    _place(model, path, device, hf_device_map, quantizer, torch_dtype)
     residues = _stock_residues(_resident_files(plan.files, config), plan.files, served, plan.placeholders, target)
-    enable_transformer(model, settings, serving, never_loaded=NeverLoaded(cache.source, cache, residues, target))
+    quantization = Quantization(quantizer, model) if quantizer is not None else None
+    never_loaded = NeverLoaded(cache.source, cache, residues, target, quantization)
+    enable_transformer(model, settings, serving, never_loaded=never_loaded)
     logger.info(
         "load_transformer: %s loaded without its AdaLN projections (%.1f MB never read), cache enabled on %s",
         directory,
@@ -224,6 +242,7 @@ class _LoadPlan:
     qkv_layout: str | None
     torch_dtype: torch.dtype | None
     keep: list[str]
+    quantizer: Any = None
 
 
 def _plan_load(
@@ -235,6 +254,8 @@ def _plan_load(
     config: dict[str, Any],
     torch_dtype: torch.dtype | None,
     free_time_embedder: bool | None,
+    keep: list[str],
+    quantizer: Any,
 ) -> _LoadPlan:
     """Step 1: the files, the served tensors, and their placeholders run through the stock dtype rule on meta.
 
@@ -248,7 +269,6 @@ def _plan_load(
         sharded = files.checkpoint.index is not None or len(files.files) > 1
         qkv_layout = qkv_layout or ("interleaved" if sharded else "stacked")
     expected: set[str] = set(model.state_dict())
-    keep = list(type(model)._keep_in_fp32_modules or [])
     # A projection built without a bias (nn.Linear(..., bias=False)) has none in the files either.
     biased = {layer for layer in layers if getattr(family.projection_module(model, layer), "bias", None) is not None}
     linears = [(path, base_linear(linear).bias is not None) for path, linear in family.time_embedder_linears(model)]
@@ -258,7 +278,7 @@ def _plan_load(
     placeholders = _meta_tensors(files, served, config, qkv_layout)
     _load_into(model, placeholders, torch_dtype, keep, {"": torch.device("meta")})
     return _LoadPlan(
-        files, family.layout, served, placeholders, linears, expected, config, qkv_layout, torch_dtype, keep
+        files, family.layout, served, placeholders, linears, expected, config, qkv_layout, torch_dtype, keep, quantizer
     )
 
 
@@ -275,19 +295,65 @@ def _load_the_rest(
     for header in plan.files.checkpoint.headers:
         state = _real_tensors(header, plan.files.layout, served, plan.config, plan.qkv_layout)
         seen.update(state)
-        _load_into(model, state, plan.torch_dtype, plan.keep, device_map)
+        _load_into(model, state, plan.torch_dtype, plan.keep, device_map, plan.quantizer)
     never_in_files = {ours for _, (ours, kind) in plan.served.items() if kind == "projection"} if tables_only else set()
     _check_loaded(directory, plan.expected, seen, never_in_files)
     return served
 
 
-def _place(model: Any, path: Any, device: torch.device | None, hf_device_map: dict[str, Any] | None) -> None:
-    """What ``from_pretrained`` does last: computed buffers on the device, the map and name recorded, eval mode."""
+def _place(
+    model: Any,
+    path: Any,
+    device: torch.device | None,
+    hf_device_map: dict[str, Any] | None,
+    quantizer: Any,
+    torch_dtype: torch.dtype | None,
+) -> None:
+    """What ``from_pretrained`` does last: computed buffers on the device, the map and name recorded, the
+    quantizer's own last step, eval mode."""
     if device is not None:
         _move_buffers(model, device)  # rope.inv_freq is computed, not loaded (dispatch_model's .to() moves it)
         model.hf_device_map = dict(hf_device_map or {})
-    model.register_to_config(_name_or_path=path)  # as given, like from_pretrained
+    if quantizer is not None:
+        quantizer.postprocess_model(model)
+        model.hf_quantizer = quantizer
+        model.register_to_config(_name_or_path=path, _pre_quantization_dtype=torch_dtype)
+    else:
+        model.register_to_config(_name_or_path=path)  # as given, like from_pretrained
     model.eval()
+
+
+def _quantizer(
+    quantization_config: Any, torch_dtype: torch.dtype | None, device_map: Any
+) -> tuple[Any, torch.dtype | None]:
+    """diffusers' quantizer for ``quantization_config`` and the dtype it loads in, as ``from_pretrained`` makes
+    them; ConfigError for a config this loader cannot apply (a GGUF file, an environment the quantizer
+    refuses, a method whose loaded weights a pass cannot reproduce)."""
+    if quantization_config is None:
+        return None, torch_dtype
+    from diffusers.quantizers import DiffusersAutoQuantizer
+
+    kind = type(quantization_config).__name__
+    if kind == "GGUFQuantizationConfig":
+        raise ConfigError(
+            "quantization_config=GGUFQuantizationConfig: load_transformer reads a directory of safetensors files, and "
+            "a GGUF checkpoint is one .gguf file; load it with from_single_file(..., quantization_config=...) and call "
+            "enable_adaln_cache(model), which serves its own quantized projections exactly"
+        )
+    try:
+        quantizer = DiffusersAutoQuantizer.from_config(quantization_config, pre_quantized=False)
+        quantizer.validate_environment(torch_dtype=torch_dtype, device_map=device_map)
+    except (ImportError, RuntimeError, ValueError) as exc:
+        raise ConfigError(f"quantization_config={kind} cannot load on this machine: {exc}") from exc
+    method = str(getattr(quantizer.quantization_config.quant_method, "value", ""))
+    if method not in QUANTIZERS:
+        raise ConfigError(
+            f"quantization_config={kind}: load_transformer quantizes with {', '.join(QUANTIZERS.values())} only (each "
+            "projection quantized in the cache's passes exactly as the loader would); load the model with "
+            "from_pretrained(..., quantization_config=...) and call enable_adaln_cache(model), which serves its own "
+            "quantized projections exactly"
+        )
+    return quantizer, quantizer.update_torch_dtype(torch_dtype)
 
 
 # ---------------------------------------------------------------------------------------------------- arguments
@@ -661,14 +727,26 @@ def _real_tensors(
 
 
 def _load_into(
-    model: Any, state: dict[str, torch.Tensor], dtype: torch.dtype | None, keep: list[str], device_map: Any
+    model: Any,
+    state: dict[str, torch.Tensor],
+    dtype: torch.dtype | None,
+    keep: list[str],
+    device_map: Any,
+    quantizer: Any = None,
 ) -> None:
-    """diffusers' own placement: the stock dtype rule, then each tensor set on its device."""
+    """diffusers' own placement: the stock dtype rule, then each tensor set on its device (quantized on the way
+    where ``quantizer`` says so)."""
     from diffusers.models.model_loading_utils import load_model_dict_into_meta
 
     if state:
         load_model_dict_into_meta(
-            model, OrderedDict(state), dtype=dtype, keep_in_fp32_modules=keep, device_map=device_map
+            model,
+            OrderedDict(state),
+            dtype=dtype,
+            keep_in_fp32_modules=keep,
+            device_map=device_map,
+            hf_quantizer=quantizer,
+            unexpected_keys=[],
         )
 
 
