@@ -671,17 +671,18 @@ class PipelineAdalnCacheHandle:
     def enabled(self) -> bool:
         return any(handle.enabled for handle in self.handles.values())
 
+    def _each(self, read: Callable[[AdalnCacheHandle], Any]) -> Any:
+        """``read`` of the only transformer's handle, else a dict of it by component name."""
+        found = {name: read(handle) for name, handle in self.handles.items()}
+        return next(iter(found.values())) if len(found) == 1 else found
+
     @property
     def cache(self) -> Any:
-        if len(self.handles) == 1:
-            return next(iter(self.handles.values())).cache
-        return {name: handle.cache for name, handle in self.handles.items()}
+        return self._each(lambda handle: handle.cache)
 
     @property
     def stats(self) -> Any:
-        if len(self.handles) == 1:
-            return next(iter(self.handles.values())).stats
-        return {name: handle.stats for name, handle in self.handles.items()}
+        return self._each(lambda handle: handle.stats)
 
     def prepare(
         self, plans: Sequence[Any], *, attention_kwargs: Mapping[str, Any] | None = None, component: str | None = None
@@ -693,10 +694,7 @@ class PipelineAdalnCacheHandle:
                     f"component={component!r} has no AdaLN cache on this pipeline; choose one of {sorted(self.handles)}"
                 )
             return self.handles[component].prepare(plans, attention_kwargs=attention_kwargs)
-        reports = {
-            name: handle.prepare(plans, attention_kwargs=attention_kwargs) for name, handle in self.handles.items()
-        }
-        return next(iter(reports.values())) if len(reports) == 1 else reports
+        return self._each(lambda handle: handle.prepare(plans, attention_kwargs=attention_kwargs))
 
     def release(self) -> None:
         """Release the calling thread's request on every transformer, then raise PlanMismatchError if a
@@ -851,11 +849,8 @@ def component_config(config: AdalnCacheConfig, component: str | None) -> AdalnCa
     component's files (a mapping only a pipeline takes)."""
     if not isinstance(config.tables, Mapping):
         return config
-    if component is None:
-        raise ConfigError(
-            "tables= is a mapping by component name, which only a pipeline takes; pass one path (or a list of "
-            "paths) for a single transformer"
-        )
+    if component is None:  # the cache's own refusal of a mapping, before the model is looked at
+        AdalnCacheConfig.of({}, where="enable_adaln_cache()", config=config, cache=True)
     return replace(config, tables=config.tables.get(component))
 
 
