@@ -405,8 +405,8 @@ def _check_loaded(directory: Path, expected: set[str], seen: set[str], never_in_
     if missing:
         raise CheckpointError(
             f"the model files in {directory} lack {len(missing)} tensor(s) the model needs ({', '.join(missing[:5])}"
-            f"{', ...' if len(missing) > 5 else ''}): pass path= the transformer's own directory (or config= its "
-            "matching config)"
+            f"{', ...' if len(missing) > 5 else ''}): pass path= the transformer's own directory (or model_config= "
+            "its matching config)"
         )
     unexpected = sorted(seen - expected)
     if unexpected:
@@ -433,7 +433,7 @@ def _transformer_class(directory: Path, config: Any) -> tuple[Any, DiffusersFami
 
 
 def _class_name(directory: Path, config: Any) -> str | None:
-    """``_class_name`` of the config ``config=`` names, else of ``directory``'s ``config.json`` (None: none)."""
+    """``_class_name`` of the config ``model_config=`` names, else of ``directory``'s ``config.json`` (None: none)."""
     if isinstance(config, Mapping):
         data: Any = config
     else:
@@ -499,14 +499,14 @@ def _single_device(device_map: Any) -> tuple[torch.device | None, dict[str, Any]
 def _load_config(
     cls: Any, path: Any, subfolder: str | None, directory: Path, config: Any
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The model config as ``from_pretrained`` reads it (``config=`` overrides where it comes from)."""
+    """The model config as ``from_pretrained`` reads it (``model_config=`` overrides where it comes from)."""
     if isinstance(config, Mapping):
         return copy.deepcopy(dict(config)), {}
     where: Any = path
     sub = subfolder
     argument = "path="
     if config is not None:
-        where, sub, argument = Path(config), None, "config="
+        where, sub, argument = Path(config), None, "model_config="
         if where.is_file():
             where = where.parent
     try:
@@ -516,7 +516,7 @@ def _load_config(
     except (OSError, ValueError) as exc:
         raise ConfigError(
             f"{argument} has no transformer config (config.json) in {directory if config is None else where}: pass "
-            "the transformer's directory (subfolder='transformer' inside a pipeline repository), or config= the "
+            "the transformer's directory (subfolder='transformer' inside a pipeline repository), or model_config= the "
             f"directory of a matching diffusers config for a native checkpoint ({type(exc).__name__})"
         ) from None
     if loaded.get("_class_name") not in (None, cls.__name__):
@@ -762,7 +762,7 @@ def _resident_files(files: _Files, config: Any) -> _Files:
     """The weight files the resident model is loaded from, whose offsets its fp32 weights keep.
 
     For the diffusers layout these are the model files themselves. A native checkpoint is loaded
-    next to a diffusers config; when ``config=`` names a directory that also holds the diffusers
+    next to a diffusers config; when ``model_config=`` names a directory that also holds the diffusers
     weight files, ``from_pretrained(config)`` is the stock model, and its weights sit at *those*
     files' offsets, which need not equal the native files' modulo 16 (an fp32 GEMV's bits can
     depend on it). Otherwise the native files themselves.
@@ -778,7 +778,7 @@ def _resident_files(files: _Files, config: Any) -> _Files:
         return _model_files(where, DIFFUSERS, by_name(DEFAULT_FAMILY), 0)
     except CheckpointError as exc:
         logger.warning(
-            "load_transformer: the diffusers weights next to config= cannot be read (%s); the served fp32 "
+            "load_transformer: the diffusers weights next to model_config= cannot be read (%s); the served fp32 "
             "weights keep the native files' alignment",
             exc,
         )
