@@ -1,8 +1,9 @@
 """enable_adaln_cache's typed options: each reaches the cache, unknown or bad ones fail clearly.
 
-The keyword arguments are spelled out (not an untyped ``**kwargs``), so a test also keeps them in
-step with :class:`~adalncache.AdalnCache`: an option added to the cache but not to the integration,
-or given another default, fails here.
+The keyword arguments are spelled out (not an untyped ``**kwargs``), generated from the one
+:class:`~adalncache.options.AdalnCacheConfig`, so a test also keeps them in step with
+:class:`~adalncache.AdalnCache`: an option added to the cache but not to the integration, or given
+another default, fails here. ``config=`` carries them as one object; a keyword beside it wins.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ pytest.importorskip("diffusers")
 from adalncache import AdalnCache
 from adalncache.diffusers import AdalnCacheConfig, CacheOptions, enable_adaln_cache
 from adalncache.errors import ConfigError
+from adalncache.options import CACHE_OPTION_NAMES
 from adalncache.plans import minimax_h3_plans
 from adalncache.tools.tiny import make_request, run_loop
 
@@ -40,15 +42,14 @@ def _keyword_defaults(function: Callable[..., Any]) -> dict[str, Any]:
 
 
 def test_cache_options_match_the_cache_constructor() -> None:
-    """Every AdalnCache option is a CacheOptions field with the same default (device aside)."""
+    """Every AdalnCache option is a field of the one config class with the same default (device and
+    config= aside: the device is where the cache is assembled, not an option)."""
+    assert CacheOptions is AdalnCacheConfig
     cache_options = _keyword_defaults(AdalnCache.__init__)
-    fields = {f.name: f.default for f in dataclasses.fields(CacheOptions)}
-    assert set(fields) == set(cache_options)
+    fields = {f.name: f.default for f in dataclasses.fields(AdalnCacheConfig) if f.name in CACHE_OPTION_NAMES}
+    assert set(fields) == set(cache_options) - {"device", "config"}
     for name, default in fields.items():
-        if name == "device":
-            assert default is None  # the model's device; the cache's own default is "cpu"
-        else:
-            assert default == cache_options[name], name
+        assert default == cache_options[name], name
 
 
 def test_enable_signature_is_the_config_and_the_cache_options() -> None:
@@ -56,17 +57,18 @@ def test_enable_signature_is_the_config_and_the_cache_options() -> None:
     parameters = inspect.signature(enable_adaln_cache).parameters
     assert not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
     keywords = _keyword_defaults(enable_adaln_cache)
-    config_fields = {f.name for f in dataclasses.fields(AdalnCacheConfig)} - {"checkpoint", "cache_options"}
+    config_fields = {f.name for f in dataclasses.fields(AdalnCacheConfig)} - set(CACHE_OPTION_NAMES)
     assert config_fields == INTEGRATION_OPTIONS
-    assert set(keywords) == INTEGRATION_OPTIONS | {f.name for f in dataclasses.fields(CacheOptions)}
-    for field in dataclasses.fields(CacheOptions):
+    assert set(keywords) == {"config", "device"} | {f.name for f in dataclasses.fields(AdalnCacheConfig)}
+    assert keywords["device"] is None and keywords["config"] is None
+    for field in dataclasses.fields(AdalnCacheConfig):
         assert keywords[field.name] == field.default, field.name
     assert all(parameters[name].annotation is not inspect.Parameter.empty for name in keywords)
 
 
 def test_unknown_keyword_is_a_type_error_and_leaves_the_model(load_tiny: Callable[[str], Any]) -> None:
     model = load_tiny("bf16-disk")
-    with pytest.raises(TypeError, match="max_plan_widht"):
+    with pytest.raises(TypeError, match="max_plan_widht'; did you mean 'max_plan_width'"):
         enable_adaln_cache(model, max_plan_widht=2)  # type: ignore[call-arg]  # wrong on purpose: the refusal is what is tested
     assert all(p.device.type != "meta" for p in model.parameters())
     assert getattr(model, "_diffusers_hook", None) is None
@@ -126,11 +128,31 @@ def test_bad_cache_options_fail_before_the_model_changes(
 
 
 def test_config_is_typed_and_frozen() -> None:
-    config = AdalnCacheConfig(cache_options=CacheOptions(max_plans=3))
-    assert config.cache_options.max_plans == 3
+    config = AdalnCacheConfig(max_plans=3)
+    assert config.max_plans == 3
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.on_miss = "raise"  # type: ignore[misc]  # wrong on purpose: the refusal is what is tested
-    with pytest.raises(ConfigError, match="cache_options"):
-        AdalnCacheConfig(cache_options={"max_plans": 3})  # type: ignore[arg-type]  # wrong on purpose: the refusal is what is tested
+    with pytest.raises(ConfigError, match="config= must be an AdalnCacheConfig"):
+        enable_adaln_cache(torch.nn.Linear(1, 1), config={"max_plans": 3})  # type: ignore[arg-type]  # wrong on purpose: the refusal is what is tested
     with pytest.raises(ConfigError, match="on_miss"):
-        AdalnCacheConfig(on_miss="ignore")  # type: ignore[arg-type]  # wrong on purpose: the refusal is what is tested
+        AdalnCacheConfig(on_miss="ignore")
+    for name, bad in [("overlap", 1), ("quantized_projections", "x"), ("verify_checkpoint", None)]:
+        with pytest.raises(ConfigError, match=name):
+            AdalnCacheConfig(**{name: bad})
+
+
+def test_config_reaches_the_cache_and_a_keyword_beside_it_wins(load_tiny: Callable[[str], Any]) -> None:
+    """``enable_adaln_cache(model, config=AdalnCacheConfig(...))`` is the keywords' long form; a keyword
+    given beside ``config=`` replaces that field; the served loop stays bit-identical."""
+    model = load_tiny("bf16-disk")
+    request = make_request(model, "t2va", 4, seed=1)
+    resident = run_loop(model, request)
+    config = AdalnCacheConfig(max_plans=5, max_plan_width=3, on_miss="raise", progress=False)
+    handle = enable_adaln_cache(model, config=config, max_plans=6)
+    try:
+        assert (handle.cache.max_plans, handle.cache.max_plan_width) == (6, 3)
+        assert handle.config.on_miss == "raise" and handle.config.max_plans == 6
+        handle.prepare(request.plans)
+        assert run_loop(model, request).equal(resident)
+    finally:
+        handle.disable()

@@ -20,7 +20,7 @@ pytest.importorskip("accelerate")
 
 from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3Transformer3DModel
 
-from adalncache.diffusers import CacheOptions, adaln_cache_handle, load_transformer
+from adalncache.diffusers import AdalnCacheConfig, CacheOptions, adaln_cache_handle, load_transformer
 from adalncache.errors import CheckpointError, ConfigError
 from adalncache.integrations.diffusers import CheckpointMismatchError
 from adalncache.plans import minimax_h3_plans
@@ -169,13 +169,35 @@ def test_time_embedder_can_be_loaded(files: dict[str, Path]) -> None:
     assert run_loop(model, request).equal(run_loop(stock, request))
 
 
+def test_config_carries_the_options_and_model_config_the_diffusers_config(files: dict[str, Path]) -> None:
+    """``config=AdalnCacheConfig(...)`` with a keyword beside it (the keyword wins); a native checkpoint's
+    diffusers config as ``model_config=`` (or, as before, as ``config=``); both as ``config=`` and
+    ``model_config=`` at once is a ConfigError naming both; a typo names the close match."""
+    stock = _stock(files, "native-fp32", None)
+    config = AdalnCacheConfig(max_plans=5, on_miss="raise", free_time_embedder=False)
+    model = load_transformer(files["native-fp32"], model_config=files["fp32"], config=config, max_plans=6)
+    handle = adaln_cache_handle(model)
+    assert handle is not None and (handle.cache.max_plans, handle.config.on_miss) == (6, "raise")
+    assert model.time_embedder.linear_2.weight.device.type == "cpu"  # free_time_embedder=False from config=
+    request = make_request(stock, "t2va", STEPS, seed=5)
+    handle.prepare(request.plans)
+    assert run_loop(model, request).equal(run_loop(stock, request))
+    with pytest.raises(ConfigError, match=r"config=.*model_config="):
+        load_transformer(files["native-fp32"], model_config=files["fp32"], config=files["fp32"])
+    with pytest.raises(TypeError, match="did you mean 'on_miss'"):
+        load_transformer(files["fp32"], on_mis="raise")  # type: ignore[call-arg]  # wrong on purpose: the refusal is tested
+    with pytest.raises(TypeError, match="verify_checkpoint"):
+        load_transformer(files["fp32"], verify_checkpoint=False)  # type: ignore[call-arg]  # wrong on purpose: the refusal is tested
+
+
 def test_cache_options_are_typed_keywords_like_enable_adaln_cache() -> None:
     """Every cache option is a keyword of load_transformer with enable_adaln_cache's default; the
     cache's device is where device_map puts the model, so ``device`` is not one."""
     params = inspect.signature(load_transformer).parameters
+    assert "device" not in params  # not an option: where device_map puts the model
     for field in fields(CacheOptions):
-        if field.name == "device":
-            assert "device" not in params
+        if field.name in ("verify_checkpoint", "quantized_projections"):
+            assert field.name not in params  # enable_adaln_cache's: the projections are never read here
             continue
         assert params[field.name].kind is inspect.Parameter.KEYWORD_ONLY, field.name
         assert params[field.name].default == field.default, field.name
@@ -311,3 +333,81 @@ def test_projections_never_downloaded_served_from_table_files(files: dict[str, P
         model.state_dict()
     handle.disable()
     assert model.norm_out.linear.weight.device.type == "meta"
+
+
+# ----------------------------------------------------------------------------------- quantization_config
+
+
+def _poisoned_copy(source: Path, target: Path) -> Path:
+    """``source``'s files with every served projection's bytes NaN: a load that read them would show it."""
+    from safetensors.torch import load_file, save_file
+
+    target.mkdir()
+    (target / "config.json").write_text((source / "config.json").read_text())
+    for file in source.glob("*.safetensors"):
+        state = load_file(file)
+        for name, tensor in state.items():
+            if ".adaln_proj.linear." in name or name.startswith("norm_out.linear."):
+                state[name] = torch.full_like(tensor, float("nan"))
+        save_file(state, target / file.name, metadata={"format": "pt"})
+    return target
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, None], ids=["bf16", "fp32"])
+def test_torchao_quantization_config_loads_quantized_and_serves_exactly(
+    files: dict[str, Path], tmp_path: Path, dtype: torch.dtype | None
+) -> None:
+    """``load_transformer(..., quantization_config=TorchAoConfig(int8 weight-only))`` equals
+    ``from_pretrained(..., quantization_config=...)`` with its resident forward, bit for bit, while the model
+    files' projections (poisoned: NaN) are never read nor materialised: the tables come from the passes over
+    ``checkpoint=``, each weight quantized as the loader quantizes it. ``disable()`` gives back the quantized
+    model."""
+    pytest.importorskip("torchao", reason="installed by the compose extra")
+    from diffusers import TorchAoConfig
+    from torchao.quantization import Int8WeightOnlyConfig
+
+    name = "bf16" if dtype is not None else "fp32"
+    stock = MiniMaxH3Transformer3DModel.from_pretrained(
+        files[name], torch_dtype=dtype, quantization_config=TorchAoConfig(Int8WeightOnlyConfig())
+    ).eval()
+    assert type(stock.norm_out.linear.weight).__module__.startswith("torchao")  # the projections are quantized
+    poisoned = _poisoned_copy(files[name], tmp_path / "poisoned")
+    projections = tmp_path / "projections"
+    write_native_checkpoint(MiniMaxH3Transformer3DModel.from_pretrained(files[name], torch_dtype=dtype), projections)
+    model = load_transformer(
+        poisoned,
+        torch_dtype=dtype,
+        checkpoint=projections,
+        quantization_config=TorchAoConfig(Int8WeightOnlyConfig()),
+    )
+    handle: Any = adaln_cache_handle(model)
+    assert handle.cache.source.bytes_read == 0  # nothing of the projections read by the load
+    assert model.norm_out.linear.weight.device.type == "meta"  # nor materialised
+    assert all(p.device.type == "meta" for n, p in model.named_parameters() if ".adaln_proj.linear." in n)
+    assert getattr(model, "hf_quantizer", None) is not None
+    for n, p in model.named_parameters():  # everything else as from_pretrained loaded it, quantized alike
+        if not _served(n):
+            reference = stock.get_parameter(n)
+            assert type(p) is type(reference) and p.dtype == reference.dtype, n
+    request = make_request(stock, "t2va", STEPS, seed=2)
+    expected = run_loop(stock, request)
+    handle.prepare(request.plans)
+    assert run_loop(model, request).equal(expected)
+    handle.disable()
+    assert type(model.norm_out.linear.weight) is type(stock.norm_out.linear.weight)
+    assert run_loop(model, request).equal(expected)  # the resident quantized forward after disable()
+
+
+def test_quantization_configs_it_cannot_apply_are_refused_clearly(files: dict[str, Path]) -> None:
+    """A GGUF config (a single .gguf file, not a safetensors directory), bitsandbytes without a GPU, and any
+    config whose loaded weights a pass does not reproduce: a ConfigError naming the config and what to do."""
+    from diffusers import GGUFQuantizationConfig
+
+    with pytest.raises(ConfigError, match=r"GGUFQuantizationConfig.*from_single_file"):
+        load_transformer(files["bf16"], quantization_config=GGUFQuantizationConfig(compute_dtype=torch.bfloat16))
+    pytest.importorskip("bitsandbytes", reason="installed by the bnb extra")
+    from diffusers import BitsAndBytesConfig
+
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match=r"quantization_config=BitsAndBytesConfig cannot load on this machine"):
+            load_transformer(files["bf16"], quantization_config=BitsAndBytesConfig(load_in_8bit=True))

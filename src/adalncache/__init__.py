@@ -15,6 +15,7 @@ from .errors import (
     PlanMismatchError,
     PlanNotCachedError,
 )
+from .options import AdalnCacheConfig
 from .plans import plan_key
 from .source.checkpoint import CheckpointSource
 from .source.memory import TensorSource
@@ -25,6 +26,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AdalnCache",
+    "AdalnCacheConfig",
     "AdalnCacheError",
     "BuildError",
     "BuildReport",

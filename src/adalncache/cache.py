@@ -59,7 +59,7 @@ from .errors import AdalnCacheError, ConfigError, PlanError, PlanNotCachedError
 from .geometry import RowSplit
 from .identity import autocast_dtype, device_identity
 from .identity.binding import TableIdentity
-from .options import CacheKwargs, CacheOptions, knob, option_keywords
+from .options import AdalnCacheConfig, CacheKwargs, CacheOptions, knob, option_keywords
 from .plans import PlanKey, distinct_plans, keyed_plans, plan_key
 from .rebuild import EmbedFn, ProjectFn, default_project
 from .reports import NO_FAULTS, BuildReport, CacheStats, FaultPoints
@@ -230,13 +230,14 @@ class AdalnCache:
     holds them.
     """
 
-    @option_keywords()
+    @option_keywords(cache=True)
     def __init__(
         self,
         spec: ModulationSpec,
         source: WeightSource | None,
         *,
         device: torch.device | str = "cpu",
+        config: AdalnCacheConfig | None = None,
         **options: Unpack[CacheKwargs],
     ) -> None:
         """Allocate the slab on ``device`` and open the tiers; ConfigError names the argument to change.
@@ -245,10 +246,12 @@ class AdalnCache:
             spec: the geometry and dtype of the served projections.
             source: where the projections' weights are read (None: table files only, ``tables=``).
             device: where the slab lives and every pass projects.
+            config: the options as one :class:`~adalncache.options.AdalnCacheConfig`; a keyword given
+                beside it replaces its field.
             {cache options}
         """
-        _check_spec_and_source(spec, source, options.get("tables"))
-        given = CacheOptions.of(options, where="AdalnCache()")
+        given = AdalnCacheConfig.of(options, where="AdalnCache()", config=config, cache=True)
+        _check_spec_and_source(spec, source, given.tables)
         self.spec = spec
         #: The weight source; without one (``source=None``) a :class:`~adalncache.source.memory.NoWeights`
         #: that serves table files only.
@@ -263,13 +266,13 @@ class AdalnCache:
         self._stashed: dict[tuple[Any, ...], StashedTables] = {}
         target = indexed(resolve_device(device, argument="device"))
         # Settings that fix the number or size of later collectives are compared across ranks.
-        config = {
+        agreed = {
             "precision": given.precision,
             "store": given.store is not None,
             "device_type": target.type,
             "tables": given.tables is not None,
         }
-        self._dist = collective = make_collective(given.process_group, given.shard, spec, device=target, config=config)
+        self._dist = collective = make_collective(given.process_group, given.shard, spec, device=target, config=agreed)
         # Ranks must agree on every capacity, or their slot decisions would diverge.
         max_plans, max_plan_width, host_cache_bytes = collective.min_ints(
             [given.max_plans, given.max_plan_width, given.host_cache_bytes]

@@ -1,16 +1,18 @@
-"""The cache's options, declared once: type, default, validation, documentation and CLI flag of each.
+"""The cache's options, declared once in :class:`AdalnCacheConfig`: type, default, validation, documentation
+and CLI flag of each.
 
-Why one module: the options reach the cache from four doors (``AdalnCache(...)``,
-``enable_adaln_cache(...)``, ``load_transformer(...)`` and the ``build``/``export`` commands).
-Each door used to restate the list, its defaults and its checks; now each forwards keyword
-arguments typed by :class:`CacheKwargs` and builds one :class:`CacheOptions`, whose construction
-checks every value. The command line generates its flags from :data:`OPTIONS`, and every message
-that names a flag takes it from here (:func:`flag`, :func:`knob`), so the runtime below the
+Why one class: the options reach the cache from four doors (``AdalnCache(...)``,
+``enable_adaln_cache(...)``, ``load_transformer(...)`` and the ``build``/``export`` commands). Each door
+takes ``config=`` and the options as keyword shorthand (typed by :class:`CacheKwargs` and
+:class:`ConfigKwargs`) and builds one :class:`AdalnCacheConfig` (:meth:`AdalnCacheConfig.of`), whose
+construction checks every value. The command line generates its flags from :data:`OPTIONS`, and every
+message that names a flag takes it from here (:func:`flag`, :func:`knob`), so the runtime below the
 command line carries no flag of its own.
 
-Adding an option is one edit here: a field of :class:`CacheOptions` (default, check, one line of
-documentation, CLI flag and how the command line parses it) and its key in :class:`CacheKwargs`
-(a test keeps the two in step). Every door then accepts it, validates it and documents it.
+Adding an option is one edit here: a field of :class:`AdalnCacheConfig` (default, check, one line of
+documentation, CLI flag and how the command line parses it) and its key in :class:`CacheKwargs` or
+:class:`ConfigKwargs` (a test keeps them in step). Every door then accepts it, validates it and
+documents it.
 
 Besides the options, :data:`ARGUMENT_FLAGS` holds the flags of the other arguments the library's
 messages advise on (a device, a checkpoint layout, an export), for the same reason, and an
@@ -20,13 +22,13 @@ default) and the command line builds its flags from them; :func:`flag` knows eve
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import inspect
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any, Literal, TypedDict, TypeVar, cast
-
-from typing_extensions import Self
+from typing import Any, Literal, TypedDict, TypeVar
 
 from .errors import ConfigError
 
@@ -106,7 +108,7 @@ def declare(arguments: Iterable[Argument]) -> None:
 
 @dataclass(frozen=True)
 class Option:
-    """One option of :class:`CacheOptions`, as the doors, the messages and the command line read it."""
+    """One option of :class:`AdalnCacheConfig`, as the doors, the messages and the command line read it."""
 
     name: str
     default: Any
@@ -114,6 +116,8 @@ class Option:
     flag: str | None
     check: Callable[[str, Any, str | None], None] | None
     cli: Cli | None
+    #: An option of the diffusers doors only (the cache itself does not take it).
+    integration: bool = False
 
     def validate(self, value: Any) -> None:
         """ConfigError (naming the option and its flag) unless ``value`` is valid for it."""
@@ -174,17 +178,29 @@ def _option(
     flag: str | None = None,
     check: Callable[[str, Any, str | None], None] | None = None,
     cli: Cli | None = None,
+    integration: bool = False,
 ) -> Any:
-    """A field of :class:`CacheOptions` with its documentation, flag, check and command-line parsing."""
-    return field(default=default, metadata={_OPTION: (doc, flag, check, cli)})
+    """A field of :class:`AdalnCacheConfig` with its documentation, flag, check and command-line parsing."""
+    return field(default=default, metadata={_OPTION: (doc, flag, check, cli, integration)})
+
+
+#: ``on_miss=``: what a forward outside a prepared request does with a plan that is not resident.
+ON_MISS = ("build", "raise")
+#: ``quantized_projections=``: where the tables of quantized or layerwise-cast projections come from.
+QUANTIZED_PROJECTIONS = ("model", "checkpoint")
 
 
 @dataclass(frozen=True)
-class CacheOptions:
-    """The options of an :class:`~adalncache.AdalnCache`, checked when constructed (ConfigError).
+class AdalnCacheConfig:
+    """Every option of the AdaLN cache, checked when constructed (ConfigError naming the option and its flag).
 
-    The device is not among them: it is where the cache is assembled (the model's device for an
-    enabled model), not a setting of the tables.
+    One frozen dataclass, as diffusers configures its caches (``enable_adaln_cache(pipe,
+    config=AdalnCacheConfig(...))``), read by every door: ``AdalnCache(..., config=)`` takes the cache's
+    options (the first group of fields; the ``integration`` ones belong to the diffusers doors, and the
+    cache refuses them as keywords), ``enable_adaln_cache`` and ``load_transformer`` take all of them.
+    Keywords are shorthand: a door given ``config=`` and keywords uses the config with those keywords
+    replacing its fields (:meth:`of`). Neither the device nor the checkpoint is an option: they say what
+    is served and where, not how.
     """
 
     max_plans: int = _option(
@@ -247,8 +263,49 @@ class CacheOptions:
         check=_auto_or_boolean,
         cli=Cli("auto-switch"),
     )
+    # A mapping by component is for the pipeline doors only, which split it before any cache sees it.
     tables: TablesArg | None = _option(
-        None, "table files (adalncache export) served as a read-only tier below the store", flag="--tables"
+        None,
+        "table files (adalncache export) served as a read-only tier below the store; for a pipeline with both "
+        "transformers, a mapping by component name",
+        flag="--tables",
+    )
+    on_miss: str = _option(
+        "build",
+        "what a forward outside a prepared request does with a plan that is not resident: build builds it (one "
+        "warning per handle), raise raises PlanNotCachedError",
+        check=_one_of(ON_MISS),
+        integration=True,
+    )
+    free_time_embedder: bool | None = _option(
+        None,
+        "also move the time embedder off the device (None: unless another diffusers hook, which might read temb, "
+        "is attached; the AdaLN projections are its only consumers in the stock forward)",
+        check=_optional_boolean,
+        integration=True,
+    )
+    layout: str = _option("auto", "the checkpoint's key layout: auto, native or diffusers", integration=True)
+    verify_checkpoint: bool = _option(
+        True,
+        "stream the checkpoint once when enabling and refuse it unless its projections equal the model's (keep "
+        "it on: a fine-tune or a fused LoRA must not be served from the base file)",
+        check=_boolean,
+        integration=True,
+    )
+    quantized_projections: str = _option(
+        "model",
+        "tables of quantized or layerwise-cast projections: model (through their own forward, equal to the "
+        "quantized model's; a checkpoint is refused) or checkpoint (full-precision tables from the unquantized "
+        "checkpoint, on purpose)",
+        check=_one_of(QUANTIZED_PROJECTIONS),
+        integration=True,
+    )
+    overlap: bool = _option(
+        False,
+        "run a pipeline request's pass on a background thread from the call's start, so its first step waits "
+        "only for its own plans",
+        check=_boolean,
+        integration=True,
     )
 
     def __post_init__(self) -> None:
@@ -256,20 +313,45 @@ class CacheOptions:
             option.validate(getattr(self, option.name))
 
     @classmethod
-    def of(cls, kwargs: CacheKwargs | dict[str, Any], *, where: str) -> Self:
-        """The options given as keyword arguments to ``where``; TypeError names an unknown one."""
-        unknown = [name for name in kwargs if name not in OPTION_NAMES]
-        if unknown:
-            raise TypeError(f"{where} got an unexpected keyword argument {unknown[0]!r}")
-        return cls(**kwargs)
+    def of(
+        cls,
+        kwargs: Mapping[str, Any],
+        *,
+        where: str,
+        config: AdalnCacheConfig | None = None,
+        cache: bool = False,
+        exclude: Sequence[str] = (),
+    ) -> AdalnCacheConfig:
+        """``config`` (default: the defaults) with the options given as keyword arguments to ``where``
+        replacing its fields, checked. An unknown keyword is a TypeError naming it and the closest option;
+        ``cache``: ``where`` is the cache itself, which takes the cache's options only and one set of
+        table files; ``exclude``: options ``where`` has no use for (a TypeError as keywords too)."""
+        if config is not None and not isinstance(config, AdalnCacheConfig):
+            raise ConfigError(f"config= must be an AdalnCacheConfig, got {type(config).__name__}")
+        names = [name for name in (CACHE_OPTION_NAMES if cache else OPTION_NAMES) if name not in exclude]
+        for name in kwargs:
+            if name not in names:
+                close = difflib.get_close_matches(name, names, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                if name in OPTION_NAMES and cache:
+                    hint = f" ({name} is an option of enable_adaln_cache and load_transformer, not of the cache)"
+                raise TypeError(f"{where} got an unexpected keyword argument {name!r}{hint}")
+        result = dataclasses.replace(config, **kwargs) if config is not None else cls(**kwargs)
+        if cache and isinstance(result.tables, Mapping):
+            raise ConfigError(
+                "tables= is a mapping by component name, which only a pipeline takes; pass one path (or a list of "
+                "paths) for a single transformer"
+            )
+        return result
 
-    def kwargs(self) -> CacheKwargs:
-        """The options as keyword arguments of ``AdalnCache`` (those of this class, not a subclass's)."""
-        return cast(CacheKwargs, {name: getattr(self, name) for name in OPTION_NAMES})
+
+#: One class: the cache's options are the first fields of the config (``AdalnCache.options`` is one).
+CacheOptions = AdalnCacheConfig
 
 
-class ServingKwargs(TypedDict, total=False):
-    """Every option but ``tables`` as keyword arguments, for a door that types ``tables=`` its own way."""
+class CacheKwargs(TypedDict, total=False):
+    """The cache's options as keyword arguments (``**options: Unpack[CacheKwargs]``); defaults in
+    :class:`AdalnCacheConfig`."""
 
     max_plans: int
     max_plan_width: int
@@ -282,25 +364,33 @@ class ServingKwargs(TypedDict, total=False):
     progress: bool | None
     batched: bool
     tiled: bool | str
+    tables: TablesArg | Mapping[str, TablesArg] | None
 
 
-class CacheKwargs(ServingKwargs, total=False):
-    """The options as keyword arguments (``**options: Unpack[CacheKwargs]``); defaults in :class:`CacheOptions`."""
+class ConfigKwargs(CacheKwargs, total=False):
+    """Every option as keyword arguments, for the diffusers doors (a test keeps both in step with the fields)."""
 
-    tables: TablesArg | None
+    on_miss: str
+    free_time_embedder: bool | None
+    layout: str
+    verify_checkpoint: bool
+    quantized_projections: str
+    overlap: bool
 
 
 def _options() -> tuple[Option, ...]:
     found = []
-    for f in fields(CacheOptions):
-        doc, flag_, check, cli = f.metadata[_OPTION]
-        found.append(Option(f.name, f.default, doc, flag_, check, cli))
+    for f in fields(AdalnCacheConfig):
+        doc, flag_, check, cli, integration = f.metadata[_OPTION]
+        found.append(Option(f.name, f.default, doc, flag_, check, cli, integration))
     return tuple(found)
 
 
 #: Every option, in declaration order.
 OPTIONS: tuple[Option, ...] = _options()
 OPTION_NAMES: tuple[str, ...] = tuple(option.name for option in OPTIONS)
+#: The options of the cache itself (``AdalnCache(...)``'s keywords).
+CACHE_OPTION_NAMES: tuple[str, ...] = tuple(option.name for option in OPTIONS if not option.integration)
 _BY_NAME = {option.name: option for option in OPTIONS}
 
 
@@ -311,7 +401,8 @@ def option(name: str) -> Option:
 
 def flag(name: str) -> str:
     """The command-line flag of the option or argument ``name`` (``"max_plans"`` -> ``"--max-plans"``)."""
-    found = _BY_NAME[name].flag if name in _BY_NAME else ARGUMENT_FLAGS.get(name)
+    found = _BY_NAME[name].flag if name in _BY_NAME else None
+    found = found or ARGUMENT_FLAGS.get(name)
     if found is None and name in _ARGUMENTS:
         found = _ARGUMENTS[name].flag
     if found is None:
@@ -340,22 +431,22 @@ def _document(doc: str, exclude: set[str]) -> str:
     return "\n".join(lines)
 
 
-def option_keywords(*, exclude: Sequence[str] = ()) -> Callable[[F], F]:
-    """Give a function that takes ``**options: Unpack[CacheKwargs]`` the signature its users read.
+def option_keywords(*, exclude: Sequence[str] = (), cache: bool = False) -> Callable[[F], F]:
+    """Give a function that takes ``**options: Unpack[ConfigKwargs]`` the signature its users read.
 
     ``inspect.signature``, ``help()`` and the documentation then list each option as a keyword
     argument with its default and type, as if it were written out, while the function's source
-    names none of them: the list lives in :class:`CacheOptions` alone. ``exclude``: options the
-    function does not take (or takes as its own parameters).
+    names none of them: the list lives in :class:`AdalnCacheConfig` alone. ``exclude``: options the
+    function does not take (or takes as its own parameters); ``cache``: the cache's options only.
     """
 
     def decorate(function: F) -> F:
         signature = inspect.signature(function)
         own = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
-        taken = {p.name for p in own} | set(exclude)
+        taken = {p.name for p in own} | set(exclude) | ({o.name for o in OPTIONS if o.integration} if cache else set())
         if function.__doc__ and DOC_MARKER in function.__doc__:
             function.__doc__ = _document(function.__doc__, taken)
-        types = {f.name: f.type for f in fields(CacheOptions)}
+        types = {f.name: f.type for f in fields(AdalnCacheConfig)}
         added = [
             inspect.Parameter(o.name, inspect.Parameter.KEYWORD_ONLY, default=o.default, annotation=types[o.name])
             for o in OPTIONS
@@ -374,17 +465,21 @@ def knob(name: str) -> str:
 
 __all__ = [
     "ARGUMENT_FLAGS",
+    "CACHE_OPTION_NAMES",
     "DOC_MARKER",
+    "ON_MISS",
     "OPTIONS",
     "OPTION_NAMES",
     "PRECISIONS",
+    "QUANTIZED_PROJECTIONS",
     "SHARD_MODES",
+    "AdalnCacheConfig",
     "Argument",
     "CacheKwargs",
     "CacheOptions",
     "Cli",
+    "ConfigKwargs",
     "Option",
-    "ServingKwargs",
     "TablesArg",
     "declare",
     "flag",

@@ -20,15 +20,9 @@ module per job, each importing only those listed before it:
 
 from __future__ import annotations
 
+from ...options import AdalnCacheConfig, CacheOptions
 from . import adaln_zero, minimax_h3, qwen_image  # noqa: F401  # each registers its family
-from .handle import (
-    AdalnCacheConfig,
-    AdalnCacheHandle,
-    CacheOptions,
-    PipelineAdalnCacheHandle,
-    adaln_cache_handle,
-    enable_adaln_cache,
-)
+from .handle import AdalnCacheHandle, PipelineAdalnCacheHandle, adaln_cache_handle, enable_adaln_cache
 from .hooks import AdalnCacheOutputHook, AdalnCacheTimeEmbedderHook, AdalnCacheTransformerHook
 from .loading import load_transformer
 from .minimax_h3 import AdalnCachePrepareStep, minimax_h3_raw_vision, register_minimax_h3_block

@@ -2,7 +2,7 @@
 :class:`PipelineAdalnCacheHandle` (a pipeline's transformers, its calls and its scheduler).
 
 One enabling puts its pieces together in this order, and ``disable()`` takes them apart in reverse,
-restoring the model bit-exactly: the settings (:class:`AdalnCacheConfig`, :class:`CacheOptions`);
+restoring the model bit-exactly: the settings (an :class:`~adalncache.options.AdalnCacheConfig`);
 the weight source, decided before the model changes (:func:`choose_source`: a verified checkpoint,
 table files only, quantized or plain model tensors; :mod:`.sources`); the
 :class:`~adalncache.AdalnCache`; the parked weights (:mod:`.parking`); the hooks and served owners
@@ -31,18 +31,18 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, cast
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
 from typing_extensions import Unpack
 
-from ... import AdalnCache, TensorSource, options
+from ... import AdalnCache, TensorSource
 from ...cache import PlanHold
 from ...devices import HostBuffer
 from ...errors import CheckpointError, ConfigError, PlanMismatchError
-from ...options import OPTION_NAMES, ServingKwargs, TablesArg, flag, option_keywords
+from ...options import AdalnCacheConfig, ConfigKwargs, flag, option_keywords
 from ...source.memory import NoWeights
 from ...spec import Layer, ModulationSpec
 from .compat import (
@@ -69,7 +69,15 @@ from .quantized import (
 )
 from .request import Builder, CallWatch, Requests, ScheduleWatch, request_plans
 from .signature import Signature, Variant, upstream_digest_of
-from .sources import NeverLoaded, Source, changed_since, check_tables_against_model, checkpoint_source, model_source
+from .sources import (
+    NeverLoaded,
+    Quantization,
+    Source,
+    changed_since,
+    check_tables_against_model,
+    checkpoint_source,
+    model_source,
+)
 
 if TYPE_CHECKING:
     from ... import BuildReport, CacheStats
@@ -82,100 +90,26 @@ HANDLE_ATTRIBUTE = "_adalncache_handle"
 #: The pipeline components that are transformers the cache can serve.
 PIPELINE_TRANSFORMERS = ("transformer", "transformer_ref")
 
-OnMiss = Literal["build", "raise"]
-QuantizedProjections = Literal["model", "checkpoint"]
 CheckpointArg = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
 
 
 # -- settings -------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class CacheOptions(options.CacheOptions):
-    """Options of the :class:`~adalncache.AdalnCache` an enabled model is served from.
-
-    Every option of :class:`adalncache.options.CacheOptions` (each checked when this is built, the
-    ConfigError naming its CLI flag), plus where the cache lives:
-
-    Attributes:
-        device: where the cache lives; it must be the model's device (``None``: the model's).
-    """
-
-    device: torch.device | str | None = None
-
-    def device_for(self, model_device: torch.device) -> torch.device:
-        """The cache's device: the model's, which ``device`` may name but not change."""
-        if self.device is None:
-            return model_device
-        try:
-            device = torch.device(self.device)
-        except (RuntimeError, TypeError) as exc:
-            raise ConfigError(
-                f"device {self.device!r} is not a torch device: set device= (CLI {flag('device')})"
-            ) from exc
-        if device.type != model_device.type or device.index not in (None, model_device.index):
-            raise ConfigError(
-                f"device={device} (CLI {flag('device')}) differs from the model's device {model_device}: the cache "
-                "serves the forward, so it must live where the model runs; move the model first"
-            )
+def cache_device(device: torch.device | str | None, model_device: torch.device) -> torch.device:
+    """The cache's device: the model's, which ``device=`` may name but not change."""
+    if device is None:
         return model_device
-
-    def build(self, spec: ModulationSpec, source: Source | None, device: torch.device) -> AdalnCache:
-        """The cache for ``spec`` over ``source`` on ``device``."""
-        return AdalnCache(spec, source, device=device, **self.kwargs())
-
-
-@dataclass(frozen=True)
-class AdalnCacheConfig:
-    """Settings of :func:`~adalncache.diffusers.enable_adaln_cache` for one transformer.
-
-    Attributes:
-        checkpoint: safetensors file, directory or list of files holding the projections (native or
-            diffusers layout). ``None`` serves the model's own tensors from host memory.
-        on_miss: what a forward outside a prepared request does when its plan is not resident:
-            ``"build"`` builds it (one warning per handle), ``"raise"`` raises
-            :class:`~adalncache.PlanNotCachedError`.
-        free_time_embedder: also move the time embedder off the device. ``None`` (auto) frees it unless
-            another diffusers hook is attached to the model, since such a hook might read ``temb``; the
-            AdaLN projections are its only consumers in the stock forward.
-        layout: checkpoint layout, ``"auto"``, ``"native"`` or ``"diffusers"``.
-        verify_checkpoint: stream the checkpoint once at enable time and refuse it unless its
-            projections equal the model's (keep it on: a fine-tune or a fused LoRA must not be served
-            from the base file).
-        quantized_projections: where the tables of quantized or layerwise-cast AdaLN projections come
-            from. ``"model"`` (default): the model's own projections, through their own forward, so
-            outputs equal the quantized model's; a ``checkpoint`` is then refused. ``"checkpoint"``:
-            full-precision tables from the unquantized ``checkpoint`` (a plain linear of its weights).
-            No effect on a model with plain projections.
-        overlap: run a pipeline request's rebuild pass on a background thread, started as soon as its
-            plans are known (``QwenImagePipeline`` and the MiniMax-H3 modular pipeline: when the call
-            begins, before the prompt is encoded, from its arguments), so its first step waits only for
-            the first step's plans (:mod:`.request`).
-        cache_options: the options of the :class:`~adalncache.AdalnCache` (:class:`CacheOptions`).
-    """
-
-    checkpoint: CheckpointArg | None = None
-    on_miss: OnMiss = "build"
-    free_time_embedder: bool | None = None
-    layout: str = "auto"
-    verify_checkpoint: bool = True
-    quantized_projections: QuantizedProjections = "model"
-    overlap: bool = False
-    cache_options: CacheOptions = field(default_factory=CacheOptions)
-
-    def __post_init__(self) -> None:
-        if self.on_miss not in ("build", "raise"):
-            raise ConfigError(f"on_miss must be 'build' or 'raise', got {self.on_miss!r}")
-        if self.free_time_embedder not in (None, True, False):
-            raise ConfigError(f"free_time_embedder must be None, True or False, got {self.free_time_embedder!r}")
-        if self.quantized_projections not in ("model", "checkpoint"):
-            raise ConfigError(
-                f"quantized_projections must be 'model' or 'checkpoint', got {self.quantized_projections!r}"
-            )
-        if not isinstance(self.overlap, bool):
-            raise ConfigError(f"overlap must be True or False, got {self.overlap!r}")
-        if not isinstance(self.cache_options, CacheOptions):
-            raise ConfigError(f"cache_options must be a CacheOptions, got {type(self.cache_options).__name__}")
+    try:
+        named = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ConfigError(f"device {device!r} is not a torch device: set device= (CLI {flag('device')})") from exc
+    if named.type != model_device.type or named.index not in (None, model_device.index):
+        raise ConfigError(
+            f"device={named} (CLI {flag('device')}) differs from the model's device {model_device}: the cache "
+            "serves the forward, so it must live where the model runs; move the model first"
+        )
+    return model_device
 
 
 # -- where an enabling serves from ----------------------------------------------------------------
@@ -220,7 +154,8 @@ def choose_source(
     spec: ModulationSpec,
     family: DiffusersFamily,
     config: AdalnCacheConfig,
-    execution: torch.device,
+    checkpoint: CheckpointArg | None,
+    device: torch.device,
     never_loaded: NeverLoaded | None,
 ) -> SourceChoice:
     """Check the model and the options and choose the source; the model is not changed. In this order:
@@ -236,8 +171,6 @@ def choose_source(
     """
     if never_loaded is None:
         check_materialised(family, model, spec)
-    options = config.cache_options
-    device = options.device_for(execution)
     free_time_embedder = config.free_time_embedder
     if free_time_embedder is None:
         free_time_embedder = not other_hooks_present(model)
@@ -247,13 +180,13 @@ def choose_source(
     storage = storage_of(modules, family.projection_path)
     check_storage_options(
         storage,
-        checkpoint=config.checkpoint,
+        checkpoint=checkpoint,
         quantized_projections=config.quantized_projections,
-        precision=options.precision,
-        shard=options.shard,
-        process_group=options.process_group,
+        precision=config.precision,
+        shard=config.shard,
+        process_group=config.process_group,
         device=device,
-        tables=options.tables,
+        tables=config.tables,
     )
     choice = SourceChoice(
         None,
@@ -265,23 +198,21 @@ def choose_source(
     )
     # The rows come from the model's own upstream modules, whichever source the projections are read from.
     upstream = upstream_digest_of(model, spec, family)
-    if config.checkpoint is not None:
+    if checkpoint is not None:
         verify = config.verify_checkpoint and not storage.opaque
-        choice.source, choice.digest = checkpoint_source(
-            config.checkpoint, spec, modules, layout=config.layout, verify=verify
-        )
+        choice.source, choice.digest = checkpoint_source(checkpoint, spec, modules, layout=config.layout, verify=verify)
         if storage.opaque:
             # disable() gives back the quantized weights
-            choice.host_tensors = own_tensors(modules, execution, family.projection_path)
+            choice.host_tensors = own_tensors(modules, device, family.projection_path)
             choice.plain_variant = full_precision_variant(model)
-    elif options.tables is not None:
+    elif config.tables is not None:
         check_tables_against_model(
-            spec, modules, options.tables, device=device, precision=options.precision, upstream=upstream
+            spec, modules, config.tables, device=device, precision=config.precision, upstream=upstream
         )
     elif storage.opaque:
-        choice.source, choice.host_tensors = opaque_model_source(spec, modules, execution)
+        choice.source, choice.host_tensors = opaque_model_source(spec, modules, device)
     else:
-        choice.source, choice.host_tensors, choice.host_buffers = model_source(spec, modules, execution)
+        choice.source, choice.host_tensors, choice.host_buffers = model_source(spec, modules, device)
     if choice.source is not None:
         cast(Any, choice.source).upstream = upstream  # read by the binding (identity.binding.upstream_of)
     return choice
@@ -372,13 +303,21 @@ class AdalnCacheHandle:
     handle's lock; a forward whose plan is resident takes no lock but the cache's short one.
     """
 
-    def __init__(self, model: nn.Module, config: AdalnCacheConfig) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        config: AdalnCacheConfig,
+        checkpoint: CheckpointArg | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
         # Any: a diffusers model whose submodules are reached by attribute, which mypy cannot follow.
         self.model: Any = model
-        self.config = config
+        #: The options (one set of table files); ``checkpoint``: what enabling serves from (None: the
+        #: model's own tensors, or table files alone).
+        self.config, self.checkpoint = config, checkpoint
         self.enabled = False
         #: Where the forward runs and the cache lives (offloading keeps the weights elsewhere).
-        self.device = execution_device(model) or device_of(model)
+        self.device = cache_device(device, execution_device(model) or device_of(model))
         self.source: Source | None = None
         self.cache: AdalnCache  # set by _enable(), which enable_transformer() calls right away
         self._overrides: tuple[str, ...] = ()
@@ -404,6 +343,8 @@ class AdalnCacheHandle:
         self._casting_at_enable: frozenset[str] = frozenset()
         #: The content digest of the checkpoint's projections, learnt by the verification at enable.
         self._digest: str | None = None
+        #: The quantizer the model was loaded through (``load_transformer(quantization_config=...)``).
+        self._quantization: Quantization | None = None
 
     @property
     def overlap(self) -> bool:
@@ -503,6 +444,8 @@ class AdalnCacheHandle:
         self._overrides = ()
         freed = self._parking.freed
         self._parking.put_back(restored)
+        if self._quantization is not None:  # the model loaded quantized: its projections are quantized again
+            self._quantization.restore([self.family.projection_path(layer) for layer in self.spec.layers()])
         settle_casting(self.family.served_modules(self.model, self.spec), self._casting_at_enable)
         self.family.release_blocks(self.model)
         reapply_group_offloading(self.model)
@@ -533,7 +476,7 @@ class AdalnCacheHandle:
             assert self.source is not None
             if changed_since(self.source, self._enabled_fingerprint):
                 raise CheckpointError(
-                    f"checkpoint {self.config.checkpoint} changed on disk since enable_adaln_cache() verified "
+                    f"checkpoint {self.checkpoint} changed on disk since enable_adaln_cache() verified "
                     "it, so restoring the projection weights from it may not give back the original model; "
                     "reload the model, or call disable(allow_changed_checkpoint=True) to restore from the "
                     "file as it is"
@@ -568,13 +511,17 @@ class AdalnCacheHandle:
         # The real block list, for builds inside a forward that swaps model.transformer_blocks (cache-dit).
         self.family.capture_blocks(model)
         try:
-            choice = choose_source(model, self.spec, self.family, self.config, self.device, never_loaded)
+            choice = choose_source(
+                model, self.spec, self.family, self.config, self.checkpoint, self.device, never_loaded
+            )
+            if never_loaded is not None:
+                self._quantization = never_loaded.quantization
             self.source, self._storage, self._digest = choice.source, choice.storage, choice.digest
             self._casting_at_enable, self._host_buffers = choice.casting_at_enable, choice.host_buffers
             self.cache = (
                 never_loaded.cache
                 if never_loaded is not None
-                else self.config.cache_options.build(self.spec, choice.source, choice.device)
+                else AdalnCache(self.spec, choice.source, device=choice.device, config=self.config)
             )
         except BaseException:
             self.family.release_blocks(model)
@@ -624,7 +571,7 @@ class AdalnCacheHandle:
             self._parking,
             self._lock,
             casting_at_enable=choice.casting_at_enable,
-            plain_variant=choice.plain_variant,
+            plain_variant=choice.plain_variant if self._quantization is None else self._quantization.variant,
             rebuildable=getattr(self.cache.source, "serves_weights", True),
         )
         signature.hooks = hooks
@@ -639,6 +586,7 @@ class AdalnCacheHandle:
             lambda: self.device,
             plain_tables=choice.plain_variant is not None,
             on_miss=self.config.on_miss,
+            quantization=self._quantization,
         )
 
     def _install_overrides(self) -> None:
@@ -684,10 +632,15 @@ class AdalnCacheHandle:
 
 
 def enable_transformer(
-    model: nn.Module, config: AdalnCacheConfig, *, never_loaded: NeverLoaded | None = None
+    model: nn.Module,
+    config: AdalnCacheConfig,
+    checkpoint: CheckpointArg | None = None,
+    *,
+    device: torch.device | str | None = None,
+    never_loaded: NeverLoaded | None = None,
 ) -> AdalnCacheHandle:
     """Enable the cache on one transformer; on failure the model is left as it was."""
-    handle = AdalnCacheHandle(model, config)
+    handle = AdalnCacheHandle(model, config, checkpoint, device)
     handle._enable(never_loaded=never_loaded)
     return handle
 
@@ -724,17 +677,18 @@ class PipelineAdalnCacheHandle:
     def enabled(self) -> bool:
         return any(handle.enabled for handle in self.handles.values())
 
+    def _each(self, read: Callable[[AdalnCacheHandle], Any]) -> Any:
+        """``read`` of the only transformer's handle, else a dict of it by component name."""
+        found = {name: read(handle) for name, handle in self.handles.items()}
+        return next(iter(found.values())) if len(found) == 1 else found
+
     @property
     def cache(self) -> Any:
-        if len(self.handles) == 1:
-            return next(iter(self.handles.values())).cache
-        return {name: handle.cache for name, handle in self.handles.items()}
+        return self._each(lambda handle: handle.cache)
 
     @property
     def stats(self) -> Any:
-        if len(self.handles) == 1:
-            return next(iter(self.handles.values())).stats
-        return {name: handle.stats for name, handle in self.handles.items()}
+        return self._each(lambda handle: handle.stats)
 
     def prepare(
         self, plans: Sequence[Any], *, attention_kwargs: Mapping[str, Any] | None = None, component: str | None = None
@@ -746,10 +700,7 @@ class PipelineAdalnCacheHandle:
                     f"component={component!r} has no AdaLN cache on this pipeline; choose one of {sorted(self.handles)}"
                 )
             return self.handles[component].prepare(plans, attention_kwargs=attention_kwargs)
-        reports = {
-            name: handle.prepare(plans, attention_kwargs=attention_kwargs) for name, handle in self.handles.items()
-        }
-        return next(iter(reports.values())) if len(reports) == 1 else reports
+        return self._each(lambda handle: handle.prepare(plans, attention_kwargs=attention_kwargs))
 
     def release(self) -> None:
         """Release the calling thread's request on every transformer, then raise PlanMismatchError if a
@@ -834,7 +785,8 @@ class PipelineAdalnCacheHandle:
 def enable_pipeline(
     pipeline: Any,
     checkpoint: CheckpointArg | Mapping[str, CheckpointArg] | None,
-    config_for: Callable[[CheckpointArg | None, str], AdalnCacheConfig],
+    config: AdalnCacheConfig,
+    device: torch.device | str | None,
 ) -> PipelineAdalnCacheHandle:
     """Enable the cache on every served transformer of ``pipeline``; all or none.
 
@@ -877,7 +829,7 @@ def enable_pipeline(
                 f"{name} already serves its AdaLN projections from its own cache (load_transformer enabled it): "
                 f"drop checkpoint= for {name}"
             )
-        if config_for(None, name).overlap and not handle.config.overlap:
+        if config.overlap and not handle.config.overlap:
             raise ConfigError(
                 f"overlap=True cannot be turned on for {name}, whose cache load_transformer enabled without it: "
                 "pass overlap=True to load_transformer instead"
@@ -885,7 +837,9 @@ def enable_pipeline(
     handles: dict[str, AdalnCacheHandle] = {}
     try:
         for name, model in components.items():
-            handles[name] = adopted.get(name) or enable_transformer(model, config_for(checkpoints[name], name))
+            handles[name] = adopted.get(name) or enable_transformer(
+                model, component_config(config, name), checkpoints[name], device=device
+            )
     except BaseException:
         for name, handle in handles.items():
             if name not in adopted:
@@ -896,20 +850,24 @@ def enable_pipeline(
     return pipeline_handle
 
 
+def component_config(config: AdalnCacheConfig, component: str | None) -> AdalnCacheConfig:
+    """The options of one transformer: ``tables=`` given as a mapping by component name is that
+    component's files (a mapping only a pipeline takes)."""
+    if not isinstance(config.tables, Mapping):
+        return config
+    if component is None:  # the cache's own refusal of a mapping, before the model is looked at
+        AdalnCacheConfig.of({}, where="enable_adaln_cache()", config=config, cache=True)
+    return replace(config, tables=config.tables.get(component))
+
+
 @option_keywords()
 def enable_adaln_cache(
     model_or_pipeline: Any,
     checkpoint: CheckpointArg | Mapping[str, CheckpointArg] | None = None,
     *,
-    on_miss: OnMiss = "build",
-    free_time_embedder: bool | None = None,
-    layout: str = "auto",
-    verify_checkpoint: bool = True,
-    quantized_projections: QuantizedProjections = "model",
-    overlap: bool = False,
+    config: AdalnCacheConfig | None = None,
     device: torch.device | str | None = None,
-    tables: TablesArg | Mapping[str, TablesArg] | None = None,
-    **options: Unpack[ServingKwargs],
+    **options: Unpack[ConfigKwargs],
 ) -> AdalnCacheHandle | PipelineAdalnCacheHandle:
     """Serve the AdaLN modulation of a supported transformer (or pipeline) from bit-exact tables.
 
@@ -926,53 +884,23 @@ def enable_adaln_cache(
             pipeline such as ``QwenImagePipeline``: every call of a pipeline is a request, ended however
             the call ends, and a classic pipeline's whole schedule is prepared in one pass at its first
             forward. A transformer whose cache is already enabled (``load_transformer``) keeps it.
-        checkpoint, on_miss, free_time_embedder, layout, verify_checkpoint, quantized_projections, overlap:
-            as :class:`AdalnCacheConfig` documents them; for a pipeline with both transformers,
-            ``checkpoint`` is a mapping by component name.
+        checkpoint: safetensors file, directory or list of files holding the projections (native or
+            diffusers layout), verified against the model's; for a pipeline with both transformers, a
+            mapping by component name. ``None`` serves the model's own tensors from host memory.
+        config: the options as one :class:`~adalncache.options.AdalnCacheConfig`; each keyword option
+            given beside it replaces that field (``config=base, store=...``).
         device: where the cache lives; it must be the model's (``None``: the model's, or the device an
             offloading hook runs it on); when the model moves (``.to()``), the cache follows.
-        tables: table files written by ``adalncache export``, searched in order as a read-only tier below
-            the store (a mapping by component name for a pipeline with both transformers). A file that
-            does not fit the model is refused with ``ConfigError``. With ``checkpoint=None`` the model's
-            projections are checked against bound files, then freed: plans the files hold are served,
-            any other raises ``PlanNotCachedError``, and ``disable()`` cannot bring them back.
         {cache options}
 
-    An unknown keyword is a ``TypeError`` naming it; a bad value a ``ConfigError`` naming the argument
-    and its CLI flag, before the model is modified. Returns a handle with ``.cache``,
-    ``.prepare(plans)``, ``.stats`` and ``.disable()``; for a pipeline, one per transformer behind a
-    :class:`PipelineAdalnCacheHandle`.
+    ``tables``: with ``checkpoint=None`` the model's projections are checked against bound files, then
+    freed: plans the files hold are served, any other raises ``PlanNotCachedError``, and ``disable()``
+    cannot bring them back. An unknown keyword is a ``TypeError`` naming it and the closest option; a bad
+    value a ``ConfigError`` naming the argument and its CLI flag, before the model is modified. Returns a
+    handle with ``.cache``, ``.prepare(plans)``, ``.stats`` and ``.disable()``; for a pipeline, one per
+    transformer behind a :class:`PipelineAdalnCacheHandle`.
     """
-
-    def options_for(files: TablesArg | None) -> CacheOptions:
-        unknown = [name for name in options if name not in OPTION_NAMES]
-        if unknown:
-            raise TypeError(f"enable_adaln_cache() got an unexpected keyword argument {unknown[0]!r}")
-        return CacheOptions(**options, device=device, tables=files)
-
-    # One set of options for every transformer, unless the table files differ per component.
-    shared = options_for(None if isinstance(tables, Mapping) else tables)
-
-    def config_for(path: CheckpointArg | None, component: str | None = None) -> AdalnCacheConfig:
-        files: Any = tables
-        if isinstance(tables, Mapping):
-            if component is None:
-                raise ConfigError(
-                    "tables= is a mapping by component name, which only a pipeline takes; pass one path (or a "
-                    "list of paths) for a single transformer"
-                )
-            files = tables.get(component)
-        return AdalnCacheConfig(
-            checkpoint=path,
-            on_miss=on_miss,
-            free_time_embedder=free_time_embedder,
-            layout=layout,
-            verify_checkpoint=verify_checkpoint,
-            quantized_projections=quantized_projections,
-            overlap=overlap,
-            cache_options=shared if not isinstance(tables, Mapping) else options_for(files),
-        )
-
+    given = AdalnCacheConfig.of(options, where="enable_adaln_cache()", config=config)
     if isinstance(model_or_pipeline, torch.nn.Module):
         family_of(model_or_pipeline)  # a refused or unknown class: ConfigError naming why, nothing changed
         if isinstance(checkpoint, Mapping):
@@ -980,8 +908,8 @@ def enable_adaln_cache(
                 "checkpoint= is a mapping by component name, which only a pipeline takes; pass one path for a "
                 "single transformer"
             )
-        return enable_transformer(model_or_pipeline, config_for(checkpoint))
-    return enable_pipeline(model_or_pipeline, checkpoint, config_for)
+        return enable_transformer(model_or_pipeline, component_config(given, None), checkpoint, device=device)
+    return enable_pipeline(model_or_pipeline, checkpoint, given, device)
 
 
-__all__ = ["AdalnCacheConfig", "AdalnCacheHandle", "PipelineAdalnCacheHandle", "enable_adaln_cache"]
+__all__ = ["AdalnCacheHandle", "PipelineAdalnCacheHandle", "enable_adaln_cache"]

@@ -31,25 +31,25 @@ import os
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from typing_extensions import Unpack
 
-from ... import CheckpointSource, families
+from ... import AdalnCache, CheckpointSource, families
 from ...errors import CheckpointError, ConfigError
-from ...options import CacheKwargs, flag, option_keywords
+from ...options import AdalnCacheConfig, ConfigKwargs, flag, option_keywords
 from ...source.files import CheckpointFiles, SafetensorsHeader, checkpoint_files
 from ...source.memory import NoWeights
 from ...source.reads import MappedFile
 from ...spec import KeyLayout, Layer, ModulationSpec
 from .family import DIFFUSERS, DiffusersFamily, base_linear, by_name
-from .handle import AdalnCacheConfig, CacheOptions, CheckpointArg, OnMiss, enable_transformer
+from .handle import CheckpointArg, enable_transformer
 from .parking import RESIDUE_BYTES
 from .signature import upstream_digest_of
-from .sources import CastCheckpointSource, CheckpointMismatchError, NeverLoaded, Source
+from .sources import CastCheckpointSource, CheckpointMismatchError, NeverLoaded, Quantization, Source
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +62,9 @@ SPLITTING_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
 
 #: The dtypes a MiniMax-H3 transformer may be loaded in.
 TORCH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+#: The quantization methods whose loaded weights a pass reproduces (``quant_method``: the config's name).
+QUANTIZERS = {"torchao": "TorchAoConfig"}
 
 #: The row order of a native checkpoint's fused ``qkv_proj`` (diffusers' converter cannot tell).
 QKV_LAYOUTS = ("stacked", "interleaved")
@@ -80,21 +83,26 @@ class _Files:
         return (header, header.entries[key]) if header is not None else None
 
 
-@option_keywords(exclude=("device",))
+#: Options of enable_adaln_cache that load_transformer has no use for: it never reads the projections to
+#: verify them (the headers are checked), and loads them quantized only through ``quantization_config``.
+NOT_LOADING_OPTIONS = ("verify_checkpoint", "quantized_projections")
+
+ModelConfig = str | os.PathLike[str] | Mapping[str, Any]
+
+
+@option_keywords(exclude=NOT_LOADING_OPTIONS)
 def load_transformer(
     path: str | os.PathLike[str],
     *,
     subfolder: str | None = None,
-    config: str | os.PathLike[str] | Mapping[str, Any] | None = None,
+    config: AdalnCacheConfig | ModelConfig | None = None,
+    model_config: ModelConfig | None = None,
+    quantization_config: Any = None,
     torch_dtype: torch.dtype | None = None,
     device_map: Any = None,
     checkpoint: CheckpointArg | None = None,
-    layout: str = "auto",
     qkv_layout: str | None = None,
-    on_miss: OnMiss = "build",
-    free_time_embedder: bool | None = None,
-    overlap: bool = False,
-    **options: Unpack[CacheKwargs],
+    **options: Unpack[ConfigKwargs],
 ) -> Any:
     """Load a transformer of a supported family whose AdaLN projections are never loaded, cache enabled.
 
@@ -111,8 +119,13 @@ def load_transformer(
             index or not) or the native layout (``*.safetensors``, with its index when sharded).
         subfolder: the transformer's folder inside ``path`` (``"transformer"`` for a pipeline
             repository).
-        config: where the diffusers config is when ``path`` has none (a native checkpoint): a
+        config: the options as one :class:`~adalncache.options.AdalnCacheConfig` (each keyword option
+            given beside it replaces that field). A directory, ``config.json`` file or mapping here is
+            taken as ``model_config`` (as before ``model_config`` existed).
+        model_config: where the diffusers config is when ``path`` has none (a native checkpoint): a
             directory or ``config.json`` file, or the config as a mapping.
+        quantization_config: a diffusers quantization config (``TorchAoConfig``, ``QuantoConfig``, ...),
+            as for ``from_pretrained``: see the docs (diffusers.md) for the ones supported.
         torch_dtype: the dtype to load in, as for ``from_pretrained``: ``torch.bfloat16`` is the
             released mixed precision (the time embedder, patch projections and heads stay fp32);
             ``None`` loads everything in fp32.
@@ -146,32 +159,54 @@ def load_transformer(
     checkpoint whose projections do not fit the config; ``CheckpointError`` for a model file that is
     malformed, lacks tensors the model needs, or changed on disk during the load.
     """
-    cache_options = CacheOptions.of(options, where="load_transformer()")
+    if config is not None and not isinstance(config, AdalnCacheConfig):
+        if model_config is not None:
+            raise ConfigError(
+                "config= is a diffusers model config and model_config= is given too: pass the model config as "
+                "model_config= and the cache's options as config=AdalnCacheConfig(...)"
+            )
+        config, model_config = None, config
+    settings = AdalnCacheConfig.of(options, where="load_transformer()", config=config, exclude=NOT_LOADING_OPTIONS)
+    if config is not None and (config.quantized_projections, config.verify_checkpoint) != ("model", True):
+        raise ConfigError(
+            "load_transformer takes no verify_checkpoint or quantized_projections (it never reads the projections to "
+            "verify them, and quantizes only through quantization_config=): leave them at their defaults in config="
+        )
+    layout, free_time_embedder = settings.layout, settings.free_time_embedder
+    quantizer, torch_dtype = _quantizer(quantization_config, torch_dtype, device_map)
+    if quantizer is not None:
+        if free_time_embedder:
+            raise ConfigError(
+                "free_time_embedder=True cannot be combined with quantization_config=: the time embedder is loaded "
+                "through the quantizer like from_pretrained loads it; leave free_time_embedder at None"
+            )
+        free_time_embedder = False
+    config = model_config
     directory = _model_directory(path, subfolder)
     cls, family = _transformer_class(directory, config)
     _check_load_arguments(torch_dtype, qkv_layout, layout, family)
     device, hf_device_map = _single_device(device_map)
     config_dict, unused = _load_config(cls, path, subfolder, directory, config)
     model = _build_on_meta(cls, config_dict, unused, torch_dtype)
-    plan = _plan_load(model, family, directory, layout, qkv_layout, config_dict, torch_dtype, free_time_embedder)
+    keep = list(cls._keep_in_fp32_modules or [])
+    if quantizer is not None:
+        if not getattr(quantizer, "use_keep_in_fp32_modules", False):  # as from_pretrained decides it
+            keep = []
+        quantizer.preprocess_model(model=model, device_map=hf_device_map, keep_in_fp32_modules=keep)
+    plan = _plan_load(
+        model, family, directory, layout, qkv_layout, config_dict, torch_dtype, free_time_embedder, keep, quantizer
+    )
     spec = family.spec(model)
 
     # 2. The source the cache serves from, checked against the config before any weight is read.
-    tables_only = checkpoint is None and cache_options.tables is not None and not _has_projections(plan)
+    tables_only = checkpoint is None and settings.tables is not None and not _has_projections(plan)
     source, free = _source_of(plan, spec, checkpoint, layout, free_time_embedder, tables_only=tables_only)
+    settings = replace(settings, free_time_embedder=free, verify_checkpoint=False)
     served_from: Any = source if source is not None else NoWeights(spec)
     # Read by the binding when a tier first needs it: the load itself reads no time-embedder byte.
     served_from.upstream = _upstream_of_load(model, family, spec, plan, source, free)
-    cache = cache_options.build(spec, served_from, device or torch.device("cpu"))
-    handle_config = AdalnCacheConfig(
-        checkpoint=checkpoint if checkpoint is not None else None if tables_only else list(plan.files.files),
-        on_miss=on_miss,
-        free_time_embedder=free,
-        layout=layout,
-        verify_checkpoint=False,
-        overlap=overlap,
-        cache_options=cache_options,
-    )
+    cache = AdalnCache(spec, served_from, device=device or torch.device("cpu"), config=settings)
+    serving = checkpoint if checkpoint is not None else None if tables_only else list(plan.files.files)
     fingerprint = cache.source.fingerprint
 
     # 3. Every other tensor, file by file, through the stock placement.
@@ -180,9 +215,11 @@ def load_transformer(
         raise CheckpointError(f"the checkpoint in {directory} changed on disk while it was being loaded; load it again")
 
     target = device or torch.device("cpu")
-    _place(model, path, device, hf_device_map)
+    _place(model, path, device, hf_device_map, quantizer, torch_dtype)
     residues = _stock_residues(_resident_files(plan.files, config), plan.files, served, plan.placeholders, target)
-    enable_transformer(model, handle_config, never_loaded=NeverLoaded(cache.source, cache, residues, target))
+    quantization = Quantization(quantizer, model) if quantizer is not None else None
+    never_loaded = NeverLoaded(cache.source, cache, residues, target, quantization)
+    enable_transformer(model, settings, serving, never_loaded=never_loaded)
     logger.info(
         "load_transformer: %s loaded without its AdaLN projections (%.1f MB never read), cache enabled on %s",
         directory,
@@ -212,6 +249,7 @@ class _LoadPlan:
     qkv_layout: str | None
     torch_dtype: torch.dtype | None
     keep: list[str]
+    quantizer: Any = None
 
 
 def _plan_load(
@@ -223,6 +261,8 @@ def _plan_load(
     config: dict[str, Any],
     torch_dtype: torch.dtype | None,
     free_time_embedder: bool | None,
+    keep: list[str],
+    quantizer: Any,
 ) -> _LoadPlan:
     """Step 1: the files, the served tensors, and their placeholders run through the stock dtype rule on meta.
 
@@ -236,7 +276,6 @@ def _plan_load(
         sharded = files.checkpoint.index is not None or len(files.files) > 1
         qkv_layout = qkv_layout or ("interleaved" if sharded else "stacked")
     expected: set[str] = set(model.state_dict())
-    keep = list(type(model)._keep_in_fp32_modules or [])
     # A projection built without a bias (nn.Linear(..., bias=False)) has none in the files either.
     biased = {layer for layer in layers if getattr(family.projection_module(model, layer), "bias", None) is not None}
     linears = [(path, base_linear(linear).bias is not None) for path, linear in family.time_embedder_linears(model)]
@@ -246,7 +285,7 @@ def _plan_load(
     placeholders = _meta_tensors(files, served, config, qkv_layout)
     _load_into(model, placeholders, torch_dtype, keep, {"": torch.device("meta")})
     return _LoadPlan(
-        files, family.layout, served, placeholders, linears, expected, config, qkv_layout, torch_dtype, keep
+        files, family.layout, served, placeholders, linears, expected, config, qkv_layout, torch_dtype, keep, quantizer
     )
 
 
@@ -263,19 +302,65 @@ def _load_the_rest(
     for header in plan.files.checkpoint.headers:
         state = _real_tensors(header, plan.files.layout, served, plan.config, plan.qkv_layout)
         seen.update(state)
-        _load_into(model, state, plan.torch_dtype, plan.keep, device_map)
+        _load_into(model, state, plan.torch_dtype, plan.keep, device_map, plan.quantizer)
     never_in_files = {ours for _, (ours, kind) in plan.served.items() if kind == "projection"} if tables_only else set()
     _check_loaded(directory, plan.expected, seen, never_in_files)
     return served
 
 
-def _place(model: Any, path: Any, device: torch.device | None, hf_device_map: dict[str, Any] | None) -> None:
-    """What ``from_pretrained`` does last: computed buffers on the device, the map and name recorded, eval mode."""
+def _place(
+    model: Any,
+    path: Any,
+    device: torch.device | None,
+    hf_device_map: dict[str, Any] | None,
+    quantizer: Any,
+    torch_dtype: torch.dtype | None,
+) -> None:
+    """What ``from_pretrained`` does last: computed buffers on the device, the map and name recorded, the
+    quantizer's own last step, eval mode."""
     if device is not None:
         _move_buffers(model, device)  # rope.inv_freq is computed, not loaded (dispatch_model's .to() moves it)
         model.hf_device_map = dict(hf_device_map or {})
-    model.register_to_config(_name_or_path=path)  # as given, like from_pretrained
+    if quantizer is not None:
+        quantizer.postprocess_model(model)
+        model.hf_quantizer = quantizer
+        model.register_to_config(_name_or_path=path, _pre_quantization_dtype=torch_dtype)
+    else:
+        model.register_to_config(_name_or_path=path)  # as given, like from_pretrained
     model.eval()
+
+
+def _quantizer(
+    quantization_config: Any, torch_dtype: torch.dtype | None, device_map: Any
+) -> tuple[Any, torch.dtype | None]:
+    """diffusers' quantizer for ``quantization_config`` and the dtype it loads in, as ``from_pretrained`` makes
+    them; ConfigError for a config this loader cannot apply (a GGUF file, an environment the quantizer
+    refuses, a method whose loaded weights a pass cannot reproduce)."""
+    if quantization_config is None:
+        return None, torch_dtype
+    from diffusers.quantizers import DiffusersAutoQuantizer
+
+    kind = type(quantization_config).__name__
+    if kind == "GGUFQuantizationConfig":
+        raise ConfigError(
+            "quantization_config=GGUFQuantizationConfig: load_transformer reads a directory of safetensors files, and "
+            "a GGUF checkpoint is one .gguf file; load it with from_single_file(..., quantization_config=...) and call "
+            "enable_adaln_cache(model), which serves its own quantized projections exactly"
+        )
+    try:
+        quantizer = DiffusersAutoQuantizer.from_config(quantization_config, pre_quantized=False)
+        quantizer.validate_environment(torch_dtype=torch_dtype, device_map=device_map)
+    except (ImportError, RuntimeError, ValueError) as exc:
+        raise ConfigError(f"quantization_config={kind} cannot load on this machine: {exc}") from exc
+    method = str(getattr(quantizer.quantization_config.quant_method, "value", ""))
+    if method not in QUANTIZERS:
+        raise ConfigError(
+            f"quantization_config={kind}: load_transformer quantizes with {', '.join(QUANTIZERS.values())} only (each "
+            "projection quantized in the cache's passes exactly as the loader would); load the model with "
+            "from_pretrained(..., quantization_config=...) and call enable_adaln_cache(model), which serves its own "
+            "quantized projections exactly"
+        )
+    return quantizer, quantizer.update_torch_dtype(torch_dtype)
 
 
 # ---------------------------------------------------------------------------------------------------- arguments
@@ -327,8 +412,8 @@ def _check_loaded(directory: Path, expected: set[str], seen: set[str], never_in_
     if missing:
         raise CheckpointError(
             f"the model files in {directory} lack {len(missing)} tensor(s) the model needs ({', '.join(missing[:5])}"
-            f"{', ...' if len(missing) > 5 else ''}): pass path= the transformer's own directory (or config= its "
-            "matching config)"
+            f"{', ...' if len(missing) > 5 else ''}): pass path= the transformer's own directory (or model_config= "
+            "its matching config)"
         )
     unexpected = sorted(seen - expected)
     if unexpected:
@@ -355,7 +440,7 @@ def _transformer_class(directory: Path, config: Any) -> tuple[Any, DiffusersFami
 
 
 def _class_name(directory: Path, config: Any) -> str | None:
-    """``_class_name`` of the config ``config=`` names, else of ``directory``'s ``config.json`` (None: none)."""
+    """``_class_name`` of the config ``model_config=`` names, else of ``directory``'s ``config.json`` (None: none)."""
     if isinstance(config, Mapping):
         data: Any = config
     else:
@@ -421,14 +506,14 @@ def _single_device(device_map: Any) -> tuple[torch.device | None, dict[str, Any]
 def _load_config(
     cls: Any, path: Any, subfolder: str | None, directory: Path, config: Any
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The model config as ``from_pretrained`` reads it (``config=`` overrides where it comes from)."""
+    """The model config as ``from_pretrained`` reads it (``model_config=`` overrides where it comes from)."""
     if isinstance(config, Mapping):
         return copy.deepcopy(dict(config)), {}
     where: Any = path
     sub = subfolder
     argument = "path="
     if config is not None:
-        where, sub, argument = Path(config), None, "config="
+        where, sub, argument = Path(config), None, "model_config="
         if where.is_file():
             where = where.parent
     try:
@@ -438,7 +523,7 @@ def _load_config(
     except (OSError, ValueError) as exc:
         raise ConfigError(
             f"{argument} has no transformer config (config.json) in {directory if config is None else where}: pass "
-            "the transformer's directory (subfolder='transformer' inside a pipeline repository), or config= the "
+            "the transformer's directory (subfolder='transformer' inside a pipeline repository), or model_config= the "
             f"directory of a matching diffusers config for a native checkpoint ({type(exc).__name__})"
         ) from None
     if loaded.get("_class_name") not in (None, cls.__name__):
@@ -671,14 +756,26 @@ def _real_tensors(
 
 
 def _load_into(
-    model: Any, state: dict[str, torch.Tensor], dtype: torch.dtype | None, keep: list[str], device_map: Any
+    model: Any,
+    state: dict[str, torch.Tensor],
+    dtype: torch.dtype | None,
+    keep: list[str],
+    device_map: Any,
+    quantizer: Any = None,
 ) -> None:
-    """diffusers' own placement: the stock dtype rule, then each tensor set on its device."""
+    """diffusers' own placement: the stock dtype rule, then each tensor set on its device (quantized on the way
+    where ``quantizer`` says so)."""
     from diffusers.models.model_loading_utils import load_model_dict_into_meta
 
     if state:
         load_model_dict_into_meta(
-            model, OrderedDict(state), dtype=dtype, keep_in_fp32_modules=keep, device_map=device_map
+            model,
+            OrderedDict(state),
+            dtype=dtype,
+            keep_in_fp32_modules=keep,
+            device_map=device_map,
+            hf_quantizer=quantizer,
+            unexpected_keys=[],
         )
 
 
@@ -694,7 +791,7 @@ def _resident_files(files: _Files, config: Any) -> _Files:
     """The weight files the resident model is loaded from, whose offsets its fp32 weights keep.
 
     For the diffusers layout these are the model files themselves. A native checkpoint is loaded
-    next to a diffusers config; when ``config=`` names a directory that also holds the diffusers
+    next to a diffusers config; when ``model_config=`` names a directory that also holds the diffusers
     weight files, ``from_pretrained(config)`` is the stock model, and its weights sit at *those*
     files' offsets, which need not equal the native files' modulo 16 (an fp32 GEMV's bits can
     depend on it). Otherwise the native files themselves.
@@ -710,7 +807,7 @@ def _resident_files(files: _Files, config: Any) -> _Files:
         return _model_files(where, DIFFUSERS, by_name(DEFAULT_FAMILY), 0)
     except CheckpointError as exc:
         logger.warning(
-            "load_transformer: the diffusers weights next to config= cannot be read (%s); the served fp32 "
+            "load_transformer: the diffusers weights next to model_config= cannot be read (%s); the served fp32 "
             "weights keep the native files' alignment",
             exc,
         )

@@ -74,6 +74,7 @@ from .family import (
 from .parking import TimeEmbedderLoan, WeightParking
 from .quantized import casting_compute_dtype, fresh_alias
 from .signature import Signature, Tuners, Variant, applied_lora_scale, lora_scale_of
+from .sources import Quantization
 
 if TYPE_CHECKING:
     from ... import AdalnCache, BuildReport
@@ -176,11 +177,13 @@ class Builder:
         device: Callable[[], torch.device],
         *,
         plain_tables: bool,
+        quantization: Quantization | None = None,
         on_miss: str,
     ) -> None:
         self.model, self.spec, self.family, self.cache = model, spec, family, cache
         self.parking, self.signature, self.lock, self.device = parking, signature, lock, device
         self.plain_tables = plain_tables
+        self.quantization = quantization
         self.on_miss = on_miss
         self._loan: TimeEmbedderLoan | None = None
         self._warned_miss = False
@@ -312,6 +315,8 @@ class Builder:
             if compute is not None:  # the layerwise-casting hook, bypassed below, would cast them so
                 tensor = tensor.to(compute)
             tensors[name] = fresh_alias(tensor)
+        if self.quantization is not None:  # loaded quantized: the weight as the quantizer loads it
+            tensors["weight"] = self.quantization.weight(self.family.projection_path(layer), tensors["weight"])
         # The class forward is called directly, not through a bypass of its instance forward: the output
         # layer's module carries the output hook, and another thread's forward calling it while a bypass
         # stood in its place would run the plain linear on its own input.

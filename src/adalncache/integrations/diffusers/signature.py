@@ -207,7 +207,8 @@ class Signature:
     """The variant of one enabled model's tables (module docstring), and the one they were built under.
 
     ``plain_variant``: set for full-precision tables of quantized projections from the checkpoint
-    (``quantized_projections="checkpoint"``): every table is built under it, and an adapter on a served
+    (``quantized_projections="checkpoint"``), or for tables quantized in the passes
+    (``load_transformer(quantization_config=...)``): every table is built under it, and an adapter on a served
     module is refused (it wraps the quantized module). ``rebuildable``: the cache has weights to build
     from (not table files alone).
     """
@@ -275,8 +276,9 @@ class Signature:
             if lora is not None:
                 raise ConfigError(
                     "LoRA adapters on the AdaLN projections cannot be combined with "
-                    "quantized_projections='checkpoint'; unload the adapter, or serve the model's own projections "
-                    "(quantized_projections='model' without checkpoint=)"
+                    "quantized_projections='checkpoint' (nor with load_transformer(quantization_config=...)); unload "
+                    "the adapter, or serve the model's own projections (quantized_projections='model' without "
+                    "checkpoint=, on a model from from_pretrained)"
                 )
             lora = self.plain_variant
         upstream = self._changed_upstream()

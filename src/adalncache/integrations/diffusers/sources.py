@@ -104,6 +104,51 @@ class NeverLoaded:
     cache: AdalnCache
     residues: Mapping[str, int]
     device: torch.device
+    quantization: Quantization | None = None
+
+
+class Quantization:
+    """A diffusers quantizer (``quantization_config=``) ``load_transformer`` loads the model through, and that
+    the cache's passes apply to each projection weight they read, so the tables are the quantized model's.
+
+    ``from_pretrained(..., quantization_config=...)`` quantizes each linear's weight as it is loaded
+    (``create_quantized_param``); a pass does the same to the weight it reads, on a fresh ``nn.Linear`` at the
+    projection's own path (so per-module rules such as ``modules_to_not_convert`` apply), and projects through
+    it: the rows equal the quantized model's. ``disable()`` quantizes the restored weights the same way.
+    """
+
+    def __init__(self, quantizer: Any, model: Any) -> None:
+        self.quantizer = quantizer
+        self.model = model
+        config = quantizer.quantization_config.to_dict()
+        #: What the tables are built under besides the weights (part of their binding in every tier).
+        self.variant = ("quantization", tuple(sorted((str(k), repr(v)) for k, v in config.items())))
+
+    def weight(self, path: str, weight: torch.Tensor) -> torch.Tensor:
+        """``weight`` (of the projection at ``path``) as the quantizer would have loaded it."""
+        name = f"{path}.weight"
+        if not self.quantizer.check_if_quantized_param(self.model, weight, name, {}):
+            return weight
+        root = holder = torch.nn.Module()
+        *parents, last = path.split(".")
+        for part in parents:
+            child = torch.nn.Module()
+            holder.add_module(part, child)
+            holder = child
+        linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta", dtype=weight.dtype)
+        holder.add_module(last, linear)
+        self.quantizer.create_quantized_param(root, weight, name, weight.device, {}, [])
+        return linear.weight
+
+    def restore(self, paths: Sequence[str]) -> None:
+        """Quantize the restored projection weights in the model, as ``from_pretrained`` would have."""
+        for path in paths:
+            module = self.model.get_submodule(path)
+            name = f"{path}.weight"
+            if self.quantizer.check_if_quantized_param(self.model, module.weight, name, {}):
+                self.quantizer.create_quantized_param(
+                    self.model, module.weight.data, name, module.weight.device, {}, []
+                )
 
 
 #: A host copy of one parked projection tensor, by ``(layer, "weight" | "bias")``.
