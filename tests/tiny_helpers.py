@@ -161,3 +161,60 @@ def tiny_edit_image(seed: int = 0, size: tuple[int, int] = (32, 24)) -> Any:
     generator = torch.Generator().manual_seed(seed)
     pixels = torch.randint(0, 256, (size[1], size[0], 3), generator=generator, dtype=torch.uint8)
     return Image.fromarray(pixels.numpy())
+
+
+def reachable_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Every tensor reachable from ``module``, by the path that reaches it.
+
+    Walked: parameters, buffers, submodules and every other attribute, through containers and
+    through the objects they hold (a quantization library's state: bitsandbytes' ``state.CB`` /
+    ``state.SCB``, a ``QuantState``'s ``absmax``), and into tensor subclasses (their
+    ``__tensor_flatten__`` inner tensors: torchao's ``qdata`` and ``scale``, quanto's ``_data`` and
+    ``_scale``; and their attributes: ``Int8Params.CB``, ``Params4bit.quant_state``). Not walked:
+    functions and classes, and the AdaLN cache's own objects (its hooks hold the host copies it
+    restores from, by design): what is checked is what the *model* still holds.
+    """
+    found: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+
+    def walk(value: Any, path: str) -> None:
+        if id(value) in seen or value is None or isinstance(value, (str, bytes, int, float, bool, type)):
+            return
+        seen.add(id(value))
+        if isinstance(value, torch.Tensor):
+            found[path] = value
+            flatten = getattr(value, "__tensor_flatten__", None)
+            if flatten is not None and type(value) not in (torch.Tensor, nn.Parameter):
+                for inner in flatten()[0]:
+                    walk(getattr(value, inner), f"{path}.{inner}")
+            for name, attribute in getattr(value, "__dict__", {}).items():
+                walk(attribute, f"{path}.{name}")
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                walk(item, f"{path}[{key!r}]")
+        elif isinstance(value, (list, tuple, set, frozenset)):
+            for index, item in enumerate(value):
+                walk(item, f"{path}[{index}]")
+        elif callable(value) and not isinstance(value, nn.Module):
+            return  # functions, bound methods, hooks
+        elif (type(value).__module__ or "").startswith("adalncache"):
+            return
+        elif hasattr(value, "__dict__"):
+            for name, attribute in vars(value).items():
+                walk(attribute, f"{path}.{name}" if path else name)
+
+    walk(module, "")
+    return found
+
+
+def weight_bytes_held(module: nn.Module) -> dict[str, int]:
+    """The tensors reachable from ``module`` (:func:`reachable_tensors`) that hold data, with their bytes.
+
+    Meta placeholders and empty tensors (the 0-element dtype marker a parked module keeps) hold
+    none; anything else found on a served module is a weight the cache failed to free.
+    """
+    held = {}
+    for path, tensor in reachable_tensors(module).items():
+        if tensor.device.type != "meta" and tensor.numel() > 0:
+            held[path] = tensor.numel() * tensor.element_size()
+    return held

@@ -32,7 +32,8 @@ appears on a served module is refused at the next forward or prepare (:func:`new
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -163,6 +164,56 @@ def transformer_spec(model: nn.Module) -> ModulationSpec:
             "table dtype, so load or quantize the model with one compute dtype for all of them"
         )
     return family.spec(model, dtype=next(iter(dtypes.values())))
+
+
+#: Where bitsandbytes keeps a weight's quantized data on the module rather than on the parameter:
+#: ``(holder on the module, attribute, the parameter's attribute the forward takes it from)``.
+#: ``Linear8bitLt``'s first forward moves the int8 weight and its row scales from ``weight.CB`` /
+#: ``weight.SCB`` to ``module.state``; ``Linear4bit`` may keep the ``quant_state`` on the module
+#: (its forward copies it to a parameter that lost it).
+_HELD_BY_MODULE = (("state", "CB", "CB"), ("state", "SCB", "SCB"), ("", "quant_state", "quant_state"))
+
+
+def hand_state_to_weight(base: nn.Module, weight: Any) -> Callable[[], None]:
+    """Move what bitsandbytes keeps of ``weight`` on ``base`` itself onto ``weight``; returns the undo.
+
+    Parking the parameter alone would leave the module holding the weight's bytes (an 8-bit
+    module's ``state.CB`` *is* its int8 weight after one forward). On the parameter, where the
+    library looks first (as before a first forward), the parked object carries everything its
+    forward needs and the module holds nothing. A forward of the parked object moves them to the
+    module again, so a build calls this after each one (:func:`state_kept_by_weight`). The undo puts
+    every attribute back as it was, the same objects: ``disable()`` gives back the module as it was.
+    """
+    if _library(type(base)) != "bitsandbytes" or weight is None:
+        return lambda: None
+    saved: list[tuple[Any, str, Any]] = []
+    for holder_name, name, weight_name in _HELD_BY_MODULE:
+        holder = getattr(base, holder_name, None) if holder_name else base
+        value = getattr(holder, name, None)
+        if value is None:
+            continue
+        on_weight = getattr(weight, weight_name, None)
+        saved += [(holder, name, value), (weight, weight_name, on_weight)]
+        if on_weight is None:
+            setattr(weight, weight_name, value)
+        setattr(holder, name, None)
+
+    def undo() -> None:
+        for obj, name, value in reversed(saved):
+            setattr(obj, name, value)
+
+    return undo
+
+
+@contextlib.contextmanager
+def state_kept_by_weight(base: nn.Module) -> Iterator[None]:
+    """Around a forward of a parked projection's own tensors: what the forward leaves on the module
+    (bitsandbytes' 8-bit ``state``) goes back to the parameter it came from (:func:`hand_state_to_weight`)."""
+    weight = base._parameters.get("weight")
+    try:
+        yield
+    finally:
+        hand_state_to_weight(base, weight)
 
 
 def fresh_alias(tensor: torch.Tensor) -> torch.Tensor:
