@@ -119,12 +119,15 @@ def storage_of(modules: Sequence[tuple[Layer, Any]], path: Callable[[Layer], str
     return ProjectionStorage(quantized=tuple(libraries), cast=cast)
 
 
-def output_dtype(module: nn.Module) -> torch.dtype:
+def output_dtype(module: nn.Module, model: nn.Module) -> torch.dtype:
     """The dtype this projection returns: what the cache's slab must hold to serve it unchanged.
 
     Under layerwise casting, the compute dtype; for a floating-point weight (torchao and
     optimum-quanto report the logical dtype), that dtype; otherwise (GGUF, bitsandbytes: packed
     bytes) the dtype of one forward of a zero row, which is what the module's own code decides.
+    The row is in the module's floating-point dtype (its bias's: MiniMax-H3's forward casts its
+    input to it), or, for a module without one (AuraFlow's projections have no bias), the model's:
+    a packed weight's dtype is no input dtype, and bitsandbytes returns its input's.
     """
     from diffusers.models.modeling_utils import get_parameter_dtype
 
@@ -141,7 +144,9 @@ def output_dtype(module: nn.Module) -> torch.dtype:
     if device is None:
         raise ConfigError("the model's AdaLN projections are not materialised; load the model fully before enabling")
     with torch.no_grad():
-        probe = torch.zeros(1, int(base.in_features), dtype=get_parameter_dtype(module), device=device)
+        floating = bias is not None and bias.is_floating_point()
+        dtype = get_parameter_dtype(module if floating else model)
+        probe = torch.zeros(1, int(base.in_features), dtype=dtype, device=device)
         served: torch.dtype = module(probe).dtype
         return served
 
@@ -157,7 +162,7 @@ def transformer_spec(model: nn.Module) -> ModulationSpec:
     modules = [(layer, family.projection_module(model, layer)) for layer in family.model_layers(model)]
     if not storage_of(modules).opaque:
         return family.spec(model)
-    dtypes = {str(dtype): dtype for dtype in (output_dtype(module) for _, module in modules)}
+    dtypes = {str(dtype): dtype for dtype in (output_dtype(module, model) for _, module in modules)}
     if len(dtypes) != 1:
         raise ConfigError(
             f"the AdaLN projections return different dtypes ({sorted(dtypes)}); the cache serves them from one "
