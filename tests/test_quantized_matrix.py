@@ -35,12 +35,26 @@ pytest.importorskip("diffusers")
 
 import adaln_zero_helpers as tiny_adaln_zero
 from adalncache.diffusers import enable_adaln_cache
+from adalncache.errors import ConfigError
 from adalncache.integrations.diffusers.family import base_linear, family_of
 from adalncache.integrations.diffusers.quantized import storage_of
-from adalncache.tools.tiny import SIZES, make_request, projection_linears, run_loop, tiny_transformer
+from adalncache.tools.tiny import (
+    SIZES,
+    make_request,
+    native_state_dict,
+    projection_linears,
+    run_loop,
+    tiny_transformer,
+)
 from adalncache.tools.tiny_qwen import BASE, modulation_linears, tiny_qwen_inputs, tiny_qwen_transformer
 from test_adaln_zero_serving import request_plans, run
-from tiny_helpers import auraflow_original_state_dict, reachable_tensors, weight_bytes_held, write_gguf
+from tiny_helpers import (
+    auraflow_original_state_dict,
+    bnb_linear,
+    reachable_tensors,
+    weight_bytes_held,
+    write_gguf,
+)
 
 EXTRA = "installed by the compose extra (make test installs it)"
 BNB = "bitsandbytes is installed by the bnb extra (make test installs it)"
@@ -117,13 +131,9 @@ class Family:
     arch: str = ""
 
 
-def _auraflow_single_file(model: Any) -> dict[str, torch.Tensor]:
-    return auraflow_original_state_dict(model)
-
-
 FAMILIES = {
     "MiniMax-H3": Family(
-        _minimax, _minimax_run, lambda model: make_request(model, "t2va", 4).plans, None, "minimax-h3"
+        _minimax, _minimax_run, lambda model: make_request(model, "t2va", 4).plans, native_state_dict, "minimax-h3"
     ),
     "Qwen-Image": Family(
         _qwen,
@@ -136,7 +146,7 @@ FAMILIES = {
         _adaln_zero("AuraFlowTransformer2DModel", attention_head_dim=128, caption_projection_dim=256),
         run,
         request_plans,
-        _auraflow_single_file,
+        auraflow_original_state_dict,
         "auraflow",
     ),
     "HunyuanImage-2.1": Family(_adaln_zero("HunyuanImageTransformer2DModel"), run, request_plans, None),
@@ -179,8 +189,8 @@ def _gguf(model: Any, tmp_path: Path, qtype: str, family: Family) -> Any:
 
     logging.getLogger("diffusers").setLevel(logging.ERROR)  # "dequantizing ... to remain in FP32"
     path = tmp_path / f"tiny-{qtype}.gguf"
-    tensors = None if family.single_file is None else family.single_file(model)
-    kinds = write_gguf(model, path, qtype, tensors=tensors, arch=family.arch)
+    assert family.single_file is not None
+    kinds = write_gguf(model, path, qtype, tensors=family.single_file(model), arch=family.arch)
     assert qtype in kinds.values()
     model.save_pretrained(tmp_path / "config")
     return (
@@ -203,30 +213,14 @@ def _quanto(model: Any) -> Any:
     return model
 
 
-def bnb_linear(linear: nn.Linear, kind: str) -> nn.Module:
-    """A bitsandbytes module (``"int8"``: ``Linear8bitLt``; ``"nf4"``: ``Linear4bit``) of ``linear``'s bf16 weight, on CPU."""
-    import bitsandbytes as bnb
-
-    weight = linear.weight.data.to(torch.bfloat16)
-    bias = None if linear.bias is None else linear.bias.data.to(torch.bfloat16)  # AuraFlow's have none
-    if kind == "nf4":
-        new = bnb.nn.Linear4bit(
-            linear.in_features, linear.out_features, bias is not None, compute_dtype=torch.bfloat16, quant_type="nf4"
-        )
-        new.weight = bnb.nn.Params4bit(weight, requires_grad=False, quant_type="nf4")._quantize("cpu")
-    else:
-        new = bnb.nn.Linear8bitLt(linear.in_features, linear.out_features, bias is not None, has_fp16_weights=False)
-        new.weight = bnb.nn.Int8Params(weight, requires_grad=False, has_fp16_weights=False)
-    if bias is not None:
-        new.bias = nn.Parameter(bias, requires_grad=False)
-    return new.to("cpu")
-
-
 def _bitsandbytes(model: Any, kind: str) -> Any:
     """The model in bf16 (as ``BitsAndBytesConfig`` loads it: ``torch_dtype=torch.bfloat16``) with its
     AdaLN projections as bitsandbytes modules."""
     pytest.importorskip("bitsandbytes", reason=BNB)
-    model.to(torch.bfloat16)
+    return _bnb_projections(model.to(torch.bfloat16), kind)
+
+
+def _bnb_projections(model: Any, kind: str) -> Any:
     for path, linear in _served(model).items():
         parent, _, name = path.rpartition(".")
         setattr(model.get_submodule(parent), name, bnb_linear(linear, kind))
@@ -319,4 +313,17 @@ def test_bitsandbytes_8bit_state_leaves_with_the_weight_and_comes_back() -> None
     assert state.CB is None and state.SCB is None and weight_bytes_held(module) == {}
     handle.disable()
     assert module.weight is weight and state.CB is cb and state.SCB is scb and weight.CB is None
+    assert _equal(_qwen_run(model), expected)
+
+
+def test_bitsandbytes_in_a_model_of_another_dtype_is_refused() -> None:
+    """bf16 bitsandbytes projections in an fp32 model: which dtype the forward feeds them decides the
+    bits they return, and the cache cannot tell it, so enabling refuses (measured on Qwen-Image with
+    4-bit projections: served, the outputs would differ) and leaves the model as it was."""
+    pytest.importorskip("bitsandbytes", reason=BNB)
+    model = _bnb_projections(tiny_qwen_transformer("plain"), "nf4")
+    expected = _qwen_run(model)
+    with pytest.raises(ConfigError, match=r"bfloat16 parameters in a float32 model.*torch_dtype="):
+        enable_adaln_cache(model)
+    assert all(p.device.type != "meta" for p in model.parameters())
     assert _equal(_qwen_run(model), expected)

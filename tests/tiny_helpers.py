@@ -244,6 +244,26 @@ def tiny_edit_image(seed: int = 0, size: tuple[int, int] = (32, 24)) -> Any:
     return Image.fromarray(pixels.numpy())
 
 
+def bnb_linear(linear: nn.Linear, kind: str) -> nn.Module:
+    """A bitsandbytes module of ``linear``'s weight in bf16, on CPU (``"int8"``: ``Linear8bitLt``;
+    ``"nf4"``: ``Linear4bit``): diffusers' ``BitsAndBytesConfig`` refuses to load without a GPU."""
+    import bitsandbytes as bnb
+
+    weight = linear.weight.data.to(torch.bfloat16)
+    bias = None if linear.bias is None else linear.bias.data.to(torch.bfloat16)  # AuraFlow's have none
+    if kind == "nf4":
+        new = bnb.nn.Linear4bit(
+            linear.in_features, linear.out_features, bias is not None, compute_dtype=torch.bfloat16, quant_type="nf4"
+        )
+        new.weight = bnb.nn.Params4bit(weight, requires_grad=False, quant_type="nf4")._quantize("cpu")
+    else:
+        new = bnb.nn.Linear8bitLt(linear.in_features, linear.out_features, bias is not None, has_fp16_weights=False)
+        new.weight = bnb.nn.Int8Params(weight, requires_grad=False, has_fp16_weights=False)
+    if bias is not None:
+        new.bias = nn.Parameter(bias, requires_grad=False)
+    return new.to("cpu")
+
+
 def reachable_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
     """Every tensor reachable from ``module``, by the path that reaches it.
 

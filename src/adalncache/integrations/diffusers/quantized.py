@@ -158,10 +158,31 @@ def transformer_spec(model: nn.Module) -> ModulationSpec:
     or layerwise-cast ones the dtype their forward returns, which must be one for all of them
     (one slab serves every projection).
     """
+    from diffusers.models.modeling_utils import get_parameter_dtype
+
     family = family_of(model)
     modules = [(layer, family.projection_module(model, layer)) for layer in family.model_layers(model)]
-    if not storage_of(modules).opaque:
+    storage = storage_of(modules)
+    if not storage.opaque:
         return family.spec(model)
+    if "bitsandbytes" in storage.quantized:
+        # A bitsandbytes forward returns its input's dtype, and which dtype a family's forward feeds the
+        # projections (the model's, or the projection's own) cannot be told from here: measured, an fp32
+        # Qwen-Image with bf16 4-bit projections would be served other bits. Refused, not guessed.
+        model_dtype = get_parameter_dtype(model)
+        other = {
+            str(param.dtype).removeprefix("torch.")
+            for _, module in modules
+            for param in base_linear(module).parameters()
+            if param.is_floating_point() and param.dtype != model_dtype
+        }
+        if other:
+            raise ConfigError(
+                f"the bitsandbytes AdaLN projections hold {', '.join(sorted(other))} parameters in a "
+                f"{str(model_dtype).removeprefix('torch.')} model; the cache cannot tell which dtype the model feeds "
+                "them, so it cannot serve them exactly. Load the model in the projections' dtype (torch_dtype=, as "
+                "BitsAndBytesConfig loads it)"
+            )
     dtypes = {str(dtype): dtype for dtype in (output_dtype(module, model) for _, module in modules)}
     if len(dtypes) != 1:
         raise ConfigError(
