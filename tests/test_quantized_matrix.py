@@ -121,19 +121,26 @@ def _adaln_zero(name: str, **wide: Any) -> Callable[[bool], Any]:
 @dataclass(frozen=True)
 class Family:
     """A family's tiny model (``wide``: projections 256 inputs wide, a whole K-quant block), a run
-    of several forwards, what ``prepare`` takes for them, and its single-file layout if diffusers
-    has a single-file loader for the class."""
+    of several forwards, what ``prepare`` takes for them, and, if diffusers has a single-file loader
+    for the class, its single-file layout, the GGUF architecture name and what names the AdaLN
+    projections' tensors there."""
 
     build: Callable[[bool], Any]
     run: Callable[[Any], list[torch.Tensor]]
     plans: Callable[[Any], list[Any]]
-    single_file: Callable[[Any], dict[str, torch.Tensor]] | None
+    single_file: Callable[[Any], dict[str, torch.Tensor]] | None = None
     arch: str = ""
+    projections: tuple[str, ...] = ()
 
 
 FAMILIES = {
     "MiniMax-H3": Family(
-        _minimax, _minimax_run, lambda model: make_request(model, "t2va", 4).plans, native_state_dict, "minimax-h3"
+        _minimax,
+        _minimax_run,
+        lambda model: make_request(model, "t2va", 4).plans,
+        native_state_dict,
+        "minimax-h3",
+        ("adaln_proj",),
     ),
     "Qwen-Image": Family(
         _qwen,
@@ -141,6 +148,7 @@ FAMILIES = {
         _qwen_plans,
         lambda model: dict(model.state_dict()),  # its single-file layout is diffusers' own
         "qwen-image",
+        ("img_mod", "txt_mod", "norm_out"),
     ),
     "AuraFlow": Family(
         _adaln_zero("AuraFlowTransformer2DModel", attention_head_dim=128, caption_projection_dim=256),
@@ -148,8 +156,9 @@ FAMILIES = {
         request_plans,
         auraflow_original_state_dict,
         "auraflow",
+        ("modX", "modC", "modF"),
     ),
-    "HunyuanImage-2.1": Family(_adaln_zero("HunyuanImageTransformer2DModel"), run, request_plans, None),
+    "HunyuanImage-2.1": Family(_adaln_zero("HunyuanImageTransformer2DModel"), run, request_plans),
 }
 
 
@@ -190,8 +199,15 @@ def _gguf(model: Any, tmp_path: Path, qtype: str, family: Family) -> Any:
     logging.getLogger("diffusers").setLevel(logging.ERROR)  # "dequantizing ... to remain in FP32"
     path = tmp_path / f"tiny-{qtype}.gguf"
     assert family.single_file is not None
-    kinds = write_gguf(model, path, qtype, tensors=family.single_file(model), arch=family.arch)
-    assert qtype in kinds.values()
+    tensors = family.single_file(model)
+
+    def quantize(name: str, tensor: torch.Tensor) -> bool:
+        # Q4_K: the AdaLN projections only (diffusers dequantizes K-quants slowly on CPU; the rest as F32).
+        return tensor.dim() == 2 and (qtype != "Q4_K" or any(part in name for part in family.projections))
+
+    kinds = write_gguf(model, path, qtype, quantize=quantize, tensors=tensors, arch=family.arch)
+    projections = [name for name in kinds if name.endswith("weight") and any(p in name for p in family.projections)]
+    assert projections and all(kinds[name] == qtype for name in projections), kinds
     model.save_pretrained(tmp_path / "config")
     return (
         type(model)
