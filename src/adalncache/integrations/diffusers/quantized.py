@@ -279,34 +279,28 @@ def own_tensors(
     return host
 
 
-def logical_shape(module: nn.Module) -> tuple[int, int]:
-    """``(out_features, in_features)`` of a projection, whatever its weight's storage shape."""
-    base: Any = base_linear(module)
-    return int(base.out_features), int(base.in_features)
-
-
 def opaque_model_source(
     spec: ModulationSpec, modules: Sequence[tuple[Layer, Any]], device: torch.device
 ) -> tuple[TensorSource, HostTensors]:
     """The model's own quantized or cast projections as a source, and the host tensors it holds.
 
     A :class:`~adalncache.TensorSource` told each tensor's logical shape (the module's
-    ``out_features`` and ``in_features``): it never reads them as matrices, never slices them, and
-    fingerprints them by identity; the tables come from the modules' own forwards.
+    ``out_features`` and ``in_features``, whatever the weight's storage shape): it never reads them
+    as matrices, never slices them, and fingerprints them by identity; the tables come from the
+    modules' own forwards.
     """
-    host = own_tensors(modules, device, diffusers_layout(spec).prefix)
     layout = diffusers_layout(spec)
+    host = own_tensors(modules, device, layout.prefix)
     tensors: dict[str, torch.Tensor] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     for layer, module in modules:
-        out_features, in_features = logical_shape(module)
-        shapes_of = {"weight": (out_features, in_features), "bias": (out_features,)}
+        base: Any = base_linear(module)
+        shapes_of = {"weight": (int(base.out_features), int(base.in_features)), "bias": (int(base.out_features),)}
         for name in spec.tensors_of(layer):
-            shape = shapes_of[name]
-            if (layer, name) not in host:
-                raise ConfigError(f"{layout.prefix(layer)}.{name} is missing; the model config declares it")
             key = f"{layout.prefix(layer)}.{name}"
-            tensors[key], shapes[key] = host[(layer, name)], shape
+            if (layer, name) not in host:
+                raise ConfigError(f"{key} is missing; the model config declares it")
+            tensors[key], shapes[key] = host[(layer, name)], shapes_of[name]
     return TensorSource(tensors, spec, layout=layout.name, logical_shapes=shapes), host
 
 
