@@ -42,7 +42,7 @@ from compose_helpers import (
     projections,
     serve,
 )
-from tiny_helpers import write_gguf, write_native_checkpoint
+from tiny_helpers import bnb_linear, write_gguf, write_native_checkpoint
 
 EXTRA = "installed by the compose extra (pip install 'adalncache[compose]'; make test installs it)"
 
@@ -327,20 +327,6 @@ def test_gguf_full_precision_tables_equal_a_file_with_unquantized_projections(
 # ------------------------------------------------------------------------------------- bitsandbytes
 
 
-def _bnb_linear(linear: nn.Linear, kind: str) -> nn.Module:
-    import bitsandbytes as bnb
-
-    weight, bias = linear.weight.data.to(torch.bfloat16), linear.bias.data.to(torch.bfloat16)
-    if kind == "nf4":
-        new = bnb.nn.Linear4bit(linear.in_features, linear.out_features, compute_dtype=torch.bfloat16, quant_type="nf4")
-        new.weight = bnb.nn.Params4bit(weight, requires_grad=False, quant_type="nf4")._quantize("cpu")
-    else:
-        new = bnb.nn.Linear8bitLt(linear.in_features, linear.out_features, has_fp16_weights=False)
-        new.weight = bnb.nn.Int8Params(weight, requires_grad=False, has_fp16_weights=False)
-    new.bias = nn.Parameter(bias, requires_grad=False)
-    return new.to("cpu")
-
-
 @pytest.mark.parametrize("kind", ["int8", "nf4"])
 def test_bitsandbytes_on_cpu_is_exact(load_tiny: Callable[[str], Any], kind: str) -> None:
     """bitsandbytes modules on CPU (diffusers' ``BitsAndBytesConfig`` needs a GPU, so built by hand).
@@ -350,8 +336,8 @@ def test_bitsandbytes_on_cpu_is_exact(load_tiny: Callable[[str], Any], kind: str
     pytest.importorskip("bitsandbytes", reason="bitsandbytes is installed by the bnb extra (make test installs it)")
     model = load_tiny("bf16-disk")
     for block in model.transformer_blocks:
-        block.adaln_proj.linear = _bnb_linear(block.adaln_proj.linear, kind)
-    model.norm_out.linear = _bnb_linear(model.norm_out.linear, kind)
+        block.adaln_proj.linear = bnb_linear(block.adaln_proj.linear, kind)
+    model.norm_out.linear = bnb_linear(model.norm_out.linear, kind)
     assert _projection_storage(model) == ("bitsandbytes",)
     request = make_request(model, "t2va", 4)
     assert_exact(serve(model, request), request)

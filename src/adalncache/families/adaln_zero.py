@@ -322,7 +322,9 @@ def walk(model: Any) -> ModelGeometry:
         linear = getattr(linear, "base_layer", linear)  # inside a peft LoRA wrapper
         weight = getattr(linear, "weight", None)
         if weight is not None and getattr(weight, "dim", lambda: 0)() == 2:
-            linears[path] = (int(weight.shape[0]), int(weight.shape[1]), getattr(linear, "bias", None) is not None)
+            # The logical shape: a packed quantized weight (GGUF blocks, bitsandbytes 4-bit) is stored in another.
+            out, k = getattr(linear, "out_features", weight.shape[0]), getattr(linear, "in_features", weight.shape[1])
+            linears[path] = (int(out), int(k), getattr(linear, "bias", None) is not None)
     return check_structure(name, config, modules, linears)
 
 

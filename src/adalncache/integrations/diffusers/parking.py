@@ -43,7 +43,7 @@ from ...identity.binding import CheckedRead
 from ...source.reads import ALIGNMENT, MappedFile, aligned_empty
 from ...spec import Layer
 from .family import swapped_parameters
-from .quantized import is_plain_tensor
+from .quantized import hand_state_to_weight, is_plain_tensor, state_kept_by_weight
 from .sources import HostTensors, Source, source_key
 
 #: Alignment window the restored weights keep: 64 bytes covers the 16 that change GEMV bits on CPU.
@@ -109,6 +109,8 @@ class WeightParking:
         #: Each parked module's parameter order, so restoring gives state_dict() its original key order.
         self._orders: list[tuple[nn.Module, list[str]]] = []
         self._maps: dict[tuple[Any, ...], MappedFile] = {}
+        #: Puts back what a quantization library kept on each parked module (:func:`hand_state_to_weight`).
+        self._library_undos: list[Callable[[], None]] = []
 
     # ------------------------------------------------------------------ park and restore
 
@@ -134,6 +136,7 @@ class WeightParking:
         for target in targets:
             base, layer = target.module, target.layer
             self._orders.append((base, list(base._parameters)))
+            self._library_undos.append(hand_state_to_weight(base, base._parameters.get("weight")))
             for name in ("weight", "bias"):
                 param = base._parameters.get(name)
                 if param is None:
@@ -245,6 +248,8 @@ class WeightParking:
         for parked, param in restored:
             parked.module.__dict__.pop(parked.name, None)
             parked.module._parameters[parked.name] = param
+        for undo in reversed(self._library_undos):
+            undo()
         for module, order in self._orders:
             module._buffers.pop(DTYPE_MARKER, None)
             params = dict(module._parameters)
@@ -253,6 +258,7 @@ class WeightParking:
             module._parameters.update({k: v for k, v in params.items() if k not in order})
         self.parked.clear()
         self._orders.clear()
+        self._library_undos.clear()
         self._residues.clear()
         self._maps.clear()
         self.time_embedder_parked = False
@@ -438,6 +444,7 @@ class TimeEmbedderLoan:
                         swaps.setdefault(module, {})[name] = param.detach().to(self._device)
         for module, tensors in swaps.items():
             self._stack.enter_context(swapped_parameters(module, tensors))
+            self._stack.enter_context(state_kept_by_weight(module))
         self._taken = True
 
     def __enter__(self) -> TimeEmbedderLoan:

@@ -32,7 +32,8 @@ appears on a served module is refused at the next forward or prepare (:func:`new
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,12 +119,15 @@ def storage_of(modules: Sequence[tuple[Layer, Any]], path: Callable[[Layer], str
     return ProjectionStorage(quantized=tuple(libraries), cast=cast)
 
 
-def output_dtype(module: nn.Module) -> torch.dtype:
+def output_dtype(module: nn.Module, model: nn.Module) -> torch.dtype:
     """The dtype this projection returns: what the cache's slab must hold to serve it unchanged.
 
     Under layerwise casting, the compute dtype; for a floating-point weight (torchao and
     optimum-quanto report the logical dtype), that dtype; otherwise (GGUF, bitsandbytes: packed
     bytes) the dtype of one forward of a zero row, which is what the module's own code decides.
+    The row is in the module's floating-point dtype (its bias's: MiniMax-H3's forward casts its
+    input to it), or, for a module without one (AuraFlow's projections have no bias), the model's:
+    a packed weight's dtype is no input dtype, and bitsandbytes returns its input's.
     """
     from diffusers.models.modeling_utils import get_parameter_dtype
 
@@ -140,7 +144,9 @@ def output_dtype(module: nn.Module) -> torch.dtype:
     if device is None:
         raise ConfigError("the model's AdaLN projections are not materialised; load the model fully before enabling")
     with torch.no_grad():
-        probe = torch.zeros(1, int(base.in_features), dtype=get_parameter_dtype(module), device=device)
+        floating = bias is not None and bias.is_floating_point()
+        dtype = get_parameter_dtype(module if floating else model)
+        probe = torch.zeros(1, int(base.in_features), dtype=dtype, device=device)
         served: torch.dtype = module(probe).dtype
         return served
 
@@ -152,17 +158,88 @@ def transformer_spec(model: nn.Module) -> ModulationSpec:
     or layerwise-cast ones the dtype their forward returns, which must be one for all of them
     (one slab serves every projection).
     """
+    from diffusers.models.modeling_utils import get_parameter_dtype
+
     family = family_of(model)
     modules = [(layer, family.projection_module(model, layer)) for layer in family.model_layers(model)]
-    if not storage_of(modules).opaque:
+    storage = storage_of(modules)
+    if not storage.opaque:
         return family.spec(model)
-    dtypes = {str(dtype): dtype for dtype in (output_dtype(module) for _, module in modules)}
+    if "bitsandbytes" in storage.quantized:
+        # A bitsandbytes forward returns its input's dtype, and which dtype a family's forward feeds the
+        # projections (the model's, or the projection's own) cannot be told from here: measured, an fp32
+        # Qwen-Image with bf16 4-bit projections would be served other bits. Refused, not guessed.
+        model_dtype = get_parameter_dtype(model)
+        other = {
+            str(param.dtype).removeprefix("torch.")
+            for _, module in modules
+            for param in base_linear(module).parameters()
+            if param.is_floating_point() and param.dtype != model_dtype
+        }
+        if other:
+            raise ConfigError(
+                f"the bitsandbytes AdaLN projections hold {', '.join(sorted(other))} parameters in a "
+                f"{str(model_dtype).removeprefix('torch.')} model; the cache cannot tell which dtype the model feeds "
+                "them, so it cannot serve them exactly. Load the model in the projections' dtype (torch_dtype=, as "
+                "BitsAndBytesConfig loads it)"
+            )
+    dtypes = {str(dtype): dtype for dtype in (output_dtype(module, model) for _, module in modules)}
     if len(dtypes) != 1:
         raise ConfigError(
             f"the AdaLN projections return different dtypes ({sorted(dtypes)}); the cache serves them from one "
             "table dtype, so load or quantize the model with one compute dtype for all of them"
         )
     return family.spec(model, dtype=next(iter(dtypes.values())))
+
+
+#: Where bitsandbytes keeps a weight's quantized data on the module rather than on the parameter:
+#: ``(holder on the module, attribute, the parameter's attribute the forward takes it from)``.
+#: ``Linear8bitLt``'s first forward moves the int8 weight and its row scales from ``weight.CB`` /
+#: ``weight.SCB`` to ``module.state``; ``Linear4bit`` may keep the ``quant_state`` on the module
+#: (its forward copies it to a parameter that lost it).
+_HELD_BY_MODULE = (("state", "CB", "CB"), ("state", "SCB", "SCB"), ("", "quant_state", "quant_state"))
+
+
+def hand_state_to_weight(base: nn.Module, weight: Any) -> Callable[[], None]:
+    """Move what bitsandbytes keeps of ``weight`` on ``base`` itself onto ``weight``; returns the undo.
+
+    Parking the parameter alone would leave the module holding the weight's bytes (an 8-bit
+    module's ``state.CB`` *is* its int8 weight after one forward). On the parameter, where the
+    library looks first (as before a first forward), the parked object carries everything its
+    forward needs and the module holds nothing. A forward of the parked object moves them to the
+    module again, so a build calls this after each one (:func:`state_kept_by_weight`). The undo puts
+    every attribute back as it was, the same objects: ``disable()`` gives back the module as it was.
+    """
+    if _library(type(base)) != "bitsandbytes" or weight is None:
+        return lambda: None
+    saved: list[tuple[Any, str, Any]] = []
+    for holder_name, name, weight_name in _HELD_BY_MODULE:
+        holder = getattr(base, holder_name, None) if holder_name else base
+        value = getattr(holder, name, None)
+        if value is None:
+            continue
+        on_weight = getattr(weight, weight_name, None)
+        saved += [(holder, name, value), (weight, weight_name, on_weight)]
+        if on_weight is None:
+            setattr(weight, weight_name, value)
+        setattr(holder, name, None)
+
+    def undo() -> None:
+        for obj, name, value in reversed(saved):
+            setattr(obj, name, value)
+
+    return undo
+
+
+@contextlib.contextmanager
+def state_kept_by_weight(base: nn.Module) -> Iterator[None]:
+    """Around a forward of a parked projection's own tensors: what the forward leaves on the module
+    (bitsandbytes' 8-bit ``state``) goes back to the parameter it came from (:func:`hand_state_to_weight`)."""
+    weight = base._parameters.get("weight")
+    try:
+        yield
+    finally:
+        hand_state_to_weight(base, weight)
 
 
 def fresh_alias(tensor: torch.Tensor) -> torch.Tensor:
@@ -202,34 +279,28 @@ def own_tensors(
     return host
 
 
-def logical_shape(module: nn.Module) -> tuple[int, int]:
-    """``(out_features, in_features)`` of a projection, whatever its weight's storage shape."""
-    base: Any = base_linear(module)
-    return int(base.out_features), int(base.in_features)
-
-
 def opaque_model_source(
     spec: ModulationSpec, modules: Sequence[tuple[Layer, Any]], device: torch.device
 ) -> tuple[TensorSource, HostTensors]:
     """The model's own quantized or cast projections as a source, and the host tensors it holds.
 
     A :class:`~adalncache.TensorSource` told each tensor's logical shape (the module's
-    ``out_features`` and ``in_features``): it never reads them as matrices, never slices them, and
-    fingerprints them by identity; the tables come from the modules' own forwards.
+    ``out_features`` and ``in_features``, whatever the weight's storage shape): it never reads them
+    as matrices, never slices them, and fingerprints them by identity; the tables come from the
+    modules' own forwards.
     """
-    host = own_tensors(modules, device, diffusers_layout(spec).prefix)
     layout = diffusers_layout(spec)
+    host = own_tensors(modules, device, layout.prefix)
     tensors: dict[str, torch.Tensor] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     for layer, module in modules:
-        out_features, in_features = logical_shape(module)
-        shapes_of = {"weight": (out_features, in_features), "bias": (out_features,)}
+        base: Any = base_linear(module)
+        shapes_of = {"weight": (int(base.out_features), int(base.in_features)), "bias": (int(base.out_features),)}
         for name in spec.tensors_of(layer):
-            shape = shapes_of[name]
-            if (layer, name) not in host:
-                raise ConfigError(f"{layout.prefix(layer)}.{name} is missing; the model config declares it")
             key = f"{layout.prefix(layer)}.{name}"
-            tensors[key], shapes[key] = host[(layer, name)], shape
+            if (layer, name) not in host:
+                raise ConfigError(f"{key} is missing; the model config declares it")
+            tensors[key], shapes[key] = host[(layer, name)], shapes_of[name]
     return TensorSource(tensors, spec, layout=layout.name, logical_shapes=shapes), host
 
 

@@ -72,7 +72,7 @@ from .family import (
     swapped_parameters,
 )
 from .parking import TimeEmbedderLoan, WeightParking
-from .quantized import casting_compute_dtype, fresh_alias
+from .quantized import casting_compute_dtype, fresh_alias, state_kept_by_weight
 from .signature import Signature, Tuners, Variant, applied_lora_scale, lora_scale_of
 from .sources import Quantization
 
@@ -320,7 +320,7 @@ class Builder:
         # The class forward is called directly, not through a bypass of its instance forward: the output
         # layer's module carries the output hook, and another thread's forward calling it while a bypass
         # stood in its place would run the plain linear on its own input.
-        with bypassing_hooks({base} - {module}), swapped_parameters(base, tensors):
+        with bypassing_hooks({base} - {module}), swapped_parameters(base, tensors), state_kept_by_weight(base):
             out: torch.Tensor = type(module).forward(module, x)
             return out
 
