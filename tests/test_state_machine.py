@@ -436,7 +436,10 @@ class CacheMachine(RuleBasedStateMachine):
         tier_before = set() if dropped else {k for k in map(plan_key, POOL) if tiers[0] and k in self.cache.host_tier}
         # A pass that hashes checks the bytes against the digest the cache holds: other bytes (a rewrite
         # no stat saw) fail the build at the checkpoint, unless a fault ends it before the check.
-        mismatch = bool(to_build) and self.hashing and self.known is not None and self.known != self.ckpt.version
+        # The digest held is the cache's own, or else the one the memo holds for the file's unchanged
+        # identity (this process's memo outlives a cache object: a restarted cache without a store checks too).
+        held = self.known if self.known is not None else self.memo
+        mismatch = bool(to_build) and self.hashing and held is not None and held != self.ckpt.version
         if fault is not None and fault.is_rewrite:
             # The rewrite runs in the first stream of this build that reaches layer 1: a hashing read
             # or the pass. Either way the build then finds its file changed and publishes nothing.
