@@ -893,7 +893,8 @@ def test_the_model_follows_a_rewrite_no_stat_sees(checkpoint: Checkpoint) -> Non
     """Each case of ``build_after_an_unseen_rewrite`` once, whatever the generated sequences reach: with a
     store, the next pass fails at the checkpoint and publishes nothing, and after a restart the memo'd
     store entry of the old bytes is served without reading; with ``hash_passes`` and no store the next
-    pass fails the same way; without hashing the pass projects the new bytes beside the resident old
+    pass fails the same way, also after a restart in the same process (the digest memo outlives the cache
+    object); without hashing the pass projects the new bytes beside the resident old
     ones, and a host-tier copy of the old bytes is served."""
     assert checkpoint is _CHECKPOINT
     state = CacheMachine()
@@ -914,6 +915,17 @@ def test_the_model_follows_a_rewrite_no_stat_sees(checkpoint: Checkpoint) -> Non
             {"max_plans": 2, "host": "none", "store": False, "hash_passes": True},
             [lambda: state.build(idx=[0]), lambda: state.build_after_an_unseen_rewrite(idx=[1])],
             {"failed_builds": 1, "passes": 1},
+        ),
+        (
+            # A restart in the same process without a store: the new cache holds no digest of its own, but
+            # this process's memo does (for the unchanged identity), and its hashing pass checks against it.
+            {"max_plans": 1, "host": "none", "store": False, "hash_passes": True},
+            [
+                lambda: state.build(idx=[0]),
+                lambda: state.reopen(),
+                lambda: state.build_after_an_unseen_rewrite(idx=[0]),
+            ],
+            {"failed_builds": 1, "passes": 0},
         ),
         (
             {"max_plans": 1, "host": "ample", "store": False, "hash_passes": False},
