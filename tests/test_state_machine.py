@@ -55,7 +55,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import HealthCheck, Phase, settings
+from hypothesis import Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -91,30 +91,12 @@ from core_helpers import (
     stat_identity,
     write_checkpoint,
 )
+from tiny_helpers import register_state_machine_profiles
 
 EMBED = embed_for(SPEC)
 LAYOUT = LAYOUTS["native"]
 
-settings.register_profile(
-    "adalncache-state-ci",
-    max_examples=300,
-    stateful_step_count=10,
-    derandomize=True,
-    database=None,
-    deadline=None,
-    print_blob=False,
-    report_multiple_bugs=False,  # shrink the first bug only: a mutant must fail within the CI budget
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
-)
-settings.register_profile(
-    "adalncache-state-soak",
-    max_examples=5000,
-    stateful_step_count=25,
-    derandomize=False,
-    database=None,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
-)
+register_state_machine_profiles("state", ci=(300, 10), soak=(5000, 25))
 
 
 def _t(*values: float) -> torch.Tensor:

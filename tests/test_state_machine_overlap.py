@@ -38,7 +38,7 @@ import torch
 
 pytest.importorskip("diffusers")
 
-from hypothesis import HealthCheck, settings
+from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -53,27 +53,9 @@ from adalncache import BuildError, PlanMismatchError
 from adalncache.diffusers import enable_adaln_cache
 from adalncache.reports import FaultPoints
 from adalncache.tools.tiny_qwen import tiny_qwen_inputs, tiny_qwen_transformer
+from tiny_helpers import register_state_machine_profiles
 
-settings.register_profile(
-    "adalncache-overlap-ci",
-    max_examples=25,
-    stateful_step_count=12,
-    derandomize=True,
-    database=None,
-    deadline=None,
-    print_blob=False,
-    report_multiple_bugs=False,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
-)
-settings.register_profile(
-    "adalncache-overlap-soak",
-    max_examples=600,
-    stateful_step_count=25,
-    derandomize=False,
-    database=None,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
-)
+register_state_machine_profiles("overlap", ci=(25, 12), soak=(600, 25))
 
 #: The timesteps requests are made of; the last one is never part of a schedule (a forward outside it).
 POOL = (0.9375, 0.75, 0.5, 0.25, 0.125)

@@ -40,7 +40,7 @@ import torch
 pytest.importorskip("diffusers")
 pytest.importorskip("peft")
 
-from hypothesis import HealthCheck, settings
+from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -56,27 +56,9 @@ from adalncache.diffusers import enable_adaln_cache
 from adalncache.errors import AdalnCacheError
 from adalncache.testing import inject_faults
 from adalncache.tools.tiny_qwen import tiny_qwen_inputs, tiny_qwen_transformer
+from tiny_helpers import register_state_machine_profiles
 
-settings.register_profile(
-    "adalncache-prepared-ci",
-    max_examples=40,
-    stateful_step_count=12,
-    derandomize=True,
-    database=None,
-    deadline=None,
-    print_blob=False,
-    report_multiple_bugs=False,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
-)
-settings.register_profile(
-    "adalncache-prepared-soak",
-    max_examples=1000,
-    stateful_step_count=25,
-    derandomize=False,
-    database=None,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
-)
+register_state_machine_profiles("prepared", ci=(40, 12), soak=(1000, 25))
 
 MAX_PLANS = 4
 SCALES = (1.0, 0.5)

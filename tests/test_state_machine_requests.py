@@ -35,34 +35,16 @@ import torch
 
 pytest.importorskip("diffusers")
 
-from hypothesis import HealthCheck, settings
+from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 
 from adalncache import PlanMismatchError
 from adalncache.diffusers import enable_adaln_cache
 from adalncache.tools.tiny_qwen import tiny_prompt_embeds, tiny_qwen_inputs, tiny_qwen_pipeline, tiny_qwen_transformer
+from tiny_helpers import register_state_machine_profiles
 
-settings.register_profile(
-    "adalncache-requests-ci",
-    max_examples=4,
-    stateful_step_count=5,
-    derandomize=True,
-    database=None,
-    deadline=None,
-    print_blob=False,
-    report_multiple_bugs=False,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
-)
-settings.register_profile(
-    "adalncache-requests-soak",
-    max_examples=300,
-    stateful_step_count=15,
-    derandomize=False,
-    database=None,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
-)
+register_state_machine_profiles("requests", ci=(4, 5), soak=(300, 15))
 
 ENDINGS = ("returned", "interrupted", "callback raises", "transformer raises")
 #: The time embedder tensor a change scales in place (kept on the model: free_time_embedder=False).

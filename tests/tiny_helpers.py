@@ -330,3 +330,28 @@ def weight_bytes_held(module: nn.Module) -> dict[str, int]:
         if tensor.device.type != "meta" and tensor.numel() > 1:
             held[path] = tensor.numel() * tensor.element_size()
     return held
+
+
+def register_state_machine_profiles(name: str, *, ci: tuple[int, int], soak: tuple[int, int]) -> None:
+    """The two hypothesis profiles of a state-machine test: ``adalncache-{name}-ci`` (``make test``:
+    derandomized, the first bug shrunk only, so a mutant fails within the CI budget) and
+    ``adalncache-{name}-soak`` (``make soak``: random). ``ci`` and ``soak``: (examples, steps per example)."""
+    from hypothesis import HealthCheck, settings
+
+    common: dict[str, Any] = {
+        "database": None,
+        "deadline": None,
+        "suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
+    }
+    settings.register_profile(
+        f"adalncache-{name}-ci",
+        max_examples=ci[0],
+        stateful_step_count=ci[1],
+        derandomize=True,
+        print_blob=False,
+        report_multiple_bugs=False,
+        **common,
+    )
+    settings.register_profile(
+        f"adalncache-{name}-soak", max_examples=soak[0], stateful_step_count=soak[1], derandomize=False, **common
+    )
