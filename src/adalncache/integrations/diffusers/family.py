@@ -82,14 +82,12 @@ def projection_path(spec: ModulationSpec, layer: Layer) -> str:
 
 class ForwardState(Protocol):
     """The forward in progress on this thread (the request module's per-thread state): ``slot`` its
-    device slot (``None`` outside a forward), ``slot_buffer`` its one-element copy, ``row_buffer`` the
-    flat slab rows of the forward's plan rows that the served modules gather with (``cache.row_index``:
-    rows of a batch's equal inputs may share one; both written in place, so their addresses, which
-    compiled and CUDA graphs hold, stay), and
+    device slot (``None`` outside a forward), ``row_buffer`` the flat slab rows of the forward's plan
+    rows that the served modules gather with (``cache.row_index``: rows of a batch's equal inputs may
+    share one; written in place, so its address, which compiled and CUDA graphs hold, stays), and
     ``dtype`` the dtype the rows are served in (``None``: the slab's)."""
 
     slot: torch.Tensor | None
-    slot_buffer: torch.Tensor
     row_buffer: torch.Tensor
     dtype: torch.dtype | None
 

@@ -549,10 +549,10 @@ class ThreadState(threading.local):
     """Per thread, for one enabled model: its request, the misses of its ended requests not yet reported,
     the pipeline calls it is inside, the timesteps a scheduler set in the call, and the forward in progress.
 
-    ``slot_buffer`` is the one-element device tensor the served modules gather with: written in place
-    at every forward of its thread, so its address (which compiled graphs and CUDA graphs hold) does
-    not change while the model stays on one device. ``prepared_outside`` is set while a compiled call's
-    host work was done before entering it.
+    ``row_buffer`` holds the flat slab rows the served modules gather with (``cache.row_index``): written
+    in place at every forward of its thread, so its address (which compiled graphs and CUDA graphs hold)
+    does not change while the model stays on one device and the batch keeps its width.
+    ``prepared_outside`` is set while a compiled call's host work was done before entering it.
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -562,19 +562,15 @@ class ThreadState(threading.local):
         self.timesteps: torch.Tensor | None = None
         self.slot: torch.Tensor | None = None
         self.dtype: torch.dtype | None = None
-        self.slot_buffer = torch.zeros(1, dtype=torch.int64, device=device)
         self.row_buffer = torch.zeros(1, dtype=torch.int64, device=device)
         self.prepared_outside = False
 
     def serve_slot(self, slot: torch.Tensor, dtype: torch.dtype | None, rows: torch.Tensor) -> None:
         """Point the served modules at ``slot`` and its flat slab ``rows`` (``cache.row_index``; device
         tensors, never read on the host)."""
-        if self.slot_buffer.device != slot.device:  # the model (and the cache) moved
-            self.slot_buffer = torch.zeros(1, dtype=torch.int64, device=slot.device)
         if self.row_buffer.shape != rows.shape or self.row_buffer.device != rows.device:
-            self.row_buffer = torch.zeros_like(rows)  # another batch width: a new buffer, then reused
+            self.row_buffer = torch.zeros_like(rows)  # another batch width, or the model moved: a new buffer
         self.slot, self.dtype = slot, dtype
-        self.slot_buffer.copy_(slot.reshape(1))
         self.row_buffer.copy_(rows)
 
     def clear(self) -> None:
