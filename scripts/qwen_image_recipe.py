@@ -17,7 +17,10 @@ AdaLN projections left in bf16, as the docs' recipe does):
 
 Run it from the repository root with the project's environment (``make test`` builds it)::
 
-    .venv/bin/python scripts/qwen_image_recipe.py --layers 2 --steps 8 --size 512
+    PYTHONPATH=.venv/test-extras/lib/python3.11/site-packages \
+        .venv/bin/python scripts/qwen_image_recipe.py --layers 2 --steps 8 --size 512
+
+(torchao, which the int8 recipe needs, is one of the test-only extras ``make test`` installs there.)
 
 Nothing is downloaded: the weights are random (seeded) and written to a temporary directory.
 """
@@ -99,7 +102,10 @@ def load(directory: Path, recipe: str) -> nn.Module:
 
     kwargs: dict[str, Any] = {"torch_dtype": torch.bfloat16}
     if recipe == "int8":
-        from torchao.quantization import Int8WeightOnlyConfig
+        try:
+            from torchao.quantization import Int8WeightOnlyConfig
+        except ImportError:
+            raise SystemExit("the int8 recipe needs torchao: run `make test` once, then put its extras on PYTHONPATH") from None
 
         kwargs["quantization_config"] = TorchAoConfig(
             Int8WeightOnlyConfig(), modules_to_not_convert=["img_mod", "txt_mod", "norm_out"]
