@@ -105,7 +105,8 @@ def load(directory: Path, recipe: str) -> nn.Module:
         try:
             from torchao.quantization import Int8WeightOnlyConfig
         except ImportError:
-            raise SystemExit("the int8 recipe needs torchao: run `make test` once, then put its extras on PYTHONPATH") from None
+            missing = "the int8 recipe needs torchao: run `make test` once, then put its extras on PYTHONPATH"
+            raise SystemExit(missing) from None
 
         kwargs["quantization_config"] = TorchAoConfig(
             Int8WeightOnlyConfig(), modules_to_not_convert=["img_mod", "txt_mod", "norm_out"]
