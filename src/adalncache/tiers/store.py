@@ -1,56 +1,10 @@
 """The store: published tables that survive restarts, shared safely by several processes.
 
-Layout of a store directory::
-
-    <root>/STORE                         marker with the format version
-    <root>/bindings/<bhash>.json         what a binding hash stands for (for ``inspect``)
-    <root>/entries/<bhash>/<phash>.entry one plan's table under one binding
-    <root>/corrupt/                      entries that failed verification, moved aside
-    <root>/digests/<key>.json            the digest memo: tensor digests by file identity
-    <root>/locks/<bhash>/<phash>.lock    per-entry build locks (one build per fleet)
-
-**An entry** is ``MAGIC | u32 header length | JSON header | part bytes ... | sha256``: the trailing
-digest covers everything before it; the header (canonical JSON, padded so the payload starts 64-byte
-aligned) names the binding, the plan, the dtype and each table part's shape (``<part>_shape``, in
-the spec's order listed in ``parts``; entries written before ``parts`` existed hold ``block`` then
-``final``). One file per (binding, plan) makes every write independent (no shared index to lock),
-the header lets ``inspect`` and ``verify`` read an entry without the cache, and a whole-file digest
-catches truncation and flipped bits alike. The format is what every process sharing a store must
-agree on; the rest of this module only moves these files around.
-
-* Binding: ``bhash`` is the sha256 of the canonical JSON of the binding (content digest of the
-  projection tensors, spec with dtype, precision, variant, shard mode, numeric environment). Any
-  change gives another directory, so a mismatch is a miss, never a wrong answer. Bindings of the
-  first format named the files' stat fingerprint; no binding of today equals one.
-* Atomic writes: a uniquely named temp file in the target directory, fsync, ``os.replace``, fsync
-  of the directory. A temp file (``.tmp-<host>-<pid>-...``) is never an entry: readers,
-  ``entries()`` (so ``inspect``, ``verify``, ``prune`` and the LRU) skip it, so a writer killed at
-  any moment leaves at worst a temp file, swept once its writer is gone, and a live writer's file is
-  never pruned, reported corrupt or verified. Only regular files are read.
-* Every read verifies the digest and the header against the request; a bad entry is moved to
-  ``corrupt/`` (counted in ``corrupt_moved``) and the cache rebuilds it.
-* Recency is recorded explicitly with ``os.utime`` on every hit and write (not atime, which
-  ``noatime``/``relatime`` mounts do not maintain); :meth:`Store.prune` deletes least recently used
-  entries first.
-
-**One build per fleet** (:class:`BuildLocks`): twenty serving processes starting together on a cold
-store would each read the 24 GiB checkpoint and compute the same tables; with per-entry locks the
-first process to claim an entry builds it and the others restore it once it appears.
-
-* ``flock`` on ``<store>/locks/<binding hash>/<plan hash>.lock``: the kernel drops the lock when its
-  holder dies, SIGKILL included. A holder releases by unlinking the file while still holding it; a
-  waiter that obtains a lock on an unlinked inode sees that its path now names another file (or
-  none) and tries again. Only non-blocking attempts, always in plan-hash order, so no two processes
-  wait for each other; a short-lived gate lock per binding makes each attempt on a request's entries
-  one step, so identical requests never split the entries between them.
-* Heartbeat: the holder rewrites its lock files every :data:`HEARTBEAT_S` seconds (pid, host, a
-  counter); a waiter watches the counter on its *own* monotonic clock (no clock comparison between
-  hosts): a counter stopped for ``lock_stale_s`` is a hung holder, or one on a dead host whose
-  network-filesystem lease has not expired, and is not waited for.
-* Bounded: a waiter builds the entries itself once they appear (restored), once it obtains their
-  locks (the holder finished or died: it re-checks the store first), when the holder looks stale, or
-  after ``lock_wait_s``. The lock only saves work: entries are atomic, verified on read and
-  bit-identical whoever builds them, so the worst case is duplicated work, never a wrong entry.
+Its directory layout, the entry file (one per binding and plan, verified on every read), the atomic
+writes and the per-entry build locks (one build per fleet) are described in docs/tables.md ("The
+store on disk", "One build per fleet"). The entry format is what every process sharing a store must
+agree on; the rest of this module only moves these files around. The locks only save work: entries
+are atomic, verified and bit-identical whoever builds them, so the worst case is duplicated work.
 """
 
 from __future__ import annotations
@@ -88,19 +42,14 @@ from ..spec import SUPPORTED_WEIGHT_DTYPES, ModulationSpec
 
 log = logging.getLogger(__name__)
 
-# -- the entry file -----------------------------------------------------------------------------
-
 MAGIC = b"ADLNSTO1"
 FORMAT_VERSION = 1
 DIGEST_BYTES = 32
 
 
 def part_names(count: int) -> list[str]:
-    """The names an entry's header gives its parts (informative: the payload's order is the spec's).
-
-    A two-part table's are ``block`` and ``final`` (the only parts of entries written before the
-    header listed them), a one-part table's ``table``.
-    """
+    """The names an entry's header gives its parts (informative: the payload's order is the spec's); a
+    two-part table's are ``block`` and ``final``, the only parts of entries written before headers listed them."""
     return ["block", "final"] if count == 2 else [TABLE_PART] if count == 1 else [f"part{i}" for i in range(count)]
 
 
@@ -137,19 +86,15 @@ def encode_entry(bhash: str, key: PlanKey, rows: PlanRows) -> list[bytes | memor
     # rows are then read as typed views of one buffer, with no copy.
     head += b" " * ((-(len(MAGIC) + 4 + len(head))) % 64)
     prefix = MAGIC + struct.pack("<I", len(head)) + head
-    digest = hashlib.sha256()
-    digest.update(prefix)
+    digest = hashlib.sha256(prefix)
     for chunk in payload:
         digest.update(chunk.data)
     return [prefix, *(p.data for p in payload), digest.digest()]
 
 
 def parse_entry(path: Path) -> tuple[dict[str, Any], torch.Tensor, int, int]:
-    """Read and verify an entry file; returns (header, raw bytes, payload offset, inode).
-
-    The inode lets a caller move aside exactly the file it read, never a fresh rewrite that
-    another process renamed into place meanwhile.
-    """
+    """Read and verify an entry file; returns (header, raw bytes, payload offset, inode): the inode lets a
+    caller move aside exactly the file it read, never a fresh rewrite another process renamed into place."""
     try:
         fd = open_regular(path)
     except NotARegularFile as exc:  # a FIFO or a device where an entry belongs: never opened for reading
@@ -213,9 +158,6 @@ def entry_rows(header: dict[str, Any], raw: torch.Tensor, offset: int, spec: Mod
     return PlanRows(key_to_plan(key, columns), *parts)
 
 
-# -- the store ----------------------------------------------------------------------------------
-
-
 _SUFFIX = ".entry"
 _TMP_PREFIX = ".tmp-"
 #: A temp file this old is swept even when its writer's liveness cannot be checked (another host).
@@ -242,8 +184,8 @@ def _pid_alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except PermissionError:  # alive, another user's
+        pass
     return True
 
 
@@ -272,10 +214,8 @@ class StoredEntry:
 
 
 class Store:
-    """A directory of tables bound to what produced them (see the module docstring).
-
-    ``max_bytes``: when set, every write prunes least-recently-used entries down to it.
-    """
+    """A directory of tables bound to what produced them; with ``max_bytes`` every write prunes least-recently-used
+    entries down to it."""
 
     def __init__(
         self,
@@ -334,11 +274,8 @@ class Store:
         return DigestMemo(self.path / "digests", write=self.write_atomic)
 
     def holds_other_content(self, template: Mapping[str, Any], keys: Iterable[PlanKey]) -> bool:
-        """Whether some binding equal to ``template`` in all but its ``content`` has an entry for any of ``keys``.
-
-        That is a copied checkpoint (or a copied store) whose digest is not known here yet: one
-        hashing read will probably turn these entries into hits.
-        """
+        """Whether some binding equal to ``template`` in all but its ``content`` has an entry for any of ``keys``:
+        a copied checkpoint (or store) whose digest is not known here yet, which one hashing read turns into hits."""
         want = canonical_json({k: v for k, v in template.items() if k != "content"})
         keys = list(keys)
         for bhash, binding in self.bindings().items():
@@ -350,19 +287,14 @@ class Store:
                 return True
         return False
 
-    # -- files ------------------------------------------------------------------------------
-
     def _entry_path(self, bhash: str, key: PlanKey) -> Path:
         return self.path / "entries" / bhash / (plan_hash(key) + _SUFFIX)
-
-    def _temp_name(self, final: Path) -> Path:
-        # host and pid in the name let sweep_temp tell a live writer's file from an orphan.
-        return final.with_name(f"{_TMP_PREFIX}{self._host}-{os.getpid()}-{uuid.uuid4().hex}-{final.name}")
 
     def write_atomic(self, final: Path, *chunks: bytes | memoryview) -> None:
         """Write ``chunks`` to ``final`` (inside the store) so that readers see either nothing or all of it:
         the one atomic writer of the store's files (entries, bindings, the digest memo)."""
-        tmp = self._temp_name(final)
+        # host and pid in the name let sweep_temp tell a live writer's file from an orphan.
+        tmp = final.with_name(f"{_TMP_PREFIX}{self._host}-{os.getpid()}-{uuid.uuid4().hex}-{final.name}")
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
@@ -398,11 +330,8 @@ class Store:
                     age = now - tmp.stat().st_mtime
                 except OSError:
                     continue
-                if len(parts) >= 2 and parts[0] == self._host and parts[1].isdigit():
-                    orphan = not _pid_alive(int(parts[1])) or age > _STALE_TMP_SECONDS
-                else:
-                    orphan = age > _STALE_TMP_SECONDS
-                if orphan:
+                mine = len(parts) >= 2 and parts[0] == self._host and parts[1].isdigit()
+                if age > _STALE_TMP_SECONDS or (mine and not _pid_alive(int(parts[1]))):
                     with contextlib.suppress(OSError):
                         tmp.unlink()
                         removed += 1
@@ -411,26 +340,18 @@ class Store:
         self.swept_temp += removed
         return removed
 
-    # -- writing ----------------------------------------------------------------------------
-
-    def _ensure_binding(self, binding: Mapping[str, Any], bhash: str) -> None:
-        target = self.path / "bindings" / f"{bhash}.json"
-        if not target.exists():
-            self.write_atomic(target, json.dumps(binding, sort_keys=True, indent=1, default=str).encode())
-        (self.path / "entries" / bhash).mkdir(parents=True, exist_ok=True)
-
     def put(self, binding: Mapping[str, Any], key: PlanKey, rows: PlanRows) -> Path:
         """Write one plan's rows under ``binding`` atomically; returns the entry's path."""
         bhash = binding_hash(binding)
-        self._ensure_binding(binding, bhash)
-        chunks = encode_entry(bhash, key, rows)
+        described = self.path / "bindings" / f"{bhash}.json"
+        if not described.exists():
+            self.write_atomic(described, json.dumps(binding, sort_keys=True, indent=1, default=str).encode())
+        (self.path / "entries" / bhash).mkdir(parents=True, exist_ok=True)
         path = self._entry_path(bhash, key)
-        self.write_atomic(path, *chunks)
+        self.write_atomic(path, *encode_entry(bhash, key, rows))
         if self.max_bytes is not None:
             self.prune(self.max_bytes, keep={path})
         return path
-
-    # -- reading ----------------------------------------------------------------------------
 
     def contains(self, binding: Mapping[str, Any], keys: Iterable[PlanKey]) -> set[PlanKey]:
         """The ``keys`` that have an entry under ``binding`` (by name only: nothing is read or verified)."""
@@ -476,24 +397,16 @@ class Store:
             found[key] = rows
         return found
 
-    # -- listing, health, pruning -----------------------------------------------------------
-
     def entries(self) -> list[EntryInfo]:
         """Every entry file, least recently used first."""
         out: list[EntryInfo] = []
-        for directory in sorted((self.path / "entries").glob("*")):
-            if not directory.is_dir():
-                continue
-            for path in directory.glob("*" + _SUFFIX):
-                if path.name.startswith(_TMP_PREFIX):
-                    continue  # a writer's file in progress (or an orphan sweep_temp removes): never an entry
-                try:
-                    st = path.stat()
-                except OSError:
-                    continue
-                if not stat.S_ISREG(st.st_mode):
-                    continue
-                out.append(EntryInfo(path, directory.name, path.stem, st.st_size, st.st_mtime))
+        for path in (self.path / "entries").glob("*/*" + _SUFFIX):
+            if path.name.startswith(_TMP_PREFIX):
+                continue  # a writer's file in progress (or an orphan sweep_temp removes): never an entry
+            with contextlib.suppress(OSError):
+                st = path.stat()
+                if stat.S_ISREG(st.st_mode):
+                    out.append(EntryInfo(path, path.parent.name, path.stem, st.st_size, st.st_mtime))
         out.sort(key=lambda e: (e.last_used, str(e.path)))
         return out
 
@@ -523,8 +436,6 @@ class Store:
                 item = (info, str(exc))
             yield item
 
-    # -- can it be written? -----------------------------------------------------------------
-
     #: errno values that say the store cannot be written at all (read-only, no permission) ...
     READ_ONLY = frozenset({errno.EROFS, errno.EACCES, errno.EPERM})
     #: ... or not for now (those, or no space left).
@@ -532,14 +443,12 @@ class Store:
 
     def health(self, *, verify: bool = True) -> dict[str, Any]:
         """Verify every entry's digest (unless ``verify=False``); count temp and moved-aside files."""
-        ok = 0
-        bad: list[str] = []
-        if verify:
-            for item in self.iter_entries():
-                if isinstance(item, StoredEntry):
-                    ok += 1
-                else:
-                    bad.append(f"{item[0].path}: {item[1]}")
+        ok, bad = 0, []
+        for item in self.iter_entries() if verify else ():
+            if isinstance(item, StoredEntry):
+                ok += 1
+            else:
+                bad.append(f"{item[0].path}: {item[1]}")
         temps = sum(1 for _ in self.path.rglob(_TMP_PREFIX + "*"))
         corrupt = sum(1 for _ in (self.path / "corrupt").glob("*"))
         return {"ok": ok, "corrupt": bad, "temp_files": temps, "moved_aside": corrupt}
@@ -577,9 +486,6 @@ class Store:
         if removed:
             log.info("store %s: pruned %d entries, %d bytes remain", self.path, removed, total)
         return removed
-
-
-# -- one build per fleet ------------------------------------------------------------------------
 
 
 #: Seconds between a holder's heartbeats.
@@ -628,8 +534,8 @@ class Claim:
         if self._beat is not None:
             self._beat.join()
             self._beat = None
-        for path, fd in self.held.values():
-            _release(path, fd)
+        for held in self.held.values():
+            _release(*held)
         self.held = {}
 
 
@@ -665,7 +571,7 @@ def _try_lock(path: Path) -> int | None:
 
 
 class BuildLocks:
-    """The lock files of one store (see the module docstring)."""
+    """The lock files of one store (docs/tables.md, "One build per fleet")."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -692,8 +598,8 @@ class BuildLocks:
                 else:
                     held[key] = (path, fd)
         except BaseException:
-            for path, fd in held.values():
-                _release(path, fd)
+            for lock in held.values():
+                _release(*lock)
             raise
         finally:
             os.close(gate)
