@@ -1,29 +1,11 @@
 """The tiers below the slab, cheapest first: the host tier, then the store, then read-only table files.
 
-Why one object for both: the cache's build asks one question before a pass ("which missing plans
-can be restored, and from where?") and gives one instruction after publish ("keep copies"), and
-the rules around both are the same for every tier:
-
-* a tier is only a cache: a lookup that fails falls through to the next tier (and finally to the
-  rebuild pass); a write that fails is counted and logged, never raised, because the slab is
-  already correct;
-* in a process group the ranks agree (AND-reduce) on which plans *every* rank can serve from a
-  tier before any rank uses it, so the ranks' slot decisions and passes stay identical;
-* the host tier is asked first (a memory copy), the store second (a disk read), table files
-  third (``tables=``, read-only: their hits are not copied to the store), only for what the
-  tiers before did not have.
-
-The store is bound to the content digest of the source (:mod:`adalncache.identity.binding`). While it is
-unknown the store is skipped, except in one case where learning it pays at once: the store holds
-entries, for plans this build wants, under a binding equal to this one in all but the content (a
-copied checkpoint beside its store). Then one hashing read of the projections runs first, which
-costs a read without the GEMMs, and the entries hit.
-
-A store that cannot be written (a read-only share, a full disk, no permission) degrades to "no
-store" for its writes and its entry locks: its hits are still served, misses are built as without a
-store, never blocked or failed. Each such build is counted (``CacheStats.store_unwritable``), the
-first is logged (a warning), and writes are tried again after :data:`UNWRITABLE_RETRY_S` (space may
-have been freed).
+One object for all of them because the cache's build asks one question before a pass ("which missing
+plans can be restored, and from where?") and gives one instruction after publish ("keep copies"), and
+the rules are the same for every tier: a tier is only a cache (a failed lookup falls through, a failed
+write is counted and logged, never raised: the slab is already correct), and in a process group the
+ranks agree on every tier's hits before any rank uses them (docs/distributed.md). When the store is
+consulted without a content digest, and when an unwritable store is skipped, is told in docs/tables.md.
 """
 
 from __future__ import annotations
@@ -75,10 +57,7 @@ class TierChain:
         stats: CacheStats,
         tables: TablesTier | None = None,
     ) -> None:
-        self.spec = spec
-        self.host = host
-        self.store = store
-        self.tables = tables
+        self.spec, self.host, self.store, self.tables = spec, host, store, tables
         #: The entry locks held by the build in progress (one build per fleet), released after its store write.
         self._claim: Claim = NO_CLAIM
         self._dist = collective
@@ -124,13 +103,9 @@ class TierChain:
     ) -> Restored:
         """Plans every rank can restore from the host tier, then the store, then table files (cheapest first).
 
-        ``embed``: the build's ``embed(plan)`` (None without one), which a table file that records its
-        rows' projection input is checked against before its rows are served.
-
-        ``identity.current_binding()`` gives the store binding of the current source, or ``None``
-        when the source changed since the slab's tables were built or its content digest is not
-        known (then the store is not asked, unless a hashing read pays: module docstring). Only an
-        interrupt (a ``BaseException`` that is not an ``Exception``) escapes.
+        ``embed``: the build's ``embed(plan)`` (None without one), which a table file that records its rows'
+        projection input is checked against. The store is asked only under a known binding (a hashing read
+        first where it pays: :meth:`_binding`). Only an interrupt (not an ``Exception``) escapes.
         """
         self._counted_unwritable = False  # a new build (every build with something missing starts here)
         host, store, tables = self.host, self.store, self.tables
@@ -197,16 +172,13 @@ class TierChain:
     ) -> dict[PlanKey, PlanRows]:
         """Claim the store entries this build is about to compute, or wait for another process building them.
 
-        Returns the plans that appeared in the store meanwhile (restored, verified); the caller
-        builds the rest, holding the locks it got until :meth:`write` (or :meth:`release_claim`).
-        One process only: the ranks of a group already build once together, and a wait inside a
-        collective build would stall every rank (so a process group never locks).
+        Returns the plans that appeared in the store meanwhile; the caller builds the rest, holding the locks
+        until :meth:`write` (or :meth:`release_claim`). A process group never locks: its ranks already build
+        once together, and a wait inside a collective build would stall every rank.
         """
         self.release_claim()
         store = self.store
-        if store is None or not to_build or self._dist.world > 1 or store.lock_wait_s <= 0:
-            return {}
-        if self._store_skipped():
+        if store is None or not to_build or self._dist.world > 1 or store.lock_wait_s <= 0 or self._store_skipped():
             return {}
         # Named without the content digest, which a cold process does not know yet: every process
         # about to build the same entries (same settings, same checkpoint files, copies included)
@@ -270,8 +242,8 @@ class TierChain:
     ) -> None:
         """Copy published plans to the tiers: the request's group to the host tier, ``built`` to the store.
 
-        Never raises an ``Exception``: the slab is already correct, so a failure is counted (in
-        the stats and the report) and logged. The entry locks of the build are released at the end.
+        Never raises an ``Exception`` (a failure is counted in the stats and the report, and logged); the
+        entry locks of the build are released at the end.
         """
         try:
             if self.host is not None:
@@ -362,7 +334,6 @@ class TierChain:
         )
 
     def host_plans(self) -> int:
-        """How many plans the host tier holds (0 without one)."""
         return len(self.host) if self.host is not None else 0
 
     def clear_host(self) -> None:

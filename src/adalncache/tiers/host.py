@@ -1,22 +1,13 @@
 """Host tier: copies of published plans in one preallocated, byte-bounded host arena.
 
-Why one arena: page-locking memory is slow, so it happens once, at construction, for one arena of
-exactly the capacity (a :class:`~adalncache.devices.HostBuffer`: torch's pinned allocator would
-round 20 GB up to 32 GiB and never give it back), when the cache device is CUDA, so restores are
-asynchronous DMA; the arena is carved up here. :meth:`HostTier.release` gives it back.
-
-The arena is divided into *units* of one plan row (``spec.row_bytes`` rounded up to 64 bytes,
-so every dtype view is aligned). A plan of ``n`` rows owns ``n`` contiguous units laid out part by
-part (``spec.table_parts()``: each ``(n, *part.shape)``), so a host hit hands the cache contiguous
-views it copies into the slab with one copy per part.
-
-Admission and eviction work on *groups*: the distinct plans of one request. Groups are kept in
-least-recently-used order; a plan shared by several groups is reference-counted (its refcount is
-the number of groups holding it) and only freed when its last group goes. Invariants, asserted by
-:meth:`HostTier.check_invariants`:
-
-* every unit is either free or owned by exactly one plan, and ``free + used == capacity``;
-* a plan's refcount equals the number of groups that list it, and every listed plan exists.
+One arena because page-locking is slow: it happens once, at construction, for exactly the capacity (a
+:class:`~adalncache.devices.HostBuffer`: torch's pinned allocator would round 20 GB up to 32 GiB and
+never give it back), when the cache device is CUDA, so restores are asynchronous DMA. The arena is cut
+into *units* of one plan row (``spec.row_bytes`` rounded up to 64 bytes, so every dtype view is
+aligned); a plan of ``n`` rows owns ``n`` contiguous units laid out part by part, so a hit is one copy
+per part. Admission and eviction work on *groups* (the distinct plans of one request), least recently
+used first; a plan shared by several groups is reference-counted and freed with its last group
+(invariants: :meth:`HostTier.check_invariants`).
 """
 
 from __future__ import annotations
@@ -56,10 +47,8 @@ class _Entry:
 
 
 class HostTier:
-    """Byte-bounded host copies of published plans, admitted and evicted by request group.
-
-    ``capacity_bytes`` bounds the arena; ``pin`` page-locks it (set when the cache device is CUDA).
-    Over capacity is never an error: :meth:`admit` returns False and the caller counts the skip.
+    """Byte-bounded host copies of published plans, admitted and evicted by request group; ``pin`` page-locks
+    the arena. Over capacity is never an error (:meth:`admit` returns False, the caller counts the skip).
     Not thread-safe: the cache calls it from its own build, one at a time.
     """
 
@@ -100,8 +89,6 @@ class HostTier:
                 HOST_TIER_KNOB,
             )
 
-    # -- sizes ------------------------------------------------------------------------------
-
     @property
     def used_bytes(self) -> int:
         return (self.total_units - self._free_units) * self.unit_bytes
@@ -131,13 +118,9 @@ class HostTier:
             f"{self.used_bytes}/{self.capacity_bytes} bytes{', pinned' if self.pinned else ''})"
         )
 
-    # -- views ------------------------------------------------------------------------------
-
     def _views(self, key: PlanKey, entry: _Entry) -> PlanRows:
-        spec = self.spec
-        n = spec.plan_rows(key)
-        item = spec.itemsize
-        offset = entry.start * self.unit_bytes
+        spec, offset = self.spec, entry.start * self.unit_bytes
+        n, item = spec.plan_rows(key), spec.itemsize
         parts = []
         for part in spec.table_parts():
             nbytes = n * (part.stop - part.start) * item
@@ -145,13 +128,9 @@ class HostTier:
             offset += nbytes
         return PlanRows(key_to_plan(key, spec.plan_columns), *parts)
 
-    # -- lookup -----------------------------------------------------------------------------
-
     def lookup(self, keys: Iterable[PlanKey]) -> dict[PlanKey, PlanRows]:
-        """Views of the held plans among ``keys`` (the arena's own memory: copy before the next admit).
-
-        A hit marks the groups holding the plan as recently used.
-        """
+        """Views of the held plans among ``keys`` (the arena's own memory: copy before the next admit); a hit
+        marks the groups holding the plan as recently used."""
         found: dict[PlanKey, PlanRows] = {}
         for key in keys:
             entry = self._plans.get(key)
@@ -161,8 +140,6 @@ class HostTier:
             for group in entry.groups:
                 self._groups.move_to_end(group)
         return found
-
-    # -- admission --------------------------------------------------------------------------
 
     def _find_run(self, units: int) -> int | None:
         """First start of ``units`` contiguous free units, or None."""
@@ -174,13 +151,11 @@ class HostTier:
         return None
 
     def _take(self, key: PlanKey, start: int, units: int) -> None:
-        for index in range(start, start + units):
-            self._owner[index] = key
+        self._owner[start : start + units] = [key] * units
         self._free_units -= units
 
     def _give_back(self, entry: _Entry) -> None:
-        for index in range(entry.start, entry.start + entry.units):
-            self._owner[index] = None
+        self._owner[entry.start : entry.start + entry.units] = [None] * entry.units
         self._free_units += entry.units
 
     def _unhold(self, key: PlanKey, group: GroupId) -> None:
@@ -200,12 +175,10 @@ class HostTier:
             self._unhold(key, group)
 
     def admit(self, group_keys: Iterable[PlanKey], rows_of: Callable[[PlanKey], PlanRows]) -> bool:
-        """Hold every plan of one request (``group_keys``), copying new ones with ``rows_of(key)``.
-
-        Returns False (and changes nothing) when the group cannot fit even in an empty tier.
-        Least-recently-used groups are evicted to make room. If a copy fails, every unit this
-        call took is returned and the group is not recorded, then the error propagates (groups
-        evicted to make room stay evicted: they were only a cache).
+        """Hold every plan of one request (``group_keys``), copying new ones with ``rows_of(key)``, evicting
+        least-recently-used groups to make room; False (nothing changed) when the group cannot fit even in an
+        empty tier. If a copy fails, every unit this call took is returned and the group is not recorded, then
+        the error propagates (groups evicted to make room stay evicted: they were only a cache).
         """
         group: GroupId = frozenset(group_keys)
         if not group:
@@ -258,24 +231,15 @@ class HostTier:
         self._groups[group] = None
         return True
 
-    # -- maintenance ------------------------------------------------------------------------
-
     def release(self) -> int:
-        """Forget everything and give the arena back (unlocked and freed); returns its bytes.
-
-        The tier holds nothing afterwards and skips every group (its capacity is 0). Called when
-        the cache is closed (``AdalnCache.close()``, the diffusers handle's ``disable()``).
-        """
+        """Forget everything and give the arena back (unlocked and freed); returns its bytes. The tier then
+        skips every group (capacity 0). Called when the cache is closed (``AdalnCache.close()``)."""
         released = self.total_units * self.unit_bytes
         self.clear()
         self._buffer.release()
         self._buffer = HostBuffer(0)
-        self.arena = self._buffer.tensor
-        self.pinned = False
-        self.capacity_bytes = 0
-        self.total_units = 0
-        self._owner = []
-        self._free_units = 0
+        self.arena, self.pinned, self.capacity_bytes, self.total_units = self._buffer.tensor, False, 0, 0
+        self._owner, self._free_units = [], 0
         return released
 
     def clear(self) -> None:

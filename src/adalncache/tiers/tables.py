@@ -1,25 +1,10 @@
 """Table files as a read-only tier below the store (``tables=``), whatever their format.
 
-A team builds the tables of its schedules once (``adalncache export``), ships the file with the
-model, and every serving process reads from it instead of streaming 24 GiB of projection weights.
-This tier opens the files given and restores plans from them like the store does: a plan's rows come
-from the first file (in the order given) that holds it. What is checked is each format's
-(:mod:`adalncache.formats`); when is this tier's, so that no file ever serves rows this cache would
-not compute now, bit for bit:
-
-* at open, each file's structure and geometry against the cache's spec, and what its format refuses;
-* at construction of the cache (:meth:`TablesTier.check_bindings`), each file against the cache's
-  binding (precision, numeric environment, shard, and the weights it names, where the cache has some);
-* at every lookup, each file against the binding the cache would give tables built *now* (autocast
-  and matmul switches included): a file that differs serves nothing while it differs;
-* whenever the weight source's identity changed (a checkpoint rewritten or replaced on disk): each
-  file against the new weights (a content digest from the memo or one hashing read, asked only when a
-  file that binds one holds a plan the build wants); a file with nothing to check them by, or bound to
-  other weights, is never consulted again;
-* on every read: a slot that fails its digest is a miss (``tables_corrupt``), a file changed on disk
-  since it was opened is not read again (reopen the cache), and a plan whose projection input is not
-  the one the file's rows came from is built instead.
-
+A plan's rows come from the first file (in the order given) that holds it. What is checked is each
+format's (:mod:`adalncache.formats`); *when* is this tier's, so that no file ever serves rows this cache
+would not compute now, bit for bit: at open, at the cache's construction (:meth:`TablesTier.check_bindings`),
+at every lookup against the binding tables built now would get, after every change of the weight
+source's identity, and on every read (docs/tables.md, "Serve it" and "What happens on a mismatch").
 Tables hold the base projection (no LoRA), so the tier serves nothing while a variant is active.
 """
 
@@ -54,12 +39,7 @@ def table_paths(tables: Any) -> list[Path]:
     """``tables=`` as a list of paths (ConfigError for anything else)."""
     if isinstance(tables, (str, os.PathLike)):
         return [Path(tables)]
-    if (
-        isinstance(tables, Sequence)
-        and not isinstance(tables, bytes)
-        and tables
-        and all(isinstance(t, (str, os.PathLike)) for t in tables)
-    ):
+    if isinstance(tables, Sequence) and tables and all(isinstance(t, (str, os.PathLike)) for t in tables):
         return [Path(t) for t in tables]
     raise ConfigError(
         f"tables= must be a table file path or a non-empty list of them, got {type(tables).__name__} "
@@ -68,13 +48,11 @@ def table_paths(tables: Any) -> list[Path]:
 
 
 class TablesTier:
-    """Several table files searched in order; plans come back as :class:`~adalncache.slab.PlanRows`."""
+    """Several table files searched in order. ``source``: the cache's weight source, which a file that names
+    its weights is checked against (None, or a source without weights: not checked, which is logged)."""
 
     def __init__(self, tables: TablesArg, spec: ModulationSpec, *, source: Any = None) -> None:
-        """``source``: the cache's weight source, whose tensors a file that names its weights is checked
-        against (None, or a source without weights: those cannot be checked, which is logged)."""
-        self.spec = spec
-        self.source = source
+        self.spec, self.source = spec, source
         self.files = [TableFile(path, spec, argument="tables=") for path in table_paths(tables)]
         self.corrupt = 0
         #: Files never served again: changed on disk, or bound to weights the source no longer has.
@@ -90,11 +68,10 @@ class TablesTier:
     def check_bindings(
         self, template: Mapping[str, Any], content: Callable[[], str | None], *, generation: int = 0
     ) -> None:
-        """Refuse (ConfigError) a file this cache cannot serve bit-exactly; see the module docstring.
+        """Refuse (ConfigError) a file this cache cannot serve bit-exactly.
 
-        ``template``: the cache's binding without its content; ``content()``: the source's content
-        digest (None when it has no weights to hash), asked only if a file binds one;
-        ``generation``: the source identity it was asked under.
+        ``template``: the cache's binding without its content; ``content()``: the source's content digest
+        (None without weights to hash), asked only if a file binds one; ``generation``: the source identity.
         """
         self._checked = generation
         # Asked first, whatever the files say: in a process group it is a collective every rank joins.
@@ -110,7 +87,7 @@ class TablesTier:
     def _recheck(
         self, keys: Sequence[PlanKey], generation: int, content: Callable[[], str | None], agree: AnyOf
     ) -> None:
-        """The source's identity moved since the last check: check every live file again (see above)."""
+        """The source's identity moved since the last check: check every live file again."""
         bound = []
         for table in [t for t in self.files if t.path not in self._gone]:
             serves = table.kind.still_serves(table, self.source)
@@ -129,13 +106,8 @@ class TablesTier:
         for table in bound:
             if table.content != digest:
                 self._gone.add(table.path)
-                log.warning(
-                    "%s was exported from other projection weights (content %s) than the checkpoint now "
-                    "holds (%s): no longer served",
-                    table.path,
-                    table.content,
-                    digest,
-                )
+                what = f"{table.path} was exported from other projection weights (content {table.content})"
+                log.warning("%s than the checkpoint now holds (%s): no longer served", what, digest)
         self._checked = generation
 
     def lookup(
@@ -143,11 +115,10 @@ class TablesTier:
     ) -> dict[PlanKey, PlanRows]:
         """Rows of every key some file holds (first file first); a slot its format refuses is a miss.
 
-        A file that does not fit the binding (content left open) ``identity`` would give tables built now
-        is skipped. After the source identity moved (its ``generation``), the files are checked again
-        (module docstring) against its content digest, hashing if it must (a collective in a group, where
-        ``agree`` is the ranks' any-of). ``embed``: the build's ``embed(plan)``, which a file that records
-        its rows' projection input is checked against.
+        A file that does not fit the binding tables built now would get is skipped. After the source identity
+        moved, the files are checked again against its content digest, hashing if they must (a collective in a
+        group, where ``agree`` is the ranks' any-of). ``embed``: the build's ``embed(plan)``, which a file that
+        records its rows' projection input is checked against.
         """
         template, generation = identity.template(), identity.generation
         if generation != self._checked:
@@ -157,18 +128,15 @@ class TablesTier:
         found: dict[PlanKey, PlanRows] = {}
         for table in self.files:
             todo = [k for k in keys if k not in found and k in table]
-            if not todo:
+            if not todo or table.path in self._gone:
                 continue
-            unfit = None if table.path in self._gone else table.kind.unfit(table, template)
+            unfit = table.kind.unfit(table, template)
             if unfit is not None:
                 self._say(unfit)
                 continue
-            if table.path in self._gone or table.changed():
-                if table.path not in self._gone:
-                    self._gone.add(table.path)
-                    log.warning(
-                        "%s changed on disk since it was opened: no longer served (reopen the cache)", table.path
-                    )
+            if table.changed():
+                self._gone.add(table.path)
+                log.warning("%s changed on disk since it was opened: no longer served (reopen the cache)", table.path)
                 continue
             for key in todo:
                 other_input = table.kind.same_input(table, key, embed)
