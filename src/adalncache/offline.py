@@ -1,18 +1,12 @@
 """Offline work on checkpoints, stores and table files, without the model: fill, export, verify, describe.
 
-Why these exist: a serving process should start with its tables already on disk. :func:`fill_store`
-runs the same transactional build the cache runs at serving time (same source, embed and binding), so
-the entries it writes are exactly those a serving cache on this machine looks up; :func:`export_tables`
-streams the tables of some schedules into one table file in any format (:mod:`adalncache.formats`),
-from the same cache (store entries reused, a ``torchrun`` group sharing the passes). :func:`verify_store`
-and :func:`verify_tables` recompute a store's entries or a file's plans on this machine the same way
-(a sample, one slab's worth per pass, a cache that always projects whole and per plan, so tables built
-stacked or tiled are confirmed too, ``torch.equal`` of every part), so either can be trusted after a
-copy or a disk scare. The ``adalncache build | export | verify | inspect`` commands are shells over these.
-
-Step counts: ``--steps N`` is the pipeline's ``num_inference_steps`` (grid points including the
-terminal 0), so it gives ``N - 1`` forwards; SGLang's ``--num-inference-steps M`` counts forwards.
-A file exported with ``--steps N`` therefore serves SGLang at ``--num-inference-steps N - 1``.
+A serving process should start with its tables already on disk. :func:`fill_store` and
+:func:`export_tables` run the same transactional build the cache runs at serving time (same source, embed
+and binding; a ``torchrun`` group sharing the passes), so what they write is exactly what a serving cache
+on this machine looks up. :func:`verify_store` and :func:`verify_tables` recompute a sample the same way,
+with a cache that always projects whole and per plan (so tables built stacked or tiled are confirmed too),
+``torch.equal`` of every part. The ``adalncache build | export | verify | inspect`` commands are shells
+over these; step counts versus SGLang's are in docs/tables.md.
 """
 
 from __future__ import annotations
@@ -107,10 +101,6 @@ def _same(fresh: torch.Tensor, stored: torch.Tensor | None) -> bool:
     return stored is not None and torch.equal(fresh.cpu(), stored)
 
 
-# ---------------------------------------------------------------------------------------------
-# fill
-
-
 @dataclass
 class FillReport:
     """What :func:`fill_store` did: plans asked for, found stored, built, and the passes it took."""
@@ -123,27 +113,22 @@ class FillReport:
 
 
 def fill_store(cache: AdalnCache, plans: Sequence[torch.Tensor], *, embed: Embed, progress: bool = True) -> FillReport:
-    """Build every plan ``cache``'s store lacks, in passes of at most ``cache.max_plans`` plans.
-
-    The cache's slab is scratch here and is emptied after each pass: the store is the product. A
-    store write that fails raises ConfigError naming the directory (``--store``), since the build
-    then did not do its job. Under a process group every rank calls this with the same plans.
+    """Build every plan ``cache``'s store lacks, in passes of at most ``cache.max_plans`` plans (the slab is
+    scratch). A failed store write raises ConfigError naming ``--store``: the build did not do its job. Under a
+    process group every rank calls this with the same plans.
     """
     store = cache.store
     if store is None:
         raise ConfigError(
             f"fill_store needs a cache with a store: pass AdalnCache(..., store=DIR) (CLI {flag('store')})"
         )
-    if cache.world_size > 1:
-        # Every rank must pass the same chunks: build() agrees on store hits across ranks itself.
-        stored: set[PlanKey] = set()
-    else:
-        # Existence by name only: reading every entry to verify it would cost as much as a pass on a
-        # large store. A corrupt entry is caught (and rebuilt) by the serving cache's read, or by verify.
-        binding = cache.binding()  # None while the content digest is unknown: the build learns it
-        columns = cache.spec.plan_columns
-        stored = store.contains(binding, [plan_key(p, columns) for p in plans]) if binding is not None else set()
-    todo = [p for p in plans if plan_key(p, cache.spec.plan_columns) not in stored]
+    keys = [plan_key(p, cache.spec.plan_columns) for p in plans]
+    # In a group every rank must pass the same chunks: build() agrees on store hits across ranks itself. Alone,
+    # existence by name only: verifying every entry would cost as much as a pass on a large store (a corrupt
+    # entry is caught by the serving cache's read, or by verify). No binding while the digest is unknown.
+    binding = cache.binding() if cache.world_size == 1 else None
+    stored: set[PlanKey] = store.contains(binding, keys) if binding is not None else set()
+    todo = [p for p, key in zip(plans, keys) if key not in stored]
     unwritable = cache.stats.store_unwritable
     built = passes = failures = hits = 0
     for _, report in _in_passes(
@@ -164,10 +149,6 @@ def fill_store(cache: AdalnCache, plans: Sequence[torch.Tensor], *, embed: Embed
 def _binding_hash(cache: AdalnCache) -> str:
     binding = cache.binding()
     return binding_hash(binding) if binding is not None else "unbound"
-
-
-# ---------------------------------------------------------------------------------------------
-# verify
 
 
 @dataclass
@@ -197,10 +178,8 @@ class VerifyReport:
 def _local_hashes(
     spec: ModulationSpec, source: CheckpointSource, device: str | torch.device, store: Store
 ) -> dict[str, str]:
-    """The binding hash a cache on this machine would use, per precision (what verify can check).
-
-    Needs the checkpoint's content digest: from the store's memo, or one hashing read.
-    """
+    """The binding hash a cache on this machine would use, per precision (the content digest from the store's
+    memo, or one hashing read)."""
     out = {}
     for precision in ("match", "fp32"):
         probe = AdalnCache(spec, source, max_plans=1, max_plan_width=1, device=device, precision=precision, store=store)
@@ -224,10 +203,9 @@ def verify_store(
 ) -> VerifyReport:
     """Recompute ``store``'s entries for this checkpoint on this machine and compare with ``torch.equal``.
 
-    Only entries under a binding this machine would use (per precision) can be checked; the others
-    are counted. ``sample`` checks that many entries per binding, chosen with ``seed``. Entries are
-    read and recomputed ``max_plans`` at a time, so memory stays at one slab's worth. Raises
-    ConfigError when the store holds nothing for this checkpoint here.
+    Only entries under a binding this machine would use (per precision) can be checked; the others are
+    counted. ``sample``: that many entries per binding, chosen with ``seed``; ``max_plans`` at a time (one
+    slab's worth of memory). ConfigError when the store holds nothing for this checkpoint here.
     """
     check_sample(sample, "entries")
     entries = store.entries()
@@ -271,10 +249,6 @@ def verify_store(
     return report
 
 
-# ---------------------------------------------------------------------------------------------
-# export
-
-
 @dataclass
 class ExportReport:
     """What :func:`export_tables` wrote."""
@@ -291,13 +265,10 @@ class ExportReport:
 
 
 def check_output(path: Path, inputs: Iterable[Path] = (), *, needs: int | None = None) -> None:
-    """Refuse, before any pass, an output path the export must not write (ConfigError naming ``-o``).
-
-    ``-o`` must be a new name, or a regular file that is none of ``inputs`` (the checkpoint's files
-    and index: same device and inode, so a link to one of them counts as that file); never a
-    directory, a FIFO, a device or a socket, whose replacement by a file destroys what was there.
-    Its directory must exist and be writable, and, when ``needs`` (bytes) is given and the system
-    can tell, have room for the file.
+    """Refuse, before any pass, an output path the export must not write (ConfigError naming ``-o``): ``-o``
+    must be a new name or a regular file that is none of ``inputs`` (by device and inode: a link to an input is
+    that input), never a directory, FIFO, device or socket, which a file would replace; its directory must be
+    writable, with room for ``needs`` bytes where the system can tell.
     """
     out = flag("output")
     try:
@@ -361,12 +332,10 @@ def export_tables(
 ) -> ExportReport:
     """Compute the tables of ``plans`` with ``cache`` and write them to ``out`` (rank 0 writes in a group).
 
-    ``plans``: distinct plans in slot order (``schedule_plans`` gives them; for ``format="vllm-omni"``
-    exactly ``timestep_plans`` of the one schedule, and no ``embed=``). Passes of at most
-    ``cache.max_plans`` plans each; the cache's slab is scratch, the file is the product. What the
-    format cannot hold is refused before any pass, and an unwritable output before the passes too.
-    The file appears at ``out`` only once complete (a temporary file is renamed into place): an
-    interrupted or failed export leaves ``out`` as it was. In a process group every rank calls this.
+    ``plans``: distinct plans in slot order (for ``format="vllm-omni"`` exactly ``timestep_plans`` of the one
+    schedule, and no ``embed=``). What the format cannot hold, and an unwritable output, are refused before any
+    pass; the file appears at ``out`` only once complete, so a failed export leaves ``out`` as it was. In a
+    process group every rank calls this.
     """
     spec, path, kind = cache.spec, Path(out), table_format(format)
     given = {"embed": embed, "model_variant": model_variant, "tasks": tasks, "schedules": schedules}
@@ -397,10 +366,6 @@ def export_tables(
     return ExportReport(path, format, len(plans), width, size, done, hits, built, passes.content)
 
 
-# ---------------------------------------------------------------------------------------------
-# verify a table file
-
-
 def verify_tables(
     table: TableFile,
     source: CheckpointSource,
@@ -415,11 +380,9 @@ def verify_tables(
 ) -> VerifyReport:
     """Recompute ``table``'s plans from ``source`` on this machine and compare every row with ``torch.equal``.
 
-    Always per plan (never batched), at the file's precision (a bound file's; the others are
-    ``match``), as its format computes rows (a vLLM-Omni sidecar's from its own time embedding, which
-    is compared too). What the file binds is checked against what the passes read: a bound file's
-    content digest, a sidecar's weight digests; binding fields that differ from this machine are
-    listed in ``foreign`` (a mismatch is then expected, not a fault of the file).
+    Per plan, at the file's precision (``match`` but for a bound file's), as its format computes rows (a
+    sidecar's time embeddings are compared too). What the file binds is checked against what the passes read;
+    binding fields that differ from this machine are listed in ``foreign`` (a mismatch is then expected).
     """
     check_sample(sample, "plans")
     spec = source.spec
@@ -448,10 +411,6 @@ def verify_tables(
                 report.mismatched.append(f"plan {shown} (slot {table.slot_of(key)}) differs")
     table.kind.verified(table, passes, report)
     return report
-
-
-# ---------------------------------------------------------------------------------------------
-# describe
 
 
 def describe_store(path: str | os.PathLike[str], *, verify: bool = True) -> dict[str, Any]:
@@ -495,17 +454,12 @@ def describe_checkpoint(
     store: Store | None = None,
     hash: bool = False,
 ) -> dict[str, Any]:
-    """Layout, files, projection tensors and bytes, both identities, and whether the time embedder is there.
-
-    The *file identity* (``fingerprint``: stat and header of every file) changes on any rewrite,
-    copy or touch; the *content digest* names the projections' bytes, which is what stores and
-    table files bind to. It comes from this process's memo or ``store``'s, or with ``hash=True``
+    """Layout, files, projection tensors and bytes, both identities (docs/tables.md), and whether the time
+    embedder is there. The content digest comes from this process's memo or ``store``'s, or with ``hash=True``
     from one hashing read (recorded in ``store``'s memo when given); else it is reported unknown.
     """
     spec, source = open_checkpoint(path, layout=layout)
-    info = source.describe()
-    info["time_embedder"] = not spec.family.missing_upstream(source)
-    info["row_bytes"] = spec.row_bytes
+    info = {**source.describe(), "time_embedder": not spec.family.missing_upstream(source), "row_bytes": spec.row_bytes}
     probe = AdalnCache(spec, source, max_plans=1, max_plan_width=1, store=store)
     content = probe.identify(read=False)
     info["content_from"] = f"from the digest memo{f' in {store.path}' if store is not None else ''}"

@@ -15,7 +15,6 @@ from pathlib import Path
 
 from ..errors import ConfigError
 from ..options import flag
-from ..spec import ModulationSpec
 from .adalncache import AdalncacheFormat
 from .sglang import PLAN_TENSORS, Layout, SglangFormat, TableFormat, part_tensors
 from .vllm_omni import VllmOmniFormat
@@ -36,10 +35,7 @@ class TableFile(Layout):
     """One table file of any of :data:`FORMATS` (see :class:`~.sglang.Layout`); ``format`` is the format's
     name and ``kind`` the format itself."""
 
-    def __init__(
-        self, path: str | os.PathLike[str], spec: ModulationSpec | None = None, *, argument: str = "tables="
-    ) -> None:
-        super().__init__(path, spec, argument=argument, formats=tuple(FORMATS.values()))
+    formats = tuple(FORMATS.values())
 
 
 def is_table_file(path: str | os.PathLike[str]) -> bool:

@@ -1,18 +1,9 @@
 """The bound ``adalncache`` format: the layout plus what binds a file to the tables it holds, for every family.
 
-A bound file has the layout's tensors (:mod:`.sglang`, in the projections' dtype) plus metadata that binds
-it to what produced it: the content digest of the projection tensors, the upstream digest of the modules
-before them (time embedders; addition, guidance and second-timestep embeddings), the spec (family and
-layers included), the precision, the numeric environment, the tool's version, the schedules, the family
-and its layers (id, first column, width), and a BLAKE3 digest per slot, checked on every read. A bound
-file of bfloat16 tables with a ``model_variant`` is also an SGLang file: SGLang ignores the extra keys.
-
 Why it exists beside SGLang's: a reader can check that the file is what this cache would compute, bit for
-bit, instead of trusting it. The tier refuses at open a file bound to another spec, precision, environment,
-shard, upstream or content (a file with no upstream digest, written before files recorded one, is refused
-wherever the cache knows its own: export it again); at every lookup it serves a file only while the
-binding the cache would give its own tables *now* (autocast and matmul switches included) equals the
-file's; after the weight source changed, only while the source's new content digest is still the file's.
+bit, instead of trusting it. Its metadata (the binding, content digest, schedules, layers and a BLAKE3
+digest per slot, checked on every read) and when the tier refuses or skips a bound file are described in
+docs/tables.md ("Table files", "What happens on a mismatch").
 """
 
 from __future__ import annotations
@@ -59,13 +50,12 @@ def tool_version() -> str:
 
 
 def _text(value: Any) -> str:
-    """Metadata values are strings: the canonical JSON (:mod:`adalncache.identity`) as text."""
+    """Metadata values are strings: the canonical JSON as text."""
     return canonical_json(value).decode()
 
 
 def _differs(table: Layout, template: Mapping[str, Any]) -> list[str]:
-    """The binding fields of ``table`` that are not ``template``'s (alignment and upstream too, where the
-    cache has them)."""
+    """The binding fields of ``table`` that are not ``template``'s (alignment and upstream where the cache has them)."""
     assert table.binding is not None
     checked = [*CHECKED, *(key for key in ("alignment", "upstream") if template.get(key) is not None)]
     return [key for key in checked if plain_json(table.binding.get(key)) != plain_json(template.get(key))]

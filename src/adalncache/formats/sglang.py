@@ -1,22 +1,13 @@
 """The layout every table file has, which is SGLang's sidecar, and the ``sglang`` format: that layout alone.
 
-The layout (``format_version = "2"``, as SGLang checks it) holds the tables of a set of plans in one
-safetensors file: ``plan_timesteps [P, W] float32`` (``[P, W, C]`` for plans of ``C`` columns; slot ``s``
-holds a plan in its first ``plan_lengths[s]`` rows), ``plan_lengths [P] int64`` (each in ``1..W``), and
-one ``[P, W, *part.shape]`` tensor per table part of the family (``spec.table_parts()``: SGLang's
-``block_params`` and ``final_params``, ``table_rows`` for any other family). Rows past a plan's length are
-zero: never read, and they keep the bytes deterministic.
-
-The other formats add to it (:mod:`.adalncache` binds a file in its metadata, :mod:`.vllm_omni` adds a
-per-row tensor and a manifest), so what they share lives here: :class:`TableFormat`, the interface each
-format implements, whose defaults are the bare layout's; :class:`TableWriter`, which streams a file slot by
-slot (never a whole P x W slab in memory) into a temporary file renamed into place at the end; and
-:class:`Layout`, which opens a file, has its format check it, and reads a plan's rows with ``pread``.
-
-:class:`SglangFormat` is SGLang's sidecar, MiniMax-H3's: the layout in bfloat16 and ``model_variant``,
-nothing else, so SGLang loads it unmodified. It carries no binding: a reader can check its geometry and
-nothing more, so it serves only as ``precision="match"`` tables outside autocast, never once the weight
-source changed.
+The layout (``format_version = "2"``: the plans, then one ``[P, W, ...]`` tensor per table part, rows
+past a plan's length zero) is described in docs/tables.md ("Table files"). The other formats add to it,
+so what they share lives here: :class:`TableFormat`, the interface each format implements, whose
+defaults are the bare layout's; :class:`TableWriter`, which streams a file slot by slot (never a whole
+P x W slab in memory) into a temporary file renamed into place at the end; and :class:`Layout`, which
+opens a file, has its format check it, and reads a plan's rows with ``pread``. :class:`SglangFormat`
+carries no binding: a reader can check its geometry only, so it serves only as ``precision="match"``
+tables outside autocast, never once the weight source changed.
 """
 
 from __future__ import annotations
@@ -124,9 +115,8 @@ class Passes:
 class TableFormat:
     """One table format: its write (:meth:`export`, :meth:`metadata`), read (:meth:`opened`) and checks.
 
-    The defaults are the bare layout's, a file that carries no binding (SGLang's); a format overrides what
-    it adds. ``table`` is the :class:`Layout` being opened or served, ``template`` the binding (content left
-    open) the cache would give tables it built now.
+    The defaults are the bare layout's (SGLang's: no binding); a format overrides what it adds. ``table`` is
+    the :class:`Layout` opened or served, ``template`` the binding (content left open) of tables built now.
     """
 
     name = ""
@@ -143,8 +133,6 @@ class TableFormat:
     slot_digests: str | None = None
     #: The metadata key that marks a file of this format among those of its version, or None (any file).
     marker: str | None = None
-
-    # -- writing ------------------------------------------------------------------------------------
 
     def check_export(
         self,
@@ -199,7 +187,7 @@ class TableFormat:
 
     def export(self, cache: Any, plans: Sequence[torch.Tensor], **given: Any) -> Passes:
         """The passes of an export of ``plans`` from ``cache``, everything checked first (ConfigError);
-        ``given``: ``embed``, ``model_variant``, ``tasks``, ``schedules`` (see ``export_tables``)."""
+        ``given``: ``export_tables``' ``embed``, ``model_variant``, ``tasks``, ``schedules``."""
         self.check_cache_export(cache, given)
         if given["embed"] is None:
             raise ConfigError(f"export_tables(format={self.name!r}) needs embed= (the projections' input for a plan)")
@@ -223,8 +211,6 @@ class TableFormat:
         header); after them (``final``) the real one, asked of every rank (``writer`` is None but on rank 0)."""
         return {"format_version": FORMAT_VERSION, "model_variant": given["model_variant"]}
 
-    # -- reading ------------------------------------------------------------------------------------
-
     def opened(self, table: Layout, spec: ModulationSpec | None) -> ModulationSpec | None:
         """Read the format's metadata into ``table``; returns ``spec``, or (None given) the one the file describes."""
         return spec
@@ -240,8 +226,6 @@ class TableFormat:
                 f"(export them with adalncache export {flag('format')} adalncache)",
                 table.argument,
             )
-
-    # -- serving (the tier) and verifying -------------------------------------------------------------
 
     def check_cache(self, table: Layout, template: Mapping[str, Any], *, digest: str | None, source: Any) -> None:
         """Refuse (ConfigError) at the cache's construction a file it cannot serve bit-exactly (``digest``: the
@@ -269,12 +253,8 @@ class TableFormat:
 
     def still_serves(self, table: Layout, source: Any) -> bool | None:
         """After the weight source changed: whether the file still serves (None: ask the new content digest)."""
-        log.warning(
-            "%s: the weight source changed on disk and an %s table file carries no binding to check it against: "
-            "no longer served",
-            table.path,
-            self.name,
-        )
+        what = f"an {self.name} table file carries no binding to check it against"
+        log.warning("%s: the weight source changed on disk and %s: no longer served", table.path, what)
         return False
 
     def same_input(self, table: Layout, key: PlanKey, embed: Callable[[torch.Tensor], Any] | None) -> str | None:
@@ -283,8 +263,6 @@ class TableFormat:
 
     def verified(self, table: Layout, passes: Passes, report: Any) -> None:
         """Fill ``verify --tables``' report with what the file binds, against what the passes read."""
-
-    # -- describing ---------------------------------------------------------------------------------
 
     def described(self, table: Layout) -> dict[str, Any]:
         """What ``describe()`` says for this format (among the keys it always has)."""
@@ -326,19 +304,14 @@ class SglangFormat(TableFormat):
             )
 
 
-# ---------------------------------------------------------------------------------------------
-# writing
-
-
 class TableWriter:
     """Writes one table file slot by slot; the file appears at ``path`` only when :meth:`finish` succeeds.
 
-    The header is written first with placeholders of the final lengths (digests are fixed-length
-    hex) plus slack, the data section is sized up front (a sparse file: padding rows read back as
-    zeros without being written), each slot is written when its rows are known, and the real
-    header is written last. A writer that dies leaves only its temporary file. ``extras``: a format's
-    per-row tensors beside the table parts; ``slot_digests``: the metadata key to record each slot's
-    :func:`slot_digest` under.
+    The header is written first with placeholders of the final lengths (digests are fixed-length hex) plus
+    slack, the data section is sized up front (a sparse file: padding rows read back as zeros unwritten),
+    each slot when its rows are known, the real header last; a writer that dies leaves only its temporary
+    file. ``extras``: a format's per-row tensors beside the table parts; ``slot_digests``: the metadata key
+    to record each slot's :func:`slot_digest` under.
     """
 
     def __init__(
@@ -365,11 +338,7 @@ class TableWriter:
         offset = 0
         for name, (shape, dtype) in self._shapes.items():
             self.begin[name], end = offset, offset + _nbytes(shape, dtype)
-            self._tensors[name] = {
-                "dtype": safetensors_name(dtype),
-                "shape": list(shape),
-                "data_offsets": [offset, end],
-            }
+            self._tensors[name] = {"dtype": safetensors_name(dtype), "shape": [*shape], "data_offsets": [offset, end]}
             offset = end
         self._data_bytes = offset
         self._digest_key = slot_digests
@@ -489,10 +458,6 @@ class TableWriter:
             self.tmp.unlink()
 
 
-# ---------------------------------------------------------------------------------------------
-# reading
-
-
 def part_tensors(names: Any) -> tuple[str, ...] | None:
     """The table parts' tensors among ``names`` (a family's whole set), or None when no family's set is there."""
     return next((t for t in families.table_tensor_sets() if all(name in names for name in t)), None)
@@ -501,21 +466,16 @@ def part_tensors(names: Any) -> tuple[str, ...] | None:
 class Layout:
     """One table file, validated and indexed; :meth:`read` returns a plan's rows.
 
-    ``spec``: the geometry and dtype the file must have (None: taken from the file, for
-    ``inspect``). ``argument``: how messages name the file's setting (``tables=``, ``--tables``).
-    ``formats``: those a file may be of; the first whose version and metadata it has reads and checks
-    it. Raises ConfigError when the file is missing, is not safetensors, lacks or misshapes one of its
-    tensors, has another ``format_version``, its plans are malformed, or its format refuses it.
+    ``spec``: the geometry and dtype the file must have (None: taken from the file, for ``inspect``).
+    ``argument``: how messages name the file's setting (``tables=``, ``--tables``). Raises ConfigError when the
+    file is missing, is not safetensors, lacks or misshapes a tensor, has another ``format_version``, its
+    plans are malformed, or its format refuses it.
     """
 
-    def __init__(
-        self,
-        path: str | os.PathLike[str],
-        spec: ModulationSpec | None,
-        *,
-        argument: str,
-        formats: Sequence[TableFormat],
-    ) -> None:
+    #: The formats a file may be of; the first whose version and metadata it has reads and checks it.
+    formats: Sequence[TableFormat] = ()
+
+    def __init__(self, path: str | os.PathLike[str], spec: ModulationSpec | None = None, *, argument: str = "tables="):
         self.path, self.argument = Path(path), argument
         #: A vLLM-Omni sidecar's manifest; a bound file's binding and slot digests (None for the other formats).
         self.manifest: dict[str, Any] | None = None
@@ -539,6 +499,7 @@ class Layout:
             what = f"it has no {', '.join(absent)} tensor (a table file holds {', '.join(wanted)})"
             raise bad_file(self.path, what, argument)
         version = self.metadata.get("format_version")
+        formats = self.formats
         kind = next((f for f in formats if f.version == version and f.marker in (None, *self.metadata)), None)
         if kind is None:
             known = {f.version: " and ".join(g.name for g in formats if g.version == f.version) for f in formats}
@@ -582,8 +543,7 @@ class Layout:
     def _index_plans(self, ts: TensorEntry, lengths: TensorEntry) -> None:
         """Reads the plans into ``keys`` (slot order) and the slot of each plan (the first of a repeated one)."""
         columns = self.spec.plan_columns
-        timesteps = self.read_whole(ts.name)
-        counts = self.read_whole(lengths.name)
+        timesteps, counts = self.read_whole(ts.name), self.read_whole(lengths.name)
         if bool(((counts < 1) | (counts > self.width)).any()):
             raise bad_file(self.path, f"a plan length is outside 1..{self.width}", self.argument)
         self.keys: list[PlanKey] = []
@@ -591,17 +551,9 @@ class Layout:
         for s in range(self.plans):
             key = plan_key(timesteps[s, : int(counts[s])].contiguous(), columns)
             self.keys.append(key)
-            if key in self._slots:
-                shown = format_plan(key, columns=columns)
-                log.warning(
-                    "%s: plan %s appears twice (slots %d and %d); the first is served",
-                    self.path,
-                    shown,
-                    self._slots[key],
-                    s,
-                )
-                continue
-            self._slots[key] = s
+            if self._slots.setdefault(key, s) != s:
+                shown = f"plan {format_plan(key, columns=columns)} appears twice (slots {self._slots[key]} and {s})"
+                log.warning("%s: %s; the first is served", self.path, shown)
 
     def read_whole(self, name: str) -> torch.Tensor:
         """The whole tensor ``name`` of the file, in its dtype and shape (read now)."""
@@ -630,8 +582,6 @@ class Layout:
             return _pread(fd, offset, nbytes, self.path, what)
         finally:
             os.close(fd)
-
-    # -- queries ----------------------------------------------------------------------------
 
     @property
     def model_variant(self) -> str | None:

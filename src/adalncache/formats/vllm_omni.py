@@ -1,20 +1,11 @@
 """vLLM-Omni's MiniMax-H3 AdaLN sidecar (format version 4): its schedule, plans, manifest, write, read and checks.
 
-vLLM-Omni 0.30.0 accepts a table file only when it is bound to what it will run: a ``manifest``
-(canonical JSON) naming the architecture, the released transformer (``model_variant``), the one schedule
-the file covers, an adapter, the SHA-256 of every weight the tables depend on (the time embedder's two
-linears and every AdaLN projection, by their native names), of each payload tensor, and the ``math`` of
-the building machine (torch, device type, fp32 matmul precision; on CUDA also the CUDA build, the
-capability and the TF32 and BF16 reduced-precision switches). The payload is the SGLang layout plus
-``time_embeddings [P, W, K] float32``: serving finds a plan's rows by the SHA-256 of the time embedding its
-forward computes, so that tensor must hold the exact fp32 ``temb``. A digest is SHA-256 over the canonical
-JSON of ``[dtype, shape]`` and then the tensor's raw bytes.
-
-This module is the one home of those rules: the schedule as vLLM-Omni takes it and the plans its loader
-derives (:func:`schedule_contract`, :func:`timestep_plans`), its fp32 time embedding (:class:`TimeEmbedding`:
-fresh fp32 weights, cosine first, two linears with SiLU between), the weight digests taken from the bytes a
-pass projects with anyway (:class:`WeightDigests`), and the format (:class:`VllmOmniFormat`). vLLM-Omni
-itself is never imported: the tests check these rules against its code where it is installed.
+vLLM-Omni 0.30.0 accepts a table file only when it is bound to what it will run; the payload and the
+manifest are described in docs/tables.md ("Table files", "vLLM-Omni"). This module is the one home of
+those rules: the schedule as vLLM-Omni takes it and the plans its loader derives (:func:`schedule_contract`,
+:func:`timestep_plans`), its fp32 time embedding (:class:`TimeEmbedding`), the weight digests taken from
+the bytes a pass projects with anyway (:class:`WeightDigests`), and the format (:class:`VllmOmniFormat`).
+vLLM-Omni itself is never imported: the tests check these rules against its code where it is installed.
 """
 
 from __future__ import annotations
@@ -91,10 +82,6 @@ def _is_digest(value: object) -> bool:
     return isinstance(value, str) and len(value) == 64 and set(value) <= _HEX
 
 
-# ---------------------------------------------------------------------------------------------
-# schedules and plans
-
-
 def variant_of(mode: str) -> str:
     """The released transformer a mode runs on: ``ref2va`` for the reference modes, else ``fl2va``."""
     return "ref2va" if mode.startswith("ref2va") else "fl2va"
@@ -120,11 +107,8 @@ def schedule_contract(
     flow_shift: float = DEFAULT_FLOW_SHIFT,
     audio_flow_shift: float = DEFAULT_AUDIO_FLOW_SHIFT,
 ) -> dict[str, Any]:
-    """One schedule as vLLM-Omni's ``schedule_contract`` records it (the manifest's ``schedule``).
-
-    ``num_steps`` counts forwards (denoiser evaluations), as vLLM-Omni's requests do; it defaults
-    to 50, or to the explicit schedule's intervals. Raises PlanError naming the argument and flag.
-    """
+    """One schedule as vLLM-Omni's ``schedule_contract`` records it (the manifest's ``schedule``); ``num_steps``
+    counts forwards, as vLLM-Omni's requests do. Raises PlanError naming the argument and flag."""
     if not isinstance(mode, str) or mode not in MODES:
         raise PlanError(f"{knob('mode')} must be one of {', '.join(MODES)}, got {mode!r}")
     positions = None if base_schedule is None else _check_positions(base_schedule)
@@ -149,13 +133,9 @@ def schedule_contract(
 
 
 def release_defaults(checkpoint: str | os.PathLike[str]) -> dict[str, Any]:
-    """The schedule defaults a MiniMax-H3 release gives vLLM-Omni, read as vLLM-Omni reads them.
-
-    A release partition (``FL2VA/``, ``Ref2VA/``) holds ``transformer/`` and a ``model_index.json``
-    whose ``_minimax_h3`` object may set ``sigma_shift_scales`` (``video``, ``audio``: the server's
-    default flow shifts) and ``base_schedule`` (a distilled release's positions, which every request
-    then uses). ``checkpoint``: the transformer directory or one of its files. Empty when there is no
-    such file (a checkpoint outside a release); a file that cannot be read is logged and ignored.
+    """The schedule defaults a MiniMax-H3 release gives vLLM-Omni, read as vLLM-Omni reads them: the
+    ``_minimax_h3`` object of the ``model_index.json`` beside the transformer directory (``checkpoint``, or
+    the directory of that file). Empty outside a release; a file that cannot be read is logged and ignored.
     """
     path = Path(checkpoint)
     index = (path if path.is_dir() else path.parent).parent / "model_index.json"
@@ -187,11 +167,9 @@ def _sigmas(num_steps: int, shift: float, positions: list[float] | None) -> list
 
 
 def timestep_plans(contract: Mapping[str, Any]) -> list[torch.Tensor]:
-    """The plans of a schedule, as vLLM-Omni's loader derives them and in its order.
-
-    Per forward: ``1 - sigma`` of video and audio, the conditioning rows floored at their fixed
-    timesteps, as fp32, distinct and sorted ascending; each distinct plan once, first seen first.
-    """
+    """The plans of a schedule, as vLLM-Omni's loader derives them and in its order: per forward, ``1 - sigma``
+    of video and audio and the conditioning rows floored at their fixed timesteps, fp32, distinct and sorted;
+    each distinct plan once, first seen first."""
     c = schedule_contract(**{key: contract[key] for key in SCHEDULE_KEYS})
     video = _sigmas(c["num_steps"], c["flow_shift"], c["base_schedule"])
     audio = _sigmas(c["num_steps"], c["audio_flow_shift"], c["base_schedule"])
@@ -208,21 +186,13 @@ def timestep_plans(contract: Mapping[str, Any]) -> list[torch.Tensor]:
     return list(plans.values())
 
 
-# ---------------------------------------------------------------------------------------------
-# the time embedding and the weight digests
-
-
 class TimeEmbedding:
-    """vLLM-Omni's fp32 time embedding of a plan, from a checkpoint's time-embedder weights.
-
-    vLLM-Omni holds the time embedder in fp32 parameters of their own (whatever the file stores),
-    so the weights are copied into fresh fp32 storage here too: an fp32 GEMV's bits can depend on
-    the weight's address, and a fresh allocation is what the server computes with.
-    """
+    """vLLM-Omni's fp32 time embedding of a plan (cosine first, two linears with SiLU between), from a
+    checkpoint's time-embedder weights copied into fresh fp32 storage, as vLLM-Omni's own parameters are:
+    an fp32 GEMV's bits can depend on the weight's address (docs/exactness.md)."""
 
     def __init__(self, source: Any, spec: ModulationSpec, device: torch.device | str = "cpu") -> None:
-        layout: KeyLayout = source.layout
-        names = layout.time_embedder_tensors()
+        names = source.layout.time_embedder_tensors()
         try:
             stored = [source.read_tensor(name) for name in names]
         except (KeyError, AttributeError):
@@ -241,10 +211,8 @@ class TimeEmbedding:
             )
         if w1.shape[1] % 2:
             raise CheckpointError(f"the time embedder's input width {w1.shape[1]} is odd: not a sinusoidal embedding")
-        self._weights = (w1, b1, w2, b2)
-        self.frequencies = int(w1.shape[1])
-        self.hidden = int(w1.shape[0])
-        self.dtype = spec.dtype
+        self._weights, self.dtype = (w1, b1, w2, b2), spec.dtype
+        self.frequencies, self.hidden = int(w1.shape[1]), int(w1.shape[0])
 
     def temb(self, plan: torch.Tensor) -> torch.Tensor:
         """``[len(plan), time_embed_dim]`` fp32, in vLLM-Omni's order of operations."""
@@ -271,21 +239,17 @@ def _native(layer: Layer) -> tuple[str, str]:
 
 
 class WeightDigests:
-    """The projections' digests, taken from the bytes a rebuild pass hands its projection.
-
-    :meth:`project` is a ``project=`` for :meth:`~adalncache.AdalnCache.build`: it hashes a
-    layer's weight and bias the first time the pass projects with them (the bytes as stored, so
-    ``precision="match"`` only) and then projects as the resident model does (``F.linear``).
-    Layers no pass read (store hits, another rank's layers) are hashed by :meth:`complete`.
-    """
+    """The projections' digests, taken from the bytes a rebuild pass hands its projection: :meth:`project` (a
+    ``project=`` for :meth:`~adalncache.AdalnCache.build`) hashes a layer's weight and bias the first time a pass
+    projects with them (the bytes as stored: ``precision="match"`` only), then projects as the resident model
+    does; layers no pass read (store hits, another rank's) are hashed by :meth:`complete`."""
 
     def __init__(self, spec: ModulationSpec) -> None:
         self.spec = spec
         self.digests: dict[str, str] = {}
         self._seen: set[Layer] = set()
         #: Layers hashed by the passes' own reads, and by the completing read.
-        self.from_passes = 0
-        self.from_read = 0
+        self.from_passes = self.from_read = 0
 
     def _take(self, layer: Layer, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         name_w, name_b = _native(layer)
@@ -311,17 +275,12 @@ class WeightDigests:
                 self._take(lw.layer, lw.weight, lw.bias)
                 self.from_read += 1
         finally:
-            close = getattr(stream, "close", None)
-            if close is not None:
-                close()
+            getattr(stream, "close", lambda: None)()
 
 
 def input_digests(source: Any, spec: ModulationSpec) -> dict[str, str] | None:
     """Digests of a weight source's tensors, by the manifest's names (one hashing read); None without weights.
-
-    The time embedder is hashed when the source can read it (a checkpoint); a source of the
-    projections alone (a model's own tensors) gives the projections' digests only.
-    """
+    The time embedder's only where the source can read it (a checkpoint, not a model's own tensors)."""
     if source is None or not getattr(source, "serves_weights", True) or getattr(source, "opaque", False):
         return None
     digests = WeightDigests(spec)
@@ -339,10 +298,6 @@ def input_digests(source: Any, spec: ModulationSpec) -> dict[str, str] | None:
 def weight_mismatches(manifest: Mapping[str, Any], digests: Mapping[str, str]) -> list[str]:
     """The names whose digest in ``digests`` differs from the manifest's."""
     return sorted(name for name, value in digests.items() if manifest["weights"].get(name) != value)
-
-
-# ---------------------------------------------------------------------------------------------
-# the numeric environment
 
 
 def math_identity(device_type: str, capability: Sequence[int] | None = None) -> dict[str, Any]:
@@ -374,10 +329,6 @@ def _math_differs(table: Layout, template: Mapping[str, Any]) -> dict[str, Any] 
     here = math_identity(str(environment.get("device_type")), environment.get("capability"))
     assert table.manifest is not None
     return None if identity.plain_json(here) == identity.plain_json(table.manifest["math"]) else here
-
-
-# ---------------------------------------------------------------------------------------------
-# the manifest
 
 
 def read_manifest(table: Layout) -> dict[str, Any]:
@@ -416,12 +367,9 @@ def _unusable(table: Layout, what: str) -> ConfigError:
 
 
 def check_payload(table: Layout) -> None:
-    """Check a file's tensors against its manifest, as vLLM-Omni's loader does (ConfigError), once the layout's
-    checks passed (the plan and table-part tensors are the spec's at the file's plans and width).
-
-    The architecture is the spec's; exactly the five tensors, the tables bfloat16 and the time embeddings
-    ``[P, W, K]`` float32; every tensor finite and matching its digest; the plans the schedule's.
-    """
+    """Check a file's tensors against its manifest as vLLM-Omni's loader does (ConfigError), once the layout's
+    checks passed: the spec's architecture, exactly the five tensors, the tables bfloat16 and the time
+    embeddings ``[P, W, K]`` float32, every tensor finite and matching its digest, the plans the schedule's."""
     found, spec = table.manifest, table.spec
     assert found is not None
     arch = found["architecture"]
@@ -444,23 +392,17 @@ def check_payload(table: Layout) -> None:
         if not bool(torch.isfinite(value).all()):
             raise _unusable(table, f"{name} holds non-finite values")
         if tensor_sha256(value) != found["payload"][name]:
-            raise _unusable(
-                table, f"{name} does not match its payload digest (the file was changed after it was written)"
-            )
+            what = f"{name} does not match its payload digest (the file was changed after it was written)"
+            raise _unusable(table, what)
         if name == "plan_timesteps" and not torch.equal(value, timesteps):
             raise _unusable(table, "its plans are not the ones its schedule derives")
         if name == "plan_lengths" and not torch.equal(value, lengths):
             raise _unusable(table, "its plan lengths are not the ones its schedule derives")
 
 
-# ---------------------------------------------------------------------------------------------
-# the format
-
-
 class SidecarPasses(Passes):
     """A sidecar's passes: every plan projected from vLLM-Omni's own time embedding, which the file records
-    beside its rows; the projections' weight digests taken from the bytes the passes project with (a layer no
-    pass of this process read, another rank's in a layer split, is hashed by one read at the end)."""
+    beside its rows, and the projections' weight digests (:class:`WeightDigests`)."""
 
     def __init__(self, cache: Any) -> None:
         self.embedding = TimeEmbedding(cache.source, cache.spec, cache.device)
@@ -589,9 +531,8 @@ class VllmOmniFormat(TableFormat):
             for name in PAYLOAD:
                 value = writer.read_back(name)
                 if not bool(torch.isfinite(value).all()):
-                    raise ConfigError(
-                        f"the {name} of this export hold non-finite values: vLLM-Omni refuses such a file"
-                    )
+                    what = f"the {name} of this export hold non-finite values"
+                    raise ConfigError(f"{what}: vLLM-Omni refuses such a file")
                 payload[name] = tensor_sha256(value)
             log.info(
                 "%s: weight digests of %d layer(s) taken during the passes, %d by a hashing read",
@@ -599,14 +540,9 @@ class VllmOmniFormat(TableFormat):
                 passes.digests.from_passes,
                 passes.digests.from_read,
             )
+        sizes = (spec.num_layers, spec.hidden_size, embedding.frequencies, embedding.hidden, spec.time_embed_dim)
         manifest = {
-            "architecture": {
-                "num_layers": spec.num_layers,
-                "hidden_size": spec.hidden_size,
-                "timestep_input_dim": embedding.frequencies,
-                "time_embed_hidden_size": embedding.hidden,
-                "time_embed_dim": spec.time_embed_dim,
-            },
+            "architecture": dict(zip(ARCHITECTURE_KEYS, sizes, strict=True)),
             "model_variant": variant_of(contract["mode"]),
             "schedule": contract,
             "adapter_sha256": None,  # the base weights
@@ -654,11 +590,8 @@ class VllmOmniFormat(TableFormat):
             )
 
     def _weights(self, table: Layout, source: Any) -> list[str]:
-        """Names whose digest in the sidecar's manifest differs from ``source``'s weights (one hashing read).
-
-        Remembered per file and source fingerprint: a move to another device checks the ``math`` block
-        again, not the weights, and a changed checkpoint (another fingerprint) is hashed again.
-        """
+        """Names whose digest in the sidecar's manifest differs from ``source``'s weights (one hashing read),
+        remembered per file and source fingerprint: a move to another device checks only the ``math`` block again."""
         assert table.manifest is not None
         key = ("weights", str(getattr(source, "fingerprint", None)))
         if key not in table.memo:
@@ -684,10 +617,8 @@ class VllmOmniFormat(TableFormat):
         return False
 
     def same_input(self, table: Layout, key: PlanKey, embed: Any) -> str | None:
-        """The sidecar records each plan's fp32 time embedding; its rows are the projections of ``silu(temb)`` in
-        the projections' dtype. A model whose time embedding of the plan has other bits (on a CPU, a one-row fp32
-        GEMV can change with the time embedder weights' address) would get rows that are not its own, so the
-        plan is built instead. Without ``embed`` (a cache of table files only) nothing can be compared and the
+        """A model whose time embedding of the plan has other bits than the file's (a one-row fp32 GEMV on a CPU can
+        change with the weights' address) gets the plan built instead; without ``embed`` (table files only) the
         file is trusted, as vLLM-Omni trusts it."""
         if embed is None:
             return None

@@ -151,11 +151,8 @@ def entry_rows(header: dict[str, Any], raw: torch.Tensor, offset: int, spec: Mod
     sizes = [item * math.prod(shape) for shape in shapes]
     if offset + sum(sizes) != raw.numel() - DIGEST_BYTES:
         raise CorruptEntry("payload size disagrees with the header")
-    parts = []
-    for size, shape in zip(sizes, shapes):
-        parts.append(raw[offset : offset + size].view(dtype).view(shape))
-        offset += size
-    return PlanRows(key_to_plan(key, columns), *parts)
+    payload = raw[offset : offset + sum(sizes)].split(sizes)  # views: no copy
+    return PlanRows(key_to_plan(key, columns), *(part.view(dtype).view(shape) for part, shape in zip(payload, shapes)))
 
 
 _SUFFIX = ".entry"
