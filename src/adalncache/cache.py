@@ -333,7 +333,7 @@ class AdalnCache:
         """The tier chain for ``device``: a host tier of ``host_cache_bytes`` (pinned for CUDA), ``store``
         (a path or an open Store), and ``options.tables`` opened (at construction) or the already open
         ``files`` (on a move; checked against the device by :func:`_serve_files`)."""
-        tiers = TierChain.open(
+        tiers = TierChain(
             self.spec,
             self.source,
             host_cache_bytes=self.options.host_cache_bytes,

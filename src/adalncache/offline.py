@@ -225,26 +225,21 @@ def verify_store(
         infos = sampled(by_binding[bhash], sample, seed)
         chunks = [infos[i : i + per] for i in range(0, len(infos), per)]
         for chunk in tqdm(chunks, desc=f"adalncache verify ({precision})", unit="pass", disable=not progress):
-            stored: list[StoredEntry] = []
-            for item in store.iter_entries(chunk):
-                if isinstance(item, StoredEntry):
-                    stored.append(item)
-                else:
-                    report.corrupt.append(f"{item[0].path}: {item[1]}")
+            items = list(store.iter_entries(chunk))
+            stored = [item for item in items if isinstance(item, StoredEntry)]
+            report.corrupt += [f"{item[0].path}: {item[1]}" for item in items if not isinstance(item, StoredEntry)]
             if not stored:
                 continue
             width = max(spec.plan_rows(e.key) for e in stored)
             options = {"device": device, "precision": precision, "read_ahead": read_ahead, "progress": progress}
             cache = verifying_cache(spec, source, plans=len(stored), width=width, **options)
             cache.build([key_to_plan(e.key, spec.plan_columns) for e in stored], embed=embed)
+            report.checked += len(stored)
             for item in stored:
-                report.checked += 1
                 if not same_rows(cache, item.key, item.rows):
-                    report.mismatched.append(
-                        f"{item.info.path}: plan {format_plan(item.key, columns=spec.plan_columns)} differs from a "
-                        f"recomputation"
-                    )
-            del cache, stored
+                    shown = format_plan(item.key, columns=spec.plan_columns)
+                    report.mismatched.append(f"{item.info.path}: plan {shown} differs from a recomputation")
+            del cache, items, stored
     report.other_bindings = len(entries) - sum(len(by_binding.get(h, [])) for h in hashes.values())
     return report
 

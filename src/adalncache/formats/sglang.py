@@ -135,19 +135,13 @@ class TableFormat:
     marker: str | None = None
 
     def check_export(
-        self,
-        spec: ModulationSpec,
-        *,
-        precision: str,
-        model_variant: str | None,
-        tasks: Sequence[str] = (),
-        schedules: Sequence[Mapping[str, Any]] = (),
-        shard: str = "layers",
-        world_size: int = 1,
-        variant: object = None,
-        tiers: bool = False,
+        self, spec: ModulationSpec, *, model_variant: str | None, tasks: Sequence[str] = (), **settings: Any
     ) -> None:
-        """Refuse, before any work, what the format cannot express for this family (ConfigError naming the flag)."""
+        """Refuse, before any work, what the format cannot express for this family (ConfigError naming the flag).
+
+        ``settings``: ``precision``, ``schedules``, ``shard``, ``world_size``, ``variant`` (the LoRA variant
+        active) and ``tiers`` (whether a store or table files are given), for the formats that check them.
+        """
         family, fmt, mv = spec.family, flag("format"), flag("model_variant")
         if self.name not in family.table_formats:
             raise ConfigError(

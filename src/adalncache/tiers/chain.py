@@ -51,13 +51,29 @@ class TierChain:
     def __init__(
         self,
         spec: ModulationSpec,
-        host: HostTier | None,
-        store: Store | None,
+        source: Any,
+        *,
+        host_cache_bytes: int,
+        store: Store | str | Any,
+        device: torch.device,
         collective: Collective,
         stats: CacheStats,
-        tables: TablesTier | None = None,
+        tables: TablesArg | None = None,
     ) -> None:
-        self.spec, self.host, self.store, self.tables = spec, host, store, tables
+        """The host tier (``host_cache_bytes > 0``), the store (``store=``) and table files (``tables=``)."""
+        cuda = device.type == "cuda"
+        self.host = HostTier(spec, host_cache_bytes, pin=cuda, device=device) if host_cache_bytes > 0 else None
+        if store is not None and not getattr(source, "persistent", True):
+            # An in-memory source's fingerprint names addresses in this process: its entries could
+            # never be found again, so they would only fill the disk.
+            raise ConfigError(
+                f"store= needs a source whose identity survives the process (a CheckpointSource), got "
+                f"{type(source).__name__}: pass the checkpoint path (an integration's checkpoint=, CLI "
+                f"CHECKPOINT), or drop store= ({flag('store')})"
+            )
+        self.spec = spec
+        self.store = None if store is None else store if isinstance(store, Store) else Store(store)
+        self.tables = None if tables is None else TablesTier(tables, spec, source=source)
         #: The entry locks held by the build in progress (one build per fleet), released after its store write.
         self._claim: Claim = NO_CLAIM
         self._dist = collective
@@ -69,34 +85,6 @@ class TierChain:
         #: Whether the build in progress was already counted in ``store_unwritable``.
         self._counted_unwritable = False
         self._warned_unwritable = False
-
-    @classmethod
-    def open(
-        cls,
-        spec: ModulationSpec,
-        source: Any,
-        *,
-        host_cache_bytes: int,
-        store: Store | str | Any,
-        device: torch.device,
-        collective: Collective,
-        stats: CacheStats,
-        tables: TablesArg | None = None,
-    ) -> TierChain:
-        """The host tier (``host_cache_bytes > 0``), the store (``store=``) and table files (``tables=``)."""
-        cuda = device.type == "cuda"
-        host = HostTier(spec, host_cache_bytes, pin=cuda, device=device) if host_cache_bytes > 0 else None
-        if store is not None and not getattr(source, "persistent", True):
-            # An in-memory source's fingerprint names addresses in this process: its entries could
-            # never be found again, so they would only fill the disk.
-            raise ConfigError(
-                f"store= needs a source whose identity survives the process (a CheckpointSource), got "
-                f"{type(source).__name__}: pass the checkpoint path (an integration's checkpoint=, CLI "
-                f"CHECKPOINT), or drop store= ({flag('store')})"
-            )
-        opened = None if store is None else store if isinstance(store, Store) else Store(store)
-        files = None if tables is None else TablesTier(tables, spec, source=source)
-        return cls(spec, host, opened, collective, stats, files)
 
     def lookup(
         self, missing: Sequence[PlanKey], *, identity: TableIdentity, faults: FaultPoints, embed: Any = None
@@ -254,11 +242,9 @@ class TierChain:
                 except Exception as exc:
                     self._failed(report, 1, "host tier write", exc)
                 self.stats.host_evicted = self.host.evicted_plans
-            # Every rank writes the plans it built. A rank's entries are bound to the content and its
-            # own numeric environment, which need not equal its peers': a single writer would leave
-            # the other ranks missing forever, and since tier hits are AND-reduced, every rank would
-            # rebuild every time. Ranks sharing one directory and binding write the same bytes; the
-            # store's atomic rename makes that safe.
+            # Every rank writes the plans it built: its entries are bound to its own numeric environment, so a
+            # single writer would leave the other ranks missing forever (docs/distributed.md); ranks sharing one
+            # directory and binding write the same bytes, which the store's atomic rename makes safe.
             if self.store is None or not built or self._store_skipped():
                 return
             try:

@@ -104,10 +104,6 @@ class HostTier:
     def __contains__(self, key: object) -> bool:
         return key in self._plans
 
-    @property
-    def groups(self) -> int:
-        return len(self._groups)
-
     def refcount(self, key: PlanKey) -> int:
         entry = self._plans.get(key)
         return len(entry.groups) if entry else 0

@@ -227,25 +227,18 @@ class Store:
         for name, value in (("lock_wait_s", lock_wait_s), ("lock_stale_s", lock_stale_s)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
                 raise ConfigError(f"{name} must be a number of seconds >= 0, got {value!r} (CLI {flag('lock_wait_s')})")
-        self.path = Path(path)
-        self.max_bytes = max_bytes
-        #: How long a build waits for another process that is building the same entries before it
-        #: builds them itself (0: never wait); a holder whose heartbeat stopped for ``lock_stale_s``
-        #: is not waited for.
-        self.lock_wait_s = float(lock_wait_s)
-        self.lock_stale_s = float(lock_stale_s)
-        self.corrupt_moved = 0
-        self.swept_temp = 0
+        self.path, self.max_bytes = Path(path), max_bytes
+        #: How long a build waits for another process that is building the same entries before it builds them
+        #: itself (0: never wait); a holder whose heartbeat stopped for ``lock_stale_s`` is not waited for.
+        self.lock_wait_s, self.lock_stale_s = float(lock_wait_s), float(lock_stale_s)
+        self.corrupt_moved = self.swept_temp = 0
         self._host = socket.gethostname().replace("-", "_")
         marker = self.path / "STORE"
         # Another process may be creating this store right now (subdirectories and a temp marker
         # before the marker itself): only names a store makes count as "a store being born".
         own = {"bindings", "entries", "corrupt", "digests", "locks", "STORE"}
-        if (
-            self.path.is_dir()
-            and not marker.exists()
-            and any(p.name not in own and not p.name.startswith(_TMP_PREFIX) for p in self.path.iterdir())
-        ):
+        names = [p.name for p in self.path.iterdir()] if self.path.is_dir() and not marker.exists() else []
+        if any(name not in own and not name.startswith(_TMP_PREFIX) for name in names):
             # Never scatter entries into a directory that holds something else (a typo'd --store ~).
             raise ConfigError(
                 f"{self.path} is not empty and is not an adalncache store (no STORE marker): pass a new or empty "
