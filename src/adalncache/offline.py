@@ -1,12 +1,9 @@
 """Offline work on checkpoints, stores and table files, without the model: fill, export, verify, describe.
 
-A serving process should start with its tables already on disk. :func:`fill_store` and
-:func:`export_tables` run the same transactional build the cache runs at serving time (same source, embed
-and binding; a ``torchrun`` group sharing the passes), so what they write is exactly what a serving cache
-on this machine looks up. :func:`verify_store` and :func:`verify_tables` recompute a sample the same way,
-with a cache that always projects whole and per plan (so tables built stacked or tiled are confirmed too),
-``torch.equal`` of every part. The ``adalncache build | export | verify | inspect`` commands are shells
-over these; step counts versus SGLang's are in docs/tables.md.
+A serving process should start with its tables on disk: :func:`fill_store` and :func:`export_tables` run the
+build a serving cache runs (same source, embed and binding), so they write exactly what it looks up;
+:func:`verify_store` and :func:`verify_tables` recompute a sample per plan, never stacked or tiled, and
+compare with ``torch.equal``. The ``adalncache build | export | verify | inspect`` commands are shells over these.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """The bound ``adalncache`` format: the layout plus what binds a file to the tables it holds, for every family.
 
 Why it exists beside SGLang's: a reader can check that the file is what this cache would compute, bit for
-bit, instead of trusting it. Its metadata (the binding, content digest, schedules, layers and a BLAKE3
-digest per slot, checked on every read) and when the tier refuses or skips a bound file are described in
-docs/tables.md ("Table files", "What happens on a mismatch").
+bit, instead of trusting it. Its metadata and the refusals: docs/tables.md ("Table files", "What happens
+on a mismatch").
 """
 
 from __future__ import annotations
@@ -178,11 +177,8 @@ class AdalncacheFormat(TableFormat):
                 f"(adalncache export {flag('device')}, {flag('precision')}, {flag('shard')})"
             )
         if digest is None:
-            log.info(
-                "%s: the content digest of the projections cannot be computed here (no weights): checked "
-                "spec, precision and environment only",
-                table.path,
-            )
+            what = "the content digest of the projections cannot be computed here (no weights)"
+            log.info("%s: %s: checked spec, precision and environment only", table.path, what)
         elif table.content != digest:
             raise ConfigError(
                 f"{table.path} (tables=) was built from other projection weights (content {table.content}, this "

@@ -1,13 +1,9 @@
 """The layout every table file has, which is SGLang's sidecar, and the ``sglang`` format: that layout alone.
 
-The layout (``format_version = "2"``: the plans, then one ``[P, W, ...]`` tensor per table part, rows
-past a plan's length zero) is described in docs/tables.md ("Table files"). The other formats add to it,
-so what they share lives here: :class:`TableFormat`, the interface each format implements, whose
-defaults are the bare layout's; :class:`TableWriter`, which streams a file slot by slot (never a whole
-P x W slab in memory) into a temporary file renamed into place at the end; and :class:`Layout`, which
-opens a file, has its format check it, and reads a plan's rows with ``pread``. :class:`SglangFormat`
-carries no binding: a reader can check its geometry only, so it serves only as ``precision="match"``
-tables outside autocast, never once the weight source changed.
+The other formats add to the layout (docs/tables.md, "Table files"), so what they share lives here: the
+interface each format implements (:class:`TableFormat`, whose defaults are the bare layout's), the writer
+that streams a file slot by slot into place (:class:`TableWriter`), and the reader (:class:`Layout`).
+An ``sglang`` file carries no binding, so it serves only as ``precision="match"`` tables outside autocast.
 """
 
 from __future__ import annotations

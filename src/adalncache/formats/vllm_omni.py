@@ -1,11 +1,9 @@
 """vLLM-Omni's MiniMax-H3 AdaLN sidecar (format version 4): its schedule, plans, manifest, write, read and checks.
 
-vLLM-Omni 0.30.0 accepts a table file only when it is bound to what it will run; the payload and the
-manifest are described in docs/tables.md ("Table files", "vLLM-Omni"). This module is the one home of
-those rules: the schedule as vLLM-Omni takes it and the plans its loader derives (:func:`schedule_contract`,
-:func:`timestep_plans`), its fp32 time embedding (:class:`TimeEmbedding`), the weight digests taken from
-the bytes a pass projects with anyway (:class:`WeightDigests`), and the format (:class:`VllmOmniFormat`).
-vLLM-Omni itself is never imported: the tests check these rules against its code where it is installed.
+The one home of vLLM-Omni 0.30.0's rules for the file (docs/tables.md, "Table files" and "vLLM-Omni"): the
+schedule as it takes it and the plans its loader derives, its fp32 time embedding, the weight digests (taken
+from the bytes a pass projects with anyway), and the format. vLLM-Omni itself is never imported: the tests
+check these rules against its code where it is installed.
 """
 
 from __future__ import annotations
@@ -73,7 +71,7 @@ def canonical_json(value: Any) -> str:
 def tensor_sha256(tensor: torch.Tensor) -> str:
     """SHA-256 of ``[dtype, shape]`` (canonical JSON) and then the tensor's bytes as stored (bf16 not widened)."""
     value = tensor.detach().to("cpu").contiguous()
-    digest = hashlib.sha256(identity.canonical_json([str(value.dtype), list(value.shape)], strict=True))
+    digest = hashlib.sha256(canonical_json([str(value.dtype), list(value.shape)]).encode())
     digest.update(value.reshape(-1).view(torch.uint8).numpy().data)
     return digest.hexdigest()
 
@@ -144,11 +142,8 @@ def release_defaults(checkpoint: str | os.PathLike[str]) -> dict[str, Any]:
     try:
         release = json.loads(index.read_text()).get("_minimax_h3") or {}
         shifts = release.get("sigma_shift_scales") or {}
-        out: dict[str, Any] = {}
-        if "video" in shifts:
-            out["flow_shift"] = float(shifts["video"])
-        if "audio" in shifts:
-            out["audio_flow_shift"] = float(shifts["audio"])
+        named = {"flow_shift": "video", "audio_flow_shift": "audio"}
+        out: dict[str, Any] = {ours: float(shifts[theirs]) for ours, theirs in named.items() if theirs in shifts}
         if release.get("base_schedule") is not None:
             out["base_schedule"] = [float(v) for v in release["base_schedule"]]
     except (OSError, ValueError, TypeError, AttributeError) as exc:

@@ -1,11 +1,9 @@
 """The tiers below the slab, cheapest first: the host tier, then the store, then read-only table files.
 
-One object for all of them because the cache's build asks one question before a pass ("which missing
-plans can be restored, and from where?") and gives one instruction after publish ("keep copies"), and
-the rules are the same for every tier: a tier is only a cache (a failed lookup falls through, a failed
-write is counted and logged, never raised: the slab is already correct), and in a process group the
-ranks agree on every tier's hits before any rank uses them (docs/distributed.md). When the store is
-consulted without a content digest, and when an unwritable store is skipped, is told in docs/tables.md.
+One object for all of them because a build asks one question before a pass (which missing plans can be
+restored, and from where?) and gives one instruction after publish (keep copies), under rules the same for
+every tier: a tier is only a cache (a failed lookup falls through, a failed write is counted, never raised),
+and the ranks of a group agree on its hits before any uses them (docs/distributed.md, docs/tables.md).
 """
 
 from __future__ import annotations

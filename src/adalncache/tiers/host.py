@@ -1,13 +1,9 @@
 """Host tier: copies of published plans in one preallocated, byte-bounded host arena.
 
-One arena because page-locking is slow: it happens once, at construction, for exactly the capacity (a
-:class:`~adalncache.devices.HostBuffer`: torch's pinned allocator would round 20 GB up to 32 GiB and
-never give it back), when the cache device is CUDA, so restores are asynchronous DMA. The arena is cut
-into *units* of one plan row (``spec.row_bytes`` rounded up to 64 bytes, so every dtype view is
-aligned); a plan of ``n`` rows owns ``n`` contiguous units laid out part by part, so a hit is one copy
-per part. Admission and eviction work on *groups* (the distinct plans of one request), least recently
-used first; a plan shared by several groups is reference-counted and freed with its last group
-(invariants: :meth:`HostTier.check_invariants`).
+One arena because page-locking is slow: it happens once, for exactly the capacity (torch's pinned allocator
+would round 20 GB up to 32 GiB and never give it back), when the cache device is CUDA, so restores are
+asynchronous DMA. The arena is cut into units of one plan row (rounded up to 64 bytes, so every dtype view is
+aligned); a plan owns contiguous units, part by part, so a hit is one copy per part.
 """
 
 from __future__ import annotations
@@ -47,9 +43,10 @@ class _Entry:
 
 
 class HostTier:
-    """Byte-bounded host copies of published plans, admitted and evicted by request group; ``pin`` page-locks
-    the arena. Over capacity is never an error (:meth:`admit` returns False, the caller counts the skip).
-    Not thread-safe: the cache calls it from its own build, one at a time.
+    """Byte-bounded host copies of published plans, admitted and evicted by request group (the distinct plans of
+    one request), least recently used first; a plan several groups hold is freed with the last. ``pin``
+    page-locks the arena. Over capacity is never an error (:meth:`admit` returns False, the caller counts the
+    skip). Not thread-safe: the cache calls it from its own build, one at a time.
     """
 
     def __init__(

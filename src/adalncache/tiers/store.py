@@ -1,10 +1,9 @@
 """The store: published tables that survive restarts, shared safely by several processes.
 
-Its directory layout, the entry file (one per binding and plan, verified on every read), the atomic
-writes and the per-entry build locks (one build per fleet) are described in docs/tables.md ("The
-store on disk", "One build per fleet"). The entry format is what every process sharing a store must
-agree on; the rest of this module only moves these files around. The locks only save work: entries
-are atomic, verified and bit-identical whoever builds them, so the worst case is duplicated work.
+The entry format (one file per binding and plan, verified on every read) is what every process sharing a
+store must agree on; the rest of this module only moves these files around, atomically, and holds the
+per-entry build locks (one build per fleet), which only save work. Layout, format and lock protocol:
+docs/tables.md ("The store on disk", "One build per fleet").
 """
 
 from __future__ import annotations
@@ -305,8 +304,7 @@ class Store:
 
     def sweep_temp(self) -> int:
         """Delete temp files whose writer is gone (dead pid here, or older than an hour elsewhere)."""
-        removed = 0
-        now = time.time()
+        removed, now = 0, time.time()
         roots = [
             self.path,
             self.path / "bindings",

@@ -1,11 +1,9 @@
 """Table files as a read-only tier below the store (``tables=``), whatever their format.
 
-A plan's rows come from the first file (in the order given) that holds it. What is checked is each
-format's (:mod:`adalncache.formats`); *when* is this tier's, so that no file ever serves rows this cache
-would not compute now, bit for bit: at open, at the cache's construction (:meth:`TablesTier.check_bindings`),
-at every lookup against the binding tables built now would get, after every change of the weight
-source's identity, and on every read (docs/tables.md, "Serve it" and "What happens on a mismatch").
-Tables hold the base projection (no LoRA), so the tier serves nothing while a variant is active.
+A plan's rows come from the first file (in the order given) that holds it. What is checked is each format's
+(:mod:`adalncache.formats`); *when* is this tier's (at open, at the cache's construction, at every lookup,
+after the weight source changed, on every read: docs/tables.md, "Serve it"), so that no file serves rows
+this cache would not compute now. Tables hold the base projection: nothing is served while a LoRA is active.
 """
 
 from __future__ import annotations
