@@ -562,9 +562,8 @@ class Layout:
         dtype, row_shape = entry.torch_dtype, tuple(entry.shape[2:])
         assert dtype is not None
         row_bytes = _nbytes(row_shape, dtype)
-        return (
-            self._read(entry.begin + slot * self.width * row_bytes, n * row_bytes, name).view(dtype).view(n, *row_shape)
-        )
+        raw = self._read(entry.begin + slot * self.width * row_bytes, n * row_bytes, name)
+        return raw.view(dtype).view(n, *row_shape)
 
     def _read(self, offset: int, nbytes: int, what: str) -> torch.Tensor:
         fd = os.open(self.path, os.O_RDONLY)
@@ -614,7 +613,7 @@ class Layout:
     def describe(self) -> dict[str, Any]:
         """What ``inspect`` shows: format, geometry, plans per width, variant, binding."""
         widths = Counter(self.spec.plan_rows(key) for key in self.keys)
-        info = {
+        return {
             "kind": "tables",
             "path": str(self.path),
             "format": self.format,
@@ -628,8 +627,8 @@ class Layout:
             "binding": self.binding,
             **dict.fromkeys(("tool", "created", "schedules")),
             "manifest": self.manifest,
+            **self.kind.described(self),
         }
-        return {**info, **self.kind.described(self)}
 
     def verify_slots(self) -> list[str]:
         """Problems found re-reading every slot of a file with slot digests (empty: every digest matches)."""
