@@ -324,10 +324,10 @@ def export_tables(
 ) -> ExportReport:
     """Compute the tables of ``plans`` with ``cache`` and write them to ``out`` (rank 0 writes in a group).
 
-    ``plans``: distinct plans in slot order (for ``format="vllm-omni"`` exactly ``timestep_plans`` of the one
-    schedule, and no ``embed=``). What the format cannot hold, and an unwritable output, are refused before any
-    pass; the file appears at ``out`` only once complete, so a failed export leaves ``out`` as it was. In a
-    process group every rank calls this.
+    ``plans``: distinct plans in slot order (a family's ``schedule_plans``; for ``format="vllm-omni"`` exactly
+    ``timestep_plans`` of the one schedule, and no ``embed=``), built ``cache.max_plans`` at a time. What the
+    format cannot hold, and an unwritable output, are refused before any pass; the file appears at ``out``
+    only once complete, so a failed export leaves ``out`` as it was. In a process group every rank calls this.
     """
     spec, path, kind = cache.spec, Path(out), table_format(format)
     given = {"embed": embed, "model_variant": model_variant, "tasks": tasks, "schedules": schedules}

@@ -106,7 +106,8 @@ def schedule_contract(
     audio_flow_shift: float = DEFAULT_AUDIO_FLOW_SHIFT,
 ) -> dict[str, Any]:
     """One schedule as vLLM-Omni's ``schedule_contract`` records it (the manifest's ``schedule``); ``num_steps``
-    counts forwards, as vLLM-Omni's requests do. Raises PlanError naming the argument and flag."""
+    counts forwards, as vLLM-Omni's requests do (default 50, or the explicit schedule's intervals). Raises
+    PlanError naming the argument and flag."""
     if not isinstance(mode, str) or mode not in MODES:
         raise PlanError(f"{knob('mode')} must be one of {', '.join(MODES)}, got {mode!r}")
     positions = None if base_schedule is None else _check_positions(base_schedule)
