@@ -175,8 +175,7 @@ class VerifyReport:
 def _local_hashes(
     spec: ModulationSpec, source: CheckpointSource, device: str | torch.device, store: Store
 ) -> dict[str, str]:
-    """The binding hash a cache on this machine would use, per precision (the content digest from the store's
-    memo, or one hashing read)."""
+    """The binding hash a cache here would use, per precision (the content digest from the memo, or hashed)."""
     out = {}
     for precision in ("match", "fp32"):
         probe = AdalnCache(spec, source, max_plans=1, max_plan_width=1, device=device, precision=precision, store=store)

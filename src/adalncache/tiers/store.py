@@ -210,8 +210,7 @@ class StoredEntry:
 
 
 class Store:
-    """A directory of tables bound to what produced them; with ``max_bytes`` every write prunes least-recently-used
-    entries down to it."""
+    """A directory of tables bound to what produced them (``max_bytes``: every write prunes the least recently used)."""
 
     def __init__(
         self,
