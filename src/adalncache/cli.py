@@ -1,10 +1,6 @@
-"""The ``adalncache`` command line: its parser, its flags made from the library's definitions, ``main``.
-
-Each sub-command lives in the module that owns its work and exposes ``register(subparsers)``;
-this file wires them together, builds their flags from the one definition of each (a cache
-option's or a family's schedule argument's, :mod:`adalncache.options`: type, default, help and
-checks are written there, never restated here), and turns library errors into one clear line and
-exit code 2, so a user never sees a traceback for a bad argument.
+"""The ``adalncache`` command line: its parser, ``main``, and its flags made from the one definition of each
+(a cache option or a family's schedule argument, :mod:`adalncache.options`). Each sub-command's module
+exposes ``register(subparsers)``; a library error is one line and exit code 2, never a traceback.
 """
 
 from __future__ import annotations
@@ -140,9 +136,8 @@ def add_flag(
 
 
 def add_options(parser: argparse.ArgumentParser, names: Sequence[str], *, required: Sequence[str] = ()) -> None:
-    """One flag per cache option of ``names``: its flag, help, default and parsing from the option's
-    definition; the value lands in ``args.<option name>`` in the option's own unit (bytes for
-    ``--host-cache-gb``). ``required``: options the command cannot run without."""
+    """One flag per cache option of ``names``, from the option's definition; the value lands in ``args.<name>``
+    in the option's own unit (bytes for ``--host-cache-gb``)."""
     for name in names:
         o = option(name)
         if o.flag is None or o.cli is None:
@@ -155,10 +150,8 @@ def add_options(parser: argparse.ArgumentParser, names: Sequence[str], *, requir
 
 
 def add_schedule_flags(parser: argparse.ArgumentParser) -> None:
-    """Every family's schedule flags, each once (:data:`adalncache.families.ARGUMENTS`), helped with the
-    families that take them. Which of them a command needs depends on the checkpoint's family, so none
-    is required here and all parse to None when absent: the family checks them once the checkpoint is
-    open, and a flag given at its default value is still seen as given."""
+    """Every family's schedule flags, each once, helped with the families that take them; all parse to None
+    when absent (so one given at its default is seen): the checkpoint's family checks them once it is open."""
     group = parser.add_argument_group("schedule (the flags of the checkpoint's family)")
     for argument in families.ARGUMENTS.values():
         takers = families.takers(argument.name)

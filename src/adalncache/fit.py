@@ -1,13 +1,9 @@
 """``adalncache fit MODEL``: what a recipe needs on a card, without and with the cache.
 
-Whether a model fits a card depends on the recipe (bf16, 8-bit or 4-bit weight-only, a GGUF type),
-the placement (resident, or diffusers' block-level group offloading) and the tables of the requests
-served. So it is counted, not guessed from a parameter count: the transformer is built on the meta
-device from its ``config.json`` (no memory, no weights), each parameter is sized under each recipe,
-the served projections are the cache's own geometry (:meth:`ModulationSpec.from_transformer`, never
-a second list), and the tables are what the slab holds for the request's distinct plans
-(:meth:`ModulationSpec.slab_bytes`). Nothing is read but the config and the safetensors headers.
-The README's tables of supported models and of cards are this module's output (``--released all``).
+Counted, not guessed: the transformer is built on the meta device from its ``config.json``, the served
+projections are the cache's own geometry and the tables what the slab holds for the request's distinct
+plans; nothing is read but the config and the safetensors headers (docs/fit.md). The README's tables of
+supported models and of cards are this module's output (``--released all``).
 """
 
 from __future__ import annotations
@@ -79,12 +75,8 @@ class Parameter:
 @dataclass(frozen=True)
 class Model:
     """The transformer counted on the meta device, and what the safetensors headers beside it say, if read.
-
-    ``block_lists``: its top-level ``ModuleList`` / ``Sequential`` children, whose items are the
-    blocks of block-level group offloading. ``stored``: (tensor name, bytes) from the headers;
-    ``dtypes``: stored bytes per dtype; ``quantized``: why the checkpoint counts as quantized;
-    ``stored_dtype``: the served projections' stored dtype (their tables' as stored).
-    """
+    ``block_lists``: its top-level ``ModuleList`` / ``Sequential`` children (whose items group offloading
+    moves); ``stored``: (tensor name, bytes) from the headers; ``stored_dtype``: the served projections'."""
 
     class_name: str
     family: str
@@ -343,13 +335,9 @@ class Tables:
 
 
 def request_tables(args: argparse.Namespace, spec: ModulationSpec, checkpoint: Path | None) -> Tables:
-    """The distinct plans of the request ``build``'s schedule flags name in ``args``, as ``build`` computes them.
-
-    No schedule flag: ``--steps 50`` (with the family's first task where it has tasks), batch 1.
-    Where the schedule needs files that are not there (the pipeline's scheduler config: a released
-    model, or the default request of a checkpoint without it) the tables are sized as one plan of
-    ``--batch`` rows per forward, an upper bound. ``checkpoint``: the transformer's directory.
-    """
+    """The distinct plans of the request ``build``'s schedule flags in ``args`` name, as ``build`` computes them
+    (default: :data:`DEFAULT_STEPS`, the first task, batch 1); one plan of ``--batch`` rows per forward, an
+    upper bound, where the scheduler config is not there (docs/fit.md). ``checkpoint``: the transformer's dir."""
     given = {name: getattr(args, name) for name in families.ARGUMENTS if getattr(args, name, None) is not None}
     tasks = [task for task, _ in spec.family.task_variants]
     request = dict(given)
@@ -388,10 +376,7 @@ def fit(
 ) -> dict[str, Any]:
     """Every number of ``adalncache fit --json``: ``recipe_names`` (default: the stored recipe where headers
     were read, then :data:`DEFAULT_RECIPES`) under every placement, without and with the cache, per card.
-
-    With the cache the served projections leave the card whatever their recipe, and the slab of
-    ``tables`` is added in the dtype the projections return: bf16 under every recipe (a quantized
-    projection's tables hold its compute dtype), their stored dtype as stored.
+    The tables are in the dtype the projections return: bf16 (a quantized one's compute dtype), or as stored.
     """
     known = recipes()
     names = list(recipe_names) or [*([STORED] if model.stored is not None else []), *DEFAULT_RECIPES]
@@ -528,13 +513,10 @@ def released_tables(found: Sequence[Mapping[str, Any]], markdown: bool = True) -
 
 
 def _smallest(row: Mapping[str, Any]) -> str:
-    def smallest(fits: Mapping[str, bool]) -> str:
-        return next((str(gib) for gib in CARDS_GIB if fits[str(gib)]), "none")
-
-    return (
-        f"{_gib(row['without_cache_bytes'])} → {_gib(row['with_cache_bytes'])} GiB "
-        f"({smallest(row['fits_without'])} → {smallest(row['fits_with'])} GB)"
+    without, with_cache = (
+        next((str(g) for g in CARDS_GIB if row[k][str(g)]), "none") for k in ("fits_without", "fits_with")
     )
+    return f"{_gib(row['without_cache_bytes'])} → {_gib(row['with_cache_bytes'])} GiB ({without} → {with_cache} GB)"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,23 +1,8 @@
 """The cache's options, declared once in :class:`AdalnCacheConfig`: type, default, validation, documentation
-and CLI flag of each.
-
-Why one class: the options reach the cache from four doors (``AdalnCache(...)``,
-``enable_adaln_cache(...)``, ``load_transformer(...)`` and the ``build``/``export`` commands). Each door
-takes ``config=`` and the options as keyword shorthand (typed by :class:`CacheKwargs` and
-:class:`ConfigKwargs`) and builds one :class:`AdalnCacheConfig` (:meth:`AdalnCacheConfig.of`), whose
-construction checks every value. The command line generates its flags from :data:`OPTIONS`, and every
-message that names a flag takes it from here (:func:`flag`, :func:`knob`), so the runtime below the
-command line carries no flag of its own.
-
-Adding an option is one edit here: a field of :class:`AdalnCacheConfig` (default, check, one line of
-documentation, CLI flag and how the command line parses it) and its key in :class:`CacheKwargs` or
-:class:`ConfigKwargs` (a test keeps them in step). Every door then accepts it, validates it and
-documents it.
-
-Besides the options, :data:`ARGUMENT_FLAGS` holds the flags of the other arguments the library's
-messages advise on (a device, a checkpoint layout, an export), for the same reason, and an
-:class:`Argument` is one flag that names a schedule: the families declare theirs (type, help,
-default) and the command line builds its flags from them; :func:`flag` knows every declared one.
+and CLI flag of each; and the flags of the other arguments messages advise on (:data:`ARGUMENT_FLAGS`, the
+families' schedule :class:`Argument`). Every door builds one config from it, the command line generates its
+flags from it, and every message takes its flag from here (:func:`flag`, :func:`knob`), so the runtime
+below the command line spells no flag. How to add an option: docs/api.md.
 """
 
 from __future__ import annotations
@@ -75,10 +60,9 @@ class Cli:
 
 @dataclass(frozen=True)
 class Argument:
-    """A flag that names a schedule (``--steps``), declared by the family modules that take it: its flag is its
-    name with dashes (``video_shift`` -> ``--video-shift``), the one rule, so no family module spells one.
-    ``default``: the value of an absent flag (which parses as None, so one given at its default is seen);
-    ``repeat``: the flag may be given several times (a list)."""
+    """A flag that names a schedule (``--steps``), declared by the families that take it: its flag is its name
+    with dashes, so no family spells one. ``default``: an absent flag's value (the flag itself parses as None
+    when absent, so one given at its default is seen); ``repeat``: given several times, a list."""
 
     name: str
     help: str
@@ -96,8 +80,7 @@ _ARGUMENTS: dict[str, Argument] = {}
 
 
 def declare(arguments: Iterable[Argument]) -> None:
-    """Make ``arguments`` known to :func:`flag` (the families registry declares every family's); a name
-    several families declare must be the same argument: one flag, one meaning."""
+    """Make ``arguments`` known to :func:`flag`; a name several families declare must be one argument."""
     for argument in arguments:
         known = _ARGUMENTS.setdefault(argument.name, argument)
         if known != argument:
@@ -194,13 +177,8 @@ QUANTIZED_PROJECTIONS = ("model", "checkpoint")
 class AdalnCacheConfig:
     """Every option of the AdaLN cache, checked when constructed (ConfigError naming the option and its flag).
 
-    One frozen dataclass, as diffusers configures its caches (``enable_adaln_cache(pipe,
-    config=AdalnCacheConfig(...))``), read by every door: ``AdalnCache(..., config=)`` takes the cache's
-    options (the first group of fields; the ``integration`` ones belong to the diffusers doors, and the
-    cache refuses them as keywords), ``enable_adaln_cache`` and ``load_transformer`` take all of them.
-    Keywords are shorthand: a door given ``config=`` and keywords uses the config with those keywords
-    replacing its fields (:meth:`of`). Neither the device nor the checkpoint is an option: they say what
-    is served and where, not how.
+    Every door reads it (docs/api.md): ``AdalnCache`` takes the first group of fields, the diffusers doors
+    all of them (the ``integration`` ones too); keywords beside ``config=`` replace its fields (:meth:`of`).
     """
 
     max_plans: int = _option(
@@ -322,10 +300,9 @@ class AdalnCacheConfig:
         cache: bool = False,
         exclude: Sequence[str] = (),
     ) -> AdalnCacheConfig:
-        """``config`` (default: the defaults) with the options given as keyword arguments to ``where``
-        replacing its fields, checked. An unknown keyword is a TypeError naming it and the closest option;
-        ``cache``: ``where`` is the cache itself, which takes the cache's options only and one set of
-        table files; ``exclude``: options ``where`` has no use for (a TypeError as keywords too)."""
+        """``config`` (default: the defaults) with the keywords given to ``where`` replacing its fields, checked;
+        an unknown keyword is a TypeError naming the closest option. ``cache``: ``where`` is the cache itself
+        (its options only, one set of table files); ``exclude``: options ``where`` has no use for."""
         if config is not None and not isinstance(config, AdalnCacheConfig):
             raise ConfigError(f"config= must be an AdalnCacheConfig, got {type(config).__name__}")
         names = [name for name in (CACHE_OPTION_NAMES if cache else OPTION_NAMES) if name not in exclude]
@@ -378,16 +355,8 @@ class ConfigKwargs(CacheKwargs, total=False):
     overlap: bool
 
 
-def _options() -> tuple[Option, ...]:
-    found = []
-    for f in fields(AdalnCacheConfig):
-        doc, flag_, check, cli, integration = f.metadata[_OPTION]
-        found.append(Option(f.name, f.default, doc, flag_, check, cli, integration))
-    return tuple(found)
-
-
 #: Every option, in declaration order.
-OPTIONS: tuple[Option, ...] = _options()
+OPTIONS: tuple[Option, ...] = tuple(Option(f.name, f.default, *f.metadata[_OPTION]) for f in fields(AdalnCacheConfig))
 OPTION_NAMES: tuple[str, ...] = tuple(option.name for option in OPTIONS)
 #: The options of the cache itself (``AdalnCache(...)``'s keywords).
 CACHE_OPTION_NAMES: tuple[str, ...] = tuple(option.name for option in OPTIONS if not option.integration)
@@ -432,12 +401,9 @@ def _document(doc: str, exclude: set[str]) -> str:
 
 
 def option_keywords(*, exclude: Sequence[str] = (), cache: bool = False) -> Callable[[F], F]:
-    """Give a function that takes ``**options: Unpack[ConfigKwargs]`` the signature its users read.
-
-    ``inspect.signature``, ``help()`` and the documentation then list each option as a keyword
-    argument with its default and type, as if it were written out, while the function's source
-    names none of them: the list lives in :class:`AdalnCacheConfig` alone. ``exclude``: options the
-    function does not take (or takes as its own parameters); ``cache``: the cache's options only.
+    """Give a function that takes ``**options: Unpack[ConfigKwargs]`` the signature its users read: each option
+    a keyword with its default and type (and documented at :data:`DOC_MARKER`), while the source names none.
+    ``exclude``: options the function does not take (or takes as its own parameters); ``cache``: the cache's only.
     """
 
     def decorate(function: F) -> F:
