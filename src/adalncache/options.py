@@ -102,11 +102,6 @@ class Option:
     #: An option of the diffusers doors only (the cache itself does not take it).
     integration: bool = False
 
-    def validate(self, value: Any) -> None:
-        """ConfigError (naming the option and its flag) unless ``value`` is valid for it."""
-        if self.check is not None:
-            self.check(self.name, value, self.flag)
-
 
 def _fix(name: str, flag: str | None) -> str:
     return f"set {name}=" + (f" (CLI {flag})" if flag else "")
@@ -287,8 +282,9 @@ class AdalnCacheConfig:
     )
 
     def __post_init__(self) -> None:
-        for option in OPTIONS:
-            option.validate(getattr(self, option.name))
+        for o in OPTIONS:
+            if o.check is not None:  # ConfigError naming the option and its flag
+                o.check(o.name, getattr(self, o.name), o.flag)
 
     @classmethod
     def of(
@@ -427,29 +423,3 @@ def option_keywords(*, exclude: Sequence[str] = (), cache: bool = False) -> Call
 def knob(name: str) -> str:
     """How a message names a setting to change: ``"max_plans (CLI --max-plans)"``."""
     return f"{name} (CLI {flag(name)})"
-
-
-__all__ = [
-    "ARGUMENT_FLAGS",
-    "CACHE_OPTION_NAMES",
-    "DOC_MARKER",
-    "ON_MISS",
-    "OPTIONS",
-    "OPTION_NAMES",
-    "PRECISIONS",
-    "QUANTIZED_PROJECTIONS",
-    "SHARD_MODES",
-    "AdalnCacheConfig",
-    "Argument",
-    "CacheKwargs",
-    "CacheOptions",
-    "Cli",
-    "ConfigKwargs",
-    "Option",
-    "TablesArg",
-    "declare",
-    "flag",
-    "knob",
-    "option",
-    "option_keywords",
-]

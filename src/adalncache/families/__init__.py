@@ -115,24 +115,3 @@ def schedule(spec: Any, given: Mapping[str, Any], *, source: Any, checkpoint: An
 def checkpoint_embed(source: Any, spec: Any, device: Any = "cpu") -> Callable[[torch.Tensor], Any]:
     """``embed(plan)`` of ``spec``'s family from the checkpoint ``source`` reads (no model needed)."""
     return spec.family.checkpoint_embed(source, spec, device)
-
-
-__all__ = [
-    "ARGUMENTS",
-    "DEFAULT",
-    "DEMOS",
-    "FAMILIES",
-    "REFUSED",
-    "adaln_zero",
-    "checkpoint_embed",
-    "for_class",
-    "get",
-    "minimax_h3",
-    "of_class",
-    "qwen_image",
-    "schedule",
-    "supported",
-    "table_fields",
-    "table_tensor_sets",
-    "takers",
-]

@@ -419,31 +419,3 @@ FAMILY = MiniMaxH3(
     plan_rows="timesteps",
     demos=(("minimax-h3", "MiniMaxH3Transformer3DModel"),),
 )
-
-
-__all__ = [
-    "AUDIO_SHIFT",
-    "FAMILY",
-    "INPUT",
-    "LAYOUTS",
-    "MODEL_VARIANTS",
-    "NO_AUDIO_REFS",
-    "RELEASED",
-    "TASK",
-    "TASKS",
-    "TASK_VARIANTS",
-    "VIDEO_SHIFT",
-    "LatentShape",
-    "MiniMaxH3",
-    "ModulationRows",
-    "block_width",
-    "build_layout",
-    "build_row_timestep_plan",
-    "check_shift",
-    "check_steps",
-    "check_task",
-    "describe",
-    "final_width",
-    "geometry",
-    "minimax_h3_plans",
-]

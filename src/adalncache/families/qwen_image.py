@@ -101,10 +101,8 @@ def geometry(
 ) -> ModelGeometry:
     """The geometry of a Qwen-Image transformer of these sizes and variant flags."""
     first = FIRST if zero_cond_t else INPUT
-    layers: list[ServedLayer] = []
-    for block in range(num_layers):
-        layers.append(ServedLayer(img_path(block), 6 * hidden_size, INPUT))
-        layers.append(ServedLayer(txt_path(block), 6 * hidden_size, first))
+    streams = ((img_path, INPUT), (txt_path, first))
+    layers = [ServedLayer(path(block), 6 * hidden_size, name) for block in range(num_layers) for path, name in streams]
     layers.append(ServedLayer(FINAL_PATH, 2 * hidden_size, first))
     plan_inputs = (TIMESTEP, ADDITIONAL) if additional_t_cond else (TIMESTEP,)
     return ModelGeometry(FAMILY, tuple(layers), hidden_size, plan_inputs)
@@ -338,28 +336,3 @@ FAMILY = QwenImage(
     arguments=(STEPS, HEIGHT, WIDTH, TIMESTEPS, BATCH, SCHEDULER_CONFIG, ADDITIONAL_T_COND),
     demos=(("qwen-image", "QwenImageTransformer2DModel"),),
 )
-
-
-__all__ = [
-    "ADDITIONAL",
-    "ADDITIONAL_T_COND",
-    "ADDITION_WEIGHT",
-    "FAMILY",
-    "FINAL_PATH",
-    "FIRST",
-    "INPUT",
-    "LAYOUT",
-    "RELEASED",
-    "RELEASED_SCHEDULER",
-    "TIME_TEXT_EMBED",
-    "QwenImage",
-    "check_additional_t_cond",
-    "config_flags",
-    "forward_plan_of",
-    "geometry",
-    "img_path",
-    "pipeline_timesteps",
-    "schedule_timesteps",
-    "spec_args",
-    "txt_path",
-]
