@@ -17,12 +17,7 @@ from .errors import AdalnCacheError, ConfigError
 from .options import Cli, option
 
 # Modules that register sub-commands, in the order ``--help`` lists them.
-_COMMAND_MODULES = (
-    "adalncache.tools.demo",
-    "adalncache.commands",
-    "adalncache.fit",
-    "adalncache.tools.bench",
-)
+_COMMAND_MODULES = ("adalncache.tools.demo", "adalncache.commands", "adalncache.fit", "adalncache.tools.bench")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -34,8 +29,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
-        prog="adalncache",
-        description="Serve AdaLN modulation of MiniMax-H3-like transformers from bit-exact tables.",
+        prog="adalncache", description="Serve AdaLN modulation of MiniMax-H3-like transformers from bit-exact tables."
     )
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
@@ -65,10 +59,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"adalncache {args.command}: interrupted", file=sys.stderr)
         return 130
     return int(code or 0)
-
-
-# ---------------------------------------------------------------------------------------------
-# flags made from their definitions
 
 
 def gib_to_bytes(value: float, flag: str) -> int:

@@ -44,9 +44,6 @@ from .plans import distinct_plans
 from .spec import ModulationSpec
 from .tiers.store import Store
 
-# ---------------------------------------------------------------------------------------------
-# build and export
-
 
 @contextlib.contextmanager
 def _torchrun_group(device: torch.device, timeout: float) -> Iterator[tuple[Any, torch.device, int]]:
@@ -235,10 +232,6 @@ SIDECAR = (
 SIDECAR_INPUTS = tuple(argument.name for argument in SIDECAR)
 
 
-# ---------------------------------------------------------------------------------------------
-# inspect
-
-
 def _geometry(spec: dict[str, Any], blocks: str) -> str:
     """A described spec in words: its layers, else (a spec listing none: the default family's) ``blocks``."""
     if "family" not in spec:
@@ -361,10 +354,6 @@ def run_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-# ---------------------------------------------------------------------------------------------
-# verify
-
-
 def run_verify(args: argparse.Namespace) -> int:
     if args.sample is not None and args.sample < 1:
         raise ConfigError(f"--sample must be a positive number of entries, got {args.sample}")
@@ -408,10 +397,6 @@ def run_verify(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
-# ---------------------------------------------------------------------------------------------
-# store prune
-
-
 def run_prune(args: argparse.Namespace) -> int:
     path = Path(args.store)
     if not is_store(path):
@@ -426,9 +411,6 @@ def run_prune(args: argparse.Namespace) -> int:
     )
     return 0
 
-
-# ---------------------------------------------------------------------------------------------
-# argparse wiring
 
 #: The cache options each command takes, as generated flags (in this order on its --help).
 EXPORT_OPTIONS = ("store", "precision", "batched", "tiled", "shard", "max_plans", "read_ahead")

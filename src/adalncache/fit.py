@@ -180,10 +180,6 @@ def released_model(name: str) -> Model:
     return count_model({"_class_name": class_name, **overrides}, source=f"released {name}", label=label)
 
 
-# ---------------------------------------------------------------------------------------------
-# recipes and placements
-
-
 @dataclass(frozen=True)
 class Recipe:
     """A way to hold the weights: ``size(parameter)`` is its bytes on the card; ``rule`` says what is assumed."""
@@ -321,10 +317,6 @@ PLACEMENTS = {
 }
 
 
-# ---------------------------------------------------------------------------------------------
-# the request's tables, and the count
-
-
 @dataclass(frozen=True)
 class Tables:
     """The request the tables are sized for: how it was named, its distinct plans, the rows of the widest."""
@@ -434,10 +426,6 @@ def fit(
     }
 
 
-# ---------------------------------------------------------------------------------------------
-# printing
-
-
 def _gib(nbytes: int) -> str:
     return f"{nbytes / GiB:.2f}"
 
@@ -517,10 +505,6 @@ def _smallest(row: Mapping[str, Any]) -> str:
         next((str(g) for g in CARDS_GIB if row[k][str(g)]), "none") for k in ("fits_without", "fits_with")
     )
     return f"{_gib(row['without_cache_bytes'])} → {_gib(row['with_cache_bytes'])} GiB ({without} → {with_cache} GB)"
-
-
-# ---------------------------------------------------------------------------------------------
-# the command
 
 
 def _read_json(path: Path) -> dict[str, Any]:

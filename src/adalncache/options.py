@@ -89,6 +89,10 @@ def declare(arguments: Iterable[Argument]) -> None:
             )
 
 
+#: An option's check: ``check(name, value, flag)`` raises a ConfigError naming the option and its flag.
+Check = Callable[[str, Any, str | None], None]
+
+
 @dataclass(frozen=True)
 class Option:
     """One option of :class:`AdalnCacheConfig`, as the doors, the messages and the command line read it."""
@@ -97,7 +101,7 @@ class Option:
     default: Any
     doc: str
     flag: str | None
-    check: Callable[[str, Any, str | None], None] | None
+    check: Check | None
     cli: Cli | None
     #: An option of the diffusers doors only (the cache itself does not take it).
     integration: bool = False
@@ -107,7 +111,7 @@ def _fix(name: str, flag: str | None) -> str:
     return f"set {name}=" + (f" (CLI {flag})" if flag else "")
 
 
-def _integer(minimum: int) -> Callable[[str, Any, str | None], None]:
+def _integer(minimum: int) -> Check:
     def check(name: str, value: Any, flag: str | None) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}: {_fix(name, flag)}")
@@ -115,7 +119,7 @@ def _integer(minimum: int) -> Callable[[str, Any, str | None], None]:
     return check
 
 
-def _one_of(choices: tuple[str, ...]) -> Callable[[str, Any, str | None], None]:
+def _one_of(choices: tuple[str, ...]) -> Check:
     def check(name: str, value: Any, flag: str | None) -> None:
         if value not in choices:
             raise ConfigError(f"{name} must be one of {list(choices)}, got {value!r}: {_fix(name, flag)}")
@@ -154,11 +158,15 @@ def _option(
     doc: str,
     *,
     flag: str | None = None,
-    check: Callable[[str, Any, str | None], None] | None = None,
+    check: Check | None = None,
     cli: Cli | None = None,
     integration: bool = False,
 ) -> Any:
-    """A field of :class:`AdalnCacheConfig` with its documentation, flag, check and command-line parsing."""
+    """A field of :class:`AdalnCacheConfig` with its documentation, flag, check and command-line parsing; the
+    check defaults to the bounds ``cli`` parses with, so they are stated once."""
+    if check is None and cli is not None:
+        kinds = {"switch": _boolean, "auto-switch": _auto_or_boolean, "choice": _one_of(cli.choices)}
+        check = _integer(cli.minimum) if cli.kind in ("int", "gib") else kinds.get(cli.kind)
     return field(default=default, metadata={_OPTION: (doc, flag, check, cli, integration)})
 
 
@@ -177,23 +185,19 @@ class AdalnCacheConfig:
     """
 
     max_plans: int = _option(
-        64, "distinct plans (timestep sets) resident at once", flag="--max-plans", check=_integer(1), cli=Cli("int", 1)
+        64, "distinct plans (timestep sets) resident at once", flag="--max-plans", cli=Cli("int", 1)
     )
-    max_plan_width: int = _option(
-        4, "timesteps (rows) of the widest plan", flag="--plan-width", check=_integer(1), cli=Cli("int", 1)
-    )
+    max_plan_width: int = _option(4, "timesteps (rows) of the widest plan", flag="--plan-width", cli=Cli("int", 1))
     precision: str = _option(
         "match",
         "match: bit-identical to the resident projection; fp32: project in fp32, store in the weight dtype",
         flag="--precision",
-        check=_one_of(PRECISIONS),
         cli=Cli("choice", choices=PRECISIONS),
     )
     host_cache_bytes: int = _option(
         0,
         "host memory keeping copies of built plans, so an evicted plan returns without a pass (0: none)",
         flag="--host-cache-gb",
-        check=_integer(0),
         cli=Cli("gib"),
     )
     store: Any = _option(
@@ -208,15 +212,10 @@ class AdalnCacheConfig:
         "layers",
         "how ranks split a pass: layers (the one-process tables) or columns (a column-parallel runtime's tables)",
         flag="--shard",
-        check=_one_of(SHARD_MODES),
         cli=Cli("choice", choices=SHARD_MODES),
     )
     read_ahead: int = _option(
-        1,
-        "layers read ahead of the one being projected during a pass",
-        flag="--read-ahead",
-        check=_integer(0),
-        cli=Cli("int", 0),
+        1, "layers read ahead of the one being projected during a pass", flag="--read-ahead", cli=Cli("int", 0)
     )
     progress: bool | None = _option(
         None, "a progress bar for passes (None: when stderr is a terminal)", check=_optional_boolean
@@ -225,7 +224,6 @@ class AdalnCacheConfig:
         False,
         "stack the plans of one width into one GEMM where a probe proves it bit-identical",
         flag="--batched",
-        check=_boolean,
         cli=Cli("switch"),
     )
     tiled: bool | str = _option(
@@ -233,7 +231,6 @@ class AdalnCacheConfig:
         "project every plan tile by tile over the output columns where a probe proves it bit-identical: auto "
         "(where the probe also found it faster, with the default projection), on, off",
         flag="--tiled",
-        check=_auto_or_boolean,
         cli=Cli("auto-switch"),
     )
     # A mapping by component is for the pipeline doors only, which split it before any cache sees it.

@@ -304,10 +304,7 @@ def from_transformer(model: Any, dtype: Any = None) -> dict[str, Any]:
 
 
 def check_structure(
-    class_name: str,
-    config: Mapping[str, Any],
-    modules: Mapping[str, str],
-    linears: Mapping[str, tuple[int, int, bool]],
+    class_name: str, config: Mapping[str, Any], modules: Mapping[str, str], linears: Mapping[str, tuple[int, int, bool]]
 ) -> ModelGeometry:
     """The model's geometry once its modules (path -> class name) and served ``linears`` (out, in, has bias)
     match the class's list (docs/families.md: how a model is checked); ConfigError naming what differs."""
@@ -356,9 +353,6 @@ def _linear(shape: tuple[int, int, bool] | None) -> str:
 def _few(paths: list[str]) -> str:
     return ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
 
-
-# ---------------------------------------------------------------------------------------------
-# plans and schedules
 
 #: dtypes whose values an fp32 plan holds exactly (so the forward's tensor is the plan cast back).
 _EXACT_IN_FP32 = (torch.float32, torch.bfloat16, torch.float16)
@@ -488,9 +482,7 @@ GUIDANCE_VALUE = Argument(
     GUIDANCE, "the guidance value every forward receives, where the config enables guidance_embeds", Cli("float")
 )
 TIMESTEP_R_VALUES = Argument(
-    TIMESTEP_R,
-    "the forwards' timestep_r (mean-flow variants), comma-separated, one per explicit timestep",
-    Cli("text"),
+    TIMESTEP_R, "the forwards' timestep_r (mean-flow variants), comma-separated, one per explicit timestep", Cli("text")
 )
 
 

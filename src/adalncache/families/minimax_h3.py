@@ -131,10 +131,6 @@ def describe(num_layers: int, hidden_size: int, time_embed_dim: int, modalities:
     return dict(num_layers=num_layers, hidden_size=hidden_size, time_embed_dim=time_embed_dim, modalities=modalities)
 
 
-# ---------------------------------------------------------------------------------------------
-# schedules
-
-
 def check_task(task: object) -> str:
     """``task`` if it is one of :data:`TASKS`, else a PlanError naming ``task=`` and ``--task``."""
     if task not in TASKS:
@@ -194,10 +190,7 @@ def build_layout(
         MINIMAX_H3_TEXT_TAG,
         MINIMAX_H3_VIDEO_TAG,
     )
-    from diffusers.modular_pipelines.minimax_h3.references import (
-        MiniMaxH3AudioReference,
-        MiniMaxH3ImageReference,
-    )
+    from diffusers.modular_pipelines.minimax_h3.references import MiniMaxH3AudioReference, MiniMaxH3ImageReference
 
     task = check_task(task)
     geo = geometry or LatentShape()
@@ -266,12 +259,7 @@ def build_row_timestep_plan(
 
 
 def minimax_h3_plans(
-    task: str,
-    steps: int,
-    *,
-    video_shift: float = 12.0,
-    audio_shift: float = 3.0,
-    audio_refs: bool = True,
+    task: str, steps: int, *, video_shift: float = 12.0, audio_shift: float = 3.0, audio_refs: bool = True
 ) -> list[torch.Tensor]:
     """The per-step plans (``timestep`` tensors) the MiniMax-H3 modular pipeline will feed the transformer,
     built with diffusers' own code (module docstring), so bit-identical to what a request produces.
