@@ -380,9 +380,9 @@ class MiniMaxH3(Family):
         freq_dim, hidden = w1.shape[1], w1.shape[0]
         time_proj = Timesteps(num_channels=freq_dim, flip_sin_to_cos=True, downscale_freq_shift=0)
         embedder = TimestepEmbedding(in_channels=freq_dim, time_embed_dim=hidden, out_dim=spec.time_embed_dim)
-        for linear, (w, b) in ((embedder.linear_1, (w1, b1)), (embedder.linear_2, (w2, b2))):
-            linear.weight = torch.nn.Parameter(w if device.type == "cpu" else w.to(device), requires_grad=False)
-            linear.bias = torch.nn.Parameter(b if device.type == "cpu" else b.to(device), requires_grad=False)
+        for linear, w, b in ((embedder.linear_1, w1, b1), (embedder.linear_2, w2, b2)):
+            # On the CPU .to is a no-op: the parameters stay the file's aligned views.
+            linear.weight, linear.bias = (torch.nn.Parameter(t.to(device), requires_grad=False) for t in (w, b))
         embedder.eval()
 
         def embed(plan: torch.Tensor) -> torch.Tensor:
