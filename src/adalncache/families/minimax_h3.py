@@ -318,17 +318,14 @@ class MiniMaxH3(Family):
     def header_fields(
         self, path: object, entries: Mapping[str, Any], config: Mapping[str, Any], layout: str, modalities: int
     ) -> dict[str, Any]:
-        """Blocks are counted from ``0`` up to the first missing index; block 0's projection gives the
-        hidden size (``6 * modalities * hidden`` outputs), its input width the time-embedding size,
-        its dtype the spec's dtype."""
+        """Blocks are counted from ``0`` up to the first missing index; block 0's projection (``6 * modalities *
+        hidden`` outputs of ``time_embed_dim`` inputs) gives the sizes and the dtype."""
         candidates = [LAYOUTS[layout]] if layout != "auto" else list(LAYOUTS.values())
         for key_layout in candidates:
             indices = {index for name in entries if (index := key_layout.block_index(name)) is not None}
             if not indices:
                 continue
-            count = 0
-            while count in indices:
-                count += 1
+            count = next(i for i in range(len(indices) + 1) if i not in indices)
             first = entries.get(key_layout.weight(0))
             if first is None or len(first.shape) != 2 or first.torch_dtype is None:
                 raise CheckpointError(f"{path}: block 0's AdaLN projection weight is missing or malformed")
