@@ -104,20 +104,16 @@ def add_flag(
 ) -> None:
     """One flag parsed as ``cli`` says; ``repeat``: each use appends; ``shown``: the default its help names."""
     kwargs: dict[str, Any] = {"dest": dest, "default": default, "help": help}
-    if cli.kind == "int":
-        kwargs.update(type=int_parser(flag, cli.minimum, cli.below), metavar="N")
-    elif cli.kind == "float":
-        kwargs["type"] = float
-    elif cli.kind == "path":
-        kwargs["metavar"] = "DIR"
-    elif cli.kind == "choice":
-        kwargs["choices"] = list(cli.choices)
-    elif cli.kind == "switch":
-        kwargs["action"] = "store_true"
-    elif cli.kind == "auto-switch":
-        kwargs.update(type=_auto_switch, metavar="{auto,on,off}")
-    elif cli.kind == "gib":
-        kwargs.update(type=_gib_bytes, metavar="GIB")
+    kinds: dict[str, dict[str, Any]] = {
+        "int": {"type": int_parser(flag, cli.minimum, cli.below), "metavar": "N"},
+        "float": {"type": float},
+        "path": {"metavar": "DIR"},
+        "choice": {"choices": list(cli.choices)},
+        "switch": {"action": "store_true"},
+        "auto-switch": {"type": _auto_switch, "metavar": "{auto,on,off}"},
+        "gib": {"type": _gib_bytes, "metavar": "GIB"},
+    }
+    kwargs.update(kinds.get(cli.kind, {}))
     if repeat:
         kwargs["action"] = "append"
     if shown is not None and cli.kind != "switch":

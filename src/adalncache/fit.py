@@ -257,16 +257,12 @@ DEFAULT_RECIPES = ("bf16", "8bit", "4bit", "Q8_0", "Q6_K", "Q5_K", "Q4_K", "Q3_K
 def recipes() -> dict[str, Recipe]:
     """Every recipe by name."""
     weight_only = "weight-only, every nn.Linear (the rest as bf16): "
+    four_bit = f"{weight_only}0.5 byte per weight plus an fp32 scale per {FOUR_BIT_GROUP} weights"
     found = [
         Recipe(STORED, "as stored", "each tensor as the safetensors files beside config.json hold it", _bf16),
         Recipe("bf16", "bf16", "every parameter in bf16 (fp32 in the modules the class keeps in fp32)", _bf16),
         Recipe("8bit", "fp8 / int8", weight_only + "1 byte per weight plus an fp32 scale per output row", _eight_bit),
-        Recipe(
-            "4bit",
-            "4-bit",
-            weight_only + f"0.5 byte per weight plus an fp32 scale per {FOUR_BIT_GROUP} weights",
-            _four_bit,
-        ),
+        Recipe("4bit", "4-bit", four_bit, _four_bit),
     ]
     for name in GGUF_TYPES:
         block, block_bytes = gguf_block(name)

@@ -78,8 +78,6 @@ TIME_TEXT_EMBED = "time_text_embed"
 ADDITION_WEIGHT = f"{TIME_TEXT_EMBED}.addition_t_embedding.weight"
 #: The output layer's projection.
 FINAL_PATH = "norm_out.linear"
-#: The blocks' attribute.
-BLOCKS = "transformer_blocks"
 
 #: Plans are float32: an index column is exact only below 2**24 (and an embedding index is never negative).
 ADDITIONAL_T_COND = Argument(
@@ -88,11 +86,11 @@ ADDITIONAL_T_COND = Argument(
 
 
 def img_path(block: int) -> str:
-    return f"{BLOCKS}.{block}.img_mod.1"
+    return f"transformer_blocks.{block}.img_mod.1"
 
 
 def txt_path(block: int) -> str:
-    return f"{BLOCKS}.{block}.txt_mod.1"
+    return f"transformer_blocks.{block}.txt_mod.1"
 
 
 @lru_cache(maxsize=64)
