@@ -74,12 +74,13 @@ class ClassLayout:
     """Where one diffusers class keeps its modulation, and what computes its ``temb``.
 
     ``double``/``single``: the block lists' attributes and the config keys counting them (``single``
-    empty: no single-stream blocks); ``single_ways``: the single norm's outputs per dim (3, or 6 for
-    an ``AdaLayerNormZero``); ``stays``: AdaLN modules taking more than ``temb``, resident (``{k}``
-    counts the config's ``refiners``); ``time_embedders``: the ``TimestepEmbedding`` modules inside
-    ``temb_module`` whose weights shape ``temb``; ``optional``: plan inputs after ``timestep`` with the
-    config flag enabling each (served by the time embedders after the first, in order);
-    ``guidance_embedder``: ``guidance``'s embedder where it sits outside ``temb_module`` (Bria-FIBO's).
+    empty: no single-stream blocks); ``single_norm``/``single_ways``: the single block's AdaLN attribute
+    and its outputs per dim (3, or 6 for an ``AdaLayerNormZero``); ``final_class``: the output layer's
+    class; ``stays``: AdaLN modules taking more than ``temb``, resident (``{k}`` counts the config's
+    ``refiners``); ``temb_module``: the module whose output is ``temb``; ``time_embedders``: the
+    ``TimestepEmbedding`` modules inside it whose weights shape ``temb``; ``optional``: plan inputs after
+    ``timestep`` with the config flag enabling each (served by the time embedders after the first, in
+    order); ``guidance_embedder``: ``guidance``'s embedder where it sits outside ``temb_module``.
     """
 
     class_name: str
