@@ -194,7 +194,7 @@ def run_export(args: argparse.Namespace) -> int:
 def _format_inputs(args: argparse.Namespace, kind: TableFormat) -> dict[str, Any]:
     """The schedule flags given to ``export`` (at their default value too), once those the format does not take
     (its own ``takes``, else the families') are refused."""
-    names = [*families.ARGUMENTS, *SIDECAR_INPUTS]
+    names = [*families.ARGUMENTS, *(argument.name for argument in SIDECAR)]
     given = _given(args, names)
     takes = kind.takes if kind.takes is not None else families.ARGUMENTS
     refused = ", ".join("--" + name.replace("_", "-") for name in given if name not in takes)
@@ -229,7 +229,6 @@ SIDECAR = (
         Cli("float"),
     ),
 )
-SIDECAR_INPUTS = tuple(argument.name for argument in SIDECAR)
 
 
 def _geometry(spec: dict[str, Any], blocks: str) -> str:

@@ -85,14 +85,14 @@ class ClassLayout:
 
     class_name: str
     title: str
-    double: tuple[str, str]
+    double: tuple[str, str] = ("transformer_blocks", "num_layers")
     single: tuple[str, str] | tuple[()] = ("single_transformer_blocks", "num_single_layers")
     single_norm: str = "norm"
     single_ways: int = 3
     final_class: str = "AdaLayerNormContinuous"
     bias: bool = True
     stays: tuple[str, ...] = ()
-    refiners: str = ""
+    refiners: str = "num_refiner_layers"
     temb_module: str = "time_embed"
     time_embedders: tuple[str, ...] = ("time_embed.timestep_embedder",)
     optional: tuple[tuple[str, str], ...] = ()
@@ -101,7 +101,6 @@ class ClassLayout:
     unservable: tuple[tuple[str, str], ...] = ()
 
 
-_DOUBLE = ("transformer_blocks", "num_layers")
 _REFINER = "context_embedder.token_refiner.refiner_blocks.{k}.norm_out"
 
 CLASSES: dict[str, ClassLayout] = {
@@ -110,9 +109,7 @@ CLASSES: dict[str, ClassLayout] = {
         ClassLayout(
             "HunyuanImageTransformer2DModel",
             "HunyuanImage-2.1",
-            _DOUBLE,
             stays=(_REFINER,),
-            refiners="num_refiner_layers",
             temb_module="time_guidance_embed",
             time_embedders=(
                 "time_guidance_embed.timestep_embedder",
@@ -124,14 +121,12 @@ CLASSES: dict[str, ClassLayout] = {
         ClassLayout(
             "MotifVideoTransformer3DModel",
             "Motif-Video",
-            _DOUBLE,
             temb_module="time_text_embed",
             time_embedders=("time_text_embed.timestep_embedder",),
         ),
         ClassLayout(
             "BriaTransformer2DModel",
             "Bria",
-            _DOUBLE,
             unservable=(
                 (
                     "guidance_embeds",
@@ -141,21 +136,19 @@ CLASSES: dict[str, ClassLayout] = {
                 ),
             ),
         ),
-        ClassLayout("LongCatImageTransformer2DModel", "LongCat-Image", _DOUBLE),
+        ClassLayout("LongCatImageTransformer2DModel", "LongCat-Image"),
         ClassLayout(
             "HunyuanVideo15Transformer3DModel",
             "HunyuanVideo-1.5",
-            _DOUBLE,
             single=(),
             stays=(_REFINER,),
-            refiners="num_refiner_layers",
             time_embedders=("time_embed.timestep_embedder", "time_embed.timestep_embedder_r"),
             optional=((TIMESTEP_R, "use_meanflow"),),
         ),
         ClassLayout(
             "AuraFlowTransformer2DModel",
             "AuraFlow",
-            ("joint_transformer_blocks", "num_mmdit_layers"),
+            double=("joint_transformer_blocks", "num_mmdit_layers"),
             single=("single_transformer_blocks", "num_single_dit_layers"),
             single_norm="norm1",
             single_ways=6,
@@ -167,14 +160,12 @@ CLASSES: dict[str, ClassLayout] = {
         ClassLayout(
             "BriaFiboTransformer2DModel",
             "Bria-FIBO",
-            _DOUBLE,
             optional=((GUIDANCE, "guidance_embeds"),),
             guidance_embedder="guidance_embed.timestep_embedder",
         ),
         ClassLayout(
             "OvisImageTransformer2DModel",
             "Ovis-Image",
-            _DOUBLE,
             temb_module="timestep_embedder",
             time_embedders=("timestep_embedder",),
         ),
@@ -218,7 +209,7 @@ def fields_from_config(class_name: str, config: Mapping[str, Any]) -> dict[str, 
     return {
         "double_layers": _count(config, layout.double[1], class_name),
         "single_layers": _count(config, layout.single[1], class_name) if layout.single else 0,
-        "refiner_layers": _count(config, layout.refiners, class_name) if layout.refiners else 0,
+        "refiner_layers": _count(config, layout.refiners, class_name) if layout.stays else 0,
         "hidden_size": heads * head_dim,
         "plan_inputs": (TIMESTEP, *(name for name, flag in layout.optional if config.get(flag))),
     }
