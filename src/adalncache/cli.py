@@ -1,10 +1,6 @@
-"""The ``adalncache`` command line: its parser, its flags made from the library's definitions, ``main``.
-
-Each sub-command lives in the module that owns its work and exposes ``register(subparsers)``;
-this file wires them together, builds their flags from the one definition of each (a cache
-option's or a family's schedule argument's, :mod:`adalncache.options`: type, default, help and
-checks are written there, never restated here), and turns library errors into one clear line and
-exit code 2, so a user never sees a traceback for a bad argument.
+"""The ``adalncache`` command line: its parser, ``main``, and its flags made from the one definition of each
+(a cache option or a family's schedule argument, :mod:`adalncache.options`). Each sub-command's module
+exposes ``register(subparsers)``; a library error is one line and exit code 2, never a traceback.
 """
 
 from __future__ import annotations
@@ -21,12 +17,7 @@ from .errors import AdalnCacheError, ConfigError
 from .options import Cli, option
 
 # Modules that register sub-commands, in the order ``--help`` lists them.
-_COMMAND_MODULES = (
-    "adalncache.tools.demo",
-    "adalncache.commands",
-    "adalncache.fit",
-    "adalncache.tools.bench",
-)
+_COMMAND_MODULES = ("adalncache.tools.demo", "adalncache.commands", "adalncache.fit", "adalncache.tools.bench")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -38,8 +29,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
-        prog="adalncache",
-        description="Serve AdaLN modulation of MiniMax-H3-like transformers from bit-exact tables.",
+        prog="adalncache", description="Serve AdaLN modulation of MiniMax-H3-like transformers from bit-exact tables."
     )
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
@@ -69,10 +59,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"adalncache {args.command}: interrupted", file=sys.stderr)
         return 130
     return int(code or 0)
-
-
-# ---------------------------------------------------------------------------------------------
-# flags made from their definitions
 
 
 def gib_to_bytes(value: float, flag: str) -> int:
@@ -118,20 +104,16 @@ def add_flag(
 ) -> None:
     """One flag parsed as ``cli`` says; ``repeat``: each use appends; ``shown``: the default its help names."""
     kwargs: dict[str, Any] = {"dest": dest, "default": default, "help": help}
-    if cli.kind == "int":
-        kwargs.update(type=int_parser(flag, cli.minimum, cli.below), metavar="N")
-    elif cli.kind == "float":
-        kwargs["type"] = float
-    elif cli.kind == "path":
-        kwargs["metavar"] = "DIR"
-    elif cli.kind == "choice":
-        kwargs["choices"] = list(cli.choices)
-    elif cli.kind == "switch":
-        kwargs["action"] = "store_true"
-    elif cli.kind == "auto-switch":
-        kwargs.update(type=_auto_switch, metavar="{auto,on,off}")
-    elif cli.kind == "gib":
-        kwargs.update(type=_gib_bytes, metavar="GIB")
+    kinds: dict[str, dict[str, Any]] = {
+        "int": {"type": int_parser(flag, cli.minimum, cli.below), "metavar": "N"},
+        "float": {"type": float},
+        "path": {"metavar": "DIR"},
+        "choice": {"choices": list(cli.choices)},
+        "switch": {"action": "store_true"},
+        "auto-switch": {"type": _auto_switch, "metavar": "{auto,on,off}"},
+        "gib": {"type": _gib_bytes, "metavar": "GIB"},
+    }
+    kwargs.update(kinds.get(cli.kind, {}))
     if repeat:
         kwargs["action"] = "append"
     if shown is not None and cli.kind != "switch":
@@ -140,9 +122,8 @@ def add_flag(
 
 
 def add_options(parser: argparse.ArgumentParser, names: Sequence[str], *, required: Sequence[str] = ()) -> None:
-    """One flag per cache option of ``names``: its flag, help, default and parsing from the option's
-    definition; the value lands in ``args.<option name>`` in the option's own unit (bytes for
-    ``--host-cache-gb``). ``required``: options the command cannot run without."""
+    """One flag per cache option of ``names``, from the option's definition; the value lands in ``args.<name>``
+    in the option's own unit (bytes for ``--host-cache-gb``)."""
     for name in names:
         o = option(name)
         if o.flag is None or o.cli is None:
@@ -155,10 +136,8 @@ def add_options(parser: argparse.ArgumentParser, names: Sequence[str], *, requir
 
 
 def add_schedule_flags(parser: argparse.ArgumentParser) -> None:
-    """Every family's schedule flags, each once (:data:`adalncache.families.ARGUMENTS`), helped with the
-    families that take them. Which of them a command needs depends on the checkpoint's family, so none
-    is required here and all parse to None when absent: the family checks them once the checkpoint is
-    open, and a flag given at its default value is still seen as given."""
+    """Every family's schedule flags, each once, helped with the families that take them; all parse to None
+    when absent (so one given at its default is seen): the checkpoint's family checks them once it is open."""
     group = parser.add_argument_group("schedule (the flags of the checkpoint's family)")
     for argument in families.ARGUMENTS.values():
         takers = families.takers(argument.name)

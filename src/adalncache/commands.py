@@ -1,12 +1,9 @@
 """``adalncache build | export | inspect | verify | store prune``: the command-line shells.
 
-Each ``run_*`` checks its arguments, turns them into library calls (:mod:`adalncache.offline`,
-:mod:`adalncache.formats`, the checkpoint's family through :mod:`adalncache.families`) and prints
-what they return; the work itself lives in the library, where the examples and the tests call it
-too. No family is named here: ``build`` and ``export`` take every family's schedule flags, and the
-checkpoint's family turns those it takes into plans (refusing the others). ``build`` and ``export``
-may run under torchrun: each rank then builds its share of every pass (``--shard``) and the ranks
-exchange rows, as ``AdalnCache(process_group=...)`` does.
+Each ``run_*`` checks its arguments, calls the library (:mod:`adalncache.offline`, :mod:`adalncache.formats`,
+the checkpoint's family through :mod:`adalncache.families`) and prints what it returns. No family is named
+here: the checkpoint's family turns the schedule flags it takes into plans and refuses the others. Under
+torchrun, each rank builds its share of every pass (``--shard``), as ``AdalnCache(process_group=...)`` does.
 """
 
 from __future__ import annotations
@@ -47,15 +44,11 @@ from .plans import distinct_plans
 from .spec import ModulationSpec
 from .tiers.store import Store
 
-# ---------------------------------------------------------------------------------------------
-# build and export
-
 
 @contextlib.contextmanager
 def _torchrun_group(device: torch.device, timeout: float) -> Iterator[tuple[Any, torch.device, int]]:
-    """(process group, this rank's device, rank) when torchrun started this command (``WORLD_SIZE`` > 1), else
-    ``(None, device, 0)``: gloo on CPU, NCCL on CUDA with one GPU per rank (``LOCAL_RANK``). ``timeout`` is the
-    only bound on how long the other ranks wait when one dies outright, so it is the user's to set."""
+    """(process group, this rank's device, rank) under torchrun (gloo on CPU, NCCL with one GPU per rank), else
+    ``(None, device, 0)``. ``timeout`` is the only bound on how long ranks wait for a dead one: the user's."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         yield None, device, 0
         return
@@ -97,10 +90,9 @@ def _passes(
     *,
     embed: bool = True,
 ) -> tuple[Any, str, bool]:
-    """``work(cache, embed, progress)`` on a cache of the command's ``options`` for ``plans`` (under torchrun,
-    its group): the result, the ranks in words, whether this is rank 0. The working slab holds no more plans
-    than one pass needs, so a small build allocates little; the store is opened after the checkpoint's embed,
-    so a checkpoint without its time embedder leaves no store behind."""
+    """``work(cache, embed, progress)`` on a cache of the command's ``options`` for ``plans``: the result, the
+    ranks in words, whether this is rank 0. The slab holds no more plans than one pass needs; the store is
+    opened after the checkpoint's embed, so a checkpoint without its time embedder leaves no store behind."""
     with _torchrun_group(device, args.timeout) as (group, device, rank):
         progress = rank == 0 and not args.quiet
         inputs = source.spec.family.checkpoint_embed(source, source.spec, device) if embed else None
@@ -200,10 +192,9 @@ def run_export(args: argparse.Namespace) -> int:
 
 
 def _format_inputs(args: argparse.Namespace, kind: TableFormat) -> dict[str, Any]:
-    """The schedule flags given to ``export`` (at their default value too: ``--video-shift 12``), once every one
-    the format does not take is refused: its own (``takes``), or the families' (the checkpoint's refuses the
-    others')."""
-    names = [*families.ARGUMENTS, *SIDECAR_INPUTS]
+    """The schedule flags given to ``export`` (at their default value too), once those the format does not take
+    (its own ``takes``, else the families') are refused."""
+    names = [*families.ARGUMENTS, *(argument.name for argument in SIDECAR)]
     given = _given(args, names)
     takes = kind.takes if kind.takes is not None else families.ARGUMENTS
     refused = ", ".join("--" + name.replace("_", "-") for name in given if name not in takes)
@@ -238,15 +229,10 @@ SIDECAR = (
         Cli("float"),
     ),
 )
-SIDECAR_INPUTS = tuple(argument.name for argument in SIDECAR)
-
-
-# ---------------------------------------------------------------------------------------------
-# inspect
 
 
 def _geometry(spec: dict[str, Any], blocks: str) -> str:
-    """A described spec in words: the layers of a family that lists them, else ``blocks`` (the default family's)."""
+    """A described spec in words: its layers, else (a spec listing none: the default family's) ``blocks``."""
     if "family" not in spec:
         return f"{spec['num_layers']} blocks, hidden {spec['hidden_size']}, {blocks}{spec['dtype']}"
     # An entry is [id, width, input] plus ``false`` for a layer without a bias (AuraFlow's).
@@ -367,10 +353,6 @@ def run_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-# ---------------------------------------------------------------------------------------------
-# verify
-
-
 def run_verify(args: argparse.Namespace) -> int:
     if args.sample is not None and args.sample < 1:
         raise ConfigError(f"--sample must be a positive number of entries, got {args.sample}")
@@ -414,10 +396,6 @@ def run_verify(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
-# ---------------------------------------------------------------------------------------------
-# store prune
-
-
 def run_prune(args: argparse.Namespace) -> int:
     path = Path(args.store)
     if not is_store(path):
@@ -432,9 +410,6 @@ def run_prune(args: argparse.Namespace) -> int:
     )
     return 0
 
-
-# ---------------------------------------------------------------------------------------------
-# argparse wiring
 
 #: The cache options each command takes, as generated flags (in this order on its --help).
 EXPORT_OPTIONS = ("store", "precision", "batched", "tiled", "shard", "max_plans", "read_ahead")
@@ -468,7 +443,6 @@ def _common(parser: argparse.ArgumentParser, *, passes: bool = False) -> None:
 
 
 def _register_build(subparsers: Any) -> None:
-    """``adalncache build``: fill a store with the tables of some schedules."""
     p = subparsers.add_parser(
         "build",
         help="fill a store with the tables of one or more schedules",
@@ -485,7 +459,6 @@ def _register_build(subparsers: Any) -> None:
 
 
 def _register_export(subparsers: Any) -> None:
-    """``adalncache export``: write the tables of some schedules to one table file."""
     p = subparsers.add_parser(
         "export",
         help="write the tables of one or more schedules to one file (sglang, vllm-omni or adalncache format)",
@@ -531,7 +504,6 @@ def _register_export(subparsers: Any) -> None:
 
 
 def _register_inspect(subparsers: Any) -> None:
-    """``adalncache inspect``: what a checkpoint, a store or a table file holds."""
     p = subparsers.add_parser(
         "inspect",
         help="what a checkpoint or a store holds",
@@ -555,7 +527,6 @@ def _register_inspect(subparsers: Any) -> None:
 
 
 def _register_verify(subparsers: Any) -> None:
-    """``adalncache verify``: recompute store entries or a table file and compare them bit for bit."""
     p = subparsers.add_parser(
         "verify",
         help="recompute store entries or a table file and compare bit for bit (exit 1 on any difference)",
@@ -577,7 +548,6 @@ def _register_verify(subparsers: Any) -> None:
 
 
 def _register_store(subparsers: Any) -> None:
-    """``adalncache store prune``: store maintenance."""
     p = subparsers.add_parser("store", help="store maintenance", description="Store maintenance commands.")
     store_sub = p.add_subparsers(dest="store_command", metavar="ACTION", parser_class=type(p))
     store_sub.required = True

@@ -1,8 +1,5 @@
-"""``from adalncache.diffusers import enable_adaln_cache``: the diffusers integration's public names.
-
-A thin re-export so users import from one short path; the implementation lives in
-:mod:`adalncache.integrations.diffusers` (a package with one module per job; it needs diffusers
-installed). It exports exactly that package's names (a test holds the two lists equal).
+"""``from adalncache.diffusers import enable_adaln_cache``: the public names of
+:mod:`adalncache.integrations.diffusers` (which needs diffusers), exactly, on one short path.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """``adalncache fit MODEL``: what a recipe needs on a card, without and with the cache.
 
-Whether a model fits a card depends on the recipe (bf16, 8-bit or 4-bit weight-only, a GGUF type),
-the placement (resident, or diffusers' block-level group offloading) and the tables of the requests
-served. So it is counted, not guessed from a parameter count: the transformer is built on the meta
-device from its ``config.json`` (no memory, no weights), each parameter is sized under each recipe,
-the served projections are the cache's own geometry (:meth:`ModulationSpec.from_transformer`, never
-a second list), and the tables are what the slab holds for the request's distinct plans
-(:meth:`ModulationSpec.slab_bytes`). Nothing is read but the config and the safetensors headers.
-The README's tables of supported models and of cards are this module's output (``--released all``).
+Counted, not guessed: the transformer is built on the meta device from its ``config.json``, the served
+projections are the cache's own geometry and the tables what the slab holds for the request's distinct
+plans; nothing is read but the config and the safetensors headers (docs/fit.md). The README's tables of
+supported models and of cards are this module's output (``--released all``).
 """
 
 from __future__ import annotations
@@ -79,12 +75,8 @@ class Parameter:
 @dataclass(frozen=True)
 class Model:
     """The transformer counted on the meta device, and what the safetensors headers beside it say, if read.
-
-    ``block_lists``: its top-level ``ModuleList`` / ``Sequential`` children, whose items are the
-    blocks of block-level group offloading. ``stored``: (tensor name, bytes) from the headers;
-    ``dtypes``: stored bytes per dtype; ``quantized``: why the checkpoint counts as quantized;
-    ``stored_dtype``: the served projections' stored dtype (their tables' as stored).
-    """
+    ``block_lists``: its top-level ``ModuleList`` / ``Sequential`` children (whose items group offloading
+    moves); ``stored``: (tensor name, bytes) from the headers; ``stored_dtype``: the served projections'."""
 
     class_name: str
     family: str
@@ -188,10 +180,6 @@ def released_model(name: str) -> Model:
     return count_model({"_class_name": class_name, **overrides}, source=f"released {name}", label=label)
 
 
-# ---------------------------------------------------------------------------------------------
-# recipes and placements
-
-
 @dataclass(frozen=True)
 class Recipe:
     """A way to hold the weights: ``size(parameter)`` is its bytes on the card; ``rule`` says what is assumed."""
@@ -269,16 +257,12 @@ DEFAULT_RECIPES = ("bf16", "8bit", "4bit", "Q8_0", "Q6_K", "Q5_K", "Q4_K", "Q3_K
 def recipes() -> dict[str, Recipe]:
     """Every recipe by name."""
     weight_only = "weight-only, every nn.Linear (the rest as bf16): "
+    four_bit = f"{weight_only}0.5 byte per weight plus an fp32 scale per {FOUR_BIT_GROUP} weights"
     found = [
         Recipe(STORED, "as stored", "each tensor as the safetensors files beside config.json hold it", _bf16),
         Recipe("bf16", "bf16", "every parameter in bf16 (fp32 in the modules the class keeps in fp32)", _bf16),
         Recipe("8bit", "fp8 / int8", weight_only + "1 byte per weight plus an fp32 scale per output row", _eight_bit),
-        Recipe(
-            "4bit",
-            "4-bit",
-            weight_only + f"0.5 byte per weight plus an fp32 scale per {FOUR_BIT_GROUP} weights",
-            _four_bit,
-        ),
+        Recipe("4bit", "4-bit", four_bit, _four_bit),
     ]
     for name in GGUF_TYPES:
         block, block_bytes = gguf_block(name)
@@ -329,10 +313,6 @@ PLACEMENTS = {
 }
 
 
-# ---------------------------------------------------------------------------------------------
-# the request's tables, and the count
-
-
 @dataclass(frozen=True)
 class Tables:
     """The request the tables are sized for: how it was named, its distinct plans, the rows of the widest."""
@@ -343,13 +323,9 @@ class Tables:
 
 
 def request_tables(args: argparse.Namespace, spec: ModulationSpec, checkpoint: Path | None) -> Tables:
-    """The distinct plans of the request ``build``'s schedule flags name in ``args``, as ``build`` computes them.
-
-    No schedule flag: ``--steps 50`` (with the family's first task where it has tasks), batch 1.
-    Where the schedule needs files that are not there (the pipeline's scheduler config: a released
-    model, or the default request of a checkpoint without it) the tables are sized as one plan of
-    ``--batch`` rows per forward, an upper bound. ``checkpoint``: the transformer's directory.
-    """
+    """The distinct plans of the request ``build``'s schedule flags in ``args`` name, as ``build`` computes them
+    (default: :data:`DEFAULT_STEPS`, the first task, batch 1); one plan of ``--batch`` rows per forward, an
+    upper bound, where the scheduler config is not there (docs/fit.md). ``checkpoint``: the transformer's dir."""
     given = {name: getattr(args, name) for name in families.ARGUMENTS if getattr(args, name, None) is not None}
     tasks = [task for task, _ in spec.family.task_variants]
     request = dict(given)
@@ -388,10 +364,7 @@ def fit(
 ) -> dict[str, Any]:
     """Every number of ``adalncache fit --json``: ``recipe_names`` (default: the stored recipe where headers
     were read, then :data:`DEFAULT_RECIPES`) under every placement, without and with the cache, per card.
-
-    With the cache the served projections leave the card whatever their recipe, and the slab of
-    ``tables`` is added in the dtype the projections return: bf16 under every recipe (a quantized
-    projection's tables hold its compute dtype), their stored dtype as stored.
+    The tables are in the dtype the projections return: bf16 (a quantized one's compute dtype), or as stored.
     """
     known = recipes()
     names = list(recipe_names) or [*([STORED] if model.stored is not None else []), *DEFAULT_RECIPES]
@@ -447,10 +420,6 @@ def fit(
         "not_counted": NOT_COUNTED,
         "rows": rows,
     }
-
-
-# ---------------------------------------------------------------------------------------------
-# printing
 
 
 def _gib(nbytes: int) -> str:
@@ -528,17 +497,10 @@ def released_tables(found: Sequence[Mapping[str, Any]], markdown: bool = True) -
 
 
 def _smallest(row: Mapping[str, Any]) -> str:
-    def smallest(fits: Mapping[str, bool]) -> str:
-        return next((str(gib) for gib in CARDS_GIB if fits[str(gib)]), "none")
-
-    return (
-        f"{_gib(row['without_cache_bytes'])} → {_gib(row['with_cache_bytes'])} GiB "
-        f"({smallest(row['fits_without'])} → {smallest(row['fits_with'])} GB)"
+    without, with_cache = (
+        next((str(g) for g in CARDS_GIB if row[k][str(g)]), "none") for k in ("fits_without", "fits_with")
     )
-
-
-# ---------------------------------------------------------------------------------------------
-# the command
+    return f"{_gib(row['without_cache_bytes'])} → {_gib(row['with_cache_bytes'])} GiB ({without} → {with_cache} GB)"
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -1,23 +1,8 @@
 """The cache's options, declared once in :class:`AdalnCacheConfig`: type, default, validation, documentation
-and CLI flag of each.
-
-Why one class: the options reach the cache from four doors (``AdalnCache(...)``,
-``enable_adaln_cache(...)``, ``load_transformer(...)`` and the ``build``/``export`` commands). Each door
-takes ``config=`` and the options as keyword shorthand (typed by :class:`CacheKwargs` and
-:class:`ConfigKwargs`) and builds one :class:`AdalnCacheConfig` (:meth:`AdalnCacheConfig.of`), whose
-construction checks every value. The command line generates its flags from :data:`OPTIONS`, and every
-message that names a flag takes it from here (:func:`flag`, :func:`knob`), so the runtime below the
-command line carries no flag of its own.
-
-Adding an option is one edit here: a field of :class:`AdalnCacheConfig` (default, check, one line of
-documentation, CLI flag and how the command line parses it) and its key in :class:`CacheKwargs` or
-:class:`ConfigKwargs` (a test keeps them in step). Every door then accepts it, validates it and
-documents it.
-
-Besides the options, :data:`ARGUMENT_FLAGS` holds the flags of the other arguments the library's
-messages advise on (a device, a checkpoint layout, an export), for the same reason, and an
-:class:`Argument` is one flag that names a schedule: the families declare theirs (type, help,
-default) and the command line builds its flags from them; :func:`flag` knows every declared one.
+and CLI flag of each; and the flags of the other arguments messages advise on (:data:`ARGUMENT_FLAGS`, the
+families' schedule :class:`Argument`). Every door builds one config from it, the command line generates its
+flags from it, and every message takes its flag from here (:func:`flag`, :func:`knob`), so the runtime
+below the command line spells no flag. How to add an option: docs/api.md.
 """
 
 from __future__ import annotations
@@ -75,10 +60,9 @@ class Cli:
 
 @dataclass(frozen=True)
 class Argument:
-    """A flag that names a schedule (``--steps``), declared by the family modules that take it: its flag is its
-    name with dashes (``video_shift`` -> ``--video-shift``), the one rule, so no family module spells one.
-    ``default``: the value of an absent flag (which parses as None, so one given at its default is seen);
-    ``repeat``: the flag may be given several times (a list)."""
+    """A flag that names a schedule (``--steps``), declared by the families that take it: its flag is its name
+    with dashes, so no family spells one. ``default``: an absent flag's value (the flag itself parses as None
+    when absent, so one given at its default is seen); ``repeat``: given several times, a list."""
 
     name: str
     help: str
@@ -96,14 +80,17 @@ _ARGUMENTS: dict[str, Argument] = {}
 
 
 def declare(arguments: Iterable[Argument]) -> None:
-    """Make ``arguments`` known to :func:`flag` (the families registry declares every family's); a name
-    several families declare must be the same argument: one flag, one meaning."""
+    """Make ``arguments`` known to :func:`flag`; a name several families declare must be one argument."""
     for argument in arguments:
         known = _ARGUMENTS.setdefault(argument.name, argument)
         if known != argument:
             raise ValueError(
                 f"the schedule argument {argument.name} is declared twice, differently: {known}, {argument}"
             )
+
+
+#: An option's check: ``check(name, value, flag)`` raises a ConfigError naming the option and its flag.
+Check = Callable[[str, Any, str | None], None]
 
 
 @dataclass(frozen=True)
@@ -114,22 +101,17 @@ class Option:
     default: Any
     doc: str
     flag: str | None
-    check: Callable[[str, Any, str | None], None] | None
+    check: Check | None
     cli: Cli | None
     #: An option of the diffusers doors only (the cache itself does not take it).
     integration: bool = False
-
-    def validate(self, value: Any) -> None:
-        """ConfigError (naming the option and its flag) unless ``value`` is valid for it."""
-        if self.check is not None:
-            self.check(self.name, value, self.flag)
 
 
 def _fix(name: str, flag: str | None) -> str:
     return f"set {name}=" + (f" (CLI {flag})" if flag else "")
 
 
-def _integer(minimum: int) -> Callable[[str, Any, str | None], None]:
+def _integer(minimum: int) -> Check:
     def check(name: str, value: Any, flag: str | None) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}: {_fix(name, flag)}")
@@ -137,7 +119,7 @@ def _integer(minimum: int) -> Callable[[str, Any, str | None], None]:
     return check
 
 
-def _one_of(choices: tuple[str, ...]) -> Callable[[str, Any, str | None], None]:
+def _one_of(choices: tuple[str, ...]) -> Check:
     def check(name: str, value: Any, flag: str | None) -> None:
         if value not in choices:
             raise ConfigError(f"{name} must be one of {list(choices)}, got {value!r}: {_fix(name, flag)}")
@@ -176,11 +158,15 @@ def _option(
     doc: str,
     *,
     flag: str | None = None,
-    check: Callable[[str, Any, str | None], None] | None = None,
+    check: Check | None = None,
     cli: Cli | None = None,
     integration: bool = False,
 ) -> Any:
-    """A field of :class:`AdalnCacheConfig` with its documentation, flag, check and command-line parsing."""
+    """A field of :class:`AdalnCacheConfig` with its documentation, flag, check and command-line parsing; the
+    check defaults to the bounds ``cli`` parses with, so they are stated once."""
+    if check is None and cli is not None:
+        kinds = {"switch": _boolean, "auto-switch": _auto_or_boolean, "choice": _one_of(cli.choices)}
+        check = _integer(cli.minimum) if cli.kind in ("int", "gib") else kinds.get(cli.kind)
     return field(default=default, metadata={_OPTION: (doc, flag, check, cli, integration)})
 
 
@@ -194,33 +180,24 @@ QUANTIZED_PROJECTIONS = ("model", "checkpoint")
 class AdalnCacheConfig:
     """Every option of the AdaLN cache, checked when constructed (ConfigError naming the option and its flag).
 
-    One frozen dataclass, as diffusers configures its caches (``enable_adaln_cache(pipe,
-    config=AdalnCacheConfig(...))``), read by every door: ``AdalnCache(..., config=)`` takes the cache's
-    options (the first group of fields; the ``integration`` ones belong to the diffusers doors, and the
-    cache refuses them as keywords), ``enable_adaln_cache`` and ``load_transformer`` take all of them.
-    Keywords are shorthand: a door given ``config=`` and keywords uses the config with those keywords
-    replacing its fields (:meth:`of`). Neither the device nor the checkpoint is an option: they say what
-    is served and where, not how.
+    Every door reads it (docs/api.md): ``AdalnCache`` takes the first group of fields, the diffusers doors
+    all of them (the ``integration`` ones too); keywords beside ``config=`` replace its fields (:meth:`of`).
     """
 
     max_plans: int = _option(
-        64, "distinct plans (timestep sets) resident at once", flag="--max-plans", check=_integer(1), cli=Cli("int", 1)
+        64, "distinct plans (timestep sets) resident at once", flag="--max-plans", cli=Cli("int", 1)
     )
-    max_plan_width: int = _option(
-        4, "timesteps (rows) of the widest plan", flag="--plan-width", check=_integer(1), cli=Cli("int", 1)
-    )
+    max_plan_width: int = _option(4, "timesteps (rows) of the widest plan", flag="--plan-width", cli=Cli("int", 1))
     precision: str = _option(
         "match",
         "match: bit-identical to the resident projection; fp32: project in fp32, store in the weight dtype",
         flag="--precision",
-        check=_one_of(PRECISIONS),
         cli=Cli("choice", choices=PRECISIONS),
     )
     host_cache_bytes: int = _option(
         0,
         "host memory keeping copies of built plans, so an evicted plan returns without a pass (0: none)",
         flag="--host-cache-gb",
-        check=_integer(0),
         cli=Cli("gib"),
     )
     store: Any = _option(
@@ -235,15 +212,10 @@ class AdalnCacheConfig:
         "layers",
         "how ranks split a pass: layers (the one-process tables) or columns (a column-parallel runtime's tables)",
         flag="--shard",
-        check=_one_of(SHARD_MODES),
         cli=Cli("choice", choices=SHARD_MODES),
     )
     read_ahead: int = _option(
-        1,
-        "layers read ahead of the one being projected during a pass",
-        flag="--read-ahead",
-        check=_integer(0),
-        cli=Cli("int", 0),
+        1, "layers read ahead of the one being projected during a pass", flag="--read-ahead", cli=Cli("int", 0)
     )
     progress: bool | None = _option(
         None, "a progress bar for passes (None: when stderr is a terminal)", check=_optional_boolean
@@ -252,7 +224,6 @@ class AdalnCacheConfig:
         False,
         "stack the plans of one width into one GEMM where a probe proves it bit-identical",
         flag="--batched",
-        check=_boolean,
         cli=Cli("switch"),
     )
     tiled: bool | str = _option(
@@ -260,7 +231,6 @@ class AdalnCacheConfig:
         "project every plan tile by tile over the output columns where a probe proves it bit-identical: auto "
         "(where the probe also found it faster, with the default projection), on, off",
         flag="--tiled",
-        check=_auto_or_boolean,
         cli=Cli("auto-switch"),
     )
     # A mapping by component is for the pipeline doors only, which split it before any cache sees it.
@@ -309,8 +279,9 @@ class AdalnCacheConfig:
     )
 
     def __post_init__(self) -> None:
-        for option in OPTIONS:
-            option.validate(getattr(self, option.name))
+        for o in OPTIONS:
+            if o.check is not None:  # ConfigError naming the option and its flag
+                o.check(o.name, getattr(self, o.name), o.flag)
 
     @classmethod
     def of(
@@ -322,10 +293,9 @@ class AdalnCacheConfig:
         cache: bool = False,
         exclude: Sequence[str] = (),
     ) -> AdalnCacheConfig:
-        """``config`` (default: the defaults) with the options given as keyword arguments to ``where``
-        replacing its fields, checked. An unknown keyword is a TypeError naming it and the closest option;
-        ``cache``: ``where`` is the cache itself, which takes the cache's options only and one set of
-        table files; ``exclude``: options ``where`` has no use for (a TypeError as keywords too)."""
+        """``config`` (default: the defaults) with the keywords given to ``where`` replacing its fields, checked;
+        an unknown keyword is a TypeError naming the closest option. ``cache``: ``where`` is the cache itself
+        (its options only, one set of table files); ``exclude``: options ``where`` has no use for."""
         if config is not None and not isinstance(config, AdalnCacheConfig):
             raise ConfigError(f"config= must be an AdalnCacheConfig, got {type(config).__name__}")
         names = [name for name in (CACHE_OPTION_NAMES if cache else OPTION_NAMES) if name not in exclude]
@@ -378,16 +348,8 @@ class ConfigKwargs(CacheKwargs, total=False):
     overlap: bool
 
 
-def _options() -> tuple[Option, ...]:
-    found = []
-    for f in fields(AdalnCacheConfig):
-        doc, flag_, check, cli, integration = f.metadata[_OPTION]
-        found.append(Option(f.name, f.default, doc, flag_, check, cli, integration))
-    return tuple(found)
-
-
 #: Every option, in declaration order.
-OPTIONS: tuple[Option, ...] = _options()
+OPTIONS: tuple[Option, ...] = tuple(Option(f.name, f.default, *f.metadata[_OPTION]) for f in fields(AdalnCacheConfig))
 OPTION_NAMES: tuple[str, ...] = tuple(option.name for option in OPTIONS)
 #: The options of the cache itself (``AdalnCache(...)``'s keywords).
 CACHE_OPTION_NAMES: tuple[str, ...] = tuple(option.name for option in OPTIONS if not option.integration)
@@ -432,12 +394,9 @@ def _document(doc: str, exclude: set[str]) -> str:
 
 
 def option_keywords(*, exclude: Sequence[str] = (), cache: bool = False) -> Callable[[F], F]:
-    """Give a function that takes ``**options: Unpack[ConfigKwargs]`` the signature its users read.
-
-    ``inspect.signature``, ``help()`` and the documentation then list each option as a keyword
-    argument with its default and type, as if it were written out, while the function's source
-    names none of them: the list lives in :class:`AdalnCacheConfig` alone. ``exclude``: options the
-    function does not take (or takes as its own parameters); ``cache``: the cache's options only.
+    """Give a function that takes ``**options: Unpack[ConfigKwargs]`` the signature its users read: each option
+    a keyword with its default and type (and documented at :data:`DOC_MARKER`), while the source names none.
+    ``exclude``: options the function does not take (or takes as its own parameters); ``cache``: the cache's only.
     """
 
     def decorate(function: F) -> F:
@@ -461,29 +420,3 @@ def option_keywords(*, exclude: Sequence[str] = (), cache: bool = False) -> Call
 def knob(name: str) -> str:
     """How a message names a setting to change: ``"max_plans (CLI --max-plans)"``."""
     return f"{name} (CLI {flag(name)})"
-
-
-__all__ = [
-    "ARGUMENT_FLAGS",
-    "CACHE_OPTION_NAMES",
-    "DOC_MARKER",
-    "ON_MISS",
-    "OPTIONS",
-    "OPTION_NAMES",
-    "PRECISIONS",
-    "QUANTIZED_PROJECTIONS",
-    "SHARD_MODES",
-    "AdalnCacheConfig",
-    "Argument",
-    "CacheKwargs",
-    "CacheOptions",
-    "Cli",
-    "ConfigKwargs",
-    "Option",
-    "TablesArg",
-    "declare",
-    "flag",
-    "knob",
-    "option",
-    "option_keywords",
-]

@@ -1,11 +1,5 @@
-"""Test seams: make chosen reads or build phases fail, without monkeypatching private names.
-
-* :class:`FaultInjectingSource` wraps any weight source and raises when a chosen layer is read
-  (a block index or ``"final"``), for the first ``times`` passes that reach it.
-* :func:`inject_faults` makes a named phase of a cache's build raise (``"embed"``, ``"project"``,
-  ``"publish"``, ``"host_write"``, ``"host_read"``, ``"store_write"``, ``"store_read"``).
-
-Both are part of the public API so users can test their own error handling the same way.
+"""Test seams, public so users can test their own error handling: make chosen layer reads
+(:class:`FaultInjectingSource`) or named build phases (:func:`inject_faults`) fail, without monkeypatching.
 """
 
 from __future__ import annotations
@@ -33,13 +27,9 @@ def _make_exc(exc: BaseException | type[BaseException], where: str) -> BaseExcep
 
 
 class FaultInjectingSource:
-    """A weight source that fails when ``fail_at`` is read.
-
-    ``fail_at``: a layer (int or ``"final"``), several layers, or ``None`` (no fault, until
-    :meth:`arm`). ``exc``: an exception instance or class (default ``OSError``). ``times``: how
-    many reads of a chosen layer fail before reads succeed again (``None``: always). Everything
-    else (``spec``, ``fingerprint``, ``bytes_read``...) is the wrapped source's.
-    """
+    """A weight source that fails when a layer of ``fail_at`` (one, several, or None until :meth:`arm`) is read,
+    raising ``exc`` (an instance or class) for the first ``times`` reads (None: always); everything else
+    is the wrapped source's."""
 
     def __init__(
         self,
@@ -115,8 +105,7 @@ class FaultInjectingSource:
                         self.remaining -= 1
                     self.faults += 1
                     raise _make_exc(self.exc, f"read of layer {layer}")
-                item = next(inner)
-                yield item
+                yield next(inner)
 
     def describe(self) -> dict[str, Any]:
         return self.source.describe()

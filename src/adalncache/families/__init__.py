@@ -1,17 +1,10 @@
 """The model families the cache serves, and the look-alikes it refuses: the one registry the core asks.
 
-A family module (one per family, beside this file) makes one :class:`~adalncache.geometry.Family`
-holding everything the family-neutral core needs of it: key layouts and table formats, its
-geometry read from a transformer or a checkpoint, the flags that name its schedules and how they
-become plans, its projection input computed from a checkpoint, the tensors a row depends on
-besides the projections. Everything else (the spec, the command line, the table formats, the
-integration) finds a family here, by name, by diffusers class, or as ``spec.family``, and never
-names one. This package is at the definitions level: the spec imports it, and it imports nothing
-above the geometry.
-
-Refused classes: transformers whose modulation input includes the prompt. Their projections have
-the same module names as a servable family's, but a table built for one prompt is wrong for the
-next, so they get a :class:`~adalncache.errors.ConfigError` naming the reason, never tables.
+Each family module beside this file makes one :class:`~adalncache.geometry.Family` holding everything
+the family-neutral core needs of it; everything else finds a family here (by name, by diffusers class,
+or as ``spec.family``) and never names one. Refused classes (:data:`REFUSED`) have a servable family's
+module names but a modulation input that includes the prompt, so a table built for one prompt is wrong
+for the next: they get a ConfigError naming the reason, never tables (docs/families.md).
 """
 
 from __future__ import annotations
@@ -79,11 +72,8 @@ def for_class(class_name: str) -> Family:
 
 
 def table_fields(shapes: Mapping[str, tuple[int, ...]], dtype: torch.dtype | None) -> dict[str, Any]:
-    """The spec fields an unbound table file's tensor shapes imply (``inspect``), or ValueError saying why not.
-
-    Only a family whose table parts determine its geometry can be read this way (MiniMax-H3's
-    ``block_params [P, W, L, 18 * hidden]``); bound files describe their layers in their binding instead.
-    """
+    """The spec fields an unbound table file's tensor shapes imply (``inspect``), or ValueError saying why not:
+    only MiniMax-H3's parts determine its geometry; bound files describe their layers in their binding."""
     block = shapes.get("block_params") or ()
     if dtype is not None and all(name in shapes for name in minimax_h3.FAMILY.table_tensors) and len(block) == 4:
         return {"num_layers": block[2], "hidden_size": block[3] // 18, "time_embed_dim": 1, "dtype": dtype}
@@ -106,12 +96,9 @@ def takers(name: str) -> list[Family]:
 
 
 def schedule(spec: Any, given: Mapping[str, Any], *, source: Any, checkpoint: Any) -> Schedule:
-    """The plans the schedule flags ``given`` (argument name -> value, the flags on the command line) name
-    for a checkpoint of ``spec``, from its family (:meth:`Family.schedule <adalncache.geometry.Family.schedule>`).
-
-    A flag of another family's schedules is refused, naming the families that take it and what this
-    one takes: it was silently ignored once, and a table built for the wrong schedule serves nothing.
-    """
+    """The plans the schedule flags ``given`` (name -> value) name for a checkpoint of ``spec``, from its family.
+    A flag of another family's schedules is refused, naming the families that take it: a table built for
+    the wrong schedule serves nothing."""
     family: Family = spec.family
     taken = {a.name: a for a in family.arguments}
     foreign = [ARGUMENTS[name].flag for name in given if name not in taken]
@@ -128,24 +115,3 @@ def schedule(spec: Any, given: Mapping[str, Any], *, source: Any, checkpoint: An
 def checkpoint_embed(source: Any, spec: Any, device: Any = "cpu") -> Callable[[torch.Tensor], Any]:
     """``embed(plan)`` of ``spec``'s family from the checkpoint ``source`` reads (no model needed)."""
     return spec.family.checkpoint_embed(source, spec, device)
-
-
-__all__ = [
-    "ARGUMENTS",
-    "DEFAULT",
-    "DEMOS",
-    "FAMILIES",
-    "REFUSED",
-    "adaln_zero",
-    "checkpoint_embed",
-    "for_class",
-    "get",
-    "minimax_h3",
-    "of_class",
-    "qwen_image",
-    "schedule",
-    "supported",
-    "table_fields",
-    "table_tensor_sets",
-    "takers",
-]

@@ -1,25 +1,12 @@
 """The AdaLayerNormZero family: Flux-shaped diffusers transformers whose ``temb`` is timestep-only.
 
-Eight diffusers 0.42.1 transformer classes share one modulation design: double-stream blocks
-with ``norm1`` and ``norm1_context`` (``AdaLayerNormZero``: ``linear(silu(temb))``, 6 x dim
-outputs), single-stream blocks with ``AdaLayerNormZeroSingle`` (3 x dim) or a 6-way
-``AdaLayerNormZero``, and an output layer ``norm_out`` (``linear(silu(temb).to(x.dtype))``,
-2 x dim). In these classes ``temb`` is computed from per-step scalars alone (``timestep``, and
-for some configurations ``timestep_r`` or ``guidance``), so every served projection has one input,
-``silu(temb)``, which a table can hold per plan.
-
-Flux.1 has the same module names but adds the pooled text embedding to ``temb``: it is refused
-(see :mod:`adalncache.families`). HunyuanImage-2.1 and HunyuanVideo-1.5 have a token refiner
-whose own AdaLN (``HunyuanImageAdaNorm`` / ``HunyuanVideo15AdaNorm``) takes pooled text: it
-stays resident, and :data:`CLASSES` lists it so that a model is checked against exactly what is
-served and what stays (:func:`check_structure`: a model whose structure differs is refused, never
-half served). :func:`geometry` gives the served layers in pass order (module paths as layer ids).
-
-A plan holds the forward's per-step inputs (:func:`plan_of`), one fp32 column each; a step count's
-forwards are computed as each class's pipeline computes them (:func:`pipeline_forward_inputs`).
-The inputs' exact arithmetic (casts, ``* 1000``) is the integration's to reproduce with the
-model's own embedding modules, so the checkpoint-only ``embed`` lives there
-(:attr:`~adalncache.geometry.Family.model_embed`); docs/families.md tabulates it per class.
+Eight diffusers 0.42.1 classes (:data:`CLASSES`) modulate with ``AdaLayerNormZero`` /
+``AdaLayerNormZeroSingle`` blocks and an output ``norm_out``, all taking one input ``silu(temb)``
+computed from per-step scalars alone; what each serves, what stays resident and how its ``temb`` is
+computed is tabulated in docs/families.md. A model is checked against exactly that list
+(:func:`check_structure`) and refused, never half served, when it differs. The checkpoint-only
+``embed`` needs each class's own embedding modules, so it lives in the integration
+(:attr:`~adalncache.geometry.Family.model_embed`).
 """
 
 from __future__ import annotations
@@ -38,7 +25,6 @@ from ..geometry import (
     HEIGHT,
     SCHEDULER_CONFIG,
     STEPS,
-    TABLE_ROWS,
     TIMESTEP,
     TIMESTEPS,
     WIDTH,
@@ -62,12 +48,8 @@ INPUT = "temb"
 
 
 def input_name(class_name: str) -> str:
-    """The projections' input as a geometry names it: ``temb`` of this class (``temb:BriaTransformer2DModel``).
-
-    Classes with the same module names and widths compute ``temb`` differently (a ``* 1000``, a
-    cast, another ``max_period``), so the class is part of what a table is bound to: the input
-    name is in the geometry's identity, which store bindings and table files carry.
-    """
+    """The projections' input as a geometry names it (``temb:BriaTransformer2DModel``): classes with the same
+    modules compute ``temb`` differently (a ``* 1000``, a cast), so the class is in the geometry's identity."""
     return f"{INPUT}:{class_name}"
 
 
@@ -91,30 +73,26 @@ ADALN_CLASS = re.compile(r"AdaLayerNorm|AdaNorm|PreFinalBlock")
 class ClassLayout:
     """Where one diffusers class keeps its modulation, and what computes its ``temb``.
 
-    ``double``/``single``: the block lists' attributes with the config keys counting them
-    (``single`` empty for a class without single-stream blocks); ``single_norm``/``single_ways``:
-    the single block's AdaLN module and its outputs per dim (3 for ``AdaLayerNormZeroSingle``, 6
-    for a single block modulated by an ``AdaLayerNormZero``); ``final_class``: the output layer's
-    module class; ``bias``: whether the projections have a bias. ``stays``: module paths of AdaLN
-    modules that take more than ``temb`` (``{k}`` counts ``refiners`` in the config); they stay
-    resident. ``temb_module``: the module whose output is ``temb``; ``time_embedders``: the
-    ``TimestepEmbedding`` modules inside it whose two linears' weights shape ``temb`` (Bria-FIBO's
-    guidance embedder is outside it: it stays resident).
-    ``optional``: plan inputs after ``timestep``, each with the config flag enabling it (the time
-    embedders after the first serve them, in this order); ``guidance_embedder``: the embedder of
-    ``guidance`` where it sits outside ``temb_module`` (Bria-FIBO's).
+    ``double``/``single``: the block lists' attributes and the config keys counting them (``single``
+    empty: no single-stream blocks); ``single_norm``/``single_ways``: the single block's AdaLN attribute
+    and its outputs per dim (3, or 6 for an ``AdaLayerNormZero``); ``final_class``: the output layer's
+    class; ``stays``: AdaLN modules taking more than ``temb``, resident (``{k}`` counts the config's
+    ``refiners``); ``temb_module``: the module whose output is ``temb``; ``time_embedders``: the
+    ``TimestepEmbedding`` modules inside it whose weights shape ``temb``; ``optional``: plan inputs after
+    ``timestep`` with the config flag enabling each (served by the time embedders after the first, in
+    order); ``guidance_embedder``: ``guidance``'s embedder where it sits outside ``temb_module``.
     """
 
     class_name: str
     title: str
-    double: tuple[str, str]
+    double: tuple[str, str] = ("transformer_blocks", "num_layers")
     single: tuple[str, str] | tuple[()] = ("single_transformer_blocks", "num_single_layers")
     single_norm: str = "norm"
     single_ways: int = 3
     final_class: str = "AdaLayerNormContinuous"
     bias: bool = True
     stays: tuple[str, ...] = ()
-    refiners: str = ""
+    refiners: str = "num_refiner_layers"
     temb_module: str = "time_embed"
     time_embedders: tuple[str, ...] = ("time_embed.timestep_embedder",)
     optional: tuple[tuple[str, str], ...] = ()
@@ -123,7 +101,6 @@ class ClassLayout:
     unservable: tuple[tuple[str, str], ...] = ()
 
 
-_DOUBLE = ("transformer_blocks", "num_layers")
 _REFINER = "context_embedder.token_refiner.refiner_blocks.{k}.norm_out"
 
 CLASSES: dict[str, ClassLayout] = {
@@ -132,9 +109,7 @@ CLASSES: dict[str, ClassLayout] = {
         ClassLayout(
             "HunyuanImageTransformer2DModel",
             "HunyuanImage-2.1",
-            _DOUBLE,
             stays=(_REFINER,),
-            refiners="num_refiner_layers",
             temb_module="time_guidance_embed",
             time_embedders=(
                 "time_guidance_embed.timestep_embedder",
@@ -146,14 +121,12 @@ CLASSES: dict[str, ClassLayout] = {
         ClassLayout(
             "MotifVideoTransformer3DModel",
             "Motif-Video",
-            _DOUBLE,
             temb_module="time_text_embed",
             time_embedders=("time_text_embed.timestep_embedder",),
         ),
         ClassLayout(
             "BriaTransformer2DModel",
             "Bria",
-            _DOUBLE,
             unservable=(
                 (
                     "guidance_embeds",
@@ -163,21 +136,19 @@ CLASSES: dict[str, ClassLayout] = {
                 ),
             ),
         ),
-        ClassLayout("LongCatImageTransformer2DModel", "LongCat-Image", _DOUBLE),
+        ClassLayout("LongCatImageTransformer2DModel", "LongCat-Image"),
         ClassLayout(
             "HunyuanVideo15Transformer3DModel",
             "HunyuanVideo-1.5",
-            _DOUBLE,
             single=(),
             stays=(_REFINER,),
-            refiners="num_refiner_layers",
             time_embedders=("time_embed.timestep_embedder", "time_embed.timestep_embedder_r"),
             optional=((TIMESTEP_R, "use_meanflow"),),
         ),
         ClassLayout(
             "AuraFlowTransformer2DModel",
             "AuraFlow",
-            ("joint_transformer_blocks", "num_mmdit_layers"),
+            double=("joint_transformer_blocks", "num_mmdit_layers"),
             single=("single_transformer_blocks", "num_single_dit_layers"),
             single_norm="norm1",
             single_ways=6,
@@ -189,14 +160,12 @@ CLASSES: dict[str, ClassLayout] = {
         ClassLayout(
             "BriaFiboTransformer2DModel",
             "Bria-FIBO",
-            _DOUBLE,
             optional=((GUIDANCE, "guidance_embeds"),),
             guidance_embedder="guidance_embed.timestep_embedder",
         ),
         ClassLayout(
             "OvisImageTransformer2DModel",
             "Ovis-Image",
-            _DOUBLE,
             temb_module="timestep_embedder",
             time_embedders=("timestep_embedder",),
         ),
@@ -227,13 +196,8 @@ def _count(config: Mapping[str, Any], key: str, class_name: str) -> int:
 
 
 def fields_from_config(class_name: str, config: Mapping[str, Any]) -> dict[str, Any]:
-    """The sizes and plan inputs of a model of ``class_name`` with this (diffusers) config.
-
-    ``double_layers``/``single_layers``: the block counts; ``refiner_layers``: the token refiner's
-    blocks (whose AdaLN stays resident); ``hidden_size``: heads x head dim (the projections'
-    input width); ``plan_inputs``: ``timestep`` and each optional input the config enables.
-    Raises ConfigError for a configuration the class cannot be served with.
-    """
+    """The block counts (double, single, token refiner), ``hidden_size`` (heads x head dim) and plan inputs of a
+    model of ``class_name`` with this config; ConfigError for a configuration the class cannot be served with."""
     layout = layout_of(class_name)
     for flag, reason in layout.unservable:
         if config.get(flag):
@@ -243,21 +207,16 @@ def fields_from_config(class_name: str, config: Mapping[str, Any]) -> dict[str, 
     if heads * head_dim == 0:
         raise ConfigError(f"{class_name}: num_attention_heads x attention_head_dim must be positive")
     return {
-        "class_name": class_name,
         "double_layers": _count(config, layout.double[1], class_name),
         "single_layers": _count(config, layout.single[1], class_name) if layout.single else 0,
-        "refiner_layers": _count(config, layout.refiners, class_name) if layout.refiners else 0,
+        "refiner_layers": _count(config, layout.refiners, class_name) if layout.stays else 0,
         "hidden_size": heads * head_dim,
         "plan_inputs": (TIMESTEP, *(name for name, flag in layout.optional if config.get(flag))),
     }
 
 
 def served_paths(class_name: str, double_layers: int, single_layers: int) -> list[tuple[str, int, str]]:
-    """``(projection's module path, outputs per dim, its AdaLN module's class)`` of every served linear, in pass order.
-
-    Pass order is the forward's: each double block's ``norm1`` then ``norm1_context``, then the
-    single blocks, then the output layer.
-    """
+    """``(module path, outputs per dim, AdaLN module class)`` of every served linear, in the forward's order."""
     layout = layout_of(class_name)
     zero, blocks = "AdaLayerNormZero", layout.double[0]
     paths: list[tuple[str, int, str]] = []
@@ -329,41 +288,21 @@ def walk(model: Any) -> ModelGeometry:
 
 
 def from_transformer(model: Any, dtype: Any = None) -> dict[str, Any]:
-    """The spec keywords of a transformer of this family (:func:`walk`).
-
-    ``dtype``: the projections' output dtype when their weights are stored in another one; by
-    default the first projection's weight dtype (inside a peft LoRA wrapper, if any).
-    """
+    """The spec keywords of a transformer of this family (:func:`walk`); ``dtype`` as :meth:`Family.spec_fields`."""
     geo = walk(model)
     dtype = dtype or FAMILY.projection_dtype(model, geo.layers[0].id)
     return spec_args(geo, fields_from_config(type(model).__name__, model.config), dtype)
 
 
-def _owner(path: str) -> str:
-    return path.rpartition(".")[0]
-
-
 def check_structure(
-    class_name: str,
-    config: Mapping[str, Any],
-    modules: Mapping[str, str],
-    linears: Mapping[str, tuple[int, int, bool]],
+    class_name: str, config: Mapping[str, Any], modules: Mapping[str, str], linears: Mapping[str, tuple[int, int, bool]]
 ) -> ModelGeometry:
-    """The model's geometry, after checking its modules against the class's list; ConfigError if they differ.
-
-    ``modules``: every module of the model, path -> class name (``named_modules``);
-    ``linears``: ``(out_features, in_features, has bias)`` of each served projection found. The
-    AdaLN modules found (by class name, :data:`ADALN_CLASS`) must be exactly the served ones and
-    the resident ones; each served owner's class, its projection's shape and bias must be the
-    listed ones, and it must compute nothing but ``linear(silu(temb))`` (no embedding of its own).
-    """
+    """The model's geometry once its modules (path -> class name) and served ``linears`` (out, in, has bias)
+    match the class's list (docs/families.md: how a model is checked); ConfigError naming what differs."""
     layout = layout_of(class_name)
-    fields = fields_from_config(class_name, config)
-    geo = geometry(
-        class_name, fields["double_layers"], fields["single_layers"], fields["hidden_size"], fields["plan_inputs"]
-    )
+    fields, geo = fields_from_config(class_name, config), geometry_from_config(class_name, config)
     served = {
-        _owner(path): (path, kind)
+        path.rpartition(".")[0]: (path, kind)
         for path, _, kind in served_paths(class_name, fields["double_layers"], fields["single_layers"])
     }
     resident = set(resident_paths(class_name, fields["refiner_layers"]))
@@ -406,19 +345,13 @@ def _few(paths: list[str]) -> str:
     return ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
 
 
-# ---------------------------------------------------------------------------------------------
-# plans and schedules
-
 #: dtypes whose values an fp32 plan holds exactly (so the forward's tensor is the plan cast back).
 _EXACT_IN_FP32 = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def plan_of(inputs: Mapping[str, Any], plan_inputs: tuple[str, ...]) -> torch.Tensor:
-    """The plan of one forward: its per-step inputs (by argument name), one fp32 column each, one row per row.
-
-    Raises PlanError for a missing input the model's config enables, an input that is not a 1-D
-    tensor of the same rows as ``timestep``, or one whose dtype an fp32 plan cannot hold exactly.
-    """
+    """The plan of one forward: its per-step inputs (by argument name), one fp32 column each; PlanError for a
+    missing input, one not 1-D with ``timestep``'s rows, or a dtype an fp32 plan cannot hold exactly."""
     columns: list[torch.Tensor] = []
     for name in plan_inputs:
         value = inputs.get(name)
@@ -471,8 +404,7 @@ STEP_SCHEDULES: dict[str, tuple[str, int, int]] = {
 def _scheduler_timesteps(
     class_name: str, steps: int, height: int, width: int, scheduler_config: Mapping[str, Any]
 ) -> torch.Tensor:
-    """The scheduler timesteps the class's pipeline sets for ``steps`` at ``height`` x ``width`` (fp32): the
-    shifted rule is Qwen-Image's pipeline's, which these pipelines copy."""
+    """The scheduler timesteps (fp32) the class's pipeline sets; the shifted rule is Qwen-Image's, which they copy."""
     import numpy as np
     from diffusers import FlowMatchEulerDiscreteScheduler
 
@@ -510,14 +442,11 @@ def pipeline_forward_inputs(
     dtype: torch.dtype,
     timestep_r: bool = False,
 ) -> list[dict[str, torch.Tensor]]:
-    """The per-step inputs each forward of the class's pipeline receives for ``steps`` at ``height`` x ``width``.
-
-    For a checkpoint-only build: the scheduler timesteps as the pipeline sets them
-    (:data:`STEP_SCHEDULES`), then its own conversion; ``rows``: the forward's rows (2 x images
-    where the pipeline concatenates cond and uncond). ``timestep_r`` (a mean-flow config): the next
-    step's timestep, 0 after the last, cast like the Hunyuan pipelines cast it. ConfigError naming
-    ``--timesteps`` for a class whose schedule a checkpoint does not determine, or another scheduler.
-    """
+    """The per-step inputs each forward of the class's pipeline receives for ``steps`` at ``height`` x ``width``:
+    the scheduler timesteps as the pipeline sets them (:data:`STEP_SCHEDULES`), then its conversion; ``rows``:
+    2 x images where it concatenates cond and uncond; ``timestep_r``: the next step's timestep (0 after the
+    last), as the Hunyuan pipelines pass it. ConfigError naming ``--timesteps`` where a step count does not
+    determine the schedule."""
     if class_name not in STEP_SCHEDULES:
         raise ConfigError(
             f"the schedule of {class_name}'s pipeline is not computed from a step count here (it depends on more "
@@ -544,15 +473,12 @@ GUIDANCE_VALUE = Argument(
     GUIDANCE, "the guidance value every forward receives, where the config enables guidance_embeds", Cli("float")
 )
 TIMESTEP_R_VALUES = Argument(
-    TIMESTEP_R,
-    "the forwards' timestep_r (mean-flow variants), comma-separated, one per explicit timestep",
-    Cli("text"),
+    TIMESTEP_R, "the forwards' timestep_r (mean-flow variants), comma-separated, one per explicit timestep", Cli("text")
 )
 
 
 class AdalnZero(ImageFamily):
-    """The AdaLayerNormZero family (module docstring): its checkpoint-only ``embed`` builds the class's own
-    embedding modules, which only the integration can (:attr:`Family.model_embed`)."""
+    """The AdaLayerNormZero family (module docstring)."""
 
     def spec_fields(self, model: Any, dtype: Any = None) -> dict[str, Any]:
         return from_transformer(model, dtype)
@@ -660,41 +586,7 @@ FAMILY = AdalnZero(
     title="AdaLayerNormZero (timestep-only temb)",
     layouts=(KeyLayout("diffusers", time_embedder=TIME_EMBEDDER_LINEARS),),
     class_names=tuple(CLASSES),
-    table_formats=("adalncache",),
-    table_tensors=(TABLE_ROWS,),
     arguments=(STEPS, HEIGHT, WIDTH, TIMESTEPS, BATCH, SCHEDULER_CONFIG, GUIDANCE_VALUE, TIMESTEP_R_VALUES),
     demos=(("bria", "BriaTransformer2DModel"), ("ovis-image", "OvisImageTransformer2DModel")),
     model_embed="adalncache.integrations.diffusers.adaln_zero:adaln_zero_embed_fn",
 )
-
-
-__all__ = [
-    "ADALN_CLASS",
-    "CLASSES",
-    "FAMILY",
-    "FINAL_PATH",
-    "GUIDANCE",
-    "GUIDANCE_VALUE",
-    "INPUT",
-    "PIPELINE_TIMESTEPS",
-    "STEP_SCHEDULES",
-    "TIMESTEP_R",
-    "TIMESTEP_R_VALUES",
-    "TIME_EMBEDDER_LINEARS",
-    "AdalnZero",
-    "ClassLayout",
-    "check_structure",
-    "class_of",
-    "fields_from_config",
-    "from_transformer",
-    "geometry",
-    "geometry_from_config",
-    "input_name",
-    "layout_of",
-    "pipeline_forward_inputs",
-    "plan_of",
-    "resident_paths",
-    "served_paths",
-    "spec_args",
-    "walk",
-]

@@ -1,25 +1,14 @@
 """MiniMax-H3: its geometry, key layouts and table layout, its request kinds and schedules, and its
 projection input read from a checkpoint: everything the family-neutral core asks of this family.
 
-MiniMax-H3 (diffusers ``MiniMaxH3Transformer3DModel``) has one AdaLN projection per transformer
-block, ``adaln_proj.linear: Linear(time_embed_dim -> 6 * modalities * hidden)``, and one in the
-output layer, ``norm_out.linear: Linear(time_embed_dim -> 2 * hidden)``, all taking the same input
-``silu(temb)`` cast to the weights' dtype; a plan is the 1-D fp32 tensor of a step's distinct
-timesteps. Layers are ``0 .. num_layers - 1`` and ``"final"``.
+Every block's ``adaln_proj.linear`` (``6 * modalities * hidden`` outputs) and the output layer's
+``norm_out.linear`` (``2 * hidden``) take ``silu(temb)``; a plan is a step's distinct timesteps; layers
+are ``0 .. num_layers - 1`` and ``"final"``. Tables keep SGLang's sidecar layout (docs/tables.md).
 
-Its tables keep the layout SGLang's MiniMax-H3 sidecar uses: two parts, ``block`` (every block's
-row, ``[num_layers, block_width]``) and ``final``, as ``block_params`` and ``final_params``; the
-file's ``model_variant`` names the released transformer (``fl2va`` or ``ref2va``).
-
-Schedules: the task list and the recipe that turns a task, a step count and the two shifts into
-the pipeline's ``row_timestep_plan``. The packed layout comes from the pipeline's own static
-builders and the timesteps from its own ``MiniMaxH3SetTimestepsStep.build_row_timesteps`` and
-``MiniMaxH3Scheduler``, so what is computed here is bit for bit what a request stages. The plans
-(one ``timestep`` tensor per forward) depend only on which kinds of rows the layout has (generated
-video and audio, keyframe or reference video, reference audio), never on prompt, resolution or
-seed: :func:`minimax_h3_plans` uses the smallest layout with the task's row kinds, the tiny request
-builders a larger one, and both get the same plans. diffusers is imported inside the functions
-that need it, so importing this module never does.
+The plans come from the pipeline's own layout builders and ``MiniMaxH3SetTimestepsStep`` /
+``MiniMaxH3Scheduler``, so they are bit for bit what a request stages. They depend only on which kinds
+of rows a layout has, never on prompt, resolution or seed, so :func:`minimax_h3_plans` uses the
+smallest layout with the task's row kinds. diffusers is imported inside the functions that need it.
 """
 
 from __future__ import annotations
@@ -81,10 +70,9 @@ INPUT = "temb"
 
 
 class ModulationRows:
-    """How MiniMax-H3's table rows split into what its modules take (the cache's ``block``,
-    ``block_all`` and ``final`` read through this): the ``block`` part stacks every block's row,
-    ``[num_layers, block_width]``, and a block's row ``Y`` splits as its forward splits it,
-    ``Y.view(-1, 6H).chunk(6, -1)``; the ``final`` part is the output layer's ``(shift, scale)``."""
+    """How MiniMax-H3's table rows split into what its modules take (the cache's ``block``, ``block_all`` and
+    ``final``): a block's row splits as its forward splits it, ``Y.view(-1, 6H).chunk(6, -1)``; the ``final``
+    part is the output layer's ``(shift, scale)``."""
 
     block_part = "block"
     final_part = "final"
@@ -140,16 +128,7 @@ def geometry(num_layers: int, hidden_size: int, time_embed_dim: int, modalities:
 
 def describe(num_layers: int, hidden_size: int, time_embed_dim: int, modalities: int) -> dict[str, Any]:
     """The spec identity stores and table files of this family are bound to (without the dtype)."""
-    return {
-        "num_layers": num_layers,
-        "hidden_size": hidden_size,
-        "time_embed_dim": time_embed_dim,
-        "modalities": modalities,
-    }
-
-
-# ---------------------------------------------------------------------------------------------
-# schedules
+    return dict(num_layers=num_layers, hidden_size=hidden_size, time_embed_dim=time_embed_dim, modalities=modalities)
 
 
 def check_task(task: object) -> str:
@@ -188,12 +167,6 @@ class LatentShape:
     num_keyframes: int = 1
 
 
-#: The smallest layout that has every kind of row a task has: all the plans look at.
-_PLAN_SHAPE = LatentShape(
-    num_text_tokens=1, num_latent_frames=1, latent_height=1, latent_width=1, num_audio_latents=1, num_keyframes=1
-)
-
-
 def build_layout(
     task: str,
     *,
@@ -203,14 +176,10 @@ def build_layout(
     geometry: LatentShape | None = None,
     audio_refs: bool = True,
 ) -> tuple[dict[str, torch.Tensor], int, int, list[torch.Tensor], list[torch.Tensor]]:
-    """The packed layout of a ``task`` request, from the pipeline's own static builders.
-
-    Returns the layout tensors (``position_ids``, ``token_tags`` and the three index tensors), the
-    numbers of conditioning video and audio rows, and the ``ref2va`` reference latents that
-    define them (empty otherwise). ``t2va`` has no anchors, ``fl2va`` anchors ``num_keyframes``
-    keyframes (first, then last), ``ref2va`` packs an image reference and, with ``audio_refs``, an
-    audio reference (which pins reference audio rows at ``t = 1``).
-    """
+    """The packed layout of a ``task`` request, from the pipeline's own static builders: the layout tensors,
+    the numbers of conditioning video and audio rows, and the ``ref2va`` reference latents (empty otherwise).
+    ``fl2va`` anchors ``num_keyframes`` keyframes (first, then last); ``ref2va`` packs an image reference
+    and, with ``audio_refs``, an audio one (which pins reference audio rows at ``t = 1``)."""
     from diffusers.modular_pipelines.minimax_h3.before_denoise import (
         MiniMaxH3PrepareLayoutStep,
         MiniMaxH3Ref2VAPrepareLayoutStep,
@@ -221,10 +190,7 @@ def build_layout(
         MINIMAX_H3_TEXT_TAG,
         MINIMAX_H3_VIDEO_TAG,
     )
-    from diffusers.modular_pipelines.minimax_h3.references import (
-        MiniMaxH3AudioReference,
-        MiniMaxH3ImageReference,
-    )
+    from diffusers.modular_pipelines.minimax_h3.references import MiniMaxH3AudioReference, MiniMaxH3ImageReference
 
     task = check_task(task)
     geo = geometry or LatentShape()
@@ -263,12 +229,9 @@ def build_row_timestep_plan(
     audio_shift: float = 3.0,
     device: str | torch.device = "cpu",
 ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor, torch.Tensor]:
-    """The pipeline's ``row_timestep_plan`` for a layout, with ``MiniMaxH3SetTimestepsStep``'s own code.
-
-    Mirrors ``MiniMaxH3SetTimestepsStep.__call__``: two ``MiniMaxH3Scheduler`` instances (video and
-    audio shift), conditioning video rows held at ``max(t, keyframe_noise_aug)``, reference audio
-    rows at ``1.0``. Returns the plan and the two schedules' timesteps.
-    """
+    """The pipeline's ``row_timestep_plan`` for a layout and the two schedules' timesteps, as
+    ``MiniMaxH3SetTimestepsStep.__call__`` computes them: conditioning video rows held at
+    ``max(t, keyframe_noise_aug)``, reference audio rows at ``1.0``."""
     from diffusers.modular_pipelines.minimax_h3.before_denoise import MiniMaxH3SetTimestepsStep
     from diffusers.modular_pipelines.minimax_h3.modular_pipeline import MiniMaxH3ModularPipeline
     from diffusers.schedulers.scheduling_minimax_h3 import MiniMaxH3Scheduler
@@ -296,28 +259,14 @@ def build_row_timestep_plan(
 
 
 def minimax_h3_plans(
-    task: str,
-    steps: int,
-    *,
-    video_shift: float = 12.0,
-    audio_shift: float = 3.0,
-    audio_refs: bool = True,
+    task: str, steps: int, *, video_shift: float = 12.0, audio_shift: float = 3.0, audio_refs: bool = True
 ) -> list[torch.Tensor]:
-    """The per-step plans (``timestep`` tensors) the MiniMax-H3 modular pipeline will feed the transformer.
+    """The per-step plans (``timestep`` tensors) the MiniMax-H3 modular pipeline will feed the transformer,
+    built with diffusers' own code (module docstring), so bit-identical to what a request produces.
 
-    Built with diffusers' own code, so they are bit-identical to what a request produces: the two
-    ``MiniMaxH3Scheduler`` schedules (``video_shift``, ``audio_shift``), the packed layout of
-    ``MiniMaxH3PrepareLayoutStep.build_packed_sequence`` (``t2va``; ``fl2va`` with a keyframe anchor)
-    or ``MiniMaxH3Ref2VAPrepareLayoutStep.build_ref2va_packed_sequence`` (``ref2va``: an image
-    reference, plus an audio reference when ``audio_refs``), and
-    ``MiniMaxH3SetTimestepsStep.build_row_timesteps`` per step. Plans depend only on the task kind,
-    ``steps`` and the shifts, never on prompt, resolution or seed, which is why a tiny layout gives
-    the same tensors as the real one.
-
-    ``steps`` is the pipeline's ``num_inference_steps``: scheduler grid points with the terminal 0,
-    so ``steps`` points give ``steps - 1`` forwards (fewer if the shift collapses grid points).
-    Returns one float32 CPU tensor per forward, in step order (repeats are kept: step ``i`` is
-    ``result[i]``), ready for ``AdalnCache.build`` or ``handle.prepare``.
+    ``steps`` is the pipeline's ``num_inference_steps``: grid points with the terminal 0, so ``steps - 1``
+    forwards (fewer if the shift collapses grid points). Returns one float32 CPU tensor per forward, in
+    step order (repeats kept: step ``i`` is ``result[i]``), ready for ``AdalnCache.build`` or ``handle.prepare``.
     """
     task = check_task(task)
     steps = check_steps(steps)
@@ -330,13 +279,10 @@ def minimax_h3_plans(
         raise PlanError(
             "minimax_h3_plans needs diffusers with MiniMax-H3 support (pip install 'adalncache[diffusers]')"
         ) from exc
+    # The smallest layout with every kind of row a task has: all the plans look at.
+    shape = LatentShape(num_text_tokens=1, num_latent_frames=1, latent_height=1, latent_width=1, num_audio_latents=1)
     layout, n_cond_video, n_cond_audio, _, _ = build_layout(
-        task,
-        patch_size=(1, 1, 1),
-        video_channels=1,
-        audio_channels=1,
-        geometry=_PLAN_SHAPE,
-        audio_refs=audio_refs,
+        task, patch_size=(1, 1, 1), video_channels=1, audio_channels=1, geometry=shape, audio_refs=audio_refs
     )
     plan, _, _ = build_row_timestep_plan(
         layout, n_cond_video, n_cond_audio, steps, video_shift=video_shift, audio_shift=audio_shift
@@ -372,17 +318,14 @@ class MiniMaxH3(Family):
     def header_fields(
         self, path: object, entries: Mapping[str, Any], config: Mapping[str, Any], layout: str, modalities: int
     ) -> dict[str, Any]:
-        """Blocks are counted from ``0`` up to the first missing index; block 0's projection gives the
-        hidden size (``6 * modalities * hidden`` outputs), its input width the time-embedding size,
-        its dtype the spec's dtype."""
+        """Blocks are counted from ``0`` up to the first missing index; block 0's projection (``6 * modalities *
+        hidden`` outputs of ``time_embed_dim`` inputs) gives the sizes and the dtype."""
         candidates = [LAYOUTS[layout]] if layout != "auto" else list(LAYOUTS.values())
         for key_layout in candidates:
             indices = {index for name in entries if (index := key_layout.block_index(name)) is not None}
             if not indices:
                 continue
-            count = 0
-            while count in indices:
-                count += 1
+            count = next(i for i in range(len(indices) + 1) if i not in indices)
             first = entries.get(key_layout.weight(0))
             if first is None or len(first.shape) != 2 or first.torch_dtype is None:
                 raise CheckpointError(f"{path}: block 0's AdaLN projection weight is missing or malformed")
@@ -434,9 +377,9 @@ class MiniMaxH3(Family):
         freq_dim, hidden = w1.shape[1], w1.shape[0]
         time_proj = Timesteps(num_channels=freq_dim, flip_sin_to_cos=True, downscale_freq_shift=0)
         embedder = TimestepEmbedding(in_channels=freq_dim, time_embed_dim=hidden, out_dim=spec.time_embed_dim)
-        for linear, (w, b) in ((embedder.linear_1, (w1, b1)), (embedder.linear_2, (w2, b2))):
-            linear.weight = torch.nn.Parameter(w if device.type == "cpu" else w.to(device), requires_grad=False)
-            linear.bias = torch.nn.Parameter(b if device.type == "cpu" else b.to(device), requires_grad=False)
+        for linear, w, b in ((embedder.linear_1, w1, b1), (embedder.linear_2, w2, b2)):
+            # On the CPU .to is a no-op: the parameters stay the file's aligned views.
+            linear.weight, linear.bias = (torch.nn.Parameter(t.to(device), requires_grad=False) for t in (w, b))
         embedder.eval()
 
         def embed(plan: torch.Tensor) -> torch.Tensor:
@@ -461,31 +404,3 @@ FAMILY = MiniMaxH3(
     plan_rows="timesteps",
     demos=(("minimax-h3", "MiniMaxH3Transformer3DModel"),),
 )
-
-
-__all__ = [
-    "AUDIO_SHIFT",
-    "FAMILY",
-    "INPUT",
-    "LAYOUTS",
-    "MODEL_VARIANTS",
-    "NO_AUDIO_REFS",
-    "RELEASED",
-    "TASK",
-    "TASKS",
-    "TASK_VARIANTS",
-    "VIDEO_SHIFT",
-    "LatentShape",
-    "MiniMaxH3",
-    "ModulationRows",
-    "block_width",
-    "build_layout",
-    "build_row_timestep_plan",
-    "check_shift",
-    "check_steps",
-    "check_task",
-    "describe",
-    "final_width",
-    "geometry",
-    "minimax_h3_plans",
-]

@@ -1,24 +1,17 @@
 """Qwen-Image: its geometry, key layout, plan layout, schedules and projection input, as the core asks them.
 
-Qwen-Image (diffusers ``QwenImageTransformer2DModel``) modulates every block twice, image and
-text stream, ``img_mod`` and ``txt_mod``, each ``Sequential(SiLU, Linear(dim -> 6 * dim))``, and
-its output layer once, ``norm_out.linear: Linear(dim -> 2 * dim)`` inside ``AdaLayerNormContinuous``.
-All three take ``silu(temb)`` in the model's dtype, where ``temb = time_text_embed(timestep)`` is
-a function of the timestep alone (plus, for the Layered variant, ``use_additional_t_cond``, an
-embedding of a per-sample index, which is then the plan's second column).
+Every block's ``img_mod.1`` and ``txt_mod.1`` (``Linear(dim -> 6 * dim)``) and the output layer's
+``norm_out.linear`` (``2 * dim``) take ``silu(temb)`` in the model's dtype, ``temb`` a function of the
+timestep alone (plus, with the Layered variant's ``use_additional_t_cond``, an embedding of a per-sample
+index: the plan's second column). Layers are named by module path, in the forward's order: block by
+block, image before text, then ``norm_out.linear``; the table is one part (``table_rows``). With
+``zero_cond_t`` (Edit-2511) the forward doubles the timestep to ``[t; 0 * t]``: ``img_mod`` runs on
+the 2B rows (:data:`INPUT`), ``txt_mod`` and ``norm_out`` on the first B (:data:`FIRST`).
 
-Layers are named by module path (``transformer_blocks.3.img_mod.1``), in the order the forward
-runs them: block by block, image before text, then ``norm_out.linear``. With ``zero_cond_t`` (the
-Edit-2511 variant) the forward doubles the timestep to ``[t; 0 * t]``: ``img_mod`` runs on those
-2B rows (input :data:`INPUT`), ``txt_mod`` and ``norm_out`` on the first B (input
-:data:`FIRST`), so a plan is the doubled timestep and the two inputs have different row counts.
-The table is one part (``table_rows``).
-
-A forward's plan is its timestep *as the forward sees it* (:func:`forward_plan_of`): cast to the
-compute dtype (its fp32 value is exact: in bf16 serving the plan's bits are bf16 values), doubled
-with ``zero_cond_t``, with the ``additional_t_cond`` index as a second column for the Layered
-variant. The pipelines pass ``t.expand(batch).to(latents.dtype) / 1000`` of each scheduler
-timestep, shifted by the image size (:func:`pipeline_timesteps`, :func:`schedule_timesteps`).
+A forward's plan is its timestep as the forward sees it (:func:`forward_plan_of`): cast to the compute
+dtype (exact in fp32), doubled with ``zero_cond_t``, with the ``additional_t_cond`` column. The
+pipelines pass ``t.expand(batch).to(latents.dtype) / 1000`` of each scheduler timestep, shifted by the
+image size (:func:`pipeline_timesteps`, :func:`schedule_timesteps`).
 """
 
 from __future__ import annotations
@@ -57,12 +50,9 @@ LAYOUT = KeyLayout(
 #: The released geometry (Qwen/Qwen-Image ``transformer/config.json``): 60 blocks, 24 heads of 128.
 RELEASED: dict[str, Any] = {"num_layers": 60, "hidden_size": 3072, "zero_cond_t": False, "additional_t_cond": False}
 
-#: The released pipeline's scheduler config (Qwen/Qwen-Image ``scheduler/scheduler_config.json``; the
-#: Edit and Layered releases ship the same values; the switches left at diffusers' defaults are
-#: omitted). A step count's schedule uses it when no scheduler config is given and no ``scheduler/``
-#: directory sits beside the checkpoint: the shift depends on it, so a schedule of another config
-#: would build tables no request of the released pipeline asks for. Read-only: it is shared (the
-#: CLI, the bench), so no caller may change it for the others.
+#: The released pipeline's scheduler config (Qwen/Qwen-Image ``scheduler/scheduler_config.json``, the Edit and
+#: Layered releases' too; diffusers' defaults omitted): a step count's schedule uses it when no scheduler
+#: config is given or found beside the checkpoint, since the shift depends on it. Read-only: it is shared.
 RELEASED_SCHEDULER: Mapping[str, Any] = MappingProxyType(
     {
         "_class_name": "FlowMatchEulerDiscreteScheduler",
@@ -78,8 +68,7 @@ RELEASED_SCHEDULER: Mapping[str, Any] = MappingProxyType(
     }
 )
 
-#: The projections' input: ``silu(temb)`` in the model's dtype, one row per plan row (with ``zero_cond_t``,
-#: ``img_mod`` takes it, all 2B rows of ``[t; 0]``, and ``txt_mod`` and ``norm_out`` the first B).
+#: The projections' inputs: ``silu(temb)``, and with ``zero_cond_t`` its first half (module docstring).
 INPUT = "temb"
 FIRST = "temb_first"
 #: The plan's second column when ``use_additional_t_cond``: the forward's ``additional_t_cond`` index.
@@ -89,8 +78,6 @@ TIME_TEXT_EMBED = "time_text_embed"
 ADDITION_WEIGHT = f"{TIME_TEXT_EMBED}.addition_t_embedding.weight"
 #: The output layer's projection.
 FINAL_PATH = "norm_out.linear"
-#: The blocks' attribute.
-BLOCKS = "transformer_blocks"
 
 #: Plans are float32: an index column is exact only below 2**24 (and an embedding index is never negative).
 ADDITIONAL_T_COND = Argument(
@@ -99,11 +86,11 @@ ADDITIONAL_T_COND = Argument(
 
 
 def img_path(block: int) -> str:
-    return f"{BLOCKS}.{block}.img_mod.1"
+    return f"transformer_blocks.{block}.img_mod.1"
 
 
 def txt_path(block: int) -> str:
-    return f"{BLOCKS}.{block}.txt_mod.1"
+    return f"transformer_blocks.{block}.txt_mod.1"
 
 
 @lru_cache(maxsize=64)
@@ -112,10 +99,8 @@ def geometry(
 ) -> ModelGeometry:
     """The geometry of a Qwen-Image transformer of these sizes and variant flags."""
     first = FIRST if zero_cond_t else INPUT
-    layers: list[ServedLayer] = []
-    for block in range(num_layers):
-        layers.append(ServedLayer(img_path(block), 6 * hidden_size, INPUT))
-        layers.append(ServedLayer(txt_path(block), 6 * hidden_size, first))
+    streams = ((img_path, INPUT), (txt_path, first))
+    layers = [ServedLayer(path(block), 6 * hidden_size, name) for block in range(num_layers) for path, name in streams]
     layers.append(ServedLayer(FINAL_PATH, 2 * hidden_size, first))
     plan_inputs = (TIMESTEP, ADDITIONAL) if additional_t_cond else (TIMESTEP,)
     return ModelGeometry(FAMILY, tuple(layers), hidden_size, plan_inputs)
@@ -177,9 +162,8 @@ def forward_plan_of(
 
 def check_additional_t_cond(index: Any, rows: int) -> None:
     """PlanError unless every ``additional_t_cond`` index (an int or an integer tensor) is in ``0..rows-1``, the
-    rows of the model's ``addition_t_embedding`` (two in the released Layered model). One above would fail in
-    the embedding as a bare ``IndexError``: every path taking an index (the CLI's flag, a plan mapping given
-    to ``prepare``) checks it here, before anything is built or created."""
+    rows of ``addition_t_embedding``: every path taking an index checks it here, before anything is built,
+    where the embedding would fail with a bare ``IndexError``."""
     values = index.detach().flatten().tolist() if isinstance(index, torch.Tensor) else [index]
     bad = [v for v in values if not 0 <= v < rows]
     if bad:
@@ -200,14 +184,9 @@ def pipeline_timesteps(
     scheduler_class: Any = None,
     device: torch.device | None = None,
 ) -> torch.Tensor:
-    """The scheduler timesteps ``QwenImagePipeline`` runs for ``steps`` at ``height`` x ``width``.
-
-    As the pipeline computes them, on a fresh scheduler of ``scheduler_class`` (default flow-match
-    Euler) and ``scheduler_config``: ``sigmas`` (default ``linspace(1, 1 / steps, steps)``), ``mu``
-    shifted by the packed latents' length ``sequence`` (default ``(height // 16) * (width // 16)``),
-    then ``retrieve_timesteps(..., sigmas=..., mu=...)`` on ``device``; the forward receives
-    ``t / 1000`` of each.
-    """
+    """The scheduler timesteps ``QwenImagePipeline`` runs for ``steps`` at ``height`` x ``width``, as it computes
+    them on a fresh scheduler: ``mu`` shifted by the packed latents' length ``sequence`` (default
+    ``(height // 16) * (width // 16)``), then ``retrieve_timesteps(..., sigmas=..., mu=...)``."""
     import numpy as np
     from diffusers import FlowMatchEulerDiscreteScheduler
     from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
@@ -316,10 +295,8 @@ class QwenImage(ImageFamily):
         return (*layout.time_embedder_tensors(), *((ADDITION_WEIGHT,) if spec.plan_columns == 2 else ()))
 
     def embed_from_checkpoint(self, source: Any, spec: Any, device: torch.device) -> Callable[[torch.Tensor], Any]:
-        """diffusers' own ``QwenTimestepProjEmbeddings`` with the checkpoint's weights (read at their file
-        alignment), run in the spec's dtype as a model loaded in that dtype runs it: the plan's timestep
-        cast to the dtype, ``time_proj``, the embedder, plus the ``additional_t_cond`` embedding for a
-        two-column plan; then SiLU. With ``zero_cond_t`` the first half of the rows is the second input."""
+        """diffusers' own ``QwenTimestepProjEmbeddings`` with the checkpoint's weights (at their file alignment),
+        run in the spec's dtype as a model loaded in that dtype runs it; then SiLU."""
         try:
             from diffusers.models.transformers.transformer_qwenimage import QwenTimestepProjEmbeddings
         except ImportError as exc:  # pragma: no cover - depends on the environment
@@ -357,28 +334,3 @@ FAMILY = QwenImage(
     arguments=(STEPS, HEIGHT, WIDTH, TIMESTEPS, BATCH, SCHEDULER_CONFIG, ADDITIONAL_T_COND),
     demos=(("qwen-image", "QwenImageTransformer2DModel"),),
 )
-
-
-__all__ = [
-    "ADDITIONAL",
-    "ADDITIONAL_T_COND",
-    "ADDITION_WEIGHT",
-    "FAMILY",
-    "FINAL_PATH",
-    "FIRST",
-    "INPUT",
-    "LAYOUT",
-    "RELEASED",
-    "RELEASED_SCHEDULER",
-    "TIME_TEXT_EMBED",
-    "QwenImage",
-    "check_additional_t_cond",
-    "config_flags",
-    "forward_plan_of",
-    "geometry",
-    "img_path",
-    "pipeline_timesteps",
-    "schedule_timesteps",
-    "spec_args",
-    "txt_path",
-]
