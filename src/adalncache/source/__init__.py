@@ -52,6 +52,11 @@ class WeightSource(Protocol):
     spec: ModulationSpec
     layout: KeyLayout
     bytes_read: int
+    #: The upstream digest (:func:`~adalncache.identity.upstream_digest`) of the modules the rows are computed
+    #: from, or a callable giving it when a tier first needs the binding (so nothing is read before); None
+    #: names none (the caller's ``embed`` is the caller's to vouch for). A checkpoint names its own tensors
+    #: unless told otherwise; the diffusers integration sets the model's, whose own modules compute the rows.
+    upstream: str | Callable[[], str | None] | None
 
     @property
     def fingerprint(self) -> str:

@@ -33,7 +33,7 @@ import contextlib
 import logging
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,13 +43,14 @@ import torch
 
 from ..devices import CopyStreams, copy_to_device
 from ..errors import CheckpointError, ConfigError
-from ..identity import DigestSink, role_of
+from ..identity import DigestSink, role_of, upstream_digest
 from ..spec import KeyLayout, Layer, ModulationSpec
 from . import Columns, LayerWeights, check_tensors, detect_layout, expected, tensor_problem
 from .files import CheckpointFiles, CheckpointPath, SafetensorsHeader, TensorEntry, open_regular
 from .reads import DirectReads, PassMappings, StagingPool, pread_into, read_buffer, resident_fraction
 
 log = logging.getLogger(__name__)
+_UNSET = object()
 
 
 def _open(path: Path) -> int:
@@ -165,6 +166,7 @@ class CheckpointSource:
         self._pool: StagingPool | None = None
         #: The side stream of each device this source copies layers to, reused by every pass.
         self.copy_streams = CopyStreams()
+        self._upstream: Any = _UNSET
         self._load()
 
     # -- identity ---------------------------------------------------------------------------
@@ -179,6 +181,22 @@ class CheckpointSource:
     @property
     def fingerprint(self) -> str:
         return self._checkpoint.files.fingerprint
+
+    @property
+    def upstream(self) -> str | Callable[[], str | None] | None:
+        """What was set, else the digest of the checkpoint's own upstream tensors (the family's
+        :meth:`~adalncache.geometry.Family.upstream`: what ``build``, ``export`` and ``verify`` compute the
+        rows with), None for a checkpoint of the projections alone."""
+        if self._upstream is not _UNSET:
+            return self._upstream
+        names = self.spec.family.upstream_names(self.spec, self.layout)
+        if any(key not in self._checkpoint.files.where for key in names):
+            return None
+        return upstream_digest({name: self.read_tensor(key) for key, name in names.items()})
+
+    @upstream.setter
+    def upstream(self, value: str | Callable[[], str | None] | None) -> None:
+        self._upstream = value
 
     def changed_files(self) -> list[Path]:
         """The files (and index) whose ``stat`` identity (ctime included) moved since they were validated.

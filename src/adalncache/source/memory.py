@@ -11,7 +11,7 @@ cache checks ``serves_weights`` first, so :meth:`NoWeights.stream` is only a las
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -71,6 +71,7 @@ class TensorSource:
         check_tensors(spec, self.layout, problem, "tensors given to TensorSource")
         self.tensors = {key: tensors[key] for _, key, _ in expected(spec, self.layout)}
         self.bytes_read = 0
+        self.upstream: str | Callable[[], str | None] | None = None
         #: The fingerprint names addresses in this process, so store entries could never hit again.
         self.persistent = False
         self._fingerprint = self._compute_fingerprint()
@@ -163,6 +164,7 @@ class NoWeights:
     #: Nothing to read, nothing to hash, nothing a store could be bound to.
     serves_weights = False
     persistent = False
+    upstream: str | Callable[[], str | None] | None = None
 
     def __init__(self, spec: ModulationSpec) -> None:
         self.spec = spec
