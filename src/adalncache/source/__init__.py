@@ -1,14 +1,9 @@
-"""Weight sources: where the projection bytes of a rebuild pass come from.
+"""Weight sources: where the projection bytes of a rebuild pass come from (docs/api.md, "Weight sources").
 
-Two kinds share one small protocol (:class:`WeightSource`), so the cache never cares where bytes
-come from: :class:`~adalncache.source.checkpoint.CheckpointSource` streams safetensors files from
-disk, :class:`~adalncache.source.memory.TensorSource` serves tensors already in memory, and
-:class:`~adalncache.source.memory.NoWeights` stands in for a cache that serves table files only.
-Both validate their tensors here at construction (:func:`expected`, :func:`tensor_problem`), so a
-wrong checkpoint or mapping fails with one message listing every unusable tensor before any build.
-The modules: :mod:`.files` (safetensors files: headers, the files of a checkpoint, their
-fingerprint, validation against a spec, the writer), :mod:`.reads` (bytes into buffers: ``pread``,
-O_DIRECT, aligned buffers, mapped views), :mod:`.checkpoint` and :mod:`.memory` (the sources).
+The protocol every source speaks (:class:`WeightSource`), and the checks each runs on its tensors at
+construction (:func:`expected`, :func:`tensor_problem`, :func:`check_tensors`), so a wrong checkpoint or
+mapping fails with one message listing every unusable tensor before any build. :mod:`.files` holds the
+safetensors files, :mod:`.reads` the bytes into buffers, :mod:`.checkpoint` and :mod:`.memory` the sources.
 """
 
 from __future__ import annotations

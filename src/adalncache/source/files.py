@@ -1,43 +1,18 @@
 """A checkpoint's safetensors files: their headers, which files make the checkpoint, their fingerprint, the writer.
 
-**Headers** are validated when a source is constructed (and again when a file changes on disk),
-the way safetensors itself validates a file, so a corrupt header is reported as a malformed file
-naming the tensor instead of surfacing later inside a read or a GEMM:
-
-* 8 bytes of little-endian header length, then that many bytes of UTF-8 JSON holding one object,
-  at most 100 MB; ``__metadata__``, if present, maps strings to strings;
-* every other key is a tensor: ``dtype`` a known name, ``shape`` a list of non-negative integers,
-  ``data_offsets`` two JSON integers ``0 <= begin <= end`` (not floats, not booleans) with
-  ``end - begin`` the product of the shape times the dtype's size;
-* sorted by offset, the spans tile the data section exactly (no gap, no overlap, no tail);
-* then safetensors' own parser must accept the file too, so nothing its reference refuses is read.
-
-**Which files.** A checkpoint path is one ``.safetensors`` file, an index
-(``*.safetensors.index.json``), a directory, or a list of files. A directory stands for the one set
-of files diffusers would load from it: its one index (whose files must stay inside the directory),
-else diffusers' ``diffusion_pytorch_model.safetensors``, else every ``*.safetensors`` in it. Any
-other ``*.safetensors`` of the directory that holds a tensor name of that set (an old copy, another
-precision) makes it ambiguous and is refused naming both files, never merged nor silently ignored:
-the cache must serve the weights the model loads. A tensor name given by two files of the set is
-refused the same way (the writer's alignment padding is no tensor and may repeat). Only regular
-files are opened: a FIFO, a device or a socket named ``*.safetensors`` is skipped in a directory
-(logged) and refused when named itself, so nothing blocks.
-
-**The fingerprint** is built from each file's ``stat`` identity (device, inode, size, mtime, ctime)
-and a hash of its header: it changes whenever a file is rewritten through the file system (even
-with its mtime put back), replaced or touched, and checking it costs a ``stat`` per file.
-
-**The writer** (:func:`write_safetensors`) places each tensor at a chosen file offset modulo
-``align``: on a CPU an fp32 GEMV's bits depend on the weight's address modulo 16, and a mapped file
-puts a tensor at (page-aligned base + file offset), so choosing offsets reproduces a model's own
-alignment. Tensors may be produced one at a time as they are written (:class:`LazyTensor`), so a
-multi-GiB benchmark checkpoint needs one tensor of memory; gaps are ``uint8`` padding tensors named
-``PAD_PREFIX.<n>``, so safetensors itself loads the files.
+Headers are validated as safetensors validates a file (:meth:`SafetensorsHeader.read`), so a corrupt
+one is a malformed file naming the tensor, not a failure inside a read or a GEMM. Which files a path
+stands for (one set, never a merge; only regular files opened, so nothing blocks) and what the
+fingerprint is: docs/api.md, "CheckpointSource". The writer (:func:`write_safetensors`) places each
+tensor at a chosen file offset modulo ``align``, reproducing a mapped model's alignment (an fp32 GEMV's
+bits depend on the address: docs/exactness.md); its gaps are ``uint8`` padding tensors, so safetensors
+itself loads the files, and :class:`LazyTensor` lets a multi-GiB file need one tensor of memory.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import hashlib
 import json
@@ -145,12 +120,9 @@ class TensorEntry:
         return SAFETENSORS_DTYPES.get(self.dtype)
 
     def misaligned(self) -> str | None:
-        """Why this tensor's data cannot be viewed as its dtype in place, or None.
-
-        A tensor is read into a buffer at its file offset's address modulo 4096 (or mapped at it), so
-        its elements sit on their natural boundary only if the offset is a multiple of the element
-        size, as every writer of the format (safetensors' own included) lays them out.
-        """
+        """Why this tensor's data cannot be viewed as its dtype in place, or None: it is read (or mapped) at
+        its file offset's address modulo 4096, so its elements sit on their natural boundary only if the
+        offset is a multiple of the element size, as every writer of the format lays them out."""
         dtype = self.torch_dtype
         if dtype is None:
             return f"dtype {self.dtype} has no torch counterpart"
@@ -160,6 +132,14 @@ class TensorEntry:
                 f"elements; re-save the checkpoint with safetensors"
             )
         return None
+
+    def view_dtype(self, path: Path, how: str) -> torch.dtype:
+        """The dtype to view this tensor's bytes as; CheckpointError naming ``path`` where it cannot be ``how``."""
+        why = self.misaligned()
+        if why:
+            raise CheckpointError(f"{path}: tensor {self.name!r} cannot be {how}: {why}")
+        assert self.torch_dtype is not None  # misaligned said so
+        return self.torch_dtype
 
 
 class NotARegularFile(OSError):
@@ -263,7 +243,14 @@ class SafetensorsHeader:
 
     @classmethod
     def read(cls, path: Path) -> SafetensorsHeader:
-        """Parse and validate ``path``'s header (see the module docstring); CheckpointError if it is malformed."""
+        """Parse and validate ``path``'s header; CheckpointError if it is malformed.
+
+        8 bytes of little-endian length, then at most 100 MB of UTF-8 JSON holding one object, whose
+        ``__metadata__`` maps strings to strings and whose every other key is a tensor: a known ``dtype``,
+        a ``shape`` of non-negative integers, ``data_offsets`` of two JSON integers (not floats, not
+        booleans) ``0 <= begin <= end`` spanning the shape times the dtype's size; sorted by offset the
+        spans tile the data section exactly; then safetensors' own parser must accept the file too.
+        """
         try:
             fd = open_regular(path)
             try:
@@ -607,11 +594,8 @@ class CheckpointFiles:
             log.info("%s holds none of the checkpoint's tensors: not read", other)
         digest = hashlib.sha256()
         for header in headers:
-            ident = header.identity
-            digest.update(
-                f"{header.path.resolve()}|{ident.device}|{ident.inode}|{ident.size}|{ident.mtime_ns}|"
-                f"{ident.ctime_ns}|{header.digest}\n".encode()
-            )
+            fields = (header.path.resolve(), *dataclasses.astuple(header.identity), header.digest)
+            digest.update(("|".join(map(str, fields)) + "\n").encode())
         index_identity = FileIdentity.of(index) if index else None
         return cls(files, index, index_identity, headers, where, digest.hexdigest())
 

@@ -509,11 +509,7 @@ class MappedFile:
         entry = self.header.entries.get(name)
         if entry is None:
             raise CheckpointError(f"{self.path} has no tensor {name!r}")
-        why = entry.misaligned()
-        if why:
-            raise CheckpointError(f"{self.path}: tensor {name!r} cannot be mapped: {why}")
-        dtype = entry.torch_dtype
-        assert dtype is not None  # misaligned said so
+        dtype = entry.view_dtype(self.path, "mapped")
         if entry.nbytes == 0 or self._map is None:
             return torch.empty(entry.shape, dtype=dtype)
         if prefetch and hasattr(self._map, "madvise") and hasattr(mmap, "MADV_WILLNEED"):
