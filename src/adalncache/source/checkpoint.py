@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ..devices import CopyStreams, copy_to_device
+from ..devices import CopyStreams, copy_to_device, indexed
 from ..errors import CheckpointError, ConfigError
 from ..identity import DigestSink, role_of, upstream_digest
 from ..spec import KeyLayout, Layer, ModulationSpec
@@ -260,12 +260,10 @@ class CheckpointSource:
         """Yield each layer, reading up to ``read_ahead`` layers ahead on a background thread. On CUDA the
         host buffers are pinned and copied on a side stream, so the copy of layer k+1 overlaps the
         projection of layer k."""
-        device = torch.device(device)
         if read_ahead < 0:
             raise ConfigError(f"read_ahead must be >= 0, got {read_ahead}")
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())  # the reader thread must not guess
-        yield from LayerPass(self, layers, device, columns, read_ahead, digests).run()
+        # With its index: the reader thread must not guess which CUDA device is current.
+        yield from LayerPass(self, layers, indexed(torch.device(device)), columns, read_ahead, digests).run()
 
     # -- buffers and summary ----------------------------------------------------------------
 
