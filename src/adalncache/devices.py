@@ -112,11 +112,9 @@ class Registrar(Protocol):
 
     def register(self, address: int, nbytes: int) -> None:
         """Page-lock ``[address, address + nbytes)``; raise on failure."""
-        ...
 
     def unregister(self, address: int) -> None:
         """Undo :meth:`register` of the range starting at ``address``."""
-        ...
 
 
 class CudaRegistrar:
@@ -248,15 +246,12 @@ class EventBackend(Protocol):
 
     def stream(self) -> Hashable:
         """The calling thread's current stream on this device (a hashable identity)."""
-        ...
 
     def record(self) -> Any:
         """Record an event on the current stream after everything enqueued so far; return it."""
-        ...
 
     def wait(self, event: Any) -> None:
         """Make the current stream wait for ``event`` (the host does not block)."""
-        ...
 
 
 class NoEvents:

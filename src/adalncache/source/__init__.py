@@ -56,14 +56,12 @@ class WeightSource(Protocol):
     @property
     def fingerprint(self) -> str:
         """Identity of the bytes served (``stat`` identities for files; addresses for tensors)."""
-        ...
 
     def refresh(self) -> bool:
         """Re-check the identity cheaply (``stat``, never re-hashing data); True when it changed.
 
         Raises CheckpointError when the changed source no longer validates.
         """
-        ...
 
     def stream(
         self,
@@ -79,11 +77,9 @@ class WeightSource(Protocol):
         ``digests`` hashes the bytes as they are read (the content identity); a source that cannot
         hash what it serves (a device tensor) feeds it nothing.
         """
-        ...
 
     def describe(self) -> dict[str, Any]:
         """A JSON-friendly summary for ``inspect`` and logs."""
-        ...
 
 
 def expected(spec: ModulationSpec, layout: KeyLayout) -> list[tuple[Layer, str, tuple[int, ...]]]:

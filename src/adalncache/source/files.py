@@ -155,14 +155,10 @@ def is_regular(path: Path) -> bool:
 
 
 def open_regular(path: Path) -> int:
-    """A read-only descriptor of ``path``, refused (:class:`NotARegularFile`) unless it is a regular file.
-
-    The one way the package opens a file to read it. ``O_NONBLOCK`` because opening a FIFO for
-    reading otherwise waits for a writer, forever if none comes (a named pipe called
-    ``x.safetensors`` in a checkpoint directory must not hang a scan); on a regular file the flag
-    changes nothing. The type is checked on the open descriptor, so a file swapped for a FIFO
-    after a ``stat`` is still refused.
-    """
+    """A read-only descriptor of ``path``, refused (:class:`NotARegularFile`) unless it is a regular file: the
+    one way the package opens a file to read it. ``O_NONBLOCK`` so that a FIFO named ``x.safetensors`` never
+    hangs a scan waiting for a writer; the type is checked on the open descriptor, so a file swapped for a
+    FIFO after a ``stat`` is still refused."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     try:
         mode = os.fstat(fd).st_mode
@@ -190,14 +186,8 @@ def fsync_dir(path: Path) -> None:
 
 def read_regular(path: Path) -> bytes:
     """The whole content of the regular file ``path`` (:func:`open_regular`, then read)."""
-    fd = open_regular(path)
-    try:
-        parts = []
-        while chunk := os.read(fd, 1 << 20):
-            parts.append(chunk)
-        return b"".join(parts)
-    finally:
-        os.close(fd)
+    with open(open_regular(path), "rb") as handle:
+        return handle.read()
 
 
 class _Object(dict[str, Any]):
