@@ -296,11 +296,8 @@ def events_for(device: torch.device) -> EventBackend:
 
 
 class StreamSync:
-    """Per-slot events of one slab: the last write of each slot and the reads still pending on it.
-
-    Thread-safe (a small lock of its own): readers record and wait from any thread while a build
-    runs. With an inactive backend (a CPU) every method returns at once.
-    """
+    """Per-slot events of one slab: the last write of each slot and the reads still pending on it. Thread-safe:
+    readers record and wait from any thread while a build runs. Inactive backend (a CPU): every method returns."""
 
     def __init__(self, num_slots: int, backend: EventBackend) -> None:
         self._lock = threading.Lock()

@@ -84,11 +84,8 @@ class FileStamp:
 
     @classmethod
     def of(cls, path: Path, header: str) -> FileStamp:
-        st = os.stat(path)
-        where = str(Path(path).resolve())
-        return cls(
-            socket.gethostname(), where, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, header
-        )
+        i, where = FileIdentity.of(path), str(Path(path).resolve())
+        return cls(socket.gethostname(), where, i.device, i.inode, i.size, i.mtime_ns, i.ctime_ns, header)
 
     def as_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -153,10 +150,9 @@ def autocast_dtype(device: torch.device | str) -> torch.dtype | None:
 def bit_settings(device: torch.device | str) -> dict[str, Any]:
     """Every process-wide setting, besides shapes, dtypes and addresses, that can change GEMM bits on ``device``.
 
-    Only what reaches ``device``'s kernels: the thread count and the oneDNN switch on a CPU, the
-    CUDA switches on a GPU (a store filled by ranks with one CPU thread each still serves a GPU
-    process with many); another device type gets every switch. Never raises, whichever mix of the
-    legacy and new precision APIs the caller used. Values are plain, so the result is JSON-able.
+    Only what reaches ``device``'s kernels (a store filled by ranks with one CPU thread each still serves
+    a GPU process with many); another device type gets every switch. Never raises, whichever mix of the
+    legacy and new precision APIs the caller used; the values are plain (JSON-able).
     """
     kind = torch.device(device).type
     cpu, cuda = kind != "cuda", kind != "cpu"  # an unknown device type gets both

@@ -416,11 +416,8 @@ class ContentIdentity:
             time.sleep(wait / 1e9)
 
     def pass_sink(self) -> DigestSink | None:
-        """A sink for the next pass to feed (None: nothing to hash), after the files' identity settled.
-
-        A checkpoint is hashed by every pass while the digest is :attr:`wanted`; tensors in memory
-        only while their digest is unknown.
-        """
+        """A sink for the next pass to feed (None: nothing to hash), after the files' identity settled: every
+        pass hashes a checkpoint while the digest is :attr:`wanted`, tensors in memory only while it is unknown."""
         if not self.wanted:
             self._pending = None
             return None
@@ -442,12 +439,9 @@ class ContentIdentity:
             self.memo.forget(stamp)
 
     def after_pass(self) -> str | None:
-        """Remember what the read hashed and compose the digest (every rank calls this after a pass).
-
-        Raises :func:`rewritten`'s CheckpointError, on every rank alike (the digest is composed
-        collectively), when the bytes read hash to another digest than the one the read was bound to:
-        the digest is unknown again and the memo's records of the files are dropped.
-        """
+        """Remember what the read hashed and compose the digest (every rank calls this after a pass). Raises
+        :func:`rewritten`'s CheckpointError, on every rank alike, when the bytes hash to another digest than
+        the one the read was bound to: the digest is unknown again and the memo's records are dropped."""
         if self._pending is None:
             return self.digest
         sink, before, settled, held = self._pending
@@ -509,11 +503,8 @@ class ContentIdentity:
             )
 
     def identify(self, *, read: bool = True) -> str | None:
-        """The digest: from the memo, else (``read=True``) by a hashing-only read of this rank's share.
-
-        In a process group every rank must call this together. A read that fails on one rank still
-        takes part in the agreement (with what it hashed), then raises.
-        """
+        """The digest: from the memo, else (``read=True``) by a hashing-only read of this rank's share. Every
+        rank calls it together; a read that fails on one rank still takes part in the agreement, then raises."""
         if self.resolve() is not None or not read or not self.hashable:
             return self.digest
         sink = self._sink()  # asked for: hashes whether or not passes do (``wanted``)
@@ -638,11 +629,10 @@ class TableIdentity:
     ) -> None:
         """Re-stat the source, compare the variant and the autocast state; ``drop(why)`` old tables.
 
-        ``resident``: the slot map in LRU order; ``holds_tables``: whether the slab or the host tier
-        holds anything. In a process group the three flags, a digest of ``request`` and one of
-        ``resident`` are reduced in one collective, so every rank drops, or keeps, the same tables.
-        Raises the ``CheckpointError`` (alone) or a ``BuildError`` naming the rank (in a group) when
-        the source no longer validates.
+        ``resident``: the slot map in LRU order; ``holds_tables``: whether the slab or the host tier holds
+        anything. In a group the flags and digests of ``request`` and ``resident`` are reduced in one
+        collective, so every rank drops, or keeps, the same tables. When the source no longer validates:
+        its ``CheckpointError`` alone, a ``BuildError`` naming the rank in a group.
         """
         invalid: CheckpointError | None = None
         try:
@@ -716,12 +706,9 @@ class TableIdentity:
         return self.binding() if self.source.fingerprint == self.fingerprint else None
 
     def lock_namespace(self) -> str:
-        """A name shared by every process that would build the same store entries, known before any hashing.
-
-        The binding without its content, plus each checkpoint file's size and header hash: equal for
-        copies of one checkpoint, so their processes build once. (Two checkpoints with identical
-        headers share it too; that only makes one wait, never serves wrong rows.)
-        """
+        """A name shared by every process that would build the same store entries, known before any hashing:
+        the binding without its content, plus each file's size and header hash, so copies of one checkpoint
+        build once (two checkpoints with identical headers only make one wait, never serve wrong rows)."""
         stamps = self.content.stamps() or {}
         files = sorted({(stamp.size, stamp.header) for stamp in stamps.values()})
         fallback = self.fingerprint if not stamps else None

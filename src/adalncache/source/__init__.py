@@ -59,9 +59,7 @@ class WeightSource(Protocol):
 
     def refresh(self) -> bool:
         """Re-check the identity cheaply (``stat``, never re-hashing data); True when it changed.
-
-        Raises CheckpointError when the changed source no longer validates.
-        """
+        CheckpointError when the changed source no longer validates."""
 
     def stream(
         self,
@@ -73,10 +71,7 @@ class WeightSource(Protocol):
         digests: DigestSink | None = None,
     ) -> Iterator[LayerWeights]:
         """Yield ``layers`` in order, reading ahead; the consumer must finish one before asking the next.
-
-        ``digests`` hashes the bytes as they are read (the content identity); a source that cannot
-        hash what it serves (a device tensor) feeds it nothing.
-        """
+        ``digests`` hashes the bytes as read; a source that cannot hash them (a device tensor) feeds it nothing."""
 
     def describe(self) -> dict[str, Any]:
         """A JSON-friendly summary for ``inspect`` and logs."""

@@ -394,11 +394,8 @@ _NAMED = re.compile(r"`([^`]*)`")
 
 
 def _safetensors_accepts(path: Path, fd: int) -> None:
-    """safetensors' own parser must accept the file too (a backstop for anything the checks above miss).
-
-    It opens the very file ``fd`` holds (through ``/proc/self/fd``, where the system has it), not
-    whatever the path names by now: a path swapped for a FIFO meanwhile never blocks.
-    """
+    """safetensors' own parser must accept the file too (a backstop for anything the checks above miss),
+    opened through ``/proc/self/fd`` where there is one, so a path swapped for a FIFO meanwhile never blocks."""
     opened = f"/proc/self/fd/{fd}" if os.path.isdir("/proc/self/fd") else str(path)
     try:
         with safe_open(opened, framework="pt"):
@@ -434,6 +431,15 @@ def _not_regular(path: Path) -> CheckpointError:
     )
 
 
+def _existing_file(file: Path, missing: str) -> Path:
+    """``file``, refused (CheckpointError) with ``missing`` if it does not exist, or if it is not a regular file."""
+    if not file.exists():
+        raise CheckpointError(missing)
+    if not is_regular(file):
+        raise _not_regular(file)
+    return file
+
+
 def _regular_in(root: Path, pattern: str) -> list[Path]:
     """The regular files of ``root`` matching ``pattern``, sorted; anything else is skipped (logged), never opened."""
     out = []
@@ -448,21 +454,14 @@ def _regular_in(root: Path, pattern: str) -> list[Path]:
 def checkpoint_files(path: CheckpointPath) -> tuple[list[Path], Path | None]:
     """Resolve ``path`` into checkpoint files, plus the index json that named them (if any).
 
-    Raises CheckpointError when a path does not exist or is not a regular file, a directory holds
-    no checkpoint or several index files, or an index is invalid or names a file outside its
-    directory. (Ambiguity with other files of a directory is checked by :class:`CheckpointFiles`,
-    which reads their headers.)
+    CheckpointError when a path does not exist or is not a regular file, a directory holds no checkpoint
+    or several index files, or an index is invalid or names a file outside its directory (ambiguity with
+    other files of a directory is :class:`CheckpointFiles`'s to check: it reads their headers).
     """
     if isinstance(path, (list, tuple)):
-        files = [Path(p) for p in path]
-        if not files:
+        if not path:
             raise CheckpointError("the list of checkpoint files is empty: pass at least one .safetensors file")
-        for file in files:
-            if not file.exists():
-                raise CheckpointError(f"checkpoint file {file} does not exist")
-            if not is_regular(file):
-                raise _not_regular(file)
-        return files, None
+        return [_existing_file(f, f"checkpoint file {f} does not exist") for f in map(Path, path)], None
     root = Path(cast("str | os.PathLike[str]", path))  # a list or tuple returned above
     try:
         mode = os.stat(root).st_mode
@@ -495,17 +494,6 @@ def checkpoint_files(path: CheckpointPath) -> tuple[list[Path], Path | None]:
     return files, None
 
 
-def _other_files(path: CheckpointPath, files: Sequence[Path]) -> list[Path]:
-    """The regular ``*.safetensors`` of directory ``path`` that are not among ``files`` (none for a file or list)."""
-    if isinstance(path, (list, tuple)):
-        return []
-    root = Path(cast("str | os.PathLike[str]", path))  # a list or tuple returned above
-    if not root.is_dir():
-        return []
-    chosen = {f.resolve() for f in files}
-    return [f for f in _regular_in(root, "*.safetensors") if f.resolve() not in chosen]
-
-
 def _indexed_files(root: Path, index: Path) -> list[Path]:
     """The files ``index`` names, each required to be a regular file inside ``root``."""
     try:
@@ -530,11 +518,7 @@ def _indexed_files(root: Path, index: Path) -> list[Path]:
                 f"{index} points at {name!r}, outside the checkpoint directory {root}: an index may only "
                 f"name files inside its own directory"
             )
-        if not file.exists():
-            raise CheckpointError(f"{index} names {name!r}, which does not exist in {root}")
-        if not is_regular(file):
-            raise _not_regular(file)
-        files.append(file)
+        files.append(_existing_file(file, f"{index} names {name!r}, which does not exist in {root}"))
     return files
 
 
@@ -564,15 +548,16 @@ class CheckpointFiles:
         files, index = checkpoint_files(path)
         headers = [SafetensorsHeader.read(f) for f in files]
         where: dict[str, SafetensorsHeader] = {}
-        root = index.parent if index is not None else files[0].parent if len(files) > 1 else Path(str(files[0]))
-        if isinstance(path, (str, os.PathLike)) and Path(path).is_dir():
-            root = Path(path)
+        directory = Path(path) if isinstance(path, (str, os.PathLike)) and Path(path).is_dir() else None
+        root = directory or (index.parent if index else files[0].parent if len(files) > 1 else Path(str(files[0])))
         for header in headers:
             for name in header.entries:
                 held = where.setdefault(name, header)
                 if held is not header and not name.startswith(PAD_PREFIX):
                     raise _clash(root, name, held.path, header.path, index)
-        for other in _other_files(path, files):
+        # Every other *.safetensors of a directory: one that holds a tensor of the set makes it ambiguous.
+        chosen, others = {f.resolve() for f in files}, _regular_in(directory, "*.safetensors") if directory else []
+        for other in (f for f in others if f.resolve() not in chosen):
             try:
                 names = SafetensorsHeader.read(other).entries
             except CheckpointError as exc:
@@ -615,15 +600,6 @@ class LazyTensor(NamedTuple):
     make: Callable[[], torch.Tensor]
 
 
-def _declared(name: str, tensor: torch.Tensor | LazyTensor) -> tuple[list[int], str, int]:
-    """(shape, safetensors dtype name, bytes) of ``tensor``, without producing a lazy one."""
-    shape = [int(s) for s in tensor.shape]
-    dtype_name = safetensors_name(tensor.dtype)
-    if dtype_name is None:
-        raise ConfigError(f"write_safetensors cannot store dtype {tensor.dtype} (tensor {name!r})")
-    return shape, dtype_name, tensor.dtype.itemsize * math.prod(shape)
-
-
 def _data(name: str, tensor: torch.Tensor | LazyTensor) -> torch.Tensor:
     """The bytes of ``tensor`` as a flat uint8 CPU tensor (producing a lazy one now)."""
     if isinstance(tensor, LazyTensor):
@@ -647,13 +623,9 @@ def write_safetensors(
     align: int = 64,
     metadata: Mapping[str, str] | None = None,
 ) -> Path:
-    """Write ``tensors`` to ``path`` as a safetensors file, each at a chosen file offset modulo ``align``.
-
-    ``residues`` gives the wanted ``file offset % align`` per tensor (default 0). The header is
-    padded with spaces (which the format allows) so the data section starts at a multiple of
-    ``align``. The file is written to a temporary name, synced and renamed into place, so a
-    reader never sees half of it. Returns ``path``.
-    """
+    """Write ``tensors`` to ``path`` as a safetensors file, each at its ``residues`` (``file offset % align``,
+    default 0), the header padded with spaces so the data starts at a multiple of ``align``. Written to a
+    temporary name, synced and renamed into place, so a reader never sees half of it. Returns ``path``."""
     residues = dict(residues or {})
     path = Path(path)
     order: list[tuple[str, torch.Tensor | LazyTensor | int]] = []  # an int is that many padding bytes
@@ -662,7 +634,10 @@ def write_safetensors(
         header["__metadata__"] = dict(metadata)
     offset = 0
     for name, tensor in tensors.items():
-        shape, dtype_name, nbytes = _declared(name, tensor)
+        shape, dtype_name = [int(s) for s in tensor.shape], safetensors_name(tensor.dtype)
+        if dtype_name is None:
+            raise ConfigError(f"write_safetensors cannot store dtype {tensor.dtype} (tensor {name!r})")
+        nbytes = tensor.dtype.itemsize * math.prod(shape)
         gap = (residues.get(name, 0) - offset) % align
         if gap:
             pad_name = f"{PAD_PREFIX}.{sum(isinstance(t, int) for _, t in order)}"
