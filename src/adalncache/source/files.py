@@ -37,12 +37,6 @@ from ..options import flag
 log = logging.getLogger(__name__)
 
 
-def _optional(name: str) -> torch.dtype | None:
-    """A torch dtype that older torch builds lack."""
-    dtype = getattr(torch, name, None)
-    return dtype if isinstance(dtype, torch.dtype) else None
-
-
 class DType(NamedTuple):
     """One safetensors dtype: its name in headers, its width in bits, the torch dtype (if any)."""
 
@@ -51,34 +45,23 @@ class DType(NamedTuple):
     torch: torch.dtype | None
 
 
+def _dtypes(table: str) -> tuple[DType, ...]:
+    """``NAME:bits[:torch name]`` entries; a torch dtype this build lacks is None, as for the sub-byte floats."""
+    out = []
+    for entry in table.split():
+        name, bits, *torch_name = entry.split(":")
+        found = getattr(torch, torch_name[0], None) if torch_name else None
+        out.append(DType(name, int(bits), found if isinstance(found, torch.dtype) else None))
+    return tuple(out)
+
+
 #: Every dtype a safetensors header may carry. One without a torch counterpart (the sub-byte float
 #: formats) is validated like any other; it only cannot be read as a tensor.
-DTYPES: tuple[DType, ...] = tuple(
-    DType(name, bits, dtype)
-    for name, bits, dtype in (
-        ("BOOL", 8, torch.bool),
-        ("U8", 8, torch.uint8),
-        ("I8", 8, torch.int8),
-        ("U16", 16, _optional("uint16")),
-        ("I16", 16, torch.int16),
-        ("U32", 32, _optional("uint32")),
-        ("I32", 32, torch.int32),
-        ("U64", 64, _optional("uint64")),
-        ("I64", 64, torch.int64),
-        ("F16", 16, torch.float16),
-        ("BF16", 16, torch.bfloat16),
-        ("F32", 32, torch.float32),
-        ("F64", 64, torch.float64),
-        ("C64", 64, torch.complex64),
-        ("F8_E4M3", 8, torch.float8_e4m3fn),
-        ("F8_E5M2", 8, torch.float8_e5m2),
-        ("F8_E4M3FNUZ", 8, _optional("float8_e4m3fnuz")),
-        ("F8_E5M2FNUZ", 8, _optional("float8_e5m2fnuz")),
-        ("F8_E8M0", 8, _optional("float8_e8m0fnu")),
-        ("F4", 4, None),
-        ("F6_E2M3", 6, None),
-        ("F6_E3M2", 6, None),
-    )
+DTYPES = _dtypes(
+    "BOOL:8:bool U8:8:uint8 I8:8:int8 U16:16:uint16 I16:16:int16 U32:32:uint32 I32:32:int32 U64:64:uint64 "
+    "I64:64:int64 F16:16:float16 BF16:16:bfloat16 F32:32:float32 F64:64:float64 C64:64:complex64 "
+    "F8_E4M3:8:float8_e4m3fn F8_E5M2:8:float8_e5m2 F8_E4M3FNUZ:8:float8_e4m3fnuz F8_E5M2FNUZ:8:float8_e5m2fnuz "
+    "F8_E8M0:8:float8_e8m0fnu F4:4 F6_E2M3:6 F6_E3M2:6"
 )
 _BY_NAME: dict[str, DType] = {d.name: d for d in DTYPES}
 #: safetensors dtype names -> torch dtypes (those torch can hold).

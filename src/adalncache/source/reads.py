@@ -176,8 +176,7 @@ class StagingPool:
             return held
 
     def _release_owner(self, key: tuple[int, str]) -> None:
-        """Unlock the pages of ``key``'s old buffer (pinned pools; under the lock); its memory goes with
-        its last view."""
+        """Unlock the pages of ``key``'s old buffer (under the lock); its memory goes with its last view."""
         owner = self._owners.pop(key, None)
         if owner is not None:
             owner.release()
@@ -209,10 +208,7 @@ class StagingPool:
                     pool._buffers[key] = held
                     if key in self._owners:
                         pool._owners[key] = self._owners.pop(key)
-            dropped = list(self._owners.values())
-            self._owners.clear()
-        for owner in dropped:
-            owner.release()
+        self.clear()  # unlocks the pages of the slots dropped
         pool.fresh = self.fresh
         pool.requested = list(self.requested)
         return pool
@@ -305,9 +301,7 @@ class DirectReads:
                 fd = os.open(f"/proc/self/fd/{pass_fd}", os.O_RDONLY | os.O_DIRECT)
                 held, opened = os.fstat(pass_fd), os.fstat(fd)
                 if (held.st_dev, held.st_ino) != (opened.st_dev, opened.st_ino):
-                    os.close(fd)
-                    fd = None
-                    log.debug("O_DIRECT reopen of %s reached another file; plain reads for it", path)
+                    raise OSError("its reopen reached another file")
             except OSError as exc:
                 if fd is not None:
                     os.close(fd)
