@@ -239,7 +239,7 @@ def host_tensor_like(
 
 
 class EventBackend(Protocol):
-    """How events are made and waited on for one device (CUDA, a CPU no-op, or a recording fake)."""
+    """How events are made and waited on for one device (:class:`DeviceEvents`, or a recording fake)."""
 
     #: False when every operation is a no-op (the cache then skips the bookkeeping entirely).
     active: bool
@@ -254,28 +254,13 @@ class EventBackend(Protocol):
         """Make the current stream wait for ``event`` (the host does not block)."""
 
 
-class NoEvents:
-    """A CPU: work runs in program order, so there is nothing to record or wait for."""
-
-    active = False
-
-    def stream(self) -> Hashable:
-        return None
-
-    def record(self) -> Any:
-        return None
-
-    def wait(self, event: Any) -> None:
-        return None
-
-
-class CudaEvents:
-    """CUDA events on the calling thread's current stream of ``device``."""
-
-    active = True
+class DeviceEvents:
+    """CUDA events on the calling thread's current stream of ``device``; inactive on any other device type,
+    where work runs in program order and there is nothing to record or wait for."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self.active = device.type == "cuda"
 
     def stream(self) -> Hashable:
         stream = torch.cuda.current_stream(self.device)
@@ -288,11 +273,6 @@ class CudaEvents:
 
     def wait(self, event: Any) -> None:
         torch.cuda.current_stream(self.device).wait_event(event)
-
-
-def events_for(device: torch.device) -> EventBackend:
-    """The event backend of ``device``: CUDA events on a GPU, nothing on a CPU."""
-    return CudaEvents(device) if device.type == "cuda" else NoEvents()
 
 
 class StreamSync:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .devices import indexed
 from .errors import AdalnCacheError, BuildError, ConfigError, PlanError, failure_phase
 from .options import flag, knob
 from .source import Columns
@@ -176,12 +177,9 @@ class ProcessGroupCollective(Collective):
         self.world = dist.get_world_size(process_group)
         backend = str(dist.get_backend(process_group)).lower()
         self.backend = backend
-        if "nccl" in backend:
-            # NCCL only moves CUDA tensors: agreement tensors live on this rank's current device.
-            index = device.index if device is not None and device.type == "cuda" else None
-            self.comm_device = torch.device("cuda", index if index is not None else torch.cuda.current_device())
-        else:
-            self.comm_device = torch.device("cpu")
+        # NCCL only moves CUDA tensors: agreement tensors live on this rank's (current) device.
+        on_cuda = device if device is not None and device.type == "cuda" else torch.device("cuda")
+        self.comm_device = indexed(on_cuda) if "nccl" in backend else torch.device("cpu")
         self._global = [dist.get_global_rank(process_group, r) for r in range(self.world)]
         self._shares = _split(spec.layers(), self.world)
         self._gather: dict[str, torch.Tensor] | None = None
