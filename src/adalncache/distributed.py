@@ -115,10 +115,6 @@ def _digest(values: Any) -> int:
     return int(hashlib.sha256(repr(values).encode()).hexdigest()[:15], 16)
 
 
-def _text_bytes(text: str, limit: int) -> bytes:
-    return text.encode("utf-8", errors="replace")[:limit]
-
-
 def _named_widths(spec: ModulationSpec) -> list[tuple[str, int]]:
     """Each distinct output width with a name for messages: its table part's where the part has one width,
     else the first layer's that has it."""
@@ -275,7 +271,7 @@ class ProcessGroupCollective(Collective):
         """(rank, phase, text) of every rank that failed, from one all-gather of fixed-size records."""
         at = (failure_phase(failure) or phase) if failure is not None else ""
         text = f"{type(failure).__name__}: {failure}" if failure is not None else ""
-        at_b, text_b = _text_bytes(at, _AT_BYTES), _text_bytes(text, _TEXT_BYTES)
+        at_b, text_b = (s.encode("utf-8", errors="replace")[:n] for s, n in ((at, _AT_BYTES), (text, _TEXT_BYTES)))
         payload = bytes([1 if failure is not None else 0])
         payload += len(at_b).to_bytes(2, "little") + len(text_b).to_bytes(2, "little") + at_b + text_b
         size = _HEADER + _AT_BYTES + _TEXT_BYTES
