@@ -292,7 +292,8 @@ class StreamSync:
             #: The event after the last write of each slot (``None``: never written, or already
             #: waited for by everyone who needed it).
             self.written: list[Any] = [None] * self._slots
-            #: Per slot, per stream: the newest event after a read of that slot.
+            #: Per slot, per stream: the newest event after a read of that slot (events on one stream
+            #: complete in order, so the newest stands for all).
             self.read: list[dict[Hashable, Any]] = [{} for _ in range(self._slots)]
             #: Per stream: the newest event after a read whose slot the host does not know (a gather
             #: with a device slot tensor); every rewrite of any slot waits on these.
