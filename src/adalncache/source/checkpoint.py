@@ -260,10 +260,11 @@ class CheckpointSource:
         """Yield each layer, reading up to ``read_ahead`` layers ahead on a background thread. On CUDA the
         host buffers are pinned and copied on a side stream, so the copy of layer k+1 overlaps the
         projection of layer k."""
+        device = torch.device(device)
         if read_ahead < 0:
             raise ConfigError(f"read_ahead must be >= 0, got {read_ahead}")
         # With its index: the reader thread must not guess which CUDA device is current.
-        yield from LayerPass(self, layers, indexed(torch.device(device)), columns, read_ahead, digests).run()
+        yield from LayerPass(self, layers, indexed(device), columns, read_ahead, digests).run()
 
     # -- buffers and summary ----------------------------------------------------------------
 
