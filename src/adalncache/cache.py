@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 import torch
 from typing_extensions import Unpack
 
-from .devices import StreamSync, allocation_error, check_available, events_for, indexed, resolve_device
+from .devices import DeviceEvents, StreamSync, allocation_error, check_available, indexed, resolve_device
 from .distributed import Collective, make_collective
 from .errors import AdalnCacheError, ConfigError, PlanError, PlanNotCachedError
 from .geometry import RowSplit
@@ -289,7 +289,7 @@ class AdalnCache:
         self._slab, placement = _agreed(collective, local)
         self._site = site = Site(placement)
         #: The per-slot events that order builds and reads across CUDA streams (no-ops on a CPU).
-        self.stream_sync = StreamSync(options_.max_plans, events_for(target))
+        self.stream_sync = StreamSync(options_.max_plans, DeviceEvents(target))
         self._pool = SlotPool(self._slab, self.stream_sync)
         store = placement.tiers.store
         self._identity = identity = TableIdentity(
@@ -650,7 +650,7 @@ class AdalnCache:
         else:
             new = Placement(target, old.tiers, old.files)
         slab.relocate(target, keep_rows=not moved)
-        self.stream_sync.reset(events_for(target))
+        self.stream_sync.reset(DeviceEvents(target))
         self._site.placement = new
         if moved:
             _serve_files(new, identity, strict=False)

@@ -1,31 +1,15 @@
 """The device layer: which device, what memory it can still give, host memory for DMA to it, and
 the order of work across its CUDA streams.
 
-* **Which device.** The cache (``device=``) and the ``demo`` and ``bench`` commands (``--device``)
-  must all refuse a device that is not one, or that this machine cannot use, before doing any
-  work, and say it the same way (:func:`resolve_device`); a slab or a host tier the device cannot
-  hold is refused before it is allocated (:func:`check_available`).
-* **Host memory for DMA** (:class:`HostBuffer`). Not ``torch.empty(..., pin_memory=True)``: torch's
-  caching host allocator rounds every request up to a power of two and keeps freed blocks instead
-  of returning them to the system (a 20 GB host tier would pin 32 GiB, a 496 MiB layer 512 MiB,
-  and ``release_buffers()`` or ``disable()`` would give nothing back). A buffer is an anonymous
-  ``mmap`` of exactly its size, page-locked in place with ``cudaHostRegister`` when pinned and
-  unlocked by :meth:`HostBuffer.release` (or when collected). Nothing records which stream still
-  reads a buffer: every user synchronises before it reuses or releases one
-  (:func:`copy_to_device`; the host tier's blocking copies). The CUDA calls go through a
-  :class:`Registrar`, so sizes and release paths are tested on a CPU with a recording one.
-* **Stream order** (:class:`StreamSync`). On a CPU every operation runs in program order and none
-  of this does anything. On CUDA the host returns from a launch before the kernel ran, and each
-  thread may launch on its own stream, so three orderings are made explicit with events:
-  *publish -> read* (a build records an event after its last write; every reader's stream waits on
-  the events of the slots it reads), *read -> rewrite* (a release and a gather record read events;
-  a writer waits on them, and on the slot's last write, before its first write to a slot; per slot
-  only each stream's newest event is kept, since events on one stream complete in order) and
-  *build -> build* (each build's stream waits on the previous build's last event, so host-tier
-  copies and slot writes of consecutive builds never overlap). :class:`CudaEvents` makes the CUDA
-  calls, :class:`NoEvents` (CPU) none, and a recording :class:`EventBackend` replays the bookkeeping
-  on a CPU for tests. The source's copy streams (:class:`CopyStreams`) and the copy that must finish before its
-  host buffer is reused (:func:`copy_to_device`) are here too, so all stream code sits in one module.
+* **Which device**: every entry point refuses a device that is not one, or that this machine cannot
+  use, before any work, and says it the same way (:func:`resolve_device`); an allocation the device
+  cannot hold is refused before it is made (:func:`check_available`).
+* **Host memory for DMA** (:class:`HostBuffer`): exactly the size asked for and given back when
+  released, unlike torch's pinned allocator. Nothing records which stream still reads a buffer:
+  every user synchronises before it reuses or releases one (:func:`copy_to_device`).
+* **Stream order** (:class:`StreamSync`): the events that order publish -> read, read -> rewrite and
+  build -> build on CUDA (docs/state-machine.md); a no-op on a CPU. The CUDA calls go through seams
+  (:class:`Registrar`, :class:`EventBackend`), so the bookkeeping is tested on a CPU with recording ones.
 """
 
 from __future__ import annotations
@@ -49,12 +33,8 @@ log = logging.getLogger(__name__)
 
 
 def resolve_device(value: torch.device | str, *, argument: str | None = None) -> torch.device:
-    """``value`` as a ``torch.device``, or ConfigError if it is not one or this machine lacks it.
-
-    ``argument``: the keyword the caller's user passed it as (``"device"`` for ``AdalnCache``);
-    the message then names ``device=`` and its CLI flag. Without it the value came from the
-    command line and the message names ``--device`` only.
-    """
+    """``value`` as a ``torch.device``, or ConfigError if it is not one or this machine lacks it. The message
+    names ``argument=`` (the keyword it was passed as) and its CLI flag, or without it ``--device`` only."""
     if argument is None:
         device_flag = flag("device")
         given, fix = f"{device_flag} {value}", f"use {device_flag} cpu or {device_flag} cuda:0"
@@ -83,11 +63,8 @@ def indexed(device: torch.device) -> torch.device:
 
 
 def available_bytes(device: torch.device) -> int | None:
-    """Bytes that can still be allocated on ``device``, where torch or the system can tell; else None.
-
-    CPU: ``MemAvailable`` of ``/proc/meminfo`` (what the kernel can give without swapping); CUDA:
-    the free memory ``torch.cuda.mem_get_info`` reports.
-    """
+    """Bytes that can still be allocated on ``device`` (CPU: ``MemAvailable``, what the kernel gives without
+    swapping; CUDA: ``mem_get_info``'s free memory), or None where that cannot be told."""
     if device.type == "cpu":
         try:
             with open("/proc/meminfo", "rb") as handle:
@@ -110,10 +87,8 @@ def _gib(nbytes: int) -> str:
 
 
 def check_available(nbytes: int, device: torch.device, what: str, lower: str) -> None:
-    """ConfigError before allocating ``nbytes`` that ``device`` cannot give (when it can tell).
-
-    ``what``: the allocation and what sizes it; ``lower``: the arguments (and CLI flags) to lower.
-    """
+    """ConfigError before allocating ``nbytes`` that ``device`` cannot give (when it can tell). ``what``: the
+    allocation and what sizes it; ``lower``: the arguments (and CLI flags) to lower."""
     free = available_bytes(device)
     if free is not None and nbytes > free:
         raise ConfigError(
@@ -137,11 +112,9 @@ class Registrar(Protocol):
 
     def register(self, address: int, nbytes: int) -> None:
         """Page-lock ``[address, address + nbytes)``; raise on failure."""
-        ...
 
     def unregister(self, address: int) -> None:
         """Undo :meth:`register` of the range starting at ``address``."""
-        ...
 
 
 class CudaRegistrar:
@@ -208,11 +181,11 @@ def _unregister(
 class HostBuffer:
     """``nbytes`` of host memory as a uint8 tensor (``.tensor``), page-locked for DMA when ``pin``.
 
-    An anonymous mapping of exactly ``nbytes`` (rounded to whole pages by the kernel, never to a
-    power of two), back to the system once this object is released (or collected) and no tensor
-    viewing it is alive. :meth:`release` unlocks the pages at once; views that outlive it stay
-    valid, as ordinary pageable memory. ``device``: the GPU the buffer serves, made current for
-    the CUDA calls (whatever thread makes them).
+    Not ``torch.empty(..., pin_memory=True)``: torch's caching host allocator rounds every request up to
+    a power of two and keeps freed blocks (a 20 GB host tier would pin 32 GiB, and ``disable()`` give
+    nothing back). An anonymous ``mmap`` of exactly ``nbytes``, registered with the CUDA runtime when
+    pinned; :meth:`release` unlocks the pages at once (views that outlive it stay valid, as pageable
+    memory). ``device``: the GPU the buffer serves, made current for the CUDA calls.
     """
 
     def __init__(
@@ -266,46 +239,28 @@ def host_tensor_like(
 
 
 class EventBackend(Protocol):
-    """How events are made and waited on for one device (CUDA, a CPU no-op, or a recording fake)."""
+    """How events are made and waited on for one device (:class:`DeviceEvents`, or a recording fake)."""
 
     #: False when every operation is a no-op (the cache then skips the bookkeeping entirely).
     active: bool
 
     def stream(self) -> Hashable:
         """The calling thread's current stream on this device (a hashable identity)."""
-        ...
 
     def record(self) -> Any:
         """Record an event on the current stream after everything enqueued so far; return it."""
-        ...
 
     def wait(self, event: Any) -> None:
         """Make the current stream wait for ``event`` (the host does not block)."""
-        ...
 
 
-class NoEvents:
-    """A CPU: work runs in program order, so there is nothing to record or wait for."""
-
-    active = False
-
-    def stream(self) -> Hashable:
-        return None
-
-    def record(self) -> Any:
-        return None
-
-    def wait(self, event: Any) -> None:
-        return None
-
-
-class CudaEvents:
-    """CUDA events on the calling thread's current stream of ``device``."""
-
-    active = True
+class DeviceEvents:
+    """CUDA events on the calling thread's current stream of ``device``; inactive on any other device type,
+    where work runs in program order and there is nothing to record or wait for."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self.active = device.type == "cuda"
 
     def stream(self) -> Hashable:
         stream = torch.cuda.current_stream(self.device)
@@ -320,17 +275,9 @@ class CudaEvents:
         torch.cuda.current_stream(self.device).wait_event(event)
 
 
-def events_for(device: torch.device) -> EventBackend:
-    """The event backend of ``device``: CUDA events on a GPU, nothing on a CPU."""
-    return CudaEvents(device) if device.type == "cuda" else NoEvents()
-
-
 class StreamSync:
-    """Per-slot events of one slab: the last write of each slot and the reads still pending on it.
-
-    Thread-safe (a small lock of its own): readers record and wait from any thread while a build
-    runs. With an inactive backend (a CPU) every method returns at once.
-    """
+    """Per-slot events of one slab: the last write of each slot and the reads still pending on it. Thread-safe:
+    readers record and wait from any thread while a build runs. Inactive backend (a CPU): every method returns."""
 
     def __init__(self, num_slots: int, backend: EventBackend) -> None:
         self._lock = threading.Lock()
@@ -345,7 +292,8 @@ class StreamSync:
             #: The event after the last write of each slot (``None``: never written, or already
             #: waited for by everyone who needed it).
             self.written: list[Any] = [None] * self._slots
-            #: Per slot, per stream: the newest event after a read of that slot.
+            #: Per slot, per stream: the newest event after a read of that slot (events on one stream
+            #: complete in order, so the newest stands for all).
             self.read: list[dict[Hashable, Any]] = [{} for _ in range(self._slots)]
             #: Per stream: the newest event after a read whose slot the host does not know (a gather
             #: with a device slot tensor); every rewrite of any slot waits on these.
@@ -436,13 +384,9 @@ def _distinct(events: Iterable[Any]) -> list[Any]:
 
 
 class CopyStreams:
-    """One side stream per device, made on first use and reused by every later pass.
-
-    Why not a new stream per pass: torch hands out streams round-robin from a pool, and the
-    caching allocator keeps blocks freed on a stream for that stream, so a fresh stream per pass
-    leaves each pass's freed weight blocks cached where the next pass cannot reuse them, and the
-    reserved device memory grows pass after pass.
-    """
+    """One side stream per device, made on first use and reused by every later pass: the caching allocator
+    keeps blocks freed on a stream for that stream, so a fresh stream per pass would grow the reserved
+    device memory pass after pass."""
 
     def __init__(self, factory: Callable[[torch.device], Any] | None = None) -> None:
         self._factory = factory or (lambda device: torch.cuda.Stream(device))
@@ -477,14 +421,10 @@ def copy_to_device(
     copy: Callable[[torch.Tensor], torch.Tensor] | None = None,
     context: Callable[[torch.device, Any], contextlib.AbstractContextManager[Any]] = _cuda_context,
 ) -> list[torch.Tensor]:
-    """Copy host ``tensors`` to ``device`` on ``stream`` and wait until the copies are done.
-
-    The host buffers may be reused as soon as this returns, whether it returns or raises: a
-    failure after some copies were queued (out of device memory on the second tensor, say) still
-    synchronises ``stream`` before propagating, so no DMA can read a buffer the caller hands back
-    to its pool. The calling thread makes ``device`` current, so a reader thread never creates a
-    context on another GPU. ``copy`` (the per-tensor copy) and ``context`` (making the device and
-    stream current) are seams for tests on a CPU.
+    """Copy host ``tensors`` to ``device`` on ``stream`` and wait until the copies are done, also when one
+    fails after others were queued, so the host buffers may be reused as soon as this returns or raises.
+    The calling thread makes ``device`` current (a reader thread never creates a context on another GPU).
+    ``copy`` and ``context`` are seams for tests on a CPU.
     """
     do_copy = copy or (lambda t: t.to(device, non_blocking=True))
     try:

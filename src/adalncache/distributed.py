@@ -1,20 +1,11 @@
-"""Rank agreement and work sharing for distributed builds (``process_group=``).
+"""Rank agreement and work sharing for distributed builds (``process_group=``; docs/distributed.md).
 
-The cache talks to its peers only through a :class:`Collective`: trivial in a single process (the
-base class itself); over a ``torch.distributed`` group (:class:`ProcessGroupCollective`: gloo on
-CPU, NCCL on GPU) the ranks run SPMD, and every decision that must be identical everywhere is
-reduced across ranks before anyone acts on it: capacities are min-reduced and the settings that
-shape collectives compared at construction; each build starts with one small all-reduce (did the
-source or the variant change or fail to validate on any rank, did every rank ask for the same plans,
-are the slot maps still equal; diverged slabs are dropped everywhere, which brings the ranks back
-into step); tier hits are AND-reduced (:meth:`Collective.agree_on`). The rebuild pass is local and
-ends in one agreement all-gather carrying every rank's failure; only when none failed do the ranks
-exchange rows (:meth:`Collective.share_results`), agree again, and publish. So an exception on one
-rank anywhere before publish makes every rank raise :class:`~adalncache.errors.BuildError` naming
-that rank, within two small collectives, and no rank publishes. A rank that dies outright cannot
-take part: its peers block until the group's ``timeout=`` expires, then raise (docs/distributed.md).
-Rows move only through the :class:`~adalncache.slab.Slab` this module is handed: it never sees the
-cache, whose slot decisions stay the cache's.
+The cache talks to its peers only through a :class:`Collective`: trivial in a single process (the base
+class itself), over a ``torch.distributed`` group in :class:`ProcessGroupCollective`, where every
+decision that must be identical everywhere is reduced across ranks before anyone acts on it, and a
+failure on one rank before publish makes every rank raise :class:`~adalncache.errors.BuildError`
+naming it, within two small collectives. Rows move only through the :class:`~adalncache.slab.Slab`
+this module is handed: it never sees the cache, whose slot decisions stay the cache's.
 """
 
 from __future__ import annotations
@@ -27,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .devices import indexed
 from .errors import AdalnCacheError, BuildError, ConfigError, PlanError, failure_phase
 from .options import flag, knob
 from .source import Columns
@@ -52,10 +44,8 @@ class LocalWork:
 
 
 class PeerBuildFailure(AdalnCacheError, RuntimeError):
-    """The ``__cause__`` of a BuildError on a rank that did not fail itself: another rank's error.
-
-    The original exception lives in another process; this carries its rank, phase and text.
-    """
+    """The ``__cause__`` of a BuildError on a rank that did not fail itself: the rank, phase and text of
+    another rank's error (the exception itself lives in another process)."""
 
     def __init__(self, message: str, *, rank: int, failed_at: str) -> None:
         super().__init__(message)
@@ -64,12 +54,8 @@ class PeerBuildFailure(AdalnCacheError, RuntimeError):
 
 
 class Collective:
-    """The agreement protocol the cache relies on, as a single process runs it.
-
-    Alone, every decision is already agreed, so every method is trivial; this class is what the
-    cache uses without a process group. :class:`ProcessGroupCollective` implements the same
-    methods with ``torch.distributed`` collectives.
-    """
+    """The agreement protocol the cache relies on, as a single process runs it: alone, every decision is
+    already agreed, so every method is trivial."""
 
     rank: int = 0
     world: int = 1
@@ -85,13 +71,9 @@ class Collective:
     def agree_identity(
         self, flags: Sequence[bool], request: Sequence[Any], state: Sequence[Any] = ()
     ) -> tuple[list[bool], bool]:
-        """:meth:`any_of` ``flags``; check every rank asked for the same ``request`` (plan keys).
-
-        Raises PlanError on every rank when the requests differ: SPMD builds need the same plans
-        in the same order everywhere, or the ranks' slot maps (and so their collectives) diverge.
-        The second result says whether the ranks' ``state`` (their slot maps, in LRU order)
-        differs: a rank called ``invalidate()`` alone, say. The caller then drops every table on
-        every rank, which brings the ranks back into step.
+        """:meth:`any_of` ``flags``, and whether the ranks' ``state`` (slot maps in LRU order) differs (the
+        caller then drops every table on every rank). PlanError on every rank when the ``request`` (plan
+        keys) differs: SPMD builds need the same plans in the same order, or the slot maps diverge.
         """
         return self.any_of(flags), False
 
@@ -133,16 +115,9 @@ def _digest(values: Any) -> int:
     return int(hashlib.sha256(repr(values).encode()).hexdigest()[:15], 16)
 
 
-def _text_bytes(text: str, limit: int) -> bytes:
-    return text.encode("utf-8", errors="replace")[:limit]
-
-
 def _named_widths(spec: ModulationSpec) -> list[tuple[str, int]]:
-    """Each distinct output width with a name for messages: its table part's, if the part has one width.
-
-    A width that several parts share, or one part of several widths, is named by the first layer
-    that has it.
-    """
+    """Each distinct output width with a name for messages: its table part's where the part has one width,
+    else the first layer's that has it."""
     named: dict[int, str] = {}
     for part in spec.table_parts():
         widths = {spec.out_features(layer) for layer in spec.layers() if part.start <= spec.offset(layer) < part.stop}
@@ -163,11 +138,8 @@ def _column_index(spec: ModulationSpec, columns: Columns) -> torch.Tensor:
 
 
 def _split(units: Sequence[Layer], world: int) -> list[list[Layer]]:
-    """Contiguous shares of ``units`` per rank; the first ``len % world`` ranks get one more.
-
-    The output layer comes last in a pass and is the smallest projection, so the rank that holds
-    it is one of those with fewer units: the shares stay close in bytes read.
-    """
+    """Contiguous shares of ``units`` per rank; the first ``len % world`` ranks get one more, so the smallest
+    projection (the output layer, last) falls to one with fewer: the shares stay close in bytes read."""
     base, extra = divmod(len(units), world)
     shares, start = [], 0
     for r in range(world):
@@ -178,22 +150,9 @@ def _split(units: Sequence[Layer], world: int) -> list[list[Layer]]:
 
 
 class ProcessGroupCollective(Collective):
-    """Agreement and sharing over a ``torch.distributed`` process group.
-
-    ``shard="layers"``: rank r reads and projects a contiguous share of the layers (:func:`_split`)
-    into its own slab, then each owner broadcasts its rows in place, one contiguous
-    ``table[slot, t, lo:hi]`` view (its layers' columns) per plan row (no staging copy). The tables are
-    torch.equal to a single-process build because every row is computed by the same
-    ``F.linear`` at the same M as alone, on one rank, and copied bit for bit.
-
-    ``shard="columns"``: every rank reads its slice of every layer's output features and projects
-    ``F.linear(x, W[slice], b[slice])`` straight into that slice of its slab; per slot the slices
-    (every layer's, packed) are all-gathered and put side by side per layer, which is what a
-    column-parallel resident projection produces.
-
-    Tensors travel as raw bytes (``view(torch.uint8)``), so every dtype crosses every backend
-    unchanged.
-    """
+    """Agreement and sharing over a ``torch.distributed`` process group (the shard modes, and why each gives
+    its bits: docs/distributed.md). Tensors travel as raw bytes (``view(torch.uint8)``), so every dtype
+    crosses every backend unchanged."""
 
     def __init__(
         self,
@@ -214,12 +173,9 @@ class ProcessGroupCollective(Collective):
         self.world = dist.get_world_size(process_group)
         backend = str(dist.get_backend(process_group)).lower()
         self.backend = backend
-        if "nccl" in backend:
-            # NCCL only moves CUDA tensors: agreement tensors live on this rank's current device.
-            index = device.index if device is not None and device.type == "cuda" else None
-            self.comm_device = torch.device("cuda", index if index is not None else torch.cuda.current_device())
-        else:
-            self.comm_device = torch.device("cpu")
+        # NCCL only moves CUDA tensors: agreement tensors live on this rank's (current) device.
+        on_cuda = device if device is not None and device.type == "cuda" else torch.device("cuda")
+        self.comm_device = indexed(on_cuda) if "nccl" in backend else torch.device("cpu")
         self._global = [dist.get_global_rank(process_group, r) for r in range(self.world)]
         self._shares = _split(spec.layers(), self.world)
         self._gather: dict[str, torch.Tensor] | None = None
@@ -315,7 +271,7 @@ class ProcessGroupCollective(Collective):
         """(rank, phase, text) of every rank that failed, from one all-gather of fixed-size records."""
         at = (failure_phase(failure) or phase) if failure is not None else ""
         text = f"{type(failure).__name__}: {failure}" if failure is not None else ""
-        at_b, text_b = _text_bytes(at, _AT_BYTES), _text_bytes(text, _TEXT_BYTES)
+        at_b, text_b = (s.encode("utf-8", errors="replace")[:n] for s, n in ((at, _AT_BYTES), (text, _TEXT_BYTES)))
         payload = bytes([1 if failure is not None else 0])
         payload += len(at_b).to_bytes(2, "little") + len(text_b).to_bytes(2, "little") + at_b + text_b
         size = _HEADER + _AT_BYTES + _TEXT_BYTES
@@ -339,25 +295,16 @@ class ProcessGroupCollective(Collective):
             raw = bytes(t.cpu().tolist())
             if raw[0]:
                 n_at, n_text = int.from_bytes(raw[1:3], "little"), int.from_bytes(raw[3:5], "little")
-                body = raw[_HEADER:]
-                failed.append(
-                    (
-                        r,
-                        body[:n_at].decode("utf-8", errors="replace"),
-                        body[n_at : n_at + n_text].decode("utf-8", errors="replace"),
-                    )
-                )
+                at_b, text_b = raw[_HEADER : _HEADER + n_at], raw[_HEADER + n_at : _HEADER + n_at + n_text]
+                failed.append((r, at_b.decode("utf-8", errors="replace"), text_b.decode("utf-8", errors="replace")))
         return failed
 
     # -- the work of a pass -----------------------------------------------------------------
 
     def local_work(self, layers: Sequence[Layer], slab: Slab) -> LocalWork:
-        """This rank's layers (``layers`` shard) or its column slice of every layer (``columns``).
-
-        In column mode this also allocates the exchange buffers (one slot's worth) here, inside the
-        pass whose failures are agreed, so the exchange after the agreement allocates nothing and
-        cannot fail on one rank alone.
-        """
+        """This rank's layers (``layers`` shard) or its column slice of every layer (``columns``; the exchange
+        buffers are allocated here, inside the pass whose failures are agreed, so the exchange after the
+        agreement cannot fail on one rank alone)."""
         self._gather = self._column_buffers(slab) if self.shard == "columns" else None
         return self.hash_work(layers)
 
@@ -368,10 +315,8 @@ class ProcessGroupCollective(Collective):
         return LocalWork([layer for layer in layers if layer in mine])
 
     def gather_objects(self, value: Any) -> list[Any]:
-        import torch.distributed as dist
-
         out: list[Any] = [None] * self.world
-        dist.all_gather_object(out, value, group=self.group)
+        self._d.all_gather_object(out, value, group=self.group)
         return out
 
     def _column_buffers(self, slab: Slab) -> dict[str, torch.Tensor]:
@@ -455,10 +400,8 @@ def make_collective(
     device: torch.device | None = None,
     config: dict[str, Any] | None = None,
 ) -> Collective:
-    """The collective for ``process_group`` (``None``: a single process).
-
-    ``config``: further settings every rank must share (compared across ranks at construction).
-    """
+    """The collective for ``process_group`` (``None``: a single process); ``config``: further settings every
+    rank must share (compared across ranks at construction)."""
     if process_group is None:
         return Collective()
     try:

@@ -1,54 +1,11 @@
 """Identity: what a table is bound to, in the encodings every binding, hash and memo is computed over.
 
-A table is exact only for the bytes and the settings it was projected under. This module names both,
-below the weight sources (they hash what they read into a :class:`DigestSink`): canonical JSON
-(:func:`canonical_json`: equal values give equal bytes in every process and release, or an entry
-written by one would be a miss, or a second build, for the other), file identity
-(:class:`FileIdentity`, :class:`FileStamp`: a ``stat``, never a re-hash), the numeric environment,
-and the content digest's leaves and tensor digests. How a cache learns the digest, remembers it,
-checks it and forms the binding of its tables is :mod:`adalncache.identity.binding`.
-
-**The content digest.** A store entry or a table file is valid for the *bytes* of the projections,
-not for one file on one disk, so a copied checkpoint binds to the same tables. The digest can be
-computed while a rebuild pass reads the bytes anyway, by whichever rank reads them:
-
-* a tensor of ``R`` rows is cut into :data:`LEAVES` row blocks (leaf ``j``: rows
-  ``[j*R//64, (j+1)*R//64)``), each hashed on its own; a rank of a column split of ``world`` ranks
-  reads whole leaves whenever ``world`` divides 64, a rank of a layer split whole tensors;
-* a tensor digest hashes a tag, the tensor's layout-free *role* (``block.3.weight``,
-  ``final.bias``), its dtype and shape, and its 64 leaf hashes in order;
-* the content digest is ``blake3:`` and the hash of a tag, the spec, and every role with its tensor
-  digest, in sorted order: native and diffusers layouts, sharded or not, give one value; one
-  flipped bit, another dtype or shape another.
-
-Anything not read completely (a column split that cuts leaves, a device tensor) leaves the digest
-*unknown*: a store lookup is then a miss, never a guess. BLAKE3 because it is cryptographic (a
-crafted checkpoint cannot match a shipped table file) and fast enough to hide behind a pass (about
-4 GiB/s per core against 0.9 for SHA-256 on the development machine; it releases the GIL). The
-algorithm's name is part of every digest string, so it can change without confusing old records.
-
-**The numeric environment**, and why each part is in it (the store binding and the batched
-probe's shape classes both read :func:`bit_settings`, so they never disagree about what matters):
-
-* **Intra-op thread count** on a CPU. Measured on a 2-core AVX512 CPU (torch 2.13.0+cpu, MKL
-  2024.2, oneDNN 3.12), the same ``F.linear`` with 1 and 2 threads over 489 cases (bf16, fp16, fp32;
-  K = 2688 and 32; N up to 96768; M = 1..4 and stacked up to 200): bits changed in 70 (bf16 at
-  M = 2 and 3, fp32 at stacked M >= 16); 4 threads also changed bf16 at M = 4, 6 and 98; fp16 never.
-  Each count gave identical bits run after run. A GPU's GEMM does not use the CPU threads.
-* **Matmul precision switches.** From torch 2.9 each backend has an ``fp32_precision`` switch
-  (``"none"``: as the parent); ``mkldnn.matmul.fp32_precision = "bf16"`` changes an fp32
-  ``F.linear``'s bits on a CPU. Once a new switch is set, reading the legacy flags
-  (``cuda.matmul.allow_tf32``, ``get_float32_matmul_precision()``) can raise ("mix of the legacy
-  and new APIs"), CPU builds included; the new switches already reflect the legacy setters, so only
-  they are read (the matmul leaves of CUDA and oneDNN; conv and rnn never reach ``F.linear``), and
-  the legacy flags only on a torch without them.
-* **Reduced-precision reductions** and fp16 accumulation on CUDA; **deterministic algorithms**
-  (they may pick other kernels).
-* **Autocast** of the device's type: under it a projection and the fp32 time embedder compute in
-  the autocast dtype. Recorded only when on, so entries written without autocast keep their binding.
-
-:func:`numeric_environment` adds the torch and CUDA builds, the device name and capability or the
-CPU capability; the probe's shape class already names the device.
+Below the weight sources (they hash what they read into a :class:`DigestSink`): canonical JSON (equal
+values give equal bytes in every process and release), file identity (a ``stat``, never a re-hash),
+the numeric environment (:func:`bit_settings`, read by both the store binding and the batched probe's
+shape classes, so they never disagree; why each part is in it: docs/exactness.md), and the content
+digest's leaves and tensor digests (docs/tables.md, "The content digest"). How a cache learns,
+remembers and checks the digest and binds its tables is :mod:`adalncache.identity.binding`.
 """
 
 from __future__ import annotations
@@ -74,12 +31,9 @@ from ..geometry import FINAL, Layer
 
 
 def canonical_json(value: Any, *, strict: bool = False) -> bytes:
-    """``value`` as canonical JSON bytes: sorted keys, compact separators, and ``str`` for what JSON
-    cannot express (a dtype, a path), so a value never makes the encoder raise halfway through a build.
-
-    ``strict`` is the same encoding for a format another program reads back and re-checks (vLLM-Omni's
-    manifest): anything JSON cannot express, NaN and infinity included, raises instead.
-    """
+    """``value`` as canonical JSON bytes: sorted keys, compact separators, ``str`` for what JSON cannot
+    express (so the encoder never raises halfway through a build). ``strict``: for a format another program
+    re-checks (vLLM-Omni's manifest), anything JSON cannot express, NaN and infinity included, raises."""
     if strict:
         return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
     return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str).encode()
@@ -95,14 +49,9 @@ def plain_json(value: Any) -> Any:
 
 @dataclass(frozen=True)
 class FileIdentity:
-    """``stat`` identity of a file, re-checked at the start of every pass and lookup.
-
-    The change time is in it because the modification time is not enough: a rewrite in place that
-    puts the mtime back (``os.utime``, ``touch -d``, a copy tool) keeps device, inode, size and
-    mtime, but every write *through the file system*, ``utime`` and ``chmod`` sets the ctime, and no
-    user can set it back. (A write through a shared mapping to a page already dirty moves neither:
-    docs/tables.md says what catches that.)
-    """
+    """``stat`` identity of a file, re-checked at the start of every pass and lookup. The ctime is in it
+    because a rewrite in place can put the mtime back, never the ctime (docs/tables.md, "Which rewrites
+    are detected")."""
 
     device: int
     inode: int
@@ -121,9 +70,8 @@ class FileIdentity:
 
 @dataclass(frozen=True)
 class FileStamp:
-    """The key the digest memo remembers a file's tensor digests under: its stat identity, ctime
-    included, plus the host and resolved path (a copy is a new identity: one hashing read, never a
-    wrong digest) and the sha256 of its safetensors header."""
+    """The key the digest memo remembers a file's tensor digests under: its stat identity, the host and
+    resolved path (a copy is a new identity: one hashing read, never a wrong digest) and its header's sha256."""
 
     host: str
     path: str
@@ -136,11 +84,8 @@ class FileStamp:
 
     @classmethod
     def of(cls, path: Path, header: str) -> FileStamp:
-        st = os.stat(path)
-        where = str(Path(path).resolve())
-        return cls(
-            socket.gethostname(), where, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, header
-        )
+        i, where = FileIdentity.of(path), str(Path(path).resolve())
+        return cls(socket.gethostname(), where, i.device, i.inode, i.size, i.mtime_ns, i.ctime_ns, header)
 
     def as_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -196,10 +141,8 @@ def _effective_precision(chain: tuple[str, ...]) -> str:
 
 
 def autocast_dtype(device: torch.device | str) -> torch.dtype | None:
-    """The dtype a projection on ``device`` computes and returns in under the current autocast, or None.
-
-    Autocast is per device type and per thread; only the state of ``device``'s type reaches its kernels.
-    """
+    """The dtype a projection on ``device`` computes in under the current autocast (per device type and
+    thread: only ``device``'s type reaches its kernels), or None."""
     kind = device.type if isinstance(device, torch.device) else torch.device(device).type
     return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
 
@@ -207,10 +150,9 @@ def autocast_dtype(device: torch.device | str) -> torch.dtype | None:
 def bit_settings(device: torch.device | str) -> dict[str, Any]:
     """Every process-wide setting, besides shapes, dtypes and addresses, that can change GEMM bits on ``device``.
 
-    Only what reaches ``device``'s kernels: the thread count and the oneDNN switch on a CPU, the
-    CUDA switches on a GPU (a store filled by ranks with one CPU thread each still serves a GPU
-    process with many); another device type gets every switch. Never raises, whichever mix of the
-    legacy and new precision APIs the caller used. Values are plain, so the result is JSON-able.
+    Only what reaches ``device``'s kernels (a store filled by ranks with one CPU thread each still serves
+    a GPU process with many); another device type gets every switch. Never raises, whichever mix of the
+    legacy and new precision APIs the caller used; the values are plain (JSON-able).
     """
     kind = torch.device(device).type
     cpu, cuda = kind != "cuda", kind != "cpu"  # an unknown device type gets both
@@ -240,8 +182,7 @@ def bit_settings_key(device: torch.device | str) -> tuple[tuple[str, Any], ...]:
 
 
 def numeric_environment(device: torch.device) -> dict[str, Any]:
-    """Everything besides the weights that decides a projection's bits on ``device``: :func:`bit_settings`
-    plus the software and hardware that ran it. The store binds its entries to it."""
+    """:func:`bit_settings` plus the software and hardware that decide a projection's bits on ``device``."""
     env: dict[str, Any] = {
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
@@ -262,11 +203,8 @@ def numeric_environment(device: torch.device) -> dict[str, Any]:
 
 
 def device_identity(device: torch.device) -> tuple[Any, ...]:
-    """The part of :func:`numeric_environment` that belongs to the device rather than to the process.
-
-    Two devices of one identity (two GPUs of one model) compute the same bits for the same kernels,
-    so tables move between them as they are; across identities they must be computed again.
-    """
+    """The part of :func:`numeric_environment` that belongs to the device: two devices of one identity (two
+    GPUs of one model) compute the same bits, so tables move between them as they are."""
     if device.type == "cuda":
         return ("cuda", torch.cuda.get_device_name(device), tuple(torch.cuda.get_device_capability(device)))
     return (device.type,)
@@ -360,16 +298,9 @@ _UPSTREAM_TAG = b"adalncache-upstream-v1"
 
 
 def upstream_digest(tensors: Mapping[str, torch.Tensor]) -> str:
-    """``blake3:<hex>`` of the tensors upstream of the projections (time embedders; addition, guidance and
-    second-timestep embeddings), by the name the diffusers model gives each: a tag, then per name in sorted
-    order the name, dtype, shape and raw bytes.
-
-    Why: a row is the projection of what these modules compute, so a binding that named only the projection
-    bytes would serve one checkpoint's rows to a fine-tune that changed only its time embedder. The bytes are
-    hashed as they are (not cast), so the checkpoint's tensors and a model's live parameters loaded from them
-    give one value, and a model that holds them in another dtype another (a miss or a refusal, never stale
-    rows). The tensors are small (megabytes), so they are hashed whole, once per source identity.
-    """
+    """``blake3:<hex>`` of the tensors upstream of the projections, by their diffusers names: a tag, then per
+    name in sorted order the name, dtype, shape and raw bytes, hashed as they are, not cast (why: docs/tables.md,
+    "The upstream digest")."""
     parts: list[bytes | memoryview] = [_UPSTREAM_TAG]
     for name in sorted(tensors):
         tensor = tensors[name].detach().to("cpu").contiguous()
@@ -396,12 +327,8 @@ def merge_knowledge(parts: Iterable[Mapping[str, TensorDigest]]) -> Knowledge | 
 
 
 class DigestSink:
-    """Collects the leaf hashes of the bytes a read hashes; the reader thread feeds it.
-
-    Thread-safe, because a source reads on its own thread while the pass projects. The hashing runs
-    on the feeding thread (BLAKE3 releases the GIL), right after the bytes arrive, so a
-    compute-bound pass hides it behind its GEMMs.
-    """
+    """Collects the leaf hashes of the bytes a read hashes. Thread-safe: the reader thread feeds it while the
+    pass projects, hashing right after the bytes arrive (BLAKE3 releases the GIL), hidden behind the GEMMs."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

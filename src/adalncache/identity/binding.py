@@ -1,36 +1,13 @@
 """How a cache learns what its tables are bound to, remembers it, checks it, and binds its tables to it.
 
-Three things a table depends on can change while a cache lives: the weight source (a checkpoint
-rewritten on disk, seen through its fingerprint), the caller's *variant* (the active LoRA adapters)
-and the *autocast* state of the device's type. :class:`TableIdentity` re-checks them at the start of
-every build that has something to build (the hit path does not ``stat``), drops tables built under
-an old identity, and forms **the binding** (:meth:`TableIdentity.binding`): the one value naming
-everything a stored table depends on besides its plan (content digest, upstream digest, spec with
-dtype, precision, variant, shard mode, numeric environment, and for fp32 and fp16 weights each tensor's
-address modulo 64), which every tier compares by equality. The upstream digest (:func:`upstream_of`)
-names the modules between the keying inputs and the projections (time embedders; addition, guidance and
-second-timestep embeddings), from the checkpoint's tensors or the model's live parameters: a fine-tune
-that changed only those is another binding.
-
-The binding names the *content* of the projection tensors, so a copied checkpoint or store binds to
-the same entries. :class:`ContentIdentity` learns that digest the cheapest way available: from the
-memo (:class:`DigestMemo`), from the pass that builds anyway (the reader thread hashes what it
-streams), or by a hashing-only read when it pays (the store holds entries under a binding equal to
-this one but for the content, or a bound table file must be checked). Until then the digest is
-*unknown* and the store is not consulted: a miss, never a wrong answer. In a process group the ranks
-compose one digest in one collective; a rank records in its memo only the bytes it read itself.
-
-**Checked on every read that hashes.** Where something is bound to the digest
-(:attr:`ContentIdentity.wanted`: a store, table files, an export, a verification) every pass hashes
-what it reads, digest known or not: the binding a pass writes under must name the bytes it
-projected. Bytes that hash to another digest than the one held for an unchanged file identity raise
-:func:`rewritten`'s ``CheckpointError``; the memo's records of those files are forgotten. A ``stat``
-cannot see every rewrite (a write through a shared mapping to a page already dirty keeps mtime and
-ctime on ext4; an NFS client caches attributes), so anything else that re-reads the bytes anyway
-checks them too (:class:`CheckedRead`), and ``CheckpointSource(rehash=True)`` distrusts the memo.
-Without store or table files nothing is bound to the digest and passes do not hash (it cost a pass
-about half again on two CPU cores). Before a pass the files' identity must be *settled*
-(:func:`settle_margin_ns`).
+:class:`TableIdentity` re-checks the source's fingerprint, the caller's variant (the active LoRA
+adapters) and the autocast state at the start of every build that has something to build (the hit
+path does not ``stat``), drops tables built under an old identity, and forms the binding every tier
+compares by equality. :class:`ContentIdentity` learns the content digest the cheapest way available
+(the memo, the pass that builds anyway, or a hashing-only read when it pays; unknown until then: a
+miss, never a wrong answer) and, while something is bound to it, checks every read against it;
+:class:`CheckedRead` checks reads outside a pass. What the binding names and which rewrite each
+check catches: docs/tables.md.
 """
 
 from __future__ import annotations
@@ -70,7 +47,6 @@ from . import (
     merge_knowledge,
     numeric_environment,
     role_of,
-    upstream_digest,
 )
 
 if TYPE_CHECKING:
@@ -108,35 +84,12 @@ def content_digest(spec: ModulationSpec, knowledge: Mapping[str, TensorDigest]) 
 
 
 def upstream_of(source: Any) -> str | None:
-    """The upstream digest (:func:`~adalncache.identity.upstream_digest`) of what ``source``'s rows are
-    computed from, or None where it cannot be named.
-
-    ``source.upstream``, where set, says it (a digest, or a callable giving one when first asked, so that
-    nothing is read before a tier needs the binding): the diffusers integration sets it from the model's
-    live parameters, since its rows come from the model's own modules whatever checkpoint the projections
-    are read from. Otherwise a checkpoint names it by its own tensors (the family's
-    :meth:`~adalncache.geometry.Family.upstream` declaration): what ``build``, ``export`` and ``verify``
-    compute the rows with. A checkpoint of the projections alone, tensors in memory and table files name
-    none: their caller's ``embed`` is the caller's to vouch for.
-    """
-    given = getattr(source, "upstream", _UNSET)
+    """The upstream digest of what ``source``'s rows are computed from (:attr:`WeightSource.upstream
+    <adalncache.source.WeightSource.upstream>`, called when it is a callable), or None where none is named."""
+    given = getattr(source, "upstream", None)  # a source written before the attribute names none
     if callable(given):
         given = given()
-    if given is not _UNSET:
-        return None if given is None else str(given)
-    if not (callable(getattr(source, "read_tensor", None)) and callable(getattr(source, "entry", None))):
-        return None
-    spec = source.spec
-    names = spec.family.upstream_names(spec, source.layout)
-    try:
-        for key in names:
-            source.entry(key)
-    except KeyError:
-        return None
-    return upstream_digest({name: source.read_tensor(key) for key, name in names.items()})
-
-
-_UNSET = object()
+    return None if given is None else str(given)
 
 
 def rewritten(files: str, read: str, held: str, outcome: str) -> CheckpointError:
@@ -152,12 +105,8 @@ def rewritten(files: str, read: str, held: str, outcome: str) -> CheckpointError
 
 
 def settle_margin_ns(ctime_ns: int) -> int:
-    """How long after its last change a file's ctime is trusted to move on the next write.
-
-    File times come from the kernel's coarse clock (one tick: 1 to 10 ms), so two writes within one
-    tick can leave the same ctime: two ticks at HZ=100 is 20 ms; a file system that keeps whole
-    seconds (a ctime that is a multiple of 1 s) needs two of those.
-    """
+    """How long after its last change a file's ctime is trusted to move on the next write: two ticks of the
+    kernel's coarse clock at HZ=100, or two seconds on a file system that keeps whole seconds."""
     return 2_000_000_000 if ctime_ns % 1_000_000_000 == 0 else 20_000_000
 
 
@@ -185,17 +134,11 @@ def _merge(into: Mapping[str, TensorDigest], tensors: Mapping[str, TensorDigest]
 
 
 class DigestMemo:
-    """Tensor digests by file stamp: in this process, and in ``directory`` when given (a store's).
-
-    Hashing costs a read of every byte (24.2 GiB on the released model); the memo makes it a one-time
-    cost per file identity. A hashing read records what it learnt under each file's
-    :class:`~adalncache.identity.FileStamp`: in the store (``<store>/digests/<stamp key>.json``, one
-    record per file, shared by every process using the store) and in this process (so a cache without
-    a store, or a second cache over the same files, does not hash twice). A record is used only when
-    its stamp equals the file's current stamp field by field. Records are merged under ``flock`` of a
-    lock file beside them and replaced atomically; where the lock is not shared (some network
-    filesystems) a lost update only means a later re-hash.
-    """
+    """Tensor digests by :class:`~adalncache.identity.FileStamp`: in this process, and in ``directory`` when
+    given (a store's ``digests/``, one record per file), used only when the stamp equals the file's current one
+    field by field (docs/tables.md). Records are merged under ``flock`` of a lock file beside them and
+    replaced atomically; where the lock is not shared (some network filesystems) a lost update only means
+    a later re-hash."""
 
     def __init__(self, directory: Path | None = None, *, write: Callable[[Path, bytes], None] | None = None) -> None:
         self.directory = directory
@@ -214,11 +157,8 @@ class DigestMemo:
         return found
 
     def record(self, stamp: FileStamp, tensors: Mapping[str, TensorDigest]) -> None:
-        """Remember ``tensors`` for the file ``stamp`` names; never raises on I/O.
-
-        Only bytes this process read itself belong here: a digest composed with other ranks' leaves
-        describes their copies, which need not equal this host's file.
-        """
+        """Remember ``tensors`` for the file ``stamp`` names; never raises on I/O. Only bytes this process
+        read itself belong here: other ranks' leaves describe their copies, not this host's file."""
         if not tensors:
             return
         with _process_lock:
@@ -379,13 +319,8 @@ class ContentIdentity:
         return out
 
     def alignment(self) -> list[int] | None:
-        """Each projection tensor's address modulo 64 bytes as this source serves it, in pass order.
-
-        On a CPU an fp32 (or fp16) one-row GEMV gives other bits for the same weight at another
-        address modulo 16, so for those dtypes the same content at other offsets (a re-saved file) is
-        another table. A checkpoint's buffers keep the file offset's residue; a tensor in memory has
-        its own address. None when there are no weights.
-        """
+        """Each projection tensor's address modulo 64 bytes as this source serves it, in pass order (a
+        one-row fp32 or fp16 GEMV's bits depend on it: docs/exactness.md); None when there are no weights."""
         if not self.hashable:
             return None
         entry = getattr(self.source, "entry", None)
@@ -452,13 +387,9 @@ class ContentIdentity:
     # -- learning and checking it -----------------------------------------------------------
 
     def settled_stamps(self) -> tuple[dict[str, FileStamp] | None, bool]:
-        """The files' stamps once no file changed within :func:`settle_margin_ns`, and whether they are settled.
-
-        Waits (milliseconds, at most :data:`SETTLE_LIMIT_S`) while a file changed too recently for a
-        later write to be sure to move its ctime. A change time in the future (another host's clock)
-        cannot be judged: not waited for, reported as not settled (the memo then records nothing).
-        Raises CheckpointError when the files keep changing.
-        """
+        """The files' stamps once none changed within :func:`settle_margin_ns` (waiting at most
+        :data:`SETTLE_LIMIT_S`, else CheckpointError), and whether they are settled: a ctime in the future
+        (another host's clock) cannot be judged, so it is not waited for and the memo records nothing."""
         deadline = time.monotonic() + SETTLE_LIMIT_S
         while True:
             now = time.time_ns()
@@ -485,11 +416,8 @@ class ContentIdentity:
             time.sleep(wait / 1e9)
 
     def pass_sink(self) -> DigestSink | None:
-        """A sink for the next pass to feed (None: nothing to hash), after the files' identity settled.
-
-        A checkpoint is hashed by every pass while the digest is :attr:`wanted`; tensors in memory
-        only while their digest is unknown.
-        """
+        """A sink for the next pass to feed (None: nothing to hash), after the files' identity settled: every
+        pass hashes a checkpoint while the digest is :attr:`wanted`, tensors in memory only while it is unknown."""
         if not self.wanted:
             self._pending = None
             return None
@@ -511,12 +439,9 @@ class ContentIdentity:
             self.memo.forget(stamp)
 
     def after_pass(self) -> str | None:
-        """Remember what the read hashed and compose the digest (every rank calls this after a pass).
-
-        Raises :func:`rewritten`'s CheckpointError, on every rank alike (the digest is composed
-        collectively), when the bytes read hash to another digest than the one the read was bound to:
-        the digest is unknown again and the memo's records of the files are dropped.
-        """
+        """Remember what the read hashed and compose the digest (every rank calls this after a pass). Raises
+        :func:`rewritten`'s CheckpointError, on every rank alike, when the bytes hash to another digest than
+        the one the read was bound to: the digest is unknown again and the memo's records are dropped."""
         if self._pending is None:
             return self.digest
         sink, before, settled, held = self._pending
@@ -578,11 +503,8 @@ class ContentIdentity:
             )
 
     def identify(self, *, read: bool = True) -> str | None:
-        """The digest: from the memo, else (``read=True``) by a hashing-only read of this rank's share.
-
-        In a process group every rank must call this together. A read that fails on one rank still
-        takes part in the agreement (with what it hashed), then raises.
-        """
+        """The digest: from the memo, else (``read=True``) by a hashing-only read of this rank's share. Every
+        rank calls it together; a read that fails on one rank still takes part in the agreement, then raises."""
         if self.resolve() is not None or not read or not self.hashable:
             return self.digest
         sink = self._sink()  # asked for: hashes whether or not passes do (``wanted``)
@@ -602,16 +524,13 @@ class ContentIdentity:
 
 
 class CheckedRead:
-    """Projection bytes read outside a pass (weights restored from the checkpoint, a check at load),
-    hashed as they are read and checked against the content digest held for them.
+    """Projection bytes read outside a pass (weights restored from the checkpoint, a check at load), hashed
+    and checked against ``held``, since a stat cannot see every rewrite (docs/tables.md).
 
-    Why: a stat identity cannot see every rewrite (a write through a shared mapping to a page already
-    dirty keeps mtime and ctime on ext4), so an operation that re-reads the bytes anyway checks them
-    instead of trusting them. ``held`` is the digest the caller holds (``AdalnCache.content_digest``,
-    ``identify(read=False)``, or :attr:`digest` of an earlier ``CheckedRead`` of every layer); None
-    learns it without checking. :meth:`layers` yields each layer as the source streams it and raises,
-    on the ``next()`` after the last one, a ``CheckpointError`` when the bytes hash to another digest:
-    use nothing it yielded until the loop has ended.
+    ``held``: ``AdalnCache.content_digest``, ``identify(read=False)``, or :attr:`digest` of an earlier
+    ``CheckedRead`` of every layer; None learns it without checking. :meth:`layers` raises, on the
+    ``next()`` after the last layer, a ``CheckpointError`` when the bytes hash to another digest: use
+    nothing it yielded until the loop has ended.
     """
 
     def __init__(self, source: WeightSource, held: str | None = None) -> None:
@@ -710,11 +629,10 @@ class TableIdentity:
     ) -> None:
         """Re-stat the source, compare the variant and the autocast state; ``drop(why)`` old tables.
 
-        ``resident``: the slot map in LRU order; ``holds_tables``: whether the slab or the host tier
-        holds anything. In a process group the three flags, a digest of ``request`` and one of
-        ``resident`` are reduced in one collective, so every rank drops, or keeps, the same tables.
-        Raises the ``CheckpointError`` (alone) or a ``BuildError`` naming the rank (in a group) when
-        the source no longer validates.
+        ``resident``: the slot map in LRU order; ``holds_tables``: whether the slab or the host tier holds
+        anything. In a group the flags and digests of ``request`` and ``resident`` are reduced in one
+        collective, so every rank drops, or keeps, the same tables. When the source no longer validates:
+        its ``CheckpointError`` alone, a ``BuildError`` naming the rank in a group.
         """
         invalid: CheckpointError | None = None
         try:
@@ -788,12 +706,9 @@ class TableIdentity:
         return self.binding() if self.source.fingerprint == self.fingerprint else None
 
     def lock_namespace(self) -> str:
-        """A name shared by every process that would build the same store entries, known before any hashing.
-
-        The binding without its content, plus each checkpoint file's size and header hash: equal for
-        copies of one checkpoint, so their processes build once. (Two checkpoints with identical
-        headers share it too; that only makes one wait, never serves wrong rows.)
-        """
+        """A name shared by every process that would build the same store entries, known before any hashing:
+        the binding without its content, plus each file's size and header hash, so copies of one checkpoint
+        build once (two checkpoints with identical headers only make one wait, never serve wrong rows)."""
         stamps = self.content.stamps() or {}
         files = sorted({(stamp.size, stamp.header) for stamp in stamps.values()})
         fallback = self.fingerprint if not stamps else None

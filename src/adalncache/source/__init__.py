@@ -1,14 +1,9 @@
-"""Weight sources: where the projection bytes of a rebuild pass come from.
+"""Weight sources: where the projection bytes of a rebuild pass come from (docs/api.md, "Weight sources").
 
-Two kinds share one small protocol (:class:`WeightSource`), so the cache never cares where bytes
-come from: :class:`~adalncache.source.checkpoint.CheckpointSource` streams safetensors files from
-disk, :class:`~adalncache.source.memory.TensorSource` serves tensors already in memory, and
-:class:`~adalncache.source.memory.NoWeights` stands in for a cache that serves table files only.
-Both validate their tensors here at construction (:func:`expected`, :func:`tensor_problem`), so a
-wrong checkpoint or mapping fails with one message listing every unusable tensor before any build.
-The modules: :mod:`.files` (safetensors files: headers, the files of a checkpoint, their
-fingerprint, validation against a spec, the writer), :mod:`.reads` (bytes into buffers: ``pread``,
-O_DIRECT, aligned buffers, mapped views), :mod:`.checkpoint` and :mod:`.memory` (the sources).
+The protocol every source speaks (:class:`WeightSource`), and the checks each runs on its tensors at
+construction (:func:`expected`, :func:`tensor_problem`, :func:`check_tensors`), so a wrong checkpoint or
+mapping fails with one message listing every unusable tensor before any build. :mod:`.files` holds the
+safetensors files, :mod:`.reads` the bytes into buffers, :mod:`.checkpoint` and :mod:`.memory` the sources.
 """
 
 from __future__ import annotations
@@ -52,18 +47,19 @@ class WeightSource(Protocol):
     spec: ModulationSpec
     layout: KeyLayout
     bytes_read: int
+    #: The upstream digest (:func:`~adalncache.identity.upstream_digest`) of the modules the rows are computed
+    #: from, or a callable giving it when a tier first needs the binding (so nothing is read before); None
+    #: names none (the caller's ``embed`` is the caller's to vouch for). A checkpoint names its own tensors
+    #: unless told otherwise; the diffusers integration sets the model's, whose own modules compute the rows.
+    upstream: str | Callable[[], str | None] | None
 
     @property
     def fingerprint(self) -> str:
         """Identity of the bytes served (``stat`` identities for files; addresses for tensors)."""
-        ...
 
     def refresh(self) -> bool:
         """Re-check the identity cheaply (``stat``, never re-hashing data); True when it changed.
-
-        Raises CheckpointError when the changed source no longer validates.
-        """
-        ...
+        CheckpointError when the changed source no longer validates."""
 
     def stream(
         self,
@@ -75,15 +71,10 @@ class WeightSource(Protocol):
         digests: DigestSink | None = None,
     ) -> Iterator[LayerWeights]:
         """Yield ``layers`` in order, reading ahead; the consumer must finish one before asking the next.
-
-        ``digests`` hashes the bytes as they are read (the content identity); a source that cannot
-        hash what it serves (a device tensor) feeds it nothing.
-        """
-        ...
+        ``digests`` hashes the bytes as read; a source that cannot hash them (a device tensor) feeds it nothing."""
 
     def describe(self) -> dict[str, Any]:
         """A JSON-friendly summary for ``inspect`` and logs."""
-        ...
 
 
 def expected(spec: ModulationSpec, layout: KeyLayout) -> list[tuple[Layer, str, tuple[int, ...]]]:

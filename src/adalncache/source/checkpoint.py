@@ -1,30 +1,12 @@
-"""Projection weights streamed from safetensors files, one layer at a time, with read-ahead.
+"""Projection weights streamed from safetensors files, one layer at a time, with read-ahead (docs/api.md).
 
-A :class:`CheckpointSource` validates the headers itself (native or diffusers layout; one file, a
-directory, a sharded checkpoint with its index, or a list of files), checks every projection tensor
-at construction, and streams one layer at a time with ``pread`` on a background thread, so layer
-k+1 is read while layer k is projected and at most ``read_ahead + 1`` layers are in memory. Files are
-opened (and, in place, mapped) per pass, so a file replaced by ``rename`` is seen by the next pass
-and no mapping outlives its pass.
-
-**The validated checkpoint** (:class:`ValidatedCheckpoint`) is one immutable value: construction
-(and every re-validation after the files changed) either accepts the whole checkpoint or refuses it
-naming every missing, misshapen or misplaced tensor, and a refresh swaps it whole, so a pass never
-sees half of an old checkpoint and half of a new one.
-
-**In place** (``in_place=True``, the default): on a CPU, a tensor whose every page the page cache
-holds is projected straight from a mapping of the file the pass holds open, at the file's own
-offsets (where ``from_pretrained`` places the resident weights): no staging copy competes with the
-GEMMs for the cores. The reader thread still hashes those bytes and checks, per tensor, that the file
-still reaches its end. Staging stays for CUDA (page-locked buffers, the copy stream), for bytes the
-cache does not hold (O_DIRECT), and for ``in_place=False``. What in place cannot catch is a file
-truncated *while* a mapped layer is hashed or projected: touching a page past the new end raises
-SIGBUS (as it does for a model loaded with ``from_pretrained``); see docs/tables.md.
-
-Every buffer it reads into keeps the tensor's file offset modulo 4096 (so modulo 64), where a model
-that memory-maps the same file holds that tensor: projecting from either gives the model's bits.
-Every byte read is counted and hashed exactly once, on the reader thread that read it, while it is
-still hot in the CPU's caches.
+A pass reads on a background thread, so layer k+1 is read while layer k is projected and at most
+``read_ahead + 1`` layers are in memory; every byte is counted and hashed once, on the reader thread,
+while still hot in the CPU's caches. Files are opened (and, in place, mapped) per pass, so a file
+replaced by ``rename`` is seen by the next pass and no mapping outlives its pass. A refresh swaps the
+:class:`ValidatedCheckpoint` whole, so a pass never sees half of an old checkpoint and half of a new
+one. Buffers keep each tensor's file offset modulo 4096, where a model mapping the file holds it
+(docs/exactness.md); what projecting in place cannot catch: docs/tables.md.
 """
 
 from __future__ import annotations
@@ -33,7 +15,7 @@ import contextlib
 import logging
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,15 +23,16 @@ from typing import Any
 
 import torch
 
-from ..devices import CopyStreams, copy_to_device
+from ..devices import CopyStreams, copy_to_device, indexed
 from ..errors import CheckpointError, ConfigError
-from ..identity import DigestSink, role_of
+from ..identity import DigestSink, role_of, upstream_digest
 from ..spec import KeyLayout, Layer, ModulationSpec
 from . import Columns, LayerWeights, check_tensors, detect_layout, expected, tensor_problem
 from .files import CheckpointFiles, CheckpointPath, SafetensorsHeader, TensorEntry, open_regular
 from .reads import DirectReads, PassMappings, StagingPool, pread_into, read_buffer, resident_fraction
 
 log = logging.getLogger(__name__)
+_UNSET = object()
 
 
 def _open(path: Path) -> int:
@@ -117,17 +100,11 @@ class ValidatedCheckpoint:
 
 
 class CheckpointSource:
-    """Projection weights streamed from safetensors files (see the module docstring).
+    """Projection weights streamed from safetensors files (the arguments: docs/api.md).
 
-    ``keep_buffers``: keep the read buffers between passes (``read_ahead + 1`` layers of host memory,
-    about 1 GiB at the released widths, or one pinned layer on CUDA), because a serving process runs
-    pass after pass and fresh buffers cost every pass the first-touch page faults of two layers
-    (0.23 s per 496 MiB layer on the 2-core dev box, against 45 ms for the ``pread`` itself) or, on
-    CUDA, a slow pinned allocation; :meth:`release_buffers` gives them back. ``direct_io``: read the
-    bytes the page cache does not hold with O_DIRECT (:class:`~adalncache.source.reads.DirectReads`).
-    ``in_place``: project from a mapping where the page cache holds a tensor (module docstring).
-    ``rehash``: do not take the content digest from the digest memo: hash the files on first use,
-    and again after their identity changes (a rewrite their ``stat`` cannot see, docs/tables.md).
+    ``keep_buffers`` because a serving process runs pass after pass, and fresh buffers cost every pass
+    the first-touch page faults of two layers (0.23 s per 496 MiB layer on the 2-core dev box, against
+    45 ms for the ``pread`` itself) or, on CUDA, a slow pinned allocation.
     """
 
     def __init__(
@@ -165,6 +142,7 @@ class CheckpointSource:
         self._pool: StagingPool | None = None
         #: The side stream of each device this source copies layers to, reused by every pass.
         self.copy_streams = CopyStreams()
+        self._upstream: Any = _UNSET
         self._load()
 
     # -- identity ---------------------------------------------------------------------------
@@ -180,12 +158,25 @@ class CheckpointSource:
     def fingerprint(self) -> str:
         return self._checkpoint.files.fingerprint
 
-    def changed_files(self) -> list[Path]:
-        """The files (and index) whose ``stat`` identity (ctime included) moved since they were validated.
+    @property
+    def upstream(self) -> str | Callable[[], str | None] | None:
+        """What was set, else the digest of the checkpoint's own upstream tensors (the family's
+        :meth:`~adalncache.geometry.Family.upstream`: what ``build``, ``export`` and ``verify`` compute the
+        rows with), None for a checkpoint of the projections alone."""
+        if self._upstream is not _UNSET:
+            return self._upstream
+        names = self.spec.family.upstream_names(self.spec, self.layout)
+        if any(key not in self._checkpoint.files.where for key in names):
+            return None
+        return upstream_digest({name: self.read_tensor(key) for key, name in names.items()})
 
-        What a build checks before and after its pass: a file rewritten or replaced meanwhile means
-        the bytes read may be a mix of old and new, so nothing read from it may be published.
-        """
+    @upstream.setter
+    def upstream(self, value: str | Callable[[], str | None] | None) -> None:
+        self._upstream = value
+
+    def changed_files(self) -> list[Path]:
+        """The files (and index) whose ``stat`` identity moved since they were validated: a build checks
+        before and after its pass, and publishes nothing read from them (the bytes may be a mix)."""
         return self._checkpoint.files.changed_files()
 
     def refresh(self) -> bool:
@@ -216,12 +207,8 @@ class CheckpointSource:
             self._read = value
 
     def cached_fraction(self) -> float | None:
-        """Of the projection bytes, the fraction the page cache holds now (``mincore``; nothing is read).
-
-        None where that cannot be told (no ``mincore``, a file that cannot be opened: the pass itself
-        then says why). What a caller weighing a second read of the same bytes asks: a cold pass reads
-        with O_DIRECT, so reading them again is as cold as the first time.
-        """
+        """Of the projection bytes, the fraction the page cache holds now (``mincore``; nothing is read), or
+        None where that cannot be told. A cold pass reads with O_DIRECT, so a second read is as cold."""
         total = cached = 0.0
         checkpoint = self._checkpoint
         try:
@@ -244,23 +231,15 @@ class CheckpointSource:
         return self._checkpoint.entry(name)
 
     def read_tensor(self, name: str) -> torch.Tensor:
-        """One whole tensor of the checkpoint (any dtype torch can hold), read from disk now.
-
-        For tensors besides the projections that a caller needs exactly as the file holds them (the
-        time embedder): the buffer keeps the file offset's address modulo 4096, because an fp32 GEMV's
-        bits depend on the weight's address. Read through the page cache, not counted in
-        ``bytes_read``. CheckpointError, naming the files and the tensor, if it is absent or unreadable.
-        """
+        """One whole tensor as the file holds it (the time embedder), at the file offset's address modulo
+        4096 (an fp32 GEMV's bits depend on it); through the page cache, not counted in ``bytes_read``.
+        CheckpointError, naming the files and the tensor, if it is absent or unreadable."""
         try:
             header, entry = self.entry(name)
         except KeyError:
             files = ", ".join(str(f) for f in self.files)
             raise CheckpointError(f"the checkpoint has no tensor {name!r} (files searched: {files})") from None
-        why = entry.misaligned()
-        if why:
-            raise CheckpointError(f"{header.path}: tensor {name!r} cannot be read: {why}")
-        dtype = entry.torch_dtype
-        assert dtype is not None  # misaligned said so
+        dtype = entry.view_dtype(header.path, "read")
         view = read_buffer(entry.nbytes, entry.begin)
         fd = _open(header.path)
         try:
@@ -278,19 +257,14 @@ class CheckpointSource:
         read_ahead: int = 1,
         digests: DigestSink | None = None,
     ) -> Iterator[LayerWeights]:
-        """Yield each layer, reading up to ``read_ahead`` layers ahead on a background thread.
-
-        At most ``read_ahead + 1`` layers are held in host memory at once. On CUDA the host buffers
-        are pinned and copied to the device on a side stream, so the copy of layer k+1 overlaps the
-        projection of layer k. ``digests`` hashes every byte read, on the reader thread, before the
-        buffer goes to the consumer.
-        """
+        """Yield each layer, reading up to ``read_ahead`` layers ahead on a background thread. On CUDA the
+        host buffers are pinned and copied on a side stream, so the copy of layer k+1 overlaps the
+        projection of layer k."""
         device = torch.device(device)
         if read_ahead < 0:
             raise ConfigError(f"read_ahead must be >= 0, got {read_ahead}")
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())  # the reader thread must not guess
-        yield from LayerPass(self, layers, device, columns, read_ahead, digests).run()
+        # With its index: the reader thread must not guess which CUDA device is current.
+        yield from LayerPass(self, layers, indexed(device), columns, read_ahead, digests).run()
 
     # -- buffers and summary ----------------------------------------------------------------
 
@@ -309,12 +283,10 @@ class CheckpointSource:
     def _take_buffers(self, device: torch.device, read_ahead: int) -> StagingPool | None:
         """The staging buffers of one pass: the kept pool where it fits, else a new one (None: fresh per layer).
 
-        On CUDA each pinned buffer is free again once its copy finished (a load waits for it) and loads
-        run one at a time, so one buffer serves the pass; pinning is slow and rounds up, so it happens
-        once per pass, not per layer. On CPU the consumer projects from the buffer itself: the one it
-        holds plus the read_ahead being read. With read_ahead=0 the read runs inside next(), while the
-        consumer still holds the previous layer, so a single buffer could never be reused: that mode
-        takes a fresh buffer per layer.
+        On CUDA a pinned buffer is free again once its copy finished and loads run one at a time, so one
+        buffer serves the pass. On CPU the consumer projects from the buffer itself: the one it holds plus
+        the read_ahead being read. With read_ahead=0 the read runs inside next(), while the consumer
+        still holds the previous layer, so no buffer could be reused: a fresh one per layer.
         """
         cuda = device.type == "cuda"
         if not (cuda or read_ahead):
@@ -337,10 +309,7 @@ class CheckpointSource:
             staging.clear()
 
     def release_buffers(self) -> int:
-        """Free the read buffers kept from the last pass; returns the bytes released.
-
-        Safe at any time: a pass in progress owns its buffers. The next pass allocates fresh ones.
-        """
+        """Free the read buffers kept from the last pass (a pass in progress owns its own); returns the bytes."""
         with self._lock:
             kept, self._pool = self._pool, None
         if kept is None:
@@ -375,13 +344,9 @@ class CheckpointSource:
 
 
 class LayerPass:
-    """One pass over ``layers`` of the checkpoint as validated when it starts: a reader thread
-    ``read_ahead`` layers ahead of the consumer.
-
-    A pass has a lifetime of its own (files opened and mapped for it, staging buffers taken for it
-    and handed back after it, a reader thread drained whether the consumer finishes, fails or stops
-    early); nothing of it outlives the pass but the staging buffers the source keeps.
-    """
+    """One pass over ``layers`` of the checkpoint as validated when it starts: a reader thread ``read_ahead``
+    layers ahead of the consumer. Its files, mappings and thread end with it (drained whether the consumer
+    finishes, fails or stops early); only the staging buffers the source keeps outlive it."""
 
     def __init__(
         self,

@@ -1,43 +1,18 @@
 """A checkpoint's safetensors files: their headers, which files make the checkpoint, their fingerprint, the writer.
 
-**Headers** are validated when a source is constructed (and again when a file changes on disk),
-the way safetensors itself validates a file, so a corrupt header is reported as a malformed file
-naming the tensor instead of surfacing later inside a read or a GEMM:
-
-* 8 bytes of little-endian header length, then that many bytes of UTF-8 JSON holding one object,
-  at most 100 MB; ``__metadata__``, if present, maps strings to strings;
-* every other key is a tensor: ``dtype`` a known name, ``shape`` a list of non-negative integers,
-  ``data_offsets`` two JSON integers ``0 <= begin <= end`` (not floats, not booleans) with
-  ``end - begin`` the product of the shape times the dtype's size;
-* sorted by offset, the spans tile the data section exactly (no gap, no overlap, no tail);
-* then safetensors' own parser must accept the file too, so nothing its reference refuses is read.
-
-**Which files.** A checkpoint path is one ``.safetensors`` file, an index
-(``*.safetensors.index.json``), a directory, or a list of files. A directory stands for the one set
-of files diffusers would load from it: its one index (whose files must stay inside the directory),
-else diffusers' ``diffusion_pytorch_model.safetensors``, else every ``*.safetensors`` in it. Any
-other ``*.safetensors`` of the directory that holds a tensor name of that set (an old copy, another
-precision) makes it ambiguous and is refused naming both files, never merged nor silently ignored:
-the cache must serve the weights the model loads. A tensor name given by two files of the set is
-refused the same way (the writer's alignment padding is no tensor and may repeat). Only regular
-files are opened: a FIFO, a device or a socket named ``*.safetensors`` is skipped in a directory
-(logged) and refused when named itself, so nothing blocks.
-
-**The fingerprint** is built from each file's ``stat`` identity (device, inode, size, mtime, ctime)
-and a hash of its header: it changes whenever a file is rewritten through the file system (even
-with its mtime put back), replaced or touched, and checking it costs a ``stat`` per file.
-
-**The writer** (:func:`write_safetensors`) places each tensor at a chosen file offset modulo
-``align``: on a CPU an fp32 GEMV's bits depend on the weight's address modulo 16, and a mapped file
-puts a tensor at (page-aligned base + file offset), so choosing offsets reproduces a model's own
-alignment. Tensors may be produced one at a time as they are written (:class:`LazyTensor`), so a
-multi-GiB benchmark checkpoint needs one tensor of memory; gaps are ``uint8`` padding tensors named
-``PAD_PREFIX.<n>``, so safetensors itself loads the files.
+Headers are validated as safetensors validates a file (:meth:`SafetensorsHeader.read`), so a corrupt
+one is a malformed file naming the tensor, not a failure inside a read or a GEMM. Which files a path
+stands for (one set, never a merge; only regular files opened, so nothing blocks) and what the
+fingerprint is: docs/api.md, "CheckpointSource". The writer (:func:`write_safetensors`) places each
+tensor at a chosen file offset modulo ``align``, reproducing a mapped model's alignment (an fp32 GEMV's
+bits depend on the address: docs/exactness.md); its gaps are ``uint8`` padding tensors, so safetensors
+itself loads the files, and :class:`LazyTensor` lets a multi-GiB file need one tensor of memory.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import hashlib
 import json
@@ -62,12 +37,6 @@ from ..options import flag
 log = logging.getLogger(__name__)
 
 
-def _optional(name: str) -> torch.dtype | None:
-    """A torch dtype that older torch builds lack."""
-    dtype = getattr(torch, name, None)
-    return dtype if isinstance(dtype, torch.dtype) else None
-
-
 class DType(NamedTuple):
     """One safetensors dtype: its name in headers, its width in bits, the torch dtype (if any)."""
 
@@ -76,34 +45,23 @@ class DType(NamedTuple):
     torch: torch.dtype | None
 
 
+def _dtypes(table: str) -> tuple[DType, ...]:
+    """``NAME:bits[:torch name]`` entries; a torch dtype this build lacks is None, as for the sub-byte floats."""
+    out = []
+    for entry in table.split():
+        name, bits, *torch_name = entry.split(":")
+        found = getattr(torch, torch_name[0], None) if torch_name else None
+        out.append(DType(name, int(bits), found if isinstance(found, torch.dtype) else None))
+    return tuple(out)
+
+
 #: Every dtype a safetensors header may carry. One without a torch counterpart (the sub-byte float
 #: formats) is validated like any other; it only cannot be read as a tensor.
-DTYPES: tuple[DType, ...] = tuple(
-    DType(name, bits, dtype)
-    for name, bits, dtype in (
-        ("BOOL", 8, torch.bool),
-        ("U8", 8, torch.uint8),
-        ("I8", 8, torch.int8),
-        ("U16", 16, _optional("uint16")),
-        ("I16", 16, torch.int16),
-        ("U32", 32, _optional("uint32")),
-        ("I32", 32, torch.int32),
-        ("U64", 64, _optional("uint64")),
-        ("I64", 64, torch.int64),
-        ("F16", 16, torch.float16),
-        ("BF16", 16, torch.bfloat16),
-        ("F32", 32, torch.float32),
-        ("F64", 64, torch.float64),
-        ("C64", 64, torch.complex64),
-        ("F8_E4M3", 8, torch.float8_e4m3fn),
-        ("F8_E5M2", 8, torch.float8_e5m2),
-        ("F8_E4M3FNUZ", 8, _optional("float8_e4m3fnuz")),
-        ("F8_E5M2FNUZ", 8, _optional("float8_e5m2fnuz")),
-        ("F8_E8M0", 8, _optional("float8_e8m0fnu")),
-        ("F4", 4, None),
-        ("F6_E2M3", 6, None),
-        ("F6_E3M2", 6, None),
-    )
+DTYPES = _dtypes(
+    "BOOL:8:bool U8:8:uint8 I8:8:int8 U16:16:uint16 I16:16:int16 U32:32:uint32 I32:32:int32 U64:64:uint64 "
+    "I64:64:int64 F16:16:float16 BF16:16:bfloat16 F32:32:float32 F64:64:float64 C64:64:complex64 "
+    "F8_E4M3:8:float8_e4m3fn F8_E5M2:8:float8_e5m2 F8_E4M3FNUZ:8:float8_e4m3fnuz F8_E5M2FNUZ:8:float8_e5m2fnuz "
+    "F8_E8M0:8:float8_e8m0fnu F4:4 F6_E2M3:6 F6_E3M2:6"
 )
 _BY_NAME: dict[str, DType] = {d.name: d for d in DTYPES}
 #: safetensors dtype names -> torch dtypes (those torch can hold).
@@ -145,12 +103,9 @@ class TensorEntry:
         return SAFETENSORS_DTYPES.get(self.dtype)
 
     def misaligned(self) -> str | None:
-        """Why this tensor's data cannot be viewed as its dtype in place, or None.
-
-        A tensor is read into a buffer at its file offset's address modulo 4096 (or mapped at it), so
-        its elements sit on their natural boundary only if the offset is a multiple of the element
-        size, as every writer of the format (safetensors' own included) lays them out.
-        """
+        """Why this tensor's data cannot be viewed as its dtype in place, or None: it is read (or mapped) at
+        its file offset's address modulo 4096, so its elements sit on their natural boundary only if the
+        offset is a multiple of the element size, as every writer of the format lays them out."""
         dtype = self.torch_dtype
         if dtype is None:
             return f"dtype {self.dtype} has no torch counterpart"
@@ -160,6 +115,14 @@ class TensorEntry:
                 f"elements; re-save the checkpoint with safetensors"
             )
         return None
+
+    def view_dtype(self, path: Path, how: str) -> torch.dtype:
+        """The dtype to view this tensor's bytes as; CheckpointError naming ``path`` where it cannot be ``how``."""
+        why = self.misaligned()
+        if why:
+            raise CheckpointError(f"{path}: tensor {self.name!r} cannot be {how}: {why}")
+        assert self.torch_dtype is not None  # misaligned said so
+        return self.torch_dtype
 
 
 class NotARegularFile(OSError):
@@ -175,14 +138,10 @@ def is_regular(path: Path) -> bool:
 
 
 def open_regular(path: Path) -> int:
-    """A read-only descriptor of ``path``, refused (:class:`NotARegularFile`) unless it is a regular file.
-
-    The one way the package opens a file to read it. ``O_NONBLOCK`` because opening a FIFO for
-    reading otherwise waits for a writer, forever if none comes (a named pipe called
-    ``x.safetensors`` in a checkpoint directory must not hang a scan); on a regular file the flag
-    changes nothing. The type is checked on the open descriptor, so a file swapped for a FIFO
-    after a ``stat`` is still refused.
-    """
+    """A read-only descriptor of ``path``, refused (:class:`NotARegularFile`) unless it is a regular file: the
+    one way the package opens a file to read it. ``O_NONBLOCK`` so that a FIFO named ``x.safetensors`` never
+    hangs a scan waiting for a writer; the type is checked on the open descriptor, so a file swapped for a
+    FIFO after a ``stat`` is still refused."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     try:
         mode = os.fstat(fd).st_mode
@@ -210,14 +169,8 @@ def fsync_dir(path: Path) -> None:
 
 def read_regular(path: Path) -> bytes:
     """The whole content of the regular file ``path`` (:func:`open_regular`, then read)."""
-    fd = open_regular(path)
-    try:
-        parts = []
-        while chunk := os.read(fd, 1 << 20):
-            parts.append(chunk)
-        return b"".join(parts)
-    finally:
-        os.close(fd)
+    with open(open_regular(path), "rb") as handle:
+        return handle.read()
 
 
 class _Object(dict[str, Any]):
@@ -263,7 +216,14 @@ class SafetensorsHeader:
 
     @classmethod
     def read(cls, path: Path) -> SafetensorsHeader:
-        """Parse and validate ``path``'s header (see the module docstring); CheckpointError if it is malformed."""
+        """Parse and validate ``path``'s header; CheckpointError if it is malformed.
+
+        8 bytes of little-endian length, then at most 100 MB of UTF-8 JSON holding one object, whose
+        ``__metadata__`` maps strings to strings and whose every other key is a tensor: a known ``dtype``,
+        a ``shape`` of non-negative integers, ``data_offsets`` of two JSON integers (not floats, not
+        booleans) ``0 <= begin <= end`` spanning the shape times the dtype's size; sorted by offset the
+        spans tile the data section exactly; then safetensors' own parser must accept the file too.
+        """
         try:
             fd = open_regular(path)
             try:
@@ -417,11 +377,8 @@ _NAMED = re.compile(r"`([^`]*)`")
 
 
 def _safetensors_accepts(path: Path, fd: int) -> None:
-    """safetensors' own parser must accept the file too (a backstop for anything the checks above miss).
-
-    It opens the very file ``fd`` holds (through ``/proc/self/fd``, where the system has it), not
-    whatever the path names by now: a path swapped for a FIFO meanwhile never blocks.
-    """
+    """safetensors' own parser must accept the file too (a backstop for anything the checks above miss),
+    opened through ``/proc/self/fd`` where there is one, so a path swapped for a FIFO meanwhile never blocks."""
     opened = f"/proc/self/fd/{fd}" if os.path.isdir("/proc/self/fd") else str(path)
     try:
         with safe_open(opened, framework="pt"):
@@ -457,6 +414,15 @@ def _not_regular(path: Path) -> CheckpointError:
     )
 
 
+def _existing_file(file: Path, missing: str) -> Path:
+    """``file``, refused (CheckpointError) with ``missing`` if it does not exist, or if it is not a regular file."""
+    if not file.exists():
+        raise CheckpointError(missing)
+    if not is_regular(file):
+        raise _not_regular(file)
+    return file
+
+
 def _regular_in(root: Path, pattern: str) -> list[Path]:
     """The regular files of ``root`` matching ``pattern``, sorted; anything else is skipped (logged), never opened."""
     out = []
@@ -471,21 +437,14 @@ def _regular_in(root: Path, pattern: str) -> list[Path]:
 def checkpoint_files(path: CheckpointPath) -> tuple[list[Path], Path | None]:
     """Resolve ``path`` into checkpoint files, plus the index json that named them (if any).
 
-    Raises CheckpointError when a path does not exist or is not a regular file, a directory holds
-    no checkpoint or several index files, or an index is invalid or names a file outside its
-    directory. (Ambiguity with other files of a directory is checked by :class:`CheckpointFiles`,
-    which reads their headers.)
+    CheckpointError when a path does not exist or is not a regular file, a directory holds no checkpoint
+    or several index files, or an index is invalid or names a file outside its directory (ambiguity with
+    other files of a directory is :class:`CheckpointFiles`'s to check: it reads their headers).
     """
     if isinstance(path, (list, tuple)):
-        files = [Path(p) for p in path]
-        if not files:
+        if not path:
             raise CheckpointError("the list of checkpoint files is empty: pass at least one .safetensors file")
-        for file in files:
-            if not file.exists():
-                raise CheckpointError(f"checkpoint file {file} does not exist")
-            if not is_regular(file):
-                raise _not_regular(file)
-        return files, None
+        return [_existing_file(f, f"checkpoint file {f} does not exist") for f in map(Path, path)], None
     root = Path(cast("str | os.PathLike[str]", path))  # a list or tuple returned above
     try:
         mode = os.stat(root).st_mode
@@ -518,17 +477,6 @@ def checkpoint_files(path: CheckpointPath) -> tuple[list[Path], Path | None]:
     return files, None
 
 
-def _other_files(path: CheckpointPath, files: Sequence[Path]) -> list[Path]:
-    """The regular ``*.safetensors`` of directory ``path`` that are not among ``files`` (none for a file or list)."""
-    if isinstance(path, (list, tuple)):
-        return []
-    root = Path(cast("str | os.PathLike[str]", path))  # a list or tuple returned above
-    if not root.is_dir():
-        return []
-    chosen = {f.resolve() for f in files}
-    return [f for f in _regular_in(root, "*.safetensors") if f.resolve() not in chosen]
-
-
 def _indexed_files(root: Path, index: Path) -> list[Path]:
     """The files ``index`` names, each required to be a regular file inside ``root``."""
     try:
@@ -553,11 +501,7 @@ def _indexed_files(root: Path, index: Path) -> list[Path]:
                 f"{index} points at {name!r}, outside the checkpoint directory {root}: an index may only "
                 f"name files inside its own directory"
             )
-        if not file.exists():
-            raise CheckpointError(f"{index} names {name!r}, which does not exist in {root}")
-        if not is_regular(file):
-            raise _not_regular(file)
-        files.append(file)
+        files.append(_existing_file(file, f"{index} names {name!r}, which does not exist in {root}"))
     return files
 
 
@@ -587,15 +531,16 @@ class CheckpointFiles:
         files, index = checkpoint_files(path)
         headers = [SafetensorsHeader.read(f) for f in files]
         where: dict[str, SafetensorsHeader] = {}
-        root = index.parent if index is not None else files[0].parent if len(files) > 1 else Path(str(files[0]))
-        if isinstance(path, (str, os.PathLike)) and Path(path).is_dir():
-            root = Path(path)
+        directory = Path(path) if isinstance(path, (str, os.PathLike)) and Path(path).is_dir() else None
+        root = directory or (index.parent if index else files[0].parent if len(files) > 1 else Path(str(files[0])))
         for header in headers:
             for name in header.entries:
                 held = where.setdefault(name, header)
                 if held is not header and not name.startswith(PAD_PREFIX):
                     raise _clash(root, name, held.path, header.path, index)
-        for other in _other_files(path, files):
+        # Every other *.safetensors of a directory: one that holds a tensor of the set makes it ambiguous.
+        chosen, others = {f.resolve() for f in files}, _regular_in(directory, "*.safetensors") if directory else []
+        for other in (f for f in others if f.resolve() not in chosen):
             try:
                 names = SafetensorsHeader.read(other).entries
             except CheckpointError as exc:
@@ -607,11 +552,8 @@ class CheckpointFiles:
             log.info("%s holds none of the checkpoint's tensors: not read", other)
         digest = hashlib.sha256()
         for header in headers:
-            ident = header.identity
-            digest.update(
-                f"{header.path.resolve()}|{ident.device}|{ident.inode}|{ident.size}|{ident.mtime_ns}|"
-                f"{ident.ctime_ns}|{header.digest}\n".encode()
-            )
+            fields = (header.path.resolve(), *dataclasses.astuple(header.identity), header.digest)
+            digest.update(("|".join(map(str, fields)) + "\n").encode())
         index_identity = FileIdentity.of(index) if index else None
         return cls(files, index, index_identity, headers, where, digest.hexdigest())
 
@@ -641,15 +583,6 @@ class LazyTensor(NamedTuple):
     make: Callable[[], torch.Tensor]
 
 
-def _declared(name: str, tensor: torch.Tensor | LazyTensor) -> tuple[list[int], str, int]:
-    """(shape, safetensors dtype name, bytes) of ``tensor``, without producing a lazy one."""
-    shape = [int(s) for s in tensor.shape]
-    dtype_name = safetensors_name(tensor.dtype)
-    if dtype_name is None:
-        raise ConfigError(f"write_safetensors cannot store dtype {tensor.dtype} (tensor {name!r})")
-    return shape, dtype_name, tensor.dtype.itemsize * math.prod(shape)
-
-
 def _data(name: str, tensor: torch.Tensor | LazyTensor) -> torch.Tensor:
     """The bytes of ``tensor`` as a flat uint8 CPU tensor (producing a lazy one now)."""
     if isinstance(tensor, LazyTensor):
@@ -673,13 +606,9 @@ def write_safetensors(
     align: int = 64,
     metadata: Mapping[str, str] | None = None,
 ) -> Path:
-    """Write ``tensors`` to ``path`` as a safetensors file, each at a chosen file offset modulo ``align``.
-
-    ``residues`` gives the wanted ``file offset % align`` per tensor (default 0). The header is
-    padded with spaces (which the format allows) so the data section starts at a multiple of
-    ``align``. The file is written to a temporary name, synced and renamed into place, so a
-    reader never sees half of it. Returns ``path``.
-    """
+    """Write ``tensors`` to ``path`` as a safetensors file, each at its ``residues`` (``file offset % align``,
+    default 0), the header padded with spaces so the data starts at a multiple of ``align``. Written to a
+    temporary name, synced and renamed into place, so a reader never sees half of it. Returns ``path``."""
     residues = dict(residues or {})
     path = Path(path)
     order: list[tuple[str, torch.Tensor | LazyTensor | int]] = []  # an int is that many padding bytes
@@ -688,7 +617,10 @@ def write_safetensors(
         header["__metadata__"] = dict(metadata)
     offset = 0
     for name, tensor in tensors.items():
-        shape, dtype_name, nbytes = _declared(name, tensor)
+        shape, dtype_name = [int(s) for s in tensor.shape], safetensors_name(tensor.dtype)
+        if dtype_name is None:
+            raise ConfigError(f"write_safetensors cannot store dtype {tensor.dtype} (tensor {name!r})")
+        nbytes = tensor.dtype.itemsize * math.prod(shape)
         gap = (residues.get(name, 0) - offset) % align
         if gap:
             pad_name = f"{PAD_PREFIX}.{sum(isinstance(t, int) for _, t in order)}"

@@ -1,17 +1,15 @@
 """Sources that read nothing from disk: projection tensors already in memory, or no weights at all.
 
-:class:`TensorSource` serves a model's own tensors exactly as they are (never copied).
-:class:`NoWeights` stands where a weight source would be for a cache that serves table files only: a
-model loaded without its AdaLN projections (or whose projections were freed) can still be served
-for every plan its table files hold, and the cache's bookkeeping needs no special case. A build
-that would need a pass raises :class:`~adalncache.PlanNotCachedError` before anything changes (the
-cache checks ``serves_weights`` first, so :meth:`NoWeights.stream` is only a last line of defence).
+:class:`NoWeights` stands where a weight source would be for a cache that serves table files only (a
+model loaded without its projections, or whose projections were freed), so the cache's bookkeeping
+needs no special case; the cache checks ``serves_weights`` before a pass, so :meth:`NoWeights.stream`
+raising :class:`~adalncache.PlanNotCachedError` is only a last line of defence.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -25,19 +23,11 @@ from .files import safetensors_name
 
 
 class TensorSource:
-    """Projection weights already in memory, used exactly as they are (never copied).
-
-    ``tensors`` maps native or diffusers names to tensors. The fingerprint covers each tensor's
-    address, shape, dtype, device and in-place version counter, so replacing or editing a weight
-    in place (a fused LoRA, say) is noticed by the next build.
-
-    ``logical_shapes`` is for tensors only their module's own forward can read: quantized tensor
-    subclasses, packed bytes, weights kept in fp8 by layerwise casting. It gives, by name, the
-    shape each such tensor stands for; those tensors are validated by that shape alone (their
-    storage dtype and shape say nothing about the matrix), the source refuses to slice columns
-    (``shard="columns"``), and their fingerprint adds the object's identity and the tensors inside
-    it (a subclass may report no address of its own). A ``project`` that runs the module is then
-    the only correct way to build from them.
+    """Projection weights already in memory, used exactly as they are, never copied (docs/api.md). Its
+    fingerprint names addresses, shapes, dtypes, devices and in-place versions, so an in-place edit (a fused
+    LoRA) is noticed by the next build; tensors of ``logical_shapes`` (quantized, packed, fp8 by layerwise
+    casting) are validated by that shape alone, fingerprinted also by identity and inner tensors (a subclass
+    may report no address of its own), and never column-sliced: only their module's forward can read them.
     """
 
     def __init__(
@@ -71,6 +61,7 @@ class TensorSource:
         check_tensors(spec, self.layout, problem, "tensors given to TensorSource")
         self.tensors = {key: tensors[key] for _, key, _ in expected(spec, self.layout)}
         self.bytes_read = 0
+        self.upstream: str | Callable[[], str | None] | None = None
         #: The fingerprint names addresses in this process, so store entries could never hit again.
         self.persistent = False
         self._fingerprint = self._compute_fingerprint()
@@ -163,6 +154,7 @@ class NoWeights:
     #: Nothing to read, nothing to hash, nothing a store could be bound to.
     serves_weights = False
     persistent = False
+    upstream: str | Callable[[], str | None] | None = None
 
     def __init__(self, spec: ModulationSpec) -> None:
         self.spec = spec

@@ -1,28 +1,11 @@
 """Bytes from a file into host memory: aligned buffers, the one ``pread`` loop, O_DIRECT, and mapped views.
 
-**Where a buffer sits decides bits.** On a CPU an fp32 GEMV (M=1) gives different bits for the
-same weight at different addresses modulo 16 bytes. A model loaded from a safetensors file holds
-memory-mapped views whose address is congruent to the tensor's file offset modulo the page size,
-so a copy that must project like the model keeps that address modulo 64 (:data:`ALIGNMENT`). Read
-buffers keep it modulo 4096 (:data:`DIRECT_BLOCK`), what O_DIRECT needs from the buffer, the file
-offset and the length, with a block of slack on each side so a direct read can round its range out
-to whole blocks. Page-locked buffers (for CUDA) are :class:`~adalncache.devices.HostBuffer`: exactly
-the size asked for (torch's pinned allocator rounds a 496 MiB layer up to 512 MiB and keeps freed
-blocks), given back when released.
-
-**Reads.** Every read of tensor bytes in the package goes through :func:`pread_into`. With a
-:class:`DirectReads` it reads the bytes the page cache does not hold with O_DIRECT and those it
-holds with a plain ``pread``; without one, every byte comes through the page cache.
-
-**Mapped views** (:class:`MappedFile`) read from disk only the bytes a caller touches. Why not
-``safetensors.safe_open(...).get_tensor``: it maps the file with sequential read-ahead and touches
-each tensor's first page, and one fault then reads megabytes around it, so loading every tensor but
-the AdaLN projections still reads nearly all of the projections' pages. :class:`MappedFile` maps
-the file as torch does (``MAP_PRIVATE``: each tensor at its file offset's address modulo the page
-size, the alignment a stock load gives), turns read-around off (``MADV_RANDOM``) and prefetches
-exactly the pages of tensors used at once (``MADV_WILLNEED``). A pass that projects in place maps
-the very file it holds open (:class:`PassMappings`), with the default read-around, and only for
-bytes the page cache already holds.
+A read buffer keeps its tensor's file offset modulo 4096 (:data:`DIRECT_BLOCK`, what O_DIRECT needs; so
+modulo 64, where a model mapping the file holds the tensor, which decides a CPU GEMV's bits:
+docs/exactness.md), with a block of slack each side for a direct read to round out into; page-locked
+ones are :class:`~adalncache.devices.HostBuffer`. Every read of tensor bytes goes through
+:func:`pread_into`. :class:`MappedFile` reads only the pages a caller touches (why not safetensors'
+``get_tensor``: docs/diffusers.md); :class:`PassMappings` maps the files a pass projecting in place holds open.
 """
 
 from __future__ import annotations
@@ -61,11 +44,8 @@ def _storage_bytes(nbytes: int, modulus: int, margin: int) -> int:
 
 
 def place(storage: torch.Tensor, nbytes: int, residue: int, *, modulus: int, margin: int) -> torch.Tensor:
-    """The ``nbytes`` view of uint8 ``storage`` whose address is congruent to ``residue`` mod ``modulus``.
-
-    At least ``margin`` bytes of ``storage`` lie before the view and after it (``storage`` must
-    hold ``nbytes + modulus + 2 * margin`` bytes).
-    """
+    """The ``nbytes`` view of uint8 ``storage`` (of :func:`_storage_bytes`) at an address congruent to
+    ``residue`` mod ``modulus``, with at least ``margin`` bytes of ``storage`` before and after it."""
     pad = margin + (residue - storage.data_ptr() - margin) % modulus
     return storage[pad : pad + nbytes]
 
@@ -80,14 +60,9 @@ def aligned_empty(
     pin: bool = False,
     device: torch.device | str = "cpu",
 ) -> torch.Tensor:
-    """An uninitialised tensor whose data address is congruent to ``residue`` modulo ``modulus``.
-
-    ``margin`` bytes of the same allocation stay free before and after the data (a direct read
-    rounds its range out into them). ``pin`` allocates page-locked memory. The tensor is a view of
-    a larger allocation and keeps it alive. On a device other than the CPU the tensor is a plain
-    allocation: that device's allocator decides addresses, and the address effect on the bits is
-    a CPU one.
-    """
+    """An uninitialised tensor whose data address is congruent to ``residue`` modulo ``modulus``, ``margin``
+    bytes of its allocation free on each side (``pin``: page-locked). Off the CPU a plain allocation: that
+    device's allocator decides addresses, and the address effect on the bits is a CPU one."""
     shape = tuple(int(s) for s in shape)
     if torch.device(device).type != "cpu":
         return torch.empty(shape, dtype=dtype, device=device)
@@ -120,17 +95,11 @@ def _use_count(storage: torch.Tensor) -> int:
 
 
 class StagingPool:
-    """Read buffers reused across the layers of one pass, instead of one fresh buffer per layer.
-
-    Why: a fresh 496 MiB buffer is a fresh ``mmap`` whose pages the kernel faults in and zeroes
-    on first touch; measured on the 2-core dev box that costs 0.3-0.6 s per layer against 55 ms for
-    the ``pread`` itself from the page cache. ``slots`` buffers per part (weight, bias) are used
-    round-robin, so at most ``slots`` layers are alive. A buffer is only refilled once nothing but
-    this pool references it (storage use count); a consumer that keeps a layer past the next one
-    (say, into a list) makes the pool allocate a fresh buffer instead, so it is never overwritten
-    under a live tensor. The wait covers the moment between ``next()`` and the consumer rebinding
-    its loop variables; it is short because the consumer drops the previous layer within
-    microseconds of receiving the next.
+    """Read buffers reused round-robin across the layers of one pass (``slots`` per part), since a fresh
+    496 MiB buffer costs 0.3-0.6 s of first-touch page faults against 55 ms for a cached ``pread`` (2-core
+    dev box). A buffer is refilled only once nothing but the pool references it (storage use count),
+    after a short wait for the consumer to rebind its loop variables; a consumer that keeps a layer
+    longer gets a fresh buffer instead, so none is overwritten under a live tensor.
     """
 
     #: How long to wait for a consumer to drop a buffer before giving up and allocating a new one.
@@ -207,19 +176,15 @@ class StagingPool:
             return held
 
     def _release_owner(self, key: tuple[int, str]) -> None:
-        """Unlock the pages of ``key``'s old buffer (pinned pools; under the lock); its memory goes with
-        its last view."""
+        """Unlock the pages of ``key``'s old buffer (under the lock); its memory goes with its last view."""
         owner = self._owners.pop(key, None)
         if owner is not None:
             owner.release()
 
     def prefault(self, index: int, part: str, nbytes: int) -> bool:
-        """Allocate and first-touch the buffer of ``index``'s slot now, if it has none yet.
-
-        Why: the consumer of a pass idles while the first layer is read; faulting in the next
-        slot's fresh buffer meanwhile takes that cost (0.2 s per 496 MiB layer on the dev box) off
-        the pass's critical path. The buffer is touched before the pool sees it, so the reader
-        never finds it referenced. Returns whether a buffer was added.
+        """Allocate and first-touch the buffer of ``index``'s slot now, if it has none yet (returns whether
+        one was added): the consumer idles while the first layer is read, so this takes the faults (0.2 s
+        per 496 MiB layer) off the critical path. Touched before the pool sees it, so never found referenced.
         """
         key = (index % self.slots, part)
         with self._lock:
@@ -243,10 +208,7 @@ class StagingPool:
                     pool._buffers[key] = held
                     if key in self._owners:
                         pool._owners[key] = self._owners.pop(key)
-            dropped = list(self._owners.values())
-            self._owners.clear()
-        for owner in dropped:
-            owner.release()
+        self.clear()  # unlocks the pages of the slots dropped
         pool.fresh = self.fresh
         pool.requested = list(self.requested)
         return pool
@@ -295,12 +257,8 @@ _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
 def resident_fraction(fd: int, offset: int, nbytes: int) -> float | None:
-    """The fraction of ``[offset, offset + nbytes)`` of ``fd`` held in the page cache (mincore).
-
-    Maps the range without touching it (no page is read or faulted in), asks ``mincore``, unmaps.
-    None where that is not possible. Also what tests and the GPU check use to tell a cold file
-    from a warm one.
-    """
+    """The fraction of ``[offset, offset + nbytes)`` of ``fd`` the page cache holds (``mincore`` on an
+    untouched mapping: nothing is read), or None where that cannot be told."""
     if _LIBC is None or nbytes <= 0:
         return None
     lead = offset % PAGE
@@ -321,17 +279,11 @@ def resident_fraction(fd: int, offset: int, nbytes: int) -> float | None:
 class DirectReads:
     """O_DIRECT reads for the bytes the page cache does not hold, for one pass.
 
-    Why: a buffered read of cold data costs the CPU a copy out of the page cache plus the cache's
-    own bookkeeping (measured on the 2-core dev box: 0.3-1.9 s of CPU for 2 GiB, against 0.09 s
-    with O_DIRECT at the same wall time), and that CPU is what the GEMMs of a compute-bound pass
-    need. Bytes already cached are still read from the cache: for every 64 MiB chunk ``mincore``
-    says how much of it is cached (a mostly cached chunk is read with a plain ``pread``); where
-    mincore cannot see the cache, a ``preadv2(RWF_NOWAIT)`` returns what is cached and only the
-    rest goes direct.
-    Direct reads do not fill the page cache, so a cold checkpoint stays cold between passes (and
-    does not evict anything else); ``CheckpointSource(direct_io=False)`` restores plain reads.
-    Anything unsupported (a filesystem without O_DIRECT such as tmpfs, a kernel without
-    RWF_NOWAIT, a device with larger blocks) falls back to plain reads, per file.
+    Why: a buffered read of cold data costs the CPU the GEMMs need (2-core dev box: 0.3-1.9 s of CPU for
+    2 GiB, against 0.09 s with O_DIRECT at the same wall time), and does not evict anything else. A
+    64 MiB chunk ``mincore`` finds mostly cached is read with a plain ``pread``; where mincore cannot
+    see the cache, ``preadv2(RWF_NOWAIT)`` returns what is cached and only the rest goes direct.
+    Anything unsupported (tmpfs, no RWF_NOWAIT, larger blocks) falls back to plain reads, per file.
     """
 
     def __init__(self) -> None:
@@ -341,21 +293,15 @@ class DirectReads:
         self.bytes = 0
 
     def _fd(self, path: Path, pass_fd: int) -> int | None:
-        """An O_DIRECT descriptor of the very file ``pass_fd`` holds open (never a replacement).
-
-        Why: the pass opened its files at its start; a checkpoint replaced by ``rename`` since then
-        must not be read at the old offsets. ``/proc/self/fd/N`` reopens the open file itself,
-        and the (device, inode) check refuses anything else.
-        """
+        """An O_DIRECT descriptor of the very file ``pass_fd`` holds open, never a replacement by ``rename``
+        (``/proc/self/fd/N`` reopens the open file; the (device, inode) check refuses anything else)."""
         if path not in self._fds:
             fd: int | None = None
             try:
                 fd = os.open(f"/proc/self/fd/{pass_fd}", os.O_RDONLY | os.O_DIRECT)
                 held, opened = os.fstat(pass_fd), os.fstat(fd)
                 if (held.st_dev, held.st_ino) != (opened.st_dev, opened.st_ino):
-                    os.close(fd)
-                    fd = None
-                    log.debug("O_DIRECT reopen of %s reached another file; plain reads for it", path)
+                    raise OSError("its reopen reached another file")
             except OSError as exc:
                 if fd is not None:
                     os.close(fd)
@@ -365,11 +311,8 @@ class DirectReads:
         return self._fds[path]
 
     def chunk(self, fd: int, path: Path, address: int, nbytes: int, offset: int) -> int | None:
-        """Read up to ``nbytes`` at ``offset``, directly if the page cache holds less than half of them.
-
-        None: the caller reads this chunk with a plain ``pread`` (mostly cached, or no O_DIRECT
-        for this file, or no way to tell cached bytes from cold ones, or the end of the file).
-        """
+        """Read up to ``nbytes`` at ``offset``, directly if the page cache holds less than half of them;
+        None where the caller reads the chunk with a plain ``pread``."""
         if not self.nowait:
             return None
         if self._mincore_trusted(path, fd):
@@ -403,12 +346,8 @@ class DirectReads:
         return trusted
 
     def read(self, pass_fd: int, path: Path, address: int, nbytes: int, offset: int) -> int | None:
-        """Up to ``nbytes`` read directly into ``address``; None where O_DIRECT cannot be used.
-
-        The range is rounded out to whole blocks: the bytes before ``address`` and after the
-        chunk that this also writes are the same file bytes (or the slack of a buffer from
-        :func:`read_buffer`).
-        """
+        """Up to ``nbytes`` read directly into ``address`` (None where O_DIRECT cannot be used), the range
+        rounded out to whole blocks: what this writes around it is the same file bytes or a buffer's slack."""
         fd = self._fd(path, pass_fd)
         if fd is None:
             return None
@@ -438,12 +377,9 @@ class DirectReads:
 def pread_into(
     fd: int, view: torch.Tensor, offset: int, path: Path, what: str, direct: DirectReads | None = None
 ) -> int:
-    """Fill ``view`` (contiguous uint8 on the CPU) from ``fd`` at ``offset``; returns the bytes read.
-
-    Every byte is really read; a file that ends early raises CheckpointError naming ``path`` and
-    ``what``. With ``direct`` (and ``view`` from :func:`read_buffer`),
-    cached bytes come from the page cache and the rest with O_DIRECT (see :class:`DirectReads`).
-    """
+    """Fill ``view`` (contiguous uint8 on the CPU) from ``fd`` at ``offset``, every byte really read;
+    returns the bytes read. A file that ends early raises CheckpointError naming ``path`` and ``what``.
+    With ``direct`` (and ``view`` from :func:`read_buffer`), cold bytes are read with O_DIRECT."""
     total = view.numel()
     base = view.data_ptr()
     done = 0
@@ -464,11 +400,9 @@ def pread_into(
 
 
 class MappedFile:
-    """One safetensors file mapped copy-on-write, read-around off unless asked (see the module docstring).
-
-    ``header`` is the file's validated header; ``fd`` maps the file a caller holds open instead of
-    opening ``header.path``. Tensors from :meth:`tensor` are views of the mapping and keep it alive;
-    writing to one never reaches the file.
+    """One safetensors file mapped copy-on-write (as torch maps it: each tensor at its file offset's address
+    modulo the page size), read-around off unless asked; ``fd``: the file a caller holds open, instead of
+    ``header.path``. Its tensors are views that keep the mapping alive; a write to one never reaches the file.
     """
 
     def __init__(self, header: SafetensorsHeader, *, fd: int | None = None, read_around: bool = False) -> None:
@@ -501,19 +435,12 @@ class MappedFile:
             return torch.frombuffer(self._map, dtype=torch.uint8, count=nbytes, offset=offset)
 
     def tensor(self, name: str, *, prefetch: bool) -> torch.Tensor:
-        """A view of tensor ``name`` in the mapping; ``prefetch`` asks the kernel to read its pages now.
-
-        Without ``prefetch`` nothing is read until the tensor's bytes are touched, and then only the
-        touched pages.
-        """
+        """A view of tensor ``name`` in the mapping; ``prefetch`` asks the kernel to read its pages now, else
+        only the pages touched are read, when they are."""
         entry = self.header.entries.get(name)
         if entry is None:
             raise CheckpointError(f"{self.path} has no tensor {name!r}")
-        why = entry.misaligned()
-        if why:
-            raise CheckpointError(f"{self.path}: tensor {name!r} cannot be mapped: {why}")
-        dtype = entry.torch_dtype
-        assert dtype is not None  # misaligned said so
+        dtype = entry.view_dtype(self.path, "mapped")
         if entry.nbytes == 0 or self._map is None:
             return torch.empty(entry.shape, dtype=dtype)
         if prefetch and hasattr(self._map, "madvise") and hasattr(mmap, "MADV_WILLNEED"):
@@ -523,32 +450,21 @@ class MappedFile:
 
 
 class PassMappings:
-    """The mappings a pass projects from in place: the files it holds open, each mapped on first use.
-
-    Why the pass's own descriptors: a checkpoint replaced by ``rename`` mid-pass must not be read
-    at the old offsets, so only the file the pass opened is mapped (as its ``pread`` reads do).
-    Dropped with the pass (:meth:`close`); tensors a consumer still holds keep their mapping alive.
-    """
+    """The mappings a pass projects from in place: the files it holds open (a replacement by ``rename``
+    mid-pass is never read at the old offsets), each mapped on first use, dropped with the pass."""
 
     def __init__(self, fds: dict[Path, int]) -> None:
         self._fds = fds
         self._maps: dict[Path, MappedFile] = {}
 
     def resident(self, path: Path, offset: int, nbytes: int) -> bool:
-        """Whether the page cache holds every page of ``[offset, offset + nbytes)`` of ``path`` (``mincore``).
-
-        False where that cannot be told (no ``mincore``; a file this process neither owns nor may
-        write, whose cache Linux hides): such bytes are staged instead.
-        """
+        """Whether the page cache holds every page of ``[offset, offset + nbytes)`` of ``path``; False where
+        that cannot be told (no ``mincore``; a file whose cache Linux hides from this process): staged."""
         return nbytes > 0 and resident_fraction(self._fds[path], offset, nbytes) == 1.0
 
     def view(self, header: SafetensorsHeader, offset: int, nbytes: int, what: str) -> torch.Tensor | None:
-        """A uint8 view of those bytes in the mapping, or None where they are to be staged.
-
-        Only for bytes the page cache holds. The file must still reach their end now
-        (CheckpointError naming it otherwise, as a short ``pread`` gives): a page past the end
-        of a file raises SIGBUS when touched.
-        """
+        """A uint8 view of those bytes in the mapping, or None where they are to be staged (not all cached).
+        The file must still reach their end (CheckpointError otherwise): a page past it raises SIGBUS."""
         path = header.path
         if not self.resident(path, offset, nbytes):
             return None
