@@ -1,27 +1,11 @@
 """One build that reaches past the hit path, run as a transaction: all of it becomes visible, or none.
 
-The cache decides *when* a build runs (its locks, the hit path); :class:`BuildTransaction` is what
-a build does once it runs, in this order, chosen so that a failure at any point leaves nothing
-half-built visible:
-
-1. **identity**: re-stat the source, compare the variant and the autocast state; drop tables of
-   an old identity (held slots retire: their requests keep reading them);
-2. nothing missing -> touch and return;
-3. **validate** the whole request, then check that its missing plans fit beside the plans held by
-   requests in flight, before any state changes: a rejected request costs nothing;
-4. **tiers**: which missing plans the host tier, then the store, then the table files hold
-   (nothing reserved yet); without weights (``source=None``) a plan no tier holds is a
-   :class:`~adalncache.PlanNotCachedError` here; before a pass, claim the store entries it will
-   write (one build per fleet) or wait for the process that builds them;
-5. **reserve** slots: free ones, then least-recently-used plans outside the request and not held;
-6. **write** the reserved slots (tier rows; one rebuild pass for the rest), agree with the other
-   ranks, **publish** (contents, then ``plan_lengths``, then the host-side slot map);
-7. **copy** the new tables to the host tier and the store: a failure there is counted, never raised.
-
-A failure before publish releases the reserved slots and raises :class:`~adalncache.BuildError`
-(``__cause__`` the original error). An interrupt (``KeyboardInterrupt``, or any other
-``BaseException`` that is not an ``Exception``) gets the same rollback and then propagates as
-itself, so Ctrl-C stops the program.
+The cache decides *when* a build runs; :class:`BuildTransaction` is what it does once it runs:
+identity, validation, tiers, reserve, write, agree, publish, copy down the tiers, in the order
+docs/state-machine.md ("One build, step by step") gives with its reasons. A failure before publish
+releases the reserved slots and raises :class:`~adalncache.BuildError` (``__cause__`` the original
+error); an interrupt (a ``BaseException`` that is not an ``Exception``) gets the same rollback and
+then propagates as itself, so Ctrl-C stops the program.
 """
 
 from __future__ import annotations
@@ -74,11 +58,8 @@ def _interrupt(exc: BaseException) -> BaseException | None:
 
 @dataclass(frozen=True)
 class Placement:
-    """Where a cache builds and serves: the device, the tier chain placed for it, and the table files.
-
-    ``files`` are the table files of ``tables=``; ``tiers.tables`` is them where their binding fits
-    this device, else None (plans are built there instead).
-    """
+    """Where a cache builds and serves: the device, its tier chain, and the table files of ``tables=``
+    (``tiers.tables`` is them where their binding fits this device, else None)."""
 
     device: torch.device
     tiers: TierChain
@@ -86,12 +67,8 @@ class Placement:
 
 
 class Site:
-    """The one owner of a cache's current :class:`Placement`.
-
-    Why one owner: the cache, its identity and its build transaction all read the device and the
-    tiers; copies would each need patching on a move. They read them here, and a move replaces the
-    placement with one assignment.
-    """
+    """The one owner of a cache's current :class:`Placement`: the cache, its identity and its build
+    transaction read the device and tiers here, so a move replaces them with one assignment."""
 
     def __init__(self, placement: Placement) -> None:
         self.placement = placement
@@ -109,10 +86,8 @@ class Site:
 class BuildTransaction:
     """Runs the builds of one cache (one at a time: the cache serialises them) on the cache's parts.
 
-    ``lock`` is the cache's state lock: held while the slot map, the stats or the identity change,
-    so readers on other threads always see them consistent (never during a pass). ``site``: the
-    cache's device and tier chain (their one owner; a move replaces its placement). ``faults``:
-    the cache's fault points, read per build.
+    ``lock`` is the cache's state lock: held while the slot map, the stats or the identity change
+    (never during a pass), so readers on other threads see them consistent.
     """
 
     spec: ModulationSpec
@@ -161,10 +136,8 @@ class BuildTransaction:
         variant: Hashable,
         report: BuildReport,
     ) -> None:
-        """Make every plan of ``order`` resident (see the module docstring); fills ``report``.
-
-        ``embed`` may be ``None`` only for a source that serves no weights: no pass can run there.
-        """
+        """Make every plan of ``order`` resident; fills ``report``. ``embed`` may be ``None`` only for a
+        source that serves no weights."""
         autocast = self.checked_autocast(self.site.device)
         self.sync.begin_build()
         try:
