@@ -1,28 +1,12 @@
 """The rebuild pass: stream this rank's layers once and project every plan into its reserved slot,
-per plan, or by an alternative only where a probe proved it bit-identical.
+per plan at its own M (a GEMM's bits depend on M), or by an alternative only where a probe proved it
+bit-identical: **stacked** (``batched=True``) and **tiled** (``tiled=``), each decided per shape
+class by :class:`ProbedClasses` (docs/exactness.md, rules 1, 7 and 8).
 
-Why each plan is projected on its own, at its own M: the bits of a GEMM depend on M (and on the
-kernel M selects), and the forward projects one plan's rows at a time. ``embed(plan)`` gives one
-input (every layer's) or one per input name (``spec.input_of(layer)``), each with ``m <= n`` rows
-for a plan of ``n`` (the rows the forward feeds those layers); a layer is projected at its input's
-own ``M = m`` and its table rows ``m`` to ``n`` are zeroed, so a slot never depends on what it held
-before. The pass is purely local (no collective inside it: a failure on one rank never leaves a
-peer blocked), and every failure is labelled with its phase (``embed of plan ...``, ``read of
-layer 3``, ``projection of layer 3``) for the ``BuildError`` the cache raises.
-
-On a CPU per-plan GEMMs cost far more than the reads (49 plans of M=2 re-stream a 496 MiB weight 49
-times per layer), so two alternatives exist: **stacked** (``batched=True``, :class:`StackedProjector`:
-the plans of one input width in one GEMM, which changes M) and **tiled** (``tiled=``,
-:class:`TiledProjector`: every plan per tile of the weight's output rows, so the tile stays in the
-caches; each plan keeps its M and input, but whether a kernel sums a slice of the weight in the
-same order is the device's property). Neither is assumed exact (:class:`ProbedClasses`): the first
-layer of a new *shape class* (device, dtypes, rows, K, N, addresses modulo 64, the settings that
-decide bits, the alternative's own shape) is projected both ways, the per-plan rows are written,
-and the class is accepted only if every plan's rows are bitwise equal (:func:`same_bits`); every
-later layer spot-checks one plan (a different one each layer), and a mismatch refuses the class.
-Verdicts for the default ``F.linear`` are shared by the process (they are the device's kernels'); a
-custom ``project`` (the diffusers integration's LoRA-aware forward) may change from one call to the
-next, so its verdicts live for one pass. Why and what is measured: docs/exactness.md, sections 7 and 8.
+``embed(plan)`` gives one input, or one per input name (``spec.input_of(layer)``) of ``m <= n`` rows
+for a plan of ``n``; a layer is projected at its input's own M and its rows ``m`` to ``n`` are zeroed.
+The pass is purely local (no collective inside it: a failure on one rank never leaves a peer
+blocked), and every failure is labelled with its phase for the ``BuildError`` the cache raises.
 """
 
 from __future__ import annotations
@@ -115,9 +99,8 @@ def verdicts(kind: str = "stacked") -> dict[Hashable, bool]:
 
 
 def shape_class(weight: torch.Tensor, x: torch.Tensor, rows: int, *extra: Hashable) -> tuple[Hashable, ...]:
-    """What selects the kernel of ``F.linear(x, weight)``, for a probe's shape class: device, dtypes,
-    input rows per plan, ``extra`` (how many plans are stacked, say), the weight's shape, and the
-    weight's and the input's addresses modulo 64 (each alternative adds the settings that decide bits)."""
+    """What selects the kernel of ``F.linear(x, weight)``, for a probe's shape class (each alternative adds
+    ``extra`` and the settings that decide bits)."""
     return (
         str(weight.device),
         weight.dtype,
@@ -140,12 +123,10 @@ def _describe(cls: Hashable) -> str:
 
 
 class ProbedClasses:
-    """The verdicts of one exact alternative to the per-plan projection, by shape class.
-
-    A class is unknown until its probe compares the alternative's rows with the per-plan rows bit
-    for bit, accepted while every later spot check agrees, and refused (for good, in this process or
-    pass) at the first mismatch. ``verdicts`` is a process-wide dict for the default projection, or
-    a fresh one per pass for a custom ``project``; ``what`` names the alternative in the log.
+    """The verdicts of one exact alternative to the per-plan projection, by shape class: unknown until its
+    probe, accepted while every later spot check agrees, refused for good at the first mismatch.
+    ``verdicts`` is process-wide for the default projection (they are the device's kernels'), fresh per
+    pass for a custom ``project`` (which may change from one call to the next).
     """
 
     def __init__(self, what: str, verdicts: dict[Hashable, bool]) -> None:
@@ -251,14 +232,9 @@ class StackedProjector:
 
 
 def tile_bounds(width: int, tile_rows: int) -> list[tuple[int, int]]:
-    """``[start, stop)`` of each tile of ``width`` output rows: ``tile_rows`` each, the last one
-    taking the remainder (between ``tile_rows`` and twice that).
-
-    Why no short last tile: a GEMM a few rows wide can take another kernel path than a wide one
-    (measured on the dev CPU: a bf16 GEMV of K=64 gives other bits for one output in 48 when the
-    weight has 64 rows or fewer, never at 96 or more), and a short remainder tile would be such a
-    GEMM, in a shape the probe's class does not single out.
-    """
+    """``[start, stop)`` of each tile of ``width`` output rows: ``tile_rows`` each, the last one taking the
+    remainder, never short: a GEMM a few rows wide can take another kernel path (docs/exactness.md, rule 8)
+    in a shape the probe's class does not single out."""
     if width <= tile_rows:
         return [(0, width)]
     starts = list(range(0, width - tile_rows + 1, tile_rows))
@@ -273,12 +249,8 @@ def _sync(device: torch.device) -> None:
 class TiledProjector:
     """Projects the plans of one pass tile by tile where their shape class is proven exact.
 
-    ``mode``: ``"auto"`` tiles a class that its probe found exact and faster, with the default
-    projection only (a custom ``project=`` must accept any slice of the weight's rows, which the
-    diffusers integration's module forward does not); ``True`` tiles every class found exact, with
-    any projection. The probe times both ways, the whole projection twice: its first run is the
-    first touch of the layer's weight (page faults of a mapped checkpoint, cache misses), which
-    would make tiling, timed second over warm memory, look faster than it is.
+    ``mode``: ``"auto"`` tiles a class its probe found exact and faster, default projection only (a
+    custom ``project=`` need not accept a slice of the weight); ``True`` tiles every class found exact.
     """
 
     def __init__(
@@ -359,7 +331,10 @@ class TiledProjector:
     def _probe(
         self, layer: Layer, cls: Hashable, group: Sequence[PlanKey], weight: torch.Tensor, bias: torch.Tensor | None
     ) -> dict[PlanKey, torch.Tensor]:
-        """Project ``group`` whole (the rows written) and tiled, timed; record whether tiling is exact and faster."""
+        """Project ``group`` whole (the rows written) and tiled, timed; record whether tiling is exact and faster.
+
+        The whole projection runs twice, timed the second time: the first run is the first touch of the
+        weight (page faults, cache misses), which would make tiling, timed over warm memory, look faster."""
         device = weight.device
         whole = self._whole(layer, group, weight, bias)
         _sync(device)
@@ -387,10 +362,8 @@ class TiledProjector:
 class RebuildPass:
     """One pass over the weight source for one build: embed, stream, project, write into the slab.
 
-    ``out_dtype``: under autocast, the dtype the resident projection returns; every projection must
-    return it (the slab holds its values exactly, and the cache serves them back in it).
-    ``digests``: hashes the bytes the pass reads (the content identity), when the digest is not
-    known yet. ``options``: ``precision``, ``read_ahead``, ``progress``, ``batched`` and ``tiled``.
+    ``out_dtype``: under autocast, the dtype the resident projection returns, which every projection must
+    return. ``digests``: hashes the bytes the pass reads, when the content digest is not known yet.
     """
 
     def __init__(
