@@ -28,12 +28,10 @@ import torch
 from . import families
 from .errors import CheckpointError, ConfigError
 from .families import minimax_h3 as _default
-from .geometry import FINAL, Family, KeyLayout, Layer, ModelGeometry, ServedLayer, TablePart
+from .geometry import FINAL, SUPPORTED_WEIGHT_DTYPES, Family, KeyLayout, Layer, ModelGeometry, ServedLayer, TablePart
 
 if TYPE_CHECKING:
     from torch import nn
-
-SUPPORTED_WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 #: The default family's two checkpoint layouts (native and diffusers names), by name.
 LAYOUTS: dict[str, KeyLayout] = _default.LAYOUTS
