@@ -322,11 +322,8 @@ DEFAULT_SIZE = 1024
 
 
 def numbers(argument: Argument, text: str) -> list[float]:
-    """The comma-separated numbers of ``argument``, finite as the float32 a plan holds; ConfigError naming it.
-
-    Checked before the store is opened: the plan's own check would refuse them too, but only after
-    the command had created the store's directory.
-    """
+    """The comma-separated numbers of ``argument``, finite as the float32 a plan holds; ConfigError naming it,
+    raised before the command creates a store's directory (the plan's own check would come after)."""
     try:
         values = [float(v) for v in text.split(",") if v.strip()]
     except ValueError:
@@ -344,11 +341,9 @@ def finite(argument: Argument, values: list[float]) -> list[float]:
 
 
 class ImageFamily(Family):
-    """A family served through flow-matching image pipelines: a schedule is a step count at an image size (the
-    pipeline's scheduler config turns it into timesteps), or the forward's timesteps; a forward has ``batch``
-    rows. A subclass gives a step count's forwards (:meth:`step_inputs`), turns forwards into plans
-    (:meth:`plans_of`) and checks its own flags first (:meth:`check_values`); ``released_scheduler`` is the
-    config used when neither the flag nor ``scheduler/`` beside the checkpoint gives one (None: one must)."""
+    """A family served through flow-matching image pipelines (docs/adding-a-family.md): a schedule is a step
+    count at an image size, or the forward's timesteps. ``released_scheduler``: the config used when neither
+    the flag nor ``scheduler/`` beside the checkpoint gives one (None: one must)."""
 
     released_scheduler: ClassVar[Mapping[str, Any] | None] = None
 
@@ -407,10 +402,9 @@ class ImageFamily(Family):
         config: Mapping[str, Any],
         released: bool,
     ) -> list[dict[str, torch.Tensor]]:
-        """:meth:`step_inputs`, a bad config value or size, or non-finite timesteps being one ConfigError naming
-        the flags: the formulas take the config's values as they are (a string ``shift``, or a size whose
-        sequence length overflows a float, raised a bare TypeError or OverflowError), and a ``shift_terminal``
-        config divides 0 by 0 at one step, which the plan check reported only once the store existed."""
+        """:meth:`step_inputs`, a bad config value or size (the formulas take them as they are: a string ``shift``
+        raised a bare TypeError) or non-finite timesteps (a ``shift_terminal`` config divides 0 by 0 at one step)
+        being one ConfigError naming the flags, before any store exists."""
         where = "the released scheduler config" if released else SCHEDULER_CONFIG.flag
         said = f"{STEPS.flag} {steps} at {HEIGHT.flag} {size[0]} {WIDTH.flag} {size[1]}"
 
@@ -477,13 +471,9 @@ def _positive(value: object) -> bool:
 
 @dataclass(frozen=True)
 class ModelGeometry:
-    """The served layers of one model, its table columns, its plan inputs, and its family.
-
-    ``layers`` in pass order; the table row puts their outputs side by side in that order.
-    ``in_features``: the projections' input width. ``plan_inputs``: the per-step inputs that key
-    a plan, one plan column each, in this order. ``parts``: the table row's named parts (none:
-    one part, :data:`TABLE_PART`, the whole row).
-    """
+    """The served layers of one model in pass order (the table row puts their outputs side by side in that
+    order), the projections' input width, the plan's keying inputs (one column each) and the table row's
+    named parts (none: one part, :data:`TABLE_PART`, the whole row)."""
 
     family: Family
     layers: tuple[ServedLayer, ...]
@@ -587,12 +577,8 @@ class ModelGeometry:
         return tuple(dict.fromkeys(layer.input for layer in self.layers))
 
     def describe(self) -> dict[str, object]:
-        """A JSON-friendly identity: family, layers with widths and inputs, input width, plan inputs.
-
-        A layer without a bias adds ``false`` to its entry; a layer with one adds nothing, so the
-        identity (and every digest and binding made from it) of a geometry whose layers all have a
-        bias is what it was before layers could lack one.
-        """
+        """A JSON-friendly identity. A layer without a bias adds ``false`` to its entry, one with a bias nothing,
+        so a geometry whose layers all have one keeps the identity (and bindings) it had before."""
         return {
             "family": self.family.name,
             "layers": [

@@ -1,11 +1,6 @@
-"""What a build records, and where a test may make it fail: the objects the cache hands every part a
-build runs through (the tiers, the identity, the pass).
-
-:class:`CacheStats` (counters over the cache's life) and :class:`BuildReport` (one ``build`` call)
-are what the cache tells its caller. :class:`FaultPoints` is called at a few named moments of a
-build (:data:`POINTS`); the default object does nothing, and :func:`adalncache.testing.inject_faults`
-installs one that raises, so tests reach every failure path without monkeypatching private names.
-They sit below the cache because the tiers and the identity fill them in too.
+"""What a build records (:class:`CacheStats`, :class:`BuildReport`: docs/api.md), and where a test may make
+it fail (:class:`FaultPoints`, which :func:`adalncache.testing.inject_faults` replaces so tests reach every
+failure path without monkeypatching). Below the cache because the tiers and the identity fill them in too.
 """
 
 from __future__ import annotations
