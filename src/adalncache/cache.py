@@ -20,7 +20,7 @@ import time
 import weakref
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar
 
 import torch
 from typing_extensions import Unpack
@@ -174,6 +174,16 @@ class PlanHold:
     def __repr__(self) -> str:
         state = "released" if self.released else "held"
         return f"PlanHold({len(self.keys)} plan(s) in {len(self.held)} slot(s), {state})"
+
+
+class _Option(Generic[T]):
+    """A read-only cache attribute: the option of its name in force (``cache.options``; on the class, its default)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, cache: AdalnCache | None, owner: type | None = None) -> T:
+        return getattr(cache.options if cache is not None else AdalnCacheConfig, self.name)
 
 
 class StashedTables(NamedTuple):
@@ -761,43 +771,17 @@ class AdalnCache:
     def _tiers(self) -> TierChain:
         return self._site.tiers
 
-    @property
-    def max_plans(self) -> int:
-        return self.options.max_plans
-
-    @property
-    def max_plan_width(self) -> int:
-        return self.options.max_plan_width
-
-    @property
-    def host_cache_bytes(self) -> int:
-        return self.options.host_cache_bytes
-
-    @property
-    def precision(self) -> str:
-        return self.options.precision
-
-    @property
-    def shard(self) -> str:
-        return self.options.shard
-
-    @property
-    def read_ahead(self) -> int:
-        return self.options.read_ahead
-
-    @property
-    def progress(self) -> bool | None:
-        return self.options.progress
-
-    @property
-    def batched(self) -> bool:
-        """Whether plans of one width are stacked into one GEMM where a probe proved it exact (docs/exactness.md)."""
-        return self.options.batched
-
-    @property
-    def tiled(self) -> bool | str:
-        """Whether layers are projected tile by tile where a probe proved it exact (``"auto"``: and faster)."""
-        return self.options.tiled
+    max_plans: _Option[int] = _Option()
+    max_plan_width: _Option[int] = _Option()
+    host_cache_bytes: _Option[int] = _Option()
+    precision: _Option[str] = _Option()
+    shard: _Option[str] = _Option()
+    read_ahead: _Option[int] = _Option()
+    progress: _Option[bool | None] = _Option()
+    #: Whether plans of one width are stacked into one GEMM where a probe proved it exact (docs/exactness.md).
+    batched: _Option[bool] = _Option()
+    #: Whether layers are projected tile by tile where a probe proved it exact (``"auto"``: and faster).
+    tiled: _Option[bool | str] = _Option()
 
     @property
     def slab_bytes(self) -> int:
