@@ -173,62 +173,72 @@ class ProbeStats:
     tiled_layers: int = 0  #: (layer, shape class) projections served tile by tile
 
 
-class StackedProjector:
+class _Projector:
+    """What both alternatives keep for one pass: the plans' inputs, the projection, the verdicts, the layer turn."""
+
+    def __init__(self, xs: dict[PlanKey, torch.Tensor], project: ProjectFn, classes: ProbedClasses) -> None:
+        self.xs, self.project, self._classes = xs, project, classes
+        self.stats = ProbeStats()
+        self._layer_count = 0
+
+    def _turn(self) -> int:
+        """This layer's turn: which plan of a group the spot check projects alone (a different one each layer)."""
+        self._layer_count += 1
+        return self._layer_count - 1
+
+    def _whole(
+        self, layer: Layer, keys: Sequence[PlanKey], weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> dict[PlanKey, torch.Tensor]:
+        return {key: self.project(layer, self.xs[key], weight, bias) for key in keys}
+
+
+class StackedProjector(_Projector):
     """Projects the plans of one pass, stacking each group of one input width where its class is proven exact."""
 
     def __init__(self, keys: Sequence[PlanKey], xs: dict[PlanKey, torch.Tensor], project: ProjectFn, *, shared: bool):
+        super().__init__(xs, project, ProbedClasses("stacked projection", shared_verdicts("stacked") if shared else {}))
         groups: dict[int, list[PlanKey]] = {}
         for key in keys:
             groups.setdefault(xs[key].shape[0], []).append(key)
         #: Plans whose inputs have the same rows (the GEMM's M), in groups of two or more.
         self.groups = [g for g in groups.values() if len(g) >= 2]
         self.grouped = {key for group in self.groups for key in group}
-        self.xs = xs
-        self.project = project
-        self.stats = ProbeStats()
-        self._classes = ProbedClasses("stacked projection", shared_verdicts("stacked") if shared else {})
         # The stacked input of each group, built once per pass (its rows in the group's order).
         self._stacked_x = [torch.cat([xs[k] for k in group]) for group in self.groups]
-        self._layer_count = 0
 
     def project_layer(
         self, layer: Layer, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> list[tuple[PlanKey, torch.Tensor]]:
         """The grouped plans' outputs for this layer, as (key, y) pairs; ungrouped plans are the caller's."""
         out: list[tuple[PlanKey, torch.Tensor]] = []
-        turn = self._layer_count
-        self._layer_count += 1
+        turn = self._turn()
         for group, stacked_x in zip(self.groups, self._stacked_x, strict=True):
             m = self.xs[group[0]].shape[0]
             addresses = tuple(self.xs[k].data_ptr() % 64 for k in group)
             cls = (*shape_class(weight, stacked_x, m, len(group)), addresses, bit_settings_key(weight.device))
             verdict = self._classes.get(cls)
-            if verdict is False:
-                out.extend(self._per_plan(layer, group, weight, bias))
-                continue
             if verdict is None:
                 exact = self._per_plan(layer, group, weight, bias)
-                stacked = self.project(layer, stacked_x, weight, bias)
-                parts = [stacked[i * m : (i + 1) * m] for i in range(len(group))]
-                self._classes.probe(cls, [y for _, y in exact], parts, layer)
-                out.extend(exact)  # the probed layer always keeps the per-plan rows
+                parts = self.project(layer, stacked_x, weight, bias).split(m)
+                self._classes.probe(cls, list(exact.values()), parts, layer)
+                out.extend(exact.items())  # the probed layer always keeps the per-plan rows
                 continue
-            y = self.project(layer, stacked_x, weight, bias)
-            parts = [y[i * m : (i + 1) * m] for i in range(len(group))]
-            check = turn % len(group)
-            alone = self.project(layer, self.xs[group[check]], weight, bias)
-            if not self._classes.spot_check(cls, alone, parts[check], layer):
-                out.extend(self._per_plan(layer, group, weight, bias))
-                continue
-            self.stats.stacked_layers += 1
-            out.extend(zip(group, parts, strict=True))
+            if verdict:
+                parts = self.project(layer, stacked_x, weight, bias).split(m)
+                check = turn % len(group)
+                alone = self.project(layer, self.xs[group[check]], weight, bias)
+                if self._classes.spot_check(cls, alone, parts[check], layer):
+                    self.stats.stacked_layers += 1
+                    out.extend(zip(group, parts, strict=True))
+                    continue
+            out.extend(self._per_plan(layer, group, weight, bias).items())
         return out
 
     def _per_plan(
         self, layer: Layer, group: Sequence[PlanKey], weight: torch.Tensor, bias: torch.Tensor | None
-    ) -> list[tuple[PlanKey, torch.Tensor]]:
+    ) -> dict[PlanKey, torch.Tensor]:
         self.stats.per_plan_layers += 1
-        return [(key, self.project(layer, self.xs[key], weight, bias)) for key in group]
+        return self._whole(layer, group, weight, bias)
 
 
 def tile_bounds(width: int, tile_rows: int) -> list[tuple[int, int]]:
@@ -246,41 +256,27 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-class TiledProjector:
+class TiledProjector(_Projector):
     """Projects the plans of one pass tile by tile where their shape class is proven exact.
 
     ``mode``: ``"auto"`` tiles a class its probe found exact and faster, default projection only (a
     custom ``project=`` need not accept a slice of the weight); ``True`` tiles every class found exact.
     """
 
-    def __init__(
-        self,
-        xs: dict[PlanKey, torch.Tensor],
-        project: ProjectFn,
-        *,
-        shared: bool,
-        mode: bool | str = True,
-        tile_rows: int | None = None,
-    ) -> None:
-        self.xs = xs
-        self.project = project
-        self.mode = mode
-        self.tile_rows = int(tile_rows if tile_rows is not None else TILE_ROWS)
-        self.stats = ProbeStats()
+    def __init__(self, xs: dict[PlanKey, torch.Tensor], project: ProjectFn, *, shared: bool, mode: bool | str = True):
+        self.mode, self.tile_rows = mode, TILE_ROWS
         verdicts = shared_verdicts("tiled") if shared else {}
-        self._classes = ProbedClasses(f"tiled projection ({self.tile_rows}-row tiles)", verdicts)
+        super().__init__(xs, project, ProbedClasses(f"tiled projection ({self.tile_rows}-row tiles)", verdicts))
         #: Whether the probe found the tiled projection faster, by class (auto mode reads it).
         self._faster: dict[Hashable, bool] = shared_verdicts("tiled speed") if shared else {}
-        self._layer_count = 0
 
     def project_layer(
         self, layer: Layer, keys: Sequence[PlanKey], weight: torch.Tensor, bias: torch.Tensor | None
     ) -> list[tuple[PlanKey, torch.Tensor]]:
         """Every one of ``keys``'s outputs for this layer, as (key, y) pairs, each at its plan's own M."""
-        turn = self._layer_count
-        self._layer_count += 1
+        turn = self._turn()
         if weight.shape[0] <= self.tile_rows:
-            return [(key, self.project(layer, self.xs[key], weight, bias)) for key in keys]
+            return list(self._whole(layer, keys, weight, bias).items())
         classes: dict[Hashable, list[PlanKey]] = {}
         for key in keys:
             x = self.xs[key]
@@ -307,11 +303,6 @@ class TiledProjector:
                 else:
                     out.update(self._whole(layer, group, weight, bias))
         return [(key, out[key]) for key in keys]
-
-    def _whole(
-        self, layer: Layer, group: Sequence[PlanKey], weight: torch.Tensor, bias: torch.Tensor | None
-    ) -> dict[PlanKey, torch.Tensor]:
-        return {key: self.project(layer, self.xs[key], weight, bias) for key in group}
 
     def _tiled(
         self, layer: Layer, keys: Sequence[PlanKey], weight: torch.Tensor, bias: torch.Tensor | None
