@@ -337,17 +337,8 @@ class Slab:
     def read_rows(self, slot: int, n: int) -> PlanRows:
         """A contiguous copy of ``slot``'s first ``n`` rows, part by part (tiers and ``verify`` keep these); a
         plan that shares slab rows is read out with every plan row, as tiers and table files hold it."""
-        contiguous = torch.contiguous_format
-        if slot in self._layouts:
-            index = torch.tensor(self._layouts[slot][1], dtype=torch.int64, device=self.device)
-            return PlanRows(
-                self.plan_timesteps[slot].index_select(0, index),
-                *(part[slot].index_select(0, index) for part in self._parts.values()),
-            )
-        return PlanRows(
-            self.plan_timesteps[slot, :n].clone(memory_format=contiguous),
-            *(part[slot, :n].clone(memory_format=contiguous) for part in self._parts.values()),
-        )
+        index = torch.tensor(self.layout(slot, n)[1], dtype=torch.int64, device=self.device)
+        return PlanRows(*(view[slot].index_select(0, index) for view in (self.plan_timesteps, *self._parts.values())))
 
     def published(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Host copies of ``(plan_lengths, plan_timesteps)`` (for invariant checks)."""
@@ -395,11 +386,8 @@ class Slab:
     def part_rows(
         self, name: str, slot: int | torch.Tensor, n: int, select: Callable[[torch.Tensor], torch.Tensor] | None = None
     ) -> torch.Tensor:
-        """Table part ``name``'s rows for the slot's first ``n`` plan rows, ``(n, *part.shape)``.
-
-        ``select`` narrows the part's ``[P + 1, W, ...]`` view before the gather (a family picking
-        one block of a stacked part), so a device slot gathers only what is read.
-        """
+        """Table part ``name``'s rows for the slot's first ``n`` plan rows; ``select`` narrows the part's view
+        before the gather (one block of a stacked part), so a device slot gathers only what is read."""
         table = self.served_part(name)
         return self._rows(table if select is None else select(table), slot, n)
 
