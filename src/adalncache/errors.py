@@ -1,9 +1,5 @@
-"""Exception types of adalncache.
-
-Every error says what to change: the argument and, where one exists, its CLI flag. They all
-derive from :class:`AdalnCacheError` so callers can catch the library's errors in one place,
-and from the builtin type a caller would naturally expect (``ValueError``, ``KeyError``...), so
-existing ``except ValueError`` code keeps working.
+"""Exception types of adalncache: each says what to change (the argument and its CLI flag), derives from
+:class:`AdalnCacheError` and from the builtin a caller would expect (``except ValueError`` keeps working).
 """
 
 from __future__ import annotations
