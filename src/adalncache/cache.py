@@ -137,13 +137,9 @@ def _serve_files(placement: Placement, identity: TableIdentity, *, strict: bool)
 
 @dataclass(eq=False)
 class PlanHold:
-    """The plans of one request, held until :meth:`release` (or the end of a ``with`` block).
-
-    ``slots``: one slot per plan, in order, on the cache device (read-only, may be shared).
-    ``variant`` is recorded with the hold so a caller never stamps a variant read later (after a
-    change) on these rows; ``epoch`` is :attr:`AdalnCache.retirements` when the hold was taken (a
-    different count later: a held plan may have been retired).
-    """
+    """The plans of one request, held until :meth:`release` (or the end of a ``with`` block). ``variant`` is
+    recorded so a caller never stamps a variant read later on these rows; ``epoch`` is
+    :attr:`AdalnCache.retirements` when the hold was taken (another count later: a plan may have retired)."""
 
     _release: Callable[[PlanHold], None] = field(repr=False)
     keys: list[PlanKey]
@@ -196,11 +192,8 @@ class StashedTables(NamedTuple):
 
 
 class AdalnCache:
-    """A device slab of bit-exact AdaLN tables, rebuilt transactionally from a weight source.
-
-    The slab tensors are allocated once (pointers move only with :meth:`move_to`) and registered in
-    no module, so no ``state_dict`` holds them (docs/api.md, "Slab attributes").
-    """
+    """A device slab of bit-exact AdaLN tables, rebuilt transactionally from a weight source. The slab
+    tensors are allocated once and registered in no module (docs/api.md, "Slab attributes")."""
 
     @option_keywords(cache=True)
     def __init__(
@@ -343,11 +336,9 @@ class AdalnCache:
         variant: Hashable = None,
         keys: Sequence[PlanKey] | None = None,
     ) -> BuildReport:
-        """Make every plan of ``plans`` resident (the order: docs/state-machine.md).
-
-        ``embed`` may be omitted only without a weight source (no pass can run). ``keys``: ``plan_key`` of
-        each plan, computed once per request, so the hit path does not key again (plans to build are re-keyed).
-        """
+        """Make every plan of ``plans`` resident (the order: docs/state-machine.md). ``embed`` may be omitted
+        only without a weight source. ``keys``: ``plan_key`` of each plan, computed once per request, so the
+        hit path does not key again (plans to build are re-keyed)."""
         start = time.perf_counter()
         order, tensors = distinct_plans(plans, keys, self.spec.plan_columns)
         report = self._hit(order, variant) or self._build(order, tensors, embed, project, variant)
@@ -404,12 +395,9 @@ class AdalnCache:
             held.release()
 
     def _hit(self, order: list[PlanKey], variant: Hashable, *, local: bool = False) -> BuildReport | None:
-        """The hit path: touch and count when every plan is resident under the current identity, else None.
-
-        One process only (in a group every build agrees with the other ranks first), except ``local``
-        (:meth:`hold_resident`), which in a group counts without touching: the LRU order decides the ranks'
-        evictions and must change on every rank at once.
-        """
+        """The hit path: touch and count when every plan is resident under the current identity, else None. One
+        process only (a group's builds agree first), except ``local`` (:meth:`hold_resident`), which in a group
+        counts without touching: the LRU order decides evictions and must change on every rank at once."""
         grouped = self._dist.world > 1
         if (grouped and not local) or self._closed:
             return None

@@ -84,11 +84,8 @@ class Site:
 
 @dataclass(eq=False)
 class BuildTransaction:
-    """Runs the builds of one cache (one at a time: the cache serialises them) on the cache's parts.
-
-    ``lock`` is the cache's state lock: held while the slot map, the stats or the identity change
-    (never during a pass), so readers on other threads see them consistent.
-    """
+    """Runs the builds of one cache (one at a time) on the cache's parts. ``lock``, the cache's state lock,
+    is held while the slot map, the stats or the identity change (never during a pass)."""
 
     spec: ModulationSpec
     options: CacheOptions
