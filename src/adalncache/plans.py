@@ -42,12 +42,9 @@ def _codec(n: int) -> tuple[Callable[..., bytes], Callable[[bytes], tuple[int, .
 
 
 def _bits(values: list[float]) -> tuple[int, ...] | None:
-    """The fp32 bit patterns of ``values`` (fp32 values held as Python floats), or None for a NaN.
-
-    Packing the floats back as fp32 and unpacking the bytes as int32 gives the bit patterns; the
-    round trip through a double keeps every finite value, the infinities and -0.0, but could
-    change a NaN's payload, so a NaN (or inf - inf) in the sum sends the caller the exact way.
-    """
+    """The fp32 bit patterns of ``values`` (fp32 values held as Python floats), or None for a NaN: the round
+    trip through a double keeps every finite value, the infinities and -0.0, but could change a NaN's
+    payload, so a NaN (or inf - inf) in the sum sends the caller the exact way."""
     total = sum(values)
     if total != total:
         return None
@@ -77,12 +74,9 @@ def _wrong_shape(plan: object, columns: int) -> PlanError:
 
 
 def plan_key(plan: torch.Tensor, columns: int = 1) -> PlanKey:
-    """The exact identity of a plan: its fp32 bit patterns, in order (row-major).
-
-    ``columns`` (``spec.plan_columns``): 1 takes a 1-D plan, more an ``(rows, columns)`` one; PlanError for
-    anything else, which has no fp32 bit pattern to key on. On the hit path: ``tolist`` and a ``struct``
-    round trip cost about half of viewing the tensor as int32.
-    """
+    """The exact identity of a plan: its fp32 bit patterns, row-major. ``columns``: 1 takes a 1-D plan, more an
+    ``(rows, columns)`` one; PlanError for anything else (no fp32 bit pattern to key on). On the hit path:
+    ``tolist`` and a ``struct`` round trip cost about half of viewing the tensor as int32."""
     if not _shaped(plan, columns):
         raise _wrong_shape(plan, columns)
     if not plan.is_cpu:

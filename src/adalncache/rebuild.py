@@ -124,10 +124,8 @@ def _describe(cls: Hashable) -> str:
 
 class ProbedClasses:
     """The verdicts of one exact alternative to the per-plan projection, by shape class: unknown until its
-    probe, accepted while every later spot check agrees, refused for good at the first mismatch.
-    ``verdicts`` is process-wide for the default projection (they are the device's kernels'), fresh per
-    pass for a custom ``project`` (which may change from one call to the next).
-    """
+    probe, accepted while every later spot check agrees, refused for good at the first mismatch. Process-wide
+    for the default projection (the device's kernels'), per pass for a custom ``project`` (it may change)."""
 
     def __init__(self, what: str, verdicts: dict[Hashable, bool]) -> None:
         self.what = what
@@ -257,11 +255,9 @@ def _sync(device: torch.device) -> None:
 
 
 class TiledProjector(_Projector):
-    """Projects the plans of one pass tile by tile where their shape class is proven exact.
-
-    ``mode``: ``"auto"`` tiles a class its probe found exact and faster, default projection only (a
-    custom ``project=`` need not accept a slice of the weight); ``True`` tiles every class found exact.
-    """
+    """Projects the plans of one pass tile by tile where their shape class is proven exact. ``mode``:
+    ``"auto"`` tiles a class its probe found exact and faster, default projection only (a custom ``project=``
+    need not accept a slice of the weight); ``True`` tiles every class found exact."""
 
     def __init__(self, xs: dict[PlanKey, torch.Tensor], project: ProjectFn, *, shared: bool, mode: bool | str = True):
         self.mode, self.tile_rows = mode, TILE_ROWS
@@ -323,9 +319,7 @@ class TiledProjector(_Projector):
         self, layer: Layer, cls: Hashable, group: Sequence[PlanKey], weight: torch.Tensor, bias: torch.Tensor | None
     ) -> dict[PlanKey, torch.Tensor]:
         """Project ``group`` whole (the rows written) and tiled, timed; record whether tiling is exact and faster.
-
-        The whole projection runs twice, timed the second time: the first run is the first touch of the
-        weight (page faults, cache misses), which would make tiling, timed over warm memory, look faster."""
+        The whole projection is timed on its second run: the first touches the weight first (page faults)."""
         device = weight.device
         whole = self._whole(layer, group, weight, bias)
         _sync(device)
@@ -351,11 +345,8 @@ class TiledProjector(_Projector):
 
 
 class RebuildPass:
-    """One pass over the weight source for one build: embed, stream, project, write into the slab.
-
-    ``out_dtype``: under autocast, the dtype the resident projection returns, which every projection must
-    return. ``digests``: hashes the bytes the pass reads, when the content digest is not known yet.
-    """
+    """One pass over the weight source for one build: embed, stream, project, write into the slab. ``out_dtype``:
+    under autocast, the dtype the resident projection returns, which every projection must return."""
 
     def __init__(
         self,

@@ -262,11 +262,8 @@ class ModulationSpec:
 
     @classmethod
     def from_transformer(cls, model: nn.Module, *, dtype: torch.dtype | None = None) -> ModulationSpec:
-        """Read the geometry of a diffusers transformer of a supported family (config plus weight dtype).
-
-        ``dtype``: the projections' output dtype when their weights are stored in another one (quantized,
-        layerwise casting). A class whose modulation depends on the prompt is refused (ConfigError).
-        """
+        """Read the geometry of a diffusers transformer of a supported family; ``dtype``: the projections' output
+        dtype when their weights are stored in another one. A prompt-dependent class is refused (ConfigError)."""
         name = type(model).__name__
         if name in families.REFUSED:
             families.for_class(name)  # raises the ConfigError naming the reason
@@ -281,12 +278,9 @@ class ModulationSpec:
         layout: str = "auto",
         modalities: int = 3,
     ) -> ModulationSpec:
-        """Read the projection geometry from a checkpoint's safetensors headers alone (no tensor data).
-
-        The family comes from the ``_class_name`` of a ``config.json`` beside the weights, else it is the
-        default family. CheckpointError when no layout's projections are there or the first is unusable,
-        ConfigError for a class that is refused or not supported.
-        """
+        """Read the projection geometry from a checkpoint's safetensors headers alone; the family from the
+        ``_class_name`` of a ``config.json`` beside the weights, else the default. CheckpointError when no
+        layout's projections are there or the first is unusable, ConfigError for a refused or unknown class."""
         # Deferred, and from the source module that imports no spec: the rest of the source package is
         # built on this module (it validates checkpoints against a spec).
         from .source.files import SafetensorsHeader, checkpoint_files
