@@ -448,13 +448,8 @@ class RebuildPass:
             xs = self.embed_all(keys, tensors, embed)
             work = self.collective.local_work(self.spec.layers(), self.slab)
             fp32 = options.precision == "fp32"
-            bar = tqdm(
-                total=len(work.layers),
-                desc="adalncache pass",
-                unit="layer",
-                leave=False,
-                disable=(not options.progress) if options.progress is not None else None,
-            )
+            disable = (not options.progress) if options.progress is not None else None
+            bar = tqdm(total=len(work.layers), desc="adalncache pass", unit="layer", leave=False, disable=disable)
             try:
                 stream = self.source.stream(
                     work.layers,

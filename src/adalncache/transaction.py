@@ -56,6 +56,16 @@ def _interrupt(exc: BaseException) -> BaseException | None:
     return None
 
 
+def _failed(plans: int, phase: str, exc: BaseException, rank: int | None = None) -> BuildError:
+    """The BuildError of a build of ``plans`` plans that failed at ``phase`` with ``exc`` (its cause)."""
+    return BuildError(
+        f"build of {plans} plan(s) failed at {phase}: {type(exc).__name__}: {exc}; nothing of this request was "
+        f"published and a retry rebuilds it",
+        rank=rank,
+        failed_at=phase,
+    )
+
+
 @dataclass(frozen=True)
 class Placement:
     """Where a cache builds and serves: the device, its tier chain, and the table files of ``tables=``
@@ -248,13 +258,8 @@ class BuildTransaction:
                     del interrupt  # this frame is in its traceback: kept, it would make a reference cycle
             if isinstance(exc, BuildError):
                 raise
-            phase = failure_phase(exc) or "build"
-            raise BuildError(
-                f"build of {len(missing)} plan(s) failed at {phase}: {type(exc).__name__}: {exc}; nothing "
-                f"of this request was published and a retry rebuilds it",
-                rank=self.collective.rank if self.collective.world > 1 else None,
-                failed_at=phase,
-            ) from exc
+            rank = self.collective.rank if self.collective.world > 1 else None
+            raise _failed(len(missing), failure_phase(exc) or "build", exc, rank) from exc
         report.host_hits, report.store_hits, report.table_hits = len(from_host), len(from_store), len(from_tables)
         report.built = len(to_build)
         report.passes = 1 if to_build else 0
@@ -315,11 +320,7 @@ class BuildTransaction:
             self._count_failure()
             if _interrupt(exc) is not None or isinstance(exc, BuildError):
                 raise
-            raise BuildError(
-                f"build of {len(missing)} plan(s) failed at tier lookup: {type(exc).__name__}: {exc}; nothing "
-                f"of this request was published and a retry rebuilds it",
-                failed_at="tier lookup",
-            ) from exc
+            raise _failed(len(missing), "tier lookup", exc) from exc
         from_store.update(served)
         return from_host, from_store, from_tables, [k for k in to_build if k not in served]
 
