@@ -73,13 +73,9 @@ class KeyLayout:
         """The block index ``i`` if ``name`` is block ``i``'s projection weight in this layout, else None."""
         if not self.block_prefix:
             return None
-        match = self._block_weight_pattern().fullmatch(name)
+        before, after = self.block_prefix.split("{i}")  # the names are written once; re caches the pattern
+        match = re.fullmatch(re.escape(before) + r"(\d+)" + re.escape(after) + r"\.weight", name)
         return int(match.group(1)) if match else None
-
-    def _block_weight_pattern(self) -> re.Pattern[str]:
-        # Derived from block_prefix so the names are written once; re caches compiled patterns.
-        before, after = self.block_prefix.split("{i}")
-        return re.compile(re.escape(before) + r"(\d+)" + re.escape(after) + r"\.weight")
 
     def time_embedder_tensors(self) -> list[str]:
         """Weight and bias names of the time embedder's linears: first weight, first bias, second..."""

@@ -223,12 +223,9 @@ def _number(v: float) -> str:
 def format_plan(key: PlanKey, limit: int = 4, columns: int = 1) -> str:
     """Short human-readable form of a plan key for messages and logs (rows in parentheses when ``columns > 1``)."""
     values = key_to_plan(key).tolist()
-    if columns == 1:
-        shown = ", ".join(_number(v) for v in values[:limit])
-        return f"[{shown}{', ...' if len(values) > limit else ''}]"
     rows = [values[i : i + columns] for i in range(0, len(values), columns)]
-    shown = ", ".join("(" + ", ".join(_number(v) for v in row) + ")" for row in rows[:limit])
-    return f"[{shown}{', ...' if len(rows) > limit else ''}]"
+    shown = [_number(r[0]) if columns == 1 else "(" + ", ".join(map(_number, r)) + ")" for r in rows[:limit]]
+    return f"[{', '.join(shown)}{', ...' if len(rows) > limit else ''}]"
 
 
 def schedule_plans(
