@@ -101,7 +101,7 @@ class ServedLayer:
 @dataclass(frozen=True)
 class TablePart:
     """A named run of columns ``[start, stop)`` of the table row, stored as ``(rows, *shape)``: ``tensor`` in a
-    table file, ``name`` in a store entry's header."""
+    table file, ``name`` in a store entry's header (a family splits its row where other engines expect it)."""
 
     name: str
     tensor: str

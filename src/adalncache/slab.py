@@ -489,7 +489,7 @@ class SlotPool:
         if len(missing) > len(self._free) + len(candidates):
             raise PlanError(self.no_room_message(len(missing), wanted))
         reservation = Reservation()
-        self._free.sort(reverse=True)  # pop() hands out the lowest free slot first: deterministic
+        self._free.sort(reverse=True)  # pop() hands out the lowest free slot first: every rank picks the same
         victims = iter(candidates)
         for key in missing:
             if not self._free:
