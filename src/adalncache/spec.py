@@ -104,7 +104,7 @@ class ModulationSpec:
         """The spec of a family's keywords: :meth:`for_geometry`'s where its spec carries its geometry."""
         return cls.for_geometry(**fields) if "geometry" in fields else cls(**fields)
 
-    # -- the family-neutral members the core reads -------------------------------------------
+    # -- the family-neutral members the core reads (the geometry's, documented there) ----------
 
     @property
     def family(self) -> Family:
@@ -143,25 +143,20 @@ class ModulationSpec:
 
     @property
     def inputs(self) -> tuple[str, ...]:
-        """The names of the projection inputs, in the order the layers first take them."""
         return self._geometry.inputs()
 
     @property
     def in_features(self) -> int:
-        """The projections' input width."""
         return self.time_embed_dim
 
     def offset(self, layer: Layer) -> int:
-        """The first column of ``layer``'s output in a table row."""
         return self._geometry.offset(layer)
 
     @property
     def table_width(self) -> int:
-        """Columns of one table row: every layer's output side by side."""
         return self._geometry.table_width
 
     def table_parts(self) -> tuple[TablePart, ...]:
-        """The table row's named parts in order (the whole row as one part unless the family splits it)."""
         return self._geometry.table_parts()
 
     @property
