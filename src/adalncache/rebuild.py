@@ -16,7 +16,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -42,6 +41,8 @@ log = logging.getLogger(__name__)
 EmbedFn = Callable[[torch.Tensor], "torch.Tensor | Mapping[str, torch.Tensor]"]
 #: A plan's projection inputs by name (one name, every layer's, when ``embed`` returns a tensor).
 Inputs = dict[str, torch.Tensor]
+#: One projection input of each plan of a pass.
+PlanInputs = dict[PlanKey, torch.Tensor]
 #: ``project(layer, x, weight, bias) -> (len(plan), out_features)``; default ``F.linear``. ``bias`` is
 #: None for a layer without one, as ``nn.Linear(..., bias=False)`` passes it.
 ProjectFn = Callable[[Layer, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
@@ -162,21 +163,12 @@ class ProbedClasses:
         return False
 
 
-@dataclass
-class ProbeStats:
-    """What the alternatives did in one pass (exposed on the BuildReport)."""
-
-    stacked_layers: int = 0  #: (layer, group) projections served by one stacked GEMM
-    per_plan_layers: int = 0  #: (layer, group) projections that ran per plan (probe, no verdict yet, refused)
-    tiled_layers: int = 0  #: (layer, shape class) projections served tile by tile
-
-
 class _Projector:
-    """What both alternatives keep for one pass: the plans' inputs, the projection, the verdicts, the layer turn."""
+    """What both alternatives keep for one pass: the plans' inputs, the projection, the verdicts, the layer turn,
+    and the build's report, whose ``stacked_layers``, ``per_plan_layers`` and ``tiled_layers`` they count."""
 
-    def __init__(self, xs: dict[PlanKey, torch.Tensor], project: ProjectFn, classes: ProbedClasses) -> None:
-        self.xs, self.project, self._classes = xs, project, classes
-        self.stats = ProbeStats()
+    def __init__(self, xs: PlanInputs, project: ProjectFn, classes: ProbedClasses, report: BuildReport) -> None:
+        self.xs, self.project, self._classes, self.report = xs, project, classes, report
         self._layer_count = 0
 
     def _turn(self) -> int:
@@ -193,8 +185,11 @@ class _Projector:
 class StackedProjector(_Projector):
     """Projects the plans of one pass, stacking each group of one input width where its class is proven exact."""
 
-    def __init__(self, keys: Sequence[PlanKey], xs: dict[PlanKey, torch.Tensor], project: ProjectFn, *, shared: bool):
-        super().__init__(xs, project, ProbedClasses("stacked projection", shared_verdicts("stacked") if shared else {}))
+    def __init__(
+        self, keys: Sequence[PlanKey], xs: PlanInputs, project: ProjectFn, report: BuildReport, *, shared: bool
+    ):
+        classes = ProbedClasses("stacked projection", shared_verdicts("stacked") if shared else {})
+        super().__init__(xs, project, classes, report)
         groups: dict[int, list[PlanKey]] = {}
         for key in keys:
             groups.setdefault(xs[key].shape[0], []).append(key)
@@ -226,7 +221,7 @@ class StackedProjector(_Projector):
                 check = turn % len(group)
                 alone = self.project(layer, self.xs[group[check]], weight, bias)
                 if self._classes.spot_check(cls, alone, parts[check], layer):
-                    self.stats.stacked_layers += 1
+                    self.report.stacked_layers += 1
                     out.extend(zip(group, parts, strict=True))
                     continue
             out.extend(self._per_plan(layer, group, weight, bias).items())
@@ -235,7 +230,7 @@ class StackedProjector(_Projector):
     def _per_plan(
         self, layer: Layer, group: Sequence[PlanKey], weight: torch.Tensor, bias: torch.Tensor | None
     ) -> dict[PlanKey, torch.Tensor]:
-        self.stats.per_plan_layers += 1
+        self.report.per_plan_layers += 1
         return self._whole(layer, group, weight, bias)
 
 
@@ -259,10 +254,10 @@ class TiledProjector(_Projector):
     ``"auto"`` tiles a class its probe found exact and faster, default projection only (a custom ``project=``
     need not accept a slice of the weight); ``True`` tiles every class found exact."""
 
-    def __init__(self, xs: dict[PlanKey, torch.Tensor], project: ProjectFn, *, shared: bool, mode: bool | str = True):
+    def __init__(self, xs: PlanInputs, project: ProjectFn, report: BuildReport, *, shared: bool, mode: bool | str):
         self.mode, self.tile_rows = mode, TILE_ROWS
         verdicts = shared_verdicts("tiled") if shared else {}
-        super().__init__(xs, project, ProbedClasses(f"tiled projection ({self.tile_rows}-row tiles)", verdicts))
+        super().__init__(xs, project, ProbedClasses(f"tiled projection ({self.tile_rows}-row tiles)", verdicts), report)
         #: Whether the probe found the tiled projection faster, by class (auto mode reads it).
         self._faster: dict[Hashable, bool] = shared_verdicts("tiled speed") if shared else {}
 
@@ -294,7 +289,7 @@ class TiledProjector(_Projector):
                 check = group[turn % len(group)]
                 alone = self.project(layer, self.xs[check], weight, bias)
                 if self._classes.spot_check(cls, alone, tiled[check], layer):
-                    self.stats.tiled_layers += 1
+                    self.report.tiled_layers += 1
                     out.update((k, tiled[k]) for k in group)
                 else:
                     out.update(self._whole(layer, group, weight, bias))
@@ -465,7 +460,7 @@ class RebuildPass:
                     with failing_at("projection setup (batched)"):
                         for name in self.spec.inputs:
                             stackers[name] = StackedProjector(
-                                keys, {k: xs[k][name] for k in keys}, project, shared=default
+                                keys, {k: xs[k][name] for k in keys}, project, report, shared=default
                             )
                 alone = {
                     name: [k for k in keys if name not in stackers or k not in stackers[name].grouped]
@@ -475,7 +470,7 @@ class RebuildPass:
                 if options.tiled is True or (options.tiled == "auto" and default):
                     tilers = {
                         name: TiledProjector(
-                            {k: xs[k][name] for k in keys}, project, shared=default, mode=options.tiled
+                            {k: xs[k][name] for k in keys}, project, report, shared=default, mode=options.tiled
                         )
                         for name in self.spec.inputs
                     }
@@ -503,9 +498,5 @@ class RebuildPass:
                                     self._write(slots[key], lw.layer, y, work.columns, rows[key])
                         report.layers_read.append(str(lw.layer))
                         bar.update(1)
-                if stackers:
-                    report.stacked_layers = sum(st.stats.stacked_layers for st in stackers.values())
-                    report.per_plan_layers = sum(st.stats.per_plan_layers for st in stackers.values())
-                report.tiled_layers = sum(t.stats.tiled_layers for t in tilers.values())
             finally:
                 bar.close()
