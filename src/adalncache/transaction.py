@@ -162,7 +162,7 @@ class BuildTransaction:
             self.sync.end_build()
 
     def _check_identity(self, variant: Hashable, autocast: torch.dtype | None, order: list[PlanKey]) -> None:
-        """Step 1; a source that no longer validates is a BuildError (``failed_at="checkpoint"``)."""
+        """The identity check; a source that no longer validates is a BuildError (``failed_at="checkpoint"``)."""
         with self.lock:
             held = bool(len(self.pool) or self._tiers.host_plans())
             resident = self.pool.items()
@@ -190,7 +190,7 @@ class BuildTransaction:
         with self.lock:
             self.stats.failed_builds += 1
 
-    # -- step 3 -------------------------------------------------------------------------------
+    # -- validation ---------------------------------------------------------------------------
 
     def _validate_request(
         self, order: list[PlanKey], missing: list[PlanKey], tensors: dict[PlanKey, torch.Tensor], embed: EmbedFn | None
@@ -222,7 +222,7 @@ class BuildTransaction:
         if self.collective.any_of([message is not None])[0]:
             raise PlanError(message or "another rank cannot find room for this request beside its held plans")
 
-    # -- steps 4 to 7 -------------------------------------------------------------------------
+    # -- tiers, reserve, write, agree, publish, copy -------------------------------------------
 
     def _fill(
         self,
@@ -349,7 +349,7 @@ class BuildTransaction:
             if to_build:
                 with failing_at("checkpoint"):
                     # The files' identity settles first (a file written in the last milliseconds could
-                    # change again without its ctime moving), then must still be what step 1 accepted.
+                    # change again without its ctime moving), then must still be what the identity check accepted.
                     sink = self.identity.content.pass_sink()
                     self._check_unchanged("before its pass")
                 rebuild = RebuildPass(
@@ -364,7 +364,7 @@ class BuildTransaction:
                 )
                 rebuild.run(to_build, slots, tensors, embed, project, report)
             with failing_at("checkpoint"):
-                # Rewritten or replaced since step 1 (mid-pass, say): what was read may mix old and new
+                # Rewritten or replaced since the identity check (mid-pass, say): what was read may mix old and new
                 # bytes, and restored rows may be of the old ones; none of it is published.
                 self._check_unchanged("while it was built" if to_build else "while its rows were restored")
             with failing_at("publish"):
