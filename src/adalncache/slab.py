@@ -401,7 +401,7 @@ class Reservation:
 
 
 class SlotPool:
-    """Slot map, LRU order, free list and holds of one slab (the rules are in the module docstring)."""
+    """Slot map, LRU order, free list and holds of one slab (the rules: docs/state-machine.md)."""
 
     def __init__(self, slab: Slab, sync: StreamSync) -> None:
         self._slab = slab
