@@ -340,10 +340,6 @@ class Slab:
         index = torch.tensor(self.layout(slot, n)[1], dtype=torch.int64, device=self.device)
         return PlanRows(*(view[slot].index_select(0, index) for view in (self.plan_timesteps, *self._parts.values())))
 
-    def published(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Host copies of ``(plan_lengths, plan_timesteps)`` (for invariant checks)."""
-        return self.plan_lengths.cpu(), self.plan_timesteps.cpu()
-
     def _check_count(self, num_timesteps: int) -> None:
         if isinstance(num_timesteps, bool) or not isinstance(num_timesteps, int):
             raise PlanError(
@@ -588,7 +584,7 @@ class SlotPool:
         poison = self._slab.poison_slot
         assert poison not in resident | free | retired | set(self._holds), "the poison slot was handed out"
         assert self._slab.poison_intact(), "the poison slot's rows are not all NaN"
-        lengths, timesteps = self._slab.published()
+        lengths, timesteps = self._slab.plan_lengths.cpu(), self._slab.plan_timesteps.cpu()
         spec = self._slab.spec
         for slot in free:
             assert int(lengths[slot]) == 0, f"free slot {slot} has length {int(lengths[slot])}"
