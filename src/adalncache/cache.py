@@ -1,11 +1,9 @@
 """AdalnCache: a device slab of bit-exact AdaLN tables, rebuilt transactionally from a weight source.
 
-The cache decides *when* work runs (the build and state locks, the hit path, holds, moves); its
-parts do it: the slab and slot pool (:mod:`adalncache.slab`), the build transaction
-(:mod:`adalncache.transaction`), the tiers, the stream events and the rank collective. Threads,
-holds and moves are in docs/api.md; the states in docs/state-machine.md. Construction builds the
-parts in the one order that works across ranks: settings that fix later collectives are compared,
-capacities min-reduced, and whatever can fail on one rank alone is agreed first (:func:`_agreed`).
+The cache decides *when* work runs (locks, the hit path, holds, moves; docs/api.md); its parts do it:
+the slab and slot pool, the build transaction, the tiers, the stream events and the rank collective.
+Construction builds them in the one order that works across ranks: settings that fix later collectives
+compared, capacities min-reduced, whatever can fail on one rank alone agreed first (:func:`_agreed`).
 No part holds a closure over the cache: a cache of a process group must be freed by reference
 counting alone (docs/distributed.md).
 """

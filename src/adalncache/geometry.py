@@ -1,11 +1,9 @@
 """The family-neutral description of what a cache serves: projections, their table columns, plans, layouts.
 
-The slab, rebuild pass, tiers, store, table files and rank agreement work for any model whose AdaLN
-modulation depends on per-step scalars only; what they need to know of it is a
-:class:`ModelGeometry`. :class:`Family` is the one seam through which the core asks a family
-anything; :class:`ImageFamily` is what the families served through diffusers' flow-matching image
-pipelines share. The members are described in docs/api.md ("Model families and geometry") and
-docs/adding-a-family.md. Nothing here names a model.
+The slab, pass, tiers, store, table files and rank agreement serve any model whose AdaLN modulation
+depends on per-step scalars only, knowing of it only a :class:`ModelGeometry`. :class:`Family` is the
+one seam through which the core asks a family anything; :class:`ImageFamily` is what the families of
+diffusers' flow-matching image pipelines share (docs/api.md, docs/adding-a-family.md). No model is named.
 """
 
 from __future__ import annotations

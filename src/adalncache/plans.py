@@ -1,10 +1,8 @@
-"""Plan keys and plan validation, and the distinct plans of a set of schedules.
+"""Plan keys and plan validation, and the distinct plans of a set of schedules (docs/api.md, "Plans").
 
-A plan is what keys one forward's modulation (docs/api.md, "Plans"); its key is the tuple of its
-exact fp32 bit patterns in row-major order, because two plans that differ in one bit (or only in
-order) give different AdaLN outputs. The schedules are their families' (:mod:`adalncache.families`);
-``minimax_h3_plans`` is importable from here too, where users have always found it, and
-:func:`schedule_plans` sits here because it keys plans (the family modules must not import this one).
+A plan's key is its exact fp32 bit patterns, row-major: two plans that differ in one bit (or only in
+order) give different AdaLN outputs. ``minimax_h3_plans`` is importable from here, where users have
+always found it; :func:`schedule_plans` sits here because it keys plans (families must not import this).
 """
 
 from __future__ import annotations

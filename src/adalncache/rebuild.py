@@ -1,12 +1,10 @@
-"""The rebuild pass: stream this rank's layers once and project every plan into its reserved slot,
-per plan at its own M (a GEMM's bits depend on M), or by an alternative only where a probe proved it
-bit-identical: **stacked** (``batched=True``) and **tiled** (``tiled=``), each decided per shape
-class by :class:`ProbedClasses` (docs/exactness.md, rules 1, 7 and 8).
+"""The rebuild pass: stream this rank's layers once and project every plan into its reserved slot, per
+plan at its own M (a GEMM's bits depend on M), or by an alternative only where a probe proved it
+bit-identical: **stacked** (``batched=True``) or **tiled** (``tiled=``) (docs/exactness.md, rules 1, 7, 8).
 
-``embed(plan)`` gives one input, or one per input name (``spec.input_of(layer)``) of ``m <= n`` rows
-for a plan of ``n``; a layer is projected at its input's own M and its rows ``m`` to ``n`` are zeroed.
-The pass is purely local (no collective inside it: a failure on one rank never leaves a peer
-blocked), and every failure is labelled with its phase for the ``BuildError`` the cache raises.
+A layer is projected at its input's own M (``m <= n`` rows for a plan of ``n``) and its rows ``m`` to
+``n`` are zeroed. The pass is purely local (no collective inside it: a failure on one rank never leaves
+a peer blocked), and every failure is labelled with its phase for the ``BuildError`` the cache raises.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
-"""The slab tensors and every row read and write on them (:class:`Slab`), the slot pool that alone
-changes the slot map, the LRU order and the holds (:class:`SlotPool`), and :class:`PlanRows`, the
-form in which tiers copy a plan's table out and back in without knowing the slab's layout.
-
-The tensors, the poison slot and the row map are described in docs/api.md ("Slab attributes"); the
-slot states, the invariants :meth:`SlotPool.check_invariants` asserts and why each transition runs
-in its order are in docs/state-machine.md. The slab decides neither which slot a plan gets nor when
-a slot becomes visible; the pool is not thread-safe by itself (the cache calls it under its state lock).
+"""The slab tensors and every row read and write on them (:class:`Slab`), the slot pool that alone changes
+the slot map, the LRU order and the holds (:class:`SlotPool`, not thread-safe by itself: the cache calls it
+under its state lock), and :class:`PlanRows`, in which tiers copy a plan's table out and back in without
+knowing the slab's layout. The tensors: docs/api.md ("Slab attributes"); the slot states, invariants
+and why each transition runs in its order: docs/state-machine.md.
 """
 
 from __future__ import annotations

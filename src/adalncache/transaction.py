@@ -1,11 +1,9 @@
 """One build that reaches past the hit path, run as a transaction: all of it becomes visible, or none.
 
-The cache decides *when* a build runs; :class:`BuildTransaction` is what it does once it runs:
-identity, validation, tiers, reserve, write, agree, publish, copy down the tiers, in the order
-docs/state-machine.md ("One build, step by step") gives with its reasons. A failure before publish
-releases the reserved slots and raises :class:`~adalncache.BuildError` (``__cause__`` the original
-error); an interrupt (a ``BaseException`` that is not an ``Exception``) gets the same rollback and
-then propagates as itself, so Ctrl-C stops the program.
+:class:`BuildTransaction` runs the steps of docs/state-machine.md ("One build, step by step") in their
+order. A failure before publish releases the reserved slots and raises :class:`~adalncache.BuildError`
+(``__cause__`` the original error); an interrupt (a ``BaseException`` that is not an ``Exception``) gets
+the same rollback and then propagates as itself, so Ctrl-C stops the program.
 """
 
 from __future__ import annotations
