@@ -94,16 +94,11 @@ def plan_keys(plans: Sequence[torch.Tensor], columns: int = 1) -> list[PlanKey]:
     """``[plan_key(p, columns) for p in plans]`` with one ``cat`` and one ``tolist`` (about half the cost for a
     49-plan request); anything unusual goes the per-plan way, which raises the precise PlanError."""
     try:
-        for plan in plans:
-            if not _shaped(plan, columns):
-                raise _PerPlan
-        flat = torch.cat(list(plans)).reshape(-1)
-        if not flat.is_cpu:
-            raise _PerPlan
-        bits = _bits(flat.tolist())
-        if bits is None:
-            raise _PerPlan
-    except Exception:  # not tensors, mixed devices, nothing to concatenate...: the exact, slower way
+        flat = torch.cat(list(plans)).reshape(-1) if all(_shaped(plan, columns) for plan in plans) else None
+        bits = _bits(flat.tolist()) if flat is not None and flat.is_cpu else None
+    except Exception:  # mixed devices, nothing to concatenate...
+        bits = None
+    if bits is None:  # the exact, slower way
         return [plan_key(plan, columns) for plan in plans]
     keys: list[PlanKey] = []
     start = 0
@@ -112,10 +107,6 @@ def plan_keys(plans: Sequence[torch.Tensor], columns: int = 1) -> list[PlanKey]:
         keys.append(bits[start:stop])
         start = stop
     return keys
-
-
-class _PerPlan(Exception):
-    """Internal: key this request plan by plan."""
 
 
 def key_to_plan(key: PlanKey, columns: int = 1) -> torch.Tensor:
