@@ -14,6 +14,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from dataclasses import KW_ONLY, dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -337,24 +338,20 @@ class TiledProjector(_Projector):
 # -- the pass ----------------------------------------------------------------------------------
 
 
+@dataclass(eq=False)
 class RebuildPass:
     """One pass over the weight source for one build: embed, stream, project, write into the slab. ``out_dtype``:
     under autocast, the dtype the resident projection returns, which every projection must return."""
 
-    def __init__(
-        self,
-        spec: ModulationSpec,
-        source: WeightSource,
-        slab: Slab,
-        collective: Collective,
-        options: CacheOptions,
-        faults: FaultPoints,
-        *,
-        out_dtype: torch.dtype | None,
-        digests: DigestSink | None,
-    ) -> None:
-        self.spec, self.source, self.slab, self.collective = spec, source, slab, collective
-        self.options, self.faults, self.out_dtype, self.digests = options, faults, out_dtype, digests
+    spec: ModulationSpec
+    source: WeightSource
+    slab: Slab
+    collective: Collective
+    options: CacheOptions
+    faults: FaultPoints
+    _: KW_ONLY
+    out_dtype: torch.dtype | None
+    digests: DigestSink | None
 
     def _write(self, slot: int, layer: Layer, y: torch.Tensor, columns: Any, rows: int) -> None:
         if self.out_dtype is not None and y.dtype != self.out_dtype:
