@@ -74,12 +74,12 @@ class Placement:
     files: TablesTier | None
 
 
+@dataclass(eq=False)
 class Site:
     """The one owner of a cache's current :class:`Placement`: the cache, its identity and its build
     transaction read the device and tiers here, so a move replaces them with one assignment."""
 
-    def __init__(self, placement: Placement) -> None:
-        self.placement = placement
+    placement: Placement
 
     @property
     def device(self) -> torch.device:
