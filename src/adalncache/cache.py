@@ -1,41 +1,11 @@
 """AdalnCache: a device slab of bit-exact AdaLN tables, rebuilt transactionally from a weight source.
 
-The cache decides *when* work runs; its parts do it: :class:`~adalncache.slab.Slab` holds the
-tensors and does every row read and write, :class:`~adalncache.slab.SlotPool` alone changes the
-slot map and the holds, :class:`~adalncache.transaction.BuildTransaction` runs a build that has
-something to build, the tiers (:mod:`adalncache.tiers`) keep copies,
-:class:`~adalncache.devices.StreamSync` orders device work across streams, and the collective
-(:mod:`adalncache.distributed`) makes ranks agree. Construction builds the parts in the one order
-that works across ranks: settings that fix later collectives are compared, capacities min-reduced,
-and whatever can fail on one rank alone (device memory, a store directory, a table file) is agreed
-before any rank goes on (:func:`_agreed`).
-
-Threads: every public method may be called from several threads. The *build lock* serialises
-builds (and ``invalidate``, ``close``, ``move_to``); the *state lock* guards the slot map, the holds,
-the statistics and the identity, held for microseconds and never during a pass, so lookups and the
-hit path (every plan resident under the current variant and autocast state: key, check, touch,
-count; no stat, no device work) never wait while a pass streams the weights.
-
-Holds: a request resolves its slots once (what a CUDA graph or a step loop wants) and reads them at
-every step; without a hold another request's build could evict those plans and write other rows
-into the same slots. Reads take the state lock only to read the slot map, make the calling
-thread's stream wait for the build that wrote the slot, and serve rows in the dtype the resident
-projection returns. Slot tensors are made without a host-to-device copy and a device slot is never
-read on the host, so a captured CUDA graph sees no sync and no baked-in slot. The family's
-modulation reads (``block``, ``block_all``, ``final``) are the family's (``spec.family.rows``): the
-cache only gathers a table part's rows.
-
-Moves: rows never cross device identities (:func:`~adalncache.identity.device_identity`: another
-kind of device computes other bits). Within one identity the slab is copied; across identities the
-resident tables are stashed on the host per identity (with the fingerprint, variant and autocast
-state they were built under) and come back bit-exactly, with no pass, on a device of that identity
-unless the source changed since, so a model bounced between a GPU and the host never rebuilds. One
-:class:`~adalncache.transaction.Site` owns the device and the tier chain; a move replaces it whole.
-
-No reference cycle: a cache of a process group must be freed by reference counting alone, or it
-keeps the group (and its gloo threads) alive until a garbage collection, which at interpreter exit
-aborts; so no part holds a closure over the cache (the fault points are read through a weak
-reference), and :meth:`AdalnCache.close` drops the group.
+The cache decides *when* work runs (locks, the hit path, holds, moves; docs/api.md); its parts do it:
+the slab and slot pool, the build transaction, the tiers, the stream events and the rank collective.
+Construction builds them in the one order that works across ranks: settings that fix later collectives
+compared, capacities min-reduced, whatever can fail on one rank alone agreed first (:func:`_agreed`).
+No part holds a closure over the cache: a cache of a process group must be freed by reference
+counting alone (docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -48,7 +18,7 @@ import time
 import weakref
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar
 
 import torch
 from typing_extensions import Unpack
@@ -165,17 +135,9 @@ def _serve_files(placement: Placement, identity: TableIdentity, *, strict: bool)
 
 @dataclass(eq=False)
 class PlanHold:
-    """The plans of one request, held until :meth:`release` (or the end of a ``with`` block).
-
-    ``slots``: one slot per plan of the request, in the order given, as a LongTensor on the cache
-    device (built without a host-to-device copy; read-only, it may be shared). ``keys``: the plans'
-    keys, in the same order. ``report``: what the build that made them resident did. ``dtype``:
-    the dtype the rows are served in (the autocast dtype they were built under, else the slab's).
-    ``variant``: the identity variant (LoRA signature) the plans were held under, recorded with the
-    hold so a caller never stamps a variant read later (after a change) on these rows. ``epoch``:
-    the cache's :attr:`~adalncache.AdalnCache.retirements` when the hold was taken; a different
-    count later means a held plan may have been retired (its rows are no longer current).
-    """
+    """The plans of one request, held until :meth:`release` (or the end of a ``with`` block). ``variant`` is
+    recorded so a caller never stamps a variant read later on these rows; ``epoch`` is
+    :attr:`AdalnCache.retirements` when the hold was taken (another count later: a plan may have retired)."""
 
     _release: Callable[[PlanHold], None] = field(repr=False)
     keys: list[PlanKey]
@@ -193,11 +155,8 @@ class PlanHold:
         self.held = list(dict.fromkeys(self.slot_list))
 
     def release(self) -> None:
-        """Give the plans back (idempotent): builds may evict or rewrite them again.
-
-        Call it on the thread (CUDA: the stream) that read the rows: the cache records there when
-        the reads are done, and a later rewrite of these slots waits for that.
-        """
+        """Give the plans back (idempotent). Call it on the thread (CUDA: the stream) that read the rows:
+        the cache records there when the reads are done, and a later rewrite of these slots waits for that."""
         self._release(self)
 
     def __enter__(self) -> PlanHold:
@@ -211,6 +170,16 @@ class PlanHold:
         return f"PlanHold({len(self.keys)} plan(s) in {len(self.held)} slot(s), {state})"
 
 
+class _Option(Generic[T]):
+    """A read-only cache attribute: the option of its name in force (``cache.options``; on the class, its default)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, cache: AdalnCache | None, owner: type | None = None) -> T:
+        return getattr(cache.options if cache is not None else AdalnCacheConfig, self.name)
+
+
 class StashedTables(NamedTuple):
     """One device identity's tables, kept on the host while the cache serves another device."""
 
@@ -221,14 +190,8 @@ class StashedTables(NamedTuple):
 
 
 class AdalnCache:
-    """A device slab of bit-exact AdaLN tables, rebuilt transactionally from a weight source.
-
-    The slab tensors (``plan_timesteps``, ``plan_lengths``, ``table``, and the views of ``table``:
-    ``block_params``/``final_params`` for a two-part table, :meth:`layer_params` per layer) are
-    allocated once on ``device``; their pointers never move unless :meth:`move_to` moves the
-    cache to another device, and they are not registered in any module, so no ``state_dict``
-    holds them.
-    """
+    """A device slab of bit-exact AdaLN tables, rebuilt transactionally from a weight source. The slab
+    tensors are allocated once and registered in no module (docs/api.md, "Slab attributes")."""
 
     @option_keywords(cache=True)
     def __init__(
@@ -243,9 +206,7 @@ class AdalnCache:
         """Allocate the slab on ``device`` and open the tiers; ConfigError names the argument to change.
 
         Args:
-            spec: the geometry and dtype of the served projections.
             source: where the projections' weights are read (None: table files only, ``tables=``).
-            device: where the slab lives and every pass projects.
             config: the options as one :class:`~adalncache.options.AdalnCacheConfig`; a keyword given
                 beside it replaces its field.
             {cache options}
@@ -289,17 +250,12 @@ class AdalnCache:
         self._slab, placement = _agreed(collective, local)
         self._site = site = Site(placement)
         #: The per-slot events that order builds and reads across CUDA streams (no-ops on a CPU).
-        self.stream_sync = StreamSync(options_.max_plans, DeviceEvents(target))
-        self._pool = SlotPool(self._slab, self.stream_sync)
+        self.stream_sync = sync = StreamSync(options_.max_plans, DeviceEvents(target))
+        self._pool = pool = SlotPool(self._slab, sync)
         store = placement.tiers.store
+        memo = store.memo if store is not None else None
         self._identity = identity = TableIdentity(
-            self.source,
-            collective,
-            stats,
-            spec=spec,
-            precision=options_.precision,
-            device=lambda: site.device,
-            memo=store.memo if store is not None else None,
+            self.source, collective, stats, spec=spec, precision=given.precision, device=lambda: site.device, memo=memo
         )
         # Passes hash what they read only where something is bound to the content digest (same on every
         # rank: the store and table settings were agreed above).
@@ -307,32 +263,21 @@ class AdalnCache:
         # A table file that cannot serve this cache bit-exactly is refused now, on every rank.
         if placement.files is not None:
             _agreed(collective, lambda: _serve_files(placement, identity, strict=True))
+        faults = _fault_points_of(weakref.ref(self))
         self._builder = BuildTransaction(
-            spec,
-            options_,
-            self.source,
-            self._slab,
-            self._pool,
-            site,
-            identity,
-            collective,
-            stats,
-            self.stream_sync,
-            self._lock,
-            _fault_points_of(weakref.ref(self)),
+            spec, options_, self.source, self._slab, pool, site, identity, collective, stats, sync, self._lock, faults
         )
         log.debug(
             "AdalnCache: %d plans x %d timesteps, %.1f MiB slab on %s",
-            self.max_plans,
-            self.max_plan_width,
+            max_plans,
+            max_plan_width,
             self.slab_bytes / 2**20,
-            self.device,
+            target,
         )
 
     def _place(self, device: torch.device, store: Any, files: TablesTier | None = None) -> Placement:
-        """The tier chain for ``device``: a host tier of ``host_cache_bytes`` (pinned for CUDA), ``store``
-        (a path or an open Store), and ``options.tables`` opened (at construction) or the already open
-        ``files`` (on a move; checked against the device by :func:`_serve_files`)."""
+        """The tier chain for ``device``, with ``options.tables`` opened (construction) or the already open
+        ``files`` (a move; checked against the device by :func:`_serve_files`)."""
         tiers = TierChain(
             self.spec,
             self.source,
@@ -347,12 +292,9 @@ class AdalnCache:
 
     @contextlib.contextmanager
     def _exclusive(self, what: str) -> Iterator[None]:
-        """The build lock, refused (PlanError) on a thread that is inside a build of this cache.
-
-        The build lock is re-entrant (``hold`` builds under it), so without this check a call from
-        inside ``embed``/``project`` would run a second build in the middle of the first: it would
-        reserve a slot for a plan the outer build is writing, and one of the two slots would leak.
-        """
+        """The build lock, refused (PlanError) on a thread inside a build of this cache: the lock is re-entrant
+        (``hold`` builds under it), so a call from ``embed``/``project`` would run a second build in the middle
+        of the first, reserve a slot for a plan the outer build is writing, and leak one of the two."""
         if getattr(self._in_build, "active", False):
             raise PlanError(
                 f"{what} was called from inside a build of this cache (from its embed= or project=): a build cannot "
@@ -362,23 +304,16 @@ class AdalnCache:
             yield
 
     def identify(self, *, read: bool = True) -> str | None:
-        """The content digest: from the digest memo, else (``read=True``) by one hashing-only read.
-
-        ``None`` when it cannot be known (no weights; a column split that cuts the hashed row
-        blocks; tensors on a device). In a process group every rank must call this together.
-        """
+        """The content digest: from the digest memo, else (``read=True``) by one hashing-only read; ``None``
+        when it cannot be known (docs/api.md). In a process group every rank must call this together."""
         with self._exclusive("identify()"):
             return self._identity.content.identify(read=read)
 
     @property
     def hash_passes(self) -> bool:
-        """Whether each pass hashes the projection bytes it reads, learning and checking the content digest.
-
-        On where something is bound to the digest (a ``store``, ``tables``); off otherwise, so a
-        pass costs its reads and projections only. ``export_tables`` and ``verify_tables`` turn it
-        on (they bind or check tables); set it to learn the digest during the passes you run anyway
-        instead of by a later hashing read (``identify()``). Every rank of a group sets it alike.
-        """
+        """Whether each pass hashes the projection bytes it reads, learning and checking the content digest:
+        on where something is bound to it (a ``store``, ``tables``), else off so a pass costs its reads and
+        projections only (docs/api.md). Every rank of a group sets it alike."""
         return self._identity.content.wanted
 
     @hash_passes.setter
@@ -399,14 +334,9 @@ class AdalnCache:
         variant: Hashable = None,
         keys: Sequence[PlanKey] | None = None,
     ) -> BuildReport:
-        """Make every plan of ``plans`` resident (see :mod:`adalncache.transaction` for the order).
-
-        ``embed``: the projections' input for a plan; a cache with no weight source (table files
-        only) builds without it, since no pass can run there.
-
-        ``keys``: ``plan_key`` of each plan, computed once per request by the caller, so the hit
-        path does not key the plans again (the keys of plans that must be built are re-checked).
-        """
+        """Make every plan of ``plans`` resident (the order: docs/state-machine.md). ``embed`` may be omitted
+        only without a weight source. ``keys``: ``plan_key`` of each plan, computed once per request, so the
+        hit path does not key again (plans to build are re-keyed)."""
         start = time.perf_counter()
         order, tensors = distinct_plans(plans, keys, self.spec.plan_columns)
         report = self._hit(order, variant) or self._build(order, tensors, embed, project, variant)
@@ -422,11 +352,8 @@ class AdalnCache:
         variant: Hashable = None,
         keys: Sequence[PlanKey] | None = None,
     ) -> PlanHold:
-        """:meth:`build` the plans, then hold them until the returned hold is released.
-
-        Until then no build evicts or rewrites them; a build that cannot find room beside held
-        plans raises PlanError. Prefer :meth:`acquire`, which releases on exit.
-        """
+        """:meth:`build` the plans, then hold them (no build evicts or rewrites them) until the hold is
+        released; a build that cannot find room beside held plans raises PlanError. See :meth:`acquire`."""
         start = time.perf_counter()
         plans, keys = keyed_plans(plans, keys, self.spec.plan_columns)
         held = self._hold_if_resident(keys, variant, local=False)
@@ -466,24 +393,17 @@ class AdalnCache:
             held.release()
 
     def _hit(self, order: list[PlanKey], variant: Hashable, *, local: bool = False) -> BuildReport | None:
-        """The hit path: touch and count when every plan is resident under the current identity.
-
-        One process only (in a group every build agrees with the other ranks first), except for
-        ``local`` (:meth:`hold_resident`), which in a group counts without touching: the LRU order
-        decides the ranks' evictions and must change on every rank at once. Returns None when
-        anything is missing or the variant or autocast state changed: the caller builds.
-        """
+        """The hit path: touch and count when every plan is resident under the current identity, else None. One
+        process only (a group's builds agree first), except ``local`` (:meth:`hold_resident`), which in a group
+        counts without touching: the LRU order decides evictions and must change on every rank at once."""
         grouped = self._dist.world > 1
         if (grouped and not local) or self._closed:
             return None
         autocast = autocast_dtype(self.device)
         pool = self._pool
         with self._lock:
-            if not self._identity.matches(variant, autocast):
+            if not self._identity.matches(variant, autocast) or not all(key in pool for key in order):
                 return None
-            for key in order:
-                if key not in pool:
-                    return None
             if not grouped:
                 pool.touch(order)
             self.stats.device_hits += len(order)
@@ -551,30 +471,19 @@ class AdalnCache:
 
     @property
     def retirements(self) -> int:
-        """How many held plans were ever retired (``invalidate()``, tables of an old identity dropped).
-
-        Why: a hold keeps reading its retired slots' old rows; a caller that serves many forwards
-        from one hold (a prepared request) compares this with the hold's ``epoch`` to stop doing so.
-        """
+        """How many held plans were ever retired: a caller serving many forwards from one hold (a prepared
+        request) compares it with the hold's ``epoch`` to stop reading retired slots' old rows."""
         return self._pool.retirements
 
     def invalidate(self) -> None:
-        """Empty the slab and the host tier (held plans retire).
-
-        Store entries stay: they are keyed by content, so they never go stale.
-        """
+        """Empty the slab and the host tier (held plans retire); store entries are keyed by content and stay."""
         with self._exclusive("invalidate()"):
             self._builder.drop_all("invalidate()")
 
     def close(self) -> int:
-        """Give back what the cache holds beyond its slab: the host tier's arena (unlocked and freed), the
-        source's kept read buffers, and its process group; returns the bytes released. Resident plans stay
-        readable; building afterwards raises ConfigError. Idempotent.
-
-        Why the process group: a cache that kept it would keep ``torch.distributed``'s group (and its
-        worker threads) alive past ``destroy_process_group()``; close a cache of a group before
-        destroying the group.
-        """
+        """Give back the host tier's arena, the source's kept read buffers and the process group (which would
+        otherwise outlive ``destroy_process_group()``, docs/distributed.md); returns the bytes released.
+        Resident plans stay readable; building afterwards raises ConfigError. Idempotent."""
         with self._exclusive("close()"), self._lock:
             if self._closed:
                 return 0
@@ -588,10 +497,8 @@ class AdalnCache:
             return released
 
     def check_invariants(self) -> None:
-        """Assert the bookkeeping invariants (:mod:`adalncache.slab`; tests call this after every step).
-
-        Waits for a build in progress (its reserved slots are by design in no set).
-        """
+        """Assert the bookkeeping invariants (docs/state-machine.md); waits for a build in progress (its
+        reserved slots are by design in no set)."""
         with self._exclusive("check_invariants()"), self._lock:
             self._pool.check_invariants()
             self._tiers.check_invariants()
@@ -605,12 +512,8 @@ class AdalnCache:
     # -- devices ----------------------------------------------------------------------------
 
     def move_to(self, device: torch.device | str) -> None:
-        """Serve from ``device`` from now on (see the module docstring for what follows).
-
-        The slab tensors are new tensors on the new device: code that kept the old ones (a CUDA
-        graph) must take them again. Refused (``ConfigError``, nothing changed) for a cache of a
-        process group, and while requests hold plans (their slot tensors are on the old device).
-        """
+        """Serve from ``device`` from now on (docs/api.md): new slab tensors, which code that kept the old ones
+        (a CUDA graph) must take again. ConfigError, nothing changed, in a process group or while plans are held."""
         target = resolve_device(device, argument="device")
         if indexed(target) == indexed(self.device):
             return
@@ -630,13 +533,9 @@ class AdalnCache:
             self._relocate(target)
 
     def _relocate(self, target: torch.device) -> None:
-        """Move the parts to ``target`` (both locks held, no plan held).
-
-        Within one device identity the slab's rows are copied as they are and the tiers stay. Across
-        identities the resident tables are stashed, the tiers are placed anew for ``target`` (the store
-        kept: it is keyed by the numeric environment), the table files are served only where they fit,
-        and tables stashed for ``target``'s identity come back.
-        """
+        """Move the parts to ``target`` (both locks held, no plan held). Rows never cross device identities
+        (another kind of device computes other bits): across them the tables are stashed, the tiers placed
+        anew (the store kept: it is keyed by the numeric environment) and ``target``'s stash comes back."""
         old, identity, pool, slab = self._site.placement, self._identity, self._pool, self._slab
         here, there = device_identity(old.device), device_identity(target)
         moved = here != there
@@ -672,10 +571,8 @@ class AdalnCache:
             self._stashed.pop(identity, None)
 
     def _restore(self, identity: tuple[Any, ...]) -> StashedTables | None:
-        """Publish the tables stashed for ``identity`` into the emptied pool; what came back, or None.
-
-        Only tables built under the source as the cache holds it now (its fingerprint) come back.
-        """
+        """Publish the tables stashed for ``identity`` into the emptied pool if they were built from the source
+        as it is now (its fingerprint); what came back, or None."""
         stashed = self._stashed.pop(identity, None)
         if stashed is None or stashed.fingerprint != self._identity.fingerprint:
             return None
@@ -695,10 +592,7 @@ class AdalnCache:
     # -- reads ------------------------------------------------------------------------------
 
     def resolve_slots(self, plans: Sequence[torch.Tensor], *, keys: Sequence[PlanKey] | None = None) -> torch.Tensor:
-        """One slot per plan as a LongTensor on the cache device (pass ``keys`` to skip keying).
-
-        Made without a host-to-device copy (a view, or a tensor kept per slot list); read-only.
-        """
+        """One slot per plan as a read-only LongTensor on the cache device, made without a host-to-device copy."""
         plans, keys = keyed_plans(plans, keys, self.spec.plan_columns)
         with self._lock:
             slots = [self._pool.require(k) for k in keys]
@@ -717,12 +611,8 @@ class AdalnCache:
     def _read(
         self, slot: int | torch.Tensor, read: Callable[[], torch.Tensor], dtype: torch.dtype | None
     ) -> torch.Tensor:
-        """``read()`` of a slot's rows, ordered after their writes, in the served dtype.
-
-        An integer slot gives views of the slab (valid while the slot holds its plan: hold it);
-        a device slot tensor gives a gathered copy, and the gather is recorded as a read that a
-        later rewrite of any slot waits for.
-        """
+        """``read()`` of a slot's rows, ordered after their writes, in the served dtype: views for an integer
+        slot; for a device slot tensor a gathered copy, recorded as a read a later rewrite of any slot waits for."""
         known = [self._check_slot(slot)] if not isinstance(slot, torch.Tensor) else None
         self.stream_sync.before_read(known)
         rows = read()
@@ -733,10 +623,7 @@ class AdalnCache:
 
     def _check_slot(self, slot: object) -> int:
         """An integer slot, checked on the host: in range, and holding a plan (resident, or retired but held).
-
-        A device slot tensor is never read on the host (that would sync the device): it is the
-        caller's from ``lookup``, ``resolve_slots`` or ``acquire``.
-        """
+        (A device slot tensor is never read on the host: that would sync the device.)"""
         if isinstance(slot, bool) or not isinstance(slot, int):
             raise PlanError(
                 f"slot must be an integer or the slot tensor lookup()/resolve_slots() returned, got "
@@ -758,11 +645,8 @@ class AdalnCache:
 
     @property
     def poison_slot(self) -> int:
-        """The poison slot's index (``max_plans``): NaN rows that no plan ever occupies.
-
-        A served forward whose plan matched none of its request's prepared plans (found on the
-        device, without a host read) gathers these rows: its output is NaN, never another plan's.
-        """
+        """The poison slot's index (``max_plans``): NaN rows a served forward that matched no prepared plan
+        gathers, so its output is NaN, never another plan's."""
         return self._slab.poison_slot
 
     def served_params(self, layer: Layer) -> torch.Tensor:
@@ -774,16 +658,12 @@ class AdalnCache:
         return self._slab.served_part(name)
 
     def layer_params(self, layer: Layer) -> torch.Tensor:
-        """``layer``'s columns of every slot: a ``[P, W, out_features]`` view of :attr:`table`.
-
-        A static view (made once per slab allocation) that served modules can gather from with a
-        device slot tensor (``index_select``), so serving never reads the slot on the host.
-        """
+        """``layer``'s columns of every slot: a ``[P, W, out_features]`` view of :attr:`table`, made once per
+        slab, that served modules gather from with a device slot tensor (no host read)."""
         return self._slab.layer_params(layer)
 
     def row_index(self, slot: int | torch.Tensor, n: int) -> torch.Tensor:
-        """The flat slab rows (``slot * max_plan_width + row``) that ``slot``'s first ``n`` plan rows read (found on the
-        device): what a served module gathers with :func:`~adalncache.slab.gather_rows` from a served view."""
+        """The flat slab rows ``slot``'s first ``n`` plan rows read, found on the device (for ``slab.gather_rows``)."""
         return self._slab.row_index(slot, n)
 
     def layer_rows(
@@ -796,8 +676,8 @@ class AdalnCache:
     # what and how a row splits; the cache gathers the part's rows, ordered and in the served dtype.
 
     def _rows(self, read: str, slot: object = None) -> RowSplit:
-        """The family's row split for ``read`` (``"block"`` or ``"final"``), or the ConfigError of a
-        table without those parts (naming what to read instead), after the checks of an integer ``slot``."""
+        """The family's row split, or (after an integer ``slot``'s checks) the ConfigError of a table without
+        ``read``'s part, naming what to read instead."""
         split = self.spec.family.rows
         if split is None:
             if slot is not None and not isinstance(slot, torch.Tensor):
@@ -806,8 +686,7 @@ class AdalnCache:
         return split
 
     def _gather(self, slot: int | torch.Tensor, n: int, dtype: torch.dtype | None) -> Callable[..., torch.Tensor]:
-        """``gather(part, select=None)``: the part's rows of ``slot``'s first ``n`` plan rows, read as
-        :meth:`_read` reads (``select`` narrows the part before the gather)."""
+        """``gather(part, select=None)`` (:data:`~adalncache.geometry.Gather`), reading as :meth:`_read` does."""
         return lambda part, select=None: self._read(slot, lambda: self._slab.part_rows(part, slot, n, select), dtype)
 
     def block_rows(
@@ -878,45 +757,17 @@ class AdalnCache:
     def _tiers(self) -> TierChain:
         return self._site.tiers
 
-    @property
-    def max_plans(self) -> int:
-        return self.options.max_plans
-
-    @property
-    def max_plan_width(self) -> int:
-        return self.options.max_plan_width
-
-    @property
-    def host_cache_bytes(self) -> int:
-        return self.options.host_cache_bytes
-
-    @property
-    def precision(self) -> str:
-        return self.options.precision
-
-    @property
-    def shard(self) -> str:
-        return self.options.shard
-
-    @property
-    def read_ahead(self) -> int:
-        return self.options.read_ahead
-
-    @property
-    def progress(self) -> bool | None:
-        return self.options.progress
-
-    @property
-    def batched(self) -> bool:
-        """Whether plans of one width are stacked into one GEMM where a probe proved it bit-identical
-        to the per-plan GEMM on this device (:mod:`adalncache.rebuild`); off by default."""
-        return self.options.batched
-
-    @property
-    def tiled(self) -> bool | str:
-        """Whether each layer is projected tile by tile over its output columns, every plan per tile, where a
-        probe proved it bit-identical (:mod:`adalncache.rebuild`): ``"auto"`` only where it was also faster."""
-        return self.options.tiled
+    max_plans: _Option[int] = _Option()
+    max_plan_width: _Option[int] = _Option()
+    host_cache_bytes: _Option[int] = _Option()
+    precision: _Option[str] = _Option()
+    shard: _Option[str] = _Option()
+    read_ahead: _Option[int] = _Option()
+    progress: _Option[bool | None] = _Option()
+    #: Whether plans of one width are stacked into one GEMM where a probe proved it exact (docs/exactness.md).
+    batched: _Option[bool] = _Option()
+    #: Whether layers are projected tile by tile where a probe proved it exact (``"auto"``: and faster).
+    tiled: _Option[bool | str] = _Option()
 
     @property
     def slab_bytes(self) -> int:
@@ -1004,8 +855,5 @@ class AdalnCache:
         )
 
     def binding(self) -> dict[str, Any] | None:
-        """Everything a stored table depends on besides its plan (stores key entries by it).
-
-        ``None`` while the source's content digest is not known (the store is then not used).
-        """
+        """Everything a stored table depends on besides its plan; ``None`` while the content digest is unknown."""
         return self._identity.binding()

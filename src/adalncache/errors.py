@@ -1,9 +1,5 @@
-"""Exception types of adalncache.
-
-Every error says what to change: the argument and, where one exists, its CLI flag. They all
-derive from :class:`AdalnCacheError` so callers can catch the library's errors in one place,
-and from the builtin type a caller would naturally expect (``ValueError``, ``KeyError``...), so
-existing ``except ValueError`` code keeps working.
+"""Exception types of adalncache: each says what to change (the argument and its CLI flag), derives from
+:class:`AdalnCacheError` and from the builtin a caller would expect (``except ValueError`` keeps working).
 """
 
 from __future__ import annotations
@@ -36,14 +32,8 @@ class PlanNotCachedError(AdalnCacheError, KeyError):
 
 
 class PlanMismatchError(PlanNotCachedError):
-    """A served forward's plan was none of its request's prepared plans.
-
-    Raised after the fact: a forward of a prepared request finds its slot on the device (no host
-    read of the timestep, so the forward can be captured in a CUDA graph) and a forward whose
-    inputs match no prepared plan is served the poison slot (NaN rows, never another plan's
-    rows) and counted; the count is read off the critical path, at the request's end, the
-    scheduler's last step, the next ``prepare``, ``disable()`` or ``handle.check_request()``.
-    """
+    """A served forward's plan was none of its request's prepared plans: raised after the fact, since the
+    forward found its slot on the device and was served the poison slot's NaN rows (docs/diffusers.md)."""
 
 
 class CheckpointError(AdalnCacheError, ValueError):
@@ -52,10 +42,8 @@ class CheckpointError(AdalnCacheError, ValueError):
 
 class BuildError(AdalnCacheError, RuntimeError):
     """A build failed before publishing; nothing of the request is visible and a retry rebuilds it.
-
-    ``__cause__`` is the original error. ``rank`` is the failing rank in a distributed build
-    (``None`` in a single process) and ``failed_at`` names the tensor, layer or phase.
-    """
+    ``__cause__`` is the original error; ``rank`` the failing rank (``None`` in one process); ``failed_at``
+    the tensor, layer or phase."""
 
     def __init__(self, message: str, *, rank: int | None = None, failed_at: str | None = None) -> None:
         super().__init__(message)
@@ -64,11 +52,8 @@ class BuildError(AdalnCacheError, RuntimeError):
 
 
 def mark_failed_at(exc: BaseException, where: str) -> None:
-    """Label ``exc`` with the phase it came from, unless an inner phase already did.
-
-    The innermost label wins: a read failure inside a projection says "read of layer 3", not the
-    projection. Exceptions that refuse attributes (some builtins' instances) stay unlabelled.
-    """
+    """Label ``exc`` with the phase it came from unless an inner phase already did (the innermost wins: a read
+    failure inside a projection says "read of layer 3"); exceptions that refuse attributes stay unlabelled."""
     if failure_phase(exc) is None:
         with contextlib.suppress(AttributeError, TypeError):
             setattr(exc, _FAILED_AT, where)

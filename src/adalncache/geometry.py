@@ -1,25 +1,9 @@
 """The family-neutral description of what a cache serves: projections, their table columns, plans, layouts.
 
-Why this module exists: the slot pool, slab, rebuild pass, tiers, store, table files and rank
-agreement must work for any model whose AdaLN modulation depends on per-step scalars only. What
-they need to know about a model is small and the same for every family:
-
-* the **served layers**, in pass order: each one projection (one weight ``(out, in)`` and, unless
-  the layer declares none, one bias ``(out,)``), with its output width and the name of the input
-  it takes (a family may feed two projections differently cast or differently many rows of the
-  same embedding);
-* the **table**: one row of a plan holds every layer's output side by side, each layer owning the
-  columns ``[offset, offset + width)`` in pass order; a family may split that row into named
-  *parts* (a table file tensor each), where other engines expect its tables in that shape;
-* the **plan**: which per-step inputs key a table (``plan_inputs``; one column per input);
-* the **key layouts**: how a checkpoint names each layer's tensors.
-
-:class:`ModelGeometry` holds exactly that; :class:`Family` holds what is shared by every model of
-one family, and is the one seam through which the core asks a family anything (its geometry from
-a model or a checkpoint, its schedules, its projection input from a checkpoint, what a row depends
-on besides the projections). :class:`ImageFamily` is what the families served through diffusers'
-flow-matching image pipelines share. Families are defined in :mod:`adalncache.families`;
-:class:`~adalncache.spec.ModulationSpec` wraps a geometry with the dtype. Nothing here names a model.
+The slab, pass, tiers, store, table files and rank agreement serve any model whose AdaLN modulation
+depends on per-step scalars only, knowing of it only a :class:`ModelGeometry`. :class:`Family` is the
+one seam through which the core asks a family anything; :class:`ImageFamily` is what the families of
+diffusers' flow-matching image pipelines share (docs/api.md, docs/adding-a-family.md). No model is named.
 """
 
 from __future__ import annotations
@@ -44,6 +28,8 @@ Layer = int | str
 
 FINAL: Literal["final"] = "final"
 
+SUPPORTED_WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
 #: The name of the one table part of a geometry that declares none (the whole row).
 TABLE_PART = "table"
 #: Its tensor in a table file: ``table_rows [P, W, table_width]``.
@@ -54,14 +40,8 @@ TIMESTEP = "timestep"
 
 @dataclass(frozen=True)
 class KeyLayout:
-    """Tensor names of one checkpoint layout.
-
-    A layer's tensors are ``<prefix>.weight`` and ``<prefix>.bias``. For a block index ``i`` the
-    prefix is ``block_prefix`` formatted with ``i``; for :data:`FINAL` it is ``final_prefix``; for
-    any other layer (a module path) it is the layer id itself, which is how diffusers names it.
-    ``time_embedder`` holds the module paths of the time embedder's linears, whose weights build
-    the projections' input when only a checkpoint is at hand.
-    """
+    """Tensor names of one checkpoint layout: a layer's tensors are ``<prefix>.weight`` and ``<prefix>.bias``
+    (:meth:`prefix`). ``time_embedder``: the module paths of the time embedder's linears."""
 
     name: str
     block_prefix: str = ""
@@ -69,30 +49,31 @@ class KeyLayout:
     time_embedder: tuple[str, ...] = ()
 
     def prefix(self, layer: Layer) -> str:
-        """The module path holding ``weight`` and ``bias`` for ``layer``."""
+        """``block_prefix`` formatted with a block index, ``final_prefix`` for :data:`FINAL`, else the layer id
+        itself (a module path: how diffusers names it)."""
         if layer == FINAL and self.final_prefix:
             return self.final_prefix
         if isinstance(layer, int) and self.block_prefix:
             return self.block_prefix.format(i=layer)
         return str(layer)
 
+    def tensor(self, layer: Layer, part: str) -> str:
+        """The checkpoint name of ``layer``'s ``part`` (``"weight"`` or ``"bias"``)."""
+        return f"{self.prefix(layer)}.{part}"
+
     def weight(self, layer: Layer) -> str:
-        return self.prefix(layer) + ".weight"
+        return self.tensor(layer, "weight")
 
     def bias(self, layer: Layer) -> str:
-        return self.prefix(layer) + ".bias"
+        return self.tensor(layer, "bias")
 
     def block_index(self, name: str) -> int | None:
         """The block index ``i`` if ``name`` is block ``i``'s projection weight in this layout, else None."""
         if not self.block_prefix:
             return None
-        match = self._block_weight_pattern().fullmatch(name)
+        before, after = self.block_prefix.split("{i}")  # the names are written once; re caches the pattern
+        match = re.fullmatch(re.escape(before) + r"(\d+)" + re.escape(after) + r"\.weight", name)
         return int(match.group(1)) if match else None
-
-    def _block_weight_pattern(self) -> re.Pattern[str]:
-        # Derived from block_prefix so the names are written once; re caches compiled patterns.
-        before, after = self.block_prefix.split("{i}")
-        return re.compile(re.escape(before) + r"(\d+)" + re.escape(after) + r"\.weight")
 
     def time_embedder_tensors(self) -> list[str]:
         """Weight and bias names of the time embedder's linears: first weight, first bias, second..."""
@@ -101,12 +82,8 @@ class KeyLayout:
 
 @dataclass(frozen=True)
 class ServedLayer:
-    """One served projection: its layer id, output width, the name of the input it takes, and whether it has a bias.
-
-    ``bias=False`` is a projection built ``nn.Linear(..., bias=False)``: it has no bias tensor
-    anywhere (checkpoint, model, digest, parking), and it is projected as ``F.linear(x, w, None)``,
-    which is what the resident module computes.
-    """
+    """One served projection. ``bias=False``: an ``nn.Linear(..., bias=False)``, with no bias tensor anywhere
+    (checkpoint, model, digest, parking), projected as ``F.linear(x, w, None)`` as the resident module is."""
 
     id: Layer
     out_features: int
@@ -121,12 +98,8 @@ class ServedLayer:
 
 @dataclass(frozen=True)
 class TablePart:
-    """A named run of columns ``[start, stop)`` of the table row, stored as ``(rows, *shape)``.
-
-    ``tensor`` is the part's name in a table file (``[P, W, *shape]``); ``name`` its name in a
-    store entry's header and in :class:`~adalncache.slab.PlanRows` (whose tensors are the parts in
-    order).
-    """
+    """A named run of columns ``[start, stop)`` of the table row, stored as ``(rows, *shape)``: ``tensor`` in a
+    table file, ``name`` in a store entry's header (a family splits its row where other engines expect it)."""
 
     name: str
     tensor: str
@@ -141,22 +114,16 @@ Gather = Callable[..., "torch.Tensor"]
 
 
 class RowSplit(Protocol):
-    """How a family's table rows split into what its modules take, for the cache's ``block_rows``,
-    ``block``, ``block_all``, ``final_rows``, ``final``, ``block_params`` and ``final_params``: which
-    table part holds the blocks' rows and which the output layer's, and how a row splits. The cache
-    only gathers a part's rows; a family whose table is read by layer declares none."""
+    """How a family's table rows split into what its modules take (the cache's ``block*`` and ``final*``
+    reads): which parts hold the blocks' and the output layer's rows; the cache only gathers a part's rows."""
 
     block_part: str
     final_part: str
 
     def block_rows(self, gather: Gather, layer: object) -> torch.Tensor: ...
-
     def block(self, rows: torch.Tensor, spec: Any) -> tuple[torch.Tensor, ...]: ...
-
     def block_all(self, gather: Gather, spec: Any) -> list[tuple[torch.Tensor, ...]]: ...
-
     def final_rows(self, gather: Gather) -> torch.Tensor: ...
-
     def final(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -172,26 +139,11 @@ class Schedule:
 
 @dataclass(frozen=True)
 class Family:
-    """One model family: what all its models share, and everything the core asks of a family.
-
-    A family module (:mod:`adalncache.families`) makes one instance of a subclass, and the core asks
-    it (through the registry, or as ``spec.family``) instead of naming a model. It declares its
-    ``layouts`` (tried in order by layout detection; the first is the one a cache without weights
-    reports); its diffusers ``class_names``; the ``table_formats`` its tables can be written in
-    (``"adalncache"``, the bound format, always) with their ``table_tensors``, and the
-    ``model_variants``/``task_variants`` a file's ``model_variant`` may say where another engine reads
-    it; its :class:`RowSplit` (``rows``) where its modules take a row in parts; the ``arguments`` that
-    name its schedules, what one row of its plans is (``plan_rows``), its demo models by name with
-    their class (``demos``); and ``model_embed``, ``"module:function"`` of the integration where its
-    projection input from a checkpoint needs the model's own modules (built on the meta device from
-    ``config.json``): :meth:`checkpoint_embed` loads it by name when a command asks, so the core
-    imports nothing above it.
-
-    A family module overrides the methods that read a model's geometry (:meth:`spec_fields`,
-    :meth:`header_fields`), compute its schedules (:meth:`schedule`: pure computation, so the
-    integration predicts a pipeline's plans with it too), compute the projections' input from a
-    checkpoint (:meth:`embed_from_checkpoint`) and list what a row depends on besides the
-    projections (:meth:`upstream`).
+    """One model family: what all its models share, and everything the core asks of a family (through the
+    registry, or as ``spec.family``) instead of naming a model. Fields and methods: docs/api.md; how a
+    family module fills them in: docs/adding-a-family.md. ``layouts`` are tried in order by detection (the
+    first is what a cache without weights reports); ``model_embed`` (``"module:function"``) is loaded by name
+    (:meth:`checkpoint_embed`), so the core imports nothing above it.
     """
 
     name: str
@@ -264,28 +216,22 @@ class Family:
         return ", ".join(argument.flag for argument in self.arguments)
 
     def schedule(self, values: Mapping[str, Any], *, spec: Any, source: Any, checkpoint: Any) -> Schedule:
-        """The plans of the schedule ``values`` (every argument of :attr:`arguments`, defaults applied) name for a
-        checkpoint of ``spec``, opened from ``checkpoint`` as ``source`` (whose headers may be read). Every bad
-        value is a ConfigError or PlanError naming its flag, raised here: commands compute the schedule before
-        they create a store or a file, so a refused schedule leaves nothing on disk."""
+        """The plans the schedule ``values`` (every argument of :attr:`arguments`, defaults applied) name for a
+        checkpoint of ``spec`` opened as ``source``. A bad value is a ConfigError or PlanError naming its flag,
+        raised here, before commands create a store or a file."""
         raise ConfigError(f"the {self.title} family names no schedule on the command line")
 
     # -- the projections' input without the model -----------------------------------------------------
 
     def upstream(self, spec: Any, layout: KeyLayout) -> tuple[str, ...]:
         """Checkpoint keys (as ``layout`` names them) of the tensors a table row depends on besides the
-        projections: the time embedder's parameters, and those of any addition, guidance or
-        second-timestep embedding the model's config enables (by default the layout's time embedder).
-
-        The one declaration of them: the checkpoint embed reads them, the binding's upstream digest hashes
-        them (:meth:`upstream_names`), and the integration's upstream modules must hold every one. Every
-        layout lists them in the same order, so position names a tensor across layouts."""
+        projections (by default the layout's time embedder): their one declaration (docs/adding-a-family.md).
+        Every layout lists them in the same order, so position names a tensor across layouts."""
         return tuple(layout.time_embedder_tensors())
 
     def upstream_names(self, spec: Any, layout: KeyLayout) -> dict[str, str]:
-        """:meth:`upstream` keys of ``layout`` -> the parameter name of each in the diffusers model (the
-        layout-free name the upstream digest hashes it under, so a native checkpoint and a model loaded from
-        its conversion give one digest)."""
+        """:meth:`upstream` keys of ``layout`` -> their diffusers parameter names, which the upstream digest
+        hashes them under, so a native checkpoint and a model loaded from its conversion give one digest."""
         keys = self.upstream(spec, layout)
         diffusers = next((found for found in self.layouts if found.name == "diffusers"), layout)
         names = self.upstream(spec, diffusers)
@@ -303,9 +249,8 @@ class Family:
         return missing
 
     def checkpoint_embed(self, source: Any, spec: Any, device: Any = "cpu") -> Callable[[torch.Tensor], Any]:
-        """``embed(plan)`` for a cache filled without the model in memory (``build``, ``export``, ``verify``): the
-        projections' exact input from the checkpoint's own :meth:`upstream` tensors, computed as the model
-        computes it, on ``device``; CheckpointError naming the tensors a checkpoint of the projections lacks."""
+        """``embed(plan)`` without the model in memory (``build``, ``export``, ``verify``): the projections' exact
+        input from the checkpoint's :meth:`upstream` tensors; CheckpointError naming those it lacks."""
         missing = self.missing_upstream(source)
         if missing:
             raise CheckpointError(
@@ -328,7 +273,7 @@ def read_upstream(source: Any, name: str) -> torch.Tensor:
     """One upstream tensor as the file holds it: its address keeps the file offset's alignment, as
     the source keeps the projections', because an fp32 GEMV's bits depend on the weight's address."""
     header, entry = source.entry(name)
-    if entry.torch_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+    if entry.torch_dtype not in SUPPORTED_WEIGHT_DTYPES:
         raise CheckpointError(f"{header.path}: tensor {name} has dtype {entry.dtype}, expected F32, BF16 or F16")
     return source.read_tensor(name)
 
@@ -367,11 +312,8 @@ DEFAULT_SIZE = 1024
 
 
 def numbers(argument: Argument, text: str) -> list[float]:
-    """The comma-separated numbers of ``argument``, finite as the float32 a plan holds; ConfigError naming it.
-
-    Checked before the store is opened: the plan's own check would refuse them too, but only after
-    the command had created the store's directory.
-    """
+    """The comma-separated numbers of ``argument``, finite as the float32 a plan holds; ConfigError naming it,
+    raised before the command creates a store's directory (the plan's own check would come after)."""
     try:
         values = [float(v) for v in text.split(",") if v.strip()]
     except ValueError:
@@ -389,11 +331,9 @@ def finite(argument: Argument, values: list[float]) -> list[float]:
 
 
 class ImageFamily(Family):
-    """A family served through flow-matching image pipelines: a schedule is a step count at an image size (the
-    pipeline's scheduler config turns it into timesteps), or the forward's timesteps; a forward has ``batch``
-    rows. A subclass gives a step count's forwards (:meth:`step_inputs`), turns forwards into plans
-    (:meth:`plans_of`) and checks its own flags first (:meth:`check_values`); ``released_scheduler`` is the
-    config used when neither the flag nor ``scheduler/`` beside the checkpoint gives one (None: one must)."""
+    """A family served through flow-matching image pipelines (docs/adding-a-family.md): a schedule is a step
+    count at an image size, or the forward's timesteps. ``released_scheduler``: the config used when neither
+    the flag nor ``scheduler/`` beside the checkpoint gives one (None: one must)."""
 
     released_scheduler: ClassVar[Mapping[str, Any] | None] = None
 
@@ -452,10 +392,9 @@ class ImageFamily(Family):
         config: Mapping[str, Any],
         released: bool,
     ) -> list[dict[str, torch.Tensor]]:
-        """:meth:`step_inputs`, a bad config value or size, or non-finite timesteps being one ConfigError naming
-        the flags: the formulas take the config's values as they are (a string ``shift``, or a size whose
-        sequence length overflows a float, raised a bare TypeError or OverflowError), and a ``shift_terminal``
-        config divides 0 by 0 at one step, which the plan check reported only once the store existed."""
+        """:meth:`step_inputs`, a bad config value or size (the formulas take them as they are: a string ``shift``
+        raised a bare TypeError) or non-finite timesteps (a ``shift_terminal`` config divides 0 by 0 at one step)
+        being one ConfigError naming the flags, before any store exists."""
         where = "the released scheduler config" if released else SCHEDULER_CONFIG.flag
         said = f"{STEPS.flag} {steps} at {HEIGHT.flag} {size[0]} {WIDTH.flag} {size[1]}"
 
@@ -522,13 +461,9 @@ def _positive(value: object) -> bool:
 
 @dataclass(frozen=True)
 class ModelGeometry:
-    """The served layers of one model, its table columns, its plan inputs, and its family.
-
-    ``layers`` in pass order; the table row puts their outputs side by side in that order.
-    ``in_features``: the projections' input width. ``plan_inputs``: the per-step inputs that key
-    a plan, one plan column each, in this order. ``parts``: the table row's named parts (none:
-    one part, :data:`TABLE_PART`, the whole row).
-    """
+    """The served layers of one model in pass order (the table row puts their outputs side by side in that
+    order), the projections' input width, the plan's keying inputs (one column each) and the table row's
+    named parts (none: one part, :data:`TABLE_PART`, the whole row)."""
 
     family: Family
     layers: tuple[ServedLayer, ...]
@@ -632,12 +567,8 @@ class ModelGeometry:
         return tuple(dict.fromkeys(layer.input for layer in self.layers))
 
     def describe(self) -> dict[str, object]:
-        """A JSON-friendly identity: family, layers with widths and inputs, input width, plan inputs.
-
-        A layer without a bias adds ``false`` to its entry; a layer with one adds nothing, so the
-        identity (and every digest and binding made from it) of a geometry whose layers all have a
-        bias is what it was before layers could lack one.
-        """
+        """A JSON-friendly identity. A layer without a bias adds ``false`` to its entry, one with a bias nothing,
+        so a geometry whose layers all have one keeps the identity (and bindings) it had before."""
         return {
             "family": self.family.name,
             "layers": [
@@ -654,6 +585,7 @@ __all__ = [
     "HEIGHT",
     "SCHEDULER_CONFIG",
     "STEPS",
+    "SUPPORTED_WEIGHT_DTYPES",
     "TABLE_PART",
     "TABLE_ROWS",
     "TIMESTEP",

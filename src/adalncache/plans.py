@@ -1,18 +1,8 @@
-"""Plan keys and plan validation, and the distinct plans of a set of schedules.
+"""Plan keys and plan validation, and the distinct plans of a set of schedules (docs/api.md, "Plans").
 
-A plan is what keys one forward's modulation: a float32 tensor with one row per row of the
-projections' input. A family keyed by the timestep alone has 1-D plans (for the default family: the
-distinct timesteps of a step, in the order ``timestep_indices`` points at); a family keyed by several
-per-step inputs has plans of shape ``(rows, columns)``, one column per input in the family's order
-(``spec.plan_inputs``). A cache's plans all have its spec's ``plan_columns``: the keying functions
-take it as ``columns`` (1 by default). A plan's key is the tuple of exact fp32 bit patterns in
-row-major order, because two plans that differ in one bit (or only in order) give different AdaLN
-outputs; a key holds ``rows * columns`` patterns.
-
-The schedules themselves are their families' (:mod:`adalncache.families`); ``minimax_h3_plans`` is
-importable from here too, where users have always found it. :func:`schedule_plans` sits here
-rather than in that family's module because it keys plans, and the family modules must not import
-this one (this one re-exports from one of them).
+A plan's key is its exact fp32 bit patterns, row-major: two plans that differ in one bit (or only in
+order) give different AdaLN outputs. ``minimax_h3_plans`` is importable from here, where users have
+always found it; :func:`schedule_plans` sits here because it keys plans (families must not import this).
 """
 
 from __future__ import annotations
@@ -50,12 +40,9 @@ def _codec(n: int) -> tuple[Callable[..., bytes], Callable[[bytes], tuple[int, .
 
 
 def _bits(values: list[float]) -> tuple[int, ...] | None:
-    """The fp32 bit patterns of ``values`` (fp32 values held as Python floats), or None for a NaN.
-
-    Packing the floats back as fp32 and unpacking the bytes as int32 gives the bit patterns; the
-    round trip through a double keeps every finite value, the infinities and -0.0, but could
-    change a NaN's payload, so a NaN (or inf - inf) in the sum sends the caller the exact way.
-    """
+    """The fp32 bit patterns of ``values`` (fp32 values held as Python floats), or None for a NaN: the round
+    trip through a double keeps every finite value, the infinities and -0.0, but could change a NaN's
+    payload, so a NaN (or inf - inf) in the sum sends the caller the exact way."""
     total = sum(values)
     if total != total:
         return None
@@ -85,14 +72,9 @@ def _wrong_shape(plan: object, columns: int) -> PlanError:
 
 
 def plan_key(plan: torch.Tensor, columns: int = 1) -> PlanKey:
-    """The exact identity of a plan: its fp32 bit patterns, in order (row-major).
-
-    ``columns``: the plans' columns (``spec.plan_columns``): 1 takes a 1-D plan, more an
-    ``(rows, columns)`` one. Raises PlanError for anything else, since such a thing has no fp32
-    bit pattern to key on (a float64 or float16 timestep would be rounded by the model).
-    Every request keys all of its plans, so this is on the hit path: ``tolist`` and a
-    ``struct`` round trip cost about half of viewing the tensor as int32.
-    """
+    """The exact identity of a plan: its fp32 bit patterns, row-major. ``columns``: 1 takes a 1-D plan, more an
+    ``(rows, columns)`` one; PlanError for anything else (no fp32 bit pattern to key on). On the hit path:
+    ``tolist`` and a ``struct`` round trip cost about half of viewing the tensor as int32."""
     if not _shaped(plan, columns):
         raise _wrong_shape(plan, columns)
     if not plan.is_cpu:
@@ -109,23 +91,14 @@ def plan_key(plan: torch.Tensor, columns: int = 1) -> PlanKey:
 
 
 def plan_keys(plans: Sequence[torch.Tensor], columns: int = 1) -> list[PlanKey]:
-    """``[plan_key(p, columns) for p in plans]``, computed for the whole request at once.
-
-    One ``cat`` and one ``tolist`` for every plan instead of one each (measured: about half the
-    cost for a 49-plan request). Anything unusual (a plan on a device, another dtype or rank, a
-    NaN) goes the per-plan way, which raises the precise PlanError.
-    """
+    """``[plan_key(p, columns) for p in plans]`` with one ``cat`` and one ``tolist`` (about half the cost for a
+    49-plan request); anything unusual goes the per-plan way, which raises the precise PlanError."""
     try:
-        for plan in plans:
-            if not _shaped(plan, columns):
-                raise _PerPlan
-        flat = torch.cat(list(plans)).reshape(-1)
-        if not flat.is_cpu:
-            raise _PerPlan
-        bits = _bits(flat.tolist())
-        if bits is None:
-            raise _PerPlan
-    except Exception:  # not tensors, mixed devices, nothing to concatenate...: the exact, slower way
+        flat = torch.cat(list(plans)).reshape(-1) if all(_shaped(plan, columns) for plan in plans) else None
+        bits = _bits(flat.tolist()) if flat is not None and flat.is_cpu else None
+    except Exception:  # mixed devices, nothing to concatenate...
+        bits = None
+    if bits is None:  # the exact, slower way
         return [plan_key(plan, columns) for plan in plans]
     keys: list[PlanKey] = []
     start = 0
@@ -134,10 +107,6 @@ def plan_keys(plans: Sequence[torch.Tensor], columns: int = 1) -> list[PlanKey]:
         keys.append(bits[start:stop])
         start = stop
     return keys
-
-
-class _PerPlan(Exception):
-    """Internal: key this request plan by plan."""
 
 
 def key_to_plan(key: PlanKey, columns: int = 1) -> torch.Tensor:
@@ -194,12 +163,8 @@ def validate_plan(plan: torch.Tensor, *, max_plan_width: int | None = None, colu
 def keyed_plans(
     plans: Sequence[torch.Tensor], keys: Sequence[PlanKey] | None = None, columns: int = 1
 ) -> tuple[list[torch.Tensor], list[PlanKey]]:
-    """``plans`` as a list, with one key per plan (computed here, or the caller's ``keys``).
-
-    ``keys``: the plans' keys computed once by the caller (``plan_key`` of each plan, in order),
-    so a request that is looked up at every step is keyed only once. They are trusted here; the
-    cache re-checks the key of every plan it is about to build.
-    """
+    """``plans`` as a list, with one key per plan: computed here, or the caller's ``keys`` (computed once per
+    request; trusted here, while the cache re-checks the key of every plan it is about to build)."""
     if plans is None or isinstance(plans, (str, bytes)) or not hasattr(plans, "__iter__"):
         raise PlanError(
             f"build() takes a sequence of plans (one 1-D timestep tensor per step), got {type(plans).__name__}: "
@@ -247,12 +212,9 @@ def _number(v: float) -> str:
 def format_plan(key: PlanKey, limit: int = 4, columns: int = 1) -> str:
     """Short human-readable form of a plan key for messages and logs (rows in parentheses when ``columns > 1``)."""
     values = key_to_plan(key).tolist()
-    if columns == 1:
-        shown = ", ".join(_number(v) for v in values[:limit])
-        return f"[{shown}{', ...' if len(values) > limit else ''}]"
     rows = [values[i : i + columns] for i in range(0, len(values), columns)]
-    shown = ", ".join("(" + ", ".join(_number(v) for v in row) + ")" for row in rows[:limit])
-    return f"[{shown}{', ...' if len(rows) > limit else ''}]"
+    shown = [_number(r[0]) if columns == 1 else "(" + ", ".join(map(_number, r)) + ")" for r in rows[:limit]]
+    return f"[{', '.join(shown)}{', ...' if len(rows) > limit else ''}]"
 
 
 def schedule_plans(
@@ -263,12 +225,8 @@ def schedule_plans(
     audio_shift: float = 3.0,
     audio_refs: bool = True,
 ) -> list[torch.Tensor]:
-    """Every distinct plan of every (task, step count) pair, in first-seen order.
-
-    What a store is filled for: one ``build`` of these covers every request of those kinds and
-    step counts (``minimax_h3_plans`` gives each schedule's plans; repeats across steps, tasks and
-    step counts are kept once).
-    """
+    """Every distinct plan of every (task, step count) pair, in first-seen order: one ``build`` of these fills a
+    store for every request of those kinds and step counts."""
     plans: list[torch.Tensor] = []
     for task in tasks:
         for count in steps:

@@ -1,28 +1,10 @@
-"""The rebuild pass: stream this rank's layers once and project every plan into its reserved slot,
-per plan, or by an alternative only where a probe proved it bit-identical.
+"""The rebuild pass: stream this rank's layers once and project every plan into its reserved slot, per
+plan at its own M (a GEMM's bits depend on M), or by an alternative only where a probe proved it
+bit-identical: **stacked** (``batched=True``) or **tiled** (``tiled=``) (docs/exactness.md, rules 1, 7, 8).
 
-Why each plan is projected on its own, at its own M: the bits of a GEMM depend on M (and on the
-kernel M selects), and the forward projects one plan's rows at a time. ``embed(plan)`` gives one
-input (every layer's) or one per input name (``spec.input_of(layer)``), each with ``m <= n`` rows
-for a plan of ``n`` (the rows the forward feeds those layers); a layer is projected at its input's
-own ``M = m`` and its table rows ``m`` to ``n`` are zeroed, so a slot never depends on what it held
-before. The pass is purely local (no collective inside it: a failure on one rank never leaves a
-peer blocked), and every failure is labelled with its phase (``embed of plan ...``, ``read of
-layer 3``, ``projection of layer 3``) for the ``BuildError`` the cache raises.
-
-On a CPU per-plan GEMMs cost far more than the reads (49 plans of M=2 re-stream a 496 MiB weight 49
-times per layer), so two alternatives exist: **stacked** (``batched=True``, :class:`StackedProjector`:
-the plans of one input width in one GEMM, which changes M) and **tiled** (``tiled=``,
-:class:`TiledProjector`: every plan per tile of the weight's output rows, so the tile stays in the
-caches; each plan keeps its M and input, but whether a kernel sums a slice of the weight in the
-same order is the device's property). Neither is assumed exact (:class:`ProbedClasses`): the first
-layer of a new *shape class* (device, dtypes, rows, K, N, addresses modulo 64, the settings that
-decide bits, the alternative's own shape) is projected both ways, the per-plan rows are written,
-and the class is accepted only if every plan's rows are bitwise equal (:func:`same_bits`); every
-later layer spot-checks one plan (a different one each layer), and a mismatch refuses the class.
-Verdicts for the default ``F.linear`` are shared by the process (they are the device's kernels'); a
-custom ``project`` (the diffusers integration's LoRA-aware forward) may change from one call to the
-next, so its verdicts live for one pass. Why and what is measured: docs/exactness.md, sections 7 and 8.
+A layer is projected at its input's own M (``m <= n`` rows for a plan of ``n``) and its rows ``m`` to
+``n`` are zeroed. The pass is purely local (no collective inside it: a failure on one rank never leaves
+a peer blocked), and every failure is labelled with its phase for the ``BuildError`` the cache raises.
 """
 
 from __future__ import annotations
@@ -32,7 +14,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -58,6 +40,8 @@ log = logging.getLogger(__name__)
 EmbedFn = Callable[[torch.Tensor], "torch.Tensor | Mapping[str, torch.Tensor]"]
 #: A plan's projection inputs by name (one name, every layer's, when ``embed`` returns a tensor).
 Inputs = dict[str, torch.Tensor]
+#: One projection input of each plan of a pass.
+PlanInputs = dict[PlanKey, torch.Tensor]
 #: ``project(layer, x, weight, bias) -> (len(plan), out_features)``; default ``F.linear``. ``bias`` is
 #: None for a layer without one, as ``nn.Linear(..., bias=False)`` passes it.
 ProjectFn = Callable[[Layer, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
@@ -115,9 +99,8 @@ def verdicts(kind: str = "stacked") -> dict[Hashable, bool]:
 
 
 def shape_class(weight: torch.Tensor, x: torch.Tensor, rows: int, *extra: Hashable) -> tuple[Hashable, ...]:
-    """What selects the kernel of ``F.linear(x, weight)``, for a probe's shape class: device, dtypes,
-    input rows per plan, ``extra`` (how many plans are stacked, say), the weight's shape, and the
-    weight's and the input's addresses modulo 64 (each alternative adds the settings that decide bits)."""
+    """What selects the kernel of ``F.linear(x, weight)``, for a probe's shape class (each alternative adds
+    ``extra`` and the settings that decide bits)."""
     return (
         str(weight.device),
         weight.dtype,
@@ -140,13 +123,9 @@ def _describe(cls: Hashable) -> str:
 
 
 class ProbedClasses:
-    """The verdicts of one exact alternative to the per-plan projection, by shape class.
-
-    A class is unknown until its probe compares the alternative's rows with the per-plan rows bit
-    for bit, accepted while every later spot check agrees, and refused (for good, in this process or
-    pass) at the first mismatch. ``verdicts`` is a process-wide dict for the default projection, or
-    a fresh one per pass for a custom ``project``; ``what`` names the alternative in the log.
-    """
+    """The verdicts of one exact alternative to the per-plan projection, by shape class: unknown until its
+    probe, accepted while every later spot check agrees, refused for good at the first mismatch. Process-wide
+    for the default projection (the device's kernels'), per pass for a custom ``project`` (it may change)."""
 
     def __init__(self, what: str, verdicts: dict[Hashable, bool]) -> None:
         self.what = what
@@ -183,82 +162,81 @@ class ProbedClasses:
         return False
 
 
-@dataclass
-class ProbeStats:
-    """What the alternatives did in one pass (exposed on the BuildReport)."""
+class _Projector:
+    """What both alternatives keep for one pass: the plans' inputs, the projection, the verdicts, the layer turn,
+    and the build's report, whose ``stacked_layers``, ``per_plan_layers`` and ``tiled_layers`` they count."""
 
-    stacked_layers: int = 0  #: (layer, group) projections served by one stacked GEMM
-    per_plan_layers: int = 0  #: (layer, group) projections that ran per plan (probe, no verdict yet, refused)
-    tiled_layers: int = 0  #: (layer, shape class) projections served tile by tile
+    def __init__(self, xs: PlanInputs, project: ProjectFn, classes: ProbedClasses, report: BuildReport) -> None:
+        self.xs, self.project, self._classes, self.report = xs, project, classes, report
+        self._layer_count = 0
+
+    def _turn(self) -> int:
+        """This layer's turn: which plan of a group the spot check projects alone (a different one each layer)."""
+        self._layer_count += 1
+        return self._layer_count - 1
+
+    def _whole(
+        self, layer: Layer, keys: Sequence[PlanKey], weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> dict[PlanKey, torch.Tensor]:
+        return {key: self.project(layer, self.xs[key], weight, bias) for key in keys}
 
 
-class StackedProjector:
+class StackedProjector(_Projector):
     """Projects the plans of one pass, stacking each group of one input width where its class is proven exact."""
 
-    def __init__(self, keys: Sequence[PlanKey], xs: dict[PlanKey, torch.Tensor], project: ProjectFn, *, shared: bool):
+    def __init__(
+        self, keys: Sequence[PlanKey], xs: PlanInputs, project: ProjectFn, report: BuildReport, *, shared: bool
+    ):
+        classes = ProbedClasses("stacked projection", shared_verdicts("stacked") if shared else {})
+        super().__init__(xs, project, classes, report)
         groups: dict[int, list[PlanKey]] = {}
         for key in keys:
             groups.setdefault(xs[key].shape[0], []).append(key)
         #: Plans whose inputs have the same rows (the GEMM's M), in groups of two or more.
         self.groups = [g for g in groups.values() if len(g) >= 2]
         self.grouped = {key for group in self.groups for key in group}
-        self.xs = xs
-        self.project = project
-        self.stats = ProbeStats()
-        self._classes = ProbedClasses("stacked projection", shared_verdicts("stacked") if shared else {})
         # The stacked input of each group, built once per pass (its rows in the group's order).
         self._stacked_x = [torch.cat([xs[k] for k in group]) for group in self.groups]
-        self._layer_count = 0
 
     def project_layer(
         self, layer: Layer, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> list[tuple[PlanKey, torch.Tensor]]:
         """The grouped plans' outputs for this layer, as (key, y) pairs; ungrouped plans are the caller's."""
         out: list[tuple[PlanKey, torch.Tensor]] = []
-        turn = self._layer_count
-        self._layer_count += 1
+        turn = self._turn()
         for group, stacked_x in zip(self.groups, self._stacked_x, strict=True):
             m = self.xs[group[0]].shape[0]
             addresses = tuple(self.xs[k].data_ptr() % 64 for k in group)
             cls = (*shape_class(weight, stacked_x, m, len(group)), addresses, bit_settings_key(weight.device))
             verdict = self._classes.get(cls)
-            if verdict is False:
-                out.extend(self._per_plan(layer, group, weight, bias))
-                continue
             if verdict is None:
                 exact = self._per_plan(layer, group, weight, bias)
-                stacked = self.project(layer, stacked_x, weight, bias)
-                parts = [stacked[i * m : (i + 1) * m] for i in range(len(group))]
-                self._classes.probe(cls, [y for _, y in exact], parts, layer)
-                out.extend(exact)  # the probed layer always keeps the per-plan rows
+                parts = self.project(layer, stacked_x, weight, bias).split(m)
+                self._classes.probe(cls, list(exact.values()), parts, layer)
+                out.extend(exact.items())  # the probed layer always keeps the per-plan rows
                 continue
-            y = self.project(layer, stacked_x, weight, bias)
-            parts = [y[i * m : (i + 1) * m] for i in range(len(group))]
-            check = turn % len(group)
-            alone = self.project(layer, self.xs[group[check]], weight, bias)
-            if not self._classes.spot_check(cls, alone, parts[check], layer):
-                out.extend(self._per_plan(layer, group, weight, bias))
-                continue
-            self.stats.stacked_layers += 1
-            out.extend(zip(group, parts, strict=True))
+            if verdict:
+                parts = self.project(layer, stacked_x, weight, bias).split(m)
+                check = turn % len(group)
+                alone = self.project(layer, self.xs[group[check]], weight, bias)
+                if self._classes.spot_check(cls, alone, parts[check], layer):
+                    self.report.stacked_layers += 1
+                    out.extend(zip(group, parts, strict=True))
+                    continue
+            out.extend(self._per_plan(layer, group, weight, bias).items())
         return out
 
     def _per_plan(
         self, layer: Layer, group: Sequence[PlanKey], weight: torch.Tensor, bias: torch.Tensor | None
-    ) -> list[tuple[PlanKey, torch.Tensor]]:
-        self.stats.per_plan_layers += 1
-        return [(key, self.project(layer, self.xs[key], weight, bias)) for key in group]
+    ) -> dict[PlanKey, torch.Tensor]:
+        self.report.per_plan_layers += 1
+        return self._whole(layer, group, weight, bias)
 
 
 def tile_bounds(width: int, tile_rows: int) -> list[tuple[int, int]]:
-    """``[start, stop)`` of each tile of ``width`` output rows: ``tile_rows`` each, the last one
-    taking the remainder (between ``tile_rows`` and twice that).
-
-    Why no short last tile: a GEMM a few rows wide can take another kernel path than a wide one
-    (measured on the dev CPU: a bf16 GEMV of K=64 gives other bits for one output in 48 when the
-    weight has 64 rows or fewer, never at 96 or more), and a short remainder tile would be such a
-    GEMM, in a shape the probe's class does not single out.
-    """
+    """``[start, stop)`` of each tile of ``width`` output rows: ``tile_rows`` each, the last one taking the
+    remainder, never short: a GEMM a few rows wide can take another kernel path (docs/exactness.md, rule 8)
+    in a shape the probe's class does not single out."""
     if width <= tile_rows:
         return [(0, width)]
     starts = list(range(0, width - tile_rows + 1, tile_rows))
@@ -270,45 +248,25 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-class TiledProjector:
-    """Projects the plans of one pass tile by tile where their shape class is proven exact.
+class TiledProjector(_Projector):
+    """Projects the plans of one pass tile by tile where their shape class is proven exact. ``mode``:
+    ``"auto"`` tiles a class its probe found exact and faster, default projection only (a custom ``project=``
+    need not accept a slice of the weight); ``True`` tiles every class found exact."""
 
-    ``mode``: ``"auto"`` tiles a class that its probe found exact and faster, with the default
-    projection only (a custom ``project=`` must accept any slice of the weight's rows, which the
-    diffusers integration's module forward does not); ``True`` tiles every class found exact, with
-    any projection. The probe times both ways, the whole projection twice: its first run is the
-    first touch of the layer's weight (page faults of a mapped checkpoint, cache misses), which
-    would make tiling, timed second over warm memory, look faster than it is.
-    """
-
-    def __init__(
-        self,
-        xs: dict[PlanKey, torch.Tensor],
-        project: ProjectFn,
-        *,
-        shared: bool,
-        mode: bool | str = True,
-        tile_rows: int | None = None,
-    ) -> None:
-        self.xs = xs
-        self.project = project
-        self.mode = mode
-        self.tile_rows = int(tile_rows if tile_rows is not None else TILE_ROWS)
-        self.stats = ProbeStats()
+    def __init__(self, xs: PlanInputs, project: ProjectFn, report: BuildReport, *, shared: bool, mode: bool | str):
+        self.mode, self.tile_rows = mode, TILE_ROWS
         verdicts = shared_verdicts("tiled") if shared else {}
-        self._classes = ProbedClasses(f"tiled projection ({self.tile_rows}-row tiles)", verdicts)
+        super().__init__(xs, project, ProbedClasses(f"tiled projection ({self.tile_rows}-row tiles)", verdicts), report)
         #: Whether the probe found the tiled projection faster, by class (auto mode reads it).
         self._faster: dict[Hashable, bool] = shared_verdicts("tiled speed") if shared else {}
-        self._layer_count = 0
 
     def project_layer(
         self, layer: Layer, keys: Sequence[PlanKey], weight: torch.Tensor, bias: torch.Tensor | None
     ) -> list[tuple[PlanKey, torch.Tensor]]:
         """Every one of ``keys``'s outputs for this layer, as (key, y) pairs, each at its plan's own M."""
-        turn = self._layer_count
-        self._layer_count += 1
+        turn = self._turn()
         if weight.shape[0] <= self.tile_rows:
-            return [(key, self.project(layer, self.xs[key], weight, bias)) for key in keys]
+            return list(self._whole(layer, keys, weight, bias).items())
         classes: dict[Hashable, list[PlanKey]] = {}
         for key in keys:
             x = self.xs[key]
@@ -330,16 +288,11 @@ class TiledProjector:
                 check = group[turn % len(group)]
                 alone = self.project(layer, self.xs[check], weight, bias)
                 if self._classes.spot_check(cls, alone, tiled[check], layer):
-                    self.stats.tiled_layers += 1
+                    self.report.tiled_layers += 1
                     out.update((k, tiled[k]) for k in group)
                 else:
                     out.update(self._whole(layer, group, weight, bias))
         return [(key, out[key]) for key in keys]
-
-    def _whole(
-        self, layer: Layer, group: Sequence[PlanKey], weight: torch.Tensor, bias: torch.Tensor | None
-    ) -> dict[PlanKey, torch.Tensor]:
-        return {key: self.project(layer, self.xs[key], weight, bias) for key in group}
 
     def _tiled(
         self, layer: Layer, keys: Sequence[PlanKey], weight: torch.Tensor, bias: torch.Tensor | None
@@ -359,7 +312,8 @@ class TiledProjector:
     def _probe(
         self, layer: Layer, cls: Hashable, group: Sequence[PlanKey], weight: torch.Tensor, bias: torch.Tensor | None
     ) -> dict[PlanKey, torch.Tensor]:
-        """Project ``group`` whole (the rows written) and tiled, timed; record whether tiling is exact and faster."""
+        """Project ``group`` whole (the rows written) and tiled, timed; record whether tiling is exact and faster.
+        The whole projection is timed on its second run: the first touches the weight first (page faults)."""
         device = weight.device
         whole = self._whole(layer, group, weight, bias)
         _sync(device)
@@ -384,29 +338,20 @@ class TiledProjector:
 # -- the pass ----------------------------------------------------------------------------------
 
 
+@dataclass(eq=False)
 class RebuildPass:
-    """One pass over the weight source for one build: embed, stream, project, write into the slab.
+    """One pass over the weight source for one build: embed, stream, project, write into the slab. ``out_dtype``:
+    under autocast, the dtype the resident projection returns, which every projection must return."""
 
-    ``out_dtype``: under autocast, the dtype the resident projection returns; every projection must
-    return it (the slab holds its values exactly, and the cache serves them back in it).
-    ``digests``: hashes the bytes the pass reads (the content identity), when the digest is not
-    known yet. ``options``: ``precision``, ``read_ahead``, ``progress``, ``batched`` and ``tiled``.
-    """
-
-    def __init__(
-        self,
-        spec: ModulationSpec,
-        source: WeightSource,
-        slab: Slab,
-        collective: Collective,
-        options: CacheOptions,
-        faults: FaultPoints,
-        *,
-        out_dtype: torch.dtype | None,
-        digests: DigestSink | None,
-    ) -> None:
-        self.spec, self.source, self.slab, self.collective = spec, source, slab, collective
-        self.options, self.faults, self.out_dtype, self.digests = options, faults, out_dtype, digests
+    spec: ModulationSpec
+    source: WeightSource
+    slab: Slab
+    collective: Collective
+    options: CacheOptions
+    faults: FaultPoints
+    _: KW_ONLY
+    out_dtype: torch.dtype | None
+    digests: DigestSink | None
 
     def _write(self, slot: int, layer: Layer, y: torch.Tensor, columns: Any, rows: int) -> None:
         if self.out_dtype is not None and y.dtype != self.out_dtype:
@@ -493,13 +438,8 @@ class RebuildPass:
             xs = self.embed_all(keys, tensors, embed)
             work = self.collective.local_work(self.spec.layers(), self.slab)
             fp32 = options.precision == "fp32"
-            bar = tqdm(
-                total=len(work.layers),
-                desc="adalncache pass",
-                unit="layer",
-                leave=False,
-                disable=(not options.progress) if options.progress is not None else None,
-            )
+            disable = (not options.progress) if options.progress is not None else None
+            bar = tqdm(total=len(work.layers), desc="adalncache pass", unit="layer", leave=False, disable=disable)
             try:
                 stream = self.source.stream(
                     work.layers,
@@ -515,7 +455,7 @@ class RebuildPass:
                     with failing_at("projection setup (batched)"):
                         for name in self.spec.inputs:
                             stackers[name] = StackedProjector(
-                                keys, {k: xs[k][name] for k in keys}, project, shared=default
+                                keys, {k: xs[k][name] for k in keys}, project, report, shared=default
                             )
                 alone = {
                     name: [k for k in keys if name not in stackers or k not in stackers[name].grouped]
@@ -525,7 +465,7 @@ class RebuildPass:
                 if options.tiled is True or (options.tiled == "auto" and default):
                     tilers = {
                         name: TiledProjector(
-                            {k: xs[k][name] for k in keys}, project, shared=default, mode=options.tiled
+                            {k: xs[k][name] for k in keys}, project, report, shared=default, mode=options.tiled
                         )
                         for name in self.spec.inputs
                     }
@@ -553,9 +493,5 @@ class RebuildPass:
                                     self._write(slots[key], lw.layer, y, work.columns, rows[key])
                         report.layers_read.append(str(lw.layer))
                         bar.update(1)
-                if stackers:
-                    report.stacked_layers = sum(st.stats.stacked_layers for st in stackers.values())
-                    report.per_plan_layers = sum(st.stats.per_plan_layers for st in stackers.values())
-                report.tiled_layers = sum(t.stats.tiled_layers for t in tilers.values())
             finally:
                 bar.close()

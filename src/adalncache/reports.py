@@ -1,11 +1,6 @@
-"""What a build records, and where a test may make it fail: the objects the cache hands every part a
-build runs through (the tiers, the identity, the pass).
-
-:class:`CacheStats` (counters over the cache's life) and :class:`BuildReport` (one ``build`` call)
-are what the cache tells its caller. :class:`FaultPoints` is called at a few named moments of a
-build (:data:`POINTS`); the default object does nothing, and :func:`adalncache.testing.inject_faults`
-installs one that raises, so tests reach every failure path without monkeypatching private names.
-They sit below the cache because the tiers and the identity fill them in too.
+"""What a build records (:class:`CacheStats`, :class:`BuildReport`: docs/api.md), and where a test may make
+it fail (:class:`FaultPoints`, which :func:`adalncache.testing.inject_faults` replaces so tests reach every
+failure path without monkeypatching). Below the cache because the tiers and the identity fill them in too.
 """
 
 from __future__ import annotations
@@ -16,7 +11,8 @@ from typing import Any
 
 @dataclass
 class CacheStats:
-    """Counters over the cache's life. Hits and builds count distinct plans per ``build`` call."""
+    """Counters over the cache's life (each described in docs/api.md). Hits and builds count distinct plans per
+    ``build`` call."""
 
     device_hits: int = 0
     host_hits: int = 0
@@ -31,18 +27,12 @@ class CacheStats:
     variant_changes: int = 0
     failed_builds: int = 0
     store_corrupt: int = 0
-    #: plans restored from read-only table files (``tables=``), and slots of them that failed their digest
     table_hits: int = 0
     tables_corrupt: int = 0
-    #: content identity: hashing-only reads, projection bytes hashed, store uses skipped while the
-    #: content digest was unknown (a miss, never a wrong answer)
     hash_reads: int = 0
     hashed_bytes: int = 0
     store_unbound: int = 0
-    #: builds that waited for another process building the same store entries
     lock_waits: int = 0
-    #: builds that ran without the store's entry locks or writes because the store cannot be written
-    #: (read-only, full, no permission): its hits are still served, misses are built as without a store
     store_unwritable: int = 0
 
     def as_dict(self) -> dict[str, int]:
@@ -60,7 +50,7 @@ class CacheStats:
 
 @dataclass
 class BuildReport:
-    """What one ``build`` call did."""
+    """What one ``build`` call did (each field described in docs/api.md)."""
 
     plans: int = 0
     device_hits: int = 0
@@ -72,16 +62,11 @@ class BuildReport:
     passes: int = 0
     bytes_read: int = 0
     seconds: float = 0.0
-    #: projection bytes hashed for the content identity during this build
     hashed_bytes: int = 0
-    #: seconds spent waiting for another process that was building the same store entries
     waited_s: float = 0.0
     tier_write_failures: int = 0
-    #: batched mode only: (layer, width group) projections served by one stacked GEMM, and those
-    #: that ran per plan (the probe of a new shape class, or a class found not bit-identical).
     stacked_layers: int = 0
     per_plan_layers: int = 0
-    #: tiled mode: (layer, shape class) projections served tile by tile over the output columns.
     tiled_layers: int = 0
     layers_read: list[str] = field(default_factory=list, repr=False)
 

@@ -1,44 +1,8 @@
-"""The slab: preallocated tensors holding every resident plan's tables, the slot pool that decides
-which plan owns which slot, and the rows one plan's table is exchanged as.
-
-:class:`Slab`: ``max_plans`` slots of ``max_plan_width`` plan rows, ``plan_timesteps [P, W] f32``
-(``[P, W, C]`` for plans of ``C > 1`` columns; a slot's plan, zero past its length), ``plan_lengths
-[P] i64`` (0 for a slot that holds nothing) and ``table [P, W, table_width]`` (every served layer's
-output per plan row, side by side). The table parts a family declares and each layer's columns are
-views of ``table`` made once per allocation: strided, so whoever needs contiguous bytes (a file, a
-collective) copies or goes row by row. One slot more than the pool hands out, the *poison slot*
-(index ``max_plans``), holds NaN and is never written: a served forward whose plan matched no
-prepared plan (found on the device, without a host read) gathers NaN, never another plan's rows. A
-plan of more rows than ``max_plan_width`` (a batch of equal timesteps) fits when its distinct rows
-do: the slot stores each distinct row once and ``row_map [P + 1, R] i64`` gives each plan row its
-slab row as a flat index into the ``(P + 1) * W`` rows, so a read is one gather
-(:func:`gather_rows`). Rows are shared only where the build's own GEMM, at the forward's M, gave
-rows of equal inputs the same bits (checked at every write); a plan that fits keeps one slab row per
-plan row, as before. The tensors are allocated once; their pointers never move (hooks and CUDA
-graphs may hold them) unless the cache moves (:meth:`Slab.relocate`), and no module registers them,
-so no ``state_dict`` holds them. The slab does every row read and write, and decides neither which
-slot a plan gets nor when a slot becomes visible.
-
-:class:`SlotPool` alone changes the host-side slot map (plan -> slot in LRU order: what lookups
-consult), the free list and the holds. A slot is *free*, *reserved* (handed to one build),
-*resident* (in the map; maybe *held*, reference counted, by requests in flight that read it, so no
-build evicts or rewrites it) or *retired* (held while its plan left the map: no lookup finds it, its
-holders still read it, so it keeps its rows until the last hold goes). Why each transition runs in
-its order: **reserve** takes free slots lowest first (deterministic, so the ranks of a group pick
-the same slots), then evicts least-recently-used plans *not in the request* (a build must never
-evict a plan it uses) and not held, every such decision in :meth:`SlotPool._eviction_candidates`;
-**unpublish** forgets the plan in the map first, so no lookup reaches a slot being cleared;
-**commit**, the map flip, is the last step of a publish, so a failure earlier hides the whole
-request; **release** (a failed build) hides what was written (plans evicted to make room stay
-evicted: they were only a cache). On CUDA every first write to a slot waits for the reads still
-queued on it, and a commit records the event readers wait on (:class:`~adalncache.devices.StreamSync`).
-The pool is not thread-safe by itself: the cache calls it under its state lock. The states, the
-invariants :meth:`SlotPool.check_invariants` asserts, and every step of a build are in
-docs/state-machine.md.
-
-:class:`PlanRows`: tiers (host arena, store, table files) copy published plans out of the slab and
-back in as a plan's tensor, then the rows of each table part in order, so they never need to know
-the slab's layout.
+"""The slab tensors and every row read and write on them (:class:`Slab`), the slot pool that alone changes
+the slot map, the LRU order and the holds (:class:`SlotPool`, not thread-safe by itself: the cache calls it
+under its state lock), and :class:`PlanRows`, in which tiers copy a plan's table out and back in without
+knowing the slab's layout. The tensors: docs/api.md ("Slab attributes"); the slot states, invariants
+and why each transition runs in its order: docs/state-machine.md.
 """
 
 from __future__ import annotations
@@ -68,12 +32,8 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def gather_rows(view: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """Rows ``index`` of a ``[P + 1, W, ...]`` slab view, flat over ``(slot, row)``: one gather.
-
-    ``index`` is a slot's :attr:`Slab.row_map` entries (``slot * W + slab row``), so a plan whose
-    rows share slab rows reads them with no host work; every view of the slab is a slice of its
-    last dimension, so the flattening is a view, never a copy.
-    """
+    """Rows ``index`` (:attr:`Slab.row_map` entries) of a ``[P + 1, W, ...]`` slab view, in one gather with no
+    host work; every slab view is a slice of its last dimension, so the flattening is a view, never a copy."""
     return view.flatten(0, 1).index_select(0, index)
 
 
@@ -138,8 +98,7 @@ class Slab:
         C = spec.plan_columns
         self.plan_timesteps = torch.zeros((P, W) if C == 1 else (P, W, C), dtype=torch.float32, device=device)
         self.plan_lengths = torch.zeros(P, dtype=torch.int64, device=device)
-        # One slot more than the pool hands out: the poison slot (index P), NaN rows that a served
-        # forward whose plan matched no prepared plan gathers instead of any real slot's rows.
+        # One slot more than the pool hands out: the poison slot (index P), NaN rows (see poison_slot).
         self._storage = torch.zeros(P + 1, W, spec.table_width, dtype=spec.dtype, device=device)
         self._storage[P].fill_(float("nan"))
         self.table = self._storage[:P]
@@ -176,12 +135,8 @@ class Slab:
         return int(self.row_map.shape[1])
 
     def relocate(self, device: torch.device, *, keep_rows: bool) -> None:
-        """Put the tensors on ``device``: new tensors, so the pointers change (the only time).
-
-        ``keep_rows`` copies every slot as it is (rows valid on the new device too); otherwise the
-        new slab is empty, and the caller must have unpublished every slot first. The old tensors
-        are freed once the copy is done, so a move never holds two slabs on one device.
-        """
+        """Put the tensors on ``device`` (new tensors: the only time the pointers change), copying every slot
+        (``keep_rows``) or empty (every slot unpublished first). The old tensors are freed after the copy."""
         old, old_map = self.tensors(), self.row_map
         self._allocate(device, self.row_capacity)
         if keep_rows:
@@ -196,8 +151,7 @@ class Slab:
 
     @property
     def nbytes(self) -> int:
-        """Bytes the slab holds on its device, the poison slot's rows included (``spec.slab_bytes``); the row
-        map (8 bytes per slot and plan row, 2 KiB at the defaults) is not counted."""
+        """Bytes the slab holds on its device, poison slot included (``spec.slab_bytes``; not the row map)."""
         others = sum(t.numel() * t.element_size() for t in (self.plan_timesteps, self.plan_lengths))
         return others + self._storage.numel() * self._storage.element_size()
 
@@ -211,11 +165,8 @@ class Slab:
         return bool(torch.isnan(self._storage[self.max_plans]).all().item())
 
     def served_layer(self, layer: Layer) -> torch.Tensor:
-        """``layer``'s columns of every slot and of the poison slot, ``[P + 1, W, out_features]``.
-
-        What served modules gather from with a device slot tensor: a forward that matched no
-        prepared plan gathers the poison slot's NaN rows, so its output is NaN, never plausible.
-        """
+        """``layer``'s columns of every slot and of the poison slot, ``[P + 1, W, out_features]``: what served
+        modules gather from with a device slot tensor."""
         self.layer_params(layer)  # the one check of the layer id
         return self._served_layers[layer]
 
@@ -263,12 +214,9 @@ class Slab:
     INDEX_CACHE = 256
 
     def indices(self, slots: Sequence[int]) -> torch.Tensor:
-        """``slots`` as a 1-D LongTensor on the device, without a host -> device copy. Read-only.
-
-        A single slot or a run of consecutive slots is a view of the preallocated index; any other
-        list is gathered from it on the device once and kept (keyed by the slot numbers, which
-        never change meaning), so a request that resolves its slots at every step pays for it once.
-        Callers hold the cache's lock (the kept tensors are shared).
+        """``slots`` as a read-only 1-D LongTensor on the device, without a host -> device copy: a view of the
+        preallocated index for a run of consecutive slots, else gathered on the device once and kept, so a
+        request that resolves its slots at every step pays once. Callers hold the cache's lock (shared tensors).
         """
         n = len(slots)
         if n == 0:
@@ -303,11 +251,8 @@ class Slab:
 
     def _compact(self, slot: int, y: torch.Tensor, what: str) -> tuple[torch.Tensor, int | None]:
         """``y`` (a plan's first ``M`` rows) cut to its slab rows where ``slot``'s plan shares rows, once every row
-        was found bitwise equal to the row stored for it; ``(y, None)`` for a plan that does not share.
-
-        Checked at every write: one GEMM at M rows is not assumed to give rows of equal inputs equal bits
-        (docs/exactness.md, rule 9), and a row that differs is never served in another's place.
-        """
+        was found bitwise equal to the one stored for it (checked at every write: docs/exactness.md, rule 9);
+        ``(y, None)`` for a plan that does not share."""
         if slot not in self._layouts:
             return y, None
         (stored, row_of), m = self._layouts[slot], y.shape[0]
@@ -324,12 +269,8 @@ class Slab:
     def write_projection(
         self, slot: int, layer: Layer, y: torch.Tensor, columns: Columns | None = None, rows: int | None = None
     ) -> None:
-        """Copy ``y`` (``(M, out_features)``, or the column slice) into ``slot``'s rows of ``layer``.
-
-        ``rows``: the plan's row count when ``layer`` took fewer rows (``M < rows``); rows ``M``
-        to ``rows`` of the layer are zeroed, so a slot's table never depends on what it held before.
-        A plan that shares slab rows (:meth:`lay_out`) keeps each distinct row once, checked first.
-        """
+        """Copy ``y`` (``(M, out_features)``, or the column slice) into ``slot``'s rows of ``layer``; rows ``M`` to
+        ``rows`` are zeroed, so a slot's table never depends on what it held before."""
         width = self.spec.out_features(layer)
         lo, hi = columns.bounds(width) if columns is not None else (0, width)
         most = len(self._layouts[slot][1]) if slot in self._layouts else self.max_plan_width
@@ -357,11 +298,8 @@ class Slab:
         return self.table[slot, :n]
 
     def publish(self, slots: Sequence[int], plans: Sequence[torch.Tensor]) -> None:
-        """Make ``slots`` hold ``plans`` on the device: the plans first, then the lengths.
-
-        The rows must already be written. Lengths flip after the plans, all in one copy, so a
-        device-side reader that trusts ``plan_lengths`` never sees a half-filled slot.
-        """
+        """Make ``slots`` (rows already written) hold ``plans`` on the device: lengths flip after the plans, all
+        in one copy, so a device-side reader that trusts ``plan_lengths`` never sees a half-filled slot."""
         counts = []
         for slot, plan in zip(slots, plans, strict=True):
             if slot in self._layouts:  # the slab holds the plan's distinct rows; the map gives each plan row its own
@@ -396,21 +334,8 @@ class Slab:
     def read_rows(self, slot: int, n: int) -> PlanRows:
         """A contiguous copy of ``slot``'s first ``n`` rows, part by part (tiers and ``verify`` keep these); a
         plan that shares slab rows is read out with every plan row, as tiers and table files hold it."""
-        contiguous = torch.contiguous_format
-        if slot in self._layouts:
-            index = torch.tensor(self._layouts[slot][1], dtype=torch.int64, device=self.device)
-            return PlanRows(
-                self.plan_timesteps[slot].index_select(0, index),
-                *(part[slot].index_select(0, index) for part in self._parts.values()),
-            )
-        return PlanRows(
-            self.plan_timesteps[slot, :n].clone(memory_format=contiguous),
-            *(part[slot, :n].clone(memory_format=contiguous) for part in self._parts.values()),
-        )
-
-    def published(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Host copies of ``(plan_lengths, plan_timesteps)`` (for invariant checks)."""
-        return self.plan_lengths.cpu(), self.plan_timesteps.cpu()
+        index = torch.tensor(self.layout(slot, n)[1], dtype=torch.int64, device=self.device)
+        return PlanRows(*(view[slot].index_select(0, index) for view in (self.plan_timesteps, *self._parts.values())))
 
     def _check_count(self, num_timesteps: int) -> None:
         if isinstance(num_timesteps, bool) or not isinstance(num_timesteps, int):
@@ -454,11 +379,8 @@ class Slab:
     def part_rows(
         self, name: str, slot: int | torch.Tensor, n: int, select: Callable[[torch.Tensor], torch.Tensor] | None = None
     ) -> torch.Tensor:
-        """Table part ``name``'s rows for the slot's first ``n`` plan rows, ``(n, *part.shape)``.
-
-        ``select`` narrows the part's ``[P + 1, W, ...]`` view before the gather (a family picking
-        one block of a stacked part), so a device slot gathers only what is read.
-        """
+        """Table part ``name``'s rows for the slot's first ``n`` plan rows; ``select`` narrows the part's view
+        before the gather (one block of a stacked part), so a device slot gathers only what is read."""
         table = self.served_part(name)
         return self._rows(table if select is None else select(table), slot, n)
 
@@ -472,7 +394,7 @@ class Reservation:
 
 
 class SlotPool:
-    """Slot map, LRU order, free list and holds of one slab (the rules are in the module docstring)."""
+    """Slot map, LRU order, free list and holds of one slab (the rules: docs/state-machine.md)."""
 
     def __init__(self, slab: Slab, sync: StreamSync) -> None:
         self._slab = slab
@@ -538,7 +460,7 @@ class SlotPool:
         return sum(1 for slot in self._map.values() if slot in self._holds)
 
     def room(self, wanted: Collection[PlanKey]) -> tuple[int, int]:
-        """``(free slots, plans a build for wanted may evict)``: the most slots a build could reserve."""
+        """``(free slots, plans a build for wanted may evict)``."""
         return len(self._free), len(self._eviction_candidates(wanted))
 
     # -- transitions ------------------------------------------------------------------------
@@ -549,25 +471,18 @@ class SlotPool:
             self._map.move_to_end(key)
 
     def _eviction_candidates(self, wanted: Collection[PlanKey]) -> list[PlanKey]:
-        """Resident plans a build for ``wanted`` may evict, least recently used first.
-
-        The one place that decides what may be evicted: never a plan of the request itself, and
-        never a plan a request in flight holds.
-        """
+        """Resident plans a build for ``wanted`` may evict, least recently used first: the one place that
+        decides it (never a plan of the request, never a held one)."""
         return [k for k in self._map if self._map[k] not in self._holds if k not in wanted]
 
     def reserve(self, missing: Sequence[PlanKey], wanted: Collection[PlanKey]) -> Reservation:
-        """Slots for ``missing``: free ones first (lowest first), then LRU plans outside ``wanted``.
-
-        Evicted plans are unpublished at once (a build that then fails does not bring them back).
-        Raises PlanError, changing nothing, when even evicting every candidate leaves too few
-        slots; the cache's own request check (at most ``max_plans`` distinct plans) rules that out.
-        """
+        """Slots for ``missing``: free ones first (lowest first), then LRU plans outside ``wanted``, evicted at
+        once. PlanError, changing nothing, when even every candidate leaves too few slots."""
         candidates = self._eviction_candidates(wanted)
         if len(missing) > len(self._free) + len(candidates):
             raise PlanError(self.no_room_message(len(missing), wanted))
         reservation = Reservation()
-        self._free.sort(reverse=True)  # pop() hands out the lowest free slot first: deterministic
+        self._free.sort(reverse=True)  # pop() hands out the lowest free slot first: every rank picks the same
         victims = iter(candidates)
         for key in missing:
             if not self._free:
@@ -595,11 +510,8 @@ class SlotPool:
         )
 
     def unpublish(self, key: PlanKey) -> None:
-        """Evict ``key``: the map forgets it first, so no lookup can reach a slot being cleared.
-
-        A held slot is retired instead: its holders keep reading it, so it keeps everything until
-        the last hold is released (:meth:`unhold`).
-        """
+        """Evict ``key`` (the map forgets it first, so no lookup reaches a slot being cleared); a held slot
+        retires instead and keeps everything until its last hold is released."""
         slot = self._map.pop(key)
         if slot in self._holds:
             self._retired[slot] = key
@@ -642,10 +554,7 @@ class SlotPool:
                 self._free.append(slot)
 
     def commit(self, slots: dict[PlanKey, int]) -> None:
-        """The host-side map flip, the last step of a publish: ``slots`` become resident, newest last.
-
-        The event readers wait on is recorded first, after every device write of the build.
-        """
+        """The host-side map flip, the last step of a publish (after recording the event readers wait on)."""
         self.sync.after_write(list(slots.values()), publish=True)
         self._map.update(slots)
 
@@ -657,10 +566,7 @@ class SlotPool:
     # -- invariants -------------------------------------------------------------------------
 
     def check_invariants(self) -> None:
-        """Assert the invariants (call it outside a build): no two plans share a slot, none is free twice;
-        the resident, retired and free slots partition ``0..P-1``; a free slot has length 0, a resident
-        or retired one its plan's length and timesteps; every held slot is resident or retired and every
-        retired slot held; the poison slot is never handed out and all NaN."""
+        """Assert the invariants of docs/state-machine.md (outside a build; each assertion names its rule)."""
         resident = set(self._map.values())
         free = set(self._free)
         retired = set(self._retired)
@@ -675,7 +581,7 @@ class SlotPool:
         poison = self._slab.poison_slot
         assert poison not in resident | free | retired | set(self._holds), "the poison slot was handed out"
         assert self._slab.poison_intact(), "the poison slot's rows are not all NaN"
-        lengths, timesteps = self._slab.published()
+        lengths, timesteps = self._slab.plan_lengths.cpu(), self._slab.plan_timesteps.cpu()
         spec = self._slab.spec
         for slot in free:
             assert int(lengths[slot]) == 0, f"free slot {slot} has length {int(lengths[slot])}"

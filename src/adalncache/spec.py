@@ -1,17 +1,9 @@
 """Model geometry and checkpoint key layouts, as one :class:`ModulationSpec` per cache.
 
-A :class:`ModulationSpec` is everything the cache needs to know about a model: which projections
-it serves (a flat list of layers in pass order, each one weight and one bias), how wide each is and
-where its output sits in a table row, which per-step inputs key a plan, how a checkpoint names the
-tensors, and the dtype. The core reads only those family-neutral members
-(:meth:`~ModulationSpec.layers`, :meth:`~ModulationSpec.out_features`,
-:meth:`~ModulationSpec.offset`, :attr:`~ModulationSpec.table_width`, :attr:`~ModulationSpec.plan_columns`,
-:meth:`~ModulationSpec.layouts`, ...).
-
-The fields ``num_layers``, ``hidden_size``, ``time_embed_dim`` and ``modalities`` describe the
-default family's geometry (:func:`ModulationSpec.minimax_h3` gives the released one); a spec of
-another family passes its :class:`~adalncache.geometry.ModelGeometry` as ``geometry`` (the
-families' own modules build it, :mod:`adalncache.families`).
+A spec is a :class:`~adalncache.geometry.ModelGeometry` and a dtype; the core reads only its
+family-neutral members (docs/api.md, "ModulationSpec"). The fields ``num_layers``, ``hidden_size``,
+``time_embed_dim`` and ``modalities`` describe the default family's geometry; a spec of another
+family carries its ``geometry`` (built by :mod:`adalncache.families`).
 """
 
 from __future__ import annotations
@@ -28,12 +20,10 @@ import torch
 from . import families
 from .errors import CheckpointError, ConfigError
 from .families import minimax_h3 as _default
-from .geometry import FINAL, Family, KeyLayout, Layer, ModelGeometry, ServedLayer, TablePart
+from .geometry import FINAL, SUPPORTED_WEIGHT_DTYPES, Family, KeyLayout, Layer, ModelGeometry, ServedLayer, TablePart
 
 if TYPE_CHECKING:
     from torch import nn
-
-SUPPORTED_WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 #: The default family's two checkpoint layouts (native and diffusers names), by name.
 LAYOUTS: dict[str, KeyLayout] = _default.LAYOUTS
@@ -46,12 +36,9 @@ def get_layout(name: str) -> KeyLayout:
 
 @dataclass(frozen=True)
 class ModulationSpec:
-    """Geometry and dtype of the AdaLN projections a cache serves.
-
-    ``dtype`` is the projection weights' dtype; the slab stores outputs in it because that is the
-    dtype the resident ``linear`` returns, so serving from the slab needs no cast. ``geometry``:
-    a non-default family's served layers (``None``: the default family's, derived from the fields).
-    """
+    """Geometry and dtype of the AdaLN projections a cache serves. The slab stores outputs in ``dtype`` (the
+    weights') because the resident ``linear`` returns it, so serving needs no cast. ``geometry``: ``None``
+    for the default family's, derived from the fields."""
 
     num_layers: int
     hidden_size: int
@@ -102,11 +89,8 @@ class ModulationSpec:
         num_layers: int | None = None,
         hidden_size: int | None = None,
     ) -> ModulationSpec:
-        """The spec of ``geometry`` in ``dtype``; ``num_layers`` and ``hidden_size`` only describe it.
-
-        ``num_layers`` (the model's transformer blocks) defaults to the number of served layers,
-        ``hidden_size`` (the model's width) to the projections' input width.
-        """
+        """The spec of ``geometry`` in ``dtype``; ``num_layers`` (default: the served layers) and ``hidden_size``
+        (default: the input width) only describe the model."""
         return cls(
             num_layers=num_layers if num_layers is not None else len(geometry.layers),
             hidden_size=hidden_size if hidden_size is not None else geometry.in_features,
@@ -120,7 +104,7 @@ class ModulationSpec:
         """The spec of a family's keywords: :meth:`for_geometry`'s where its spec carries its geometry."""
         return cls.for_geometry(**fields) if "geometry" in fields else cls(**fields)
 
-    # -- the family-neutral members the core reads -------------------------------------------
+    # -- the family-neutral members the core reads (the geometry's, documented there) ----------
 
     @property
     def family(self) -> Family:
@@ -159,25 +143,20 @@ class ModulationSpec:
 
     @property
     def inputs(self) -> tuple[str, ...]:
-        """The names of the projection inputs, in the order the layers first take them."""
         return self._geometry.inputs()
 
     @property
     def in_features(self) -> int:
-        """The projections' input width."""
         return self.time_embed_dim
 
     def offset(self, layer: Layer) -> int:
-        """The first column of ``layer``'s output in a table row."""
         return self._geometry.offset(layer)
 
     @property
     def table_width(self) -> int:
-        """Columns of one table row: every layer's output side by side."""
         return self._geometry.table_width
 
     def table_parts(self) -> tuple[TablePart, ...]:
-        """The table row's named parts in order (the whole row as one part unless the family splits it)."""
         return self._geometry.table_parts()
 
     @property
@@ -273,20 +252,13 @@ class ModulationSpec:
 
     @classmethod
     def minimax_h3(cls, **overrides: Any) -> ModulationSpec:
-        """The released geometry of the family this preset is named for.
-
-        50 blocks, hidden 5376, time embedding 2688, bf16; ``overrides`` replace any field.
-        """
+        """The released geometry of the family this preset is named for; ``overrides`` replace any field."""
         return cls(**{**_default.RELEASED, **overrides})
 
     @classmethod
     def from_transformer(cls, model: nn.Module, *, dtype: torch.dtype | None = None) -> ModulationSpec:
-        """Read the geometry of a diffusers transformer of a supported family (config plus weight dtype).
-
-        ``dtype``: the projections' output dtype when their weights are stored in another one
-        (quantized, or kept in fp8 by layerwise casting); by default the first projection's weight
-        dtype. A class whose modulation depends on the prompt is refused (ConfigError).
-        """
+        """Read the geometry of a diffusers transformer of a supported family; ``dtype``: the projections' output
+        dtype when their weights are stored in another one. A prompt-dependent class is refused (ConfigError)."""
         name = type(model).__name__
         if name in families.REFUSED:
             families.for_class(name)  # raises the ConfigError naming the reason
@@ -301,14 +273,9 @@ class ModulationSpec:
         layout: str = "auto",
         modalities: int = 3,
     ) -> ModulationSpec:
-        """Read the projection geometry from a checkpoint's safetensors headers alone (no tensor data).
-
-        ``path`` is what ``CheckpointSource`` takes (a file, a directory, a list of files). The
-        family comes from the ``_class_name`` of a ``config.json`` beside the weights (diffusers
-        layout), else it is the default family. ``CheckpointSource`` then validates every tensor
-        against the result. Raises CheckpointError when no layout's projections are there or the
-        first is unusable, ConfigError for a class that is refused or not supported.
-        """
+        """Read the projection geometry from a checkpoint's safetensors headers alone; the family from the
+        ``_class_name`` of a ``config.json`` beside the weights, else the default. CheckpointError when no
+        layout's projections are there or the first is unusable, ConfigError for a refused or unknown class."""
         # Deferred, and from the source module that imports no spec: the rest of the source package is
         # built on this module (it validates checkpoints against a spec).
         from .source.files import SafetensorsHeader, checkpoint_files

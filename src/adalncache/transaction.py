@@ -1,27 +1,9 @@
 """One build that reaches past the hit path, run as a transaction: all of it becomes visible, or none.
 
-The cache decides *when* a build runs (its locks, the hit path); :class:`BuildTransaction` is what
-a build does once it runs, in this order, chosen so that a failure at any point leaves nothing
-half-built visible:
-
-1. **identity**: re-stat the source, compare the variant and the autocast state; drop tables of
-   an old identity (held slots retire: their requests keep reading them);
-2. nothing missing -> touch and return;
-3. **validate** the whole request, then check that its missing plans fit beside the plans held by
-   requests in flight, before any state changes: a rejected request costs nothing;
-4. **tiers**: which missing plans the host tier, then the store, then the table files hold
-   (nothing reserved yet); without weights (``source=None``) a plan no tier holds is a
-   :class:`~adalncache.PlanNotCachedError` here; before a pass, claim the store entries it will
-   write (one build per fleet) or wait for the process that builds them;
-5. **reserve** slots: free ones, then least-recently-used plans outside the request and not held;
-6. **write** the reserved slots (tier rows; one rebuild pass for the rest), agree with the other
-   ranks, **publish** (contents, then ``plan_lengths``, then the host-side slot map);
-7. **copy** the new tables to the host tier and the store: a failure there is counted, never raised.
-
-A failure before publish releases the reserved slots and raises :class:`~adalncache.BuildError`
-(``__cause__`` the original error). An interrupt (``KeyboardInterrupt``, or any other
-``BaseException`` that is not an ``Exception``) gets the same rollback and then propagates as
-itself, so Ctrl-C stops the program.
+:class:`BuildTransaction` runs the steps of docs/state-machine.md ("One build, step by step") in their
+order. A failure before publish releases the reserved slots and raises :class:`~adalncache.BuildError`
+(``__cause__`` the original error); an interrupt (a ``BaseException`` that is not an ``Exception``) gets
+the same rollback and then propagates as itself, so Ctrl-C stops the program.
 """
 
 from __future__ import annotations
@@ -72,29 +54,32 @@ def _interrupt(exc: BaseException) -> BaseException | None:
     return None
 
 
+def _failed(plans: int, phase: str, exc: BaseException, rank: int | None = None) -> BuildError:
+    """The BuildError of a build of ``plans`` plans that failed at ``phase`` with ``exc`` (its cause)."""
+    return BuildError(
+        f"build of {plans} plan(s) failed at {phase}: {type(exc).__name__}: {exc}; nothing of this request was "
+        f"published and a retry rebuilds it",
+        rank=rank,
+        failed_at=phase,
+    )
+
+
 @dataclass(frozen=True)
 class Placement:
-    """Where a cache builds and serves: the device, the tier chain placed for it, and the table files.
-
-    ``files`` are the table files of ``tables=``; ``tiers.tables`` is them where their binding fits
-    this device, else None (plans are built there instead).
-    """
+    """Where a cache builds and serves: the device, its tier chain, and the table files of ``tables=``
+    (``tiers.tables`` is them where their binding fits this device, else None)."""
 
     device: torch.device
     tiers: TierChain
     files: TablesTier | None
 
 
+@dataclass(eq=False)
 class Site:
-    """The one owner of a cache's current :class:`Placement`.
+    """The one owner of a cache's current :class:`Placement`: the cache, its identity and its build
+    transaction read the device and tiers here, so a move replaces them with one assignment."""
 
-    Why one owner: the cache, its identity and its build transaction all read the device and the
-    tiers; copies would each need patching on a move. They read them here, and a move replaces the
-    placement with one assignment.
-    """
-
-    def __init__(self, placement: Placement) -> None:
-        self.placement = placement
+    placement: Placement
 
     @property
     def device(self) -> torch.device:
@@ -107,13 +92,8 @@ class Site:
 
 @dataclass(eq=False)
 class BuildTransaction:
-    """Runs the builds of one cache (one at a time: the cache serialises them) on the cache's parts.
-
-    ``lock`` is the cache's state lock: held while the slot map, the stats or the identity change,
-    so readers on other threads always see them consistent (never during a pass). ``site``: the
-    cache's device and tier chain (their one owner; a move replaces its placement). ``faults``:
-    the cache's fault points, read per build.
-    """
+    """Runs the builds of one cache (one at a time) on the cache's parts. ``lock``, the cache's state lock,
+    is held while the slot map, the stats or the identity change (never during a pass)."""
 
     spec: ModulationSpec
     options: CacheOptions
@@ -161,10 +141,8 @@ class BuildTransaction:
         variant: Hashable,
         report: BuildReport,
     ) -> None:
-        """Make every plan of ``order`` resident (see the module docstring); fills ``report``.
-
-        ``embed`` may be ``None`` only for a source that serves no weights: no pass can run there.
-        """
+        """Make every plan of ``order`` resident; fills ``report``. ``embed`` may be ``None`` only for a
+        source that serves no weights."""
         autocast = self.checked_autocast(self.site.device)
         self.sync.begin_build()
         try:
@@ -182,7 +160,7 @@ class BuildTransaction:
             self.sync.end_build()
 
     def _check_identity(self, variant: Hashable, autocast: torch.dtype | None, order: list[PlanKey]) -> None:
-        """Step 1; a source that no longer validates is a BuildError (``failed_at="checkpoint"``)."""
+        """The identity check; a source that no longer validates is a BuildError (``failed_at="checkpoint"``)."""
         with self.lock:
             held = bool(len(self.pool) or self._tiers.host_plans())
             resident = self.pool.items()
@@ -210,7 +188,7 @@ class BuildTransaction:
         with self.lock:
             self.stats.failed_builds += 1
 
-    # -- step 3 -------------------------------------------------------------------------------
+    # -- validation ---------------------------------------------------------------------------
 
     def _validate_request(
         self, order: list[PlanKey], missing: list[PlanKey], tensors: dict[PlanKey, torch.Tensor], embed: EmbedFn | None
@@ -242,7 +220,7 @@ class BuildTransaction:
         if self.collective.any_of([message is not None])[0]:
             raise PlanError(message or "another rank cannot find room for this request beside its held plans")
 
-    # -- steps 4 to 7 -------------------------------------------------------------------------
+    # -- tiers, reserve, write, agree, publish, copy -------------------------------------------
 
     def _fill(
         self,
@@ -278,13 +256,8 @@ class BuildTransaction:
                     del interrupt  # this frame is in its traceback: kept, it would make a reference cycle
             if isinstance(exc, BuildError):
                 raise
-            phase = failure_phase(exc) or "build"
-            raise BuildError(
-                f"build of {len(missing)} plan(s) failed at {phase}: {type(exc).__name__}: {exc}; nothing "
-                f"of this request was published and a retry rebuilds it",
-                rank=self.collective.rank if self.collective.world > 1 else None,
-                failed_at=phase,
-            ) from exc
+            rank = self.collective.rank if self.collective.world > 1 else None
+            raise _failed(len(missing), failure_phase(exc) or "build", exc, rank) from exc
         report.host_hits, report.store_hits, report.table_hits = len(from_host), len(from_store), len(from_tables)
         report.built = len(to_build)
         report.passes = 1 if to_build else 0
@@ -345,11 +318,7 @@ class BuildTransaction:
             self._count_failure()
             if _interrupt(exc) is not None or isinstance(exc, BuildError):
                 raise
-            raise BuildError(
-                f"build of {len(missing)} plan(s) failed at tier lookup: {type(exc).__name__}: {exc}; nothing "
-                f"of this request was published and a retry rebuilds it",
-                failed_at="tier lookup",
-            ) from exc
+            raise _failed(len(missing), "tier lookup", exc) from exc
         from_store.update(served)
         return from_host, from_store, from_tables, [k for k in to_build if k not in served]
 
@@ -378,7 +347,7 @@ class BuildTransaction:
             if to_build:
                 with failing_at("checkpoint"):
                     # The files' identity settles first (a file written in the last milliseconds could
-                    # change again without its ctime moving), then must still be what step 1 accepted.
+                    # change again without its ctime moving), then must still be what the identity check accepted.
                     sink = self.identity.content.pass_sink()
                     self._check_unchanged("before its pass")
                 rebuild = RebuildPass(
@@ -393,7 +362,7 @@ class BuildTransaction:
                 )
                 rebuild.run(to_build, slots, tensors, embed, project, report)
             with failing_at("checkpoint"):
-                # Rewritten or replaced since step 1 (mid-pass, say): what was read may mix old and new
+                # Rewritten or replaced since the identity check (mid-pass, say): what was read may mix old and new
                 # bytes, and restored rows may be of the old ones; none of it is published.
                 self._check_unchanged("while it was built" if to_build else "while its rows were restored")
             with failing_at("publish"):

@@ -291,10 +291,7 @@ class ContentIdentity:
     def _names(self) -> list[tuple[str, str]]:
         """``(role, tensor name)`` of every projection tensor, in pass order."""
         layout = self.source.layout
-        return [
-            (role, layout.weight(layer) if part == "weight" else layout.bias(layer))
-            for role, layer, part in projection_roles(self.spec)
-        ]
+        return [(role, layout.tensor(layer, part)) for role, layer, part in projection_roles(self.spec)]
 
     def stamps(self) -> dict[str, FileStamp] | None:
         """The file identity holding each projection tensor, by role; None when it cannot be taken."""

@@ -378,7 +378,7 @@ class LayerPass:
         checkpoint, rows = self.checkpoint, self._rows(layer)
         out: list[tuple[torch.Tensor, torch.Tensor]] = []
         for part in checkpoint.spec.tensors_of(layer):
-            name = checkpoint.layout.weight(layer) if part == "weight" else checkpoint.layout.bias(layer)
+            name = checkpoint.layout.tensor(layer, part)
             header, entry = checkpoint.entry(name)
             dtype = entry.torch_dtype
             assert dtype is not None  # validated

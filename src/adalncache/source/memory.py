@@ -114,8 +114,7 @@ class TensorSource:
             if digests is not None:
                 for part, tensor in (("weight", weight), ("bias", bias)):
                     if tensor is not None and tensor.device.type == "cpu" and tensor.is_contiguous():
-                        name = self.layout.weight(layer) if part == "weight" else self.layout.bias(layer)
-                        full = self.tensors[name]
+                        full = self.tensors[self.layout.tensor(layer, part)]
                         dtype = safetensors_name(full.dtype) or str(full.dtype)  # as a file names it: hashes alike
                         digests.feed(role_of(layer, part), dtype, tuple(full.shape), rows, tensor)
             self.bytes_read += sum(t.numel() * t.element_size() for t in (weight, bias) if t is not None)

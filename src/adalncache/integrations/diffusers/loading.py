@@ -652,8 +652,8 @@ def _check_against_model_files(files: _Files, source: Source, spec: ModulationSp
     reader: Any = source  # a checkpoint source here (its headers name the tensors)
     for layer in spec.layers():
         for name in spec.tensors_of(layer):
-            ours = files.entry(files.layout.weight(layer) if name == "weight" else files.layout.bias(layer))
-            key = source.layout.weight(layer) if name == "weight" else source.layout.bias(layer)
+            ours = files.entry(files.layout.tensor(layer, name))
+            key = source.layout.tensor(layer, name)
             theirs = reader.entry(key)[1]
             if ours is not None and (ours[1].shape != theirs.shape or ours[1].dtype != theirs.dtype):
                 problems.append(
