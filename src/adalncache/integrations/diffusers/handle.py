@@ -1,27 +1,13 @@
 """Enabling and disabling: :func:`enable_adaln_cache`, :class:`AdalnCacheHandle` (one transformer) and
 :class:`PipelineAdalnCacheHandle` (a pipeline's transformers, its calls and its scheduler).
 
-One enabling puts its pieces together in this order, and ``disable()`` takes them apart in reverse,
-restoring the model bit-exactly: the settings (an :class:`~adalncache.options.AdalnCacheConfig`);
-the weight source, decided before the model changes (:func:`choose_source`: a verified checkpoint,
-table files only, quantized or plain model tensors; :mod:`.sources`); the
-:class:`~adalncache.AdalnCache`; the parked weights (:mod:`.parking`); the hooks and served owners
-(:mod:`.hooks`); the signature the tables are keyed by and its LoRA guards (:mod:`.signature`); the
-builder that holds and builds (:mod:`.request`); and instance overrides of a few model methods:
-``_apply`` (moves take the cache along, casts are refused), ``compile``,
-``enable_layerwise_casting``, the LoRA loaders. Each thread's request is :mod:`.request`'s: the
-handle's request verbs are those of its :class:`~.request.Requests`.
-
-Moving an enabled model (``.to()``, ``.cuda()``, ``.cpu()``, ``.half()``, ``pipe.to()``) ends in
-``nn.Module._apply(fn)`` on the model, so one override sees them all. It first *probes* ``fn`` on an
-empty tensor of every device and dtype the model holds, so nothing changes until every check passed:
-a dtype change is refused (the tables hold the projections' outputs at the loaded precision), so is
-``meta``; a device move lets the cache follow first (it moves or rebuilds its tables), and go back if
-the weights cannot move. The parked placeholders are no parameters: ``_apply`` never touches them.
-
-Group offloading applied before enabling captured the weights enabling parks (and pinned copies of
-them with streams): it is lifted while our hooks are registered and applied again outside them
-(:class:`LiftedGroupOffloading`), and rebuilt after ``disable()`` restores the weights.
+An enabling puts its pieces together in this order, and ``disable()`` takes them apart in reverse,
+restoring the model bit-exactly: the settings; the weight source, chosen before the model changes
+(:func:`choose_source`); the :class:`~adalncache.AdalnCache`; the parked weights (:mod:`.parking`);
+the hooks (:mod:`.hooks`); the signature and its LoRA guards (:mod:`.signature`); the builder
+(:mod:`.request`); and instance overrides of ``_apply`` (every move and cast ends there: moves take
+the cache along, casts are refused), ``compile``, ``enable_layerwise_casting`` and the LoRA loaders.
+Moves and offloading: docs/diffusers.md ("Moving an enabled model", "Offloading, mode by mode").
 """
 
 from __future__ import annotations
@@ -67,7 +53,7 @@ from .quantized import (
     storage_of,
     transformer_spec,
 )
-from .request import Builder, CallWatch, Requests, ScheduleWatch, request_plans
+from .request import Builder, PipelineWatch, Requests, request_plans
 from .signature import Signature, Variant, upstream_digest_of
 from .sources import (
     NeverLoaded,
@@ -346,10 +332,6 @@ class AdalnCacheHandle:
         #: The quantizer the model was loaded through (``load_transformer(quantization_config=...)``).
         self._quantization: Quantization | None = None
 
-    @property
-    def overlap(self) -> bool:
-        return self.config.overlap
-
     # ------------------------------------------------------------------ public
 
     @property
@@ -357,41 +339,29 @@ class AdalnCacheHandle:
         """The cache's counters (:class:`~adalncache.CacheStats`)."""
         return self.cache.stats
 
-    def prepare(self, plans: Sequence[Any], *, attention_kwargs: Mapping[str, Any] | None = None) -> BuildReport:
-        """Make every plan resident for the model's current LoRA and autocast state, in at most one pass,
-        and hold them for the calling thread until its next ``prepare`` or :meth:`release`.
+    # The request verbs (docs/api.md says each one's contract) are those of :class:`~.request.Requests`.
 
-        ``plans``: the per-step ``timestep`` tensors the forward will receive (a mapping of its keying
-        inputs by argument name for a family keyed by several; MiniMax-H3 also takes the pipeline's
-        ``row_timestep_plan``). ``attention_kwargs``: what the loop will pass the transformer; its
-        ``"scale"`` changes the effective LoRA projection. Call it under the loop's autocast state.
-        The request's forwards find their slots on the device, with no host read.
-        """
+    def prepare(self, plans: Sequence[Any], *, attention_kwargs: Mapping[str, Any] | None = None) -> BuildReport:
+        """Make ``plans`` resident (one pass at most; call it under the loop's autocast) and hold them for the
+        calling thread until its next ``prepare`` or :meth:`release`; its forwards find their slots on the device."""
         return self.requests.prepare(plans, attention_kwargs)
 
     def release(self, *, check: bool = True) -> None:
-        """Release the plans the calling thread's request holds (no-op when none); then raise
-        :class:`~adalncache.PlanMismatchError` if a forward of it matched none of its plans
-        (``check=False``, on the way out of another error, keeps that report for the next check)."""
+        """Release the thread's request, then raise PlanMismatchError for its forwards that matched no plan."""
         self.requests.release(check=check)
 
     def start_prepare(self, plans: Sequence[Any], *, attention_kwargs: Mapping[str, Any] | None = None) -> None:
-        """:meth:`prepare` on a background thread: returns at once, and each forward of the calling thread
-        waits only for its own plan (the first step's are built first) and keys it on the host. A
-        failure of the pass is raised by the next forward that needs a plan of it, or by :meth:`finish`."""
+        """:meth:`prepare` by a background pass: each forward waits for its own plan; :meth:`finish` ends it."""
         self.requests.start_prepare(plans, attention_kwargs)
 
     def predicted_request(
         self, plans: Sequence[Any], *, attention_kwargs: Mapping[str, Any] | None = None
     ) -> contextlib.AbstractContextManager[None]:
-        """A pipeline call's request, for the ``with`` block around it: with ``overlap=True`` the pass of
-        ``plans`` (its schedule, predicted from its arguments) starts now; the call adopts it when its
-        schedule is the same plans, and drops it otherwise (a wrong prediction costs time, never a row)."""
+        """A pipeline call's request around a ``with`` block, whose pass of the predicted ``plans`` starts now."""
         return self.requests.call(request_plans(plans), attention_kwargs)
 
     def finish(self) -> None:
-        """End the calling thread's request: wait for its background pass, raise its error if no forward
-        raised it yet, then :meth:`release` (and its PlanMismatchError check)."""
+        """End the thread's request: wait for its pass, raise its error if no forward did, then :meth:`release`."""
         self.requests.finish()
 
     def join_background(self) -> None:
@@ -399,21 +369,15 @@ class AdalnCacheHandle:
         self.requests.join()
 
     def check_request(self) -> None:
-        """Raise :class:`~adalncache.PlanMismatchError` if a forward of the calling thread's request matched
-        none of its plans since the last check (served the poison slot's NaN rows). A host read: call it
-        off the critical path. The request stays prepared and the cache usable."""
+        """Raise PlanMismatchError for the thread's forwards that matched no plan since the last check."""
         self.requests.check()
 
     def request(
         self, plans: Sequence[Any], *, attention_kwargs: Mapping[str, Any] | None = None
     ) -> contextlib.AbstractContextManager[PlanHold]:
-        """``with handle.request(plans):`` prepares ``plans`` and holds them until the block ends (on an
-        exception too), yielding the :class:`~adalncache.cache.PlanHold`; a mismatch raises at its end."""
+        """``with handle.request(plans):`` holds ``plans`` for the block (released on an error too; a mismatch
+        raises at its end), yielding the :class:`~adalncache.cache.PlanHold`."""
         return self.requests.request(plans, attention_kwargs)
-
-    def expect_schedule(self, timesteps: torch.Tensor) -> None:
-        """A pipeline's scheduler set ``timesteps`` on this thread: its next forward prepares them all."""
-        self.requests.expect(timesteps)
 
     def disable(self, *, allow_changed_checkpoint: bool = False) -> None:
         """Remove every hook and override and put the original weights back, bit-exactly.
@@ -471,7 +435,7 @@ class AdalnCacheHandle:
                 "1.5.3 cannot remove its own here: reload the model), and enable such a library before "
                 "enable_adaln_cache() when the cache must be disabled on its own"
             )
-        self.requests.abandon()  # a mismatch it reports is raised once disabled
+        self.requests.release(check=False)  # a mismatch it reports is raised once disabled
         if self._parking.restores_from_source and not allow_changed_checkpoint:
             assert self.source is not None
             if changed_since(self.source, self._enabled_fingerprint):
@@ -622,7 +586,7 @@ class AdalnCacheHandle:
         if device is None or device == self.device:
             return
         before = self.cache.device
-        self.requests.abandon()  # a mismatch it reports waits for the next check
+        self.requests.release(check=False)  # a mismatch it reports waits for the next check
         self.cache.move_to(device)  # a no-op when both name one device ("cuda" and "cuda:0")
         if self.cache.device != before:
             if self._hooks is not None:
@@ -660,8 +624,7 @@ class PipelineAdalnCacheHandle:
     ``handles`` maps component names (``transformer``, ``transformer_ref``) to their
     :class:`AdalnCacheHandle`; indexing works too (``handle["transformer"]``). ``cache`` and ``stats``
     are those of the only transformer when there is one, else dicts by name. Every call of the
-    pipeline is each transformer's request (:class:`~.request.CallWatch`); a classic pipeline's
-    scheduler is watched for the call's schedule (:class:`~.request.ScheduleWatch`); a family may add
+    pipeline is each transformer's request (:class:`~.request.PipelineWatch`); a family may add
     blocks of its own (the MiniMax-H3 modular pipeline's prepare blocks).
     """
 
@@ -750,13 +713,10 @@ class PipelineAdalnCacheHandle:
     def attach(self) -> None:
         """Bracket every call, watch a classic pipeline's scheduler, add the families' own blocks."""
         pipeline = self.pipeline
-        calls = CallWatch(pipeline, self._call)
-        calls.install()
-        self._undo.append(calls.remove)
-        if getattr(pipeline, "_blocks", None) is None and "transformer" in self.handles:
-            watch = ScheduleWatch(getattr(pipeline, "scheduler", None), self.handles["transformer"].expect_schedule)
-            watch.install()
-            self._undo.append(watch.remove)
+        classic = getattr(pipeline, "_blocks", None) is None and "transformer" in self.handles
+        watch = PipelineWatch(pipeline, self._call, self.handles["transformer"].requests.expect if classic else None)
+        watch.install()
+        self._undo.append(watch.remove)
         for family in {id(h.family): h.family for h in self.handles.values()}.values():
             undo = family.attach_pipeline(pipeline)
             if undo is not None:

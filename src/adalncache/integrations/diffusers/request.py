@@ -1,45 +1,12 @@
-"""A request on an enabled model, from its start to its end: one :class:`Request` per thread.
+"""A request on an enabled model, from its start to its end: one :class:`Request` per thread, the
+builder that holds its plans, its background pass, and the watch that makes each pipeline call one.
 
-**Where a request starts.** When a pipeline call begins (its ``__call__`` is bracketed, classic
-and modular pipelines alike: :class:`CallWatch`), at ``handle.prepare`` / ``handle.request`` /
-``handle.start_prepare`` for a loop of one's own, or at ``handle.predicted_request`` around a
-pipeline call. A call's plans become known inside it: a modular pipeline's prepare block hands them
-over, a classic pipeline's scheduler is watched (:class:`ScheduleWatch`) and the request's first
-forward turns its timesteps into every step's plan (:meth:`~.family.DiffusersFamily.schedule_plans`).
-
-**What it owns.** The plans it holds (so no other request's build evicts or rewrites them: one
-:class:`~adalncache.cache.PlanHold`, or its background pass's holds with ``overlap=True``), the
-keys of its plans on the device with its served-slot miss counter, and its pass on a background
-thread (:class:`BackgroundPass`), which it may have started from a prediction of the call's schedule.
-
-**How its forwards are served.** The transformer hook asks one question per forward
-(:meth:`Requests.serve`): the slot for these keying inputs. A forward of a request prepared in the
-foreground compares its keying inputs with the request's keys *on the device* (the exact fp32 bit
-patterns, as the host keys are) and picks the slot with ``torch.where``: no host read, so it can be
-captured in a CUDA graph. One that matches none of its request's plans is served the slab's poison
-slot (NaN rows, never another step's) and counted on the device; the count is read off the
-critical path and raised as :class:`~adalncache.PlanMismatchError` at the request's end (or
-``handle.check_request()``). Every other forward takes the host path and is exact: keyed on the
-host, its plan held for the forward (built if missing, unless ``on_miss="raise"``). That includes
-a forward outside any live request, a plan shape the request has no plan of, another device, LoRA
-variant or autocast state, a retired held plan, a CPU forward under accelerate's offload hook, the
-forwards of a request held by a background pass (they wait there for their own plan), and those of
-a schedule held outside a pipeline call (a class another library patched: nothing ends it when the
-call ends, so it must never serve NaN to a later forward).
-
-**How it ends.** In a ``finally`` however its call ends: returned, raised (its own exception
-propagates; a mismatch is logged and noted on it, never raised over it), or interrupted
-(``pipe._interrupt``: the call returns). A request of one's own loop ends at ``release()``,
-``finish()``, the thread's next request, a move of the cache (its slots name the old slab) or
-``disable()``. Ending gives every hold back and keeps the misses not yet reported for the thread's
-next check.
-
-**Threads.** Each thread has its own request and its own forward slot (:class:`ThreadState`, the
-one per-thread holder of the integration). A build runs under the handle's lock; a background
-pass takes that lock, then the cache's build lock, then its state lock, as a foreground build
-does; the request's thread only waits on events, never while holding a lock. The plans' inputs
-(the time embedder's output) are computed on the request's thread before the pass starts, so the
-pass only reads weights and projects beside the request's forwards.
+Where a request starts and ends, what it holds, and which forwards find their slot on the device
+(NaN and a deferred :class:`~adalncache.PlanMismatchError` on a miss) or take the exact host path:
+docs/diffusers.md ("Requests", "No host sync in a prepared request's forward", "The first request");
+the states of its background pass: docs/state-machine.md. Lock order: a build runs under the
+handle's lock; a background pass takes it, then the cache's build lock, then its state lock, as a
+foreground build does; the request's thread only waits on events, never while holding a lock.
 """
 
 from __future__ import annotations
@@ -59,7 +26,7 @@ import torch.nn.functional as F
 from ...cache import PlanHold
 from ...errors import ConfigError, PlanError, PlanMismatchError, PlanNotCachedError
 from ...identity import autocast_dtype
-from ...options import flag, knob
+from ...options import AdalnCacheConfig, flag, knob
 from ...plans import PlanKey, plan_key, slab_rows
 from ...source.checkpoint import CheckpointSource
 from ...spec import Layer, ModulationSpec
@@ -123,14 +90,9 @@ def mismatch_error(misses: int) -> PlanMismatchError:
 
 
 def split_pays(source: object) -> bool:
-    """Whether a background pass split in two transactions (the first step's plans, then all) pays on ``source``.
-
-    A transaction publishes all of its plans or none, so the first step waits for a whole
-    transaction. From memory, or from a checkpoint the page cache mostly holds, a second read is
-    cheap and the first step waits for one plan's projections instead of all. From a cold checkpoint
-    the pass is bound by the reading, which is O_DIRECT (the page cache keeps nothing): the second
-    transaction would read it all again, so one is faster for the first step and for the request.
-    """
+    """Whether a background pass split in two transactions (the first step's plans, then all) pays on
+    ``source``: not from a cold checkpoint, whose O_DIRECT reads the second transaction would repeat
+    (docs/diffusers.md, "The first request")."""
     if not isinstance(source, CheckpointSource):
         return True
     fraction = source.cached_fraction()
@@ -332,16 +294,12 @@ HoldFn = Callable[[list[Any]], PlanHold]
 
 
 class BackgroundPass:
-    """One request's pass on a daemon thread (``overlap=True``): the first step's plans, then all.
-
-    Why two transactions: a transaction publishes all of its plans or none, and per-layer publication
-    would make half-built plans visible; so the first step's plans get a small transaction of their own
-    (unless ``split`` says a second read does not pay, :func:`split_pays`), and a forward of the first
-    step waits for it, any other forward for the second. Each transaction rolls back as a foreground one
-    does; its error (the same object) is raised in the request's thread by the next forward that needs
-    a plan of it, and by :meth:`finish` at the request's end at the latest. ``keys``: each step's key in
-    step order (what a predicted pass is compared on). The holds it takes are the request's until
-    :meth:`release`; a pass still running then gives its own back when it ends.
+    """One request's pass on a daemon thread (``overlap=True``): the first step's plans, then all
+    (unless ``split`` is off: :func:`split_pays`); docs/state-machine.md says why and what a failure
+    leaves. Its error (the same object) is raised in the request's thread by the next forward that
+    needs a plan of it, or by :meth:`finish`. ``keys``: each step's key in step order (what a predicted
+    pass is compared on). Its holds are the request's until :meth:`release`; a pass still running then
+    gives its own back when it ends.
     """
 
     def __init__(self, hold: HoldFn, plans: Sequence[Any], keys: Sequence[PlanKey], *, split: bool = True) -> None:
@@ -549,10 +507,8 @@ class ThreadState(threading.local):
     """Per thread, for one enabled model: its request, the misses of its ended requests not yet reported,
     the pipeline calls it is inside, the timesteps a scheduler set in the call, and the forward in progress.
 
-    ``row_buffer`` holds the flat slab rows the served modules gather with (``cache.row_index``): written
-    in place at every forward of its thread, so its address (which compiled graphs and CUDA graphs hold)
-    does not change while the model stays on one device and the batch keeps its width.
-    ``prepared_outside`` is set while a compiled call's host work was done before entering it.
+    ``row_buffer`` (the flat slab rows the served modules gather with) is written in place, so the address
+    compiled graphs and CUDA graphs hold stays while the model stays on one device and the batch its width.
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -603,9 +559,7 @@ class Enabled(Protocol):
     cache: AdalnCache
     family: DiffusersFamily
     builder: Builder | None
-
-    @property
-    def overlap(self) -> bool: ...
+    config: AdalnCacheConfig
 
     def follow(self, device: torch.device | None) -> None: ...
 
@@ -745,7 +699,7 @@ class Requests:
         """Start the pass of a call's predicted schedule (``overlap=True``); an optimisation, never an error."""
         handle = self._handle
         builder = handle.builder
-        if not handle.overlap or not handle.enabled or builder is None:
+        if not handle.config.overlap or not handle.enabled or builder is None:
             return
         try:
             handle.follow(execution_device(handle.model))
@@ -767,7 +721,7 @@ class Requests:
         in_call = current is not None and current.call
         self._end(check=True)
         builder = self._serving("the pipeline's schedule")
-        if self._handle.overlap:
+        if self._handle.config.overlap:
             self._background(builder, keyed, attention_kwargs, self._open())
             return
         self._open().held(builder.hold(keyed, attention_kwargs), self._handle.cache, on_device=in_call)
@@ -779,9 +733,9 @@ class Requests:
     def fits(self, plans: list[Any], *, warn: bool = True) -> bool:
         """Whether the cache can hold every plan of a schedule at once (else its plans build per forward)."""
         cache = self._handle.cache
-        distinct = len({plan_key(plan, cache.spec.plan_columns) for plan in plan_tensors(plans)})
         columns = cache.spec.plan_columns
-        width = max(slab_rows(plan_key(plan, columns), columns, cache.max_plan_width) for plan in plan_tensors(plans))
+        keys = {plan_key(plan, columns) for plan in plan_tensors(plans)}
+        distinct, width = len(keys), max(slab_rows(key, columns, cache.max_plan_width) for key in keys)
         if distinct <= cache.max_plans and width <= cache.max_plan_width:
             return True
         if warn:  # not an error: each forward still builds its own plan
@@ -867,11 +821,6 @@ class Requests:
             self.schedule(plans, forward_argument(handle.model, "attention_kwargs", args, kwargs))
 
     # -- ends, moves, disabling --------------------------------------------------------------------
-
-    def abandon(self) -> None:
-        """Give the thread's holds back without checking (a move of the cache: they name the old slab;
-        the way into ``disable()``): a mismatch waits for the next check."""
-        self._end(check=False)
 
     def close(self) -> None:
         """The way into ``disable()``: refuse new background passes, then wait for the running ones.
@@ -1007,7 +956,7 @@ Bracket = Callable[[Any, Mapping[str, Any]], contextlib.AbstractContextManager[N
 
 
 def pipeline_class(pipeline: Any) -> type:
-    """The pipeline's own class (the one before :class:`CallWatch` swapped it)."""
+    """The pipeline's own class (the one before :class:`PipelineWatch` swapped it)."""
     cls = type(pipeline)
     own: type = cls.__dict__.get(OWN_CLASS, cls)
     return own
@@ -1020,7 +969,7 @@ def _swapped_class(own: type) -> type:
     @functools.wraps(own.__call__)
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
         stock = own.__call__.__get__(self, own)  # looked up now: a wrapper put on the class later runs too
-        watch: CallWatch | None = self.__dict__.get(CallWatch.ATTRIBUTE)
+        watch: PipelineWatch | None = self.__dict__.get(PipelineWatch.ATTRIBUTE)
         if watch is None:
             return stock(*args, **kwargs)
         with watch.bracket(self, watch.arguments(stock, args, kwargs)):
@@ -1030,46 +979,75 @@ def _swapped_class(own: type) -> type:
     return type(own.__name__, (own,), namespace)
 
 
-class CallWatch:
-    """A pipeline's ``__call__`` bracketed: each call is a request, from its start to its ``finally``.
+class PipelineWatch:
+    """A pipeline's calls watched at both ends: ``__call__`` bracketed (each call is a request, from its
+    start to its ``finally``) and, given ``expect``, a classic pipeline's ``scheduler.set_timesteps``
+    wrapped (an instance attribute) to hand each call's timesteps to ``expect``: they may depend on the
+    image size, so they are known only then, and the thread's next forward prepares them all.
 
     ``pipe(...)`` looks ``__call__`` up on the class, so the instance's class is swapped for a subclass
     made for this instance alone that adds only ``__call__`` (same name and module: saving the pipeline
     writes the same class name); it finds the class's own ``__call__`` at each call. :meth:`remove`
     swaps the class back, unless another library has patched the subclass since (cache-dit wraps
     ``pipe.__class__.__call__``): the class then stays, with the watch gone, so that library's wrapper
-    keeps working. Over a class another library already patched that way nothing is installed, and a
+    keeps working. Over a class another library already patched that way no class is swapped, and a
     call's schedule is held outside any bracket (its forwards on the host path: nothing ends it when
     the call ends).
     """
 
     #: The instance attribute the swapped ``__call__`` finds its watch under.
     ATTRIBUTE = "_adalncache_call_watch"
+    #: Marks our ``set_timesteps`` wrapper, so a second enabling does not wrap it again.
+    SCHEDULE_ATTRIBUTE = "_adalncache_schedule_watch"
 
-    def __init__(self, pipeline: Any, bracket: Bracket) -> None:
+    def __init__(self, pipeline: Any, bracket: Bracket, expect: Callable[[torch.Tensor], None] | None) -> None:
         self.pipeline = pipeline
         self.bracket = bracket
+        self.expect = expect
         self._swapped: type | None = None
         self._namespace: dict[str, Any] = {}
+        self._scheduler: Any = None  # the scheduler whose set_timesteps is ours
 
     def install(self) -> None:
         pipeline = self.pipeline
-        if pipeline.__dict__.get(self.ATTRIBUTE) is not None:
-            return  # already watched
         own = pipeline_class(pipeline)
-        if any(hasattr(own, name) for name in FOREIGN_CALL_PATCHES):
+        if pipeline.__dict__.get(self.ATTRIBUTE) is not None:
+            pass  # already watched
+        elif any(hasattr(own, name) for name in FOREIGN_CALL_PATCHES):
             logger.info(
                 "AdaLN cache: %s's __call__ is wrapped by another library; its calls are not bracketed (their "
                 "schedules are held for the thread, keyed on the host)",
                 own.__name__,
             )
+        else:
+            self._swapped = _swapped_class(own)
+            self._namespace = dict(self._swapped.__dict__)
+            pipeline.__dict__[self.ATTRIBUTE] = self
+            pipeline.__class__ = self._swapped
+        expect, scheduler = self.expect, getattr(pipeline, "scheduler", None)
+        if expect is None or not callable(getattr(scheduler, "set_timesteps", None)):
             return
-        self._swapped = _swapped_class(own)
-        self._namespace = dict(self._swapped.__dict__)
-        pipeline.__dict__[self.ATTRIBUTE] = self
-        pipeline.__class__ = self._swapped
+        if getattr(scheduler.__dict__.get("set_timesteps"), self.SCHEDULE_ATTRIBUTE, False):
+            return  # already watched (by another handle of the same pipeline)
+        original = scheduler.set_timesteps
+
+        # functools.wraps keeps the signature visible: pipelines inspect it for `sigmas`/`timesteps`.
+        @functools.wraps(original)
+        def set_timesteps(*args: Any, **kwargs: Any) -> Any:
+            result = original(*args, **kwargs)
+            timesteps = getattr(scheduler, "timesteps", None)
+            if isinstance(timesteps, torch.Tensor):
+                expect(timesteps)
+            return result
+
+        setattr(set_timesteps, self.SCHEDULE_ATTRIBUTE, True)
+        scheduler.set_timesteps = set_timesteps
+        self._scheduler = scheduler
 
     def remove(self) -> None:
+        if self._scheduler is not None:
+            self._scheduler.__dict__.pop("set_timesteps", None)
+            self._scheduler = None
         if self._swapped is None:
             return
         pipeline = self.pipeline
@@ -1100,48 +1078,4 @@ class CallWatch:
         return call
 
 
-#: Marks our wrapper, so a second enabling does not wrap it again.
-WRAPPER_ATTRIBUTE = "_adalncache_schedule_watch"
-
-
-class ScheduleWatch:
-    """``scheduler.set_timesteps`` wrapped (an instance attribute) to report each request's timesteps.
-
-    A classic pipeline calls it once per request, before its first denoising step; its timesteps may
-    depend on the image size, so they are known only then. ``expect`` hands them to the handle,
-    whose next forward on that thread prepares the whole schedule in one pass.
-    """
-
-    def __init__(self, scheduler: Any, expect: Callable[[torch.Tensor], None]) -> None:
-        self.scheduler = scheduler
-        self.expect = expect
-        self._installed = False
-
-    def install(self) -> None:
-        scheduler = self.scheduler
-        if scheduler is None or not callable(getattr(scheduler, "set_timesteps", None)):
-            return
-        if getattr(scheduler.__dict__.get("set_timesteps"), WRAPPER_ATTRIBUTE, False):
-            return  # already watched (by another handle of the same pipeline)
-        original = scheduler.set_timesteps
-
-        # functools.wraps keeps the signature visible: pipelines inspect it for `sigmas`/`timesteps`.
-        @functools.wraps(original)
-        def set_timesteps(*args: Any, **kwargs: Any) -> Any:
-            result = original(*args, **kwargs)
-            timesteps = getattr(scheduler, "timesteps", None)
-            if isinstance(timesteps, torch.Tensor):
-                self.expect(timesteps)
-            return result
-
-        setattr(set_timesteps, WRAPPER_ATTRIBUTE, True)
-        scheduler.set_timesteps = set_timesteps
-        self._installed = True
-
-    def remove(self) -> None:
-        if self._installed:
-            self.scheduler.__dict__.pop("set_timesteps", None)
-            self._installed = False
-
-
-__all__ = ["BackgroundPass", "CallWatch", "Request", "Requests", "ScheduleWatch"]
+__all__ = ["BackgroundPass", "PipelineWatch", "Request", "Requests"]
