@@ -204,14 +204,15 @@ def choose_source(
     return choice
 
 
-# -- moving an enabled model (module docstring) ---------------------------------------------------
+# -- moving an enabled model ----------------------------------------------------------------------
 
 
 def guarded_apply(
     model: nn.Module, *, moved: Callable[[torch.device], None], back: Callable[[torch.device], None]
 ) -> Callable[..., Any]:
-    """The ``_apply`` override: ``moved(target)`` runs before the weights move, ``back(previous)`` when
-    they then fail to."""
+    """The ``_apply`` override. ``fn`` is probed first on an empty tensor of every device and dtype the model
+    holds, so nothing changes until every check passed; ``moved(target)`` runs before the weights move,
+    ``back(previous)`` when they then fail to. The parked placeholders are no parameters: it never sees them."""
 
     def _apply(fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
         held = {(t.device, t.dtype) for t in (*model.parameters(), *model.buffers())}
@@ -279,14 +280,9 @@ class LiftedGroupOffloading:
 
 
 class AdalnCacheHandle:
-    """The AdaLN cache enabled on one transformer of a supported family.
-
-    ``cache`` is the :class:`~adalncache.AdalnCache`; ``prepare(plans)`` builds plans ahead of the loop;
-    ``stats`` are the cache's counters; ``disable()`` restores the original modules and weights
-    bit-exactly. :func:`~adalncache.diffusers.enable_adaln_cache` makes one.
-
-    Threads: a build (with its LoRA scale and its loan of the time embedder's weights) runs under the
-    handle's lock; a forward whose plan is resident takes no lock but the cache's short one.
+    """The AdaLN cache enabled on one transformer of a supported family (docs/api.md lists its verbs);
+    :func:`~adalncache.diffusers.enable_adaln_cache` makes one. A build runs under the handle's lock; a
+    forward whose plan is resident takes no lock but the cache's short one.
     """
 
     def __init__(
@@ -382,12 +378,9 @@ class AdalnCacheHandle:
     def disable(self, *, allow_changed_checkpoint: bool = False) -> None:
         """Remove every hook and override and put the original weights back, bit-exactly.
 
-        Weights served from a checkpoint are read back from it, hashed and checked against the content
-        digest held for it. If the file changed since enabling verified it (its stat identity: a
-        rewrite, a rename over it), or its bytes hash to another digest (a rewrite the stat cannot see),
-        what it holds need not be the original weights: this raises CheckpointError before anything
-        changes, and the cache stays enabled and serving. ``allow_changed_checkpoint=True`` restores
-        from the file as it is now.
+        Weights read back from a checkpoint that changed since enabling (its stat identity, or bytes that
+        hash to another digest) need not be the originals: CheckpointError before anything changes, the
+        cache still serving, unless ``allow_changed_checkpoint=True`` restores from the file as it is.
         """
         if not self.enabled:
             return
@@ -831,19 +824,16 @@ def enable_adaln_cache(
 ) -> AdalnCacheHandle | PipelineAdalnCacheHandle:
     """Serve the AdaLN modulation of a supported transformer (or pipeline) from bit-exact tables.
 
-    The served projections' weights (MiniMax-H3: every block's ``adaln_proj.linear``; Qwen-Image: every
-    block's ``img_mod.1`` and ``txt_mod.1``; the AdaLayerNormZero family: every ``norm1``,
-    ``norm1_context`` and single-block ``norm`` projection; and ``norm_out.linear``) and, unless another
-    hook might read ``temb``, the time embedder's leave the device; meta placeholders of the right shape
-    keep module names, ``repr`` and the LoRA loaders working. A transformer whose modulation depends on
-    the prompt, or of an unknown class, is refused with ``ConfigError`` saying why; nothing changes.
+    The served projections' weights (per family: docs/families.md) and, unless another hook might read
+    ``temb``, the time embedder's leave the device; meta placeholders of the right shape keep module
+    names, ``repr`` and the LoRA loaders working. A transformer whose modulation depends on the prompt,
+    or of an unknown class, is refused with ``ConfigError`` saying why; nothing changes.
 
     Args:
-        model_or_pipeline: a transformer of a supported family (docs/families.md), a MiniMax-H3 modular
-            pipeline (its ``transformer`` and ``transformer_ref``, each with its own cache), or a
-            pipeline such as ``QwenImagePipeline``: every call of a pipeline is a request, ended however
-            the call ends, and a classic pipeline's whole schedule is prepared in one pass at its first
-            forward. A transformer whose cache is already enabled (``load_transformer``) keeps it.
+        model_or_pipeline: a transformer of a supported family, or a pipeline holding one as
+            ``transformer`` (a MiniMax-H3 modular pipeline's ``transformer_ref`` gets its own cache too):
+            every call of a pipeline is a request. A transformer whose cache is already enabled
+            (``load_transformer``) keeps it.
         checkpoint: safetensors file, directory or list of files holding the projections (native or
             diffusers layout), verified against the model's; for a pipeline with both transformers, a
             mapping by component name. ``None`` serves the model's own tensors from host memory.
@@ -853,12 +843,10 @@ def enable_adaln_cache(
             offloading hook runs it on); when the model moves (``.to()``), the cache follows.
         {cache options}
 
-    ``tables``: with ``checkpoint=None`` the model's projections are checked against bound files, then
-    freed: plans the files hold are served, any other raises ``PlanNotCachedError``, and ``disable()``
-    cannot bring them back. An unknown keyword is a ``TypeError`` naming it and the closest option; a bad
-    value a ``ConfigError`` naming the argument and its CLI flag, before the model is modified. Returns a
-    handle with ``.cache``, ``.prepare(plans)``, ``.stats`` and ``.disable()``; for a pipeline, one per
-    transformer behind a :class:`PipelineAdalnCacheHandle`.
+    ``tables`` with ``checkpoint=None`` frees the projections for good (docs/tables.md). An unknown keyword
+    is a ``TypeError`` naming it and the closest option; a bad value a ``ConfigError`` naming the argument
+    and its CLI flag, before the model is modified. Returns an :class:`AdalnCacheHandle`, or for a
+    pipeline a :class:`PipelineAdalnCacheHandle` of one per transformer.
     """
     given = AdalnCacheConfig.of(options, where="enable_adaln_cache()", config=config)
     if isinstance(model_or_pipeline, torch.nn.Module):

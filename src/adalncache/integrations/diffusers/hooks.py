@@ -1,27 +1,13 @@
-"""How a forward reaches the slab: the diffusers hooks and the served class, registered on one transformer
-under constant names and removed again, compiling like the resident model.
+"""How a forward reaches the slab: the diffusers hooks on the transformer (one ``serve`` per forward,
+released when it ends), on ``norm_out.linear`` and on a parked time embedder, and the served class
+swapped into every block's owner module; registered under constant names and removed again.
 
-- :class:`AdalnCacheTransformerHook` wraps the transformer's ``forward``. Before it runs it asks the
-  request module one question, the slot of this forward's keying inputs (``serve``: found on the
-  device for a prepared request, else held on the host), which lands in the thread's state; it is
-  cleared and the hold released when the forward ends (on an exception too).
-- Every block's owner module (MiniMax-H3's ``adaln_proj``, Qwen-Image's ``img_mod``, an
-  ``AdaLayerNormZero``) is switched in place to one shared served class (:func:`served_class`)
-  rather than hooked: diffusers gives each hooked module its own ``functools.partial`` as
-  ``forward``, dynamo guards on its identity, and a regional compile (``compile_repeated_blocks``)
-  would recompile every block, the later ones past the recompile limit. The object, its name, its
-  parameters and peft wrappers stay; ``repr`` shows the original class name. Its forward gathers the
-  rows through tensors only (:func:`~.family.gather_rows`), so every block reuses one graph and a
-  CUDA graph replays with the addresses it captured while the model stays on one device.
-- :class:`AdalnCacheOutputHook` serves ``norm_out.linear`` (peft *replaces* that module when a LoRA
-  targets it, so :meth:`ServingHooks.follow_output` moves the hook to whatever module sits there).
-- :class:`AdalnCacheTimeEmbedderHook` stands in for a parked time embedder: a zero-stride tensor of
-  the shape and dtype of ``temb``, whose value the served projections, its only consumers, never read.
-- The host work of a forward (keying, holding, maybe a build) traced by dynamo would be a row of
-  data-dependent graph breaks: ``model.compile()`` stores the compiled callable as
-  ``_compiled_call_impl``, and :class:`EagerPrepare` stands in for it, doing that work eagerly before
-  the compiled call. ``torch.compile(model)`` (a wrapper module) cannot be reached: the hook's host
-  work runs under ``torch.compiler.disable`` there, adding frames but no graphs.
+Owners are swapped to one shared class rather than hooked: diffusers gives each hooked module its own
+``functools.partial`` as ``forward`` and dynamo guards on its identity, so a regional compile would
+recompile every block, the later ones past the recompile limit. The forward's host work (keying,
+holding, maybe a build) would be data-dependent graph breaks if traced: it runs eagerly before
+``model.compile()``'s compiled call (:class:`EagerPrepare`), and under ``torch.compiler.disable``
+inside ``torch.compile(model)``, which cannot be reached (docs/diffusers.md, "torch.compile").
 """
 
 from __future__ import annotations
@@ -92,8 +78,7 @@ class AdalnCacheTransformerHook(ModelHook):
 
     @torch.compiler.disable
     def prepare(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Releasable:
-        """The forward's host work, never traced (under ``torch.compile(model)`` dynamo would break the
-        graph at every host read and dictionary lookup in it)."""
+        """The forward's host work, never traced (module docstring)."""
         return self.serve(args, kwargs)
 
 
@@ -195,9 +180,7 @@ class ServingHooks:
 
         model, family = self.model, self.family
         for _, path, module in self.owners:
-            if (
-                "forward" in module.__dict__
-            ):  # another hook replaced its forward per instance: a swap would not reach it
+            if "forward" in module.__dict__:  # another hook replaced its forward per instance: a swap misses it
                 raise ConfigError(
                     f"{path} has a forward of its own (a hook of another library wraps it), so the AdaLN cache cannot "
                     "serve it; remove that hook before enabling the cache"

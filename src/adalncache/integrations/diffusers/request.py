@@ -18,6 +18,7 @@ import logging
 import math
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -102,20 +103,11 @@ def split_pays(source: object) -> bool:
 # -- builds ---------------------------------------------------------------------------------------
 
 
-class EmbedAhead:
-    """A build's ``embed`` that returns inputs computed ahead (:meth:`Builder.embed_ahead`)."""
-
-    def __init__(self, inputs: dict[PlanKey, Any], columns: int) -> None:
-        self.inputs = inputs
-        self.columns = columns
-
-    def __call__(self, plan: torch.Tensor) -> Any:
-        key = plan_key(plan, self.columns)
-        if key not in self.inputs:  # every plan of the request was embedded: a pass builds no other
-            raise KeyError(f"no input was computed ahead for plan {plan.tolist()}")
-        return self.inputs[key]
+#: A build's ``embed``: the projections' input for a plan.
+Embed = Callable[[torch.Tensor], Any]
 
 
+@dataclass(eq=False)
 class Builder:
     """How one enabling holds plans: the cache's hit path, else one build under the handle's lock.
 
@@ -127,35 +119,26 @@ class Builder:
     checkpoint's weights, decided by that setting, never by the weight's type.
     """
 
-    def __init__(
-        self,
-        model: Any,
-        spec: ModulationSpec,
-        family: DiffusersFamily,
-        cache: AdalnCache,
-        parking: WeightParking,
-        signature: Signature,
-        lock: threading.RLock,
-        device: Callable[[], torch.device],
-        *,
-        plain_tables: bool,
-        quantization: Quantization | None = None,
-        on_miss: str,
-    ) -> None:
-        self.model, self.spec, self.family, self.cache = model, spec, family, cache
-        self.parking, self.signature, self.lock, self.device = parking, signature, lock, device
-        self.plain_tables = plain_tables
-        self.quantization = quantization
-        self.on_miss = on_miss
-        self._loan: TimeEmbedderLoan | None = None
-        self._warned_miss = False
+    model: Any
+    spec: ModulationSpec
+    family: DiffusersFamily
+    cache: AdalnCache
+    parking: WeightParking
+    signature: Signature
+    lock: threading.RLock
+    device: Callable[[], torch.device]
+    plain_tables: bool
+    on_miss: str
+    quantization: Quantization | None = None
+    _loan: TimeEmbedderLoan | None = field(default=None, init=False)
+    _warned_miss: bool = field(default=False, init=False)
 
     def variant_of(self, attention_kwargs: Mapping[str, Any] | None) -> Variant:
         """The variant a forward (or a request) called with ``attention_kwargs`` is served under."""
         return self.signature.read(lora_scale_of(attention_kwargs))[1]
 
     def hold(
-        self, plans: Sequence[Any], attention_kwargs: Mapping[str, Any] | None, *, embed: EmbedAhead | None = None
+        self, plans: Sequence[Any], attention_kwargs: Mapping[str, Any] | None, *, embed: Embed | None = None
     ) -> PlanHold:
         """Hold a request's plans under its LoRA scale (``embed``: inputs computed ahead, for another thread)."""
         scale = lora_scale_of(attention_kwargs)
@@ -193,8 +176,8 @@ class Builder:
             self._warned_miss = True
         return held
 
-    def embed_ahead(self, plans: Sequence[Any], attention_kwargs: Mapping[str, Any] | None) -> EmbedAhead:
-        """The build inputs of ``plans``, computed now on this thread, for a pass on another thread.
+    def embed_ahead(self, plans: Sequence[Any], attention_kwargs: Mapping[str, Any] | None) -> Embed:
+        """A build's ``embed`` for ``plans`` whose inputs are computed now on this thread, for a pass on another.
 
         Why: ``embed`` runs the time embedder beneath its hooks with lent weights, which a forward
         running meanwhile on another thread would see. Computed here, before the pass starts, with the
@@ -204,7 +187,15 @@ class Builder:
         scale = lora_scale_of(attention_kwargs)
         tuners, _, _ = self.signature.read(scale)
         with self.lock, self.lending(), torch.no_grad(), applied_lora_scale(tuners, scale):
-            return EmbedAhead({plan_key(t, columns): self.embed(t) for t in plan_tensors(plans)}, columns)
+            inputs = {plan_key(t, columns): self.embed(t) for t in plan_tensors(plans)}
+
+        def embed(plan: torch.Tensor) -> Any:
+            key = plan_key(plan, columns)
+            if key not in inputs:  # every plan of the request was embedded: a pass builds no other
+                raise KeyError(f"no input was computed ahead for plan {plan.tolist()}")
+            return inputs[key]
+
+        return embed
 
     def _hold(
         self,
@@ -215,7 +206,7 @@ class Builder:
         variant: Variant,
         refs: list[torch.Tensor],
         *,
-        embed: EmbedAhead | None = None,
+        embed: Embed | None = None,
     ) -> PlanHold:
         """Hold ``plans`` resident under ``variant``: the cache's hit path, else a build under the lock."""
         held = self.cache.hold_resident(plans, keys=keys, variant=variant)
@@ -647,12 +638,9 @@ class Requests:
     def call(
         self, plans: Sequence[Any] | None = None, attention_kwargs: Mapping[str, Any] | None = None
     ) -> Iterator[None]:
-        """A pipeline call's request, from its start to its end in a ``finally`` (module docstring).
-
-        ``plans``: the call's schedule predicted from its arguments, whose pass starts now with
-        ``overlap=True``; the request adopts it when the schedule it learns is the same plans in the
-        same order under the same variant, and drops it otherwise. A call inside a call of this thread
-        (one pipeline calling another) is part of the outer one's request.
+        """A pipeline call's request, from its start to its end however the call ends. ``plans``: the call's
+        schedule predicted from its arguments, whose pass starts now with ``overlap=True`` (:meth:`_adopted`).
+        A call inside a call of this thread (one pipeline calling another) is part of the outer one's request.
         """
         if plans is not None:
             plans = request_plans(plans)
@@ -672,28 +660,24 @@ class Requests:
         try:
             yield
         except BaseException as exc:
-            misses = self._end_call(request, returned=False)
+            self._end_call(request)
+            misses, state.pending = state.pending, 0
             if misses:  # the call's own error goes first; the mismatch is said, never raised over it
                 note = str(mismatch_error(misses))
                 logger.warning("AdaLN cache: the failed call's request also had a mismatch: %s", note)
                 exc.add_note(f"AdaLN cache: {note}")
             raise
-        self._end_call(request, returned=True)
+        self._end_call(request)
+        self.check()
 
-    def _end_call(self, request: Request, *, returned: bool) -> int:
-        """The call's request ends: everything goes back, its pass too, never waited for (a failure of it
-        that no forward of the call needed is logged: the call's outputs never read those plans); a
-        returned call raises its mismatch, a failed one returns the misses (noted on the call's error)."""
+    def _end_call(self, request: Request) -> None:
+        """Everything the call's request holds goes back, its pass too, never waited for (a failure of it
+        that no forward of the call needed is logged: the call's outputs never read those plans)."""
         state = self.state
         state.calls, state.timesteps = 0, None
         if state.request is request:
             state.request = None
         state.pending += request.drop()
-        if returned:
-            self.check()
-            return 0
-        misses, state.pending = state.pending, 0
-        return misses
 
     def _predict(self, request: Request, plans: list[Any], attention_kwargs: Mapping[str, Any] | None) -> None:
         """Start the pass of a call's predicted schedule (``overlap=True``); an optimisation, never an error."""
