@@ -113,7 +113,6 @@ class SourceChoice:
     """
 
     source: Source | None
-    device: torch.device
     modules: list[tuple[Layer, Any]]
     free_time_embedder: bool
     host_tensors: Any = None
@@ -162,7 +161,7 @@ def choose_source(
         free_time_embedder = not other_hooks_present(model)
     modules = family.projection_modules(model, spec)
     if never_loaded is not None:  # the loader checked it serves this model's projections
-        return SourceChoice(never_loaded.source, device, modules, free_time_embedder)
+        return SourceChoice(never_loaded.source, modules, free_time_embedder)
     storage = storage_of(modules, family.projection_path)
     check_storage_options(
         storage,
@@ -176,7 +175,6 @@ def choose_source(
     )
     choice = SourceChoice(
         None,
-        device,
         modules,
         free_time_embedder,
         storage=storage,
@@ -308,8 +306,6 @@ class AdalnCacheHandle:
         self._lock = threading.RLock()
         #: Each thread's request (the handle's request verbs are its methods).
         self.requests = Requests(self, self.device)
-        #: Host copies of the model's own projections (CUDA), released on disable().
-        self._host_buffers: list[HostBuffer] = []
         self._fresh_state()
 
     def _fresh_state(self) -> None:
@@ -321,10 +317,8 @@ class AdalnCacheHandle:
         self._hooks: ServingHooks | None = None
         self.builder: Builder | None = None
         self._signature: Signature | None = None
-        self._storage = ProjectionStorage()
-        self._casting_at_enable: frozenset[str] = frozenset()
-        #: The content digest of the checkpoint's projections, learnt by the verification at enable.
-        self._digest: str | None = None
+        #: What the enabling serves from (its host copies are released on disable()).
+        self._choice = SourceChoice(None, [], free_time_embedder=False)
         #: The quantizer the model was loaded through (``load_transformer(quantization_config=...)``).
         self._quantization: Quantization | None = None
 
@@ -387,7 +381,7 @@ class AdalnCacheHandle:
         self.requests.close()  # a pass uses the parked weights and the hooks: none from now on
         try:
             self._check_disable(allow_changed_checkpoint)
-            held = None if allow_changed_checkpoint else self._digest or self.cache.content_digest
+            held = None if allow_changed_checkpoint else self._choice.digest or self.cache.content_digest
             restored = self._parking.read_back(held)  # every byte in hand before anything changes
         except BaseException:
             self.requests.reopen()
@@ -403,7 +397,7 @@ class AdalnCacheHandle:
         self._parking.put_back(restored)
         if self._quantization is not None:  # the model loaded quantized: its projections are quantized again
             self._quantization.restore([self.family.projection_path(layer) for layer in self.spec.layers()])
-        settle_casting(self.family.served_modules(self.model, self.spec), self._casting_at_enable)
+        settle_casting(self.family.served_modules(self.model, self.spec), self._choice.casting_at_enable)
         self.family.release_blocks(self.model)
         reapply_group_offloading(self.model)
         self.enabled = False
@@ -444,9 +438,9 @@ class AdalnCacheHandle:
         unlocked now and freed with the in-memory source, which a closed cache never reads again."""
         cache = getattr(self, "cache", None)
         released = cache.close() if cache is not None else 0
-        for buffer in self._host_buffers:
+        for buffer in self._choice.host_buffers:
             released += buffer.release()
-        self._host_buffers = []
+        self._choice.host_buffers, self._choice.host_tensors = [], None
         if isinstance(self.source, TensorSource):
             self.source.tensors.clear()
         logger.debug("AdaLN cache: %.1f MiB of host memory given back", released / 2**20)
@@ -473,12 +467,11 @@ class AdalnCacheHandle:
             )
             if never_loaded is not None:
                 self._quantization = never_loaded.quantization
-            self.source, self._storage, self._digest = choice.source, choice.storage, choice.digest
-            self._casting_at_enable, self._host_buffers = choice.casting_at_enable, choice.host_buffers
+            self._choice, self.source = choice, choice.source
             self.cache = (
                 never_loaded.cache
                 if never_loaded is not None
-                else AdalnCache(self.spec, choice.source, device=choice.device, config=self.config)
+                else AdalnCache(self.spec, choice.source, device=self.device, config=self.config)
             )
         except BaseException:
             self.family.release_blocks(model)
@@ -497,7 +490,7 @@ class AdalnCacheHandle:
                 never_loaded=never_loaded.residues if never_loaded is not None else None,
                 device=never_loaded.device if never_loaded is not None else None,
             )
-            self._serve(choice)
+            self._serve()
             lifted.restore()
             self._install_overrides()
         except BaseException:
@@ -512,13 +505,13 @@ class AdalnCacheHandle:
             type(model).__name__,
             self.spec.num_layers + 1,
             self.spec.projection_bytes / 1e6,
-            self._storage.describe(),
+            choice.storage.describe(),
             type(self.source).__name__,
         )
 
-    def _serve(self, choice: SourceChoice) -> None:
+    def _serve(self) -> None:
         """Register the hooks, the signature and the builder that holds a request's or a forward's plans."""
-        model = self.model
+        model, choice = self.model, self._choice
         self._hooks = hooks = ServingHooks(model, self.spec, self.cache, self.family, self.requests.state)
         hooks.register(self.requests.serve, time_embedder=choice.free_time_embedder)
         self._signature = signature = Signature(
@@ -555,7 +548,7 @@ class AdalnCacheHandle:
         overrides["_apply"] = guarded_apply(self.model, moved=self._moved_to, back=self._moved_to)
         overrides.update(hooks.compile_guard())
         overrides.update(casting_guard(self.model, disable=self.disable, enable_again=self._enable_again))
-        overrides.update(adapter_guards(self._storage))
+        overrides.update(adapter_guards(self._choice.storage))
         self.model.__dict__.update(overrides)
         self._overrides = tuple(overrides)
 

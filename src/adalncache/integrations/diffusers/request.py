@@ -303,7 +303,6 @@ class BackgroundPass:
         self.predicted = False
         #: The variant the plans are built under (compared when a prediction is adopted).
         self.variant: object = None
-        self.first_keys = frozenset([keys[0]])
         self.split = split and len(set(keys)) > 1
         self._first = threading.Event()
         self._done = threading.Event()
@@ -358,7 +357,7 @@ class BackgroundPass:
     def wait_for(self, key: PlanKey) -> None:
         """Before a forward of plan ``key``: wait until it is servable; raise the pass's error (the same
         object a foreground build would have raised) if its transaction failed."""
-        first = self.split and key in self.first_keys
+        first = self.split and key == self.keys[0]
         (self._first if first else self._done).wait()
         error = self._first_error if first else self.error
         if error is not None:
@@ -478,10 +477,6 @@ class Request:
             self._misses.zero_()
         return count
 
-    def wait_for(self, key: PlanKey) -> None:
-        if self.background is not None:
-            self.background.wait_for(key)
-
     def drop(self) -> int:
         """Give everything back (never waits, never raises); returns the misses not yet reported."""
         misses = self.take_misses()
@@ -557,9 +552,7 @@ class Enabled(Protocol):
 
 class Requests:
     """One enabled model's requests: each thread's (:class:`ThreadState`), and every background pass.
-
-    The handle's request verbs are these methods; the transformer hook calls :meth:`serve`.
-    """
+    The handle's request verbs are these methods; the transformer hook calls :meth:`serve`."""
 
     def __init__(self, handle: Enabled, device: torch.device) -> None:
         self._handle = handle
@@ -573,8 +566,8 @@ class Requests:
     def prepare(self, plans: Sequence[Any], attention_kwargs: Mapping[str, Any] | None) -> BuildReport:
         """End the thread's request, then hold ``plans`` as its new one (in its call, if one is running)."""
         self._end(check=True)  # the previous request is over: its mismatch raises here, before any build
-        builder, keyed = self._keyed(plans, "prepare()")
-        held = builder.hold(keyed, attention_kwargs)
+        builder = self._serving("prepare()")
+        held = builder.hold(self._family_plans(plans), attention_kwargs)
         self._open().held(held, self._handle.cache)
         return held.report
 
@@ -596,8 +589,8 @@ class Requests:
     def request(self, plans: Sequence[Any], attention_kwargs: Mapping[str, Any] | None) -> Iterator[PlanHold]:
         """Hold ``plans`` for a ``with`` block, the thread's request inside it (it stands in for the one
         before, which is the thread's again after the block unless a ``prepare`` inside ended both)."""
-        builder, keyed = self._keyed(plans, "prepare()")
-        held = builder.hold(keyed, attention_kwargs)
+        builder = self._serving("prepare()")
+        held = builder.hold(self._family_plans(plans), attention_kwargs)
         block = Request()
         block.held(held, self._handle.cache)
         state = self.state
@@ -617,8 +610,8 @@ class Requests:
         if self._adopted(self._family_plans(plans), attention_kwargs):
             return
         self._end(check=True)
-        builder, keyed = self._keyed(plans, "start_prepare()")
-        self._background(builder, keyed, attention_kwargs, self._open())
+        builder = self._serving("start_prepare()")
+        self._background(builder, self._family_plans(plans), attention_kwargs, self._open())
 
     def finish(self) -> None:
         """The request's end: wait for its pass, raise the pass's error if no forward did, then release."""
@@ -768,10 +761,10 @@ class Requests:
             named = execution_device(model)
             device = named if named is not None and named.type == "cpu" else device
         handle.follow(device)
-        request = state.request
-        if request is not None:
+        background = state.request.background if state.request is not None else None
+        if background is not None:
             try:
-                request.wait_for(key)
+                background.wait_for(key)
             except BaseException:
                 self._end(check=False)  # the request fails here: what its pass did hold goes back now
                 raise
@@ -807,11 +800,8 @@ class Requests:
     # -- ends, moves, disabling --------------------------------------------------------------------
 
     def close(self) -> None:
-        """The way into ``disable()``: refuse new background passes, then wait for the running ones.
-
-        Not a plain join: another thread could start a pass between the join and the hooks' removal,
-        and that pass would run on the parked weights as they are restored.
-        """
+        """The way into ``disable()``: refuse new background passes, then wait for the running ones (a plain
+        join would let another thread start a pass that runs on the parked weights as they are restored)."""
         with self._lock:
             self._closed = True
         self.join()
@@ -865,10 +855,6 @@ class Requests:
         """``plans`` as the forward keys them (the family's ``request_plan`` of each)."""
         handle = self._handle
         return [handle.family.request_plan(handle.model, plan) for plan in request_plans(plans)]
-
-    def _keyed(self, plans: Any, what: str) -> tuple[Builder, list[Any]]:
-        builder = self._serving(what)
-        return builder, self._family_plans(plans)
 
     def _keys(self, plans: Sequence[Any]) -> list[PlanKey]:
         columns = self._handle.cache.spec.plan_columns
