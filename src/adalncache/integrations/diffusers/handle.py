@@ -103,13 +103,10 @@ def cache_device(device: torch.device | str | None, model_device: torch.device) 
 
 @dataclass
 class SourceChoice:
-    """What one enabling serves from, and what parking needs to know about it.
-
-    ``source``: ``None`` for table files alone. ``modules``: ``(layer, current module)`` of every
-    projection. ``host_tensors``: what parking restores from (``None``: re-read from the source, whose
-    content ``digest`` the enabling's verification learnt). ``plain_variant``: set for full-precision
-    tables of quantized projections from the checkpoint. ``casting_at_enable``: served modules with a
-    layerwise-casting hook.
+    """What one enabling serves from (``source``: ``None`` for table files alone), and what parking needs:
+    ``host_tensors`` to restore from (``None``: re-read from the source, checked against its ``digest``).
+    ``plain_variant``: set for full-precision tables of quantized projections from the checkpoint;
+    ``casting_at_enable``: the served modules with a layerwise-casting hook.
     """
 
     source: Source | None
@@ -185,8 +182,7 @@ def choose_source(
     if checkpoint is not None:
         verify = config.verify_checkpoint and not storage.opaque
         choice.source, choice.digest = checkpoint_source(checkpoint, spec, modules, layout=config.layout, verify=verify)
-        if storage.opaque:
-            # disable() gives back the quantized weights
+        if storage.opaque:  # disable() gives back the quantized weights
             choice.host_tensors = own_tensors(modules, device, family.projection_path)
             choice.plain_variant = full_precision_variant(model)
     elif config.tables is not None:
@@ -292,8 +288,7 @@ class AdalnCacheHandle:
     ) -> None:
         # Any: a diffusers model whose submodules are reached by attribute, which mypy cannot follow.
         self.model: Any = model
-        #: The options (one set of table files); ``checkpoint``: what enabling serves from (None: the
-        #: model's own tensors, or table files alone).
+        #: ``checkpoint``: None serves the model's own tensors, or table files alone.
         self.config, self.checkpoint = config, checkpoint
         self.enabled = False
         #: Where the forward runs and the cache lives (offloading keeps the weights elsewhere).
@@ -304,13 +299,11 @@ class AdalnCacheHandle:
         self._enabled_fingerprint: str | None = None
         #: Builds, LoRA scaling and hook moves (they change module state other threads read).
         self._lock = threading.RLock()
-        #: Each thread's request (the handle's request verbs are its methods).
         self.requests = Requests(self, self.device)
         self._fresh_state()
 
     def _fresh_state(self) -> None:
         """What one enabling builds up: read (again) from the model as it is now."""
-        #: What is particular to the model's family (:class:`~.family.DiffusersFamily`).
         self.family = family_of(self.model)
         self.spec = transformer_spec(self.model)
         self._parking = WeightParking()
@@ -434,8 +427,7 @@ class AdalnCacheHandle:
                 )
 
     def _give_back_memory(self) -> None:
-        """After restoring: the cache's host tier and read buffers, and the model's host copies (CUDA),
-        unlocked now and freed with the in-memory source, which a closed cache never reads again."""
+        """After restoring: the cache's host tier and read buffers, and the model's host copies (CUDA)."""
         cache = getattr(self, "cache", None)
         released = cache.close() if cache is not None else 0
         for buffer in self._choice.host_buffers:
@@ -540,8 +532,7 @@ class AdalnCacheHandle:
         )
 
     def _install_overrides(self) -> None:
-        """Instance overrides of what other diffusers features do to a served model: move, cast, compile,
-        load adapters (the class's methods stay untouched; ``disable()`` takes them off)."""
+        """Instance overrides (the class's methods stay untouched) of moves, casts, compiles, adapter loads."""
         assert self._hooks is not None and self._signature is not None
         hooks = self._hooks
         overrides = self._signature.guards(standing_in=self._parking.standing_in, after_load=hooks.follow_output)
@@ -605,13 +596,9 @@ def adaln_cache_handle(model: Any) -> AdalnCacheHandle | None:
 
 
 class PipelineAdalnCacheHandle:
-    """The AdaLN cache enabled on a pipeline: one handle per transformer.
-
-    ``handles`` maps component names (``transformer``, ``transformer_ref``) to their
-    :class:`AdalnCacheHandle`; indexing works too (``handle["transformer"]``). ``cache`` and ``stats``
-    are those of the only transformer when there is one, else dicts by name. Every call of the
-    pipeline is each transformer's request (:class:`~.request.PipelineWatch`); a family may add
-    blocks of its own (the MiniMax-H3 modular pipeline's prepare blocks).
+    """The AdaLN cache enabled on a pipeline: one :class:`AdalnCacheHandle` per transformer in ``handles``
+    (also ``handle["transformer"]``); ``cache`` and ``stats`` are the only one's, else dicts by name. Every
+    call is each transformer's request (:class:`~.request.PipelineWatch`); a family may add blocks.
     """
 
     def __init__(self, pipeline: Any, handles: dict[str, AdalnCacheHandle]) -> None:
@@ -652,8 +639,7 @@ class PipelineAdalnCacheHandle:
         return self._each(lambda handle: handle.prepare(plans, attention_kwargs=attention_kwargs))
 
     def release(self) -> None:
-        """Release the calling thread's request on every transformer, then raise PlanMismatchError if a
-        forward of it matched none of its plans."""
+        """:meth:`AdalnCacheHandle.release` on every transformer, each mismatch checked before one raises."""
         for handle in self.handles.values():
             handle.release(check=False)
         self.check_request()
@@ -710,8 +696,7 @@ class PipelineAdalnCacheHandle:
 
     @contextlib.contextmanager
     def _call(self, pipeline: Any, call: Mapping[str, Any]) -> Iterator[None]:
-        """One call of the pipeline: each transformer's request, with the schedule its family predicts
-        from the call's arguments where ``overlap`` is on."""
+        """One call: each transformer's request, with its family's predicted schedule where ``overlap`` is on."""
         with contextlib.ExitStack() as stack:
             for name, handle in self.handles.items():
                 plans = None

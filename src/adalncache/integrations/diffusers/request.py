@@ -51,12 +51,8 @@ logger = logging.getLogger(__name__)
 
 
 def request_plans(plans: Any) -> list[Any]:
-    """``prepare``'s / ``request``'s ``plans`` as a list, or :class:`~adalncache.PlanError`.
-
-    Why: a single tensor, a single mapping or a string is iterable, so without this check it would be
-    taken apart (a tensor into 0-d rows, a mapping into its key strings) and refused with a message
-    about the pieces, not about the argument.
-    """
+    """``prepare``'s / ``request``'s ``plans`` as a list, or :class:`~adalncache.PlanError`: a single tensor,
+    mapping or string is iterable, and taken apart it would be refused for its pieces, not the argument."""
     if isinstance(plans, (torch.Tensor, Mapping, str, bytes)) or not isinstance(plans, (Sequence, Iterable)):
         raise PlanError(
             f"plans must be a list of plans (one per forward: its timestep tensor, or a mapping of its keying "
@@ -65,8 +61,7 @@ def request_plans(plans: Any) -> list[Any]:
         )
     plans = list(plans)
     for plan in plans:
-        # A meta tensor has no values to key: refused for every family, before a family's plan
-        # function stacks it with real tensors (a RuntimeError about devices otherwise).
+        # A meta tensor has no values to key: refused before a family stacks it with real tensors.
         values = plan.values() if isinstance(plan, Mapping) else plan if isinstance(plan, (tuple, list)) else [plan]
         if any(isinstance(value, torch.Tensor) and value.is_meta for value in values):
             raise PlanError("a plan must hold data, got a meta tensor: pass the tensors the forward receives")
@@ -109,14 +104,10 @@ Embed = Callable[[torch.Tensor], Any]
 
 @dataclass(eq=False)
 class Builder:
-    """How one enabling holds plans: the cache's hit path, else one build under the handle's lock.
-
-    A build runs with the request's LoRA scale applied and the parked time embedder's weights lent
-    back (taken on the first ``embed`` of a pass, so a build that hits costs no copy); ``project``
-    runs one layer's served module with the source's weights standing in for its parameters, through
-    the module's own (LoRA-wrapped, quantized, layerwise-cast) forward. ``plain_tables``: full-precision
-    tables of quantized projections (``quantized_projections="checkpoint"``): a plain linear of the
-    checkpoint's weights, decided by that setting, never by the weight's type.
+    """How one enabling holds plans: the cache's hit path, else one build under the handle's lock, with
+    the request's LoRA scale applied and the parked time embedder lent back (by the first ``embed``, so
+    a build that hits costs no copy). ``plain_tables``: full-precision tables of quantized projections
+    (``quantized_projections="checkpoint"``), a plain linear decided by that setting, never by the weight's type.
     """
 
     model: Any
@@ -177,12 +168,8 @@ class Builder:
         return held
 
     def embed_ahead(self, plans: Sequence[Any], attention_kwargs: Mapping[str, Any] | None) -> Embed:
-        """A build's ``embed`` for ``plans`` whose inputs are computed now on this thread, for a pass on another.
-
-        Why: ``embed`` runs the time embedder beneath its hooks with lent weights, which a forward
-        running meanwhile on another thread would see. Computed here, before the pass starts, with the
-        same LoRA scale, loan and grad mode as a build, the inputs are the same bits.
-        """
+        """A build's ``embed`` for ``plans`` whose inputs are computed now, for a pass on another thread: there a
+        forward running meanwhile would see the lent time embedder. Same scale, loan and grad mode: same bits."""
         columns = self.cache.spec.plan_columns
         scale = lora_scale_of(attention_kwargs)
         tuners, _, _ = self.signature.read(scale)
@@ -218,8 +205,7 @@ class Builder:
             and self.cache.shard == "columns"
             and self.cache.world_size > 1
         ):
-            # The adapter's forward runs on the whole projection; a rank's column slice of the base
-            # weight cannot go through it (it would fail later with an unhelpful shape error).
+            # The adapter's forward runs on the whole projection, not on a rank's column slice.
             raise ConfigError(
                 f"LoRA adapters on the AdaLN projections need shard='layers' ({knob('shard')} layers): with "
                 "shard='columns' each rank holds a column slice of the base weight, which the adapter's "
@@ -254,8 +240,9 @@ class Builder:
         return self.family.embed(self.model, self.spec, plan, self.device())
 
     def project(self, layer: Layer, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``layer``'s output for ``x``, through the module's own forward beneath every hook (ours would
-        serve the table, an offloading hook would move the source's weights)."""
+        """``layer``'s output for ``x`` with the source's weights, through the module's own (LoRA-wrapped,
+        quantized, layerwise-cast) forward beneath every hook (ours would serve the table, an offloading hook
+        move the weights)."""
         if self.plain_tables:
             return F.linear(x, weight, bias)
         module = self.family.projection_module(self.model, layer)
@@ -270,9 +257,8 @@ class Builder:
             tensors[name] = fresh_alias(tensor)
         if self.quantization is not None:  # loaded quantized: the weight as the quantizer loads it
             tensors["weight"] = self.quantization.weight(self.family.projection_path(layer), tensors["weight"])
-        # The class forward is called directly, not through a bypass of its instance forward: the output
-        # layer's module carries the output hook, and another thread's forward calling it while a bypass
-        # stood in its place would run the plain linear on its own input.
+        # The class forward, not a bypass of the instance's: another thread's forward calling the output
+        # layer meanwhile would run the bypass (the plain linear) on its own input.
         with bypassing_hooks({base} - {module}), swapped_parameters(base, tensors), state_kept_by_weight(base):
             out: torch.Tensor = type(module).forward(module, x)
             return out
@@ -299,9 +285,8 @@ class BackgroundPass:
         self._hold = hold
         self._plans = list(plans)
         self.keys = tuple(keys)
-        #: Started from a pipeline call's predicted schedule and not adopted yet by its request.
+        #: Started from a call's predicted schedule, not adopted yet; the variant it is compared under.
         self.predicted = False
-        #: The variant the plans are built under (compared when a prediction is adopted).
         self.variant: object = None
         self.split = split and len(set(keys)) > 1
         self._first = threading.Event()
@@ -355,8 +340,7 @@ class BackgroundPass:
             self._done.set()
 
     def wait_for(self, key: PlanKey) -> None:
-        """Before a forward of plan ``key``: wait until it is servable; raise the pass's error (the same
-        object a foreground build would have raised) if its transaction failed."""
+        """Before a forward of plan ``key``: wait until it is servable; raise its transaction's error."""
         first = self.split and key == self.keys[0]
         (self._first if first else self._done).wait()
         error = self._first_error if first else self.error
@@ -399,11 +383,8 @@ class BackgroundPass:
 
 
 class Request:
-    """One request of one thread (module docstring): what it holds, how its forwards are served, its end.
-
-    ``call``: a pipeline call's request, which stays the thread's until the call ends (emptied by a
-    move or a second schedule, never replaced).
-    """
+    """One request of one thread: what it holds and how its forwards find their slots. ``call``: a pipeline
+    call's, the thread's until the call ends (emptied by a move or a second schedule, never replaced)."""
 
     def __init__(self, *, call: bool = False) -> None:
         self.call = call
@@ -419,16 +400,15 @@ class Request:
         if not on_device:
             return
         try:
-            # The variant the plans were held under, recorded with the hold: reading the signature again
-            # would stamp a change made meanwhile on the old rows.
+            # The hold's variant: reading the signature again would stamp a change made meanwhile on old rows.
             self.variant, self.device, self.columns = hold.variant, cache.device, cache.spec.plan_columns
             self.autocast = autocast_dtype(cache.device)
             self._retirements = lambda: cache.retirements
             by_length: dict[int, list[tuple[PlanKey, int]]] = {}
             for key, slot in dict(zip(hold.keys, hold.slot_list, strict=True)).items():
                 by_length.setdefault(len(key), []).append((key, slot))
-            # Never inference tensors, though prepare() may run under torch.inference_mode(): the miss
-            # counter is updated in place, which a later loop outside inference mode could not do.
+            # Never inference tensors (prepare() may run in inference mode): a later loop outside it
+            # updates the miss counter in place.
             with torch.inference_mode(False):
                 self.groups = {
                     length: (
@@ -444,12 +424,8 @@ class Request:
             raise
 
     def slot_of(self, plan: torch.Tensor, variant: object) -> tuple[torch.Tensor, torch.dtype] | None:
-        """``(slot, dtype)`` of a forward with ``plan`` under ``variant``, found on the device; None for the
-        host path (decided from host state only: shapes, dtypes, devices, the variant, autocast).
-
-        Device operations only (no ``.item()``, no ``bool()`` of a tensor), so a CUDA graph captures it; a
-        forward matching none of the plans gets the poison slot and adds one to the miss counter.
-        """
+        """``(slot, dtype)`` of a forward with ``plan`` under ``variant``, found with device operations only (a
+        CUDA graph captures them): a miss is the poison slot, counted; None (decided on host state): host path."""
         hold, groups = self.hold, self.groups
         if hold is None or groups is None or hold.released or plan.device != self.device or plan.dtype != torch.float32:
             return None
@@ -508,8 +484,7 @@ class ThreadState(threading.local):
         self.prepared_outside = False
 
     def serve_slot(self, slot: torch.Tensor, dtype: torch.dtype | None, rows: torch.Tensor) -> None:
-        """Point the served modules at ``slot`` and its flat slab ``rows`` (``cache.row_index``; device
-        tensors, never read on the host)."""
+        """Point the served modules at ``slot`` and its flat slab ``rows`` (device tensors, never read here)."""
         if self.row_buffer.shape != rows.shape or self.row_buffer.device != rows.device:
             self.row_buffer = torch.zeros_like(rows)  # another batch width, or the model moved: a new buffer
         self.slot, self.dtype = slot, dtype
@@ -587,8 +562,8 @@ class Requests:
 
     @contextlib.contextmanager
     def request(self, plans: Sequence[Any], attention_kwargs: Mapping[str, Any] | None) -> Iterator[PlanHold]:
-        """Hold ``plans`` for a ``with`` block, the thread's request inside it (it stands in for the one
-        before, which is the thread's again after the block unless a ``prepare`` inside ended both)."""
+        """Hold ``plans`` for a ``with`` block, the thread's request inside it (the one before is again after
+        it, unless a ``prepare`` inside ended both)."""
         builder = self._serving("prepare()")
         held = builder.hold(self._family_plans(plans), attention_kwargs)
         block = Request()
@@ -732,8 +707,8 @@ class Requests:
     # -- the forward -------------------------------------------------------------------------------
 
     def serve(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> PlanHold | _Unheld:
-        """The one question a forward asks: its slot, for its keying inputs. Points the thread's state at
-        it and returns what the forward holds (released when it ends)."""
+        """The one question a forward asks: its slot, for its keying inputs (set on the thread's state); returns
+        what the forward holds."""
         handle = self._handle
         model, family, state = handle.model, handle.family, self.state
         builder = handle.builder
@@ -749,15 +724,13 @@ class Requests:
             if served is not None:
                 state.serve_slot(*served, handle.cache.row_index(served[0], int(plan.shape[0])))
                 return UNHELD  # the request holds its plans until it ends
-        # The one device-to-host read of the plan this forward makes: keys, lookups and the build all
-        # use this host copy (embed moves it back to the device; the values are the same bits).
+        # The forward's one device-to-host read: keys, lookups and the build use this copy (the same bits).
         host = plan.detach().to("cpu")
         key = plan_key(host, handle.cache.spec.plan_columns)
         device = plan.device
         if offloaded:
-            # A CPU tensor reports "cpu" even when the forward runs on "cpu:0" (accelerate's model offload
-            # with device="cpu"), whose .to() gave the weights fresh addresses: follow the device the hook
-            # names, as prepare() does, so a build here projects like the model.
+            # A CPU tensor says "cpu" where the forward runs on "cpu:0" (accelerate's model offload), whose
+            # .to() gave the weights fresh addresses: follow the hook's device, so a build projects like the model.
             named = execution_device(model)
             device = named if named is not None and named.type == "cpu" else device
         handle.follow(device)
@@ -861,9 +834,8 @@ class Requests:
         return [plan_key(t, columns) for t in plan_tensors(plans)]
 
     def _adopted(self, plans: list[Any], attention_kwargs: Mapping[str, Any] | None) -> bool:
-        """Whether the thread's request holds a pass predicted for exactly ``plans`` (the same keys in the
-        same order, under the same variant): it is then the request's. A different one is dropped by the
-        caller's end of the request."""
+        """Whether the thread's request holds a pass predicted for exactly ``plans`` (keys in order, variant):
+        it is then the request's; another is dropped by the caller's end of the request."""
         request, builder = self.state.request, self._handle.builder
         background = request.background if request is not None else None
         if background is None or not background.predicted or builder is None:
