@@ -19,7 +19,7 @@ import math
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -538,13 +538,19 @@ class Requests:
 
     # -- the verbs of a loop of one's own ---------------------------------------------------------
 
-    def prepare(self, plans: Sequence[Any], attention_kwargs: Mapping[str, Any] | None) -> BuildReport:
+    def prepare(
+        self,
+        plans: Sequence[Any],
+        attention_kwargs: Mapping[str, Any] | None,
+        *,
+        what: str = "prepare()",
+        on_device: bool = True,
+    ) -> BuildReport:
         """End the thread's request, then hold ``plans`` as its new one (in its call, if one is running)."""
         self._end(check=True)  # the previous request is over: its mismatch raises here, before any build
-        builder = self._serving("prepare()")
-        held = builder.hold(self._family_plans(plans), attention_kwargs)
-        self._open().held(held, self._handle.cache)
-        return held.report
+        hold = self._serving(what).hold(self._family_plans(plans), attention_kwargs)
+        self._open().held(hold, self._handle.cache, on_device=on_device)
+        return hold.report
 
     def release(self, *, check: bool = True) -> None:
         if not isinstance(check, bool):  # "no" would be truthy: a report the caller meant to defer would raise
@@ -580,13 +586,15 @@ class Requests:
                 state.pending += previous.drop()
         self.check()  # a forward of the block matched no plan of it (the block ended without an error)
 
-    def start_prepare(self, plans: Sequence[Any], attention_kwargs: Mapping[str, Any] | None) -> None:
+    def start_prepare(
+        self, plans: Sequence[Any], attention_kwargs: Mapping[str, Any] | None, *, what: str = "start_prepare()"
+    ) -> None:
         """:meth:`prepare` by a background pass (or adopt the call's predicted pass when it holds these plans)."""
-        if self._adopted(self._family_plans(plans), attention_kwargs):
+        keyed = self._family_plans(plans)
+        if self._adopted(keyed, attention_kwargs):
             return
         self._end(check=True)
-        builder = self._serving("start_prepare()")
-        self._background(builder, self._family_plans(plans), attention_kwargs, self._open())
+        self._background(self._serving(what), keyed, attention_kwargs, self._open())
 
     def finish(self) -> None:
         """The request's end: wait for its pass, raise the pass's error if no forward did, then release."""
@@ -666,17 +674,11 @@ class Requests:
         pipeline's first forward): held by the call's request (adopting its predicted pass when it is the
         same), by a background pass with ``overlap``. Outside a bracketed call (another library patched
         the pipeline's class) it is held for the thread with its forwards on the host path."""
-        keyed = self._family_plans(plans)
-        if self._adopted(keyed, attention_kwargs):
-            return
-        current = self.state.request
-        in_call = current is not None and current.call
-        self._end(check=True)
-        builder = self._serving("the pipeline's schedule")
-        if self._handle.config.overlap:
-            self._background(builder, keyed, attention_kwargs, self._open())
-            return
-        self._open().held(builder.hold(keyed, attention_kwargs), self._handle.cache, on_device=in_call)
+        what, current = "the pipeline's schedule", self.state.request
+        if self._handle.config.overlap:  # only then can a predicted pass be running
+            self.start_prepare(plans, attention_kwargs, what=what)
+        else:
+            self.prepare(plans, attention_kwargs, what=what, on_device=current is not None and current.call)
 
     def expect(self, timesteps: torch.Tensor) -> None:
         """A scheduler set ``timesteps`` on this thread: the next forward prepares the whole schedule."""
@@ -966,7 +968,7 @@ class PipelineWatch:
             self._namespace = dict(self._swapped.__dict__)
             pipeline.__dict__[self.ATTRIBUTE] = self
             pipeline.__class__ = self._swapped
-        expect, scheduler = self.expect, getattr(pipeline, "scheduler", None)
+        expect, scheduler = self.expect, cast(Any, getattr(pipeline, "scheduler", None))
         if expect is None or not callable(getattr(scheduler, "set_timesteps", None)):
             return
         if getattr(scheduler.__dict__.get("set_timesteps"), self.SCHEDULE_ATTRIBUTE, False):
