@@ -26,6 +26,7 @@ from .family import ROWS_ATTRIBUTE, STATE_ATTRIBUTE, DiffusersFamily, ForwardSta
 
 if TYPE_CHECKING:
     from ... import AdalnCache
+    from ...cache import PlanHold
 
 TRANSFORMER_HOOK = "adaln_cache_transformer"
 OUTPUT_HOOK = "adaln_cache_output"
@@ -38,12 +39,6 @@ HOOK_PREFIX = "adaln_cache"
 _SERVED: dict[tuple[type, Callable[..., Any]], type] = {}
 
 
-class Releasable(Protocol):
-    """What one forward holds (a :class:`~adalncache.cache.PlanHold`, or nothing): released when it ends."""
-
-    def release(self) -> None: ...
-
-
 class ServingState(ForwardState, Protocol):
     """The thread's forward state as the hooks use it: ``prepared_outside`` is set while
     :class:`EagerPrepare` did the forward's host work before the compiled call."""
@@ -53,8 +48,9 @@ class ServingState(ForwardState, Protocol):
     def clear(self) -> None: ...
 
 
-#: ``serve(args, kwargs)``: a forward's host work; points the thread's state at its slot, returns its hold.
-Serve = Callable[[tuple[Any, ...], Mapping[str, Any]], Releasable]
+#: ``serve(args, kwargs)``: a forward's host work; points the thread's state at its slot and returns what
+#: the forward holds until it ends (``None``: its request holds the plans).
+Serve = Callable[[tuple[Any, ...], Mapping[str, Any]], "PlanHold | None"]
 
 
 class AdalnCacheTransformerHook(ModelHook):
@@ -62,22 +58,29 @@ class AdalnCacheTransformerHook(ModelHook):
 
     def __init__(self, serve: Serve, state: ServingState) -> None:
         super().__init__()
-        self.serve = serve
-        self.state = state
+        self.serve, self.state = serve, state
 
     def new_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         forward: Any = self.fn_ref.original_forward
         if self.state.prepared_outside:
             return forward(*args, **kwargs)  # a compiled call: EagerPrepare did the host work already
+        return self.served(forward, args, kwargs)
+
+    def served(self, call: Callable[..., Any], args: tuple[Any, ...], kwargs: Any, *, outside: bool = False) -> Any:
+        """``call`` after the forward's host work, releasing its hold at the end (on an exception too);
+        ``outside``: ``call`` is the compiled one, whose forward must not do the host work again."""
         held = self.prepare(args, kwargs)
+        self.state.prepared_outside = outside
         try:
-            return forward(*args, **kwargs)
+            return call(*args, **kwargs)
         finally:
+            self.state.prepared_outside = False
             self.state.clear()
-            held.release()
+            if held is not None:
+                held.release()
 
     @torch.compiler.disable
-    def prepare(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Releasable:
+    def prepare(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> PlanHold | None:
         """The forward's host work, never traced (module docstring)."""
         return self.serve(args, kwargs)
 
@@ -137,20 +140,11 @@ def other_hooks_present(model: nn.Module) -> bool:
 class EagerPrepare:
     """Stands in for ``model._compiled_call_impl``: the host work eagerly, then the compiled call."""
 
-    def __init__(self, compiled: Callable[..., Any], serve: Serve, state: ServingState) -> None:
-        self.compiled = compiled
-        self.serve = serve
-        self.state = state
+    def __init__(self, compiled: Callable[..., Any], hook: AdalnCacheTransformerHook) -> None:
+        self.compiled, self.hook = compiled, hook
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        held = self.serve(args, kwargs)
-        self.state.prepared_outside = True
-        try:
-            return self.compiled(*args, **kwargs)
-        finally:
-            self.state.prepared_outside = False
-            self.state.clear()
-            held.release()
+        return self.hook.served(self.compiled, args, kwargs, outside=True)
 
 
 class ServingHooks:
@@ -185,9 +179,9 @@ class ServingHooks:
                     f"{path} has a forward of its own (a hook of another library wraps it), so the AdaLN cache cannot "
                     "serve it; remove that hook before enabling the cache"
                 )
-        self._serve = serve
+        self._hook = AdalnCacheTransformerHook(serve, self.state)
         registry = HookRegistry.check_if_exists_or_initialize(model)
-        registry.register_hook(AdalnCacheTransformerHook(serve, self.state), TRANSFORMER_HOOK)
+        registry.register_hook(self._hook, TRANSFORMER_HOOK)
         self._forward = model.__dict__.get("forward")  # ours: anything else there later wraps it
         for layer, _, module in self.owners:
             module.__class__ = served_class(type(module), family.served_forward(layer))
@@ -250,7 +244,7 @@ class ServingHooks:
         """Wrap the model's compiled callable in :class:`EagerPrepare`, if it has one (idempotent)."""
         compiled = self.model.__dict__.get("_compiled_call_impl")
         if compiled is not None and not isinstance(compiled, EagerPrepare):
-            self.model._compiled_call_impl = EagerPrepare(compiled, self._serve, self.state)
+            self.model._compiled_call_impl = EagerPrepare(compiled, self._hook)
 
     def unwrap_compiled(self) -> None:
         """Put the compiled callable back as ``nn.Module.compile`` left it."""

@@ -502,16 +502,6 @@ class ThreadState(threading.local):
             )
 
 
-class _Unheld:
-    """What a forward served from its request's device lookup releases: nothing (the request holds its plans)."""
-
-    def release(self) -> None:
-        return None
-
-
-UNHELD = _Unheld()
-
-
 class Enabled(Protocol):
     """What :class:`Requests` reads of its handle, at each use (an enabling again replaces them)."""
 
@@ -708,7 +698,7 @@ class Requests:
 
     # -- the forward -------------------------------------------------------------------------------
 
-    def serve(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> PlanHold | _Unheld:
+    def serve(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> PlanHold | None:
         """The one question a forward asks: its slot, for its keying inputs (set on the thread's state); returns
         what the forward holds."""
         handle = self._handle
@@ -725,7 +715,7 @@ class Requests:
             served = request.slot_of(plan, builder.variant_of(attention_kwargs))
             if served is not None:
                 state.serve_slot(*served, handle.cache.row_index(served[0], int(plan.shape[0])))
-                return UNHELD  # the request holds its plans until it ends
+                return None  # the request holds its plans until it ends
         # The forward's one device-to-host read: keys, lookups and the build use this copy (the same bits).
         host = plan.detach().to("cpu")
         key = plan_key(host, handle.cache.spec.plan_columns)
