@@ -140,16 +140,11 @@ def choose_source(
     device: torch.device,
     never_loaded: NeverLoaded | None,
 ) -> SourceChoice:
-    """Check the model and the options and choose the source; the model is not changed. In this order:
-
-    * ``checkpoint=``: a checkpoint verified against the model's projections (for quantized ones, which
-      have nothing equal to compare, it means full-precision tables from it, asked for on purpose);
-    * ``tables=`` and no checkpoint: no source; the files are checked against the model's projections,
-      which are then freed (not parked);
-    * quantized projections: the model's own quantized tensors, read through their modules;
-    * otherwise the model's own projection tensors, moved to host memory (a ``TensorSource``).
-
-    A model built by ``load_transformer`` never held its projections: its source comes with it.
+    """Check the model and the options and choose the source, the model unchanged: a ``checkpoint=``
+    verified against the model's projections (for quantized ones, with nothing equal to compare,
+    full-precision tables asked for on purpose); else ``tables=`` alone, checked against the model's
+    projections, which are then freed; else the model's own, to host memory (quantized ones as they are).
+    A model ``load_transformer`` built never held its projections: its source comes with it.
     """
     if never_loaded is None:
         check_materialised(family, model, spec)
@@ -245,12 +240,10 @@ def guarded_apply(
 
 
 class LiftedGroupOffloading:
-    """diffusers' group offloading taken off a model now, and applied again by :meth:`restore`.
-
-    Our hooks must be registered while it is off, so that it comes back *outside* them: removing a
-    hook beneath one that replaces the forward (ours do) would unhook that one, and diffusers re-applies
-    group offloading by removing and adding it (after a LoRA load, say). Re-applied, it rebuilds its
-    groups from the model as it is now (the weights parked). A model without it is left alone.
+    """diffusers' group offloading taken off a model now, and applied again by :meth:`restore`, so that it
+    comes back *outside* our hooks (it captured the weights now parked): diffusers re-applies it by removing
+    and adding it (after a LoRA load, say), and removing a hook beneath one that replaces the forward (ours
+    do) would unhook that one.
     """
 
     def __init__(self, model: nn.Module) -> None:
@@ -555,11 +548,8 @@ class AdalnCacheHandle:
         self.follow(device)
 
     def follow(self, device: torch.device | None) -> None:
-        """Serve forwards that run on ``device``: the cache moves its tables there (or rebuilds them).
-
-        The calling thread's request holds slots of the old device: it is over. Holds of other threads'
-        requests in flight make the move fail (ConfigError, nothing moved).
-        """
+        """Serve forwards that run on ``device``: the cache moves its tables there (or rebuilds them). The
+        thread's request is over (its slots name the old slab); other threads' holds refuse the move."""
         if device is None or device == self.device:
             return
         before = self.cache.device
@@ -665,11 +655,8 @@ class PipelineAdalnCacheHandle:
             handle.join_background()
 
     def disable(self, *, allow_changed_checkpoint: bool = False) -> None:
-        """Disable every transformer's cache, then remove the watches and the family's blocks.
-
-        In that order: a transformer's disable that is refused (another library's wrapper would be
-        dropped, a changed checkpoint) leaves the pipeline as it was, its watches included.
-        """
+        """Disable every transformer's cache, then remove the watches and the family's blocks: in that order,
+        a refused disable (another library's wrapper, a changed checkpoint) leaves the pipeline as it was."""
         mismatches: list[PlanMismatchError] = []
         for handle in self.handles.values():
             try:
@@ -719,11 +706,8 @@ def enable_pipeline(
     config: AdalnCacheConfig,
     device: torch.device | str | None,
 ) -> PipelineAdalnCacheHandle:
-    """Enable the cache on every served transformer of ``pipeline``; all or none.
-
-    ``checkpoint``: one path when the pipeline holds one transformer, else a mapping by component name.
-    A transformer whose cache is already enabled (``load_transformer``) keeps it.
-    """
+    """Enable the cache on every served transformer of ``pipeline``, all or none (one already enabled keeps its
+    cache); ``checkpoint``: one path for one transformer, else a mapping by component name."""
     components: dict[str, Any] = {
         name: getattr(pipeline, name, None)
         for name in PIPELINE_TRANSFORMERS

@@ -90,9 +90,7 @@ class AdalnCacheOutputHook(ModelHook):
 
     def __init__(self, rows: torch.Tensor, state: ForwardState, path: str = "norm_out.linear") -> None:
         super().__init__()
-        self.rows = rows
-        self.state = state
-        self.path = path
+        self.rows, self.state, self.path = rows, state, path
 
     def new_forward(self, module: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         return gather_rows(self.rows, self.state, int(x.shape[0]), self.path)
@@ -103,9 +101,8 @@ class AdalnCacheTimeEmbedderHook(ModelHook):
 
     def __init__(self, out_features: int, dtype: torch.dtype, device: torch.device, family: DiffusersFamily) -> None:
         super().__init__()
-        self.out_features = out_features
+        self.out_features, self.family = out_features, family
         self.zero = torch.zeros((), dtype=dtype, device=device)
-        self.family = family
 
     def new_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:
         rows, dtype = self.family.stand_in(args, kwargs)
@@ -154,10 +151,7 @@ class ServingHooks:
     def __init__(
         self, model: Any, spec: ModulationSpec, cache: AdalnCache, family: DiffusersFamily, state: ServingState
     ) -> None:
-        self.model = model
-        self.cache = cache
-        self.family = family
-        self.state = state
+        self.model, self.cache, self.family, self.state = model, cache, family, state
         swapped = family.swapped_layers(spec)
         self.owners = [
             (layer, path, family.module_at(model, path)) for layer in swapped for path in [family.owner_path(layer)]
@@ -208,12 +202,8 @@ class ServingHooks:
         self.follow_output()
 
     def forward_wrapped_by_others(self) -> bool:
-        """Whether something outside diffusers' hook registry wrapped the transformer's forward after us.
-
-        Removing our hook then would put back the forward from before enabling and silently drop that
-        wrapper (cache-dit replaces ``forward`` this way); hooks registered through the registry are
-        fine: it relinks them.
-        """
+        """Whether something outside diffusers' hook registry (cache-dit) wrapped the transformer's forward after
+        us: removing our hook would put back the forward from before enabling and silently drop that wrapper."""
         order = hook_names(self.model)
         return bool(order) and order[-1] == TRANSFORMER_HOOK and self.model.__dict__.get("forward") is not self._forward
 

@@ -916,17 +916,10 @@ def _swapped_class(own: type) -> type:
 class PipelineWatch:
     """A pipeline's calls watched at both ends: ``__call__`` bracketed (each call is a request, from its
     start to its ``finally``) and, given ``expect``, a classic pipeline's ``scheduler.set_timesteps``
-    wrapped (an instance attribute) to hand each call's timesteps to ``expect``: they may depend on the
-    image size, so they are known only then, and the thread's next forward prepares them all.
-
-    ``pipe(...)`` looks ``__call__`` up on the class, so the instance's class is swapped for a subclass
-    made for this instance alone that adds only ``__call__`` (same name and module: saving the pipeline
-    writes the same class name); it finds the class's own ``__call__`` at each call. :meth:`remove`
-    swaps the class back, unless another library has patched the subclass since (cache-dit wraps
-    ``pipe.__class__.__call__``): the class then stays, with the watch gone, so that library's wrapper
-    keeps working. Over a class another library already patched that way no class is swapped, and a
-    call's schedule is held outside any bracket (its forwards on the host path: nothing ends it when
-    the call ends).
+    wrapped (an instance attribute) to hand ``expect`` each call's timesteps, known only then (they may
+    depend on the image size). ``pipe(...)`` looks ``__call__`` up on the class, so the instance's class
+    is swapped for a same-named subclass made for it alone; how that meets another library's patch of
+    the class (cache-dit's): docs/diffusers.md ("The first request").
     """
 
     #: The instance attribute the swapped ``__call__`` finds its watch under.
@@ -935,9 +928,7 @@ class PipelineWatch:
     SCHEDULE_ATTRIBUTE = "_adalncache_schedule_watch"
 
     def __init__(self, pipeline: Any, bracket: Bracket, expect: Callable[[torch.Tensor], None] | None) -> None:
-        self.pipeline = pipeline
-        self.bracket = bracket
-        self.expect = expect
+        self.pipeline, self.bracket, self.expect = pipeline, bracket, expect
         self._swapped: type | None = None
         self._namespace: dict[str, Any] = {}
         self._scheduler: Any = None  # the scheduler whose set_timesteps is ours
