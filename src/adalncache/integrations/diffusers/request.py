@@ -809,12 +809,11 @@ class Requests:
 
     def _serving(self, what: str) -> Builder:
         """The enabling's builder, or ConfigError when disabled; the cache follows where the model runs."""
-        handle = self._handle
-        if not handle.enabled or handle.builder is None:
+        handle, builder = self._handle, self._handle.builder
+        if not handle.enabled or builder is None:
             raise ConfigError(f"{what} needs the AdaLN cache enabled; this handle was disabled")
         handle.follow(execution_device(handle.model))
-        assert handle.builder is not None
-        return handle.builder
+        return builder
 
     def _family_plans(self, plans: Any) -> list[Any]:
         """``plans`` as the forward keys them (the family's ``request_plan`` of each)."""
