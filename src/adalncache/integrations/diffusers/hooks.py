@@ -97,7 +97,8 @@ class AdalnCacheOutputHook(ModelHook):
 
 
 class AdalnCacheTimeEmbedderHook(ModelHook):
-    """Stands in for a parked time embedder: a zero-stride tensor of the shape and dtype of ``temb``."""
+    """Stands in for a parked time embedder: a zero-stride tensor of the shape and dtype of ``temb``, whose
+    value the served projections, its only consumers, never read."""
 
     def __init__(self, out_features: int, dtype: torch.dtype, device: torch.device, family: DiffusersFamily) -> None:
         super().__init__()
