@@ -345,7 +345,8 @@ class AdalnCacheHandle:
         self.requests.join()
 
     def check_request(self) -> None:
-        """Raise PlanMismatchError for the thread's forwards that matched no plan since the last check."""
+        """Raise PlanMismatchError for the thread's forwards that matched no plan since the last check (a host
+        read: call it off the critical path; the request stays prepared)."""
         self.requests.check()
 
     def request(
