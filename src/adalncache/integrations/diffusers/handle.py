@@ -1,27 +1,13 @@
 """Enabling and disabling: :func:`enable_adaln_cache`, :class:`AdalnCacheHandle` (one transformer) and
 :class:`PipelineAdalnCacheHandle` (a pipeline's transformers, its calls and its scheduler).
 
-One enabling puts its pieces together in this order, and ``disable()`` takes them apart in reverse,
-restoring the model bit-exactly: the settings (an :class:`~adalncache.options.AdalnCacheConfig`);
-the weight source, decided before the model changes (:func:`choose_source`: a verified checkpoint,
-table files only, quantized or plain model tensors; :mod:`.sources`); the
-:class:`~adalncache.AdalnCache`; the parked weights (:mod:`.parking`); the hooks and served owners
-(:mod:`.hooks`); the signature the tables are keyed by and its LoRA guards (:mod:`.signature`); the
-builder that holds and builds (:mod:`.request`); and instance overrides of a few model methods:
-``_apply`` (moves take the cache along, casts are refused), ``compile``,
-``enable_layerwise_casting``, the LoRA loaders. Each thread's request is :mod:`.request`'s: the
-handle's request verbs are those of its :class:`~.request.Requests`.
-
-Moving an enabled model (``.to()``, ``.cuda()``, ``.cpu()``, ``.half()``, ``pipe.to()``) ends in
-``nn.Module._apply(fn)`` on the model, so one override sees them all. It first *probes* ``fn`` on an
-empty tensor of every device and dtype the model holds, so nothing changes until every check passed:
-a dtype change is refused (the tables hold the projections' outputs at the loaded precision), so is
-``meta``; a device move lets the cache follow first (it moves or rebuilds its tables), and go back if
-the weights cannot move. The parked placeholders are no parameters: ``_apply`` never touches them.
-
-Group offloading applied before enabling captured the weights enabling parks (and pinned copies of
-them with streams): it is lifted while our hooks are registered and applied again outside them
-(:class:`LiftedGroupOffloading`), and rebuilt after ``disable()`` restores the weights.
+An enabling puts its pieces together in this order, and ``disable()`` takes them apart in reverse,
+restoring the model bit-exactly: the settings; the weight source, chosen before the model changes
+(:func:`choose_source`); the :class:`~adalncache.AdalnCache`; the parked weights (:mod:`.parking`);
+the hooks (:mod:`.hooks`); the signature and its LoRA guards (:mod:`.signature`); the builder
+(:mod:`.request`); and instance overrides of ``_apply`` (every move and cast ends there: moves take
+the cache along, casts are refused), ``compile``, ``enable_layerwise_casting`` and the LoRA loaders.
+Moves and offloading: docs/diffusers.md ("Moving an enabled model", "Offloading, mode by mode").
 """
 
 from __future__ import annotations
@@ -67,7 +53,7 @@ from .quantized import (
     storage_of,
     transformer_spec,
 )
-from .request import Builder, CallWatch, Requests, ScheduleWatch, request_plans
+from .request import Builder, PipelineWatch, Requests, request_plans
 from .signature import Signature, Variant, upstream_digest_of
 from .sources import (
     NeverLoaded,
@@ -117,17 +103,13 @@ def cache_device(device: torch.device | str | None, model_device: torch.device) 
 
 @dataclass
 class SourceChoice:
-    """What one enabling serves from, and what parking needs to know about it.
-
-    ``source``: ``None`` for table files alone. ``modules``: ``(layer, current module)`` of every
-    projection. ``host_tensors``: what parking restores from (``None``: re-read from the source, whose
-    content ``digest`` the enabling's verification learnt). ``plain_variant``: set for full-precision
-    tables of quantized projections from the checkpoint. ``casting_at_enable``: served modules with a
-    layerwise-casting hook.
+    """What one enabling serves from (``source``: ``None`` for table files alone), and what parking needs:
+    ``host_tensors`` to restore from (``None``: re-read from the source, checked against its ``digest``).
+    ``plain_variant``: set for full-precision tables of quantized projections from the checkpoint;
+    ``casting_at_enable``: the served modules with a layerwise-casting hook.
     """
 
     source: Source | None
-    device: torch.device
     modules: list[tuple[Layer, Any]]
     free_time_embedder: bool
     host_tensors: Any = None
@@ -158,16 +140,11 @@ def choose_source(
     device: torch.device,
     never_loaded: NeverLoaded | None,
 ) -> SourceChoice:
-    """Check the model and the options and choose the source; the model is not changed. In this order:
-
-    * ``checkpoint=``: a checkpoint verified against the model's projections (for quantized ones, which
-      have nothing equal to compare, it means full-precision tables from it, asked for on purpose);
-    * ``tables=`` and no checkpoint: no source; the files are checked against the model's projections,
-      which are then freed (not parked);
-    * quantized projections: the model's own quantized tensors, read through their modules;
-    * otherwise the model's own projection tensors, moved to host memory (a ``TensorSource``).
-
-    A model built by ``load_transformer`` never held its projections: its source comes with it.
+    """Check the model and the options and choose the source, the model unchanged: a ``checkpoint=``
+    verified against the model's projections (for quantized ones, with nothing equal to compare,
+    full-precision tables asked for on purpose); else ``tables=`` alone, checked against the model's
+    projections, which are then freed; else the model's own, to host memory (quantized ones as they are).
+    A model ``load_transformer`` built never held its projections: its source comes with it.
     """
     if never_loaded is None:
         check_materialised(family, model, spec)
@@ -176,7 +153,7 @@ def choose_source(
         free_time_embedder = not other_hooks_present(model)
     modules = family.projection_modules(model, spec)
     if never_loaded is not None:  # the loader checked it serves this model's projections
-        return SourceChoice(never_loaded.source, device, modules, free_time_embedder)
+        return SourceChoice(never_loaded.source, modules, free_time_embedder)
     storage = storage_of(modules, family.projection_path)
     check_storage_options(
         storage,
@@ -190,7 +167,6 @@ def choose_source(
     )
     choice = SourceChoice(
         None,
-        device,
         modules,
         free_time_embedder,
         storage=storage,
@@ -201,8 +177,7 @@ def choose_source(
     if checkpoint is not None:
         verify = config.verify_checkpoint and not storage.opaque
         choice.source, choice.digest = checkpoint_source(checkpoint, spec, modules, layout=config.layout, verify=verify)
-        if storage.opaque:
-            # disable() gives back the quantized weights
+        if storage.opaque:  # disable() gives back the quantized weights
             choice.host_tensors = own_tensors(modules, device, family.projection_path)
             choice.plain_variant = full_precision_variant(model)
     elif config.tables is not None:
@@ -218,14 +193,15 @@ def choose_source(
     return choice
 
 
-# -- moving an enabled model (module docstring) ---------------------------------------------------
+# -- moving an enabled model ----------------------------------------------------------------------
 
 
 def guarded_apply(
     model: nn.Module, *, moved: Callable[[torch.device], None], back: Callable[[torch.device], None]
 ) -> Callable[..., Any]:
-    """The ``_apply`` override: ``moved(target)`` runs before the weights move, ``back(previous)`` when
-    they then fail to."""
+    """The ``_apply`` override. ``fn`` is probed first on an empty tensor of every device and dtype the model
+    holds, so nothing changes until every check passed; ``moved(target)`` runs before the weights move,
+    ``back(previous)`` when they then fail to. The parked placeholders are no parameters: it never sees them."""
 
     def _apply(fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
         held = {(t.device, t.dtype) for t in (*model.parameters(), *model.buffers())}
@@ -264,12 +240,10 @@ def guarded_apply(
 
 
 class LiftedGroupOffloading:
-    """diffusers' group offloading taken off a model now, and applied again by :meth:`restore`.
-
-    Our hooks must be registered while it is off, so that it comes back *outside* them: removing a
-    hook beneath one that replaces the forward (ours do) would unhook that one, and diffusers re-applies
-    group offloading by removing and adding it (after a LoRA load, say). Re-applied, it rebuilds its
-    groups from the model as it is now (the weights parked). A model without it is left alone.
+    """diffusers' group offloading taken off a model now, and applied again by :meth:`restore`, so that it
+    comes back *outside* our hooks (it captured the weights now parked): diffusers re-applies it by removing
+    and adding it (after a LoRA load, say), and removing a hook beneath one that replaces the forward (ours
+    do) would unhook that one.
     """
 
     def __init__(self, model: nn.Module) -> None:
@@ -293,14 +267,9 @@ class LiftedGroupOffloading:
 
 
 class AdalnCacheHandle:
-    """The AdaLN cache enabled on one transformer of a supported family.
-
-    ``cache`` is the :class:`~adalncache.AdalnCache`; ``prepare(plans)`` builds plans ahead of the loop;
-    ``stats`` are the cache's counters; ``disable()`` restores the original modules and weights
-    bit-exactly. :func:`~adalncache.diffusers.enable_adaln_cache` makes one.
-
-    Threads: a build (with its LoRA scale and its loan of the time embedder's weights) runs under the
-    handle's lock; a forward whose plan is resident takes no lock but the cache's short one.
+    """The AdaLN cache enabled on one transformer of a supported family (docs/api.md lists its verbs);
+    :func:`~adalncache.diffusers.enable_adaln_cache` makes one. A build runs under the handle's lock; a
+    forward whose plan is resident takes no lock but the cache's short one.
     """
 
     def __init__(
@@ -312,8 +281,7 @@ class AdalnCacheHandle:
     ) -> None:
         # Any: a diffusers model whose submodules are reached by attribute, which mypy cannot follow.
         self.model: Any = model
-        #: The options (one set of table files); ``checkpoint``: what enabling serves from (None: the
-        #: model's own tensors, or table files alone).
+        #: ``checkpoint``: None serves the model's own tensors, or table files alone.
         self.config, self.checkpoint = config, checkpoint
         self.enabled = False
         #: Where the forward runs and the cache lives (offloading keeps the weights elsewhere).
@@ -324,31 +292,21 @@ class AdalnCacheHandle:
         self._enabled_fingerprint: str | None = None
         #: Builds, LoRA scaling and hook moves (they change module state other threads read).
         self._lock = threading.RLock()
-        #: Each thread's request (the handle's request verbs are its methods).
         self.requests = Requests(self, self.device)
-        #: Host copies of the model's own projections (CUDA), released on disable().
-        self._host_buffers: list[HostBuffer] = []
         self._fresh_state()
 
     def _fresh_state(self) -> None:
         """What one enabling builds up: read (again) from the model as it is now."""
-        #: What is particular to the model's family (:class:`~.family.DiffusersFamily`).
         self.family = family_of(self.model)
         self.spec = transformer_spec(self.model)
         self._parking = WeightParking()
         self._hooks: ServingHooks | None = None
         self.builder: Builder | None = None
         self._signature: Signature | None = None
-        self._storage = ProjectionStorage()
-        self._casting_at_enable: frozenset[str] = frozenset()
-        #: The content digest of the checkpoint's projections, learnt by the verification at enable.
-        self._digest: str | None = None
+        #: What the enabling serves from (its host copies are released on disable()).
+        self._choice = SourceChoice(None, [], free_time_embedder=False)
         #: The quantizer the model was loaded through (``load_transformer(quantization_config=...)``).
         self._quantization: Quantization | None = None
-
-    @property
-    def overlap(self) -> bool:
-        return self.config.overlap
 
     # ------------------------------------------------------------------ public
 
@@ -357,41 +315,29 @@ class AdalnCacheHandle:
         """The cache's counters (:class:`~adalncache.CacheStats`)."""
         return self.cache.stats
 
-    def prepare(self, plans: Sequence[Any], *, attention_kwargs: Mapping[str, Any] | None = None) -> BuildReport:
-        """Make every plan resident for the model's current LoRA and autocast state, in at most one pass,
-        and hold them for the calling thread until its next ``prepare`` or :meth:`release`.
+    # The request verbs (docs/api.md says each one's contract) are those of :class:`~.request.Requests`.
 
-        ``plans``: the per-step ``timestep`` tensors the forward will receive (a mapping of its keying
-        inputs by argument name for a family keyed by several; MiniMax-H3 also takes the pipeline's
-        ``row_timestep_plan``). ``attention_kwargs``: what the loop will pass the transformer; its
-        ``"scale"`` changes the effective LoRA projection. Call it under the loop's autocast state.
-        The request's forwards find their slots on the device, with no host read.
-        """
+    def prepare(self, plans: Sequence[Any], *, attention_kwargs: Mapping[str, Any] | None = None) -> BuildReport:
+        """Make ``plans`` resident (one pass at most; call it under the loop's autocast) and hold them for the
+        calling thread until its next ``prepare`` or :meth:`release`; its forwards find their slots on the device."""
         return self.requests.prepare(plans, attention_kwargs)
 
     def release(self, *, check: bool = True) -> None:
-        """Release the plans the calling thread's request holds (no-op when none); then raise
-        :class:`~adalncache.PlanMismatchError` if a forward of it matched none of its plans
-        (``check=False``, on the way out of another error, keeps that report for the next check)."""
+        """Release the thread's request, then raise PlanMismatchError for its forwards that matched no plan."""
         self.requests.release(check=check)
 
     def start_prepare(self, plans: Sequence[Any], *, attention_kwargs: Mapping[str, Any] | None = None) -> None:
-        """:meth:`prepare` on a background thread: returns at once, and each forward of the calling thread
-        waits only for its own plan (the first step's are built first) and keys it on the host. A
-        failure of the pass is raised by the next forward that needs a plan of it, or by :meth:`finish`."""
+        """:meth:`prepare` by a background pass: each forward waits for its own plan; :meth:`finish` ends it."""
         self.requests.start_prepare(plans, attention_kwargs)
 
     def predicted_request(
         self, plans: Sequence[Any], *, attention_kwargs: Mapping[str, Any] | None = None
     ) -> contextlib.AbstractContextManager[None]:
-        """A pipeline call's request, for the ``with`` block around it: with ``overlap=True`` the pass of
-        ``plans`` (its schedule, predicted from its arguments) starts now; the call adopts it when its
-        schedule is the same plans, and drops it otherwise (a wrong prediction costs time, never a row)."""
+        """A pipeline call's request around a ``with`` block, whose pass of the predicted ``plans`` starts now."""
         return self.requests.call(request_plans(plans), attention_kwargs)
 
     def finish(self) -> None:
-        """End the calling thread's request: wait for its background pass, raise its error if no forward
-        raised it yet, then :meth:`release` (and its PlanMismatchError check)."""
+        """End the thread's request: wait for its pass, raise its error if no forward did, then :meth:`release`."""
         self.requests.finish()
 
     def join_background(self) -> None:
@@ -399,38 +345,30 @@ class AdalnCacheHandle:
         self.requests.join()
 
     def check_request(self) -> None:
-        """Raise :class:`~adalncache.PlanMismatchError` if a forward of the calling thread's request matched
-        none of its plans since the last check (served the poison slot's NaN rows). A host read: call it
-        off the critical path. The request stays prepared and the cache usable."""
+        """Raise PlanMismatchError for the thread's forwards that matched no plan since the last check (a host
+        read: call it off the critical path; the request stays prepared)."""
         self.requests.check()
 
     def request(
         self, plans: Sequence[Any], *, attention_kwargs: Mapping[str, Any] | None = None
     ) -> contextlib.AbstractContextManager[PlanHold]:
-        """``with handle.request(plans):`` prepares ``plans`` and holds them until the block ends (on an
-        exception too), yielding the :class:`~adalncache.cache.PlanHold`; a mismatch raises at its end."""
+        """``with handle.request(plans):`` holds ``plans`` for the block (released on an error too; a mismatch
+        raises at its end), yielding the :class:`~adalncache.cache.PlanHold`."""
         return self.requests.request(plans, attention_kwargs)
-
-    def expect_schedule(self, timesteps: torch.Tensor) -> None:
-        """A pipeline's scheduler set ``timesteps`` on this thread: its next forward prepares them all."""
-        self.requests.expect(timesteps)
 
     def disable(self, *, allow_changed_checkpoint: bool = False) -> None:
         """Remove every hook and override and put the original weights back, bit-exactly.
 
-        Weights served from a checkpoint are read back from it, hashed and checked against the content
-        digest held for it. If the file changed since enabling verified it (its stat identity: a
-        rewrite, a rename over it), or its bytes hash to another digest (a rewrite the stat cannot see),
-        what it holds need not be the original weights: this raises CheckpointError before anything
-        changes, and the cache stays enabled and serving. ``allow_changed_checkpoint=True`` restores
-        from the file as it is now.
+        Weights read back from a checkpoint that changed since enabling (its stat identity, or bytes that
+        hash to another digest) need not be the originals: CheckpointError before anything changes, the
+        cache still serving, unless ``allow_changed_checkpoint=True`` restores from the file as it is.
         """
         if not self.enabled:
             return
         self.requests.close()  # a pass uses the parked weights and the hooks: none from now on
         try:
             self._check_disable(allow_changed_checkpoint)
-            held = None if allow_changed_checkpoint else self._digest or self.cache.content_digest
+            held = None if allow_changed_checkpoint else self._choice.digest or self.cache.content_digest
             restored = self._parking.read_back(held)  # every byte in hand before anything changes
         except BaseException:
             self.requests.reopen()
@@ -446,7 +384,7 @@ class AdalnCacheHandle:
         self._parking.put_back(restored)
         if self._quantization is not None:  # the model loaded quantized: its projections are quantized again
             self._quantization.restore([self.family.projection_path(layer) for layer in self.spec.layers()])
-        settle_casting(self.family.served_modules(self.model, self.spec), self._casting_at_enable)
+        settle_casting(self.family.served_modules(self.model, self.spec), self._choice.casting_at_enable)
         self.family.release_blocks(self.model)
         reapply_group_offloading(self.model)
         self.enabled = False
@@ -471,7 +409,7 @@ class AdalnCacheHandle:
                 "1.5.3 cannot remove its own here: reload the model), and enable such a library before "
                 "enable_adaln_cache() when the cache must be disabled on its own"
             )
-        self.requests.abandon()  # a mismatch it reports is raised once disabled
+        self.requests.release(check=False)  # a mismatch it reports is raised once disabled
         if self._parking.restores_from_source and not allow_changed_checkpoint:
             assert self.source is not None
             if changed_since(self.source, self._enabled_fingerprint):
@@ -483,13 +421,12 @@ class AdalnCacheHandle:
                 )
 
     def _give_back_memory(self) -> None:
-        """After restoring: the cache's host tier and read buffers, and the model's host copies (CUDA),
-        unlocked now and freed with the in-memory source, which a closed cache never reads again."""
+        """After restoring: the cache's host tier and read buffers, and the model's host copies (CUDA)."""
         cache = getattr(self, "cache", None)
         released = cache.close() if cache is not None else 0
-        for buffer in self._host_buffers:
+        for buffer in self._choice.host_buffers:
             released += buffer.release()
-        self._host_buffers = []
+        self._choice.host_buffers, self._choice.host_tensors = [], None
         if isinstance(self.source, TensorSource):
             self.source.tensors.clear()
         logger.debug("AdaLN cache: %.1f MiB of host memory given back", released / 2**20)
@@ -516,12 +453,11 @@ class AdalnCacheHandle:
             )
             if never_loaded is not None:
                 self._quantization = never_loaded.quantization
-            self.source, self._storage, self._digest = choice.source, choice.storage, choice.digest
-            self._casting_at_enable, self._host_buffers = choice.casting_at_enable, choice.host_buffers
+            self._choice, self.source = choice, choice.source
             self.cache = (
                 never_loaded.cache
                 if never_loaded is not None
-                else AdalnCache(self.spec, choice.source, device=choice.device, config=self.config)
+                else AdalnCache(self.spec, choice.source, device=self.device, config=self.config)
             )
         except BaseException:
             self.family.release_blocks(model)
@@ -540,7 +476,7 @@ class AdalnCacheHandle:
                 never_loaded=never_loaded.residues if never_loaded is not None else None,
                 device=never_loaded.device if never_loaded is not None else None,
             )
-            self._serve(choice)
+            self._serve()
             lifted.restore()
             self._install_overrides()
         except BaseException:
@@ -555,13 +491,13 @@ class AdalnCacheHandle:
             type(model).__name__,
             self.spec.num_layers + 1,
             self.spec.projection_bytes / 1e6,
-            self._storage.describe(),
+            choice.storage.describe(),
             type(self.source).__name__,
         )
 
-    def _serve(self, choice: SourceChoice) -> None:
+    def _serve(self) -> None:
         """Register the hooks, the signature and the builder that holds a request's or a forward's plans."""
-        model = self.model
+        model, choice = self.model, self._choice
         self._hooks = hooks = ServingHooks(model, self.spec, self.cache, self.family, self.requests.state)
         hooks.register(self.requests.serve, time_embedder=choice.free_time_embedder)
         self._signature = signature = Signature(
@@ -590,15 +526,14 @@ class AdalnCacheHandle:
         )
 
     def _install_overrides(self) -> None:
-        """Instance overrides of what other diffusers features do to a served model: move, cast, compile,
-        load adapters (the class's methods stay untouched; ``disable()`` takes them off)."""
+        """Instance overrides (the class's methods stay untouched) of moves, casts, compiles, adapter loads."""
         assert self._hooks is not None and self._signature is not None
         hooks = self._hooks
         overrides = self._signature.guards(standing_in=self._parking.standing_in, after_load=hooks.follow_output)
         overrides["_apply"] = guarded_apply(self.model, moved=self._moved_to, back=self._moved_to)
         overrides.update(hooks.compile_guard())
         overrides.update(casting_guard(self.model, disable=self.disable, enable_again=self._enable_again))
-        overrides.update(adapter_guards(self._storage))
+        overrides.update(adapter_guards(self._choice.storage))
         self.model.__dict__.update(overrides)
         self._overrides = tuple(overrides)
 
@@ -614,15 +549,12 @@ class AdalnCacheHandle:
         self.follow(device)
 
     def follow(self, device: torch.device | None) -> None:
-        """Serve forwards that run on ``device``: the cache moves its tables there (or rebuilds them).
-
-        The calling thread's request holds slots of the old device: it is over. Holds of other threads'
-        requests in flight make the move fail (ConfigError, nothing moved).
-        """
+        """Serve forwards that run on ``device``: the cache moves its tables there (or rebuilds them). The
+        thread's request is over (its slots name the old slab); other threads' holds refuse the move."""
         if device is None or device == self.device:
             return
         before = self.cache.device
-        self.requests.abandon()  # a mismatch it reports waits for the next check
+        self.requests.release(check=False)  # a mismatch it reports waits for the next check
         self.cache.move_to(device)  # a no-op when both name one device ("cuda" and "cuda:0")
         if self.cache.device != before:
             if self._hooks is not None:
@@ -655,14 +587,9 @@ def adaln_cache_handle(model: Any) -> AdalnCacheHandle | None:
 
 
 class PipelineAdalnCacheHandle:
-    """The AdaLN cache enabled on a pipeline: one handle per transformer.
-
-    ``handles`` maps component names (``transformer``, ``transformer_ref``) to their
-    :class:`AdalnCacheHandle`; indexing works too (``handle["transformer"]``). ``cache`` and ``stats``
-    are those of the only transformer when there is one, else dicts by name. Every call of the
-    pipeline is each transformer's request (:class:`~.request.CallWatch`); a classic pipeline's
-    scheduler is watched for the call's schedule (:class:`~.request.ScheduleWatch`); a family may add
-    blocks of its own (the MiniMax-H3 modular pipeline's prepare blocks).
+    """The AdaLN cache enabled on a pipeline: one :class:`AdalnCacheHandle` per transformer in ``handles``
+    (also ``handle["transformer"]``); ``cache`` and ``stats`` are the only one's, else dicts by name. Every
+    call is each transformer's request (:class:`~.request.PipelineWatch`); a family may add blocks.
     """
 
     def __init__(self, pipeline: Any, handles: dict[str, AdalnCacheHandle]) -> None:
@@ -703,8 +630,7 @@ class PipelineAdalnCacheHandle:
         return self._each(lambda handle: handle.prepare(plans, attention_kwargs=attention_kwargs))
 
     def release(self) -> None:
-        """Release the calling thread's request on every transformer, then raise PlanMismatchError if a
-        forward of it matched none of its plans."""
+        """:meth:`AdalnCacheHandle.release` on every transformer, each mismatch checked before one raises."""
         for handle in self.handles.values():
             handle.release(check=False)
         self.check_request()
@@ -730,11 +656,8 @@ class PipelineAdalnCacheHandle:
             handle.join_background()
 
     def disable(self, *, allow_changed_checkpoint: bool = False) -> None:
-        """Disable every transformer's cache, then remove the watches and the family's blocks.
-
-        In that order: a transformer's disable that is refused (another library's wrapper would be
-        dropped, a changed checkpoint) leaves the pipeline as it was, its watches included.
-        """
+        """Disable every transformer's cache, then remove the watches and the family's blocks: in that order,
+        a refused disable (another library's wrapper, a changed checkpoint) leaves the pipeline as it was."""
         mismatches: list[PlanMismatchError] = []
         for handle in self.handles.values():
             try:
@@ -750,13 +673,10 @@ class PipelineAdalnCacheHandle:
     def attach(self) -> None:
         """Bracket every call, watch a classic pipeline's scheduler, add the families' own blocks."""
         pipeline = self.pipeline
-        calls = CallWatch(pipeline, self._call)
-        calls.install()
-        self._undo.append(calls.remove)
-        if getattr(pipeline, "_blocks", None) is None and "transformer" in self.handles:
-            watch = ScheduleWatch(getattr(pipeline, "scheduler", None), self.handles["transformer"].expect_schedule)
-            watch.install()
-            self._undo.append(watch.remove)
+        classic = getattr(pipeline, "_blocks", None) is None and "transformer" in self.handles
+        watch = PipelineWatch(pipeline, self._call, self.handles["transformer"].requests.expect if classic else None)
+        watch.install()
+        self._undo.append(watch.remove)
         for family in {id(h.family): h.family for h in self.handles.values()}.values():
             undo = family.attach_pipeline(pipeline)
             if undo is not None:
@@ -764,8 +684,7 @@ class PipelineAdalnCacheHandle:
 
     @contextlib.contextmanager
     def _call(self, pipeline: Any, call: Mapping[str, Any]) -> Iterator[None]:
-        """One call of the pipeline: each transformer's request, with the schedule its family predicts
-        from the call's arguments where ``overlap`` is on."""
+        """One call: each transformer's request, with its family's predicted schedule where ``overlap`` is on."""
         with contextlib.ExitStack() as stack:
             for name, handle in self.handles.items():
                 plans = None
@@ -788,11 +707,8 @@ def enable_pipeline(
     config: AdalnCacheConfig,
     device: torch.device | str | None,
 ) -> PipelineAdalnCacheHandle:
-    """Enable the cache on every served transformer of ``pipeline``; all or none.
-
-    ``checkpoint``: one path when the pipeline holds one transformer, else a mapping by component name.
-    A transformer whose cache is already enabled (``load_transformer``) keeps it.
-    """
+    """Enable the cache on every served transformer of ``pipeline``, all or none (one already enabled keeps its
+    cache); ``checkpoint``: one path for one transformer, else a mapping by component name."""
     components: dict[str, Any] = {
         name: getattr(pipeline, name, None)
         for name in PIPELINE_TRANSFORMERS
@@ -871,19 +787,16 @@ def enable_adaln_cache(
 ) -> AdalnCacheHandle | PipelineAdalnCacheHandle:
     """Serve the AdaLN modulation of a supported transformer (or pipeline) from bit-exact tables.
 
-    The served projections' weights (MiniMax-H3: every block's ``adaln_proj.linear``; Qwen-Image: every
-    block's ``img_mod.1`` and ``txt_mod.1``; the AdaLayerNormZero family: every ``norm1``,
-    ``norm1_context`` and single-block ``norm`` projection; and ``norm_out.linear``) and, unless another
-    hook might read ``temb``, the time embedder's leave the device; meta placeholders of the right shape
-    keep module names, ``repr`` and the LoRA loaders working. A transformer whose modulation depends on
-    the prompt, or of an unknown class, is refused with ``ConfigError`` saying why; nothing changes.
+    The served projections' weights (per family: docs/families.md) and, unless another hook might read
+    ``temb``, the time embedder's leave the device; meta placeholders of the right shape keep module
+    names, ``repr`` and the LoRA loaders working. A transformer whose modulation depends on the prompt,
+    or of an unknown class, is refused with ``ConfigError`` saying why; nothing changes.
 
     Args:
-        model_or_pipeline: a transformer of a supported family (docs/families.md), a MiniMax-H3 modular
-            pipeline (its ``transformer`` and ``transformer_ref``, each with its own cache), or a
-            pipeline such as ``QwenImagePipeline``: every call of a pipeline is a request, ended however
-            the call ends, and a classic pipeline's whole schedule is prepared in one pass at its first
-            forward. A transformer whose cache is already enabled (``load_transformer``) keeps it.
+        model_or_pipeline: a transformer of a supported family, or a pipeline holding one as
+            ``transformer`` (a MiniMax-H3 modular pipeline's ``transformer_ref`` gets its own cache too):
+            every call of a pipeline is a request. A transformer whose cache is already enabled
+            (``load_transformer``) keeps it.
         checkpoint: safetensors file, directory or list of files holding the projections (native or
             diffusers layout), verified against the model's; for a pipeline with both transformers, a
             mapping by component name. ``None`` serves the model's own tensors from host memory.
@@ -893,12 +806,10 @@ def enable_adaln_cache(
             offloading hook runs it on); when the model moves (``.to()``), the cache follows.
         {cache options}
 
-    ``tables``: with ``checkpoint=None`` the model's projections are checked against bound files, then
-    freed: plans the files hold are served, any other raises ``PlanNotCachedError``, and ``disable()``
-    cannot bring them back. An unknown keyword is a ``TypeError`` naming it and the closest option; a bad
-    value a ``ConfigError`` naming the argument and its CLI flag, before the model is modified. Returns a
-    handle with ``.cache``, ``.prepare(plans)``, ``.stats`` and ``.disable()``; for a pipeline, one per
-    transformer behind a :class:`PipelineAdalnCacheHandle`.
+    ``tables`` with ``checkpoint=None`` frees the projections for good (docs/tables.md). An unknown keyword
+    is a ``TypeError`` naming it and the closest option; a bad value a ``ConfigError`` naming the argument
+    and its CLI flag, before the model is modified. Returns an :class:`AdalnCacheHandle`, or for a
+    pipeline a :class:`PipelineAdalnCacheHandle` of one per transformer.
     """
     given = AdalnCacheConfig.of(options, where="enable_adaln_cache()", config=config)
     if isinstance(model_or_pipeline, torch.nn.Module):

@@ -1,27 +1,13 @@
-"""How a forward reaches the slab: the diffusers hooks and the served class, registered on one transformer
-under constant names and removed again, compiling like the resident model.
+"""How a forward reaches the slab: the diffusers hooks on the transformer (one ``serve`` per forward,
+released when it ends), on ``norm_out.linear`` and on a parked time embedder, and the served class
+swapped into every block's owner module; registered under constant names and removed again.
 
-- :class:`AdalnCacheTransformerHook` wraps the transformer's ``forward``. Before it runs it asks the
-  request module one question, the slot of this forward's keying inputs (``serve``: found on the
-  device for a prepared request, else held on the host), which lands in the thread's state; it is
-  cleared and the hold released when the forward ends (on an exception too).
-- Every block's owner module (MiniMax-H3's ``adaln_proj``, Qwen-Image's ``img_mod``, an
-  ``AdaLayerNormZero``) is switched in place to one shared served class (:func:`served_class`)
-  rather than hooked: diffusers gives each hooked module its own ``functools.partial`` as
-  ``forward``, dynamo guards on its identity, and a regional compile (``compile_repeated_blocks``)
-  would recompile every block, the later ones past the recompile limit. The object, its name, its
-  parameters and peft wrappers stay; ``repr`` shows the original class name. Its forward gathers the
-  rows through tensors only (:func:`~.family.gather_rows`), so every block reuses one graph and a
-  CUDA graph replays with the addresses it captured while the model stays on one device.
-- :class:`AdalnCacheOutputHook` serves ``norm_out.linear`` (peft *replaces* that module when a LoRA
-  targets it, so :meth:`ServingHooks.follow_output` moves the hook to whatever module sits there).
-- :class:`AdalnCacheTimeEmbedderHook` stands in for a parked time embedder: a zero-stride tensor of
-  the shape and dtype of ``temb``, whose value the served projections, its only consumers, never read.
-- The host work of a forward (keying, holding, maybe a build) traced by dynamo would be a row of
-  data-dependent graph breaks: ``model.compile()`` stores the compiled callable as
-  ``_compiled_call_impl``, and :class:`EagerPrepare` stands in for it, doing that work eagerly before
-  the compiled call. ``torch.compile(model)`` (a wrapper module) cannot be reached: the hook's host
-  work runs under ``torch.compiler.disable`` there, adding frames but no graphs.
+Owners are swapped to one shared class rather than hooked: diffusers gives each hooked module its own
+``functools.partial`` as ``forward`` and dynamo guards on its identity, so a regional compile would
+recompile every block, the later ones past the recompile limit. The forward's host work (keying,
+holding, maybe a build) would be data-dependent graph breaks if traced: it runs eagerly before
+``model.compile()``'s compiled call (:class:`EagerPrepare`), and under ``torch.compiler.disable``
+inside ``torch.compile(model)``, which cannot be reached (docs/diffusers.md, "torch.compile").
 """
 
 from __future__ import annotations
@@ -40,6 +26,7 @@ from .family import ROWS_ATTRIBUTE, STATE_ATTRIBUTE, DiffusersFamily, ForwardSta
 
 if TYPE_CHECKING:
     from ... import AdalnCache
+    from ...cache import PlanHold
 
 TRANSFORMER_HOOK = "adaln_cache_transformer"
 OUTPUT_HOOK = "adaln_cache_output"
@@ -52,12 +39,6 @@ HOOK_PREFIX = "adaln_cache"
 _SERVED: dict[tuple[type, Callable[..., Any]], type] = {}
 
 
-class Releasable(Protocol):
-    """What one forward holds (a :class:`~adalncache.cache.PlanHold`, or nothing): released when it ends."""
-
-    def release(self) -> None: ...
-
-
 class ServingState(ForwardState, Protocol):
     """The thread's forward state as the hooks use it: ``prepared_outside`` is set while
     :class:`EagerPrepare` did the forward's host work before the compiled call."""
@@ -67,8 +48,9 @@ class ServingState(ForwardState, Protocol):
     def clear(self) -> None: ...
 
 
-#: ``serve(args, kwargs)``: a forward's host work; points the thread's state at its slot, returns its hold.
-Serve = Callable[[tuple[Any, ...], Mapping[str, Any]], Releasable]
+#: ``serve(args, kwargs)``: a forward's host work; points the thread's state at its slot and returns what
+#: the forward holds until it ends (``None``: its request holds the plans).
+Serve = Callable[[tuple[Any, ...], Mapping[str, Any]], "PlanHold | None"]
 
 
 class AdalnCacheTransformerHook(ModelHook):
@@ -76,24 +58,30 @@ class AdalnCacheTransformerHook(ModelHook):
 
     def __init__(self, serve: Serve, state: ServingState) -> None:
         super().__init__()
-        self.serve = serve
-        self.state = state
+        self.serve, self.state = serve, state
 
     def new_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         forward: Any = self.fn_ref.original_forward
         if self.state.prepared_outside:
             return forward(*args, **kwargs)  # a compiled call: EagerPrepare did the host work already
+        return self.served(forward, args, kwargs)
+
+    def served(self, call: Callable[..., Any], args: tuple[Any, ...], kwargs: Any, *, outside: bool = False) -> Any:
+        """``call`` after the forward's host work, releasing its hold at the end (on an exception too);
+        ``outside``: ``call`` is the compiled one, whose forward must not do the host work again."""
         held = self.prepare(args, kwargs)
+        self.state.prepared_outside = outside
         try:
-            return forward(*args, **kwargs)
+            return call(*args, **kwargs)
         finally:
+            self.state.prepared_outside = False
             self.state.clear()
-            held.release()
+            if held is not None:
+                held.release()
 
     @torch.compiler.disable
-    def prepare(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Releasable:
-        """The forward's host work, never traced (under ``torch.compile(model)`` dynamo would break the
-        graph at every host read and dictionary lookup in it)."""
+    def prepare(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> PlanHold | None:
+        """The forward's host work, never traced (module docstring)."""
         return self.serve(args, kwargs)
 
 
@@ -102,22 +90,20 @@ class AdalnCacheOutputHook(ModelHook):
 
     def __init__(self, rows: torch.Tensor, state: ForwardState, path: str = "norm_out.linear") -> None:
         super().__init__()
-        self.rows = rows
-        self.state = state
-        self.path = path
+        self.rows, self.state, self.path = rows, state, path
 
     def new_forward(self, module: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         return gather_rows(self.rows, self.state, int(x.shape[0]), self.path)
 
 
 class AdalnCacheTimeEmbedderHook(ModelHook):
-    """Stands in for a parked time embedder: a zero-stride tensor of the shape and dtype of ``temb``."""
+    """Stands in for a parked time embedder: a zero-stride tensor of the shape and dtype of ``temb``, whose
+    value the served projections, its only consumers, never read."""
 
     def __init__(self, out_features: int, dtype: torch.dtype, device: torch.device, family: DiffusersFamily) -> None:
         super().__init__()
-        self.out_features = out_features
+        self.out_features, self.family = out_features, family
         self.zero = torch.zeros((), dtype=dtype, device=device)
-        self.family = family
 
     def new_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:
         rows, dtype = self.family.stand_in(args, kwargs)
@@ -152,20 +138,11 @@ def other_hooks_present(model: nn.Module) -> bool:
 class EagerPrepare:
     """Stands in for ``model._compiled_call_impl``: the host work eagerly, then the compiled call."""
 
-    def __init__(self, compiled: Callable[..., Any], serve: Serve, state: ServingState) -> None:
-        self.compiled = compiled
-        self.serve = serve
-        self.state = state
+    def __init__(self, compiled: Callable[..., Any], hook: AdalnCacheTransformerHook) -> None:
+        self.compiled, self.hook = compiled, hook
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        held = self.serve(args, kwargs)
-        self.state.prepared_outside = True
-        try:
-            return self.compiled(*args, **kwargs)
-        finally:
-            self.state.prepared_outside = False
-            self.state.clear()
-            held.release()
+        return self.hook.served(self.compiled, args, kwargs, outside=True)
 
 
 class ServingHooks:
@@ -175,10 +152,7 @@ class ServingHooks:
     def __init__(
         self, model: Any, spec: ModulationSpec, cache: AdalnCache, family: DiffusersFamily, state: ServingState
     ) -> None:
-        self.model = model
-        self.cache = cache
-        self.family = family
-        self.state = state
+        self.model, self.cache, self.family, self.state = model, cache, family, state
         swapped = family.swapped_layers(spec)
         self.owners = [
             (layer, path, family.module_at(model, path)) for layer in swapped for path in [family.owner_path(layer)]
@@ -195,16 +169,14 @@ class ServingHooks:
 
         model, family = self.model, self.family
         for _, path, module in self.owners:
-            if (
-                "forward" in module.__dict__
-            ):  # another hook replaced its forward per instance: a swap would not reach it
+            if "forward" in module.__dict__:  # another hook replaced its forward per instance: a swap misses it
                 raise ConfigError(
                     f"{path} has a forward of its own (a hook of another library wraps it), so the AdaLN cache cannot "
                     "serve it; remove that hook before enabling the cache"
                 )
-        self._serve = serve
+        self._hook = AdalnCacheTransformerHook(serve, self.state)
         registry = HookRegistry.check_if_exists_or_initialize(model)
-        registry.register_hook(AdalnCacheTransformerHook(serve, self.state), TRANSFORMER_HOOK)
+        registry.register_hook(self._hook, TRANSFORMER_HOOK)
         self._forward = model.__dict__.get("forward")  # ours: anything else there later wraps it
         for layer, _, module in self.owners:
             module.__class__ = served_class(type(module), family.served_forward(layer))
@@ -231,12 +203,8 @@ class ServingHooks:
         self.follow_output()
 
     def forward_wrapped_by_others(self) -> bool:
-        """Whether something outside diffusers' hook registry wrapped the transformer's forward after us.
-
-        Removing our hook then would put back the forward from before enabling and silently drop that
-        wrapper (cache-dit replaces ``forward`` this way); hooks registered through the registry are
-        fine: it relinks them.
-        """
+        """Whether something outside diffusers' hook registry (cache-dit) wrapped the transformer's forward after
+        us: removing our hook would put back the forward from before enabling and silently drop that wrapper."""
         order = hook_names(self.model)
         return bool(order) and order[-1] == TRANSFORMER_HOOK and self.model.__dict__.get("forward") is not self._forward
 
@@ -267,7 +235,7 @@ class ServingHooks:
         """Wrap the model's compiled callable in :class:`EagerPrepare`, if it has one (idempotent)."""
         compiled = self.model.__dict__.get("_compiled_call_impl")
         if compiled is not None and not isinstance(compiled, EagerPrepare):
-            self.model._compiled_call_impl = EagerPrepare(compiled, self._serve, self.state)
+            self.model._compiled_call_impl = EagerPrepare(compiled, self._hook)
 
     def unwrap_compiled(self) -> None:
         """Put the compiled callable back as ``nn.Module.compile`` left it."""

@@ -1,45 +1,12 @@
-"""A request on an enabled model, from its start to its end: one :class:`Request` per thread.
+"""A request on an enabled model, from its start to its end: one :class:`Request` per thread, the
+builder that holds its plans, its background pass, and the watch that makes each pipeline call one.
 
-**Where a request starts.** When a pipeline call begins (its ``__call__`` is bracketed, classic
-and modular pipelines alike: :class:`CallWatch`), at ``handle.prepare`` / ``handle.request`` /
-``handle.start_prepare`` for a loop of one's own, or at ``handle.predicted_request`` around a
-pipeline call. A call's plans become known inside it: a modular pipeline's prepare block hands them
-over, a classic pipeline's scheduler is watched (:class:`ScheduleWatch`) and the request's first
-forward turns its timesteps into every step's plan (:meth:`~.family.DiffusersFamily.schedule_plans`).
-
-**What it owns.** The plans it holds (so no other request's build evicts or rewrites them: one
-:class:`~adalncache.cache.PlanHold`, or its background pass's holds with ``overlap=True``), the
-keys of its plans on the device with its served-slot miss counter, and its pass on a background
-thread (:class:`BackgroundPass`), which it may have started from a prediction of the call's schedule.
-
-**How its forwards are served.** The transformer hook asks one question per forward
-(:meth:`Requests.serve`): the slot for these keying inputs. A forward of a request prepared in the
-foreground compares its keying inputs with the request's keys *on the device* (the exact fp32 bit
-patterns, as the host keys are) and picks the slot with ``torch.where``: no host read, so it can be
-captured in a CUDA graph. One that matches none of its request's plans is served the slab's poison
-slot (NaN rows, never another step's) and counted on the device; the count is read off the
-critical path and raised as :class:`~adalncache.PlanMismatchError` at the request's end (or
-``handle.check_request()``). Every other forward takes the host path and is exact: keyed on the
-host, its plan held for the forward (built if missing, unless ``on_miss="raise"``). That includes
-a forward outside any live request, a plan shape the request has no plan of, another device, LoRA
-variant or autocast state, a retired held plan, a CPU forward under accelerate's offload hook, the
-forwards of a request held by a background pass (they wait there for their own plan), and those of
-a schedule held outside a pipeline call (a class another library patched: nothing ends it when the
-call ends, so it must never serve NaN to a later forward).
-
-**How it ends.** In a ``finally`` however its call ends: returned, raised (its own exception
-propagates; a mismatch is logged and noted on it, never raised over it), or interrupted
-(``pipe._interrupt``: the call returns). A request of one's own loop ends at ``release()``,
-``finish()``, the thread's next request, a move of the cache (its slots name the old slab) or
-``disable()``. Ending gives every hold back and keeps the misses not yet reported for the thread's
-next check.
-
-**Threads.** Each thread has its own request and its own forward slot (:class:`ThreadState`, the
-one per-thread holder of the integration). A build runs under the handle's lock; a background
-pass takes that lock, then the cache's build lock, then its state lock, as a foreground build
-does; the request's thread only waits on events, never while holding a lock. The plans' inputs
-(the time embedder's output) are computed on the request's thread before the pass starts, so the
-pass only reads weights and projects beside the request's forwards.
+Where a request starts and ends, what it holds, and which forwards find their slot on the device
+(NaN and a deferred :class:`~adalncache.PlanMismatchError` on a miss) or take the exact host path:
+docs/diffusers.md ("Requests", "No host sync in a prepared request's forward", "The first request");
+the states of its background pass: docs/state-machine.md. Lock order: a build runs under the
+handle's lock; a background pass takes it, then the cache's build lock, then its state lock, as a
+foreground build does; the request's thread only waits on events, never while holding a lock.
 """
 
 from __future__ import annotations
@@ -51,7 +18,8 @@ import logging
 import math
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -59,7 +27,7 @@ import torch.nn.functional as F
 from ...cache import PlanHold
 from ...errors import ConfigError, PlanError, PlanMismatchError, PlanNotCachedError
 from ...identity import autocast_dtype
-from ...options import flag, knob
+from ...options import AdalnCacheConfig, flag, knob
 from ...plans import PlanKey, plan_key, slab_rows
 from ...source.checkpoint import CheckpointSource
 from ...spec import Layer, ModulationSpec
@@ -83,12 +51,8 @@ logger = logging.getLogger(__name__)
 
 
 def request_plans(plans: Any) -> list[Any]:
-    """``prepare``'s / ``request``'s ``plans`` as a list, or :class:`~adalncache.PlanError`.
-
-    Why: a single tensor, a single mapping or a string is iterable, so without this check it would be
-    taken apart (a tensor into 0-d rows, a mapping into its key strings) and refused with a message
-    about the pieces, not about the argument.
-    """
+    """``prepare``'s / ``request``'s ``plans`` as a list, or :class:`~adalncache.PlanError`: a single tensor,
+    mapping or string is iterable, and taken apart it would be refused for its pieces, not the argument."""
     if isinstance(plans, (torch.Tensor, Mapping, str, bytes)) or not isinstance(plans, (Sequence, Iterable)):
         raise PlanError(
             f"plans must be a list of plans (one per forward: its timestep tensor, or a mapping of its keying "
@@ -97,8 +61,7 @@ def request_plans(plans: Any) -> list[Any]:
         )
     plans = list(plans)
     for plan in plans:
-        # A meta tensor has no values to key: refused for every family, before a family's plan
-        # function stacks it with real tensors (a RuntimeError about devices otherwise).
+        # A meta tensor has no values to key: refused before a family stacks it with real tensors.
         values = plan.values() if isinstance(plan, Mapping) else plan if isinstance(plan, (tuple, list)) else [plan]
         if any(isinstance(value, torch.Tensor) and value.is_meta for value in values):
             raise PlanError("a plan must hold data, got a meta tensor: pass the tensors the forward receives")
@@ -123,14 +86,9 @@ def mismatch_error(misses: int) -> PlanMismatchError:
 
 
 def split_pays(source: object) -> bool:
-    """Whether a background pass split in two transactions (the first step's plans, then all) pays on ``source``.
-
-    A transaction publishes all of its plans or none, so the first step waits for a whole
-    transaction. From memory, or from a checkpoint the page cache mostly holds, a second read is
-    cheap and the first step waits for one plan's projections instead of all. From a cold checkpoint
-    the pass is bound by the reading, which is O_DIRECT (the page cache keeps nothing): the second
-    transaction would read it all again, so one is faster for the first step and for the request.
-    """
+    """Whether a background pass split in two transactions (the first step's plans, then all) pays on
+    ``source``: not from a cold checkpoint, whose O_DIRECT reads the second transaction would repeat
+    (docs/diffusers.md, "The first request")."""
     if not isinstance(source, CheckpointSource):
         return True
     fraction = source.cached_fraction()
@@ -140,60 +98,38 @@ def split_pays(source: object) -> bool:
 # -- builds ---------------------------------------------------------------------------------------
 
 
-class EmbedAhead:
-    """A build's ``embed`` that returns inputs computed ahead (:meth:`Builder.embed_ahead`)."""
-
-    def __init__(self, inputs: dict[PlanKey, Any], columns: int) -> None:
-        self.inputs = inputs
-        self.columns = columns
-
-    def __call__(self, plan: torch.Tensor) -> Any:
-        key = plan_key(plan, self.columns)
-        if key not in self.inputs:  # every plan of the request was embedded: a pass builds no other
-            raise KeyError(f"no input was computed ahead for plan {plan.tolist()}")
-        return self.inputs[key]
+#: A build's ``embed``: the projections' input for a plan.
+Embed = Callable[[torch.Tensor], Any]
 
 
+@dataclass(eq=False)
 class Builder:
-    """How one enabling holds plans: the cache's hit path, else one build under the handle's lock.
-
-    A build runs with the request's LoRA scale applied and the parked time embedder's weights lent
-    back (taken on the first ``embed`` of a pass, so a build that hits costs no copy); ``project``
-    runs one layer's served module with the source's weights standing in for its parameters, through
-    the module's own (LoRA-wrapped, quantized, layerwise-cast) forward. ``plain_tables``: full-precision
-    tables of quantized projections (``quantized_projections="checkpoint"``): a plain linear of the
-    checkpoint's weights, decided by that setting, never by the weight's type.
+    """How one enabling holds plans: the cache's hit path, else one build under the handle's lock, with
+    the request's LoRA scale applied and the parked time embedder lent back (by the first ``embed``, so
+    a build that hits costs no copy). ``plain_tables``: full-precision tables of quantized projections
+    (``quantized_projections="checkpoint"``), a plain linear decided by that setting, never by the weight's type.
     """
 
-    def __init__(
-        self,
-        model: Any,
-        spec: ModulationSpec,
-        family: DiffusersFamily,
-        cache: AdalnCache,
-        parking: WeightParking,
-        signature: Signature,
-        lock: threading.RLock,
-        device: Callable[[], torch.device],
-        *,
-        plain_tables: bool,
-        quantization: Quantization | None = None,
-        on_miss: str,
-    ) -> None:
-        self.model, self.spec, self.family, self.cache = model, spec, family, cache
-        self.parking, self.signature, self.lock, self.device = parking, signature, lock, device
-        self.plain_tables = plain_tables
-        self.quantization = quantization
-        self.on_miss = on_miss
-        self._loan: TimeEmbedderLoan | None = None
-        self._warned_miss = False
+    model: Any
+    spec: ModulationSpec
+    family: DiffusersFamily
+    cache: AdalnCache
+    parking: WeightParking
+    signature: Signature
+    lock: threading.RLock
+    device: Callable[[], torch.device]
+    plain_tables: bool
+    on_miss: str
+    quantization: Quantization | None = None
+    _loan: TimeEmbedderLoan | None = field(default=None, init=False)
+    _warned_miss: bool = field(default=False, init=False)
 
     def variant_of(self, attention_kwargs: Mapping[str, Any] | None) -> Variant:
         """The variant a forward (or a request) called with ``attention_kwargs`` is served under."""
         return self.signature.read(lora_scale_of(attention_kwargs))[1]
 
     def hold(
-        self, plans: Sequence[Any], attention_kwargs: Mapping[str, Any] | None, *, embed: EmbedAhead | None = None
+        self, plans: Sequence[Any], attention_kwargs: Mapping[str, Any] | None, *, embed: Embed | None = None
     ) -> PlanHold:
         """Hold a request's plans under its LoRA scale (``embed``: inputs computed ahead, for another thread)."""
         scale = lora_scale_of(attention_kwargs)
@@ -231,18 +167,22 @@ class Builder:
             self._warned_miss = True
         return held
 
-    def embed_ahead(self, plans: Sequence[Any], attention_kwargs: Mapping[str, Any] | None) -> EmbedAhead:
-        """The build inputs of ``plans``, computed now on this thread, for a pass on another thread.
-
-        Why: ``embed`` runs the time embedder beneath its hooks with lent weights, which a forward
-        running meanwhile on another thread would see. Computed here, before the pass starts, with the
-        same LoRA scale, loan and grad mode as a build, the inputs are the same bits.
-        """
+    def embed_ahead(self, plans: Sequence[Any], attention_kwargs: Mapping[str, Any] | None) -> Embed:
+        """A build's ``embed`` for ``plans`` whose inputs are computed now, for a pass on another thread: there a
+        forward running meanwhile would see the lent time embedder. Same scale, loan and grad mode: same bits."""
         columns = self.cache.spec.plan_columns
         scale = lora_scale_of(attention_kwargs)
         tuners, _, _ = self.signature.read(scale)
         with self.lock, self.lending(), torch.no_grad(), applied_lora_scale(tuners, scale):
-            return EmbedAhead({plan_key(t, columns): self.embed(t) for t in plan_tensors(plans)}, columns)
+            inputs = {plan_key(t, columns): self.embed(t) for t in plan_tensors(plans)}
+
+        def embed(plan: torch.Tensor) -> Any:
+            key = plan_key(plan, columns)
+            if key not in inputs:  # every plan of the request was embedded: a pass builds no other
+                raise KeyError(f"no input was computed ahead for plan {plan.tolist()}")
+            return inputs[key]
+
+        return embed
 
     def _hold(
         self,
@@ -253,7 +193,7 @@ class Builder:
         variant: Variant,
         refs: list[torch.Tensor],
         *,
-        embed: EmbedAhead | None = None,
+        embed: Embed | None = None,
     ) -> PlanHold:
         """Hold ``plans`` resident under ``variant``: the cache's hit path, else a build under the lock."""
         held = self.cache.hold_resident(plans, keys=keys, variant=variant)
@@ -265,8 +205,7 @@ class Builder:
             and self.cache.shard == "columns"
             and self.cache.world_size > 1
         ):
-            # The adapter's forward runs on the whole projection; a rank's column slice of the base
-            # weight cannot go through it (it would fail later with an unhelpful shape error).
+            # The adapter's forward runs on the whole projection, not on a rank's column slice.
             raise ConfigError(
                 f"LoRA adapters on the AdaLN projections need shard='layers' ({knob('shard')} layers): with "
                 "shard='columns' each rank holds a column slice of the base weight, which the adapter's "
@@ -301,8 +240,9 @@ class Builder:
         return self.family.embed(self.model, self.spec, plan, self.device())
 
     def project(self, layer: Layer, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``layer``'s output for ``x``, through the module's own forward beneath every hook (ours would
-        serve the table, an offloading hook would move the source's weights)."""
+        """``layer``'s output for ``x`` with the source's weights, through the module's own (LoRA-wrapped,
+        quantized, layerwise-cast) forward beneath every hook (ours would serve the table, an offloading hook
+        move the weights)."""
         if self.plain_tables:
             return F.linear(x, weight, bias)
         module = self.family.projection_module(self.model, layer)
@@ -317,9 +257,8 @@ class Builder:
             tensors[name] = fresh_alias(tensor)
         if self.quantization is not None:  # loaded quantized: the weight as the quantizer loads it
             tensors["weight"] = self.quantization.weight(self.family.projection_path(layer), tensors["weight"])
-        # The class forward is called directly, not through a bypass of its instance forward: the output
-        # layer's module carries the output hook, and another thread's forward calling it while a bypass
-        # stood in its place would run the plain linear on its own input.
+        # The class forward, not a bypass of the instance's: another thread's forward calling the output
+        # layer meanwhile would run the bypass (the plain linear) on its own input.
         with bypassing_hooks({base} - {module}), swapped_parameters(base, tensors), state_kept_by_weight(base):
             out: torch.Tensor = type(module).forward(module, x)
             return out
@@ -332,16 +271,12 @@ HoldFn = Callable[[list[Any]], PlanHold]
 
 
 class BackgroundPass:
-    """One request's pass on a daemon thread (``overlap=True``): the first step's plans, then all.
-
-    Why two transactions: a transaction publishes all of its plans or none, and per-layer publication
-    would make half-built plans visible; so the first step's plans get a small transaction of their own
-    (unless ``split`` says a second read does not pay, :func:`split_pays`), and a forward of the first
-    step waits for it, any other forward for the second. Each transaction rolls back as a foreground one
-    does; its error (the same object) is raised in the request's thread by the next forward that needs
-    a plan of it, and by :meth:`finish` at the request's end at the latest. ``keys``: each step's key in
-    step order (what a predicted pass is compared on). The holds it takes are the request's until
-    :meth:`release`; a pass still running then gives its own back when it ends.
+    """One request's pass on a daemon thread (``overlap=True``): the first step's plans, then all
+    (unless ``split`` is off: :func:`split_pays`); docs/state-machine.md says why and what a failure
+    leaves. Its error (the same object) is raised in the request's thread by the next forward that
+    needs a plan of it, or by :meth:`finish`. ``keys``: each step's key in step order (what a predicted
+    pass is compared on). Its holds are the request's until :meth:`release`; a pass still running then
+    gives its own back when it ends.
     """
 
     def __init__(self, hold: HoldFn, plans: Sequence[Any], keys: Sequence[PlanKey], *, split: bool = True) -> None:
@@ -350,11 +285,9 @@ class BackgroundPass:
         self._hold = hold
         self._plans = list(plans)
         self.keys = tuple(keys)
-        #: Started from a pipeline call's predicted schedule and not adopted yet by its request.
+        #: Started from a call's predicted schedule, not adopted yet; the variant it is compared under.
         self.predicted = False
-        #: The variant the plans are built under (compared when a prediction is adopted).
         self.variant: object = None
-        self.first_keys = frozenset([keys[0]])
         self.split = split and len(set(keys)) > 1
         self._first = threading.Event()
         self._done = threading.Event()
@@ -407,9 +340,8 @@ class BackgroundPass:
             self._done.set()
 
     def wait_for(self, key: PlanKey) -> None:
-        """Before a forward of plan ``key``: wait until it is servable; raise the pass's error (the same
-        object a foreground build would have raised) if its transaction failed."""
-        first = self.split and key in self.first_keys
+        """Before a forward of plan ``key``: wait until it is servable; raise its transaction's error."""
+        first = self.split and key == self.keys[0]
         (self._first if first else self._done).wait()
         error = self._first_error if first else self.error
         if error is not None:
@@ -451,11 +383,8 @@ class BackgroundPass:
 
 
 class Request:
-    """One request of one thread (module docstring): what it holds, how its forwards are served, its end.
-
-    ``call``: a pipeline call's request, which stays the thread's until the call ends (emptied by a
-    move or a second schedule, never replaced).
-    """
+    """One request of one thread: what it holds and how its forwards find their slots. ``call``: a pipeline
+    call's, the thread's until the call ends (emptied by a move or a second schedule, never replaced)."""
 
     def __init__(self, *, call: bool = False) -> None:
         self.call = call
@@ -471,16 +400,15 @@ class Request:
         if not on_device:
             return
         try:
-            # The variant the plans were held under, recorded with the hold: reading the signature again
-            # would stamp a change made meanwhile on the old rows.
+            # The hold's variant: reading the signature again would stamp a change made meanwhile on old rows.
             self.variant, self.device, self.columns = hold.variant, cache.device, cache.spec.plan_columns
             self.autocast = autocast_dtype(cache.device)
             self._retirements = lambda: cache.retirements
             by_length: dict[int, list[tuple[PlanKey, int]]] = {}
             for key, slot in dict(zip(hold.keys, hold.slot_list, strict=True)).items():
                 by_length.setdefault(len(key), []).append((key, slot))
-            # Never inference tensors, though prepare() may run under torch.inference_mode(): the miss
-            # counter is updated in place, which a later loop outside inference mode could not do.
+            # Never inference tensors (prepare() may run in inference mode): a later loop outside it
+            # updates the miss counter in place.
             with torch.inference_mode(False):
                 self.groups = {
                     length: (
@@ -496,12 +424,8 @@ class Request:
             raise
 
     def slot_of(self, plan: torch.Tensor, variant: object) -> tuple[torch.Tensor, torch.dtype] | None:
-        """``(slot, dtype)`` of a forward with ``plan`` under ``variant``, found on the device; None for the
-        host path (decided from host state only: shapes, dtypes, devices, the variant, autocast).
-
-        Device operations only (no ``.item()``, no ``bool()`` of a tensor), so a CUDA graph captures it; a
-        forward matching none of the plans gets the poison slot and adds one to the miss counter.
-        """
+        """``(slot, dtype)`` of a forward with ``plan`` under ``variant``, found with device operations only (a
+        CUDA graph captures them): a miss is the poison slot, counted; None (decided on host state): host path."""
         hold, groups = self.hold, self.groups
         if hold is None or groups is None or hold.released or plan.device != self.device or plan.dtype != torch.float32:
             return None
@@ -529,10 +453,6 @@ class Request:
             self._misses.zero_()
         return count
 
-    def wait_for(self, key: PlanKey) -> None:
-        if self.background is not None:
-            self.background.wait_for(key)
-
     def drop(self) -> int:
         """Give everything back (never waits, never raises); returns the misses not yet reported."""
         misses = self.take_misses()
@@ -549,10 +469,8 @@ class ThreadState(threading.local):
     """Per thread, for one enabled model: its request, the misses of its ended requests not yet reported,
     the pipeline calls it is inside, the timesteps a scheduler set in the call, and the forward in progress.
 
-    ``row_buffer`` holds the flat slab rows the served modules gather with (``cache.row_index``): written
-    in place at every forward of its thread, so its address (which compiled graphs and CUDA graphs hold)
-    does not change while the model stays on one device and the batch keeps its width.
-    ``prepared_outside`` is set while a compiled call's host work was done before entering it.
+    ``row_buffer`` (the flat slab rows the served modules gather with) is written in place, so the address
+    compiled graphs and CUDA graphs hold stays while the model stays on one device and the batch its width.
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -566,8 +484,7 @@ class ThreadState(threading.local):
         self.prepared_outside = False
 
     def serve_slot(self, slot: torch.Tensor, dtype: torch.dtype | None, rows: torch.Tensor) -> None:
-        """Point the served modules at ``slot`` and its flat slab ``rows`` (``cache.row_index``; device
-        tensors, never read on the host)."""
+        """Point the served modules at ``slot`` and its flat slab ``rows`` (device tensors, never read here)."""
         if self.row_buffer.shape != rows.shape or self.row_buffer.device != rows.device:
             self.row_buffer = torch.zeros_like(rows)  # another batch width, or the model moved: a new buffer
         self.slot, self.dtype = slot, dtype
@@ -585,16 +502,6 @@ class ThreadState(threading.local):
             )
 
 
-class _Unheld:
-    """What a forward served from its request's device lookup releases: nothing (the request holds its plans)."""
-
-    def release(self) -> None:
-        return None
-
-
-UNHELD = _Unheld()
-
-
 class Enabled(Protocol):
     """What :class:`Requests` reads of its handle, at each use (an enabling again replaces them)."""
 
@@ -603,18 +510,14 @@ class Enabled(Protocol):
     cache: AdalnCache
     family: DiffusersFamily
     builder: Builder | None
-
-    @property
-    def overlap(self) -> bool: ...
+    config: AdalnCacheConfig
 
     def follow(self, device: torch.device | None) -> None: ...
 
 
 class Requests:
     """One enabled model's requests: each thread's (:class:`ThreadState`), and every background pass.
-
-    The handle's request verbs are these methods; the transformer hook calls :meth:`serve`.
-    """
+    The handle's request verbs are these methods; the transformer hook calls :meth:`serve`."""
 
     def __init__(self, handle: Enabled, device: torch.device) -> None:
         self._handle = handle
@@ -625,13 +528,19 @@ class Requests:
 
     # -- the verbs of a loop of one's own ---------------------------------------------------------
 
-    def prepare(self, plans: Sequence[Any], attention_kwargs: Mapping[str, Any] | None) -> BuildReport:
+    def prepare(
+        self,
+        plans: Sequence[Any],
+        attention_kwargs: Mapping[str, Any] | None,
+        *,
+        what: str = "prepare()",
+        on_device: bool = True,
+    ) -> BuildReport:
         """End the thread's request, then hold ``plans`` as its new one (in its call, if one is running)."""
         self._end(check=True)  # the previous request is over: its mismatch raises here, before any build
-        builder, keyed = self._keyed(plans, "prepare()")
-        held = builder.hold(keyed, attention_kwargs)
-        self._open().held(held, self._handle.cache)
-        return held.report
+        hold = self._serving(what).hold(self._family_plans(plans), attention_kwargs)
+        self._open().held(hold, self._handle.cache, on_device=on_device)
+        return hold.report
 
     def release(self, *, check: bool = True) -> None:
         if not isinstance(check, bool):  # "no" would be truthy: a report the caller meant to defer would raise
@@ -649,10 +558,10 @@ class Requests:
 
     @contextlib.contextmanager
     def request(self, plans: Sequence[Any], attention_kwargs: Mapping[str, Any] | None) -> Iterator[PlanHold]:
-        """Hold ``plans`` for a ``with`` block, the thread's request inside it (it stands in for the one
-        before, which is the thread's again after the block unless a ``prepare`` inside ended both)."""
-        builder, keyed = self._keyed(plans, "prepare()")
-        held = builder.hold(keyed, attention_kwargs)
+        """Hold ``plans`` for a ``with`` block, the thread's request inside it (the one before is again after
+        it, unless a ``prepare`` inside ended both)."""
+        builder = self._serving("prepare()")
+        held = builder.hold(self._family_plans(plans), attention_kwargs)
         block = Request()
         block.held(held, self._handle.cache)
         state = self.state
@@ -667,13 +576,15 @@ class Requests:
                 state.pending += previous.drop()
         self.check()  # a forward of the block matched no plan of it (the block ended without an error)
 
-    def start_prepare(self, plans: Sequence[Any], attention_kwargs: Mapping[str, Any] | None) -> None:
+    def start_prepare(
+        self, plans: Sequence[Any], attention_kwargs: Mapping[str, Any] | None, *, what: str = "start_prepare()"
+    ) -> None:
         """:meth:`prepare` by a background pass (or adopt the call's predicted pass when it holds these plans)."""
-        if self._adopted(self._family_plans(plans), attention_kwargs):
+        keyed = self._family_plans(plans)
+        if self._adopted(keyed, attention_kwargs):
             return
         self._end(check=True)
-        builder, keyed = self._keyed(plans, "start_prepare()")
-        self._background(builder, keyed, attention_kwargs, self._open())
+        self._background(self._serving(what), keyed, attention_kwargs, self._open())
 
     def finish(self) -> None:
         """The request's end: wait for its pass, raise the pass's error if no forward did, then release."""
@@ -693,12 +604,9 @@ class Requests:
     def call(
         self, plans: Sequence[Any] | None = None, attention_kwargs: Mapping[str, Any] | None = None
     ) -> Iterator[None]:
-        """A pipeline call's request, from its start to its end in a ``finally`` (module docstring).
-
-        ``plans``: the call's schedule predicted from its arguments, whose pass starts now with
-        ``overlap=True``; the request adopts it when the schedule it learns is the same plans in the
-        same order under the same variant, and drops it otherwise. A call inside a call of this thread
-        (one pipeline calling another) is part of the outer one's request.
+        """A pipeline call's request, from its start to its end however the call ends. ``plans``: the call's
+        schedule predicted from its arguments, whose pass starts now with ``overlap=True`` (:meth:`_adopted`).
+        A call inside a call of this thread (one pipeline calling another) is part of the outer one's request.
         """
         if plans is not None:
             plans = request_plans(plans)
@@ -718,34 +626,30 @@ class Requests:
         try:
             yield
         except BaseException as exc:
-            misses = self._end_call(request, returned=False)
+            self._end_call(request)
+            misses, state.pending = state.pending, 0
             if misses:  # the call's own error goes first; the mismatch is said, never raised over it
                 note = str(mismatch_error(misses))
                 logger.warning("AdaLN cache: the failed call's request also had a mismatch: %s", note)
                 exc.add_note(f"AdaLN cache: {note}")
             raise
-        self._end_call(request, returned=True)
+        self._end_call(request)
+        self.check()
 
-    def _end_call(self, request: Request, *, returned: bool) -> int:
-        """The call's request ends: everything goes back, its pass too, never waited for (a failure of it
-        that no forward of the call needed is logged: the call's outputs never read those plans); a
-        returned call raises its mismatch, a failed one returns the misses (noted on the call's error)."""
+    def _end_call(self, request: Request) -> None:
+        """Everything the call's request holds goes back, its pass too, never waited for (a failure of it
+        that no forward of the call needed is logged: the call's outputs never read those plans)."""
         state = self.state
         state.calls, state.timesteps = 0, None
         if state.request is request:
             state.request = None
         state.pending += request.drop()
-        if returned:
-            self.check()
-            return 0
-        misses, state.pending = state.pending, 0
-        return misses
 
     def _predict(self, request: Request, plans: list[Any], attention_kwargs: Mapping[str, Any] | None) -> None:
         """Start the pass of a call's predicted schedule (``overlap=True``); an optimisation, never an error."""
         handle = self._handle
         builder = handle.builder
-        if not handle.overlap or not handle.enabled or builder is None:
+        if not handle.config.overlap or not handle.enabled or builder is None:
             return
         try:
             handle.follow(execution_device(handle.model))
@@ -760,17 +664,11 @@ class Requests:
         pipeline's first forward): held by the call's request (adopting its predicted pass when it is the
         same), by a background pass with ``overlap``. Outside a bracketed call (another library patched
         the pipeline's class) it is held for the thread with its forwards on the host path."""
-        keyed = self._family_plans(plans)
-        if self._adopted(keyed, attention_kwargs):
-            return
-        current = self.state.request
-        in_call = current is not None and current.call
-        self._end(check=True)
-        builder = self._serving("the pipeline's schedule")
-        if self._handle.overlap:
-            self._background(builder, keyed, attention_kwargs, self._open())
-            return
-        self._open().held(builder.hold(keyed, attention_kwargs), self._handle.cache, on_device=in_call)
+        what, current = "the pipeline's schedule", self.state.request
+        if self._handle.config.overlap:  # only then can a predicted pass be running
+            self.start_prepare(plans, attention_kwargs, what=what)
+        else:
+            self.prepare(plans, attention_kwargs, what=what, on_device=current is not None and current.call)
 
     def expect(self, timesteps: torch.Tensor) -> None:
         """A scheduler set ``timesteps`` on this thread: the next forward prepares the whole schedule."""
@@ -779,9 +677,9 @@ class Requests:
     def fits(self, plans: list[Any], *, warn: bool = True) -> bool:
         """Whether the cache can hold every plan of a schedule at once (else its plans build per forward)."""
         cache = self._handle.cache
-        distinct = len({plan_key(plan, cache.spec.plan_columns) for plan in plan_tensors(plans)})
         columns = cache.spec.plan_columns
-        width = max(slab_rows(plan_key(plan, columns), columns, cache.max_plan_width) for plan in plan_tensors(plans))
+        keys = {plan_key(plan, columns) for plan in plan_tensors(plans)}
+        distinct, width = len(keys), max(slab_rows(key, columns, cache.max_plan_width) for key in keys)
         if distinct <= cache.max_plans and width <= cache.max_plan_width:
             return True
         if warn:  # not an error: each forward still builds its own plan
@@ -800,9 +698,9 @@ class Requests:
 
     # -- the forward -------------------------------------------------------------------------------
 
-    def serve(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> PlanHold | _Unheld:
-        """The one question a forward asks: its slot, for its keying inputs. Points the thread's state at
-        it and returns what the forward holds (released when it ends)."""
+    def serve(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> PlanHold | None:
+        """The one question a forward asks: its slot, for its keying inputs (set on the thread's state); returns
+        what the forward holds."""
         handle = self._handle
         model, family, state = handle.model, handle.family, self.state
         builder = handle.builder
@@ -817,23 +715,21 @@ class Requests:
             served = request.slot_of(plan, builder.variant_of(attention_kwargs))
             if served is not None:
                 state.serve_slot(*served, handle.cache.row_index(served[0], int(plan.shape[0])))
-                return UNHELD  # the request holds its plans until it ends
-        # The one device-to-host read of the plan this forward makes: keys, lookups and the build all
-        # use this host copy (embed moves it back to the device; the values are the same bits).
+                return None  # the request holds its plans until it ends
+        # The forward's one device-to-host read: keys, lookups and the build use this copy (the same bits).
         host = plan.detach().to("cpu")
         key = plan_key(host, handle.cache.spec.plan_columns)
         device = plan.device
         if offloaded:
-            # A CPU tensor reports "cpu" even when the forward runs on "cpu:0" (accelerate's model offload
-            # with device="cpu"), whose .to() gave the weights fresh addresses: follow the device the hook
-            # names, as prepare() does, so a build here projects like the model.
+            # A CPU tensor says "cpu" where the forward runs on "cpu:0" (accelerate's model offload), whose
+            # .to() gave the weights fresh addresses: follow the hook's device, so a build projects like the model.
             named = execution_device(model)
             device = named if named is not None and named.type == "cpu" else device
         handle.follow(device)
-        request = state.request
-        if request is not None:
+        background = state.request.background if state.request is not None else None
+        if background is not None:
             try:
-                request.wait_for(key)
+                background.wait_for(key)
             except BaseException:
                 self._end(check=False)  # the request fails here: what its pass did hold goes back now
                 raise
@@ -868,17 +764,9 @@ class Requests:
 
     # -- ends, moves, disabling --------------------------------------------------------------------
 
-    def abandon(self) -> None:
-        """Give the thread's holds back without checking (a move of the cache: they name the old slab;
-        the way into ``disable()``): a mismatch waits for the next check."""
-        self._end(check=False)
-
     def close(self) -> None:
-        """The way into ``disable()``: refuse new background passes, then wait for the running ones.
-
-        Not a plain join: another thread could start a pass between the join and the hooks' removal,
-        and that pass would run on the parked weights as they are restored.
-        """
+        """The way into ``disable()``: refuse new background passes, then wait for the running ones (a plain
+        join would let another thread start a pass that runs on the parked weights as they are restored)."""
         with self._lock:
             self._closed = True
         self.join()
@@ -921,30 +809,24 @@ class Requests:
 
     def _serving(self, what: str) -> Builder:
         """The enabling's builder, or ConfigError when disabled; the cache follows where the model runs."""
-        handle = self._handle
-        if not handle.enabled or handle.builder is None:
+        handle, builder = self._handle, self._handle.builder
+        if not handle.enabled or builder is None:
             raise ConfigError(f"{what} needs the AdaLN cache enabled; this handle was disabled")
         handle.follow(execution_device(handle.model))
-        assert handle.builder is not None
-        return handle.builder
+        return builder
 
     def _family_plans(self, plans: Any) -> list[Any]:
         """``plans`` as the forward keys them (the family's ``request_plan`` of each)."""
         handle = self._handle
         return [handle.family.request_plan(handle.model, plan) for plan in request_plans(plans)]
 
-    def _keyed(self, plans: Any, what: str) -> tuple[Builder, list[Any]]:
-        builder = self._serving(what)
-        return builder, self._family_plans(plans)
-
     def _keys(self, plans: Sequence[Any]) -> list[PlanKey]:
         columns = self._handle.cache.spec.plan_columns
         return [plan_key(t, columns) for t in plan_tensors(plans)]
 
     def _adopted(self, plans: list[Any], attention_kwargs: Mapping[str, Any] | None) -> bool:
-        """Whether the thread's request holds a pass predicted for exactly ``plans`` (the same keys in the
-        same order, under the same variant): it is then the request's. A different one is dropped by the
-        caller's end of the request."""
+        """Whether the thread's request holds a pass predicted for exactly ``plans`` (keys in order, variant):
+        it is then the request's; another is dropped by the caller's end of the request."""
         request, builder = self.state.request, self._handle.builder
         background = request.background if request is not None else None
         if background is None or not background.predicted or builder is None:
@@ -1007,7 +889,7 @@ Bracket = Callable[[Any, Mapping[str, Any]], contextlib.AbstractContextManager[N
 
 
 def pipeline_class(pipeline: Any) -> type:
-    """The pipeline's own class (the one before :class:`CallWatch` swapped it)."""
+    """The pipeline's own class (the one before :class:`PipelineWatch` swapped it)."""
     cls = type(pipeline)
     own: type = cls.__dict__.get(OWN_CLASS, cls)
     return own
@@ -1020,7 +902,7 @@ def _swapped_class(own: type) -> type:
     @functools.wraps(own.__call__)
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
         stock = own.__call__.__get__(self, own)  # looked up now: a wrapper put on the class later runs too
-        watch: CallWatch | None = self.__dict__.get(CallWatch.ATTRIBUTE)
+        watch: PipelineWatch | None = self.__dict__.get(PipelineWatch.ATTRIBUTE)
         if watch is None:
             return stock(*args, **kwargs)
         with watch.bracket(self, watch.arguments(stock, args, kwargs)):
@@ -1030,46 +912,66 @@ def _swapped_class(own: type) -> type:
     return type(own.__name__, (own,), namespace)
 
 
-class CallWatch:
-    """A pipeline's ``__call__`` bracketed: each call is a request, from its start to its ``finally``.
-
-    ``pipe(...)`` looks ``__call__`` up on the class, so the instance's class is swapped for a subclass
-    made for this instance alone that adds only ``__call__`` (same name and module: saving the pipeline
-    writes the same class name); it finds the class's own ``__call__`` at each call. :meth:`remove`
-    swaps the class back, unless another library has patched the subclass since (cache-dit wraps
-    ``pipe.__class__.__call__``): the class then stays, with the watch gone, so that library's wrapper
-    keeps working. Over a class another library already patched that way nothing is installed, and a
-    call's schedule is held outside any bracket (its forwards on the host path: nothing ends it when
-    the call ends).
+class PipelineWatch:
+    """A pipeline's calls watched at both ends: ``__call__`` bracketed (each call is a request, from its
+    start to its ``finally``) and, given ``expect``, a classic pipeline's ``scheduler.set_timesteps``
+    wrapped (an instance attribute) to hand ``expect`` each call's timesteps, known only then (they may
+    depend on the image size). ``pipe(...)`` looks ``__call__`` up on the class, so the instance's class
+    is swapped for a same-named subclass made for it alone; how that meets another library's patch of
+    the class (cache-dit's): docs/diffusers.md ("The first request").
     """
 
     #: The instance attribute the swapped ``__call__`` finds its watch under.
     ATTRIBUTE = "_adalncache_call_watch"
+    #: Marks our ``set_timesteps`` wrapper, so a second enabling does not wrap it again.
+    SCHEDULE_ATTRIBUTE = "_adalncache_schedule_watch"
 
-    def __init__(self, pipeline: Any, bracket: Bracket) -> None:
-        self.pipeline = pipeline
-        self.bracket = bracket
+    def __init__(self, pipeline: Any, bracket: Bracket, expect: Callable[[torch.Tensor], None] | None) -> None:
+        self.pipeline, self.bracket, self.expect = pipeline, bracket, expect
         self._swapped: type | None = None
         self._namespace: dict[str, Any] = {}
+        self._scheduler: Any = None  # the scheduler whose set_timesteps is ours
 
     def install(self) -> None:
         pipeline = self.pipeline
-        if pipeline.__dict__.get(self.ATTRIBUTE) is not None:
-            return  # already watched
         own = pipeline_class(pipeline)
-        if any(hasattr(own, name) for name in FOREIGN_CALL_PATCHES):
+        if pipeline.__dict__.get(self.ATTRIBUTE) is not None:
+            pass  # already watched
+        elif any(hasattr(own, name) for name in FOREIGN_CALL_PATCHES):
             logger.info(
                 "AdaLN cache: %s's __call__ is wrapped by another library; its calls are not bracketed (their "
                 "schedules are held for the thread, keyed on the host)",
                 own.__name__,
             )
+        else:
+            self._swapped = _swapped_class(own)
+            self._namespace = dict(self._swapped.__dict__)
+            pipeline.__dict__[self.ATTRIBUTE] = self
+            pipeline.__class__ = self._swapped
+        expect, scheduler = self.expect, cast(Any, getattr(pipeline, "scheduler", None))
+        if expect is None or not callable(getattr(scheduler, "set_timesteps", None)):
             return
-        self._swapped = _swapped_class(own)
-        self._namespace = dict(self._swapped.__dict__)
-        pipeline.__dict__[self.ATTRIBUTE] = self
-        pipeline.__class__ = self._swapped
+        if getattr(scheduler.__dict__.get("set_timesteps"), self.SCHEDULE_ATTRIBUTE, False):
+            return  # already watched (by another handle of the same pipeline)
+        original = scheduler.set_timesteps
+
+        # functools.wraps keeps the signature visible: pipelines inspect it for `sigmas`/`timesteps`.
+        @functools.wraps(original)
+        def set_timesteps(*args: Any, **kwargs: Any) -> Any:
+            result = original(*args, **kwargs)
+            timesteps = getattr(scheduler, "timesteps", None)
+            if isinstance(timesteps, torch.Tensor):
+                expect(timesteps)
+            return result
+
+        setattr(set_timesteps, self.SCHEDULE_ATTRIBUTE, True)
+        scheduler.set_timesteps = set_timesteps
+        self._scheduler = scheduler
 
     def remove(self) -> None:
+        if self._scheduler is not None:
+            self._scheduler.__dict__.pop("set_timesteps", None)
+            self._scheduler = None
         if self._swapped is None:
             return
         pipeline = self.pipeline
@@ -1100,48 +1002,4 @@ class CallWatch:
         return call
 
 
-#: Marks our wrapper, so a second enabling does not wrap it again.
-WRAPPER_ATTRIBUTE = "_adalncache_schedule_watch"
-
-
-class ScheduleWatch:
-    """``scheduler.set_timesteps`` wrapped (an instance attribute) to report each request's timesteps.
-
-    A classic pipeline calls it once per request, before its first denoising step; its timesteps may
-    depend on the image size, so they are known only then. ``expect`` hands them to the handle,
-    whose next forward on that thread prepares the whole schedule in one pass.
-    """
-
-    def __init__(self, scheduler: Any, expect: Callable[[torch.Tensor], None]) -> None:
-        self.scheduler = scheduler
-        self.expect = expect
-        self._installed = False
-
-    def install(self) -> None:
-        scheduler = self.scheduler
-        if scheduler is None or not callable(getattr(scheduler, "set_timesteps", None)):
-            return
-        if getattr(scheduler.__dict__.get("set_timesteps"), WRAPPER_ATTRIBUTE, False):
-            return  # already watched (by another handle of the same pipeline)
-        original = scheduler.set_timesteps
-
-        # functools.wraps keeps the signature visible: pipelines inspect it for `sigmas`/`timesteps`.
-        @functools.wraps(original)
-        def set_timesteps(*args: Any, **kwargs: Any) -> Any:
-            result = original(*args, **kwargs)
-            timesteps = getattr(scheduler, "timesteps", None)
-            if isinstance(timesteps, torch.Tensor):
-                self.expect(timesteps)
-            return result
-
-        setattr(set_timesteps, WRAPPER_ATTRIBUTE, True)
-        scheduler.set_timesteps = set_timesteps
-        self._installed = True
-
-    def remove(self) -> None:
-        if self._installed:
-            self.scheduler.__dict__.pop("set_timesteps", None)
-            self._installed = False
-
-
-__all__ = ["BackgroundPass", "CallWatch", "Request", "Requests", "ScheduleWatch"]
+__all__ = ["BackgroundPass", "PipelineWatch", "Request", "Requests"]
