@@ -60,7 +60,7 @@ def tiny_qwen_transformer(variant: str = "plain", seed: int = 0, size: str = "ti
     config = {**BASE, **SIZES[size], **VARIANTS[variant]}
 
     def build() -> Any:
-        model = QwenImageTransformer2DModel(**config)
+        model: Any = QwenImageTransformer2DModel(**config)
         widen(modulation_linears(model))
         if config.get("use_additional_t_cond"):
             with torch.no_grad():
@@ -113,7 +113,8 @@ def tiny_qwen_vae(seed: int = 0) -> Any:
 
     mean, std = [0.1, -0.2, 0.3, 0.0], [1.5, 2.0, 1.0, 2.5]
     args = {"base_dim": 8, "z_dim": 4, "dim_mult": [1, 1, 1, 1], "num_res_blocks": 1}
-    return seeded(lambda: AutoencoderKLQwenImage(**args, latents_mean=mean, latents_std=std), seed).eval()
+    vae: Any = seeded(lambda: AutoencoderKLQwenImage(**args, latents_mean=mean, latents_std=std), seed)
+    return vae.eval()
 
 
 def tiny_qwen_pipeline(

@@ -1,16 +1,9 @@
 """``adalncache bench``: side-by-side measurements of the rebuild pass, serving and memory.
 
-Every comparison is measured in one run on one machine and printed as a ratio of medians, because
-absolute times on a shared CPU say little while ratios of neighbouring runs stay meaningful.
-Results go to ``bench/results/`` as JSON, Markdown and a PNG chart (:func:`write_outputs`), after
-every section, so a long run leaves partial results.
-
-The sections (``--only``), each documented where it is defined: ``pass``, ``qwen-pass``, ``build``,
-``store``, ``memory`` and ``tables`` on a checkpoint generated at the real projection widths
-(:mod:`.passes`); ``forward``, ``qwen``, ``first-request`` and ``deploy`` on tiny real models
-(:mod:`.models`). What they share: :mod:`.workload` (the generated checkpoint, the request, its
-inputs, the results model) and :mod:`.primitives` (what is timed side by side, SGLang's cache
-among it). Process and page-cache measurements are :mod:`adalncache.tools.measure`'s.
+Every comparison is a ratio of medians measured in one run (see docs/benchmarks.md). The sections
+(``--only``) on a checkpoint generated at the real projection widths are :mod:`.passes`'; those on
+tiny real models :mod:`.models`'; what they share is :mod:`.workload` and :mod:`.primitives`.
+Results go to ``bench/results/`` after every section, so a long run leaves partial results.
 """
 
 from __future__ import annotations
@@ -225,7 +218,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--out", default="bench/results", help="output directory (default bench/results)")
 
     def func(args: argparse.Namespace) -> int:
-        args.argv = [a for a in sys.argv[2:]] if len(sys.argv) > 1 and sys.argv[1] == "bench" else []
+        args.argv = sys.argv[2:] if len(sys.argv) > 1 and sys.argv[1] == "bench" else []
         return run(args)
 
     p.set_defaults(func=func)
