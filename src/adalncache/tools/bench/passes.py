@@ -28,7 +28,7 @@ from ...plans import plan_key
 from ...rebuild import TILE_ROWS, verdicts
 from ...source.checkpoint import CheckpointSource
 from ...spec import ModulationSpec
-from ..measure import drop_page_cache, meminfo, proc_status, timed
+from ..measure import drop_page_cache, meminfo, proc_status, sync_device, timed
 from .primitives import (
     PinnedCopy,
     ResidentLayer,
@@ -415,8 +415,7 @@ def time_interleaved(
                 start = time.perf_counter()
                 fn()
                 out[name].append(time.perf_counter() - start)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            sync_device(device)
     finally:
         if enabled:
             gc.enable()

@@ -79,10 +79,8 @@ def tensor_ranges(source: Any) -> list[tuple[Path, int, int]]:
 
 
 def read_buffer(source: Any) -> torch.Tensor:
-    """A buffer for :func:`read_only`, its pages faulted in: the cost floor of reading is the copy."""
-    buf = torch.empty(max(n for _, _, n in tensor_ranges(source)), dtype=torch.uint8)
-    buf.fill_(0)
-    return buf
+    """A buffer for :func:`read_only`, its pages faulted in (zero-filled): the cost floor of reading is the copy."""
+    return torch.zeros(max(n for _, _, n in tensor_ranges(source)), dtype=torch.uint8)
 
 
 def read_only(source: Any, buf: torch.Tensor | None = None) -> float:
