@@ -137,14 +137,7 @@ def _table_bytes(cache: Any) -> int:
 
 
 def run_task(
-    model: Any,
-    checkpoint: Path,
-    task: str,
-    steps: int,
-    *,
-    seed: int,
-    device: torch.device,
-    config: Path | None = None,
+    model: Any, checkpoint: Path, task: str, steps: int, *, seed: int, device: torch.device, config: Path | None = None
 ) -> DemoResult:
     """Run one task on the stock ``model``, then on ``load_transformer(checkpoint)`` (its page cache dropped
     first, :func:`_measured_load`), and compare bit for bit. ``config``: the diffusers config directory
@@ -448,16 +441,10 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("--task", default="all", choices=[*TASKS, "all"], help="request kind (default: all three)")
     parser.add_argument(
-        "--steps",
-        type=int,
-        default=8,
-        help="scheduler grid points, terminal 0 included (default: 8 = 7 forwards)",
+        "--steps", type=int, default=8, help="scheduler grid points, terminal 0 included (default: 8 = 7 forwards)"
     )
     parser.add_argument(
-        "--size",
-        default="small",
-        choices=["tiny", "small"],
-        help="model size (default: small, savings in MB)",
+        "--size", default="small", choices=["tiny", "small"], help="model size (default: small, savings in MB)"
     )
     parser.add_argument("--device", default="cpu", help="torch device to run on (default: cpu)")
     # An integer torch's generators take (0 to 2**63 - 1), else argparse's one-line error.

@@ -355,12 +355,9 @@ class LoopResult:
 
     def equal(self, other: LoopResult) -> bool:
         """True when every forward output and both final row sets are bit-identical (``torch.equal``)."""
-        same = len(self.outputs) == len(other.outputs) and all(
-            torch.equal(a, b) for mine, theirs in zip(self.outputs, other.outputs) for a, b in zip(mine, theirs)
-        )
-        return (
-            same and torch.equal(self.latents, other.latents) and torch.equal(self.audio_latents, other.audio_latents)
-        )
+        mine = [*self.outputs, (self.latents, self.audio_latents)]
+        theirs = [*other.outputs, (other.latents, other.audio_latents)]
+        return len(mine) == len(theirs) and all(torch.equal(a, b) for m, t in zip(mine, theirs) for a, b in zip(m, t))
 
 
 @torch.no_grad()

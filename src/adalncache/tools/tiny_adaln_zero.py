@@ -2,9 +2,9 @@
 
 A tiny model is a real diffusers class small enough for a 2-core CPU, every weight drawn from a
 seeded generator (not the class's own init, some of which zeroes projections). Its pipeline gets a
-tiny one-level fp32 VAE and no text encoder (the encoders need tokenizer files that cannot be made
-offline): a request passes seeded prompt embeddings (:func:`prompt_embeds`). diffusers is imported
-lazily.
+tiny one-level VAE (fp32, the dtype it runs in: building it logs nothing) and no text encoder (the
+encoders need tokenizer files that cannot be made offline): a request passes seeded prompt
+embeddings (:func:`prompt_embeds`). diffusers is imported lazily.
 """
 
 from __future__ import annotations

@@ -30,28 +30,16 @@ from .passes import bench_build_latency, bench_memory, bench_pass, bench_qwen_pa
 from .workload import QWEN_DIM, REAL_HIDDEN, REAL_IN, STEPS, Results, generate_checkpoint, request_plans
 
 #: The sections, in the order they run (``--only`` takes their names).
-SECTIONS = (
-    "pass",
-    "forward",
-    "qwen",
-    "qwen-pass",
-    "first-request",
-    "build",
-    "store",
-    "memory",
-    "deploy",
-    "tables",
-)
+SECTIONS = ("pass", "forward", "qwen", "qwen-pass", "first-request", "build", "store", "memory", "deploy", "tables")
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the sections ``args.only`` asks for; results are written after every section."""
     torch.manual_seed(0)
     device = resolve_device(args.device)
-    hidden = args.hidden if args.hidden else REAL_HIDDEN
-    in_features = args.in_features if args.in_features else REAL_IN
+    hidden, in_features = args.hidden or REAL_HIDDEN, args.in_features or REAL_IN
     layers = 50 if args.full else args.layers
-    runs = args.runs if args.runs else (1 if args.quick else 3)
+    runs = args.runs or (1 if args.quick else 3)
     spec = ModulationSpec(num_layers=layers, hidden_size=hidden, time_embed_dim=in_features)
     work = Path(args.dir) if args.dir else Path(tempfile.gettempdir()) / "adalncache-bench"
     ckpt_dir = work / f"ckpt-{layers}x{hidden}x{in_features}"
@@ -88,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
         "forward": lambda: bench_forward(res, args.size, 3 if args.quick else 8, runs, device),
         "qwen": lambda: bench_qwen(res, runs, device),
         "qwen-pass": lambda: bench_qwen_pass(
-            res, runs, device, work, dim=args.hidden if args.hidden else QWEN_DIM, max_plans=args.plans
+            res, runs, device, work, dim=args.hidden or QWEN_DIM, max_plans=args.plans
         ),
         "first-request": lambda: bench_first_request(res, args.size, runs, work, device),
         "build": lambda: bench_build_latency(res, runs, work / "ckpt-latency-50x8x16", device),
@@ -115,16 +103,9 @@ def write_outputs(res: Results, out_dir: Path) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path = out_dir / "bench.json"
     json_path.write_text(json.dumps(res.as_dict(), indent=2, default=str))
-    md = [
-        "# adalncache bench",
-        "",
-        f"Command: `{res.config['command']}`",
-        "",
-        f"Machine: {res.config['machine']}",
-        "",
-        "| comparison | subject | baseline | subject median | baseline median | ratio | target | met |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+    md = ["# adalncache bench", "", f"Command: `{res.config['command']}`", "", f"Machine: {res.config['machine']}", ""]
+    md.append("| comparison | subject | baseline | subject median | baseline median | ratio | target | met |")
+    md.append("|---|---|---|---|---|---|---|---|")
     for c in res.comparisons:
         target = "" if c.target is None else f"<= {c.target:g}"
         met = "" if c.met is None else ("yes" if c.met else "NO")

@@ -273,9 +273,8 @@ def request_cache(
     source: Any, plans: int, device: torch.device, *, spec: ModulationSpec | None = None, **options: Any
 ) -> AdalnCache:
     """A fresh cache of ``spec`` (the source's) with room for ``plans`` plans of up to 4 timesteps, no progress."""
-    return AdalnCache(
-        spec or source.spec, source, max_plans=plans, max_plan_width=4, progress=False, device=device, **options
-    )
+    spec = spec or source.spec
+    return AdalnCache(spec, source, max_plans=plans, max_plan_width=4, progress=False, device=device, **options)
 
 
 def timed_build(cache: AdalnCache, plans: Sequence[torch.Tensor], inputs: PlanInputs) -> tuple[float, Any]:
