@@ -564,7 +564,6 @@ def tiny_pipeline(transformer: nn.Module | None = None, *, size: str = "tiny", s
 
     ``transformer`` defaults to :func:`tiny_transformer`; the text encoder's width follows its
     ``text_dim``. A 64x64, 124-frame, 4-step ``t2va`` call runs in well under a second on CPU.
-    Nothing is downloaded.
     """
     import warnings
 

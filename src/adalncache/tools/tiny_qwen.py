@@ -143,7 +143,7 @@ def tiny_qwen_pipeline(
     scheduler = FlowMatchEulerDiscreteScheduler(
         use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9, shift_terminal=0.02, time_shift_type="exponential"
     )
-    model = transformer if transformer is not None else tiny_qwen_transformer(variant, seed)
+    model: Any = transformer if transformer is not None else tiny_qwen_transformer(variant, seed)
     parts: dict[str, Any] = {
         "scheduler": scheduler,
         "vae": tiny_qwen_vae(seed),
@@ -159,8 +159,7 @@ def tiny_qwen_pipeline(
         from .tiny import tiny_tokenizer
 
         parts["tokenizer"] = tokenizer = tiny_tokenizer()
-        config: Any = model.config
-        width = int(config.joint_attention_dim)
+        width = int(model.config.joint_attention_dim)
         parts["text_encoder"] = tiny_qwen_text_encoder(
             seed, width=width, layers=text_encoder_layers, vocab_size=len(tokenizer)
         )

@@ -51,9 +51,7 @@ def run(args: argparse.Namespace) -> int:
         )
         generate_checkpoint(spec, ckpt_dir)
         source = CheckpointSource(ckpt_dir, spec)
-    plans = request_plans(STEPS)
-    if args.plans:
-        plans = plans[: args.plans]
+    plans = request_plans(STEPS)[: args.plans or None]  # --plans caps the request
     res = Results(
         config={
             "command": " ".join(["adalncache bench", *args.argv]),

@@ -1,7 +1,7 @@
 """The sections on tiny real models: ``forward``, ``qwen``, ``first-request``, ``deploy``.
 
-Each runs a tiny diffusers model or pipeline (:mod:`adalncache.tools.tiny`, :mod:`.tiny_qwen
-<adalncache.tools.tiny_qwen>`) resident and served by the cache, checks the outputs with
+Each runs a tiny diffusers model or pipeline (:mod:`adalncache.tools.tiny`,
+:mod:`adalncache.tools.tiny_qwen`) resident and served by the cache, checks the outputs with
 ``torch.equal``, and measures the two side by side.
 """
 

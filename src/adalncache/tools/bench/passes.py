@@ -323,9 +323,7 @@ def bench_qwen_pass(res: Results, runs: int, device: torch.device, work: Path, *
         raise AssertionError(f"the generated checkpoint reads back as {read_back!r}, not {spec!r}")
     source = CheckpointSource(directory, spec)
     res.config["qwen_pass"] = {"spec": spec.describe(), "checkpoint": str(directory)}
-    plans = qwen_request_plans(spec, STEPS, QWEN_SIZE)
-    if max_plans:
-        plans = plans[:max_plans]
+    plans = qwen_request_plans(spec, STEPS, QWEN_SIZE)[: max_plans or None]
     inputs = make_inputs(spec, plans, device)
     resident = ResidentLayer(source, device, every_layer=True)
     read_only(source)  # warm: the page cache holds every byte, as for the resident weights
@@ -695,13 +693,18 @@ class TablesSection:
     def store_hits(self, store: str | Path, what: str) -> list[float]:
         """Seconds of builds of the request that hit ``store``, which an untimed build fills first."""
         timed_build(self.cache(store=store), self.plans, self.inputs)
-        hits = []
+        return self.timed_hits(what, "store_hits", store=store)
+
+    def timed_hits(self, what: str, counter: str, **options: Any) -> list[float]:
+        """Seconds of builds of the request by fresh caches of ``options``, each expected to hit every plan
+        (its report's ``counter``; a run that does not is noted)."""
+        seconds = []
         for _ in range(self.runs):
-            seconds, report = timed_build(self.cache(store=store), self.plans, self.inputs)
-            if report.store_hits != len(self.plans):
-                self.res.note(f"{what} hit {report.store_hits} of {len(self.plans)} plans")
-            hits.append(seconds)
-        return hits
+            took, report = timed_build(self.cache(**options), self.plans, self.inputs)
+            if getattr(report, counter) != len(self.plans):
+                self.res.note(f"{what} hit {getattr(report, counter)} of {len(self.plans)} plans")
+            seconds.append(took)
+        return seconds
 
     def hits(self, plain: list[float]) -> None:
         """A store hit and a table-file hit (no weight source) against a pass."""
@@ -712,11 +715,6 @@ class TablesSection:
             res.add(Comparison(f"store hit vs pass, {n} plans (content-bound)", "store hit", "pass", hits, plain))
             export_tables(self.cache(), plans, table, embed=self.inputs.embed, progress=False)
             res.values["tables_file_bytes"] = table.stat().st_size
-            served = []
-            for _ in range(self.runs):
-                seconds, report = timed_build(self.cache(source=None, tables=table), plans, self.inputs)
-                if report.table_hits != n:
-                    res.note(f"tables: a table-file run hit {report.table_hits} of {n} plans")
-                served.append(seconds)
+            served = self.timed_hits("tables: a table-file run", "table_hits", source=None, tables=table)
             note = f"bound file of {table.stat().st_size / 2**20:.0f} MiB, no weight source"
             res.add(Comparison(f"table-file hit vs pass, {n} plans", "table hit", "pass", served, plain, note=note))

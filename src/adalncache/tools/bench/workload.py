@@ -135,8 +135,7 @@ def _random_bf16(shape: tuple[int, ...], seed: int, scale: float) -> Callable[[]
     def make() -> torch.Tensor:
         gen = torch.Generator().manual_seed(seed)
         out = torch.empty(shape, dtype=torch.bfloat16)
-        rows = shape[0]
-        step = max(1, (64 << 20) // (4 * max(1, out[0].numel()))) if len(shape) > 1 else rows
+        step = max(1, (64 << 20) // (4 * max(1, out[0].numel()))) if len(shape) > 1 else shape[0]
         flat = out if len(shape) > 1 else out.view(1, -1)
         for lo in range(0, flat.shape[0], step):
             chunk = flat[lo : lo + step]
@@ -182,16 +181,13 @@ def generate_checkpoint(
     scale = 1.0 / spec.time_embed_dim**0.5
     for n, group in enumerate(groups):
         name = f"model-{n + 1:05d}-of-{len(groups):05d}.safetensors"
-        tensors: list[tuple[str, tuple[int, ...], Callable[[], torch.Tensor]]] = []
+        lazy: dict[str, LazyTensor] = {}
         for layer in group:
-            seed = 1000 + index[layer]
-            shape = spec.weight_shape(layer)
-            tensors.append((names.weight(layer), shape, _random_bf16(shape, seed, scale)))
-            out = (spec.out_features(layer),)
-            tensors.append((names.bias(layer), out, _random_bf16(out, seed + 7919, 0.1)))
-        lazy = {n: LazyTensor(shape, torch.bfloat16, make) for n, shape, make in tensors}
+            seed, shape, out = 1000 + index[layer], spec.weight_shape(layer), (spec.out_features(layer),)
+            lazy[names.weight(layer)] = LazyTensor(shape, torch.bfloat16, _random_bf16(shape, seed, scale))
+            lazy[names.bias(layer)] = LazyTensor(out, torch.bfloat16, _random_bf16(out, seed + 7919, 0.1))
         write_safetensors(lazy, directory / name, metadata={"format": "pt", "generator": "adalncache bench"})
-        weight_map.update({t[0]: name for t in tensors})
+        weight_map.update(dict.fromkeys(lazy, name))
         log.info("wrote %s", name)
     (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     if config is not None:
