@@ -92,8 +92,7 @@ def tiny_transformer(size: str = "tiny", seed: int = 0) -> nn.Module:
 
 def projection_linears(model: Any) -> list[Any]:
     """Every block's ``adaln_proj.linear`` and ``norm_out.linear`` (their base layers under a LoRA), in layer order."""
-    linears = [block.adaln_proj.linear for block in model.transformer_blocks]
-    linears.append(model.norm_out.linear)
+    linears = [*(block.adaln_proj.linear for block in model.transformer_blocks), model.norm_out.linear]
     return [getattr(linear, "base_layer", linear) for linear in linears]
 
 

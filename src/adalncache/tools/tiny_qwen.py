@@ -72,11 +72,8 @@ def tiny_qwen_transformer(variant: str = "plain", seed: int = 0, size: str = "ti
 
 def modulation_linears(model: Any) -> list[Any]:
     """Every block's ``img_mod.1`` and ``txt_mod.1`` and ``norm_out.linear``, in the geometry's order."""
-    linears = []
-    for block in model.transformer_blocks:
-        linears += [block.img_mod[1], block.txt_mod[1]]
-    linears.append(model.norm_out.linear)
-    return [getattr(linear, "base_layer", linear) for linear in linears]
+    linears = [linear for block in model.transformer_blocks for linear in (block.img_mod[1], block.txt_mod[1])]
+    return [getattr(linear, "base_layer", linear) for linear in [*linears, model.norm_out.linear]]
 
 
 def tiny_qwen_inputs(
