@@ -25,7 +25,8 @@ from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3Transf
 
 from adalncache.diffusers import adaln_cache_handle, enable_adaln_cache, load_transformer
 from adalncache.errors import ConfigError
-from adalncache.tools.measure import OnloadMeter, drop_page_cache, resident_served_bytes, weight_files
+from adalncache.source.files import checkpoint_files
+from adalncache.tools.measure import OnloadMeter, drop_page_cache, resident_served_bytes
 from adalncache.tools.tiny import make_request, run_loop
 from compose_helpers import gemv_residues
 
@@ -111,7 +112,7 @@ def test_accelerate_cpu_offload_reads_no_projection_and_is_exact(tiny_saved_root
 
     model: Any = load_transformer(tiny_saved_root / "bf16", torch_dtype=torch.bfloat16)
     handle: Any = adaln_cache_handle(model)
-    files = weight_files(tiny_saved_root / "bf16")
+    files = checkpoint_files(tiny_saved_root / "bf16")[0]
     dropped = drop_page_cache(files)
     read_before = handle.source.bytes_read
     cpu_offload(model, execution_device=CPU)

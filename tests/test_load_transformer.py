@@ -24,7 +24,8 @@ from adalncache.diffusers import AdalnCacheConfig, CacheOptions, adaln_cache_han
 from adalncache.errors import CheckpointError, ConfigError
 from adalncache.integrations.diffusers import CheckpointMismatchError
 from adalncache.plans import minimax_h3_plans
-from adalncache.tools.measure import drop_page_cache, io_read_bytes, resident_served_bytes, served_bytes, weight_files
+from adalncache.source.files import checkpoint_files
+from adalncache.tools.measure import drop_page_cache, io_read_bytes, resident_served_bytes, served_bytes
 from adalncache.tools.tiny import make_request, run_loop, tiny_transformer, write_native_model
 from tiny_helpers import write_native_checkpoint
 
@@ -215,7 +216,7 @@ def test_the_load_reads_no_served_byte(tmp_path: Path) -> None:
     directory = tmp_path / "sharded"
     mixed.save_pretrained(directory, max_shard_size="8MB")
     del built, mixed
-    checkpoint = weight_files(directory)
+    checkpoint = checkpoint_files(directory)[0]
     assert len(checkpoint) > 1
     served, total = served_bytes(checkpoint)
     if not drop_page_cache(checkpoint) or io_read_bytes() is None:

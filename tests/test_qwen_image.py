@@ -606,12 +606,12 @@ def test_the_load_reads_no_served_byte(tmp_path: Path) -> None:
     a stock load of the same files reads them, so the measurement sees what it looks for.
     """
     from adalncache.diffusers import load_transformer
+    from adalncache.source.files import checkpoint_files
     from adalncache.tools.measure import (
         drop_page_cache,
         io_read_bytes,
         resident_served_bytes,
         served_bytes,
-        weight_files,
     )
 
     config = {
@@ -627,7 +627,7 @@ def test_the_load_reads_no_served_byte(tmp_path: Path) -> None:
     directory = tmp_path / "sharded"
     built.save_pretrained(directory, max_shard_size="1MB")
     del built
-    checkpoint = weight_files(directory)
+    checkpoint = checkpoint_files(directory)[0]
     assert len(checkpoint) > 1
     served, total = served_bytes(checkpoint)
     assert served > 0

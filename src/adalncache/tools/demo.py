@@ -1,24 +1,13 @@
 """``adalncache demo``: a deterministic tiny model, resident versus cached, with a verdict.
 
-MiniMax-H3 (the default), end to end and offline: a transformer built from a seed and
-round-tripped through ``save_pretrained``/``from_pretrained(torch_dtype=bfloat16)`` (the released
-mixed precision), the whole model written as a sharded native-layout checkpoint (the MiniMax
-release's names), and one request's denoising loop (the pipeline's own layout and plan builders,
-``MiniMaxH3Scheduler``) run twice: with the stock model, projections resident, then with a model
-that :func:`~adalncache.diffusers.load_transformer` loaded from that checkpoint without ever reading
-its AdaLN projections (or its time embedder), served by the cache. The verdict compares every
-forward output and the final latents with ``torch.equal``; the table reports the plans, rebuild
-passes, the checkpoint bytes the load read and never read, AdaLN bytes on the device before and
-after, and per-step time both ways.
-
-``--model qwen-image | bria | ovis-image``: the family's tiny diffusers pipeline, as deterministic
-and offline. A tiny transformer saved in bf16 as a sharded diffusers checkpoint, its pipeline
-around it (tiny VAE; prompt embeddings instead of a text encoder, which needs tokenizer files),
-run once with the stock transformer and once with one ``load_transformer`` loaded without reading
-its modulation projections (nor Qwen-Image's timestep embedder; the AdaLayerNormZero family's time
-embedder is loaded), served by the cache. Bria's pipeline concatenates the conditional and
-unconditional batch (two rows a forward), Ovis-Image's runs them as two forwards. The verdict
-compares the images (Qwen-Image) or latents with ``torch.equal``.
+MiniMax-H3 (the default), end to end and offline: a seeded transformer in the released mixed
+precision, written as a sharded native-layout checkpoint, runs one request's denoising loop twice,
+stock (projections resident) and loaded by :func:`~adalncache.diffusers.load_transformer` without
+ever reading its AdaLN projections or time embedder, served by the cache. ``--model qwen-image |
+bria | ovis-image``: the family's tiny diffusers pipeline (prompt embeddings instead of a text
+encoder, which needs tokenizer files), its transformer saved in bf16 as a sharded diffusers
+checkpoint, run the same two ways. The verdict compares every output with ``torch.equal``; the
+table reports plans, passes, the bytes the load read and never read, and the time both ways.
 """
 
 from __future__ import annotations
@@ -95,9 +84,10 @@ class _Load:
 
 def _measured_load(directory: Path, load: Callable[[], Any]) -> tuple[Any, _Load]:
     """``load()`` of the checkpoint in ``directory`` with its page cache dropped, and what it read."""
-    from .measure import drop_page_cache, io_read_bytes, resident_served_bytes, served_bytes, weight_files
+    from ..source.files import checkpoint_files
+    from .measure import drop_page_cache, io_read_bytes, resident_served_bytes, served_bytes
 
-    files = weight_files(directory)
+    files = checkpoint_files(directory)[0]
     never_read, total = served_bytes(files)
     dropped = drop_page_cache(files)
     before = io_read_bytes()
@@ -147,21 +137,11 @@ def _table_bytes(cache: Any) -> int:
 
 
 def run_task(
-    model: Any,
-    checkpoint: Path,
-    task: str,
-    steps: int,
-    *,
-    seed: int,
-    device: torch.device,
-    config: Path | None = None,
+    model: Any, checkpoint: Path, task: str, steps: int, *, seed: int, device: torch.device, config: Path | None = None
 ) -> DemoResult:
-    """Run one task on the stock ``model``, then on ``load_transformer(checkpoint)``, and compare bit for bit.
-
-    ``config``: the diffusers config directory for a native ``checkpoint`` without one. The load
-    is measured with the checkpoint's page cache dropped first: the bytes it read, and the served
-    tensors' bytes it left in the page cache (none).
-    """
+    """Run one task on the stock ``model``, then on ``load_transformer(checkpoint)`` (its page cache dropped
+    first, :func:`_measured_load`), and compare bit for bit. ``config``: the diffusers config directory
+    of a native ``checkpoint``."""
     from ..diffusers import adaln_cache_handle, load_transformer
     from ..plans import minimax_h3_plans, plan_key
     from .tiny import make_request, run_loop
@@ -284,11 +264,9 @@ def run_minimax_h3(args: argparse.Namespace) -> int:
 class _PipelineDemo:
     """What differs between the pipeline demos (Qwen-Image and the AdaLayerNormZero family's).
 
-    ``title``: the header's model name; ``request``: the request row (``{steps}`` filled in);
-    ``never_read``: what the cached load never reads, in the ``load`` row; ``build(seed)``: the tiny
-    fp32 transformer; ``pipeline(stock, seed)``: its pipeline; ``inputs(stock, seed, device)``: the
-    request's arguments besides the steps and the generator; ``time_embedder``: whether the cached
-    load leaves the time embedder out too (its bytes are then counted with the projections').
+    ``request``: the request row (``{steps}`` filled in); ``never_read``: what the cached load never
+    reads; ``inputs``: the request's arguments besides the steps and the generator;
+    ``time_embedder``: whether the cached load leaves the time embedder out too.
     """
 
     title: str
@@ -372,9 +350,8 @@ def _no_loading_bars() -> Iterator[None]:
 def run_pipeline(args: argparse.Namespace, demo: _PipelineDemo) -> int:
     """A pipeline demo: 0 when the cached request's output equals the resident one, else 1.
 
-    The cached half loads the transformer with ``load_transformer`` (page cache dropped first, bytes
-    read counted), puts it in the pipeline, enables the cache on the pipeline (which adopts the
-    loaded cache and watches the scheduler), runs the request and disables the cache again.
+    The cached half puts a ``load_transformer`` model in the pipeline and enables the cache on the
+    pipeline, which adopts the loaded cache and watches the scheduler.
     """
     from ..diffusers import adaln_cache_handle, enable_adaln_cache, load_transformer
     from .tiny import save_released
@@ -464,16 +441,10 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("--task", default="all", choices=[*TASKS, "all"], help="request kind (default: all three)")
     parser.add_argument(
-        "--steps",
-        type=int,
-        default=8,
-        help="scheduler grid points, terminal 0 included (default: 8 = 7 forwards)",
+        "--steps", type=int, default=8, help="scheduler grid points, terminal 0 included (default: 8 = 7 forwards)"
     )
     parser.add_argument(
-        "--size",
-        default="small",
-        choices=["tiny", "small"],
-        help="model size (default: small, savings in MB)",
+        "--size", default="small", choices=["tiny", "small"], help="model size (default: small, savings in MB)"
     )
     parser.add_argument("--device", default="cpu", help="torch device to run on (default: cpu)")
     # An integer torch's generators take (0 to 2**63 - 1), else argparse's one-line error.

@@ -1,20 +1,9 @@
 """Measuring a process and its checkpoint files: what a load reads, what a process holds, what offloading moves.
 
 One home for the measurements the benchmark, ``make demo``, the tests and ``scripts/gpu_check.py``
-share, so all of them measure the same way:
-
-* **the page cache**: :func:`drop_page_cache` evicts files (``posix_fadvise(DONTNEED)``) and checks
-  with ``mincore`` that none of their pages is left; :func:`resident_served_bytes` asks ``mincore``
-  which pages of the served tensors (the AdaLN projections and the time embedder) are cached,
-  without touching them;
-* **bytes read** from the files: ``/proc/self/io`` ``read_bytes`` (it counts page faults of mapped
-  files as well as ``read``);
-* **resident memory**: ``/proc/self/status`` (``VmHWM``, ``VmRSS``, ``RssAnon``, ``RssFile``, ...)
-  and ``/proc/meminfo``;
-* **bytes onloaded** by diffusers' group offloading: every group's ``onload_`` is wrapped and the
-  bytes of the tensors it moves are summed (:class:`OnloadMeter`).
-
-Linux only (``/proc``); where a measurement is not available the functions return ``None``.
+share: the page cache (``posix_fadvise`` and ``mincore``), bytes read (``/proc/self/io``, which
+counts page faults of mapped files too), memory (``/proc/self/status``, ``/proc/meminfo``) and the
+bytes diffusers' group offloading onloads. Linux only; an unavailable measurement is ``None``.
 """
 
 from __future__ import annotations
@@ -30,8 +19,8 @@ from typing import Any
 
 import torch
 
-from ..source.files import CheckpointFiles, checkpoint_files
-from ..source.reads import resident_fraction
+from ..source.files import CheckpointFiles
+from ..source.reads import PAGE, resident_fraction
 
 #: The tensors the cache serves, in either layout: every block's projection, the output layer's,
 #: and the time embedder (MiniMax-H3's; Qwen-Image's ``img_mod.1``, ``txt_mod.1`` and timestep embedder;
@@ -43,17 +32,8 @@ SERVED = re.compile(
     r"|transformer_blocks\.\d+\.(img|txt)_mod\.1|time_text_embed\.timestep_embedder"
     r"|transformer_blocks\.\d+\.norm1(_context)?\.linear|single_transformer_blocks\.\d+\.norm\.linear)\."
 )
-PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
-#: The ``/proc/self/status`` counters :func:`proc_status` reads by default.
 STATUS_KEYS = ("VmHWM", "VmRSS", "RssAnon", "RssFile")
-
-# ---------------------------------------------------------------------------------------------------- files
-
-
-def weight_files(directory: str | os.PathLike[str]) -> list[Path]:
-    """The safetensors files of a checkpoint directory (its index's, or every one)."""
-    return checkpoint_files(directory)[0]
 
 
 def served_bytes(files: Sequence[Path]) -> tuple[int, int]:
@@ -109,9 +89,6 @@ def resident_served_bytes(files: Sequence[Path]) -> int:
     return total
 
 
-# ---------------------------------------------------------------------------------------------------- the process
-
-
 def io_read_bytes() -> int | None:
     """Bytes this process made the block layer read so far (``/proc/self/io``), or None."""
     try:
@@ -126,22 +103,23 @@ def io_read_bytes() -> int | None:
 
 def proc_status(keys: Sequence[str] = STATUS_KEYS) -> dict[str, int]:
     """This process's memory counters ``keys`` from ``/proc/self/status``, in bytes; empty without ``/proc``."""
-    out = {}
-    with contextlib.suppress(OSError), open("/proc/self/status") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            if key in keys:
-                out[key] = int(value.split()[0]) * 1024
-    return out
+    with contextlib.suppress(OSError):
+        return _kib_counters("/proc/self/status", keys)
+    return {}
 
 
 def meminfo() -> dict[str, int]:
     """The machine's ``/proc/meminfo`` counters, in bytes (``Cached``: the page cache)."""
+    return _kib_counters("/proc/meminfo")
+
+
+def _kib_counters(path: str, keys: Sequence[str] | None = None) -> dict[str, int]:
     out = {}
-    with open("/proc/meminfo") as f:
+    with open(path) as f:
         for line in f:
             key, _, value = line.partition(":")
-            out[key] = int(value.split()[0]) * 1024
+            if keys is None or key in keys:
+                out[key] = int(value.split()[0]) * 1024
     return out
 
 
@@ -158,9 +136,6 @@ def timed(fn: Callable[[], Any], device: torch.device) -> float:
     fn()
     sync_device(device)
     return time.perf_counter() - start
-
-
-# ---------------------------------------------------------------------------------------------------- offloading
 
 
 class OnloadMeter:
@@ -197,10 +172,6 @@ class OnloadMeter:
 
 
 def _group_tensors(group: Any) -> list[torch.Tensor]:
-    seen: dict[int, torch.Tensor] = {}
-    for module in group.modules:
-        for tensor in (*module.parameters(), *module.buffers()):
-            seen[id(tensor)] = tensor
-    for tensor in (*group.parameters, *group.buffers):
-        seen[id(tensor)] = tensor
-    return list(seen.values())
+    """Each tensor of ``group`` once: its modules' parameters and buffers, then its own."""
+    tensors = [t for module in group.modules for t in (*module.parameters(), *module.buffers())]
+    return list({id(t): t for t in (*tensors, *group.parameters, *group.buffers)}.values())

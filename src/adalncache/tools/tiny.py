@@ -1,13 +1,10 @@
 """Deterministic tiny MiniMax-H3 models, checkpoints and denoising requests, built offline.
 
-Tests, the demo and the benchmark all need the same three things: a real
-``MiniMaxH3Transformer3DModel`` small enough for a 2-core CPU, its weights on disk (diffusers layout
-through ``save_pretrained`` and the native MiniMax layout through :func:`write_native_model`),
-and the exact inputs the MiniMax-H3 pipeline feeds the transformer. The inputs are built with the
-pipeline's own static layout and plan builders and stepped with ``MiniMaxH3Scheduler``, so a loop
-run here is the pipeline's denoising loop minus the encoders and decoders. Nothing is downloaded.
-
-Everything here imports diffusers lazily: ``import adalncache.tools.tiny`` works without it.
+A real ``MiniMaxH3Transformer3DModel`` small enough for a 2-core CPU, its weights on disk (diffusers
+layout, or the native MiniMax layout: :func:`write_native_model`), and the exact inputs the pipeline
+feeds it, built with the pipeline's own layout and plan builders and stepped with
+``MiniMaxH3Scheduler``: a loop run here is the pipeline's denoising loop minus the encoders and
+decoders. diffusers is imported lazily, so ``import adalncache.tools.tiny`` works without it.
 """
 
 from __future__ import annotations
@@ -17,11 +14,11 @@ import json
 import os
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 
@@ -32,93 +29,80 @@ from .measure import sync_device
 if TYPE_CHECKING:
     from torch import nn
 
-#: Model sizes. "tiny" is the smallest geometry with every part of the model (2 blocks, hidden 64:
-#: a forward in a few ms); "small" is wide enough that the projections weigh tens of MB (so the
-#: saving reads in MB) and still runs a forward in tens of ms on two cores. "medium" has the
-#: released model's proportions (projection input = hidden / 2, output 18 x hidden, FFN about
-#: 2.7 x hidden), so the projections are about 40% of each block's weights as in MiniMax-H3; it is
-#: the size the bench's forward comparison uses.
-_EVERY_SIZE = {"num_refiner_layers": 1, "in_channels": 4, "audio_in_channels": 8, "patch_size": (1, 2, 2)}
+T = TypeVar("T")
+
+#: Model sizes. "tiny" is the smallest geometry with every part of the model (a forward in a few
+#: ms); "small" makes the projections weigh tens of MB (the saving reads in MB) and still runs a
+#: forward in tens of ms on two cores; "medium" has the released model's proportions (projection
+#: input = hidden / 2, output 18 x hidden, FFN about 2.7 x hidden: the projections are about 40% of
+#: each block's weights), the size the bench's forward comparison uses.
+_SIZE_KEYS = (
+    "num_attention_heads",
+    "attention_head_dim",
+    "hidden_size",
+    "num_layers",
+    "ffn_dim",
+    "text_dim",
+    "freq_dim",
+    "time_embed_hidden_dim",
+    "time_embed_dim",
+    "rope_freq_dim",
+)
 SIZES: dict[str, dict[str, Any]] = {
-    "tiny": {
-        **_EVERY_SIZE,
-        "num_attention_heads": 2,
-        "attention_head_dim": 32,
-        "hidden_size": 64,
-        "num_layers": 2,
-        "ffn_dim": 128,
-        "text_dim": 48,
-        "freq_dim": 32,
-        "time_embed_hidden_dim": 64,
-        "time_embed_dim": 32,
-        "rope_freq_dim": 4,
-    },
-    "small": {
-        **_EVERY_SIZE,
-        "num_attention_heads": 4,
-        "attention_head_dim": 64,
-        "hidden_size": 320,
-        "num_layers": 6,
-        "ffn_dim": 640,
-        "text_dim": 64,
-        "freq_dim": 64,
-        "time_embed_hidden_dim": 320,
-        "time_embed_dim": 320,
-        "rope_freq_dim": 8,
-    },
-    "medium": {
-        **_EVERY_SIZE,
-        "num_attention_heads": 12,
-        "attention_head_dim": 64,
-        "hidden_size": 768,
-        "num_layers": 8,
-        "ffn_dim": 2048,
-        "text_dim": 64,
-        "freq_dim": 64,
-        "time_embed_hidden_dim": 384,
-        "time_embed_dim": 384,
-        "rope_freq_dim": 8,
-    },
+    name: {"num_refiner_layers": 1, "in_channels": 4, "audio_in_channels": 8, "patch_size": (1, 2, 2)}
+    | dict(zip(_SIZE_KEYS, values))
+    for name, values in {
+        "tiny": (2, 32, 64, 2, 128, 48, 32, 64, 32, 4),
+        "small": (4, 64, 320, 6, 640, 64, 64, 320, 320, 8),
+        "medium": (12, 64, 768, 8, 2048, 64, 64, 384, 384, 8),
+    }.items()
 }
 
 
-def tiny_transformer(size: str = "tiny", seed: int = 0) -> nn.Module:
-    """A deterministic fp32 ``MiniMaxH3Transformer3DModel`` of the given size, in eval mode.
+def seeded(build: Callable[[], T], seed: int) -> T:
+    """``build()`` with the global RNG seeded from ``seed`` and forked, so the weights depend only on
+    ``seed`` and building never changes the random stream a caller draws from."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return build()
 
-    The weights depend only on ``seed``: the global RNG is forked, so building a model never
-    changes the random stream a caller's test or demo draws from.
-    """
+
+def widen(linears: Iterable[Any]) -> None:
+    """Widen projections the default init leaves near zero, so a wrong table changes the output visibly."""
+    with torch.no_grad():
+        for linear in linears:
+            linear.weight.mul_(4.0)
+            linear.bias.normal_(0.0, 0.5)
+
+
+def tiny_transformer(size: str = "tiny", seed: int = 0) -> nn.Module:
+    """A deterministic (:func:`seeded`) fp32 ``MiniMaxH3Transformer3DModel`` of the given size, in eval mode."""
     from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3Transformer3DModel
 
     if size not in SIZES:
         raise ConfigError(f"unknown model size {size!r}: set size= (CLI --size) to one of {sorted(SIZES)}")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model: Any = MiniMaxH3Transformer3DModel(**SIZES[size])
-        # The default init leaves the AdaLN projections near zero-mean noise of tiny magnitude;
-        # widen them so the modulation moves the outputs and a wrong table cannot go unnoticed.
-        with torch.no_grad():
-            for module in projection_linears(model):
-                module.weight.mul_(4.0)
-                module.bias.normal_(0.0, 0.5)
-    return model.eval()
+
+    def build() -> Any:
+        model = MiniMaxH3Transformer3DModel(**SIZES[size])
+        widen(projection_linears(model))  # inside the fork: the widened biases are drawn from the seed too
+        return model
+
+    return seeded(build, seed).eval()
 
 
 def projection_linears(model: Any) -> list[Any]:
     """Every block's ``adaln_proj.linear`` and ``norm_out.linear`` (their base layers under a LoRA), in layer order."""
-    linears = [block.adaln_proj.linear for block in model.transformer_blocks]
-    linears.append(model.norm_out.linear)
+    linears = [*(block.adaln_proj.linear for block in model.transformer_blocks), model.norm_out.linear]
     return [getattr(linear, "base_layer", linear) for linear in linears]
 
 
 def save_tiny(model: Any, directory: str | os.PathLike[str], *, dtype: torch.dtype = torch.bfloat16) -> Any:
     """``save_pretrained`` a tiny diffusers model to ``directory`` and load it back with ``torch_dtype=dtype``.
 
-    With bf16 this is the released mixed precision: ``_keep_in_fp32_modules`` keeps MiniMax-H3's time
-    embedder, patch projections and heads in fp32 and the AdaLN projections and blocks in bf16.
-    With fp32 the loaded weights stay views into the mapped file, at the file's (odd) offsets,
-    which is the alignment case exactness tests must cover (an fp32 GEMV's bits depend on the
-    weight's address modulo 16).
+    With bf16 this is the released mixed precision (``_keep_in_fp32_modules`` keeps MiniMax-H3's
+    time embedder, patch projections and heads in fp32). With fp32 the loaded weights stay views
+    into the mapped file at its (odd) offsets: the alignment case exactness tests must cover (an
+    fp32 GEMV's bits depend on the weight's address modulo 16).
     """
     if dtype not in (torch.bfloat16, torch.float32, torch.float16):
         raise ConfigError(f"save_tiny dtype must be bfloat16, float16 or float32, got {dtype}")
@@ -129,10 +113,8 @@ def save_tiny(model: Any, directory: str | os.PathLike[str], *, dtype: torch.dty
 def save_released(model: Any, directory: str | os.PathLike[str], *, max_shard_size: str = "10GB") -> None:
     """Write an fp32 diffusers ``model`` to ``directory`` as a release's files: bf16, fp32 where its class says.
 
-    Why not ``model.to(torch.bfloat16)`` and save: diffusers warns about a direct cast of a model
-    that names modules to keep in fp32. Saving the fp32 model and loading it back with
-    ``torch_dtype=torch.bfloat16`` (:func:`save_tiny`) is the released precision rule, applied by
-    diffusers itself; ``max_shard_size`` shards the files like a release's.
+    Not ``model.to(torch.bfloat16)``: diffusers warns about a direct cast of a model that names
+    modules to keep in fp32; loading back with ``torch_dtype`` (:func:`save_tiny`) applies the rule.
     """
     with tempfile.TemporaryDirectory(prefix="adalncache-fp32-") as scratch:
         save_tiny(model, scratch, dtype=torch.bfloat16).save_pretrained(directory, max_shard_size=max_shard_size)
@@ -200,11 +182,8 @@ def native_state_dict(model: nn.Module, *, qkv_layout: str = "stacked") -> dict[
 def write_native_model(
     model: nn.Module, path: str | os.PathLike[str], *, shards: int = 1, qkv_layout: str = "stacked"
 ) -> Path:
-    """Write the whole model as a native-layout checkpoint (``model.safetensors``, or shards with an index).
-
-    The files the MiniMax release ships: every tensor under its native name (see
-    :func:`native_state_dict`), written with safetensors' own writer. Returns the directory.
-    """
+    """Write the whole model as the MiniMax release ships it: every tensor under its native name
+    (:func:`native_state_dict`), in ``model.safetensors`` or shards with an index. Returns the directory."""
     from safetensors.torch import save_file
 
     if not isinstance(shards, int) or shards < 1:
@@ -227,9 +206,7 @@ def write_native_model(
     return directory
 
 
-# --------------------------------------------------------------------------------------------------
-# Requests: the pipeline's packed layout and row-timestep plan, without encoders or decoders.
-# --------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------- requests
 
 
 @dataclass
@@ -377,12 +354,9 @@ class LoopResult:
 
     def equal(self, other: LoopResult) -> bool:
         """True when every forward output and both final row sets are bit-identical (``torch.equal``)."""
-        if len(self.outputs) != len(other.outputs):
-            return False
-        for (video_a, audio_a), (video_b, audio_b) in zip(self.outputs, other.outputs):
-            if not (torch.equal(video_a, video_b) and torch.equal(audio_a, audio_b)):
-                return False
-        return torch.equal(self.latents, other.latents) and torch.equal(self.audio_latents, other.audio_latents)
+        mine = [*self.outputs, (self.latents, self.audio_latents)]
+        theirs = [*other.outputs, (other.latents, other.audio_latents)]
+        return len(mine) == len(theirs) and all(torch.equal(a, b) for m, t in zip(mine, theirs) for a, b in zip(m, t))
 
 
 @torch.no_grad()
@@ -437,9 +411,7 @@ def run_loop(
     return LoopResult(outputs=outputs, latents=latents, audio_latents=audio_latents, step_seconds=seconds)
 
 
-# --------------------------------------------------------------------------------------------------
-# The whole modular pipeline: tiny text encoder, locally trained tokenizer, tiny VAEs.
-# --------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------- the pipeline
 
 _CORPUS = (
     "a cat playing a piano in the rain",
@@ -474,11 +446,9 @@ def tiny_tokenizer() -> Any:
 def tiny_processor(tokenizer: Any) -> Any:
     """A real ``Qwen3VLProcessor`` around ``tokenizer``, built without torchvision.
 
-    ``Qwen3VLProcessor.__init__`` insists on a video processor, and every transformers video
-    processor needs torchvision, which has no wheel for this torch build. ``t2va`` only calls
-    ``create_mm_token_type_ids`` (and ``fl2va`` the image processor), so the processor is built
-    by its own ``__init__`` with the PIL image processor and no video processor: only the class
-    check of that one argument is relaxed, for the duration of the constructor.
+    Its ``__init__`` insists on a video processor, and every one needs torchvision (no wheel for
+    this torch build); ``t2va`` and ``fl2va`` never call it, so the class check of that argument is
+    relaxed for the duration of the constructor, which gets the PIL image processor and no video one.
     """
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
     from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
@@ -542,10 +512,7 @@ def tiny_text_encoder(tokenizer: Any, text_dim: int, seed: int = 0) -> Any:
         vision_start_token_id=tokenizer.convert_tokens_to_ids("<|vision_start|>"),
         vision_end_token_id=tokenizer.convert_tokens_to_ids("<|vision_end|>"),
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        encoder = Qwen3VLForConditionalGeneration(config)
-    return encoder.eval()
+    return seeded(lambda: Qwen3VLForConditionalGeneration(config), seed).eval()
 
 
 def tiny_vaes(video_channels: int, audio_channels: int, seed: int = 0) -> tuple[Any, Any]:
@@ -558,9 +525,8 @@ def tiny_vaes(video_channels: int, audio_channels: int, seed: int = 0) -> tuple[
     from diffusers.models.autoencoders.autoencoder_kl_minimax_h3 import AutoencoderKLMiniMaxH3
     from diffusers.models.autoencoders.autoencoder_kl_minimax_h3_audio import AutoencoderKLMiniMaxH3Audio
 
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        vae: Any = AutoencoderKLMiniMaxH3(
+    def build() -> tuple[Any, Any]:
+        vae = AutoencoderKLMiniMaxH3(
             latent_channels=video_channels,
             block_out_channels=(8, 8, 8, 8, 8, 8),
             layers_per_block=1,
@@ -573,7 +539,7 @@ def tiny_vaes(video_channels: int, audio_channels: int, seed: int = 0) -> tuple[
             latents_mean=(0.0,) * video_channels,
             latents_std=(1.0,) * video_channels,
         )
-        audio_vae: Any = AutoencoderKLMiniMaxH3Audio(
+        audio_vae = AutoencoderKLMiniMaxH3Audio(
             encoder_dim=4,
             encoder_rates=(2, 4, 4, 5, 5),
             latent_dim=2 * audio_channels,
@@ -587,7 +553,9 @@ def tiny_vaes(video_channels: int, audio_channels: int, seed: int = 0) -> tuple[
             latents_mean=[0.0] * audio_channels,
             latents_std=[1.0] * audio_channels,
         )
-    return vae.eval(), audio_vae.eval()
+        return vae.eval(), audio_vae.eval()
+
+    return seeded(build, seed)
 
 
 def tiny_pipeline(transformer: nn.Module | None = None, *, size: str = "tiny", seed: int = 0) -> Any:
@@ -595,7 +563,6 @@ def tiny_pipeline(transformer: nn.Module | None = None, *, size: str = "tiny", s
 
     ``transformer`` defaults to :func:`tiny_transformer`; the text encoder's width follows its
     ``text_dim``. A 64x64, 124-frame, 4-step ``t2va`` call runs in well under a second on CPU.
-    Nothing is downloaded.
     """
     import warnings
 

@@ -1,17 +1,10 @@
 """Tiny seeded AdaLayerNormZero-family models, and the pipelines of the two the demo runs (Bria, Ovis-Image).
 
-A tiny model is a real diffusers class (``BriaTransformer2DModel``, ``OvisImageTransformer2DModel``,
-or any class of the family given its config) small enough for a 2-core CPU, its weights filled from
-a seeded generator (not the class's own init, some of which zeroes projections), so two builds with
-the same seed are the same model, and a bf16 copy round-trips through
-``save_pretrained``/``from_pretrained``.
-
-Its pipeline gets a tiny one-level VAE (only sized: the demo's requests return latents) and no text
-encoder: the encoders need tokenizer files that cannot be made offline, so a request passes seeded
-prompt embeddings (:func:`prompt_embeds`). The VAE is built at the dtype it runs in (fp32,
-diffusers' default), so building it logs nothing.
-
-Everything imports diffusers lazily: ``import adalncache.tools.tiny_adaln_zero`` works without it.
+A tiny model is a real diffusers class small enough for a 2-core CPU, every weight drawn from a
+seeded generator (not the class's own init, some of which zeroes projections). Its pipeline gets a
+tiny one-level VAE (fp32, the dtype it runs in: building it logs nothing) and no text encoder (the
+encoders need tokenizer files that cannot be made offline): a request passes seeded prompt
+embeddings (:func:`prompt_embeds`). diffusers is imported lazily.
 """
 
 from __future__ import annotations
@@ -20,6 +13,8 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from .tiny import seeded
 
 if TYPE_CHECKING:
     from torch import nn
@@ -48,10 +43,7 @@ def seeded_model(
     """The diffusers class ``class_name`` built from ``config``, every parameter drawn from ``seed``, in eval mode."""
     import diffusers
 
-    cls = getattr(diffusers, class_name)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = cls(**config)
+    model = seeded(lambda: getattr(diffusers, class_name)(**config), seed)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for _, param in sorted(model.named_parameters()):
@@ -81,10 +73,8 @@ def flux_vae(latent_channels: int) -> Any:
 def pipeline_class(name: str) -> Any:
     """The diffusers pipeline class ``name``, imported without transformers' torchvision-fallback notices.
 
-    Some pipeline modules import ``CLIPImageProcessor`` or ``SiglipImageProcessor`` at module level;
-    without torchvision, transformers binds each to its PIL twin and logs a notice once. The tiny
-    pipelines use no image processor but the PIL one they are given, so the notice says nothing
-    about them: transformers' log level is raised for the import only, then restored.
+    Without torchvision, transformers binds an image processor a pipeline module imports to its PIL
+    twin and logs a notice, which says nothing about the tiny pipelines (they use the PIL one).
     """
     import diffusers
     from transformers.utils import logging as transformers_logging

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
+from .tiny import seeded, widen
 
 #: The constructor arguments shared by every variant.
 BASE: dict[str, Any] = {
@@ -48,12 +49,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
 
 
 def tiny_qwen_transformer(variant: str = "plain", seed: int = 0, size: str = "tiny") -> nn.Module:
-    """A deterministic fp32 ``QwenImageTransformer2DModel`` of ``variant``, in eval mode.
-
-    The modulation projections are widened (the default init leaves them near zero) so that a
-    wrong table changes the output visibly; the global RNG is forked, so building one never
-    changes the random stream of the caller.
-    """
+    """A deterministic (:func:`~adalncache.tools.tiny.seeded`) fp32 ``QwenImageTransformer2DModel`` of
+    ``variant``, its modulation projections widened, in eval mode."""
     from diffusers import QwenImageTransformer2DModel
 
     if variant not in VARIANTS:
@@ -61,25 +58,22 @@ def tiny_qwen_transformer(variant: str = "plain", seed: int = 0, size: str = "ti
     if size not in SIZES:
         raise ConfigError(f"unknown tiny Qwen-Image size {size!r}: use one of {sorted(SIZES)}")
     config = {**BASE, **SIZES[size], **VARIANTS[variant]}
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+
+    def build() -> Any:
         model: Any = QwenImageTransformer2DModel(**config)
-        with torch.no_grad():
-            for linear in modulation_linears(model):
-                linear.weight.mul_(4.0)
-                linear.bias.normal_(0.0, 0.5)
-            if config.get("use_additional_t_cond"):
+        widen(modulation_linears(model))
+        if config.get("use_additional_t_cond"):
+            with torch.no_grad():
                 model.time_text_embed.addition_t_embedding.weight.normal_(0.0, 0.5)
-    return model.eval()
+        return model
+
+    return seeded(build, seed).eval()
 
 
 def modulation_linears(model: Any) -> list[Any]:
     """Every block's ``img_mod.1`` and ``txt_mod.1`` and ``norm_out.linear``, in the geometry's order."""
-    linears = []
-    for block in model.transformer_blocks:
-        linears += [block.img_mod[1], block.txt_mod[1]]
-    linears.append(model.norm_out.linear)
-    return [getattr(linear, "base_layer", linear) for linear in linears]
+    linears = [linear for block in model.transformer_blocks for linear in (block.img_mod[1], block.txt_mod[1])]
+    return [getattr(linear, "base_layer", linear) for linear in [*linears, model.norm_out.linear]]
 
 
 def tiny_qwen_inputs(
@@ -114,16 +108,9 @@ def tiny_qwen_vae(seed: int = 0) -> Any:
     """A deterministic tiny ``AutoencoderKLQwenImage`` (8x spatial, 4 latent channels), in eval mode."""
     from diffusers import AutoencoderKLQwenImage
 
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        vae: Any = AutoencoderKLQwenImage(
-            base_dim=8,
-            z_dim=4,
-            dim_mult=[1, 1, 1, 1],
-            num_res_blocks=1,
-            latents_mean=[0.1, -0.2, 0.3, 0.0],
-            latents_std=[1.5, 2.0, 1.0, 2.5],
-        )
+    mean, std = [0.1, -0.2, 0.3, 0.0], [1.5, 2.0, 1.0, 2.5]
+    args = {"base_dim": 8, "z_dim": 4, "dim_mult": [1, 1, 1, 1], "num_res_blocks": 1}
+    vae: Any = seeded(lambda: AutoencoderKLQwenImage(**args, latents_mean=mean, latents_std=std), seed)
     return vae.eval()
 
 
@@ -137,15 +124,12 @@ def tiny_qwen_pipeline(
 ) -> Any:
     """A Qwen-Image pipeline of a tiny transformer and VAE, by default without text encoder, tokenizer or processor.
 
-    ``pipeline``: the diffusers class, ``QwenImagePipeline`` or a pipeline sharing the transformer
-    (``QwenImageEditPipeline``, ``QwenImageEditPlusPipeline``, ``QwenImageLayeredPipeline``; the
-    latter with a ``"layered"`` transformer and a tiny text encoder, :func:`tiny_qwen_text_encoder`).
-    The Edit pipelines' Qwen2.5-VL processor needs files that cannot be made offline: requests pass
-    ``prompt_embeds`` and ``prompt_embeds_mask`` (:func:`tiny_prompt_embeds`) instead, and the
-    pipelines then never call it. ``text_encoder_layers`` > 0 (``QwenImagePipeline``): the pipeline
-    encodes its prompts itself, with the locally trained byte-level tokenizer
-    (:func:`~adalncache.tools.tiny.tiny_tokenizer`) and a text encoder of that many layers as wide
-    as the transformer's ``joint_attention_dim``.
+    ``pipeline``: ``QwenImagePipeline`` or another diffusers pipeline of the transformer (Edit,
+    EditPlus, Layered: the latter with a ``"layered"`` transformer). The Edit pipelines' processor
+    needs files that cannot be made offline: requests pass ``prompt_embeds`` and
+    ``prompt_embeds_mask`` (:func:`tiny_prompt_embeds`) instead. ``text_encoder_layers`` > 0
+    (``QwenImagePipeline`` only): the pipeline encodes its prompts itself, with
+    :func:`~adalncache.tools.tiny.tiny_tokenizer` and a text encoder of that many layers.
     """
     import diffusers
     from diffusers import FlowMatchEulerDiscreteScheduler
@@ -156,7 +140,7 @@ def tiny_qwen_pipeline(
     scheduler = FlowMatchEulerDiscreteScheduler(
         use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9, shift_terminal=0.02, time_shift_type="exponential"
     )
-    model = transformer if transformer is not None else tiny_qwen_transformer(variant, seed)
+    model: Any = transformer if transformer is not None else tiny_qwen_transformer(variant, seed)
     parts: dict[str, Any] = {
         "scheduler": scheduler,
         "vae": tiny_qwen_vae(seed),
@@ -172,8 +156,7 @@ def tiny_qwen_pipeline(
         from .tiny import tiny_tokenizer
 
         parts["tokenizer"] = tokenizer = tiny_tokenizer()
-        config: Any = model.config
-        width = int(config.joint_attention_dim)
+        width = int(model.config.joint_attention_dim)
         parts["text_encoder"] = tiny_qwen_text_encoder(
             seed, width=width, layers=text_encoder_layers, vocab_size=len(tokenizer)
         )
@@ -183,13 +166,8 @@ def tiny_qwen_pipeline(
 
 
 def tiny_qwen_text_encoder(seed: int = 0, *, width: int = 16, layers: int = 1, vocab_size: int = 64) -> Any:
-    """A deterministic tiny ``Qwen2_5_VLForConditionalGeneration`` (``layers`` text layers of ``width``;
-    one vision layer of width 16), in eval mode.
-
-    Built from a config alone (no download). Its weights mean nothing: most tiny pipelines take
-    ``prompt_embeds`` (the Layered pipeline only reads its dtype); ``with_text_encoder`` pipelines
-    encode their prompts with it (``width``: the transformer's ``joint_attention_dim``).
-    """
+    """A deterministic tiny ``Qwen2_5_VLForConditionalGeneration`` (``layers`` text layers of ``width``,
+    the transformer's ``joint_attention_dim``; one vision layer of width 16), in eval mode."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     quarter = width // 16  # the rotary sections split half of each head's width (width / 2 heads)
@@ -212,10 +190,8 @@ def tiny_qwen_text_encoder(seed: int = 0, *, width: int = 16, layers: int = 1, v
         "out_hidden_size": 16,
         "fullatt_block_indexes": [0],
     }
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        encoder: Any = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(text_config=text, vision_config=vision))
-    return encoder.eval()
+    config = Qwen2_5_VLConfig(text_config=text, vision_config=vision)
+    return seeded(lambda: Qwen2_5_VLForConditionalGeneration(config), seed).eval()
 
 
 def tiny_prompt_embeds(model: Any, batch: int = 1, seed: int = 0, tokens: int = 5) -> dict[str, torch.Tensor]:

@@ -1,16 +1,9 @@
 """``adalncache bench``: side-by-side measurements of the rebuild pass, serving and memory.
 
-Every comparison is measured in one run on one machine and printed as a ratio of medians, because
-absolute times on a shared CPU say little while ratios of neighbouring runs stay meaningful.
-Results go to ``bench/results/`` as JSON, Markdown and a PNG chart (:func:`write_outputs`), after
-every section, so a long run leaves partial results.
-
-The sections (``--only``), each documented where it is defined: ``pass``, ``qwen-pass``, ``build``,
-``store``, ``memory`` and ``tables`` on a checkpoint generated at the real projection widths
-(:mod:`.passes`); ``forward``, ``qwen``, ``first-request`` and ``deploy`` on tiny real models
-(:mod:`.models`). What they share: :mod:`.workload` (the generated checkpoint, the request, its
-inputs, the results model) and :mod:`.primitives` (what is timed side by side, SGLang's cache
-among it). Process and page-cache measurements are :mod:`adalncache.tools.measure`'s.
+Every comparison is a ratio of medians measured in one run (see docs/benchmarks.md). The sections
+(``--only``) on a checkpoint generated at the real projection widths are :mod:`.passes`'; those on
+tiny real models :mod:`.models`'; what they share is :mod:`.workload` and :mod:`.primitives`.
+Results go to ``bench/results/`` after every section, so a long run leaves partial results.
 """
 
 from __future__ import annotations
@@ -37,28 +30,16 @@ from .passes import bench_build_latency, bench_memory, bench_pass, bench_qwen_pa
 from .workload import QWEN_DIM, REAL_HIDDEN, REAL_IN, STEPS, Results, generate_checkpoint, request_plans
 
 #: The sections, in the order they run (``--only`` takes their names).
-SECTIONS = (
-    "pass",
-    "forward",
-    "qwen",
-    "qwen-pass",
-    "first-request",
-    "build",
-    "store",
-    "memory",
-    "deploy",
-    "tables",
-)
+SECTIONS = ("pass", "forward", "qwen", "qwen-pass", "first-request", "build", "store", "memory", "deploy", "tables")
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the sections ``args.only`` asks for; results are written after every section."""
     torch.manual_seed(0)
     device = resolve_device(args.device)
-    hidden = args.hidden if args.hidden else REAL_HIDDEN
-    in_features = args.in_features if args.in_features else REAL_IN
+    hidden, in_features = args.hidden or REAL_HIDDEN, args.in_features or REAL_IN
     layers = 50 if args.full else args.layers
-    runs = args.runs if args.runs else (1 if args.quick else 3)
+    runs = args.runs or (1 if args.quick else 3)
     spec = ModulationSpec(num_layers=layers, hidden_size=hidden, time_embed_dim=in_features)
     work = Path(args.dir) if args.dir else Path(tempfile.gettempdir()) / "adalncache-bench"
     ckpt_dir = work / f"ckpt-{layers}x{hidden}x{in_features}"
@@ -70,9 +51,7 @@ def run(args: argparse.Namespace) -> int:
         )
         generate_checkpoint(spec, ckpt_dir)
         source = CheckpointSource(ckpt_dir, spec)
-    plans = request_plans(STEPS)
-    if args.plans:
-        plans = plans[: args.plans]
+    plans = request_plans(STEPS)[: args.plans or None]  # --plans caps the request
     res = Results(
         config={
             "command": " ".join(["adalncache bench", *args.argv]),
@@ -95,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
         "forward": lambda: bench_forward(res, args.size, 3 if args.quick else 8, runs, device),
         "qwen": lambda: bench_qwen(res, runs, device),
         "qwen-pass": lambda: bench_qwen_pass(
-            res, runs, device, work, dim=args.hidden if args.hidden else QWEN_DIM, max_plans=args.plans
+            res, runs, device, work, dim=args.hidden or QWEN_DIM, max_plans=args.plans
         ),
         "first-request": lambda: bench_first_request(res, args.size, runs, work, device),
         "build": lambda: bench_build_latency(res, runs, work / "ckpt-latency-50x8x16", device),
@@ -122,16 +101,9 @@ def write_outputs(res: Results, out_dir: Path) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path = out_dir / "bench.json"
     json_path.write_text(json.dumps(res.as_dict(), indent=2, default=str))
-    md = [
-        "# adalncache bench",
-        "",
-        f"Command: `{res.config['command']}`",
-        "",
-        f"Machine: {res.config['machine']}",
-        "",
-        "| comparison | subject | baseline | subject median | baseline median | ratio | target | met |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+    md = ["# adalncache bench", "", f"Command: `{res.config['command']}`", "", f"Machine: {res.config['machine']}", ""]
+    md.append("| comparison | subject | baseline | subject median | baseline median | ratio | target | met |")
+    md.append("|---|---|---|---|---|---|---|---|")
     for c in res.comparisons:
         target = "" if c.target is None else f"<= {c.target:g}"
         met = "" if c.met is None else ("yes" if c.met else "NO")
@@ -225,7 +197,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--out", default="bench/results", help="output directory (default bench/results)")
 
     def func(args: argparse.Namespace) -> int:
-        args.argv = [a for a in sys.argv[2:]] if len(sys.argv) > 1 and sys.argv[1] == "bench" else []
+        args.argv = sys.argv[2:] if len(sys.argv) > 1 and sys.argv[1] == "bench" else []
         return run(args)
 
     p.set_defaults(func=func)

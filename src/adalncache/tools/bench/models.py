@@ -2,9 +2,7 @@
 
 Each runs a tiny diffusers model or pipeline (:mod:`adalncache.tools.tiny`,
 :mod:`adalncache.tools.tiny_qwen`) resident and served by the cache, checks the outputs with
-``torch.equal``, and measures the two side by side: a forward step, a first request's time to its
-first step, and what deploying without the projections reads, holds and moves. The ``deploy``
-section adds the released MiniMax-H3 geometry as arithmetic.
+``torch.equal``, and measures the two side by side.
 """
 
 from __future__ import annotations
@@ -23,6 +21,7 @@ from typing import Any
 import torch
 
 from ...plans import minimax_h3_plans, plan_key
+from ...source.files import checkpoint_files
 from ..measure import (
     OnloadMeter,
     drop_page_cache,
@@ -31,7 +30,6 @@ from ..measure import (
     resident_served_bytes,
     served_bytes,
     timed,
-    weight_files,
 )
 from .primitives import in_fresh_process
 from .workload import Comparison, Results
@@ -42,11 +40,8 @@ from .workload import Comparison, Results
 def forward_rounds(
     models: Mapping[str, Any], calls: Sequence[Mapping[str, Any]], runs: int, device: torch.device
 ) -> dict[str, list[float]]:
-    """Seconds of each model's forward on each of ``calls``, ``2 * runs`` rounds.
-
-    The models take turns call by call, within milliseconds of each other, so drifting load on a
-    shared machine hits them alike.
-    """
+    """Seconds of each model's forward on each of ``calls``, ``2 * runs`` rounds, the models taking turns
+    call by call (drifting load on a shared machine hits them alike)."""
     samples: dict[str, list[float]] = {name: [] for name in models}
     with torch.no_grad():
         for _ in range(max(runs, 1) * 2):
@@ -59,21 +54,18 @@ def forward_rounds(
 def bench_forward(res: Results, size: str, steps: int, runs: int, device: torch.device) -> None:
     """The ``forward`` section: a forward step of a tiny MiniMax-H3, resident, served from the cache, and offloaded.
 
-    Three instances of the same seeded model run the same request: with its projections resident,
-    with the cache enabled, and with diffusers' group offloading moving the projections (to disk on
-    a CPU, where offloading to the CPU would be a no-op; to host memory on a GPU). Exactness comes
-    from the real denoising loop; timing is per step, the three variants taking turns.
+    Three instances of the same seeded model run the same request: projections resident, the cache
+    enabled, and diffusers' group offloading moving the projections (to disk on a CPU, where
+    offloading to the CPU would be a no-op; to host memory on a GPU). Exactness comes from the real
+    denoising loop; timing is per step, the three taking turns.
     """
-    try:
-        from diffusers.hooks import apply_group_offloading
-
-        from ...diffusers import enable_adaln_cache
-        from ..tiny import make_request, run_loop, tiny_transformer
-    except ImportError as exc:
-        res.note(f"forward comparison skipped: diffusers unavailable ({exc})")
+    if res.lacks("forward comparison", "diffusers"):
         return
+    from diffusers.hooks import apply_group_offloading
 
-    # Three instances of the same seeded model, run round-robin (noise hits all three alike).
+    from ...diffusers import enable_adaln_cache
+    from ..tiny import make_request, run_loop, tiny_transformer
+
     model: Any = tiny_transformer(size).to(device)
     request = make_request(model, "t2va", steps, device=device)
     cached_model: Any = tiny_transformer(size).to(device)
@@ -82,7 +74,6 @@ def bench_forward(res: Results, size: str, steps: int, runs: int, device: torch.
     off_model: Any = tiny_transformer(size).to(device)
     on_gpu = device.type == "cuda"
     offload_to = "host" if on_gpu else "disk"
-    outs: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="adalncache-offload-") as tmp:
         modules = [(f"block{n}", b.adaln_proj) for n, b in enumerate(off_model.transformer_blocks)]
         for name, module in [*modules, ("norm_out", off_model.norm_out)]:
@@ -93,10 +84,7 @@ def bench_forward(res: Results, size: str, steps: int, runs: int, device: torch.
         try:
             handle.prepare(request.plans)
             variants = {"resident": model, "cached": cached_model, "offload": off_model}
-            # Exactness from the real denoising loop, once per variant (this also warms them up).
-            for name, which in variants.items():
-                outs[name] = run_loop(which, request)
-            # Timing on the request's own per-step inputs.
+            outs = {name: run_loop(which, request) for name, which in variants.items()}  # also the warm-up
             calls = [
                 request.forward_kwargs(step, request.latents, request.audio_latents)
                 for step in range(len(request.plan))
@@ -126,19 +114,14 @@ QWEN_TIMESTEPS = (0.999, 0.75, 0.5)
 
 
 def bench_qwen(res: Results, runs: int, device: torch.device) -> None:
-    """The ``qwen`` section: a forward step of a tiny Qwen-Image, resident and served from the cache.
-
-    Two instances of the same seeded ``QwenImageTransformer2DModel`` (bf16, the released dtype) run
-    the same three-step request, one with its modulation projections resident, one with the cache
-    enabled (every plan prepared in one pass first). Exactness is ``torch.equal`` of every step's
-    output; timing is per step, the two taking turns.
-    """
-    try:
-        from ...diffusers import enable_adaln_cache
-        from ..tiny_qwen import tiny_qwen_inputs, tiny_qwen_transformer
-    except ImportError as exc:
-        res.note(f"qwen forward comparison skipped: diffusers unavailable ({exc})")
+    """The ``qwen`` section: a forward step of a tiny Qwen-Image (bf16, the released dtype), resident and
+    served from the cache (every plan prepared in one pass first); ``torch.equal`` on every step's
+    output, timing per step, the two taking turns."""
+    if res.lacks("qwen forward comparison", "diffusers"):
         return
+    from ...diffusers import enable_adaln_cache
+    from ..tiny_qwen import tiny_qwen_inputs, tiny_qwen_transformer
+
     models: dict[str, Any] = {
         name: tiny_qwen_transformer("plain").to(device=device, dtype=torch.bfloat16) for name in ("resident", "cached")
     }
@@ -267,37 +250,29 @@ def _compare(
 
 
 def _latents(output: Any) -> torch.Tensor:
-    """The final latents of a MiniMax-H3 (``output=["latents"]``) or Qwen-Image (``output_type="latent"``) call."""
-    if hasattr(output, "images"):  # a pipeline output (itself a dict) of a classic pipeline
-        images: torch.Tensor = output.images
-        return images
-    latents: torch.Tensor = output["latents"]
+    """The final latents of a MiniMax-H3 (``output=["latents"]``) or Qwen-Image (``output_type="latent"``) call
+    (the latter's output is itself a dict: ``images`` tells it apart)."""
+    latents: torch.Tensor = output.images if hasattr(output, "images") else output["latents"]
     return latents
 
 
 def bench_first_request(res: Results, size: str, runs: int, work: Path, device: torch.device | None = None) -> None:
-    """The ``first-request`` section: a first request's wall time to the end of its first denoising step.
+    """The ``first-request`` section: a first request's wall time to the end of its first ``scheduler.step``
+    (prompt encoding + pass + first step), from a cold cache.
 
-    Two pipelines of the same seeded components run the same request from a cold cache
-    (``invalidate()`` before each run): one with the request's pass in the foreground (the whole
-    schedule before step 0), one with ``overlap=True`` (the pass on a background thread, step 0
-    waiting only for its own plans). Measured for a MiniMax-H3 modular pipeline (``--size``: its
-    pass starts at the denoise loop, after the prompt is encoded) and for a Qwen-Image pipeline with
-    a real tokenizer and text encoder (its pass starts when the call begins, from the schedule
-    predicted from the call's arguments, so it overlaps the prompt encoding too). The time measured
-    is from the call to the end of the first ``scheduler.step``: prompt encoding + pass + first step.
-    The request is then stopped (the rest of the loop is the same in both) and its holds released;
-    both handles' background passes are joined before each run, outside the timing
-    (``invalidate()`` does not wait for a pass: a pass still running would build into the next
-    run's cold cache and overlap its timing). Exactness: the whole request of each pipeline, run
-    once, ``torch.equal`` on the latents.
+    Pipelines of the same seeded components, one with the request's pass before step 0, one with
+    ``overlap=True`` (step 0 waits only for its own plans): a MiniMax-H3 modular pipeline (its pass
+    starts at the denoise loop) and a Qwen-Image pipeline with a real text encoder (its pass starts
+    when the call begins, so it overlaps the prompt encoding too). The request is then stopped (the
+    rest is the same in both) and every background pass joined outside the timing: ``invalidate()``
+    does not wait for one, which would build into the next run's cold cache. Exactness: each
+    pipeline's whole request once, ``torch.equal`` on the latents.
     """
-    try:
-        from ...diffusers import enable_adaln_cache
-        from ..tiny import tiny_pipeline
-    except ImportError as exc:
-        res.note(f"first-request comparison skipped: diffusers or transformers unavailable ({exc})")
+    if res.lacks("first-request comparison", "diffusers", "transformers"):
         return
+    from ...diffusers import enable_adaln_cache
+    from ..tiny import tiny_pipeline
+
     device = device or torch.device("cpu")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -350,10 +325,9 @@ def _qwen_parts(pipe: Any, handle: Any, runs: int, cold: Callable[[], object]) -
 
 
 def _bench_qwen_first_request(res: Results, runs: int, work: Path, size: str, device: torch.device) -> None:
-    """The Qwen-Image rows: a transformer loaded by ``load_transformer`` (its projections never
-    read), its checkpoint's pages dropped before each run (a first request after start-up), the
-    pass started before the prompt is encoded ("early"), at the first forward ("late": a
-    subclass with its own ``__call__`` gets no prediction), and before step 0 ("sequential")."""
+    """The Qwen-Image rows: ``load_transformer``, the checkpoint's pages dropped before each run (a first
+    request after start-up); the pass started before the prompt is encoded ("early"), at the first
+    forward ("late": a subclass with its own ``__call__`` gets no prediction), before step 0 ("sequential")."""
     from diffusers import QwenImagePipeline
 
     from ...diffusers import enable_adaln_cache, load_transformer
@@ -428,14 +402,11 @@ MODES = ("stock", "stock-checkpoint", "load_transformer")
 
 
 def memory_probe(args: dict[str, Any]) -> dict[str, Any]:
-    """In a fresh process: load, enable, prepare and run one request; what it read and held.
+    """In a fresh process: load (``args["mode"]``, one of :data:`MODES`), enable, prepare and run one request.
 
-    ``args``: ``mode`` (one of :data:`MODES`), ``checkpoint`` (a diffusers-layout directory saved in
-    the released mixed precision), ``task``, ``steps``. Returns the bytes read by the load, the
-    served bytes it left in the page cache, and the peak resident memory above the level after the
-    imports (``peak``), with its anonymous and file-backed parts at the end. A process's peak cannot
-    be reset below what its imports already touched, so ``VmHWM`` is reset through
-    ``/proc/self/clear_refs`` once the imports are done.
+    Returns the bytes the load read, the served bytes it left in the page cache, and the peak
+    resident memory above the level after the imports (``peak``; ``VmHWM`` is reset through
+    ``/proc/self/clear_refs`` once they are done), with its anonymous and file-backed parts.
     """
     from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3Transformer3DModel
 
@@ -445,7 +416,7 @@ def memory_probe(args: dict[str, Any]) -> dict[str, Any]:
     mode, checkpoint = args["mode"], Path(args["checkpoint"])
     task, steps = args.get("task", "t2va"), int(args.get("steps", 4))
     torch.set_num_threads(1)
-    files = weight_files(checkpoint)
+    files = checkpoint_files(checkpoint)[0]
     plans = minimax_h3_plans(task, steps)
     distinct = len({plan_key(p) for p in plans})
     dropped = drop_page_cache(files)
@@ -491,18 +462,13 @@ def memory_probe(args: dict[str, Any]) -> dict[str, Any]:
 def bench_deploy(res: Results, size: str, steps: int, *, quick: bool = False) -> None:
     """The ``deploy`` section: deploying without the projections, on a tiny MiniMax-H3 in the released precision.
 
-    Side by side, measured: the peak resident memory of load + enable + one request,
-    ``from_pretrained`` then ``enable_adaln_cache`` against ``load_transformer``, each in a fresh
-    process (:func:`memory_probe`); the bytes the load reads from the checkpoint (page cache dropped
-    first) and the served bytes it leaves in the page cache; the bytes block-level group offloading
-    onloads per forward, with and without the cache. Then the released model as arithmetic
-    (``adalncache fit``): what the 16, 24, 48 and 80 GB cards must hold either way. ``quick``
-    leaves out the stock load served from its checkpoint (one fresh process less).
+    Measured, ``from_pretrained`` + ``enable_adaln_cache`` against ``load_transformer``, each in a
+    fresh process (:func:`memory_probe`): the peak resident memory of load + enable + one request,
+    the bytes the load reads (page cache dropped first) and leaves cached; then the bytes
+    block-level group offloading onloads per forward with and without the cache; then the released
+    model as ``adalncache fit`` arithmetic. ``quick`` leaves out the stock load served from its checkpoint.
     """
-    try:
-        import diffusers  # noqa: F401  # the section runs diffusers' MiniMax-H3
-    except ImportError as exc:
-        res.note(f"deploy section skipped: diffusers unavailable ({exc})")
+    if res.lacks("deploy section", "diffusers"):
         return
     from ..tiny import save_released, tiny_transformer
 
@@ -511,7 +477,7 @@ def bench_deploy(res: Results, size: str, steps: int, *, quick: bool = False) ->
         checkpoint = Path(tmp) / "transformer"
         # The released mixed precision in the file: bf16 blocks and projections, fp32 time embedder and heads.
         save_released(tiny_transformer(size), checkpoint)
-        served, total = served_bytes(weight_files(checkpoint))
+        served, total = served_bytes(checkpoint_files(checkpoint)[0])
         modes = [mode for mode in MODES if not (quick and mode == "stock-checkpoint")]
         args = {"checkpoint": str(checkpoint), "steps": steps}
         probes = {
@@ -556,10 +522,8 @@ def _compare_probes(res: Results, size: str, probes: dict[str, Any], served: int
 
 
 def onloaded_per_forward(checkpoint: Path, steps: int) -> dict[str, float]:
-    """Bytes block-level group offloading (1 block per group) onloads per forward, without and with the cache.
-
-    CPU to CPU: the bytes, not the time.
-    """
+    """Bytes block-level group offloading (1 block per group, CPU to CPU) onloads per forward, without and
+    with the cache."""
     from diffusers.hooks import apply_group_offloading
     from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3Transformer3DModel
 
@@ -568,11 +532,8 @@ def onloaded_per_forward(checkpoint: Path, steps: int) -> dict[str, float]:
 
     cpu = torch.device("cpu")
     onloads: dict[str, float] = {}
-    for name in ("without", "with"):
-        if name == "without":
-            model: Any = MiniMaxH3Transformer3DModel.from_pretrained(checkpoint, torch_dtype=torch.bfloat16)
-        else:
-            model = load_transformer(checkpoint, torch_dtype=torch.bfloat16)
+    for name, load in (("without", MiniMaxH3Transformer3DModel.from_pretrained), ("with", load_transformer)):
+        model: Any = load(checkpoint, torch_dtype=torch.bfloat16)
         apply_group_offloading(
             model, onload_device=cpu, offload_device=cpu, offload_type="block_level", num_blocks_per_group=1
         )

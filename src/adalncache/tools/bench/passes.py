@@ -28,7 +28,7 @@ from ...plans import plan_key
 from ...rebuild import TILE_ROWS, verdicts
 from ...source.checkpoint import CheckpointSource
 from ...spec import ModulationSpec
-from ..measure import drop_page_cache, meminfo, proc_status, timed
+from ..measure import drop_page_cache, meminfo, proc_status, sync_device, timed
 from .primitives import (
     PinnedCopy,
     ResidentLayer,
@@ -72,39 +72,30 @@ PASS_TARGET = 1.15
 NAIVE_TARGET = 0.75
 
 Timings = dict[str, list[float]]
-Before = Callable[[], None] | None
+Before = Callable[[], object] | None
 
 
 def bench_pass(
     res: Results, source: Any, plans: list[torch.Tensor], runs: int, cold: bool, device: torch.device
 ) -> None:
-    """The ``pass`` section: the rebuild pass against what bounds it, warm and cold.
+    """The ``pass`` section: the rebuild pass against what bounds it, warm and cold, variants interleaved.
 
-    At 1 plan and at the whole request: the pass against max(read-only, project-only) (a pass that
-    overlaps reading with projecting costs about the larger of the two), the first pass of a process
-    (fresh staging buffers), the pass against reading and projecting merely run at once (the overlap
-    this machine allows), and the batched pass against the per-plan one (with a bitwise check of
-    their slabs). Warm, at the whole request: the pass projecting in place from the page cache against
-    the staged pass (a copy into staging buffers), the tiled pass against the per-plan one, the
-    default pass against the previous default (staged, per plan), and, where an installed SGLang
-    provides its cache, the default pass against SGLang's own pass over the same files, plans and
-    inputs; on CUDA, the pass against the pinned host-to-device copy of its bytes. Then, at the
-    request size where reading and projecting cost about the same (where overlap matters most), the
-    pass against a naive read-then-project loop. The variants of one page-cache state run interleaved.
+    At 1 plan and the whole request: the pass against max(read-only, project-only) (an overlapping
+    pass costs about the larger), a process's first pass (fresh staging buffers), reading and
+    projecting merely run at once (the overlap this machine allows), the batched pass against the
+    per-plan one (slabs compared bitwise). Warm, the whole request: in place against staged, tiled
+    against per plan, the default against the old default, SGLang's own pass where installed, and on
+    CUDA the pinned host-to-device copy of the pass's bytes. Then, where reading and projecting cost
+    about the same (where overlap matters most), the pass against a naive read-then-project loop.
     """
     section = PassSection(res, source, plans, runs, device)
-    files = list(source.files)
-
-    def drop() -> None:
-        drop_page_cache(files)
-
     section.state("warm", None)
     if cold:
-        section.state("cold", drop)
+        section.state("cold", partial(drop_page_cache, list(source.files)))
 
 
 class PassSection:
-    """One run of the section: the request's inputs, the resident weights, the two request sizes."""
+    """One run of the ``pass`` section: the request's inputs, the resident weights, the two request sizes."""
 
     def __init__(self, res: Results, source: Any, plans: list[torch.Tensor], runs: int, device: torch.device) -> None:
         self.res = res
@@ -144,9 +135,8 @@ class PassSection:
         for k in self.sizes:
             variants[f"project{k}"] = partial(self.resident.project_only, self.xs_of[k])
             variants[f"pass{k}"] = partial(one_pass, source, plans[:k], inputs, settle=before)
-        # The first pass of a process (or every pass with keep_buffers=False) also pays the first
-        # touch of its staging buffers: with few layers that fixed cost dominates, so it is
-        # measured on its own.
+        # A process's first pass (every pass with keep_buffers=False) also faults its staging buffers
+        # in: with few layers that fixed cost dominates, so it is measured on its own.
         variants["pass1fresh"] = partial(one_pass, source, plans[:1], inputs, fresh=True)
         variants["concurrent1"] = partial(read_and_project_concurrently, source, self.resident, self.xs_of[1])
         variants[f"batched{self.sizes[-1]}"] = partial(one_pass, source, plans, inputs, batched=True, settle=before)
@@ -164,14 +154,7 @@ class PassSection:
             "inplace": partial(one_pass, source, plans, inputs, in_place=True, tiled=False),
             "tiled": partial(one_pass, source, plans, inputs, in_place=True, tiled=True),
         }
-        spec = source.spec
-        self.sglang = SglangBaseline.open(
-            list(source.files),
-            num_layers=spec.num_layers,
-            hidden_size=spec.hidden_size,
-            max_plans=len(plans),
-            device=inputs_device(inputs),
-        )
+        self.sglang = SglangBaseline.open(source, len(plans), inputs_device(inputs))
         if isinstance(self.sglang, SglangBaseline):
             variants["sglang"] = partial(self.sglang_pass, self.sglang)
         return variants
@@ -324,19 +307,12 @@ class PassSection:
 def bench_qwen_pass(res: Results, runs: int, device: torch.device, work: Path, *, dim: int, max_plans: int) -> None:
     """The ``qwen-pass`` section: one pass of Qwen-Image's projections at the released widths against its GEMMs.
 
-    The bench writes a Qwen-Image transformer checkpoint (diffusers layout, ``config.json`` naming
-    the class) holding only the served projections of a few blocks at the released width: per block
-    ``img_mod.1`` and ``txt_mod.1`` (3072 -> 18432), then ``norm_out.linear`` (3072 -> 6144), seeded
-    bf16, so every machine reads the same bytes. The family is read back from the files as for a
-    real checkpoint. A 50-step request at 1024 x 1024 (the released scheduler's timesteps, batch 1,
-    as the forwards see them) is then built in one pass, timed against the plain GEMMs over the same
-    weights held in memory (``F.linear`` of every plan's input with every layer's weight, nothing
-    read), the two taking turns; and every table row is checked ``torch.equal`` to those GEMMs' output.
+    A generated Qwen-Image checkpoint (diffusers layout, its family read back from ``config.json``)
+    holds the served projections of a few blocks; a 50-step 1024 x 1024 request is built in one
+    pass, timed against ``F.linear`` of every plan's input with every layer's weight held in memory
+    (nothing read), the two taking turns; every table row is checked ``torch.equal`` to those GEMMs.
     """
-    try:
-        import diffusers  # noqa: F401  # the schedule is the pipeline's, computed by diffusers' scheduler
-    except ImportError as exc:
-        res.note(f"qwen-pass skipped: diffusers unavailable ({exc})")
+    if res.lacks("qwen-pass", "diffusers"):  # the schedule is the pipeline's, computed by diffusers' scheduler
         return
     spec = qwen_spec(QWEN_BLOCKS, dim)
     directory = work / f"qwen-{QWEN_BLOCKS}x{dim}"
@@ -347,9 +323,7 @@ def bench_qwen_pass(res: Results, runs: int, device: torch.device, work: Path, *
         raise AssertionError(f"the generated checkpoint reads back as {read_back!r}, not {spec!r}")
     source = CheckpointSource(directory, spec)
     res.config["qwen_pass"] = {"spec": spec.describe(), "checkpoint": str(directory)}
-    plans = qwen_request_plans(spec, STEPS, QWEN_SIZE)
-    if max_plans:
-        plans = plans[:max_plans]
+    plans = qwen_request_plans(spec, STEPS, QWEN_SIZE)[: max_plans or None]
     inputs = make_inputs(spec, plans, device)
     resident = ResidentLayer(source, device, every_layer=True)
     read_only(source)  # warm: the page cache holds every byte, as for the resident weights
@@ -439,8 +413,7 @@ def time_interleaved(
                 start = time.perf_counter()
                 fn()
                 out[name].append(time.perf_counter() - start)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            sync_device(device)
     finally:
         if enabled:
             gc.enable()
@@ -493,17 +466,11 @@ def format_table(timings: Sequence[HitTiming], baseline: str) -> str:
 def bench_build_latency(res: Results, runs: int, directory: Path, device: torch.device) -> None:
     """The ``build`` section: the hit path of a fully resident request, timed call by call, SGLang's cache beside it.
 
-    Every request of a serving process calls ``build()`` (or its holding variant) and resolves its
-    slots, even when every plan is already resident; that is the path this section times, for a
-    49-plan request and a 10-plan one, with and without keys computed once per request (``keys=``).
-    Where an installed SGLang provides its cache, it is built over the same files with the same
-    plans and inputs and timed in the same process, on the same slab contents, in interleaved
-    rounds, one call per sample. Each cache keys plans with its own key function (this package's
-    :func:`~adalncache.plans.plan_key`, SGLang's ``_plan_key``).
-
-    The checkpoint has 50 layers in 7-layer shards at tiny widths: the hit path's cost is keying the
-    plans, checking the source's identity and touching the LRU, none of which depends on the
-    projection widths.
+    Every request calls ``build()`` and resolves its slots even when every plan is resident: that
+    path, for 49 and 10 plans, with and without keys computed once per request (``keys=``), and
+    SGLang's cache (where installed) over the same files, plans and inputs in interleaved rounds,
+    each keying plans its own way. The checkpoint has 50 layers in 7-layer shards at tiny widths:
+    keying, the identity check and the LRU do not depend on the projection widths.
     """
     spec = ModulationSpec(num_layers=50, hidden_size=8, time_embed_dim=16)
     ckpt = generate_checkpoint(spec, directory, layers_per_shard=7)
@@ -512,10 +479,7 @@ def bench_build_latency(res: Results, runs: int, directory: Path, device: torch.
     inputs = make_inputs(spec, plans, device)
     cache = request_cache(source, 64, device)
     cache.build(plans, embed=inputs.embed)
-    files = sorted(ckpt.glob("*.safetensors"))
-    baseline = SglangBaseline.open(
-        files, num_layers=spec.num_layers, hidden_size=spec.hidden_size, max_plans=64, device=device
-    )
+    baseline = SglangBaseline.open(source, 64, device)
     theirs: SglangBaseline | None = None
     if isinstance(baseline, str):
         res.note(f"SGLang baseline not available: {baseline}")
@@ -566,7 +530,8 @@ def bench_store(res: Results, source: Any, plans: list[torch.Tensor], runs: int,
 
 
 def probe_pass(args: dict[str, Any]) -> dict[str, Any]:
-    """In a fresh process: one pass, sampling RssAnon every millisecond (the kernel keeps no anon peak)."""
+    """In a fresh process (the parent's buffers do not count): one pass, sampling ``RssAnon`` every
+    millisecond (the kernel keeps no peak of anonymous memory)."""
     spec = ModulationSpec(**args["spec"])
     source = CheckpointSource(args["checkpoint"], spec)
     plans = request_plans(STEPS)[: args["plans"]]
@@ -606,12 +571,8 @@ def probe_pass(args: dict[str, Any]) -> dict[str, Any]:
 
 
 def bench_memory(res: Results, source: Any, plans: list[torch.Tensor], checkpoint: Path, device: torch.device) -> None:
-    """The ``memory`` section: projection bytes against slab bytes, and the peak anonymous memory of a pass.
-
-    The pass runs in a child process (:func:`probe_pass`) so the parent's buffers do not count; the
-    kernel keeps no peak of anonymous memory, so the child samples ``RssAnon`` every millisecond
-    while the pass runs. The page cache is file-backed and reported apart.
-    """
+    """The ``memory`` section: projection bytes against slab bytes, and the peak anonymous memory of a pass
+    (:func:`probe_pass`); the page cache is file-backed and reported apart."""
     spec = source.spec
     full = ModulationSpec.minimax_h3()
     n = len(plans)
@@ -664,12 +625,9 @@ def bench_memory(res: Results, source: Any, plans: list[torch.Tensor], checkpoin
 def bench_tables(res: Results, source: Any, plans: list[torch.Tensor], runs: int, device: torch.device) -> None:
     """The ``tables`` section: what content identity and table files cost and save, for one request.
 
-    * a pass that hashes the projections as it streams them (the content digest is unknown: a cold
-      process) against the same pass when the digest is known (the memo has it), in alternating runs
-      so that drift in the machine's load hits both alike;
-    * a hashing-only read (the one read a copied checkpoint costs) against the pass;
-    * a store hit (entries bound to the content digest) against the pass;
-    * a table-file hit (a bound file from ``export_tables``, served with no weight source) against the pass.
+    Against a plain pass: the pass hashing what it streams (alternating runs), a hashing-only read
+    (a copied checkpoint's one read), a store hit (entries bound to the content digest) and a
+    table-file hit (``export_tables``' bound file, served with no weight source).
     """
     section = TablesSection(res, source, plans, runs, device)
     source.keep_buffers = True
@@ -680,7 +638,7 @@ def bench_tables(res: Results, source: Any, plans: list[torch.Tensor], runs: int
 
 
 class TablesSection:
-    """One run of the section: the request, its inputs, and a cache of the request's size on demand."""
+    """One run of the ``tables`` section: the request, its inputs, and a cache of the request's size on demand."""
 
     def __init__(self, res: Results, source: Any, plans: list[torch.Tensor], runs: int, device: torch.device) -> None:
         self.res = res
@@ -735,13 +693,18 @@ class TablesSection:
     def store_hits(self, store: str | Path, what: str) -> list[float]:
         """Seconds of builds of the request that hit ``store``, which an untimed build fills first."""
         timed_build(self.cache(store=store), self.plans, self.inputs)
-        hits = []
+        return self.timed_hits(what, "store_hits", store=store)
+
+    def timed_hits(self, what: str, counter: str, **options: Any) -> list[float]:
+        """Seconds of builds of the request by fresh caches of ``options``, each expected to hit every plan
+        (its report's ``counter``; a run that does not is noted)."""
+        seconds = []
         for _ in range(self.runs):
-            seconds, report = timed_build(self.cache(store=store), self.plans, self.inputs)
-            if report.store_hits != len(self.plans):
-                self.res.note(f"{what} hit {report.store_hits} of {len(self.plans)} plans")
-            hits.append(seconds)
-        return hits
+            took, report = timed_build(self.cache(**options), self.plans, self.inputs)
+            if getattr(report, counter) != len(self.plans):
+                self.res.note(f"{what} hit {getattr(report, counter)} of {len(self.plans)} plans")
+            seconds.append(took)
+        return seconds
 
     def hits(self, plain: list[float]) -> None:
         """A store hit and a table-file hit (no weight source) against a pass."""
@@ -752,11 +715,6 @@ class TablesSection:
             res.add(Comparison(f"store hit vs pass, {n} plans (content-bound)", "store hit", "pass", hits, plain))
             export_tables(self.cache(), plans, table, embed=self.inputs.embed, progress=False)
             res.values["tables_file_bytes"] = table.stat().st_size
-            served = []
-            for _ in range(self.runs):
-                seconds, report = timed_build(self.cache(source=None, tables=table), plans, self.inputs)
-                if report.table_hits != n:
-                    res.note(f"tables: a table-file run hit {report.table_hits} of {n} plans")
-                served.append(seconds)
+            served = self.timed_hits("tables: a table-file run", "table_hits", source=None, tables=table)
             note = f"bound file of {table.stat().st_size / 2**20:.0f} MiB, no weight source"
             res.add(Comparison(f"table-file hit vs pass, {n} plans", "table hit", "pass", served, plain, note=note))

@@ -1,17 +1,9 @@
 """What the benchmark times side by side: raw reads, projections alone, a naive loop, the real pass, SGLang's.
 
-Each timed primitive returns seconds (``None`` where the machine cannot do it) and synchronises the
-device around what it times (:func:`timed`), so a timer measures the work and not its queueing.
-The baselines read the same bytes from the same files as the pass (:func:`tensor_ranges`), so a
-ratio compares like with like; variants run interleaved (:func:`rounds`), so a neighbour's load on a
-shared machine hits them alike instead of skewing whichever happened to run during it.
-
-SGLang's own AdaLN cache (:class:`SglangBaseline`) is imported from an installed ``sglang``
-package: never a dependency of this project and never a copy of its code. Its module imports a few
-functions of SGLang's serving runtime (tensor-parallel rank, host memory budget, logging), which do
-not import outside a full SGLang deployment; those are stubbed while the module is loaded (world
-size 1, no host tier) and removed again, so nothing of the stubs outlives the load. Where no usable
-SGLang is installed, the baseline is reported as not available (a string saying why).
+Each timed primitive returns seconds (``None`` where the machine cannot do it), the device
+synchronised around what it times (:func:`~adalncache.tools.measure.timed`). The baselines read the
+same bytes from the same files as the pass (:func:`tensor_ranges`), and variants run interleaved
+(:func:`rounds`), so a neighbour's load on a shared machine hits them alike.
 """
 
 from __future__ import annotations
@@ -45,7 +37,7 @@ from .workload import PlanInputs
 
 
 def rounds(
-    variants: Mapping[str, Callable[[], float]], runs: int, before: Callable[[], None] | None = None
+    variants: Mapping[str, Callable[[], float]], runs: int, before: Callable[[], object] | None = None
 ) -> dict[str, list[float]]:
     """``runs`` samples of every variant, taking turns; ``before`` runs ahead of each sample (a cache drop, say)."""
     out: dict[str, list[float]] = {name: [] for name in variants}
@@ -58,12 +50,9 @@ def rounds(
 
 
 def in_fresh_process(target: str, args: dict[str, Any], *, timeout: float | None = None) -> dict[str, Any]:
-    """``module:function`` called with ``args`` in a fresh Python process (the same interpreter and
-    import path): the JSON result the function returns, which it prints as its last stdout line.
-
-    Why: a process's peak memory cannot be reset below what it already touched, and what the
-    parent holds would count; a fresh process measures one thing alone. A failure raises a
-    ``RuntimeError`` with the last lines of its stderr.
+    """The JSON result of ``module:function`` called with ``args`` in a fresh Python process (same
+    interpreter and import path), which measures one thing alone: a process's peak memory cannot be
+    reset below what it already touched. A failure raises ``RuntimeError`` with its stderr's last lines.
     """
     module, function = target.split(":")
     code = f"import json, sys\nfrom {module} import {function}\nprint(json.dumps({function}(json.loads(sys.argv[1]))))"
@@ -90,10 +79,8 @@ def tensor_ranges(source: Any) -> list[tuple[Path, int, int]]:
 
 
 def read_buffer(source: Any) -> torch.Tensor:
-    """A buffer for :func:`read_only`, its pages faulted in: the cost floor of reading is the copy."""
-    buf = torch.empty(max(n for _, _, n in tensor_ranges(source)), dtype=torch.uint8)
-    buf.fill_(0)
-    return buf
+    """A buffer for :func:`read_only`, its pages faulted in (zero-filled): the cost floor of reading is the copy."""
+    return torch.zeros(max(n for _, _, n in tensor_ranges(source)), dtype=torch.uint8)
 
 
 def read_only(source: Any, buf: torch.Tensor | None = None) -> float:
@@ -113,11 +100,8 @@ def read_only(source: Any, buf: torch.Tensor | None = None) -> float:
 
 
 def read_only_direct(source: Any) -> float | None:
-    """The same sequential read with O_DIRECT (no page cache copy): the faster raw read when cold.
-
-    Ranges are rounded out to 4096-byte blocks into one page-aligned buffer; None where the
-    filesystem refuses O_DIRECT.
-    """
+    """The same sequential read with O_DIRECT (no page cache copy), ranges rounded out to 4096-byte blocks:
+    the faster raw read when cold. None where the filesystem refuses O_DIRECT."""
     import mmap
 
     block = 4096
@@ -153,9 +137,8 @@ def read_only_direct(source: Any) -> float | None:
 def read_and_project_concurrently(source: Any, resident: ResidentLayer, xs: Sequence[torch.Tensor]) -> float:
     """Read-only on a thread while project-only runs, with no dependency between them.
 
-    Why: on a machine with few cores the two compete for the same cores and memory bandwidth, so
-    even a perfect pipeline cannot reach max(read, project). This is what overlapping them costs
-    here, which tells a pipeline's own overhead apart from the machine's limit.
+    On few cores the two compete for cores and memory bandwidth, so even a perfect pipeline cannot
+    reach max(read, project): this tells a pipeline's own overhead apart from the machine's limit.
     """
     buf = read_buffer(source)
     reader = threading.Thread(target=read_only, args=(source, buf))
@@ -169,10 +152,8 @@ def read_and_project_concurrently(source: Any, resident: ResidentLayer, xs: Sequ
 class PinnedCopy:
     """The pinned host-to-device copy of the bytes a pass moves: the physical limit of a CUDA pass.
 
-    One page-locked host buffer and one device buffer, as large as the largest projection tensor,
-    allocated once (outside every timing); each sample copies every projection tensor's byte count
-    from one to the other with ``non_blocking=True``, in pass order, between two synchronisations.
-    The bytes copied are whatever the buffers hold: a copy's speed does not depend on them.
+    Each sample copies every projection tensor's byte count, in pass order, ``non_blocking``, from one
+    page-locked buffer to one device buffer allocated once (a copy's speed does not depend on the bytes).
     """
 
     def __init__(self, source: Any, device: torch.device) -> None:
@@ -198,11 +179,9 @@ class PinnedCopy:
 class ResidentLayer:
     """Projection weights held in memory, for the project-only baseline.
 
-    By default one layer of each width (MiniMax-H3: block 0 and the output layer): every layer of
-    a width has the same shape, so projecting that one weight once per layer costs what projecting
-    each layer's own weight costs (496 MiB never fits a cache), without holding 24 GiB.
-    ``every_layer``: each layer's own weight (a checkpoint small enough to hold, whose tables are
-    then checked against these very GEMMs, :func:`tables_equal_linear`).
+    By default one layer of each width, projected once per layer: it costs what each layer's own
+    weight costs (496 MiB never fits a cache) without holding 24 GiB. ``every_layer``: each layer's
+    own weight, for a checkpoint small enough to hold (:func:`tables_equal_linear`).
     """
 
     def __init__(self, source: Any, device: torch.device | str = "cpu", *, every_layer: bool = False) -> None:
@@ -238,11 +217,8 @@ class ResidentLayer:
 def tables_equal_linear(
     cache: AdalnCache, resident: ResidentLayer, plans: Sequence[torch.Tensor], inputs: dict[PlanKey, torch.Tensor]
 ) -> bool:
-    """Whether every layer's rows of every plan are ``torch.equal`` to ``F.linear`` of its held weights.
-
-    ``resident`` must hold every layer (``every_layer=True``): these are the file's own weights,
-    so a match says the table is what the resident model's projection returns for that input.
-    """
+    """Whether every layer's rows of every plan are ``torch.equal`` to ``F.linear`` of the file's own weights
+    (``resident`` holds every layer): what the resident model's projection returns for that input."""
     with torch.no_grad():
         for plan in plans:
             x = inputs[plan_key(plan, cache.spec.plan_columns)]
@@ -255,10 +231,8 @@ def tables_equal_linear(
 
 
 def naive(source: Any, xs: Sequence[torch.Tensor]) -> float:
-    """Read each layer whole into a fresh buffer, then project every plan: no overlap, no reuse.
-
-    On a GPU each layer is copied to the device (pageable, blocking) before it is projected.
-    """
+    """Read each layer whole into a fresh buffer, then project every plan: no overlap, no reuse (on a GPU
+    each layer is copied to the device, pageable and blocking, first)."""
     spec, layout = source.spec, source.layout
     device = xs[0].device if xs else torch.device("cpu")
     start = time.perf_counter()
@@ -298,8 +272,7 @@ def inputs_device(inputs: PlanInputs) -> torch.device:
 def request_cache(
     source: Any, plans: int, device: torch.device, *, spec: ModulationSpec | None = None, **options: Any
 ) -> AdalnCache:
-    """A fresh cache of ``spec`` (the source's) with room for ``plans`` plans of up to 4 timesteps, no
-    progress bar, the other ``options`` as given."""
+    """A fresh cache of ``spec`` (the source's) with room for ``plans`` plans of up to 4 timesteps, no progress."""
     spec = spec or source.spec
     return AdalnCache(spec, source, max_plans=plans, max_plan_width=4, progress=False, device=device, **options)
 
@@ -318,19 +291,15 @@ def one_pass(
     *,
     fresh: bool = False,
     batched: bool = False,
-    settle: Callable[[], None] | None = None,
+    settle: Callable[[], object] | None = None,
     in_place: bool = True,
     tiled: bool | str = "auto",
 ) -> float:
     """The real thing: a fresh cache's ``build`` of ``plans`` (one rebuild pass), timed.
 
-    By default the source keeps its read buffers between passes (``keep_buffers``, the library's
-    default), so this is a serving process's steady state: if the source holds no pool yet, an
-    untimed pass fills it first, then ``settle`` runs (the cold runs drop the page cache again
-    there, so the priming pass cannot warm it). ``fresh``: the source allocates new buffers for
-    this pass and frees them after (``keep_buffers=False``), which is what the first pass of a
-    process costs. ``in_place`` and ``tiled``: the source's and the cache's options of those names
-    (the library's defaults: in place, ``"auto"``).
+    By default a serving process's steady state: the source keeps its read buffers (an untimed pass
+    fills them first, then ``settle`` runs: a cold run drops the page cache it warmed). ``fresh``:
+    new buffers, freed after (``keep_buffers=False``), what a process's first pass costs.
     """
 
     def build(todo: Sequence[torch.Tensor]) -> float:
@@ -380,12 +349,12 @@ def batched_exactness(source: Any, plans: Sequence[torch.Tensor], inputs: PlanIn
 SGLANG_CACHE_FILE = Path("multimodal_gen/runtime/models/dits/minimax_h3_adaln_cache.py")
 
 
+@dataclass
 class _SglangArch:
     """The two fields of SGLang's ``MiniMaxH3DiTArchConfig`` that its cache reads."""
 
-    def __init__(self, num_layers: int, hidden_size: int) -> None:
-        self.num_layers = num_layers
-        self.hidden_size = hidden_size
+    num_layers: int
+    hidden_size: int
 
 
 def _runtime_stubs() -> dict[str, dict[str, Any]]:
@@ -438,7 +407,12 @@ def _stubbed(modules: dict[str, dict[str, Any]]) -> Iterator[None]:
 
 
 def load_sglang_cache() -> tuple[types.ModuleType, str] | str:
-    """SGLang's cache module (``MiniMaxH3AdalnCache``, ``_plan_key``) and SGLang's version, or why not available."""
+    """SGLang's cache module (``MiniMaxH3AdalnCache``, ``_plan_key``) and version, or why not available.
+
+    Imported from an installed ``sglang`` (never a dependency, never a copy of its code). The
+    module imports a few functions of SGLang's serving runtime that do not import outside a full
+    deployment: they are stubbed (:func:`_runtime_stubs`) while it loads, and removed again.
+    """
     try:
         spec = importlib.util.find_spec("sglang")
     except (ImportError, ValueError) as exc:
@@ -479,18 +453,17 @@ class SglangBaseline:
     key: Callable[[torch.Tensor], tuple[int, ...]]
 
     @classmethod
-    def open(
-        cls, files: Sequence[Path], *, num_layers: int, hidden_size: int, max_plans: int, device: torch.device
-    ) -> SglangBaseline | str:
-        """The baseline, or why it is not available (never raises for a missing or foreign SGLang)."""
+    def open(cls, source: Any, max_plans: int, device: torch.device) -> SglangBaseline | str:
+        """The baseline over ``source``'s files, or why it is not available (never raises for a missing or
+        foreign SGLang)."""
         loaded = load_sglang_cache()
         if isinstance(loaded, str):
             return loaded
         module, version = loaded
         try:
             cache = module.MiniMaxH3AdalnCache(
-                _SglangArch(num_layers, hidden_size),
-                weight_files=[str(f) for f in files],
+                _SglangArch(source.spec.num_layers, source.spec.hidden_size),
+                weight_files=[str(f) for f in source.files],
                 max_plans=max_plans,
                 max_plan_width=4,
             )

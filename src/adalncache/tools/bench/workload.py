@@ -1,26 +1,20 @@
 """What every section of the benchmark measures on, and what it records: the workload and the results.
 
-**The workload.** The generated checkpoint holds ``spec``'s projections in the native layout (a
-Qwen-Image one: the diffusers layout with its ``config.json``), sharded with an index, filled with
-seeded random bf16 (so every run, on every machine, reads the same bytes); it is written once per
-geometry and reused. The request is a 50-step t2va request (diffusers' own schedule when diffusers
-is installed), or a 50-step Qwen-Image request at 1024 x 1024 (the released scheduler's); the
-projection inputs are deterministic ``silu(temb)`` stand-ins (:class:`PlanInputs`).
-
-**The results.** A :class:`Comparison` is one subject timed (or measured) against one baseline in
-the same run, as a ratio of medians: absolute times on a shared CPU say little, while ratios of
-neighbouring runs stay meaningful. :class:`Results` collects them with each section's raw values and
-notes, prints each comparison as it is added, and is what the command writes out as JSON, Markdown
-and a chart.
+The workload: a generated checkpoint of seeded random bf16 projections (:func:`generate_checkpoint`),
+a 50-step MiniMax-H3 t2va or Qwen-Image 1024 x 1024 request's plans, and deterministic ``silu(temb)``
+stand-ins for their projection inputs (:class:`PlanInputs`). The results: each :class:`Comparison`
+is one subject against one baseline of the same run, as a ratio of medians; :class:`Results` prints
+each as it is added and is what the command writes out.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import statistics
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +27,6 @@ from ...source.files import LazyTensor, write_safetensors
 from ...spec import ModulationSpec
 
 log = logging.getLogger(__name__)
-
-# ---------------------------------------------------------------------------------------------------- results
 
 
 @dataclass
@@ -60,18 +52,11 @@ class Comparison:
 
     def as_dict(self) -> dict[str, Any]:
         return {
-            "name": self.name,
-            "subject": self.subject,
-            "baseline": self.baseline,
+            **asdict(self),
             "subject_median_s": statistics.median(self.subject_s),
             "baseline_median_s": statistics.median(self.baseline_s),
-            "subject_s": self.subject_s,
-            "baseline_s": self.baseline_s,
             "ratio": self.ratio,
-            "target": self.target,
             "met": self.met,
-            "note": self.note,
-            "unit": self.unit,
         }
 
     def fmt(self, samples: list[float]) -> str:
@@ -113,16 +98,19 @@ class Results:
         self.notes.append(text)
         print(f"note: {text}", flush=True)
 
+    def lacks(self, section: str, *modules: str) -> bool:
+        """Whether a module ``section`` needs cannot be imported (the run then notes the section skipped)."""
+        for module in modules:
+            try:
+                importlib.import_module(module)
+            except ImportError as exc:
+                self.note(f"{section} skipped: {module} unavailable ({exc})")
+                return True
+        return False
+
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "config": self.config,
-            "comparisons": [c.as_dict() for c in self.comparisons],
-            "values": self.values,
-            "notes": self.notes,
-        }
+        return {**vars(self), "comparisons": [c.as_dict() for c in self.comparisons]}
 
-
-# ---------------------------------------------------------------------------------------------------- workload
 
 #: The released geometry: time embedding (projection input) and hidden size (output = 18 x hidden).
 REAL_IN = 2688
@@ -142,11 +130,12 @@ QWEN_SCHEDULER: Mapping[str, Any] = qwen_image.RELEASED_SCHEDULER
 
 
 def _random_bf16(shape: tuple[int, ...], seed: int, scale: float) -> Callable[[], torch.Tensor]:
+    """The seeded tensor, drawn in fp32 chunks of about 64 MiB: a large layer never needs its whole size in fp32."""
+
     def make() -> torch.Tensor:
         gen = torch.Generator().manual_seed(seed)
         out = torch.empty(shape, dtype=torch.bfloat16)
-        rows = shape[0]
-        step = max(1, (64 << 20) // (4 * max(1, out[0].numel()))) if len(shape) > 1 else rows
+        step = max(1, (64 << 20) // (4 * max(1, out[0].numel()))) if len(shape) > 1 else shape[0]
         flat = out if len(shape) > 1 else out.view(1, -1)
         for lo in range(0, flat.shape[0], step):
             chunk = flat[lo : lo + step]
@@ -164,11 +153,10 @@ def generate_checkpoint(
     layout: str = "native",
     config: dict[str, Any] | None = None,
 ) -> Path:
-    """A sharded checkpoint of ``spec``'s projections in its family's ``layout``; reused when already complete.
-
-    ``config``: written as ``config.json`` beside the shards (a diffusers transformer directory, so
-    the family is read from its ``_class_name`` as for a real checkpoint). Layer ``n`` in pass order
-    is filled from seed ``1000 + n``, so the same geometry always gets the same bytes.
+    """A sharded checkpoint of ``spec``'s projections in its family's ``layout``, with an index; reused when
+    already complete. Layer ``n`` in pass order is drawn from seed ``1000 + n``: every run, on every
+    machine, reads the same bytes. ``config``: written as ``config.json`` (a diffusers transformer
+    directory, whose family is read from its ``_class_name`` as for a real checkpoint).
     """
     directory.mkdir(parents=True, exist_ok=True)
     marker = directory / "COMPLETE.json"
@@ -193,16 +181,13 @@ def generate_checkpoint(
     scale = 1.0 / spec.time_embed_dim**0.5
     for n, group in enumerate(groups):
         name = f"model-{n + 1:05d}-of-{len(groups):05d}.safetensors"
-        tensors: list[tuple[str, tuple[int, ...], Callable[[], torch.Tensor]]] = []
+        lazy: dict[str, LazyTensor] = {}
         for layer in group:
-            seed = 1000 + index[layer]
-            shape = spec.weight_shape(layer)
-            tensors.append((names.weight(layer), shape, _random_bf16(shape, seed, scale)))
-            out = (spec.out_features(layer),)
-            tensors.append((names.bias(layer), out, _random_bf16(out, seed + 7919, 0.1)))
-        lazy = {n: LazyTensor(shape, torch.bfloat16, make) for n, shape, make in tensors}
+            seed, shape, out = 1000 + index[layer], spec.weight_shape(layer), (spec.out_features(layer),)
+            lazy[names.weight(layer)] = LazyTensor(shape, torch.bfloat16, _random_bf16(shape, seed, scale))
+            lazy[names.bias(layer)] = LazyTensor(out, torch.bfloat16, _random_bf16(out, seed + 7919, 0.1))
         write_safetensors(lazy, directory / name, metadata={"format": "pt", "generator": "adalncache bench"})
-        weight_map.update({t[0]: name for t in tensors})
+        weight_map.update(dict.fromkeys(lazy, name))
         log.info("wrote %s", name)
     (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     if config is not None:
@@ -267,11 +252,8 @@ def qwen_config(blocks: int = QWEN_BLOCKS, dim: int = QWEN_DIM) -> dict[str, Any
 
 
 def qwen_request_plans(spec: ModulationSpec, steps: int = STEPS, size: int = QWEN_SIZE) -> list[torch.Tensor]:
-    """The distinct plans of a ``steps``-step request at ``size`` x ``size``, batch 1, as its forwards see them.
-
-    The released scheduler's timesteps for that image size, then the pipeline's ``t / 1000`` in
-    the spec's dtype: the same functions the CLI's ``--steps --height --width`` use.
-    """
+    """The distinct plans of a ``steps``-step request at ``size`` x ``size``, batch 1, as its forwards see them
+    (the same functions the CLI's ``--steps --height --width`` use)."""
     family = qwen_image.FAMILY
     forwards = family.step_inputs(spec, {"batch": 1}, steps, (size, size), QWEN_SCHEDULER)
     order, tensors = distinct_plans(family.plans_of(forwards, {"additional_t_cond": None}, spec, None), columns=1)
