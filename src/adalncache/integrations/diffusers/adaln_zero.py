@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from diffusers.models.modeling_utils import get_parameter_dtype
 from torch import nn
 
 from ... import families
@@ -54,12 +55,10 @@ from .family import (
     ServedForward,
     bypassing_hooks,
     cast_as_layerwise,
-    device_of,
-    execution_device,
     forward_argument,
+    input_dtype,
     register,
     rows_forward,
-    stock_dtype,
 )
 from .loading import _build_on_meta, _load_config, _transformer_class
 
@@ -79,35 +78,18 @@ def model_geometry(model: nn.Module) -> ModelGeometry:
     return adaln_zero.walk(model)
 
 
-def _param_dtype(module: nn.Module) -> torch.dtype:
-    """``module``'s dtype as diffusers' ``get_parameter_dtype`` gives it (a layerwise-casting hook's compute dtype)."""
-    from diffusers.models.modeling_utils import get_parameter_dtype
-
-    return get_parameter_dtype(module)
-
-
-def _hidden_dtype(model: Any) -> torch.dtype:
-    """The dtype of ``hidden_states`` after the model's ``x_embedder`` (a Linear), which the forward casts
-    the timestep to: the autocast dtype where autocast is on for the device the forward runs on, else
-    the linear's (its layerwise-casting compute dtype where it has one)."""
-    device = execution_device(model) or device_of(model)
-    if torch.is_autocast_enabled(device.type):
-        return torch.get_autocast_dtype(device.type)
-    return stock_dtype(model.x_embedder)
-
-
 def _hunyuan_image(model: Any, cols: Mapping[str, torch.Tensor]) -> torch.Tensor:
     # The forward receives timestep in the embedder's dtype (any other fails its first linear) and
     # casts time_proj's fp32 output to timestep.dtype; timestep_r and guidance are read by time_proj
     # as fp32 whatever their dtype.
     embed = model.time_guidance_embed
-    t = cols["timestep"].to(_param_dtype(embed.timestep_embedder))
+    t = cols["timestep"].to(get_parameter_dtype(embed.timestep_embedder))
     return embed(t, timestep_r=cols.get(adaln_zero.TIMESTEP_R), guidance=cols.get(adaln_zero.GUIDANCE))
 
 
 def _hunyuan_video15(model: Any, cols: Mapping[str, torch.Tensor]) -> torch.Tensor:
     embed = model.time_embed
-    t = cols["timestep"].to(_param_dtype(embed.timestep_embedder))
+    t = cols["timestep"].to(get_parameter_dtype(embed.timestep_embedder))
     return embed(t, timestep_r=cols.get(adaln_zero.TIMESTEP_R))
 
 
@@ -116,7 +98,7 @@ def _motif(model: Any, cols: Mapping[str, torch.Tensor]) -> torch.Tensor:
 
 
 def _bria(model: Any, cols: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    dtype = _hidden_dtype(model)  # the forward: timestep.to(hidden_states.dtype)
+    dtype = input_dtype(model, model.x_embedder)  # the forward: timestep.to(hidden_states.dtype)
     temb = model.time_embed(cols["timestep"].to(dtype), dtype=dtype)
     guidance = cols.get(adaln_zero.GUIDANCE)
     if guidance is not None:  # Bria-FIBO's guidance-embedded variant (Bria's own is refused)
@@ -125,19 +107,19 @@ def _bria(model: Any, cols: Mapping[str, torch.Tensor]) -> torch.Tensor:
 
 
 def _longcat(model: Any, cols: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    dtype = _hidden_dtype(model)  # the forward: timestep.to(hidden_states.dtype) * 1000
+    dtype = input_dtype(model, model.x_embedder)  # the forward: timestep.to(hidden_states.dtype) * 1000
     return model.time_embed(cols["timestep"].to(dtype) * 1000, dtype)
 
 
 def _ovis(model: Any, cols: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    dtype = _hidden_dtype(model)  # the forward: timestep.to(hidden_states.dtype) * 1000
+    dtype = input_dtype(model, model.x_embedder)  # the forward: timestep.to(hidden_states.dtype) * 1000
     proj = model.time_proj(cols["timestep"].to(dtype) * 1000)
     return model.timestep_embedder(proj.to(dtype))
 
 
 def _auraflow(model: Any, cols: Mapping[str, torch.Tensor]) -> torch.Tensor:
     # The forward casts time_step_embed's fp32 output to its first parameter's dtype.
-    proj = model.time_step_embed(cols["timestep"]).to(dtype=_param_dtype(model))
+    proj = model.time_step_embed(cols["timestep"]).to(dtype=get_parameter_dtype(model))
     return model.time_step_proj(proj)
 
 

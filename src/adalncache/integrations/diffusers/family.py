@@ -1,31 +1,11 @@
 """What the integration knows of a model: its family (:class:`DiffusersFamily`, registered here), and
 how to reach, run and patch its modules whatever the family.
 
-The integration (parking, sources, the signature, hooks, requests, moves) is the same for every
-diffusers transformer whose AdaLN modulation depends on per-step inputs only. What differs between
-families is declared by one module per family (``minimax_h3.py``, ``qwen_image.py``,
-``adaln_zero.py``), each a subclass of :class:`DiffusersFamily` registered with :func:`register`:
-
-* **which transformers it serves**: ``family`` (the core :class:`~adalncache.geometry.Family`,
-  whose ``class_names`` are the diffusers classes) and :meth:`DiffusersFamily.spec`;
-* **where the served projections sit**: the prefixes of the family's ``"diffusers"`` key layout
-  (the one place that names them); the current module is looked up each time because peft wraps
-  or replaces it, and blocks are reached through the list captured while enabled (cache-dit swaps
-  it in its forward);
-* **what is upstream of them** (:meth:`DiffusersFamily.upstream_modules`, abstract: a family that
-  does not declare it cannot be made, so it cannot register): every module between the forward's
-  keying inputs and the projections' input. The rows depend on those modules' weights as much as
-  on the projections', so the tables' signature covers them;
-* **the projections' exact input** for a plan (:meth:`DiffusersFamily.embed`) and **a forward's
-  plan** (:meth:`DiffusersFamily.forward_plan`), both abstract, computed as the stock forward does;
-* **how the served modules answer**: the owners of :meth:`DiffusersFamily.swapped_layers` are
-  switched in place to a served class whose forward is :meth:`DiffusersFamily.served_forward` (one
-  class for every block, so a regional compile reuses one graph); every other projection gets a hook.
-
-The module helpers below know no family: peft wraps a module it targets (the real ``nn.Linear``
-becomes ``base_layer``, :func:`base_linear`); a rebuild pass runs a served module beneath every hook
-on it (:func:`bypassing_hooks`) with the source's tensors standing in for its parameters
-(:func:`swapped_parameters`).
+Everything else of the integration is the same for every family; one module per family
+(``minimax_h3.py``, ``qwen_image.py``, ``adaln_zero.py``) subclasses :class:`DiffusersFamily` and
+registers it. The seam's methods: docs/api.md (Adding a family). Served modules are looked up each
+time (peft wraps or replaces them), blocks through the list captured while enabled (cache-dit swaps
+it in its forward). The module helpers below know no family.
 """
 
 from __future__ import annotations
@@ -81,11 +61,9 @@ def projection_path(spec: ModulationSpec, layer: Layer) -> str:
 
 
 class ForwardState(Protocol):
-    """The forward in progress on this thread (the request module's per-thread state): ``slot`` its
-    device slot (``None`` outside a forward), ``row_buffer`` the flat slab rows of the forward's plan
-    rows that the served modules gather with (``cache.row_index``: rows of a batch's equal inputs may
-    share one; written in place, so its address, which compiled and CUDA graphs hold, stays), and
-    ``dtype`` the dtype the rows are served in (``None``: the slab's)."""
+    """The forward in progress on this thread: ``slot`` (``None`` outside a forward), ``row_buffer`` the
+    flat slab rows the served modules gather (written in place: compiled and CUDA graphs hold its
+    address), ``dtype`` the dtype the rows are served in (``None``: the slab's)."""
 
     slot: torch.Tensor | None
     row_buffer: torch.Tensor
@@ -119,12 +97,8 @@ def rows_forward(owner: Any, x: torch.Tensor) -> torch.Tensor:
 
 
 class DiffusersFamily(abc.ABC):
-    """One model family as the integration serves it (module docstring); subclass per family.
-
-    Subclasses set ``family`` and ``time_embedder`` and implement the abstract methods; the rest has
-    defaults that fit a transformer whose blocks are in ``blocks`` and whose projections are plain
-    (possibly peft-wrapped) ``nn.Linear`` modules.
-    """
+    """One model family as the integration serves it; subclasses set ``family`` and ``time_embedder`` and
+    implement the abstract methods (the defaults fit blocks in ``blocks`` and peft-wrappable linears)."""
 
     #: The core family: name, diffusers class names, key layouts (one named ``"diffusers"``).
     family: ClassVar[Family]
@@ -177,31 +151,27 @@ class DiffusersFamily(abc.ABC):
         """The plan of one transformer forward, from its arguments (a PlanError when it has none)."""
 
     def request_plan(self, model: nn.Module, plan: Any) -> Any:
-        """A plan given to ``prepare`` as the forward will key it (the plan itself by default)."""
+        """A plan given to ``prepare`` as the forward will key it."""
         return plan
 
     def schedule_plans(
         self, model: nn.Module, timesteps: torch.Tensor, args: tuple[Any, ...], kwargs: Mapping[str, Any]
     ) -> list[Any] | None:
-        """Every step's plan of a pipeline request whose scheduler set ``timesteps``, from its first forward.
-
-        ``None`` (the default) when the family's pipelines prepare their plans themselves, or when this
-        forward's timestep is none of the computed ones (another pipeline's formula).
-        """
+        """Every step's plan of a pipeline request whose scheduler set ``timesteps``, from its first forward
+        (``None``: the pipelines prepare their own, or this forward's timestep is none of the computed ones)."""
         return None
 
     def predict_schedule(
         self, model: nn.Module, pipeline: Any, call: Mapping[str, Any], component: str
     ) -> list[Any] | None:
-        """Every step's plan of a pipeline call, from its arguments (by name, defaults applied), before
-        the pipeline runs; ``component``: the pipeline's name for ``model``. Lets ``overlap=True`` start
-        the pass before the prompt is encoded; the request adopts it only if the schedule set later is
-        the same plans, so a wrong prediction costs time, never a row. ``None``: no prediction."""
+        """Every step's plan of a pipeline call, from its arguments, before the pipeline runs (``None``: no
+        prediction). The request adopts it only if the schedule set later is the same plans, so a wrong
+        prediction costs time, never a row."""
         return None
 
     def attach_pipeline(self, pipeline: Any) -> Callable[[], None] | None:
-        """Install what this family's own pipelines need besides the call and scheduler watches (the
-        MiniMax-H3 modular pipeline's prepare blocks); returns the undo, or None when nothing was done."""
+        """Install what this family's own pipelines need besides the call and scheduler watches; returns the
+        undo, or None when nothing was done."""
         return None
 
     # -- where the served modules sit ------------------------------------------------------------
@@ -269,11 +239,8 @@ class DiffusersFamily(abc.ABC):
         return [layer for layer in spec.layers() if isinstance(layer, int)]
 
     def served_forward(self, layer: Layer) -> ServedForward:
-        """The forward of ``layer``'s served owner class: by default the layer's rows for its input's rows.
-
-        A family whose owner does more than call the projection (an ``AdaLayerNormZero``: the norm and
-        the chunks) returns a forward doing the rest with the rows in place of the projection.
-        """
+        """The forward of ``layer``'s served owner class (by default the layer's rows); an owner that does
+        more than call the projection gets a forward doing the rest with the rows in its place."""
         return rows_forward
 
     def rows_view(self, cache: Any, layer: Layer) -> torch.Tensor:
@@ -281,8 +248,8 @@ class DiffusersFamily(abc.ABC):
         return cache.served_params(layer)
 
     def stand_in(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[int, torch.dtype | None]:
-        """Rows and dtype of the ``temb`` the parked time embedder would return for this call (``None``
-        for the dtype: its parameter dtype). By default its first argument has one row per row of ``temb``."""
+        """Rows and dtype (``None``: its parameter dtype) of the ``temb`` the parked time embedder would
+        return for this call; by default one row per row of its first argument."""
         sample = args[0] if args else next(iter(kwargs.values()))
         return int(sample.shape[0]), None
 
@@ -427,6 +394,17 @@ def stock_dtype(module: nn.Module) -> torch.dtype:
         if isinstance(tensor, torch.Tensor) and tensor.is_floating_point():
             return tensor.dtype
     return get_parameter_dtype(module)
+
+
+def input_dtype(model: nn.Module, linear: nn.Module, device: torch.device | None = None) -> torch.dtype:
+    """The dtype of ``hidden_states`` after the model's input ``linear``, which the forward casts the timestep
+    to: the autocast dtype where autocast is on for the device the forward runs on (``device``; by default
+    where the model runs), since the linear then returns that; else the linear's stock dtype."""
+    if device is None:
+        device = execution_device(model) or device_of(model)
+    if torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return stock_dtype(linear)
 
 
 _FORWARD_PARAMETERS: dict[type, list[str]] = {}

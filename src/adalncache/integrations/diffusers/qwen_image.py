@@ -37,11 +37,9 @@ from .family import (
     DiffusersFamily,
     bypassing_hooks,
     cast_as_layerwise,
-    device_of,
-    execution_device,
     forward_argument,
+    input_dtype,
     register,
-    stock_dtype,
     timestep_argument,
 )
 from .request import pipeline_class
@@ -139,7 +137,7 @@ class QwenImage(DiffusersFamily):
     ) -> torch.Tensor:
         """The plan of a forward run on ``device`` with ``timestep`` and ``additional_t_cond``: float32, exact."""
         config = model.config
-        dtype = compute_dtype(model, device)
+        dtype = input_dtype(model, model.img_in, device)
         return forward_plan_of(
             dtype, bool(config.zero_cond_t), bool(config.use_additional_t_cond), timestep, additional
         )
@@ -150,7 +148,7 @@ class QwenImage(DiffusersFamily):
         self, model: Any, spec: ModulationSpec, plan: torch.Tensor, device: torch.device
     ) -> torch.Tensor | Mapping[str, torch.Tensor]:
         """``silu(temb)`` from the model's own ``time_text_embed``, as the forward computes it (module docstring)."""
-        dtype = compute_dtype(model, device)
+        dtype = input_dtype(model, model.img_in, device)
         plan = plan.to(device)
         timestep = (plan[:, 0] if plan.dim() == 2 else plan).to(dtype)
         additional = plan[:, 1].to(torch.long) if plan.dim() == 2 else None
@@ -217,21 +215,7 @@ def _call_batch_and_dtype(pipeline: Any, call: Mapping[str, Any]) -> tuple[int |
     return batch, dtype
 
 
-def compute_dtype(model: Any, device: torch.device | None = None) -> torch.dtype:
-    """The dtype of ``hidden_states`` after ``img_in``: what the forward casts the timestep to.
-
-    The linear's own dtype, or the autocast dtype where autocast is on for the device the forward
-    runs on (``device``; by default where the model runs), since the linear then returns that.
-    """
-    if device is None:
-        device = execution_device(model) or device_of(model)
-    device_type = device.type
-    if torch.is_autocast_enabled(device_type):
-        return torch.get_autocast_dtype(device_type)
-    return stock_dtype(model.img_in)
-
-
 #: The one instance the registry serves Qwen-Image models with.
 FAMILY = register(QwenImage())
 
-__all__ = ["FAMILY", "QwenImage", "compute_dtype"]
+__all__ = ["FAMILY", "QwenImage"]
