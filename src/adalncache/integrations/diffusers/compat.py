@@ -1,17 +1,10 @@
 """diffusers' private names, in one place, each with the diffusers release it was checked against.
 
-The integration reaches into diffusers where no public API offers what it needs: group
-offloading's hook names and helpers (to find where a forward runs, to lift offloading around our
-hooks and apply it again, to rebuild its groups after weights were parked), the block registry
-the block-level step caches read, and the attributes a module's hooks sit under. Every such name
-is listed once, in :data:`PRIVATE_NAMES`, with the release it was read in; the rest of the package
-calls the functions below and never imports a private diffusers name itself.
-
-Lookups are lazy (a name is imported when first used), so a diffusers that moved one name still
-serves everything that does not need it; the name that moved raises :class:`ConfigError` naming it,
-the release it was checked against and the install that works. The test suite imports every
-name listed here and checks the parameters the integration passes, so a diffusers upgrade that
-moves one fails that test by name before it fails a user's forward.
+Where no public API offers what the integration needs (group offloading's hooks and helpers, the
+block registry of the step caches, where a module's hooks sit), the name is listed once in
+:data:`PRIVATE_NAMES`; the rest of the package calls the functions below. Lookups are lazy, so a
+diffusers that moved one name still serves everything else, and the moved one raises
+:class:`ConfigError` naming it; a test imports every name and checks the parameters passed.
 """
 
 from __future__ import annotations
@@ -33,12 +26,8 @@ CHECKED_DIFFUSERS = "0.42.1"
 
 @dataclass(frozen=True)
 class PrivateName:
-    """One private diffusers name the integration relies on.
-
-    ``module``/``name``: where it is defined. ``parameters``: for a function, the leading
-    parameters the integration passes (the test checks them); ``None`` for a constant or a class.
-    ``checked``: the diffusers release it was read in. ``why``: what it is used for.
-    """
+    """One private diffusers name: where it is defined, what it is used for, for a function the leading
+    ``parameters`` the integration passes (``None``: a constant or a class), the release it was read in."""
 
     module: str
     name: str
@@ -86,11 +75,8 @@ HOOK_ORDER_ATTRIBUTE = "_hook_order"
 
 @functools.cache
 def private(key: str) -> Any:
-    """The diffusers object listed as ``key`` in :data:`PRIVATE_NAMES`, imported on first use.
-
-    A diffusers that moved or removed it raises :class:`ConfigError` naming the name and the
-    release it was checked against.
-    """
+    """The diffusers object listed as ``key`` in :data:`PRIVATE_NAMES`, imported on first use (ConfigError
+    naming it and the release it was checked against where it moved)."""
     entry = PRIVATE_NAMES[key]
     try:
         return getattr(importlib.import_module(entry.module), entry.name)
