@@ -1,22 +1,12 @@
 """What is Qwen-Image's in the integration: its :class:`~.family.DiffusersFamily` (:data:`FAMILY`).
 
-``QwenImageTransformer2DModel.forward`` (diffusers 0.42.1) does, in this order:
-
-1. ``timestep = timestep.to(hidden_states.dtype)`` (``hidden_states`` after ``img_in``: the model's
-   compute dtype), then with ``zero_cond_t`` ``timestep = cat([timestep, timestep * 0])``;
-2. ``temb = time_text_embed(timestep, hidden_states, additional_t_cond)``: ``time_proj`` (in the
-   timestep's dtype), the timestep embedder at ``hidden_states``' dtype, plus
-   ``addition_t_embedding(additional_t_cond)`` when ``use_additional_t_cond``;
-3. each block: ``img_mod(temb)`` (``SiLU`` in the model dtype, then ``Linear(dim, 6 * dim)``) on all
-   rows, ``txt_mod`` on the first half of the rows with ``zero_cond_t`` (all of them otherwise);
-4. ``norm_out.linear(silu(temb).to(x.dtype))`` on the same rows as ``txt_mod``.
-
-So a forward's plan is its timestep *as the forward sees it*: cast to the compute dtype (its fp32
-value is exact: in bf16 serving the plan's bits are bf16 values), doubled with ``zero_cond_t``,
-with the ``additional_t_cond`` index as a second column for the Layered variant. :meth:`QwenImage.embed`
-computes the inputs from that plan with the model's own ``time_text_embed``: ``silu(temb)`` for
-``img_mod`` (every plan row) and ``silu(temb[:B])`` for the others (the first half with
-``zero_cond_t``), each projected at its own row count.
+``QwenImageTransformer2DModel.forward`` (diffusers 0.42.1) casts ``timestep`` to the compute dtype
+(``img_in``'s output dtype), doubles it to ``[t; 0]`` with ``zero_cond_t``, computes ``temb`` with
+``time_text_embed`` (plus ``addition_t_embedding`` with ``use_additional_t_cond``), and runs
+``img_mod`` on every row, ``txt_mod`` and ``norm_out`` on the first half with ``zero_cond_t``. So a
+forward's plan is its timestep *as the forward sees it*, with the ``additional_t_cond`` index as a
+second column for Layered, and :meth:`QwenImage.embed` projects each input at its own row count.
+See docs/diffusers.md (Qwen-Image).
 """
 
 from __future__ import annotations
@@ -93,11 +83,8 @@ class QwenImage(DiffusersFamily):
     def schedule_plans(
         self, model: nn.Module, timesteps: torch.Tensor, args: tuple[Any, ...], kwargs: Mapping[str, Any]
     ) -> list[Any] | None:
-        """The Qwen-Image pipelines' ``t.expand(batch).to(latents.dtype) / 1000`` for every scheduler timestep.
-
-        Computed with the same operations in the same dtype as the pipeline, so the bits are the
-        forward's; ``None`` when this forward's timestep is none of them (a pipeline with another formula).
-        """
+        """The Qwen-Image pipelines' ``t.expand(batch).to(latents.dtype) / 1000`` for every scheduler timestep,
+        computed as the pipeline does (the forward's bits); ``None`` when this forward's timestep is none of them."""
         timestep = timestep_argument(model, args, kwargs)
         if timestep.dim() != 1 or not timestep.is_floating_point():
             return None
@@ -113,12 +100,8 @@ class QwenImage(DiffusersFamily):
     def predict_schedule(
         self, model: nn.Module, pipeline: Any, call: Mapping[str, Any], component: str
     ) -> list[Any] | None:
-        """``QwenImagePipeline``'s schedule from its call's arguments (:func:`predicted_timesteps`).
-
-        Its text-to-image call only: the Edit pipelines size the latents from the input image, the
-        Layered one from its own resolution buckets, and a subclass may compute its own way (their
-        passes start at the first forward, as without a prediction).
-        """
+        """``QwenImagePipeline``'s schedule from its call's arguments: its text-to-image call only (the Edit
+        and Layered pipelines size the latents their own way; their passes start at the first forward)."""
         from diffusers import QwenImagePipeline
 
         config: Any = model.config
@@ -167,13 +150,8 @@ class QwenImage(DiffusersFamily):
 
 
 def predicted_timesteps(pipeline: Any, call: Mapping[str, Any]) -> torch.Tensor:
-    """The scheduler timesteps ``QwenImagePipeline.__call__`` will set for ``call`` (its arguments by name).
-
-    :func:`pipeline_timesteps` with the call's own values, on a fresh scheduler of the pipeline's
-    class and config (the pipeline's is not touched): the default size ``default_sample_size *
-    vae_scale_factor``, the call's ``sigmas``, the packed latents' length (the given ``latents``'
-    own), on the execution device.
-    """
+    """The scheduler timesteps ``QwenImagePipeline.__call__`` will set for ``call``: :func:`pipeline_timesteps`
+    with the call's values, on a fresh scheduler of the pipeline's class and config (its own is untouched)."""
     scale = pipeline.vae_scale_factor
     height = int(call["height"] or pipeline.default_sample_size * scale)
     width = int(call["width"] or pipeline.default_sample_size * scale)
