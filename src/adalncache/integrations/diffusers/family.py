@@ -52,11 +52,6 @@ def diffusers_layout(spec: ModulationSpec) -> KeyLayout:
     return spec.layout(DIFFUSERS)
 
 
-def projection_path(spec: ModulationSpec, layer: Layer) -> str:
-    """Module path of ``layer``'s projection (``transformer_blocks.3.img_mod.1``)."""
-    return diffusers_layout(spec).prefix(layer)
-
-
 # -- the one row gather ---------------------------------------------------------------------------
 
 
@@ -73,12 +68,8 @@ class ForwardState(Protocol):
 
 
 def gather_rows(view: torch.Tensor, state: ForwardState, rows: int, what: str) -> torch.Tensor:
-    """The forward's ``rows`` rows of a ``[P + 1, W, width]`` table view (the poison slot last).
-
-    Tensors only (the view and the thread's row buffer, never a Python number dynamo would
-    specialise on), so a compiled block makes one graph for every block and a CUDA graph keeps
-    working when the slot written into the buffer changes.
-    """
+    """The forward's ``rows`` rows of a ``[P + 1, W, width]`` table view (the poison slot last), from tensors
+    only (never a number dynamo would specialise on): one compiled graph for every block, CUDA graphs kept."""
     if state.slot is None:
         state.require(what)
     out = slab.gather_rows(view, state.row_buffer[:rows])
@@ -227,10 +218,8 @@ class DiffusersFamily(abc.ABC):
 
     def served_modules(self, model: nn.Module, spec: ModulationSpec) -> list[tuple[str, Any]]:
         """``(path, current module)`` of every module whose weights the cache serves or parks."""
-        named: list[tuple[str, Any]] = [
-            (self.projection_path(layer), module) for layer, module in self.projection_modules(model, spec)
-        ]
-        return named + self.time_embedder_linears(model)
+        named = [(self.projection_path(layer), module) for layer, module in self.projection_modules(model, spec)]
+        return [*named, *self.time_embedder_linears(model)]
 
     # -- serving -----------------------------------------------------------------------------------
 
@@ -341,11 +330,8 @@ def device_of(model: nn.Module) -> torch.device:
 
 
 def execution_device(model: nn.Module) -> torch.device | None:
-    """Where the model's forward runs, which offloading makes differ from where its weights are kept.
-
-    Group offloading runs on its onload device; an accelerate hook names its execution device; else
-    the forward runs where the weights are. ``None`` when nothing tells (every weight on meta, no hook).
-    """
+    """Where the model's forward runs (offloading makes it differ from where its weights are kept): group
+    offloading's onload device, an accelerate hook's execution device, else the weights' (``None``: no clue)."""
     if group_offload_enabled(model):
         return group_onload_device(model)
     device = _hook_device(model)
@@ -375,13 +361,10 @@ def casting_hook(module: nn.Module) -> Any:
 
 
 def stock_dtype(module: nn.Module) -> torch.dtype:
-    """The dtype diffusers' ``get_parameter_dtype`` gives ``module`` in the stock (unparked) model.
-
-    The stock forward casts the projection's input to it: a layerwise-casting hook's compute dtype
-    where one sits on it, else its first floating-point parameter's dtype: the base linear's weight,
-    or its bias when the weight is quantized, which a parked module keeps as placeholder attributes
-    (so the dtype is read there); peft's adapters (perhaps fp32) must not decide it.
-    """
+    """The dtype diffusers' ``get_parameter_dtype`` gives ``module`` in the stock (unparked) model, which the
+    stock forward casts the projection's input to: a layerwise-casting hook's compute dtype, else the base
+    linear's first floating-point parameter's (read from a parked module's placeholders; peft's adapters,
+    perhaps fp32, must not decide it)."""
     from diffusers.models.modeling_utils import get_parameter_dtype
 
     hook = casting_hook(module)
@@ -427,12 +410,8 @@ _ABSENT: Any = object()
 
 @contextlib.contextmanager
 def swapped_parameters(module: nn.Module, tensors: Mapping[str, torch.Tensor]) -> Iterator[None]:
-    """Temporarily give ``module`` other tensors as parameters, without copying them.
-
-    Set through ``_parameters`` so the tensors are used as they are (same storage, same address: the
-    alignment the exactness depends on), and put back even if the forward raises. A parked
-    placeholder (an instance attribute of the same name) would shadow them: it steps aside meanwhile.
-    """
+    """Temporarily give ``module`` other tensors as parameters, used as they are (same address: the alignment
+    the exactness depends on), put back even if the forward raises; a parked placeholder steps aside meanwhile."""
     saved = {name: module._parameters.get(name, _ABSENT) for name in tensors}
     shadows = {name: module.__dict__.pop(name) for name in tensors if name in module.__dict__}
     try:
@@ -467,11 +446,9 @@ class _ThreadBypass:
 def bypassing_hooks(modules: Iterable[nn.Module]) -> Iterator[None]:
     """Run ``modules`` with their class's own ``forward``, beneath every hook wrapped around them.
 
-    diffusers and accelerate hooks replace ``module.forward`` with a wrapper. A rebuild pass calls a
-    served module with weights taken from the source, and no hook may see that call: an offloading
-    hook would onload the module and move those weights away, and ours would serve the table instead
-    of projecting. Only on the calling thread: a forward running meanwhile on another thread still
-    goes through the wrappers, so it never runs a module whose parameters a build parked or lent.
+    A rebuild pass calls a served module with the source's weights, and no hook may see that call (an
+    offloading hook would move those weights away, ours would serve the table). Only on the calling
+    thread: a forward on another thread meanwhile still goes through the wrappers.
     """
     saved: list[tuple[nn.Module, Any]] = []
     thread = threading.get_ident()
@@ -491,12 +468,8 @@ def bypassing_hooks(modules: Iterable[nn.Module]) -> Iterator[None]:
 
 @contextlib.contextmanager
 def cast_as_layerwise(modules: Iterable[nn.Module]) -> Iterator[None]:
-    """Give each module that carries a layerwise-casting hook its parameters in the hook's compute dtype.
-
-    For a forward run beneath every hook (:func:`bypassing_hooks`): the hook's pre-forward is
-    ``module.to(dtype=compute_dtype)``, the same ``Tensor.to`` of each parameter, applied here to fresh
-    tensors instead (the stored ones stay as they are).
-    """
+    """Give each module that carries a layerwise-casting hook its parameters in the hook's compute dtype, for a
+    forward beneath every hook: the hook's ``module.to(dtype=compute_dtype)``, applied to fresh tensors."""
     with contextlib.ExitStack() as stack:
         for module in modules:
             hook = get_hook(module, CASTING_HOOK)

@@ -26,7 +26,7 @@ from ...source import Columns, LayerWeights, WeightSource
 from ...source.memory import NoWeights
 from ...spec import KeyLayout, Layer, ModulationSpec
 from ...tiers.tables import TablesArg, TablesTier
-from .family import base_linear, diffusers_layout, projection_path
+from .family import base_linear, diffusers_layout
 
 
 class CastCheckpointSource:
@@ -220,7 +220,7 @@ def checkpoint_source(
 def verify_against_model(source: Source, spec: ModulationSpec, modules: Sequence[tuple[Layer, Any]]) -> str | None:
     """Stream the checkpoint one layer at a time and refuse it unless it equals the model, bit for bit;
     returns the content digest of the bytes read (None where the source cannot hash them)."""
-    by_layer = dict(modules)
+    by_layer, layout = dict(modules), diffusers_layout(spec)
     check = CheckedRead(source)
     for weights in check.layers():
         base = base_linear(by_layer[weights.layer])
@@ -234,7 +234,7 @@ def verify_against_model(source: Source, spec: ModulationSpec, modules: Sequence
             if not same:
                 raise ConfigError(
                     f"checkpoint= (CLI {flag('checkpoint')}) does not match the model: "
-                    f"{projection_path(spec, layer)}.{name} differs (checkpoint {theirs.dtype} {tuple(theirs.shape)}, "
+                    f"{layout.prefix(layer)}.{name} differs (checkpoint {theirs.dtype} {tuple(theirs.shape)}, "
                     f"model {ours.dtype} {tuple(ours.shape)}). A fine-tuned model or one with a fused LoRA must not be "
                     "served from the base file; pass checkpoint=None to serve the model's own weights, "
                     "or the checkpoint it was loaded from"
