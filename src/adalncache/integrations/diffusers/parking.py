@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Any
 
 import torch
@@ -363,16 +362,16 @@ class WeightParking:
                 )
 
 
-class TimeEmbedderLoan:
+class TimeEmbedderLoan(contextlib.ExitStack):
     """The time embedder's real weights, lent to one build on first use (a build that hits every plan
     copies nothing) and taken back after. ``linears``: the time embedder's base linears, whose weights
     are lent as copies when kept on another device than the build's (group offloading)."""
 
     def __init__(self, parking: WeightParking, device: torch.device, linears: Sequence[nn.Module] = ()) -> None:
+        super().__init__()
         self._parking = parking
         self._device = device
         self._linears = list(linears)
-        self._stack = contextlib.ExitStack()
         self._taken = False
 
     def take(self) -> None:
@@ -392,14 +391,6 @@ class TimeEmbedderLoan:
                     if param.device != self._device:
                         swaps.setdefault(module, {})[name] = param.detach().to(self._device)
         for module, tensors in swaps.items():
-            self._stack.enter_context(swapped_parameters(module, tensors))
-            self._stack.enter_context(state_kept_by_weight(module))
+            self.enter_context(swapped_parameters(module, tensors))
+            self.enter_context(state_kept_by_weight(module))
         self._taken = True
-
-    def __enter__(self) -> TimeEmbedderLoan:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
-    ) -> None:
-        self._stack.close()
