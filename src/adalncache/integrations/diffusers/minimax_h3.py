@@ -68,7 +68,9 @@ class MiniMaxH3(DiffusersFamily):
         return _served_forward
 
     def recognises(self, model: Any) -> bool:
-        return is_minimax_h3_transformer(model)
+        from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3Transformer3DModel
+
+        return isinstance(model, MiniMaxH3Transformer3DModel)
 
     def rows_view(self, cache: Any, layer: Layer) -> torch.Tensor:
         # A per-block view of the block's rows: (P, W, block_width), the same strides for every block.
@@ -88,12 +90,8 @@ class MiniMaxH3(DiffusersFamily):
         for loop in denoise_loops(blocks):
             if PREPARE_BLOCK in loop.sub_blocks:
                 continue
-            names = list(loop.sub_blocks)
-            index, denoiser = next(
-                (i, loop.sub_blocks[name])
-                for i, name in enumerate(names)
-                if hasattr(loop.sub_blocks[name], "transformer_name")
-            )
+            subs = loop.sub_blocks.values()
+            index, denoiser = next((i, block) for i, block in enumerate(subs) if hasattr(block, "transformer_name"))
             loop.sub_blocks.insert(
                 PREPARE_BLOCK, AdalnCachePrepareStep(transformer_name=denoiser.transformer_name), index
             )
@@ -231,13 +229,6 @@ def predicted_plans(pipeline: Any, call: Mapping[str, Any], component: str) -> l
         audio_shift=float(pipeline.audio_scheduler.config["shift"]),
         audio_refs="audio" in kinds,
     )
-
-
-def is_minimax_h3_transformer(obj: Any) -> bool:
-    """Whether ``obj`` is a diffusers ``MiniMaxH3Transformer3DModel`` (imported lazily)."""
-    from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3Transformer3DModel
-
-    return isinstance(obj, MiniMaxH3Transformer3DModel)
 
 
 def projection_dtype(model: nn.Module, spec: ModulationSpec) -> torch.dtype:
