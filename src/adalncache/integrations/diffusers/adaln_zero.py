@@ -31,8 +31,7 @@ from ...spec import ModulationSpec
 from .family import (
     DiffusersFamily,
     ServedForward,
-    bypassing_hooks,
-    cast_as_layerwise,
+    embedding_beneath_hooks,
     forward_argument,
     input_dtype,
     register,
@@ -194,12 +193,8 @@ class AdalnZero(DiffusersFamily):
         return named
 
     def embed(self, model: Any, spec: ModulationSpec, plan: torch.Tensor, device: torch.device) -> torch.Tensor:
-        # Beneath every hook on the embedding modules: ours stands in for the parked time embedder,
-        # and an offloading hook must not move the weights a build lends back.
         modules = [module for _, upstream in self.upstream_modules(model) for module in upstream.modules()]
-        # Under autocast temb is in the autocast dtype; the projection's own autocast casts the input
-        # back down, so the cast up to the projections' dtype (a no-op otherwise) is exact.
-        with bypassing_hooks(modules), cast_as_layerwise(modules):
+        with embedding_beneath_hooks(modules):
             x = embed_input(model, spec.model_geometry, plan, device)
         return x.to(spec.dtype)
 

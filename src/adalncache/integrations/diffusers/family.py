@@ -467,10 +467,16 @@ def bypassing_hooks(modules: Iterable[nn.Module]) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def cast_as_layerwise(modules: Iterable[nn.Module]) -> Iterator[None]:
-    """Give each module that carries a layerwise-casting hook its parameters in the hook's compute dtype, for a
-    forward beneath every hook: the hook's ``module.to(dtype=compute_dtype)``, applied to fresh tensors."""
-    with contextlib.ExitStack() as stack:
+def embedding_beneath_hooks(modules: Iterable[nn.Module]) -> Iterator[None]:
+    """Run a family's embedding ``modules`` beneath every hook on them (ours stands in for a parked one; an
+    offloading hook must not move the weights a build lends), each one with a layerwise-casting hook given
+    its parameters in the hook's compute dtype, as its ``module.to(dtype=compute_dtype)`` would.
+
+    Under autocast the embedding comes out in the autocast dtype; the projection's own autocast casts its
+    input back down, so the caller's cast up to the weights' dtype (a no-op otherwise) is exact.
+    """
+    modules = list(modules)
+    with bypassing_hooks(modules), contextlib.ExitStack() as stack:
         for module in modules:
             hook = get_hook(module, CASTING_HOOK)
             if hook is not None:

@@ -25,8 +25,7 @@ from ...geometry import TIMESTEP
 from ...spec import Layer, ModulationSpec
 from .family import (
     DiffusersFamily,
-    bypassing_hooks,
-    cast_as_layerwise,
+    embedding_beneath_hooks,
     forward_argument,
     input_dtype,
     register,
@@ -138,11 +137,8 @@ class QwenImage(DiffusersFamily):
         module = model.get_submodule(self.time_embedder)
         # Only the dtype of hidden_states is read by time_text_embed.
         hidden = torch.empty(0, dtype=dtype, device=device)
-        # Beneath every hook (ours stands in for it), casting as a layerwise-casting hook would.
-        with bypassing_hooks(module.modules()), cast_as_layerwise(module.modules()):
+        with embedding_beneath_hooks(module.modules()):
             temb = module(timestep, hidden, additional)
-        # Under autocast temb is in the autocast dtype; the projection's own autocast casts the
-        # input back down, so the cast up to the weights' dtype (a no-op otherwise) is exact.
         if not model.config.zero_cond_t:
             return F.silu(temb).to(spec.dtype)
         first = temb.chunk(2, dim=0)[0]
