@@ -89,9 +89,6 @@ def private(key: str) -> Any:
         ) from exc
 
 
-# --------------------------------------------------------------------------------- hook registries
-
-
 def hook_registry(module: nn.Module) -> Any:
     """The diffusers ``HookRegistry`` on ``module``, or ``None`` when no diffusers hook was ever added."""
     return getattr(module, HOOK_REGISTRY_ATTRIBUTE, None)
@@ -106,9 +103,6 @@ def get_hook(module: nn.Module, name: str) -> Any:
     """The diffusers hook registered on ``module`` under ``name``, or ``None``."""
     registry = hook_registry(module)
     return registry.get_hook(name) if registry is not None else None
-
-
-# --------------------------------------------------------------------------------- group offloading
 
 
 def group_offload_enabled(module: nn.Module) -> bool:
@@ -148,9 +142,6 @@ def reapply_group_offloading(module: nn.Module) -> None:
     """Rebuild ``module``'s offloading groups from its parameters as they are now (if it is applied)."""
     if group_offload_enabled(module):
         private("_maybe_remove_and_reapply_group_offloading")(module)
-
-
-# --------------------------------------------------------------------------------- the block registry
 
 
 def block_registry() -> tuple[Any, Any]:

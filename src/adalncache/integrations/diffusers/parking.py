@@ -89,8 +89,6 @@ class WeightParking:
         #: Puts back what a quantization library kept on each parked module (:func:`hand_state_to_weight`).
         self._library_undos: list[Callable[[], None]] = []
 
-    # ------------------------------------------------------------------ park and restore
-
     def park(
         self,
         targets: Sequence[ParkTarget],
@@ -247,8 +245,6 @@ class WeightParking:
         for parked in self.parked:
             parked.device = device
 
-    # ------------------------------------------------------------------ lending
-
     def at_model_residue(self, layer: Layer, name: str, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
         """``tensor``, or an aligned copy of it when the model holds it elsewhere modulo 64 bytes on ``device``.
 
@@ -289,8 +285,6 @@ class WeightParking:
         finally:
             self._keys_only = False
 
-    # ------------------------------------------------------------------ reading back
-
     def _read_by_key(self, parked: ParkedParam) -> torch.Tensor:
         """A never-loaded time-embedder tensor, read from the source now at the model's dtype and residue."""
         assert parked.key is not None and self._source is not None
@@ -314,8 +308,6 @@ class WeightParking:
             mapped = self._maps[(header.path, header.identity)] = MappedFile(header)
         view = mapped.tensor(parked.key, prefetch=False)
         return view if view.dtype == parked.placeholder.dtype else view.to(parked.placeholder.dtype)
-
-    # ------------------------------------------------------------------ state_dict hooks
 
     def _entry(self, module: nn.Module, name: str) -> ParkedParam | None:
         for parked in self.parked:

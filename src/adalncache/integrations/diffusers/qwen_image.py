@@ -54,8 +54,6 @@ class QwenImage(DiffusersFamily):
         hidden_states = args[1] if len(args) > 1 else kwargs.get("hidden_states")
         return int(timestep.shape[0]), getattr(hidden_states, "dtype", None)
 
-    # -- plans ---------------------------------------------------------------------------------------
-
     def forward_plan(self, module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> torch.Tensor:
         """The forward's timestep as it sees it (cast, doubled with ``zero_cond_t``), with its index column."""
         timestep = timestep_argument(module, args, kwargs)
@@ -123,8 +121,6 @@ class QwenImage(DiffusersFamily):
         return forward_plan_of(
             dtype, bool(config.zero_cond_t), bool(config.use_additional_t_cond), timestep, additional
         )
-
-    # -- the input -------------------------------------------------------------------------------------
 
     def embed(
         self, model: Any, spec: ModulationSpec, plan: torch.Tensor, device: torch.device

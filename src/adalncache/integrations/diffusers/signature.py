@@ -31,7 +31,7 @@ from ...spec import ModulationSpec
 from .family import DiffusersFamily
 from .hooks import ServingHooks
 from .parking import DTYPE_MARKER, WeightParking
-from .quantized import new_casting
+from .quantized import is_plain_tensor, new_casting
 
 #: ``(module path, peft tuner module)`` pairs.
 Tuners = Sequence[tuple[str, Any]]
@@ -116,16 +116,9 @@ def lora_entries(tuners: Tuners) -> tuple[Variant, list[torch.Tensor]]:
             tensors.append(
                 (param_name, id(param), param.data_ptr(), param._version, tuple(param.shape), str(param.dtype))
             )
-        entries.append(
-            (
-                name,
-                tuple(module.active_adapters),
-                bool(module.disable_adapters),
-                tuple(module.merged_adapters),
-                tuple(sorted((k, float(v)) for k, v in getattr(module, "scaling", {}).items())),
-                tuple(tensors),
-            )
-        )
+        state = (tuple(module.active_adapters), bool(module.disable_adapters), tuple(module.merged_adapters))
+        scaling = tuple(sorted((k, float(v)) for k, v in getattr(module, "scaling", {}).items()))
+        entries.append((name, *state, scaling, tuple(tensors)))
     return (tuple(entries) if entries else None), refs
 
 
@@ -165,7 +158,7 @@ def upstream_digest_of(
         except AttributeError:
             return None
         tensor = getattr(getattr(module, "base_layer", module), attr, None)
-        if not isinstance(tensor, torch.Tensor) or tensor.is_meta or type(tensor) not in (torch.Tensor, nn.Parameter):
+        if not is_plain_tensor(tensor) or tensor.is_meta:
             return None
         tensors[name] = tensor
     return upstream_digest({**tensors, **{name: read() for name, read in standing_in.items()}})
@@ -208,8 +201,6 @@ class Signature:
         self._merged_at_enable = _merged(self.tuners())
         self._baseline, self._baseline_refs = self._upstream()
         self._upstream_refs: list[torch.Tensor] = []
-
-    # -- reading ---------------------------------------------------------------------------------
 
     def tuners(self) -> list[tuple[str, Any]]:
         """The peft tuner layers on the served and upstream modules right now."""
@@ -310,8 +301,6 @@ class Signature:
         changed = variant != self.variant
         self.variant, self._refs = variant, refs
         return changed
-
-    # -- guards ------------------------------------------------------------------------------------
 
     def guards(
         self, *, standing_in: Callable[[], AbstractContextManager[None]], after_load: Callable[[], None]
