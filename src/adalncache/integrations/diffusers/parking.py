@@ -1,16 +1,11 @@
 """Weight parking: the served projections' (and the time embedder's) weights leave the device.
 
-Each parked parameter becomes a meta placeholder kept as a plain attribute, not a registered
-parameter, plus a 0-element dtype buffer for ``get_parameter_dtype``: docs/diffusers.md says why. The
-real tensor is kept on the host (on CPU the model's own object) or, when a checkpoint holds it, not
-kept at all; a model from ``load_transformer`` is parked straight from the checkpoint.
-
-Restoring is bit-exact, alignment included (an fp32 GEMV's bits can depend on the address modulo
-16, docs/exactness.md): a weight back from a copy or a file lands at the original's residue modulo
-64. Weights read back from the checkpoint are checked against the content digest held for it
-(:class:`~adalncache.identity.binding.CheckedRead`), so a rewrite no ``stat`` sees raises
-``CheckpointError`` before anything is put back. ``state_dict()`` carries the real weights (lazy
-mapped views of a checkpoint, read only when written); ``load_state_dict()`` into them is refused.
+Each becomes a meta placeholder kept as a plain attribute, not a parameter, plus a 0-element dtype buffer
+for ``get_parameter_dtype`` (why: docs/diffusers.md); the real tensor stays on the host (on CPU the very
+object) or, when a checkpoint holds it, is re-read from there, checked against the content digest held for
+it (:class:`~adalncache.identity.binding.CheckedRead`). Restoring is bit-exact, alignment included: a
+weight lands at the original's address modulo 64 (docs/exactness.md). ``state_dict()`` carries the real
+weights (lazy mapped views of a checkpoint); ``load_state_dict()`` into them is refused.
 """
 
 from __future__ import annotations
@@ -151,7 +146,7 @@ class WeightParking:
                 if layer is None:
                     self.time_embedder_parked = True
                 del base._parameters[name]
-                base.__dict__[name] = placeholder  # an attribute, not a parameter: see the module docstring
+                base.__dict__[name] = placeholder  # an attribute, not a parameter (module docstring)
                 marker = base._buffers.get(DTYPE_MARKER)
                 if marker is None or (not marker.is_floating_point() and placeholder.is_floating_point()):
                     # The first floating-point placeholder's dtype, as get_parameter_dtype picks it

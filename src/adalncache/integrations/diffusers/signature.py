@@ -1,16 +1,7 @@
-"""What the tables are keyed by besides the projection weights (their *variant*), read as the model is now;
-and the guards around what would change it behind the cache's back. What it covers, what is refused and
-what is not seen: docs/diffusers.md (LoRA, and what else a row depends on).
-
-Tensors are named by identity and in-place version counter, never a hash per forward, nor a data
-pointer (offloading moves the data of the same tensor object at every forward). Upstream tensors join
-the variant only once they differ from enabling; a changed state is named with a token of this process,
-so a store never serves it to another process whose tensors happen to have the same ids.
-
-Reading the variant under an ``attention_kwargs["scale"]`` other than 1 scales the adapters for a
-moment, which a build on another thread must not see: that read (and a hook move) takes the handle's
-lock; with adapters present a read at scale 1 takes it too (a build under another scale changes the
-shared ``scaling`` while it runs); a model without adapters is read without it.
+"""What the tables are keyed by besides the projection weights (their *variant*), read as the model is now,
+and the guards around what would change it behind the cache's back: what it covers, what is refused, what
+is not seen, and when a read takes the handle's lock, docs/diffusers.md (LoRA; Threads). Tensors are named
+by identity and in-place version counter; upstream ones only once they differ from enabling.
 """
 
 from __future__ import annotations
@@ -39,7 +30,7 @@ Tuners = Sequence[tuple[str, Any]]
 #: The variant of the resident tables (``None``: no adapter, upstream modules as enabled).
 Variant = tuple[Any, ...] | None
 
-#: Names a changed upstream state in this process only (module docstring).
+#: Names a changed upstream state in this process only: another process may hold tensors of the same ids.
 _PROCESS = uuid.uuid4().hex
 
 _TUNER_LAYER: list[type] = []
@@ -196,7 +187,7 @@ class Signature:
         #: The variant the resident tables were built under, and the tensors it names.
         self.variant: Variant = plain_variant
         self._refs: list[torch.Tensor] = []
-        #: Hotswaps in place through the loader since enabling (module docstring): part of the variant.
+        #: Hotswaps in place through the loader since enabling (peft copies through ``.data``): part of the variant.
         self.hotswaps = 0
         self._merged_at_enable = _merged(self.tuners())
         self._baseline, self._baseline_refs = self._upstream()
