@@ -151,8 +151,34 @@ def load_transformer(
         if not getattr(quantizer, "use_keep_in_fp32_modules", False):  # as from_pretrained decides it
             keep = []
         quantizer.preprocess_model(model=model, device_map=hf_device_map, keep_in_fp32_modules=keep)
-    plan = _plan_load(
-        model, family, directory, layout, qkv_layout, config_dict, torch_dtype, free_time_embedder, keep, quantizer
+
+    # 1. The files, the served tensors, and their placeholders run through the stock dtype rule on meta.
+    layers = family.model_layers(model)
+    files = _model_files(directory, layout, family, layers[0])
+    if files.layout.name == "native":
+        sharded = files.checkpoint.index is not None or len(files.files) > 1
+        qkv_layout = qkv_layout or ("interleaved" if sharded else "stacked")
+    needed: set[str] = set(model.state_dict())
+    # A projection built without a bias (nn.Linear(..., bias=False)) has none in the files either.
+    biased = {layer for layer in layers if getattr(family.projection_module(model, layer), "bias", None) is not None}
+    # The time embedder's linears of this very model: a checkpoint holds only its own class's.
+    linears = [(path, base_linear(linear).bias is not None) for path, linear in family.time_embedder_linears(model)]
+    served: dict[str, tuple[str, str]] = {}
+    for layer in layers:
+        served[files.layout.weight(layer)] = (family.layout.weight(layer), "projection")
+        if layer in biased:
+            served[files.layout.bias(layer)] = (family.layout.bias(layer), "projection")
+    if free_time_embedder is not False:
+        served.update(_time_embedder_keys(files.layout, family.layout, linears))
+    meta = {}  # the served tensors' file shapes and dtypes, on meta
+    for key in served:
+        found = files.entry(key)
+        if found is not None and found[1].torch_dtype is not None:
+            meta[key] = torch.empty(found[1].shape, dtype=found[1].torch_dtype, device="meta")
+    meta_state = _converted(meta, files.layout, config_dict, qkv_layout)
+    _load_into(model, meta_state, torch_dtype, keep, {"": torch.device("meta")})
+    plan = _LoadPlan(
+        files, family.layout, served, meta_state, linears, needed, config_dict, qkv_layout, torch_dtype, keep, quantizer
     )
     spec = family.spec(model)
 
@@ -210,56 +236,11 @@ class _LoadPlan:
     quantizer: Any = None
 
 
-def _plan_load(
-    model: Any,
-    family: DiffusersFamily,
-    directory: Path,
-    layout: str,
-    qkv_layout: str | None,
-    config: dict[str, Any],
-    torch_dtype: torch.dtype | None,
-    free_time_embedder: bool | None,
-    keep: list[str],
-    quantizer: Any,
-) -> _LoadPlan:
-    """Step 1: the files, the served tensors, and their placeholders run through the stock dtype rule on meta.
-
-    The time embedder's are those of the linears the family declares for this very model: a family of
-    several classes lists every class's, and a checkpoint holds only its own class's.
-    """
-    layers = family.model_layers(model)
-    files = _model_files(directory, layout, family, layers[0])
-    if files.layout.name == "native":
-        sharded = files.checkpoint.index is not None or len(files.files) > 1
-        qkv_layout = qkv_layout or ("interleaved" if sharded else "stacked")
-    expected: set[str] = set(model.state_dict())
-    # A projection built without a bias (nn.Linear(..., bias=False)) has none in the files either.
-    biased = {layer for layer in layers if getattr(family.projection_module(model, layer), "bias", None) is not None}
-    linears = [(path, base_linear(linear).bias is not None) for path, linear in family.time_embedder_linears(model)]
-    served: dict[str, tuple[str, str]] = {}
-    for layer in layers:
-        served[files.layout.weight(layer)] = (family.layout.weight(layer), "projection")
-        if layer in biased:
-            served[files.layout.bias(layer)] = (family.layout.bias(layer), "projection")
-    if free_time_embedder is not False:
-        served.update(_time_embedder_keys(files.layout, family.layout, linears))
-    meta = {}  # the served tensors' file shapes and dtypes, on meta
-    for key in served:
-        found = files.entry(key)
-        if found is not None and found[1].torch_dtype is not None:
-            meta[key] = torch.empty(found[1].shape, dtype=found[1].torch_dtype, device="meta")
-    placeholders = _converted(meta, files.layout, config, qkv_layout)
-    _load_into(model, placeholders, torch_dtype, keep, {"": torch.device("meta")})
-    return _LoadPlan(
-        files, family.layout, served, placeholders, linears, expected, config, qkv_layout, torch_dtype, keep, quantizer
-    )
-
-
 def _load_the_rest(
     model: Any, plan: _LoadPlan, directory: Path, device_map: Any, *, free: bool, tables_only: bool
 ) -> dict[str, tuple[str, str]]:
     """Step 3: every tensor but the served ones (the time embedder's too unless ``free``), file by file;
-    returns what stays served (never loaded)."""
+    returns what stays served (never loaded). Refuses model files that lack a tensor the model needs."""
     served = plan.served if free else {k: v for k, v in plan.served.items() if v[1] != "time_embedder"}
     seen = set(plan.placeholders)
     for header in plan.files.checkpoint.headers:
@@ -269,7 +250,15 @@ def _load_the_rest(
         seen.update(state)
         _load_into(model, state, plan.torch_dtype, plan.keep, device_map, plan.quantizer)
     never_in_files = {ours for _, (ours, kind) in plan.served.items() if kind == "projection"} if tables_only else set()
-    _check_loaded(directory, plan.expected, seen, never_in_files)
+    missing = sorted(plan.expected - seen - never_in_files)
+    if missing:
+        raise CheckpointError(
+            f"the model files in {directory} lack {len(missing)} tensor(s) the model needs ({', '.join(missing[:5])}"
+            f"{', ...' if len(missing) > 5 else ''}): pass path= the transformer's own directory (or model_config= "
+            "its matching config)"
+        )
+    if unused := len(seen - plan.expected):
+        logger.warning("load_transformer: %d tensor(s) of %s are not used by the model", unused, directory)
     return served
 
 
@@ -366,25 +355,39 @@ def _source_of(
         return None, False
     source_arg = f"checkpoint= (CLI {flag('checkpoint')})" if checkpoint is not None else "path="
     source = _serving_source(checkpoint if checkpoint is not None else plan.files.files, spec, layout, source_arg)
+    reader: Any = source  # a checkpoint source (its headers name the tensors)
+    # The time embedder is left unloaded only when the serving checkpoint holds all of it.
     names = list(_time_embedder_keys(source.layout, plan.model_layout, plan.time_embedder))
-    free = _decide_time_embedder(free_time_embedder, source, names, source_arg)
-    if checkpoint is not None:
-        _check_against_model_files(plan.files, source, spec, source_arg)
-    return source, free
-
-
-def _check_loaded(directory: Path, expected: set[str], seen: set[str], never_in_files: set[str]) -> None:
-    """Refuse model files that lack a tensor the model needs; log those the model does not use."""
-    missing = sorted(expected - seen - never_in_files)
-    if missing:
-        raise CheckpointError(
-            f"the model files in {directory} lack {len(missing)} tensor(s) the model needs ({', '.join(missing[:5])}"
-            f"{', ...' if len(missing) > 5 else ''}): pass path= the transformer's own directory (or model_config= "
-            "its matching config)"
+    missing = []
+    for name in names:
+        try:
+            reader.entry(name)
+        except KeyError:
+            missing.append(name)
+    if missing and free_time_embedder:
+        raise ConfigError(
+            f"free_time_embedder=True needs the time embedder in the checkpoint the cache reads ({source_arg}), "
+            f"which lacks {missing[0]!r}: pass free_time_embedder=None or False, or the whole transformer checkpoint"
         )
-    unexpected = sorted(seen - expected)
-    if unexpected:
-        logger.warning("load_transformer: %d tensor(s) of %s are not used by the model", len(unexpected), directory)
+    if checkpoint is not None:  # headers only: it must hold the model files' projections (names, shapes, dtypes)
+        problems, files = [], plan.files
+        for layer in spec.layers():
+            for name in spec.tensors_of(layer):
+                ours = files.entry(files.layout.weight(layer) if name == "weight" else files.layout.bias(layer))
+                key = source.layout.weight(layer) if name == "weight" else source.layout.bias(layer)
+                theirs = reader.entry(key)[1]
+                if ours is not None and (ours[1].shape != theirs.shape or ours[1].dtype != theirs.dtype):
+                    problems.append(
+                        f"{key}: {theirs.dtype} {list(theirs.shape)} in the checkpoint, {ours[1].dtype} "
+                        f"{list(ours[1].shape)} in the model files"
+                    )
+        if problems:
+            raise CheckpointMismatchError(
+                f"{source_arg} does not hold this model's projections: {'; '.join(problems[:3])}"
+                f"{' ...' if len(problems) > 3 else ''}; pass a checkpoint of this very model, or none (the model "
+                "files)"
+            )
+    return source, free_time_embedder is not False and bool(names) and not missing
 
 
 #: The family a config that names no class is loaded as (a native MiniMax-H3 checkpoint's).
@@ -565,47 +568,6 @@ def _upstream_of_load(
         return upstream_digest_of(loaded, spec, family, standing_in)
 
     return digest
-
-
-def _decide_time_embedder(free: bool | None, source: Source, names: list[str], argument: str) -> bool:
-    """Whether the time embedder is left unloaded: only when ``names`` (its tensors, in the serving
-    checkpoint's layout) are all in that checkpoint."""
-    if free is False or not names:
-        return False
-    reader: Any = source  # a checkpoint source here (its headers name the tensors)
-    missing = []
-    for name in names:
-        try:
-            reader.entry(name)
-        except KeyError:
-            missing.append(name)
-    if missing and free:
-        raise ConfigError(
-            f"free_time_embedder=True needs the time embedder in the checkpoint the cache reads ({argument}), which "
-            f"lacks {missing[0]!r}: pass free_time_embedder=None or False, or the whole transformer checkpoint"
-        )
-    return not missing
-
-
-def _check_against_model_files(files: _Files, source: Source, spec: ModulationSpec, argument: str) -> None:
-    """Headers only: a separate checkpoint must hold the model files' projections (names, shapes, dtypes)."""
-    problems = []
-    reader: Any = source  # a checkpoint source (its headers name the tensors)
-    for layer in spec.layers():
-        for name in spec.tensors_of(layer):
-            ours = files.entry(files.layout.weight(layer) if name == "weight" else files.layout.bias(layer))
-            key = source.layout.weight(layer) if name == "weight" else source.layout.bias(layer)
-            theirs = reader.entry(key)[1]
-            if ours is not None and (ours[1].shape != theirs.shape or ours[1].dtype != theirs.dtype):
-                problems.append(
-                    f"{key}: {theirs.dtype} {list(theirs.shape)} in the checkpoint, {ours[1].dtype} "
-                    f"{list(ours[1].shape)} in the model files"
-                )
-    if problems:
-        raise CheckpointMismatchError(
-            f"{argument} does not hold this model's projections: {'; '.join(problems[:3])}"
-            f"{' ...' if len(problems) > 3 else ''}; pass a checkpoint of this very model, or none (the model files)"
-        )
 
 
 def _build_on_meta(cls: Any, config: dict[str, Any], unused: dict[str, Any], torch_dtype: torch.dtype | None) -> Any:

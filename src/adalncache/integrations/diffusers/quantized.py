@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 from torch import nn
@@ -36,7 +36,7 @@ _LIBRARIES = (
 )
 
 
-def is_plain_tensor(tensor: Any) -> bool:
+def is_plain_tensor(tensor: Any) -> TypeGuard[torch.Tensor]:
     """A ``torch.Tensor`` or ``nn.Parameter`` itself, not a subclass holding quantized data."""
     return type(tensor) in (torch.Tensor, nn.Parameter)
 
