@@ -220,12 +220,10 @@ class AdalnZero(DiffusersFamily):
     def schedule_plans(
         self, model: nn.Module, timesteps: torch.Tensor, args: tuple[Any, ...], kwargs: Mapping[str, Any]
     ) -> list[Any] | None:
-        """Every remaining step's per-step inputs of a pipeline request, from its schedule and first forward.
-
-        The conversion (:data:`PIPELINE_TIMESTEPS`) that gives this forward's timestep at some step is the
-        request's, and that step its first. ``timestep_r`` (mean-flow) is the next step's timestep (0 after
-        the last); ``guidance`` is the same at every step. ``None`` when no conversion matches.
-        """
+        """Every remaining step's per-step inputs of a pipeline request, from its schedule and first forward. The
+        conversion (:data:`PIPELINE_TIMESTEPS`) that gives this forward's timestep at some step is the request's, and
+        that step its first. ``timestep_r`` (mean-flow) is the next step's timestep (0 after the last); ``guidance`` is
+        the same at every step. ``None`` when no conversion matches."""
         inputs = _plan_inputs(model)
         first = {name: forward_argument(model, name, args, kwargs) for name in inputs}
         timestep = first["timestep"]

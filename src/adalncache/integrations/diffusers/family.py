@@ -444,12 +444,10 @@ class _ThreadBypass:
 
 @contextlib.contextmanager
 def bypassing_hooks(modules: Iterable[nn.Module]) -> Iterator[None]:
-    """Run ``modules`` with their class's own ``forward``, beneath every hook wrapped around them.
-
-    A rebuild pass calls a served module with the source's weights, and no hook may see that call (an
-    offloading hook would move those weights away, ours would serve the table). Only on the calling
-    thread: a forward on another thread meanwhile still goes through the wrappers.
-    """
+    """Run ``modules`` with their class's own ``forward``, beneath every hook wrapped around them. A rebuild pass calls
+    a served module with the source's weights, and no hook may see that call (an offloading hook would move those
+    weights away, ours would serve the table). Only on the calling thread: a forward on another thread meanwhile still
+    goes through the wrappers."""
     saved: list[tuple[nn.Module, Any]] = []
     thread = threading.get_ident()
     try:
@@ -468,13 +466,11 @@ def bypassing_hooks(modules: Iterable[nn.Module]) -> Iterator[None]:
 
 @contextlib.contextmanager
 def embedding_beneath_hooks(modules: Iterable[nn.Module]) -> Iterator[None]:
-    """Run a family's embedding ``modules`` beneath every hook on them (ours stands in for a parked one; an
-    offloading hook must not move the weights a build lends), each one with a layerwise-casting hook given
-    its parameters in the hook's compute dtype, as its ``module.to(dtype=compute_dtype)`` would.
-
-    Under autocast the embedding comes out in the autocast dtype; the projection's own autocast casts its
-    input back down, so the caller's cast up to the weights' dtype (a no-op otherwise) is exact.
-    """
+    """Run a family's embedding ``modules`` beneath every hook on them (ours stands in for a parked one; an offloading
+    hook must not move the weights a build lends), each one with a layerwise-casting hook given its parameters in the
+    hook's compute dtype, as its ``module.to(dtype=compute_dtype)`` would. Under autocast the embedding comes out in the
+    autocast dtype; the projection's own autocast casts its input back down, so the caller's cast up to the weights'
+    dtype (a no-op otherwise) is exact."""
     modules = list(modules)
     with bypassing_hooks(modules), contextlib.ExitStack() as stack:
         for module in modules:

@@ -142,7 +142,15 @@ def load_transformer(
     config = model_config
     directory = _model_directory(path, subfolder)
     cls, family = _transformer_class(directory, config)
-    _check_load_arguments(torch_dtype, qkv_layout, layout, family)
+    if torch_dtype is not None and torch_dtype not in TORCH_DTYPES:
+        raise ConfigError(
+            f"torch_dtype={torch_dtype!r} cannot load a {family.family.title} transformer: pass torch.bfloat16 (the "
+            "released precision), torch.float16, torch.float32 or None"
+        )
+    if qkv_layout is not None and qkv_layout not in QKV_LAYOUTS:
+        raise ConfigError(f"qkv_layout must be one of {list(QKV_LAYOUTS)} or None, got {qkv_layout!r}")
+    if layout != "auto":
+        family.family.layout(layout)
     device, hf_device_map = _single_device(device_map)
     config_dict, unused = _load_config(cls, path, subfolder, directory, config)
     model = _build_on_meta(cls, config_dict, unused, torch_dtype)
@@ -200,8 +208,22 @@ def load_transformer(
     if plan.files.checkpoint.changed() or cache.source.refresh() or cache.source.fingerprint != fingerprint:
         raise CheckpointError(f"the checkpoint in {directory} changed on disk while it was being loaded; load it again")
 
+    # 4. What from_pretrained does last: computed buffers (rope.inv_freq, not loaded) follow the model as
+    # dispatch_model's .to() moves them, the map and name recorded, the quantizer's last step, eval mode.
     target = device or torch.device("cpu")
-    _place(model, path, device, hf_device_map, quantizer, torch_dtype)
+    if device is not None:
+        for module in model.modules():
+            for name, buffer in list(module._buffers.items()):
+                if buffer is not None and buffer.device != device and buffer.device.type != "meta":
+                    module._buffers[name] = buffer.to(device)
+        model.hf_device_map = dict(hf_device_map or {})
+    if quantizer is not None:
+        quantizer.postprocess_model(model)
+        model.hf_quantizer = quantizer
+        model.register_to_config(_name_or_path=path, _pre_quantization_dtype=torch_dtype)
+    else:
+        model.register_to_config(_name_or_path=path)  # as given, like from_pretrained
+    model.eval()
     residues = _stock_residues(_resident_files(plan.files, config), plan.files, served, plan.placeholders, target)
     quantization = Quantization(quantizer, model) if quantizer is not None else None
     never_loaded = NeverLoaded(cache.source, cache, residues, target, quantization)
@@ -262,32 +284,6 @@ def _load_the_rest(
     return served
 
 
-def _place(
-    model: Any,
-    path: Any,
-    device: torch.device | None,
-    hf_device_map: dict[str, Any] | None,
-    quantizer: Any,
-    torch_dtype: torch.dtype | None,
-) -> None:
-    """What ``from_pretrained`` does last: computed buffers on the device, the map and name recorded, the
-    quantizer's own last step, eval mode."""
-    if device is not None:
-        # Computed buffers (rope.inv_freq), not loaded, follow the model (dispatch_model's .to() moves them).
-        for module in model.modules():
-            for name, buffer in list(module._buffers.items()):
-                if buffer is not None and buffer.device != device and buffer.device.type != "meta":
-                    module._buffers[name] = buffer.to(device)
-        model.hf_device_map = dict(hf_device_map or {})
-    if quantizer is not None:
-        quantizer.postprocess_model(model)
-        model.hf_quantizer = quantizer
-        model.register_to_config(_name_or_path=path, _pre_quantization_dtype=torch_dtype)
-    else:
-        model.register_to_config(_name_or_path=path)  # as given, like from_pretrained
-    model.eval()
-
-
 def _quantizer(
     quantization_config: Any, torch_dtype: torch.dtype | None, device_map: Any
 ) -> tuple[Any, torch.dtype | None]:
@@ -318,21 +314,6 @@ def _quantizer(
             "quantized projections exactly"
         )
     return quantizer, quantizer.update_torch_dtype(torch_dtype)
-
-
-def _check_load_arguments(
-    torch_dtype: torch.dtype | None, qkv_layout: str | None, layout: str, family: DiffusersFamily
-) -> None:
-    """Refuse a dtype, a fused-qkv row order or a key layout ``load_transformer`` cannot load."""
-    if torch_dtype is not None and torch_dtype not in TORCH_DTYPES:
-        raise ConfigError(
-            f"torch_dtype={torch_dtype!r} cannot load a {family.family.title} transformer: pass torch.bfloat16 (the "
-            "released precision), torch.float16, torch.float32 or None"
-        )
-    if qkv_layout is not None and qkv_layout not in QKV_LAYOUTS:
-        raise ConfigError(f"qkv_layout must be one of {list(QKV_LAYOUTS)} or None, got {qkv_layout!r}")
-    if layout != "auto":
-        family.family.layout(layout)
 
 
 def _source_of(

@@ -105,10 +105,9 @@ class MiniMaxH3(DiffusersFamily):
         return remove
 
     def embed(self, model: Any, spec: ModulationSpec, plan: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """``silu(time_embedder(time_proj(plan)))``, as the stock forward computes it: SiLU at ``temb``'s
-        precision and only then the cast to the projection dtype (the other order changes about half the
-        outputs); the time embedder's own forward, beneath every hook on it (ours stands in for it; an
-        offloading hook must not move lent weights)."""
+        """``silu(time_embedder(time_proj(plan)))``, as the stock forward computes it: SiLU at ``temb``'s precision and
+        only then the cast to the projection dtype (the other order changes about half the outputs); the time embedder's
+        own forward, beneath every hook on it (ours stands in for it; an offloading hook must not move lent weights)."""
         from diffusers.models.modeling_utils import get_parameter_dtype
 
         temb = model.time_proj(plan.to(device))
@@ -191,13 +190,11 @@ def denoise_loops(blocks: Any) -> Iterator[LoopSequentialPipelineBlocks]:
 
 
 def predicted_plans(pipeline: Any, call: Mapping[str, Any], component: str) -> list[torch.Tensor] | None:
-    """Every step's plan a ``MiniMaxH3ModularPipeline`` call feeds its ``component``, from the call's inputs.
-
-    Plans depend on the task (the one the pipeline's blocks pick), the step count, the two schedulers'
-    shifts and, for ``ref2va``, whether an audio reference rides at ``t = 1``: never on the prompt, size
-    or seed (:func:`adalncache.minimax_h3_plans`). None for a call it cannot tell (a ``state`` passed
-    in, references without an image or video, another ``__call__``, a component the call does not run).
-    """
+    """Every step's plan a ``MiniMaxH3ModularPipeline`` call feeds its ``component``, from the call's inputs. Plans
+    depend on the task (the one the pipeline's blocks pick), the step count, the two schedulers' shifts and, for
+    ``ref2va``, whether an audio reference rides at ``t = 1``: never on the prompt, size or seed
+    (:func:`adalncache.minimax_h3_plans`). None for a call it cannot tell (a ``state`` passed in, references without an
+    image or video, another ``__call__``, a component the call does not run)."""
     from diffusers.modular_pipelines.modular_pipeline import ModularPipeline
     from diffusers.modular_pipelines.modular_pipeline_utils import InputParam
 
@@ -250,10 +247,9 @@ _METADATA_FIELDS = {"return_hidden_states_index", "return_encoder_hidden_states_
 
 
 def register_minimax_h3_block() -> bool:
-    """Register ``MiniMaxH3TransformerBlock`` with diffusers' (private) block registry; True if it was not yet
-    there. The block returns ``hidden_states`` as a plain tensor (text rows are part of the packed
-    sequence); a registry that looks different raises ``ConfigError`` instead of registering something wrong.
-    """
+    """Register ``MiniMaxH3TransformerBlock`` with diffusers' (private) block registry; True if it was not yet there.
+    The block returns ``hidden_states`` as a plain tensor (text rows are part of the packed sequence); a registry that
+    looks different raises ``ConfigError`` instead of registering something wrong."""
     import diffusers
     from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3TransformerBlock
 

@@ -93,13 +93,10 @@ class WeightParking:
         never_loaded: Mapping[str, int] | None = None,
         device: torch.device | None = None,
     ) -> None:
-        """Replace the weight and bias of every target by meta placeholders.
-
-        ``host_tensors``: host copies of the model's own projections to restore from (without them,
-        ``source``, verified equal when enabling). ``never_loaded``: for a model whose served tensors
-        are meta already, each one's path -> the residue a stock load would have given it; ``device``:
-        where the model keeps its weights.
-        """
+        """Replace the weight and bias of every target by meta placeholders. ``host_tensors``: host copies of the
+        model's own projections to restore from (without them, ``source``, verified equal when enabling).
+        ``never_loaded``: for a model whose served tensors are meta already, each one's path -> the residue a stock load
+        would have given it; ``device``: where the model keeps its weights."""
         self._source = source
         for target in targets:
             base, layer = target.module, target.layer
@@ -157,12 +154,10 @@ class WeightParking:
             self._hook_handles.append(base.register_load_state_dict_pre_hook(_as_function(self._load_state_dict_hook)))
 
     def read_back(self, held: str | None = None) -> list[tuple[ParkedParam, nn.Parameter]]:
-        """Every parked parameter's real tensor, on its device at its residue, without touching the model.
-
-        Source-backed projections are read in one pass checked against ``held`` (the content digest;
-        ``None``: not checked): a mismatch raises ``CheckpointError`` before anything is put back. Freed
-        ones (table files only) keep their meta placeholders.
-        """
+        """Every parked parameter's real tensor, on its device at its residue, without touching the model. Source-backed
+        projections are read in one pass checked against ``held`` (the content digest; ``None``: not checked): a
+        mismatch raises ``CheckpointError`` before anything is put back. Freed ones (table files only) keep their meta
+        placeholders."""
         freed = self.freed
         reread: dict[tuple[Layer, str], torch.Tensor] = {}
         # In the order they were parked: the spec's pass order (layers may be module paths).
@@ -241,13 +236,11 @@ class WeightParking:
             parked.device = device
 
     def at_model_residue(self, layer: Layer, name: str, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """``tensor``, or an aligned copy of it when the model holds it elsewhere modulo 64 bytes on ``device``.
-
-        A checkpoint's tensors sit at the file's offsets, not necessarily the resident model's, so an
-        fp32 or fp16 CPU weight is copied to the model's residue (bf16 showed no such effect and is used
-        as it is). ``device`` is where the forward runs: on an indexed CPU device (``"cpu:0"``) the
-        model was moved there with ``.to()``, which copies to fresh 64-byte-aligned allocations.
-        """
+        """``tensor``, or an aligned copy of it when the model holds it elsewhere modulo 64 bytes on ``device``. A
+        checkpoint's tensors sit at the file's offsets, not necessarily the resident model's, so an fp32 or fp16 CPU
+        weight is copied to the model's residue (bf16 showed no such effect and is used as it is). ``device`` is where
+        the forward runs: on an indexed CPU device (``"cpu:0"``) the model was moved there with ``.to()``, which copies
+        to fresh 64-byte-aligned allocations."""
         if tensor.device.type != "cpu" or tensor.dtype not in (torch.float32, torch.float16):
             return tensor
         if not is_plain_tensor(tensor):

@@ -50,11 +50,9 @@ def _library(cls: type) -> str | None:
 
 
 def quantization_of(module: nn.Module) -> str | None:
-    """Which library quantized this projection (``"torchao"``, ``"gguf"``...), or None for a plain one.
-
-    The module's class decides first (optimum-quanto's ``QLinear`` quantizes a plain weight in its
-    forward when not frozen), then the weight's; any other tensor subclass counts as quantized too.
-    """
+    """Which library quantized this projection (``"torchao"``, ``"gguf"``...), or None for a plain one. The module's
+    class decides first (optimum-quanto's ``QLinear`` quantizes a plain weight in its forward when not frozen), then the
+    weight's; any other tensor subclass counts as quantized too."""
     base = base_linear(module)
     name = _library(type(base))
     if name is not None:
@@ -96,13 +94,10 @@ def storage_of(modules: Sequence[tuple[Layer, Any]], path: Callable[[Layer], str
 
 
 def output_dtype(module: nn.Module, model: nn.Module) -> torch.dtype:
-    """The dtype this projection returns: what the cache's slab must hold to serve it unchanged.
-
-    Under layerwise casting, the compute dtype; for a floating-point weight (torchao and
-    optimum-quanto report the logical one), that dtype; for packed bytes (GGUF, bitsandbytes) that of
-    one forward of a zero row in the bias's dtype (the forward casts its input to it), or the model's
-    for a projection without a bias (bitsandbytes returns its input's dtype).
-    """
+    """The dtype this projection returns: what the cache's slab must hold to serve it unchanged. Under layerwise
+    casting, the compute dtype; for a floating-point weight (torchao and optimum-quanto report the logical one), that
+    dtype; for packed bytes (GGUF, bitsandbytes) that of one forward of a zero row in the bias's dtype (the forward
+    casts its input to it), or the model's for a projection without a bias (bitsandbytes returns its input's dtype)."""
     from diffusers.models.modeling_utils import get_parameter_dtype
 
     compute = casting_compute_dtype(module)

@@ -156,12 +156,9 @@ def upstream_digest_of(
 
 
 class Signature:
-    """The variant of one enabled model's tables, and the one they were built under.
-
-    ``plain_variant``: every table is built under it (full-precision tables of quantized projections, or
-    tables quantized in the passes), and an adapter on a served module is refused. ``rebuildable``: the
-    cache has weights to build from (not table files alone).
-    """
+    """The variant of one enabled model's tables, and the one they were built under. ``plain_variant``: every table is
+    built under it (full-precision tables of quantized projections, or tables quantized in the passes), and an adapter
+    on a served module is refused. ``rebuildable``: the cache has weights to build from (not table files alone)."""
 
     def __init__(
         self,

@@ -31,10 +31,8 @@ from .family import base_linear, diffusers_layout
 
 class CastCheckpointSource:
     """A :class:`~adalncache.CheckpointSource` whose projections are served cast to the model's dtype.
-
     ``tensor.to(dtype)`` on read is the very cast ``from_pretrained(torch_dtype=...)`` performs (a fresh,
-    64-byte-aligned allocation, as the stock load's); everything else is the wrapped source's.
-    """
+    64-byte-aligned allocation, as the stock load's); everything else is the wrapped source's."""
 
     def __init__(self, source: CheckpointSource, dtype: torch.dtype) -> None:
         self.source = source
@@ -85,11 +83,9 @@ Source = CheckpointSource | TensorSource | CastCheckpointSource | NoWeights | We
 
 @dataclass(frozen=True)
 class NeverLoaded:
-    """What ``load_transformer`` hands the handle of a model whose served weights were never loaded.
-
-    ``cache`` was built before the weights were loaded (its options checked first); ``residues``: each
-    never-loaded parameter's path -> the address residue modulo 64 a stock load would have given it.
-    """
+    """What ``load_transformer`` hands the handle of a model whose served weights were never loaded. ``cache`` was built
+    before the weights were loaded (its options checked first); ``residues``: each never-loaded parameter's path -> the
+    address residue modulo 64 a stock load would have given it."""
 
     source: Source
     cache: AdalnCache
@@ -149,12 +145,10 @@ class CheckpointMismatchError(ConfigError, CheckpointError):
 def model_source(
     spec: ModulationSpec, modules: Sequence[tuple[Layer, Any]], device: torch.device
 ) -> tuple[TensorSource, HostTensors, list[HostBuffer]]:
-    """The model's own projection tensors as a source, the host tensors it holds, and their host buffers.
-
-    On CPU the very tensor objects (no buffer). Elsewhere host copies, each in a buffer of exactly its
-    size, page-locked on CUDA (torch's pinned allocator would round each 496 MiB layer up to 512 MiB
-    and never give it back); release the buffers to unlock them.
-    """
+    """The model's own projection tensors as a source, the host tensors it holds, and their host buffers. On CPU the
+    very tensor objects (no buffer). Elsewhere host copies, each in a buffer of exactly its size, page-locked on CUDA
+    (torch's pinned allocator would round each 496 MiB layer up to 512 MiB and never give it back); release the buffers
+    to unlock them."""
     tensors: dict[str, torch.Tensor] = {}
     host: HostTensors = {}
     buffers: list[HostBuffer] = []
