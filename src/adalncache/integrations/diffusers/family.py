@@ -52,9 +52,6 @@ def diffusers_layout(spec: ModulationSpec) -> KeyLayout:
     return spec.layout(DIFFUSERS)
 
 
-# -- the one row gather ---------------------------------------------------------------------------
-
-
 class ForwardState(Protocol):
     """The forward in progress on this thread: ``slot`` (``None`` outside a forward), ``row_buffer`` the
     flat slab rows the served modules gather (written in place: compiled and CUDA graphs hold its
@@ -82,9 +79,6 @@ def rows_forward(owner: Any, x: torch.Tensor) -> torch.Tensor:
     return gather_rows(
         owner.__dict__[ROWS_ATTRIBUTE], owner.__dict__[STATE_ATTRIBUTE], x.shape[0], type(owner).__name__
     )
-
-
-# -- the family seam ------------------------------------------------------------------------------
 
 
 class DiffusersFamily(abc.ABC):
@@ -120,8 +114,6 @@ class DiffusersFamily(abc.ABC):
     def model_layers(self, model: nn.Module) -> list[Layer]:
         """The model's served layers, read before its dtype is known (quantized weights have none)."""
         return self.spec(model, torch.float32).layers()
-
-    # -- what the rows depend on --------------------------------------------------------------
 
     @abc.abstractmethod
     def upstream_modules(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -164,8 +156,6 @@ class DiffusersFamily(abc.ABC):
         """Install what this family's own pipelines need besides the call and scheduler watches; returns the
         undo, or None when nothing was done."""
         return None
-
-    # -- where the served modules sit ------------------------------------------------------------
 
     def projection_path(self, layer: Layer) -> str:
         return self.layout.prefix(layer)
@@ -221,8 +211,6 @@ class DiffusersFamily(abc.ABC):
         named = [(self.projection_path(layer), module) for layer, module in self.projection_modules(model, spec)]
         return [*named, *self.time_embedder_linears(model)]
 
-    # -- serving -----------------------------------------------------------------------------------
-
     def swapped_layers(self, spec: ModulationSpec) -> list[Layer]:
         """Layers served by a class swap of their owner module: the blocks' (the rest get a hook)."""
         return [layer for layer in spec.layers() if isinstance(layer, int)]
@@ -273,8 +261,6 @@ def check_materialised(family: DiffusersFamily, model: nn.Module, spec: Modulati
                 )
 
 
-# -- the registry ---------------------------------------------------------------------------------
-
 #: The integration's families, by core family name (each family module registers its one instance;
 #: the package imports every family module).
 FAMILIES: dict[str, DiffusersFamily] = {}
@@ -306,9 +292,6 @@ def family_of(model: Any) -> DiffusersFamily:
     """The family of a transformer, or the core's ConfigError saying why its class is refused or unknown."""
     family = recognised(model)
     return family if family is not None else by_name(families.for_class(type(model).__name__).name)
-
-
-# -- module helpers (no family) -------------------------------------------------------------------
 
 
 def base_linear(module: nn.Module) -> nn.Module:

@@ -110,9 +110,6 @@ def load_transformer(
             requires the serving checkpoint to hold it); ``False`` loads it like any other weight.
         {cache options}
 
-    With ``tables=`` and model files that hold no projection (and no ``checkpoint``), the table files
-    are all there is: plans they lack raise ``PlanNotCachedError``.
-
     Raises ``ConfigError`` for a bad argument, named with the fix; ``CheckpointMismatchError`` for a
     checkpoint whose projections do not fit the config; ``CheckpointError`` for a model file that is
     malformed, lacks tensors the model needs, or changed on disk during the load.
@@ -239,11 +236,9 @@ def load_transformer(
 
 @dataclass(frozen=True)
 class _LoadPlan:
-    """What a load reads and what it leaves as meta placeholders, decided before any weight is read.
-
-    ``served``: ``{name in the files: (name in the model, "projection" | "time_embedder")}``;
-    ``time_embedder``: ``(path in the model, has a bias)`` of the model's time-embedder linears.
-    """
+    """What a load reads and what it leaves as meta placeholders, decided before any weight is read. ``served``: ``{name
+    in the files: (name in the model, "projection" | "time_embedder")}``; ``time_embedder``: ``(path in the model, has a
+    bias)`` of the model's time-embedder linears."""
 
     files: _Files
     model_layout: KeyLayout
@@ -568,11 +563,9 @@ def _build_on_meta(cls: Any, config: dict[str, Any], unused: dict[str, Any], tor
 def _time_embedder_keys(
     layout: KeyLayout, model_layout: KeyLayout, linears: list[tuple[str, bool]]
 ) -> dict[str, tuple[str, str]]:
-    """The model's time-embedder tensors: ``{name in layout: (name in the model, "time_embedder")}``.
-
-    ``linears``: ``(path in the model, has a bias)`` of the linears the family declares for this
-    model; a path's name in ``layout`` is the one at the same position of its ``time_embedder``.
-    """
+    """The model's time-embedder tensors: ``{name in layout: (name in the model, "time_embedder")}``. ``linears``:
+    ``(path in the model, has a bias)`` of the linears the family declares for this model; a path's name in ``layout``
+    is the one at the same position of its ``time_embedder``."""
     keys: dict[str, tuple[str, str]] = {}
     for path, bias in linears:
         theirs = layout.time_embedder[model_layout.time_embedder.index(path)]
@@ -651,12 +644,10 @@ def _stock_residues(
     placeholders: Mapping[str, torch.Tensor],
     device: torch.device,
 ) -> dict[str, int]:
-    """Where a stock load of ``resident`` would put each never-loaded tensor, modulo 64 bytes.
-
-    On a CPU, a tensor loaded in its file's dtype is a view of the mapped file at its offset; one cast
-    or copied to an accelerator is a fresh, aligned allocation (residue 0). A tensor ``resident`` lacks
-    (or holds in another shape) takes its offset in the model ``files``.
-    """
+    """Where a stock load of ``resident`` would put each never-loaded tensor, modulo 64 bytes. On a CPU, a tensor loaded
+    in its file's dtype is a view of the mapped file at its offset; one cast or copied to an accelerator is a fresh,
+    aligned allocation (residue 0). A tensor ``resident`` lacks (or holds in another shape) takes its offset in the
+    model ``files``."""
     residues: dict[str, int] = {}
     for key, (model_key, _) in served.items():
         meta = placeholders.get(model_key)
