@@ -1,13 +1,9 @@
 """What is the AdaLayerNormZero family's in the integration: its :class:`~.family.DiffusersFamily` (:data:`FAMILY`).
 
-The family's definitions (per-class module lists, geometry, structure check) are in
-:mod:`adalncache.families.adaln_zero`; this module applies them to a live model: the structure check
-(:func:`model_geometry`), the projections' input ``silu(temb)`` with ``temb`` from the model's own
-embedding modules as each class's forward computes it (:data:`_TEMB`), a forward's plan (one fp32
-column per per-step input, the values the forward receives, before its casts), the served forwards of
-the AdaLN modules, and the input from a checkpoint alone for the command line
-(:func:`adaln_zero_embed_fn`: the class built on meta, only its ``temb`` modules read, at their file
-alignment). See docs/families.md (The AdaLayerNormZero family).
+:mod:`adalncache.families.adaln_zero` defines the family (per-class module lists, geometry, structure
+check); this module applies it to a live model: ``temb`` from the model's own modules as each class's
+forward computes it (:data:`_TEMB`), the plans, the served forwards of the AdaLN modules, and the input
+from a checkpoint alone for the command line (:func:`adaln_zero_embed_fn`). See docs/families.md.
 """
 
 from __future__ import annotations

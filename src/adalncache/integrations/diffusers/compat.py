@@ -1,9 +1,6 @@
-"""diffusers' private names, in one place, each with the diffusers release it was checked against.
+"""diffusers' private names, each listed once in :data:`PRIVATE_NAMES` with the release it was checked against.
 
-Where no public API offers what the integration needs (group offloading's hooks and helpers, the
-block registry of the step caches, where a module's hooks sit), the name is listed once in
-:data:`PRIVATE_NAMES`; the rest of the package calls the functions below. Lookups are lazy, so a
-diffusers that moved one name still serves everything else, and the moved one raises
+Lookups are lazy, so a diffusers that moved one name still serves everything else, and the moved one raises
 :class:`ConfigError` naming it; a test imports every name and checks the parameters passed.
 """
 

@@ -1,11 +1,7 @@
-"""What the integration knows of a model: its family (:class:`DiffusersFamily`, registered here), and
-how to reach, run and patch its modules whatever the family.
-
-Everything else of the integration is the same for every family; one module per family
-(``minimax_h3.py``, ``qwen_image.py``, ``adaln_zero.py``) subclasses :class:`DiffusersFamily` and
-registers it. The seam's methods: docs/api.md (Adding a family). Served modules are looked up each
-time (peft wraps or replaces them), blocks through the list captured while enabled (cache-dit swaps
-it in its forward). The module helpers below know no family.
+"""What the integration knows of a model: its family (:class:`DiffusersFamily`, registered here by one module
+per family; the seam: docs/api.md, Adding a family), and how to reach, run and patch its modules whatever the
+family. Served modules are looked up each time (peft wraps or replaces them), blocks through the list
+captured while enabled (cache-dit swaps it in its forward).
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """``load_transformer``: a supported family's transformer built like ``from_pretrained``, minus the served tensors.
 
-diffusers' own steps (``load_config``, the model on meta, ``load_model_dict_into_meta`` with the stock dtype
-rule), but the served projections (and the time embedder where the cache stands in for it) go through them as
-*meta* tensors: their placeholders get the stock dtype while no byte of them is read or allocated. Files are
-mapped with read-around off (:class:`~adalncache.source.reads.MappedFile`), so each loaded tensor sits where a
-stock load puts it and only its pages are read; native checkpoints go through diffusers' own key converter.
-See docs/diffusers.md (Deploying a large model).
+diffusers' own steps, with the served projections (and the time embedder where the cache stands in for it)
+passed through them as *meta* tensors: their placeholders get the stock dtype, no byte of them is read or
+allocated. Files are mapped with read-around off (:class:`~adalncache.source.reads.MappedFile`), so only the
+loaded tensors' pages are read. See docs/diffusers.md (Deploying a large model).
 """
 
 from __future__ import annotations

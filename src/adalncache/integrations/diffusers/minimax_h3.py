@@ -1,12 +1,7 @@
 """What is MiniMax-H3's in the integration: its :class:`~.family.DiffusersFamily` (:data:`FAMILY`), its
-modular pipeline's prepare block, and what diffusers' block-level step caches need to know of it.
-
-Served: every block's ``adaln_proj.linear`` (its ``adaln_proj`` class-swapped to return the six
-modulation tensors) and ``norm_out.linear`` (a hook); upstream: ``time_proj`` and ``time_embedder``;
-a forward's plan is its 1-D float32 ``timestep``. The prepare block hands the request's whole
-``row_timestep_plan`` to its denoiser's transformer at step 0. The step caches' registry
-(:func:`register_minimax_h3_block`) and SeaCache's callback (:func:`minimax_h3_raw_vision`):
-docs/diffusers.md (Step caches).
+modular pipeline's prepare block, and what diffusers' block-level step caches need to know of it
+(docs/diffusers.md, Step caches). Every block's ``adaln_proj`` is class-swapped to return the six
+modulation tensors, ``norm_out.linear`` hooked; a forward's plan is its 1-D float32 ``timestep``.
 """
 
 from __future__ import annotations

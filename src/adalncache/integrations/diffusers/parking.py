@@ -1,11 +1,9 @@
 """Weight parking: the served projections' (and the time embedder's) weights leave the device.
 
-Each becomes a meta placeholder kept as a plain attribute, not a parameter, plus a 0-element dtype buffer
-for ``get_parameter_dtype`` (why: docs/diffusers.md); the real tensor stays on the host (on CPU the very
-object) or, when a checkpoint holds it, is re-read from there, checked against the content digest held for
-it (:class:`~adalncache.identity.binding.CheckedRead`). Restoring is bit-exact, alignment included: a
-weight lands at the original's address modulo 64 (docs/exactness.md). ``state_dict()`` carries the real
-weights (lazy mapped views of a checkpoint); ``load_state_dict()`` into them is refused.
+Each becomes a meta placeholder kept as a plain attribute, plus a 0-element dtype buffer (why: docs/diffusers.md);
+the real tensor stays on the host (on CPU the very object) or is re-read from the checkpoint, checked
+against its content digest. Restoring is bit-exact, the address modulo 64 included (docs/exactness.md).
+``state_dict()`` carries the real weights; ``load_state_dict()`` into them is refused.
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
 """Projections stored in another format than the one they compute in: quantized or layerwise-cast weights.
 
-The cache cannot read such a weight as a matrix, and must not: the resident projection's bits are
-whatever the module's own forward computes from its tensors. So the tables are projected through
-that forward from the model's own tensors, the slab holds what the projection returns
-(:func:`output_dtype`), and a ``checkpoint=`` (unquantized) is refused unless asked for on purpose
-(``quantized_projections="checkpoint"``). Detection looks at the classes of the module and of its
-weight and never imports a quantization library. Layerwise casting applied while enabled is guarded
-(:func:`casting_guard`), refused (:func:`new_casting`) or settled at ``disable()``
-(:func:`settle_casting`). The user's view: docs/diffusers.md (Quantized AdaLN projections, Layerwise casting).
+The cache cannot read such a weight as a matrix, and must not: the resident bits are whatever the module's
+own forward computes from its tensors, so the tables are projected through that forward and the slab holds
+what it returns (:func:`output_dtype`). Detection looks at the classes of the module and of its weight and
+never imports a quantization library. The user's view: docs/diffusers.md (Quantized AdaLN projections,
+Layerwise casting).
 """
 
 from __future__ import annotations

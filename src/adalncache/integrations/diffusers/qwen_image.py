@@ -1,11 +1,9 @@
 """What is Qwen-Image's in the integration: its :class:`~.family.DiffusersFamily` (:data:`FAMILY`).
 
-``QwenImageTransformer2DModel.forward`` (diffusers 0.42.1) casts ``timestep`` to the compute dtype
-(``img_in``'s output dtype), doubles it to ``[t; 0]`` with ``zero_cond_t``, computes ``temb`` with
-``time_text_embed`` (plus ``addition_t_embedding`` with ``use_additional_t_cond``), and runs
-``img_mod`` on every row, ``txt_mod`` and ``norm_out`` on the first half with ``zero_cond_t``. So a
-forward's plan is its timestep *as the forward sees it*, with the ``additional_t_cond`` index as a
-second column for Layered, and :meth:`QwenImage.embed` projects each input at its own row count.
+``QwenImageTransformer2DModel.forward`` (diffusers 0.42.1) casts ``timestep`` to ``img_in``'s output dtype,
+doubles it to ``[t; 0]`` with ``zero_cond_t``, and runs ``img_mod`` on every row of ``temb``, ``txt_mod``
+and ``norm_out`` on the first half. So a plan is the timestep *as the forward sees it* (with Layered's
+``additional_t_cond`` index as a second column), and each input is projected at its own row count.
 See docs/diffusers.md (Qwen-Image).
 """
 

@@ -1,10 +1,6 @@
-"""Where an enabled model's projection weights come from: its own tensors, or a verified checkpoint.
-
-Without a checkpoint the model's own projection tensors (moved to host memory when the model runs
-elsewhere) become a :class:`~adalncache.TensorSource`. With one, the checkpoint must hold exactly
-the model's projections: a fine-tune or a fused LoRA served from the base file would give wrong
-outputs silently, so enabling streams it once, layer by layer, compares bit for bit, and keeps the
-content digest of what it read (``disable()`` checks the bytes it reads back against it).
+"""Where an enabled model's projection weights come from: its own tensors (a :class:`~adalncache.TensorSource`,
+on the host), or a checkpoint verified bit for bit against them when enabling (a fine-tune or a fused LoRA
+served from the base file would be wrong silently), whose content digest is kept for ``disable()``.
 """
 
 from __future__ import annotations
