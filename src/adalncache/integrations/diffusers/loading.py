@@ -328,7 +328,22 @@ def _source_of(
             )
         return None, False
     source_arg = f"checkpoint= (CLI {flag('checkpoint')})" if checkpoint is not None else "path="
-    source = _serving_source(checkpoint if checkpoint is not None else plan.files.files, spec, layout, source_arg)
+    paths: Any = checkpoint if checkpoint is not None else plan.files.files
+    try:  # the file's dtype (served cast on read to the model's where they differ)
+        probe, first = CheckpointFiles.read(paths), spec.layers()[0]
+        dtypes = {
+            entry.torch_dtype
+            for name in (lay.weight(first) for lay in spec.layouts().values())
+            if (entry := probe.where[name].entries[name] if name in probe.where else None) is not None
+        }
+        file_dtype = dtypes.pop() if len(dtypes) == 1 else spec.dtype
+        checked = CheckpointSource(paths, spec.with_dtype(file_dtype or spec.dtype), layout=layout)
+    except CheckpointError as exc:
+        raise CheckpointMismatchError(
+            f"{source_arg} cannot serve this model's AdaLN projections ({spec.num_layers} blocks, hidden "
+            f"{spec.hidden_size}, projection input {spec.time_embed_dim}, from its config): {exc}"
+        ) from exc
+    source: Source = checked if checked.spec.dtype == spec.dtype else CastCheckpointSource(checked, spec.dtype)
     reader: Any = source  # a checkpoint source (its headers name the tensors)
     # The time embedder is left unloaded only when the serving checkpoint holds all of it.
     names = list(_time_embedder_keys(source.layout, plan.model_layout, plan.time_embedder))
@@ -501,28 +516,6 @@ def _model_files(directory: Path, layout: str, family: DiffusersFamily, first: L
     return _Files(list(checkpoint.files), checkpoint, layouts[found[0]])
 
 
-def _serving_source(paths: Any, spec: ModulationSpec, layout: str, argument: str) -> Source:
-    """The checkpoint the cache reads the projections from, cast on read to the model's dtype if needed."""
-    try:
-        probe = CheckpointFiles.read(paths)
-        first = spec.layers()[0]
-        dtypes = {
-            entry.torch_dtype
-            for name in (lay.weight(first) for lay in spec.layouts().values())
-            if (entry := probe.where[name].entries[name] if name in probe.where else None) is not None
-        }
-        file_dtype = dtypes.pop() if len(dtypes) == 1 else spec.dtype
-        source = CheckpointSource(paths, spec.with_dtype(file_dtype or spec.dtype), layout=layout)
-    except CheckpointError as exc:
-        raise CheckpointMismatchError(
-            f"{argument} cannot serve this model's AdaLN projections ({spec.num_layers} blocks, hidden "
-            f"{spec.hidden_size}, projection input {spec.time_embed_dim}, from its config): {exc}"
-        ) from exc
-    if source.spec.dtype != spec.dtype:
-        return CastCheckpointSource(source, spec.dtype)
-    return source
-
-
 def _upstream_of_load(
     model: Any, family: DiffusersFamily, spec: ModulationSpec, plan: _LoadPlan, source: Source | None, free: bool
 ) -> Callable[[], str | None]:
@@ -611,12 +604,10 @@ def _load_into(
 
 
 def _resident_files(files: _Files, config: Any) -> _Files:
-    """The weight files the resident model is loaded from, whose offsets its fp32 weights keep.
-
-    The model files, except for a native checkpoint whose ``model_config=`` directory also holds the
-    diffusers weight files: ``from_pretrained(config)`` is then the stock model, at *those* files'
-    offsets (an fp32 GEMV's bits can depend on the address modulo 16).
-    """
+    """The weight files the resident model is loaded from, whose offsets its fp32 weights keep. The model files, except
+    for a native checkpoint whose ``model_config=`` directory also holds the diffusers weight files:
+    ``from_pretrained(config)`` is then the stock model, at *those* files' offsets (an fp32 GEMV's bits can depend on
+    the address modulo 16)."""
     if files.layout.name != "native" or config is None or isinstance(config, Mapping):
         return files
     where = Path(config)

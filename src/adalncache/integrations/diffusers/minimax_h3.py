@@ -278,13 +278,11 @@ def register_minimax_h3_block() -> bool:
 
 
 def minimax_h3_raw_vision(module: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[torch.Tensor] | None:
-    """SeaCache's ``raw_vision_callback`` for MiniMax-H3: the generated video rows as one ``(C, T, H, W)`` latent.
-
-    The generated rows are the packed video rows (``hidden_states`` ``(1, rows, C)`` in ``video_indices``
-    order) at the last video row's timestep (keyframes and references ride at their own noise level),
-    frame after frame, ``H * W`` rows each, their ``(h, w)`` coordinates giving the grid. None (SeaCache
-    then runs without skipping) when the inputs do not look like that.
-    """
+    """SeaCache's ``raw_vision_callback`` for MiniMax-H3: the generated video rows as one ``(C, T, H, W)`` latent. The
+    generated rows are the packed video rows (``hidden_states`` ``(1, rows, C)`` in ``video_indices`` order) at the last
+    video row's timestep (keyframes and references ride at their own noise level), frame after frame, ``H * W`` rows
+    each, their ``(h, w)`` coordinates giving the grid. None (SeaCache then runs without skipping) when the inputs do
+    not look like that."""
     names = ("hidden_states", "position_ids", "video_indices", "timestep_indices")
     hidden, positions, video, timestep_indices = (forward_argument(module, name, args, kwargs) for name in names)
     if not all(isinstance(t, torch.Tensor) for t in (hidden, positions, video, timestep_indices)):

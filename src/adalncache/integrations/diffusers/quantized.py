@@ -160,12 +160,10 @@ _HELD_BY_MODULE = (("state", "CB", "CB"), ("state", "SCB", "SCB"), ("", "quant_s
 
 
 def hand_state_to_weight(base: nn.Module, weight: Any) -> Callable[[], None]:
-    """Move what bitsandbytes keeps of ``weight`` on ``base`` itself onto ``weight``; returns the undo.
-
-    Parking the parameter alone would leave the module holding the weight's bytes (an 8-bit module's
-    ``state.CB`` *is* its int8 weight after one forward); on the parameter, where the library looks
-    first, the parked object carries everything its forward needs. The undo puts the same objects back.
-    """
+    """Move what bitsandbytes keeps of ``weight`` on ``base`` itself onto ``weight``; returns the undo. Parking the
+    parameter alone would leave the module holding the weight's bytes (an 8-bit module's ``state.CB`` *is* its int8
+    weight after one forward); on the parameter, where the library looks first, the parked object carries everything its
+    forward needs. The undo puts the same objects back."""
     if _library(type(base)) != "bitsandbytes" or weight is None:
         return lambda: None
     saved: list[tuple[Any, str, Any]] = []
