@@ -8,6 +8,7 @@ from a checkpoint alone for the command line (:func:`adaln_zero_embed_fn`). See 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -182,10 +183,8 @@ class AdalnZero(DiffusersFamily):
         for embedder in layout.time_embedders:
             for linear in ("linear_1", "linear_2"):
                 path = f"{embedder}.{linear}"
-                try:
+                with contextlib.suppress(AttributeError):  # an optional embedder (timestep_r, guidance) left out
                     named.append((path, model.get_submodule(path)))
-                except AttributeError:
-                    continue  # an optional embedder (timestep_r, guidance) its config does not enable
         return named
 
     def embed(self, model: Any, spec: ModulationSpec, plan: torch.Tensor, device: torch.device) -> torch.Tensor:

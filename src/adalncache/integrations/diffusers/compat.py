@@ -37,7 +37,7 @@ class PrivateName:
         return f"{self.module}.{self.name}"
 
 
-_GROUP = "diffusers.hooks.group_offloading"
+_GROUP, _HELPERS = "diffusers.hooks.group_offloading", "diffusers.hooks._helpers"
 
 #: Every private diffusers name the package uses, by the key the functions below look it up by.
 PRIVATE_NAMES: dict[str, PrivateName] = {
@@ -56,10 +56,8 @@ PRIVATE_NAMES: dict[str, PrivateName] = {
         PrivateName(_GROUP, "_GROUP_OFFLOADING", "hook name: a module's group-offloading hook"),
         PrivateName(_GROUP, "_LAYER_EXECUTION_TRACKER", "hook name: group offloading's execution tracker"),
         PrivateName(_GROUP, "_LAZY_PREFETCH_GROUP_OFFLOADING", "hook name: group offloading's lazy prefetch"),
-        PrivateName(
-            "diffusers.hooks._helpers", "TransformerBlockRegistry", "teach the block-level step caches a block"
-        ),
-        PrivateName("diffusers.hooks._helpers", "TransformerBlockMetadata", "what a registered block returns"),
+        PrivateName(_HELPERS, "TransformerBlockRegistry", "teach the block-level step caches a block"),
+        PrivateName(_HELPERS, "TransformerBlockMetadata", "what a registered block returns"),
     )
 }
 

@@ -34,8 +34,7 @@ CASTING_HOOK = "layerwise_casting"
 ROWS_ATTRIBUTE = "_adalncache_rows"
 STATE_ATTRIBUTE = "_adalncache_state"
 
-#: ``forward(owner, x, ...)`` of a served owner module: its output with the layer's rows in place of
-#: the projection's.
+#: ``forward(owner, x, ...)`` of a served owner module: its output with the layer's rows in place of the projection's.
 ServedForward = Callable[..., Any]
 
 #: The real block list of each enabled model. Kept off the model itself: a library that looks for a
@@ -87,8 +86,7 @@ class DiffusersFamily(abc.ABC):
     blocks: ClassVar[str] = "transformer_blocks"
     #: Module path of the module whose output is ``temb`` (hooked with a placeholder when parked).
     time_embedder: ClassVar[str]
-    #: Whether the placeholder for ``temb`` must be a tensor of its own (the forward adds to it in
-    #: place) rather than a zero-stride view.
+    #: Whether the ``temb`` placeholder must be a tensor of its own (a forward adds to it in place), not a view.
     writable_stand_in: ClassVar[bool] = False
 
     @property

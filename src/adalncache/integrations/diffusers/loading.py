@@ -135,7 +135,17 @@ def load_transformer(
             )
         free_time_embedder = False
     config = model_config
-    directory = _model_directory(path, subfolder)
+    if not isinstance(path, (str, os.PathLike)):
+        raise ConfigError(f"path= must be a local directory, got {type(path).__name__}")
+    root = Path(path)
+    if not root.is_dir():
+        raise ConfigError(
+            f"path={os.fspath(path)!r} is not a local directory: load_transformer reads a transformer saved on disk "
+            "(download a hub repository first, e.g. with huggingface_hub.snapshot_download)"
+        )
+    directory = root / subfolder if subfolder else root
+    if not directory.is_dir():
+        raise ConfigError(f"subfolder={subfolder!r} is not a folder of {root}: pass the transformer's folder name")
     cls, family = _transformer_class(directory, config)
     if torch_dtype is not None and torch_dtype not in TORCH_DTYPES:
         raise ConfigError(
@@ -405,21 +415,6 @@ def _transformer_class(directory: Path, config: Any) -> tuple[Any, DiffusersFami
     if cls is None:
         raise ConfigError(f"this diffusers release has no {cls_name}: install a diffusers that does")
     return cls, family
-
-
-def _model_directory(path: Any, subfolder: str | None) -> Path:
-    if not isinstance(path, (str, os.PathLike)):
-        raise ConfigError(f"path= must be a local directory, got {type(path).__name__}")
-    root = Path(path)
-    if not root.is_dir():
-        raise ConfigError(
-            f"path={os.fspath(path)!r} is not a local directory: load_transformer reads a transformer saved on disk "
-            "(download a hub repository first, e.g. with huggingface_hub.snapshot_download)"
-        )
-    directory = root / subfolder if subfolder else root
-    if not directory.is_dir():
-        raise ConfigError(f"subfolder={subfolder!r} is not a folder of {root}: pass the transformer's folder name")
-    return directory
 
 
 def _single_device(device_map: Any) -> tuple[torch.device | None, dict[str, Any] | None]:

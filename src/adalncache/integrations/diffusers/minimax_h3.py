@@ -249,7 +249,6 @@ def register_minimax_h3_block() -> bool:
     from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3TransformerBlock
 
     version = diffusers.__version__
-
     TransformerBlockRegistry, TransformerBlockMetadata = block_registry()  # ConfigError where it moved
     fields = {field.name for field in dataclasses.fields(TransformerBlockMetadata)}
     if not fields >= _METADATA_FIELDS or not callable(getattr(TransformerBlockRegistry, "register", None)):

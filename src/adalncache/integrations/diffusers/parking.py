@@ -105,7 +105,6 @@ class WeightParking:
                 if param is None:
                     continue
                 original: torch.Tensor | None
-                key: str | None = None
                 where = param.device
                 if param.device.type == "meta":
                     if never_loaded is None or device is None:
@@ -128,8 +127,7 @@ class WeightParking:
                     # A quantized tensor: the object as it is (torchao refuses copy=); it has no
                     # address to reproduce.
                     original, residue = param.to("cpu"), 0
-                if original is None:
-                    key = source_key(source, target.path, layer, name)
+                key = source_key(source, target.path, layer, name) if original is None else None
                 if layer is not None:
                     self._residues[(layer, name)] = residue
                 # Built from shape and dtype: empty_like of a quantized tensor subclass is not implemented.

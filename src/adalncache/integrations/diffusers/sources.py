@@ -191,11 +191,8 @@ def checkpoint_source(
 ) -> tuple[CheckpointSource, str | None]:
     """A :class:`~adalncache.CheckpointSource` for ``checkpoint``, refused unless it fits the model, and
     the content digest of its projections when ``verify`` read them (else None)."""
-    paths: Any = checkpoint
-    if isinstance(checkpoint, Sequence) and not isinstance(checkpoint, (str, bytes)):
-        paths = [os.fspath(path) for path in checkpoint]
-    else:
-        paths = os.fspath(checkpoint)
+    many = isinstance(checkpoint, Sequence) and not isinstance(checkpoint, (str, bytes))
+    paths: Any = [os.fspath(path) for path in checkpoint] if many else os.fspath(checkpoint)
     try:
         source = CheckpointSource(paths, spec, layout=layout)
     except CheckpointError as exc:
