@@ -327,9 +327,7 @@ def execution_device(model: nn.Module) -> torch.device | None:
 def _hook_device(module: nn.Module) -> torch.device | None:
     """The execution device an accelerate hook on ``module`` names, if any."""
     device = getattr(getattr(module, "_hf_hook", None), "execution_device", None)
-    if device is None:
-        return None
-    return torch.device(f"cuda:{device}" if isinstance(device, int) else device)
+    return None if device is None else torch.device(f"cuda:{device}" if isinstance(device, int) else device)
 
 
 def casting_hook(module: nn.Module) -> Any:

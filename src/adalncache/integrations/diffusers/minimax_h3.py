@@ -69,9 +69,7 @@ class MiniMaxH3(DiffusersFamily):
 
     def rows_view(self, cache: Any, layer: Layer) -> torch.Tensor:
         # A per-block view of the block's rows: (P, W, block_width), the same strides for every block.
-        if layer == FINAL:
-            return cache.served_part("final")
-        return cache.served_part("block").select(2, int(layer))
+        return cache.served_part("final") if layer == FINAL else cache.served_part("block").select(2, int(layer))
 
     def upstream_modules(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
         return [("time_proj", model.get_submodule("time_proj")), (TIME_EMBEDDER, model.get_submodule(TIME_EMBEDDER))]

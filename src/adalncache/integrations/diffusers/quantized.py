@@ -40,10 +40,7 @@ def is_plain_tensor(tensor: Any) -> TypeGuard[torch.Tensor]:
 
 def _library(cls: type) -> str | None:
     module = cls.__module__ or ""
-    for prefix, name in _LIBRARIES:
-        if module == prefix or module.startswith(prefix + "."):
-            return name
-    return None
+    return next((name for prefix, name in _LIBRARIES if module == prefix or module.startswith(prefix + ".")), None)
 
 
 def quantization_of(module: nn.Module) -> str | None:
@@ -75,11 +72,8 @@ class ProjectionStorage:
         return bool(self.quantized or self.cast)
 
     def describe(self) -> str:
-        parts = []
-        if self.quantized:
-            parts.append(f"quantized ({', '.join(self.quantized)})")
-        if self.cast:
-            parts.append("stored in another dtype by layerwise casting")
+        parts = [f"quantized ({', '.join(self.quantized)})"] if self.quantized else []
+        parts += ["stored in another dtype by layerwise casting"] if self.cast else []
         return " and ".join(parts) or "plain"
 
 
