@@ -244,9 +244,9 @@ def load_transformer(
 
 @dataclass(frozen=True)
 class _LoadPlan:
-    """What a load reads and what it leaves as meta placeholders, decided before any weight is read. ``served``: ``{name
-    in the files: (name in the model, "projection" | "time_embedder")}``; ``time_embedder``: ``(path in the model, has a
-    bias)`` of the model's time-embedder linears."""
+    """What a load reads and leaves as meta placeholders, decided before any weight is read: ``served`` maps a
+    file name to ``(model name, "projection" | "time_embedder")``, ``time_embedder`` lists the model's
+    time-embedder linears as ``(path, has a bias)``."""
 
     files: _Files
     model_layout: KeyLayout
