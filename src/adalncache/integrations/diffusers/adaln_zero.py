@@ -1,45 +1,21 @@
 """What is the AdaLayerNormZero family's in the integration: its :class:`~.family.DiffusersFamily` (:data:`FAMILY`).
 
-The family's definitions (per-class module lists, geometry, structure check) are in
-:mod:`adalncache.families.adaln_zero`; this module applies them to a live diffusers model:
-
-* **the structure** (:func:`model_geometry`): the model's modules, walked, checked against its
-  class's list of served and resident AdaLN modules; a refused or unknown class, or a model
-  whose modules differ from the list, gets a ConfigError and is not touched;
-* **the projections' input** (:func:`embed_input`): ``silu(temb)`` for one plan, where ``temb``
-  is computed by the model's own embedding modules exactly as its forward computes it (each
-  class's casts and its ``* 1000`` included, see :data:`_TEMB`);
-* **a forward's plan** (:func:`plan_of`): the forward's per-step inputs, one fp32 column each.
-
-A plan has one row per row of the forward's ``temb`` (its batch: a pipeline that concatenates
-cond and uncond runs 2B rows), and the columns of ``spec.plan_inputs``: ``timestep``, then
-``timestep_r`` and ``guidance`` where the config enables them. The plan holds the values the
-forward receives, before any cast the forward applies (the cast is part of the input's
-computation, reproduced here), so a plan's key is the bits the caller passed.
-
-Serving: every block's AdaLN module is switched in place to a served class whose forward is its
-own with the table rows in place of ``linear(silu(emb))``; ``norm_out.linear`` gets the
-integration's output hook, which returns its rows; the module whose output is ``temb`` (per
-class: ``time_guidance_embed``, ``time_embed``, ...) gets the placeholder while its time embedders
-are parked. ``AuraFlowTransformer2DModel``'s projections have no bias: its layers are declared
-``bias=False`` and projected as ``F.linear(x, w, None)``, as its modules compute.
-
-Upstream of the projections (:func:`temb_modules`): the class's ``temb`` module, the timestep
-projection some classes keep beside it, and Bria-FIBO's ``guidance_embed``. The command line builds
-tables from a checkpoint alone (:func:`adaln_zero_embed_fn`) with the same modules: the class built
-on meta from the checkpoint's ``config.json`` in the projections' dtype, as ``load_transformer``
-builds it, with only those modules' parameters read (at their file alignment), so its tables hold
-the projections of the very ``silu(temb)`` the served model computes.
+:mod:`adalncache.families.adaln_zero` defines the family (per-class module lists, geometry, structure
+check); this module applies it to a live model: ``temb`` from the model's own modules as each class's
+forward computes it (:data:`_TEMB`), the plans, the served forwards of the AdaLN modules, and the input
+from a checkpoint alone for the command line (:func:`adaln_zero_embed_fn`). See docs/families.md.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from diffusers.models.modeling_utils import get_parameter_dtype
 from torch import nn
 
 from ... import families
@@ -52,26 +28,18 @@ from ...spec import ModulationSpec
 from .family import (
     DiffusersFamily,
     ServedForward,
-    bypassing_hooks,
-    cast_as_layerwise,
-    device_of,
-    execution_device,
+    embedding_beneath_hooks,
     forward_argument,
+    input_dtype,
     register,
     rows_forward,
-    stock_dtype,
 )
 from .loading import _build_on_meta, _load_config, _transformer_class
 
 
 def model_geometry(model: nn.Module) -> ModelGeometry:
-    """The served geometry of ``model`` after checking its modules; ConfigError naming the class and the reason.
-
-    A class that is refused (its modulation takes the prompt) or unknown is refused by the
-    families registry; a class of this family whose modules differ from its list (an extra or a
-    missing AdaLN module, one of another class or width, one that embeds its own timestep) is
-    refused by the structure check. Nothing on the model changes either way.
-    """
+    """The served geometry of ``model`` after checking its modules against its class's list; ConfigError
+    naming the class and the reason (refused, unknown, or modules that differ); nothing changes either way."""
     name = type(model).__name__
     family = families.for_class(name)
     if family is not adaln_zero.FAMILY:
@@ -79,35 +47,18 @@ def model_geometry(model: nn.Module) -> ModelGeometry:
     return adaln_zero.walk(model)
 
 
-def _param_dtype(module: nn.Module) -> torch.dtype:
-    """``module``'s dtype as diffusers' ``get_parameter_dtype`` gives it (a layerwise-casting hook's compute dtype)."""
-    from diffusers.models.modeling_utils import get_parameter_dtype
-
-    return get_parameter_dtype(module)
-
-
-def _hidden_dtype(model: Any) -> torch.dtype:
-    """The dtype of ``hidden_states`` after the model's ``x_embedder`` (a Linear), which the forward casts
-    the timestep to: the autocast dtype where autocast is on for the device the forward runs on, else
-    the linear's (its layerwise-casting compute dtype where it has one)."""
-    device = execution_device(model) or device_of(model)
-    if torch.is_autocast_enabled(device.type):
-        return torch.get_autocast_dtype(device.type)
-    return stock_dtype(model.x_embedder)
-
-
 def _hunyuan_image(model: Any, cols: Mapping[str, torch.Tensor]) -> torch.Tensor:
     # The forward receives timestep in the embedder's dtype (any other fails its first linear) and
     # casts time_proj's fp32 output to timestep.dtype; timestep_r and guidance are read by time_proj
     # as fp32 whatever their dtype.
     embed = model.time_guidance_embed
-    t = cols["timestep"].to(_param_dtype(embed.timestep_embedder))
+    t = cols["timestep"].to(get_parameter_dtype(embed.timestep_embedder))
     return embed(t, timestep_r=cols.get(adaln_zero.TIMESTEP_R), guidance=cols.get(adaln_zero.GUIDANCE))
 
 
 def _hunyuan_video15(model: Any, cols: Mapping[str, torch.Tensor]) -> torch.Tensor:
     embed = model.time_embed
-    t = cols["timestep"].to(_param_dtype(embed.timestep_embedder))
+    t = cols["timestep"].to(get_parameter_dtype(embed.timestep_embedder))
     return embed(t, timestep_r=cols.get(adaln_zero.TIMESTEP_R))
 
 
@@ -116,7 +67,7 @@ def _motif(model: Any, cols: Mapping[str, torch.Tensor]) -> torch.Tensor:
 
 
 def _bria(model: Any, cols: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    dtype = _hidden_dtype(model)  # the forward: timestep.to(hidden_states.dtype)
+    dtype = input_dtype(model, model.x_embedder)  # the forward: timestep.to(hidden_states.dtype)
     temb = model.time_embed(cols["timestep"].to(dtype), dtype=dtype)
     guidance = cols.get(adaln_zero.GUIDANCE)
     if guidance is not None:  # Bria-FIBO's guidance-embedded variant (Bria's own is refused)
@@ -125,19 +76,19 @@ def _bria(model: Any, cols: Mapping[str, torch.Tensor]) -> torch.Tensor:
 
 
 def _longcat(model: Any, cols: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    dtype = _hidden_dtype(model)  # the forward: timestep.to(hidden_states.dtype) * 1000
+    dtype = input_dtype(model, model.x_embedder)  # the forward: timestep.to(hidden_states.dtype) * 1000
     return model.time_embed(cols["timestep"].to(dtype) * 1000, dtype)
 
 
 def _ovis(model: Any, cols: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    dtype = _hidden_dtype(model)  # the forward: timestep.to(hidden_states.dtype) * 1000
+    dtype = input_dtype(model, model.x_embedder)  # the forward: timestep.to(hidden_states.dtype) * 1000
     proj = model.time_proj(cols["timestep"].to(dtype) * 1000)
     return model.timestep_embedder(proj.to(dtype))
 
 
 def _auraflow(model: Any, cols: Mapping[str, torch.Tensor]) -> torch.Tensor:
     # The forward casts time_step_embed's fp32 output to its first parameter's dtype.
-    proj = model.time_step_embed(cols["timestep"]).to(dtype=_param_dtype(model))
+    proj = model.time_step_embed(cols["timestep"]).to(dtype=get_parameter_dtype(model))
     return model.time_step_proj(proj)
 
 
@@ -178,12 +129,8 @@ def plan_columns(plan: torch.Tensor, plan_inputs: tuple[str, ...]) -> dict[str, 
 
 
 def embed_input(model: Any, geometry: ModelGeometry, plan: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """The served projections' exact input for ``plan``: ``silu(temb)``, ``temb`` from the model's own modules.
-
-    Every served projection of the family takes this one tensor: the blocks' ``AdaLayerNormZero``
-    and ``AdaLayerNormZeroSingle`` call ``linear(silu(temb))``, the output layer
-    ``linear(silu(temb).to(x.dtype))``, and ``x`` has ``temb``'s dtype in a model the cache serves.
-    """
+    """The served projections' exact input for ``plan``: ``silu(temb)``, ``temb`` from the model's own modules
+    (the output layer's ``.to(x.dtype)`` is a no-op: ``x`` has ``temb``'s dtype in a model the cache serves)."""
     cols = plan_columns(plan.to(device), geometry.plan_inputs)
     with torch.no_grad():
         temb = _TEMB[type(model).__name__](model, cols)
@@ -191,7 +138,7 @@ def embed_input(model: Any, geometry: ModelGeometry, plan: torch.Tensor, device:
 
 
 class AdalnZero(DiffusersFamily):
-    """The AdaLayerNormZero family's eight classes as the integration serves them (module docstring)."""
+    """The AdaLayerNormZero family's eight classes as the integration serves them."""
 
     family = adaln_zero.FAMILY
     time_embedder = ""  # per class: see time_embedder_module
@@ -209,8 +156,7 @@ class AdalnZero(DiffusersFamily):
         return layout.double[0] if layout is not None else self.blocks
 
     def swapped_layers(self, spec: ModulationSpec) -> list[Layer]:
-        """Every block's projection is served by a class swap of its AdaLN module (one class per kind of
-        module, so a regional compile makes one graph for all blocks); ``norm_out.linear`` by a hook."""
+        """Every block's AdaLN module (one served class per kind of module); ``norm_out.linear`` gets a hook."""
         return [layer for layer in spec.layers() if layer != adaln_zero.FINAL_PATH]
 
     def served_forward(self, layer: Layer) -> ServedForward:
@@ -228,8 +174,8 @@ class AdalnZero(DiffusersFamily):
         return [(path, model.get_submodule(path)) for path in temb_modules(model)]
 
     def time_embedder_linears(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
-        """The linears of the model's own class's time embedders (the family's layout lists every class's:
-        a path of another class could name a module of this one), those its config builds."""
+        """The linears of the model's own class's time embedders that its config builds (the family's layout
+        lists every class's: a path of another class could name a module of this one)."""
         layout = adaln_zero.CLASSES.get(type(model).__name__)
         if layout is None:
             return super().time_embedder_linears(model)
@@ -237,19 +183,13 @@ class AdalnZero(DiffusersFamily):
         for embedder in layout.time_embedders:
             for linear in ("linear_1", "linear_2"):
                 path = f"{embedder}.{linear}"
-                try:
+                with contextlib.suppress(AttributeError):  # an optional embedder (timestep_r, guidance) left out
                     named.append((path, model.get_submodule(path)))
-                except AttributeError:
-                    continue  # an optional embedder (timestep_r, guidance) its config does not enable
         return named
 
     def embed(self, model: Any, spec: ModulationSpec, plan: torch.Tensor, device: torch.device) -> torch.Tensor:
-        # Beneath every hook on the embedding modules: ours stands in for the parked time embedder,
-        # and an offloading hook must not move the weights a build lends back.
         modules = [module for _, upstream in self.upstream_modules(model) for module in upstream.modules()]
-        # Under autocast temb is in the autocast dtype; the projection's own autocast casts the input
-        # back down, so the cast up to the projections' dtype (a no-op otherwise) is exact.
-        with bypassing_hooks(modules), cast_as_layerwise(modules):
+        with embedding_beneath_hooks(modules):
             x = embed_input(model, spec.model_geometry, plan, device)
         return x.to(spec.dtype)
 
@@ -275,14 +215,10 @@ class AdalnZero(DiffusersFamily):
     def schedule_plans(
         self, model: nn.Module, timesteps: torch.Tensor, args: tuple[Any, ...], kwargs: Mapping[str, Any]
     ) -> list[Any] | None:
-        """Every remaining step's per-step inputs of a pipeline request, from its schedule and first forward.
-
-        The family's pipelines turn a scheduler timestep ``t`` into the forward's ``timestep`` in
-        one of a few ways (:data:`PIPELINE_TIMESTEPS`); the one that gives this forward's timestep
-        (its dtype and every row) at some step is the request's, and that step is its first. With
-        mean-flow, ``timestep_r`` is the next step's timestep (0 after the last), cast like the
-        pipelines cast it; ``guidance`` is the same at every step. ``None`` when no way matches.
-        """
+        """Every remaining step's per-step inputs of a pipeline request, from its schedule and first forward. The
+        conversion (:data:`PIPELINE_TIMESTEPS`) that gives this forward's timestep at some step is the request's, and
+        that step its first. ``timestep_r`` (mean-flow) is the next step's timestep (0 after the last); ``guidance`` is
+        the same at every step. ``None`` when no conversion matches."""
         inputs = _plan_inputs(model)
         first = {name: forward_argument(model, name, args, kwargs) for name in inputs}
         timestep = first["timestep"]
@@ -347,10 +283,8 @@ _OWN_CONVERSION = {"AuraFlowTransformer2DModel": 3}
 def _match(
     schedule: torch.Tensor, timestep: torch.Tensor, own: int = 0
 ) -> tuple[Callable[[torch.Tensor, torch.dtype], torch.Tensor], int] | None:
-    """The conversion and the step at which ``schedule`` gives ``timestep`` (every row equal), or None.
-
-    ``own``: the index of the class's own pipeline's conversion, tried first at every step.
-    """
+    """The conversion and the step at which ``schedule`` gives ``timestep`` (every row equal), or None;
+    ``own``: the index of the class's own pipeline's conversion, tried first at every step."""
     if not bool((timestep == timestep[0]).all()):
         return None  # a pipeline's rows share the step's timestep
     converts = [PIPELINE_TIMESTEPS[own], *(c for i, c in enumerate(PIPELINE_TIMESTEPS) if i != own)]
@@ -365,11 +299,8 @@ def _match(
 def adaln_zero_embed_fn(
     source: CheckpointSource, spec: ModulationSpec, device: torch.device | str = "cpu"
 ) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``embed(plan)`` of an AdaLayerNormZero-family checkpoint, with the model's own embedding modules.
-
-    Raises CheckpointError when the checkpoint lacks a tensor those modules need (a file of the
-    projections alone), or its directory has no ``config.json`` of the class the spec names.
-    """
+    """``embed(plan)`` of an AdaLayerNormZero-family checkpoint, with the model's own embedding modules;
+    CheckpointError when the checkpoint lacks a tensor those modules need (a file of the projections alone)."""
     directory = Path(source.files[0]).parent  # where its config.json is, beside its weight files
     cls, _ = _transformer_class(directory, None)
     config, unused = _load_config(cls, directory, None, directory, None)

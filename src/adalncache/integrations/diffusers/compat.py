@@ -1,17 +1,7 @@
-"""diffusers' private names, in one place, each with the diffusers release it was checked against.
+"""diffusers' private names, each listed once in :data:`PRIVATE_NAMES` with the release it was checked against.
 
-The integration reaches into diffusers where no public API offers what it needs: group
-offloading's hook names and helpers (to find where a forward runs, to lift offloading around our
-hooks and apply it again, to rebuild its groups after weights were parked), the block registry
-the block-level step caches read, and the attributes a module's hooks sit under. Every such name
-is listed once, in :data:`PRIVATE_NAMES`, with the release it was read in; the rest of the package
-calls the functions below and never imports a private diffusers name itself.
-
-Lookups are lazy (a name is imported when first used), so a diffusers that moved one name still
-serves everything that does not need it; the name that moved raises :class:`ConfigError` naming it,
-the release it was checked against and the install that works. The test suite imports every
-name listed here and checks the parameters the integration passes, so a diffusers upgrade that
-moves one fails that test by name before it fails a user's forward.
+Lookups are lazy, so a diffusers that moved one name still serves everything else, and the moved one raises
+:class:`ConfigError` naming it; a test imports every name and checks the parameters passed.
 """
 
 from __future__ import annotations
@@ -33,12 +23,8 @@ CHECKED_DIFFUSERS = "0.42.1"
 
 @dataclass(frozen=True)
 class PrivateName:
-    """One private diffusers name the integration relies on.
-
-    ``module``/``name``: where it is defined. ``parameters``: for a function, the leading
-    parameters the integration passes (the test checks them); ``None`` for a constant or a class.
-    ``checked``: the diffusers release it was read in. ``why``: what it is used for.
-    """
+    """One private diffusers name: where it is defined, what it is used for, for a function the leading
+    ``parameters`` the integration passes (``None``: a constant or a class), the release it was read in."""
 
     module: str
     name: str
@@ -51,7 +37,7 @@ class PrivateName:
         return f"{self.module}.{self.name}"
 
 
-_GROUP = "diffusers.hooks.group_offloading"
+_GROUP, _HELPERS = "diffusers.hooks.group_offloading", "diffusers.hooks._helpers"
 
 #: Every private diffusers name the package uses, by the key the functions below look it up by.
 PRIVATE_NAMES: dict[str, PrivateName] = {
@@ -70,10 +56,8 @@ PRIVATE_NAMES: dict[str, PrivateName] = {
         PrivateName(_GROUP, "_GROUP_OFFLOADING", "hook name: a module's group-offloading hook"),
         PrivateName(_GROUP, "_LAYER_EXECUTION_TRACKER", "hook name: group offloading's execution tracker"),
         PrivateName(_GROUP, "_LAZY_PREFETCH_GROUP_OFFLOADING", "hook name: group offloading's lazy prefetch"),
-        PrivateName(
-            "diffusers.hooks._helpers", "TransformerBlockRegistry", "teach the block-level step caches a block"
-        ),
-        PrivateName("diffusers.hooks._helpers", "TransformerBlockMetadata", "what a registered block returns"),
+        PrivateName(_HELPERS, "TransformerBlockRegistry", "teach the block-level step caches a block"),
+        PrivateName(_HELPERS, "TransformerBlockMetadata", "what a registered block returns"),
     )
 }
 
@@ -86,11 +70,8 @@ HOOK_ORDER_ATTRIBUTE = "_hook_order"
 
 @functools.cache
 def private(key: str) -> Any:
-    """The diffusers object listed as ``key`` in :data:`PRIVATE_NAMES`, imported on first use.
-
-    A diffusers that moved or removed it raises :class:`ConfigError` naming the name and the
-    release it was checked against.
-    """
+    """The diffusers object listed as ``key`` in :data:`PRIVATE_NAMES`, imported on first use (ConfigError
+    naming it and the release it was checked against where it moved)."""
     entry = PRIVATE_NAMES[key]
     try:
         return getattr(importlib.import_module(entry.module), entry.name)
@@ -101,9 +82,6 @@ def private(key: str) -> Any:
             f"diffusers {diffusers.__version__} has no {entry.where}, which the AdaLN cache uses to {entry.why} "
             f"(checked against diffusers {entry.checked}); install diffusers=={entry.checked}"
         ) from exc
-
-
-# --------------------------------------------------------------------------------- hook registries
 
 
 def hook_registry(module: nn.Module) -> Any:
@@ -120,9 +98,6 @@ def get_hook(module: nn.Module, name: str) -> Any:
     """The diffusers hook registered on ``module`` under ``name``, or ``None``."""
     registry = hook_registry(module)
     return registry.get_hook(name) if registry is not None else None
-
-
-# --------------------------------------------------------------------------------- group offloading
 
 
 def group_offload_enabled(module: nn.Module) -> bool:
@@ -162,9 +137,6 @@ def reapply_group_offloading(module: nn.Module) -> None:
     """Rebuild ``module``'s offloading groups from its parameters as they are now (if it is applied)."""
     if group_offload_enabled(module):
         private("_maybe_remove_and_reapply_group_offloading")(module)
-
-
-# --------------------------------------------------------------------------------- the block registry
 
 
 def block_registry() -> tuple[Any, Any]:

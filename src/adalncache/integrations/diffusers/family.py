@@ -1,31 +1,7 @@
-"""What the integration knows of a model: its family (:class:`DiffusersFamily`, registered here), and
-how to reach, run and patch its modules whatever the family.
-
-The integration (parking, sources, the signature, hooks, requests, moves) is the same for every
-diffusers transformer whose AdaLN modulation depends on per-step inputs only. What differs between
-families is declared by one module per family (``minimax_h3.py``, ``qwen_image.py``,
-``adaln_zero.py``), each a subclass of :class:`DiffusersFamily` registered with :func:`register`:
-
-* **which transformers it serves**: ``family`` (the core :class:`~adalncache.geometry.Family`,
-  whose ``class_names`` are the diffusers classes) and :meth:`DiffusersFamily.spec`;
-* **where the served projections sit**: the prefixes of the family's ``"diffusers"`` key layout
-  (the one place that names them); the current module is looked up each time because peft wraps
-  or replaces it, and blocks are reached through the list captured while enabled (cache-dit swaps
-  it in its forward);
-* **what is upstream of them** (:meth:`DiffusersFamily.upstream_modules`, abstract: a family that
-  does not declare it cannot be made, so it cannot register): every module between the forward's
-  keying inputs and the projections' input. The rows depend on those modules' weights as much as
-  on the projections', so the tables' signature covers them;
-* **the projections' exact input** for a plan (:meth:`DiffusersFamily.embed`) and **a forward's
-  plan** (:meth:`DiffusersFamily.forward_plan`), both abstract, computed as the stock forward does;
-* **how the served modules answer**: the owners of :meth:`DiffusersFamily.swapped_layers` are
-  switched in place to a served class whose forward is :meth:`DiffusersFamily.served_forward` (one
-  class for every block, so a regional compile reuses one graph); every other projection gets a hook.
-
-The module helpers below know no family: peft wraps a module it targets (the real ``nn.Linear``
-becomes ``base_layer``, :func:`base_linear`); a rebuild pass runs a served module beneath every hook
-on it (:func:`bypassing_hooks`) with the source's tensors standing in for its parameters
-(:func:`swapped_parameters`).
+"""What the integration knows of a model: its family (:class:`DiffusersFamily`, registered here by one module
+per family; the seam: docs/api.md, Adding a family), and how to reach, run and patch its modules whatever the
+family. Served modules are looked up each time (peft wraps or replaces them), blocks through the list
+captured while enabled (cache-dit swaps it in its forward).
 """
 
 from __future__ import annotations
@@ -58,8 +34,7 @@ CASTING_HOOK = "layerwise_casting"
 ROWS_ATTRIBUTE = "_adalncache_rows"
 STATE_ATTRIBUTE = "_adalncache_state"
 
-#: ``forward(owner, x, ...)`` of a served owner module: its output with the layer's rows in place of
-#: the projection's.
+#: ``forward(owner, x, ...)`` of a served owner module: its output with the layer's rows in place of the projection's.
 ServedForward = Callable[..., Any]
 
 #: The real block list of each enabled model. Kept off the model itself: a library that looks for a
@@ -72,20 +47,10 @@ def diffusers_layout(spec: ModulationSpec) -> KeyLayout:
     return spec.layout(DIFFUSERS)
 
 
-def projection_path(spec: ModulationSpec, layer: Layer) -> str:
-    """Module path of ``layer``'s projection (``transformer_blocks.3.img_mod.1``)."""
-    return diffusers_layout(spec).prefix(layer)
-
-
-# -- the one row gather ---------------------------------------------------------------------------
-
-
 class ForwardState(Protocol):
-    """The forward in progress on this thread (the request module's per-thread state): ``slot`` its
-    device slot (``None`` outside a forward), ``row_buffer`` the flat slab rows of the forward's plan
-    rows that the served modules gather with (``cache.row_index``: rows of a batch's equal inputs may
-    share one; written in place, so its address, which compiled and CUDA graphs hold, stays), and
-    ``dtype`` the dtype the rows are served in (``None``: the slab's)."""
+    """The forward in progress on this thread: ``slot`` (``None`` outside a forward), ``row_buffer`` the
+    flat slab rows the served modules gather (written in place: compiled and CUDA graphs hold its
+    address), ``dtype`` the dtype the rows are served in (``None``: the slab's)."""
 
     slot: torch.Tensor | None
     row_buffer: torch.Tensor
@@ -95,12 +60,8 @@ class ForwardState(Protocol):
 
 
 def gather_rows(view: torch.Tensor, state: ForwardState, rows: int, what: str) -> torch.Tensor:
-    """The forward's ``rows`` rows of a ``[P + 1, W, width]`` table view (the poison slot last).
-
-    Tensors only (the view and the thread's row buffer, never a Python number dynamo would
-    specialise on), so a compiled block makes one graph for every block and a CUDA graph keeps
-    working when the slot written into the buffer changes.
-    """
+    """The forward's ``rows`` rows of a ``[P + 1, W, width]`` table view (the poison slot last), from tensors
+    only (never a number dynamo would specialise on): one compiled graph for every block, CUDA graphs kept."""
     if state.slot is None:
         state.require(what)
     out = slab.gather_rows(view, state.row_buffer[:rows])
@@ -115,16 +76,9 @@ def rows_forward(owner: Any, x: torch.Tensor) -> torch.Tensor:
     )
 
 
-# -- the family seam ------------------------------------------------------------------------------
-
-
 class DiffusersFamily(abc.ABC):
-    """One model family as the integration serves it (module docstring); subclass per family.
-
-    Subclasses set ``family`` and ``time_embedder`` and implement the abstract methods; the rest has
-    defaults that fit a transformer whose blocks are in ``blocks`` and whose projections are plain
-    (possibly peft-wrapped) ``nn.Linear`` modules.
-    """
+    """One model family as the integration serves it; subclasses set ``family`` and ``time_embedder`` and
+    implement the abstract methods (the defaults fit blocks in ``blocks`` and peft-wrappable linears)."""
 
     #: The core family: name, diffusers class names, key layouts (one named ``"diffusers"``).
     family: ClassVar[Family]
@@ -132,8 +86,7 @@ class DiffusersFamily(abc.ABC):
     blocks: ClassVar[str] = "transformer_blocks"
     #: Module path of the module whose output is ``temb`` (hooked with a placeholder when parked).
     time_embedder: ClassVar[str]
-    #: Whether the placeholder for ``temb`` must be a tensor of its own (the forward adds to it in
-    #: place) rather than a zero-stride view.
+    #: Whether the ``temb`` placeholder must be a tensor of its own (a forward adds to it in place), not a view.
     writable_stand_in: ClassVar[bool] = False
 
     @property
@@ -156,8 +109,6 @@ class DiffusersFamily(abc.ABC):
         """The model's served layers, read before its dtype is known (quantized weights have none)."""
         return self.spec(model, torch.float32).layers()
 
-    # -- what the rows depend on --------------------------------------------------------------
-
     @abc.abstractmethod
     def upstream_modules(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
         """``(path, module)`` of every module between the forward's keying inputs and the projections'
@@ -177,34 +128,28 @@ class DiffusersFamily(abc.ABC):
         """The plan of one transformer forward, from its arguments (a PlanError when it has none)."""
 
     def request_plan(self, model: nn.Module, plan: Any) -> Any:
-        """A plan given to ``prepare`` as the forward will key it (the plan itself by default)."""
+        """A plan given to ``prepare`` as the forward will key it."""
         return plan
 
     def schedule_plans(
         self, model: nn.Module, timesteps: torch.Tensor, args: tuple[Any, ...], kwargs: Mapping[str, Any]
     ) -> list[Any] | None:
-        """Every step's plan of a pipeline request whose scheduler set ``timesteps``, from its first forward.
-
-        ``None`` (the default) when the family's pipelines prepare their plans themselves, or when this
-        forward's timestep is none of the computed ones (another pipeline's formula).
-        """
+        """Every step's plan of a pipeline request whose scheduler set ``timesteps``, from its first forward
+        (``None``: the pipelines prepare their own, or this forward's timestep is none of the computed ones)."""
         return None
 
     def predict_schedule(
         self, model: nn.Module, pipeline: Any, call: Mapping[str, Any], component: str
     ) -> list[Any] | None:
-        """Every step's plan of a pipeline call, from its arguments (by name, defaults applied), before
-        the pipeline runs; ``component``: the pipeline's name for ``model``. Lets ``overlap=True`` start
-        the pass before the prompt is encoded; the request adopts it only if the schedule set later is
-        the same plans, so a wrong prediction costs time, never a row. ``None``: no prediction."""
+        """Every step's plan of a pipeline call, from its arguments, before the pipeline runs (``None``: no
+        prediction). The request adopts it only if the schedule set later is the same plans, so a wrong
+        prediction costs time, never a row."""
         return None
 
     def attach_pipeline(self, pipeline: Any) -> Callable[[], None] | None:
-        """Install what this family's own pipelines need besides the call and scheduler watches (the
-        MiniMax-H3 modular pipeline's prepare blocks); returns the undo, or None when nothing was done."""
+        """Install what this family's own pipelines need besides the call and scheduler watches; returns the
+        undo, or None when nothing was done."""
         return None
-
-    # -- where the served modules sit ------------------------------------------------------------
 
     def projection_path(self, layer: Layer) -> str:
         return self.layout.prefix(layer)
@@ -257,23 +202,16 @@ class DiffusersFamily(abc.ABC):
 
     def served_modules(self, model: nn.Module, spec: ModulationSpec) -> list[tuple[str, Any]]:
         """``(path, current module)`` of every module whose weights the cache serves or parks."""
-        named: list[tuple[str, Any]] = [
-            (self.projection_path(layer), module) for layer, module in self.projection_modules(model, spec)
-        ]
-        return named + self.time_embedder_linears(model)
-
-    # -- serving -----------------------------------------------------------------------------------
+        named = [(self.projection_path(layer), module) for layer, module in self.projection_modules(model, spec)]
+        return [*named, *self.time_embedder_linears(model)]
 
     def swapped_layers(self, spec: ModulationSpec) -> list[Layer]:
         """Layers served by a class swap of their owner module: the blocks' (the rest get a hook)."""
         return [layer for layer in spec.layers() if isinstance(layer, int)]
 
     def served_forward(self, layer: Layer) -> ServedForward:
-        """The forward of ``layer``'s served owner class: by default the layer's rows for its input's rows.
-
-        A family whose owner does more than call the projection (an ``AdaLayerNormZero``: the norm and
-        the chunks) returns a forward doing the rest with the rows in place of the projection.
-        """
+        """The forward of ``layer``'s served owner class (by default the layer's rows); an owner that does
+        more than call the projection gets a forward doing the rest with the rows in its place."""
         return rows_forward
 
     def rows_view(self, cache: Any, layer: Layer) -> torch.Tensor:
@@ -281,8 +219,8 @@ class DiffusersFamily(abc.ABC):
         return cache.served_params(layer)
 
     def stand_in(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[int, torch.dtype | None]:
-        """Rows and dtype of the ``temb`` the parked time embedder would return for this call (``None``
-        for the dtype: its parameter dtype). By default its first argument has one row per row of ``temb``."""
+        """Rows and dtype (``None``: its parameter dtype) of the ``temb`` the parked time embedder would
+        return for this call; by default one row per row of its first argument."""
         sample = args[0] if args else next(iter(kwargs.values()))
         return int(sample.shape[0]), None
 
@@ -317,8 +255,6 @@ def check_materialised(family: DiffusersFamily, model: nn.Module, spec: Modulati
                 )
 
 
-# -- the registry ---------------------------------------------------------------------------------
-
 #: The integration's families, by core family name (each family module registers its one instance;
 #: the package imports every family module).
 FAMILIES: dict[str, DiffusersFamily] = {}
@@ -352,9 +288,6 @@ def family_of(model: Any) -> DiffusersFamily:
     return family if family is not None else by_name(families.for_class(type(model).__name__).name)
 
 
-# -- module helpers (no family) -------------------------------------------------------------------
-
-
 def base_linear(module: nn.Module) -> nn.Module:
     """The ``nn.Linear`` under a peft wrapper (or the module itself)."""
     base = getattr(module, "base_layer", None)
@@ -374,11 +307,8 @@ def device_of(model: nn.Module) -> torch.device:
 
 
 def execution_device(model: nn.Module) -> torch.device | None:
-    """Where the model's forward runs, which offloading makes differ from where its weights are kept.
-
-    Group offloading runs on its onload device; an accelerate hook names its execution device; else
-    the forward runs where the weights are. ``None`` when nothing tells (every weight on meta, no hook).
-    """
+    """Where the model's forward runs (offloading makes it differ from where its weights are kept): group
+    offloading's onload device, an accelerate hook's execution device, else the weights' (``None``: no clue)."""
     if group_offload_enabled(model):
         return group_onload_device(model)
     device = _hook_device(model)
@@ -397,9 +327,7 @@ def execution_device(model: nn.Module) -> torch.device | None:
 def _hook_device(module: nn.Module) -> torch.device | None:
     """The execution device an accelerate hook on ``module`` names, if any."""
     device = getattr(getattr(module, "_hf_hook", None), "execution_device", None)
-    if device is None:
-        return None
-    return torch.device(f"cuda:{device}" if isinstance(device, int) else device)
+    return None if device is None else torch.device(f"cuda:{device}" if isinstance(device, int) else device)
 
 
 def casting_hook(module: nn.Module) -> Any:
@@ -408,13 +336,10 @@ def casting_hook(module: nn.Module) -> Any:
 
 
 def stock_dtype(module: nn.Module) -> torch.dtype:
-    """The dtype diffusers' ``get_parameter_dtype`` gives ``module`` in the stock (unparked) model.
-
-    The stock forward casts the projection's input to it: a layerwise-casting hook's compute dtype
-    where one sits on it, else its first floating-point parameter's dtype: the base linear's weight,
-    or its bias when the weight is quantized, which a parked module keeps as placeholder attributes
-    (so the dtype is read there); peft's adapters (perhaps fp32) must not decide it.
-    """
+    """The dtype diffusers' ``get_parameter_dtype`` gives ``module`` in the stock (unparked) model, which the
+    stock forward casts the projection's input to: a layerwise-casting hook's compute dtype, else the base
+    linear's first floating-point parameter's (read from a parked module's placeholders; peft's adapters,
+    perhaps fp32, must not decide it)."""
     from diffusers.models.modeling_utils import get_parameter_dtype
 
     hook = casting_hook(module)
@@ -427,6 +352,17 @@ def stock_dtype(module: nn.Module) -> torch.dtype:
         if isinstance(tensor, torch.Tensor) and tensor.is_floating_point():
             return tensor.dtype
     return get_parameter_dtype(module)
+
+
+def input_dtype(model: nn.Module, linear: nn.Module, device: torch.device | None = None) -> torch.dtype:
+    """The dtype of ``hidden_states`` after the model's input ``linear``, which the forward casts the timestep
+    to: the autocast dtype where autocast is on for the device the forward runs on (``device``; by default
+    where the model runs), since the linear then returns that; else the linear's stock dtype."""
+    if device is None:
+        device = execution_device(model) or device_of(model)
+    if torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return stock_dtype(linear)
 
 
 _FORWARD_PARAMETERS: dict[type, list[str]] = {}
@@ -449,12 +385,8 @@ _ABSENT: Any = object()
 
 @contextlib.contextmanager
 def swapped_parameters(module: nn.Module, tensors: Mapping[str, torch.Tensor]) -> Iterator[None]:
-    """Temporarily give ``module`` other tensors as parameters, without copying them.
-
-    Set through ``_parameters`` so the tensors are used as they are (same storage, same address: the
-    alignment the exactness depends on), and put back even if the forward raises. A parked
-    placeholder (an instance attribute of the same name) would shadow them: it steps aside meanwhile.
-    """
+    """Temporarily give ``module`` other tensors as parameters, used as they are (same address: the alignment
+    the exactness depends on), put back even if the forward raises; a parked placeholder steps aside meanwhile."""
     saved = {name: module._parameters.get(name, _ABSENT) for name in tensors}
     shadows = {name: module.__dict__.pop(name) for name in tensors if name in module.__dict__}
     try:
@@ -487,14 +419,10 @@ class _ThreadBypass:
 
 @contextlib.contextmanager
 def bypassing_hooks(modules: Iterable[nn.Module]) -> Iterator[None]:
-    """Run ``modules`` with their class's own ``forward``, beneath every hook wrapped around them.
-
-    diffusers and accelerate hooks replace ``module.forward`` with a wrapper. A rebuild pass calls a
-    served module with weights taken from the source, and no hook may see that call: an offloading
-    hook would onload the module and move those weights away, and ours would serve the table instead
-    of projecting. Only on the calling thread: a forward running meanwhile on another thread still
-    goes through the wrappers, so it never runs a module whose parameters a build parked or lent.
-    """
+    """Run ``modules`` with their class's own ``forward``, beneath every hook wrapped around them. A rebuild pass calls
+    a served module with the source's weights, and no hook may see that call (an offloading hook would move those
+    weights away, ours would serve the table). Only on the calling thread: a forward on another thread meanwhile still
+    goes through the wrappers."""
     saved: list[tuple[nn.Module, Any]] = []
     thread = threading.get_ident()
     try:
@@ -512,14 +440,14 @@ def bypassing_hooks(modules: Iterable[nn.Module]) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def cast_as_layerwise(modules: Iterable[nn.Module]) -> Iterator[None]:
-    """Give each module that carries a layerwise-casting hook its parameters in the hook's compute dtype.
-
-    For a forward run beneath every hook (:func:`bypassing_hooks`): the hook's pre-forward is
-    ``module.to(dtype=compute_dtype)``, the same ``Tensor.to`` of each parameter, applied here to fresh
-    tensors instead (the stored ones stay as they are).
-    """
-    with contextlib.ExitStack() as stack:
+def embedding_beneath_hooks(modules: Iterable[nn.Module]) -> Iterator[None]:
+    """Run a family's embedding ``modules`` beneath every hook on them (ours stands in for a parked one; an offloading
+    hook must not move the weights a build lends), each one with a layerwise-casting hook given its parameters in the
+    hook's compute dtype, as its ``module.to(dtype=compute_dtype)`` would. Under autocast the embedding comes out in the
+    autocast dtype; the projection's own autocast casts its input back down, so the caller's cast up to the weights'
+    dtype (a no-op otherwise) is exact."""
+    modules = list(modules)
+    with bypassing_hooks(modules), contextlib.ExitStack() as stack:
         for module in modules:
             hook = get_hook(module, CASTING_HOOK)
             if hook is not None:

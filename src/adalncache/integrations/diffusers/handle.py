@@ -18,7 +18,7 @@ import os
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -189,7 +189,7 @@ def choose_source(
     else:
         choice.source, choice.host_tensors, choice.host_buffers = model_source(spec, modules, device)
     if choice.source is not None:
-        cast(Any, choice.source).upstream = upstream  # read by the binding (identity.binding.upstream_of)
+        choice.source.upstream = upstream  # read by the binding (identity.binding.upstream_of)
     return choice
 
 

@@ -1,24 +1,9 @@
-"""``load_transformer``: a transformer of a supported family built like ``from_pretrained``, minus the projections.
+"""``load_transformer``: a supported family's transformer built like ``from_pretrained``, minus the served tensors.
 
-``enable_adaln_cache`` frees the AdaLN projections (24.2 GiB of MiniMax-H3's bf16 weights, 12.7 GiB
-of Qwen-Image's) of a model that was loaded whole, so the machine must hold the whole model once.
-This loads every tensor *except* the served ones (the config's ``_class_name`` names the class,
-MiniMax-H3 when it names none; its family which tensors are served), with diffusers' own steps:
-the config through ``load_config``, the model built on meta under ``no_init_weights`` and
-``init_empty_weights`` with the default dtype set to ``torch_dtype``, and each tensor placed by
-``load_model_dict_into_meta``, which applies the stock dtype rule (``torch_dtype``, except the
-``_keep_in_fp32_modules``; ``None`` gives fp32) and the device placement. The projections (and,
-where the cache stands in for it, the time embedder) go through the same rule as *meta* tensors,
-so their placeholders get exactly the stock dtype while no byte of them is read or allocated; the
-cache reads them from the checkpoint in rebuild passes only.
-
-Bytes come from :class:`~adalncache.source.reads.MappedFile`: the files are mapped like torch
-maps them (so each loaded tensor sits where a stock load puts it, modulo the page size) but with
-read-around off, so the load reads the loaded tensors' pages and nothing else.
-
-Native-layout checkpoints (the MiniMax release's key names) load through diffusers' own key
-conversion (``convert_minimax_h3_transformer_checkpoint_to_diffusers``), one file at a time; the
-projections and the time embedder are only renamed by it, so they pass through as meta tensors.
+diffusers' own steps, with the served projections (and the time embedder where the cache stands in for it)
+passed through them as *meta* tensors: their placeholders get the stock dtype, no byte of them is read or
+allocated. Files are mapped with read-around off (:class:`~adalncache.source.reads.MappedFile`), so only the
+loaded tensors' pages are read. See docs/diffusers.md (Deploying a large model).
 """
 
 from __future__ import annotations
@@ -60,7 +45,7 @@ DIFFUSERS_INDEX = DIFFUSERS_WEIGHTS + ".index.json"
 #: ``device_map`` strategies that may split a model across devices.
 SPLITTING_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
 
-#: The dtypes a MiniMax-H3 transformer may be loaded in.
+#: The dtypes a transformer may be loaded in.
 TORCH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 #: The quantization methods whose loaded weights a pass reproduces (``quant_method``: the config's name).
@@ -106,54 +91,22 @@ def load_transformer(
 ) -> Any:
     """Load a transformer of a supported family whose AdaLN projections are never loaded, cache enabled.
 
-    The result is what ``cls.from_pretrained(path, subfolder=..., torch_dtype=..., device_map=...)``
-    followed by ``enable_adaln_cache`` gives (same config, dtypes, device and outputs, bit for bit),
-    except that no served weight (and no time embedder where the cache stands in for it) is read from
-    disk or allocated on any device: they are meta placeholders, read from the checkpoint only by the
-    cache's rebuild passes. ``adaln_cache_handle(model)`` gives the handle; a class whose modulation
-    depends on the prompt is refused with ``ConfigError``.
+    What ``cls.from_pretrained(path, subfolder=..., torch_dtype=..., device_map=...)`` followed by
+    ``enable_adaln_cache`` gives (same config, dtypes, device and outputs, bit for bit), except that no
+    served weight (nor the time embedder where the cache stands in for it) is read or allocated: they
+    are meta placeholders, read by the cache's rebuild passes only. Every argument: docs/api.md.
 
     Args:
-        path: a local directory holding the transformer's ``config.json`` and its safetensors
-            weights: diffusers layout (``diffusion_pytorch_model*.safetensors``, sharded with its
-            index or not) or the native layout (``*.safetensors``, with its index when sharded).
-        subfolder: the transformer's folder inside ``path`` (``"transformer"`` for a pipeline
-            repository).
-        config: the options as one :class:`~adalncache.options.AdalnCacheConfig` (each keyword option
-            given beside it replaces that field). A directory, ``config.json`` file or mapping here is
-            taken as ``model_config`` (as before ``model_config`` existed).
-        model_config: where the diffusers config is when ``path`` has none (a native checkpoint): a
-            directory or ``config.json`` file, or the config as a mapping.
-        quantization_config: a diffusers quantization config (``TorchAoConfig``, ``QuantoConfig``, ...),
-            as for ``from_pretrained``: see the docs (diffusers.md) for the ones supported.
-        torch_dtype: the dtype to load in, as for ``from_pretrained``: ``torch.bfloat16`` is the
-            released mixed precision (the time embedder, patch projections and heads stay fp32);
-            ``None`` loads everything in fp32.
-        device_map: where the model is placed: ``None`` (the CPU, like ``from_pretrained``), a
-            device (``"cuda"``, ``"cuda:1"``, ``0``, ``torch.device``) or a mapping whose values
-            name one device. A map that splits the model (``"auto"`` and the other strategies, or
-            several devices) is refused: the cache serves the forward from one device; use
-            group offloading (see the docs) for a model larger than the device.
-        checkpoint: where the projections are served from. ``None``: the model's own files. Another
-            copy of this very model's projections (the native release next to a diffusers config,
-            say) may be given; it is checked against the config and the model files' headers
-            (names, shapes, dtypes), never compared value by value, since that would read both.
-        layout: the key layout of the files, ``"auto"``, ``"native"`` or ``"diffusers"``.
-        qkv_layout: the row order of a native checkpoint's fused ``qkv_proj``, ``"stacked"`` or
-            ``"interleaved"``; ``None``: interleaved for a sharded native checkpoint (the order of
-            the MiniMax release shards), stacked for a single native file (that of the published
-            single files). Not used for the diffusers layout.
-        on_miss, overlap: as for :func:`~adalncache.diffusers.enable_adaln_cache` (a pipeline this
-            transformer joins keeps them).
-        free_time_embedder: ``None`` (the default) or ``True``: the time embedder is not loaded
-            either (the cache reads it from the checkpoint in its passes); ``True`` requires the
-            serving checkpoint to hold it. ``False`` loads it like any other weight.
+        config: the options as one :class:`~adalncache.options.AdalnCacheConfig`; a directory,
+            ``config.json`` file or mapping here is taken as ``model_config`` (as before it existed).
+        model_config: the diffusers config when ``path`` has none (a native checkpoint).
+        checkpoint: where the projections are served from (``None``: the model's own files); checked
+            against the config and the model files' headers, never value by value (that reads both).
+        qkv_layout: a native checkpoint's fused ``qkv_proj`` row order (``None``: interleaved when
+            sharded, as the release shards are, stacked for one file).
+        free_time_embedder: ``None`` or ``True``: the time embedder is not loaded either (``True``
+            requires the serving checkpoint to hold it); ``False`` loads it like any other weight.
         {cache options}
-
-    The cache lives where ``device_map`` puts the model. ``tables``: plans the files hold are served
-    with no pass, the model's files serve the rest; when the model files hold no projection at all (a
-    download that left them out) and ``checkpoint`` is None, the table files are all there is: plans
-    they lack raise ``PlanNotCachedError``, and ``disable()`` cannot bring projections back.
 
     Raises ``ConfigError`` for a bad argument, named with the fix; ``CheckpointMismatchError`` for a
     checkpoint whose projections do not fit the config; ``CheckpointError`` for a model file that is
@@ -182,9 +135,27 @@ def load_transformer(
             )
         free_time_embedder = False
     config = model_config
-    directory = _model_directory(path, subfolder)
+    if not isinstance(path, (str, os.PathLike)):
+        raise ConfigError(f"path= must be a local directory, got {type(path).__name__}")
+    root = Path(path)
+    if not root.is_dir():
+        raise ConfigError(
+            f"path={os.fspath(path)!r} is not a local directory: load_transformer reads a transformer saved on disk "
+            "(download a hub repository first, e.g. with huggingface_hub.snapshot_download)"
+        )
+    directory = root / subfolder if subfolder else root
+    if not directory.is_dir():
+        raise ConfigError(f"subfolder={subfolder!r} is not a folder of {root}: pass the transformer's folder name")
     cls, family = _transformer_class(directory, config)
-    _check_load_arguments(torch_dtype, qkv_layout, layout, family)
+    if torch_dtype is not None and torch_dtype not in TORCH_DTYPES:
+        raise ConfigError(
+            f"torch_dtype={torch_dtype!r} cannot load a {family.family.title} transformer: pass torch.bfloat16 (the "
+            "released precision), torch.float16, torch.float32 or None"
+        )
+    if qkv_layout is not None and qkv_layout not in QKV_LAYOUTS:
+        raise ConfigError(f"qkv_layout must be one of {list(QKV_LAYOUTS)} or None, got {qkv_layout!r}")
+    if layout != "auto":
+        family.family.layout(layout)
     device, hf_device_map = _single_device(device_map)
     config_dict, unused = _load_config(cls, path, subfolder, directory, config)
     model = _build_on_meta(cls, config_dict, unused, torch_dtype)
@@ -193,13 +164,41 @@ def load_transformer(
         if not getattr(quantizer, "use_keep_in_fp32_modules", False):  # as from_pretrained decides it
             keep = []
         quantizer.preprocess_model(model=model, device_map=hf_device_map, keep_in_fp32_modules=keep)
-    plan = _plan_load(
-        model, family, directory, layout, qkv_layout, config_dict, torch_dtype, free_time_embedder, keep, quantizer
+
+    # 1. The files, the served tensors, and their placeholders run through the stock dtype rule on meta.
+    layers = family.model_layers(model)
+    files = _model_files(directory, layout, family, layers[0])
+    if files.layout.name == "native":
+        sharded = files.checkpoint.index is not None or len(files.files) > 1
+        qkv_layout = qkv_layout or ("interleaved" if sharded else "stacked")
+    needed: set[str] = set(model.state_dict())
+    # A projection built without a bias (nn.Linear(..., bias=False)) has none in the files either.
+    biased = {layer for layer in layers if getattr(family.projection_module(model, layer), "bias", None) is not None}
+    # The time embedder's linears of this very model: a checkpoint holds only its own class's.
+    linears = [(path, base_linear(linear).bias is not None) for path, linear in family.time_embedder_linears(model)]
+    served: dict[str, tuple[str, str]] = {}
+    for layer in layers:
+        served[files.layout.weight(layer)] = (family.layout.weight(layer), "projection")
+        if layer in biased:
+            served[files.layout.bias(layer)] = (family.layout.bias(layer), "projection")
+    if free_time_embedder is not False:
+        served.update(_time_embedder_keys(files.layout, family.layout, linears))
+    meta = {}  # the served tensors' file shapes and dtypes, on meta
+    for key in served:
+        found = files.entry(key)
+        if found is not None and found[1].torch_dtype is not None:
+            meta[key] = torch.empty(found[1].shape, dtype=found[1].torch_dtype, device="meta")
+    meta_state = _converted(meta, files.layout, config_dict, qkv_layout)
+    _load_into(model, meta_state, torch_dtype, keep, {"": torch.device("meta")})
+    plan = _LoadPlan(
+        files, family.layout, served, meta_state, linears, needed, config_dict, qkv_layout, torch_dtype, keep, quantizer
     )
     spec = family.spec(model)
 
     # 2. The source the cache serves from, checked against the config before any weight is read.
-    tables_only = checkpoint is None and settings.tables is not None and not _has_projections(plan)
+    # Model files may hold no projection at all (a download that left them out): tables= is then all there is.
+    has_projections = any(plan.files.entry(key) for key, (_, kind) in plan.served.items() if kind == "projection")
+    tables_only = checkpoint is None and settings.tables is not None and not has_projections
     source, free = _source_of(plan, spec, checkpoint, layout, free_time_embedder, tables_only=tables_only)
     settings = replace(settings, free_time_embedder=free, verify_checkpoint=False)
     served_from: Any = source if source is not None else NoWeights(spec)
@@ -214,8 +213,22 @@ def load_transformer(
     if plan.files.checkpoint.changed() or cache.source.refresh() or cache.source.fingerprint != fingerprint:
         raise CheckpointError(f"the checkpoint in {directory} changed on disk while it was being loaded; load it again")
 
+    # 4. What from_pretrained does last: computed buffers (rope.inv_freq, not loaded) follow the model as
+    # dispatch_model's .to() moves them, the map and name recorded, the quantizer's last step, eval mode.
     target = device or torch.device("cpu")
-    _place(model, path, device, hf_device_map, quantizer, torch_dtype)
+    if device is not None:
+        for module in model.modules():
+            for name, buffer in list(module._buffers.items()):
+                if buffer is not None and buffer.device != device and buffer.device.type != "meta":
+                    module._buffers[name] = buffer.to(device)
+        model.hf_device_map = dict(hf_device_map or {})
+    if quantizer is not None:
+        quantizer.postprocess_model(model)
+        model.hf_quantizer = quantizer
+        model.register_to_config(_name_or_path=path, _pre_quantization_dtype=torch_dtype)
+    else:
+        model.register_to_config(_name_or_path=path)  # as given, like from_pretrained
+    model.eval()
     residues = _stock_residues(_resident_files(plan.files, config), plan.files, served, plan.placeholders, target)
     quantization = Quantization(quantizer, model) if quantizer is not None else None
     never_loaded = NeverLoaded(cache.source, cache, residues, target, quantization)
@@ -231,13 +244,9 @@ def load_transformer(
 
 @dataclass(frozen=True)
 class _LoadPlan:
-    """What a load reads and what it leaves as meta placeholders, decided before any weight is read.
-
-    ``served``: ``{name in the files: (name in the model, kind)}`` of the tensors the cache serves
-    (the projections, and the model's own time-embedder linears unless ``free_time_embedder=False``);
-    ``placeholders``: their meta tensors (already placed on the model); ``time_embedder``: ``(path,
-    has a bias)`` of the model's time-embedder linears (``model_layout``: the names inside the model).
-    """
+    """What a load reads and leaves as meta placeholders, decided before any weight is read: ``served`` maps a
+    file name to ``(model name, "projection" | "time_embedder")``, ``time_embedder`` lists the model's
+    time-embedder linears as ``(path, has a bias)``."""
 
     files: _Files
     model_layout: KeyLayout
@@ -252,90 +261,37 @@ class _LoadPlan:
     quantizer: Any = None
 
 
-def _plan_load(
-    model: Any,
-    family: DiffusersFamily,
-    directory: Path,
-    layout: str,
-    qkv_layout: str | None,
-    config: dict[str, Any],
-    torch_dtype: torch.dtype | None,
-    free_time_embedder: bool | None,
-    keep: list[str],
-    quantizer: Any,
-) -> _LoadPlan:
-    """Step 1: the files, the served tensors, and their placeholders run through the stock dtype rule on meta.
-
-    The time embedder's tensors are those of the linears the family declares for this model
-    (``family.time_embedder_linears``): a family of several classes lists every class's, and a
-    checkpoint holds only its own class's (with the optional embedders its config enables).
-    """
-    layers = family.model_layers(model)
-    files = _model_files(directory, layout, family, layers[0])
-    if files.layout.name == "native":
-        sharded = files.checkpoint.index is not None or len(files.files) > 1
-        qkv_layout = qkv_layout or ("interleaved" if sharded else "stacked")
-    expected: set[str] = set(model.state_dict())
-    # A projection built without a bias (nn.Linear(..., bias=False)) has none in the files either.
-    biased = {layer for layer in layers if getattr(family.projection_module(model, layer), "bias", None) is not None}
-    linears = [(path, base_linear(linear).bias is not None) for path, linear in family.time_embedder_linears(model)]
-    served = _served_keys(files.layout, family.layout, layers, biased=biased)
-    if free_time_embedder is not False:
-        served.update(_time_embedder_keys(files.layout, family.layout, linears))
-    placeholders = _meta_tensors(files, served, config, qkv_layout)
-    _load_into(model, placeholders, torch_dtype, keep, {"": torch.device("meta")})
-    return _LoadPlan(
-        files, family.layout, served, placeholders, linears, expected, config, qkv_layout, torch_dtype, keep, quantizer
-    )
-
-
 def _load_the_rest(
     model: Any, plan: _LoadPlan, directory: Path, device_map: Any, *, free: bool, tables_only: bool
 ) -> dict[str, tuple[str, str]]:
-    """Step 3: every tensor but the served ones, file by file; returns what stays served (never loaded).
-
-    When the time embedder is loaded after all (``free`` is False), its tensors are read like any
-    other and its placeholders replaced.
-    """
+    """Step 3: every tensor but the served ones (the time embedder's too unless ``free``), file by file;
+    returns what stays served (never loaded). Refuses model files that lack a tensor the model needs."""
     served = plan.served if free else {k: v for k, v in plan.served.items() if v[1] != "time_embedder"}
     seen = set(plan.placeholders)
     for header in plan.files.checkpoint.headers:
-        state = _real_tensors(header, plan.files.layout, served, plan.config, plan.qkv_layout)
+        mapped = MappedFile(header)
+        state = {key: mapped.tensor(key, prefetch=True) for key in header.entries if key not in served}
+        state = _converted(state, plan.files.layout, plan.config, plan.qkv_layout)
         seen.update(state)
         _load_into(model, state, plan.torch_dtype, plan.keep, device_map, plan.quantizer)
     never_in_files = {ours for _, (ours, kind) in plan.served.items() if kind == "projection"} if tables_only else set()
-    _check_loaded(directory, plan.expected, seen, never_in_files)
+    missing = sorted(plan.expected - seen - never_in_files)
+    if missing:
+        raise CheckpointError(
+            f"the model files in {directory} lack {len(missing)} tensor(s) the model needs ({', '.join(missing[:5])}"
+            f"{', ...' if len(missing) > 5 else ''}): pass path= the transformer's own directory (or model_config= "
+            "its matching config)"
+        )
+    if unused := len(seen - plan.expected):
+        logger.warning("load_transformer: %d tensor(s) of %s are not used by the model", unused, directory)
     return served
-
-
-def _place(
-    model: Any,
-    path: Any,
-    device: torch.device | None,
-    hf_device_map: dict[str, Any] | None,
-    quantizer: Any,
-    torch_dtype: torch.dtype | None,
-) -> None:
-    """What ``from_pretrained`` does last: computed buffers on the device, the map and name recorded, the
-    quantizer's own last step, eval mode."""
-    if device is not None:
-        _move_buffers(model, device)  # rope.inv_freq is computed, not loaded (dispatch_model's .to() moves it)
-        model.hf_device_map = dict(hf_device_map or {})
-    if quantizer is not None:
-        quantizer.postprocess_model(model)
-        model.hf_quantizer = quantizer
-        model.register_to_config(_name_or_path=path, _pre_quantization_dtype=torch_dtype)
-    else:
-        model.register_to_config(_name_or_path=path)  # as given, like from_pretrained
-    model.eval()
 
 
 def _quantizer(
     quantization_config: Any, torch_dtype: torch.dtype | None, device_map: Any
 ) -> tuple[Any, torch.dtype | None]:
     """diffusers' quantizer for ``quantization_config`` and the dtype it loads in, as ``from_pretrained`` makes
-    them; ConfigError for a config this loader cannot apply (a GGUF file, an environment the quantizer
-    refuses, a method whose loaded weights a pass cannot reproduce)."""
+    them; ConfigError for a config this loader cannot apply."""
     if quantization_config is None:
         return None, torch_dtype
     from diffusers.quantizers import DiffusersAutoQuantizer
@@ -363,24 +319,6 @@ def _quantizer(
     return quantizer, quantizer.update_torch_dtype(torch_dtype)
 
 
-# ---------------------------------------------------------------------------------------------------- arguments
-
-
-def _check_load_arguments(
-    torch_dtype: torch.dtype | None, qkv_layout: str | None, layout: str, family: DiffusersFamily
-) -> None:
-    """Refuse a dtype, a fused-qkv row order or a key layout ``load_transformer`` cannot load."""
-    if torch_dtype is not None and torch_dtype not in TORCH_DTYPES:
-        raise ConfigError(
-            f"torch_dtype={torch_dtype!r} cannot load a {family.family.title} transformer: pass torch.bfloat16 (the "
-            "released precision), torch.float16, torch.float32 or None"
-        )
-    if qkv_layout is not None and qkv_layout not in QKV_LAYOUTS:
-        raise ConfigError(f"qkv_layout must be one of {list(QKV_LAYOUTS)} or None, got {qkv_layout!r}")
-    if layout != "auto":
-        family.family.layout(layout)
-
-
 def _source_of(
     plan: _LoadPlan,
     spec: ModulationSpec,
@@ -390,34 +328,65 @@ def _source_of(
     *,
     tables_only: bool,
 ) -> tuple[Source | None, bool]:
-    """The source the cache serves from and whether the time embedder is left unloaded.
-
-    Model files without the projections (never downloaded) and table files: no source at all.
-    A serving checkpoint other than the model files must match them.
-    """
-    if tables_only:
-        return None, _tables_only_time_embedder(free_time_embedder)
+    """The source the cache serves from (None: table files alone) and whether the time embedder is left unloaded."""
+    if tables_only:  # nothing is ever projected, so the time embedder loads
+        if free_time_embedder:
+            raise ConfigError(
+                "free_time_embedder=True stands the cache in for the time embedder, but the model files hold no AdaLN "
+                "projections, so the cache serves tables= alone and has no checkpoint to read it from: pass "
+                "free_time_embedder=None (or False), or checkpoint= a file with the projections"
+            )
+        return None, False
     source_arg = f"checkpoint= (CLI {flag('checkpoint')})" if checkpoint is not None else "path="
-    source = _serving_source(checkpoint if checkpoint is not None else plan.files.files, spec, layout, source_arg)
+    paths: Any = checkpoint if checkpoint is not None else plan.files.files
+    try:  # the file's dtype (served cast on read to the model's where they differ)
+        probe, first = CheckpointFiles.read(paths), spec.layers()[0]
+        dtypes = {
+            entry.torch_dtype
+            for name in (lay.weight(first) for lay in spec.layouts().values())
+            if (entry := probe.where[name].entries[name] if name in probe.where else None) is not None
+        }
+        file_dtype = dtypes.pop() if len(dtypes) == 1 else spec.dtype
+        checked = CheckpointSource(paths, spec.with_dtype(file_dtype or spec.dtype), layout=layout)
+    except CheckpointError as exc:
+        raise CheckpointMismatchError(
+            f"{source_arg} cannot serve this model's AdaLN projections ({spec.num_layers} blocks, hidden "
+            f"{spec.hidden_size}, projection input {spec.time_embed_dim}, from its config): {exc}"
+        ) from exc
+    source: Source = checked if checked.spec.dtype == spec.dtype else CastCheckpointSource(checked, spec.dtype)
+    reader: Any = source  # a checkpoint source (its headers name the tensors)
+    # The time embedder is left unloaded only when the serving checkpoint holds all of it.
     names = list(_time_embedder_keys(source.layout, plan.model_layout, plan.time_embedder))
-    free = _decide_time_embedder(free_time_embedder, source, names, source_arg)
-    if checkpoint is not None:
-        _check_against_model_files(plan.files, source, spec, source_arg)
-    return source, free
-
-
-def _check_loaded(directory: Path, expected: set[str], seen: set[str], never_in_files: set[str]) -> None:
-    """Refuse model files that lack a tensor the model needs; log those the model does not use."""
-    missing = sorted(expected - seen - never_in_files)
-    if missing:
-        raise CheckpointError(
-            f"the model files in {directory} lack {len(missing)} tensor(s) the model needs ({', '.join(missing[:5])}"
-            f"{', ...' if len(missing) > 5 else ''}): pass path= the transformer's own directory (or model_config= "
-            "its matching config)"
+    missing = []
+    for name in names:
+        try:
+            reader.entry(name)
+        except KeyError:
+            missing.append(name)
+    if missing and free_time_embedder:
+        raise ConfigError(
+            f"free_time_embedder=True needs the time embedder in the checkpoint the cache reads ({source_arg}), "
+            f"which lacks {missing[0]!r}: pass free_time_embedder=None or False, or the whole transformer checkpoint"
         )
-    unexpected = sorted(seen - expected)
-    if unexpected:
-        logger.warning("load_transformer: %d tensor(s) of %s are not used by the model", len(unexpected), directory)
+    if checkpoint is not None:  # headers only: it must hold the model files' projections (names, shapes, dtypes)
+        problems, files = [], plan.files
+        for layer in spec.layers():
+            for name in spec.tensors_of(layer):
+                ours = files.entry(files.layout.tensor(layer, name))
+                key = source.layout.tensor(layer, name)
+                theirs = reader.entry(key)[1]
+                if ours is not None and (ours[1].shape != theirs.shape or ours[1].dtype != theirs.dtype):
+                    problems.append(
+                        f"{key}: {theirs.dtype} {list(theirs.shape)} in the checkpoint, {ours[1].dtype} "
+                        f"{list(ours[1].shape)} in the model files"
+                    )
+        if problems:
+            raise CheckpointMismatchError(
+                f"{source_arg} does not hold this model's projections: {'; '.join(problems[:3])}"
+                f"{' ...' if len(problems) > 3 else ''}; pass a checkpoint of this very model, or none (the model "
+                "files)"
+            )
+    return source, free_time_embedder is not False and bool(names) and not missing
 
 
 #: The family a config that names no class is loaded as (a native MiniMax-H3 checkpoint's).
@@ -430,43 +399,22 @@ def _transformer_class(directory: Path, config: Any) -> tuple[Any, DiffusersFami
         import diffusers
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise ConfigError("load_transformer needs diffusers (pip install 'adalncache[diffusers]')") from exc
-    name = _class_name(directory, config)
+    # _class_name of the config model_config= names, else of directory's config.json (None: none).
+    data: Any = config
+    if not isinstance(config, Mapping):
+        where = Path(config) if config is not None else directory
+        try:
+            data = json.loads((where / "config.json" if where.is_dir() else where).read_text())
+        except (OSError, ValueError):
+            data = None
+    name = data.get("_class_name") if isinstance(data, Mapping) else None
+    name = name if isinstance(name, str) else None
     family = by_name(families.for_class(name).name if name is not None else DEFAULT_FAMILY)
     cls_name = name or family.family.class_names[0]
     cls = getattr(diffusers, cls_name, None)
     if cls is None:
         raise ConfigError(f"this diffusers release has no {cls_name}: install a diffusers that does")
     return cls, family
-
-
-def _class_name(directory: Path, config: Any) -> str | None:
-    """``_class_name`` of the config ``model_config=`` names, else of ``directory``'s ``config.json`` (None: none)."""
-    if isinstance(config, Mapping):
-        data: Any = config
-    else:
-        where = Path(config) if config is not None else directory
-        where = where / "config.json" if where.is_dir() else where
-        try:
-            data = json.loads(where.read_text())
-        except (OSError, ValueError):
-            return None
-    name = data.get("_class_name") if isinstance(data, Mapping) else None
-    return name if isinstance(name, str) else None
-
-
-def _model_directory(path: Any, subfolder: str | None) -> Path:
-    if not isinstance(path, (str, os.PathLike)):
-        raise ConfigError(f"path= must be a local directory, got {type(path).__name__}")
-    root = Path(path)
-    if not root.is_dir():
-        raise ConfigError(
-            f"path={os.fspath(path)!r} is not a local directory: load_transformer reads a transformer saved on disk "
-            "(download a hub repository first, e.g. with huggingface_hub.snapshot_download)"
-        )
-    directory = root / subfolder if subfolder else root
-    if not directory.is_dir():
-        raise ConfigError(f"subfolder={subfolder!r} is not a folder of {root}: pass the transformer's folder name")
-    return directory
 
 
 def _single_device(device_map: Any) -> tuple[torch.device | None, dict[str, Any] | None]:
@@ -563,41 +511,13 @@ def _model_files(directory: Path, layout: str, family: DiffusersFamily, first: L
     return _Files(list(checkpoint.files), checkpoint, layouts[found[0]])
 
 
-def _serving_source(paths: Any, spec: ModulationSpec, layout: str, argument: str) -> Source:
-    """The checkpoint the cache reads the projections from, cast on read to the model's dtype if needed."""
-    try:
-        probe = CheckpointFiles.read(paths)
-        first = spec.layers()[0]
-        dtypes = {
-            entry.torch_dtype
-            for name in (lay.weight(first) for lay in spec.layouts().values())
-            if (entry := probe.where[name].entries[name] if name in probe.where else None) is not None
-        }
-        file_dtype = dtypes.pop() if len(dtypes) == 1 else spec.dtype
-        source = CheckpointSource(paths, spec.with_dtype(file_dtype or spec.dtype), layout=layout)
-    except CheckpointError as exc:
-        raise CheckpointMismatchError(
-            f"{argument} cannot serve this model's AdaLN projections ({spec.num_layers} blocks, hidden "
-            f"{spec.hidden_size}, projection input {spec.time_embed_dim}, from its config): {exc}"
-        ) from exc
-    if source.spec.dtype != spec.dtype:
-        return CastCheckpointSource(source, spec.dtype)
-    return source
-
-
-def _has_projections(plan: _LoadPlan) -> bool:
-    """Whether the model files hold any AdaLN projection tensor (a download may have left them out)."""
-    return any(plan.files.entry(key) is not None for key, (_, kind) in plan.served.items() if kind == "projection")
-
-
 def _upstream_of_load(
     model: Any, family: DiffusersFamily, spec: ModulationSpec, plan: _LoadPlan, source: Source | None, free: bool
 ) -> Callable[[], str | None]:
-    """The binding's upstream digest of the loaded model, computed when a tier first asks (the load itself
-    reads no time-embedder byte): its live upstream parameters, and the serving checkpoint's time embedder
-    where the cache stands in for it (``free``: never loaded into the model). It holds neither ``plan`` nor
-    the model (the cache is the model's: a strong reference would keep the model, and the mappings of its
-    files, alive after the caller let go of it)."""
+    """The binding's upstream digest of the loaded model, computed when a tier first asks: its live upstream
+    parameters, and the serving checkpoint's time embedder where ``free`` left it unloaded. It holds neither
+    ``plan`` nor the model (a strong reference from the model's own cache would keep both, and the mappings
+    of its files, alive after the caller let go of it)."""
     keys = _time_embedder_keys(source.layout, plan.model_layout, plan.time_embedder) if free and source else {}
     reader: Any = source  # a checkpoint source (read_tensor)
     held = weakref.ref(model)
@@ -610,64 +530,6 @@ def _upstream_of_load(
         return upstream_digest_of(loaded, spec, family, standing_in)
 
     return digest
-
-
-def _tables_only_time_embedder(free: bool | None) -> bool:
-    """With table files and no projections anywhere nothing is ever projected: the time embedder loads."""
-    if free:
-        raise ConfigError(
-            "free_time_embedder=True stands the cache in for the time embedder, but the model files hold no AdaLN "
-            "projections, so the cache serves tables= alone and has no checkpoint to read it from: pass "
-            "free_time_embedder=None (or False), or checkpoint= a file with the projections"
-        )
-    return False
-
-
-def _decide_time_embedder(free: bool | None, source: Source, names: list[str], argument: str) -> bool:
-    """Whether the time embedder is left unloaded: it must then be in the serving checkpoint.
-
-    ``names``: the model's own time-embedder tensors (those of the linears its family declares for
-    it) in the serving checkpoint's layout.
-    """
-    if free is False or not names:
-        return False
-    reader: Any = source  # a checkpoint source here (its headers name the tensors)
-    missing = []
-    for name in names:
-        try:
-            reader.entry(name)
-        except KeyError:
-            missing.append(name)
-    if missing and free:
-        raise ConfigError(
-            f"free_time_embedder=True needs the time embedder in the checkpoint the cache reads ({argument}), which "
-            f"lacks {missing[0]!r}: pass free_time_embedder=None or False, or the whole transformer checkpoint"
-        )
-    return not missing
-
-
-def _check_against_model_files(files: _Files, source: Source, spec: ModulationSpec, argument: str) -> None:
-    """Headers only: a separate checkpoint must hold the model files' projections (names, shapes, dtypes)."""
-    problems = []
-    reader: Any = source  # a checkpoint source here (its headers name the tensors)
-    for layer in spec.layers():
-        for name in spec.tensors_of(layer):
-            ours = files.entry(files.layout.tensor(layer, name))
-            key = source.layout.tensor(layer, name)
-            theirs = reader.entry(key)[1]
-            if ours is not None and (ours[1].shape != theirs.shape or ours[1].dtype != theirs.dtype):
-                problems.append(
-                    f"{key}: {theirs.dtype} {list(theirs.shape)} in the checkpoint, {ours[1].dtype} "
-                    f"{list(ours[1].shape)} in the model files"
-                )
-    if problems:
-        raise CheckpointMismatchError(
-            f"{argument} does not hold this model's projections: {'; '.join(problems[:3])}"
-            f"{' ...' if len(problems) > 3 else ''}; pass a checkpoint of this very model, or none (the model files)"
-        )
-
-
-# ---------------------------------------------------------------------------------------------------- loading
 
 
 def _build_on_meta(cls: Any, config: dict[str, Any], unused: dict[str, Any], torch_dtype: torch.dtype | None) -> Any:
@@ -684,30 +546,12 @@ def _build_on_meta(cls: Any, config: dict[str, Any], unused: dict[str, Any], tor
             torch.set_default_dtype(dtype_orig)
 
 
-def _served_keys(
-    layout: KeyLayout, model_layout: KeyLayout, layers: list[Layer], *, biased: set[Layer] | None = None
-) -> dict[str, tuple[str, str]]:
-    """The served projections' tensors: ``{name in the files: (name in the model, "projection")}``.
-
-    ``model_layout``: the family's diffusers layout (the names inside the model). ``biased``: the
-    layers whose projection has a bias (None: every layer).
-    """
-    keys: dict[str, tuple[str, str]] = {}
-    for layer in layers:
-        keys[layout.weight(layer)] = (model_layout.weight(layer), "projection")
-        if biased is None or layer in biased:
-            keys[layout.bias(layer)] = (model_layout.bias(layer), "projection")
-    return keys
-
-
 def _time_embedder_keys(
     layout: KeyLayout, model_layout: KeyLayout, linears: list[tuple[str, bool]]
 ) -> dict[str, tuple[str, str]]:
-    """The model's time-embedder tensors: ``{name in layout: (name in the model, "time_embedder")}``.
-
-    ``linears``: ``(path in the model, has a bias)`` of the linears the family declares for this
-    model; a path's name in ``layout`` is the one at the same position of its ``time_embedder``.
-    """
+    """The model's time-embedder tensors: ``{name in layout: (name in the model, "time_embedder")}``. ``linears``:
+    ``(path in the model, has a bias)`` of the linears the family declares for this model; a path's name in ``layout``
+    is the one at the same position of its ``time_embedder``."""
     keys: dict[str, tuple[str, str]] = {}
     for path, bias in linears:
         theirs = layout.time_embedder[model_layout.time_embedder.index(path)]
@@ -728,31 +572,6 @@ def _converted(
         return dict(convert_minimax_h3_transformer_checkpoint_to_diffusers(state, config, qkv_layout=qkv_layout))
     except (ValueError, KeyError) as exc:
         raise CheckpointError(f"the native checkpoint cannot be converted to the diffusers layout: {exc}") from exc
-
-
-def _meta_tensors(
-    files: _Files, served: Mapping[str, tuple[str, str]], config: dict[str, Any], qkv_layout: str | None
-) -> dict[str, torch.Tensor]:
-    """Meta tensors of the served tensors' file shapes and dtypes, under the diffusers names."""
-    state: dict[str, torch.Tensor] = {}
-    for key in served:
-        found = files.entry(key)
-        if found is not None and found[1].torch_dtype is not None:
-            state[key] = torch.empty(found[1].shape, dtype=found[1].torch_dtype, device="meta")
-    return _converted(state, files.layout, config, qkv_layout)
-
-
-def _real_tensors(
-    header: SafetensorsHeader,
-    layout: KeyLayout,
-    skip: Mapping[str, Any],
-    config: dict[str, Any],
-    qkv_layout: str | None,
-) -> dict[str, torch.Tensor]:
-    """One file's tensors besides the served ones, as prefetched views of the mapped file."""
-    mapped = MappedFile(header)
-    state = {key: mapped.tensor(key, prefetch=True) for key in header.entries if key not in skip}
-    return _converted(state, layout, config, qkv_layout)
 
 
 def _load_into(
@@ -779,23 +598,11 @@ def _load_into(
         )
 
 
-def _move_buffers(model: Any, device: torch.device) -> None:
-    """Buffers the files do not hold (computed at construction) follow the model to ``device``."""
-    for module in model.modules():
-        for name, buffer in list(module._buffers.items()):
-            if buffer is not None and buffer.device != device and buffer.device.type != "meta":
-                module._buffers[name] = buffer.to(device)
-
-
 def _resident_files(files: _Files, config: Any) -> _Files:
-    """The weight files the resident model is loaded from, whose offsets its fp32 weights keep.
-
-    For the diffusers layout these are the model files themselves. A native checkpoint is loaded
-    next to a diffusers config; when ``model_config=`` names a directory that also holds the diffusers
-    weight files, ``from_pretrained(config)`` is the stock model, and its weights sit at *those*
-    files' offsets, which need not equal the native files' modulo 16 (an fp32 GEMV's bits can
-    depend on it). Otherwise the native files themselves.
-    """
+    """The weight files the resident model is loaded from, whose offsets its fp32 weights keep. The model files, except
+    for a native checkpoint whose ``model_config=`` directory also holds the diffusers weight files:
+    ``from_pretrained(config)`` is then the stock model, at *those* files' offsets (an fp32 GEMV's bits can depend on
+    the address modulo 16)."""
     if files.layout.name != "native" or config is None or isinstance(config, Mapping):
         return files
     where = Path(config)
@@ -821,12 +628,10 @@ def _stock_residues(
     placeholders: Mapping[str, torch.Tensor],
     device: torch.device,
 ) -> dict[str, int]:
-    """Where a stock load of ``resident`` would put each never-loaded tensor, modulo 64 bytes.
-
-    On a CPU, a tensor loaded in its file's dtype stays a view of the mapped file, at its file
-    offset; anything cast, or copied to an accelerator, is a fresh, aligned allocation. A tensor
-    ``resident`` lacks (or holds in another shape) takes its offset in the model ``files``.
-    """
+    """Where a stock load of ``resident`` would put each never-loaded tensor, modulo 64 bytes. On a CPU, a tensor loaded
+    in its file's dtype is a view of the mapped file at its offset; one cast or copied to an accelerator is a fresh,
+    aligned allocation (residue 0). A tensor ``resident`` lacks (or holds in another shape) takes its offset in the
+    model ``files``."""
     residues: dict[str, int] = {}
     for key, (model_key, _) in served.items():
         meta = placeholders.get(model_key)

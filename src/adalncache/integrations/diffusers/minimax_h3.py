@@ -1,28 +1,7 @@
 """What is MiniMax-H3's in the integration: its :class:`~.family.DiffusersFamily` (:data:`FAMILY`), its
-modular pipeline's prepare block, and what diffusers' block-level step caches need to know of it.
-
-* **the served modules**: every block's ``adaln_proj.linear`` and ``norm_out.linear``; their
-  module paths are the prefixes of the family's diffusers key layout. Every
-  block's ``adaln_proj`` is served by a class swap whose forward returns the block's six
-  modulation tensors (:func:`_served_forward`), ``norm_out.linear`` by a hook;
-* **upstream of them**: ``time_proj`` and ``time_embedder``;
-* **their input** (:meth:`MiniMaxH3.embed`): ``silu(time_embedder(time_proj(timestep)))`` cast to
-  the projections' dtype, computed as the stock forward computes it;
-* **a forward's plan** (:meth:`MiniMaxH3.forward_plan`): the ``timestep`` tensor the forward
-  receives, 1-D float32, one entry per distinct timestep of the step;
-* **the modular pipeline**: a block named ``adaln_cache_prepare`` (:class:`AdalnCachePrepareStep`)
-  sits in front of each denoise loop's denoiser and, at step 0, hands the request's whole
-  ``row_timestep_plan`` to that denoiser's transformer's request (``transformer`` and
-  ``transformer_ref`` each have their own cache), so every step's plan is built in one pass before
-  any step runs; the call's end releases it. Its schedule is predicted from the call's arguments too
-  (:func:`predicted_plans`, for ``overlap=True``);
-* **step caches**: diffusers' first-block cache, MagCache and SeaCache skip whole blocks and find out
-  what a block returns from a registry of block classes, which diffusers 0.42 keeps private and
-  where it does not register ``MiniMaxH3TransformerBlock``: :func:`register_minimax_h3_block` does,
-  checking the registry is the one it was written against; SeaCache's spectral indicator needs the
-  generated video as latents, which :func:`minimax_h3_raw_vision` reads off the transformer's own
-  inputs. A block a step cache skips never calls its ``adaln_proj``, and every forward still runs
-  (``norm_out`` needs its plan), so the cache builds exactly the request's plans.
+modular pipeline's prepare block, and what diffusers' block-level step caches need to know of it
+(docs/diffusers.md, Step caches). Every block's ``adaln_proj`` is class-swapped to return the six
+modulation tensors, ``norm_out.linear`` hooked; a forward's plan is its 1-D float32 ``timestep``.
 """
 
 from __future__ import annotations
@@ -68,7 +47,7 @@ PREPARE_BLOCK = "adaln_cache_prepare"
 
 def _served_forward(self: Any, temb: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """``adaln_proj(temb)`` served from the slab: ``Y.view(-1, 6H).chunk(6, -1)`` of the resident ``Y``
-    (``temb`` only gives the number of timesteps: one row per timestep of the plan)."""
+    (``temb`` gives only the number of rows)."""
     rows = gather_rows(self.__dict__[ROWS_ATTRIBUTE], self.__dict__[STATE_ATTRIBUTE], temb.shape[0], "adaln_proj")
     chunks: tuple[torch.Tensor, ...] = rows.reshape(-1, 6 * self.hidden_size).chunk(6, dim=-1)
     return chunks
@@ -84,13 +63,13 @@ class MiniMaxH3(DiffusersFamily):
         return _served_forward
 
     def recognises(self, model: Any) -> bool:
-        return is_minimax_h3_transformer(model)
+        from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3Transformer3DModel
+
+        return isinstance(model, MiniMaxH3Transformer3DModel)
 
     def rows_view(self, cache: Any, layer: Layer) -> torch.Tensor:
         # A per-block view of the block's rows: (P, W, block_width), the same strides for every block.
-        if layer == FINAL:
-            return cache.served_part("final")
-        return cache.served_part("block").select(2, int(layer))
+        return cache.served_part("final") if layer == FINAL else cache.served_part("block").select(2, int(layer))
 
     def upstream_modules(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
         return [("time_proj", model.get_submodule("time_proj")), (TIME_EMBEDDER, model.get_submodule(TIME_EMBEDDER))]
@@ -104,12 +83,8 @@ class MiniMaxH3(DiffusersFamily):
         for loop in denoise_loops(blocks):
             if PREPARE_BLOCK in loop.sub_blocks:
                 continue
-            names = list(loop.sub_blocks)
-            index, denoiser = next(
-                (i, loop.sub_blocks[name])
-                for i, name in enumerate(names)
-                if hasattr(loop.sub_blocks[name], "transformer_name")
-            )
+            subs = loop.sub_blocks.values()
+            index, denoiser = next((i, block) for i, block in enumerate(subs) if hasattr(block, "transformer_name"))
             loop.sub_blocks.insert(
                 PREPARE_BLOCK, AdalnCachePrepareStep(transformer_name=denoiser.transformer_name), index
             )
@@ -123,13 +98,9 @@ class MiniMaxH3(DiffusersFamily):
         return remove
 
     def embed(self, model: Any, spec: ModulationSpec, plan: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """The projections' exact input for ``plan``, computed as the stock forward computes it.
-
-        ``time_proj``, then the (fp32) time embedder at its own dtype, then SiLU at ``temb``'s
-        precision and only then the cast to the projection dtype (the other order changes about
-        half the outputs). Runs the time embedder's own (possibly LoRA-wrapped) forward, beneath
-        every hook on it (ours stands in for it; an offloading hook must not move lent weights).
-        """
+        """``silu(time_embedder(time_proj(plan)))``, as the stock forward computes it: SiLU at ``temb``'s precision and
+        only then the cast to the projection dtype (the other order changes about half the outputs); the time embedder's
+        own forward, beneath every hook on it (ours stands in for it; an offloading hook must not move lent weights)."""
         from diffusers.models.modeling_utils import get_parameter_dtype
 
         temb = model.time_proj(plan.to(device))
@@ -141,14 +112,11 @@ class MiniMaxH3(DiffusersFamily):
     def predict_schedule(
         self, model: nn.Module, pipeline: Any, call: Mapping[str, Any], component: str
     ) -> list[Any] | None:
-        """The MiniMax-H3 modular pipeline's plans for a call, before its blocks run (:func:`predicted_plans`)."""
         return predicted_plans(pipeline, call, component)
 
     def forward_plan(self, module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> torch.Tensor:
-        """The plan of one transformer forward: its ``timestep`` argument, refused unless 1-D float32.
-
-        Converting it here would build tables for other timestep values than ``time_proj`` will see.
-        """
+        """The forward's ``timestep``, refused unless 1-D float32 (converting it would build tables for other
+        values than ``time_proj`` sees)."""
         timestep = timestep_argument(module, args, kwargs)
         if timestep.dtype != torch.float32 or timestep.dim() != 1:
             raise PlanError(
@@ -163,13 +131,8 @@ FAMILY = register(MiniMaxH3())
 
 
 class AdalnCachePrepareStep(ModularPipelineBlocks):
-    """Denoise-loop block that hands a request's whole ``row_timestep_plan`` to its transformer at step 0.
-
-    Inserted in front of each MiniMax-H3 loop denoiser by ``enable_adaln_cache(pipe)``: the call's request
-    then holds every step's plan (at most one rebuild pass, or a background pass with ``overlap=True``
-    that adopts the call's predicted one), so no step waits on a build; the call's end releases them. A
-    transformer without an enabled cache makes it a no-op.
-    """
+    """Denoise-loop block that hands a request's whole ``row_timestep_plan`` to its transformer at step 0,
+    so no step waits on a build; a no-op for a transformer without an enabled cache."""
 
     model_name = "minimax-h3"  # type: ignore[assignment]  # diffusers declares it None on the base class
 
@@ -220,17 +183,11 @@ def denoise_loops(blocks: Any) -> Iterator[LoopSequentialPipelineBlocks]:
 
 
 def predicted_plans(pipeline: Any, call: Mapping[str, Any], component: str) -> list[torch.Tensor] | None:
-    """Every step's plan a ``MiniMaxH3ModularPipeline`` call feeds its ``component``, from the call's inputs.
-
-    A step's plan is the sorted distinct timesteps of its rows, which depend on the task and the
-    two schedules only, never on the prompt, size or seed (:func:`adalncache.minimax_h3_plans`):
-    the task is the one the pipeline's blocks pick (``ref2va`` with ``references``, run by
-    ``transformer_ref``; ``fl2va`` with ``image`` or ``last_image``; else ``t2va``, both run by
-    ``transformer``), ``num_inference_steps`` (diffusers' default when absent), the shifts of
-    the pipeline's two schedulers, and, for ``ref2va``, whether an audio reference holds rows at
-    ``t = 1``. None for a call it cannot tell (a ``state`` passed in, references without an image
-    or video, a pipeline class of another ``__call__``, a component the call does not run).
-    """
+    """Every step's plan a ``MiniMaxH3ModularPipeline`` call feeds its ``component``, from the call's inputs. Plans
+    depend on the task (the one the pipeline's blocks pick), the step count, the two schedulers' shifts and, for
+    ``ref2va``, whether an audio reference rides at ``t = 1``: never on the prompt, size or seed
+    (:func:`adalncache.minimax_h3_plans`). None for a call it cannot tell (a ``state`` passed in, references without an
+    image or video, another ``__call__``, a component the call does not run)."""
     from diffusers.modular_pipelines.modular_pipeline import ModularPipeline
     from diffusers.modular_pipelines.modular_pipeline_utils import InputParam
 
@@ -264,13 +221,6 @@ def predicted_plans(pipeline: Any, call: Mapping[str, Any], component: str) -> l
     )
 
 
-def is_minimax_h3_transformer(obj: Any) -> bool:
-    """Whether ``obj`` is a diffusers ``MiniMaxH3Transformer3DModel`` (imported lazily)."""
-    from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3Transformer3DModel
-
-    return isinstance(obj, MiniMaxH3Transformer3DModel)
-
-
 def projection_dtype(model: nn.Module, spec: ModulationSpec) -> torch.dtype:
     """The one dtype every projection computes in (the cache serves them one shared embedding)."""
     dtypes = {stock_dtype(module) for _, module in FAMILY.projection_modules(model, spec)}
@@ -290,19 +240,13 @@ _METADATA_FIELDS = {"return_hidden_states_index", "return_encoder_hidden_states_
 
 
 def register_minimax_h3_block() -> bool:
-    """Register ``MiniMaxH3TransformerBlock`` with diffusers' block registry; True if it was not yet there.
-
-    After this, ``FirstBlockCacheConfig``, ``MagCacheConfig`` and ``SeaCacheConfig`` accept a
-    ``MiniMaxH3Transformer3DModel`` in ``enable_cache``. The block takes ``hidden_states`` first and
-    returns them as a plain tensor (no ``encoder_hidden_states``: text rows are part of the packed
-    sequence). The registry is private to diffusers; a diffusers whose registry looks different
-    raises ``ConfigError`` instead of registering something wrong.
-    """
+    """Register ``MiniMaxH3TransformerBlock`` with diffusers' (private) block registry; True if it was not yet there.
+    The block returns ``hidden_states`` as a plain tensor (text rows are part of the packed sequence); a registry that
+    looks different raises ``ConfigError`` instead of registering something wrong."""
     import diffusers
     from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3TransformerBlock
 
     version = diffusers.__version__
-
     TransformerBlockRegistry, TransformerBlockMetadata = block_registry()  # ConfigError where it moved
     fields = {field.name for field in dataclasses.fields(TransformerBlockMetadata)}
     if not fields >= _METADATA_FIELDS or not callable(getattr(TransformerBlockRegistry, "register", None)):
@@ -331,15 +275,11 @@ def register_minimax_h3_block() -> bool:
 
 
 def minimax_h3_raw_vision(module: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[torch.Tensor] | None:
-    """SeaCache's ``raw_vision_callback`` for MiniMax-H3: the generated video rows as one ``(C, T, H, W)`` latent.
-
-    The packed video rows arrive as ``hidden_states`` ``(1, rows, C)`` in the order of
-    ``video_indices``. The generated ones are those at the generated video's timestep (the last
-    video row's ``timestep_indices`` entry): keyframes and reference images ride at their own
-    noise level and are left out. They come frame after frame, each frame ``H * W`` rows with one
-    rotary time coordinate; their ``(h, w)`` coordinates give the grid. Returns None (SeaCache
-    then runs without skipping) when the inputs do not look like that.
-    """
+    """SeaCache's ``raw_vision_callback`` for MiniMax-H3: the generated video rows as one ``(C, T, H, W)`` latent. The
+    generated rows are the packed video rows (``hidden_states`` ``(1, rows, C)`` in ``video_indices`` order) at the last
+    video row's timestep (keyframes and references ride at their own noise level), frame after frame, ``H * W`` rows
+    each, their ``(h, w)`` coordinates giving the grid. None (SeaCache then runs without skipping) when the inputs do
+    not look like that."""
     names = ("hidden_states", "position_ids", "video_indices", "timestep_indices")
     hidden, positions, video, timestep_indices = (forward_argument(module, name, args, kwargs) for name in names)
     if not all(isinstance(t, torch.Tensor) for t in (hidden, positions, video, timestep_indices)):

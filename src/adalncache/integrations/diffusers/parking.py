@@ -1,30 +1,9 @@
 """Weight parking: the served projections' (and the time embedder's) weights leave the device.
 
-While the cache serves them, each parked parameter is replaced by a meta placeholder of the same
-shape, dtype and ``requires_grad``, kept as a plain attribute of its module rather than a
-registered parameter: ``module.weight``, ``repr`` and the LoRA loaders keep working, while
-``parameters()``, ``.to()``, diffusers' group offloading and accelerate's hooks never see it (there
-is nothing to move or onload; a registered meta parameter would make each of them fail or load the
-real weight back). A 0-element buffer of the placeholder's dtype stays registered on the module, so
-diffusers' ``get_parameter_dtype`` (which the stock forward calls on ``norm_out.linear`` and the time
-embedder) still finds a dtype there. The real tensor is kept on the host (on CPU the model's own
-tensor object; elsewhere a host copy) or, when a checkpoint holds it, not kept at all: read back
-on restore. A model loaded by ``load_transformer`` never held these tensors; they are parked
-straight from the checkpoint.
-
-Restoring is bit-exact, alignment included: on CPU an fp32 GEMV with a single row (M=1) gives
-different bits for the same weight at a different address modulo 16 bytes, so a weight that comes
-back from a copy or a file is placed at the address the original had, modulo 64. Weights read back
-from the checkpoint are hashed as they are read and checked against the content digest held for
-it (:class:`~adalncache.identity.binding.CheckedRead`): a rewrite no ``stat`` can see (a write
-through a shared mapping to a dirty page) is refused with ``CheckpointError`` before anything is
-put back, never restored.
-
-``state_dict()`` on a parked module carries the real weights (``save_pretrained`` must never write
-a model without its projections): tensors read back from a checkpoint are lazy views of the file
-(:class:`~adalncache.source.reads.MappedFile`), so a caller that only collects the state dict
-(accelerate's ``cpu_offload`` does) reads none of their bytes. ``load_state_dict()`` into a parked
-weight is refused.
+Each becomes a meta placeholder kept as a plain attribute, plus a 0-element dtype buffer (why: docs/diffusers.md);
+the real tensor stays on the host (on CPU the very object) or is re-read from the checkpoint, checked
+against its content digest. Restoring is bit-exact, the address modulo 64 included (docs/exactness.md).
+``state_dict()`` carries the real weights; ``load_state_dict()`` into them is refused.
 """
 
 from __future__ import annotations
@@ -32,7 +11,6 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Any
 
 import torch
@@ -56,8 +34,7 @@ DTYPE_MARKER = "_adalncache_dtype"
 
 @dataclass(frozen=True)
 class ParkTarget:
-    """A linear whose weight and bias are to be parked: the base ``nn.Linear``, its projection layer
-    (``None`` for the time embedder's linears) and its module path in the diffusers layout."""
+    """A base ``nn.Linear`` to park, its projection layer (``None``: a time-embedder linear) and its path."""
 
     module: nn.Module
     layer: Layer | None
@@ -89,15 +66,8 @@ def _as_function(method: Callable[..., Any]) -> Callable[..., Any]:
 
 
 class WeightParking:
-    """The parameters parked off one model, and everything needed to bring them back.
-
-    ``park`` replaces them with meta placeholders and installs the state_dict hooks; ``read_back``
-    gets the originals without changing anything, ``put_back`` puts them in place bit-exactly and
-    removes the hooks. In between, :class:`TimeEmbedderLoan` lends the time embedder's real weights
-    to a build, ``standing_in`` lends zero-stride stand-ins
-    on the model's device to a LoRA load, ``at_model_residue`` aligns a weight from the source
-    like the model's own, and ``moved_to`` records that the model now keeps its weights elsewhere.
-    """
+    """The parameters parked off one model, and everything needed to bring them back: ``park``, then
+    ``read_back`` (nothing changes yet) and ``put_back``."""
 
     def __init__(self) -> None:
         self.parked: list[ParkedParam] = []
@@ -112,8 +82,6 @@ class WeightParking:
         #: Puts back what a quantization library kept on each parked module (:func:`hand_state_to_weight`).
         self._library_undos: list[Callable[[], None]] = []
 
-    # ------------------------------------------------------------------ park and restore
-
     def park(
         self,
         targets: Sequence[ParkTarget],
@@ -123,15 +91,10 @@ class WeightParking:
         never_loaded: Mapping[str, int] | None = None,
         device: torch.device | None = None,
     ) -> None:
-        """Replace the weight and bias of every target by meta placeholders.
-
-        ``host_tensors`` (the source's host copies of the model's own projections) are kept to
-        restore from; without them the projections are read back from ``source``, whose contents
-        enabling verified equal to the model's. ``never_loaded`` (for a model whose served tensors
-        were never loaded: they are meta already) maps each such parameter's path to the address
-        residue a stock load would have given it, and ``device`` is where the model keeps its
-        weights; those parameters are read from ``source`` whenever they are needed.
-        """
+        """Replace the weight and bias of every target by meta placeholders. ``host_tensors``: host copies of the
+        model's own projections to restore from (without them, ``source``, verified equal when enabling).
+        ``never_loaded``: for a model whose served tensors are meta already, each one's path -> the residue a stock load
+        would have given it; ``device``: where the model keeps its weights."""
         self._source = source
         for target in targets:
             base, layer = target.module, target.layer
@@ -142,7 +105,6 @@ class WeightParking:
                 if param is None:
                     continue
                 original: torch.Tensor | None
-                key: str | None = None
                 where = param.device
                 if param.device.type == "meta":
                     if never_loaded is None or device is None:
@@ -165,30 +127,19 @@ class WeightParking:
                     # A quantized tensor: the object as it is (torchao refuses copy=); it has no
                     # address to reproduce.
                     original, residue = param.to("cpu"), 0
-                if original is None:
-                    key = source_key(source, target.path, layer, name)
+                key = source_key(source, target.path, layer, name) if original is None else None
                 if layer is not None:
                     self._residues[(layer, name)] = residue
                 # Built from shape and dtype: empty_like of a quantized tensor subclass is not implemented.
                 meta = torch.empty(tuple(param.shape), dtype=param.dtype, device="meta")
                 placeholder = nn.Parameter(meta, requires_grad=param.requires_grad)
                 self.parked.append(
-                    ParkedParam(
-                        module=base,
-                        name=name,
-                        placeholder=placeholder,
-                        original=original,
-                        device=where,
-                        residue=residue,
-                        requires_grad=param.requires_grad,
-                        layer=layer,
-                        key=key,
-                    )
+                    ParkedParam(base, name, placeholder, original, where, residue, param.requires_grad, layer, key)
                 )
                 if layer is None:
                     self.time_embedder_parked = True
                 del base._parameters[name]
-                base.__dict__[name] = placeholder  # an attribute, not a parameter: see the module docstring
+                base.__dict__[name] = placeholder  # an attribute, not a parameter (module docstring)
                 marker = base._buffers.get(DTYPE_MARKER)
                 if marker is None or (not marker.is_floating_point() and placeholder.is_floating_point()):
                     # The first floating-point placeholder's dtype, as get_parameter_dtype picks it
@@ -199,13 +150,10 @@ class WeightParking:
             self._hook_handles.append(base.register_load_state_dict_pre_hook(_as_function(self._load_state_dict_hook)))
 
     def read_back(self, held: str | None = None) -> list[tuple[ParkedParam, nn.Parameter]]:
-        """Every parked parameter's real tensor, on its device at its residue, without touching the model.
-
-        Source-backed projections are read back in one streaming pass, hashed and checked against
-        ``held`` (the content digest held for the source; ``None``: not checked): a mismatch raises
-        ``CheckpointError`` after the last layer, before anything is put back. Freed ones (a source
-        without weights: table files only) keep their meta placeholders.
-        """
+        """Every parked parameter's real tensor, on its device at its residue, without touching the model. Source-backed
+        projections are read in one pass checked against ``held`` (the content digest; ``None``: not checked): a
+        mismatch raises ``CheckpointError`` before anything is put back. Freed ones (table files only) keep their meta
+        placeholders."""
         freed = self.freed
         reread: dict[tuple[Layer, str], torch.Tensor] = {}
         # In the order they were parked: the spec's pass order (layers may be module paths).
@@ -264,8 +212,7 @@ class WeightParking:
         self.time_embedder_parked = False
 
     def placeholders(self, module: nn.Module) -> dict[str, nn.Parameter]:
-        """The placeholders parked on ``module``, by parameter name (a loan moves them aside for a
-        build; these records do not move, so a signature read meanwhile still sees them)."""
+        """The placeholders parked on ``module``, by name (these records stay while a loan moves them aside)."""
         return {p.name: p.placeholder for p in self.parked if p.module is module}
 
     @property
@@ -284,20 +231,12 @@ class WeightParking:
         for parked in self.parked:
             parked.device = device
 
-    # ------------------------------------------------------------------ lending
-
     def at_model_residue(self, layer: Layer, name: str, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """``tensor``, or an aligned copy of it when the model holds it elsewhere modulo 64 bytes on ``device``.
-
-        A checkpoint maps its tensors at the file's offsets, which need not be where the resident
-        model kept them (say a model built in memory and served from its ``save_pretrained`` file),
-        so an fp32 or fp16 weight on CPU is copied to the model's residue. bf16 showed no such effect
-        at any M and is used as it is (no copy of the whole projection stack per pass).
-        ``device`` is where the forward runs: a model run on an indexed CPU device (``"cpu:0"``,
-        accelerate's model offload with ``device="cpu"``) is moved there with ``.to()``, which copies
-        every CPU tensor to a fresh, 64-byte-aligned allocation, so that is where it holds them then
-        (the time embedder's loan is such a ``.to()`` too).
-        """
+        """``tensor``, or an aligned copy of it when the model holds it elsewhere modulo 64 bytes on ``device``. A
+        checkpoint's tensors sit at the file's offsets, not necessarily the resident model's, so an fp32 or fp16 CPU
+        weight is copied to the model's residue (bf16 showed no such effect and is used as it is). ``device`` is where
+        the forward runs: on an indexed CPU device (``"cpu:0"``) the model was moved there with ``.to()``, which copies
+        to fresh 64-byte-aligned allocations."""
         if tensor.device.type != "cpu" or tensor.dtype not in (torch.float32, torch.float16):
             return tensor
         if not is_plain_tensor(tensor):
@@ -313,12 +252,8 @@ class WeightParking:
 
     @contextlib.contextmanager
     def standing_in(self) -> Iterator[None]:
-        """Zero-stride stand-ins on each parked parameter's device, and a state_dict of keys only.
-
-        A LoRA loader moves a new adapter to its base layer's device and only reads the
-        state_dict's keys: with meta bases the adapter would land on meta, weights lost, and
-        materialising the real weights for it would cost a read of every projection.
-        """
+        """Zero-stride stand-ins on each parked parameter's device, and a state_dict of keys only: a LoRA
+        loader puts a new adapter on its base layer's device (meta would lose it) and reads only keys."""
         swaps: dict[nn.Module, dict[str, torch.Tensor]] = {}
         for parked in self.parked:
             stand_in = torch.zeros((), dtype=parked.placeholder.dtype, device=parked.device).expand(
@@ -333,8 +268,6 @@ class WeightParking:
                 yield
         finally:
             self._keys_only = False
-
-    # ------------------------------------------------------------------ reading back
 
     def _read_by_key(self, parked: ParkedParam) -> torch.Tensor:
         """A never-loaded time-embedder tensor, read from the source now at the model's dtype and residue."""
@@ -360,8 +293,6 @@ class WeightParking:
         view = mapped.tensor(parked.key, prefetch=False)
         return view if view.dtype == parked.placeholder.dtype else view.to(parked.placeholder.dtype)
 
-    # ------------------------------------------------------------------ state_dict hooks
-
     def _entry(self, module: nn.Module, name: str) -> ParkedParam | None:
         for parked in self.parked:
             if parked.module is module and parked.name == name:
@@ -379,11 +310,8 @@ class WeightParking:
         return self._lazy_view(parked)
 
     def _state_dict_hook(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
-        """Put the real weights into ``state_dict`` so save_pretrained never writes a model without them.
-
-        A parked tensor is not registered, so its key is added here, weight before bias as
-        ``nn.Linear`` registers them (the order of a stock state dict).
-        """
+        """Put the real weights into ``state_dict`` (weight before bias, a stock state dict's order) so
+        save_pretrained never writes a model without them."""
         if self._keys_only:
             return  # a LoRA loader only reads the keys
         for name in ("weight", "bias"):
@@ -410,24 +338,20 @@ class WeightParking:
                 )
 
 
-class TimeEmbedderLoan:
-    """The time embedder's real weights, lent to one build on first use and taken back after.
-
-    The build's ``embed`` runs the time embedder's own forward; taking the weights lazily means a
-    build that hits every plan costs no copy. Parked weights come from their host copy or the
-    source; weights the model keeps on another device than the build's (``linears``: the time
-    embedder's base linears; group offloading keeps them on its offload device) are lent as copies.
-    """
+class TimeEmbedderLoan(contextlib.ExitStack):
+    """The time embedder's real weights, lent to one build on first use (a build that hits every plan
+    copies nothing) and taken back after. ``linears``: the time embedder's base linears, whose weights
+    are lent as copies when kept on another device than the build's (group offloading)."""
 
     def __init__(self, parking: WeightParking, device: torch.device, linears: Sequence[nn.Module] = ()) -> None:
+        super().__init__()
         self._parking = parking
         self._device = device
         self._linears = list(linears)
-        self._stack = contextlib.ExitStack()
         self._taken = False
 
     def take(self) -> None:
-        """Put real weights on the build's device (once per loan); a no-op when they are there already."""
+        """Put real weights on the build's device (once per loan)."""
         if self._taken:
             return
         swaps: dict[nn.Module, dict[str, torch.Tensor]] = {}
@@ -443,14 +367,6 @@ class TimeEmbedderLoan:
                     if param.device != self._device:
                         swaps.setdefault(module, {})[name] = param.detach().to(self._device)
         for module, tensors in swaps.items():
-            self._stack.enter_context(swapped_parameters(module, tensors))
-            self._stack.enter_context(state_kept_by_weight(module))
+            self.enter_context(swapped_parameters(module, tensors))
+            self.enter_context(state_kept_by_weight(module))
         self._taken = True
-
-    def __enter__(self) -> TimeEmbedderLoan:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
-    ) -> None:
-        self._stack.close()

@@ -1,33 +1,10 @@
 """Projections stored in another format than the one they compute in: quantized or layerwise-cast weights.
 
-torchao, optimum-quanto, GGUF and bitsandbytes keep a projection's weight as a tensor subclass or
-a packed byte tensor; diffusers' layerwise casting keeps it in a storage dtype (fp8) and casts it
-to the compute dtype around each forward. In every case the cache cannot read the weight as a
-matrix, and must not: the resident projection's bits are whatever the module's own forward
-computes from those tensors. So for such a model:
-
-- the tables are projected through the module's own forward, from the model's own tensors (the
-  very objects, parked off the accelerator), exactly like the resident forward;
-- the cache's slab dtype is what the projection *returns* (:func:`output_dtype`), not the
-  weight's storage dtype;
-- the weight source (a :class:`~adalncache.TensorSource` given their logical shapes) never
-  copies, slices or compares the tensors, and fingerprints them by identity;
-- a ``checkpoint=`` cannot hold those projections (it holds the unquantized ones), so it is
-  refused unless the user asks on purpose for full-precision tables from it
-  (``quantized_projections="checkpoint"``), which are then a plain ``F.linear`` of the
-  checkpoint's weights: the model with its AdaLN projections unquantized and everything else as
-  loaded.
-
-Detection looks at the classes of the module and of its weight (``model.hf_quantizer`` is unset
-after a manual ``quantize_``) and never imports a quantization library itself.
-
-Layerwise casting applied *after* enabling would only reach the meta placeholders while the tables
-keep the uncast weights, a silent difference. ``model.enable_layerwise_casting(...)`` is therefore
-guarded (disable, cast the restored weights, enable again, :func:`casting_guard`); the free function
-``diffusers.hooks.apply_layerwise_casting(model, ...)`` cannot be guarded, so a casting hook that
-appears on a served module is refused at the next forward or prepare (:func:`new_casting`), and
-``disable()`` then casts the restored weights the way the hook would have at registration
-(:func:`settle_casting`), so the model is the cast model.
+The cache cannot read such a weight as a matrix, and must not: the resident bits are whatever the module's
+own forward computes from its tensors, so the tables are projected through that forward and the slab holds
+what it returns (:func:`output_dtype`). Detection looks at the classes of the module and of its weight and
+never imports a quantization library. The user's view: docs/diffusers.md (Quantized AdaLN projections,
+Layerwise casting).
 """
 
 from __future__ import annotations
@@ -35,7 +12,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 from torch import nn
@@ -56,26 +33,20 @@ _LIBRARIES = (
 )
 
 
-def is_plain_tensor(tensor: Any) -> bool:
+def is_plain_tensor(tensor: Any) -> TypeGuard[torch.Tensor]:
     """A ``torch.Tensor`` or ``nn.Parameter`` itself, not a subclass holding quantized data."""
     return type(tensor) in (torch.Tensor, nn.Parameter)
 
 
 def _library(cls: type) -> str | None:
     module = cls.__module__ or ""
-    for prefix, name in _LIBRARIES:
-        if module == prefix or module.startswith(prefix + "."):
-            return name
-    return None
+    return next((name for prefix, name in _LIBRARIES if module == prefix or module.startswith(prefix + ".")), None)
 
 
 def quantization_of(module: nn.Module) -> str | None:
-    """Which library quantized this projection (``"torchao"``, ``"gguf"``...), or None for a plain one.
-
-    The module's own class decides first (optimum-quanto's ``QLinear`` quantizes a plain weight
-    inside its forward when not frozen), then the weight's. Any other tensor subclass counts as
-    quantized too: the cache cannot tell what its forward computes from it.
-    """
+    """Which library quantized this projection (``"torchao"``, ``"gguf"``...), or None for a plain one. The module's
+    class decides first (optimum-quanto's ``QLinear`` quantizes a plain weight in its forward when not frozen), then the
+    weight's; any other tensor subclass counts as quantized too."""
     base = base_linear(module)
     name = _library(type(base))
     if name is not None:
@@ -89,11 +60,8 @@ def quantization_of(module: nn.Module) -> str | None:
 
 @dataclass(frozen=True)
 class ProjectionStorage:
-    """How a model's AdaLN projections store their weights.
-
-    ``quantized``: the libraries that quantized them (empty for plain weights); ``cast``: the
-    paths of the projections diffusers' layerwise casting keeps in a storage dtype.
-    """
+    """How a model's AdaLN projections store their weights: the libraries that quantized them, and the
+    paths of those layerwise casting keeps in a storage dtype."""
 
     quantized: tuple[str, ...] = ()
     cast: tuple[str, ...] = ()
@@ -104,11 +72,8 @@ class ProjectionStorage:
         return bool(self.quantized or self.cast)
 
     def describe(self) -> str:
-        parts = []
-        if self.quantized:
-            parts.append(f"quantized ({', '.join(self.quantized)})")
-        if self.cast:
-            parts.append("stored in another dtype by layerwise casting")
+        parts = [f"quantized ({', '.join(self.quantized)})"] if self.quantized else []
+        parts += ["stored in another dtype by layerwise casting"] if self.cast else []
         return " and ".join(parts) or "plain"
 
 
@@ -120,20 +85,14 @@ def storage_of(modules: Sequence[tuple[Layer, Any]], path: Callable[[Layer], str
 
 
 def output_dtype(module: nn.Module, model: nn.Module) -> torch.dtype:
-    """The dtype this projection returns: what the cache's slab must hold to serve it unchanged.
-
-    Under layerwise casting, the compute dtype; for a floating-point weight (torchao and
-    optimum-quanto report the logical dtype), that dtype; otherwise (GGUF, bitsandbytes: packed
-    bytes) the dtype of one forward of a zero row, which is what the module's own code decides.
-    The row is in the module's floating-point dtype (its bias's: MiniMax-H3's forward casts its
-    input to it), or, for a module without one (AuraFlow's projections have no bias), the model's:
-    a packed weight's dtype is no input dtype, and bitsandbytes returns its input's.
-    """
+    """The dtype this projection returns: what the cache's slab must hold to serve it unchanged. Under layerwise
+    casting, the compute dtype; for a floating-point weight (torchao and optimum-quanto report the logical one), that
+    dtype; for packed bytes (GGUF, bitsandbytes) that of one forward of a zero row in the bias's dtype (the forward
+    casts its input to it), or the model's for a projection without a bias (bitsandbytes returns its input's dtype)."""
     from diffusers.models.modeling_utils import get_parameter_dtype
 
-    hook = casting_hook(module)
-    if hook is not None:
-        compute: torch.dtype = hook.compute_dtype
+    compute = casting_compute_dtype(module)
+    if compute is not None:
         return compute
     base: Any = base_linear(module)
     weight = base._parameters.get("weight")
@@ -152,12 +111,8 @@ def output_dtype(module: nn.Module, model: nn.Module) -> torch.dtype:
 
 
 def transformer_spec(model: nn.Module) -> ModulationSpec:
-    """The model's :class:`~adalncache.ModulationSpec`, its dtype what the projections return.
-
-    Plain weights give their own dtype (as ``ModulationSpec.from_transformer`` reads it); quantized
-    or layerwise-cast ones the dtype their forward returns, which must be one for all of them
-    (one slab serves every projection).
-    """
+    """The model's :class:`~adalncache.ModulationSpec`, its dtype what the projections return (one for all:
+    one slab serves every projection)."""
     from diffusers.models.modeling_utils import get_parameter_dtype
 
     family = family_of(model)
@@ -193,23 +148,16 @@ def transformer_spec(model: nn.Module) -> ModulationSpec:
 
 
 #: Where bitsandbytes keeps a weight's quantized data on the module rather than on the parameter:
-#: ``(holder on the module, attribute, the parameter's attribute the forward takes it from)``.
-#: ``Linear8bitLt``'s first forward moves the int8 weight and its row scales from ``weight.CB`` /
-#: ``weight.SCB`` to ``module.state``; ``Linear4bit`` may keep the ``quant_state`` on the module
-#: (its forward copies it to a parameter that lost it).
+#: ``(holder on the module, attribute, the parameter's attribute)``. ``Linear8bitLt``'s first forward
+#: moves ``weight.CB`` / ``weight.SCB`` to ``module.state``; ``Linear4bit`` may keep ``quant_state``.
 _HELD_BY_MODULE = (("state", "CB", "CB"), ("state", "SCB", "SCB"), ("", "quant_state", "quant_state"))
 
 
 def hand_state_to_weight(base: nn.Module, weight: Any) -> Callable[[], None]:
-    """Move what bitsandbytes keeps of ``weight`` on ``base`` itself onto ``weight``; returns the undo.
-
-    Parking the parameter alone would leave the module holding the weight's bytes (an 8-bit
-    module's ``state.CB`` *is* its int8 weight after one forward). On the parameter, where the
-    library looks first (as before a first forward), the parked object carries everything its
-    forward needs and the module holds nothing. A forward of the parked object moves them to the
-    module again, so a build calls this after each one (:func:`state_kept_by_weight`). The undo puts
-    every attribute back as it was, the same objects: ``disable()`` gives back the module as it was.
-    """
+    """Move what bitsandbytes keeps of ``weight`` on ``base`` itself onto ``weight``; returns the undo. Parking the
+    parameter alone would leave the module holding the weight's bytes (an 8-bit module's ``state.CB`` *is* its int8
+    weight after one forward); on the parameter, where the library looks first, the parked object carries everything its
+    forward needs. The undo puts the same objects back."""
     if _library(type(base)) != "bitsandbytes" or weight is None:
         return lambda: None
     saved: list[tuple[Any, str, Any]] = []
@@ -233,8 +181,8 @@ def hand_state_to_weight(base: nn.Module, weight: Any) -> Callable[[], None]:
 
 @contextlib.contextmanager
 def state_kept_by_weight(base: nn.Module) -> Iterator[None]:
-    """Around a forward of a parked projection's own tensors: what the forward leaves on the module
-    (bitsandbytes' 8-bit ``state``) goes back to the parameter it came from (:func:`hand_state_to_weight`)."""
+    """Around a forward of a parked projection's own tensors: what it leaves on the module goes back to the
+    parameter (:func:`hand_state_to_weight`)."""
     weight = base._parameters.get("weight")
     try:
         yield
@@ -243,24 +191,17 @@ def state_kept_by_weight(base: nn.Module) -> Iterator[None]:
 
 
 def fresh_alias(tensor: torch.Tensor) -> torch.Tensor:
-    """A new tensor object over the same storage (plain tensors), or the tensor itself (subclasses).
-
-    Swapped into a module for one projection: diffusers' layerwise casting rebinds ``.data`` of
-    whatever sits in ``_parameters`` around the forward, and must not rebind the source's own
-    tensors (their fingerprint would change at every build). A quantized subclass is passed as it
-    is: bitsandbytes keeps its quantization state as attributes of the very object.
-    """
+    """A new tensor object over the same storage (plain tensors), or the tensor itself (subclasses: bitsandbytes
+    keeps its state on the very object). Layerwise casting rebinds ``.data`` of what sits in ``_parameters``,
+    and must not rebind the source's own tensors (their fingerprint would change at every build)."""
     return tensor.detach() if is_plain_tensor(tensor) else tensor
 
 
 def own_tensors(
     modules: Sequence[tuple[Layer, Any]], device: torch.device, path: Callable[[Layer], str] = str
 ) -> HostTensors:
-    """The projections' own tensors by ``(layer, name)``, on the host.
-
-    On CPU the very objects; elsewhere host copies (``.to("cpu")``: torchao refuses ``copy=``).
-    Quantized tensors are never detached: bitsandbytes would lose the state its forward needs.
-    """
+    """The projections' own tensors by ``(layer, name)``, on the host: on CPU the very objects, elsewhere
+    ``.to("cpu")`` copies (torchao refuses ``copy=``); quantized ones never detached (bitsandbytes' state)."""
     host: HostTensors = {}
     for layer, module in modules:
         base = base_linear(module)
@@ -282,13 +223,8 @@ def own_tensors(
 def opaque_model_source(
     spec: ModulationSpec, modules: Sequence[tuple[Layer, Any]], device: torch.device
 ) -> tuple[TensorSource, HostTensors]:
-    """The model's own quantized or cast projections as a source, and the host tensors it holds.
-
-    A :class:`~adalncache.TensorSource` told each tensor's logical shape (the module's
-    ``out_features`` and ``in_features``, whatever the weight's storage shape): it never reads them
-    as matrices, never slices them, and fingerprints them by identity; the tables come from the
-    modules' own forwards.
-    """
+    """The model's own quantized or cast projections as a source (told each tensor's logical shape: it never
+    reads them as matrices, and fingerprints them by identity), and the host tensors it holds."""
     layout = diffusers_layout(spec)
     host = own_tensors(modules, device, layout.prefix)
     tensors: dict[str, torch.Tensor] = {}
@@ -305,11 +241,8 @@ def opaque_model_source(
 
 
 def full_precision_variant(model: Any) -> tuple[Any, ...]:
-    """What full-precision tables of quantized projections are built under, besides the checkpoint.
-
-    Their input comes from this model's time embedder, which may be quantized or cast too: store
-    entries (bound to the checkpoint) must not be shared with a model whose embedder is not.
-    """
+    """What full-precision tables of quantized projections are built under, besides the checkpoint: their
+    input comes from this model's time embedder, which may be quantized or cast too."""
     embedder = tuple(
         (path, quantization_of(linear), casting_hook(linear) is not None)
         for path, linear in family_of(model).time_embedder_linears(model)
@@ -387,18 +320,12 @@ def check_storage_options(
         )
 
 
-# -- layerwise casting applied while enabled (module docstring) --------------------------------------
-
-
-def casting_compute_dtype(module: Any) -> Any:
-    """The compute dtype of the casting hook on ``module``'s linear, or None.
-
-    A rebuild pass runs the projection beneath every hook (:func:`~.modules.bypassing_hooks`), so
-    it applies the cast itself: the hook's pre-forward is ``module.to(dtype=compute_dtype)``, the
-    same ``Tensor.to`` of each parameter.
-    """
+def casting_compute_dtype(module: Any) -> torch.dtype | None:
+    """The compute dtype of the casting hook on ``module``'s linear, or None (a pass beneath the hooks casts
+    each parameter itself, as the hook's ``module.to(dtype=compute_dtype)`` would)."""
     hook = casting_hook(module)
-    return hook.compute_dtype if hook is not None else None
+    compute: torch.dtype | None = hook.compute_dtype if hook is not None else None
+    return compute
 
 
 def casting_paths(named: Sequence[tuple[str, Any]]) -> frozenset[str]:
@@ -419,11 +346,8 @@ def new_casting(named: Sequence[tuple[str, Any]], at_enable: frozenset[str]) -> 
 
 
 def settle_casting(named: Sequence[tuple[str, Any]], at_enable: frozenset[str]) -> None:
-    """Cast restored weights the way a casting hook added while enabled would have cast them.
-
-    The hook casts its module to the storage dtype when it is registered; registered on a
-    placeholder, that cast reached nothing real.
-    """
+    """Cast restored weights the way a casting hook added while enabled would have cast them at registration
+    (registered on a placeholder, that cast reached nothing real)."""
     for path, module in named:
         if path in at_enable:
             continue
@@ -435,10 +359,8 @@ def settle_casting(named: Sequence[tuple[str, Any]], at_enable: frozenset[str]) 
 def casting_guard(
     model: Any, *, disable: Callable[[], None], enable_again: Callable[[], None]
 ) -> dict[str, Callable[..., Any]]:
-    """An instance override of ``enable_layerwise_casting``: disable, cast the real weights, enable again.
-
-    Cast while served, only the placeholders would change; the tables would keep the uncast weights.
-    """
+    """An instance override of ``enable_layerwise_casting``: disable, cast the real weights, enable again
+    (cast while served, only the placeholders would change)."""
     cls: Any = type(model)
 
     def enable_layerwise_casting(*args: Any, **kwargs: Any) -> Any:

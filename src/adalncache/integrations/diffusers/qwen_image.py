@@ -1,22 +1,10 @@
 """What is Qwen-Image's in the integration: its :class:`~.family.DiffusersFamily` (:data:`FAMILY`).
 
-``QwenImageTransformer2DModel.forward`` (diffusers 0.42.1) does, in this order:
-
-1. ``timestep = timestep.to(hidden_states.dtype)`` (``hidden_states`` after ``img_in``: the model's
-   compute dtype), then with ``zero_cond_t`` ``timestep = cat([timestep, timestep * 0])``;
-2. ``temb = time_text_embed(timestep, hidden_states, additional_t_cond)``: ``time_proj`` (in the
-   timestep's dtype), the timestep embedder at ``hidden_states``' dtype, plus
-   ``addition_t_embedding(additional_t_cond)`` when ``use_additional_t_cond``;
-3. each block: ``img_mod(temb)`` (``SiLU`` in the model dtype, then ``Linear(dim, 6 * dim)``) on all
-   rows, ``txt_mod`` on the first half of the rows with ``zero_cond_t`` (all of them otherwise);
-4. ``norm_out.linear(silu(temb).to(x.dtype))`` on the same rows as ``txt_mod``.
-
-So a forward's plan is its timestep *as the forward sees it*: cast to the compute dtype (its fp32
-value is exact: in bf16 serving the plan's bits are bf16 values), doubled with ``zero_cond_t``,
-with the ``additional_t_cond`` index as a second column for the Layered variant. :meth:`QwenImage.embed`
-computes the inputs from that plan with the model's own ``time_text_embed``: ``silu(temb)`` for
-``img_mod`` (every plan row) and ``silu(temb[:B])`` for the others (the first half with
-``zero_cond_t``), each projected at its own row count.
+``QwenImageTransformer2DModel.forward`` (diffusers 0.42.1) casts ``timestep`` to ``img_in``'s output dtype,
+doubles it to ``[t; 0]`` with ``zero_cond_t``, and runs ``img_mod`` on every row of ``temb``, ``txt_mod``
+and ``norm_out`` on the first half. So a plan is the timestep *as the forward sees it* (with Layered's
+``additional_t_cond`` index as a second column), and each input is projected at its own row count.
+See docs/diffusers.md (Qwen-Image).
 """
 
 from __future__ import annotations
@@ -35,13 +23,10 @@ from ...geometry import TIMESTEP
 from ...spec import Layer, ModulationSpec
 from .family import (
     DiffusersFamily,
-    bypassing_hooks,
-    cast_as_layerwise,
-    device_of,
-    execution_device,
+    embedding_beneath_hooks,
     forward_argument,
+    input_dtype,
     register,
-    stock_dtype,
     timestep_argument,
 )
 from .request import pipeline_class
@@ -66,8 +51,6 @@ class QwenImage(DiffusersFamily):
         timestep = args[0] if args else kwargs["timestep"]
         hidden_states = args[1] if len(args) > 1 else kwargs.get("hidden_states")
         return int(timestep.shape[0]), getattr(hidden_states, "dtype", None)
-
-    # -- plans ---------------------------------------------------------------------------------------
 
     def forward_plan(self, module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> torch.Tensor:
         """The forward's timestep as it sees it (cast, doubled with ``zero_cond_t``), with its index column."""
@@ -95,11 +78,8 @@ class QwenImage(DiffusersFamily):
     def schedule_plans(
         self, model: nn.Module, timesteps: torch.Tensor, args: tuple[Any, ...], kwargs: Mapping[str, Any]
     ) -> list[Any] | None:
-        """The Qwen-Image pipelines' ``t.expand(batch).to(latents.dtype) / 1000`` for every scheduler timestep.
-
-        Computed with the same operations in the same dtype as the pipeline, so the bits are the
-        forward's; ``None`` when this forward's timestep is none of them (a pipeline with another formula).
-        """
+        """The Qwen-Image pipelines' ``t.expand(batch).to(latents.dtype) / 1000`` for every scheduler timestep,
+        computed as the pipeline does (the forward's bits); ``None`` when this forward's timestep is none of them."""
         timestep = timestep_argument(model, args, kwargs)
         if timestep.dim() != 1 or not timestep.is_floating_point():
             return None
@@ -115,12 +95,8 @@ class QwenImage(DiffusersFamily):
     def predict_schedule(
         self, model: nn.Module, pipeline: Any, call: Mapping[str, Any], component: str
     ) -> list[Any] | None:
-        """``QwenImagePipeline``'s schedule from its call's arguments (:func:`predicted_timesteps`).
-
-        Its text-to-image call only: the Edit pipelines size the latents from the input image, the
-        Layered one from its own resolution buckets, and a subclass may compute its own way (their
-        passes start at the first forward, as without a prediction).
-        """
+        """``QwenImagePipeline``'s schedule from its call's arguments: its text-to-image call only (the Edit
+        and Layered pipelines size the latents their own way; their passes start at the first forward)."""
         from diffusers import QwenImagePipeline
 
         config: Any = model.config
@@ -139,29 +115,24 @@ class QwenImage(DiffusersFamily):
     ) -> torch.Tensor:
         """The plan of a forward run on ``device`` with ``timestep`` and ``additional_t_cond``: float32, exact."""
         config = model.config
-        dtype = compute_dtype(model, device)
+        dtype = input_dtype(model, model.img_in, device)
         return forward_plan_of(
             dtype, bool(config.zero_cond_t), bool(config.use_additional_t_cond), timestep, additional
         )
-
-    # -- the input -------------------------------------------------------------------------------------
 
     def embed(
         self, model: Any, spec: ModulationSpec, plan: torch.Tensor, device: torch.device
     ) -> torch.Tensor | Mapping[str, torch.Tensor]:
         """``silu(temb)`` from the model's own ``time_text_embed``, as the forward computes it (module docstring)."""
-        dtype = compute_dtype(model, device)
+        dtype = input_dtype(model, model.img_in, device)
         plan = plan.to(device)
         timestep = (plan[:, 0] if plan.dim() == 2 else plan).to(dtype)
         additional = plan[:, 1].to(torch.long) if plan.dim() == 2 else None
         module = model.get_submodule(self.time_embedder)
         # Only the dtype of hidden_states is read by time_text_embed.
         hidden = torch.empty(0, dtype=dtype, device=device)
-        # Beneath every hook (ours stands in for it), casting as a layerwise-casting hook would.
-        with bypassing_hooks(module.modules()), cast_as_layerwise(module.modules()):
+        with embedding_beneath_hooks(module.modules()):
             temb = module(timestep, hidden, additional)
-        # Under autocast temb is in the autocast dtype; the projection's own autocast casts the
-        # input back down, so the cast up to the weights' dtype (a no-op otherwise) is exact.
         if not model.config.zero_cond_t:
             return F.silu(temb).to(spec.dtype)
         first = temb.chunk(2, dim=0)[0]
@@ -169,13 +140,8 @@ class QwenImage(DiffusersFamily):
 
 
 def predicted_timesteps(pipeline: Any, call: Mapping[str, Any]) -> torch.Tensor:
-    """The scheduler timesteps ``QwenImagePipeline.__call__`` will set for ``call`` (its arguments by name).
-
-    :func:`pipeline_timesteps` with the call's own values, on a fresh scheduler of the pipeline's
-    class and config (the pipeline's is not touched): the default size ``default_sample_size *
-    vae_scale_factor``, the call's ``sigmas``, the packed latents' length (the given ``latents``'
-    own), on the execution device.
-    """
+    """The scheduler timesteps ``QwenImagePipeline.__call__`` will set for ``call``: :func:`pipeline_timesteps`
+    with the call's values, on a fresh scheduler of the pipeline's class and config (its own is untouched)."""
     scale = pipeline.vae_scale_factor
     height = int(call["height"] or pipeline.default_sample_size * scale)
     width = int(call["width"] or pipeline.default_sample_size * scale)
@@ -217,21 +183,7 @@ def _call_batch_and_dtype(pipeline: Any, call: Mapping[str, Any]) -> tuple[int |
     return batch, dtype
 
 
-def compute_dtype(model: Any, device: torch.device | None = None) -> torch.dtype:
-    """The dtype of ``hidden_states`` after ``img_in``: what the forward casts the timestep to.
-
-    The linear's own dtype, or the autocast dtype where autocast is on for the device the forward
-    runs on (``device``; by default where the model runs), since the linear then returns that.
-    """
-    if device is None:
-        device = execution_device(model) or device_of(model)
-    device_type = device.type
-    if torch.is_autocast_enabled(device_type):
-        return torch.get_autocast_dtype(device_type)
-    return stock_dtype(model.img_in)
-
-
 #: The one instance the registry serves Qwen-Image models with.
 FAMILY = register(QwenImage())
 
-__all__ = ["FAMILY", "QwenImage", "compute_dtype"]
+__all__ = ["FAMILY", "QwenImage"]

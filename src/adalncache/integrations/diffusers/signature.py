@@ -1,42 +1,7 @@
-"""What the tables are keyed by besides the projection weights (their *variant*), read as the model is now;
-and the guards around what would change it behind the cache's back.
-
-A row is the projection of ``silu(temb)``, so it depends on the projections' weights (the source's
-fingerprint and content digest), on everything that reshapes the projection (peft adapters: which
-are active, disabled or merged, their scaling with ``set_adapters`` weights and
-``attention_kwargs["scale"]``, their tensors), and on every **upstream module** the family declares
-(:meth:`~.family.DiffusersFamily.upstream_modules`: the time embedder, addition, guidance and
-second-timestep embeddings) with the adapters on them. The variant names all of that: each tensor by
-its identity and in-place version counter (``_version``: a state-dict load, an optimizer step, a
-``mul_`` under ``no_grad`` all move it), never a hash per forward. When the variant a request or a
-forward reads differs from the one the resident tables were built under, the cache drops them and
-rebuilds through the modules' own forwards (``variant_changes``).
-
-Two details keep that exact and cheap:
-
-* Upstream tensors enter the variant only once they differ from what they were when the cache was
-  enabled: an untouched model keeps the variant ``None``, so its tables stay bound to the content
-  digest alone (a store shared between processes, table files). A changed state is named with a
-  token of this process, so a store never serves it to another process whose tensors happen to have
-  the same ids. A data pointer is not part of it: offloading moves the data of the same tensor object
-  at every forward; ``param.data = ...`` and writes through ``.data`` are not seen (call
-  ``handle.cache.invalidate()`` after them).
-* A change that no rebuild can follow is refused with a ConfigError naming the tensor: a write to a
-  parked placeholder (the real weights were freed when enabling; ``free_time_embedder=False`` keeps
-  them on the model; a state-dict load into one is refused by the parking's own hook), or any
-  upstream change of a model served from table files with no weights.
-
-A hotswap in place (``load_lora_adapter(..., hotswap=True)``) copies the new adapter into the old
-tensors through ``.data`` (same objects, versions and scaling): the loader guard counts it, and the
-count is part of the variant. Fusing an adapter rewrites the base weight, which the cache no longer
-holds on the device, so ``fuse_lora``/``unfuse_lora`` are refused while enabled; ``load_lora_adapter``
-and ``add_adapter`` run with device-resident stand-ins for the parked weights so the adapter lands
-where the model runs. An adapter injected another way onto a placeholder holds no data: refused.
-
-Reading the variant under an ``attention_kwargs["scale"]`` other than 1 scales the adapters for a
-moment, which a build on another thread must not see: that case (a hook move too) takes the
-handle's lock; with adapters present a read at scale 1 takes it as well (a build under another scale
-changes the shared ``scaling`` while it runs); a model without adapters is read without it.
+"""What the tables are keyed by besides the projection weights (their *variant*), read as the model is now,
+and the guards around what would change it behind the cache's back: what it covers, what is refused, what
+is not seen, and when a read takes the handle's lock, docs/diffusers.md (LoRA; Threads). Tensors are named
+by identity and in-place version counter; upstream ones only once they differ from enabling.
 """
 
 from __future__ import annotations
@@ -57,7 +22,7 @@ from ...spec import ModulationSpec
 from .family import DiffusersFamily
 from .hooks import ServingHooks
 from .parking import DTYPE_MARKER, WeightParking
-from .quantized import new_casting
+from .quantized import is_plain_tensor, new_casting
 
 #: ``(module path, peft tuner module)`` pairs.
 Tuners = Sequence[tuple[str, Any]]
@@ -65,7 +30,7 @@ Tuners = Sequence[tuple[str, Any]]
 #: The variant of the resident tables (``None``: no adapter, upstream modules as enabled).
 Variant = tuple[Any, ...] | None
 
-#: Names a changed upstream state in this process only (module docstring).
+#: Names a changed upstream state in this process only: another process may hold tensors of the same ids.
 _PROCESS = uuid.uuid4().hex
 
 _TUNER_LAYER: list[type] = []
@@ -102,12 +67,9 @@ def lora_scale_of(attention_kwargs: Mapping[str, Any] | None) -> float:
 
 @contextlib.contextmanager
 def applied_lora_scale(tuners: Tuners, scale: float) -> Iterator[None]:
-    """Apply ``attention_kwargs["scale"]`` to the tuners as ``@apply_lora_scale`` would.
-
-    The transformer hook runs outside the decorated forward, so the scaling the forward will use is
-    reproduced with peft's own ``scale_layer`` (the same float operations), and the exact previous
-    values are restored afterwards (not divided back, which could drift by an ulp).
-    """
+    """Apply ``attention_kwargs["scale"]`` to the tuners as ``@apply_lora_scale`` would (the transformer hook
+    runs outside the decorated forward): peft's own ``scale_layer``, then the exact previous values put
+    back (not divided back, which could drift by an ulp)."""
     from diffusers.utils import USE_PEFT_BACKEND
 
     if scale == 1.0 or not USE_PEFT_BACKEND:
@@ -145,16 +107,9 @@ def lora_entries(tuners: Tuners) -> tuple[Variant, list[torch.Tensor]]:
             tensors.append(
                 (param_name, id(param), param.data_ptr(), param._version, tuple(param.shape), str(param.dtype))
             )
-        entries.append(
-            (
-                name,
-                tuple(module.active_adapters),
-                bool(module.disable_adapters),
-                tuple(module.merged_adapters),
-                tuple(sorted((k, float(v)) for k, v in getattr(module, "scaling", {}).items())),
-                tuple(tensors),
-            )
-        )
+        state = (tuple(module.active_adapters), bool(module.disable_adapters), tuple(module.merged_adapters))
+        scaling = tuple(sorted((k, float(v)) for k, v in getattr(module, "scaling", {}).items()))
+        entries.append((name, *state, scaling, tuple(tensors)))
     return (tuple(entries) if entries else None), refs
 
 
@@ -169,14 +124,11 @@ def upstream_digest_of(
     family: DiffusersFamily,
     standing_in: Mapping[str, Callable[[], torch.Tensor]] | None = None,
 ) -> str | None:
-    """The binding's upstream digest from the model's live parameters: the tensors the core family declares
-    (:meth:`~adalncache.geometry.Family.upstream`), by their diffusers names, as the model holds them (inside
-    a peft wrapper, its base layer's), so a model loaded from a checkpoint and the checkpoint give one digest.
-    Read when enabling, before anything is parked; ``standing_in``: by name, how to read the tensors the cache
-    computes with in place of the model's (a time embedder ``load_transformer`` never loaded), read only once
-    every other one is found. None where one is
-    missing, meta (an offloader's) or has no plain bytes (a tensor subclass): the binding then names no
-    upstream, and what is bound to one is not served to it."""
+    """The binding's upstream digest from the model's live parameters: the tensors the core family declares,
+    by their diffusers names, as the model holds them (a peft wrapper's base layer's), so a model and its
+    checkpoint give one digest. Read when enabling, before anything is parked; ``standing_in``: readers of
+    the tensors the cache computes with in place of the model's (a time embedder ``load_transformer`` never
+    loaded). None where one is missing, meta or not plain bytes: the binding then names no upstream."""
     core = family.family
     names = list(core.upstream_names(spec, core.layout("diffusers")).values())
     watched = [path for path, _ in family.upstream_modules(model)]
@@ -197,21 +149,16 @@ def upstream_digest_of(
         except AttributeError:
             return None
         tensor = getattr(getattr(module, "base_layer", module), attr, None)
-        if not isinstance(tensor, torch.Tensor) or tensor.is_meta or type(tensor) not in (torch.Tensor, nn.Parameter):
+        if not is_plain_tensor(tensor) or tensor.is_meta:
             return None
         tensors[name] = tensor
     return upstream_digest({**tensors, **{name: read() for name, read in standing_in.items()}})
 
 
 class Signature:
-    """The variant of one enabled model's tables (module docstring), and the one they were built under.
-
-    ``plain_variant``: set for full-precision tables of quantized projections from the checkpoint
-    (``quantized_projections="checkpoint"``), or for tables quantized in the passes
-    (``load_transformer(quantization_config=...)``): every table is built under it, and an adapter on a served
-    module is refused (it wraps the quantized module). ``rebuildable``: the cache has weights to build
-    from (not table files alone).
-    """
+    """The variant of one enabled model's tables, and the one they were built under. ``plain_variant``: every table is
+    built under it (full-precision tables of quantized projections, or tables quantized in the passes), and an adapter
+    on a served module is refused. ``rebuildable``: the cache has weights to build from (not table files alone)."""
 
     def __init__(
         self,
@@ -237,16 +184,14 @@ class Signature:
         #: The variant the resident tables were built under, and the tensors it names.
         self.variant: Variant = plain_variant
         self._refs: list[torch.Tensor] = []
-        #: Hotswaps in place through the loader since enabling (module docstring): part of the variant.
+        #: Hotswaps in place through the loader since enabling (peft copies through ``.data``): part of the variant.
         self.hotswaps = 0
         self._merged_at_enable = _merged(self.tuners())
         self._baseline, self._baseline_refs = self._upstream()
         self._upstream_refs: list[torch.Tensor] = []
 
-    # -- reading ---------------------------------------------------------------------------------
-
     def tuners(self) -> list[tuple[str, Any]]:
-        """The peft tuner layers on the served and upstream modules right now (usually none)."""
+        """The peft tuner layers on the served and upstream modules right now."""
         found: dict[int, tuple[str, Any]] = {}
         for name, module in self.family.served_modules(self.model, self.spec):
             if is_tuner_layer(module):
@@ -298,9 +243,8 @@ class Signature:
         return tuners, variant, refs
 
     def _upstream(self) -> tuple[tuple[tuple[Any, ...], ...], list[torch.Tensor]]:
-        """Every tensor of the upstream modules by path: ``(path, id, version)``, or ``(path, "meta")`` for a
-        meta tensor (an offloader's, holding no values). A parked placeholder is not listed: it must never
-        change (a ConfigError names it when it did), and a build's loan moves it aside meanwhile."""
+        """Every tensor of the upstream modules: ``(path, id, version)``, or ``(path, "meta")``. A parked
+        placeholder is not listed (a build's loan moves it aside): a write to it is a ConfigError."""
         entries: list[tuple[Any, ...]] = []
         refs: list[torch.Tensor] = []
         for path, upstream in self.family.upstream_modules(self.model):
@@ -346,38 +290,28 @@ class Signature:
         self.variant, self._refs = variant, refs
         return changed
 
-    # -- guards ------------------------------------------------------------------------------------
-
     def guards(
         self, *, standing_in: Callable[[], AbstractContextManager[None]], after_load: Callable[[], None]
     ) -> dict[str, Callable[..., Any]]:
-        """Instance overrides of the model's LoRA methods for as long as the cache is enabled.
-
-        ``standing_in`` lends device-resident stand-ins for the parked weights during a load;
-        ``after_load`` runs once the adapter is in (the output hook follows a swapped module).
-        """
+        """Instance overrides of the model's LoRA methods while enabled: fusing is refused; a load runs with
+        ``standing_in`` (device-resident stand-ins for the parked weights, so the adapter lands where the
+        model runs), then ``after_load``; a hotswap in place is counted (it changes nothing else read)."""
         model = self.model
         cls: Any = type(model)
 
-        def refuse_if_adapted(what: str) -> None:
-            if self.tuners():
-                raise ConfigError(
-                    f"{what}() would change the AdaLN projections or the modules upstream of them while the AdaLN "
-                    f"cache serves them from tables; call handle.disable() first, {what.split('_')[0]}, then enable "
-                    "again"
-                )
+        def refusing_if_adapted(what: str) -> Callable[..., Any]:
+            def method(*args: Any, **kwargs: Any) -> Any:
+                if self.tuners():
+                    raise ConfigError(
+                        f"{what}() would change the AdaLN projections or the modules upstream of them while the AdaLN "
+                        f"cache serves them from tables; call handle.disable() first, {what.split('_')[0]}, then "
+                        "enable again"
+                    )
+                return getattr(cls, what)(model, *args, **kwargs)
 
-        def fuse_lora(*args: Any, **kwargs: Any) -> Any:
-            refuse_if_adapted("fuse_lora")
-            return cls.fuse_lora(model, *args, **kwargs)
-
-        def unfuse_lora(*args: Any, **kwargs: Any) -> Any:
-            refuse_if_adapted("unfuse_lora")
-            return cls.unfuse_lora(model, *args, **kwargs)
+            return method
 
         def load_lora_adapter(*args: Any, **kwargs: Any) -> Any:
-            # The next forward sees the new variant and rebuilds; a hotswap changes nothing the variant
-            # reads but the counter (module docstring).
             try:
                 with standing_in():
                     result = cls.load_lora_adapter(model, *args, **kwargs)
@@ -397,8 +331,8 @@ class Signature:
             return result
 
         return {
-            "fuse_lora": fuse_lora,
-            "unfuse_lora": unfuse_lora,
+            "fuse_lora": refusing_if_adapted("fuse_lora"),
+            "unfuse_lora": refusing_if_adapted("unfuse_lora"),
             "load_lora_adapter": load_lora_adapter,
             "add_adapter": add_adapter,
         }
@@ -409,11 +343,8 @@ _WEIGHT_FREE_INITS = (True, False, "gaussian", "orthogonal")
 
 
 def refuse_weight_dependent_init(adapter_config: Any) -> None:
-    """Refuse an adapter whose initialisation reads the base weight (the stand-ins are zeros while enabled).
-
-    PiSSA, OLoRA, LoftQ, EVA and CorDA derive the adapter from the base weight (some rewrite it), and
-    DoRA takes its magnitude from the weight's norm: computed from a stand-in, all would be wrong.
-    """
+    """Refuse an adapter whose initialisation reads the base weight (the stand-ins are zeros while enabled):
+    PiSSA, OLoRA, LoftQ, EVA and CorDA derive the adapter from it, DoRA its magnitude."""
     init = getattr(adapter_config, "init_lora_weights", True)
     dora = getattr(adapter_config, "use_dora", False)
     if init not in _WEIGHT_FREE_INITS or dora:

@@ -1,18 +1,14 @@
-"""Where an enabled model's projection weights come from: its own tensors, or a verified checkpoint.
-
-Without a checkpoint the model's own projection tensors (moved to host memory when the model runs
-elsewhere) become a :class:`~adalncache.TensorSource`. With one, the checkpoint must hold exactly
-the model's projections: a fine-tune or a fused LoRA served from the base file would give wrong
-outputs silently, so enabling streams it once, layer by layer, compares bit for bit, and keeps the
-content digest of what it read (``disable()`` checks the bytes it reads back against it).
+"""Where an enabled model's projection weights come from: its own tensors (a :class:`~adalncache.TensorSource`,
+on the host), or a checkpoint verified bit for bit against them when enabling (a fine-tune or a fused LoRA
+served from the base file would be wrong silently), whose content digest is kept for ``disable()``.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import torch
 
@@ -26,19 +22,16 @@ from ...source import Columns, LayerWeights, WeightSource
 from ...source.memory import NoWeights
 from ...spec import KeyLayout, Layer, ModulationSpec
 from ...tiers.tables import TablesArg, TablesTier
-from .family import base_linear, diffusers_layout, projection_path
+from .family import base_linear, diffusers_layout
 
 
 class CastCheckpointSource:
     """A :class:`~adalncache.CheckpointSource` whose projections are served cast to the model's dtype.
+    ``tensor.to(dtype)`` on read is the very cast ``from_pretrained(torch_dtype=...)`` performs (a fresh,
+    64-byte-aligned allocation, as the stock load's); everything else is the wrapped source's."""
 
-    ``from_pretrained(torch_dtype=...)`` casts a checkpoint's tensors to the dtype the model asks
-    for (an fp32 file loaded in bf16, or a bf16 file loaded without ``torch_dtype``, which gives
-    fp32). A model loaded that way without its projections is served from the same file, with the
-    same cast applied on read: ``tensor.to(dtype)`` is the operation the load itself performs, and
-    its result is a fresh allocation, 64-byte aligned, as the stock load's is. Everything else
-    (fingerprint, headers, time-embedder reads) is the wrapped source's.
-    """
+    #: Declared, not set: unless the integration sets it, it is the wrapped source's (through ``__getattr__``).
+    upstream: str | Callable[[], str | None] | None
 
     def __init__(self, source: CheckpointSource, dtype: torch.dtype) -> None:
         self.source = source
@@ -47,8 +40,7 @@ class CastCheckpointSource:
         self.persistent = True
 
     @property
-    def bytes_read(self) -> int:
-        """The wrapped source's counter: every projection byte read from the checkpoint."""
+    def bytes_read(self) -> int:  # the wrapped source's counter (a setter too, which __getattr__ cannot give)
         return self.source.bytes_read
 
     @bytes_read.setter
@@ -56,8 +48,6 @@ class CastCheckpointSource:
         self.source.bytes_read = value
 
     def __getattr__(self, name: str) -> Any:
-        """Everything but the projections' dtype is the wrapped checkpoint's: its fingerprint, files,
-        headers, ``rehash``, time-embedder reads (``read_tensor``), its refresh and change checks."""
         return getattr(self.__dict__["source"], name)
 
     def stream(
@@ -92,13 +82,9 @@ Source = CheckpointSource | TensorSource | CastCheckpointSource | NoWeights | We
 
 @dataclass(frozen=True)
 class NeverLoaded:
-    """What ``load_transformer`` hands the handle of a model whose served weights were never loaded.
-
-    ``source`` serves the projections (and the time embedder); ``cache`` was built before the
-    weights were loaded, so its options were checked first; ``residues`` maps each never-loaded
-    parameter's path to the address residue modulo 64 a stock load would have given it (the fp32
-    GEMV bits on a CPU depend on it); ``device`` is where the model keeps its weights.
-    """
+    """What ``load_transformer`` hands the handle of a model whose served weights were never loaded. ``cache`` was built
+    before the weights were loaded (its options checked first); ``residues``: each never-loaded parameter's path -> the
+    address residue modulo 64 a stock load would have given it."""
 
     source: Source
     cache: AdalnCache
@@ -108,14 +94,9 @@ class NeverLoaded:
 
 
 class Quantization:
-    """A diffusers quantizer (``quantization_config=``) ``load_transformer`` loads the model through, and that
-    the cache's passes apply to each projection weight they read, so the tables are the quantized model's.
-
-    ``from_pretrained(..., quantization_config=...)`` quantizes each linear's weight as it is loaded
-    (``create_quantized_param``); a pass does the same to the weight it reads, on a fresh ``nn.Linear`` at the
-    projection's own path (so per-module rules such as ``modules_to_not_convert`` apply), and projects through
-    it: the rows equal the quantized model's. ``disable()`` quantizes the restored weights the same way.
-    """
+    """The diffusers quantizer ``load_transformer`` loads through, applied by the passes to each projection
+    weight they read (``create_quantized_param``, as ``from_pretrained`` does, on a fresh ``nn.Linear`` at
+    the projection's path so per-module rules apply): the rows are the quantized model's."""
 
     def __init__(self, quantizer: Any, model: Any) -> None:
         self.quantizer = quantizer
@@ -163,14 +144,10 @@ class CheckpointMismatchError(ConfigError, CheckpointError):
 def model_source(
     spec: ModulationSpec, modules: Sequence[tuple[Layer, Any]], device: torch.device
 ) -> tuple[TensorSource, HostTensors, list[HostBuffer]]:
-    """The model's own projection tensors as a source, the host tensors it holds by layer, and
-    the host buffers those live in.
-
-    On CPU these are the very tensor objects (same storage, same alignment; no buffer). Elsewhere
-    they are host copies, each in a buffer of exactly its size, page-locked on CUDA so rebuild
-    passes copy them to the device at full speed (torch's pinned allocator would round each 496
-    MiB layer up to 512 MiB and never give it back); release the buffers to unlock them.
-    """
+    """The model's own projection tensors as a source, the host tensors it holds, and their host buffers. On CPU the
+    very tensor objects (no buffer). Elsewhere host copies, each in a buffer of exactly its size, page-locked on CUDA
+    (torch's pinned allocator would round each 496 MiB layer up to 512 MiB and never give it back); release the buffers
+    to unlock them."""
     tensors: dict[str, torch.Tensor] = {}
     host: HostTensors = {}
     buffers: list[HostBuffer] = []
@@ -197,19 +174,13 @@ def check_tables_against_model(
     precision: str,
     upstream: str | None = None,
 ) -> None:
-    """Refuse table files that do not hold this model's projections, before the model's own weights are freed.
-
-    ``upstream``: the model's upstream digest, which a bound file's must equal.
-
-    A bound file names the content digest of the projections it was built from: the model's own
-    tensors are hashed (as they are; on a GPU through a host copy) and compared; a vLLM-Omni sidecar
-    names the SHA-256 of each projection tensor, compared the same way. An sglang file
-    carries nothing to compare; its geometry is checked when the cache opens it.
-    """
+    """Refuse table files that do not hold this model's projections (their content digests against the model's
+    own tensors; ``upstream``: the model's upstream digest), before its weights are freed. An sglang file
+    carries nothing to compare; its geometry is checked when the cache opens it."""
     if not any(table.checkable for table in TablesTier(tables, spec).files):
         return
     own, _, buffers = model_source(spec, modules, device)
-    cast(Any, own).upstream = upstream  # read by the binding (identity.binding.upstream_of)
+    own.upstream = upstream
     try:
         cache = AdalnCache(spec, own, max_plans=1, max_plan_width=1, device=device, precision=precision, tables=tables)
         cache.close()
@@ -223,11 +194,8 @@ def checkpoint_source(
 ) -> tuple[CheckpointSource, str | None]:
     """A :class:`~adalncache.CheckpointSource` for ``checkpoint``, refused unless it fits the model, and
     the content digest of its projections when ``verify`` read them (else None)."""
-    paths: Any = checkpoint
-    if isinstance(checkpoint, Sequence) and not isinstance(checkpoint, (str, bytes)):
-        paths = [os.fspath(path) for path in checkpoint]
-    else:
-        paths = os.fspath(checkpoint)
+    many = isinstance(checkpoint, Sequence) and not isinstance(checkpoint, (str, bytes))
+    paths: Any = [os.fspath(path) for path in checkpoint] if many else os.fspath(checkpoint)
     try:
         source = CheckpointSource(paths, spec, layout=layout)
     except CheckpointError as exc:
@@ -242,7 +210,7 @@ def checkpoint_source(
 def verify_against_model(source: Source, spec: ModulationSpec, modules: Sequence[tuple[Layer, Any]]) -> str | None:
     """Stream the checkpoint one layer at a time and refuse it unless it equals the model, bit for bit;
     returns the content digest of the bytes read (None where the source cannot hash them)."""
-    by_layer = dict(modules)
+    by_layer, layout = dict(modules), diffusers_layout(spec)
     check = CheckedRead(source)
     for weights in check.layers():
         base = base_linear(by_layer[weights.layer])
@@ -256,7 +224,7 @@ def verify_against_model(source: Source, spec: ModulationSpec, modules: Sequence
             if not same:
                 raise ConfigError(
                     f"checkpoint= (CLI {flag('checkpoint')}) does not match the model: "
-                    f"{projection_path(spec, layer)}.{name} differs (checkpoint {theirs.dtype} {tuple(theirs.shape)}, "
+                    f"{layout.prefix(layer)}.{name} differs (checkpoint {theirs.dtype} {tuple(theirs.shape)}, "
                     f"model {ours.dtype} {tuple(ours.shape)}). A fine-tuned model or one with a fused LoRA must not be "
                     "served from the base file; pass checkpoint=None to serve the model's own weights, "
                     "or the checkpoint it was loaded from"
@@ -275,11 +243,8 @@ def changed_since(source: Source, fingerprint: str | None) -> bool:
 
 
 def source_key(source: Source, path: str, layer: Layer | None, name: str) -> str:
-    """The source's name of parameter ``name`` of the served module at ``path`` (diffusers layout).
-
-    Projections are named by their layer; the time embedder's linears by their position in the
-    layout (``linear_1``/``linear_2`` in diffusers, ``proj_in``/``proj_out`` in the native layout).
-    """
+    """The source's name of parameter ``name`` of the served module at ``path`` (diffusers layout): a
+    projection's by its layer, a time-embedder linear's by its position in the layouts."""
     layout = source.layout
     if layer is not None:
         return layout.weight(layer) if name == "weight" else layout.bias(layer)
