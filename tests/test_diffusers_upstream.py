@@ -239,6 +239,14 @@ def _upstream_checkpoints() -> dict[str, Callable[[Path], tuple[Any, Path]]]:
     }
 
 
+class _ReadsOnly:
+    """A weight source without the ``upstream`` attribute: spec, layout, ``entry`` and ``read_tensor`` only."""
+
+    def __init__(self, source: Any) -> None:
+        self.spec, self.layout = source.spec, source.layout
+        self.entry, self.read_tensor = source.entry, source.read_tensor
+
+
 @pytest.mark.parametrize("case", sorted(_upstream_checkpoints()))
 def test_the_upstream_digest_of_a_checkpoint_equals_its_models(case: str, tmp_path: Path) -> None:
     """The CLI hashes the checkpoint's tensors, the integration the model's live parameters: the same bytes give
@@ -252,6 +260,9 @@ def test_the_upstream_digest_of_a_checkpoint_equals_its_models(case: str, tmp_pa
     assert all(any(name.startswith(path + ".") for path in modules) for name in declared), (declared, modules)
     from_model = upstream_digest_of(model, spec, family)
     assert from_model is not None and upstream_of(source) == from_model
+    # A source of a user's own, written before ``upstream`` was part of the protocol, that reads a checkpoint
+    # names the same digest from its ``entry`` / ``read_tensor`` (it is never taken as naming none).
+    assert upstream_of(_ReadsOnly(source)) == from_model
     nudged = _nudge(model, sorted(declared)[-1])
     assert upstream_digest_of(nudged, spec, family) != from_model
 

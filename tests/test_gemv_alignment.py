@@ -136,3 +136,17 @@ def test_m1_gemvs_use_the_resident_alignment(
     assert run_loop(model, request).equal(expected)
     assert gemvs == expected_gemvs
     handle.disable()
+
+
+@pytest.mark.parametrize("device", ["cpu", "cpu:0"])
+def test_the_checkpoint_embed_projects_from_the_files_alignment_on_any_cpu_index(
+    files: dict[str, Path], device: str
+) -> None:
+    """``build --device cpu:0`` embeds like ``--device cpu``: ``tensor.to("cpu:0")`` copies (another address),
+    so the embedder must keep the file's views on every CPU device, not only on ``torch.device("cpu")``."""
+    spec, source = open_checkpoint(files["fp32"])
+    embed = time_embed_fn(source, spec, device=torch.device(device))
+    with gemv_residues() as gemvs:
+        embed(minimax_h3_plans("t2va", STEPS)[0])
+    assert sum(gemvs.values()) >= 2  # both time-embedder linears ran one-row fp32 GEMVs
+    assert {residue for _, residue in gemvs} == {RESIDENT}

@@ -108,6 +108,11 @@ def test_the_cache_takes_config_and_keywords_replace_its_fields() -> None:
     config = AdalnCacheConfig(max_plans=3, max_plan_width=2, read_ahead=0, on_miss="raise")
     cache = AdalnCache(SPEC, source, config=config, max_plan_width=3)
     assert (cache.max_plans, cache.max_plan_width, cache.read_ahead) == (3, 3, 0)
+    # The option attributes are the options in force: read-only, so no caller sizes work by a value the slab lacks.
+    for name in ("max_plans", "max_plan_width", "precision", "host_cache_bytes"):
+        with pytest.raises(AttributeError, match=f"{name} is read-only"):
+            setattr(cache, name, 1)
+    assert (cache.max_plans, cache.options.max_plans) == (3, 3)
     cache.close()
     with pytest.raises(TypeError, match="overlap is an option of enable_adaln_cache"):
         AdalnCache(SPEC, source, overlap=True)  # type: ignore[call-arg]  # wrong on purpose: the refusal is tested

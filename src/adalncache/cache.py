@@ -179,6 +179,9 @@ class _Option(Generic[T]):
     def __get__(self, cache: AdalnCache | None, owner: type | None = None) -> T:
         return getattr(cache.options if cache is not None else AdalnCacheConfig, self.name)
 
+    def __set__(self, cache: AdalnCache, value: object) -> None:  # a data descriptor: assignment never shadows it
+        raise AttributeError(f"{self.name} is read-only: it is the option in force, cache.options.{self.name}")
+
 
 class StashedTables(NamedTuple):
     """One device identity's tables, kept on the host while the cache serves another device."""

@@ -73,7 +73,8 @@ def _wrong_shape(plan: object, columns: int) -> PlanError:
 
 def plan_key(plan: torch.Tensor, columns: int = 1) -> PlanKey:
     """The exact identity of a plan: its fp32 bit patterns, row-major. ``columns``: 1 takes a 1-D plan, more an
-    ``(rows, columns)`` one; PlanError for anything else (no fp32 bit pattern to key on). On the hit path:
+    ``(rows, columns)`` one; PlanError for anything else (no fp32 bit pattern to key on: a float64 or float16
+    timestep would be rounded by the model). On the hit path:
     ``tolist`` and a ``struct`` round trip cost about half of viewing the tensor as int32."""
     if not _shaped(plan, columns):
         raise _wrong_shape(plan, columns)

@@ -136,7 +136,8 @@ class Slab:
 
     def relocate(self, device: torch.device, *, keep_rows: bool) -> None:
         """Put the tensors on ``device`` (new tensors: the only time the pointers change), copying every slot
-        (``keep_rows``) or empty (every slot unpublished first). The old tensors are freed after the copy."""
+        (``keep_rows``) or empty (every slot unpublished first). The old tensors are freed once the copy is done,
+        so a move never holds two slabs on one device."""
         old, old_map = self.tensors(), self.row_map
         self._allocate(device, self.row_capacity)
         if keep_rows:

@@ -378,8 +378,10 @@ class MiniMaxH3(Family):
         time_proj = Timesteps(num_channels=freq_dim, flip_sin_to_cos=True, downscale_freq_shift=0)
         embedder = TimestepEmbedding(in_channels=freq_dim, time_embed_dim=hidden, out_dim=spec.time_embed_dim)
         for linear, w, b in ((embedder.linear_1, w1, b1), (embedder.linear_2, w2, b2)):
-            # On the CPU .to is a no-op: the parameters stay the file's aligned views.
-            linear.weight, linear.bias = (torch.nn.Parameter(t.to(device), requires_grad=False) for t in (w, b))
+            # On a CPU (any index: ``.to("cpu:0")`` copies) the parameters stay the file's aligned views.
+            linear.weight, linear.bias = (
+                torch.nn.Parameter(t if device.type == "cpu" else t.to(device), requires_grad=False) for t in (w, b)
+            )
         embedder.eval()
 
         def embed(plan: torch.Tensor) -> torch.Tensor:

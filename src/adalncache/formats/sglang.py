@@ -73,8 +73,8 @@ def layout_shapes(spec: ModulationSpec, plans: int, width: int, rows: Shapes | N
 
 
 def padded_plans(plans: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``plan_timesteps [P, W]`` (``[P, W, C]`` for plans of ``C`` columns; zeros past each plan) and
-    ``plan_lengths [P]``, as a file holds them."""
+    """``plan_timesteps [P, W]`` (``[P, W, C]`` for plans of ``C`` columns; zeros past each plan: never
+    read, and they keep the file's bytes deterministic) and ``plan_lengths [P]``, as a file holds them."""
     timesteps = torch.zeros((len(plans), max(len(p) for p in plans), *plans[0].shape[1:]), dtype=torch.float32)
     for index, plan in enumerate(plans):
         timesteps[index, : len(plan)] = plan
@@ -277,7 +277,7 @@ def runs_on(family: Any, article: str = "") -> str:
 
 
 class SglangFormat(TableFormat):
-    """SGLang's sidecar (see the module docstring)."""
+    """SGLang's sidecar: bf16 tables and ``model_variant``, nothing else (docs/tables.md, "Table files")."""
 
     name = "sglang"
     #: Its schedule is MiniMax-H3's: request kinds, steps and shifts.

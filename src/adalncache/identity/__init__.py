@@ -171,7 +171,7 @@ def bit_settings(device: torch.device | str) -> dict[str, Any]:
             settings[label] = value
     settings["deterministic"] = torch.are_deterministic_algorithms_enabled()
     autocast = autocast_dtype(device)
-    if autocast is not None:
+    if autocast is not None:  # named only while on: entries written without autocast keep their binding
         settings["autocast"] = str(autocast).removeprefix("torch.")
     return settings
 
@@ -307,6 +307,19 @@ def upstream_digest(tensors: Mapping[str, torch.Tensor]) -> str:
         parts += [canonical_json([name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape)])]
         parts.append(tensor.reshape(-1).view(torch.uint8).numpy().data)
     return PREFIX + hash_hex(*parts)
+
+
+def checkpoint_upstream(source: Any) -> str | None:
+    """The upstream digest a checkpoint names by its own tensors (the family's
+    :meth:`~adalncache.geometry.Family.upstream` keys, read through ``source.entry`` / ``read_tensor``: what
+    ``build``, ``export`` and ``verify`` compute the rows with); None for a checkpoint of the projections alone."""
+    names = source.spec.family.upstream_names(source.spec, source.layout)
+    try:
+        for key in names:
+            source.entry(key)
+    except KeyError:
+        return None
+    return upstream_digest({name: source.read_tensor(key) for key, name in names.items()})
 
 
 #: What a process knows of a weight source's tensors, by role.

@@ -43,6 +43,7 @@ from . import (
     Knowledge,
     TensorDigest,
     canonical_json,
+    checkpoint_upstream,
     hash_hex,
     merge_knowledge,
     numeric_environment,
@@ -86,10 +87,16 @@ def content_digest(spec: ModulationSpec, knowledge: Mapping[str, TensorDigest]) 
 def upstream_of(source: Any) -> str | None:
     """The upstream digest of what ``source``'s rows are computed from (:attr:`WeightSource.upstream
     <adalncache.source.WeightSource.upstream>`, called when it is a callable), or None where none is named."""
-    given = getattr(source, "upstream", None)  # a source written before the attribute names none
+    given = getattr(source, "upstream", _UNSET)
+    if given is _UNSET:  # a source written before the attribute: a checkpoint-like one names its own tensors
+        readable = callable(getattr(source, "read_tensor", None)) and callable(getattr(source, "entry", None))
+        return checkpoint_upstream(source) if readable else None
     if callable(given):
         given = given()
     return None if given is None else str(given)
+
+
+_UNSET = object()
 
 
 def rewritten(files: str, read: str, held: str, outcome: str) -> CheckpointError:

@@ -25,7 +25,7 @@ import torch
 
 from ..devices import CopyStreams, copy_to_device, indexed
 from ..errors import CheckpointError, ConfigError
-from ..identity import DigestSink, role_of, upstream_digest
+from ..identity import DigestSink, checkpoint_upstream, role_of
 from ..spec import KeyLayout, Layer, ModulationSpec
 from . import Columns, LayerWeights, check_tensors, detect_layout, expected, tensor_problem
 from .files import CheckpointFiles, CheckpointPath, SafetensorsHeader, TensorEntry, open_regular
@@ -160,15 +160,9 @@ class CheckpointSource:
 
     @property
     def upstream(self) -> str | Callable[[], str | None] | None:
-        """What was set, else the digest of the checkpoint's own upstream tensors (the family's
-        :meth:`~adalncache.geometry.Family.upstream`: what ``build``, ``export`` and ``verify`` compute the
-        rows with), None for a checkpoint of the projections alone."""
-        if self._upstream is not _UNSET:
-            return self._upstream
-        names = self.spec.family.upstream_names(self.spec, self.layout)
-        if any(key not in self._checkpoint.files.where for key in names):
-            return None
-        return upstream_digest({name: self.read_tensor(key) for key, name in names.items()})
+        """What was set, else the digest of the checkpoint's own upstream tensors
+        (:func:`~adalncache.identity.checkpoint_upstream`)."""
+        return checkpoint_upstream(self) if self._upstream is _UNSET else self._upstream
 
     @upstream.setter
     def upstream(self, value: str | Callable[[], str | None] | None) -> None:

@@ -323,7 +323,8 @@ class AdalnCacheHandle:
         return self.requests.prepare(plans, attention_kwargs)
 
     def release(self, *, check: bool = True) -> None:
-        """Release the thread's request, then raise PlanMismatchError for its forwards that matched no plan."""
+        """Release the thread's request (a no-op without one), then raise PlanMismatchError for its forwards that
+        matched no plan."""
         self.requests.release(check=check)
 
     def start_prepare(self, plans: Sequence[Any], *, attention_kwargs: Mapping[str, Any] | None = None) -> None:
@@ -675,8 +676,8 @@ class PipelineAdalnCacheHandle:
         pipeline = self.pipeline
         classic = getattr(pipeline, "_blocks", None) is None and "transformer" in self.handles
         watch = PipelineWatch(pipeline, self._call, self.handles["transformer"].requests.expect if classic else None)
+        self._undo.append(watch.remove)  # first: a failure inside install() still undoes what it did
         watch.install()
-        self._undo.append(watch.remove)
         for family in {id(h.family): h.family for h in self.handles.values()}.values():
             undo = family.attach_pipeline(pipeline)
             if undo is not None:

@@ -664,11 +664,17 @@ class Requests:
         pipeline's first forward): held by the call's request (adopting its predicted pass when it is the
         same), by a background pass with ``overlap``. Outside a bracketed call (another library patched
         the pipeline's class) it is held for the thread with its forwards on the host path."""
-        what, current = "the pipeline's schedule", self.state.request
-        if self._handle.config.overlap:  # only then can a predicted pass be running
-            self.start_prepare(plans, attention_kwargs, what=what)
-        else:
-            self.prepare(plans, attention_kwargs, what=what, on_device=current is not None and current.call)
+        keyed = self._family_plans(plans)  # a bad plan is a PlanError before the previous request ends
+        if self._adopted(keyed, attention_kwargs):
+            return
+        current = self.state.request
+        in_call = current is not None and current.call
+        self._end(check=True)
+        builder = self._serving("the pipeline's schedule")
+        if self._handle.config.overlap:
+            self._background(builder, keyed, attention_kwargs, self._open())
+            return
+        self._open().held(builder.hold(keyed, attention_kwargs), self._handle.cache, on_device=in_call)
 
     def expect(self, timesteps: torch.Tensor) -> None:
         """A scheduler set ``timesteps`` on this thread: the next forward prepares the whole schedule."""
