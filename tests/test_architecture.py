@@ -492,7 +492,7 @@ def test_the_speech_scan_finds_flags_and_words_above(tmp_path: Path) -> None:
 # a cap splits one concept over several files)
 
 #: The package stays small enough to read whole: at most this many lines and modules in ``src/adalncache``.
-MAX_PACKAGE_LINES = 27_100
+MAX_PACKAGE_LINES = 23_950
 MAX_PACKAGE_MODULES = 90
 
 
