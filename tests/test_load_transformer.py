@@ -252,6 +252,10 @@ def _fresh_dir(tmp_path: Path, name: str) -> Path:
         ("splitting device map", ConfigError, r"device_map='auto'"),
         ("two devices", ConfigError, r"device_map= places the model on several devices"),
         ("meta device", ConfigError, r"device_map="),
+        ("device map naming no device", ConfigError, r"device_map='nonsense' does not name a device"),
+        ("device map of a list", ConfigError, r"device_map=\['cpu'\] does not name a device"),
+        ("disk device map", ConfigError, r"device_map=\{'': 'disk'\}: the model must be loaded on a real device"),
+        ("empty device map", ConfigError, r"device_map=\{\} maps no module"),
         ("bad cache option", ConfigError, r"max_plans.*--max-plans"),
         ("bad qkv layout", ConfigError, r"qkv_layout"),
         ("other geometry", CheckpointMismatchError, r"checkpoint=.*cannot serve"),
@@ -279,6 +283,14 @@ def test_bad_inputs_name_the_argument(
         kwargs["device_map"] = {"transformer_blocks": "cpu", "proj_in": "meta"}
     elif case == "meta device":
         kwargs["device_map"] = "meta"
+    elif case == "device map naming no device":
+        kwargs["device_map"] = "nonsense"
+    elif case == "device map of a list":
+        kwargs["device_map"] = ["cpu"]
+    elif case == "disk device map":
+        kwargs["device_map"] = {"": "disk"}
+    elif case == "empty device map":
+        kwargs["device_map"] = {}
     elif case == "bad cache option":
         kwargs["max_plans"] = 0
     elif case == "bad qkv layout":
@@ -412,3 +424,28 @@ def test_quantization_configs_it_cannot_apply_are_refused_clearly(files: dict[st
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match=r"quantization_config=BitsAndBytesConfig cannot load on this machine"):
             load_transformer(files["bf16"], quantization_config=BitsAndBytesConfig(load_in_8bit=True))
+
+
+def test_disable_after_the_model_files_changed_names_the_files(files: dict[str, Path], tmp_path: Path) -> None:
+    """``disable()`` restores the never-loaded projections from the model files: rewritten since the load, it
+    refuses naming the files as paths (not a list's repr) and the way out; ``allow_changed_checkpoint`` restores."""
+    import os
+    import re
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    directory = tmp_path / "model"
+    shutil.copytree(files["fp32"], directory)
+    model = load_transformer(directory)
+    handle = adaln_cache_handle(model)
+    assert handle is not None
+    weights = checkpoint_files(directory)[0][0]
+    save_file(load_file(weights), tmp_path / "rewritten.safetensors", metadata={"format": "pt"})
+    os.replace(tmp_path / "rewritten.safetensors", weights)  # the same tensors under a new file identity
+    said = rf"checkpoint {re.escape(str(weights))} changed on disk since the AdaLN cache was enabled.*allow_changed"
+    with pytest.raises(CheckpointError, match=said):
+        handle.disable()
+    assert handle.enabled
+    handle.disable(allow_changed_checkpoint=True)
+    assert not handle.enabled

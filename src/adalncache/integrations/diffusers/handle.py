@@ -414,8 +414,11 @@ class AdalnCacheHandle:
         if self._parking.restores_from_source and not allow_changed_checkpoint:
             assert self.source is not None
             if changed_since(self.source, self._enabled_fingerprint):
+                where = self.checkpoint
+                if isinstance(where, (list, tuple)):  # load_transformer's model files
+                    where = ", ".join(map(str, where))
                 raise CheckpointError(
-                    f"checkpoint {self.checkpoint} changed on disk since enable_adaln_cache() verified "
+                    f"checkpoint {where} changed on disk since the AdaLN cache was enabled and verified "
                     "it, so restoring the projection weights from it may not give back the original model; "
                     "reload the model, or call disable(allow_changed_checkpoint=True) to restore from the "
                     "file as it is"

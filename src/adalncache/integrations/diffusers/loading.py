@@ -426,24 +426,37 @@ def _single_device(device_map: Any) -> tuple[torch.device | None, dict[str, Any]
             f"device_map={device_map!r} may split the model across devices, but the AdaLN cache serves the forward "
             "from one device: pass one device (device_map='cuda'), or load on the CPU and use group offloading"
         )
-    if isinstance(device_map, Mapping):
-        values = {str(torch.device(f"cuda:{v}" if isinstance(v, int) else v)) for v in device_map.values()}
-        if len(values) != 1:
+
+    def named(value: Any) -> str:
+        """One device_map value as a device's name ("disk" as itself); ConfigError for what names no device."""
+        if value == "disk":
+            return value
+        try:
+            if isinstance(value, bool) or not isinstance(value, (str, int, torch.device)):
+                raise TypeError(type(value).__name__)
+            return str(torch.device(f"cuda:{value}" if isinstance(value, int) else value))
+        except (RuntimeError, TypeError) as exc:
             raise ConfigError(
-                f"device_map= places the model on several devices ({sorted(values)}), but the AdaLN cache serves the "
+                f"device_map={device_map!r} does not name a device: pass one like 'cuda', 'cuda:1', 0 or 'cpu', or a "
+                "mapping of modules to one such device"
+            ) from exc
+
+    if isinstance(device_map, Mapping):
+        names = {named(value) for value in device_map.values()}
+        if len(names) != 1:
+            raise ConfigError(
+                f"device_map= places the model on several devices ({sorted(names)}), but the AdaLN cache serves the "
                 "forward from one device: map every module to one device, or use group offloading"
+                if names
+                else "device_map={} maps no module: pass one device (device_map='cuda') or a mapping to one"
             )
-        one = next(iter(device_map.values()))
-        hf_map = dict(device_map)
+        one, hf_map = names.pop(), dict(device_map)
     else:
-        one = device_map
-        hf_map = {"": device_map if isinstance(device_map, int) else torch.device(device_map)}
-    try:
-        device = torch.device(f"cuda:{one}" if isinstance(one, int) else one)
-    except (RuntimeError, TypeError) as exc:
-        raise ConfigError(f"device_map={device_map!r} does not name a device: pass one like 'cuda' or 'cpu'") from exc
-    if device.type in ("meta", "disk"):
+        one = named(device_map)
+        hf_map = {"": device_map if isinstance(device_map, int) else torch.device(one)}
+    if one == "disk" or torch.device(one).type == "meta":
         raise ConfigError(f"device_map={device_map!r}: the model must be loaded on a real device ('cuda' or 'cpu')")
+    device = torch.device(one)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device_map={device_map!r}: CUDA is not available on this machine; pass device_map='cpu'")
     if device.type == "cuda" and device.index is None:
