@@ -313,12 +313,10 @@ def checkpoint_upstream(source: Any) -> str | None:
     """The upstream digest a checkpoint names by its own tensors (the family's
     :meth:`~adalncache.geometry.Family.upstream` keys, read through ``source.entry`` / ``read_tensor``: what
     ``build``, ``export`` and ``verify`` compute the rows with); None for a checkpoint of the projections alone."""
-    names = source.spec.family.upstream_names(source.spec, source.layout)
-    try:
-        for key in names:
-            source.entry(key)
-    except KeyError:
+    family = source.spec.family
+    if family.missing_upstream(source):
         return None
+    names = family.upstream_names(source.spec, source.layout)
     return upstream_digest({name: source.read_tensor(key) for key, name in names.items()})
 
 

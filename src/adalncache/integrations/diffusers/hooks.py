@@ -70,11 +70,13 @@ class AdalnCacheTransformerHook(ModelHook):
         """``call`` after the forward's host work, releasing its hold at the end (on an exception too);
         ``outside``: ``call`` is the compiled one, whose forward must not do the host work again."""
         held = self.prepare(args, kwargs)
-        self.state.prepared_outside = outside
+        if outside:  # only then: a traced forward writes no more thread state than it must
+            self.state.prepared_outside = True
         try:
             return call(*args, **kwargs)
         finally:
-            self.state.prepared_outside = False
+            if outside:
+                self.state.prepared_outside = False
             self.state.clear()
             if held is not None:
                 held.release()
